@@ -1,0 +1,37 @@
+"""Server settings, read from ``HANGAR_*`` environment variables.
+
+Every figure carries its unit in its name or docstring. Defaults suit a
+single host; ``hangar serve`` flags override them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Settings of one Hangar server process."""
+
+    model_config = SettingsConfigDict(env_prefix="HANGAR_", extra="ignore")
+
+    data_dir: Path = Field(Path("/var/lib/hangar"), description="Root of the on-disk layout.")
+    host: str = Field("127.0.0.1", description="Address the REST API listens on.")
+    port: int = Field(8080, description="TCP port of the REST API.")
+    engine: Literal["auto", "qemu"] = Field("auto", description="VMM to use.")
+    accel: Literal["auto", "kvm", "tcg"] = Field(
+        "auto", description="QEMU accelerator; auto runs a probe boot to decide."
+    )
+    default_image: str = Field("base", description="Template used when a create names none.")
+    default_vcpus: int = Field(1, ge=1, le=64)
+    default_memory_mib: int = Field(512, ge=128, le=65536)
+    default_disk_mib: int = Field(2048, ge=512, le=1048576)
+    boot_timeout_s: float = Field(60.0, description="Seconds to wait for the guest agent.")
+    max_sandboxes: int = Field(30, ge=1, description="Cap on concurrently running VMs.")
+    api_key: str | None = Field(
+        None, description="API key; when unset, read from or generated into data_dir/api-key."
+    )
+    log_level: str = Field("INFO")

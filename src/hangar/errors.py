@@ -1,0 +1,92 @@
+"""Hangar's error hierarchy.
+
+Errors are classed by what the caller should do, and each maps to one HTTP
+status in the REST API (``hangar.api.errors``) and back to the same class in
+the client SDK (``hangar.client``)::
+
+    HangarError                      base; ``context`` holds ids and figures
+    ├── InvalidRequest          400  fix the request (bad path, bad key name)
+    ├── NotFound                404  no such sandbox, file or image
+    ├── Gone                    410  the sandbox existed but expired
+    ├── Conflict                409  the object's state forbids the call now
+    │   └── Busy                409  retryable: try again shortly
+    ├── LimitExceeded           429  retryable after ``retry_after`` seconds
+    ├── Timeout                 504  the guest did not answer in time
+    ├── GuestError              502  the guest agent reported a failure
+    ├── EngineError             500  the VMM failed (boot, QMP, process died)
+    └── ImageError              500  building or finding a guest image failed
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HangarError(Exception):
+    """Base of every error Hangar raises on purpose.
+
+    ``message`` is safe to show a user; ``context`` carries ids and figures
+    (never secrets or file contents).
+    """
+
+    status: int = 500
+    code: str = "internal"
+    retryable: bool = False
+
+    def __init__(self, message: str, **context: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.context = context
+
+
+class InvalidRequest(HangarError):
+    status, code = 400, "invalid_request"
+
+
+class NotFound(HangarError):
+    status, code = 404, "not_found"
+
+
+class Gone(HangarError):
+    status, code = 410, "gone"
+
+
+class Conflict(HangarError):
+    status, code = 409, "conflict"
+
+
+class Busy(Conflict):
+    code, retryable = "busy", True
+
+
+class LimitExceeded(HangarError):
+    status, code, retryable = 429, "limit_exceeded", True
+
+    def __init__(self, message: str, retry_after: float = 1.0, **context: Any) -> None:
+        super().__init__(message, retry_after=retry_after, **context)
+        self.retry_after = retry_after
+
+
+class Timeout(HangarError):
+    status, code, retryable = 504, "timeout", True
+
+
+class GuestError(HangarError):
+    status, code = 502, "guest_error"
+
+
+class EngineError(HangarError):
+    status, code = 500, "engine_error"
+
+
+class ImageError(HangarError):
+    status, code = 500, "image_error"
+
+
+BY_CODE: dict[str, type[HangarError]] = {
+    cls.code: cls
+    for cls in (
+        HangarError, InvalidRequest, NotFound, Gone, Conflict, Busy, LimitExceeded,
+        Timeout, GuestError, EngineError, ImageError,
+    )
+}

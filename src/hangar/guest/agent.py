@@ -1,0 +1,609 @@
+"""The guest agent: runs inside every sandbox, standard library only.
+
+It serves the framed protocol of ``hangar.guest.protocol`` over the
+virtio-serial port named ``hangar.agent`` (``/dev/vportNpM``), or, for
+tests on a host, over a Unix socket (``--listen PATH``).
+
+Operations (``meta["op"]`` of a REQUEST frame):
+
+``hello``       agent version, protocol version, boot id, uptime (s)
+``exec``        run a command; see ``Agent.op_exec``
+``read_file``   stream a file's bytes as DATA frames (stream ``file``)
+``write_file``  receive DATA frames until EOF; write atomically (temp + rename)
+``list_dir``    entries of a directory
+``stat``        one entry
+``mkdir``       make a directory (``parents`` like ``mkdir -p``)
+``remove``      remove a file, or a directory (``recursive``)
+``set_time``    set the wall clock (``unix_ns``), used after a restore
+``reseed``      mix host entropy into the kernel's pool, used after a restore
+
+Failures end the channel with an ERROR frame whose ``code`` is one of
+``not_found``, ``is_directory``, ``not_directory``, ``exists``,
+``not_empty``, ``permission_denied``, ``invalid``, ``io_error``,
+``unsupported_version``, ``internal``.
+
+The agent is one-per-guest and trusts its host: the guest, not the agent,
+is the security boundary. Orphaned processes are reaped by PID 1
+(``hangar.guest.init``); the agent reaps its own children.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import errno
+import os
+import signal
+import stat as stat_mod
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+from hangar import __version__
+from hangar.guest import protocol as P
+
+PORT_NAME = "hangar.agent"
+BOOT_ID = uuid.uuid4().hex
+DEFAULT_HEAD = 1 << 20  # bytes of output kept from the start
+DEFAULT_TAIL = 1 << 18  # bytes of output kept from the end
+MAX_HEAD = 3 << 19  # 1.5 MiB: two streams' head and tail fit one frame (MAX_DATA)
+MAX_TAIL = 1 << 19
+DRAIN_GRACE_S = 0.5  # seconds to keep reading pipes after the command exits
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+    "TERM": "xterm-256color",
+    "USER": "root",
+}
+
+
+class OpError(Exception):
+    """A failure reported to the host as an ERROR frame."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+ERRNO_CODES = {
+    errno.ENOENT: "not_found",
+    errno.EISDIR: "is_directory",
+    errno.ENOTDIR: "not_directory",
+    errno.EEXIST: "exists",
+    errno.ENOTEMPTY: "not_empty",
+    errno.EACCES: "permission_denied",
+    errno.EPERM: "permission_denied",
+    errno.EINVAL: "invalid",
+    errno.ENAMETOOLONG: "invalid",
+}
+
+
+def os_error(exc: OSError, path: str) -> OpError:
+    code = ERRNO_CODES.get(exc.errno or 0, "io_error")
+    return OpError(code, f"{os.strerror(exc.errno or 0) if exc.errno else exc}: {path}")
+
+
+def resolve(path: Any) -> str:
+    """Absolute path of ``path``; relative paths start at /root."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise OpError("invalid", "path must be a non-empty string without NUL bytes")
+    return os.path.normpath(os.path.join(BASE_ENV["HOME"], path))
+
+
+def entry(path: str, name: str | None = None) -> dict[str, Any]:
+    st = os.lstat(path)
+    if stat_mod.S_ISDIR(st.st_mode):
+        kind = "dir"
+    elif stat_mod.S_ISREG(st.st_mode):
+        kind = "file"
+    elif stat_mod.S_ISLNK(st.st_mode):
+        kind = "symlink"
+    else:
+        kind = "other"
+    return {
+        "name": name if name is not None else os.path.basename(path) or "/",
+        "path": path,
+        "type": kind,
+        "size": st.st_size,
+        "mode": stat_mod.S_IMODE(st.st_mode),
+        "mtime": st.st_mtime,
+    }
+
+
+class Capture:
+    """Bounded capture of one output stream: a head, a tail and a byte count."""
+
+    def __init__(self, head: int, tail: int) -> None:
+        self.head_limit = head
+        self.tail_limit = tail
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.head_limit - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk and self.tail_limit > 0:
+            self.tail += chunk
+            if len(self.tail) > 2 * self.tail_limit:
+                del self.tail[: len(self.tail) - self.tail_limit]
+
+    def result(self) -> tuple[dict[str, Any], bytes]:
+        """Meta (``head``/``tail`` lengths, ``total``, ``truncated``) and the kept bytes."""
+        if len(self.tail) > self.tail_limit:
+            del self.tail[: len(self.tail) - self.tail_limit]
+        truncated = self.total > len(self.head) + len(self.tail)
+        if not truncated:
+            whole, tail = bytes(self.head + self.tail), b""
+        else:
+            whole, tail = bytes(self.head), bytes(self.tail)
+        meta = {"head": len(whole), "tail": len(tail), "total": self.total, "truncated": truncated}
+        return meta, whole + tail
+
+
+class Channel:
+    """Inbound frames of one open request."""
+
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue[P.Frame] = asyncio.Queue()
+
+
+class Agent:
+    """Serves requests; one instance per guest, surviving host reconnects."""
+
+    def __init__(self) -> None:
+        self.writer: asyncio.StreamWriter | None = None
+        self.channels: dict[int, Channel] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.write_lock = asyncio.Lock()
+
+    # -- transport ---------------------------------------------------------
+
+    async def send(self, kind: P.Kind, channel: int, meta: dict[str, Any] | None = None,
+                   data: bytes = b"") -> None:
+        writer = self.writer
+        if writer is None:
+            return
+        frame = P.encode(kind, channel, meta, data)
+        async with self.write_lock:
+            try:
+                writer.write(frame)
+                await writer.drain()
+            except (ConnectionError, OSError, RuntimeError):
+                pass
+
+    def hello_meta(self) -> dict[str, Any]:
+        try:
+            with open("/proc/uptime") as f:
+                uptime = float(f.read().split()[0])
+        except OSError:
+            uptime = None
+        return {
+            "agent_version": __version__,
+            "protocol": P.VERSION,
+            "boot_id": BOOT_ID,
+            "pid": os.getpid(),
+            "uptime_s": uptime,
+        }
+
+    async def session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve one host connection until it closes."""
+        self.writer = writer
+        await self.send(P.Kind.HELLO, 0, self.hello_meta())
+        decoder = P.Decoder()
+        try:
+            while True:
+                data = await reader.read(1 << 16)
+                if not data:
+                    break
+                for frame in decoder.feed(data):
+                    await self.dispatch(frame)
+        finally:
+            if self.writer is writer:
+                self.writer = None
+            for ch in self.channels.values():
+                ch.inbox.put_nowait(P.Frame(P.Kind.SIGNAL, 0, {"disconnect": True}, b"", P.VERSION))
+            try:
+                writer.close()
+            except Exception:
+                pass
+
+    async def dispatch(self, frame: P.Frame) -> None:
+        if frame.version != P.VERSION:
+            await self.send(P.Kind.ERROR, frame.channel, {
+                "code": "unsupported_version",
+                "message": f"agent speaks protocol {P.VERSION}, got {frame.version}",
+            })
+            return
+        if frame.kind == P.Kind.REQUEST:
+            if frame.channel in self.channels:
+                await self.send(P.Kind.ERROR, frame.channel,
+                                {"code": "invalid", "message": "channel already open"})
+                return
+            ch = Channel()
+            self.channels[frame.channel] = ch
+            task = asyncio.create_task(self.run_request(frame, ch))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        elif frame.channel in self.channels:
+            self.channels[frame.channel].inbox.put_nowait(frame)
+
+    async def run_request(self, frame: P.Frame, ch: Channel) -> None:
+        op = frame.meta.get("op")
+        handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
+        try:
+            if handler is None:
+                raise OpError("invalid", f"unknown operation: {op!r}")
+            result = await handler(frame.channel, frame.meta, ch)
+            data = b""
+            if isinstance(result, tuple):
+                result, data = result
+            await self.send(P.Kind.RESPONSE, frame.channel, result, data)
+        except OpError as exc:
+            await self.send(P.Kind.ERROR, frame.channel, {"code": exc.code, "message": exc.message})
+        except Exception as exc:  # the agent must outlive any one request
+            await self.send(P.Kind.ERROR, frame.channel,
+                            {"code": "internal", "message": f"{type(exc).__name__}: {exc}"})
+        finally:
+            self.channels.pop(frame.channel, None)
+
+    # -- operations --------------------------------------------------------
+
+    async def op_hello(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
+        return self.hello_meta()
+
+    async def op_exec(self, cid: int, meta: dict[str, Any], ch: Channel,
+                      ) -> tuple[dict[str, Any], bytes]:
+        """Run a command.
+
+        meta: ``argv`` (list of str) or ``shell`` (str, run by /bin/sh -c);
+        ``env`` (dict), ``cwd`` (str, default /root), ``stdin`` (bool: DATA
+        frames of stream ``stdin`` and an EOF follow; false means EOF at
+        once), ``timeout`` (seconds; the whole process group is killed),
+        ``stream`` (bool: send stdout/stderr as DATA frames), ``head`` and
+        ``tail`` (bytes kept of each stream when not streaming).
+
+        Returns (as RESPONSE meta) ``exit_code`` (128+N when killed by signal N), ``signal``,
+        ``timed_out``, ``duration_s``, and per stream ``stdout``/``stderr``
+        captures (``head`` and ``tail`` lengths, ``total`` bytes, a
+        ``truncated`` flag); the RESPONSE data holds stdout's head and tail
+        then stderr's, back to back.
+        """
+        argv = meta.get("argv")
+        shell = meta.get("shell")
+        if argv is not None:
+            if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+                raise OpError("invalid", "argv must be a non-empty list of strings")
+        elif isinstance(shell, str):
+            argv = ["/bin/sh", "-c", shell]
+        else:
+            raise OpError("invalid", "exec needs argv or shell")
+        env = dict(BASE_ENV)
+        extra = meta.get("env") or {}
+        if not isinstance(extra, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in extra.items()
+        ):
+            raise OpError("invalid", "env must map strings to strings")
+        env.update(extra)
+        cwd = resolve(meta.get("cwd") or BASE_ENV["HOME"])
+        if not os.path.isdir(cwd):
+            raise OpError("not_found", f"working directory does not exist: {cwd}")
+        timeout = meta.get("timeout")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise OpError("invalid", "timeout must be a positive number of seconds")
+        stream = bool(meta.get("stream"))
+        want_stdin = bool(meta.get("stdin"))
+        try:
+            head = min(int(meta.get("head", DEFAULT_HEAD)), MAX_HEAD)
+            tail = min(int(meta.get("tail", DEFAULT_TAIL)), MAX_TAIL)
+        except (TypeError, ValueError):
+            raise OpError("invalid", "head and tail must be byte counts") from None
+
+        started = time.monotonic()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE if want_stdin else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise os_error(exc, argv[0]) from None
+
+        captures = {"stdout": Capture(head, tail), "stderr": Capture(head, tail)}
+
+        async def pump(name: str, pipe: asyncio.StreamReader) -> None:
+            while True:
+                chunk = await pipe.read(P.CHUNK)
+                if not chunk:
+                    return
+                if stream:
+                    captures[name].total += len(chunk)
+                    await self.send(P.Kind.DATA, cid, {"stream": name}, chunk)
+                else:
+                    captures[name].add(chunk)
+
+        def kill(sig: int) -> None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+        async def feed() -> None:
+            """Route inbound frames: stdin data, stdin EOF, signals."""
+            stdin_open = want_stdin
+            while True:
+                frame = await ch.inbox.get()
+                if frame.kind == P.Kind.DATA and stdin_open and proc.stdin is not None:
+                    try:
+                        proc.stdin.write(frame.data)
+                        await proc.stdin.drain()
+                    except (BrokenPipeError, ConnectionResetError):
+                        stdin_open = False
+                elif frame.kind == P.Kind.EOF and stdin_open and proc.stdin is not None:
+                    stdin_open = False
+                    try:
+                        proc.stdin.close()
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass
+                elif frame.kind == P.Kind.SIGNAL:
+                    if frame.meta.get("disconnect"):
+                        continue
+                    sig = frame.meta.get("signal", signal.SIGKILL)
+                    if isinstance(sig, int) and 0 < sig < 65:
+                        kill(sig)
+
+        pumps = [asyncio.create_task(pump("stdout", proc.stdout)),  # type: ignore[arg-type]
+                 asyncio.create_task(pump("stderr", proc.stderr))]  # type: ignore[arg-type]
+        feeder = asyncio.create_task(feed())
+        timed_out = False
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+        except asyncio.TimeoutError:
+            timed_out = True
+            kill(signal.SIGKILL)
+            await proc.wait()
+        finally:
+            if proc.returncode is None:  # cancelled: never leave the group behind
+                kill(signal.SIGKILL)
+        if timed_out:
+            kill(signal.SIGKILL)  # members of the group that outlived the leader
+        done, pending = await asyncio.wait(pumps, timeout=DRAIN_GRACE_S)
+        for t in pending:
+            t.cancel()
+        feeder.cancel()
+        await asyncio.gather(*pending, feeder, return_exceptions=True)
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+        if proc.stdin is not None and not proc.stdin.is_closing():
+            proc.stdin.close()
+
+        rc = proc.returncode
+        sig = -rc if rc is not None and rc < 0 else None
+        result: dict[str, Any] = {
+            "exit_code": 128 + sig if sig else rc,
+            "signal": sig,
+            "timed_out": timed_out,
+            "duration_s": round(time.monotonic() - started, 6),
+            "pid": proc.pid,
+        }
+        data = b""
+        for name, cap in captures.items():
+            if stream:
+                result[name] = {"total": cap.total}
+            else:
+                result[name], kept = cap.result()
+                data += kept
+        return result, data
+
+    async def op_read_file(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
+        path = resolve(meta.get("path"))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise os_error(exc, path) from None
+        size = 0
+        try:
+            st = os.fstat(fd)
+            if stat_mod.S_ISDIR(st.st_mode):
+                raise OpError("is_directory", f"is a directory: {path}")
+            while True:
+                chunk = os.read(fd, P.CHUNK)
+                if not chunk:
+                    break
+                size += len(chunk)
+                await self.send(P.Kind.DATA, cid, {"stream": "file"}, chunk)
+        finally:
+            os.close(fd)
+        return {"path": path, "size": size}
+
+    async def op_write_file(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
+        path = resolve(meta.get("path"))
+        mode = meta.get("mode", 0o644)
+        if not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+            raise OpError("invalid", "mode must be an integer permission value")
+        parent = os.path.dirname(path)
+        if os.path.isdir(path):
+            raise OpError("is_directory", f"is a directory: {path}")
+        try:
+            if meta.get("parents", True):
+                os.makedirs(parent, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".hangar-", dir=parent)
+        except OSError as exc:
+            raise os_error(exc, parent) from None
+        size = 0
+        ok = False
+        try:
+            while True:
+                frame = await ch.inbox.get()
+                if frame.kind == P.Kind.DATA:
+                    view = memoryview(frame.data)
+                    while view:
+                        n = os.write(fd, view)
+                        view = view[n:]
+                    size += len(frame.data)
+                elif frame.kind == P.Kind.EOF:
+                    break
+                elif frame.kind == P.Kind.SIGNAL:
+                    raise OpError("invalid", "write aborted by the host")
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, path)
+            ok = True
+        except OSError as exc:
+            raise os_error(exc, path) from None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if not ok:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+        return {"path": path, "size": size}
+
+    async def op_list_dir(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
+        path = resolve(meta.get("path", "/root"))
+        try:
+            names = sorted(os.listdir(path))
+        except OSError as exc:
+            raise os_error(exc, path) from None
+        entries = []
+        for name in names:
+            try:
+                entries.append(entry(os.path.join(path, name), name))
+            except OSError:
+                continue  # removed while listing
+        return {"path": path, "entries": entries}
+
+    async def op_stat(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
+        path = resolve(meta.get("path"))
+        try:
+            return entry(path)
+        except OSError as exc:
+            raise os_error(exc, path) from None
+
+    async def op_mkdir(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
+        path = resolve(meta.get("path"))
+        try:
+            if meta.get("parents", True):
+                os.makedirs(path, exist_ok=True)
+            else:
+                os.mkdir(path)
+            return entry(path)
+        except OSError as exc:
+            raise os_error(exc, path) from None
+
+    async def op_remove(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
+        path = resolve(meta.get("path"))
+        if path == "/":
+            raise OpError("invalid", "refusing to remove /")
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                if meta.get("recursive"):
+                    import shutil
+
+                    shutil.rmtree(path)
+                else:
+                    os.rmdir(path)
+            else:
+                os.unlink(path)
+        except OSError as exc:
+            raise os_error(exc, path) from None
+        return {"path": path}
+
+    async def op_set_time(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
+        ns = meta.get("unix_ns")
+        if not isinstance(ns, int):
+            raise OpError("invalid", "unix_ns must be an integer")
+        before = time.time_ns()
+        try:
+            time.clock_settime_ns(time.CLOCK_REALTIME, ns)
+        except OSError as exc:
+            raise os_error(exc, "CLOCK_REALTIME") from None
+        return {"skew_s": (ns - before) / 1e9}
+
+    async def op_reseed(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
+        try:
+            seed = base64.b64decode(meta.get("seed", ""), validate=True)
+        except (ValueError, TypeError):
+            raise OpError("invalid", "seed must be base64") from None
+        with open("/dev/urandom", "wb") as f:
+            f.write(seed)
+        return {"bytes": len(seed)}
+
+
+def find_port(name: str = PORT_NAME) -> str | None:
+    """Path of the virtio-serial port called ``name``, or None."""
+    base = "/sys/class/virtio-ports"
+    try:
+        ports = os.listdir(base)
+    except OSError:
+        return None
+    for port in ports:
+        try:
+            with open(os.path.join(base, port, "name")) as f:
+                if f.read().strip() == name:
+                    return "/dev/" + port
+        except OSError:
+            continue
+    return None
+
+
+async def serve_port(agent: Agent) -> None:
+    """Serve the virtio-serial port, reopening it whenever the host goes away."""
+    loop = asyncio.get_running_loop()
+    while True:
+        path = find_port()
+        if path is None or not os.path.exists(path):
+            await asyncio.sleep(0.05)
+            continue
+        rfd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        wfd = os.dup(rfd)
+        reader = asyncio.StreamReader(limit=P.MAX_DATA * 2)
+        rtrans, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(rfd, "rb", buffering=0))
+        wtrans, wproto = await loop.connect_write_pipe(
+            asyncio.streams.FlowControlMixin, os.fdopen(wfd, "wb", buffering=0))
+        writer = asyncio.StreamWriter(wtrans, wproto, None, loop)
+        try:
+            await agent.session(reader, writer)
+        finally:
+            rtrans.close()
+            wtrans.close()
+        await asyncio.sleep(0.05)  # host away: the port reads EOF until it returns
+
+
+async def serve_unix(agent: Agent, path: str) -> None:
+    """Serve a Unix socket (one host at a time); used to test the agent on a host."""
+    server = await asyncio.start_unix_server(agent.session, path=path, limit=P.MAX_DATA * 2)
+    async with server:
+        await server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    agent = Agent()
+    if len(args) == 2 and args[0] == "--listen":
+        coro = serve_unix(agent, args[1])
+    else:
+        coro = serve_port(agent)
+    print(f"hangar-agent {__version__} protocol {P.VERSION} starting", file=sys.stderr, flush=True)
+    asyncio.run(coro)
+
+
+if __name__ == "__main__":
+    main()

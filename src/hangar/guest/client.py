@@ -1,0 +1,374 @@
+"""Host side of the guest agent protocol (see ``hangar.guest.protocol``).
+
+One ``AgentClient`` holds one connection to one guest's agent channel (a
+Unix socket that the VMM exposes) and multiplexes any number of requests
+over it. Agent error codes become ``hangar.errors`` classes:
+
+==================  ======================
+agent code          raised
+==================  ======================
+not_found           NotFound
+is_directory,       InvalidRequest
+not_directory,
+invalid,
+permission_denied
+exists, not_empty   Conflict
+anything else       GuestError
+==================  ======================
+
+A lost connection fails every open request with ``GuestError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hangar.errors import Conflict, GuestError, HangarError, InvalidRequest, NotFound, Timeout
+from hangar.guest import protocol as P
+
+ERRORS: dict[str, type[HangarError]] = {
+    "not_found": NotFound,
+    "is_directory": InvalidRequest,
+    "not_directory": InvalidRequest,
+    "invalid": InvalidRequest,
+    "permission_denied": InvalidRequest,
+    "exists": Conflict,
+    "not_empty": Conflict,
+}
+
+_LOST = P.Frame(P.Kind.ERROR, 0, {"code": "disconnected", "message": "agent connection lost"},
+                b"", P.VERSION)
+
+
+@dataclass
+class StreamCapture:
+    """One output stream as captured by the agent.
+
+    ``head`` is the whole output when ``truncated`` is false; otherwise the
+    first bytes, with ``tail`` the last ones and ``total`` the byte count.
+    """
+
+    head: bytes = b""
+    tail: bytes = b""
+    total: int = 0
+    truncated: bool = False
+
+    @classmethod
+    def from_frame(cls, m: dict[str, Any], data: memoryview) -> tuple["StreamCapture", memoryview]:
+        """Decode one capture whose bytes start ``data``; returns it and the rest."""
+        h, t = int(m.get("head", 0)), int(m.get("tail", 0))
+        cap = cls(head=bytes(data[:h]), tail=bytes(data[h:h + t]),
+                  total=int(m.get("total", 0)), truncated=bool(m.get("truncated", False)))
+        return cap, data[h + t:]
+
+
+@dataclass
+class ExecResult:
+    """Outcome of one command in the guest.
+
+    ``exit_code`` is 128+N when the process died of signal N (``signal``);
+    ``timed_out`` is set when Hangar killed the process group at its timeout.
+    """
+
+    exit_code: int | None
+    signal: int | None
+    timed_out: bool
+    duration_s: float
+    stdout: StreamCapture = field(default_factory=StreamCapture)
+    stderr: StreamCapture = field(default_factory=StreamCapture)
+
+
+@dataclass
+class ExecEvent:
+    """One streamed event: ``kind`` is ``stdout``, ``stderr`` (``data`` set) or ``exit``."""
+
+    kind: str
+    data: bytes = b""
+    result: ExecResult | None = None
+
+
+def exec_meta(
+    command: str | None = None,
+    argv: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    timeout: float | None = None,
+    stdin: bool = False,
+    stream: bool = False,
+    head: int | None = None,
+    tail: int | None = None,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {"op": "exec", "stream": stream, "stdin": stdin}
+    if argv is not None:
+        meta["argv"] = argv
+    else:
+        meta["shell"] = command
+    for key, value in (("env", env), ("cwd", cwd), ("timeout", timeout), ("head", head),
+                       ("tail", tail)):
+        if value is not None:
+            meta[key] = value
+    return meta
+
+
+def _result(frame: P.Frame) -> ExecResult:
+    meta = frame.meta
+    stdout, rest = StreamCapture.from_frame(meta.get("stdout", {}), memoryview(frame.data))
+    stderr, _ = StreamCapture.from_frame(meta.get("stderr", {}), rest)
+    return ExecResult(
+        exit_code=meta.get("exit_code"),
+        signal=meta.get("signal"),
+        timed_out=bool(meta.get("timed_out")),
+        duration_s=float(meta.get("duration_s", 0.0)),
+        stdout=stdout,
+        stderr=stderr,
+    )
+
+
+class AgentClient:
+    """A connection to one guest agent; safe for concurrent use within one event loop."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 hello: dict[str, Any]) -> None:
+        self._reader = reader
+        self._writer = writer
+        self.hello = hello
+        self._ids = itertools.count(1)
+        self._channels: dict[int, asyncio.Queue[P.Frame]] = {}
+        self._write_lock = asyncio.Lock()
+        self._closed = False
+        self._pump = asyncio.create_task(self._read_loop())
+
+    @classmethod
+    async def connect(cls, path: Path | str, timeout: float = 30.0,
+                      proc_alive: Any = None) -> "AgentClient":
+        """Connect to the agent socket at ``path`` and wait for its HELLO.
+
+        Retries until ``timeout`` seconds have passed (the VMM may not have
+        created the socket yet, the guest may still be booting); if
+        ``proc_alive`` (a callable) returns False the wait ends early.
+        Raises ``Timeout`` or ``GuestError``.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        last: Exception | None = None
+        while loop.time() < deadline:
+            if proc_alive is not None and not proc_alive():
+                raise GuestError("the VMM exited before the guest agent answered")
+            try:
+                reader, writer = await asyncio.open_unix_connection(str(path), limit=P.MAX_DATA * 2)
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                last = exc
+                await asyncio.sleep(0.05)
+                continue
+            decoder = P.Decoder()
+            try:
+                while loop.time() < deadline:
+                    if proc_alive is not None and not proc_alive():
+                        raise GuestError("the VMM exited before the guest agent answered")
+                    try:
+                        data = await asyncio.wait_for(
+                            reader.read(1 << 16), max(0.01, min(deadline - loop.time(), 0.5)))
+                    except asyncio.TimeoutError:
+                        continue  # the HELLO comes when the guest opens its port
+                    if not data:
+                        raise ConnectionResetError("agent socket closed")
+                    for frame in decoder.feed(data):
+                        if frame.kind != P.Kind.HELLO:
+                            continue
+                        if frame.meta.get("protocol") != P.VERSION:
+                            raise GuestError(
+                                f"guest agent speaks protocol {frame.meta.get('protocol')}, "
+                                f"host speaks {P.VERSION}")
+                        return cls(reader, writer, frame.meta)
+                writer.close()
+            except ConnectionResetError as exc:
+                last = exc
+                writer.close()
+                await asyncio.sleep(0.05)
+            except BaseException:
+                writer.close()
+                raise
+        raise Timeout(f"guest agent did not answer within {timeout:.0f} s", last_error=repr(last))
+
+    # -- plumbing ----------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        decoder = P.Decoder()
+        try:
+            while True:
+                data = await self._reader.read(1 << 16)
+                if not data:
+                    break
+                for frame in decoder.feed(data):
+                    q = self._channels.get(frame.channel)
+                    if q is not None:
+                        q.put_nowait(frame)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self._closed = True
+            for q in self._channels.values():
+                q.put_nowait(_LOST)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def _send(self, kind: P.Kind, channel: int, meta: dict[str, Any] | None = None,
+                    data: bytes = b"") -> None:
+        if self._closed:
+            raise GuestError("agent connection lost")
+        async with self._write_lock:
+            try:
+                self._writer.write(P.encode(kind, channel, meta, data))
+                await self._writer.drain()
+            except (ConnectionError, OSError) as exc:
+                raise GuestError(f"agent connection lost: {exc}") from None
+
+    def _open(self) -> tuple[int, asyncio.Queue[P.Frame]]:
+        cid = next(self._ids) & 0xFFFFFFFF or next(self._ids)
+        q: asyncio.Queue[P.Frame] = asyncio.Queue()
+        self._channels[cid] = q
+        return cid, q
+
+    @staticmethod
+    def _raise(frame: P.Frame) -> None:
+        code = frame.meta.get("code", "internal")
+        message = frame.meta.get("message", "guest agent error")
+        raise ERRORS.get(code, GuestError)(message, guest_code=code)
+
+    async def _send_stream(self, cid: int, stream: str, chunks: Iterable[bytes] | AsyncIterator[bytes]) -> None:
+        if hasattr(chunks, "__aiter__"):
+            async for chunk in chunks:  # type: ignore[union-attr]
+                for i in range(0, len(chunk), P.CHUNK):
+                    await self._send(P.Kind.DATA, cid, {"stream": stream}, chunk[i:i + P.CHUNK])
+        else:
+            for chunk in chunks:  # type: ignore[union-attr]
+                for i in range(0, len(chunk), P.CHUNK):
+                    await self._send(P.Kind.DATA, cid, {"stream": stream}, chunk[i:i + P.CHUNK])
+        await self._send(P.Kind.EOF, cid, {"stream": stream})
+
+    async def call(self, op: str, **meta: Any) -> dict[str, Any]:
+        """One request without data streams; returns the RESPONSE meta."""
+        cid, q = self._open()
+        try:
+            await self._send(P.Kind.REQUEST, cid, {"op": op, **meta})
+            while True:
+                frame = await q.get()
+                if frame.kind == P.Kind.RESPONSE:
+                    return frame.meta
+                if frame.kind == P.Kind.ERROR:
+                    self._raise(frame)
+        finally:
+            self._channels.pop(cid, None)
+
+    # -- operations --------------------------------------------------------
+
+    async def exec_stream(self, meta: dict[str, Any], stdin: bytes | None = None,
+                          ) -> AsyncIterator[ExecEvent]:
+        """Run a command (``meta`` from ``exec_meta``) and yield its events.
+
+        Yields ``stdout``/``stderr`` events as output arrives when
+        ``meta["stream"]`` is true, then one ``exit`` event. Closing the
+        iterator early kills the command's process group.
+        """
+        cid, q = self._open()
+        finished = False
+        try:
+            meta = {**meta, "stdin": stdin is not None}
+            await self._send(P.Kind.REQUEST, cid, meta)
+            if stdin is not None:
+                await self._send_stream(cid, "stdin", [stdin] if stdin else [])
+            while True:
+                frame = await q.get()
+                if frame.kind == P.Kind.DATA:
+                    yield ExecEvent(frame.meta.get("stream", "stdout"), frame.data)
+                elif frame.kind == P.Kind.RESPONSE:
+                    finished = True
+                    yield ExecEvent("exit", result=_result(frame))
+                    return
+                elif frame.kind == P.Kind.ERROR:
+                    finished = True
+                    self._raise(frame)
+        finally:
+            if not finished and not self._closed:
+                try:
+                    await self._send(P.Kind.SIGNAL, cid, {"signal": 9})
+                except GuestError:
+                    pass
+            self._channels.pop(cid, None)
+
+    async def exec(self, meta: dict[str, Any], stdin: bytes | None = None) -> ExecResult:
+        """Run a command to completion; returns its captured result."""
+        result: ExecResult | None = None
+        async for ev in self.exec_stream({**meta, "stream": False}, stdin):
+            if ev.kind == "exit":
+                result = ev.result
+        assert result is not None
+        return result
+
+    async def read_file(self, path: str) -> AsyncIterator[bytes]:
+        """Yield a guest file's bytes in chunks. Raises NotFound, InvalidRequest."""
+        cid, q = self._open()
+        try:
+            await self._send(P.Kind.REQUEST, cid, {"op": "read_file", "path": path})
+            while True:
+                frame = await q.get()
+                if frame.kind == P.Kind.DATA:
+                    yield frame.data
+                elif frame.kind == P.Kind.RESPONSE:
+                    return
+                elif frame.kind == P.Kind.ERROR:
+                    self._raise(frame)
+        finally:
+            self._channels.pop(cid, None)
+
+    async def write_file(self, path: str, chunks: Iterable[bytes] | AsyncIterator[bytes],
+                         mode: int = 0o644) -> dict[str, Any]:
+        """Write a guest file atomically from byte chunks; returns ``{path, size}``."""
+        cid, q = self._open()
+        try:
+            await self._send(P.Kind.REQUEST, cid, {"op": "write_file", "path": path, "mode": mode})
+            failure: list[BaseException] = []
+
+            async def send() -> None:
+                try:
+                    await self._send_stream(cid, "file", chunks)
+                except Exception as exc:  # the source failed: tell the guest, then the caller
+                    failure.append(exc)
+                    if not self._closed:
+                        await self._send(P.Kind.SIGNAL, cid, {"abort": True})
+
+            sender = asyncio.create_task(send())
+            try:
+                while True:
+                    frame = await q.get()
+                    if frame.kind == P.Kind.RESPONSE:
+                        return frame.meta
+                    if frame.kind == P.Kind.ERROR:
+                        if failure:
+                            raise failure[0]
+                        self._raise(frame)
+            finally:
+                if not sender.done():
+                    sender.cancel()
+                    if not self._closed:
+                        try:
+                            await self._send(P.Kind.SIGNAL, cid, {"abort": True})
+                        except GuestError:
+                            pass
+        finally:
+            self._channels.pop(cid, None)
+
+    async def close(self) -> None:
+        self._closed = True
+        self._pump.cancel()
+        try:
+            self._writer.close()
+        except Exception:
+            pass
