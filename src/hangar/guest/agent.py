@@ -211,7 +211,7 @@ class Agent:
             for ch in self.channels.values():
                 ch.inbox.put_nowait(P.Frame(P.Kind.SIGNAL, 0, {"disconnect": True}, b"", P.VERSION))
             try:
-                writer.close()
+                writer.transport.abort()
             except Exception:
                 pass
 
@@ -571,7 +571,12 @@ async def serve_port(agent: Agent) -> None:
         if path is None or not os.path.exists(path):
             await asyncio.sleep(0.05)
             continue
-        rfd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            rfd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:  # EBUSY while an earlier open is still closing
+            print(f"hangar-agent: cannot open {path}: {exc}", file=sys.stderr, flush=True)
+            await asyncio.sleep(0.2)
+            continue
         wfd = os.dup(rfd)
         reader = asyncio.StreamReader(limit=P.MAX_DATA * 2)
         rtrans, _ = await loop.connect_read_pipe(
@@ -582,8 +587,10 @@ async def serve_port(agent: Agent) -> None:
         try:
             await agent.session(reader, writer)
         finally:
+            # abort, not close: a write the absent host never read would
+            # otherwise keep the port open (and busy) forever.
             rtrans.close()
-            wtrans.close()
+            wtrans.abort()
         await asyncio.sleep(0.05)  # host away: the port reads EOF until it returns
 
 

@@ -1,0 +1,1 @@
+"""The HTTP layer: FastAPI routes only; all decisions live in ``hangar.core``."""

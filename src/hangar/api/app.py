@@ -1,0 +1,57 @@
+"""The FastAPI application: wiring of settings, store, engine and routes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI
+
+from hangar import __version__
+from hangar.api import errors, files, health, sandboxes
+from hangar.api.auth import load_or_create_key, require_key
+from hangar.config import Settings
+from hangar.core.sandboxes import SandboxManager
+from hangar.core.store import Store
+from hangar.engines import make_engine
+from hangar.images import resolve_image
+from hangar.layout import Layout
+from hangar.metrics import Metrics
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app. Start-up resolves the default image, picks the engine
+    (running the KVM probe if not cached) and reconciles running VMs."""
+    settings = settings or Settings()
+    layout = Layout(settings.data_dir)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        layout.ensure()
+        app.state.api_key = settings.api_key or load_or_create_key(layout.api_key_file)
+        image = resolve_image(layout, settings.default_image)
+        engine = make_engine(settings.engine, layout, image, settings.accel)
+        metrics = Metrics()
+        metrics.engine.info(engine.describe())
+        store = Store(layout.database)
+        manager = SandboxManager(settings, layout, store, engine, metrics)
+        app.state.metrics = metrics
+        app.state.manager = manager
+        await manager.start()
+        try:
+            yield
+        finally:
+            await manager.close()
+
+    app = FastAPI(
+        title="Hangar",
+        version=__version__,
+        description="MicroVM sandboxes for AI agents. Every path but /health needs X-API-Key.",
+        lifespan=lifespan,
+    )
+    errors.install(app)
+    app.include_router(health.router)
+    keyed = [Depends(require_key)]
+    app.include_router(sandboxes.router, dependencies=keyed)
+    app.include_router(files.router, dependencies=keyed)
+    return app

@@ -1,0 +1,61 @@
+"""Maps ``hangar.errors`` and validation failures to JSON error responses.
+
+Body: ``{"error": {"code": ..., "message": ..., <context>}}``; 429 carries
+``Retry-After``. Unexpected exceptions become a 500 with a generic message
+and are logged, never echoed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from hangar.errors import HangarError, LimitExceeded
+
+log = logging.getLogger("hangar.api")
+
+
+def error_response(status: int, code: str, message: str, **context: object) -> JSONResponse:
+    headers = {}
+    if "retry_after" in context:
+        headers["Retry-After"] = str(math.ceil(float(context["retry_after"])))  # type: ignore[arg-type]
+    return JSONResponse({"error": {"code": code, "message": message, **context}},
+                        status_code=status, headers=headers)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(HangarError)
+    async def _hangar(request: Request, exc: HangarError) -> JSONResponse:
+        ctx = {k: v for k, v in exc.context.items() if isinstance(v, (str, int, float, bool))}
+        if isinstance(exc, LimitExceeded):
+            ctx["retry_after"] = exc.retry_after
+        if exc.status >= 500:
+            log.error("request failed", extra={"path": request.url.path, "error": exc.message})
+        return error_response(exc.status, exc.code, exc.message, **ctx)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        details = [
+            {"loc": [str(x) for x in e.get("loc", ())], "msg": e.get("msg", "")}
+            for e in exc.errors()
+        ]
+        first = details[0] if details else {"loc": [], "msg": "invalid request"}
+        message = f"{'.'.join(first['loc'])}: {first['msg']}" if first["loc"] else first["msg"]
+        return JSONResponse({"error": {"code": "invalid_request", "message": message,
+                                       "details": details}}, status_code=422)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        code = {401: "unauthorized", 403: "forbidden", 404: "not_found",
+                405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error", extra={"path": request.url.path})
+        return error_response(500, "internal", "internal error; see the server log")

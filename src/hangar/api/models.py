@@ -1,0 +1,136 @@
+"""Request and response bodies of the REST API (pydantic).
+
+These shapes are the public contract; ``/openapi.json`` is generated from
+them. Sizes are MiB, durations seconds, byte counts bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CreateSandbox(BaseModel):
+    """Body of ``POST /sandboxes``; every field is optional."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image: str | None = Field(None, description="Template (image recipe) name; default 'base'.",
+                              pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    vcpus: int | None = Field(None, ge=1, le=32)
+    memory_mib: int | None = Field(None, ge=128, le=65536, description="Guest memory, MiB.")
+    disk_mib: int | None = Field(None, ge=512, le=1048576, description="Writable disk, MiB.")
+    timeout: float | None = Field(None, gt=0, le=30 * 86400,
+                                  description="Time to live in seconds; none keeps it until deleted.")
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+
+class Sandbox(BaseModel):
+    """A sandbox as the API shows it."""
+
+    id: str
+    state: str
+    image: str
+    engine: str
+    accel: str
+    vcpus: int
+    memory_mib: int
+    disk_mib: int
+    created_at: float = Field(description="Unix time, seconds.")
+    expires_at: float | None = Field(None, description="Unix time, seconds; null: no TTL.")
+    error: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class SandboxList(BaseModel):
+    sandboxes: list[Sandbox]
+
+
+class ExecRequest(BaseModel):
+    """Body of ``POST /sandboxes/{id}/exec``.
+
+    ``command`` is a shell string run by ``/bin/sh -c``; when ``args`` is
+    given, ``command`` is instead the program and ``args`` its arguments,
+    with no shell involved.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    command: str = Field(min_length=1, max_length=1 << 20)
+    args: list[str] | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    stdin: str | None = Field(None, description="Text fed to stdin; none means EOF at once.")
+    stdin_b64: str | None = Field(None, description="Bytes fed to stdin, base64.")
+    timeout: float | None = Field(60.0, gt=0, le=86400,
+                                  description="Seconds; the whole process group is killed then.")
+    max_output: int = Field(1 << 20, ge=0, le=3 << 19,
+                            description="Bytes kept from the start of each stream; the last "
+                                        "max_output/4 bytes are kept as the tail.")
+
+
+class ExecResponse(BaseModel):
+    """Result of a command.
+
+    ``stdout``/``stderr`` are UTF-8 text (invalid bytes become U+FFFD; the
+    exact bytes are then in ``stdout_b64``/``stderr_b64``). When a stream
+    is larger than the kept bytes, ``*_truncated`` is true, ``stdout`` holds
+    the head, ``stdout_tail`` the last bytes, and ``*_bytes`` the total.
+    ``exit_code`` is 128+N when the process died of signal N.
+    """
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    signal: int | None = None
+    timed_out: bool = False
+    duration_s: float
+    stdout_bytes: int
+    stderr_bytes: int
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+    stdout_b64: str | None = None
+    stderr_b64: str | None = None
+
+
+class FileEntry(BaseModel):
+    name: str
+    path: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int = Field(description="Bytes.")
+    mode: int
+    mtime: float = Field(description="Unix time, seconds.")
+
+
+class FileList(BaseModel):
+    path: str
+    entries: list[FileEntry]
+
+
+class WriteResult(BaseModel):
+    path: str
+    size: int = Field(description="Bytes written.")
+
+
+class PathBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(min_length=1, max_length=4096)
+    parents: bool = True
+    recursive: bool = False
+
+
+class Error(BaseModel):
+    """Every error response: ``{"error": {"code", "message", ...context}}``."""
+
+    error: dict[str, object]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    version: str
+    engine: dict[str, str]
+    sandboxes: int

@@ -1,0 +1,153 @@
+"""``/sandboxes``: create, list, get, delete, and exec (JSON and NDJSON stream)."""
+
+from __future__ import annotations
+
+import base64
+import codecs
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Response
+from fastapi.responses import StreamingResponse
+
+from hangar.api.deps import manager
+from hangar.api.models import (
+    CreateSandbox, ExecRequest, ExecResponse, Sandbox, SandboxList,
+)
+from hangar.core.sandboxes import CreateOptions, SandboxManager
+from hangar.core.store import SandboxRecord
+from hangar.errors import InvalidRequest
+from hangar.guest.client import ExecResult, StreamCapture, exec_meta
+
+router = APIRouter(prefix="/sandboxes", tags=["sandboxes"])
+Manager = Annotated[SandboxManager, Depends(manager)]
+
+
+def view(rec: SandboxRecord) -> Sandbox:
+    return Sandbox(
+        id=rec.id, state=rec.state, image=rec.image, engine=rec.engine, accel=rec.accel,
+        vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
+        created_at=rec.created_at, expires_at=rec.expires_at, error=rec.error,
+        metadata=rec.metadata_ or {},
+    )
+
+
+@router.post("", status_code=201, response_model=Sandbox,
+             summary="Create a sandbox; answers once its guest agent is ready")
+async def create(m: Manager, body: CreateSandbox | None = None) -> Sandbox:
+    body = body or CreateSandbox()
+    rec = await m.create(CreateOptions(
+        image=body.image, vcpus=body.vcpus, memory_mib=body.memory_mib,
+        disk_mib=body.disk_mib, timeout_s=body.timeout, metadata=body.metadata,
+    ))
+    return view(rec)
+
+
+@router.get("", response_model=SandboxList, summary="List sandboxes that are not deleted")
+async def list_(m: Manager) -> SandboxList:
+    return SandboxList(sandboxes=[view(r) for r in m.list()])
+
+
+@router.get("/{sandbox_id}", response_model=Sandbox)
+async def get(sandbox_id: str, m: Manager) -> Sandbox:
+    return view(m.get(sandbox_id))
+
+
+@router.delete("/{sandbox_id}", status_code=204, summary="End the VM and remove its files")
+async def delete(sandbox_id: str, m: Manager) -> Response:
+    await m.delete(sandbox_id)
+    return Response(status_code=204)
+
+
+def _stdin(body: ExecRequest) -> bytes | None:
+    if body.stdin is not None and body.stdin_b64 is not None:
+        raise InvalidRequest("give stdin or stdin_b64, not both")
+    if body.stdin_b64 is not None:
+        try:
+            return base64.b64decode(body.stdin_b64, validate=True)
+        except ValueError:
+            raise InvalidRequest("stdin_b64 is not valid base64") from None
+    return body.stdin.encode() if body.stdin is not None else None
+
+
+def _meta(body: ExecRequest) -> dict[str, Any]:
+    argv = [body.command, *body.args] if body.args is not None else None
+    return exec_meta(body.command, argv=argv, env=body.env or None, cwd=body.cwd,
+                     timeout=body.timeout, head=body.max_output, tail=body.max_output // 4)
+
+
+def _text(cap: StreamCapture) -> tuple[str, str, str | None]:
+    """(head text, tail text, base64 of head+tail when not valid UTF-8)."""
+    raw = cap.head + cap.tail
+    try:
+        raw.decode("utf-8")
+        # Valid as a whole; head and tail may still split a character.
+        b64 = None
+    except UnicodeDecodeError:
+        b64 = base64.b64encode(raw).decode()
+    return (cap.head.decode("utf-8", "replace"), cap.tail.decode("utf-8", "replace"), b64)
+
+
+def exec_response(r: ExecResult) -> ExecResponse:
+    out, out_tail, out_b64 = _text(r.stdout)
+    err, err_tail, err_b64 = _text(r.stderr)
+    return ExecResponse(
+        stdout=out, stderr=err, exit_code=r.exit_code, signal=r.signal, timed_out=r.timed_out,
+        duration_s=r.duration_s, stdout_bytes=r.stdout.total, stderr_bytes=r.stderr.total,
+        stdout_truncated=r.stdout.truncated, stderr_truncated=r.stderr.truncated,
+        stdout_tail=out_tail, stderr_tail=err_tail, stdout_b64=out_b64, stderr_b64=err_b64,
+    )
+
+
+@router.post("/{sandbox_id}/exec", response_model=ExecResponse, response_model_exclude_none=True,
+             summary="Run a command and return its result")
+async def exec_(sandbox_id: str, body: ExecRequest, m: Manager) -> ExecResponse:
+    result = await m.exec(sandbox_id, _meta(body), _stdin(body))
+    return exec_response(result)
+
+
+@router.post(
+    "/{sandbox_id}/exec/stream",
+    summary="Run a command, streaming its output as NDJSON",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/x-ndjson": {}}, "description": (
+        "One JSON object a line: {\"type\": \"stdout\"|\"stderr\", \"data\": text} "
+        "(or \"data_b64\" when the bytes are not UTF-8), then "
+        "{\"type\": \"exit\", \"exit_code\", \"signal\", \"timed_out\", \"duration_s\"}."
+    )}},
+)
+async def exec_stream(sandbox_id: str, body: ExecRequest, m: Manager) -> StreamingResponse:
+    events = m.exec_stream(sandbox_id, _meta(body), _stdin(body))
+    # Pull the first event before answering, so a 404/409 is a real status code.
+    first = await anext(events)
+
+    async def lines() -> AsyncIterator[bytes]:
+        decoders = {"stdout": codecs.getincrementaldecoder("utf-8")(),
+                    "stderr": codecs.getincrementaldecoder("utf-8")()}
+        ev = first
+        try:
+            while True:
+                if ev.kind == "exit":
+                    r = ev.result
+                    assert r is not None
+                    yield (json.dumps({
+                        "type": "exit", "exit_code": r.exit_code, "signal": r.signal,
+                        "timed_out": r.timed_out, "duration_s": r.duration_s,
+                        "stdout_bytes": r.stdout.total, "stderr_bytes": r.stderr.total,
+                    }) + "\n").encode()
+                    return
+                dec = decoders[ev.kind]
+                try:
+                    text = dec.decode(ev.data)
+                    line = {"type": ev.kind, "data": text}
+                except UnicodeDecodeError:
+                    dec.reset()
+                    line = {"type": ev.kind, "data_b64": base64.b64encode(ev.data).decode()}
+                if line.get("data") != "":
+                    yield (json.dumps(line) + "\n").encode()
+                ev = await anext(events)
+        finally:
+            await events.aclose()
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")

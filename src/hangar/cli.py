@@ -1,0 +1,248 @@
+"""The ``hangar`` command line (typer + rich).
+
+Server side: ``hangar serve``, ``hangar image build|ls``. Client side
+(talks to a server at ``HANGAR_URL`` with ``HANGAR_API_KEY`` or the key
+file): ``create``, ``ls``, ``exec``, ``files put|get|ls``, ``rm``.
+Errors print one line and exit 1; ``exec`` exits with the command's code.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from hangar.errors import HangarError
+
+app = typer.Typer(help="Hangar: microVM sandboxes for AI agents.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+image_app = typer.Typer(help="Build and list guest images.", no_args_is_help=True)
+files_app = typer.Typer(help="Copy files in and out of a sandbox.", no_args_is_help=True)
+app.add_typer(image_app, name="image")
+app.add_typer(files_app, name="files")
+out = Console()
+err = Console(stderr=True)
+
+DataDir = Annotated[Optional[Path], typer.Option(help="Data directory (HANGAR_DATA_DIR).")]
+
+
+def _settings(data_dir: Path | None = None, **overrides: object):  # type: ignore[no-untyped-def]
+    from hangar.config import Settings
+
+    if data_dir is not None:
+        overrides["data_dir"] = data_dir
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def _client():  # type: ignore[no-untyped-def]
+    from hangar.client import Hangar
+
+    return Hangar()
+
+
+def _fail(exc: HangarError) -> None:
+    err.print(f"[red]error:[/red] {exc.message}")
+    raise typer.Exit(1)
+
+
+def _build(layout, name: str, force: bool = False):  # type: ignore[no-untyped-def]
+    from hangar.images import build_image
+
+    with err.status(f"building image {name}") as status:
+        def progress(msg: str) -> None:
+            status.update(f"image {name}: {msg}")
+            err.print(f"[dim]image {name}:[/dim] {msg}")
+
+        return build_image(layout, name, force=force, progress=progress)
+
+
+@app.command()
+def serve(
+    host: Annotated[Optional[str], typer.Option(help="Listen address (HANGAR_HOST).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Listen port (HANGAR_PORT).")] = None,
+    data_dir: DataDir = None,
+    engine: Annotated[Optional[str], typer.Option(help="auto or qemu (HANGAR_ENGINE).")] = None,
+    accel: Annotated[Optional[str], typer.Option(help="auto, kvm or tcg (HANGAR_ACCEL).")] = None,
+) -> None:
+    """Run the REST API; builds the default image first if it is missing."""
+    import uvicorn
+
+    from hangar import log
+    from hangar.api.app import create_app
+    from hangar.layout import Layout
+
+    settings = _settings(data_dir, host=host, port=port, engine=engine, accel=accel)
+    log.setup(settings.log_level)
+    layout = Layout(settings.data_dir)
+    layout.ensure()
+    try:
+        _build(layout, settings.default_image)
+    except HangarError as exc:
+        _fail(exc)
+    err.print(f"Hangar on http://{settings.host}:{settings.port}  "
+              f"(API key in {layout.api_key_file})")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                log_config=None, access_log=False)
+
+
+@image_app.command("build")
+def image_build(
+    recipe: Annotated[str, typer.Argument(help="Recipe name.")] = "base",
+    force: Annotated[bool, typer.Option(help="Rebuild even if cached.")] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Build a guest image from a recipe (cached by the recipe's hash)."""
+    from hangar.layout import Layout
+
+    layout = Layout(_settings(data_dir).data_dir)
+    layout.ensure()
+    try:
+        img = _build(layout, recipe, force)
+    except HangarError as exc:
+        _fail(exc)
+    out.print(f"{img.name} {img.digest} {img.dir}")
+
+
+@image_app.command("ls")
+def image_ls(data_dir: DataDir = None) -> None:
+    """List built images."""
+    from hangar.images import list_images
+    from hangar.layout import Layout
+
+    import time
+
+    table = Table("name", "digest", "rootfs (MiB)", "kernel", "built", "state")
+    for i in list_images(Layout(_settings(data_dir).data_dir)):
+        state = "current" if i.current else ("stale" if i.stale else "")
+        table.add_row(i.name, i.digest, f"{i.rootfs_bytes / 2**20:.0f}", i.kernel_version,
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(i.built_at)), state)
+    out.print(table)
+
+
+@app.command()
+def create(
+    image: Annotated[Optional[str], typer.Option(help="Template name.")] = None,
+    vcpus: Annotated[Optional[int], typer.Option()] = None,
+    memory: Annotated[Optional[int], typer.Option(help="Memory, MiB.")] = None,
+    disk: Annotated[Optional[int], typer.Option(help="Disk, MiB.")] = None,
+    timeout: Annotated[Optional[float], typer.Option(help="Time to live, seconds.")] = None,
+) -> None:
+    """Create a sandbox and print its id."""
+    try:
+        with _client() as h:
+            sb = h.create(image, vcpus=vcpus, memory_mib=memory, disk_mib=disk, timeout=timeout)
+    except HangarError as exc:
+        _fail(exc)
+    out.print(sb["id"])
+
+
+@app.command("ls")
+def ls() -> None:
+    """List sandboxes."""
+    try:
+        with _client() as h:
+            boxes = h.list()
+    except HangarError as exc:
+        _fail(exc)
+    table = Table("id", "state", "image", "vcpus", "memory (MiB)", "accel")
+    for b in boxes:
+        table.add_row(b["id"], b["state"], b["image"], str(b["vcpus"]), str(b["memory_mib"]),
+                      b["accel"])
+    out.print(table)
+
+
+@app.command("exec", context_settings={"allow_interspersed_args": False})
+def exec_(
+    sandbox_id: str,
+    command: Annotated[list[str], typer.Argument(help="Command; one argument is a shell string.")],
+    timeout: Annotated[Optional[float], typer.Option(help="Seconds.")] = None,
+    cwd: Annotated[Optional[str], typer.Option()] = None,
+) -> None:
+    """Run a command, streaming its output; exits with the command's exit code."""
+    cmd = command[0] if len(command) == 1 else shlex.join(command)
+    stdin = None if sys.stdin.isatty() or os.environ.get("HANGAR_NO_STDIN") else sys.stdin.buffer.read()
+    code = 1
+    try:
+        with _client() as h:
+            for ev in h.exec_stream(sandbox_id, cmd, cwd=cwd, timeout=timeout, stdin=stdin):
+                if ev["type"] in ("stdout", "stderr"):
+                    stream = sys.stdout.buffer if ev["type"] == "stdout" else sys.stderr.buffer
+                    data = ev["data"].encode() if "data" in ev else base64.b64decode(ev["data_b64"])
+                    stream.write(data)
+                    stream.flush()
+                elif ev["type"] == "exit":
+                    if ev.get("timed_out"):
+                        err.print("[yellow]command timed out[/yellow]")
+                    code = ev["exit_code"] if ev["exit_code"] is not None else 1
+    except HangarError as exc:
+        _fail(exc)
+    raise typer.Exit(code)
+
+
+@app.command()
+def rm(sandbox_ids: Annotated[list[str], typer.Argument()]) -> None:
+    """Delete sandboxes."""
+    try:
+        with _client() as h:
+            for sid in sandbox_ids:
+                h.delete(sid)
+                out.print(f"deleted {sid}")
+    except HangarError as exc:
+        _fail(exc)
+
+
+@files_app.command("put")
+def files_put(sandbox_id: str, local: Path, remote: str,
+              mode: Annotated[Optional[str], typer.Option(help="Octal mode, e.g. 755.")] = None) -> None:
+    """Copy a local file into the sandbox."""
+    try:
+        data = local.read_bytes()
+    except OSError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1)
+    try:
+        with _client() as h:
+            r = h.write_file(sandbox_id, remote, data, int(mode, 8) if mode else 0o644)
+    except HangarError as exc:
+        _fail(exc)
+    out.print(f"{r['path']}: {r['size']} bytes")
+
+
+@files_app.command("get")
+def files_get(sandbox_id: str, remote: str,
+              local: Annotated[Optional[Path], typer.Argument(help="Default: stdout.")] = None) -> None:
+    """Copy a file out of the sandbox (to stdout when no local path is given)."""
+    try:
+        with _client() as h:
+            data = h.read_file(sandbox_id, remote)
+    except HangarError as exc:
+        _fail(exc)
+    if local is None:
+        sys.stdout.buffer.write(data)
+    else:
+        local.write_bytes(data)
+
+
+@files_app.command("ls")
+def files_ls(sandbox_id: str, path: str = "/root") -> None:
+    """List a directory in the sandbox."""
+    try:
+        with _client() as h:
+            entries = h.list_files(sandbox_id, path)
+    except HangarError as exc:
+        _fail(exc)
+    table = Table("name", "type", "size", "mode")
+    for e in entries:
+        table.add_row(e["name"], e["type"], str(e["size"]), oct(e["mode"]))
+    out.print(table)
+
+
+if __name__ == "__main__":
+    app()

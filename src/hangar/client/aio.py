@@ -1,0 +1,88 @@
+"""Asynchronous client. Every method raises a ``hangar.errors`` class on failure."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from hangar.client import _core
+
+
+class AsyncHangar:
+    """Asyncio client for one Hangar server. Times are seconds."""
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None,
+                 timeout: float = 300.0) -> None:
+        url, key = _core.resolve_config(base_url, api_key)
+        self._http = httpx.AsyncClient(base_url=url, headers={"X-API-Key": key}, timeout=timeout)
+
+    async def __aenter__(self) -> "AsyncHangar":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        resp = await self._http.request(method, path, **kw)
+        _core.raise_for(resp)
+        return resp
+
+    async def health(self) -> dict[str, Any]:
+        return (await self._call("GET", "/health")).json()
+
+    async def create(self, image: str | None = None, **opts: Any) -> dict[str, Any]:
+        """Create a sandbox (``vcpus``, ``memory_mib``, ``disk_mib``, ``timeout``, ``metadata``)."""
+        body = {k: v for k, v in {"image": image, **opts}.items() if v is not None}
+        return (await self._call("POST", "/sandboxes", json=body)).json()
+
+    async def list(self) -> list[dict[str, Any]]:
+        return (await self._call("GET", "/sandboxes")).json()["sandboxes"]
+
+    async def get(self, sandbox_id: str) -> dict[str, Any]:
+        return (await self._call("GET", f"/sandboxes/{sandbox_id}")).json()
+
+    async def delete(self, sandbox_id: str) -> None:
+        await self._call("DELETE", f"/sandboxes/{sandbox_id}")
+
+    async def exec(self, sandbox_id: str, command: str, *, args: list[str] | None = None,
+             env: dict[str, str] | None = None, cwd: str | None = None,
+             stdin: str | bytes | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """Run a command; returns ``stdout``, ``stderr``, ``exit_code`` and more."""
+        body = _core.exec_body(command, args, env, cwd, stdin, timeout)
+        return (await self._call("POST", f"/sandboxes/{sandbox_id}/exec", json=body)).json()
+
+    async def exec_stream(self, sandbox_id: str, command: str, *, args: list[str] | None = None,
+                    env: dict[str, str] | None = None, cwd: str | None = None,
+                    stdin: str | bytes | None = None,
+                    timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Yield NDJSON events: ``stdout``/``stderr`` chunks, then ``exit``."""
+        body = _core.exec_body(command, args, env, cwd, stdin, timeout)
+        async with self._http.stream("POST", f"/sandboxes/{sandbox_id}/exec/stream",
+                                     json=body) as resp:
+            if resp.status_code >= 400:
+                await resp.aread()
+                _core.raise_for(resp)
+            async for line in resp.aiter_lines():
+                event = _core.parse_line(line)
+                if event is not None:
+                    yield event
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> dict[str, Any]:
+        return (await self._call("PUT", f"/sandboxes/{sandbox_id}/files",
+                          params={"path": path, "mode": mode}, content=data)).json()
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return (await self._call("GET", f"/sandboxes/{sandbox_id}/files", params={"path": path})).content
+
+    async def list_files(self, sandbox_id: str, path: str = "/root") -> list[dict[str, Any]]:
+        return (await self._call("GET", f"/sandboxes/{sandbox_id}/files/list",
+                          params={"path": path})).json()["entries"]
+
+    async def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        await self._call("DELETE", f"/sandboxes/{sandbox_id}/files",
+                   params={"path": path, "recursive": recursive})

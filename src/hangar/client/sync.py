@@ -1,0 +1,87 @@
+"""Synchronous client. Every method raises a ``hangar.errors`` class on failure."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from hangar.client import _core
+
+
+class Hangar:
+    """Blocking client for one Hangar server. Times are seconds."""
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None,
+                 timeout: float = 300.0) -> None:
+        url, key = _core.resolve_config(base_url, api_key)
+        self._http = httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=timeout)
+
+    def __enter__(self) -> "Hangar":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        resp = self._http.request(method, path, **kw)
+        _core.raise_for(resp)
+        return resp
+
+    def health(self) -> dict[str, Any]:
+        return self._call("GET", "/health").json()
+
+    def create(self, image: str | None = None, **opts: Any) -> dict[str, Any]:
+        """Create a sandbox (``vcpus``, ``memory_mib``, ``disk_mib``, ``timeout``, ``metadata``)."""
+        body = {k: v for k, v in {"image": image, **opts}.items() if v is not None}
+        return self._call("POST", "/sandboxes", json=body).json()
+
+    def list(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/sandboxes").json()["sandboxes"]
+
+    def get(self, sandbox_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/sandboxes/{sandbox_id}").json()
+
+    def delete(self, sandbox_id: str) -> None:
+        self._call("DELETE", f"/sandboxes/{sandbox_id}")
+
+    def exec(self, sandbox_id: str, command: str, *, args: list[str] | None = None,
+             env: dict[str, str] | None = None, cwd: str | None = None,
+             stdin: str | bytes | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """Run a command; returns ``stdout``, ``stderr``, ``exit_code`` and more."""
+        body = _core.exec_body(command, args, env, cwd, stdin, timeout)
+        return self._call("POST", f"/sandboxes/{sandbox_id}/exec", json=body).json()
+
+    def exec_stream(self, sandbox_id: str, command: str, *, args: list[str] | None = None,
+                    env: dict[str, str] | None = None, cwd: str | None = None,
+                    stdin: str | bytes | None = None,
+                    timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """Yield NDJSON events: ``stdout``/``stderr`` chunks, then ``exit``."""
+        body = _core.exec_body(command, args, env, cwd, stdin, timeout)
+        with self._http.stream("POST", f"/sandboxes/{sandbox_id}/exec/stream", json=body) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                _core.raise_for(resp)
+            for line in resp.iter_lines():
+                event = _core.parse_line(line)
+                if event is not None:
+                    yield event
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> dict[str, Any]:
+        return self._call("PUT", f"/sandboxes/{sandbox_id}/files",
+                          params={"path": path, "mode": mode}, content=data).json()
+
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return self._call("GET", f"/sandboxes/{sandbox_id}/files", params={"path": path}).content
+
+    def list_files(self, sandbox_id: str, path: str = "/root") -> list[dict[str, Any]]:
+        return self._call("GET", f"/sandboxes/{sandbox_id}/files/list",
+                          params={"path": path}).json()["entries"]
+
+    def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        self._call("DELETE", f"/sandboxes/{sandbox_id}/files",
+                   params={"path": path, "recursive": recursive})

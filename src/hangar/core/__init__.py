@@ -1,0 +1,1 @@
+"""The domain layer: sandbox records, their state machine and the orchestrator."""
