@@ -166,6 +166,11 @@ def exec_(
     cwd: Annotated[Optional[str], typer.Option()] = None,
 ) -> None:
     """Run a command, streaming its output; exits with the command's exit code."""
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        err.print("[red]error:[/red] no command given")
+        raise typer.Exit(2)
     cmd = command[0] if len(command) == 1 else shlex.join(command)
     stdin = None if sys.stdin.isatty() or os.environ.get("HANGAR_NO_STDIN") else sys.stdin.buffer.read()
     code = 1
@@ -231,7 +236,8 @@ def files_get(sandbox_id: str, remote: str,
 
 
 @files_app.command("ls")
-def files_ls(sandbox_id: str, path: str = "/root") -> None:
+def files_ls(sandbox_id: str,
+             path: Annotated[str, typer.Argument(help="Directory in the guest.")] = "/root") -> None:
     """List a directory in the sandbox."""
     try:
         with _client() as h:

@@ -1,0 +1,168 @@
+"""Shared fixtures: a real Hangar server on real microVMs.
+
+The guest image is built once per machine into ``$HANGAR_DATA_DIR``
+(default /var/lib/hangar); each test session runs its own server on a
+free port with a private data directory whose ``images`` links to that
+cache. Every VM a test makes is deleted when it ends, and the session
+fails if any VMM process of its data directory outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def vmm_pids(marker: str) -> list[int]:
+    """Pids of VMM processes whose command line contains ``marker``."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and (b"qemu-system" in argv[0] or b"firecracker" in argv[0]) and any(
+            marker.encode() in a for a in argv
+        ):
+            pids.append(int(d.name))
+    return pids
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def base_image() -> Path:
+    """Build (or reuse) the base image in the shared cache."""
+    from hangar.images import build_image
+    from hangar.layout import Layout
+
+    layout = Layout(SHARED)
+    layout.ensure()
+    img = build_image(layout, "base", progress=lambda m: print(f"image: {m}", file=sys.stderr))
+    return img.dir
+
+
+class Server:
+    """A ``hangar serve`` subprocess and an httpx client for it."""
+
+    def __init__(self, data_dir: Path, port: int, extra_env: dict[str, str] | None = None):
+        self.data_dir = data_dir
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.env = {**os.environ, "HANGAR_DATA_DIR": str(data_dir), "HANGAR_PORT": str(port),
+                    "PYTHONPATH": str(SRC), **(extra_env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = data_dir / "server.log"
+
+    def start(self, timeout: float = 60) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hangar.cli", "serve"], env=self.env,
+            stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not start")
+
+    @property
+    def key(self) -> str:
+        return (self.data_dir / "api-key").read_text().strip()
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"X-API-Key": self.key}, timeout=300)
+
+    def kill(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def make_data_dir(base_image: Path) -> Path:
+    d = Path(tempfile.mkdtemp(prefix="hg-", dir="/tmp"))
+    (d / "images").symlink_to(base_image.parent)
+    probe = SHARED / "engine-probe.json"
+    if probe.exists():
+        shutil.copy(probe, d / "engine-probe.json")
+    return d
+
+
+def cleanup(server: Server) -> list[int]:
+    """Delete what the server still runs, stop it, kill leftovers; return leaked pids."""
+    try:
+        with server.client() as c:
+            for sb in c.get("/sandboxes").json().get("sandboxes", []):
+                c.delete(f"/sandboxes/{sb['id']}")
+    except Exception:
+        pass
+    server.kill()
+    leaked = vmm_pids(str(server.data_dir))
+    for pid in leaked:
+        os.kill(pid, signal.SIGKILL)
+    return leaked
+
+
+@pytest.fixture(scope="session")
+def server(base_image: Path) -> Iterator[Server]:
+    d = make_data_dir(base_image)
+    srv = Server(d, free_port())
+    srv.start()
+    yield srv
+    leaked = cleanup(srv)
+    shutil.rmtree(d, ignore_errors=True)
+    assert not leaked, f"VMM processes outlived the session: {leaked}"
+
+
+@pytest.fixture(scope="session")
+def api(server: Server) -> Iterator[httpx.Client]:
+    with server.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def sandbox(api: httpx.Client) -> Iterator[str]:
+    """One running sandbox shared by the read-mostly tests of a session."""
+    r = api.post("/sandboxes", json={})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    yield sid
+    api.delete(f"/sandboxes/{sid}")
+
+
+@pytest.fixture
+def fresh_sandbox(api: httpx.Client) -> Iterator[str]:
+    """A sandbox of the test's own, deleted when it ends."""
+    r = api.post("/sandboxes", json={})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    yield sid
+    api.delete(f"/sandboxes/{sid}")

@@ -1,0 +1,142 @@
+"""The REST API's contract: lifecycle, auth, errors, spec, metrics, restarts."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+
+import httpx
+import pytest
+
+from conftest import Server, cleanup, free_port, make_data_dir, vmm_pids
+
+
+def test_health_needs_no_key(server: Server) -> None:
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ok"
+    assert body["engine"]["engine"] == "qemu"
+    assert body["engine"]["accel"] in ("kvm", "tcg")
+
+
+@pytest.mark.parametrize("headers", [{}, {"X-API-Key": "wrong"}, {"X-API-Key": ""}])
+def test_key_is_required(server: Server, headers: dict[str, str]) -> None:
+    for method, path in [("GET", "/sandboxes"), ("POST", "/sandboxes"), ("GET", "/metrics"),
+                         ("GET", "/sandboxes/sb-1/files?path=/x")]:
+        r = httpx.request(method, server.url + path, headers=headers)
+        assert r.status_code == 401, (method, path, r.text)
+        assert r.json()["error"]["code"] == "unauthorized"
+
+
+def test_key_file_is_private_and_never_logged(server: Server) -> None:
+    key_file = server.data_dir / "api-key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert server.key not in server.log.read_text()
+
+
+def test_openapi_lists_the_contract(server: Server) -> None:
+    spec = httpx.get(server.url + "/openapi.json").json()
+    paths = spec["paths"]
+    for path, method in [("/sandboxes", "post"), ("/sandboxes", "get"),
+                         ("/sandboxes/{sandbox_id}", "get"), ("/sandboxes/{sandbox_id}", "delete"),
+                         ("/sandboxes/{sandbox_id}/exec", "post"),
+                         ("/sandboxes/{sandbox_id}/exec/stream", "post"),
+                         ("/sandboxes/{sandbox_id}/files", "put"),
+                         ("/sandboxes/{sandbox_id}/files", "get"), ("/health", "get")]:
+        assert method in paths[path], (path, method)
+    assert "APIKeyHeader" in spec["components"]["securitySchemes"]
+    exec_req = spec["components"]["schemas"]["ExecRequest"]
+    assert exec_req["required"] == ["command"]
+
+
+@pytest.mark.vm
+def test_lifecycle(api: httpx.Client) -> None:
+    r = api.post("/sandboxes", json={"memory_mib": 384, "metadata": {"owner": "t"}})
+    assert r.status_code == 201, r.text
+    sb = r.json()
+    sid = sb["id"]
+    try:
+        assert sb["state"] == "running" and sb["memory_mib"] == 384
+        assert api.get(f"/sandboxes/{sid}").json()["metadata"] == {"owner": "t"}
+        assert sid in [s["id"] for s in api.get("/sandboxes").json()["sandboxes"]]
+        mem = api.post(f"/sandboxes/{sid}/exec",
+                       json={"command": "awk '/MemTotal/{print $2}' /proc/meminfo"}).json()
+        assert 300_000 < int(mem["stdout"]) <= 384 * 1024
+        assert len(vmm_pids(sid)) == 1
+    finally:
+        assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    assert api.get(f"/sandboxes/{sid}").status_code == 404
+    assert api.delete(f"/sandboxes/{sid}").status_code == 404
+    assert sid not in [s["id"] for s in api.get("/sandboxes").json()["sandboxes"]]
+    assert vmm_pids(sid) == []
+
+
+def test_bad_input_is_a_clear_error(api: httpx.Client) -> None:
+    cases = [
+        (api.post("/sandboxes", json={"memory_mib": 1}), 422),
+        (api.post("/sandboxes", json={"vcpus": "many"}), 422),
+        (api.post("/sandboxes", json={"nonsense": True}), 422),
+        (api.post("/sandboxes", json={"image": "no-such-image"}), 404),
+        (api.post("/sandboxes", content=b"{not json", headers={"content-type": "application/json"}), 422),
+        (api.get("/sandboxes/sb-000000000000"), 404),
+        (api.delete("/sandboxes/sb-000000000000"), 404),
+        (api.post("/sandboxes/sb-000000000000/exec", json={"command": ""}), 422),
+        (api.post("/sandboxes/sb-000000000000/exec", json={"command": "true", "timeout": -1}), 422),
+    ]
+    for r, status in cases:
+        assert r.status_code == status, (r.request.url, r.text)
+        err = r.json()["error"]
+        assert err["code"] and err["message"]
+
+
+@pytest.mark.vm
+def test_metrics(api: httpx.Client, sandbox: str) -> None:
+    api.post(f"/sandboxes/{sandbox}/exec", json={"command": "true"})
+    text = api.get("/metrics").text
+    assert 'hangar_sandboxes{state="running"}' in text
+    assert "hangar_exec_seconds_bucket" in text
+    assert 'hangar_sandbox_creates_total{outcome="ok"}' in text
+    assert 'hangar_engine_info{' in text and 'engine="qemu"' in text
+
+
+@pytest.mark.vm
+def test_failed_create_leaves_nothing(base_image) -> None:
+    d = make_data_dir(base_image)
+    srv = Server(d, free_port(), {"HANGAR_BOOT_TIMEOUT_S": "0.5"})
+    try:
+        srv.start()
+        with srv.client() as c:
+            r = c.post("/sandboxes", json={})
+            assert r.status_code == 504, r.text
+            assert r.json()["error"]["code"] == "timeout"
+            assert c.get("/sandboxes").json()["sandboxes"] == []
+        assert list((d / "sandboxes").iterdir()) == []
+        assert vmm_pids(str(d)) == []
+        assert "Traceback" not in srv.log.read_text()
+    finally:
+        leaked = cleanup(srv)
+        shutil.rmtree(d, ignore_errors=True)
+    assert not leaked
+
+
+@pytest.mark.vm
+def test_restarted_server_knows_its_sandboxes(base_image) -> None:
+    d = make_data_dir(base_image)
+    srv = Server(d, free_port())
+    try:
+        srv.start()
+        with srv.client() as c:
+            sid = c.post("/sandboxes", json={}).json()["id"]
+            c.put(f"/sandboxes/{sid}/files", params={"path": "/root/keep"}, content=b"kept")
+        srv.kill(signal.SIGKILL)
+        assert len(vmm_pids(sid)) == 1, "the VM outlives its server"
+        srv.start()
+        with srv.client() as c:
+            assert c.get(f"/sandboxes/{sid}").json()["state"] == "running"
+            r = c.post(f"/sandboxes/{sid}/exec", json={"command": "cat /root/keep"})
+            assert r.status_code == 200 and r.json()["stdout"] == "kept"
+    finally:
+        leaked = cleanup(srv)
+        shutil.rmtree(d, ignore_errors=True)
+    assert not leaked

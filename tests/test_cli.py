@@ -1,0 +1,50 @@
+"""The ``hangar`` CLI against a real server: create, exec, files, ls, rm."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import SRC, Server, vmm_pids
+
+pytestmark = pytest.mark.vm
+
+
+def hangar(server: Server, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    env = {**os.environ, "HANGAR_URL": server.url, "HANGAR_API_KEY": server.key,
+           "PYTHONPATH": str(SRC), "HANGAR_NO_STDIN": "" if stdin is not None else "1"}
+    return subprocess.run([sys.executable, "-m", "hangar.cli", *args], env=env, input=stdin,
+                          capture_output=True, timeout=300)
+
+
+def test_cli_round_trip(server: Server, tmp_path: Path) -> None:
+    r = hangar(server, "create")
+    assert r.returncode == 0, r.stderr
+    sid = r.stdout.decode().strip()
+    try:
+        assert sid.startswith("sb-")
+        assert sid in hangar(server, "ls").stdout.decode()
+        r = hangar(server, "exec", sid, "--", "sh", "-c", "echo out; echo err >&2; exit 7")
+        assert r.returncode == 7
+        assert r.stdout == b"out\n" and r.stderr.endswith(b"err\n")
+        r = hangar(server, "exec", sid, "--", "cat", stdin=b"piped\n")
+        assert r.returncode == 0 and r.stdout == b"piped\n"
+        src = tmp_path / "in.bin"
+        src.write_bytes(bytes(range(256)))
+        assert hangar(server, "files", "put", sid, str(src), "/root/in.bin").returncode == 0
+        dst = tmp_path / "out.bin"
+        assert hangar(server, "files", "get", sid, "/root/in.bin", str(dst)).returncode == 0
+        assert dst.read_bytes() == bytes(range(256))
+        assert "in.bin" in hangar(server, "files", "ls", sid, "/root").stdout.decode()
+        r = hangar(server, "files", "get", sid, "/root/missing")
+        assert r.returncode == 1 and b"missing" in r.stderr and b"Traceback" not in r.stderr
+    finally:
+        r = hangar(server, "rm", sid)
+    assert r.returncode == 0
+    assert vmm_pids(sid) == []
+    r = hangar(server, "exec", sid, "--", "true")
+    assert r.returncode == 1 and b"Traceback" not in r.stderr
