@@ -59,6 +59,12 @@ def base_image() -> Path:
     layout = Layout(SHARED)
     layout.ensure()
     img = build_image(layout, "base", progress=lambda m: print(f"image: {m}", file=sys.stderr))
+    # Run (or read) the KVM probe once, so every test server reuses its answer.
+    from hangar.engines.qemu import choose_accel
+    from hangar.images import resolve_image
+
+    ready = resolve_image(layout, "base")
+    choose_accel(layout, ready.kernel, ready.initrd)
     return img.dir
 
 

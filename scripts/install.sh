@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Install what Hangar needs on this host, build the base guest image, and start the server.
+#   scripts/install.sh             install, build, start `hangar serve` in the background
+#   scripts/install.sh --no-start  install and build only (CI)
+# Idempotent: a second run only starts what is not running.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+DATA=${HANGAR_DATA_DIR:-/var/lib/hangar}
+PORT=${HANGAR_PORT:-8080}
+say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
+
+if [ "$(id -u)" != 0 ]; then
+  echo "run as root: Hangar uses /dev/kvm, debootstrap and mkfs to build and boot guests" >&2
+  exit 1
+fi
+
+PKGS="qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils curl"
+missing=""
+for p in $PKGS; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  say "installing Debian packages:$missing"
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
+else
+  say "Debian packages already installed"
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  say "creating the Python environment in .venv"
+  "${PYTHON:-python3}" -m venv .venv
+fi
+say "installing Hangar and its pinned Python dependencies"
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+ln -sf "$ROOT/.venv/bin/hangar" /usr/local/bin/hangar
+
+say "building the base guest image (cached; the first build takes a few minutes)"
+HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build base
+
+[ "${1:-}" = "--no-start" ] && exit 0
+
+if [ -f "$DATA/hangar.pid" ] && kill -0 "$(cat "$DATA/hangar.pid")" 2>/dev/null; then
+  say "Hangar is already running (pid $(cat "$DATA/hangar.pid"))"
+else
+  say "starting Hangar on 127.0.0.1:$PORT (log: $DATA/hangar.log)"
+  HANGAR_DATA_DIR=$DATA HANGAR_PORT=$PORT setsid nohup .venv/bin/hangar serve \
+    >>"$DATA/hangar.log" 2>&1 < /dev/null &
+  echo $! > "$DATA/hangar.pid"
+  for _ in $(seq 120); do
+    curl -fs "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+    kill -0 "$(cat "$DATA/hangar.pid")" 2>/dev/null || { tail -20 "$DATA/hangar.log"; exit 1; }
+    sleep 0.5
+  done
+fi
+curl -fs "http://127.0.0.1:$PORT/health"; echo
+say "ready: try 'hangar create' (the API key is in $DATA/api-key)"
