@@ -24,6 +24,10 @@ class CreateSandbox(BaseModel):
     timeout: float | None = Field(None, gt=0, le=30 * 86400,
                                   description="Time to live in seconds; none keeps it until deleted.")
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+    desktop: str | None = Field(
+        None, pattern=r"^[1-9][0-9]{2,4}x[1-9][0-9]{2,4}x(16|24)$",
+        description="Start a desktop of WIDTHxHEIGHTxDEPTH (pixels, bits), e.g. 1280x800x24; "
+                    "needs an image with one (the 'desktop' recipe).")
 
 
 class Sandbox(BaseModel):
@@ -41,6 +45,7 @@ class Sandbox(BaseModel):
     expires_at: float | None = Field(None, description="Unix time, seconds; null: no TTL.")
     error: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+    desktop: str | None = None
 
 
 class SandboxList(BaseModel):

@@ -29,7 +29,7 @@ def view(rec: SandboxRecord) -> Sandbox:
         id=rec.id, state=rec.state, image=rec.image, engine=rec.engine, accel=rec.accel,
         vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
         created_at=rec.created_at, expires_at=rec.expires_at, error=rec.error,
-        metadata=rec.metadata_ or {},
+        metadata=rec.metadata_ or {}, desktop=rec.desktop,
     )
 
 
@@ -40,6 +40,7 @@ async def create(m: Manager, body: CreateSandbox | None = None) -> Sandbox:
     rec = await m.create(CreateOptions(
         image=body.image, vcpus=body.vcpus, memory_mib=body.memory_mib,
         disk_mib=body.disk_mib, timeout_s=body.timeout, metadata=body.metadata,
+        desktop=body.desktop,
     ))
     return view(rec)
 

@@ -51,6 +51,8 @@ class CreateOptions:
     disk_mib: int | None = None
     timeout_s: float | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    desktop: str | None = None
+    """Screen as ``WIDTHxHEIGHTxDEPTH`` (pixels, bits); starts the guest's desktop."""
 
 
 @dataclass
@@ -166,11 +168,12 @@ class SandboxManager:
                 memory_mib=opts.memory_mib or s.default_memory_mib,
                 disk_mib=opts.disk_mib or s.default_disk_mib, pid=None, created_at=now,
                 updated_at=now, expires_at=now + opts.timeout_s if opts.timeout_s else None,
-                metadata_=dict(opts.metadata),
+                metadata_=dict(opts.metadata), desktop=opts.desktop,
             )
             self.store.add(rec)
+        kernel_args = (f"hangar.desktop={opts.desktop}",) if opts.desktop else ()
         spec = VMSpec(sid, image, self.layout.sandbox(sid), rec.vcpus, rec.memory_mib,
-                      rec.disk_mib, hostname=sid)
+                      rec.disk_mib, hostname=sid, kernel_args=kernel_args)
         vm: VM | None = None
         try:
             vm = await self.engine.boot(spec)

@@ -40,6 +40,7 @@ class SandboxRecord(Base):
     updated_at: Mapped[float] = mapped_column(Float)
     expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     error: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+    desktop: Mapped[str | None] = mapped_column(String(32), nullable=True)
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
 
 

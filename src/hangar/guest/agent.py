@@ -14,6 +14,8 @@ Operations (``meta["op"]`` of a REQUEST frame):
 ``stat``        one entry
 ``mkdir``       make a directory (``parents`` like ``mkdir -p``)
 ``remove``      remove a file, or a directory (``recursive``)
+``connect``     a TCP tunnel to a port inside the guest (e.g. x11vnc's 5900):
+                DATA frames of stream ``socket`` both ways, EOF to half-close
 ``set_time``    set the wall clock (``unix_ns``), used after a restore
 ``reseed``      mix host entropy into the kernel's pool, used after a restore
 
@@ -525,6 +527,61 @@ class Agent:
             raise os_error(exc, path) from None
         return {"path": path}
 
+    async def op_connect(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
+        """Tunnel bytes between the channel and a TCP port in the guest.
+
+        meta: ``port`` (int), ``host`` (default 127.0.0.1). The first DATA
+        frame (empty, ``connected: true``) says the connection is open;
+        ends with RESPONSE ``{bytes_in, bytes_out}`` when both sides closed.
+        """
+        port = meta.get("port")
+        host = meta.get("host", "127.0.0.1")
+        if not isinstance(port, int) or not 0 < port < 65536 or not isinstance(host, str):
+            raise OpError("invalid", "connect needs a TCP port (1-65535)")
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 10)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise OpError("not_found", f"cannot connect to {host}:{port}: {exc}") from None
+        await self.send(P.Kind.DATA, cid, {"stream": "socket", "connected": True})
+        counts = {"in": 0, "out": 0}
+
+        async def upstream() -> None:
+            while True:
+                chunk = await reader.read(P.CHUNK)
+                if not chunk:
+                    await self.send(P.Kind.EOF, cid, {"stream": "socket"})
+                    return
+                counts["out"] += len(chunk)
+                await self.send(P.Kind.DATA, cid, {"stream": "socket"}, chunk)
+
+        async def downstream() -> None:
+            while True:
+                frame = await ch.inbox.get()
+                if frame.kind == P.Kind.DATA:
+                    counts["in"] += len(frame.data)
+                    writer.write(frame.data)
+                    await writer.drain()
+                elif frame.kind in (P.Kind.EOF, P.Kind.SIGNAL):
+                    if writer.can_write_eof():
+                        writer.write_eof()
+                    return
+
+        up = asyncio.create_task(upstream())
+        down = asyncio.create_task(downstream())
+        try:
+            done, pending = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+            if down in done:  # host closed: let the guest side finish, briefly
+                await asyncio.wait({up}, timeout=2)
+            else:  # guest side closed: the host decides when to end
+                await down
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            for t in (up, down):
+                t.cancel()
+            writer.close()
+        return {"bytes_in": counts["in"], "bytes_out": counts["out"]}
+
     async def op_set_time(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
         ns = meta.get("unix_ns")
         if not isinstance(ns, int):
@@ -601,11 +658,69 @@ async def serve_unix(agent: Agent, path: str) -> None:
         await server.serve_forever()
 
 
+VSOCK_PORT = 52
+"""The agent's vsock port under Firecracker (host side: ``CONNECT 52``)."""
+
+
+def kernel_channel(path: str = "/proc/cmdline") -> str | None:
+    """The value of ``hangar.channel=`` on the kernel command line, or None."""
+    try:
+        with open(path) as f:
+            words = f.read().split()
+    except OSError:
+        return None
+    for word in words:
+        if word.startswith("hangar.channel="):
+            return word.split("=", 1)[1]
+    return None
+
+
+async def serve_vsock(agent: Agent, port: int = VSOCK_PORT) -> None:
+    """Serve AF_VSOCK ``port`` (Firecracker's agent channel); each connection is a session.
+
+    The host reaches it through Firecracker's Unix socket with ``CONNECT
+    <port>``. Waits until the vsock transport exists (its modules load in
+    the initramfs). After a snapshot restore the device resets and drops
+    every connection, but this listening socket survives and the host
+    simply connects again; the newest connection takes over the agent.
+    """
+    import socket
+
+    warned = False
+    while True:
+        try:
+            sock = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+        except OSError as exc:  # no vsock transport yet
+            if not warned:
+                print(f"hangar-agent: waiting for vsock: {exc}", file=sys.stderr, flush=True)
+                warned = True
+            await asyncio.sleep(0.05)
+            continue
+        try:
+            sock.bind((socket.VMADDR_CID_ANY, port))
+            sock.listen(8)
+        except OSError as exc:
+            sock.close()
+            if not warned:
+                print(f"hangar-agent: cannot listen on vsock port {port}: {exc}",
+                      file=sys.stderr, flush=True)
+                warned = True
+            await asyncio.sleep(0.05)
+            continue
+        break
+    sock.setblocking(False)
+    server = await asyncio.start_server(agent.session, sock=sock, limit=P.MAX_DATA * 2)
+    async with server:
+        await server.serve_forever()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     agent = Agent()
     if len(args) == 2 and args[0] == "--listen":
         coro = serve_unix(agent, args[1])
+    elif kernel_channel() == "vsock":
+        coro = serve_vsock(agent)
     else:
         coro = serve_port(agent)
     print(f"hangar-agent {__version__} protocol {P.VERSION} starting", file=sys.stderr, flush=True)

@@ -195,6 +195,38 @@ class AgentClient:
                 raise
         raise Timeout(f"guest agent did not answer within {timeout:.0f} s", last_error=repr(last))
 
+    @classmethod
+    async def from_streams(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           timeout: float = 30.0) -> "AgentClient":
+        """Wrap an already open byte stream to the agent once its HELLO arrives.
+
+        For channels that need their own handshake first (Firecracker's vsock
+        socket: ``CONNECT 52``). Waits at most ``timeout`` seconds. Raises
+        ``Timeout``, or ``GuestError`` when the stream closes or the agent
+        speaks another protocol version; the writer is closed on failure.
+        """
+        decoder = P.Decoder()
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    data = await reader.read(1 << 16)
+                    if not data:
+                        raise GuestError("agent stream closed before its HELLO")
+                    for frame in decoder.feed(data):
+                        if frame.kind != P.Kind.HELLO:
+                            continue
+                        if frame.meta.get("protocol") != P.VERSION:
+                            raise GuestError(
+                                f"guest agent speaks protocol {frame.meta.get('protocol')}, "
+                                f"host speaks {P.VERSION}")
+                        return cls(reader, writer, frame.meta)
+        except TimeoutError:
+            writer.close()
+            raise Timeout(f"guest agent sent no HELLO within {timeout:.0f} s") from None
+        except BaseException:
+            writer.close()
+            raise
+
     # -- plumbing ----------------------------------------------------------
 
     async def _read_loop(self) -> None:
@@ -365,6 +397,21 @@ class AgentClient:
         finally:
             self._channels.pop(cid, None)
 
+    async def open_tunnel(self, port: int, host: str = "127.0.0.1") -> "Tunnel":
+        """Open a byte tunnel to ``host:port`` inside the guest.
+
+        Raises NotFound when nothing listens there.
+        """
+        cid, q = self._open()
+        await self._send(P.Kind.REQUEST, cid, {"op": "connect", "port": port, "host": host})
+        while True:
+            frame = await q.get()
+            if frame.kind == P.Kind.DATA and frame.meta.get("connected"):
+                return Tunnel(self, cid, q)
+            if frame.kind == P.Kind.ERROR:
+                self._channels.pop(cid, None)
+                self._raise(frame)
+
     async def close(self) -> None:
         self._closed = True
         self._pump.cancel()
@@ -372,3 +419,41 @@ class AgentClient:
             self._writer.close()
         except Exception:
             pass
+
+
+class Tunnel:
+    """A TCP connection inside the guest, carried over the agent channel."""
+
+    def __init__(self, client: AgentClient, cid: int, q: asyncio.Queue[P.Frame]) -> None:
+        self._client = client
+        self._cid = cid
+        self._q = q
+        self._eof = False
+        self._closed = False
+
+    async def read(self) -> bytes:
+        """Next bytes from the guest; ``b""`` once the guest side has closed."""
+        while not self._eof:
+            frame = await self._q.get()
+            if frame.kind == P.Kind.DATA and frame.data:
+                return frame.data
+            if frame.kind in (P.Kind.EOF, P.Kind.RESPONSE, P.Kind.ERROR):
+                self._eof = True
+        return b""
+
+    async def write(self, data: bytes) -> None:
+        for i in range(0, len(data), P.CHUNK):
+            await self._client._send(P.Kind.DATA, self._cid, {"stream": "socket"},
+                                     data[i:i + P.CHUNK])
+
+    async def close(self) -> None:
+        """Half-close towards the guest and forget the channel."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._client.closed:
+            try:
+                await self._client._send(P.Kind.EOF, self._cid, {"stream": "socket"})
+            except GuestError:
+                pass
+        self._client._channels.pop(self._cid, None)
