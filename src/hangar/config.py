@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     default_disk_mib: int = Field(2048, ge=512, le=1048576)
     boot_timeout_s: float = Field(60.0, description="Seconds to wait for the guest agent.")
     max_sandboxes: int = Field(30, ge=1, description="Cap on concurrently running VMs.")
+    default_timeout_s: float = Field(
+        3600.0, ge=0, description="Time to live of a sandbox created without one, seconds; "
+                                  "0 keeps such sandboxes until deleted.")
     api_key: str | None = Field(
         None, description="API key; when unset, read from or generated into data_dir/api-key."
     )

@@ -21,13 +21,23 @@ class CreateSandbox(BaseModel):
     vcpus: int | None = Field(None, ge=1, le=32)
     memory_mib: int | None = Field(None, ge=128, le=65536, description="Guest memory, MiB.")
     disk_mib: int | None = Field(None, ge=512, le=1048576, description="Writable disk, MiB.")
-    timeout: float | None = Field(None, gt=0, le=30 * 86400,
-                                  description="Time to live in seconds; none keeps it until deleted.")
+    timeout: float | None = Field(None, ge=0, le=30 * 86400,
+                                  description="Time to live in seconds; 0 keeps it until deleted; "
+                                              "default: the server's (one hour).")
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
     desktop: str | None = Field(
         None, pattern=r"^[1-9][0-9]{2,4}x[1-9][0-9]{2,4}x(16|24)$",
         description="Start a desktop of WIDTHxHEIGHTxDEPTH (pixels, bits), e.g. 1280x800x24; "
                     "needs an image with one (the 'desktop' recipe).")
+
+
+class SetTimeout(BaseModel):
+    """Body of ``POST /sandboxes/{id}/timeout``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout: float = Field(ge=0, le=30 * 86400,
+                           description="Seconds from now until the sandbox expires; 0: never.")
 
 
 class Sandbox(BaseModel):

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from hangar.api.deps import manager
 from hangar.api.models import (
-    CreateSandbox, ExecRequest, ExecResponse, Sandbox, SandboxList,
+    CreateSandbox, ExecRequest, ExecResponse, Sandbox, SandboxList, SetTimeout,
 )
 from hangar.core.sandboxes import CreateOptions, SandboxManager
 from hangar.core.store import SandboxRecord
@@ -59,6 +59,12 @@ async def get(sandbox_id: str, m: Manager) -> Sandbox:
 async def delete(sandbox_id: str, m: Manager) -> Response:
     await m.delete(sandbox_id)
     return Response(status_code=204)
+
+
+@router.post("/{sandbox_id}/timeout", response_model=Sandbox,
+             summary="Set the sandbox's time to live, counted from now")
+async def set_timeout(sandbox_id: str, body: SetTimeout, m: Manager) -> Sandbox:
+    return view(m.set_timeout(sandbox_id, body.timeout))
 
 
 def _stdin(body: ExecRequest) -> bytes | None:

@@ -46,6 +46,11 @@ class AsyncHangar:
     async def get(self, sandbox_id: str) -> dict[str, Any]:
         return (await self._call("GET", f"/sandboxes/{sandbox_id}")).json()
 
+    async def set_timeout(self, sandbox_id: str, timeout: float) -> dict[str, Any]:
+        """Make the sandbox expire ``timeout`` seconds from now (0: never)."""
+        return (await self._call("POST", f"/sandboxes/{sandbox_id}/timeout",
+                              json={"timeout": timeout})).json()
+
     async def delete(self, sandbox_id: str) -> None:
         await self._call("DELETE", f"/sandboxes/{sandbox_id}")
 

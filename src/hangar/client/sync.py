@@ -46,6 +46,11 @@ class Hangar:
     def get(self, sandbox_id: str) -> dict[str, Any]:
         return self._call("GET", f"/sandboxes/{sandbox_id}").json()
 
+    def set_timeout(self, sandbox_id: str, timeout: float) -> dict[str, Any]:
+        """Make the sandbox expire ``timeout`` seconds from now (0: never)."""
+        return (self._call("POST", f"/sandboxes/{sandbox_id}/timeout",
+                              json={"timeout": timeout})).json()
+
     def delete(self, sandbox_id: str) -> None:
         self._call("DELETE", f"/sandboxes/{sandbox_id}")
 

@@ -27,7 +27,7 @@ from hangar.config import Settings
 from hangar.core.states import LIVE, State, check
 from hangar.core.store import SandboxRecord, Store
 from hangar.engines.base import VM, Engine, VMSpec
-from hangar.errors import Conflict, GuestError, HangarError, LimitExceeded, NotFound
+from hangar.errors import Conflict, GuestError, Gone, HangarError, LimitExceeded, NotFound
 from hangar.guest.client import AgentClient, ExecEvent, ExecResult
 from hangar.images import resolve_image
 from hangar.layout import Layout
@@ -120,12 +120,26 @@ class SandboxManager:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            for sid, rt in list(self._runtimes.items()):
-                if not rt.vm.alive():
-                    rec = self.store.get(sid)
-                    if rec is not None and rec.state in (State.RUNNING.value, State.PAUSED.value):
-                        log.warning("VMM died", extra={"sandbox_id": sid, "pid": rt.vm.pid})
-                        await self._release(sid, rt.vm, State.FAILED, "the VMM process exited")
+            try:
+                await self._watch_once()
+            except Exception:  # the watcher must outlive any one failure
+                log.exception("watcher pass failed")
+
+    async def _watch_once(self) -> None:
+        """Expire sandboxes past their TTL; mark those whose VMM died ``failed``."""
+        now = time.time()
+        for rec in self.store.live():
+            if rec.expires_at is not None and rec.expires_at <= now and rec.state in (
+                    State.RUNNING.value, State.PAUSED.value):
+                rt = self._runtimes.get(rec.id)
+                await self._release(rec.id, rt.vm if rt else None, State.EXPIRED, None)
+                log.info("sandbox expired", extra={"sandbox_id": rec.id})
+        for sid, rt in list(self._runtimes.items()):
+            if not rt.vm.alive():
+                rec = self.store.get(sid)
+                if rec is not None and rec.state in (State.RUNNING.value, State.PAUSED.value):
+                    log.warning("VMM died", extra={"sandbox_id": sid, "pid": rt.vm.pid})
+                    await self._release(sid, rt.vm, State.FAILED, "the VMM process exited")
 
     async def close(self) -> None:
         """Stop background work and drop agent connections; VMs keep running."""
@@ -161,13 +175,14 @@ class SandboxManager:
                                     retry_after=5, limit=s.max_sandboxes)
             sid = new_id()
             now = time.time()
+            ttl = opts.timeout_s if opts.timeout_s is not None else s.default_timeout_s
             rec = SandboxRecord(
                 id=sid, state=State.CREATING.value, desired_state=State.RUNNING.value,
                 image=image.name, image_digest=image.digest, engine=self.engine.name,
                 accel=self.engine.accel, vcpus=opts.vcpus or s.default_vcpus,
                 memory_mib=opts.memory_mib or s.default_memory_mib,
                 disk_mib=opts.disk_mib or s.default_disk_mib, pid=None, created_at=now,
-                updated_at=now, expires_at=now + opts.timeout_s if opts.timeout_s else None,
+                updated_at=now, expires_at=now + ttl if ttl else None,
                 metadata_=dict(opts.metadata), desktop=opts.desktop,
             )
             self.store.add(rec)
@@ -202,11 +217,24 @@ class SandboxManager:
             raise NotFound(f"no sandbox {sandbox_id}", sandbox_id=sandbox_id)
         if rec.state == State.DELETED.value:
             raise NotFound(f"sandbox {sandbox_id} was deleted", sandbox_id=sandbox_id)
+        if rec.state == State.EXPIRED.value:
+            raise Gone(f"sandbox {sandbox_id} expired at "
+                       f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(rec.expires_at or 0))}",
+                       sandbox_id=sandbox_id)
         return rec
 
+    def set_timeout(self, sandbox_id: str, timeout_s: float) -> SandboxRecord:
+        """Make the sandbox expire ``timeout_s`` seconds from now (0: never)."""
+        rec = self.get(sandbox_id)
+        if rec.state not in (State.RUNNING.value, State.PAUSED.value, State.CREATING.value):
+            raise Conflict(f"sandbox {sandbox_id} is {rec.state}", sandbox_id=sandbox_id)
+        expires = time.time() + timeout_s if timeout_s else None
+        return self.store.update(sandbox_id, expires_at=expires)  # type: ignore[return-value]
+
     def list(self) -> list[SandboxRecord]:
-        """Sandboxes that are live or failed (not deleted), oldest first."""
-        return [r for r in self.store.all() if r.state != State.DELETED.value]
+        """Sandboxes that are live or failed (not deleted or expired), oldest first."""
+        gone = (State.DELETED.value, State.EXPIRED.value)
+        return [r for r in self.store.all() if r.state not in gone]
 
     async def delete(self, sandbox_id: str) -> None:
         """End the sandbox's VM and remove everything it held. NotFound if unknown."""

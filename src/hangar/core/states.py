@@ -2,7 +2,7 @@
 
 ::
 
-    creating ──► running ──► stopping ──► deleted
+    creating ──► running ──► stopping ──► deleted | expired
         │           │  ▲
         │           ▼  │
         │         paused
@@ -14,6 +14,7 @@
 ``paused``    vCPUs stopped (snapshots, later the warm pool)
 ``stopping``  the VMM is being ended and its files removed
 ``deleted``   gone; the record stays as a tombstone so calls get a clear 404
+``expired``   removed when its time to live ran out; calls get 410
 ``failed``    the VMM died or never came up; resources are already released
 
 A failed create leaves no record at all: nothing half-created.
@@ -32,6 +33,7 @@ class State(str, enum.Enum):
     PAUSED = "paused"
     STOPPING = "stopping"
     DELETED = "deleted"
+    EXPIRED = "expired"
     FAILED = "failed"
 
 
@@ -39,8 +41,9 @@ TRANSITIONS: dict[State, set[State]] = {
     State.CREATING: {State.RUNNING, State.FAILED, State.STOPPING},
     State.RUNNING: {State.PAUSED, State.STOPPING, State.FAILED},
     State.PAUSED: {State.RUNNING, State.STOPPING, State.FAILED},
-    State.STOPPING: {State.DELETED, State.FAILED},
+    State.STOPPING: {State.DELETED, State.EXPIRED, State.FAILED},
     State.DELETED: set(),
+    State.EXPIRED: set(),
     State.FAILED: {State.STOPPING, State.DELETED},
 }
 
