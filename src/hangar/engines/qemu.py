@@ -15,24 +15,45 @@ QEMU version and host kernel release.
 
 Each VMM runs in its own session (``start_new_session``), so a restarted
 Hangar server can find and adopt it by the pid file and the ``-name`` tag.
+
+Snapshots use QEMU's migration stream (files: ``hangar.engines.snapshot_io``).
+``snapshot`` pauses the VM and migrates it to ``exec:cat > state.mig``
+(QEMU 7.2 has no ``file:`` transport; all-zero pages cost a few bytes, so
+the file is about the guest memory in use), then copies the qcow2 overlay,
+which the finished migration has flushed and released. ``restore`` starts
+QEMU with the same argv plus ``-incoming defer``, loads the stream with
+``migrate-incoming exec:cat state.mig`` and runs ``cont``. Only the
+arguments in ``machine_args`` (plus the fixed device list) must match; the
+kernel command line and file paths may differ, since RAM comes from the
+stream. The guest TSC and clocks are part of the saved CPU state and simply
+continue, so the guest's wall clock lags by the time the snapshot sat
+on disk until ``snapshot_io.refresh_guest`` sets it. The agent's
+virtio-serial port needs care on restore; see ``_connect_restored``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from qemu.qmp import QMPClient, QMPError
 
+from hangar.engines import snapshot_io
 from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec, kill_process
-from hangar.errors import EngineError, Timeout
+from hangar.errors import EngineError, GuestError, Timeout
+from hangar.guest import protocol as P
 from hangar.guest.client import AgentClient
 from hangar.layout import Layout, SandboxPaths
 
@@ -43,6 +64,13 @@ QEMU_IMG = "qemu-img"
 PROBE_TIMEOUT_S = 15.0
 PROBE_MARKER = b"HANGAR-PROBE-OK"
 STOP_GRACE_S = 3.0
+MACHINE = "microvm,pit=on,rtc=on"
+MACHINE_FLAGS = ("-M", "-accel", "-cpu", "-smp", "-m")
+MIGRATE_BANDWIDTH = 1 << 40  # bytes/s: no limit in practice (QEMU's default is 128 MiB/s)
+MIGRATE_TIMEOUT_S = 60.0
+MIGRATE_S_PER_GIB = 60.0  # extra seconds of migration timeout per GiB of guest memory
+HELLO_PROBE_S = 0.5  # seconds between ``hello`` requests to a restored guest without a HELLO
+PROBE_CHANNEL_BASE = 0xFFFF0000  # channel ids of those requests; AgentClient counts from 1
 
 
 def host_tsc_khz() -> int | None:
@@ -127,17 +155,29 @@ class QemuEngine(Engine):
         self.accel_reason = accel_reason
         self.version = qemu_version()
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        # Agent connections that ``restore`` opened before ``cont``, by QEMU pid.
+        self._held: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
         self._tsc_khz = host_tsc_khz()
 
     def describe(self) -> dict[str, str]:
         return {"engine": self.name, "accel": self.accel, "version": self.version,
                 "accel_reason": self.accel_reason}
 
+    def machine_args(self, spec: VMSpec) -> list[str]:
+        """The QEMU arguments that fix the machine's shape.
+
+        A snapshot can only be restored into a QEMU started with exactly
+        these (plus the same devices, which ``command`` always adds in the
+        same order), so snapshots record them and ``restore`` compares.
+        """
+        cpu = "host" if self.accel == "kvm" else "max"
+        accel = "kvm" if self.accel == "kvm" else "tcg,thread=multi"
+        return ["-M", MACHINE, "-accel", accel, "-cpu", cpu,
+                "-smp", str(spec.vcpus), "-m", f"{spec.memory_mib}M"]
+
     def command(self, spec: VMSpec) -> list[str]:
         """The full QEMU argv for ``spec``."""
         p = spec.paths
-        cpu = "host" if self.accel == "kvm" else "max"
-        accel = "kvm" if self.accel == "kvm" else "tcg,thread=multi"
         args = ["console=ttyS0", "root=/dev/vda", "rw", "quiet", "panic=-1",
                 f"hangar.hostname={spec.hostname}"]
         if self.accel != "kvm" and self._tsc_khz:
@@ -145,8 +185,7 @@ class QemuEngine(Engine):
         append = " ".join([*args, *spec.kernel_args])
         return [
             QEMU, "-name", f"hangar-{spec.sandbox_id}",
-            "-M", "microvm,pit=on,rtc=on", "-accel", accel, "-cpu", cpu,
-            "-smp", str(spec.vcpus), "-m", f"{spec.memory_mib}M",
+            *self.machine_args(spec),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-kernel", str(spec.image.kernel), "-initrd", str(spec.image.initrd),
             "-append", append,
@@ -179,17 +218,29 @@ class QemuEngine(Engine):
         p.dir.mkdir(parents=True, exist_ok=False)
         try:
             await self._make_disk(spec)
-            log_file = open(p.dir / "qemu.log", "wb")
-            try:
-                proc = subprocess.Popen(self.command(spec), stdin=subprocess.DEVNULL,
-                                        stdout=log_file, stderr=subprocess.STDOUT,
-                                        start_new_session=True, cwd=p.dir)
-            finally:
-                log_file.close()
-            self._procs[proc.pid] = proc
-            vm = VM(spec.sandbox_id, self.name, proc.pid, p, self.accel)
-            # QEMU creates its sockets before it runs the guest; wait for them
-            # so that a bad argument fails here with QEMU's own message.
+            return await self._start(spec, self.command(spec))
+        except BaseException:
+            await self._cleanup(p, self._procs.get(self._pid_of(p) or -1))
+            raise
+
+    async def _start(self, spec: VMSpec, argv: list[str]) -> VM:
+        """Start QEMU with ``argv`` in ``spec``'s sandbox directory.
+
+        Returns once QEMU has created its QMP and agent sockets (so that a
+        bad argument fails here with QEMU's own message); raises
+        ``EngineError``. The caller cleans up on failure.
+        """
+        p = spec.paths
+        log_file = open(p.dir / "qemu.log", "wb")
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                                    stdout=log_file, stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=p.dir)
+        finally:
+            log_file.close()
+        self._procs[proc.pid] = proc
+        vm = VM(spec.sandbox_id, self.name, proc.pid, p, self.accel)
+        try:
             deadline = time.monotonic() + 10
             while not (p.qmp.exists() and p.agent.exists()):
                 if proc.poll() is not None:
@@ -199,10 +250,12 @@ class QemuEngine(Engine):
                     raise EngineError("QEMU did not create its sockets in 10 s",
                                       sandbox_id=spec.sandbox_id)
                 await asyncio.sleep(0.02)
-            return vm
         except BaseException:
-            await self._cleanup(p, self._procs.get(self._pid_of(p) or -1))
+            kill_process(proc.pid)
+            await asyncio.to_thread(proc.wait)
+            self._procs.pop(proc.pid, None)
             raise
+        return vm
 
     @staticmethod
     def _pid_of(p: SandboxPaths) -> int | None:
@@ -220,11 +273,96 @@ class QemuEngine(Engine):
         return text.splitlines()[-1] if text else "no output"
 
     async def connect_agent(self, vm: VM, timeout: float) -> AgentClient:
+        """Connect to the guest agent; see ``AgentClient.connect``.
+
+        For a restored VM (``vm.extra["restored_from"]``) the handshake also
+        accepts the answer to a ``hello`` request: see ``_connect_restored``.
+        """
         try:
+            if vm.extra.get("restored_from"):
+                return await self._connect_restored(vm, timeout)
             return await AgentClient.connect(vm.paths.agent, timeout, proc_alive=vm.alive)
         except Timeout:
             raise Timeout(f"guest agent did not answer within {timeout:.0f} s; "
                           f"console: {self._console_tail(vm.paths)}", sandbox_id=vm.sandbox_id)
+
+    async def _connect_restored(self, vm: VM, timeout: float) -> AgentClient:
+        """Agent handshake for a restored guest: its HELLO, or its answer to ``hello``.
+
+        The snapshot recorded whether a host was connected to the agent
+        port. ``restore`` connects to the new QEMU's agent socket before
+        ``cont``, so the port's state does not change under the guest: if a
+        host was connected, the agent keeps the session it had and sends no
+        HELLO (it answers requests, so this asks it ``hello``); if not, the
+        HELLO it had queued flows now. That connection is used here once.
+
+        Later connections (the first was closed) go through QEMU telling
+        the guest that the host left and came back; if both notices reach
+        the guest before the agent reads the port, the agent never sees the
+        EOF and again sends no HELLO. So while none has come, this sends a
+        ``hello`` request every ``HELLO_PROBE_S`` seconds (bytes written
+        while the agent reopens its port are dropped) on channel ids that
+        ``AgentClient`` never uses, and takes whichever answer comes first.
+        Raises ``Timeout`` or ``GuestError``.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        probe_ids = itertools.count(PROBE_CHANNEL_BASE)
+        held = self._held.pop(vm.pid, None)
+        while loop.time() < deadline:
+            if not vm.alive():
+                raise GuestError("the VMM exited before the guest agent answered")
+            if held is not None:
+                (reader, writer), held = held, None
+                next_probe = loop.time()  # the guest saw no disconnect: ask at once
+            else:
+                try:
+                    reader, writer = await asyncio.open_unix_connection(
+                        str(vm.paths.agent), limit=P.MAX_DATA * 2)
+                except (FileNotFoundError, ConnectionRefusedError):
+                    await asyncio.sleep(0.05)
+                    continue
+                next_probe = loop.time() + HELLO_PROBE_S
+            decoder = P.Decoder()
+            probes: set[int] = set()
+            try:
+                while loop.time() < deadline:
+                    if not vm.alive():
+                        raise GuestError("the VMM exited before the guest agent answered")
+                    if loop.time() >= next_probe:
+                        cid = next(probe_ids)
+                        probes.add(cid)
+                        writer.write(P.encode(P.Kind.REQUEST, cid, {"op": "hello"}))
+                        await writer.drain()
+                        next_probe = loop.time() + HELLO_PROBE_S
+                    wait = max(0.01, min(next_probe, deadline) - loop.time())
+                    try:
+                        data = await asyncio.wait_for(reader.read(1 << 16), wait)
+                    except asyncio.TimeoutError:
+                        continue
+                    if not data:
+                        raise ConnectionResetError("agent socket closed")
+                    for frame in decoder.feed(data):
+                        if frame.kind == P.Kind.HELLO or (
+                                frame.kind == P.Kind.RESPONSE and frame.channel in probes):
+                            if frame.meta.get("protocol") != P.VERSION:
+                                raise GuestError(
+                                    f"guest agent speaks protocol {frame.meta.get('protocol')}, "
+                                    f"host speaks {P.VERSION}")
+                            return AgentClient(reader, writer, frame.meta)
+                writer.close()
+            except (ConnectionError, OSError):
+                writer.close()
+                await asyncio.sleep(0.05)
+            except BaseException:
+                writer.close()
+                raise
+        raise Timeout(f"guest agent did not answer within {timeout:.0f} s")
+
+    def _drop_held(self, pid: int | None) -> None:
+        held = self._held.pop(pid, None) if pid else None
+        if held is not None:
+            held[1].close()
 
     @staticmethod
     def _console_tail(p: SandboxPaths, lines: int = 3) -> str:
@@ -274,6 +412,7 @@ class QemuEngine(Engine):
                        pid: int | None = None) -> None:
         """Kill the VMM if it still runs, reap it, and remove the sandbox's files."""
         pid = pid or (proc.pid if proc else None) or self._pid_of(p)
+        self._drop_held(pid)
         if pid:
             kill_process(pid)
         if proc is not None:
@@ -288,11 +427,237 @@ class QemuEngine(Engine):
                 await asyncio.sleep(0.02)
         shutil.rmtree(p.dir, ignore_errors=True)
 
+    # -- snapshots ---------------------------------------------------------
+
+    @asynccontextmanager
+    async def _qmp_session(self, vm: VM) -> AsyncIterator[QMPClient]:
+        """One QMP connection for a sequence of commands; EngineError if it cannot connect."""
+        client = QMPClient(f"hangar-{vm.sandbox_id}")
+        try:
+            await asyncio.wait_for(client.connect(str(vm.paths.qmp)), 5)
+        except (QMPError, OSError, asyncio.TimeoutError) as exc:
+            raise EngineError(f"QMP connect failed: {exc}", sandbox_id=vm.sandbox_id) from None
+        try:
+            yield client
+        finally:
+            try:
+                await client.disconnect()
+            except Exception:
+                pass
+
+    @staticmethod
+    async def _run(client: QMPClient, vm: VM, command: str, **args: object) -> Any:
+        try:
+            return await asyncio.wait_for(client.execute(command, args or None), 30)
+        except (QMPError, OSError, asyncio.TimeoutError) as exc:
+            raise EngineError(f"QMP {command} failed: {exc}", sandbox_id=vm.sandbox_id) from None
+
+    async def _wait_migration(self, client: QMPClient, vm: VM, timeout: float) -> dict[str, Any]:
+        """Poll ``query-migrate`` until it completes; returns its last answer.
+
+        Raises ``EngineError`` when the migration fails or QEMU dies, and
+        ``Timeout`` after ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        delay = 0.01
+        while True:
+            if not vm.alive():
+                raise EngineError(f"QEMU exited during the migration: {self._log_tail(vm.paths)}",
+                                  sandbox_id=vm.sandbox_id)
+            info = await self._run(client, vm, "query-migrate")
+            status = info.get("status", "none")
+            if status == "completed":
+                return info
+            if status in ("failed", "cancelled", "cancelling"):
+                reason = info.get("error-desc", "no reason given")
+                raise EngineError(f"migration {status}: {reason}", sandbox_id=vm.sandbox_id)
+            if time.monotonic() > deadline:
+                raise Timeout(f"migration did not complete in {timeout:.0f} s (status {status})",
+                              sandbox_id=vm.sandbox_id)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    def _argv_of(self, vm: VM) -> list[str]:
+        try:
+            raw = Path(f"/proc/{vm.pid}/cmdline").read_bytes()
+        except OSError:
+            raise EngineError("the VM's QEMU process is gone", sandbox_id=vm.sandbox_id) from None
+        return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]]
+
+    @staticmethod
+    def _arg(argv: list[str], flag: str) -> str:
+        try:
+            return argv[argv.index(flag) + 1]
+        except (ValueError, IndexError):
+            raise EngineError(f"QEMU's command line has no {flag}") from None
+
+    def _shape_of(self, vm: VM) -> tuple[list[str], dict[str, Any]]:
+        """The running VM's machine arguments and its image's manifest, from its argv.
+
+        Read from ``/proc/<pid>/cmdline`` so that VMs adopted from an
+        earlier server process (whose ``VMSpec`` is gone) work too.
+        """
+        argv = self._argv_of(vm)
+        machine: list[str] = []
+        for flag in MACHINE_FLAGS:
+            machine += [flag, self._arg(argv, flag)]
+        image_dir = Path(self._arg(argv, "-kernel")).parent
+        try:
+            image = json.loads((image_dir / "manifest.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"cannot read the VM's image manifest: {exc}",
+                              sandbox_id=vm.sandbox_id) from None
+        return machine, image
+
+    async def _img_virtual_size(self, disk: Path) -> int:
+        proc = await asyncio.create_subprocess_exec(
+            QEMU_IMG, "info", "--output=json", "-U", str(disk),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await proc.communicate()
+        if proc.returncode != 0:
+            raise EngineError(f"qemu-img info failed: {err.decode(errors='replace').strip()}")
+        return int(json.loads(out)["virtual-size"])
+
     async def snapshot(self, vm: VM, dest: Path) -> SnapshotFiles:
-        raise EngineError("snapshots are not implemented for QEMU yet")
+        """Save the VM's device state, RAM and disk into the new directory ``dest``.
+
+        Pauses the VM (QMP ``stop``), streams its state with QMP ``migrate``
+        to ``exec:cat > dest/state.mig`` (QEMU 7.2 has no ``file:``
+        transport), waits for ``query-migrate`` to report completion,
+        copies the qcow2 overlay (the migration has flushed and released
+        it) and writes the manifest; see ``hangar.engines.snapshot_io``.
+        The VM ends paused (QEMU's ``postmigrate`` state); ``resume`` runs
+        it on, with its disk taken back. ``dest`` must not exist or be
+        empty; on failure it is removed again and the VM is left paused.
+        Returns the files and their allocated size in bytes (state file plus
+        disk copy). Raises ``EngineError`` or ``Timeout``.
+        """
+        if not vm.alive():
+            raise EngineError("cannot snapshot a VM that is not running", sandbox_id=vm.sandbox_id)
+        machine, image = self._shape_of(vm)
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            if any(dest.iterdir()):
+                raise EngineError(f"snapshot directory {dest} is not empty",
+                                  sandbox_id=vm.sandbox_id)
+        except OSError as exc:
+            raise EngineError(f"cannot make snapshot directory {dest}: {exc}") from None
+        memory_mib = int(self._arg(machine, "-m").rstrip("M"))
+        state = dest / snapshot_io.STATE_FILE
+        partial = dest / (snapshot_io.STATE_FILE + ".part")
+        started = time.monotonic()
+        created_at = time.time()
+        try:
+            async with self._qmp_session(vm) as qmp:
+                await self._run(qmp, vm, "stop")
+                await self._run(qmp, vm, "migrate-set-parameters",
+                                **{"max-bandwidth": MIGRATE_BANDWIDTH})
+                await self._run(qmp, vm, "migrate",
+                                uri=f"exec:cat > {shlex.quote(str(partial))}")
+                try:
+                    info = await self._wait_migration(
+                        qmp, vm, MIGRATE_TIMEOUT_S + memory_mib / 1024 * MIGRATE_S_PER_GIB)
+                except BaseException:
+                    try:  # leave the VM paused and usable, not mid-migration
+                        await asyncio.shield(self._run(qmp, vm, "migrate_cancel"))
+                    except (EngineError, asyncio.CancelledError):
+                        pass
+                    raise
+            await asyncio.to_thread(snapshot_io.fsync_file, partial)
+            os.replace(partial, state)
+            disk = dest / snapshot_io.DISK_FILE
+            await snapshot_io.copy_file(vm.paths.disk, disk)
+            await asyncio.to_thread(snapshot_io.fsync_file, disk)
+            manifest = snapshot_io.SnapshotManifest(
+                engine=self.name, vmm_version=self.version, accel=self.accel,
+                image_name=str(image.get("name", "")), image_digest=str(image.get("digest", "")),
+                kernel_version=str(image.get("kernel", {}).get("version", "")),
+                vcpus=int(self._arg(machine, "-smp")), memory_mib=memory_mib,
+                disk_virtual_bytes=await self._img_virtual_size(disk), machine=machine,
+                created_at=created_at, state_bytes=snapshot_io.allocated_bytes(state),
+                disk_bytes=snapshot_io.allocated_bytes(disk),
+                save_seconds=round(time.monotonic() - started, 3),
+                source_sandbox=vm.sandbox_id,
+                extra={"migration_ms": info.get("total-time"),
+                       "ram_transferred": info.get("ram", {}).get("transferred")},
+            )
+            snapshot_io.write_manifest(dest, manifest)
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        log.info("snapshot of %s: %d bytes in %.2f s", vm.sandbox_id, manifest.total_bytes,
+                 manifest.save_seconds)
+        return SnapshotFiles(dest, manifest.total_bytes)
 
     async def restore(self, spec: VMSpec, source: Path) -> VM:
-        raise EngineError("snapshots are not implemented for QEMU yet")
+        """Start a new VM for ``spec`` from the snapshot in ``source``; it ends running.
+
+        The snapshot's disk is copied into the new sandbox (and its backing
+        file repointed at ``spec.image.rootfs``), QEMU starts with the same
+        argv as ``boot`` plus ``-incoming defer``, loads the state with QMP
+        ``migrate-incoming exec:cat state.mig`` and is resumed with ``cont``.
+        ``spec`` must have the snapshot's image digest, vCPUs and memory
+        (``snapshot_io.read_manifest`` tells them). The guest's clock and
+        entropy are the snapshot's until ``snapshot_io.refresh_guest`` runs.
+        Raises ``NotFound`` (no snapshot there), ``EngineError`` (mismatch,
+        QEMU failure) or ``Timeout``; on failure the sandbox directory is removed.
+        """
+        manifest = snapshot_io.read_manifest(source)
+        if manifest.engine != self.name:
+            raise EngineError(f"snapshot was made by the {manifest.engine} engine",
+                              sandbox_id=spec.sandbox_id)
+        if manifest.image_digest != spec.image.digest:
+            raise EngineError(
+                f"snapshot needs image {manifest.image_name}-{manifest.image_digest}, "
+                f"the sandbox has {spec.image.name}-{spec.image.digest}",
+                sandbox_id=spec.sandbox_id)
+        machine = self.machine_args(spec)
+        if machine != manifest.machine:
+            raise EngineError(
+                f"snapshot was made on machine {' '.join(manifest.machine)}; restoring on "
+                f"{' '.join(machine)} is not possible (vCPUs, memory and accelerator must match)",
+                sandbox_id=spec.sandbox_id)
+        if manifest.vmm_version != self.version:
+            log.warning("restoring a snapshot made by %s with %s",
+                        manifest.vmm_version, self.version)
+        p = spec.paths
+        p.dir.mkdir(parents=True, exist_ok=False)
+        vm: VM | None = None
+        try:
+            await snapshot_io.copy_file(source / snapshot_io.DISK_FILE, p.disk)
+            await self._rebase(p.disk, spec.image.rootfs)
+            vm = await self._start(spec, [*self.command(spec), "-incoming", "defer"])
+            state = source / snapshot_io.STATE_FILE
+            async with self._qmp_session(vm) as qmp:
+                await self._run(qmp, vm, "migrate-incoming",
+                                uri=f"exec:cat {shlex.quote(str(state))}")
+                await self._wait_migration(
+                    qmp, vm, MIGRATE_TIMEOUT_S + manifest.memory_mib / 1024 * MIGRATE_S_PER_GIB)
+                # Connect before the guest runs: see _connect_restored.
+                self._held[vm.pid] = await asyncio.open_unix_connection(
+                    str(p.agent), limit=P.MAX_DATA * 2)
+                await self._run(qmp, vm, "cont")
+                status = await self._run(qmp, vm, "query-status")
+                if status.get("status") != "running":
+                    raise EngineError(f"restored VM is {status.get('status')}, not running",
+                                      sandbox_id=spec.sandbox_id)
+            vm.extra["restored_from"] = str(source)
+            return vm
+        except BaseException:
+            if vm is None:
+                await self._cleanup(p, None)
+            else:
+                await self._cleanup(p, self._procs.get(vm.pid), vm.pid)
+            raise
+
+    async def _rebase(self, disk: Path, backing: Path) -> None:
+        """Point ``disk``'s backing file at ``backing`` without touching data (``rebase -u``)."""
+        proc = await asyncio.create_subprocess_exec(
+            QEMU_IMG, "rebase", "-u", "-f", "qcow2", "-F", "raw", "-b", str(backing), str(disk),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        _, err = await proc.communicate()
+        if proc.returncode != 0:
+            raise EngineError(f"qemu-img rebase failed: {err.decode(errors='replace').strip()}")
 
     def adopt(self, sandbox_id: str, paths: SandboxPaths, pid: int) -> VM | None:
         """Return the VM if ``pid`` is still this sandbox's QEMU (checked by its argv)."""

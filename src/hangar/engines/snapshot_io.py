@@ -1,0 +1,184 @@
+"""Snapshot files on disk, and refreshing a guest after a restore.
+
+A snapshot is one directory that an engine writes with ``Engine.snapshot``
+and any number of new sandboxes start from with ``Engine.restore``::
+
+    <snapshot>/
+      state.mig       the VMM's saved device state and RAM. For QEMU this is
+                      its migration stream, written by ``migrate exec:cat``;
+                      pages that are all zero take a few bytes each, so the
+                      file is about the size of the guest memory in use
+      disk.qcow2      copy of the sandbox's qcow2 overlay at the moment of
+                      the snapshot; its backing file is the image's
+                      read-only rootfs, repointed on every restore
+      snapshot.json   the manifest (``SnapshotManifest``); written last, so a
+                      directory without it is an unfinished snapshot
+
+The files are never changed after the manifest is written: a restore copies
+the disk, so one snapshot can be restored any number of times, also at once
+(forks). Deleting a snapshot is removing its directory.
+
+A restored guest resumes with the wall clock and the entropy pool it had
+when it was saved: ``refresh_guest`` sets the clock from the host's and
+mixes fresh host entropy into the guest kernel's pool. The orchestrator
+calls it after every restore, before the sandbox is handed out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hangar.errors import EngineError, NotFound
+
+if TYPE_CHECKING:
+    from hangar.guest.client import AgentClient
+
+FORMAT = 1
+STATE_FILE = "state.mig"
+DISK_FILE = "disk.qcow2"
+MANIFEST_FILE = "snapshot.json"
+RESEED_BYTES = 32
+
+
+@dataclass(frozen=True)
+class SnapshotManifest:
+    """What a snapshot holds and the machine it needs. Sizes in bytes, times in seconds.
+
+    ``machine`` is the VMM arguments that must be identical on restore (for
+    QEMU: ``-M``, ``-accel``, ``-cpu``, ``-smp``, ``-m``); ``vcpus`` and
+    ``memory_mib`` repeat two of them for the orchestrator, which must
+    restore with a ``VMSpec`` of the same shape.
+    """
+
+    engine: str
+    vmm_version: str
+    accel: str
+    image_name: str
+    image_digest: str
+    kernel_version: str
+    vcpus: int
+    memory_mib: int
+    disk_virtual_bytes: int
+    """Size of the guest's disk as the guest sees it."""
+    machine: list[str]
+    created_at: float
+    """Unix time at which the VM was paused for the snapshot."""
+    state_bytes: int
+    """Allocated size of ``state.mig``."""
+    disk_bytes: int
+    """Allocated size of ``disk.qcow2`` (the sandbox's own changes only)."""
+    save_seconds: float
+    """Wall time the snapshot took, from pause to manifest."""
+    source_sandbox: str = ""
+    format: int = FORMAT
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.disk_bytes
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "total_bytes": self.total_bytes}, indent=2)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "SnapshotManifest":
+        raw = dict(raw)
+        raw.pop("total_bytes", None)
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def manifest_path(snapshot_dir: Path) -> Path:
+    return snapshot_dir / MANIFEST_FILE
+
+
+def read_manifest(snapshot_dir: Path) -> SnapshotManifest:
+    """The manifest of the snapshot in ``snapshot_dir``.
+
+    Raises ``NotFound`` when there is no finished snapshot there, and
+    ``EngineError`` when its manifest is unreadable or of another format.
+    """
+    path = manifest_path(snapshot_dir)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise NotFound(f"no snapshot in {snapshot_dir}", snapshot=str(snapshot_dir)) from None
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"unreadable snapshot manifest {path}: {exc}") from None
+    if raw.get("format") != FORMAT:
+        raise EngineError(f"snapshot {snapshot_dir} has format {raw.get('format')!r}; "
+                          f"this Hangar reads format {FORMAT}")
+    try:
+        m = SnapshotManifest.from_dict(raw)
+    except TypeError as exc:
+        raise EngineError(f"snapshot manifest {path} lacks fields: {exc}") from None
+    for name in (STATE_FILE, DISK_FILE):
+        if not (snapshot_dir / name).is_file():
+            raise EngineError(f"snapshot {snapshot_dir} lacks {name}")
+    return m
+
+
+def write_manifest(snapshot_dir: Path, manifest: SnapshotManifest) -> None:
+    """Write ``snapshot.json`` atomically (temporary file, fsync, rename)."""
+    path = manifest_path(snapshot_dir)
+    tmp = path.with_suffix(".json.tmp")
+    with open(tmp, "w") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def allocated_bytes(path: Path) -> int:
+    """Bytes ``path`` occupies on disk (its blocks, not its apparent size); 0 if absent."""
+    try:
+        return path.stat().st_blocks * 512
+    except OSError:
+        return 0
+
+
+def fsync_file(path: Path) -> None:
+    """Flush one file's data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+async def copy_file(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` keeping holes, sharing extents where the filesystem can.
+
+    Uses ``cp --reflink=auto --sparse=always``. Raises ``EngineError``.
+    """
+    proc = await asyncio.create_subprocess_exec(
+        "cp", "--reflink=auto", "--sparse=always", "--", str(src), str(dst),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise EngineError(f"copying {src} failed: {err.decode(errors='replace').strip()}")
+
+
+async def refresh_guest(agent: "AgentClient") -> dict[str, float | int]:
+    """Set a restored guest's wall clock to the host's and reseed its entropy pool.
+
+    Returns ``skew_s`` (seconds the guest clock was behind the host's before
+    it was set; negative when it was ahead), ``rtt_s`` (round trip of the
+    ``set_time`` request, an upper bound of the error left in the clock) and
+    ``reseed_bytes`` (bytes of host entropy given to the guest, 32).
+    Raises ``GuestError`` (or another agent error) when the agent refuses.
+    """
+    sent = time.monotonic()
+    r = await agent.call("set_time", unix_ns=time.time_ns())
+    rtt = time.monotonic() - sent
+    seed = base64.b64encode(os.urandom(RESEED_BYTES)).decode()
+    s = await agent.call("reseed", seed=seed)
+    return {"skew_s": float(r.get("skew_s", 0.0)), "rtt_s": rtt,
+            "reseed_bytes": int(s.get("bytes", 0))}

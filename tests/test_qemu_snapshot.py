@@ -1,0 +1,298 @@
+"""Snapshots and restores of real QEMU microVMs, at the engine level (no server).
+
+Each test has its own data directory under /tmp (short, for Unix socket
+paths) whose ``images`` links to the shared image cache, and its own engine.
+Everything a test starts is stopped in the test's ``finally``; the fixture
+then kills and reports any QEMU process whose command line still names the
+test's data directory, and removes the directory, pass or fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hangar.engines import snapshot_io
+from hangar.engines.base import VM, VMSpec
+from hangar.engines.qemu import QemuEngine, choose_accel
+from hangar.errors import EngineError, NotFound
+from hangar.guest.client import AgentClient
+from hangar.images import resolve_image
+from hangar.layout import Layout
+
+pytestmark = pytest.mark.vm
+
+SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
+AGENT_TIMEOUT_S = 90.0
+
+
+def qemu_pids(marker: str) -> list[int]:
+    """Pids of qemu-system processes whose command line contains ``marker``."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and b"qemu-system" in argv[0] and any(marker.encode() in a for a in argv):
+            pids.append(int(d.name))
+    return pids
+
+
+class Env:
+    """One test's data directory, engine and the VMs it started."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.layout = Layout(root)
+        self.layout.ensure()
+        self.image = resolve_image(self.layout, "base")
+        accel, _ = choose_accel(self.layout, self.image.kernel, self.image.initrd)
+        self.engine = QemuEngine(accel)
+        self.vms: list[VM] = []
+        self.agents: list[AgentClient] = []
+
+    def spec(self, name: str) -> VMSpec:
+        sid = f"{name}-{uuid.uuid4().hex[:6]}"
+        return VMSpec(sid, self.image, self.layout.sandbox(sid), memory_mib=512)
+
+    def snapshot_dir(self, name: str) -> Path:
+        return self.root / "snapshots" / name
+
+    async def boot(self, name: str) -> tuple[VM, AgentClient]:
+        vm = await self.engine.boot(self.spec(name))
+        self.vms.append(vm)
+        agent = await self.engine.connect_agent(vm, AGENT_TIMEOUT_S)
+        self.agents.append(agent)
+        return vm, agent
+
+    async def restore(self, name: str, snap: Path) -> tuple[VM, AgentClient]:
+        vm = await self.engine.restore(self.spec(name), snap)
+        self.vms.append(vm)
+        agent = await self.engine.connect_agent(vm, AGENT_TIMEOUT_S)
+        self.agents.append(agent)
+        return vm, agent
+
+    async def stop(self, vm: VM) -> None:
+        await self.engine.stop(vm)
+        assert not vm.alive()
+        assert not vm.paths.dir.exists()
+
+    async def stop_all(self) -> None:
+        for agent in self.agents:
+            await agent.close()
+        for vm in self.vms:
+            try:
+                await self.engine.stop(vm)
+            except Exception:
+                pass
+
+
+@pytest.fixture
+def env(base_image: Path) -> Iterator[Env]:
+    root = Path(tempfile.mkdtemp(prefix="hs-", dir="/tmp"))
+    (root / "images").symlink_to(base_image.parent)
+    probe = SHARED / "engine-probe.json"
+    if probe.exists():
+        shutil.copy(probe, root / "engine-probe.json")
+    try:
+        yield Env(root)
+    finally:
+        leaked = qemu_pids(str(root))
+        for pid in leaked:
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(root, ignore_errors=True)
+        assert not leaked, f"QEMU processes outlived the test: {leaked}"
+
+
+async def sh(agent: AgentClient, command: str) -> str:
+    """Run ``command`` in the guest; returns its stdout, asserting exit status 0."""
+    r = await agent.exec({"op": "exec", "shell": command, "timeout": 60})
+    assert r.exit_code == 0, (command, r.exit_code, r.stdout.head, r.stderr.head)
+    return r.stdout.head.decode()
+
+
+async def start_sleeper(agent: AgentClient) -> int:
+    out = await sh(agent, "nohup sleep 1000 >/dev/null 2>&1 </dev/null & echo $! > /root/sleep.pid;"
+                          " cat /root/sleep.pid")
+    return int(out)
+
+
+async def qmp_status(env: Env, vm: VM) -> str:
+    return (await env.engine._qmp(vm, "query-status"))["status"]  # type: ignore[index]
+
+
+def test_restore_keeps_files_processes_and_agent(env: Env) -> None:
+    async def body() -> None:
+        try:
+            t0 = time.monotonic()
+            vm, agent = await env.boot("orig")
+            await sh(agent, "echo kept > /root/note.txt; sync")
+            cold = time.monotonic() - t0
+            pid = await start_sleeper(agent)
+
+            snap = env.snapshot_dir("s1")
+            t0 = time.monotonic()
+            files = await env.engine.snapshot(vm, snap)
+            took_snapshot = time.monotonic() - t0
+            assert files.dir == snap and files.size_bytes > 0
+            m = snapshot_io.read_manifest(snap)
+            assert m.state_bytes > 0 and m.disk_bytes > 0
+            assert m.total_bytes == files.size_bytes
+            assert (m.vcpus, m.memory_mib, m.image_digest) == (1, 512, env.image.digest)
+            assert await qmp_status(env, vm) == "postmigrate", "the VM ends paused"
+
+            await env.stop(vm)
+            assert not qemu_pids(vm.sandbox_id)
+
+            t0 = time.monotonic()
+            vm2, agent2 = await env.restore("restored", snap)
+            assert await sh(agent2, "cat /root/note.txt") == "kept\n"
+            restore_to_exec = time.monotonic() - t0
+            assert agent2.hello["protocol"] == agent.hello["protocol"]
+            assert agent2.hello["boot_id"] == agent.hello["boot_id"], "same guest, not a new boot"
+            assert await sh(agent2, "cat /root/sleep.pid") == f"{pid}\n"
+            assert "sleep" in await sh(agent2, f"kill -0 {pid} && cat /proc/{pid}/cmdline")
+            out = await sh(agent2, "echo after > /root/new.txt; sync; cat /root/new.txt")
+            assert out == "after\n"
+            await agent2.close()  # a later connection to the restored guest works too
+            agent3 = await env.engine.connect_agent(vm2, AGENT_TIMEOUT_S)
+            env.agents.append(agent3)
+            assert await sh(agent3, "cat /root/new.txt") == "after\n"
+            print(f"\n512 MiB guest: cold boot to first exec {cold:.2f} s; snapshot "
+                  f"{took_snapshot:.2f} s, {files.size_bytes / 2**20:.1f} MiB (state "
+                  f"{m.state_bytes / 2**20:.1f} MiB, disk {m.disk_bytes / 2**20:.1f} MiB); "
+                  f"restore to first exec {restore_to_exec:.2f} s")
+            await env.stop(vm2)
+        finally:
+            await env.stop_all()
+
+    asyncio.run(body())
+
+
+def test_one_snapshot_restores_into_independent_forks(env: Env) -> None:
+    async def body() -> None:
+        try:
+            vm, agent = await env.boot("orig")
+            await sh(agent, "echo base > /root/base.txt; sync")
+            pid = await start_sleeper(agent)
+            snap = env.snapshot_dir("s1")
+            await env.engine.snapshot(vm, snap)
+            await env.stop(vm)
+
+            (f1, a1), (f2, a2) = await asyncio.gather(env.restore("fork1", snap),
+                                                      env.restore("fork2", snap))
+            await sh(a1, "echo one > /root/fork.txt; sync")
+            await sh(a2, "echo two > /root/fork.txt; echo only2 > /root/only2.txt; sync")
+            assert await sh(a1, "cat /root/base.txt /root/fork.txt") == "base\none\n"
+            assert await sh(a2, "cat /root/base.txt /root/fork.txt") == "base\ntwo\n"
+            assert await sh(a1, "test -e /root/only2.txt && echo yes || echo no") == "no\n"
+            for a in (a1, a2):
+                await sh(a, f"kill -0 {pid}")
+
+            # a fork is an ordinary VM: it can be snapshotted and restored in turn
+            snap2 = env.snapshot_dir("s2")
+            await env.engine.snapshot(f2, snap2)
+            await env.stop(f2)
+            assert await sh(a1, "cat /root/fork.txt") == "one\n", "fork 1 outlives fork 2"
+            _, a3 = await env.restore("fork3", snap2)
+            assert await sh(a3, "cat /root/fork.txt /root/only2.txt") == "two\nonly2\n"
+            assert snapshot_io.read_manifest(snap).total_bytes > 0, "snapshot 1 is untouched"
+        finally:
+            await env.stop_all()
+
+    asyncio.run(body())
+
+
+def test_refresh_guest_fixes_an_old_clock(env: Env) -> None:
+    async def body() -> None:
+        try:
+            vm, agent = await env.boot("orig")
+            # Stand-in for a snapshot that sat on disk for two minutes.
+            await sh(agent, "date -s @$(( $(date +%s) - 120 )) >/dev/null")
+            snap = env.snapshot_dir("s1")
+            await env.engine.snapshot(vm, snap)
+            await env.stop(vm)
+
+            _, agent2 = await env.restore("restored", snap)
+            behind = time.time() - int(await sh(agent2, "date +%s"))
+            assert behind > 100, f"the restored clock should lag, lags {behind:.1f} s"
+            r = await snapshot_io.refresh_guest(agent2)
+            assert 100 < r["skew_s"] < 200, r
+            assert r["reseed_bytes"] == 32
+            guest = int(await sh(agent2, "date +%s"))
+            assert abs(guest - time.time()) <= 2, (guest, time.time(), r)
+        finally:
+            await env.stop_all()
+
+    asyncio.run(body())
+
+
+def test_source_runs_on_after_snapshot(env: Env) -> None:
+    async def body() -> None:
+        try:
+            vm, agent = await env.boot("orig")
+            await env.engine.snapshot(vm, env.snapshot_dir("s1"))
+            assert await qmp_status(env, vm) == "postmigrate"
+            await env.engine.resume(vm)
+            assert await qmp_status(env, vm) == "running"
+            # the disk is writable again after the migration released it
+            assert await sh(agent, "echo more > /root/more.txt; sync; cat /root/more.txt") \
+                == "more\n"
+            with pytest.raises(EngineError, match="not empty"):
+                await env.engine.snapshot(vm, env.snapshot_dir("s1"))
+        finally:
+            await env.stop_all()
+
+    asyncio.run(body())
+
+
+def test_restore_refuses_what_cannot_work(env: Env) -> None:
+    async def body() -> None:
+        with pytest.raises(NotFound):
+            await env.engine.restore(env.spec("x"), env.snapshot_dir("missing"))
+        snap = env.snapshot_dir("fake")
+        snap.mkdir(parents=True)
+        (snap / snapshot_io.STATE_FILE).write_bytes(b"x")
+        (snap / snapshot_io.DISK_FILE).write_bytes(b"x")
+        spec = env.spec("x")
+        big = VMSpec(spec.sandbox_id, env.image, spec.paths, memory_mib=1024)
+        manifest = snapshot_io.SnapshotManifest(
+            engine="qemu", vmm_version=env.engine.version, accel=env.engine.accel,
+            image_name="base", image_digest=env.image.digest, kernel_version="",
+            vcpus=1, memory_mib=1024, disk_virtual_bytes=1, machine=env.engine.machine_args(big),
+            created_at=time.time(), state_bytes=1, disk_bytes=1, save_seconds=0.0)
+        snapshot_io.write_manifest(snap, manifest)
+        with pytest.raises(EngineError, match="vCPUs, memory"):
+            await env.engine.restore(spec, snap)
+        assert not spec.paths.dir.exists()
+        other = json.loads((snap / snapshot_io.MANIFEST_FILE).read_text())
+        other["image_digest"] = "000000000000"
+        (snap / snapshot_io.MANIFEST_FILE).write_text(json.dumps(other))
+        with pytest.raises(EngineError, match="needs image"):
+            await env.engine.restore(big, snap)
+        # a corrupt state file: QEMU fails to load it, and nothing is left behind
+        other["image_digest"] = env.image.digest
+        (snap / snapshot_io.MANIFEST_FILE).write_text(json.dumps(other))
+        (snap / snapshot_io.DISK_FILE).unlink()
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b",
+                        str(env.image.rootfs), str(snap / snapshot_io.DISK_FILE)], check=True)
+        with pytest.raises(EngineError):
+            await env.engine.restore(big, snap)
+        assert not big.paths.dir.exists()
+        assert not qemu_pids(big.sandbox_id)
+
+    asyncio.run(body())
