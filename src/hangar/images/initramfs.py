@@ -1,0 +1,395 @@
+"""The initramfs: busybox, the virtio modules and the guest's Python files.
+
+The initramfs is small (about 1.5 MB gzip'd) and built in about a second, so
+it carries everything that changes often: the guest agent and init. The slow
+rootfs (debootstrap, a minute or more) is rebuilt only when its recipe changes.
+Its name, ``initrd-<tag>.img``, hashes every input (the guest Python files,
+the /init script, the module list, the kernel version, the busybox binary),
+so a changed agent gets a new initrd next to the same rootfs.
+
+Contents (a gzip'd newc cpio, written here without the cpio tool)::
+
+    /init                         busybox sh script, below (``INIT_SCRIPT``)
+    /bin/busybox                  the host's static busybox (busybox-static)
+    /bin/<applet> -> busybox      every applet the binary lists
+    /dev/console                  char 5:1, for the kernel's first open
+    /lib/modules/<kver>/...       ``MODULES`` and their dependencies, plus
+                                  modules.dep/alias/order/builtin for them
+    /hangar/python/hangar/...     the guest's Python files (``guest_sources``)
+                                  and, when the host's Python matches the
+                                  guest's, unchecked-hash .pyc files for them
+
+/init mounts proc, sysfs and devtmpfs and loads the modules. With
+``hangar.probe=1`` on the kernel command line it prints ``HANGAR-PROBE-OK``
+and powers off (the engine's accelerator probe). Otherwise it waits (at most
+10 s) for the root device (``root=``, default /dev/vda), mounts it read-write
+on /newroot, replaces /newroot/usr/lib/hangar/python with its own copy, moves
+/dev, /proc and /sys into the new root (so devtmpfs stays mounted), mounts
+/dev/pts, /dev/shm, /run, /tmp and /sys/fs/cgroup there, brings ``lo`` up, and
+``switch_root``s to ``python3 -S`` importing ``hangar.guest.init`` and calling
+its ``main()``.
+On any failure it prints ``hangar-initramfs: FATAL: ...`` and powers off.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import io
+import marshal
+import os
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import hangar
+from hangar.errors import ImageError
+
+INITRAMFS_VERSION = 1
+"""Bump when the initramfs layout changes in a way the inputs do not show."""
+
+BUSYBOX = Path("/bin/busybox")
+
+MODULES: tuple[str, ...] = (
+    "virtio_mmio",                  # the transport of QEMU microvm and Firecracker
+    "virtio_blk",
+    "virtio_console",               # virtio-serial: the agent channel under QEMU
+    "virtio_net",
+    "virtio_rng",                   # file virtio-rng.ko
+    "vmw_vsock_virtio_transport",   # vsock: the agent channel under Firecracker
+)
+"""Modules loaded at boot; dependencies (virtio, virtio_ring, vsock...) are added."""
+
+GUEST_PYTHON_DIR = "/usr/lib/hangar/python"
+"""Where the guest's Python files live in the running guest (its PYTHONPATH)."""
+
+HOST_ONLY = frozenset({"client.py"})
+"""Files of ``hangar/guest/`` that run on the host and stay out of the guest."""
+
+INIT_SCRIPT = r"""#!/bin/sh
+# hangar initramfs /init (busybox sh); see hangar.images.initramfs.
+export PATH=/bin
+set -f
+KVER='@KVER@'
+MODULES='@MODULES@'
+PYDIR='@PYDIR@'
+
+die() {
+    echo "hangar-initramfs: FATAL: $*"
+    echo "hangar-initramfs: powering off"
+    sync
+    poweroff -f
+    sleep 2
+    exit 1
+}
+
+mount -t proc proc /proc || die "cannot mount /proc"
+mount -t sysfs sysfs /sys || die "cannot mount /sys"
+mount -t devtmpfs devtmpfs /dev || die "cannot mount devtmpfs on /dev"
+
+ROOT=/dev/vda
+FSTYPE=ext4
+PROBE=0
+for arg in $(cat /proc/cmdline); do
+    case "$arg" in
+        hangar.probe=1) PROBE=1 ;;
+        root=/dev/*) ROOT="${arg#root=}" ;;
+        rootfstype=*) FSTYPE="${arg#rootfstype=}" ;;
+    esac
+done
+
+if [ "$PROBE" = 1 ]; then
+    echo HANGAR-PROBE-OK
+    poweroff -f
+    die "poweroff failed"
+fi
+
+modprobe -a $MODULES || echo "hangar-initramfs: warning: could not load all of: $MODULES"
+
+i=0
+while [ ! -b "$ROOT" ]; do
+    i=$((i + 1))
+    [ $i -gt 200 ] && die "root device $ROOT did not appear within 10 s"
+    sleep 0.05
+done
+
+mount -t "$FSTYPE" -o rw "$ROOT" /newroot || die "cannot mount $ROOT ($FSTYPE) on /newroot"
+[ -x /newroot/usr/bin/python3 ] || die "$ROOT has no /usr/bin/python3"
+rm -rf "/newroot$PYDIR"
+mkdir -p "/newroot${PYDIR%/*}" && cp -a /hangar/python "/newroot$PYDIR" \
+    || die "cannot install the guest's Python files into $PYDIR"
+for d in dev proc sys; do
+    mkdir -p "/newroot/$d"
+    mount -o move "/$d" "/newroot/$d" || die "cannot move /$d into the new root"
+done
+# The rest of the guest init's mounts, here because busybox is quicker than
+# importing ctypes in Python under TCG; the guest init mounts whatever is missing.
+R=/newroot
+mkdir -p $R/dev/pts $R/dev/shm $R/run $R/tmp
+mount -t devpts -o nosuid,noexec,gid=5,mode=0620,ptmxmode=0666 devpts $R/dev/pts
+mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs $R/dev/shm
+mount -t tmpfs -o nosuid,nodev,mode=0755 tmpfs $R/run
+mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs $R/tmp
+mount -t cgroup2 -o nosuid,nodev,noexec,relatime cgroup2 $R/sys/fs/cgroup
+ip link set lo up
+# Import the guest init from its .pyc (running init.py as a script would
+# compile it first: about 0.1 s under TCG).
+exec switch_root /newroot /usr/bin/python3 -S -c \
+    "import sys; sys.path[0] = '$PYDIR'; import hangar.guest.init as m; m.main()"
+die "switch_root failed"
+"""
+
+
+def package_dir() -> Path:
+    """The ``hangar`` package directory these sources come from."""
+    return Path(hangar.__file__).resolve().parent
+
+
+def guest_sources(pkg: Path | None = None) -> dict[str, bytes]:
+    """The guest's Python files: path inside the initramfs' python dir → content.
+
+    ``hangar/__init__.py`` and every ``*.py`` under ``hangar/guest/`` except
+    ``HOST_ONLY`` (so an agent split over several modules travels whole).
+    ``hangar/guest/init.py`` and ``protocol.py`` must exist; ``agent.py`` may not yet.
+    """
+    pkg = pkg or package_dir()
+    files: dict[str, bytes] = {"hangar/__init__.py": (pkg / "__init__.py").read_bytes()}
+    for p in sorted((pkg / "guest").rglob("*.py")):
+        rel = p.relative_to(pkg / "guest")
+        if rel.name in HOST_ONLY and len(rel.parts) == 1:
+            continue
+        if "__pycache__" in rel.parts:
+            continue
+        files[f"hangar/guest/{rel.as_posix()}"] = p.read_bytes()
+    for need in ("hangar/guest/__init__.py", "hangar/guest/init.py", "hangar/guest/protocol.py"):
+        if need not in files:
+            raise ImageError(f"guest file {need} is missing from {pkg}", step="initramfs")
+    return files
+
+
+def render_init(kernel_version: str) -> str:
+    return (INIT_SCRIPT.replace("@KVER@", kernel_version)
+            .replace("@MODULES@", " ".join(MODULES))
+            .replace("@PYDIR@", GUEST_PYTHON_DIR))
+
+
+def initrd_tag(sources: Mapping[str, bytes], kernel_version: str, *,
+               python_version: str | None = None, busybox: Path = BUSYBOX) -> str:
+    """12 hex digits naming the initramfs built from these inputs."""
+    h = hashlib.sha256()
+    h.update(f"v{INITRAMFS_VERSION}\0{kernel_version}\0{' '.join(MODULES)}\0".encode())
+    h.update(f"{python_version if _can_precompile(python_version) else ''}\0".encode())
+    h.update(render_init(kernel_version).encode() + b"\0")
+    for path in sorted(sources):
+        h.update(path.encode() + b"\0" + hashlib.sha256(sources[path]).digest())
+    try:
+        h.update(hashlib.sha256(busybox.read_bytes()).digest())
+    except OSError as e:
+        raise ImageError(f"cannot read {busybox} (install busybox-static): {e}",
+                         step="initramfs") from e
+    return h.hexdigest()[:12]
+
+
+def _can_precompile(python_version: str | None) -> bool:
+    return python_version == f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _pyc(source: bytes, guest_path: str) -> bytes | None:
+    """An unchecked-hash .pyc of ``source`` (the guest never edits these files), or None."""
+    try:
+        code = compile(source, guest_path, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError):
+        return None  # the guest will report it when it imports the module
+    flags = (0b01).to_bytes(4, "little")  # hash-based, check_source off
+    return importlib.util.MAGIC_NUMBER + flags + importlib.util.source_hash(source) + marshal.dumps(code)
+
+
+# ---------------------------------------------------------------------------------------------
+# modules
+
+
+def _mod_name(path: str) -> str:
+    base = path.rsplit("/", 1)[-1]
+    for ext in (".ko", ".ko.xz", ".ko.zst", ".ko.gz"):
+        if base.endswith(ext):
+            base = base[: -len(ext)]
+            break
+    return base.replace("-", "_")
+
+
+def module_closure(modules_dir: Path, wanted: Iterable[str] = MODULES) -> tuple[list[str], list[str]]:
+    """Resolve ``wanted`` through ``modules.dep``.
+
+    Returns (relative .ko paths in load order, wanted names that are built in).
+    Raises ``ImageError`` for a module that is neither a file nor built in.
+    """
+    dep_text = (modules_dir / "modules.dep").read_text()
+    deps: dict[str, list[str]] = {}
+    by_name: dict[str, str] = {}
+    for line in dep_text.splitlines():
+        if ":" not in line:
+            continue
+        mod, rest = line.split(":", 1)
+        deps[mod] = rest.split()
+        by_name[_mod_name(mod)] = mod
+    builtin_file = modules_dir / "modules.builtin"
+    builtin = ({_mod_name(x) for x in builtin_file.read_text().split()}
+               if builtin_file.exists() else set())
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def visit(path: str) -> None:
+        if path in seen:
+            return
+        seen.add(path)
+        for d in deps.get(path, []):
+            visit(d)
+        order.append(path)
+
+    built_in: list[str] = []
+    for name in wanted:
+        key = name.replace("-", "_")
+        if key in by_name:
+            visit(by_name[key])
+        elif key in builtin:
+            built_in.append(name)
+        else:
+            raise ImageError(f"kernel module {name} is neither in modules.dep nor built in",
+                             step="initramfs", module=name)
+    return order, built_in
+
+
+def _filtered(text: str, keep: set[str], key: Callable[[str], str]) -> bytes:
+    return "".join(line + "\n" for line in text.splitlines() if key(line) in keep).encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# cpio
+
+
+class _Cpio:
+    """A minimal newc ("070701") cpio writer: dirs, files, symlinks, char devices."""
+
+    def __init__(self, out: io.BufferedIOBase, mtime: int) -> None:
+        self.out = out
+        self.mtime = mtime
+        self.ino = 1
+        self.dirs: set[str] = {""}
+
+    def _entry(self, name: str, mode: int, data: bytes = b"", nlink: int = 1,
+               rdev: tuple[int, int] = (0, 0)) -> None:
+        nb = name.encode() + b"\0"
+        fields = (self.ino, mode, 0, 0, nlink, self.mtime, len(data), 0, 0, rdev[0], rdev[1],
+                  len(nb), 0)
+        self.ino += 1
+        hdr = b"070701" + b"".join(b"%08X" % f for f in fields) + nb
+        self.out.write(hdr + b"\0" * (-len(hdr) % 4))
+        self.out.write(data + b"\0" * (-len(data) % 4))
+
+    def dir(self, name: str, mode: int = 0o755) -> None:
+        name = name.strip("/")
+        if name in self.dirs:
+            return
+        parent = name.rpartition("/")[0]
+        self.dir(parent)
+        self.dirs.add(name)
+        self._entry(name, stat.S_IFDIR | mode, nlink=2)
+
+    def file(self, name: str, data: bytes, mode: int = 0o644) -> None:
+        name = name.strip("/")
+        self.dir(name.rpartition("/")[0])
+        self._entry(name, stat.S_IFREG | mode, data)
+
+    def symlink(self, name: str, target: str) -> None:
+        name = name.strip("/")
+        self.dir(name.rpartition("/")[0])
+        self._entry(name, stat.S_IFLNK | 0o777, target.encode())
+
+    def chardev(self, name: str, major: int, minor: int, mode: int = 0o600) -> None:
+        name = name.strip("/")
+        self.dir(name.rpartition("/")[0])
+        self._entry(name, stat.S_IFCHR | mode, rdev=(major, minor))
+
+    def close(self) -> None:
+        self._entry("TRAILER!!!", 0)
+
+
+def _applets(busybox: Path) -> list[str]:
+    try:
+        out = subprocess.run([str(busybox), "--list"], capture_output=True, text=True, check=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ImageError(f"cannot run {busybox} --list (install busybox-static): {e}",
+                         step="initramfs") from e
+    return [a for a in out.split() if a and "/" not in a and a != "busybox"]
+
+
+def build_initrd(dest: Path, *, modules_dir: Path, kernel_version: str,
+                 sources: Mapping[str, bytes], python_version: str | None = None,
+                 busybox: Path = BUSYBOX) -> int:
+    """Write the initramfs to ``dest`` (atomically) and return its size in bytes.
+
+    ``modules_dir`` is the kernel's ``lib/modules/<kernel_version>`` tree;
+    ``python_version`` (``"3.11"``) is the guest's, to decide on .pyc files.
+    """
+    modpaths, _ = module_closure(modules_dir)
+    keep = set(modpaths)
+    buf = io.BytesIO()
+    c = _Cpio(buf, int(time.time()))
+    for d in ("bin", "dev", "proc", "sys", "newroot", "run", "tmp", "etc"):
+        c.dir(d)
+    c.symlink("sbin", "bin")
+    c.chardev("dev/console", 5, 1)
+    c.chardev("dev/null", 1, 3, 0o666)
+    c.file("init", render_init(kernel_version).encode(), 0o755)
+    try:
+        c.file("bin/busybox", busybox.read_bytes(), 0o755)
+    except OSError as e:
+        raise ImageError(f"cannot read {busybox} (install busybox-static): {e}",
+                         step="initramfs") from e
+    for a in _applets(busybox):
+        c.symlink(f"bin/{a}", "busybox")
+    c.file("etc/hostname", b"hangar\n")
+
+    mroot = f"lib/modules/{kernel_version}"
+    for rel in modpaths:
+        c.file(f"{mroot}/{rel}", (modules_dir / rel).read_bytes())
+    dep_text = (modules_dir / "modules.dep").read_text()
+    c.file(f"{mroot}/modules.dep", _filtered(dep_text, keep, lambda ln: ln.split(":", 1)[0]))
+    names = {_mod_name(p) for p in modpaths}
+    # "alias <pattern> <module>" and "softdep <module> pre: ... post: ..." lines
+    for idx, field in (("modules.alias", -1), ("modules.symbols", -1), ("modules.softdep", 1)):
+        f = modules_dir / idx
+        if f.exists():
+            c.file(f"{mroot}/{idx}", _filtered(
+                f.read_text(), names,
+                lambda ln, i=field: ln.split()[i] if len(ln.split()) > 2 else ""))
+    if (modules_dir / "modules.order").exists():
+        c.file(f"{mroot}/modules.order",
+               _filtered((modules_dir / "modules.order").read_text(), keep, lambda ln: ln))
+    if (modules_dir / "modules.builtin").exists():
+        c.file(f"{mroot}/modules.builtin", (modules_dir / "modules.builtin").read_bytes())
+
+    precompile = _can_precompile(python_version)
+    tag = sys.implementation.cache_tag
+    for rel in sorted(sources):
+        c.file(f"hangar/python/{rel}", sources[rel])
+        if precompile and rel.endswith(".py"):
+            pyc = _pyc(sources[rel], f"{GUEST_PYTHON_DIR}/{rel}")
+            if pyc is not None:
+                d, _, fname = rel.rpartition("/")
+                c.file(f"hangar/python/{d}/__pycache__/{fname[:-3]}.{tag}.pyc", pyc)
+    c.close()
+
+    data = gzip.compress(buf.getvalue(), compresslevel=6, mtime=0)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return len(data)

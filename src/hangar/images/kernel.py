@@ -1,0 +1,114 @@
+"""Fetching the guest kernel: Debian's cloud kernel, taken from its .deb.
+
+The recipe names a meta-package (``linux-image-cloud-amd64``); ``apt-cache
+depends`` resolves it to the versioned package (``linux-image-6.1.0-NN-cloud-
+amd64``) that the host's apt lists currently offer, ``apt-get download``
+fetches that .deb once into ``<data>/cache/debs`` and ``dpkg-deb -x`` unpacks
+it. Nothing is installed on the host.
+
+The image keeps ``vmlinuz`` (a bzImage, which QEMU's ``-kernel`` boots
+directly) and the full ``lib/modules/<version>`` tree, re-indexed with
+``depmod -b``. Debian's cloud kernel builds ext4 in but its virtio drivers
+(virtio_mmio, virtio_blk, virtio_console, virtio_net, vsock) as modules, so
+``hangar.images.initramfs`` copies those out of this tree.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from hangar.errors import ImageError
+from hangar.images.commands import Progress, run
+
+
+@dataclass(frozen=True)
+class KernelFiles:
+    """A kernel unpacked into an image directory."""
+
+    package: str
+    """The versioned package, e.g. ``linux-image-6.1.0-56-cloud-amd64``."""
+    deb_version: str
+    """The Debian version of that package, e.g. ``6.1.192-2``."""
+    version: str
+    """``uname -r`` of the kernel, e.g. ``6.1.0-56-cloud-amd64``."""
+    vmlinuz: Path
+    modules: Path
+    """``<image>/modules/<version>``, with modules.dep and friends."""
+
+
+def resolve_package(meta_package: str) -> str:
+    """The versioned ``linux-image-*`` package ``meta_package`` depends on."""
+    out = run("resolve kernel package", ["apt-cache", "depends", "--important", meta_package])
+    for line in out.splitlines():
+        m = re.match(r"\s*(?:\|)?Depends:\s*(linux-image-\S+)", line)
+        if m and not m.group(1).startswith("<"):
+            return m.group(1)
+    raise ImageError(
+        f"cannot resolve kernel meta-package {meta_package!r} to a versioned package "
+        "(is the host's apt index current? try `apt-get update`)",
+        step="resolve kernel package", output=out[-2000:],
+    )
+
+
+def download(package: str, debs: Path, progress: Progress | None = None) -> Path:
+    """The .deb of ``package`` in ``debs``, downloaded with ``apt-get download`` unless present."""
+    debs.mkdir(parents=True, exist_ok=True)
+    have = sorted(debs.glob(f"{package}_*.deb"), key=lambda p: p.stat().st_mtime)
+    if have:
+        return have[-1]
+    if progress:
+        progress(f"downloading {package}")
+    partial = debs / "partial"
+    partial.mkdir(exist_ok=True)
+    # Download into a scratch dir, then move: a killed download never looks cached.
+    run("download kernel", ["apt-get", "download", "-q", "-o", "APT::Sandbox::User=root", package],
+        cwd=partial, timeout=900)
+    got = sorted(partial.glob(f"{package}_*.deb"))
+    if not got:
+        raise ImageError(f"apt-get download {package} produced no .deb", step="download kernel")
+    dest = debs / got[-1].name
+    got[-1].replace(dest)
+    shutil.rmtree(partial, ignore_errors=True)
+    return dest
+
+
+def unpack(deb: Path, work: Path, image_dir: Path) -> KernelFiles:
+    """Unpack ``deb`` under ``work`` and move vmlinuz and the modules tree into ``image_dir``."""
+    x = work / "kernel-deb"
+    run("unpack kernel", ["dpkg-deb", "-x", deb, x])
+    vmlinuzes = sorted((x / "boot").glob("vmlinuz-*"))
+    if len(vmlinuzes) != 1:
+        raise ImageError(f"{deb.name}: expected one boot/vmlinuz-*, found {len(vmlinuzes)}",
+                         step="unpack kernel")
+    version = vmlinuzes[0].name.removeprefix("vmlinuz-")
+    # bookworm ships /lib/modules; later suites ship /usr/lib/modules.
+    for lib in ("lib", "usr/lib"):
+        if (x / lib / "modules" / version).is_dir():
+            break
+    else:
+        raise ImageError(f"{deb.name}: no modules tree for {version}", step="unpack kernel")
+    # depmod -b BASE indexes BASE/lib/modules/<version>.
+    run("depmod", ["depmod", "-b", x if lib == "lib" else x / "usr", version])
+    vmlinuz = image_dir / "vmlinuz"
+    shutil.copyfile(vmlinuzes[0], vmlinuz)
+    modules = image_dir / "modules" / version
+    modules.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(x / lib / "modules" / version), str(modules))
+    deb_version = deb.name.split("_")[1] if deb.name.count("_") >= 2 else ""
+    return KernelFiles(
+        package=deb.name.split("_")[0], deb_version=deb_version, version=version,
+        vmlinuz=vmlinuz, modules=modules,
+    )
+
+
+def fetch(meta_package: str, debs: Path, work: Path, image_dir: Path,
+          progress: Progress | None = None) -> KernelFiles:
+    """Resolve, download (cached in ``debs``) and unpack the kernel into ``image_dir``."""
+    package = resolve_package(meta_package)
+    if progress:
+        progress(f"kernel: {package}")
+    deb = download(package, debs, progress)
+    return unpack(deb, work, image_dir)
