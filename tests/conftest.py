@@ -59,12 +59,11 @@ def base_image() -> Path:
     layout = Layout(SHARED)
     layout.ensure()
     img = build_image(layout, "base", progress=lambda m: print(f"image: {m}", file=sys.stderr))
-    # Run (or read) the KVM probe once, so every test server reuses its answer.
-    from hangar.engines.qemu import choose_accel
+    # Run (or read) the probe boots once, so every test server reuses their answers.
+    from hangar.engines.doctor import choose_engine
     from hangar.images import resolve_image
 
-    ready = resolve_image(layout, "base")
-    choose_accel(layout, ready.kernel, ready.initrd)
+    choose_engine("auto", layout, resolve_image(layout, "base"))
     return img.dir
 
 
@@ -75,8 +74,10 @@ class Server:
         self.data_dir = data_dir
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        # No warm pool unless a test asks for one: pooled VMs would compete
+        # for this machine's two cores with the VMs under test.
         self.env = {**os.environ, "HANGAR_DATA_DIR": str(data_dir), "HANGAR_PORT": str(port),
-                    "PYTHONPATH": str(SRC), **(extra_env or {})}
+                    "HANGAR_POOL_SIZE": "0", "PYTHONPATH": str(SRC), **(extra_env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data_dir / "server.log"
 
@@ -116,9 +117,9 @@ class Server:
 def make_data_dir(base_image: Path) -> Path:
     d = Path(tempfile.mkdtemp(prefix="hg-", dir="/tmp"))
     (d / "images").symlink_to(base_image.parent)
-    probe = SHARED / "engine-probe.json"
-    if probe.exists():
-        shutil.copy(probe, d / "engine-probe.json")
+    for name in ("engine-probe.json", "firecracker-probe.json"):
+        if (SHARED / name).exists():
+            shutil.copy(SHARED / name, d / name)
     return d
 
 

@@ -143,3 +143,12 @@ def test_exec_in_unknown_or_deleted_sandbox(api: httpx.Client, fresh_sandbox: st
     from conftest import vmm_pids
 
     assert vmm_pids(fresh_sandbox) == []
+
+
+def test_background_process_outlives_its_exec(api: httpx.Client, sandbox: str) -> None:
+    started = time.monotonic()
+    r = run(api, sandbox, command="sleep 300 & echo $! > /tmp/bg.pid; echo started", timeout=30)
+    assert r["stdout"] == "started\n" and not r["timed_out"]
+    assert time.monotonic() - started < 10, "the exec waits for the shell, not for its children"
+    assert run(api, sandbox, command="kill -0 $(cat /tmp/bg.pid) && echo alive")["stdout"] == "alive\n"
+    run(api, sandbox, command="kill $(cat /tmp/bg.pid)")

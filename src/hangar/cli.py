@@ -25,8 +25,12 @@ app = typer.Typer(help="Hangar: microVM sandboxes for AI agents.", no_args_is_he
                   pretty_exceptions_enable=False)
 image_app = typer.Typer(help="Build and list guest images.", no_args_is_help=True)
 files_app = typer.Typer(help="Copy files in and out of a sandbox.", no_args_is_help=True)
+machine_app = typer.Typer(help="Per-user machines that sleep when idle.", no_args_is_help=True)
+snapshot_app = typer.Typer(help="Snapshots of running sandboxes.", no_args_is_help=True)
 app.add_typer(image_app, name="image")
 app.add_typer(files_app, name="files")
+app.add_typer(machine_app, name="machine")
+app.add_typer(snapshot_app, name="snapshot")
 out = Console()
 err = Console(stderr=True)
 
@@ -68,7 +72,8 @@ def serve(
     host: Annotated[Optional[str], typer.Option(help="Listen address (HANGAR_HOST).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Listen port (HANGAR_PORT).")] = None,
     data_dir: DataDir = None,
-    engine: Annotated[Optional[str], typer.Option(help="auto or qemu (HANGAR_ENGINE).")] = None,
+    engine: Annotated[Optional[str], typer.Option(
+        help="auto, firecracker or qemu (HANGAR_ENGINE).")] = None,
     accel: Annotated[Optional[str], typer.Option(help="auto, kvm or tcg (HANGAR_ACCEL).")] = None,
 ) -> None:
     """Run the REST API; builds the default image first if it is missing."""
@@ -248,6 +253,135 @@ def files_ls(sandbox_id: str,
     for e in entries:
         table.add_row(e["name"], e["type"], str(e["size"]), oct(e["mode"]))
     out.print(table)
+
+
+def _machine_row(m: dict) -> None:  # type: ignore[type-arg]
+    table = Table("user", "sandbox", "state", "desired", "idle timeout (s)")
+    table.add_row(m["user_id"], m["sandbox_id"], m["state"], m["desired_state"],
+                  f"{m['idle_timeout_s']:.0f}")
+    out.print(table)
+
+
+def _machine_call(method: str, user_id: str, suffix: str = "", **kw: object) -> dict:  # type: ignore[type-arg]
+    try:
+        with _client() as h:
+            return h._call(method, f"/machines/{user_id}{suffix}", **kw).json()
+    except HangarError as exc:
+        _fail(exc)
+        raise  # unreachable
+
+
+@machine_app.command("get")
+def machine_get(user_id: str,
+                idle: Annotated[Optional[float], typer.Option(help="Idle seconds before sleep.")] = None,
+                ) -> None:
+    """Get the user's machine, creating it if there is none."""
+    body = {"idle_timeout": idle} if idle else {}
+    _machine_row(_machine_call("POST", user_id, json=body))
+
+
+@machine_app.command("show")
+def machine_show(user_id: str) -> None:
+    """Show the machine's state without changing it."""
+    _machine_row(_machine_call("GET", user_id))
+
+
+@machine_app.command("sleep")
+def machine_sleep(user_id: str) -> None:
+    """Snapshot the machine and stop its VM."""
+    _machine_row(_machine_call("POST", user_id, "/snapshot"))
+
+
+@machine_app.command("wake")
+def machine_wake(user_id: str) -> None:
+    """Restore the machine from its sleep snapshot."""
+    _machine_row(_machine_call("POST", user_id, "/wake"))
+
+
+@machine_app.command("rm")
+def machine_rm(user_id: str) -> None:
+    """Remove the machine and everything it held."""
+    try:
+        with _client() as h:
+            h._call("DELETE", f"/machines/{user_id}")
+    except HangarError as exc:
+        _fail(exc)
+    out.print(f"removed the machine of {user_id}")
+
+
+@snapshot_app.command("create")
+def snapshot_create(sandbox_id: str) -> None:
+    """Snapshot a running sandbox and print the snapshot's id."""
+    try:
+        with _client() as h:
+            snap = h._call("POST", f"/sandboxes/{sandbox_id}/snapshot").json()
+    except HangarError as exc:
+        _fail(exc)
+    out.print(f"{snap['id']} ({snap['size_bytes'] / 2**20:.1f} MiB)")
+
+
+@snapshot_app.command("ls")
+def snapshot_ls() -> None:
+    """List snapshots."""
+    try:
+        with _client() as h:
+            snaps = h._call("GET", "/snapshots").json()["snapshots"]
+    except HangarError as exc:
+        _fail(exc)
+    table = Table("id", "sandbox", "size (MiB)", "memory (MiB)")
+    for s in snaps:
+        table.add_row(s["id"], s["sandbox_id"], f"{s['size_bytes'] / 2**20:.1f}",
+                      str(s["memory_mib"]))
+    out.print(table)
+
+
+@snapshot_app.command("restore")
+def snapshot_restore(sandbox_id: str, snapshot_id: str) -> None:
+    """Bring a sandbox back to one of its snapshots."""
+    try:
+        with _client() as h:
+            h._call("POST", f"/sandboxes/{sandbox_id}/restore", json={"snapshot_id": snapshot_id})
+    except HangarError as exc:
+        _fail(exc)
+    out.print(f"{sandbox_id} restored to {snapshot_id}")
+
+
+@snapshot_app.command("fork")
+def snapshot_fork(snapshot_id: str) -> None:
+    """Start a new sandbox from a snapshot and print its id."""
+    try:
+        with _client() as h:
+            sb = h._call("POST", f"/snapshots/{snapshot_id}/sandboxes").json()
+    except HangarError as exc:
+        _fail(exc)
+    out.print(sb["id"])
+
+
+@snapshot_app.command("rm")
+def snapshot_rm(snapshot_id: str) -> None:
+    """Delete a snapshot."""
+    try:
+        with _client() as h:
+            h._call("DELETE", f"/snapshots/{snapshot_id}")
+    except HangarError as exc:
+        _fail(exc)
+    out.print(f"deleted {snapshot_id}")
+
+
+@app.command()
+def doctor(data_dir: DataDir = None) -> None:
+    """Say what this host offers (KVM, VMMs and their versions) and which engine auto picks."""
+    from hangar.engines.doctor import diagnose
+    from hangar.images import resolve_image
+    from hangar.layout import Layout
+
+    layout = Layout(_settings(data_dir).data_dir)
+    try:
+        image = resolve_image(layout, "base")
+    except HangarError:
+        image = None
+    for line in diagnose(layout, image).lines():
+        out.print(line, markup=False, highlight=False)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ class Settings(BaseSettings):
     data_dir: Path = Field(Path("/var/lib/hangar"), description="Root of the on-disk layout.")
     host: str = Field("127.0.0.1", description="Address the REST API listens on.")
     port: int = Field(8080, description="TCP port of the REST API.")
-    engine: Literal["auto", "qemu"] = Field("auto", description="VMM to use.")
+    engine: Literal["auto", "firecracker", "qemu"] = Field(
+        "auto", description="VMM: auto takes Firecracker when its probe boot works, else QEMU.")
+    jailer: bool = Field(False, description="Run Firecracker VMMs under its jailer.")
     accel: Literal["auto", "kvm", "tcg"] = Field(
         "auto", description="QEMU accelerator; auto runs a probe boot to decide."
     )
@@ -34,6 +36,11 @@ class Settings(BaseSettings):
     default_timeout_s: float = Field(
         3600.0, ge=0, description="Time to live of a sandbox created without one, seconds; "
                                   "0 keeps such sandboxes until deleted.")
+    pool_size: int = Field(2, ge=0, le=64,
+                           description="Paused VMs of the default template kept ready.")
+    pool_max_age_s: float = Field(900.0, gt=0, description="Pool VMs older than this are replaced.")
+    machine_idle_s: float = Field(1800.0, gt=0,
+                                  description="Idle seconds before a user's machine sleeps.")
     api_key: str | None = Field(
         None, description="API key; when unset, read from or generated into data_dir/api-key."
     )

@@ -30,6 +30,10 @@ default ``/var/lib/hangar``)::
           agent.sock            guest agent channel (virtio-serial port)
           serial.log            guest console output
           vmm.pid               pid of the VMM process
+      snapshots/
+        <snapshot id>/          state.mig (VMM state and RAM), disk.qcow2 (copy of the
+                                overlay), snapshot.json (manifest, written last);
+                                see hangar.engines.snapshot_io
 
 Sandbox directories are created by the engine on boot and removed on stop;
 images are created by ``hangar.images.builder`` and only read afterwards,
@@ -74,6 +78,13 @@ class Layout:
     def sandboxes(self) -> Path:
         return self.root / "sandboxes"
 
+    @property
+    def snapshots(self) -> Path:
+        return self.root / "snapshots"
+
+    def snapshot(self, snapshot_id: str) -> Path:
+        return self.snapshots / snapshot_id
+
     def image_dir(self, name: str) -> Path:
         return self.images / name
 
@@ -84,7 +95,7 @@ class Layout:
         """Create the top-level folders (mode 0700 for the root)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o700)
-        for p in (self.cache, self.images, self.sandboxes):
+        for p in (self.cache, self.images, self.sandboxes, self.snapshots):
             p.mkdir(exist_ok=True)
 
 

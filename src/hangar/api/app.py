@@ -8,12 +8,14 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 
 from hangar import __version__
-from hangar.api import errors, files, health, sandboxes
+from hangar.api import errors, files, health, machines, sandboxes, snapshots
 from hangar.api.auth import load_or_create_key, require_key
 from hangar.config import Settings
+from hangar.core.machines import MachineManager
+from hangar.core.pool import WarmPool
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import Store
-from hangar.engines import make_engine
+from hangar.engines.doctor import choose_engine
 from hangar.images import resolve_image
 from hangar.layout import Layout
 from hangar.metrics import Metrics
@@ -21,7 +23,8 @@ from hangar.metrics import Metrics
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app. Start-up resolves the default image, picks the engine
-    (running the KVM probe if not cached) and reconciles running VMs."""
+    (running the probe boots if not cached), reconciles running VMs and
+    starts filling the warm pool."""
     settings = settings or Settings()
     layout = Layout(settings.data_dir)
 
@@ -30,14 +33,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         layout.ensure()
         app.state.api_key = settings.api_key or load_or_create_key(layout.api_key_file)
         image = resolve_image(layout, settings.default_image)
-        engine = make_engine(settings.engine, layout, image, settings.accel)
+        engine = choose_engine(settings.engine, layout, image, accel=settings.accel,
+                               jailer=settings.jailer)
         metrics = Metrics()
         metrics.engine.info(engine.describe())
         store = Store(layout.database)
         manager = SandboxManager(settings, layout, store, engine, metrics)
+        manager.pool = WarmPool(manager, settings.pool_size, settings.pool_max_age_s)
         app.state.metrics = metrics
         app.state.manager = manager
+        app.state.machines = MachineManager(manager, settings.machine_idle_s)
         await manager.start()
+        manager.pool.kick()
         try:
             yield
         finally:
@@ -54,4 +61,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     keyed = [Depends(require_key)]
     app.include_router(sandboxes.router, dependencies=keyed)
     app.include_router(files.router, dependencies=keyed)
+    app.include_router(snapshots.router, dependencies=keyed)
+    app.include_router(machines.router, dependencies=keyed)
     return app

@@ -138,6 +138,69 @@ class PathBody(BaseModel):
     recursive: bool = False
 
 
+class Snapshot(BaseModel):
+    """A snapshot: memory, device state and disk of a sandbox at one moment."""
+
+    id: str
+    sandbox_id: str
+    size_bytes: int = Field(description="Bytes on disk.")
+    created_at: float = Field(description="Unix time, seconds.")
+    image: str
+    vcpus: int
+    memory_mib: int
+    disk_mib: int
+
+
+class SnapshotList(BaseModel):
+    snapshots: list[Snapshot]
+
+
+class RestoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    snapshot_id: str = Field(min_length=1, max_length=64)
+
+
+class ForkRequest(BaseModel):
+    """Body of ``POST /snapshots/{id}/sandboxes`` (optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout: float | None = Field(None, ge=0, le=30 * 86400, description="Time to live, seconds.")
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+
+class MachineRequest(BaseModel):
+    """Body of ``POST /machines/{user_id}`` (optional; used only when creating)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    idle_timeout: float | None = Field(None, gt=0, le=30 * 86400,
+                                       description="Idle seconds before the machine sleeps.")
+    image: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    vcpus: int | None = Field(None, ge=1, le=32)
+    memory_mib: int | None = Field(None, ge=128, le=65536)
+    disk_mib: int | None = Field(None, ge=512, le=1048576)
+
+
+class Machine(BaseModel):
+    """A user's persistent machine.
+
+    ``state``: creating, active, snapshotting, sleeping, waking or failed;
+    ``desired_state``: active or sleeping. Exec and files go to
+    ``/sandboxes/{sandbox_id}/...`` (or ``/machines/{user_id}/exec``) and
+    wake a sleeping machine first.
+    """
+
+    user_id: str
+    sandbox_id: str
+    state: str
+    desired_state: str
+    idle_timeout_s: float
+    last_active_at: float = Field(description="Unix time, seconds.")
+    created_at: float = Field(description="Unix time, seconds.")
+
+
 class Error(BaseModel):
     """Every error response: ``{"error": {"code", "message", ...context}}``."""
 

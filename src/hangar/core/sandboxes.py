@@ -1,16 +1,24 @@
-"""The orchestrator: sandbox lifecycle, limits, and calls into the guest.
+"""The orchestrator: sandbox lifecycle, snapshots, sleep and wake, limits.
 
-``SandboxManager`` is the only writer of sandbox records. It asks the
-engine for VMs, keeps one agent connection per running sandbox, enforces
-the cap on concurrent VMs, and on start reconciles the store with the VMM
-processes that are still running (adopt what answers, clean up the rest).
+``SandboxManager`` is the only writer of sandbox and snapshot records. It
+asks the engine for VMs, keeps one agent connection per running sandbox,
+enforces the cap on concurrent VMs, and runs one reconcile loop that moves
+each sandbox's current state toward its desired one (``hangar.core.states``).
 
-Lifecycle rules (see ``hangar.core.states``):
+Rules:
 
-* a create that fails at any step removes the VM, its files and its record;
-* a delete ends the VM, removes its files and leaves a ``deleted`` tombstone;
-* a VMM that dies on its own is noticed by the watcher within
-  ``WATCH_INTERVAL_S`` and its sandbox marked ``failed``, files released.
+* A create that fails at any step removes the VM, its files and its record.
+* A delete ends the VM, removes its files and leaves a ``deleted`` tombstone.
+* Every VMM counts against ``max_sandboxes`` (pooled ones too); the check
+  and the new record happen under one lock, so a storm cannot overshoot.
+* A snapshot is refused with ``Busy`` (409, retryable) while a command or
+  file transfer runs in the sandbox; while one is taken, new calls wait.
+* A sandbox with an idle timeout (a user's machine) sleeps when idle: it is
+  snapshotted and its VMM ended. Any call to a sleeping sandbox wakes it
+  (restore from the sleep snapshot, clock and entropy refreshed) and then
+  runs; the caller does nothing.
+* On start, VMMs that still run are adopted; everything else a crashed
+  server left (VMM processes, disks, sockets, partial snapshots) is removed.
 """
 
 from __future__ import annotations
@@ -18,18 +26,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import shutil
 import time
 from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from hangar.config import Settings
-from hangar.core.states import LIVE, State, check
-from hangar.core.store import SandboxRecord, Store
-from hangar.engines.base import VM, Engine, VMSpec
-from hangar.errors import Conflict, GuestError, Gone, HangarError, LimitExceeded, NotFound
+from hangar.core.states import GONE, State
+from hangar.core.store import SandboxRecord, SnapshotRecord, Store
+from hangar.engines.base import VM, Engine, VMSpec, kill_process
+from hangar.engines.snapshot_io import refresh_guest
+from hangar.errors import (
+    Busy, Conflict, GuestError, Gone, HangarError, InvalidRequest, LimitExceeded, NotFound,
+)
 from hangar.guest.client import AgentClient, ExecEvent, ExecResult
-from hangar.images import resolve_image
+from hangar.images import GuestImage, resolve_image
 from hangar.layout import Layout
 from hangar.metrics import Metrics
 
@@ -42,7 +55,8 @@ WATCH_INTERVAL_S = 1.0
 class CreateOptions:
     """What a create asks for; ``None`` takes the server's default.
 
-    Sizes in MiB; ``timeout_s`` is the sandbox's time to live in seconds.
+    Sizes in MiB; ``timeout_s`` is the time to live in seconds (0: none);
+    ``idle_timeout_s`` makes the sandbox sleep after that many idle seconds.
     """
 
     image: str | None = None
@@ -53,23 +67,25 @@ class CreateOptions:
     metadata: dict[str, str] = field(default_factory=dict)
     desktop: str | None = None
     """Screen as ``WIDTHxHEIGHTxDEPTH`` (pixels, bits); starts the guest's desktop."""
+    idle_timeout_s: float | None = None
 
 
 @dataclass
 class Runtime:
-    """In-memory state of one live sandbox."""
+    """In-memory state of one sandbox that has a VMM."""
 
     vm: VM
     agent: AgentClient | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    connect_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    busy: int = 0
 
 
-def new_id() -> str:
-    return "sb-" + secrets.token_hex(6)
+def new_id(prefix: str = "sb-") -> str:
+    return prefix + secrets.token_hex(6)
 
 
 class SandboxManager:
-    """Creates, tracks and removes sandboxes. One per server process."""
+    """Creates, tracks, snapshots and removes sandboxes. One per server process."""
 
     def __init__(self, settings: Settings, layout: Layout, store: Store, engine: Engine,
                  metrics: Metrics) -> None:
@@ -78,142 +94,219 @@ class SandboxManager:
         self.store = store
         self.engine = engine
         self.metrics = metrics
+        self.pool: Any = None  # hangar.core.pool.WarmPool, set by the app
         self._runtimes: dict[str, Runtime] = {}
+        self._gates: dict[str, asyncio.Lock] = {}
         self._admit = asyncio.Lock()
-        self._reserved = 0
         self._watcher: asyncio.Task[None] | None = None
         metrics.watch_states(self.state_counts)
 
-    # -- start-up and background ------------------------------------------
+    # -- start-up and the reconcile loop -----------------------------------
 
     async def start(self) -> None:
-        """Reconcile the store with running VMMs, then start the watcher."""
+        """Reconcile the store with what runs on the host, then start the loop."""
         for rec in self.store.live():
-            vm = self.engine.adopt(rec.id, self.layout.sandbox(rec.id), rec.pid or -1)
-            if vm is not None and rec.state in (State.RUNNING.value, State.PAUSED.value):
-                self._runtimes[rec.id] = Runtime(vm)
-                log.info("sandbox adopted", extra={"sandbox_id": rec.id, "pid": vm.pid})
-                continue
-            await self._release(rec.id, vm, State.FAILED, "the VMM was gone when the server started")
-        self._sweep_orphan_dirs()
+            await self._recover(rec)
+        self._sweep_orphans()
         self._watcher = asyncio.create_task(self._watch())
 
-    def _sweep_orphan_dirs(self) -> None:
-        known = {r.id for r in self.store.live()}
+    async def _recover(self, rec: SandboxRecord) -> None:
+        vm = self.engine.adopt(rec.id, self.layout.sandbox(rec.id), rec.pid or -1)
+        state = State(rec.state)
+        if state == State.SLEEPING:
+            return
+        if vm is not None and state in (State.RUNNING, State.SNAPSHOTTING, State.WAKING):
+            self._runtimes[rec.id] = Runtime(vm)
+            self.store.update(rec.id, state=State.RUNNING)
+            log.info("sandbox adopted", extra={"sandbox_id": rec.id, "pid": vm.pid})
+            return
+        if state == State.WAKING and rec.sleep_snapshot:
+            await self._stop_vm(rec.id, vm)
+            self.store.update(rec.id, state=State.SLEEPING, pid=None)
+            return
+        if state in (State.CREATING, State.POOLED):
+            await self._stop_vm(rec.id, vm)
+            self.store.delete(rec.id) if state == State.CREATING else self.store.update(
+                rec.id, state=State.DELETED, pid=None)
+            return
+        final = State.DELETED if state == State.STOPPING else State.FAILED
+        await self._stop_vm(rec.id, vm)
+        self.store.update(rec.id, state=final, pid=None,
+                          error=None if final == State.DELETED else
+                          "the VMM was gone when the server started")
+
+    def _sweep_orphans(self) -> None:
+        """Remove sandbox folders and snapshot folders that no record owns."""
+        live = {r.id for r in self.store.live()}
         for d in self.layout.sandboxes.iterdir():
-            if d.name not in known:
-                pid = None
-                try:
-                    pid = int((d / "vmm.pid").read_text())
-                except (OSError, ValueError):
-                    pass
-                vm = self.engine.adopt(d.name, self.layout.sandbox(d.name), pid or -1)
-                if vm is not None:
-                    from hangar.engines.base import kill_process
-
-                    kill_process(vm.pid)
-                import shutil
-
+            if d.name in live:
+                continue
+            try:
+                pid = int((d / "vmm.pid").read_text())
+            except (OSError, ValueError):
+                pid = -1
+            vm = self.engine.adopt(d.name, self.layout.sandbox(d.name), pid)
+            if vm is not None:
+                kill_process(vm.pid)
+            shutil.rmtree(d, ignore_errors=True)
+            log.info("orphan sandbox folder removed", extra={"sandbox_id": d.name})
+        snaps = {s.id for s in self.store.list(SnapshotRecord)}
+        for d in self.layout.snapshots.iterdir():
+            if d.name not in snaps:
                 shutil.rmtree(d, ignore_errors=True)
-                log.info("orphan sandbox directory removed", extra={"sandbox_id": d.name})
+                log.info("orphan snapshot folder removed", extra={"snapshot_id": d.name})
 
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             try:
-                await self._watch_once()
-            except Exception:  # the watcher must outlive any one failure
-                log.exception("watcher pass failed")
+                await self.reconcile()
+            except Exception:  # the loop must outlive any one failure
+                log.exception("reconcile pass failed")
 
-    async def _watch_once(self) -> None:
-        """Expire sandboxes past their TTL; mark those whose VMM died ``failed``."""
+    async def reconcile(self) -> None:
+        """One pass: expire, notice dead VMMs, sleep idle machines, honour desired states."""
         now = time.time()
         for rec in self.store.live():
-            if rec.expires_at is not None and rec.expires_at <= now and rec.state in (
-                    State.RUNNING.value, State.PAUSED.value):
-                rt = self._runtimes.get(rec.id)
-                await self._release(rec.id, rt.vm if rt else None, State.EXPIRED, None)
-                log.info("sandbox expired", extra={"sandbox_id": rec.id})
-        for sid, rt in list(self._runtimes.items()):
-            if not rt.vm.alive():
-                rec = self.store.get(sid)
-                if rec is not None and rec.state in (State.RUNNING.value, State.PAUSED.value):
-                    log.warning("VMM died", extra={"sandbox_id": sid, "pid": rt.vm.pid})
-                    await self._release(sid, rt.vm, State.FAILED, "the VMM process exited")
+            state = State(rec.state)
+            sid = rec.id
+            if rec.expires_at is not None and rec.expires_at <= now and state in (
+                    State.RUNNING, State.SLEEPING):
+                await self._finish(sid, State.EXPIRED, None)
+                log.info("sandbox expired", extra={"sandbox_id": sid})
+                continue
+            rt = self._runtimes.get(sid)
+            if state == State.RUNNING and rt is not None and not rt.vm.alive():
+                log.warning("VMM died", extra={"sandbox_id": sid, "pid": rt.vm.pid})
+                await self._finish(sid, State.FAILED, "the VMM process exited")
+                continue
+            idle = rec.metadata_.get("idle_timeout_s") if rec.metadata_ else None
+            if (state == State.RUNNING and idle and rt is not None and rt.busy == 0
+                    and now - max(rec.last_active_at, rec.created_at) >= float(idle)):
+                self.store.update(sid, desired_state=State.SLEEPING)
+                rec.desired_state = State.SLEEPING.value
+                log.info("sandbox idle", extra={"sandbox_id": sid, "idle_s": float(idle)})
+            try:
+                if rec.desired_state == State.SLEEPING.value and state == State.RUNNING:
+                    await self.sleep(sid)
+                elif rec.desired_state == State.RUNNING.value and state == State.SLEEPING:
+                    await self.wake(sid)
+            except HangarError as exc:
+                log.warning("reconcile step failed", extra={"sandbox_id": sid,
+                                                            "error": exc.message})
+        if self.pool is not None:
+            await self.pool.maintain()
 
     async def close(self) -> None:
         """Stop background work and drop agent connections; VMs keep running."""
         if self._watcher is not None:
             self._watcher.cancel()
+        if self.pool is not None:
+            await self.pool.close()
         for rt in self._runtimes.values():
             if rt.agent is not None:
                 await rt.agent.close()
 
     def state_counts(self) -> dict[str, int]:
-        counts = {s.value: 0 for s in State if s in LIVE or s == State.FAILED}
-        for rec in self.store.live():
-            counts[rec.state] = counts.get(rec.state, 0) + 1
+        counts = {s.value: 0 for s in State if s not in GONE}
+        for rec in self.store.all():
+            if rec.state in counts:
+                counts[rec.state] += 1
         return counts
 
-    # -- lifecycle ---------------------------------------------------------
+    def _gate(self, sandbox_id: str) -> asyncio.Lock:
+        """The per-sandbox lock that orders lifecycle changes (snapshot, sleep, wake, delete)."""
+        return self._gates.setdefault(sandbox_id, asyncio.Lock())
+
+    # -- create, get, list, delete -----------------------------------------
+
+    def _admit_one(self) -> None:
+        """Raise LimitExceeded when no VMM may start now (call under ``_admit``)."""
+        cap = self.settings.max_sandboxes
+        if len(self.store.with_vmm()) >= cap:
+            self.metrics.creates.labels("limited").inc()
+            raise LimitExceeded(f"at most {cap} sandboxes may run at once", retry_after=5,
+                                limit=cap)
+
+    def _new_record(self, sid: str, state: State, image: GuestImage, opts: CreateOptions,
+                    vcpus: int | None = None, memory_mib: int | None = None,
+                    disk_mib: int | None = None) -> SandboxRecord:
+        s = self.settings
+        now = time.time()
+        ttl = opts.timeout_s if opts.timeout_s is not None else s.default_timeout_s
+        metadata: dict[str, Any] = dict(opts.metadata)
+        if opts.idle_timeout_s:
+            metadata["idle_timeout_s"] = opts.idle_timeout_s
+        return SandboxRecord(
+            id=sid, state=state.value, desired_state=State.RUNNING.value,
+            image=image.name, image_digest=image.digest, engine=self.engine.name,
+            accel=self.engine.accel, vcpus=vcpus or opts.vcpus or s.default_vcpus,
+            memory_mib=memory_mib or opts.memory_mib or s.default_memory_mib,
+            disk_mib=disk_mib or opts.disk_mib or s.default_disk_mib, pid=None, created_at=now,
+            updated_at=now, last_active_at=now, expires_at=now + ttl if ttl else None,
+            metadata_=metadata, desktop=opts.desktop,
+        )
+
+    def spec(self, rec: SandboxRecord, image: GuestImage) -> VMSpec:
+        kernel_args = (f"hangar.desktop={rec.desktop}",) if rec.desktop else ()
+        return VMSpec(rec.id, image, self.layout.sandbox(rec.id), rec.vcpus, rec.memory_mib,
+                      rec.disk_mib, hostname=rec.id, kernel_args=kernel_args)
+
+    async def boot(self, rec: SandboxRecord, image: GuestImage) -> Runtime:
+        """Boot ``rec``'s VM and wait for its agent; on failure nothing is left but the record."""
+        vm: VM | None = None
+        try:
+            vm = await self.engine.boot(self.spec(rec, image))
+            self.store.update(rec.id, pid=vm.pid)
+            agent = await self.engine.connect_agent(vm, self.settings.boot_timeout_s)
+        except BaseException:
+            if vm is not None:
+                await self.engine.stop(vm)
+            raise
+        rt = Runtime(vm, agent)
+        self._runtimes[rec.id] = rt
+        return rt
 
     async def create(self, opts: CreateOptions) -> SandboxRecord:
-        """Boot a sandbox and wait until its agent answers.
+        """A running sandbox, from the warm pool when one fits, else booted cold.
 
         Raises LimitExceeded (cap on concurrent VMs reached), NotFound (no
         such image), EngineError or Timeout (the VM did not come up); on any
         failure nothing of the sandbox is left.
         """
-        s = self.settings
         started = time.monotonic()
-        image = resolve_image(self.layout, opts.image or s.default_image)
+        image = resolve_image(self.layout, opts.image or self.settings.default_image)
+        if self.pool is not None:
+            rec = await self.pool.take(opts, image)
+            if rec is not None:
+                self._created(rec, started, "pool")
+                return rec
         async with self._admit:
-            live = len([r for r in self.store.live()])
-            if live >= s.max_sandboxes:
-                self.metrics.creates.labels("limited").inc()
-                raise LimitExceeded(f"at most {s.max_sandboxes} sandboxes may run at once",
-                                    retry_after=5, limit=s.max_sandboxes)
-            sid = new_id()
-            now = time.time()
-            ttl = opts.timeout_s if opts.timeout_s is not None else s.default_timeout_s
-            rec = SandboxRecord(
-                id=sid, state=State.CREATING.value, desired_state=State.RUNNING.value,
-                image=image.name, image_digest=image.digest, engine=self.engine.name,
-                accel=self.engine.accel, vcpus=opts.vcpus or s.default_vcpus,
-                memory_mib=opts.memory_mib or s.default_memory_mib,
-                disk_mib=opts.disk_mib or s.default_disk_mib, pid=None, created_at=now,
-                updated_at=now, expires_at=now + ttl if ttl else None,
-                metadata_=dict(opts.metadata), desktop=opts.desktop,
-            )
+            self._admit_one()
+            rec = self._new_record(new_id(), State.CREATING, image, opts)
             self.store.add(rec)
-        kernel_args = (f"hangar.desktop={opts.desktop}",) if opts.desktop else ()
-        spec = VMSpec(sid, image, self.layout.sandbox(sid), rec.vcpus, rec.memory_mib,
-                      rec.disk_mib, hostname=sid, kernel_args=kernel_args)
-        vm: VM | None = None
         try:
-            vm = await self.engine.boot(spec)
-            self.store.update(sid, pid=vm.pid)
-            agent = await self.engine.connect_agent(vm, s.boot_timeout_s)
+            await self.boot(rec, image)
         except BaseException as exc:
-            if vm is not None:
-                await self.engine.stop(vm)
-            self.store.delete(sid)
+            self.store.delete(rec.id)
             self.metrics.creates.labels("failed").inc()
-            log.error("sandbox create failed", extra={"sandbox_id": sid, "error": str(exc)})
+            log.error("sandbox create failed", extra={"sandbox_id": rec.id, "error": str(exc)})
             raise
-        self._runtimes[sid] = Runtime(vm, agent)
-        rec = self.store.update(sid, state=State.RUNNING)  # type: ignore[assignment]
+        rec = self.store.update(rec.id, state=State.RUNNING)  # type: ignore[assignment]
+        self._created(rec, started, "cold")
+        return rec
+
+    def _created(self, rec: SandboxRecord, started: float, source: str) -> None:
         took = time.monotonic() - started
         self.metrics.creates.labels("ok").inc()
         self.metrics.create_seconds.observe(took)
-        log.info("sandbox created", extra={"sandbox_id": sid, "duration_s": round(took, 3),
-                                           "image": image.name, "accel": vm.accel})
-        return rec
+        log.info("sandbox created", extra={"sandbox_id": rec.id, "duration_s": round(took, 3),
+                                           "image": rec.image, "source": source})
 
     def get(self, sandbox_id: str) -> SandboxRecord:
-        """The record of a sandbox; NotFound if unknown or deleted."""
+        """The record of a sandbox. Raises NotFound (unknown, deleted) or Gone (expired)."""
         rec = self.store.get(sandbox_id)
-        if rec is None:
+        if rec is None or rec.state == State.POOLED.value:
             raise NotFound(f"no sandbox {sandbox_id}", sandbox_id=sandbox_id)
         if rec.state == State.DELETED.value:
             raise NotFound(f"sandbox {sandbox_id} was deleted", sandbox_id=sandbox_id)
@@ -226,65 +319,285 @@ class SandboxManager:
     def set_timeout(self, sandbox_id: str, timeout_s: float) -> SandboxRecord:
         """Make the sandbox expire ``timeout_s`` seconds from now (0: never)."""
         rec = self.get(sandbox_id)
-        if rec.state not in (State.RUNNING.value, State.PAUSED.value, State.CREATING.value):
+        if rec.state in (State.STOPPING.value, State.FAILED.value):
             raise Conflict(f"sandbox {sandbox_id} is {rec.state}", sandbox_id=sandbox_id)
         expires = time.time() + timeout_s if timeout_s else None
         return self.store.update(sandbox_id, expires_at=expires)  # type: ignore[return-value]
 
     def list(self) -> list[SandboxRecord]:
-        """Sandboxes that are live or failed (not deleted or expired), oldest first."""
-        gone = (State.DELETED.value, State.EXPIRED.value)
-        return [r for r in self.store.all() if r.state not in gone]
+        """Sandboxes that exist or failed (not deleted, expired or pooled), oldest first."""
+        hidden = {s.value for s in GONE} | {State.POOLED.value}
+        return [r for r in self.store.all() if r.state not in hidden]
 
     async def delete(self, sandbox_id: str) -> None:
-        """End the sandbox's VM and remove everything it held. NotFound if unknown."""
+        """End the sandbox's VM, remove its files and sleep snapshot. NotFound if unknown."""
         rec = self.get(sandbox_id)
         if rec.state == State.STOPPING.value:
             raise Conflict(f"sandbox {sandbox_id} is already being deleted", sandbox_id=sandbox_id)
-        rt = self._runtimes.get(sandbox_id)
-        await self._release(sandbox_id, rt.vm if rt else None, State.DELETED, None)
+        async with self._gate(sandbox_id):
+            await self._finish(sandbox_id, State.DELETED, None)
         log.info("sandbox deleted", extra={"sandbox_id": sandbox_id})
 
-    async def _release(self, sandbox_id: str, vm: VM | None, final: State,
-                       error: str | None) -> None:
+    async def _finish(self, sandbox_id: str, final: State, error: str | None) -> None:
+        """Move to ``final``: end the VMM, remove files and any sleep snapshot."""
         self.store.update(sandbox_id, state=State.STOPPING)
+        rt = self._runtimes.get(sandbox_id)
+        await self._stop_vm(sandbox_id, rt.vm if rt else None)
+        rec = self.store.get(sandbox_id)
+        if rec is not None and rec.sleep_snapshot:
+            self._drop_snapshot(rec.sleep_snapshot)
+        self.store.update(sandbox_id, state=final, pid=None, error=error, sleep_snapshot=None)
+        self._gates.pop(sandbox_id, None) if not self._gate(sandbox_id).locked() else None
+
+    async def _stop_vm(self, sandbox_id: str, vm: VM | None) -> None:
         rt = self._runtimes.pop(sandbox_id, None)
         if rt is not None and rt.agent is not None:
             await rt.agent.close()
         if vm is None:
             vm = VM(sandbox_id, self.engine.name, -1, self.layout.sandbox(sandbox_id), "")
         await self.engine.stop(vm)
-        self.store.update(sandbox_id, state=final, pid=None, error=error)
 
-    # -- guest calls -------------------------------------------------------
+    # -- snapshots, sleep and wake -------------------------------------------
 
-    async def agent(self, sandbox_id: str) -> AgentClient:
-        """The agent connection of a running sandbox, reconnecting if it dropped.
-
-        Raises NotFound (unknown or deleted) or Conflict (not running).
-        """
+    def _running(self, sandbox_id: str) -> tuple[SandboxRecord, Runtime]:
         rec = self.get(sandbox_id)
         rt = self._runtimes.get(sandbox_id)
         if rec.state != State.RUNNING.value or rt is None:
             raise Conflict(f"sandbox {sandbox_id} is {rec.state}, not running",
                            sandbox_id=sandbox_id, state=rec.state)
-        async with rt.lock:
-            if rt.agent is None or rt.agent.closed:
-                if not rt.vm.alive():
-                    raise Conflict(f"sandbox {sandbox_id} has stopped", sandbox_id=sandbox_id)
-                rt.agent = await self.engine.connect_agent(rt.vm, 10.0)
-            return rt.agent
+        if rt.busy:
+            raise Busy(f"sandbox {sandbox_id} is running a command or file transfer; "
+                       "retry when it has finished", sandbox_id=sandbox_id)
+        return rec, rt
+
+    async def _snapshot_vm(self, rec: SandboxRecord, rt: Runtime, kind: str) -> SnapshotRecord:
+        snap_id = new_id("snap-")
+        dest = self.layout.snapshot(snap_id)
+        try:
+            files = await self.engine.snapshot(rt.vm, dest)
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        snap = SnapshotRecord(
+            id=snap_id, sandbox_id=rec.id, kind=kind, size_bytes=files.size_bytes,
+            created_at=time.time(), image=rec.image, image_digest=rec.image_digest,
+            vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
+            desktop=rec.desktop)
+        self.store.add(snap)
+        return snap
+
+    async def snapshot(self, sandbox_id: str) -> SnapshotRecord:
+        """Save the sandbox's memory, device state and disk; it keeps running.
+
+        Raises Conflict (not running) or Busy (a command runs: retry).
+        """
+        started = time.monotonic()
+        async with self._gate(sandbox_id):
+            rec, rt = self._running(sandbox_id)
+            try:
+                snap = await self._snapshot_vm(rec, rt, "user")
+            finally:
+                if rt.vm.alive():
+                    await self.engine.resume(rt.vm)
+        log.info("snapshot taken", extra={"sandbox_id": sandbox_id, "snapshot_id": snap.id,
+                                          "size_bytes": snap.size_bytes,
+                                          "duration_s": round(time.monotonic() - started, 3)})
+        return snap
+
+    async def sleep(self, sandbox_id: str) -> SandboxRecord:
+        """Snapshot the sandbox and end its VMM; calls to it will wake it.
+
+        Raises Conflict (not running) or Busy (a command runs: retry).
+        """
+        started = time.monotonic()
+        async with self._gate(sandbox_id):
+            rec = self.get(sandbox_id)
+            if rec.state == State.SLEEPING.value:
+                return rec
+            rec, rt = self._running(sandbox_id)
+            self.store.update(sandbox_id, state=State.SNAPSHOTTING, desired_state=State.SLEEPING)
+            try:
+                snap = await self._snapshot_vm(rec, rt, "sleep")
+            except BaseException:
+                if rt.vm.alive():
+                    await self.engine.resume(rt.vm)
+                self.store.update(sandbox_id, state=State.RUNNING, desired_state=State.RUNNING)
+                raise
+            await self._stop_vm(sandbox_id, rt.vm)
+            rec = self.store.update(sandbox_id, state=State.SLEEPING, pid=None,  # type: ignore[assignment]
+                                    sleep_snapshot=snap.id)
+        log.info("sandbox asleep", extra={"sandbox_id": sandbox_id, "size_bytes": snap.size_bytes,
+                                          "duration_s": round(time.monotonic() - started, 3)})
+        return rec
+
+    async def wake(self, sandbox_id: str) -> SandboxRecord:
+        """Restore a sleeping sandbox from its sleep snapshot; a running one is returned as is.
+
+        Raises LimitExceeded (no room for another VMM) or the engine's errors;
+        on failure the sandbox stays asleep with its snapshot intact.
+        """
+        started = time.monotonic()
+        async with self._gate(sandbox_id):
+            rec = self.get(sandbox_id)
+            if rec.state == State.RUNNING.value:
+                return rec
+            if rec.state != State.SLEEPING.value or not rec.sleep_snapshot:
+                raise Conflict(f"sandbox {sandbox_id} is {rec.state}", sandbox_id=sandbox_id)
+            snap = self.store.find(SnapshotRecord, rec.sleep_snapshot)
+            if snap is None:
+                raise Conflict(f"sandbox {sandbox_id} lost its sleep snapshot",
+                               sandbox_id=sandbox_id)
+            async with self._admit:
+                self._admit_one()
+                self.store.update(sandbox_id, state=State.WAKING, desired_state=State.RUNNING)
+            try:
+                await self._restore_into(rec, snap)
+            except BaseException as exc:
+                self.store.update(sandbox_id, state=State.SLEEPING, error=str(exc)[:1000])
+                raise
+            rec = self.store.update(sandbox_id, state=State.RUNNING, sleep_snapshot=None,  # type: ignore[assignment]
+                                    last_active_at=time.time(), error=None)
+            self._drop_snapshot(snap.id)
+        log.info("sandbox awake", extra={"sandbox_id": sandbox_id,
+                                         "duration_s": round(time.monotonic() - started, 3)})
+        return rec
+
+    async def _restore_into(self, rec: SandboxRecord, snap: SnapshotRecord) -> Runtime:
+        """Start ``rec``'s VM from ``snap``; agent connected, clock and entropy refreshed."""
+        image = resolve_image(self.layout, f"{snap.image}-{snap.image_digest}")
+        spec = self.spec(rec, image)
+        vm = await self.engine.restore(spec, self.layout.snapshot(snap.id))
+        try:
+            self.store.update(rec.id, pid=vm.pid)
+            agent = await self.engine.connect_agent(vm, self.settings.boot_timeout_s)
+            await refresh_guest(agent)
+        except BaseException:
+            await self.engine.stop(vm)
+            raise
+        rt = Runtime(vm, agent)
+        self._runtimes[rec.id] = rt
+        return rt
+
+    async def restore(self, sandbox_id: str, snapshot_id: str) -> SandboxRecord:
+        """Bring a sandbox back to a snapshot of its own: processes, memory and files.
+
+        The current VM is replaced. Raises NotFound (no such snapshot),
+        InvalidRequest (the snapshot belongs to another sandbox), Busy; if the
+        restore itself fails the sandbox is ``failed``.
+        """
+        snap = self.get_snapshot(snapshot_id)
+        if snap.sandbox_id != sandbox_id:
+            raise InvalidRequest(f"snapshot {snapshot_id} was taken of {snap.sandbox_id}; "
+                                 f"start a new sandbox from it with POST /snapshots/"
+                                 f"{snapshot_id}/sandboxes", snapshot_id=snapshot_id)
+        async with self._gate(sandbox_id):
+            rec = self.get(sandbox_id)
+            if rec.state == State.RUNNING.value:
+                _, rt = self._running(sandbox_id)
+                await self._stop_vm(sandbox_id, rt.vm)
+            elif rec.state != State.FAILED.value:
+                raise Conflict(f"sandbox {sandbox_id} is {rec.state}", sandbox_id=sandbox_id)
+            try:
+                await self._restore_into(rec, snap)
+            except BaseException as exc:
+                self.store.update(sandbox_id, state=State.FAILED, pid=None, error=str(exc)[:1000])
+                raise
+            rec = self.store.update(sandbox_id, state=State.RUNNING, error=None,  # type: ignore[assignment]
+                                    last_active_at=time.time())
+        log.info("sandbox restored", extra={"sandbox_id": sandbox_id, "snapshot_id": snapshot_id})
+        return rec
+
+    async def fork(self, snapshot_id: str, opts: CreateOptions) -> SandboxRecord:
+        """A new sandbox started from a snapshot (its shape: vCPUs, memory, disk, desktop).
+
+        Raises NotFound, LimitExceeded, or the engine's errors (nothing is left).
+        """
+        started = time.monotonic()
+        snap = self.get_snapshot(snapshot_id)
+        image = resolve_image(self.layout, f"{snap.image}-{snap.image_digest}")
+        async with self._admit:
+            self._admit_one()
+            rec = self._new_record(new_id(), State.CREATING, image,
+                                   CreateOptions(timeout_s=opts.timeout_s, metadata=opts.metadata,
+                                                 desktop=snap.desktop),
+                                   snap.vcpus, snap.memory_mib, snap.disk_mib)
+            self.store.add(rec)
+        try:
+            await self._restore_into(rec, snap)
+        except BaseException:
+            self.store.delete(rec.id)
+            self.metrics.creates.labels("failed").inc()
+            raise
+        rec = self.store.update(rec.id, state=State.RUNNING)  # type: ignore[assignment]
+        self._created(rec, started, f"snapshot {snapshot_id}")
+        return rec
+
+    def get_snapshot(self, snapshot_id: str) -> SnapshotRecord:
+        snap = self.store.find(SnapshotRecord, snapshot_id)
+        if snap is None or snap.kind != "user":
+            raise NotFound(f"no snapshot {snapshot_id}", snapshot_id=snapshot_id)
+        return snap
+
+    def list_snapshots(self, sandbox_id: str | None = None) -> list[SnapshotRecord]:
+        snaps = [s for s in self.store.list(SnapshotRecord) if s.kind == "user"]
+        if sandbox_id is not None:
+            snaps = [s for s in snaps if s.sandbox_id == sandbox_id]
+        return sorted(snaps, key=lambda s: s.created_at)
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self.get_snapshot(snapshot_id)
+        self._drop_snapshot(snapshot_id)
+
+    def _drop_snapshot(self, snapshot_id: str) -> None:
+        self.store.remove(SnapshotRecord, snapshot_id)
+        shutil.rmtree(self.layout.snapshot(snapshot_id), ignore_errors=True)
+
+    # -- guest calls -------------------------------------------------------
+
+    @asynccontextmanager
+    async def using(self, sandbox_id: str) -> AsyncIterator[AgentClient]:
+        """The agent of a running sandbox for one call; wakes a sleeping one first.
+
+        While the call runs the sandbox is ``busy``: it will not be
+        snapshotted or put to sleep. Raises NotFound, Gone or Conflict.
+        """
+        for _ in range(3):
+            rec = self.get(sandbox_id)
+            if rec.state in (State.SLEEPING.value, State.SNAPSHOTTING.value, State.WAKING.value):
+                await self.wake(sandbox_id)
+            async with self._gate(sandbox_id):
+                rec = self.get(sandbox_id)
+                rt = self._runtimes.get(sandbox_id)
+                if rec.state == State.SLEEPING.value:
+                    continue  # it fell asleep between the wake and the gate
+                if rec.state != State.RUNNING.value or rt is None:
+                    raise Conflict(f"sandbox {sandbox_id} is {rec.state}, not running",
+                                   sandbox_id=sandbox_id, state=rec.state)
+                rt.busy += 1
+            break
+        else:
+            raise Busy(f"sandbox {sandbox_id} keeps falling asleep; retry", sandbox_id=sandbox_id)
+        try:
+            async with rt.connect_lock:
+                if rt.agent is None or rt.agent.closed:
+                    if not rt.vm.alive():
+                        raise Conflict(f"sandbox {sandbox_id} has stopped", sandbox_id=sandbox_id)
+                    rt.agent = await self.engine.connect_agent(rt.vm, 10.0)
+            yield rt.agent
+        finally:
+            rt.busy -= 1
+            self.store.update(sandbox_id, last_active_at=time.time())
 
     async def exec(self, sandbox_id: str, meta: dict[str, Any],
                    stdin: bytes | None = None) -> ExecResult:
         """Run a command to completion (``meta`` from ``guest.client.exec_meta``)."""
-        agent = await self.agent(sandbox_id)
         started = time.monotonic()
-        try:
-            result = await agent.exec(meta, stdin)
-        except HangarError:
-            self.metrics.execs.labels("error").inc()
-            raise
+        async with self.using(sandbox_id) as agent:
+            try:
+                result = await agent.exec(meta, stdin)
+            except HangarError:
+                self.metrics.execs.labels("error").inc()
+                raise
         self.metrics.execs.labels("ok").inc()
         took = time.monotonic() - started
         self.metrics.exec_seconds.observe(took)
@@ -295,32 +608,37 @@ class SandboxManager:
     async def exec_stream(self, sandbox_id: str, meta: dict[str, Any],
                           stdin: bytes | None = None) -> AsyncIterator[ExecEvent]:
         """Run a command, yielding output events then an ``exit`` event."""
-        agent = await self.agent(sandbox_id)
         started = time.monotonic()
         ok = False
         try:
-            async for ev in agent.exec_stream({**meta, "stream": True}, stdin):
-                if ev.kind == "exit":
-                    ok = True
-                yield ev
+            async with self.using(sandbox_id) as agent:
+                async for ev in agent.exec_stream({**meta, "stream": True}, stdin):
+                    if ev.kind == "exit":
+                        ok = True
+                    yield ev
         finally:
             self.metrics.execs.labels("ok" if ok else "error").inc()
             self.metrics.exec_seconds.observe(time.monotonic() - started)
 
     async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
-        agent = await self.agent(sandbox_id)
-        async for chunk in agent.read_file(path):
-            yield chunk
+        async with self.using(sandbox_id) as agent:
+            async for chunk in agent.read_file(path):
+                yield chunk
 
     async def write_file(self, sandbox_id: str, path: str,
                          chunks: Iterable[bytes] | AsyncIterator[bytes],
                          mode: int = 0o644) -> dict[str, Any]:
-        agent = await self.agent(sandbox_id)
-        return await agent.write_file(path, chunks, mode)
+        async with self.using(sandbox_id) as agent:
+            return await agent.write_file(path, chunks, mode)
 
     async def file_op(self, sandbox_id: str, op: str, **meta: Any) -> dict[str, Any]:
         """``list_dir``, ``stat``, ``mkdir`` or ``remove`` in the guest."""
         if op not in ("list_dir", "stat", "mkdir", "remove"):
             raise GuestError(f"unknown file operation {op}")
-        agent = await self.agent(sandbox_id)
-        return await agent.call(op, **meta)
+        async with self.using(sandbox_id) as agent:
+            return await agent.call(op, **meta)
+
+    async def agent(self, sandbox_id: str) -> AgentClient:
+        """The agent of a running sandbox (for long-lived uses such as tunnels)."""
+        async with self.using(sandbox_id) as agent:
+            return agent

@@ -150,6 +150,31 @@ class Capture:
         return meta, whole + tail
 
 
+class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """Sets ``exited`` when the child exits, even while a background process
+    it started still holds its output pipes open (``Process.wait`` would wait
+    for those pipes too)."""
+
+    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=limit, loop=loop)
+        self.exited = asyncio.Event()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        self.exited.set()
+
+
+async def spawn(argv: list[str], stdin: int, cwd: str, env: dict[str, str],
+                ) -> tuple[asyncio.subprocess.Process, asyncio.Event]:
+    """Start ``argv`` in a new session (its own process group) with piped output."""
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.subprocess_exec(
+        lambda: _ExitProtocol(limit=1 << 16, loop=loop), *argv, stdin=stdin,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=cwd, env=env,
+        start_new_session=True)
+    return asyncio.subprocess.Process(transport, protocol, loop), protocol.exited
+
+
 class Channel:
     """Inbound frames of one open request."""
 
@@ -310,14 +335,11 @@ class Agent:
 
         started = time.monotonic()
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
+            proc, exited = await spawn(
+                argv,
                 stdin=asyncio.subprocess.PIPE if want_stdin else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
                 cwd=cwd,
                 env=env,
-                start_new_session=True,
             )
         except OSError as exc:
             raise os_error(exc, argv[0]) from None
@@ -370,11 +392,11 @@ class Agent:
         feeder = asyncio.create_task(feed())
         timed_out = False
         try:
-            await asyncio.wait_for(proc.wait(), timeout)
+            await asyncio.wait_for(exited.wait(), timeout)
         except asyncio.TimeoutError:
             timed_out = True
             kill(signal.SIGKILL)
-            await proc.wait()
+            await exited.wait()
         finally:
             if proc.returncode is None:  # cancelled: never leave the group behind
                 kill(signal.SIGKILL)

@@ -1,0 +1,200 @@
+"""``/sandboxes/{id}/screenshot``, ``/click``, ``/move``, ``/drag``, ``/type``, ``/key``,
+``/scroll`` and ``/display``: computer use on a desktop sandbox.
+
+HTTP only; the work is in ``hangar.core.desktop``. Coordinates are screen
+pixels from the top-left corner (0, 0) to (width-1, height-1). A sandbox
+without a desktop answers 409; bad coordinates, keys or widths 400; a
+desktop that does not come up within two minutes 504.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Body, Depends, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from hangar.api.deps import manager
+from hangar.core.desktop import MAX_SCROLL, MAX_TYPE_CHARS, TYPE_DELAY_MS, Desktop
+from hangar.core.sandboxes import SandboxManager
+
+router = APIRouter(prefix="/sandboxes", tags=["desktop"])
+
+
+def desktop(request: Request, m: Annotated[SandboxManager, Depends(manager)]) -> Desktop:
+    """The server's ``Desktop``, made on first use for the app's manager."""
+    d: Desktop | None = getattr(request.app.state, "desktop", None)
+    if d is None or d.manager is not m:
+        d = request.app.state.desktop = Desktop(m)
+    return d
+
+
+DesktopDep = Annotated[Desktop, Depends(desktop)]
+Coord = Annotated[int, Field(ge=-(2**31), le=2**31 - 1, description="Pixels.")]
+
+
+class ScreenshotRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    width: int | None = Field(None, ge=1, le=16384,
+                              description="Scale to this width in pixels, keeping the aspect.")
+
+
+class ScreenshotResponse(BaseModel):
+    """A PNG screenshot, base64; ``width``/``height`` are the image's pixels."""
+
+    format: Literal["png"] = "png"
+    image: str = Field(description="The PNG, base64.")
+    width: int
+    height: int
+    screen_width: int
+    screen_height: int
+    duration_s: float
+
+
+class Point(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    x: Coord
+    y: Coord
+
+
+class ClickRequest(Point):
+    button: Literal["left", "middle", "right"] = "left"
+    double: bool = False
+
+
+class DragRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    from_x: Coord
+    from_y: Coord
+    to_x: Coord
+    to_y: Coord
+    button: Literal["left", "middle", "right"] = "left"
+
+
+class TypeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(min_length=1, max_length=MAX_TYPE_CHARS,
+                      description="Any Unicode text; a newline presses Return.")
+    delay_ms: int = Field(TYPE_DELAY_MS, ge=1, le=1000,
+                          description="Pause between characters, milliseconds.")
+
+
+class KeyRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    keys: str = Field(min_length=1, max_length=1000, description=(
+        "Space-separated combinations of key names joined by '+', e.g. 'ctrl+shift+t' or "
+        "'ctrl+a Delete'. Names are X keysyms (Return, Page_Down, F5, a) or aliases "
+        "(enter, esc, pgdn, ctrl, alt, shift, super...)."))
+
+
+class ScrollRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    direction: Literal["up", "down", "left", "right"]
+    amount: int = Field(3, ge=1, le=MAX_SCROLL, description="Wheel clicks.")
+    x: Coord | None = Field(None, description="Move here first (with y), pixels.")
+    y: Coord | None = None
+
+
+class ActionResponse(BaseModel):
+    ok: Literal[True] = True
+
+
+class KeyResponse(ActionResponse):
+    keys: list[str] = Field(description="The combinations as sent to X, aliases resolved.")
+
+
+class DisplayResponse(BaseModel):
+    width: int = Field(description="Pixels.")
+    height: int = Field(description="Pixels.")
+    depth: int = Field(description="Bits per pixel.")
+    cursor_x: int
+    cursor_y: int
+    vnc: bool = Field(description="x11vnc listens: live viewing can connect.")
+
+
+def _wants_png(request: Request, fmt: str | None) -> bool:
+    if fmt is not None:
+        return fmt == "png"
+    accept = request.headers.get("accept", "")
+    return "image/png" in accept and "application/json" not in accept
+
+
+@router.post(
+    "/{sandbox_id}/screenshot", response_model=ScreenshotResponse,
+    summary="Take a screenshot (JSON with a base64 PNG, or raw image/png)",
+    responses={200: {"content": {"image/png": {}}, "description": (
+        "JSON by default; the raw PNG when `format=png` or the Accept header asks for "
+        "image/png (then X-Image-Width and X-Image-Height give its size).")}},
+)
+async def screenshot(
+    sandbox_id: str, request: Request, d: DesktopDep,
+    body: Annotated[ScreenshotRequest | None, Body()] = None,
+    width: Annotated[int | None, Query(ge=1, le=16384, description="Pixels.")] = None,
+    format: Annotated[Literal["json", "png"] | None, Query()] = None,
+) -> Response | ScreenshotResponse:
+    want = width if width is not None else (body.width if body else None)
+    shot = await d.screenshot(sandbox_id, want)
+    if _wants_png(request, format):
+        return Response(shot.png, media_type="image/png", headers={
+            "X-Image-Width": str(shot.width), "X-Image-Height": str(shot.height),
+            "Cache-Control": "no-store"})
+    return ScreenshotResponse(
+        image=base64.b64encode(shot.png).decode(), width=shot.width, height=shot.height,
+        screen_width=shot.screen.width, screen_height=shot.screen.height,
+        duration_s=round(shot.duration_s, 4))
+
+
+@router.post("/{sandbox_id}/click", response_model=ActionResponse,
+             summary="Move the pointer to (x, y) and click")
+async def click(sandbox_id: str, body: ClickRequest, d: DesktopDep) -> ActionResponse:
+    await d.click(sandbox_id, body.x, body.y, body.button, body.double)
+    return ActionResponse()
+
+
+@router.post("/{sandbox_id}/move", response_model=ActionResponse,
+             summary="Move the pointer to (x, y)")
+async def move(sandbox_id: str, body: Point, d: DesktopDep) -> ActionResponse:
+    await d.move(sandbox_id, body.x, body.y)
+    return ActionResponse()
+
+
+@router.post("/{sandbox_id}/drag", response_model=ActionResponse,
+             summary="Press a button at (from_x, from_y), move to (to_x, to_y), release")
+async def drag(sandbox_id: str, body: DragRequest, d: DesktopDep) -> ActionResponse:
+    await d.drag(sandbox_id, body.from_x, body.from_y, body.to_x, body.to_y, body.button)
+    return ActionResponse()
+
+
+@router.post("/{sandbox_id}/type", response_model=ActionResponse,
+             summary="Type text into the focused window")
+async def type_(sandbox_id: str, body: TypeRequest, d: DesktopDep) -> ActionResponse:
+    await d.type(sandbox_id, body.text, body.delay_ms)
+    return ActionResponse()
+
+
+@router.post("/{sandbox_id}/key", response_model=KeyResponse,
+             summary="Press key combinations such as ctrl+shift+t")
+async def key(sandbox_id: str, body: KeyRequest, d: DesktopDep) -> KeyResponse:
+    return KeyResponse(keys=await d.key(sandbox_id, body.keys))
+
+
+@router.post("/{sandbox_id}/scroll", response_model=ActionResponse,
+             summary="Scroll the wheel, optionally at (x, y)")
+async def scroll(sandbox_id: str, body: ScrollRequest, d: DesktopDep) -> ActionResponse:
+    await d.scroll(sandbox_id, body.direction, body.amount, body.x, body.y)
+    return ActionResponse()
+
+
+@router.get("/{sandbox_id}/display", response_model=DisplayResponse,
+            summary="Screen size and pointer position")
+async def display(sandbox_id: str, d: DesktopDep) -> DisplayResponse:
+    info = await d.display(sandbox_id)
+    return DisplayResponse(width=info.width, height=info.height, depth=info.depth,
+                           cursor_x=info.cursor_x, cursor_y=info.cursor_y, vnc=info.vnc)

@@ -1,0 +1,62 @@
+"""``/machines/{user_id}``: per-user machines that sleep when idle and wake on demand."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from hangar.api.models import ExecRequest, ExecResponse, Machine, MachineRequest
+from hangar.api.sandboxes import _meta, _stdin, exec_response
+from hangar.core.machines import MachineManager
+from hangar.core.sandboxes import CreateOptions
+
+router = APIRouter(prefix="/machines/{user_id}", tags=["machines"])
+
+
+def machines(request: Request) -> MachineManager:
+    return request.app.state.machines
+
+
+Machines = Annotated[MachineManager, Depends(machines)]
+
+
+@router.post("", response_model=Machine, summary="Get the user's machine, creating it if none",
+             responses={201: {"model": Machine, "description": "created"}})
+async def get_or_create(user_id: str, mm: Machines, response: Response,
+                        body: MachineRequest | None = None) -> Machine:
+    body = body or MachineRequest()
+    m, created = await mm.get_or_create(user_id, body.idle_timeout, CreateOptions(
+        image=body.image, vcpus=body.vcpus, memory_mib=body.memory_mib, disk_mib=body.disk_mib))
+    response.status_code = 201 if created else 200
+    return Machine(**asdict(m))
+
+
+@router.get("", response_model=Machine)
+async def get(user_id: str, mm: Machines) -> Machine:
+    return Machine(**asdict(mm.get(user_id)))
+
+
+@router.post("/snapshot", response_model=Machine, summary="Put the machine to sleep",
+             responses={409: {"description": "busy with a command (retry)"}})
+async def sleep(user_id: str, mm: Machines) -> Machine:
+    return Machine(**asdict(await mm.sleep(user_id)))
+
+
+@router.post("/wake", response_model=Machine, summary="Wake the machine")
+async def wake(user_id: str, mm: Machines) -> Machine:
+    return Machine(**asdict(await mm.wake(user_id)))
+
+
+@router.delete("", status_code=204, summary="Remove the machine and everything it held")
+async def delete(user_id: str, mm: Machines) -> Response:
+    await mm.delete(user_id)
+    return Response(status_code=204)
+
+
+@router.post("/exec", response_model=ExecResponse, response_model_exclude_none=True,
+             summary="Run a command on the machine, waking it first if it sleeps")
+async def exec_(user_id: str, body: ExecRequest, mm: Machines) -> ExecResponse:
+    m = mm.get(user_id)
+    return exec_response(await mm.sandboxes.exec(m.sandbox_id, _meta(body), _stdin(body)))

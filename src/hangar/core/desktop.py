@@ -1,0 +1,439 @@
+"""Computer use on a sandbox's desktop: screenshots, pointer and keyboard.
+
+A sandbox created with ``desktop="WxHxD"`` runs Xvfb, openbox and x11vnc on
+display :0 (``hangar.guest.desktop``). This module drives that display from
+the host by running ``xdotool`` and ``scrot`` in the guest through
+``SandboxManager.exec``; it holds no connection of its own.
+
+Design and safety:
+
+* Every command is an argv list (``exec`` with ``argv``, never a shell
+  string). Text to type goes to ``xdotool type --file -`` on stdin, so
+  nothing the caller sends can become an option or a shell word. Key names
+  must match ``[A-Za-z0-9_]{1,64}`` before they reach xdotool.
+* Coordinates are checked against the screen size of the sandbox's
+  ``desktop`` geometry: x in 0..W-1 and y in 0..H-1 (pixels), else
+  ``InvalidRequest`` naming the bounds.
+* Input actions on one sandbox run one at a time (a lock per sandbox), so
+  two ``type`` calls never interleave their characters. Screenshots do not
+  take the lock.
+* Before the first action after a boot, ``wait_ready`` waits (at most
+  ``READY_TIMEOUT_S``) for the guest's marker ``/run/hangar/desktop-ready``;
+  the agent's boot id is remembered so later actions skip the wait. If X
+  has gone away (the guest supervisor is restarting it), the action waits
+  for the marker again once and retries.
+
+Key names (``key``): a space-separated sequence of combinations, each of
+key names joined by ``+`` (``ctrl+shift+t``, ``ctrl+a Delete``). A name is
+an X keysym (``Return``, ``Page_Down``, ``F5``, ``a``, ``plus``...;
+case-sensitive, as X defines them) or one of the aliases in ``KEY_ALIASES``
+(case-insensitive, e.g. ``enter`` → ``Return``, ``esc`` → ``Escape``,
+``pgdn`` → ``Page_Down``, ``ctrl`` → ``ctrl``, ``cmd``/``win`` → ``super``).
+An unknown name is an ``InvalidRequest`` that names it: xdotool reports
+"No such key name" for it and presses nothing for that name (the other
+keys of that call may already have been pressed and released).
+
+Errors: ``Conflict`` (409) when the sandbox has no desktop or its image
+cannot run one, ``InvalidRequest`` (400) for bad coordinates, keys or
+widths, ``Timeout`` (504) when the desktop does not come up, ``GuestError``
+(502) when a guest tool fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import re
+import struct
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from hangar.core.sandboxes import SandboxManager
+from hangar.errors import Conflict, GuestError, InvalidRequest, NotFound, Timeout
+from hangar.guest.client import ExecResult, exec_meta
+
+READY_FILE = "/run/hangar/desktop-ready"
+ERROR_FILE = "/run/hangar/desktop-error"
+DISPLAY = ":0"
+READY_TIMEOUT_S = 120.0
+"""Seconds an action waits for a freshly booted desktop (Xvfb under TCG takes a few)."""
+POLL_S = 0.25
+TYPE_DELAY_MS = 12
+"""Default pause between typed characters, milliseconds (xdotool's own default)."""
+MAX_TYPE_CHARS = 20_000
+MAX_SCROLL = 100
+MIN_SHOT_WIDTH = 16
+
+Button = Literal["left", "middle", "right"]
+Direction = Literal["up", "down", "left", "right"]
+BUTTONS: dict[str, int] = {"left": 1, "middle": 2, "right": 3}
+SCROLL_BUTTONS: dict[str, int] = {"up": 4, "down": 5, "left": 6, "right": 7}
+
+KEY_ALIASES: dict[str, str] = {
+    # lower-case alias → X keysym (or xdotool's modifier name)
+    "enter": "Return", "return": "Return", "ret": "Return",
+    "esc": "Escape", "escape": "Escape",
+    "tab": "Tab", "space": "space", "spacebar": "space",
+    "backspace": "BackSpace", "bksp": "BackSpace",
+    "del": "Delete", "delete": "Delete", "ins": "Insert", "insert": "Insert",
+    "home": "Home", "end": "End",
+    "pgup": "Page_Up", "pageup": "Page_Up", "page_up": "Page_Up", "prior": "Page_Up",
+    "pgdn": "Page_Down", "pagedown": "Page_Down", "page_down": "Page_Down", "next": "Page_Down",
+    "up": "Up", "down": "Down", "left": "Left", "right": "Right",
+    "arrowup": "Up", "arrowdown": "Down", "arrowleft": "Left", "arrowright": "Right",
+    "ctrl": "ctrl", "control": "ctrl", "lctrl": "Control_L", "rctrl": "Control_R",
+    "alt": "alt", "option": "alt", "lalt": "Alt_L", "ralt": "Alt_R", "altgr": "ISO_Level3_Shift",
+    "shift": "shift", "lshift": "Shift_L", "rshift": "Shift_R",
+    "super": "super", "win": "super", "windows": "super", "cmd": "super", "command": "super",
+    "meta": "super",
+    "capslock": "Caps_Lock", "numlock": "Num_Lock", "scrolllock": "Scroll_Lock",
+    "printscreen": "Print", "print": "Print", "prtsc": "Print", "pause": "Pause",
+    "menu": "Menu", "minus": "minus", "plus": "plus", "comma": "comma", "period": "period",
+    **{f"f{n}": f"F{n}" for n in range(1, 25)},
+}
+"""Aliases accepted by ``key``, matched case-insensitively; other names go to X as given."""
+
+KEY_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
+NO_SUCH_KEY = re.compile(r"No such key name '([^']*)'")
+
+
+@dataclass(frozen=True)
+class Screen:
+    """A desktop's geometry: ``width`` and ``height`` in pixels, ``depth`` in bits."""
+
+    width: int
+    height: int
+    depth: int
+
+    @classmethod
+    def parse(cls, geometry: str) -> "Screen":
+        """``"1024x768x24"`` → Screen(1024, 768, 24); raises InvalidRequest."""
+        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", geometry)
+        if not m:
+            raise InvalidRequest(f"desktop geometry must be WIDTHxHEIGHTxDEPTH, not {geometry!r}")
+        return cls(int(m[1]), int(m[2]), int(m[3]))
+
+    def check(self, x: int, y: int) -> None:
+        """Raise InvalidRequest unless 0 <= x < width and 0 <= y < height (pixels)."""
+        if not (0 <= x < self.width and 0 <= y < self.height):
+            raise InvalidRequest(
+                f"({x}, {y}) is outside the {self.width}x{self.height} screen: x must be in "
+                f"0..{self.width - 1} and y in 0..{self.height - 1}",
+                x=x, y=y, width=self.width, height=self.height)
+
+
+@dataclass(frozen=True)
+class Screenshot:
+    """A PNG of the screen: ``width``/``height`` of the image in pixels (scaled or
+    not), ``screen`` the desktop it was taken of, ``duration_s`` the time it took."""
+
+    png: bytes
+    width: int
+    height: int
+    screen: Screen
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class DisplayInfo:
+    """Screen size (pixels, bits), pointer position (pixels) and whether VNC listens."""
+
+    width: int
+    height: int
+    depth: int
+    cursor_x: int
+    cursor_y: int
+    vnc: bool
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) in pixels from a PNG's IHDR chunk; raises GuestError if not a PNG."""
+    if len(data) < 24 or data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+        raise GuestError("the screenshot is not a PNG image", size=len(data))
+    w, h = struct.unpack(">II", data[16:24])
+    return int(w), int(h)
+
+
+def scale_png(data: bytes, width: int) -> tuple[bytes, int, int]:
+    """Scale a PNG to ``width`` pixels, keeping the aspect ratio (Pillow, Lanczos).
+
+    Returns (png, width, height); the height is rounded, at least 1 pixel.
+    """
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        height = max(1, round(im.height * width / im.width))
+        out = im.convert("RGB").resize((width, height), Image.Resampling.LANCZOS)
+    buf = io.BytesIO()
+    out.save(buf, format="PNG", compress_level=3)
+    return buf.getvalue(), width, height
+
+
+def parse_keys(keys: str) -> list[str]:
+    """``"ctrl+shift+t Return"`` → ``["ctrl+shift+t", "Return"]`` with aliases applied.
+
+    Raises InvalidRequest for an empty sequence, an empty name (``ctrl+``) or
+    a name with characters other than letters, digits and ``_``.
+    """
+    combos = keys.split()
+    if not combos:
+        raise InvalidRequest("keys is empty: give key names like 'Return' or 'ctrl+shift+t'")
+    if len(combos) > 50:
+        raise InvalidRequest("at most 50 key combinations per call")
+    out = []
+    for combo in combos:
+        names = []
+        for name in combo.split("+"):
+            if not name:
+                raise InvalidRequest(f"empty key name in {combo!r} (use 'plus' for the + key)",
+                                     keys=keys)
+            if not KEY_NAME.fullmatch(name):
+                raise InvalidRequest(
+                    f"invalid key name {name!r}: use X keysym names such as 'Return', 'a', "
+                    f"'Page_Down', 'F5', 'plus', or an alias such as 'enter', 'esc', 'pgdn'",
+                    key=name)
+            names.append(KEY_ALIASES.get(name.lower(), name))
+        out.append("+".join(names))
+    return out
+
+
+class Desktop:
+    """Drives the desktops of one manager's sandboxes; one per server."""
+
+    def __init__(self, manager: SandboxManager, ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+        self.manager = manager
+        self.ready_timeout_s = ready_timeout_s
+        self._ready: dict[str, str] = {}  # sandbox id → agent boot id seen ready
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # -- state -------------------------------------------------------------
+
+    def screen(self, sandbox_id: str) -> Screen:
+        """The sandbox's screen; NotFound if unknown, Conflict if it has no desktop."""
+        rec = self.manager.get(sandbox_id)
+        if not rec.desktop:
+            raise Conflict(
+                f"sandbox {sandbox_id} has no desktop: create one with "
+                f"{{\"image\": \"desktop\", \"desktop\": \"1024x768x24\"}}",
+                sandbox_id=sandbox_id)
+        return Screen.parse(rec.desktop)
+
+    async def _marker(self, sandbox_id: str) -> dict[str, object] | None:
+        try:
+            data = b"".join([c async for c in self.manager.read_file(sandbox_id, READY_FILE)])
+        except NotFound:
+            return None
+        try:
+            return json.loads(data)
+        except ValueError:  # caught between write and rename: cannot happen, but be safe
+            return None
+
+    async def _error(self, sandbox_id: str) -> str | None:
+        try:
+            data = b"".join([c async for c in self.manager.read_file(sandbox_id, ERROR_FILE)])
+        except NotFound:
+            return None
+        return data.decode(errors="replace").strip() or "unknown error"
+
+    async def wait_ready(self, sandbox_id: str, timeout_s: float | None = None,
+                         vnc: bool = False) -> dict[str, object]:
+        """Wait until the guest's desktop answers (and, with ``vnc``, x11vnc listens).
+
+        Returns the guest's marker (display, width, height, depth, vnc,
+        since). Raises Conflict (no desktop, or the guest cannot run one),
+        Timeout after ``timeout_s`` seconds (default ``ready_timeout_s``).
+        """
+        self.screen(sandbox_id)
+        timeout_s = self.ready_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            marker = await self._marker(sandbox_id)
+            if marker is not None and (not vnc or marker.get("vnc")):
+                agent = await self.manager.agent(sandbox_id)
+                self._ready[sandbox_id] = str(agent.hello.get("boot_id"))
+                return marker
+            error = await self._error(sandbox_id)
+            if error is not None:
+                raise Conflict(f"the desktop of sandbox {sandbox_id} cannot run: {error}",
+                               sandbox_id=sandbox_id)
+            if time.monotonic() >= deadline:
+                what = "x11vnc" if marker is not None else "the desktop (X server)"
+                raise Timeout(f"{what} of sandbox {sandbox_id} was not ready within "
+                              f"{timeout_s:.0f} s", sandbox_id=sandbox_id)
+            await asyncio.sleep(POLL_S)
+
+    async def _ensure_ready(self, sandbox_id: str) -> None:
+        agent = await self.manager.agent(sandbox_id)
+        if self._ready.get(sandbox_id) != str(agent.hello.get("boot_id")):
+            await self.wait_ready(sandbox_id)
+
+    def _lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    def forget(self, sandbox_id: str) -> None:
+        """Drop cached state of a sandbox (after it is deleted)."""
+        self._ready.pop(sandbox_id, None)
+        self._locks.pop(sandbox_id, None)
+
+    # -- running tools -----------------------------------------------------
+
+    async def _run(self, sandbox_id: str, argv: list[str], stdin: bytes | None = None,
+                   timeout_s: float = 30.0) -> ExecResult:
+        """Run ``argv`` on the display; retry once after waiting if X was down.
+
+        Raises GuestError with the tool's stderr when it exits non-zero.
+        """
+        await self._ensure_ready(sandbox_id)
+        for attempt in (1, 2):
+            meta = exec_meta(argv=argv, env={"DISPLAY": DISPLAY}, timeout=timeout_s)
+            r = await self.manager.exec(sandbox_id, meta, stdin)
+            err = r.stderr.head.decode(errors="replace")
+            if r.exit_code == 0 or attempt == 2 or "open display" not in err:
+                break
+            self._ready.pop(sandbox_id, None)  # X went away: wait for the supervisor
+            await self.wait_ready(sandbox_id)
+        if r.timed_out:
+            raise Timeout(f"{argv[0]} did not finish within {timeout_s:.0f} s",
+                          sandbox_id=sandbox_id)
+        if r.exit_code != 0:
+            raise GuestError(f"{argv[0]} failed (exit {r.exit_code}): {err.strip()[-500:]}",
+                             sandbox_id=sandbox_id)
+        return r
+
+    async def _xdotool(self, sandbox_id: str, *args: str, stdin: bytes | None = None,
+                       timeout_s: float = 30.0) -> ExecResult:
+        async with self._lock(sandbox_id):
+            r = await self._run(sandbox_id, ["xdotool", *args], stdin, timeout_s)
+        m = NO_SUCH_KEY.search(r.stderr.head.decode(errors="replace"))
+        if m:
+            raise InvalidRequest(f"unknown key name {m[1]!r}: use X keysym names such as "
+                                 f"'Return', 'Page_Down', 'F5', or an alias such as 'enter'",
+                                 key=m[1])
+        return r
+
+    # -- actions -----------------------------------------------------------
+
+    async def screenshot(self, sandbox_id: str, width: int | None = None) -> Screenshot:
+        """The screen as PNG, scaled to ``width`` pixels (aspect kept) if given.
+
+        ``width`` must be in 16..screen width. Raises InvalidRequest for
+        another width; see the module docstring for the rest.
+        """
+        screen = self.screen(sandbox_id)
+        if width is not None and not MIN_SHOT_WIDTH <= width <= screen.width:
+            raise InvalidRequest(f"width must be in {MIN_SHOT_WIDTH}..{screen.width} pixels",
+                                 width=width)
+        started = time.monotonic()
+        await self._ensure_ready(sandbox_id)
+        meta = exec_meta(argv=["scrot", "--overwrite", "--silent", "-"],
+                         env={"DISPLAY": DISPLAY}, timeout=60)
+        chunks: list[bytes] = []
+        result: ExecResult | None = None
+        err = b""
+        async for ev in self.manager.exec_stream(sandbox_id, {**meta, "stream": True}):
+            if ev.kind == "stdout":
+                chunks.append(ev.data)
+            elif ev.kind == "stderr":
+                err += ev.data
+            elif ev.kind == "exit":
+                result = ev.result
+        assert result is not None
+        if result.exit_code != 0:
+            if b"open display" in err:
+                self._ready.pop(sandbox_id, None)
+            raise GuestError(f"scrot failed (exit {result.exit_code}): "
+                             f"{err.decode(errors='replace').strip()[-500:]}",
+                             sandbox_id=sandbox_id)
+        png = b"".join(chunks)
+        w, h = png_size(png)
+        if width is not None and width != w:
+            png, w, h = await asyncio.to_thread(scale_png, png, width)
+        return Screenshot(png, w, h, screen, time.monotonic() - started)
+
+    async def move(self, sandbox_id: str, x: int, y: int) -> None:
+        """Move the pointer to (x, y), pixels."""
+        self.screen(sandbox_id).check(x, y)
+        await self._xdotool(sandbox_id, "mousemove", str(x), str(y))
+
+    async def click(self, sandbox_id: str, x: int, y: int, button: Button = "left",
+                    double: bool = False) -> None:
+        """Move the pointer to (x, y), pixels, and click ``button`` (twice if ``double``)."""
+        self.screen(sandbox_id).check(x, y)
+        if button not in BUTTONS:
+            raise InvalidRequest(f"button must be left, middle or right, not {button!r}")
+        repeat = ["--repeat", "2", "--delay", "80"] if double else []
+        await self._xdotool(sandbox_id, "mousemove", str(x), str(y),
+                            "click", *repeat, str(BUTTONS[button]))
+
+    async def drag(self, sandbox_id: str, from_x: int, from_y: int, to_x: int, to_y: int,
+                   button: Button = "left") -> None:
+        """Press ``button`` at (from_x, from_y), move to (to_x, to_y) and release (pixels)."""
+        screen = self.screen(sandbox_id)
+        screen.check(from_x, from_y)
+        screen.check(to_x, to_y)
+        if button not in BUTTONS:
+            raise InvalidRequest(f"button must be left, middle or right, not {button!r}")
+        b = str(BUTTONS[button])
+        mid_x, mid_y = (from_x + to_x) // 2, (from_y + to_y) // 2
+        await self._xdotool(
+            sandbox_id, "mousemove", str(from_x), str(from_y), "mousedown", b, "sleep", "0.05",
+            "mousemove", str(mid_x), str(mid_y), "sleep", "0.05",
+            "mousemove", str(to_x), str(to_y), "sleep", "0.05", "mouseup", b)
+
+    async def scroll(self, sandbox_id: str, direction: Direction, amount: int = 3,
+                     x: int | None = None, y: int | None = None) -> None:
+        """Scroll ``amount`` wheel clicks (1..100) ``direction``, first moving to (x, y) if given."""
+        if direction not in SCROLL_BUTTONS:
+            raise InvalidRequest(f"direction must be up, down, left or right, not {direction!r}")
+        if not 1 <= amount <= MAX_SCROLL:
+            raise InvalidRequest(f"amount must be 1..{MAX_SCROLL} wheel clicks", amount=amount)
+        if (x is None) != (y is None):
+            raise InvalidRequest("give both x and y, or neither")
+        args: list[str] = []
+        if x is not None and y is not None:
+            self.screen(sandbox_id).check(x, y)
+            args += ["mousemove", str(x), str(y)]
+        else:
+            self.screen(sandbox_id)
+        args += ["click", "--repeat", str(amount), "--delay", "30",
+                 str(SCROLL_BUTTONS[direction])]
+        await self._xdotool(sandbox_id, *args)
+
+    async def type(self, sandbox_id: str, text: str, delay_ms: int = TYPE_DELAY_MS) -> None:
+        """Type ``text`` (any Unicode; ``\\n`` presses Return) into the focused window.
+
+        ``delay_ms`` is the pause between characters (1..1000 ms). Characters
+        missing from the keyboard map are typed through a spare keycode that
+        xdotool remaps for each one.
+        """
+        self.screen(sandbox_id)
+        if not text:
+            raise InvalidRequest("text is empty")
+        if len(text) > MAX_TYPE_CHARS:
+            raise InvalidRequest(f"text is longer than {MAX_TYPE_CHARS} characters")
+        if "\0" in text:
+            raise InvalidRequest("text must not contain NUL characters")
+        if not 1 <= delay_ms <= 1000:
+            raise InvalidRequest("delay_ms must be 1..1000 milliseconds")
+        timeout = 30.0 + len(text) * (delay_ms + 20) / 1000
+        await self._xdotool(sandbox_id, "type", "--delay", str(delay_ms), "--file", "-",
+                            stdin=text.encode(), timeout_s=timeout)
+
+    async def key(self, sandbox_id: str, keys: str) -> list[str]:
+        """Press and release key combinations (see the module docstring); returns them as
+        sent to X (aliases resolved)."""
+        self.screen(sandbox_id)
+        combos = parse_keys(keys)
+        await self._xdotool(sandbox_id, "key", "--delay", "30", *combos)
+        return combos
+
+    async def display(self, sandbox_id: str) -> DisplayInfo:
+        """Screen size, pointer position and VNC readiness."""
+        screen = self.screen(sandbox_id)
+        r = await self._run(sandbox_id, ["xdotool", "getmouselocation", "--shell"])
+        values = dict(line.split("=", 1) for line in r.stdout.head.decode().split() if "=" in line)
+        marker = await self._marker(sandbox_id) or {}
+        return DisplayInfo(screen.width, screen.height, screen.depth, int(values.get("X", -1)),
+                           int(values.get("Y", -1)), bool(marker.get("vnc")))
