@@ -15,7 +15,7 @@ if [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 
-PKGS="qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils curl"
+PKGS="qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils lz4 curl"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -35,6 +35,10 @@ fi
 say "installing Hangar and its pinned Python dependencies"
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
 ln -sf "$ROOT/.venv/bin/hangar" /usr/local/bin/hangar
+
+say "fetching Firecracker and its jailer (used on hosts where KVM runs guests)"
+HANGAR_DATA_DIR=$DATA PYTHON=.venv/bin/python sh scripts/fetch-firecracker.sh \
+  || echo "warning: could not fetch Firecracker; Hangar will use QEMU" >&2
 
 say "building the base guest image (cached; the first build takes a few minutes)"
 HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build base
