@@ -23,11 +23,16 @@ from hangar.layout import SandboxPaths
 if TYPE_CHECKING:
     from hangar.guest.client import AgentClient
     from hangar.images import GuestImage
+    from hangar.net.attachment import NetAttachment
 
 
 @dataclass(frozen=True)
 class VMSpec:
-    """What to boot. Sizes: ``memory_mib`` and ``disk_mib`` in MiB."""
+    """What to boot. Sizes: ``memory_mib`` and ``disk_mib`` in MiB.
+
+    ``net`` is the guest's NIC (``hangar.net.NetworkManager.attach``); None
+    boots the guest without one.
+    """
 
     sandbox_id: str
     image: "GuestImage"
@@ -37,6 +42,7 @@ class VMSpec:
     disk_mib: int = 2048
     hostname: str = "hangar"
     kernel_args: tuple[str, ...] = ()
+    net: "NetAttachment | None" = None
 
 
 @dataclass
@@ -115,8 +121,14 @@ class Engine(abc.ABC):
         return {"engine": self.name, "accel": self.accel}
 
 
-def kill_process(pid: int) -> None:
-    """SIGKILL ``pid``, ignoring a process that is already gone."""
+def kill_process(pid: int | None) -> None:
+    """SIGKILL the single process ``pid``, ignoring one that is already gone.
+
+    Only real process ids (> 1) are signalled: ``kill(-1)`` would end every
+    process on the host and ``kill(0)`` our own process group.
+    """
+    if pid is None or pid <= 1:
+        return
     try:
         os.kill(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

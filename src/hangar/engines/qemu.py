@@ -4,7 +4,10 @@ Machine: ``-M microvm`` with virtio-mmio devices only: a virtio-blk disk
 (the sandbox's qcow2 overlay over the image's read-only ext4 rootfs), a
 virtio-serial port named ``hangar.agent`` on a Unix socket (the agent
 channel; this host kernel has no vhost-vsock, so QEMU's vsock is not used),
-a virtio-rng, and the serial console written to ``serial.log``.
+a virtio-rng, and the serial console written to ``serial.log``. When the
+spec has a ``net`` (``hangar.net``), a virtio-net NIC on its TAP (or on
+QEMU's user-mode stack) is added last, with ``hangar.net=`` on the kernel
+command line for the guest's ``hangar.guest.net``; without one, no NIC.
 
 Accelerator: KVM where a probe boot of the guest kernel reaches its
 initramfs (``hangar.probe=1`` prints ``HANGAR-PROBE-OK``) within
@@ -34,6 +37,7 @@ virtio-serial port needs care on restore; see ``_connect_restored``.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import itertools
 import json
 import logging
@@ -182,6 +186,8 @@ class QemuEngine(Engine):
                 f"hangar.hostname={spec.hostname}"]
         if self.accel != "kvm" and self._tsc_khz:
             args += [f"tsc_early_khz={self._tsc_khz}", "tsc=reliable"]
+        if spec.net is not None:
+            args.append(spec.net.kernel_arg())
         append = " ".join([*args, *spec.kernel_args])
         return [
             QEMU, "-name", f"hangar-{spec.sandbox_id}",
@@ -200,7 +206,26 @@ class QemuEngine(Engine):
             "-serial", "chardev:console",
             "-qmp", f"unix:{p.qmp},server=on,wait=off",
             "-pidfile", str(p.pid_file),
+            *self.nic_args(spec),
         ]
+
+    @staticmethod
+    def nic_args(spec: VMSpec) -> list[str]:
+        """The NIC's QEMU arguments: [] without ``spec.net``.
+
+        TAP: the NetworkManager made the TAP, so QEMU runs no scripts.
+        User mode: QEMU's own stack on the attachment's subnet, IPv4 only.
+        """
+        net = spec.net
+        if net is None:
+            return []
+        if net.kind == "tap":
+            netdev = f"tap,id=net0,ifname={net.tap},script=no,downscript=no"
+        else:
+            subnet = ipaddress.ip_interface(f"{net.ip}/{net.prefix}").network
+            netdev = (f"user,id=net0,net={subnet},host={net.gateway},ipv6=off"
+                      + (f",dns={net.dns}" if net.dns else ""))
+        return ["-netdev", netdev, "-device", f"virtio-net-device,netdev=net0,mac={net.mac}"]
 
     async def _make_disk(self, spec: VMSpec) -> None:
         base = spec.image.rootfs
@@ -411,7 +436,11 @@ class QemuEngine(Engine):
     async def _cleanup(self, p: SandboxPaths, proc: subprocess.Popen[bytes] | None,
                        pid: int | None = None) -> None:
         """Kill the VMM if it still runs, reap it, and remove the sandbox's files."""
-        pid = pid or (proc.pid if proc else None) or self._pid_of(p)
+        if pid is None or pid <= 1:
+            pid = proc.pid if proc else None
+        if pid is None:  # only a pid file: trust it only if that process is this sandbox's
+            found = self.adopt(p.dir.name, p, self._pid_of(p) or -1)
+            pid = found.pid if found else None
         self._drop_held(pid)
         if pid:
             kill_process(pid)
