@@ -34,9 +34,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import errno
+import fcntl
 import os
 import signal
 import stat as stat_mod
+import struct
 import sys
 import tempfile
 import time
@@ -47,6 +49,8 @@ from hangar import __version__
 from hangar.guest import protocol as P
 
 PORT_NAME = "hangar.agent"
+RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2]), linux/random.h
+RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07)
 BOOT_ID = uuid.uuid4().hex
 DEFAULT_HEAD = 1 << 20  # bytes of output kept from the start
 DEFAULT_TAIL = 1 << 18  # bytes of output kept from the end
@@ -620,9 +624,18 @@ class Agent:
             seed = base64.b64decode(meta.get("seed", ""), validate=True)
         except (ValueError, TypeError):
             raise OpError("invalid", "seed must be base64") from None
-        with open("/dev/urandom", "wb") as f:
-            f.write(seed)
-        return {"bytes": len(seed)}
+        reseeded = False
+        with open("/dev/random", "wb") as f:
+            try:
+                # Credit the seed and reseed the kernel's CRNG now: a plain
+                # write only mixes it in, and clones of one snapshot would
+                # keep drawing the same stream until the next periodic reseed.
+                fcntl.ioctl(f, RNDADDENTROPY, struct.pack("ii", len(seed) * 8, len(seed)) + seed)
+                fcntl.ioctl(f, RNDRESEEDCRNG)
+                reseeded = True
+            except OSError:
+                f.write(seed)
+        return {"bytes": len(seed), "reseeded": reseeded}
 
 
 def find_port(name: str = PORT_NAME) -> str | None:

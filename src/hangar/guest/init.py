@@ -10,13 +10,15 @@ then, in order and without starting any other program until the agent runs:
    Hangar's initramfs has mounted all of these already (busybox is quicker
    than importing ctypes under TCG), so normally this only checks;
 2. sets the hostname from ``hangar.hostname=`` on the kernel command line
-   (default ``hangar``) and makes sure ``lo`` is up;
+   (default ``hangar``), makes sure ``lo`` is up, and with ``hangar.net=``
+   brings the NIC up (``hangar.guest.net.configure``);
 3. starts the agent, ``/usr/bin/python3 -m hangar.guest.agent`` with
    ``PYTHONPATH=/usr/lib/hangar/python``, in its own session, stdin
    /dev/null, stdout and stderr on /dev/console (the serial console), and
    prints ``hangar-init: agent started``;
 4. starts ``resize2fs`` on the root device in the background, growing the
-   filesystem online to fill the (qcow2) disk;
+   filesystem online to fill the (qcow2) disk, and, with ``hangar.desktop=``,
+   the desktop supervisor (``hangar.guest.desktop.start``);
 5. loops: reaps every child (the agent, resize2fs, and the orphans the
    kernel reparents to PID 1; the agent reaps its own children), restarts
    the agent with a backoff of 0.25 s doubling to 5 s when it exits (reset
@@ -307,6 +309,9 @@ class Init:
     def run(self) -> None:
         self.start_agent()
         self.start_resize()
+        from hangar.guest import desktop  # a no-op without hangar.desktop=; never raises
+
+        desktop.start(self.cmdline)
         while True:
             now = time.monotonic()
             deadlines = [t for t in (self.agent_restart_at, self.poweroff_at) if t is not None]
@@ -387,6 +392,10 @@ def main() -> None:
             name = "hangar"
         set_hostname(name)
         loopback_up()
+        if "hangar.net" in cmdline:  # the NIC, before the agent: see hangar.guest.net
+            from hangar.guest import net
+
+            net.configure(f"hangar.net={cmdline['hangar.net']}")
         Init(cmdline).run()
     except BaseException as e:  # noqa: BLE001 -- PID 1 must not exit: that panics the kernel
         import traceback

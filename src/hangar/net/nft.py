@@ -1,0 +1,198 @@
+"""Hangar's nftables rules: rendered here as text, applied with ``nft -f -``.
+
+Two tables of Hangar's own, touched by nothing else and by no other table's
+rules (``BR`` is the bridge, ``POOL`` the guests' subnet, ``hgt*`` the TAPs)::
+
+    table inet hangar
+      map egress         guest address -> goto its chain   (one element per sandbox)
+      chain input        hook input:   from BR only replies (ct established,related);
+                                       every other packet from a guest to any host
+                                       address is dropped
+      chain forward      hook forward: BR -> BR dropped (guest to guest via the host);
+                                       from BR: ip saddr vmap @egress, else drop;
+                                       to BR: replies only
+      chain postrouting  hook postrouting (nat): POOL leaving by any other
+                                       interface is masqueraded
+      chain hgt<id>      one per sandbox: DNS exception, then ``ip daddr {denied} drop``,
+                                       then accept
+
+    table bridge hangar
+      set ports          ifname . MAC . IPv4 of each TAP (anti-spoofing)
+      chain prerouting   a frame from an hgt* port must be ARP or IPv4 with that
+                         port's MAC and address; everything else (IPv6,
+                         other ethertypes, spoofed sources) is dropped
+      chain forward      hgt* -> hgt* dropped (guests never reach each other at L2;
+                         the ports are also ``isolated``)
+
+Per-sandbox rules live in a chain named like its TAP plus one element in
+``egress`` and one in ``ports``, so ``attach`` and ``release`` are each one
+atomic nft transaction, and what exists is read back with ``nft -j list``
+(sweeps and restarts trust the kernel, not memory). The base chains are
+flushed and re-filled at start-up without touching per-sandbox state, so a
+restarted server keeps the rules of the sandboxes it adopts.
+
+A drop in any base chain is final whatever other tables say, so other
+firewalls cannot open what Hangar closes; but another table's drop (say a
+FORWARD policy of drop) can still block guest traffic Hangar accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any
+
+from hangar.errors import EngineError
+
+TABLE = "hangar"
+NFT_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Found:
+    """Hangar's per-sandbox nftables objects, as read from the kernel."""
+
+    chains: set[str] = field(default_factory=set)
+    egress: dict[str, str] = field(default_factory=dict)  # guest ip -> chain
+    ports: list[tuple[str, str, str]] = field(default_factory=list)  # (tap, mac, ip)
+    tables: set[str] = field(default_factory=set)  # families that have a hangar table
+
+
+class Nft:
+    """Runs ``nft``, inside the network namespace ``netns`` when one is named."""
+
+    def __init__(self, netns: str | None = None) -> None:
+        self.netns = netns
+
+    def argv(self, *args: str) -> list[str]:
+        exe = shutil.which("nft")
+        if exe is None:
+            raise EngineError("nft not found; install the nftables package")
+        prefix = ["nsenter", f"--net=/run/netns/{self.netns}"] if self.netns else []
+        return [*prefix, exe, *args]
+
+    def apply(self, script: str) -> None:
+        """Run ``script`` as one atomic transaction; EngineError with nft's message on failure."""
+        proc = subprocess.run(self.argv("-f", "-"), input=script, text=True, capture_output=True,
+                              timeout=NFT_TIMEOUT_S, check=False)
+        if proc.returncode != 0:
+            raise EngineError(f"nft failed: {proc.stderr.strip()[-800:]}", step="nftables")
+
+    def list_table(self, family: str) -> list[dict[str, Any]]:
+        """``nft -j list table FAMILY hangar`` as a list of objects; [] when it does not exist."""
+        proc = subprocess.run(self.argv("-j", "list", "table", family, TABLE), text=True,
+                              capture_output=True, timeout=NFT_TIMEOUT_S, check=False)
+        if proc.returncode != 0:
+            if "No such file" in proc.stderr:
+                return []
+            raise EngineError(f"nft list failed: {proc.stderr.strip()[-800:]}", step="nftables")
+        return list(json.loads(proc.stdout).get("nftables", []))
+
+    def find(self, tap_prefix: str) -> Found:
+        """Every per-sandbox object in Hangar's tables (chains named ``tap_prefix*``)."""
+        found = Found()
+        for family in ("inet", "bridge"):
+            for obj in self.list_table(family):
+                if "table" in obj:
+                    found.tables.add(family)
+                elif "chain" in obj and obj["chain"]["name"].startswith(tap_prefix):
+                    found.chains.add(obj["chain"]["name"])
+                elif "map" in obj and obj["map"]["name"] == "egress":
+                    for key, verdict in obj["map"].get("elem", []):
+                        target = next(iter(verdict.values()), {}).get("target", "")
+                        found.egress[str(key)] = target
+                elif "set" in obj and obj["set"]["name"] == "ports":
+                    for elem in obj["set"].get("elem", []):
+                        tap, mac, ip = (elem.get("elem", elem) if isinstance(elem, dict)
+                                        else elem)["concat"]
+                        found.ports.append((str(tap), str(mac), str(ip)))
+        return found
+
+
+def q(name: str) -> str:
+    """An nft quoted string (names here are ``[a-z0-9-]`` already; this guards anyway)."""
+    if not name or any(c in name for c in '"\\\n;{}'):
+        raise EngineError(f"unsafe name for nft: {name!r}")
+    return f'"{name}"'
+
+
+def base_script(bridge: str, pool: str, tap_prefix: str) -> str:
+    """The tables, sets and base chains; idempotent, keeps per-sandbox chains and elements."""
+    br, taps = q(bridge), q(tap_prefix + "*")
+    t = f"inet {TABLE}"
+    b = f"bridge {TABLE}"
+    return "\n".join([
+        f"add table {t}",
+        f"add map {t} egress {{ type ipv4_addr : verdict; }}",
+        f"add chain {t} input {{ type filter hook input priority filter; policy accept; }}",
+        f"flush chain {t} input",
+        f"add rule {t} input iifname {br} ct state established,related accept",
+        f"add rule {t} input iifname {br} counter drop",
+        f"add chain {t} forward {{ type filter hook forward priority filter; policy accept; }}",
+        f"flush chain {t} forward",
+        f"add rule {t} forward iifname {br} oifname {br} counter drop",
+        f"add rule {t} forward iifname {br} ip saddr vmap @egress",
+        f"add rule {t} forward iifname {br} counter drop",
+        f"add rule {t} forward oifname {br} ct state established,related accept",
+        f"add rule {t} forward oifname {br} counter drop",
+        f"add chain {t} postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}",
+        f"flush chain {t} postrouting",
+        f"add rule {t} postrouting ip saddr {pool} oifname != {br} masquerade",
+        f"add table {b}",
+        f"add set {b} ports {{ type ifname . ether_addr . ipv4_addr; }}",
+        f"add chain {b} prerouting {{ type filter hook prerouting priority filter; policy accept; }}",
+        f"flush chain {b} prerouting",
+        f"add rule {b} prerouting iifname != {taps} accept",
+        f"add rule {b} prerouting ether type arp iifname . ether saddr . arp saddr ip @ports"
+        f" iifname . arp saddr ether . arp saddr ip @ports accept",
+        f"add rule {b} prerouting ether type ip iifname . ether saddr . ip saddr @ports accept",
+        f"add rule {b} prerouting counter drop",
+        f"add chain {b} forward {{ type filter hook forward priority filter; policy accept; }}",
+        f"flush chain {b} forward",
+        f"add rule {b} forward iifname {taps} oifname {taps} counter drop",
+        "",
+    ])
+
+
+def attach_script(tap: str, mac: str, ip: str, denied: list[str], dns: str | None) -> str:
+    """One sandbox's chain, its ``egress`` element and its ``ports`` element."""
+    t = f"inet {TABLE}"
+    lines = [f"add chain {t} {tap}", f"flush chain {t} {tap}"]
+    if dns:
+        lines.append(f"add rule {t} {tap} ip daddr {dns} meta l4proto {{ tcp, udp }} "
+                     f"th dport 53 accept")
+    if denied:
+        lines.append(f"add rule {t} {tap} ip daddr {{ {', '.join(denied)} }} counter drop")
+    lines += [
+        f"add rule {t} {tap} accept",
+        f"add element {t} egress {{ {ip} : goto {tap} }}",
+        f"add element bridge {TABLE} ports {{ {q(tap)} . {mac} . {ip} }}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def detach_script(found: Found, taps: set[str], ips: set[str] | None = None) -> str:
+    """Delete every object of the TAPs ``taps`` (and ``egress`` elements of ``ips``) in ``found``.
+
+    Built from what exists, so it never fails on something already gone.
+    """
+    t = f"inet {TABLE}"
+    ips = set(ips or ())
+    lines = []
+    for ip, chain in sorted(found.egress.items()):
+        if chain in taps or ip in ips:
+            lines.append(f"delete element {t} egress {{ {ip} }}")
+    for tap, mac, ip in found.ports:
+        if tap in taps:
+            lines.append(f"delete element bridge {TABLE} ports {{ {q(tap)} . {mac} . {ip} }}")
+    for chain in sorted(found.chains & taps):
+        lines.append(f"delete chain {t} {chain}")
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def teardown_script(found: Found) -> str:
+    """Delete both of Hangar's tables (whatever exists of them)."""
+    return "".join(f"delete table {fam} {TABLE}\n" for fam in sorted(found.tables))
