@@ -75,9 +75,11 @@ class Server:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         # No warm pool unless a test asks for one: pooled VMs would compete
-        # for this machine's two cores with the VMs under test.
+        # for this machine's two cores with the VMs under test. No guest NICs
+        # either: networking is tested inside namespaces (test_network.py).
         self.env = {**os.environ, "HANGAR_DATA_DIR": str(data_dir), "HANGAR_PORT": str(port),
-                    "HANGAR_POOL_SIZE": "0", "PYTHONPATH": str(SRC), **(extra_env or {})}
+                    "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "off", "PYTHONPATH": str(SRC),
+                    **(extra_env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data_dir / "server.log"
 

@@ -535,3 +535,79 @@ def test_guest_policies_and_release_after_a_crash(guests: Guests) -> None:
         assert rn[f"172.30.0.1:{API_PORT}"] == rn["10.0.0.1:80"] == "timeout", rn
 
     asyncio.run(body())
+
+
+# -- the whole server, inside the namespace --------------------------------------------
+
+
+FETCH = ("import sys, urllib.request\n"
+         "try:\n"
+         "    print(urllib.request.urlopen(sys.argv[1], timeout=2).read().decode(), end='')\n"
+         "except Exception as e:\n"
+         "    print('blocked', type(e).__name__)\n")
+
+
+@needs_netns
+@pytest.mark.vm
+def test_api_sandboxes_get_networking_and_give_it_back(topology: Topology, base_image: Path) -> None:
+    """A Hangar server running in hg-host (API on a Unix socket): create with a policy,
+    fetch, fork keeps a working NIC of its own, delete leaves no device or rule."""
+    import httpx
+
+    from conftest import SRC, make_data_dir, vmm_pids
+
+    d = make_data_dir(base_image)
+    sock = d / "api.sock"
+    env = {**os.environ, "HANGAR_DATA_DIR": str(d), "HANGAR_UDS": str(sock),
+           "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "tap", "HANGAR_NET_DNS": DNS,
+           "PYTHONPATH": str(SRC)}
+    server = subprocess.Popen(["ip", "netns", "exec", NS_HOST, sys.executable, "-m", "hangar.cli",
+                               "serve"], env=env, stdout=open(d / "server.log", "wb"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists() and time.monotonic() < deadline:
+            assert server.poll() is None, (d / "server.log").read_text()[-2000:]
+            time.sleep(0.2)
+        key = (d / "api-key").read_text().strip()
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://hangar",
+                          headers={"X-API-Key": key}, timeout=300) as c:
+            def fetch(sid: str, url: str) -> str:
+                r = c.post(f"/sandboxes/{sid}/exec", json={
+                    "command": "python3", "args": ["-c", FETCH, url], "timeout": 30})
+                assert r.status_code == 200, r.text
+                return r.json()["stdout"]
+
+            r = c.post("/sandboxes", json={"network": {"egress": "internet"}})
+            assert r.status_code == 201, r.text
+            sid = r.json()["id"]
+            assert r.json()["network"]["egress"] == "internet"
+            assert fetch(sid, "http://203.0.113.1/") == BODY
+            assert fetch(sid, "http://10.0.0.1/").startswith("blocked")
+            assert tap_name(sid) in host_links()
+            bad = c.post("/sandboxes", json={"network": {"egress": "internet", "allow": ["10.0.0.0/33"]}})
+            assert bad.status_code == 400, bad.text
+            snap = c.post(f"/sandboxes/{sid}/snapshot").json()["id"]
+            fork = c.post(f"/snapshots/{snap}/sandboxes").json()["id"]
+            assert fetch(fork, "http://203.0.113.1/") == BODY
+            ip = lambda s: c.post(f"/sandboxes/{s}/exec", json={  # noqa: E731
+                "command": "ip -4 -o addr show scope global | awk '{print $4}'"}).json()["stdout"]
+            assert ip(fork) != ip(sid)
+            for s in (sid, fork):
+                assert c.delete(f"/sandboxes/{s}").status_code == 204
+            c.delete(f"/snapshots/{snap}")
+            none = c.post("/sandboxes", json={"network": "none"}).json()["id"]
+            assert fetch(none, "http://203.0.113.1/").startswith("blocked")
+            c.delete(f"/sandboxes/{none}")
+        assert not sandbox_names(host_links())
+        assert not sandbox_names(host_ruleset())
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        for pid in vmm_pids(str(d)):
+            os.kill(pid, signal.SIGKILL)
+        subprocess.run(["ip", "-n", NS_HOST, "link", "del", "hgbr0"], capture_output=True)
+        shutil.rmtree(d, ignore_errors=True)

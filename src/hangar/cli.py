@@ -91,10 +91,14 @@ def serve(
         _build(layout, settings.default_image)
     except HangarError as exc:
         _fail(exc)
-    err.print(f"Hangar on http://{settings.host}:{settings.port}  "
-              f"(API key in {layout.api_key_file})")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_config=None, access_log=False)
+    where = f"unix:{settings.uds}" if settings.uds else f"http://{settings.host}:{settings.port}"
+    err.print(f"Hangar on {where}  (API key in {layout.api_key_file})")
+    if settings.uds:
+        uvicorn.run(create_app(settings), uds=str(settings.uds), log_config=None,
+                    access_log=False)
+    else:
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                    log_config=None, access_log=False)
 
 
 @image_app.command("build")

@@ -21,6 +21,7 @@ class Settings(BaseSettings):
     data_dir: Path = Field(Path("/var/lib/hangar"), description="Root of the on-disk layout.")
     host: str = Field("127.0.0.1", description="Address the REST API listens on.")
     port: int = Field(8080, description="TCP port of the REST API.")
+    uds: Path | None = Field(None, description="Serve on this Unix socket instead of TCP.")
     engine: Literal["auto", "firecracker", "qemu"] = Field(
         "auto", description="VMM: auto takes Firecracker when its probe boot works, else QEMU.")
     jailer: bool = Field(False, description="Run Firecracker VMMs under its jailer.")
@@ -41,6 +42,13 @@ class Settings(BaseSettings):
     pool_max_age_s: float = Field(900.0, gt=0, description="Pool VMs older than this are replaced.")
     machine_idle_s: float = Field(1800.0, gt=0,
                                   description="Idle seconds before a user's machine sleeps.")
+    network: Literal["auto", "tap", "user", "off"] = Field(
+        "auto", description="Guest networking: auto takes TAP devices when run as root, "
+                            "else QEMU's user-mode stack; off gives guests no NIC.")
+    net_pool: str = Field("172.30.0.0/16", description="Guest address pool (CIDR).")
+    net_bridge: str = Field("hgbr0", description="Bridge the TAP devices join.")
+    net_dns: str | None = Field(None, description="Resolver given to guests; default: the "
+                                                  "host's first non-loopback nameserver.")
     api_key: str | None = Field(
         None, description="API key; when unset, read from or generated into data_dir/api-key."
     )

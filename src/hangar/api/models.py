@@ -25,6 +25,10 @@ class CreateSandbox(BaseModel):
                                   description="Time to live in seconds; 0 keeps it until deleted; "
                                               "default: the server's (one hour).")
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+    network: str | dict[str, object] | None = Field(
+        None, description="Egress policy: 'none', 'internet' (public addresses only), 'open', "
+                          "or {'egress': ..., 'allow': [CIDR...], 'deny': [CIDR...]} where the "
+                          "most specific entry wins. Default: 'internet' with TAP networking.")
     desktop: str | None = Field(
         None, pattern=r"^[1-9][0-9]{2,4}x[1-9][0-9]{2,4}x(16|24)$",
         description="Start a desktop of WIDTHxHEIGHTxDEPTH (pixels, bits), e.g. 1280x800x24; "
@@ -56,6 +60,7 @@ class Sandbox(BaseModel):
     error: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     desktop: str | None = None
+    network: dict[str, object] | None = Field(None, description="Egress policy; null: no NIC.")
 
 
 class SandboxList(BaseModel):

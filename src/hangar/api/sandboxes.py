@@ -29,7 +29,8 @@ def view(rec: SandboxRecord) -> Sandbox:
         id=rec.id, state=rec.state, image=rec.image, engine=rec.engine, accel=rec.accel,
         vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
         created_at=rec.created_at, expires_at=rec.expires_at, error=rec.error,
-        metadata=rec.metadata_ or {}, desktop=rec.desktop,
+        metadata={k: v for k, v in (rec.metadata_ or {}).items() if isinstance(v, str)},
+        desktop=rec.desktop, network=rec.network,
     )
 
 
@@ -40,7 +41,7 @@ async def create(m: Manager, body: CreateSandbox | None = None) -> Sandbox:
     rec = await m.create(CreateOptions(
         image=body.image, vcpus=body.vcpus, memory_mib=body.memory_mib,
         disk_mib=body.disk_mib, timeout_s=body.timeout, metadata=body.metadata,
-        desktop=body.desktop,
+        desktop=body.desktop, network=body.network,
     ))
     return view(rec)
 

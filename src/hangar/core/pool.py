@@ -45,7 +45,7 @@ class WarmPool:
     def fits(self, opts: "CreateOptions", image: GuestImage) -> bool:
         """True when a create with ``opts`` may be served from the pool."""
         s = self.manager.settings
-        return (image.name == s.default_image and not opts.desktop
+        return (image.name == s.default_image and not opts.desktop and opts.network is None
                 and opts.vcpus in (None, s.default_vcpus)
                 and opts.memory_mib in (None, s.default_memory_mib)
                 and opts.disk_mib in (None, s.default_disk_mib))

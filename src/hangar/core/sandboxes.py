@@ -45,6 +45,7 @@ from hangar.guest.client import AgentClient, ExecEvent, ExecResult
 from hangar.images import GuestImage, resolve_image
 from hangar.layout import Layout
 from hangar.metrics import Metrics
+from hangar.net import NetAttachment, NetworkManager, Policy
 
 log = logging.getLogger("hangar.sandboxes")
 
@@ -68,6 +69,9 @@ class CreateOptions:
     desktop: str | None = None
     """Screen as ``WIDTHxHEIGHTxDEPTH`` (pixels, bits); starts the guest's desktop."""
     idle_timeout_s: float | None = None
+    network: Any = None
+    """Egress policy: ``none``, ``internet``, ``open`` or a dict with ``egress``,
+    ``allow`` and ``deny`` CIDR lists; None takes the server's default."""
 
 
 @dataclass
@@ -78,6 +82,18 @@ class Runtime:
     agent: AgentClient | None = None
     connect_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     busy: int = 0
+
+
+def renet_meta(net: NetAttachment) -> dict[str, Any]:
+    """An exec that gives a restored guest's NIC ``net``'s MAC and address."""
+    script = (
+        'dev=$(ls /sys/class/net | grep -v "^lo$" | head -n1); '
+        'ip link set dev "$dev" down; ip link set dev "$dev" address "$1"; '
+        'ip addr flush dev "$dev"; '
+        'exec python3 -c "import sys; from hangar.guest import net; net.configure(sys.argv[1])" "$2"'
+    )
+    return {"op": "exec", "argv": ["/bin/sh", "-c", script, "renet", net.mac, net.kernel_arg()],
+            "env": {"PYTHONPATH": "/usr/lib/hangar/python"}, "timeout": 20}
 
 
 def new_id(prefix: str = "sb-") -> str:
@@ -99,7 +115,50 @@ class SandboxManager:
         self._gates: dict[str, asyncio.Lock] = {}
         self._admit = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
+        self.net = self._network(settings)
         metrics.watch_states(self.state_counts)
+
+    @staticmethod
+    def _network(settings: Settings) -> NetworkManager | None:
+        if settings.network == "off":
+            return None
+        mode = "auto" if settings.network == "auto" else settings.network
+        return NetworkManager(bridge=settings.net_bridge, pool=settings.net_pool,
+                              dns=settings.net_dns, mode=mode)  # type: ignore[arg-type]
+
+    def policy(self, requested: Any) -> dict[str, Any] | None:
+        """The egress policy a sandbox gets, as stored; None means no NIC.
+
+        Raises InvalidRequest for a bad policy, or one networking cannot
+        honour here (e.g. ``internet`` filtering without TAP devices).
+        """
+        if self.net is None:
+            if requested not in (None, "none") and Policy.parse(requested).egress != "none":
+                raise InvalidRequest("guest networking is off on this server (HANGAR_NETWORK)")
+            return None
+        if requested is None:
+            requested = "internet" if self.net.mode == "tap" else "none"
+        policy = Policy.parse(requested)
+        if policy.egress == "none":
+            return None
+        if self.net.mode == "user" and (policy.egress != "open" or policy.allow or policy.deny):
+            raise InvalidRequest("without TAP networking (not root) guests can only get "
+                                 "egress 'open' or 'none'")
+        return policy.model_dump(mode="json")
+
+    async def _attach(self, rec: SandboxRecord) -> NetAttachment | None:
+        if self.net is None or not rec.network:
+            return None
+        return await self.net.attach_async(rec.id, rec.network)
+
+    async def _detach(self, sandbox_id: str) -> None:
+        if self.net is None:
+            return
+        try:
+            await self.net.release_async(sandbox_id)
+        except Exception as exc:  # never block a state change on the network
+            log.warning("network release failed", extra={"sandbox_id": sandbox_id,
+                                                           "error": str(exc)})
 
     # -- start-up and the reconcile loop -----------------------------------
 
@@ -108,6 +167,16 @@ class SandboxManager:
         for rec in self.store.live():
             await self._recover(rec)
         self._sweep_orphans()
+        if self.net is not None:
+            ok, reason = self.net.available()
+            if self.net.mode != "user" and not ok:
+                log.warning("TAP networking unavailable", extra={"reason": reason})
+            if self.net.mode == "tap":
+                await asyncio.to_thread(self.net.start)
+                removed = await self.net.sweep_async(
+                    [r.id for r in self.store.live() if r.state != State.SLEEPING.value])
+                if removed:
+                    log.info("stale network devices removed", extra={"count": len(removed)})
         self._watcher = asyncio.create_task(self._watch())
 
     async def _recover(self, rec: SandboxRecord) -> None:
@@ -244,24 +313,26 @@ class SandboxManager:
             memory_mib=memory_mib or opts.memory_mib or s.default_memory_mib,
             disk_mib=disk_mib or opts.disk_mib or s.default_disk_mib, pid=None, created_at=now,
             updated_at=now, last_active_at=now, expires_at=now + ttl if ttl else None,
-            metadata_=metadata, desktop=opts.desktop,
+            metadata_=metadata, desktop=opts.desktop, network=self.policy(opts.network),
         )
 
-    def spec(self, rec: SandboxRecord, image: GuestImage) -> VMSpec:
+    def spec(self, rec: SandboxRecord, image: GuestImage,
+             net: NetAttachment | None = None) -> VMSpec:
         kernel_args = (f"hangar.desktop={rec.desktop}",) if rec.desktop else ()
         return VMSpec(rec.id, image, self.layout.sandbox(rec.id), rec.vcpus, rec.memory_mib,
-                      rec.disk_mib, hostname=rec.id, kernel_args=kernel_args)
+                      rec.disk_mib, hostname=rec.id, kernel_args=kernel_args, net=net)
 
     async def boot(self, rec: SandboxRecord, image: GuestImage) -> Runtime:
         """Boot ``rec``'s VM and wait for its agent; on failure nothing is left but the record."""
         vm: VM | None = None
         try:
-            vm = await self.engine.boot(self.spec(rec, image))
+            vm = await self.engine.boot(self.spec(rec, image, await self._attach(rec)))
             self.store.update(rec.id, pid=vm.pid)
             agent = await self.engine.connect_agent(vm, self.settings.boot_timeout_s)
         except BaseException:
             if vm is not None:
                 await self.engine.stop(vm)
+            await self._detach(rec.id)
             raise
         rt = Runtime(vm, agent)
         self._runtimes[rec.id] = rt
@@ -356,6 +427,7 @@ class SandboxManager:
         if vm is None:
             vm = VM(sandbox_id, self.engine.name, -1, self.layout.sandbox(sandbox_id), "")
         await self.engine.stop(vm)
+        await self._detach(sandbox_id)
 
     # -- snapshots, sleep and wake -------------------------------------------
 
@@ -382,7 +454,7 @@ class SandboxManager:
             id=snap_id, sandbox_id=rec.id, kind=kind, size_bytes=files.size_bytes,
             created_at=time.time(), image=rec.image, image_digest=rec.image_digest,
             vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
-            desktop=rec.desktop)
+            desktop=rec.desktop, network=rec.network)
         self.store.add(snap)
         return snap
 
@@ -465,14 +537,20 @@ class SandboxManager:
     async def _restore_into(self, rec: SandboxRecord, snap: SnapshotRecord) -> Runtime:
         """Start ``rec``'s VM from ``snap``; agent connected, clock and entropy refreshed."""
         image = resolve_image(self.layout, f"{snap.image}-{snap.image_digest}")
-        spec = self.spec(rec, image)
-        vm = await self.engine.restore(spec, self.layout.snapshot(snap.id))
+        # The NIC must match the snapshot's devices: a snapshot with one gets one.
+        net = await self._attach(rec) if snap.network else None
+        vm: VM | None = None
         try:
+            vm = await self.engine.restore(self.spec(rec, image, net), self.layout.snapshot(snap.id))
             self.store.update(rec.id, pid=vm.pid)
             agent = await self.engine.connect_agent(vm, self.settings.boot_timeout_s)
             await refresh_guest(agent)
+            if net is not None:  # a fork (or a new lease) has another MAC and address
+                await agent.exec(renet_meta(net))
         except BaseException:
-            await self.engine.stop(vm)
+            if vm is not None:
+                await self.engine.stop(vm)
+            await self._detach(rec.id)
             raise
         rt = Runtime(vm, agent)
         self._runtimes[rec.id] = rt
@@ -519,7 +597,8 @@ class SandboxManager:
             self._admit_one()
             rec = self._new_record(new_id(), State.CREATING, image,
                                    CreateOptions(timeout_s=opts.timeout_s, metadata=opts.metadata,
-                                                 desktop=snap.desktop),
+                                                 desktop=snap.desktop,
+                                                 network=snap.network or "none"),
                                    snap.vcpus, snap.memory_mib, snap.disk_mib)
             self.store.add(rec)
         try:

@@ -44,6 +44,8 @@ class SandboxRecord(Base):
     error: Mapped[str | None] = mapped_column(String(1024), nullable=True)
     desktop: Mapped[str | None] = mapped_column(String(32), nullable=True)
     sleep_snapshot: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    network: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """Egress policy (``hangar.net.Policy`` as a dict); None: no NIC."""
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
 
 
@@ -67,6 +69,7 @@ class SnapshotRecord(Base):
     memory_mib: Mapped[int] = mapped_column(Integer)
     disk_mib: Mapped[int] = mapped_column(Integer)
     desktop: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    network: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class MachineRecord(Base):

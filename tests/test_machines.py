@@ -1,0 +1,240 @@
+"""Snapshots, machines that sleep and wake, the warm pool and crash recovery, on real VMs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import SRC, Server, cleanup, free_port, make_data_dir, vmm_pids
+
+pytestmark = pytest.mark.vm
+
+
+def run(api: httpx.Client, sid: str, command: str, **body: object) -> dict:
+    r = api.post(f"/sandboxes/{sid}/exec", json={"command": command, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_five_sleep_wake_cycles_keep_every_file(api: httpx.Client) -> None:
+    r = api.post("/machines/cycle-user", json={"idle_timeout": 3600})
+    assert r.status_code == 201, r.text
+    m = r.json()
+    assert m["state"] == "active" and m["desired_state"] == "active"
+    assert api.post("/machines/cycle-user").status_code == 200, "a second call gets, not creates"
+    sid = m["sandbox_id"]
+    try:
+        for i in range(1, 6):
+            run(api, sid, f"echo cycle {i} > /root/cycle-{i}")
+            slept = api.post("/machines/cycle-user/snapshot")
+            assert slept.status_code == 200, slept.text
+            assert slept.json()["state"] == "sleeping"
+            assert vmm_pids(sid) == [], "a sleeping machine holds no VMM"
+            woke = api.post("/machines/cycle-user/wake")
+            assert woke.status_code == 200, woke.text
+            assert woke.json()["state"] == "active"
+            listing = run(api, sid, "cat /root/cycle-*")["stdout"]
+            assert listing == "".join(f"cycle {j}\n" for j in range(1, i + 1))
+    finally:
+        assert api.delete("/machines/cycle-user").status_code == 204
+    assert api.get("/machines/cycle-user").status_code == 404
+    assert vmm_pids(sid) == []
+
+
+def test_calls_wake_a_sleeping_machine_and_idle_machines_sleep(api: httpx.Client) -> None:
+    m = api.post("/machines/idle-user", json={"idle_timeout": 4}).json()
+    sid = m["sandbox_id"]
+    try:
+        run(api, sid, "sleep 600 & echo $! > /root/pid")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and api.get("/machines/idle-user").json()["state"] != "sleeping":
+            time.sleep(0.5)
+        assert api.get("/machines/idle-user").json()["state"] == "sleeping"
+        # Any call wakes it; its processes are still there.
+        out = api.post("/machines/idle-user/exec",
+                       json={"command": "kill -0 $(cat /root/pid) && echo alive"})
+        assert out.status_code == 200 and out.json()["stdout"] == "alive\n"
+        assert api.get("/machines/idle-user").json()["state"] == "active"
+        r = api.get(f"/sandboxes/{sid}/files", params={"path": "/root/pid"})
+        assert r.status_code == 200 and r.content.strip().isdigit()
+    finally:
+        api.delete("/machines/idle-user")
+
+
+def test_bad_user_id(api: httpx.Client) -> None:
+    r = api.post("/machines/bad%20id")
+    assert r.status_code == 400
+    assert api.get("/machines/nobody").status_code == 404
+    assert api.post("/machines/nobody/wake").status_code == 404
+
+
+def test_snapshot_restore_fork_and_clock(api: httpx.Client, fresh_sandbox: str) -> None:
+    sid = fresh_sandbox
+    run(api, sid, "echo before > /root/state; sleep 900 & echo $! > /root/pid")
+    # Move the guest's clock 120 s back: after a restore it must be right at once.
+    run(api, sid, "date -s @$(( $(date +%s) - 120 ))")
+    r = api.post(f"/sandboxes/{sid}/snapshot")
+    assert r.status_code == 201, r.text
+    snap = r.json()
+    assert snap["size_bytes"] > 1 << 20 and snap["sandbox_id"] == sid
+    assert snap["id"] in [s["id"] for s in api.get("/snapshots").json()["snapshots"]]
+    run(api, sid, "echo after > /root/state; kill $(cat /root/pid)")
+    r = api.post(f"/sandboxes/{sid}/restore", json={"snapshot_id": snap["id"]})
+    assert r.status_code == 200, r.text
+    out = run(api, sid, "date +%s; cat /root/state; kill -0 $(cat /root/pid) && echo alive")
+    guest_now, state, alive = out["stdout"].split()
+    assert abs(int(guest_now) - time.time()) <= 2
+    assert (state, alive) == ("before", "alive")
+    forks = []
+    try:
+        for n in range(2):
+            r = api.post(f"/snapshots/{snap['id']}/sandboxes", json={})
+            assert r.status_code == 201, r.text
+            forks.append(r.json()["id"])
+        for n, fid in enumerate(forks):
+            run(api, fid, f"echo fork{n} > /root/state")
+        for n, fid in enumerate(forks):
+            assert run(api, fid, "cat /root/state")["stdout"] == f"fork{n}\n"
+            assert run(api, fid, "head -c 16 /dev/urandom | od -An -tx1")["exit_code"] == 0
+        assert run(api, sid, "cat /root/state")["stdout"] == "before\n"
+        # Clones reseed: their random streams differ.
+        draws = {run(api, fid, "head -c 16 /dev/urandom | od -An -tx1")["stdout"] for fid in forks}
+        assert len(draws) == 2
+    finally:
+        for fid in forks:
+            api.delete(f"/sandboxes/{fid}")
+    assert api.delete(f"/snapshots/{snap['id']}").status_code == 204
+    assert api.get(f"/snapshots/{snap['id']}").status_code == 404
+    r = api.post(f"/sandboxes/{sid}/restore", json={"snapshot_id": snap["id"]})
+    assert r.status_code == 404
+
+
+def test_snapshot_during_a_command_is_a_retryable_409(api: httpx.Client, fresh_sandbox: str,
+                                                     server: Server) -> None:
+    import threading
+
+    sid = fresh_sandbox
+
+    def slow() -> None:
+        with server.client() as c:
+            c.post(f"/sandboxes/{sid}/exec", json={"command": "sleep 4"})
+
+    t = threading.Thread(target=slow)
+    t.start()
+    time.sleep(1.5)
+    r = api.post(f"/sandboxes/{sid}/snapshot")
+    t.join()
+    assert r.status_code == 409, r.text
+    assert r.json()["error"]["code"] == "busy"
+    r = api.post(f"/sandboxes/{sid}/snapshot")
+    assert r.status_code == 201, r.text
+    snap = r.json()["id"]
+    for _ in range(2):
+        assert api.post(f"/sandboxes/{sid}/restore", json={"snapshot_id": snap}).status_code == 200
+        assert run(api, sid, "echo ok")["stdout"] == "ok\n"
+    api.delete(f"/snapshots/{snap}")
+
+
+def test_killed_vmm_is_noticed_and_released(api: httpx.Client, fresh_sandbox: str,
+                                           server: Server) -> None:
+    sid = fresh_sandbox
+    (pid,) = vmm_pids(sid)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and api.get(f"/sandboxes/{sid}").json()["state"] != "failed":
+        time.sleep(0.3)
+    rec = api.get(f"/sandboxes/{sid}").json()
+    assert rec["state"] == "failed" and rec["error"]
+    assert not (server.data_dir / "sandboxes" / sid).exists(), "its disk and sockets are gone"
+    r = api.post(f"/sandboxes/{sid}/exec", json={"command": "true"})
+    assert r.status_code == 409
+
+
+def test_server_crash_recovery(base_image) -> None:
+    d = make_data_dir(base_image)
+    srv = Server(d, free_port())
+    try:
+        srv.start()
+        with srv.client() as c:
+            ids = [c.post("/sandboxes", json={"memory_mib": 256}).json()["id"] for _ in range(3)]
+        # One VMM dies while the server is down too.
+        srv.kill(signal.SIGKILL)
+        (victim,) = vmm_pids(ids[0])
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(0.5)
+        srv.start()
+        with srv.client() as c:
+            listed = {s["id"]: s["state"] for s in c.get("/sandboxes").json()["sandboxes"]}
+            for sid in ids:
+                if listed.get(sid) == "running":
+                    assert run(c, sid, "echo alive")["stdout"] == "alive\n"
+                else:
+                    assert vmm_pids(sid) == []
+                    assert not (d / "sandboxes" / sid).exists()
+            assert listed[ids[0]] == "failed"
+            assert listed[ids[1]] == listed[ids[2]] == "running"
+    finally:
+        leaked = cleanup(srv)
+        shutil.rmtree(d, ignore_errors=True)
+    assert not leaked
+
+
+def test_warm_pool(base_image) -> None:
+    d = make_data_dir(base_image)
+    srv = Server(d, free_port(), {"HANGAR_POOL_SIZE": "2", "HANGAR_POOL_MAX_AGE_S": "600"})
+    try:
+        srv.start()
+        with srv.client() as c:
+            def pooled() -> int:
+                text = c.get("/metrics").text
+                line = next(x for x in text.splitlines() if x.startswith('hangar_sandboxes{state="pooled"}'))
+                return int(float(line.split()[-1]))
+
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and pooled() < 2:
+                time.sleep(0.5)
+            assert pooled() == 2
+            assert c.get("/sandboxes").json()["sandboxes"] == [], "pool VMs are not listed"
+            t = time.monotonic()
+            sb = c.post("/sandboxes", json={}).json()
+            took = time.monotonic() - t
+            assert took < 3, f"a pooled create took {took:.1f} s"
+            assert abs(int(run(c, sb["id"], "date +%s")["stdout"]) - time.time()) <= 2
+            # The pool refills; the taken VM is never handed out again.
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and pooled() < 2:
+                time.sleep(0.5)
+            others = [c.post("/sandboxes", json={}).json()["id"] for _ in range(2)]
+            assert sb["id"] not in others and len(set(others)) == 2
+            # A create with another shape does not use the pool.
+            assert c.post("/sandboxes", json={"memory_mib": 256}).status_code == 201
+    finally:
+        leaked = cleanup(srv)
+        shutil.rmtree(d, ignore_errors=True)
+    assert not leaked
+
+
+def test_machine_cli(server: Server) -> None:
+    env = {**os.environ, "HANGAR_URL": server.url, "HANGAR_API_KEY": server.key,
+           "PYTHONPATH": str(SRC), "HANGAR_NO_STDIN": "1"}
+
+    def hangar(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hangar.cli", *args], env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    try:
+        r = hangar("machine", "get", "cli-user")
+        assert r.returncode == 0 and "active" in r.stdout, r.stderr
+        assert "sleeping" in hangar("machine", "sleep", "cli-user").stdout
+        assert "sleeping" in hangar("machine", "show", "cli-user").stdout
+        assert "active" in hangar("machine", "wake", "cli-user").stdout
+    finally:
+        assert hangar("machine", "rm", "cli-user").returncode == 0
