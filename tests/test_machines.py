@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -95,7 +94,7 @@ def test_snapshot_restore_fork_and_clock(api: httpx.Client, fresh_sandbox: str) 
     assert (state, alive) == ("before", "alive")
     forks = []
     try:
-        for n in range(2):
+        for _ in range(2):
             r = api.post(f"/snapshots/{snap['id']}/sandboxes", json={})
             assert r.status_code == 201, r.text
             forks.append(r.json()["id"])
