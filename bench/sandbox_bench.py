@@ -101,7 +101,8 @@ def hangar_side(layout: Layout, boots: int, execs: int, blob: bytes) -> dict[str
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "HANGAR_DATA_DIR": str(d), "HANGAR_PORT": str(port)}
+    env = {**os.environ, "HANGAR_DATA_DIR": str(d), "HANGAR_PORT": str(port),
+           "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "off"}
     proc = subprocess.Popen([sys.executable, "-m", "hangar.cli", "serve"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -219,8 +219,8 @@ def files_put(sandbox_id: str, local: Path, remote: str,
     try:
         data = local.read_bytes()
     except OSError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1)
+        err.print(f"[red]error:[/red] cannot read {local}: {exc.strerror or exc}")
+        raise typer.Exit(1) from None
     try:
         with _client() as h:
             r = h.write_file(sandbox_id, remote, data, int(mode, 8) if mode else 0o644)
@@ -238,7 +238,7 @@ def files_get(sandbox_id: str, remote: str,
             data = h.read_file(sandbox_id, remote)
     except HangarError as exc:
         _fail(exc)
-    if local is None:
+    if local is None or str(local) == "-":
         sys.stdout.buffer.write(data)
     else:
         local.write_bytes(data)
@@ -282,6 +282,21 @@ def machine_get(user_id: str,
     """Get the user's machine, creating it if there is none."""
     body = {"idle_timeout": idle} if idle else {}
     _machine_row(_machine_call("POST", user_id, json=body))
+
+
+@machine_app.command("ls")
+def machine_ls() -> None:
+    """List users' machines."""
+    try:
+        with _client() as h:
+            machines = h._call("GET", "/machines").json()["machines"]
+    except HangarError as exc:
+        _fail(exc)
+    table = Table("user", "sandbox", "state", "desired", "idle timeout (s)")
+    for m in machines:
+        table.add_row(m["user_id"], m["sandbox_id"], m["state"], m["desired_state"],
+                      f"{m['idle_timeout_s']:.0f}")
+    out.print(table)
 
 
 @machine_app.command("show")
@@ -385,7 +400,7 @@ def doctor(data_dir: DataDir = None) -> None:
     except HangarError:
         image = None
     for line in diagnose(layout, image).lines():
-        out.print(line, markup=False, highlight=False)
+        print(line)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ the client SDK (``hangar.client``)::
 
     HangarError                      base; ``context`` holds ids and figures
     ├── InvalidRequest          400  fix the request (bad path, bad key name)
+    ├── Unauthorized            401  no or wrong API key
+    ├── Unavailable             503  the server could not be reached (client side; retry)
     ├── NotFound                404  no such sandbox, file or image
     ├── Gone                    410  the sandbox existed but expired
     ├── Conflict                409  the object's state forbids the call now
@@ -41,6 +43,14 @@ class HangarError(Exception):
 
 class InvalidRequest(HangarError):
     status, code = 400, "invalid_request"
+
+
+class Unauthorized(HangarError):
+    status, code = 401, "unauthorized"
+
+
+class Unavailable(HangarError):
+    status, code, retryable = 503, "unavailable", True
 
 
 class NotFound(HangarError):
@@ -86,7 +96,7 @@ class ImageError(HangarError):
 BY_CODE: dict[str, type[HangarError]] = {
     cls.code: cls
     for cls in (
-        HangarError, InvalidRequest, NotFound, Gone, Conflict, Busy, LimitExceeded,
-        Timeout, GuestError, EngineError, ImageError,
+        HangarError, InvalidRequest, Unauthorized, Unavailable, NotFound, Gone, Conflict, Busy,
+        LimitExceeded, Timeout, GuestError, EngineError, ImageError,
     )
 }

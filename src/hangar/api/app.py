@@ -62,5 +62,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(sandboxes.router, dependencies=keyed)
     app.include_router(files.router, dependencies=keyed)
     app.include_router(snapshots.router, dependencies=keyed)
+    app.include_router(machines.listing, dependencies=keyed)
     app.include_router(machines.router, dependencies=keyed)
     return app

@@ -16,7 +16,7 @@ router = APIRouter(tags=["operations"])
 async def health(request: Request) -> Health:
     m = request.app.state.manager
     return Health(status="ok", version=__version__, engine=m.engine.describe(),
-                  sandboxes=len(m.store.live()))
+                  sandboxes=len([r for r in m.list() if r.state != "failed"]))
 
 
 @router.get("/metrics", dependencies=[Depends(require_key)],

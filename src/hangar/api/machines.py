@@ -7,12 +7,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from hangar.api.models import ExecRequest, ExecResponse, Machine, MachineRequest
+from hangar.api.models import ExecRequest, ExecResponse, Machine, MachineList, MachineRequest
 from hangar.api.sandboxes import _meta, _stdin, exec_response
 from hangar.core.machines import MachineManager
 from hangar.core.sandboxes import CreateOptions
 
 router = APIRouter(prefix="/machines/{user_id}", tags=["machines"])
+listing = APIRouter(tags=["machines"])
 
 
 def machines(request: Request) -> MachineManager:
@@ -20,6 +21,11 @@ def machines(request: Request) -> MachineManager:
 
 
 Machines = Annotated[MachineManager, Depends(machines)]
+
+
+@listing.get("/machines", response_model=MachineList, summary="List users' machines")
+async def list_(mm: Machines) -> MachineList:
+    return MachineList(machines=[Machine(**asdict(m)) for m in mm.list()])
 
 
 @router.post("", response_model=Machine, summary="Get the user's machine, creating it if none",

@@ -212,8 +212,12 @@ class Error(BaseModel):
     error: dict[str, object]
 
 
+class MachineList(BaseModel):
+    machines: list[Machine]
+
+
 class Health(BaseModel):
     status: Literal["ok"]
     version: str
     engine: dict[str, str]
-    sandboxes: int
+    sandboxes: int = Field(description="Sandboxes that exist (warm-pool VMs not counted).")

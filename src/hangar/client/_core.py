@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from hangar.errors import BY_CODE, HangarError, LimitExceeded
+from hangar.errors import BY_CODE, HangarError, LimitExceeded, Unavailable
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 
@@ -36,6 +36,12 @@ def resolve_config(base_url: str | None, api_key: str | None) -> tuple[str, str]
         except OSError:
             key = ""
     return url.rstrip("/"), key
+
+
+def unavailable(url: object, exc: Exception) -> Unavailable:
+    """The error for a server that could not be reached at ``url``."""
+    return Unavailable(f"cannot reach Hangar at {url}: {exc or type(exc).__name__}; is "
+                       "`hangar serve` running, and is HANGAR_URL right?")
 
 
 def raise_for(resp: httpx.Response) -> None:

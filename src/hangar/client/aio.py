@@ -28,7 +28,10 @@ class AsyncHangar:
         await self._http.aclose()
 
     async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        resp = await self._http.request(method, path, **kw)
+        try:
+            resp = await self._http.request(method, path, **kw)
+        except httpx.TransportError as exc:
+            raise _core.unavailable(self._http.base_url, exc) from None
         _core.raise_for(resp)
         return resp
 
@@ -67,15 +70,18 @@ class AsyncHangar:
                     timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
         """Yield NDJSON events: ``stdout``/``stderr`` chunks, then ``exit``."""
         body = _core.exec_body(command, args, env, cwd, stdin, timeout)
-        async with self._http.stream("POST", f"/sandboxes/{sandbox_id}/exec/stream",
-                                     json=body) as resp:
-            if resp.status_code >= 400:
-                await resp.aread()
-                _core.raise_for(resp)
-            async for line in resp.aiter_lines():
-                event = _core.parse_line(line)
-                if event is not None:
-                    yield event
+        try:
+            async with self._http.stream("POST", f"/sandboxes/{sandbox_id}/exec/stream",
+                                         json=body) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    _core.raise_for(resp)
+                async for line in resp.aiter_lines():
+                    event = _core.parse_line(line)
+                    if event is not None:
+                        yield event
+        except httpx.TransportError as exc:
+            raise _core.unavailable(self._http.base_url, exc) from None
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> dict[str, Any]:
         return (await self._call("PUT", f"/sandboxes/{sandbox_id}/files",

@@ -28,7 +28,10 @@ class Hangar:
         self._http.close()
 
     def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        resp = self._http.request(method, path, **kw)
+        try:
+            resp = self._http.request(method, path, **kw)
+        except httpx.TransportError as exc:
+            raise _core.unavailable(self._http.base_url, exc) from None
         _core.raise_for(resp)
         return resp
 
@@ -67,14 +70,18 @@ class Hangar:
                     timeout: float | None = None) -> Iterator[dict[str, Any]]:
         """Yield NDJSON events: ``stdout``/``stderr`` chunks, then ``exit``."""
         body = _core.exec_body(command, args, env, cwd, stdin, timeout)
-        with self._http.stream("POST", f"/sandboxes/{sandbox_id}/exec/stream", json=body) as resp:
-            if resp.status_code >= 400:
-                resp.read()
-                _core.raise_for(resp)
-            for line in resp.iter_lines():
-                event = _core.parse_line(line)
-                if event is not None:
-                    yield event
+        try:
+            with self._http.stream("POST", f"/sandboxes/{sandbox_id}/exec/stream",
+                                   json=body) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    _core.raise_for(resp)
+                for line in resp.iter_lines():
+                    event = _core.parse_line(line)
+                    if event is not None:
+                        yield event
+        except httpx.TransportError as exc:
+            raise _core.unavailable(self._http.base_url, exc) from None
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> dict[str, Any]:
         return self._call("PUT", f"/sandboxes/{sandbox_id}/files",

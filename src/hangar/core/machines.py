@@ -83,6 +83,15 @@ class MachineManager:
             return None
         return m, rec
 
+    def list(self) -> list[Machine]:
+        """Every user's machine, oldest first."""
+        out = []
+        for m in sorted(self.store.list(MachineRecord), key=lambda m: m.created_at):
+            found = self._find(m.user_id)
+            if found is not None:
+                out.append(self._view(*found))
+        return out
+
     def get(self, user_id: str) -> Machine:
         """The user's machine. Raises NotFound."""
         self.check_user(user_id)

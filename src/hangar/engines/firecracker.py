@@ -480,9 +480,10 @@ class FirecrackerEngine(Engine):
     @staticmethod
     def boot_args(spec: VMSpec) -> str:
         """The guest kernel command line for ``spec``."""
+        net = [spec.net.kernel_arg()] if spec.net is not None and spec.net.tap else []
         return " ".join([*BOOT_ARGS, "root=/dev/vda", "ro", "rootfstype=ext4",
                          "hangar.overlay=/dev/vdb", "hangar.channel=vsock",
-                         f"hangar.hostname={spec.hostname}", *spec.kernel_args])
+                         f"hangar.hostname={spec.hostname}", *net, *spec.kernel_args])
 
     def _ids(self, files: FirecrackerFiles) -> tuple[int, int]:
         if self.jailer is None:
@@ -650,6 +651,8 @@ class FirecrackerEngine(Engine):
                 await api.put_drive("rootfs", ROOTFS, is_read_only=True)
                 await api.put_drive("overlay", DISK, is_read_only=False)
                 await api.put_vsock(GUEST_CID, VSOCK_SOCK)
+                if spec.net is not None and spec.net.tap:
+                    await api.put_network_interface("eth0", spec.net.tap, spec.net.mac)
                 await api.instance_start()
             return vm
         except BaseException:
@@ -818,9 +821,13 @@ class FirecrackerEngine(Engine):
                 os.chown(files.disk, *self._ids(files))
             vm = await self._start(spec, files)
             async with FirecrackerAPI(files.api) as api:
+                # A snapshot's NIC is re-pointed at this sandbox's own TAP.
+                overrides = ([{"iface_id": "eth0", "host_dev_name": spec.net.tap}]
+                             if spec.net is not None and spec.net.tap else None)
                 await api.put_snapshot_load(
                     RESTORE_STATE, RESTORE_MEMORY, resume_vm=True,
-                    enable_diff_snapshots=True if self.track_dirty_pages else None)
+                    enable_diff_snapshots=True if self.track_dirty_pages else None,
+                    network_overrides=overrides)
             vm.extra["last_snapshot"] = str(source)
             return vm
         except BaseException:

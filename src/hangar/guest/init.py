@@ -276,6 +276,8 @@ class Init:
         log(f"restarting the agent in {delay:.2f} s")
 
     def start_resize(self) -> None:
+        if "hangar.overlay" in self.cmdline:
+            return  # the root is an overlay; its writable drive is made at full size
         dev = self.cmdline.get("root", "/dev/vda")
         if not dev.startswith("/dev/") or not os.path.exists(dev):
             return

@@ -61,6 +61,7 @@ MODULES: tuple[str, ...] = (
     "virtio_net",
     "virtio_rng",                   # file virtio-rng.ko
     "vmw_vsock_virtio_transport",   # vsock: the agent channel under Firecracker
+    "overlay",                      # hangar.overlay=: read-only root + writable drive
 )
 """Modules loaded at boot; dependencies (virtio, virtio_ring, vsock...) are added."""
 
@@ -94,11 +95,13 @@ mount -t devtmpfs devtmpfs /dev || die "cannot mount devtmpfs on /dev"
 ROOT=/dev/vda
 FSTYPE=ext4
 PROBE=0
+OVERLAY=
 for arg in $(cat /proc/cmdline); do
     case "$arg" in
         hangar.probe=1) PROBE=1 ;;
         root=/dev/*) ROOT="${arg#root=}" ;;
         rootfstype=*) FSTYPE="${arg#rootfstype=}" ;;
+        hangar.overlay=/dev/*) OVERLAY="${arg#hangar.overlay=}" ;;
     esac
 done
 
@@ -117,7 +120,23 @@ while [ ! -b "$ROOT" ]; do
     sleep 0.05
 done
 
-mount -t "$FSTYPE" -o rw "$ROOT" /newroot || die "cannot mount $ROOT ($FSTYPE) on /newroot"
+if [ -n "$OVERLAY" ]; then
+    # Read-only image below, the sandbox's own writable drive above (Firecracker).
+    i=0
+    while [ ! -b "$OVERLAY" ]; do
+        i=$((i + 1))
+        [ $i -gt 200 ] && die "overlay device $OVERLAY did not appear within 10 s"
+        sleep 0.05
+    done
+    mkdir -p /lower /rw
+    mount -t "$FSTYPE" -o ro "$ROOT" /lower || die "cannot mount $ROOT read-only"
+    mount -t ext4 -o rw "$OVERLAY" /rw || die "cannot mount $OVERLAY"
+    mkdir -p /rw/upper /rw/work
+    mount -t overlay overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work /newroot \
+        || die "cannot mount the overlay root"
+else
+    mount -t "$FSTYPE" -o rw "$ROOT" /newroot || die "cannot mount $ROOT ($FSTYPE) on /newroot"
+fi
 [ -x /newroot/usr/bin/python3 ] || die "$ROOT has no /usr/bin/python3"
 rm -rf "/newroot$PYDIR"
 mkdir -p "/newroot${PYDIR%/*}" && cp -a /hangar/python "/newroot$PYDIR" \
