@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from conftest import vmm_pids
 
 from hangar.errors import InvalidRequest
 from hangar.net import NetworkManager, Policy, mac_for, read_resolver, tap_name
@@ -422,18 +423,7 @@ class Guests:
             await self.manager.release_async(sid)
 
 
-def qemu_pids(marker: str) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and b"qemu-system" in argv[0] and any(marker.encode() in a for a in argv):
-            pids.append(int(d.name))
-    return pids
+qemu_pids = vmm_pids  # conftest: VMM processes whose command line names a marker
 
 
 @pytest.fixture
@@ -553,8 +543,7 @@ def test_api_sandboxes_get_networking_and_give_it_back(topology: Topology, base_
     """A Hangar server running in hg-host (API on a Unix socket): create with a policy,
     fetch, fork keeps a working NIC of its own, delete leaves no device or rule."""
     import httpx
-
-    from conftest import SRC, make_data_dir, vmm_pids
+    from conftest import SRC, make_data_dir
 
     d = make_data_dir(base_image)
     sock = d / "api.sock"

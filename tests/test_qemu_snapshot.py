@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import vmm_pids
 
 from hangar.engines import snapshot_io
 from hangar.engines.base import VM, VMSpec
@@ -37,19 +38,7 @@ SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
 AGENT_TIMEOUT_S = 90.0
 
 
-def qemu_pids(marker: str) -> list[int]:
-    """Pids of qemu-system processes whose command line contains ``marker``."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and b"qemu-system" in argv[0] and any(marker.encode() in a for a in argv):
-            pids.append(int(d.name))
-    return pids
+qemu_pids = vmm_pids  # conftest: VMM processes whose command line names a marker
 
 
 class Env:

@@ -266,13 +266,19 @@ def _machine_row(m: dict) -> None:  # type: ignore[type-arg]
     out.print(table)
 
 
-def _machine_call(method: str, user_id: str, suffix: str = "", **kw: object) -> dict:  # type: ignore[type-arg]
+def _api(method: str, path: str, **kw: object) -> dict:  # type: ignore[type-arg]
+    """One REST call; errors print one line and exit 1. Returns the JSON body ({} if none)."""
     try:
         with _client() as h:
-            return h._call(method, f"/machines/{user_id}{suffix}", **kw).json()
+            resp = h._call(method, path, **kw)
     except HangarError as exc:
         _fail(exc)
         raise  # unreachable
+    return resp.json() if resp.content else {}
+
+
+def _machine_call(method: str, user_id: str, suffix: str = "", **kw: object) -> dict:  # type: ignore[type-arg]
+    return _api(method, f"/machines/{user_id}{suffix}", **kw)
 
 
 @machine_app.command("get")
@@ -287,11 +293,7 @@ def machine_get(user_id: str,
 @machine_app.command("ls")
 def machine_ls() -> None:
     """List users' machines."""
-    try:
-        with _client() as h:
-            machines = h._call("GET", "/machines").json()["machines"]
-    except HangarError as exc:
-        _fail(exc)
+    machines = _api("GET", "/machines")["machines"]
     table = Table("user", "sandbox", "state", "desired", "idle timeout (s)")
     for m in machines:
         table.add_row(m["user_id"], m["sandbox_id"], m["state"], m["desired_state"],
@@ -320,33 +322,21 @@ def machine_wake(user_id: str) -> None:
 @machine_app.command("rm")
 def machine_rm(user_id: str) -> None:
     """Remove the machine and everything it held."""
-    try:
-        with _client() as h:
-            h._call("DELETE", f"/machines/{user_id}")
-    except HangarError as exc:
-        _fail(exc)
+    _api("DELETE", f"/machines/{user_id}")
     out.print(f"removed the machine of {user_id}")
 
 
 @snapshot_app.command("create")
 def snapshot_create(sandbox_id: str) -> None:
     """Snapshot a running sandbox and print the snapshot's id."""
-    try:
-        with _client() as h:
-            snap = h._call("POST", f"/sandboxes/{sandbox_id}/snapshot").json()
-    except HangarError as exc:
-        _fail(exc)
+    snap = _api("POST", f"/sandboxes/{sandbox_id}/snapshot")
     out.print(f"{snap['id']} ({snap['size_bytes'] / 2**20:.1f} MiB)")
 
 
 @snapshot_app.command("ls")
 def snapshot_ls() -> None:
     """List snapshots."""
-    try:
-        with _client() as h:
-            snaps = h._call("GET", "/snapshots").json()["snapshots"]
-    except HangarError as exc:
-        _fail(exc)
+    snaps = _api("GET", "/snapshots")["snapshots"]
     table = Table("id", "sandbox", "size (MiB)", "memory (MiB)")
     for s in snaps:
         table.add_row(s["id"], s["sandbox_id"], f"{s['size_bytes'] / 2**20:.1f}",
@@ -357,33 +347,21 @@ def snapshot_ls() -> None:
 @snapshot_app.command("restore")
 def snapshot_restore(sandbox_id: str, snapshot_id: str) -> None:
     """Bring a sandbox back to one of its snapshots."""
-    try:
-        with _client() as h:
-            h._call("POST", f"/sandboxes/{sandbox_id}/restore", json={"snapshot_id": snapshot_id})
-    except HangarError as exc:
-        _fail(exc)
+    _api("POST", f"/sandboxes/{sandbox_id}/restore", json={"snapshot_id": snapshot_id})
     out.print(f"{sandbox_id} restored to {snapshot_id}")
 
 
 @snapshot_app.command("fork")
 def snapshot_fork(snapshot_id: str) -> None:
     """Start a new sandbox from a snapshot and print its id."""
-    try:
-        with _client() as h:
-            sb = h._call("POST", f"/snapshots/{snapshot_id}/sandboxes").json()
-    except HangarError as exc:
-        _fail(exc)
+    sb = _api("POST", f"/snapshots/{snapshot_id}/sandboxes")
     out.print(sb["id"])
 
 
 @snapshot_app.command("rm")
 def snapshot_rm(snapshot_id: str) -> None:
     """Delete a snapshot."""
-    try:
-        with _client() as h:
-            h._call("DELETE", f"/snapshots/{snapshot_id}")
-    except HangarError as exc:
-        _fail(exc)
+    _api("DELETE", f"/snapshots/{snapshot_id}")
     out.print(f"deleted {snapshot_id}")
 
 
