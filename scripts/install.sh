@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
 # Install what Hangar needs on this host, build the base guest image, and start the server.
 #   scripts/install.sh             install, build, start `hangar serve` in the background
-#   scripts/install.sh --no-start  install and build only (CI)
+#   scripts/install.sh --no-start  install and build only
+#   scripts/install.sh --desktop   also build the desktop image (Xvfb, Chromium, x11vnc)
+#   scripts/install.sh --ci        install, build both images, do not start (what CI runs)
 # Idempotent: a second run only starts what is not running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 DATA=${HANGAR_DATA_DIR:-/var/lib/hangar}
 PORT=${HANGAR_PORT:-8080}
+START=1
+DESKTOP=0
+TEST_TOOLS=0
+for arg in "$@"; do
+  case "$arg" in
+    --no-start) START=0 ;;
+    --desktop) DESKTOP=1 ;;
+    --ci) START=0; DESKTOP=1; TEST_TOOLS=1 ;;
+    *) echo "unknown option: $arg" >&2; exit 2 ;;
+  esac
+done
 say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
 if [ "$(id -u)" != 0 ]; then
@@ -15,7 +28,9 @@ if [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 
-PKGS="qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils lz4 curl nftables iproute2"
+PKGS="qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils lz4 curl nftables iproute2 novnc"
+# The browser tests drive Debian's Chromium (Playwright never downloads its own).
+[ "$TEST_TOOLS" = 1 ] && PKGS="$PKGS chromium"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -42,8 +57,12 @@ HANGAR_DATA_DIR=$DATA PYTHON=.venv/bin/python sh scripts/fetch-firecracker.sh \
 
 say "building the base guest image (cached; the first build takes a few minutes)"
 HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build base
+if [ "$DESKTOP" = 1 ]; then
+  say "building the desktop guest image (cached; the first build takes a few minutes)"
+  HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build desktop
+fi
 
-[ "${1:-}" = "--no-start" ] && exit 0
+[ "$START" = 0 ] && exit 0
 
 if [ -f "$DATA/hangar.pid" ] && kill -0 "$(cat "$DATA/hangar.pid")" 2>/dev/null; then
   say "Hangar is already running (pid $(cat "$DATA/hangar.pid"))"

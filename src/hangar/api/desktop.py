@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Body, Depends, Query, Request, Response
+from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from hangar.api.deps import manager
@@ -22,12 +22,16 @@ from hangar.core.sandboxes import SandboxManager
 router = APIRouter(prefix="/sandboxes", tags=["desktop"])
 
 
-def desktop(request: Request, m: Annotated[SandboxManager, Depends(manager)]) -> Desktop:
-    """The server's ``Desktop``, made on first use for the app's manager."""
-    d: Desktop | None = getattr(request.app.state, "desktop", None)
+def desktop_for(app: FastAPI, m: SandboxManager) -> Desktop:
+    """The server's ``Desktop`` (on ``app.state``), made on first use for its manager."""
+    d: Desktop | None = getattr(app.state, "desktop", None)
     if d is None or d.manager is not m:
-        d = request.app.state.desktop = Desktop(m)
+        d = app.state.desktop = Desktop(m)
     return d
+
+
+def desktop(request: Request, m: Annotated[SandboxManager, Depends(manager)]) -> Desktop:
+    return desktop_for(request.app, m)
 
 
 DesktopDep = Annotated[Desktop, Depends(desktop)]
@@ -79,7 +83,8 @@ class TypeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     text: str = Field(min_length=1, max_length=MAX_TYPE_CHARS,
-                      description="Any Unicode text; a newline presses Return.")
+                      description="Any Unicode text; a line break (\\n, \\r\\n) presses "
+                                  "Return, a tab Tab.")
     delay_ms: int = Field(TYPE_DELAY_MS, ge=1, le=1000,
                           description="Pause between characters, milliseconds.")
 

@@ -8,9 +8,14 @@ the host by running ``xdotool`` and ``scrot`` in the guest through
 Design and safety:
 
 * Every command is an argv list (``exec`` with ``argv``, never a shell
-  string). Text to type goes to ``xdotool type --file -`` on stdin, so
-  nothing the caller sends can become an option or a shell word. Key names
-  must match ``[A-Za-z0-9_]{1,64}`` before they reach xdotool.
+  string). Text to type goes on stdin, so nothing the caller sends can
+  become an option or a shell word: to ``xdotool type --file -`` when every
+  character is on the US keyboard map (printable ASCII, newline, tab), else
+  to ``hangar.guest.desktop type``, which binds the missing characters to
+  spare keys and keeps them bound while typing through XTest (xdotool
+  unbinds its spare key right after each character, and a slow client then
+  loses it). Key names must match ``[A-Za-z0-9_]{1,64}`` before they reach
+  xdotool.
 * Coordinates are checked against the screen size of the sandbox's
   ``desktop`` geometry: x in 0..W-1 and y in 0..H-1 (pixels), else
   ``InvalidRequest`` naming the bounds.
@@ -51,7 +56,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hangar.core.sandboxes import SandboxManager
-from hangar.errors import Conflict, GuestError, InvalidRequest, NotFound, Timeout
+from hangar.errors import Conflict, GuestError, HangarError, InvalidRequest, NotFound, Timeout
 from hangar.guest.client import ExecResult, exec_meta
 
 READY_FILE = "/run/hangar/desktop-ready"
@@ -95,8 +100,15 @@ KEY_ALIASES: dict[str, str] = {
 }
 """Aliases accepted by ``key``, matched case-insensitively; other names go to X as given."""
 
+PLAIN_KEYS = frozenset(chr(c) for c in range(0x20, 0x7F)) | {"\n", "\r", "\t"}
+"""Characters on the US keyboard map of Xvfb, typed with ``xdotool type``. Others go to
+``hangar.guest.desktop type``, which binds them to spare keys before typing (see there)."""
+GUEST_PYTHON = ["/usr/bin/python3", "-S", "-c", "from hangar.guest.desktop import main; main()"]
+GUEST_PYTHON_ENV = {"PYTHONPATH": "/usr/lib/hangar/python"}
+
 KEY_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
 NO_SUCH_KEY = re.compile(r"No such key name '([^']*)'")
+DISPLAY_GONE = re.compile(r"open (X )?display", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -108,7 +120,7 @@ class Screen:
     depth: int
 
     @classmethod
-    def parse(cls, geometry: str) -> "Screen":
+    def parse(cls, geometry: str) -> Screen:
         """``"1024x768x24"`` → Screen(1024, 768, 24); raises InvalidRequest."""
         m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", geometry)
         if not m:
@@ -205,14 +217,18 @@ class Desktop:
     def __init__(self, manager: SandboxManager, ready_timeout_s: float = READY_TIMEOUT_S) -> None:
         self.manager = manager
         self.ready_timeout_s = ready_timeout_s
-        self._ready: dict[str, str] = {}  # sandbox id → agent boot id seen ready
+        self._ready: dict[str, tuple[str, float]] = {}  # id → (agent boot id, marker since)
         self._locks: dict[str, asyncio.Lock] = {}
 
     # -- state -------------------------------------------------------------
 
     def screen(self, sandbox_id: str) -> Screen:
         """The sandbox's screen; NotFound if unknown, Conflict if it has no desktop."""
-        rec = self.manager.get(sandbox_id)
+        try:
+            rec = self.manager.get(sandbox_id)
+        except HangarError:  # gone: drop what we kept for it
+            self.forget(sandbox_id)
+            raise
         if not rec.desktop:
             raise Conflict(
                 f"sandbox {sandbox_id} has no desktop: create one with "
@@ -238,21 +254,28 @@ class Desktop:
         return data.decode(errors="replace").strip() or "unknown error"
 
     async def wait_ready(self, sandbox_id: str, timeout_s: float | None = None,
-                         vnc: bool = False) -> dict[str, object]:
+                         vnc: bool = False, newer_than: float | None = None,
+                         ) -> dict[str, object]:
         """Wait until the guest's desktop answers (and, with ``vnc``, x11vnc listens).
 
-        Returns the guest's marker (display, width, height, depth, vnc,
-        since). Raises Conflict (no desktop, or the guest cannot run one),
-        Timeout after ``timeout_s`` seconds (default ``ready_timeout_s``).
+        ``newer_than`` (Unix time, seconds) ignores a marker written before
+        then: after X died, wait for its successor. Returns the guest's
+        marker (display, width, height, depth, vnc, since). Raises Conflict
+        (no desktop, or the guest cannot run one), Timeout after
+        ``timeout_s`` seconds (default ``ready_timeout_s``).
         """
         self.screen(sandbox_id)
         timeout_s = self.ready_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
             marker = await self._marker(sandbox_id)
+            if marker is not None and newer_than is not None \
+                    and float(marker.get("since", 0)) <= newer_than:  # type: ignore[arg-type]
+                marker = None
             if marker is not None and (not vnc or marker.get("vnc")):
                 agent = await self.manager.agent(sandbox_id)
-                self._ready[sandbox_id] = str(agent.hello.get("boot_id"))
+                self._ready[sandbox_id] = (str(agent.hello.get("boot_id")),
+                                           float(marker.get("since", 0)))  # type: ignore[arg-type]
                 return marker
             error = await self._error(sandbox_id)
             if error is not None:
@@ -266,7 +289,7 @@ class Desktop:
 
     async def _ensure_ready(self, sandbox_id: str) -> None:
         agent = await self.manager.agent(sandbox_id)
-        if self._ready.get(sandbox_id) != str(agent.hello.get("boot_id")):
+        if self._ready.get(sandbox_id, ("",))[0] != str(agent.hello.get("boot_id")):
             await self.wait_ready(sandbox_id)
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
@@ -279,39 +302,58 @@ class Desktop:
 
     # -- running tools -----------------------------------------------------
 
-    async def _run(self, sandbox_id: str, argv: list[str], stdin: bytes | None = None,
-                   timeout_s: float = 30.0) -> ExecResult:
-        """Run ``argv`` on the display; retry once after waiting if X was down.
+    async def _exec(self, sandbox_id: str, meta: dict[str, object],
+                    stdin: bytes | None) -> tuple[bytes, str, ExecResult]:
+        """Run a command, keeping all of its stdout (a PNG may be megabytes)."""
+        chunks: list[bytes] = []
+        err = b""
+        result: ExecResult | None = None
+        async for ev in self.manager.exec_stream(sandbox_id, {**meta, "stream": True}, stdin):
+            if ev.kind == "stdout":
+                chunks.append(ev.data)
+            elif ev.kind == "stderr" and len(err) < 65536:
+                err += ev.data
+            elif ev.kind == "exit":
+                result = ev.result
+        assert result is not None
+        return b"".join(chunks), err.decode(errors="replace"), result
 
-        Raises GuestError with the tool's stderr when it exits non-zero.
+    async def _run(self, sandbox_id: str, argv: list[str], stdin: bytes | None = None,
+                   timeout_s: float = 30.0, env: dict[str, str] | None = None,
+                   ) -> tuple[bytes, str]:
+        """Run ``argv`` on the display; returns its stdout and stderr.
+
+        When X has gone away (the tool cannot open the display), waits for
+        the supervisor to bring up a new X server and tries once more.
+        Raises GuestError with the tool's stderr when it exits non-zero,
+        Timeout when it outlives ``timeout_s`` seconds.
         """
         await self._ensure_ready(sandbox_id)
+        meta = exec_meta(argv=argv, env={"DISPLAY": DISPLAY, **(env or {})}, timeout=timeout_s)
         for attempt in (1, 2):
-            meta = exec_meta(argv=argv, env={"DISPLAY": DISPLAY}, timeout=timeout_s)
-            r = await self.manager.exec(sandbox_id, meta, stdin)
-            err = r.stderr.head.decode(errors="replace")
-            if r.exit_code == 0 or attempt == 2 or "open display" not in err:
+            out, err, r = await self._exec(sandbox_id, meta, stdin)
+            if r.exit_code == 0 or attempt == 2 or not DISPLAY_GONE.search(err):
                 break
-            self._ready.pop(sandbox_id, None)  # X went away: wait for the supervisor
-            await self.wait_ready(sandbox_id)
+            _, since = self._ready.pop(sandbox_id, ("", 0.0))
+            await self.wait_ready(sandbox_id, newer_than=since)
         if r.timed_out:
             raise Timeout(f"{argv[0]} did not finish within {timeout_s:.0f} s",
                           sandbox_id=sandbox_id)
         if r.exit_code != 0:
             raise GuestError(f"{argv[0]} failed (exit {r.exit_code}): {err.strip()[-500:]}",
                              sandbox_id=sandbox_id)
-        return r
+        return out, err
 
     async def _xdotool(self, sandbox_id: str, *args: str, stdin: bytes | None = None,
-                       timeout_s: float = 30.0) -> ExecResult:
+                       timeout_s: float = 30.0) -> bytes:
         async with self._lock(sandbox_id):
-            r = await self._run(sandbox_id, ["xdotool", *args], stdin, timeout_s)
-        m = NO_SUCH_KEY.search(r.stderr.head.decode(errors="replace"))
+            out, err = await self._run(sandbox_id, ["xdotool", *args], stdin, timeout_s)
+        m = NO_SUCH_KEY.search(err)
         if m:
             raise InvalidRequest(f"unknown key name {m[1]!r}: use X keysym names such as "
                                  f"'Return', 'Page_Down', 'F5', or an alias such as 'enter'",
                                  key=m[1])
-        return r
+        return out
 
     # -- actions -----------------------------------------------------------
 
@@ -326,27 +368,8 @@ class Desktop:
             raise InvalidRequest(f"width must be in {MIN_SHOT_WIDTH}..{screen.width} pixels",
                                  width=width)
         started = time.monotonic()
-        await self._ensure_ready(sandbox_id)
-        meta = exec_meta(argv=["scrot", "--overwrite", "--silent", "-"],
-                         env={"DISPLAY": DISPLAY}, timeout=60)
-        chunks: list[bytes] = []
-        result: ExecResult | None = None
-        err = b""
-        async for ev in self.manager.exec_stream(sandbox_id, {**meta, "stream": True}):
-            if ev.kind == "stdout":
-                chunks.append(ev.data)
-            elif ev.kind == "stderr":
-                err += ev.data
-            elif ev.kind == "exit":
-                result = ev.result
-        assert result is not None
-        if result.exit_code != 0:
-            if b"open display" in err:
-                self._ready.pop(sandbox_id, None)
-            raise GuestError(f"scrot failed (exit {result.exit_code}): "
-                             f"{err.decode(errors='replace').strip()[-500:]}",
-                             sandbox_id=sandbox_id)
-        png = b"".join(chunks)
+        png, _ = await self._run(sandbox_id, ["scrot", "--overwrite", "--silent", "-"],
+                                 timeout_s=60)
         w, h = png_size(png)
         if width is not None and width != w:
             png, w, h = await asyncio.to_thread(scale_png, png, width)
@@ -384,7 +407,7 @@ class Desktop:
 
     async def scroll(self, sandbox_id: str, direction: Direction, amount: int = 3,
                      x: int | None = None, y: int | None = None) -> None:
-        """Scroll ``amount`` wheel clicks (1..100) ``direction``, first moving to (x, y) if given."""
+        """Scroll ``amount`` wheel clicks (1..100) ``direction``, at (x, y) if given (pixels)."""
         if direction not in SCROLL_BUTTONS:
             raise InvalidRequest(f"direction must be up, down, left or right, not {direction!r}")
         if not 1 <= amount <= MAX_SCROLL:
@@ -402,7 +425,10 @@ class Desktop:
         await self._xdotool(sandbox_id, *args)
 
     async def type(self, sandbox_id: str, text: str, delay_ms: int = TYPE_DELAY_MS) -> None:
-        """Type ``text`` (any Unicode; ``\\n`` presses Return) into the focused window.
+        """Type ``text`` (any Unicode) into the focused window.
+
+        A line break (``\\n``, ``\\r`` or ``\\r\\n``) presses Return once, a tab Tab;
+        other control characters are an InvalidRequest (send them with ``key``).
 
         ``delay_ms`` is the pause between characters (1..1000 ms). Characters
         missing from the keyboard map are typed through a spare keycode that
@@ -417,9 +443,22 @@ class Desktop:
             raise InvalidRequest("text must not contain NUL characters")
         if not 1 <= delay_ms <= 1000:
             raise InvalidRequest("delay_ms must be 1..1000 milliseconds")
+        bad = next((c for c in text if (ord(c) < 0x20 and c not in "\n\r\t")
+                    or 0x7F <= ord(c) < 0xA0), None)
+        if bad is not None:
+            raise InvalidRequest(f"text contains the control character U+{ord(bad):04X}; "
+                                 f"only newline, CR and tab may be typed (use key for others)")
+        text = text.replace("\r\n", "\n")
         timeout = 30.0 + len(text) * (delay_ms + 20) / 1000
-        await self._xdotool(sandbox_id, "type", "--delay", str(delay_ms), "--file", "-",
-                            stdin=text.encode(), timeout_s=timeout)
+        if all(c in PLAIN_KEYS for c in text):
+            # xdotool types "\n" as Linefeed (ctrl+j to a terminal, justify in nano);
+            # "\r" is Return.
+            await self._xdotool(sandbox_id, "type", "--delay", str(delay_ms), "--file", "-",
+                                stdin=text.replace("\n", "\r").encode(), timeout_s=timeout)
+            return
+        async with self._lock(sandbox_id):
+            await self._run(sandbox_id, [*GUEST_PYTHON, "type", str(delay_ms)],
+                            stdin=text.encode(), timeout_s=timeout, env=GUEST_PYTHON_ENV)
 
     async def key(self, sandbox_id: str, keys: str) -> list[str]:
         """Press and release key combinations (see the module docstring); returns them as
@@ -432,8 +471,8 @@ class Desktop:
     async def display(self, sandbox_id: str) -> DisplayInfo:
         """Screen size, pointer position and VNC readiness."""
         screen = self.screen(sandbox_id)
-        r = await self._run(sandbox_id, ["xdotool", "getmouselocation", "--shell"])
-        values = dict(line.split("=", 1) for line in r.stdout.head.decode().split() if "=" in line)
+        out, _ = await self._run(sandbox_id, ["xdotool", "getmouselocation", "--shell"])
+        values = dict(line.split("=", 1) for line in out.decode().split() if "=" in line)
         marker = await self._marker(sandbox_id) or {}
         return DisplayInfo(screen.width, screen.height, screen.depth, int(values.get("X", -1)),
                            int(values.get("Y", -1)), bool(marker.get("vnc")))

@@ -3,8 +3,8 @@
 Standard library only. PID 1 (``hangar.guest.init``) calls ``start`` with
 the kernel command line once the agent runs. Without ``hangar.desktop=``
 it does nothing. With ``hangar.desktop=WIDTHxHEIGHTxDEPTH`` (pixels, bits;
-``CreateOptions.desktop`` on the host) it spawns a supervisor,
-``python3 -m hangar.guest.desktop WxHxD``, in its own session; PID 1 reaps
+``CreateOptions.desktop`` on the host) it spawns a supervisor (this
+module's ``main`` with the argument ``WxHxD``) in its own session; PID 1 reaps
 it like any orphan and never waits for it, so boot and agent are not
 delayed. The supervisor starts, in order, and restarts when one exits (a
 backoff of 0.5 s doubling to 10 s, reset after 30 s of running):
@@ -28,10 +28,16 @@ Files (all in /run, a tmpfs)::
                                 geometry, Xvfb missing from the image)
     /run/hangar/desktop.log     the supervisor's log; xvfb.log, openbox.log
                                 and x11vnc.log hold each program's output
+    /run/hangar/keymap-bound    keycodes ``type_text`` has bound to characters
 
 "X answers" means a connection to its Unix socket (/tmp/.X11-unix/X0) got
-a successful reply to an X11 connection set-up (``ready`` below); no X
+a successful reply to an X11 connection set-up (``x_answers``); no X
 client tools are needed for that.
+
+The same ``main`` with ``type DELAY_MS`` types the UTF-8 text on its stdin
+(``type_text``: characters missing from the keyboard map are bound to spare
+keycodes first; the host's ``hangar.core.desktop`` uses it for text that
+``xdotool type`` would garble).
 
 Security model: the guest is the boundary and everything in it runs as
 root. X listens on its Unix socket only (``-nolisten tcp``), without an
@@ -50,6 +56,11 @@ from __future__ import annotations
 import os
 import sys
 import time
+
+try:
+    import _signal as signal  # the C module: ``signal`` would import enum (slow under TCG)
+except ImportError:  # pragma: no cover
+    import signal  # type: ignore[no-redef]
 TYPE_CHECKING = False  # not typing's: PID 1 imports this module, and typing costs ~0.3 s under TCG
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -64,6 +75,9 @@ X_LOCK = "/tmp/.X0-lock"
 VNC_PORT = 5900
 PYTHON_DIR = "/usr/lib/hangar/python"
 CMDLINE_KEY = "hangar.desktop"
+PYTHON_MAIN = ["/usr/bin/python3", "-S", "-c", "from hangar.guest.desktop import main; main()"]
+"""How this module's ``main`` is run in the guest (PYTHONPATH=PYTHON_DIR); ``-c`` rather
+than ``-m``, whose runpy machinery imports collections, functools and more."""
 
 MIN_SIDE, MAX_SIDE = 64, 8192
 """Screen width and height limits, pixels."""
@@ -128,7 +142,7 @@ def start(cmdline: Mapping[str, str] | str) -> int | None:
         sigdef = [s for s in range(1, 32) if s not in (9, 19)]  # all but SIGKILL, SIGSTOP
         pid = os.posix_spawn(
             "/usr/bin/python3",
-            ["/usr/bin/python3", "-m", "hangar.guest.desktop", geometry],
+            [*PYTHON_MAIN, geometry],
             dict(ENV, PYTHONPATH=PYTHON_DIR),
             file_actions=[
                 (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
@@ -161,16 +175,18 @@ def x_answers(path: str = X_SOCKET, timeout: float = 2.0) -> bool:
     authorization) and reads the first byte of the reply: 1 is Success
     (0 Failed, 2 Authenticate).
     """
-    import socket
+    import _socket  # not socket, which imports enum
 
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout)
-            s.connect(path)
-            s.sendall(b"l\0" + (11).to_bytes(2, "little") + bytes(8))
-            reply = s.recv(8)
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(b"l\0" + (11).to_bytes(2, "little") + bytes(8))
+        reply = s.recv(8)
     except OSError:
         return False
+    finally:
+        s.close()
     return len(reply) >= 1 and reply[0] == 1
 
 
@@ -189,6 +205,18 @@ def vnc_listening(port: int = VNC_PORT) -> bool:
     return False
 
 
+def to_json(d: dict[str, object]) -> str:
+    """JSON of a flat dict of ASCII strings, numbers and booleans (the json module
+    imports ``re``, which costs a noticeable fraction of a second under TCG)."""
+    def value(v: object) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return "{" + ", ".join(f'"{k}": {value(v)}' for k, v in d.items()) + "}"
+
+
 def write_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -204,38 +232,53 @@ def remove(path: str) -> None:
 
 
 class Program:
-    """One supervised program: its argv, process and restart schedule."""
+    """One supervised program: its argv, process and restart schedule.
+
+    Spawned with ``os.posix_spawnp`` (not subprocess, whose imports cost
+    seconds under TCG) in its own session, stdin /dev/null, output appended
+    to /run/hangar/<name>.log, SIGPIPE and SIGXFSZ back to their defaults
+    (Python ignores them), working directory /.
+    """
 
     def __init__(self, name: str, argv: list[str]) -> None:
         self.name = name
         self.argv = argv
-        self.proc = None  # subprocess.Popen
+        self.pid: int | None = None
         self.started_at = 0.0
         self.failures = 0
         self.next_start = 0.0
 
     def start(self) -> None:
-        import subprocess
-
-        out = open(f"{RUN_DIR}/{self.name}.log", "ab")
-        try:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, env=ENV, cwd="/root",
-                                         start_new_session=True)
-        finally:
-            out.close()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOCTTY
+        self.pid = os.posix_spawnp(
+            self.argv[0], self.argv, ENV,
+            file_actions=[(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+                          (os.POSIX_SPAWN_OPEN, 1, f"{RUN_DIR}/{self.name}.log", flags, 0o600),
+                          (os.POSIX_SPAWN_DUP2, 1, 2)],
+            setsid=True, setsigmask=(), setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
         self.started_at = time.monotonic()
-        log(f"{self.name} started (pid {self.proc.pid})")
+        log(f"{self.name} started (pid {self.pid})")
+
+    def _reap(self) -> int | None:
+        """The exit status if the process has ended (reaping it), else None."""
+        if self.pid is None:
+            return None
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return -1
+        return os.waitstatus_to_exitcode(status) if pid else None
 
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.pid is not None and self._reap() is None
 
     def ended(self) -> bool:
         """True once when the program has exited since it was started; schedules its restart."""
-        if self.proc is None or self.proc.poll() is None:
+        code = self._reap()
+        if code is None:
             return False
-        log(f"{self.name} (pid {self.proc.pid}) exited with {self.proc.returncode}")
-        self.proc = None
+        log(f"{self.name} (pid {self.pid}) exited with {code}")
+        self.pid = None
         if time.monotonic() - self.started_at >= BACKOFF_RESET_S:
             self.failures = 0
         delay = min(BACKOFF_FIRST_S * 2 ** self.failures, BACKOFF_MAX_S)
@@ -244,19 +287,21 @@ class Program:
         return True
 
     def stop(self) -> None:
-        import signal
-
-        if self.proc is not None and self.proc.poll() is None:
+        """SIGTERM its process group, SIGKILL after 3 s, and reap it."""
+        if self.pid is None:
+            return
+        for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(3)
-            except Exception:  # noqa: BLE001
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                self.proc.wait()
-        self.proc = None
+                os.killpg(self.pid, sig)
+            except OSError:
+                pass
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                if self._reap() is not None:
+                    self.pid = None
+                    return
+                time.sleep(0.05)
+        self.pid = None
 
 
 def programs(width: int, height: int, depth: int) -> tuple[Program, Program, Program]:
@@ -277,9 +322,6 @@ def programs(width: int, height: int, depth: int) -> tuple[Program, Program, Pro
 
 def supervise(geometry: str) -> None:
     """Run the desktop until killed; see the module docstring."""
-    import json
-    import signal
-
     try:
         width, height, depth = parse_geometry(geometry)
     except ValueError as e:
@@ -323,7 +365,7 @@ def supervise(geometry: str) -> None:
             x_up = False
             wm.stop()
             vnc.stop()
-        if xvfb.proc is None and now >= xvfb.next_start:
+        if xvfb.pid is None and now >= xvfb.next_start:
             remove(X_LOCK)
             remove(X_SOCKET)
             xvfb.start()
@@ -331,18 +373,18 @@ def supervise(geometry: str) -> None:
         if not x_up and xvfb.running() and x_answers():
             x_up = True
             marker.update(vnc=False, since=time.time())
-            write_atomic(READY_FILE, json.dumps(marker))
+            write_atomic(READY_FILE, to_json(marker))
             log(f"X answers on {DISPLAY} ({width}x{height}x{depth})")
         if x_up:
             for prog in (wm, vnc):
                 if prog.ended() and prog is vnc and marker["vnc"]:
                     marker["vnc"] = False
-                    write_atomic(READY_FILE, json.dumps(marker))
-                if prog.proc is None and time.monotonic() >= prog.next_start:
+                    write_atomic(READY_FILE, to_json(marker))
+                if prog.pid is None and time.monotonic() >= prog.next_start:
                     prog.start()
             if not marker["vnc"] and vnc.running() and vnc_listening():
                 marker["vnc"] = True
-                write_atomic(READY_FILE, json.dumps(marker))
+                write_atomic(READY_FILE, to_json(marker))
                 log(f"x11vnc listens on 127.0.0.1:{VNC_PORT}")
         time.sleep(0.1 if not (x_up and marker["vnc"]) else 0.5)
 
@@ -353,7 +395,7 @@ def supervise(geometry: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# typing any Unicode text (``python3 -m hangar.guest.desktop type DELAY_MS``, text on stdin)
+# typing any Unicode text (``main`` with ``type DELAY_MS``, the text on stdin)
 
 KEYMAP_STATE = RUN_DIR + "/keymap-bound"
 """Keycodes this module has bound, oldest first (one decimal per line)."""
@@ -486,8 +528,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(1)
         return
     if len(args) != 1:
-        print("usage: python3 -m hangar.guest.desktop WIDTHxHEIGHTxDEPTH\n"
-              "       python3 -m hangar.guest.desktop type DELAY_MS < text", file=sys.stderr)
+        print("usage: hangar.guest.desktop WIDTHxHEIGHTxDEPTH\n"
+              "       hangar.guest.desktop type DELAY_MS < text", file=sys.stderr)
         sys.exit(2)
     log(f"starting a {args[0]} desktop")
     supervise(args[0])

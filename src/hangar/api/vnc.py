@@ -1,0 +1,404 @@
+"""Live desktop: VNC tickets and the WebSocket that carries RFB to a sandbox.
+
+Flow::
+
+    browser ──POST /sandboxes/{id}/vnc/tickets (X-API-Key)──► {"ticket": ...}
+    browser ══WebSocket /sandboxes/{id}/vnc?ticket=...═══════► this module
+                 binary frames, subprotocol "binary"               │ AgentClient.open_tunnel(5900)
+                                                                   ▼
+                                                 guest: x11vnc on 127.0.0.1:5900
+
+Security model:
+
+* The API key never appears in a URL. A browser cannot set headers on a
+  WebSocket, so it first trades its key (header) for a **ticket**: 32
+  random bytes, valid for ``TICKET_TTL_S`` seconds, for one sandbox, and
+  **single use** (redeemed, i.e. deleted, by the first upgrade that shows
+  it, whatever happens next). Tickets live in this process's memory only,
+  stored under their SHA-256.
+* The upgrade is refused with **403** when an ``Origin`` header is present
+  and is not the server's own (``http(s)://`` + the Host header) or one of
+  ``HANGAR_VNC_ORIGINS`` (comma-separated, e.g.
+  ``https://hangar.example.com``); ``Origin: null`` is refused. Clients
+  that send no Origin (not browsers) are judged by their ticket alone.
+  Then **401** for a missing, unknown, expired, reused or other-sandbox
+  ticket; 404/409/410 for a sandbox that is gone, not running or has no
+  desktop. Refusals are real HTTP responses (the ASGI WebSocket denial
+  response extension) with Hangar's JSON error body.
+* x11vnc in the guest has no password and listens on the guest's loopback
+  only (see ``hangar.guest.desktop``); the ticket is the authentication.
+  Every viewer gets its own tunnel and x11vnc connection (x11vnc runs
+  ``-shared``), and the proxy forces the shared flag of ClientInit to 1 so
+  no viewer can disconnect the others.
+* **View-only** viewers (``view_only: true`` on the ticket) are enforced
+  here, not trusted to the browser: the proxy parses every client→server
+  RFB message and drops input (``RfbClientFilter``).
+* Keepalive: uvicorn pings every WebSocket every ``ws_ping_interval``
+  seconds (default 20) and closes it when no pong comes within
+  ``ws_ping_timeout``; browsers answer pings by themselves, so idle viewers
+  stay connected and dead ones are noticed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import secrets
+import struct
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request, WebSocket
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from hangar.api.deps import manager
+from hangar.api.desktop import desktop_for
+from hangar.core.sandboxes import SandboxManager
+from hangar.errors import HangarError, NotFound
+from hangar.guest.client import Tunnel
+
+log = logging.getLogger("hangar.vnc")
+
+TICKET_TTL_S = 30.0
+"""Seconds a ticket stays valid."""
+VNC_PORT = 5900
+VNC_READY_TIMEOUT_S = 60.0
+"""Seconds an upgrade waits for x11vnc in a freshly booted sandbox."""
+ORIGINS_ENV = "HANGAR_VNC_ORIGINS"
+
+router = APIRouter(prefix="/sandboxes", tags=["desktop"])
+"""Routes that need the API key (the ticket issuer)."""
+ws_router = APIRouter(prefix="/sandboxes", tags=["desktop"])
+"""The WebSocket route, authenticated by ticket instead of key."""
+
+
+# ---------------------------------------------------------------------------------------------
+# tickets
+
+
+@dataclass(frozen=True)
+class Ticket:
+    sandbox_id: str
+    view_only: bool
+    expires_at: float
+    """Unix time, seconds."""
+
+
+class TicketBook:
+    """Single-use, short-lived tickets, kept in memory by their SHA-256."""
+
+    def __init__(self, ttl_s: float = TICKET_TTL_S) -> None:
+        self.ttl_s = ttl_s
+        self._tickets: dict[bytes, Ticket] = {}
+
+    @staticmethod
+    def _key(token: str) -> bytes:
+        return hashlib.sha256(token.encode()).digest()
+
+    def issue(self, sandbox_id: str, view_only: bool) -> tuple[str, Ticket]:
+        """A new ticket (urlsafe text) for one upgrade to ``sandbox_id``'s VNC."""
+        now = time.time()
+        for k in [k for k, t in self._tickets.items() if t.expires_at <= now]:
+            del self._tickets[k]
+        token = secrets.token_urlsafe(32)
+        ticket = Ticket(sandbox_id, view_only, now + self.ttl_s)
+        self._tickets[self._key(token)] = ticket
+        return token, ticket
+
+    def redeem(self, token: str, sandbox_id: str) -> Ticket | None:
+        """Use up ``token``: its ticket if valid for ``sandbox_id`` and not expired, else None.
+
+        The ticket is gone afterwards either way.
+        """
+        ticket = self._tickets.pop(self._key(token), None)
+        if ticket is None or ticket.expires_at <= time.time() or ticket.sandbox_id != sandbox_id:
+            return None
+        return ticket
+
+
+def tickets(app: FastAPI) -> TicketBook:
+    book: TicketBook | None = getattr(app.state, "vnc_tickets", None)
+    if book is None:
+        book = app.state.vnc_tickets = TicketBook()
+    return book
+
+
+class TicketRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    view_only: bool = Field(False, description="The viewer sees the screen but cannot type, "
+                                               "point or paste.")
+
+
+class TicketResponse(BaseModel):
+    ticket: str
+    view_only: bool
+    expires_at: float = Field(description="Unix time, seconds.")
+    expires_in_s: float
+    url: str = Field(description="Path of the WebSocket, ticket included (single use).")
+
+
+@router.post("/{sandbox_id}/vnc/tickets", response_model=TicketResponse, status_code=201,
+             summary="Get a single-use ticket (valid 30 s) for the live desktop WebSocket")
+async def create_ticket(sandbox_id: str, request: Request,
+                        m: Annotated[SandboxManager, Depends(manager)],
+                        body: TicketRequest | None = None) -> TicketResponse:
+    desktop_for(request.app, m).screen(sandbox_id)  # 404 / 409 now rather than at the upgrade
+    body = body or TicketRequest()
+    token, t = tickets(request.app).issue(sandbox_id, body.view_only)
+    return TicketResponse(ticket=token, view_only=t.view_only, expires_at=t.expires_at,
+                          expires_in_s=TICKET_TTL_S,
+                          url=f"/sandboxes/{sandbox_id}/vnc?ticket={token}")
+
+
+# ---------------------------------------------------------------------------------------------
+# RFB parsing for view-only viewers
+
+
+class RfbViolation(Exception):
+    """The client sent something the proxy will not forward; the connection ends."""
+
+
+class RfbClientFilter:
+    """Follows the client→server half of an RFB session and filters it.
+
+    Handshake (RFB 3.7/3.8, RFC 6143 §7.1-7.3), client side only::
+
+        ProtocolVersion   12 bytes "RFB 003.00N\\n"; only 3.7 and 3.8 are accepted
+                          (in 3.3 the server picks the security type, which
+                          this half of the stream does not show)
+        security type     1 byte: 1 (None) or 2 (VNC authentication); others refused
+        VNC auth response 16 bytes, after type 2 only
+        ClientInit        1 byte shared-flag: rewritten to 1 (shared) for everyone
+
+    After the handshake an interactive viewer's bytes pass unparsed. A
+    view-only viewer's are cut into messages by type (first byte); lengths
+    per RFC 6143 §7.5 and the registered extensions noVNC may send:
+
+        type  message                    length (bytes)            view-only
+        0     SetPixelFormat             20                        pass
+        2     SetEncodings               4 + 4 * u16 at [2:4]      pass
+        3     FramebufferUpdateRequest   10                        pass
+        4     KeyEvent                   8                         drop
+        5     PointerEvent               6                         drop
+        6     ClientCutText              8 + |s32 at [4:8]|        drop
+        150   EnableContinuousUpdates    10                        pass
+        248   ClientFence                9 + u8 at [8]             pass
+        250   xvp (shutdown, reboot)     4                         drop
+        251   SetDesktopSize             8 + 16 * u8 at [6]        drop
+        255   QEMU, subtype 0 (key)      12                        drop
+
+    Any other type (or QEMU subtype) cannot be measured, so a view-only
+    connection that sends one is closed (``RfbViolation``): fail closed.
+    """
+
+    PASS: ClassVar[dict[int, int]] = {0: 20, 3: 10, 150: 10}
+    DROP_FIXED: ClassVar[dict[int, int]] = {4: 8, 5: 6, 250: 4}
+
+    def __init__(self, view_only: bool) -> None:
+        self.view_only = view_only
+        self.stage = "version"
+        self.buf = bytearray()
+        self.dropped = 0
+        """Messages dropped so far (input from a view-only viewer)."""
+
+    def _message_length(self) -> tuple[int, bool] | None:
+        """(length, forward?) of the message at the head of ``buf``; None if more is needed."""
+        b = self.buf
+        t = b[0]
+        if t in self.PASS:
+            return self.PASS[t], True
+        if t in self.DROP_FIXED:
+            return self.DROP_FIXED[t], False
+        if t == 2:
+            return (4 + 4 * struct.unpack_from(">H", b, 2)[0], True) if len(b) >= 4 else None
+        if t == 6:
+            return (8 + abs(struct.unpack_from(">i", b, 4)[0]), False) if len(b) >= 8 else None
+        if t == 248:
+            return (9 + b[8], True) if len(b) >= 9 else None
+        if t == 251:
+            return (8 + 16 * b[6], False) if len(b) >= 8 else None
+        if t == 255:
+            if len(b) < 2:
+                return None
+            if b[1] == 0:
+                return 12, False
+        raise RfbViolation(f"view-only viewer sent RFB message type {t}, which is not "
+                           f"forwarded")
+
+    def feed(self, data: bytes) -> bytes:
+        """Bytes from the viewer → the bytes to forward to the server.
+
+        Raises RfbViolation for a handshake the proxy does not support or
+        (view-only) a message it cannot measure.
+        """
+        if self.stage == "pass":
+            return data
+        self.buf += data
+        out = bytearray()
+        while self.buf:
+            if self.stage == "version":
+                if len(self.buf) < 12:
+                    break
+                version = bytes(self.buf[:12])
+                if version not in (b"RFB 003.008\n", b"RFB 003.007\n"):
+                    raise RfbViolation(f"unsupported RFB version {version!r} (3.7 or 3.8 only)")
+                out += version
+                del self.buf[:12]
+                self.stage = "security"
+            elif self.stage == "security":
+                kind = self.buf[0]
+                if kind not in (1, 2):
+                    raise RfbViolation(f"unsupported RFB security type {kind}")
+                out.append(kind)
+                del self.buf[:1]
+                self.stage = "vncauth" if kind == 2 else "init"
+            elif self.stage == "vncauth":
+                if len(self.buf) < 16:
+                    break
+                out += self.buf[:16]
+                del self.buf[:16]
+                self.stage = "init"
+            elif self.stage == "init":
+                out.append(1)  # ClientInit: shared
+                del self.buf[:1]
+                self.stage = "messages" if self.view_only else "pass"
+                if self.stage == "pass":
+                    out += self.buf
+                    self.buf.clear()
+            else:  # messages (view-only)
+                found = self._message_length()
+                if found is None or len(self.buf) < found[0]:
+                    break
+                n, forward = found
+                if forward:
+                    out += self.buf[:n]
+                else:
+                    self.dropped += 1
+                del self.buf[:n]
+        return bytes(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# the WebSocket
+
+
+def allowed_origins(ws: WebSocket) -> set[str]:
+    """The server's own origins (from the Host header) plus ``HANGAR_VNC_ORIGINS``."""
+    host = ws.headers.get("host", "")
+    own = {f"http://{host}", f"https://{host}"} if host else set()
+    extra = {o.strip().rstrip("/") for o in os.environ.get(ORIGINS_ENV, "").split(",")}
+    return {o.lower() for o in own | extra if o}
+
+
+async def deny(ws: WebSocket, status: int, code: str, message: str) -> None:
+    """Refuse an upgrade with an HTTP status and Hangar's JSON error body."""
+    if "websocket.http.response" in ws.scope.get("extensions", {}):
+        await ws.send_denial_response(JSONResponse(
+            {"error": {"code": code, "message": message}}, status_code=status))
+    else:  # the server cannot send a body: a close before accept is a 403
+        await ws.close(code=1008, reason=message[:120])
+
+
+@ws_router.websocket("/{sandbox_id}/vnc")
+async def vnc(ws: WebSocket, sandbox_id: str, ticket: str | None = None) -> None:
+    """Proxy RFB between the viewer and the guest's x11vnc (see the module docstring)."""
+    origin = ws.headers.get("origin")
+    if origin is not None and origin.lower().rstrip("/") not in allowed_origins(ws):
+        await deny(ws, 403, "forbidden", f"origin {origin} may not open the live desktop")
+        return
+    if not ticket:
+        await deny(ws, 401, "unauthorized",
+                   "a ticket is needed: POST /sandboxes/{id}/vnc/tickets with X-API-Key")
+        return
+    t = tickets(ws.app).redeem(ticket, sandbox_id)
+    if t is None:
+        await deny(ws, 401, "unauthorized", "the ticket is unknown, expired, used or for "
+                                            "another sandbox; get a new one")
+        return
+    m: SandboxManager = ws.app.state.manager
+    stack = AsyncExitStack()
+    try:
+        await desktop_for(ws.app, m).wait_ready(sandbox_id, VNC_READY_TIMEOUT_S, vnc=True)
+        # Held while the viewer is connected: the sandbox counts as busy, so it is
+        # neither put to sleep nor snapshotted under a live viewer.
+        agent = await stack.enter_async_context(m.using(sandbox_id))
+        tunnel = await agent.open_tunnel(VNC_PORT)
+    except HangarError as e:
+        await stack.aclose()
+        if isinstance(e, NotFound) and e.context.get("guest_code") == "not_found":
+            await deny(ws, 503, "unavailable", "the guest's VNC server is not listening; "
+                                               "retry in a few seconds")
+        else:
+            await deny(ws, e.status, e.code, e.message)
+        return
+    async with stack:
+        subprotocol = "binary" if "binary" in ws.scope.get("subprotocols", []) else None
+        try:
+            await ws.accept(subprotocol=subprotocol)
+        except BaseException:
+            await tunnel.close()
+            raise
+        log.info("vnc viewer connected",
+                 extra={"sandbox_id": sandbox_id, "view_only": t.view_only})
+        await _proxy(ws, tunnel, RfbClientFilter(t.view_only), sandbox_id)
+
+
+async def _proxy(ws: WebSocket, tunnel: Tunnel, filt: RfbClientFilter, sandbox_id: str) -> None:
+    close: dict[str, Any] = {"code": 1000, "reason": ""}
+
+    async def viewer_to_guest() -> None:
+        while True:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            data = msg.get("bytes")
+            if data is None:
+                close.update(code=1003, reason="RFB travels in binary frames")
+                return
+            try:
+                out = filt.feed(data)
+            except RfbViolation as e:
+                close.update(code=1008, reason=str(e)[:120])
+                return
+            if out:
+                await tunnel.write(out)
+
+    async def guest_to_viewer() -> None:
+        while True:
+            data = await tunnel.read()
+            if not data:
+                close.update(code=1011, reason="the guest's VNC server closed the connection")
+                return
+            await ws.send_bytes(data)
+
+    tasks = [asyncio.create_task(viewer_to_guest()), asyncio.create_task(guest_to_viewer())]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            exc = task.exception()
+            if exc is not None and not isinstance(exc, (WebSocketDisconnect, HangarError,
+                                                        ConnectionError, RuntimeError)):
+                log.error("vnc proxy failed", extra={"sandbox_id": sandbox_id,
+                                                     "error": repr(exc)})
+                close.update(code=1011, reason="proxy error")
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await tunnel.close()
+        if ws.application_state == WebSocketState.CONNECTED \
+                and ws.client_state == WebSocketState.CONNECTED:
+            try:
+                await ws.close(**close)
+            except (RuntimeError, ConnectionError):
+                pass
+        log.info("vnc viewer disconnected", extra={
+            "sandbox_id": sandbox_id, "view_only": filt.view_only,
+            "dropped_messages": filt.dropped})
