@@ -24,56 +24,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import shutil
-import socket
 import struct
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
+from benchlib import SHARED, api_key, pct, start_server, stop_server
 
 from hangar.images import build_image
 from hangar.layout import Layout
-
-SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
 W, H = 1024, 768
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def pair(hangar: list[float], guest: list[float]) -> dict[str, float]:
     h, g = pct(hangar, 0.5), pct(guest, 0.5)
     return {"hangar_p50": round(h, 4), "guest_p50": round(g, 4), "ratio": round(h / g, 3),
             "hangar_p95": round(pct(hangar, 0.95), 4), "guest_p95": round(pct(guest, 0.95), 4)}
-
-
-def start_server(layout: Layout) -> tuple[subprocess.Popen[bytes], Path, str]:
-    d = Path(tempfile.mkdtemp(prefix="hgd-", dir="/tmp"))
-    (d / "images").symlink_to(layout.images)
-    if layout.probe_file.exists():
-        shutil.copy(layout.probe_file, d / "engine-probe.json")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "HANGAR_DATA_DIR": str(d), "HANGAR_PORT": str(port),
-           "HANGAR_POOL_SIZE": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "hangar.cli", "serve"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    return proc, d, url
 
 
 def guest(c: httpx.Client, sid: str, script: str, timeout: float = 600) -> str:
@@ -154,9 +119,9 @@ def main() -> None:
     layout = Layout(SHARED)
     layout.ensure()
     build_image(layout, "desktop")
-    proc, d, url = start_server(layout)
+    proc, d, url = start_server()
     try:
-        key = (d / "api-key").read_text().strip()
+        key = api_key(d)
         with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=600) as c:
             t = time.perf_counter()
             sb = c.post("/sandboxes", json={"image": "desktop", "desktop": f"{W}x{H}x24",
@@ -210,9 +175,7 @@ def main() -> None:
         }
         print(json.dumps(out, indent=2))
     finally:
-        proc.terminate()
-        proc.wait(30)
-        shutil.rmtree(d, ignore_errors=True)
+        stop_server(proc, d)
 
 
 if __name__ == "__main__":

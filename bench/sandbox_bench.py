@@ -19,29 +19,17 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
+from benchlib import SHARED, api_key, pct, start_server, stop_server
 
 from hangar.engines.base import VMSpec
 from hangar.engines.qemu import QemuEngine, choose_accel
 from hangar.guest.client import exec_meta
 from hangar.images import build_image, resolve_image
 from hangar.layout import Layout
-
-SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def rss_mib(pid: int) -> float:
@@ -94,28 +82,10 @@ async def engine_side(layout: Layout, boots: int, execs: int, blob: bytes) -> di
 
 
 def hangar_side(layout: Layout, boots: int, execs: int, blob: bytes) -> dict[str, object]:
-    d = Path(tempfile.mkdtemp(prefix="hgb-", dir="/tmp"))
-    (d / "images").symlink_to(layout.images)
-    if layout.probe_file.exists():
-        shutil.copy(layout.probe_file, d / "engine-probe.json")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "HANGAR_DATA_DIR": str(d), "HANGAR_PORT": str(port),
-           "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "off"}
-    proc = subprocess.Popen([sys.executable, "-m", "hangar.cli", "serve"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    proc, d, url = start_server()
     creates, rtts, writes, reads, rss = [], [], [], [], []
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        key = (d / "api-key").read_text().strip()
-        with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=300) as c:
+        with httpx.Client(base_url=url, headers={"X-API-Key": api_key(d)}, timeout=300) as c:
             for i in range(boots):
                 t = time.perf_counter()
                 sid = c.post("/sandboxes", json={}).raise_for_status().json()["id"]
@@ -140,9 +110,7 @@ def hangar_side(layout: Layout, boots: int, execs: int, blob: bytes) -> dict[str
                     rss.append(rss_mib(pid))
                 c.delete(f"/sandboxes/{sid}").raise_for_status()
     finally:
-        proc.terminate()
-        proc.wait(30)
-        shutil.rmtree(d, ignore_errors=True)
+        stop_server(proc, d)
     return {"create": creates, "rtt": rtts, "write": writes, "read": reads, "rss": rss}
 
 

@@ -17,50 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
+from benchlib import SHARED, api_key, pct, start_server, stop_server
 
 from hangar.images import build_image
 from hangar.layout import Layout
-
-SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
-def start_server(env_extra: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path, str]:
-    d = Path(tempfile.mkdtemp(prefix="hgb-", dir="/tmp"))
-    (d / "images").symlink_to(SHARED / "images")
-    for name in ("engine-probe.json", "firecracker-probe.json"):
-        if (SHARED / name).exists():
-            shutil.copy(SHARED / name, d / name)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "HANGAR_DATA_DIR": str(d), "HANGAR_PORT": str(port),
-           "HANGAR_NETWORK": "off", **env_extra}
-    proc = subprocess.Popen([sys.executable, "-m", "hangar.cli", "serve"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    return proc, d, url
 
 
 def main() -> None:
@@ -75,8 +39,7 @@ def main() -> None:
                                  "HANGAR_DEFAULT_MEMORY_MIB": str(a.memory_mib)})
     cold, pooled, restore, fork, wake, snap_s, snap_b = [], [], [], [], [], [], []
     try:
-        key = (d / "api-key").read_text().strip()
-        with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=600) as c:
+        with httpx.Client(base_url=url, headers={"X-API-Key": api_key(d)}, timeout=600) as c:
             def first_exec(sid: str) -> None:
                 c.post(f"/sandboxes/{sid}/exec", json={"command": "true"}).raise_for_status()
 
@@ -122,9 +85,7 @@ def main() -> None:
                 wake.append(time.perf_counter() - t)
             c.delete("/machines/bench-user")
     finally:
-        proc.terminate()
-        proc.wait(60)
-        shutil.rmtree(d, ignore_errors=True)
+        stop_server(proc, d)
     base = statistics.median(cold)
 
     def fig(xs: list[float]) -> dict[str, float]:
