@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import SHARED, Server
+from conftest import SHARED, SRC, Server
 
 vm = pytest.mark.vm
 
@@ -578,3 +578,38 @@ def test_tickets_are_single_use_short_lived_and_per_sandbox() -> None:
     old = TicketBook(ttl_s=0)
     token, _ = old.issue("sb-a", view_only=False)
     assert old.redeem(token, "sb-a") is None
+
+
+def test_sdk_and_cli_drive_the_desktop(server: Server, desk: str, tmp_path: Path) -> None:
+    import os
+    import struct
+    import subprocess
+
+    from hangar.client import Hangar
+    from hangar.errors import InvalidRequest
+
+    with Hangar(server.url, server.key) as h:
+        png = h.screenshot(desk)
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        assert struct.unpack(">II", png[16:24]) == (W, H)
+        assert struct.unpack(">II", h.screenshot(desk, width=512)[16:24]) == (512, H // 2)
+        h.move(desk, W - 1, H - 1)
+        d = h.display(desk)
+        assert (d["width"], d["height"]) == (W, H)
+        assert (d["cursor_x"], d["cursor_y"]) == (W - 1, H - 1)
+        with pytest.raises(InvalidRequest, match="NoSuchKey"):
+            h.key(desk, "NoSuchKey")
+        with pytest.raises(InvalidRequest):
+            h.click(desk, W, 0)
+        ticket = h.vnc_ticket(desk, view_only=True)
+        assert ticket["view_only"] is True and ticket["ticket"] in ticket["url"]
+    env = {**os.environ, "HANGAR_URL": server.url, "HANGAR_API_KEY": server.key,
+           "PYTHONPATH": str(SRC), "HANGAR_NO_STDIN": "1"}
+    shot = tmp_path / "screen.png"
+    r = subprocess.run([sys.executable, "-m", "hangar.cli", "desktop", "screenshot", desk,
+                        str(shot)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert struct.unpack(">II", shot.read_bytes()[16:24]) == (W, H)
+    r = subprocess.run([sys.executable, "-m", "hangar.cli", "desktop", "key", desk, "NoSuchKey"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "NoSuchKey" in r.stderr and "Traceback" not in r.stderr

@@ -27,10 +27,13 @@ image_app = typer.Typer(help="Build and list guest images.", no_args_is_help=Tru
 files_app = typer.Typer(help="Copy files in and out of a sandbox.", no_args_is_help=True)
 machine_app = typer.Typer(help="Per-user machines that sleep when idle.", no_args_is_help=True)
 snapshot_app = typer.Typer(help="Snapshots of running sandboxes.", no_args_is_help=True)
+desktop_app = typer.Typer(help="Screenshots, mouse and keyboard of a desktop sandbox.",
+                          no_args_is_help=True)
 app.add_typer(image_app, name="image")
 app.add_typer(files_app, name="files")
 app.add_typer(machine_app, name="machine")
 app.add_typer(snapshot_app, name="snapshot")
+app.add_typer(desktop_app, name="desktop")
 out = Console()
 err = Console(stderr=True)
 
@@ -138,6 +141,8 @@ def image_ls(data_dir: DataDir = None) -> None:
 @app.command()
 def create(
     image: Annotated[Optional[str], typer.Option(help="Template name.")] = None,
+    desktop: Annotated[Optional[str], typer.Option(
+        help="Start a desktop, WIDTHxHEIGHTxDEPTH, e.g. 1280x800x24 (image 'desktop').")] = None,
     vcpus: Annotated[Optional[int], typer.Option()] = None,
     memory: Annotated[Optional[int], typer.Option(help="Memory, MiB.")] = None,
     disk: Annotated[Optional[int], typer.Option(help="Disk, MiB.")] = None,
@@ -146,7 +151,8 @@ def create(
     """Create a sandbox and print its id."""
     try:
         with _client() as h:
-            sb = h.create(image, vcpus=vcpus, memory_mib=memory, disk_mib=disk, timeout=timeout)
+            sb = h.create(image, vcpus=vcpus, memory_mib=memory, disk_mib=disk, timeout=timeout,
+                          desktop=desktop)
     except HangarError as exc:
         _fail(exc)
     out.print(sb["id"])
@@ -379,6 +385,56 @@ def doctor(data_dir: DataDir = None) -> None:
         image = None
     for line in diagnose(layout, image).lines():
         print(line)
+
+
+@desktop_app.command("screenshot")
+def desktop_screenshot(sandbox_id: str, out_file: Path,
+                       width: Annotated[Optional[int], typer.Option(help="Scale to pixels.")] = None,
+                       ) -> None:
+    """Save a PNG screenshot of the sandbox's desktop."""
+    try:
+        with _client() as h:
+            png = h.screenshot(sandbox_id, width)
+    except HangarError as exc:
+        _fail(exc)
+    out_file.write_bytes(png)
+    out.print(f"{out_file}: {len(png)} bytes")
+
+
+@desktop_app.command("click")
+def desktop_click(sandbox_id: str, x: int, y: int,
+                  button: Annotated[str, typer.Option(help="left, middle or right")] = "left",
+                  double: bool = False) -> None:
+    """Click at (x, y), pixels."""
+    _api("POST", f"/sandboxes/{sandbox_id}/click",
+         json={"x": x, "y": y, "button": button, "double": double})
+
+
+@desktop_app.command("type")
+def desktop_type(sandbox_id: str, text: str) -> None:
+    """Type text (any Unicode) into the focused window."""
+    _api("POST", f"/sandboxes/{sandbox_id}/type", json={"text": text})
+
+
+@desktop_app.command("key")
+def desktop_key(sandbox_id: str, keys: str) -> None:
+    """Press a key or combination, e.g. ctrl+shift+t or enter."""
+    _api("POST", f"/sandboxes/{sandbox_id}/key", json={"keys": keys})
+
+
+@desktop_app.command("scroll")
+def desktop_scroll(sandbox_id: str, direction: str, amount: int = 3) -> None:
+    """Scroll up, down, left or right by wheel clicks."""
+    _api("POST", f"/sandboxes/{sandbox_id}/scroll",
+         json={"direction": direction, "amount": amount})
+
+
+@desktop_app.command("show")
+def desktop_show(sandbox_id: str) -> None:
+    """Screen size and cursor position."""
+    d = _api("GET", f"/sandboxes/{sandbox_id}/display")
+    out.print(f"{d['width']}x{d['height']}x{d['depth']}, cursor at ({d['cursor_x']}, "
+              f"{d['cursor_y']})")
 
 
 if __name__ == "__main__":

@@ -97,3 +97,50 @@ class AsyncHangar:
     async def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
         await self._call("DELETE", f"/sandboxes/{sandbox_id}/files",
                    params={"path": path, "recursive": recursive})
+
+    # -- desktop (sandboxes created with ``desktop="WxHxD"``); pixels ---------
+
+    async def screenshot(self, sandbox_id: str, width: int | None = None) -> bytes:
+        """The screen as PNG bytes, scaled to ``width`` pixels when given."""
+        params: dict[str, Any] = {"format": "png"}
+        if width is not None:
+            params["width"] = width
+        return (await self._call("POST", f"/sandboxes/{sandbox_id}/screenshot",
+                                      params=params)).content
+
+    async def click(self, sandbox_id: str, x: int, y: int, button: str = "left",
+              double: bool = False) -> dict[str, Any]:
+        return await self._desktop(sandbox_id, "click", x=x, y=y, button=button, double=double)
+
+    async def move(self, sandbox_id: str, x: int, y: int) -> dict[str, Any]:
+        return await self._desktop(sandbox_id, "move", x=x, y=y)
+
+    async def drag(self, sandbox_id: str, from_x: int, from_y: int, to_x: int, to_y: int,
+             button: str = "left") -> dict[str, Any]:
+        return await self._desktop(sandbox_id, "drag", from_x=from_x, from_y=from_y, to_x=to_x,
+                             to_y=to_y, button=button)
+
+    async def type(self, sandbox_id: str, text: str) -> dict[str, Any]:
+        """Type any Unicode text exactly."""
+        return await self._desktop(sandbox_id, "type", text=text)
+
+    async def key(self, sandbox_id: str, keys: str) -> dict[str, Any]:
+        """Press a key or combination, e.g. ``ctrl+shift+t`` or ``enter``."""
+        return await self._desktop(sandbox_id, "key", keys=keys)
+
+    async def scroll(self, sandbox_id: str, direction: str, amount: int = 3, x: int | None = None,
+               y: int | None = None) -> dict[str, Any]:
+        return await self._desktop(sandbox_id, "scroll", direction=direction, amount=amount, x=x, y=y)
+
+    async def display(self, sandbox_id: str) -> dict[str, Any]:
+        """Screen size and cursor position, pixels."""
+        return (await self._call("GET", f"/sandboxes/{sandbox_id}/display")).json()
+
+    async def vnc_ticket(self, sandbox_id: str, view_only: bool = False) -> dict[str, Any]:
+        """A single-use ticket and the WebSocket path for a live VNC view."""
+        return (await self._call("POST", f"/sandboxes/{sandbox_id}/vnc/tickets",
+                                 json={"view_only": view_only})).json()
+
+    async def _desktop(self, sandbox_id: str, action: str, **body: Any) -> dict[str, Any]:
+        body = {k: v for k, v in body.items() if v is not None}
+        return (await self._call("POST", f"/sandboxes/{sandbox_id}/{action}", json=body)).json()
