@@ -239,16 +239,16 @@ def test_desktop_comes_back_after_x_dies(api: httpx.Client, desk: str) -> None:
 
 
 @vm
-def test_desktop_option_on_an_image_without_x(api: httpx.Client) -> None:
-    r = api.post("/sandboxes", json={"desktop": "640x480x24"})  # the base image
-    assert r.status_code == 201, r.text
-    sid = r.json()["id"]
-    try:
-        r = api.get(f"/sandboxes/{sid}/display")
-        assert r.status_code == 409, r.text
-        assert "Xvfb" in r.json()["error"]["message"]
-    finally:
-        api.delete(f"/sandboxes/{sid}")
+def test_desktop_that_could_never_start_is_refused_at_create(api: httpx.Client) -> None:
+    before = {s["id"] for s in api.get("/sandboxes").json()["sandboxes"]}
+    r = api.post("/sandboxes", json={"desktop": "640x480x24"})  # the base image has no X
+    assert r.status_code == 400, r.text
+    assert "no desktop" in r.json()["error"]["message"]
+    r = api.post("/sandboxes", json={"image": "desktop", "desktop": "99999x99999x24"})
+    assert r.status_code in (400, 422), r.text
+    r = api.post("/sandboxes", json={"image": "desktop", "desktop": "10000x700x24"})
+    assert r.status_code == 400 and "outside" in r.json()["error"]["message"], r.text
+    assert {s["id"] for s in api.get("/sandboxes").json()["sandboxes"]} == before
 
 
 @vm
