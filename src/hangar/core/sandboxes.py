@@ -84,6 +84,24 @@ class Runtime:
     busy: int = 0
 
 
+def check_desktop(screen: str, image: GuestImage) -> None:
+    """Refuse at create a desktop that could never start: a bad size, or an image without X.
+
+    Raises InvalidRequest naming the problem.
+    """
+    from hangar.guest.desktop import parse_geometry
+    from hangar.images import RECIPES
+
+    try:
+        parse_geometry(screen)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    recipe = RECIPES.get(image.name)
+    if recipe is not None and "xvfb" not in recipe.packages:
+        raise InvalidRequest(f"image {image.name!r} has no desktop; use an image with one, "
+                             "such as 'desktop'", image=image.name)
+
+
 def renet_meta(net: NetAttachment) -> dict[str, Any]:
     """An exec that gives a restored guest's NIC ``net``'s MAC and address."""
     script = (
@@ -347,6 +365,8 @@ class SandboxManager:
         """
         started = time.monotonic()
         image = resolve_image(self.layout, opts.image or self.settings.default_image)
+        if opts.desktop:
+            check_desktop(opts.desktop, image)
         if self.pool is not None:
             rec = await self.pool.take(opts, image)
             if rec is not None:
