@@ -237,3 +237,28 @@ def test_machine_cli(server: Server) -> None:
         assert "active" in hangar("machine", "wake", "cli-user").stdout
     finally:
         assert hangar("machine", "rm", "cli-user").returncode == 0
+
+
+def test_pool_vms_are_replaced_after_their_maximum_age(base_image) -> None:
+    d = make_data_dir(base_image)
+    srv = Server(d, free_port(), {"HANGAR_POOL_SIZE": "1", "HANGAR_POOL_MAX_AGE_S": "6"})
+
+    def pooled_ids() -> set[str]:
+        return {p.name for p in (d / "sandboxes").iterdir()}
+
+    try:
+        srv.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not pooled_ids():
+            time.sleep(0.5)
+        (first,) = pooled_ids()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (first in pooled_ids() or not pooled_ids()):
+            time.sleep(0.5)
+        assert first not in pooled_ids(), "the old pool VM was retired"
+        assert len(pooled_ids()) == 1, "and replaced by a fresh one"
+        assert vmm_pids(first) == []
+    finally:
+        leaked = cleanup(srv)
+        shutil.rmtree(d, ignore_errors=True)
+    assert not leaked
