@@ -50,7 +50,7 @@ async function refresh() {
         }
       }
     }
-    status.textContent = `${sandboxes.length} sandbox(es)`;
+    status.textContent = `${sandboxes.length} ${sandboxes.length === 1 ? "sandbox" : "sandboxes"}`;
     status.className = "";
   } catch (e) {
     status.textContent = `Cannot list sandboxes: ${e.message}`;
@@ -107,6 +107,8 @@ $("#key-form").addEventListener("submit", (ev) => {
   const v = $("#api-key").value.trim();
   if (v) sessionStorage.setItem(KEY, v);
   $("#api-key").value = "";
+  $("#api-key").placeholder = apiKey() ? "a key is in use (paste another to replace it)"
+                                       : "paste the key from <data dir>/api-key";
   refresh();
 });
 $("#forget-key").addEventListener("click", () => {
