@@ -370,11 +370,7 @@ class QemuEngine(Engine):
                     for frame in decoder.feed(data):
                         if frame.kind == P.Kind.HELLO or (
                                 frame.kind == P.Kind.RESPONSE and frame.channel in probes):
-                            if frame.meta.get("protocol") != P.VERSION:
-                                raise GuestError(
-                                    f"guest agent speaks protocol {frame.meta.get('protocol')}, "
-                                    f"host speaks {P.VERSION}")
-                            return AgentClient(reader, writer, frame.meta)
+                            return AgentClient.greeted(reader, writer, frame.meta)
                 writer.close()
             except (ConnectionError, OSError):
                 writer.close()

@@ -180,11 +180,7 @@ class AgentClient:
                     for frame in decoder.feed(data):
                         if frame.kind != P.Kind.HELLO:
                             continue
-                        if frame.meta.get("protocol") != P.VERSION:
-                            raise GuestError(
-                                f"guest agent speaks protocol {frame.meta.get('protocol')}, "
-                                f"host speaks {P.VERSION}")
-                        return cls(reader, writer, frame.meta)
+                        return cls.greeted(reader, writer, frame.meta)
                 writer.close()
             except ConnectionResetError as exc:
                 last = exc
@@ -194,6 +190,19 @@ class AgentClient:
                 writer.close()
                 raise
         raise Timeout(f"guest agent did not answer within {timeout:.0f} s", last_error=repr(last))
+
+    @classmethod
+    def greeted(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                hello: dict[str, Any]) -> "AgentClient":
+        """A client on a stream whose agent has said ``hello`` (its HELLO meta).
+
+        Raises ``GuestError`` when the agent speaks another protocol version,
+        so an old guest is detected, not misread.
+        """
+        if hello.get("protocol") != P.VERSION:
+            raise GuestError(f"guest agent speaks protocol {hello.get('protocol')}, "
+                             f"host speaks {P.VERSION}")
+        return cls(reader, writer, hello)
 
     @classmethod
     async def from_streams(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -215,11 +224,7 @@ class AgentClient:
                     for frame in decoder.feed(data):
                         if frame.kind != P.Kind.HELLO:
                             continue
-                        if frame.meta.get("protocol") != P.VERSION:
-                            raise GuestError(
-                                f"guest agent speaks protocol {frame.meta.get('protocol')}, "
-                                f"host speaks {P.VERSION}")
-                        return cls(reader, writer, frame.meta)
+                        return cls.greeted(reader, writer, frame.meta)
         except TimeoutError:
             writer.close()
             raise Timeout(f"guest agent sent no HELLO within {timeout:.0f} s") from None
