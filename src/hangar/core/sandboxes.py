@@ -28,7 +28,7 @@ import logging
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -340,13 +340,22 @@ class SandboxManager:
         return VMSpec(rec.id, image, self.layout.sandbox(rec.id), rec.vcpus, rec.memory_mib,
                       rec.disk_mib, hostname=rec.id, kernel_args=kernel_args, net=net)
 
-    async def boot(self, rec: SandboxRecord, image: GuestImage) -> Runtime:
-        """Boot ``rec``'s VM and wait for its agent; on failure nothing is left but the record."""
+    async def _launch(self, rec: SandboxRecord,
+                      start: Callable[[NetAttachment | None], Awaitable[VM]],
+                      with_nic: bool = True,
+                      ready: Callable[[AgentClient, NetAttachment | None], Awaitable[None]]
+                      | None = None) -> Runtime:
+        """Attach ``rec``'s NIC, start its VM with ``start(nic)``, connect the agent, run
+        ``ready``; on any failure the VM is stopped and the NIC released, so nothing is
+        left but the record."""
         vm: VM | None = None
         try:
-            vm = await self.engine.boot(self.spec(rec, image, await self._attach(rec)))
+            net = await self._attach(rec) if with_nic else None
+            vm = await start(net)
             self.store.update(rec.id, pid=vm.pid)
             agent = await self.engine.connect_agent(vm, self.settings.boot_timeout_s)
+            if ready is not None:
+                await ready(agent, net)
         except BaseException:
             if vm is not None:
                 await self.engine.stop(vm)
@@ -355,6 +364,10 @@ class SandboxManager:
         rt = Runtime(vm, agent)
         self._runtimes[rec.id] = rt
         return rt
+
+    async def boot(self, rec: SandboxRecord, image: GuestImage) -> Runtime:
+        """Boot ``rec``'s VM and wait for its agent; on failure nothing is left but the record."""
+        return await self._launch(rec, lambda net: self.engine.boot(self.spec(rec, image, net)))
 
     async def create(self, opts: CreateOptions) -> SandboxRecord:
         """A running sandbox, from the warm pool when one fits, else booted cold.
@@ -438,7 +451,9 @@ class SandboxManager:
         if rec is not None and rec.sleep_snapshot:
             self._drop_snapshot(rec.sleep_snapshot)
         self.store.update(sandbox_id, state=final, pid=None, error=error, sleep_snapshot=None)
-        self._gates.pop(sandbox_id, None) if not self._gate(sandbox_id).locked() else None
+        gate = self._gates.get(sandbox_id)
+        if gate is not None and not gate.locked():
+            del self._gates[sandbox_id]
 
     async def _stop_vm(self, sandbox_id: str, vm: VM | None) -> None:
         rt = self._runtimes.pop(sandbox_id, None)
@@ -557,24 +572,17 @@ class SandboxManager:
     async def _restore_into(self, rec: SandboxRecord, snap: SnapshotRecord) -> Runtime:
         """Start ``rec``'s VM from ``snap``; agent connected, clock and entropy refreshed."""
         image = resolve_image(self.layout, f"{snap.image}-{snap.image_digest}")
-        # The NIC must match the snapshot's devices: a snapshot with one gets one.
-        net = await self._attach(rec) if snap.network else None
-        vm: VM | None = None
-        try:
-            vm = await self.engine.restore(self.spec(rec, image, net), self.layout.snapshot(snap.id))
-            self.store.update(rec.id, pid=vm.pid)
-            agent = await self.engine.connect_agent(vm, self.settings.boot_timeout_s)
+
+        async def ready(agent: AgentClient, net: NetAttachment | None) -> None:
             await refresh_guest(agent)
             if net is not None:  # a fork (or a new lease) has another MAC and address
                 await agent.exec(renet_meta(net))
-        except BaseException:
-            if vm is not None:
-                await self.engine.stop(vm)
-            await self._detach(rec.id)
-            raise
-        rt = Runtime(vm, agent)
-        self._runtimes[rec.id] = rt
-        return rt
+
+        # The NIC must match the snapshot's devices: a snapshot with one gets one.
+        return await self._launch(
+            rec, lambda net: self.engine.restore(self.spec(rec, image, net),
+                                                 self.layout.snapshot(snap.id)),
+            with_nic=bool(snap.network), ready=ready)
 
     async def restore(self, sandbox_id: str, snapshot_id: str) -> SandboxRecord:
         """Bring a sandbox back to a snapshot of its own: processes, memory and files.
