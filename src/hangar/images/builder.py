@@ -55,7 +55,7 @@ DEBIAN_SOURCES = Path("/etc/apt/sources.list.d/debian.sources")
 MANIFEST_FORMAT = 1
 HEADROOM = 1.25
 """rootfs.ext4 is the content's size times this, plus room for the journal and inodes."""
-KEEP_INITRDS = 4
+KEEP_INITRDS = 16
 """initrd-<tag>.img files kept per image (newest first); older ones are deleted."""
 
 KERNEL_CMDLINE = "console=ttyS0 root=/dev/vda rw panic=-1"

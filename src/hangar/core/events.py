@@ -1,0 +1,143 @@
+"""Live events: what happens on the server, as it happens.
+
+``EventBus.publish`` records one event in a bounded ring buffer and hands
+it to every subscriber; ``GET /events`` (Server-Sent Events) serves them.
+Each event has an ``id`` (increasing within one server process), a
+``time`` (Unix seconds), a ``kind`` and a flat ``data`` dict.
+
+Kinds (``data`` fields in brackets)::
+
+    sandbox.created   [image, source: cold|pool|fork, duration_s]
+    sandbox.deleted   sandbox.expired   sandbox.crashed [error]
+    exec.started      [exec_id, command only when the caller opted in]
+    exec.finished     [exec_id, exit_code, duration_s, timed_out]
+    machine.sleeping  machine.asleep  machine.waking  machine.awake   [user_id]
+    pool.take         pool.refill
+    snapshot.created  [snapshot_id, size_bytes]
+    snapshot.restored [snapshot_id]    snapshot.forked [snapshot_id]
+    agent.task.started  agent.tool.started  agent.tool.finished  agent.task.ended
+
+Rules: an event never carries command output, environment variables, file
+contents or secrets. ``publish`` never blocks and never raises: a slow
+subscriber loses its oldest undelivered events (and is told how many), it
+never holds the publisher up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+RING_SIZE = 4096
+"""Events kept for clients that reconnect with ``Last-Event-ID``."""
+SUBSCRIBER_QUEUE = 1024
+"""Undelivered events a subscriber may hold before its oldest are dropped."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event. ``time`` is Unix seconds."""
+
+    id: int
+    time: float
+    kind: str
+    sandbox_id: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "time": self.time, "kind": self.kind,
+                "sandbox_id": self.sandbox_id, **self.data}
+
+
+@dataclass
+class _Subscriber:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Event]
+    kinds: tuple[str, ...]
+    sandbox_id: str | None
+    dropped: int = 0
+
+    def wants(self, ev: Event) -> bool:
+        if self.sandbox_id is not None and ev.sandbox_id != self.sandbox_id:
+            return False
+        return not self.kinds or any(ev.kind == k or ev.kind.startswith(k + ".")
+                                     for k in self.kinds)
+
+    def offer(self, ev: Event) -> None:
+        """Called in the subscriber's loop."""
+        if self.queue.full():
+            self.queue.get_nowait()
+            self.dropped += 1
+        self.queue.put_nowait(ev)
+
+
+class EventBus:
+    """A bounded, in-memory fan-out of events. Safe to publish from any thread."""
+
+    def __init__(self, ring_size: int = RING_SIZE) -> None:
+        self.stream = secrets.token_hex(4)
+        """Names this process's sequence of ids; a client holding an id of
+        another stream (the server restarted) gets the whole ring."""
+        self._ring: deque[Event] = deque(maxlen=ring_size)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._subs: list[_Subscriber] = []
+
+    def publish(self, kind: str, sandbox_id: str | None = None, **data: Any) -> Event:
+        """Record an event and hand it to the subscribers that want it."""
+        with self._lock:
+            ev = Event(next(self._ids), round(time.time(), 3), kind, sandbox_id, data)
+            self._ring.append(ev)
+            subs = list(self._subs)
+        for sub in subs:
+            if sub.wants(ev):
+                try:
+                    sub.loop.call_soon_threadsafe(sub.offer, ev)
+                except RuntimeError:  # that loop has closed
+                    pass
+        return ev
+
+    def since(self, last_id: int | None) -> list[Event]:
+        """Events in the ring with an id above ``last_id`` (all when None)."""
+        with self._lock:
+            return [e for e in self._ring if last_id is None or e.id > last_id]
+
+    @property
+    def last_id(self) -> int:
+        with self._lock:
+            return self._ring[-1].id if self._ring else 0
+
+    async def subscribe(self, last_id: int | None = None, kinds: Iterable[str] = (),
+                        sandbox_id: str | None = None) -> AsyncIterator[Event]:
+        """Yield missed events after ``last_id`` from the ring, then live ones.
+
+        ``kinds`` filters by kind or prefix (``exec`` matches ``exec.finished``);
+        ``sandbox_id`` by sandbox. Runs until the caller stops iterating.
+        """
+        sub = _Subscriber(asyncio.get_running_loop(), asyncio.Queue(SUBSCRIBER_QUEUE),
+                          tuple(kinds), sandbox_id)
+        with self._lock:
+            backlog = [e for e in self._ring
+                       if (last_id is not None and e.id > last_id) and sub.wants(e)]
+            self._subs.append(sub)
+        try:
+            seen = last_id or 0
+            for ev in backlog:
+                seen = ev.id
+                yield ev
+            while True:
+                ev = await sub.queue.get()
+                if ev.id <= seen:
+                    continue
+                seen = ev.id
+                yield ev
+        finally:
+            with self._lock:
+                self._subs.remove(sub)
