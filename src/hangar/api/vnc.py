@@ -61,7 +61,7 @@ from hangar.api.deps import manager
 from hangar.api.desktop import desktop_for
 from hangar.core.sandboxes import SandboxManager
 from hangar.errors import HangarError, NotFound
-from hangar.guest.client import Tunnel
+from hangar.engines.agent_client import Tunnel
 
 log = logging.getLogger("hangar.vnc")
 
