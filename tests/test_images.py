@@ -492,3 +492,84 @@ def test_boot_with_stub_agent(base_image: GuestImage, layout: Layout, vms: list[
         assert "hangar-init: powering off (signal 15" in vm.console()
     finally:
         img.initrd.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# pinned builds and garbage collection, on small builds made by hand in a private data dir
+
+
+def fake_build(lay: Layout, name: str, digest: str, built_at: float) -> Path:
+    """A build directory as the builder leaves it, with tiny files."""
+    d = lay.image(f"{name}-{digest}").dir
+    (d / "modules" / "6.1.0-x").mkdir(parents=True)
+    (d / "rootfs.ext4").write_bytes(os.urandom(4096))
+    (d / "vmlinuz").write_bytes(os.urandom(512))
+    (d / "manifest.json").write_text(json.dumps({
+        "format": 2, "id": d.name, "name": name, "digest": digest, "recipe_digest": "r",
+        "recipe": {"description": ""}, "kernel": {"version": "6.1.0-x"},
+        "sizes": {"rootfs_bytes": 4096}, "built_at": built_at, "build_seconds": {"total": 1}}))
+    return d
+
+
+def test_resolve_pinned_finds_that_build_or_refuses(tmp_path: Path) -> None:
+    from hangar.errors import ImageMissing
+    from hangar.images import resolve_pinned
+
+    lay = Layout(tmp_path)
+    lay.ensure()
+    fake_build(lay, "base", "aaaaaaaaaaaa", 1.0)
+    fake_build(lay, "base", "bbbbbbbbbbbb", 2.0)
+    lay.image_link("base").symlink_to("base-bbbbbbbbbbbb")
+    for digest in ("cccccccccccc", "", "../x"):
+        with pytest.raises(ImageMissing) as e:  # never another build of the recipe
+            resolve_pinned(lay, "base", digest)
+        assert e.value.status == 409 and e.value.code == "image_missing"
+    with pytest.raises(ImageMissing):  # a folder whose manifest names another build
+        shutil.copytree(lay.image("base-aaaaaaaaaaaa").dir, lay.image("base-dddddddddddd").dir)
+        resolve_pinned(lay, "base", "dddddddddddd")
+
+
+def test_gc_keeps_current_pinned_and_in_use_builds(tmp_path: Path) -> None:
+    from hangar.images.gc import collect
+
+    lay = Layout(tmp_path / "data")
+    lay.ensure()
+    cur = fake_build(lay, "base", "000000000001", 5.0)
+    lay.image_link("base").symlink_to(cur.name)
+    pinned = fake_build(lay, "base", "000000000002", 4.0)
+    linked = fake_build(lay, "base", "000000000003", 3.0)
+    os.link(linked / "rootfs.ext4", tmp_path / "sandbox-rootfs.ext4")  # as Firecracker does
+    opened = fake_build(lay, "base", "000000000004", 2.0)
+    free = fake_build(lay, "base", "000000000005", 1.0)
+    other = fake_build(lay, "desktop", "000000000006", 1.0)
+    stage = lay.images / f"{lay.image_staging_prefix('base')}x1"
+    stage.mkdir()
+    (lay.images / ".trash-base-000000000009-1").mkdir()
+    with open(opened / "rootfs.ext4", "rb"):  # as a running QEMU holds its backing file
+        dry = collect(lay, {pinned.name}, dry_run=True)
+        assert [i.id for i in dry.removed] == sorted([free.name, other.name])
+        assert {(k.image.id, k.reason) for k in dry.kept} == {
+            (cur.name, "current"), (pinned.name, "pinned"), (linked.name, "in use"),
+            (opened.name, "in use")}
+        assert free.is_dir() and stage.is_dir(), "a dry run removes nothing"
+        assert dry.freed_bytes > 0
+
+        # a bare recipe name pins every build of that recipe
+        kept = collect(lay, {pinned.name, "desktop"}, dry_run=True)
+        assert [i.id for i in kept.removed] == [free.name]
+
+        done = collect(lay, {pinned.name, "desktop"})
+    assert [i.id for i in done.removed] == [free.name]
+    assert not free.exists()
+    for d in (cur, pinned, linked, opened, other):
+        assert (d / "rootfs.ext4").is_file()
+    assert sorted(p.name for p in lay.images.iterdir() if p.name.startswith((".staging",
+                                                                             ".trash"))) == []
+    assert lay.image_link("base").resolve() == cur.resolve()
+
+    # a data dir whose images folder is someone else's cache is not collected from
+    shared = Layout(tmp_path / "other")
+    shared.root.mkdir()
+    (shared.root / "images").symlink_to(lay.images)
+    with pytest.raises(ImageError, match="symlink"):
+        collect(shared, set())

@@ -25,10 +25,10 @@ import pytest
 from conftest import vmm_pids
 
 from hangar.engines import snapshot_io
+from hangar.engines.agent_client import AgentClient
 from hangar.engines.base import VM, VMSpec
 from hangar.engines.qemu import QemuEngine, choose_accel
 from hangar.errors import EngineError, NotFound
-from hangar.engines.agent_client import AgentClient
 from hangar.images import resolve_image
 from hangar.layout import Layout, SnapshotPaths
 

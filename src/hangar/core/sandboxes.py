@@ -36,12 +36,12 @@ from typing import Any
 from hangar.config import Settings
 from hangar.core.states import GONE, State
 from hangar.core.store import SandboxRecord, SnapshotRecord, Store
+from hangar.engines.agent_client import AgentClient, ExecEvent, ExecResult
 from hangar.engines.base import VM, Engine, VMSpec, kill_process
 from hangar.engines.snapshot_io import refresh_guest
 from hangar.errors import (
     Busy, Conflict, GuestError, Gone, HangarError, InvalidRequest, LimitExceeded, NotFound,
 )
-from hangar.engines.agent_client import AgentClient, ExecEvent, ExecResult
 from hangar.images import GuestImage, resolve_image, resolve_pinned
 from hangar.layout import Layout
 from hangar.metrics import Metrics
