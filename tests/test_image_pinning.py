@@ -134,6 +134,7 @@ def test_force_rebuild_keeps_every_disk_on_its_own_build(env: Env) -> None:
         assert built.returncode == 0, built.stderr[-3000:]
         new_id = os.readlink(env.layout.image_link("base"))
         assert new_id != env.old_id and new_id.startswith("base-")
+        assert built.stdout.split()[0] == new_id
         new = env.layout.image(new_id)
         m = json.loads(new.manifest.read_text())
         assert m["id"] == new_id and m["recipe_digest"] == get_recipe("base").digest()

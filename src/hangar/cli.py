@@ -114,7 +114,7 @@ def image_build(
 ) -> None:
     """Build a guest image from a recipe (reused while the recipe is unchanged).
 
-    Prints the build's name, digest and directory; its id is NAME-DIGEST.
+    Prints the build's id (NAME-DIGEST, the digest covering its bytes) and directory.
     """
     from hangar.layout import Layout
 
@@ -124,7 +124,7 @@ def image_build(
         img = _build(layout, recipe, force)
     except HangarError as exc:
         _fail(exc)
-    out.print(f"{img.name} {img.digest} {img.dir}")
+    out.print(f"{img.id} {img.dir}")
 
 
 @image_app.command("ls")
