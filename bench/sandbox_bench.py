@@ -25,9 +25,9 @@ import time
 import httpx
 from benchlib import SHARED, api_key, pct, start_server, stop_server
 
+from hangar.engines.agent_client import exec_meta
 from hangar.engines.base import VMSpec
 from hangar.engines.qemu import QemuEngine, choose_accel
-from hangar.guest.client import exec_meta
 from hangar.images import build_image, resolve_image
 from hangar.layout import Layout
 

@@ -1,6 +1,6 @@
 """The Firecracker engine against the real firecracker and jailer v1.12.1 binaries.
 
-The binaries are fetched (``hangar.engines.firecracker_bin.fetch``) when
+The binaries are fetched (``hangar.engines.firecracker.binaries.fetch``) when
 missing. Every test checks afterwards, explicitly, that no firecracker or
 jailer process of its own, no file and no cgroup of it is left.
 
@@ -31,25 +31,21 @@ from pathlib import Path
 import pytest
 
 from hangar.engines.base import VM, VMSpec
+from hangar.engines.agent_client import AgentClient
 from hangar.engines.firecracker import (
+    FirecrackerAPI,
+    FirecrackerAPIError,
     FirecrackerEngine,
     JailerConfig,
     cgroup_mounts,
-    ensure_vmlinux,
-    extract_vmlinux,
+    find_firecracker,
+    find_jailer,
     probe_boot,
     read_snapshot,
 )
-from hangar.engines.firecracker_api import FirecrackerAPI, FirecrackerAPIError
-from hangar.engines.firecracker_bin import (
-    BINARY_SHA256,
-    FIRECRACKER_VERSION,
-    fetch,
-    find_firecracker,
-    find_jailer,
-)
-from hangar.errors import EngineError, InvalidRequest, NotFound, Timeout
-from hangar.guest.client import AgentClient
+from hangar.engines.firecracker.binaries import BINARY_SHA256, FIRECRACKER_VERSION, fetch
+from hangar.errors import EngineError, ImageError, InvalidRequest, NotFound, Timeout
+from hangar.images import ensure_vmlinux, extract_vmlinux
 from hangar.layout import Layout, SandboxPaths
 
 from conftest import SHARED
@@ -198,7 +194,7 @@ def test_extract_vmlinux_scans_for_a_payload() -> None:
     elf = b"\x7fELF\x02\x01\x01" + bytes(11) + b"\x3e\x00" + os.urandom(2000)
     data, fmt = extract_vmlinux(b"not a boot header" * 40 + gzip.compress(elf) + b"tail")
     assert (data, fmt) == (elf, "gzip")
-    with pytest.raises(EngineError, match="no compressed x86_64 ELF"):
+    with pytest.raises(ImageError, match="no compressed x86_64 ELF"):
         extract_vmlinux(os.urandom(4096).replace(b"\x1f\x8b", b"xx"))
 
 
@@ -578,8 +574,8 @@ def test_failed_start_reports_the_vmm_error(fc_bins, image, work: Path,  # noqa:
 
     def sabotage(s: VMSpec, files) -> None:  # noqa: ANN001
         orig(s, files)
-        files.fc_log.unlink()
-        files.fc_log.mkdir()
+        files.log.unlink()
+        files.log.mkdir()
 
     engine._prepare = sabotage  # type: ignore[method-assign]
 

@@ -9,6 +9,7 @@ test makes is removed when it ends, pass or fail.
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
 import os
@@ -312,7 +313,18 @@ def test_guest_sources_and_init_script() -> None:
     src = initramfs.guest_sources()
     assert {"hangar/__init__.py", "hangar/guest/__init__.py", "hangar/guest/protocol.py",
             "hangar/guest/init.py"} <= set(src)
-    assert "hangar/guest/client.py" not in src
+    # guest/ holds exactly what runs in the guest: all of it travels, nothing else does
+    guest = Path(initramfs.package_dir()) / "guest"
+    assert set(src) == {"hangar/__init__.py"} | {
+        f"hangar/guest/{p.relative_to(guest).as_posix()}" for p in guest.rglob("*.py")
+        if "__pycache__" not in p.parts}
+    for path, data in src.items():  # and none of it imports the host's side
+        for node in ast.walk(ast.parse(data)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not name.startswith("hangar.") or name.startswith("hangar.guest"), \
+                    (path, name)
     script = initramfs.render_init("6.1.0-test")
     if Path("/bin/busybox").exists():
         r = subprocess.run(["/bin/busybox", "sh", "-n"], input=script, text=True,
@@ -327,10 +339,15 @@ def test_guest_sources_and_init_script() -> None:
 def test_image_files_and_manifest(base_image: GuestImage, layout: Layout) -> None:
     for f in (base_image.rootfs, base_image.kernel, base_image.initrd):
         assert f.is_file() and f.stat().st_size > 0, f
-    assert base_image.dir == (layout.images / f"base-{get_recipe('base').digest()}").resolve()
     assert (layout.images / "base").resolve() == base_image.dir
     m = json.loads((base_image.dir / "manifest.json").read_text())
-    assert m["digest"] == get_recipe("base").digest() == base_image.digest
+    # the id names the build; builds made before ids covered the bytes carry the recipe's digest
+    assert base_image.dir.name == base_image.id == f"base-{m['digest']}"
+    assert m.get("recipe_digest", m["digest"]) == get_recipe("base").digest()
+    assert base_image.recipe_digest == get_recipe("base").digest()
+    if m["format"] >= 2:
+        assert m["id"] == base_image.id and m["digest"] == m["sha256"][:12]
+        assert m["kernel"]["vmlinux"]["bytes"] == (base_image.dir / "vmlinux").stat().st_size
     assert m["name"] == "base" and m["recipe"]["packages"] == list(get_recipe("base").packages)
     assert m["kernel"]["version"] == base_image.kernel_version
     assert m["python_version"] and m["python_version"].startswith("3.")
@@ -338,7 +355,7 @@ def test_image_files_and_manifest(base_image: GuestImage, layout: Layout) -> Non
     assert m["sizes"]["rootfs_bytes"] > m["sizes"]["content_bytes"] > 50 * 2**20
     assert (base_image.dir / "modules" / base_image.kernel_version / "modules.dep").is_file()
     assert not list((layout.cache / "build").glob("*")), "temporary build trees left behind"
-    assert not [p for p in layout.images.glob(".base-*")], "staging directories left behind"
+    assert not list(layout.images.glob(".staging-base-*")), "staging directories left behind"
 
 
 def test_cached_build_is_fast(base_image: GuestImage, layout: Layout) -> None:
@@ -475,3 +492,84 @@ def test_boot_with_stub_agent(base_image: GuestImage, layout: Layout, vms: list[
         assert "hangar-init: powering off (signal 15" in vm.console()
     finally:
         img.initrd.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# pinned builds and garbage collection, on small builds made by hand in a private data dir
+
+
+def fake_build(lay: Layout, name: str, digest: str, built_at: float) -> Path:
+    """A build directory as the builder leaves it, with tiny files."""
+    d = lay.image(f"{name}-{digest}").dir
+    (d / "modules" / "6.1.0-x").mkdir(parents=True)
+    (d / "rootfs.ext4").write_bytes(os.urandom(4096))
+    (d / "vmlinuz").write_bytes(os.urandom(512))
+    (d / "manifest.json").write_text(json.dumps({
+        "format": 2, "id": d.name, "name": name, "digest": digest, "recipe_digest": "r",
+        "recipe": {"description": ""}, "kernel": {"version": "6.1.0-x"},
+        "sizes": {"rootfs_bytes": 4096}, "built_at": built_at, "build_seconds": {"total": 1}}))
+    return d
+
+
+def test_resolve_pinned_finds_that_build_or_refuses(tmp_path: Path) -> None:
+    from hangar.errors import ImageMissing
+    from hangar.images import resolve_pinned
+
+    lay = Layout(tmp_path)
+    lay.ensure()
+    fake_build(lay, "base", "aaaaaaaaaaaa", 1.0)
+    fake_build(lay, "base", "bbbbbbbbbbbb", 2.0)
+    lay.image_link("base").symlink_to("base-bbbbbbbbbbbb")
+    for digest in ("cccccccccccc", "", "../x"):
+        with pytest.raises(ImageMissing) as e:  # never another build of the recipe
+            resolve_pinned(lay, "base", digest)
+        assert e.value.status == 409 and e.value.code == "image_missing"
+    with pytest.raises(ImageMissing):  # a folder whose manifest names another build
+        shutil.copytree(lay.image("base-aaaaaaaaaaaa").dir, lay.image("base-dddddddddddd").dir)
+        resolve_pinned(lay, "base", "dddddddddddd")
+
+
+def test_gc_keeps_current_pinned_and_in_use_builds(tmp_path: Path) -> None:
+    from hangar.images.gc import collect
+
+    lay = Layout(tmp_path / "data")
+    lay.ensure()
+    cur = fake_build(lay, "base", "000000000001", 5.0)
+    lay.image_link("base").symlink_to(cur.name)
+    pinned = fake_build(lay, "base", "000000000002", 4.0)
+    linked = fake_build(lay, "base", "000000000003", 3.0)
+    os.link(linked / "rootfs.ext4", tmp_path / "sandbox-rootfs.ext4")  # as Firecracker does
+    opened = fake_build(lay, "base", "000000000004", 2.0)
+    free = fake_build(lay, "base", "000000000005", 1.0)
+    other = fake_build(lay, "desktop", "000000000006", 1.0)
+    stage = lay.images / f"{lay.image_staging_prefix('base')}x1"
+    stage.mkdir()
+    (lay.images / ".trash-base-000000000009-1").mkdir()
+    with open(opened / "rootfs.ext4", "rb"):  # as a running QEMU holds its backing file
+        dry = collect(lay, {pinned.name}, dry_run=True)
+        assert [i.id for i in dry.removed] == sorted([free.name, other.name])
+        assert {(k.image.id, k.reason) for k in dry.kept} == {
+            (cur.name, "current"), (pinned.name, "pinned"), (linked.name, "in use"),
+            (opened.name, "in use")}
+        assert free.is_dir() and stage.is_dir(), "a dry run removes nothing"
+        assert dry.freed_bytes > 0
+
+        # a bare recipe name pins every build of that recipe
+        kept = collect(lay, {pinned.name, "desktop"}, dry_run=True)
+        assert [i.id for i in kept.removed] == [free.name]
+
+        done = collect(lay, {pinned.name, "desktop"})
+    assert [i.id for i in done.removed] == [free.name]
+    assert not free.exists()
+    for d in (cur, pinned, linked, opened, other):
+        assert (d / "rootfs.ext4").is_file()
+    assert sorted(p.name for p in lay.images.iterdir() if p.name.startswith((".staging",
+                                                                             ".trash"))) == []
+    assert lay.image_link("base").resolve() == cur.resolve()
+
+    # a data dir whose images folder is someone else's cache is not collected from
+    shared = Layout(tmp_path / "other")
+    shared.root.mkdir()
+    (shared.root / "images").symlink_to(lay.images)
+    with pytest.raises(ImageError, match="symlink"):
+        collect(shared, set())

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from conftest import SHARED, vmm_pids
+from hangar.engines.agent_client import AgentClient, exec_meta
 from hangar.engines.base import VMSpec
 from hangar.engines.qemu import QemuEngine
-from hangar.guest.client import AgentClient, exec_meta
 from hangar.images import resolve_image
 from hangar.layout import Layout
 

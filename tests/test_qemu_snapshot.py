@@ -25,12 +25,12 @@ import pytest
 from conftest import vmm_pids
 
 from hangar.engines import snapshot_io
+from hangar.engines.agent_client import AgentClient
 from hangar.engines.base import VM, VMSpec
 from hangar.engines.qemu import QemuEngine, choose_accel
 from hangar.errors import EngineError, NotFound
-from hangar.guest.client import AgentClient
 from hangar.images import resolve_image
-from hangar.layout import Layout
+from hangar.layout import Layout, SnapshotPaths
 
 pytestmark = pytest.mark.vm
 
@@ -255,8 +255,8 @@ def test_restore_refuses_what_cannot_work(env: Env) -> None:
             await env.engine.restore(env.spec("x"), env.snapshot_dir("missing"))
         snap = env.snapshot_dir("fake")
         snap.mkdir(parents=True)
-        (snap / snapshot_io.STATE_FILE).write_bytes(b"x")
-        (snap / snapshot_io.DISK_FILE).write_bytes(b"x")
+        SnapshotPaths(snap).state.write_bytes(b"x")
+        SnapshotPaths(snap).disk.write_bytes(b"x")
         spec = env.spec("x")
         big = VMSpec(spec.sandbox_id, env.image, spec.paths, memory_mib=1024)
         manifest = snapshot_io.SnapshotManifest(
@@ -268,17 +268,17 @@ def test_restore_refuses_what_cannot_work(env: Env) -> None:
         with pytest.raises(EngineError, match="vCPUs, memory"):
             await env.engine.restore(spec, snap)
         assert not spec.paths.dir.exists()
-        other = json.loads((snap / snapshot_io.MANIFEST_FILE).read_text())
+        other = json.loads(SnapshotPaths(snap).manifest.read_text())
         other["image_digest"] = "000000000000"
-        (snap / snapshot_io.MANIFEST_FILE).write_text(json.dumps(other))
+        SnapshotPaths(snap).manifest.write_text(json.dumps(other))
         with pytest.raises(EngineError, match="needs image"):
             await env.engine.restore(big, snap)
         # a corrupt state file: QEMU fails to load it, and nothing is left behind
         other["image_digest"] = env.image.digest
-        (snap / snapshot_io.MANIFEST_FILE).write_text(json.dumps(other))
-        (snap / snapshot_io.DISK_FILE).unlink()
+        SnapshotPaths(snap).manifest.write_text(json.dumps(other))
+        SnapshotPaths(snap).disk.unlink()
         subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b",
-                        str(env.image.rootfs), str(snap / snapshot_io.DISK_FILE)], check=True)
+                        str(env.image.rootfs), str(SnapshotPaths(snap).disk)], check=True)
         with pytest.raises(EngineError):
             await env.engine.restore(big, snap)
         assert not big.paths.dir.exists()

@@ -1,6 +1,6 @@
 """The ``hangar`` command line (typer + rich).
 
-Server side: ``hangar serve``, ``hangar image build|ls``. Client side
+Server side: ``hangar serve``, ``hangar image build|ls|gc``. Client side
 (talks to a server at ``HANGAR_URL`` with ``HANGAR_API_KEY`` or the key
 file): ``create``, ``ls``, ``exec``, ``files put|get|ls``, ``rm``.
 Errors print one line and exit 1; ``exec`` exits with the command's code.
@@ -17,13 +17,13 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from hangar.errors import HangarError
 
 app = typer.Typer(help="Hangar: microVM sandboxes for AI agents.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
-image_app = typer.Typer(help="Build and list guest images.", no_args_is_help=True)
+image_app = typer.Typer(help="Build, list and collect guest images.", no_args_is_help=True)
 files_app = typer.Typer(help="Copy files in and out of a sandbox.", no_args_is_help=True)
 machine_app = typer.Typer(help="Per-user machines that sleep when idle.", no_args_is_help=True)
 snapshot_app = typer.Typer(help="Snapshots of running sandboxes.", no_args_is_help=True)
@@ -107,10 +107,15 @@ def serve(
 @image_app.command("build")
 def image_build(
     recipe: Annotated[str, typer.Argument(help="Recipe name.")] = "base",
-    force: Annotated[bool, typer.Option(help="Rebuild even if cached.")] = False,
+    force: Annotated[bool, typer.Option(
+        help="Make a new build even if one of this recipe exists (a new id; the old "
+             "build stays for what was made from it).")] = False,
     data_dir: DataDir = None,
 ) -> None:
-    """Build a guest image from a recipe (cached by the recipe's hash)."""
+    """Build a guest image from a recipe (reused while the recipe is unchanged).
+
+    Prints the build's id (NAME-DIGEST, the digest covering its bytes) and directory.
+    """
     from hangar.layout import Layout
 
     layout = Layout(_settings(data_dir).data_dir)
@@ -119,7 +124,7 @@ def image_build(
         img = _build(layout, recipe, force)
     except HangarError as exc:
         _fail(exc)
-    out.print(f"{img.name} {img.digest} {img.dir}")
+    out.print(f"{img.id} {img.dir}")
 
 
 @image_app.command("ls")
@@ -130,12 +135,69 @@ def image_ls(data_dir: DataDir = None) -> None:
 
     import time
 
-    table = Table("name", "digest", "rootfs (MiB)", "kernel", "built", "state")
+    table = Table("rootfs (MiB)", "kernel", "built", "state")
+    table.columns.insert(0, Column("id", no_wrap=True, overflow="fold"))
     for i in list_images(Layout(_settings(data_dir).data_dir)):
         state = "current" if i.current else ("stale" if i.stale else "")
-        table.add_row(i.name, i.digest, f"{i.rootfs_bytes / 2**20:.0f}", i.kernel_version,
+        table.add_row(i.id, f"{i.rootfs_bytes / 2**20:.0f}", i.kernel_version,
                       time.strftime("%Y-%m-%d %H:%M", time.localtime(i.built_at)), state)
     out.print(table)
+
+
+def _pinned_images(layout) -> set[str]:  # type: ignore[no-untyped-def]
+    """Image ids that sandboxes, snapshots and machines in the data dir's store pin."""
+    if not layout.database.exists():
+        return set()
+    from hangar.core.states import GONE, State
+    from hangar.core.store import MachineRecord, SandboxRecord, SnapshotRecord, Store
+    from hangar.images import image_id
+
+    store = Store(layout.database)
+    try:
+        pins: set[str] = set()
+
+        def pin(name: str, digest: str) -> None:  # a record without a digest pins the name
+            pins.add(image_id(name, digest) if digest else name)
+
+        for rec in store.all():
+            if State(rec.state) not in GONE:
+                pin(rec.image, rec.image_digest)
+        for snap in store.list(SnapshotRecord):
+            pin(snap.image, snap.image_digest)
+        for m in store.list(MachineRecord):
+            found = store.find(SandboxRecord, m.sandbox_id)
+            if found is not None:
+                pin(found.image, found.image_digest)
+        return pins
+    finally:
+        store.engine.dispose()
+
+
+@image_app.command("gc")
+def image_gc(
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Only list the builds that would be removed.")] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Remove image builds that nothing uses: never the current build of a recipe, one a
+    sandbox, snapshot or machine of this data dir was made from, or one a VM has open."""
+    from hangar.images.gc import collect
+    from hangar.layout import Layout
+
+    layout = Layout(_settings(data_dir).data_dir)
+    try:
+        result = collect(layout, _pinned_images(layout), dry_run=dry_run)
+    except HangarError as exc:
+        _fail(exc)
+    verb = "would remove" if dry_run else "removed"
+    for i in result.removed:
+        out.print(f"{verb} {i.id} ({i.bytes_on_disk / 2**20:.0f} MiB)")
+    for k in result.kept:
+        out.print(f"kept {k.image.id} ({k.reason})")
+    for d in result.leftovers:
+        out.print(f"{verb} leftover {d.name}")
+    out.print(f"{verb} {len(result.removed)} build(s), "
+              f"{result.freed_bytes / 2**20:.0f} MiB")
 
 
 @app.command()

@@ -12,13 +12,15 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from hangar.layout import DEFAULT_ROOT
+
 
 class Settings(BaseSettings):
     """Settings of one Hangar server process."""
 
     model_config = SettingsConfigDict(env_prefix="HANGAR_", extra="ignore")
 
-    data_dir: Path = Field(Path("/var/lib/hangar"), description="Root of the on-disk layout.")
+    data_dir: Path = Field(DEFAULT_ROOT, description="Root of the on-disk layout.")
     host: str = Field("127.0.0.1", description="Address the REST API listens on.")
     port: int = Field(8080, description="TCP port of the REST API.")
     uds: Path | None = Field(None, description="Serve on this Unix socket instead of TCP.")

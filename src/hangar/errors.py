@@ -11,7 +11,8 @@ the client SDK (``hangar.client``)::
     ├── NotFound                404  no such sandbox, file or image
     ├── Gone                    410  the sandbox existed but expired
     ├── Conflict                409  the object's state forbids the call now
-    │   └── Busy                409  retryable: try again shortly
+    │   ├── Busy                409  retryable: try again shortly
+    │   └── ImageMissing        409  the image build a sandbox or snapshot pins is gone
     ├── LimitExceeded           429  retryable after ``retry_after`` seconds
     ├── Timeout                 504  the guest did not answer in time
     ├── GuestError              502  the guest agent reported a failure
@@ -69,6 +70,14 @@ class Busy(Conflict):
     code, retryable = "busy", True
 
 
+class ImageMissing(Conflict):
+    """The exact image build that a sandbox, snapshot or machine was made from (its
+    pinned id, ``<name>-<digest>``) no longer exists, so it cannot be restored or woken:
+    another build's bytes under its disk would corrupt its filesystem. Not retryable."""
+
+    code = "image_missing"
+
+
 class LimitExceeded(HangarError):
     status, code, retryable = 429, "limit_exceeded", True
 
@@ -97,6 +106,6 @@ BY_CODE: dict[str, type[HangarError]] = {
     cls.code: cls
     for cls in (
         HangarError, InvalidRequest, Unauthorized, Unavailable, NotFound, Gone, Conflict, Busy,
-        LimitExceeded, Timeout, GuestError, EngineError, ImageError,
+        ImageMissing, LimitExceeded, Timeout, GuestError, EngineError, ImageError,
     )
 }

@@ -1,51 +1,88 @@
 """The on-disk layout of a Hangar host, written down once.
 
-Everything Hangar keeps lives under one data directory (``HANGAR_DATA_DIR``,
-default ``/var/lib/hangar``)::
+Every file Hangar keeps, and every file a VMM writes for it, is named here;
+other modules take their paths from these classes and hold no path
+literals of their own. Everything lives under one data directory
+(``HANGAR_DATA_DIR``, default ``/var/lib/hangar``, mode 0700)::
 
     <data>/
       api-key                   0600, generated on first start, never logged
-      hangar.db                 SQLite store of sandbox records
-      engine-probe.json         cached result of the KVM probe boot
+      hangar.db                 SQLite store of sandbox, snapshot and machine records
+      engine-probe.json         cached result of QEMU's KVM probe boot
+      firecracker-probe.json    cached result of the Firecracker probe boot
+      bin/                      firecracker and jailer, fetched by
+                                hangar.engines.firecracker.binaries
       cache/
         debs/                   kernel packages fetched by ``apt-get download``
         debootstrap/            .debs kept by debootstrap --cache-dir
         build/                  temporary debootstrap trees (removed after each build)
       images/
-        <name>-<hash>/          one built image; <hash> is ``Recipe.digest()``
+        <name>-<digest>/        one build of a recipe, never changed once made;
+                                <name>-<digest> is its id (see below)
           rootfs.ext4           read-only base disk (ext4, made by mkfs.ext4 -d)
-          vmlinuz               Debian kernel (bzImage)
+          vmlinuz               Debian kernel (bzImage), booted by QEMU
+          vmlinux               the same kernel as an ELF, booted by Firecracker
           modules/<kver>/       the kernel's full modules tree (depmod'ed)
           initrd-<tag>.img      busybox initramfs: virtio modules + the guest's
-                                Python files; <tag> hashes those inputs, so it
-                                is rebuilt (about a second) when the agent changes
+                                Python files; <tag> hashes those inputs, so one
+                                is added (about a second) when the agent changes
           initrd.img            symlink to the newest initrd-<tag>.img
-          manifest.json         recipe, digest, kernel version, sizes, build time
-        <name> -> <name>-<hash> symlink to the newest build of a recipe
-        .<name>.lock            flock held while building a recipe
+          manifest.json         id, recipe, digests, kernel, sizes, build time
+        <name> -> <name>-<digest>  symlink to the current build of a recipe
+        .<name>.lock            flock held while building (or collecting) a recipe
+        .staging-<name>-*/      a build in progress, renamed to <name>-<digest>
+        .trash-*/               a build being removed by ``hangar image gc``
       sandboxes/
         <id>/                   one sandbox's private directory, removed with it
-          disk.qcow2            copy-on-write overlay over the image's rootfs
-          qmp.sock              QEMU's QMP control socket
-          agent.sock            guest agent channel (virtio-serial port)
-          serial.log            guest console output
           vmm.pid               pid of the VMM process
+          vmm.log               the VMM's own stdout and stderr (start failures)
+          serial.log            guest console output
+          disk.qcow2            QEMU: copy-on-write overlay over the image's rootfs
+          qmp.sock              QEMU: the QMP control socket
+          agent.sock            QEMU: the agent channel (virtio-serial port)
+          vm.json               Firecracker: what was booted; read on adoption
+          firecracker/hangar-<id>/root/   Firecracker under the jailer: its chroot
+                                (without the jailer, the files below are in <id>/)
+            vmlinux, initrd.img, rootfs.ext4   hard links of the image's files
+            disk.ext4           the sandbox's writable drive (sparse ext4)
+            firecracker.sock    Firecracker's API socket
+            agent.sock          the vsock host socket (the agent channel)
+            firecracker.log     Firecracker's own log
+            snapshot.vmstate, snapshot.memory   hard links of a snapshot being restored
       snapshots/
-        <snapshot id>/          state.mig (VMM state and RAM), disk.qcow2 (copy of the
-                                overlay), snapshot.json (manifest, written last);
-                                see hangar.engines.snapshot_io
+        <snapshot id>/          snapshot.json (manifest, written last) and
+                                QEMU: state.mig (device state and RAM), disk.qcow2
+                                Firecracker: vmstate, memory, disk.ext4
+                                (see hangar.engines.snapshot_io)
+
+Image ids. A build's id is ``<name>-<digest>``, where ``<digest>`` is 12 hex
+digits of the SHA-256 of its bytes (rootfs.ext4, vmlinuz and the modules
+tree; see ``hangar.images.builder``), so a rebuild makes a new id and
+never replaces a build in place. Builds made before ids covered the bytes
+keep their old name, ``<name>-<recipe digest>``, and are not rebuilt in place
+either. The initramfs is not part of the id: it is added beside the build
+when this Hangar's guest files change, and a disk never points at it.
 
 Sandbox directories are created by the engine on boot and removed on stop;
-images are created by ``hangar.images.builder`` and only read afterwards,
-except that ``hangar.images.builder.resolve_image`` adds an ``initrd-<tag>.img``
-(and repoints ``initrd.img``) when the guest's Python files have changed. Use
-the paths in the ``GuestImage`` that ``resolve_image`` returns.
+builds are created by ``hangar.images.builder`` and only read afterwards,
+except that an ``initrd-<tag>.img`` may be added (and ``initrd.img``
+repointed), and a build made before kernels were unpacked at build time
+gets its ``vmlinux`` (recorded in its manifest) on first use.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+DEFAULT_ROOT = Path("/var/lib/hangar")
+"""The data directory when ``HANGAR_DATA_DIR`` is not set."""
+
+
+def default_root() -> Path:
+    """``$HANGAR_DATA_DIR``, else ``DEFAULT_ROOT``."""
+    return Path(os.environ.get("HANGAR_DATA_DIR") or DEFAULT_ROOT)
 
 
 @dataclass(frozen=True)
@@ -53,6 +90,11 @@ class Layout:
     """Paths under one data directory."""
 
     root: Path
+
+    @classmethod
+    def from_env(cls) -> "Layout":
+        """The layout of ``default_root()``."""
+        return cls(default_root())
 
     @property
     def api_key_file(self) -> Path:
@@ -63,12 +105,38 @@ class Layout:
         return self.root / "hangar.db"
 
     @property
-    def probe_file(self) -> Path:
+    def qemu_probe_file(self) -> Path:
+        """Cached answer of QEMU's KVM probe boot (``hangar.engines.qemu.choose_accel``)."""
         return self.root / "engine-probe.json"
+
+    @property
+    def firecracker_probe_file(self) -> Path:
+        """Cached answer of the Firecracker probe boot (``hangar.engines.doctor``)."""
+        return self.root / "firecracker-probe.json"
+
+    @property
+    def bin(self) -> Path:
+        """Fetched VMM binaries (firecracker, jailer)."""
+        return self.root / "bin"
 
     @property
     def cache(self) -> Path:
         return self.root / "cache"
+
+    @property
+    def debs_cache(self) -> Path:
+        """Kernel .debs (``hangar.images.kernel``)."""
+        return self.cache / "debs"
+
+    @property
+    def debootstrap_cache(self) -> Path:
+        """debootstrap's ``--cache-dir``."""
+        return self.cache / "debootstrap"
+
+    @property
+    def build_cache(self) -> Path:
+        """Temporary debootstrap trees, one per build in progress."""
+        return self.cache / "build"
 
     @property
     def images(self) -> Path:
@@ -83,10 +151,32 @@ class Layout:
         return self.root / "snapshots"
 
     def snapshot(self, snapshot_id: str) -> Path:
+        """The directory of one snapshot (``SnapshotPaths`` names its files)."""
         return self.snapshots / snapshot_id
 
     def image_dir(self, name: str) -> Path:
+        """``images/<name>``: a build's directory (by id) or a recipe's symlink (by name)."""
         return self.images / name
+
+    def image(self, image_id: str) -> "ImagePaths":
+        """The files of the build ``<name>-<digest>``."""
+        return ImagePaths(self.images / image_id)
+
+    def image_link(self, name: str) -> Path:
+        """Symlink to the current build of recipe ``name``."""
+        return self.images / name
+
+    def image_lock(self, name: str) -> Path:
+        """flock file held while recipe ``name`` is built or its old builds collected."""
+        return self.images / f".{name}.lock"
+
+    def image_staging_prefix(self, name: str) -> str:
+        """Name prefix of the staging directories of builds of ``name`` in ``images``."""
+        return f".staging-{name}-"
+
+    def image_trash(self, image_id: str) -> Path:
+        """Where a build is renamed to just before it is deleted."""
+        return self.images / f".trash-{image_id}-{os.getpid()}"
 
     def sandbox(self, sandbox_id: str) -> "SandboxPaths":
         return SandboxPaths(self.sandboxes / sandbox_id)
@@ -106,7 +196,21 @@ class SandboxPaths:
     dir: Path
 
     @property
+    def pid_file(self) -> Path:
+        return self.dir / "vmm.pid"
+
+    @property
+    def vmm_log(self) -> Path:
+        """The VMM process's stdout and stderr (Firecracker: stderr only)."""
+        return self.dir / "vmm.log"
+
+    @property
+    def serial_log(self) -> Path:
+        return self.dir / "serial.log"
+
+    @property
     def disk(self) -> Path:
+        """QEMU's qcow2 overlay."""
         return self.dir / "disk.qcow2"
 
     @property
@@ -115,15 +219,136 @@ class SandboxPaths:
 
     @property
     def agent(self) -> Path:
+        """QEMU's agent socket (virtio-serial)."""
         return self.dir / "agent.sock"
 
     @property
-    def serial_log(self) -> Path:
-        return self.dir / "serial.log"
+    def vm_json(self) -> Path:
+        """Firecracker: what was booted (ids, image, shape)."""
+        return self.dir / "vm.json"
+
+    def firecracker(self, vm_id: str, jailed: bool) -> "FirecrackerPaths":
+        """The files of this sandbox's Firecracker VMM with ``--id vm_id``."""
+        return FirecrackerPaths(self, vm_id, jailed)
+
+
+@dataclass(frozen=True)
+class FirecrackerPaths:
+    """Files of one Firecracker VMM: in ``root``, its working directory (its chroot when
+    jailed). Firecracker's API takes every path relative to ``root``, so use ``.name``."""
+
+    paths: SandboxPaths
+    vm_id: str
+    jailed: bool
 
     @property
-    def pid_file(self) -> Path:
-        return self.dir / "vmm.pid"
+    def root(self) -> Path:
+        if self.jailed:
+            return self.jail_base / "firecracker" / self.vm_id / "root"
+        return self.paths.dir
+
+    @property
+    def jail_base(self) -> Path:
+        """The jailer's ``--chroot-base-dir``: it builds ``<exec file name>/<vm id>/root``
+        there, and Hangar runs only a binary named ``firecracker`` under it."""
+        return self.paths.dir
+
+    @property
+    def kernel(self) -> Path:
+        return self.root / "vmlinux"
+
+    @property
+    def initrd(self) -> Path:
+        return self.root / "initrd.img"
+
+    @property
+    def rootfs(self) -> Path:
+        return self.root / "rootfs.ext4"
+
+    @property
+    def disk(self) -> Path:
+        """The sandbox's writable drive."""
+        return self.root / "disk.ext4"
+
+    @property
+    def api(self) -> Path:
+        return self.root / "firecracker.sock"
+
+    @property
+    def vsock(self) -> Path:
+        return self.root / "agent.sock"
+
+    @property
+    def log(self) -> Path:
+        """Firecracker's own log (``--log-path``)."""
+        return self.root / "firecracker.log"
+
+    @property
+    def restore_state(self) -> Path:
+        return self.root / "snapshot.vmstate"
+
+    @property
+    def restore_memory(self) -> Path:
+        return self.root / "snapshot.memory"
+
+    @property
+    def snapshot_state(self) -> Path:
+        """Where ``PUT /snapshot/create`` writes the state before it is moved out."""
+        return self.root / ".snap-vmstate"
+
+    @property
+    def snapshot_memory(self) -> Path:
+        return self.root / ".snap-memory"
+
+    @property
+    def vmm_log(self) -> Path:
+        return self.paths.vmm_log
+
+    @property
+    def vm_json(self) -> Path:
+        return self.paths.vm_json
+
+
+@dataclass(frozen=True)
+class SnapshotPaths:
+    """Files of one snapshot directory (``Layout.snapshot``)."""
+
+    dir: Path
+
+    @property
+    def manifest(self) -> Path:
+        """``snapshot.json``, written last: without it the snapshot is unfinished."""
+        return self.dir / "snapshot.json"
+
+    @property
+    def state(self) -> Path:
+        """QEMU's migration stream."""
+        return self.dir / "state.mig"
+
+    @property
+    def state_partial(self) -> Path:
+        """The migration stream while it is being written."""
+        return self.dir / "state.mig.part"
+
+    @property
+    def disk(self) -> Path:
+        """QEMU: copy of the qcow2 overlay."""
+        return self.dir / "disk.qcow2"
+
+    @property
+    def fc_state(self) -> Path:
+        """Firecracker's device state."""
+        return self.dir / "vmstate"
+
+    @property
+    def fc_memory(self) -> Path:
+        """Firecracker's guest memory file (sparse)."""
+        return self.dir / "memory"
+
+    @property
+    def fc_disk(self) -> Path:
+        """Firecracker: copy of the writable drive."""
+        return self.dir / "disk.ext4"
 
 
 @dataclass(frozen=True)
@@ -133,12 +358,23 @@ class ImagePaths:
     dir: Path
 
     @property
+    def id(self) -> str:
+        """``<name>-<digest>``."""
+        return self.dir.name
+
+    @property
     def rootfs(self) -> Path:
         return self.dir / "rootfs.ext4"
 
     @property
     def kernel(self) -> Path:
+        """The bzImage (QEMU boots it)."""
         return self.dir / "vmlinuz"
+
+    @property
+    def vmlinux(self) -> Path:
+        """The uncompressed ELF kernel (Firecracker boots it)."""
+        return self.dir / "vmlinux"
 
     @property
     def initrd(self) -> Path:

@@ -50,7 +50,8 @@ async def sleep(user_id: str, mm: Machines) -> Machine:
     return Machine(**asdict(await mm.sleep(user_id)))
 
 
-@router.post("/wake", response_model=Machine, summary="Wake the machine")
+@router.post("/wake", response_model=Machine, summary="Wake the machine",
+             responses={409: {"description": "image_missing: its image build is gone"}})
 async def wake(user_id: str, mm: Machines) -> Machine:
     return Machine(**asdict(await mm.wake(user_id)))
 

@@ -50,6 +50,8 @@ class Sandbox(BaseModel):
     id: str
     state: str
     image: str
+    image_id: str = Field("", description="The image build it runs on and is pinned to, "
+                                          "<image>-<digest>; a rebuild never changes it.")
     engine: str
     accel: str
     vcpus: int
@@ -151,6 +153,8 @@ class Snapshot(BaseModel):
     size_bytes: int = Field(description="Bytes on disk.")
     created_at: float = Field(description="Unix time, seconds.")
     image: str
+    image_id: str = Field("", description="The image build it restores onto, "
+                                          "<image>-<digest>; gone: restores answer 409.")
     vcpus: int
     memory_mib: int
     disk_mib: int

@@ -17,8 +17,9 @@ from hangar.api.models import (
 )
 from hangar.core.sandboxes import CreateOptions, SandboxManager
 from hangar.core.store import SandboxRecord
+from hangar.engines.agent_client import ExecResult, StreamCapture, exec_meta
 from hangar.errors import InvalidRequest
-from hangar.guest.client import ExecResult, StreamCapture, exec_meta
+from hangar.images import image_id
 
 router = APIRouter(prefix="/sandboxes", tags=["sandboxes"])
 Manager = Annotated[SandboxManager, Depends(manager)]
@@ -26,7 +27,8 @@ Manager = Annotated[SandboxManager, Depends(manager)]
 
 def view(rec: SandboxRecord) -> Sandbox:
     return Sandbox(
-        id=rec.id, state=rec.state, image=rec.image, engine=rec.engine, accel=rec.accel,
+        id=rec.id, state=rec.state, image=rec.image,
+        image_id=image_id(rec.image, rec.image_digest), engine=rec.engine, accel=rec.accel,
         vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
         created_at=rec.created_at, expires_at=rec.expires_at, error=rec.error,
         metadata={k: v for k, v in (rec.metadata_ or {}).items() if isinstance(v, str)},

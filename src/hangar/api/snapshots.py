@@ -11,6 +11,7 @@ from hangar.api.models import ForkRequest, RestoreRequest, Sandbox, Snapshot, Sn
 from hangar.api.sandboxes import view as sandbox_view
 from hangar.core.sandboxes import CreateOptions, SandboxManager
 from hangar.core.store import SnapshotRecord
+from hangar.images import image_id
 
 router = APIRouter(tags=["snapshots"])
 Manager = Annotated[SandboxManager, Depends(manager)]
@@ -18,7 +19,8 @@ Manager = Annotated[SandboxManager, Depends(manager)]
 
 def view(s: SnapshotRecord) -> Snapshot:
     return Snapshot(id=s.id, sandbox_id=s.sandbox_id, size_bytes=s.size_bytes,
-                    created_at=s.created_at, image=s.image, vcpus=s.vcpus,
+                    created_at=s.created_at, image=s.image,
+                    image_id=image_id(s.image, s.image_digest), vcpus=s.vcpus,
                     memory_mib=s.memory_mib, disk_mib=s.disk_mib)
 
 
@@ -29,8 +31,12 @@ async def take(sandbox_id: str, m: Manager) -> Snapshot:
     return view(await m.snapshot(sandbox_id))
 
 
+MISSING_IMAGE = {409: {"description": "image_missing: the image build the snapshot was made "
+                                      "from is gone (nothing was changed)"}}
+
+
 @router.post("/sandboxes/{sandbox_id}/restore", response_model=Sandbox,
-             summary="Bring the sandbox back to one of its snapshots")
+             summary="Bring the sandbox back to one of its snapshots", responses=MISSING_IMAGE)
 async def restore(sandbox_id: str, body: RestoreRequest, m: Manager) -> Sandbox:
     return sandbox_view(await m.restore(sandbox_id, body.snapshot_id))
 
@@ -52,7 +58,7 @@ async def delete(snapshot_id: str, m: Manager) -> Response:
 
 
 @router.post("/snapshots/{snapshot_id}/sandboxes", response_model=Sandbox, status_code=201,
-             summary="Start a new sandbox from a snapshot (a fork)")
+             summary="Start a new sandbox from a snapshot (a fork)", responses=MISSING_IMAGE)
 async def fork(snapshot_id: str, m: Manager, body: ForkRequest | None = None) -> Sandbox:
     body = body or ForkRequest()
     rec = await m.fork(snapshot_id, CreateOptions(timeout_s=body.timeout, metadata=body.metadata))

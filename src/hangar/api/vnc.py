@@ -60,8 +60,8 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from hangar.api.deps import manager
 from hangar.api.desktop import desktop_for
 from hangar.core.sandboxes import SandboxManager
+from hangar.engines.agent_client import Tunnel
 from hangar.errors import HangarError, NotFound
-from hangar.guest.client import Tunnel
 
 log = logging.getLogger("hangar.vnc")
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from hangar.errors import BY_CODE, HangarError, LimitExceeded, Unavailable
+from hangar.layout import Layout
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 
@@ -30,7 +30,7 @@ def resolve_config(base_url: str | None, api_key: str | None) -> tuple[str, str]
     url = base_url or os.environ.get("HANGAR_URL") or DEFAULT_URL
     key = api_key or os.environ.get("HANGAR_API_KEY")
     if not key:
-        path = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar")) / "api-key"
+        path = Layout.from_env().api_key_file
         try:
             key = path.read_text().strip()
         except OSError:

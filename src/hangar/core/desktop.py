@@ -56,8 +56,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hangar.core.sandboxes import SandboxManager
+from hangar.engines.agent_client import ExecResult, exec_meta
 from hangar.errors import Conflict, GuestError, HangarError, InvalidRequest, NotFound, Timeout
-from hangar.guest.client import ExecResult, exec_meta
 
 READY_FILE = "/run/hangar/desktop-ready"
 ERROR_FILE = "/run/hangar/desktop-error"

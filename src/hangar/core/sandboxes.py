@@ -36,13 +36,13 @@ from typing import Any
 from hangar.config import Settings
 from hangar.core.states import GONE, State
 from hangar.core.store import SandboxRecord, SnapshotRecord, Store
+from hangar.engines.agent_client import AgentClient, ExecEvent, ExecResult
 from hangar.engines.base import VM, Engine, VMSpec, kill_process
 from hangar.engines.snapshot_io import refresh_guest
 from hangar.errors import (
     Busy, Conflict, GuestError, Gone, HangarError, InvalidRequest, LimitExceeded, NotFound,
 )
-from hangar.guest.client import AgentClient, ExecEvent, ExecResult
-from hangar.images import GuestImage, resolve_image
+from hangar.images import GuestImage, resolve_image, resolve_pinned
 from hangar.layout import Layout
 from hangar.metrics import Metrics
 from hangar.net import NetAttachment, NetworkManager, Policy
@@ -229,7 +229,7 @@ class SandboxManager:
             if d.name in live:
                 continue
             try:
-                pid = int((d / "vmm.pid").read_text())
+                pid = int(self.layout.sandbox(d.name).pid_file.read_text())
             except (OSError, ValueError):
                 pid = -1
             vm = self.engine.adopt(d.name, self.layout.sandbox(d.name), pid)
@@ -570,8 +570,10 @@ class SandboxManager:
         return rec
 
     async def _restore_into(self, rec: SandboxRecord, snap: SnapshotRecord) -> Runtime:
-        """Start ``rec``'s VM from ``snap``; agent connected, clock and entropy refreshed."""
-        image = resolve_image(self.layout, f"{snap.image}-{snap.image_digest}")
+        """Start ``rec``'s VM from ``snap``; agent connected, clock and entropy refreshed.
+
+        Raises ImageMissing (409) when the image build the snapshot pins is gone."""
+        image = resolve_pinned(self.layout, snap.image, snap.image_digest)
 
         async def ready(agent: AgentClient, net: NetAttachment | None) -> None:
             await refresh_guest(agent)
@@ -588,7 +590,8 @@ class SandboxManager:
         """Bring a sandbox back to a snapshot of its own: processes, memory and files.
 
         The current VM is replaced. Raises NotFound (no such snapshot),
-        InvalidRequest (the snapshot belongs to another sandbox), Busy; if the
+        InvalidRequest (the snapshot belongs to another sandbox), ImageMissing
+        (its image build is gone; the VM is left as it was), Busy; if the
         restore itself fails the sandbox is ``failed``.
         """
         snap = self.get_snapshot(snapshot_id)
@@ -596,6 +599,7 @@ class SandboxManager:
             raise InvalidRequest(f"snapshot {snapshot_id} was taken of {snap.sandbox_id}; "
                                  f"start a new sandbox from it with POST /snapshots/"
                                  f"{snapshot_id}/sandboxes", snapshot_id=snapshot_id)
+        resolve_pinned(self.layout, snap.image, snap.image_digest)  # ImageMissing: VM untouched
         async with self._gate(sandbox_id):
             rec = self.get(sandbox_id)
             if rec.state == State.RUNNING.value:
@@ -620,7 +624,7 @@ class SandboxManager:
         """
         started = time.monotonic()
         snap = self.get_snapshot(snapshot_id)
-        image = resolve_image(self.layout, f"{snap.image}-{snap.image_digest}")
+        image = resolve_pinned(self.layout, snap.image, snap.image_digest)
         async with self._admit:
             self._admit_one()
             rec = self._new_record(new_id(), State.CREATING, image,
@@ -697,7 +701,7 @@ class SandboxManager:
 
     async def exec(self, sandbox_id: str, meta: dict[str, Any],
                    stdin: bytes | None = None) -> ExecResult:
-        """Run a command to completion (``meta`` from ``guest.client.exec_meta``)."""
+        """Run a command to completion (``meta`` from ``engines.agent_client.exec_meta``)."""
         started = time.monotonic()
         async with self.using(sandbox_id) as agent:
             try:

@@ -1,6 +1,13 @@
 """VMM backends behind one interface (``hangar.engines.base.Engine``).
 
-``hangar.engines.doctor.choose_engine`` picks and builds one.
+    base          ``Engine``, ``VMSpec``, ``VM``, ``SnapshotFiles``
+    agent_client  the host's side of the agent protocol: ``AgentClient`` and its
+                  one handshake; an engine only opens its channel (``AgentChannel``)
+    process       VMM processes: spawn, pid file, log tail, kill and reap
+    snapshot_io   the snapshot manifest, copying files, refreshing a restored guest
+    qemu          ``QemuEngine`` (QEMU microvm over QMP)
+    firecracker   ``FirecrackerEngine`` and its API client, jailer, files, probe
+    doctor        what this host can run; ``choose_engine`` picks and builds one
 """
 
 from __future__ import annotations

@@ -7,23 +7,32 @@ records, limits and policy and never touches a VMM directly.
 
 Every engine method raises ``hangar.errors.EngineError`` (or ``Timeout``)
 with the VMM's own message when the VMM fails.
+
+What engines share lives beside this module: the VMM process helper
+(``hangar.engines.process``), the agent handshake
+(``hangar.engines.agent_client.AgentClient.handshake``: an engine only says
+how to open its channel, ``agent_channel``), and the snapshot manifest
+(``hangar.engines.snapshot_io``).
 """
 
 from __future__ import annotations
 
 import abc
-import os
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hangar.engines import process
+from hangar.engines.agent_client import AgentChannel, AgentClient
+from hangar.engines.process import kill_process
+from hangar.errors import GuestError, Timeout
 from hangar.layout import SandboxPaths
 
 if TYPE_CHECKING:
-    from hangar.guest.client import AgentClient
     from hangar.images import GuestImage
     from hangar.net.attachment import NetAttachment
+
+__all__ = ["VM", "Engine", "SnapshotFiles", "VMSpec", "kill_process"]
 
 
 @dataclass(frozen=True)
@@ -58,12 +67,7 @@ class VM:
 
     def alive(self) -> bool:
         """True while the VMM process exists and is not a zombie."""
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-            return state not in ("Z", "X")
-        except (OSError, IndexError):
-            return False
+        return process.alive(self.pid)
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ class SnapshotFiles:
 
 
 class Engine(abc.ABC):
-    """A VMM backend. Implementations: ``QemuEngine``; Firecracker later."""
+    """A VMM backend. Implementations: ``QemuEngine``, ``FirecrackerEngine``."""
 
     name: str
     accel: str
@@ -89,8 +93,35 @@ class Engine(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def connect_agent(self, vm: VM, timeout: float) -> "AgentClient":
-        """Open the byte channel to the guest agent and wait for its HELLO."""
+    def agent_channel(self, vm: VM) -> AgentChannel:
+        """How to open the byte channel to ``vm``'s guest agent (see ``AgentChannel``)."""
+
+    async def connect_agent(self, vm: VM, timeout: float) -> AgentClient:
+        """Open ``vm``'s agent channel and complete the handshake (``AgentClient.handshake``).
+
+        Waits at most ``timeout`` seconds for the guest. Raises ``Timeout``,
+        or ``GuestError`` when the VMM exits first; both carry the last lines
+        of the guest's console, and the GuestError the VMM's own last words.
+        """
+        try:
+            return await AgentClient.handshake(self.agent_channel(vm), timeout, alive=vm.alive)
+        except Timeout as exc:
+            raise Timeout(f"{exc.message}; console: {self.console_tail(vm.paths)}",
+                          sandbox_id=vm.sandbox_id, **exc.context) from None
+        except GuestError as exc:
+            if not vm.alive():
+                raise GuestError(f"{exc.message}; console: {self.console_tail(vm.paths)}",
+                                 sandbox_id=vm.sandbox_id, vmm=self.vmm_error(vm)) from None
+            raise
+
+    @staticmethod
+    def console_tail(paths: SandboxPaths, lines: int = 3) -> str:
+        """The guest console's last lines, for error messages."""
+        return process.tail(paths.serial_log, lines) or "no console output"
+
+    def vmm_error(self, vm: VM) -> str:
+        """The VMM's last words (its log's tail), for error messages."""
+        return process.tail(vm.paths.vmm_log, 2) or "no output"
 
     @abc.abstractmethod
     async def stop(self, vm: VM) -> None:
@@ -120,16 +151,3 @@ class Engine(abc.ABC):
         """Engine name, accelerator and version for /health and /metrics."""
         return {"engine": self.name, "accel": self.accel}
 
-
-def kill_process(pid: int | None) -> None:
-    """SIGKILL the single process ``pid``, ignoring one that is already gone.
-
-    Only real process ids (> 1) are signalled: ``kill(-1)`` would end every
-    process on the host and ``kill(0)`` our own process group.
-    """
-    if pid is None or pid <= 1:
-        return
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

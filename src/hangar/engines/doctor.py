@@ -4,7 +4,7 @@
 
 - whether ``/dev/kvm`` is there and usable;
 - the VMMs found, with versions: ``qemu-system-x86_64``, ``firecracker``,
-  ``jailer`` (looked up as ``hangar.engines.firecracker_bin`` describes);
+  ``jailer`` (looked up as ``hangar.engines.firecracker.binaries`` describes);
 - QEMU's accelerator, from its KVM probe boot (``qemu.choose_accel``);
 - whether a Firecracker probe boot works: the image's ``vmlinux`` and
   initramfs with ``hangar.probe=1``, which must print ``HANGAR-PROBE-OK`` on
@@ -19,7 +19,8 @@ Opening ``/dev/kvm`` proves nothing: a nested paravirtual KVM accepts
 
 Both probe results are cached, keyed by VMM version, host kernel release
 and (for Firecracker) the image's kernel: QEMU's in ``engine-probe.json``,
-Firecracker's in ``firecracker-probe.json`` in the data directory. A
+Firecracker's in ``firecracker-probe.json`` in the data directory
+(``Layout.qemu_probe_file``, ``Layout.firecracker_probe_file``). A
 probe that fails takes its full timeout (10 to 15 s) the first time.
 
 ``choose_engine(kind, layout, image)`` builds the engine for ``kind``
@@ -42,10 +43,12 @@ from hangar.engines.firecracker import (
     PROBE_TIMEOUT_S,
     FirecrackerEngine,
     JailerConfig,
+    binary_version,
     cgroup_version,
+    find_firecracker,
+    find_jailer,
     probe_boot,
 )
-from hangar.engines.firecracker_bin import binary_version, find_firecracker, find_jailer
 from hangar.errors import EngineError, InvalidRequest
 from hangar.layout import Layout
 
@@ -55,7 +58,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("hangar.engine.doctor")
 
 ENGINE_KINDS = ("auto", "firecracker", "qemu")
-FIRECRACKER_PROBE_FILE = "firecracker-probe.json"
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ def firecracker_usable(layout: Layout, image: "GuestImage", binary: Path | None 
     binary = binary or find_firecracker()
     if binary is None:
         return False, "firecracker not found"
-    cache = layout.root / FIRECRACKER_PROBE_FILE
+    cache = layout.firecracker_probe_file
     try:
         key = _probe_key(binary, image)
     except EngineError as exc:

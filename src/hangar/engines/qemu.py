@@ -31,14 +31,18 @@ kernel command line and file paths may differ, since RAM comes from the
 stream. The guest TSC and clocks are part of the saved CPU state and simply
 continue, so the guest's wall clock lags by the time the snapshot sat
 on disk until ``snapshot_io.refresh_guest`` sets it. The agent's
-virtio-serial port needs care on restore; see ``_connect_restored``.
+virtio-serial port needs care on restore; see ``agent_channel``.
+
+Files: ``hangar.layout.SandboxPaths`` (disk.qcow2, qmp.sock, agent.sock,
+serial.log, vmm.log, vmm.pid) and ``SnapshotPaths`` (state.mig, disk.qcow2,
+snapshot.json). The process is started, reaped and killed by
+``hangar.engines.process``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
-import itertools
 import json
 import logging
 import os
@@ -54,12 +58,13 @@ from typing import Any
 
 from qemu.qmp import QMPClient, QMPError
 
-from hangar.engines import snapshot_io
-from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec, kill_process
-from hangar.errors import EngineError, GuestError, Timeout
+from hangar.engines import process, snapshot_io
+from hangar.engines.agent_client import AgentChannel, Streams, unix_channel
+from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec
+from hangar.engines.process import VMMProcesses
+from hangar.errors import EngineError, Timeout
 from hangar.guest import protocol as P
-from hangar.guest.client import AgentClient
-from hangar.layout import Layout, SandboxPaths
+from hangar.layout import ImagePaths, Layout, SandboxPaths, SnapshotPaths
 
 log = logging.getLogger("hangar.engine.qemu")
 
@@ -74,7 +79,6 @@ MIGRATE_BANDWIDTH = 1 << 40  # bytes/s: no limit in practice (QEMU's default is 
 MIGRATE_TIMEOUT_S = 60.0
 MIGRATE_S_PER_GIB = 60.0  # extra seconds of migration timeout per GiB of guest memory
 HELLO_PROBE_S = 0.5  # seconds between ``hello`` requests to a restored guest without a HELLO
-PROBE_CHANNEL_BASE = 0xFFFF0000  # channel ids of those requests; AgentClient counts from 1
 
 
 def host_tsc_khz() -> int | None:
@@ -138,14 +142,14 @@ def choose_accel(layout: Layout, kernel: Path, initrd: Path, wanted: str = "auto
         return wanted, "set by configuration"
     key = f"{qemu_version()} / {platform.release()}"
     try:
-        cached = json.loads(layout.probe_file.read_text())
+        cached = json.loads(layout.qemu_probe_file.read_text())
         if cached.get("key") == key:
             return cached["accel"], cached["reason"] + " (cached)"
     except (OSError, ValueError, KeyError):
         pass
     ok, reason = probe_kvm(kernel, initrd)
     accel = "kvm" if ok else "tcg"
-    layout.probe_file.write_text(json.dumps({"key": key, "accel": accel, "reason": reason}))
+    layout.qemu_probe_file.write_text(json.dumps({"key": key, "accel": accel, "reason": reason}))
     return accel, reason
 
 
@@ -158,9 +162,9 @@ class QemuEngine(Engine):
         self.accel = accel
         self.accel_reason = accel_reason
         self.version = qemu_version()
-        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._procs = VMMProcesses()
         # Agent connections that ``restore`` opened before ``cont``, by QEMU pid.
-        self._held: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+        self._held: dict[int, Streams] = {}
         self._tsc_khz = host_tsc_khz()
 
     def describe(self) -> dict[str, str]:
@@ -205,7 +209,6 @@ class QemuEngine(Engine):
             "-chardev", f"file,id=console,path={p.serial_log}",
             "-serial", "chardev:console",
             "-qmp", f"unix:{p.qmp},server=on,wait=off",
-            "-pidfile", str(p.pid_file),
             *self.nic_args(spec),
         ]
 
@@ -245,7 +248,7 @@ class QemuEngine(Engine):
             await self._make_disk(spec)
             return await self._start(spec, self.command(spec))
         except BaseException:
-            await self._cleanup(p, self._procs.get(self._pid_of(p) or -1))
+            await self._cleanup(p, None)
             raise
 
     async def _start(self, spec: VMSpec, argv: list[str]) -> VM:
@@ -256,14 +259,10 @@ class QemuEngine(Engine):
         ``EngineError``. The caller cleans up on failure.
         """
         p = spec.paths
-        log_file = open(p.dir / "qemu.log", "wb")
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
-                                    stdout=log_file, stderr=subprocess.STDOUT,
-                                    start_new_session=True, cwd=p.dir)
-        finally:
-            log_file.close()
-        self._procs[proc.pid] = proc
+            proc = self._procs.spawn(argv, cwd=p.dir, pid_file=p.pid_file, stdout=p.vmm_log)
+        except OSError as exc:
+            raise EngineError(f"cannot start {QEMU}: {exc}", sandbox_id=spec.sandbox_id) from None
         vm = VM(spec.sandbox_id, self.name, proc.pid, p, self.accel)
         try:
             deadline = time.monotonic() + 10
@@ -276,122 +275,49 @@ class QemuEngine(Engine):
                                       sandbox_id=spec.sandbox_id)
                 await asyncio.sleep(0.02)
         except BaseException:
-            kill_process(proc.pid)
-            await asyncio.to_thread(proc.wait)
-            self._procs.pop(proc.pid, None)
+            await self._procs.kill(proc.pid)
             raise
         return vm
 
     @staticmethod
-    def _pid_of(p: SandboxPaths) -> int | None:
-        try:
-            return int(p.pid_file.read_text().strip())
-        except (OSError, ValueError):
-            return None
-
-    @staticmethod
     def _log_tail(p: SandboxPaths) -> str:
-        try:
-            text = (p.dir / "qemu.log").read_text(errors="replace").strip()
-        except OSError:
-            return "no output"
-        return text.splitlines()[-1] if text else "no output"
+        return process.tail(p.vmm_log, 1) or "no output"
 
-    async def connect_agent(self, vm: VM, timeout: float) -> AgentClient:
-        """Connect to the guest agent; see ``AgentClient.connect``.
-
-        For a restored VM (``vm.extra["restored_from"]``) the handshake also
-        accepts the answer to a ``hello`` request: see ``_connect_restored``.
-        """
-        try:
-            if vm.extra.get("restored_from"):
-                return await self._connect_restored(vm, timeout)
-            return await AgentClient.connect(vm.paths.agent, timeout, proc_alive=vm.alive)
-        except Timeout:
-            raise Timeout(f"guest agent did not answer within {timeout:.0f} s; "
-                          f"console: {self._console_tail(vm.paths)}", sandbox_id=vm.sandbox_id)
-
-    async def _connect_restored(self, vm: VM, timeout: float) -> AgentClient:
-        """Agent handshake for a restored guest: its HELLO, or its answer to ``hello``.
+    def agent_channel(self, vm: VM) -> AgentChannel:
+        """The agent's virtio-serial port on ``agent.sock``; for a restored VM, with probing.
 
         The snapshot recorded whether a host was connected to the agent
         port. ``restore`` connects to the new QEMU's agent socket before
         ``cont``, so the port's state does not change under the guest: if a
         host was connected, the agent keeps the session it had and sends no
-        HELLO (it answers requests, so this asks it ``hello``); if not, the
-        HELLO it had queued flows now. That connection is used here once.
+        HELLO (it answers requests, so the handshake asks it ``hello``); if
+        not, the HELLO it had queued flows now. That held connection is the
+        channel's first stream.
 
         Later connections (the first was closed) go through QEMU telling
         the guest that the host left and came back; if both notices reach
         the guest before the agent reads the port, the agent never sees the
-        EOF and again sends no HELLO. So while none has come, this sends a
-        ``hello`` request every ``HELLO_PROBE_S`` seconds (bytes written
-        while the agent reopens its port are dropped) on channel ids that
-        ``AgentClient`` never uses, and takes whichever answer comes first.
-        Raises ``Timeout`` or ``GuestError``.
+        EOF and again sends no HELLO. So a restored VM's channel always asks
+        ``hello`` every ``HELLO_PROBE_S`` seconds until one greeting comes
+        (bytes written while the agent reopens its port are dropped).
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        probe_ids = itertools.count(PROBE_CHANNEL_BASE)
-        held = self._held.pop(vm.pid, None)
-        while loop.time() < deadline:
-            if not vm.alive():
-                raise GuestError("the VMM exited before the guest agent answered")
-            if held is not None:
-                (reader, writer), held = held, None
-                next_probe = loop.time()  # the guest saw no disconnect: ask at once
-            else:
-                try:
-                    reader, writer = await asyncio.open_unix_connection(
-                        str(vm.paths.agent), limit=P.MAX_DATA * 2)
-                except (FileNotFoundError, ConnectionRefusedError):
-                    await asyncio.sleep(0.05)
-                    continue
-                next_probe = loop.time() + HELLO_PROBE_S
-            decoder = P.Decoder()
-            probes: set[int] = set()
-            try:
-                while loop.time() < deadline:
-                    if not vm.alive():
-                        raise GuestError("the VMM exited before the guest agent answered")
-                    if loop.time() >= next_probe:
-                        cid = next(probe_ids)
-                        probes.add(cid)
-                        writer.write(P.encode(P.Kind.REQUEST, cid, {"op": "hello"}))
-                        await writer.drain()
-                        next_probe = loop.time() + HELLO_PROBE_S
-                    wait = max(0.01, min(next_probe, deadline) - loop.time())
-                    try:
-                        data = await asyncio.wait_for(reader.read(1 << 16), wait)
-                    except asyncio.TimeoutError:
-                        continue
-                    if not data:
-                        raise ConnectionResetError("agent socket closed")
-                    for frame in decoder.feed(data):
-                        if frame.kind == P.Kind.HELLO or (
-                                frame.kind == P.Kind.RESPONSE and frame.channel in probes):
-                            return AgentClient.greeted(reader, writer, frame.meta)
-                writer.close()
-            except (ConnectionError, OSError):
-                writer.close()
-                await asyncio.sleep(0.05)
-            except BaseException:
-                writer.close()
-                raise
-        raise Timeout(f"guest agent did not answer within {timeout:.0f} s")
+        if not vm.extra.get("restored_from"):
+            return unix_channel(vm.paths.agent)
+        plain = unix_channel(vm.paths.agent)
+
+        async def open_() -> Streams:
+            held = self._held.pop(vm.pid, None)
+            return held if held is not None else await plain.open()
+
+        return AgentChannel(open_, probe_interval=HELLO_PROBE_S)
+
+    def vmm_error(self, vm: VM) -> str:
+        return self._log_tail(vm.paths)
 
     def _drop_held(self, pid: int | None) -> None:
         held = self._held.pop(pid, None) if pid else None
         if held is not None:
             held[1].close()
-
-    @staticmethod
-    def _console_tail(p: SandboxPaths, lines: int = 3) -> str:
-        try:
-            text = p.serial_log.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return "no console output"
-        return " | ".join(text[-lines:]) or "no console output"
 
     async def _qmp(self, vm: VM, command: str, **args: object) -> object:
         client = QMPClient(f"hangar-{vm.sandbox_id}")
@@ -418,38 +344,22 @@ class QemuEngine(Engine):
                 await asyncio.wait_for(self._qmp(vm, "quit"), STOP_GRACE_S)
             except (EngineError, asyncio.TimeoutError):
                 pass
-            deadline = time.monotonic() + STOP_GRACE_S
-            while vm.alive() and time.monotonic() < deadline:
-                self._reap(vm.pid)
-                await asyncio.sleep(0.05)
-        await self._cleanup(vm.paths, self._procs.get(vm.pid), vm.pid)
+            await self._procs.wait_gone(vm.pid, STOP_GRACE_S)
+        await self._cleanup(vm.paths, vm.pid)
 
-    def _reap(self, pid: int) -> None:
-        proc = self._procs.get(pid)
-        if proc is not None and proc.poll() is not None:
-            self._procs.pop(pid, None)
+    async def _cleanup(self, p: SandboxPaths, pid: int | None) -> None:
+        """Kill the VMM if it still runs, reap it, and remove the sandbox's files.
 
-    async def _cleanup(self, p: SandboxPaths, proc: subprocess.Popen[bytes] | None,
-                       pid: int | None = None) -> None:
-        """Kill the VMM if it still runs, reap it, and remove the sandbox's files."""
+        Without a ``pid`` (or with -1) the pid file names it, trusted only if
+        that process is this server's child or this sandbox's QEMU (``adopt``).
+        """
         if pid is None or pid <= 1:
-            pid = proc.pid if proc else None
-        if pid is None:  # only a pid file: trust it only if that process is this sandbox's
-            found = self.adopt(p.dir.name, p, self._pid_of(p) or -1)
-            pid = found.pid if found else None
+            pid = process.read_pid(p.pid_file)
+            if pid is not None and self._procs.child(pid) is None \
+                    and self.adopt(p.dir.name, p, pid) is None:
+                pid = None
         self._drop_held(pid)
-        if pid:
-            kill_process(pid)
-        if proc is not None:
-            try:
-                await asyncio.to_thread(proc.wait, 5)
-            except subprocess.TimeoutExpired:
-                pass
-            self._procs.pop(proc.pid, None)
-        elif pid:
-            deadline = time.monotonic() + 5
-            while VM("", "", pid, p, "").alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+        await self._procs.kill(pid)
         shutil.rmtree(p.dir, ignore_errors=True)
 
     # -- snapshots ---------------------------------------------------------
@@ -503,11 +413,10 @@ class QemuEngine(Engine):
             delay = min(delay * 2, 0.2)
 
     def _argv_of(self, vm: VM) -> list[str]:
-        try:
-            raw = Path(f"/proc/{vm.pid}/cmdline").read_bytes()
-        except OSError:
-            raise EngineError("the VM's QEMU process is gone", sandbox_id=vm.sandbox_id) from None
-        return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]]
+        argv = process.argv_of(vm.pid)
+        if argv is None:
+            raise EngineError("the VM's QEMU process is gone", sandbox_id=vm.sandbox_id)
+        return argv
 
     @staticmethod
     def _arg(argv: list[str], flag: str) -> str:
@@ -526,9 +435,9 @@ class QemuEngine(Engine):
         machine: list[str] = []
         for flag in MACHINE_FLAGS:
             machine += [flag, self._arg(argv, flag)]
-        image_dir = Path(self._arg(argv, "-kernel")).parent
+        image_paths = ImagePaths(Path(self._arg(argv, "-kernel")).parent)
         try:
-            image = json.loads((image_dir / "manifest.json").read_text())
+            image = json.loads(image_paths.manifest.read_text())
         except (OSError, ValueError) as exc:
             raise EngineError(f"cannot read the VM's image manifest: {exc}",
                               sandbox_id=vm.sandbox_id) from None
@@ -568,8 +477,8 @@ class QemuEngine(Engine):
         except OSError as exc:
             raise EngineError(f"cannot make snapshot directory {dest}: {exc}") from None
         memory_mib = int(self._arg(machine, "-m").rstrip("M"))
-        state = dest / snapshot_io.STATE_FILE
-        partial = dest / (snapshot_io.STATE_FILE + ".part")
+        files = SnapshotPaths(dest)
+        state, partial = files.state, files.state_partial
         started = time.monotonic()
         created_at = time.time()
         try:
@@ -590,7 +499,7 @@ class QemuEngine(Engine):
                     raise
             await asyncio.to_thread(snapshot_io.fsync_file, partial)
             os.replace(partial, state)
-            disk = dest / snapshot_io.DISK_FILE
+            disk = files.disk
             await snapshot_io.copy_file(vm.paths.disk, disk)
             await asyncio.to_thread(snapshot_io.fsync_file, disk)
             manifest = snapshot_io.SnapshotManifest(
@@ -627,10 +536,7 @@ class QemuEngine(Engine):
         Raises ``NotFound`` (no snapshot there), ``EngineError`` (mismatch,
         QEMU failure) or ``Timeout``; on failure the sandbox directory is removed.
         """
-        manifest = snapshot_io.read_manifest(source)
-        if manifest.engine != self.name:
-            raise EngineError(f"snapshot was made by the {manifest.engine} engine",
-                              sandbox_id=spec.sandbox_id)
+        manifest = snapshot_io.read_manifest(source, self.name)
         if manifest.image_digest != spec.image.digest:
             raise EngineError(
                 f"snapshot needs image {manifest.image_name}-{manifest.image_digest}, "
@@ -649,16 +555,17 @@ class QemuEngine(Engine):
         p.dir.mkdir(parents=True, exist_ok=False)
         vm: VM | None = None
         try:
-            await snapshot_io.copy_file(source / snapshot_io.DISK_FILE, p.disk)
+            snap = SnapshotPaths(source)
+            await snapshot_io.copy_file(snap.disk, p.disk)
             await self._rebase(p.disk, spec.image.rootfs)
             vm = await self._start(spec, [*self.command(spec), "-incoming", "defer"])
-            state = source / snapshot_io.STATE_FILE
+            state = snap.state
             async with self._qmp_session(vm) as qmp:
                 await self._run(qmp, vm, "migrate-incoming",
                                 uri=f"exec:cat {shlex.quote(str(state))}")
                 await self._wait_migration(
                     qmp, vm, MIGRATE_TIMEOUT_S + manifest.memory_mib / 1024 * MIGRATE_S_PER_GIB)
-                # Connect before the guest runs: see _connect_restored.
+                # Connect before the guest runs: see agent_channel.
                 self._held[vm.pid] = await asyncio.open_unix_connection(
                     str(p.agent), limit=P.MAX_DATA * 2)
                 await self._run(qmp, vm, "cont")
@@ -669,10 +576,7 @@ class QemuEngine(Engine):
             vm.extra["restored_from"] = str(source)
             return vm
         except BaseException:
-            if vm is None:
-                await self._cleanup(p, None)
-            else:
-                await self._cleanup(p, self._procs.get(vm.pid), vm.pid)
+            await self._cleanup(p, vm.pid if vm is not None else None)
             raise
 
     async def _rebase(self, disk: Path, backing: Path) -> None:
@@ -686,11 +590,8 @@ class QemuEngine(Engine):
 
     def adopt(self, sandbox_id: str, paths: SandboxPaths, pid: int) -> VM | None:
         """Return the VM if ``pid`` is still this sandbox's QEMU (checked by its argv)."""
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            return None
-        if f"hangar-{sandbox_id}".encode() not in argv:
+        argv = process.argv_of(pid)
+        if argv is None or f"hangar-{sandbox_id}" not in argv:
             return None
         vm = VM(sandbox_id, self.name, pid, paths, self.accel)
         return vm if vm.alive() else None

@@ -1,18 +1,24 @@
 """Snapshot files on disk, and refreshing a guest after a restore.
 
 A snapshot is one directory that an engine writes with ``Engine.snapshot``
-and any number of new sandboxes start from with ``Engine.restore``::
+and any number of new sandboxes start from with ``Engine.restore``. Its
+files are named in ``hangar.layout.SnapshotPaths``; for QEMU::
 
     <snapshot>/
-      state.mig       the VMM's saved device state and RAM. For QEMU this is
-                      its migration stream, written by ``migrate exec:cat``;
-                      pages that are all zero take a few bytes each, so the
-                      file is about the size of the guest memory in use
+      state.mig       the VMM's saved device state and RAM: QEMU's migration
+                      stream, written by ``migrate exec:cat``; pages that are
+                      all zero take a few bytes each, so the file is about
+                      the size of the guest memory in use
       disk.qcow2      copy of the sandbox's qcow2 overlay at the moment of
                       the snapshot; its backing file is the image's
-                      read-only rootfs, repointed on every restore
+                      read-only rootfs, repointed on every restore at the
+                      build the manifest names (``image_name``-``image_digest``),
+                      never at another one
       snapshot.json   the manifest (``SnapshotManifest``); written last, so a
                       directory without it is an unfinished snapshot
+
+(Firecracker's: ``vmstate``, ``memory``, ``disk.ext4`` and ``snapshot.json``;
+see ``hangar.engines.firecracker.snapshots``.)
 
 The files are never changed after the manifest is written: a restore copies
 the disk, so one snapshot can be restored any number of times, also at once
@@ -36,14 +42,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hangar.errors import EngineError, NotFound
+from hangar.layout import SnapshotPaths
 
 if TYPE_CHECKING:
-    from hangar.guest.client import AgentClient
+    from hangar.engines.agent_client import AgentClient
 
 FORMAT = 1
-STATE_FILE = "state.mig"
-DISK_FILE = "disk.qcow2"
-MANIFEST_FILE = "snapshot.json"
 RESEED_BYTES = 32
 
 
@@ -95,17 +99,15 @@ class SnapshotManifest:
         return cls(**{k: v for k, v in raw.items() if k in known})
 
 
-def manifest_path(snapshot_dir: Path) -> Path:
-    return snapshot_dir / MANIFEST_FILE
-
-
-def read_manifest(snapshot_dir: Path) -> SnapshotManifest:
-    """The manifest of the snapshot in ``snapshot_dir``.
+def read_manifest(snapshot_dir: Path, engine: str = "qemu") -> SnapshotManifest:
+    """The manifest of ``engine``'s snapshot in ``snapshot_dir``, checked for its files.
 
     Raises ``NotFound`` when there is no finished snapshot there, and
-    ``EngineError`` when its manifest is unreadable or of another format.
+    ``EngineError`` when its manifest is unreadable, of another format or
+    engine, or a file it needs is missing.
     """
-    path = manifest_path(snapshot_dir)
+    files = SnapshotPaths(snapshot_dir)
+    path = files.manifest
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
@@ -115,19 +117,24 @@ def read_manifest(snapshot_dir: Path) -> SnapshotManifest:
     if raw.get("format") != FORMAT:
         raise EngineError(f"snapshot {snapshot_dir} has format {raw.get('format')!r}; "
                           f"this Hangar reads format {FORMAT}")
+    if raw.get("engine") != engine:
+        raise EngineError(f"snapshot {snapshot_dir} was made by the {raw.get('engine')} "
+                          f"engine, not {engine}")
     try:
         m = SnapshotManifest.from_dict(raw)
     except TypeError as exc:
         raise EngineError(f"snapshot manifest {path} lacks fields: {exc}") from None
-    for name in (STATE_FILE, DISK_FILE):
-        if not (snapshot_dir / name).is_file():
-            raise EngineError(f"snapshot {snapshot_dir} lacks {name}")
+    needed = ((files.state, files.disk) if engine == "qemu"
+              else (files.fc_state, files.fc_memory, files.fc_disk))
+    for f in needed:
+        if not f.is_file():
+            raise EngineError(f"snapshot {snapshot_dir} lacks {f.name}")
     return m
 
 
 def write_manifest(snapshot_dir: Path, manifest: SnapshotManifest) -> None:
     """Write ``snapshot.json`` atomically (temporary file, fsync, rename)."""
-    path = manifest_path(snapshot_dir)
+    path = SnapshotPaths(snapshot_dir).manifest
     tmp = path.with_suffix(".json.tmp")
     with open(tmp, "w") as f:
         f.write(manifest.to_json())

@@ -1,5 +1,7 @@
-"""Host↔guest agent: the framed protocol, the in-guest agent, and its host client.
+"""What runs inside the guest, on its bare standard library.
 
-``protocol``, ``agent`` and ``init`` run inside the guest on the bare
-standard library; ``client`` runs on the host.
+``protocol`` (the framed host↔guest protocol, also imported by the host's
+``hangar.engines.agent_client``), ``agent``, ``init``, ``net`` and
+``desktop``. Every module here travels into the guest in the initramfs
+(``hangar.images.initramfs.guest_sources``).
 """

@@ -1,13 +1,17 @@
 """Guest images: recipes, the builder, the kernel and the initramfs.
 
-An image is a directory under ``<data>/images`` (see ``hangar.layout``)
-holding an ext4 rootfs made by debootstrap, Debian's cloud kernel, and an
-initramfs that loads the virtio drivers and carries the guest's Python files
-(agent and init), so that changing the agent never means rebuilding the rootfs.
+An image build is a directory under ``<data>/images`` (see ``hangar.layout``)
+holding an ext4 rootfs made by debootstrap, Debian's cloud kernel (bzImage
+and ELF), and an initramfs that loads the virtio drivers and carries the
+guest's Python files (agent and init), so that changing the agent never
+means rebuilding the rootfs. A build never changes once made; its id,
+``<name>-<digest>``, covers its bytes.
 
     recipes     what goes into an image (``Recipe``, ``RECIPES``, ``get_recipe``)
-    builder     ``build_image``, ``list_images``, ``resolve_image``
+    builder     ``build_image``, ``list_images``, ``resolve_image``, ``resolve_pinned``
+    gc          ``collect``: removing builds nothing pins or uses
     kernel      fetching and unpacking the kernel .deb
+    vmlinux     the ELF kernel from the bzImage (``ensure_vmlinux``)
     initramfs   the busybox initramfs and its /init
     commands    running host tools; removing temporary trees safely
 
@@ -20,10 +24,13 @@ from hangar.images.builder import (
     GuestImage,
     ImageInfo,
     build_image,
+    image_id,
     list_images,
     resolve_image,
+    resolve_pinned,
 )
 from hangar.images.recipes import RECIPES, Recipe, get_recipe
+from hangar.images.vmlinux import ensure_vmlinux, extract_vmlinux
 
 __all__ = [
     "KERNEL_CMDLINE",
@@ -32,7 +39,11 @@ __all__ = [
     "ImageInfo",
     "Recipe",
     "build_image",
+    "ensure_vmlinux",
+    "extract_vmlinux",
     "get_recipe",
+    "image_id",
     "list_images",
     "resolve_image",
+    "resolve_pinned",
 ]

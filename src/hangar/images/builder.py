@@ -1,7 +1,8 @@
-"""Building, listing and resolving guest images.
+"""Building, listing and resolving guest images; a build is immutable.
 
 ``build_image`` turns a recipe (``hangar.images.recipes``) into an image
-directory, ``<data>/images/<name>-<digest>/`` (see ``hangar.layout``):
+directory, ``<data>/images/<name>-<digest>/`` (see ``hangar.layout``), whose
+name is the build's id:
 
 1. ``debootstrap --variant=minbase --include=<packages> <suite>`` into a
    temporary tree under ``<data>/cache/build/`` (downloaded .debs are kept in
@@ -11,27 +12,46 @@ directory, ``<data>/images/<name>-<digest>/`` (see ``hangar.layout``):
 2. Set the tree up for a VM without an init system: hostname, hosts, an
    empty resolv.conf and fstab, ``poweroff``-style commands that signal PID 1,
    a dpkg filter that keeps docs out, and no apt caches, docs or locales.
-3. Fetch the kernel (``hangar.images.kernel``): vmlinuz and its modules.
+3. Fetch the kernel (``hangar.images.kernel``): vmlinuz and its modules,
+   and unpack the ELF ``vmlinux`` that Firecracker boots
+   (``hangar.images.vmlinux``).
 4. Pack the tree with ``mkfs.ext4 -d`` into ``rootfs.ext4``, sized to the
    content plus 25 % (sandbox disks are larger qcow2 overlays; the guest init
    grows the filesystem at boot).
-5. Build the initramfs (``hangar.images.initramfs``), write manifest.json,
-   rename the staging directory (a dot-directory in ``<data>/images``) into
-   place atomically and point the ``<name>`` symlink at it.
+5. Hash the built bytes (``content_digest``: rootfs.ext4, vmlinuz and the
+   modules tree) into the build's digest, build the initramfs
+   (``hangar.images.initramfs``), write manifest.json, rename the staging
+   directory (``.staging-<name>-*`` in ``<data>/images``) to
+   ``<name>-<digest>`` atomically and point the ``<name>`` symlink at it.
+
+Immutability: a build's directory is never replaced or rewritten. mkfs.ext4
+stamps each filesystem with a new UUID and times, so every build has new
+bytes and a new id; ``force`` therefore makes a new build beside the old one
+and moves the ``<name>`` symlink, and sandboxes, snapshots and machines made
+from the old build keep it (they record its id: name and digest) until
+``hangar.images.gc`` removes it once nothing pins it. A disk overlay thus
+always sits on the bytes it was made over. The initramfs is not part of
+the id (its own ``<tag>`` hashes its inputs): it carries this Hangar's guest
+files, is loaded into RAM at boot, no disk is layered on it, and a
+restored guest never reads it again. Builds made before ids covered the
+bytes are named ``<name>-<recipe digest>``; they are used as they are.
 
 A build holds ``<data>/images/.<name>.lock`` (flock) so two processes do not
 build the same recipe at once. Temporary trees are removed on success and on
 failure; a failing step raises ``ImageError`` with the tail of its output.
-An image whose directory exists is returned at once unless ``force``.
+Without ``force``, a build of the recipe's current digest is reused.
 
-``resolve_image`` finds a built image and makes sure an initramfs exists for
-the guest Python files of the running Hangar, building one (about a second)
-when they changed: agent changes never need a rootfs rebuild.
+``resolve_image`` finds a built image by recipe name (its current build) or
+id, and makes sure an initramfs exists for the guest Python files of the
+running Hangar, building one (about a second) when they changed: agent
+changes never need a rootfs rebuild. ``resolve_pinned`` finds exactly the
+build a record names, or raises ``ImageMissing`` (409).
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -45,14 +65,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hangar.errors import ImageError, NotFound
-from hangar.images import initramfs, kernel
+from hangar.errors import ImageError, ImageMissing, NotFound
+from hangar.images import initramfs, kernel, vmlinux
 from hangar.images.commands import Progress, remove_tree, require_tools, run
 from hangar.images.recipes import BUILDER_VERSION, RECIPES, Recipe, get_recipe
 from hangar.layout import ImagePaths, Layout
 
 DEBIAN_SOURCES = Path("/etc/apt/sources.list.d/debian.sources")
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
+"""2: ``id``, ``digest`` of the built bytes, ``recipe_digest``, ``kernel.vmlinux``.
+Format 1 (no ``id``): ``digest`` was the recipe's."""
+DIGEST_HEX = 12
+"""Hex digits of the content hash in an image id."""
 HEADROOM = 1.25
 """rootfs.ext4 is the content's size times this, plus room for the journal and inodes."""
 KEEP_INITRDS = 16
@@ -64,7 +88,11 @@ KERNEL_CMDLINE = "console=ttyS0 root=/dev/vda rw panic=-1"
 
 @dataclass(frozen=True)
 class GuestImage:
-    """A built image, ready to boot: the paths a VMM needs."""
+    """A built image, ready to boot: the paths a VMM needs.
+
+    ``digest`` names this build's bytes (see the module docstring); records
+    store ``name`` and ``digest``, which together are its ``id``.
+    """
 
     name: str
     digest: str
@@ -75,6 +103,14 @@ class GuestImage:
     rootfs: Path
     kernel_version: str
     cmdline: str = KERNEL_CMDLINE
+    recipe_digest: str = ""
+    vmlinux: Path | None = None
+    """The ELF kernel when the manifest records it (else ``vmlinux.ensure_vmlinux``)."""
+
+    @property
+    def id(self) -> str:
+        """``<name>-<digest>``: the build's directory name, unique to its bytes."""
+        return f"{self.name}-{self.digest}"
 
 
 @dataclass(frozen=True)
@@ -88,6 +124,9 @@ class ImageInfo:
     """The ``<name>`` symlink points here."""
     stale: bool
     """The recipe now has another digest (or no longer exists)."""
+    recipe_digest: str
+    bytes_on_disk: int
+    """Allocated bytes of the whole directory."""
     description: str
     kernel_version: str
     rootfs_bytes: int
@@ -95,6 +134,15 @@ class ImageInfo:
     built_at: float
     """Unix time in seconds."""
     build_seconds: float
+
+    @property
+    def id(self) -> str:
+        return self.dir.name
+
+
+def image_id(name: str, digest: str) -> str:
+    """The id of the build ``digest`` of recipe ``name``: ``<name>-<digest>``."""
+    return f"{name}-{digest}"
 
 
 def host_mirror(suite: str, sources: Path = DEBIAN_SOURCES) -> str | None:
@@ -134,28 +182,30 @@ def host_mirror(suite: str, sources: Path = DEBIAN_SOURCES) -> str | None:
 
 def build_image(layout: Layout, name: str, *, force: bool = False,
                 progress: Progress | None = None) -> GuestImage:
-    """Build the image of recipe ``name`` (cached by digest) and return it.
+    """Build recipe ``name`` into a new immutable build, or reuse one; return it.
 
-    Takes one to a few minutes (debootstrap) when not cached, well under a
-    second when cached. ``progress`` receives one-line status messages.
-    Raises ``NotFound`` for an unknown recipe, ``ImageError`` when a step fails.
+    Without ``force`` a build of the recipe's current digest is reused (well
+    under a second); otherwise, or when there is none, a new build is made
+    (one to a few minutes, debootstrap) with a new id, and the ``<name>``
+    symlink moves to it. Older builds are left for ``hangar.images.gc``.
+    ``progress`` receives one-line status messages. Raises ``NotFound`` for
+    an unknown recipe, ``ImageError`` when a step fails.
     """
     recipe = get_recipe(name)
-    digest = recipe.digest()
-    final = layout.images / f"{name}-{digest}"
+    rdigest = recipe.digest()
     say = progress or (lambda _msg: None)
-    if not force and (final / "manifest.json").is_file():
-        _point_symlink(layout, name, final)
-        return _ensure_initrd(final, _read_manifest(final))
+    if not force:
+        d = _current(layout, name)
+        if d is not None and _recipe_digest(_read_manifest(d)) == rdigest:
+            return _ensure_initrd(d, _read_manifest(d))
     require_tools("debootstrap", "mkfs.ext4", "apt-get", "apt-cache", "dpkg-deb", "depmod")
     layout.ensure()
-    with _lock(layout, name):
-        if not force and (final / "manifest.json").is_file():  # built while we waited
-            _point_symlink(layout, name, final)
-            return _ensure_initrd(final, _read_manifest(final))
-        _build(layout, recipe, digest, final, say)
-        _point_symlink(layout, name, final)
-        return _ensure_initrd(final, _read_manifest(final))
+    with image_lock(layout, name):
+        d = None if force else _newest_build(layout, name, rdigest)
+        if d is None:
+            d = _build(layout, recipe, rdigest, say)
+        _point_symlink(layout, name, d)
+        return _ensure_initrd(d, _read_manifest(d))
 
 
 def list_images(layout: Layout) -> list[ImageInfo]:
@@ -171,14 +221,15 @@ def list_images(layout: Layout) -> list[ImageInfo]:
         except ImageError:
             continue
         name = m["name"]
-        link = layout.images / name
         recipe = RECIPES.get(name)
         out.append(ImageInfo(
             name=name,
             digest=m["digest"],
             dir=d,
-            current=link.is_symlink() and link.resolve() == d.resolve(),
-            stale=recipe is None or recipe.digest() != m["digest"],
+            current=_current(layout, name) == d.resolve(),
+            stale=recipe is None or recipe.digest() != _recipe_digest(m),
+            recipe_digest=_recipe_digest(m),
+            bytes_on_disk=_allocated(d),
             description=m["recipe"].get("description", ""),
             kernel_version=m["kernel"]["version"],
             rootfs_bytes=m["sizes"]["rootfs_bytes"],
@@ -199,12 +250,37 @@ def resolve_image(layout: Layout, name: str, *,
     """
     if not name or "/" in name or name.startswith("."):
         raise NotFound(f"no image named {name!r}", image=name)
-    p = layout.images / name
-    if not (p / "manifest.json").is_file():
+    p = layout.image_dir(name)
+    if not ImagePaths(p).manifest.is_file():
         hint = f" (build it with `hangar image build {name}`)" if name in RECIPES else ""
         raise NotFound(f"image {name!r} is not built{hint}", image=name)
     d = p.resolve()
     return _ensure_initrd(d, _read_manifest(d), sources)
+
+
+def resolve_pinned(layout: Layout, name: str, digest: str, *,
+                   sources: Mapping[str, bytes] | None = None) -> GuestImage:
+    """Exactly the build ``<name>-<digest>`` that a sandbox, snapshot or machine pins.
+
+    Never another build of the recipe: a disk overlay made over one build's
+    rootfs must not be put over other bytes. Raises ``ImageMissing`` (409)
+    when that build is gone (removed by hand: ``hangar image gc`` never
+    removes a pinned one) or its manifest names another build.
+    """
+    iid = image_id(name, digest)
+    paths = layout.image(iid)
+    if not (name and digest) or "/" in iid or name.startswith(".") \
+            or paths.dir.is_symlink() or not paths.manifest.is_file():
+        raise ImageMissing(
+            f"image build {iid} that this was made from no longer exists; it cannot be "
+            "restored onto another build (its disk holds changes to that build's bytes)",
+            image=name, image_digest=digest, image_id=iid)
+    m = _read_manifest(paths.dir)
+    if (m.get("name"), m.get("digest")) != (name, digest):
+        raise ImageMissing(f"image directory {iid} holds build "
+                           f"{m.get('name')}-{m.get('digest')}, not {iid}",
+                           image=name, image_digest=digest, image_id=iid)
+    return _ensure_initrd(paths.dir.resolve(), m, sources)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,8 +288,9 @@ def resolve_image(layout: Layout, name: str, *,
 
 
 @contextmanager
-def _lock(layout: Layout, name: str) -> Iterator[None]:
-    with open(layout.images / f".{name}.lock", "w") as f:
+def image_lock(layout: Layout, name: str) -> Iterator[None]:
+    """Hold recipe ``name``'s build lock (flock; blocks while a build of it runs)."""
+    with open(layout.image_lock(name), "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -223,13 +300,88 @@ def _lock(layout: Layout, name: str) -> Iterator[None]:
 
 def _read_manifest(d: Path) -> dict[str, Any]:
     try:
-        return json.loads((d / "manifest.json").read_text())
+        return json.loads(ImagePaths(d).manifest.read_text())
     except (OSError, ValueError) as e:
         raise ImageError(f"image {d.name}: unreadable manifest.json: {e}", image=d.name) from e
 
 
+def _recipe_digest(manifest: dict[str, Any]) -> str:
+    """The recipe digest a build was made from (format 1 kept it in ``digest``)."""
+    return str(manifest.get("recipe_digest") or manifest.get("digest", ""))
+
+
+def _current(layout: Layout, name: str) -> Path | None:
+    """The build the ``<name>`` symlink points at, if it has a manifest."""
+    link = layout.image_link(name)
+    if not link.is_symlink():
+        return None
+    d = link.resolve()
+    return d if ImagePaths(d).manifest.is_file() else None
+
+
+def _builds(layout: Layout) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Every finished build directory and its manifest."""
+    if not layout.images.is_dir():
+        return
+    for d in layout.images.iterdir():
+        if d.name.startswith(".") or d.is_symlink() or not d.is_dir():
+            continue
+        try:
+            yield d, _read_manifest(d)
+        except ImageError:
+            continue
+
+
+def _newest_build(layout: Layout, name: str, recipe_digest: str) -> Path | None:
+    """The current build of ``name`` if made from ``recipe_digest``, else the newest one."""
+    cur = _current(layout, name)
+    if cur is not None and _recipe_digest(_read_manifest(cur)) == recipe_digest:
+        return cur
+    found = [(m.get("built_at", 0.0), d) for d, m in _builds(layout)
+             if m.get("name") == name and _recipe_digest(m) == recipe_digest]
+    return max(found)[1] if found else None
+
+
+def _allocated(d: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(d):
+        for n in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def content_digest(d: Path) -> str:
+    """SHA-256 (hex) of a build's bytes: rootfs.ext4, vmlinuz and the modules tree.
+
+    Each file adds its path relative to ``d``, its size and its SHA-256, in
+    sorted order; symlinks add their target. ``vmlinux`` (a function of
+    vmlinuz), the initramfs and the manifest are left out. About a second
+    per GB. Raises OSError.
+    """
+    paths = ImagePaths(d)
+    files = [paths.rootfs, paths.kernel]
+    for dirpath, dirnames, filenames in os.walk(paths.modules):
+        dirnames.sort()
+        files += [Path(dirpath) / n for n in sorted(filenames)]
+    h = hashlib.sha256()
+    for f in files:
+        rel = f.relative_to(d).as_posix()
+        if f.is_symlink():
+            h.update(f"L {rel} {os.readlink(f)}\0".encode())
+            continue
+        fh = hashlib.sha256()
+        with open(f, "rb") as src:
+            for block in iter(lambda: src.read(1 << 20), b""):
+                fh.update(block)
+        h.update(f"F {rel} {f.stat().st_size} {fh.hexdigest()}\0".encode())
+    return h.hexdigest()
+
+
 def _point_symlink(layout: Layout, name: str, target: Path) -> None:
-    link = layout.images / name
+    link = layout.image_link(name)
     if link.is_symlink() and os.readlink(link) == target.name:
         return
     if link.exists() and not link.is_symlink():
@@ -262,6 +414,7 @@ def _ensure_initrd(d: Path, manifest: dict[str, Any],
     return GuestImage(
         name=manifest["name"], digest=manifest["digest"], dir=d, kernel=paths.kernel,
         initrd=initrd, rootfs=paths.rootfs, kernel_version=kver,
+        recipe_digest=_recipe_digest(manifest), vmlinux=vmlinux.recorded(paths, manifest),
     )
 
 
@@ -272,19 +425,22 @@ def _prune_initrds(paths: ImagePaths, keep: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-def _build(layout: Layout, recipe: Recipe, digest: str, final: Path, say: Progress) -> None:
+def _build(layout: Layout, recipe: Recipe, recipe_digest: str, say: Progress) -> Path:
+    """Make a new build of ``recipe``; returns its directory ``<name>-<content digest>``."""
     t0 = time.monotonic()
     times: dict[str, float] = {}
-    build_root = layout.cache / "build"
-    build_root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{recipe.name}-{digest}-", dir=build_root))
-    stage = Path(tempfile.mkdtemp(prefix=f".{recipe.name}-{digest}-", dir=layout.images))
+    layout.build_cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{recipe.name}-{recipe_digest}-",
+                                 dir=layout.build_cache))
+    stage = Path(tempfile.mkdtemp(prefix=layout.image_staging_prefix(recipe.name),
+                                  dir=layout.images))
+    paths = ImagePaths(stage)
     try:
         rootdir = work / "root"
         mirror = host_mirror(recipe.suite)
-        say(f"{recipe.name}-{digest}: debootstrap {recipe.suite} ({recipe.variant} + "
-            f"{len(recipe.packages)} packages)")
-        _debootstrap(recipe, rootdir, mirror, layout.cache / "debootstrap", say)
+        say(f"{recipe.name} (recipe {recipe_digest}): debootstrap {recipe.suite} "
+            f"({recipe.variant} + {len(recipe.packages)} packages)")
+        _debootstrap(recipe, rootdir, mirror, layout.debootstrap_cache, say)
         times["debootstrap"] = time.monotonic() - t0
 
         t = time.monotonic()
@@ -294,30 +450,40 @@ def _build(layout: Layout, recipe: Recipe, digest: str, final: Path, say: Progre
         times["configure"] = time.monotonic() - t
 
         t = time.monotonic()
-        k = kernel.fetch(recipe.kernel_package, layout.cache / "debs", work, stage, say)
+        k = kernel.fetch(recipe.kernel_package, layout.debs_cache, work, stage, say)
+        elf = vmlinux.write_vmlinux(paths)
         times["kernel"] = time.monotonic() - t
 
         t = time.monotonic()
         content, inodes = _tree_size(rootdir)
-        rootfs = ImagePaths(stage).rootfs
-        size = _pack(rootdir, rootfs, content, inodes, say)
+        size = _pack(rootdir, paths.rootfs, content, inodes, say)
         times["pack"] = time.monotonic() - t
         remove_tree(rootdir)  # free the space before the rename
+
+        t = time.monotonic()
+        say("hashing the built bytes")
+        sha256 = content_digest(stage)
+        digest = sha256[:DIGEST_HEX]
+        times["hash"] = time.monotonic() - t
+        final = layout.images / image_id(recipe.name, digest)
 
         times["total"] = time.monotonic() - t0
         manifest = {
             "format": MANIFEST_FORMAT,
+            "id": final.name,
             "name": recipe.name,
             "digest": digest,
+            "sha256": sha256,
+            "recipe_digest": recipe_digest,
             "builder_version": BUILDER_VERSION,
             "recipe": {**asdict(recipe), "packages": list(recipe.packages)},
             "mirror": mirror,
             "python_version": python_version,
             "kernel": {"meta_package": recipe.kernel_package, "package": k.package,
-                       "deb_version": k.deb_version, "version": k.version},
+                       "deb_version": k.deb_version, "version": k.version, "vmlinux": elf},
             "sizes": {
                 "rootfs_bytes": size,
-                "rootfs_allocated_bytes": rootfs.stat().st_blocks * 512,
+                "rootfs_allocated_bytes": paths.rootfs.stat().st_blocks * 512,
                 "content_bytes": content,
                 "content_inodes": inodes,
                 "kernel_bytes": k.vmlinuz.stat().st_size,
@@ -326,20 +492,17 @@ def _build(layout: Layout, recipe: Recipe, digest: str, final: Path, say: Progre
             "build_seconds": {k_: round(v, 2) for k_, v in times.items()},
             "built_at": time.time(),
         }
-        (stage / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        t = time.monotonic()
+        paths.manifest.write_text(json.dumps(manifest, indent=2) + "\n")
         say("building the initramfs")
         _ensure_initrd(stage, manifest)
         stage.chmod(0o755)
-        trash = None
-        if final.exists():
-            trash = layout.images / f".trash-{final.name}-{os.getpid()}"
-            os.replace(final, trash)
+        if final.exists():  # the very same bytes were built before: keep that build
+            say(f"{final.name}: identical to the existing build")
+            return final
         os.replace(stage, final)
-        if trash is not None:
-            remove_tree(trash)
         say(f"{final.name}: built in {time.monotonic() - t0:.0f} s, rootfs "
             f"{size / 2**20:.0f} MiB ({content / 2**20:.0f} MiB of files)")
+        return final
     finally:
         remove_tree(work)
         remove_tree(stage)

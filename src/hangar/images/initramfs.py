@@ -68,9 +68,6 @@ MODULES: tuple[str, ...] = (
 GUEST_PYTHON_DIR = "/usr/lib/hangar/python"
 """Where the guest's Python files live in the running guest (its PYTHONPATH)."""
 
-HOST_ONLY = frozenset({"client.py"})
-"""Files of ``hangar/guest/`` that run on the host and stay out of the guest."""
-
 INIT_SCRIPT = r"""#!/bin/sh
 # hangar initramfs /init (busybox sh); see hangar.images.initramfs.
 export PATH=/bin
@@ -171,16 +168,15 @@ def package_dir() -> Path:
 def guest_sources(pkg: Path | None = None) -> dict[str, bytes]:
     """The guest's Python files: path inside the initramfs' python dir → content.
 
-    ``hangar/__init__.py`` and every ``*.py`` under ``hangar/guest/`` except
-    ``HOST_ONLY`` (so an agent split over several modules travels whole).
+    ``hangar/__init__.py`` and every ``*.py`` under ``hangar/guest/``, which
+    holds exactly what runs in the guest (so an agent split over several
+    modules travels whole).
     ``hangar/guest/init.py`` and ``protocol.py`` must exist; ``agent.py`` may not yet.
     """
     pkg = pkg or package_dir()
     files: dict[str, bytes] = {"hangar/__init__.py": (pkg / "__init__.py").read_bytes()}
     for p in sorted((pkg / "guest").rglob("*.py")):
         rel = p.relative_to(pkg / "guest")
-        if rel.name in HOST_ONLY and len(rel.parts) == 1:
-            continue
         if "__pycache__" in rel.parts:
             continue
         files[f"hangar/guest/{rel.as_posix()}"] = p.read_bytes()

@@ -7,7 +7,8 @@ fetches that .deb once into ``<data>/cache/debs`` and ``dpkg-deb -x`` unpacks
 it. Nothing is installed on the host.
 
 The image keeps ``vmlinuz`` (a bzImage, which QEMU's ``-kernel`` boots
-directly) and the full ``lib/modules/<version>`` tree, re-indexed with
+directly; ``hangar.images.vmlinux`` unpacks the ELF that Firecracker boots
+from it) and the full ``lib/modules/<version>`` tree, re-indexed with
 ``depmod -b``. Debian's cloud kernel builds ext4 in but its virtio drivers
 (virtio_mmio, virtio_blk, virtio_console, virtio_net, vsock) as modules, so
 ``hangar.images.initramfs`` copies those out of this tree.
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from hangar.errors import ImageError
 from hangar.images.commands import Progress, run
+from hangar.layout import ImagePaths
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,10 @@ def unpack(deb: Path, work: Path, image_dir: Path) -> KernelFiles:
         raise ImageError(f"{deb.name}: no modules tree for {version}", step="unpack kernel")
     # depmod -b BASE indexes BASE/lib/modules/<version>.
     run("depmod", ["depmod", "-b", x if lib == "lib" else x / "usr", version])
-    vmlinuz = image_dir / "vmlinuz"
+    paths = ImagePaths(image_dir)
+    vmlinuz = paths.kernel
     shutil.copyfile(vmlinuzes[0], vmlinuz)
-    modules = image_dir / "modules" / version
+    modules = paths.modules / version
     modules.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(str(x / lib / "modules" / version), str(modules))
     deb_version = deb.name.split("_")[1] if deb.name.count("_") >= 2 else ""

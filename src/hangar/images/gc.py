@@ -1,0 +1,142 @@
+"""Removing image builds that nothing uses any more (``hangar image gc``).
+
+A forced rebuild leaves the old build in place (builds are immutable, see
+``hangar.images.builder``); ``collect`` removes the builds that are
+
+- not the current build of their recipe (the ``<name>`` symlink's target),
+- not pinned: no sandbox, snapshot or machine record names them (the
+  caller passes those ids, read from the store of the data directory),
+- not in use on this host: no process holds one of their files open (a
+  running QEMU keeps its disk's backing rootfs open) and no file of theirs
+  has another hard link (Firecracker links the image's files into each
+  sandbox's directory).
+
+The last rule also protects VMs of other data directories that share one
+image cache, whose records the caller cannot see; their snapshots and
+sleeping machines are not protected by it, so ``collect`` refuses to work
+on an ``images`` folder that is a symlink to someone else's cache.
+
+Each recipe is handled under its build lock (``builder.image_lock``), so no
+build of it can pick a build as current while it is being removed. A build
+is first renamed to ``.trash-<id>-<pid>`` and then deleted, so a crash never
+leaves half a build under a real id; leftovers of interrupted builds and
+collections (``.staging-*``, ``.trash-*``) are removed too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hangar.errors import ImageError
+from hangar.images.builder import ImageInfo, image_lock, list_images
+from hangar.images.commands import remove_tree
+from hangar.images.recipes import RECIPES
+from hangar.layout import ImagePaths, Layout
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A build that stays, and why: ``current``, ``pinned`` or ``in use``."""
+
+    image: ImageInfo
+    reason: str
+
+
+@dataclass
+class Collection:
+    """What ``collect`` removed (or, in a dry run, would remove)."""
+
+    dry_run: bool
+    removed: list[ImageInfo] = field(default_factory=list)
+    kept: list[Kept] = field(default_factory=list)
+    leftovers: list[Path] = field(default_factory=list)
+    """Staging and trash directories of interrupted builds and collections."""
+
+    @property
+    def freed_bytes(self) -> int:
+        """Allocated bytes of the removed builds."""
+        return sum(i.bytes_on_disk for i in self.removed)
+
+
+def open_inodes() -> set[tuple[int, int]]:
+    """(device, inode) of every file some process on this host has open (``/proc/*/fd``).
+
+    Processes whose descriptors this user may not read are skipped.
+    """
+    found: set[tuple[int, int]] = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fds = list((d / "fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(fd)
+            except OSError:
+                continue
+            found.add((st.st_dev, st.st_ino))
+    return found
+
+
+def in_use(build: Path, opened: set[tuple[int, int]]) -> bool:
+    """Whether a file of ``build`` is open (``opened``) or hard-linked elsewhere."""
+    paths = ImagePaths(build)
+    for f in (paths.rootfs, paths.kernel, paths.vmlinux, *build.glob("initrd-*.img")):
+        try:
+            st = os.lstat(f)
+        except OSError:
+            continue
+        if st.st_nlink > 1 or (st.st_dev, st.st_ino) in opened:
+            return True
+    return False
+
+
+def collect(layout: Layout, pinned: Iterable[str], *, dry_run: bool = False) -> Collection:
+    """Remove every build that is not current, not pinned and not in use; see the module doc.
+
+    ``pinned`` holds image ids (``<name>-<digest>``); a bare recipe name
+    pins every build of it (a record that does not say which build it used).
+    With ``dry_run`` nothing is removed. Raises ``ImageError`` when
+    ``layout.images`` is a symlink (a shared cache) or a removal fails.
+    """
+    if layout.images.is_symlink():
+        raise ImageError(f"{layout.images} is a symlink to an image cache that other data "
+                         "directories may share; collect it from the data directory that "
+                         "owns it", images=str(layout.images))
+    pins = set(pinned)
+    result = Collection(dry_run)
+    if not layout.images.is_dir():
+        return result
+    names = sorted({i.name for i in list_images(layout)} | set(RECIPES))
+    for name in names:
+        with image_lock(layout, name):
+            opened = open_inodes()
+            for info in list_images(layout):
+                if info.name != name:
+                    continue
+                if info.current:
+                    result.kept.append(Kept(info, "current"))
+                elif info.id in pins or info.name in pins:
+                    result.kept.append(Kept(info, "pinned"))
+                elif in_use(info.dir, opened):
+                    result.kept.append(Kept(info, "in use"))
+                else:
+                    result.removed.append(info)
+                    if not dry_run:
+                        trash = layout.image_trash(info.id)
+                        os.replace(info.dir, trash)
+                        remove_tree(trash)
+            for d in layout.images.glob(layout.image_staging_prefix(name) + "*"):
+                result.leftovers.append(d)
+                if not dry_run:
+                    remove_tree(d)
+    for d in layout.images.glob(".trash-*"):
+        result.leftovers.append(d)
+        if not dry_run:
+            remove_tree(d)
+    return result
