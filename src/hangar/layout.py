@@ -4,7 +4,10 @@ Everything Hangar keeps lives under one data directory (``HANGAR_DATA_DIR``,
 default ``/var/lib/hangar``)::
 
     <data>/
-      api-key                   0600, generated on first start, never logged
+      api-key                   0600, the default API key (one line), generated on first
+                                start, never logged; read by the CLI and SDK on this host
+      api-keys                  0600, named API keys as SHA-256 hashes, one a line
+                                (``hangar key add|rm|rotate``; see ``hangar.keys``)
       hangar.db                 SQLite store of sandbox records
       engine-probe.json         cached result of the KVM probe boot
       cache/
@@ -57,6 +60,10 @@ class Layout:
     @property
     def api_key_file(self) -> Path:
         return self.root / "api-key"
+
+    @property
+    def api_keys_file(self) -> Path:
+        return self.root / "api-keys"
 
     @property
     def database(self) -> Path:

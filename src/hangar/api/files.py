@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from hangar.api.deps import manager
+from hangar.api.limits import raw_body
 from hangar.api.models import FileEntry, FileList, PathBody, WriteResult
 from hangar.core.sandboxes import SandboxManager
 
@@ -45,6 +46,7 @@ async def read(sandbox_id: str, path: PathQ, m: Manager) -> StreamingResponse:
 
 
 @router.put("", response_model=WriteResult, summary="Write a file from the raw request body")
+@raw_body  # streamed to the guest chunk by chunk: not bound by the JSON body limit
 async def write(sandbox_id: str, path: PathQ, request: Request, m: Manager,
                 mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644) -> WriteResult:
     async def chunks() -> AsyncIterator[bytes]:
