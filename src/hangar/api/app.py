@@ -63,7 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.keys = keys
     app.state.throttle = Throttle()
     errors.install(app)
-    app.add_middleware(BodyLimit, limit=settings.max_json_bytes)
+    app.add_middleware(BodyLimit, limit=settings.max_json_bytes, raw=files.RAW_BODY)
     app.include_router(health.router)
     keyed = [Depends(require_key)]
     app.include_router(sandboxes.router, dependencies=keyed)

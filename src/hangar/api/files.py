@@ -15,12 +15,14 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from hangar.api.deps import manager
-from hangar.api.limits import raw_body
 from hangar.api.models import FileEntry, FileList, PathBody, WriteResult
 from hangar.core.sandboxes import SandboxManager
 
 router = APIRouter(prefix="/sandboxes/{sandbox_id}/files", tags=["files"])
 Manager = Annotated[SandboxManager, Depends(manager)]
+RAW_BODY = [("PUT", router.prefix)]
+"""Routes whose body is streamed to the guest, not bound by the JSON body limit
+(``hangar.api.limits``)."""
 PathQ = Annotated[str, Query(min_length=1, max_length=4096, description="Path in the guest.")]
 
 
@@ -46,7 +48,6 @@ async def read(sandbox_id: str, path: PathQ, m: Manager) -> StreamingResponse:
 
 
 @router.put("", response_model=WriteResult, summary="Write a file from the raw request body")
-@raw_body  # streamed to the guest chunk by chunk: not bound by the JSON body limit
 async def write(sandbox_id: str, path: PathQ, request: Request, m: Manager,
                 mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644) -> WriteResult:
     async def chunks() -> AsyncIterator[bytes]:

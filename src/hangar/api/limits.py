@@ -1,11 +1,12 @@
-"""A cap on request bodies: ``BodyLimit`` (ASGI middleware) and ``raw_body`` routes.
+"""A cap on request bodies: ``BodyLimit``, an ASGI middleware.
 
 Every request body is bounded by ``Settings.max_json_bytes`` (default 8 MiB)
-except on routes marked ``@raw_body``, whose handlers stream the body on to
-a guest chunk by chunk (file uploads) and so never hold it whole. A body
-over the limit gets 413 ``too_large`` naming the limit: at once when its
-``Content-Length`` says so, else as soon as the bytes read pass it (chunked
-uploads), before the JSON is parsed.
+except on the routes each router module lists in ``RAW_BODY`` (method, path
+template), whose handlers stream the body on to a guest chunk by chunk
+(file uploads) and so never hold it whole. A body over the limit gets 413
+``too_large`` naming the limit: at once when its ``Content-Length`` says
+so, else as soon as the bytes read pass it (chunked uploads), before the
+JSON is parsed.
 
 The error is raised from inside ``receive`` as ``BodyTooLarge``, an
 ``HTTPException``, because FastAPI turns any other exception met while it
@@ -14,21 +15,11 @@ reads a body into a generic 400.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Iterable
 
 from starlette.exceptions import HTTPException
-from starlette.routing import Match
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-F = TypeVar("F", bound=Callable[..., Any])
-_MARK = "__hangar_raw_body__"
-
-
-def raw_body(fn: F) -> F:
-    """Mark a route handler that streams its request body itself (not capped)."""
-    setattr(fn, _MARK, True)
-    return fn
 
 
 class BodyTooLarge(HTTPException):
@@ -41,25 +32,25 @@ class BodyTooLarge(HTTPException):
         self.limit = limit
 
 
-def _is_raw(scope: Scope) -> bool:
-    app = scope.get("app")
-    router = getattr(app, "router", None)
-    for route in getattr(router, "routes", ()):
-        match, _ = route.matches(scope)
-        if match == Match.FULL:
-            return bool(getattr(getattr(route, "endpoint", None), _MARK, False))
-    return False
-
-
 class BodyLimit:
-    """ASGI middleware: 413 for HTTP bodies over ``limit`` bytes, except on ``raw_body`` routes."""
+    """ASGI middleware: 413 for HTTP bodies over ``limit`` bytes.
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    ``raw`` lists the (method, path template) of routes that stream their
+    body themselves, e.g. ``("PUT", "/sandboxes/{sandbox_id}/files")``;
+    their bodies are not capped.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int, raw: Iterable[tuple[str, str]] = ()) -> None:
         self.app = app
         self.limit = limit
+        self.raw = [(method.upper(), compile_path(path)[0]) for method, path in raw]
+
+    def _is_raw(self, scope: Scope) -> bool:
+        return any(scope.get("method") == method and regex.match(scope.get("path", ""))
+                   for method, regex in self.raw)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _is_raw(scope):
+        if scope["type"] != "http" or self._is_raw(scope):
             await self.app(scope, receive, send)
             return
         limit = self.limit
