@@ -300,6 +300,12 @@ def test_sweep_every_route_with_hostile_values(hostile) -> None:
             for value in values:
                 if method == "DELETE" and q["name"] == "path" and value in ("/",):
                     continue
+                value = value[:8000]  # a URL has room for less than a body
+                if value == "\ud800":  # no URL can carry it; raw bytes below instead
+                    value = "\udcff"
+                    url = f"{target}?{q['name']}=%ff%fe"
+                    send(method, url, body=base_body, what=("query", q["name"], "%ff%fe"))
+                    continue
                 send(method, target, params={**base_q, q["name"]: value}, body=base_body,
                      what=("query", q["name"], value))
         if schema is None:

@@ -35,7 +35,46 @@ def _utf8_len(value: str) -> int:
     return len(value.encode("utf-8", "surrogatepass"))
 
 
-class CreateSandbox(BaseModel):
+def lone_surrogate(value: object, where: str = "") -> str | None:
+    """Where in a decoded JSON value a string holds a lone UTF-16 surrogate, or None.
+
+    JSON's ``\\ud800`` escapes can carry them; no UTF-8 encoder (a guest's
+    file system, argv, a pipe) accepts them.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            key = str(k)
+            found = lone_surrogate(key, where) or lone_surrogate(
+                v, f"{where}.{key}" if where else key)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = lone_surrogate(v, f"{where}[{i}]")
+            if found:
+                return found
+    return None
+
+
+class RequestBody(BaseModel):
+    """Base of every request body: refuses strings that are not valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: object) -> object:
+        where = lone_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where} is not valid Unicode (it holds a lone UTF-16 surrogate)")
+        return data
+
+
+class CreateSandbox(RequestBody):
     """Body of ``POST /sandboxes``; every field is optional."""
 
     model_config = ConfigDict(extra="forbid")
@@ -59,7 +98,7 @@ class CreateSandbox(BaseModel):
                     "needs an image with one (the 'desktop' recipe).")
 
 
-class SetTimeout(BaseModel):
+class SetTimeout(RequestBody):
     """Body of ``POST /sandboxes/{id}/timeout``."""
 
     model_config = ConfigDict(extra="forbid")
@@ -91,7 +130,7 @@ class SandboxList(BaseModel):
     sandboxes: list[Sandbox]
 
 
-class ExecRequest(BaseModel):
+class ExecRequest(RequestBody):
     """Body of ``POST /sandboxes/{id}/exec``.
 
     ``command`` is a shell string run by ``/bin/sh -c``; when ``args`` is
@@ -215,7 +254,7 @@ class WriteResult(BaseModel):
     size: int = Field(description="Bytes written.")
 
 
-class PathBody(BaseModel):
+class PathBody(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     path: str = Field(min_length=1, max_length=4096)
@@ -240,13 +279,13 @@ class SnapshotList(BaseModel):
     snapshots: list[Snapshot]
 
 
-class RestoreRequest(BaseModel):
+class RestoreRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     snapshot_id: str = Field(min_length=1, max_length=64)
 
 
-class ForkRequest(BaseModel):
+class ForkRequest(RequestBody):
     """Body of ``POST /snapshots/{id}/sandboxes`` (optional)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -255,7 +294,7 @@ class ForkRequest(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
 
 
-class MachineRequest(BaseModel):
+class MachineRequest(RequestBody):
     """Body of ``POST /machines/{user_id}`` (optional; used only when creating)."""
 
     model_config = ConfigDict(extra="forbid")

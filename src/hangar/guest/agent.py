@@ -94,10 +94,21 @@ def os_error(exc: OSError, path: str) -> OpError:
     return OpError(code, f"{os.strerror(exc.errno or 0) if exc.errno else exc}: {path}")
 
 
+def encodable(value: str) -> bool:
+    """True when ``value`` can become bytes for the kernel (no lone surrogates but the
+    ``surrogateescape`` ones that stand for raw bytes)."""
+    try:
+        value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def resolve(path: Any) -> str:
     """Absolute path of ``path``; relative paths start at /root."""
-    if not isinstance(path, str) or not path or "\0" in path:
-        raise OpError("invalid", "path must be a non-empty string without NUL bytes")
+    if not isinstance(path, str) or not path or "\0" in path or not encodable(path):
+        raise OpError("invalid", "path must be a non-empty string of valid Unicode without "
+                                 "NUL bytes")
     return os.path.normpath(os.path.join(BASE_ENV["HOME"], path))
 
 
@@ -130,6 +141,8 @@ ENOENT_EXIT, NOEXEC_EXIT = 127, 126  # the shell's codes (POSIX, "Command Search
 def _no_nul(what: str, value: str) -> None:
     if "\0" in value:
         raise OpError("invalid", f"{what} must not contain NUL bytes")
+    if not encodable(value):
+        raise OpError("invalid", f"{what} is not valid Unicode (a lone surrogate)")
 
 
 def exec_argv(meta: dict[str, Any]) -> tuple[list[str], str | None]:
