@@ -108,8 +108,9 @@ def read_default(path: Path) -> str | None:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if len(lines) > 1:
         raise ConfigError(
-            f"the API key file {path} holds {len(lines)} lines but must hold one key; named keys "
-            f"belong in {path.with_name('api-keys')} (`hangar key add NAME`)")
+            f"the API key file {path} holds {len(lines)} lines but must hold one key. Fix: keep "
+            f"one key there; named keys belong in {path.with_name('api-keys')} "
+            f"(`hangar key add NAME`)")
     key = lines[0] if lines else ""
     problem = weakness(key)
     if problem:
