@@ -39,8 +39,13 @@ def _store(data_dir: Path | None):  # type: ignore[no-untyped-def]
     return KeyStore(layout.api_key_file, layout.api_keys_file)
 
 
-def _fail(exc: HangarError) -> None:
-    err.print(f"[red]error:[/red] {exc.message}")
+def _fail(exc: HangarError | OSError) -> None:
+    if isinstance(exc, OSError):
+        where = f" {exc.filename}" if exc.filename else ""
+        err.print(f"[red]error:[/red] cannot change{where}: {exc.strerror}; run this as the "
+                  "owner of the data directory (usually root)")
+    else:
+        err.print(f"[red]error:[/red] {exc.message}")
     raise typer.Exit(1)
 
 
@@ -51,7 +56,7 @@ def add(name: Annotated[str, typer.Argument(help="A name for the key, e.g. ci or
     store = _store(data_dir)
     try:
         key = store.add(name)
-    except HangarError as exc:
+    except (HangarError, OSError) as exc:
         _fail(exc)
     print(key)
     err.print(f"key {name!r} added to {store.named_file}; it is shown only now")
@@ -63,7 +68,7 @@ def rm(name: str, data_dir: DataDir = None) -> None:
     store = _store(data_dir)
     try:
         store.remove(name)
-    except HangarError as exc:
+    except (HangarError, OSError) as exc:
         _fail(exc)
     err.print(f"key {name!r} removed")
 
@@ -75,7 +80,7 @@ def rotate(name: Annotated[str, typer.Argument(help="The key to replace.")] = "d
     store = _store(data_dir)
     try:
         key = store.rotate(name)
-    except HangarError as exc:
+    except (HangarError, OSError) as exc:
         _fail(exc)
     print(key)
     where = store.default_file if name == "default" else store.named_file
@@ -88,7 +93,7 @@ def ls(data_dir: DataDir = None) -> None:
     store = _store(data_dir)
     try:
         entries = store.entries()
-    except HangarError as exc:
+    except (HangarError, OSError) as exc:
         _fail(exc)
     table = Table("name", "fingerprint", "created", "file")
     for name, fp, created, where in entries:

@@ -73,7 +73,8 @@ def weakness(key: str) -> str | None:
     if len(key) < MIN_LENGTH:
         return f"it is {len(key)} characters long; at least {MIN_LENGTH} are needed"
     if len(set(key)) < MIN_DISTINCT:
-        return f"it uses only {len(set(key))} distinct characters; at least {MIN_DISTINCT} are needed"
+        return (f"it uses only {len(set(key))} distinct characters; at least {MIN_DISTINCT} "
+                "are needed")
     for n in range(1, 9):
         if len(key) % n == 0 and key == key[:n] * (len(key) // n):
             return "it repeats a short pattern"
