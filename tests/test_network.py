@@ -51,6 +51,7 @@ API_PORT = 18080  # the stand-in for the host's API, in hg-host
 GUEST_PORT = 8000  # a listener inside guests, for guest-to-guest probes
 BODY = "hello from the stand-in internet\n"
 DNS = "10.0.0.53"
+META6 = "fd00:ec2::254"
 SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
 AGENT_TIMEOUT_S = 120.0
 
@@ -116,7 +117,10 @@ def test_policy_most_specific_entry_wins() -> None:
     assert hole.permits("10.9.1.1") and not hole.permits("10.8.1.1") and hole.permits("192.168.0.1")
     tie = Policy.parse({"egress": "open", "allow": ["10.1.0.0/16"], "deny": ["10.1.0.0/16"]})
     assert not tie.permits("10.1.0.1")
-    assert Policy.parse("open").denied_ranges() == []
+    link_local = [(0xA9FE0000, 0xA9FEFFFF)]  # 169.254.0.0/16: metadata, never reachable
+    assert Policy.parse("open").denied_ranges() == link_local
+    lifted = Policy.parse({"egress": "open", "allow": ["169.254.169.254/32", "0.0.0.0/0"]})
+    assert not lifted.permits("169.254.169.254") and lifted.permits("10.0.0.1")
     assert Policy.parse({"allow": ["10.0.0.1"]}).allow == ("10.0.0.1/32",)
     assert range_text(0x0A000000, 0x0AFFFFFF) == "10.0.0.0/8"
     assert range_text(0x0A000000, 0x0A010100) == "10.0.0.0-10.1.1.0"
@@ -140,7 +144,14 @@ def test_user_mode_refuses_what_it_cannot_enforce() -> None:
     from hangar.engines.base import VMSpec
     from hangar.engines.qemu import QemuEngine
 
-    m = NetworkManager(mode="user")
+    closed = NetworkManager(mode="user")  # no opt-in: 'open' would reach the host's loopback
+    with pytest.raises(InvalidRequest, match="HANGAR_NET_USER_OPEN") as info:
+        closed.attach("sb-0123456789ab", "open")
+    assert "10.0.2.2" in info.value.message and info.value.status == 400
+    assert closed.attach("sb-0123456789ab", "none") is None
+    assert any("refused" in line for line in closed.describe())
+    m = NetworkManager(mode="user", user_open=True)
+    assert any("ALLOWED" in line for line in m.describe())
     with pytest.raises(InvalidRequest, match="needs TAP networking"):
         m.attach("sb-0123456789ab", "internet")
     with pytest.raises(InvalidRequest):
@@ -368,6 +379,12 @@ print(json.dumps(res))
 """
 
 
+PROBE6 = ("import socket, sys\n"
+          "s = socket.socket(socket.AF_INET6); s.settimeout(2)\n"
+          "try:\n    s.connect((sys.argv[1], int(sys.argv[2]))); print('open')\n"
+          "except OSError as e:\n    print(e.strerror or 'timeout')\n")
+
+
 class Guests:
     """Booted VMs, their agents and attachments, in ``hg-host``; stops all on ``close``."""
 
@@ -390,6 +407,7 @@ class Guests:
         self.vms: dict[str, object] = {}
         self.agents: dict[str, object] = {}
         self.nets: dict[str, object] = {}
+        self.topology_procs: list[subprocess.Popen[bytes]] = []  # listeners a test adds
 
     async def boot(self, sid: str, policy: object, manager: NetworkManager | None = None) -> None:
         from hangar.engines.base import VMSpec
@@ -412,6 +430,12 @@ class Guests:
         return json.loads(r.stdout.head)
 
     async def close(self) -> None:
+        for p in self.topology_procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
         for agent in self.agents.values():
             await agent.close()  # type: ignore[attr-defined]
         for sid, vm in self.vms.items():
@@ -451,14 +475,14 @@ def guests(manager: NetworkManager, base_image: Path) -> Iterator[Guests]:
 @needs_netns
 def test_guest_policies_and_release_after_a_crash(guests: Guests) -> None:
     a, b, c, d = "sb-a00000000001", "sb-b00000000002", "sb-c00000000003", "sb-d00000000004"
-    u = "sb-f00000000006"  # QEMU user-mode networking
-    user_mode = NetworkManager(mode="user")
+    u = "sb-f00000000006"  # QEMU user-mode networking, with the operator's opt-in
+    user_mode = NetworkManager(mode="user", user_open=True)
 
     async def body() -> None:
         await asyncio.gather(
             guests.boot(a, "internet"),
             guests.boot(b, {"egress": "internet", "allow": ["10.0.0.1/32"]}),
-            guests.boot(c, {"egress": "open", "deny": ["169.254.0.0/16"]}),
+            guests.boot(c, "open"),
             guests.boot(d, "none"),
             guests.boot(u, "open", user_mode))
         ip = {s: n.ip for s, n in guests.nets.items() if n and s != u}  # type: ignore[attr-defined]
@@ -491,7 +515,7 @@ def test_guest_policies_and_release_after_a_crash(guests: Guests) -> None:
         assert rb["169.254.169.254:80"] == "timeout" and rb[f"{ip[a]}:{GUEST_PORT}"] == "timeout"
 
         assert rc_["body"] == BODY and rc_["10.0.0.1:80"] == "open", rc_  # open reaches private
-        assert rc_["169.254.169.254:80"] == "timeout", rc_  # ... but not what deny names
+        assert rc_["169.254.169.254:80"] == "timeout", rc_  # ... never the metadata service
         for t in (*host_api, f"{ip[a]}:{GUEST_PORT}"):
             assert rc_[t] == "timeout", (t, rc_)  # never the host or another guest
 
@@ -500,6 +524,22 @@ def test_guest_policies_and_release_after_a_crash(guests: Guests) -> None:
         assert ru["body"] == BODY and ru["10.0.0.1:80"] == ru[f"10.0.2.2:{API_PORT}"] == "open", ru
 
         assert rd["203.0.113.1:80"] == "Network is unreachable", rd  # no NIC at all
+
+        # No IPv6 either, so no fd00:ec2::254 (the IPv6 metadata address): give the
+        # bridge that address and a listener, let the guests configure IPv6 by
+        # hand (a hostile guest is root), and nothing gets through.
+        run(f"ip netns exec {NS_HOST} sysctl -qw net.ipv6.conf.hgbr0.disable_ipv6=0 && "
+            f"ip -n {NS_HOST} addr add {META6}/64 dev hgbr0 nodad")
+        guests.topology_procs.append(_listen(NS_HOST, API_PORT + 1, "::", guests.root))
+        _wait_port(NS_HOST, META6, API_PORT + 1)
+        for n, s in enumerate((a, c), 2):
+            await guests.sh(s, f"ip -6 addr add fd00:ec2::{n}/64 dev eth0 nodad")
+            r = await guests.agents[s].exec(  # type: ignore[attr-defined]
+                {"op": "exec", "argv": ["python3", "-c", PROBE6, META6, str(API_PORT + 1)],
+                 "timeout": 30})
+            assert r.exit_code == 0 and r.stdout.head.strip() != b"open", (s, r)
+        run(f"ip -n {NS_HOST} addr del {META6}/64 dev hgbr0 && "
+            f"ip netns exec {NS_HOST} sysctl -qw net.ipv6.conf.hgbr0.disable_ipv6=1")
         rc, out = await guests.sh(d, "ls /sys/class/net")
         assert out.split() == ["lo"], out
 
@@ -600,3 +640,42 @@ def test_api_sandboxes_get_networking_and_give_it_back(topology: Topology, base_
             os.kill(pid, signal.SIGKILL)
         subprocess.run(["ip", "-n", NS_HOST, "link", "del", "hgbr0"], capture_output=True)
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_user_mode_server_needs_the_opt_in_for_open(base_image: Path) -> None:
+    """A server on QEMU's user-mode stack refuses 'open' (its guests would reach the
+    host's loopback, the API included, through 10.0.2.2) until the operator opts in,
+    and ``hangar doctor`` says which it is. Nothing boots: the refusal comes first."""
+    from conftest import SRC, Server, cleanup, free_port, make_data_dir
+
+    def doctor(extra: dict[str, str]) -> str:
+        env = {**os.environ, "PYTHONPATH": str(SRC), "HANGAR_NETWORK": "user", **extra}
+        out = subprocess.run([sys.executable, "-m", "hangar.cli", "doctor", "--data-dir",
+                              str(SHARED)], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    assert "egress 'open' refused" in doctor({}) and "HANGAR_NET_USER_OPEN" in doctor({})
+    assert "egress 'open' ALLOWED" in doctor({"HANGAR_NET_USER_OPEN": "1"})
+
+    for opt_in in ("", "1"):
+        d = make_data_dir(base_image)
+        srv = Server(d, free_port(), {"HANGAR_NETWORK": "user",
+                                      **({"HANGAR_NET_USER_OPEN": opt_in} if opt_in else {})})
+        try:
+            srv.start()
+            with srv.client() as c:
+                r = c.post("/sandboxes", json={"network": "internet"})
+                assert r.status_code == 400 and "TAP" in r.json()["error"]["message"], r.text
+                if not opt_in:
+                    r = c.post("/sandboxes", json={"network": "open"})
+                    assert r.status_code == 400, r.text
+                    msg = r.json()["error"]["message"]
+                    assert "HANGAR_NET_USER_OPEN" in msg and "10.0.2.2" in msg, msg
+                    r = c.post("/sandboxes", json={"network": {"egress": "open"}})
+                    assert r.status_code == 400, r.text
+                assert c.get("/sandboxes").json()["sandboxes"] == []
+        finally:
+            leaked = cleanup(srv)
+            shutil.rmtree(d, ignore_errors=True)
+        assert not leaked

@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Column, Table
 
+from hangar.cli_key import app as key_app
 from hangar.errors import HangarError
 
 app = typer.Typer(help="Hangar: microVM sandboxes for AI agents.", no_args_is_help=True,
@@ -34,6 +35,7 @@ app.add_typer(files_app, name="files")
 app.add_typer(machine_app, name="machine")
 app.add_typer(snapshot_app, name="snapshot")
 app.add_typer(desktop_app, name="desktop")
+app.add_typer(key_app, name="key")
 out = Console()
 err = Console(stderr=True)
 
@@ -91,17 +93,17 @@ def serve(
     layout = Layout(settings.data_dir)
     layout.ensure()
     try:
+        api = create_app(settings)  # refuses an empty or weak API key (ConfigError)
         _build(layout, settings.default_image)
     except HangarError as exc:
         _fail(exc)
     where = f"unix:{settings.uds}" if settings.uds else f"http://{settings.host}:{settings.port}"
     err.print(f"Hangar on {where}  (API key in {layout.api_key_file})")
     if settings.uds:
-        uvicorn.run(create_app(settings), uds=str(settings.uds), log_config=None,
-                    access_log=False)
+        uvicorn.run(api, uds=str(settings.uds), log_config=None, access_log=False)
     else:
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                    log_config=None, access_log=False)
+        uvicorn.run(api, host=settings.host, port=settings.port, log_config=None,
+                    access_log=False)
 
 
 @image_app.command("build")
@@ -440,12 +442,18 @@ def doctor(data_dir: DataDir = None) -> None:
     from hangar.images import resolve_image
     from hangar.layout import Layout
 
-    layout = Layout(_settings(data_dir).data_dir)
+    from hangar.net import doctor_lines
+
+    settings = _settings(data_dir)
+    layout = Layout(settings.data_dir)
     try:
         image = resolve_image(layout, "base")
     except HangarError:
         image = None
     for line in diagnose(layout, image).lines():
+        print(line)
+    for line in doctor_lines(settings.network, user_open=settings.net_user_open,
+                             bridge=settings.net_bridge, pool=settings.net_pool):
         print(line)
 
 

@@ -49,9 +49,17 @@ class Settings(BaseSettings):
                             "else QEMU's user-mode stack; off gives guests no NIC.")
     net_pool: str = Field("172.30.0.0/16", description="Guest address pool (CIDR).")
     net_bridge: str = Field("hgbr0", description="Bridge the TAP devices join.")
+    net_user_open: bool = Field(
+        False, description="Allow egress 'open' under QEMU user-mode networking (used where "
+                           "TAP devices are not available). There a guest reaches the host's "
+                           "loopback services through 10.0.2.2, so this is off unless the "
+                           "operator turns it on.")
     net_dns: str | None = Field(None, description="Resolver given to guests; default: the "
                                                   "host's first non-loopback nameserver.")
     api_key: str | None = Field(
-        None, description="API key; when unset, read from or generated into data_dir/api-key."
-    )
+        None, description="The default API key; when unset, read from or generated into "
+                          "data_dir/api-key. Named keys live in data_dir/api-keys.")
+    max_json_bytes: int = Field(
+        8 << 20, ge=1024, description="Largest JSON request body, bytes (413 beyond); file "
+                                      "uploads are streamed and not bound by it.")
     log_level: str = Field("INFO")

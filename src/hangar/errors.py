@@ -13,11 +13,14 @@ the client SDK (``hangar.client``)::
     ├── Conflict                409  the object's state forbids the call now
     │   ├── Busy                409  retryable: try again shortly
     │   └── ImageMissing        409  the image build a sandbox or snapshot pins is gone
+    ├── TooLarge                413  the request body is over the server's limit
     ├── LimitExceeded           429  retryable after ``retry_after`` seconds
     ├── Timeout                 504  the guest did not answer in time
     ├── GuestError              502  the guest agent reported a failure
     ├── EngineError             500  the VMM failed (boot, QMP, process died)
-    └── ImageError              500  building or finding a guest image failed
+    ├── ImageError              500  building or finding a guest image failed
+    └── ConfigError             500  the server's own configuration is unusable (e.g. a
+                                     weak API key); it refuses to start
 """
 
 from __future__ import annotations
@@ -78,6 +81,10 @@ class ImageMissing(Conflict):
     code = "image_missing"
 
 
+class TooLarge(HangarError):
+    status, code = 413, "too_large"
+
+
 class LimitExceeded(HangarError):
     status, code, retryable = 429, "limit_exceeded", True
 
@@ -102,10 +109,15 @@ class ImageError(HangarError):
     status, code = 500, "image_error"
 
 
+class ConfigError(HangarError):
+    status, code = 500, "config_error"
+
+
 BY_CODE: dict[str, type[HangarError]] = {
     cls.code: cls
     for cls in (
         HangarError, InvalidRequest, Unauthorized, Unavailable, NotFound, Gone, Conflict, Busy,
-        ImageMissing, LimitExceeded, Timeout, GuestError, EngineError, ImageError,
+        ImageMissing, TooLarge, LimitExceeded, Timeout, GuestError, EngineError, ImageError,
+        ConfigError,
     )
 }

@@ -6,7 +6,10 @@ literals of their own. Everything lives under one data directory
 (``HANGAR_DATA_DIR``, default ``/var/lib/hangar``, mode 0700)::
 
     <data>/
-      api-key                   0600, generated on first start, never logged
+      api-key                   0600, the default API key (one line), generated on first
+                                start, never logged; read by the CLI and SDK on this host
+      api-keys                  0600, named API keys as SHA-256 hashes, one a line
+                                (``hangar key add|rm|rotate``; see ``hangar.keys``)
       hangar.db                 SQLite store of sandbox, snapshot and machine records
       engine-probe.json         cached result of QEMU's KVM probe boot
       firecracker-probe.json    cached result of the Firecracker probe boot
@@ -99,6 +102,10 @@ class Layout:
     @property
     def api_key_file(self) -> Path:
         return self.root / "api-key"
+
+    @property
+    def api_keys_file(self) -> Path:
+        return self.root / "api-keys"
 
     @property
     def database(self) -> Path:

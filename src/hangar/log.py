@@ -36,12 +36,18 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup(level: str = "INFO") -> None:
-    """Send every ``hangar.*`` and uvicorn log line through ``JsonFormatter``."""
+    """Send every ``hangar.*`` and uvicorn log line through ``JsonFormatter``.
+
+    Levels below DEBUG (uvicorn's TRACE) are raised to DEBUG: at TRACE
+    uvicorn logs each request's headers, API keys included.
+    """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    if root.level < logging.DEBUG:
+        root.setLevel(logging.DEBUG)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         lg = logging.getLogger(name)
         lg.handlers[:] = []

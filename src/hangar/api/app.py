@@ -9,7 +9,8 @@ from fastapi import Depends, FastAPI
 
 from hangar import __version__
 from hangar.api import desktop, errors, files, health, machines, sandboxes, snapshots, vnc, web
-from hangar.api.auth import load_or_create_key, require_key
+from hangar.api.auth import KeyRing, Throttle, require_key
+from hangar.api.limits import BodyLimit
 from hangar.config import Settings
 from hangar.core.machines import MachineManager
 from hangar.core.pool import WarmPool
@@ -22,16 +23,19 @@ from hangar.metrics import Metrics
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the app. Start-up resolves the default image, picks the engine
-    (running the probe boots if not cached), reconciles running VMs and
-    starts filling the warm pool."""
+    """Build the app. Reads the API keys at once (``ConfigError`` when one is
+    empty or weak: the server must not start). Start-up resolves the default
+    image, picks the engine (running the probe boots if not cached),
+    reconciles running VMs and starts filling the warm pool."""
     settings = settings or Settings()
     layout = Layout(settings.data_dir)
+    layout.ensure()
+    keys = KeyRing(layout.api_key_file, layout.api_keys_file, settings.api_key)
+    keys.load()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         layout.ensure()
-        app.state.api_key = settings.api_key or load_or_create_key(layout.api_key_file)
         image = resolve_image(layout, settings.default_image)
         engine = choose_engine(settings.engine, layout, image, accel=settings.accel,
                                jailer=settings.jailer)
@@ -56,7 +60,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="MicroVM sandboxes for AI agents. Every path but /health needs X-API-Key.",
         lifespan=lifespan,
     )
+    app.state.keys = keys
+    app.state.throttle = Throttle()
     errors.install(app)
+    app.add_middleware(BodyLimit, limit=settings.max_json_bytes, raw=files.RAW_BODY)
     app.include_router(health.router)
     keyed = [Depends(require_key)]
     app.include_router(sandboxes.router, dependencies=keyed)

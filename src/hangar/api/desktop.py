@@ -16,6 +16,7 @@ from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from hangar.api.deps import manager
+from hangar.api.models import RequestBody
 from hangar.core.desktop import MAX_SCROLL, MAX_TYPE_CHARS, TYPE_DELAY_MS, Desktop
 from hangar.core.sandboxes import SandboxManager
 
@@ -38,7 +39,7 @@ DesktopDep = Annotated[Desktop, Depends(desktop)]
 Coord = Annotated[int, Field(ge=-(2**31), le=2**31 - 1, description="Pixels.")]
 
 
-class ScreenshotRequest(BaseModel):
+class ScreenshotRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     width: int | None = Field(None, ge=1, le=16384,
@@ -57,7 +58,7 @@ class ScreenshotResponse(BaseModel):
     duration_s: float
 
 
-class Point(BaseModel):
+class Point(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     x: Coord
@@ -69,7 +70,7 @@ class ClickRequest(Point):
     double: bool = False
 
 
-class DragRequest(BaseModel):
+class DragRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     from_x: Coord
@@ -79,7 +80,7 @@ class DragRequest(BaseModel):
     button: Literal["left", "middle", "right"] = "left"
 
 
-class TypeRequest(BaseModel):
+class TypeRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     text: str = Field(min_length=1, max_length=MAX_TYPE_CHARS,
@@ -89,7 +90,7 @@ class TypeRequest(BaseModel):
                           description="Pause between characters, milliseconds.")
 
 
-class KeyRequest(BaseModel):
+class KeyRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     keys: str = Field(min_length=1, max_length=1000, description=(
@@ -98,7 +99,7 @@ class KeyRequest(BaseModel):
         "(enter, esc, pgdn, ctrl, alt, shift, super...)."))
 
 
-class ScrollRequest(BaseModel):
+class ScrollRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     direction: Literal["up", "down", "left", "right"]

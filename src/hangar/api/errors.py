@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from hangar.api.limits import BodyTooLarge
 from hangar.errors import HangarError, LimitExceeded
 
 log = logging.getLogger("hangar.api")
@@ -44,6 +45,8 @@ def install(app: FastAPI) -> None:
             {"loc": [str(x) for x in e.get("loc", ())], "msg": e.get("msg", "")}
             for e in exc.errors()
         ]
+        for d in details:  # pydantic's prefix for a validator's own message
+            d["msg"] = str(d["msg"]).removeprefix("Value error, ")
         first = details[0] if details else {"loc": [], "msg": "invalid request"}
         message = f"{'.'.join(first['loc'])}: {first['msg']}" if first["loc"] else first["msg"]
         return JSONResponse({"error": {"code": "invalid_request", "message": message,
@@ -52,8 +55,9 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         code = {401: "unauthorized", 403: "forbidden", 404: "not_found",
-                405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, code, str(exc.detail))
+                405: "method_not_allowed", 413: "too_large"}.get(exc.status_code, "http_error")
+        context = {"limit_bytes": exc.limit} if isinstance(exc, BodyTooLarge) else {}
+        return error_response(exc.status_code, code, str(exc.detail), **context)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -20,6 +20,9 @@ from hangar.core.sandboxes import SandboxManager
 
 router = APIRouter(prefix="/sandboxes/{sandbox_id}/files", tags=["files"])
 Manager = Annotated[SandboxManager, Depends(manager)]
+RAW_BODY = [("PUT", router.prefix)]
+"""Routes whose body is streamed to the guest, not bound by the JSON body limit
+(``hangar.api.limits``)."""
 PathQ = Annotated[str, Query(min_length=1, max_length=4096, description="Path in the guest.")]
 
 

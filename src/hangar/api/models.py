@@ -8,10 +8,73 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ARG_STRLEN_MAX = 131071
+"""Bytes in one argument or ``NAME=value`` string, the guest kernel's MAX_ARG_STRLEN
+(32 pages of 4 KiB, linux/binfmts.h) less the terminating NUL."""
+ARGS_ENV_MAX = 1 << 20
+"""Bytes of ``args`` plus ``env`` (strings, NULs and pointers): half of the 2 MiB
+execve(2) allows with the default 8 MiB stack, leaving room for the base environment."""
+PATH_MAX = 4096
+"""Bytes in a path the guest kernel accepts (linux/limits.h)."""
 
 
-class CreateSandbox(BaseModel):
+def _show(value: str, n: int = 40) -> str:
+    """``value`` for an error message: repr'd and cut to ``n`` characters."""
+    return repr(value if len(value) <= n else value[:n] + "...")
+
+
+def _no_nul(field: str, value: str) -> None:
+    if "\0" in value:
+        raise ValueError(f"{field} must not contain NUL bytes (\\0); the guest kernel cannot "
+                         "pass them to a program")
+
+
+def _utf8_len(value: str) -> int:
+    return len(value.encode("utf-8", "surrogatepass"))
+
+
+def lone_surrogate(value: object, where: str = "") -> str | None:
+    """Where in a decoded JSON value a string holds a lone UTF-16 surrogate, or None.
+
+    JSON's ``\\ud800`` escapes can carry them; no UTF-8 encoder (a guest's
+    file system, argv, a pipe) accepts them.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            key = str(k)
+            found = lone_surrogate(key, where) or lone_surrogate(
+                v, f"{where}.{key}" if where else key)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = lone_surrogate(v, f"{where}[{i}]")
+            if found:
+                return found
+    return None
+
+
+class RequestBody(BaseModel):
+    """Base of every request body: refuses strings that are not valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: object) -> object:
+        where = lone_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where} is not valid Unicode (it holds a lone UTF-16 surrogate)")
+        return data
+
+
+class CreateSandbox(RequestBody):
     """Body of ``POST /sandboxes``; every field is optional."""
 
     model_config = ConfigDict(extra="forbid")
@@ -35,7 +98,7 @@ class CreateSandbox(BaseModel):
                     "needs an image with one (the 'desktop' recipe).")
 
 
-class SetTimeout(BaseModel):
+class SetTimeout(RequestBody):
     """Body of ``POST /sandboxes/{id}/timeout``."""
 
     model_config = ConfigDict(extra="forbid")
@@ -69,7 +132,7 @@ class SandboxList(BaseModel):
     sandboxes: list[Sandbox]
 
 
-class ExecRequest(BaseModel):
+class ExecRequest(RequestBody):
     """Body of ``POST /sandboxes/{id}/exec``.
 
     ``command`` is a shell string run by ``/bin/sh -c``; when ``args`` is
@@ -90,6 +153,62 @@ class ExecRequest(BaseModel):
     max_output: int = Field(1 << 20, ge=0, le=3 << 19,
                             description="Bytes kept from the start of each stream; the last "
                                         "max_output/4 bytes are kept as the tail.")
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, value: str) -> str:
+        _no_nul("command", value)
+        return value
+
+    @field_validator("args")
+    @classmethod
+    def _args(cls, value: list[str] | None) -> list[str] | None:
+        for i, arg in enumerate(value or ()):
+            _no_nul(f"args[{i}]", arg)
+            if _utf8_len(arg) > ARG_STRLEN_MAX:
+                raise ValueError(f"args[{i}] is {_utf8_len(arg)} bytes; the guest kernel takes "
+                                 f"at most {ARG_STRLEN_MAX} bytes in one argument "
+                                 "(MAX_ARG_STRLEN): pass large data through stdin or a file")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, val in value.items():
+            if not name:
+                raise ValueError("env has an empty variable name")
+            if "=" in name:
+                raise ValueError(f"env name {_show(name)} must not contain '='")
+            _no_nul(f"env name {_show(name)}", name)
+            _no_nul(f"env[{_show(name)}]", val)
+            if _utf8_len(name) + 1 + _utf8_len(val) > ARG_STRLEN_MAX:
+                raise ValueError(f"env[{_show(name)}] is over {ARG_STRLEN_MAX} bytes "
+                                 "(NAME=value), the guest kernel's limit for one variable "
+                                 "(MAX_ARG_STRLEN): pass large data through stdin or a file")
+        return value
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd(cls, value: str | None) -> str | None:
+        if value is not None:
+            _no_nul("cwd", value)
+            if _utf8_len(value) >= PATH_MAX:
+                raise ValueError(f"cwd is longer than the guest's PATH_MAX ({PATH_MAX} bytes)")
+        return value
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "ExecRequest":
+        if self.args is not None and _utf8_len(self.command) >= PATH_MAX:
+            raise ValueError(f"command (the program, with args) is longer than the guest's "
+                             f"PATH_MAX ({PATH_MAX} bytes)")
+        argv = [self.command, *self.args] if self.args is not None else []
+        total = sum(_utf8_len(a) + 1 + 8 for a in argv) + sum(
+            _utf8_len(k) + _utf8_len(v) + 2 + 8 for k, v in self.env.items())
+        if total > ARGS_ENV_MAX:
+            raise ValueError(f"args and env take {total} bytes; at most {ARGS_ENV_MAX} are "
+                             "allowed (the guest kernel's execve limit is 2 MiB): pass large "
+                             "data through stdin or a file")
+        return self
 
 
 class ExecResponse(BaseModel):
@@ -137,7 +256,7 @@ class WriteResult(BaseModel):
     size: int = Field(description="Bytes written.")
 
 
-class PathBody(BaseModel):
+class PathBody(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     path: str = Field(min_length=1, max_length=4096)
@@ -164,13 +283,13 @@ class SnapshotList(BaseModel):
     snapshots: list[Snapshot]
 
 
-class RestoreRequest(BaseModel):
+class RestoreRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     snapshot_id: str = Field(min_length=1, max_length=64)
 
 
-class ForkRequest(BaseModel):
+class ForkRequest(RequestBody):
     """Body of ``POST /snapshots/{id}/sandboxes`` (optional)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -179,7 +298,7 @@ class ForkRequest(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
 
 
-class MachineRequest(BaseModel):
+class MachineRequest(RequestBody):
     """Body of ``POST /machines/{user_id}`` (optional; used only when creating)."""
 
     model_config = ConfigDict(extra="forbid")

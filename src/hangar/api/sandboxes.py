@@ -40,6 +40,7 @@ def view(rec: SandboxRecord) -> Sandbox:
              summary="Create a sandbox; answers once its guest agent is ready")
 async def create(m: Manager, body: CreateSandbox | None = None) -> Sandbox:
     body = body or CreateSandbox()
+    m.policy(body.network)  # a bad or unenforceable policy is a 400 before anything else
     rec = await m.create(CreateOptions(
         image=body.image, vcpus=body.vcpus, memory_mib=body.memory_mib,
         disk_mib=body.disk_mib, timeout_s=body.timeout, metadata=body.metadata,

@@ -59,6 +59,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from hangar.api.deps import manager
 from hangar.api.desktop import desktop_for
+from hangar.api.models import RequestBody
 from hangar.core.sandboxes import SandboxManager
 from hangar.engines.agent_client import Tunnel
 from hangar.errors import HangarError, NotFound
@@ -129,7 +130,7 @@ def tickets(app: FastAPI) -> TicketBook:
     return book
 
 
-class TicketRequest(BaseModel):
+class TicketRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     view_only: bool = Field(False, description="The viewer sees the screen but cannot type, "

@@ -142,7 +142,8 @@ class SandboxManager:
             return None
         mode = "auto" if settings.network == "auto" else settings.network
         return NetworkManager(bridge=settings.net_bridge, pool=settings.net_pool,
-                              dns=settings.net_dns, mode=mode)  # type: ignore[arg-type]
+                              dns=settings.net_dns, mode=mode,  # type: ignore[arg-type]
+                              user_open=settings.net_user_open)
 
     def policy(self, requested: Any) -> dict[str, Any] | None:
         """The egress policy a sandbox gets, as stored; None means no NIC.
@@ -156,12 +157,9 @@ class SandboxManager:
             return None
         if requested is None:
             requested = "internet" if self.net.mode == "tap" else "none"
-        policy = Policy.parse(requested)
+        policy = self.net.check(requested)  # InvalidRequest when this mode cannot enforce it
         if policy.egress == "none":
             return None
-        if self.net.mode == "user" and (policy.egress != "open" or policy.allow or policy.deny):
-            raise InvalidRequest("without TAP networking (not root) guests can only get "
-                                 "egress 'open' or 'none'")
         return policy.model_dump(mode="json")
 
     async def _attach(self, rec: SandboxRecord) -> NetAttachment | None:

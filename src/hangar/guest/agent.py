@@ -42,6 +42,7 @@ import struct
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from typing import Any
 
@@ -93,10 +94,21 @@ def os_error(exc: OSError, path: str) -> OpError:
     return OpError(code, f"{os.strerror(exc.errno or 0) if exc.errno else exc}: {path}")
 
 
+def encodable(value: str) -> bool:
+    """True when ``value`` can become bytes for the kernel (no lone surrogates but the
+    ``surrogateescape`` ones that stand for raw bytes)."""
+    try:
+        value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def resolve(path: Any) -> str:
     """Absolute path of ``path``; relative paths start at /root."""
-    if not isinstance(path, str) or not path or "\0" in path:
-        raise OpError("invalid", "path must be a non-empty string without NUL bytes")
+    if not isinstance(path, str) or not path or "\0" in path or not encodable(path):
+        raise OpError("invalid", "path must be a non-empty string of valid Unicode without "
+                                 "NUL bytes")
     return os.path.normpath(os.path.join(BASE_ENV["HOME"], path))
 
 
@@ -118,6 +130,116 @@ def entry(path: str, name: str | None = None) -> dict[str, Any]:
         "mode": stat_mod.S_IMODE(st.st_mode),
         "mtime": st.st_mtime,
     }
+
+
+SHELL_INLINE_MAX = 64 << 10
+"""Bytes of a shell string passed as ``sh -c`` argument; longer ones go through a file."""
+SCRIPT_DIR = "/run/hangar"
+ENOENT_EXIT, NOEXEC_EXIT = 127, 126  # the shell's codes (POSIX, "Command Search and Execution")
+
+
+def _no_nul(what: str, value: str) -> None:
+    if "\0" in value:
+        raise OpError("invalid", f"{what} must not contain NUL bytes")
+    if not encodable(value):
+        raise OpError("invalid", f"{what} is not valid Unicode (a lone surrogate)")
+
+
+def exec_argv(meta: dict[str, Any]) -> tuple[list[str], str | None]:
+    """The argv of an exec request and the script file it made (None: none).
+
+    ``meta["argv"]`` runs as is; ``meta["shell"]`` runs by ``/bin/sh -c``,
+    through a 0600 file in ``SCRIPT_DIR`` when longer than ``SHELL_INLINE_MAX``.
+    """
+    argv = meta.get("argv")
+    shell = meta.get("shell")
+    if argv is not None:
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+            raise OpError("invalid", "argv must be a non-empty list of strings")
+        if not argv[0]:
+            raise OpError("invalid", "the program name is empty")
+        for i, a in enumerate(argv):
+            _no_nul("the program name" if i == 0 else f"args[{i - 1}]", a)
+        return argv, None
+    if not isinstance(shell, str):
+        raise OpError("invalid", "exec needs argv or shell")
+    _no_nul("command", shell)
+    script = shell.encode("utf-8", "surrogateescape")
+    if len(script) <= SHELL_INLINE_MAX:
+        return ["/bin/sh", "-c", shell], None
+    try:
+        fd, path = tempfile.mkstemp(prefix="exec-", suffix=".sh",
+                                    dir=SCRIPT_DIR if os.path.isdir(SCRIPT_DIR) else None)
+        with os.fdopen(fd, "wb") as f:
+            f.write(script)
+    except OSError as exc:
+        raise os_error(exc, "the script file") from None
+    return ["/bin/sh", "-c", f". {path}"], path
+
+
+def exec_env(extra: Any) -> dict[str, str]:
+    """``BASE_ENV`` updated with the request's ``env``; OpError ``invalid`` for a bad one."""
+    env = dict(BASE_ENV)
+    if extra is None:
+        return env
+    if not isinstance(extra, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in extra.items()
+    ):
+        raise OpError("invalid", "env must map strings to strings")
+    for name, value in extra.items():
+        if not name:
+            raise OpError("invalid", "env has an empty variable name")
+        if "=" in name:
+            raise OpError("invalid", f"env name {name[:40]!r} must not contain '='")
+        _no_nul("env names", name)
+        _no_nul(f"env[{name[:40]!r}]", value)
+    env.update(extra)
+    return env
+
+
+def exec_cwd(value: Any) -> str:
+    """The absolute working directory of an exec; OpError naming ``cwd`` when unusable."""
+    if value is None or value == "":
+        return BASE_ENV["HOME"]
+    if not isinstance(value, str):
+        raise OpError("invalid", "cwd must be a string")
+    _no_nul("cwd", value)
+    cwd = resolve(value)
+    try:
+        st = os.stat(cwd)
+    except FileNotFoundError:
+        raise OpError("invalid", f"cwd {cwd}: no such directory") from None
+    except OSError as exc:
+        raise OpError(ERRNO_CODES.get(exc.errno or 0, "invalid"),
+                      f"cwd {cwd}: {os.strerror(exc.errno or 0)}") from None
+    if not stat_mod.S_ISDIR(st.st_mode):
+        raise OpError("not_directory", f"cwd {cwd}: not a directory")
+    return cwd
+
+
+def spawn_failure(exc: OSError, program: str, cwd: str) -> tuple[int, str]:
+    """(exit code, stderr text) for a program that could not be started, as a shell says it.
+
+    Raises OpError for what is no missing or unrunnable program: arguments
+    over the kernel's limit (E2BIG), an unusable cwd, or a failure of the
+    guest itself (ENOMEM, EAGAIN...).
+    """
+    err = exc.errno or 0
+    if err == errno.E2BIG:
+        raise OpError("invalid", "args and env are too long for the guest kernel (E2BIG: "
+                                 "at most 128 KiB per string and about 2 MiB in all); pass "
+                                 "large data through stdin or a file") from None
+    if exc.filename == cwd and program != cwd:
+        raise OpError(ERRNO_CODES.get(err, "invalid"),
+                      f"cwd {cwd}: {os.strerror(err)}") from None
+    if err == errno.ENOENT:
+        if "/" not in program:
+            return ENOENT_EXIT, f"{program}: command not found\n"
+        return ENOENT_EXIT, f"{program}: {os.strerror(err)}\n"
+    if err in (errno.EACCES, errno.EPERM, errno.ENOEXEC, errno.EISDIR, errno.ENOTDIR,
+               errno.ELOOP, errno.ENAMETOOLONG, errno.ETXTBSY, errno.ELIBBAD):
+        return NOEXEC_EXIT, f"{program}: {os.strerror(err)}\n"
+    raise os_error(exc, program) from None
 
 
 class Capture:
@@ -279,9 +401,13 @@ class Agent:
             await self.send(P.Kind.RESPONSE, frame.channel, result, data)
         except OpError as exc:
             await self.send(P.Kind.ERROR, frame.channel, {"code": exc.code, "message": exc.message})
-        except Exception as exc:  # the agent must outlive any one request
-            await self.send(P.Kind.ERROR, frame.channel,
-                            {"code": "internal", "message": f"{type(exc).__name__}: {exc}"})
+        except Exception:  # the agent must outlive any one request
+            # The traceback goes to the guest's console (serial.log on the
+            # host); the caller gets no exception text.
+            traceback.print_exc(file=sys.stderr)
+            await self.send(P.Kind.ERROR, frame.channel, {
+                "code": "internal",
+                "message": f"the guest agent failed during {op!r}; its console log has details"})
         finally:
             self.channels.pop(frame.channel, None)
 
@@ -306,48 +432,82 @@ class Agent:
         captures (``head`` and ``tail`` lengths, ``total`` bytes, a
         ``truncated`` flag); the RESPONSE data holds stdout's head and tail
         then stderr's, back to back.
+
+        A shell string longer than ``SHELL_INLINE_MAX`` bytes is written to
+        a file under /run/hangar and sourced by ``/bin/sh -c``, so scripts
+        of any size run (one argument may not exceed 128 KiB). A program
+        that cannot be started (``argv``) is answered as a shell would: exit
+        127 when it is not found, 126 when it cannot be executed, with the
+        reason on stderr and ``not_started`` set. ERROR ``invalid`` for NUL
+        bytes in argv, env or cwd, an env name that is empty or holds
+        ``=``, a missing cwd, or arguments over the kernel's limit (E2BIG);
+        ``not_directory`` for a cwd that is not a directory.
         """
-        argv = meta.get("argv")
-        shell = meta.get("shell")
-        if argv is not None:
-            if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-                raise OpError("invalid", "argv must be a non-empty list of strings")
-        elif isinstance(shell, str):
-            argv = ["/bin/sh", "-c", shell]
-        else:
-            raise OpError("invalid", "exec needs argv or shell")
-        env = dict(BASE_ENV)
-        extra = meta.get("env") or {}
-        if not isinstance(extra, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in extra.items()
-        ):
-            raise OpError("invalid", "env must map strings to strings")
-        env.update(extra)
-        cwd = resolve(meta.get("cwd") or BASE_ENV["HOME"])
-        if not os.path.isdir(cwd):
-            raise OpError("not_found", f"working directory does not exist: {cwd}")
-        timeout = meta.get("timeout")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise OpError("invalid", "timeout must be a positive number of seconds")
-        stream = bool(meta.get("stream"))
-        want_stdin = bool(meta.get("stdin"))
+        argv, script = exec_argv(meta)
         try:
-            head = min(int(meta.get("head", DEFAULT_HEAD)), MAX_HEAD)
-            tail = min(int(meta.get("tail", DEFAULT_TAIL)), MAX_TAIL)
-        except (TypeError, ValueError):
-            raise OpError("invalid", "head and tail must be byte counts") from None
+            env = exec_env(meta.get("env"))
+            cwd = exec_cwd(meta.get("cwd"))
+            timeout = meta.get("timeout")
+            if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+                raise OpError("invalid", "timeout must be a positive number of seconds")
+            stream = bool(meta.get("stream"))
+            want_stdin = bool(meta.get("stdin"))
+            try:
+                head = min(int(meta.get("head", DEFAULT_HEAD)), MAX_HEAD)
+                tail = min(int(meta.get("tail", DEFAULT_TAIL)), MAX_TAIL)
+            except (TypeError, ValueError):
+                raise OpError("invalid", "head and tail must be byte counts") from None
 
-        started = time.monotonic()
-        try:
-            proc, exited = await spawn(
-                argv,
-                stdin=asyncio.subprocess.PIPE if want_stdin else asyncio.subprocess.DEVNULL,
-                cwd=cwd,
-                env=env,
-            )
-        except OSError as exc:
-            raise os_error(exc, argv[0]) from None
+            started = time.monotonic()
+            try:
+                proc, exited = await spawn(
+                    argv,
+                    stdin=asyncio.subprocess.PIPE if want_stdin else asyncio.subprocess.DEVNULL,
+                    cwd=cwd,
+                    env=env,
+                )
+            except OSError as exc:
+                code, message = spawn_failure(exc, argv[0], cwd)
+                return await self._not_started(cid, stream, head, tail, code, message, started)
+            try:
+                return await self._run(cid, ch, proc, exited, stream, want_stdin, timeout,
+                                       head, tail, started)
+            finally:
+                if proc.returncode is None:  # cancelled: never leave the group behind
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        finally:
+            if script is not None:
+                try:
+                    os.unlink(script)
+                except OSError:
+                    pass
 
+    async def _not_started(self, cid: int, stream: bool, head: int, tail: int, code: int,
+                           message: str, started: float) -> tuple[dict[str, Any], bytes]:
+        """The result of a program that could not be started: ``code`` and ``message``
+        on stderr, as a shell reports it (127 not found, 126 not executable)."""
+        err = message.encode("utf-8", "replace")
+        result: dict[str, Any] = {"exit_code": code, "signal": None, "timed_out": False,
+                                  "duration_s": round(time.monotonic() - started, 6),
+                                  "pid": None, "not_started": True}
+        if stream:
+            await self.send(P.Kind.DATA, cid, {"stream": "stderr"}, err)
+            result["stdout"], result["stderr"] = {"total": 0}, {"total": len(err)}
+            return result, b""
+        out_cap, err_cap = Capture(head, tail), Capture(head, tail)
+        err_cap.add(err)
+        (result["stdout"], out_kept), (result["stderr"], err_kept) = (out_cap.result(),
+                                                                      err_cap.result())
+        return result, out_kept + err_kept
+
+    async def _run(self, cid: int, ch: Channel, proc: asyncio.subprocess.Process,
+                   exited: asyncio.Event, stream: bool, want_stdin: bool,
+                   timeout: float | None, head: int, tail: int, started: float,
+                   ) -> tuple[dict[str, Any], bytes]:
+        """Pump a started command's streams until it exits; see ``op_exec``."""
         captures = {"stdout": Capture(head, tail), "stderr": Capture(head, tail)}
 
         async def pump(name: str, pipe: asyncio.StreamReader) -> None:

@@ -45,18 +45,24 @@ connection from outside reaches a guest (forwarded traffic to the bridge is
 replies only). Forwarding is enabled host-wide (``net.ipv4.ip_forward``),
 as Docker and libvirt do; Hangar's rules only govern traffic of its bridge.
 
+Link-local addresses (169.254.0.0/16, with the cloud metadata service at
+169.254.169.254) are out of reach under every policy, ``open`` included;
+the IPv6 metadata address (fd00:ec2::254) too, as guests have no IPv6.
+
 User mode (not root, or ``mode="user"``): QEMU's ``-netdev user`` stack,
 no host devices or rules. It cannot filter: a guest reaches everything the
 host can, including the host's own services (QEMU maps the guest's
-10.0.2.2 to the host's loopback). So only ``egress: open`` without lists is
-accepted there, and ``internet`` raises ``InvalidRequest``.
+10.0.2.2 to the host's loopback, where Hangar's API listens by default).
+So ``internet`` and lists raise ``InvalidRequest`` there, and ``egress:
+open`` is refused too unless the operator opted in (``user_open``,
+``HANGAR_NET_USER_OPEN``); ``hangar doctor`` states which.
 """
 
 from __future__ import annotations
 
 from hangar.net.attachment import NetAttachment
-from hangar.net.manager import NetworkManager, mac_for, read_resolver, tap_name
+from hangar.net.manager import NetworkManager, doctor_lines, mac_for, read_resolver, tap_name
 from hangar.net.policy import BLOCKED_INTERNET, Policy
 
-__all__ = ["BLOCKED_INTERNET", "NetAttachment", "NetworkManager", "Policy", "mac_for",
-           "read_resolver", "tap_name"]
+__all__ = ["BLOCKED_INTERNET", "NetAttachment", "NetworkManager", "Policy", "doctor_lines",
+           "mac_for", "read_resolver", "tap_name"]

@@ -130,13 +130,15 @@ class NetworkManager:
     ``netns`` runs all of it inside that network namespace (a name under
     /run/netns), for tests or a host that gives Hangar a namespace of its
     own; ``mode`` is ``tap``, ``user`` (QEMU user-mode networking: see
-    ``attach``) or ``auto`` (``tap`` when ``available()``, else ``user``).
+    ``attach``) or ``auto`` (``tap`` when ``available()``, else ``user``);
+    ``user_open`` is the operator's opt-in to ``egress: open`` in user mode
+    (``HANGAR_NET_USER_OPEN``), where a guest reaches the host's loopback.
     """
 
     def __init__(self, *, bridge: str = "hgbr0", pool: str = "172.30.0.0/16",
                  tap_prefix: str = "hgt", dns: str | None = None,
                  resolv_conf: Path = Path("/etc/resolv.conf"), netns: str | None = None,
-                 mode: Literal["auto", "tap", "user"] = "auto") -> None:
+                 mode: Literal["auto", "tap", "user"] = "auto", user_open: bool = False) -> None:
         try:
             net = ipaddress.IPv4Network(pool)
         except ValueError as exc:
@@ -162,6 +164,7 @@ class NetworkManager:
         self.netns = netns
         self.nft = N.Nft(netns)
         self._mode_wanted = mode
+        self.user_open = user_open
         self._mode: str | None = None
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.RLock()
@@ -206,6 +209,53 @@ class NetworkManager:
                 self._mode = self._mode_wanted
         return self._mode
 
+    def check(self, policy: Policy | dict[str, Any] | str | None) -> Policy:
+        """``policy`` parsed, when this host can enforce it; else ``InvalidRequest`` saying why.
+
+        TAP mode enforces every policy. User mode filters nothing, so it
+        takes ``none``, and ``open`` without lists only when the operator
+        opted in (``user_open``): there a guest reaches every address the
+        host can, the host's own loopback services included (10.0.2.2).
+        """
+        pol = Policy.parse(policy)
+        if pol.egress == "none" or self.mode != "user":
+            return pol
+        why = ("this server uses QEMU user-mode networking" if self._mode_wanted == "user"
+               else f"TAP networking is not available here: {self.available()[1]}")
+        if pol.egress != "open" or pol.allow or pol.deny:
+            raise InvalidRequest(
+                f"egress {pol.egress!r}{' with allow/deny' if pol.allow or pol.deny else ''} "
+                f"needs TAP networking ({why}); QEMU's user-mode stack filters nothing. Use "
+                f"egress 'none'" + (" or 'open'" if self.user_open else ""))
+        if not self.user_open:
+            raise InvalidRequest(
+                f"egress 'open' is refused: {why}, and under it a guest reaches this host's "
+                "own loopback services through 10.0.2.2 (the API included). The operator can "
+                "allow it with HANGAR_NET_USER_OPEN=1 (see `hangar doctor`); else use "
+                "egress 'none'")
+        return pol
+
+    def describe(self) -> list[str]:
+        """Lines for ``hangar doctor``: the mode and what a guest can reach under it."""
+        if self.mode == "tap":
+            ok, reason = self.available()
+            state = reason if ok else f"wanted but unavailable: {reason}"
+            return [f"guest network: TAP ({state})",
+                    "guest network: every policy enforced; the host, other sandboxes and "
+                    "link-local/metadata addresses are never reachable"]
+        why = ("HANGAR_NETWORK=user" if self._mode_wanted == "user"
+               else f"TAP unavailable: {self.available()[1]}")
+        lines = [f"guest network: QEMU user mode ({why}); it filters nothing"]
+        if self.user_open:
+            lines.append("guest network: egress 'open' ALLOWED by HANGAR_NET_USER_OPEN: such "
+                         "guests reach every address this host can, its loopback services "
+                         "(the API too) through 10.0.2.2")
+        else:
+            lines.append("guest network: egress 'open' refused (guests would reach this "
+                         "host's loopback through 10.0.2.2); HANGAR_NET_USER_OPEN=1 allows "
+                         "it; only 'none' is offered")
+        return lines
+
     # -- start-up -------------------------------------------------------------
 
     @_off_loop
@@ -227,7 +277,7 @@ class NetworkManager:
             self._sysctl("net.ipv4.ip_forward", "1")
             self._sysctl(f"net.ipv4.conf.{self.bridge}.send_redirects", "0")
             self._sysctl(f"net.ipv6.conf.{self.bridge}.disable_ipv6", "1", optional=True)
-            self.nft.apply(N.base_script(self.bridge, str(self.pool), self.tap_prefix))
+            self.nft.apply(N.base_script(self.bridge, str(self.pool), self.tap_prefix, self.dns))
             self._leases = self._read_leases()
             self._started = True
             log.info("guest network ready", extra={"bridge": self.bridge, "pool": str(self.pool),
@@ -305,30 +355,24 @@ class NetworkManager:
         TAP mode: creates TAP ``tap_name(sandbox_id)`` on the bridge (port
         isolated), leases the lowest free address of the pool, and installs
         the sandbox's rules in one nft transaction; about 35 ms. User mode
-        (no root): only ``egress: open`` without lists, since QEMU's
-        user-mode stack reaches every address the host can, the host's own
-        services included (its 10.0.2.2 is the host's loopback); anything
-        else raises ``InvalidRequest``.
+        (no root): only ``egress: open`` without lists, and only with the
+        operator's opt-in (``user_open``), since QEMU's user-mode stack
+        reaches every address the host can, the host's own services
+        included (its 10.0.2.2 is the host's loopback); anything else
+        raises ``InvalidRequest`` (see ``check``).
 
         Attaching an attached sandbox again replaces its rules and keeps its
         address. Raises ``InvalidRequest`` (bad policy, or one user mode
         cannot enforce) and ``EngineError`` (the kernel refused: nothing of
         the sandbox is left then; or the pool is exhausted).
         """
-        pol = Policy.parse(policy)
+        pol = self.check(policy)
         if not _SANDBOX_ID.fullmatch(sandbox_id):
             raise InvalidRequest(f"bad sandbox id {sandbox_id!r}")
         if pol.egress == "none":
             return None
         mac = mac_for(sandbox_id)
         if self.mode == "user":
-            if pol.egress != "open" or pol.allow or pol.deny:
-                why = ("this server uses QEMU user-mode networking"
-                       if self._mode_wanted == "user" else self.available()[1])
-                raise InvalidRequest(
-                    f"egress {pol.egress!r}{' with allow/deny' if pol.allow or pol.deny else ''} "
-                    f"needs TAP networking, which is not available here ({why}); "
-                    f"use egress 'none' or 'open'", sandbox_id=sandbox_id)
             ip, prefix, gw, dns = USER_NET
             return NetAttachment(sandbox_id, "user", None, mac, ip, prefix, gw, dns, pol.egress)
         started = time.monotonic()
@@ -496,6 +540,20 @@ class NetworkManager:
     async def sweep_async(self, live_ids: Iterable[str]) -> list[str]:
         """``sweep`` in a worker thread."""
         return await asyncio.to_thread(self.sweep, list(live_ids))
+
+
+def doctor_lines(network: str, *, user_open: bool = False, bridge: str = "hgbr0",
+                 pool: str = "172.30.0.0/16") -> list[str]:
+    """``hangar doctor``'s lines on guest networking for the settings ``HANGAR_NETWORK``
+    (``network``: auto, tap, user or off) and ``HANGAR_NET_USER_OPEN`` (``user_open``)."""
+    if network == "off":
+        return ["guest network: off (HANGAR_NETWORK=off): guests get no NIC"]
+    try:
+        m = NetworkManager(bridge=bridge, pool=pool, dns="", user_open=user_open,
+                           mode=network)  # type: ignore[arg-type]
+    except InvalidRequest as exc:
+        return [f"guest network: misconfigured: {exc.message}"]
+    return m.describe()
 
 
 def _has_net_admin() -> bool:

@@ -9,6 +9,9 @@ rules (``BR`` is the bridge, ``POOL`` the guests' subnet, ``hgt*`` the TAPs)::
                                        every other packet from a guest to any host
                                        address is dropped
       chain forward      hook forward: BR -> BR dropped (guest to guest via the host);
+                                       from BR to link-local (169.254/16, cloud
+                                       metadata) dropped, whatever the policy
+                                       (a link-local resolver passes to its chain);
                                        from BR: ip saddr vmap @egress, else drop;
                                        to BR: replies only
       chain postrouting  hook postrouting (nat): POOL leaving by any other
@@ -118,11 +121,24 @@ def q(name: str) -> str:
     return f'"{name}"'
 
 
-def base_script(bridge: str, pool: str, tap_prefix: str) -> str:
-    """The tables, sets and base chains; idempotent, keeps per-sandbox chains and elements."""
+def base_script(bridge: str, pool: str, tap_prefix: str, dns: str | None = None) -> str:
+    """The tables, sets and base chains; idempotent, keeps per-sandbox chains and elements.
+
+    ``dns`` is the guests' resolver: when it is link-local itself, the base
+    chain lets packets to it through to the sandbox's chain (which allows
+    only port 53 there).
+    """
+    import ipaddress
+
+    from hangar.net.policy import ALWAYS_BLOCKED
+
     br, taps = q(bridge), q(tap_prefix + "*")
     t = f"inet {TABLE}"
     b = f"bridge {TABLE}"
+    blocked = ", ".join(ALWAYS_BLOCKED)
+    spare = ""
+    if dns and any(ipaddress.IPv4Address(dns) in ipaddress.IPv4Network(n) for n in ALWAYS_BLOCKED):
+        spare = f" ip daddr != {ipaddress.IPv4Address(dns)}"
     return "\n".join([
         f"add table {t}",
         f"add map {t} egress {{ type ipv4_addr : verdict; }}",
@@ -133,6 +149,7 @@ def base_script(bridge: str, pool: str, tap_prefix: str) -> str:
         f"add chain {t} forward {{ type filter hook forward priority filter; policy accept; }}",
         f"flush chain {t} forward",
         f"add rule {t} forward iifname {br} oifname {br} counter drop",
+        f"add rule {t} forward iifname {br} ip daddr {{ {blocked} }}{spare} counter drop",
         f"add rule {t} forward iifname {br} ip saddr vmap @egress",
         f"add rule {t} forward iifname {br} counter drop",
         f"add rule {t} forward oifname {br} ct state established,related accept",

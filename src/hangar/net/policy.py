@@ -7,7 +7,7 @@ A policy is an egress mode plus two optional lists of IPv4 CIDRs::
                         private, shared (CGNAT), loopback, link-local (incl.
                         169.254.169.254, cloud metadata), "this network",
                         IETF-reserved, benchmarking, multicast and class E
-             open       every address
+             open       every address but ``ALWAYS_BLOCKED``
     allow    CIDRs to reach although the mode blocks them
     deny     CIDRs not to reach although the mode allows them
 
@@ -23,7 +23,12 @@ the matching CIDR with the longest prefix decides, whether it came from
 
 Whatever the policy, a guest never reaches the host itself (any of its
 addresses) or another sandbox: ``hangar.net.manager`` enforces that before a
-policy is looked at, and no ``allow`` entry can lift it. A DNS exception
+policy is looked at, and no ``allow`` entry can lift it. Nor does it reach
+``ALWAYS_BLOCKED``, link-local space with the cloud metadata service
+(169.254.169.254), under any mode or ``allow`` entry: it is denied in every
+sandbox's chain and again in the base ``forward`` chain (``hangar.net.nft``).
+The IPv6 metadata address (fd00:ec2::254) is out of reach because guests
+have no IPv6 at all. A DNS exception
 lets an ``internet`` guest reach the configured resolver on port 53 even
 when it sits in a blocked range, unless ``deny`` names it.
 
@@ -65,6 +70,11 @@ BLOCKED_INTERNET: tuple[str, ...] = (
 documentation ranges (192.0.2/24, 198.51.100/24, 203.0.113/24) are not
 here: nothing routes them on the internet, and tests use them."""
 
+ALWAYS_BLOCKED: tuple[str, ...] = (
+    "169.254.0.0/16",   # link-local, incl. 169.254.169.254 (cloud metadata, AWS/GCP/Azure)
+)
+"""What no policy reaches: ``open`` and ``allow`` entries do not lift it."""
+
 IPV4_END = 1 << 32
 
 
@@ -74,8 +84,8 @@ class Policy(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     egress: Egress = Field("internet", description="none: no NIC; internet: public addresses "
-                           "only; open: every address. The host and other sandboxes are "
-                           "never reachable.")
+                           "only; open: every address. The host, other sandboxes and "
+                           "link-local addresses (cloud metadata) are never reachable.")
     allow: tuple[str, ...] = Field((), description="IPv4 CIDRs reachable although the mode "
                                    "blocks them; the most specific entry wins.")
     deny: tuple[str, ...] = Field((), description="IPv4 CIDRs unreachable although the mode "
@@ -140,7 +150,10 @@ class Policy(BaseModel):
         if self.egress == "none":
             return [(0, IPV4_END - 1)]
         base = BLOCKED_INTERNET if self.egress == "internet" else ()
-        return resolve(self.allow, self.deny, base)
+        # ALWAYS_BLOCKED as the most specific deny there is: nothing lifts it.
+        always = [(int(n.network_address), int(n.broadcast_address))
+                  for n in map(ipaddress.IPv4Network, ALWAYS_BLOCKED)]
+        return merge(resolve(self.allow, self.deny, base) + always)
 
     def permits(self, address: str) -> bool:
         """True when the policy lets a guest reach ``address`` (host and sandboxes aside)."""
@@ -173,6 +186,17 @@ def resolve(allow: Sequence[str], deny: Sequence[str], base_deny: Sequence[str])
             out[-1] = (out[-1][0], end - 1)
         else:
             out.append((start, end - 1))
+    return out
+
+
+def merge(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, merged [first, last] ranges (touching or overlapping ones joined)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
     return out
 
 

@@ -1,0 +1,102 @@
+"""``hangar key add|rm|ls|rotate``: the server's API keys, changed on this host's disk.
+
+These commands edit ``<data>/api-key`` and ``<data>/api-keys`` directly (see
+``hangar.keys``); a running server notices the change on its next request,
+with no restart. ``add`` and ``rotate`` print the new key once on stdout
+(``KEY=$(hangar key add ci)``); only its SHA-256 is stored for a named key.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from hangar.errors import HangarError
+
+app = typer.Typer(help="API keys: add, remove, list and rotate; no restart needed.",
+                  no_args_is_help=True)
+out = Console()
+err = Console(stderr=True)
+
+DataDir = Annotated[Optional[Path], typer.Option(help="Data directory (HANGAR_DATA_DIR).")]
+
+
+def _store(data_dir: Path | None):  # type: ignore[no-untyped-def]
+    from hangar.config import Settings
+    from hangar.keys import KeyStore
+    from hangar.layout import Layout
+
+    layout = Layout(data_dir if data_dir is not None else Settings().data_dir)
+    if not layout.root.is_dir():
+        err.print(f"[red]error:[/red] no data directory at {layout.root}; set HANGAR_DATA_DIR "
+                  "or --data-dir")
+        raise typer.Exit(1)
+    return KeyStore(layout.api_key_file, layout.api_keys_file)
+
+
+def _fail(exc: HangarError | OSError) -> None:
+    if isinstance(exc, OSError):
+        where = f" {exc.filename}" if exc.filename else ""
+        err.print(f"[red]error:[/red] cannot change{where}: {exc.strerror}; run this as the "
+                  "owner of the data directory (usually root)")
+    else:
+        err.print(f"[red]error:[/red] {exc.message}")
+    raise typer.Exit(1)
+
+
+@app.command("add")
+def add(name: Annotated[str, typer.Argument(help="A name for the key, e.g. ci or alice.")],
+        data_dir: DataDir = None) -> None:
+    """Make a named key and print it (shown once; only its hash is kept)."""
+    store = _store(data_dir)
+    try:
+        key = store.add(name)
+    except (HangarError, OSError) as exc:
+        _fail(exc)
+    print(key)
+    err.print(f"key {name!r} added to {store.named_file}; it is shown only now")
+
+
+@app.command("rm")
+def rm(name: str, data_dir: DataDir = None) -> None:
+    """Remove a named key; it stops working on the server's next request."""
+    store = _store(data_dir)
+    try:
+        store.remove(name)
+    except (HangarError, OSError) as exc:
+        _fail(exc)
+    err.print(f"key {name!r} removed")
+
+
+@app.command("rotate")
+def rotate(name: Annotated[str, typer.Argument(help="The key to replace.")] = "default",
+           data_dir: DataDir = None) -> None:
+    """Replace a key with a new one and print it; the old one stops working at once."""
+    store = _store(data_dir)
+    try:
+        key = store.rotate(name)
+    except (HangarError, OSError) as exc:
+        _fail(exc)
+    print(key)
+    where = store.default_file if name == "default" else store.named_file
+    err.print(f"key {name!r} replaced in {where}")
+
+
+@app.command("ls")
+def ls(data_dir: DataDir = None) -> None:
+    """List the keys: name, fingerprint (never the key), creation time and file."""
+    store = _store(data_dir)
+    try:
+        entries = store.entries()
+    except (HangarError, OSError) as exc:
+        _fail(exc)
+    table = Table("name", "fingerprint", "created", "file")
+    for name, fp, created, where in entries:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(created)) if created else ""
+        table.add_row(name, fp, when, where)
+    out.print(table)

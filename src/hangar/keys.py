@@ -1,0 +1,294 @@
+"""API keys on disk: the default key file, named keys kept as hashes, strength rules.
+
+Two files in the data directory (see ``hangar.layout``), both 0600::
+
+    api-key     the default key, plain text, one line. Generated on first
+                start; the CLI and the SDK on this host read it (so does
+                anything that reads "a file holding one key").
+    api-keys    named keys, one a line: ``NAME sha256:HEX CREATED``
+                (CREATED in Unix seconds); ``#`` starts a comment. Only the
+                SHA-256 of each key is kept, so the file grants nothing if it
+                leaks. Written by ``hangar key add|rm|rotate``.
+
+A plain SHA-256 (no salt, no slow hash) is enough because every named key
+is 32 random bytes (256 bits) made by ``generate``: there is nothing to
+guess. ``HANGAR_API_KEY``, when set, takes the place of the ``api-key`` file.
+
+A key is *weak* (``weakness``) when it is shorter than ``MIN_LENGTH``
+characters, has fewer than ``MIN_DISTINCT`` distinct characters, repeats a
+short pattern, or holds characters an HTTP header cannot carry; the server
+refuses to start with one.
+
+Writers take an exclusive ``flock`` on the data directory and replace a
+file by rename, so the server (which watches both files) never reads half
+a file and two ``hangar key`` commands never lose each other's change.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from hangar.errors import ConfigError, Conflict, InvalidRequest, NotFound
+
+PREFIX = "hk_"
+MIN_LENGTH = 32
+"""Characters; a generated key has 46 (``hk_`` + 43 of URL-safe base64)."""
+MIN_DISTINCT = 8
+DEFAULT_NAME = "default"
+NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_LINE = re.compile(r"^(\S+)\s+sha256:([0-9a-f]{64})(?:\s+(\d+(?:\.\d+)?))?$")
+_HEADER_SAFE = re.compile(r"^[\x21-\x7e]+$")
+
+
+def generate() -> str:
+    """A new key: ``hk_`` and 32 random bytes, URL-safe base64 (46 characters)."""
+    return PREFIX + secrets.token_urlsafe(32)
+
+
+def digest(key: str) -> bytes:
+    """SHA-256 of the key's UTF-8 bytes (32 bytes)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def fingerprint(key_digest: bytes) -> str:
+    """A short, safe-to-show name for a key: ``sha256:`` and 12 hex digits of its hash."""
+    return "sha256:" + key_digest.hex()[:12]
+
+
+def weakness(key: str) -> str | None:
+    """Why ``key`` is too weak to protect the server, or None when it is fine."""
+    if not key:
+        return "it is empty"
+    if not _HEADER_SAFE.match(key):
+        return "it holds spaces, control or non-ASCII characters, which an HTTP header cannot carry"
+    if len(key) < MIN_LENGTH:
+        return f"it is {len(key)} characters long; at least {MIN_LENGTH} are needed"
+    if len(set(key)) < MIN_DISTINCT:
+        return (f"it uses only {len(set(key))} distinct characters; at least {MIN_DISTINCT} "
+                "are needed")
+    for n in range(1, 9):
+        if len(key) % n == 0 and key == key[:n] * (len(key) // n):
+            return "it repeats a short pattern"
+    return None
+
+
+@dataclass(frozen=True)
+class NamedKey:
+    """One line of ``api-keys``: a name, the key's SHA-256 and when it was made (Unix s)."""
+
+    name: str
+    digest: bytes
+    created: float | None = None
+
+    def line(self) -> str:
+        created = f" {int(self.created)}" if self.created is not None else ""
+        return f"{self.name} sha256:{self.digest.hex()}{created}"
+
+
+def read_default(path: Path) -> str | None:
+    """The key in a file holding one key (stripped), or None when the file is absent.
+
+    Raises ``ConfigError`` naming the file and the fix when the key is empty
+    or weak, or when the file holds more than one line.
+    """
+    try:
+        text = path.read_text(encoding="utf-8", errors="surrogateescape")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the API key file {path}: {exc.strerror}") from None
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if len(lines) > 1:
+        raise ConfigError(
+            f"the API key file {path} holds {len(lines)} lines but must hold one key. Fix: keep "
+            f"one key there; named keys belong in {path.with_name('api-keys')} "
+            f"(`hangar key add NAME`)")
+    key = lines[0] if lines else ""
+    problem = weakness(key)
+    if problem:
+        raise ConfigError(
+            f"the API key in {path} is unsafe: {problem}. Fix: run `hangar key rotate` to "
+            f"write a new random key there (or delete the file and start the server, which "
+            f"generates one)")
+    return key
+
+
+def check_env_key(key: str, variable: str = "HANGAR_API_KEY") -> str:
+    """``key`` (stripped) when it is strong; ``ConfigError`` naming ``variable`` otherwise."""
+    key = key.strip()
+    problem = weakness(key)
+    if problem:
+        raise ConfigError(
+            f"{variable} is unsafe: {problem}. Fix: unset it to use the key file, or set it "
+            f"to a random key of at least {MIN_LENGTH} characters, such as the output of "
+            f"`python3 -c 'import secrets; print(\"hk_\" + secrets.token_urlsafe(32))'`")
+    return key
+
+
+def parse_named(text: str, path: Path) -> tuple[list[NamedKey], list[str]]:
+    """The entries of an ``api-keys`` text and a message for each bad line."""
+    keys: list[NamedKey] = []
+    problems: list[str] = []
+    seen: set[str] = set()
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = _LINE.match(line)
+        if not m or not NAME.match(m.group(1)) or m.group(1) == DEFAULT_NAME:
+            problems.append(f"{path}:{n}: not a named key line (NAME sha256:HEX CREATED); "
+                            "named keys are written by `hangar key add NAME`")
+            continue
+        if m.group(1) in seen:
+            problems.append(f"{path}:{n}: the name {m.group(1)!r} appears twice")
+            continue
+        seen.add(m.group(1))
+        keys.append(NamedKey(m.group(1), bytes.fromhex(m.group(2)),
+                             float(m.group(3)) if m.group(3) else None))
+    return keys, problems
+
+
+def read_named(path: Path) -> tuple[list[NamedKey], list[str]]:
+    """The named keys of ``path`` (none when it is absent) and a message per bad line."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return [], []
+    except OSError as exc:
+        return [], [f"cannot read {path}: {exc.strerror}"]
+    return parse_named(text, path)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``: a 0600 temporary file, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def create_default(path: Path) -> str:
+    """Write a new default key to ``path`` if it does not exist (0600); return the key there."""
+    key = generate()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        found = read_default(path)
+        assert found is not None
+        return found
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key
+
+
+@contextmanager
+def locked(data_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``data_dir`` (``flock``) while changing key files."""
+    fd = os.open(data_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+class KeyStore:
+    """The key files of one data directory, for ``hangar key`` (changes take a lock).
+
+    ``default_file`` is ``<data>/api-key``, ``named_file`` ``<data>/api-keys``.
+    """
+
+    def __init__(self, default_file: Path, named_file: Path) -> None:
+        self.default_file = default_file
+        self.named_file = named_file
+
+    def _named_strict(self) -> list[NamedKey]:
+        keys, problems = read_named(self.named_file)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        return keys
+
+    def _write_named(self, keys: list[NamedKey]) -> None:
+        header = ("# Hangar's named API keys: NAME sha256:HEX CREATED (Unix seconds).\n"
+                  "# Only hashes are kept. Change with `hangar key add|rm|rotate`.\n")
+        write_private(self.named_file, header + "".join(k.line() + "\n" for k in keys))
+
+    @staticmethod
+    def check_name(name: str) -> None:
+        if not NAME.match(name):
+            raise InvalidRequest(f"key name {name!r} must be 1-64 of a-z, 0-9, '.', '_', '-', "
+                                 "starting with a letter or digit")
+
+    def entries(self) -> list[tuple[str, str, float | None, str]]:
+        """(name, fingerprint, created, where) of each key; the default key first if any."""
+        out: list[tuple[str, str, float | None, str]] = []
+        try:
+            key = read_default(self.default_file)
+        except ConfigError:
+            out.append((DEFAULT_NAME, "unsafe", None, str(self.default_file)))
+        else:
+            if key is not None:
+                created = self.default_file.stat().st_mtime
+                out.append((DEFAULT_NAME, fingerprint(digest(key)), created,
+                            str(self.default_file)))
+        for k in self._named_strict():
+            out.append((k.name, fingerprint(k.digest), k.created, str(self.named_file)))
+        return out
+
+    def add(self, name: str) -> str:
+        """Make a key called ``name`` and return it (only its hash is stored).
+
+        Raises InvalidRequest (bad name) or Conflict (the name exists).
+        """
+        self.check_name(name)
+        if name == DEFAULT_NAME:
+            raise Conflict("'default' is the key in the api-key file; change it with "
+                           "`hangar key rotate`")
+        with locked(self.named_file.parent):
+            keys = self._named_strict()
+            if any(k.name == name for k in keys):
+                raise Conflict(f"a key called {name!r} exists; `hangar key rotate {name}` "
+                               "replaces it")
+            key = generate()
+            keys.append(NamedKey(name, digest(key), time.time()))
+            self._write_named(keys)
+        return key
+
+    def remove(self, name: str) -> None:
+        """Remove the named key ``name``; NotFound when there is none."""
+        if name == DEFAULT_NAME:
+            raise Conflict("the default key cannot be removed (the CLI on this host uses it); "
+                           "`hangar key rotate` replaces it")
+        with locked(self.named_file.parent):
+            keys = self._named_strict()
+            if not any(k.name == name for k in keys):
+                raise NotFound(f"no key called {name!r}")
+            self._write_named([k for k in keys if k.name != name])
+
+    def rotate(self, name: str = DEFAULT_NAME) -> str:
+        """Give ``name`` a new key and return it; the old one stops working at once."""
+        with locked(self.named_file.parent):
+            key = generate()
+            if name == DEFAULT_NAME:
+                write_private(self.default_file, key + "\n")
+                return key
+            keys = self._named_strict()
+            if not any(k.name == name for k in keys):
+                raise NotFound(f"no key called {name!r}; `hangar key add {name}` makes one")
+            self._write_named([NamedKey(name, digest(key), time.time()) if k.name == name else k
+                               for k in keys])
+        return key
