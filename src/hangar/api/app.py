@@ -8,9 +8,14 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 
 from hangar import __version__
-from hangar.api import desktop, errors, files, health, machines, sandboxes, snapshots, vnc, web
+from hangar.api import (
+    desktop, errors, events, files, health, machines, pool, sandboxes, snapshots, vnc, web,
+)
 from hangar.api.auth import load_or_create_key, require_key
+from hangar.api.idempotency import IdempotencyMiddleware
 from hangar.config import Settings
+from hangar.core.events import EventBus
+from hangar.core.idempotency import IdempotencyStore
 from hangar.core.machines import MachineManager
 from hangar.core.pool import WarmPool
 from hangar.core.sandboxes import SandboxManager
@@ -24,7 +29,9 @@ from hangar.metrics import Metrics
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app. Start-up resolves the default image, picks the engine
     (running the probe boots if not cached), reconciles running VMs and
-    starts filling the warm pool."""
+    starts filling the warm pool. ``app.state.events`` is the live-event bus
+    (``GET /events``); POSTs with an ``Idempotency-Key`` go through
+    ``IdempotencyMiddleware``."""
     settings = settings or Settings()
     layout = Layout(settings.data_dir)
 
@@ -39,6 +46,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         metrics.engine.info(engine.describe())
         store = Store(layout.database)
         manager = SandboxManager(settings, layout, store, engine, metrics)
+        manager.events = app.state.events
+        app.state.idempotency = IdempotencyStore(store.engine)
         manager.pool = WarmPool(manager, settings.pool_size, settings.pool_max_age_s)
         app.state.metrics = metrics
         app.state.manager = manager
@@ -48,6 +57,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            app.state.events.close()
             await manager.close()
 
     app = FastAPI(
@@ -56,6 +66,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="MicroVM sandboxes for AI agents. Every path but /health needs X-API-Key.",
         lifespan=lifespan,
     )
+    app.state.events = EventBus()
+    app.add_middleware(IdempotencyMiddleware)
     errors.install(app)
     app.include_router(health.router)
     keyed = [Depends(require_key)]
@@ -68,4 +80,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(snapshots.router, dependencies=keyed)
     app.include_router(machines.listing, dependencies=keyed)
     app.include_router(machines.router, dependencies=keyed)
+    app.include_router(pool.router, dependencies=keyed)
+    app.include_router(events.router, dependencies=keyed)
     return app

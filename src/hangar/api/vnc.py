@@ -62,6 +62,7 @@ from hangar.api.desktop import desktop_for
 from hangar.core.sandboxes import SandboxManager
 from hangar.errors import HangarError, NotFound
 from hangar.guest.client import Tunnel
+from hangar.schemas import VncTicket as TicketResponse
 
 log = logging.getLogger("hangar.vnc")
 
@@ -134,14 +135,6 @@ class TicketRequest(BaseModel):
 
     view_only: bool = Field(False, description="The viewer sees the screen but cannot type, "
                                                "point or paste.")
-
-
-class TicketResponse(BaseModel):
-    ticket: str
-    view_only: bool
-    expires_at: float = Field(description="Unix time, seconds.")
-    expires_in_s: float
-    url: str = Field(description="Path of the WebSocket, ticket included (single use).")
 
 
 @router.post("/{sandbox_id}/vnc/tickets", response_model=TicketResponse, status_code=201,
