@@ -46,7 +46,16 @@ DataDir = Annotated[Optional[Path], typer.Option(help="Data directory (HANGAR_DA
 
 
 def _settings(data_dir: Path | None = None, **overrides: object):  # type: ignore[no-untyped-def]
-    from hangar.config import Settings
+    """The server's settings; exits with a hint when the server's packages are missing."""
+    try:
+        import fastapi  # noqa: F401
+        import sqlalchemy  # noqa: F401
+
+        from hangar.config import Settings
+    except ImportError as exc:
+        err.print(f"[red]error:[/red] this command runs the server side, whose packages are not "
+                  f"installed ({exc.name} is missing): pip install 'hangar\\[server]'")
+        raise typer.Exit(1) from None
 
     if data_dir is not None:
         overrides["data_dir"] = data_dir
