@@ -100,6 +100,7 @@ def serve(
     accel: Annotated[Optional[str], typer.Option(help="auto, kvm or tcg (HANGAR_ACCEL).")] = None,
 ) -> None:
     """Run the REST API; builds the default image first if it is missing."""
+    settings = _settings(data_dir, host=host, port=port, engine=engine, accel=accel)
     import asyncio
 
     import uvicorn
@@ -108,7 +109,6 @@ def serve(
     from hangar.api.app import create_app
     from hangar.layout import Layout
 
-    settings = _settings(data_dir, host=host, port=port, engine=engine, accel=accel)
     log.setup(settings.log_level)
     layout = Layout(settings.data_dir)
     layout.ensure()

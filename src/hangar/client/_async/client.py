@@ -459,7 +459,10 @@ class AsyncHangar:
     async def click(self, sandbox_id: str, x: int, y: int, button: Button = "left",
                     double: bool = False, *, request_timeout: float | None = None,
                     retry: bool | None = None) -> ActionResult:
-        """Move the pointer to (``x``, ``y``) and click. Raises InvalidRequest off screen."""
+        """``POST /sandboxes/{id}/click``: move the pointer to (``x``, ``y``) and click.
+
+        Raises InvalidRequest off screen.
+        """
         return ActionResult.model_validate(await self._desktop(
             sandbox_id, "click", request_timeout, retry, x=x, y=y, button=button,
             double=double))
@@ -467,27 +470,30 @@ class AsyncHangar:
     async def move(self, sandbox_id: str, x: int, y: int, *,
                    request_timeout: float | None = None,
                    retry: bool | None = None) -> ActionResult:
-        """Move the pointer to (``x``, ``y``)."""
+        """``POST /sandboxes/{id}/move``: move the pointer to (``x``, ``y``)."""
         return ActionResult.model_validate(await self._desktop(
             sandbox_id, "move", request_timeout, retry, x=x, y=y))
 
     async def drag(self, sandbox_id: str, from_x: int, from_y: int, to_x: int, to_y: int,
                    button: Button = "left", *, request_timeout: float | None = None,
                    retry: bool | None = None) -> ActionResult:
-        """Press ``button`` at (``from_x``, ``from_y``), move to (``to_x``, ``to_y``), release."""
+        """``POST /sandboxes/{id}/drag``: press at (``from_x``, ``from_y``), move, release.
+
+        The button is released at (``to_x``, ``to_y``).
+        """
         return ActionResult.model_validate(await self._desktop(
             sandbox_id, "drag", request_timeout, retry, from_x=from_x, from_y=from_y,
             to_x=to_x, to_y=to_y, button=button))
 
     async def type(self, sandbox_id: str, text: str, *, request_timeout: float | None = None,
                    retry: bool | None = None) -> ActionResult:
-        """Type any Unicode text exactly into the focused window."""
+        """``POST /sandboxes/{id}/type``: type any Unicode text exactly into the focused window."""
         return ActionResult.model_validate(await self._desktop(
             sandbox_id, "type", request_timeout, retry, text=text))
 
     async def key(self, sandbox_id: str, keys: str, *, request_timeout: float | None = None,
                   retry: bool | None = None) -> KeyResult:
-        """Press a key or combinations, e.g. ``ctrl+shift+t`` or ``ctrl+a Delete``.
+        """``POST /sandboxes/{id}/key``: press keys, e.g. ``ctrl+shift+t`` or ``ctrl+a Delete``.
 
         Raises InvalidRequest naming an unknown key.
         """
@@ -498,7 +504,7 @@ class AsyncHangar:
                      x: int | None = None, y: int | None = None, *,
                      request_timeout: float | None = None,
                      retry: bool | None = None) -> ActionResult:
-        """Scroll ``amount`` wheel clicks, at (``x``, ``y``) when given."""
+        """``POST /sandboxes/{id}/scroll``: ``amount`` wheel clicks, at (``x``, ``y``) if given."""
         return ActionResult.model_validate(await self._desktop(
             sandbox_id, "scroll", request_timeout, retry, direction=direction, amount=amount,
             x=x, y=y))
