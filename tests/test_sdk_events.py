@@ -154,7 +154,7 @@ def test_hangar_events_shows_what_another_process_does(server: Server) -> None:
             sb = h.create()
             sid = sb.id
             created = time.monotonic()
-            r = h.exec(sid, "sleep 0.2; exit 3")
+            r = h.exec(sid, "echo x; exit 3")
             finished = time.monotonic()
             assert r.exit_code == 3
             h.publish_event("agent.task.started", sid, task_id="t1", name="Test Runner",

@@ -179,6 +179,13 @@ def test_a_create_whose_answer_is_lost_makes_one_sandbox(server: Server, rec: Re
         made.update(got)
         assert len(got) == 2 and got[0] == got[1]
         assert {s.id for s in direct.list()} - before == {sb.id, got[0]}
+        # A delete whose answer is lost: the retry finds it gone, which is success.
+        proxy.drop_next_answer()
+        h.delete(sb.id)
+        assert proxy.dropped == 2
+        made.discard(sb.id)
+        with pytest.raises(NotFound):
+            direct.get(sb.id)
     finally:
         for sid in made:
             try:

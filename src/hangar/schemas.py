@@ -26,7 +26,7 @@ class Model(BaseModel):
     """Base of every wire schema.
 
     Fields are attributes (``result.exit_code``). Reading them by name
-    (``result["exit_code"]``, ``result.get("signal")``) also works, as the
+    (``result["exit_code"]``, ``result.get("signal")``, ``"data" in chunk``) also works, as the
     dict results of the 0.1 SDK did, so code written against those keeps
     running; new code should use attributes, which type checkers follow.
     """
@@ -35,6 +35,11 @@ class Model(BaseModel):
         if name not in type(self).model_fields:
             raise KeyError(name)
         return getattr(self, name)
+
+    def __contains__(self, name: object) -> bool:
+        """True when the model has the field ``name`` and it is set (not None)."""
+        return isinstance(name, str) and name in type(self).model_fields \
+            and getattr(self, name) is not None
 
     def get(self, name: str, default: Any = None) -> Any:
         """The field ``name``, or ``default`` when the model has no such field."""

@@ -63,7 +63,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(
         title="Hangar",
         version=__version__,
-        description="MicroVM sandboxes for AI agents. Every path but /health needs X-API-Key.",
+        description="MicroVM sandboxes for AI agents. Every path but /health needs X-API-Key. "
+                    "A POST with an Idempotency-Key header is acted on once: a repeat within "
+                    "24 h gets the first answer, the same key with another request 422.",
         lifespan=lifespan,
     )
     app.state.events = EventBus()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import math
 import os
 import uuid
 from collections.abc import Mapping
@@ -253,6 +252,3 @@ def exec_body(command: str, args: list[str] | None, env: Mapping[str, str] | Non
         body["show_command"] = True
     return body
 
-
-def ceil_s(seconds: float) -> int:
-    return int(math.ceil(seconds))

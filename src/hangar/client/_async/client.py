@@ -91,6 +91,8 @@ class AsyncHangar:
             else:
                 if resp.status_code < 400:
                     return resp
+                if resp.status_code == 404 and method == "DELETE" and attempt > 0:
+                    return resp  # an earlier attempt deleted it; its answer was lost
                 if stream:
                     await resp.aread()
                     await resp.aclose()
