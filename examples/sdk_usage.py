@@ -77,12 +77,15 @@ def follow(h: Hangar) -> None:
 
 async def async_tour() -> None:
     async with AsyncHangar() as h:
+        mark = await h.publish_event("agent.tour.started")
         sb = await AsyncSandbox.create(client=h)
-        async with sb:
+        async with sb:  # killed at the end of the block
             r = await sb.exec("echo hi")
             print(r.stdout)
-            async for ev in h.events(sandbox_id=sb.id):
-                print(ev.kind)
+        # Replay what happened to it since the mark: created, exec.*, deleted.
+        async for ev in h.events(sandbox_id=sb.id, last_event_id=mark.id):
+            print(ev.kind, ev.data)
+            if ev.kind == "sandbox.deleted":
                 break
 
 
