@@ -55,6 +55,11 @@ def test_reconnecting_with_last_event_id_misses_nothing(server: Server) -> None:
         again.close()
     assert seqs(got) == list(range(8))
     assert all(e.kind == f"{kind}.step" and e.time > 0 for e in got)
+    # An id of another stream (the server restarted since) replays the whole ring.
+    with Hangar(server.url, server.key) as h:
+        stream = h.events(kinds=[f"{kind}.mark"], last_event_id="0badc0de:99999")
+        assert next(stream).id == start.id
+        stream.close()
 
 
 def test_the_iterator_reconnects_by_itself_after_a_broken_connection(server: Server) -> None:

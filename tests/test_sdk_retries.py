@@ -7,10 +7,12 @@ server has answered.
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -179,6 +181,10 @@ def test_a_create_whose_answer_is_lost_makes_one_sandbox(server: Server, rec: Re
         made.update(got)
         assert len(got) == 2 and got[0] == got[1]
         assert {s.id for s in direct.list()} - before == {sb.id, got[0]}
+        # Keys are stored per API key as its SHA-256, never the key itself.
+        db = b"".join(f.read_bytes() for f in server.data_dir.glob("hangar.db*"))
+        assert server.key.encode() not in db
+        assert hashlib.sha256(server.key.encode()).hexdigest().encode() in db
         # A delete whose answer is lost: the retry finds it gone, which is success.
         proxy.drop_next_answer()
         h.delete(sb.id)
@@ -194,3 +200,24 @@ def test_a_create_whose_answer_is_lost_makes_one_sandbox(server: Server, rec: Re
                 pass
         direct.close()
         proxy.close()
+
+
+def test_idempotency_records_are_per_api_key_and_expire(tmp_path: Path) -> None:
+    from sqlalchemy import create_engine
+
+    from hangar.core.idempotency import IdempotencyStore, owner_of, request_hash
+
+    store = IdempotencyStore(create_engine(f"sqlite:///{tmp_path / 'db'}"), ttl_s=0.3)
+    alice, bob = owner_of("key-a"), owner_of("key-b")
+    h = request_hash("POST", "/sandboxes", "", b"{}")
+    assert h != request_hash("POST", "/sandboxes", "", b"{} ")
+    assert h != request_hash("POST", "/sandboxes/", "", b"{}")
+    store.save(alice, "k1", h, 201, "application/json", b'{"id": "sb-1"}')
+    rec = store.find(alice, "k1")
+    assert rec is not None and rec.status == 201 and rec.body == b'{"id": "sb-1"}'
+    assert store.find(bob, "k1") is None
+    time.sleep(0.4)
+    assert store.find(alice, "k1") is None  # past its time to live
+    store.save(alice, "k1", h, 201, "application/json", b'{"id": "sb-2"}')  # reusable then
+    found = store.find(alice, "k1")
+    assert found is not None and found.body == b'{"id": "sb-2"}'
