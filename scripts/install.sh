@@ -47,8 +47,9 @@ if [ ! -x .venv/bin/python ]; then
   say "creating the Python environment in .venv"
   "${PYTHON:-python3}" -m venv .venv
 fi
-say "installing Hangar and its pinned Python dependencies"
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+say "installing Hangar and the exact Python dependencies of requirements.lock"
+.venv/bin/pip install -q --disable-pip-version-check -r requirements.lock
+.venv/bin/pip install -q --disable-pip-version-check --no-deps -e .
 ln -sf "$ROOT/.venv/bin/hangar" /usr/local/bin/hangar
 
 say "fetching Firecracker and its jailer (used on hosts where KVM runs guests)"

@@ -341,7 +341,7 @@ def test_sweep_every_route_with_hostile_values(hostile) -> None:
 def test_agent_refuses_bad_exec_input_itself(tmp_path: Path) -> None:
     """The agent checks what the API checks, for any other caller (run on the host)."""
     from hangar.errors import HangarError
-    from hangar.guest.client import AgentClient
+    from hangar.engines.agent_client import AgentClient
 
     sock = tmp_path / "agent.sock"
     proc = subprocess.Popen([sys.executable, "-m", "hangar.guest.agent", "--listen", str(sock)],

@@ -1,24 +1,29 @@
 """The ``hangar`` command line (typer + rich).
 
-Server side: ``hangar serve``, ``hangar image build|ls|gc``. Client side
-(talks to a server at ``HANGAR_URL`` with ``HANGAR_API_KEY`` or the key
-file): ``create``, ``ls``, ``exec``, ``files put|get|ls``, ``rm``.
+Server side: ``hangar serve``, ``hangar image build|ls|gc``, ``hangar doctor``,
+``hangar key``. Client side (talks to a server at ``HANGAR_URL`` with
+``HANGAR_API_KEY`` or the key file), through the public SDK
+(``hangar.client``) only: ``create``, ``ls``, ``exec``, ``rm``, ``ttl``,
+``status``, ``events``, ``files``, ``snapshot``, ``machine``, ``desktop``.
 Errors print one line and exit 1; ``exec`` exits with the command's code.
 """
 
 from __future__ import annotations
 
-import base64
 import os
 import shlex
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Column, Table
 
+from hangar.client import Hangar, MachineInfo
 from hangar.cli_key import app as key_app
 from hangar.errors import HangarError
 
@@ -43,21 +48,36 @@ DataDir = Annotated[Optional[Path], typer.Option(help="Data directory (HANGAR_DA
 
 
 def _settings(data_dir: Path | None = None, **overrides: object):  # type: ignore[no-untyped-def]
-    from hangar.config import Settings
+    """The server's settings; exits with a hint when the server's packages are missing."""
+    try:
+        import fastapi  # noqa: F401
+        import sqlalchemy  # noqa: F401
+
+        from hangar.config import Settings
+    except ImportError as exc:
+        err.print(f"[red]error:[/red] this command runs the server side, whose packages are not "
+                  f"installed ({exc.name} is missing): pip install 'hangar\\[server]'")
+        raise typer.Exit(1) from None
 
     if data_dir is not None:
         overrides["data_dir"] = data_dir
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
 
-def _client():  # type: ignore[no-untyped-def]
-    from hangar.client import Hangar
+@contextmanager
+def _sdk() -> Iterator[Hangar]:
+    """A client of the public SDK; its errors print one line and exit 1."""
+    try:
+        with Hangar() as h:
+            yield h
+    except HangarError as exc:
+        _fail(exc)
 
-    return Hangar()
 
+def _fail(exc: HangarError) -> NoReturn:
+    from rich.markup import escape
 
-def _fail(exc: HangarError) -> None:
-    err.print(f"[red]error:[/red] {exc.message}")
+    err.print(f"[red]error:[/red] {escape(exc.message)}", highlight=False)
     raise typer.Exit(1)
 
 
@@ -82,13 +102,15 @@ def serve(
     accel: Annotated[Optional[str], typer.Option(help="auto, kvm or tcg (HANGAR_ACCEL).")] = None,
 ) -> None:
     """Run the REST API; builds the default image first if it is missing."""
+    settings = _settings(data_dir, host=host, port=port, engine=engine, accel=accel)
+    import asyncio
+
     import uvicorn
 
     from hangar import log
     from hangar.api.app import create_app
     from hangar.layout import Layout
 
-    settings = _settings(data_dir, host=host, port=port, engine=engine, accel=accel)
     log.setup(settings.log_level)
     layout = Layout(settings.data_dir)
     layout.ensure()
@@ -99,11 +121,21 @@ def serve(
         _fail(exc)
     where = f"unix:{settings.uds}" if settings.uds else f"http://{settings.host}:{settings.port}"
     err.print(f"Hangar on {where}  (API key in {layout.api_key_file})")
-    if settings.uds:
-        uvicorn.run(api, uds=str(settings.uds), log_config=None, access_log=False)
-    else:
-        uvicorn.run(api, host=settings.host, port=settings.port, log_config=None,
-                    access_log=False)
+    where_kw: dict[str, object] = ({"uds": str(settings.uds)} if settings.uds
+                                   else {"host": settings.host, "port": settings.port})
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            # Open event streams never end by themselves, and uvicorn waits for every
+            # connection before shutting down: end them first (in the loop, not here in
+            # the signal handler, where the bus's lock may be held).
+            try:
+                asyncio.get_running_loop().call_soon_threadsafe(api.state.events.close)
+            except RuntimeError:
+                api.state.events.close()
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    Server(uvicorn.Config(api, log_config=None, access_log=False, **where_kw)).run()  # type: ignore[arg-type]
 
 
 @image_app.command("build")
@@ -213,27 +245,20 @@ def create(
     timeout: Annotated[Optional[float], typer.Option(help="Time to live, seconds.")] = None,
 ) -> None:
     """Create a sandbox and print its id."""
-    try:
-        with _client() as h:
-            sb = h.create(image, vcpus=vcpus, memory_mib=memory, disk_mib=disk, timeout=timeout,
-                          desktop=desktop)
-    except HangarError as exc:
-        _fail(exc)
-    out.print(sb["id"])
+    with _sdk() as h:
+        sb = h.create(image, vcpus=vcpus, memory_mib=memory, disk_mib=disk, timeout=timeout,
+                      desktop=desktop)
+    out.print(sb.id)
 
 
 @app.command("ls")
 def ls() -> None:
     """List sandboxes."""
-    try:
-        with _client() as h:
-            boxes = h.list()
-    except HangarError as exc:
-        _fail(exc)
+    with _sdk() as h:
+        boxes = h.list()
     table = Table("id", "state", "image", "vcpus", "memory (MiB)", "accel")
     for b in boxes:
-        table.add_row(b["id"], b["state"], b["image"], str(b["vcpus"]), str(b["memory_mib"]),
-                      b["accel"])
+        table.add_row(b.id, b.state, b.image, str(b.vcpus), str(b.memory_mib), b.accel)
     out.print(table)
 
 
@@ -243,6 +268,8 @@ def exec_(
     command: Annotated[list[str], typer.Argument(help="Command; one argument is a shell string.")],
     timeout: Annotated[Optional[float], typer.Option(help="Seconds.")] = None,
     cwd: Annotated[Optional[str], typer.Option()] = None,
+    show: Annotated[bool, typer.Option(
+        "--show-command", help="Let live events (hangar events) show the command.")] = False,
 ) -> None:
     """Run a command, streaming its output; exits with the command's exit code."""
     if command and command[0] == "--":
@@ -253,33 +280,94 @@ def exec_(
     cmd = command[0] if len(command) == 1 else shlex.join(command)
     stdin = None if sys.stdin.isatty() or os.environ.get("HANGAR_NO_STDIN") else sys.stdin.buffer.read()
     code = 1
-    try:
-        with _client() as h:
-            for ev in h.exec_stream(sandbox_id, cmd, cwd=cwd, timeout=timeout, stdin=stdin):
-                if ev["type"] in ("stdout", "stderr"):
-                    stream = sys.stdout.buffer if ev["type"] == "stdout" else sys.stderr.buffer
-                    data = ev["data"].encode() if "data" in ev else base64.b64decode(ev["data_b64"])
-                    stream.write(data)
-                    stream.flush()
-                elif ev["type"] == "exit":
-                    if ev.get("timed_out"):
-                        err.print("[yellow]command timed out[/yellow]")
-                    code = ev["exit_code"] if ev["exit_code"] is not None else 1
-    except HangarError as exc:
-        _fail(exc)
+    with _sdk() as h:
+        for ev in h.exec_stream(sandbox_id, cmd, cwd=cwd, timeout=timeout, stdin=stdin,
+                                show_command=show):
+            if ev.type in ("stdout", "stderr"):
+                stream = sys.stdout.buffer if ev.type == "stdout" else sys.stderr.buffer
+                stream.write(ev.payload)
+                stream.flush()
+            elif ev.type == "exit":
+                if ev.timed_out:
+                    err.print("[yellow]command timed out[/yellow]")
+                code = ev.exit_code if ev.exit_code is not None else 1
     raise typer.Exit(code)
 
 
 @app.command()
 def rm(sandbox_ids: Annotated[list[str], typer.Argument()]) -> None:
     """Delete sandboxes."""
+    with _sdk() as h:
+        for sid in sandbox_ids:
+            h.delete(sid)
+            out.print(f"deleted {sid}")
+
+
+@app.command()
+def ttl(sandbox_id: str,
+        seconds: Annotated[float, typer.Argument(help="Seconds from now; 0: never.")]) -> None:
+    """Set a sandbox's time to live, counted from now."""
+    with _sdk() as h:
+        sb = h.set_timeout(sandbox_id, seconds)
+    out.print(f"{sb.id} expires "
+              + (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sb.expires_at))
+                 if sb.expires_at else "never"))
+
+
+@app.command()
+def status() -> None:
+    """The server's health and its warm pool."""
+    with _sdk() as h:
+        health = h.health()
+        pool = h.pool()
+    engine = ", ".join(f"{k}={v}" for k, v in health.engine.items())
+    out.print(f"Hangar {health.version} at {h.base_url}: {health.status}; {health.sandboxes} "
+              f"sandboxes; engine {engine}")
+    out.print(f"warm pool ({pool.image}): {pool.ready} ready, {pool.starting} starting, "
+              f"{pool.size} wanted, replaced after {pool.max_age_s:.0f} s")
+
+
+@app.command()
+def events(
+    kind: Annotated[Optional[list[str]], typer.Option(
+        "--kind", "-k", help="Only these kinds or prefixes (repeatable), e.g. exec, agent.")] = None,
+    sandbox: Annotated[Optional[str], typer.Option(help="Only this sandbox.")] = None,
+    since: Annotated[Optional[str], typer.Option(
+        help="Replay what came after this event id first.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object a line.")] = False,
+) -> None:
+    """Follow what the server does, live: one line per event (Ctrl-C to stop).
+
+    On a terminal, agent tasks and running commands stay at the bottom with
+    their elapsed time.
+    """
+    from hangar.events_view import EventView
+
+    view = EventView()
+    live = None
+    if out.is_terminal and not as_json:
+        from rich.live import Live
+        from rich.text import Text
+
+        live = Live(get_renderable=lambda: Text("\n".join(view.blocks()), style="bold"),
+                    console=out, refresh_per_second=2, transient=True)
+        live.start()
     try:
-        with _client() as h:
-            for sid in sandbox_ids:
-                h.delete(sid)
-                out.print(f"deleted {sid}")
-    except HangarError as exc:
-        _fail(exc)
+        with _sdk() as h:
+            for ev in h.events(kinds=kind or (), sandbox_id=sandbox, last_event_id=since):
+                if as_json:
+                    print(ev.model_dump_json(), flush=True)
+                    continue
+                line = view.line(ev)
+                if live is not None:
+                    live.console.print(line, highlight=False, markup=False)
+                else:
+                    print(line, flush=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live is not None:
+            live.stop()
 
 
 @files_app.command("put")
@@ -291,23 +379,17 @@ def files_put(sandbox_id: str, local: Path, remote: str,
     except OSError as exc:
         err.print(f"[red]error:[/red] cannot read {local}: {exc.strerror or exc}")
         raise typer.Exit(1) from None
-    try:
-        with _client() as h:
-            r = h.write_file(sandbox_id, remote, data, int(mode, 8) if mode else 0o644)
-    except HangarError as exc:
-        _fail(exc)
-    out.print(f"{r['path']}: {r['size']} bytes")
+    with _sdk() as h:
+        r = h.write_file(sandbox_id, remote, data, int(mode, 8) if mode else 0o644)
+    out.print(f"{r.path}: {r.size} bytes")
 
 
 @files_app.command("get")
 def files_get(sandbox_id: str, remote: str,
               local: Annotated[Optional[Path], typer.Argument(help="Default: stdout.")] = None) -> None:
     """Copy a file out of the sandbox (to stdout when no local path is given)."""
-    try:
-        with _client() as h:
-            data = h.read_file(sandbox_id, remote)
-    except HangarError as exc:
-        _fail(exc)
+    with _sdk() as h:
+        data = h.read_file(sandbox_id, remote)
     if local is None or str(local) == "-":
         sys.stdout.buffer.write(data)
     else:
@@ -318,37 +400,35 @@ def files_get(sandbox_id: str, remote: str,
 def files_ls(sandbox_id: str,
              path: Annotated[str, typer.Argument(help="Directory in the guest.")] = "/root") -> None:
     """List a directory in the sandbox."""
-    try:
-        with _client() as h:
-            entries = h.list_files(sandbox_id, path)
-    except HangarError as exc:
-        _fail(exc)
+    with _sdk() as h:
+        entries = h.list_files(sandbox_id, path)
     table = Table("name", "type", "size", "mode")
     for e in entries:
-        table.add_row(e["name"], e["type"], str(e["size"]), oct(e["mode"]))
+        table.add_row(e.name, e.type, str(e.size), oct(e.mode))
     out.print(table)
 
 
-def _machine_row(m: dict) -> None:  # type: ignore[type-arg]
+@files_app.command("rm")
+def files_rm(sandbox_id: str, path: str,
+             recursive: Annotated[bool, typer.Option("-r", "--recursive")] = False) -> None:
+    """Remove a file (or, with -r, a directory) in the sandbox."""
+    with _sdk() as h:
+        h.remove_file(sandbox_id, path, recursive)
+
+
+@files_app.command("mkdir")
+def files_mkdir(sandbox_id: str, path: str) -> None:
+    """Create a directory (and its parents) in the sandbox."""
+    with _sdk() as h:
+        h.make_dir(sandbox_id, path)
+
+
+def _machine_table(machines: list[MachineInfo]) -> None:
     table = Table("user", "sandbox", "state", "desired", "idle timeout (s)")
-    table.add_row(m["user_id"], m["sandbox_id"], m["state"], m["desired_state"],
-                  f"{m['idle_timeout_s']:.0f}")
+    for m in machines:
+        table.add_row(m.user_id, m.sandbox_id, m.state, m.desired_state,
+                      f"{m.idle_timeout_s:.0f}")
     out.print(table)
-
-
-def _api(method: str, path: str, **kw: object) -> dict:  # type: ignore[type-arg]
-    """One REST call; errors print one line and exit 1. Returns the JSON body ({} if none)."""
-    try:
-        with _client() as h:
-            resp = h._call(method, path, **kw)
-    except HangarError as exc:
-        _fail(exc)
-        raise  # unreachable
-    return resp.json() if resp.content else {}
-
-
-def _machine_call(method: str, user_id: str, suffix: str = "", **kw: object) -> dict:  # type: ignore[type-arg]
-    return _api(method, f"/machines/{user_id}{suffix}", **kw)
 
 
 @machine_app.command("get")
@@ -356,82 +436,87 @@ def machine_get(user_id: str,
                 idle: Annotated[Optional[float], typer.Option(help="Idle seconds before sleep.")] = None,
                 ) -> None:
     """Get the user's machine, creating it if there is none."""
-    body = {"idle_timeout": idle} if idle else {}
-    _machine_row(_machine_call("POST", user_id, json=body))
+    with _sdk() as h:
+        _machine_table([h.get_or_create_machine(user_id, idle_timeout=idle)])
 
 
 @machine_app.command("ls")
 def machine_ls() -> None:
     """List users' machines."""
-    machines = _api("GET", "/machines")["machines"]
-    table = Table("user", "sandbox", "state", "desired", "idle timeout (s)")
-    for m in machines:
-        table.add_row(m["user_id"], m["sandbox_id"], m["state"], m["desired_state"],
-                      f"{m['idle_timeout_s']:.0f}")
-    out.print(table)
+    with _sdk() as h:
+        _machine_table(h.list_machines())
 
 
 @machine_app.command("show")
 def machine_show(user_id: str) -> None:
     """Show the machine's state without changing it."""
-    _machine_row(_machine_call("GET", user_id))
+    with _sdk() as h:
+        _machine_table([h.get_machine(user_id)])
 
 
 @machine_app.command("sleep")
 def machine_sleep(user_id: str) -> None:
     """Snapshot the machine and stop its VM."""
-    _machine_row(_machine_call("POST", user_id, "/snapshot"))
+    with _sdk() as h:
+        _machine_table([h.sleep_machine(user_id)])
 
 
 @machine_app.command("wake")
 def machine_wake(user_id: str) -> None:
     """Restore the machine from its sleep snapshot."""
-    _machine_row(_machine_call("POST", user_id, "/wake"))
+    with _sdk() as h:
+        _machine_table([h.wake_machine(user_id)])
 
 
 @machine_app.command("rm")
 def machine_rm(user_id: str) -> None:
     """Remove the machine and everything it held."""
-    _api("DELETE", f"/machines/{user_id}")
+    with _sdk() as h:
+        h.delete_machine(user_id)
     out.print(f"removed the machine of {user_id}")
 
 
 @snapshot_app.command("create")
 def snapshot_create(sandbox_id: str) -> None:
     """Snapshot a running sandbox and print the snapshot's id."""
-    snap = _api("POST", f"/sandboxes/{sandbox_id}/snapshot")
-    out.print(f"{snap['id']} ({snap['size_bytes'] / 2**20:.1f} MiB)")
+    with _sdk() as h:
+        snap = h.snapshot(sandbox_id)
+    out.print(f"{snap.id} ({snap.size_bytes / 2**20:.1f} MiB)")
 
 
 @snapshot_app.command("ls")
-def snapshot_ls() -> None:
+def snapshot_ls(sandbox: Annotated[Optional[str], typer.Option(help="Only this sandbox's.")] = None,
+                ) -> None:
     """List snapshots."""
-    snaps = _api("GET", "/snapshots")["snapshots"]
+    with _sdk() as h:
+        snaps = h.list_snapshots(sandbox)
     table = Table("id", "sandbox", "size (MiB)", "memory (MiB)")
     for s in snaps:
-        table.add_row(s["id"], s["sandbox_id"], f"{s['size_bytes'] / 2**20:.1f}",
-                      str(s["memory_mib"]))
+        table.add_row(s.id, s.sandbox_id, f"{s.size_bytes / 2**20:.1f}", str(s.memory_mib))
     out.print(table)
 
 
 @snapshot_app.command("restore")
 def snapshot_restore(sandbox_id: str, snapshot_id: str) -> None:
     """Bring a sandbox back to one of its snapshots."""
-    _api("POST", f"/sandboxes/{sandbox_id}/restore", json={"snapshot_id": snapshot_id})
+    with _sdk() as h:
+        h.restore(sandbox_id, snapshot_id)
     out.print(f"{sandbox_id} restored to {snapshot_id}")
 
 
 @snapshot_app.command("fork")
 def snapshot_fork(snapshot_id: str) -> None:
     """Start a new sandbox from a snapshot and print its id."""
-    sb = _api("POST", f"/snapshots/{snapshot_id}/sandboxes")
-    out.print(sb["id"])
+    with _sdk() as h:
+        sb = h.fork(snapshot_id)
+    out.print(sb.id)
 
 
 @snapshot_app.command("rm")
 def snapshot_rm(snapshot_id: str) -> None:
     """Delete a snapshot."""
-    _api("DELETE", f"/snapshots/{snapshot_id}")
+    with _sdk() as h:
+        h.delete_snapshot(snapshot_id)
     out.print(f"deleted {snapshot_id}")
 
 
@@ -462,11 +547,8 @@ def desktop_screenshot(sandbox_id: str, out_file: Path,
                        width: Annotated[Optional[int], typer.Option(help="Scale to pixels.")] = None,
                        ) -> None:
     """Save a PNG screenshot of the sandbox's desktop."""
-    try:
-        with _client() as h:
-            png = h.screenshot(sandbox_id, width)
-    except HangarError as exc:
-        _fail(exc)
+    with _sdk() as h:
+        png = h.screenshot(sandbox_id, width)
     out_file.write_bytes(png)
     out.print(f"{out_file}: {len(png)} bytes")
 
@@ -476,35 +558,65 @@ def desktop_click(sandbox_id: str, x: int, y: int,
                   button: Annotated[str, typer.Option(help="left, middle or right")] = "left",
                   double: bool = False) -> None:
     """Click at (x, y), pixels."""
-    _api("POST", f"/sandboxes/{sandbox_id}/click",
-         json={"x": x, "y": y, "button": button, "double": double})
+    if button not in ("left", "middle", "right"):
+        err.print("[red]error:[/red] button must be left, middle or right")
+        raise typer.Exit(2)
+    with _sdk() as h:
+        h.click(sandbox_id, x, y, button, double)  # type: ignore[arg-type]
+
+
+@desktop_app.command("move")
+def desktop_move(sandbox_id: str, x: int, y: int) -> None:
+    """Move the pointer to (x, y), pixels."""
+    with _sdk() as h:
+        h.move(sandbox_id, x, y)
+
+
+@desktop_app.command("drag")
+def desktop_drag(sandbox_id: str, from_x: int, from_y: int, to_x: int, to_y: int) -> None:
+    """Drag with the left button from one point to another, pixels."""
+    with _sdk() as h:
+        h.drag(sandbox_id, from_x, from_y, to_x, to_y)
 
 
 @desktop_app.command("type")
 def desktop_type(sandbox_id: str, text: str) -> None:
     """Type text (any Unicode) into the focused window."""
-    _api("POST", f"/sandboxes/{sandbox_id}/type", json={"text": text})
+    with _sdk() as h:
+        h.type(sandbox_id, text)
 
 
 @desktop_app.command("key")
 def desktop_key(sandbox_id: str, keys: str) -> None:
     """Press a key or combination, e.g. ctrl+shift+t or enter."""
-    _api("POST", f"/sandboxes/{sandbox_id}/key", json={"keys": keys})
+    with _sdk() as h:
+        h.key(sandbox_id, keys)
 
 
 @desktop_app.command("scroll")
 def desktop_scroll(sandbox_id: str, direction: str, amount: int = 3) -> None:
     """Scroll up, down, left or right by wheel clicks."""
-    _api("POST", f"/sandboxes/{sandbox_id}/scroll",
-         json={"direction": direction, "amount": amount})
+    if direction not in ("up", "down", "left", "right"):
+        err.print("[red]error:[/red] direction must be up, down, left or right")
+        raise typer.Exit(2)
+    with _sdk() as h:
+        h.scroll(sandbox_id, direction, amount)  # type: ignore[arg-type]
 
 
 @desktop_app.command("show")
 def desktop_show(sandbox_id: str) -> None:
     """Screen size and cursor position."""
-    d = _api("GET", f"/sandboxes/{sandbox_id}/display")
-    out.print(f"{d['width']}x{d['height']}x{d['depth']}, cursor at ({d['cursor_x']}, "
-              f"{d['cursor_y']})")
+    with _sdk() as h:
+        d = h.display(sandbox_id)
+    out.print(f"{d.width}x{d.height}x{d.depth}, cursor at ({d.cursor_x}, {d.cursor_y})")
+
+
+@desktop_app.command("vnc")
+def desktop_vnc(sandbox_id: str, view_only: bool = False) -> None:
+    """Print a single-use ticket URL (valid 30 s) for the live view's WebSocket."""
+    with _sdk() as h:
+        t = h.vnc_ticket(sandbox_id, view_only)
+    out.print(h.base_url + t.url)
 
 
 if __name__ == "__main__":

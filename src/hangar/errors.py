@@ -6,6 +6,7 @@ the client SDK (``hangar.client``)::
 
     HangarError                      base; ``context`` holds ids and figures
     ├── InvalidRequest          400  fix the request (bad path, bad key name)
+    │   └── IdempotencyMismatch 422  an Idempotency-Key reused with another request
     ├── Unauthorized            401  no or wrong API key
     ├── Unavailable             503  the server could not be reached (client side; retry)
     ├── NotFound                404  no such sandbox, file or image
@@ -16,11 +17,19 @@ the client SDK (``hangar.client``)::
     ├── TooLarge                413  the request body is over the server's limit
     ├── LimitExceeded           429  retryable after ``retry_after`` seconds
     ├── Timeout                 504  the guest did not answer in time
+    │   └── RequestTimeout           client side: no answer within the call's timeout
     ├── GuestError              502  the guest agent reported a failure
     ├── EngineError             500  the VMM failed (boot, QMP, process died)
     ├── ImageError              500  building or finding a guest image failed
     └── ConfigError             500  the server's own configuration is unusable (e.g. a
                                      weak API key); it refuses to start
+
+``retryable`` says whether the same call may succeed if tried again.
+``outcome_unknown`` is true when the call may or may not have taken effect:
+the connection failed or timed out after the request was sent (client
+side). Reconcile before repeating such a call, unless it is safe to repeat
+(a read, a delete, a file write, or a create with an ``Idempotency-Key``,
+which the SDK sends and the server honours).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ class HangarError(Exception):
     status: int = 500
     code: str = "internal"
     retryable: bool = False
+    outcome_unknown: bool = False
 
     def __init__(self, message: str, **context: Any) -> None:
         super().__init__(message)
@@ -49,12 +59,28 @@ class InvalidRequest(HangarError):
     status, code = 400, "invalid_request"
 
 
+class IdempotencyMismatch(InvalidRequest):
+    """The ``Idempotency-Key`` was first used with another method, path or body (422)."""
+
+    status, code = 422, "idempotency_mismatch"
+
+
 class Unauthorized(HangarError):
     status, code = 401, "unauthorized"
 
 
 class Unavailable(HangarError):
+    """The server could not be reached, or the connection broke (client side).
+
+    ``outcome_unknown`` is true when the connection broke after the request
+    had been sent: the server may have acted on it.
+    """
+
     status, code, retryable = 503, "unavailable", True
+
+    def __init__(self, message: str, outcome_unknown: bool = False, **context: Any) -> None:
+        super().__init__(message, **context)
+        self.outcome_unknown = outcome_unknown
 
 
 class NotFound(HangarError):
@@ -97,6 +123,21 @@ class Timeout(HangarError):
     status, code, retryable = 504, "timeout", True
 
 
+class RequestTimeout(Timeout):
+    """No answer within the call's timeout (client side; ``timeout_s`` in ``context``).
+
+    ``outcome_unknown`` is false when the request was never sent (the
+    connection could not be made in time), true when the server may have
+    acted on it.
+    """
+
+    code = "request_timeout"
+
+    def __init__(self, message: str, outcome_unknown: bool = True, **context: Any) -> None:
+        super().__init__(message, **context)
+        self.outcome_unknown = outcome_unknown
+
+
 class GuestError(HangarError):
     status, code = 502, "guest_error"
 
@@ -116,8 +157,8 @@ class ConfigError(HangarError):
 BY_CODE: dict[str, type[HangarError]] = {
     cls.code: cls
     for cls in (
-        HangarError, InvalidRequest, Unauthorized, Unavailable, NotFound, Gone, Conflict, Busy,
-        ImageMissing, TooLarge, LimitExceeded, Timeout, GuestError, EngineError, ImageError,
-        ConfigError,
+        HangarError, InvalidRequest, IdempotencyMismatch, Unauthorized, Unavailable, NotFound,
+        Gone, Conflict, Busy, ImageMissing, TooLarge, LimitExceeded, Timeout, RequestTimeout,
+        GuestError, EngineError, ImageError, ConfigError,
     )
 }

@@ -8,10 +8,15 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 
 from hangar import __version__
-from hangar.api import desktop, errors, files, health, machines, sandboxes, snapshots, vnc, web
+from hangar.api import (
+    desktop, errors, events, files, health, machines, pool, sandboxes, snapshots, vnc, web,
+)
 from hangar.api.auth import KeyRing, Throttle, require_key
+from hangar.api.idempotency import IdempotencyMiddleware
 from hangar.api.limits import BodyLimit
 from hangar.config import Settings
+from hangar.core.events import EventBus
+from hangar.core.idempotency import IdempotencyStore
 from hangar.core.machines import MachineManager
 from hangar.core.pool import WarmPool
 from hangar.core.sandboxes import SandboxManager
@@ -26,7 +31,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app. Reads the API keys at once (``ConfigError`` when one is
     empty or weak: the server must not start). Start-up resolves the default
     image, picks the engine (running the probe boots if not cached),
-    reconciles running VMs and starts filling the warm pool."""
+    reconciles running VMs and starts filling the warm pool.
+    ``app.state.events`` is the live-event bus (``GET /events``); POSTs with
+    an ``Idempotency-Key`` go through ``IdempotencyMiddleware``."""
     settings = settings or Settings()
     layout = Layout(settings.data_dir)
     layout.ensure()
@@ -43,6 +50,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         metrics.engine.info(engine.describe())
         store = Store(layout.database)
         manager = SandboxManager(settings, layout, store, engine, metrics)
+        manager.events = app.state.events
+        app.state.idempotency = IdempotencyStore(store.engine)
         manager.pool = WarmPool(manager, settings.pool_size, settings.pool_max_age_s)
         app.state.metrics = metrics
         app.state.manager = manager
@@ -52,16 +61,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            app.state.events.close()
             await manager.close()
 
     app = FastAPI(
         title="Hangar",
         version=__version__,
-        description="MicroVM sandboxes for AI agents. Every path but /health needs X-API-Key.",
+        description="MicroVM sandboxes for AI agents. Every path but /health needs X-API-Key. "
+                    "A POST with an Idempotency-Key header is acted on once: a repeat within "
+                    "24 h gets the first answer, the same key with another request 422.",
         lifespan=lifespan,
     )
     app.state.keys = keys
     app.state.throttle = Throttle()
+    app.state.events = EventBus()
+    app.add_middleware(IdempotencyMiddleware)
     errors.install(app)
     app.add_middleware(BodyLimit, limit=settings.max_json_bytes, raw=files.RAW_BODY)
     app.include_router(health.router)
@@ -75,4 +89,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(snapshots.router, dependencies=keyed)
     app.include_router(machines.listing, dependencies=keyed)
     app.include_router(machines.router, dependencies=keyed)
+    app.include_router(pool.router, dependencies=keyed)
+    app.include_router(events.router, dependencies=keyed)
     return app

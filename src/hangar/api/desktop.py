@@ -19,6 +19,10 @@ from hangar.api.deps import manager
 from hangar.api.models import RequestBody
 from hangar.core.desktop import MAX_SCROLL, MAX_TYPE_CHARS, TYPE_DELAY_MS, Desktop
 from hangar.core.sandboxes import SandboxManager
+from hangar.schemas import ActionResult as ActionResponse
+from hangar.schemas import DisplayInfo as DisplayResponse
+from hangar.schemas import KeyResult as KeyResponse
+from hangar.schemas import ScreenshotResponse
 
 router = APIRouter(prefix="/sandboxes", tags=["desktop"])
 
@@ -44,18 +48,6 @@ class ScreenshotRequest(RequestBody):
 
     width: int | None = Field(None, ge=1, le=16384,
                               description="Scale to this width in pixels, keeping the aspect.")
-
-
-class ScreenshotResponse(BaseModel):
-    """A PNG screenshot, base64; ``width``/``height`` are the image's pixels."""
-
-    format: Literal["png"] = "png"
-    image: str = Field(description="The PNG, base64.")
-    width: int
-    height: int
-    screen_width: int
-    screen_height: int
-    duration_s: float
 
 
 class Point(RequestBody):
@@ -106,23 +98,6 @@ class ScrollRequest(RequestBody):
     amount: int = Field(3, ge=1, le=MAX_SCROLL, description="Wheel clicks.")
     x: Coord | None = Field(None, description="Move here first (with y), pixels.")
     y: Coord | None = None
-
-
-class ActionResponse(BaseModel):
-    ok: Literal[True] = True
-
-
-class KeyResponse(ActionResponse):
-    keys: list[str] = Field(description="The combinations as sent to X, aliases resolved.")
-
-
-class DisplayResponse(BaseModel):
-    width: int = Field(description="Pixels.")
-    height: int = Field(description="Pixels.")
-    depth: int = Field(description="Bits per pixel.")
-    cursor_x: int
-    cursor_y: int
-    vnc: bool = Field(description="x11vnc listens: live viewing can connect.")
 
 
 def _wants_png(request: Request, fmt: str | None) -> bool:

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 
 from hangar.api.models import ExecRequest, ExecResponse, Machine, MachineList, MachineRequest
-from hangar.api.sandboxes import _meta, _stdin, exec_response
+from hangar.api.sandboxes import _meta, _shown, _stdin, exec_response
 from hangar.core.machines import MachineManager
 from hangar.core.sandboxes import CreateOptions
 
@@ -66,4 +66,5 @@ async def delete(user_id: str, mm: Machines) -> Response:
              summary="Run a command on the machine, waking it first if it sleeps")
 async def exec_(user_id: str, body: ExecRequest, mm: Machines) -> ExecResponse:
     m = mm.get(user_id)
-    return exec_response(await mm.sandboxes.exec(m.sandbox_id, _meta(body), _stdin(body)))
+    return exec_response(await mm.sandboxes.exec(m.sandbox_id, _meta(body), _stdin(body),
+                                                 command=_shown(body)))

@@ -88,6 +88,13 @@ def _meta(body: ExecRequest) -> dict[str, Any]:
                      timeout=body.timeout, head=body.max_output, tail=body.max_output // 4)
 
 
+def _shown(body: ExecRequest) -> str | None:
+    """The command text for live events, when the caller opted in (``show_command``)."""
+    if not body.show_command:
+        return None
+    return body.command if body.args is None else " ".join([body.command, *body.args])
+
+
 def _text(cap: StreamCapture) -> tuple[str, str, str | None]:
     """(head text, tail text, base64 of head+tail when not valid UTF-8)."""
     raw = cap.head + cap.tail
@@ -114,7 +121,7 @@ def exec_response(r: ExecResult) -> ExecResponse:
 @router.post("/{sandbox_id}/exec", response_model=ExecResponse, response_model_exclude_none=True,
              summary="Run a command and return its result")
 async def exec_(sandbox_id: str, body: ExecRequest, m: Manager) -> ExecResponse:
-    result = await m.exec(sandbox_id, _meta(body), _stdin(body))
+    result = await m.exec(sandbox_id, _meta(body), _stdin(body), command=_shown(body))
     return exec_response(result)
 
 
@@ -129,7 +136,7 @@ async def exec_(sandbox_id: str, body: ExecRequest, m: Manager) -> ExecResponse:
     )}},
 )
 async def exec_stream(sandbox_id: str, body: ExecRequest, m: Manager) -> StreamingResponse:
-    events = m.exec_stream(sandbox_id, _meta(body), _stdin(body))
+    events = m.exec_stream(sandbox_id, _meta(body), _stdin(body), command=_shown(body))
     # Pull the first event before answering, so a 404/409 is a real status code.
     first = await anext(events)
 

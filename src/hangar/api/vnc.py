@@ -63,6 +63,7 @@ from hangar.api.models import RequestBody
 from hangar.core.sandboxes import SandboxManager
 from hangar.engines.agent_client import Tunnel
 from hangar.errors import HangarError, NotFound
+from hangar.schemas import VncTicket as TicketResponse
 
 log = logging.getLogger("hangar.vnc")
 
@@ -135,14 +136,6 @@ class TicketRequest(RequestBody):
 
     view_only: bool = Field(False, description="The viewer sees the screen but cannot type, "
                                                "point or paste.")
-
-
-class TicketResponse(BaseModel):
-    ticket: str
-    view_only: bool
-    expires_at: float = Field(description="Unix time, seconds.")
-    expires_in_s: float
-    url: str = Field(description="Path of the WebSocket, ticket included (single use).")
 
 
 @router.post("/{sandbox_id}/vnc/tickets", response_model=TicketResponse, status_code=201,

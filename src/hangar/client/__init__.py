@@ -1,18 +1,47 @@
-"""Python SDK for Hangar's REST API: ``Hangar`` (sync) and ``AsyncHangar``.
+"""Python SDK for Hangar's REST API, blocking and asyncio from one source.
 
-Both share one core (``hangar.client._core``) that builds requests and
-maps error responses back to the ``hangar.errors`` hierarchy, so a caller
-retries on ``err.retryable``, not on status codes::
+The object surface::
 
-    from hangar.client import Hangar
-    with Hangar() as h:                    # HANGAR_URL, HANGAR_API_KEY or the key file
-        sb = h.create()
-        print(h.exec(sb["id"], "uname -a")["stdout"])
-        h.write_file(sb["id"], "/root/x.bin", b"\\x00\\x01")
-        h.delete(sb["id"])
+    from hangar.client import Sandbox, Machine
+
+    with Sandbox.create() as sb:                 # killed when the block ends
+        r = sb.exec("python3 -c 'print(6*7)'")
+        print(r.stdout, r.exit_code)             # "42\\n" 0
+        sb.files.write("/root/data.txt", "hello")
+        snap = sb.snapshot()
+
+    m = Machine.get_or_create("alice")            # sleeps when idle, wakes on demand
+    m.exec("ls /root")
+
+The flat client has one method per REST route (``Hangar``, and
+``AsyncHangar`` with the same methods, awaited). Results are the typed
+models of ``hangar.schemas``; failures raise the classes of
+``hangar.errors``. Safe calls are retried (``RetryPolicy``), every call
+has a timeout (``Timeouts``, or ``request_timeout=``), ``HealthMonitor``
+watches ``/health`` and ``Hangar.events()`` follows what the server does,
+live.
+
+Names starting with ``Async`` are the asyncio twins; ``_sync/`` is
+generated from ``_async/`` (``scripts/gen_sync.py``).
 """
 
-from hangar.client.sync import Hangar
-from hangar.client.aio import AsyncHangar
+from hangar.client._async.client import AsyncHangar
+from hangar.client._async.monitor import AsyncHealthMonitor
+from hangar.client._async.objects import AsyncDesktop, AsyncFiles, AsyncMachine, AsyncSandbox
+from hangar.client._core import RetryPolicy, Timeouts
+from hangar.client._sync.client import Hangar
+from hangar.client._sync.monitor import HealthMonitor
+from hangar.client._sync.objects import Desktop, Files, Machine, Sandbox
+from hangar.schemas import (
+    ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, Health, KeyResult,
+    MachineInfo, PoolStatus, SandboxInfo, Snapshot, VncTicket, WriteResult,
+)
 
-__all__ = ["Hangar", "AsyncHangar"]
+__all__ = [
+    "Hangar", "AsyncHangar", "Sandbox", "AsyncSandbox", "Machine", "AsyncMachine", "Files",
+    "AsyncFiles", "Desktop", "AsyncDesktop", "HealthMonitor", "AsyncHealthMonitor",
+    "RetryPolicy", "Timeouts",
+    "ActionResult", "DisplayInfo", "Event", "ExecResult", "ExecStreamEvent", "FileEntry",
+    "Health", "KeyResult", "MachineInfo", "PoolStatus", "SandboxInfo", "Snapshot", "VncTicket",
+    "WriteResult",
+]

@@ -1,30 +1,129 @@
-"""What the sync and async clients share: configuration, requests, errors."""
+"""What the sync and async clients share, with no I/O of its own.
+
+Configuration (``resolve_config``), the retry contract (``RetryPolicy``,
+``retry_delay``), per-call timeouts (``Timeouts``), the mapping of error
+responses and transport failures onto ``hangar.errors``, and request bodies.
+The clients in ``_async/`` (and ``_sync/``, generated from them) only send
+what this module decides and sleep where it says.
+"""
 
 from __future__ import annotations
 
-import json
+import base64
+import logging
 import os
-from dataclasses import dataclass
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from hangar.errors import BY_CODE, HangarError, LimitExceeded, Unavailable
+from hangar import __version__
+from hangar.errors import BY_CODE, HangarError, LimitExceeded, RequestTimeout, Unavailable
 from hangar.layout import Layout
 
+log = logging.getLogger("hangar.client")
+
 DEFAULT_URL = "http://127.0.0.1:8080"
+USER_AGENT = f"hangar-sdk/{__version__}"
 
 
 @dataclass(frozen=True)
-class Request:
-    method: str
-    path: str
-    params: dict[str, Any] | None = None
-    json: Any = None
-    content: bytes | None = None
+class RetryPolicy:
+    """When and how a call that is safe to repeat is tried again.
+
+    Safe calls are reads (GET), deletes, file writes (PUT) and creates
+    (sandbox, snapshot, fork, machine), which carry an ``Idempotency-Key``
+    that the server honours; ``exec`` only when the caller passes
+    ``retry=True``. They are retried after each of ``delays`` in turn
+    (seconds; the default, 1 s then 3 s, gives three attempts in all) on a
+    connection error, a timeout, or a status in ``statuses``; on 429 after
+    the server's ``Retry-After`` (at most ``max_retry_after`` seconds; a
+    longer wait is raised to the caller as ``LimitExceeded``). Other 4xx
+    answers are never retried. Delays come from the contract agent platforms
+    kept with their earlier client.
+    """
+
+    delays: tuple[float, ...] = (1.0, 3.0)
+    statuses: frozenset[int] = frozenset({502, 503, 504})
+    max_retry_after: float = 60.0
+
+    @property
+    def attempts(self) -> int:
+        """Attempts in all (the first one plus one per delay)."""
+        return len(self.delays) + 1
 
 
-def resolve_config(base_url: str | None, api_key: str | None) -> tuple[str, str]:
+NO_RETRY = RetryPolicy(delays=())
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Default per-call timeouts, seconds (every method also takes ``request_timeout``).
+
+    A timeout bounds how long the server may take to start answering and
+    then between two chunks of the answer (httpx's read timeout); connecting
+    is bounded by ``connect``.
+
+    * ``control``: reads, deletes, TTLs, desktop input (30 s).
+    * ``lifecycle``: create, snapshot, restore, fork, machine get, sleep and
+      wake (120 s: a cold boot under software emulation can take most of
+      the server's own 60 s boot timeout, and a create waits for it).
+    * ``screenshot``: 45 s, from the agent platforms' contract.
+    * ``exec_margin``: added to the command's own timeout (default 60 s).
+    * ``transfer`` and ``transfer_rate``: file transfers get ``transfer``
+      plus one second per ``transfer_rate`` bytes written.
+    * ``events``: the longest silence on the live-event stream before it is
+      reconnected (the server sends a keep-alive every 15 s).
+    """
+
+    connect: float = 10.0
+    control: float = 30.0
+    lifecycle: float = 120.0
+    screenshot: float = 45.0
+    exec_margin: float = 30.0
+    transfer: float = 60.0
+    transfer_rate: float = float(1 << 20)
+    events: float = 45.0
+    health: float = 10.0
+
+    def exec(self, command_timeout: float | None) -> float:
+        """The timeout of an exec call whose command may run ``command_timeout`` seconds."""
+        return (60.0 if command_timeout is None else command_timeout) + self.exec_margin
+
+    def upload(self, size: int) -> float:
+        """The timeout of a file write of ``size`` bytes."""
+        return self.transfer + size / self.transfer_rate
+
+
+@dataclass
+class Config:
+    """A client's resolved configuration."""
+
+    base_url: str
+    api_key: str
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def headers(self, idempotency_key: str | None = None,
+                extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        h = {"X-API-Key": self.api_key, "User-Agent": USER_AGENT}
+        if idempotency_key is not None:
+            h["Idempotency-Key"] = idempotency_key
+        if extra:
+            h.update(extra)
+        return h
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def timeout(self, seconds: float) -> httpx.Timeout:
+        return httpx.Timeout(seconds, connect=min(seconds, self.timeouts.connect))
+
+
+def resolve_config(base_url: str | None, api_key: str | None, retry: RetryPolicy | None = None,
+                   timeouts: Timeouts | None = None) -> Config:
     """URL and key from the arguments, ``HANGAR_URL``/``HANGAR_API_KEY``, or the
     server's key file (``$HANGAR_DATA_DIR/api-key``, default /var/lib/hangar)."""
     url = base_url or os.environ.get("HANGAR_URL") or DEFAULT_URL
@@ -35,56 +134,121 @@ def resolve_config(base_url: str | None, api_key: str | None) -> tuple[str, str]
             key = path.read_text().strip()
         except OSError:
             key = ""
-    return url.rstrip("/"), key
+    return Config(url.rstrip("/"), key, retry or RetryPolicy(), timeouts or Timeouts())
 
 
-def unavailable(url: object, exc: Exception) -> Unavailable:
-    """The error for a server that could not be reached at ``url``."""
-    return Unavailable(f"cannot reach Hangar at {url}: {exc or type(exc).__name__}; is "
-                       "`hangar serve` running, and is HANGAR_URL right?")
+def new_idempotency_key() -> str:
+    """A fresh key for one logical create, reused by all its attempts."""
+    return str(uuid.uuid4())
 
 
-def raise_for(resp: httpx.Response) -> None:
-    """Raise the ``hangar.errors`` class matching an error response."""
-    if resp.status_code < 400:
-        return
+# -- errors -----------------------------------------------------------------------------------
+
+
+def error_for(resp: httpx.Response) -> HangarError:
+    """The ``hangar.errors`` instance matching an error response (status >= 400)."""
     try:
         err = resp.json().get("error", {})
+        if not isinstance(err, dict):
+            err = {}
     except (ValueError, AttributeError):
         err = {}
-    code = err.get("code", "")
-    message = err.get("message") or f"HTTP {resp.status_code}"
-    context = {k: v for k, v in err.items() if k not in ("code", "message")}
+    code = str(err.get("code", ""))
+    message = str(err.get("message") or f"HTTP {resp.status_code}")
+    context = {k: v for k, v in err.items() if k not in ("code", "message", "retry_after")}
     if resp.status_code == 429:
-        raise LimitExceeded(message, retry_after=float(resp.headers.get("Retry-After", 1)))
+        return LimitExceeded(message, retry_after=retry_after(resp), **context)
     cls = BY_CODE.get(code)
-    if cls is None:
+    if cls is None or cls.status != resp.status_code:
         cls = next((c for c in BY_CODE.values() if c.status == resp.status_code), HangarError)
-    exc = cls(message, **context)
+    try:
+        exc = cls(message, **context)
+    except TypeError:  # context names an argument of the class
+        exc = cls(message)
     exc.status = resp.status_code
-    raise exc
+    return exc
 
 
-def exec_body(command: str, args: list[str] | None, env: dict[str, str] | None,
-              cwd: str | None, stdin: str | bytes | None, timeout: float | None) -> dict[str, Any]:
+def retry_after(resp: httpx.Response) -> float:
+    """``Retry-After`` in seconds (RFC 9110 delay-seconds; 1 when absent or a date)."""
+    try:
+        return max(0.0, float(resp.headers.get("Retry-After", "1")))
+    except ValueError:
+        return 1.0
+
+
+def transport_error(url: str, exc: httpx.TransportError, timeout_s: float) -> HangarError:
+    """The error for a request that got no answer.
+
+    Whether the server may have acted follows from the failure: a
+    connection that could not be made (or a pool slot never free) means
+    nothing was sent; a timeout or broken connection after sending means
+    the outcome is unknown.
+    """
+    never_sent = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout,
+                                  httpx.UnsupportedProtocol))
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, httpx.TimeoutException):
+        if never_sent:
+            return RequestTimeout(f"could not connect to Hangar at {url} within {timeout_s:g} s; "
+                                  "nothing was sent", outcome_unknown=False, timeout_s=timeout_s)
+        return RequestTimeout(f"Hangar at {url} did not answer within {timeout_s:g} s; the "
+                              "outcome is unknown: the server may have acted on the request",
+                              outcome_unknown=True, timeout_s=timeout_s)
+    if never_sent:
+        return Unavailable(f"cannot reach Hangar at {url}: {detail}; is `hangar serve` running, "
+                           "and is HANGAR_URL right?", outcome_unknown=False)
+    return Unavailable(f"the connection to Hangar at {url} broke ({detail}); the outcome is "
+                       "unknown: the server may have acted on the request", outcome_unknown=True)
+
+
+def retry_delay(policy: RetryPolicy, attempt: int, error: HangarError,
+                resp: httpx.Response | None) -> float | None:
+    """Seconds to wait before attempt ``attempt + 1`` of a safe call, or None to give up.
+
+    ``attempt`` counts from 0; ``error`` is what the attempt raised (mapped),
+    ``resp`` its response when there was one.
+    """
+    if attempt >= len(policy.delays):
+        return None
+    if resp is None:
+        return policy.delays[attempt] if error.retryable else None
+    if resp.status_code == 429:
+        wait = retry_after(resp)
+        return wait if wait <= policy.max_retry_after else None
+    if resp.status_code in policy.statuses:
+        return policy.delays[attempt]
+    return None
+
+
+# -- bodies -----------------------------------------------------------------------------------
+
+
+def drop_none(**fields: Any) -> dict[str, Any]:
+    """The fields whose value is not None (the server applies its defaults to the rest)."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def exec_body(command: str, args: list[str] | None, env: Mapping[str, str] | None,
+              cwd: str | None, stdin: str | bytes | None, timeout: float | None,
+              max_output: int | None, show_command: bool) -> dict[str, Any]:
+    """The JSON body of an exec (see ``hangar.schemas.ExecRequest``)."""
     body: dict[str, Any] = {"command": command}
     if args is not None:
-        body["args"] = args
+        body["args"] = list(args)
     if env:
-        body["env"] = env
+        body["env"] = dict(env)
     if cwd:
         body["cwd"] = cwd
     if isinstance(stdin, bytes):
-        import base64
-
         body["stdin_b64"] = base64.b64encode(stdin).decode()
     elif stdin is not None:
         body["stdin"] = stdin
     if timeout is not None:
         body["timeout"] = timeout
+    if max_output is not None:
+        body["max_output"] = max_output
+    if show_command:
+        body["show_command"] = True
     return body
 
-
-def parse_line(line: str) -> dict[str, Any] | None:
-    line = line.strip()
-    return json.loads(line) if line else None

@@ -21,6 +21,12 @@ Rules: an event never carries command output, environment variables, file
 contents or secrets. ``publish`` never blocks and never raises: a slow
 subscriber loses its oldest undelivered events (and is told how many), it
 never holds the publisher up.
+
+On the wire an event's id is ``<stream>:<n>`` (``wire_id``): a client
+that reconnects with the id of another stream (the server restarted) gets
+the whole ring, one with an id of this stream what came after it.
+``close()`` ends every subscription (the server is shutting down, so its
+open event streams must not hold the shutdown up).
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ class Event:
 @dataclass
 class _Subscriber:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Event]
+    queue: asyncio.Queue[Event | None]
     kinds: tuple[str, ...]
     sandbox_id: str | None
     dropped: int = 0
@@ -77,11 +83,18 @@ class _Subscriber:
             self.dropped += 1
         self.queue.put_nowait(ev)
 
+    def end(self) -> None:
+        """Called in the subscriber's loop: wake it to finish."""
+        if self.queue.full():
+            self.queue.get_nowait()
+        self.queue.put_nowait(None)
+
 
 class EventBus:
     """A bounded, in-memory fan-out of events. Safe to publish from any thread."""
 
     def __init__(self, ring_size: int = RING_SIZE) -> None:
+        self.closed = False
         self.stream = secrets.token_hex(4)
         """Names this process's sequence of ids; a client holding an id of
         another stream (the server restarted) gets the whole ring."""
@@ -95,7 +108,7 @@ class EventBus:
         with self._lock:
             ev = Event(next(self._ids), round(time.time(), 3), kind, sandbox_id, data)
             self._ring.append(ev)
-            subs = list(self._subs)
+            subs = [] if self.closed else list(self._subs)
         for sub in subs:
             if sub.wants(ev):
                 try:
@@ -109,21 +122,54 @@ class EventBus:
         with self._lock:
             return [e for e in self._ring if last_id is None or e.id > last_id]
 
+    def wire_id(self, ev: Event) -> str:
+        """The id a client sees and sends back as ``Last-Event-ID``: ``<stream>:<n>``."""
+        return f"{self.stream}:{ev.id}"
+
+    def resume_after(self, wire_id: str | None) -> int | None:
+        """The ``last_id`` to subscribe with for a client's ``Last-Event-ID``.
+
+        None (no id: live events only); the id's number when it is of this
+        stream; 0 (the whole ring) when it is of another stream or garbled.
+        """
+        if not wire_id:
+            return None
+        stream, _, n = wire_id.strip().rpartition(":")
+        if stream == self.stream and n.isdigit():
+            return int(n)
+        return 0
+
+    def close(self) -> None:
+        """End every subscription; later events are still recorded. Safe from any thread."""
+        with self._lock:
+            self.closed = True
+            subs = list(self._subs)
+        for sub in subs:
+            try:
+                sub.loop.call_soon_threadsafe(sub.end)
+            except RuntimeError:
+                pass
+
     @property
     def last_id(self) -> int:
         with self._lock:
             return self._ring[-1].id if self._ring else 0
 
     async def subscribe(self, last_id: int | None = None, kinds: Iterable[str] = (),
-                        sandbox_id: str | None = None) -> AsyncIterator[Event]:
+                        sandbox_id: str | None = None,
+                        idle: float | None = None) -> AsyncIterator[Event | None]:
         """Yield missed events after ``last_id`` from the ring, then live ones.
 
         ``kinds`` filters by kind or prefix (``exec`` matches ``exec.finished``);
-        ``sandbox_id`` by sandbox. Runs until the caller stops iterating.
+        ``sandbox_id`` by sandbox. With ``idle`` (seconds), yields None
+        whenever that long passed without an event (time for a keep-alive).
+        Runs until the caller stops iterating or the bus is closed.
         """
         sub = _Subscriber(asyncio.get_running_loop(), asyncio.Queue(SUBSCRIBER_QUEUE),
                           tuple(kinds), sandbox_id)
         with self._lock:
+            if self.closed:
+                return
             backlog = [e for e in self._ring
                        if (last_id is not None and e.id > last_id) and sub.wants(e)]
             self._subs.append(sub)
@@ -133,7 +179,14 @@ class EventBus:
                 seen = ev.id
                 yield ev
             while True:
-                ev = await sub.queue.get()
+                try:
+                    got = await asyncio.wait_for(sub.queue.get(), idle)
+                except TimeoutError:
+                    yield None
+                    continue
+                if got is None:  # the bus was closed
+                    return
+                ev = got
                 if ev.id <= seen:
                     continue
                 seen = ev.id

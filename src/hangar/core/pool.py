@@ -80,6 +80,16 @@ class WarmPool:
             self.kick()
             return updated
 
+    def status(self) -> dict[str, float | int | str | None]:
+        """Size wanted, VMs ready (booted and paused) and starting, ages in seconds."""
+        pooled = self._pooled()
+        ready = [r for r in pooled if r.id in self.manager._runtimes]
+        now = time.time()
+        return {"size": self.size, "ready": len(ready), "starting": len(pooled) - len(ready),
+                "max_age_s": self.max_age_s,
+                "oldest_age_s": round(now - min(r.created_at for r in ready), 3) if ready else None,
+                "image": self.manager.settings.default_image}
+
     def kick(self) -> None:
         """Start a background refill if one is not running."""
         if self.size > 0 and (self._refill is None or self._refill.done()):

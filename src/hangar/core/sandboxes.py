@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hangar.config import Settings
+from hangar.core.events import EventBus
 from hangar.core.states import GONE, State
 from hangar.core.store import SandboxRecord, SnapshotRecord, Store
 from hangar.engines.agent_client import AgentClient, ExecEvent, ExecResult
@@ -129,6 +130,7 @@ class SandboxManager:
         self.engine = engine
         self.metrics = metrics
         self.pool: Any = None  # hangar.core.pool.WarmPool, set by the app
+        self.events: EventBus | None = None  # set by the app; live events (GET /events)
         self._runtimes: dict[str, Runtime] = {}
         self._gates: dict[str, asyncio.Lock] = {}
         self._admit = asyncio.Lock()
@@ -404,6 +406,12 @@ class SandboxManager:
         self.metrics.create_seconds.observe(took)
         log.info("sandbox created", extra={"sandbox_id": rec.id, "duration_s": round(took, 3),
                                            "image": rec.image, "source": source})
+        self._publish("sandbox.created", rec.id, image=rec.image, source=source,
+                      duration_s=round(took, 3), vcpus=rec.vcpus, memory_mib=rec.memory_mib)
+
+    def _publish(self, kind: str, sandbox_id: str | None, **data: Any) -> None:
+        if self.events is not None:
+            self.events.publish(kind, sandbox_id, **data)
 
     def get(self, sandbox_id: str) -> SandboxRecord:
         """The record of a sandbox. Raises NotFound (unknown, deleted) or Gone (expired)."""
@@ -439,6 +447,7 @@ class SandboxManager:
         async with self._gate(sandbox_id):
             await self._finish(sandbox_id, State.DELETED, None)
         log.info("sandbox deleted", extra={"sandbox_id": sandbox_id})
+        self._publish("sandbox.deleted", sandbox_id)
 
     async def _finish(self, sandbox_id: str, final: State, error: str | None) -> None:
         """Move to ``final``: end the VMM, remove files and any sleep snapshot."""
@@ -698,36 +707,59 @@ class SandboxManager:
             self.store.update(sandbox_id, last_active_at=time.time())
 
     async def exec(self, sandbox_id: str, meta: dict[str, Any],
-                   stdin: bytes | None = None) -> ExecResult:
-        """Run a command to completion (``meta`` from ``engines.agent_client.exec_meta``)."""
+                   stdin: bytes | None = None, command: str | None = None) -> ExecResult:
+        """Run a command to completion (``meta`` from ``engines.agent_client.exec_meta``).
+
+        ``command`` is the text the live events may show (the caller opted in).
+        """
         started = time.monotonic()
+        exec_id = new_id("ex-")
         async with self.using(sandbox_id) as agent:
+            self._publish("exec.started", sandbox_id, exec_id=exec_id,
+                          **({"command": command[:200]} if command else {}))
             try:
                 result = await agent.exec(meta, stdin)
-            except HangarError:
+            except HangarError as exc:
                 self.metrics.execs.labels("error").inc()
+                self._publish("exec.finished", sandbox_id, exec_id=exec_id, exit_code=None,
+                              duration_s=round(time.monotonic() - started, 3), timed_out=False,
+                              error=exc.code)
                 raise
         self.metrics.execs.labels("ok").inc()
         took = time.monotonic() - started
+        self._publish("exec.finished", sandbox_id, exec_id=exec_id, exit_code=result.exit_code,
+                      duration_s=round(took, 3), timed_out=result.timed_out)
         self.metrics.exec_seconds.observe(took)
         log.info("exec", extra={"sandbox_id": sandbox_id, "duration_s": round(took, 3),
                                 "exit_code": result.exit_code, "timed_out": result.timed_out})
         return result
 
     async def exec_stream(self, sandbox_id: str, meta: dict[str, Any],
-                          stdin: bytes | None = None) -> AsyncIterator[ExecEvent]:
+                          stdin: bytes | None = None,
+                          command: str | None = None) -> AsyncIterator[ExecEvent]:
         """Run a command, yielding output events then an ``exit`` event."""
         started = time.monotonic()
+        exec_id = new_id("ex-")
         ok = False
+        result: ExecResult | None = None
         try:
             async with self.using(sandbox_id) as agent:
+                self._publish("exec.started", sandbox_id, exec_id=exec_id,
+                              **({"command": command[:200]} if command else {}))
                 async for ev in agent.exec_stream({**meta, "stream": True}, stdin):
                     if ev.kind == "exit":
                         ok = True
+                        result = ev.result
                     yield ev
         finally:
             self.metrics.execs.labels("ok" if ok else "error").inc()
-            self.metrics.exec_seconds.observe(time.monotonic() - started)
+            took = time.monotonic() - started
+            self.metrics.exec_seconds.observe(took)
+            if self.events is not None and ok:
+                self._publish("exec.finished", sandbox_id, exec_id=exec_id,
+                              exit_code=result.exit_code if result else None,
+                              duration_s=round(took, 3),
+                              timed_out=bool(result and result.timed_out))
 
     async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
         async with self.using(sandbox_id) as agent:

@@ -1,0 +1,52 @@
+"""What differs between the asyncio and blocking clients besides async/await.
+
+``_sync/_compat.py`` has the same names for threads; both are written by
+hand (the generator skips them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+sleep = asyncio.sleep
+
+
+class Stop:
+    """A flag that a background loop waits on between its rounds."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def clear(self) -> None:
+        self._event.clear()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; True when the flag was set."""
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+class Background:
+    """Runs ``target`` as a task of the running event loop."""
+
+    def __init__(self, target: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        self._task = asyncio.get_running_loop().create_task(target(), name=name)
+
+    def alive(self) -> bool:
+        return not self._task.done()
+
+    async def join(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task

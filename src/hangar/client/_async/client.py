@@ -1,0 +1,612 @@
+"""The flat client: one method per REST route, typed results, safe retries.
+
+This file is the one source of both clients: ``scripts/gen_sync.py``
+generates ``hangar/client/_sync/client.py`` (``Hangar``) from it
+(``AsyncHangar``), and a test fails when the generated file is stale.
+
+Every method raises a ``hangar.errors`` class on failure and takes, keyword
+only, ``request_timeout`` (seconds; see ``Timeouts`` for the defaults) and
+``retry`` (None: the call's default, see ``RetryPolicy``).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Literal
+
+import httpx
+from httpx_sse import EventSource
+
+from hangar.client import _core
+from hangar.client._async._compat import sleep
+from hangar.client._core import RetryPolicy, Timeouts
+from hangar.errors import HangarError, Unavailable
+from hangar.schemas import (
+    ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, FileList, Health,
+    KeyResult, MachineInfo, MachineList, PoolStatus, SandboxInfo, SandboxList, Snapshot,
+    SnapshotList, VncTicket, WriteResult,
+)
+
+Button = Literal["left", "middle", "right"]
+Direction = Literal["up", "down", "left", "right"]
+
+
+class AsyncHangar:
+    """A client of one Hangar server.
+
+    ``base_url`` defaults to ``HANGAR_URL`` (else http://127.0.0.1:8080) and
+    ``api_key`` to ``HANGAR_API_KEY`` (else the server's key file
+    ``$HANGAR_DATA_DIR/api-key``); the key goes in the ``X-API-Key`` header.
+    ``retry`` and ``timeouts`` set the defaults of every call.
+    ``http_client`` lets the caller bring its own httpx client (a Unix-socket
+    transport, a proxy, event hooks); the caller then closes it.
+
+    Use it as a context manager, or call ``close()``.
+    """
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
+                 retry: RetryPolicy | None = None, timeouts: Timeouts | None = None,
+                 http_client: httpx.AsyncClient | None = None) -> None:
+        self.config = _core.resolve_config(base_url, api_key, retry, timeouts)
+        self._own_http = http_client is None
+        self._http = http_client or httpx.AsyncClient()
+
+    @property
+    def base_url(self) -> str:
+        """The server's URL, without a trailing slash."""
+        return self.config.base_url
+
+    async def __aenter__(self) -> AsyncHangar:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the connections (not an ``http_client`` the caller passed in)."""
+        if self._own_http:
+            await self._http.aclose()
+
+    # -- transport --------------------------------------------------------------------------
+
+    async def _send(self, method: str, path: str, *, timeout: float, retry: bool,
+                    params: Mapping[str, Any] | None = None, json: Any = None,
+                    content: bytes | None = None, idempotency_key: str | None = None,
+                    headers: Mapping[str, str] | None = None,
+                    stream: bool = False) -> httpx.Response:
+        """Send one logical call, retrying it per the policy when ``retry`` is true."""
+        policy = self.config.retry
+        request = self._http.build_request(
+            method, self.config.url(path), params=params, json=json, content=content,
+            headers=self.config.headers(idempotency_key, headers),
+            timeout=self.config.timeout(timeout))
+        attempt = 0
+        while True:
+            resp: httpx.Response | None = None
+            try:
+                resp = await self._http.send(request, stream=stream)
+            except httpx.TransportError as exc:
+                error = _core.transport_error(self.base_url, exc, timeout)
+            else:
+                if resp.status_code < 400:
+                    return resp
+                if resp.status_code == 404 and method == "DELETE" and attempt > 0:
+                    return resp  # an earlier attempt deleted it; its answer was lost
+                if stream:
+                    await resp.aread()
+                    await resp.aclose()
+                error = _core.error_for(resp)
+            delay = _core.retry_delay(policy, attempt, error, resp) if retry else None
+            if delay is None:
+                raise error
+            attempt += 1
+            _core.log.warning("retrying %s %s in %g s (attempt %d of %d): %s", method, path,
+                              delay, attempt + 1, policy.attempts, error.message)
+            await sleep(delay)
+
+    async def _json(self, method: str, path: str, *, timeout: float, retry: bool,
+                    **kw: Any) -> Any:
+        return (await self._send(method, path, timeout=timeout, retry=retry, **kw)).json()
+
+    def _t(self, given: float | None, default: float) -> float:
+        return default if given is None else given
+
+    # -- operations -------------------------------------------------------------------------
+
+    async def health(self, *, request_timeout: float | None = None,
+                     retry: bool | None = None) -> Health:
+        """``GET /health`` (needs no key): version, engine, sandbox count."""
+        t = self._t(request_timeout, self.config.timeouts.health)
+        return Health.model_validate(await self._json(
+            "GET", "/health", timeout=t, retry=retry is not False))
+
+    async def metrics(self, *, request_timeout: float | None = None,
+                      retry: bool | None = None) -> str:
+        """``GET /metrics``: Prometheus text exposition."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return (await self._send("GET", "/metrics", timeout=t, retry=retry is not False)).text
+
+    async def pool(self, *, request_timeout: float | None = None,
+                   retry: bool | None = None) -> PoolStatus:
+        """``GET /pool``: size wanted, VMs ready and starting, maximum age."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return PoolStatus.model_validate(await self._json(
+            "GET", "/pool", timeout=t, retry=retry is not False))
+
+    # -- sandboxes --------------------------------------------------------------------------
+
+    async def create(self, image: str | None = None, *, vcpus: int | None = None,
+                     memory_mib: int | None = None, disk_mib: int | None = None,
+                     timeout: float | None = None, metadata: Mapping[str, str] | None = None,
+                     network: str | Mapping[str, Any] | None = None,
+                     desktop: str | None = None, idempotency_key: str | None = None,
+                     request_timeout: float | None = None,
+                     retry: bool | None = None) -> SandboxInfo:
+        """``POST /sandboxes``: a running sandbox; answers once its guest agent is ready.
+
+        ``image`` is a template name (default ``base``); ``memory_mib`` and
+        ``disk_mib`` are MiB; ``timeout`` the time to live in seconds (0:
+        none); ``network`` an egress policy; ``desktop`` a screen as
+        ``WIDTHxHEIGHTxDEPTH``. The call carries ``idempotency_key`` (a new
+        one when None), so its retries never make a second sandbox.
+        Raises LimitExceeded (cap reached), NotFound (no such image),
+        InvalidRequest, EngineError or Timeout (the VM did not come up).
+        """
+        body = _core.drop_none(image=image, vcpus=vcpus, memory_mib=memory_mib,
+                               disk_mib=disk_mib, timeout=timeout, network=network,
+                               desktop=desktop,
+                               metadata=dict(metadata) if metadata is not None else None)
+        return SandboxInfo.model_validate(await self._json(
+            "POST", "/sandboxes", json=body, retry=retry is not False,
+            idempotency_key=idempotency_key or _core.new_idempotency_key(),
+            timeout=self._t(request_timeout, self.config.timeouts.lifecycle)))
+
+    async def list(self, *, request_timeout: float | None = None,
+                   retry: bool | None = None) -> builtins.list[SandboxInfo]:
+        """``GET /sandboxes``: sandboxes that exist or failed, oldest first."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return SandboxList.model_validate(await self._json(
+            "GET", "/sandboxes", timeout=t, retry=retry is not False)).sandboxes
+
+    async def get(self, sandbox_id: str, *, request_timeout: float | None = None,
+                  retry: bool | None = None) -> SandboxInfo:
+        """``GET /sandboxes/{id}``. Raises NotFound (unknown, deleted) or Gone (expired)."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return SandboxInfo.model_validate(await self._json(
+            "GET", f"/sandboxes/{sandbox_id}", timeout=t, retry=retry is not False))
+
+    async def delete(self, sandbox_id: str, *, request_timeout: float | None = None,
+                     retry: bool | None = None) -> None:
+        """``DELETE /sandboxes/{id}``: end the VM and remove its files. Raises NotFound."""
+        t = self._t(request_timeout, self.config.timeouts.lifecycle)
+        await self._send("DELETE", f"/sandboxes/{sandbox_id}", timeout=t,
+                         retry=retry is not False)
+
+    async def set_timeout(self, sandbox_id: str, timeout: float, *,
+                          request_timeout: float | None = None,
+                          retry: bool | None = None) -> SandboxInfo:
+        """``POST /sandboxes/{id}/timeout``: expire ``timeout`` seconds from now (0: never)."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return SandboxInfo.model_validate(await self._json(
+            "POST", f"/sandboxes/{sandbox_id}/timeout", json={"timeout": timeout},
+            timeout=t, retry=bool(retry)))
+
+    # -- exec -------------------------------------------------------------------------------
+
+    async def exec(self, sandbox_id: str, command: str, *, args: Sequence[str] | None = None,
+                   env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   stdin: str | bytes | None = None, timeout: float | None = None,
+                   max_output: int | None = None, show_command: bool = False,
+                   request_timeout: float | None = None, retry: bool | None = None) -> ExecResult:
+        """``POST /sandboxes/{id}/exec``: run a command to completion.
+
+        ``command`` is a shell string (``/bin/sh -c``); with ``args`` it is
+        the program and ``args`` its arguments, no shell. ``stdin`` is text
+        or bytes; ``timeout`` the command's seconds (server default 60;
+        the process group is then killed and ``timed_out`` set);
+        ``max_output`` the bytes kept of each stream; ``show_command`` puts
+        the command text in the live events. The call's own timeout is the
+        command's plus a margin. Not retried unless ``retry=True`` (a
+        command may have side effects); a retried exec carries an
+        ``Idempotency-Key``, so the server runs it once and answers repeats
+        with the first result. Raises NotFound, Conflict, Timeout.
+        """
+        body = _core.exec_body(command, list(args) if args is not None else None, env, cwd,
+                               stdin, timeout, max_output, show_command)
+        t = self._t(request_timeout, self.config.timeouts.exec(timeout))
+        return ExecResult.model_validate(await self._json(
+            "POST", f"/sandboxes/{sandbox_id}/exec", json=body, timeout=t, retry=bool(retry),
+            idempotency_key=_core.new_idempotency_key() if retry else None))
+
+    async def exec_stream(self, sandbox_id: str, command: str, *,
+                          args: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
+                          cwd: str | None = None, stdin: str | bytes | None = None,
+                          timeout: float | None = None, show_command: bool = False,
+                          request_timeout: float | None = None,
+                          retry: bool | None = None) -> AsyncIterator[ExecStreamEvent]:
+        """``POST /sandboxes/{id}/exec/stream``: yield output chunks as they come, then ``exit``.
+
+        Arguments as for ``exec``. ``retry=True`` retries only the opening
+        of the stream (before any output), never a stream cut midway.
+        """
+        body = _core.exec_body(command, list(args) if args is not None else None, env, cwd,
+                               stdin, timeout, None, show_command)
+        t = self._t(request_timeout, self.config.timeouts.exec(timeout))
+        resp = await self._send("POST", f"/sandboxes/{sandbox_id}/exec/stream", json=body,
+                                timeout=t, retry=bool(retry), stream=True)
+        try:
+            async for line in resp.aiter_lines():
+                if line.strip():
+                    yield ExecStreamEvent.model_validate_json(line)
+        except httpx.TransportError as exc:
+            raise _core.transport_error(self.base_url, exc, t) from None
+        finally:
+            await resp.aclose()
+
+    # -- files ------------------------------------------------------------------------------
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, *,
+                         request_timeout: float | None = None,
+                         retry: bool | None = None) -> WriteResult:
+        """``PUT /sandboxes/{id}/files``: write ``data`` to ``path`` (atomic in the guest).
+
+        Relative paths start at /root; ``mode`` is the file's permission
+        bits. The timeout grows with the size. Raises NotFound, InvalidRequest.
+        """
+        t = self._t(request_timeout, self.config.timeouts.upload(len(data)))
+        return WriteResult.model_validate(await self._json(
+            "PUT", f"/sandboxes/{sandbox_id}/files", params={"path": path, "mode": mode},
+            content=data, timeout=t, retry=retry is not False))
+
+    async def read_file(self, sandbox_id: str, path: str, *, request_timeout: float | None = None,
+                        retry: bool | None = None) -> bytes:
+        """``GET /sandboxes/{id}/files``: a file's bytes. Raises NotFound, InvalidRequest."""
+        t = self._t(request_timeout, self.config.timeouts.transfer)
+        return (await self._send("GET", f"/sandboxes/{sandbox_id}/files",
+                                 params={"path": path}, timeout=t,
+                                 retry=retry is not False)).content
+
+    async def list_files(self, sandbox_id: str, path: str = "/root", *,
+                         request_timeout: float | None = None,
+                         retry: bool | None = None) -> builtins.list[FileEntry]:
+        """``GET /sandboxes/{id}/files/list``: a directory's entries."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return FileList.model_validate(await self._json(
+            "GET", f"/sandboxes/{sandbox_id}/files/list", params={"path": path}, timeout=t,
+            retry=retry is not False)).entries
+
+    async def stat_file(self, sandbox_id: str, path: str, *, request_timeout: float | None = None,
+                        retry: bool | None = None) -> FileEntry:
+        """``GET /sandboxes/{id}/files/stat``: one path's type, size, mode and time."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return FileEntry.model_validate(await self._json(
+            "GET", f"/sandboxes/{sandbox_id}/files/stat", params={"path": path}, timeout=t,
+            retry=retry is not False))
+
+    async def make_dir(self, sandbox_id: str, path: str, parents: bool = True, *,
+                       request_timeout: float | None = None,
+                       retry: bool | None = None) -> FileEntry:
+        """``POST /sandboxes/{id}/files/mkdir``: create a directory (and its parents)."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return FileEntry.model_validate(await self._json(
+            "POST", f"/sandboxes/{sandbox_id}/files/mkdir",
+            json={"path": path, "parents": parents}, timeout=t, retry=retry is not False))
+
+    async def remove_file(self, sandbox_id: str, path: str, recursive: bool = False, *,
+                          request_timeout: float | None = None,
+                          retry: bool | None = None) -> None:
+        """``DELETE /sandboxes/{id}/files``: remove a file, or a directory with ``recursive``."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        await self._send("DELETE", f"/sandboxes/{sandbox_id}/files",
+                         params={"path": path, "recursive": recursive}, timeout=t,
+                         retry=retry is not False)
+
+    # -- snapshots --------------------------------------------------------------------------
+
+    async def snapshot(self, sandbox_id: str, *, idempotency_key: str | None = None,
+                       request_timeout: float | None = None,
+                       retry: bool | None = None) -> Snapshot:
+        """``POST /sandboxes/{id}/snapshot``: save memory, devices and disk; it keeps running.
+
+        Raises Busy (a command runs; retry shortly) or Conflict.
+        """
+        t = self._t(request_timeout, self.config.timeouts.lifecycle)
+        return Snapshot.model_validate(await self._json(
+            "POST", f"/sandboxes/{sandbox_id}/snapshot", timeout=t, retry=retry is not False,
+            idempotency_key=idempotency_key or _core.new_idempotency_key()))
+
+    async def restore(self, sandbox_id: str, snapshot_id: str, *,
+                      request_timeout: float | None = None,
+                      retry: bool | None = None) -> SandboxInfo:
+        """``POST /sandboxes/{id}/restore``: bring the sandbox back to one of its snapshots."""
+        t = self._t(request_timeout, self.config.timeouts.lifecycle)
+        return SandboxInfo.model_validate(await self._json(
+            "POST", f"/sandboxes/{sandbox_id}/restore", json={"snapshot_id": snapshot_id},
+            timeout=t, retry=bool(retry)))
+
+    async def fork(self, snapshot_id: str, *, timeout: float | None = None,
+                   metadata: Mapping[str, str] | None = None,
+                   idempotency_key: str | None = None, request_timeout: float | None = None,
+                   retry: bool | None = None) -> SandboxInfo:
+        """``POST /snapshots/{id}/sandboxes``: a new sandbox started from a snapshot.
+
+        ``timeout`` is its time to live, seconds.
+        """
+        body = _core.drop_none(timeout=timeout,
+                               metadata=dict(metadata) if metadata is not None else None)
+        t = self._t(request_timeout, self.config.timeouts.lifecycle)
+        return SandboxInfo.model_validate(await self._json(
+            "POST", f"/snapshots/{snapshot_id}/sandboxes", json=body, timeout=t,
+            retry=retry is not False,
+            idempotency_key=idempotency_key or _core.new_idempotency_key()))
+
+    async def list_snapshots(self, sandbox_id: str | None = None, *,
+                             request_timeout: float | None = None,
+                             retry: bool | None = None) -> builtins.list[Snapshot]:
+        """``GET /snapshots``: all snapshots, or those of one sandbox."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        params = {"sandbox_id": sandbox_id} if sandbox_id else None
+        return SnapshotList.model_validate(await self._json(
+            "GET", "/snapshots", params=params, timeout=t,
+            retry=retry is not False)).snapshots
+
+    async def get_snapshot(self, snapshot_id: str, *, request_timeout: float | None = None,
+                           retry: bool | None = None) -> Snapshot:
+        """``GET /snapshots/{id}``. Raises NotFound."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return Snapshot.model_validate(await self._json(
+            "GET", f"/snapshots/{snapshot_id}", timeout=t, retry=retry is not False))
+
+    async def delete_snapshot(self, snapshot_id: str, *, request_timeout: float | None = None,
+                              retry: bool | None = None) -> None:
+        """``DELETE /snapshots/{id}``. Raises NotFound."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        await self._send("DELETE", f"/snapshots/{snapshot_id}", timeout=t,
+                         retry=retry is not False)
+
+    # -- machines ---------------------------------------------------------------------------
+
+    async def get_or_create_machine(self, user_id: str, *, idle_timeout: float | None = None,
+                                    image: str | None = None, vcpus: int | None = None,
+                                    memory_mib: int | None = None, disk_mib: int | None = None,
+                                    idempotency_key: str | None = None,
+                                    request_timeout: float | None = None,
+                                    retry: bool | None = None) -> MachineInfo:
+        """``POST /machines/{user_id}``: the user's machine, created if there is none.
+
+        The options apply only when creating; ``idle_timeout`` is the idle
+        seconds before it sleeps.
+        """
+        body = _core.drop_none(idle_timeout=idle_timeout, image=image, vcpus=vcpus,
+                               memory_mib=memory_mib, disk_mib=disk_mib)
+        t = self._t(request_timeout, self.config.timeouts.lifecycle)
+        return MachineInfo.model_validate(await self._json(
+            "POST", f"/machines/{user_id}", json=body, timeout=t, retry=retry is not False,
+            idempotency_key=idempotency_key or _core.new_idempotency_key()))
+
+    async def get_machine(self, user_id: str, *, request_timeout: float | None = None,
+                          retry: bool | None = None) -> MachineInfo:
+        """``GET /machines/{user_id}``: the machine's state, unchanged. Raises NotFound."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return MachineInfo.model_validate(await self._json(
+            "GET", f"/machines/{user_id}", timeout=t, retry=retry is not False))
+
+    async def list_machines(self, *, request_timeout: float | None = None,
+                            retry: bool | None = None) -> builtins.list[MachineInfo]:
+        """``GET /machines``."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return MachineList.model_validate(await self._json(
+            "GET", "/machines", timeout=t, retry=retry is not False)).machines
+
+    async def sleep_machine(self, user_id: str, *, request_timeout: float | None = None,
+                            retry: bool | None = None) -> MachineInfo:
+        """``POST /machines/{user_id}/snapshot``: snapshot the machine and stop its VM.
+
+        Raises Busy while a command runs (retry shortly).
+        """
+        t = self._t(request_timeout, self.config.timeouts.lifecycle)
+        return MachineInfo.model_validate(await self._json(
+            "POST", f"/machines/{user_id}/snapshot", timeout=t, retry=bool(retry)))
+
+    async def wake_machine(self, user_id: str, *, request_timeout: float | None = None,
+                           retry: bool | None = None) -> MachineInfo:
+        """``POST /machines/{user_id}/wake``: restore the machine from its sleep snapshot."""
+        t = self._t(request_timeout, self.config.timeouts.lifecycle)
+        return MachineInfo.model_validate(await self._json(
+            "POST", f"/machines/{user_id}/wake", timeout=t, retry=bool(retry)))
+
+    async def delete_machine(self, user_id: str, *, request_timeout: float | None = None,
+                             retry: bool | None = None) -> None:
+        """``DELETE /machines/{user_id}``: the machine and everything it held."""
+        t = self._t(request_timeout, self.config.timeouts.lifecycle)
+        await self._send("DELETE", f"/machines/{user_id}", timeout=t, retry=retry is not False)
+
+    async def machine_exec(self, user_id: str, command: str, *,
+                           args: Sequence[str] | None = None,
+                           env: Mapping[str, str] | None = None, cwd: str | None = None,
+                           stdin: str | bytes | None = None, timeout: float | None = None,
+                           max_output: int | None = None, show_command: bool = False,
+                           request_timeout: float | None = None,
+                           retry: bool | None = None) -> ExecResult:
+        """``POST /machines/{user_id}/exec``: run a command, waking the machine first.
+
+        Arguments as for ``exec``; a wake can add some seconds.
+        """
+        body = _core.exec_body(command, list(args) if args is not None else None, env, cwd,
+                               stdin, timeout, max_output, show_command)
+        t = self._t(request_timeout,
+                    self.config.timeouts.exec(timeout) + self.config.timeouts.lifecycle)
+        return ExecResult.model_validate(await self._json(
+            "POST", f"/machines/{user_id}/exec", json=body, timeout=t, retry=bool(retry),
+            idempotency_key=_core.new_idempotency_key() if retry else None))
+
+    # -- desktop (sandboxes created with desktop="WxHxD"); pixels ---------------------------
+
+    async def screenshot(self, sandbox_id: str, width: int | None = None, *,
+                         request_timeout: float | None = None,
+                         retry: bool | None = None) -> bytes:
+        """``POST /sandboxes/{id}/screenshot``: the screen as PNG bytes.
+
+        Scaled to ``width`` pixels when given. Default timeout 45 s. Raises
+        Conflict (no desktop), Timeout (the desktop did not come up).
+        """
+        params: dict[str, Any] = {"format": "png"}
+        if width is not None:
+            params["width"] = width
+        t = self._t(request_timeout, self.config.timeouts.screenshot)
+        return (await self._send("POST", f"/sandboxes/{sandbox_id}/screenshot", params=params,
+                                 timeout=t, retry=retry is not False)).content
+
+    async def click(self, sandbox_id: str, x: int, y: int, button: Button = "left",
+                    double: bool = False, *, request_timeout: float | None = None,
+                    retry: bool | None = None) -> ActionResult:
+        """``POST /sandboxes/{id}/click``: move the pointer to (``x``, ``y``) and click.
+
+        Raises InvalidRequest off screen.
+        """
+        return ActionResult.model_validate(await self._desktop(
+            sandbox_id, "click", request_timeout, retry, x=x, y=y, button=button,
+            double=double))
+
+    async def move(self, sandbox_id: str, x: int, y: int, *,
+                   request_timeout: float | None = None,
+                   retry: bool | None = None) -> ActionResult:
+        """``POST /sandboxes/{id}/move``: move the pointer to (``x``, ``y``)."""
+        return ActionResult.model_validate(await self._desktop(
+            sandbox_id, "move", request_timeout, retry, x=x, y=y))
+
+    async def drag(self, sandbox_id: str, from_x: int, from_y: int, to_x: int, to_y: int,
+                   button: Button = "left", *, request_timeout: float | None = None,
+                   retry: bool | None = None) -> ActionResult:
+        """``POST /sandboxes/{id}/drag``: press at (``from_x``, ``from_y``), move, release.
+
+        The button is released at (``to_x``, ``to_y``).
+        """
+        return ActionResult.model_validate(await self._desktop(
+            sandbox_id, "drag", request_timeout, retry, from_x=from_x, from_y=from_y,
+            to_x=to_x, to_y=to_y, button=button))
+
+    async def type(self, sandbox_id: str, text: str, *, request_timeout: float | None = None,
+                   retry: bool | None = None) -> ActionResult:
+        """``POST /sandboxes/{id}/type``: type any Unicode text exactly into the focused window."""
+        return ActionResult.model_validate(await self._desktop(
+            sandbox_id, "type", request_timeout, retry, text=text))
+
+    async def key(self, sandbox_id: str, keys: str, *, request_timeout: float | None = None,
+                  retry: bool | None = None) -> KeyResult:
+        """``POST /sandboxes/{id}/key``: press keys, e.g. ``ctrl+shift+t`` or ``ctrl+a Delete``.
+
+        Raises InvalidRequest naming an unknown key.
+        """
+        return KeyResult.model_validate(await self._desktop(
+            sandbox_id, "key", request_timeout, retry, keys=keys))
+
+    async def scroll(self, sandbox_id: str, direction: Direction, amount: int = 3,
+                     x: int | None = None, y: int | None = None, *,
+                     request_timeout: float | None = None,
+                     retry: bool | None = None) -> ActionResult:
+        """``POST /sandboxes/{id}/scroll``: ``amount`` wheel clicks, at (``x``, ``y``) if given."""
+        return ActionResult.model_validate(await self._desktop(
+            sandbox_id, "scroll", request_timeout, retry, direction=direction, amount=amount,
+            x=x, y=y))
+
+    async def display(self, sandbox_id: str, *, request_timeout: float | None = None,
+                      retry: bool | None = None) -> DisplayInfo:
+        """``GET /sandboxes/{id}/display``: screen size and pointer position, pixels."""
+        t = self._t(request_timeout, self.config.timeouts.screenshot)
+        return DisplayInfo.model_validate(await self._json(
+            "GET", f"/sandboxes/{sandbox_id}/display", timeout=t, retry=retry is not False))
+
+    async def vnc_ticket(self, sandbox_id: str, view_only: bool = False, *,
+                         request_timeout: float | None = None,
+                         retry: bool | None = None) -> VncTicket:
+        """``POST /sandboxes/{id}/vnc/tickets``: a single-use ticket (30 s) for the live view."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return VncTicket.model_validate(await self._json(
+            "POST", f"/sandboxes/{sandbox_id}/vnc/tickets", json={"view_only": view_only},
+            timeout=t, retry=bool(retry)))
+
+    async def _desktop(self, sandbox_id: str, action: str, request_timeout: float | None,
+                       retry: bool | None, **body: Any) -> Any:
+        t = self._t(request_timeout, self.config.timeouts.screenshot)
+        return await self._json("POST", f"/sandboxes/{sandbox_id}/{action}",
+                                json=_core.drop_none(**body), timeout=t, retry=bool(retry))
+
+    # -- live events ------------------------------------------------------------------------
+
+    async def publish_event(self, kind: str, sandbox_id: str | None = None, *,
+                            request_timeout: float | None = None, retry: bool | None = None,
+                            **data: Any) -> Event:
+        """``POST /events``: publish an agent platform's event to every listener.
+
+        ``kind`` must start with ``agent.`` (e.g. ``agent.tool.started``);
+        ``data`` holds JSON fields (at most 16 KiB), never secrets or file
+        contents. Raises InvalidRequest for another kind or too much data.
+        """
+        body = {"kind": kind, "sandbox_id": sandbox_id, "data": data}
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return Event.model_validate(await self._json("POST", "/events", json=body, timeout=t,
+                                                     retry=bool(retry)))
+
+    async def events(self, *, kinds: Sequence[str] = (), sandbox_id: str | None = None,
+                     last_event_id: str | None = None, reconnect: bool = True,
+                     request_timeout: float | None = None) -> AsyncIterator[Event]:
+        """``GET /events`` (Server-Sent Events): yield live events as they happen, forever.
+
+        ``kinds`` filters by kind or prefix (``exec`` matches
+        ``exec.finished``); ``sandbox_id`` by sandbox. With
+        ``last_event_id`` the server first replays what came after it (from
+        its ring of recent events). When the connection breaks, the
+        iterator reconnects with the last id it yielded, so nothing is
+        missed, waiting the retry policy's delays; it raises once a
+        reconnect has failed as many times in a row as the policy allows,
+        or at once when ``reconnect`` is false. ``request_timeout`` is the
+        longest silence before reconnecting (default 45 s; the server sends
+        a keep-alive every 15 s). Stop by leaving the loop (and closing the
+        iterator).
+        """
+        last = last_event_id
+        params: dict[str, Any] = {}
+        if kinds:
+            params["kind"] = ",".join(kinds)
+        if sandbox_id:
+            params["sandbox_id"] = sandbox_id
+        t = self._t(request_timeout, self.config.timeouts.events)
+        policy = self.config.retry
+        failures = 0
+        while True:
+            headers = {"Accept": "text/event-stream", "Cache-Control": "no-store"}
+            if last is not None:
+                headers["Last-Event-ID"] = last
+            error: HangarError
+            try:
+                resp = await self._send("GET", "/events", params=params, headers=headers,
+                                        timeout=t, retry=False, stream=True)
+            except HangarError as exc:
+                if not (reconnect and exc.retryable):
+                    raise
+                error = exc
+            else:
+                try:
+                    async for sse in EventSource(resp).aiter_sse():
+                        if not sse.data or sse.event not in ("", "message"):
+                            continue
+                        ev = Event.model_validate_json(sse.data)
+                        last = ev.id
+                        failures = 0
+                        yield ev
+                    error = Unavailable(f"the event stream of {self.base_url} ended")
+                except httpx.TransportError as exc:
+                    error = Unavailable(f"the event stream of {self.base_url} broke: "
+                                        f"{exc or type(exc).__name__}")
+                finally:
+                    await resp.aclose()
+                if not reconnect:
+                    raise error
+            if failures >= len(policy.delays):
+                raise error
+            delay = policy.delays[failures]
+            failures += 1
+            _core.log.warning("event stream: reconnecting in %g s: %s", delay, error.message)
+            await sleep(delay)

@@ -1,0 +1,1 @@
+"""The blocking clients, generated from ``hangar.client._async`` by ``scripts/gen_sync.py``."""

@@ -1,0 +1,46 @@
+"""What differs between the blocking and asyncio clients besides async/await.
+
+The same names as ``_async/_compat.py``, for threads; written by hand.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+sleep = time.sleep
+
+
+class Stop:
+    """A flag that a background loop waits on between its rounds."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def clear(self) -> None:
+        self._event.clear()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; True when the flag was set."""
+        return self._event.wait(timeout)
+
+
+class Background:
+    """Runs ``target`` in a daemon thread."""
+
+    def __init__(self, target: Callable[[], None], name: str) -> None:
+        self._thread = threading.Thread(target=target, name=name, daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self) -> None:
+        self._thread.join()
