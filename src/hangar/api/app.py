@@ -11,8 +11,8 @@ from hangar import __version__
 from hangar.api import desktop, errors, files, health, machines, sandboxes, snapshots, vnc, web
 from hangar.api.auth import load_or_create_key, require_key
 from hangar.config import Settings
+from hangar.core.events import EventBus
 from hangar.core.machines import MachineManager
-from hangar.core.pool import WarmPool
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import Store
 from hangar.engines.doctor import choose_engine
@@ -38,13 +38,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         metrics = Metrics()
         metrics.engine.info(engine.describe())
         store = Store(layout.database)
-        manager = SandboxManager(settings, layout, store, engine, metrics)
-        manager.pool = WarmPool(manager, settings.pool_size, settings.pool_max_age_s)
+        events = EventBus()
+        manager = SandboxManager(settings, layout, store, engine, metrics, events)
         app.state.metrics = metrics
+        app.state.events = events
         app.state.manager = manager
         app.state.machines = MachineManager(manager, settings.machine_idle_s)
         await manager.start()
-        manager.pool.kick()
         try:
             yield
         finally:

@@ -57,7 +57,8 @@ class Sandbox(BaseModel):
     disk_mib: int
     created_at: float = Field(description="Unix time, seconds.")
     expires_at: float | None = Field(None, description="Unix time, seconds; null: no TTL.")
-    error: str | None = None
+    error: str | None = Field(None, description="Why it failed, or the last error of a "
+                                                "background step (e.g. a sleep or wake).")
     metadata: dict[str, str] = Field(default_factory=dict)
     desktop: str | None = None
     network: dict[str, object] | None = Field(None, description="Egress policy; null: no NIC.")
@@ -88,6 +89,9 @@ class ExecRequest(BaseModel):
     max_output: int = Field(1 << 20, ge=0, le=3 << 19,
                             description="Bytes kept from the start of each stream; the last "
                                         "max_output/4 bytes are kept as the tail.")
+    show_command: bool = Field(False, description="Let live events (exec.started) carry the "
+                                                  "command text; off by default, since a "
+                                                  "command line may hold secrets.")
 
 
 class ExecResponse(BaseModel):
@@ -186,12 +190,15 @@ class MachineRequest(BaseModel):
     vcpus: int | None = Field(None, ge=1, le=32)
     memory_mib: int | None = Field(None, ge=128, le=65536)
     disk_mib: int | None = Field(None, ge=512, le=1048576)
+    network: str | dict[str, object] | None = Field(
+        None, description="Egress policy, as for POST /sandboxes.")
 
 
 class Machine(BaseModel):
     """A user's persistent machine.
 
-    ``state``: creating, active, snapshotting, sleeping, waking or failed;
+    ``state``: creating, active, unresponsive, snapshotting, sleeping, waking,
+    restoring, stopping or failed;
     ``desired_state``: active or sleeping. Exec and files go to
     ``/sandboxes/{sandbox_id}/...`` (or ``/machines/{user_id}/exec``) and
     wake a sleeping machine first.

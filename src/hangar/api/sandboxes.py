@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import codecs
 import json
+import shlex
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -15,7 +16,8 @@ from hangar.api.deps import manager
 from hangar.api.models import (
     CreateSandbox, ExecRequest, ExecResponse, Sandbox, SandboxList, SetTimeout,
 )
-from hangar.core.sandboxes import CreateOptions, SandboxManager
+from hangar.core.admission import CreateOptions
+from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import SandboxRecord
 from hangar.errors import InvalidRequest
 from hangar.guest.client import ExecResult, StreamCapture, exec_meta
@@ -26,7 +28,7 @@ Manager = Annotated[SandboxManager, Depends(manager)]
 
 def view(rec: SandboxRecord) -> Sandbox:
     return Sandbox(
-        id=rec.id, state=rec.state, image=rec.image, engine=rec.engine, accel=rec.accel,
+        id=rec.id, state=rec.state.value, image=rec.image, engine=rec.engine, accel=rec.accel,
         vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
         created_at=rec.created_at, expires_at=rec.expires_at, error=rec.error,
         metadata={k: v for k, v in (rec.metadata_ or {}).items() if isinstance(v, str)},
@@ -79,6 +81,13 @@ def _stdin(body: ExecRequest) -> bytes | None:
     return body.stdin.encode() if body.stdin is not None else None
 
 
+def _shown(body: ExecRequest) -> str | None:
+    """The command text events may carry: only when the request opted in."""
+    if not body.show_command:
+        return None
+    return shlex.join([body.command, *body.args]) if body.args is not None else body.command
+
+
 def _meta(body: ExecRequest) -> dict[str, Any]:
     argv = [body.command, *body.args] if body.args is not None else None
     return exec_meta(body.command, argv=argv, env=body.env or None, cwd=body.cwd,
@@ -111,7 +120,7 @@ def exec_response(r: ExecResult) -> ExecResponse:
 @router.post("/{sandbox_id}/exec", response_model=ExecResponse, response_model_exclude_none=True,
              summary="Run a command and return its result")
 async def exec_(sandbox_id: str, body: ExecRequest, m: Manager) -> ExecResponse:
-    result = await m.exec(sandbox_id, _meta(body), _stdin(body))
+    result = await m.exec(sandbox_id, _meta(body), _stdin(body), _shown(body))
     return exec_response(result)
 
 
@@ -126,7 +135,7 @@ async def exec_(sandbox_id: str, body: ExecRequest, m: Manager) -> ExecResponse:
     )}},
 )
 async def exec_stream(sandbox_id: str, body: ExecRequest, m: Manager) -> StreamingResponse:
-    events = m.exec_stream(sandbox_id, _meta(body), _stdin(body))
+    events = m.exec_stream(sandbox_id, _meta(body), _stdin(body), _shown(body))
     # Pull the first event before answering, so a 404/409 is a real status code.
     first = await anext(events)
 
