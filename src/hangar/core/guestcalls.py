@@ -3,7 +3,8 @@
 ``GuestCalls.using`` hands out the agent of a running sandbox for one
 call: it wakes a sleeping sandbox first, waits while a lifecycle change
 holds the sandbox's lock, and connects the agent on first use (a VM
-adopted after a restart is reconnected then). While the call runs the
+adopted after a restart is reconnected then, the connection proven by a
+``hello`` probe: ``Launcher.reconnect``). While the call runs the
 sandbox is ``busy``: it is neither snapshotted nor put to sleep.
 
 Exec publishes ``exec.started`` and ``exec.finished`` events with an
@@ -21,6 +22,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from hangar.core.context import Context
+from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
 from hangar.core.sleep import Sleeper
 from hangar.errors import Busy, Conflict, GuestError
@@ -28,16 +30,18 @@ from hangar.guest.client import AgentClient, ExecEvent, ExecResult
 
 log = logging.getLogger("hangar.sandboxes")
 
-AGENT_CONNECT_S = 10.0
-"""How long a guest call waits for an adopted VM's agent to answer, seconds."""
+AGENT_CONNECT_S = 20.0
+"""How long a guest call waits to reconnect a VM's agent (adopted after a restart, or
+whose connection dropped), seconds."""
 TRANSIENT_WAIT = (State.SNAPSHOTTING, State.WAKING, State.RESTORING, State.CREATING)
 
 
 class GuestCalls:
     """Runs calls in sandboxes' guests."""
 
-    def __init__(self, ctx: Context, sleeper: Sleeper) -> None:
+    def __init__(self, ctx: Context, launcher: Launcher, sleeper: Sleeper) -> None:
         self.ctx = ctx
+        self.launcher = launcher
         self.sleeper = sleeper
 
     @asynccontextmanager
@@ -72,7 +76,7 @@ class GuestCalls:
                 if rt.agent is None or rt.agent.closed:
                     if not rt.vm.alive():
                         raise Conflict(f"sandbox {sandbox_id} has stopped", sandbox_id=sandbox_id)
-                    rt.agent = await ctx.engine.connect_agent(rt.vm, AGENT_CONNECT_S)
+                    rt.agent = await self.launcher.reconnect(rt.vm, AGENT_CONNECT_S)
             yield rt.agent
         finally:
             rt.busy -= 1

@@ -10,10 +10,18 @@ record, which the caller resolves.
 
 ``Launcher.stop`` ends a sandbox's VM whether or not this process started
 it: the registered runtime, else the VMM found by its pid (``adopt``).
+
+``Launcher.reconnect`` opens a new agent connection to a VM that already
+ran (adopted after a restart, or whose connection dropped) and proves it
+with a ``hello`` request before handing it out: when a host goes away and
+another connects, the guest may not see the change in time, so a HELLO
+can be stale (sent into a session the agent has since closed) and the
+first request lost. An unanswered probe means: close and connect again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 from collections.abc import Awaitable, Callable, Collection
@@ -27,7 +35,7 @@ from hangar.core.store import SandboxRecord, SnapshotRecord
 from hangar.core.testhooks import crash_point
 from hangar.engines.base import VM, VMSpec
 from hangar.engines.snapshot_io import refresh_guest
-from hangar.errors import Conflict, InvalidRequest
+from hangar.errors import Conflict, HangarError, InvalidRequest, Timeout
 from hangar.guest.client import AgentClient
 from hangar.images import GuestImage, resolve_image
 from hangar.net import NetAttachment, NetworkManager, Policy
@@ -35,6 +43,9 @@ from hangar.net import NetAttachment, NetworkManager, Policy
 log = logging.getLogger("hangar.launch")
 
 Ready = Callable[[AgentClient, NetAttachment | None], Awaitable[None]]
+
+PROBE_S = 2.0
+"""How long a reconnected agent has to answer the ``hello`` probe, seconds."""
 
 
 def network_manager(settings: Settings) -> NetworkManager | None:
@@ -170,6 +181,33 @@ class Launcher:
             rec, lambda net: self.ctx.engine.restore(self.spec(rec, image, net),
                                                      self.ctx.layout.snapshot(snap.id)),
             expect, with_nic=bool(snap.network), ready=ready)
+
+    async def reconnect(self, vm: VM, timeout: float) -> AgentClient:
+        """A proven agent connection to a VM that already ran (see the module docstring).
+
+        Raises ``Timeout`` when no connection is proven within ``timeout``
+        seconds, or the engine's errors (e.g. the VMM exited).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        last = "no answer"
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise Timeout(f"the guest agent did not answer within {timeout:.0f} s ({last})",
+                              sandbox_id=vm.sandbox_id)
+            agent = await self.ctx.engine.connect_agent(vm, left)
+            try:
+                await asyncio.wait_for(agent.call("hello"), min(PROBE_S, max(0.1, left)))
+                return agent
+            except (asyncio.TimeoutError, HangarError) as exc:
+                last = "a stale HELLO" if isinstance(exc, asyncio.TimeoutError) else exc.message
+                await agent.close()
+                log.info("agent reconnect retried", extra={"sandbox_id": vm.sandbox_id,
+                                                           "reason": last})
+            except BaseException:
+                await agent.close()
+                raise
 
     # -- stop ---------------------------------------------------------------------------
 

@@ -95,7 +95,7 @@ class SandboxManager:
         self.snapshots = Snapshots(ctx, self.admission, self.launcher, self.removal,
                                    self.creation)
         self.sleeper = Sleeper(ctx, self.admission, self.launcher, self.removal, self.snapshots)
-        self.calls = GuestCalls(ctx, self.sleeper)
+        self.calls = GuestCalls(ctx, self.launcher, self.sleeper)
         self.reconciler = Reconciler(ctx, self.removal, self.sleeper, self.snapshots, self.pool,
                                      concurrency=settings.reconcile_concurrency)
         self.recovery = Recovery(ctx, self.launcher, self.removal)

@@ -692,5 +692,5 @@ class QemuEngine(Engine):
             return None
         if f"hangar-{sandbox_id}".encode() not in argv:
             return None
-        vm = VM(sandbox_id, self.name, pid, paths, self.accel)
+        vm = VM(sandbox_id, self.name, pid, paths, self.accel, extra={"restored_from": "adopted"})
         return vm if vm.alive() else None
