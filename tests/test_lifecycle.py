@@ -189,3 +189,15 @@ def test_lock_entries_go_away() -> None:
         assert reg.lock_count() == 0
 
     asyncio.run(main())
+
+
+def test_pool_templates_setting() -> None:
+    from hangar.config import Settings
+    from hangar.core.pool import templates
+
+    assert templates(Settings(pool_size=2)) == {"base": 2}
+    assert templates(Settings(pool_size=0)) == {}
+    assert templates(Settings(pool_templates="dev=2, base=1,x=0")) == {"dev": 2, "base": 1}
+    for bad in ("dev", "dev=two", "=2"):
+        with pytest.raises(ValueError):
+            templates(Settings(pool_templates=bad))
