@@ -9,7 +9,6 @@ import signal
 import threading
 import time
 
-import httpx
 import pytest
 
 from conftest import Server, cleanup, free_port, make_data_dir, vmm_pids
