@@ -85,16 +85,18 @@ class Admission:
         return self.ctx.settings.max_sandboxes - len(self.ctx.store.with_vmm())
 
     @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
+    async def slot(self, create: bool = True) -> AsyncIterator[None]:
         """Hold admission while writing the record of one more VMM.
 
         Raises LimitExceeded (retryable after ``RETRY_AFTER_S``) when the cap
-        is reached. The caller must write its record before leaving the block.
+        is reached; a refused ``create`` is counted as such in the metrics. The
+        caller must write its record before leaving the block.
         """
         async with self._lock:
             if self.room() <= 0:
                 cap = self.ctx.settings.max_sandboxes
-                self.ctx.metrics.creates.labels("limited").inc()
+                if create:
+                    self.ctx.metrics.creates.labels("limited").inc()
                 raise LimitExceeded(f"at most {cap} sandboxes may run at once",
                                     retry_after=RETRY_AFTER_S, limit=cap)
             yield

@@ -5,6 +5,7 @@ owns no logic of its own beyond reading records; each responsibility is a
 module of ``hangar.core`` with a public surface the others use:
 
 =================  ==============================================================
+``context``        what the parts share: settings, store, engine, metrics, event bus
 ``admission``      ``CreateOptions``, the cap on concurrent VMMs, new records
 ``registry``       runtimes (VM, agent, busy count), per-sandbox locks, creates
                    in flight
@@ -19,6 +20,8 @@ module of ``hangar.core`` with a public surface the others use:
 ``pool``           the warm pool
 ``lifecycle``      the states and the table of allowed moves
 ``store``          records; every state change is a compare-and-set
+``publish``        the events that follow state changes
+``testhooks``      test-only: crash at a named step, hold a wake up
 =================  ==============================================================
 
 Rules:

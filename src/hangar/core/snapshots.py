@@ -170,7 +170,7 @@ class Snapshots:
                                      restore_from=snapshot_id)
                 await self.launcher.stop(sandbox_id)
             elif rec.state == State.FAILED:
-                async with self.admission.slot():
+                async with self.admission.slot(create=False):
                     ctx.store.transition(sandbox_id, State.FAILED, State.RESTORING,
                                          restore_from=snapshot_id, error=None)
             else:
