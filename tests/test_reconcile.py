@@ -3,6 +3,7 @@ steps back off with their error on the record."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -70,8 +71,9 @@ def test_a_slow_wake_delays_no_other_sandbox(base_image) -> None:
                      timeout=WAKE_DELAY_S)
             expired_after = time.monotonic() - started
             assert c.get("/machines/slow").json()["state"] == "waking", "the wake is still held"
-            assert crashed_after < 6, f"crash noticed after {crashed_after:.1f} s"
-            assert 2 <= expired_after < 2 + 5, f"2 s TTL expired after {expired_after:.1f} s"
+            # Far below the 60 s the wake is held (and what a loop running it inline would take).
+            assert crashed_after < 12, f"crash noticed after {crashed_after:.1f} s"
+            assert 2 <= expired_after < 2 + 12, f"2 s TTL expired after {expired_after:.1f} s"
             assert vmm_pids(ttl) == [] and vmm_pids(crashing) == []
             assert not (d / "sandboxes" / ttl).exists()
 
@@ -88,9 +90,14 @@ def test_a_slow_wake_delays_no_other_sandbox(base_image) -> None:
                            timeout=120, every=0.2)
             assert rec["error"].startswith("wake failed"), rec
             assert rec["state"] in ("sleeping", "waking")
-            time.sleep(8)
-            attempts = srv.log.read_text().count('"action": "wake"')
-            assert 1 <= attempts <= 4, f"{attempts} wake attempts in ~8 s: no backoff"
+
+            def waits() -> list[float]:
+                lines = [json.loads(x) for x in srv.log.read_text().splitlines()
+                         if '"action": "wake"' in x]
+                return [x["retry_in_s"] for x in lines]
+
+            got = wait_for("a retried wake", lambda: len(waits()) >= 2 and waits(), timeout=60)
+            assert got == [2.0 * 2 ** i for i in range(len(got))], f"no backoff: {got}"
             assert c.get(f"/sandboxes/{m}").json()["state"] in ("sleeping", "waking")
     finally:
         leaked = cleanup(srv)
