@@ -182,7 +182,7 @@ def _pinned_images(layout) -> set[str]:  # type: ignore[no-untyped-def]
     """Image ids that sandboxes, snapshots and machines in the data dir's store pin."""
     if not layout.database.exists():
         return set()
-    from hangar.core.states import GONE, State
+    from hangar.core.lifecycle import GONE, State
     from hangar.core.store import MachineRecord, SandboxRecord, SnapshotRecord, Store
     from hangar.images import image_id
 

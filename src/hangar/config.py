@@ -41,7 +41,12 @@ class Settings(BaseSettings):
                                   "0 keeps such sandboxes until deleted.")
     pool_size: int = Field(2, ge=0, le=64,
                            description="Paused VMs of the default template kept ready.")
+    pool_templates: str | None = Field(
+        None, description="Warm pool by template, e.g. 'base=2,dev=1' (paused VMs of each, "
+                          "default shape); unset: pool_size VMs of default_image.")
     pool_max_age_s: float = Field(900.0, gt=0, description="Pool VMs older than this are replaced.")
+    reconcile_concurrency: int = Field(
+        4, ge=1, le=64, description="Slow reconcile steps (sleep, wake, restore) run at once.")
     machine_idle_s: float = Field(1800.0, gt=0,
                                   description="Idle seconds before a user's machine sleeps.")
     network: Literal["auto", "tap", "user", "off"] = Field(

@@ -1,7 +1,17 @@
 """Prometheus metrics (prometheus-client), one registry per server.
 
 Names and units follow Prometheus conventions: durations in seconds,
-counters end in ``_total``.
+counters end in ``_total``. Labels take a few fixed values only (never an
+id), so the number of series stays bounded:
+
+``hangar_sandbox_create_seconds{source, outcome}``  source: cold, pool, fork;
+                                                    outcome: ok, failed
+``hangar_exec_seconds{outcome}``                    ok, error, timed_out
+``hangar_snapshot_seconds{kind, outcome}``          kind: user, sleep
+``hangar_restore_seconds{outcome}``                 restore in place
+``hangar_wake_seconds{outcome}``                    wake from sleep
+``hangar_pool_hits_total``, ``hangar_pool_misses_total``: creates that fit the
+warm pool and got, or did not get, a ready VM; ``hangar_pool_refills_total``.
 """
 
 from __future__ import annotations
@@ -36,11 +46,29 @@ class Metrics:
                                ["outcome"], registry=r)
         self.create_seconds = Histogram("hangar_sandbox_create_seconds",
                                         "Time from create request to a ready guest agent",
-                                        buckets=LATENCY_BUCKETS, registry=r)
+                                        ["source", "outcome"], buckets=LATENCY_BUCKETS,
+                                        registry=r)
         self.execs = Counter("hangar_exec_total", "Commands run in sandboxes", ["outcome"],
                              registry=r)
         self.exec_seconds = Histogram("hangar_exec_seconds", "Exec latency, request to result",
-                                      buckets=LATENCY_BUCKETS, registry=r)
+                                      ["outcome"], buckets=LATENCY_BUCKETS, registry=r)
+        self.snapshot_seconds = Histogram("hangar_snapshot_seconds",
+                                          "Time to pause and save a sandbox",
+                                          ["kind", "outcome"], buckets=LATENCY_BUCKETS,
+                                          registry=r)
+        self.restore_seconds = Histogram("hangar_restore_seconds",
+                                         "Time to restore a sandbox in place from a snapshot",
+                                         ["outcome"], buckets=LATENCY_BUCKETS, registry=r)
+        self.wake_seconds = Histogram("hangar_wake_seconds",
+                                      "Time to wake a sleeping sandbox (lock wait included)",
+                                      ["outcome"], buckets=LATENCY_BUCKETS, registry=r)
+        self.pool_hits = Counter("hangar_pool_hits_total",
+                                 "Creates served by a warm-pool VM", registry=r)
+        self.pool_misses = Counter("hangar_pool_misses_total",
+                                   "Creates that fit the warm pool but found no VM ready",
+                                   registry=r)
+        self.pool_refills = Counter("hangar_pool_refills_total",
+                                    "Warm-pool VMs booted and made ready", registry=r)
         self.engine = Info("hangar_engine", "VMM engine in use", registry=r)
 
     def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:

@@ -158,7 +158,8 @@ class SandboxInfo(Model):
     disk_mib: int
     created_at: float = Field(description="Unix time, seconds.")
     expires_at: float | None = Field(None, description="Unix time, seconds; null: no TTL.")
-    error: str | None = None
+    error: str | None = Field(None, description="Why it failed, or the last error of a "
+                                                "background step (e.g. a sleep or wake).")
     metadata: dict[str, str] = Field(default_factory=dict)
     desktop: str | None = None
     network: dict[str, object] | None = Field(None, description="Egress policy; null: no NIC.")
@@ -378,12 +379,15 @@ class MachineRequest(RequestBody):
     vcpus: int | None = Field(None, ge=1, le=32)
     memory_mib: int | None = Field(None, ge=128, le=65536)
     disk_mib: int | None = Field(None, ge=512, le=1048576)
+    network: str | dict[str, object] | None = Field(
+        None, description="Egress policy, as for POST /sandboxes.")
 
 
 class MachineInfo(Model):
     """A user's persistent machine.
 
-    ``state``: creating, active, snapshotting, sleeping, waking or failed;
+    ``state``: creating, active, unresponsive, snapshotting, sleeping, waking,
+    restoring, stopping or failed;
     ``desired_state``: active or sleeping. Exec and files go to
     ``/sandboxes/{sandbox_id}/...`` (or ``/machines/{user_id}/exec``) and
     wake a sleeping machine first.
@@ -416,14 +420,17 @@ class Health(Model):
 
 
 class PoolStatus(Model):
-    """``GET /pool``: the warm pool of paused VMs of the default template."""
+    """``GET /pool``: the warm pool of paused VMs, booted ahead of creates."""
 
     size: int = Field(description="VMs the pool keeps ready (HANGAR_POOL_SIZE).")
     ready: int = Field(description="Paused VMs ready to be taken now.")
     starting: int = Field(description="VMs booting to refill the pool.")
     max_age_s: float = Field(description="A pool VM older than this is replaced, seconds.")
     oldest_age_s: float | None = Field(None, description="Age of the oldest ready VM, seconds.")
-    image: str = Field(description="The template the pool boots.")
+    image: str = Field(description="The server's default template.")
+    templates: dict[str, int] = Field(default_factory=dict, description=(
+        "VMs kept ready per template (HANGAR_POOL_SIZE of the default one, plus "
+        "HANGAR_POOL_TEMPLATES)."))
 
 
 # -- desktop (pixels) ---------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from hangar.config import Settings
 from hangar.core.events import EventBus
 from hangar.core.idempotency import IdempotencyStore
 from hangar.core.machines import MachineManager
-from hangar.core.pool import WarmPool
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import Store
 from hangar.engines.doctor import choose_engine
@@ -49,15 +48,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         metrics = Metrics()
         metrics.engine.info(engine.describe())
         store = Store(layout.database)
-        manager = SandboxManager(settings, layout, store, engine, metrics)
-        manager.events = app.state.events
+        manager = SandboxManager(settings, layout, store, engine, metrics, app.state.events)
         app.state.idempotency = IdempotencyStore(store.engine)
-        manager.pool = WarmPool(manager, settings.pool_size, settings.pool_max_age_s)
         app.state.metrics = metrics
         app.state.manager = manager
         app.state.machines = MachineManager(manager, settings.machine_idle_s)
         await manager.start()
-        manager.pool.kick()
         try:
             yield
         finally:

@@ -13,7 +13,7 @@ import base64
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from hangar.api.deps import manager
 from hangar.api.models import RequestBody

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from hangar.api.models import ExecRequest, ExecResponse, Machine, MachineList, MachineRequest
 from hangar.api.sandboxes import _meta, _shown, _stdin, exec_response
+from hangar.core.admission import CreateOptions
 from hangar.core.machines import MachineManager
-from hangar.core.sandboxes import CreateOptions
 
 router = APIRouter(prefix="/machines/{user_id}", tags=["machines"])
 listing = APIRouter(tags=["machines"])
@@ -34,7 +34,8 @@ async def get_or_create(user_id: str, mm: Machines, response: Response,
                         body: MachineRequest | None = None) -> Machine:
     body = body or MachineRequest()
     m, created = await mm.get_or_create(user_id, body.idle_timeout, CreateOptions(
-        image=body.image, vcpus=body.vcpus, memory_mib=body.memory_mib, disk_mib=body.disk_mib))
+        image=body.image, vcpus=body.vcpus, memory_mib=body.memory_mib, disk_mib=body.disk_mib,
+        network=body.network))
     response.status_code = 201 if created else 200
     return Machine(**asdict(m))
 
@@ -44,16 +45,27 @@ async def get(user_id: str, mm: Machines) -> Machine:
     return Machine(**asdict(mm.get(user_id)))
 
 
+Wait = Annotated[bool, Query(description="Answer once done (default), or at once with 202 "
+                                         "after setting the desired state; the reconcile "
+                                         "loop then acts.")]
+
+
 @router.post("/snapshot", response_model=Machine, summary="Put the machine to sleep",
-             responses={409: {"description": "busy with a command (retry)"}})
-async def sleep(user_id: str, mm: Machines) -> Machine:
-    return Machine(**asdict(await mm.sleep(user_id)))
+             responses={409: {"description": "busy with a command (retry)"},
+                        202: {"model": Machine, "description": "accepted (wait=false)"}})
+async def sleep(user_id: str, mm: Machines, response: Response, wait: Wait = True) -> Machine:
+    m = await mm.sleep(user_id, wait)
+    response.status_code = 200 if wait else 202
+    return Machine(**asdict(m))
 
 
 @router.post("/wake", response_model=Machine, summary="Wake the machine",
-             responses={409: {"description": "image_missing: its image build is gone"}})
-async def wake(user_id: str, mm: Machines) -> Machine:
-    return Machine(**asdict(await mm.wake(user_id)))
+             responses={202: {"model": Machine, "description": "accepted (wait=false)"},
+                        409: {"description": "image_missing: its image build is gone"}})
+async def wake(user_id: str, mm: Machines, response: Response, wait: Wait = True) -> Machine:
+    m = await mm.wake(user_id, wait)
+    response.status_code = 200 if wait else 202
+    return Machine(**asdict(m))
 
 
 @router.delete("", status_code=204, summary="Remove the machine and everything it held")

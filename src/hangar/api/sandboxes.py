@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import codecs
 import json
+import shlex
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -15,7 +16,8 @@ from hangar.api.deps import manager
 from hangar.api.models import (
     CreateSandbox, ExecRequest, ExecResponse, Sandbox, SandboxList, SetTimeout,
 )
-from hangar.core.sandboxes import CreateOptions, SandboxManager
+from hangar.core.admission import CreateOptions
+from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import SandboxRecord
 from hangar.engines.agent_client import ExecResult, StreamCapture, exec_meta
 from hangar.errors import InvalidRequest
@@ -27,7 +29,7 @@ Manager = Annotated[SandboxManager, Depends(manager)]
 
 def view(rec: SandboxRecord) -> Sandbox:
     return Sandbox(
-        id=rec.id, state=rec.state, image=rec.image,
+        id=rec.id, state=rec.state.value, image=rec.image,
         image_id=image_id(rec.image, rec.image_digest), engine=rec.engine, accel=rec.accel,
         vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
         created_at=rec.created_at, expires_at=rec.expires_at, error=rec.error,
@@ -82,17 +84,17 @@ def _stdin(body: ExecRequest) -> bytes | None:
     return body.stdin.encode() if body.stdin is not None else None
 
 
+def _shown(body: ExecRequest) -> str | None:
+    """The command text events may carry: only when the request opted in."""
+    if not body.show_command:
+        return None
+    return shlex.join([body.command, *body.args]) if body.args is not None else body.command
+
+
 def _meta(body: ExecRequest) -> dict[str, Any]:
     argv = [body.command, *body.args] if body.args is not None else None
     return exec_meta(body.command, argv=argv, env=body.env or None, cwd=body.cwd,
                      timeout=body.timeout, head=body.max_output, tail=body.max_output // 4)
-
-
-def _shown(body: ExecRequest) -> str | None:
-    """The command text for live events, when the caller opted in (``show_command``)."""
-    if not body.show_command:
-        return None
-    return body.command if body.args is None else " ".join([body.command, *body.args])
 
 
 def _text(cap: StreamCapture) -> tuple[str, str, str | None]:

@@ -9,7 +9,8 @@ from fastapi import APIRouter, Depends, Response
 from hangar.api.deps import manager
 from hangar.api.models import ForkRequest, RestoreRequest, Sandbox, Snapshot, SnapshotList
 from hangar.api.sandboxes import view as sandbox_view
-from hangar.core.sandboxes import CreateOptions, SandboxManager
+from hangar.core.admission import CreateOptions
+from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import SnapshotRecord
 from hangar.images import image_id
 

@@ -54,7 +54,7 @@ from typing import Annotated, Any, ClassVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from hangar.api.deps import manager

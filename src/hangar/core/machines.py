@@ -12,30 +12,43 @@ toward the other, and puts a machine idle for ``idle_timeout_s`` (default
 ``HANGAR_MACHINE_IDLE_S``, 30 min) to sleep. Exec and file calls to a
 sleeping machine's sandbox wake it first, so callers never manage sleep.
 Sleeping machines hold no VMM and do not count against the VM cap.
+
+``MachineManager.reconcile`` (a pass of the reconcile loop) keeps the
+machine records true: a record whose sandbox is gone is removed, and a
+machine's sandbox without a record (a server killed between creating the
+sandbox and recording the machine) becomes the user's machine, or is
+deleted when the user already has another.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import re
 import time
 from dataclasses import dataclass
 
-from hangar.core.sandboxes import CreateOptions, SandboxManager
-from hangar.core.states import GONE, State
+from hangar.core.admission import CreateOptions
+from hangar.core.lifecycle import GONE, LIVE, State
+from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import MachineRecord, SandboxRecord
-from hangar.errors import InvalidRequest, NotFound
+from hangar.errors import HangarError, InvalidRequest, NotFound
+
+log = logging.getLogger("hangar.machines")
 
 USER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
 
 NAMES = {
-    State.CREATING.value: "creating",
-    State.RUNNING.value: "active",
-    State.SNAPSHOTTING.value: "snapshotting",
-    State.SLEEPING.value: "sleeping",
-    State.WAKING.value: "waking",
-    State.FAILED.value: "failed",
-    State.STOPPING.value: "stopping",
+    State.CREATING: "creating",
+    State.RUNNING: "active",
+    State.UNRESPONSIVE: "unresponsive",
+    State.SNAPSHOTTING: "snapshotting",
+    State.SLEEPING: "sleeping",
+    State.WAKING: "waking",
+    State.RESTORING: "restoring",
+    State.FAILED: "failed",
+    State.STOPPING: "stopping",
 }
 
 
@@ -60,6 +73,7 @@ class MachineManager:
         self.store = sandboxes.store
         self.idle_timeout_s = idle_timeout_s
         self._locks: dict[str, asyncio.Lock] = {}
+        sandboxes.reconciler.add_pass("machines", self.reconcile)
 
     @staticmethod
     def check_user(user_id: str) -> None:
@@ -69,7 +83,7 @@ class MachineManager:
 
     def _view(self, m: MachineRecord, rec: SandboxRecord) -> Machine:
         return Machine(
-            user_id=m.user_id, sandbox_id=rec.id, state=NAMES.get(rec.state, rec.state),
+            user_id=m.user_id, sandbox_id=rec.id, state=NAMES.get(rec.state, rec.state.value),
             desired_state="sleeping" if rec.desired_state == State.SLEEPING.value else "active",
             idle_timeout_s=m.idle_timeout_s, last_active_at=rec.last_active_at,
             created_at=m.created_at)
@@ -79,7 +93,7 @@ class MachineManager:
         if m is None:
             return None
         rec = self.store.get(m.sandbox_id)
-        if rec is None or rec.state in {s.value for s in GONE}:
+        if rec is None or rec.state in GONE:
             return None
         return m, rec
 
@@ -110,26 +124,39 @@ class MachineManager:
                 return self._view(*found), False
             idle = idle_timeout_s or self.idle_timeout_s
             base = opts or CreateOptions()
-            rec = await self.sandboxes.create(CreateOptions(
-                image=base.image, vcpus=base.vcpus, memory_mib=base.memory_mib,
-                disk_mib=base.disk_mib, timeout_s=0, idle_timeout_s=idle,
-                metadata={**base.metadata, "user_id": user_id}, desktop=base.desktop))
+            rec = await self.sandboxes.create(dataclasses.replace(
+                base, timeout_s=0, idle_timeout_s=idle,
+                metadata={**base.metadata, "user_id": user_id}))
+            # No await from here to the record: the reconcile pass never sees
+            # this sandbox without its machine record.
             self.store.remove(MachineRecord, user_id)
             m = MachineRecord(user_id=user_id, sandbox_id=rec.id, idle_timeout_s=idle,
                               created_at=time.time())
             self.store.add(m)
             return self._view(m, rec), True
 
-    async def sleep(self, user_id: str) -> Machine:
-        """Snapshot the machine and end its VM. Raises NotFound, Busy (a command runs)."""
+    async def sleep(self, user_id: str, wait: bool = True) -> Machine:
+        """Snapshot the machine and end its VM. Raises NotFound, Busy (a command runs).
+
+        With ``wait=False`` only the desired state is set; the reconcile loop acts.
+        """
         m = self.get(user_id)
-        await self.sandboxes.sleep(m.sandbox_id)
+        if wait:
+            await self.sandboxes.sleep(m.sandbox_id)
+        else:
+            self.sandboxes.want(m.sandbox_id, State.SLEEPING)
         return self.get(user_id)
 
-    async def wake(self, user_id: str) -> Machine:
-        """Restore a sleeping machine (a no-op when active). Raises NotFound, LimitExceeded."""
+    async def wake(self, user_id: str, wait: bool = True) -> Machine:
+        """Restore a sleeping machine (a no-op when active). Raises NotFound, LimitExceeded.
+
+        With ``wait=False`` only the desired state is set; the reconcile loop acts.
+        """
         m = self.get(user_id)
-        await self.sandboxes.wake(m.sandbox_id)
+        if wait:
+            await self.sandboxes.wake(m.sandbox_id)
+        else:
+            self.sandboxes.want(m.sandbox_id, State.RUNNING)
         return self.get(user_id)
 
     async def delete(self, user_id: str) -> None:
@@ -137,3 +164,35 @@ class MachineManager:
         m = self.get(user_id)
         await self.sandboxes.delete(m.sandbox_id)
         self.store.remove(MachineRecord, user_id)
+
+    async def reconcile(self) -> None:
+        """Keep machine records true to their sandboxes (see the module docstring)."""
+        machines = {m.user_id: m for m in self.store.list(MachineRecord)}
+        owned = {m.sandbox_id for m in machines.values()}
+        for m in machines.values():
+            rec = self.store.get(m.sandbox_id)
+            if (rec is None or rec.state in GONE) and not self._busy(m.user_id):
+                self.store.remove(MachineRecord, m.user_id)
+                log.info("machine record of a gone sandbox removed", extra={"user_id": m.user_id})
+        for rec in self.store.in_states(LIVE - {State.CREATING}):
+            user = rec.user_id
+            if user is None or rec.id in owned or self._busy(user):
+                continue
+            if self._find(user) is None:
+                self.store.remove(MachineRecord, user)
+                self.store.add(MachineRecord(user_id=user, sandbox_id=rec.id,
+                                             idle_timeout_s=rec.idle_timeout_s
+                                             or self.idle_timeout_s,
+                                             created_at=rec.created_at))
+                log.info("machine record restored", extra={"user_id": user, "sandbox_id": rec.id})
+            else:
+                log.info("duplicate machine sandbox deleted", extra={"user_id": user,
+                                                                      "sandbox_id": rec.id})
+                try:
+                    await self.sandboxes.delete(rec.id)
+                except HangarError:
+                    pass
+
+    def _busy(self, user_id: str) -> bool:
+        lock = self._locks.get(user_id)
+        return lock is not None and lock.locked()

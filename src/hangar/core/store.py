@@ -1,20 +1,45 @@
 """Persistent records in SQLite (SQLAlchemy 2 ORM): sandboxes, snapshots, machines.
 
 The store is the source of truth across server restarts: on start the
-orchestrator reads every live record and adopts or cleans up its VM. Each
-call is one short session, safe from any thread.
+orchestrator reads every live record and adopts or cleans up its VM
+(``hangar.core.recovery``). Each call is one short session and one
+transaction.
+
+A sandbox's state changes only through ``Store.transition``: a
+compare-and-set (``UPDATE ... WHERE id = ? AND state IN (...)``) of a move
+that ``hangar.core.lifecycle.MOVES`` allows. ``update`` changes any other
+field and refuses ``state``. Listeners registered with ``on_transition``
+hear every move once it is committed (the event bus uses this).
+
+Columns added since a data directory was made are added to its tables at
+start (``ALTER TABLE ... ADD COLUMN``, nullable), so old databases keep working.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import JSON, Float, Integer, String, create_engine, event, select
+from sqlalchemy import (
+    JSON, Enum, Float, Integer, String, create_engine, delete, event, inspect, select, text,
+    update,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from hangar.core.states import LIVE, VMM_STATES, State
+from hangar.core.lifecycle import LIVE, VMM_STATES, State, check
+from hangar.errors import Conflict, NotFound
+
+log = logging.getLogger("hangar.store")
+
+
+def _state_column() -> Enum:
+    # Stored as the value ("running"), as a VARCHAR: databases made before the
+    # column was an Enum hold exactly these strings.
+    return Enum(State, native_enum=False, length=16, create_constraint=False,
+                validate_strings=True, values_callable=lambda e: [m.value for m in e])
 
 
 class Base(DeclarativeBase):
@@ -27,8 +52,9 @@ class SandboxRecord(Base):
     __tablename__ = "sandboxes"
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
-    state: Mapped[str] = mapped_column(String(16), index=True)
-    desired_state: Mapped[str] = mapped_column(String(16))
+    state: Mapped[State] = mapped_column(_state_column(), index=True)
+    desired_state: Mapped[State] = mapped_column(_state_column())
+    """``running`` or ``sleeping``; while ``stopping``: deleted, expired or failed."""
     image: Mapped[str] = mapped_column(String(64))
     image_digest: Mapped[str] = mapped_column(String(64), default="")
     engine: Mapped[str] = mapped_column(String(16))
@@ -42,11 +68,27 @@ class SandboxRecord(Base):
     last_active_at: Mapped[float] = mapped_column(Float, default=0.0)
     expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     error: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+    """Why it failed, or the last error of a reconcile step (cleared when one succeeds)."""
     desktop: Mapped[str | None] = mapped_column(String(32), nullable=True)
     sleep_snapshot: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    """Id of the snapshot it sleeps in; set once that snapshot is complete."""
+    restore_from: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    """While ``restoring``: the snapshot being restored (a restarted server redoes it)."""
     network: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     """Egress policy (``hangar.net.Policy`` as a dict); None: no NIC."""
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+
+    @property
+    def user_id(self) -> str | None:
+        """The user whose machine this is, or None."""
+        v = (self.metadata_ or {}).get("user_id")
+        return v if isinstance(v, str) else None
+
+    @property
+    def idle_timeout_s(self) -> float | None:
+        """Idle seconds before it sleeps (machines), or None."""
+        v = (self.metadata_ or {}).get("idle_timeout_s")
+        return float(v) if v else None
 
 
 class SnapshotRecord(Base):
@@ -85,9 +127,12 @@ class MachineRecord(Base):
 
 R = TypeVar("R", bound=Base)
 
+TransitionListener = Callable[[SandboxRecord, frozenset[State], State], None]
+"""Called with (the record after the move, the states it was expected in, the new state)."""
+
 
 class Store:
-    """Thread-safe access to the records (one short session per call)."""
+    """Access to the records; one short session and transaction per call."""
 
     def __init__(self, path: Path) -> None:
         self.engine = create_engine(f"sqlite:///{path}", connect_args={"check_same_thread": False})
@@ -100,14 +145,80 @@ class Store:
             cur.close()
 
         Base.metadata.create_all(self.engine)
+        self._add_missing_columns()
         self._session = sessionmaker(self.engine, expire_on_commit=False)
+        self._listeners: list[TransitionListener] = []
+
+    def _add_missing_columns(self) -> None:
+        insp = inspect(self.engine)
+        with self.engine.begin() as conn:
+            for table in Base.metadata.sorted_tables:
+                have = {c["name"] for c in insp.get_columns(table.name)}
+                for col in table.columns:
+                    if col.name not in have:
+                        kind = col.type.compile(self.engine.dialect)
+                        conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{col.name}" {kind}'))
+                        log.info("column added", extra={"table": table.name, "column": col.name})
 
     def session(self) -> Session:
         return self._session()
 
-    def add(self, record: Base) -> None:
+    def on_transition(self, listener: TransitionListener) -> None:
+        """Call ``listener`` after every committed move (it must not raise or block)."""
+        self._listeners.append(listener)
+
+    # -- sandboxes: state ----------------------------------------------------
+
+    def transition(self, sandbox_id: str, expect: State | Collection[State], to: State,
+                   **fields: Any) -> SandboxRecord:
+        """Move the sandbox to ``to`` if it is in ``expect``, setting ``fields`` too, atomically.
+
+        Returns the record after the move. Raises ``IllegalTransition`` when
+        a move ``expect -> to`` is not in ``lifecycle.MOVES``, ``NotFound``
+        when there is no such record, and ``Conflict`` (with the current
+        ``state``) when it is in another state: someone else moved it first.
+        """
+        exp = frozenset({expect} if isinstance(expect, State) else expect)
+        check(exp, to)
+        if "state" in fields:
+            raise ValueError("give the new state as to=")
         with self.session() as s, s.begin():
-            s.add(record)
+            res = s.execute(
+                update(SandboxRecord)
+                .where(SandboxRecord.id == sandbox_id, SandboxRecord.state.in_(exp))
+                .values(state=to, updated_at=time.time(), **fields)
+                .execution_options(synchronize_session=False))
+            rec = s.get(SandboxRecord, sandbox_id, populate_existing=True)
+            if rec is None:
+                raise NotFound(f"no sandbox {sandbox_id}", sandbox_id=sandbox_id)
+            if res.rowcount != 1:  # type: ignore[attr-defined]
+                raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}, not "
+                               f"{' or '.join(sorted(e.value for e in exp))}",
+                               sandbox_id=sandbox_id, state=rec.state.value)
+        for listener in self._listeners:
+            try:
+                listener(rec, exp, to)
+            except Exception:  # a listener never undoes or blocks a move
+                log.exception("transition listener failed")
+        return rec
+
+    def discard(self, sandbox_id: str, expect: State | Collection[State]) -> bool:
+        """Remove the record if it is in ``expect`` (a failed create, a retired pool VM).
+
+        Returns False when it is in another state (e.g. a delete took it over).
+        """
+        exp = frozenset({expect} if isinstance(expect, State) else expect)
+        with self.session() as s, s.begin():
+            res = s.execute(delete(SandboxRecord).where(
+                SandboxRecord.id == sandbox_id, SandboxRecord.state.in_(exp)))
+            return bool(res.rowcount)  # type: ignore[attr-defined]
+
+    # -- sandboxes: other fields -------------------------------------------------
+
+    def add(self, *records: Base) -> None:
+        """Insert records in one transaction."""
+        with self.session() as s, s.begin():
+            s.add_all(records)
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         return self.find(SandboxRecord, sandbox_id)
@@ -117,21 +228,33 @@ class Store:
             return s.get(cls, key)
 
     def update(self, sandbox_id: str, **fields: Any) -> SandboxRecord | None:
+        """Set fields other than ``state`` (use ``transition``); None if no such sandbox."""
+        if "state" in fields:
+            raise ValueError("state changes go through Store.transition")
         return self.change(SandboxRecord, sandbox_id, **fields)
 
     def change(self, cls: type[R], key: str, **fields: Any) -> R | None:
+        if cls is SandboxRecord and "state" in fields:
+            raise ValueError("state changes go through Store.transition")
         with self.session() as s, s.begin():
             rec = s.get(cls, key)
             if rec is None:
                 return None
             for name, value in fields.items():
-                setattr(rec, name, value.value if isinstance(value, State) else value)
+                setattr(rec, name, value)
             if isinstance(rec, SandboxRecord):
                 rec.updated_at = time.time()
             return rec
 
-    def delete(self, sandbox_id: str) -> None:
-        self.remove(SandboxRecord, sandbox_id)
+    def add_snapshot(self, snap: SnapshotRecord, sleep_of: str | None = None) -> None:
+        """Insert a snapshot record; with ``sleep_of``, also make it that sandbox's
+        ``sleep_snapshot``, in the same transaction."""
+        with self.session() as s, s.begin():
+            s.add(snap)
+            if sleep_of is not None:
+                s.execute(update(SandboxRecord).where(SandboxRecord.id == sleep_of)
+                          .values(sleep_snapshot=snap.id, updated_at=time.time())
+                          .execution_options(synchronize_session=False))
 
     def remove(self, cls: type[Base], key: str) -> None:
         with self.session() as s, s.begin():
@@ -139,17 +262,20 @@ class Store:
             if rec is not None:
                 s.delete(rec)
 
+    # -- queries -------------------------------------------------------------------
+
     def live(self) -> list[SandboxRecord]:
-        """Sandboxes that still exist (see ``states.LIVE``), oldest first."""
-        return self._in_states(LIVE)
+        """Sandboxes that still exist (see ``lifecycle.LIVE``), oldest first."""
+        return self.in_states(LIVE)
 
     def with_vmm(self) -> list[SandboxRecord]:
         """Sandboxes that may have a VMM process (they count against the cap)."""
-        return self._in_states(VMM_STATES)
+        return self.in_states(VMM_STATES)
 
-    def _in_states(self, states: set[State]) -> list[SandboxRecord]:
+    def in_states(self, states: Iterable[State]) -> list[SandboxRecord]:
+        """Sandboxes in any of ``states``, oldest first."""
         with self.session() as s:
-            q = select(SandboxRecord).where(SandboxRecord.state.in_([x.value for x in states]))
+            q = select(SandboxRecord).where(SandboxRecord.state.in_(list(states)))
             return list(s.scalars(q.order_by(SandboxRecord.created_at)))
 
     def all(self) -> list[SandboxRecord]:

@@ -593,5 +593,5 @@ class QemuEngine(Engine):
         argv = process.argv_of(pid)
         if argv is None or f"hangar-{sandbox_id}" not in argv:
             return None
-        vm = VM(sandbox_id, self.name, pid, paths, self.accel)
+        vm = VM(sandbox_id, self.name, pid, paths, self.accel, extra={"restored_from": "adopted"})
         return vm if vm.alive() else None

@@ -1,0 +1,127 @@
+"""Creating sandboxes: from the warm pool when one fits, else a cold boot; and forks.
+
+Every create writes its record (``creating``) under admission, brings the
+VM up, and moves the record to ``running`` by compare-and-set. A create
+that fails at any step removes the VM, its files and its record: nothing
+half-made is ever listed. A delete that arrives meanwhile moves the record
+to ``stopping`` and ends the VM (``hangar.core.removal``); the create
+notices, cleans up and answers ``Conflict`` (409, "deleted while being
+created"), which is a client's race, not a server error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from hangar.core.admission import Admission, CreateOptions, check_desktop, new_id
+from hangar.core.context import Context
+from hangar.core.launch import Launcher
+from hangar.core.lifecycle import State
+from hangar.core.pool import WarmPool
+from hangar.core.store import SandboxRecord
+from hangar.errors import Conflict, HangarError
+from hangar.images import GuestImage, resolve_image
+
+log = logging.getLogger("hangar.sandboxes")
+
+
+class Creation:
+    """Creates sandboxes (cold or from the pool) and brings forks up."""
+
+    def __init__(self, ctx: Context, admission: Admission, launcher: Launcher,
+                 pool: WarmPool | None) -> None:
+        self.ctx = ctx
+        self.admission = admission
+        self.launcher = launcher
+        self.pool = pool
+
+    async def create(self, opts: CreateOptions) -> SandboxRecord:
+        """A running sandbox, from the warm pool when one fits, else booted cold.
+
+        Raises LimitExceeded (cap on concurrent VMs reached), NotFound (no
+        such image), InvalidRequest (bad desktop or network), EngineError or
+        Timeout (the VM did not come up), Conflict (deleted while being
+        created); on any failure nothing of the sandbox is left.
+        """
+        started = time.monotonic()
+        image = resolve_image(self.ctx.layout, opts.image or self.ctx.settings.default_image)
+        if opts.desktop:
+            check_desktop(opts.desktop, image)
+        network = self.launcher.policy(opts.network)
+        if self.pool is not None and self.pool.fits(opts, image):
+            rec = await self._from_pool(opts, image, started)
+            if rec is not None:
+                return rec
+        async with self.admission.slot():
+            rec = self.admission.new_record(new_id(), State.CREATING, image, opts, network)
+            self.ctx.store.add(rec)
+        return await self.bring_up(
+            rec, lambda: self.launcher.boot(rec, image, {State.CREATING},
+                                            crash_step="create.booting"),
+            "cold", started)
+
+    async def _from_pool(self, opts: CreateOptions, image: GuestImage,
+                         started: float) -> SandboxRecord | None:
+        assert self.pool is not None
+        claimed = self.pool.claim(image)
+        if claimed is None:
+            self.ctx.metrics.pool_misses.inc()
+            return None
+        self.ctx.metrics.pool_hits.inc()
+        fresh = self.admission.new_record(claimed.id, State.RUNNING, image, opts,
+                                          claimed.network)
+        try:
+            return await self.bring_up(
+                claimed, lambda: self.pool.prepare(claimed.id),  # type: ignore[union-attr]
+                "pool", started, created_at=fresh.created_at,
+                last_active_at=fresh.last_active_at, expires_at=fresh.expires_at,
+                metadata_=fresh.metadata_)
+        except Conflict:
+            raise
+        except HangarError as exc:  # a broken pool VM: it is gone; boot one cold
+            log.warning("pool VM unusable", extra={"sandbox_id": claimed.id,
+                                                   "error": exc.message})
+            return None
+
+    async def bring_up(self, rec: SandboxRecord, start: Callable[[], Awaitable[Any]],
+                       source: str, started: float, **fields: Any) -> SandboxRecord:
+        """Run ``start`` for a record in ``creating``, then move it to ``running`` with ``fields``.
+
+        On failure the VM and the record are removed and the error raised;
+        if a delete took the record meanwhile, raises Conflict ("deleted
+        while being created") instead.
+        """
+        ctx = self.ctx
+        with ctx.registry.creating(rec.id):
+            try:
+                await start()
+                rec = ctx.store.transition(rec.id, State.CREATING, State.RUNNING, **fields)
+            except BaseException as exc:
+                await self.launcher.stop(rec.id)
+                if not ctx.store.discard(rec.id, State.CREATING):
+                    cur = ctx.store.get(rec.id)
+                    if cur is not None and cur.state in (State.STOPPING, State.DELETED):
+                        ctx.metrics.creates.labels("deleted").inc()
+                        log.info("create abandoned: deleted while being created",
+                                 extra={"sandbox_id": rec.id})
+                        raise Conflict(f"sandbox {rec.id} was deleted while being created",
+                                       sandbox_id=rec.id) from None
+                ctx.metrics.creates.labels("failed").inc()
+                ctx.metrics.create_seconds.labels(source, "failed").observe(
+                    time.monotonic() - started)
+                if isinstance(exc, Exception):
+                    log.error("sandbox create failed", extra={
+                        "sandbox_id": rec.id, "source": source,
+                        "error": exc.message if isinstance(exc, HangarError) else repr(exc)})
+                raise
+        took = time.monotonic() - started
+        ctx.metrics.creates.labels("ok").inc()
+        ctx.metrics.create_seconds.labels(source, "ok").observe(took)
+        log.info("sandbox created", extra={"sandbox_id": rec.id, "duration_s": round(took, 3),
+                                           "image": rec.image, "source": source})
+        ctx.publish("sandbox.created", rec.id, image=rec.image, source=source,
+                    duration_s=round(took, 3))
+        return rec

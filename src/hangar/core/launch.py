@@ -1,0 +1,243 @@
+"""Launch and stop VMs: the NIC, the VMM, the agent handshake, clean-up on failure.
+
+Boot and restore share one path (``Launcher.launch``): attach the
+sandbox's NIC, start the VMM, register its runtime at once (so a delete
+meets it), check the record is still in the state the caller expects,
+connect the agent, then run the caller's ``ready`` step (for a restore:
+set the guest's clock, reseed its entropy, renumber a fork's NIC). On any
+failure the VM is stopped and the NIC released: nothing is left but the
+record, which the caller resolves.
+
+``Launcher.stop`` ends a sandbox's VM whether or not this process started
+it: the registered runtime, else the VMM found by its pid (``adopt``).
+
+``Launcher.reconnect`` opens a new agent connection to a VM that already
+ran (adopted after a restart, or whose connection dropped) and proves it
+with a ``hello`` request before handing it out: when a host goes away and
+another connects, the guest may not see the change in time, so a HELLO
+can be stale (sent into a session the agent has since closed) and the
+first request lost. An unanswered probe means: close and connect again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any
+
+from hangar.config import Settings
+from hangar.core.context import Context
+from hangar.core.lifecycle import State
+from hangar.core.registry import Runtime
+from hangar.core.store import SandboxRecord, SnapshotRecord
+from hangar.core.testhooks import crash_point
+from hangar.engines.base import VM, VMSpec
+from hangar.engines.snapshot_io import refresh_guest
+from hangar.errors import Conflict, HangarError, InvalidRequest, Timeout
+from hangar.engines.agent_client import AgentClient
+from hangar.images import GuestImage, resolve_pinned
+from hangar.net import NetAttachment, NetworkManager, Policy
+
+log = logging.getLogger("hangar.launch")
+
+Ready = Callable[[AgentClient, NetAttachment | None], Awaitable[None]]
+
+PROBE_S = 2.0
+"""How long a reconnected agent has to answer the ``hello`` probe, seconds."""
+
+
+def network_manager(settings: Settings) -> NetworkManager | None:
+    """The server's network manager, or None when guest networking is off."""
+    if settings.network == "off":
+        return None
+    mode = "auto" if settings.network == "auto" else settings.network
+    return NetworkManager(bridge=settings.net_bridge, pool=settings.net_pool,
+                          dns=settings.net_dns, mode=mode,  # type: ignore[arg-type]
+                          user_open=settings.net_user_open)
+
+
+def renet_meta(net: NetAttachment) -> dict[str, Any]:
+    """An exec that gives a restored guest's NIC ``net``'s MAC and address."""
+    script = (
+        'dev=$(ls /sys/class/net | grep -v "^lo$" | head -n1); '
+        'ip link set dev "$dev" down; ip link set dev "$dev" address "$1"; '
+        'ip addr flush dev "$dev"; '
+        'exec python3 -c "import sys; from hangar.guest import net; net.configure(sys.argv[1])" "$2"'
+    )
+    return {"op": "exec", "argv": ["/bin/sh", "-c", script, "renet", net.mac, net.kernel_arg()],
+            "env": {"PYTHONPATH": "/usr/lib/hangar/python"}, "timeout": 20}
+
+
+class Launcher:
+    """Starts and stops sandboxes' VMs and NICs."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.net = network_manager(ctx.settings)
+
+    # -- network -----------------------------------------------------------------
+
+    def policy(self, requested: Any) -> dict[str, Any] | None:
+        """The egress policy a sandbox gets, as stored; None means no NIC.
+
+        Raises InvalidRequest for a bad policy, or one networking cannot
+        honour here (e.g. ``internet`` filtering without TAP devices, or any
+        NIC when networking is off).
+        """
+        if self.net is None:
+            if requested not in (None, "none") and Policy.parse(requested).egress != "none":
+                raise InvalidRequest("guest networking is off on this server (HANGAR_NETWORK)")
+            return None
+        if requested is None:
+            requested = "internet" if self.net.mode == "tap" else "none"
+        policy = self.net.check(requested)  # InvalidRequest when this mode cannot enforce it
+        if policy.egress == "none":
+            return None
+        return policy.model_dump(mode="json")
+
+    async def attach(self, rec: SandboxRecord) -> NetAttachment | None:
+        if self.net is None or not rec.network:
+            return None
+        return await self.net.attach_async(rec.id, rec.network)
+
+    async def detach(self, sandbox_id: str) -> None:
+        """Release the sandbox's NIC; never raises (a state change must not stall on it)."""
+        if self.net is None:
+            return
+        try:
+            await self.net.release_async(sandbox_id)
+        except Exception as exc:
+            log.warning("network release failed", extra={"sandbox_id": sandbox_id,
+                                                           "error": str(exc)})
+
+    # -- launch ----------------------------------------------------------------------
+
+    def spec(self, rec: SandboxRecord, image: GuestImage,
+             net: NetAttachment | None = None) -> VMSpec:
+        kernel_args = (f"hangar.desktop={rec.desktop}",) if rec.desktop else ()
+        return VMSpec(rec.id, image, self.ctx.layout.sandbox(rec.id), rec.vcpus, rec.memory_mib,
+                      rec.disk_mib, hostname=rec.id, kernel_args=kernel_args, net=net)
+
+    async def launch(self, rec: SandboxRecord, start: Callable[[NetAttachment | None], Awaitable[VM]],
+                     expect: Collection[State], *, with_nic: bool = True,
+                     ready: Ready | None = None, crash_step: str | None = None) -> Runtime:
+        """Start ``rec``'s VM with ``start(nic)`` and connect its agent.
+
+        The runtime is registered as soon as the VMM runs. If the record has
+        left ``expect`` by then (a delete took it), the VM is stopped and
+        ``Conflict`` raised. On any failure nothing is left but the record.
+        """
+        ctx = self.ctx
+        vm: VM | None = None
+        rt: Runtime | None = None
+        try:
+            net = await self.attach(rec) if with_nic else None
+            vm = await start(net)
+            rt = Runtime(vm)
+            ctx.registry.put(rec.id, rt)
+            cur = ctx.store.update(rec.id, pid=vm.pid)
+            if cur is None or cur.state not in expect:
+                raise Conflict(f"sandbox {rec.id} was deleted while being started",
+                               sandbox_id=rec.id)
+            if crash_step:
+                crash_point(crash_step)
+            rt.agent = await ctx.engine.connect_agent(vm, ctx.settings.boot_timeout_s)
+            if ready is not None:
+                await ready(rt.agent, net)
+        except BaseException:
+            if rt is not None and ctx.registry.get(rec.id) is rt:
+                await ctx.registry.drop(rec.id)
+            elif rt is not None and rt.agent is not None:
+                await rt.agent.close()
+            if vm is not None:
+                await ctx.engine.stop(vm)
+            await self.detach(rec.id)
+            raise
+        return rt
+
+    async def boot(self, rec: SandboxRecord, image: GuestImage, expect: Collection[State],
+                   crash_step: str | None = None) -> Runtime:
+        """Boot ``rec``'s VM and wait for its agent; on failure nothing is left but the record."""
+        return await self.launch(rec, lambda net: self.ctx.engine.boot(self.spec(rec, image, net)),
+                                 expect, crash_step=crash_step)
+
+    async def restore(self, rec: SandboxRecord, snap: SnapshotRecord,
+                      expect: Collection[State]) -> Runtime:
+        """Start ``rec``'s VM from ``snap``: agent connected, clock and entropy refreshed,
+        and a NIC of its own (a fork has another MAC and address than its snapshot).
+
+        Raises ImageMissing (409) when the image build the snapshot pins is gone."""
+        image = resolve_pinned(self.ctx.layout, snap.image, snap.image_digest)
+
+        async def ready(agent: AgentClient, net: NetAttachment | None) -> None:
+            await refresh_guest(agent)
+            if net is not None:
+                await agent.exec(renet_meta(net))
+
+        # The NIC must match the snapshot's devices: a snapshot with one gets one.
+        return await self.launch(
+            rec, lambda net: self.ctx.engine.restore(self.spec(rec, image, net),
+                                                     self.ctx.layout.snapshot(snap.id)),
+            expect, with_nic=bool(snap.network), ready=ready)
+
+    async def reconnect(self, vm: VM, timeout: float) -> AgentClient:
+        """A proven agent connection to a VM that already ran (see the module docstring).
+
+        Raises ``Timeout`` when no connection is proven within ``timeout``
+        seconds, or the engine's errors (e.g. the VMM exited).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        last = "no answer"
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise Timeout(f"the guest agent did not answer within {timeout:.0f} s ({last})",
+                              sandbox_id=vm.sandbox_id)
+            agent = await self.ctx.engine.connect_agent(vm, left)
+            try:
+                await asyncio.wait_for(agent.call("hello"), min(PROBE_S, max(0.1, left)))
+                return agent
+            except (asyncio.TimeoutError, HangarError) as exc:
+                last = "a stale HELLO" if isinstance(exc, asyncio.TimeoutError) else exc.message
+                await agent.close()
+                log.info("agent reconnect retried", extra={"sandbox_id": vm.sandbox_id,
+                                                           "reason": last})
+            except BaseException:
+                await agent.close()
+                raise
+
+    # -- stop ---------------------------------------------------------------------------
+
+    def find_vm(self, sandbox_id: str, pid: int | None) -> VM | None:
+        """The sandbox's running VMM: the registered one, else the one ``pid`` names."""
+        rt = self.ctx.registry.get(sandbox_id)
+        if rt is not None:
+            return rt.vm
+        paths = self.ctx.layout.sandbox(sandbox_id)
+        for candidate in (pid, _pid_file(paths.pid_file)):
+            if candidate and candidate > 1:
+                vm = self.ctx.engine.adopt(sandbox_id, paths, candidate)
+                if vm is not None:
+                    return vm
+        return None
+
+    async def stop(self, sandbox_id: str, pid: int | None = None) -> None:
+        """End the sandbox's VM (if any), remove its folder, release its NIC."""
+        ctx = self.ctx
+        vm = self.find_vm(sandbox_id, pid)
+        await ctx.registry.drop(sandbox_id)
+        paths = ctx.layout.sandbox(sandbox_id)
+        if vm is not None:
+            await ctx.engine.stop(vm)
+        shutil.rmtree(paths.dir, ignore_errors=True)
+        await self.detach(sandbox_id)
+
+
+def _pid_file(path: Any) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,190 @@
+"""Start-up recovery: make every record agree with what runs on the host.
+
+A server may die (SIGKILL, power cut) at any step. On start, before the
+API answers, each live record is resolved by its state and whether its VMM
+still runs (found by pid and checked by its command line, ``Engine.adopt``):
+
+================  ===========================================================
+``pooled``        VMM ended, record removed (pool VMs do not outlive a server)
+``creating``      VMM ended, record removed (the create's caller got an error)
+``running``       VMM adopted (agent reconnected on first use); none: ``failed``
+``unresponsive``  as ``running``, back to ``running``
+``snapshotting``  sleep snapshot complete: VMM ended, ``sleeping`` (on purpose);
+                  else VMM resumed, ``running`` (a sleep is tried again by the
+                  reconcile loop); no VMM and no snapshot: ``failed``
+``waking``        VMM ended, back to ``sleeping``; the reconcile loop wakes it
+``restoring``     VMM ended, left ``restoring``; the reconcile loop redoes it
+``stopping``      removal finished: ``deleted``, ``expired`` or ``failed``
+``sleeping``      nothing to do (a stray VMM is ended)
+================  ===========================================================
+
+Then the sweep removes what no record owns: sandbox folders, VMM processes
+of this data directory that no adopted sandbox holds, snapshot folders
+without a record, snapshot records whose files are incomplete, sleep
+snapshots no sandbox sleeps in, and (with TAP networking) TAP devices and
+rules of sandboxes that no longer hold a VMM. So no VM is left without a
+record and no record without its VM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from hangar.core.context import Context
+from hangar.core.launch import Launcher
+from hangar.core.lifecycle import State
+from hangar.core.registry import Runtime
+from hangar.core.removal import Removal
+from hangar.core.store import SandboxRecord, SnapshotRecord
+from hangar.engines.process import kill_process
+from hangar.layout import SnapshotPaths
+
+log = logging.getLogger("hangar.recovery")
+
+VMM_NAMES = ("qemu-system", "firecracker", "jailer")
+"""Process names (prefixes of argv[0]'s base name) that are VMMs."""
+
+
+def vmm_processes(sandboxes_dir: Path) -> Iterator[tuple[int, str]]:
+    """(pid, sandbox id) of every VMM process whose command line names a path in
+    ``sandboxes_dir`` (so only this data directory's VMMs, never another server's)."""
+    marker = str(sandboxes_dir).rstrip("/") + "/"
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = [a.decode(errors="replace")
+                    for a in (d / "cmdline").read_bytes().split(b"\0") if a]
+        except OSError:
+            continue
+        if not argv or not Path(argv[0]).name.startswith(VMM_NAMES):
+            continue
+        for arg in argv:
+            at = arg.find(marker)
+            if at >= 0:
+                sid = arg[at + len(marker):].split("/", 1)[0].split(",", 1)[0]
+                if sid:
+                    yield int(d.name), sid
+                    break
+
+
+class Recovery:
+    """Resolves what a stopped server left behind. Runs once, at start."""
+
+    def __init__(self, ctx: Context, launcher: Launcher, removal: Removal) -> None:
+        self.ctx = ctx
+        self.launcher = launcher
+        self.removal = removal
+
+    async def run(self) -> None:
+        """Resolve every live record, then sweep what no record owns."""
+        for rec in self.ctx.store.live():
+            try:
+                await self.recover(rec)
+            except Exception:  # one bad record must not keep the server down
+                log.exception("recovery of a sandbox failed", extra={"sandbox_id": rec.id})
+        self.sweep()
+        await self.sweep_network()
+
+    async def recover(self, rec: SandboxRecord) -> None:
+        """Resolve one record (see the module docstring)."""
+        ctx = self.ctx
+        sid, state = rec.id, rec.state
+        vm = self.launcher.find_vm(sid, rec.pid)
+        if state in (State.POOLED, State.CREATING):
+            await self.launcher.stop(sid, rec.pid)
+            ctx.store.discard(sid, state)
+            log.info("unfinished create removed", extra={"sandbox_id": sid, "state": state.value})
+        elif state in (State.RUNNING, State.UNRESPONSIVE):
+            if vm is None:
+                await self._failed(rec, "the VMM was gone when the server started")
+                return
+            ctx.registry.put(sid, Runtime(vm))
+            if state == State.UNRESPONSIVE:
+                ctx.store.transition(sid, State.UNRESPONSIVE, State.RUNNING, pid=vm.pid)
+            log.info("sandbox adopted", extra={"sandbox_id": sid, "pid": vm.pid})
+        elif state == State.SNAPSHOTTING:
+            if rec.sleep_snapshot and self._complete(rec.sleep_snapshot):
+                await self.launcher.stop(sid, rec.pid)
+                ctx.store.transition(sid, State.SNAPSHOTTING, State.SLEEPING, pid=None)
+                log.info("interrupted sleep finished", extra={"sandbox_id": sid})
+            elif vm is not None:
+                ctx.registry.put(sid, Runtime(vm))
+                await ctx.engine.resume(vm)
+                ctx.store.transition(sid, State.SNAPSHOTTING, State.RUNNING,
+                                     sleep_snapshot=None)
+                log.info("paused VM resumed", extra={"sandbox_id": sid})
+            else:
+                await self._failed(rec, "the VMM was gone when the server started "
+                                        "(it was being snapshotted)")
+        elif state == State.WAKING:
+            await self.launcher.stop(sid, rec.pid)
+            ctx.store.transition(sid, State.WAKING, State.SLEEPING, pid=None)
+            log.info("interrupted wake undone", extra={"sandbox_id": sid})
+        elif state == State.RESTORING:
+            await self.launcher.stop(sid, rec.pid)
+            ctx.store.update(sid, pid=None)
+            log.info("interrupted restore will be redone", extra={"sandbox_id": sid})
+        elif state == State.STOPPING:
+            await self.removal.complete(sid)
+        elif state == State.SLEEPING and vm is not None:
+            await self.launcher.stop(sid, rec.pid)
+
+    async def _failed(self, rec: SandboxRecord, why: str) -> None:
+        self.ctx.store.transition(rec.id, rec.state, State.STOPPING,
+                                  desired_state=State.FAILED, error=why)
+        await self.removal.complete(rec.id)
+
+    def _complete(self, snapshot_id: str) -> bool:
+        snap = self.ctx.store.find(SnapshotRecord, snapshot_id)
+        return snap is not None and SnapshotPaths(self.ctx.layout.snapshot(snapshot_id)).manifest.exists()
+
+    def sweep(self) -> None:
+        """Remove what no record owns (see the module docstring)."""
+        ctx = self.ctx
+        layout = ctx.layout
+        live = {r.id: r for r in ctx.store.live()}
+        held = ctx.registry.ids()
+        for pid, sid in vmm_processes(layout.sandboxes):
+            if sid not in held:
+                kill_process(pid)
+                log.info("orphan VMM killed", extra={"sandbox_id": sid, "pid": pid})
+        for d in layout.sandboxes.iterdir():
+            if d.name not in held:
+                shutil.rmtree(d, ignore_errors=True)
+                log.info("orphan sandbox folder removed", extra={"sandbox_id": d.name})
+        sleeping_in = {r.sleep_snapshot for r in live.values() if r.sleep_snapshot}
+        restoring_from = {r.restore_from for r in live.values() if r.restore_from}
+        snaps = {s.id: s for s in ctx.store.list(SnapshotRecord)}
+        for snap in snaps.values():
+            files = layout.snapshot(snap.id)
+            if not SnapshotPaths(files).manifest.exists() or (
+                    snap.kind == "sleep" and snap.id not in sleeping_in):
+                if snap.id in restoring_from:
+                    continue
+                ctx.store.remove(SnapshotRecord, snap.id)
+                shutil.rmtree(files, ignore_errors=True)
+                log.info("stale snapshot removed", extra={"snapshot_id": snap.id,
+                                                          "kind": snap.kind})
+        for d in layout.snapshots.iterdir():
+            if d.name not in snaps:
+                shutil.rmtree(d, ignore_errors=True)
+                log.info("orphan snapshot folder removed", extra={"snapshot_id": d.name})
+
+    async def sweep_network(self) -> None:
+        """Start TAP networking and remove the devices and rules of sandboxes without a VMM."""
+        net = self.launcher.net
+        if net is None:
+            return
+        ok, reason = net.available()
+        if net.mode != "user" and not ok:
+            log.warning("TAP networking unavailable", extra={"reason": reason})
+        if net.mode == "tap":
+            await asyncio.to_thread(net.start)
+            removed = await net.sweep_async(sorted(self.ctx.registry.ids()))
+            if removed:
+                log.info("stale network devices removed", extra={"count": len(removed)})
