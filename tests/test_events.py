@@ -27,7 +27,7 @@ def test_lifecycle_and_exec_events(base_image) -> None:
 
     async def session() -> tuple[str, dict, list[dict]]:
         async with app.router.lifespan_context(app):
-            h = {"X-API-Key": app.state.api_key}
+            h = {"X-API-Key": (d / "api-key").read_text().strip()}
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), headers=h,
                                          base_url="http://hangar", timeout=300) as tc:
                 r = await tc.post("/sandboxes", json={"memory_mib": 256})

@@ -23,7 +23,7 @@ def user_net(base_image) -> Iterator[Server]:
     """A server whose guests get QEMU's user-mode network (no host devices involved),
     so that an 'open' policy is accepted and stored while 'internet' is refused."""
     d = make_data_dir(base_image)
-    srv = Server(d, free_port(), {"HANGAR_NETWORK": "user"})
+    srv = Server(d, free_port(), {"HANGAR_NETWORK": "user", "HANGAR_NET_USER_OPEN": "1"})
     srv.start()
     yield srv
     leaked = cleanup(srv)
