@@ -19,7 +19,9 @@ class CreateSandbox(BaseModel):
     image: str | None = Field(None, description="Template (image recipe) name; default 'base'.",
                               pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
     vcpus: int | None = Field(None, ge=1, le=32)
-    memory_mib: int | None = Field(None, ge=128, le=65536, description="Guest memory, MiB.")
+    memory_mib: int | None = Field(None, ge=128, le=65536,
+                                   description="Guest memory, MiB; default: the image's (desktop "
+                                               "and dev: 2048), else the server's (512).")
     disk_mib: int | None = Field(None, ge=512, le=1048576, description="Writable disk, MiB.")
     timeout: float | None = Field(None, ge=0, le=30 * 86400,
                                   description="Time to live in seconds; 0 keeps it until deleted; "
@@ -61,6 +63,9 @@ class Sandbox(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     desktop: str | None = None
     network: dict[str, object] | None = Field(None, description="Egress policy; null: no NIC.")
+    source: Literal["cold", "pool"] | None = Field(
+        None, description="Only in the answer to a create: 'pool' when a warm-pool VM was "
+                          "taken, 'cold' when one was booted.")
 
 
 class SandboxList(BaseModel):

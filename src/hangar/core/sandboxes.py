@@ -42,7 +42,7 @@ from hangar.errors import (
     Busy, Conflict, GuestError, Gone, HangarError, InvalidRequest, LimitExceeded, NotFound,
 )
 from hangar.guest.client import AgentClient, ExecEvent, ExecResult
-from hangar.images import GuestImage, resolve_image
+from hangar.images import RECIPES, GuestImage, resolve_image
 from hangar.layout import Layout
 from hangar.metrics import Metrics
 from hangar.net import NetAttachment, NetworkManager, Policy
@@ -321,14 +321,17 @@ class SandboxManager:
         s = self.settings
         now = time.time()
         ttl = opts.timeout_s if opts.timeout_s is not None else s.default_timeout_s
+        recipe = RECIPES.get(image.name)  # a recipe's default size beats the server's
+        default_vcpus = (recipe and recipe.default_vcpus) or s.default_vcpus
+        default_memory = (recipe and recipe.default_memory_mib) or s.default_memory_mib
         metadata: dict[str, Any] = dict(opts.metadata)
         if opts.idle_timeout_s:
             metadata["idle_timeout_s"] = opts.idle_timeout_s
         return SandboxRecord(
             id=sid, state=state.value, desired_state=State.RUNNING.value,
             image=image.name, image_digest=image.digest, engine=self.engine.name,
-            accel=self.engine.accel, vcpus=vcpus or opts.vcpus or s.default_vcpus,
-            memory_mib=memory_mib or opts.memory_mib or s.default_memory_mib,
+            accel=self.engine.accel, vcpus=vcpus or opts.vcpus or default_vcpus,
+            memory_mib=memory_mib or opts.memory_mib or default_memory,
             disk_mib=disk_mib or opts.disk_mib or s.default_disk_mib, pid=None, created_at=now,
             updated_at=now, last_active_at=now, expires_at=now + ttl if ttl else None,
             metadata_=metadata, desktop=opts.desktop, network=self.policy(opts.network),
@@ -372,6 +375,11 @@ class SandboxManager:
     async def create(self, opts: CreateOptions) -> SandboxRecord:
         """A running sandbox, from the warm pool when one fits, else booted cold.
 
+        The returned record's ``source`` attribute (not stored) says which:
+        ``pool`` or ``cold``. A size the create leaves out comes from the
+        image's recipe (``Recipe.default_vcpus``/``default_memory_mib``), else
+        the server's settings.
+
         Raises LimitExceeded (cap on concurrent VMs reached), NotFound (no
         such image), EngineError or Timeout (the VM did not come up); on any
         failure nothing of the sandbox is left.
@@ -384,6 +392,7 @@ class SandboxManager:
             rec = await self.pool.take(opts, image)
             if rec is not None:
                 self._created(rec, started, "pool")
+                rec.source = "pool"  # type: ignore[attr-defined]  # told to the caller only
                 return rec
         async with self._admit:
             self._admit_one()
@@ -398,6 +407,7 @@ class SandboxManager:
             raise
         rec = self.store.update(rec.id, state=State.RUNNING)  # type: ignore[assignment]
         self._created(rec, started, "cold")
+        rec.source = "cold"  # type: ignore[attr-defined]
         return rec
 
     def _created(self, rec: SandboxRecord, started: float, source: str) -> None:
