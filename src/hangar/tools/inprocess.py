@@ -10,7 +10,8 @@ Every call is one ``bwrap`` process (Debian's ``bubblewrap``) with:
   visible: not ``/etc/shadow``, ``/root``, ``/home``, ``/var`` (Hangar's key file)
   or ``/run``;
 * **a private work folder and /tmp**: per-task host folders bound at ``/work``
-  and ``/tmp``, removed when the task ends; every call of the task sees them;
+  and ``/tmp``, removed when the task ends; every call of the task sees them.
+  Everything else is read-only (the sandbox's own root is remounted so);
 * **new PID, IPC, UTS and cgroup namespaces**, ``--die-with-parent``,
   ``--new-session`` (no terminal injection), no capabilities;
 * **an allow-listed environment**: ``PATH``, ``HOME=/work``, ``TMPDIR``,
@@ -153,7 +154,7 @@ class Bubblewrap:
             argv += ["--ro-bind", str(self.etc / name), f"/etc/{name}"]
         argv += ["--proc", "/proc", "--dev", "/dev",
                  "--bind", str(self.tmp), "/tmp", "--bind", str(self.work), WORK_DIR,
-                 "--clearenv"]
+                 "--remount-ro", "/", "--clearenv"]
         env = {"PATH": PATH, "HOME": WORK_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                "USER": "nobody" if self.as_nobody else "user", "SHELL": "/bin/sh"}
         env.update({k: os.environ[k] for k in ENV_PASS if k in os.environ})
@@ -231,6 +232,10 @@ class Bubblewrap:
         except BaseException:
             _kill_group(proc.pid)
             readers.cancel()
+            try:  # reap it, so no process or pipe outlives the call
+                await asyncio.wait_for(proc.wait(), 5)
+            except BaseException:
+                pass
             raise
         rc = proc.returncode
         sig = -rc if rc is not None and rc < 0 else None

@@ -352,8 +352,10 @@ class Task:
                 return self._stop_result
             self._emit("agent.tool.started", tool=name, summary=summarize(name, args))
             started = time.monotonic()
+            left = self.guard.seconds_left()  # a command may not outlast the task's clock;
+            # one second of grace lets the watchdog, not the command's timeout, end it
             inner = asyncio.get_running_loop().create_task(
-                self._run(name, args, self.guard.seconds_left()))
+                self._run(name, args, None if left is None else left + 1.0))
             self._inflight = inner
             try:
                 result = await asyncio.shield(inner)
@@ -362,6 +364,11 @@ class Task:
                     result = self._stop_result  # the watchdog cut it short
                 else:
                     inner.cancel()
+                    while not inner.done():  # let the tool clean up (kill, reap) first
+                        try:
+                            await asyncio.wait({inner})
+                        except asyncio.CancelledError:
+                            pass
                     self._emit("agent.tool.finished", tool=name, ok=False,
                                duration_s=round(time.monotonic() - started, 3))
                     raise
