@@ -154,7 +154,7 @@ class BrowserTools(VmTools):
     async def interact(self, args: dict[str, Any]) -> ToolResult:
         page, action = self.page, args["action"]
         sel = args.get("selector")
-        ms = ACTION_TIMEOUT_S * 1000
+        ms = float(args.get("timeout_s") or ACTION_TIMEOUT_S) * 1000
         has_xy = "x" in args and "y" in args
         if action == "click":
             if sel:

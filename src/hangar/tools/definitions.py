@@ -127,7 +127,9 @@ BROWSER_INTERACT = ToolSpec(
          key={"type": "string", "maxLength": 100,
               "description": "Key to press, e.g. 'Enter', 'Tab', 'Control+A'."},
          delta_y={"type": "integer", "description": "Pixels to scroll down (negative: up); "
-                                                    "default 500."}),
+                                                    "default 500."},
+         timeout_s={"type": "number", "minimum": 0.1, "maximum": 120,
+                    "description": "Seconds to wait for the element (default 30)."}),
 )
 BROWSER_SCREENSHOT = ToolSpec(
     "browser_screenshot",

@@ -375,7 +375,7 @@ class Task:
             finally:
                 self._inflight = None
             took = time.monotonic() - started
-            if result.duration_s == 0.0 and result.ok:
+            if result.duration_s == 0.0 and result is not self._stop_result:
                 result = _with_duration(result, took)
             self._emit("agent.tool.finished", tool=name, ok=result.ok,
                        duration_s=round(took, 3))
