@@ -316,3 +316,17 @@ def test_mcp_stdio_in_process() -> None:
     before = set(Path("/tmp").glob("hangar-task-*"))
     run(go())
     assert set(Path("/tmp").glob("hangar-task-*")) == before
+
+
+def test_example_agent_loop_runs_with_the_scripted_model() -> None:
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY")}
+    env["PYTHONPATH"] = str(SRC)
+    example = Path(__file__).resolve().parents[1] / "examples" / "agent_loop.py"
+    r = subprocess.run([sys.executable, str(example), "--tier", "in-process"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "model: Scripted" in r.stdout and "-> ok 'PASS\\n'" in r.stdout
+    assert "ended: done" in r.stdout

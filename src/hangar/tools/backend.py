@@ -15,7 +15,7 @@ from typing import Any
 
 from hangar.client import AsyncHangar
 from hangar.client._core import resolve_config
-from hangar.errors import NotFound
+from hangar.errors import Conflict, NotFound
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,14 @@ class Backend:
         """Write ``data`` to ``path`` (parents made); returns bytes written."""
         r = await self._client.write_file(sandbox_id, path, data)
         return int(r.get("size", len(data)))
+
+    async def mkdir(self, sandbox_id: str, path: str) -> None:
+        """Make a folder and its parents (an agent file operation: no process runs)."""
+        try:
+            await self._client._call("POST", f"/sandboxes/{sandbox_id}/files/mkdir",
+                                     json={"path": path, "parents": True})
+        except Conflict:  # it exists
+            pass
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         return await self._client.read_file(sandbox_id, path)

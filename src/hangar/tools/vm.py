@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hangar.errors import HangarError
 from hangar.tools.backend import Backend, SandboxInfo
 from hangar.tools.definitions import MAX_OUTPUT_BYTES, WORK_DIR
 from hangar.tools.format import command_result, resolve
@@ -41,10 +40,7 @@ class VmTools:
 
     async def prepare(self) -> None:
         """Make the work folder."""
-        r = await self.backend.exec(self.sid, "mkdir", args=["-p", WORK_DIR], timeout_s=60)
-        if r.exit_code != 0:
-            raise HangarError(f"cannot make {WORK_DIR} in the sandbox: "
-                              f"{r.stderr.decode('utf-8', 'replace').strip()}")
+        await self.backend.mkdir(self.sid, WORK_DIR)
 
     async def close(self) -> None:
         pass
