@@ -191,12 +191,22 @@ class Bubblewrap:
         kwargs: dict[str, object] = {}
         if self.as_nobody:
             kwargs.update(user=NOBODY, group=NOBODY, extra_groups=[])
-        proc = await asyncio.create_subprocess_exec(
+        spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
             *self.argv(command, cwd),
             stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, preexec_fn=self._preexec, close_fds=True,
-            **kwargs)  # type: ignore[arg-type]
+            **kwargs))  # type: ignore[arg-type]
+        try:
+            proc = await asyncio.shield(spawn)
+        except asyncio.CancelledError:  # cancelled while spawning: end what was spawned
+            try:
+                proc = await asyncio.wait_for(spawn, 10)
+                _kill_group(proc.pid)
+                await asyncio.wait_for(proc.wait(), 5)
+            except BaseException:
+                pass
+            raise
 
         async def drain(stream: asyncio.StreamReader) -> tuple[bytes, int]:
             kept = bytearray()
@@ -234,6 +244,7 @@ class Bubblewrap:
             readers.cancel()
             try:  # reap it, so no process or pipe outlives the call
                 await asyncio.wait_for(proc.wait(), 5)
+                await readers
             except BaseException:
                 pass
             raise
