@@ -2,10 +2,10 @@
 
 Flow::
 
-    client ══WebSocket /sandboxes/{id}/tunnel/{port} (X-API-Key header)══► this module
-               binary frames both ways                                      │ AgentClient.open_tunnel
-                                                                            ▼
-                                                       guest: 127.0.0.1:{port}
+    client ══WebSocket /sandboxes/{id}/tunnel/{port} (X-API-Key)══► this module
+               binary frames both ways                                 │ AgentClient.open_tunnel
+                                                                       ▼
+                                                  guest: 127.0.0.1:{port}
 
 Used by ``hangar.tools`` to reach Chromium's DevTools port in a browser
 sandbox (``hangar.tools.tunnel`` turns it into a local TCP port), and

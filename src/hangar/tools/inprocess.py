@@ -333,8 +333,8 @@ class InProcessTools:
     async def write_file(self, args: dict[str, object]) -> ToolResult:
         path = resolve(str(args["path"]))
         data = str(args["content"]).encode()
-        r = await self.box.run(["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && '
-                                'cat > "$1"', "write_file", path], stdin=data)
+        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
+        r = await self.box.run(["/bin/sh", "-c", script, "write_file", path], stdin=data)
         if r.exit_code != 0:
             return ToolResult.failure(r.stderr.decode("utf-8", "replace").strip()
                                       or f"cannot write {path}", r.duration_s)

@@ -36,7 +36,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -496,5 +496,3 @@ def sync_task(tier: str, user_id: str, name: str,
     """A ``SyncTask`` for ``with``; see ``Task`` for the options."""
     return SyncTask(tier, user_id, name, limits, **options)
 
-
-Callback = Callable[[ToolEvent], None]
