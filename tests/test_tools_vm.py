@@ -23,7 +23,8 @@ from conftest import SHARED, SRC, Server, cleanup, free_port, make_data_dir, vmm
 vm = pytest.mark.vm
 
 PROJECT = {
-    "proj/package.json": '{"name": "demo", "version": "1.0.0", "scripts": {"test": "node test.js"}}\n',
+    "proj/package.json": '{"name": "demo", "version": "1.0.0", '
+                         '"scripts": {"test": "node test.js"}}\n',
     "proj/lib.js": "function computeTotal(items) {\n  return items.reduce((a, b) => a + b, 0);\n}\n"
                    "module.exports = { computeTotal };\n",
     "proj/test.js": "const { computeTotal } = require('./lib');\n"
