@@ -330,3 +330,50 @@ def test_example_agent_loop_runs_with_the_scripted_model() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "model: Scripted" in r.stdout and "-> ok 'PASS\\n'" in r.stdout
     assert "ended: done" in r.stdout
+
+
+def test_mcp_streamable_http_keeps_a_task_per_session() -> None:
+    import subprocess
+
+    from conftest import free_port
+    from mcp import Client
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env.pop("HANGAR_MCP_TOKEN", None)
+    refused = subprocess.run([sys.executable, "-m", "hangar.cli", "mcp", "--transport", "http",
+                              "--host", "0.0.0.0", "--tier", "in-process"], env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "HANGAR_MCP_TOKEN" in refused.stderr
+    before = set(Path("/tmp").glob("hangar-task-*"))
+    proc = subprocess.Popen([sys.executable, "-m", "hangar.cli", "mcp", "--transport", "http",
+                             "--port", str(port), "--tier", "in-process"], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/mcp", timeout=1)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+
+        async def session(text: str) -> tuple[str, set[Path]]:
+            async with Client(f"http://127.0.0.1:{port}/mcp") as c:
+                assert (await c.call_tool("write_file", {"path": "s.txt", "content": text})).content
+                r = await c.call_tool("read_file", {"path": "s.txt"})
+                return r.content[0].text, set(Path("/tmp").glob("hangar-task-*")) - before
+
+        async def two() -> list[tuple[str, set[Path]]]:
+            return list(await asyncio.gather(session("one"), session("two")))
+
+        (a, dirs_a), (b, dirs_b) = run(two())
+        assert (a, b) == ("one", "two")  # each session its own work folder
+        assert len(dirs_a | dirs_b) == 2
+        deadline = time.monotonic() + 20
+        while set(Path("/tmp").glob("hangar-task-*")) - before:
+            assert time.monotonic() < deadline, "closed sessions kept their tasks"
+            time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(30)

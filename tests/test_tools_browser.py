@@ -75,6 +75,8 @@ def test_desktop_defaults_let_chromium_render_a_page(api: httpx.Client,
     sid = sb["id"]
     try:
         assert sb["memory_mib"] == 2048  # the desktop recipe's default
+        flags = api.get(f"/sandboxes/{sid}/files", params={"path": "/etc/chromium.d/hangar"})
+        assert flags.status_code == 200 and b"--disable-dev-shm-usage" in flags.content
         api.put(f"/sandboxes/{sid}/files", params={"path": "/root/page.html"},
                 content=PAGE.encode())
         assert api.get(f"/sandboxes/{sid}/display").status_code == 200  # the desktop is up
