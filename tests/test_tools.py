@@ -377,3 +377,16 @@ def test_mcp_streamable_http_keeps_a_task_per_session() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_limit_and_a_leave_at_once_end_the_task_once() -> None:
+    sink = ht.ListSink()
+
+    async def go() -> ht.Task:
+        async with ht.task("in-process", "u", "t", {"max_tokens": 10}, sink=sink) as t:
+            t.report_tokens(11)  # the stop starts in the background; we leave at once
+        return t
+
+    t = run(go())
+    assert sink.kinds().count("agent.task.ended") == 1
+    assert t.result is not None and t.result.reason == "limit:tokens"

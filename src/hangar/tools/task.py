@@ -137,6 +137,7 @@ class Task:
         self._watchdog: asyncio.Task[None] | None = None
         self._stop_result: ToolResult | None = None
         self._stopping: asyncio.Task[None] | None = None
+        self._ending: asyncio.Task[TaskResult] | None = None
         self.result: TaskResult | None = None
         """Set once the task has ended."""
 
@@ -257,13 +258,16 @@ class Task:
 
     async def end(self, reason: str = "done", message: str | None = None) -> TaskResult:
         """Release the sandbox and record how the task ended. Idempotent: a second call
-        returns the first result."""
-        if self.result is not None:
-            return self.result
+        (even a concurrent one) returns the first result."""
+        if self._ending is None:
+            self._ending = asyncio.get_running_loop().create_task(self._end(reason, message))
+        return await asyncio.shield(self._ending)
+
+    async def _end(self, reason: str, message: str | None) -> TaskResult:
         if self._stop_result is not None:  # a limit stopped it: that is the reason
             reason = str(self._stop_result.data.get("reason", reason))
             message = self._stop_result.error
-        if self._watchdog is not None and self._watchdog is not asyncio.current_task():
+        if self._watchdog is not None:
             self._watchdog.cancel()
         tools, self._tools = self._tools, None
         await self._delete_vm(tools)
