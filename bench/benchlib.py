@@ -29,8 +29,10 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def start_server(env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], Path, str]:
-    """(process, data directory, base URL) of a ready server."""
+def start_server(env: dict[str, str] | None = None
+                 ) -> tuple[subprocess.Popen[bytes], Path, str]:
+    """(process, data directory, base URL) of a ready server; its log is
+    ``<data directory>/server.log``."""
     d = Path(tempfile.mkdtemp(prefix="hgb-", dir="/tmp"))
     (d / "images").symlink_to(SHARED / "images")
     for name in ("engine-probe.json", "firecracker-probe.json"):
@@ -41,8 +43,10 @@ def start_server(env: dict[str, str] | None = None) -> tuple[subprocess.Popen[by
         port = s.getsockname()[1]
     full = {**os.environ, "HANGAR_DATA_DIR": str(d), "HANGAR_PORT": str(port),
             "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "off", **(env or {})}
+    log = open(d / "server.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "hangar.cli", "serve"], env=full,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=log, stderr=subprocess.STDOUT)
+    log.close()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -3,7 +3,8 @@
 #   scripts/install.sh             install, build, start `hangar serve` in the background
 #   scripts/install.sh --no-start  install and build only
 #   scripts/install.sh --desktop   also build the desktop image (Xvfb, Chromium, x11vnc)
-#   scripts/install.sh --ci        install, build both images, do not start (what CI runs)
+#   scripts/install.sh --dev       also build the dev image (the agent tools' vm tier)
+#   scripts/install.sh --ci        install, build every image, do not start (what CI runs)
 # Idempotent: a second run only starts what is not running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,12 +13,14 @@ DATA=${HANGAR_DATA_DIR:-/var/lib/hangar}
 PORT=${HANGAR_PORT:-8080}
 START=1
 DESKTOP=0
+DEV=0
 TEST_TOOLS=0
 for arg in "$@"; do
   case "$arg" in
     --no-start) START=0 ;;
     --desktop) DESKTOP=1 ;;
-    --ci) START=0; DESKTOP=1; TEST_TOOLS=1 ;;
+    --dev) DEV=1 ;;
+    --ci) START=0; DESKTOP=1; DEV=1; TEST_TOOLS=1 ;;
     *) echo "unknown option: $arg" >&2; exit 2 ;;
   esac
 done
@@ -29,6 +32,8 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 PKGS="qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils lz4 curl nftables iproute2 novnc"
+# The agent tools' in-process tier runs commands in bubblewrap sandboxes.
+PKGS="$PKGS bubblewrap"
 # The browser tests drive Debian's Chromium (Playwright never downloads its own).
 [ "$TEST_TOOLS" = 1 ] && PKGS="$PKGS chromium"
 missing=""
@@ -61,6 +66,10 @@ HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build base
 if [ "$DESKTOP" = 1 ]; then
   say "building the desktop guest image (cached; the first build takes a few minutes)"
   HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build desktop
+fi
+if [ "$DEV" = 1 ]; then
+  say "building the dev guest image (cached; the first build takes a few minutes)"
+  HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build dev
 fi
 
 [ "$START" = 0 ] && exit 0

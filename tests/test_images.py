@@ -243,6 +243,27 @@ def test_recipes() -> None:
         get_recipe("no-such-recipe")
 
 
+def test_recipe_sizes_files_and_apt_packages() -> None:
+    import dataclasses
+
+    from hangar.images.recipes import RecipeFile
+
+    base, desktop, dev = get_recipe("base"), get_recipe("desktop"), get_recipe("dev")
+    assert desktop.default_memory_mib == 2048 and (dev.default_vcpus, dev.default_memory_mib) == (
+        2, 2048)
+    assert base.default_memory_mib is None  # the server's default applies
+    # Default sizes are not part of the image; files and apt packages are.
+    assert dataclasses.replace(base, default_memory_mib=4096).digest() == base.digest()
+    with_file = dataclasses.replace(base, files=(RecipeFile("/etc/x", "y"),))
+    assert with_file.digest() != base.digest()
+    assert dataclasses.replace(base, apt_packages=("npm",)).digest() != base.digest()
+    assert {"git", "nodejs", "ripgrep", "python3-venv", "build-essential"} <= set(dev.packages)
+    assert {"npm", "yarnpkg"} <= set(dev.apt_packages)
+    assert any(f.path == "/usr/local/bin/yarn" and f.mode == 0o755 for f in dev.files)
+    [flags] = [f for f in desktop.files if f.path == "/etc/chromium.d/hangar"]
+    assert "--no-sandbox" in flags.content and "--disable-dev-shm-usage" in flags.content
+
+
 def test_host_mirror_reads_deb822(tmp_path: Path) -> None:
     f = tmp_path / "debian.sources"
     f.write_text(

@@ -1,10 +1,11 @@
 """The ``hangar`` command line (typer + rich).
 
 Server side: ``hangar serve``, ``hangar image build|ls|gc``, ``hangar doctor``,
-``hangar key``. Client side (talks to a server at ``HANGAR_URL`` with
-``HANGAR_API_KEY`` or the key file), through the public SDK
-(``hangar.client``) only: ``create``, ``ls``, ``exec``, ``rm``, ``ttl``,
-``status``, ``events``, ``files``, ``snapshot``, ``machine``, ``desktop``.
+``hangar key``, ``hangar mcp`` (the agent tools of ``hangar.tools`` over MCP).
+Client side (talks to a server at ``HANGAR_URL`` with ``HANGAR_API_KEY`` or
+the key file), through the public SDK (``hangar.client``) only: ``create``,
+``ls``, ``exec``, ``rm``, ``ttl``, ``status``, ``events``, ``files``,
+``snapshot``, ``machine``, ``desktop``.
 Errors print one line and exit 1; ``exec`` exits with the command's code.
 """
 
@@ -540,6 +541,56 @@ def doctor(data_dir: DataDir = None) -> None:
     for line in doctor_lines(settings.network, user_open=settings.net_user_open,
                              bridge=settings.net_bridge, pool=settings.net_pool):
         print(line)
+
+
+@app.command()
+def mcp(
+    tier: Annotated[str, typer.Option(help="Tool tier: in-process, vm or browser.")] = "vm",
+    transport: Annotated[str, typer.Option(help="stdio, or http (streamable HTTP at /mcp).")]
+    = "stdio",
+    host: Annotated[str, typer.Option(help="Address for http; beyond loopback set "
+                                           "HANGAR_MCP_TOKEN.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port for http.")] = 8765,
+    user_id: Annotated[str, typer.Option("--user", help="User id the tasks are made for.")]
+    = "mcp",
+    name: Annotated[str, typer.Option(help="Task name shown in events.")] = "MCP session",
+    max_tool_calls: Annotated[Optional[int], typer.Option(help="Cost guard: tool calls per "
+                                                                "session.")] = 200,
+    max_wall_s: Annotated[Optional[float], typer.Option(help="Cost guard: seconds per "
+                                                             "session.")] = 3600.0,
+    idle_timeout: Annotated[float, typer.Option(help="http: seconds before an idle session "
+                                                     "(and its VM) ends.")] = 1800.0,
+) -> None:
+    """Serve the agent tools over MCP: one task (one sandbox) per session, released when the
+    session closes. Talks to the Hangar server at HANGAR_URL with HANGAR_API_KEY or the key
+    file."""
+    import asyncio
+
+    from hangar.tools.definitions import check_tier
+    from hangar.tools.limits import Limits
+    from hangar.tools import mcp_server
+
+    try:
+        check_tier(tier)
+    except ValueError as exc:
+        err.print(f"error: {exc}")
+        raise typer.Exit(2) from None
+    limits = Limits(max_tool_calls=max_tool_calls, max_wall_s=max_wall_s, max_tokens=None)
+    if transport == "stdio":
+        asyncio.run(mcp_server.serve_stdio(tier, user_id, name, limits=limits))
+    elif transport == "http":
+        import uvicorn
+
+        try:
+            app_ = mcp_server.http_app(tier, user_id, name, host=host, idle_timeout_s=idle_timeout,
+                                       limits=limits)
+        except ValueError as exc:
+            err.print(f"error: {exc}")
+            raise typer.Exit(2) from None
+        uvicorn.run(app_, host=host, port=port, log_level="warning")
+    else:
+        err.print(f"error: unknown transport {transport!r}; choose stdio or http")
+        raise typer.Exit(2)
 
 
 @desktop_app.command("screenshot")

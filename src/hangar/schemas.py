@@ -118,7 +118,9 @@ class CreateSandbox(RequestBody):
     image: str | None = Field(None, description="Template (image recipe) name; default 'base'.",
                               pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
     vcpus: int | None = Field(None, ge=1, le=32)
-    memory_mib: int | None = Field(None, ge=128, le=65536, description="Guest memory, MiB.")
+    memory_mib: int | None = Field(None, ge=128, le=65536,
+                                   description="Guest memory, MiB; default: the image's (desktop "
+                                               "and dev: 2048), else the server's (512).")
     disk_mib: int | None = Field(None, ge=512, le=1048576, description="Writable disk, MiB.")
     timeout: float | None = Field(None, ge=0, le=30 * 86400,
                                   description="Time to live in seconds; 0 keeps it until deleted; "
@@ -163,6 +165,8 @@ class SandboxInfo(Model):
     metadata: dict[str, str] = Field(default_factory=dict)
     desktop: str | None = None
     network: dict[str, object] | None = Field(None, description="Egress policy; null: no NIC.")
+    source: str | None = Field(None, description="Where its VM came from: cold (booted for "
+                                                 "it), pool (the warm pool) or fork.")
 
 
 class SandboxList(Model):

@@ -9,7 +9,8 @@ from fastapi import Depends, FastAPI
 
 from hangar import __version__
 from hangar.api import (
-    desktop, errors, events, files, health, machines, pool, sandboxes, snapshots, vnc, web,
+    desktop, errors, events, files, health, machines, pool, sandboxes, snapshots, tunnel, vnc,
+    web,
 )
 from hangar.api.auth import KeyRing, Throttle, require_key
 from hangar.api.idempotency import IdempotencyMiddleware
@@ -81,6 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(desktop.router, dependencies=keyed)
     app.include_router(vnc.router, dependencies=keyed)
     app.include_router(vnc.ws_router)  # authenticated by single-use ticket, not key
+    app.include_router(tunnel.router)  # checks X-API-Key itself (a WebSocket route)
     web.install(app)  # the web page and noVNC: static files, no key (the page asks for it)
     app.include_router(snapshots.router, dependencies=keyed)
     app.include_router(machines.listing, dependencies=keyed)

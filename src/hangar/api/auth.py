@@ -40,12 +40,13 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from fastapi import HTTPException, Request, Security
+from fastapi import Request, Security
 from fastapi.security import APIKeyHeader
 
 from hangar import keys as K
-from hangar.errors import ConfigError, LimitExceeded
+from hangar.errors import ConfigError, LimitExceeded, Unauthorized
 
 log = logging.getLogger("hangar.api.auth")
 
@@ -185,16 +186,16 @@ class Throttle:
         return tokens < 1
 
 
-def require_key(request: Request, given: str | None = Security(HEADER)) -> None:
-    """FastAPI dependency: 401 unless the request carries a key the server accepts.
+def authenticate(state: Any, given: str | None, address: str) -> str:
+    """The name of the key ``given`` (``default`` or a named key) that ``state``'s key
+    ring accepts. Raises ``Unauthorized``, or ``LimitExceeded`` (429, ``Retry-After``)
+    for a client address that presented too many wrong keys, without checking its key.
 
-    Sets ``request.state.key_name`` to the key's name (``default`` or a
-    named key). A client address that presented too many wrong keys gets
-    ``LimitExceeded`` (429, ``Retry-After``) without its key being checked.
+    ``state`` is the app's ``state`` (``keys``, ``throttle``); HTTP routes use
+    ``require_key``, WebSocket routes that take the header call this themselves.
     """
-    ring: KeyRing = request.app.state.keys
-    throttle: Throttle = request.app.state.throttle
-    address = request.client.host if request.client else "unknown"
+    ring: KeyRing = state.keys
+    throttle: Throttle = state.throttle
     if given:
         wait = throttle.wait(address)
         if wait > 0:
@@ -206,5 +207,12 @@ def require_key(request: Request, given: str | None = Security(HEADER)) -> None:
     if name is None:
         if given and throttle.failed(address):
             log.warning("client throttled after wrong API keys", extra={"client": address})
-        raise HTTPException(401, "missing or wrong X-API-Key header")
-    request.state.key_name = name
+        raise Unauthorized("missing or wrong X-API-Key header")
+    return name
+
+
+def require_key(request: Request, given: str | None = Security(HEADER)) -> None:
+    """FastAPI dependency: 401 unless the request carries a key the server accepts
+    (see ``authenticate``). Sets ``request.state.key_name`` to the key's name."""
+    address = request.client.host if request.client else "unknown"
+    request.state.key_name = authenticate(request.app.state, given, address)

@@ -34,7 +34,7 @@ def view(rec: SandboxRecord) -> Sandbox:
         vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
         created_at=rec.created_at, expires_at=rec.expires_at, error=rec.error,
         metadata={k: v for k, v in (rec.metadata_ or {}).items() if isinstance(v, str)},
-        desktop=rec.desktop, network=rec.network,
+        desktop=rec.desktop, network=rec.network, source=rec.source,
     )
 
 

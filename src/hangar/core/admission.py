@@ -18,11 +18,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from hangar.config import Settings
 from hangar.core.context import Context
 from hangar.core.lifecycle import State
 from hangar.core.store import SandboxRecord
 from hangar.errors import InvalidRequest, LimitExceeded
-from hangar.images import GuestImage
+from hangar.images import RECIPES, GuestImage
 
 RETRY_AFTER_S = 5.0
 """What a refused create is told to wait, seconds."""
@@ -73,6 +74,15 @@ def check_desktop(screen: str, image: GuestImage) -> None:
                              "such as 'desktop'", image=image.name)
 
 
+def default_size(image: GuestImage, settings: Settings) -> tuple[int, int]:
+    """(vCPUs, memory in MiB) of a sandbox of ``image`` whose create names none: the
+    image's recipe's (``Recipe.default_vcpus``/``default_memory_mib``; desktop and dev
+    need 2048 MiB), else the server's settings."""
+    recipe = RECIPES.get(image.name)
+    return ((recipe and recipe.default_vcpus) or settings.default_vcpus,
+            (recipe and recipe.default_memory_mib) or settings.default_memory_mib)
+
+
 class Admission:
     """The cap on concurrent VMMs, and the shape of new records."""
 
@@ -110,18 +120,22 @@ class Admission:
     def new_record(self, sid: str, state: State, image: GuestImage, opts: CreateOptions,
                    network: dict[str, Any] | None, vcpus: int | None = None,
                    memory_mib: int | None = None, disk_mib: int | None = None) -> SandboxRecord:
-        """A record for a new sandbox; ``network`` is the policy as stored (None: no NIC)."""
+        """A record for a new sandbox; ``network`` is the policy as stored (None: no NIC).
+
+        A size the create leaves out comes from the image's recipe
+        (``Recipe.default_vcpus``/``default_memory_mib``), else the server's settings."""
         s = self.ctx.settings
         now = time.time()
         ttl = opts.timeout_s if opts.timeout_s is not None else s.default_timeout_s
+        default_vcpus, default_memory = default_size(image, s)
         metadata: dict[str, Any] = dict(opts.metadata)
         if opts.idle_timeout_s:
             metadata["idle_timeout_s"] = opts.idle_timeout_s
         return SandboxRecord(
             id=sid, state=state, desired_state=State.RUNNING,
             image=image.name, image_digest=image.digest, engine=self.ctx.engine.name,
-            accel=self.ctx.engine.accel, vcpus=vcpus or opts.vcpus or s.default_vcpus,
-            memory_mib=memory_mib or opts.memory_mib or s.default_memory_mib,
+            accel=self.ctx.engine.accel, vcpus=vcpus or opts.vcpus or default_vcpus,
+            memory_mib=memory_mib or opts.memory_mib or default_memory,
             disk_mib=disk_mib or opts.disk_mib or s.default_disk_mib, pid=None, created_at=now,
             updated_at=now, last_active_at=now, expires_at=now + ttl if ttl else None,
             metadata_=metadata, desktop=opts.desktop, network=network,

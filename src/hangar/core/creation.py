@@ -98,7 +98,8 @@ class Creation:
         with ctx.registry.creating(rec.id):
             try:
                 await start()
-                rec = ctx.store.transition(rec.id, State.CREATING, State.RUNNING, **fields)
+                rec = ctx.store.transition(rec.id, State.CREATING, State.RUNNING, source=source,
+                                           **fields)
             except BaseException as exc:
                 await self.launcher.stop(rec.id)
                 if not ctx.store.discard(rec.id, State.CREATING):

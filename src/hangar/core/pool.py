@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hangar.config import Settings
-from hangar.core.admission import Admission, CreateOptions, new_id
+from hangar.core.admission import Admission, CreateOptions, default_size, new_id
 from hangar.core.context import Context
 from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
@@ -93,10 +93,11 @@ class WarmPool:
     def fits(self, opts: CreateOptions, image: GuestImage) -> bool:
         """True when a create with ``opts`` may be served from the pool."""
         s = self.ctx.settings
+        vcpus, memory = default_size(image, s)
         return (self.targets.get(image.name, 0) > 0 and not opts.desktop
                 and opts.network is None
-                and opts.vcpus in (None, s.default_vcpus)
-                and opts.memory_mib in (None, s.default_memory_mib)
+                and opts.vcpus in (None, vcpus)
+                and opts.memory_mib in (None, memory)
                 and opts.disk_mib in (None, s.default_disk_mib))
 
     def claim(self, image: GuestImage) -> SandboxRecord | None:

@@ -73,6 +73,8 @@ class SandboxRecord(Base):
     sleep_snapshot: Mapped[str | None] = mapped_column(String(32), nullable=True)
     """Id of the snapshot it sleeps in; set once that snapshot is complete."""
     restore_from: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    source: Mapped[str | None] = mapped_column(String(8), nullable=True)
+    """Where its VM came from: ``cold`` (booted), ``pool`` (the warm pool) or ``fork``."""
     """While ``restoring``: the snapshot being restored (a restarted server redoes it)."""
     network: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     """Egress policy (``hangar.net.Policy`` as a dict); None: no NIC."""

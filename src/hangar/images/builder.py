@@ -6,12 +6,14 @@ name is the build's id:
 
 1. ``debootstrap --variant=minbase --include=<packages> <suite>`` into a
    temporary tree under ``<data>/cache/build/`` (downloaded .debs are kept in
-   ``<data>/cache/debootstrap/``). The mirror is the one the host's apt uses
+   ``<data>/cache/debootstrap/``), then ``apt-get install`` of the recipe's
+   ``apt_packages`` inside the tree, when it has some. The mirror is the one the host's apt uses
    for that suite (the ``URIs:`` of the matching stanza of
    /etc/apt/sources.list.d/debian.sources), else debootstrap's default.
 2. Set the tree up for a VM without an init system: hostname, hosts, an
    empty resolv.conf and fstab, ``poweroff``-style commands that signal PID 1,
-   a dpkg filter that keeps docs out, and no apt caches, docs or locales.
+   a dpkg filter that keeps docs out, and no apt caches, docs or locales;
+   then write the recipe's ``files``.
 3. Fetch the kernel (``hangar.images.kernel``): vmlinuz and its modules,
    and unpack the ELF ``vmlinux`` that Firecracker boots
    (``hangar.images.vmlinux``).
@@ -441,11 +443,14 @@ def _build(layout: Layout, recipe: Recipe, recipe_digest: str, say: Progress) ->
         say(f"{recipe.name} (recipe {recipe_digest}): debootstrap {recipe.suite} "
             f"({recipe.variant} + {len(recipe.packages)} packages)")
         _debootstrap(recipe, rootdir, mirror, layout.debootstrap_cache, say)
+        if recipe.apt_packages:
+            _apt_install(rootdir, recipe.apt_packages, say)
         times["debootstrap"] = time.monotonic() - t0
 
         t = time.monotonic()
         say("setting up the rootfs")
         _configure_rootfs(rootdir)
+        _write_files(rootdir, recipe)
         python_version = _python_version(rootdir)
         times["configure"] = time.monotonic() - t
 
@@ -522,6 +527,46 @@ def _debootstrap(recipe: Recipe, rootdir: Path, mirror: str | None, cache: Path,
         timeout=3600)
 
 
+def _apt_install(rootdir: Path, packages: tuple[str, ...], say: Progress) -> None:
+    """``apt-get install`` ``packages`` inside the tree (chroot with /proc, /sys, /dev).
+
+    The tree's apt sources are those debootstrap wrote (the same mirror);
+    the host's resolver is lent for the duration. Everything is unmounted
+    whatever happens.
+    """
+    say(f"apt-get install {' '.join(packages)}")
+    resolv = rootdir / "etc" / "resolv.conf"
+    if resolv.is_symlink() or resolv.exists():
+        resolv.unlink()
+    try:
+        resolv.write_bytes(Path("/etc/resolv.conf").read_bytes())
+    except OSError:
+        pass
+    mounts: list[Path] = []
+    try:
+        for fstype, src, target in (("proc", "proc", "proc"), ("sysfs", "sysfs", "sys"),
+                                    (None, "/dev", "dev")):
+            dest = rootdir / target
+            dest.mkdir(exist_ok=True)
+            argv = (["mount", "--bind", src, dest] if fstype is None
+                    else ["mount", "-t", fstype, src, dest])
+            run("mount", argv, timeout=60)
+            mounts.append(dest)
+        env = {"DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C"}
+        run("apt-get update", ["chroot", rootdir, "apt-get", "update", "-q"], env=env,
+            timeout=1800)
+        run("apt-get install", ["chroot", rootdir, "apt-get", "install", "-y", "-q",
+                                "--no-install-recommends", *packages],
+            progress=say, echo=lambda ln: ln.startswith(("E: ", "W: ")), env=env, timeout=3600)
+        run("apt-get clean", ["chroot", rootdir, "apt-get", "clean"], env=env, timeout=300)
+    finally:
+        for dest in reversed(mounts):
+            try:
+                run("umount", ["umount", "-l", dest], timeout=60)
+            except ImageError:
+                pass
+
+
 POWEROFF_SHIM = """#!/bin/sh
 # Hangar guests have no init system: PID 1 (hangar.guest.init) powers off on SIGTERM.
 exec kill -TERM 1
@@ -578,6 +623,19 @@ def _configure_rootfs(root: Path) -> None:
     for p in (root / "var/log").rglob("*"):
         if p.is_file():
             p.write_bytes(b"")
+
+
+def _write_files(root: Path, recipe: Recipe) -> None:
+    """Write the recipe's ``files`` into the tree (parents made as needed)."""
+    for f in recipe.files:
+        if not f.path.startswith("/") or ".." in f.path.split("/"):
+            raise ImageError(f"recipe {recipe.name}: file path {f.path!r} must be absolute",
+                             image=recipe.name)
+        dest = root / f.path.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.unlink(missing_ok=True)
+        dest.write_text(f.content)
+        dest.chmod(f.mode)
 
 
 def _python_version(root: Path) -> str | None:

@@ -12,7 +12,22 @@ kernel command line has ``hangar.desktop=WxHxD``: Xvfb, openbox, x11vnc,
 xdotool and scrot (driven by ``hangar.core.desktop``), xterm with nano as a
 small editor, Chromium, and fonts for Latin, CJK and symbols (DejaVu +
 WenQuanYi Micro Hei: about 8 MB, against 90 MB for Noto CJK). debootstrap
-installs Depends only, never Recommends, which keeps it near 1 GB.
+installs Depends only, never Recommends, which keeps it near 1 GB. Its
+Chromium needs room: in a 512 MiB guest every tab crashes ("V8 process OOM
+... CodeRange"), so the recipe carries a default memory of 2048 MiB (used
+when a create names none) and a ``/etc/chromium.d`` file with flags that
+suit a VM (see ``CHROMIUM_FLAGS``).
+
+``dev`` is the image of the agent tools' ``vm`` tier (``hangar.tools``):
+git, Node.js with npm and yarn (Debian's ``yarnpkg``, also as ``yarn``),
+Python 3 with venv and pip, ripgrep and the C build tools; 2 vCPUs and
+2048 MiB by default.
+
+A recipe's ``default_vcpus`` and ``default_memory_mib`` are not part of the
+image (they leave the digest alone): ``hangar.core.sandboxes`` gives them to
+a sandbox of that image whose create names no size. ``files`` are written
+into the rootfs after debootstrap, and ``apt_packages`` installed with apt-get
+inside it first (both are part of the digest).
 """
 
 from __future__ import annotations
@@ -28,6 +43,15 @@ BUILDER_VERSION = 2
 """Bump when the builder makes a different rootfs or kernel from the same recipe."""
 
 
+@dataclass(frozen=True)
+class RecipeFile:
+    """A file the builder writes into the rootfs: absolute ``path``, text, mode bits."""
+
+    path: str
+    content: str
+    mode: int = 0o644
+
+
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
     """One guest image's contents."""
@@ -40,11 +64,27 @@ class Recipe:
     variant: str = "minbase"
     kernel_package: str = "linux-image-cloud-amd64"
     """Meta-package naming the kernel; its versioned dependency is fetched."""
+    apt_packages: tuple[str, ...] = ()
+    """Packages installed by ``apt-get`` inside the new tree after debootstrap, for
+    dependency graphs debootstrap's resolver cannot configure (virtual packages,
+    cycles: Debian's npm and yarnpkg)."""
+    files: tuple[RecipeFile, ...] = ()
+    """Files written into the rootfs after debootstrap."""
+    default_vcpus: int | None = None
+    """vCPUs of a sandbox of this image whose create names none (None: the server's)."""
+    default_memory_mib: int | None = None
+    """Guest memory (MiB) of a sandbox of this image whose create names none."""
 
     def digest(self) -> str:
         """12 hex digits of sha256 over the build-relevant fields and ``BUILDER_VERSION``."""
         fields = dataclasses.asdict(self)
-        fields.pop("description")
+        for name in ("description", "default_vcpus", "default_memory_mib"):
+            fields.pop(name)
+        for name in ("files", "apt_packages"):  # absent when empty: old digests stay valid
+            if not fields[name]:
+                fields.pop(name)
+        if "apt_packages" in fields:
+            fields["apt_packages"] = sorted(self.apt_packages)
         fields["packages"] = sorted(self.packages)
         fields["builder_version"] = BUILDER_VERSION
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
@@ -68,6 +108,20 @@ BASE = Recipe(
     ),
 )
 
+CHROMIUM_FLAGS = (
+    "--no-sandbox",                       # runs as root; the VM is the boundary
+    "--disable-dev-shm-usage",            # /dev/shm is small in a guest: use /tmp
+    "--disable-gpu",                      # no GPU: software rendering only
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--disable-background-networking",    # no update, sync or safe-browsing traffic
+    "--disable-component-update",
+    "--disable-sync",
+    "--renderer-process-limit=4",         # bounds memory when many tabs open
+    "--password-store=basic",             # no keyring daemon in the guest
+)
+"""Flags Debian's ``chromium`` wrapper adds (``/etc/chromium.d/hangar``)."""
+
 DESKTOP = Recipe(
     name="desktop",
     description="base plus an X desktop (Xvfb, openbox, x11vnc, xdotool, scrot, xterm + nano, "
@@ -85,10 +139,44 @@ DESKTOP = Recipe(
         "fonts-wqy-microhei",   # CJK (Japanese, Chinese, Korean) in 5 MB
         "dbus-x11",             # provides dbus-session-bus, which GTK's dconf-service needs:
                                 # debootstrap cannot pick providers of virtual packages
+        "ripgrep",              # search_code of the agent tools' browser tier
     ),
+    files=(
+        RecipeFile("/etc/chromium.d/hangar",
+                   "# Hangar: flags for Chromium in a microVM (read by /usr/bin/chromium).\n"
+                   f'export CHROMIUM_FLAGS="$CHROMIUM_FLAGS {" ".join(CHROMIUM_FLAGS)}"\n'),
+    ),
+    default_memory_mib=2048,
 )
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (BASE, DESKTOP)}
+DEV = Recipe(
+    name="dev",
+    description="base plus developer tools for agents: git, Node.js with npm and yarn, "
+                "Python 3 venv and pip, ripgrep, build-essential (the agent tools' vm tier).",
+    packages=BASE.packages + (
+        "git",
+        "nodejs",
+        "python3-venv",
+        "python3-pip",
+        "ripgrep",              # search_code
+        "build-essential",      # gcc, g++, make, libc headers (native npm and pip builds)
+        "curl",
+        "openssh-client",       # git over ssh
+        "xz-utils",
+        "unzip",
+    ),
+    apt_packages=(
+        "npm",
+        "yarnpkg",              # Debian's yarn 1.x; /usr/local/bin/yarn runs it
+    ),
+    files=(
+        RecipeFile("/usr/local/bin/yarn", '#!/bin/sh\nexec /usr/bin/yarnpkg "$@"\n', 0o755),
+    ),
+    default_vcpus=2,
+    default_memory_mib=2048,
+)
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (BASE, DESKTOP, DEV)}
 
 
 def get_recipe(name: str) -> Recipe:

@@ -1,0 +1,205 @@
+"""The browser tier: the vm tier's tools plus a real Chromium, driven over DevTools.
+
+The sandbox is a desktop sandbox (the ``desktop`` image, 2048 MiB by default;
+see ``hangar.images.recipes``). ``prepare`` starts Chromium on the guest's
+display ``:0`` in kiosk mode (the page fills the screen, so a screenshot is
+the display's size) with its DevTools endpoint on the guest's loopback
+(``127.0.0.1:9222``; the guest exposes nothing to the network), opens a
+``LocalTunnel`` to it through the server's ``/sandboxes/{id}/tunnel/9222``
+route, and attaches Playwright with ``connect_over_cdp``. Playwright is the
+well-kept client; no browser is downloaded: the one in the guest is Debian's.
+
+Under software emulation (TCG) Chromium needs 30-60 s before its first page;
+``prepare`` waits up to ``START_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Any
+
+from hangar.errors import HangarError
+from hangar.images.recipes import CHROMIUM_FLAGS
+from hangar.tools.backend import Backend, SandboxInfo
+from hangar.tools.results import ToolResult
+from hangar.tools.tunnel import LocalTunnel
+from hangar.tools.vm import VmTools
+
+DEVTOOLS_PORT = 9222
+START_TIMEOUT_S = 240.0
+"""Seconds ``prepare`` waits for the desktop and Chromium's DevTools endpoint."""
+NAVIGATE_TIMEOUT_S = 120.0
+ACTION_TIMEOUT_S = 30.0
+MAX_TEXT_CHARS = 100_000
+
+LAUNCH = r"""
+import json, os, socket, subprocess, sys, time
+deadline = time.monotonic() + float(sys.argv[1])
+while not os.path.exists("/run/hangar/desktop-ready"):
+    if time.monotonic() > deadline:
+        sys.exit("the desktop did not come up")
+    time.sleep(0.2)
+screen = json.load(open("/run/hangar/desktop-ready"))
+args = ["chromium", *sys.argv[3:], "--kiosk", "--window-position=0,0",
+        f"--window-size={screen['width']},{screen['height']}",
+        "--remote-debugging-address=127.0.0.1", f"--remote-debugging-port={sys.argv[2]}",
+        "--user-data-dir=/tmp/hangar-chromium", "about:blank"]
+log = open("/tmp/hangar-chromium.log", "ab")
+subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                 env={**os.environ, "DISPLAY": ":0"}, start_new_session=True)
+while True:
+    try:
+        socket.create_connection(("127.0.0.1", int(sys.argv[2])), 1).close()
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            sys.exit("Chromium's DevTools endpoint did not open; see /tmp/hangar-chromium.log")
+        time.sleep(0.2)
+print(json.dumps(screen))
+"""
+
+
+def png_size(png: bytes) -> tuple[int, int]:
+    """(width, height) in pixels from a PNG's IHDR chunk."""
+    return struct.unpack(">II", png[16:24])  # type: ignore[return-value]
+
+
+class BrowserTools(VmTools):
+    """The vm tools plus ``browser_navigate``, ``browser_interact`` and
+    ``browser_screenshot`` on one page of the guest's Chromium."""
+
+    tier = "browser"
+
+    def __init__(self, backend: Backend, sandbox: SandboxInfo) -> None:
+        super().__init__(backend, sandbox)
+        self.tunnel: LocalTunnel | None = None
+        self._pw: Any = None
+        self._browser: Any = None
+        self.page: Any = None
+
+    async def prepare(self) -> None:
+        """Work folder, Chromium, tunnel, Playwright. Raises HangarError when Chromium
+        does not start; the caller deletes the sandbox."""
+        await super().prepare()
+        r = await self.backend.exec(
+            self.sid, "python3",
+            args=["-c", LAUNCH, str(START_TIMEOUT_S), str(DEVTOOLS_PORT), *CHROMIUM_FLAGS],
+            timeout_s=START_TIMEOUT_S + 30)
+        if r.exit_code != 0:
+            raise HangarError("the browser did not start: "
+                              + r.stderr.decode("utf-8", "replace").strip()[-500:])
+        from playwright.async_api import async_playwright
+
+        self.tunnel = LocalTunnel(self.backend.ws_url, self.backend.auth_headers(), self.sid,
+                                  DEVTOOLS_PORT)
+        port = await self.tunnel.start()
+        self._pw = await async_playwright().start()
+        self._browser = await self._pw.chromium.connect_over_cdp(
+            f"http://127.0.0.1:{port}", timeout=START_TIMEOUT_S * 1000)
+        context = self._browser.contexts[0] if self._browser.contexts \
+            else await self._browser.new_context()
+        self.page = context.pages[0] if context.pages else await context.new_page()
+
+    async def close(self) -> None:
+        for step in (lambda: self._browser and self._browser.close(),
+                     lambda: self._pw and self._pw.stop(),
+                     lambda: self.tunnel and self.tunnel.close()):
+            try:
+                aw = step()
+                if aw:
+                    await asyncio.wait_for(aw, 10)
+            except Exception:
+                pass
+        self._browser = self._pw = self.page = self.tunnel = None
+
+    async def call(self, name: str, args: dict[str, Any], time_left: float | None) -> ToolResult:
+        if not name.startswith("browser_"):
+            return await super().call(name, args, time_left)
+        if self.page is None:
+            return ToolResult.failure("the browser is not running")
+        from playwright.async_api import Error as PlaywrightError
+
+        try:
+            if name == "browser_navigate":
+                return await self.navigate(args, time_left)
+            if name == "browser_interact":
+                return await self.interact(args)
+            if name == "browser_screenshot":
+                return await self.screenshot(args)
+        except PlaywrightError as exc:
+            return ToolResult.failure(str(exc.message if hasattr(exc, "message") else exc)
+                                      .strip().splitlines()[0][:1000])
+        return ToolResult.failure(f"the browser tier has no tool {name!r}")
+
+    async def _page_text(self) -> tuple[str, bool]:
+        text = str(await self.page.evaluate(
+            "() => document.body ? document.body.innerText : ''"))
+        return text[:MAX_TEXT_CHARS], len(text) > MAX_TEXT_CHARS
+
+    async def navigate(self, args: dict[str, Any], time_left: float | None) -> ToolResult:
+        timeout = float(args.get("timeout_s") or NAVIGATE_TIMEOUT_S)
+        if time_left is not None:
+            timeout = max(0.1, min(timeout, time_left))
+        resp = await self.page.goto(str(args["url"]), wait_until="load", timeout=timeout * 1000)
+        status = resp.status if resp is not None else None
+        title = await self.page.title()
+        text, cut = await self._page_text()
+        ok = status is None or status < 400
+        return ToolResult(ok=ok, output=f"URL: {self.page.url}\nStatus: {status}\n"
+                                        f"Title: {title}\n\n{text}",
+                          error=None if ok else f"HTTP status {status}", truncated=cut,
+                          data={"url": self.page.url, "status": status, "title": title})
+
+    async def interact(self, args: dict[str, Any]) -> ToolResult:
+        page, action = self.page, args["action"]
+        sel = args.get("selector")
+        ms = float(args.get("timeout_s") or ACTION_TIMEOUT_S) * 1000
+        has_xy = "x" in args and "y" in args
+        if action == "click":
+            if sel:
+                await page.click(sel, timeout=ms)
+            elif has_xy:
+                await page.mouse.click(args["x"], args["y"])
+            else:
+                return ToolResult.failure("click needs a selector or x and y")
+        elif action == "type":
+            if "text" not in args:
+                return ToolResult.failure("type needs text")
+            if sel:
+                await page.fill(sel, args["text"], timeout=ms)
+            else:
+                await page.keyboard.type(args["text"])
+        elif action == "select":
+            if not sel or "value" not in args:
+                return ToolResult.failure("select needs a selector and a value")
+            try:
+                await page.select_option(sel, value=args["value"], timeout=ms)
+            except Exception:
+                await page.select_option(sel, label=args["value"], timeout=ms)
+        elif action == "press":
+            if "key" not in args:
+                return ToolResult.failure("press needs a key")
+            if sel:
+                await page.press(sel, args["key"], timeout=ms)
+            else:
+                await page.keyboard.press(args["key"])
+        elif action == "scroll":
+            if sel:
+                await page.locator(sel).first.scroll_into_view_if_needed(timeout=ms)
+            else:
+                if has_xy:
+                    await page.mouse.move(args["x"], args["y"])
+                await page.mouse.wheel(0, args.get("delta_y", 500))
+        await page.wait_for_load_state("load", timeout=NAVIGATE_TIMEOUT_S * 1000)
+        title = await page.title()
+        text, cut = await self._page_text()
+        return ToolResult(ok=True, output=f"URL: {page.url}\nTitle: {title}\n\n{text}",
+                          truncated=cut, data={"url": page.url, "title": title})
+
+    async def screenshot(self, args: dict[str, Any]) -> ToolResult:
+        png = await self.page.screenshot(full_page=bool(args.get("full_page")), type="png",
+                                         timeout=NAVIGATE_TIMEOUT_S * 1000)
+        w, h = png_size(png)
+        return ToolResult(ok=True, output=f"screenshot {w}x{h} pixels", image=png,
+                          data={"width": w, "height": h, "url": self.page.url})

@@ -1,0 +1,153 @@
+"""The browser tier and the desktop image's Chromium on real microVMs.
+
+Chromium under TCG needs 30-60 s for its first page, so the module holds one
+browser task (one desktop VM) for its tool tests, through the sync twin.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import hangar.tools as ht
+from conftest import SHARED, Server, vmm_pids
+
+vm = pytest.mark.vm
+
+GREEN = (18, 171, 52)
+PAGE = f"""<!doctype html><html><head><title>Green</title>
+<style>html, body {{ margin: 0; height: 100%; background: rgb{GREEN}; }}</style></head>
+<body><h1 style="color: white">local page</h1></body></html>"""
+
+FORM = """<!doctype html><html><head><title>Sign up</title></head><body>
+<form action="/submit" method="post">
+  <input id="name" name="name"> <select id="plan" name="plan">
+  <option value="free">Free</option><option value="pro">Pro</option></select>
+  <button type="submit">Send</button></form></body></html>"""
+FORM_SERVER = r'''
+import http.server, urllib.parse
+PAGE = open("/work/site/form.html", "rb").read()
+class H(http.server.BaseHTTPRequestHandler):
+    def reply(self, body):
+        self.send_response(200); self.send_header("content-type", "text/html; charset=utf-8")
+        self.end_headers(); self.wfile.write(body)
+    def do_GET(self):
+        self.reply(PAGE)
+    def do_POST(self):
+        q = urllib.parse.parse_qs(self.rfile.read(int(self.headers["content-length"])).decode())
+        self.reply(f"<title>Thanks</title><p id=r>Welcome {q['name'][0]}, plan {q['plan'][0]}"
+                   .encode())
+http.server.ThreadingHTTPServer(("127.0.0.1", 8000), H).serve_forever()
+'''
+
+
+@pytest.fixture(scope="session")
+def desktop_image(base_image: Path) -> Path:
+    from hangar.images import build_image
+    from hangar.layout import Layout
+
+    return build_image(Layout(SHARED), "desktop",
+                       progress=lambda m: print(f"image: {m}", file=sys.stderr)).dir
+
+
+def share(png: bytes, color: tuple[int, int, int]) -> float:
+    """Fraction of the PNG's pixels that are exactly ``color``."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as im:
+        rgb = im.convert("RGB")
+        counts = rgb.getcolors(rgb.width * rgb.height) or []
+        return sum(n for n, c in counts if c == color) / (rgb.width * rgb.height)
+
+
+@vm
+def test_desktop_defaults_let_chromium_render_a_page(api: httpx.Client,
+                                                     desktop_image: Path) -> None:
+    r = api.post("/sandboxes", json={"image": "desktop", "desktop": "1024x768x24"})
+    assert r.status_code == 201, r.text
+    sb = r.json()
+    sid = sb["id"]
+    try:
+        assert sb["memory_mib"] == 2048  # the desktop recipe's default
+        flags = api.get(f"/sandboxes/{sid}/files", params={"path": "/etc/chromium.d/hangar"})
+        assert flags.status_code == 200 and b"--disable-dev-shm-usage" in flags.content
+        api.put(f"/sandboxes/{sid}/files", params={"path": "/root/page.html"},
+                content=PAGE.encode())
+        assert api.get(f"/sandboxes/{sid}/display").status_code == 200  # the desktop is up
+        r = api.post(f"/sandboxes/{sid}/exec", json={"command": (
+            "DISPLAY=:0 setsid chromium --no-sandbox --kiosk file:///root/page.html "
+            ">/tmp/chromium.log 2>&1 </dev/null &"), "timeout": 30})
+        assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+        deadline = time.monotonic() + 240
+        seen = 0.0
+        while seen < 0.5:
+            assert time.monotonic() < deadline, f"the page never showed ({seen:.0%} green)"
+            time.sleep(2)
+            shot = api.post(f"/sandboxes/{sid}/screenshot", params={"format": "png"}).content
+            seen = share(shot, GREEN)
+        log = api.post(f"/sandboxes/{sid}/exec", json={"command": "cat /tmp/chromium.log"})
+        assert "CodeRange" not in log.json()["stdout"]
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+@pytest.fixture(scope="module")
+def browser(server: Server, desktop_image: Path) -> Iterator[ht.SyncTask]:
+    sink = ht.ListSink()
+    with ht.sync_task("browser", "u-web", "Web Tester", {"max_tool_calls": 50},
+                      url=server.url, api_key=server.key, sink=sink) as t:
+        t.sink = sink
+        yield t
+    assert t.result.reason == "done"
+    assert not vmm_pids(t.sandbox_id)
+
+
+@vm
+def test_browser_task_fills_a_form(browser: ht.SyncTask, api: httpx.Client) -> None:
+    sb = api.get(f"/sandboxes/{browser.sandbox_id}").json()
+    assert (sb["image"], sb["desktop"], sb["memory_mib"]) == ("desktop", "1024x768x24", 2048)
+    assert browser.call("write_file", {"path": "site/form.html", "content": FORM}).ok
+    assert browser.call("write_file", {"path": "site/server.py", "content": FORM_SERVER}).ok
+    r = browser.call("run_command", {"command": (
+        "setsid python3 site/server.py >/tmp/site.log 2>&1 </dev/null & "
+        "for i in $(seq 300); do python3 -c 'import socket; socket.create_connection("
+        "(\"127.0.0.1\", 8000), 1)' 2>/dev/null && exit 0; sleep 0.2; done; exit 1")})
+    assert r.ok, r
+    nav = browser.call("browser_navigate", {"url": "http://127.0.0.1:8000/"})
+    assert nav.ok, nav
+    assert nav.data == {"url": "http://127.0.0.1:8000/", "status": 200, "title": "Sign up"}
+    assert "Send" in nav.output
+    assert browser.call("browser_interact", {"action": "type", "selector": "#name",
+                                             "text": "Ada Lovelace"}).ok
+    assert browser.call("browser_interact", {"action": "select", "selector": "#plan",
+                                             "value": "pro"}).ok
+    done = browser.call("browser_interact", {"action": "click",
+                                             "selector": "form button[type=submit]"})
+    assert done.ok, done
+    assert done.data["title"] == "Thanks"
+    assert "Welcome Ada Lovelace, plan pro" in done.output
+    shot = browser.call("browser_screenshot", {})
+    assert shot.ok and shot.image is not None and shot.image[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (shot.data["width"], shot.data["height"]) == (1024, 768)
+    missing = browser.call("browser_interact", {"action": "click", "selector": "#nope",
+                                                "timeout_s": 2})
+    assert not missing.ok and "Timeout" in (missing.error or "")
+    bad = browser.call("browser_navigate", {"url": "http://127.0.0.1:8001/"})
+    assert not bad.ok and "ERR_CONNECTION_REFUSED" in (bad.error or "")
+    assert browser.call("search_code", {"pattern": "plan", "glob": "*.py"}).data["total"] >= 1
+
+
+@vm
+def test_browser_tier_events(browser: ht.SyncTask) -> None:
+    events = browser.sink.events
+    assert events[0].kind == "agent.task.started"
+    assert events[0].data["tier"] == "browser" and events[0].data["memory_mib"] == 2048
+    navs = [e.data for e in events if e.kind == "agent.tool.started"
+            and e.data["tool"] == "browser_navigate"]
+    assert navs and navs[0]["summary"] == "http://127.0.0.1:8000/"
