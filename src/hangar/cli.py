@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from hangar.errors import HangarError
+from hangar.ops import cli as ops_cli
 
 app = typer.Typer(help="Hangar: microVM sandboxes for AI agents.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -34,6 +35,8 @@ app.add_typer(files_app, name="files")
 app.add_typer(machine_app, name="machine")
 app.add_typer(snapshot_app, name="snapshot")
 app.add_typer(desktop_app, name="desktop")
+app.add_typer(ops_cli.deploy_app, name="deploy")
+app.command("backup")(ops_cli.backup)
 out = Console()
 err = Console(stderr=True)
 
@@ -101,7 +104,8 @@ def serve(
                     access_log=False)
     else:
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                    log_config=None, access_log=False)
+                    log_config=None, access_log=False, proxy_headers=True,
+                    forwarded_allow_ips=settings.forwarded_allow_ips)
 
 
 @image_app.command("build")
@@ -446,6 +450,12 @@ def doctor(data_dir: DataDir = None) -> None:
     except HangarError:
         image = None
     for line in diagnose(layout, image).lines():
+        print(line)
+    from hangar.ops.checklist import host_checklist, lines
+
+    s = _settings(data_dir)
+    for line in lines(host_checklist(data_dir=layout.root, image=s.default_image,
+                                     bridge=s.net_bridge, host=s.host, port=s.port)):
         print(line)
 
 
