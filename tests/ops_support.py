@@ -7,6 +7,7 @@ each class stops what it started (``stop``), pass or fail.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -124,6 +125,191 @@ http {{
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+SYSTEMD = Path("/lib/systemd/systemd")
+# Units a private systemd must never start: everything sysinit.target would pull in
+# acts on the host (it wipes /tmp, applies sysctls, writes /etc and /var/log).
+MASKED = """sysinit.target basic.target sockets.target timers.target paths.target local-fs.target
+local-fs-pre.target swap.target network.target network-online.target network-pre.target
+cryptsetup.target integritysetup.target veritysetup.target time-set.target
+systemd-journald.service systemd-journald.socket systemd-journald-dev-log.socket
+systemd-journald-audit.socket systemd-journal-flush.service systemd-tmpfiles-setup.service
+systemd-tmpfiles-setup-dev.service systemd-tmpfiles-clean.timer systemd-sysctl.service
+systemd-binfmt.service proc-sys-fs-binfmt_misc.automount proc-sys-fs-binfmt_misc.mount
+systemd-sysusers.service systemd-modules-load.service systemd-remount-fs.service
+systemd-update-utmp.service systemd-random-seed.service systemd-udevd.service
+systemd-udev-trigger.service systemd-ask-password-console.path systemd-ask-password-wall.path
+dev-hugepages.mount dev-mqueue.mount sys-kernel-debug.mount sys-kernel-tracing.mount
+sys-fs-fuse-connections.mount sys-kernel-config.mount tmp.mount nftables.service
+systemd-firstboot.service systemd-machine-id-commit.service ldconfig.service
+systemd-hwdb-update.service systemd-journal-catalog-update.service
+systemd-update-done.service systemd-pstore.service""".split()
+ALLOWED_ACTIVE = {"init.scope", "-.slice", "system.slice", "hangar-test.target"}
+
+RUN_SH = """#!/bin/sh
+# PID 1 of new pid, mount, cgroup, uts and ipc namespaces; nothing mounted here
+# reaches the host. systemd sees private /proc, /run, /tmp, /var/tmp and /var/log.
+set -e
+mount --make-rprivate /
+mount -t proc proc /proc
+for d in /run /tmp /var/tmp /var/log; do mount -t tmpfs -o mode=0755 tmpfs "$d"; done
+chmod 1777 /tmp /var/tmp
+mkdir -p /run/systemd/system
+cp -r "$1"/units/. /run/systemd/system/
+for u in $(cat "$1/masked"); do ln -sf /dev/null "/run/systemd/system/$u"; done
+exec {systemd} --system --unit=hangar-test.target --log-target=null </dev/null >/dev/null 2>&1
+"""
+
+LAUNCH_SH = """#!/bin/sh
+# Move into sub-cgroups of our own (named $2) in every hierarchy, then unshare.
+set -e
+while IFS=: read -r _ ctrl path; do
+  case "$ctrl" in
+    name=systemd) d=/sys/fs/cgroup/systemd ;;
+    "") d=/sys/fs/cgroup/unified; [ -d "$d" ] || d=/sys/fs/cgroup ;;
+    *) d=/sys/fs/cgroup/$ctrl ;;
+  esac
+  [ -d "$d$path" ] || continue
+  mkdir -p "$d$path/$2"
+  if [ -f "$d$path/cpuset.cpus" ] && [ -f "$d$path/$2/cpuset.cpus" ]; then
+    cat "$d$path/cpuset.cpus" > "$d$path/$2/cpuset.cpus"
+    cat "$d$path/cpuset.mems" > "$d$path/$2/cpuset.mems"
+  fi
+  echo $$ > "$d$path/$2/cgroup.procs" || true
+done < /proc/self/cgroup
+exec unshare --pid --fork --mount --cgroup --uts --ipc --propagation private \\
+  env container=hangar-test sh "$1/run.sh" "$1"
+"""
+
+
+class PrivateSystemd:
+    """A real systemd as PID 1 of private namespaces, running only the units given.
+
+    Its /run, /tmp, /var/tmp and /var/log are private tmpfs and every unit that
+    sysinit.target would start is masked, so it touches nothing of the host;
+    ``units`` are copied to its /run/systemd/system. Files it must read live
+    under ``folder`` (outside /tmp). ``stop`` powers it off and removes its cgroups.
+    """
+
+    def __init__(self, folder: Path, units: dict[str, str]) -> None:
+        self.folder = folder
+        self.name = f"hangar-test-{os.getpid()}-{int(time.time())}"
+        (folder / "units").mkdir(parents=True)
+        for name, text in {**units, "hangar-test.target": "[Unit]\nDefaultDependencies=no\n"
+                           }.items():
+            (folder / "units" / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / "units" / name).write_text(text)
+        (folder / "masked").write_text("\n".join(MASKED) + "\n")
+        (folder / "run.sh").write_text(RUN_SH.replace("{systemd}", str(SYSTEMD)))
+        (folder / "launch.sh").write_text(LAUNCH_SH)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pid: int | None = None
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why a private systemd cannot run here, or None."""
+        if os.geteuid() != 0:
+            return "needs root"
+        for tool in ("unshare", "nsenter", "systemctl"):
+            if shutil.which(tool) is None:
+                return f"needs {tool}"
+        if not SYSTEMD.exists():
+            return "needs systemd's binary"
+        if Path("/run/systemd/system").is_dir():
+            return "systemd runs this host: test the unit there instead"
+        return None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["sh", str(self.folder / "launch.sh"), str(self.folder),
+                                      self.name], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.pid is None:
+                self.pid = _child_running(self.proc.pid, SYSTEMD)
+            if self.pid and self.ctl("is-system-running", check=False).stdout.strip() in (
+                    "running", "degraded"):
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError("the private systemd exited at start")
+            time.sleep(0.2)
+        else:
+            self.stop()
+            raise RuntimeError("the private systemd did not come up in 30 s")
+        active = self.active_units()
+        if not active <= ALLOWED_ACTIVE:
+            self.stop()
+            raise RuntimeError(f"the private systemd started more than asked: {active}")
+
+    def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """``systemctl ARGS`` inside."""
+        return self.run("systemctl", *args, check=check)
+
+    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        assert self.pid
+        r = subprocess.run(["nsenter", "-t", str(self.pid), "-m", "-p", "--", *argv],
+                           capture_output=True, text=True, timeout=120)
+        if check and r.returncode != 0:
+            raise AssertionError(f"{' '.join(argv)}: {r.returncode}\n{r.stdout}{r.stderr}")
+        return r
+
+    def active_units(self) -> set[str]:
+        out = self.ctl("list-units", "--no-legend", "--plain", "--state=active",
+                       "--type=service,target,socket,timer,path,scope,slice,automount",
+                       check=False).stdout
+        return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+    def prop(self, unit: str, name: str) -> str:
+        return self.ctl("show", "-p", name, "--value", unit).stdout.strip()
+
+    def stop(self) -> None:
+        if self.pid and self.proc and self.proc.poll() is None:
+            self.run("systemctl", "poweroff", check=False)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.kill(self.pid, signal.SIGKILL)
+                self.proc.wait()
+        for d in _cgroup_dirs(self.name):
+            for sub in sorted((p for p in d.rglob("*") if p.is_dir()),
+                              key=lambda p: -len(p.parts)):
+                sub.rmdir()
+            d.rmdir()
+
+
+def _child_running(parent: int, exe: Path) -> int | None:
+    """The pid of a child of ``parent`` whose program is ``exe``, or None."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == parent and (d / "exe").resolve() == exe.resolve():
+                return int(d.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
+def _cgroup_dirs(name: str) -> list[Path]:
+    """The sub-cgroups ``name`` that launch.sh made beside this process's cgroups."""
+    found = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, ctrl, path = line.split(":", 2)
+        if ctrl == "name=systemd":
+            base = Path("/sys/fs/cgroup/systemd")
+        elif ctrl == "":
+            base = Path("/sys/fs/cgroup/unified")
+            if not base.is_dir():
+                base = Path("/sys/fs/cgroup")
+        else:
+            base = Path("/sys/fs/cgroup") / ctrl
+        d = base / path.lstrip("/") / name
+        if d.is_dir():
+            found.append(d)
+    return found
 
 
 class Sshd:

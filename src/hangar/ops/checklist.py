@@ -235,12 +235,19 @@ def check_server(host: str, port: int) -> Check:
                      "start Hangar: systemctl start hangar (or scripts/install.sh)")
 
 
+def _under(root: Path, p: Path) -> Path:
+    """``p``, with an absolute symlink target taken inside ``root``."""
+    if p.is_symlink() and os.readlink(p).startswith("/"):
+        return root / os.readlink(p).lstrip("/")
+    return p
+
+
 def _hangar_sites(root: Path) -> list[Path]:
     sites = []
     for d in ("etc/nginx/sites-enabled", "etc/nginx/conf.d"):
         for p in sorted((root / d).glob("*")):
-            if SITE_MARK in _read(p):
-                sites.append(p)
+            if SITE_MARK in _read(_under(root, p)):
+                sites.append(_under(root, p))
     return sites
 
 
