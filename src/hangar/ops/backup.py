@@ -55,7 +55,7 @@ def backup_database(database: Path, dest: Path) -> BackupReport:
         dest = dest / default_name()
     if dest.exists():
         raise InvalidRequest(f"{dest} exists already; give a new name")
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.part")
     tmp.unlink(missing_ok=True)
     t0 = time.monotonic()
