@@ -79,6 +79,20 @@ if [ -L "$PREFIX/current" ]; then
   PREV=$(basename "$(readlink "$PREFIX/current")")
 fi
 
+running() {  # running PID: the process exists and is not a zombie
+  local state
+  state=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1) || return 1
+  [ -n "$state" ] && [ "$state" != Z ]
+}
+
+# Without systemd the pid file names the server to stop; one that answers without
+# it (started by hand, or its data folder lost) would keep the port from the new one.
+if [ "$SYSTEMD" = 0 ] && ! { [ -f "$DATA/hangar.pid" ] && running "$(cat "$DATA/hangar.pid")"; } \
+   && python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=3)' \
+        "http://$HOST:$PORT/health" 2>/dev/null; then
+  die "a server answers on $HOST:$PORT but $DATA/hangar.pid does not name it: stop it first (nothing was changed)"
+fi
+
 # 1. Install next to the previous release: its own venv, from the shipped wheels only.
 say "installing Hangar $VERSION into $REL"
 python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
@@ -112,10 +126,11 @@ stop_nohup() {
   local pidfile=$DATA/hangar.pid pid
   [ -f "$pidfile" ] || return 0
   pid=$(cat "$pidfile")
-  if kill -0 "$pid" 2>/dev/null; then
+  if running "$pid"; then
+    echo "stopping the server (pid $pid); its VMs keep running"
     kill -TERM "$pid"
-    for _ in $(seq 120); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-    if kill -0 "$pid" 2>/dev/null; then
+    for _ in $(seq 120); do running "$pid" || break; sleep 0.5; done
+    if running "$pid"; then
       echo "server $pid did not stop in 60 s; killing it (VMs keep running)" >&2
       kill -KILL "$pid"
     fi
@@ -131,6 +146,7 @@ restart() {
     mkdir -p "$DATA"
     setsid nohup "$PREFIX/current/venv/bin/hangar" serve >>"$DATA/hangar.log" 2>&1 </dev/null 9>&- &
     echo $! > "$DATA/hangar.pid"
+    echo "started the server (pid $!, log $DATA/hangar.log)"
   fi
 }
 
@@ -145,7 +161,9 @@ bad_since = None  # an answer that is not 200 for 10 s running fails at once
 while time.monotonic() < deadline:
     if systemd == "0":
         try:
-            os.kill(int(open(os.path.join(data, "hangar.pid")).read()), 0)
+            pid = int(open(os.path.join(data, "hangar.pid")).read())
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                raise ProcessLookupError
         except (OSError, ValueError):
             print(f"the server exited; {seen}", file=sys.stderr)
             sys.exit(1)

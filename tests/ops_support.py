@@ -21,6 +21,25 @@ ROOT = SRC.parent
 SCRIPTS = ROOT / "scripts"
 
 
+def fixed_port() -> int:
+    """A free port below the ephemeral range (32768-60999 on Linux).
+
+    For a server that stops and starts again on the same port: while it is
+    down, another process's free_port() (an ephemeral port) cannot take it.
+    """
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 20000-32000")
+
+
 def wait_port(port: int, proc: subprocess.Popen[bytes] | None = None, timeout: float = 20,
               host: str = "127.0.0.1") -> None:
     """Wait until ``host:port`` accepts connections; fail early if ``proc`` exits."""

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import Server, cleanup, free_port, make_data_dir, vmm_pids
-from ops_support import hangar_cli
+from conftest import Server, cleanup, make_data_dir, vmm_pids
+from ops_support import fixed_port, hangar_cli
 
 vm = pytest.mark.vm
 
@@ -28,7 +28,7 @@ vm = pytest.mark.vm
 @pytest.fixture
 def own_server(base_image: Path) -> Iterator[Server]:
     d = make_data_dir(base_image)
-    srv = Server(d, free_port())
+    srv = Server(d, fixed_port())  # restarted on the same port
     srv.start()
     try:
         yield srv

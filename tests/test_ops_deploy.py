@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import free_port, make_data_dir, vmm_pids
-from ops_support import ROOT, Sshd
+from conftest import make_data_dir, vmm_pids
+from ops_support import ROOT, Sshd, fixed_port
 
 vm = pytest.mark.vm
 pytestmark = pytest.mark.skipif(not Path("/usr/sbin/sshd").exists() or os.geteuid() != 0,
@@ -58,8 +58,8 @@ class Host:
     def server_pid(self) -> int | None:
         try:
             pid = int((self.data / "hangar.pid").read_text())
-            os.kill(pid, 0)
-            return pid
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            return None if state == "Z" else pid  # an exited child not yet reaped
         except (OSError, ValueError):
             return None
 
@@ -95,7 +95,10 @@ def deploy(host: Host, tree: Path) -> subprocess.CompletedProcess[str]:
              "--link", str(host.link), "--health-timeout", "90", "root@127.0.0.1"]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHON": sys.executable})
-    print(r.stdout[-4000:], r.stderr[-4000:], sep="\n")
+    print(r.stdout[-6000:], r.stderr[-6000:], sep="\n")
+    log = host.data / "hangar.log"
+    if r.returncode != 0 and log.exists():
+        print("server log:", log.read_text()[-3000:], sep="\n")
     return r
 
 
@@ -105,7 +108,7 @@ def host(base_image: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     sshd = Sshd(base / "ssh")
     sshd.start()
     data = make_data_dir(base_image)
-    port = free_port()
+    port = fixed_port()  # the server stops and starts on it
     env_file = base / "etc/hangar/hangar.env"
     env_file.parent.mkdir(parents=True)
     env_file.write_text(f"HANGAR_DATA_DIR={data}\nHANGAR_PORT={port}\nHANGAR_POOL_SIZE=0\n"
@@ -199,3 +202,26 @@ def test_failed_health_check_rolls_back(host: Host, running: dict) -> None:
     failed = [p for p in (host.prefix / "releases").iterdir() if (p / "FAILED").exists()]
     assert [p.name.split("-")[0] for p in failed] == ["0.1.0+deploy.3"]
     assert_same_vm(host, running)
+
+
+@vm
+def test_server_the_pid_file_does_not_name_stops_the_deploy(host: Host, tmp_path: Path) -> None:
+    """A server answering on the port without the pid file (started by hand): refused."""
+    pidfile = host.data / "hangar.pid"
+    saved = pidfile.read_text()
+    before = host.current()
+    stage = tmp_path / "stage"
+    (stage / "wheels").mkdir(parents=True)
+    pidfile.unlink()
+    try:
+        r = subprocess.run(["bash", str(ROOT / "scripts/release.sh"), "--stage", str(stage),
+                            "--version", "9.9.9", "--prefix", str(host.prefix),
+                            "--env-file", str(host.env_file), "--link", "none",
+                            "--images", "none"], capture_output=True, text=True, timeout=60)
+    finally:
+        pidfile.write_text(saved)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "does not name it" in r.stderr and "nothing was changed" in r.stderr
+    assert host.current() == before
+    assert not [p for p in (host.prefix / "releases").iterdir() if p.name.startswith("9.9.9")]
+    assert host.health()["status"] == "ok"

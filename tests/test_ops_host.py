@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from conftest import SHARED, SRC, free_port, vmm_pids
-from ops_support import ROOT, SCRIPTS, PrivateSystemd, hangar_cli
+from ops_support import ROOT, SCRIPTS, PrivateSystemd, fixed_port, hangar_cli
 
 vm = pytest.mark.vm
 UNIT = ROOT / "deploy/hangar.service"
@@ -63,7 +63,7 @@ def systemd_host(base_image: Path) -> Iterator[tuple[PrivateSystemd, Path, int]]
     name = f"hangar-systemd-test-{uuid.uuid4().hex[:8]}"
     top = Path("/var/lib") / name  # outside /tmp, which the private systemd hides
     data = top / "data"
-    port = free_port()
+    port = fixed_port()  # the service restarts on it
     env_file = top / "hangar.env"
     top.mkdir(mode=0o700)
     data.mkdir(mode=0o700)

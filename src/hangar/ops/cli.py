@@ -114,7 +114,7 @@ def backup(
 
     layout = Layout(data_dir or _settings().data_dir)
     if dest is None:
-        dest = layout.root / "backups"
+        dest = layout.backups
         dest.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
         report = backup_database(layout.database, dest)
