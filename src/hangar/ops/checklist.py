@@ -39,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hangar.layout import ImagePaths, Layout
+
 OK, NOT_READY, NOT_APPLICABLE = "ok", "not ready", "n/a"
 MODULES = ("kvm", "tun", "vhost_vsock")
 MODULES_FILE = "etc/modules-load.d/hangar.conf"
@@ -196,8 +198,8 @@ def check_data_dir(data_dir: Path) -> Check:
 
 
 def check_image(data_dir: Path, name: str) -> Check:
-    link = data_dir / "images" / name
-    if (link / "manifest.json").is_file():
+    link = Layout(data_dir).image_dir(name)
+    if ImagePaths(link).manifest.is_file():
         return Check("image", OK, f"{name} is built ({os.path.realpath(link)})")
     return Check("image", NOT_READY, f"the {name} image is not built",
                  f"hangar image build {name} (a few minutes; the server also builds it at start)")
@@ -299,9 +301,10 @@ def check_logrotate(root: Path, data_dir: Path) -> Check:
     if _systemd_runs() and root == Path("/"):
         return Check("logrotate", NOT_APPLICABLE, "logs go to the journal (journalctl -u hangar)")
     text = _read(root / LOGROTATE_FILE)
-    if str(data_dir / "hangar.log") in text:
-        return Check("logrotate", OK, f"{data_dir / 'hangar.log'} rotates (/{LOGROTATE_FILE})")
-    return Check("logrotate", NOT_READY, f"nothing rotates {data_dir / 'hangar.log'}",
+    log = Layout(data_dir).server_log
+    if str(log) in text:
+        return Check("logrotate", OK, f"{log} rotates (/{LOGROTATE_FILE})")
+    return Check("logrotate", NOT_READY, f"nothing rotates {log}",
                  "scripts/install.sh installs /etc/logrotate.d/hangar (deploy/logrotate/hangar)")
 
 
