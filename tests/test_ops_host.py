@@ -44,7 +44,8 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     r = verify(UNIT)
     assert r.returncode == 0 and r.stderr.strip() == "" and r.stdout.strip() == "", r.stderr
     text = UNIT.read_text()
-    for line in ("KillMode=process", "Restart=on-failure", "EnvironmentFile=-/etc/hangar/hangar.env",
+    for line in ("KillMode=process", "Restart=on-failure",
+                 "EnvironmentFile=-/etc/hangar/hangar.env",
                  "ExecStart=/usr/local/bin/hangar serve", "WantedBy=multi-user.target"):
         assert re.search(rf"^{re.escape(line)}$", text, re.M), line
     # The check can fail: a misspelt directive and a bad value are reported.

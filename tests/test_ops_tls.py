@@ -105,6 +105,9 @@ def test_site_is_rendered_for_the_domain(proxy: Proxy) -> None:
     bad = hangar_cli("deploy", "nginx", "--domain", "a.example", "--cert", "/x y; z",
                      "--output", "-", check=False)
     assert bad.returncode == 1 and "certificate" in bad.stderr
+    bad = hangar_cli("deploy", "nginx", "--domain", "a.example", "--output",
+                     "/proc/no-such-dir/site", check=False)
+    assert bad.returncode == 1 and "cannot write" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_http_redirects_to_https_but_serves_acme_challenges(proxy: Proxy) -> None:

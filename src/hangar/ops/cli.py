@@ -78,14 +78,17 @@ def deploy_nginx(
         sys.stdout.write(nginx.render(site))
         return
     target = output or SITES_AVAILABLE / "hangar"
-    nginx.write(site, target)
-    typer.echo(f"wrote {target}")
-    if output is None and SITES_ENABLED.is_dir():
-        link = SITES_ENABLED / "hangar"
-        if not link.is_symlink() or os.readlink(link) != str(target):
-            link.unlink(missing_ok=True)
-            link.symlink_to(target)
-            typer.echo(f"enabled it: {link} -> {target}")
+    try:
+        nginx.write(site, target)
+        typer.echo(f"wrote {target}")
+        if output is None and SITES_ENABLED.is_dir():
+            link = SITES_ENABLED / "hangar"
+            if not link.is_symlink() or os.readlink(link) != str(target):
+                link.unlink(missing_ok=True)
+                link.symlink_to(target)
+                typer.echo(f"enabled it: {link} -> {target}")
+    except OSError as exc:
+        _fail(f"cannot write {exc.filename or target}: {exc.strerror or exc} (run as root?)")
     for path in (site.certificate, site.certificate_key):
         if not Path(path).exists():
             typer.echo(f"note: {path} does not exist yet; nginx will not start with this site "

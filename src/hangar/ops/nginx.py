@@ -31,7 +31,8 @@ TEMPLATE = "nginx-site.conf"
 DEFAULT_JSON_LIMIT = 8 << 20
 """Hangar's JSON body cap in bytes when the settings do not say (``max_json_bytes``)."""
 
-_DOMAIN = re.compile(r"^(?=.{1,253}$)(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*$")
+_LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
+_DOMAIN = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
 _UPSTREAM = re.compile(r"^(unix:/[^\s;{}]+|[A-Za-z0-9.-]+:\d{1,5}|\[[0-9A-Fa-f:.]+\]:\d{1,5})$")
 _PATH = re.compile(r"^/[^\s;{}'\"\\]*$")
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
