@@ -5,7 +5,11 @@
 #   scripts/install.sh --desktop   also build the desktop image (Xvfb, Chromium, x11vnc)
 #   scripts/install.sh --dev       also build the dev image (the agent tools' vm tier)
 #   scripts/install.sh --ci        install, build every image, do not start (what CI runs)
-# Idempotent: a second run only starts what is not running.
+#   scripts/install.sh --service   run Hangar as the systemd service hangar.service
+#                                  (deploy/hangar.service) instead of with nohup
+# Idempotent: a second run only starts what is not running. Without --service the
+# server runs with setsid nohup (log: $DATA/hangar.log, rotated by /etc/logrotate.d/hangar;
+# scripts/stop.sh stops it); production hosts: docs/operations.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -15,12 +19,14 @@ START=1
 DESKTOP=0
 DEV=0
 TEST_TOOLS=0
+SERVICE=0
 for arg in "$@"; do
   case "$arg" in
     --no-start) START=0 ;;
     --desktop) DESKTOP=1 ;;
     --dev) DEV=1 ;;
     --ci) START=0; DESKTOP=1; DEV=1; TEST_TOOLS=1 ;;
+    --service) SERVICE=1 ;;
     *) echo "unknown option: $arg" >&2; exit 2 ;;
   esac
 done
@@ -31,11 +37,17 @@ if [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 
-PKGS="qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils lz4 curl nftables iproute2 novnc"
+if [ "$SERVICE" = 1 ] && [ ! -d /run/systemd/system ]; then
+  echo "--service needs systemd, which does not run here; run without it (nohup)" >&2
+  exit 1
+fi
+
+PKGS="qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils lz4 curl nftables iproute2 novnc logrotate"
 # The agent tools' in-process tier runs commands in bubblewrap sandboxes.
 PKGS="$PKGS bubblewrap"
-# The browser tests drive Debian's Chromium (Playwright never downloads its own).
-[ "$TEST_TOOLS" = 1 ] && PKGS="$PKGS chromium"
+# The browser tests drive Debian's Chromium (Playwright never downloads its own); the
+# operations tests run nginx, sshd and openssl, in the foreground on free ports.
+[ "$TEST_TOOLS" = 1 ] && PKGS="$PKGS chromium nginx openssh-server openssl python3-venv"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -43,7 +55,16 @@ done
 if [ -n "$missing" ]; then
   say "installing Debian packages:$missing"
   apt-get update -q
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
+  # Test tools only: their packages must not start daemons (nginx on port 80, sshd on 22).
+  NO_DAEMONS=""
+  if [ "$TEST_TOOLS" = 1 ] && [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+    chmod 755 /usr/sbin/policy-rc.d
+    NO_DAEMONS=/usr/sbin/policy-rc.d
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing \
+    || { [ -z "$NO_DAEMONS" ] || rm -f "$NO_DAEMONS"; exit 1; }
+  [ -z "$NO_DAEMONS" ] || rm -f "$NO_DAEMONS"
 else
   say "Debian packages already installed"
 fi
@@ -72,9 +93,34 @@ if [ "$DEV" = 1 ]; then
   HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build dev
 fi
 
+if [ -d /etc/logrotate.d ]; then
+  sed "s#/var/lib/hangar/#$DATA/#" deploy/logrotate/hangar > /etc/logrotate.d/hangar.new
+  mv /etc/logrotate.d/hangar.new /etc/logrotate.d/hangar
+fi
+
 [ "$START" = 0 ] && exit 0
 
-if [ -f "$DATA/hangar.pid" ] && kill -0 "$(cat "$DATA/hangar.pid")" 2>/dev/null; then
+if [ "$SERVICE" = 1 ]; then
+  say "installing the systemd service hangar.service"
+  if [ -f "$DATA/hangar.pid" ]; then
+    bash scripts/stop.sh  # the nohup server; its sandboxes are adopted by the service
+  fi
+  install -D -m 0644 deploy/hangar.service /etc/systemd/system/hangar.service
+  [ -f /etc/hangar/hangar.env ] || install -D -m 0600 deploy/hangar.env /etc/hangar/hangar.env
+  if [ "$DATA" != /var/lib/hangar ] || [ "$PORT" != 8080 ]; then
+    mkdir -p /etc/systemd/system/hangar.service.d
+    printf '[Service]\nEnvironment=HANGAR_DATA_DIR=%s HANGAR_PORT=%s\nReadWritePaths=%s\n' \
+      "$DATA" "$PORT" "$DATA" > /etc/systemd/system/hangar.service.d/install.conf
+  fi
+  systemctl daemon-reload
+  systemctl enable --quiet hangar.service
+  systemctl restart hangar.service
+  for _ in $(seq 240); do
+    curl -fs "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+    systemctl is-active --quiet hangar.service || { journalctl -u hangar -n 20 --no-pager; exit 1; }
+    sleep 0.5
+  done
+elif [ -f "$DATA/hangar.pid" ] && kill -0 "$(cat "$DATA/hangar.pid")" 2>/dev/null; then
   say "Hangar is already running (pid $(cat "$DATA/hangar.pid"))"
 else
   say "starting Hangar on 127.0.0.1:$PORT (log: $DATA/hangar.log)"

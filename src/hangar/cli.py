@@ -27,6 +27,7 @@ from rich.table import Column, Table
 from hangar.client import Hangar, MachineInfo
 from hangar.cli_key import app as key_app
 from hangar.errors import HangarError
+from hangar.ops import cli as ops_cli
 
 app = typer.Typer(help="Hangar: microVM sandboxes for AI agents.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -42,6 +43,8 @@ app.add_typer(machine_app, name="machine")
 app.add_typer(snapshot_app, name="snapshot")
 app.add_typer(desktop_app, name="desktop")
 app.add_typer(key_app, name="key")
+app.add_typer(ops_cli.deploy_app, name="deploy")
+app.command("backup")(ops_cli.backup)
 out = Console()
 err = Console(stderr=True)
 
@@ -123,7 +126,9 @@ def serve(
     where = f"unix:{settings.uds}" if settings.uds else f"http://{settings.host}:{settings.port}"
     err.print(f"Hangar on {where}  (API key in {layout.api_key_file})")
     where_kw: dict[str, object] = ({"uds": str(settings.uds)} if settings.uds
-                                   else {"host": settings.host, "port": settings.port})
+                                   else {"host": settings.host, "port": settings.port,
+                                         "proxy_headers": True,
+                                         "forwarded_allow_ips": settings.forwarded_allow_ips})
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: object) -> None:
@@ -527,7 +532,6 @@ def doctor(data_dir: DataDir = None) -> None:
     from hangar.engines.doctor import diagnose
     from hangar.images import resolve_image
     from hangar.layout import Layout
-
     from hangar.net import doctor_lines
 
     settings = _settings(data_dir)
@@ -540,6 +544,12 @@ def doctor(data_dir: DataDir = None) -> None:
         print(line)
     for line in doctor_lines(settings.network, user_open=settings.net_user_open,
                              bridge=settings.net_bridge, pool=settings.net_pool):
+        print(line)
+    from hangar.ops.checklist import host_checklist, lines
+
+    for line in lines(host_checklist(data_dir=layout.root, image=settings.default_image,
+                                     bridge=settings.net_bridge, host=settings.host,
+                                     port=settings.port)):
         print(line)
 
 

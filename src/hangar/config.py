@@ -24,6 +24,9 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address the REST API listens on.")
     port: int = Field(8080, description="TCP port of the REST API.")
     uds: Path | None = Field(None, description="Serve on this Unix socket instead of TCP.")
+    forwarded_allow_ips: str = Field(
+        "127.0.0.1", description="Comma-separated addresses (or *) whose X-Forwarded-For and "
+                                 "X-Forwarded-Proto are trusted: the reverse proxy's.")
     engine: Literal["auto", "firecracker", "qemu"] = Field(
         "auto", description="VMM: auto takes Firecracker when its probe boot works, else QEMU.")
     jailer: bool = Field(False, description="Run Firecracker VMMs under its jailer.")

@@ -57,6 +57,9 @@ literals of their own. Everything lives under one data directory
                                 QEMU: state.mig (device state and RAM), disk.qcow2
                                 Firecracker: vmstate, memory, disk.ext4
                                 (see hangar.engines.snapshot_io)
+      backups/                  ``hangar backup``'s default folder (hangar.ops.backup)
+      hangar.pid, hangar.log    the server's pid and log when it runs without systemd
+                                (scripts/install.sh, scripts/release.sh)
 
 Image ids. A build's id is ``<name>-<digest>``, where ``<digest>`` is 12 hex
 digits of the SHA-256 of its bytes (rootfs.ext4, vmlinuz and the modules
@@ -156,6 +159,16 @@ class Layout:
     @property
     def snapshots(self) -> Path:
         return self.root / "snapshots"
+
+    @property
+    def backups(self) -> Path:
+        """Default folder of ``hangar backup``; made (0700) by it, not by ``ensure``."""
+        return self.root / "backups"
+
+    @property
+    def server_log(self) -> Path:
+        """The server's log when it runs without systemd (scripts/install.sh, release.sh)."""
+        return self.root / "hangar.log"
 
     def snapshot(self, snapshot_id: str) -> Path:
         """The directory of one snapshot (``SnapshotPaths`` names its files)."""
