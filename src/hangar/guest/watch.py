@@ -60,6 +60,8 @@ MAX_DIRS = 8192
 """Folders one watch may cover."""
 BATCH = 256
 """Events per DATA frame."""
+MOVE_WAIT_S = 0.05
+"""Seconds to wait for a rename's IN_MOVED_TO after its IN_MOVED_FROM."""
 
 Send = Callable[..., Awaitable[None]]
 _LIBC: Any = None
@@ -92,6 +94,8 @@ class Watcher:
         self.max_dirs = max_dirs
         self.paths: dict[int, str] = {}
         self.capped = False
+        self.pending: dict[int, tuple[str, bool]] = {}
+        """Renames seen from their IN_MOVED_FROM half only, by cookie."""
         st = os.stat(root)  # OSError when missing
         self.root_is_dir = stat.S_ISDIR(st.st_mode)
         self.fd = _check(_libc().inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1")
@@ -150,7 +154,6 @@ class Watcher:
         except BlockingIOError:
             return [], False
         events: list[dict[str, Any]] = []
-        moved: dict[int, tuple[str, bool]] = {}
         gone = False
         off = 0
         while off + EVENT.size <= len(raw):
@@ -185,16 +188,12 @@ class Watcher:
             elif mask & IN_DELETE:
                 events.append(event("delete", path, is_dir))
             elif mask & IN_MOVED_FROM:
-                moved[cookie] = (path, is_dir)
-                events.append({"type": "_from", "cookie": cookie, "path": path,
-                               "is_dir": is_dir, "time": time.time()})
+                self.pending[cookie] = (path, is_dir)
             elif mask & IN_MOVED_TO:
-                if cookie in moved:
-                    old, _ = moved.pop(cookie)
+                if cookie in self.pending:
+                    old, _ = self.pending.pop(cookie)
                     ev = event("move", path, is_dir)
                     ev["old_path"] = old
-                    events = [e for e in events
-                              if not (e["type"] == "_from" and e["cookie"] == cookie)]
                     events.append(ev)
                     if is_dir:
                         self._rename_tree(old, path)
@@ -203,16 +202,16 @@ class Watcher:
                     if is_dir and self.recursive:
                         self._add(path)
                         self._add_tree(path, found=events)
-        out = []
-        for e in events:  # a move whose other half is outside the tree
-            if e["type"] == "_from":
-                out.append(event("delete", e["path"], e["is_dir"]))
-            else:
-                out.append(e)
         if self.capped:
-            out.append(event("overflow", self.root, True))
+            events.append(event("overflow", self.root, True))
             self.capped = False
-        return out, gone
+        return events, gone
+
+    def flush(self) -> list[dict[str, Any]]:
+        """Moves whose other half never came (moved out of the tree) as ``delete`` events."""
+        out = [event("delete", p, d) for p, d in self.pending.values()]
+        self.pending.clear()
+        return out
 
 
 def event(kind: str, path: str, is_dir: bool) -> dict[str, Any]:
@@ -244,6 +243,15 @@ async def run(send: Send, cid: int, inbox: asyncio.Queue[P.Frame], path: str,
                     break
                 ready.clear()
                 events, gone = w.read()
+                if w.pending and not gone:  # a rename's second half may be a read away
+                    try:
+                        await asyncio.wait_for(ready.wait(), MOVE_WAIT_S)
+                        ready.clear()
+                        more, gone = w.read()
+                        events += more
+                    except asyncio.TimeoutError:
+                        pass
+                    events += w.flush()
                 for i in range(0, len(events), BATCH):
                     await send(P.Kind.DATA, cid, {"stream": "watch",
                                                   "events": events[i:i + BATCH]})
