@@ -51,7 +51,8 @@ def ws_connect(url: str, open_timeout: float) -> Any:
     """Open a WebSocket (``websockets``' threading client); its errors pass through."""
     from websockets.sync.client import connect
 
-    return connect(url, open_timeout=open_timeout, max_size=1 << 22, user_agent_header=None)
+    return connect(url, open_timeout=open_timeout, max_size=1 << 22, user_agent_header=None,
+                   legacy=True)  # a connection object, not a context to enter
 
 
 def ws_recv(ws: Any, timeout: float | None) -> str | bytes:

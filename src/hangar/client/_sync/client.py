@@ -549,17 +549,18 @@ class Hangar:
         with ``args`` the program and its arguments. ``cols`` and ``rows`` are
         characters (1..1000); ``grace`` the seconds the session lives without a
         viewer (server default 60). Attach with ``pty_attach``, or use
-        ``terminal`` to do both. Raises NotFound, Conflict, InvalidRequest,
-        LimitExceeded (too many sessions in the sandbox).
+        ``terminal`` to do both. Not retried unless ``retry=True`` (it starts a
+        program; a retried call carries an ``Idempotency-Key``, so it starts
+        once). Raises NotFound, Conflict, InvalidRequest, LimitExceeded (too
+        many sessions in the sandbox).
         """
         body = _core.drop_none(command=command, args=list(args) if args is not None else None,
                                env=dict(env) if env else None, cwd=cwd, cols=cols, rows=rows,
                                grace=grace)
         t = self._t(request_timeout, self.config.timeouts.control)
         return PtySession.model_validate(self._json(
-            "POST", f"/sandboxes/{sandbox_id}/pty", json=body, timeout=t,
-            retry=retry is not False,
-            idempotency_key=idempotency_key or _core.new_idempotency_key()))
+            "POST", f"/sandboxes/{sandbox_id}/pty", json=body, timeout=t, retry=bool(retry),
+            idempotency_key=idempotency_key or (_core.new_idempotency_key() if retry else None)))
 
     def pty_list(self, sandbox_id: str, *, request_timeout: float | None = None,
                        retry: bool | None = None) -> builtins.list[PtySession]:
