@@ -415,3 +415,77 @@ def test_agent_watch_moves_folders_and_the_end(agent_sock: Path, tmp_path: Path)
     assert got[:5] == [("move", "/new"), ("create", "/new/deep"), ("create", "/new/deep/f"),
                        ("modify", "/new/deep/f"), ("delete", "/new/deep/f")], got
     assert got[-1] == ("delete", ""), got
+
+
+# -- the dashboard, in Chromium (last: it deletes the module's sandbox) ------------------------------
+
+SHOT_ENV = "HANGAR_DASHBOARD_SCREENSHOT"
+"""When set, the dashboard test saves a screenshot there (docs/dashboard.png is made so)."""
+
+
+@vm
+def test_dashboard_lists_opens_terminal_and_desktop_and_deletes(server: Server, sdk: Hangar,
+                                                                desk: str) -> None:
+    pytest.importorskip("playwright")
+    for need in (CHROMIUM, "/usr/share/novnc/core/rfb.js", "/usr/share/nodejs/xterm/lib"):
+        if not Path(need).exists():
+            pytest.skip(f"needs Debian's chromium, novnc and node-xterm ({need})")
+    from playwright.sync_api import sync_playwright
+
+    key = server.key
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            urls: list[str] = []
+            page.on("websocket", lambda ws: urls.append(ws.url))
+            page.on("request", lambda r: urls.append(r.url))
+            page.on("dialog", lambda d: d.accept())
+            # Until the ports route exists on the server, the page asks and shows nothing;
+            # here the browser answers for it, to check how the page shows what it gets.
+            page.route("**/ports", lambda route: route.fulfill(json=[
+                {"port": 3000, "public": False, "url": f"/sandboxes/{desk}/ports/3000/"},
+                {"port": 1, "public": True, "url": "javascript:alert(1)"}]))
+            page.goto(server.url + "/ui/")
+            page.fill("#api-key", key)
+            page.click("#key-form button[type=submit]")
+            row = f'tr[data-id="{desk}"]'
+            page.wait_for_selector(row, timeout=30_000)
+            assert "desktop" in page.inner_text(row) and "1024 MiB" in page.inner_text(row)
+            # An agent task shows with its tier, from the live event stream.
+            sdk.publish_event("agent.task.started", desk, task_id="t-dash", name="Dash Runner",
+                              tier="vm")
+            page.wait_for_selector('#tasks tr[data-task="t-dash"] >> text=vm', timeout=30_000)
+            # The terminal: a shell over the PTY WebSocket, typed into like a user.
+            page.click(f'{row} button[data-action="terminal"]')
+            page.wait_for_selector('#terminal-status[data-state="connected"]', timeout=60_000)
+            page.wait_for_function(
+                "() => document.querySelector('#terminal .xterm-rows').textContent.includes('#')",
+                timeout=60_000)
+            page.click("#terminal")
+            page.keyboard.type("echo hi")
+            page.keyboard.press("Enter")
+            page.wait_for_function("""() => [...document.querySelectorAll(
+                '#terminal .xterm-rows > div')].some(r => r.textContent.trim() === 'hi')""",
+                timeout=30_000)
+            links = page.eval_on_selector_all("#ports a", "as => as.map(a => a.href)")
+            assert links == [f"{server.url}/sandboxes/{desk}/ports/3000/"], links
+            shot = os.environ.get(SHOT_ENV)
+            if shot:
+                page.screenshot(path=shot, full_page=True)
+            # The live desktop: noVNC draws the guest's screen.
+            page.click(f'{row} button[data-action="view"]')
+            page.wait_for_selector('#viewer-status[data-state="connected"]', timeout=90_000)
+            page.wait_for_selector("#screen canvas", timeout=30_000)
+            sdk.publish_event("agent.task.ended", desk, task_id="t-dash", reason="done")
+            page.wait_for_selector('#tasks tr[data-task="t-dash"]', state="detached",
+                                   timeout=30_000)
+            # Delete from the page: the sandbox goes, and so does its row.
+            page.click(f'{row} button[data-action="delete"]')
+            page.wait_for_selector(row, state="detached", timeout=120_000)
+            with pytest.raises(NotFound):
+                sdk.get(desk)
+            assert page.evaluate("() => sessionStorage.getItem('hangar.apiKey')") == key
+            assert all(key not in u for u in urls) and any("/pty/" in u for u in urls)
+        finally:
+            browser.close()
