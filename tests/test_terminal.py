@@ -480,11 +480,16 @@ def test_dashboard_lists_opens_terminal_and_desktop_and_deletes(server: Server, 
             sdk.publish_event("agent.task.ended", desk, task_id="t-dash", reason="done")
             page.wait_for_selector('#tasks tr[data-task="t-dash"]', state="detached",
                                    timeout=30_000)
-            # Delete from the page: the sandbox goes, and so does its row.
+            # Delete from the page: the sandbox goes, and so does its row; a terminal and
+            # a file watch still open on it end.
+            left = sdk.terminal(desk)
+            watch = sdk.watch_files(desk, "/root").open()
             page.click(f'{row} button[data-action="delete"]')
             page.wait_for_selector(row, state="detached", timeout=120_000)
             with pytest.raises(NotFound):
                 sdk.get(desk)
+            assert left.wait(60) is None  # no exit code: the guest went away
+            assert list(watch) == []
             assert page.evaluate("() => sessionStorage.getItem('hangar.apiKey')") == key
             assert all(key not in u for u in urls) and any("/pty/" in u for u in urls)
         finally:

@@ -217,6 +217,11 @@ class Terminals:
         t._task = asyncio.create_task(self._run(t, meta, started), name=f"pty {t.id}")
         try:
             await asyncio.shield(started)
+        except asyncio.CancelledError:
+            # The caller went away; the program may start anyway. With no viewer, the
+            # sweep hangs it up after its grace period.
+            self._ensure_sweeper()
+            raise
         except BaseException:
             self._sessions.pop(t.id, None)
             raise
@@ -248,6 +253,8 @@ class Terminals:
         except BaseException as exc:
             if not started.done():
                 started.set_exception(exc)
+                started.exception()  # retrieved: nobody may be awaiting it any more
+                t.ended = True
                 return
             if not isinstance(exc, HangarError):
                 log.error("terminal session failed", extra={"sandbox_id": t.sandbox_id,

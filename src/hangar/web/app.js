@@ -354,6 +354,8 @@ function describe(ev) {
     case "agent.task.started": return `task ${d.name || d.task_id} started (${d.tier})`;
     case "agent.task.ended": return `task ${d.name || d.task_id} ended: ${d.reason || ""}`;
     case "agent.tool.started": return `tool ${d.tool}: ${d.summary || ""}`;
+    case "pty.opened": return `terminal ${d.session} opened (${d.program})`;
+    case "pty.closed": return `terminal ${d.session} closed: exit ${d.exit_code}`;
     default: return ev.kind;
   }
 }
