@@ -315,7 +315,7 @@ def test_watch_reports_create_modify_delete_in_order_within_a_second(sdk: Hangar
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
-# -- the agent's operations on this host (no VM) -----------------------------------------------------
+# -- the agent's operations on this host (no VM) -------------------------------------------------
 
 
 @pytest.fixture
@@ -417,7 +417,7 @@ def test_agent_watch_moves_folders_and_the_end(agent_sock: Path, tmp_path: Path)
     assert got[-1] == ("delete", ""), got
 
 
-# -- the dashboard, in Chromium (last: it deletes the module's sandbox) ------------------------------
+# -- the dashboard, in Chromium (last: it deletes the module's sandbox) ------------------------
 
 SHOT_ENV = "HANGAR_DASHBOARD_SCREENSHOT"
 """When set, the dashboard test saves a screenshot there (docs/dashboard.png is made so)."""

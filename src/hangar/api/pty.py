@@ -2,12 +2,10 @@
 
 Flow::
 
-    client ──POST /sandboxes/{id}/pty (X-API-Key) {"cols", "rows", ...}──► {"id": "pty-…"}
-    client ──POST /sandboxes/{id}/pty/{session}/tickets (X-API-Key)──────► {"ticket", "url"}
-    client ══WebSocket /sandboxes/{id}/pty/{session}?ticket=…[&offset=N]═► this module
-                                                                            │ hangar.core.terminals
-                                                                            ▼
-                                               guest: the agent's ``pty`` op (hangar.guest.terminal)
+    POST /sandboxes/{id}/pty {"cols", "rows", ...} (X-API-Key)        → {"id": "pty-…"}
+    POST /sandboxes/{id}/pty/{session}/tickets (X-API-Key)            → {"ticket", "url"}
+    WebSocket /sandboxes/{id}/pty/{session}?ticket=…[&offset=N]       → this module
+        → hangar.core.terminals → the guest agent's ``pty`` op (hangar.guest.terminal)
 
 Messages on the WebSocket:
 
