@@ -86,6 +86,8 @@ class Terminal:
     delivered: int = 0
     """Offset up to which output was sent to some viewer."""
     exit_delivered: bool = False
+    hung_up: bool = False
+    """Asked to end (closed, expired, server stopping), maybe before its program started."""
     _ring: bytearray = field(default_factory=bytearray)
     _base: int = 0
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -166,6 +168,7 @@ class Terminal:
             await self._channel.resize(cols, rows)
 
     async def hang_up(self) -> None:
+        self.hung_up = True
         if self._channel is not None and not self.ended:
             await self._channel.hang_up()
 
@@ -235,6 +238,8 @@ class Terminals:
                 ch = await agent.open_pty(meta)
                 t._channel, t.pid = ch, ch.pid
                 started.set_result(None)
+                if t.hung_up:  # closed while it was starting
+                    await ch.hang_up()
                 try:
                     self._publish("pty.opened", t.sandbox_id, session=t.id, program=t.kind)
                     while True:
