@@ -60,7 +60,7 @@ MAX_DIRS = 8192
 """Folders one watch may cover."""
 BATCH = 256
 """Events per DATA frame."""
-MOVE_WAIT_S = 0.05
+MOVE_WAIT_S = 0.1
 """Seconds to wait for a rename's IN_MOVED_TO after its IN_MOVED_FROM."""
 
 Send = Callable[..., Awaitable[None]]
@@ -244,13 +244,17 @@ async def run(send: Send, cid: int, inbox: asyncio.Queue[P.Frame], path: str,
                 ready.clear()
                 events, gone = w.read()
                 if w.pending and not gone:  # a rename's second half may be a read away
-                    try:
-                        await asyncio.wait_for(ready.wait(), MOVE_WAIT_S)
+                    deadline = loop.time() + MOVE_WAIT_S
+                    while True:
+                        more, gone = w.read()  # non-blocking: also after a timeout, since
+                        events += more         # a stalled guest's clock may jump past it
+                        if gone or not w.pending or loop.time() >= deadline:
+                            break
+                        try:
+                            await asyncio.wait_for(ready.wait(), deadline - loop.time())
+                        except asyncio.TimeoutError:
+                            pass
                         ready.clear()
-                        more, gone = w.read()
-                        events += more
-                    except asyncio.TimeoutError:
-                        pass
                     events += w.flush()
                 for i in range(0, len(events), BATCH):
                     await send(P.Kind.DATA, cid, {"stream": "watch",
