@@ -22,7 +22,7 @@ import unasync
 ROOT = Path(__file__).resolve().parents[1]
 ASYNC = ROOT / "src/hangar/client/_async"
 SYNC = ROOT / "src/hangar/client/_sync"
-FILES = ["client.py", "monitor.py", "objects.py"]
+FILES = ["client.py", "monitor.py", "objects.py", "streams.py"]
 REPLACEMENTS = {
     "_async": "_sync",
     "AsyncHangar": "Hangar",
@@ -31,6 +31,9 @@ REPLACEMENTS = {
     "AsyncFiles": "Files",
     "AsyncDesktop": "Desktop",
     "AsyncHealthMonitor": "HealthMonitor",
+    "AsyncTerminal": "Terminal",
+    "AsyncFileWatch": "FileWatch",
+    "anext": "next",
     "AsyncClient": "Client",
     "aiter_sse": "iter_sse",
     "aiter_lines": "iter_lines",

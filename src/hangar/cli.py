@@ -4,7 +4,7 @@ Server side: ``hangar serve``, ``hangar image build|ls|gc``, ``hangar doctor``,
 ``hangar key``, ``hangar mcp`` (the agent tools of ``hangar.tools`` over MCP).
 Client side (talks to a server at ``HANGAR_URL`` with ``HANGAR_API_KEY`` or
 the key file), through the public SDK (``hangar.client``) only: ``create``,
-``ls``, ``exec``, ``rm``, ``ttl``, ``status``, ``events``, ``files``,
+``ls``, ``exec``, ``shell``, ``rm``, ``ttl``, ``status``, ``events``, ``files``,
 ``snapshot``, ``machine``, ``desktop``.
 Errors print one line and exit 1; ``exec`` exits with the command's code.
 """
@@ -297,6 +297,24 @@ def exec_(
                 if ev.timed_out:
                     err.print("[yellow]command timed out[/yellow]")
                 code = ev.exit_code if ev.exit_code is not None else 1
+    raise typer.Exit(code)
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def shell(
+    sandbox_id: str,
+    command: Annotated[Optional[list[str]], typer.Argument(
+        help="Run this instead of a login shell; one argument is a shell string.")] = None,
+    cwd: Annotated[Optional[str], typer.Option()] = None,
+) -> None:
+    """Open an interactive terminal in the sandbox; exits with the shell's exit code."""
+    from hangar import cli_shell
+
+    if command and command[0] == "--":
+        command = command[1:]
+    cmd = None if not command else command[0] if len(command) == 1 else shlex.join(command)
+    with _sdk() as h:
+        code = cli_shell.run(h, sandbox_id, cmd, cwd)
     raise typer.Exit(code)
 
 

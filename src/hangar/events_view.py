@@ -158,6 +158,10 @@ class EventView:
             return sid, f"restored to {d.get('snapshot_id', '?')}"
         if k == "snapshot.forked":
             return sid, f"forked from {d.get('snapshot_id', '?')}"
+        if k == "pty.opened":
+            return sid, f"terminal {d.get('session', '?')} opened ({d.get('program', 'shell')})"
+        if k == "pty.closed":
+            return sid, f"terminal {d.get('session', '?')} closed: exit {d.get('exit_code')}"
         if k.startswith("agent."):
             return self._agent(ev)
         return sid, f"{k} {json.dumps(d, separators=(',', ':'))[:200]}"

@@ -3,18 +3,22 @@
 Fields: ``ts`` (Unix seconds), ``level``, ``logger``, ``event`` (the
 message) and whatever ``extra=`` carried (``sandbox_id``, ``duration_s``,
 ...). Keys that could carry a secret or file contents are dropped, so a
-careless ``extra`` cannot leak them.
+careless ``extra`` cannot leak them, and the value of a ``ticket=`` query
+parameter (a WebSocket's single-use ticket, which uvicorn logs with the
+path it upgrades) is replaced by ``***``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 
 REDACT = {"api_key", "key", "x-api-key", "authorization", "token", "secret", "password",
           "content", "data", "stdin", "env"}
+TICKET = re.compile(r"([?&]ticket=)[^&\s\"']+")
 _STD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
 
@@ -24,7 +28,7 @@ class JsonFormatter(logging.Formatter):
             "ts": round(record.created, 3),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "event": record.getMessage(),
+            "event": TICKET.sub(r"\1***", record.getMessage()),
         }
         for key, value in vars(record).items():
             if key in _STD or key.startswith("_") or key.lower() in REDACT:

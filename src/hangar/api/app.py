@@ -9,8 +9,8 @@ from fastapi import Depends, FastAPI
 
 from hangar import __version__
 from hangar.api import (
-    desktop, errors, events, files, health, machines, pool, sandboxes, snapshots, tunnel, vnc,
-    web,
+    desktop, errors, events, files, health, machines, pool, pty, sandboxes, snapshots, tunnel,
+    vnc, web,
 )
 from hangar.api.auth import KeyRing, Throttle, require_key
 from hangar.api.idempotency import IdempotencyMiddleware
@@ -83,6 +83,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(vnc.router, dependencies=keyed)
     app.include_router(vnc.ws_router)  # authenticated by single-use ticket, not key
     app.include_router(tunnel.router)  # checks X-API-Key itself (a WebSocket route)
+    app.include_router(pty.router, dependencies=keyed)
+    app.include_router(pty.ws_router)  # authenticated by single-use ticket, not key
     web.install(app)  # the web page and noVNC: static files, no key (the page asks for it)
     app.include_router(snapshots.router, dependencies=keyed)
     app.include_router(machines.listing, dependencies=keyed)

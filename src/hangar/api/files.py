@@ -1,21 +1,37 @@
-"""``/sandboxes/{id}/files``: raw-byte read and write, list, stat, mkdir, remove.
+"""``/sandboxes/{id}/files``: raw-byte read and write, list, stat, mkdir, remove, watch.
 
 ``PUT`` and ``GET /sandboxes/{id}/files?path=...`` carry the file's raw
 bytes (``application/octet-stream``), streamed in both directions; writes
 are atomic in the guest (temp file, fsync, rename). Relative paths start
 at ``/root``.
+
+``GET /sandboxes/{id}/files/watch?path=...&recursive=true`` streams changes
+(inotify in the guest, ``hangar.guest.watch``) as they happen, one
+``FileEvent`` each: Server-Sent Events by default (``data: {...}`` per
+event, a ``: keep-alive`` comment after ``KEEPALIVE_S`` s of quiet), or
+NDJSON with ``format=ndjson`` or ``Accept: application/x-ndjson`` (one
+JSON object per line, an empty line as keep-alive). The answer starts
+only once the watch is in place, so every change made after the response
+headers arrive is reported; a missing path is a 404 before any stream.
+The stream ends when the watched path itself is removed (after its
+``delete`` event) or the client goes away; the sandbox counts as busy
+meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from hangar.api.deps import manager
 from hangar.api.models import FileEntry, FileList, PathBody, WriteResult
+from hangar.errors import HangarError
+from hangar.schemas import FileEvent
 from hangar.core.sandboxes import SandboxManager
 
 router = APIRouter(prefix="/sandboxes/{sandbox_id}/files", tags=["files"])
@@ -24,6 +40,8 @@ RAW_BODY = [("PUT", router.prefix)]
 """Routes whose body is streamed to the guest, not bound by the JSON body limit
 (``hangar.api.limits``)."""
 PathQ = Annotated[str, Query(min_length=1, max_length=4096, description="Path in the guest.")]
+KEEPALIVE_S = 15.0
+"""Seconds of quiet before a watch stream sends a keep-alive."""
 
 
 @router.get("", response_class=StreamingResponse, summary="Read a file's raw bytes",
@@ -77,3 +95,64 @@ async def mkdir(sandbox_id: str, body: PathBody, m: Manager) -> FileEntry:
 async def remove(sandbox_id: str, path: PathQ, m: Manager, recursive: bool = False) -> Response:
     await m.file_op(sandbox_id, "remove", path=path, recursive=recursive)
     return Response(status_code=204)
+
+
+@router.get("/watch", response_class=StreamingResponse,
+            summary="Stream file changes under a path (create, modify, delete, move)",
+            responses={200: {"content": {"text/event-stream": {}, "application/x-ndjson": {}},
+                             "description": "One FileEvent per SSE message or NDJSON line."}})
+async def watch(sandbox_id: str, path: PathQ, m: Manager,
+                recursive: Annotated[bool, Query(description="Watch every folder below too.")]
+                = False,
+                format: Annotated[Literal["sse", "ndjson"] | None, Query(
+                    description="sse (default) or ndjson.")] = None,
+                accept: Annotated[str | None, Header(max_length=1000)] = None,
+                ) -> StreamingResponse:
+    fmt = format or ("ndjson" if "application/x-ndjson" in (accept or "") else "sse")
+    batches = m.watch(sandbox_id, path, recursive)
+    try:
+        await anext(batches)  # the watch is in place (or its error is this answer's)
+    except BaseException:
+        await batches.aclose()
+        raise
+    queue: asyncio.Queue[list[dict[str, Any]] | None] = asyncio.Queue(maxsize=64)
+
+    async def pump() -> None:
+        try:
+            async for batch in batches:
+                await queue.put(batch)
+        except HangarError:  # the guest went away: the stream ends
+            pass
+        finally:
+            await batches.aclose()
+        await queue.put(None)
+
+    async def body() -> AsyncIterator[bytes]:
+        task = asyncio.create_task(pump())
+        try:
+            if fmt == "sse":
+                yield b"retry: 1000\n\n"
+            while True:
+                try:
+                    batch = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    yield b": keep-alive\n\n" if fmt == "sse" else b"\n"
+                    continue
+                if batch is None:
+                    return
+                out = []
+                for e in batch:
+                    try:
+                        line = FileEvent.model_validate(e).model_dump_json(exclude_none=True)
+                    except ValueError:
+                        continue
+                    out.append(f"data: {line}\n\n" if fmt == "sse" else line + "\n")
+                if out:
+                    yield "".join(out).encode()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    media = "text/event-stream" if fmt == "sse" else "application/x-ndjson"
+    return StreamingResponse(body(), media_type=media, headers={
+        "Cache-Control": "no-store", "X-Accel-Buffering": "no"})

@@ -10,21 +10,10 @@ Flow::
 
 Security model:
 
-* The API key never appears in a URL. A browser cannot set headers on a
-  WebSocket, so it first trades its key (header) for a **ticket**: 32
-  random bytes, valid for ``TICKET_TTL_S`` seconds, for one sandbox, and
-  **single use** (redeemed, i.e. deleted, by the first upgrade that shows
-  it, whatever happens next). Tickets live in this process's memory only,
-  stored under their SHA-256.
-* The upgrade is refused with **403** when an ``Origin`` header is present
-  and is not the server's own (``http(s)://`` + the Host header) or one of
-  ``HANGAR_VNC_ORIGINS`` (comma-separated, e.g.
-  ``https://hangar.example.com``); ``Origin: null`` is refused. Clients
-  that send no Origin (not browsers) are judged by their ticket alone.
-  Then **401** for a missing, unknown, expired, reused or other-sandbox
-  ticket; 404/409/410 for a sandbox that is gone, not running or has no
-  desktop. Refusals are real HTTP responses (the ASGI WebSocket denial
-  response extension) with Hangar's JSON error body.
+* The API key never appears in a URL: the browser trades it for a
+  single-use ticket of scope ``vnc`` (``hangar.api.tickets``: tickets,
+  the Origin check, 403 and 401 refusals), then 404/409/410 for a sandbox
+  that is gone, not running or has no desktop.
 * x11vnc in the guest has no password and listens on the guest's loopback
   only (see ``hangar.guest.desktop``); the ticket is the authentication.
   Every viewer gets its own tunnel and x11vnc connection (x11vnc runs
@@ -42,24 +31,21 @@ Security model:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import os
-import secrets
 import struct
-import time
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
-from fastapi import APIRouter, Depends, FastAPI, Request, WebSocket
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, Request, WebSocket
 from pydantic import ConfigDict, Field
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from hangar.api.deps import manager
 from hangar.api.desktop import desktop_for
 from hangar.api.models import RequestBody
+from hangar.api.tickets import (  # noqa: F401  (re-exported: vnc.TicketBook, vnc.deny)
+    ORIGINS_ENV, TICKET_TTL_S, Ticket, TicketBook, admit, allowed_origins, deny, tickets,
+)
 from hangar.core.sandboxes import SandboxManager
 from hangar.engines.agent_client import Tunnel
 from hangar.errors import HangarError, NotFound
@@ -67,68 +53,14 @@ from hangar.schemas import VncTicket as TicketResponse
 
 log = logging.getLogger("hangar.vnc")
 
-TICKET_TTL_S = 30.0
-"""Seconds a ticket stays valid."""
 VNC_PORT = 5900
 VNC_READY_TIMEOUT_S = 60.0
 """Seconds an upgrade waits for x11vnc in a freshly booted sandbox."""
-ORIGINS_ENV = "HANGAR_VNC_ORIGINS"
 
 router = APIRouter(prefix="/sandboxes", tags=["desktop"])
 """Routes that need the API key (the ticket issuer)."""
 ws_router = APIRouter(prefix="/sandboxes", tags=["desktop"])
 """The WebSocket route, authenticated by ticket instead of key."""
-
-
-# ---------------------------------------------------------------------------------------------
-# tickets
-
-
-@dataclass(frozen=True)
-class Ticket:
-    sandbox_id: str
-    view_only: bool
-    expires_at: float
-    """Unix time, seconds."""
-
-
-class TicketBook:
-    """Single-use, short-lived tickets, kept in memory by their SHA-256."""
-
-    def __init__(self, ttl_s: float = TICKET_TTL_S) -> None:
-        self.ttl_s = ttl_s
-        self._tickets: dict[bytes, Ticket] = {}
-
-    @staticmethod
-    def _key(token: str) -> bytes:
-        return hashlib.sha256(token.encode()).digest()
-
-    def issue(self, sandbox_id: str, view_only: bool) -> tuple[str, Ticket]:
-        """A new ticket (urlsafe text) for one upgrade to ``sandbox_id``'s VNC."""
-        now = time.time()
-        for k in [k for k, t in self._tickets.items() if t.expires_at <= now]:
-            del self._tickets[k]
-        token = secrets.token_urlsafe(32)
-        ticket = Ticket(sandbox_id, view_only, now + self.ttl_s)
-        self._tickets[self._key(token)] = ticket
-        return token, ticket
-
-    def redeem(self, token: str, sandbox_id: str) -> Ticket | None:
-        """Use up ``token``: its ticket if valid for ``sandbox_id`` and not expired, else None.
-
-        The ticket is gone afterwards either way.
-        """
-        ticket = self._tickets.pop(self._key(token), None)
-        if ticket is None or ticket.expires_at <= time.time() or ticket.sandbox_id != sandbox_id:
-            return None
-        return ticket
-
-
-def tickets(app: FastAPI) -> TicketBook:
-    book: TicketBook | None = getattr(app.state, "vnc_tickets", None)
-    if book is None:
-        book = app.state.vnc_tickets = TicketBook()
-    return book
 
 
 class TicketRequest(RequestBody):
@@ -283,38 +215,11 @@ class RfbClientFilter:
 # the WebSocket
 
 
-def allowed_origins(ws: WebSocket) -> set[str]:
-    """The server's own origins (from the Host header) plus ``HANGAR_VNC_ORIGINS``."""
-    host = ws.headers.get("host", "")
-    own = {f"http://{host}", f"https://{host}"} if host else set()
-    extra = {o.strip().rstrip("/") for o in os.environ.get(ORIGINS_ENV, "").split(",")}
-    return {o.lower() for o in own | extra if o}
-
-
-async def deny(ws: WebSocket, status: int, code: str, message: str) -> None:
-    """Refuse an upgrade with an HTTP status and Hangar's JSON error body."""
-    if "websocket.http.response" in ws.scope.get("extensions", {}):
-        await ws.send_denial_response(JSONResponse(
-            {"error": {"code": code, "message": message}}, status_code=status))
-    else:  # the server cannot send a body: a close before accept is a 403
-        await ws.close(code=1008, reason=message[:120])
-
-
 @ws_router.websocket("/{sandbox_id}/vnc")
 async def vnc(ws: WebSocket, sandbox_id: str, ticket: str | None = None) -> None:
     """Proxy RFB between the viewer and the guest's x11vnc (see the module docstring)."""
-    origin = ws.headers.get("origin")
-    if origin is not None and origin.lower().rstrip("/") not in allowed_origins(ws):
-        await deny(ws, 403, "forbidden", f"origin {origin} may not open the live desktop")
-        return
-    if not ticket:
-        await deny(ws, 401, "unauthorized",
-                   "a ticket is needed: POST /sandboxes/{id}/vnc/tickets with X-API-Key")
-        return
-    t = tickets(ws.app).redeem(ticket, sandbox_id)
+    t = await admit(ws, sandbox_id, "vnc", ticket, "POST /sandboxes/{id}/vnc/tickets")
     if t is None:
-        await deny(ws, 401, "unauthorized", "the ticket is unknown, expired, used or for "
-                                            "another sandbox; get a new one")
         return
     m: SandboxManager = ws.app.state.manager
     stack = AsyncExitStack()

@@ -1,16 +1,30 @@
-"""The web page: ``/ui/`` (Hangar's page) and ``/novnc/`` (noVNC), static files.
+"""The dashboard: ``/ui/`` (Hangar's page), ``/novnc/`` (noVNC) and ``/xterm/`` (xterm.js).
 
-``/`` redirects to ``/ui/``. The page lists the sandboxes and shows a live
-desktop. Neither path needs the API key: they serve only static files. The
-page asks the user for the key, keeps it in ``sessionStorage`` (gone when
-the tab closes) and sends it as the ``X-API-Key`` header on every API call;
-it never puts the key in a URL. For the live view it asks the API for a
-single-use VNC ticket (``hangar.api.vnc``) and gives noVNC the WebSocket URL
-with that ticket.
+``/`` redirects to ``/ui/``. The page shows sandboxes, machines, snapshots,
+the pool, live events and agent tasks, and per sandbox a terminal, the live
+desktop and exposed ports. None of these paths needs the API key: they
+serve only static files. The page asks the user for the key, keeps it in
+``sessionStorage`` (gone when the tab closes) and sends it as the
+``X-API-Key`` header on every API call, the event stream included (read
+with ``fetch``, since ``EventSource`` cannot send headers); it never puts
+the key in a URL. For the live desktop and the terminal it asks the API for
+a single-use ticket (``hangar.api.tickets``) and opens the WebSocket with
+that ticket.
 
 noVNC comes from Debian's ``novnc`` package (``/usr/share/novnc``, version
 1.3: ES modules under ``core/``), or from ``HANGAR_NOVNC_DIR``. Without it
 ``/novnc/`` answers 404 with a hint, and the rest of the page still works.
+
+xterm.js comes from Debian's ``node-xterm`` (``/usr/share/nodejs/xterm/lib``,
+version 3.8: CommonJS modules) and ``libjs-xterm`` (its stylesheet and the
+``fit`` addon), or ``HANGAR_XTERM_DIR`` (a folder holding ``lib/``,
+``xterm.css`` and ``addons/fit/fit.js``). Debian 12's browser bundle of it
+(``libjs-xterm``'s ``xterm.js``) is an unbundled stub that only ``require``s
+``./public/Terminal``, so ``/xterm/xterm.js`` is made here once per process
+from the CommonJS modules: each wrapped in a function, joined with a
+20-line ``require`` and exported as an ES module (``Terminal``, ``fit``).
+Without the packages ``/xterm/`` answers 404 with a hint and the page shows
+no terminal.
 
 Every response of these paths carries a strict Content-Security-Policy
 (scripts, styles, images and connections from this origin only; WebSocket
@@ -20,7 +34,9 @@ and ``X-Content-Type-Options: nosniff``.
 
 from __future__ import annotations
 
+import json
 import os
+from functools import cache
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -34,6 +50,11 @@ WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 """Hangar's page: index.html, app.js, style.css."""
 NOVNC_DIRS = (Path("/usr/share/novnc"),)
 NOVNC_ENV = "HANGAR_NOVNC_DIR"
+XTERM_ENV = "HANGAR_XTERM_DIR"
+XTERM_LIB = Path("/usr/share/nodejs/xterm/lib")
+"""node-xterm's CommonJS modules."""
+XTERM_WEB = Path("/usr/share/javascript/xterm")
+"""libjs-xterm: xterm.css and addons/fit/fit.js."""
 
 SECURITY_HEADERS = {
     "Content-Security-Policy": (
@@ -54,6 +75,56 @@ def novnc_dir() -> Path | None:
         if (d / "core" / "rfb.js").is_file():
             return d
     return None
+
+
+def xterm_files() -> tuple[Path, Path, Path] | None:
+    """(lib folder, xterm.css, fit.js) of xterm.js, or None when not installed."""
+    env = os.environ.get(XTERM_ENV)
+    lib, web = (Path(env) / "lib", Path(env)) if env else (XTERM_LIB, XTERM_WEB)
+    css, fit = web / "xterm.css", web / "addons" / "fit" / "fit.js"
+    if (lib / "public" / "Terminal.js").is_file() and css.is_file() and fit.is_file():
+        return lib, css, fit
+    return None
+
+
+LOADER = """
+const cache = {};
+function resolve(from, spec) {
+  const parts = from.split("/");
+  parts.pop();
+  for (const p of spec.split("/")) {
+    if (p === "..") parts.pop(); else if (p !== ".") parts.push(p);
+  }
+  return parts.join("/").replace(/\\.js$/, "");
+}
+function load(id) {
+  if (cache[id]) return cache[id].exports;
+  if (!modules[id]) throw new Error("xterm bundle: no module " + id);
+  const module = { exports: {} };
+  cache[id] = module;
+  modules[id].call(module.exports, (spec) => load(resolve(id, spec)), module, module.exports);
+  return module.exports;
+}
+export const Terminal = load("public/Terminal").Terminal;
+export const fit = load("addons/fit/fit").fit;
+"""
+
+
+def xterm_bundle(lib: Path, fit: Path) -> bytes:
+    """xterm.js as one ES module made from node-xterm's CommonJS files (see the module
+    docstring); tests (``*.test.js``) left out."""
+    sources = {p.relative_to(lib).with_suffix("").as_posix(): p
+               for p in sorted(lib.rglob("*.js")) if not p.name.endswith(".test.js")}
+    sources["addons/fit/fit"] = fit
+    parts = ["// xterm.js from Debian's node-xterm and libjs-xterm, joined by Hangar.\n",
+             "const modules = {\n"]
+    for name, path in sources.items():
+        parts.append(f"{json.dumps(name)}: function (require, module, exports) {{\n")
+        parts.append(path.read_text(encoding="utf-8"))
+        parts.append("\n},\n")
+    parts.append("};\n")
+    parts.append(LOADER)
+    return "".join(parts).encode()
 
 
 class SecureStatic(StaticFiles):
@@ -86,3 +157,22 @@ def install(app: FastAPI) -> None:
         async def no_novnc(path: str, request: Request) -> Response:
             return error_response(404, "not_found", "noVNC is not installed on this server: "
                                   "apt-get install novnc (or set HANGAR_NOVNC_DIR)")
+
+    found = xterm_files()
+
+    @cache
+    def bundle() -> bytes:
+        assert found is not None
+        return xterm_bundle(found[0], found[2])
+
+    @app.get("/xterm/{name}", include_in_schema=False)
+    async def xterm(name: str) -> Response:
+        if found is None:
+            return error_response(404, "not_found", "xterm.js is not installed on this server: "
+                                  "apt-get install node-xterm (or set HANGAR_XTERM_DIR)")
+        if name == "xterm.js":
+            return Response(bundle(), media_type="text/javascript", headers=SECURITY_HEADERS)
+        if name == "xterm.css":
+            return Response(found[1].read_bytes(), media_type="text/css",
+                            headers=SECURITY_HEADERS)
+        return error_response(404, "not_found", f"no file {name[:100]} under /xterm/")

@@ -252,3 +252,41 @@ def exec_body(command: str, args: list[str] | None, env: Mapping[str, str] | Non
         body["show_command"] = True
     return body
 
+
+
+# -- WebSockets -------------------------------------------------------------------------------
+
+
+def ws_url(base_url: str, path: str, offset: int | None = None) -> str:
+    """The ``ws(s)://`` URL of ``path`` (which may hold a query) on the server at
+    ``base_url``, with ``offset=`` appended when given."""
+    scheme, _, rest = base_url.partition("://")
+    url = ("wss" if scheme == "https" else "ws") + "://" + rest + path
+    if offset is not None:
+        url += ("&" if "?" in url else "?") + f"offset={int(offset)}"
+    return url
+
+
+def ws_error(url: str, exc: BaseException) -> HangarError:
+    """The ``hangar.errors`` instance for a WebSocket that was refused or broke.
+
+    A refused upgrade carries Hangar's HTTP error (``websockets``'
+    ``InvalidStatus``); a closed connection becomes ``Unavailable`` with the
+    close code and reason in its context.
+    """
+    if isinstance(exc, HangarError):
+        return exc
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    if isinstance(status, int):
+        headers = getattr(response, "headers", None)
+        raw = list(headers.raw_items()) if headers is not None and hasattr(
+            headers, "raw_items") else []
+        return error_for(httpx.Response(status, content=getattr(response, "body", b"") or b"",
+                                        headers=raw))
+    rcvd = getattr(exc, "rcvd", None)
+    if rcvd is not None:
+        return Unavailable(f"the WebSocket to {url} was closed: {rcvd.code} {rcvd.reason}",
+                           outcome_unknown=True, close_code=rcvd.code)
+    detail = str(exc) or type(exc).__name__
+    return Unavailable(f"the WebSocket to {url} failed: {detail}", outcome_unknown=True)

@@ -155,6 +155,24 @@ class GuestCalls:
         async with self.using(sandbox_id) as agent:
             return await agent.call(op, **meta)
 
+    async def watch(self, sandbox_id: str, path: str,
+                    recursive: bool = False) -> AsyncIterator[list[dict[str, Any]]]:
+        """Watch ``path`` in the guest: first an empty batch once the watch is in place, then
+        batches of events (``hangar.guest.watch``) until the caller closes the iterator or
+        the path goes away. The sandbox is busy meanwhile.
+
+        Raises NotFound (no such path), InvalidRequest (too many folders), and the
+        errors of ``using``.
+        """
+        async with self.using(sandbox_id) as agent:
+            w = await agent.open_watch(path, recursive)
+            try:
+                yield []
+                while (batch := await w.next()) is not None:
+                    yield batch
+            finally:
+                await w.close()
+
     async def agent(self, sandbox_id: str) -> AgentClient:
         """The agent of a running sandbox (for long-lived uses such as tunnels)."""
         async with self.using(sandbox_id) as agent:

@@ -14,7 +14,8 @@ module of ``hangar.core`` with a public surface the others use:
 ``removal``        delete, expiry, a dead VMM; snapshot files
 ``snapshots``      take, restore in place, fork, list, remove
 ``sleep``          sleep and wake
-``guestcalls``     exec, files, tunnels (wake a sleeping sandbox first)
+``guestcalls``     exec, files, tunnels, file watches (wake a sleeping sandbox first)
+``terminals``      terminal sessions (pty) that outlive their viewers
 ``reconcile``      the loop that moves current states toward desired ones
 ``recovery``       start-up: adopt, resume, finish or undo what a dead server left
 ``pool``           the warm pool
@@ -61,6 +62,7 @@ from hangar.core.removal import Removal
 from hangar.core.sleep import Sleeper
 from hangar.core.snapshots import Snapshots
 from hangar.core.store import SandboxRecord, SnapshotRecord, Store
+from hangar.core.terminals import Terminals
 from hangar.engines.base import Engine
 from hangar.errors import Conflict
 from hangar.engines.agent_client import AgentClient, ExecEvent, ExecResult
@@ -99,6 +101,7 @@ class SandboxManager:
                                    self.creation)
         self.sleeper = Sleeper(ctx, self.admission, self.launcher, self.removal, self.snapshots)
         self.calls = GuestCalls(ctx, self.launcher, self.sleeper)
+        self.terminals = Terminals(self.calls.using, ctx.publish)
         self.reconciler = Reconciler(ctx, self.removal, self.sleeper, self.snapshots, self.pool,
                                      concurrency=settings.reconcile_concurrency)
         self.recovery = Recovery(ctx, self.launcher, self.removal)
@@ -125,6 +128,7 @@ class SandboxManager:
     async def close(self) -> None:
         """Stop background work, end pool VMs and drop agent connections; sandboxes keep running."""
         await self.reconciler.close()
+        await self.terminals.shutdown()
         if self.pool is not None:
             await self.pool.close()
         await self.registry.close()
@@ -228,3 +232,8 @@ class SandboxManager:
 
     async def agent(self, sandbox_id: str) -> AgentClient:
         return await self.calls.agent(sandbox_id)
+
+    def watch(self, sandbox_id: str, path: str,
+              recursive: bool = False) -> AsyncIterator[list[dict[str, Any]]]:
+        """See ``GuestCalls.watch``."""
+        return self.calls.watch(sandbox_id, path, recursive)

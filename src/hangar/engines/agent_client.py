@@ -493,6 +493,46 @@ class AgentClient:
                 self._channels.pop(cid, None)
                 self._raise(frame)
 
+    async def open_pty(self, meta: dict[str, Any]) -> "PtyChannel":
+        """Start a program on a pseudo-terminal in the guest (``hangar.guest.terminal``).
+
+        ``meta`` holds ``argv`` or ``shell`` (neither: a login shell), ``env``,
+        ``cwd``, ``cols``, ``rows``. Returns once the program runs. Raises
+        InvalidRequest (bad input, a program that cannot start), GuestError.
+        """
+        cid, q = self._open()
+        try:
+            await self._send(P.Kind.REQUEST, cid, {**meta, "op": "pty"})
+            while True:
+                frame = await q.get()
+                if frame.kind == P.Kind.DATA and frame.meta.get("started"):
+                    return PtyChannel(self, cid, q, int(frame.meta.get("pid") or 0))
+                if frame.kind == P.Kind.ERROR:
+                    self._raise(frame)
+        except BaseException:
+            self._channels.pop(cid, None)
+            raise
+
+    async def open_watch(self, path: str, recursive: bool) -> "WatchChannel":
+        """Watch ``path`` in the guest for file changes (``hangar.guest.watch``).
+
+        Returns once the watch is in place. Raises NotFound (no such path),
+        InvalidRequest (too many folders, a bad path), GuestError.
+        """
+        cid, q = self._open()
+        try:
+            await self._send(P.Kind.REQUEST, cid, {"op": "watch", "path": path,
+                                                   "recursive": recursive})
+            while True:
+                frame = await q.get()
+                if frame.kind == P.Kind.DATA and frame.meta.get("ready"):
+                    return WatchChannel(self, cid, q, frame.meta)
+                if frame.kind == P.Kind.ERROR:
+                    self._raise(frame)
+        except BaseException:
+            self._channels.pop(cid, None)
+            raise
+
     async def close(self) -> None:
         self._closed = True
         self._pump.cancel()
@@ -537,4 +577,118 @@ class Tunnel:
                 await self._client._send(P.Kind.EOF, self._cid, {"stream": "socket"})
             except GuestError:
                 pass
+        self._client._channels.pop(self._cid, None)
+
+
+@dataclass
+class PtyExit:
+    """How a pty's program ended: ``exit_code`` is 128+N when signal N killed it."""
+
+    exit_code: int | None
+    signal: int | None = None
+    duration_s: float = 0.0
+    input_dropped: int = 0
+    """Input bytes dropped because the program did not read them (see ``hangar.guest.terminal``)."""
+
+
+class PtyChannel:
+    """A program on a pseudo-terminal in the guest, carried over the agent channel."""
+
+    def __init__(self, client: AgentClient, cid: int, q: asyncio.Queue[P.Frame],
+                 pid: int) -> None:
+        self._client = client
+        self._cid = cid
+        self._q = q
+        self.pid = pid
+        """The program's process id in the guest."""
+        self.exit: PtyExit | None = None
+        """Set once the program has ended (``read`` returned ``b""``)."""
+
+    async def read(self) -> bytes:
+        """Next output bytes; ``b""`` once the program has ended (``exit`` is then set).
+
+        A lost agent connection ends it with ``exit_code`` None.
+        """
+        while self.exit is None:
+            frame = await self._q.get()
+            if frame.kind == P.Kind.DATA and frame.data:
+                return frame.data
+            if frame.kind == P.Kind.RESPONSE:
+                m = frame.meta
+                self.exit = PtyExit(m.get("exit_code"), m.get("signal"),
+                                    float(m.get("duration_s") or 0.0),
+                                    int(m.get("input_dropped") or 0))
+            elif frame.kind == P.Kind.ERROR:
+                self.exit = PtyExit(None)
+        self._client._channels.pop(self._cid, None)
+        return b""
+
+    async def _signal(self, meta: dict[str, Any]) -> None:
+        if self.exit is None and not self._client.closed:
+            try:
+                await self._client._send(P.Kind.SIGNAL, self._cid, meta)
+            except GuestError:
+                pass
+
+    async def write(self, data: bytes) -> None:
+        """Send input bytes to the program's terminal."""
+        for i in range(0, len(data), P.CHUNK):
+            if self.exit is not None:
+                return
+            await self._client._send(P.Kind.DATA, self._cid, {"stream": "stdin"},
+                                     data[i:i + P.CHUNK])
+
+    async def resize(self, cols: int, rows: int) -> None:
+        """Set the terminal's size in characters (the program gets SIGWINCH)."""
+        await self._signal({"cols": cols, "rows": rows})
+
+    async def kill(self, sig: int = 9) -> None:
+        """Send signal ``sig`` to the program's process group."""
+        await self._signal({"signal": sig})
+
+    async def hang_up(self) -> None:
+        """Hang up, as closing a terminal does: SIGHUP, then SIGKILL after 2 s."""
+        if self.exit is None and not self._client.closed:
+            try:
+                await self._client._send(P.Kind.EOF, self._cid, {"stream": "stdin"})
+            except GuestError:
+                pass
+
+
+class WatchChannel:
+    """A file watch in the guest; ``next`` yields batches of events (dicts, see
+    ``hangar.guest.watch``)."""
+
+    def __init__(self, client: AgentClient, cid: int, q: asyncio.Queue[P.Frame],
+                 ready: dict[str, Any]) -> None:
+        self._client = client
+        self._cid = cid
+        self._q = q
+        self.path: str = str(ready.get("path", ""))
+        self.dirs: int = int(ready.get("dirs") or 0)
+        self.ended: str | None = None
+        """Why the watch ended: ``deleted`` (the path went away), ``stopped`` or
+        ``disconnected``; None while it runs."""
+
+    async def next(self) -> list[dict[str, Any]] | None:
+        """The next batch of events; None once the watch has ended."""
+        while self.ended is None:
+            frame = await self._q.get()
+            if frame.kind == P.Kind.DATA and isinstance(frame.meta.get("events"), list):
+                return [e for e in frame.meta["events"] if isinstance(e, dict)]
+            if frame.kind == P.Kind.RESPONSE:
+                self.ended = str(frame.meta.get("reason", "stopped"))
+            elif frame.kind == P.Kind.ERROR:
+                self.ended = "disconnected"
+        self._client._channels.pop(self._cid, None)
+        return None
+
+    async def close(self) -> None:
+        """Stop the watch in the guest and forget the channel."""
+        if self.ended is None and not self._client.closed:
+            try:
+                await self._client._send(P.Kind.SIGNAL, self._cid, {"stop": True})
+            except GuestError:
+                pass
+        self.ended = self.ended or "stopped"
         self._client._channels.pop(self._cid, None)

@@ -16,6 +16,9 @@ Operations (``meta["op"]`` of a REQUEST frame):
 ``remove``      remove a file, or a directory (``recursive``)
 ``connect``     a TCP tunnel to a port inside the guest (e.g. x11vnc's 5900):
                 DATA frames of stream ``socket`` both ways, EOF to half-close
+``pty``         a program on a pseudo-terminal: input, output, resize, exit code
+                (``hangar.guest.terminal``)
+``watch``       file changes under a path, from inotify (``hangar.guest.watch``)
 ``set_time``    set the wall clock (``unix_ns``), used after a restore
 ``reseed``      mix host entropy into the kernel's pool, used after a restore
 
@@ -48,6 +51,7 @@ from typing import Any
 
 from hangar import __version__
 from hangar.guest import protocol as P
+from hangar.guest import terminal, watch
 
 PORT_NAME = "hangar.agent"
 RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2]), linux/random.h
@@ -767,6 +771,50 @@ class Agent:
                 t.cancel()
             writer.close()
         return {"bytes_in": counts["in"], "bytes_out": counts["out"]}
+
+    async def op_pty(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
+        """A program on a pseudo-terminal; frames in ``hangar.guest.terminal``.
+
+        meta: ``argv`` or ``shell`` as for exec (neither: ``/bin/bash -l``,
+        else ``/bin/sh``), ``env``, ``cwd``, ``cols`` and ``rows`` (1..1000,
+        default 80x24). ERROR ``invalid`` for bad input or a program that
+        cannot be started.
+        """
+        if meta.get("argv") is None and meta.get("shell") is None:
+            shell = "/bin/bash" if os.access("/bin/bash", os.X_OK) else "/bin/sh"
+            argv, script = [shell, "-l"], None
+        else:
+            argv, script = exec_argv(meta)
+        try:
+            env = exec_env(meta.get("env"))
+            cwd = exec_cwd(meta.get("cwd"))
+            try:
+                cols, rows = terminal.check_size(meta.get("cols", 80), meta.get("rows", 24))
+            except ValueError as exc:
+                raise OpError("invalid", str(exc)) from None
+            try:
+                return await terminal.run(self.send, cid, ch.inbox, argv, env, cwd, cols, rows)
+            except OSError as exc:
+                _, message = spawn_failure(exc, argv[0], cwd)
+                raise OpError("invalid", message.strip()) from None
+        finally:
+            if script is not None:
+                try:
+                    os.unlink(script)
+                except OSError:
+                    pass
+
+    async def op_watch(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
+        """File changes under ``path`` (``recursive``: and every folder below it) until the
+        host stops the watch; frames and events in ``hangar.guest.watch``."""
+        path = resolve(meta.get("path"))
+        try:
+            return await watch.run(self.send, cid, ch.inbox, path, bool(meta.get("recursive")))
+        except watch.TooMany:
+            raise OpError("invalid", f"more than {watch.MAX_DIRS} folders under {path}; "
+                                     "watch a smaller tree") from None
+        except OSError as exc:
+            raise os_error(exc, path) from None
 
     async def op_set_time(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
         ns = meta.get("unix_ns")

@@ -50,3 +50,20 @@ class Background:
     async def join(self) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+
+
+async def ws_connect(url: str, open_timeout: float) -> Any:
+    """Open a WebSocket (``websockets``' asyncio client); its errors pass through."""
+    from websockets.asyncio.client import connect
+
+    return await connect(url, open_timeout=open_timeout, max_size=1 << 22,
+                         user_agent_header=None)
+
+
+async def ws_recv(ws: Any, timeout: float | None) -> str | bytes:
+    """The next message; TimeoutError after ``timeout`` seconds (None: wait for ever)."""
+    if timeout is None:
+        msg: str | bytes = await ws.recv()
+        return msg
+    msg = await asyncio.wait_for(ws.recv(), timeout)
+    return msg

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from hangar.client._async.client import AsyncHangar, Button, Direction
+from hangar.client._async.streams import AsyncFileWatch, AsyncTerminal
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, KeyResult,
     MachineInfo, SandboxInfo, Snapshot, VncTicket, WriteResult,
@@ -56,6 +57,11 @@ class AsyncFiles:
     async def remove(self, path: str, recursive: bool = False) -> None:
         """Remove a file, or a directory with ``recursive``."""
         await self._client.remove_file(self._id, path, recursive)
+
+    def watch(self, path: str, recursive: bool = False) -> AsyncFileWatch:
+        """Changes under ``path`` as they happen: ``async with`` it, then iterate
+        ``FileEvent`` objects (see the client's ``watch_files``)."""
+        return self._client.watch_files(self._id, path, recursive)
 
 
 class AsyncDesktop:
@@ -212,6 +218,14 @@ class AsyncSandbox:
         """Expire ``timeout`` seconds from now (0: never)."""
         self.info = await self.client.set_timeout(self.id, timeout)
         return self.info
+
+    async def terminal(self, command: str | None = None, *, cols: int = 80, rows: int = 24,
+                       env: Mapping[str, str] | None = None, cwd: str | None = None,
+                       grace: float | None = None) -> AsyncTerminal:
+        """A new terminal session (a login shell, or ``command``), attached: ``send`` keys,
+        ``recv`` output, ``resize``, ``wait`` for the exit code."""
+        return await self.client.terminal(self.id, command, cols=cols, rows=rows, env=env,
+                                           cwd=cwd, grace=grace)
 
     def events(self, *, kinds: Sequence[str] = (),
                last_event_id: str | None = None) -> AsyncIterator[Event]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 sleep = time.sleep
 
@@ -44,3 +45,17 @@ class Background:
 
     def join(self) -> None:
         self._thread.join()
+
+
+def ws_connect(url: str, open_timeout: float) -> Any:
+    """Open a WebSocket (``websockets``' threading client); its errors pass through."""
+    from websockets.sync.client import connect
+
+    return connect(url, open_timeout=open_timeout, max_size=1 << 22, user_agent_header=None,
+                   legacy=True)  # a connection object, not a context to enter
+
+
+def ws_recv(ws: Any, timeout: float | None) -> str | bytes:
+    """The next message; TimeoutError after ``timeout`` seconds (None: wait for ever)."""
+    msg: str | bytes = ws.recv(timeout=timeout)
+    return msg

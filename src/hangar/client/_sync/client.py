@@ -21,12 +21,13 @@ from httpx_sse import EventSource
 
 from hangar.client import _core
 from hangar.client._sync._compat import sleep
+from hangar.client._sync.streams import FileWatch, Terminal
 from hangar.client._core import RetryPolicy, Timeouts
 from hangar.errors import HangarError, Unavailable
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, FileList, Health,
-    KeyResult, MachineInfo, MachineList, PoolStatus, SandboxInfo, SandboxList, Snapshot,
-    SnapshotList, VncTicket, WriteResult,
+    KeyResult, MachineInfo, MachineList, PoolStatus, PtySession, PtySessionList, PtyTicket,
+    SandboxInfo, SandboxList, Snapshot, SnapshotList, VncTicket, WriteResult,
 )
 
 Button = Literal["left", "middle", "right"]
@@ -533,6 +534,98 @@ class Hangar:
         t = self._t(request_timeout, self.config.timeouts.screenshot)
         return self._json("POST", f"/sandboxes/{sandbox_id}/{action}",
                                 json=_core.drop_none(**body), timeout=t, retry=bool(retry))
+
+    # -- terminals (pty) --------------------------------------------------------------------
+
+    def pty_open(self, sandbox_id: str, command: str | None = None, *,
+                       args: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
+                       cwd: str | None = None, cols: int = 80, rows: int = 24,
+                       grace: float | None = None, idempotency_key: str | None = None,
+                       request_timeout: float | None = None,
+                       retry: bool | None = None) -> PtySession:
+        """``POST /sandboxes/{id}/pty``: start a program on a pseudo-terminal in the guest.
+
+        Without ``command``, a login shell; ``command`` is a shell string, or
+        with ``args`` the program and its arguments. ``cols`` and ``rows`` are
+        characters (1..1000); ``grace`` the seconds the session lives without a
+        viewer (server default 60). Attach with ``pty_attach``, or use
+        ``terminal`` to do both. Not retried unless ``retry=True`` (it starts a
+        program; a retried call carries an ``Idempotency-Key``, so it starts
+        once). Raises NotFound, Conflict, InvalidRequest, LimitExceeded (too
+        many sessions in the sandbox).
+        """
+        body = _core.drop_none(command=command, args=list(args) if args is not None else None,
+                               env=dict(env) if env else None, cwd=cwd, cols=cols, rows=rows,
+                               grace=grace)
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return PtySession.model_validate(self._json(
+            "POST", f"/sandboxes/{sandbox_id}/pty", json=body, timeout=t, retry=bool(retry),
+            idempotency_key=idempotency_key or (_core.new_idempotency_key() if retry else None)))
+
+    def pty_list(self, sandbox_id: str, *, request_timeout: float | None = None,
+                       retry: bool | None = None) -> builtins.list[PtySession]:
+        """``GET /sandboxes/{id}/pty``: the sandbox's terminal sessions."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return PtySessionList.model_validate(self._json(
+            "GET", f"/sandboxes/{sandbox_id}/pty", timeout=t,
+            retry=retry is not False)).sessions
+
+    def pty_get(self, sandbox_id: str, session_id: str, *,
+                      request_timeout: float | None = None,
+                      retry: bool | None = None) -> PtySession:
+        """``GET /sandboxes/{id}/pty/{session}``: one session's state. Raises NotFound."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return PtySession.model_validate(self._json(
+            "GET", f"/sandboxes/{sandbox_id}/pty/{session_id}", timeout=t,
+            retry=retry is not False))
+
+    def pty_close(self, sandbox_id: str, session_id: str, *,
+                        request_timeout: float | None = None,
+                        retry: bool | None = None) -> None:
+        """``DELETE /sandboxes/{id}/pty/{session}``: hang up the session's program."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        self._send("DELETE", f"/sandboxes/{sandbox_id}/pty/{session_id}", timeout=t,
+                         retry=retry is not False)
+
+    def pty_ticket(self, sandbox_id: str, session_id: str, *,
+                         request_timeout: float | None = None,
+                         retry: bool | None = None) -> PtyTicket:
+        """``POST /sandboxes/{id}/pty/{session}/tickets``: a single-use ticket (30 s) for
+        the session's WebSocket."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return PtyTicket.model_validate(self._json(
+            "POST", f"/sandboxes/{sandbox_id}/pty/{session_id}/tickets", timeout=t,
+            retry=bool(retry)))
+
+    def pty_attach(self, sandbox_id: str, session_id: str,
+                         offset: int | None = None) -> Terminal:
+        """Attach to a session over its WebSocket (``/sandboxes/{id}/pty/{session}``, with
+        a fresh ticket), from output byte ``offset`` (None: what no viewer was sent)."""
+        return Terminal(self, sandbox_id, session_id).attach(offset)
+
+    def terminal(self, sandbox_id: str, command: str | None = None, *,
+                       args: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
+                       cwd: str | None = None, cols: int = 80, rows: int = 24,
+                       grace: float | None = None) -> Terminal:
+        """A new terminal session, attached: ``pty_open`` then ``pty_attach``."""
+        s = self.pty_open(sandbox_id, command, args=args, env=env, cwd=cwd, cols=cols,
+                                rows=rows, grace=grace)
+        return self.pty_attach(sandbox_id, s.id, offset=0)
+
+    # -- file watching ----------------------------------------------------------------------
+
+    def watch_files(self, sandbox_id: str, path: str, recursive: bool = False, *,
+                    request_timeout: float | None = None) -> FileWatch:
+        """``GET /sandboxes/{id}/files/watch``: file changes under ``path``, as they happen.
+
+        Returns an ``AsyncFileWatch``: ``async with`` it (the watch is in place
+        once entered) and iterate ``FileEvent`` objects (``create``,
+        ``modify``, ``delete``, ``move``, ``overflow``). ``recursive`` covers
+        every folder below too. ``request_timeout`` is the longest silence
+        tolerated (default 45 s; the server sends a keep-alive every 15 s).
+        """
+        t = self._t(request_timeout, self.config.timeouts.events)
+        return FileWatch(self, sandbox_id, path, recursive, t)
 
     # -- live events ------------------------------------------------------------------------
 

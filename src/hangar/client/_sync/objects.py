@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from hangar.client._sync.client import Hangar, Button, Direction
+from hangar.client._sync.streams import FileWatch, Terminal
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, KeyResult,
     MachineInfo, SandboxInfo, Snapshot, VncTicket, WriteResult,
@@ -57,6 +58,11 @@ class Files:
     def remove(self, path: str, recursive: bool = False) -> None:
         """Remove a file, or a directory with ``recursive``."""
         self._client.remove_file(self._id, path, recursive)
+
+    def watch(self, path: str, recursive: bool = False) -> FileWatch:
+        """Changes under ``path`` as they happen: ``async with`` it, then iterate
+        ``FileEvent`` objects (see the client's ``watch_files``)."""
+        return self._client.watch_files(self._id, path, recursive)
 
 
 class Desktop:
@@ -213,6 +219,14 @@ class Sandbox:
         """Expire ``timeout`` seconds from now (0: never)."""
         self.info = self.client.set_timeout(self.id, timeout)
         return self.info
+
+    def terminal(self, command: str | None = None, *, cols: int = 80, rows: int = 24,
+                       env: Mapping[str, str] | None = None, cwd: str | None = None,
+                       grace: float | None = None) -> Terminal:
+        """A new terminal session (a login shell, or ``command``), attached: ``send`` keys,
+        ``recv`` output, ``resize``, ``wait`` for the exit code."""
+        return self.client.terminal(self.id, command, cols=cols, rows=rows, env=env,
+                                           cwd=cwd, grace=grace)
 
     def events(self, *, kinds: Sequence[str] = (),
                last_event_id: str | None = None) -> Iterator[Event]:
