@@ -34,7 +34,7 @@ from hangar.client._sync.monitor import HealthMonitor
 from hangar.client._sync.objects import Desktop, Files, Machine, Sandbox
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, Health, KeyResult,
-    MachineInfo, PoolStatus, SandboxInfo, Snapshot, VncTicket, WriteResult,
+    MachineInfo, PoolStatus, PortInfo, SandboxInfo, Snapshot, VncTicket, WriteResult,
 )
 
 __all__ = [
@@ -42,6 +42,6 @@ __all__ = [
     "AsyncFiles", "Desktop", "AsyncDesktop", "HealthMonitor", "AsyncHealthMonitor",
     "RetryPolicy", "Timeouts",
     "ActionResult", "DisplayInfo", "Event", "ExecResult", "ExecStreamEvent", "FileEntry",
-    "Health", "KeyResult", "MachineInfo", "PoolStatus", "SandboxInfo", "Snapshot", "VncTicket",
-    "WriteResult",
+    "Health", "KeyResult", "MachineInfo", "PoolStatus", "PortInfo", "SandboxInfo", "Snapshot",
+    "VncTicket", "WriteResult",
 ]

@@ -15,6 +15,7 @@ module of ``hangar.core`` with a public surface the others use:
 ``snapshots``      take, restore in place, fork, list, remove
 ``sleep``          sleep and wake
 ``guestcalls``     exec, files, tunnels (wake a sleeping sandbox first)
+``ports``          exposed guest ports and their signed URL tokens
 ``reconcile``      the loop that moves current states toward desired ones
 ``recovery``       start-up: adopt, resume, finish or undo what a dead server left
 ``pool``           the warm pool
@@ -53,6 +54,7 @@ from hangar.core.guestcalls import GuestCalls
 from hangar.core.launch import Launcher, renet_meta
 from hangar.core.lifecycle import GONE, State
 from hangar.core.pool import WarmPool, templates
+from hangar.core.ports import Ports
 from hangar.core.publish import announce
 from hangar.core.reconcile import Reconciler
 from hangar.core.recovery import Recovery
@@ -99,6 +101,7 @@ class SandboxManager:
                                    self.creation)
         self.sleeper = Sleeper(ctx, self.admission, self.launcher, self.removal, self.snapshots)
         self.calls = GuestCalls(ctx, self.launcher, self.sleeper)
+        self.ports = Ports(ctx)
         self.reconciler = Reconciler(ctx, self.removal, self.sleeper, self.snapshots, self.pool,
                                      concurrency=settings.reconcile_concurrency)
         self.recovery = Recovery(ctx, self.launcher, self.removal)
