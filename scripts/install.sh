@@ -45,6 +45,9 @@ fi
 PKGS="qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils lz4 curl nftables iproute2 novnc logrotate"
 # The agent tools' in-process tier runs commands in bubblewrap sandboxes.
 PKGS="$PKGS bubblewrap"
+# Templates: OCI image archives are read by skopeo and unpacked by umoci; imported images
+# get a Python runtime copied from the host's python3, its programs patched by patchelf.
+PKGS="$PKGS skopeo umoci patchelf python3"
 # The browser tests drive Debian's Chromium (Playwright never downloads its own); the
 # operations tests run nginx, sshd and openssl, in the foreground on free ports.
 [ "$TEST_TOOLS" = 1 ] && PKGS="$PKGS chromium nginx openssh-server openssl python3-venv"

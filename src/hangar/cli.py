@@ -1,6 +1,7 @@
 """The ``hangar`` command line (typer + rich).
 
-Server side: ``hangar serve``, ``hangar image build|ls|gc``, ``hangar doctor``,
+Server side: ``hangar serve``, ``hangar image build|ls|gc``, ``hangar template
+build|import|ls|rm`` (``hangar.cli_template``), ``hangar doctor``,
 ``hangar key``, ``hangar mcp`` (the agent tools of ``hangar.tools`` over MCP).
 Client side (talks to a server at ``HANGAR_URL`` with ``HANGAR_API_KEY`` or
 the key file), through the public SDK (``hangar.client``) only: ``create``,
@@ -26,6 +27,7 @@ from rich.table import Column, Table
 
 from hangar.client import Hangar, MachineInfo
 from hangar.cli_key import app as key_app
+from hangar.cli_template import app as template_app
 from hangar.errors import HangarError
 from hangar.ops import cli as ops_cli
 
@@ -43,6 +45,7 @@ app.add_typer(machine_app, name="machine")
 app.add_typer(snapshot_app, name="snapshot")
 app.add_typer(desktop_app, name="desktop")
 app.add_typer(key_app, name="key")
+app.add_typer(template_app, name="template")
 app.add_typer(ops_cli.deploy_app, name="deploy")
 app.command("backup")(ops_cli.backup)
 out = Console()

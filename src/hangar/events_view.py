@@ -158,6 +158,11 @@ class EventView:
             return sid, f"restored to {d.get('snapshot_id', '?')}"
         if k == "snapshot.forked":
             return sid, f"forked from {d.get('snapshot_id', '?')}"
+        if k == "port.exposed":
+            return sid, f"port {d.get('port', '?')} exposed" + (
+                " (public)" if d.get("public") else "")
+        if k == "port.closed":
+            return sid, f"port {d.get('port', '?')} closed"
         if k.startswith("agent."):
             return self._agent(ev)
         return sid, f"{k} {json.dumps(d, separators=(',', ':'))[:200]}"
