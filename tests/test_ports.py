@@ -376,3 +376,29 @@ def test_sdk_expose_returns_the_url(web) -> None:
         assert 3000 in {p.port for p in sb.ports()}
         sb.close_port(3000)
         assert httpx.get(info.path_url, headers={"X-API-Key": srv.key}).status_code == 404
+
+
+def test_cli_exposes_lists_and_closes(web) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from conftest import SRC
+
+    srv, c, sid = web
+    env = {**os.environ, "HANGAR_URL": srv.url, "HANGAR_API_KEY": srv.key,
+           "PYTHONPATH": str(SRC), "COLUMNS": "200"}
+
+    def cli(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "hangar.cli", "port", *args], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    url = cli("expose", sid, "3000", "--signed", "--ttl", "60").strip()
+    assert "hangar_token=" in url and url.startswith(f"http://{host_of(sid, 3000)}/")
+    path_url = f"{srv.url}/sandboxes/{sid}/ports/3000/?" + url.split("?", 1)[1]
+    assert httpx.get(path_url).status_code == 200  # the signed URL works without the key
+    assert host_of(sid, 3000) in cli("ls", sid)
+    cli("close", sid, "3000")
+    assert httpx.get(path_url).status_code == 404

@@ -6,7 +6,7 @@ build|import|ls|rm`` (``hangar.cli_template``), ``hangar doctor``,
 Client side (talks to a server at ``HANGAR_URL`` with ``HANGAR_API_KEY`` or
 the key file), through the public SDK (``hangar.client``) only: ``create``,
 ``ls``, ``exec``, ``rm``, ``ttl``, ``status``, ``events``, ``files``,
-``snapshot``, ``machine``, ``desktop``.
+``snapshot``, ``machine``, ``desktop``, ``port``.
 Errors print one line and exit 1; ``exec`` exits with the command's code.
 """
 
@@ -37,6 +37,8 @@ image_app = typer.Typer(help="Build, list and collect guest images.", no_args_is
 files_app = typer.Typer(help="Copy files in and out of a sandbox.", no_args_is_help=True)
 machine_app = typer.Typer(help="Per-user machines that sleep when idle.", no_args_is_help=True)
 snapshot_app = typer.Typer(help="Snapshots of running sandboxes.", no_args_is_help=True)
+port_app = typer.Typer(help="Guest TCP ports reached over HTTP and WebSockets.",
+                       no_args_is_help=True)
 desktop_app = typer.Typer(help="Screenshots, mouse and keyboard of a desktop sandbox.",
                           no_args_is_help=True)
 app.add_typer(image_app, name="image")
@@ -44,6 +46,7 @@ app.add_typer(files_app, name="files")
 app.add_typer(machine_app, name="machine")
 app.add_typer(snapshot_app, name="snapshot")
 app.add_typer(desktop_app, name="desktop")
+app.add_typer(port_app, name="port")
 app.add_typer(key_app, name="key")
 app.add_typer(template_app, name="template")
 app.add_typer(ops_cli.deploy_app, name="deploy")
@@ -527,6 +530,41 @@ def snapshot_rm(snapshot_id: str) -> None:
     with _sdk() as h:
         h.delete_snapshot(snapshot_id)
     out.print(f"deleted {snapshot_id}")
+
+
+@port_app.command("expose")
+def port_expose(sandbox_id: str, port: int,
+                public: Annotated[bool, typer.Option(
+                    "--public", help="Open to anyone with the URL (default: private).")] = False,
+                signed: Annotated[bool, typer.Option(
+                    "--signed", help="Print a URL with a token (private ports), for a browser.")]
+                = False,
+                ttl: Annotated[Optional[float], typer.Option(
+                    help="Seconds the signed URL works (server default 3600).")] = None) -> None:
+    """Expose a guest TCP port and print its URL."""
+    with _sdk() as h:
+        info = h.expose(sandbox_id, port, public, token_ttl=ttl)
+    out.print(info.signed_url if signed and info.signed_url else info.url, soft_wrap=True)
+
+
+@port_app.command("ls")
+def port_ls(sandbox_id: str) -> None:
+    """List a sandbox's exposed ports."""
+    with _sdk() as h:
+        ports = h.ports(sandbox_id)
+    table = Table("port", "public")
+    table.columns.append(Column("url", no_wrap=True, overflow="fold"))
+    for p in ports:
+        table.add_row(str(p.port), "yes" if p.public else "no", p.url)
+    out.print(table)
+
+
+@port_app.command("close")
+def port_close(sandbox_id: str, port: int) -> None:
+    """Stop exposing a port (its URLs answer 404)."""
+    with _sdk() as h:
+        h.close_port(sandbox_id, port)
+    out.print(f"closed port {port} of {sandbox_id}")
 
 
 @app.command()
