@@ -111,7 +111,8 @@ def serve(
         help="auto, firecracker or qemu (HANGAR_ENGINE).")] = None,
     accel: Annotated[Optional[str], typer.Option(help="auto, kvm or tcg (HANGAR_ACCEL).")] = None,
 ) -> None:
-    """Run the REST API; builds the default image first if it is missing."""
+    """Run the REST API; builds the default image first if it is missing (a recipe; a
+    template must have been built)."""
     settings = _settings(data_dir, host=host, port=port, engine=engine, accel=accel)
     import asyncio
 
@@ -126,7 +127,12 @@ def serve(
     layout.ensure()
     try:
         api = create_app(settings)  # refuses an empty or weak API key (ConfigError)
-        _build(layout, settings.default_image)
+        from hangar.images import RECIPES, resolve_image
+
+        if settings.default_image in RECIPES:
+            _build(layout, settings.default_image)
+        else:  # a template: built with `hangar template build`, never here
+            resolve_image(layout, settings.default_image)
     except HangarError as exc:
         _fail(exc)
     where = f"unix:{settings.uds}" if settings.uds else f"http://{settings.host}:{settings.port}"

@@ -84,7 +84,8 @@ MAX_HEADER_BYTES = 64 * 1024
 WS_MAX_MESSAGE = 16 * 1024 * 1024
 """Largest WebSocket message taken from a guest, bytes (uvicorn's default for clients)."""
 
-PATH_RE = re.compile(rb"^/sandboxes/([A-Za-z0-9_-]{1,64})/ports/([0-9]{1,5})(/[^?#]*)$")
+PATH_RE = re.compile(rb"^/sandboxes/([^/]{1,256})/ports/([0-9]{1,5})(/[^?#]*)$")
+"""Path-routed requests; an id that names no sandbox gets its 404 from the proxy."""
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
                         b"proxy-authorization", b"proxy-connection", b"te", b"trailer",
                         b"transfer-encoding", b"upgrade"})
@@ -144,7 +145,7 @@ def route(scope: Scope, domain: str | None) -> Target | None:
     m2 = PATH_RE.match(raw)
     if m2 is None:
         return None
-    sid, port = m2.group(1).decode(), int(m2.group(2))
+    sid, port = m2.group(1).decode("latin-1"), int(m2.group(2))
     return Target(sid, port, m2.group(3), path_prefix(sid, port))
 
 
