@@ -8,6 +8,7 @@ has python3 and nothing else).
 * ``GET /stream``: a chunked answer: ``first`` at once, then ``last`` only once the file
   /tmp/release-stream exists (so a test can tell streaming from buffering without timing);
 * ``GET /redirect``: 302 to the absolute path ``/headers``;
+* ``GET /cut``: promises 100 bytes, sends 10 and hangs up;
 * ``GET /ws``: a WebSocket (RFC 6455) that echoes every message with its type, and answers a
   text message ``close`` with a close frame of code 4001.
 """
@@ -16,6 +17,7 @@ import base64
 import hashlib
 import json
 import os
+import socket
 import socketserver
 import struct
 import sys
@@ -54,6 +56,14 @@ class Handler(BaseHTTPRequestHandler):
                 time.sleep(0.05)
             self._chunk(b"last\n")
             self.wfile.write(b"0\r\n\r\n")
+        elif path == "/cut":  # promises 100 bytes, sends 10, hangs up
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            self.wfile.write(b"0123456789")
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True
         elif path == "/redirect":
             self.send_response(302)
             self.send_header("Location", "/headers")

@@ -80,8 +80,13 @@ def web(base_image: Path) -> Iterator[tuple[Server, httpx.Client, str]]:
         log = srv.log.read_text(errors="replace") if srv.log.exists() else ""
         shutil.rmtree(d, ignore_errors=True)
         assert not leaked, f"VMM processes outlived the module: {leaked}"
-    # Refusals, broken guest answers and dropped clients are answers, never crashes.
-    assert "Traceback" not in log, log[log.find("Traceback") - 300:][:3000]
+    # Refusals, bad guest answers and dropped clients are answers, never crashes; the one
+    # error allowed is a cut answer's, the ASGI way of dropping a client connection.
+    # (uvicorn's websockets-sansio logs an error after every WebSocket denial response, a
+    # known bug: Kludex/uvicorn pull request 3138; the client gets the answer.)
+    errors = [ln for ln in log.splitlines() if ('"level": "error"' in ln or "Traceback" in ln)
+              and "returned without completing handshake" not in ln]
+    assert all("BrokenAnswer" in ln for ln in errors), "\n".join(errors)[:3000]
 
 
 def expose(c: httpx.Client, sid: str, port: int, public: bool = False,
@@ -199,6 +204,14 @@ def test_a_client_that_leaves_mid_answer_ends_the_guest_connection(web) -> None:
         time.sleep(0.2)
     assert guest_connections(c, sid, 3001) == 0
     c.post(f"/sandboxes/{sid}/exec", json={"command": "touch /tmp/release-stream"})
+
+
+def test_an_answer_cut_short_never_looks_complete(web) -> None:
+    srv, c, sid = web
+    expose(c, sid, 3001)
+    with pytest.raises(httpx.RemoteProtocolError):
+        c.get(f"/sandboxes/{sid}/ports/3001/cut")
+    assert c.get(f"/sandboxes/{sid}/ports/3001/headers").status_code == 200
 
 
 # -- WebSockets --------------------------------------------------------------------------------

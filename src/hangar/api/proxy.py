@@ -351,7 +351,16 @@ class _Exchange:
             raise Refused.of(exc) from None
 
 
+class BrokenAnswer(ConnectionError):
+    """The guest's answer broke off after it had started: the client's connection is
+    dropped (the ASGI way: an exception once headers are out), so a cut answer never
+    looks complete."""
+
+
 class _Http(_Exchange):
+    started = False
+    """The guest's answer has begun: Hangar can no longer answer with an error."""
+
     async def run(self) -> None:
         try:
             await self.forward(self._exchange)
@@ -359,7 +368,7 @@ class _Http(_Exchange):
             await self._answer(*r.answer)
 
     async def _answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        if getattr(self, "started", False):
+        if self.started:
             return
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
@@ -380,10 +389,8 @@ class _Http(_Exchange):
             await tunnel.write(conn.send(request))
         except h11.LocalProtocolError as exc:
             raise Refused(400, "invalid_request", f"the request cannot be forwarded: {exc}")
-        self.started = False
-        body_sent = asyncio.Event()
         gone = asyncio.Event()
-        upload = asyncio.create_task(self._upload(tunnel, conn, body_sent, gone))
+        upload = asyncio.create_task(self._upload(tunnel, conn, gone))
         download = asyncio.create_task(self._download(tunnel, conn))
         watch = asyncio.create_task(gone.wait())
         try:
@@ -396,8 +403,7 @@ class _Http(_Exchange):
                 task.cancel()
             await asyncio.gather(upload, download, watch, return_exceptions=True)
 
-    async def _upload(self, tunnel: Tunnel, conn: h11.Connection, sent: asyncio.Event,
-                      gone: asyncio.Event) -> None:
+    async def _upload(self, tunnel: Tunnel, conn: h11.Connection, gone: asyncio.Event) -> None:
         """Stream the request body to the guest, then wait for the client to leave."""
         try:
             while True:
@@ -416,7 +422,6 @@ class _Http(_Exchange):
             log.info("request body not forwarded", extra={
                 "sandbox_id": self.target.sandbox_id, "port": self.target.port,
                 "error": str(exc)[:200]})
-        sent.set()
         while True:
             msg = await self.receive()
             if msg["type"] == "http.disconnect":
@@ -438,7 +443,7 @@ class _Http(_Exchange):
                                   f"{t.sandbox_id} answered with something other than "
                                   f"HTTP/1.x: {exc}", sandbox_id=t.sandbox_id,
                                   port=t.port) from None
-                raise ConnectionError(f"the guest's answer broke off: {exc}") from None
+                raise self._broken(str(exc)) from None
             if isinstance(event, h11.InformationalResponse):
                 continue  # 100 Continue, 103 Early Hints: the client's server spoke for us
             if isinstance(event, h11.Response):
@@ -456,7 +461,12 @@ class _Http(_Exchange):
                     raise Refused(502, "bad_gateway", f"port {t.port} of sandbox "
                                   f"{t.sandbox_id} closed the connection without answering",
                                   sandbox_id=t.sandbox_id, port=t.port)
-                raise ConnectionError("the guest closed the connection mid-answer")
+                raise self._broken("the guest closed the connection mid-answer")
+
+    def _broken(self, why: str) -> BrokenAnswer:
+        log.warning("guest answer broke off; client connection dropped", extra={
+            "sandbox_id": self.target.sandbox_id, "port": self.target.port, "error": why[:200]})
+        return BrokenAnswer(why)
 
     def _response_headers(self, headers: Any) -> list[tuple[bytes, bytes]]:
         drop = HOP_BY_HOP | _connection_tokens(headers)
@@ -476,6 +486,9 @@ class _Http(_Exchange):
 
 
 class _WebSocket(_Exchange):
+    accepted = False
+    """The client's WebSocket is open: refusals can no longer be HTTP answers."""
+
     async def run(self) -> None:
         msg = await self.receive()
         if msg["type"] != "websocket.connect":
@@ -486,7 +499,7 @@ class _WebSocket(_Exchange):
             await self._deny(*r.answer)
 
     async def _deny(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        if getattr(self, "accepted", False):
+        if self.accepted:
             return
         if "websocket.http.response" in self.scope.get("extensions", {}):
             await self.send({"type": "websocket.http.response.start", "status": status,
