@@ -24,6 +24,9 @@ the kernel, the initramfs and manifest.json, the digest covering its bytes,
 5. ``steps``: ``/bin/sh -c`` in the tree (``chroot``, with /proc, /sys,
    /dev and the host's resolver lent), in ``workdir``, with an environment
    of the template's own only (``env -i``: nothing of the host's leaks in).
+   They run the image's programs as root on the host (a chroot is no
+   boundary): only for images one trusts. Nothing else of an image runs on
+   the host.
 6. Packing, hashing, initramfs, manifest (``builder.finish_build``); the
    manifest's ``template`` holds what sandboxes need at create: the start
    command, the ready check, default vCPUs and memory, whether it has a
