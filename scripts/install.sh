@@ -48,6 +48,9 @@ PKGS="$PKGS bubblewrap"
 # The dashboard's terminal: xterm.js (node-xterm's modules, libjs-xterm's stylesheet and fit
 # addon), served at /xterm/ like noVNC at /novnc/.
 PKGS="$PKGS node-xterm libjs-xterm"
+# Templates: OCI image archives are read by skopeo and unpacked by umoci; imported images
+# get a Python runtime copied from the host's python3, its programs patched by patchelf.
+PKGS="$PKGS skopeo umoci patchelf python3"
 # The browser tests drive Debian's Chromium (Playwright never downloads its own); the
 # operations tests run nginx, sshd and openssl, in the foreground on free ports.
 [ "$TEST_TOOLS" = 1 ] && PKGS="$PKGS chromium nginx openssh-server openssl python3-venv"

@@ -212,7 +212,11 @@ RAW_BODIES = [b"{", b"[]", b'"x"', b"null", b"1", b"NaN", b"{\"a\": Infinity}",
               b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe", b'{"command": "\\ud800"}',
               json.dumps({"a" * 1000: ["b"] * 10000}).encode()]
 EXTRA_GETS = ["/ui/..%2f..%2f..%2fetc%2fpasswd", "/ui/%00", "/novnc/..%2f..%2fapi-key",
-              "/sandboxes/%00/files/list?path=%00", "/openapi.json/%00", "/%00"]
+              "/sandboxes/%00/files/list?path=%00", "/openapi.json/%00", "/%00",
+              # exposed ports' proxy (not in the spec): unknown, impossible, hostile
+              "/sandboxes/sb-000000000000/ports/3000/..%2f..%2fapi-key",
+              "/sandboxes/%00/ports/3000/", "/sandboxes/sb-000000000000/ports/99999/",
+              "/sandboxes/sb-000000000000/ports/0/x?hangar_token=%ff%00"]
 
 
 def _resolve(spec: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:

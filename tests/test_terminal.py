@@ -441,11 +441,8 @@ def test_dashboard_lists_opens_terminal_and_desktop_and_deletes(server: Server, 
             page.on("websocket", lambda ws: urls.append(ws.url))
             page.on("request", lambda r: urls.append(r.url))
             page.on("dialog", lambda d: d.accept())
-            # Until the ports route exists on the server, the page asks and shows nothing;
-            # here the browser answers for it, to check how the page shows what it gets.
-            page.route("**/ports", lambda route: route.fulfill(json=[
-                {"port": 3000, "public": False, "url": f"/sandboxes/{desk}/ports/3000/"},
-                {"port": 1, "public": True, "url": "javascript:alert(1)"}]))
+            # An exposed (private) port shows as a link carrying its signed URL.
+            exposed = sdk.expose(desk, 3000)
             page.goto(server.url + "/ui/")
             page.fill("#api-key", key)
             page.click("#key-form button[type=submit]")
@@ -469,7 +466,7 @@ def test_dashboard_lists_opens_terminal_and_desktop_and_deletes(server: Server, 
                 '#terminal .xterm-rows > div')].some(r => r.textContent.trim() === 'hi')""",
                 timeout=30_000)
             links = page.eval_on_selector_all("#ports a", "as => as.map(a => a.href)")
-            assert links == [f"{server.url}/sandboxes/{desk}/ports/3000/"], links
+            assert links == [exposed.signed_url], links
             shot = os.environ.get(SHOT_ENV)
             if shot:
                 page.screenshot(path=shot, full_page=True)

@@ -1,11 +1,12 @@
 """The ``hangar`` command line (typer + rich).
 
-Server side: ``hangar serve``, ``hangar image build|ls|gc``, ``hangar doctor``,
+Server side: ``hangar serve``, ``hangar image build|ls|gc``, ``hangar template
+build|import|ls|rm`` (``hangar.cli_template``), ``hangar doctor``,
 ``hangar key``, ``hangar mcp`` (the agent tools of ``hangar.tools`` over MCP).
 Client side (talks to a server at ``HANGAR_URL`` with ``HANGAR_API_KEY`` or
 the key file), through the public SDK (``hangar.client``) only: ``create``,
 ``ls``, ``exec``, ``shell``, ``rm``, ``ttl``, ``status``, ``events``, ``files``,
-``snapshot``, ``machine``, ``desktop``.
+``snapshot``, ``machine``, ``desktop``, ``port``.
 Errors print one line and exit 1; ``exec`` exits with the command's code.
 """
 
@@ -26,6 +27,7 @@ from rich.table import Column, Table
 
 from hangar.client import Hangar, MachineInfo
 from hangar.cli_key import app as key_app
+from hangar.cli_template import app as template_app
 from hangar.errors import HangarError
 from hangar.ops import cli as ops_cli
 
@@ -35,6 +37,8 @@ image_app = typer.Typer(help="Build, list and collect guest images.", no_args_is
 files_app = typer.Typer(help="Copy files in and out of a sandbox.", no_args_is_help=True)
 machine_app = typer.Typer(help="Per-user machines that sleep when idle.", no_args_is_help=True)
 snapshot_app = typer.Typer(help="Snapshots of running sandboxes.", no_args_is_help=True)
+port_app = typer.Typer(help="Guest TCP ports reached over HTTP and WebSockets.",
+                       no_args_is_help=True)
 desktop_app = typer.Typer(help="Screenshots, mouse and keyboard of a desktop sandbox.",
                           no_args_is_help=True)
 app.add_typer(image_app, name="image")
@@ -42,7 +46,9 @@ app.add_typer(files_app, name="files")
 app.add_typer(machine_app, name="machine")
 app.add_typer(snapshot_app, name="snapshot")
 app.add_typer(desktop_app, name="desktop")
+app.add_typer(port_app, name="port")
 app.add_typer(key_app, name="key")
+app.add_typer(template_app, name="template")
 app.add_typer(ops_cli.deploy_app, name="deploy")
 app.command("backup")(ops_cli.backup)
 out = Console()
@@ -105,7 +111,8 @@ def serve(
         help="auto, firecracker or qemu (HANGAR_ENGINE).")] = None,
     accel: Annotated[Optional[str], typer.Option(help="auto, kvm or tcg (HANGAR_ACCEL).")] = None,
 ) -> None:
-    """Run the REST API; builds the default image first if it is missing."""
+    """Run the REST API; builds the default image first if it is missing (a recipe; a
+    template must have been built)."""
     settings = _settings(data_dir, host=host, port=port, engine=engine, accel=accel)
     import asyncio
 
@@ -120,7 +127,12 @@ def serve(
     layout.ensure()
     try:
         api = create_app(settings)  # refuses an empty or weak API key (ConfigError)
-        _build(layout, settings.default_image)
+        from hangar.images import RECIPES, resolve_image
+
+        if settings.default_image in RECIPES:
+            _build(layout, settings.default_image)
+        else:  # a template: built with `hangar template build`, never here
+            resolve_image(layout, settings.default_image)
     except HangarError as exc:
         _fail(exc)
     where = f"unix:{settings.uds}" if settings.uds else f"http://{settings.host}:{settings.port}"
@@ -542,6 +554,41 @@ def snapshot_rm(snapshot_id: str) -> None:
     with _sdk() as h:
         h.delete_snapshot(snapshot_id)
     out.print(f"deleted {snapshot_id}")
+
+
+@port_app.command("expose")
+def port_expose(sandbox_id: str, port: int,
+                public: Annotated[bool, typer.Option(
+                    "--public", help="Open to anyone with the URL (default: private).")] = False,
+                signed: Annotated[bool, typer.Option(
+                    "--signed", help="Print a URL with a token (private ports), for a browser.")]
+                = False,
+                ttl: Annotated[Optional[float], typer.Option(
+                    help="Seconds the signed URL works (server default 3600).")] = None) -> None:
+    """Expose a guest TCP port and print its URL."""
+    with _sdk() as h:
+        info = h.expose(sandbox_id, port, public, token_ttl=ttl)
+    out.print(info.signed_url if signed and info.signed_url else info.url, soft_wrap=True)
+
+
+@port_app.command("ls")
+def port_ls(sandbox_id: str) -> None:
+    """List a sandbox's exposed ports."""
+    with _sdk() as h:
+        ports = h.ports(sandbox_id)
+    table = Table("port", "public")
+    table.columns.append(Column("url", no_wrap=True, overflow="fold"))
+    for p in ports:
+        table.add_row(str(p.port), "yes" if p.public else "no", p.url)
+    out.print(table)
+
+
+@port_app.command("close")
+def port_close(sandbox_id: str, port: int) -> None:
+    """Stop exposing a port (its URLs answer 404)."""
+    with _sdk() as h:
+        h.close_port(sandbox_id, port)
+    out.print(f"closed port {port} of {sandbox_id}")
 
 
 @app.command()

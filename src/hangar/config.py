@@ -27,6 +27,16 @@ class Settings(BaseSettings):
     forwarded_allow_ips: str = Field(
         "127.0.0.1", description="Comma-separated addresses (or *) whose X-Forwarded-For and "
                                  "X-Forwarded-Proto are trusted: the reverse proxy's.")
+    domain: str | None = Field(
+        None, description="Domain under which exposed ports are also reachable by host name, "
+                          "http(s)://<port>-<sandbox id>.<domain>/ (a wildcard DNS name that "
+                          "points at this server or its reverse proxy); may end in :port. "
+                          "Unset: ports are reached by path only, /sandboxes/<id>/ports/<port>/.",
+        pattern=r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?(:[0-9]{1,5})?$")
+    port_token_ttl_s: float = Field(
+        3600.0, gt=0, le=30 * 86400,
+        description="Lifetime of a private port's signed URL when the caller names none, "
+                    "seconds.")
     engine: Literal["auto", "firecracker", "qemu"] = Field(
         "auto", description="VMM: auto takes Firecracker when its probe boot works, else QEMU.")
     jailer: bool = Field(False, description="Run Firecracker VMMs under its jailer.")

@@ -162,6 +162,11 @@ class EventView:
             return sid, f"terminal {d.get('session', '?')} opened ({d.get('program', 'shell')})"
         if k == "pty.closed":
             return sid, f"terminal {d.get('session', '?')} closed: exit {d.get('exit_code')}"
+        if k == "port.exposed":
+            return sid, f"port {d.get('port', '?')} exposed" + (
+                " (public)" if d.get("public") else "")
+        if k == "port.closed":
+            return sid, f"port {d.get('port', '?')} closed"
         if k.startswith("agent."):
             return self._agent(ev)
         return sid, f"{k} {json.dumps(d, separators=(',', ':'))[:200]}"

@@ -10,17 +10,22 @@ literals of their own. Everything lives under one data directory
                                 start, never logged; read by the CLI and SDK on this host
       api-keys                  0600, named API keys as SHA-256 hashes, one a line
                                 (``hangar key add|rm|rotate``; see ``hangar.keys``)
-      hangar.db                 SQLite store of sandbox, snapshot and machine records
+      hangar.db                 SQLite store of sandbox, snapshot, machine and port records
+      port-key                  0600, 32 random bytes that sign exposed ports' URL tokens
+                                (HMAC-SHA256; hangar.core.ports), generated on first use
       engine-probe.json         cached result of QEMU's KVM probe boot
       firecracker-probe.json    cached result of the Firecracker probe boot
       bin/                      firecracker and jailer, fetched by
                                 hangar.engines.firecracker.binaries
       cache/
         debs/                   kernel packages fetched by ``apt-get download``
-        debootstrap/            .debs kept by debootstrap --cache-dir
-        build/                  temporary debootstrap trees (removed after each build)
+        debootstrap/            .debs kept by debootstrap --cache-dir; also apt's
+                                archives when a template build installs packages
+        apt-lists/              apt's package lists for template builds
+        .apt.lock               flock held while a build uses those two
+        build/                  temporary build trees (removed after each build)
       images/
-        <name>-<digest>/        one build of a recipe, never changed once made;
+        <name>-<digest>/        one build of a recipe or template, never changed;
                                 <name>-<digest> is its id (see below)
           rootfs.ext4           read-only base disk (ext4, made by mkfs.ext4 -d)
           vmlinuz               Debian kernel (bzImage), booted by QEMU
@@ -31,7 +36,7 @@ literals of their own. Everything lives under one data directory
                                 is added (about a second) when the agent changes
           initrd.img            symlink to the newest initrd-<tag>.img
           manifest.json         id, recipe, digests, kernel, sizes, build time
-        <name> -> <name>-<digest>  symlink to the current build of a recipe
+        <name> -> <name>-<digest>  symlink to the current build of a recipe or template
         .<name>.lock            flock held while building (or collecting) a recipe
         .staging-<name>-*/      a build in progress, renamed to <name>-<digest>
         .trash-*/               a build being removed by ``hangar image gc``
@@ -115,6 +120,11 @@ class Layout:
         return self.root / "hangar.db"
 
     @property
+    def port_key_file(self) -> Path:
+        """0600: the secret that signs exposed ports' URL tokens (``hangar.core.ports``)."""
+        return self.root / "port-key"
+
+    @property
     def qemu_probe_file(self) -> Path:
         """Cached answer of QEMU's KVM probe boot (``hangar.engines.qemu.choose_accel``)."""
         return self.root / "engine-probe.json"
@@ -147,6 +157,16 @@ class Layout:
     def build_cache(self) -> Path:
         """Temporary debootstrap trees, one per build in progress."""
         return self.cache / "build"
+
+    @property
+    def apt_lists_cache(self) -> Path:
+        """apt's package lists for ``apt-get install`` inside build trees (templates)."""
+        return self.cache / "apt-lists"
+
+    @property
+    def apt_lock(self) -> Path:
+        """flock held while a build uses the shared apt lists and .deb cache."""
+        return self.cache / ".apt.lock"
 
     @property
     def images(self) -> Path:

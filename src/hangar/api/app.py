@@ -9,12 +9,13 @@ from fastapi import Depends, FastAPI
 
 from hangar import __version__
 from hangar.api import (
-    desktop, errors, events, files, health, machines, pool, pty, sandboxes, snapshots, tunnel,
-    vnc, web,
+    desktop, errors, events, files, health, machines, pool, ports, pty, sandboxes, snapshots,
+    tunnel, vnc, web,
 )
 from hangar.api.auth import KeyRing, Throttle, require_key
 from hangar.api.idempotency import IdempotencyMiddleware
 from hangar.api.limits import BodyLimit
+from hangar.api.proxy import PortProxy
 from hangar.config import Settings
 from hangar.core.events import EventBus
 from hangar.core.idempotency import IdempotencyStore
@@ -33,7 +34,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     image, picks the engine (running the probe boots if not cached),
     reconciles running VMs and starts filling the warm pool.
     ``app.state.events`` is the live-event bus (``GET /events``); POSTs with
-    an ``Idempotency-Key`` go through ``IdempotencyMiddleware``."""
+    an ``Idempotency-Key`` go through ``IdempotencyMiddleware``; requests for
+    exposed ports (``/sandboxes/{id}/ports/{port}/...`` and, with a domain,
+    ``{port}-{id}.<domain>``) are forwarded to the guest by ``PortProxy``."""
     settings = settings or Settings()
     layout = Layout(settings.data_dir)
     layout.ensure()
@@ -91,4 +94,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(machines.router, dependencies=keyed)
     app.include_router(pool.router, dependencies=keyed)
     app.include_router(events.router, dependencies=keyed)
+    app.include_router(ports.router, dependencies=keyed)
+    # Outermost: requests for exposed ports go to the guest untouched by the body cap and
+    # idempotency (hangar.api.proxy checks the key or token itself).
+    app.add_middleware(PortProxy)
     return app

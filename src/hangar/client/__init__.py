@@ -36,8 +36,8 @@ from hangar.client._sync.objects import Desktop, Files, Machine, Sandbox
 from hangar.client._sync.streams import FileWatch, Terminal
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, FileEvent, Health,
-    KeyResult, MachineInfo, PoolStatus, PtySession, PtyTicket, SandboxInfo, Snapshot, VncTicket,
-    WriteResult,
+    KeyResult, MachineInfo, PoolStatus, PortInfo, PtySession, PtyTicket, SandboxInfo, Snapshot,
+    VncTicket, WriteResult,
 )
 
 __all__ = [
@@ -46,6 +46,6 @@ __all__ = [
     "Terminal", "AsyncTerminal", "FileWatch", "AsyncFileWatch",
     "RetryPolicy", "Timeouts",
     "ActionResult", "DisplayInfo", "Event", "ExecResult", "ExecStreamEvent", "FileEntry",
-    "FileEvent", "Health", "KeyResult", "MachineInfo", "PoolStatus", "PtySession", "PtyTicket",
-    "SandboxInfo", "Snapshot", "VncTicket", "WriteResult",
+    "FileEvent", "Health", "KeyResult", "MachineInfo", "PoolStatus", "PortInfo", "PtySession",
+    "PtyTicket", "SandboxInfo", "Snapshot", "VncTicket", "WriteResult",
 ]

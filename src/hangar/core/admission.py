@@ -69,7 +69,8 @@ def check_desktop(screen: str, image: GuestImage) -> None:
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
     recipe = RECIPES.get(image.name)
-    if recipe is not None and "xvfb" not in recipe.packages:
+    if (recipe is not None and "xvfb" not in recipe.packages) or (
+            image.template is not None and not image.template.get("desktop")):
         raise InvalidRequest(f"image {image.name!r} has no desktop; use an image with one, "
                              "such as 'desktop'", image=image.name)
 
@@ -77,10 +78,13 @@ def check_desktop(screen: str, image: GuestImage) -> None:
 def default_size(image: GuestImage, settings: Settings) -> tuple[int, int]:
     """(vCPUs, memory in MiB) of a sandbox of ``image`` whose create names none: the
     image's recipe's (``Recipe.default_vcpus``/``default_memory_mib``; desktop and dev
-    need 2048 MiB), else the server's settings."""
+    need 2048 MiB) or template's (its file's, else its base's), else the server's settings."""
     recipe = RECIPES.get(image.name)
-    return ((recipe and recipe.default_vcpus) or settings.default_vcpus,
-            (recipe and recipe.default_memory_mib) or settings.default_memory_mib)
+    template = image.template or {}
+    return ((recipe and recipe.default_vcpus) or template.get("vcpus")
+            or settings.default_vcpus,
+            (recipe and recipe.default_memory_mib) or template.get("memory_mib")
+            or settings.default_memory_mib)
 
 
 class Admission:

@@ -15,6 +15,7 @@ Kinds (``data`` fields in brackets)::
     pool.take         pool.refill
     snapshot.created  [snapshot_id, size_bytes]
     snapshot.restored [snapshot_id]    snapshot.forked [snapshot_id]
+    port.exposed      [port, public]   port.closed [port]
     agent.task.started  agent.tool.started  agent.tool.finished  agent.task.ended
 
 Rules: an event never carries command output, environment variables, file

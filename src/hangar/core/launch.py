@@ -31,6 +31,7 @@ from hangar.config import Settings
 from hangar.core.context import Context
 from hangar.core.lifecycle import State
 from hangar.core.registry import Runtime
+from hangar.core.startup import needs_start, run_template
 from hangar.core.store import SandboxRecord, SnapshotRecord
 from hangar.core.testhooks import crash_point
 from hangar.engines.base import VM, VMSpec
@@ -64,7 +65,9 @@ def renet_meta(net: NetAttachment) -> dict[str, Any]:
         'dev=$(ls /sys/class/net | grep -v "^lo$" | head -n1); '
         'ip link set dev "$dev" down; ip link set dev "$dev" address "$1"; '
         'ip addr flush dev "$dev"; '
-        'exec python3 -c "import sys; from hangar.guest import net; net.configure(sys.argv[1])" "$2"'
+        'PATH="$PATH:/usr/lib/hangar/runtime/bin"; '
+        'py=/usr/lib/hangar/runtime/bin/python3; [ -x "$py" ] || py=python3; '
+        'exec "$py" -c "import sys; from hangar.guest import net; net.configure(sys.argv[1])" "$2"'
     )
     return {"op": "exec", "argv": ["/bin/sh", "-c", script, "renet", net.mac, net.kernel_arg()],
             "env": {"PYTHONPATH": "/usr/lib/hangar/python"}, "timeout": 20}
@@ -159,9 +162,16 @@ class Launcher:
 
     async def boot(self, rec: SandboxRecord, image: GuestImage, expect: Collection[State],
                    crash_step: str | None = None) -> Runtime:
-        """Boot ``rec``'s VM and wait for its agent; on failure nothing is left but the record."""
+        """Boot ``rec``'s VM and wait for its agent, then for a template's start command and
+        ready check (``hangar.core.startup``); on failure nothing is left but the record."""
+        ready: Ready | None = None
+        template = image.template
+        if template is not None and needs_start(template):
+            async def ready(agent: AgentClient, net: NetAttachment | None) -> None:
+                await run_template(agent, template, name=image.name, sandbox_id=rec.id)
+
         return await self.launch(rec, lambda net: self.ctx.engine.boot(self.spec(rec, image, net)),
-                                 expect, crash_step=crash_step)
+                                 expect, crash_step=crash_step, ready=ready)
 
     async def restore(self, rec: SandboxRecord, snap: SnapshotRecord,
                       expect: Collection[State]) -> Runtime:

@@ -16,6 +16,7 @@ module of ``hangar.core`` with a public surface the others use:
 ``sleep``          sleep and wake
 ``guestcalls``     exec, files, tunnels, file watches (wake a sleeping sandbox first)
 ``terminals``      terminal sessions (pty) that outlive their viewers
+``ports``          exposed guest ports and their signed URL tokens
 ``reconcile``      the loop that moves current states toward desired ones
 ``recovery``       start-up: adopt, resume, finish or undo what a dead server left
 ``pool``           the warm pool
@@ -54,6 +55,7 @@ from hangar.core.guestcalls import GuestCalls
 from hangar.core.launch import Launcher, renet_meta
 from hangar.core.lifecycle import GONE, State
 from hangar.core.pool import WarmPool, templates
+from hangar.core.ports import Ports
 from hangar.core.publish import announce
 from hangar.core.reconcile import Reconciler
 from hangar.core.recovery import Recovery
@@ -102,6 +104,7 @@ class SandboxManager:
         self.sleeper = Sleeper(ctx, self.admission, self.launcher, self.removal, self.snapshots)
         self.calls = GuestCalls(ctx, self.launcher, self.sleeper)
         self.terminals = Terminals(self.calls.using, ctx.publish)
+        self.ports = Ports(ctx)
         self.reconciler = Reconciler(ctx, self.removal, self.sleeper, self.snapshots, self.pool,
                                      concurrency=settings.reconcile_concurrency)
         self.recovery = Recovery(ctx, self.launcher, self.removal)

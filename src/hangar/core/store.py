@@ -1,4 +1,4 @@
-"""Persistent records in SQLite (SQLAlchemy 2 ORM): sandboxes, snapshots, machines.
+"""Persistent records in SQLite (SQLAlchemy 2 ORM): sandboxes, snapshots, machines, ports.
 
 The store is the source of truth across server restarts: on start the
 orchestrator reads every live record and adopts or cleans up its VM
@@ -17,6 +17,7 @@ start (``ALTER TABLE ... ADD COLUMN``, nullable), so old databases keep working.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -24,8 +25,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import (
-    JSON, Enum, Float, Integer, String, create_engine, delete, event, inspect, select, text,
-    update,
+    JSON, Boolean, Enum, Float, Integer, String, create_engine, delete, event, inspect, select,
+    text, update,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
@@ -124,6 +125,22 @@ class MachineRecord(Base):
     user_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     sandbox_id: Mapped[str] = mapped_column(String(32))
     idle_timeout_s: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class PortRecord(Base):
+    """A guest TCP port exposed through Hangar's HTTP server (``hangar.core.ports``).
+
+    ``nonce`` (random hex) is part of what its URL tokens sign, so tokens issued
+    before a port was closed never open it again once it is exposed anew.
+    """
+
+    __tablename__ = "ports"
+
+    sandbox_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    port: Mapped[int] = mapped_column(Integer, primary_key=True)
+    public: Mapped[bool] = mapped_column(Boolean, default=False)
+    nonce: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[float] = mapped_column(Float)
 
 
@@ -287,3 +304,28 @@ class Store:
     def list(self, cls: type[R]) -> list[R]:
         with self.session() as s:
             return list(s.scalars(select(cls)))
+
+    # -- exposed ports --------------------------------------------------------------
+
+    def ports(self, sandbox_id: str) -> "builtins.list[PortRecord]":
+        """The sandbox's exposed ports, by port number."""
+        with self.session() as s:
+            q = select(PortRecord).where(PortRecord.sandbox_id == sandbox_id)
+            return list(s.scalars(q.order_by(PortRecord.port)))
+
+    def port(self, sandbox_id: str, port: int) -> PortRecord | None:
+        with self.session() as s:
+            return s.get(PortRecord, (sandbox_id, port))
+
+    def put_port(self, rec: PortRecord) -> PortRecord:
+        """Insert or replace the record of ``(rec.sandbox_id, rec.port)``."""
+        with self.session() as s, s.begin():
+            return s.merge(rec)
+
+    def remove_ports(self, sandbox_id: str, port: int | None = None) -> int:
+        """Forget one exposed port (or all of a sandbox's); returns how many went."""
+        q = delete(PortRecord).where(PortRecord.sandbox_id == sandbox_id)
+        if port is not None:
+            q = q.where(PortRecord.port == port)
+        with self.session() as s, s.begin():
+            return int(s.execute(q).rowcount)  # type: ignore[attr-defined]

@@ -38,6 +38,7 @@ import asyncio
 import base64
 import errno
 import fcntl
+import json
 import os
 import signal
 import stat as stat_mod
@@ -69,6 +70,24 @@ BASE_ENV = {
     "TERM": "xterm-256color",
     "USER": "root",
 }
+TEMPLATE_ENV_FILE = "/etc/hangar/env.json"
+"""A template's environment (``hangar.images.template_builder``), merged into ``BASE_ENV``."""
+
+
+def template_env(path: str = TEMPLATE_ENV_FILE) -> dict[str, str]:
+    """The template's environment: a JSON object of strings; {} when absent or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)
+            and k and "=" not in k and "\0" not in k and "\0" not in v}
+
+
+BASE_ENV.update(template_env())
 
 
 class OpError(Exception):

@@ -12,7 +12,9 @@ then, in order and without starting any other program until the agent runs:
 2. sets the hostname from ``hangar.hostname=`` on the kernel command line
    (default ``hangar``), makes sure ``lo`` is up, and with ``hangar.net=``
    brings the NIC up (``hangar.guest.net.configure``);
-3. starts the agent, ``/usr/bin/python3 -m hangar.guest.agent`` with
+3. starts the agent, ``python3 -m hangar.guest.agent`` (the interpreter
+   running this init: ``/usr/bin/python3``, or Hangar's own runtime in
+   images imported from OCI) with
    ``PYTHONPATH=/usr/lib/hangar/python``, in its own session, stdin
    /dev/null, stdout and stderr on /dev/console (the serial console), and
    prints ``hangar-init: agent started``;
@@ -49,7 +51,9 @@ except ImportError:  # pragma: no cover
 
 CONSOLE = "/dev/console"
 PYTHON_DIR = "/usr/lib/hangar/python"
-AGENT_ARGV = ["/usr/bin/python3", "-m", "hangar.guest.agent"]
+AGENT_ARGV = [sys.executable or "/usr/bin/python3", "-m", "hangar.guest.agent"]
+RESIZE2FS = ("/sbin/resize2fs", "/usr/sbin/resize2fs", "/usr/lib/hangar/runtime/bin/resize2fs")
+"""Where resize2fs may be: the image's own, else Hangar's runtime's."""
 ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": "/root",
@@ -281,8 +285,9 @@ class Init:
         dev = self.cmdline.get("root", "/dev/vda")
         if not dev.startswith("/dev/") or not os.path.exists(dev):
             return
+        exe = next((p for p in RESIZE2FS if os.path.exists(p)), RESIZE2FS[0])
         try:
-            self.resize_pid = spawn(["/sbin/resize2fs", dev], self.env, "/run/hangar/resize2fs.log")
+            self.resize_pid = spawn([exe, dev], self.env, "/run/hangar/resize2fs.log")
         except OSError as e:
             log(f"warning: cannot run resize2fs: {e}")
 

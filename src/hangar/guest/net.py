@@ -33,7 +33,8 @@ import time
 
 KEY = "hangar.net"
 WAIT_S = 2.0
-IP_PATHS = ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip")
+IP_PATHS = ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip",
+            "/usr/lib/hangar/runtime/bin/ip")
 BATCH_FILE = "/run/hangar/net.batch"
 RESOLV_CONF = "/etc/resolv.conf"
 

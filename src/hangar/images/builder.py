@@ -63,13 +63,14 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hangar.errors import ImageError, ImageMissing, NotFound
 from hangar.images import initramfs, kernel, vmlinux
-from hangar.images.commands import Progress, remove_tree, require_tools, run
+from hangar.images.commands import Progress, inside, remove_tree, require_tools, run
+from hangar.images.initramfs import GUEST_PYTHON_DIR
 from hangar.images.recipes import BUILDER_VERSION, RECIPES, Recipe, get_recipe
 from hangar.layout import ImagePaths, Layout
 
@@ -108,6 +109,9 @@ class GuestImage:
     recipe_digest: str = ""
     vmlinux: Path | None = None
     """The ELF kernel when the manifest records it (else ``vmlinux.ensure_vmlinux``)."""
+    template: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
+    """For a template's build: what its sandboxes need at create (start command, ready
+    check, default size; ``hangar.images.template_file.Template.runtime``), else None."""
 
     @property
     def id(self) -> str:
@@ -136,6 +140,8 @@ class ImageInfo:
     built_at: float
     """Unix time in seconds."""
     build_seconds: float
+    template: bool = False
+    """A template's build (``hangar template build``), not a recipe's."""
 
     @property
     def id(self) -> str:
@@ -229,7 +235,9 @@ def list_images(layout: Layout) -> list[ImageInfo]:
             digest=m["digest"],
             dir=d,
             current=_current(layout, name) == d.resolve(),
-            stale=recipe is None or recipe.digest() != _recipe_digest(m),
+            # a template's file lives elsewhere: its builds are never called stale
+            stale=False if "template" in m else (
+                recipe is None or recipe.digest() != _recipe_digest(m)),
             recipe_digest=_recipe_digest(m),
             bytes_on_disk=_allocated(d),
             description=m["recipe"].get("description", ""),
@@ -237,6 +245,7 @@ def list_images(layout: Layout) -> list[ImageInfo]:
             rootfs_bytes=m["sizes"]["rootfs_bytes"],
             built_at=m["built_at"],
             build_seconds=m["build_seconds"]["total"],
+            template="template" in m,
         ))
     return sorted(out, key=lambda i: (i.name, i.built_at))
 
@@ -417,6 +426,7 @@ def _ensure_initrd(d: Path, manifest: dict[str, Any],
         name=manifest["name"], digest=manifest["digest"], dir=d, kernel=paths.kernel,
         initrd=initrd, rootfs=paths.rootfs, kernel_version=kver,
         recipe_digest=_recipe_digest(manifest), vmlinux=vmlinux.recorded(paths, manifest),
+        template=manifest.get("template"),
     )
 
 
@@ -459,58 +469,79 @@ def _build(layout: Layout, recipe: Recipe, recipe_digest: str, say: Progress) ->
         elf = vmlinux.write_vmlinux(paths)
         times["kernel"] = time.monotonic() - t
 
-        t = time.monotonic()
-        content, inodes = _tree_size(rootdir)
-        size = _pack(rootdir, paths.rootfs, content, inodes, say)
-        times["pack"] = time.monotonic() - t
-        remove_tree(rootdir)  # free the space before the rename
-
-        t = time.monotonic()
-        say("hashing the built bytes")
-        sha256 = content_digest(stage)
-        digest = sha256[:DIGEST_HEX]
-        times["hash"] = time.monotonic() - t
-        final = layout.images / image_id(recipe.name, digest)
-
-        times["total"] = time.monotonic() - t0
         manifest = {
-            "format": MANIFEST_FORMAT,
-            "id": final.name,
-            "name": recipe.name,
-            "digest": digest,
-            "sha256": sha256,
             "recipe_digest": recipe_digest,
-            "builder_version": BUILDER_VERSION,
             "recipe": {**asdict(recipe), "packages": list(recipe.packages)},
             "mirror": mirror,
             "python_version": python_version,
             "kernel": {"meta_package": recipe.kernel_package, "package": k.package,
                        "deb_version": k.deb_version, "version": k.version, "vmlinux": elf},
-            "sizes": {
-                "rootfs_bytes": size,
-                "rootfs_allocated_bytes": paths.rootfs.stat().st_blocks * 512,
-                "content_bytes": content,
-                "content_inodes": inodes,
-                "kernel_bytes": k.vmlinuz.stat().st_size,
-                "modules_bytes": _tree_size(k.modules)[0],
-            },
-            "build_seconds": {k_: round(v, 2) for k_, v in times.items()},
-            "built_at": time.time(),
         }
-        paths.manifest.write_text(json.dumps(manifest, indent=2) + "\n")
-        say("building the initramfs")
-        _ensure_initrd(stage, manifest)
-        stage.chmod(0o755)
-        if final.exists():  # the very same bytes were built before: keep that build
-            say(f"{final.name}: identical to the existing build")
-            return final
-        os.replace(stage, final)
-        say(f"{final.name}: built in {time.monotonic() - t0:.0f} s, rootfs "
-            f"{size / 2**20:.0f} MiB ({content / 2**20:.0f} MiB of files)")
-        return final
+        return finish_build(layout, recipe.name, stage, rootdir, manifest, say, times, t0)
     finally:
         remove_tree(work)
         remove_tree(stage)
+
+
+def finish_build(layout: Layout, name: str, stage: Path, rootdir: Path,
+                 manifest: dict[str, Any], say: Progress, times: dict[str, float],
+                 t0: float) -> Path:
+    """Pack ``rootdir`` into the staging build ``stage`` and give it its id.
+
+    ``stage`` already holds the kernel (vmlinuz, vmlinux, modules/);
+    ``manifest`` holds the build's own fields (``recipe_digest``, ``recipe``,
+    ``kernel``, ``python_version``, ...), to which this adds the id, digests,
+    sizes and times. Packs rootfs.ext4 (removing ``rootdir`` after), hashes
+    the built bytes, writes manifest.json, builds the initramfs and renames
+    ``stage`` to ``images/<name>-<digest>``, which it returns (an existing
+    build of the very same bytes is kept instead). Raises ImageError.
+    """
+    paths = ImagePaths(stage)
+    t = time.monotonic()
+    content, inodes = _tree_size(rootdir)
+    size = _pack(rootdir, paths.rootfs, content, inodes, say)
+    times["pack"] = time.monotonic() - t
+    remove_tree(rootdir)  # free the space before the rename
+
+    t = time.monotonic()
+    say("hashing the built bytes")
+    sha256 = content_digest(stage)
+    digest = sha256[:DIGEST_HEX]
+    times["hash"] = time.monotonic() - t
+    final = layout.images / image_id(name, digest)
+
+    times["total"] = time.monotonic() - t0
+    kver = manifest["kernel"]["version"]
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "id": final.name,
+        "name": name,
+        "digest": digest,
+        "sha256": sha256,
+        "builder_version": BUILDER_VERSION,
+        **manifest,
+        "sizes": {
+            "rootfs_bytes": size,
+            "rootfs_allocated_bytes": paths.rootfs.stat().st_blocks * 512,
+            "content_bytes": content,
+            "content_inodes": inodes,
+            "kernel_bytes": paths.kernel.stat().st_size,
+            "modules_bytes": _tree_size(paths.modules / kver)[0],
+        },
+        "build_seconds": {k_: round(v, 2) for k_, v in times.items()},
+        "built_at": time.time(),
+    }
+    paths.manifest.write_text(json.dumps(manifest, indent=2) + "\n")
+    say("building the initramfs")
+    _ensure_initrd(stage, manifest)
+    stage.chmod(0o755)
+    if final.exists():  # the very same bytes were built before: keep that build
+        say(f"{final.name}: identical to the existing build")
+        return final
+    os.replace(stage, final)
+    say(f"{final.name}: built in {time.monotonic() - t0:.0f} s, rootfs "
+        f"{size / 2**20:.0f} MiB ({content / 2**20:.0f} MiB of files)")
+    return final
 
 
 def _debootstrap(recipe: Recipe, rootdir: Path, mirror: str | None, cache: Path,
@@ -527,45 +558,101 @@ def _debootstrap(recipe: Recipe, rootdir: Path, mirror: str | None, cache: Path,
         timeout=3600)
 
 
-def _apt_install(rootdir: Path, packages: tuple[str, ...], say: Progress) -> None:
-    """``apt-get install`` ``packages`` inside the tree (chroot with /proc, /sys, /dev).
+@contextmanager
+def chroot_mounts(rootdir: Path, binds: Mapping[str, Path] | None = None) -> Iterator[None]:
+    """/proc, /sys and /dev in the tree (and ``binds``: path in the tree -> host folder),
+    plus the host's resolver, for commands run in it with ``chroot``.
 
-    The tree's apt sources are those debootstrap wrote (the same mirror);
-    the host's resolver is lent for the duration. Everything is unmounted
-    whatever happens.
+    Everything is unmounted and /etc/resolv.conf emptied whatever happens
+    (the guest writes its own at boot when it has a network).
     """
-    say(f"apt-get install {' '.join(packages)}")
-    resolv = rootdir / "etc" / "resolv.conf"
-    if resolv.is_symlink() or resolv.exists():
-        resolv.unlink()
     try:
-        resolv.write_bytes(Path("/etc/resolv.conf").read_bytes())
+        host_resolv = Path("/etc/resolv.conf").read_bytes()
     except OSError:
-        pass
+        host_resolv = b""
+    put_file(rootdir, "/etc/resolv.conf", host_resolv)
     mounts: list[Path] = []
     try:
-        for fstype, src, target in (("proc", "proc", "proc"), ("sysfs", "sysfs", "sys"),
-                                    (None, "/dev", "dev")):
-            dest = rootdir / target
-            dest.mkdir(exist_ok=True)
-            argv = (["mount", "--bind", src, dest] if fstype is None
-                    else ["mount", "-t", fstype, src, dest])
+        for fstype, src, target in (("proc", "proc", "/proc"), ("sysfs", "sysfs", "/sys"),
+                                    (None, "/dev", "/dev"), *((None, str(h), t) for t, h in
+                                                              (binds or {}).items())):
+            # Mount only on real folders of the tree: a link could point at the host's.
+            dest = inside(rootdir, target)
+            if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+                dest.unlink()
+            dest.mkdir(parents=True, exist_ok=True)
+            argv: list[str | Path] = (["mount", "--bind", src, dest] if fstype is None
+                                      else ["mount", "-t", fstype, src, dest])
             run("mount", argv, timeout=60)
             mounts.append(dest)
-        env = {"DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C"}
-        run("apt-get update", ["chroot", rootdir, "apt-get", "update", "-q"], env=env,
-            timeout=1800)
-        run("apt-get install", ["chroot", rootdir, "apt-get", "install", "-y", "-q",
-                                "--no-install-recommends", *packages],
-            progress=say, echo=lambda ln: ln.startswith(("E: ", "W: ")), env=env, timeout=3600)
-        run("apt-get clean", ["chroot", rootdir, "apt-get", "clean"], env=env, timeout=300)
+        yield
     finally:
         for dest in reversed(mounts):
             try:
                 run("umount", ["umount", "-l", dest], timeout=60)
             except ImageError:
                 pass
+        put_file(rootdir, "/etc/resolv.conf", RESOLV_PLACEHOLDER)
 
+
+@dataclass(frozen=True)
+class AptCaches:
+    """Host folders apt may share between builds: .debs and package lists, under a lock."""
+
+    archives: Path
+    lists: Path
+    lock: Path
+
+    @classmethod
+    def of(cls, layout: Layout) -> "AptCaches":
+        return cls(layout.debootstrap_cache, layout.apt_lists_cache, layout.apt_lock)
+
+
+def _apt_install(rootdir: Path, packages: tuple[str, ...], say: Progress,
+                 caches: AptCaches | None = None) -> None:
+    """``apt-get install`` ``packages`` inside the tree (chroot with /proc, /sys, /dev).
+
+    The tree's apt sources are those debootstrap wrote (the same mirror);
+    the host's resolver is lent for the duration. With ``caches``, apt's
+    archives and lists are the host's shared folders (bind-mounted, under
+    their flock), so .debs fetched once (by debootstrap or an earlier build)
+    are reused and nothing is left in the tree; else the tree's own, cleaned
+    after.
+    """
+    say(f"apt-get install {' '.join(packages)}")
+    env = {"DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C"}
+    opts = ["-o", "APT::Sandbox::User=root"]
+    binds: dict[str, Path] = {}
+    if caches is not None:
+        for d in (caches.archives / "partial", caches.lists / "partial"):
+            d.mkdir(parents=True, exist_ok=True)
+        binds = {"/var/cache/apt/archives": caches.archives, "/var/lib/apt/lists": caches.lists}
+    with _flock(caches.lock if caches else None), chroot_mounts(rootdir, binds):
+        run("apt-get update", ["chroot", rootdir, "apt-get", *opts, "update", "-q"], env=env,
+            timeout=1800)
+        run("apt-get install", ["chroot", rootdir, "apt-get", *opts, "install", "-y", "-q",
+                                "--no-install-recommends", *packages],
+            progress=say, echo=lambda ln: ln.startswith(("E: ", "W: ", "Get:", "Setting up ")),
+            env=env, timeout=3600)
+        if caches is None:
+            run("apt-get clean", ["chroot", rootdir, "apt-get", "clean"], env=env, timeout=300)
+
+
+@contextmanager
+def _flock(path: Path | None) -> Iterator[None]:
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+RESOLV_PLACEHOLDER = "# Hangar: written at sandbox start when the sandbox has a network.\n"
 
 POWEROFF_SHIM = """#!/bin/sh
 # Hangar guests have no init system: PID 1 (hangar.guest.init) powers off on SIGTERM.
@@ -584,29 +671,52 @@ path-exclude=/usr/share/lintian/*
 
 
 def _configure_rootfs(root: Path) -> None:
-    etc = root / "etc"
-    (etc / "hostname").write_text("hangar\n")
-    (etc / "hosts").write_text(
-        "127.0.0.1\tlocalhost\n127.0.1.1\thangar\n"
-        "::1\t\tlocalhost ip6-localhost ip6-loopback\n"
-        "ff02::1\t\tip6-allnodes\nff02::2\t\tip6-allrouters\n")
-    resolv = etc / "resolv.conf"
-    if resolv.is_symlink() or resolv.exists():
-        resolv.unlink()
-    resolv.write_text("# Hangar: written at sandbox start when the sandbox has a network.\n")
-    (etc / "fstab").write_text(
-        "# Hangar: the initramfs mounts / and the guest init mounts the rest; nothing here.\n")
-    (etc / "dpkg" / "dpkg.cfg.d").mkdir(parents=True, exist_ok=True)
-    (etc / "dpkg" / "dpkg.cfg.d" / "01-hangar-nodoc").write_text(NODOC)
-    (root / "root").mkdir(exist_ok=True)
-    (root / "root").chmod(0o700)
-    sbin = root / "usr" / "local" / "sbin"
-    sbin.mkdir(parents=True, exist_ok=True)
-    for cmd in ("poweroff", "halt", "reboot", "shutdown"):
-        (sbin / cmd).write_text(POWEROFF_SHIM)
-        (sbin / cmd).chmod(0o755)
-    (root / "usr" / "lib" / "hangar" / "python").mkdir(parents=True, exist_ok=True)
+    guest_setup(root)
+    _trim(root)
 
+
+def put_file(root: Path, path: str, data: bytes | str, mode: int | None = None) -> Path:
+    """Write a file at the guest path ``path`` of the tree ``root`` (parents made, a link
+    or file there replaced), never outside the tree (``commands.inside``)."""
+    dest = inside(root, path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.is_symlink() or dest.is_file():
+        dest.unlink()
+    if isinstance(data, str):
+        dest.write_text(data)
+    else:
+        dest.write_bytes(data)
+    if mode is not None:
+        dest.chmod(mode)
+    return dest
+
+
+def guest_setup(root: Path) -> None:
+    """What every Hangar guest's tree needs (Debian or not): host name and hosts, an
+    empty resolv.conf and fstab, ``poweroff``-style commands that signal PID 1 (when the
+    tree has /bin/sh), /root, and the folder the initramfs puts the guest's Python in."""
+    put_file(root, "/etc/hostname", "hangar\n")
+    put_file(root, "/etc/hosts",
+             "127.0.0.1\tlocalhost\n127.0.1.1\thangar\n"
+             "::1\t\tlocalhost ip6-localhost ip6-loopback\n"
+             "ff02::1\t\tip6-allnodes\nff02::2\t\tip6-allrouters\n")
+    put_file(root, "/etc/resolv.conf", RESOLV_PLACEHOLDER)
+    put_file(root, "/etc/fstab",
+             "# Hangar: the initramfs mounts / and the guest init mounts the rest; "
+             "nothing here.\n")
+    home = inside(root, "/root", follow_last=True)
+    home.mkdir(parents=True, exist_ok=True)
+    home.chmod(0o700)
+    if os.path.lexists(inside(root, "/bin/sh", follow_last=True)):
+        for cmd in ("poweroff", "halt", "reboot", "shutdown"):
+            put_file(root, f"/usr/local/sbin/{cmd}", POWEROFF_SHIM, 0o755)
+    inside(root, GUEST_PYTHON_DIR, follow_last=True).mkdir(parents=True, exist_ok=True)
+
+
+def _trim(root: Path) -> None:
+    """Leave out of a Debian tree what a sandbox never needs: docs (but copyrights), man
+    pages, locales, apt caches and lists, logs; and keep dpkg from adding them back."""
+    put_file(root, "/etc/dpkg/dpkg.cfg.d/01-hangar-nodoc", NODOC)
     # Space: apt caches and lists, docs (but copyrights), man pages, locales, logs.
     for pattern in ("var/cache/apt/*.bin", "var/cache/apt/archives/*.deb",
                     "var/lib/apt/lists/*_*", "var/cache/debconf/*-old", "var/lib/dpkg/*-old",
@@ -636,6 +746,11 @@ def _write_files(root: Path, recipe: Recipe) -> None:
         dest.unlink(missing_ok=True)
         dest.write_text(f.content)
         dest.chmod(f.mode)
+
+
+def python_version(root: Path) -> str | None:
+    """The tree's ``/usr/bin/python3`` version (``"3.11"``), or None."""
+    return _python_version(root)
 
 
 def _python_version(root: Path) -> str | None:

@@ -6,7 +6,8 @@ and a non-zero exit or a timeout becomes ``ImageError`` carrying the step's
 name and that tail. Also here: the temporary-directory helpers, which unmount
 anything left mounted below a tree (debootstrap mounts /proc and /sys in its
 target) before deleting it, so a failed build can never delete through a
-mount into the host.
+mount into the host; and ``inside``, which resolves a guest path in a tree
+without ever leaving it (trees made from OCI images are not ours).
 """
 
 from __future__ import annotations
@@ -142,3 +143,38 @@ def remove_tree(path: Path) -> None:
                            capture_output=True, check=False)
     else:
         path.unlink(missing_ok=True)
+
+
+MAX_SYMLINK_HOPS = 40
+
+
+def inside(root: Path, path: str, *, follow_last: bool = False) -> Path:
+    """The host path of ``path`` as a guest whose root is ``root`` sees it; never outside.
+
+    Symlinks in the tree are followed as the guest would follow them
+    (absolute targets start at ``root``, ``..`` stops at it), so a tree made
+    from someone else's image cannot send a write through a link such as
+    ``etc -> /etc`` onto the host. The last component is followed only with
+    ``follow_last``: writers replace a link there rather than write through
+    it. Raises ``ImageError`` on a symlink loop.
+    """
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    cur = root
+    hops = 0
+    while parts:
+        name = parts.pop(0)
+        if name == "..":
+            cur = cur.parent if cur != root else root
+            continue
+        nxt = cur / name
+        if nxt.is_symlink() and (parts or follow_last):
+            hops += 1
+            if hops > MAX_SYMLINK_HOPS:
+                raise ImageError(f"too many symbolic links resolving {path} in the image")
+            target = os.readlink(nxt)
+            if target.startswith("/"):
+                cur = root
+            parts = [p for p in target.split("/") if p not in ("", ".")] + parts
+            continue
+        cur = nxt
+    return cur

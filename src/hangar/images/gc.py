@@ -1,9 +1,10 @@
 """Removing image builds that nothing uses any more (``hangar image gc``).
 
 A forced rebuild leaves the old build in place (builds are immutable, see
-``hangar.images.builder``); ``collect`` removes the builds that are
+``hangar.images.builder``); ``collect`` removes the builds (of recipes and
+templates alike) that are
 
-- not the current build of their recipe (the ``<name>`` symlink's target),
+- not the current build of their recipe or template (the ``<name>`` symlink's target),
 - not pinned: no sandbox, snapshot or machine record names them (the
   caller passes those ids, read from the store of the data directory),
 - not in use on this host: no process holds one of their files open (a
@@ -96,12 +97,14 @@ def in_use(build: Path, opened: set[tuple[int, int]]) -> bool:
     return False
 
 
-def collect(layout: Layout, pinned: Iterable[str], *, dry_run: bool = False) -> Collection:
+def collect(layout: Layout, pinned: Iterable[str], *, dry_run: bool = False,
+            only: Iterable[str] | None = None) -> Collection:
     """Remove every build that is not current, not pinned and not in use; see the module doc.
 
     ``pinned`` holds image ids (``<name>-<digest>``); a bare recipe name
     pins every build of it (a record that does not say which build it used).
-    With ``dry_run`` nothing is removed. Raises ``ImageError`` when
+    With ``dry_run`` nothing is removed; ``only`` limits the work to builds of
+    those recipe or template names. Raises ``ImageError`` when
     ``layout.images`` is a symlink (a shared cache) or a removal fails.
     """
     if layout.images.is_symlink():
@@ -113,6 +116,8 @@ def collect(layout: Layout, pinned: Iterable[str], *, dry_run: bool = False) -> 
     if not layout.images.is_dir():
         return result
     names = sorted({i.name for i in list_images(layout)} | set(RECIPES))
+    if only is not None:
+        names = [n for n in names if n in set(only)]
     for name in names:
         with image_lock(layout, name):
             opened = open_inodes()
@@ -135,7 +140,7 @@ def collect(layout: Layout, pinned: Iterable[str], *, dry_run: bool = False) -> 
                 result.leftovers.append(d)
                 if not dry_run:
                     remove_tree(d)
-    for d in layout.images.glob(".trash-*"):
+    for d in (layout.images.glob(".trash-*") if only is None else ()):
         result.leftovers.append(d)
         if not dry_run:
             remove_tree(d)

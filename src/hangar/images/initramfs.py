@@ -27,7 +27,8 @@ on /newroot, replaces /newroot/usr/lib/hangar/python with its own copy, moves
 /dev, /proc and /sys into the new root (so devtmpfs stays mounted), mounts
 /dev/pts, /dev/shm, /run, /tmp and /sys/fs/cgroup there, brings ``lo`` up, and
 ``switch_root``s to ``python3 -S`` importing ``hangar.guest.init`` and calling
-its ``main()``.
+its ``main()``: ``/usr/lib/hangar/runtime/bin/python3`` when the image
+carries Hangar's runtime (``hangar.images.runtime``), else ``/usr/bin/python3``.
 On any failure it prints ``hangar-initramfs: FATAL: ...`` and powers off.
 """
 
@@ -67,6 +68,8 @@ MODULES: tuple[str, ...] = (
 
 GUEST_PYTHON_DIR = "/usr/lib/hangar/python"
 """Where the guest's Python files live in the running guest (its PYTHONPATH)."""
+RUNTIME_DIR = "/usr/lib/hangar/runtime"
+"""Hangar's own Python runtime in images that bring it (``hangar.images.runtime``)."""
 
 INIT_SCRIPT = r"""#!/bin/sh
 # hangar initramfs /init (busybox sh); see hangar.images.initramfs.
@@ -75,6 +78,7 @@ set -f
 KVER='@KVER@'
 MODULES='@MODULES@'
 PYDIR='@PYDIR@'
+RUNTIME='@RUNTIME@'
 
 die() {
     echo "hangar-initramfs: FATAL: $*"
@@ -134,7 +138,10 @@ if [ -n "$OVERLAY" ]; then
 else
     mount -t "$FSTYPE" -o rw "$ROOT" /newroot || die "cannot mount $ROOT ($FSTYPE) on /newroot"
 fi
-[ -x /newroot/usr/bin/python3 ] || die "$ROOT has no /usr/bin/python3"
+# Hangar's own runtime when the image carries it (images imported from OCI), else the image's.
+PY=/usr/bin/python3
+[ -x "/newroot$RUNTIME/bin/python3" ] && PY="$RUNTIME/bin/python3"
+[ -x "/newroot$PY" ] || die "$ROOT has no $PY"
 rm -rf "/newroot$PYDIR"
 mkdir -p "/newroot${PYDIR%/*}" && cp -a /hangar/python "/newroot$PYDIR" \
     || die "cannot install the guest's Python files into $PYDIR"
@@ -154,7 +161,7 @@ mount -t cgroup2 -o nosuid,nodev,noexec,relatime cgroup2 $R/sys/fs/cgroup
 ip link set lo up
 # Import the guest init from its .pyc (running init.py as a script would
 # compile it first: about 0.1 s under TCG).
-exec switch_root /newroot /usr/bin/python3 -S -c \
+exec switch_root /newroot "$PY" -S -c \
     "import sys; sys.path[0] = '$PYDIR'; import hangar.guest.init as m; m.main()"
 die "switch_root failed"
 """
@@ -189,7 +196,7 @@ def guest_sources(pkg: Path | None = None) -> dict[str, bytes]:
 def render_init(kernel_version: str) -> str:
     return (INIT_SCRIPT.replace("@KVER@", kernel_version)
             .replace("@MODULES@", " ".join(MODULES))
-            .replace("@PYDIR@", GUEST_PYTHON_DIR))
+            .replace("@PYDIR@", GUEST_PYTHON_DIR).replace("@RUNTIME@", RUNTIME_DIR))
 
 
 def initrd_tag(sources: Mapping[str, bytes], kernel_version: str, *,

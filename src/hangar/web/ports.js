@@ -1,5 +1,7 @@
 // A sandbox's exposed ports as links, from GET /sandboxes/{id}/ports (a JSON list of
-// {port, public, url}). A server without that route, or any error, shows nothing.
+// {port, public, url, signed_url}): a private port links its signed URL (a token for that
+// port only, never the API key), opened without a referrer or an opener. Any error shows
+// nothing.
 export async function showPorts(target, sandboxId, headers) {
   target.replaceChildren();
   let list;
@@ -15,8 +17,9 @@ export async function showPorts(target, sandboxId, headers) {
   const links = [];
   for (const p of list) {
     if (!p || !Number.isInteger(p.port) || typeof p.url !== "string") continue;
+    const href = !p.public && typeof p.signed_url === "string" ? p.signed_url : p.url;
     let url;
-    try { url = new URL(p.url, location.href); } catch (e) { continue; }
+    try { url = new URL(href, location.href); } catch (e) { continue; }
     if (url.protocol !== "http:" && url.protocol !== "https:") continue;
     const a = document.createElement("a");
     a.href = url.href;

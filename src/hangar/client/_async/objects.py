@@ -22,7 +22,7 @@ from hangar.client._async.client import AsyncHangar, Button, Direction
 from hangar.client._async.streams import AsyncFileWatch, AsyncTerminal
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, KeyResult,
-    MachineInfo, SandboxInfo, Snapshot, VncTicket, WriteResult,
+    MachineInfo, PortInfo, SandboxInfo, Snapshot, VncTicket, WriteResult,
 )
 
 
@@ -213,6 +213,26 @@ class AsyncSandbox:
         snap = snapshot_id or (await self.snapshot()).id
         info = await self.client.fork(snap, timeout=timeout)
         return AsyncSandbox(self.client, info, kill_on_exit=True)
+
+    async def expose(self, port: int, public: bool = False) -> str:
+        """Reach the guest's TCP ``port`` over HTTP and WebSockets; returns its URL.
+
+        A private port (the default) needs the API key (``X-API-Key``) at that
+        URL; ``port(n).signed_url`` gives a link that works without it for a
+        while (browsers). See ``AsyncHangar.expose``."""
+        return (await self.client.expose(self.id, port, public)).url
+
+    async def ports(self) -> builtins.list[PortInfo]:
+        """The exposed ports with their URLs (private ones with new signed URLs)."""
+        return await self.client.ports(self.id)
+
+    async def port(self, port: int, *, token_ttl: float | None = None) -> PortInfo:
+        """One exposed port; a private one with a signed URL valid ``token_ttl`` seconds."""
+        return await self.client.port(self.id, port, token_ttl=token_ttl)
+
+    async def close_port(self, port: int) -> None:
+        """Stop exposing ``port``; its URLs answer 404."""
+        await self.client.close_port(self.id, port)
 
     async def set_timeout(self, timeout: float) -> SandboxInfo:
         """Expire ``timeout`` seconds from now (0: never)."""

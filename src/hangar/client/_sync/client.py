@@ -26,8 +26,8 @@ from hangar.client._core import RetryPolicy, Timeouts
 from hangar.errors import HangarError, Unavailable
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, FileList, Health,
-    KeyResult, MachineInfo, MachineList, PoolStatus, PtySession, PtySessionList, PtyTicket,
-    SandboxInfo, SandboxList, Snapshot, SnapshotList, VncTicket, WriteResult,
+    KeyResult, MachineInfo, MachineList, PoolStatus, PortInfo, PtySession, PtySessionList,
+    PtyTicket, SandboxInfo, SandboxList, Snapshot, SnapshotList, VncTicket, WriteResult,
 )
 
 Button = Literal["left", "middle", "right"]
@@ -528,6 +528,53 @@ class Hangar:
         return VncTicket.model_validate(self._json(
             "POST", f"/sandboxes/{sandbox_id}/vnc/tickets", json={"view_only": view_only},
             timeout=t, retry=bool(retry)))
+
+    # -- exposed ports ----------------------------------------------------------------------
+
+    def expose(self, sandbox_id: str, port: int, public: bool = False, *,
+                     token_ttl: float | None = None, request_timeout: float | None = None,
+                     retry: bool | None = None) -> PortInfo:
+        """``POST /sandboxes/{id}/ports``: reach a guest TCP port over HTTP and WebSockets.
+
+        The answer's ``url`` is where to send requests: ``http(s)://<port>-<id>.<domain>/``
+        when the server has a domain, else ``.../sandboxes/<id>/ports/<port>/``. A private
+        port (the default) needs ``X-API-Key`` there, or its ``signed_url``, valid
+        ``token_ttl`` seconds (server default 3600). Exposing a port again updates
+        ``public``. Raises NotFound, Gone, Conflict (the sandbox is stopping or failed).
+        """
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return PortInfo.model_validate(self._json(
+            "POST", f"/sandboxes/{sandbox_id}/ports",
+            json=_core.drop_none(port=port, public=public, token_ttl=token_ttl),
+            timeout=t, retry=retry is not False))
+
+    def ports(self, sandbox_id: str, *, token_ttl: float | None = None,
+                    request_timeout: float | None = None,
+                    retry: bool | None = None) -> builtins.list[PortInfo]:
+        """``GET /sandboxes/{id}/ports``: the exposed ports, private ones with new signed URLs."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        data = self._json("GET", f"/sandboxes/{sandbox_id}/ports",
+                                params=_core.drop_none(token_ttl=token_ttl), timeout=t,
+                                retry=retry is not False)
+        return [PortInfo.model_validate(p) for p in data]
+
+    def port(self, sandbox_id: str, port: int, *, token_ttl: float | None = None,
+                   request_timeout: float | None = None, retry: bool | None = None) -> PortInfo:
+        """``GET /sandboxes/{id}/ports/{port}``: one exposed port (a new signed URL when private).
+
+        Raises NotFound when it is not exposed."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return PortInfo.model_validate(self._json(
+            "GET", f"/sandboxes/{sandbox_id}/ports/{port}",
+            params=_core.drop_none(token_ttl=token_ttl), timeout=t, retry=retry is not False))
+
+    def close_port(self, sandbox_id: str, port: int, *,
+                         request_timeout: float | None = None,
+                         retry: bool | None = None) -> None:
+        """``DELETE /sandboxes/{id}/ports/{port}``: stop exposing it; its URLs answer 404."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        self._send("DELETE", f"/sandboxes/{sandbox_id}/ports/{port}", timeout=t,
+                         retry=retry is not False)
 
     def _desktop(self, sandbox_id: str, action: str, request_timeout: float | None,
                        retry: bool | None, **body: Any) -> Any:

@@ -23,7 +23,7 @@ from hangar.client._sync.client import Hangar, Button, Direction
 from hangar.client._sync.streams import FileWatch, Terminal
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, KeyResult,
-    MachineInfo, SandboxInfo, Snapshot, VncTicket, WriteResult,
+    MachineInfo, PortInfo, SandboxInfo, Snapshot, VncTicket, WriteResult,
 )
 
 
@@ -214,6 +214,26 @@ class Sandbox:
         snap = snapshot_id or (self.snapshot()).id
         info = self.client.fork(snap, timeout=timeout)
         return Sandbox(self.client, info, kill_on_exit=True)
+
+    def expose(self, port: int, public: bool = False) -> str:
+        """Reach the guest's TCP ``port`` over HTTP and WebSockets; returns its URL.
+
+        A private port (the default) needs the API key (``X-API-Key``) at that
+        URL; ``port(n).signed_url`` gives a link that works without it for a
+        while (browsers). See ``AsyncHangar.expose``."""
+        return (self.client.expose(self.id, port, public)).url
+
+    def ports(self) -> builtins.list[PortInfo]:
+        """The exposed ports with their URLs (private ones with new signed URLs)."""
+        return self.client.ports(self.id)
+
+    def port(self, port: int, *, token_ttl: float | None = None) -> PortInfo:
+        """One exposed port; a private one with a signed URL valid ``token_ttl`` seconds."""
+        return self.client.port(self.id, port, token_ttl=token_ttl)
+
+    def close_port(self, port: int) -> None:
+        """Stop exposing ``port``; its URLs answer 404."""
+        self.client.close_port(self.id, port)
 
     def set_timeout(self, timeout: float) -> SandboxInfo:
         """Expire ``timeout`` seconds from now (0: never)."""

@@ -1,0 +1,148 @@
+"""``hangar template build|import|ls|rm``: users' own guest images, built on this host.
+
+Like ``hangar image build`` these work on the data directory's image cache
+(``hangar.images.template_builder``); a running server sees a new template
+at its next create (``"image": "<name>"``). ``build`` takes a TOML file
+(``hangar.images.template_file``); ``import`` makes a template of an OCI
+image archive (``docker save`` tarball or OCI layout) without one.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Column, Table
+
+from hangar.errors import HangarError
+
+app = typer.Typer(help="Templates: your own guest images (a TOML file, or an OCI image).",
+                  no_args_is_help=True)
+out = Console()
+err = Console(stderr=True)
+
+DataDir = Annotated[Optional[Path], typer.Option(help="Data directory (HANGAR_DATA_DIR).")]
+
+
+def _layout(data_dir: Path | None):  # type: ignore[no-untyped-def]
+    from hangar.cli import _settings
+    from hangar.layout import Layout
+
+    layout = Layout(_settings(data_dir).data_dir)
+    layout.ensure()
+    return layout
+
+
+def _fail(exc: HangarError) -> None:
+    err.print(f"[red]error:[/red] {escape(exc.message)}", highlight=False)
+    raise typer.Exit(1)
+
+
+def _build(layout, template, force: bool) -> None:  # type: ignore[no-untyped-def]
+    """Build with a live display: a spinner on the current step, each step's line with the
+    time it started."""
+    from hangar.images.template_builder import build_template
+
+    t0 = time.monotonic()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=err, transient=True) as progress:
+        task = progress.add_task(f"template {template.name}", total=None)
+
+        def say(msg: str) -> None:
+            progress.update(task, description=f"template {template.name}: {escape(msg[:100])}")
+            progress.console.print(f"[dim]{time.monotonic() - t0:6.1f} s[/dim]  {escape(msg)}",
+                                   highlight=False)
+
+        try:
+            img = build_template(layout, template, force=force, progress=say)
+        except HangarError as exc:
+            progress.stop()
+            _fail(exc)
+    took = time.monotonic() - t0
+    err.print(f"[green]✓[/green] template {template.name}: {img.id} ({took:.1f} s)")
+    out.print(f"{img.id} {img.dir}")
+
+
+@app.command("build")
+def build(
+    file: Annotated[Path, typer.Option("-f", "--file", help="The template file (TOML).")],
+    force: Annotated[bool, typer.Option(
+        help="Make a new build even if one of this file exists.")] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Build a template from its file (reused at once while the file, its files and its
+    base are unchanged). Prints the build's id and directory."""
+    from hangar.images.template_file import load_template
+
+    try:
+        template = load_template(file)
+    except HangarError as exc:
+        _fail(exc)
+    _build(_layout(data_dir), template, force)
+
+
+@app.command("import")
+def import_(
+    archive: Annotated[Path, typer.Argument(help="`docker save` tarball, OCI layout (folder "
+                                                 "or tarball).")],
+    name: Annotated[str, typer.Option(help="The template's name.")],
+    start: Annotated[Optional[str], typer.Option(
+        help="Command started at boot (the image's CMD is not run by itself).")] = None,
+    ready_port: Annotated[Optional[int], typer.Option(
+        help="Create answers once this guest port accepts.")] = None,
+    force: Annotated[bool, typer.Option(help="Make a new build even if one exists.")] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Make a template of an OCI image from a local archive, with Hangar's init, agent and
+    Python runtime added (the image needs no Python; /bin/sh for shell commands)."""
+    from hangar.images.template_file import parse_template
+
+    data: dict[str, object] = {"name": name, "oci": str(archive.resolve())}
+    if start is not None:
+        data["start"] = start
+    if ready_port is not None:
+        data["ready"] = {"port": ready_port}
+    try:
+        template = parse_template(data, Path.cwd(), "import")
+    except HangarError as exc:
+        _fail(exc)
+    _build(_layout(data_dir), template, force)
+
+
+@app.command("ls")
+def ls(data_dir: DataDir = None) -> None:
+    """List templates: their current build, base and start command."""
+    from hangar.images import list_images, resolve_image
+
+    layout = _layout(data_dir)
+    table = Table("from", "start", "rootfs (MiB)", "built")
+    table.columns.insert(0, Column("build", no_wrap=True, overflow="fold"))
+    table.columns.insert(0, Column("name", no_wrap=True, overflow="fold"))
+    for i in list_images(layout):
+        if not (i.template and i.current):
+            continue
+        t = resolve_image(layout, i.name).template or {}
+        table.add_row(i.name, i.id, str(t.get("base") or f"oci {t.get('oci')}"),
+                      str(t.get("start") or ""), f"{i.rootfs_bytes / 2**20:.0f}",
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(i.built_at)))
+    out.print(table)
+
+
+@app.command("rm")
+def rm(name: str, data_dir: DataDir = None) -> None:
+    """Forget a template: new sandboxes cannot use it; builds that sandboxes, snapshots or
+    machines of this data directory use are kept (until ``hangar image gc``)."""
+    from hangar.cli import _pinned_images
+    from hangar.images.template_builder import remove_template
+
+    layout = _layout(data_dir)
+    try:
+        removed = remove_template(layout, name, _pinned_images(layout))
+    except HangarError as exc:
+        _fail(exc)
+    out.print(f"removed template {name}" + (f" and {', '.join(removed)}" if removed else ""))

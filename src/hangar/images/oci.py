@@ -1,0 +1,142 @@
+"""OCI images from local archives: unpacked into a tree a template is built on.
+
+Accepted (a path on this host; nothing is pulled from a registry):
+
+* a ``docker save`` tarball (``manifest.json`` at its top),
+* an OCI image layout tarball (``oci-layout`` at its top),
+* an OCI image layout folder (``oci-layout``, ``index.json``, ``blobs/``).
+
+``skopeo copy`` (Debian's ``skopeo``) normalizes any of them into an OCI
+layout in the build's scratch folder, and ``umoci unpack`` (Debian's
+``umoci``) applies the layers into a root filesystem, with ownership,
+modes, whiteouts and links handled by it. The image's environment,
+command and working directory come from its config blob. The archive
+must hold one image (for several, name the one to take in a layout folder
+as ``folder:tag``). Signature policy does not apply to local archives, so
+skopeo runs with ``--insecure-policy`` (it would otherwise need
+/etc/containers/policy.json).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hangar.errors import ImageError, InvalidRequest
+from hangar.images.commands import Progress, require_tools, run
+
+TAG = "hangar"
+
+
+@dataclass(frozen=True)
+class OciImage:
+    """An unpacked image: its root filesystem and what its config says."""
+
+    rootfs: Path
+    env: dict[str, str] = field(default_factory=dict)
+    command: list[str] = field(default_factory=list)
+    """Entrypoint and Cmd together (recorded; a template's ``start`` is what runs)."""
+    workdir: str = "/"
+
+
+def _split(spec: Path) -> tuple[Path, str | None]:
+    """A layout folder may be given as ``folder:tag``."""
+    text = str(spec)
+    if not spec.exists() and ":" in text:
+        folder, _, tag = text.rpartition(":")
+        return Path(folder), tag
+    return spec, None
+
+
+def source(spec: Path) -> str:
+    """The skopeo transport reference for an archive or layout folder.
+
+    Raises InvalidRequest for a path that is none of the accepted forms.
+    """
+    path, tag = _split(spec)
+    if path.is_dir():
+        if not (path / "oci-layout").is_file():
+            raise InvalidRequest(f"{path} is a folder without an oci-layout file; give a "
+                                 "`docker save` tarball or an OCI image layout")
+        return f"oci:{path}" + (f":{tag}" if tag else "")
+    if not path.is_file():
+        raise InvalidRequest(f"{path} does not exist")
+    try:
+        with tarfile.open(path) as tar:
+            names = {m.name.lstrip("./") for m in tar.getmembers()[:10000]}
+    except (tarfile.TarError, OSError) as exc:
+        raise InvalidRequest(f"{path} is not a tar archive: {exc}") from None
+    if "oci-layout" in names:
+        return f"oci-archive:{path}"
+    if "manifest.json" in names:
+        return f"docker-archive:{path}"
+    raise InvalidRequest(f"{path} holds neither manifest.json (docker save) nor oci-layout "
+                         "(an OCI image layout)")
+
+
+def archive_digest(spec: Path) -> str:
+    """SHA-256 naming the image's content: of the archive's bytes, or of a layout
+    folder's index.json (which names every blob by its digest)."""
+    path, tag = _split(spec)
+    h = hashlib.sha256()
+    if path.is_dir():
+        h.update((path / "index.json").read_bytes() + f"\0{tag or ''}".encode())
+        return h.hexdigest()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def unpack(spec: Path, work: Path, say: Progress) -> OciImage:
+    """Unpack the image at ``spec`` under ``work``; returns its tree and config.
+
+    Raises InvalidRequest for an archive that is not an image, ImageError
+    when skopeo or umoci fail (with their output).
+    """
+    require_tools("skopeo", "umoci")
+    ref = source(spec)
+    layout = work / "oci"
+    bundle = work / "bundle"
+    say(f"reading {ref.split(':', 1)[0]} {spec}")
+    run("skopeo copy", ["skopeo", "--insecure-policy", "copy", "--quiet", ref,
+                        f"oci:{layout}:{TAG}"], progress=say, echo=lambda ln: True,
+        timeout=1800)
+    say("unpacking the layers (umoci)")
+    run("umoci unpack", ["umoci", "unpack", "--image", f"{layout}:{TAG}", str(bundle)],
+        timeout=1800)
+    image_config = _image_config(layout)
+    env: dict[str, str] = {}
+    for item in image_config.get("Env") or []:
+        name, sep, value = str(item).partition("=")
+        if sep and name:
+            env[name] = value
+    args = [str(a) for a in (image_config.get("Entrypoint") or []) + (image_config.get("Cmd")
+                                                                        or [])]
+    return OciImage(bundle / "rootfs", env, args, str(image_config.get("WorkingDir") or "/"))
+
+
+def _blob(layout: Path, digest: str) -> dict[str, Any]:
+    algo, _, hexdigest = digest.partition(":")
+    if algo != "sha256" or not hexdigest.isalnum():
+        raise ImageError(f"unexpected blob digest {digest[:80]!r} in the image")
+    return json.loads((layout / "blobs" / algo / hexdigest).read_bytes())
+
+
+def _image_config(layout: Path) -> dict[str, Any]:
+    """The ``config`` object of the image tagged ``TAG`` in the layout skopeo wrote
+    (Env, Entrypoint, Cmd, WorkingDir...; the OCI image spec's config)."""
+    try:
+        index = json.loads((layout / "index.json").read_bytes())
+        entry = next(m for m in index.get("manifests", [])
+                     if m.get("annotations", {}).get("org.opencontainers.image.ref.name") == TAG)
+        manifest = _blob(layout, entry["digest"])
+        config = _blob(layout, manifest["config"]["digest"])
+    except (OSError, ValueError, KeyError, StopIteration) as exc:
+        raise ImageError(f"cannot read the image's config from the OCI layout: {exc!r}") from None
+    inner = config.get("config") or {}
+    return inner if isinstance(inner, dict) else {}

@@ -1,0 +1,308 @@
+"""Building templates (``hangar.images.template_file``) into immutable image builds.
+
+A template's build is an image build like a recipe's (see
+``hangar.images.builder``): ``images/<name>-<digest>/`` with rootfs.ext4,
+the kernel, the initramfs and manifest.json, the digest covering its bytes,
+``images/<name>`` pointing at the current one, the same lock, reuse and
+``hangar image gc``. Steps:
+
+1. The tree. From a base: the base's current build (a recipe is built
+   first if it is not, which reuses its cache) is mounted read-only
+   (``mount -o loop,ro,noload``: nothing is written to it, not even a
+   journal replay) and copied with ``cp -a``; its kernel and modules are
+   copied too. From an OCI archive: ``hangar.images.oci`` unpacks it, Hangar's
+   guest runtime is added (``hangar.images.runtime``: the image needs no
+   Python), and the kernel is Debian's cloud kernel, as for recipes.
+2. Guest set-up (host name, resolv.conf, poweroff commands, /root).
+3. ``packages``: ``apt-get install`` in the tree, with apt's archives and
+   lists bind-mounted from the host's shared caches
+   (``<data>/cache/debootstrap``, ``<data>/cache/apt-lists``, under
+   ``<data>/cache/.apt.lock``), so .debs are fetched once per host.
+4. ``files``, copied in order, then ``env`` into ``/etc/hangar/env.json``
+   (which the guest agent merges into every command's environment; an OCI
+   image's own ``Env`` comes first, a base template's env is kept).
+5. ``steps``: ``/bin/sh -c`` in the tree (``chroot``, with /proc, /sys,
+   /dev and the host's resolver lent), in ``workdir``, with an environment
+   of the template's own only (``env -i``: nothing of the host's leaks in).
+   They run the image's programs as root on the host (a chroot is no
+   boundary): only for images one trusts. Nothing else of an image runs on
+   the host.
+6. Packing, hashing, initramfs, manifest (``builder.finish_build``); the
+   manifest's ``template`` holds what sandboxes need at create: the start
+   command, the ready check, default vCPUs and memory, whether it has a
+   desktop.
+
+Without ``force`` a build whose template digest (every field of the file,
+the files' contents, and the base build's id or the archive's SHA-256) is
+unchanged is reused at once. Every write into the tree goes through
+``commands.inside``, so an image's symlinks cannot send one onto the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hangar.errors import ImageError, NotFound
+from hangar.images import oci, runtime, vmlinux
+from hangar.images import kernel as kernels
+from hangar.images.builder import (
+    AptCaches, GuestImage, _apt_install, _current, _ensure_initrd, _newest_build,
+    _point_symlink, _read_manifest, _recipe_digest, _trim, build_image, chroot_mounts,
+    finish_build, guest_setup, image_lock, put_file, python_version, resolve_image,
+)
+from hangar.images.commands import Progress, inside, remove_tree, require_tools, run
+from hangar.images.recipes import BASE, RECIPES
+from hangar.images.template_file import Template, TemplateFile
+from hangar.layout import ImagePaths, Layout
+
+ENV_FILE = "/etc/hangar/env.json"
+"""Environment of a template's sandboxes in the guest (read by ``hangar.guest.agent``)."""
+STEP_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def build_template(layout: Layout, t: Template, *, force: bool = False,
+                   progress: Progress | None = None) -> GuestImage:
+    """Build ``t`` (or reuse its build) and make it the current build of its name.
+
+    Raises NotFound (a base template that is not built), InvalidRequest (an
+    archive that is not an image), ImageError (a step failed, with its
+    output's tail).
+    """
+    say = progress or (lambda _msg: None)
+    layout.ensure()
+    base: GuestImage | None = None
+    if t.base is not None:
+        if t.base in RECIPES:
+            base = build_image(layout, t.base, progress=say)  # reuses a current build
+        else:
+            try:
+                base = resolve_image(layout, t.base)
+            except NotFound:
+                raise NotFound(f"template {t.name}: its base {t.base!r} is not built; build "
+                               "that template first", image=t.base) from None
+        base_id = base.id
+    else:
+        assert t.oci is not None
+        base_id = f"oci-sha256:{oci.archive_digest(t.oci)}"
+    digest = t.digest(base_id)
+    if not force:
+        d = _current(layout, t.name)
+        if d is not None and _recipe_digest(_read_manifest(d)) == digest:
+            say(f"{t.name}: unchanged, build {d.name} reused")
+            return _ensure_initrd(d, _read_manifest(d))
+    require_tools("mkfs.ext4", "depmod", "cp", "mount", "umount", "chroot", "env")
+    with image_lock(layout, t.name):
+        d = None if force else _newest_build(layout, t.name, digest)
+        if d is None:
+            d = _build(layout, t, digest, base, say)
+        _point_symlink(layout, t.name, d)
+        return _ensure_initrd(d, _read_manifest(d))
+
+
+def _build(layout: Layout, t: Template, digest: str, base: GuestImage | None,
+           say: Progress) -> Path:
+    t0 = time.monotonic()
+    times: dict[str, float] = {}
+    layout.build_cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{t.name}-{digest}-", dir=layout.build_cache))
+    stage = Path(tempfile.mkdtemp(prefix=layout.image_staging_prefix(t.name),
+                                  dir=layout.images))
+    paths = ImagePaths(stage)
+    try:
+        env: dict[str, str] = {}
+        inherited: dict[str, Any] = {}
+        if base is not None:
+            rootdir = work / "root"
+            base_manifest = _read_manifest(base.dir)
+            say(f"{t.name} (template {digest}): copying the tree of {base.id}")
+            _copy_base(base, rootdir, work, stage)
+            kernel = base_manifest["kernel"]
+            kernel["vmlinux"] = vmlinux.write_vmlinux(paths)
+            env = _read_env(rootdir)
+            inherited = dict(base.template or {})
+            packages = list(base_manifest.get("recipe", {}).get("packages", [])) + list(
+                t.packages)
+            recipe = RECIPES.get(base.name)
+            desktop = bool(inherited.get("desktop")) or (
+                recipe is not None and "xvfb" in recipe.packages)
+            sizes = (inherited.get("vcpus") or (recipe.default_vcpus if recipe else None),
+                     inherited.get("memory_mib") or (recipe.default_memory_mib if recipe
+                                                     else None))
+            debian = True
+        else:
+            assert t.oci is not None
+            image = oci.unpack(t.oci, work, say)
+            rootdir = image.rootfs
+            env = dict(image.env)
+            inherited = {"workdir": image.workdir if image.workdir != "/" else None}
+            runtime.install_runtime(rootdir, say)
+            k = kernels.fetch(BASE.kernel_package, layout.debs_cache, work, stage, say)
+            kernel = {"meta_package": BASE.kernel_package, "package": k.package,
+                      "deb_version": k.deb_version, "version": k.version,
+                      "vmlinux": vmlinux.write_vmlinux(paths)}
+            packages = list(t.packages)
+            desktop, sizes, debian = False, (None, None), False
+            base_manifest = {"oci": {"source": str(t.oci), "command": image.command,
+                                     "env": image.env, "workdir": image.workdir}}
+        times["base"] = time.monotonic() - t0
+
+        t1 = time.monotonic()
+        guest_setup(rootdir)
+        if t.packages:
+            _apt_install(rootdir, t.packages, say, AptCaches.of(layout))
+        times["packages"] = time.monotonic() - t1
+
+        t1 = time.monotonic()
+        for f in t.files:
+            say(f"copying {f.src if f.src is not None else 'text'} to {f.dest}")
+            _copy_in(rootdir, f)
+        env.update(t.env)
+        if env:
+            put_file(rootdir, ENV_FILE, json.dumps(env, indent=2, sort_keys=True) + "\n", 0o644)
+        workdir = t.workdir or inherited.get("workdir")
+        if workdir:
+            inside(rootdir, workdir, follow_last=True).mkdir(parents=True, exist_ok=True)
+        _run_steps(rootdir, t.steps, env, workdir, say)
+        if debian:
+            _trim(rootdir)
+        times["files_and_steps"] = time.monotonic() - t1
+
+        runtime_python = inside(rootdir, f"{runtime.RUNTIME_DIR}/bin/python3")
+        pyver = (runtime_python.resolve().name.removeprefix("python")
+                 if os.path.lexists(runtime_python) else python_version(rootdir))
+        own = t.runtime()
+        # The start command and its ready check go together: a template that names
+        # either has its own pair, else it keeps its base template's.
+        pair = own if own["start"] is not None or own["ready"] is not None else inherited
+        template = {
+            "start": pair.get("start"), "ready": pair.get("ready"), "workdir": workdir,
+            "env": env, "vcpus": own["vcpus"] or sizes[0],
+            "memory_mib": own["memory_mib"] or sizes[1], "desktop": desktop,
+            "base": t.base, "oci": str(t.oci) if t.oci else None,
+            "source": str(t.source) if t.source else None,
+        }
+        manifest = {
+            "recipe_digest": digest,
+            "recipe": {"name": t.name, "description": t.description, "packages": packages},
+            "template": template,
+            "base": base.id if base is not None else None,
+            **({"oci": base_manifest["oci"]} if base is None else {}),
+            "python_version": pyver,
+            "kernel": kernel,
+        }
+        return finish_build(layout, t.name, stage, rootdir, manifest, say, times, t0)
+    finally:
+        remove_tree(work)
+        remove_tree(stage)
+
+
+def _copy_base(base: GuestImage, rootdir: Path, work: Path, stage: Path) -> None:
+    """The base build's tree into ``rootdir`` and its kernel into ``stage``."""
+    mnt = work / "base-rootfs"
+    mnt.mkdir()
+    rootdir.mkdir()
+    run("mount base", ["mount", "-o", "loop,ro,noload", base.rootfs, mnt], timeout=120)
+    try:
+        run("copy base", ["cp", "-a", f"{mnt}/.", f"{rootdir}/"], timeout=1800)
+    finally:
+        try:
+            run("umount base", ["umount", mnt], timeout=120)
+        except ImageError:
+            run("umount base", ["umount", "-l", mnt], timeout=120)
+    src, dest = ImagePaths(base.dir), ImagePaths(stage)
+    shutil.copy2(src.kernel, dest.kernel)
+    shutil.copytree(src.modules, dest.modules, symlinks=True)
+
+
+def _read_env(rootdir: Path) -> dict[str, str]:
+    """The environment a base template left in the tree (``ENV_FILE``), if any."""
+    try:
+        data = json.loads(inside(rootdir, ENV_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def _copy_in(rootdir: Path, f: TemplateFile) -> None:
+    """One ``[[files]]`` entry into the tree, never through a link out of it."""
+    if f.content is not None:
+        put_file(rootdir, f.dest, f.content, 0o644 if f.mode is None else f.mode)
+        return
+    assert f.src is not None
+    if not f.src.is_dir():
+        _copy_one(rootdir, f.src, f.dest, f.mode)
+        return
+    top = inside(rootdir, f.dest, follow_last=True)
+    top.mkdir(parents=True, exist_ok=True)
+    for dirpath, dirnames, filenames in os.walk(f.src):
+        rel = Path(dirpath).relative_to(f.src)
+        guest_dir = f.dest.rstrip("/") + ("/" + rel.as_posix() if rel.parts else "")
+        for name in sorted(dirnames):
+            src = Path(dirpath) / name
+            if src.is_symlink():
+                _copy_one(rootdir, src, f"{guest_dir}/{name}", None)
+            else:
+                d = inside(rootdir, f"{guest_dir}/{name}", follow_last=True)
+                d.mkdir(parents=True, exist_ok=True)
+                d.chmod(src.stat().st_mode & 0o7777)
+        for name in sorted(filenames):
+            _copy_one(rootdir, Path(dirpath) / name, f"{guest_dir}/{name}", None)
+
+
+def _copy_one(rootdir: Path, src: Path, guest: str, mode: int | None) -> None:
+    dest = inside(rootdir, guest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.is_symlink() or dest.is_file():
+        dest.unlink()
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dest)
+        return
+    if dest.is_dir():
+        raise ImageError(f"cannot copy {src} onto {guest}: a folder is there")
+    shutil.copyfile(src, dest)
+    dest.chmod(mode if mode is not None else src.stat().st_mode & 0o7777)
+
+
+def _run_steps(rootdir: Path, steps: tuple[str, ...], env: dict[str, str],
+               workdir: str | None, say: Progress) -> None:
+    if not steps:
+        return
+    if not os.path.lexists(inside(rootdir, "/bin/sh", follow_last=True)):
+        raise ImageError("the template's steps need /bin/sh, which the image lacks")
+    clean = {"PATH": STEP_PATH, "HOME": "/root", "LANG": "C.UTF-8",
+             "DEBIAN_FRONTEND": "noninteractive", **env}
+    with chroot_mounts(rootdir):
+        for i, step in enumerate(steps, 1):
+            say(f"step {i}/{len(steps)}: {step if len(step) < 80 else step[:77] + '...'}")
+            script = f"cd {shlex.quote(workdir or '/')} && {step}"
+            run(f"step {i}", ["env", "-i", *(f"{k}={v}" for k, v in clean.items()), "chroot",
+                              rootdir, "/bin/sh", "-c", script],
+                progress=say, echo=lambda ln: True, timeout=3600)
+
+
+def remove_template(layout: Layout, name: str, pinned: set[str]) -> list[str]:
+    """Forget template ``name``: remove its ``images/<name>`` link and every build of it
+    that nothing pins (``pinned``: image ids) or uses; returns the ids removed.
+
+    Raises NotFound when there is no such template, InvalidRequest for a recipe.
+    """
+    from hangar.errors import InvalidRequest
+    from hangar.images.gc import collect
+
+    if name in RECIPES:
+        raise InvalidRequest(f"{name!r} is a recipe, not a template")
+    link = layout.image_link(name)
+    cur = _current(layout, name)
+    if cur is None or "template" not in _read_manifest(cur):
+        raise NotFound(f"no template named {name!r}", image=name)
+    with image_lock(layout, name):
+        link.unlink(missing_ok=True)
+    result = collect(layout, pinned, only={name})
+    return [i.id for i in result.removed]
