@@ -50,6 +50,7 @@ from hangar.core.context import Context
 from hangar.core.creation import Creation
 from hangar.core.events import EventBus
 from hangar.core.guestcalls import GuestCalls
+from hangar.core.hooks import Hooks
 from hangar.core.launch import Launcher, renet_meta
 from hangar.core.lifecycle import GONE, State
 from hangar.core.pool import WarmPool, templates
@@ -76,7 +77,8 @@ class SandboxManager:
     """Creates, tracks, snapshots and removes sandboxes. One per server process."""
 
     def __init__(self, settings: Settings, layout: Layout, store: Store, engine: Engine,
-                 metrics: Metrics, events: EventBus | None = None) -> None:
+                 metrics: Metrics, events: EventBus | None = None,
+                 hooks: Hooks | None = None) -> None:
         self.settings = settings
         self.layout = layout
         self.store = store
@@ -85,7 +87,7 @@ class SandboxManager:
         self.events = events or EventBus()
         self.registry = Registry()
         ctx = self.ctx = Context(settings, layout, store, engine, metrics, self.events,
-                                 self.registry)
+                                 self.registry, hooks or Hooks())
         store.on_transition(lambda rec, frm, to: announce(ctx, rec, frm, to))
         self.admission = Admission(ctx)
         self.launcher = Launcher(ctx)
