@@ -129,7 +129,11 @@ class ClusterNode:
         self.layout = layout
         self.name = settings.node_name or socket.gethostname()
         self.address = settings.advertise or f"{settings.host}:{settings.port}"
-        self.etcd = Etcd(Etcd.parse_urls(settings.etcd))
+        urls = Etcd.parse_urls(settings.etcd)
+        host = self.address.rsplit(":", 1)[0]
+        urls.sort(key=lambda u: f"//{host}:" not in u)  # this host's member first
+        self.etcd = Etcd(urls)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per etcd call otherwise
         self.directory = Directory(self.etcd)
         self.hooks = NodeHooks(self)
         self.config: ClusterConfig | None = None
