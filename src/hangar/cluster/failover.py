@@ -72,9 +72,11 @@ class Failover:
                 log.exception("failover pass failed")
 
     def lost_nodes(self) -> set[str]:
+        """Nodes named by a record or a slot that hold no lease."""
         d = self.directory
-        named = {r.node for r in d.sandboxes.values() if r.node} | set(d.slots)
-        return {n for n in named if n and not d.alive(n) and d.slots.get(n, {}) is not None}
+        named = {r.node for r in d.sandboxes.values() if r.node}
+        named |= {n for n, slots in d.slots.items() if slots}
+        return {n for n in named if not d.alive(n)}
 
     async def tick(self) -> None:
         now = time.monotonic()
@@ -99,7 +101,7 @@ class Failover:
                 await d.remove(rec)
                 moved += 1
                 continue
-            if await d.update(sid, lambda r: _hand_on(r, node)) is not None:
+            if await d.update(sid, lambda r: hand_on(r, node)) is not None:
                 moved += 1
         if d.slots.get(node):
             await d.etcd.delete(f"{R.SLOTS}{node}/", prefix=True)
@@ -108,7 +110,8 @@ class Failover:
         log.warning("lost node's sandboxes handed on", extra={"node": node, "count": moved})
 
 
-def _hand_on(rec: SandboxObject, node: str) -> bool:
+def hand_on(rec: SandboxObject, node: str) -> bool:
+    """Edit ``rec`` of lost ``node`` as the module docstring says; False: not that node's."""
     if rec.node != node:
         return False
     st = rec.status
@@ -125,6 +128,6 @@ def _hand_on(rec: SandboxObject, node: str) -> bool:
                     f"node {node} was lost; back to its last snapshot")
     else:
         st["state"] = "failed"
-        view.update(state="failed", error=f"node {node} was lost while the sandboxes was {was}")
+        view.update(state="failed", error=f"node {node} was lost while the sandbox was {was}")
     st["view"] = view
     return True

@@ -221,8 +221,8 @@ class Gateway:
                                headers: dict[str, str], rec: SandboxObject, token_ok: bool) -> None:
         d = self.node.directory
         me = self.node.name
-        here = d.nodes.get(me)
-        if token_ok and H_ADOPT in headers or here is None or d.usable(me) and here.free > 0:
+        here = self.node.info()  # this node's own figures, not the cache's
+        if token_ok and H_ADOPT in headers or d.usable(me) and here.free > 0:
             if await self.node.adopt(rec.name):
                 await self.app(scope, receive, send)
                 return

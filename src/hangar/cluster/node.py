@@ -37,7 +37,7 @@ from hangar import __version__
 from hangar.cluster import records as R
 from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, EtcdUnavailable, op_delete
-from hangar.cluster.failover import Failover
+from hangar.cluster.failover import Failover, hand_on
 from hangar.cluster.membership import Membership
 from hangar.cluster.records import ClusterConfig, NodeInfo, SandboxObject
 from hangar.cluster.storage import SharedStore, open_store
@@ -146,6 +146,8 @@ class ClusterNode:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._discarding: set[str] = set()
+        self._adopting: set[str] = set()
+        self._orphans: dict[str, int] = {}
 
     # -- start and stop ------------------------------------------------------------------
 
@@ -318,23 +320,35 @@ class ClusterNode:
                 log.exception("cluster audit failed")
 
     async def audit(self) -> None:
-        """Records of this node it has no local record of; local records never pushed."""
+        """Records naming this node that it has no local sandbox for, seen so at two audits
+        in a row with no change (an unfinished placement, a lost local database): a create is
+        removed, anything else handed on like a lost node's (``failover``). Local records
+        whose state the directory does not show yet are pushed again."""
         m = self.manager
         assert m is not None
+        seen: dict[str, int] = {}
         for sid, d in list(self.directory.sandboxes.items()):
-            if d.node != self.name:
+            if d.node != self.name or sid in self._adopting:
                 continue
             local = m.store.get(sid)
-            if local is None or local.state in GONE:
-                if d.state == "creating" and time.time() - d.created_at < CREATE_GRACE_S:
-                    continue
-                fresh = await self.directory.fresh(sid)
-                if fresh is not None and fresh.node == self.name and (
-                        m.store.get(sid) is None or m.store.get(sid).state in GONE):  # type: ignore[union-attr]
-                    await self.directory.remove(fresh)
-                    log.info("record without a local sandbox removed", extra={"sandbox_id": sid})
-            elif d.state != local.state.value:
-                self.mark(sid)
+            if local is not None and local.state not in GONE:
+                if d.state != local.state.value:
+                    self.mark(sid)
+                continue
+            if d.state == "creating" and time.time() - d.created_at < CREATE_GRACE_S:
+                continue
+            seen[sid] = d.mod_revision
+            if self._orphans.get(sid) != d.mod_revision:
+                continue
+            fresh = await self.directory.fresh(sid)
+            if fresh is None or fresh.node != self.name or fresh.mod_revision != d.mod_revision:
+                continue
+            if fresh.state == "creating":
+                await self.directory.remove(fresh)
+            else:
+                await self.directory.update(sid, lambda r: hand_on(r, self.name))
+            log.warning("record without a local sandbox handed on", extra={"sandbox_id": sid})
+        self._orphans = seen
 
     # -- the directory moved a sandbox ------------------------------------------------------
 
@@ -408,6 +422,11 @@ class ClusterNode:
                 await self.discard_local(rec.id, "stale after a rejoin")
             else:
                 self.mark(rec.id)
+        if self.membership is not None:
+            try:
+                await self.membership.refresh_now()  # free slots as they are now
+            except EtcdUnavailable:
+                pass
 
     # -- slots, adoption ----------------------------------------------------------------
 
@@ -457,6 +476,13 @@ class ClusterNode:
         Returns False when another node took it first. Raises NotFound, Conflict
         (not sleeping, no snapshot), StorageError, EtcdUnavailable.
         """
+        self._adopting.add(sid)
+        try:
+            return await self._adopt(sid)
+        finally:
+            self._adopting.discard(sid)
+
+    async def _adopt(self, sid: str) -> bool:
         m = self.manager
         assert m is not None
         d = await self.directory.fresh(sid)
