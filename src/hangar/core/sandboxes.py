@@ -22,6 +22,7 @@ module of ``hangar.core`` with a public surface the others use:
 ``store``          records; every state change is a compare-and-set
 ``publish``        the events that follow state changes
 ``testhooks``      test-only: crash at a named step, hold a wake up
+``hooks``          a cluster node's part in wakes, saved snapshots and forks (no-ops alone)
 =================  ==============================================================
 
 Rules:
