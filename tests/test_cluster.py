@@ -274,7 +274,8 @@ def test_etcd_one_member_down_works_two_down_writes_503_exec_still_answers(lab: 
         wait_for(lambda: c.post(f"/sandboxes/{sid}/timeout",
                                 json={"timeout": 3600}).status_code == 200, 30)
         assert c.delete(f"/machines/{USER}").status_code == 204
-    wait_for(lambda: not any(n.vmm_ids() for n in lab.nodes), 20)
     with lab.nodes[1].client() as c:
         for s in c.get("/sandboxes").json()["sandboxes"]:
-            c.delete(f"/sandboxes/{s['id']}")
+            assert c.delete(f"/sandboxes/{s['id']}").status_code == 204
+        assert c.get("/sandboxes").json()["sandboxes"] == []
+    wait_for(lambda: not any(n.vmm_ids() for n in lab.nodes), 20)
