@@ -274,6 +274,8 @@ def test_etcd_one_member_down_works_two_down_writes_503_exec_still_answers(lab: 
         wait_for(lambda: c.post(f"/sandboxes/{sid}/timeout",
                                 json={"timeout": 3600}).status_code == 200, 30)
         assert c.delete(f"/machines/{USER}").status_code == 204
+    for n in lab.nodes:  # every node takes control writes again once quorum is back
+        wait_for(lambda: httpx.get(n.url + "/cluster/health").json()["writable"], 30)
     with lab.nodes[1].client() as c:
         for s in c.get("/sandboxes").json()["sandboxes"]:
             assert c.delete(f"/sandboxes/{s['id']}").status_code == 204
