@@ -17,8 +17,11 @@ seconds asks its peers (``GET /cluster/health``, no key):
   nobody can move anything (and etcd's next leader extends every lease),
   so the node keeps its VMs running and serving; control writes get 503.
 
-A fenced node keeps trying to register again; once it has a lease it
-runs ``on_rejoin`` (which kills VMMs whose epoch is stale) before it
+A node whose lease etcd says is gone although etcd answers (quorum came
+back, or a paused leader revoked it) registers again at once without
+fencing: nobody can have moved its sandboxes before etcd answered again and
+the failover's margin passed. A fenced node keeps trying to register
+again; once it has a lease it runs ``on_rejoin`` (which kills VMMs whose epoch is stale) before it
 takes new work.
 
 Election: the node that puts ``/hangar/leader`` (value: its name, under
@@ -137,9 +140,12 @@ class Membership:
             self.quorum_lost = False
             await self._elect()
         except LeaseGone:
-            log.error("lease expired: this node was declared lost; fencing",
-                      extra={"node": self.name})
-            await self._fence("lease expired")
+            # Etcd answers again but revoked the lease (a leader that was paused past it,
+            # or quorum back after a long loss). Register anew and rejoin: only sandboxes
+            # whose records moved meanwhile are stale, and rejoin kills exactly those.
+            log.warning("lease gone while etcd answers: registering again",
+                        extra={"node": self.name})
+            self.lease = 0
         except EtcdUnavailable:
             if time.monotonic() - self.last_ok >= self.ttl - FENCE_MARGIN_S:
                 await self._decide()
