@@ -238,9 +238,10 @@ class Etcd:
         data = await self.call("lease/grant", {"TTL": str(ttl)})
         return int(data["ID"])
 
-    async def keepalive(self, lease: int) -> int:
-        """Renew a lease once; returns its TTL, seconds. Raises ``LeaseGone`` when it expired."""
-        data = await self.call("lease/keepalive", {"ID": str(lease)})
+    async def keepalive(self, lease: int, timeout: float | None = None) -> int:
+        """Renew a lease once (``timeout``: per member, seconds); returns its TTL, seconds.
+        Raises ``LeaseGone`` when it expired."""
+        data = await self.call("lease/keepalive", {"ID": str(lease)}, timeout=timeout)
         ttl = int((data.get("result") or {}).get("TTL", 0))
         if ttl <= 0:
             raise LeaseGone(f"lease {lease:x} expired")

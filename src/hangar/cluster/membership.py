@@ -129,7 +129,10 @@ class Membership:
             return
         try:
             try:
-                await asyncio.wait_for(self.etcd.keepalive(self.lease), RENEW_DEADLINE_S)
+                # A member that hangs (stopped, partitioned) must leave time for the others.
+                per = RENEW_DEADLINE_S / max(1, len(self.etcd.endpoints))
+                await asyncio.wait_for(self.etcd.keepalive(self.lease, timeout=per),
+                                       RENEW_DEADLINE_S)
             except asyncio.TimeoutError:
                 raise EtcdUnavailable("lease renewal timed out") from None
             if sent - self._last_refresh >= REFRESH_S:
