@@ -7,6 +7,12 @@
 #   scripts/install.sh --ci        install, build every image, do not start (what CI runs)
 #   scripts/install.sh --service   run Hangar as the systemd service hangar.service
 #                                  (deploy/hangar.service) instead of with nohup
+#   scripts/install.sh --cluster   this host is a node of a cluster (docs/cluster.md): also
+#                                  installs etcd (Debian's etcd-server, etcd-client), runs
+#                                  this host's etcd member and starts Hangar as a node. Reads
+#                                  HANGAR_NODE_NAME, HANGAR_NODE_IP, HANGAR_CLUSTER (every
+#                                  node: name=ip,name=ip,...) and, on the first host only,
+#                                  HANGAR_STORE (s3://... or file:///...) for `cluster init`
 # Idempotent: a second run only starts what is not running. Without --service the
 # server runs with setsid nohup (log: $DATA/hangar.log, rotated by /etc/logrotate.d/hangar;
 # scripts/stop.sh stops it); production hosts: docs/operations.md.
@@ -20,6 +26,7 @@ DESKTOP=0
 DEV=0
 TEST_TOOLS=0
 SERVICE=0
+CLUSTER=0
 for arg in "$@"; do
   case "$arg" in
     --no-start) START=0 ;;
@@ -27,6 +34,7 @@ for arg in "$@"; do
     --dev) DEV=1 ;;
     --ci) START=0; DESKTOP=1; DEV=1; TEST_TOOLS=1 ;;
     --service) SERVICE=1 ;;
+    --cluster) CLUSTER=1 ;;
     *) echo "unknown option: $arg" >&2; exit 2 ;;
   esac
 done
@@ -53,7 +61,9 @@ PKGS="$PKGS node-xterm libjs-xterm"
 PKGS="$PKGS skopeo umoci patchelf python3"
 # The browser tests drive Debian's Chromium (Playwright never downloads its own); the
 # operations tests run nginx, sshd and openssl, in the foreground on free ports.
-[ "$TEST_TOOLS" = 1 ] && PKGS="$PKGS chromium nginx openssh-server openssl python3-venv"
+# The cluster tests run three etcd members (in network namespaces, never as a service).
+[ "$TEST_TOOLS" = 1 ] && PKGS="$PKGS chromium nginx openssh-server openssl python3-venv etcd-server etcd-client"
+[ "$CLUSTER" = 1 ] && PKGS="$PKGS etcd-server etcd-client"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -63,7 +73,8 @@ if [ -n "$missing" ]; then
   apt-get update -q
   # Test tools only: their packages must not start daemons (nginx on port 80, sshd on 22).
   NO_DAEMONS=""
-  if [ "$TEST_TOOLS" = 1 ] && [ ! -e /usr/sbin/policy-rc.d ]; then
+  # --cluster too: etcd starts only once /etc/default/etcd names this cluster's members.
+  if { [ "$TEST_TOOLS" = 1 ] || [ "$CLUSTER" = 1 ]; } && [ ! -e /usr/sbin/policy-rc.d ]; then
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
     chmod 755 /usr/sbin/policy-rc.d
     NO_DAEMONS=/usr/sbin/policy-rc.d
@@ -106,6 +117,54 @@ fi
 
 [ "$START" = 0 ] && exit 0
 
+HEALTH_HOST=127.0.0.1
+if [ "$CLUSTER" = 1 ]; then
+  : "${HANGAR_NODE_NAME:?set HANGAR_NODE_NAME (the name of this node, e.g. n1)}"
+  : "${HANGAR_NODE_IP:?set HANGAR_NODE_IP (the address of this host on the cluster network)}"
+  : "${HANGAR_CLUSTER:?set HANGAR_CLUSTER (every node: n1=10.0.0.1,n2=10.0.0.2,n3=10.0.0.3)}"
+  INITIAL=""; ETCD_URLS=""
+  for member in ${HANGAR_CLUSTER//,/ }; do
+    INITIAL="$INITIAL${INITIAL:+,}${member%%=*}=http://${member#*=}:2380"
+    ETCD_URLS="$ETCD_URLS${ETCD_URLS:+,}http://${member#*=}:2379"
+  done
+  say "configuring this host's etcd member ${HANGAR_NODE_NAME} (peers: $INITIAL)"
+  cat > /etc/default/etcd <<CONF
+ETCD_NAME=$HANGAR_NODE_NAME
+ETCD_DATA_DIR=/var/lib/etcd/hangar
+ETCD_LISTEN_CLIENT_URLS=http://$HANGAR_NODE_IP:2379,http://127.0.0.1:2379
+ETCD_ADVERTISE_CLIENT_URLS=http://$HANGAR_NODE_IP:2379
+ETCD_LISTEN_PEER_URLS=http://$HANGAR_NODE_IP:2380
+ETCD_INITIAL_ADVERTISE_PEER_URLS=http://$HANGAR_NODE_IP:2380
+ETCD_INITIAL_CLUSTER=$INITIAL
+ETCD_INITIAL_CLUSTER_STATE=new
+ETCD_INITIAL_CLUSTER_TOKEN=hangar
+CONF
+  if [ -d /run/systemd/system ]; then
+    systemctl enable --quiet etcd && systemctl restart etcd
+  elif ! pgrep -x etcd >/dev/null; then
+    set -a; . /etc/default/etcd; set +a
+    setsid nohup etcd >>/var/log/etcd-hangar.log 2>&1 < /dev/null &
+  fi
+  say "waiting for etcd's quorum (start the other hosts' members too)"
+  for _ in $(seq 240); do
+    ETCDCTL_API=3 etcdctl --endpoints "$ETCD_URLS" endpoint health >/dev/null 2>&1 && break
+    sleep 1
+  done
+  if [ -n "${HANGAR_STORE:-}" ]; then
+    .venv/bin/hangar cluster init --etcd "$ETCD_URLS" --store "$HANGAR_STORE" \
+      --key-file "$DATA/api-key" || say "the cluster exists already; its settings are kept"
+  fi
+  export HANGAR_ETCD=$ETCD_URLS HANGAR_ADVERTISE=$HANGAR_NODE_IP:$PORT HANGAR_HOST=$HANGAR_NODE_IP
+  HEALTH_HOST=$HANGAR_NODE_IP
+  if [ -f /etc/hangar/hangar.env ] || [ "$SERVICE" = 1 ]; then
+    mkdir -p /etc/hangar
+    touch /etc/hangar/hangar.env && chmod 600 /etc/hangar/hangar.env
+    sed -i '/^HANGAR_\(ETCD\|ADVERTISE\|HOST\|NODE_NAME\)=/d' /etc/hangar/hangar.env
+    printf 'HANGAR_ETCD=%s\nHANGAR_ADVERTISE=%s\nHANGAR_HOST=%s\nHANGAR_NODE_NAME=%s\n' \
+      "$HANGAR_ETCD" "$HANGAR_ADVERTISE" "$HANGAR_HOST" "$HANGAR_NODE_NAME" >> /etc/hangar/hangar.env
+  fi
+fi
+
 if [ "$SERVICE" = 1 ]; then
   say "installing the systemd service hangar.service"
   if [ -f "$DATA/hangar.pid" ]; then
@@ -122,7 +181,7 @@ if [ "$SERVICE" = 1 ]; then
   systemctl enable --quiet hangar.service
   systemctl restart hangar.service
   for _ in $(seq 240); do
-    curl -fs "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+    curl -fs "http://$HEALTH_HOST:$PORT/health" >/dev/null 2>&1 && break
     systemctl is-active --quiet hangar.service || { journalctl -u hangar -n 20 --no-pager; exit 1; }
     sleep 0.5
   done
@@ -134,10 +193,10 @@ else
     >>"$DATA/hangar.log" 2>&1 < /dev/null &
   echo $! > "$DATA/hangar.pid"
   for _ in $(seq 120); do
-    curl -fs "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+    curl -fs "http://$HEALTH_HOST:$PORT/health" >/dev/null 2>&1 && break
     kill -0 "$(cat "$DATA/hangar.pid")" 2>/dev/null || { tail -20 "$DATA/hangar.log"; exit 1; }
     sleep 0.5
   done
 fi
-curl -fs "http://127.0.0.1:$PORT/health"; echo
+curl -fs "http://$HEALTH_HOST:$PORT/health"; echo
 say "ready: try 'hangar create' (the API key is in $DATA/api-key)"

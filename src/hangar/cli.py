@@ -28,6 +28,7 @@ from rich.table import Column, Table
 from hangar.client import Hangar, MachineInfo
 from hangar.cli_key import app as key_app
 from hangar.cli_template import app as template_app
+from hangar.cluster.cli import cluster_app, node_app
 from hangar.errors import HangarError
 from hangar.ops import cli as ops_cli
 
@@ -49,6 +50,8 @@ app.add_typer(desktop_app, name="desktop")
 app.add_typer(port_app, name="port")
 app.add_typer(key_app, name="key")
 app.add_typer(template_app, name="template")
+app.add_typer(cluster_app, name="cluster")
+app.add_typer(node_app, name="node")
 app.add_typer(ops_cli.deploy_app, name="deploy")
 app.command("backup")(ops_cli.backup)
 out = Console()

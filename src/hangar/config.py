@@ -80,4 +80,12 @@ class Settings(BaseSettings):
     max_json_bytes: int = Field(
         8 << 20, ge=1024, description="Largest JSON request body, bytes (413 beyond); file "
                                       "uploads are streamed and not bound by it.")
+    etcd: str | None = Field(
+        None, description="Comma-separated URLs of the cluster's etcd members "
+                          "(http://host:2379,...); set, this server is a node of a cluster "
+                          "(docs/cluster.md, `hangar node join`); unset, a single host.")
+    node_name: str | None = Field(None, description="This node's name in the cluster; "
+                                                    "default: the host name.")
+    advertise: str | None = Field(None, description="host:port other nodes reach this "
+                                                    "node's API at; default: host:port.")
     log_level: str = Field("INFO")

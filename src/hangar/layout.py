@@ -63,6 +63,7 @@ literals of their own. Everything lives under one data directory
                                 Firecracker: vmstate, memory, disk.ext4
                                 (see hangar.engines.snapshot_io)
       backups/                  ``hangar backup``'s default folder (hangar.ops.backup)
+      cluster-epochs.json       a cluster node's epoch of each sandbox it owns (hangar.cluster)
       hangar.pid, hangar.log    the server's pid and log when it runs without systemd
                                 (scripts/install.sh, scripts/release.sh)
 
@@ -184,6 +185,12 @@ class Layout:
     def backups(self) -> Path:
         """Default folder of ``hangar backup``; made (0700) by it, not by ``ensure``."""
         return self.root / "backups"
+
+    @property
+    def cluster_epochs(self) -> Path:
+        """A cluster node's epochs of the sandboxes it owns (``hangar.cluster.node``): a VMM
+        whose sandbox's epoch in etcd differs was started before ownership moved."""
+        return self.root / "cluster-epochs.json"
 
     @property
     def server_log(self) -> Path:

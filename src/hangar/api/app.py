@@ -42,6 +42,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     layout.ensure()
     keys = KeyRing(layout.api_key_file, layout.api_keys_file, settings.api_key)
     keys.load()
+    node = None
+    if settings.etcd:  # a node of a cluster (docs/cluster.md); unset: a single host
+        from hangar.cluster.node import ClusterNode
+
+        node = ClusterNode(settings, layout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -52,16 +57,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         metrics = Metrics()
         metrics.engine.info(engine.describe())
         store = Store(layout.database)
-        manager = SandboxManager(settings, layout, store, engine, metrics, app.state.events)
+        if node is not None:
+            config = await node.load_config()
+            keys.share("cluster", config.key_hashes)
+        manager = SandboxManager(settings, layout, store, engine, metrics, app.state.events,
+                                 hooks=node.hooks if node is not None else None)
         app.state.idempotency = IdempotencyStore(store.engine)
         app.state.metrics = metrics
         app.state.manager = manager
         app.state.machines = MachineManager(manager, settings.machine_idle_s)
         await manager.start()
+        if node is not None:
+            await node.start(manager)
         try:
             yield
         finally:
             app.state.events.close()
+            if node is not None:
+                await node.close()
             await manager.close()
 
     app = FastAPI(
@@ -75,6 +88,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.keys = keys
     app.state.throttle = Throttle()
     app.state.events = EventBus()
+    if node is not None:  # inside idempotency: a retried create is answered, not placed again
+        from hangar.cluster.gateway import Gateway
+
+        app.add_middleware(Gateway, node=node, state=app.state)
+        app.state.cluster = node
     app.add_middleware(IdempotencyMiddleware)
     errors.install(app)
     app.add_middleware(BodyLimit, limit=settings.max_json_bytes, raw=files.RAW_BODY)

@@ -91,6 +91,21 @@ class KeyRing:
         self.env_key = env_key
         self._entries: tuple[_Entry, ...] = ()
         self._seen: tuple[object, object] = (None, None)
+        self._shared: tuple[_Entry, ...] = ()
+
+    def share(self, name: str, hex_digests: list[str]) -> None:
+        """Also accept keys whose SHA-256 (hex) is in ``hex_digests``, under ``name``:
+        a cluster's keys, which every node accepts (``hangar.cluster``). Bad digests
+        are ignored."""
+        entries = []
+        for h in hex_digests:
+            try:
+                d = bytes.fromhex(h)
+            except ValueError:
+                continue
+            if len(d) == 32:
+                entries.append(_Entry(name, d))
+        self._shared = tuple(entries)
 
     def load(self) -> None:
         """Read every key strictly (start-up). Creates the default key file if absent.
@@ -146,13 +161,13 @@ class KeyRing:
             return None
         d = K.digest(given)
         found = None
-        for entry in self._entries:
+        for entry in (*self._entries, *self._shared):
             if hmac.compare_digest(d, entry.digest):
                 found = entry.name
         return found
 
     def names(self) -> list[str]:
-        return [e.name for e in self._entries]
+        return [e.name for e in (*self._entries, *self._shared)]
 
 
 class Throttle:

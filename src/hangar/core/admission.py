@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from contextvars import ContextVar
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,6 +28,10 @@ from hangar.images import RECIPES, GuestImage
 
 RETRY_AFTER_S = 5.0
 """What a refused create is told to wait, seconds."""
+
+placed_id: ContextVar[str | None] = ContextVar("placed_id", default=None)
+"""The id a cluster placed (and claimed) the current request's new sandbox under, if any:
+set by ``hangar.cluster.gateway`` around one request, read by the create that request makes."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,9 @@ class CreateOptions:
     network: Any = None
     """Egress policy: ``none``, ``internet``, ``open`` or a dict with ``egress``,
     ``allow`` and ``deny`` CIDR lists; None takes the server's default."""
+    sandbox_id: str | None = None
+    """The new sandbox's id when it was chosen (and claimed) before the create: a
+    cluster places a create and claims its id, then the owner node makes it."""
 
 
 def new_id(prefix: str = "sb-") -> str:

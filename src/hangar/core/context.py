@@ -9,11 +9,12 @@ through their public methods.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hangar.config import Settings
 from hangar.core.events import EventBus
+from hangar.core.hooks import Hooks
 from hangar.core.lifecycle import State
 from hangar.core.registry import Registry
 from hangar.core.store import SandboxRecord, Store
@@ -34,6 +35,8 @@ class Context:
     metrics: Metrics
     events: EventBus
     registry: Registry
+    hooks: Hooks = field(default_factory=Hooks)
+    """A cluster node's hooks (``hangar.core.hooks``); no-ops on a single host."""
 
     def record(self, sandbox_id: str) -> SandboxRecord:
         """The record of a sandbox a user may see.

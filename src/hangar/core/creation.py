@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from hangar.core.admission import Admission, CreateOptions, check_desktop, new_id
+from hangar.core.admission import Admission, CreateOptions, check_desktop, new_id, placed_id
 from hangar.core.context import Context
 from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
@@ -51,12 +51,13 @@ class Creation:
         if opts.desktop:
             check_desktop(opts.desktop, image)
         network = self.launcher.policy(opts.network)
-        if self.pool is not None and self.pool.fits(opts, image):
+        sid = opts.sandbox_id or placed_id.get()
+        if sid is None and self.pool is not None and self.pool.fits(opts, image):
             rec = await self._from_pool(opts, image, started)
             if rec is not None:
                 return rec
         async with self.admission.slot():
-            rec = self.admission.new_record(new_id(), State.CREATING, image, opts, network)
+            rec = self.admission.new_record(sid or new_id(), State.CREATING, image, opts, network)
             self.ctx.store.add(rec)
         return await self.bring_up(
             rec, lambda: self.launcher.boot(rec, image, {State.CREATING},

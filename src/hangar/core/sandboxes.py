@@ -24,6 +24,7 @@ module of ``hangar.core`` with a public surface the others use:
 ``store``          records; every state change is a compare-and-set
 ``publish``        the events that follow state changes
 ``testhooks``      test-only: crash at a named step, hold a wake up
+``hooks``          a cluster node's part in wakes, saved snapshots and forks (no-ops alone)
 =================  ==============================================================
 
 Rules:
@@ -52,6 +53,7 @@ from hangar.core.context import Context
 from hangar.core.creation import Creation
 from hangar.core.events import EventBus
 from hangar.core.guestcalls import GuestCalls
+from hangar.core.hooks import Hooks
 from hangar.core.launch import Launcher, renet_meta
 from hangar.core.lifecycle import GONE, State
 from hangar.core.pool import WarmPool, templates
@@ -80,7 +82,8 @@ class SandboxManager:
     """Creates, tracks, snapshots and removes sandboxes. One per server process."""
 
     def __init__(self, settings: Settings, layout: Layout, store: Store, engine: Engine,
-                 metrics: Metrics, events: EventBus | None = None) -> None:
+                 metrics: Metrics, events: EventBus | None = None,
+                 hooks: Hooks | None = None) -> None:
         self.settings = settings
         self.layout = layout
         self.store = store
@@ -89,7 +92,7 @@ class SandboxManager:
         self.events = events or EventBus()
         self.registry = Registry()
         ctx = self.ctx = Context(settings, layout, store, engine, metrics, self.events,
-                                 self.registry)
+                                 self.registry, hooks or Hooks())
         store.on_transition(lambda rec, frm, to: announce(ctx, rec, frm, to))
         self.admission = Admission(ctx)
         self.launcher = Launcher(ctx)

@@ -65,6 +65,7 @@ class Sleeper:
                                  desired_state=State.SLEEPING)
             try:
                 snap = await self.snapshots.save(rec, rt, "sleep")
+                await ctx.hooks.saved(rec, snap)  # a cluster uploads it before the VM ends
             except BaseException:
                 if rt.vm.alive():
                     await ctx.engine.resume(rt.vm)
@@ -113,8 +114,13 @@ class Sleeper:
                 raise Conflict(f"sandbox {sandbox_id} lost its sleep snapshot",
                                sandbox_id=sandbox_id)
             async with self.admission.slot(create=False):
-                rec = ctx.store.transition(sandbox_id, State.SLEEPING, State.WAKING,
-                                           desired_state=State.RUNNING)
+                await ctx.hooks.claim(rec)  # a cluster: ownership and a slot, or refused
+                try:
+                    rec = ctx.store.transition(sandbox_id, State.SLEEPING, State.WAKING,
+                                               desired_state=State.RUNNING)
+                except BaseException:
+                    await ctx.hooks.release(sandbox_id)
+                    raise
             try:
                 await wake_delay()
                 await self.launcher.restore(rec, snap, {State.WAKING})
@@ -123,6 +129,7 @@ class Sleeper:
                 ctx.metrics.wake_seconds.labels("failed").observe(time.monotonic() - started)
                 ctx.store.transition(sandbox_id, State.WAKING, State.SLEEPING, pid=None,
                                      error=f"wake failed: {exc}"[:1000])
+                await ctx.hooks.release(sandbox_id)
                 raise
             rec = ctx.store.transition(sandbox_id, State.WAKING, State.RUNNING,
                                        sleep_snapshot=None, last_active_at=time.time(),

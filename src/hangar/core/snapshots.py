@@ -20,7 +20,7 @@ import logging
 import shutil
 import time
 
-from hangar.core.admission import Admission, CreateOptions, new_id
+from hangar.core.admission import Admission, CreateOptions, new_id, placed_id
 from hangar.core.context import Context
 from hangar.core.creation import Creation
 from hangar.core.launch import Launcher
@@ -113,6 +113,7 @@ class Snapshots:
                 if rt.vm.alive():
                     await ctx.engine.resume(rt.vm)
                 ctx.store.transition(sandbox_id, State.SNAPSHOTTING, State.RUNNING)
+        await ctx.hooks.saved(rec, snap)  # the VM runs again while a cluster uploads it
         log.info("snapshot taken", extra={"sandbox_id": sandbox_id, "snapshot_id": snap.id,
                                           "size_bytes": snap.size_bytes,
                                           "duration_s": round(time.monotonic() - started, 3)})
@@ -228,11 +229,12 @@ class Snapshots:
         """
         ctx = self.ctx
         started = time.monotonic()
+        await ctx.hooks.fetch_snapshot(snapshot_id)
         snap = self.get(snapshot_id)
         image = resolve_pinned(ctx.layout, snap.image, snap.image_digest)
         async with self.admission.slot():
             rec = self.admission.new_record(
-                new_id(), State.CREATING, image,
+                opts.sandbox_id or placed_id.get() or new_id(), State.CREATING, image,
                 CreateOptions(timeout_s=opts.timeout_s, metadata=opts.metadata,
                               desktop=snap.desktop),
                 self.launcher.policy(snap.network or "none"), snap.vcpus, snap.memory_mib, snap.disk_mib)

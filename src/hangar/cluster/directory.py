@@ -1,0 +1,290 @@
+"""The directory of owners: every sandbox's record in etcd, and a cache fed by a watch.
+
+One watch on ``/hangar/`` keeps an in-memory copy of the nodes, drain
+flags, sandbox records, machines and slots, so the gateway routes a
+request with no etcd round trip. A record that the cache does not know yet
+(a create placed by another node a moment ago) is read once from etcd
+(``lookup``).
+
+Every change of ownership is a compare-and-set on the record's
+``mod_revision`` (nobody wrote it since it was read) together with the
+VM slot it takes (``version == 0``: the slot is free), in one
+transaction: two nodes that try to take the same sandbox, or the last
+slot, cannot both win.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from hangar.cluster import records as R
+from hangar.cluster.etcd import (
+    Compacted, Etcd, Event, cmp_mod, cmp_value, cmp_version, op_delete, op_put,
+)
+from hangar.cluster.records import NodeInfo, SandboxObject
+from hangar.errors import Conflict, LimitExceeded
+
+log = logging.getLogger("hangar.cluster.directory")
+
+Listener = Callable[[str, "SandboxObject | None"], None]
+"""Called with (sandbox id, its record or None when deleted) after the cache changed."""
+
+
+class Directory:
+    """Cache of ``/hangar/`` and the compare-and-set operations on it."""
+
+    def __init__(self, etcd: Etcd) -> None:
+        self.etcd = etcd
+        self.nodes: dict[str, NodeInfo] = {}
+        self.draining: set[str] = set()
+        self.sandboxes: dict[str, SandboxObject] = {}
+        self.machines: dict[str, dict[str, Any]] = {}
+        self.snapshots: dict[str, dict[str, Any]] = {}
+        self.slots: dict[str, dict[int, str]] = {}
+        self.leader: str | None = None
+        self.revision = 0
+        self._listeners: list[Listener] = []
+        self._task: asyncio.Task[None] | None = None
+        self.synced = asyncio.Event()
+
+    def on_change(self, fn: Listener) -> None:
+        self._listeners.append(fn)
+
+    # -- the cache ----------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Read everything under ``/hangar/`` (start, or after a compaction)."""
+        kvs, rev = await self.etcd.get_prefix(R.ROOT)
+        self.nodes.clear()
+        self.draining.clear()
+        old = set(self.sandboxes)
+        self.sandboxes.clear()
+        self.machines.clear()
+        self.snapshots.clear()
+        self.slots.clear()
+        self.leader = None
+        for kv in kvs:
+            self._apply(Event("PUT", kv), notify=False)
+        self.revision = rev
+        for sid in old | set(self.sandboxes):
+            self._notify(sid)
+        self.synced.set()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="directory watch")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                async for batch in self.etcd.watch_prefix(R.ROOT, self.revision + 1):
+                    for ev in batch:
+                        self._apply(ev)
+                        self.revision = max(self.revision, ev.kv.mod_revision)
+            except Compacted:
+                log.info("directory watch compacted; reloading")
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("directory watch failed")
+            while True:
+                try:
+                    await self.load()
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    await asyncio.sleep(1.0)
+
+    def _apply(self, ev: Event, notify: bool = True) -> None:
+        key, kv = ev.kv.key, ev.kv
+        put = ev.type != "DELETE"
+        try:
+            if key.startswith(R.SANDBOXES):
+                sid = key[len(R.SANDBOXES):]
+                cur = self.sandboxes.get(sid)
+                if put and (cur is None or kv.mod_revision >= cur.mod_revision):
+                    self.sandboxes[sid] = SandboxObject.parse(kv.json(), kv.mod_revision)
+                elif not put:
+                    self.sandboxes.pop(sid, None)
+                if notify:
+                    self._notify(sid)
+            elif key.startswith(R.NODES):
+                name = key[len(R.NODES):]
+                if put:
+                    self.nodes[name] = NodeInfo.parse(kv.json())
+                else:
+                    self.nodes.pop(name, None)
+            elif key.startswith(R.DRAIN):
+                name = key[len(R.DRAIN):]
+                (self.draining.add if put else self.draining.discard)(name)
+            elif key.startswith(R.MACHINES):
+                user = key[len(R.MACHINES):]
+                if put:
+                    self.machines[user] = kv.json()
+                else:
+                    self.machines.pop(user, None)
+            elif key.startswith(R.SNAPSHOTS):
+                snap = key[len(R.SNAPSHOTS):]
+                if put:
+                    self.snapshots[snap] = kv.json()
+                else:
+                    self.snapshots.pop(snap, None)
+            elif key.startswith(R.SLOTS):
+                node, _, k = key[len(R.SLOTS):].partition("/")
+                table = self.slots.setdefault(node, {})
+                if put:
+                    table[int(k)] = kv.value.decode()
+                else:
+                    table.pop(int(k), None)
+            elif key == R.LEADER:
+                self.leader = kv.value.decode() if put else None
+        except (ValueError, KeyError, json.JSONDecodeError):
+            log.warning("unreadable cluster record ignored", extra={"key": key})
+
+    def _notify(self, sid: str) -> None:
+        rec = self.sandboxes.get(sid)
+        for fn in self._listeners:
+            try:
+                fn(sid, rec)
+            except Exception:
+                log.exception("directory listener failed")
+
+    # -- reads --------------------------------------------------------------------------
+
+    def alive(self, node: str | None) -> bool:
+        """True while ``node`` holds its lease (its record exists)."""
+        return node is not None and node in self.nodes
+
+    def usable(self, node: str | None) -> bool:
+        """Alive and not drained: it may take new sandboxes."""
+        return self.alive(node) and node not in self.draining
+
+    async def lookup(self, sid: str) -> SandboxObject | None:
+        """The record of ``sid``: from the cache, else read once from etcd."""
+        rec = self.sandboxes.get(sid)
+        if rec is not None:
+            return rec
+        kv = await self.etcd.get(R.sandbox_key(sid))
+        if kv is None:
+            return None
+        rec = SandboxObject.parse(kv.json(), kv.mod_revision)
+        cur = self.sandboxes.get(sid)
+        if cur is None or cur.mod_revision < rec.mod_revision:
+            self.sandboxes[sid] = rec
+        return rec
+
+    async def fresh(self, sid: str) -> SandboxObject | None:
+        """The record of ``sid`` read from etcd now (before a compare-and-set)."""
+        kv = await self.etcd.get(R.sandbox_key(sid))
+        if kv is None:
+            self.sandboxes.pop(sid, None)
+            return None
+        rec = SandboxObject.parse(kv.json(), kv.mod_revision)
+        self.sandboxes[sid] = rec
+        return rec
+
+    async def machine_sandbox(self, user: str) -> str | None:
+        m = self.machines.get(user)
+        if m is None:
+            kv = await self.etcd.get(R.machine_key(user))
+            if kv is None:
+                return None
+            m = self.machines[user] = kv.json()
+        return m.get("sandboxId")
+
+    # -- slots --------------------------------------------------------------------------
+
+    async def _free_slots(self, node: NodeInfo, refresh: bool) -> list[int]:
+        if refresh:
+            kvs, _ = await self.etcd.get_prefix(f"{R.SLOTS}{node.name}/")
+            table = {int(kv.key.rsplit("/", 1)[1]): kv.value.decode() for kv in kvs}
+            self.slots[node.name] = table
+        taken = self.slots.get(node.name, {})
+        return [k for k in range(node.capacity) if k not in taken]
+
+    async def claim(self, sid: str, candidates: list[NodeInfo], record: Callable[[NodeInfo, int], SandboxObject],
+                    compare: list[dict[str, Any]], extra: Callable[[NodeInfo], list[dict[str, Any]]],
+                    expect_revision: int = 0) -> tuple[NodeInfo, int]:
+        """Take a free VM slot on the first candidate that has one and write ``sid``'s record
+        (``record(node, slot)``), with ``compare`` and ``extra(node)`` puts, in one transaction.
+
+        ``expect_revision`` 0 means the record must not exist yet (a create), else
+        it must not have changed since that revision (an adoption or a wake).
+        Raises LimitExceeded when no candidate has a free slot, Conflict when
+        ``compare`` or the record's revision fails (someone else acted first).
+        """
+        key = R.sandbox_key(sid)
+        guard = cmp_version(key, 0) if not expect_revision else cmp_mod(key, expect_revision)
+        for refresh in (False, True):
+            for node in candidates:
+                for k in (await self._free_slots(node, refresh))[:3]:
+                    rec = record(node, k)
+                    ok, _ = await self.etcd.txn(
+                        [guard, cmp_version(R.slot_key(node.name, k), 0), *compare],
+                        [op_put(R.slot_key(node.name, k), sid),
+                         op_put(key, rec.to_json()), *extra(node)])
+                    if ok:
+                        self.slots.setdefault(node.name, {})[k] = sid
+                        return node, k
+                    cur = await self.etcd.get(key)
+                    if (cur is not None if not expect_revision
+                            else cur is None or cur.mod_revision != expect_revision):
+                        raise Conflict(f"sandbox {sid} was changed by another node; retry",
+                                       sandbox_id=sid)
+                    if compare:
+                        ok2, _ = await self.etcd.txn(compare, [], [])
+                        if not ok2:
+                            raise Conflict("another node acted first; retry", sandbox_id=sid)
+                    self.slots.setdefault(node.name, {})[k] = "?"  # taken meanwhile
+        cap = sum(n.capacity for n in candidates)
+        raise LimitExceeded(f"every VM slot of the cluster's usable nodes is taken ({cap})",
+                            retry_after=5.0, limit=cap)
+
+    async def release_slot(self, node: str, slot: int | None, sid: str) -> None:
+        """Free ``node``'s slot ``slot`` if ``sid`` still holds it."""
+        if slot is None:
+            return
+        key = R.slot_key(node, slot)
+        await self.etcd.txn([cmp_value(key, sid)], [op_delete(key)])
+        if self.slots.get(node, {}).get(slot) == sid:
+            self.slots[node].pop(slot, None)
+
+    # -- records ------------------------------------------------------------------------
+
+    async def update(self, sid: str, change: Callable[[SandboxObject], bool],
+                     extra: list[dict[str, Any]] | None = None, tries: int = 4) -> SandboxObject | None:
+        """Read ``sid``'s record, let ``change`` edit it (False: leave it), write it back by
+        compare-and-set, again on a lost race. Returns the record written, or None."""
+        for _ in range(tries):
+            rec = await self.fresh(sid)
+            if rec is None or not change(rec):
+                return None
+            ok, _ = await self.etcd.txn([cmp_mod(R.sandbox_key(sid), rec.mod_revision)],
+                                        [op_put(R.sandbox_key(sid), rec.to_json()),
+                                         *(extra or [])])
+            if ok:
+                return rec
+        raise Conflict(f"sandbox {sid}'s record keeps changing; retry", sandbox_id=sid)
+
+    async def remove(self, rec: SandboxObject) -> None:
+        """Delete a sandbox's record, its slot and its machine key (if it is that user's)."""
+        ops = [op_delete(R.sandbox_key(rec.name))]
+        if rec.node is not None and rec.slot is not None:
+            await self.release_slot(rec.node, rec.slot, rec.name)
+        if rec.user:
+            m = self.machines.get(rec.user)
+            if m is None or m.get("sandboxId") == rec.name:
+                ops.append(op_delete(R.machine_key(rec.user)))
+        await self.etcd.txn([], ops)
+        self.sandboxes.pop(rec.name, None)

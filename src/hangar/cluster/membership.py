@@ -1,0 +1,211 @@
+"""Membership: a node's lease, its record, renewal, fencing and the reconciler election.
+
+A node registers ``/hangar/nodes/<name>`` under a lease of
+``lease_ttl_s`` seconds (5 by default) and renews it every second,
+rewriting its record (free slots, images...) every few seconds. When its
+lease expires (the node died, or is cut off), the record vanishes and the
+elected reconciler (``hangar.cluster.failover``) hands its sandboxes on.
+
+Fencing. A node that has not renewed its lease for ``lease_ttl_s - 1.5``
+seconds asks its peers (``GET /cluster/health``, no key):
+
+* no peer answers, or one answers that *it* can write to etcd: this node
+  is cut off while the others go on, and they will give its machines to
+  other nodes once its lease is gone: it stops every VMM it runs now
+  (``on_fence``), before that can happen;
+* peers answer and none can write to etcd: quorum is lost everywhere,
+  nobody can move anything (and etcd's next leader extends every lease),
+  so the node keeps its VMs running and serving; control writes get 503.
+
+A node whose lease etcd says is gone although etcd answers (quorum came
+back, or a paused leader revoked it) registers again at once without
+fencing: nobody can have moved its sandboxes before etcd answered again and
+the failover's margin passed. A fenced node keeps trying to register
+again; once it has a lease it runs ``on_rejoin`` (which kills VMMs whose epoch is stale) before it
+takes new work.
+
+Election: the node that puts ``/hangar/leader`` (value: its name, under
+its lease) when the key is absent runs the failover reconciler; when its
+lease ends, the key goes with it and another node takes over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from hangar.cluster import records as R
+from hangar.cluster.directory import Directory
+from hangar.cluster.etcd import Etcd, EtcdUnavailable, LeaseGone, cmp_version, op_put
+from hangar.cluster.records import NodeInfo
+
+log = logging.getLogger("hangar.cluster.membership")
+
+RENEW_S = 1.0
+"""Seconds between lease renewals."""
+REFRESH_S = 3.0
+"""Seconds between rewrites of the node's record (free slots, images)."""
+PEER_TIMEOUT_S = 0.7
+"""How long a peer has to answer ``/cluster/health`` when the lease cannot be renewed."""
+RENEW_DEADLINE_S = 1.2
+"""A renewal that has not completed in this many seconds (every member tried) failed."""
+FENCE_MARGIN_S = 1.5
+"""A node decides whether to fence this many seconds before its lease would expire."""
+
+
+class Membership:
+    """One node's lease, record and fencing."""
+
+    def __init__(self, etcd: Etcd, directory: Directory, name: str, ttl: int,
+                 info: Callable[[], NodeInfo], on_fence: Callable[[str], Awaitable[None]],
+                 on_rejoin: Callable[[], Awaitable[None]]) -> None:
+        self.etcd = etcd
+        self.directory = directory
+        self.name = name
+        self.ttl = ttl
+        self.info = info
+        self.on_fence = on_fence
+        self.on_rejoin = on_rejoin
+        self.lease = 0
+        self.last_ok = 0.0
+        """Monotonic time the lease was last renewed (sent time of the renewal)."""
+        self.fenced = False
+        self.leader = False
+        self.quorum_lost = False
+        """True while neither this node nor any peer can write to etcd (holding, not fenced)."""
+        self._task: asyncio.Task[None] | None = None
+        self._last_refresh = 0.0
+        self._http = httpx.AsyncClient(timeout=PEER_TIMEOUT_S)
+
+    def writable(self) -> bool:
+        """True while the lease was renewed within the last two renewals: etcd takes writes."""
+        return not self.fenced and time.monotonic() - self.last_ok < 2.5 * RENEW_S
+
+    async def register(self) -> None:
+        """Grant a lease and write this node's record under it. Raises EtcdUnavailable."""
+        sent = time.monotonic()
+        self.lease = await self.etcd.grant(self.ttl)
+        await self.etcd.put(R.node_key(self.name), self.info().to_json(), lease=self.lease)
+        self.last_ok = sent
+        self._last_refresh = sent
+        log.info("node registered", extra={"node": self.name, "lease": f"{self.lease:x}"})
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="membership")
+
+    async def close(self) -> None:
+        """Stop renewing (the lease then expires by itself: VMMs outlive a restart)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await self._http.aclose()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(RENEW_S)
+            try:
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("membership step failed")
+
+    async def _step(self) -> None:
+        sent = time.monotonic()
+        if self.fenced or not self.lease:
+            try:
+                await self.register()
+            except EtcdUnavailable:
+                return
+            self.fenced = False
+            self.quorum_lost = False
+            await self.on_rejoin()
+            return
+        try:
+            try:
+                # A member that hangs (stopped, partitioned) must leave time for the others.
+                per = RENEW_DEADLINE_S / max(1, len(self.etcd.endpoints))
+                await asyncio.wait_for(self.etcd.keepalive(self.lease, timeout=per),
+                                       RENEW_DEADLINE_S)
+            except asyncio.TimeoutError:
+                raise EtcdUnavailable("lease renewal timed out") from None
+            if sent - self._last_refresh >= REFRESH_S:
+                await self.etcd.put(R.node_key(self.name), self.info().to_json(),
+                                    lease=self.lease)
+                self._last_refresh = sent
+            self.last_ok = sent
+            self.quorum_lost = False
+            await self._elect()
+        except LeaseGone:
+            # Etcd answers again but revoked the lease (a leader that was paused past it,
+            # or quorum back after a long loss). Register anew and rejoin: only sandboxes
+            # whose records moved meanwhile are stale, and rejoin kills exactly those.
+            log.warning("lease gone while etcd answers: registering again",
+                        extra={"node": self.name})
+            self.lease = 0
+        except EtcdUnavailable:
+            if time.monotonic() - self.last_ok >= self.ttl - FENCE_MARGIN_S:
+                await self._decide()
+
+    async def refresh_now(self) -> None:
+        """Rewrite this node's record at once (a drain, a slot change)."""
+        if self.lease and not self.fenced:
+            await self.etcd.put(R.node_key(self.name), self.info().to_json(), lease=self.lease)
+
+    async def _elect(self) -> None:
+        if self.directory.leader == self.name:
+            self.leader = True
+            return
+        self.leader = False
+        if self.directory.leader is None:
+            ok, _ = await self.etcd.txn([cmp_version(R.LEADER, 0)],
+                                        [op_put(R.LEADER, self.name, lease=self.lease)])
+            if ok:
+                self.leader = True
+                self.directory.leader = self.name
+                log.info("elected to run the failover reconciler", extra={"node": self.name})
+
+    async def peers_can_write(self) -> tuple[int, int]:
+        """(peers that answered, peers that can write to etcd) among the known nodes."""
+        peers = [n for name, n in self.directory.nodes.items() if name != self.name]
+
+        async def ask(n: NodeInfo) -> bool | None:
+            try:
+                r = await self._http.get(f"{n.url}/cluster/health")
+                return bool(r.json().get("writable"))
+            except (httpx.HTTPError, ValueError):
+                return None
+
+        answers = await asyncio.gather(*(ask(n) for n in peers))
+        got = [a for a in answers if a is not None]
+        return len(got), sum(1 for a in got if a)
+
+    async def _decide(self) -> None:
+        answered, writable = await self.peers_can_write()
+        if answered and not writable:
+            if not self.quorum_lost:
+                log.warning("etcd has no quorum anywhere; holding every VM (control writes "
+                            "get 503)", extra={"node": self.name, "peers": answered})
+            self.quorum_lost = True
+            return
+        why = ("no peer answers: this node is cut off" if not answered
+               else "peers can write to etcd but this node cannot")
+        await self._fence(why)
+
+    async def _fence(self, why: str) -> None:
+        if self.fenced:
+            return
+        self.fenced = True
+        self.leader = False
+        log.error("fencing: stopping every VMM of this node", extra={"node": self.name,
+                                                                      "reason": why})
+        try:
+            await self.on_fence(why)
+        except Exception:
+            log.exception("fencing failed")

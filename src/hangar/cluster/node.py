@@ -1,0 +1,616 @@
+"""A cluster node: one Hangar server that is also a member of a cluster (docs/cluster.md).
+
+``ClusterNode`` wires the parts: the etcd client, the directory cache,
+membership (lease, fencing, election), failover, shared storage, and the
+core's hooks (``NodeHooks``). It keeps the directory true to this node's
+local records:
+
+* every committed state change of a sandbox this node owns is pushed to
+  its record (a compare-and-set that holds only while ``nodeName`` is this
+  node and the epoch is the one this node knows), one at a time per
+  sandbox, retried while etcd is away; leaving the VMM states frees the
+  VM slot; ``deleted`` and ``expired`` remove the record;
+* when a record moves to another node (an adoption, a failover), the local
+  records of that sandbox are discarded, and a VMM it still had is killed;
+* at start and after a fencing (``rejoin``), a local sandbox whose record
+  names another node or another epoch is stale: its VMM is killed and its
+  records dropped, so a partition never leaves two copies of one machine.
+
+Each node remembers the epoch of every sandbox it owns in
+``cluster-epochs.json`` (``Layout.cluster_epochs``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import platform
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from hangar import __version__
+from hangar.cluster import records as R
+from hangar.cluster.directory import Directory
+from hangar.cluster.etcd import Etcd, EtcdUnavailable, op_delete
+from hangar.cluster.failover import Failover, hand_on
+from hangar.cluster.membership import Membership
+from hangar.cluster.records import ClusterConfig, NodeInfo, SandboxObject
+from hangar.cluster.storage import SharedStore, open_store
+from hangar.config import Settings
+from hangar.core.hooks import Hooks
+from hangar.core.lifecycle import GONE, LIVE, State
+from hangar.core.recovery import vmm_processes
+from hangar.core.sandboxes import SandboxManager
+from hangar.core.store import MachineRecord, SandboxRecord, SnapshotRecord
+from hangar.errors import ConfigError, Conflict, HangarError, NotFound
+from hangar.images import image_id
+from hangar.layout import Layout, SnapshotPaths
+
+log = logging.getLogger("hangar.cluster.node")
+
+MANIFEST = SnapshotPaths(Path("/")).manifest.name
+AUDIT_S = 10.0
+"""Seconds between audits of this node's records in etcd (stale creates, lost pushes)."""
+CREATE_GRACE_S = 120.0
+"""A ``creating`` record of this node that it has no local record of after this long was
+placed by a gateway whose forward never arrived: removed."""
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def memory_free_mib() -> int:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def template(rec: SandboxRecord) -> dict[str, Any]:
+    """The part of a local record another node needs to recreate it (``spec.template``)."""
+    return {"image": rec.image, "imageDigest": rec.image_digest, "engine": rec.engine,
+            "accel": rec.accel, "vcpus": rec.vcpus, "memoryMiB": rec.memory_mib,
+            "diskMiB": rec.disk_mib, "desktop": rec.desktop, "network": rec.network,
+            "metadata": rec.metadata_ or {}, "source": rec.source,
+            "expiresAt": rec.expires_at, "lastActiveAt": rec.last_active_at}
+
+
+def view(rec: SandboxRecord) -> dict[str, Any]:
+    from hangar.api.sandboxes import view as api_view
+
+    return api_view(rec).model_dump(mode="json")
+
+
+class NodeHooks(Hooks):
+    """The core's hooks on a cluster node (``hangar.core.hooks``)."""
+
+    def __init__(self, node: "ClusterNode") -> None:
+        self.node = node
+
+    async def claim(self, rec: SandboxRecord) -> None:
+        await self.node.claim_slot(rec.id)
+
+    async def release(self, sandbox_id: str) -> None:
+        try:
+            await self.node.release_slot(sandbox_id)
+        except HangarError as exc:
+            log.warning("slot release failed", extra={"sandbox_id": sandbox_id,
+                                                      "error": exc.message})
+
+    async def saved(self, rec: SandboxRecord, snap: SnapshotRecord) -> None:
+        await self.node.share_snapshot(rec, snap)
+
+    async def fetch_snapshot(self, snapshot_id: str) -> None:
+        await self.node.fetch_user_snapshot(snapshot_id)
+
+
+class ClusterNode:
+    """This server's part in the cluster."""
+
+    def __init__(self, settings: Settings, layout: Layout) -> None:
+        if not settings.etcd:
+            raise ConfigError("a cluster node needs HANGAR_ETCD")
+        self.settings = settings
+        self.layout = layout
+        self.name = settings.node_name or socket.gethostname()
+        self.address = settings.advertise or f"{settings.host}:{settings.port}"
+        urls = Etcd.parse_urls(settings.etcd)
+        host = self.address.rsplit(":", 1)[0]
+        urls.sort(key=lambda u: f"//{host}:" not in u)  # this host's member first
+        self.etcd = Etcd(urls)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per etcd call otherwise
+        self.directory = Directory(self.etcd)
+        self.hooks = NodeHooks(self)
+        self.config: ClusterConfig | None = None
+        self.store: SharedStore | None = None
+        self.manager: SandboxManager | None = None
+        self.membership: Membership | None = None
+        self.failover: Failover | None = None
+        self.epochs: dict[str, int] = self._read_epochs()
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._discarding: set[str] = set()
+        self._adopting: set[str] = set()
+        self._orphans: dict[str, int] = {}
+
+    # -- start and stop ------------------------------------------------------------------
+
+    async def load_config(self, wait_s: float = 30.0) -> ClusterConfig:
+        """Read ``/hangar/config``, waiting up to ``wait_s`` for etcd. Raises ConfigError."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                kv = await self.etcd.get(R.CONFIG)
+                break
+            except EtcdUnavailable as exc:
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"etcd at {self.settings.etcd} cannot be reached: "
+                                      f"{exc.context.get('detail', exc.message)}") from None
+                await asyncio.sleep(0.5)
+        if kv is None:
+            raise ConfigError("this etcd holds no Hangar cluster; run `hangar cluster init "
+                              "--etcd URLS --store URL` once first")
+        self.config = ClusterConfig.parse(kv.json())
+        self.store = open_store(self.config.store)
+        return self.config
+
+    async def start(self, manager: SandboxManager) -> None:
+        """Register, load the directory, drop stale local sandboxes, then start the loops."""
+        assert self.config is not None
+        self.manager = manager
+        manager.store.on_transition(lambda rec, frm, to: self.mark(rec.id))
+        self.directory.on_change(self._changed)
+        self.membership = Membership(self.etcd, self.directory, self.name,
+                                     self.config.lease_ttl_s, self.info, self.fence, self.rejoin)
+        await self.directory.load()
+        await self.membership.register()
+        await self.rejoin()
+        self.directory.start()
+        self.membership.start()
+        self.failover = Failover(self.directory, self.membership, self.config.failover_after_s)
+        self.failover.start()
+        self._tasks = [asyncio.create_task(self._pusher(), name="cluster push"),
+                       asyncio.create_task(self._auditor(), name="cluster audit")]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for part in (self.failover, self.membership):
+            if part is not None:
+                await part.close()
+        await self.directory.close()
+        await self.etcd.close()
+
+    def info(self) -> NodeInfo:
+        m = self.manager
+        cap = self.settings.max_sandboxes
+        used = len(m.store.with_vmm()) if m else 0
+        images = []
+        try:
+            images = sorted(p.name for p in self.layout.images.iterdir()
+                            if p.is_dir() and not p.name.startswith(".") and not p.is_symlink())
+        except OSError:
+            pass
+        return NodeInfo(
+            name=self.name, address=self.address, capacity=cap, free=max(0, cap - used),
+            engine=m.engine.name if m else "", accel=m.engine.accel if m else "",
+            cpu_model=cpu_model(), images=images, memory_free_mib=memory_free_mib(),
+            pool=len(m.store.in_states({State.POOLED})) if m else 0,
+            draining=self.name in self.directory.draining, version=__version__)
+
+    def writable(self) -> bool:
+        return self.membership is not None and self.membership.writable()
+
+    # -- epochs --------------------------------------------------------------------------
+
+    def _read_epochs(self) -> dict[str, int]:
+        try:
+            raw = json.loads(self.layout.cluster_epochs.read_text())
+            return {str(k): int(v) for k, v in raw.items()}
+        except (OSError, ValueError, AttributeError):
+            return {}
+
+    def _save_epochs(self) -> None:
+        path = self.layout.cluster_epochs
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.epochs))
+        os.replace(tmp, path)
+
+    def set_epoch(self, sid: str, epoch: int | None) -> None:
+        if epoch is None:
+            if self.epochs.pop(sid, None) is not None:
+                self._save_epochs()
+        elif self.epochs.get(sid) != epoch:
+            self.epochs[sid] = epoch
+            self._save_epochs()
+
+    def owns(self, rec: SandboxObject | None) -> bool:
+        """True when ``rec`` names this node and the epoch this node knows (or learns now)."""
+        if rec is None or rec.node != self.name:
+            return False
+        known = self.epochs.get(rec.name)
+        return known is None or known == rec.epoch
+
+    # -- pushing local changes -----------------------------------------------------------
+
+    def mark(self, sid: str) -> None:
+        """A local record changed: push it (never blocks; called from the store)."""
+        self._dirty.add(sid)
+        self._wake.set()
+
+    async def _pusher(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._dirty:
+                sid = self._dirty.pop()
+                try:
+                    await self.push(sid)
+                except EtcdUnavailable:
+                    self._dirty.add(sid)
+                    await asyncio.sleep(0.5)
+                    break
+                except Exception:
+                    log.exception("push to the cluster failed", extra={"sandbox_id": sid})
+            if self._dirty:
+                self._wake.set()
+
+    async def push(self, sid: str) -> None:
+        """Write this node's view of ``sid`` into its record (see the module docstring)."""
+        m = self.manager
+        assert m is not None
+        rec = m.store.get(sid)
+        if rec is None or rec.state == State.POOLED:
+            return
+        cur = await self.directory.fresh(sid)
+        if not self.owns(cur):
+            return
+        assert cur is not None
+        if rec.state in GONE:
+            await self.directory.remove(cur)
+            if cur.snapshot:
+                await self._drop_shared(cur.snapshot["id"])
+            self.set_epoch(sid, None)
+            return
+        self.set_epoch(sid, cur.epoch)
+        holding = rec.state.value in R.VMM_HOLDING
+        slot = cur.slot
+        extra = [] if holding or slot is None else [op_delete(R.slot_key(self.name, slot))]
+
+        def change(d: SandboxObject) -> bool:
+            if not self.owns(d):
+                return False
+            d.status.update(state=rec.state.value, view=view(rec))
+            if not holding and d.slot == slot:
+                d.status["slot"] = None
+            d.spec.update(operatingMode="Suspended" if rec.state == State.SLEEPING
+                          else "Running", shutdownTime=R.iso(rec.expires_at),
+                          template=template(rec))
+            return True
+
+        await self.directory.update(sid, change, extra)
+
+    async def _auditor(self) -> None:
+        while True:
+            await asyncio.sleep(AUDIT_S)
+            if not self.writable():
+                continue
+            try:
+                await self.audit()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("cluster audit failed")
+
+    async def audit(self) -> None:
+        """Records naming this node that it has no local sandbox for, seen so at two audits
+        in a row with no change (an unfinished placement, a lost local database): a create is
+        removed, anything else handed on like a lost node's (``failover``). Local records
+        whose state the directory does not show yet are pushed again."""
+        m = self.manager
+        assert m is not None
+        seen: dict[str, int] = {}
+        for sid, d in list(self.directory.sandboxes.items()):
+            if d.node != self.name or sid in self._adopting:
+                continue
+            local = m.store.get(sid)
+            if local is not None and local.state not in GONE:
+                if d.state != local.state.value:
+                    self.mark(sid)
+                continue
+            if d.state == "creating" and time.time() - d.created_at < CREATE_GRACE_S:
+                continue
+            seen[sid] = d.mod_revision
+            if self._orphans.get(sid) != d.mod_revision:
+                continue
+            fresh = await self.directory.fresh(sid)
+            if fresh is None or fresh.node != self.name or fresh.mod_revision != d.mod_revision:
+                continue
+            if fresh.state == "creating":
+                await self.directory.remove(fresh)
+            else:
+                await self.directory.update(sid, lambda r: hand_on(r, self.name))
+            log.warning("record without a local sandbox handed on", extra={"sandbox_id": sid})
+        self._orphans = seen
+
+    # -- the directory moved a sandbox ------------------------------------------------------
+
+    def _changed(self, sid: str, rec: SandboxObject | None) -> None:
+        m = self.manager
+        if m is None or sid in self._discarding:
+            return
+        local = m.store.get(sid)
+        if local is None or local.state in GONE or local.state == State.CREATING:
+            return
+        if rec is None or rec.node != self.name:
+            if rec is None and local.state not in (State.FAILED,):
+                return  # our own delete in flight; the removal finishes locally
+            self._discarding.add(sid)
+            asyncio.get_running_loop().create_task(self._discard_task(sid))
+
+    async def _discard_task(self, sid: str) -> None:
+        try:
+            await self.discard_local(sid)
+        finally:
+            self._discarding.discard(sid)
+
+    async def discard_local(self, sid: str, why: str = "owned by another node") -> None:
+        """Forget a sandbox this node no longer owns: kill its VMM if any, drop its records
+        and local snapshot files. Never touches etcd or shared storage."""
+        m = self.manager
+        assert m is not None
+        async with m.registry.lock(sid):
+            rec = m.store.get(sid)
+            if rec is None:
+                return
+            if rec.state not in (State.SLEEPING, State.FAILED):
+                log.warning("stale VMM killed: its sandbox belongs elsewhere",
+                            extra={"sandbox_id": sid, "state": rec.state.value})
+            await m.launcher.stop(sid, rec.pid)
+            for snap in m.store.list(SnapshotRecord):
+                if snap.sandbox_id == sid and snap.kind == "sleep":
+                    m.removal.drop_snapshot(snap.id)
+            m.store.discard(sid, set(State))
+            for mach in m.store.list(MachineRecord):
+                if mach.sandbox_id == sid:
+                    m.store.remove(MachineRecord, mach.user_id)
+            self.set_epoch(sid, None)
+        log.info("local sandbox dropped", extra={"sandbox_id": sid, "reason": why})
+
+    # -- fencing and rejoining ------------------------------------------------------------
+
+    async def fence(self, why: str) -> None:
+        """Kill every VMM of this node at once (SIGKILL), then let the core notice."""
+        m = self.manager
+        assert m is not None
+        pids = {rt.vm.pid for sid in m.registry.ids() if (rt := m.registry.get(sid))}
+        pids |= {pid for pid, _ in vmm_processes(self.layout.sandboxes)}
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.error("fenced", extra={"node": self.name, "vmms": len(pids), "reason": why})
+
+    async def rejoin(self) -> None:
+        """Drop every local sandbox the directory no longer gives this node (its VMM too)."""
+        m = self.manager
+        assert m is not None
+        await self.directory.load()
+        for rec in m.store.in_states(LIVE | {State.FAILED}):
+            if rec.state == State.CREATING and m.registry.create_in_flight(rec.id):
+                continue
+            d = self.directory.sandboxes.get(rec.id)
+            if not self.owns(d):
+                await self.discard_local(rec.id, "stale after a rejoin")
+            else:
+                self.mark(rec.id)
+        if self.membership is not None:
+            try:
+                await self.membership.refresh_now()  # free slots as they are now
+            except EtcdUnavailable:
+                pass
+
+    # -- slots, adoption ----------------------------------------------------------------
+
+    async def claim_slot(self, sid: str) -> None:
+        """Before a wake: this node must own ``sid``; take a VM slot (compare-and-set)."""
+        for _ in range(4):
+            d = await self.directory.fresh(sid)
+            if d is None:
+                raise Conflict(f"sandbox {sid} is not in the cluster's directory", sandbox_id=sid)
+            if not self.owns(d):
+                raise Conflict(f"sandbox {sid} belongs to node {d.node}", sandbox_id=sid,
+                               node=d.node or "")
+            if d.slot is not None and self.directory.slots.get(self.name, {}).get(d.slot) == sid:
+                return
+
+            def mark(node: NodeInfo, k: int, d: SandboxObject = d) -> SandboxObject:
+                d.status.update(slot=k, state="waking")
+                return d
+
+            try:
+                await self.directory.claim(sid, [self.info()], mark, [], lambda n: [],
+                                           expect_revision=d.mod_revision)
+                return
+            except Conflict:
+                await asyncio.sleep(0.05)
+        raise Conflict(f"sandbox {sid}'s record keeps changing; retry", sandbox_id=sid)
+
+    async def release_slot(self, sid: str) -> None:
+        d = await self.directory.fresh(sid)
+        if d is None or d.node != self.name or d.slot is None:
+            return
+        slot = d.slot
+
+        def clear(r: SandboxObject) -> bool:
+            if r.node != self.name or r.slot != slot:
+                return False
+            r.status["slot"] = None
+            r.status["state"] = "sleeping"
+            return True
+
+        await self.directory.update(sid, clear, [op_delete(R.slot_key(self.name, slot))])
+
+    async def adopt(self, sid: str) -> bool:
+        """Take a sleeping sandbox whose owner is lost or drained, download its last
+        snapshot and recreate its local records, so the core can wake it here.
+
+        Returns False when another node took it first. Raises NotFound, Conflict
+        (not sleeping, no snapshot), StorageError, EtcdUnavailable.
+        """
+        self._adopting.add(sid)
+        try:
+            return await self._adopt(sid)
+        finally:
+            self._adopting.discard(sid)
+
+    async def _adopt(self, sid: str) -> bool:
+        m = self.manager
+        assert m is not None
+        d = await self.directory.fresh(sid)
+        if d is None:
+            raise NotFound(f"no sandbox {sid}", sandbox_id=sid)
+        local = m.store.get(sid)
+        if self.owns(d) and local is not None and local.state not in GONE:
+            return True
+        if d.state != "sleeping" or not d.snapshot:
+            raise Conflict(f"sandbox {sid} is {d.state} on a lost or drained node and has no "
+                           "snapshot to wake from", sandbox_id=sid, state=d.state)
+        prev = d.node
+
+        def take(r: SandboxObject) -> bool:
+            if r.state != "sleeping" or r.node != prev:
+                return False
+            r.status.update(nodeName=self.name, epoch=r.epoch + 1, slot=None, podIPs=[])
+            return True
+
+        new = await self.directory.update(sid, take)
+        if new is None:
+            return False
+        self.set_epoch(sid, new.epoch)
+        if local is not None:
+            await self.discard_local(sid, "replaced by an adoption")
+        snap = new.snapshot or {}
+        await self._fetch(snap["id"])
+        t = new.spec.get("template") or {}
+        now = time.time()
+        rec = SandboxRecord(
+            id=sid, state=State.SLEEPING, desired_state=State.RUNNING, image=t["image"],
+            image_digest=t.get("imageDigest", ""), engine=t.get("engine", m.engine.name),
+            accel=t.get("accel", m.engine.accel), vcpus=int(t["vcpus"]),
+            memory_mib=int(t["memoryMiB"]), disk_mib=int(t["diskMiB"]), pid=None,
+            created_at=new.created_at, updated_at=now,
+            last_active_at=float(t.get("lastActiveAt") or now),
+            expires_at=t.get("expiresAt"), desktop=t.get("desktop"), network=t.get("network"),
+            metadata_=dict(t.get("metadata") or {}), source=t.get("source"),
+            sleep_snapshot=snap["id"])
+        srec = SnapshotRecord(
+            id=snap["id"], sandbox_id=sid, kind="sleep", size_bytes=int(snap.get("sizeBytes", 0)),
+            created_at=float(snap.get("createdAt", now)), image=t["image"],
+            image_digest=t.get("imageDigest", ""), vcpus=rec.vcpus, memory_mib=rec.memory_mib,
+            disk_mib=rec.disk_mib, desktop=rec.desktop, network=rec.network)
+        m.store.add(rec, srec)
+        if new.user:
+            m.store.remove(MachineRecord, new.user)
+            mm = self.directory.machines.get(new.user) or {}
+            m.store.add(MachineRecord(
+                user_id=new.user, sandbox_id=sid,
+                idle_timeout_s=float(mm.get("idleTimeoutSeconds") or rec.idle_timeout_s
+                                     or self.settings.machine_idle_s),
+                created_at=float(mm.get("createdAt") or rec.created_at)))
+        log.info("sandbox adopted from the cluster", extra={
+            "sandbox_id": sid, "from_node": prev or "", "epoch": new.epoch,
+            "image": image_id(rec.image, rec.image_digest)})
+        return True
+
+    # -- shared snapshots ------------------------------------------------------------------
+
+    async def share_snapshot(self, rec: SandboxRecord, snap: SnapshotRecord) -> None:
+        """Upload a finished snapshot; a sleep snapshot becomes the record's last snapshot
+        (the one before is deleted), a user snapshot is listed for forks on any node."""
+        assert self.store is not None
+        started = time.monotonic()
+        size = await self.store.upload_dir(f"snapshots/{snap.id}",
+                                           self.layout.snapshot(snap.id), MANIFEST)
+        meta = {"id": snap.id, "sizeBytes": size, "createdAt": snap.created_at,
+                "kind": snap.kind, "node": self.name, "sandboxId": rec.id,
+                "image": snap.image, "imageDigest": snap.image_digest, "vcpus": snap.vcpus,
+                "memoryMiB": snap.memory_mib, "diskMiB": snap.disk_mib,
+                "desktop": snap.desktop, "network": snap.network,
+                "engine": rec.engine, "accel": rec.accel}
+        if snap.kind == "user":
+            await self.etcd.put(R.snapshot_key(snap.id), meta)
+        else:
+            old: dict[str, Any] = {}
+
+            def point(d: SandboxObject) -> bool:
+                if not self.owns(d):
+                    return False
+                old.update(d.snapshot or {})
+                d.status["snapshot"] = meta
+                return True
+
+            if await self.directory.update(rec.id, point) is None:
+                await self._drop_shared(snap.id)
+                raise Conflict(f"sandbox {rec.id} is no longer this node's", sandbox_id=rec.id)
+            if old.get("id") and old["id"] != snap.id:
+                await self._drop_shared(old["id"])
+        log.info("snapshot shared", extra={"snapshot_id": snap.id, "size_bytes": size,
+                                           "duration_s": round(time.monotonic() - started, 3)})
+
+    async def _drop_shared(self, snap_id: str) -> None:
+        assert self.store is not None
+        try:
+            await self.store.delete_prefix(f"snapshots/{snap_id}")
+        except HangarError as exc:
+            log.warning("shared snapshot not deleted", extra={"snapshot_id": snap_id,
+                                                              "error": exc.message})
+
+    async def _fetch(self, snap_id: str) -> int:
+        assert self.store is not None
+        dest = self.layout.snapshot(snap_id)
+        if SnapshotPaths(dest).manifest.exists():
+            return 0
+        started = time.monotonic()
+        size = await self.store.download_dir(f"snapshots/{snap_id}", dest, MANIFEST)
+        log.info("snapshot downloaded", extra={"snapshot_id": snap_id, "size_bytes": size,
+                                               "duration_s": round(time.monotonic() - started, 3)})
+        return size
+
+    async def fetch_user_snapshot(self, snap_id: str) -> None:
+        m = self.manager
+        assert m is not None
+        if m.store.find(SnapshotRecord, snap_id) is not None:
+            return
+        meta = self.directory.snapshots.get(snap_id)
+        if meta is None:
+            kv = await self.etcd.get(R.snapshot_key(snap_id))
+            if kv is None:
+                raise NotFound(f"no snapshot {snap_id}", snapshot_id=snap_id)
+            meta = kv.json()
+        await self._fetch(snap_id)
+        m.store.add(SnapshotRecord(
+            id=snap_id, sandbox_id=meta["sandboxId"], kind="user",
+            size_bytes=int(meta.get("sizeBytes", 0)), created_at=float(meta["createdAt"]),
+            image=meta["image"], image_digest=meta.get("imageDigest", ""),
+            vcpus=int(meta["vcpus"]), memory_mib=int(meta["memoryMiB"]),
+            disk_mib=int(meta["diskMiB"]), desktop=meta.get("desktop"),
+            network=meta.get("network")))

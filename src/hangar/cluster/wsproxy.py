@@ -1,0 +1,97 @@
+"""Relay one WebSocket to another node, frame by frame (the gateway's WebSocket half).
+
+The upgrade is first tried on the owner node with the client's headers
+(API key, Origin, Host, subprotocols); a refusal there (401, 404, 409,
+503...) is passed back to the client as the same HTTP answer before any
+upgrade (the ASGI WebSocket denial response), so a client sees exactly
+what the owner said. Once the owner accepts, the client's upgrade is
+accepted with the subprotocol the owner chose, and binary and text
+frames flow both ways until either side closes; the close code is passed
+on. PTY, VNC, tunnels and any WebSocket route added later go through
+this one path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+
+log = logging.getLogger("hangar.cluster.ws")
+
+SKIP = {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+        "sec-websocket-protocol", "origin", "host"}
+
+
+async def relay(scope: dict[str, Any], receive: Any, send: Any, url: str,
+                headers: list[tuple[str, str]]) -> None:
+    """Relay the client's WebSocket (``scope``) to ``url`` (``ws://node/path?query``)."""
+    msg = await receive()
+    if msg["type"] != "websocket.connect":
+        return
+    protocols = [p for p in scope.get("subprotocols") or []]
+    hdrs = {k: v for k, v in headers if k not in SKIP}
+    origin = next((v for k, v in headers if k == "origin"), None)
+    try:
+        upstream = await connect(url, additional_headers=hdrs, subprotocols=protocols or None,
+                                 origin=origin, open_timeout=10, max_size=None,
+                                 ping_interval=None, compression=None)  # type: ignore[arg-type]
+    except InvalidStatus as exc:
+        resp = exc.response
+        await send({"type": "websocket.http.response.start", "status": resp.status_code,
+                    "headers": [(k.lower().encode(), v.encode("latin-1"))
+                                for k, v in resp.headers.raw_items()
+                                if k.lower() in ("content-type", "retry-after")]})
+        await send({"type": "websocket.http.response.body", "body": resp.body or b""})
+        return
+    except (OSError, WebSocketException, asyncio.TimeoutError) as exc:
+        body = (b'{"error": {"code": "unavailable", "message": "the owner node did not '
+                b'answer; retry"}}')
+        log.warning("WebSocket relay could not connect", extra={"url": url.split("?")[0],
+                                                                "error": repr(exc)})
+        await send({"type": "websocket.http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"retry-after", b"2")]})
+        await send({"type": "websocket.http.response.body", "body": body})
+        return
+    await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+    close = {"code": 1000, "reason": ""}
+
+    async def client_to_node() -> None:
+        while True:
+            m = await receive()
+            if m["type"] == "websocket.disconnect":
+                close["code"] = m.get("code", 1000)
+                return
+            data = m.get("bytes")
+            await upstream.send(data if data is not None else m.get("text", ""))
+
+    async def node_to_client() -> None:
+        try:
+            async for frame in upstream:
+                if isinstance(frame, bytes):
+                    await send({"type": "websocket.send", "bytes": frame})
+                else:
+                    await send({"type": "websocket.send", "text": frame})
+        except ConnectionClosed:
+            pass
+        rcvd = upstream.close_code
+        if rcvd is not None:
+            close.update(code=rcvd, reason=upstream.close_reason or "")
+
+    tasks = [asyncio.create_task(client_to_node()), asyncio.create_task(node_to_client())]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if tasks[1] in done:
+            try:
+                await send({"type": "websocket.close", "code": close["code"] if close["code"]
+                            not in (1005, 1006) else 1000, "reason": close["reason"]})
+            except (RuntimeError, OSError):
+                pass
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await upstream.close()

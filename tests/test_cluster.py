@@ -1,0 +1,283 @@
+"""Many hosts, one Hangar: three nodes in network namespaces, etcd, S3 (tests/clusterlab.py).
+
+The tests run in order on one module-scoped cluster (each node has one VM
+slot; node 3 is restarted with two before the machine moves). Eight VM
+starts in all: five boots (three creates, one of twenty racing creates,
+one machine) and three restores (the machine's wakes on other nodes).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from clusterlab import Lab, can_run
+
+pytestmark = pytest.mark.skipif(can_run() is not None, reason=str(can_run()))
+
+USER = "cluster-user"
+
+
+@pytest.fixture(scope="module")
+def lab(base_image: Path) -> Iterator[Lab]:
+    lab = Lab(base_image)
+    lab.up(slots=1)
+    try:
+        yield lab
+    finally:
+        for n in lab.nodes:
+            n.stop()
+        leaked = lab.leaked()
+        lab.close()
+    assert not leaked, f"VMM processes outlived the cluster tests: {leaked}"
+
+
+def wait_for(what, timeout: float = 40, every: float = 0.3):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = what()
+        if last:
+            return last
+        time.sleep(every)
+    raise AssertionError(f"condition not met in {timeout} s (last: {last!r})")
+
+
+def exec_(c: httpx.Client, sid: str, cmd: str) -> dict:
+    r = c.post(f"/sandboxes/{sid}/exec", json={"command": cmd})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+state: dict[str, str] = {}
+
+
+def test_three_nodes_join_and_a_stopped_one_disappears(lab: Lab) -> None:
+    nodes = lab.node_ls()
+    assert {n: r["state"] for n, r in nodes.items()} == {"n1": "ready", "n2": "ready",
+                                                         "n3": "ready"}
+    assert all(r["capacity"] == 1 and r["address"] for r in nodes.values())
+    # A fourth node (in n1's namespace, another port) joins, then stops.
+    n1 = lab.nodes[0]
+    d = lab.root / "node4"
+    d.mkdir()
+    (d / "images").symlink_to(lab.base_image.parent)
+    import subprocess
+    import sys
+
+    env = {**lab.env, "HANGAR_DATA_DIR": str(d), "HANGAR_NETWORK": "off", "HANGAR_POOL_SIZE": "0"}
+    p = subprocess.Popen(["ip", "netns", "exec", n1.ns, sys.executable, "-m", "hangar.cli", "node",
+                          "join", "--etcd", lab.etcd_urls, "--advertise", f"{n1.ip}:8081",
+                          "--name", "n4", "--host", n1.ip, "--port", "8081"],
+                         env=env, stdout=open(d / "server.log", "ab"), stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    lab.extra.append(p)
+    wait_for(lambda: lab.node_ls().get("n4", {}).get("state") == "ready", 60)
+    p.send_signal(signal.SIGTERM)
+    p.wait(20)
+    stopped = time.monotonic()
+    assert lab.node_ls()["n4"]["state"] == "ready"  # its lease is still running
+    wait_for(lambda: "n4" not in lab.node_ls(), 15)
+    assert time.monotonic() - stopped <= 12  # gone once its 5 s lease ended
+
+
+def test_one_slot_per_node_three_creates_three_nodes_then_429_and_a_race(lab: Lab) -> None:
+    n1 = lab.nodes[0]
+    with n1.client() as c:
+        ids = []
+        for _ in range(3):
+            r = c.post("/sandboxes", json={})
+            assert r.status_code == 201, r.text
+            ids.append(r.json()["id"])
+        owners = {sid: lab.owner(sid) for sid in ids}
+        assert sorted(owners.values()) == ["n1", "n2", "n3"], owners
+        r = c.post("/sandboxes", json={})
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "limit_exceeded" and "retry-after" in r.headers
+        listed = {s["id"] for s in c.get("/sandboxes").json()["sandboxes"]}
+        assert set(ids) <= listed  # every node's sandboxes, listed through any node
+        by_node = {v: k for k, v in owners.items()}
+        assert c.delete(f"/sandboxes/{by_node['n1']}").status_code == 204
+        state.update(b=by_node["n2"], c=by_node["n3"])
+
+    # Twenty creates at once through the three nodes: one free slot, so exactly one wins.
+    def create(i: int) -> int:
+        with lab.nodes[i % 3].client() as cc:
+            return cc.post("/sandboxes", json={}).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        codes = list(pool.map(create, range(20)))
+    assert codes.count(201) == 1 and codes.count(429) == 19, codes
+    running = [n.vmm_ids() for n in lab.nodes]
+    assert sum(len(r) for r in running) == 3, running  # never over the cluster's cap
+    with n1.client() as c:
+        new = [s["id"] for s in c.get("/sandboxes").json()["sandboxes"]
+               if s["id"] not in (state["b"], state["c"])]
+        assert len(new) == 1 and lab.owner(new[0]) == "n1"
+        assert c.delete(f"/sandboxes/{new[0]}").status_code == 204
+        assert c.get(f"/sandboxes/{new[0]}").status_code == 404
+
+
+def test_calls_sent_to_node1_reach_a_sandbox_on_node3(lab: Lab) -> None:
+    sid = state["c"]
+    assert lab.owner(sid) == "n3"
+    with lab.nodes[0].client() as c:
+        assert exec_(c, sid, "hostname")["stdout"].strip() == sid
+        lines = []
+        with c.stream("POST", f"/sandboxes/{sid}/exec/stream",
+                      json={"command": "for i in 1 2 3; do echo $i; sleep 0.2; done"}) as r:
+            assert r.status_code == 200
+            lines = [ln for ln in r.iter_lines() if ln]
+        assert [ln for ln in lines if '"stdout"' in ln] and '"exit"' in lines[-1]
+        blob = bytes(range(256)) * 400
+        assert c.put(f"/sandboxes/{sid}/files", params={"path": "/root/blob"},
+                     content=blob).status_code == 200
+        assert c.get(f"/sandboxes/{sid}/files", params={"path": "/root/blob"}).content == blob
+        # A raw WebSocket tunnel to a TCP echo server in the guest (the VNC path's transport).
+        exec_(c, sid, "nohup python3 -c \"import socket\ns=socket.create_server(('127.0.0.1',7000))\n"
+                      "while True:\n c,_=s.accept(); d=c.recv(100); c.sendall(d[::-1]); c.close()\""
+                      " >/dev/null 2>&1 & sleep 1")
+        assert c.get("/sandboxes/sb-000000000000").status_code == 404
+    from websockets.sync.client import connect
+
+    url = lab.nodes[0].url.replace("http://", "ws://") + f"/sandboxes/{sid}/tunnel/7000"
+    with connect(url, additional_headers={"X-API-Key": lab.key}) as ws:
+        ws.send(b"hangar")
+        assert ws.recv(timeout=20) == b"ragnah"
+    with pytest.raises(Exception) as info:  # a refusal on node 3 comes back as its status
+        with connect(url.replace("/7000", "/7999"), additional_headers={"X-API-Key": lab.key}):
+            pass
+    assert "503" in str(info.value)
+    with pytest.raises(Exception) as info:
+        with connect(url, additional_headers={"X-API-Key": "wrong-key-" + "x" * 30}):
+            pass
+    assert "401" in str(info.value)
+
+
+def test_machine_sleeps_on_node1_and_wakes_elsewhere_with_file_and_process(lab: Lab) -> None:
+    n1, n2, n3 = lab.nodes
+    n3.stop()  # a rolling restart with two slots: its sandbox keeps running
+    n3.start(slots=2)
+    assert lab.owner(state["c"]) == "n3"
+    with n3.client() as c:
+        assert exec_(c, state["c"], "echo alive")["stdout"] == "alive\n"
+    with n1.client() as c:
+        r = c.post(f"/machines/{USER}", json={"idle_timeout": 3600})
+        assert r.status_code == 201, r.text
+        sid = state["m"] = r.json()["sandbox_id"]
+        assert lab.owner(sid) == "n1"
+        before = exec_(c, sid, "echo kept > /root/note; nohup sleep 100000 >/dev/null 2>&1 & "
+                               "echo $! > /root/pid; ip -4 -o addr show dev eth0")["stdout"]
+        assert "172.31.1." in before
+        r = c.post(f"/machines/{USER}/snapshot")
+        assert r.status_code == 200 and r.json()["state"] == "sleeping", r.text
+    assert lab.owner(sid) is None
+    lab.hangar("node", "drain", "n1")
+    wait_for(lambda: lab.node_ls()["n1"]["state"] == "draining")
+    with n2.client() as c:  # node 2 is full (its sandbox): the wake lands on node 3
+        out = exec_(c, sid, "cat /root/note; kill -0 $(cat /root/pid) && echo running; "
+                            "ip -4 -o addr show dev eth0")["stdout"]
+        assert out.startswith("kept\nrunning\n"), out
+        assert "172.31.3." in out, out  # re-addressed from node 3's pool
+        assert c.get(f"/machines/{USER}").json()["state"] == "active"
+    assert lab.owner(sid) == "n3"
+    lab.hangar("node", "undrain", "n1")
+
+
+def test_sigkill_of_node3_fails_its_sandboxes_and_puts_its_machines_to_sleep(lab: Lab) -> None:
+    n1, _, n3 = lab.nodes
+    sid, m = state["c"], state["m"]
+    n3.stop(signal.SIGKILL)  # the server only: its VMMs keep running, now without a node
+    with n1.client() as c:
+        wait_for(lambda: c.get(f"/sandboxes/{sid}").json().get("state") == "failed", 30)
+        assert "n3" in c.get(f"/sandboxes/{sid}").json()["error"]
+        wait_for(lambda: c.get(f"/machines/{USER}").json().get("state") == "sleeping", 10)
+        assert "n3" not in lab.node_ls() or lab.node_ls()["n3"]["state"] == "lost"
+    n3.start(slots=2)  # it rejoins: both VMMs have a stale epoch and are killed
+    wait_for(lambda: not n3.vmm_ids(), 20)
+    with n1.client() as c:
+        assert c.delete(f"/sandboxes/{sid}").status_code == 204
+        assert c.get(f"/sandboxes/{sid}").status_code == 404
+        assert c.get(f"/machines/{USER}").json()["state"] == "sleeping"
+    assert m not in n3.vmm_ids()
+
+
+def test_cut_node3_fences_itself_and_no_machine_runs_twice(lab: Lab) -> None:
+    n1, _, n3 = lab.nodes
+    sid = state["m"]
+    with n3.client() as c:  # wakes on node 3 (it receives the call and has room)
+        assert exec_(c, sid, "cat /root/note")["stdout"] == "kept\n"
+    assert lab.owner(sid) == "n3"
+    lab.cut(3)
+    try:
+        # Watch both sides at once: node 3 must stop the VM before the others hand it on.
+        fenced_at = handed_at = None
+        with n1.client(timeout=10) as c:
+            deadline = time.monotonic() + 40
+            while (fenced_at is None or handed_at is None) and time.monotonic() < deadline:
+                if fenced_at is None and sid not in n3.vmm_ids():
+                    fenced_at = time.monotonic()
+                if handed_at is None and c.get(f"/machines/{USER}").json().get("state") \
+                        == "sleeping":
+                    handed_at = time.monotonic()
+                time.sleep(0.1)
+            assert fenced_at is not None and handed_at is not None, (fenced_at, handed_at)
+            assert fenced_at < handed_at, "node 3 still ran the machine when it was handed on"
+            assert exec_(c, sid, "cat /root/note")["stdout"] == "kept\n"
+        assert lab.owner(sid) == "n1"
+    finally:
+        lab.heal(3)
+    wait_for(lambda: lab.node_ls().get("n3", {}).get("state") == "ready", 40)
+    time.sleep(2)
+    runs = [n.name for n in lab.nodes if sid in n.vmm_ids()]
+    assert runs == ["n1"], runs
+    with n3.client() as c:  # node 3 serves it again, forwarded to node 1
+        assert exec_(c, sid, "echo once")["stdout"] == "once\n"
+
+
+def test_etcd_one_member_down_works_two_down_writes_503_exec_still_answers(lab: Lab) -> None:
+    n1, n2, n3 = lab.nodes
+    sid = state["m"]
+    assert n3.etcd is not None and n2.etcd is not None
+    n3.etcd.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(3)
+        assert {r["state"] for r in lab.node_ls().values()} == {"ready"}
+        with n3.client(timeout=30) as c:
+            assert exec_(c, sid, "echo one-down")["stdout"] == "one-down\n"
+            r = c.post(f"/sandboxes/{sid}/timeout", json={"timeout": 7200})
+            assert r.status_code == 200, r.text
+        n2.etcd.send_signal(signal.SIGSTOP)
+        try:
+            with n1.client(timeout=30) as c:
+                wait_for(lambda: c.post(f"/sandboxes/{sid}/timeout",
+                                        json={"timeout": 3600}).status_code == 503, 15)
+                r = c.post("/sandboxes", json={})
+                assert r.status_code == 503 and "retry-after" in r.headers, r.text
+                assert r.json()["error"]["code"] in ("unavailable", "cluster_unavailable")
+                time.sleep(6)  # past a lease: nobody fences, the machine keeps running
+                assert exec_(c, sid, "echo no-quorum")["stdout"] == "no-quorum\n"
+            with n2.client(timeout=30) as c:
+                assert exec_(c, sid, "echo forwarded")["stdout"] == "forwarded\n"
+            assert lab.owner(sid) == "n1"
+        finally:
+            n2.etcd.send_signal(signal.SIGCONT)
+    finally:
+        n3.etcd.send_signal(signal.SIGCONT)
+    with n1.client(timeout=30) as c:
+        wait_for(lambda: c.post(f"/sandboxes/{sid}/timeout",
+                                json={"timeout": 3600}).status_code == 200, 30)
+        assert c.delete(f"/machines/{USER}").status_code == 204
+    for n in lab.nodes:  # every node takes control writes again once quorum is back
+        wait_for(lambda: httpx.get(n.url + "/cluster/health").json()["writable"], 30)
+    with lab.nodes[1].client() as c:
+        for s in c.get("/sandboxes").json()["sandboxes"]:
+            assert c.delete(f"/sandboxes/{s['id']}").status_code == 204
+        assert c.get("/sandboxes").json()["sandboxes"] == []
+    wait_for(lambda: not any(n.vmm_ids() for n in lab.nodes), 20)
