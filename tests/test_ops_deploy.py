@@ -70,7 +70,7 @@ def source_tree(dest: Path, version: str, broken: bool = False) -> Path:
     dest.mkdir(parents=True)
     for name in ("src", "scripts"):
         shutil.copytree(ROOT / name, dest / name, ignore=ignore)
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "requirements.lock"):
         shutil.copy(ROOT / name, dest / name)
     init = dest / "src/hangar/__init__.py"
     text = init.read_text()
