@@ -53,12 +53,12 @@ from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request, WebSocket
-from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, Field
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from hangar.api.deps import manager
 from hangar.api.desktop import desktop_for
+from hangar.api.errors import error_response
 from hangar.api.models import RequestBody
 from hangar.core.sandboxes import SandboxManager
 from hangar.engines.agent_client import Tunnel
@@ -291,11 +291,13 @@ def allowed_origins(ws: WebSocket) -> set[str]:
     return {o.lower() for o in own | extra if o}
 
 
-async def deny(ws: WebSocket, status: int, code: str, message: str) -> None:
-    """Refuse an upgrade with an HTTP status and Hangar's JSON error body."""
+async def deny(ws: WebSocket, status: int, code: str, message: str,
+               retry_after: Any = None) -> None:
+    """Refuse an upgrade with an HTTP status and Hangar's JSON error body (and
+    ``Retry-After`` when ``retry_after`` seconds are given)."""
     if "websocket.http.response" in ws.scope.get("extensions", {}):
-        await ws.send_denial_response(JSONResponse(
-            {"error": {"code": code, "message": message}}, status_code=status))
+        extra = {} if retry_after is None else {"retry_after": retry_after}
+        await ws.send_denial_response(error_response(status, code, message, **extra))
     else:  # the server cannot send a body: a close before accept is a 403
         await ws.close(code=1008, reason=message[:120])
 
@@ -330,7 +332,7 @@ async def vnc(ws: WebSocket, sandbox_id: str, ticket: str | None = None) -> None
             await deny(ws, 503, "unavailable", "the guest's VNC server is not listening; "
                                                "retry in a few seconds")
         else:
-            await deny(ws, e.status, e.code, e.message)
+            await deny(ws, e.status, e.code, e.message, e.context.get("retry_after"))
         return
     async with stack:
         subprotocol = "binary" if "binary" in ws.scope.get("subprotocols", []) else None

@@ -101,6 +101,7 @@ class SandboxManager:
         self.calls = GuestCalls(ctx, self.launcher, self.sleeper)
         self.reconciler = Reconciler(ctx, self.removal, self.sleeper, self.snapshots, self.pool,
                                      concurrency=settings.reconcile_concurrency)
+        self.reconciler.add_pass("unresponsive", self.calls.probe_unresponsive)
         self.recovery = Recovery(ctx, self.launcher, self.removal)
         metrics.watch_states(self.state_counts)
 
