@@ -387,3 +387,31 @@ def test_an_old_guest_is_detected_not_misread() -> None:
         b.close()
 
     asyncio.run(go())
+
+
+def test_a_guest_that_grants_window_but_reads_nothing_cannot_make_the_host_buffer() -> None:
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+
+        async def lie(sock: socket.socket, req: P.Frame) -> None:
+            grant = P.encode(P.Kind.WINDOW, req.channel, {"bytes": P.WINDOW})
+            while True:  # "send more", again and again, while never reading
+                await loop.sock_sendall(sock, grant)
+                await asyncio.sleep(0.001)
+
+        client, _ = await fake_guest(lie)
+        client.deadlines = Deadlines(stall_s=1.0)
+        pulled = 0
+
+        def upload() -> Any:
+            nonlocal pulled
+            for _ in range(1024):  # 64 MiB offered
+                pulled += 1 << 16
+                yield b"u" * (1 << 16)
+
+        with pytest.raises(Timeout):
+            await client.write_file("/x", upload())
+        assert pulled < 4 << 20, f"the host took {pulled >> 20} MiB from the client"
+        await client.close()
+
+    asyncio.run(go())

@@ -398,10 +398,12 @@ class AgentClient:
 
     def _write(self, kind: P.Kind, channel: int, meta: dict[str, Any] | None = None,
                data: bytes = b"") -> None:
-        """Queue one frame on the stream now. Raises GuestError when the connection is lost.
+        """Queue one control frame (REQUEST, WINDOW, CANCEL) on the stream now, without
+        waiting. Raises GuestError when the connection is lost.
 
-        Never waits: what the host queues per channel is bounded by the
-        guest's window (DATA, EOF) or is one small frame per call.
+        A frozen guest thus never blocks a call's clean-up. These frames are
+        small and one per call or per window the host's consumer took; DATA
+        and EOF go through ``_Channel.send_frame``, which waits.
         """
         self._write_frame(P.encode(kind, channel, meta, data))
 
@@ -410,6 +412,12 @@ class AgentClient:
             raise GuestError("agent connection lost")
         try:
             self._writer.write(frame)
+        except (ConnectionError, OSError, RuntimeError) as exc:
+            raise GuestError(f"agent connection lost: {exc}") from None
+
+    async def _drain(self) -> None:
+        try:
+            await self._writer.drain()
         except (ConnectionError, OSError, RuntimeError) as exc:
             raise GuestError(f"agent connection lost: {exc}") from None
 
@@ -455,9 +463,7 @@ class AgentClient:
         sent = 0
 
         async def piece(kind: P.Kind, data: bytes = b"") -> None:
-            frame = P.encode(kind, ch.cid, {"stream": stream}, data)
-            await ch.take(len(frame), stall_s)
-            self._write_frame(frame)
+            await ch.send_frame(P.encode(kind, ch.cid, {"stream": stream}, data), stall_s)
 
         if hasattr(chunks, "__aiter__"):
             async for chunk in chunks:  # type: ignore[union-attr]
@@ -732,17 +738,23 @@ class _Channel:
             self._stall_check()
         return frame
 
-    async def take(self, n: int, stall_s: float | None = None) -> None:
-        """Wait for ``n`` bytes of the guest's window; with ``stall_s``, at most that long."""
-        if stall_s is not None and self.outflow.available < n:
+    async def send_frame(self, frame: bytes, stall_s: float | None = None) -> None:
+        """Send a DATA or EOF frame once the guest's window has room for it, and wait
+        until the stream's buffer is below its high-water mark (so a guest that grants
+        window it does not read cannot make the host buffer without bound). With
+        ``stall_s``, the guest must make room within that many seconds. Raises the
+        channel's error once it has failed.
+        """
+        armed = stall_s is not None
+        if armed:
             self.expect(stall_s)
-            try:
-                await self.outflow.take(n)
-            finally:
-                if not self.ended:
-                    self.expect(None)
-        else:
-            await self.outflow.take(n)
+        try:
+            await self.outflow.take(len(frame))
+            self.client._write_frame(frame)
+            await self.client._drain()
+        finally:
+            if armed and not self.ended:
+                self.expect(None)
 
     def close(self) -> None:
         """The consumer is done: forget the channel; CANCEL it unless it ended."""
@@ -823,10 +835,8 @@ class Tunnel:
     async def write(self, data: bytes) -> None:
         """Send ``data`` to the guest's socket. Raises GuestError once the tunnel ended."""
         for i in range(0, len(data), P.CHUNK):
-            frame = P.encode(P.Kind.DATA, self._ch.cid, {"stream": "socket"},
-                             data[i:i + P.CHUNK])
-            await self._ch.take(len(frame))
-            self._client._write_frame(frame)
+            await self._ch.send_frame(P.encode(P.Kind.DATA, self._ch.cid, {"stream": "socket"},
+                                               data[i:i + P.CHUNK]))
 
     async def close(self) -> None:
         """Half-close towards the guest, then forget (and cancel) the channel."""

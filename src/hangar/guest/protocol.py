@@ -175,6 +175,7 @@ class Outflow:
     """
 
     def __init__(self, size: int = WINDOW) -> None:
+        self.size = size
         self.available = size
         self._changed = asyncio.Event()
         self._failed: BaseException | None = None
@@ -187,7 +188,9 @@ class Outflow:
         return self._waiters > 0
 
     def grant(self, n: int) -> None:
-        self.available += n
+        # A receiver grants back only what it took, so more than the whole window
+        # is a broken peer's lie: never believed.
+        self.available = min(self.available + n, self.size)
         self._changed.set()
 
     def fail(self, exc: BaseException | None) -> None:
