@@ -549,10 +549,10 @@ class AgentClient:
     async def read_file(self, path: str) -> AsyncIterator[bytes]:
         """Yield a guest file's bytes in chunks. Raises NotFound, InvalidRequest.
 
-        Whenever the guest has window to send, it must send within
-        ``deadlines.stall_s`` seconds (a transfer may take that long per
-        window of ``WINDOW`` bytes, plus whatever the caller takes), else
-        ``Timeout``. Closing the iterator early cancels the read.
+        Whenever the guest has window to send, it must send its next bytes
+        within ``deadlines.stall_s`` seconds (time spent waiting for the
+        caller does not count), else ``Timeout``. Closing the iterator early
+        cancels the read.
         """
         ch = self._open("read_file")
         try:

@@ -6,7 +6,8 @@ tests on a host, over a Unix socket (``--listen PATH``).
 
 Operations (``meta["op"]`` of a REQUEST frame):
 
-``hello``       agent version, protocol version, boot id, uptime (s)
+``hello``       agent version, protocol version, boot id, uptime (s), window,
+                requests in progress (this one included), fork generation
 ``exec``        run a command; see ``Agent.op_exec``
 ``read_file``   stream a file's bytes as DATA frames (stream ``file``)
 ``write_file``  receive DATA frames until EOF; write atomically (temp + rename)
@@ -25,6 +26,15 @@ Failures end the channel with an ERROR frame whose ``code`` is one of
 ``not_found``, ``is_directory``, ``not_directory``, ``exists``,
 ``not_empty``, ``permission_denied``, ``invalid``, ``io_error``,
 ``unsupported_version``, ``internal``.
+
+Flow control: stream bytes to the host (exec output, file reads, tunnel
+bytes) go out only while the host's window for the channel has room
+(``Channel.stream``), so a slow reader on the host blocks the writer
+here (an exec's pipe fills and the command waits); bytes from the host
+are acknowledged as they are taken (``Channel.get``). CANCEL cancels the
+request's task: an exec's process group is killed, a file or socket is
+closed. A host connection that ends cancels all of its requests
+(``Session.close``).
 
 The agent is one-per-guest and trusts its host: the guest, not the agent,
 is the security boundary. Orphaned processes are reaped by PID 1
