@@ -142,6 +142,40 @@ def test_slow_readers_keep_server_memory_flat(api: httpx.Client, sandbox: str, s
     assert run(api, sid, "head -c 3000000 /dev/zero | wc -c")["stdout"] == "3000000\n"
 
 
+def test_a_tunnel_carries_more_than_a_window_both_ways_intact(api: httpx.Client, sandbox: str,
+                                                             server: Server) -> None:
+    """The tools' local tunnel to a guest echo service: 3 MiB out and back, every byte."""
+    import asyncio
+
+    from hangar.tools.tunnel import LocalTunnel
+
+    run(api, sandbox, "setsid python3 -c 'import socket\n"
+                      "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+                      "s.bind((\"127.0.0.1\", 7071)); s.listen()\n"
+                      "c, _ = s.accept()\n"
+                      "while (d := c.recv(65536)): c.sendall(d)' echo-7071 >/dev/null 2>&1 &"
+                      " sleep 1")
+    blob = os.urandom(3 * MIB)
+
+    async def go() -> bytes:
+        async with LocalTunnel("ws" + server.url[4:], {"X-API-Key": server.key}, sandbox,
+                               7071) as tunnel:
+            reader, writer = await asyncio.open_connection("127.0.0.1", tunnel.port)
+
+            async def send() -> None:
+                for i in range(0, len(blob), 100_000):
+                    writer.write(blob[i:i + 100_000])
+                    await writer.drain()
+
+            sender = asyncio.create_task(send())
+            back = await asyncio.wait_for(reader.readexactly(len(blob)), 120)
+            await sender
+            writer.close()
+            return back
+
+    assert asyncio.run(go()) == blob
+
+
 def test_a_frozen_agent_makes_the_sandbox_unresponsive(api: httpx.Client,
                                                       fresh_sandbox: str) -> None:
     sid = fresh_sandbox
