@@ -415,3 +415,23 @@ def test_a_guest_that_grants_window_but_reads_nothing_cannot_make_the_host_buffe
         await client.close()
 
     asyncio.run(go())
+
+
+def test_an_exec_without_a_timeout_gets_the_documented_maximum() -> None:
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        asked: list[dict[str, Any]] = []
+
+        async def answer(sock: socket.socket, req: P.Frame) -> None:
+            asked.append(req.meta)
+            await loop.sock_sendall(sock, P.encode(P.Kind.RESPONSE, req.channel,
+                                                   {"exit_code": 0}))
+
+        client, _ = await fake_guest(answer)
+        await client.exec(exec_meta("true"))
+        await client.exec(exec_meta("true", timeout=7))
+        assert [m["timeout"] for m in asked] == [Deadlines().exec_max_s, 7]
+        assert Deadlines().exec_max_s == 86400
+        await client.close()
+
+    asyncio.run(go())
