@@ -515,7 +515,12 @@ class Agent:
         frames of stream ``stdin`` and an EOF follow; false means EOF at
         once), ``timeout`` (seconds; the whole process group is killed),
         ``stream`` (bool: send stdout/stderr as DATA frames), ``head`` and
-        ``tail`` (bytes kept of each stream when not streaming).
+        ``tail`` (bytes kept of each stream when not streaming). Streamed
+        output goes out as the host's window allows, so a slow reader makes
+        the command wait on its pipe; after the command exits its pipes are
+        drained for ``DRAIN_GRACE_S``, or while the host's window is full up
+        to the timeout (then the rest is dropped; the totals count what was
+        sent).
 
         Returns (as RESPONSE meta) ``exit_code`` (128+N when killed by signal N), ``signal``,
         ``timed_out``, ``duration_s``, and per stream ``stdout``/``stderr``
