@@ -197,13 +197,21 @@ def exec_meta(
     return meta
 
 
+def _int_or_none(value: Any) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise ValueError(f"not an integer: {value!r}")
+
+
 def _result(frame: P.Frame) -> ExecResult:
+    """The exec result in a RESPONSE; ValueError, TypeError or AttributeError when
+    the guest sent something else."""
     meta = frame.meta
     stdout, rest = StreamCapture.from_frame(meta.get("stdout", {}), memoryview(frame.data))
     stderr, _ = StreamCapture.from_frame(meta.get("stderr", {}), rest)
     return ExecResult(
-        exit_code=meta.get("exit_code"),
-        signal=meta.get("signal"),
+        exit_code=_int_or_none(meta.get("exit_code")),
+        signal=_int_or_none(meta.get("signal")),
         timed_out=bool(meta.get("timed_out")),
         duration_s=float(meta.get("duration_s", 0.0)),
         stdout=stdout,
@@ -526,9 +534,14 @@ class AgentClient:
             while True:
                 frame = await ch.get()
                 if frame.kind == P.Kind.DATA:
-                    yield ExecEvent(frame.meta.get("stream", "stdout"), frame.data)
+                    kind = "stderr" if frame.meta.get("stream") == "stderr" else "stdout"
+                    yield ExecEvent(kind, frame.data)
                 elif frame.kind == P.Kind.RESPONSE:
-                    yield ExecEvent("exit", result=_result(frame))
+                    try:
+                        result = _result(frame)
+                    except (TypeError, ValueError, AttributeError):
+                        raise GuestError("the guest agent sent a malformed exec result") from None
+                    yield ExecEvent("exit", result=result)
                     return
                 elif frame.kind == P.Kind.ERROR:
                     self._raise(frame)
