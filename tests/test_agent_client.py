@@ -9,16 +9,25 @@ refusals are tested once, without a VM.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import shutil
+import signal
 import socket
+import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from hangar.engines.agent_client import AgentChannel, AgentClient, Streams, unix_channel
+from conftest import SRC
+from hangar.engines.agent_client import (
+    AgentChannel, AgentClient, Deadlines, Streams, exec_meta, unix_channel,
+)
 from hangar.errors import GuestError, Timeout
 from hangar.guest import protocol as P
 from hangar.guest.agent import Agent, serve_unix
@@ -139,5 +148,290 @@ def test_refuses_another_protocol_version_and_a_dead_vmm() -> None:
         with pytest.raises(Timeout) as e:
             await AgentClient.handshake(AgentChannel(never), 0.3)
         assert "no socket yet" in e.value.context["last_error"]
+
+    asyncio.run(go())
+
+
+# -- flow control, cancellation and deadlines (protocol version 2) -----------------------------
+
+
+@asynccontextmanager
+async def agent_process() -> AsyncIterator[tuple[AgentClient, int]]:
+    """A real agent in a process of its own (so it can be frozen), and a client to it."""
+    d = Path(tempfile.mkdtemp(prefix="hac-", dir="/tmp"))
+    path = d / "agent.sock"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hangar.guest.agent", "--listen", str(path),
+        stderr=asyncio.subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(SRC)})
+    try:
+        client = await AgentClient.handshake(unix_channel(path), 20)
+        try:
+            yield client, proc.pid
+        finally:
+            await client.close()
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        await proc.wait()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+async def requests_settle(client: AgentClient, expect: int = 1, within: float = 5.0) -> int:
+    """The agent's count of requests in progress (``hello`` itself is one), once it
+    falls to ``expect`` or ``within`` seconds have passed."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within
+    while True:
+        n = (await client.call("hello"))["requests"]
+        if n <= expect or loop.time() > end:
+            return n
+        await asyncio.sleep(0.1)
+
+
+def host_pids(marker: str) -> list[int]:
+    """Pids of processes whose command line holds ``marker``."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and marker.encode() in (p / "cmdline").read_bytes():
+                pids.append(int(p.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_a_slow_consumer_holds_back_its_guest_writer_only() -> None:
+    """At most WINDOW bytes of a fast writer wait in the host; other calls go on meanwhile;
+    what arrives is every byte, in order."""
+    async def go() -> None:
+        async with agent_socket() as path:
+            client = await AgentClient.handshake(unix_channel(path), 10)
+            expect = "".join(f"{i}\n" for i in range(1, 1_500_001)).encode()  # 10.9 MB
+            events = client.exec_stream(exec_meta("seq 1 1500000", stream=True, timeout=60))
+            got = 0
+            out = bytearray()
+            most = 0
+            async for ev in events:
+                if ev.kind == "exit":
+                    assert ev.result is not None and ev.result.exit_code == 0
+                    break
+                out += ev.data
+                got += len(ev.data)
+                most = max(most, sum(ch.buffered for ch in client._channels.values()))
+                if got < 4 << 20:
+                    await asyncio.sleep(0.005)  # a slow reader for the first 4 MiB
+                    if got < 1 << 20:
+                        # Another call on the same stream is not held up by this one.
+                        assert (await asyncio.wait_for(client.call("stat", path="/"), 5))["type"] == "dir"
+            assert out == expect
+            assert 0 < most <= P.WINDOW
+            await client.close()
+
+    asyncio.run(go())
+
+
+def test_a_consumer_that_leaves_cancels_the_call_in_the_guest() -> None:
+    async def go() -> None:
+        async with agent_process() as (client, _):
+            marker = f"hangar-test-{os.getpid()}-{time.monotonic_ns()}"
+            events = client.exec_stream(exec_meta(f"echo started; sleep 300; : {marker}",
+                                                  stream=True, timeout=600))
+            first = await anext(events)
+            assert first.data == b"started\n"
+            assert host_pids(marker)
+            await events.aclose()
+            assert await requests_settle(client) == 1
+            assert not host_pids(marker), "the command outlived its cancelled call"
+            chunks = client.read_file("/dev/zero")  # never ends by itself
+            assert len(await anext(chunks)) > 0
+            await chunks.aclose()
+            assert await requests_settle(client) == 1
+            tunnel_server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+            port = tunnel_server.sockets[0].getsockname()[1]
+            t = await client.open_tunnel(port)
+            await t.close()
+            assert await requests_settle(client) == 1
+            tunnel_server.close()
+
+    asyncio.run(go())
+
+
+def test_a_frozen_agent_fails_each_call_at_its_deadline() -> None:
+    async def go() -> None:
+        async with agent_process() as (client, pid):
+            client.deadlines = Deadlines(control_s=1.0, exec_grace_s=1.0, stall_s=1.0)
+            unanswered: list[str] = []
+            client.on_unanswered = lambda op, s: unanswered.append(op)
+            loop = asyncio.get_running_loop()
+            os.kill(pid, signal.SIGSTOP)
+            t = loop.time()
+            with pytest.raises(Timeout, match="did not answer exec within 3 s"):
+                await client.exec(exec_meta("true", timeout=2))
+            assert 2.9 < loop.time() - t < 5
+            with pytest.raises(Timeout):
+                await client.call("stat", path="/")
+            with pytest.raises(Timeout):
+                async for _ in client.read_file("/etc/hostname"):
+                    pass
+            with pytest.raises(Timeout):
+                await client.write_file("/tmp/never", [b"x" * (3 << 20)])
+            with pytest.raises(Timeout):
+                await client.open_tunnel(1)
+            assert unanswered == ["exec", "stat", "read_file", "write_file", "connect"]
+            os.kill(pid, signal.SIGCONT)
+            # The guest catches up on what it missed, cancels it, and answers again.
+            assert (await client.call("hello", deadline_s=10))["protocol"] == P.VERSION
+            assert await requests_settle(client) == 1
+            r = await client.exec(exec_meta("echo back", timeout=10))
+            assert r.stdout.head == b"back\n"
+
+    asyncio.run(go())
+
+
+async def fake_guest(on_request: Any) -> tuple[AgentClient, list[P.Frame]]:
+    """A client talking to a hand-written guest: ``on_request(sock, frame)`` answers; the
+    list holds every frame the host sent."""
+    a, b = socket.socketpair()
+    b.sendall(P.encode(P.Kind.HELLO, 0, {"protocol": P.VERSION, "boot_id": "fake"}))
+    r, w = await asyncio.open_connection(sock=a)
+    client = await AgentClient.from_streams(r, w, 5)
+    b.setblocking(False)
+    loop = asyncio.get_running_loop()
+    seen: list[P.Frame] = []
+
+    async def serve() -> None:
+        decoder = P.Decoder()
+        while True:
+            data = await loop.sock_recv(b, 65536)
+            if not data:
+                return
+            for frame in decoder.feed(data):
+                seen.append(frame)
+                if frame.kind == P.Kind.REQUEST:
+                    await on_request(b, frame)
+
+    task = asyncio.create_task(serve())
+    client._pump.add_done_callback(lambda _: (task.cancel(), b.close()))
+    return client, seen
+
+
+def test_a_guest_that_breaks_flow_control_loses_the_call_and_holds_nothing() -> None:
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+
+        async def flood(sock: socket.socket, req: P.Frame) -> None:
+            if req.meta.get("op") == "hello":
+                await loop.sock_sendall(sock, P.encode(P.Kind.RESPONSE, req.channel, {"ok": 1}))
+                return
+            junk = P.encode(P.Kind.DATA, req.channel + 1000, {"stream": "stdout"},
+                            b"u" * P.CHUNK)
+            for _ in range(64):  # frames on a channel nobody opened: dropped
+                await loop.sock_sendall(sock, junk)
+            frame = P.encode(P.Kind.DATA, req.channel, {"stream": "stdout"}, b"x" * P.CHUNK)
+            for _ in range(2 * P.WINDOW // len(frame)):  # twice the window, never granted
+                await loop.sock_sendall(sock, frame)
+
+        client, seen = await fake_guest(flood)
+        events = client.exec_stream(exec_meta("x", stream=True, timeout=5))
+        assert (await anext(events)).data == b"x" * P.CHUNK
+        for _ in range(100):  # a consumer that takes no more while the guest floods
+            if not client._channels:
+                break
+            await asyncio.sleep(0.05)
+        assert client._channels == {}, "nothing of the call is kept"
+        with pytest.raises(GuestError, match="flow-control window"):
+            await anext(events)
+        # The host told the guest to CANCEL, and the connection still serves calls.
+        assert (await client.call("hello", deadline_s=5)) == {"ok": 1}
+        assert [f.channel for f in seen if f.kind == P.Kind.CANCEL] == [1]
+        assert not client.closed
+        await client.close()
+
+    asyncio.run(go())
+
+
+def test_an_old_guest_is_detected_not_misread() -> None:
+    """A version-1 agent (e.g. in a snapshot taken before version 2) is refused at once,
+    whether it greets or only answers the probe of a restored session."""
+    async def go() -> None:
+        a, b = socket.socketpair()
+        r, w = await asyncio.open_connection(sock=a)
+        given = [(r, w)]
+
+        async def once() -> Streams:
+            return given.pop()
+
+        def old_answer(frame: P.Frame) -> bytes:
+            meta = json.dumps({"code": "unsupported_version",
+                               "message": f"agent speaks protocol 1, got {frame.version}"}).encode()
+            return P.HEADER.pack(P.MAGIC, 1, P.Kind.ERROR, frame.channel, len(meta), 0) + meta
+
+        async def old_agent() -> None:
+            loop = asyncio.get_running_loop()
+            b.setblocking(False)
+            decoder = P.Decoder()
+            while True:
+                data = await loop.sock_recv(b, 65536)
+                if not data:
+                    return
+                for frame in decoder.feed(data):
+                    await loop.sock_sendall(b, old_answer(frame))
+
+        task = asyncio.create_task(old_agent())
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        with pytest.raises(GuestError, match="another protocol version"):
+            await AgentClient.handshake(AgentChannel(once, probe_interval=0.2), 10)
+        assert loop.time() - t < 2
+        task.cancel()
+        b.close()
+
+    asyncio.run(go())
+
+
+def test_a_guest_that_grants_window_but_reads_nothing_cannot_make_the_host_buffer() -> None:
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+
+        async def lie(sock: socket.socket, req: P.Frame) -> None:
+            grant = P.encode(P.Kind.WINDOW, req.channel, {"bytes": P.WINDOW})
+            while True:  # "send more", again and again, while never reading
+                await loop.sock_sendall(sock, grant)
+                await asyncio.sleep(0.001)
+
+        client, _ = await fake_guest(lie)
+        client.deadlines = Deadlines(stall_s=1.0)
+        pulled = 0
+
+        def upload() -> Any:
+            nonlocal pulled
+            for _ in range(1024):  # 64 MiB offered
+                pulled += 1 << 16
+                yield b"u" * (1 << 16)
+
+        with pytest.raises(Timeout):
+            await client.write_file("/x", upload())
+        assert pulled < 4 << 20, f"the host took {pulled >> 20} MiB from the client"
+        await client.close()
+
+    asyncio.run(go())
+
+
+def test_an_exec_without_a_timeout_gets_the_documented_maximum() -> None:
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        asked: list[dict[str, Any]] = []
+
+        async def answer(sock: socket.socket, req: P.Frame) -> None:
+            asked.append(req.meta)
+            await loop.sock_sendall(sock, P.encode(P.Kind.RESPONSE, req.channel,
+                                                   {"exit_code": 0}))
+
+        client, _ = await fake_guest(answer)
+        await client.exec(exec_meta("true"))
+        await client.exec(exec_meta("true", timeout=7))
+        assert [m["timeout"] for m in asked] == [Deadlines().exec_max_s, 7]
+        assert Deadlines().exec_max_s == 86400
+        await client.close()
 
     asyncio.run(go())

@@ -14,6 +14,8 @@ import pytest
 
 from conftest import SRC, Server, cleanup, free_port, make_data_dir, vmm_pids
 
+from hangar.client import Hangar
+
 pytestmark = pytest.mark.vm
 
 
@@ -75,8 +77,17 @@ def test_bad_user_id(api: httpx.Client) -> None:
     assert api.post("/machines/nobody/wake").status_code == 404
 
 
+def identity(api: httpx.Client, sid: str) -> tuple[str, str, int]:
+    """(hostname, /etc/machine-id, fork generation) as the guest sees them."""
+    out = run(api, sid, "hostname; cat /etc/machine-id /run/hangar/fork-generation")["stdout"]
+    host, machine_id, generation = out.split()
+    return host, machine_id, int(generation)
+
+
 def test_snapshot_restore_fork_and_clock(api: httpx.Client, fresh_sandbox: str) -> None:
     sid = fresh_sandbox
+    host, source_id, generation = identity(api, sid)
+    assert (host, generation) == (sid, 0) and len(source_id) == 32
     run(api, sid, "echo before > /root/state; sleep 900 & echo $! > /root/pid")
     # Move the guest's clock 120 s back: after a restore it must be right at once.
     run(api, sid, "date -s @$(( $(date +%s) - 120 ))")
@@ -92,6 +103,9 @@ def test_snapshot_restore_fork_and_clock(api: httpx.Client, fresh_sandbox: str) 
     guest_now, state, alive = out["stdout"].split()
     assert abs(int(guest_now) - time.time()) <= 2
     assert (state, alive) == ("before", "alive")
+    # A restored copy is a machine of its own: same name, new machine-id, a generation.
+    host, restored_id, restored_gen = identity(api, sid)
+    assert host == sid and restored_id != source_id and restored_gen > 0
     forks = []
     try:
         for _ in range(2):
@@ -107,6 +121,19 @@ def test_snapshot_restore_fork_and_clock(api: httpx.Client, fresh_sandbox: str) 
         # Clones reseed: their random streams differ.
         draws = {run(api, fid, "head -c 16 /dev/urandom | od -An -tx1")["stdout"] for fid in forks}
         assert len(draws) == 2
+        # Forks are distinct machines: hostname (their id), machine-id, fork generation.
+        ids = [identity(api, fid) for fid in forks]
+        assert [i[0] for i in ids] == forks
+        assert len({i[1] for i in ids} | {source_id, restored_id}) == 4
+        assert len({i[2] for i in ids} | {restored_gen}) == 3
+        assert all(i[2] > restored_gen for i in ids), "generations only grow"
+        # ... and each fork's generation is published with its snapshot.forked event.
+        with Hangar(str(api.base_url), api.headers["X-API-Key"]) as h:
+            for fid, (_, _, gen) in zip(forks, ids):
+                stream = h.events(kinds=["snapshot.forked"], sandbox_id=fid,
+                                  last_event_id="0:0")  # another stream's id: the whole ring
+                assert next(stream).data == {"snapshot_id": snap["id"], "generation": gen}
+                stream.close()
     finally:
         for fid in forks:
             api.delete(f"/sandboxes/{fid}")
@@ -133,6 +160,7 @@ def test_snapshot_during_a_command_is_a_retryable_409(api: httpx.Client, fresh_s
     t.join()
     assert r.status_code == 409, r.text
     assert r.json()["error"]["code"] == "busy"
+    assert int(r.headers["Retry-After"]) >= 1
     r = api.post(f"/sandboxes/{sid}/snapshot")
     assert r.status_code == 201, r.text
     snap = r.json()["id"]

@@ -123,6 +123,7 @@ def serve(
 
     from hangar import log
     from hangar.api.app import create_app
+    from hangar.api.limits import WS_MAX_BYTES
     from hangar.layout import Layout
 
     log.setup(settings.log_level)
@@ -156,7 +157,8 @@ def serve(
                 api.state.events.close()
             super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
-    Server(uvicorn.Config(api, log_config=None, access_log=False, **where_kw)).run()  # type: ignore[arg-type]
+    Server(uvicorn.Config(api, log_config=None, access_log=False, ws_max_size=WS_MAX_BYTES,
+                          **where_kw)).run()  # type: ignore[arg-type]
 
 
 @image_app.command("build")

@@ -12,11 +12,12 @@ the client SDK (``hangar.client``)::
     ├── NotFound                404  no such sandbox, file or image
     ├── Gone                    410  the sandbox existed but expired
     ├── Conflict                409  the object's state forbids the call now
-    │   ├── Busy                409  retryable: try again shortly
+    │   ├── Busy                409  retryable after ``retry_after`` seconds
     │   └── ImageMissing        409  the image build a sandbox or snapshot pins is gone
     ├── TooLarge                413  the request body is over the server's limit
     ├── LimitExceeded           429  retryable after ``retry_after`` seconds
-    ├── Timeout                 504  the guest did not answer in time
+    ├── Timeout                 504  the guest did not answer in time (it is marked
+    │                                ``unresponsive``); retryable
     │   └── RequestTimeout           client side: no answer within the call's timeout
     ├── GuestError              502  the guest agent reported a failure
     ├── EngineError             500  the VMM failed (boot, QMP, process died)
@@ -96,7 +97,14 @@ class Conflict(HangarError):
 
 
 class Busy(Conflict):
+    """Retryable: the object is between states or has a call in flight. The REST
+    answer carries ``Retry-After`` (``retry_after`` seconds)."""
+
     code, retryable = "busy", True
+
+    def __init__(self, message: str, retry_after: float = 1.0, **context: Any) -> None:
+        super().__init__(message, retry_after=retry_after, **context)
+        self.retry_after = retry_after
 
 
 class ImageMissing(Conflict):

@@ -69,6 +69,9 @@ class Metrics:
                                    registry=r)
         self.pool_refills = Counter("hangar_pool_refills_total",
                                     "Warm-pool VMs booted and made ready", registry=r)
+        self.unresponsive = Counter("hangar_guest_unresponsive_total",
+                                    "Sandboxes marked unresponsive: a guest call's deadline "
+                                    "passed unanswered", registry=r)
         self.engine = Info("hangar_engine", "VMM engine in use", registry=r)
 
     def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:

@@ -216,7 +216,10 @@ class ExecRequest(RequestBody):
     stdin: str | None = Field(None, description="Text fed to stdin; none means EOF at once.")
     stdin_b64: str | None = Field(None, description="Bytes fed to stdin, base64.")
     timeout: float | None = Field(60.0, gt=0, le=86400,
-                                  description="Seconds; the whole process group is killed then.")
+                                  description="Seconds; the whole process group is killed then. "
+                                              "null means the maximum, 86400 (24 h). The call "
+                                              "fails with 504 when the guest has not answered "
+                                              "10 s after it.")
     max_output: int = Field(1 << 20, ge=0, le=3 << 19,
                             description="Bytes kept from the start of each stream; the last "
                                         "max_output/4 bytes are kept as the tail.")
@@ -301,10 +304,13 @@ class ExecStreamEvent(Model):
 
     ``type`` is ``stdout`` or ``stderr`` (with ``data``, or ``data_b64``
     when the bytes are not UTF-8), then one ``exit`` with ``exit_code``,
-    ``signal``, ``timed_out``, ``duration_s`` and the byte totals.
+    ``signal``, ``timed_out``, ``duration_s`` and the byte totals; or, when
+    the call fails after the stream began (the guest stopped answering:
+    ``timeout``; its connection was lost: ``guest_error``), one ``error``
+    line with ``code`` and ``message``, and nothing after it.
     """
 
-    type: Literal["stdout", "stderr", "exit"]
+    type: Literal["stdout", "stderr", "exit", "error"]
     data: str | None = None
     data_b64: str | None = None
     exit_code: int | None = None
@@ -313,6 +319,8 @@ class ExecStreamEvent(Model):
     duration_s: float | None = None
     stdout_bytes: int | None = None
     stderr_bytes: int | None = None
+    code: str | None = None
+    message: str | None = None
 
     @property
     def payload(self) -> bytes:

@@ -1,7 +1,7 @@
 """Maps ``hangar.errors`` and validation failures to JSON error responses.
 
-Body: ``{"error": {"code": ..., "message": ..., <context>}}``; 429 carries
-``Retry-After``. Unexpected exceptions become a 500 with a generic message
+Body: ``{"error": {"code": ..., "message": ..., <context>}}``; 429, a
+``busy`` 409, and a 504 for an ``unresponsive`` sandbox carry ``Retry-After``. Unexpected exceptions become a 500 with a generic message
 and are logged, never echoed.
 """
 
@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from hangar.api.limits import BodyTooLarge
-from hangar.errors import HangarError, LimitExceeded
+from hangar.errors import Busy, HangarError, LimitExceeded
 
 log = logging.getLogger("hangar.api")
 
@@ -33,7 +33,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HangarError)
     async def _hangar(request: Request, exc: HangarError) -> JSONResponse:
         ctx = {k: v for k, v in exc.context.items() if isinstance(v, (str, int, float, bool))}
-        if isinstance(exc, LimitExceeded):
+        if isinstance(exc, (LimitExceeded, Busy)):
             ctx["retry_after"] = exc.retry_after
         if exc.status >= 500:
             log.error("request failed", extra={"path": request.url.path, "error": exc.message})

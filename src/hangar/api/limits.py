@@ -22,6 +22,12 @@ from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
+WS_MAX_BYTES = 4 << 20
+"""Largest WebSocket message a client may send (the tunnel, VNC), bytes. uvicorn takes one
+message at a time from a connection, so this bounds what one client makes the server hold
+(uvicorn's own default is 16 MiB). ``hangar serve`` passes it as ``ws_max_size``."""
+
+
 class BodyTooLarge(HTTPException):
     """413: the request body is larger than ``limit`` bytes."""
 

@@ -20,7 +20,7 @@ from hangar.core.admission import CreateOptions
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import SandboxRecord
 from hangar.engines.agent_client import ExecResult, StreamCapture, exec_meta
-from hangar.errors import InvalidRequest
+from hangar.errors import HangarError, InvalidRequest
 from hangar.images import image_id
 
 router = APIRouter(prefix="/sandboxes", tags=["sandboxes"])
@@ -134,7 +134,9 @@ async def exec_(sandbox_id: str, body: ExecRequest, m: Manager) -> ExecResponse:
     responses={200: {"content": {"application/x-ndjson": {}}, "description": (
         "One JSON object a line: {\"type\": \"stdout\"|\"stderr\", \"data\": text} "
         "(or \"data_b64\" when the bytes are not UTF-8), then "
-        "{\"type\": \"exit\", \"exit_code\", \"signal\", \"timed_out\", \"duration_s\"}."
+        "{\"type\": \"exit\", \"exit_code\", \"signal\", \"timed_out\", \"duration_s\"}; "
+        "or, when the call fails midway, {\"type\": \"error\", \"code\", \"message\"}. "
+        "Output is produced as fast as the client reads it (flow control)."
     )}},
 )
 async def exec_stream(sandbox_id: str, body: ExecRequest, m: Manager) -> StreamingResponse:
@@ -166,7 +168,12 @@ async def exec_stream(sandbox_id: str, body: ExecRequest, m: Manager) -> Streami
                     line = {"type": ev.kind, "data_b64": base64.b64encode(ev.data).decode()}
                 if line.get("data") != "":
                     yield (json.dumps(line) + "\n").encode()
-                ev = await anext(events)
+                try:
+                    ev = await anext(events)
+                except HangarError as e:  # the guest stopped answering, or went away
+                    yield (json.dumps({"type": "error", "code": e.code,
+                                       "message": e.message}) + "\n").encode()
+                    return
         finally:
             await events.aclose()
 

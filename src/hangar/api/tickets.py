@@ -27,9 +27,11 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, WebSocket
-from fastapi.responses import JSONResponse
+
+from hangar.api.errors import error_response
 
 TICKET_TTL_S = 30.0
 """Seconds a ticket stays valid."""
@@ -94,11 +96,13 @@ def allowed_origins(ws: WebSocket) -> set[str]:
     return {o.lower() for o in own | extra if o}
 
 
-async def deny(ws: WebSocket, status: int, code: str, message: str) -> None:
-    """Refuse an upgrade with an HTTP status and Hangar's JSON error body."""
+async def deny(ws: WebSocket, status: int, code: str, message: str,
+               retry_after: Any = None) -> None:
+    """Refuse an upgrade with an HTTP status and Hangar's JSON error body (and
+    ``Retry-After`` when ``retry_after`` seconds are given)."""
     if "websocket.http.response" in ws.scope.get("extensions", {}):
-        await ws.send_denial_response(JSONResponse(
-            {"error": {"code": code, "message": message}}, status_code=status))
+        extra = {} if retry_after is None else {"retry_after": retry_after}
+        await ws.send_denial_response(error_response(status, code, message, **extra))
     else:  # the server cannot send a body: a close before accept is a 403
         await ws.close(code=1008, reason=message[:120])
 

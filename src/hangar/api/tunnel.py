@@ -69,7 +69,7 @@ async def tunnel(ws: WebSocket, sandbox_id: str, port: int) -> None:
             await deny(ws, 503, "unavailable", f"nothing listens on port {port} in sandbox "
                                                f"{sandbox_id}; retry when it does")
         else:
-            await deny(ws, e.status, e.code, e.message)
+            await deny(ws, e.status, e.code, e.message, e.context.get("retry_after"))
         return
     async with stack:
         try:

@@ -42,6 +42,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from hangar.api.deps import manager
 from hangar.api.desktop import desktop_for
+from hangar.api.errors import error_response
 from hangar.api.models import RequestBody
 from hangar.api.tickets import (  # noqa: F401  (re-exported: vnc.TicketBook, vnc.deny)
     ORIGINS_ENV, TICKET_TTL_S, Ticket, TicketBook, admit, allowed_origins, deny, tickets,
@@ -235,7 +236,7 @@ async def vnc(ws: WebSocket, sandbox_id: str, ticket: str | None = None) -> None
             await deny(ws, 503, "unavailable", "the guest's VNC server is not listening; "
                                                "retry in a few seconds")
         else:
-            await deny(ws, e.status, e.code, e.message)
+            await deny(ws, e.status, e.code, e.message, e.context.get("retry_after"))
         return
     async with stack:
         subprotocol = "binary" if "binary" in ws.scope.get("subprotocols", []) else None

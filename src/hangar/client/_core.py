@@ -20,7 +20,9 @@ from typing import Any
 import httpx
 
 from hangar import __version__
-from hangar.errors import BY_CODE, HangarError, LimitExceeded, RequestTimeout, Unavailable
+from hangar.errors import (
+    BY_CODE, Busy, HangarError, LimitExceeded, RequestTimeout, Unavailable,
+)
 from hangar.layout import Layout
 
 log = logging.getLogger("hangar.client")
@@ -158,6 +160,8 @@ def error_for(resp: httpx.Response) -> HangarError:
     context = {k: v for k, v in err.items() if k not in ("code", "message", "retry_after")}
     if resp.status_code == 429:
         return LimitExceeded(message, retry_after=retry_after(resp), **context)
+    if resp.status_code == 409 and code == Busy.code:
+        return Busy(message, retry_after=retry_after(resp), **context)
     cls = BY_CODE.get(code)
     if cls is None or cls.status != resp.status_code:
         cls = next((c for c in BY_CODE.values() if c.status == resp.status_code), HangarError)
@@ -167,6 +171,15 @@ def error_for(resp: httpx.Response) -> HangarError:
         exc = cls(message)
     exc.status = resp.status_code
     return exc
+
+
+def stream_error(code: str | None, message: str | None) -> HangarError:
+    """The error an ``error`` line of an exec stream stands for."""
+    cls = BY_CODE.get(code or "", HangarError)
+    try:
+        return cls(message or "the call failed midway")
+    except TypeError:
+        return HangarError(message or "the call failed midway")
 
 
 def retry_after(resp: httpx.Response) -> float:

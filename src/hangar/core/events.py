@@ -9,12 +9,14 @@ Kinds (``data`` fields in brackets)::
 
     sandbox.created   [image, source: cold|pool|fork, duration_s]
     sandbox.deleted   sandbox.expired   sandbox.crashed [error]
+    sandbox.unresponsive [error]    sandbox.responsive
     exec.started      [exec_id, command only when the caller opted in]
     exec.finished     [exec_id, exit_code, duration_s, timed_out]
     machine.sleeping  machine.asleep  machine.waking  machine.awake   [user_id]
     pool.take         pool.refill
     snapshot.created  [snapshot_id, size_bytes]
-    snapshot.restored [snapshot_id]    snapshot.forked [snapshot_id]
+    snapshot.restored [snapshot_id, generation]
+    snapshot.forked   [snapshot_id, generation]   (the guest's new fork generation)
     port.exposed      [port, public]   port.closed [port]
     agent.task.started  agent.tool.started  agent.tool.finished  agent.task.ended
 

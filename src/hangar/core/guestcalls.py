@@ -7,6 +7,29 @@ adopted after a restart is reconnected then, the connection proven by a
 ``hello`` probe: ``Launcher.reconnect``). While the call runs the
 sandbox is ``busy``: it is neither snapshotted nor put to sleep.
 
+Deadlines (``hangar.engines.agent_client.Deadlines``; enforced per call
+by the agent client, on what the guest owes, never on how slowly the HTTP
+client reads):
+
+=====================  ========================================================
+call                   the guest must answer within
+=====================  ========================================================
+exec                   its ``timeout`` plus 10 s (no timeout: ``EXEC_MAX_S``,
+                       24 h, which the guest also enforces)
+file read              30 s whenever it has window to send the next bytes
+file write             30 s whenever the host waits for window; after the
+                       last byte, 30 s plus 1 s per 4 MiB (fsync)
+stat, list, mkdir...   30 s
+tunnel                 30 s to connect; none while open
+=====================  ========================================================
+
+A call whose deadline passes fails with ``Timeout`` (504) and moves the
+sandbox ``running -> unresponsive`` (``unanswered``). An unresponsive
+sandbox answers guest calls at once with 504 and ``Retry-After``; it is
+shown as such, can be deleted, and expires as usual. The reconcile loop
+asks its agent ``hello`` about every ``PROBE_S`` seconds
+(``probe_unresponsive``); the first answer moves it back to ``running``.
+
 Exec publishes ``exec.started`` and ``exec.finished`` events with an
 ``exec_id``, the exit code and duration; never output or environment, and
 the command text only when the caller opted in.
@@ -14,6 +37,7 @@ the command text only when the caller opted in.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -25,8 +49,8 @@ from hangar.core.context import Context
 from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
 from hangar.core.sleep import Sleeper
-from hangar.errors import Busy, Conflict, GuestError
-from hangar.engines.agent_client import AgentClient, ExecEvent, ExecResult
+from hangar.errors import Busy, Conflict, GuestError, HangarError, NotFound, Timeout
+from hangar.engines.agent_client import AgentClient, Deadlines, ExecEvent, ExecResult
 
 log = logging.getLogger("hangar.sandboxes")
 
@@ -34,6 +58,15 @@ AGENT_CONNECT_S = 20.0
 """How long a guest call waits to reconnect a VM's agent (adopted after a restart, or
 whose connection dropped), seconds."""
 TRANSIENT_WAIT = (State.SNAPSHOTTING, State.WAKING, State.RESTORING, State.CREATING)
+DEADLINES = Deadlines()
+"""The deadlines of guest calls (see the module docstring)."""
+EXEC_MAX_S = DEADLINES.exec_max_s
+"""What an exec's ``"timeout": null`` means, seconds (24 h)."""
+PROBE_S = 5.0
+"""How long a probe of an unresponsive sandbox's agent waits for ``hello``, seconds; also
+its ``Retry-After``."""
+BUSY_RETRY_S = 1.0
+"""``Retry-After`` of a 409 ``busy`` while a lifecycle change runs, seconds."""
 
 
 class GuestCalls:
@@ -49,7 +82,7 @@ class GuestCalls:
         """The agent of a running sandbox for one call; wakes a sleeping one first.
 
         Raises NotFound, Gone, Conflict (not running), Busy (it keeps
-        changing state: retry).
+        changing state: retry), Timeout (it is ``unresponsive``: retry later).
         """
         ctx = self.ctx
         for _ in range(3):
@@ -63,24 +96,75 @@ class GuestCalls:
                     continue  # it fell asleep between the wake and the lock
                 if rec.state in TRANSIENT_WAIT:
                     raise Busy(f"sandbox {sandbox_id} is {rec.state.value}; retry shortly",
-                               sandbox_id=sandbox_id, state=rec.state.value)
+                               retry_after=BUSY_RETRY_S, sandbox_id=sandbox_id,
+                               state=rec.state.value)
+                if rec.state == State.UNRESPONSIVE:
+                    raise Timeout(f"sandbox {sandbox_id} is unresponsive: its guest agent "
+                                  "stopped answering; calls are served again once it answers "
+                                  "(it is asked every few seconds), or delete it",
+                                  sandbox_id=sandbox_id, state=rec.state.value,
+                                  retry_after=PROBE_S)
                 if rec.state != State.RUNNING or rt is None:
                     raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}, not running",
                                    sandbox_id=sandbox_id, state=rec.state.value)
                 rt.busy += 1
             break
         else:
-            raise Busy(f"sandbox {sandbox_id} keeps falling asleep; retry", sandbox_id=sandbox_id)
+            raise Busy(f"sandbox {sandbox_id} keeps falling asleep; retry",
+                       retry_after=BUSY_RETRY_S, sandbox_id=sandbox_id)
         try:
             async with rt.connect_lock:
                 if rt.agent is None or rt.agent.closed:
                     if not rt.vm.alive():
                         raise Conflict(f"sandbox {sandbox_id} has stopped", sandbox_id=sandbox_id)
                     rt.agent = await self.launcher.reconnect(rt.vm, AGENT_CONNECT_S)
-            yield rt.agent
+                agent = rt.agent
+                agent.deadlines = DEADLINES
+                agent.on_unanswered = lambda op, s: self.unanswered(sandbox_id, op, s)
+            yield agent
         finally:
             rt.busy -= 1
             ctx.store.update(sandbox_id, last_active_at=time.time())
+
+    def unanswered(self, sandbox_id: str, op: str, seconds: float) -> None:
+        """A call's deadline passed: move the sandbox ``running -> unresponsive``."""
+        try:
+            self.ctx.store.transition(sandbox_id, State.RUNNING, State.UNRESPONSIVE,
+                                      error=f"the guest agent did not answer {op} within "
+                                            f"{seconds:g} s")
+        except (Conflict, NotFound):
+            return  # not running (already unresponsive, or being deleted)
+        self.ctx.metrics.unresponsive.inc()
+        log.warning("guest agent unresponsive", extra={"sandbox_id": sandbox_id, "op": op,
+                                                       "deadline_s": seconds})
+
+    async def probe_unresponsive(self) -> None:
+        """Ask each ``unresponsive`` sandbox's agent ``hello``; one that answers runs again.
+
+        A reconcile pass (each tick, never two at once). A sandbox whose VMM
+        died is left to crash handling.
+        """
+        recs = self.ctx.store.in_states({State.UNRESPONSIVE})
+        if recs:
+            await asyncio.gather(*(self._probe(r.id) for r in recs))
+
+    async def _probe(self, sandbox_id: str) -> None:
+        rt = self.ctx.registry.get(sandbox_id)
+        if rt is None or not rt.vm.alive():
+            return
+        try:
+            async with rt.connect_lock:
+                if rt.agent is None or rt.agent.closed:
+                    rt.agent = await self.launcher.reconnect(rt.vm, PROBE_S)
+                agent = rt.agent
+            await agent.call("hello", deadline_s=PROBE_S)
+        except (HangarError, OSError):
+            return
+        try:
+            self.ctx.store.transition(sandbox_id, State.UNRESPONSIVE, State.RUNNING, error=None)
+        except (Conflict, NotFound):
+            return
+        log.info("guest agent answers again", extra={"sandbox_id": sandbox_id})
 
     def _started(self, sandbox_id: str, command: str | None) -> tuple[str, float]:
         exec_id = "ex-" + secrets.token_hex(6)

@@ -4,7 +4,8 @@ Boot and restore share one path (``Launcher.launch``): attach the
 sandbox's NIC, start the VMM, register its runtime at once (so a delete
 meets it), check the record is still in the state the caller expects,
 connect the agent, then run the caller's ``ready`` step (for a restore:
-set the guest's clock, reseed its entropy, renumber a fork's NIC). On any
+set the guest's clock, reseed its entropy, give a copy its own identity,
+renumber a fork's NIC). On any
 failure the VM is stopped and the NIC released: nothing is left but the
 record, which the caller resolves.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import shutil
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
@@ -178,19 +180,43 @@ class Launcher:
         """Start ``rec``'s VM from ``snap``: agent connected, clock and entropy refreshed,
         and a NIC of its own (a fork has another MAC and address than its snapshot).
 
+        A restore from a user snapshot (a fork, or a restore in place) makes
+        a copy of a machine that may run more than once, so the guest gets an
+        identity of its own (``identity``); the runtime's ``generation`` holds
+        its new fork generation. A wake (the sandbox's own sleep snapshot,
+        used once) keeps its identity.
+
         Raises ImageMissing (409) when the image build the snapshot pins is gone."""
         image = resolve_pinned(self.ctx.layout, snap.image, snap.image_digest)
+        generation: list[int] = []
 
         async def ready(agent: AgentClient, net: NetAttachment | None) -> None:
             await refresh_guest(agent)
+            if snap.kind == "user":
+                generation.append(await self.identity(agent, rec.id))
             if net is not None:
                 await agent.exec(renet_meta(net))
 
         # The NIC must match the snapshot's devices: a snapshot with one gets one.
-        return await self.launch(
+        rt = await self.launch(
             rec, lambda net: self.ctx.engine.restore(self.spec(rec, image, net),
                                                      self.ctx.layout.snapshot(snap.id)),
             expect, with_nic=bool(snap.network), ready=ready)
+        rt.generation = generation[0] if generation else None
+        return rt
+
+    async def identity(self, agent: AgentClient, sandbox_id: str) -> int:
+        """Make a restored guest a machine of its own; returns its new fork generation.
+
+        Hostname: the sandbox id; ``/etc/machine-id``: 16 fresh bytes from
+        the host; fork generation: the next value of the server-wide
+        ``fork_generation`` counter, so it grows along every lineage and no
+        two copies share it (``hangar.guest.identity``).
+        """
+        generation = self.ctx.store.next_value("fork_generation")
+        await agent.call("identity", hostname=sandbox_id, machine_id=secrets.token_hex(16),
+                         generation=generation)
+        return generation
 
     async def reconnect(self, vm: VM, timeout: float) -> AgentClient:
         """A proven agent connection to a VM that already ran (see the module docstring).

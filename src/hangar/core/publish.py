@@ -9,6 +9,8 @@ move                                  event (``data``)
 any ``-> deleted``                    ``sandbox.deleted``
 any ``-> expired``                    ``sandbox.expired``
 any ``-> failed``                     ``sandbox.crashed`` (error)
+``running -> unresponsive``           ``sandbox.unresponsive`` (error)
+``unresponsive -> running``           ``sandbox.responsive``
 ``-> snapshotting``, wants to sleep   ``machine.sleeping`` (user_id)
 any ``-> sleeping``                   ``machine.asleep`` (user_id)
 any ``-> waking``                     ``machine.waking`` (user_id)
@@ -50,3 +52,7 @@ def announce(ctx: Context, rec: SandboxRecord, frm: frozenset[State], to: State)
         ctx.publish("machine.waking", sid, user_id=rec.user_id)
     elif to == State.RUNNING and frm == {State.WAKING}:
         ctx.publish("machine.awake", sid, user_id=rec.user_id)
+    elif to == State.UNRESPONSIVE:
+        ctx.publish("sandbox.unresponsive", sid, error=rec.error)
+    elif to == State.RUNNING and frm == {State.UNRESPONSIVE}:
+        ctx.publish("sandbox.responsive", sid)

@@ -34,6 +34,8 @@ class Runtime:
     connect_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     busy: int = 0
     """Guest calls in flight; a busy sandbox is neither snapshotted nor put to sleep."""
+    generation: int | None = None
+    """The guest's fork generation when this process restored it from a user snapshot."""
 
 
 @dataclass

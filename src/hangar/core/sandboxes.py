@@ -110,6 +110,7 @@ class SandboxManager:
         self.ports = Ports(ctx)
         self.reconciler = Reconciler(ctx, self.removal, self.sleeper, self.snapshots, self.pool,
                                      concurrency=settings.reconcile_concurrency)
+        self.reconciler.add_pass("unresponsive", self.calls.probe_unresponsive)
         self.recovery = Recovery(ctx, self.launcher, self.removal)
         metrics.watch_states(self.state_counts)
 

@@ -218,7 +218,9 @@ class Snapshots:
         ctx.metrics.restore_seconds.labels("ok").observe(time.monotonic() - started)
         rec = ctx.store.transition(sandbox_id, State.RESTORING, State.RUNNING, error=None,
                                    restore_from=None, last_active_at=time.time())
-        ctx.publish("snapshot.restored", sandbox_id, snapshot_id=snap.id)
+        rt = ctx.registry.get(sandbox_id)
+        ctx.publish("snapshot.restored", sandbox_id, snapshot_id=snap.id,
+                    generation=rt.generation if rt else None)
         return rec
 
     async def fork(self, snapshot_id: str, opts: CreateOptions) -> SandboxRecord:
@@ -245,5 +247,7 @@ class Snapshots:
             crash_point("fork.restored")
 
         rec = await self.creation.bring_up(rec, start, "fork", started)
-        ctx.publish("snapshot.forked", rec.id, snapshot_id=snapshot_id)
+        rt = ctx.registry.get(rec.id)
+        ctx.publish("snapshot.forked", rec.id, snapshot_id=snapshot_id,
+                    generation=rt.generation if rt else None)
         return rec

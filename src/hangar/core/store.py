@@ -142,6 +142,13 @@ class PortRecord(Base):
     public: Mapped[bool] = mapped_column(Boolean, default=False)
     nonce: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[float] = mapped_column(Float)
+class CounterRecord(Base):
+    """A named number that only grows (``Store.next_value``)."""
+
+    __tablename__ = "counters"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    value: Mapped[int] = mapped_column(Integer, default=0)
 
 
 R = TypeVar("R", bound=Base)
@@ -274,6 +281,20 @@ class Store:
                 s.execute(update(SandboxRecord).where(SandboxRecord.id == sleep_of)
                           .values(sleep_snapshot=snap.id, updated_at=time.time())
                           .execution_options(synchronize_session=False))
+
+    def next_value(self, name: str) -> int:
+        """The counter ``name`` plus one, stored in one transaction; 1 the first time.
+
+        Never repeats a value, restarts included (SQLite refuses a write whose
+        read was overtaken rather than losing it).
+        """
+        with self.session() as s, s.begin():
+            rec = s.get(CounterRecord, name)
+            if rec is None:
+                rec = CounterRecord(name=name, value=0)
+                s.add(rec)
+            rec.value += 1
+            return rec.value
 
     def remove(self, cls: type[Base], key: str) -> None:
         with self.session() as s, s.begin():

@@ -7,7 +7,32 @@ says only how to open its channel (an ``AgentChannel``: QEMU's virtio-serial
 socket, Firecracker's vsock socket after ``CONNECT <port>``), and the
 handshake retries, waits for the agent's greeting and checks its protocol
 version. This module runs on the host; ``hangar.guest`` holds only what runs
-in the guest. Agent error codes become ``hangar.errors`` classes:
+in the guest.
+
+Bounds. A guest is hostile, so nothing it sends is buffered without bound:
+
+* Flow control (protocol version 2): per channel, the guest may have at
+  most ``WINDOW`` bytes of DATA and EOF frames that the host's consumer
+  has not taken; the host grants more as it takes them (``_Channel.get``).
+  A guest that sends more loses the call (``GuestError``), and the frames
+  are not kept. Frames for channels the host does not hold are dropped.
+  So per call the host holds at most ``WINDOW`` plus one final frame,
+  whatever the guest does and however slowly the HTTP client reads, and
+  a slow consumer never holds up another channel. The host's own frames
+  to the guest keep to the guest's window too, and are queued on the
+  stream without waiting (a frozen guest cannot block the host).
+* Deadlines (``Deadlines``): every call has one, and a call whose guest
+  does not answer in time fails with ``Timeout`` (504), the guest is told
+  to CANCEL it, and ``on_unanswered`` is called (the orchestrator marks
+  the sandbox ``unresponsive``).
+* A consumer that gives up (an iterator closed early, an HTTP client gone)
+  CANCELs the call in the guest: an exec's process group is killed, a file
+  or socket closed.
+* A HELLO with another ``boot_id`` on an open connection means the agent
+  restarted: every open call fails at once instead of waiting for its
+  deadline.
+
+Agent error codes become ``hangar.errors`` classes:
 
 ==================  ======================
 agent code          raised
@@ -29,6 +54,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import logging
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +73,29 @@ ERRORS: dict[str, type[HangarError]] = {
     "exists": Conflict,
     "not_empty": Conflict,
 }
+
+log = logging.getLogger("hangar.agent")
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """How long a guest may take before a call fails with ``Timeout`` (504), seconds.
+
+    ``control_s`` for a request without streams (stat, list, mkdir, hello,
+    set_time...) and to open a tunnel; an exec gets its own timeout plus
+    ``exec_grace_s`` (one without a timeout gets ``exec_max_s``); a file
+    read or write must move the next window within ``stall_s`` whenever
+    it can (time spent waiting for the HTTP client does not count), and a
+    write must be answered ``control_s`` plus one second per
+    ``write_rate`` bytes after its last byte (the guest's fsync).
+    """
+
+    control_s: float = 30.0
+    exec_grace_s: float = 10.0
+    exec_max_s: float = 86400.0
+    stall_s: float = 30.0
+    write_rate: float = float(4 << 20)
+
 
 PROBE_CHANNEL_BASE = 0xFFFF0000
 """First channel id of the handshake's ``hello`` probes; ``AgentClient`` requests count
@@ -75,10 +125,6 @@ def unix_channel(path: Path | str) -> AgentChannel:
         return await asyncio.open_unix_connection(str(path), limit=P.MAX_DATA * 2)
 
     return AgentChannel(open_)
-
-
-_LOST = P.Frame(P.Kind.ERROR, 0, {"code": "disconnected", "message": "agent connection lost"},
-                b"", P.VERSION)
 
 
 @dataclass
@@ -151,13 +197,21 @@ def exec_meta(
     return meta
 
 
+def _int_or_none(value: Any) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise ValueError(f"not an integer: {value!r}")
+
+
 def _result(frame: P.Frame) -> ExecResult:
+    """The exec result in a RESPONSE; ValueError, TypeError or AttributeError when
+    the guest sent something else."""
     meta = frame.meta
     stdout, rest = StreamCapture.from_frame(meta.get("stdout", {}), memoryview(frame.data))
     stderr, _ = StreamCapture.from_frame(meta.get("stderr", {}), rest)
     return ExecResult(
-        exit_code=meta.get("exit_code"),
-        signal=meta.get("signal"),
+        exit_code=_int_or_none(meta.get("exit_code")),
+        signal=_int_or_none(meta.get("signal")),
         timed_out=bool(meta.get("timed_out")),
         duration_s=float(meta.get("duration_s", 0.0)),
         stdout=stdout,
@@ -169,13 +223,15 @@ class AgentClient:
     """A connection to one guest agent; safe for concurrent use within one event loop."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 hello: dict[str, Any]) -> None:
+                 hello: dict[str, Any], deadlines: Deadlines | None = None) -> None:
         self._reader = reader
         self._writer = writer
         self.hello = hello
+        self.deadlines = deadlines or Deadlines()
+        self.on_unanswered: Callable[[str, float], None] | None = None
+        """Called with (operation, seconds) when a call's deadline passes unanswered."""
         self._ids = itertools.count(1)
-        self._channels: dict[int, asyncio.Queue[P.Frame]] = {}
-        self._write_lock = asyncio.Lock()
+        self._channels: dict[int, _Channel] = {}
         self._closed = False
         self._pump = asyncio.create_task(self._read_loop())
 
@@ -265,6 +321,11 @@ class AgentClient:
                 if frame.kind == P.Kind.HELLO or (
                         frame.kind == P.Kind.RESPONSE and frame.channel in probes):
                     return frame.meta
+                if (frame.kind == P.Kind.ERROR and frame.channel in probes
+                        and frame.meta.get("code") == "unsupported_version"):
+                    raise GuestError("the guest agent speaks another protocol version "
+                                     f"(it answered: {str(frame.meta.get('message'))[:200]}); "
+                                     f"the host speaks {P.VERSION}")
         return None
 
     @classmethod
@@ -318,67 +379,132 @@ class AgentClient:
                 if not data:
                     break
                 for frame in decoder.feed(data):
-                    q = self._channels.get(frame.channel)
-                    if q is not None:
-                        q.put_nowait(frame)
+                    if frame.kind == P.Kind.HELLO and frame.channel == 0:
+                        self._greeted_again(frame.meta)
+                        continue
+                    ch = self._channels.get(frame.channel)
+                    if ch is not None:
+                        ch.deliver(frame)
         except (ConnectionError, OSError):
             pass
         finally:
             self._closed = True
-            for q in self._channels.values():
-                q.put_nowait(_LOST)
+            for ch in list(self._channels.values()):
+                ch.fail(GuestError("agent connection lost"), cancel=False)
+
+    def _greeted_again(self, hello: dict[str, Any]) -> None:
+        """A HELLO on an open connection: a restarted agent has none of our requests."""
+        if hello.get("boot_id") == self.hello.get("boot_id"):
+            return
+        self.hello = hello
+        for ch in list(self._channels.values()):
+            ch.fail(GuestError("the guest agent restarted; the call was lost"), cancel=False)
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    async def _send(self, kind: P.Kind, channel: int, meta: dict[str, Any] | None = None,
-                    data: bytes = b"") -> None:
+    def _write(self, kind: P.Kind, channel: int, meta: dict[str, Any] | None = None,
+               data: bytes = b"") -> None:
+        """Queue one control frame (REQUEST, WINDOW, CANCEL) on the stream now, without
+        waiting. Raises GuestError when the connection is lost.
+
+        A frozen guest thus never blocks a call's clean-up. These frames are
+        small and one per call or per window the host's consumer took; DATA
+        and EOF go through ``_Channel.send_frame``, which waits.
+        """
+        self._write_frame(P.encode(kind, channel, meta, data))
+
+    def _write_frame(self, frame: bytes) -> None:
         if self._closed:
             raise GuestError("agent connection lost")
-        async with self._write_lock:
-            try:
-                self._writer.write(P.encode(kind, channel, meta, data))
-                await self._writer.drain()
-            except (ConnectionError, OSError) as exc:
-                raise GuestError(f"agent connection lost: {exc}") from None
+        try:
+            self._writer.write(frame)
+        except (ConnectionError, OSError, RuntimeError) as exc:
+            raise GuestError(f"agent connection lost: {exc}") from None
 
-    def _open(self) -> tuple[int, asyncio.Queue[P.Frame]]:
+    async def _drain(self) -> None:
+        try:
+            await self._writer.drain()
+        except (ConnectionError, OSError, RuntimeError) as exc:
+            raise GuestError(f"agent connection lost: {exc}") from None
+
+    def _open(self, op: str) -> "_Channel":
         cid = next(self._ids) & 0xFFFFFFFF or next(self._ids)
-        q: asyncio.Queue[P.Frame] = asyncio.Queue()
-        self._channels[cid] = q
-        return cid, q
+        ch = _Channel(self, cid, op)
+        self._channels[cid] = ch
+        return ch
+
+    def _forget(self, ch: "_Channel", cancel: bool) -> None:
+        """Drop ``ch`` from the table (later frames on it are ignored); CANCEL it in the guest."""
+        if self._channels.get(ch.cid) is ch:
+            del self._channels[ch.cid]
+        if cancel and not self._closed:
+            try:
+                self._write(P.Kind.CANCEL, ch.cid)
+            except GuestError:
+                pass
+
+    def _unanswered(self, op: str, seconds: float) -> None:
+        if self.on_unanswered is not None:
+            try:
+                self.on_unanswered(op, seconds)
+            except Exception:  # a hook never breaks the call that failed
+                log.exception("on_unanswered hook failed")
 
     @staticmethod
     def _raise(frame: P.Frame) -> None:
         code = frame.meta.get("code", "internal")
         message = frame.meta.get("message", "guest agent error")
-        raise ERRORS.get(code, GuestError)(message, guest_code=code)
+        if not isinstance(code, str) or not isinstance(message, str):
+            code, message = "internal", "guest agent error"
+        raise ERRORS.get(code, GuestError)(message[:2000], guest_code=code[:64])
 
-    async def _send_stream(self, cid: int, stream: str, chunks: Iterable[bytes] | AsyncIterator[bytes]) -> None:
+    async def _send_stream(self, ch: "_Channel", stream: str,
+                           chunks: Iterable[bytes] | AsyncIterator[bytes],
+                           stall_s: float | None = None) -> int:
+        """Send ``chunks`` as DATA frames within the guest's window, then EOF; returns bytes.
+
+        With ``stall_s``, the guest must open its window within that many
+        seconds whenever the host waits for it (else ``Timeout``).
+        """
+        sent = 0
+
+        async def piece(kind: P.Kind, data: bytes = b"") -> None:
+            await ch.send_frame(P.encode(kind, ch.cid, {"stream": stream}, data), stall_s)
+
         if hasattr(chunks, "__aiter__"):
             async for chunk in chunks:  # type: ignore[union-attr]
                 for i in range(0, len(chunk), P.CHUNK):
-                    await self._send(P.Kind.DATA, cid, {"stream": stream}, chunk[i:i + P.CHUNK])
+                    await piece(P.Kind.DATA, chunk[i:i + P.CHUNK])
+                sent += len(chunk)
         else:
             for chunk in chunks:  # type: ignore[union-attr]
                 for i in range(0, len(chunk), P.CHUNK):
-                    await self._send(P.Kind.DATA, cid, {"stream": stream}, chunk[i:i + P.CHUNK])
-        await self._send(P.Kind.EOF, cid, {"stream": stream})
+                    await piece(P.Kind.DATA, chunk[i:i + P.CHUNK])
+                sent += len(chunk)
+        await piece(P.Kind.EOF)
+        return sent
 
-    async def call(self, op: str, **meta: Any) -> dict[str, Any]:
-        """One request without data streams; returns the RESPONSE meta."""
-        cid, q = self._open()
+    async def call(self, op: str, *, deadline_s: float | None = None,
+                   **meta: Any) -> dict[str, Any]:
+        """One request without data streams; returns the RESPONSE meta.
+
+        The guest must answer within ``deadline_s`` seconds (default
+        ``deadlines.control_s``), else ``Timeout``.
+        """
+        ch = self._open(op)
         try:
-            await self._send(P.Kind.REQUEST, cid, {"op": op, **meta})
+            self._write(P.Kind.REQUEST, ch.cid, {"op": op, **meta})
+            ch.expect(deadline_s if deadline_s is not None else self.deadlines.control_s)
             while True:
-                frame = await q.get()
+                frame = await ch.get()
                 if frame.kind == P.Kind.RESPONSE:
                     return frame.meta
                 if frame.kind == P.Kind.ERROR:
                     self._raise(frame)
         finally:
-            self._channels.pop(cid, None)
+            ch.close()
 
     # -- operations --------------------------------------------------------
 
@@ -387,37 +513,45 @@ class AgentClient:
         """Run a command (``meta`` from ``exec_meta``) and yield its events.
 
         Yields ``stdout``/``stderr`` events as output arrives when
-        ``meta["stream"]`` is true, then one ``exit`` event. Closing the
-        iterator early kills the command's process group.
+        ``meta["stream"]`` is true, then one ``exit`` event. A command
+        without a timeout gets ``deadlines.exec_max_s``; the guest must end
+        the call within its timeout plus ``deadlines.exec_grace_s``, else
+        ``Timeout``. Output waits in the guest while the caller has not
+        taken it (at most ``WINDOW`` bytes wait here). Closing the iterator
+        early cancels the call: the guest kills the command's process group.
         """
-        cid, q = self._open()
-        finished = False
+        timeout = meta.get("timeout")
+        if timeout is None:
+            timeout = self.deadlines.exec_max_s
+        meta = {**meta, "timeout": timeout, "stdin": stdin is not None}
+        ch = self._open("exec")
+        sender: asyncio.Task[int] | None = None
         try:
-            meta = {**meta, "stdin": stdin is not None}
-            await self._send(P.Kind.REQUEST, cid, meta)
+            self._write(P.Kind.REQUEST, ch.cid, meta)
+            ch.expect(float(timeout) + self.deadlines.exec_grace_s)
             if stdin is not None:
-                await self._send_stream(cid, "stdin", [stdin] if stdin else [])
+                sender = _background(self._send_stream(ch, "stdin", [stdin] if stdin else []))
             while True:
-                frame = await q.get()
+                frame = await ch.get()
                 if frame.kind == P.Kind.DATA:
-                    yield ExecEvent(frame.meta.get("stream", "stdout"), frame.data)
+                    kind = "stderr" if frame.meta.get("stream") == "stderr" else "stdout"
+                    yield ExecEvent(kind, frame.data)
                 elif frame.kind == P.Kind.RESPONSE:
-                    finished = True
-                    yield ExecEvent("exit", result=_result(frame))
+                    try:
+                        result = _result(frame)
+                    except (TypeError, ValueError, AttributeError):
+                        raise GuestError("the guest agent sent a malformed exec result") from None
+                    yield ExecEvent("exit", result=result)
                     return
                 elif frame.kind == P.Kind.ERROR:
-                    finished = True
                     self._raise(frame)
         finally:
-            if not finished and not self._closed:
-                try:
-                    await self._send(P.Kind.SIGNAL, cid, {"signal": 9})
-                except GuestError:
-                    pass
-            self._channels.pop(cid, None)
+            if sender is not None:
+                sender.cancel()
+            ch.close()
 
     async def exec(self, meta: dict[str, Any], stdin: bytes | None = None) -> ExecResult:
-        """Run a command to completion; returns its captured result."""
+        """Run a command to completion; returns its captured result (see ``exec_stream``)."""
         result: ExecResult | None = None
         async for ev in self.exec_stream({**meta, "stream": False}, stdin):
             if ev.kind == "exit":
@@ -426,12 +560,19 @@ class AgentClient:
         return result
 
     async def read_file(self, path: str) -> AsyncIterator[bytes]:
-        """Yield a guest file's bytes in chunks. Raises NotFound, InvalidRequest."""
-        cid, q = self._open()
+        """Yield a guest file's bytes in chunks. Raises NotFound, InvalidRequest.
+
+        Whenever the guest has window to send, it must send its next bytes
+        within ``deadlines.stall_s`` seconds (time spent waiting for the
+        caller does not count), else ``Timeout``. Closing the iterator early
+        cancels the read.
+        """
+        ch = self._open("read_file")
         try:
-            await self._send(P.Kind.REQUEST, cid, {"op": "read_file", "path": path})
+            self._write(P.Kind.REQUEST, ch.cid, {"op": "read_file", "path": path})
+            ch.watch_stalls(self.deadlines.stall_s)
             while True:
-                frame = await q.get()
+                frame = await ch.get()
                 if frame.kind == P.Kind.DATA:
                     yield frame.data
                 elif frame.kind == P.Kind.RESPONSE:
@@ -439,59 +580,71 @@ class AgentClient:
                 elif frame.kind == P.Kind.ERROR:
                     self._raise(frame)
         finally:
-            self._channels.pop(cid, None)
+            ch.close()
 
     async def write_file(self, path: str, chunks: Iterable[bytes] | AsyncIterator[bytes],
                          mode: int = 0o644) -> dict[str, Any]:
-        """Write a guest file atomically from byte chunks; returns ``{path, size}``."""
-        cid, q = self._open()
+        """Write a guest file atomically from byte chunks; returns ``{path, size}``.
+
+        Chunks go out as the guest's window allows. While the host waits for
+        window the guest must open it within ``deadlines.stall_s``; after the
+        last byte it must answer within ``deadlines.control_s`` plus one
+        second per ``deadlines.write_rate`` bytes; else ``Timeout``. An error
+        of ``chunks`` (the client's upload broke) cancels the write and is
+        raised as it is.
+        """
+        ch = self._open("write_file")
         try:
-            await self._send(P.Kind.REQUEST, cid, {"op": "write_file", "path": path, "mode": mode})
-            failure: list[BaseException] = []
+            self._write(P.Kind.REQUEST, ch.cid, {"op": "write_file", "path": path, "mode": mode})
+            ch.expect(self.deadlines.control_s)  # to open the file; disarmed when data flows
 
             async def send() -> None:
                 try:
-                    await self._send_stream(cid, "file", chunks)
-                except Exception as exc:  # the source failed: tell the guest, then the caller
-                    failure.append(exc)
-                    if not self._closed:
-                        await self._send(P.Kind.SIGNAL, cid, {"abort": True})
+                    ch.expect(None)
+                    size = await self._send_stream(ch, "file", chunks, self.deadlines.stall_s)
+                except HangarError:
+                    return  # the channel failed: the reader below raises why
+                except Exception as exc:  # the source failed: cancel, then tell the caller
+                    ch.fail(exc, cancel=True)
+                    return
+                ch.expect(self.deadlines.control_s + size / self.deadlines.write_rate)
 
-            sender = asyncio.create_task(send())
+            sender = _background(send())
             try:
                 while True:
-                    frame = await q.get()
+                    frame = await ch.get()
                     if frame.kind == P.Kind.RESPONSE:
                         return frame.meta
                     if frame.kind == P.Kind.ERROR:
-                        if failure:
-                            raise failure[0]
                         self._raise(frame)
             finally:
-                if not sender.done():
-                    sender.cancel()
-                    if not self._closed:
-                        try:
-                            await self._send(P.Kind.SIGNAL, cid, {"abort": True})
-                        except GuestError:
-                            pass
+                sender.cancel()
         finally:
-            self._channels.pop(cid, None)
+            ch.close()
 
     async def open_tunnel(self, port: int, host: str = "127.0.0.1") -> "Tunnel":
         """Open a byte tunnel to ``host:port`` inside the guest.
 
+        The guest must connect (or refuse) within ``deadlines.control_s``;
+        an open tunnel has no deadline (its two ends decide when it ends).
         Raises NotFound when nothing listens there.
         """
-        cid, q = self._open()
-        await self._send(P.Kind.REQUEST, cid, {"op": "connect", "port": port, "host": host})
-        while True:
-            frame = await q.get()
-            if frame.kind == P.Kind.DATA and frame.meta.get("connected"):
-                return Tunnel(self, cid, q)
-            if frame.kind == P.Kind.ERROR:
-                self._channels.pop(cid, None)
-                self._raise(frame)
+        ch = self._open("connect")
+        try:
+            self._write(P.Kind.REQUEST, ch.cid, {"op": "connect", "port": port, "host": host})
+            ch.expect(self.deadlines.control_s)
+            while True:
+                frame = await ch.get()
+                if frame.kind == P.Kind.DATA and frame.meta.get("connected"):
+                    ch.expect(None)
+                    return Tunnel(self, ch)
+                if frame.kind in P.FINAL_KINDS:
+                    if frame.kind == P.Kind.ERROR:
+                        self._raise(frame)
+                    raise GuestError("the guest ended the tunnel before it was open")
+        except BaseException:
+            ch.close()
+            raise
 
     async def open_pty(self, meta: dict[str, Any]) -> "PtyChannel":
         """Start a program on a pseudo-terminal in the guest (``hangar.guest.terminal``).
@@ -536,26 +689,196 @@ class AgentClient:
     async def close(self) -> None:
         self._closed = True
         self._pump.cancel()
+        for ch in list(self._channels.values()):
+            ch.fail(GuestError("agent connection closed"), cancel=False)
         try:
             self._writer.close()
         except Exception:
             pass
 
 
-class Tunnel:
-    """A TCP connection inside the guest, carried over the agent channel."""
+def _background(coro: Any) -> "asyncio.Task[Any]":
+    """A task whose failure nobody awaits is not reported as never retrieved."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
 
-    def __init__(self, client: AgentClient, cid: int, q: asyncio.Queue[P.Frame]) -> None:
+
+class _Channel:
+    """One open request: frames the guest sent, both windows, the deadline.
+
+    The read loop ``deliver``s frames: a DATA or EOF frame beyond what the
+    host granted fails the channel (a guest that breaks flow control is not
+    buffered for); WINDOW frames open the host's own window; anything after
+    the final frame is ignored. The consumer ``get``s them in order and the
+    host grants the guest more window as it does. ``expect`` arms the
+    deadline, ``watch_stalls`` re-arms it whenever the guest may send;
+    at the deadline the call fails with ``Timeout``, the guest is told to
+    CANCEL, and ``AgentClient.on_unanswered`` hears of it.
+    """
+
+    def __init__(self, client: AgentClient, cid: int, op: str) -> None:
+        self.client = client
+        self.cid = cid
+        self.op = op
+        self.frames: deque[P.Frame] = deque()
+        self.ready = asyncio.Event()
+        self.inflow = P.Inflow()
+        self.outflow = P.Outflow()
+        self.ended = False
+        self.error: BaseException | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.stall_s: float | None = None
+        self.closed = False
+
+    # the read loop's side
+
+    def deliver(self, frame: P.Frame) -> None:
+        if self.ended:
+            return
+        if frame.kind == P.Kind.WINDOW:
+            self.outflow.grant(P.granted(frame))
+            return
+        if frame.kind in P.FLOW_KINDS:
+            if not self.inflow.arrive(frame.size):
+                self.frames.clear()
+                self.fail(GuestError(f"the guest agent sent more than its flow-control window "
+                                     f"during {self.op}"), cancel=True)
+                return
+            self.frames.append(frame)
+            self._stall_check()
+        elif frame.kind in P.FINAL_KINDS:
+            self.ended = True
+            self._disarm()
+            self.outflow.fail(GuestError(f"the guest ended {self.op}"))
+            self.frames.append(frame)
+        else:
+            return  # the guest sends no other kinds on a channel
+        self.ready.set()
+
+    def fail(self, exc: BaseException, cancel: bool) -> None:
+        """End the channel with ``exc`` (raised after the frames already queued)."""
+        if self.ended:
+            return
+        self.ended = True
+        self.error = exc
+        self._disarm()
+        self.outflow.fail(exc)
+        self.ready.set()
+        self.client._forget(self, cancel)
+
+    # the consumer's side
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of DATA and EOF frames received and not yet taken."""
+        return sum(f.size for f in self.frames if f.kind in P.FLOW_KINDS)
+
+    async def get(self) -> P.Frame:
+        while not self.frames:
+            if self.error is not None:
+                raise self.error
+            self.ready.clear()
+            await self.ready.wait()
+        frame = self.frames.popleft()
+        if frame.kind in P.FLOW_KINDS:
+            grant = self.inflow.consume(frame.size)
+            if grant and not self.ended:
+                try:
+                    self.client._write(P.Kind.WINDOW, self.cid, {"bytes": grant})
+                except GuestError:
+                    pass  # the read loop fails the channel
+            self._stall_check()
+        return frame
+
+    async def send_frame(self, frame: bytes, stall_s: float | None = None) -> None:
+        """Send a DATA or EOF frame once the guest's window has room for it, and wait
+        until the stream's buffer is below its high-water mark (so a guest that grants
+        window it does not read cannot make the host buffer without bound). With
+        ``stall_s``, the guest must make room within that many seconds. Raises the
+        channel's error once it has failed.
+        """
+        armed = stall_s is not None
+        if armed:
+            self.expect(stall_s)
+        try:
+            await self.outflow.take(len(frame))
+            self.client._write_frame(frame)
+            await self.client._drain()
+        finally:
+            if armed and not self.ended:
+                self.expect(None)
+
+    def close(self) -> None:
+        """The consumer is done: forget the channel; CANCEL it unless it ended."""
+        if self.closed:
+            return
+        self.closed = True
+        self._disarm()
+        if not self.ended:
+            self.ended = True
+            self.outflow.fail(GuestError(f"{self.op} was cancelled"))
+            self.client._forget(self, cancel=True)
+        else:
+            self.client._forget(self, cancel=False)
+
+    # deadlines
+
+    def expect(self, seconds: float | None) -> None:
+        """The guest must end the call (or, with ``watch_stalls``, move) within ``seconds``."""
+        self._disarm()
+        if seconds is not None and not self.ended:
+            self.timer = asyncio.get_running_loop().call_later(seconds, self._expire, seconds)
+
+    def watch_stalls(self, seconds: float) -> None:
+        """Whenever the guest has window to send, it must send within ``seconds``."""
+        self.stall_s = seconds
+        self.expect(seconds)
+
+    def _stall_check(self) -> None:
+        if self.stall_s is None or self.ended:
+            return
+        if self.inflow.window >= P.MAX_STREAM_FRAME:
+            self.expect(self.stall_s)  # the guest can send: progress is due
+        else:
+            self._disarm()  # it waits for the host's consumer, not the other way round
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _expire(self, seconds: float) -> None:
+        self.timer = None
+        if self.ended:
+            return
+        self.fail(Timeout(f"the guest agent did not answer {self.op} within {seconds:g} s",
+                          op=self.op, deadline_s=seconds), cancel=True)
+        self.client._unanswered(self.op, seconds)
+
+
+class Tunnel:
+    """A TCP connection inside the guest, carried over the agent channel.
+
+    Both directions are flow-controlled: ``write`` waits while the guest's
+    window is full (its TCP peer reads slowly), and bytes the host has not
+    ``read`` hold the guest back.
+    """
+
+    def __init__(self, client: AgentClient, ch: _Channel) -> None:
         self._client = client
-        self._cid = cid
-        self._q = q
+        self._ch = ch
         self._eof = False
         self._closed = False
 
     async def read(self) -> bytes:
         """Next bytes from the guest; ``b""`` once the guest side has closed."""
         while not self._eof:
-            frame = await self._q.get()
+            try:
+                frame = await self._ch.get()
+            except HangarError:
+                self._eof = True
+                break
             if frame.kind == P.Kind.DATA and frame.data:
                 return frame.data
             if frame.kind in (P.Kind.EOF, P.Kind.RESPONSE, P.Kind.ERROR):
@@ -563,21 +886,26 @@ class Tunnel:
         return b""
 
     async def write(self, data: bytes) -> None:
+        """Send ``data`` to the guest's socket. Raises GuestError once the tunnel ended."""
         for i in range(0, len(data), P.CHUNK):
-            await self._client._send(P.Kind.DATA, self._cid, {"stream": "socket"},
-                                     data[i:i + P.CHUNK])
+            await self._ch.send_frame(P.encode(P.Kind.DATA, self._ch.cid, {"stream": "socket"},
+                                               data[i:i + P.CHUNK]))
 
     async def close(self) -> None:
-        """Half-close towards the guest and forget the channel."""
+        """Half-close towards the guest, then forget (and cancel) the channel."""
         if self._closed:
             return
         self._closed = True
-        if not self._client.closed:
-            try:
-                await self._client._send(P.Kind.EOF, self._cid, {"stream": "socket"})
-            except GuestError:
-                pass
-        self._client._channels.pop(self._cid, None)
+        ch = self._ch
+        if not ch.ended and not self._client.closed:
+            eof = P.encode(P.Kind.EOF, ch.cid, {"stream": "socket"})
+            if ch.outflow.available >= len(eof):
+                ch.outflow.available -= len(eof)
+                try:
+                    self._client._write_frame(eof)
+                except GuestError:
+                    pass
+        ch.close()
 
 
 @dataclass

@@ -6,7 +6,8 @@ tests on a host, over a Unix socket (``--listen PATH``).
 
 Operations (``meta["op"]`` of a REQUEST frame):
 
-``hello``       agent version, protocol version, boot id, uptime (s)
+``hello``       agent version, protocol version, boot id, uptime (s), window,
+                requests in progress (this one included), fork generation
 ``exec``        run a command; see ``Agent.op_exec``
 ``read_file``   stream a file's bytes as DATA frames (stream ``file``)
 ``write_file``  receive DATA frames until EOF; write atomically (temp + rename)
@@ -21,11 +22,22 @@ Operations (``meta["op"]`` of a REQUEST frame):
 ``watch``       file changes under a path, from inotify (``hangar.guest.watch``)
 ``set_time``    set the wall clock (``unix_ns``), used after a restore
 ``reseed``      mix host entropy into the kernel's pool, used after a restore
+``identity``    a fork's own hostname, machine-id and fork generation
+                (``hangar.guest.identity``), used after a fork or restore
 
 Failures end the channel with an ERROR frame whose ``code`` is one of
 ``not_found``, ``is_directory``, ``not_directory``, ``exists``,
 ``not_empty``, ``permission_denied``, ``invalid``, ``io_error``,
 ``unsupported_version``, ``internal``.
+
+Flow control: stream bytes to the host (exec output, file reads, tunnel
+bytes) go out only while the host's window for the channel has room
+(``Channel.stream``), so a slow reader on the host blocks the writer
+here (an exec's pipe fills and the command waits); bytes from the host
+are acknowledged as they are taken (``Channel.get``). CANCEL cancels the
+request's task: an exec's process group is killed, a file or socket is
+closed. A host connection that ends cancels all of its requests
+(``Session.close``).
 
 The agent is one-per-guest and trusts its host: the guest, not the agent,
 is the security boundary. Orphaned processes are reaped by PID 1
@@ -39,6 +51,7 @@ import base64
 import errno
 import fcntl
 import json
+import math
 import os
 import signal
 import stat as stat_mod
@@ -51,8 +64,10 @@ import uuid
 from typing import Any
 
 from hangar import __version__
+from hangar.guest import identity
 from hangar.guest import protocol as P
 from hangar.guest import terminal, watch
+from hangar.guest.identity import read_generation
 
 PORT_NAME = "hangar.agent"
 RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2]), linux/random.h
@@ -324,36 +339,97 @@ async def spawn(argv: list[str], stdin: int, cwd: str, env: dict[str, str],
     return asyncio.subprocess.Process(transport, protocol, loop), protocol.exited
 
 
-class Channel:
-    """Inbound frames of one open request."""
+class Session:
+    """One host connection: its writer and the channels (requests) it opened.
 
-    def __init__(self) -> None:
+    Frames go out whole (``write`` serialises them); ``write_now`` writes a
+    small control frame without waiting. Once the connection ends
+    (``close``) nothing more is written: a later host connection never sees
+    frames of this one's channels.
+    """
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.channels: dict[int, Channel] = {}
+        self.lock = asyncio.Lock()
+        self.open = True
+
+    async def write(self, frame: bytes) -> None:
+        if not self.open:
+            return
+        async with self.lock:
+            try:
+                self.writer.write(frame)
+                await self.writer.drain()
+            except (ConnectionError, OSError, RuntimeError):
+                pass
+
+    async def send(self, kind: P.Kind, channel: int, meta: dict[str, Any] | None = None,
+                   data: bytes = b"") -> None:
+        await self.write(P.encode(kind, channel, meta, data))
+
+    def write_now(self, kind: P.Kind, channel: int, meta: dict[str, Any]) -> None:
+        if not self.open:
+            return
+        try:
+            self.writer.write(P.encode(kind, channel, meta))
+        except (ConnectionError, OSError, RuntimeError):
+            pass
+
+    def close(self) -> None:
+        """The host went away: cancel every request of this connection."""
+        self.open = False
+        for ch in list(self.channels.values()):
+            ch.outflow.fail(None)  # nothing waits on a window that will never grow
+            if ch.task is not None:
+                ch.task.cancel()
+
+
+class Channel:
+    """One open request: its inbound frames and its window in each direction.
+
+    ``get`` takes the next inbound frame and grants the host more window as
+    frames are taken; ``stream`` sends a DATA or EOF frame once the host's
+    window has room for it (see ``hangar.guest.protocol``); ``send`` sends
+    any other frame.
+    """
+
+    def __init__(self, session: Session, cid: int) -> None:
+        self.session = session
+        self.cid = cid
         self.inbox: asyncio.Queue[P.Frame] = asyncio.Queue()
+        self.outflow = P.Outflow()
+        self.inflow = P.Inflow()
+        self.task: asyncio.Task[None] | None = None
+
+    async def get(self) -> P.Frame:
+        frame = await self.inbox.get()
+        if frame.kind in P.FLOW_KINDS:
+            grant = self.inflow.consume(frame.size)
+            if grant:
+                self.session.write_now(P.Kind.WINDOW, self.cid, {"bytes": grant})
+        return frame
+
+    async def stream(self, meta: dict[str, Any], data: bytes = b"",
+                     kind: P.Kind = P.Kind.DATA) -> None:
+        frame = P.encode(kind, self.cid, meta, data)
+        await self.outflow.take(len(frame))
+        await self.session.write(frame)
+
+    async def send(self, kind: P.Kind, meta: dict[str, Any] | None = None,
+                   data: bytes = b"") -> None:
+        await self.session.send(kind, self.cid, meta, data)
 
 
 class Agent:
     """Serves requests; one instance per guest, surviving host reconnects."""
 
     def __init__(self) -> None:
-        self.writer: asyncio.StreamWriter | None = None
-        self.channels: dict[int, Channel] = {}
+        self.sessions: set[Session] = set()
         self.tasks: set[asyncio.Task[None]] = set()
-        self.write_lock = asyncio.Lock()
+        self.generation = read_generation()
 
     # -- transport ---------------------------------------------------------
-
-    async def send(self, kind: P.Kind, channel: int, meta: dict[str, Any] | None = None,
-                   data: bytes = b"") -> None:
-        writer = self.writer
-        if writer is None:
-            return
-        frame = P.encode(kind, channel, meta, data)
-        async with self.write_lock:
-            try:
-                writer.write(frame)
-                await writer.drain()
-            except (ConnectionError, OSError, RuntimeError):
-                pass
 
     def hello_meta(self) -> dict[str, Any]:
         try:
@@ -364,15 +440,19 @@ class Agent:
         return {
             "agent_version": __version__,
             "protocol": P.VERSION,
+            "window": P.WINDOW,
             "boot_id": BOOT_ID,
             "pid": os.getpid(),
             "uptime_s": uptime,
+            "requests": len(self.tasks),
+            "generation": self.generation,
         }
 
     async def session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Serve one host connection until it closes."""
-        self.writer = writer
-        await self.send(P.Kind.HELLO, 0, self.hello_meta())
+        """Serve one host connection until it closes; then cancel its requests."""
+        session = Session(writer)
+        self.sessions.add(session)
+        await session.send(P.Kind.HELLO, 0, self.hello_meta())
         decoder = P.Decoder()
         try:
             while True:
@@ -380,36 +460,43 @@ class Agent:
                 if not data:
                     break
                 for frame in decoder.feed(data):
-                    await self.dispatch(frame)
+                    await self.dispatch(frame, session)
         finally:
-            if self.writer is writer:
-                self.writer = None
-            for ch in self.channels.values():
-                ch.inbox.put_nowait(P.Frame(P.Kind.SIGNAL, 0, {"disconnect": True}, b"", P.VERSION))
+            self.sessions.discard(session)
+            session.close()
             try:
                 writer.transport.abort()
             except Exception:
                 pass
 
-    async def dispatch(self, frame: P.Frame) -> None:
+    async def dispatch(self, frame: P.Frame, session: Session) -> None:
         if frame.version != P.VERSION:
-            await self.send(P.Kind.ERROR, frame.channel, {
+            await session.send(P.Kind.ERROR, frame.channel, {
                 "code": "unsupported_version",
                 "message": f"agent speaks protocol {P.VERSION}, got {frame.version}",
             })
             return
+        ch = session.channels.get(frame.channel)
         if frame.kind == P.Kind.REQUEST:
-            if frame.channel in self.channels:
-                await self.send(P.Kind.ERROR, frame.channel,
-                                {"code": "invalid", "message": "channel already open"})
+            if ch is not None:
+                await session.send(P.Kind.ERROR, frame.channel,
+                                   {"code": "invalid", "message": "channel already open"})
                 return
-            ch = Channel()
-            self.channels[frame.channel] = ch
-            task = asyncio.create_task(self.run_request(frame, ch))
+            ch = session.channels[frame.channel] = Channel(session, frame.channel)
+            task = ch.task = asyncio.create_task(self.run_request(frame, ch))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
-        elif frame.channel in self.channels:
-            self.channels[frame.channel].inbox.put_nowait(frame)
+        elif ch is None:
+            return  # a channel that ended: late frames are dropped
+        elif frame.kind == P.Kind.WINDOW:
+            ch.outflow.grant(P.granted(frame))
+        elif frame.kind == P.Kind.CANCEL:
+            if ch.task is not None:
+                ch.task.cancel()
+        else:
+            if frame.kind in P.FLOW_KINDS:
+                ch.inflow.arrive(frame.size)  # the host is trusted to keep to its window
+            ch.inbox.put_nowait(frame)
 
     async def run_request(self, frame: P.Frame, ch: Channel) -> None:
         op = frame.meta.get("op")
@@ -421,18 +508,21 @@ class Agent:
             data = b""
             if isinstance(result, tuple):
                 result, data = result
-            await self.send(P.Kind.RESPONSE, frame.channel, result, data)
+            await ch.send(P.Kind.RESPONSE, result, data)
         except OpError as exc:
-            await self.send(P.Kind.ERROR, frame.channel, {"code": exc.code, "message": exc.message})
+            await ch.send(P.Kind.ERROR, {"code": exc.code, "message": exc.message})
+        except asyncio.CancelledError:
+            pass  # the host cancelled (CANCEL) or went away: it expects nothing more
         except Exception:  # the agent must outlive any one request
             # The traceback goes to the guest's console (serial.log on the
             # host); the caller gets no exception text.
             traceback.print_exc(file=sys.stderr)
-            await self.send(P.Kind.ERROR, frame.channel, {
+            await ch.send(P.Kind.ERROR, {
                 "code": "internal",
                 "message": f"the guest agent failed during {op!r}; its console log has details"})
         finally:
-            self.channels.pop(frame.channel, None)
+            if ch.session.channels.get(frame.channel) is ch:
+                del ch.session.channels[frame.channel]
 
     # -- operations --------------------------------------------------------
 
@@ -448,7 +538,12 @@ class Agent:
         frames of stream ``stdin`` and an EOF follow; false means EOF at
         once), ``timeout`` (seconds; the whole process group is killed),
         ``stream`` (bool: send stdout/stderr as DATA frames), ``head`` and
-        ``tail`` (bytes kept of each stream when not streaming).
+        ``tail`` (bytes kept of each stream when not streaming). Streamed
+        output goes out as the host's window allows, so a slow reader makes
+        the command wait on its pipe; after the command exits its pipes are
+        drained for ``DRAIN_GRACE_S``, or while the host's window is full up
+        to the timeout (then the rest is dropped; the totals count what was
+        sent).
 
         Returns (as RESPONSE meta) ``exit_code`` (128+N when killed by signal N), ``signal``,
         ``timed_out``, ``duration_s``, and per stream ``stdout``/``stderr``
@@ -491,7 +586,7 @@ class Agent:
                 )
             except OSError as exc:
                 code, message = spawn_failure(exc, argv[0], cwd)
-                return await self._not_started(cid, stream, head, tail, code, message, started)
+                return await self._not_started(ch, stream, head, tail, code, message, started)
             try:
                 return await self._run(cid, ch, proc, exited, stream, want_stdin, timeout,
                                        head, tail, started)
@@ -508,7 +603,7 @@ class Agent:
                 except OSError:
                     pass
 
-    async def _not_started(self, cid: int, stream: bool, head: int, tail: int, code: int,
+    async def _not_started(self, ch: Channel, stream: bool, head: int, tail: int, code: int,
                            message: str, started: float) -> tuple[dict[str, Any], bytes]:
         """The result of a program that could not be started: ``code`` and ``message``
         on stderr, as a shell reports it (127 not found, 126 not executable)."""
@@ -517,7 +612,7 @@ class Agent:
                                   "duration_s": round(time.monotonic() - started, 6),
                                   "pid": None, "not_started": True}
         if stream:
-            await self.send(P.Kind.DATA, cid, {"stream": "stderr"}, err)
+            await ch.stream({"stream": "stderr"}, err)
             result["stdout"], result["stderr"] = {"total": 0}, {"total": len(err)}
             return result, b""
         out_cap, err_cap = Capture(head, tail), Capture(head, tail)
@@ -538,9 +633,9 @@ class Agent:
                 chunk = await pipe.read(P.CHUNK)
                 if not chunk:
                     return
-                if stream:
+                if stream:  # waits while the host's window for this channel is full
+                    await ch.stream({"stream": name}, chunk)
                     captures[name].total += len(chunk)
-                    await self.send(P.Kind.DATA, cid, {"stream": name}, chunk)
                 else:
                     captures[name].add(chunk)
 
@@ -554,7 +649,7 @@ class Agent:
             """Route inbound frames: stdin data, stdin EOF, signals."""
             stdin_open = want_stdin
             while True:
-                frame = await ch.inbox.get()
+                frame = await ch.get()
                 if frame.kind == P.Kind.DATA and stdin_open and proc.stdin is not None:
                     try:
                         proc.stdin.write(frame.data)
@@ -568,8 +663,6 @@ class Agent:
                     except (BrokenPipeError, ConnectionResetError):
                         pass
                 elif frame.kind == P.Kind.SIGNAL:
-                    if frame.meta.get("disconnect"):
-                        continue
                     sig = frame.meta.get("signal", signal.SIGKILL)
                     if isinstance(sig, int) and 0 < sig < 65:
                         kill(sig)
@@ -579,24 +672,36 @@ class Agent:
         feeder = asyncio.create_task(feed())
         timed_out = False
         try:
-            await asyncio.wait_for(exited.wait(), timeout)
-        except asyncio.TimeoutError:
-            timed_out = True
-            kill(signal.SIGKILL)
-            await exited.wait()
-        finally:
-            if proc.returncode is None:  # cancelled: never leave the group behind
+            try:
+                await asyncio.wait_for(exited.wait(), timeout)
+            except asyncio.TimeoutError:
+                timed_out = True
                 kill(signal.SIGKILL)
-        if timed_out:
-            kill(signal.SIGKILL)  # members of the group that outlived the leader
-        done, pending = await asyncio.wait(pumps, timeout=DRAIN_GRACE_S)
-        for t in pending:
-            t.cancel()
-        feeder.cancel()
-        await asyncio.gather(*pending, feeder, return_exceptions=True)
-        for t in done:
-            if t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
+                await exited.wait()
+            finally:
+                if proc.returncode is None:  # cancelled: never leave the group behind
+                    kill(signal.SIGKILL)
+            if timed_out:
+                kill(signal.SIGKILL)  # members of the group that outlived the leader
+            # Drain: pumps end at EOF. One still reading DRAIN_GRACE_S after the exit (a
+            # background process holds its pipe) is cut off, unless it waits for the
+            # host's window (a slow reader), which it may do until the timeout.
+            until = time.monotonic() + DRAIN_GRACE_S
+            if not timed_out:
+                until = max(until, started + timeout + DRAIN_GRACE_S if timeout else math.inf)
+            pending = set(pumps)
+            while pending:
+                _, pending = await asyncio.wait(
+                    pending, timeout=max(0.0, min(DRAIN_GRACE_S, until - time.monotonic())))
+                if pending and (not ch.outflow.waiting or time.monotonic() >= until):
+                    break
+            for t in pumps:
+                if t.done() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+        finally:
+            for t in (*pumps, feeder):
+                t.cancel()
+            await asyncio.gather(*pumps, feeder, return_exceptions=True)
         if proc.stdin is not None and not proc.stdin.is_closing():
             proc.stdin.close()
 
@@ -634,7 +739,7 @@ class Agent:
                 if not chunk:
                     break
                 size += len(chunk)
-                await self.send(P.Kind.DATA, cid, {"stream": "file"}, chunk)
+                await ch.stream({"stream": "file"}, chunk)  # waits for the host's window
         finally:
             os.close(fd)
         return {"path": path, "size": size}
@@ -657,7 +762,7 @@ class Agent:
         ok = False
         try:
             while True:
-                frame = await ch.inbox.get()
+                frame = await ch.get()
                 if frame.kind == P.Kind.DATA:
                     view = memoryview(frame.data)
                     while view:
@@ -666,8 +771,6 @@ class Agent:
                     size += len(frame.data)
                 elif frame.kind == P.Kind.EOF:
                     break
-                elif frame.kind == P.Kind.SIGNAL:
-                    raise OpError("invalid", "write aborted by the host")
             os.fchmod(fd, mode)
             os.fsync(fd)
             os.close(fd)
@@ -751,21 +854,21 @@ class Agent:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 10)
         except (OSError, asyncio.TimeoutError) as exc:
             raise OpError("not_found", f"cannot connect to {host}:{port}: {exc}") from None
-        await self.send(P.Kind.DATA, cid, {"stream": "socket", "connected": True})
+        await ch.stream({"stream": "socket", "connected": True})
         counts = {"in": 0, "out": 0}
 
         async def upstream() -> None:
             while True:
                 chunk = await reader.read(P.CHUNK)
                 if not chunk:
-                    await self.send(P.Kind.EOF, cid, {"stream": "socket"})
+                    await ch.stream({"stream": "socket"}, kind=P.Kind.EOF)
                     return
                 counts["out"] += len(chunk)
-                await self.send(P.Kind.DATA, cid, {"stream": "socket"}, chunk)
+                await ch.stream({"stream": "socket"}, chunk)  # waits for the host's window
 
         async def downstream() -> None:
             while True:
-                frame = await ch.inbox.get()
+                frame = await ch.get()
                 if frame.kind == P.Kind.DATA:
                     counts["in"] += len(frame.data)
                     writer.write(frame.data)
@@ -863,6 +966,45 @@ class Agent:
             except OSError:
                 f.write(seed)
         return {"bytes": len(seed), "reseeded": reseeded}
+
+    async def op_identity(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
+        """Make this guest a machine of its own after a fork or restore.
+
+        meta: ``hostname`` (the sandbox id), ``machine_id`` (32 lowercase hex
+        digits) and ``generation`` (a non-negative integer), each optional;
+        see ``hangar.guest.identity``. Returns the three as they now are.
+        """
+        hostname = meta.get("hostname")
+        machine_id = meta.get("machine_id")
+        generation = meta.get("generation")
+        if hostname is not None and not (isinstance(hostname, str)
+                                         and identity.valid_hostname(hostname)):
+            raise OpError("invalid", "hostname must be one DNS label (letters, digits, '-')")
+        if machine_id is not None and not (isinstance(machine_id, str)
+                                           and identity.valid_machine_id(machine_id)):
+            raise OpError("invalid", "machine_id must be 32 lowercase hex digits")
+        if generation is not None and (not isinstance(generation, int)
+                                       or isinstance(generation, bool) or generation < 0):
+            raise OpError("invalid", "generation must be a non-negative integer")
+        try:
+            if hostname is not None:
+                failed = identity.set_hostname(hostname)
+                if failed:
+                    raise OpError("io_error", "; ".join(failed))
+            if machine_id is not None:
+                identity.set_machine_id(machine_id)
+            if generation is not None:
+                identity.write_generation(generation)
+                self.generation = generation
+        except OSError as exc:
+            raise os_error(exc, "the guest's identity files") from None
+        try:
+            with open(identity.MACHINE_ID) as f:
+                current_id = f.read().strip()
+        except OSError:
+            current_id = None
+        return {"hostname": os.uname().nodename, "machine_id": current_id,
+                "generation": self.generation}
 
 
 def find_port(name: str = PORT_NAME) -> str | None:

@@ -10,8 +10,9 @@ then, in order and without starting any other program until the agent runs:
    Hangar's initramfs has mounted all of these already (busybox is quicker
    than importing ctypes under TCG), so normally this only checks;
 2. sets the hostname from ``hangar.hostname=`` on the kernel command line
-   (default ``hangar``), makes sure ``lo`` is up, and with ``hangar.net=``
-   brings the NIC up (``hangar.guest.net.configure``);
+   (default ``hangar``), writes a fresh ``/etc/machine-id`` and fork
+   generation 0 (``hangar.guest.identity``), makes sure ``lo`` is up, and
+   with ``hangar.net=`` brings the NIC up (``hangar.guest.net.configure``);
 3. starts the agent, ``python3 -m hangar.guest.agent`` (the interpreter
    running this init: ``/usr/bin/python3``, or Hangar's own runtime in
    images imported from OCI) with
@@ -43,6 +44,9 @@ power off.
 import os
 import sys
 import time
+
+from hangar.guest import identity
+from hangar.guest.identity import valid_hostname
 
 try:
     import _signal as signal  # the C module under ``signal``, without its enum import
@@ -163,30 +167,21 @@ def parse_cmdline(text: str) -> dict[str, str]:
     return out
 
 
-def valid_hostname(name: str) -> bool:
-    if not 0 < len(name) <= 63 or name.startswith("-") or name.endswith("-"):
-        return False
-    return all(c.isascii() and (c.isalnum() or c == "-") for c in name)
-
-
 def set_hostname(name: str) -> None:
+    for failure in identity.set_hostname(name):
+        log(f"warning: cannot set the hostname: {failure}")
+
+
+def fresh_identity() -> None:
+    """A machine-id of this boot's own and fork generation 0 (``hangar.guest.identity``)."""
     try:
-        with open("/proc/sys/kernel/hostname", "w") as f:
-            f.write(name)
+        identity.set_machine_id(identity.new_machine_id())
     except OSError as e:
-        log(f"warning: cannot set the hostname: {e}")
+        log(f"warning: cannot write {identity.MACHINE_ID}: {e}")
     try:
-        with open("/etc/hostname", "w") as f:
-            f.write(name + "\n")
-        with open("/etc/hosts") as f:
-            hosts = f.read()
-        line = f"127.0.1.1\t{name}"
-        if line not in hosts.splitlines():
-            kept = [ln for ln in hosts.splitlines() if not ln.startswith("127.0.1.1")]
-            with open("/etc/hosts", "w") as f:
-                f.write("\n".join(kept + [line]) + "\n")
-    except OSError:
-        pass
+        identity.write_generation(0)
+    except OSError as e:
+        log(f"warning: cannot write {identity.GENERATION_FILE}: {e}")
 
 
 def loopback_up() -> None:
@@ -398,6 +393,7 @@ def main() -> None:
             log(f"warning: invalid hangar.hostname={name!r}; using 'hangar'")
             name = "hangar"
         set_hostname(name)
+        fresh_identity()
         loopback_up()
         if "hangar.net" in cmdline:  # the NIC, before the agent: see hangar.guest.net
             from hangar.guest import net

@@ -15,29 +15,59 @@ Firecracker) carries many requests at once. Each frame is::
 The host opens a channel with a REQUEST frame (``meta["op"]`` names the
 operation) and picks its id; both sides may then send DATA and EOF frames on
 it (``meta["stream"]`` names the stream: ``stdin``, ``stdout``, ``stderr``,
-``file``); the guest ends it with one RESPONSE or ERROR frame. The host may
-send SIGNAL on an open channel. Channel 0 carries the agent's unsolicited
-HELLO, sent when it opens the port, so the host never writes before the
-guest is listening (virtio-serial drops bytes sent to a port nobody opened).
+``file``, ``socket``); the guest ends it with one RESPONSE or ERROR frame.
+The host may send SIGNAL (a signal for an exec) on an open channel, and
+CANCEL when it abandons one: the guest then stops the operation (an exec's
+process group is killed, a file or socket closed) and the host ignores
+whatever still comes on that channel. Channel 0 carries the agent's
+unsolicited HELLO, sent when it opens the port, so the host never writes
+before the guest is listening (virtio-serial drops bytes sent to a port
+nobody opened).
+
+**Flow control** (version 2). Each channel has a window in each
+direction, like HTTP/2's (RFC 9113 §5.2) or SSH's (RFC 4254 §5.2): a side
+may have at most ``WINDOW`` bytes of DATA and EOF frames on a channel that
+the other side has not yet acknowledged, counted as whole encoded frames
+(header, meta and data: ``Frame.size``). The receiver acknowledges with a
+WINDOW frame (``meta["bytes"]``: bytes it grants back) once its consumer
+has taken at least ``GRANT_AT`` bytes off the channel. REQUEST, RESPONSE,
+ERROR, SIGNAL, CANCEL, WINDOW and HELLO frames are not counted: each
+channel has one REQUEST and one RESPONSE or ERROR, and the others are
+small. So what one side must hold for a channel is bounded by ``WINDOW``
+plus one final frame, a slow reader of one channel slows only that
+channel's writer, and other channels on the same stream go on (no
+head-of-line blocking). A receiver that gets more than it granted on a
+channel treats it as a broken peer and drops the channel (``Inflow``).
 
 A reader that meets bytes that are not a frame header skips forward to the
 next magic; a frame with another version is answered with an ERROR of code
 ``unsupported_version``, so an old guest is detected, not misread.
+
+Versions: 1, the first; 2 adds WINDOW and CANCEL and flow control (a
+version-1 peer would not grant windows, so the two never talk).
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
 import struct
 from typing import Any
 
 MAGIC = b"HG"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("!2sBBIII")
 MAX_META = 1 << 20
 MAX_DATA = 1 << 22
 CHUNK = 1 << 16  # bytes of stream data per DATA frame
+WINDOW = 1 << 20
+"""Bytes of DATA and EOF frames (whole frames) a side may have unacknowledged per channel."""
+GRANT_AT = WINDOW // 4
+"""A receiver grants window back once its consumer has taken this many bytes."""
+MAX_STREAM_FRAME = HEADER.size + 1024 + CHUNK
+"""Largest DATA frame a sender makes (``CHUNK`` of data, a small meta); ``WINDOW -
+GRANT_AT`` is larger, so a sender always gets room for its next frame."""
 
 
 class Kind(enum.IntEnum):
@@ -48,6 +78,14 @@ class Kind(enum.IntEnum):
     RESPONSE = 5
     ERROR = 6
     SIGNAL = 7
+    WINDOW = 8
+    CANCEL = 9
+
+
+FLOW_KINDS = frozenset({Kind.DATA, Kind.EOF})
+"""Kinds whose frames count against a channel's window."""
+FINAL_KINDS = frozenset({Kind.RESPONSE, Kind.ERROR})
+"""Kinds that end a channel (guest to host)."""
 
 
 class ProtocolError(Exception):
@@ -63,16 +101,18 @@ def encode(kind: Kind, channel: int, meta: dict[str, Any] | None = None, data: b
 
 
 class Frame:
-    """One decoded frame."""
+    """One decoded frame; ``size`` is its encoded length in bytes (what flow control counts)."""
 
-    __slots__ = ("kind", "channel", "meta", "data", "version")
+    __slots__ = ("kind", "channel", "meta", "data", "version", "size")
 
-    def __init__(self, kind: int, channel: int, meta: dict[str, Any], data: bytes, version: int):
+    def __init__(self, kind: int, channel: int, meta: dict[str, Any], data: bytes, version: int,
+                 size: int = 0):
         self.kind = kind
         self.channel = channel
         self.meta = meta
         self.data = data
         self.version = version
+        self.size = size
 
     def __repr__(self) -> str:
         return f"Frame(kind={self.kind}, channel={self.channel}, meta={self.meta}, data={len(self.data)}B)"
@@ -113,4 +153,94 @@ class Decoder:
             except ValueError:
                 self.skipped += end
                 continue
-            frames.append(Frame(kind, channel, meta, data, version))
+            if not isinstance(meta, dict):
+                self.skipped += end
+                continue
+            frames.append(Frame(kind, channel, meta, data, version, end))
+
+
+def granted(frame: Frame) -> int:
+    """The bytes a WINDOW frame grants; 0 for a malformed one."""
+    n = frame.meta.get("bytes")
+    return n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= WINDOW else 0
+
+
+class Outflow:
+    """The sender's side of one channel's window: bytes it may still send.
+
+    ``take(n)`` waits until ``n`` bytes of window are free, then uses them;
+    ``grant(n)`` (a WINDOW frame came) frees more. ``fail(exc)`` makes every
+    waiting and later ``take`` raise ``exc``; ``fail(None)`` lets them
+    through at once instead (the frames go nowhere: the peer is gone).
+    """
+
+    def __init__(self, size: int = WINDOW) -> None:
+        self.size = size
+        self.available = size
+        self._changed = asyncio.Event()
+        self._failed: BaseException | None = None
+        self._open = False
+        self._waiters = 0
+
+    @property
+    def waiting(self) -> bool:
+        """True while a ``take`` waits for window."""
+        return self._waiters > 0
+
+    def grant(self, n: int) -> None:
+        # A receiver grants back only what it took, so more than the whole window
+        # is a broken peer's lie: never believed.
+        self.available = min(self.available + n, self.size)
+        self._changed.set()
+
+    def fail(self, exc: BaseException | None) -> None:
+        if exc is None:
+            self._open = True
+        elif self._failed is None:
+            self._failed = exc
+        self._changed.set()
+
+    async def take(self, n: int) -> None:
+        if n > WINDOW:
+            raise ValueError(f"a {n}-byte frame cannot fit a {WINDOW}-byte window")
+        self._waiters += 1
+        try:
+            while True:
+                if self._failed is not None:
+                    raise self._failed
+                if self._open or self.available >= n:
+                    self.available -= n
+                    return
+                self._changed.clear()
+                await self._changed.wait()
+        finally:
+            self._waiters -= 1
+
+
+class Inflow:
+    """The receiver's side of one channel's window.
+
+    ``arrive(n)`` accounts a DATA or EOF frame of ``n`` bytes: False when the
+    sender had no such window (a broken or hostile peer). ``consume(n)``
+    accounts what the consumer took and returns the bytes to grant back
+    now (0 until ``GRANT_AT`` have gathered).
+    """
+
+    def __init__(self, size: int = WINDOW) -> None:
+        self.window = size
+        """Bytes the sender may still send."""
+        self._consumed = 0
+
+    def arrive(self, n: int) -> bool:
+        if n > self.window:
+            return False
+        self.window -= n
+        return True
+
+    def consume(self, n: int) -> int:
+        self._consumed += n
+        if self._consumed < GRANT_AT:
+            return 0
+        grant, self._consumed = self._consumed, 0
+        self.window += grant
+        return grant

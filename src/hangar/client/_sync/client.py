@@ -230,7 +230,10 @@ class Hangar:
         """``POST /sandboxes/{id}/exec/stream``: yield output chunks as they come, then ``exit``.
 
         Arguments as for ``exec``. ``retry=True`` retries only the opening
-        of the stream (before any output), never a stream cut midway.
+        of the stream (before any output), never a stream cut midway. A call
+        that fails midway (an ``error`` line: the guest stopped answering, or
+        its connection was lost) raises the matching error (``Timeout``,
+        ``GuestError``) after the output that came before it.
         """
         body = _core.exec_body(command, list(args) if args is not None else None, env, cwd,
                                stdin, timeout, None, show_command)
@@ -240,7 +243,10 @@ class Hangar:
         try:
             for line in resp.iter_lines():
                 if line.strip():
-                    yield ExecStreamEvent.model_validate_json(line)
+                    ev = ExecStreamEvent.model_validate_json(line)
+                    if ev.type == "error":
+                        raise _core.stream_error(ev.code, ev.message)
+                    yield ev
         except httpx.TransportError as exc:
             raise _core.transport_error(self.base_url, exc, t) from None
         finally:
