@@ -44,8 +44,13 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from hangar.engines.cgroups import Hierarchy, Limits
 from hangar.layout import SandboxPaths
+
+if TYPE_CHECKING:
+    from hangar.config import Settings
 
 log = logging.getLogger("hangar.engine.confine")
 
@@ -94,6 +99,13 @@ class ConfineConfig:
     seccomp: bool = True
     overhead_mib: int = OVERHEAD_MIB
     console_log_bytes: int = 4 << 20
+
+
+def config_from(settings: "Settings") -> ConfineConfig:
+    """The ``ConfineConfig`` of a server's settings (``HANGAR_VMM_*``, ``HANGAR_CONSOLE_*``)."""
+    return ConfineConfig(enabled=settings.vmm_confine, cgroups=settings.vmm_cgroups,
+                         overhead_mib=settings.vmm_memory_overhead_mib,
+                         console_log_bytes=settings.console_log_bytes)
 
 
 @dataclass
@@ -253,6 +265,7 @@ class Confinement:
             if Path("/etc/ld.so.cache").exists():
                 plan.binds.append(("/etc/ld.so.cache", "/etc/ld.so.cache", False))
             for d in reads:
+                _readable_by_all(d)
                 plan.binds.append((str(d.resolve()), str(d.absolute()), False))
             plan.binds.append((str(paths.dir), str(paths.dir.absolute()), True))
             plan.symlinks = [(p, os.readlink(p)) for p in MERGED_USR if os.path.islink(p)]
@@ -291,6 +304,19 @@ class Confinement:
         from hangar.engines.cgroups import remove_dirs
 
         await remove_dirs(dirs)
+
+
+def _readable_by_all(folder: Path) -> None:
+    """Let any user read ``folder`` and its files (a build made under umask 0077 is
+    root's only; images are shared and hold nothing secret)."""
+    for p in (folder, *folder.iterdir()):
+        try:
+            st = p.stat()
+            want = st.st_mode | (0o555 if stat.S_ISDIR(st.st_mode) else 0o444)
+            if stat.S_IMODE(st.st_mode) != stat.S_IMODE(want) and not p.is_symlink():
+                os.chmod(p, stat.S_IMODE(want))
+        except OSError:
+            pass
 
 
 def _kvm_group() -> list[int]:
