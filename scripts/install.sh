@@ -45,6 +45,8 @@ fi
 PKGS="qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils lz4 curl nftables iproute2 novnc logrotate"
 # The agent tools' in-process tier runs commands in bubblewrap sandboxes.
 PKGS="$PKGS bubblewrap"
+# A guest's console log is capped and rotated by multilog (hangar.engines.confine).
+PKGS="$PKGS daemontools"
 # The browser tests drive Debian's Chromium (Playwright never downloads its own); the
 # operations tests run nginx, sshd and openssl, in the foreground on free ports.
 [ "$TEST_TOOLS" = 1 ] && PKGS="$PKGS chromium nginx openssh-server openssl python3-venv"

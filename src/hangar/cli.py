@@ -543,7 +543,7 @@ def doctor(data_dir: DataDir = None) -> None:
     from hangar.engines.confine import config_from
 
     for line in diagnose(layout, image, confine=config_from(settings),
-                         jailer=settings.firecracker_jailer).lines():
+                         jailer_mode=settings.firecracker_jailer).lines():
         print(line)
     for line in doctor_lines(settings.network, user_open=settings.net_user_open,
                              bridge=settings.net_bridge, pool=settings.net_pool):

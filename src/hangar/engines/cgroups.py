@@ -68,16 +68,14 @@ class Group:
         """The limits as the kernel reports them (for checks and tests). Raises OSError."""
         if self.version == "2":
             d = self.dirs[0]
-            mem = int((d / "memory.max").read_text())
             quota, period = (d / "cpu.max").read_text().split()
-            pids = int((d / "pids.max").read_text())
-            return Limits(mem, int(quota) / int(period), pids)
+            return Limits(int((d / "memory.max").read_text()), int(quota) / int(period),
+                          int((d / "pids.max").read_text()))
         mem_dir, cpu_dir, pids_dir = self.dirs
-        mem = int((mem_dir / "memory.limit_in_bytes").read_text())
-        quota = int((cpu_dir / "cpu.cfs_quota_us").read_text())
-        period = int((cpu_dir / "cpu.cfs_period_us").read_text())
-        pids = int((pids_dir / "pids.max").read_text())
-        return Limits(mem, quota / period, pids)
+        return Limits(int((mem_dir / "memory.limit_in_bytes").read_text()),
+                      int((cpu_dir / "cpu.cfs_quota_us").read_text())
+                      / int((cpu_dir / "cpu.cfs_period_us").read_text()),
+                      int((pids_dir / "pids.max").read_text()))
 
     def peak_memory(self) -> int | None:
         """The most memory the group has used, bytes (v1 ``memory.max_usage_in_bytes``,

@@ -40,6 +40,7 @@ import os
 import shutil
 import stat
 import sys
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -304,6 +305,29 @@ class Confinement:
         from hangar.engines.cgroups import remove_dirs
 
         await remove_dirs(dirs)
+
+
+def release_folder(paths: SandboxPaths, wait: float = 1.0) -> None:
+    """Remove the cgroup that ``paths``' ``vmm.cgroup`` names, waiting up to ``wait``
+    seconds for a just-killed VMM to leave it; for callers that cannot await (the
+    start-up sweep). Never raises."""
+    try:
+        dirs = [Path(line) for line in paths.cgroup_file.read_text().split()]
+    except OSError:
+        return
+    deadline = time.monotonic() + wait
+    for d in dirs:
+        while True:
+            try:
+                d.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    log.warning("could not remove cgroup %s", d)
+                    break
+                time.sleep(0.02)
 
 
 def _readable_by_all(folder: Path) -> None:

@@ -183,11 +183,11 @@ def jailer_choice(wanted: bool | str) -> tuple[Path | None, str]:
 
 def diagnose(layout: Layout, image: "GuestImage | None", *, use_cache: bool = True,
              probe_timeout: float = PROBE_TIMEOUT_S,
-             confine: ConfineConfig | None = None, jailer: bool | str = "auto") -> Report:
+             confine: ConfineConfig | None = None, jailer_mode: bool | str = "auto") -> Report:
     """Inspect this host; see the module docstring. Runs (or reads cached) probe boots.
 
     ``image`` None skips both probe boots. Never raises for a missing VMM.
-    ``confine`` and ``jailer`` are the server's settings (default: the defaults).
+    ``confine`` and ``jailer_mode`` are the server's settings (default: the defaults).
     """
     from hangar.engines.qemu import QEMU, choose_accel, qemu_version
 
@@ -263,7 +263,7 @@ def diagnose(layout: Layout, image: "GuestImage | None", *, use_cache: bool = Tr
     measures = [Measure(f"qemu {m.name}", m.on, m.reason)
                 for m in Confinement(confine).measures()]
     try:
-        jb, jailer_why = jailer_choice(jailer)
+        jb, jailer_why = jailer_choice(jailer_mode)
     except EngineError as exc:
         jb, jailer_why = None, exc.message
     measures.append(Measure("firecracker jailer", jb is not None, jailer_why))
