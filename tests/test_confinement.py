@@ -150,6 +150,8 @@ def test_vmm_runs_confined(srv: Server, api: httpx.Client, sid: str) -> None:
     assert seen == ["sandboxes"], seen  # (images: bound at their resolved path)
     assert os.listdir(f"/proc/{pid}/root{srv.data_dir}/sandboxes") == [sid]
     assert set(os.listdir(f"/proc/{pid}/root/dev")) <= {"null", "random", "urandom", "zero", "kvm"}
+    for ns in ("mnt", "net", "ipc"):  # no NIC here: not even the host's network
+        assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}"), ns
     # The server's own files in the sandbox folder are out of the VMM's reach.
     folder = srv.data_dir / "sandboxes" / sid
     for name in ("vmm.pid", "vmm.log"):

@@ -9,6 +9,8 @@ each QEMU runs (``QemuEngine``; Firecracker gets the same from its jailer):
 - **in its own cgroup** (``hangar.engines.cgroups``): memory = the guest's
   plus ``overhead_mib`` (plus the TCG translation cache under TCG), CPU =
   its vCPUs, pids = ``PIDS_MAX``;
+- **in no network but what it needs**: its own (empty) network namespace
+  unless its NIC is QEMU's user-mode stack; a TAP is handed to it open;
 - **seeing only its own files**: a mount namespace whose root holds
   ``/usr`` (read-only: QEMU, its libraries and firmware), its image's
   directory (read-only), its sandbox folder and a ``/dev`` with only
@@ -123,6 +125,7 @@ class Plan:
     gid: int | None = None
     groups: list[int] = field(default_factory=list)
     cwd: str | None = None
+    own_network: bool = False
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, separators=(",", ":"))
@@ -136,7 +139,8 @@ class Plan:
         ``console_dir`` (the whole host without a view, when not confined)."""
         plan = Plan(cgroups=self.cgroups, uid=self.uid, gid=self.gid, groups=[],
                     cwd=str(console_dir.absolute()), root=self.root,
-                    symlinks=self.symlinks, devices=list(DEVICES[:1]) if self.root else [])
+                    symlinks=self.symlinks, devices=list(DEVICES[:1]) if self.root else [],
+                    own_network=self.root is not None)
         if self.root:
             plan.binds = [b for b in self.binds if b[0] in ("/usr", "/etc/ld.so.cache")]
             plan.binds.append((str(console_dir), str(console_dir.absolute()), True))
@@ -234,12 +238,14 @@ class Confinement:
 
     def prepare(self, sandbox_id: str, paths: SandboxPaths, *, vcpus: int, memory_mib: int,
                 accel: str, reads: list[Path], owned: list[Path],
-                file_limit: int | None = None) -> Plan:
+                file_limit: int | None = None, host_network: bool = False) -> Plan:
         """Make ``sandbox_id``'s cgroup and folder ready, and return its ``Plan``.
 
         ``reads``: folders the VMM reads (its image), bound read-only at their
         own paths; ``owned``: files in its folder that become its own (its
-        disk); ``file_limit``: ``RLIMIT_FSIZE`` in bytes. Raises OSError (a
+        disk); ``file_limit``: ``RLIMIT_FSIZE`` in bytes; ``host_network``: the
+        VMM needs the host's network namespace (QEMU's user-mode stack),
+        otherwise it gets one of its own with nothing in it. Raises OSError (a
         cgroup or a file could not be set up).
         """
         plan = Plan(cwd=str(paths.dir))
@@ -262,6 +268,7 @@ class Confinement:
             root = paths.view_root
             root.mkdir(mode=0o755, exist_ok=True)
             plan.root = str(root)
+            plan.own_network = not host_network
             plan.binds = [("/usr", "/usr", False)]
             if Path("/etc/ld.so.cache").exists():
                 plan.binds.append(("/etc/ld.so.cache", "/etc/ld.so.cache", False))

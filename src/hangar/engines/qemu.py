@@ -318,7 +318,8 @@ class QemuEngine(Engine):
             plan = self.confine.prepare(
                 spec.sandbox_id, p, vcpus=spec.vcpus, memory_mib=spec.memory_mib,
                 accel=self.accel, reads=image_dirs, owned=[p.disk],
-                file_limit=(spec.disk_mib + spec.memory_mib + FILE_LIMIT_SLACK_MIB) << 20)
+                file_limit=(spec.disk_mib + spec.memory_mib + FILE_LIMIT_SLACK_MIB) << 20,
+                host_network=spec.net is not None and spec.net.kind == "user")
             console = self.confine.console_argv(p)
             if spec.net is not None and spec.net.kind == "tap" and self.confine.user:
                 tap_fd = open_tap(spec.net.tap or "")

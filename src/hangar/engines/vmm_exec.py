@@ -13,7 +13,10 @@ stderr, which is the sandbox's ``vmm.log``, and exits 126):
    the VMM's every page and thread counts from its first instruction.
 2. ``rlimits``: ``RLIMIT_CORE`` 0 (a VMM's core would hold guest memory) and
    ``RLIMIT_FSIZE`` (no file it writes grows past it).
-3. ``view``: a new mount namespace whose root is an empty tmpfs mounted on
+3. ``view``: new mount and IPC namespaces (and, with ``own_network``, a
+   network namespace holding only a loopback that is down: a VMM whose NIC
+   is a TAP it was handed, or that has none, needs no network of the
+   host's), the mount namespace's root an empty tmpfs mounted on
    ``root``: the ``binds`` (read-only unless marked), the host's
    ``/usr``-merged symlinks, and ``/dev`` with only the listed character
    devices, made for the VMM's user (as Firecracker's jailer makes
@@ -29,6 +32,7 @@ The plan (``hangar.engines.confine.Plan.to_json``) has the keys ``cgroups``
 (list of directories), ``rlimits`` (``{"FSIZE": bytes}``), ``root`` (a
 directory, or null for no view), ``binds`` (``[src, dst, writable]``),
 ``symlinks`` (``[path, target]``), ``devices`` (``[name, major, minor]``),
+``own_network`` (bool),
 ``uid``, ``gid``, ``groups`` (null: keep the caller's identity) and ``cwd``.
 """
 
@@ -40,6 +44,8 @@ import stat
 import sys
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWNET = 0x40000000
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
@@ -95,7 +101,8 @@ def _inside(root: str, path: str) -> str:
 def make_view(plan: dict) -> None:
     root = plan["root"]
     uid, gid = plan.get("uid"), plan.get("gid")
-    _check(_libc.unshare(CLONE_NEWNS), "view: unshare")
+    flags = CLONE_NEWNS | CLONE_NEWIPC | (CLONE_NEWNET if plan.get("own_network") else 0)
+    _check(_libc.unshare(flags), "view: unshare")
     _mount(None, "/", None, MS_REC | MS_PRIVATE, what="view: make private")
     _mount("tmpfs", root, "tmpfs", MS_NOSUID, "mode=0755,size=1m,nr_inodes=4096",
            what="view: tmpfs on")
