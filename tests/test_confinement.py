@@ -287,7 +287,7 @@ def test_doctor_reports_each_measure(srv: Server) -> None:
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     for name in ("qemu vmm user", "qemu vmm seccomp", "qemu vmm cgroup", "qemu vmm view",
-                 "qemu console log cap", "firecracker jailer"):
+                 "console log cap", "firecracker jailer"):
         line = next((x for x in lines if x.startswith(name + ": ")), None)
         assert line is not None, (name, out.stdout)
         assert line.split(": ", 1)[1].startswith(("on (", "off (")), line

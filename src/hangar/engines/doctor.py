@@ -260,8 +260,8 @@ def diagnose(layout: Layout, image: "GuestImage | None", *, use_cache: bool = Tr
     if fc and not fc_ok and kvm:
         notes.append("note: /dev/kvm opens but guests do not run under Firecracker; a nested "
                      "or paravirtual KVM may run only guest kernels built for it")
-    measures = [Measure(f"qemu {m.name}", m.on, m.reason)
-                for m in Confinement(confine).measures()]
+    measures = [Measure(m.name if m.name.startswith("console") else f"qemu {m.name}", m.on,
+                        m.reason) for m in Confinement(confine).measures()]
     try:
         jb, jailer_why = jailer_choice(jailer_mode)
     except EngineError as exc:
@@ -309,7 +309,8 @@ def choose_engine(kind: str, layout: Layout, image: "GuestImage", *, accel: str 
                     config = JailerConfig(jb, cgroups=c.cgroups if c.enabled else "off")  # type: ignore[arg-type]
                 else:
                     log.warning("Firecracker runs without its jailer: %s", why)
-            return FirecrackerEngine(fc, jailer=config)
+            return FirecrackerEngine(fc, jailer=config, console_log_bytes=(
+                confine or ConfineConfig()).console_log_bytes)
     from hangar.engines.qemu import QemuEngine, choose_accel
 
     chosen, reason = choose_accel(layout, image.kernel, image.initrd, accel)
