@@ -9,6 +9,12 @@ right after the start; its stdout and stderr go to files the caller names.
 ``VMMProcesses`` remembers the children this server started, so that each
 is reaped (no zombie) once it exits; a VMM adopted from an earlier server is
 not our child and is watched through ``/proc`` instead.
+
+A confined VMM (``hangar.engines.confine.Plan``) is started through
+``hangar.engines.vmm_exec``, which joins its cgroup, builds its private
+view, drops to its user and execs it under the same pid. Its stdout, the
+guest's serial console, may go through a pipe to a console logger
+(``multilog``) that caps and rotates it; the logger ends when the VMM does.
 """
 
 from __future__ import annotations
