@@ -295,6 +295,57 @@ def test_doctor_reports_each_measure(srv: Server) -> None:
     assert "qemu vmm seccomp: on (" in out.stdout
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="no /dev/kvm on this host")
+def test_confined_qemu_opens_kvm(base_image) -> None:  # noqa: ANN001
+    """Under KVM the VMM's uid opens its own /dev/kvm node. This host's nested KVM runs no
+    ordinary guest (QEMU stops at setting MSRs), so what is checked is that a confined
+    QEMU gets exactly as far as an unconfined one, and never meets a permission error."""
+    import asyncio
+
+    from hangar.engines.base import VMSpec
+    from hangar.engines.confine import ConfineConfig, Confinement
+    from hangar.engines.qemu import QemuEngine
+    from hangar.errors import HangarError
+    from hangar.images import resolve_image
+    from hangar.layout import Layout
+
+    async def attempt(enabled: bool, root: Path) -> tuple[bool, str, int | None]:
+        layout = Layout(root)
+        layout.ensure()
+        engine = QemuEngine("kvm", confine=Confinement(ConfineConfig(enabled=enabled)))
+        spec = VMSpec(f"sb-kvm{int(enabled)}", resolve_image(layout, "base"),
+                      layout.sandbox(f"sb-kvm{int(enabled)}"), memory_mib=256)
+        vm = None
+        try:
+            vm = await engine.boot(spec)
+            deadline = time.monotonic() + 5
+            while vm.alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            uid = int(status(vm.pid)["Uid"].split()[0]) if vm.alive() else None
+            return vm.alive(), spec.paths.vmm_log.read_text(), uid
+        except HangarError as exc:
+            return False, exc.message, None
+        finally:
+            if vm is not None:
+                await engine.stop(vm)
+
+    d = make_data_dir(base_image)
+    try:
+        confined = asyncio.run(attempt(True, d))
+        plain = asyncio.run(attempt(False, d))
+    finally:
+        for pid in vmm_pids(str(d)):
+            os.kill(pid, 9)
+        shutil.rmtree(d, ignore_errors=True)
+    for words in ("Permission denied", "Could not access KVM", "vmm_exec"):
+        assert words not in confined[1], confined[1]
+    assert confined[0] == plain[0], (confined, plain)
+    if confined[0]:
+        assert confined[2] != 0
+    else:  # both stopped at the same place
+        assert confined[1].strip().splitlines()[-1] == plain[1].strip().splitlines()[-1]
+
+
 def test_cgroup_files_of_both_versions(tmp_path: Path) -> None:
     """What each version writes, on a fake tree (no kernel involved)."""
     limits = Limits(memory_bytes=700 << 20, cpus=2.0, pids=PIDS_MAX)
