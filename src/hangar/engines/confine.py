@@ -75,6 +75,8 @@ of its own guest."""
 TCG_CACHE_MIB = 1024
 """QEMU's default TCG translation cache for system emulation (``tb-size``), MiB;
 it is touched as guest code is translated, so it counts against the group."""
+TAP_FD = 3
+"""The file descriptor under which a confined VMM gets its TAP device."""
 DEVICES = (("null", 1, 3), ("zero", 1, 5), ("random", 1, 8), ("urandom", 1, 9))
 KVM_DEVICE = ("kvm", 10, 232)
 MERGED_USR = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -130,6 +132,8 @@ class Plan:
     groups: list[int] = field(default_factory=list)
     cwd: str | None = None
     own_network: bool = False
+    netns: str | None = None
+    tap: tuple[str, int] | None = None
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, separators=(",", ":"))
@@ -242,17 +246,20 @@ class Confinement:
 
     def prepare(self, sandbox_id: str, paths: SandboxPaths, *, vcpus: int, memory_mib: int,
                 accel: str, reads: list[Path], owned: list[Path],
-                file_limit: int | None = None, host_network: bool = False) -> Plan:
+                file_limit: int | None = None, host_network: bool = False,
+                tap: str | None = None, netns: Path | None = None) -> Plan:
         """Make ``sandbox_id``'s cgroup and folder ready, and return its ``Plan``.
 
         ``reads``: folders the VMM reads (its image), bound read-only at their
         own paths; ``owned``: files in its folder that become its own (its
         disk); ``file_limit``: ``RLIMIT_FSIZE`` in bytes; ``host_network``: the
         VMM needs the host's network namespace (QEMU's user-mode stack),
-        otherwise it gets one of its own with nothing in it. Raises OSError (a
-        cgroup or a file could not be set up).
+        otherwise it gets one of its own with nothing in it; ``tap``: its TAP
+        device, handed to it open as ``TAP_FD`` when it runs as its own user
+        (``tap_fd`` tells); ``netns``: a network namespace to start it in
+        (where its TAP is). Raises OSError (a cgroup or a file could not be set up).
         """
-        plan = Plan(cwd=str(paths.dir))
+        plan = Plan(cwd=str(paths.dir), netns=str(netns) if netns else None)
         if file_limit:
             plan.rlimits["FSIZE"] = file_limit
         if self.hierarchy is not None:
@@ -263,6 +270,8 @@ class Confinement:
             return plan
         uid = self.uid_for(sandbox_id)
         plan.uid = plan.gid = uid
+        if tap:
+            plan.tap = (tap, TAP_FD)
         os.chown(paths.dir, 0, uid)
         os.chmod(paths.dir, 0o1770)
         for f in owned:
@@ -285,6 +294,10 @@ class Confinement:
         elif accel == "kvm":
             plan.groups = _kvm_group()
         return plan
+
+    def tap_fd(self) -> int | None:
+        """The file descriptor a VMM gets its TAP as, or None (it opens the TAP itself)."""
+        return TAP_FD if self.user else None
 
     def console_argv(self, paths: SandboxPaths) -> list[str] | None:
         """The logger that takes the VMM's stdout, or None (stdout goes to ``serial.log``).

@@ -52,8 +52,6 @@ import json
 import logging
 import os
 import platform
-import fcntl
-import struct
 import shutil
 import subprocess
 import time
@@ -167,25 +165,6 @@ def choose_accel(layout: Layout, kernel: Path, initrd: Path, wanted: str = "auto
     return accel, reason
 
 
-TUNSETIFF = 0x400454CA
-IFF_TAP, IFF_NO_PI, IFF_VNET_HDR = 0x0002, 0x1000, 0x4000
-
-
-def open_tap(name: str) -> int:
-    """An open file of the existing TAP device ``name`` (as QEMU would open it).
-
-    Needs CAP_NET_ADMIN (root); raises OSError.
-    """
-    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
-    try:
-        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(),
-                                               IFF_TAP | IFF_NO_PI | IFF_VNET_HDR))
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
-
-
 class QemuEngine(Engine):
     """Boots sandboxes as QEMU microvm guests. See the module docstring."""
 
@@ -198,6 +177,9 @@ class QemuEngine(Engine):
         self.version = qemu_version()
         self.binary = shutil.which(QEMU) or QEMU
         self.confine = confine if confine is not None else Confinement()
+        self.network_namespace: Path | None = None
+        """Start VMMs in this network namespace (e.g. ``/run/netns/NAME``; where their
+        TAPs are) instead of the server's."""
         self._procs = VMMProcesses()
         # Agent connections that ``restore`` opened before ``cont``, by QEMU pid.
         self._held: dict[int, Streams] = {}
@@ -264,7 +246,7 @@ class QemuEngine(Engine):
 
         TAP: the NetworkManager made the TAP, so QEMU runs no scripts; a
         confined QEMU may not open ``/dev/net/tun``, so it gets the TAP as
-        the open file ``tap_fd`` (``open_tap``). User mode: QEMU's own
+        the open file ``tap_fd`` (``hangar.engines.vmm_exec`` opens it). User mode: QEMU's own
         stack on the attachment's subnet, IPv4 only.
         """
         net = spec.net
@@ -311,7 +293,7 @@ class QemuEngine(Engine):
         caller cleans up on failure.
         """
         p = spec.paths
-        tap_fd: int | None = None
+        tap = spec.net.tap if spec.net is not None and spec.net.kind == "tap" else None
         try:
             image_dirs = sorted({f.parent for f in (spec.image.kernel, spec.image.initrd,
                                                     spec.image.rootfs)})
@@ -319,19 +301,14 @@ class QemuEngine(Engine):
                 spec.sandbox_id, p, vcpus=spec.vcpus, memory_mib=spec.memory_mib,
                 accel=self.accel, reads=image_dirs, owned=[p.disk],
                 file_limit=(spec.disk_mib + spec.memory_mib + FILE_LIMIT_SLACK_MIB) << 20,
-                host_network=spec.net is not None and spec.net.kind == "user")
+                host_network=spec.net is not None and spec.net.kind == "user", tap=tap,
+                netns=self.network_namespace)
             console = self.confine.console_argv(p)
-            if spec.net is not None and spec.net.kind == "tap" and self.confine.user:
-                tap_fd = open_tap(spec.net.tap or "")
-            argv = [*self.command(spec, tap_fd), *extra]
+            argv = [*self.command(spec, self.confine.tap_fd() if tap else None), *extra]
             proc = self._procs.spawn(argv, cwd=p.dir, pid_file=p.pid_file, stdout=p.serial_log,
-                                     stderr=p.vmm_log, plan=plan, console=console,
-                                     pass_fds=() if tap_fd is None else (tap_fd,))
+                                     stderr=p.vmm_log, plan=plan, console=console)
         except OSError as exc:
             raise EngineError(f"cannot start {QEMU}: {exc}", sandbox_id=spec.sandbox_id) from None
-        finally:
-            if tap_fd is not None:
-                os.close(tap_fd)
         vm = VM(spec.sandbox_id, self.name, proc.pid, p, self.accel)
         try:
             deadline = time.monotonic() + 10

@@ -12,7 +12,10 @@ stderr, which is the sandbox's ``vmm.log``, and exits 126):
 1. ``cgroups``: write its own pid to ``cgroup.procs`` of each directory, so
    the VMM's every page and thread counts from its first instruction.
 2. ``rlimits``: ``RLIMIT_CORE`` 0 (a VMM's core would hold guest memory) and
-   ``RLIMIT_FSIZE`` (no file it writes grows past it).
+   ``RLIMIT_FSIZE`` (no file it writes grows past it). ``netns``: enter
+   that network namespace (a path such as ``/run/netns/NAME``). ``tap``: open the
+   existing TAP device (of the network namespace it was started in) as
+   the given file descriptor, since the VMM may not open ``/dev/net/tun``.
 3. ``view``: new mount and IPC namespaces (and, with ``own_network``, a
    network namespace holding only a loopback that is down: a VMM whose NIC
    is a TAP it was handed, or that has none, needs no network of the
@@ -32,15 +35,18 @@ The plan (``hangar.engines.confine.Plan.to_json``) has the keys ``cgroups``
 (list of directories), ``rlimits`` (``{"FSIZE": bytes}``), ``root`` (a
 directory, or null for no view), ``binds`` (``[src, dst, writable]``),
 ``symlinks`` (``[path, target]``), ``devices`` (``[name, major, minor]``),
-``own_network`` (bool),
+``own_network`` (bool), ``netns`` (a path or null), ``tap`` (``[device, fd]`` or null),
 ``uid``, ``gid``, ``groups`` (null: keep the caller's identity) and ``cwd``.
 """
 
 import ctypes
+import fcntl
 import json
 import os
 import resource
+import socket
 import stat
+import struct
 import sys
 
 CLONE_NEWNS = 0x00020000
@@ -56,6 +62,8 @@ MS_REC = 16384
 MS_PRIVATE = 1 << 18
 MNT_DETACH = 2
 PR_SET_NO_NEW_PRIVS = 38
+TUNSETIFF = 0x400454CA
+IFF_TAP, IFF_NO_PI, IFF_VNET_HDR = 0x0002, 0x1000, 0x4000
 SYS_PIVOT_ROOT = 155  # x86_64
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -92,6 +100,42 @@ def set_rlimits(limits: dict[str, int]) -> None:
     if "FSIZE" in limits:
         n = int(limits["FSIZE"])
         resource.setrlimit(resource.RLIMIT_FSIZE, (n, n))
+
+
+def enter_netns(path: str) -> None:
+    """Move into the network namespace bound at ``path`` (``ip netns`` names them)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise Failed(f"netns: {path}: {exc.strerror}") from None
+    try:
+        _check(_libc.setns(fd, CLONE_NEWNET), f"netns: enter {path}")
+    finally:
+        os.close(fd)
+
+
+def open_tap(name: str, fd_number: int) -> None:
+    """Open the existing TAP ``name`` of this network namespace as ``fd_number``."""
+    try:
+        socket.if_nametoindex(name)  # never create one: TUNSETIFF would
+    except OSError:
+        raise Failed(f"tap: no device {name} here") from None
+    try:
+        os.fstat(fd_number)
+    except OSError:
+        pass
+    else:
+        raise Failed(f"tap: file descriptor {fd_number} is taken")
+    try:
+        fd = os.open("/dev/net/tun", os.O_RDWR)
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(),
+                                               IFF_TAP | IFF_NO_PI | IFF_VNET_HDR))
+    except OSError as exc:
+        raise Failed(f"tap: cannot open {name}: {exc.strerror}") from None
+    if fd != fd_number:
+        os.dup2(fd, fd_number)
+        os.close(fd)
+    os.set_inheritable(fd_number, True)
 
 
 def _inside(root: str, path: str) -> str:
@@ -161,6 +205,10 @@ def drop_user(plan: dict) -> None:
 def run(plan: dict, argv: list[str]) -> None:
     join_cgroups(plan.get("cgroups", []))
     set_rlimits(plan.get("rlimits", {}))
+    if plan.get("netns"):
+        enter_netns(plan["netns"])
+    if plan.get("tap"):
+        open_tap(plan["tap"][0], int(plan["tap"][1]))
     if plan.get("root"):
         make_view(plan)
     drop_user(plan)
