@@ -147,6 +147,7 @@ def make_view(plan: dict) -> None:
     uid, gid = plan.get("uid"), plan.get("gid")
     flags = CLONE_NEWNS | CLONE_NEWIPC | (CLONE_NEWNET if plan.get("own_network") else 0)
     _check(_libc.unshare(flags), "view: unshare")
+    umask = os.umask(0o022)  # the view's folders must be traversable by the VMM's user
     _mount(None, "/", None, MS_REC | MS_PRIVATE, what="view: make private")
     _mount("tmpfs", root, "tmpfs", MS_NOSUID, "mode=0755,size=1m,nr_inodes=4096",
            what="view: tmpfs on")
@@ -186,6 +187,7 @@ def make_view(plan: dict) -> None:
     _check(_libc.umount2(b".", MNT_DETACH), "view: detach the old root")
     os.chdir("/")
     _mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID, what="view: read-only root")
+    os.umask(umask)
 
 
 def drop_user(plan: dict) -> None:
