@@ -77,15 +77,6 @@ class Group:
                       / int((cpu_dir / "cpu.cfs_period_us").read_text()),
                       int((pids_dir / "pids.max").read_text()))
 
-    def peak_memory(self) -> int | None:
-        """The most memory the group has used, bytes (v1 ``memory.max_usage_in_bytes``,
-        v2 ``memory.peak`` where the kernel has it); None when unknown."""
-        name = "memory.peak" if self.version == "2" else "memory.max_usage_in_bytes"
-        try:
-            return int((self.dirs[0] / name).read_text())
-        except (OSError, ValueError):
-            return None
-
 
 def _mounts() -> list[tuple[str, Path, set[str]]]:
     """(fstype, mountpoint, options) of every cgroup mount, from /proc/self/mounts."""

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from hangar.engines.cgroups import Hierarchy, Limits
+from hangar.engines.cgroups import Hierarchy, Limits, remove_dirs
 from hangar.layout import SandboxPaths
 
 if TYPE_CHECKING:
@@ -326,8 +326,6 @@ class Confinement:
             dirs = [Path(line) for line in paths.cgroup_file.read_text().split()]
         except OSError:
             return
-        from hangar.engines.cgroups import remove_dirs
-
         await remove_dirs(dirs)
 
 
