@@ -213,8 +213,8 @@ class Confinement:
         else:
             cg = Measure("vmm cgroup", False, self._cg_reason)
         if self.view:
-            view = Measure("vmm view", True, "own mount namespace: /usr, its image and its "
-                                             "sandbox folder only")
+            view = Measure("vmm view", True, "own mount, IPC and network namespaces; sees "
+                                             "/usr, its image and its sandbox folder only")
         elif not c.enabled:
             view = Measure("vmm view", False, off)
         elif not c.view:
