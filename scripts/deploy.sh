@@ -49,8 +49,11 @@ fi
 STAGE=$(mktemp -d /tmp/hangar-deploy.XXXXXX)
 trap 'rm -rf "$STAGE"' EXIT
 
-say "building Hangar and its dependencies' wheels"
-"$PY" -m pip wheel -q --disable-pip-version-check --wheel-dir "$STAGE/wheels" "$ROOT"
+say "building Hangar's and its server dependencies' wheels (versions of requirements.lock)"
+# The server's extra, at the exact versions CI tests (the lock is a constraint: only
+# what hangar[server] needs is built).
+"$PY" -m pip wheel -q --disable-pip-version-check --wheel-dir "$STAGE/wheels" \
+  -c "$ROOT/requirements.lock" "$ROOT[server]"
 WHEEL=$(cd "$STAGE/wheels" && ls hangar-*.whl)
 VERSION=${WHEEL#hangar-}
 VERSION=${VERSION%%-*}

@@ -103,7 +103,7 @@ trap cleanup_failed_install ERR
 cp -r "$STAGE/wheels" "$REL/wheels"
 python3 -m venv "$REL/venv"
 "$REL/venv/bin/pip" install -q --disable-pip-version-check --no-index \
-  --find-links "$REL/wheels" "hangar==$VERSION"
+  --find-links "$REL/wheels" "hangar[server]==$VERSION"
 "$REL/venv/bin/hangar" --help >/dev/null
 # What /health will report (the wheel's name carries the normalized form).
 VERSION=$("$REL/venv/bin/python" -c 'import hangar; print(hangar.__version__)')

@@ -7,9 +7,17 @@ Every test asserts that the task's sandbox is gone afterwards: no record, no VMM
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
+import pty
+import re
+import select
 import shutil
+import struct
+import subprocess
 import sys
+import termios
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -250,3 +258,63 @@ def test_task_takes_its_vm_from_the_pool(pool_server: Server) -> None:
     assert t.result is not None and t.result.source == "pool"
     with pool_server.client() as api:
         assert gone(api, t.sandbox_id)
+
+
+ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")
+
+
+@vm
+def test_hangar_events_shows_a_running_vm_task(server: Server, api: httpx.Client,
+                                               dev_image: Path) -> None:
+    """The platform's chat view: `hangar events` in a terminal shows the task's tier, its VM
+    and the running tool with its elapsed seconds while `sleep 5` runs."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HANGAR_URL": server.url,
+           "HANGAR_API_KEY": server.key, "TERM": "xterm-256color"}
+    viewer = subprocess.Popen([sys.executable, "-m", "hangar.cli", "events"], stdin=slave,
+                              stdout=slave, stderr=slave, env=env, start_new_session=True)
+    os.close(slave)
+    seen = bytearray()
+    done = threading.Event()
+    task: list[ht.Task] = []
+
+    def run_task() -> None:
+        async def go() -> None:
+            async with ht.task("vm", "u-events", "Test Runner", **opts(server)) as t:
+                task.append(t)
+                assert (await t.call("run_command", {"command": "sleep 5"})).ok
+        try:
+            asyncio.run(go())
+        finally:
+            done.set()
+
+    try:
+        time.sleep(2)  # the viewer subscribes before the task starts
+        worker = threading.Thread(target=run_task)
+        worker.start()
+        deadline = time.monotonic() + 240
+        while not done.is_set() or select.select([master], [], [], 0)[0]:
+            assert time.monotonic() < deadline, "the task did not finish"
+            if select.select([master], [], [], 0.2)[0]:
+                try:
+                    seen += os.read(master, 65536)
+                except OSError:
+                    break
+        worker.join()
+        time.sleep(1.5)
+        while select.select([master], [], [], 0.2)[0]:
+            seen += os.read(master, 65536)
+    finally:
+        viewer.terminate()
+        viewer.wait(10)
+        os.close(master)
+    [t] = task
+    text = ANSI.sub(b"", bytes(seen)).decode(errors="replace")
+    vm_short = re.escape(t.sandbox_id[:7])
+    running = re.findall(rf"Test Runner \(vm\) running: sleep 5 \((\d+) s elapsed\), "
+                         rf"VM {vm_short}…, 2 vCPU, 2 GB", text)
+    assert running, text[-3000:]
+    assert max(int(s) for s in running) >= 2, f"elapsed time never grew: {running}"
+    assert re.search(rf"Test Runner \(vm\)\s+started, VM {vm_short}", text), text[-3000:]
+    assert gone(api, t.sandbox_id)

@@ -15,7 +15,7 @@ as blocks that a terminal redraws every second::
     Test Runner (vm) running: yarn test (12 s elapsed), VM sb-a3f2…, 2 vCPU, 2 GB
 
 The agent-task events are those the tools tier publishes (``agent.task.started``
-{task_id, name, tier, sandbox_id, vcpus, memory_mib, source},
+{task_id, name, tier, vcpus, memory_mib, source},
 ``agent.tool.started`` {task_id, tool, summary}, ``agent.tool.finished``
 {task_id, tool, duration_s, ok}, ``agent.task.ended`` {task_id, reason, usage}).
 Uses only the public SDK (``hangar.client``) and its models.

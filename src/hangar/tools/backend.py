@@ -1,8 +1,8 @@
 """The one place ``hangar.tools`` talks to a Hangar server: an adapter over the SDK.
 
 Everything the tools need from the server goes through ``Backend``, which
-wraps ``hangar.client.AsyncHangar`` (dict results today) and returns small
-typed values, so moving to another SDK shape changes this module only.
+wraps ``hangar.client.AsyncHangar`` (its public methods and typed results)
+and returns small values shaped for the tools.
 
 Errors are the ``hangar.errors`` classes the SDK raises.
 """
@@ -13,8 +13,7 @@ import base64
 from dataclasses import dataclass
 from typing import Any
 
-from hangar.client import AsyncHangar
-from hangar.client._core import resolve_config
+from hangar.client import AsyncHangar, ExecResult
 from hangar.errors import Conflict, NotFound
 
 
@@ -48,10 +47,11 @@ class ExecOutcome:
     duration_s: float
 
 
-def _stream(r: dict[str, Any], name: str) -> tuple[bytes, bytes]:
-    """(head, tail) bytes of one stream of an exec response."""
-    head, tail = r.get(name, ""), r.get(f"{name}_tail", "")
-    b64 = r.get(f"{name}_b64")
+def _stream(r: ExecResult, name: str) -> tuple[bytes, bytes]:
+    """(head, tail) bytes of one stream of an exec result."""
+    head: str = getattr(r, name)
+    tail: str = getattr(r, f"{name}_tail")
+    b64: str | None = getattr(r, f"{name}_b64")
     if b64 is not None:  # exact bytes of head + tail when not UTF-8
         raw = base64.b64decode(b64)
         n = len(head.encode())
@@ -63,10 +63,9 @@ class Backend:
     """A Hangar server as the tools use it. ``url``/``api_key`` as for the SDK
     (default: ``HANGAR_URL``, ``HANGAR_API_KEY`` or the key file)."""
 
-    def __init__(self, url: str | None = None, api_key: str | None = None,
-                 timeout: float = 300.0) -> None:
-        self.url, self._key = resolve_config(url, api_key)
-        self._client = AsyncHangar(self.url, self._key, timeout=timeout)
+    def __init__(self, url: str | None = None, api_key: str | None = None) -> None:
+        self._client = AsyncHangar(url, api_key)
+        self.url = self._client.base_url
 
     @property
     def ws_url(self) -> str:
@@ -75,7 +74,7 @@ class Backend:
 
     def auth_headers(self) -> dict[str, str]:
         """Headers that authenticate a request (for WebSockets opened elsewhere)."""
-        return {"X-API-Key": self._key}
+        return {"X-API-Key": self._client.config.api_key}
 
     async def close(self) -> None:
         await self._client.close()
@@ -88,8 +87,7 @@ class Backend:
         r = await self._client.create(image, vcpus=vcpus, memory_mib=memory_mib,
                                       timeout=timeout_s, metadata=metadata or None,
                                       desktop=desktop, network=network)
-        return SandboxInfo(r["id"], r["image"], r["vcpus"], r["memory_mib"],
-                           r.get("source") or "cold", r.get("desktop"))
+        return SandboxInfo(r.id, r.image, r.vcpus, r.memory_mib, r.source or "cold", r.desktop)
 
     async def delete(self, sandbox_id: str) -> bool:
         """Delete a sandbox; False when it was already gone."""
@@ -104,7 +102,7 @@ class Backend:
             r = await self._client.get(sandbox_id)
         except NotFound:
             return False
-        return r.get("state") not in ("deleted", "expired")
+        return r.state not in ("deleted", "expired")
 
     async def exec(self, sandbox_id: str, command: str, *, args: list[str] | None = None,
                    cwd: str | None = None, env: dict[str, str] | None = None,
@@ -114,23 +112,20 @@ class Backend:
         out, out_tail = _stream(r, "stdout")
         err, _ = _stream(r, "stderr")
         return ExecOutcome(
-            exit_code=r.get("exit_code"), signal=r.get("signal"),
-            timed_out=bool(r.get("timed_out")), stdout=out, stderr=err, stdout_tail=out_tail,
-            stdout_total=int(r.get("stdout_bytes", len(out))),
-            stderr_total=int(r.get("stderr_bytes", len(err))),
-            truncated=bool(r.get("stdout_truncated") or r.get("stderr_truncated")),
-            duration_s=float(r.get("duration_s", 0.0)))
+            exit_code=r.exit_code, signal=r.signal, timed_out=r.timed_out, stdout=out,
+            stderr=err, stdout_tail=out_tail, stdout_total=r.stdout_bytes,
+            stderr_total=r.stderr_bytes, truncated=r.stdout_truncated or r.stderr_truncated,
+            duration_s=r.duration_s)
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes) -> int:
         """Write ``data`` to ``path`` (parents made); returns bytes written."""
         r = await self._client.write_file(sandbox_id, path, data)
-        return int(r.get("size", len(data)))
+        return r.size
 
     async def mkdir(self, sandbox_id: str, path: str) -> None:
         """Make a folder and its parents (an agent file operation: no process runs)."""
         try:
-            await self._client._call("POST", f"/sandboxes/{sandbox_id}/files/mkdir",
-                                     json={"path": path, "parents": True})
+            await self._client.make_dir(sandbox_id, path, parents=True)
         except Conflict:  # it exists
             pass
 
@@ -144,5 +139,4 @@ class Backend:
     async def post_event(self, kind: str, sandbox_id: str | None, data: dict[str, Any]) -> None:
         """``POST /events`` ``{"kind", "sandbox_id", "data"}``. Raises NotFound (404) or
         another ``hangar.errors`` class when the server refuses it."""
-        await self._client._call("POST", "/events", json={"kind": kind, "sandbox_id": sandbox_id,
-                                                          "data": data})
+        await self._client.publish_event(kind, sandbox_id, **data)

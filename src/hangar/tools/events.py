@@ -1,8 +1,8 @@
 """Where a task's events go: pluggable sinks.
 
-A task publishes, in this order::
+A task publishes, in this order (each event's ``sandbox_id`` is the task's VM)::
 
-    agent.task.started   {task_id, name, tier, sandbox_id, vcpus, memory_mib, source}
+    agent.task.started   {task_id, name, tier, vcpus, memory_mib, source}
     agent.tool.started   {task_id, tool, summary}
     agent.tool.finished  {task_id, tool, duration_s, ok}      (one pair per call)
     agent.task.ended     {task_id, reason, usage}

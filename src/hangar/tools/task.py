@@ -209,8 +209,7 @@ class Task:
         if self.sandbox:
             self.guard.vm_started(vcpus)
         self.guard.started = time.monotonic()
-        self._emit("agent.task.started", name=self.name, tier=self.tier,
-                   sandbox_id=self.sandbox_id, vcpus=vcpus,
+        self._emit("agent.task.started", name=self.name, tier=self.tier, vcpus=vcpus,
                    memory_mib=self.sandbox.memory_mib if self.sandbox else 0, source=self.source)
         self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         return self
