@@ -59,6 +59,8 @@ PKGS="$PKGS node-xterm libjs-xterm"
 # Templates: OCI image archives are read by skopeo and unpacked by umoci; imported images
 # get a Python runtime copied from the host's python3, its programs patched by patchelf.
 PKGS="$PKGS skopeo umoci patchelf python3"
+# A guest's console log is capped and rotated by multilog (hangar.engines.confine).
+PKGS="$PKGS daemontools"
 # The browser tests drive Debian's Chromium (Playwright never downloads its own); the
 # operations tests run nginx, sshd and openssl, in the foreground on free ports.
 # The cluster tests run three etcd members (in network namespaces, never as a service).

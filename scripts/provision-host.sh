@@ -141,7 +141,7 @@ printf '%s\n' "# Loaded at boot for Hangar (scripts/provision-host.sh)." $MODULE
 step "Packages"
 PKGS="qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils lz4
       curl ca-certificates openssl nftables iproute2 novnc python3 python3-venv logrotate nginx
-      skopeo umoci patchelf"
+      skopeo umoci patchelf daemontools"
 [ -n "$EMAIL" ] && PKGS="$PKGS certbot"
 missing=""
 for p in $PKGS; do have_pkg "$p" || missing="$missing $p"; done

@@ -10,7 +10,7 @@ fixture builds two namespaces joined by one veth pair:
              servers: port 80 on every address, port 53 (TCP) on 10.0.0.53.
     hg-host  203.0.113.2/24, default route via 203.0.113.1: Hangar's side.
              The bridge, the TAPs, the nftables tables and the QEMU
-             processes (started through ``ip netns exec hg-host``) all live
+             processes (started in it: ``QemuEngine.network_namespace``) all live
              here, plus a TCP listener on every address standing in for
              the host's API.
 
@@ -393,16 +393,13 @@ class Guests:
         from hangar.images import resolve_image
         from hangar.layout import Layout
 
-        class NsQemu(QemuEngine):
-            def command(self, spec):  # type: ignore[no-untyped-def]
-                return ["ip", "netns", "exec", NS_HOST, *super().command(spec)]
-
         self.root = root
         self.layout = Layout(root)
         self.layout.ensure()
         self.image = resolve_image(self.layout, "base")
         accel, _ = choose_accel(self.layout, self.image.kernel, self.image.initrd)
-        self.engine = NsQemu(accel)
+        self.engine = QemuEngine(accel)
+        self.engine.network_namespace = Path("/run/netns") / NS_HOST
         self.manager = manager
         self.vms: dict[str, object] = {}
         self.agents: dict[str, object] = {}

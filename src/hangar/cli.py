@@ -610,7 +610,10 @@ def doctor(data_dir: DataDir = None) -> None:
         image = resolve_image(layout, "base")
     except HangarError:
         image = None
-    for line in diagnose(layout, image).lines():
+    from hangar.engines.confine import config_from
+
+    for line in diagnose(layout, image, confine=config_from(settings),
+                         jailer_mode=settings.firecracker_jailer).lines():
         print(line)
     for line in doctor_lines(settings.network, user_open=settings.net_user_open,
                              bridge=settings.net_bridge, pool=settings.net_pool):

@@ -39,7 +39,30 @@ class Settings(BaseSettings):
                     "seconds.")
     engine: Literal["auto", "firecracker", "qemu"] = Field(
         "auto", description="VMM: auto takes Firecracker when its probe boot works, else QEMU.")
-    jailer: bool = Field(False, description="Run Firecracker VMMs under its jailer.")
+    firecracker_jailer: Literal["auto", "on", "off"] = Field(
+        "auto", description="Run Firecracker VMMs under its jailer: auto when Hangar is root "
+                            "and the jailer is found; on requires it.")
+    vmm_confine: bool = Field(
+        True, description="Confine QEMU VMMs (own uid, cgroup, mount namespace, seccomp); "
+                          "see hangar.engines.confine and docs/security.md.")
+    vmm_cgroups: Literal["auto", "v2", "v1", "off"] = Field(
+        "auto", description="cgroup version for VMM limits; auto prefers v2.")
+    vmm_memory_overhead_mib: int = Field(
+        192, ge=32, description="Memory a VMM's cgroup allows beyond its guest's, MiB "
+                                "(plus the TCG translation cache under TCG).")
+    console_log_bytes: int = Field(
+        4 << 20, ge=0, description="Most bytes of console log kept per sandbox, rotated "
+                                   "(needs multilog; 0: no cap).")
+    max_execs_per_sandbox: int = Field(
+        16, ge=1, description="Commands running at once in one sandbox (429 beyond).")
+    memory_budget_mib: int | None = Field(
+        None, ge=128, description="Sum of guest memory of running VMMs, MiB (429 beyond); "
+                                  "unset: 80 % of the host's RAM.")
+    max_disk_mib: int = Field(
+        65536, ge=512, description="Largest disk one sandbox may ask for, MiB (400 beyond).")
+    snapshot_storage_bytes: int | None = Field(
+        None, ge=0, description="Most bytes all snapshots may hold on disk (429 beyond); "
+                                "unset: half the data directory's file system.")
     accel: Literal["auto", "kvm", "tcg"] = Field(
         "auto", description="QEMU accelerator; auto runs a probe boot to decide."
     )

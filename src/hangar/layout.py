@@ -44,7 +44,11 @@ literals of their own. Everything lives under one data directory
         <id>/                   one sandbox's private directory, removed with it
           vmm.pid               pid of the VMM process
           vmm.log               the VMM's own stdout and stderr (start failures)
-          serial.log            guest console output
+          serial.log            guest console output (-> console/current when capped)
+          console/              multilog: current and up to 3 rotated files (the VMM's)
+          vmm.cgroup            the VMM's cgroup directories, one a line
+          .view/                empty; the VMM's private root is mounted on it in its
+                                own mount namespace (hangar.engines.confine)
           disk.qcow2            QEMU: copy-on-write overlay over the image's rootfs
           qmp.sock              QEMU: the QMP control socket
           agent.sock            QEMU: the agent channel (virtio-serial port)
@@ -253,7 +257,28 @@ class SandboxPaths:
 
     @property
     def serial_log(self) -> Path:
+        """The guest's console: a file, or a symlink to ``console/current`` when
+        ``multilog`` caps and rotates it (``hangar.engines.confine``)."""
         return self.dir / "serial.log"
+
+    @property
+    def console_dir(self) -> Path:
+        """multilog's folder: ``current`` and up to 3 rotated ``@<time>.s`` files."""
+        return self.dir / "console"
+
+    @property
+    def console_current(self) -> Path:
+        return self.console_dir / "current"
+
+    @property
+    def cgroup_file(self) -> Path:
+        """The VMM's cgroup directories, one a line (removed with the sandbox)."""
+        return self.dir / "vmm.cgroup"
+
+    @property
+    def view_root(self) -> Path:
+        """Empty folder on which the VMM's private root is mounted (in its namespace only)."""
+        return self.dir / ".view"
 
     @property
     def disk(self) -> Path:

@@ -22,6 +22,7 @@ from hangar.core.idempotency import IdempotencyStore
 from hangar.core.machines import MachineManager
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import Store
+from hangar.engines.confine import config_from as confine_config
 from hangar.engines.doctor import choose_engine
 from hangar.images import resolve_image
 from hangar.layout import Layout
@@ -53,7 +54,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         layout.ensure()
         image = resolve_image(layout, settings.default_image)
         engine = choose_engine(settings.engine, layout, image, accel=settings.accel,
-                               jailer=settings.jailer)
+                               jailer=settings.firecracker_jailer,
+                               confine=confine_config(settings))
         metrics = Metrics()
         metrics.engine.info(engine.describe())
         store = Store(layout.database)

@@ -1,21 +1,30 @@
-"""Admission: what a create asks for, and the cap on concurrent VMMs.
+"""Admission: what a create asks for, and the caps a server keeps.
 
 Every state that may hold a VMM (``lifecycle.VMM_STATES``, pooled VMs
-included) counts against ``max_sandboxes``. ``Admission.slot`` checks the
-count and lets the caller write its record (a new one, or a move to
-``waking`` or ``restoring``) under one lock, so a storm of creates cannot
-overshoot the cap: the check and the write happen with no await between
-other admissions.
+included) counts against ``max_sandboxes`` and, by its guest memory,
+against the memory budget (``memory_budget_mib``, default 80 % of the
+host's RAM). ``Admission.slot`` checks both and lets the caller write its
+record (a new one, or a move to ``waking`` or ``restoring``) under one
+lock, so a storm of creates cannot overshoot them: the check and the write
+happen with no await between other admissions. Both refusals are 429
+``LimitExceeded`` with ``Retry-After`` and the reason.
+
+Also here: the disk a create may ask for (``max_disk_mib``, 400 beyond;
+the guest's disk is a qcow2 overlay of that virtual size, so a guest that
+fills it gets ENOSPC and the host file stays bounded), the room left for
+snapshots (``snapshot_storage_bytes``, 429 beyond: ``check_snapshot_room``)
+and commands running at once in one sandbox (``ExecSlots``, 429 beyond).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 from contextvars import ContextVar
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +37,35 @@ from hangar.images import RECIPES, GuestImage
 
 RETRY_AFTER_S = 5.0
 """What a refused create is told to wait, seconds."""
+EXEC_RETRY_AFTER_S = 1.0
+"""What a command refused by the per-sandbox cap is told to wait, seconds."""
+SNAPSHOT_RETRY_AFTER_S = 60.0
+"""What a snapshot refused for lack of room is told to wait, seconds (room comes back
+only when snapshots are deleted)."""
+MEMORY_BUDGET_SHARE = 0.8
+"""Share of the host's RAM that guests may hold when no budget is set."""
+SNAPSHOT_SHARE = 0.5
+"""Share of the data directory's file system that snapshots may hold when no cap is set."""
+
+
+def host_memory_mib() -> int:
+    """The host's RAM in MiB (``MemTotal`` in /proc/meminfo); 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def allocated_bytes(path: os.PathLike[str] | str) -> int:
+    """Bytes a file takes on disk (its allocated blocks); 0 when it is missing."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except OSError:
+        return 0
 
 placed_id: ContextVar[str | None] = ContextVar("placed_id", default=None)
 """The id a cluster placed (and claimed) the current request's new sandbox under, if any:
@@ -106,28 +144,95 @@ class Admission:
         """How many more VMMs may start now."""
         return self.ctx.settings.max_sandboxes - len(self.ctx.store.with_vmm())
 
-    @asynccontextmanager
-    async def slot(self, create: bool = True) -> AsyncIterator[None]:
-        """Hold admission while writing the record of one more VMM.
+    def memory_budget_mib(self) -> int:
+        """Guest memory all VMMs may hold together, MiB (``memory_budget_mib``, else
+        ``MEMORY_BUDGET_SHARE`` of the host's RAM)."""
+        s = self.ctx.settings
+        return s.memory_budget_mib or int(host_memory_mib() * MEMORY_BUDGET_SHARE)
 
-        Raises LimitExceeded (retryable after ``RETRY_AFTER_S``) when the cap
-        is reached; a refused ``create`` is counted as such in the metrics. The
-        caller must write its record before leaving the block.
+    def memory_used_mib(self) -> int:
+        """Guest memory of every record that may hold a VMM (pooled ones too), MiB."""
+        return sum(r.memory_mib for r in self.ctx.store.with_vmm())
+
+    def _refusal(self, memory_mib: int | None) -> LimitExceeded | None:
+        if self.room() <= 0:
+            cap = self.ctx.settings.max_sandboxes
+            return LimitExceeded(f"at most {cap} sandboxes may run at once",
+                                 retry_after=RETRY_AFTER_S, limit=cap)
+        if memory_mib:
+            budget, used = self.memory_budget_mib(), self.memory_used_mib()
+            if used + memory_mib > budget:
+                return LimitExceeded(
+                    f"the host memory budget is {budget} MiB (HANGAR_MEMORY_BUDGET_MIB) and "
+                    f"running sandboxes hold {used} MiB; this one needs {memory_mib} MiB",
+                    retry_after=RETRY_AFTER_S, limit="memory_budget_mib", budget_mib=budget,
+                    used_mib=used, needed_mib=memory_mib)
+        return None
+
+    @asynccontextmanager
+    async def slot(self, create: bool = True, memory_mib: int | None = None
+                   ) -> AsyncIterator[None]:
+        """Hold admission while writing the record of one more VMM of ``memory_mib`` MiB.
+
+        Raises LimitExceeded (retryable after ``RETRY_AFTER_S``) when the cap on
+        VMMs is reached or the memory budget has no room for ``memory_mib``; a
+        refused ``create`` is counted as such in the metrics. The caller must
+        write its record before leaving the block.
         """
         async with self._lock:
-            if self.room() <= 0:
-                cap = self.ctx.settings.max_sandboxes
+            refusal = self._refusal(memory_mib)
+            if refusal is not None:
                 if create:
                     self.ctx.metrics.creates.labels("limited").inc()
-                raise LimitExceeded(f"at most {cap} sandboxes may run at once",
-                                    retry_after=RETRY_AFTER_S, limit=cap)
+                raise refusal
             yield
 
     @asynccontextmanager
-    async def if_room(self) -> AsyncIterator[bool]:
+    async def if_room(self, memory_mib: int | None = None) -> AsyncIterator[bool]:
         """Like ``slot`` but yields False instead of raising (for the warm pool)."""
         async with self._lock:
-            yield self.room() > 0
+            yield self._refusal(memory_mib) is None
+
+    def check_disk(self, disk_mib: int | None) -> None:
+        """Refuse a disk over ``max_disk_mib`` (InvalidRequest naming the limit)."""
+        cap = self.ctx.settings.max_disk_mib
+        if disk_mib is not None and disk_mib > cap:
+            raise InvalidRequest(f"disk_mib {disk_mib} is over this server's limit of {cap} MiB "
+                                 "(HANGAR_MAX_DISK_MIB)", field="disk_mib", limit=cap)
+
+    def snapshot_cap_bytes(self) -> int:
+        """Bytes all snapshots may hold (``snapshot_storage_bytes``, else
+        ``SNAPSHOT_SHARE`` of the data directory's file system)."""
+        s = self.ctx.settings
+        if s.snapshot_storage_bytes is not None:
+            return s.snapshot_storage_bytes
+        try:
+            st = os.statvfs(self.ctx.layout.snapshots)
+        except OSError:
+            st = os.statvfs(self.ctx.layout.root)
+        return int(st.f_blocks * st.f_frsize * SNAPSHOT_SHARE)
+
+    def check_snapshot_room(self, rec: SandboxRecord) -> None:
+        """Refuse a user snapshot of ``rec`` that could take snapshots past their cap.
+
+        Snapshots already held (user and sleep ones, by their recorded size)
+        plus this one's upper bound (its guest memory plus the allocated size
+        of its disk) must fit in ``snapshot_cap_bytes``. Raises LimitExceeded
+        (429) naming the cap. Sleep snapshots are counted but never refused:
+        a machine that cannot sleep would keep its memory instead.
+        """
+        from hangar.core.store import SnapshotRecord
+
+        cap = self.snapshot_cap_bytes()
+        used = sum(s.size_bytes for s in self.ctx.store.list(SnapshotRecord))
+        need = (rec.memory_mib << 20) + allocated_bytes(self.ctx.layout.sandbox(rec.id).disk)
+        if used + need > cap:
+            raise LimitExceeded(
+                f"snapshot storage is capped at {cap} bytes (HANGAR_SNAPSHOT_STORAGE_BYTES); "
+                f"snapshots hold {used} bytes and this one may take up to {need}; delete "
+                "snapshots to make room", retry_after=SNAPSHOT_RETRY_AFTER_S,
+                limit="snapshot_storage_bytes", cap_bytes=cap, used_bytes=used,
+                needed_bytes=need)
 
     def new_record(self, sid: str, state: State, image: GuestImage, opts: CreateOptions,
                    network: dict[str, Any] | None, vcpus: int | None = None,
@@ -137,6 +242,7 @@ class Admission:
         A size the create leaves out comes from the image's recipe
         (``Recipe.default_vcpus``/``default_memory_mib``), else the server's settings."""
         s = self.ctx.settings
+        self.check_disk(opts.disk_mib)
         now = time.time()
         ttl = opts.timeout_s if opts.timeout_s is not None else s.default_timeout_s
         default_vcpus, default_memory = default_size(image, s)
@@ -152,3 +258,37 @@ class Admission:
             updated_at=now, last_active_at=now, expires_at=now + ttl if ttl else None,
             metadata_=metadata, desktop=opts.desktop, network=network,
         )
+
+
+class ExecSlots:
+    """The cap on commands running at once in one sandbox (``max_execs_per_sandbox``)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._running: dict[str, int] = {}
+
+    def running(self, sandbox_id: str) -> int:
+        return self._running.get(sandbox_id, 0)
+
+    @contextmanager
+    def take(self, sandbox_id: str) -> Iterator[None]:
+        """Count one more command in ``sandbox_id`` while the block runs.
+
+        Raises LimitExceeded (429, ``Retry-After`` ``EXEC_RETRY_AFTER_S``) when
+        ``limit`` already run there.
+        """
+        n = self._running.get(sandbox_id, 0)
+        if n >= self.limit:
+            raise LimitExceeded(
+                f"at most {self.limit} commands may run at once in sandbox {sandbox_id} "
+                "(HANGAR_MAX_EXECS_PER_SANDBOX); retry when one has finished",
+                retry_after=EXEC_RETRY_AFTER_S, limit=self.limit, sandbox_id=sandbox_id)
+        self._running[sandbox_id] = n + 1
+        try:
+            yield
+        finally:
+            left = self._running.get(sandbox_id, 1) - 1
+            if left > 0:
+                self._running[sandbox_id] = left
+            else:
+                self._running.pop(sandbox_id, None)

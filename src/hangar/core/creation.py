@@ -56,8 +56,8 @@ class Creation:
             rec = await self._from_pool(opts, image, started)
             if rec is not None:
                 return rec
-        async with self.admission.slot():
-            rec = self.admission.new_record(sid or new_id(), State.CREATING, image, opts, network)
+        rec = self.admission.new_record(sid or new_id(), State.CREATING, image, opts, network)
+        async with self.admission.slot(memory_mib=rec.memory_mib):
             self.ctx.store.add(rec)
         return await self.bring_up(
             rec, lambda: self.launcher.boot(rec, image, {State.CREATING},

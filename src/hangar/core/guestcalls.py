@@ -30,6 +30,10 @@ shown as such, can be deleted, and expires as usual. The reconcile loop
 asks its agent ``hello`` about every ``PROBE_S`` seconds
 (``probe_unresponsive``); the first answer moves it back to ``running``.
 
+Commands running at once in one sandbox are capped
+(``max_execs_per_sandbox``; ``admission.ExecSlots``): one more is refused
+with 429 and ``Retry-After`` before it reaches the guest.
+
 Exec publishes ``exec.started`` and ``exec.finished`` events with an
 ``exec_id``, the exit code and duration; never output or environment, and
 the command text only when the caller opted in.
@@ -45,6 +49,7 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
+from hangar.core.admission import ExecSlots
 from hangar.core.context import Context
 from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
@@ -76,6 +81,7 @@ class GuestCalls:
         self.ctx = ctx
         self.launcher = launcher
         self.sleeper = sleeper
+        self.execs = ExecSlots(ctx.settings.max_execs_per_sandbox)
 
     @asynccontextmanager
     async def using(self, sandbox_id: str) -> AsyncIterator[AgentClient]:
@@ -196,12 +202,13 @@ class GuestCalls:
         ``command`` is the text events may show (only when the caller opted in).
         """
         result: ExecResult | None = None
-        async with self.using(sandbox_id) as agent:
-            exec_id, started = self._started(sandbox_id, command)
-            try:
-                result = await agent.exec(meta, stdin)
-            finally:
-                took = self._finished(sandbox_id, exec_id, started, result)
+        with self.execs.take(sandbox_id):
+            async with self.using(sandbox_id) as agent:
+                exec_id, started = self._started(sandbox_id, command)
+                try:
+                    result = await agent.exec(meta, stdin)
+                finally:
+                    took = self._finished(sandbox_id, exec_id, started, result)
         log.info("exec", extra={"sandbox_id": sandbox_id, "duration_s": round(took, 3),
                                 "exit_code": result.exit_code, "timed_out": result.timed_out})
         return result
@@ -211,15 +218,16 @@ class GuestCalls:
                           command: str | None = None) -> AsyncIterator[ExecEvent]:
         """Run a command, yielding output events then an ``exit`` event."""
         result: ExecResult | None = None
-        async with self.using(sandbox_id) as agent:
-            exec_id, started = self._started(sandbox_id, command)
-            try:
-                async for ev in agent.exec_stream({**meta, "stream": True}, stdin):
-                    if ev.kind == "exit":
-                        result = ev.result
-                    yield ev
-            finally:
-                self._finished(sandbox_id, exec_id, started, result)
+        with self.execs.take(sandbox_id):
+            async with self.using(sandbox_id) as agent:
+                exec_id, started = self._started(sandbox_id, command)
+                try:
+                    async for ev in agent.exec_stream({**meta, "stream": True}, stdin):
+                        if ev.kind == "exit":
+                            result = ev.result
+                        yield ev
+                finally:
+                    self._finished(sandbox_id, exec_id, started, result)
 
     async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
         async with self.using(sandbox_id) as agent:

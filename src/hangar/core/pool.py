@@ -165,12 +165,12 @@ class WarmPool:
                                                                 "error": exc.message})
                 self._failed()
                 return
-            async with self.admission.if_room() as room:
+            rec = self.admission.new_record(new_id(), State.POOLED, image,
+                                            CreateOptions(timeout_s=0),
+                                            self.launcher.policy(None))
+            async with self.admission.if_room(rec.memory_mib) as room:
                 if not room:
                     return
-                rec = self.admission.new_record(new_id(), State.POOLED, image,
-                                                CreateOptions(timeout_s=0),
-                                                self.launcher.policy(None))
                 rec.metadata_ = {POOL_MARK: True}
                 ctx.store.add(rec)
             started = time.monotonic()

@@ -40,6 +40,7 @@ from hangar.core.lifecycle import State
 from hangar.core.registry import Runtime
 from hangar.core.removal import Removal
 from hangar.core.store import SandboxRecord, SnapshotRecord
+from hangar.engines.confine import release_folder
 from hangar.engines.process import kill_process
 from hangar.layout import SnapshotPaths
 
@@ -155,6 +156,7 @@ class Recovery:
                 log.info("orphan VMM killed", extra={"sandbox_id": sid, "pid": pid})
         for d in layout.sandboxes.iterdir():
             if d.name not in held:
+                release_folder(layout.sandbox(d.name))  # its VMM's cgroup, once it left
                 shutil.rmtree(d, ignore_errors=True)
                 log.info("orphan sandbox folder removed", extra={"sandbox_id": d.name})
         sleeping_in = {r.sleep_snapshot for r in live.values() if r.sleep_snapshot}

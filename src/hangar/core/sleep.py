@@ -113,7 +113,7 @@ class Sleeper:
             if snap is None:
                 raise Conflict(f"sandbox {sandbox_id} lost its sleep snapshot",
                                sandbox_id=sandbox_id)
-            async with self.admission.slot(create=False):
+            async with self.admission.slot(create=False, memory_mib=rec.memory_mib):
                 await ctx.hooks.claim(rec)  # a cluster: ownership and a slot, or refused
                 try:
                     rec = ctx.store.transition(sandbox_id, State.SLEEPING, State.WAKING,

@@ -106,6 +106,7 @@ class Snapshots:
         started = time.monotonic()
         async with ctx.registry.lock(sandbox_id):
             rec, rt = running_and_idle(ctx, sandbox_id)
+            self.admission.check_snapshot_room(rec)
             ctx.store.transition(sandbox_id, State.RUNNING, State.SNAPSHOTTING)
             try:
                 snap = await self.save(rec, rt, "user")
@@ -173,7 +174,7 @@ class Snapshots:
                                      restore_from=snapshot_id)
                 await self.launcher.stop(sandbox_id)
             elif rec.state == State.FAILED:
-                async with self.admission.slot(create=False):
+                async with self.admission.slot(create=False, memory_mib=rec.memory_mib):
                     ctx.store.transition(sandbox_id, State.FAILED, State.RESTORING,
                                          restore_from=snapshot_id, error=None)
             else:
@@ -234,12 +235,12 @@ class Snapshots:
         await ctx.hooks.fetch_snapshot(snapshot_id)
         snap = self.get(snapshot_id)
         image = resolve_pinned(ctx.layout, snap.image, snap.image_digest)
-        async with self.admission.slot():
-            rec = self.admission.new_record(
-                opts.sandbox_id or placed_id.get() or new_id(), State.CREATING, image,
-                CreateOptions(timeout_s=opts.timeout_s, metadata=opts.metadata,
-                              desktop=snap.desktop),
-                self.launcher.policy(snap.network or "none"), snap.vcpus, snap.memory_mib, snap.disk_mib)
+        rec = self.admission.new_record(
+            opts.sandbox_id or placed_id.get() or new_id(), State.CREATING, image,
+            CreateOptions(timeout_s=opts.timeout_s, metadata=opts.metadata,
+                          desktop=snap.desktop),
+            self.launcher.policy(snap.network or "none"), snap.vcpus, snap.memory_mib, snap.disk_mib)
+        async with self.admission.slot(memory_mib=rec.memory_mib):
             ctx.store.add(rec)
 
         async def start() -> None:

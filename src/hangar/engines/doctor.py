@@ -10,6 +10,9 @@
   initramfs with ``hangar.probe=1``, which must print ``HANGAR-PROBE-OK`` on
   the console within ``PROBE_TIMEOUT_S`` (``firecracker.probe_boot``);
 - the cgroup version the jailer would use for limits;
+- each confinement measure for VMMs (``hangar.engines.confine``: user,
+  seccomp, cgroup, view, console cap) and Firecracker's jailer, on or off
+  with the reason;
 - the engine ``auto`` picks, and why.
 
 ``auto`` is Firecracker when its binary is found and its probe boot
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hangar.engines.base import Engine
+from hangar.engines.confine import ConfineConfig, Confinement, Measure
 from hangar.engines.firecracker import (
     PROBE_TIMEOUT_S,
     FirecrackerEngine,
@@ -85,6 +89,7 @@ class Report:
     auto_engine: str
     auto_reason: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    confinement: tuple[Measure, ...] = field(default_factory=tuple)
 
     def vmm(self, name: str) -> VMMInfo | None:
         return next((v for v in self.vmms if v.name == name), None)
@@ -109,6 +114,7 @@ class Report:
         out.append(f"firecracker probe boot: {fc} ({self.firecracker_reason})")
         out.append(f"jailer cgroup limits: {self.jailer_cgroups}")
         out.append(f"engine 'auto' picks: {self.auto_engine} ({self.auto_reason})")
+        out.extend(m.line() for m in self.confinement)
         out.extend(self.notes)
         return out
 
@@ -159,11 +165,29 @@ def _kvm() -> tuple[bool, str]:
     return True, "present and accessible; only a probe boot shows whether guests run"
 
 
+def jailer_choice(wanted: bool | str) -> tuple[Path | None, str]:
+    """Firecracker's jailer for ``wanted`` (``auto``, ``on``/True, ``off``/False):
+    (its path, why) when it is used, (None, why not) otherwise. ``on`` without
+    root or a jailer raises EngineError."""
+    if wanted in (False, "off"):
+        return None, "turned off (HANGAR_FIRECRACKER_JAILER=off)"
+    jb = find_jailer()
+    problem = ("Hangar is not root" if os.geteuid() != 0 else
+               "no jailer found; run scripts/fetch-firecracker.sh" if jb is None else None)
+    if problem is None:
+        return jb, f"{jb}: own uid, chroot, cgroup limits per VMM"
+    if wanted in (True, "on"):
+        raise EngineError(f"the jailer is required (HANGAR_FIRECRACKER_JAILER=on) but {problem}")
+    return None, problem
+
+
 def diagnose(layout: Layout, image: "GuestImage | None", *, use_cache: bool = True,
-             probe_timeout: float = PROBE_TIMEOUT_S) -> Report:
+             probe_timeout: float = PROBE_TIMEOUT_S,
+             confine: ConfineConfig | None = None, jailer_mode: bool | str = "auto") -> Report:
     """Inspect this host; see the module docstring. Runs (or reads cached) probe boots.
 
     ``image`` None skips both probe boots. Never raises for a missing VMM.
+    ``confine`` and ``jailer_mode`` are the server's settings (default: the defaults).
     """
     from hangar.engines.qemu import QEMU, choose_accel, qemu_version
 
@@ -236,20 +260,32 @@ def diagnose(layout: Layout, image: "GuestImage | None", *, use_cache: bool = Tr
     if fc and not fc_ok and kvm:
         notes.append("note: /dev/kvm opens but guests do not run under Firecracker; a nested "
                      "or paravirtual KVM may run only guest kernels built for it")
+    measures = [Measure(m.name if m.name.startswith("console") else f"qemu {m.name}", m.on,
+                        m.reason) for m in Confinement(confine).measures()]
+    try:
+        jb, jailer_why = jailer_choice(jailer_mode)
+    except EngineError as exc:
+        jb, jailer_why = None, exc.message
+    measures.append(Measure("firecracker jailer", jb is not None, jailer_why))
     return Report(kvm=kvm, kvm_note=kvm_note, vmms=tuple(vmms), qemu_accel=qemu_accel,
                   qemu_reason=qemu_reason, firecracker_boots=fc_ok, firecracker_reason=fc_reason,
-                  jailer_cgroups=cgroups, auto_engine=auto, auto_reason=why, notes=tuple(notes))
+                  jailer_cgroups=cgroups, auto_engine=auto, auto_reason=why, notes=tuple(notes),
+                  confinement=tuple(measures))
 
 
 def choose_engine(kind: str, layout: Layout, image: "GuestImage", *, accel: str = "auto",
-                  jailer: bool | JailerConfig = False) -> Engine:
+                  jailer: bool | str | JailerConfig = "auto",
+                  confine: ConfineConfig | None = None) -> Engine:
     """Build the engine named ``kind``: ``auto``, ``firecracker`` or ``qemu``.
 
     ``auto`` runs (or reads the cached result of) the Firecracker probe boot
     and falls back to QEMU. ``accel`` is QEMU's (``auto``, ``kvm``, ``tcg``).
-    ``jailer`` True runs Firecracker VMMs under the jailer found by
-    ``find_jailer`` (or give a ``JailerConfig``). Raises InvalidRequest for an
-    unknown kind, EngineError when the VMM (or the jailer) is missing.
+    ``jailer``: ``auto`` (default) runs Firecracker VMMs under the jailer
+    found by ``find_jailer`` when Hangar is root, ``on`` (True) requires it,
+    ``off`` (False) does without; or give a ``JailerConfig``. ``confine``:
+    QEMU's confinement (default: ``ConfineConfig()``, everything on). Raises
+    InvalidRequest for an unknown kind, EngineError when the VMM (or a
+    required jailer) is missing.
     """
     if kind not in ENGINE_KINDS:
         raise InvalidRequest(f"unknown engine {kind!r}; choose one of {', '.join(ENGINE_KINDS)}")
@@ -266,14 +302,16 @@ def choose_engine(kind: str, layout: Layout, image: "GuestImage", *, accel: str 
             config: JailerConfig | None = None
             if isinstance(jailer, JailerConfig):
                 config = jailer
-            elif jailer:
-                jb = find_jailer()
-                if jb is None:
-                    raise EngineError("the jailer is configured but not found; run "
-                                      "scripts/fetch-firecracker.sh or set HANGAR_JAILER")
-                config = JailerConfig(jb)
-            return FirecrackerEngine(fc, jailer=config)
+            else:
+                jb, why = jailer_choice(jailer)
+                if jb is not None:
+                    c = confine or ConfineConfig()
+                    config = JailerConfig(jb, cgroups=c.cgroups if c.enabled else "off")  # type: ignore[arg-type]
+                else:
+                    log.warning("Firecracker runs without its jailer: %s", why)
+            return FirecrackerEngine(fc, jailer=config, console_log_bytes=(
+                confine or ConfineConfig()).console_log_bytes)
     from hangar.engines.qemu import QemuEngine, choose_accel
 
     chosen, reason = choose_accel(layout, image.kernel, image.initrd, accel)
-    return QemuEngine(chosen, reason)
+    return QemuEngine(chosen, reason, Confinement(confine))

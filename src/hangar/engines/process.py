@@ -9,6 +9,12 @@ right after the start; its stdout and stderr go to files the caller names.
 ``VMMProcesses`` remembers the children this server started, so that each
 is reaped (no zombie) once it exits; a VMM adopted from an earlier server is
 not our child and is watched through ``/proc`` instead.
+
+A confined VMM (``hangar.engines.confine.Plan``) is started through
+``hangar.engines.vmm_exec``, which joins its cgroup, builds its private
+view, drops to its user and execs it under the same pid. Its stdout, the
+guest's serial console, may go through a pipe to a console logger
+(``multilog``) that caps and rotates it; the logger ends when the VMM does.
 """
 
 from __future__ import annotations
@@ -21,6 +27,10 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hangar.engines.confine import Plan
 
 log = logging.getLogger("hangar.engine.process")
 
@@ -86,32 +96,80 @@ class VMMProcesses:
 
     def __init__(self) -> None:
         self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._loggers: dict[int, subprocess.Popen[bytes]] = {}
 
     def spawn(self, argv: Sequence[str], *, cwd: Path, pid_file: Path, stdout: Path,
-              stderr: Path | None = None) -> subprocess.Popen[bytes]:
+              stderr: Path | None = None, plan: "Plan | None" = None,
+              console: Sequence[str] | None = None,
+              pass_fds: Sequence[int] = ()) -> subprocess.Popen[bytes]:
         """Start ``argv`` in its own session in ``cwd`` and write its pid to ``pid_file``.
 
         stdout is appended to ``stdout``, stderr to ``stderr`` (default: the
-        same file); stdin is /dev/null. Raises ``OSError`` when it cannot start.
+        same file); stdin is /dev/null. With ``console`` (a logger's argv, such
+        as ``Confinement.console_argv``, whose last item is its folder), stdout
+        goes through a pipe to that logger instead, which ends when the VMM's
+        end of the pipe closes. With ``plan`` the VMM (and the logger, seeing
+        only ``/usr`` and its folder: ``Plan.for_logger``) is
+        started by ``hangar.engines.vmm_exec``, which confines it and execs it
+        under the same pid. ``pass_fds`` stay open in the VMM under their
+        numbers. Raises ``OSError`` when it cannot start.
         """
-        with open(stdout, "ab") as out:
-            if stderr is None:
-                proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out,
-                                        stderr=subprocess.STDOUT, start_new_session=True,
-                                        cwd=cwd)
+        vmm_argv = plan.wrap(list(argv)) if plan is not None else list(argv)
+        logger: subprocess.Popen[bytes] | None = None
+        err_path = stderr if stderr is not None else stdout
+        with open(err_path, "ab") as err:
+            if console:
+                r, w = os.pipe()
+                try:
+                    log_argv = (plan.for_logger(Path(console[-1])).wrap(list(console))
+                                if plan is not None else list(console))
+                    logger = subprocess.Popen(log_argv, stdin=r, stdout=subprocess.DEVNULL,
+                                              stderr=err, start_new_session=True, cwd=cwd)
+                    proc = subprocess.Popen(vmm_argv, stdin=subprocess.DEVNULL, stdout=w,
+                                            stderr=err, start_new_session=True, cwd=cwd,
+                                            pass_fds=tuple(pass_fds))
+                except OSError:
+                    if logger is not None:
+                        kill_process(logger.pid)
+                        logger.wait()
+                    raise
+                finally:
+                    os.close(r)
+                    os.close(w)
             else:
-                with open(stderr, "ab") as err:
-                    proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out,
-                                            stderr=err, start_new_session=True, cwd=cwd)
+                with open(stdout, "ab") as out:
+                    proc = subprocess.Popen(
+                        vmm_argv, stdin=subprocess.DEVNULL, stdout=out,
+                        stderr=err if stderr is not None else subprocess.STDOUT,
+                        start_new_session=True, cwd=cwd, pass_fds=tuple(pass_fds))
         self._children[proc.pid] = proc
+        if logger is not None:
+            self._loggers[proc.pid] = logger
         try:
             pid_file.write_text(f"{proc.pid}\n")
         except OSError:
             kill_process(proc.pid)
             proc.wait()
             self._children.pop(proc.pid, None)
+            self._reap_logger(proc.pid, force=True)
             raise
         return proc
+
+    def _reap_logger(self, pid: int, force: bool = False) -> None:
+        """Reap the console logger of VMM ``pid`` once it has seen EOF (or kill it)."""
+        logger = self._loggers.get(pid)
+        if logger is None:
+            return
+        if force:
+            kill_process(logger.pid)
+            logger.wait()
+        elif logger.poll() is None:
+            try:
+                logger.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                kill_process(logger.pid)
+                logger.wait()
+        self._loggers.pop(pid, None)
 
     def child(self, pid: int) -> subprocess.Popen[bytes] | None:
         """Our ``Popen`` of ``pid``, if this server started it and has not reaped it."""
@@ -124,6 +182,7 @@ class VMMProcesses:
             if proc.poll() is None:
                 return False
             self._children.pop(pid, None)
+            self._reap_logger(pid)
             return True
         return not alive(pid)
 

@@ -17,15 +17,20 @@ kernels. The probe result is cached in ``engine-probe.json`` keyed by the
 QEMU version and host kernel release.
 
 Each VMM runs in its own session (``start_new_session``), so a restarted
-Hangar server can find and adopt it by the pid file and the ``-name`` tag.
+Hangar server can find and adopt it by the pid file and the ``-name`` tag,
+and confined (``hangar.engines.confine``): its own user, cgroup and mount
+namespace, seccomp (``-sandbox``), and a capped console log.
 
 Snapshots use QEMU's migration stream (files: ``hangar.engines.snapshot_io``).
-``snapshot`` pauses the VM and migrates it to ``exec:cat > state.mig``
-(QEMU 7.2 has no ``file:`` transport; all-zero pages cost a few bytes, so
-the file is about the guest memory in use), then copies the qcow2 overlay,
-which the finished migration has flushed and released. ``restore`` starts
-QEMU with the same argv plus ``-incoming defer``, loads the stream with
-``migrate-incoming exec:cat state.mig`` and runs ``cont``. Only the
+``snapshot`` pauses the VM and migrates it into ``state.mig``, which the
+server opens and passes to QEMU as a file descriptor (QMP ``getfd``, then
+``migrate fd:migration``): a confined QEMU may neither open the snapshot
+folder nor spawn ``cat`` (QEMU 7.2 has no ``file:`` transport). All-zero
+pages cost a few bytes, so the file is about the guest memory in use. It
+then copies the qcow2 overlay, which the finished migration has flushed
+and released. ``restore`` starts QEMU with the same argv plus ``-incoming
+defer``, passes ``state.mig`` the same way, runs ``migrate-incoming
+fd:migration`` and ``cont``. Only the
 arguments in ``machine_args`` (plus the fixed device list) must match; the
 kernel command line and file paths may differ, since RAM comes from the
 stream. The guest TSC and clocks are part of the saved CPU state and simply
@@ -47,7 +52,6 @@ import json
 import logging
 import os
 import platform
-import shlex
 import shutil
 import subprocess
 import time
@@ -59,6 +63,7 @@ from typing import Any
 from qemu.qmp import QMPClient, QMPError
 
 from hangar.engines import process, snapshot_io
+from hangar.engines.confine import Confinement
 from hangar.engines.agent_client import AgentChannel, Streams, unix_channel
 from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec
 from hangar.engines.process import VMMProcesses
@@ -78,6 +83,13 @@ MACHINE_FLAGS = ("-M", "-accel", "-cpu", "-smp", "-m")
 MIGRATE_BANDWIDTH = 1 << 40  # bytes/s: no limit in practice (QEMU's default is 128 MiB/s)
 MIGRATE_TIMEOUT_S = 60.0
 MIGRATE_S_PER_GIB = 60.0  # extra seconds of migration timeout per GiB of guest memory
+SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+"""QEMU's ``-sandbox`` (seccomp) setting for every VMM."""
+MIGRATION_FD = "migration"
+"""The name under which a snapshot's stream is passed to QEMU (QMP ``getfd``)."""
+FILE_LIMIT_SLACK_MIB = 512
+"""``RLIMIT_FSIZE`` of QEMU is its disk plus its memory plus this, MiB: no file it
+writes (its disk, a snapshot's stream) may grow past that."""
 HELLO_PROBE_S = 0.5  # seconds between ``hello`` requests to a restored guest without a HELLO
 
 
@@ -158,18 +170,27 @@ class QemuEngine(Engine):
 
     name = "qemu"
 
-    def __init__(self, accel: str = "tcg", accel_reason: str = "") -> None:
+    def __init__(self, accel: str = "tcg", accel_reason: str = "",
+                 confine: Confinement | None = None) -> None:
         self.accel = accel
         self.accel_reason = accel_reason
         self.version = qemu_version()
+        self.binary = shutil.which(QEMU) or QEMU
+        self.confine = confine if confine is not None else Confinement()
+        self.network_namespace: Path | None = None
+        """Start VMMs in this network namespace (e.g. ``/run/netns/NAME``; where their
+        TAPs are) instead of the server's."""
         self._procs = VMMProcesses()
         # Agent connections that ``restore`` opened before ``cont``, by QEMU pid.
         self._held: dict[int, Streams] = {}
         self._tsc_khz = host_tsc_khz()
 
     def describe(self) -> dict[str, str]:
-        return {"engine": self.name, "accel": self.accel, "version": self.version,
-                "accel_reason": self.accel_reason}
+        d = {"engine": self.name, "accel": self.accel, "version": self.version,
+             "accel_reason": self.accel_reason}
+        for m in self.confine.measures():
+            d[m.name.replace(" ", "_")] = "on" if m.on else "off"
+        return d
 
     def machine_args(self, spec: VMSpec) -> list[str]:
         """The QEMU arguments that fix the machine's shape.
@@ -183,8 +204,14 @@ class QemuEngine(Engine):
         return ["-M", MACHINE, "-accel", accel, "-cpu", cpu,
                 "-smp", str(spec.vcpus), "-m", f"{spec.memory_mib}M"]
 
-    def command(self, spec: VMSpec) -> list[str]:
-        """The full QEMU argv for ``spec``."""
+    def command(self, spec: VMSpec, tap_fd: int | None = None) -> list[str]:
+        """The full QEMU argv for ``spec``; ``tap_fd``: an open TAP for its NIC.
+
+        The serial console is QEMU's stdout (``VMMProcesses.spawn`` sends it
+        to the capped console log); with confinement's seccomp on, QEMU may
+        not spawn, raise privileges, use obsolete calls or change its own
+        scheduling (``SECCOMP``).
+        """
         p = spec.paths
         args = ["console=ttyS0", "root=/dev/vda", "rw", "quiet", "panic=-1",
                 f"hangar.hostname={spec.hostname}"]
@@ -194,9 +221,10 @@ class QemuEngine(Engine):
             args.append(spec.net.kernel_arg())
         append = " ".join([*args, *spec.kernel_args])
         return [
-            QEMU, "-name", f"hangar-{spec.sandbox_id}",
+            self.binary, "-name", f"hangar-{spec.sandbox_id}",
             *self.machine_args(spec),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            *(["-sandbox", SECCOMP] if self.confine.seccomp else []),
             "-kernel", str(spec.image.kernel), "-initrd", str(spec.image.initrd),
             "-append", append,
             "-drive", f"id=root,file={p.disk},format=qcow2,if=none,discard=unmap",
@@ -206,23 +234,27 @@ class QemuEngine(Engine):
             "-device", "virtserialport,chardev=agent,name=hangar.agent",
             "-object", "rng-random,id=rng,filename=/dev/urandom",
             "-device", "virtio-rng-device,rng=rng",
-            "-chardev", f"file,id=console,path={p.serial_log}",
+            "-chardev", "stdio,id=console,signal=off",
             "-serial", "chardev:console",
             "-qmp", f"unix:{p.qmp},server=on,wait=off",
-            *self.nic_args(spec),
+            *self.nic_args(spec, tap_fd),
         ]
 
     @staticmethod
-    def nic_args(spec: VMSpec) -> list[str]:
+    def nic_args(spec: VMSpec, tap_fd: int | None = None) -> list[str]:
         """The NIC's QEMU arguments: [] without ``spec.net``.
 
-        TAP: the NetworkManager made the TAP, so QEMU runs no scripts.
-        User mode: QEMU's own stack on the attachment's subnet, IPv4 only.
+        TAP: the NetworkManager made the TAP, so QEMU runs no scripts; a
+        confined QEMU may not open ``/dev/net/tun``, so it gets the TAP as
+        the open file ``tap_fd`` (``hangar.engines.vmm_exec`` opens it). User mode: QEMU's own
+        stack on the attachment's subnet, IPv4 only.
         """
         net = spec.net
         if net is None:
             return []
-        if net.kind == "tap":
+        if net.kind == "tap" and tap_fd is not None:
+            netdev = f"tap,id=net0,fd={tap_fd}"
+        elif net.kind == "tap":
             netdev = f"tap,id=net0,ifname={net.tap},script=no,downscript=no"
         else:
             subnet = ipaddress.ip_interface(f"{net.ip}/{net.prefix}").network
@@ -246,21 +278,35 @@ class QemuEngine(Engine):
         p.dir.mkdir(parents=True, exist_ok=False)
         try:
             await self._make_disk(spec)
-            return await self._start(spec, self.command(spec))
+            return await self._start(spec)
         except BaseException:
             await self._cleanup(p, None)
             raise
 
-    async def _start(self, spec: VMSpec, argv: list[str]) -> VM:
-        """Start QEMU with ``argv`` in ``spec``'s sandbox directory.
+    async def _start(self, spec: VMSpec, extra: tuple[str, ...] = ()) -> VM:
+        """Start QEMU for ``spec`` (its argv plus ``extra``) in the sandbox directory.
 
-        Returns once QEMU has created its QMP and agent sockets (so that a
-        bad argument fails here with QEMU's own message); raises
-        ``EngineError``. The caller cleans up on failure.
+        Confined as ``self.confine`` says (``hangar.engines.confine``): its
+        cgroup, user, view and console logger are set up here. Returns once
+        QEMU has created its QMP and agent sockets (so that a bad argument
+        fails here with QEMU's own message); raises ``EngineError``. The
+        caller cleans up on failure.
         """
         p = spec.paths
+        tap = spec.net.tap if spec.net is not None and spec.net.kind == "tap" else None
         try:
-            proc = self._procs.spawn(argv, cwd=p.dir, pid_file=p.pid_file, stdout=p.vmm_log)
+            image_dirs = sorted({f.parent for f in (spec.image.kernel, spec.image.initrd,
+                                                    spec.image.rootfs)})
+            plan = self.confine.prepare(
+                spec.sandbox_id, p, vcpus=spec.vcpus, memory_mib=spec.memory_mib,
+                accel=self.accel, reads=image_dirs, owned=[p.disk],
+                file_limit=(spec.disk_mib + spec.memory_mib + FILE_LIMIT_SLACK_MIB) << 20,
+                host_network=spec.net is not None and spec.net.kind == "user", tap=tap,
+                netns=self.network_namespace)
+            console = self.confine.console_argv(p)
+            argv = [*self.command(spec, self.confine.tap_fd() if tap else None), *extra]
+            proc = self._procs.spawn(argv, cwd=p.dir, pid_file=p.pid_file, stdout=p.serial_log,
+                                     stderr=p.vmm_log, plan=plan, console=console)
         except OSError as exc:
             raise EngineError(f"cannot start {QEMU}: {exc}", sandbox_id=spec.sandbox_id) from None
         vm = VM(spec.sandbox_id, self.name, proc.pid, p, self.accel)
@@ -360,6 +406,7 @@ class QemuEngine(Engine):
                 pid = None
         self._drop_held(pid)
         await self._procs.kill(pid)
+        await self.confine.release(p)
         shutil.rmtree(p.dir, ignore_errors=True)
 
     # -- snapshots ---------------------------------------------------------
@@ -412,6 +459,26 @@ class QemuEngine(Engine):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
+    async def _pass_fd(self, client: QMPClient, vm: VM, path: Path, flags: int) -> None:
+        """Open ``path`` here and hand it to QEMU as ``MIGRATION_FD`` (QMP ``getfd``).
+
+        A confined QEMU can neither open the snapshot folder nor spawn a
+        helper, so the migration stream reaches it as an open file.
+        """
+        try:
+            fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise EngineError(f"cannot open {path.name}: {exc.strerror}",
+                              sandbox_id=vm.sandbox_id) from None
+        try:
+            client.send_fd_scm(fd)
+            await self._run(client, vm, "getfd", fdname=MIGRATION_FD)
+        except (QMPError, OSError) as exc:
+            raise EngineError(f"cannot pass the migration file to QEMU: {exc}",
+                              sandbox_id=vm.sandbox_id) from None
+        finally:
+            os.close(fd)
+
     def _argv_of(self, vm: VM) -> list[str]:
         argv = process.argv_of(vm.pid)
         if argv is None:
@@ -456,8 +523,8 @@ class QemuEngine(Engine):
         """Save the VM's device state, RAM and disk into the new directory ``dest``.
 
         Pauses the VM (QMP ``stop``), streams its state with QMP ``migrate``
-        to ``exec:cat > dest/state.mig`` (QEMU 7.2 has no ``file:``
-        transport), waits for ``query-migrate`` to report completion,
+        into ``dest/state.mig`` (opened here, passed as a file descriptor),
+        waits for ``query-migrate`` to report completion,
         copies the qcow2 overlay (the migration has flushed and released
         it) and writes the manifest; see ``hangar.engines.snapshot_io``.
         The VM ends paused (QEMU's ``postmigrate`` state); ``resume`` runs
@@ -486,8 +553,8 @@ class QemuEngine(Engine):
                 await self._run(qmp, vm, "stop")
                 await self._run(qmp, vm, "migrate-set-parameters",
                                 **{"max-bandwidth": MIGRATE_BANDWIDTH})
-                await self._run(qmp, vm, "migrate",
-                                uri=f"exec:cat > {shlex.quote(str(partial))}")
+                await self._pass_fd(qmp, vm, partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                await self._run(qmp, vm, "migrate", uri=f"fd:{MIGRATION_FD}")
                 try:
                     info = await self._wait_migration(
                         qmp, vm, MIGRATE_TIMEOUT_S + memory_mib / 1024 * MIGRATE_S_PER_GIB)
@@ -529,7 +596,8 @@ class QemuEngine(Engine):
         The snapshot's disk is copied into the new sandbox (and its backing
         file repointed at ``spec.image.rootfs``), QEMU starts with the same
         argv as ``boot`` plus ``-incoming defer``, loads the state with QMP
-        ``migrate-incoming exec:cat state.mig`` and is resumed with ``cont``.
+        ``migrate-incoming`` from ``state.mig`` passed as a file descriptor,
+        and is resumed with ``cont``.
         ``spec`` must have the snapshot's image digest, vCPUs and memory
         (``snapshot_io.read_manifest`` tells them). The guest's clock and
         entropy are the snapshot's until ``snapshot_io.refresh_guest`` runs.
@@ -558,11 +626,10 @@ class QemuEngine(Engine):
             snap = SnapshotPaths(source)
             await snapshot_io.copy_file(snap.disk, p.disk)
             await self._rebase(p.disk, spec.image.rootfs)
-            vm = await self._start(spec, [*self.command(spec), "-incoming", "defer"])
-            state = snap.state
+            vm = await self._start(spec, ("-incoming", "defer"))
             async with self._qmp_session(vm) as qmp:
-                await self._run(qmp, vm, "migrate-incoming",
-                                uri=f"exec:cat {shlex.quote(str(state))}")
+                await self._pass_fd(qmp, vm, snap.state, os.O_RDONLY)
+                await self._run(qmp, vm, "migrate-incoming", uri=f"fd:{MIGRATION_FD}")
                 await self._wait_migration(
                     qmp, vm, MIGRATE_TIMEOUT_S + manifest.memory_mib / 1024 * MIGRATE_S_PER_GIB)
                 # Connect before the guest runs: see agent_channel.

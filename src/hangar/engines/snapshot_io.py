@@ -6,7 +6,7 @@ files are named in ``hangar.layout.SnapshotPaths``; for QEMU::
 
     <snapshot>/
       state.mig       the VMM's saved device state and RAM: QEMU's migration
-                      stream, written by ``migrate exec:cat``; pages that are
+                      stream, written by ``migrate fd:`` (a file the server opens); pages that are
                       all zero take a few bytes each, so the file is about
                       the size of the guest memory in use
       disk.qcow2      copy of the sandbox's qcow2 overlay at the moment of

@@ -49,6 +49,7 @@ from hangar.engines.firecracker.files import (
     vm_id_for,
     write_vm_json,
 )
+from hangar.engines.confine import ConfineConfig, Confinement
 from hangar.engines.firecracker.jailer import (
     JailerConfig,
     cgroup_args,
@@ -99,7 +100,8 @@ class FirecrackerEngine(Engine):
     accel = "kvm"
 
     def __init__(self, binary: Path | None = None, *, jailer: JailerConfig | None = None,
-                 track_dirty_pages: bool = True, start_timeout: float = START_TIMEOUT_S) -> None:
+                 track_dirty_pages: bool = True, start_timeout: float = START_TIMEOUT_S,
+                 console_log_bytes: int = ConfineConfig.console_log_bytes) -> None:
         found = binary or find_firecracker()
         if found is None:
             raise EngineError("firecracker not found; run scripts/fetch-firecracker.sh "
@@ -121,6 +123,9 @@ class FirecrackerEngine(Engine):
         self.track_dirty_pages = track_dirty_pages
         self.start_timeout = start_timeout
         self._procs = VMMProcesses()
+        # The console cap only: the jailer confines the VMM itself.
+        self._console = Confinement(ConfineConfig(enabled=False,
+                                                  console_log_bytes=console_log_bytes))
 
     def describe(self) -> dict[str, str]:
         d = {"engine": self.name, "accel": self.accel, "version": self.version,
@@ -197,7 +202,7 @@ class FirecrackerEngine(Engine):
         try:
             proc = self._procs.spawn(self.command(spec, files), cwd=files.root,
                                      pid_file=p.pid_file, stdout=p.serial_log,
-                                     stderr=p.vmm_log)
+                                     stderr=p.vmm_log, console=self._console.console_argv(p))
         except OSError as exc:
             raise EngineError(f"cannot start firecracker: {exc}",
                               sandbox_id=spec.sandbox_id) from None

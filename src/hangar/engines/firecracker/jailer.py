@@ -4,7 +4,9 @@ Under the jailer (``JailerConfig``) each VMM gets its own uid/gid, derived
 from its id in ``[uid_base, uid_base + uid_count)``, a chroot
 (``hangar.layout.FirecrackerPaths.root``) and cgroup limits: memory (the
 guest's plus ``vmm_overhead_mib``) and CPU (``vcpus`` CPUs of quota), in
-``<controller>/<parent_cgroup>/<vm id>``. cgroup v2 is used when its cpu and
+``<controller>/<parent_cgroup>/<vm id>``, and a pids limit (``pids_max``).
+It is on by default when Hangar runs as root (``HANGAR_FIRECRACKER_JAILER``,
+``hangar.engines.doctor.jailer_choice``). cgroup v2 is used when its cpu and
 memory controllers are enabled, else v1, else none (``cgroup_version``;
 ``cgroups="off"`` skips limits). The jailer needs root.
 """
@@ -40,6 +42,7 @@ class JailerConfig:
     cgroups: Literal["auto", "v1", "v2", "off"] = "auto"
     parent_cgroup: str = "hangar"
     vmm_overhead_mib: int = 128
+    pids_max: int = 256
 
     def uid_for(self, vm_id: str) -> int:
         return self.uid_base + zlib.crc32(vm_id.encode()) % self.uid_count
@@ -62,8 +65,8 @@ def cgroup_mounts() -> dict[str, list[Path]]:
 def cgroup_version(wanted: str = "auto") -> str | None:
     """``"2"`` or ``"1"`` for the jailer's ``--cgroup-version``, or None (no limits).
 
-    v2 needs a cgroup2 mount whose root offers the cpu and memory
-    controllers; v1 needs mounted ``cpu`` and ``memory`` hierarchies.
+    v2 needs a cgroup2 mount whose root offers the cpu, memory and pids
+    controllers; v1 needs mounted ``cpu``, ``memory`` and ``pids`` hierarchies.
     """
     if wanted == "off":
         return None
@@ -74,11 +77,11 @@ def cgroup_version(wanted: str = "auto") -> str | None:
                 ctrl = (m / "cgroup.controllers").read_text().split()
             except OSError:
                 continue
-            if "cpu" in ctrl and "memory" in ctrl:
+            if {"cpu", "memory", "pids"} <= set(ctrl):
                 return "2"
     if wanted in ("auto", "v1"):
         names = {n for m in mounts["v1"] for n in m.name.split(",")}
-        if {"cpu", "memory"} <= names:
+        if {"cpu", "memory", "pids"} <= names:
             return "1"
     return None
 
@@ -95,6 +98,8 @@ def cgroup_args(config: JailerConfig, version: str | None, vcpus: int,
     else:
         limits = [f"memory.limit_in_bytes={mem}", f"cpu.cfs_period_us={CPU_PERIOD_US}",
                   f"cpu.cfs_quota_us={quota}"]
+    if config.pids_max:
+        limits.append(f"pids.max={config.pids_max}")
     args = ["--cgroup-version", version, "--parent-cgroup", config.parent_cgroup]
     for limit in limits:
         args += ["--cgroup", limit]
