@@ -384,7 +384,7 @@ def test_sdk_expose_returns_the_url(web) -> None:
         url = sb.expose(3000)
         assert url == f"http://{host_of(sid, 3000)}/"
         info = sb.port(3000, token_ttl=60)
-        assert info.signed_url and info.path_url.endswith(f"/ports/3000/")
+        assert info.signed_url and info.path_url.endswith("/ports/3000/")
         assert httpx.get(f"{info.path_url}?hangar_token={info.token}").status_code == 200
         assert 3000 in {p.port for p in sb.ports()}
         sb.close_port(3000)

@@ -28,7 +28,7 @@ from hangar.errors import ImageError, InvalidRequest
 from hangar.images import builder
 from hangar.images.commands import inside
 from hangar.images.template_builder import build_template, remove_template
-from hangar.images.template_file import Template, load_template, parse_template
+from hangar.images.template_file import load_template, parse_template
 from hangar.layout import Layout
 
 NAME = f"t-{os.getpid()}"

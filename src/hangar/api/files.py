@@ -21,7 +21,6 @@ meanwhile.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 

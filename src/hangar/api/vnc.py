@@ -42,7 +42,6 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from hangar.api.deps import manager
 from hangar.api.desktop import desktop_for
-from hangar.api.errors import error_response
 from hangar.api.models import RequestBody
 from hangar.api.tickets import (  # noqa: F401  (re-exported: vnc.TicketBook, vnc.deny)
     ORIGINS_ENV, TICKET_TTL_S, Ticket, TicketBook, admit, allowed_origins, deny, tickets,
