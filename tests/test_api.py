@@ -100,6 +100,32 @@ def test_metrics(api: httpx.Client, sandbox: str) -> None:
     assert 'hangar_engine_info{' in text and 'engine="qemu"' in text
 
 
+def metric(text: str, name: str, default: float | None = None) -> float:
+    """The value of the sample ``name`` (with its labels) in a Prometheus exposition."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    if default is not None:
+        return default
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.mark.vm
+def test_capacity_and_error_metrics(api: httpx.Client, sandbox: str) -> None:
+    not_found = 'hangar_errors_total{code="not_found"}'
+    before = metric(api.get("/metrics").text, not_found, 0.0)
+    assert api.get("/sandboxes/sb-000000000000").status_code == 404
+    assert api.get("/sandboxes/sb-000000000001").status_code == 404
+    text = api.get("/metrics").text
+    assert metric(text, not_found) == before + 2
+    assert metric(text, "hangar_vmms") >= 1
+    assert metric(text, "hangar_vmm_limit") >= metric(text, "hangar_vmms")
+    mine = api.get(f"/sandboxes/{sandbox}").json()["memory_mib"] * 2**20
+    assert metric(text, "hangar_guest_memory_committed_bytes") >= mine
+    assert metric(text, "hangar_guest_memory_budget_bytes") > 0
+    assert metric(text, "hangar_data_free_bytes") > 0
+
+
 @pytest.mark.vm
 def test_failed_create_leaves_nothing(base_image) -> None:
     d = make_data_dir(base_image)

@@ -12,11 +12,19 @@ id), so the number of series stays bounded:
 ``hangar_wake_seconds{outcome}``                    wake from sleep
 ``hangar_pool_hits_total``, ``hangar_pool_misses_total``: creates that fit the
 warm pool and got, or did not get, a ready VM; ``hangar_pool_refills_total``.
+``hangar_errors_total{code}``                       error answers by Hangar's error
+                                                    code (a fixed set: hangar.errors)
+
+Gauges read at each scrape (``watch_capacity``): the VMMs running against
+their cap, guest memory committed against the budget, the warm pool's
+ready VMs against its target per template, and the data directory's free
+bytes. docs/metrics.md documents every metric.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily
@@ -34,6 +42,51 @@ class _StateCollector(Collector):
         for state, n in sorted(self._counts().items()):
             g.add_metric([state], n)
         yield g
+
+
+class _CapacityCollector(Collector):
+    """Gauges from one ``Capacity`` snapshot per scrape."""
+
+    def __init__(self, read: Callable[[], Capacity]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        c = self._read()
+        yield GaugeMetricFamily("hangar_vmms", "VMMs that may be running (pool included)",
+                                value=c.vmms)
+        yield GaugeMetricFamily("hangar_vmm_limit", "Cap on VMMs (HANGAR_MAX_SANDBOXES)",
+                                value=c.vmm_limit)
+        yield GaugeMetricFamily("hangar_guest_memory_committed_bytes",
+                                "Guest memory of every sandbox that may hold a VMM",
+                                value=c.memory_committed_mib * 2**20)
+        yield GaugeMetricFamily("hangar_guest_memory_budget_bytes",
+                                "Host memory budget for guests (HANGAR_MEMORY_BUDGET_MIB)",
+                                value=c.memory_budget_mib * 2**20)
+        ready = GaugeMetricFamily("hangar_pool_ready", "Warm-pool VMs ready to be taken",
+                                  labels=["template"])
+        target = GaugeMetricFamily("hangar_pool_target", "Warm-pool VMs wanted",
+                                   labels=["template"])
+        for name, want in sorted(c.pool_target.items()):
+            target.add_metric([name], want)
+            ready.add_metric([name], c.pool_ready.get(name, 0))
+        yield ready
+        yield target
+        yield GaugeMetricFamily("hangar_data_free_bytes",
+                                "Free bytes on the data directory's file system",
+                                value=c.data_free_bytes)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the capacity gauges show; memory in MiB, disk in bytes."""
+
+    vmms: int
+    vmm_limit: int
+    memory_committed_mib: int
+    memory_budget_mib: int
+    pool_ready: dict[str, int]
+    pool_target: dict[str, int]
+    data_free_bytes: int
 
 
 class Metrics:
@@ -72,8 +125,14 @@ class Metrics:
         self.unresponsive = Counter("hangar_guest_unresponsive_total",
                                     "Sandboxes marked unresponsive: a guest call's deadline "
                                     "passed unanswered", registry=r)
+        self.errors = Counter("hangar_errors_total", "Error answers by Hangar's error code",
+                              ["code"], registry=r)
         self.engine = Info("hangar_engine", "VMM engine in use", registry=r)
 
     def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
         """Report ``hangar_sandboxes{state=...}`` from ``counts()`` at each scrape."""
         self.registry.register(_StateCollector(counts))
+
+    def watch_capacity(self, read: Callable[[], Capacity]) -> None:
+        """Report the capacity gauges (see ``Capacity``) from ``read()`` at each scrape."""
+        self.registry.register(_CapacityCollector(read))

@@ -29,9 +29,17 @@ def error_response(status: int, code: str, message: str, **context: object) -> J
                         status_code=status, headers=headers)
 
 
+def count(request: Request, code: str) -> None:
+    """Count an error answer in ``hangar_errors_total{code}`` (once the server runs)."""
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.errors.labels(code).inc()
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(HangarError)
     async def _hangar(request: Request, exc: HangarError) -> JSONResponse:
+        count(request, exc.code)
         ctx = {k: v for k, v in exc.context.items() if isinstance(v, (str, int, float, bool))}
         if isinstance(exc, (LimitExceeded, Busy)):
             ctx["retry_after"] = exc.retry_after
@@ -41,6 +49,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        count(request, "invalid_request")
         details = [
             {"loc": [str(x) for x in e.get("loc", ())], "msg": e.get("msg", "")}
             for e in exc.errors()
@@ -56,10 +65,12 @@ def install(app: FastAPI) -> None:
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         code = {401: "unauthorized", 403: "forbidden", 404: "not_found",
                 405: "method_not_allowed", 413: "too_large"}.get(exc.status_code, "http_error")
+        count(request, code)
         context = {"limit_bytes": exc.limit} if isinstance(exc, BodyTooLarge) else {}
         return error_response(exc.status_code, code, str(exc.detail), **context)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error", extra={"path": request.url.path})
+        count(request, "internal")
         return error_response(500, "internal", "internal error; see the server log")

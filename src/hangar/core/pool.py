@@ -90,6 +90,14 @@ class WarmPool:
     def ready_count(self) -> int:
         return len(self._ready)
 
+    def ready_by_template(self) -> dict[str, int]:
+        """Ready (booted and paused) VMs per template name."""
+        out: dict[str, int] = {}
+        for rec in self.pooled():
+            if rec.id in self._ready:
+                out[rec.image] = out.get(rec.image, 0) + 1
+        return out
+
     def fits(self, opts: CreateOptions, image: GuestImage) -> bool:
         """True when a create with ``opts`` may be served from the pool."""
         s = self.ctx.settings

@@ -42,6 +42,7 @@ Rules:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -71,7 +72,7 @@ from hangar.engines.base import Engine
 from hangar.errors import Conflict
 from hangar.engines.agent_client import AgentClient, ExecEvent, ExecResult
 from hangar.layout import Layout
-from hangar.metrics import Metrics
+from hangar.metrics import Capacity, Metrics
 
 log = logging.getLogger("hangar.sandboxes")
 
@@ -113,6 +114,7 @@ class SandboxManager:
         self.reconciler.add_pass("unresponsive", self.calls.probe_unresponsive)
         self.recovery = Recovery(ctx, self.launcher, self.removal)
         metrics.watch_states(self.state_counts)
+        metrics.watch_capacity(self.capacity)
 
     @property
     def net(self) -> Any:
@@ -158,6 +160,19 @@ class SandboxManager:
             raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}", sandbox_id=sandbox_id)
         expires = time.time() + timeout_s if timeout_s else None
         return self.store.update(sandbox_id, expires_at=expires)  # type: ignore[return-value]
+
+    def capacity(self) -> Capacity:
+        """VMMs against their cap, guest memory against the budget, the pool and free disk
+        (the gauges of ``hangar.metrics``)."""
+        disk = os.statvfs(self.layout.root)
+        pool = self.pool
+        return Capacity(
+            vmms=len(self.store.with_vmm()), vmm_limit=self.settings.max_sandboxes,
+            memory_committed_mib=self.admission.memory_used_mib(),
+            memory_budget_mib=self.admission.memory_budget_mib(),
+            pool_ready=pool.ready_by_template() if pool is not None else {},
+            pool_target=dict(pool.targets) if pool is not None else {},
+            data_free_bytes=disk.f_bavail * disk.f_frsize)
 
     def state_counts(self) -> dict[str, int]:
         """Sandboxes by state (tombstones not counted), for ``hangar_sandboxes{state}``."""
