@@ -390,9 +390,10 @@ class Channel:
     """One open request: its inbound frames and its window in each direction.
 
     ``get`` takes the next inbound frame and grants the host more window as
-    frames are taken; ``stream`` sends a DATA or EOF frame once the host's
-    window has room for it (see ``hangar.guest.protocol``); ``send`` sends
-    any other frame.
+    frames are taken (or, with ``ack=False``, once the consumer says it is
+    done with them: ``ack``); ``stream`` sends a DATA or EOF frame once the
+    host's window has room for it (see ``hangar.guest.protocol``); ``send``
+    sends any other frame.
     """
 
     def __init__(self, session: Session, cid: int) -> None:
@@ -403,13 +404,18 @@ class Channel:
         self.inflow = P.Inflow()
         self.task: asyncio.Task[None] | None = None
 
-    async def get(self) -> P.Frame:
+    async def get(self, ack: bool = True) -> P.Frame:
         frame = await self.inbox.get()
-        if frame.kind in P.FLOW_KINDS:
-            grant = self.inflow.consume(frame.size)
-            if grant:
-                self.session.write_now(P.Kind.WINDOW, self.cid, {"bytes": grant})
+        if ack and frame.kind in P.FLOW_KINDS:
+            self.ack(frame.size)
         return frame
+
+    def ack(self, size: int) -> None:
+        """The consumer is done with ``size`` bytes of DATA and EOF frames (``Frame.size``)
+        taken with ``get(ack=False)``: grant them back to the host."""
+        grant = self.inflow.consume(size)
+        if grant:
+            self.session.write_now(P.Kind.WINDOW, self.cid, {"bytes": grant})
 
     async def stream(self, meta: dict[str, Any], data: bytes = b"",
                      kind: P.Kind = P.Kind.DATA) -> None:

@@ -23,19 +23,22 @@ work as in a terminal emulator. A lost host connection cancels the request
 the server that could reach it. Input has no end of its own: a terminal
 ends when its program exits or by a hang-up (an EOF from the host is ignored).
 
-Flow control, both ways (``Channel.stream`` and ``Channel.get``):
+Flow control, both ways (``Channel.stream``, ``Channel.get`` and ``Channel.ack``):
 
 * Output: the pty master is read one chunk (at most ``CHUNK`` bytes) at a
   time, and the next read waits until that chunk went out within the host's
   window. So a host that reads slowly makes the program block on its writes
   once the pty's own buffer is full, as a slow terminal would; nothing is
   read ahead.
-* Input: frames are taken off the channel as they come (granting the host
-  window back at once), into a backlog of at most ``MAX_INPUT_BACKLOG``
-  bytes for a program that does not read; input past that is dropped and
-  counted (``input_dropped``), as a terminal's line discipline drops what
-  overflows its buffer. The host's writes never wait on the program, only
-  on the agent, so a host waiting for window knows the agent is stuck.
+* Input: frames are taken off the channel as they come, so a resize, a
+  signal or a hang-up acts at once, but the window is granted back only as
+  the input is written into the pty, i.e. as the program reads it: a paste
+  larger than the window waits in the host for a program that reads slowly,
+  and at most one window waits here. Input that the program has left
+  unread for ``INPUT_STALL_S`` (it read none of it) is dropped and counted
+  (``input_dropped``), and so is later input until it reads again, as a
+  terminal discards typeahead: a program that never reads cannot hold its
+  host's writes for longer than that.
 
 After the program exits, its output is read until nothing came for
 ``DRAIN_GRACE_S`` (a background job may hold the pty open), for at most
@@ -45,6 +48,7 @@ After the program exits, its output is read until nothing came for
 from __future__ import annotations
 
 import asyncio
+import collections
 import fcntl
 import os
 import signal
@@ -58,8 +62,8 @@ from hangar.guest import protocol as P
 if TYPE_CHECKING:
     from hangar.guest.agent import Channel
 
-MAX_INPUT_BACKLOG = 1 << 20
-"""Bytes of input kept for a program that does not read them."""
+INPUT_STALL_S = 5.0
+"""Seconds input may wait for a program that reads none of it before it is dropped."""
 DRAIN_GRACE_S = 0.5
 """Seconds of quiet after which the output of a program that exited is taken as complete."""
 DRAIN_MAX_S = 2.0
@@ -105,6 +109,95 @@ async def _readable(fd: int) -> None:
         loop.remove_reader(fd)
 
 
+class _Input:
+    """Input on its way into the pty master; see "Input" in the module docstring.
+
+    Frames wait in ``backlog`` (the bytes left of each, and the frame's size)
+    until the pty takes them; each frame's window is granted back once all
+    of its bytes are in the pty.
+    """
+
+    def __init__(self, ch: Channel, master: int) -> None:
+        self.ch = ch
+        self.master = master
+        self.loop = asyncio.get_running_loop()
+        self.backlog: collections.deque[list[Any]] = collections.deque()
+        self.since = self.loop.time()
+        """When the pty last took input, or input began to wait."""
+        self.stalled = False
+        """The program read nothing for ``INPUT_STALL_S``: input is dropped until it reads."""
+        self.dropped = 0
+        self.timer: asyncio.TimerHandle | None = None
+
+    def take(self, frame: P.Frame) -> None:
+        """A DATA frame from the host (taken with ``get(ack=False)``)."""
+        if not frame.data:
+            self.ch.ack(frame.size)
+            return
+        if not self.backlog:
+            self.since = self.loop.time()  # the clock starts as input begins to wait
+        self.backlog.append([memoryview(frame.data), frame.size])
+        if len(self.backlog) > 1:
+            return  # the writer is registered and the clock runs
+        if not self.push() and self.stalled:  # still reads nothing: drop at once
+            self.discard(count=True)
+            return
+        if self.backlog:
+            self.loop.add_writer(self.master, self.push)
+            if self.timer is None:
+                self.timer = self.loop.call_later(INPUT_STALL_S, self.check)
+
+    def push(self) -> int:
+        """Write waiting input into the pty as far as it takes it; returns bytes written."""
+        wrote = 0
+        while self.backlog:
+            entry = self.backlog[0]
+            try:
+                n = os.write(self.master, entry[0])
+            except BlockingIOError:
+                break
+            except OSError:  # the program closed its end: the input goes nowhere
+                self.discard(count=False)
+                break
+            if n:
+                wrote += n
+                self.since = self.loop.time()
+                self.stalled = False
+            if n < len(entry[0]):
+                entry[0] = entry[0][n:]
+                break
+            self.backlog.popleft()
+            self.ch.ack(entry[1])  # the program has it: the host may send as much again
+        if not self.backlog:
+            self.loop.remove_writer(self.master)
+        return wrote
+
+    def check(self) -> None:
+        self.timer = None
+        if not self.backlog:
+            return
+        idle = self.loop.time() - self.since
+        if idle >= INPUT_STALL_S:  # the program read none of it: drop what waits
+            self.discard(count=True)
+            self.stalled = True
+        else:
+            self.timer = self.loop.call_later(INPUT_STALL_S - idle, self.check)
+
+    def discard(self, count: bool) -> None:
+        """Drop the input that waits, granting its window back."""
+        while self.backlog:
+            view, size = self.backlog.popleft()
+            if count:
+                self.dropped += len(view)
+            self.ch.ack(size)
+        self.loop.remove_writer(self.master)
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.loop.remove_writer(self.master)
+
+
 async def run(ch: Channel, argv: list[str], env: dict[str, str], cwd: str, cols: int,
               rows: int) -> dict[str, Any]:
     """Run ``argv`` on a new pty until it exits; see the module docstring.
@@ -127,9 +220,9 @@ async def run(ch: Channel, argv: list[str], env: dict[str, str], cwd: str, cols:
         raise
     os.close(slave)
     started = time.monotonic()
-    state: dict[str, Any] = {"sending": False, "last_read": loop.time(), "dropped": 0}
-    backlog = bytearray()
+    state: dict[str, Any] = {"sending": False, "last_read": loop.time()}
     hangup: asyncio.TimerHandle | None = None
+    keys = _Input(ch, master)
 
     def killpg(sig: int) -> None:
         try:
@@ -143,17 +236,6 @@ async def run(ch: Channel, argv: list[str], env: dict[str, str], cwd: str, cols:
         killpg(signal.SIGCONT)
         if hangup is None:  # left to run: it also ends the group's members left behind
             hangup = loop.call_later(HANGUP_GRACE_S, killpg, signal.SIGKILL)
-
-    def writable() -> None:
-        try:
-            n = os.write(master, backlog)
-        except BlockingIOError:
-            return
-        except OSError:  # the program closed its end: the input goes nowhere
-            n = len(backlog)
-        del backlog[:n]
-        if not backlog:
-            loop.remove_writer(master)
 
     async def pump() -> None:
         """Output: one chunk read, then sent within the host's window, then the next."""
@@ -175,30 +257,29 @@ async def run(ch: Channel, argv: list[str], env: dict[str, str], cwd: str, cols:
                 state["sending"] = False
 
     async def feed() -> None:
-        """Input and control frames, taken as they come (``get`` grants window back)."""
+        """Input and control frames, taken as they come; input's window is granted back
+        as the pty takes it (``_Input``)."""
         while True:
-            frame = await ch.get()
+            frame = await ch.get(ack=False)
             if frame.kind == P.Kind.DATA:
-                room = MAX_INPUT_BACKLOG - len(backlog)
-                take = frame.data[:max(0, room)]
-                state["dropped"] += len(frame.data) - len(take)
-                if take:
-                    if not backlog:
-                        loop.add_writer(master, writable)
-                    backlog.extend(take)
-            elif frame.kind == P.Kind.SIGNAL:
-                meta = frame.meta
-                if meta.get("hangup"):
-                    hang_up()
-                elif "cols" in meta or "rows" in meta:
-                    try:
-                        set_size(master, *check_size(meta.get("cols"), meta.get("rows")))
-                    except (ValueError, OSError):
-                        pass
-                else:
-                    sig = meta.get("signal")
-                    if isinstance(sig, int) and not isinstance(sig, bool) and 0 < sig < 65:
-                        killpg(sig)
+                keys.take(frame)
+                continue
+            if frame.kind in P.FLOW_KINDS:
+                ch.ack(frame.size)  # EOF: input has no end of its own
+            if frame.kind != P.Kind.SIGNAL:
+                continue
+            meta = frame.meta
+            if meta.get("hangup"):
+                hang_up()
+            elif "cols" in meta or "rows" in meta:
+                try:
+                    set_size(master, *check_size(meta.get("cols"), meta.get("rows")))
+                except (ValueError, OSError):
+                    pass
+            else:
+                sig = meta.get("signal")
+                if isinstance(sig, int) and not isinstance(sig, bool) and 0 < sig < 65:
+                    killpg(sig)
 
     tasks: list[asyncio.Task[None]] = []
     try:
@@ -229,9 +310,9 @@ async def run(ch: Channel, argv: list[str], env: dict[str, str], cwd: str, cols:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        loop.remove_writer(master)
+        keys.close()
         os.close(master)
     sig = -rc if rc < 0 else None
     return {"exit_code": 128 + sig if sig else rc, "signal": sig,
             "duration_s": round(time.monotonic() - started, 6),
-            "input_dropped": state["dropped"]}
+            "input_dropped": keys.dropped}
