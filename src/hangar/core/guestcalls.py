@@ -21,9 +21,8 @@ file write             30 s whenever the host waits for window; after the
                        last byte, 30 s plus 1 s per 4 MiB (fsync)
 stat, list, mkdir...   30 s
 tunnel                 30 s to connect; none while open
-terminal (pty)         30 s to start; none while open; input that waits 30 s
-                       for the guest's window; after a hang-up, progress
-                       within 30 s whenever it can send
+terminal (pty)         30 s to start; none while open; after a hang-up,
+                       progress within 30 s whenever it can send
 file watch             30 s to be in place; none while open
 =====================  ========================================================
 

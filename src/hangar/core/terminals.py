@@ -23,9 +23,8 @@ and may drop and attach again. Rules:
   guest; a session task that ends first (the server stops) CANCELs its
   channel, which the guest takes as a hang-up too.
 * **Deadlines** (``PtyChannel``): 30 s to start; none while the program
-  runs; input waiting 30 s for a window that the guest does not open, or
-  a hung-up program that makes no progress for 30 s, ends the session
-  without an exit code and marks the sandbox ``unresponsive``. A session whose program has ended is kept
+  runs (as a tunnel); a hung-up session whose guest makes no progress for
+  30 s ends without an exit code and marks the sandbox ``unresponsive``. A session whose program has ended is kept
   until a viewer has received its exit code, or for the grace period.
 * **Busy.** While the program runs the sandbox counts as busy (as with a
   tunnel or a live desktop), so it is neither snapshotted nor put to sleep

@@ -86,8 +86,7 @@ class Deadlines:
     hung-up terminal to make progress; an exec gets its own timeout plus
     ``exec_grace_s`` (one without a timeout gets ``exec_max_s``); a file
     read or write must move the next window within ``stall_s`` whenever
-    it can (time spent waiting for the HTTP client does not count), input
-    to a terminal must find window within ``stall_s`` too, and a
+    it can (time spent waiting for the HTTP client does not count), and a
     write must be answered ``control_s`` plus one second per
     ``write_rate`` bytes after its last byte (the guest's fsync).
     """
@@ -968,12 +967,13 @@ class PtyChannel:
     Flow control both ways: output that the host has not ``read`` holds the
     guest back (once the window is full the program blocks on its writes, as
     on a slow terminal), and ``write`` waits while the guest's window is
-    full. The guest takes input as it comes (what its program leaves unread
-    past 1 MiB is dropped and counted), so a window still shut after
-    ``deadlines.stall_s`` means a stuck guest: the terminal fails with
-    ``Timeout`` and the sandbox is reported (``on_unanswered``). Deadlines:
-    none while the program runs; after ``hang_up``, the guest must make
-    progress within ``deadlines.control_s`` whenever it can send.
+    full, i.e. while the program has not read the input before (the guest
+    drops input that its program leaves unread for 5 s, so that wait is
+    bounded). Like a tunnel, a terminal has no deadline while its program
+    runs (30 s to start, in ``open_pty``); after ``hang_up`` the guest owes
+    the end: it must make progress within ``deadlines.control_s`` whenever
+    it can send, else the terminal ends with ``Timeout`` and the sandbox is
+    reported (``on_unanswered``).
     """
 
     def __init__(self, client: AgentClient, ch: _Channel, pid: int) -> None:
@@ -1024,15 +1024,14 @@ class PtyChannel:
         """Send input bytes to the program's terminal, as the guest's window allows.
 
         Input to a terminal that has ended or was hung up goes nowhere; a
-        failure (a stuck guest's ``Timeout``, a lost connection) ends the
-        terminal, which ``read`` reports.
+        failure (a lost connection) ends the terminal, which ``read`` reports.
         """
         for i in range(0, len(data), P.CHUNK):
             if self._ch.ended or self._hung_up:
                 return
             frame = P.encode(P.Kind.DATA, self._ch.cid, {"stream": "stdin"}, data[i:i + P.CHUNK])
             try:
-                await self._ch.send_frame(frame, self._client.deadlines.stall_s)
+                await self._ch.send_frame(frame)
             except HangarError:
                 return
 
@@ -1040,7 +1039,7 @@ class PtyChannel:
         if self._ch.ended or self._hung_up:
             return
         try:
-            await self._ch.send_control(P.Kind.SIGNAL, meta, self._client.deadlines.stall_s)
+            await self._ch.send_control(P.Kind.SIGNAL, meta)
         except HangarError:
             pass  # the terminal ended: ``read`` reports why
 
