@@ -18,16 +18,18 @@ Bounds. A guest is hostile, so nothing it sends is buffered without bound:
   are not kept. Frames for channels the host does not hold are dropped.
   So per call the host holds at most ``WINDOW`` plus one final frame,
   whatever the guest does and however slowly the HTTP client reads, and
-  a slow consumer never holds up another channel. The host's own frames
-  to the guest keep to the guest's window too, and are queued on the
-  stream without waiting (a frozen guest cannot block the host).
+  a slow consumer never holds up another channel. The host's own DATA to
+  the guest keeps to the guest's window too and waits for the stream to
+  drain (a terminal's SIGNALs wait for the drain); REQUEST, WINDOW,
+  CANCEL and a terminal's hang-up are queued without waiting (a frozen
+  guest cannot block a call's clean-up).
 * Deadlines (``Deadlines``): every call has one, and a call whose guest
   does not answer in time fails with ``Timeout`` (504), the guest is told
   to CANCEL it, and ``on_unanswered`` is called (the orchestrator marks
   the sandbox ``unresponsive``).
 * A consumer that gives up (an iterator closed early, an HTTP client gone)
   CANCELs the call in the guest: an exec's process group is killed, a file
-  or socket closed.
+  or socket closed, a terminal hung up, a watch stopped.
 * A HELLO with another ``boot_id`` on an open connection means the agent
   restarted: every open call fails at once instead of waiting for its
   deadline.
@@ -821,28 +823,19 @@ class _Channel:
             self.client._write_frame(frame)
             await self.client._drain()
         finally:
-            if armed:
-                self._rearm()
+            if armed and not self.ended:
+                self.expect(None)
 
-    async def send_control(self, kind: P.Kind, meta: dict[str, Any],
-                           stall_s: float | None = None) -> None:
+    async def send_control(self, kind: P.Kind, meta: dict[str, Any]) -> None:
         """Send a control frame (SIGNAL), which flow control does not count, and wait
         until the stream's buffer is below its high-water mark, so repeated frames to a
-        guest that does not read cannot make the host buffer. With ``stall_s``, the
-        stream must drain within that many seconds. Raises the channel's error once it
-        has failed.
+        guest that does not read cannot make the host buffer. Raises the channel's
+        error once it has failed.
         """
         if self.error is not None:
             raise self.error
-        armed = stall_s is not None
-        if armed:
-            self.expect(stall_s)
-        try:
-            self.client._write(kind, self.cid, meta)
-            await self.client._drain()
-        finally:
-            if armed:
-                self._rearm()
+        self.client._write(kind, self.cid, meta)
+        await self.client._drain()
 
     def close(self) -> None:
         """The consumer is done: forget the channel; CANCEL it unless it ended."""
@@ -869,13 +862,6 @@ class _Channel:
         """Whenever the guest has window to send, it must send within ``seconds``."""
         self.stall_s = seconds
         self.expect(seconds)
-
-    def _rearm(self) -> None:
-        """After a send that armed its own deadline: back to the channel's standing one."""
-        if self.stall_s is not None:
-            self._stall_check()
-        else:
-            self.expect(None)
 
     def _stall_check(self) -> None:
         if self.stall_s is None or self.ended:
