@@ -9,6 +9,7 @@ refusals are tested once, without a VM.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -501,8 +502,6 @@ def test_a_terminal_keeps_to_its_window_both_ways_and_close_hangs_it_up(tmp_path
             await asyncio.wait_for(p.write(blob), 60)
             while chunk := await asyncio.wait_for(p.read(), 30):
                 seen += chunk
-            import hashlib
-
             assert hashlib.sha256(blob).hexdigest().encode() in seen
             assert p.exit is not None and p.exit.exit_code == 0 and p.exit.input_dropped == 0
 
