@@ -9,6 +9,7 @@ refusals are tested once, without a VM.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -435,3 +436,181 @@ def test_an_exec_without_a_timeout_gets_the_documented_maximum() -> None:
         await client.close()
 
     asyncio.run(go())
+
+
+# -- terminals and file watches on protocol 2 ---------------------------------------------------
+
+
+def held(client: AgentClient) -> int:
+    """Bytes of DATA and EOF frames the host holds, over every channel."""
+    return sum(ch.buffered for ch in client._channels.values())
+
+
+def wchar(pid: int) -> int:
+    """Bytes ``pid`` has written so far (``/proc/PID/io``)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no wchar")
+
+
+def running(pid: int) -> bool:
+    """True while ``pid`` exists and is no zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def gone(pid: int, within: float) -> bool:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within
+    while running(pid):
+        if loop.time() > end:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+def test_a_terminal_keeps_to_its_window_both_ways_and_close_hangs_it_up(tmp_path: Path) -> None:
+    """Output a host does not take blocks the program (at most a window waits here); input
+    larger than a window arrives whole; closing hangs up: a HUP trap runs, a program that
+    ignores SIGHUP is killed 2 s later."""
+    async def go() -> None:
+        async with agent_process() as (client, _):
+            p = await client.open_pty({"shell": "exec yes"})
+            await asyncio.sleep(1.0)  # the host takes nothing
+            first = held(client)
+            written = wchar(p.pid)
+            await asyncio.sleep(0.5)
+            assert held(client) == first and wchar(p.pid) == written, "yes kept writing"
+            assert P.WINDOW - P.MAX_STREAM_FRAME <= first <= P.WINDOW
+            out = bytearray()
+            while len(out) < 3 << 20:
+                out += await asyncio.wait_for(p.read(), 10)
+            assert set(out) <= set(b"y\r\n") and b"y\r\ny\r\n" in out
+            await p.close()
+            assert await gone(p.pid, 5), "yes outlived its terminal"
+
+            # Input: 3 MiB, three windows, every byte in order to a program in raw mode.
+            blob = bytes(range(256)) * (3 << 12)
+            p = await client.open_pty({"shell": f"stty raw -echo; echo ready; "
+                                                f"head -c {len(blob)} | sha256sum"})
+            seen = b""
+            while b"ready" not in seen:
+                seen += await asyncio.wait_for(p.read(), 10)
+            await asyncio.wait_for(p.write(blob), 60)
+            while chunk := await asyncio.wait_for(p.read(), 30):
+                seen += chunk
+            assert hashlib.sha256(blob).hexdigest().encode() in seen
+            assert p.exit is not None and p.exit.exit_code == 0 and p.exit.input_dropped == 0
+
+            # Close = CANCEL = hang-up: the HUP trap runs; SIGHUP ignored means SIGKILL in 2 s.
+            flag = tmp_path / "hung-up"
+            trap = await client.open_pty({"shell": f"trap 'echo yes > {flag}; exit 0' HUP; "
+                                                   "echo armed; while :; do sleep 0.1; done"})
+            deaf = await client.open_pty({"shell": "trap '' HUP; echo armed; exec sleep 60"})
+            for t in (trap, deaf):
+                while b"armed" not in await asyncio.wait_for(t.read(), 10):
+                    pass
+            await trap.close()
+            await deaf.close()
+            loop = asyncio.get_running_loop()
+            closed = loop.time()
+            assert await gone(trap.pid, 5) and flag.read_text() == "yes\n"
+            assert running(deaf.pid), "a program that ignores SIGHUP is given 2 s"
+            assert await gone(deaf.pid, 10)
+            assert loop.time() - closed > 1.5
+            assert await requests_settle(client) == 1
+
+    asyncio.run(go())
+
+
+def test_a_frozen_agent_fails_terminals_and_watches_only_where_it_owes_an_answer(
+        tmp_path: Path) -> None:
+    """30 s (here 1 s) to start a terminal or a watch, and to end a hung-up terminal;
+    none while they are open, however quiet."""
+    async def go() -> None:
+        async with agent_process() as (client, pid):
+            client.deadlines = Deadlines(control_s=1.0, stall_s=1.0)
+            unanswered: list[str] = []
+            client.on_unanswered = lambda op, s: unanswered.append(op)
+            quiet = await client.open_pty({"shell": "echo on; exec cat"})
+            leaving = await client.open_pty({"shell": "echo on; exec sleep 60"})
+            for p in (quiet, leaving):
+                assert await asyncio.wait_for(p.read(), 10)
+            watch = await client.open_watch(str(tmp_path), False)
+            os.kill(pid, signal.SIGSTOP)
+            with pytest.raises(Timeout, match="did not answer pty within 1 s"):
+                await client.open_pty({"shell": "true"})
+            with pytest.raises(Timeout, match="did not answer watch within 1 s"):
+                await client.open_watch(str(tmp_path), False)
+            # A hang-up never waits; then the guest owes the end.
+            loop = asyncio.get_running_loop()
+            t = loop.time()
+            await leaving.hang_up()
+            assert loop.time() - t < 0.5
+            assert await asyncio.wait_for(leaving.read(), 10) == b""
+            assert leaving.exit is not None and leaving.exit.exit_code is None
+            assert isinstance(leaving.error, Timeout)
+            # Open ones have no deadline: typing into a frozen guest waits, nothing fails.
+            typed = asyncio.ensure_future(quiet.write(b"typed-while-frozen\n"))
+            await asyncio.sleep(2.0)
+            assert not quiet._ch.ended and not watch._ch.ended
+            assert sorted(unanswered) == ["pty", "pty", "watch"]
+            os.kill(pid, signal.SIGCONT)
+            # The guest catches up, cancels what the host gave up, and the others go on.
+            await asyncio.wait_for(typed, 10)
+            out = b""
+            while b"typed-while-frozen" not in out:
+                out += await asyncio.wait_for(quiet.read(), 10)
+            assert await requests_settle(client, expect=3, within=10) == 3  # hello, pty, watch
+            (tmp_path / "after").write_text("x")
+            events: list[dict[str, Any]] = []
+            while not any(e["path"].endswith("/after") for e in events):
+                batch = await asyncio.wait_for(watch.next(), 10)
+                assert batch is not None
+                events += batch
+            await watch.close()
+            await quiet.kill(15)
+            while await asyncio.wait_for(quiet.read(), 10):
+                pass
+            assert quiet.exit is not None and quiet.exit.exit_code == 128 + 15
+            assert await requests_settle(client) == 1
+
+    asyncio.run(go())
+
+
+def test_a_watch_whose_host_lags_holds_a_window_and_overflows_in_the_guest(
+        tmp_path: Path) -> None:
+    from hangar.guest.watch import BATCH_BYTES, batches
+
+    async def go() -> None:
+        async with agent_process() as (client, _):
+            root = tmp_path / "many"
+            root.mkdir()
+            watch = await client.open_watch(str(root), False)
+            for i in range(40_000):  # more than a window and the kernel's queue (16384)
+                os.close(os.open(root / f"f{i}", os.O_CREAT | os.O_WRONLY, 0o644))
+            await asyncio.sleep(1.0)
+            assert 0 < held(client) <= P.WINDOW
+            kinds: list[str] = []
+            while "overflow" not in kinds:
+                batch = await asyncio.wait_for(watch.next(), 10)
+                assert batch is not None
+                kinds += [e["type"] for e in batch]
+            assert set(kinds[:-1]) == {"create"} and len(kinds) < 40_000
+            await watch.close()  # CANCEL: the guest stops watching
+            assert await requests_settle(client) == 1
+
+    asyncio.run(go())
+    # Batches fit a DATA frame; an event too large for one is reported as an overflow.
+    events = [{"type": "create", "path": "/r/" + "d/" * 300 + f"f{i}", "is_dir": False,
+               "time": 0.0} for i in range(1000)]
+    events.insert(500, {"type": "create", "path": "/r/" + "x" * 70_000, "is_dir": False,
+                        "time": 0.0})
+    cut = batches(events, "/r")
+    assert [e["path"] for b in cut for e in b] == [
+        "/r" if e["path"].startswith("/r/x") else e["path"] for e in events]
+    assert cut[0][0]["type"] == "create" and any(e["type"] == "overflow" for b in cut for e in b)
+    assert all(len(json.dumps(b, separators=(",", ":"))) <= BATCH_BYTES for b in cut) and len(cut) > 4

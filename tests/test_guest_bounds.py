@@ -7,7 +7,8 @@
 * Deadlines: an agent frozen with SIGSTOP fails the call with 504 within
   the exec's timeout plus its grace, the sandbox shows ``unresponsive``,
   answers at once with 504 and Retry-After, comes back to ``running`` when
-  the agent runs again, and can be deleted.
+  the agent runs again, and can be deleted. Closing a terminal meanwhile
+  answers at once; its hang-up reaches the guest when it runs again.
 """
 
 from __future__ import annotations
@@ -179,6 +180,9 @@ def test_a_tunnel_carries_more_than_a_window_both_ways_intact(api: httpx.Client,
 def test_a_frozen_agent_makes_the_sandbox_unresponsive(api: httpx.Client,
                                                       fresh_sandbox: str) -> None:
     sid = fresh_sandbox
+    r = api.post(f"/sandboxes/{sid}/pty", json={"command": "sleep 600", "grace": 600})
+    assert r.status_code == 201, r.text
+    session = r.json()["id"]
     # The exec stops its own agent ($PPID) and leaves a process that lets it go on in 25 s.
     t = time.monotonic()
     r = api.post(f"/sandboxes/{sid}/exec", json={
@@ -196,6 +200,10 @@ def test_a_frozen_agent_makes_the_sandbox_unresponsive(api: httpx.Client,
     assert r.status_code == 504 and int(r.headers["Retry-After"]) >= 1
     assert time.monotonic() - t < 5
     assert api.get(f"/sandboxes/{sid}/files/stat", params={"path": "/"}).status_code == 504
+    # Closing a terminal never waits for the guest; the hang-up reaches it once it runs.
+    t = time.monotonic()
+    assert api.delete(f"/sandboxes/{sid}/pty/{session}").status_code == 204
+    assert time.monotonic() - t < 5
     # SIGCONT: the agent answers the server's probe and the sandbox runs again.
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and api.get(f"/sandboxes/{sid}").json()["state"] != "running":
@@ -203,6 +211,10 @@ def test_a_frozen_agent_makes_the_sandbox_unresponsive(api: httpx.Client,
     rec = api.get(f"/sandboxes/{sid}").json()
     assert rec["state"] == "running" and rec["error"] is None
     assert run(api, sid, "echo back")["stdout"] == "back\n"
+    deadline = time.monotonic() + 30
+    while run(api, sid, "pgrep -f 'sleep 60[0]' || true")["stdout"].strip():
+        assert time.monotonic() < deadline, "the terminal closed while frozen was never hung up"
+        time.sleep(0.5)
     # Frozen for good: still deletable, and the VMM is gone.
     r = api.post(f"/sandboxes/{sid}/exec", json={"command": "kill -STOP $PPID", "timeout": 1})
     assert r.status_code == 504

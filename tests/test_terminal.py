@@ -355,9 +355,13 @@ def test_agent_pty_sizes_signals_hang_up_and_backlog(agent_sock: Path) -> None:
             while await asyncio.wait_for(p.read(), 10):
                 pass
             assert p.exit is not None and p.exit.exit_code == 128 + 9
-            # Input for a program that never reads is bounded.
-            p = await c.open_pty({"shell": "sleep 30"})
-            await p.write(b"x" * (4 << 20))
+            # Input for a program that never reads is bounded: once the pty's buffer is
+            # full (raw mode: the line discipline discards nothing), what waits is dropped
+            # after 5 s without a byte read, and so is the rest; the writer is let go.
+            p = await c.open_pty({"shell": "stty raw -echo; echo ready; sleep 30"})
+            while b"ready" not in await asyncio.wait_for(p.read(), 10):
+                pass
+            await asyncio.wait_for(p.write(b"x" * (4 << 20)), 30)
             await p.kill(15)
             while await asyncio.wait_for(p.read(), 10):
                 pass

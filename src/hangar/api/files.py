@@ -15,7 +15,9 @@ only once the watch is in place, so every change made after the response
 headers arrive is reported; a missing path is a 404 before any stream.
 The stream ends when the watched path itself is removed (after its
 ``delete`` event) or the client goes away; the sandbox counts as busy
-meanwhile.
+meanwhile. A client that reads slowly holds the guest back (flow control):
+the server keeps at most one window of events, and once the guest's
+inotify queue overflows the client gets an ``overflow`` event.
 """
 
 from __future__ import annotations
@@ -114,7 +116,10 @@ async def watch(sandbox_id: str, path: PathQ, m: Manager,
     except BaseException:
         await batches.aclose()
         raise
-    queue: asyncio.Queue[list[dict[str, Any]] | None] = asyncio.Queue(maxsize=64)
+    # One batch at a time between the guest's channel and the client: batches not yet
+    # taken stay in the guest (flow control), so a slow client holds the server at one
+    # window, and the guest's inotify queue overflows instead.
+    queue: asyncio.Queue[list[dict[str, Any]] | None] = asyncio.Queue(maxsize=1)
 
     async def pump() -> None:
         try:

@@ -21,6 +21,9 @@ file write             30 s whenever the host waits for window; after the
                        last byte, 30 s plus 1 s per 4 MiB (fsync)
 stat, list, mkdir...   30 s
 tunnel                 30 s to connect; none while open
+terminal (pty)         30 s to start; none while open; after a hang-up,
+                       progress within 30 s whenever it can send
+file watch             30 s to be in place; none while open
 =====================  ========================================================
 
 A call whose deadline passes fails with ``Timeout`` (504) and moves the

@@ -7,6 +7,10 @@ and may drop and attach again. Rules:
 
 * **Output is kept, bounded.** Every byte the program writes goes into a
   ring of the last ``RING_BYTES`` bytes, numbered from 0 (the *offset*).
+  The session's task takes output off the agent channel as it comes, so the
+  guest's flow-control window stays open unless the server itself lags
+  (then the program blocks on its writes, as on a slow terminal); a slow
+  viewer loses the oldest bytes of the ring, never the server's memory.
   An attachment starts at a given offset (default: the first byte no
   viewer was sent), so a viewer that comes back sees what was produced
   while it was away; bytes older than the ring are reported as dropped.
@@ -15,7 +19,12 @@ and may drop and attach again. Rules:
   yet must not block the user who reconnects).
 * **Grace period.** A session without a viewer for ``grace_s`` seconds
   (from its start, or from its last viewer leaving) is hung up (SIGHUP,
-  then SIGKILL) and forgotten. A session whose program has ended is kept
+  then SIGKILL 2 s later) and forgotten. A hang-up never waits for the
+  guest; a session task that ends first (the server stops) CANCELs its
+  channel, which the guest takes as a hang-up too.
+* **Deadlines** (``PtyChannel``): 30 s to start; none while the program
+  runs (as a tunnel); a hung-up session whose guest makes no progress for
+  30 s ends without an exit code and marks the sandbox ``unresponsive``. A session whose program has ended is kept
   until a viewer has received its exit code, or for the grace period.
 * **Busy.** While the program runs the sandbox counts as busy (as with a
   tunnel or a live desktop), so it is neither snapshotted nor put to sleep
@@ -248,9 +257,14 @@ class Terminals:
                             break
                         await t._append(data)
                     exit = ch.exit
+                    if ch.error is not None:
+                        log.warning("terminal session lost its program's exit code",
+                                    extra={"sandbox_id": t.sandbox_id, "session": t.id,
+                                           "error": str(ch.error)[:200]})
                 finally:
-                    if ch.exit is None:  # this task is ending first: end the program too
-                        await asyncio.shield(ch.kill(9))
+                    # This task ending first (the server stops) CANCELs the channel: the
+                    # guest hangs the program up.
+                    await ch.close()
         except asyncio.CancelledError:
             if not started.done():
                 started.cancel()

@@ -18,16 +18,18 @@ Bounds. A guest is hostile, so nothing it sends is buffered without bound:
   are not kept. Frames for channels the host does not hold are dropped.
   So per call the host holds at most ``WINDOW`` plus one final frame,
   whatever the guest does and however slowly the HTTP client reads, and
-  a slow consumer never holds up another channel. The host's own frames
-  to the guest keep to the guest's window too, and are queued on the
-  stream without waiting (a frozen guest cannot block the host).
+  a slow consumer never holds up another channel. The host's own DATA to
+  the guest keeps to the guest's window too and waits for the stream to
+  drain (a terminal's SIGNALs wait for the drain); REQUEST, WINDOW,
+  CANCEL and a terminal's hang-up are queued without waiting (a frozen
+  guest cannot block a call's clean-up).
 * Deadlines (``Deadlines``): every call has one, and a call whose guest
   does not answer in time fails with ``Timeout`` (504), the guest is told
   to CANCEL it, and ``on_unanswered`` is called (the orchestrator marks
   the sandbox ``unresponsive``).
 * A consumer that gives up (an iterator closed early, an HTTP client gone)
   CANCELs the call in the guest: an exec's process group is killed, a file
-  or socket closed.
+  or socket closed, a terminal hung up, a watch stopped.
 * A HELLO with another ``boot_id`` on an open connection means the agent
   restarted: every open call fails at once instead of waiting for its
   deadline.
@@ -82,7 +84,8 @@ class Deadlines:
     """How long a guest may take before a call fails with ``Timeout`` (504), seconds.
 
     ``control_s`` for a request without streams (stat, list, mkdir, hello,
-    set_time...) and to open a tunnel; an exec gets its own timeout plus
+    set_time...), to open a tunnel, a terminal or a watch, and for a
+    hung-up terminal to make progress; an exec gets its own timeout plus
     ``exec_grace_s`` (one without a timeout gets ``exec_max_s``); a file
     read or write must move the next window within ``stall_s`` whenever
     it can (time spent waiting for the HTTP client does not count), and a
@@ -650,40 +653,54 @@ class AgentClient:
         """Start a program on a pseudo-terminal in the guest (``hangar.guest.terminal``).
 
         ``meta`` holds ``argv`` or ``shell`` (neither: a login shell), ``env``,
-        ``cwd``, ``cols``, ``rows``. Returns once the program runs. Raises
-        InvalidRequest (bad input, a program that cannot start), GuestError.
+        ``cwd``, ``cols``, ``rows``. Returns once the program runs. The guest
+        must start it (or refuse) within ``deadlines.control_s``; a running
+        terminal has no deadline (it lives until its program ends or it is
+        hung up). Raises InvalidRequest (bad input, a program that cannot
+        start), Timeout, GuestError.
         """
-        cid, q = self._open()
+        ch = self._open("pty")
         try:
-            await self._send(P.Kind.REQUEST, cid, {**meta, "op": "pty"})
+            self._write(P.Kind.REQUEST, ch.cid, {**meta, "op": "pty"})
+            ch.expect(self.deadlines.control_s)
             while True:
-                frame = await q.get()
+                frame = await ch.get()
                 if frame.kind == P.Kind.DATA and frame.meta.get("started"):
-                    return PtyChannel(self, cid, q, int(frame.meta.get("pid") or 0))
-                if frame.kind == P.Kind.ERROR:
-                    self._raise(frame)
+                    ch.expect(None)
+                    pid = frame.meta.get("pid")
+                    return PtyChannel(self, ch, pid if isinstance(pid, int) else 0)
+                if frame.kind in P.FINAL_KINDS:
+                    if frame.kind == P.Kind.ERROR:
+                        self._raise(frame)
+                    raise GuestError("the guest ended the terminal before it started")
         except BaseException:
-            self._channels.pop(cid, None)
+            ch.close()
             raise
 
     async def open_watch(self, path: str, recursive: bool) -> "WatchChannel":
         """Watch ``path`` in the guest for file changes (``hangar.guest.watch``).
 
-        Returns once the watch is in place. Raises NotFound (no such path),
-        InvalidRequest (too many folders, a bad path), GuestError.
+        Returns once the watch is in place. The guest must set it up (or
+        refuse) within ``deadlines.control_s``; a watch in place has no
+        deadline. Raises NotFound (no such path), InvalidRequest (too many
+        folders, a bad path), Timeout, GuestError.
         """
-        cid, q = self._open()
+        ch = self._open("watch")
         try:
-            await self._send(P.Kind.REQUEST, cid, {"op": "watch", "path": path,
-                                                   "recursive": recursive})
+            self._write(P.Kind.REQUEST, ch.cid, {"op": "watch", "path": path,
+                                                 "recursive": recursive})
+            ch.expect(self.deadlines.control_s)
             while True:
-                frame = await q.get()
+                frame = await ch.get()
                 if frame.kind == P.Kind.DATA and frame.meta.get("ready"):
-                    return WatchChannel(self, cid, q, frame.meta)
-                if frame.kind == P.Kind.ERROR:
-                    self._raise(frame)
+                    ch.expect(None)
+                    return WatchChannel(ch, frame.meta)
+                if frame.kind in P.FINAL_KINDS:
+                    if frame.kind == P.Kind.ERROR:
+                        self._raise(frame)
+                    raise GuestError("the guest ended the watch before it was in place")
         except BaseException:
-            self._channels.pop(cid, None)
+            ch.close()
             raise
 
     async def close(self) -> None:
@@ -809,6 +826,17 @@ class _Channel:
             if armed and not self.ended:
                 self.expect(None)
 
+    async def send_control(self, kind: P.Kind, meta: dict[str, Any]) -> None:
+        """Send a control frame (SIGNAL), which flow control does not count, and wait
+        until the stream's buffer is below its high-water mark, so repeated frames to a
+        guest that does not read cannot make the host buffer. Raises the channel's
+        error once it has failed.
+        """
+        if self.error is not None:
+            raise self.error
+        self.client._write(kind, self.cid, meta)
+        await self.client._drain()
+
     def close(self) -> None:
         """The consumer is done: forget the channel; CANCEL it unless it ended."""
         if self.closed:
@@ -920,51 +948,86 @@ class PtyExit:
 
 
 class PtyChannel:
-    """A program on a pseudo-terminal in the guest, carried over the agent channel."""
+    """A program on a pseudo-terminal in the guest, carried over the agent channel.
 
-    def __init__(self, client: AgentClient, cid: int, q: asyncio.Queue[P.Frame],
-                 pid: int) -> None:
+    Flow control both ways: output that the host has not ``read`` holds the
+    guest back (once the window is full the program blocks on its writes, as
+    on a slow terminal), and ``write`` waits while the guest's window is
+    full, i.e. while the program has not read the input before (the guest
+    drops input that its program leaves unread for 5 s, so that wait is
+    bounded). Like a tunnel, a terminal has no deadline while its program
+    runs (30 s to start, in ``open_pty``); after ``hang_up`` the guest owes
+    the end: it must make progress within ``deadlines.control_s`` whenever
+    it can send, else the terminal ends with ``Timeout`` and the sandbox is
+    reported (``on_unanswered``).
+    """
+
+    def __init__(self, client: AgentClient, ch: _Channel, pid: int) -> None:
         self._client = client
-        self._cid = cid
-        self._q = q
+        self._ch = ch
+        self._hung_up = False
         self.pid = pid
         """The program's process id in the guest."""
         self.exit: PtyExit | None = None
         """Set once the program has ended (``read`` returned ``b""``)."""
+        self.error: HangarError | None = None
+        """Why the terminal ended without an exit code (lost connection, Timeout...)."""
 
     async def read(self) -> bytes:
-        """Next output bytes; ``b""`` once the program has ended (``exit`` is then set).
+        """Next output bytes; ``b""`` once the terminal has ended (``exit`` is then set).
 
-        A lost agent connection ends it with ``exit_code`` None.
+        A terminal that ends without its program's exit code (the agent
+        connection was lost, the guest failed or missed a deadline) ends with
+        ``exit_code`` None and ``error`` set; ``read`` itself does not raise.
         """
         while self.exit is None:
-            frame = await self._q.get()
+            try:
+                frame = await self._ch.get()
+            except HangarError as exc:
+                self.error, self.exit = exc, PtyExit(None)
+                break
             if frame.kind == P.Kind.DATA and frame.data:
                 return frame.data
             if frame.kind == P.Kind.RESPONSE:
                 m = frame.meta
-                self.exit = PtyExit(m.get("exit_code"), m.get("signal"),
-                                    float(m.get("duration_s") or 0.0),
-                                    int(m.get("input_dropped") or 0))
+                try:
+                    self.exit = PtyExit(_int_or_none(m.get("exit_code")),
+                                        _int_or_none(m.get("signal")),
+                                        float(m.get("duration_s") or 0.0),
+                                        int(m.get("input_dropped") or 0))
+                except (TypeError, ValueError):
+                    self.error = GuestError("the guest agent sent a malformed pty result")
+                    self.exit = PtyExit(None)
             elif frame.kind == P.Kind.ERROR:
-                self.exit = PtyExit(None)
-        self._client._channels.pop(self._cid, None)
+                try:
+                    self._client._raise(frame)
+                except HangarError as exc:
+                    self.error, self.exit = exc, PtyExit(None)
+        self._ch.close()
         return b""
 
-    async def _signal(self, meta: dict[str, Any]) -> None:
-        if self.exit is None and not self._client.closed:
-            try:
-                await self._client._send(P.Kind.SIGNAL, self._cid, meta)
-            except GuestError:
-                pass
-
     async def write(self, data: bytes) -> None:
-        """Send input bytes to the program's terminal."""
+        """Send input bytes to the program's terminal, as the guest's window allows.
+
+        Input to a terminal that has ended or was hung up goes nowhere; a
+        failure (a lost connection) ends the terminal, which ``read`` reports.
+        """
         for i in range(0, len(data), P.CHUNK):
-            if self.exit is not None:
+            if self._ch.ended or self._hung_up:
                 return
-            await self._client._send(P.Kind.DATA, self._cid, {"stream": "stdin"},
-                                     data[i:i + P.CHUNK])
+            frame = P.encode(P.Kind.DATA, self._ch.cid, {"stream": "stdin"}, data[i:i + P.CHUNK])
+            try:
+                await self._ch.send_frame(frame)
+            except HangarError:
+                return
+
+    async def _signal(self, meta: dict[str, Any]) -> None:
+        if self._ch.ended or self._hung_up:
+            return
+        try:
+            await self._ch.send_control(P.Kind.SIGNAL, meta)
+        except HangarError:
+            pass  # the terminal ended: ``read`` reports why
 
     async def resize(self, cols: int, rows: int) -> None:
         """Set the terminal's size in characters (the program gets SIGWINCH)."""
@@ -975,48 +1038,71 @@ class PtyChannel:
         await self._signal({"signal": sig})
 
     async def hang_up(self) -> None:
-        """Hang up, as closing a terminal does: SIGHUP, then SIGKILL after 2 s."""
-        if self.exit is None and not self._client.closed:
-            try:
-                await self._client._send(P.Kind.EOF, self._cid, {"stream": "stdin"})
-            except GuestError:
-                pass
+        """Hang up, as closing a terminal does: SIGHUP, then SIGKILL 2 s later.
+
+        Never waits (a stuck guest cannot hold up the caller). The rest of the
+        output and the exit code still come through ``read``; from now on the
+        guest must make progress within ``deadlines.control_s`` whenever it
+        can send, else the terminal ends with ``Timeout``.
+        """
+        if self._hung_up or self._ch.ended:
+            return
+        self._hung_up = True
+        try:
+            self._client._write(P.Kind.SIGNAL, self._ch.cid, {"hangup": True})
+        except GuestError:
+            return
+        self._ch.watch_stalls(self._client.deadlines.control_s)
+
+    async def close(self) -> None:
+        """Forget the terminal; one still running is CANCELled, which the guest takes as a
+        hang-up. Never waits."""
+        self._ch.close()
 
 
 class WatchChannel:
     """A file watch in the guest; ``next`` yields batches of events (dicts, see
-    ``hangar.guest.watch``)."""
+    ``hangar.guest.watch``).
 
-    def __init__(self, client: AgentClient, cid: int, q: asyncio.Queue[P.Frame],
-                 ready: dict[str, Any]) -> None:
-        self._client = client
-        self._cid = cid
-        self._q = q
+    Batches that the host has not taken hold the guest back (it stops
+    reading inotify, whose kernel queue overflows instead). No deadline
+    while the watch runs: a quiet path is no stuck guest.
+    """
+
+    def __init__(self, ch: _Channel, ready: dict[str, Any]) -> None:
+        self._ch = ch
         self.path: str = str(ready.get("path", ""))
-        self.dirs: int = int(ready.get("dirs") or 0)
+        dirs = ready.get("dirs")
+        self.dirs: int = dirs if isinstance(dirs, int) else 0
         self.ended: str | None = None
-        """Why the watch ended: ``deleted`` (the path went away), ``stopped`` or
-        ``disconnected``; None while it runs."""
+        """Why the watch ended: ``deleted`` (the path went away), ``stopped`` (``close``),
+        ``failed`` (the guest reported an error) or ``disconnected`` (the channel was lost:
+        the connection, the agent, or the guest broke the protocol); None while it runs."""
+        self.error: HangarError | None = None
+        """The error behind ``failed`` and ``disconnected``."""
 
     async def next(self) -> list[dict[str, Any]] | None:
-        """The next batch of events; None once the watch has ended."""
+        """The next batch of events; None once the watch has ended (see ``ended``)."""
         while self.ended is None:
-            frame = await self._q.get()
+            try:
+                frame = await self._ch.get()
+            except HangarError as exc:
+                self.error, self.ended = exc, "disconnected"
+                break
             if frame.kind == P.Kind.DATA and isinstance(frame.meta.get("events"), list):
                 return [e for e in frame.meta["events"] if isinstance(e, dict)]
             if frame.kind == P.Kind.RESPONSE:
-                self.ended = str(frame.meta.get("reason", "stopped"))
+                reason = frame.meta.get("reason")
+                self.ended = reason if reason in ("deleted", "stopped") else "stopped"
             elif frame.kind == P.Kind.ERROR:
-                self.ended = "disconnected"
-        self._client._channels.pop(self._cid, None)
+                try:
+                    self._ch.client._raise(frame)
+                except HangarError as exc:
+                    self.error, self.ended = exc, "failed"
+        self._ch.close()
         return None
 
     async def close(self) -> None:
-        """Stop the watch in the guest and forget the channel."""
-        if self.ended is None and not self._client.closed:
-            try:
-                await self._client._send(P.Kind.SIGNAL, self._cid, {"stop": True})
-            except GuestError:
-                pass
+        """Stop the watch (CANCEL in the guest) and forget the channel. Never waits."""
         self.ended = self.ended or "stopped"
-        self._client._channels.pop(self._cid, None)
+        self._ch.close()

@@ -33,11 +33,12 @@ Failures end the channel with an ERROR frame whose ``code`` is one of
 Flow control: stream bytes to the host (exec output, file reads, tunnel
 bytes) go out only while the host's window for the channel has room
 (``Channel.stream``), so a slow reader on the host blocks the writer
-here (an exec's pipe fills and the command waits); bytes from the host
-are acknowledged as they are taken (``Channel.get``). CANCEL cancels the
-request's task: an exec's process group is killed, a file or socket is
-closed. A host connection that ends cancels all of its requests
-(``Session.close``).
+here (an exec's pipe fills and the command waits, a terminal's program
+blocks on its writes, a file watch stops reading inotify); bytes from the
+host are acknowledged as they are taken (``Channel.get``). CANCEL cancels
+the request's task: an exec's process group is killed, a file or socket is
+closed, a terminal is hung up, a watch stops. A host connection that ends
+cancels all of its requests (``Session.close``).
 
 The agent is one-per-guest and trusts its host: the guest, not the agent,
 is the security boundary. Orphaned processes are reaped by PID 1
@@ -389,9 +390,10 @@ class Channel:
     """One open request: its inbound frames and its window in each direction.
 
     ``get`` takes the next inbound frame and grants the host more window as
-    frames are taken; ``stream`` sends a DATA or EOF frame once the host's
-    window has room for it (see ``hangar.guest.protocol``); ``send`` sends
-    any other frame.
+    frames are taken (or, with ``ack=False``, once the consumer says it is
+    done with them: ``ack``); ``stream`` sends a DATA or EOF frame once the
+    host's window has room for it (see ``hangar.guest.protocol``); ``send``
+    sends any other frame.
     """
 
     def __init__(self, session: Session, cid: int) -> None:
@@ -402,13 +404,18 @@ class Channel:
         self.inflow = P.Inflow()
         self.task: asyncio.Task[None] | None = None
 
-    async def get(self) -> P.Frame:
+    async def get(self, ack: bool = True) -> P.Frame:
         frame = await self.inbox.get()
-        if frame.kind in P.FLOW_KINDS:
-            grant = self.inflow.consume(frame.size)
-            if grant:
-                self.session.write_now(P.Kind.WINDOW, self.cid, {"bytes": grant})
+        if ack and frame.kind in P.FLOW_KINDS:
+            self.ack(frame.size)
         return frame
+
+    def ack(self, size: int) -> None:
+        """The consumer is done with ``size`` bytes of DATA and EOF frames (``Frame.size``)
+        taken with ``get(ack=False)``: grant them back to the host."""
+        grant = self.inflow.consume(size)
+        if grant:
+            self.session.write_now(P.Kind.WINDOW, self.cid, {"bytes": grant})
 
     async def stream(self, meta: dict[str, Any], data: bytes = b"",
                      kind: P.Kind = P.Kind.DATA) -> None:
@@ -915,7 +922,7 @@ class Agent:
             except ValueError as exc:
                 raise OpError("invalid", str(exc)) from None
             try:
-                return await terminal.run(self.send, cid, ch.inbox, argv, env, cwd, cols, rows)
+                return await terminal.run(ch, argv, env, cwd, cols, rows)
             except OSError as exc:
                 _, message = spawn_failure(exc, argv[0], cwd)
                 raise OpError("invalid", message.strip()) from None
@@ -928,10 +935,11 @@ class Agent:
 
     async def op_watch(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
         """File changes under ``path`` (``recursive``: and every folder below it) until the
-        host stops the watch; frames and events in ``hangar.guest.watch``."""
+        host CANCELs the watch or the path goes away; frames and events in
+        ``hangar.guest.watch``."""
         path = resolve(meta.get("path"))
         try:
-            return await watch.run(self.send, cid, ch.inbox, path, bool(meta.get("recursive")))
+            return await watch.run(ch, path, bool(meta.get("recursive")))
         except watch.TooMany:
             raise OpError("invalid", f"more than {watch.MAX_DIRS} folders under {path}; "
                                      "watch a smaller tree") from None

@@ -15,11 +15,12 @@ Firecracker) carries many requests at once. Each frame is::
 The host opens a channel with a REQUEST frame (``meta["op"]`` names the
 operation) and picks its id; both sides may then send DATA and EOF frames on
 it (``meta["stream"]`` names the stream: ``stdin``, ``stdout``, ``stderr``,
-``file``, ``socket``); the guest ends it with one RESPONSE or ERROR frame.
-The host may send SIGNAL (a signal for an exec) on an open channel, and
-CANCEL when it abandons one: the guest then stops the operation (an exec's
-process group is killed, a file or socket closed) and the host ignores
-whatever still comes on that channel. Channel 0 carries the agent's
+``file``, ``socket``, ``pty``, ``watch``); the guest ends it with one RESPONSE
+or ERROR frame. The host may send SIGNAL on an open channel (a signal for an
+exec or a terminal; a terminal's resize or hang-up), and CANCEL when it
+abandons one: the guest then stops the operation (an exec's process group
+is killed, a file or socket closed, a terminal hung up, a watch stopped)
+and the host ignores whatever still comes on that channel. Channel 0 carries the agent's
 unsolicited HELLO, sent when it opens the port, so the host never writes
 before the guest is listening (virtio-serial drops bytes sent to a port
 nobody opened).

@@ -1,12 +1,20 @@
 """The agent's ``watch`` operation: file changes under a path, from inotify(7) through ctypes.
 
-Standard library only. Frames on the request's channel (no new kinds)::
+Standard library only. Frames on the request's channel (``hangar.guest.protocol``,
+version 2)::
 
     host → guest  REQUEST  {"op": "watch", "path": P, "recursive": bool}
     guest → host  DATA     {"stream": "watch", "ready": true, "path": P, "dirs": N}  (first)
     guest → host  DATA     {"stream": "watch", "events": [event, ...]}               (batches)
-    host → guest  SIGNAL or EOF                                                      (stop)
-    guest → host  RESPONSE {"events": total, "reason": "stopped" | "deleted"}
+    host → guest  CANCEL                                        stop: nothing more is sent
+    guest → host  RESPONSE {"events": total, "reason": "deleted"}  the path itself went away
+
+Batches go out within the host's window (``Channel.stream``): while the
+host's reader lags, the watch stops reading inotify, whose queue in the
+kernel then fills and overflows (an ``overflow`` event) instead of anything
+growing here or in the server. A batch holds at most ``BATCH`` events and
+``BATCH_BYTES`` of JSON, so it fits a window with room to spare. Frames from
+the host other than CANCEL are read and ignored.
 
 An event is ``{"type", "path", "is_dir", "time"}`` (``time``: Unix seconds)
 with ``type`` one of:
@@ -16,8 +24,9 @@ with ``type`` one of:
               file within one read of the inotify queue count once)
 ``delete``    a file or folder was removed (also one moved out of the tree)
 ``move``      renamed within the tree: ``old_path`` → ``path``
-``overflow``  the kernel's queue overflowed (``IN_Q_OVERFLOW``) or the folder cap
-              was reached: events were lost, rescan what matters
+``overflow``  the kernel's queue overflowed (``IN_Q_OVERFLOW``), the folder cap
+              was reached, or an event was too large to send (``BATCH_BYTES``):
+              events were lost, rescan what matters
 
 With ``recursive``, every folder under the path is watched, and folders
 created or moved in later are added as they appear (their contents found by
@@ -33,11 +42,14 @@ import ctypes
 import os
 import stat
 import struct
+import json
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hangar.guest import protocol as P
+
+if TYPE_CHECKING:
+    from hangar.guest.agent import Channel
 
 IN_MODIFY = 0x00000002
 IN_MOVED_FROM = 0x00000040
@@ -59,11 +71,14 @@ EVENT = struct.Struct("iIII")
 MAX_DIRS = 8192
 """Folders one watch may cover."""
 BATCH = 256
-"""Events per DATA frame."""
+"""Events per DATA frame, at most."""
+BATCH_BYTES = P.CHUNK
+"""Bytes of JSON events per DATA frame, at most, so a frame is no larger than a DATA frame
+of output. An event larger than that (paths deeper than ``PATH_MAX`` can exist) is sent as
+an ``overflow`` event instead."""
 MOVE_WAIT_S = 0.1
 """Seconds to wait for a rename's IN_MOVED_TO after its IN_MOVED_FROM."""
 
-Send = Callable[..., Awaitable[None]]
 _LIBC: Any = None
 
 
@@ -218,29 +233,51 @@ def event(kind: str, path: str, is_dir: bool) -> dict[str, Any]:
     return {"type": kind, "path": path, "is_dir": is_dir, "time": time.time()}
 
 
-async def run(send: Send, cid: int, inbox: asyncio.Queue[P.Frame], path: str,
-              recursive: bool) -> dict[str, Any]:
-    """Watch ``path`` until the host stops it; see the module docstring.
+def batches(events: list[dict[str, Any]], root: str) -> list[list[dict[str, Any]]]:
+    """``events`` in order, cut into batches of at most ``BATCH`` events and
+    ``BATCH_BYTES`` bytes of JSON; an event larger than that becomes an ``overflow``
+    event of ``root``."""
+    out: list[list[dict[str, Any]]] = []
+    batch: list[dict[str, Any]] = []
+    size = 0
+    for e in events:
+        n = len(json.dumps(e, separators=(",", ":"))) + 1
+        if n > BATCH_BYTES:
+            e = event("overflow", root, True)
+            n = len(json.dumps(e, separators=(",", ":"))) + 1
+        if batch and (len(batch) >= BATCH or size + n > BATCH_BYTES):
+            out.append(batch)
+            batch, size = [], 0
+        batch.append(e)
+        size += n
+    if batch:
+        out.append(batch)
+    return out
 
-    Raises OSError (missing path, no inotify) or ``TooMany``.
+
+async def run(ch: Channel, path: str, recursive: bool) -> dict[str, Any]:
+    """Watch ``path`` until the host CANCELs or the path goes away; see the module docstring.
+
+    Returns the RESPONSE meta (``reason`` ``deleted``). Raises OSError
+    (missing path, no inotify) or ``TooMany``.
     """
     loop = asyncio.get_running_loop()
     w = Watcher(path, recursive)
     ready = asyncio.Event()
     total = 0
+
+    async def ignore_input() -> None:
+        while True:
+            await ch.get()  # the host sends nothing else; take it all the same
+
     try:
         loop.add_reader(w.fd, ready.set)
-        await send(P.Kind.DATA, cid, {"stream": "watch", "ready": True, "path": path,
-                                      "dirs": len(w.paths)})
-        stop = asyncio.create_task(inbox.get())
-        reason = "stopped"
+        await ch.stream({"stream": "watch", "ready": True, "path": path,
+                         "dirs": len(w.paths)})
+        reader = asyncio.create_task(ignore_input())
         try:
             while True:
-                wake = asyncio.create_task(ready.wait())
-                done, _ = await asyncio.wait({stop, wake}, return_when=asyncio.FIRST_COMPLETED)
-                if stop in done:
-                    wake.cancel()
-                    break
+                await ready.wait()
                 ready.clear()
                 events, gone = w.read()
                 if w.pending and not gone:  # a rename's second half may be a read away
@@ -256,16 +293,14 @@ async def run(send: Send, cid: int, inbox: asyncio.Queue[P.Frame], path: str,
                             pass
                         ready.clear()
                     events += w.flush()
-                for i in range(0, len(events), BATCH):
-                    await send(P.Kind.DATA, cid, {"stream": "watch",
-                                                  "events": events[i:i + BATCH]})
+                for batch in batches(events, path):  # each waits for the host's window
+                    await ch.stream({"stream": "watch", "events": batch})
                 total += len(events)
                 if gone:
-                    reason = "deleted"
                     break
         finally:
-            stop.cancel()
+            reader.cancel()
     finally:
         loop.remove_reader(w.fd)
         w.close()
-    return {"events": total, "reason": reason}
+    return {"events": total, "reason": "deleted"}
