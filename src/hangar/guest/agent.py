@@ -32,27 +32,22 @@ is the security boundary. Orphaned processes are reaped by PID 1
 from __future__ import annotations
 
 import asyncio
-import base64
 import errno
-import fcntl
 import os
 import signal
 import stat as stat_mod
-import struct
 import sys
-import tempfile
 import time
-import traceback
-import uuid
 from typing import Any
 
 from hangar import __version__
 from hangar.guest import protocol as P
+from hangar.guest import spawn
 
 PORT_NAME = "hangar.agent"
 RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2]), linux/random.h
 RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07)
-BOOT_ID = uuid.uuid4().hex
+BOOT_ID = os.urandom(16).hex()
 DEFAULT_HEAD = 1 << 20  # bytes of output kept from the start
 DEFAULT_TAIL = 1 << 18  # bytes of output kept from the end
 MAX_HEAD = 3 << 19  # 1.5 MiB: two streams' head and tail fit one frame (MAX_DATA)
@@ -65,6 +60,28 @@ BASE_ENV = {
     "TERM": "xterm-256color",
     "USER": "root",
 }
+
+
+BOOT_MARKS = "/run/hangar/boot"
+"""Guest uptimes (s) at the steps of its boot, one ``<step> <uptime>`` a line, written by
+the initramfs (``initramfs``: its /init began) and the guest init (``init``: PID 1's
+Python began; ``agent``: the agent was started)."""
+
+
+def boot_marks(path: str = BOOT_MARKS) -> dict[str, float]:
+    """The boot's marks (see ``BOOT_MARKS``); {} when there are none (a test host)."""
+    marks: dict[str, float] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                step, _, value = line.partition(" ")
+                try:
+                    marks[step] = float(value)
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    return marks
 
 
 class OpError(Exception):
@@ -167,6 +184,8 @@ def exec_argv(meta: dict[str, Any]) -> tuple[list[str], str | None]:
     script = shell.encode("utf-8", "surrogateescape")
     if len(script) <= SHELL_INLINE_MAX:
         return ["/bin/sh", "-c", shell], None
+    import tempfile  # imported when first needed: the agent starts faster under TCG
+
     try:
         fd, path = tempfile.mkstemp(prefix="exec-", suffix=".sh",
                                     dir=SCRIPT_DIR if os.path.isdir(SCRIPT_DIR) else None)
@@ -276,31 +295,6 @@ class Capture:
         return meta, whole + tail
 
 
-class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
-    """Sets ``exited`` when the child exits, even while a background process
-    it started still holds its output pipes open (``Process.wait`` would wait
-    for those pipes too)."""
-
-    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(limit=limit, loop=loop)
-        self.exited = asyncio.Event()
-
-    def process_exited(self) -> None:
-        super().process_exited()
-        self.exited.set()
-
-
-async def spawn(argv: list[str], stdin: int, cwd: str, env: dict[str, str],
-                ) -> tuple[asyncio.subprocess.Process, asyncio.Event]:
-    """Start ``argv`` in a new session (its own process group) with piped output."""
-    loop = asyncio.get_running_loop()
-    transport, protocol = await loop.subprocess_exec(
-        lambda: _ExitProtocol(limit=1 << 16, loop=loop), *argv, stdin=stdin,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=cwd, env=env,
-        start_new_session=True)
-    return asyncio.subprocess.Process(transport, protocol, loop), protocol.exited
-
-
 class Channel:
     """Inbound frames of one open request."""
 
@@ -344,6 +338,7 @@ class Agent:
             "boot_id": BOOT_ID,
             "pid": os.getpid(),
             "uptime_s": uptime,
+            "boot": boot_marks(),
         }
 
     async def session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -404,6 +399,8 @@ class Agent:
         except Exception:  # the agent must outlive any one request
             # The traceback goes to the guest's console (serial.log on the
             # host); the caller gets no exception text.
+            import traceback
+
             traceback.print_exc(file=sys.stderr)
             await self.send(P.Kind.ERROR, frame.channel, {
                 "code": "internal",
@@ -460,24 +457,23 @@ class Agent:
 
             started = time.monotonic()
             try:
-                proc, exited = await spawn(
-                    argv,
-                    stdin=asyncio.subprocess.PIPE if want_stdin else asyncio.subprocess.DEVNULL,
-                    cwd=cwd,
-                    env=env,
-                )
+                pid, stdin_fd, out_fd, err_fd = spawn.spawn(argv, env, cwd, stdin_pipe=want_stdin)
             except OSError as exc:
                 code, message = spawn_failure(exc, argv[0], cwd)
                 return await self._not_started(cid, stream, head, tail, code, message, started)
+            captures = {"stdout": Capture(head, tail), "stderr": Capture(head, tail)}
+            chunks: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+            cmd = spawn.Command(pid, stdin_fd, out_fd, err_fd,
+                                (lambda name, chunk: chunks.put_nowait((name, chunk))) if stream
+                                else (lambda name, chunk: captures[name].add(chunk)),
+                                paced=stream)
             try:
-                return await self._run(cid, ch, proc, exited, stream, want_stdin, timeout,
-                                       head, tail, started)
+                return await self._run(cid, ch, cmd, captures, chunks, stream, want_stdin,
+                                       timeout, started)
             finally:
-                if proc.returncode is None:  # cancelled: never leave the group behind
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                if cmd.returncode is None:  # cancelled: never leave the group behind
+                    cmd.kill(signal.SIGKILL)
+                cmd.close()
         finally:
             if script is not None:
                 try:
@@ -503,88 +499,74 @@ class Agent:
                                                                       err_cap.result())
         return result, out_kept + err_kept
 
-    async def _run(self, cid: int, ch: Channel, proc: asyncio.subprocess.Process,
-                   exited: asyncio.Event, stream: bool, want_stdin: bool,
-                   timeout: float | None, head: int, tail: int, started: float,
+    async def _run(self, cid: int, ch: Channel, cmd: spawn.Command,
+                   captures: dict[str, Capture], chunks: asyncio.Queue[tuple[str, bytes]],
+                   stream: bool, want_stdin: bool, timeout: float | None, started: float,
                    ) -> tuple[dict[str, Any], bytes]:
-        """Pump a started command's streams until it exits; see ``op_exec``."""
-        captures = {"stdout": Capture(head, tail), "stderr": Capture(head, tail)}
+        """Wait for a started command, feeding stdin and relaying signals; see ``op_exec``."""
 
-        async def pump(name: str, pipe: asyncio.StreamReader) -> None:
+        async def relay() -> None:
+            """Streaming: send each chunk as a DATA frame, then read that pipe again."""
             while True:
-                chunk = await pipe.read(P.CHUNK)
-                if not chunk:
-                    return
-                if stream:
-                    captures[name].total += len(chunk)
-                    await self.send(P.Kind.DATA, cid, {"stream": name}, chunk)
-                else:
-                    captures[name].add(chunk)
-
-        def kill(sig: int) -> None:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
+                name, chunk = await chunks.get()
+                captures[name].total += len(chunk)
+                await self.send(P.Kind.DATA, cid, {"stream": name}, chunk)
+                cmd.resume(name)
 
         async def feed() -> None:
             """Route inbound frames: stdin data, stdin EOF, signals."""
             stdin_open = want_stdin
             while True:
                 frame = await ch.inbox.get()
-                if frame.kind == P.Kind.DATA and stdin_open and proc.stdin is not None:
+                if frame.kind == P.Kind.DATA and stdin_open:
                     try:
-                        proc.stdin.write(frame.data)
-                        await proc.stdin.drain()
+                        await cmd.write_stdin(frame.data)
                     except (BrokenPipeError, ConnectionResetError):
                         stdin_open = False
-                elif frame.kind == P.Kind.EOF and stdin_open and proc.stdin is not None:
+                elif frame.kind == P.Kind.EOF and stdin_open:
                     stdin_open = False
-                    try:
-                        proc.stdin.close()
-                    except (BrokenPipeError, ConnectionResetError):
-                        pass
+                    cmd.close_stdin()
                 elif frame.kind == P.Kind.SIGNAL:
                     if frame.meta.get("disconnect"):
                         continue
                     sig = frame.meta.get("signal", signal.SIGKILL)
                     if isinstance(sig, int) and 0 < sig < 65:
-                        kill(sig)
+                        cmd.kill(sig)
 
-        pumps = [asyncio.create_task(pump("stdout", proc.stdout)),  # type: ignore[arg-type]
-                 asyncio.create_task(pump("stderr", proc.stderr))]  # type: ignore[arg-type]
-        feeder = asyncio.create_task(feed())
+        helpers = [asyncio.create_task(feed())]
+        if stream:
+            helpers.append(asyncio.create_task(relay()))
         timed_out = False
         try:
-            await asyncio.wait_for(exited.wait(), timeout)
-        except asyncio.TimeoutError:
-            timed_out = True
-            kill(signal.SIGKILL)
-            await exited.wait()
+            if timeout is None:
+                await cmd.exited
+            else:
+                try:
+                    await asyncio.wait_for(asyncio.shield(cmd.exited), timeout)
+                except asyncio.TimeoutError:
+                    timed_out = True
+                    cmd.kill(signal.SIGKILL)
+                    await cmd.exited
+            if timed_out:
+                cmd.kill(signal.SIGKILL)  # members of the group that outlived the leader
+            # Output to its end (streaming: every chunk sent), for at most the grace.
+            pending = [f for f in cmd.eof.values() if not f.done()]
+            if pending:
+                await asyncio.wait(pending, timeout=DRAIN_GRACE_S)
         finally:
-            if proc.returncode is None:  # cancelled: never leave the group behind
-                kill(signal.SIGKILL)
-        if timed_out:
-            kill(signal.SIGKILL)  # members of the group that outlived the leader
-        done, pending = await asyncio.wait(pumps, timeout=DRAIN_GRACE_S)
-        for t in pending:
-            t.cancel()
-        feeder.cancel()
-        await asyncio.gather(*pending, feeder, return_exceptions=True)
-        for t in done:
-            if t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
-        if proc.stdin is not None and not proc.stdin.is_closing():
-            proc.stdin.close()
+            for t in helpers:
+                t.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+            cmd.close()
 
-        rc = proc.returncode
+        rc = cmd.returncode
         sig = -rc if rc is not None and rc < 0 else None
         result: dict[str, Any] = {
             "exit_code": 128 + sig if sig else rc,
             "signal": sig,
             "timed_out": timed_out,
             "duration_s": round(time.monotonic() - started, 6),
-            "pid": proc.pid,
+            "pid": cmd.pid,
         }
         data = b""
         for name, cap in captures.items():
@@ -624,6 +606,8 @@ class Agent:
         parent = os.path.dirname(path)
         if os.path.isdir(path):
             raise OpError("is_directory", f"is a directory: {path}")
+        import tempfile
+
         try:
             if meta.get("parents", True):
                 os.makedirs(parent, exist_ok=True)
@@ -780,6 +764,10 @@ class Agent:
         return {"skew_s": (ns - before) / 1e9}
 
     async def op_reseed(self, cid: int, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
+        import base64
+        import fcntl
+        import struct
+
         try:
             seed = base64.b64decode(meta.get("seed", ""), validate=True)
         except (ValueError, TypeError):
@@ -913,11 +901,15 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     agent = Agent()
     if len(args) == 2 and args[0] == "--listen":
-        coro = serve_unix(agent, args[1])
+        coro = serve_unix(agent, os.path.abspath(args[1]))
     elif kernel_channel() == "vsock":
         coro = serve_vsock(agent)
     else:
         coro = serve_port(agent)
+    try:  # a command's default cwd: spawning there needs no chdir
+        os.chdir(BASE_ENV["HOME"])
+    except OSError:
+        pass
     print(f"hangar-agent {__version__} protocol {P.VERSION} starting", file=sys.stderr, flush=True)
     asyncio.run(coro)
 
