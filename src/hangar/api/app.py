@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -22,9 +23,12 @@ from hangar.core.machines import MachineManager
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import Store
 from hangar.engines.doctor import choose_engine
+from hangar.engines.qemu import MemoryTuning, ksm_running
 from hangar.images import resolve_image
 from hangar.layout import Layout
 from hangar.metrics import Metrics
+
+log = logging.getLogger("hangar.app")
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -45,7 +49,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         layout.ensure()
         image = resolve_image(layout, settings.default_image)
         engine = choose_engine(settings.engine, layout, image, accel=settings.accel,
-                               jailer=settings.jailer)
+                               jailer=settings.jailer, tuning=MemoryTuning(
+                                   tb_mib=settings.tcg_tb_mib, balloon=settings.balloon,
+                                   ksm=settings.ksm))
+        if settings.ksm and engine.name == "qemu" and not ksm_running():
+            log.warning("HANGAR_KSM is on but the host's ksmd is not running: no page is "
+                        "merged until an operator writes 1 to /sys/kernel/mm/ksm/run")
         metrics = Metrics()
         metrics.engine.info(engine.describe())
         store = Store(layout.database)

@@ -53,6 +53,7 @@ from hangar.errors import EngineError, InvalidRequest
 from hangar.layout import Layout
 
 if TYPE_CHECKING:
+    from hangar.engines.qemu import MemoryTuning
     from hangar.images import GuestImage
 
 log = logging.getLogger("hangar.engine.doctor")
@@ -242,13 +243,15 @@ def diagnose(layout: Layout, image: "GuestImage | None", *, use_cache: bool = Tr
 
 
 def choose_engine(kind: str, layout: Layout, image: "GuestImage", *, accel: str = "auto",
-                  jailer: bool | JailerConfig = False) -> Engine:
+                  jailer: bool | JailerConfig = False,
+                  tuning: "MemoryTuning | None" = None) -> Engine:
     """Build the engine named ``kind``: ``auto``, ``firecracker`` or ``qemu``.
 
     ``auto`` runs (or reads the cached result of) the Firecracker probe boot
     and falls back to QEMU. ``accel`` is QEMU's (``auto``, ``kvm``, ``tcg``).
     ``jailer`` True runs Firecracker VMMs under the jailer found by
-    ``find_jailer`` (or give a ``JailerConfig``). Raises InvalidRequest for an
+    ``find_jailer`` (or give a ``JailerConfig``). ``tuning`` is QEMU's memory
+    tuning (``hangar.engines.qemu.MemoryTuning``). Raises InvalidRequest for an
     unknown kind, EngineError when the VMM (or the jailer) is missing.
     """
     if kind not in ENGINE_KINDS:
@@ -276,4 +279,4 @@ def choose_engine(kind: str, layout: Layout, image: "GuestImage", *, accel: str 
     from hangar.engines.qemu import QemuEngine, choose_accel
 
     chosen, reason = choose_accel(layout, image.kernel, image.initrd, accel)
-    return QemuEngine(chosen, reason)
+    return QemuEngine(chosen, reason, tuning)
