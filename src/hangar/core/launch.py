@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import time
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
@@ -34,6 +35,8 @@ from hangar.core.registry import Runtime
 from hangar.core.store import SandboxRecord, SnapshotRecord
 from hangar.core.testhooks import crash_point
 from hangar.engines.base import VM, VMSpec
+from hangar.engines.boot_phases import boot_phases
+from hangar.engines.boot_phases import describe as describe_phases
 from hangar.engines.snapshot_io import refresh_guest
 from hangar.errors import Conflict, HangarError, InvalidRequest, Timeout
 from hangar.engines.agent_client import AgentClient
@@ -159,9 +162,25 @@ class Launcher:
 
     async def boot(self, rec: SandboxRecord, image: GuestImage, expect: Collection[State],
                    crash_step: str | None = None) -> Runtime:
-        """Boot ``rec``'s VM and wait for its agent; on failure nothing is left but the record."""
-        return await self.launch(rec, lambda net: self.ctx.engine.boot(self.spec(rec, image, net)),
-                                 expect, crash_step=crash_step)
+        """Boot ``rec``'s VM and wait for its agent; on failure nothing is left but the record.
+
+        The boot's phases (``hangar.engines.boot_phases``) go to the log (``boot``
+        line) and to ``hangar_boot_phase_seconds``.
+        """
+        started = time.monotonic()
+        rt = await self.launch(rec, lambda net: self.ctx.engine.boot(self.spec(rec, image, net)),
+                               expect, crash_step=crash_step)
+        if rt.agent is not None:
+            self.publish_boot(rec.id, rt.agent.hello, time.monotonic() - started)
+        return rt
+
+    def publish_boot(self, sandbox_id: str, hello: dict[str, Any], took: float) -> None:
+        phases = boot_phases(hello, took)
+        for phase, seconds in phases.items():
+            self.ctx.metrics.boot_phase_seconds.labels(phase).observe(seconds)
+        log.info(f"boot {describe_phases(phases)}",
+                 extra={"sandbox_id": sandbox_id,
+                        **{f"{phase}_s": seconds for phase, seconds in phases.items()}})
 
     async def restore(self, rec: SandboxRecord, snap: SnapshotRecord,
                       expect: Collection[State]) -> Runtime:
