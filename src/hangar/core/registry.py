@@ -34,6 +34,8 @@ class Runtime:
     connect_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     busy: int = 0
     """Guest calls in flight; a busy sandbox is neither snapshotted nor put to sleep."""
+    touched_at: float = 0.0
+    """When a guest call last recorded ``last_active_at`` (Unix seconds)."""
 
 
 @dataclass

@@ -462,9 +462,10 @@ class Agent:
                 code, message = spawn_failure(exc, argv[0], cwd)
                 return await self._not_started(cid, stream, head, tail, code, message, started)
             captures = {"stdout": Capture(head, tail), "stderr": Capture(head, tail)}
-            chunks: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+            chunks: asyncio.Queue[tuple[str, bytes]] | None = asyncio.Queue() if stream else None
             cmd = spawn.Command(pid, stdin_fd, out_fd, err_fd,
-                                (lambda name, chunk: chunks.put_nowait((name, chunk))) if stream
+                                (lambda name, chunk: chunks.put_nowait((name, chunk)))
+                                if chunks is not None
                                 else (lambda name, chunk: captures[name].add(chunk)),
                                 paced=stream)
             try:
@@ -500,13 +501,15 @@ class Agent:
         return result, out_kept + err_kept
 
     async def _run(self, cid: int, ch: Channel, cmd: spawn.Command,
-                   captures: dict[str, Capture], chunks: asyncio.Queue[tuple[str, bytes]],
+                   captures: dict[str, Capture],
+                   chunks: asyncio.Queue[tuple[str, bytes]] | None,
                    stream: bool, want_stdin: bool, timeout: float | None, started: float,
                    ) -> tuple[dict[str, Any], bytes]:
         """Wait for a started command, feeding stdin and relaying signals; see ``op_exec``."""
 
         async def relay() -> None:
             """Streaming: send each chunk as a DATA frame, then read that pipe again."""
+            assert chunks is not None
             while True:
                 name, chunk = await chunks.get()
                 captures[name].total += len(chunk)
@@ -536,28 +539,29 @@ class Agent:
         helpers = [asyncio.create_task(feed())]
         if stream:
             helpers.append(asyncio.create_task(relay()))
-        timed_out = False
+        expired: list[bool] = []
+
+        def expire() -> None:
+            expired.append(True)
+            cmd.kill(signal.SIGKILL)
+
+        timer = (asyncio.get_running_loop().call_later(timeout, expire)
+                 if timeout is not None else None)
         try:
-            if timeout is None:
-                await cmd.exited
-            else:
-                try:
-                    await asyncio.wait_for(asyncio.shield(cmd.exited), timeout)
-                except asyncio.TimeoutError:
-                    timed_out = True
-                    cmd.kill(signal.SIGKILL)
-                    await cmd.exited
-            if timed_out:
+            await cmd.exited
+            if expired:
                 cmd.kill(signal.SIGKILL)  # members of the group that outlived the leader
             # Output to its end (streaming: every chunk sent), for at most the grace.
             pending = [f for f in cmd.eof.values() if not f.done()]
             if pending:
                 await asyncio.wait(pending, timeout=DRAIN_GRACE_S)
         finally:
+            if timer is not None:
+                timer.cancel()
             for t in helpers:
-                t.cancel()
-            await asyncio.gather(*helpers, return_exceptions=True)
+                t.cancel()  # each ends at the loop's next turn; nothing waits for them
             cmd.close()
+        timed_out = bool(expired)
 
         rc = cmd.returncode
         sig = -rc if rc is not None and rc < 0 else None

@@ -65,7 +65,7 @@ def _spawn_first(argv: list[str], env: Mapping[str, str], actions: list[tuple]) 
     first_error: OSError | None = None
     candidates = program_paths(argv[0], env)
     for path in candidates:
-        if len(candidates) > 1 and not os.path.lexists(path):
+        if len(candidates) > 1 and not os.access(path, os.F_OK, follow_symlinks=False):
             continue
         try:
             return os.posix_spawn(path, argv, env, file_actions=actions, setsid=True,
@@ -223,10 +223,14 @@ class Command:
                 try:
                     await ready
                 finally:
-                    self.loop.remove_writer(fd)
+                    if self.stdin == fd:  # not closed (and its number reused) meanwhile
+                        self.loop.remove_writer(fd)
+                if self.stdin != fd:
+                    raise BrokenPipeError(errno.EPIPE, "stdin is closed")
 
     def close_stdin(self) -> None:
         if self.stdin is not None:
+            self.loop.remove_writer(self.stdin)
             os.close(self.stdin)
             self.stdin = None
 
