@@ -26,7 +26,7 @@ and powers off (the engine's accelerator probe). Otherwise it waits (at most
 10 s) for the root device (``root=``, default /dev/vda), mounts it read-write
 on /newroot (``noinit_itable``: a sandbox's disk reads as zeros where it was
 never written, so the kernel need not zero the inode tables the boot's
-``resize2fs`` adds), mounts a tmpfs on /newroot/usr/lib/hangar/python and
+``grow_root`` adds), mounts a tmpfs on /newroot/usr/lib/hangar/python and
 copies its own Python files there (nothing written to the disk), moves /dev,
 /proc and /sys into the new root (so devtmpfs stays mounted), mounts
 /dev/pts, /dev/shm, /run, /tmp and /sys/fs/cgroup there, brings ``lo`` up,
