@@ -135,7 +135,7 @@ def test_ksm_and_the_translation_buffer_are_settings(tmp_path: Path) -> None:
                 argv[argv.index("-kernel") + 1]]
 
     assert args(QemuEngine("tcg")) == ["microvm,pit=on,rtc=on,mem-merge=off",
-                                       "tcg,thread=multi,tb-size=32", str(tmp_path / "vmlinux")]
+                                       "tcg,thread=multi,tb-size=48", str(tmp_path / "vmlinux")]
     assert args(QemuEngine("tcg", tuning=MemoryTuning(tb_mib=64, ksm=True)))[:2] == [
         "microvm,pit=on,rtc=on,mem-merge=on", "tcg,thread=multi,tb-size=64"]
     assert args(QemuEngine("kvm"))[1] == "kvm"

@@ -11,7 +11,9 @@ with ``runsc exec``, as an orchestrator built on runsc would. No network
 ``create_to_first_exec_s``: ``runsc run --detach`` plus the first ``runsc exec
 true`` (p50 over the boots); ``exec_true_s``: p50 and p95 of ``runsc exec
 true``; ``idle``: Pss and Rss (MiB) of the sandbox and gofer processes after
-8 s idle. When runsc is missing it prints ``{"skipped": reason}``.
+8 s idle; with ``--storms 1,10,30``, ``storms``: that many creates (to the
+first exec) at once, p50 and p95. When runsc is missing it prints
+``{"skipped": reason}``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -72,10 +75,44 @@ def rollup(pids: list[int]) -> dict[str, float]:
     return {k: round(v, 1) for k, v in tot.items()}
 
 
+def storm(base: list[str], b: Path, n: int, tag: str) -> dict[str, object]:
+    """``n`` containers created at once, each to its first exec; all deleted after."""
+    lat: list[float] = []
+    failed = 0
+    lock = threading.Lock()
+    go = threading.Event()
+
+    def one(i: int) -> None:
+        nonlocal failed
+        cid = f"{tag}-{i}"
+        go.wait()
+        t = time.perf_counter()
+        ok = subprocess.run([*base, "run", "--detach", "--bundle", str(b), cid], **QUIET
+                            ).returncode == 0 and subprocess.run(
+            [*base, "exec", cid, "/bin/true"], **QUIET).returncode == 0
+        with lock:
+            if ok:
+                lat.append(time.perf_counter() - t)
+            else:
+                failed += 1
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    go.set()
+    for t in threads:
+        t.join()
+    for i in range(n):
+        subprocess.run([*base, "delete", "-force", f"{tag}-{i}"], **QUIET)
+    return {"n": n, "p50_s": round(pct(lat, 0.5), 3) if lat else None,
+            "p95_s": round(pct(lat, 0.95), 3) if lat else None, "ok": len(lat), "failed": failed}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--boots", type=int, default=3)
     ap.add_argument("--execs", type=int, default=50)
+    ap.add_argument("--storms", default="")
     a = ap.parse_args()
     runsc = shutil.which("runsc")
     if runsc is None:
@@ -108,6 +145,8 @@ def main() -> None:
                     idle = rollup(pids_of(f"{cid}") + pids_of(str(b)))
             finally:
                 subprocess.run([*base, "delete", "-force", cid], **QUIET)
+        storms = [storm(base, b, int(n), f"hgb-{os.getpid()}-s{n}")
+                  for n in a.storms.split(",") if n]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps({
@@ -115,7 +154,7 @@ def main() -> None:
         "create_to_first_exec_s": {"p50": round(pct(creates, 0.5), 3), "runs": len(creates)},
         "exec_true_s": {"p50": round(pct(rtts, 0.5), 4), "p95": round(pct(rtts, 0.95), 4),
                         "runs": len(rtts)},
-        "idle": idle,
+        "idle": idle, "storms": storms,
     }))
 
 
