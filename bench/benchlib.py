@@ -1,14 +1,17 @@
-"""What the benchmarks share: a private Hangar server and percentiles.
+"""What the benchmarks share: a private Hangar server, percentiles, the machine, peers.
 
 ``start_server`` runs ``hangar serve`` on a free port with a private data
 directory that links the shared image cache (``$HANGAR_DATA_DIR``, default
 /var/lib/hangar) and copies its cached probe results; guests get no NIC and
 there is no warm pool unless ``env`` says otherwise. ``stop_server`` ends it
-and removes the directory.
+and removes the directory. ``machine`` describes the host (CPU, memory,
+kernel, QEMU, load); ``peer`` runs a script of ``bench/peers`` and returns
+its JSON; ``proc_usage`` reads a process's CPU seconds and memory.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -19,6 +22,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+PEERS = Path(__file__).resolve().parent / "peers"
 
 SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
 
@@ -73,3 +78,50 @@ def stop_server(proc: subprocess.Popen[bytes], data_dir: Path) -> None:
         proc.kill()
         proc.wait()
     shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def machine() -> dict[str, object]:
+    """The host the figures come from: CPU, cores, memory, kernel, QEMU, load average."""
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        mem_kib = 0
+    qemu = subprocess.run(["qemu-system-x86_64", "--version"], capture_output=True,
+                          text=True).stdout.split("\n")[0]
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_kib / (1 << 20), 1),
+            "kernel": os.uname().release, "qemu": qemu, "python": sys.version.split()[0],
+            "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
+
+
+def proc_usage(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) and memory (Rss, Pss; MiB) of process ``pid``."""
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    out = {"cpu_s": (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        p = line.split()
+        if len(p) == 3 and p[0] in ("Rss:", "Pss:"):
+            out[p[0].rstrip(":").lower() + "_mib"] = int(p[1]) / 1024
+    return out
+
+
+def peer(name: str, *args: str, python: str | None = None, timeout: float = 1800
+         ) -> dict[str, object]:
+    """Run ``bench/peers/<name>_peer.py`` with ``python`` (default: this interpreter);
+    its JSON, or ``{"skipped": reason}``."""
+    exe = python or sys.executable
+    if not Path(exe).exists():
+        return {"peer": name, "skipped": f"no interpreter at {exe}"}
+    try:
+        out = subprocess.run([exe, str(PEERS / f"{name}_peer.py"), *args], capture_output=True,
+                             text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"peer": name, "skipped": f"did not finish in {timeout:.0f} s"}
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return {"peer": name, "skipped": f"failed: {out.stderr.strip()[-300:]}"}
+    return json.loads(lines[-1])

@@ -40,6 +40,7 @@ machine_app = typer.Typer(help="Per-user machines that sleep when idle.", no_arg
 snapshot_app = typer.Typer(help="Snapshots of running sandboxes.", no_args_is_help=True)
 port_app = typer.Typer(help="Guest TCP ports reached over HTTP and WebSockets.",
                        no_args_is_help=True)
+bench_app = typer.Typer(help="Measure this host: boots and their phases.", no_args_is_help=True)
 desktop_app = typer.Typer(help="Screenshots, mouse and keyboard of a desktop sandbox.",
                           no_args_is_help=True)
 app.add_typer(image_app, name="image")
@@ -48,6 +49,7 @@ app.add_typer(machine_app, name="machine")
 app.add_typer(snapshot_app, name="snapshot")
 app.add_typer(desktop_app, name="desktop")
 app.add_typer(port_app, name="port")
+app.add_typer(bench_app, name="bench")
 app.add_typer(key_app, name="key")
 app.add_typer(template_app, name="template")
 app.add_typer(cluster_app, name="cluster")
@@ -624,6 +626,57 @@ def doctor(data_dir: DataDir = None) -> None:
                                      bridge=settings.net_bridge, host=settings.host,
                                      port=settings.port)):
         print(line)
+
+
+@bench_app.command("boot")
+def bench_boot(
+    runs: Annotated[int, typer.Option(min=1, max=50, help="Boots, one after the other.")] = 3,
+    image: Annotated[Optional[str], typer.Option(help="Image (default: the server's).")] = None,
+    memory_mib: Annotated[int, typer.Option(min=128, help="Guest memory, MiB.")] = 512,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Boot guests straight on the engine (no server) and print each boot's phases.
+
+    The phases are those every boot logs (vmm, kernel, initramfs, init, agent;
+    seconds), plus the time to the first command's result.
+    """
+    import asyncio
+    import json as json_
+
+    from hangar.engines.bootbench import bench_boot as run_bench
+    from hangar.engines.doctor import choose_engine
+    from hangar.engines.qemu import MemoryTuning
+    from hangar.images import resolve_image
+    from hangar.layout import Layout
+
+    settings = _settings(data_dir)
+    layout = Layout(settings.data_dir)
+    try:
+        img = resolve_image(layout, image or settings.default_image)
+        engine = choose_engine(settings.engine, layout, img, accel=settings.accel,
+                               jailer=settings.jailer, tuning=MemoryTuning(
+                                   tb_mib=settings.tcg_tb_mib, balloon=settings.balloon,
+                                   ksm=settings.ksm))
+        report = asyncio.run(run_bench(engine, img, runs, memory_mib))
+    except HangarError as exc:
+        _fail(exc)
+    if as_json:
+        print(json_.dumps(report, indent=2))
+        return
+    from rich.table import Table
+
+    eng = report["engine"]
+    table = Table(title=f"{runs} boots of {report['image']}, {memory_mib} MiB, "
+                        f"{eng['engine']} ({eng['accel']}); seconds")
+    cols = list(report["median"])
+    table.add_column("run")
+    for c in cols:
+        table.add_column(c, justify="right")
+    for n, r in enumerate(report["runs"], 1):
+        table.add_row(str(n), *(f"{r.get(c, 0):.2f}" for c in cols))
+    table.add_row("median", *(f"{report['median'][c]:.2f}" for c in cols), style="bold")
+    out.print(table)
 
 
 @app.command()

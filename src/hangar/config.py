@@ -66,6 +66,16 @@ class Settings(BaseSettings):
     accel: Literal["auto", "kvm", "tcg"] = Field(
         "auto", description="QEMU accelerator; auto runs a probe boot to decide."
     )
+    tcg_tb_mib: int = Field(
+        48, ge=8, le=4096, description="QEMU under TCG: translation buffer per VM, MiB (QEMU's "
+                                       "own default is 1024); see docs/performance.md.")
+    balloon: bool = Field(
+        True, description="QEMU guests get a virtio-balloon with free page reporting (memory a "
+                          "guest frees goes back to the host) and memory statistics.")
+    ksm: bool = Field(
+        False, description="Let the host's KSM merge identical pages across QEMU guests. Off by "
+                           "default: merged pages open a timing side channel between sandboxes "
+                           "(docs/security.md). The host's ksmd must run (/sys/kernel/mm/ksm/run).")
     default_image: str = Field("base", description="Template used when a create names none.")
     default_vcpus: int = Field(1, ge=1, le=64)
     default_memory_mib: int = Field(512, ge=128, le=65536)

@@ -10,6 +10,8 @@ id), so the number of series stays bounded:
 ``hangar_snapshot_seconds{kind, outcome}``          kind: user, sleep
 ``hangar_restore_seconds{outcome}``                 restore in place
 ``hangar_wake_seconds{outcome}``                    wake from sleep
+``hangar_boot_phase_seconds{phase}``                vmm, kernel, initramfs, init, agent,
+                                                    total (``hangar.engines.boot_phases``)
 ``hangar_pool_hits_total``, ``hangar_pool_misses_total``: creates that fit the
 warm pool and got, or did not get, a ready VM; ``hangar_pool_refills_total``.
 ``hangar_errors_total{code}``                       error answers by Hangar's error
@@ -115,6 +117,9 @@ class Metrics:
         self.wake_seconds = Histogram("hangar_wake_seconds",
                                       "Time to wake a sleeping sandbox (lock wait included)",
                                       ["outcome"], buckets=LATENCY_BUCKETS, registry=r)
+        self.boot_phase_seconds = Histogram(
+            "hangar_boot_phase_seconds", "Phases of cold boots (hangar.engines.boot_phases)",
+            ["phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.pool_hits = Counter("hangar_pool_hits_total",
                                  "Creates served by a warm-pool VM", registry=r)
         self.pool_misses = Counter("hangar_pool_misses_total",

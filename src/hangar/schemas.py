@@ -145,6 +145,26 @@ class SetTimeout(RequestBody):
                            description="Seconds from now until the sandbox expires; 0: never.")
 
 
+class SandboxMemory(Model):
+    """What a running sandbox's memory costs the host, beside what its guest uses; MiB.
+
+    Host figures are the VMM process's (``/proc/PID/smaps_rollup``); guest
+    figures come from the guest kernel's balloon driver every few seconds
+    (null without a balloon, e.g. under Firecracker, or before its first report).
+    """
+
+    host_mib: float = Field(description="Proportional set size of the VMM: its private "
+                                        "memory plus its share of pages other processes share "
+                                        "(QEMU's code, the guest kernel's file).")
+    host_rss_mib: float = Field(description="Resident set size of the VMM.")
+    guest_total_mib: float | None = Field(None, description="Memory the guest kernel manages.")
+    guest_used_mib: float | None = Field(None, description="Guest memory in use: used plus "
+                                                           "buffers and cache (all but free).")
+    guest_cache_mib: float | None = Field(None, description="Of which the guest's disk cache.")
+    guest_stats_age_s: float | None = Field(None, description="Age of the guest figures, "
+                                                              "seconds.")
+
+
 class SandboxInfo(Model):
     """A sandbox as the API shows it."""
 
@@ -167,6 +187,9 @@ class SandboxInfo(Model):
     network: dict[str, object] | None = Field(None, description="Egress policy; null: no NIC.")
     source: str | None = Field(None, description="Where its VM came from: cold (booted for "
                                                  "it), pool (the warm pool) or fork.")
+    memory: SandboxMemory | None = Field(
+        None, description="Host memory it costs and its guest's own use; only in "
+                          "GET /sandboxes/{id}, and only while its VM runs.")
 
 
 class SandboxList(Model):

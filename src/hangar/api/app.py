@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -24,9 +25,12 @@ from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import Store
 from hangar.engines.confine import config_from as confine_config
 from hangar.engines.doctor import choose_engine
+from hangar.engines.qemu import MemoryTuning, ksm_running
 from hangar.images import resolve_image
 from hangar.layout import Layout
 from hangar.metrics import Metrics
+
+log = logging.getLogger("hangar.app")
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -55,7 +59,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         image = resolve_image(layout, settings.default_image)
         engine = choose_engine(settings.engine, layout, image, accel=settings.accel,
                                jailer=settings.firecracker_jailer,
-                               confine=confine_config(settings))
+                               confine=confine_config(settings), tuning=MemoryTuning(
+                                   tb_mib=settings.tcg_tb_mib, balloon=settings.balloon,
+                                   ksm=settings.ksm))
+        if settings.ksm and engine.name == "qemu" and not ksm_running():
+            log.warning("HANGAR_KSM is on but the host's ksmd is not running: no page is "
+                        "merged until an operator writes 1 to /sys/kernel/mm/ksm/run")
         metrics = Metrics()
         metrics.engine.info(engine.describe())
         store = Store(layout.database)

@@ -226,8 +226,9 @@ def authenticate(state: Any, given: str | None, address: str) -> str:
     return name
 
 
-def require_key(request: Request, given: str | None = Security(HEADER)) -> None:
+async def require_key(request: Request, given: str | None = Security(HEADER)) -> None:
     """FastAPI dependency: 401 unless the request carries a key the server accepts
-    (see ``authenticate``). Sets ``request.state.key_name`` to the key's name."""
+    (see ``authenticate``). Sets ``request.state.key_name`` to the key's name.
+    Runs on the event loop (two ``stat`` calls and a hash), not in a worker thread."""
     address = request.client.host if request.client else "unknown"
     request.state.key_name = authenticate(request.app.state, given, address)

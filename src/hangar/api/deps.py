@@ -1,4 +1,8 @@
-"""Shared FastAPI dependencies."""
+"""Shared FastAPI dependencies.
+
+Dependencies are ``async def`` when they do not block: FastAPI runs a plain
+``def`` in a worker thread, a hand-off each way on every request.
+"""
 
 from __future__ import annotations
 
@@ -7,5 +11,5 @@ from fastapi import Request
 from hangar.core.sandboxes import SandboxManager
 
 
-def manager(request: Request) -> SandboxManager:
+async def manager(request: Request) -> SandboxManager:
     return request.app.state.manager

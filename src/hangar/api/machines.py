@@ -16,7 +16,7 @@ router = APIRouter(prefix="/machines/{user_id}", tags=["machines"])
 listing = APIRouter(tags=["machines"])
 
 
-def machines(request: Request) -> MachineManager:
+async def machines(request: Request) -> MachineManager:
     return request.app.state.machines
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import codecs
+import dataclasses
 import json
 import shlex
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from hangar.api.deps import manager
 from hangar.api.models import (
     CreateSandbox, ExecRequest, ExecResponse, Sandbox, SandboxList, SetTimeout,
 )
+from hangar.schemas import SandboxMemory
 from hangar.core.admission import CreateOptions
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import SandboxRecord
@@ -56,9 +58,15 @@ async def list_(m: Manager) -> SandboxList:
     return SandboxList(sandboxes=[view(r) for r in m.list()])
 
 
-@router.get("/{sandbox_id}", response_model=Sandbox)
+@router.get("/{sandbox_id}", response_model=Sandbox,
+            summary="One sandbox, with the host memory its VM costs beside its guest's use")
 async def get(sandbox_id: str, m: Manager) -> Sandbox:
-    return view(m.get(sandbox_id))
+    out = view(m.get(sandbox_id))
+    if out.state == "running":
+        usage = await m.memory(sandbox_id)
+        if usage is not None:
+            out.memory = SandboxMemory(**dataclasses.asdict(usage))
+    return out
 
 
 @router.delete("/{sandbox_id}", status_code=204, summary="End the VM and remove its files")

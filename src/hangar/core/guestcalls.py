@@ -65,6 +65,9 @@ log = logging.getLogger("hangar.sandboxes")
 AGENT_CONNECT_S = 20.0
 """How long a guest call waits to reconnect a VM's agent (adopted after a restart, or
 whose connection dropped), seconds."""
+TOUCH_S = 1.0
+"""A sandbox's ``last_active_at`` is written at most this often, seconds (it is read
+for idle timeouts of minutes)."""
 TRANSIENT_WAIT = (State.SNAPSHOTTING, State.WAKING, State.RESTORING, State.CREATING)
 DEADLINES = Deadlines()
 """The deadlines of guest calls (see the module docstring)."""
@@ -94,10 +97,13 @@ class GuestCalls:
         changing state: retry), Timeout (it is ``unresponsive``: retry later).
         """
         ctx = self.ctx
-        for _ in range(3):
-            rec = ctx.record(sandbox_id)
-            if rec.state in (State.SLEEPING, State.WAKING):
-                await self.sleeper.wake(sandbox_id)
+        for attempt in range(3):
+            # A sandbox this server holds a VM for is not asleep (a wake in progress holds
+            # the lock taken below), so the common call reads its record once, not twice.
+            if attempt or ctx.registry.get(sandbox_id) is None:
+                rec = ctx.record(sandbox_id)
+                if rec.state in (State.SLEEPING, State.WAKING):
+                    await self.sleeper.wake(sandbox_id)
             async with ctx.registry.lock(sandbox_id):
                 rec = ctx.record(sandbox_id)
                 rt = ctx.registry.get(sandbox_id)
@@ -133,7 +139,20 @@ class GuestCalls:
             yield agent
         finally:
             rt.busy -= 1
-            ctx.store.update(sandbox_id, last_active_at=time.time())
+            # Recorded once the caller's answer is on its way (the next turn of the loop),
+            # at most once per TOUCH_S: a database write is the slowest step of a short
+            # call on the host.
+            now = time.time()
+            if now - rt.touched_at >= TOUCH_S:
+                rt.touched_at = now
+                asyncio.get_running_loop().call_soon(self._touch, sandbox_id, now)
+
+    def _touch(self, sandbox_id: str, when: float) -> None:
+        try:
+            self.ctx.store.update(sandbox_id, last_active_at=when)
+        except Exception as exc:  # a late write must never break the loop
+            log.warning("last activity not recorded", extra={"sandbox_id": sandbox_id,
+                                                              "error": str(exc)})
 
     def unanswered(self, sandbox_id: str, op: str, seconds: float) -> None:
         """A call's deadline passed: move the sandbox ``running -> unresponsive``."""

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import secrets
 import shutil
+import time
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
@@ -37,6 +38,8 @@ from hangar.core.startup import needs_start, run_template
 from hangar.core.store import SandboxRecord, SnapshotRecord
 from hangar.core.testhooks import crash_point
 from hangar.engines.base import VM, VMSpec
+from hangar.engines.boot_phases import boot_phases
+from hangar.engines.boot_phases import describe as describe_phases
 from hangar.engines.snapshot_io import refresh_guest
 from hangar.errors import Conflict, HangarError, InvalidRequest, Timeout
 from hangar.engines.agent_client import AgentClient
@@ -165,15 +168,29 @@ class Launcher:
     async def boot(self, rec: SandboxRecord, image: GuestImage, expect: Collection[State],
                    crash_step: str | None = None) -> Runtime:
         """Boot ``rec``'s VM and wait for its agent, then for a template's start command and
-        ready check (``hangar.core.startup``); on failure nothing is left but the record."""
-        ready: Ready | None = None
+        ready check (``hangar.core.startup``); on failure nothing is left but the record.
+
+        The boot's phases (``hangar.engines.boot_phases``, up to the agent's
+        HELLO) go to the log (``boot`` line) and to ``hangar_boot_phase_seconds``.
+        """
+        started = time.monotonic()
         template = image.template
-        if template is not None and needs_start(template):
-            async def ready(agent: AgentClient, net: NetAttachment | None) -> None:
+
+        async def ready(agent: AgentClient, net: NetAttachment | None) -> None:
+            self.publish_boot(rec.id, agent.hello, time.monotonic() - started)
+            if template is not None and needs_start(template):
                 await run_template(agent, template, name=image.name, sandbox_id=rec.id)
 
         return await self.launch(rec, lambda net: self.ctx.engine.boot(self.spec(rec, image, net)),
                                  expect, crash_step=crash_step, ready=ready)
+
+    def publish_boot(self, sandbox_id: str, hello: dict[str, Any], took: float) -> None:
+        phases = boot_phases(hello, took)
+        for phase, seconds in phases.items():
+            self.ctx.metrics.boot_phase_seconds.labels(phase).observe(seconds)
+        log.info(f"boot {describe_phases(phases)}",
+                 extra={"sandbox_id": sandbox_id,
+                        **{f"{phase}_s": seconds for phase, seconds in phases.items()}})
 
     async def restore(self, rec: SandboxRecord, snap: SnapshotRecord,
                       expect: Collection[State]) -> Runtime:

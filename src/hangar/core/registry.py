@@ -36,6 +36,8 @@ class Runtime:
     """Guest calls in flight; a busy sandbox is neither snapshotted nor put to sleep."""
     generation: int | None = None
     """The guest's fork generation when this process restored it from a user snapshot."""
+    touched_at: float = 0.0
+    """When a guest call last recorded ``last_active_at`` (Unix seconds)."""
 
 
 @dataclass

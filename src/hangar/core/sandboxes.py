@@ -63,6 +63,7 @@ from hangar.core.publish import announce
 from hangar.core.reconcile import Reconciler
 from hangar.core.recovery import Recovery
 from hangar.core.registry import Registry
+from hangar.engines.memory import MemoryUsage
 from hangar.core.removal import Removal
 from hangar.core.sleep import Sleeper
 from hangar.core.snapshots import Snapshots
@@ -147,6 +148,14 @@ class SandboxManager:
     def get(self, sandbox_id: str) -> SandboxRecord:
         """The record of a sandbox. Raises NotFound (unknown, deleted) or Gone (expired)."""
         return self.ctx.record(sandbox_id)
+
+    async def memory(self, sandbox_id: str) -> MemoryUsage | None:
+        """What the sandbox's running VM costs the host and its guest uses (MiB); None when
+        this server holds no running VM for it (sleeping, stopped, being created)."""
+        rt = self.registry.get(sandbox_id)
+        if rt is None or not rt.vm.alive():
+            return None
+        return await self.engine.memory(rt.vm)
 
     def list(self) -> list[SandboxRecord]:
         """Sandboxes that exist or failed (not deleted, expired or pooled), oldest first."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from hangar.engines import process
 from hangar.engines.agent_client import AgentChannel, AgentClient
+from hangar.engines.memory import MemoryUsage, host_usage
 from hangar.engines.process import kill_process
 from hangar.errors import GuestError, Timeout
 from hangar.layout import SandboxPaths
@@ -150,4 +151,11 @@ class Engine(abc.ABC):
     def describe(self) -> dict[str, str]:
         """Engine name, accelerator and version for /health and /metrics."""
         return {"engine": self.name, "accel": self.accel}
+
+    async def memory(self, vm: VM) -> MemoryUsage | None:
+        """What ``vm`` costs the host (its VMM's Pss and Rss, MiB); None once it is gone.
+
+        Engines that can ask the guest (QEMU's balloon statistics) add its own use.
+        """
+        return host_usage(vm.pid)
 

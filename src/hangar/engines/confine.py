@@ -74,7 +74,8 @@ under TCG (``TCG_CACHE_MIB``); ``tests/test_confinement.py`` prints the peak
 of its own guest."""
 TCG_CACHE_MIB = 1024
 """QEMU's default TCG translation cache for system emulation (``tb-size``), MiB;
-it is touched as guest code is translated, so it counts against the group."""
+it is touched as guest code is translated, so it counts against the group.
+``QemuEngine`` passes its own (``MemoryTuning.tb_mib``) to ``prepare``."""
 TAP_FD = 3
 """The file descriptor under which a confined VMM gets its TAP device."""
 DEVICES = (("null", 1, 3), ("zero", 1, 5), ("random", 1, 8), ("urandom", 1, 9))
@@ -238,14 +239,17 @@ class Confinement:
         c = self.config
         return c.uid_base + zlib.crc32(sandbox_id.encode()) % c.uid_count
 
-    def limits(self, vcpus: int, memory_mib: int, accel: str) -> Limits:
-        """The cgroup limits of a VMM with ``vcpus`` and ``memory_mib`` MiB of guest."""
-        extra = self.config.overhead_mib + (TCG_CACHE_MIB if accel != "kvm" else 0)
+    def limits(self, vcpus: int, memory_mib: int, accel: str,
+               tcg_cache_mib: int = TCG_CACHE_MIB) -> Limits:
+        """The cgroup limits of a VMM with ``vcpus`` and ``memory_mib`` MiB of guest;
+        ``tcg_cache_mib``: its TCG translation cache (``tb-size``), MiB."""
+        extra = self.config.overhead_mib + (tcg_cache_mib if accel != "kvm" else 0)
         return Limits(memory_bytes=(memory_mib + extra) << 20, cpus=float(vcpus),
                       pids=PIDS_MAX)
 
     def prepare(self, sandbox_id: str, paths: SandboxPaths, *, vcpus: int, memory_mib: int,
                 accel: str, reads: list[Path], owned: list[Path],
+                tcg_cache_mib: int = TCG_CACHE_MIB,
                 file_limit: int | None = None, host_network: bool = False,
                 tap: str | None = None, netns: Path | None = None) -> Plan:
         """Make ``sandbox_id``'s cgroup and folder ready, and return its ``Plan``.
@@ -263,7 +267,8 @@ class Confinement:
         if file_limit:
             plan.rlimits["FSIZE"] = file_limit
         if self.hierarchy is not None:
-            group = self.hierarchy.create(sandbox_id, self.limits(vcpus, memory_mib, accel))
+            group = self.hierarchy.create(sandbox_id, self.limits(vcpus, memory_mib, accel,
+                                                                      tcg_cache_mib))
             plan.cgroups = [str(d) for d in group.dirs]
             paths.cgroup_file.write_text("".join(f"{d}\n" for d in group.dirs))
         if not self.user:

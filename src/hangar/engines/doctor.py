@@ -57,6 +57,7 @@ from hangar.errors import EngineError, InvalidRequest
 from hangar.layout import Layout
 
 if TYPE_CHECKING:
+    from hangar.engines.qemu import MemoryTuning
     from hangar.images import GuestImage
 
 log = logging.getLogger("hangar.engine.doctor")
@@ -275,7 +276,8 @@ def diagnose(layout: Layout, image: "GuestImage | None", *, use_cache: bool = Tr
 
 def choose_engine(kind: str, layout: Layout, image: "GuestImage", *, accel: str = "auto",
                   jailer: bool | str | JailerConfig = "auto",
-                  confine: ConfineConfig | None = None) -> Engine:
+                  confine: ConfineConfig | None = None,
+                  tuning: "MemoryTuning | None" = None) -> Engine:
     """Build the engine named ``kind``: ``auto``, ``firecracker`` or ``qemu``.
 
     ``auto`` runs (or reads the cached result of) the Firecracker probe boot
@@ -283,8 +285,9 @@ def choose_engine(kind: str, layout: Layout, image: "GuestImage", *, accel: str 
     ``jailer``: ``auto`` (default) runs Firecracker VMMs under the jailer
     found by ``find_jailer`` when Hangar is root, ``on`` (True) requires it,
     ``off`` (False) does without; or give a ``JailerConfig``. ``confine``:
-    QEMU's confinement (default: ``ConfineConfig()``, everything on). Raises
-    InvalidRequest for an unknown kind, EngineError when the VMM (or a
+    QEMU's confinement (default: ``ConfineConfig()``, everything on).
+    ``tuning`` is QEMU's memory tuning (``hangar.engines.qemu.MemoryTuning``).
+    Raises InvalidRequest for an unknown kind, EngineError when the VMM (or a
     required jailer) is missing.
     """
     if kind not in ENGINE_KINDS:
@@ -314,4 +317,4 @@ def choose_engine(kind: str, layout: Layout, image: "GuestImage", *, accel: str 
     from hangar.engines.qemu import QemuEngine, choose_accel
 
     chosen, reason = choose_accel(layout, image.kernel, image.initrd, accel)
-    return QemuEngine(chosen, reason, Confinement(confine))
+    return QemuEngine(chosen, reason, Confinement(confine), tuning)

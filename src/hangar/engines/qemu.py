@@ -4,10 +4,25 @@ Machine: ``-M microvm`` with virtio-mmio devices only: a virtio-blk disk
 (the sandbox's qcow2 overlay over the image's read-only ext4 rootfs), a
 virtio-serial port named ``hangar.agent`` on a Unix socket (the agent
 channel; this host kernel has no vhost-vsock, so QEMU's vsock is not used),
-a virtio-rng, and the serial console written to ``serial.log``. When the
-spec has a ``net`` (``hangar.net``), a virtio-net NIC on its TAP (or on
-QEMU's user-mode stack) is added last, with ``hangar.net=`` on the kernel
-command line for the guest's ``hangar.guest.net``; without one, no NIC.
+a virtio-rng, a virtio-balloon (``MemoryTuning``), and the serial console
+written to ``serial.log``. When the spec has a ``net`` (``hangar.net``), a
+virtio-net NIC on its TAP (or on QEMU's user-mode stack) is added last,
+with ``hangar.net=`` on the kernel command line for the guest's
+``hangar.guest.net``; without one, no NIC.
+
+The kernel is the image's ELF ``vmlinux`` when it has one, booted through
+its PVH entry point: QEMU maps the file and copies its segments into guest
+RAM, so the host holds the kernel once in its page cache for every VM, and
+the guest skips decompressing itself. Without one (an image built before
+``vmlinux`` existed), the bzImage ``vmlinuz``, whose bytes QEMU keeps in
+its own heap for the VM's life (about 14 MiB per VM).
+
+Memory (``MemoryTuning``, figures in docs/performance.md): under TCG, a
+translation buffer of ``tb_mib`` (QEMU's default is 1 GiB, of which an
+idle guest keeps about 200 MiB resident); a virtio-balloon with free page
+reporting, so the pages the guest frees go back to the host, and guest
+memory statistics every ``stats_interval_s`` (``memory``); guest RAM marked
+mergeable for KSM only when ``ksm`` is set (QEMU's default marks it always).
 
 Accelerator: KVM where a probe boot of the guest kernel reaches its
 initramfs (``hangar.probe=1`` prints ``HANGAR-PROBE-OK``) within
@@ -57,6 +72,7 @@ import subprocess
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +82,7 @@ from hangar.engines import process, snapshot_io
 from hangar.engines.confine import Confinement
 from hangar.engines.agent_client import AgentChannel, Streams, unix_channel
 from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec
+from hangar.engines.memory import MemoryUsage, host_usage
 from hangar.engines.process import VMMProcesses
 from hangar.errors import EngineError, Timeout
 from hangar.guest import protocol as P
@@ -91,6 +108,57 @@ FILE_LIMIT_SLACK_MIB = 512
 """``RLIMIT_FSIZE`` of QEMU is its disk plus its memory plus this, MiB: no file it
 writes (its disk, a snapshot's stream) may grow past that."""
 HELLO_PROBE_S = 0.5  # seconds between ``hello`` requests to a restored guest without a HELLO
+BALLOON_ID = "balloon0"
+TUNING_KEYS = ("tb-size", "mem-merge")
+"""Suboptions of ``-accel`` and ``-M`` that tune the host's memory, not the machine's shape:
+snapshots neither record nor compare them."""
+KERNEL_ARGS = ("console=ttyS0", "root=/dev/vda", "rw", "quiet", "panic=-1")
+GUEST_KERNEL_ARGS = ("cryptomgr.notests",)
+"""Kernel options for what a guest's boot does not need (docs/performance.md, "Boot"):
+the crypto self-tests, about 0.25 s of an emulated boot. Others were measured
+(``mitigations=off``, ``audit=0``, ``nowatchdog``, no PS/2 or extra UART probing,
+skipping initcalls) and made no difference worth a line here."""
+
+
+@dataclass(frozen=True)
+class MemoryTuning:
+    """How a QEMU guest holds host memory; see the module docstring.
+
+    ``tb_mib``: the TCG translation buffer per VM, MiB (ignored under KVM).
+    A boot translates far more code than any size up to 64 MiB holds, so the
+    buffer fills and stays resident; 48 is the knee measured here (boot and a
+    mixed workload as fast as with 128 or QEMU's 1024, within noise; 32 boots
+    0.25 s slower and runs that workload 15-25 % slower; 16 retranslates so
+    often that an exec takes 6 times longer). ``balloon``: a virtio-balloon with free page reporting and
+    memory statistics every ``stats_interval_s`` seconds. ``ksm``: guest RAM
+    may be merged with identical pages of other guests by the host's ksmd
+    (which the operator starts; see docs/security.md for the side channel).
+    """
+
+    tb_mib: int = 48
+    balloon: bool = True
+    ksm: bool = False
+    stats_interval_s: int = 5
+
+
+KSM_RUN = Path("/sys/kernel/mm/ksm/run")
+
+
+def ksm_running(path: Path = KSM_RUN) -> bool:
+    """Whether the host's ksmd merges pages (``/sys/kernel/mm/ksm/run`` reads 1)."""
+    try:
+        return path.read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def without_tuning(machine: list[str]) -> list[str]:
+    """``machine`` arguments without ``TUNING_KEYS`` suboptions (what snapshots compare)."""
+    out = []
+    for arg in machine:
+        out.append(",".join(p for p in arg.split(",")
+                            if p.split("=", 1)[0] not in TUNING_KEYS) if "," in arg else arg)
+    return out
 
 
 def host_tsc_khz() -> int | None:
@@ -171,9 +239,11 @@ class QemuEngine(Engine):
     name = "qemu"
 
     def __init__(self, accel: str = "tcg", accel_reason: str = "",
-                 confine: Confinement | None = None) -> None:
+                 confine: Confinement | None = None,
+                 tuning: MemoryTuning | None = None) -> None:
         self.accel = accel
         self.accel_reason = accel_reason
+        self.tuning = tuning or MemoryTuning()
         self.version = qemu_version()
         self.binary = shutil.which(QEMU) or QEMU
         self.confine = confine if confine is not None else Confinement()
@@ -186,8 +256,11 @@ class QemuEngine(Engine):
         self._tsc_khz = host_tsc_khz()
 
     def describe(self) -> dict[str, str]:
+        t = self.tuning
         d = {"engine": self.name, "accel": self.accel, "version": self.version,
-             "accel_reason": self.accel_reason}
+             "accel_reason": self.accel_reason,
+             "tb_mib": str(t.tb_mib) if self.accel != "kvm" else "",
+             "balloon": str(t.balloon).lower(), "ksm": str(t.ksm).lower()}
         for m in self.confine.measures():
             d[m.name.replace(" ", "_")] = "on" if m.on else "off"
         return d
@@ -204,8 +277,20 @@ class QemuEngine(Engine):
         return ["-M", MACHINE, "-accel", accel, "-cpu", cpu,
                 "-smp", str(spec.vcpus), "-m", f"{spec.memory_mib}M"]
 
-    def command(self, spec: VMSpec, tap_fd: int | None = None) -> list[str]:
-        """The full QEMU argv for ``spec``; ``tap_fd``: an open TAP for its NIC.
+    def tuned_machine_args(self, spec: VMSpec) -> list[str]:
+        """``machine_args`` with the memory tuning: ``tb-size`` and ``mem-merge``."""
+        machine = self.machine_args(spec)
+        i = machine.index("-M") + 1
+        machine[i] += f",mem-merge={'on' if self.tuning.ksm else 'off'}"
+        if self.accel != "kvm":
+            i = machine.index("-accel") + 1
+            machine[i] += f",tb-size={self.tuning.tb_mib}"
+        return machine
+
+    def command(self, spec: VMSpec, tap_fd: int | None = None, *,
+                balloon: bool | None = None) -> list[str]:
+        """The full QEMU argv for ``spec``; ``tap_fd``: an open TAP for its NIC;
+        ``balloon`` overrides the tuning's (restores keep the devices their snapshot has).
 
         The serial console is QEMU's stdout (``VMMProcesses.spawn`` sends it
         to the capped console log); with confinement's seccomp on, QEMU may
@@ -213,19 +298,21 @@ class QemuEngine(Engine):
         scheduling (``SECCOMP``).
         """
         p = spec.paths
-        args = ["console=ttyS0", "root=/dev/vda", "rw", "quiet", "panic=-1",
-                f"hangar.hostname={spec.hostname}"]
+        args = [*KERNEL_ARGS, *GUEST_KERNEL_ARGS, f"hangar.hostname={spec.hostname}"]
         if self.accel != "kvm" and self._tsc_khz:
             args += [f"tsc_early_khz={self._tsc_khz}", "tsc=reliable"]
         if spec.net is not None:
             args.append(spec.net.kernel_arg())
         append = " ".join([*args, *spec.kernel_args])
+        kernel = spec.image.vmlinux if spec.image.vmlinux is not None else spec.image.kernel
+        if balloon is None:
+            balloon = self.tuning.balloon
         return [
             self.binary, "-name", f"hangar-{spec.sandbox_id}",
-            *self.machine_args(spec),
+            *self.tuned_machine_args(spec),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             *(["-sandbox", SECCOMP] if self.confine.seccomp else []),
-            "-kernel", str(spec.image.kernel), "-initrd", str(spec.image.initrd),
+            "-kernel", str(kernel), "-initrd", str(spec.image.initrd),
             "-append", append,
             "-drive", f"id=root,file={p.disk},format=qcow2,if=none,discard=unmap",
             "-device", "virtio-blk-device,drive=root",
@@ -234,11 +321,19 @@ class QemuEngine(Engine):
             "-device", "virtserialport,chardev=agent,name=hangar.agent",
             "-object", "rng-random,id=rng,filename=/dev/urandom",
             "-device", "virtio-rng-device,rng=rng",
+            *self.balloon_args(balloon),
             "-chardev", "stdio,id=console,signal=off",
             "-serial", "chardev:console",
             "-qmp", f"unix:{p.qmp},server=on,wait=off",
             *self.nic_args(spec, tap_fd),
         ]
+
+    def balloon_args(self, balloon: bool) -> list[str]:
+        """The virtio-balloon: free page reporting, and statistics polled every few seconds."""
+        if not balloon:
+            return []
+        return ["-device", f"virtio-balloon-device,id={BALLOON_ID},free-page-reporting=on,"
+                           f"guest-stats-polling-interval={self.tuning.stats_interval_s}"]
 
     @staticmethod
     def nic_args(spec: VMSpec, tap_fd: int | None = None) -> list[str]:
@@ -283,8 +378,10 @@ class QemuEngine(Engine):
             await self._cleanup(p, None)
             raise
 
-    async def _start(self, spec: VMSpec, extra: tuple[str, ...] = ()) -> VM:
-        """Start QEMU for ``spec`` (its argv plus ``extra``) in the sandbox directory.
+    async def _start(self, spec: VMSpec, extra: tuple[str, ...] = (), *,
+                     balloon: bool | None = None) -> VM:
+        """Start QEMU for ``spec`` (its argv, with ``balloon`` as ``command`` takes it,
+        plus ``extra``) in the sandbox directory.
 
         Confined as ``self.confine`` says (``hangar.engines.confine``): its
         cgroup, user, view and console logger are set up here. Returns once
@@ -295,16 +392,19 @@ class QemuEngine(Engine):
         p = spec.paths
         tap = spec.net.tap if spec.net is not None and spec.net.kind == "tap" else None
         try:
-            image_dirs = sorted({f.parent for f in (spec.image.kernel, spec.image.initrd,
-                                                    spec.image.rootfs)})
+            image_dirs = sorted({f.parent for f in (spec.image.kernel, spec.image.vmlinux,
+                                                    spec.image.initrd, spec.image.rootfs)
+                                 if f is not None})
             plan = self.confine.prepare(
                 spec.sandbox_id, p, vcpus=spec.vcpus, memory_mib=spec.memory_mib,
-                accel=self.accel, reads=image_dirs, owned=[p.disk],
+                accel=self.accel, tcg_cache_mib=self.tuning.tb_mib, reads=image_dirs,
+                owned=[p.disk],
                 file_limit=(spec.disk_mib + spec.memory_mib + FILE_LIMIT_SLACK_MIB) << 20,
                 host_network=spec.net is not None and spec.net.kind == "user", tap=tap,
                 netns=self.network_namespace)
             console = self.confine.console_argv(p)
-            argv = [*self.command(spec, self.confine.tap_fd() if tap else None), *extra]
+            argv = [*self.command(spec, self.confine.tap_fd() if tap else None, balloon=balloon),
+                    *extra]
             proc = self._procs.spawn(argv, cwd=p.dir, pid_file=p.pid_file, stdout=p.serial_log,
                                      stderr=p.vmm_log, plan=plan, console=console)
         except OSError as exc:
@@ -377,6 +477,37 @@ class QemuEngine(Engine):
                 await client.disconnect()
             except Exception:
                 pass
+
+    async def memory(self, vm: VM) -> MemoryUsage | None:
+        """What ``vm`` costs the host and what its guest uses (``MemoryUsage``).
+
+        Host figures from /proc; guest figures from the balloon's statistics
+        (QMP ``qom-get guest-stats``), None without a balloon or before the
+        guest's first report. Returns None when the VMM is gone.
+        """
+        usage = host_usage(vm.pid)
+        if usage is None:
+            return None
+        argv = process.argv_of(vm.pid) or []
+        if not any(a.startswith("virtio-balloon-device") for a in argv):
+            return usage
+        try:
+            got = await self._qmp(vm, "qom-get", path=f"/machine/peripheral/{BALLOON_ID}",
+                                  property="guest-stats")
+        except EngineError:
+            return usage
+        stats = got.get("stats", {}) if isinstance(got, dict) else {}
+        total, free = stats.get("stat-total-memory", -1), stats.get("stat-free-memory", -1)
+        updated = got.get("last-update", 0) if isinstance(got, dict) else 0
+        if total <= 0 or free < 0 or not updated:
+            return usage
+        mib = 1 << 20
+        cache = stats.get("stat-disk-caches", -1)
+        return MemoryUsage(
+            host_mib=usage.host_mib, host_rss_mib=usage.host_rss_mib,
+            guest_total_mib=round(total / mib, 1), guest_used_mib=round((total - free) / mib, 1),
+            guest_cache_mib=round(cache / mib, 1) if cache >= 0 else None,
+            guest_stats_age_s=round(max(0.0, time.time() - updated), 1))
 
     async def pause(self, vm: VM) -> None:
         await self._qmp(vm, "stop")
@@ -502,6 +633,7 @@ class QemuEngine(Engine):
         machine: list[str] = []
         for flag in MACHINE_FLAGS:
             machine += [flag, self._arg(argv, flag)]
+        machine = without_tuning(machine)
         image_paths = ImagePaths(Path(self._arg(argv, "-kernel")).parent)
         try:
             image = json.loads(image_paths.manifest.read_text())
@@ -580,7 +712,9 @@ class QemuEngine(Engine):
                 save_seconds=round(time.monotonic() - started, 3),
                 source_sandbox=vm.sandbox_id,
                 extra={"migration_ms": info.get("total-time"),
-                       "ram_transferred": info.get("ram", {}).get("transferred")},
+                       "ram_transferred": info.get("ram", {}).get("transferred"),
+                       "balloon": any(a.startswith("virtio-balloon-device")
+                                      for a in self._argv_of(vm))},
             )
             snapshot_io.write_manifest(dest, manifest)
         except BaseException:
@@ -626,7 +760,9 @@ class QemuEngine(Engine):
             snap = SnapshotPaths(source)
             await snapshot_io.copy_file(snap.disk, p.disk)
             await self._rebase(p.disk, spec.image.rootfs)
-            vm = await self._start(spec, ("-incoming", "defer"))
+            # The snapshot's devices, whatever the tuning says now.
+            balloon = bool(manifest.extra.get("balloon", False))
+            vm = await self._start(spec, ("-incoming", "defer"), balloon=balloon)
             async with self._qmp_session(vm) as qmp:
                 await self._pass_fd(qmp, vm, snap.state, os.O_RDONLY)
                 await self._run(qmp, vm, "migrate-incoming", uri=f"fd:{MIGRATION_FD}")

@@ -58,22 +58,19 @@ import signal
 import stat as stat_mod
 import struct
 import sys
-import tempfile
 import time
-import traceback
-import uuid
 from typing import Any
 
 from hangar import __version__
 from hangar.guest import identity
 from hangar.guest import protocol as P
-from hangar.guest import terminal, watch
+from hangar.guest import spawn, terminal, watch
 from hangar.guest.identity import read_generation
 
 PORT_NAME = "hangar.agent"
 RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2]), linux/random.h
 RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07)
-BOOT_ID = uuid.uuid4().hex
+BOOT_ID = os.urandom(16).hex()
 DEFAULT_HEAD = 1 << 20  # bytes of output kept from the start
 DEFAULT_TAIL = 1 << 18  # bytes of output kept from the end
 MAX_HEAD = 3 << 19  # 1.5 MiB: two streams' head and tail fit one frame (MAX_DATA)
@@ -106,6 +103,28 @@ def template_env(path: str = TEMPLATE_ENV_FILE) -> dict[str, str]:
 BASE_ENV.update(template_env())
 
 
+BOOT_MARKS = "/run/hangar/boot"
+"""Guest uptimes (s) at the steps of its boot, one ``<step> <uptime>`` a line, written by
+the initramfs (``initramfs``: its /init began) and the guest init (``init``: PID 1's
+Python began; ``agent``: the agent was started)."""
+
+
+def boot_marks(path: str = BOOT_MARKS) -> dict[str, float]:
+    """The boot's marks (see ``BOOT_MARKS``); {} when there are none (a test host)."""
+    marks: dict[str, float] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                step, _, value = line.partition(" ")
+                try:
+                    marks[step] = float(value)
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    return marks
+
+
 class OpError(Exception):
     """A failure reported to the host as an ERROR frame."""
 
@@ -126,6 +145,21 @@ ERRNO_CODES = {
     errno.EINVAL: "invalid",
     errno.ENAMETOOLONG: "invalid",
 }
+
+
+def mkstemp(directory: str, prefix: str, suffix: str = "") -> tuple[int, str]:
+    """A new file of mode 0600 in ``directory``, opened for writing: (fd, path).
+
+    ``tempfile.mkstemp`` without the module (its imports cost about 50 ms
+    under TCG, paid by the first upload after every restore). Raises OSError.
+    """
+    for _ in range(100):
+        path = os.path.join(directory, f"{prefix}{os.urandom(6).hex()}{suffix}")
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary file name", directory)
 
 
 def os_error(exc: OSError, path: str) -> OpError:
@@ -207,8 +241,7 @@ def exec_argv(meta: dict[str, Any]) -> tuple[list[str], str | None]:
     if len(script) <= SHELL_INLINE_MAX:
         return ["/bin/sh", "-c", shell], None
     try:
-        fd, path = tempfile.mkstemp(prefix="exec-", suffix=".sh",
-                                    dir=SCRIPT_DIR if os.path.isdir(SCRIPT_DIR) else None)
+        fd, path = mkstemp(SCRIPT_DIR if os.path.isdir(SCRIPT_DIR) else "/tmp", "exec-", ".sh")
         with os.fdopen(fd, "wb") as f:
             f.write(script)
     except OSError as exc:
@@ -313,31 +346,6 @@ class Capture:
             whole, tail = bytes(self.head), bytes(self.tail)
         meta = {"head": len(whole), "tail": len(tail), "total": self.total, "truncated": truncated}
         return meta, whole + tail
-
-
-class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
-    """Sets ``exited`` when the child exits, even while a background process
-    it started still holds its output pipes open (``Process.wait`` would wait
-    for those pipes too)."""
-
-    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(limit=limit, loop=loop)
-        self.exited = asyncio.Event()
-
-    def process_exited(self) -> None:
-        super().process_exited()
-        self.exited.set()
-
-
-async def spawn(argv: list[str], stdin: int, cwd: str, env: dict[str, str],
-                ) -> tuple[asyncio.subprocess.Process, asyncio.Event]:
-    """Start ``argv`` in a new session (its own process group) with piped output."""
-    loop = asyncio.get_running_loop()
-    transport, protocol = await loop.subprocess_exec(
-        lambda: _ExitProtocol(limit=1 << 16, loop=loop), *argv, stdin=stdin,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=cwd, env=env,
-        start_new_session=True)
-    return asyncio.subprocess.Process(transport, protocol, loop), protocol.exited
 
 
 class Session:
@@ -453,6 +461,7 @@ class Agent:
             "uptime_s": uptime,
             "requests": len(self.tasks),
             "generation": self.generation,
+            "boot": boot_marks(),
         }
 
     async def session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -523,6 +532,8 @@ class Agent:
         except Exception:  # the agent must outlive any one request
             # The traceback goes to the guest's console (serial.log on the
             # host); the caller gets no exception text.
+            import traceback
+
             traceback.print_exc(file=sys.stderr)
             await ch.send(P.Kind.ERROR, {
                 "code": "internal",
@@ -585,24 +596,23 @@ class Agent:
 
             started = time.monotonic()
             try:
-                proc, exited = await spawn(
-                    argv,
-                    stdin=asyncio.subprocess.PIPE if want_stdin else asyncio.subprocess.DEVNULL,
-                    cwd=cwd,
-                    env=env,
-                )
+                pid, stdin_fd, out_fd, err_fd = spawn.spawn(argv, env, cwd, stdin_pipe=want_stdin)
             except OSError as exc:
                 code, message = spawn_failure(exc, argv[0], cwd)
                 return await self._not_started(ch, stream, head, tail, code, message, started)
+            captures = {"stdout": Capture(head, tail), "stderr": Capture(head, tail)}
+            chunks: asyncio.Queue[tuple[str, bytes]] | None = asyncio.Queue() if stream else None
+            cmd = spawn.Command(pid, stdin_fd, out_fd, err_fd,
+                                (lambda name, chunk: chunks.put_nowait((name, chunk)))
+                                if chunks is not None
+                                else (lambda name, chunk: captures[name].add(chunk)),
+                                paced=stream)
             try:
-                return await self._run(cid, ch, proc, exited, stream, want_stdin, timeout,
-                                       head, tail, started)
+                return await self._run(ch, cmd, captures, chunks, want_stdin, timeout, started)
             finally:
-                if proc.returncode is None:  # cancelled: never leave the group behind
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                if cmd.returncode is None:  # cancelled: never leave the group behind
+                    cmd.kill(signal.SIGKILL)
+                cmd.close()
         finally:
             if script is not None:
                 try:
@@ -628,98 +638,93 @@ class Agent:
                                                                       err_cap.result())
         return result, out_kept + err_kept
 
-    async def _run(self, cid: int, ch: Channel, proc: asyncio.subprocess.Process,
-                   exited: asyncio.Event, stream: bool, want_stdin: bool,
-                   timeout: float | None, head: int, tail: int, started: float,
-                   ) -> tuple[dict[str, Any], bytes]:
-        """Pump a started command's streams until it exits; see ``op_exec``."""
-        captures = {"stdout": Capture(head, tail), "stderr": Capture(head, tail)}
+    async def _run(self, ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
+                   chunks: asyncio.Queue[tuple[str, bytes]] | None, want_stdin: bool,
+                   timeout: float | None, started: float) -> tuple[dict[str, Any], bytes]:
+        """Wait for a started command, feeding stdin and relaying signals; see ``op_exec``.
 
-        async def pump(name: str, pipe: asyncio.StreamReader) -> None:
+        Streaming (``chunks``): each chunk goes out once the host's window has
+        room, and only then is that pipe read again (``Command.resume``), so a
+        slow reader makes the command wait on its pipe.
+        """
+        stream = chunks is not None
+
+        async def relay() -> None:
+            assert chunks is not None
             while True:
-                chunk = await pipe.read(P.CHUNK)
-                if not chunk:
-                    return
-                if stream:  # waits while the host's window for this channel is full
-                    await ch.stream({"stream": name}, chunk)
-                    captures[name].total += len(chunk)
-                else:
-                    captures[name].add(chunk)
-
-        def kill(sig: int) -> None:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
+                name, chunk = await chunks.get()
+                await ch.stream({"stream": name}, chunk)  # waits while the window is full
+                captures[name].total += len(chunk)
+                cmd.resume(name)
 
         async def feed() -> None:
             """Route inbound frames: stdin data, stdin EOF, signals."""
             stdin_open = want_stdin
             while True:
                 frame = await ch.get()
-                if frame.kind == P.Kind.DATA and stdin_open and proc.stdin is not None:
+                if frame.kind == P.Kind.DATA and stdin_open:
                     try:
-                        proc.stdin.write(frame.data)
-                        await proc.stdin.drain()
+                        await cmd.write_stdin(frame.data)
                     except (BrokenPipeError, ConnectionResetError):
                         stdin_open = False
-                elif frame.kind == P.Kind.EOF and stdin_open and proc.stdin is not None:
+                elif frame.kind == P.Kind.EOF and stdin_open:
                     stdin_open = False
-                    try:
-                        proc.stdin.close()
-                    except (BrokenPipeError, ConnectionResetError):
-                        pass
+                    cmd.close_stdin()
                 elif frame.kind == P.Kind.SIGNAL:
                     sig = frame.meta.get("signal", signal.SIGKILL)
                     if isinstance(sig, int) and 0 < sig < 65:
-                        kill(sig)
+                        cmd.kill(sig)
 
-        pumps = [asyncio.create_task(pump("stdout", proc.stdout)),  # type: ignore[arg-type]
-                 asyncio.create_task(pump("stderr", proc.stderr))]  # type: ignore[arg-type]
         feeder = asyncio.create_task(feed())
-        timed_out = False
+        relayer = asyncio.create_task(relay()) if stream else None
+        expired: list[bool] = []
+
+        def expire() -> None:
+            expired.append(True)
+            cmd.kill(signal.SIGKILL)
+
+        timer = (asyncio.get_running_loop().call_later(timeout, expire)
+                 if timeout is not None else None)
         try:
-            try:
-                await asyncio.wait_for(exited.wait(), timeout)
-            except asyncio.TimeoutError:
-                timed_out = True
-                kill(signal.SIGKILL)
-                await exited.wait()
-            finally:
-                if proc.returncode is None:  # cancelled: never leave the group behind
-                    kill(signal.SIGKILL)
-            if timed_out:
-                kill(signal.SIGKILL)  # members of the group that outlived the leader
-            # Drain: pumps end at EOF. One still reading DRAIN_GRACE_S after the exit (a
-            # background process holds its pipe) is cut off, unless it waits for the
-            # host's window (a slow reader), which it may do until the timeout.
+            await cmd.exited
+            if expired:
+                cmd.kill(signal.SIGKILL)  # members of the group that outlived the leader
+            # Drain: output to its end (streaming: every chunk sent). A pipe still open
+            # DRAIN_GRACE_S after the exit (a background process holds it) is cut off,
+            # unless the relay waits for the host's window (a slow reader), which it may
+            # do until the timeout.
             until = time.monotonic() + DRAIN_GRACE_S
-            if not timed_out:
+            if not expired:
                 until = max(until, started + timeout + DRAIN_GRACE_S if timeout else math.inf)
-            pending = set(pumps)
+            pending = {f for f in cmd.eof.values() if not f.done()}
             while pending:
+                if relayer is not None and relayer.done():
+                    break
                 _, pending = await asyncio.wait(
                     pending, timeout=max(0.0, min(DRAIN_GRACE_S, until - time.monotonic())))
                 if pending and (not ch.outflow.waiting or time.monotonic() >= until):
                     break
-            for t in pumps:
-                if t.done() and t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
+            if relayer is not None and relayer.done() and relayer.exception() is not None:
+                raise relayer.exception()  # type: ignore[misc]
         finally:
-            for t in (*pumps, feeder):
-                t.cancel()
-            await asyncio.gather(*pumps, feeder, return_exceptions=True)
-        if proc.stdin is not None and not proc.stdin.is_closing():
-            proc.stdin.close()
+            if timer is not None:
+                timer.cancel()
+            for t in (feeder, relayer):
+                if t is not None:
+                    t.cancel()
+            await asyncio.gather(*(t for t in (feeder, relayer) if t is not None),
+                                 return_exceptions=True)
+            cmd.close()
+        timed_out = bool(expired)
 
-        rc = proc.returncode
+        rc = cmd.returncode
         sig = -rc if rc is not None and rc < 0 else None
         result: dict[str, Any] = {
             "exit_code": 128 + sig if sig else rc,
             "signal": sig,
             "timed_out": timed_out,
             "duration_s": round(time.monotonic() - started, 6),
-            "pid": proc.pid,
+            "pid": cmd.pid,
         }
         data = b""
         for name, cap in captures.items():
@@ -762,7 +767,7 @@ class Agent:
         try:
             if meta.get("parents", True):
                 os.makedirs(parent, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".hangar-", dir=parent)
+            fd, tmp = mkstemp(parent, ".hangar-")
         except OSError as exc:
             raise os_error(exc, parent) from None
         size = 0
@@ -1126,15 +1131,37 @@ async def serve_vsock(agent: Agent, port: int = VSOCK_PORT) -> None:
         await server.serve_forever()
 
 
+MALLOC_WARMUP = 1 << 20
+"""Bytes allocated and freed once at start: see ``warm_malloc``."""
+
+
+def warm_malloc(size: int = MALLOC_WARMUP) -> None:
+    """Have glibc's malloc serve blocks up to ``size`` bytes from its heap.
+
+    glibc maps every block above its threshold (128 KiB at first) with mmap
+    and unmaps it on free, and raises the threshold only when a mapped block
+    larger than it is freed. asyncio reads the agent's port 256 KiB at a time,
+    so until then every read maps, faults in and unmaps fresh pages: under
+    TCG that halved uploads (16 MiB written at 12 MiB/s, 24 once warmed).
+    Freeing one mapped block of ``size`` raises the threshold to it.
+    """
+    bytearray(size)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    warm_malloc()
     agent = Agent()
     if len(args) == 2 and args[0] == "--listen":
-        coro = serve_unix(agent, args[1])
+        coro = serve_unix(agent, os.path.abspath(args[1]))
     elif kernel_channel() == "vsock":
         coro = serve_vsock(agent)
     else:
         coro = serve_port(agent)
+    try:  # a command's default cwd: spawning there needs no chdir
+        os.chdir(BASE_ENV["HOME"])
+    except OSError:
+        pass
     print(f"hangar-agent {__version__} protocol {P.VERSION} starting", file=sys.stderr, flush=True)
     asyncio.run(coro)
 

@@ -19,16 +19,22 @@ Contents (a gzip'd newc cpio, written here without the cpio tool)::
                                   and, when the host's Python matches the
                                   guest's, unchecked-hash .pyc files for them
 
-/init mounts proc, sysfs and devtmpfs and loads the modules. With
+/init mounts proc, sysfs and devtmpfs and loads the modules (those of
+``ON_DEMAND`` only when their option is on the kernel command line). With
 ``hangar.probe=1`` on the kernel command line it prints ``HANGAR-PROBE-OK``
 and powers off (the engine's accelerator probe). Otherwise it waits (at most
 10 s) for the root device (``root=``, default /dev/vda), mounts it read-write
-on /newroot, replaces /newroot/usr/lib/hangar/python with its own copy, moves
-/dev, /proc and /sys into the new root (so devtmpfs stays mounted), mounts
-/dev/pts, /dev/shm, /run, /tmp and /sys/fs/cgroup there, brings ``lo`` up, and
-``switch_root``s to ``python3 -S`` importing ``hangar.guest.init`` and calling
-its ``main()``: ``/usr/lib/hangar/runtime/bin/python3`` when the image
-carries Hangar's runtime (``hangar.images.runtime``), else ``/usr/bin/python3``.
+on /newroot (``noinit_itable``: a sandbox's disk reads as zeros where it was
+never written, so the kernel need not zero the inode tables the boot's
+``grow_root`` adds), mounts a tmpfs on /newroot/usr/lib/hangar/python and
+copies its own Python files there (nothing written to the disk), moves /dev,
+/proc and /sys into the new root (so devtmpfs stays mounted), mounts
+/dev/pts, /dev/shm, /run, /tmp and /sys/fs/cgroup there, brings ``lo`` up,
+writes the uptime at which it began to /run/hangar/boot (the boot's phases:
+``hangar.guest.agent.BOOT_MARKS``), and ``switch_root``s to ``python3 -S``
+importing ``hangar.guest.init`` and calling its ``main()``:
+``/usr/lib/hangar/runtime/bin/python3`` when the image carries Hangar's
+runtime (``hangar.images.runtime``), else ``/usr/bin/python3``.
 On any failure it prints ``hangar-initramfs: FATAL: ...`` and powers off.
 """
 
@@ -59,12 +65,20 @@ MODULES: tuple[str, ...] = (
     "virtio_mmio",                  # the transport of QEMU microvm and Firecracker
     "virtio_blk",
     "virtio_console",               # virtio-serial: the agent channel under QEMU
-    "virtio_net",
     "virtio_rng",                   # file virtio-rng.ko
-    "vmw_vsock_virtio_transport",   # vsock: the agent channel under Firecracker
-    "overlay",                      # hangar.overlay=: read-only root + writable drive
+    "virtio_balloon",               # free page reporting: freed guest memory returns to the host
+    "virtio_net",                   # only with hangar.net=
+    "vmw_vsock_virtio_transport",   # only with hangar.channel=vsock (Firecracker's channel)
+    "overlay",                      # only with hangar.overlay=: read-only root + writable drive
 )
-"""Modules loaded at boot; dependencies (virtio, virtio_ring, vsock...) are added."""
+"""Modules in the initramfs; dependencies (virtio, virtio_ring, vsock...) are added."""
+ON_DEMAND: dict[str, str] = {
+    "hangar.net": "virtio_net",
+    "hangar.channel": "vmw_vsock_virtio_transport",
+    "hangar.overlay": "overlay",
+}
+"""Modules loaded only when the kernel command line holds that option: each module
+loaded costs its signature check and its init, some tens of ms under TCG."""
 
 GUEST_PYTHON_DIR = "/usr/lib/hangar/python"
 """Where the guest's Python files live in the running guest (its PYTHONPATH)."""
@@ -90,6 +104,7 @@ die() {
 }
 
 mount -t proc proc /proc || die "cannot mount /proc"
+read -r BEGAN _ < /proc/uptime
 mount -t sysfs sysfs /sys || die "cannot mount /sys"
 mount -t devtmpfs devtmpfs /dev || die "cannot mount devtmpfs on /dev"
 
@@ -103,6 +118,9 @@ for arg in $(cat /proc/cmdline); do
         root=/dev/*) ROOT="${arg#root=}" ;;
         rootfstype=*) FSTYPE="${arg#rootfstype=}" ;;
         hangar.overlay=/dev/*) OVERLAY="${arg#hangar.overlay=}" ;;
+    esac
+    case "${arg%%=*}" in
+@ON_DEMAND@
     esac
 done
 
@@ -136,14 +154,16 @@ if [ -n "$OVERLAY" ]; then
     mount -t overlay overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work /newroot \
         || die "cannot mount the overlay root"
 else
-    mount -t "$FSTYPE" -o rw "$ROOT" /newroot || die "cannot mount $ROOT ($FSTYPE) on /newroot"
+    OPTS=rw
+    [ "$FSTYPE" = ext4 ] && OPTS=rw,noinit_itable
+    mount -t "$FSTYPE" -o "$OPTS" "$ROOT" /newroot || die "cannot mount $ROOT ($FSTYPE) on /newroot"
 fi
 # Hangar's own runtime when the image carries it (images imported from OCI), else the image's.
 PY=/usr/bin/python3
 [ -x "/newroot$RUNTIME/bin/python3" ] && PY="$RUNTIME/bin/python3"
 [ -x "/newroot$PY" ] || die "$ROOT has no $PY"
-rm -rf "/newroot$PYDIR"
-mkdir -p "/newroot${PYDIR%/*}" && cp -a /hangar/python "/newroot$PYDIR" \
+mkdir -p "/newroot$PYDIR" && mount -t tmpfs -o mode=0755 hangar-python "/newroot$PYDIR" \
+    && cp -a /hangar/python/. "/newroot$PYDIR/" \
     || die "cannot install the guest's Python files into $PYDIR"
 for d in dev proc sys; do
     mkdir -p "/newroot/$d"
@@ -159,6 +179,7 @@ mount -t tmpfs -o nosuid,nodev,mode=0755 tmpfs $R/run
 mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs $R/tmp
 mount -t cgroup2 -o nosuid,nodev,noexec,relatime cgroup2 $R/sys/fs/cgroup
 ip link set lo up
+mkdir -p $R/run/hangar && echo "initramfs $BEGAN" > $R/run/hangar/boot
 # Import the guest init from its .pyc (running init.py as a script would
 # compile it first: about 0.1 s under TCG).
 exec switch_root /newroot "$PY" -S -c \
@@ -194,8 +215,12 @@ def guest_sources(pkg: Path | None = None) -> dict[str, bytes]:
 
 
 def render_init(kernel_version: str) -> str:
+    always = [m for m in MODULES if m not in ON_DEMAND.values()]
+    on_demand = "\n".join(f'        {opt}) MODULES="$MODULES {mod}" ;;'
+                          for opt, mod in ON_DEMAND.items())
     return (INIT_SCRIPT.replace("@KVER@", kernel_version)
-            .replace("@MODULES@", " ".join(MODULES))
+            .replace("@MODULES@", " ".join(always))
+            .replace("@ON_DEMAND@", on_demand)
             .replace("@PYDIR@", GUEST_PYTHON_DIR).replace("@RUNTIME@", RUNTIME_DIR))
 
 

@@ -100,7 +100,7 @@ BASE = Recipe(
         "netbase",          # /etc/services, /etc/protocols for socket lookups
         "iproute2",
         "procps",
-        "e2fsprogs",        # resize2fs, run by the guest init at boot
+        "e2fsprogs",        # ext4 tools (the guest init grows the root with their ioctl)
         "util-linux",
         "coreutils",
         "findutils",

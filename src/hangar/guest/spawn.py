@@ -1,0 +1,241 @@
+"""Starting a command in the guest and collecting its output (standard library only).
+
+``spawn`` starts a program with ``os.posix_spawn`` in a session of its own
+(``setsid``), stdin from /dev/null or a pipe, stdout and stderr on pipes,
+signals Python ignores (SIGPIPE, SIGXFSZ) back at their default action,
+and an empty signal mask, as ``subprocess`` would. glibc's posix_spawn is
+a ``clone(CLONE_VM | CLONE_VFORK)``: the agent's page tables are not
+copied, and an ``execve`` error comes back as the call's own error.
+
+``Command`` then watches the child on the event loop with no thread and
+no transport: its pipes through ``loop.add_reader`` and its exit through a
+pidfd (``os.pidfd_open``, Linux 5.3+; a waiting thread where there is none),
+then reaps it with ``waitpid``. In streaming mode (``paced``) a pipe is
+read again only once the previous chunk is on its way (``resume``), so a
+slow host slows the command down instead of filling the guest's memory.
+
+Why not ``asyncio.create_subprocess_exec``: under TCG every line of Python
+costs about 25 times its native time, and that path runs ``Popen``'s
+Python code, starts a child-watcher thread per command and builds three
+transports; together about 8 ms of a 25 ms ``true``. ``bench/sandbox_bench.py``
+measures what is left above the guest's own ``posix_spawn`` of ``/bin/true``.
+
+Program lookup follows ``execvpe``: a name without ``/`` is searched in the
+command's own ``PATH`` (``os.get_exec_path(env)``); a candidate that does
+not exist is skipped; when none can run, the error is that of the first
+candidate that exists but failed (EACCES, ENOEXEC...), else ENOENT. The
+working directory is entered by the agent itself around the call (the
+agent is single-threaded where it spawns and returns to its own directory
+at once), so a bad ``cwd`` raises ``OSError`` whose ``filename`` is the cwd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import signal
+from collections.abc import Callable, Mapping
+
+CHUNK = 1 << 16
+"""Bytes read from a pipe at a time."""
+SIGDEF = (signal.SIGPIPE, signal.SIGXFSZ)
+"""Signals Python ignores in itself; a command starts with their default action."""
+STREAMS = ("stdout", "stderr")
+
+_home: tuple[str, int] | None = None
+
+
+def _here() -> tuple[str, int]:
+    """The agent's working directory: its path and an fd to return to it."""
+    global _home
+    if _home is None:
+        _home = (os.getcwd(), os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+    return _home
+
+
+def program_paths(program: str, env: Mapping[str, str]) -> list[str]:
+    """Where ``program`` may be, in search order (see the module docstring)."""
+    if "/" in program:
+        return [program]
+    return [os.path.join(d, program) for d in os.get_exec_path(dict(env))]
+
+
+def _spawn_first(argv: list[str], env: Mapping[str, str], actions: list[tuple]) -> int:
+    first_error: OSError | None = None
+    candidates = program_paths(argv[0], env)
+    for path in candidates:
+        if len(candidates) > 1 and not os.access(path, os.F_OK, follow_symlinks=False):
+            continue
+        try:
+            return os.posix_spawn(path, argv, env, file_actions=actions, setsid=True,
+                                  setsigdef=SIGDEF, setsigmask=())
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                continue
+            if first_error is None:
+                first_error = exc
+    if first_error is not None:
+        raise first_error
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
+
+
+def spawn(argv: list[str], env: Mapping[str, str], cwd: str, *, stdin_pipe: bool,
+          ) -> tuple[int, int | None, int, int]:
+    """Start ``argv`` in ``cwd``; returns (pid, stdin fd or None, stdout fd, stderr fd).
+
+    The returned fds are the agent's non-blocking ends of the pipes. Raises
+    ``OSError`` as ``execve`` would (see the module docstring).
+    """
+    in_r = in_w = None
+    if stdin_pipe:
+        in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    actions: list[tuple] = [
+        (os.POSIX_SPAWN_DUP2, in_r, 0) if in_r is not None
+        else (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+        (os.POSIX_SPAWN_DUP2, out_w, 1),
+        (os.POSIX_SPAWN_DUP2, err_w, 2),
+    ]
+    try:
+        here, here_fd = _here()
+        moved = cwd != here
+        if moved:
+            os.chdir(cwd)
+        try:
+            pid = _spawn_first(argv, env, actions)
+        finally:
+            if moved:
+                os.fchdir(here_fd)
+    except BaseException:
+        for fd in (in_w, out_r, err_r):
+            if fd is not None:
+                os.close(fd)
+        raise
+    finally:
+        for fd in (in_r, out_w, err_w):
+            if fd is not None:
+                os.close(fd)
+    for fd in (in_w, out_r, err_r):
+        if fd is not None:
+            os.set_blocking(fd, False)
+    return pid, in_w, out_r, err_r
+
+
+class Command:
+    """A started command watched on the running event loop.
+
+    ``sink(name, chunk)`` receives each chunk read from ``stdout`` or
+    ``stderr``; with ``paced``, that pipe is not read again until
+    ``resume(name)``. ``exited`` resolves to the exit code (``-N`` for signal
+    N, as ``subprocess``) once the child is reaped; ``eof[name]`` resolves
+    when that pipe is closed by every process that held it. ``close`` stops
+    reading and closes the agent's ends; the exit watcher stays until the
+    child is reaped, so no zombie is left.
+    """
+
+    def __init__(self, pid: int, stdin: int | None, stdout: int, stderr: int,
+                 sink: Callable[[str, bytes], None], *, paced: bool = False) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.pid = pid
+        self.stdin = stdin
+        self.returncode: int | None = None
+        self.exited: asyncio.Future[int] = self.loop.create_future()
+        self.eof: dict[str, asyncio.Future[None]] = {n: self.loop.create_future() for n in STREAMS}
+        self._fds: dict[str, int] = {"stdout": stdout, "stderr": stderr}
+        self._sink = sink
+        self._paced = paced
+        for name, fd in self._fds.items():
+            self.loop.add_reader(fd, self._readable, name)
+        self._pidfd: int | None = None
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except OSError:  # no pidfd here: a thread waits instead
+            waiter = self.loop.run_in_executor(None, os.waitpid, pid, 0)
+            waiter.add_done_callback(lambda f: self._reaped(f.result()[1]))
+        else:
+            self.loop.add_reader(self._pidfd, self._on_pidfd)
+
+    def _on_pidfd(self) -> None:
+        assert self._pidfd is not None
+        self.loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._pidfd = None
+        _, status = os.waitpid(self.pid, 0)
+        self._reaped(status)
+
+    def _reaped(self, status: int) -> None:
+        self.returncode = os.waitstatus_to_exitcode(status)
+        if not self.exited.done():
+            self.exited.set_result(self.returncode)
+
+    def _readable(self, name: str) -> None:
+        fd = self._fds.get(name)
+        if fd is None:
+            return
+        try:
+            chunk = os.read(fd, CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._close(name)
+            return
+        if self._paced:
+            self.loop.remove_reader(fd)
+        self._sink(name, chunk)
+
+    def resume(self, name: str) -> None:
+        """Read ``name`` again (paced mode), after its last chunk went out."""
+        fd = self._fds.get(name)
+        if fd is not None:
+            self.loop.add_reader(fd, self._readable, name)
+
+    def _close(self, name: str) -> None:
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            self.loop.remove_reader(fd)
+            os.close(fd)
+        if not self.eof[name].done():
+            self.eof[name].set_result(None)
+
+    def kill(self, sig: int) -> None:
+        """Send ``sig`` to the command's process group (its session)."""
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    async def write_stdin(self, data: bytes) -> None:
+        """Write ``data`` to the command's stdin; raises BrokenPipeError once it is closed."""
+        fd = self.stdin
+        if fd is None:
+            raise BrokenPipeError(errno.EPIPE, "stdin is closed")
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                ready = self.loop.create_future()
+                self.loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+                try:
+                    await ready
+                finally:
+                    if self.stdin == fd:  # not closed (and its number reused) meanwhile
+                        self.loop.remove_writer(fd)
+                if self.stdin != fd:
+                    raise BrokenPipeError(errno.EPIPE, "stdin is closed")
+
+    def close_stdin(self) -> None:
+        if self.stdin is not None:
+            self.loop.remove_writer(self.stdin)
+            os.close(self.stdin)
+            self.stdin = None
+
+    def close(self) -> None:
+        """Stop reading output and close the agent's ends of the pipes."""
+        for name in STREAMS:
+            self._close(name)
+        self.close_stdin()
