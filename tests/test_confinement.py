@@ -25,7 +25,8 @@ import pytest
 
 from conftest import SRC, Server, cleanup, free_port, make_data_dir, vmm_pids
 from hangar.engines.cgroups import CPU_PERIOD_US, Hierarchy, Limits
-from hangar.engines.confine import OVERHEAD_MIB, PIDS_MAX, TCG_CACHE_MIB
+from hangar.engines.confine import OVERHEAD_MIB, PIDS_MAX
+from hangar.engines.qemu import MemoryTuning
 
 MEMORY_MIB = 256
 DISK_MIB = 512
@@ -115,7 +116,9 @@ def test_vmm_runs_confined(srv: Server, api: httpx.Client, sid: str) -> None:
     assert st["Groups"] == ""
 
     accel = api.get(f"/sandboxes/{sid}").json().get("accel", "tcg")
-    want_mem = (MEMORY_MIB + OVERHEAD_MIB + (TCG_CACHE_MIB if accel != "kvm" else 0)) << 20
+    # The server's default translation buffer (HANGAR_TCG_TB_MIB) counts under TCG.
+    tb_mib = MemoryTuning().tb_mib
+    want_mem = (MEMORY_MIB + OVERHEAD_MIB + (tb_mib if accel != "kvm" else 0)) << 20
     groups = cgroups_of(pid)
     if "memory" in groups:  # cgroup v1 (this project's CI host)
         mem = mount_of("memory") / groups["memory"].lstrip("/")

@@ -45,6 +45,7 @@ from hangar.engines.firecracker import (
 )
 from hangar.engines.firecracker.binaries import BINARY_SHA256, FIRECRACKER_VERSION, fetch
 from hangar.errors import EngineError, ImageError, InvalidRequest, NotFound, Timeout
+from hangar.guest import protocol as P
 from hangar.images import ensure_vmlinux, extract_vmlinux
 from hangar.layout import Layout, SandboxPaths
 
@@ -703,7 +704,7 @@ def test_agent_from_streams_over_a_real_agent(tmp_path: Path) -> None:
                 await asyncio.sleep(0.01)
             reader, writer = await asyncio.open_unix_connection(str(path))
             client = await AgentClient.from_streams(reader, writer, 5)
-            assert client.hello["protocol"] == 1
+            assert client.hello["protocol"] == P.VERSION
             r = await client.exec({"op": "exec", "argv": ["echo", "hi"]})
             assert r.exit_code == 0 and r.stdout.head == b"hi\n"
             await client.close()
