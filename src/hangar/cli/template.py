@@ -30,7 +30,7 @@ DataDir = Annotated[Optional[Path], typer.Option(help="Data directory (HANGAR_DA
 
 
 def _layout(data_dir: Path | None):  # type: ignore[no-untyped-def]
-    from hangar.cli import _settings
+    from hangar.cli.main import _settings
     from hangar.layout import Layout
 
     layout = Layout(_settings(data_dir).data_dir)
@@ -137,7 +137,7 @@ def ls(data_dir: DataDir = None) -> None:
 def rm(name: str, data_dir: DataDir = None) -> None:
     """Forget a template: new sandboxes cannot use it; builds that sandboxes, snapshots or
     machines of this data directory use are kept (until ``hangar image gc``)."""
-    from hangar.cli import _pinned_images
+    from hangar.cli.main import _pinned_images
     from hangar.images.template_builder import remove_template
 
     layout = _layout(data_dir)

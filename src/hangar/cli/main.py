@@ -1,7 +1,7 @@
-"""The ``hangar`` command line (typer + rich).
+"""The ``hangar`` app (typer + rich): its commands, and the groups of the other modules.
 
 Server side: ``hangar serve``, ``hangar image build|ls|gc``, ``hangar template
-build|import|ls|rm`` (``hangar.cli_template``), ``hangar doctor``,
+build|import|ls|rm`` (``hangar.cli.template``), ``hangar doctor``,
 ``hangar key``, ``hangar mcp`` (the agent tools of ``hangar.tools`` over MCP).
 Client side (talks to a server at ``HANGAR_URL`` with ``HANGAR_API_KEY`` or
 the key file), through the public SDK (``hangar.client``) only: ``create``,
@@ -26,11 +26,11 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from hangar.client import Hangar, MachineInfo
-from hangar.cli_key import app as key_app
-from hangar.cli_template import app as template_app
-from hangar.cluster.cli import cluster_app, node_app
+from hangar.cli import ops as ops_cli
+from hangar.cli.cluster import cluster_app, node_app
+from hangar.cli.key import app as key_app
+from hangar.cli.template import app as template_app
 from hangar.errors import HangarError
-from hangar.ops import cli as ops_cli
 
 app = typer.Typer(help="Hangar: microVM sandboxes for AI agents.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -327,7 +327,7 @@ def shell(
     cwd: Annotated[Optional[str], typer.Option()] = None,
 ) -> None:
     """Open an interactive terminal in the sandbox; exits with the shell's exit code."""
-    from hangar import cli_shell
+    from hangar.cli import shell as cli_shell
 
     if command and command[0] == "--":
         command = command[1:]
@@ -384,7 +384,7 @@ def events(
     On a terminal, agent tasks and running commands stay at the bottom with
     their elapsed time.
     """
-    from hangar.events_view import EventView
+    from hangar.cli.events_view import EventView
 
     view = EventView()
     live = None
@@ -804,7 +804,3 @@ def desktop_vnc(sandbox_id: str, view_only: bool = False) -> None:
     with _sdk() as h:
         t = h.vnc_ticket(sandbox_id, view_only)
     out.print(h.base_url + t.url)
-
-
-if __name__ == "__main__":
-    app()
