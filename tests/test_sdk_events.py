@@ -24,7 +24,7 @@ from hangar.client import (
     AsyncHangar, AsyncHealthMonitor, Event, Hangar, HealthMonitor,
 )
 from hangar.errors import HangarError, InvalidRequest
-from hangar.events_view import EventView
+from hangar.cli.events_view import EventView
 
 
 def wait_for(cond: Callable[[], object], timeout: float, what: str) -> None:

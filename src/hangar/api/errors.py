@@ -15,7 +15,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from hangar.api.limits import BodyTooLarge
 from hangar.errors import Busy, HangarError, LimitExceeded
 
 log = logging.getLogger("hangar.api")
@@ -66,7 +65,8 @@ def install(app: FastAPI) -> None:
         code = {401: "unauthorized", 403: "forbidden", 404: "not_found",
                 405: "method_not_allowed", 413: "too_large"}.get(exc.status_code, "http_error")
         count(request, code)
-        context = {"limit_bytes": exc.limit} if isinstance(exc, BodyTooLarge) else {}
+        # An HTTPException of ours may carry its error's context (limits.BodyTooLarge).
+        context = dict(getattr(exc, "context", None) or {})
         return error_response(exc.status_code, code, str(exc.detail), **context)
 
     @app.exception_handler(Exception)

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from hangar.api.errors import error_response
 
 WS_MAX_BYTES = 4 << 20
 """Largest WebSocket message a client may send (the tunnel, VNC), bytes. uvicorn takes one
@@ -29,13 +30,18 @@ message at a time from a connection, so this bounds what one client makes the se
 
 
 class BodyTooLarge(HTTPException):
-    """413: the request body is larger than ``limit`` bytes."""
+    """413: the request body is larger than ``limit`` bytes.
+
+    ``context`` (``{"limit_bytes": limit}``) goes into the JSON error body
+    (``hangar.api.errors``).
+    """
 
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"the request body is larger than {limit} bytes, the server's "
                               f"limit for JSON bodies (HANGAR_MAX_JSON_BYTES); send large data "
                               f"as a file (PUT /sandboxes/{{id}}/files) instead")
         self.limit = limit
+        self.context = {"limit_bytes": limit}
 
 
 class BodyLimit:
@@ -67,8 +73,6 @@ class BodyLimit:
                 except ValueError:
                     declared = 0
                 if declared > limit:
-                    from hangar.api.errors import error_response
-
                     exc = BodyTooLarge(limit)
                     resp = error_response(413, "too_large", str(exc.detail), limit_bytes=limit)
                     await resp(scope, receive, send)

@@ -36,16 +36,15 @@ session), 400 (a bad ``offset``).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response, WebSocket
-from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from hangar.api.deps import manager
 from hangar.api.tickets import TICKET_TTL_S, admit, deny, tickets
+from hangar.api.wspump import supervise
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.terminals import Terminal
 from hangar.errors import HangarError
@@ -189,26 +188,13 @@ async def attach(ws: WebSocket, sandbox_id: str, session_id: str, ticket: str | 
                 return
             await term.resize(cols, rows)
 
-    tasks = [asyncio.create_task(to_client()), asyncio.create_task(from_client())]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            exc = task.exception()
-            if exc is not None and not isinstance(exc, (WebSocketDisconnect, HangarError,
-                                                        ConnectionError, RuntimeError)):
-                log.error("terminal proxy failed", extra={"sandbox_id": sandbox_id,
-                                                          "error": repr(exc)})
-                close.update(code=1011, reason="terminal proxy error")
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async def detach() -> None:
         term.detach(viewer)
-        if ws.application_state == WebSocketState.CONNECTED \
-                and ws.client_state == WebSocketState.CONNECTED:
-            try:
-                await ws.close(**close)
-            except (RuntimeError, ConnectionError):
-                pass
+
+    try:
+        await supervise(ws, [to_client, from_client], close, detach, log=log,
+                        failed="terminal proxy failed", reason="terminal proxy error",
+                        extra={"sandbox_id": sandbox_id})
+    finally:
         log.info("terminal detached", extra={"sandbox_id": sandbox_id, "session": term.id,
                                              "offset": viewer.offset})

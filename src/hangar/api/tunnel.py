@@ -29,15 +29,14 @@ Rules:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from contextlib import AsyncExitStack
 
 from fastapi import APIRouter, WebSocket
-from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from hangar.api.auth import authenticate
-from hangar.api.vnc import deny
+from hangar.api.tickets import deny
+from hangar.api.wspump import Traffic, pump_stream
 from hangar.core.sandboxes import SandboxManager
 from hangar.errors import HangarError, NotFound
 
@@ -78,50 +77,13 @@ async def tunnel(ws: WebSocket, sandbox_id: str, port: int) -> None:
             await conn.close()
             raise
         log.info("tunnel opened", extra={"sandbox_id": sandbox_id, "port": port})
-        counts = {"in": 0, "out": 0}
-        close = {"code": 1000, "reason": ""}
-
-        async def client_to_guest() -> None:
-            while True:
-                msg = await ws.receive()
-                if msg["type"] == "websocket.disconnect":
-                    return
-                data = msg.get("bytes")
-                if data is None:
-                    close.update(code=1003, reason="a tunnel carries binary frames only")
-                    return
-                counts["in"] += len(data)
-                await conn.write(data)
-
-        async def guest_to_client() -> None:
-            while True:
-                data = await conn.read()
-                if not data:
-                    return
-                counts["out"] += len(data)
-                await ws.send_bytes(data)
-
-        tasks = [asyncio.create_task(client_to_guest()), asyncio.create_task(guest_to_client())]
+        traffic = Traffic()
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                exc = task.exception()
-                if exc is not None and not isinstance(exc, (WebSocketDisconnect, HangarError,
-                                                            ConnectionError, RuntimeError)):
-                    log.error("tunnel failed", extra={"sandbox_id": sandbox_id,
-                                                      "error": repr(exc)})
-                    close.update(code=1011, reason="tunnel error")
+            await pump_stream(ws, conn, log=log, failed="tunnel failed", reason="tunnel error",
+                              extra={"sandbox_id": sandbox_id},
+                              binary_only="a tunnel carries binary frames only",
+                              traffic=traffic)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await conn.close()
-            if ws.application_state == WebSocketState.CONNECTED \
-                    and ws.client_state == WebSocketState.CONNECTED:
-                try:
-                    await ws.close(**close)  # type: ignore[arg-type]
-                except (RuntimeError, ConnectionError):
-                    pass
             log.info("tunnel closed", extra={"sandbox_id": sandbox_id, "port": port,
-                                             "bytes_in": counts["in"],
-                                             "bytes_out": counts["out"]})
+                                             "bytes_in": traffic.bytes_in,
+                                             "bytes_out": traffic.bytes_out})

@@ -30,15 +30,13 @@ Security model:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import struct
 from contextlib import AsyncExitStack
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, ClassVar
 
 from fastapi import APIRouter, Depends, Request, WebSocket
 from pydantic import ConfigDict, Field
-from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from hangar.api.deps import manager
 from hangar.api.desktop import desktop_for
@@ -46,8 +44,8 @@ from hangar.api.models import RequestBody
 from hangar.api.tickets import (  # noqa: F401  (re-exported: vnc.TicketBook, vnc.deny)
     ORIGINS_ENV, TICKET_TTL_S, Ticket, TicketBook, admit, allowed_origins, deny, tickets,
 )
+from hangar.api.wspump import ByteStream, Refuse, pump_stream
 from hangar.core.sandboxes import SandboxManager
-from hangar.engines.agent_client import Tunnel
 from hangar.errors import HangarError, NotFound
 from hangar.schemas import VncTicket as TicketResponse
 
@@ -249,55 +247,20 @@ async def vnc(ws: WebSocket, sandbox_id: str, ticket: str | None = None) -> None
         await _proxy(ws, tunnel, RfbClientFilter(t.view_only), sandbox_id)
 
 
-async def _proxy(ws: WebSocket, tunnel: Tunnel, filt: RfbClientFilter, sandbox_id: str) -> None:
-    close: dict[str, Any] = {"code": 1000, "reason": ""}
+async def _proxy(ws: WebSocket, tunnel: ByteStream, filt: RfbClientFilter,
+                 sandbox_id: str) -> None:
+    def inbound(data: bytes) -> bytes:
+        try:
+            return filt.feed(data)
+        except RfbViolation as e:
+            raise Refuse(1008, str(e)[:120]) from e
 
-    async def viewer_to_guest() -> None:
-        while True:
-            msg = await ws.receive()
-            if msg["type"] == "websocket.disconnect":
-                return
-            data = msg.get("bytes")
-            if data is None:
-                close.update(code=1003, reason="RFB travels in binary frames")
-                return
-            try:
-                out = filt.feed(data)
-            except RfbViolation as e:
-                close.update(code=1008, reason=str(e)[:120])
-                return
-            if out:
-                await tunnel.write(out)
-
-    async def guest_to_viewer() -> None:
-        while True:
-            data = await tunnel.read()
-            if not data:
-                close.update(code=1011, reason="the guest's VNC server closed the connection")
-                return
-            await ws.send_bytes(data)
-
-    tasks = [asyncio.create_task(viewer_to_guest()), asyncio.create_task(guest_to_viewer())]
     try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            exc = task.exception()
-            if exc is not None and not isinstance(exc, (WebSocketDisconnect, HangarError,
-                                                        ConnectionError, RuntimeError)):
-                log.error("vnc proxy failed", extra={"sandbox_id": sandbox_id,
-                                                     "error": repr(exc)})
-                close.update(code=1011, reason="proxy error")
+        await pump_stream(ws, tunnel, log=log, failed="vnc proxy failed", reason="proxy error",
+                          extra={"sandbox_id": sandbox_id},
+                          binary_only="RFB travels in binary frames", inbound=inbound,
+                          far_closed=(1011, "the guest's VNC server closed the connection"))
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await tunnel.close()
-        if ws.application_state == WebSocketState.CONNECTED \
-                and ws.client_state == WebSocketState.CONNECTED:
-            try:
-                await ws.close(**close)
-            except (RuntimeError, ConnectionError):
-                pass
         log.info("vnc viewer disconnected", extra={
             "sandbox_id": sandbox_id, "view_only": filt.view_only,
             "dropped_messages": filt.dropped})

@@ -32,7 +32,7 @@ Failures end the channel with an ERROR frame whose ``code`` is one of
 
 Flow control: stream bytes to the host (exec output, file reads, tunnel
 bytes) go out only while the host's window for the channel has room
-(``Channel.stream``), so a slow reader on the host blocks the writer
+(``Channel.stream``, ``hangar.guest.channel``), so a slow reader on the host blocks the writer
 here (an exec's pipe fills and the command waits, a terminal's program
 blocks on its writes, a file watch stops reading inotify); bytes from the
 host are acknowledged as they are taken (``Channel.get``). CANCEL cancels
@@ -65,6 +65,7 @@ from hangar import __version__
 from hangar.guest import identity
 from hangar.guest import protocol as P
 from hangar.guest import spawn, terminal, watch
+from hangar.guest.channel import Channel, Session
 from hangar.guest.identity import read_generation
 
 PORT_NAME = "hangar.agent"
@@ -346,94 +347,6 @@ class Capture:
             whole, tail = bytes(self.head), bytes(self.tail)
         meta = {"head": len(whole), "tail": len(tail), "total": self.total, "truncated": truncated}
         return meta, whole + tail
-
-
-class Session:
-    """One host connection: its writer and the channels (requests) it opened.
-
-    Frames go out whole (``write`` serialises them); ``write_now`` writes a
-    small control frame without waiting. Once the connection ends
-    (``close``) nothing more is written: a later host connection never sees
-    frames of this one's channels.
-    """
-
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
-        self.channels: dict[int, Channel] = {}
-        self.lock = asyncio.Lock()
-        self.open = True
-
-    async def write(self, frame: bytes) -> None:
-        if not self.open:
-            return
-        async with self.lock:
-            try:
-                self.writer.write(frame)
-                await self.writer.drain()
-            except (ConnectionError, OSError, RuntimeError):
-                pass
-
-    async def send(self, kind: P.Kind, channel: int, meta: dict[str, Any] | None = None,
-                   data: bytes = b"") -> None:
-        await self.write(P.encode(kind, channel, meta, data))
-
-    def write_now(self, kind: P.Kind, channel: int, meta: dict[str, Any]) -> None:
-        if not self.open:
-            return
-        try:
-            self.writer.write(P.encode(kind, channel, meta))
-        except (ConnectionError, OSError, RuntimeError):
-            pass
-
-    def close(self) -> None:
-        """The host went away: cancel every request of this connection."""
-        self.open = False
-        for ch in list(self.channels.values()):
-            ch.outflow.fail(None)  # nothing waits on a window that will never grow
-            if ch.task is not None:
-                ch.task.cancel()
-
-
-class Channel:
-    """One open request: its inbound frames and its window in each direction.
-
-    ``get`` takes the next inbound frame and grants the host more window as
-    frames are taken (or, with ``ack=False``, once the consumer says it is
-    done with them: ``ack``); ``stream`` sends a DATA or EOF frame once the
-    host's window has room for it (see ``hangar.guest.protocol``); ``send``
-    sends any other frame.
-    """
-
-    def __init__(self, session: Session, cid: int) -> None:
-        self.session = session
-        self.cid = cid
-        self.inbox: asyncio.Queue[P.Frame] = asyncio.Queue()
-        self.outflow = P.Outflow()
-        self.inflow = P.Inflow()
-        self.task: asyncio.Task[None] | None = None
-
-    async def get(self, ack: bool = True) -> P.Frame:
-        frame = await self.inbox.get()
-        if ack and frame.kind in P.FLOW_KINDS:
-            self.ack(frame.size)
-        return frame
-
-    def ack(self, size: int) -> None:
-        """The consumer is done with ``size`` bytes of DATA and EOF frames (``Frame.size``)
-        taken with ``get(ack=False)``: grant them back to the host."""
-        grant = self.inflow.consume(size)
-        if grant:
-            self.session.write_now(P.Kind.WINDOW, self.cid, {"bytes": grant})
-
-    async def stream(self, meta: dict[str, Any], data: bytes = b"",
-                     kind: P.Kind = P.Kind.DATA) -> None:
-        frame = P.encode(kind, self.cid, meta, data)
-        await self.outflow.take(len(frame))
-        await self.session.write(frame)
-
-    async def send(self, kind: P.Kind, meta: dict[str, Any] | None = None,
-                   data: bytes = b"") -> None:
-        await self.session.send(kind, self.cid, meta, data)
 
 
 class Agent:

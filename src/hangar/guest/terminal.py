@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 from hangar.guest import protocol as P
 
 if TYPE_CHECKING:
-    from hangar.guest.agent import Channel
+    from hangar.guest.channel import Channel
 
 INPUT_STALL_S = 5.0
 """Seconds input may wait for a program that reads none of it before it is dropped."""

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from hangar.guest import protocol as P
 
 if TYPE_CHECKING:
-    from hangar.guest.agent import Channel
+    from hangar.guest.channel import Channel
 
 IN_MODIFY = 0x00000002
 IN_MOVED_FROM = 0x00000040

@@ -8,6 +8,7 @@ means rebuilding the rootfs. A build never changes once made; its id,
 ``<name>-<digest>``, covers its bytes.
 
     recipes     what goes into an image (``Recipe``, ``RECIPES``, ``get_recipe``)
+    guest_image a built image as a VMM sees it (``GuestImage``, ``image_id``)
     builder     ``build_image``, ``list_images``, ``resolve_image``, ``resolve_pinned``
     gc          ``collect``: removing builds nothing pins or uses
     kernel      fetching and unpacking the kernel .deb
@@ -19,16 +20,8 @@ Building needs root and the host tools debootstrap, e2fsprogs, kmod, dpkg,
 apt and busybox-static.
 """
 
-from hangar.images.builder import (
-    KERNEL_CMDLINE,
-    GuestImage,
-    ImageInfo,
-    build_image,
-    image_id,
-    list_images,
-    resolve_image,
-    resolve_pinned,
-)
+from hangar.images.builder import ImageInfo, build_image, list_images, resolve_image, resolve_pinned
+from hangar.images.guest_image import KERNEL_CMDLINE, GuestImage, image_id
 from hangar.images.recipes import RECIPES, Recipe, get_recipe
 from hangar.images.vmlinux import ensure_vmlinux, extract_vmlinux
 

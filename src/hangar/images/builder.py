@@ -63,13 +63,14 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from hangar.errors import ImageError, ImageMissing, NotFound
 from hangar.images import initramfs, kernel, vmlinux
 from hangar.images.commands import Progress, inside, remove_tree, require_tools, run
+from hangar.images.guest_image import GuestImage, image_id
 from hangar.images.initramfs import GUEST_PYTHON_DIR
 from hangar.images.recipes import BUILDER_VERSION, RECIPES, Recipe, get_recipe
 from hangar.layout import ImagePaths, Layout
@@ -84,40 +85,6 @@ HEADROOM = 1.25
 """rootfs.ext4 is the content's size times this, plus room for the journal and inodes."""
 KEEP_INITRDS = 16
 """initrd-<tag>.img files kept per image (newest first); older ones are deleted."""
-
-KERNEL_CMDLINE = "console=ttyS0 root=/dev/vda rw panic=-1"
-"""Kernel command line that boots these images (append ``hangar.*`` options)."""
-
-
-@dataclass(frozen=True)
-class GuestImage:
-    """A built image, ready to boot: the paths a VMM needs.
-
-    ``digest`` names this build's bytes (see the module docstring); records
-    store ``name`` and ``digest``, which together are its ``id``.
-    """
-
-    name: str
-    digest: str
-    dir: Path
-    kernel: Path
-    initrd: Path
-    """``initrd-<tag>.img`` for the current guest Python files."""
-    rootfs: Path
-    kernel_version: str
-    cmdline: str = KERNEL_CMDLINE
-    recipe_digest: str = ""
-    vmlinux: Path | None = None
-    """The ELF kernel when the manifest records it (else ``vmlinux.ensure_vmlinux``)."""
-    template: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
-    """For a template's build: what its sandboxes need at create (start command, ready
-    check, default size; ``hangar.images.template_file.Template.runtime``), else None."""
-
-    @property
-    def id(self) -> str:
-        """``<name>-<digest>``: the build's directory name, unique to its bytes."""
-        return f"{self.name}-{self.digest}"
-
 
 @dataclass(frozen=True)
 class ImageInfo:
@@ -146,11 +113,6 @@ class ImageInfo:
     @property
     def id(self) -> str:
         return self.dir.name
-
-
-def image_id(name: str, digest: str) -> str:
-    """The id of the build ``digest`` of recipe ``name``: ``<name>-<digest>``."""
-    return f"{name}-{digest}"
 
 
 def host_mirror(suite: str, sources: Path = DEBIAN_SOURCES) -> str | None:

@@ -53,11 +53,12 @@ from hangar.errors import ImageError, NotFound
 from hangar.images import oci, runtime, vmlinux
 from hangar.images import kernel as kernels
 from hangar.images.builder import (
-    AptCaches, GuestImage, _apt_install, _current, _ensure_initrd, _newest_build,
+    AptCaches, _apt_install, _current, _ensure_initrd, _newest_build,
     _point_symlink, _read_manifest, _recipe_digest, _trim, build_image, chroot_mounts,
     finish_build, guest_setup, image_lock, put_file, python_version, resolve_image,
 )
 from hangar.images.commands import Progress, inside, remove_tree, require_tools, run
+from hangar.images.guest_image import GuestImage
 from hangar.images.recipes import BASE, RECIPES
 from hangar.images.template_file import Template, TemplateFile
 from hangar.layout import ImagePaths, Layout

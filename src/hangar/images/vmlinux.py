@@ -33,7 +33,7 @@ from hangar.errors import ImageError
 from hangar.layout import ImagePaths
 
 if TYPE_CHECKING:
-    from hangar.images.builder import GuestImage
+    from hangar.images.guest_image import GuestImage
 
 log = logging.getLogger("hangar.images.vmlinux")
 

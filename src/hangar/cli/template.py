@@ -14,33 +14,23 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
+from hangar.cli.common import DataDir, err, fail, out, pinned_images, server_settings
 from hangar.errors import HangarError
 
 app = typer.Typer(help="Templates: your own guest images (a TOML file, or an OCI image).",
                   no_args_is_help=True)
-out = Console()
-err = Console(stderr=True)
-
-DataDir = Annotated[Optional[Path], typer.Option(help="Data directory (HANGAR_DATA_DIR).")]
 
 
 def _layout(data_dir: Path | None):  # type: ignore[no-untyped-def]
-    from hangar.cli import _settings
     from hangar.layout import Layout
 
-    layout = Layout(_settings(data_dir).data_dir)
+    layout = Layout(server_settings(data_dir).data_dir)
     layout.ensure()
     return layout
-
-
-def _fail(exc: HangarError) -> None:
-    err.print(f"[red]error:[/red] {escape(exc.message)}", highlight=False)
-    raise typer.Exit(1)
 
 
 def _build(layout, template, force: bool) -> None:  # type: ignore[no-untyped-def]
@@ -62,7 +52,7 @@ def _build(layout, template, force: bool) -> None:  # type: ignore[no-untyped-de
             img = build_template(layout, template, force=force, progress=say)
         except HangarError as exc:
             progress.stop()
-            _fail(exc)
+            fail(exc)
     took = time.monotonic() - t0
     err.print(f"[green]✓[/green] template {template.name}: {img.id} ({took:.1f} s)")
     out.print(f"{img.id} {img.dir}")
@@ -82,7 +72,7 @@ def build(
     try:
         template = load_template(file)
     except HangarError as exc:
-        _fail(exc)
+        fail(exc)
     _build(_layout(data_dir), template, force)
 
 
@@ -110,7 +100,7 @@ def import_(
     try:
         template = parse_template(data, Path.cwd(), "import")
     except HangarError as exc:
-        _fail(exc)
+        fail(exc)
     _build(_layout(data_dir), template, force)
 
 
@@ -137,12 +127,11 @@ def ls(data_dir: DataDir = None) -> None:
 def rm(name: str, data_dir: DataDir = None) -> None:
     """Forget a template: new sandboxes cannot use it; builds that sandboxes, snapshots or
     machines of this data directory use are kept (until ``hangar image gc``)."""
-    from hangar.cli import _pinned_images
     from hangar.images.template_builder import remove_template
 
     layout = _layout(data_dir)
     try:
-        removed = remove_template(layout, name, _pinned_images(layout))
+        removed = remove_template(layout, name, pinned_images(layout))
     except HangarError as exc:
-        _fail(exc)
+        fail(exc)
     out.print(f"removed template {name}" + (f" and {', '.join(removed)}" if removed else ""))

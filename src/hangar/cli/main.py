@@ -1,7 +1,7 @@
-"""The ``hangar`` command line (typer + rich).
+"""The ``hangar`` app (typer + rich): its commands, and the groups of the other modules.
 
 Server side: ``hangar serve``, ``hangar image build|ls|gc``, ``hangar template
-build|import|ls|rm`` (``hangar.cli_template``), ``hangar doctor``,
+build|import|ls|rm`` (``hangar.cli.template``), ``hangar doctor``,
 ``hangar key``, ``hangar mcp`` (the agent tools of ``hangar.tools`` over MCP).
 Client side (talks to a server at ``HANGAR_URL`` with ``HANGAR_API_KEY`` or
 the key file), through the public SDK (``hangar.client``) only: ``create``,
@@ -16,21 +16,22 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Column, Table
 
-from hangar.client import Hangar, MachineInfo
-from hangar.cli_key import app as key_app
-from hangar.cli_template import app as template_app
-from hangar.cluster.cli import cluster_app, node_app
+from hangar.client import MachineInfo
+from hangar.cli import ops as ops_cli
+from hangar.cli.cluster import cluster_app, node_app
+from hangar.cli.common import (
+    DataDir, build_recipe, err, fail, out, pinned_images, sdk, server_settings,
+)
+from hangar.cli.key import app as key_app
+from hangar.cli.serve import serve
+from hangar.cli.template import app as template_app
 from hangar.errors import HangarError
-from hangar.ops import cli as ops_cli
 
 app = typer.Typer(help="Hangar: microVM sandboxes for AI agents.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -56,113 +57,7 @@ app.add_typer(cluster_app, name="cluster")
 app.add_typer(node_app, name="node")
 app.add_typer(ops_cli.deploy_app, name="deploy")
 app.command("backup")(ops_cli.backup)
-out = Console()
-err = Console(stderr=True)
-
-DataDir = Annotated[Optional[Path], typer.Option(help="Data directory (HANGAR_DATA_DIR).")]
-
-
-def _settings(data_dir: Path | None = None, **overrides: object):  # type: ignore[no-untyped-def]
-    """The server's settings; exits with a hint when the server's packages are missing."""
-    try:
-        import fastapi  # noqa: F401
-        import sqlalchemy  # noqa: F401
-
-        from hangar.config import Settings
-    except ImportError as exc:
-        err.print(f"[red]error:[/red] this command runs the server side, whose packages are not "
-                  f"installed ({exc.name} is missing): pip install 'hangar\\[server]'")
-        raise typer.Exit(1) from None
-
-    if data_dir is not None:
-        overrides["data_dir"] = data_dir
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})
-
-
-@contextmanager
-def _sdk() -> Iterator[Hangar]:
-    """A client of the public SDK; its errors print one line and exit 1."""
-    try:
-        with Hangar() as h:
-            yield h
-    except HangarError as exc:
-        _fail(exc)
-
-
-def _fail(exc: HangarError) -> NoReturn:
-    from rich.markup import escape
-
-    err.print(f"[red]error:[/red] {escape(exc.message)}", highlight=False)
-    raise typer.Exit(1)
-
-
-def _build(layout, name: str, force: bool = False):  # type: ignore[no-untyped-def]
-    from hangar.images import build_image
-
-    with err.status(f"building image {name}") as status:
-        def progress(msg: str) -> None:
-            status.update(f"image {name}: {msg}")
-            err.print(f"[dim]image {name}:[/dim] {msg}")
-
-        return build_image(layout, name, force=force, progress=progress)
-
-
-@app.command()
-def serve(
-    host: Annotated[Optional[str], typer.Option(help="Listen address (HANGAR_HOST).")] = None,
-    port: Annotated[Optional[int], typer.Option(help="Listen port (HANGAR_PORT).")] = None,
-    data_dir: DataDir = None,
-    engine: Annotated[Optional[str], typer.Option(
-        help="auto, firecracker or qemu (HANGAR_ENGINE).")] = None,
-    accel: Annotated[Optional[str], typer.Option(help="auto, kvm or tcg (HANGAR_ACCEL).")] = None,
-) -> None:
-    """Run the REST API; builds the default image first if it is missing (a recipe; a
-    template must have been built)."""
-    settings = _settings(data_dir, host=host, port=port, engine=engine, accel=accel)
-    import asyncio
-
-    import uvicorn
-
-    from hangar import log
-    from hangar.api.app import create_app
-    from hangar.api.limits import WS_MAX_BYTES
-    from hangar.layout import Layout
-
-    log.setup(settings.log_level)
-    layout = Layout(settings.data_dir)
-    layout.ensure()
-    try:
-        api = create_app(settings)  # refuses an empty or weak API key (ConfigError)
-        from hangar.images import RECIPES, resolve_image
-
-        if settings.default_image in RECIPES:
-            _build(layout, settings.default_image)
-        else:  # a template: built with `hangar template build`, never here
-            resolve_image(layout, settings.default_image)
-    except HangarError as exc:
-        _fail(exc)
-    where = f"unix:{settings.uds}" if settings.uds else f"http://{settings.host}:{settings.port}"
-    err.print(f"Hangar on {where}  (API key in {layout.api_key_file})")
-    where_kw: dict[str, object] = ({"uds": str(settings.uds)} if settings.uds
-                                   else {"host": settings.host, "port": settings.port,
-                                         "proxy_headers": True,
-                                         "forwarded_allow_ips": settings.forwarded_allow_ips})
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: object) -> None:
-            # Open event streams never end by themselves, and uvicorn waits for every
-            # connection before shutting down: end them first (in the loop, not here in
-            # the signal handler, where the bus's lock may be held).
-            try:
-                asyncio.get_running_loop().call_soon_threadsafe(api.state.events.close)
-            except RuntimeError:
-                api.state.events.close()
-            super().handle_exit(sig, frame)  # type: ignore[arg-type]
-
-    Server(uvicorn.Config(api, log_config=None, access_log=False, ws_max_size=WS_MAX_BYTES,
-                          **where_kw)).run()  # type: ignore[arg-type]
-
-
+app.command()(serve)
 @image_app.command("build")
 def image_build(
     recipe: Annotated[str, typer.Argument(help="Recipe name.")] = "base",
@@ -177,12 +72,12 @@ def image_build(
     """
     from hangar.layout import Layout
 
-    layout = Layout(_settings(data_dir).data_dir)
+    layout = Layout(server_settings(data_dir).data_dir)
     layout.ensure()
     try:
-        img = _build(layout, recipe, force)
+        img = build_recipe(layout, recipe, force)
     except HangarError as exc:
-        _fail(exc)
+        fail(exc)
     out.print(f"{img.id} {img.dir}")
 
 
@@ -196,40 +91,11 @@ def image_ls(data_dir: DataDir = None) -> None:
 
     table = Table("rootfs (MiB)", "kernel", "built", "state")
     table.columns.insert(0, Column("id", no_wrap=True, overflow="fold"))
-    for i in list_images(Layout(_settings(data_dir).data_dir)):
+    for i in list_images(Layout(server_settings(data_dir).data_dir)):
         state = "current" if i.current else ("stale" if i.stale else "")
         table.add_row(i.id, f"{i.rootfs_bytes / 2**20:.0f}", i.kernel_version,
                       time.strftime("%Y-%m-%d %H:%M", time.localtime(i.built_at)), state)
     out.print(table)
-
-
-def _pinned_images(layout) -> set[str]:  # type: ignore[no-untyped-def]
-    """Image ids that sandboxes, snapshots and machines in the data dir's store pin."""
-    if not layout.database.exists():
-        return set()
-    from hangar.core.lifecycle import GONE, State
-    from hangar.core.store import MachineRecord, SandboxRecord, SnapshotRecord, Store
-    from hangar.images import image_id
-
-    store = Store(layout.database)
-    try:
-        pins: set[str] = set()
-
-        def pin(name: str, digest: str) -> None:  # a record without a digest pins the name
-            pins.add(image_id(name, digest) if digest else name)
-
-        for rec in store.all():
-            if State(rec.state) not in GONE:
-                pin(rec.image, rec.image_digest)
-        for snap in store.list(SnapshotRecord):
-            pin(snap.image, snap.image_digest)
-        for m in store.list(MachineRecord):
-            found = store.find(SandboxRecord, m.sandbox_id)
-            if found is not None:
-                pin(found.image, found.image_digest)
-        return pins
-    finally:
-        store.engine.dispose()
 
 
 @image_app.command("gc")
@@ -243,11 +109,11 @@ def image_gc(
     from hangar.images.gc import collect
     from hangar.layout import Layout
 
-    layout = Layout(_settings(data_dir).data_dir)
+    layout = Layout(server_settings(data_dir).data_dir)
     try:
-        result = collect(layout, _pinned_images(layout), dry_run=dry_run)
+        result = collect(layout, pinned_images(layout), dry_run=dry_run)
     except HangarError as exc:
-        _fail(exc)
+        fail(exc)
     verb = "would remove" if dry_run else "removed"
     for i in result.removed:
         out.print(f"{verb} {i.id} ({i.bytes_on_disk / 2**20:.0f} MiB)")
@@ -270,7 +136,7 @@ def create(
     timeout: Annotated[Optional[float], typer.Option(help="Time to live, seconds.")] = None,
 ) -> None:
     """Create a sandbox and print its id."""
-    with _sdk() as h:
+    with sdk() as h:
         sb = h.create(image, vcpus=vcpus, memory_mib=memory, disk_mib=disk, timeout=timeout,
                       desktop=desktop)
     out.print(sb.id)
@@ -279,7 +145,7 @@ def create(
 @app.command("ls")
 def ls() -> None:
     """List sandboxes."""
-    with _sdk() as h:
+    with sdk() as h:
         boxes = h.list()
     table = Table("id", "state", "image", "vcpus", "memory (MiB)", "accel")
     for b in boxes:
@@ -305,7 +171,7 @@ def exec_(
     cmd = command[0] if len(command) == 1 else shlex.join(command)
     stdin = None if sys.stdin.isatty() or os.environ.get("HANGAR_NO_STDIN") else sys.stdin.buffer.read()
     code = 1
-    with _sdk() as h:
+    with sdk() as h:
         for ev in h.exec_stream(sandbox_id, cmd, cwd=cwd, timeout=timeout, stdin=stdin,
                                 show_command=show):
             if ev.type in ("stdout", "stderr"):
@@ -327,12 +193,12 @@ def shell(
     cwd: Annotated[Optional[str], typer.Option()] = None,
 ) -> None:
     """Open an interactive terminal in the sandbox; exits with the shell's exit code."""
-    from hangar import cli_shell
+    from hangar.cli import shell as cli_shell
 
     if command and command[0] == "--":
         command = command[1:]
     cmd = None if not command else command[0] if len(command) == 1 else shlex.join(command)
-    with _sdk() as h:
+    with sdk() as h:
         code = cli_shell.run(h, sandbox_id, cmd, cwd)
     raise typer.Exit(code)
 
@@ -340,7 +206,7 @@ def shell(
 @app.command()
 def rm(sandbox_ids: Annotated[list[str], typer.Argument()]) -> None:
     """Delete sandboxes."""
-    with _sdk() as h:
+    with sdk() as h:
         for sid in sandbox_ids:
             h.delete(sid)
             out.print(f"deleted {sid}")
@@ -350,7 +216,7 @@ def rm(sandbox_ids: Annotated[list[str], typer.Argument()]) -> None:
 def ttl(sandbox_id: str,
         seconds: Annotated[float, typer.Argument(help="Seconds from now; 0: never.")]) -> None:
     """Set a sandbox's time to live, counted from now."""
-    with _sdk() as h:
+    with sdk() as h:
         sb = h.set_timeout(sandbox_id, seconds)
     out.print(f"{sb.id} expires "
               + (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sb.expires_at))
@@ -360,7 +226,7 @@ def ttl(sandbox_id: str,
 @app.command()
 def status() -> None:
     """The server's health and its warm pool."""
-    with _sdk() as h:
+    with sdk() as h:
         health = h.health()
         pool = h.pool()
     engine = ", ".join(f"{k}={v}" for k, v in health.engine.items())
@@ -384,7 +250,7 @@ def events(
     On a terminal, agent tasks and running commands stay at the bottom with
     their elapsed time.
     """
-    from hangar.events_view import EventView
+    from hangar.cli.events_view import EventView
 
     view = EventView()
     live = None
@@ -396,7 +262,7 @@ def events(
                     console=out, refresh_per_second=2, transient=True)
         live.start()
     try:
-        with _sdk() as h:
+        with sdk() as h:
             for ev in h.events(kinds=kind or (), sandbox_id=sandbox, last_event_id=since):
                 if as_json:
                     print(ev.model_dump_json(), flush=True)
@@ -422,7 +288,7 @@ def files_put(sandbox_id: str, local: Path, remote: str,
     except OSError as exc:
         err.print(f"[red]error:[/red] cannot read {local}: {exc.strerror or exc}")
         raise typer.Exit(1) from None
-    with _sdk() as h:
+    with sdk() as h:
         r = h.write_file(sandbox_id, remote, data, int(mode, 8) if mode else 0o644)
     out.print(f"{r.path}: {r.size} bytes")
 
@@ -431,7 +297,7 @@ def files_put(sandbox_id: str, local: Path, remote: str,
 def files_get(sandbox_id: str, remote: str,
               local: Annotated[Optional[Path], typer.Argument(help="Default: stdout.")] = None) -> None:
     """Copy a file out of the sandbox (to stdout when no local path is given)."""
-    with _sdk() as h:
+    with sdk() as h:
         data = h.read_file(sandbox_id, remote)
     if local is None or str(local) == "-":
         sys.stdout.buffer.write(data)
@@ -443,7 +309,7 @@ def files_get(sandbox_id: str, remote: str,
 def files_ls(sandbox_id: str,
              path: Annotated[str, typer.Argument(help="Directory in the guest.")] = "/root") -> None:
     """List a directory in the sandbox."""
-    with _sdk() as h:
+    with sdk() as h:
         entries = h.list_files(sandbox_id, path)
     table = Table("name", "type", "size", "mode")
     for e in entries:
@@ -455,14 +321,14 @@ def files_ls(sandbox_id: str,
 def files_rm(sandbox_id: str, path: str,
              recursive: Annotated[bool, typer.Option("-r", "--recursive")] = False) -> None:
     """Remove a file (or, with -r, a directory) in the sandbox."""
-    with _sdk() as h:
+    with sdk() as h:
         h.remove_file(sandbox_id, path, recursive)
 
 
 @files_app.command("mkdir")
 def files_mkdir(sandbox_id: str, path: str) -> None:
     """Create a directory (and its parents) in the sandbox."""
-    with _sdk() as h:
+    with sdk() as h:
         h.make_dir(sandbox_id, path)
 
 
@@ -479,42 +345,42 @@ def machine_get(user_id: str,
                 idle: Annotated[Optional[float], typer.Option(help="Idle seconds before sleep.")] = None,
                 ) -> None:
     """Get the user's machine, creating it if there is none."""
-    with _sdk() as h:
+    with sdk() as h:
         _machine_table([h.get_or_create_machine(user_id, idle_timeout=idle)])
 
 
 @machine_app.command("ls")
 def machine_ls() -> None:
     """List users' machines."""
-    with _sdk() as h:
+    with sdk() as h:
         _machine_table(h.list_machines())
 
 
 @machine_app.command("show")
 def machine_show(user_id: str) -> None:
     """Show the machine's state without changing it."""
-    with _sdk() as h:
+    with sdk() as h:
         _machine_table([h.get_machine(user_id)])
 
 
 @machine_app.command("sleep")
 def machine_sleep(user_id: str) -> None:
     """Snapshot the machine and stop its VM."""
-    with _sdk() as h:
+    with sdk() as h:
         _machine_table([h.sleep_machine(user_id)])
 
 
 @machine_app.command("wake")
 def machine_wake(user_id: str) -> None:
     """Restore the machine from its sleep snapshot."""
-    with _sdk() as h:
+    with sdk() as h:
         _machine_table([h.wake_machine(user_id)])
 
 
 @machine_app.command("rm")
 def machine_rm(user_id: str) -> None:
     """Remove the machine and everything it held."""
-    with _sdk() as h:
+    with sdk() as h:
         h.delete_machine(user_id)
     out.print(f"removed the machine of {user_id}")
 
@@ -522,7 +388,7 @@ def machine_rm(user_id: str) -> None:
 @snapshot_app.command("create")
 def snapshot_create(sandbox_id: str) -> None:
     """Snapshot a running sandbox and print the snapshot's id."""
-    with _sdk() as h:
+    with sdk() as h:
         snap = h.snapshot(sandbox_id)
     out.print(f"{snap.id} ({snap.size_bytes / 2**20:.1f} MiB)")
 
@@ -531,7 +397,7 @@ def snapshot_create(sandbox_id: str) -> None:
 def snapshot_ls(sandbox: Annotated[Optional[str], typer.Option(help="Only this sandbox's.")] = None,
                 ) -> None:
     """List snapshots."""
-    with _sdk() as h:
+    with sdk() as h:
         snaps = h.list_snapshots(sandbox)
     table = Table("id", "sandbox", "size (MiB)", "memory (MiB)")
     for s in snaps:
@@ -542,7 +408,7 @@ def snapshot_ls(sandbox: Annotated[Optional[str], typer.Option(help="Only this s
 @snapshot_app.command("restore")
 def snapshot_restore(sandbox_id: str, snapshot_id: str) -> None:
     """Bring a sandbox back to one of its snapshots."""
-    with _sdk() as h:
+    with sdk() as h:
         h.restore(sandbox_id, snapshot_id)
     out.print(f"{sandbox_id} restored to {snapshot_id}")
 
@@ -550,7 +416,7 @@ def snapshot_restore(sandbox_id: str, snapshot_id: str) -> None:
 @snapshot_app.command("fork")
 def snapshot_fork(snapshot_id: str) -> None:
     """Start a new sandbox from a snapshot and print its id."""
-    with _sdk() as h:
+    with sdk() as h:
         sb = h.fork(snapshot_id)
     out.print(sb.id)
 
@@ -558,7 +424,7 @@ def snapshot_fork(snapshot_id: str) -> None:
 @snapshot_app.command("rm")
 def snapshot_rm(snapshot_id: str) -> None:
     """Delete a snapshot."""
-    with _sdk() as h:
+    with sdk() as h:
         h.delete_snapshot(snapshot_id)
     out.print(f"deleted {snapshot_id}")
 
@@ -573,7 +439,7 @@ def port_expose(sandbox_id: str, port: int,
                 ttl: Annotated[Optional[float], typer.Option(
                     help="Seconds the signed URL works (server default 3600).")] = None) -> None:
     """Expose a guest TCP port and print its URL."""
-    with _sdk() as h:
+    with sdk() as h:
         info = h.expose(sandbox_id, port, public, token_ttl=ttl)
     out.print(info.signed_url if signed and info.signed_url else info.url, soft_wrap=True)
 
@@ -581,7 +447,7 @@ def port_expose(sandbox_id: str, port: int,
 @port_app.command("ls")
 def port_ls(sandbox_id: str) -> None:
     """List a sandbox's exposed ports."""
-    with _sdk() as h:
+    with sdk() as h:
         ports = h.ports(sandbox_id)
     table = Table("port", "public")
     table.columns.append(Column("url", no_wrap=True, overflow="fold"))
@@ -593,7 +459,7 @@ def port_ls(sandbox_id: str) -> None:
 @port_app.command("close")
 def port_close(sandbox_id: str, port: int) -> None:
     """Stop exposing a port (its URLs answer 404)."""
-    with _sdk() as h:
+    with sdk() as h:
         h.close_port(sandbox_id, port)
     out.print(f"closed port {port} of {sandbox_id}")
 
@@ -606,7 +472,7 @@ def doctor(data_dir: DataDir = None) -> None:
     from hangar.layout import Layout
     from hangar.net import doctor_lines
 
-    settings = _settings(data_dir)
+    settings = server_settings(data_dir)
     layout = Layout(settings.data_dir)
     try:
         image = resolve_image(layout, "base")
@@ -650,7 +516,7 @@ def bench_boot(
     from hangar.images import resolve_image
     from hangar.layout import Layout
 
-    settings = _settings(data_dir)
+    settings = server_settings(data_dir)
     layout = Layout(settings.data_dir)
     try:
         img = resolve_image(layout, image or settings.default_image)
@@ -660,7 +526,7 @@ def bench_boot(
                                    ksm=settings.ksm))
         report = asyncio.run(run_bench(engine, img, runs, memory_mib))
     except HangarError as exc:
-        _fail(exc)
+        fail(exc)
     if as_json:
         print(json_.dumps(report, indent=2))
         return
@@ -734,7 +600,7 @@ def desktop_screenshot(sandbox_id: str, out_file: Path,
                        width: Annotated[Optional[int], typer.Option(help="Scale to pixels.")] = None,
                        ) -> None:
     """Save a PNG screenshot of the sandbox's desktop."""
-    with _sdk() as h:
+    with sdk() as h:
         png = h.screenshot(sandbox_id, width)
     out_file.write_bytes(png)
     out.print(f"{out_file}: {len(png)} bytes")
@@ -748,35 +614,35 @@ def desktop_click(sandbox_id: str, x: int, y: int,
     if button not in ("left", "middle", "right"):
         err.print("[red]error:[/red] button must be left, middle or right")
         raise typer.Exit(2)
-    with _sdk() as h:
+    with sdk() as h:
         h.click(sandbox_id, x, y, button, double)  # type: ignore[arg-type]
 
 
 @desktop_app.command("move")
 def desktop_move(sandbox_id: str, x: int, y: int) -> None:
     """Move the pointer to (x, y), pixels."""
-    with _sdk() as h:
+    with sdk() as h:
         h.move(sandbox_id, x, y)
 
 
 @desktop_app.command("drag")
 def desktop_drag(sandbox_id: str, from_x: int, from_y: int, to_x: int, to_y: int) -> None:
     """Drag with the left button from one point to another, pixels."""
-    with _sdk() as h:
+    with sdk() as h:
         h.drag(sandbox_id, from_x, from_y, to_x, to_y)
 
 
 @desktop_app.command("type")
 def desktop_type(sandbox_id: str, text: str) -> None:
     """Type text (any Unicode) into the focused window."""
-    with _sdk() as h:
+    with sdk() as h:
         h.type(sandbox_id, text)
 
 
 @desktop_app.command("key")
 def desktop_key(sandbox_id: str, keys: str) -> None:
     """Press a key or combination, e.g. ctrl+shift+t or enter."""
-    with _sdk() as h:
+    with sdk() as h:
         h.key(sandbox_id, keys)
 
 
@@ -786,14 +652,14 @@ def desktop_scroll(sandbox_id: str, direction: str, amount: int = 3) -> None:
     if direction not in ("up", "down", "left", "right"):
         err.print("[red]error:[/red] direction must be up, down, left or right")
         raise typer.Exit(2)
-    with _sdk() as h:
+    with sdk() as h:
         h.scroll(sandbox_id, direction, amount)  # type: ignore[arg-type]
 
 
 @desktop_app.command("show")
 def desktop_show(sandbox_id: str) -> None:
     """Screen size and cursor position."""
-    with _sdk() as h:
+    with sdk() as h:
         d = h.display(sandbox_id)
     out.print(f"{d.width}x{d.height}x{d.depth}, cursor at ({d.cursor_x}, {d.cursor_y})")
 
@@ -801,10 +667,6 @@ def desktop_show(sandbox_id: str) -> None:
 @desktop_app.command("vnc")
 def desktop_vnc(sandbox_id: str, view_only: bool = False) -> None:
     """Print a single-use ticket URL (valid 30 s) for the live view's WebSocket."""
-    with _sdk() as h:
+    with sdk() as h:
         t = h.vnc_ticket(sandbox_id, view_only)
     out.print(h.base_url + t.url)
-
-
-if __name__ == "__main__":
-    app()

@@ -1,6 +1,6 @@
 """``hangar deploy nginx`` and ``hangar backup``: operator commands (typer).
 
-Registered in ``hangar.cli``: ``app.add_typer(deploy_app, name="deploy")``
+Registered in ``hangar.cli.main``: ``app.add_typer(deploy_app, name="deploy")``
 and ``app.command("backup")(backup)``. Both work while the server is down;
 errors print one line and exit 1.
 """

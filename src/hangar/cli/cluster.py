@@ -118,7 +118,7 @@ def join(
     for var, value in (("HANGAR_ADVERTISE", advertise), ("HANGAR_NODE_NAME", name)):
         if value:
             os.environ[var] = value
-    from hangar.cli import serve
+    from hangar.cli.serve import serve
 
     serve(host=host, port=port, data_dir=data_dir, engine=None, accel=None)
 

@@ -1,0 +1,69 @@
+"""``hangar serve``: the REST API on this host (``hangar.api.app``, run by uvicorn).
+
+Also what ``hangar node join`` (``hangar.cli.cluster``) runs, once it has
+put the node's settings in the environment.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from hangar.cli.common import DataDir, build_recipe, err, fail, server_settings
+from hangar.errors import HangarError
+
+
+def serve(
+    host: Annotated[Optional[str], typer.Option(help="Listen address (HANGAR_HOST).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Listen port (HANGAR_PORT).")] = None,
+    data_dir: DataDir = None,
+    engine: Annotated[Optional[str], typer.Option(
+        help="auto, firecracker or qemu (HANGAR_ENGINE).")] = None,
+    accel: Annotated[Optional[str], typer.Option(help="auto, kvm or tcg (HANGAR_ACCEL).")] = None,
+) -> None:
+    """Run the REST API; builds the default image first if it is missing (a recipe; a
+    template must have been built)."""
+    settings = server_settings(data_dir, host=host, port=port, engine=engine, accel=accel)
+    import asyncio
+
+    import uvicorn
+
+    from hangar import log
+    from hangar.api.app import create_app
+    from hangar.api.limits import WS_MAX_BYTES
+    from hangar.layout import Layout
+
+    log.setup(settings.log_level)
+    layout = Layout(settings.data_dir)
+    layout.ensure()
+    try:
+        api = create_app(settings)  # refuses an empty or weak API key (ConfigError)
+        from hangar.images import RECIPES, resolve_image
+
+        if settings.default_image in RECIPES:
+            build_recipe(layout, settings.default_image)
+        else:  # a template: built with `hangar template build`, never here
+            resolve_image(layout, settings.default_image)
+    except HangarError as exc:
+        fail(exc)
+    where = f"unix:{settings.uds}" if settings.uds else f"http://{settings.host}:{settings.port}"
+    err.print(f"Hangar on {where}  (API key in {layout.api_key_file})")
+    where_kw: dict[str, object] = ({"uds": str(settings.uds)} if settings.uds
+                                   else {"host": settings.host, "port": settings.port,
+                                         "proxy_headers": True,
+                                         "forwarded_allow_ips": settings.forwarded_allow_ips})
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            # Open event streams never end by themselves, and uvicorn waits for every
+            # connection before shutting down: end them first (in the loop, not here in
+            # the signal handler, where the bus's lock may be held).
+            try:
+                asyncio.get_running_loop().call_soon_threadsafe(api.state.events.close)
+            except RuntimeError:
+                api.state.events.close()
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    Server(uvicorn.Config(api, log_config=None, access_log=False, ws_max_size=WS_MAX_BYTES,
+                          **where_kw)).run()  # type: ignore[arg-type]
