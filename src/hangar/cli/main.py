@@ -511,6 +511,7 @@ def bench_boot(
     import json as json_
 
     from hangar.engines.bootbench import bench_boot as run_bench
+    from hangar.engines.confine import config_from as confine_config
     from hangar.engines.doctor import choose_engine
     from hangar.engines.qemu import MemoryTuning
     from hangar.images import resolve_image
@@ -521,7 +522,8 @@ def bench_boot(
     try:
         img = resolve_image(layout, image or settings.default_image)
         engine = choose_engine(settings.engine, layout, img, accel=settings.accel,
-                               jailer=settings.jailer, tuning=MemoryTuning(
+                               jailer=settings.firecracker_jailer,
+                               confine=confine_config(settings), tuning=MemoryTuning(
                                    tb_mib=settings.tcg_tb_mib, balloon=settings.balloon,
                                    ksm=settings.ksm))
         report = asyncio.run(run_bench(engine, img, runs, memory_mib))
