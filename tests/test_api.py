@@ -78,7 +78,9 @@ def test_bad_input_is_a_clear_error(api: httpx.Client) -> None:
         (api.post("/sandboxes", json={"vcpus": "many"}), 422),
         (api.post("/sandboxes", json={"nonsense": True}), 422),
         (api.post("/sandboxes", json={"image": "no-such-image"}), 404),
-        (api.post("/sandboxes", content=b"{not json", headers={"content-type": "application/json"}), 422),
+        (api.post("/sandboxes", content=b"{not json", headers={"content-type": "application/json"}), 400),
+        (api.post("/sandboxes/sb-000000000000/exec", content=b"command=true",
+                  headers={"content-type": "application/x-www-form-urlencoded"}), 400),
         (api.get("/sandboxes/sb-000000000000"), 404),
         (api.delete("/sandboxes/sb-000000000000"), 404),
         (api.post("/sandboxes/sb-000000000000/exec", json={"command": ""}), 422),
@@ -88,6 +90,9 @@ def test_bad_input_is_a_clear_error(api: httpx.Client) -> None:
         assert r.status_code == status, (r.request.url, r.text)
         err = r.json()["error"]
         assert err["code"] and err["message"]
+    # What was wrong, in words a curl user reads: where the JSON broke, which header.
+    assert "not valid JSON at character 1" in cases[4][0].json()["error"]["message"]
+    assert "Content-Type: application/json" in cases[5][0].json()["error"]["message"]
 
 
 @pytest.mark.vm

@@ -48,3 +48,13 @@ def test_cli_round_trip(server: Server, tmp_path: Path) -> None:
     assert vmm_pids(sid) == []
     r = hangar(server, "exec", sid, "--", "true")
     assert r.returncode == 1 and b"Traceback" not in r.stderr
+
+
+def test_a_missing_key_says_where_it_was_looked_for(server: Server, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "HANGAR_API_KEY"}
+    env.update(HANGAR_URL=server.url, HANGAR_DATA_DIR=str(tmp_path), PYTHONPATH=str(SRC))
+    r = subprocess.run([sys.executable, "-m", "hangar.cli", "ls"], env=env,
+                       capture_output=True, timeout=60)
+    assert r.returncode == 1 and b"Traceback" not in r.stderr
+    err = r.stderr.decode()
+    assert "X-API-Key" in err and f"{tmp_path}/api-key (missing" in err, err

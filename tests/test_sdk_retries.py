@@ -89,9 +89,12 @@ def test_client_errors_are_raised_at_once(server: Server, rec: Recorder) -> None
     with pytest.raises(NotFound):
         h.get("sb-000000000000")
     assert len(rec.times) == 1
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidRequest) as bad:
         h.create(memory_mib=1)  # 422: never retried, nothing booted
     assert len(rec.times) == 2
+    # The class is the code's, whatever the status: not IdempotencyMismatch (also a 422).
+    assert type(bad.value) is InvalidRequest and bad.value.code == "invalid_request"
+    assert bad.value.status == 422 and "memory_mib" in bad.value.message
     with pytest.raises(HangarError) as info:
         rec.client(server.url, "wrong-key").list()
     assert info.value.status == 401 and len(rec.times) == 3

@@ -154,6 +154,24 @@ def test_hangar_shell_tty_resize_nano_reconnect_and_exit_code(server: Server, sd
         proxy.close()
 
 
+@vm
+def test_hangar_shell_without_a_terminal_takes_stdin_from_a_file_or_dev_null(
+        server: Server, desk: str, tmp_path: Path) -> None:
+    env = {**os.environ, "HANGAR_URL": server.url, "HANGAR_API_KEY": server.key,
+           "PYTHONPATH": str(SRC)}
+    cmd = [sys.executable, "-m", "hangar.cli", "shell", desk, "--"]
+    with open(os.devnull) as null:  # cron, CI, nohup: nothing to read, no terminal
+        r = subprocess.run([*cmd, "stty size; exit 4"], stdin=null, env=env,
+                           capture_output=True, timeout=120)
+    assert r.returncode == 4, r.stderr
+    assert b"24 80" in r.stdout and b"Traceback" not in r.stderr
+    script = tmp_path / "input"
+    script.write_text("read line; echo got-$line; exit 5\nhello\n")
+    with open(script) as f:  # a regular file: read whole, then end of input
+        r = subprocess.run([*cmd, "sh"], stdin=f, env=env, capture_output=True, timeout=120)
+    assert r.returncode == 5 and b"got-hello" in r.stdout, (r.stdout, r.stderr)
+
+
 # -- the SDK's terminal --------------------------------------------------------------------------
 
 

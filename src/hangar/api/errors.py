@@ -49,9 +49,24 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         count(request, "invalid_request")
+        errors = exc.errors()
+        bad_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
+        if bad_json is not None:  # the body is not JSON at all: 400, with where it broke
+            loc = bad_json.get("loc", ())
+            where = f" at character {loc[1]}" if len(loc) > 1 and isinstance(loc[1], int) else ""
+            reason = str((bad_json.get("ctx") or {}).get("error", "")) or "JSON decode error"
+            return error_response(400, "invalid_request",
+                                  f"the request body is not valid JSON{where}: {reason}")
+        content_type = request.headers.get("content-type", "")
+        if "json" not in content_type and any(tuple(e.get("loc", ())) == ("body",)
+                                              for e in errors):
+            return error_response(
+                400, "invalid_request",
+                f"the request body must be JSON sent with Content-Type: application/json "
+                f"(got {content_type[:60] or 'no Content-Type'})")
         details = [
             {"loc": [str(x) for x in e.get("loc", ())], "msg": e.get("msg", "")}
-            for e in exc.errors()
+            for e in errors
         ]
         for d in details:  # pydantic's prefix for a validator's own message
             d["msg"] = str(d["msg"]).removeprefix("Value error, ")

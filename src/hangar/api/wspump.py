@@ -88,8 +88,8 @@ async def supervise(ws: WebSocket, halves: Sequence[Callable[[], Awaitable[None]
                 and ws.client_state == WebSocketState.CONNECTED:
             try:
                 await ws.close(**close)
-            except (RuntimeError, ConnectionError):
-                pass
+            except (WebSocketDisconnect, RuntimeError, ConnectionError):
+                pass  # the client went away first (Starlette raises WebSocketDisconnect)
 
 
 async def pump_stream(ws: WebSocket, stream: ByteStream, *, log: logging.Logger, failed: str,

@@ -58,7 +58,23 @@ def fail(exc: HangarError) -> NoReturn:
     from rich.markup import escape
 
     err.print(f"[red]error:[/red] {escape(exc.message)}", highlight=False)
+    if exc.status == 401:
+        err.print(key_hint(), highlight=False, soft_wrap=True)
     raise typer.Exit(1)
+
+
+def key_hint() -> str:
+    """Where the CLI looked for its API key, for a 401."""
+    import os
+
+    from hangar.layout import Layout
+
+    if os.environ.get("HANGAR_API_KEY"):
+        return "the key came from HANGAR_API_KEY; check it against the server's keys"
+    path = Layout.from_env().api_key_file
+    found = "found" if path.is_file() else "missing"
+    return (f"the key is read from HANGAR_API_KEY or {path} ({found}; its folder is "
+            f"HANGAR_DATA_DIR); set one of them to a key the server accepts")
 
 
 def build_recipe(layout, name: str, force: bool = False):  # type: ignore[no-untyped-def]

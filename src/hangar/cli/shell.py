@@ -36,9 +36,11 @@ KNOWN_TERMS = ("xterm", "xterm-256color", "xterm-color", "screen", "screen-256co
 def _size(fd: int) -> tuple[int, int]:
     try:
         s = os.get_terminal_size(fd)
-        return max(1, min(s.columns, 1000)), max(1, min(s.lines, 1000))
     except OSError:
         return 80, 24
+    if s.columns <= 0 or s.lines <= 0:  # a terminal that never had a size set
+        return 80, 24
+    return min(s.columns, 1000), min(s.lines, 1000)
 
 
 def run(h: Hangar, sandbox_id: str, command: str | None = None, cwd: str | None = None) -> int:
@@ -90,7 +92,12 @@ def run(h: Hangar, sandbox_id: str, command: str | None = None, cwd: str | None 
         if interactive:
             tty.setraw(fd_in)
         reader.start()
-        sel.register(fd_in, selectors.EVENT_READ, "in")
+        try:
+            sel.register(fd_in, selectors.EVENT_READ, "in")
+        except PermissionError:  # a regular file or /dev/null: no waiting, read it whole
+            while data := os.read(fd_in, 1 << 14):
+                _send(term, lock, data=data)
+            _send(term, lock, data=b"\x04")
         sel.register(winch_r, selectors.EVENT_READ, "winch")
         sel.register(done_r, selectors.EVENT_READ, "done")
         while True:

@@ -162,8 +162,11 @@ def error_for(resp: httpx.Response) -> HangarError:
         return LimitExceeded(message, retry_after=retry_after(resp), **context)
     if resp.status_code == 409 and code == Busy.code:
         return Busy(message, retry_after=retry_after(resp), **context)
+    # The code names the class; the status only stands in when the code is unknown (a
+    # proxy's own answer, an older server). One class may answer with several statuses
+    # (``invalid_request``: 400, or 422 from request validation).
     cls = BY_CODE.get(code)
-    if cls is None or cls.status != resp.status_code:
+    if cls is None:
         cls = next((c for c in BY_CODE.values() if c.status == resp.status_code), HangarError)
     try:
         exc = cls(message, **context)
