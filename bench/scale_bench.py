@@ -5,7 +5,7 @@
         [--no-peers]
 
 Prints the machine and a table on stderr, one JSON object on stdout, and
-saves a PNG plot (matplotlib, ``pip install 'hangar[bench]'``). Steps, each
+saves a PNG plot (matplotlib: the ``bench`` extra, in requirements.lock). Steps, each
 on a Hangar server of its own (real VMs, ``--memory-mib`` guests):
 
 * **create storms**: N creates sent at once (``POST /sandboxes``, which
