@@ -213,6 +213,20 @@ def check_env(value: dict[str, str]) -> dict[str, str]:
     return value
 
 
+def check_args(value: list[str] | None) -> list[str] | None:
+    """A command's arguments: no NUL byte, none over the guest kernel's ``MAX_ARG_STRLEN``.
+
+    Raises ValueError naming the argument.
+    """
+    for i, arg in enumerate(value or ()):
+        _no_nul(f"args[{i}]", arg)
+        if _utf8_len(arg) > ARG_STRLEN_MAX:
+            raise ValueError(f"args[{i}] is {_utf8_len(arg)} bytes; the guest kernel takes "
+                             f"at most {ARG_STRLEN_MAX} bytes in one argument "
+                             "(MAX_ARG_STRLEN): pass large data through stdin or a file")
+    return value
+
+
 def check_cwd(value: str | None) -> str | None:
     """A working directory: no NUL, shorter than the guest's PATH_MAX. Raises ValueError."""
     if value is not None:
@@ -258,13 +272,7 @@ class ExecRequest(RequestBody):
     @field_validator("args")
     @classmethod
     def _args(cls, value: list[str] | None) -> list[str] | None:
-        for i, arg in enumerate(value or ()):
-            _no_nul(f"args[{i}]", arg)
-            if _utf8_len(arg) > ARG_STRLEN_MAX:
-                raise ValueError(f"args[{i}] is {_utf8_len(arg)} bytes; the guest kernel takes "
-                                 f"at most {ARG_STRLEN_MAX} bytes in one argument "
-                                 "(MAX_ARG_STRLEN): pass large data through stdin or a file")
-        return value
+        return check_args(value)
 
     @field_validator("env")
     @classmethod
@@ -561,12 +569,7 @@ class PtyRequest(RequestBody):
     @field_validator("args")
     @classmethod
     def _args(cls, value: list[str] | None) -> list[str] | None:
-        for i, arg in enumerate(value or ()):
-            _no_nul(f"args[{i}]", arg)
-            if _utf8_len(arg) > ARG_STRLEN_MAX:
-                raise ValueError(f"args[{i}] is {_utf8_len(arg)} bytes; the guest kernel takes "
-                                 f"at most {ARG_STRLEN_MAX} bytes in one argument")
-        return value
+        return check_args(value)
 
     @field_validator("env")
     @classmethod
