@@ -30,6 +30,9 @@ DEVTOOLS_PORT = 9222
 START_TIMEOUT_S = 240.0
 """Seconds ``prepare`` waits for the desktop and Chromium's DevTools endpoint."""
 NAVIGATE_TIMEOUT_S = 120.0
+LOAD_EVENT_S = 20.0
+"""Seconds an action waits for the ``load`` event alone before also asking the document
+(``BrowserTools._settle``)."""
 ACTION_TIMEOUT_S = 30.0
 MAX_TEXT_CHARS = 100_000
 
@@ -191,11 +194,47 @@ class BrowserTools(VmTools):
                 if has_xy:
                     await page.mouse.move(args["x"], args["y"])
                 await page.mouse.wheel(0, args.get("delta_y", 500))
-        await page.wait_for_load_state("load", timeout=NAVIGATE_TIMEOUT_S * 1000)
+        await self._settle()
         title = await page.title()
         text, cut = await self._page_text()
         return ToolResult(ok=True, output=f"URL: {page.url}\nTitle: {title}\n\n{text}",
                           truncated=cut, data={"url": page.url, "title": title})
+
+    async def _settle(self) -> None:
+        """Wait, up to ``NAVIGATE_TIMEOUT_S``, until the page an action led to has loaded.
+
+        Over ``connect_over_cdp`` Playwright can miss the ``load`` event of a
+        navigation an action started (a known race of its lifecycle tracking),
+        and would then wait out the whole timeout on a page that is there. So
+        after ``LOAD_EVENT_S`` without the event the document's own
+        ``readyState`` is asked every half second as well. Raises Playwright's
+        timeout error when neither says the page loaded.
+        """
+        from playwright.async_api import Error as PlaywrightError
+
+        page = self.page
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + NAVIGATE_TIMEOUT_S
+        try:
+            await page.wait_for_load_state("load", timeout=LOAD_EVENT_S * 1000)
+            return
+        except PlaywrightError:
+            pass
+        while True:
+            try:
+                if await page.evaluate("document.readyState") == "complete":
+                    return
+            except PlaywrightError:
+                pass  # mid-navigation: the old document's context is gone
+            left = deadline - loop.time()
+            if left <= 0:
+                await page.wait_for_load_state("load", timeout=1)  # raises the timeout
+                return
+            try:
+                await page.wait_for_load_state("load", timeout=min(0.5, left) * 1000)
+                return
+            except PlaywrightError:
+                pass
 
     async def screenshot(self, args: dict[str, Any]) -> ToolResult:
         png = await self.page.screenshot(full_page=bool(args.get("full_page")), type="png",
