@@ -79,6 +79,9 @@ class Membership:
         """True while neither this node nor any peer can write to etcd (holding, not fenced)."""
         self._task: asyncio.Task[None] | None = None
         self._last_refresh = 0.0
+        self._quorum_back = 0.0
+        """Monotonic time this node saw quorum return while its own renewal lagged: the
+        fence is counted from the later of this and ``last_ok`` (see ``_decide``)."""
         self._http = httpx.AsyncClient(timeout=PEER_TIMEOUT_S)
 
     def writable(self) -> bool:
@@ -150,7 +153,8 @@ class Membership:
                         extra={"node": self.name})
             self.lease = 0
         except EtcdUnavailable:
-            if time.monotonic() - self.last_ok >= self.ttl - FENCE_MARGIN_S:
+            since = max(self.last_ok, self._quorum_back)
+            if time.monotonic() - since >= self.ttl - FENCE_MARGIN_S:
                 await self._decide()
 
     async def refresh_now(self) -> None:
@@ -193,6 +197,15 @@ class Membership:
                 log.warning("etcd has no quorum anywhere; holding every VM (control writes "
                             "get 503)", extra={"node": self.name, "peers": answered})
             self.quorum_lost = True
+            return
+        if writable and self.quorum_lost:
+            # Quorum is back and a peer renewed first: this node's renewal is merely behind.
+            # Etcd's new leader extended every lease by its TTL when it took over, so nobody
+            # can hand this node's machines on for a TTL yet: count the fence from now.
+            self.quorum_lost = False
+            self._quorum_back = time.monotonic() - RENEW_DEADLINE_S
+            log.info("etcd has quorum again; renewing this node's lease",
+                     extra={"node": self.name})
             return
         why = ("no peer answers: this node is cut off" if not answered
                else "peers can write to etcd but this node cannot")
