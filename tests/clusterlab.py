@@ -35,6 +35,8 @@ from typing import Any
 
 import httpx
 
+from conftest import vmm_pids
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -365,7 +367,7 @@ class Lab:
                 pass
             p.wait()
         for n in self.nodes:
-            for pid in _vmm_pids(str(n.data_dir)):
+            for pid in vmm_pids(str(n.data_dir)):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -392,18 +394,4 @@ class Lab:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def leaked(self) -> list[int]:
-        return [p for n in self.nodes for p in _vmm_pids(str(n.data_dir))]
-
-
-def _vmm_pids(marker: str) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and b"qemu-system" in argv[0] and any(marker.encode() in a for a in argv):
-            pids.append(int(d.name))
-    return pids
+        return [p for n in self.nodes for p in vmm_pids(str(n.data_dir))]

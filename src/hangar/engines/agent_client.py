@@ -632,22 +632,10 @@ class AgentClient:
         an open tunnel has no deadline (its two ends decide when it ends).
         Raises NotFound when nothing listens there.
         """
-        ch = self._open("connect")
-        try:
-            self._write(P.Kind.REQUEST, ch.cid, {"op": "connect", "port": port, "host": host})
-            ch.expect(self.deadlines.control_s)
-            while True:
-                frame = await ch.get()
-                if frame.kind == P.Kind.DATA and frame.meta.get("connected"):
-                    ch.expect(None)
-                    return Tunnel(self, ch)
-                if frame.kind in P.FINAL_KINDS:
-                    if frame.kind == P.Kind.ERROR:
-                        self._raise(frame)
-                    raise GuestError("the guest ended the tunnel before it was open")
-        except BaseException:
-            ch.close()
-            raise
+        ch, _ = await self._open_long(
+            {"op": "connect", "port": port, "host": host}, "connected",
+            "the guest ended the tunnel before it was open")
+        return Tunnel(self, ch)
 
     async def open_pty(self, meta: dict[str, Any]) -> "PtyChannel":
         """Start a program on a pseudo-terminal in the guest (``hangar.guest.terminal``).
@@ -659,23 +647,10 @@ class AgentClient:
         hung up). Raises InvalidRequest (bad input, a program that cannot
         start), Timeout, GuestError.
         """
-        ch = self._open("pty")
-        try:
-            self._write(P.Kind.REQUEST, ch.cid, {**meta, "op": "pty"})
-            ch.expect(self.deadlines.control_s)
-            while True:
-                frame = await ch.get()
-                if frame.kind == P.Kind.DATA and frame.meta.get("started"):
-                    ch.expect(None)
-                    pid = frame.meta.get("pid")
-                    return PtyChannel(self, ch, pid if isinstance(pid, int) else 0)
-                if frame.kind in P.FINAL_KINDS:
-                    if frame.kind == P.Kind.ERROR:
-                        self._raise(frame)
-                    raise GuestError("the guest ended the terminal before it started")
-        except BaseException:
-            ch.close()
-            raise
+        ch, frame = await self._open_long({**meta, "op": "pty"}, "started",
+                                          "the guest ended the terminal before it started")
+        pid = frame.meta.get("pid")
+        return PtyChannel(self, ch, pid if isinstance(pid, int) else 0)
 
     async def open_watch(self, path: str, recursive: bool) -> "WatchChannel":
         """Watch ``path`` in the guest for file changes (``hangar.guest.watch``).
@@ -685,20 +660,32 @@ class AgentClient:
         deadline. Raises NotFound (no such path), InvalidRequest (too many
         folders, a bad path), Timeout, GuestError.
         """
-        ch = self._open("watch")
+        ch, frame = await self._open_long(
+            {"op": "watch", "path": path, "recursive": recursive}, "ready",
+            "the guest ended the watch before it was in place")
+        return WatchChannel(ch, frame.meta)
+
+    async def _open_long(self, meta: dict[str, Any], flag: str,
+                         ended: str) -> tuple["_Channel", P.Frame]:
+        """Open a long-lived channel (a tunnel, a terminal, a watch) with the request
+        ``meta`` and wait, within ``deadlines.control_s``, for the guest's first DATA frame
+        carrying ``flag``; from then on the channel has no deadline. Returns the channel
+        and that frame. Raises the guest's ERROR as its class, or GuestError(``ended``)
+        when the guest ends the channel first; the channel is closed on any failure.
+        """
+        ch = self._open(meta["op"])
         try:
-            self._write(P.Kind.REQUEST, ch.cid, {"op": "watch", "path": path,
-                                                 "recursive": recursive})
+            self._write(P.Kind.REQUEST, ch.cid, meta)
             ch.expect(self.deadlines.control_s)
             while True:
                 frame = await ch.get()
-                if frame.kind == P.Kind.DATA and frame.meta.get("ready"):
+                if frame.kind == P.Kind.DATA and frame.meta.get(flag):
                     ch.expect(None)
-                    return WatchChannel(ch, frame.meta)
+                    return ch, frame
                 if frame.kind in P.FINAL_KINDS:
                     if frame.kind == P.Kind.ERROR:
                         self._raise(frame)
-                    raise GuestError("the guest ended the watch before it was in place")
+                    raise GuestError(ended)
         except BaseException:
             ch.close()
             raise
