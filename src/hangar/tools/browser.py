@@ -211,6 +211,7 @@ class BrowserTools(VmTools):
         timeout error when neither says the page loaded.
         """
         from playwright.async_api import Error as PlaywrightError
+        from playwright.async_api import TimeoutError as PlaywrightTimeout
 
         page = self.page
         loop = asyncio.get_running_loop()
@@ -220,21 +221,21 @@ class BrowserTools(VmTools):
             return
         except PlaywrightError:
             pass
-        while True:
-            try:
-                if await page.evaluate("document.readyState") == "complete":
+        while (left := deadline - loop.time()) > 0:
+            try:  # bounded too: a hung renderer never answers
+                if await asyncio.wait_for(page.evaluate("document.readyState"), left) \
+                        == "complete":
                     return
-            except PlaywrightError:
-                pass  # mid-navigation: the old document's context is gone
-            left = deadline - loop.time()
-            if left <= 0:
-                await page.wait_for_load_state("load", timeout=1)  # raises the timeout
-                return
+            except (PlaywrightError, asyncio.TimeoutError):
+                pass  # mid-navigation (the old document's context is gone), or out of time
             try:
-                await page.wait_for_load_state("load", timeout=min(0.5, left) * 1000)
+                await page.wait_for_load_state(
+                    "load", timeout=max(1.0, min(500.0, (deadline - loop.time()) * 1000)))
                 return
             except PlaywrightError:
                 pass
+        raise PlaywrightTimeout(f"Timeout {NAVIGATE_TIMEOUT_S * 1000:.0f}ms exceeded: the page "
+                                "did not finish loading")
 
     async def screenshot(self, args: dict[str, Any]) -> ToolResult:
         png = await self.page.screenshot(full_page=bool(args.get("full_page")), type="png",
