@@ -62,8 +62,8 @@ def host_ops() -> dict[str, list[str]]:
     checks of the names a host module passes on to ``call``."""
     found: dict[str, list[str]] = {}
 
-    def add(name: str, path: Path, node: ast.AST) -> None:
-        found.setdefault(name, []).append(f"{path.relative_to(PKG)}:{node.lineno}")  # type: ignore[attr-defined]
+    def add(name: str, path: Path, node: ast.expr | ast.stmt) -> None:
+        found.setdefault(name, []).append(f"{path.relative_to(PKG)}:{node.lineno}")
 
     for path, tree in host_modules():
         for node in ast.walk(tree):
