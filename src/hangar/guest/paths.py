@@ -35,6 +35,7 @@ name                  path                               written by, holds
 ``RUNTIME_DIR``       /usr/lib/hangar/runtime            images that bring Hangar's own Python
                                                          (``hangar.images.runtime``)
 ``RUNTIME_BIN``       /usr/lib/hangar/runtime/bin        its programs (python3, ip)
+``RUNTIME_PYTHON``    /usr/lib/hangar/runtime/bin/python3  its interpreter
 ``HOME``              /root                              the image: commands' HOME and default
                                                          cwd; relative paths start here
 ====================  =================================  ==========================================
