@@ -190,7 +190,7 @@ class QemuCommand:
             "-device", "virtserialport,chardev=agent,name=hangar.agent",
             "-object", "rng-random,id=rng,filename=/dev/urandom",
             "-device", "virtio-rng-device,rng=rng",
-            *self.balloon_args(balloon),
+            *self.balloon_args(balloon, reporting=ram is None),
             "-chardev", "stdio,id=console,signal=off",
             "-serial", "chardev:console",
             "-qmp", f"unix:{p.qmp},server=on,wait=off",
@@ -208,11 +208,21 @@ class QemuCommand:
                            f"merge={'on' if self.tuning.ksm else 'off'},"
                            "x-use-canonical-path-for-ramblock-id=off"]
 
-    def balloon_args(self, balloon: bool) -> list[str]:
-        """The virtio-balloon: free page reporting, and statistics polled every few seconds."""
+    def balloon_args(self, balloon: bool, reporting: bool = True) -> list[str]:
+        """The virtio-balloon: free page reporting (unless not ``reporting``), and
+        statistics polled every few seconds.
+
+        Guests whose RAM is a file (``RamFile``: templates) have no free page
+        reporting: QEMU 7.2 discards a reported page of a file-backed RAM by
+        punching a hole into the file, even when it maps that file privately,
+        which for a template's clone would mean its siblings' memory (the
+        sealed copy refuses, and QEMU logs every refusal). A template's source
+        has none either, so that its clones have the same devices.
+        """
         if not balloon:
             return []
-        return ["-device", f"virtio-balloon-device,id={BALLOON_ID},free-page-reporting=on,"
+        return ["-device", f"virtio-balloon-device,id={BALLOON_ID},"
+                           f"free-page-reporting={'on' if reporting else 'off'},"
                            f"guest-stats-polling-interval={self.tuning.stats_interval_s}"]
 
     @staticmethod

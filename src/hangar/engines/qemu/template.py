@@ -29,9 +29,11 @@ view without ``/proc``, as ``VIEW_FDS/N`` (its own ``/proc/PID/fd`` bound
 there read-only; a memfd itself cannot be bound: it lives in no mount of
 the VMM's namespace). The VMM's uid never
 gets the template file, and nothing, not even root through that memfd, can
-change what clones map. The free page reports of a clone then fail with
-``EPERM`` in QEMU's log (its private pages are not given back until it
-exits; the pages it never wrote cost nothing).
+change what clones map. Those hole punches also mean that templates and
+their clones have a balloon without free page reporting
+(``QemuCommand.balloon_args``): a clone keeps the private pages its guest
+frees until it exits (the pages it never wrote cost nothing), and the
+balloon's statistics work as for any guest.
 
 The memfd's pages are charged to the server's cgroup, once per template;
 ``release`` (``QemuEngine.release_snapshot``) drops a template's memfd when
@@ -208,6 +210,10 @@ class TemplateMemories:
                 same = False
             if not same:
                 self.release(key)
+
+    def resident_bytes(self) -> int:
+        """Host memory the open memfds hold (their allocated pages), bytes."""
+        return sum(os.fstat(e.fd).st_blocks * 512 for e in self._entries.values())
 
     def close(self) -> None:
         """Close every memfd."""
