@@ -153,10 +153,13 @@ class QemuCommand:
         return machine
 
     def command(self, spec: VMSpec, tap_fd: int | None = None, *,
-                balloon: bool | None = None, ram: RamFile | None = None) -> list[str]:
+                balloon: bool | None = None, ram: RamFile | None = None,
+                reporting: bool | None = None) -> list[str]:
         """The full QEMU argv for ``spec``; ``tap_fd``: an open TAP for its NIC;
-        ``balloon`` overrides the tuning's (restores keep the devices their snapshot has);
-        ``ram``: guest RAM in that file (``ram_args``), else anonymous memory.
+        ``balloon`` overrides the tuning's and ``reporting`` the balloon's free page
+        reporting (default: only with anonymous RAM; restores keep the devices
+        their snapshot has); ``ram``: guest RAM in that file (``ram_args``), else
+        anonymous memory.
 
         The serial console is QEMU's stdout (``VMMProcesses.spawn`` sends it
         to the capped console log); with seccomp on, QEMU may not spawn,
@@ -190,7 +193,7 @@ class QemuCommand:
             "-device", "virtserialport,chardev=agent,name=hangar.agent",
             "-object", "rng-random,id=rng,filename=/dev/urandom",
             "-device", "virtio-rng-device,rng=rng",
-            *self.balloon_args(balloon, reporting=ram is None),
+            *self.balloon_args(balloon, reporting=ram is None if reporting is None else reporting),
             "-chardev", "stdio,id=console,signal=off",
             "-serial", "chardev:console",
             "-qmp", f"unix:{p.qmp},server=on,wait=off",

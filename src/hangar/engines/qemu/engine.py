@@ -115,9 +115,10 @@ class QemuEngine(Engine):
         return self.cmdline.machine_args(spec)
 
     def command(self, spec: VMSpec, tap_fd: int | None = None, *,
-                balloon: bool | None = None, ram: RamFile | None = None) -> list[str]:
+                balloon: bool | None = None, ram: RamFile | None = None,
+                reporting: bool | None = None) -> list[str]:
         """The full QEMU argv for ``spec`` (``QemuCommand.command``)."""
-        return self.cmdline.command(spec, tap_fd, balloon=balloon, ram=ram)
+        return self.cmdline.command(spec, tap_fd, balloon=balloon, ram=ram, reporting=reporting)
 
     async def boot(self, spec: VMSpec) -> VM:
         """Make the sandbox's directory and disk and start its QEMU; returns once QEMU has
@@ -136,9 +137,10 @@ class QemuEngine(Engine):
 
     async def _start(self, spec: VMSpec, extra: tuple[str, ...] = (), *,
                      balloon: bool | None = None, ram: RamFile | None = None,
-                     owned: tuple[Path, ...] = (), ram_fd: int | None = None) -> VM:
-        """Start QEMU for ``spec`` (its argv, with ``balloon`` and ``ram`` as ``command``
-        takes them, plus ``extra``) in the sandbox directory.
+                     reporting: bool | None = None, owned: tuple[Path, ...] = (),
+                     ram_fd: int | None = None) -> VM:
+        """Start QEMU for ``spec`` (its argv, with ``balloon``, ``ram`` and ``reporting``
+        as ``command`` takes them, plus ``extra``) in the sandbox directory.
 
         ``owned``: files of the folder that become the VMM's besides its disk;
         ``ram_fd``: a template's sealed memfd, passed open and used as its
@@ -172,7 +174,7 @@ class QemuEngine(Engine):
                 ram = RamFile(fd_path, shared=False)
             console = self.confine.console_argv(p)
             argv = [*self.command(spec, self.confine.tap_fd() if tap else None, balloon=balloon,
-                                  ram=ram), *extra]
+                                  ram=ram, reporting=reporting), *extra]
             proc = self._procs.spawn(argv, cwd=p.dir, pid_file=p.pid_file, stdout=p.serial_log,
                                      stderr=p.vmm_log, plan=plan, console=console,
                                      pass_fds=() if ram_fd is None else (ram_fd,))
@@ -327,8 +329,8 @@ class QemuEngine(Engine):
             raise EngineError("cannot snapshot a VM that is not running", sandbox_id=vm.sandbox_id)
         machine, image = migration.shape_of(vm)
         source_ram = vm.paths.dir / tmpl.SOURCE_RAM
-        if template and not (source_ram.is_file() and "share=on" in " ".join(
-                migration.argv_of(vm))):
+        if template and not (source_ram.is_file()
+                             and "share=on" in " ".join(migration.argv_of(vm))):
             raise EngineError("only a VM booted as a template source (VMSpec.template_source) "
                               "can be saved as a template", sandbox_id=vm.sandbox_id)
         try:
@@ -339,6 +341,7 @@ class QemuEngine(Engine):
         except OSError as exc:
             raise EngineError(f"cannot make snapshot directory {dest}: {exc}") from None
         memory_mib = int(migration.arg(machine, "-m").rstrip("M"))
+        argv = " ".join(migration.argv_of(vm))
         files = SnapshotPaths(dest)
         state, partial = files.state, files.state_partial
         started = time.monotonic()
@@ -366,7 +369,8 @@ class QemuEngine(Engine):
                 source_sandbox=vm.sandbox_id,
                 extra={"migration_ms": info.get("total-time"),
                        "ram_transferred": info.get("ram", {}).get("transferred"),
-                       "balloon": has_balloon(migration.argv_of(vm))},
+                       "balloon": has_balloon(migration.argv_of(vm)),
+                       "free_page_reporting": "free-page-reporting=on" in argv},
                 template=template, memory_bytes=memory_bytes, memory_sha256=memory_sha256,
             )
             snapshot_io.write_manifest(dest, manifest)
@@ -426,7 +430,9 @@ class QemuEngine(Engine):
             await qdisk.rebase(p.disk, spec.image.rootfs)
             # The snapshot's devices, whatever the tuning says now.
             balloon = bool(manifest.extra.get("balloon", False))
-            vm = await self._start(spec, ("-incoming", "defer"), balloon=balloon, ram_fd=ram_fd)
+            reporting = manifest.extra.get("free_page_reporting", not manifest.template)
+            vm = await self._start(spec, ("-incoming", "defer"), balloon=balloon, ram_fd=ram_fd,
+                                   reporting=bool(reporting))
             async with qmp.session(vm) as client:
                 await migration.load_state(client, vm, snap.state, manifest.memory_mib,
                                            ignore_shared=manifest.template)
