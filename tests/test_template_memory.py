@@ -13,6 +13,8 @@ template's sealed copy once), and a clone that writes 100 MiB holds about
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -49,6 +51,7 @@ PSS_RATIO_MAX = 0.40
 HOST_RATIO_MAX = 0.45
 """The same with the template's sealed copy counted once, mapped or not (measured 0.30)."""
 WRITE_MIB = 100
+PUNCH_HOLE, KEEP_SIZE = 0x02, 0x01  # fallocate(2) modes
 SIBLING_GROWTH_MAX_MIB = 10.0
 """A sibling's Rss may grow this much while another clone writes (measured 0-3 MiB)."""
 
@@ -290,5 +293,65 @@ def test_a_mismatched_template_is_refused(template: Template) -> None:
             assert await sh(agent, "cat /root/made.txt") == "template\n"
         finally:
             await run.stop_all()
+
+    asyncio.run(body())
+
+
+def test_a_clone_argv_maps_the_memory_privately(tmp_path: Path) -> None:
+    from hangar.engines.qemu import RamFile, without_tuning
+
+    img = GuestImage(name="base", digest="d", dir=tmp_path, kernel=tmp_path / "vmlinuz",
+                     initrd=tmp_path / "initrd.img", rootfs=tmp_path / "rootfs.ext4",
+                     kernel_version="6.1", vmlinux=tmp_path / "vmlinux")
+    spec = VMSpec("sb-1", img, Layout(tmp_path).sandbox("sb-1"), memory_mib=256)
+    engine = QemuEngine("tcg")
+    clone = engine.command(spec, ram=RamFile("/vmm-fd/9", shared=False))
+    assert clone[clone.index("-M") + 1].endswith(",memory-backend=microvm.ram")
+    assert clone[clone.index("-object") + 1] == (
+        "memory-backend-file,id=microvm.ram,mem-path=/vmm-fd/9,size=256M,share=off,"
+        "merge=off,x-use-canonical-path-for-ramblock-id=off")
+    assert any("free-page-reporting=off" in a for a in clone)
+    assert any("free-page-reporting=on" in a for a in engine.command(spec))
+    source = engine.command(spec, ram=RamFile("/s/memory.ram", shared=True))
+    assert "share=on" in source[source.index("-object") + 1]
+    machine = [a for a in clone[clone.index("-M"):clone.index("-m") + 2]]
+    assert without_tuning(machine) == engine.machine_args(spec), "backing is not shape"
+
+
+def test_the_sealed_copy_refuses_writes_and_checks_its_bytes(tmp_path: Path) -> None:
+    from hangar.engines.qemu.template import TemplateMemories
+
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    memory = snapshot_io.template_memory(snap)
+    data = os.urandom(1 << 20) + bytes(3 << 20)
+    memory.write_bytes(data)
+    good = hashlib.sha256(data).hexdigest()
+    memories = TemplateMemories()
+
+    async def body() -> None:
+        fd = await memories.open(snap, len(data), good)
+        assert await memories.open(snap, len(data), good) == fd, "filled once"
+        assert os.pread(fd, 16, 0) == data[:16]
+        assert memories.resident_bytes() <= (1 << 20) + (64 << 10), "zero chunks stay holes"
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 0)
+        with pytest.raises(PermissionError):
+            os.posix_fallocate(fd, 0, 8 << 20)
+        libc = ctypes.CDLL(None, use_errno=True)  # what QEMU 7.2 does to a discarded page
+        assert libc.fallocate(fd, PUNCH_HOLE | KEEP_SIZE, ctypes.c_long(0),
+                              ctypes.c_long(4096)) == -1
+        assert ctypes.get_errno() == errno.EPERM
+        assert os.pread(fd, 16, 0) == data[:16]
+        memories.release(snap)
+        with pytest.raises(EngineError, match="has changed"):
+            await memories.open(snap, len(data), "0" * 64)
+        with pytest.raises(EngineError, match="manifest says"):
+            await memories.open(snap, len(data) * 2, good)
+        await memories.open(snap, len(data), good)
+        memory.unlink()  # a deleted template's copy goes at the next open
+        with pytest.raises(EngineError, match="no memory file"):
+            await memories.open(snap, len(data), good)
+        assert len(memories) == 0
 
     asyncio.run(body())
