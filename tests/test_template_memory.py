@@ -331,9 +331,14 @@ def test_the_sealed_copy_refuses_writes_and_checks_its_bytes(tmp_path: Path) -> 
 
     async def body() -> None:
         fd = await memories.open(snap, len(data), good)
-        assert await memories.open(snap, len(data), good) == fd, "filled once"
+        again = await memories.open(snap, len(data), good)
+        assert os.fstat(again).st_ino == os.fstat(fd).st_ino and again != fd, "filled once"
+        assert (1 << 20) <= memories.resident_bytes() <= (1 << 20) + (64 << 10), \
+            "zero chunks stay holes"
+        memories.release(snap)
+        assert os.pread(again, 16, 0) == data[:16], "a caller's descriptor outlives a release"
+        os.close(again)
         assert os.pread(fd, 16, 0) == data[:16]
-        assert memories.resident_bytes() <= (1 << 20) + (64 << 10), "zero chunks stay holes"
         with pytest.raises(PermissionError):
             os.pwrite(fd, b"x", 0)
         with pytest.raises(PermissionError):
@@ -343,12 +348,13 @@ def test_the_sealed_copy_refuses_writes_and_checks_its_bytes(tmp_path: Path) -> 
                               ctypes.c_long(4096)) == -1
         assert ctypes.get_errno() == errno.EPERM
         assert os.pread(fd, 16, 0) == data[:16]
+        os.close(fd)
         memories.release(snap)
         with pytest.raises(EngineError, match="has changed"):
             await memories.open(snap, len(data), "0" * 64)
         with pytest.raises(EngineError, match="manifest says"):
             await memories.open(snap, len(data) * 2, good)
-        await memories.open(snap, len(data), good)
+        os.close(await memories.open(snap, len(data), good))
         memory.unlink()  # a deleted template's copy goes at the next open
         with pytest.raises(EngineError, match="no memory file"):
             await memories.open(snap, len(data), good)

@@ -421,6 +421,15 @@ class QemuEngine(Engine):
         if manifest.template:
             ram_fd = await self._templates.open(source, manifest.memory_mib << 20,
                                                 manifest.memory_sha256)
+        try:
+            return await self._restore(spec, source, manifest, ram_fd)
+        finally:
+            if ram_fd is not None:
+                os.close(ram_fd)
+
+    async def _restore(self, spec: VMSpec, source: Path, manifest: snapshot_io.SnapshotManifest,
+                       ram_fd: int | None) -> VM:
+        """``restore`` once the snapshot is checked: ``ram_fd`` is a template's memory."""
         p = spec.paths
         p.dir.mkdir(parents=True, exist_ok=False)
         vm: VM | None = None

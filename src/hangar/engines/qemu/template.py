@@ -171,9 +171,10 @@ class TemplateMemories:
         """The sealed memfd of the template in ``snapshot_dir`` (its ``memory.ram`` of
         ``size`` bytes whose SHA-256 is ``sha256``), filled now if needed.
 
-        The descriptor stays the engine's (close-on-exec; pass it to the VMM).
-        Raises ``EngineError`` when the file is missing, of another size, or
-        its contents differ from ``sha256``.
+        Returns a new descriptor of it (close-on-exec) that the caller passes
+        to its VMM and closes, so a ``release`` meanwhile cannot close it
+        under the caller. Raises ``EngineError`` when the file is missing, of
+        another size, or its contents differ from ``sha256``.
         """
         key = snapshot_dir.resolve()
         self._sweep()
@@ -187,12 +188,11 @@ class TemplateMemories:
                 self.release(key)
                 raise EngineError(f"template {snapshot_dir} has no memory file: "
                                   f"{exc.strerror}") from None
-            if entry is not None and entry.ident == ident:
-                return entry.fd
-            self.release(key)
-            fd = await asyncio.to_thread(_fill, path, size, sha256)
-            self._entries[key] = _Entry(fd, ident)
-            return fd
+            if entry is None or entry.ident != ident:
+                self.release(key)
+                fd = await asyncio.to_thread(_fill, path, size, sha256)
+                entry = self._entries[key] = _Entry(fd, ident)
+            return os.dup(entry.fd)
 
     def release(self, snapshot_dir: Path) -> None:
         """Close the memfd of the template in ``snapshot_dir``, if one is open (clones
