@@ -114,6 +114,10 @@ class QemuEngine(Engine):
         a snapshot records them and a restore compares."""
         return self.cmdline.machine_args(spec)
 
+    def tuned_machine_args(self, spec: VMSpec) -> list[str]:
+        """``machine_args`` with the memory tuning (``QemuCommand.tuned_machine_args``)."""
+        return self.cmdline.tuned_machine_args(spec)
+
     def command(self, spec: VMSpec, tap_fd: int | None = None, *,
                 balloon: bool | None = None, ram: RamFile | None = None,
                 reporting: bool | None = None) -> list[str]:
