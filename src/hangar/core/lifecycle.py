@@ -244,10 +244,14 @@ def walk(frm: State, to: State) -> list[State]:
 
 
 DESIRED: dict[State, frozenset[State]] = {
-    s: (ENDINGS if s == State.STOPPING or s in ENDINGS else WANTABLE) for s in State
+    **{s: WANTABLE for s in State},
+    State.STOPPING: ENDINGS, State.DELETED: ENDINGS, State.EXPIRED: ENDINGS,
+    State.FAILED: ENDINGS | WANTABLE,
 }
 """``DESIRED[s]``: what a record in state ``s`` may want. A sandbox that exists wants
-``running`` or ``sleeping``; from ``stopping`` on, the desired state names its end."""
+``running`` or ``sleeping``; from ``stopping`` on, the desired state names its end. A
+``failed`` one keeps what it wanted when a restore failed (a restore brings it back to
+``running``), or names its end when it failed through ``stopping``."""
 
 
 def check_desired(state: State, desired: State) -> None:

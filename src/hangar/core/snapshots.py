@@ -177,7 +177,8 @@ class Snapshots:
             elif rec.state == State.FAILED:
                 async with self.admission.slot(create=False, memory_mib=rec.memory_mib):
                     ctx.store.transition(sandbox_id, State.FAILED, State.RESTORING,
-                                         restore_from=snapshot_id, error=None)
+                                         restore_from=snapshot_id, error=None,
+                                         desired_state=State.RUNNING)
             else:
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}",
                                sandbox_id=sandbox_id, state=rec.state.value)
