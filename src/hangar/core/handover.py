@@ -8,13 +8,17 @@ sandboxes given up. A single host uses none of it.
                             it to the API under the ASGI scope key ``PLACEMENT_SCOPE``)
 ``Template``                what a sandbox is made of (``describe``): enough for another
                             node to recreate its record
+``SharedSnapshot``          a snapshot made on another node, its files fetched into this
+                            host's layout; ``Handover.receive`` records it (forks)
 ``Adoptee``                 a sleeping sandbox another node gave up: its template, its last
-                            snapshot (files already fetched into this host's layout) and,
-                            for a user's machine, the machine's settings
+                            snapshot (a ``SharedSnapshot``) and, for a user's machine, the
+                            machine's settings
 ``Handover.adopt``          write an adoptee's records: the sandbox in ``sleeping`` (a start
                             state of ``lifecycle.INITIAL``), its sleep snapshot, its machine
 ``Handover.forget``         a sandbox this host no longer owns: end its VMM if any, drop its
                             records and sleep snapshots (never a user snapshot)
+``Handover.fence``          a node cut off from its cluster: SIGKILL every VMM of this host at
+                            once (the core notices them dead and records it)
 ==========================  ================================================================
 
 Both writers hold the sandbox's lock; neither touches anything outside this host.
@@ -23,6 +27,8 @@ Both writers hold the sandbox's lock; neither touches anything outside this host
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +36,7 @@ from typing import Any
 from hangar.core.context import Context
 from hangar.core.launch import Launcher
 from hangar.core.lifecycle import INITIAL, State, check_desired
+from hangar.core.recovery import vmm_processes
 from hangar.core.removal import Removal
 from hangar.core.store import MachineRecord, SandboxRecord, SnapshotRecord
 
@@ -75,14 +82,39 @@ def describe(rec: SandboxRecord) -> Template:
 
 
 @dataclass(frozen=True)
+class SharedSnapshot:
+    """A snapshot made on another node; its files are in this host's layout."""
+
+    id: str
+    sandbox_id: str
+    kind: str
+    """``user`` or ``sleep``."""
+    size_bytes: int
+    created_at: float
+    image: str
+    image_digest: str
+    vcpus: int
+    memory_mib: int
+    disk_mib: int
+    desktop: str | None = None
+    network: dict[str, Any] | None = None
+
+    def record(self) -> SnapshotRecord:
+        return SnapshotRecord(
+            id=self.id, sandbox_id=self.sandbox_id, kind=self.kind, size_bytes=self.size_bytes,
+            created_at=self.created_at, image=self.image, image_digest=self.image_digest,
+            vcpus=self.vcpus, memory_mib=self.memory_mib, disk_mib=self.disk_mib,
+            desktop=self.desktop, network=self.network)
+
+
+@dataclass(frozen=True)
 class Adoptee:
     """A sleeping sandbox to take over; its snapshot's files are in this host's layout."""
 
     sandbox_id: str
     template: Template
-    snapshot_id: str
-    snapshot_bytes: int
-    snapshot_created_at: float
+    snapshot: SharedSnapshot
+    """Its last snapshot (``kind`` sleep), which it wakes from."""
     created_at: float
     user: str | None = None
     """The user whose machine it is, or None."""
@@ -102,13 +134,14 @@ class Handover:
     async def adopt(self, a: Adoptee) -> SandboxRecord:
         """Write ``a``'s records: the sandbox asleep in its snapshot, wanting to run (a call
         or the reconcile loop wakes it), and its machine record. A local record of the same
-        id is forgotten first. Returns the new record."""
+        id is forgotten first (its sleep snapshots too, but the adoptee's). Returns the new
+        record."""
         state = State.SLEEPING
         assert state in INITIAL
         check_desired(state, State.RUNNING)
         ctx = self.ctx
         t = a.template
-        await self.forget(a.sandbox_id, "replaced by an adoption")
+        await self.forget(a.sandbox_id, "replaced by an adoption", keep=a.snapshot.id)
         now = time.time()
         async with ctx.registry.lock(a.sandbox_id):
             rec = SandboxRecord(
@@ -118,13 +151,8 @@ class Handover:
                 disk_mib=t.disk_mib, pid=None, created_at=a.created_at, updated_at=now,
                 last_active_at=t.last_active_at or now, expires_at=t.expires_at,
                 desktop=t.desktop, network=t.network, metadata_=dict(t.metadata),
-                source=t.source, sleep_snapshot=a.snapshot_id)
-            snap = SnapshotRecord(
-                id=a.snapshot_id, sandbox_id=a.sandbox_id, kind="sleep",
-                size_bytes=a.snapshot_bytes, created_at=a.snapshot_created_at, image=t.image,
-                image_digest=t.image_digest, vcpus=t.vcpus, memory_mib=t.memory_mib,
-                disk_mib=t.disk_mib, desktop=t.desktop, network=t.network)
-            records: list[Any] = [rec, snap]
+                source=t.source, sleep_snapshot=a.snapshot.id)
+            records: list[Any] = [rec, a.snapshot.record()]
             if a.user:
                 ctx.store.remove(MachineRecord, a.user)
                 records.append(MachineRecord(
@@ -135,10 +163,11 @@ class Handover:
             ctx.store.add(*records)
         return rec
 
-    async def forget(self, sandbox_id: str, why: str = "owned by another node") -> bool:
+    async def forget(self, sandbox_id: str, why: str = "owned by another node",
+                     keep: str | None = None) -> bool:
         """End the sandbox's VMM if any and drop its records, machine and sleep snapshots
-        (never a user snapshot: forks may still need it). Returns False when there was no
-        record."""
+        (never a user snapshot: forks may still need it; nor ``keep``'s files). Returns
+        False when there was no record."""
         ctx = self.ctx
         async with ctx.registry.lock(sandbox_id):
             rec = ctx.store.get(sandbox_id)
@@ -150,10 +179,38 @@ class Handover:
             await self.launcher.stop(sandbox_id, rec.pid)
             for snap in ctx.store.list(SnapshotRecord):
                 if snap.sandbox_id == sandbox_id and snap.kind == "sleep":
-                    self.removal.drop_snapshot(snap.id)
+                    if snap.id == keep:
+                        ctx.store.remove(SnapshotRecord, snap.id)
+                    else:
+                        self.removal.drop_snapshot(snap.id)
             ctx.store.discard(sandbox_id, set(State))
             for mach in ctx.store.list(MachineRecord):
                 if mach.sandbox_id == sandbox_id:
                     ctx.store.remove(MachineRecord, mach.user_id)
         log.info("local sandbox dropped", extra={"sandbox_id": sandbox_id, "reason": why})
         return True
+
+    def receive(self, snap: SharedSnapshot) -> bool:
+        """Record a snapshot fetched from shared storage (a fork of one made elsewhere).
+        Returns False when this host has it already."""
+        if self.ctx.store.find(SnapshotRecord, snap.id) is not None:
+            return False
+        self.ctx.store.add(snap.record())
+        return True
+
+    def has_snapshot(self, snapshot_id: str) -> bool:
+        return self.ctx.store.find(SnapshotRecord, snapshot_id) is not None
+
+    def fence(self) -> int:
+        """SIGKILL every VMM of this host at once (those the registry knows and any other
+        VMM process of this data directory); returns how many. The core then finds them
+        dead and records it, as after any crash."""
+        ctx = self.ctx
+        pids = {rt.vm.pid for sid in ctx.registry.ids() if (rt := ctx.registry.get(sid))}
+        pids |= {pid for pid, _ in vmm_processes(ctx.layout.sandboxes)}
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return len(pids)

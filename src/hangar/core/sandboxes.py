@@ -227,6 +227,10 @@ class SandboxManager:
         """Drop a sandbox another node owns now. See ``Handover.forget``."""
         return await self.handover.forget(sandbox_id, why)
 
+    def fence(self) -> int:
+        """SIGKILL every VMM of this host (a cut-off cluster node). See ``Handover.fence``."""
+        return self.handover.fence()
+
     def get_snapshot(self, snapshot_id: str) -> SnapshotRecord:
         return self.snapshots.get(snapshot_id)
 
