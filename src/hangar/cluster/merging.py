@@ -85,8 +85,8 @@ class Merger:
         items: dict[str, dict[str, Any]] = {}
         for node, lst in results:
             for item in lst:
-                key = item.get("id") or item.get("user_id")
-                sid = item.get("sandbox_id") if field == "machines" else item.get("id")
+                key = str(item.get("id") or item.get("user_id") or "")
+                sid = str(item.get("sandbox_id") if field == "machines" else key)
                 rec = d.sandboxes.get(sid) if field != "snapshots" else None
                 if field != "snapshots" and rec is not None and rec.node != node:
                     continue

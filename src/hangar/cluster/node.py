@@ -35,7 +35,6 @@ import os
 import platform
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 from hangar import __version__
@@ -47,9 +46,10 @@ from hangar.cluster.membership import Membership
 from hangar.cluster.records import (
     BadRecord, ClusterConfig, NodeInfo, SandboxObject, parse_template, template_json,
 )
+from hangar.cluster.sharing import Sharing, shared_snapshot, template_meta
 from hangar.cluster.storage import SharedStore, open_store
 from hangar.config import Settings
-from hangar.core.handover import Adoptee, SharedSnapshot, describe
+from hangar.core.handover import Adoptee, describe
 from hangar.core.hooks import Hooks
 from hangar.core.lifecycle import GONE, LIVE, IllegalTransition, State
 from hangar.core.sandboxes import SandboxManager
@@ -57,11 +57,10 @@ from hangar.core.store import SandboxRecord, SnapshotRecord
 from hangar.core.views import sandbox_view
 from hangar.errors import ConfigError, Conflict, HangarError, NotFound
 from hangar.images import image_id
-from hangar.layout import Layout, SnapshotPaths
+from hangar.layout import Layout
 
 log = logging.getLogger("hangar.cluster.node")
 
-MANIFEST = SnapshotPaths(Path("/")).manifest.name
 AUDIT_S = 10.0
 """Seconds between audits of this node's records in etcd (stale creates, lost pushes)."""
 CREATE_GRACE_S = 120.0
@@ -89,21 +88,6 @@ def memory_free_mib() -> int:
     return 0
 
 
-def shared_snapshot(meta: Any, kind: str) -> SharedSnapshot:
-    """A snapshot's metadata in etcd (``status.snapshot``, ``/hangar/snapshots/<id>``) as
-    the core's ``SharedSnapshot``. Raises ``BadRecord`` when a field is missing or bad."""
-    try:
-        return SharedSnapshot(
-            id=str(meta["id"]), sandbox_id=str(meta.get("sandboxId") or ""), kind=kind,
-            size_bytes=int(meta.get("sizeBytes", 0)),
-            created_at=float(meta.get("createdAt") or time.time()), image=str(meta["image"]),
-            image_digest=str(meta.get("imageDigest") or ""), vcpus=int(meta["vcpus"]),
-            memory_mib=int(meta["memoryMiB"]), disk_mib=int(meta["diskMiB"]),
-            desktop=meta.get("desktop"), network=meta.get("network"))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise BadRecord(f"unreadable snapshot metadata: {exc!r}") from None
-
-
 class NodeHooks(Hooks):
     """The core's hooks on a cluster node (``hangar.core.hooks``)."""
 
@@ -121,10 +105,12 @@ class NodeHooks(Hooks):
                                                       "error": exc.message})
 
     async def saved(self, rec: SandboxRecord, snap: SnapshotRecord) -> None:
-        await self.node.share_snapshot(rec, snap)
+        assert self.node.sharing is not None
+        await self.node.sharing.share(rec, snap)
 
     async def fetch_snapshot(self, snapshot_id: str) -> None:
-        await self.node.fetch_user_snapshot(snapshot_id)
+        assert self.node.sharing is not None and self.node.manager is not None
+        await self.node.sharing.fetch_user(self.node.manager, snapshot_id)
 
 
 class ClusterNode:
@@ -146,6 +132,7 @@ class ClusterNode:
         self.hooks = NodeHooks(self)
         self.config: ClusterConfig | None = None
         self.store: SharedStore | None = None
+        self.sharing: Sharing | None = None
         self.manager: SandboxManager | None = None
         self.membership: Membership | None = None
         self.failover: Failover | None = None
@@ -176,6 +163,8 @@ class ClusterNode:
                               "--etcd URLS --store URL` once first")
         self.config = ClusterConfig.parse(kv.json())
         self.store = open_store(self.config.store)
+        self.sharing = Sharing(self.store, self.layout, self.etcd, self.directory, self.name,
+                               self.owns)
         return self.config
 
     async def start(self, manager: SandboxManager) -> None:
@@ -492,8 +481,8 @@ class ClusterNode:
                            "has no snapshot to wake from", sandbox_id=sid, state=d.state.value)
         try:
             template = parse_template(d.spec.get("template"))
-            snap = shared_snapshot({**template_meta(template), **d.snapshot,
-                                    "sandboxId": sid}, "sleep")
+            snap = shared_snapshot({**template_meta(template), **d.snapshot}, "sleep",
+                                   sandbox_id=sid)
         except BadRecord as exc:
             raise Conflict(f"sandbox {sid}'s cluster record cannot be adopted: {exc}",
                            sandbox_id=sid) from None
@@ -511,7 +500,8 @@ class ClusterNode:
         if local is not None:  # a stale copy (its files would shadow the download)
             await m.forget(sid, "replaced by an adoption")
         self.set_epoch(sid, new.epoch)
-        await self._fetch(snap.id)
+        assert self.sharing is not None
+        await self.sharing.fetch(snap.id)
         mm = self.directory.machines.get(new.user or "") or {}
         await m.adopt(Adoptee(
             sandbox_id=sid, template=template, snapshot=snap, created_at=new.created_at,
@@ -522,89 +512,10 @@ class ClusterNode:
             "image": image_id(template.image, template.image_digest)})
         return True
 
-    # -- shared snapshots ------------------------------------------------------------------
-
-    async def share_snapshot(self, rec: SandboxRecord, snap: SnapshotRecord) -> None:
-        """Upload a finished snapshot; a sleep snapshot becomes the record's last snapshot
-        (the one before is deleted), a user snapshot is listed for forks on any node."""
-        assert self.store is not None
-        started = time.monotonic()
-        size = await self.store.upload_dir(f"snapshots/{snap.id}",
-                                           self.layout.snapshot(snap.id), MANIFEST)
-        meta = {"id": snap.id, "sizeBytes": size, "createdAt": snap.created_at,
-                "kind": snap.kind, "node": self.name, "sandboxId": rec.id,
-                "image": snap.image, "imageDigest": snap.image_digest, "vcpus": snap.vcpus,
-                "memoryMiB": snap.memory_mib, "diskMiB": snap.disk_mib,
-                "desktop": snap.desktop, "network": snap.network,
-                "engine": rec.engine, "accel": rec.accel}
-        if snap.kind == "user":
-            await self.etcd.put(R.snapshot_key(snap.id), meta)
-        else:
-            old: dict[str, Any] = {}
-
-            def point(d: SandboxObject) -> bool:
-                if not self.owns(d):
-                    return False
-                old.update(d.snapshot or {})
-                d.status["snapshot"] = meta
-                return True
-
-            if await self.directory.update(rec.id, point) is None:
-                await self.drop_shared(snap.id)
-                raise Conflict(f"sandbox {rec.id} is no longer this node's", sandbox_id=rec.id)
-            if old.get("id") and old["id"] != snap.id:
-                await self.drop_shared(old["id"])
-        log.info("snapshot shared", extra={"snapshot_id": snap.id, "size_bytes": size,
-                                           "duration_s": round(time.monotonic() - started, 3)})
-
     async def drop_shared(self, snap_id: str) -> None:
-        """Delete a snapshot's files from shared storage; a failure is logged, not raised."""
-        assert self.store is not None
-        try:
-            await self.store.delete_prefix(f"snapshots/{snap_id}")
-        except HangarError as exc:
-            log.warning("shared snapshot not deleted", extra={"snapshot_id": snap_id,
-                                                              "error": exc.message})
-
-    async def _fetch(self, snap_id: str) -> int:
-        assert self.store is not None
-        dest = self.layout.snapshot(snap_id)
-        if SnapshotPaths(dest).manifest.exists():
-            return 0
-        started = time.monotonic()
-        size = await self.store.download_dir(f"snapshots/{snap_id}", dest, MANIFEST)
-        log.info("snapshot downloaded", extra={"snapshot_id": snap_id, "size_bytes": size,
-                                               "duration_s": round(time.monotonic() - started, 3)})
-        return size
-
-    async def fetch_user_snapshot(self, snap_id: str) -> None:
-        """Download a user snapshot made on another node and record it here (a fork).
-        Raises NotFound, Conflict (its metadata is unreadable), StorageError."""
-        m = self.manager
-        assert m is not None
-        if m.handover.has_snapshot(snap_id):
-            return
-        meta = self.directory.snapshots.get(snap_id)
-        if meta is None:
-            kv = await self.etcd.get(R.snapshot_key(snap_id))
-            if kv is None:
-                raise NotFound(f"no snapshot {snap_id}", snapshot_id=snap_id)
-            meta = kv.json()
-        try:
-            snap = shared_snapshot({**meta, "id": snap_id}, "user")
-        except BadRecord as exc:
-            raise Conflict(f"snapshot {snap_id}'s cluster record is unreadable: {exc}",
-                           snapshot_id=snap_id) from None
-        await self._fetch(snap_id)
-        m.handover.receive(snap)
-
-
-def template_meta(t: Any) -> dict[str, Any]:
-    """The shape fields of a sleep snapshot, from its sandbox's template (the record's
-    ``status.snapshot`` holds only id, size and time)."""
-    return {"image": t.image, "imageDigest": t.image_digest, "vcpus": t.vcpus,
-            "memoryMiB": t.memory_mib, "diskMiB": t.disk_mib, "desktop": t.desktop,
-            "network": t.network}
+        """Delete a snapshot's files from shared storage (``Sharing.drop``)."""
+        assert self.sharing is not None
+        await self.sharing.drop(snap_id)
 
 
 def _float(v: Any) -> float | None:
