@@ -244,13 +244,15 @@ def test_walk_follows_unguarded_edges_only() -> None:
 def test_desired_state_writes_are_checked(store: Store) -> None:
     store.add(record("a", State.RUNNING))
     assert store.update("a", desired_state=State.SLEEPING).desired_state == State.SLEEPING  # type: ignore[union-attr]
-    with pytest.raises(lifecycle.IllegalTransition):
+    with pytest.raises(Conflict):
         store.update("a", desired_state=State.DELETED)
     with pytest.raises(lifecycle.IllegalTransition):
         store.transition("a", State.RUNNING, State.STOPPING, desired_state=State.RUNNING)
     assert store.get("a").state == State.RUNNING  # type: ignore[union-attr]
     store.transition("a", State.RUNNING, State.STOPPING, desired_state=State.EXPIRED)
-    with pytest.raises(lifecycle.IllegalTransition):
+    with pytest.raises(Conflict) as info:  # a want that lost the race with a delete
         store.update("a", desired_state=State.RUNNING)
+    assert info.value.context["state"] == "stopping"
+    assert store.get("a").desired_state == State.EXPIRED  # type: ignore[union-attr]
     for s in State:
         assert lifecycle.DESIRED[s], f"{s} may want nothing"

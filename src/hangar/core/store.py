@@ -30,7 +30,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from hangar.core.lifecycle import LIVE, VMM_STATES, State, check, check_desired
+from hangar.core.lifecycle import DESIRED, LIVE, VMM_STATES, State, check, check_desired
 from hangar.errors import Conflict, NotFound
 
 log = logging.getLogger("hangar.store")
@@ -259,8 +259,9 @@ class Store:
     def update(self, sandbox_id: str, **fields: Any) -> SandboxRecord | None:
         """Set fields other than ``state`` (use ``transition``); None if no such sandbox.
 
-        A new ``desired_state`` must suit the current state (``lifecycle.check_desired``),
-        checked in the same transaction; else ``IllegalTransition``."""
+        A new ``desired_state`` must suit the current state (``lifecycle.DESIRED``),
+        checked in the same transaction; else ``Conflict`` with the current ``state``
+        (the sandbox moved meanwhile, e.g. a delete began)."""
         if "state" in fields:
             raise ValueError("state changes go through Store.transition")
         return self.change(SandboxRecord, sandbox_id, **fields)
@@ -272,8 +273,11 @@ class Store:
             rec = s.get(cls, key)
             if rec is None:
                 return None
-            if isinstance(rec, SandboxRecord) and "desired_state" in fields:
-                check_desired(rec.state, fields["desired_state"])
+            if isinstance(rec, SandboxRecord) and "desired_state" in fields \
+                    and fields["desired_state"] not in DESIRED[rec.state]:
+                raise Conflict(f"sandbox {key} is {rec.state.value}: it cannot want "
+                               f"{State(fields['desired_state']).value}", sandbox_id=key,
+                               state=rec.state.value)
             for name, value in fields.items():
                 setattr(rec, name, value)
             if isinstance(rec, SandboxRecord):
