@@ -277,7 +277,8 @@ def test_an_unreadable_record_is_a_clear_409_and_the_others_still_load(etcd_url:
                 with pytest.raises(Conflict) as info:
                     await read(sid)
                 assert info.value.status == 409 and sandbox_key(sid) in info.value.message
-        assert (await d.fresh("sb-0000000000aa")).state is State.SLEEPING  # type: ignore[union-attr]
+        fresh = await d.fresh("sb-0000000000aa")
+        assert fresh is not None and fresh.state is State.SLEEPING
         await e.delete("/hangar/sandboxes/", prefix=True)
         await e.close()
 

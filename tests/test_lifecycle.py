@@ -243,7 +243,8 @@ def test_walk_follows_unguarded_edges_only() -> None:
 
 def test_desired_state_writes_are_checked(store: Store) -> None:
     store.add(record("a", State.RUNNING))
-    assert store.update("a", desired_state=State.SLEEPING).desired_state == State.SLEEPING  # type: ignore[union-attr]
+    rec = store.update("a", desired_state=State.SLEEPING)
+    assert rec is not None and rec.desired_state == State.SLEEPING
     with pytest.raises(Conflict):
         store.update("a", desired_state=State.DELETED)
     with pytest.raises(lifecycle.IllegalTransition):

@@ -236,8 +236,10 @@ class Directory:
         taken = self.slots.get(node.name, {})
         return [k for k in range(node.capacity) if k not in taken]
 
-    async def claim(self, sid: str, candidates: list[NodeInfo], record: Callable[[NodeInfo, int], SandboxObject],
-                    compare: list[dict[str, Any]], extra: Callable[[NodeInfo], list[dict[str, Any]]],
+    async def claim(self, sid: str, candidates: list[NodeInfo],
+                    record: Callable[[NodeInfo, int], SandboxObject],
+                    compare: list[dict[str, Any]],
+                    extra: Callable[[NodeInfo], list[dict[str, Any]]],
                     expect_revision: int = 0) -> tuple[NodeInfo, int]:
         """Take a free VM slot on the first candidate that has one and write ``sid``'s record
         (``record(node, slot)``), with ``compare`` and ``extra(node)`` puts, in one transaction.
@@ -286,7 +288,8 @@ class Directory:
     # -- records ------------------------------------------------------------------------
 
     async def update(self, sid: str, change: Callable[[SandboxObject], bool],
-                     extra: list[dict[str, Any]] | None = None, tries: int = 4) -> SandboxObject | None:
+                     extra: list[dict[str, Any]] | None = None,
+                     tries: int = 4) -> SandboxObject | None:
         """Read ``sid``'s record, let ``change`` edit it (False: leave it), write it back by
         compare-and-set, again on a lost race. Returns the record written, or None."""
         for _ in range(tries):
