@@ -203,7 +203,8 @@ def test_records_from_etcd_are_untrusted_input() -> None:
     for bad in (_obj("zombie"), _obj("Running"), _obj(""), {"status": {}}, [1, 2], "x",
                 _obj("running", epoch="two"), _obj("running", slot={}),
                 _obj("running", nodeName=7), _obj("running", snapshot={"size": 1}),
-                {**_obj("running"), "spec": {"desiredState": "later"}}):
+                {**_obj("running"), "spec": {"desiredState": "later"}},
+                {**_obj("running"), "spec": {"template": ["base"]}}):
         with pytest.raises(BadRecord):
             SandboxObject.parse(bad)
 

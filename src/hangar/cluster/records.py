@@ -257,6 +257,8 @@ class SandboxObject:
             node = status.get("nodeName")
             if node is not None and not isinstance(node, str):
                 raise ValueError("nodeName is not a string")
+            if not isinstance(rec.spec.get("template") or {}, dict):
+                raise ValueError("spec.template is not an object")
             if rec.snapshot is not None and not (isinstance(rec.snapshot, dict)
                                                  and isinstance(rec.snapshot.get("id"), str)):
                 raise ValueError("snapshot has no id")
