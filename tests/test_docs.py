@@ -41,7 +41,7 @@ from conftest import SRC, Server
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN = {"python", "sh", "bash", "shell", "console"}
-FENCE = re.compile(r"^```(.*)$")
+FENCE = re.compile(r"^( {0,4})```(.*)$")
 BLOCK_TIMEOUT = 900
 """Seconds one block may take: a desktop's cold boot under TCG on a busy 2-core host."""
 
@@ -77,7 +77,7 @@ class Block:
 
 
 def blocks(doc: Path) -> list[Block]:
-    """The fenced blocks of a Markdown file, in order."""
+    """The fenced blocks of a Markdown file, in order (a fence may be indented, in a list)."""
     found: list[Block] = []
     lines = doc.read_text().splitlines()
     i = 0
@@ -86,12 +86,12 @@ def blocks(doc: Path) -> list[Block]:
         if not m:
             i += 1
             continue
-        words = m.group(1).split()
+        indent, words = m.group(1), m.group(2).split()
         start = i
         i += 1
         body: list[str] = []
-        while i < len(lines) and lines[i] != "```":
-            body.append(lines[i])
+        while i < len(lines) and lines[i] != indent + "```":
+            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
             i += 1
         assert i < len(lines), f"{doc}:{start + 1}: the block never ends"
         i += 1
