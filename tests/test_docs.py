@@ -30,13 +30,14 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SRC, Server
+from conftest import SHARED, SRC, Server
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -176,6 +177,14 @@ def workspaces(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iter
     yield made
     for ws in made.values():
         shutil.rmtree(ws.dir, ignore_errors=True)
+    # Templates the docs build live in the shared image cache, which only its own data
+    # directory may change: forget them there (hangar image gc collects the builds).
+    for b in ALL:
+        if b.options.get("file", "").endswith(".toml") and "name" in tomllib.loads(b.text):
+            subprocess.run([sys.executable, "-m", "hangar.cli", "template", "rm",
+                            tomllib.loads(b.text)["name"]], capture_output=True, timeout=120,
+                           env={**os.environ, "HANGAR_DATA_DIR": str(SHARED),
+                                "PYTHONPATH": str(SRC)})
 
 
 def holdings(api: httpx.Client) -> dict[str, set[str]]:
@@ -215,5 +224,6 @@ def test_the_block_runs(block: Block, workspaces: dict[Path, Workspace],
         clear(api, "machines", left["machines"])
         clear(api, "snapshots", left["snapshots"])
     out = f"--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
+    print(out)  # shown with pytest -rA: what the reader of the block would see
     assert r.returncode == 0, f"{block.name} exited {r.returncode}\n{out}"
     assert not any(left.values()), f"{block.name} left {left} behind\n{out}"
