@@ -128,6 +128,28 @@ def test_every_block_that_is_not_run_says_why() -> None:
         assert set(b.options) <= {"file"}, f"{b.name}: unknown fence options {b.options}"
 
 
+def anchors(doc: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings."""
+    found = set()
+    for line in doc.read_text().splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            found.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return found
+
+
+def test_every_link_between_the_docs_arrives() -> None:
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            assert dest.exists(), f"{doc.relative_to(ROOT)}: {target} does not exist"
+            if anchor and dest.suffix == ".md":
+                assert anchor in anchors(dest), f"{doc.relative_to(ROOT)}: no #{anchor} in {path}"
+
+
 def test_the_blocks_are_found() -> None:
     langs = {b.lang for b in ALL if b.runs}
     assert {"python", "sh", "console"} <= langs

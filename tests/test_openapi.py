@@ -68,7 +68,7 @@ def template(node: ast.expr) -> str | None:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.JoinedStr):
-        return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+        return "".join(str(v.value) if isinstance(v, ast.Constant) else "{}" for v in node.values)
     return None
 
 
@@ -97,11 +97,11 @@ def sdk_routes() -> dict[tuple[str, str], list[str]]:
                 assert route is not None, f"{where}: the path is not a literal or f-string"
                 if route == "/sandboxes/{}/{}":
                     continue  # _desktop's own call, expanded below
-                routes.setdefault((method.value, route), []).append(where)
+                routes.setdefault((str(method.value), route), []).append(where)
             elif name == "_desktop":
                 action = node.args[1] if len(node.args) > 1 else None
                 assert isinstance(action, ast.Constant), f"{where}: the action is not literal"
-                routes.setdefault(("POST", f"/sandboxes/{{}}/{action.value}"), []).append(where)
+                routes.setdefault(("POST", f"/sandboxes/{{}}/{action.value!s}"), []).append(where)
     return routes
 
 
