@@ -197,7 +197,7 @@ def test_ten_clones_share_pages(template: Template) -> None:
             maps = Path(f"/proc/{clones[0][0].pid}/maps").read_text()
             assert "memfd:hangar-template" in maps
             assert str(template.snap) not in maps, "clones never map the template file"
-            sealed_mib = template.engine._templates.resident_bytes() / 2**20
+            sealed_mib = template.engine.template_memory_bytes() / 2**20
             used = [(await template.engine.memory(vm)) for vm, _ in clones]
             guest = [u.guest_used_mib for u in used if u is not None and u.guest_used_mib]
             ratio, host_ratio = clone_pss / cold_pss, (clone_pss + sealed_mib) / cold_pss

@@ -468,6 +468,11 @@ class QemuEngine(Engine):
         if this engine holds one; clones keep their mapping. Never raises."""
         self._templates.release(source)
 
+    def template_memory_bytes(self) -> int:
+        """Host memory held by the sealed copies of templates' memory, bytes: shared by
+        their clones, counted in no VMM's Pss (``template.TemplateMemories``)."""
+        return self._templates.resident_bytes()
+
     def adopt(self, sandbox_id: str, paths: SandboxPaths, pid: int) -> VM | None:
         """Return the VM if ``pid`` is still this sandbox's QEMU (checked by its argv)."""
         argv = process.argv_of(pid)

@@ -35,10 +35,15 @@ their clones have a balloon without free page reporting
 frees until it exits (the pages it never wrote cost nothing), and the
 balloon's statistics work as for any guest.
 
-The memfd's pages are charged to the server's cgroup, once per template;
-``release`` (``QemuEngine.release_snapshot``) drops a template's memfd when
-its snapshot is deleted (running clones keep their mapping), and a
-template whose file changed or vanished is dropped at the next ``open``.
+The memfd holds the template's non-zero pages and grows where clones fault
+on its holes (shmem gives a hole a zero page of its own, even when the
+clone then writes a private copy): at most the guest's memory size once
+per template, in no clone's Pss (``resident_bytes`` tells). Its pages are
+charged to the cgroup of whoever first touched them (the server, or a
+clone at a hole). ``release`` (``QemuEngine.release_snapshot``) drops a
+template's memfd when its snapshot is deleted (running clones keep their
+mapping), and a template whose file changed or vanished is dropped at the
+next ``open``.
 """
 
 from __future__ import annotations
