@@ -11,8 +11,7 @@ from hangar.api.models import ForkRequest, RestoreRequest, Sandbox, Snapshot, Sn
 from hangar.api.sandboxes import view as sandbox_view
 from hangar.core.admission import CreateOptions
 from hangar.core.sandboxes import SandboxManager
-from hangar.core.store import SnapshotRecord
-from hangar.images import image_id
+from hangar.core.store import SnapshotRecord, image_id
 
 router = APIRouter(tags=["snapshots"])
 Manager = Annotated[SandboxManager, Depends(manager)]
