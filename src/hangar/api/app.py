@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 from fastapi import Depends, FastAPI
-from starlette.types import ASGIApp
 
 from hangar import __version__
 from hangar.api import (
@@ -42,7 +42,7 @@ Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 def create_app(settings: Settings | None = None, *, keys: KeyRing | None = None,
                event_bus: EventBus | None = None, lifespan: Lifespan | None = None,
-               routing: Callable[..., ASGIApp] | None = None) -> FastAPI:
+               routing: Callable[..., Any] | None = None) -> FastAPI:
     """The app's routes and middleware (see the module docstring).
 
     ``keys``: the API key ring requests are checked against (``app.state.keys``);

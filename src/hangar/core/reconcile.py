@@ -27,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from hangar.core.context import Context
 from hangar.core.lifecycle import State
@@ -48,7 +49,7 @@ BACKOFF_S = (2.0, 300.0)
 SLOW = frozenset({"sleep", "wake", "restore", "complete"})
 EXPIRABLE = frozenset({State.RUNNING, State.UNRESPONSIVE, State.SLEEPING})
 
-Pass = Callable[[], Awaitable[None]]
+Pass = Callable[[], Coroutine[Any, Any, None]]
 
 
 class Reconciler:
