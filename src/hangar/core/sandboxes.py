@@ -15,6 +15,8 @@ module of ``hangar.core`` with a public surface the others use:
 ``snapshots``      take, restore in place, fork, list, remove
 ``sleep``          sleep and wake
 ``guestcalls``     exec, files, tunnels, file watches (wake a sleeping sandbox first)
+``commands``       the typed surface of guest calls: Command, ExecResult, FileEntry, HOME
+``desktop``        computer use and the VNC connection (``SandboxManager.desktop``)
 ``terminals``      terminal sessions (pty) that outlive their viewers
 ``ports``          exposed guest ports and their signed URL tokens
 ``reconcile``      the loop that moves current states toward desired ones
@@ -25,6 +27,7 @@ module of ``hangar.core`` with a public surface the others use:
 ``publish``        the events that follow state changes
 ``testhooks``      test-only: crash at a named step, hold a wake up
 ``hooks``          a cluster node's part in wakes, saved snapshots and forks (no-ops alone)
+``tasks``          background tasks: started by name, crashes logged, stopped on close
 =================  ==============================================================
 
 Rules:
