@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -129,7 +129,7 @@ async def watch(sandbox_id: str, path: PathQ, m: Manager,
     # One batch at a time between the guest's channel and the client: batches not yet
     # taken stay in the guest (flow control), so a slow client holds the server at one
     # window, and the guest's inotify queue overflows instead.
-    queue: asyncio.Queue[list[dict[str, Any]] | None] = asyncio.Queue(maxsize=1)
+    queue: asyncio.Queue[list[FileEvent] | None] = asyncio.Queue(maxsize=1)
 
     async def pump() -> None:
         try:
@@ -157,10 +157,7 @@ async def watch(sandbox_id: str, path: PathQ, m: Manager,
                     return
                 out = []
                 for e in batch:
-                    try:
-                        line = FileEvent.model_validate(e).model_dump_json(exclude_none=True)
-                    except ValueError:
-                        continue
+                    line = e.model_dump_json(exclude_none=True)
                     out.append(f"data: {line}\n\n" if fmt == "sse" else line + "\n")
                 if out:
                     yield "".join(out).encode()

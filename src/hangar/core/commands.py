@@ -14,7 +14,8 @@ how these travel to the guest agent is the core's business
                     with ``data``, or ``exit`` with ``result``
 ``FileEntry``       a file in the guest: name, absolute path, type, size, mode, mtime;
                     ``FileList`` a folder's path and entries; ``WriteResult`` a
-                    written file's path and size (the wire schemas, ``hangar.schemas``)
+                    written file's path and size; ``FileEvent`` a change a watch saw
+                    (the wire schemas, ``hangar.schemas``)
 ``Tunnel``          a TCP connection to a guest port: ``read``, ``write``, ``close``
 ``HOME``            where relative paths start, for files and commands alike
 ==================  ===============================================================
@@ -35,9 +36,9 @@ from typing import Any
 
 from hangar.engines.agent_client import ExecEvent, ExecResult, StreamCapture, Tunnel, exec_meta
 from hangar.errors import InvalidRequest
-from hangar.schemas import FileEntry, FileList, WriteResult
+from hangar.schemas import FileEntry, FileEvent, FileList, WriteResult
 
-__all__ = ["HOME", "Command", "ExecEvent", "ExecResult", "FileEntry", "FileList",
+__all__ = ["HOME", "Command", "ExecEvent", "ExecResult", "FileEntry", "FileEvent", "FileList",
            "StreamCapture", "Tunnel", "WriteResult"]
 
 HOME = "/root"

@@ -53,7 +53,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from hangar.core.admission import ExecSlots
-from hangar.core.commands import HOME, Command, FileEntry, FileList, WriteResult
+from hangar.core.commands import HOME, Command, FileEntry, FileEvent, FileList, WriteResult
 from hangar.core.context import Context
 from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
@@ -79,6 +79,13 @@ PROBE_S = 5.0
 its ``Retry-After``."""
 BUSY_RETRY_S = 1.0
 """``Retry-After`` of a 409 ``busy`` while a lifecycle change runs, seconds."""
+
+
+def _file_event(raw: dict[str, Any]) -> FileEvent | None:
+    try:
+        return FileEvent.model_validate(raw)
+    except ValueError:
+        return None
 
 
 class NoListener(NotFound):
@@ -334,10 +341,11 @@ class GuestCalls:
                 await conn.close()
 
     async def watch(self, sandbox_id: str, path: str,
-                    recursive: bool = False) -> AsyncIterator[list[dict[str, Any]]]:
+                    recursive: bool = False) -> AsyncIterator[list[FileEvent]]:
         """Watch ``path`` in the guest: first an empty batch once the watch is in place, then
-        batches of events (``hangar.guest.watch``) until the caller closes the iterator or
-        the path goes away. The sandbox is busy meanwhile.
+        batches of ``FileEvent`` until the caller closes the iterator or the path goes
+        away (an event the guest sent malformed is dropped). The sandbox is busy
+        meanwhile.
 
         Raises NotFound (no such path), InvalidRequest (too many folders), and the
         errors of ``using``.
@@ -347,7 +355,7 @@ class GuestCalls:
             try:
                 yield []
                 while (batch := await w.next()) is not None:
-                    yield batch
+                    yield [e for e in map(_file_event, batch) if e is not None]
             finally:
                 await w.close()
 

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from hangar.config import Settings
 from hangar.core.admission import Admission, CreateOptions, new_id
-from hangar.core.commands import HOME, Command, FileEntry, FileList, WriteResult
+from hangar.core.commands import HOME, Command, FileEntry, FileEvent, FileList, WriteResult
 from hangar.core.context import Context
 from hangar.core.creation import Creation
 from hangar.core.events import EventBus
@@ -299,7 +299,7 @@ class SandboxManager:
         return await self.calls.agent(sandbox_id)
 
     def watch(self, sandbox_id: str, path: str,
-              recursive: bool = False) -> AsyncIterator[list[dict[str, Any]]]:
+              recursive: bool = False) -> AsyncIterator[list[FileEvent]]:
         """See ``GuestCalls.watch``."""
         return self.calls.watch(sandbox_id, path, recursive)
 
