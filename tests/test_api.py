@@ -248,3 +248,32 @@ def test_the_api_app_is_built_from_given_parts_without_a_data_dir(tmp_path) -> N
     app = create_app(Settings(data_dir=d))
     assert "/sandboxes/{sandbox_id}/files/list" in app.openapi()["paths"]
     assert not d.exists()
+
+
+def test_a_routing_middleware_sits_between_idempotency_and_the_routes(tmp_path) -> None:
+    """The server assembly hands a cluster node's gateway to api/app.py as ``routing``; it
+    is built as ``routing(app, state=app.state)`` just outside the routes."""
+    from functools import partial
+
+    from fastapi.testclient import TestClient
+
+    from hangar.api.app import create_app
+    from hangar.config import Settings
+
+    seen: list[tuple[str, object]] = []
+
+    class Routing:
+        def __init__(self, app, node: str, state: object) -> None:
+            self.app, self.node, self.state = app, node, state
+
+        async def __call__(self, scope, receive, send) -> None:
+            if scope["type"] == "http":
+                seen.append((scope["path"], self.node))
+            await self.app(scope, receive, send)
+
+    app = create_app(Settings(data_dir=tmp_path / "data"), routing=partial(Routing, node="n1"))
+    names = [getattr(m.cls, "func", m.cls).__name__ for m in app.user_middleware]
+    assert names == ["PortProxy", "BodyLimit", "IdempotencyMiddleware", "Routing"]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        client.get("/openapi.json")
+    assert seen == [("/openapi.json", "n1")]
