@@ -339,6 +339,17 @@ class Lab:
         return run(["ip", "netns", "exec", ns or self.nodes[0].ns, sys.executable, "-m",
                     "hangar.cli", *args, *etcd], check=check, env=self.env, timeout=60)
 
+    def etcd_put(self, key: str, value: str) -> None:
+        """Write ``value`` under ``key`` in the cluster's etcd as it is (an empty value deletes
+        the key): how a test plants a record no node would write."""
+        code = ("import asyncio, sys\nfrom hangar.cluster.etcd import Etcd\n"
+                "async def go():\n    e = Etcd(sys.argv[1].split(','))\n"
+                "    if sys.argv[3]:\n        await e.put(sys.argv[2], sys.argv[3])\n"
+                "    else:\n        await e.delete(sys.argv[2])\n    await e.close()\n"
+                "asyncio.run(go())\n")
+        run(["ip", "netns", "exec", self.nodes[0].ns, sys.executable, "-c", code,
+             self.etcd_urls, key, value], env=self.env, timeout=30)
+
     def node_ls(self) -> dict[str, dict[str, Any]]:
         r = self.hangar("node", "ls", "--json", check=False)
         if r.returncode != 0:

@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,12 @@ import pytest
 
 from conftest import SRC
 from hangar.engines.agent_client import (
-    AgentChannel, AgentClient, Deadlines, Streams, exec_meta, unix_channel,
+    AgentChannel, AgentClient, Deadlines, PtyChannel, Streams, exec_meta, unix_channel,
 )
 from hangar.errors import GuestError, Timeout
 from hangar.guest import protocol as P
 from hangar.guest.agent import Agent, serve_unix
+from hangar.guest.terminal import HANGUP_GRACE_S
 
 
 @asynccontextmanager
@@ -157,13 +159,16 @@ def test_refuses_another_protocol_version_and_a_dead_vmm() -> None:
 
 
 @asynccontextmanager
-async def agent_process() -> AsyncIterator[tuple[AgentClient, int]]:
-    """A real agent in a process of its own (so it can be frozen), and a client to it."""
+async def agent_process(ignoring: str = "") -> AsyncIterator[tuple[AgentClient, int]]:
+    """A real agent in a process of its own (so it can be frozen), and a client to it;
+    ``ignoring``: signal names (``HUP INT``) the agent starts with ignored."""
     d = Path(tempfile.mkdtemp(prefix="hac-", dir="/tmp"))
     path = d / "agent.sock"
+    argv = [sys.executable, "-m", "hangar.guest.agent", "--listen", str(path)]
+    if ignoring:  # the shell ignores them and execs the agent, which inherits that
+        argv = ["/bin/sh", "-c", f"trap '' {ignoring}; exec \"$0\" \"$@\"", *argv]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hangar.guest.agent", "--listen", str(path),
-        stderr=asyncio.subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(SRC)})
+        *argv, stderr=asyncio.subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(SRC)})
     try:
         client = await AgentClient.handshake(unix_channel(path), 20)
         try:
@@ -462,66 +467,159 @@ def running(pid: int) -> bool:
         return False
 
 
-async def gone(pid: int, within: float) -> bool:
+async def gone(pid: int, within: float) -> float | None:
+    """The loop time at which ``pid`` was seen gone (polled), or None after ``within`` s."""
     loop = asyncio.get_running_loop()
     end = loop.time() + within
     while running(pid):
         if loop.time() > end:
-            return False
-        await asyncio.sleep(0.05)
-    return True
+            return None
+        await asyncio.sleep(0.01)
+    return loop.time()
+
+
+async def until(what: str, cond: Any, within: float) -> None:
+    """Poll ``cond()`` until it is true; fail naming ``what`` after ``within`` seconds."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within
+    while not cond():
+        assert loop.time() < end, f"{what}: not within {within:.2f} s"
+        await asyncio.sleep(0.01)
+
+
+@dataclass(frozen=True)
+class Pace:
+    """This machine's pace, measured against the real agent: ``pty_s`` is the slowest of
+    three terminals from request to the program's exit code at the host (``true``: a
+    fork, an exec, a pty, four frames). Waits of the terminal tests are multiples of it,
+    never constants tuned on one machine; failing is what makes them run out."""
+
+    pty_s: float
+
+    def times(self, n: float) -> float:
+        """``n`` terminals' worth of seconds."""
+        return n * self.pty_s
+
+
+async def measure(client: AgentClient) -> Pace:
+    """Time three terminals running ``true`` on ``client``'s agent (see ``Pace``)."""
+    loop = asyncio.get_running_loop()
+    took = []
+    for _ in range(3):
+        t = loop.time()
+        p = await client.open_pty({"argv": ["true"]})
+        while await p.read():
+            pass
+        assert p.exit is not None and p.exit.exit_code == 0
+        took.append(loop.time() - t)
+    return Pace(max(took))
+
+
+@asynccontextmanager
+async def nohup_agent() -> AsyncIterator[tuple[AgentClient, int]]:
+    """``agent_process`` started as ``nohup ... &`` leaves a program: SIGHUP, SIGINT and
+    SIGQUIT ignored, which every child inherits unless it is given its defaults back."""
+    async with agent_process(ignoring="HUP INT QUIT") as got:
+        yield got
+
+
+async def read_until(p: PtyChannel, marker: bytes, within: float) -> bytes:
+    """A terminal's output up to and including ``marker``; each read within ``within`` s."""
+    out = b""
+    while marker not in out:
+        chunk = await asyncio.wait_for(p.read(), within)
+        assert chunk, f"the terminal ended before {marker!r}: {out!r}"
+        out += chunk
+    return out
 
 
 def test_a_terminal_keeps_to_its_window_both_ways_and_close_hangs_it_up(tmp_path: Path) -> None:
     """Output a host does not take blocks the program (at most a window waits here); input
-    larger than a window arrives whole; closing hangs up: a HUP trap runs, a program that
-    ignores SIGHUP is killed 2 s later."""
+    larger than a window arrives whole; a hang-up (``hang_up``, or ``close``, which CANCELs)
+    sends SIGHUP, so a HUP trap runs, and SIGKILL ``HANGUP_GRACE_S`` later, so a program that
+    ignores SIGHUP is killed then and not before: even when the agent itself was started
+    with SIGHUP ignored (the program starts with every signal at its default)."""
     async def go() -> None:
-        async with agent_process() as (client, _):
+        async with nohup_agent() as (client, _):
+            pace = await measure(client)
+            answer = pace.times(1000)  # a bound on anything the agent answers
+            # The program starts with no signal ignored or blocked, whatever the agent has.
+            p = await client.open_pty({"argv": ["grep", "-E", "^Sig(Ign|Blk)",
+                                                "/proc/self/status"]})
+            out = b""
+            while chunk := await asyncio.wait_for(p.read(), answer):
+                out += chunk
+            assert out.split() == [b"SigBlk:", b"0" * 16, b"SigIgn:", b"0" * 16], out
+
+            # Output: the host takes nothing, so yes fills a window and then blocks.
             p = await client.open_pty({"shell": "exec yes"})
-            await asyncio.sleep(1.0)  # the host takes nothing
-            first = held(client)
+            await until("a window of output", lambda: held(client) >= P.WINDOW - P.MAX_STREAM_FRAME,
+                        answer)
+            loop = asyncio.get_running_loop()
+            end = loop.time() + answer
             written = wchar(p.pid)
-            await asyncio.sleep(0.5)
+            while True:  # the pty's own buffer fills, then yes blocks
+                await asyncio.sleep(pace.times(5))
+                if wchar(p.pid) == written:
+                    break
+                assert loop.time() < end, "yes kept writing"
+                written = wchar(p.pid)
+            first = held(client)
+            await asyncio.sleep(pace.times(20))  # yes would write megabytes meanwhile
             assert held(client) == first and wchar(p.pid) == written, "yes kept writing"
             assert P.WINDOW - P.MAX_STREAM_FRAME <= first <= P.WINDOW
             out = bytearray()
             while len(out) < 3 << 20:
-                out += await asyncio.wait_for(p.read(), 10)
+                out += await asyncio.wait_for(p.read(), answer)
             assert set(out) <= set(b"y\r\n") and b"y\r\ny\r\n" in out
             await p.close()
-            assert await gone(p.pid, 5), "yes outlived its terminal"
+            assert await gone(p.pid, HANGUP_GRACE_S + answer), "yes outlived its terminal"
 
             # Input: 3 MiB, three windows, every byte in order to a program in raw mode.
             blob = bytes(range(256)) * (3 << 12)
             p = await client.open_pty({"shell": f"stty raw -echo; echo ready; "
                                                 f"head -c {len(blob)} | sha256sum"})
-            seen = b""
-            while b"ready" not in seen:
-                seen += await asyncio.wait_for(p.read(), 10)
-            await asyncio.wait_for(p.write(blob), 60)
-            while chunk := await asyncio.wait_for(p.read(), 30):
+            seen = await read_until(p, b"ready", answer)
+            await asyncio.wait_for(p.write(blob), answer)
+            while chunk := await asyncio.wait_for(p.read(), answer):
                 seen += chunk
             assert hashlib.sha256(blob).hexdigest().encode() in seen
             assert p.exit is not None and p.exit.exit_code == 0 and p.exit.input_dropped == 0
 
-            # Close = CANCEL = hang-up: the HUP trap runs; SIGHUP ignored means SIGKILL in 2 s.
-            flag = tmp_path / "hung-up"
-            trap = await client.open_pty({"shell": f"trap 'echo yes > {flag}; exit 0' HUP; "
-                                                   "echo armed; while :; do sleep 0.1; done"})
-            deaf = await client.open_pty({"shell": "trap '' HUP; echo armed; exec sleep 60"})
-            for t in (trap, deaf):
-                while b"armed" not in await asyncio.wait_for(t.read(), 10):
-                    pass
-            await trap.close()
-            await deaf.close()
-            loop = asyncio.get_running_loop()
-            closed = loop.time()
-            assert await gone(trap.pid, 5) and flag.read_text() == "yes\n"
-            assert running(deaf.pid), "a program that ignores SIGHUP is given 2 s"
-            assert await gone(deaf.pid, 10)
-            assert loop.time() - closed > 1.5
-            assert await requests_settle(client) == 1
+            # Hang-ups: SIGHUP first, SIGKILL HANGUP_GRACE_S later, by hang_up (the exit code
+            # still comes) and by close (CANCEL: nothing more comes; files tell).
+            flags = {how: tmp_path / f"hung-up-{how}" for how in ("hang_up", "close")}
+            traps, deaf = {}, {}
+            for how, flag in flags.items():
+                traps[how] = await client.open_pty({
+                    "shell": f"trap 'echo yes > {flag}; exit 7' HUP; "
+                             "echo armed; while :; do sleep 0.1; done"})
+                deaf[how] = await client.open_pty(
+                    {"shell": "trap '' HUP; echo armed; exec sleep 600"})
+            for p in [*traps.values(), *deaf.values()]:
+                await read_until(p, b"armed", answer)
+            sent = loop.time()
+            await traps["hang_up"].hang_up()
+            await deaf["hang_up"].hang_up()
+            await traps["close"].close()
+            await deaf["close"].close()
+            # The HUP traps run: their shells end by the trap's own exit.
+            for how, p in traps.items():
+                assert await gone(p.pid, answer), f"a HUP trap did not end its shell ({how})"
+                assert flags[how].read_text() == "yes\n", f"no HUP trap ran ({how})"
+            while await asyncio.wait_for(traps["hang_up"].read(), answer):
+                pass
+            assert traps["hang_up"].exit is not None
+            assert traps["hang_up"].exit.exit_code == 7 and traps["hang_up"].exit.signal is None
+            # Programs that ignore SIGHUP are killed HANGUP_GRACE_S later, not before.
+            for how, p in deaf.items():
+                died = await gone(p.pid, HANGUP_GRACE_S + answer)
+                assert died is not None, f"a program that ignores SIGHUP outlived ({how})"
+                assert died - sent >= HANGUP_GRACE_S, f"killed before its grace ({how})"
+            while await asyncio.wait_for(deaf["hang_up"].read(), answer):
+                pass
+            assert deaf["hang_up"].exit is not None and deaf["hang_up"].exit.signal == 9
+            assert await requests_settle(client, within=answer) == 1
 
     asyncio.run(go())
 

@@ -1,8 +1,10 @@
-"""The cluster's parts without VMs: the etcd client and claims on a real etcd, shared storage
-on a real folder and a real S3 server (moto's server mode), all on loopback."""
+"""The cluster's parts without VMs: the etcd client, claims and untrusted records on a real
+etcd, the failover's moves, shared storage on a real folder and a real S3 server (moto's
+server mode), all on loopback; and the import rule (no cluster module imports the API)."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
 import shutil
@@ -16,11 +18,14 @@ from pathlib import Path
 
 import pytest
 
+import hangar.cluster
 from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, EtcdUnavailable, cmp_version, op_put
-from hangar.cluster.records import NodeInfo, SandboxObject
+from hangar.cluster.failover import hand_on, landing
+from hangar.cluster.records import BadRecord, NodeInfo, SandboxObject, sandbox_key
 from hangar.cluster.storage import FileStore, StorageError, open_store
-from hangar.errors import ConfigError, LimitExceeded, NotFound
+from hangar.core.lifecycle import Guard, IllegalTransition, State, check
+from hangar.errors import ConfigError, Conflict, LimitExceeded, NotFound
 
 
 def _port() -> int:
@@ -77,7 +82,8 @@ def test_claims_never_overshoot_and_a_dead_endpoint_is_skipped(etcd_url: str) ->
 
         def record(node: NodeInfo, k: int, sid: str) -> SandboxObject:
             return SandboxObject(name=sid, spec={}, status={"nodeName": node.name, "slot": k,
-                                                            "epoch": 1, "state": "creating"})
+                                                            "epoch": 1,
+                                                            "state": State.CREATING.value})
 
         async def one(i: int) -> str:
             sid = f"sb-{i:012x}"
@@ -184,3 +190,114 @@ def test_s3_store_round_trip_on_a_real_s3_server(tmp_path: Path) -> None:
                 os.environ[k] = v
         p.kill()
         p.wait()
+
+
+def _obj(state: str, **status: object) -> dict:
+    return {"metadata": {"name": "sb-000000000001", "labels": {}},
+            "spec": {}, "status": {"nodeName": "n3", "epoch": 2, "state": state, **status}}
+
+
+def test_records_from_etcd_are_untrusted_input() -> None:
+    rec = SandboxObject.parse(_obj("sleeping"))
+    assert rec.state is State.SLEEPING and rec.desired is State.RUNNING
+    for bad in (_obj("zombie"), _obj("Running"), _obj(""), {"status": {}}, [1, 2], "x",
+                _obj("running", epoch="two"), _obj("running", slot={}),
+                _obj("running", nodeName=7), _obj("running", snapshot={"size": 1}),
+                {**_obj("running"), "spec": {"desiredState": "later"}},
+                {**_obj("running"), "spec": {"template": ["base"]}}):
+        with pytest.raises(BadRecord):
+            SandboxObject.parse(bad)
+
+
+def test_record_moves_are_edges_of_the_lifecycle_table() -> None:
+    rec = SandboxObject.parse(_obj("sleeping", view={"id": "sb-000000000001",
+                                                      "state": "sleeping"}))
+    rec.move(State.WAKING)
+    assert rec.status["state"] == "waking" and rec.status["view"]["state"] == "waking"
+    with pytest.raises(IllegalTransition):
+        rec.move(State.DELETED)  # no such edge
+    with pytest.raises(IllegalTransition):
+        rec.move(State.FAILED)  # an edge only a failover makes, under its guard
+    rec.move(State.FAILED, Guard.NODE_LOST)
+    assert rec.follow(State.RUNNING) == [State.FAILED, State.RESTORING, State.RUNNING]
+    rec.want(State.SLEEPING)
+    assert rec.spec == {"desiredState": "sleeping", "operatingMode": "Suspended"}
+    with pytest.raises(IllegalTransition):
+        rec.want(State.DELETED)  # a running sandbox wants running or sleeping
+    back = SandboxObject.parse(rec.to_json())
+    assert back.state is State.RUNNING and back.desired is State.SLEEPING
+
+
+@pytest.mark.parametrize("was,user,snapshot,to,guard", [
+    ("running", None, True, "failed", Guard.NODE_LOST),
+    ("unresponsive", None, False, "failed", Guard.NODE_LOST),
+    ("snapshotting", None, True, "failed", Guard.NODE_LOST),
+    ("waking", None, False, "failed", Guard.NODE_LOST),
+    ("restoring", None, False, "failed", Guard.NODE_LOST),
+    ("running", "u1", True, "sleeping", Guard.BACK_TO_SNAPSHOT),
+    ("unresponsive", "u1", True, "sleeping", Guard.BACK_TO_SNAPSHOT),
+    ("restoring", "u1", True, "sleeping", Guard.BACK_TO_SNAPSHOT),
+    ("running", "u1", False, "failed", Guard.NODE_LOST),
+    ("waking", None, True, "sleeping", None),
+    ("snapshotting", "u1", True, "sleeping", Guard.BACK_TO_SNAPSHOT),
+    ("stopping", "u1", True, "failed", None),
+    ("sleeping", "u1", True, "sleeping", None),
+    ("failed", None, False, "failed", None),
+])
+def test_failover_moves_each_record_by_one_edge(was: str, user: str | None, snapshot: bool,
+                                                to: str, guard: Guard | None) -> None:
+    raw = _obj(was, view={"id": "sb-000000000001", "state": was},
+               **({"snapshot": {"id": "sn-1"}} if snapshot else {}))
+    if user:
+        raw["metadata"]["labels"] = {"hangar.dev/user": user}
+    rec = SandboxObject.parse(raw)
+    assert landing(rec) == (State(to), guard)
+    if to != was:
+        check({State(was)}, State(to), guard)  # an edge of the table, under that guard
+    assert not hand_on(rec, "n2")  # another node's record: left alone
+    assert hand_on(rec, "n3")
+    assert rec.state is State(to) and rec.node is None and rec.epoch == 3
+    assert rec.status["view"]["state"] == to
+    assert ("n3" in rec.status["view"].get("error", "")) == (to != was)
+
+
+def test_an_unreadable_record_is_a_clear_409_and_the_others_still_load(etcd_url: str) -> None:
+    async def go() -> None:
+        e = Etcd([etcd_url])
+        d = Directory(e)
+        good = SandboxObject.parse(_obj("sleeping"))
+        good.name = "sb-0000000000aa"
+        await e.put(sandbox_key("sb-0000000000aa"), good.to_json())
+        await e.put(sandbox_key("sb-0000000000bb"), _obj("zombie"))
+        await e.put(sandbox_key("sb-0000000000cc"), "not json at all {")
+        await d.load()
+        assert set(d.sandboxes) >= {"sb-0000000000aa"}
+        assert not {"sb-0000000000bb", "sb-0000000000cc"} & set(d.sandboxes)
+        for sid in ("sb-0000000000bb", "sb-0000000000cc"):
+            for read in (d.lookup, d.fresh):
+                with pytest.raises(Conflict) as info:
+                    await read(sid)
+                assert info.value.status == 409 and sandbox_key(sid) in info.value.message
+        fresh = await d.fresh("sb-0000000000aa")
+        assert fresh is not None and fresh.state is State.SLEEPING
+        await e.delete("/hangar/sandboxes/", prefix=True)
+        await e.close()
+
+    asyncio.run(go())
+
+
+def test_no_cluster_module_imports_the_api() -> None:
+    root = Path(list(hangar.cluster.__path__)[0])
+    for f in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not name.startswith("hangar.api"), f"{f.name} imports {name}"
+    mods = ",".join(f"hangar.cluster.{f.stem}" for f in root.glob("*.py") if f.stem != "__init__")
+    out = subprocess.run([sys.executable, "-c", f"import importlib, sys\n"
+                          f"for m in {mods!r}.split(','): importlib.import_module(m)\n"
+                          "print(sorted(m for m in sys.modules if m.startswith('hangar.api')))"],
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(root.parents[1])})
+    assert out.stdout.strip() == "[]", out.stdout

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 
@@ -94,9 +93,6 @@ def test_api_never_imports_the_cluster_or_the_server_assembly() -> None:
     assert offending("hangar.api", ("hangar.cluster", "hangar.server", "hangar.cli")) == {}
 
 
-@pytest.mark.xfail(strict=False, reason="cluster/gateway.py and cluster/node.py still import "
-                   "hangar.api (authenticate, the sandbox view) until the `cluster` branch "
-                   "of issue 21 merges")
 def test_cluster_never_imports_api() -> None:
     """cluster/ uses core's public surface; the key check lives in hangar.keys."""
     assert offending("hangar.cluster", ("hangar.api",)) == {}

@@ -201,3 +201,59 @@ def test_pool_templates_setting() -> None:
     for bad in ("dev", "dev=two", "=2"):
         with pytest.raises(ValueError):
             templates(Settings(pool_templates=bad))
+
+
+def test_guarded_moves_need_their_guard_and_the_store_never_makes_them(store: Store) -> None:
+    guarded = [m for m in MOVES if m.guard is not None]
+    assert guarded, "the failover's moves are edges of the table"
+    for m in guarded:
+        assert m.guard in lifecycle.GUARDS
+        with pytest.raises(lifecycle.IllegalTransition):
+            lifecycle.check({m.frm}, m.to)  # no guard named: refused
+        lifecycle.check({m.frm}, m.to, m.guard)
+        others = [g for g in lifecycle.Guard if g != m.guard]
+        for g in others:
+            if not lifecycle.allowed(m.frm, m.to, g):
+                with pytest.raises(lifecycle.IllegalTransition):
+                    lifecycle.check({m.frm}, m.to, g)
+    store.add(record("a", State.RUNNING))
+    with pytest.raises(lifecycle.IllegalTransition):
+        store.transition("a", State.RUNNING, State.SLEEPING)
+    assert store.get("a").state == State.RUNNING  # type: ignore[union-attr]
+    assert "[guard back_to_snapshot]" in lifecycle.render_diagram()
+
+
+def test_walk_follows_unguarded_edges_only() -> None:
+    assert lifecycle.walk(State.SLEEPING, State.RUNNING) == [
+        State.SLEEPING, State.WAKING, State.RUNNING]
+    # The failover's one guarded edge running -> failed is not a step of a walk.
+    assert len(lifecycle.walk(State.RUNNING, State.FAILED)) == 3
+    assert lifecycle.walk(State.RUNNING, State.RUNNING) == [State.RUNNING]
+    for frm in State:
+        for to in State:
+            try:
+                chain = lifecycle.walk(frm, to)
+            except lifecycle.IllegalTransition:
+                # Out of a tombstone nothing goes; only a pool VM becomes a create.
+                assert frm in GONE or to in (State.POOLED, State.CREATING), (frm, to)
+                continue
+            for a, b in zip(chain, chain[1:]):
+                assert lifecycle.allowed(a, b)
+
+
+def test_desired_state_writes_are_checked(store: Store) -> None:
+    store.add(record("a", State.RUNNING))
+    rec = store.update("a", desired_state=State.SLEEPING)
+    assert rec is not None and rec.desired_state == State.SLEEPING
+    with pytest.raises(Conflict):
+        store.update("a", desired_state=State.DELETED)
+    with pytest.raises(lifecycle.IllegalTransition):
+        store.transition("a", State.RUNNING, State.STOPPING, desired_state=State.RUNNING)
+    assert store.get("a").state == State.RUNNING  # type: ignore[union-attr]
+    store.transition("a", State.RUNNING, State.STOPPING, desired_state=State.EXPIRED)
+    with pytest.raises(Conflict) as info:  # a want that lost the race with a delete
+        store.update("a", desired_state=State.RUNNING)
+    assert info.value.context["state"] == "stopping"
+    assert store.get("a").desired_state == State.EXPIRED  # type: ignore[union-attr]
+    for s in State:
+        assert lifecycle.DESIRED[s], f"{s} may want nothing"

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from hangar.core.handover import PLACEMENT_SCOPE, Placement
 from hangar.core.sandboxes import SandboxManager
 
 
 async def manager(request: Request) -> SandboxManager:
     return request.app.state.manager
+
+
+async def placement(request: Request) -> Placement | None:
+    """The id a cluster's gateway claimed for this request's create, or None (one host)."""
+    return request.scope.get(PLACEMENT_SCOPE)

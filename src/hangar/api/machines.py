@@ -7,9 +7,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
+from hangar.api.deps import placement
 from hangar.api.models import ExecRequest, ExecResponse, Machine, MachineList, MachineRequest
 from hangar.api.sandboxes import _meta, _shown, _stdin, exec_response
 from hangar.core.admission import CreateOptions
+from hangar.core.handover import Placement
 from hangar.core.machines import MachineManager
 
 router = APIRouter(prefix="/machines/{user_id}", tags=["machines"])
@@ -31,11 +33,12 @@ async def list_(mm: Machines) -> MachineList:
 @router.post("", response_model=Machine, summary="Get the user's machine, creating it if none",
              responses={201: {"model": Machine, "description": "created"}})
 async def get_or_create(user_id: str, mm: Machines, response: Response,
+                        placed: Annotated[Placement | None, Depends(placement)],
                         body: MachineRequest | None = None) -> Machine:
     body = body or MachineRequest()
     m, created = await mm.get_or_create(user_id, body.idle_timeout, CreateOptions(
         image=body.image, vcpus=body.vcpus, memory_mib=body.memory_mib, disk_mib=body.disk_mib,
-        network=body.network))
+        network=body.network), placed)
     response.status_code = 201 if created else 200
     return Machine(**asdict(m))
 

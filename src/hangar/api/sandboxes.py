@@ -13,42 +13,37 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Response
 from fastapi.responses import StreamingResponse
 
-from hangar.api.deps import manager
+from hangar.api.deps import manager, placement
 from hangar.api.models import (
     CreateSandbox, ExecRequest, ExecResponse, Sandbox, SandboxList, SetTimeout,
 )
 from hangar.schemas import SandboxMemory
 from hangar.core.admission import CreateOptions
+from hangar.core.handover import Placement
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.commands import Command, ExecResult, StreamCapture
-from hangar.core.store import SandboxRecord, image_id
+from hangar.core.views import sandbox_view
 from hangar.errors import HangarError, InvalidRequest
 
 router = APIRouter(prefix="/sandboxes", tags=["sandboxes"])
 Manager = Annotated[SandboxManager, Depends(manager)]
+Placed = Annotated[Placement | None, Depends(placement)]
 
 
-def view(rec: SandboxRecord) -> Sandbox:
-    return Sandbox(
-        id=rec.id, state=rec.state.value, image=rec.image,
-        image_id=image_id(rec.image, rec.image_digest), engine=rec.engine, accel=rec.accel,
-        vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
-        created_at=rec.created_at, expires_at=rec.expires_at, error=rec.error,
-        metadata={k: v for k, v in (rec.metadata_ or {}).items() if isinstance(v, str)},
-        desktop=rec.desktop, network=rec.network, source=rec.source,
-    )
+view = sandbox_view
+"""A record as the API shows it (``hangar.core.views.sandbox_view``)."""
 
 
 @router.post("", status_code=201, response_model=Sandbox,
              summary="Create a sandbox; answers once its guest agent is ready")
-async def create(m: Manager, body: CreateSandbox | None = None) -> Sandbox:
+async def create(m: Manager, placed: Placed, body: CreateSandbox | None = None) -> Sandbox:
     body = body or CreateSandbox()
     m.policy(body.network)  # a bad or unenforceable policy is a 400 before anything else
     rec = await m.create(CreateOptions(
         image=body.image, vcpus=body.vcpus, memory_mib=body.memory_mib,
         disk_mib=body.disk_mib, timeout_s=body.timeout, metadata=body.metadata,
         desktop=body.desktop, network=body.network,
-    ))
+    ), placed)
     return view(rec)
 
 

@@ -6,10 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Response
 
-from hangar.api.deps import manager
+from hangar.api.deps import manager, placement
 from hangar.api.models import ForkRequest, RestoreRequest, Sandbox, Snapshot, SnapshotList
 from hangar.api.sandboxes import view as sandbox_view
 from hangar.core.admission import CreateOptions
+from hangar.core.handover import Placement
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import SnapshotRecord, image_id
 
@@ -59,7 +60,10 @@ async def delete(snapshot_id: str, m: Manager) -> Response:
 
 @router.post("/snapshots/{snapshot_id}/sandboxes", response_model=Sandbox, status_code=201,
              summary="Start a new sandbox from a snapshot (a fork)", responses=MISSING_IMAGE)
-async def fork(snapshot_id: str, m: Manager, body: ForkRequest | None = None) -> Sandbox:
+async def fork(snapshot_id: str, m: Manager,
+               placed: Annotated[Placement | None, Depends(placement)],
+               body: ForkRequest | None = None) -> Sandbox:
     body = body or ForkRequest()
-    rec = await m.fork(snapshot_id, CreateOptions(timeout_s=body.timeout, metadata=body.metadata))
+    rec = await m.fork(snapshot_id, CreateOptions(timeout_s=body.timeout, metadata=body.metadata),
+                       placed)
     return sandbox_view(rec)

@@ -11,6 +11,11 @@ Every change of ownership is a compare-and-set on the record's
 VM slot it takes (``version == 0``: the slot is free), in one
 transaction: two nodes that try to take the same sandbox, or the last
 slot, cannot both win.
+
+Records are read as untrusted input (``SandboxObject.parse``): the watch
+leaves an unreadable one out of the cache, and ``lookup`` and ``fresh``
+answer it with ``Conflict`` (409) naming the key, so a request about it gets
+a clear refusal and every other record keeps working.
 """
 
 from __future__ import annotations
@@ -25,10 +30,19 @@ from hangar.cluster import records as R
 from hangar.cluster.etcd import (
     Compacted, Etcd, Event, cmp_mod, cmp_value, cmp_version, op_delete, op_put,
 )
-from hangar.cluster.records import NodeInfo, SandboxObject
+from hangar.cluster.records import BadRecord, NodeInfo, SandboxObject
 from hangar.errors import Conflict, LimitExceeded
 
 log = logging.getLogger("hangar.cluster.directory")
+
+
+def read_record(sid: str, raw: Any, mod_revision: int) -> SandboxObject:
+    """Parse ``sid``'s record from etcd. Raises ``Conflict`` (409) when it is unreadable."""
+    try:
+        return SandboxObject.parse(raw, mod_revision)
+    except BadRecord as exc:
+        raise Conflict(f"sandbox {sid}'s cluster record is unreadable ({exc}); an operator "
+                       f"must fix or delete {R.sandbox_key(sid)}", sandbox_id=sid) from None
 
 Listener = Callable[[str, "SandboxObject | None"], None]
 """Called with (sandbox id, its record or None when deleted) after the cache changed."""
@@ -114,7 +128,11 @@ class Directory:
                 sid = key[len(R.SANDBOXES):]
                 cur = self.sandboxes.get(sid)
                 if put and (cur is None or kv.mod_revision >= cur.mod_revision):
-                    self.sandboxes[sid] = SandboxObject.parse(kv.json(), kv.mod_revision)
+                    try:
+                        self.sandboxes[sid] = SandboxObject.parse(kv.json(), kv.mod_revision)
+                    except BadRecord:
+                        self.sandboxes.pop(sid, None)
+                        raise
                 elif not put:
                     self.sandboxes.pop(sid, None)
                 if notify:
@@ -131,13 +149,13 @@ class Directory:
             elif key.startswith(R.MACHINES):
                 user = key[len(R.MACHINES):]
                 if put:
-                    self.machines[user] = kv.json()
+                    self.machines[user] = _object(kv)
                 else:
                     self.machines.pop(user, None)
             elif key.startswith(R.SNAPSHOTS):
                 snap = key[len(R.SNAPSHOTS):]
                 if put:
-                    self.snapshots[snap] = kv.json()
+                    self.snapshots[snap] = _object(kv)
                 else:
                     self.snapshots.pop(snap, None)
             elif key.startswith(R.SLOTS):
@@ -149,7 +167,7 @@ class Directory:
                     table.pop(int(k), None)
             elif key == R.LEADER:
                 self.leader = kv.value.decode() if put else None
-        except (ValueError, KeyError, json.JSONDecodeError):
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
             log.warning("unreadable cluster record ignored", extra={"key": key})
 
     def _notify(self, sid: str) -> None:
@@ -178,19 +196,20 @@ class Directory:
         kv = await self.etcd.get(R.sandbox_key(sid))
         if kv is None:
             return None
-        rec = SandboxObject.parse(kv.json(), kv.mod_revision)
+        rec = read_record(sid, _json(kv), kv.mod_revision)
         cur = self.sandboxes.get(sid)
         if cur is None or cur.mod_revision < rec.mod_revision:
             self.sandboxes[sid] = rec
         return rec
 
     async def fresh(self, sid: str) -> SandboxObject | None:
-        """The record of ``sid`` read from etcd now (before a compare-and-set)."""
+        """The record of ``sid`` read from etcd now (before a compare-and-set). Raises
+        ``Conflict`` when it is unreadable."""
         kv = await self.etcd.get(R.sandbox_key(sid))
         if kv is None:
             self.sandboxes.pop(sid, None)
             return None
-        rec = SandboxObject.parse(kv.json(), kv.mod_revision)
+        rec = read_record(sid, _json(kv), kv.mod_revision)
         self.sandboxes[sid] = rec
         return rec
 
@@ -200,8 +219,12 @@ class Directory:
             kv = await self.etcd.get(R.machine_key(user))
             if kv is None:
                 return None
-            m = self.machines[user] = kv.json()
-        return m.get("sandboxId")
+            m = self.machines[user] = _json(kv)
+        sid = m.get("sandboxId") if isinstance(m, dict) else None
+        if not isinstance(sid, str):
+            raise Conflict(f"user {user}'s machine record is unreadable; an operator must fix "
+                           f"or delete {R.machine_key(user)}", user_id=user)
+        return sid
 
     # -- slots --------------------------------------------------------------------------
 
@@ -213,8 +236,10 @@ class Directory:
         taken = self.slots.get(node.name, {})
         return [k for k in range(node.capacity) if k not in taken]
 
-    async def claim(self, sid: str, candidates: list[NodeInfo], record: Callable[[NodeInfo, int], SandboxObject],
-                    compare: list[dict[str, Any]], extra: Callable[[NodeInfo], list[dict[str, Any]]],
+    async def claim(self, sid: str, candidates: list[NodeInfo],
+                    record: Callable[[NodeInfo, int], SandboxObject],
+                    compare: list[dict[str, Any]],
+                    extra: Callable[[NodeInfo], list[dict[str, Any]]],
                     expect_revision: int = 0) -> tuple[NodeInfo, int]:
         """Take a free VM slot on the first candidate that has one and write ``sid``'s record
         (``record(node, slot)``), with ``compare`` and ``extra(node)`` puts, in one transaction.
@@ -263,7 +288,8 @@ class Directory:
     # -- records ------------------------------------------------------------------------
 
     async def update(self, sid: str, change: Callable[[SandboxObject], bool],
-                     extra: list[dict[str, Any]] | None = None, tries: int = 4) -> SandboxObject | None:
+                     extra: list[dict[str, Any]] | None = None,
+                     tries: int = 4) -> SandboxObject | None:
         """Read ``sid``'s record, let ``change`` edit it (False: leave it), write it back by
         compare-and-set, again on a lost race. Returns the record written, or None."""
         for _ in range(tries):
@@ -288,3 +314,17 @@ class Directory:
                 ops.append(op_delete(R.machine_key(rec.user)))
         await self.etcd.txn([], ops)
         self.sandboxes.pop(rec.name, None)
+
+
+def _json(kv: Any) -> Any:
+    try:
+        return kv.json()
+    except ValueError:
+        return None
+
+
+def _object(kv: Any) -> dict[str, Any]:
+    v = kv.json()
+    if not isinstance(v, dict):
+        raise ValueError("not an object")
+    return v

@@ -157,7 +157,8 @@ class Etcd:
         """Endpoints from a comma-separated list (``http://a:2379,http://b:2379``)."""
         return [u.strip() for u in urls.split(",") if u.strip()]
 
-    async def call(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    async def call(self, path: str, body: dict[str, Any],
+                   timeout: float | None = None) -> dict[str, Any]:
         """POST ``body`` to ``/v3/<path>`` on the first member that answers.
 
         Raises ``EtcdUnavailable`` when none does within its deadline, or all

@@ -6,20 +6,26 @@ It runs on one node at a time, the one elected through etcd
 saw such a node gone (a margin over the fencing of a node that is only
 cut off: it stops its VMMs before its lease ends), it rewrites each of
 that node's records by compare-and-set, raising the epoch so that the
-lost node, if it comes back, knows its VMMs are stale:
+lost node, if it comes back, knows its VMMs are stale. Each state change
+is one edge of ``hangar.core.lifecycle.MOVES`` (``landing``), the ones only
+a failover makes under their guard:
 
-====================================  =============================================
-the record was                         it becomes
-====================================  =============================================
-``sleeping``                           ``sleeping``, no owner: any node may wake it
-a machine that had been asleep once    ``sleeping`` at its last snapshot in shared
-(any state but sleeping)               storage, no owner (what ran since is lost)
-``creating``                           removed (the create's caller got an error)
-anything else                          ``failed``, no owner (``error`` says why);
-                                       it can be deleted
-====================================  =============================================
+=========================================  ==========================================
+the record was                             it becomes (edge, guard)
+=========================================  ==========================================
+``sleeping``, ``failed``                   the same, no owner: any node may wake it
+``waking`` with a shared snapshot          ``sleeping`` (nothing ran since)
+a machine with a shared snapshot, in       ``sleeping`` at that snapshot, no owner
+``running``, ``unresponsive``,             (``back_to_snapshot``: what ran since is
+``snapshotting`` or ``restoring``          lost)
+``stopping``                               ``failed`` (it can be deleted)
+``creating`` (or a tombstone)              removed (the create's caller got an error)
+anything else                              ``failed``, no owner (``node_lost``;
+                                           ``error`` says why); it can be deleted
+=========================================  ==========================================
 
-and the node's VM slots are freed.
+and the node's VM slots are freed. A record that cannot be read or moved is
+left as it is and logged; the others are still handed on.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from hangar.cluster import records as R
 from hangar.cluster.directory import Directory
 from hangar.cluster.membership import Membership
 from hangar.cluster.records import SandboxObject
+from hangar.core.lifecycle import GONE, Guard, IllegalTransition, State
+from hangar.errors import Conflict
 
 log = logging.getLogger("hangar.cluster.failover")
 
@@ -94,15 +102,19 @@ class Failover:
         d = self.directory
         moved = 0
         for sid in [s for s, r in d.sandboxes.items() if r.node == node]:
-            rec = await d.fresh(sid)
-            if rec is None or rec.node != node:
-                continue
-            if rec.state == "creating":
-                await d.remove(rec)
-                moved += 1
-                continue
-            if await d.update(sid, lambda r: hand_on(r, node)) is not None:
-                moved += 1
+            try:
+                rec = await d.fresh(sid)
+                if rec is None or rec.node != node:
+                    continue
+                if rec.state in UNFINISHED:
+                    await d.remove(rec)
+                    moved += 1
+                    continue
+                if await d.update(sid, lambda r: hand_on(r, node)) is not None:
+                    moved += 1
+            except (Conflict, IllegalTransition) as exc:
+                log.error("lost node's record not handed on", extra={
+                    "sandbox_id": sid, "node": node, "error": str(exc)})
         if d.slots.get(node):
             await d.etcd.delete(f"{R.SLOTS}{node}/", prefix=True)
         d.slots.pop(node, None)
@@ -110,24 +122,38 @@ class Failover:
         log.warning("lost node's sandboxes handed on", extra={"node": node, "count": moved})
 
 
+UNFINISHED: frozenset[State] = frozenset({State.CREATING, State.POOLED}) | GONE
+"""States whose record a failover removes: a create that never finished (its caller got an
+error), or records no node should have written (tombstones, pool VMs)."""
+
+
+def landing(rec: SandboxObject) -> tuple[State, Guard | None]:
+    """Where a record of a lost node goes, and the guard of that move (module docstring)."""
+    was = rec.state
+    if was in (State.SLEEPING, State.FAILED):
+        return was, None
+    if was == State.WAKING and rec.snapshot:
+        return State.SLEEPING, None
+    if was == State.STOPPING:
+        return State.FAILED, None
+    if rec.user and rec.snapshot and was in (State.RUNNING, State.UNRESPONSIVE,
+                                             State.SNAPSHOTTING, State.RESTORING):
+        return State.SLEEPING, Guard.BACK_TO_SNAPSHOT
+    return State.FAILED, Guard.NODE_LOST
+
+
 def hand_on(rec: SandboxObject, node: str) -> bool:
-    """Edit ``rec`` of lost ``node`` as the module docstring says; False: not that node's."""
+    """Edit ``rec`` of lost ``node`` as the module docstring says; False: not that node's.
+    Raises ``IllegalTransition`` for a state a failover has no edge from."""
     if rec.node != node:
         return False
-    st = rec.status
     was = rec.state
-    st["nodeName"] = None
-    st["epoch"] = rec.epoch + 1
-    st["slot"] = None
-    st["podIPs"] = []
-    view = dict(st.get("view") or {})
-    if was == "sleeping" or (rec.user and rec.snapshot):
-        st["state"] = "sleeping"
-        view.update(state="sleeping",
-                    error=None if was == "sleeping" else
-                    f"node {node} was lost; back to its last snapshot")
-    else:
-        st["state"] = "failed"
-        view.update(state="failed", error=f"node {node} was lost while the sandbox was {was}")
-    st["view"] = view
+    to, guard = landing(rec)
+    rec.move(to, guard)
+    st = rec.status
+    st.update(nodeName=None, epoch=rec.epoch + 1, slot=None, podIPs=[])
+    if to != was:
+        why = (f"node {node} was lost; back to its last snapshot" if to == State.SLEEPING
+               else f"node {node} was lost while the sandbox was {was.value}")
+        st["view"] = {**(st.get("view") or {}), "error": why}
     return True

@@ -16,6 +16,12 @@ local records:
   names another node or another epoch is stale: its VMM is killed and its
   records dropped, so a partition never leaves two copies of one machine.
 
+It acts on the core only through its public surface: ``SandboxManager``'s
+``adopt``, ``forget``, ``fence`` and ``handover.receive`` (``hangar.core.handover``),
+and the store's reads and transition listener. Every state it writes into a
+record is a move of ``hangar.core.lifecycle``'s table (``SandboxObject.move``,
+``follow``, ``want``).
+
 Each node remembers the epoch of every sandbox it owns in
 ``cluster-epochs.json`` (``Layout.cluster_epochs``).
 """
@@ -27,10 +33,8 @@ import json
 import logging
 import os
 import platform
-import signal
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 from hangar import __version__
@@ -39,21 +43,24 @@ from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, EtcdUnavailable, op_delete
 from hangar.cluster.failover import Failover, hand_on
 from hangar.cluster.membership import Membership
-from hangar.cluster.records import ClusterConfig, NodeInfo, SandboxObject
+from hangar.cluster.records import (
+    BadRecord, ClusterConfig, NodeInfo, SandboxObject, parse_template, template_json,
+)
+from hangar.cluster.sharing import Sharing, shared_snapshot, template_meta
 from hangar.cluster.storage import SharedStore, open_store
 from hangar.config import Settings
+from hangar.core.handover import Adoptee, describe
 from hangar.core.hooks import Hooks
-from hangar.core.lifecycle import GONE, LIVE, State
-from hangar.core.recovery import vmm_processes
+from hangar.core.lifecycle import GONE, LIVE, IllegalTransition, State
 from hangar.core.sandboxes import SandboxManager
-from hangar.core.store import MachineRecord, SandboxRecord, SnapshotRecord
+from hangar.core.store import SandboxRecord, SnapshotRecord
+from hangar.core.views import sandbox_view
 from hangar.errors import ConfigError, Conflict, HangarError, NotFound
 from hangar.images import image_id
-from hangar.layout import Layout, SnapshotPaths
+from hangar.layout import Layout
 
 log = logging.getLogger("hangar.cluster.node")
 
-MANIFEST = SnapshotPaths(Path("/")).manifest.name
 AUDIT_S = 10.0
 """Seconds between audits of this node's records in etcd (stale creates, lost pushes)."""
 CREATE_GRACE_S = 120.0
@@ -81,21 +88,6 @@ def memory_free_mib() -> int:
     return 0
 
 
-def template(rec: SandboxRecord) -> dict[str, Any]:
-    """The part of a local record another node needs to recreate it (``spec.template``)."""
-    return {"image": rec.image, "imageDigest": rec.image_digest, "engine": rec.engine,
-            "accel": rec.accel, "vcpus": rec.vcpus, "memoryMiB": rec.memory_mib,
-            "diskMiB": rec.disk_mib, "desktop": rec.desktop, "network": rec.network,
-            "metadata": rec.metadata_ or {}, "source": rec.source,
-            "expiresAt": rec.expires_at, "lastActiveAt": rec.last_active_at}
-
-
-def view(rec: SandboxRecord) -> dict[str, Any]:
-    from hangar.api.sandboxes import view as api_view
-
-    return api_view(rec).model_dump(mode="json")
-
-
 class NodeHooks(Hooks):
     """The core's hooks on a cluster node (``hangar.core.hooks``)."""
 
@@ -113,10 +105,12 @@ class NodeHooks(Hooks):
                                                       "error": exc.message})
 
     async def saved(self, rec: SandboxRecord, snap: SnapshotRecord) -> None:
-        await self.node.share_snapshot(rec, snap)
+        assert self.node.sharing is not None
+        await self.node.sharing.share(rec, snap)
 
     async def fetch_snapshot(self, snapshot_id: str) -> None:
-        await self.node.fetch_user_snapshot(snapshot_id)
+        assert self.node.sharing is not None and self.node.manager is not None
+        await self.node.sharing.fetch_user(self.node.manager, snapshot_id)
 
 
 class ClusterNode:
@@ -138,6 +132,7 @@ class ClusterNode:
         self.hooks = NodeHooks(self)
         self.config: ClusterConfig | None = None
         self.store: SharedStore | None = None
+        self.sharing: Sharing | None = None
         self.manager: SandboxManager | None = None
         self.membership: Membership | None = None
         self.failover: Failover | None = None
@@ -168,6 +163,8 @@ class ClusterNode:
                               "--etcd URLS --store URL` once first")
         self.config = ClusterConfig.parse(kv.json())
         self.store = open_store(self.config.store)
+        self.sharing = Sharing(self.store, self.layout, self.etcd, self.directory, self.name,
+                               self.owns)
         return self.config
 
     async def start(self, manager: SandboxManager) -> None:
@@ -286,23 +283,29 @@ class ClusterNode:
         if rec.state in GONE:
             await self.directory.remove(cur)
             if cur.snapshot:
-                await self._drop_shared(cur.snapshot["id"])
+                await self.drop_shared(cur.snapshot["id"])
             self.set_epoch(sid, None)
             return
         self.set_epoch(sid, cur.epoch)
-        holding = rec.state.value in R.VMM_HOLDING
+        holding = rec.state in R.VMM_HOLDING
         slot = cur.slot
         extra = [] if holding or slot is None else [op_delete(R.slot_key(self.name, slot))]
 
         def change(d: SandboxObject) -> bool:
             if not self.owns(d):
                 return False
-            d.status.update(state=rec.state.value, view=view(rec))
+            d.status["view"] = sandbox_view(rec).model_dump(mode="json")
+            d.follow(rec.state)
+            try:
+                d.want(rec.desired_state)
+            except IllegalTransition:
+                log.warning("desired state not mirrored", extra={
+                    "sandbox_id": sid, "state": rec.state.value,
+                    "desired": rec.desired_state.value})
             if not holding and d.slot == slot:
                 d.status["slot"] = None
-            d.spec.update(operatingMode="Suspended" if rec.state == State.SLEEPING
-                          else "Running", shutdownTime=R.iso(rec.expires_at),
-                          template=template(rec))
+            d.spec.update(shutdownTime=R.iso(rec.expires_at),
+                          template=template_json(describe(rec)))
             return True
 
         await self.directory.update(sid, change, extra)
@@ -332,10 +335,10 @@ class ClusterNode:
                 continue
             local = m.store.get(sid)
             if local is not None and local.state not in GONE:
-                if d.state != local.state.value:
+                if d.state != local.state:
                     self.mark(sid)
                 continue
-            if d.state == "creating" and time.time() - d.created_at < CREATE_GRACE_S:
+            if d.state == State.CREATING and time.time() - d.created_at < CREATE_GRACE_S:
                 continue
             seen[sid] = d.mod_revision
             if self._orphans.get(sid) != d.mod_revision:
@@ -343,7 +346,7 @@ class ClusterNode:
             fresh = await self.directory.fresh(sid)
             if fresh is None or fresh.node != self.name or fresh.mod_revision != d.mod_revision:
                 continue
-            if fresh.state == "creating":
+            if fresh.state == State.CREATING:
                 await self.directory.remove(fresh)
             else:
                 await self.directory.update(sid, lambda r: hand_on(r, self.name))
@@ -372,27 +375,13 @@ class ClusterNode:
             self._discarding.discard(sid)
 
     async def discard_local(self, sid: str, why: str = "owned by another node") -> None:
-        """Forget a sandbox this node no longer owns: kill its VMM if any, drop its records
-        and local snapshot files. Never touches etcd or shared storage."""
+        """Forget a sandbox this node no longer owns (``SandboxManager.forget``: its VMM
+        ended, its records and sleep snapshots dropped). Never touches etcd or shared
+        storage."""
         m = self.manager
         assert m is not None
-        async with m.registry.lock(sid):
-            rec = m.store.get(sid)
-            if rec is None:
-                return
-            if rec.state not in (State.SLEEPING, State.FAILED):
-                log.warning("stale VMM killed: its sandbox belongs elsewhere",
-                            extra={"sandbox_id": sid, "state": rec.state.value})
-            await m.launcher.stop(sid, rec.pid)
-            for snap in m.store.list(SnapshotRecord):
-                if snap.sandbox_id == sid and snap.kind == "sleep":
-                    m.removal.drop_snapshot(snap.id)
-            m.store.discard(sid, set(State))
-            for mach in m.store.list(MachineRecord):
-                if mach.sandbox_id == sid:
-                    m.store.remove(MachineRecord, mach.user_id)
+        if await m.forget(sid, why):
             self.set_epoch(sid, None)
-        log.info("local sandbox dropped", extra={"sandbox_id": sid, "reason": why})
 
     # -- fencing and rejoining ------------------------------------------------------------
 
@@ -400,14 +389,8 @@ class ClusterNode:
         """Kill every VMM of this node at once (SIGKILL), then let the core notice."""
         m = self.manager
         assert m is not None
-        pids = {rt.vm.pid for sid in m.registry.ids() if (rt := m.registry.get(sid))}
-        pids |= {pid for pid, _ in vmm_processes(self.layout.sandboxes)}
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        log.error("fenced", extra={"node": self.name, "vmms": len(pids), "reason": why})
+        killed = m.fence()
+        log.error("fenced", extra={"node": self.name, "vmms": killed, "reason": why})
 
     async def rejoin(self) -> None:
         """Drop every local sandbox the directory no longer gives this node (its VMM too)."""
@@ -443,7 +426,9 @@ class ClusterNode:
                 return
 
             def mark(node: NodeInfo, k: int, d: SandboxObject = d) -> SandboxObject:
-                d.status.update(slot=k, state="waking")
+                d.follow(State.SLEEPING)  # the local record sleeps; the push may lag
+                d.move(State.WAKING)
+                d.status["slot"] = k
                 return d
 
             try:
@@ -464,7 +449,7 @@ class ClusterNode:
             if r.node != self.name or r.slot != slot:
                 return False
             r.status["slot"] = None
-            r.status["state"] = "sleeping"
+            r.follow(State.SLEEPING)  # the wake failed: the local record sleeps again
             return True
 
         await self.directory.update(sid, clear, [op_delete(R.slot_key(self.name, slot))])
@@ -491,13 +476,20 @@ class ClusterNode:
         local = m.store.get(sid)
         if self.owns(d) and local is not None and local.state not in GONE:
             return True
-        if d.state != "sleeping" or not d.snapshot:
-            raise Conflict(f"sandbox {sid} is {d.state} on a lost or drained node and has no "
-                           "snapshot to wake from", sandbox_id=sid, state=d.state)
+        if d.state != State.SLEEPING or not d.snapshot:
+            raise Conflict(f"sandbox {sid} is {d.state.value} on a lost or drained node and "
+                           "has no snapshot to wake from", sandbox_id=sid, state=d.state.value)
+        try:
+            template = parse_template(d.spec.get("template"))
+            snap = shared_snapshot({**template_meta(template), **d.snapshot}, "sleep",
+                                   sandbox_id=sid)
+        except BadRecord as exc:
+            raise Conflict(f"sandbox {sid}'s cluster record cannot be adopted: {exc}",
+                           sandbox_id=sid) from None
         prev = d.node
 
         def take(r: SandboxObject) -> bool:
-            if r.state != "sleeping" or r.node != prev:
+            if r.state != State.SLEEPING or r.node != prev:
                 return False
             r.status.update(nodeName=self.name, epoch=r.epoch + 1, slot=None, podIPs=[])
             return True
@@ -505,112 +497,29 @@ class ClusterNode:
         new = await self.directory.update(sid, take)
         if new is None:
             return False
+        if local is not None:  # a stale copy (its files would shadow the download)
+            await m.forget(sid, "replaced by an adoption")
         self.set_epoch(sid, new.epoch)
-        if local is not None:
-            await self.discard_local(sid, "replaced by an adoption")
-        snap = new.snapshot or {}
-        await self._fetch(snap["id"])
-        t = new.spec.get("template") or {}
-        now = time.time()
-        rec = SandboxRecord(
-            id=sid, state=State.SLEEPING, desired_state=State.RUNNING, image=t["image"],
-            image_digest=t.get("imageDigest", ""), engine=t.get("engine", m.engine.name),
-            accel=t.get("accel", m.engine.accel), vcpus=int(t["vcpus"]),
-            memory_mib=int(t["memoryMiB"]), disk_mib=int(t["diskMiB"]), pid=None,
-            created_at=new.created_at, updated_at=now,
-            last_active_at=float(t.get("lastActiveAt") or now),
-            expires_at=t.get("expiresAt"), desktop=t.get("desktop"), network=t.get("network"),
-            metadata_=dict(t.get("metadata") or {}), source=t.get("source"),
-            sleep_snapshot=snap["id"])
-        srec = SnapshotRecord(
-            id=snap["id"], sandbox_id=sid, kind="sleep", size_bytes=int(snap.get("sizeBytes", 0)),
-            created_at=float(snap.get("createdAt", now)), image=t["image"],
-            image_digest=t.get("imageDigest", ""), vcpus=rec.vcpus, memory_mib=rec.memory_mib,
-            disk_mib=rec.disk_mib, desktop=rec.desktop, network=rec.network)
-        m.store.add(rec, srec)
-        if new.user:
-            m.store.remove(MachineRecord, new.user)
-            mm = self.directory.machines.get(new.user) or {}
-            m.store.add(MachineRecord(
-                user_id=new.user, sandbox_id=sid,
-                idle_timeout_s=float(mm.get("idleTimeoutSeconds") or rec.idle_timeout_s
-                                     or self.settings.machine_idle_s),
-                created_at=float(mm.get("createdAt") or rec.created_at)))
+        assert self.sharing is not None
+        await self.sharing.fetch(snap.id)
+        mm = self.directory.machines.get(new.user or "") or {}
+        await m.adopt(Adoptee(
+            sandbox_id=sid, template=template, snapshot=snap, created_at=new.created_at,
+            user=new.user, idle_timeout_s=_float(mm.get("idleTimeoutSeconds")),
+            machine_created_at=_float(mm.get("createdAt"))))
         log.info("sandbox adopted from the cluster", extra={
             "sandbox_id": sid, "from_node": prev or "", "epoch": new.epoch,
-            "image": image_id(rec.image, rec.image_digest)})
+            "image": image_id(template.image, template.image_digest)})
         return True
 
-    # -- shared snapshots ------------------------------------------------------------------
+    async def drop_shared(self, snap_id: str) -> None:
+        """Delete a snapshot's files from shared storage (``Sharing.drop``)."""
+        assert self.sharing is not None
+        await self.sharing.drop(snap_id)
 
-    async def share_snapshot(self, rec: SandboxRecord, snap: SnapshotRecord) -> None:
-        """Upload a finished snapshot; a sleep snapshot becomes the record's last snapshot
-        (the one before is deleted), a user snapshot is listed for forks on any node."""
-        assert self.store is not None
-        started = time.monotonic()
-        size = await self.store.upload_dir(f"snapshots/{snap.id}",
-                                           self.layout.snapshot(snap.id), MANIFEST)
-        meta = {"id": snap.id, "sizeBytes": size, "createdAt": snap.created_at,
-                "kind": snap.kind, "node": self.name, "sandboxId": rec.id,
-                "image": snap.image, "imageDigest": snap.image_digest, "vcpus": snap.vcpus,
-                "memoryMiB": snap.memory_mib, "diskMiB": snap.disk_mib,
-                "desktop": snap.desktop, "network": snap.network,
-                "engine": rec.engine, "accel": rec.accel}
-        if snap.kind == "user":
-            await self.etcd.put(R.snapshot_key(snap.id), meta)
-        else:
-            old: dict[str, Any] = {}
 
-            def point(d: SandboxObject) -> bool:
-                if not self.owns(d):
-                    return False
-                old.update(d.snapshot or {})
-                d.status["snapshot"] = meta
-                return True
-
-            if await self.directory.update(rec.id, point) is None:
-                await self._drop_shared(snap.id)
-                raise Conflict(f"sandbox {rec.id} is no longer this node's", sandbox_id=rec.id)
-            if old.get("id") and old["id"] != snap.id:
-                await self._drop_shared(old["id"])
-        log.info("snapshot shared", extra={"snapshot_id": snap.id, "size_bytes": size,
-                                           "duration_s": round(time.monotonic() - started, 3)})
-
-    async def _drop_shared(self, snap_id: str) -> None:
-        assert self.store is not None
-        try:
-            await self.store.delete_prefix(f"snapshots/{snap_id}")
-        except HangarError as exc:
-            log.warning("shared snapshot not deleted", extra={"snapshot_id": snap_id,
-                                                              "error": exc.message})
-
-    async def _fetch(self, snap_id: str) -> int:
-        assert self.store is not None
-        dest = self.layout.snapshot(snap_id)
-        if SnapshotPaths(dest).manifest.exists():
-            return 0
-        started = time.monotonic()
-        size = await self.store.download_dir(f"snapshots/{snap_id}", dest, MANIFEST)
-        log.info("snapshot downloaded", extra={"snapshot_id": snap_id, "size_bytes": size,
-                                               "duration_s": round(time.monotonic() - started, 3)})
-        return size
-
-    async def fetch_user_snapshot(self, snap_id: str) -> None:
-        m = self.manager
-        assert m is not None
-        if m.store.find(SnapshotRecord, snap_id) is not None:
-            return
-        meta = self.directory.snapshots.get(snap_id)
-        if meta is None:
-            kv = await self.etcd.get(R.snapshot_key(snap_id))
-            if kv is None:
-                raise NotFound(f"no snapshot {snap_id}", snapshot_id=snap_id)
-            meta = kv.json()
-        await self._fetch(snap_id)
-        m.store.add(SnapshotRecord(
-            id=snap_id, sandbox_id=meta["sandboxId"], kind="user",
-            size_bytes=int(meta.get("sizeBytes", 0)), created_at=float(meta["createdAt"]),
-            image=meta["image"], image_digest=meta.get("imageDigest", ""),
-            vcpus=int(meta["vcpus"]), memory_mib=int(meta["memoryMiB"]),
-            disk_mib=int(meta["diskMiB"]), desktop=meta.get("desktop"),
-            network=meta.get("network")))
+def _float(v: Any) -> float | None:
+    try:
+        return float(v) if v else None
+    except (TypeError, ValueError):
+        return None

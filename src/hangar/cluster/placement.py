@@ -34,7 +34,8 @@ class Need:
     """What a sandbox needs of a node."""
 
     image_id: str | None = None
-    """``<name>-<digest>`` when pinned (wake, fork), or None (a create: the node's current build)."""
+    """``<name>-<digest>`` when pinned (wake, fork), or None (a create: the node's current
+    build)."""
     image_name: str | None = None
     engine: str | None = None
     accel: str | None = None

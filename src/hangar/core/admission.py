@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-from contextvars import ContextVar
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -67,11 +66,6 @@ def allocated_bytes(path: os.PathLike[str] | str) -> int:
     except OSError:
         return 0
 
-placed_id: ContextVar[str | None] = ContextVar("placed_id", default=None)
-"""The id a cluster placed (and claimed) the current request's new sandbox under, if any:
-set by ``hangar.cluster.gateway`` around one request, read by the create that request makes."""
-
-
 @dataclass(frozen=True)
 class CreateOptions:
     """What a create asks for; ``None`` takes the server's default.
@@ -92,9 +86,6 @@ class CreateOptions:
     network: Any = None
     """Egress policy: ``none``, ``internet``, ``open`` or a dict with ``egress``,
     ``allow`` and ``deny`` CIDR lists; None takes the server's default."""
-    sandbox_id: str | None = None
-    """The new sandbox's id when it was chosen (and claimed) before the create: a
-    cluster places a create and claims its id, then the owner node makes it."""
 
 
 def new_id(prefix: str = "sb-") -> str:

@@ -36,13 +36,14 @@ from typing import Any
 
 from hangar.engines.agent_client import ExecEvent, ExecResult, StreamCapture, Tunnel, exec_meta
 from hangar.errors import InvalidRequest
+from hangar.guest import paths
 from hangar.schemas import FileEntry, FileEvent, FileList, WriteResult
 
 __all__ = ["HOME", "Command", "ExecEvent", "ExecResult", "FileEntry", "FileEvent", "FileList",
            "StreamCapture", "Tunnel", "WriteResult"]
 
-HOME = "/root"
-"""The guest's home: relative paths of file calls start here, and commands run here unless
+HOME = paths.HOME
+"""The guest's home (``/root``): relative paths of file calls start here, and commands run here unless
 given a ``cwd``."""
 
 

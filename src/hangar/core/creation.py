@@ -16,8 +16,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from hangar.core.admission import Admission, CreateOptions, check_desktop, new_id, placed_id
+from hangar.core.admission import Admission, CreateOptions, check_desktop, new_id
 from hangar.core.context import Context
+from hangar.core.handover import Placement
 from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
 from hangar.core.pool import WarmPool
@@ -38,8 +39,12 @@ class Creation:
         self.launcher = launcher
         self.pool = pool
 
-    async def create(self, opts: CreateOptions) -> SandboxRecord:
+    async def create(self, opts: CreateOptions,
+                     placement: Placement | None = None) -> SandboxRecord:
         """A running sandbox, from the warm pool when one fits, else booted cold.
+
+        ``placement``: the id a cluster claimed for it (a pool VM, which has its own
+        id, is then not used).
 
         Raises LimitExceeded (cap on concurrent VMs reached), NotFound (no
         such image), InvalidRequest (bad desktop or network), EngineError or
@@ -51,7 +56,7 @@ class Creation:
         if opts.desktop:
             check_desktop(opts.desktop, image)
         network = self.launcher.policy(opts.network)
-        sid = opts.sandbox_id or placed_id.get()
+        sid = placement.sandbox_id if placement is not None else None
         if sid is None and self.pool is not None and self.pool.fits(opts, image):
             rec = await self._from_pool(opts, image, started)
             if rec is not None:

@@ -60,11 +60,12 @@ from typing import Literal
 from hangar.core.sandboxes import SandboxManager
 from hangar.engines.agent_client import ExecResult, Tunnel, exec_meta
 from hangar.errors import Conflict, GuestError, HangarError, InvalidRequest, NotFound, Timeout
+from hangar.guest import paths
 
 VNC_PORT = 5900
 """x11vnc's port on the guest's loopback."""
-READY_FILE = "/run/hangar/desktop-ready"
-ERROR_FILE = "/run/hangar/desktop-error"
+READY_FILE = paths.DESKTOP_READY
+ERROR_FILE = paths.DESKTOP_ERROR
 DISPLAY = ":0"
 READY_TIMEOUT_S = 120.0
 """Seconds an action waits for a freshly booted desktop (Xvfb under TCG takes a few)."""
@@ -108,7 +109,7 @@ PLAIN_KEYS = frozenset(chr(c) for c in range(0x20, 0x7F)) | {"\n", "\r", "\t"}
 """Characters on the US keyboard map of Xvfb, typed with ``xdotool type``. Others go to
 ``hangar.guest.desktop type``, which binds them to spare keys before typing (see there)."""
 GUEST_PYTHON = ["/usr/bin/python3", "-S", "-c", "from hangar.guest.desktop import main; main()"]
-GUEST_PYTHON_ENV = {"PYTHONPATH": "/usr/lib/hangar/python"}
+GUEST_PYTHON_ENV = {"PYTHONPATH": paths.PYTHON_DIR}
 
 KEY_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
 NO_SUCH_KEY = re.compile(r"No such key name '([^']*)'")

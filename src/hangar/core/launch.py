@@ -42,6 +42,7 @@ from hangar.engines.boot_phases import boot_phases
 from hangar.engines.boot_phases import describe as describe_phases
 from hangar.engines.snapshot_io import refresh_guest
 from hangar.errors import Conflict, HangarError, InvalidRequest, Timeout
+from hangar.guest import paths
 from hangar.engines.agent_client import AgentClient
 from hangar.images import GuestImage, resolve_pinned
 from hangar.net import NetAttachment, NetworkManager, Policy
@@ -70,12 +71,12 @@ def renet_meta(net: NetAttachment) -> dict[str, Any]:
         'dev=$(ls /sys/class/net | grep -v "^lo$" | head -n1); '
         'ip link set dev "$dev" down; ip link set dev "$dev" address "$1"; '
         'ip addr flush dev "$dev"; '
-        'PATH="$PATH:/usr/lib/hangar/runtime/bin"; '
-        'py=/usr/lib/hangar/runtime/bin/python3; [ -x "$py" ] || py=python3; '
+        f'PATH="$PATH:{paths.RUNTIME_BIN}"; '
+        f'py={paths.RUNTIME_PYTHON}; [ -x "$py" ] || py=python3; '
         'exec "$py" -c "import sys; from hangar.guest import net; net.configure(sys.argv[1])" "$2"'
     )
     return {"op": "exec", "argv": ["/bin/sh", "-c", script, "renet", net.mac, net.kernel_arg()],
-            "env": {"PYTHONPATH": "/usr/lib/hangar/python"}, "timeout": 20}
+            "env": {"PYTHONPATH": paths.PYTHON_DIR}, "timeout": 20}
 
 
 class Launcher:

@@ -16,6 +16,22 @@ Transient states (``creating``, ``snapshotting``, ``waking``, ``restoring``,
 sandbox's lock; met at start-up they mean the server died midway, and
 ``hangar.core.recovery`` resolves each one.
 
+A cluster's directory records (``hangar.cluster.records``) carry the same
+states and move by the same table: a node mirrors its local record's moves
+into the directory (``walk``: each step an edge), and the few moves only a
+cluster makes are edges too, with a *guard*: a condition the caller must
+state holds (``Guard``), so the store's local moves can never take them.
+When a node is lost, the failover reconciler moves each of its records by
+one guarded edge (``check(..., guard=...)``): a sandbox that ran there is
+``failed`` (``Guard.NODE_LOST``), a user's machine with a snapshot in shared
+storage goes back to it, ``sleeping`` (``Guard.BACK_TO_SNAPSHOT``). A sandbox
+another node takes over (adopts) starts there as a new record in
+``sleeping`` (``INITIAL``).
+
+The desired state is checked too: ``DESIRED[s]`` holds what a record in
+state ``s`` may want, and every write of a desired state goes through
+``check_desired``.
+
 The state diagram in docs/architecture.md is generated from ``MOVES``
 (``render_diagram``); regenerate it with::
 
@@ -71,13 +87,35 @@ MEANING: dict[State, str] = {
 }
 
 
+class Guard(str, enum.Enum):
+    """A condition a guarded move needs besides its end points; the mover states it holds
+    (what each means: ``GUARDS``)."""
+
+    NODE_LOST = "node_lost"
+    BACK_TO_SNAPSHOT = "back_to_snapshot"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+GUARDS: dict[Guard, str] = {
+    Guard.NODE_LOST: "the record's node lost its lease (or, at its own audit, no longer has "
+                     "the sandbox); its VMM is gone with it.",
+    Guard.BACK_TO_SNAPSHOT: "`node_lost`, and the record is a user's machine whose last "
+                            "snapshot is in shared storage; it goes back to that snapshot "
+                            "(what ran since is lost).",
+}
+"""What each guard means (shown under the diagram)."""
+
+
 @dataclass(frozen=True)
 class Move:
-    """One allowed state change and why it happens."""
+    """One allowed state change, why it happens, and the guard it needs (None: none)."""
 
     frm: State
     to: State
     why: str
+    guard: Guard | None = None
 
 
 MOVES: tuple[Move, ...] = (
@@ -106,17 +144,38 @@ MOVES: tuple[Move, ...] = (
     Move(State.STOPPING, State.FAILED, "VMM and files gone"),
     Move(State.FAILED, State.RESTORING, "restore"),
     Move(State.FAILED, State.STOPPING, "delete"),
+    # A cluster's failover (hangar.cluster.failover): the node that ran the VMM is lost.
+    Move(State.RUNNING, State.FAILED, "cluster node lost", Guard.NODE_LOST),
+    Move(State.UNRESPONSIVE, State.FAILED, "cluster node lost", Guard.NODE_LOST),
+    Move(State.SNAPSHOTTING, State.FAILED, "cluster node lost", Guard.NODE_LOST),
+    Move(State.WAKING, State.FAILED, "cluster node lost, no shared snapshot",
+         Guard.NODE_LOST),
+    Move(State.RUNNING, State.SLEEPING, "cluster node lost, a machine back to its shared "
+         "snapshot", Guard.BACK_TO_SNAPSHOT),
+    Move(State.UNRESPONSIVE, State.SLEEPING, "cluster node lost, a machine back to its "
+         "shared snapshot", Guard.BACK_TO_SNAPSHOT),
+    Move(State.RESTORING, State.SLEEPING, "cluster node lost, a machine back to its shared "
+         "snapshot", Guard.BACK_TO_SNAPSHOT),
 )
 """Every allowed move. A failed create or fork, and a retired pool VM, leave no
-record at all (``Store.discard``), so nothing half-made is ever listed."""
+record at all (``Store.discard``), so nothing half-made is ever listed; a
+cluster's record of a create whose node was lost is removed the same way.
+Moves with a guard are made only by a caller that names it (``check``)."""
 
-INITIAL: tuple[State, ...] = (State.CREATING, State.POOLED)
-"""States a new record starts in."""
+INITIAL: tuple[State, ...] = (State.CREATING, State.POOLED, State.SLEEPING)
+"""States a new record starts in: ``sleeping`` only for a sandbox adopted from another
+cluster node, at its last shared snapshot (``hangar.core.handover``)."""
 
 NEXT: dict[State, frozenset[State]] = {
     s: frozenset(m.to for m in MOVES if m.frm == s) for s in State
 }
-"""``NEXT[a]``: the states ``a`` may move to."""
+"""``NEXT[a]``: the states ``a`` may move to, guarded moves included."""
+
+_EDGES: dict[tuple[State, State], frozenset[Guard | None]] = {}
+for _m in MOVES:
+    _EDGES[(_m.frm, _m.to)] = _EDGES.get((_m.frm, _m.to), frozenset()) | {_m.guard}
+
+WANTABLE: frozenset[State] = frozenset({State.RUNNING, State.SLEEPING})
 
 VMM_STATES: frozenset[State] = frozenset({
     State.CREATING, State.POOLED, State.RUNNING, State.UNRESPONSIVE, State.SNAPSHOTTING,
@@ -141,17 +200,64 @@ class IllegalTransition(ValueError):
     """A move that ``MOVES`` does not hold: a bug in the caller."""
 
 
-def allowed(frm: State, to: State) -> bool:
-    """True when ``MOVES`` holds ``frm -> to``."""
-    return to in NEXT[frm]
+def allowed(frm: State, to: State, guard: Guard | None = None) -> bool:
+    """True when ``MOVES`` holds ``frm -> to`` with no guard, or with ``guard``."""
+    guards = _EDGES.get((frm, to), frozenset())
+    return None in guards or (guard is not None and guard in guards)
 
 
-def check(expect: Collection[State], to: State) -> None:
-    """Raise ``IllegalTransition`` unless every ``e -> to`` for ``e`` in ``expect`` is allowed."""
-    bad = [e for e in expect if not allowed(e, to)]
+def check(expect: Collection[State], to: State, guard: Guard | None = None) -> None:
+    """Raise ``IllegalTransition`` unless every ``e -> to`` for ``e`` in ``expect`` is allowed
+    (with ``guard``, when the caller states that condition holds)."""
+    bad = [e for e in expect if not allowed(e, to, guard)]
     if bad or not expect:
         raise IllegalTransition(
-            f"no move {'|'.join(s.value for s in bad) or '(nothing)'} -> {to.value}")
+            f"no move {'|'.join(s.value for s in bad) or '(nothing)'} -> {to.value}"
+            + (f" under guard {guard.value}" if guard else ""))
+
+
+def walk(frm: State, to: State) -> list[State]:
+    """The shortest chain of unguarded moves from ``frm`` to ``to``: ``[frm, ..., to]``
+    (``[frm]`` when equal). Each step passes ``check``.
+
+    A cluster node mirrors its local record into the directory with it: between two
+    pushes the local record may have made several moves, and the directory's record
+    follows them edge by edge. Raises ``IllegalTransition`` when no chain exists (e.g.
+    out of a tombstone).
+    """
+    paths: dict[State, list[State]] = {frm: [frm]}
+    todo = [frm]
+    while todo and to not in paths:
+        nxt: list[State] = []
+        for a in todo:
+            for m in MOVES:
+                if m.frm == a and m.guard is None and m.to not in paths:
+                    paths[m.to] = [*paths[a], m.to]
+                    nxt.append(m.to)
+        todo = nxt
+    if to not in paths:
+        raise IllegalTransition(f"no chain of moves {frm.value} -> {to.value}")
+    chain = paths[to]
+    for a, b in zip(chain, chain[1:]):
+        check({a}, b)
+    return chain
+
+
+DESIRED: dict[State, frozenset[State]] = {
+    **{s: WANTABLE for s in State},
+    State.STOPPING: ENDINGS, State.DELETED: ENDINGS, State.EXPIRED: ENDINGS,
+    State.FAILED: ENDINGS | WANTABLE,
+}
+"""``DESIRED[s]``: what a record in state ``s`` may want. A sandbox that exists wants
+``running`` or ``sleeping``; from ``stopping`` on, the desired state names its end. A
+``failed`` one keeps what it wanted when a restore failed (a restore brings it back to
+``running``), or names its end when it failed through ``stopping``."""
+
+
+def check_desired(state: State, desired: State) -> None:
+    """Raise ``IllegalTransition`` unless a record in ``state`` may want ``desired``."""
+    if desired not in DESIRED[state]:
+        raise IllegalTransition(f"a {state.value} sandbox cannot want {desired.value}")
 
 
 # -- the diagram ------------------------------------------------------------------
@@ -164,13 +270,18 @@ def render_diagram(moves: Iterable[Move] = MOVES) -> str:
     """The state diagram as Markdown: a Mermaid ``stateDiagram-v2`` and a table of states."""
     lines = ["```mermaid", "stateDiagram-v2"]
     lines += [f"    [*] --> {s.value}" for s in INITIAL]
-    lines += [f"    {m.frm.value} --> {m.to.value}: {m.why}" for m in moves]
+    lines += [f"    {m.frm.value} --> {m.to.value}: {m.why}"
+              + (f" [guard {m.guard.value}]" if m.guard else "") for m in moves]
     lines += [f"    {s.value} --> [*]" for s in sorted(GONE, key=list(State).index)]
-    lines += ["```", "", "| state | meaning | may move to |", "|---|---|---|"]
+    lines += ["```", "", "Guards (moves only a cluster makes, `hangar.cluster.failover`):", ""]
+    lines += [f"- `{g.value}`: {' '.join((GUARDS[g]).split())}" for g in Guard]
+    lines += ["", "| state | meaning | may move to | may want |", "|---|---|---|---|"]
     for s in State:
         nxt = ", ".join(t.value for t in State if t in NEXT[s]) or "(final)"
-        lines.append(f"| `{s.value}` | {MEANING[s]} | {nxt} |")
+        want = ", ".join(t.value for t in State if t in DESIRED[s])
+        lines.append(f"| `{s.value}` | {MEANING[s]} | {nxt} | {want} |")
     return "\n".join(lines) + "\n"
+
 
 
 def splice(doc: str, block: str) -> str:

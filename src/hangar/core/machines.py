@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from hangar.core.admission import CreateOptions
+from hangar.core.handover import Placement
 from hangar.core.lifecycle import GONE, LIVE, State
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import MachineRecord, SandboxRecord
@@ -115,8 +116,10 @@ class MachineManager:
         return self._view(*found)
 
     async def get_or_create(self, user_id: str, idle_timeout_s: float | None = None,
-                            opts: CreateOptions | None = None) -> tuple[Machine, bool]:
-        """The user's machine, created (and booted) if there is none; (machine, created)."""
+                            opts: CreateOptions | None = None,
+                            placement: Placement | None = None) -> tuple[Machine, bool]:
+        """The user's machine, created (and booted) if there is none; (machine, created).
+        ``placement``: the id a cluster claimed for a new one."""
         self.check_user(user_id)
         async with self._locks.setdefault(user_id, asyncio.Lock()):
             found = self._find(user_id)
@@ -126,7 +129,7 @@ class MachineManager:
             base = opts or CreateOptions()
             rec = await self.sandboxes.create(dataclasses.replace(
                 base, timeout_s=0, idle_timeout_s=idle,
-                metadata={**base.metadata, "user_id": user_id}))
+                metadata={**base.metadata, "user_id": user_id}), placement)
             # No await from here to the record: the reconcile pass never sees
             # this sandbox without its machine record.
             self.store.remove(MachineRecord, user_id)

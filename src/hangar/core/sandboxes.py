@@ -27,6 +27,8 @@ module of ``hangar.core`` with a public surface the others use:
 ``publish``        the events that follow state changes
 ``testhooks``      test-only: crash at a named step, hold a wake up
 ``hooks``          a cluster node's part in wakes, saved snapshots and forks (no-ops alone)
+``handover``       a cluster's placed creates, adopted sandboxes, sandboxes given up
+``views``          records as the API shows them
 ``tasks``          background tasks: started by name, crashes logged, stopped on close
 =================  ==============================================================
 
@@ -58,6 +60,7 @@ from hangar.core.context import Context
 from hangar.core.creation import Creation
 from hangar.core.events import EventBus
 from hangar.core.guestcalls import GuestCalls
+from hangar.core.handover import Adoptee, Handover, Placement
 from hangar.core.hooks import Hooks
 from hangar.core.launch import Launcher, renet_meta
 from hangar.core.lifecycle import GONE, State
@@ -121,6 +124,7 @@ class SandboxManager:
                                      concurrency=settings.reconcile_concurrency)
         self.reconciler.add_pass("unresponsive", self.calls.probe_unresponsive)
         self.recovery = Recovery(ctx, self.launcher, self.removal)
+        self.handover = Handover(ctx, self.launcher, self.removal)
         self._desktop: Desktop | None = None
         metrics.watch_states(self.state_counts)
         metrics.watch_capacity(self.capacity)
@@ -201,9 +205,10 @@ class SandboxManager:
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    async def create(self, opts: CreateOptions) -> SandboxRecord:
-        """See ``Creation.create``."""
-        return await self.creation.create(opts)
+    async def create(self, opts: CreateOptions,
+                     placement: Placement | None = None) -> SandboxRecord:
+        """See ``Creation.create``; ``placement``: the id a cluster claimed for it."""
+        return await self.creation.create(opts, placement)
 
     async def delete(self, sandbox_id: str) -> None:
         """See ``Removal.delete``."""
@@ -217,9 +222,22 @@ class SandboxManager:
         """See ``Snapshots.restore``."""
         return await self.snapshots.restore(sandbox_id, snapshot_id)
 
-    async def fork(self, snapshot_id: str, opts: CreateOptions) -> SandboxRecord:
-        """See ``Snapshots.fork``."""
-        return await self.snapshots.fork(snapshot_id, opts)
+    async def fork(self, snapshot_id: str, opts: CreateOptions,
+                   placement: Placement | None = None) -> SandboxRecord:
+        """See ``Snapshots.fork``; ``placement``: the id a cluster claimed for it."""
+        return await self.snapshots.fork(snapshot_id, opts, placement)
+
+    async def adopt(self, adoptee: Adoptee) -> SandboxRecord:
+        """Take over a sleeping sandbox from another node. See ``Handover.adopt``."""
+        return await self.handover.adopt(adoptee)
+
+    async def forget(self, sandbox_id: str, why: str = "owned by another node") -> bool:
+        """Drop a sandbox another node owns now. See ``Handover.forget``."""
+        return await self.handover.forget(sandbox_id, why)
+
+    def fence(self) -> int:
+        """SIGKILL every VMM of this host (a cut-off cluster node). See ``Handover.fence``."""
+        return self.handover.fence()
 
     def get_snapshot(self, snapshot_id: str) -> SnapshotRecord:
         return self.snapshots.get(snapshot_id)

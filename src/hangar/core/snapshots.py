@@ -20,8 +20,9 @@ import logging
 import shutil
 import time
 
-from hangar.core.admission import Admission, CreateOptions, new_id, placed_id
+from hangar.core.admission import Admission, CreateOptions, new_id
 from hangar.core.context import Context
+from hangar.core.handover import Placement
 from hangar.core.creation import Creation
 from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
@@ -176,7 +177,8 @@ class Snapshots:
             elif rec.state == State.FAILED:
                 async with self.admission.slot(create=False, memory_mib=rec.memory_mib):
                     ctx.store.transition(sandbox_id, State.FAILED, State.RESTORING,
-                                         restore_from=snapshot_id, error=None)
+                                         restore_from=snapshot_id, error=None,
+                                         desired_state=State.RUNNING)
             else:
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}",
                                sandbox_id=sandbox_id, state=rec.state.value)
@@ -224,8 +226,10 @@ class Snapshots:
                     generation=rt.generation if rt else None)
         return rec
 
-    async def fork(self, snapshot_id: str, opts: CreateOptions) -> SandboxRecord:
-        """A new sandbox started from a snapshot (its shape: vCPUs, memory, disk, desktop).
+    async def fork(self, snapshot_id: str, opts: CreateOptions,
+                   placement: Placement | None = None) -> SandboxRecord:
+        """A new sandbox started from a snapshot (its shape: vCPUs, memory, disk, desktop),
+        under the id a cluster claimed for it when ``placement`` is given.
 
         Raises NotFound, LimitExceeded, Conflict (deleted while being
         created), or the engine's errors (nothing is left).
@@ -236,7 +240,7 @@ class Snapshots:
         snap = self.get(snapshot_id)
         image = resolve_pinned(ctx.layout, snap.image, snap.image_digest)
         rec = self.admission.new_record(
-            opts.sandbox_id or placed_id.get() or new_id(), State.CREATING, image,
+            placement.sandbox_id if placement is not None else new_id(), State.CREATING, image,
             CreateOptions(timeout_s=opts.timeout_s, metadata=opts.metadata,
                           desktop=snap.desktop),
             self.launcher.policy(snap.network or "none"), snap.vcpus, snap.memory_mib, snap.disk_mib)

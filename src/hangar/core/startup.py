@@ -30,10 +30,11 @@ from typing import Any
 
 from hangar.engines.agent_client import AgentClient, exec_meta
 from hangar.errors import GuestError, HangarError, Timeout
+from hangar.guest import paths
 
 log = logging.getLogger("hangar.startup")
 
-START_LOG = "/run/hangar/start.log"
+START_LOG = paths.START_LOG
 """Where the start command's output goes in the guest."""
 CHECK_TIMEOUT_S = 10.0
 """Longest one run of a ready ``command`` may take, seconds."""

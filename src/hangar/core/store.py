@@ -30,7 +30,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from hangar.core.lifecycle import LIVE, VMM_STATES, State, check
+from hangar.core.lifecycle import DESIRED, LIVE, VMM_STATES, State, check, check_desired
 from hangar.errors import Conflict, NotFound
 from hangar.images import image_id  # noqa: F401  (re-exported: a record's build id)
 
@@ -201,12 +201,15 @@ class Store:
         """Move the sandbox to ``to`` if it is in ``expect``, setting ``fields`` too, atomically.
 
         Returns the record after the move. Raises ``IllegalTransition`` when
-        a move ``expect -> to`` is not in ``lifecycle.MOVES``, ``NotFound``
+        a move ``expect -> to`` is not in ``lifecycle.MOVES`` (or a ``desired_state`` does
+        not suit ``to``: ``lifecycle.check_desired``), ``NotFound``
         when there is no such record, and ``Conflict`` (with the current
         ``state``) when it is in another state: someone else moved it first.
         """
         exp = frozenset({expect} if isinstance(expect, State) else expect)
         check(exp, to)
+        if "desired_state" in fields:
+            check_desired(to, fields["desired_state"])
         if "state" in fields:
             raise ValueError("give the new state as to=")
         with self.session() as s, s.begin():
@@ -255,7 +258,11 @@ class Store:
             return s.get(cls, key)
 
     def update(self, sandbox_id: str, **fields: Any) -> SandboxRecord | None:
-        """Set fields other than ``state`` (use ``transition``); None if no such sandbox."""
+        """Set fields other than ``state`` (use ``transition``); None if no such sandbox.
+
+        A new ``desired_state`` must suit the current state (``lifecycle.DESIRED``),
+        checked in the same transaction; else ``Conflict`` with the current ``state``
+        (the sandbox moved meanwhile, e.g. a delete began)."""
         if "state" in fields:
             raise ValueError("state changes go through Store.transition")
         return self.change(SandboxRecord, sandbox_id, **fields)
@@ -267,6 +274,11 @@ class Store:
             rec = s.get(cls, key)
             if rec is None:
                 return None
+            if isinstance(rec, SandboxRecord) and "desired_state" in fields \
+                    and fields["desired_state"] not in DESIRED[rec.state]:
+                raise Conflict(f"sandbox {key} is {rec.state.value}: it cannot want "
+                               f"{State(fields['desired_state']).value}", sandbox_id=key,
+                               state=rec.state.value)
             for name, value in fields.items():
                 setattr(rec, name, value)
             if isinstance(rec, SandboxRecord):

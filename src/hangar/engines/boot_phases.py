@@ -1,7 +1,7 @@
 """The phases of one guest boot, from the host's clock and the guest's HELLO.
 
 The guest writes the uptime at which each step began to /run/hangar/boot
-(``hangar.guest.agent.BOOT_MARKS``: the initramfs' /init, the guest init,
+(``hangar.guest.paths.BOOT_MARKS``: the initramfs' /init, the guest init,
 the agent) and the agent reports them in its HELLO with its own uptime
 when it greeted. The host times the whole boot, from asking the engine to
 boot to the greeting. Phases, seconds:

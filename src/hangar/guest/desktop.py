@@ -57,6 +57,8 @@ import os
 import sys
 import time
 
+from hangar.guest import paths
+
 try:
     import _signal as signal  # the C module: ``signal`` would import enum (slow under TCG)
 except ImportError:  # pragma: no cover
@@ -65,15 +67,15 @@ TYPE_CHECKING = False  # not typing's: PID 1 imports this module, and typing cos
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-RUN_DIR = "/run/hangar"
-READY_FILE = RUN_DIR + "/desktop-ready"
-ERROR_FILE = RUN_DIR + "/desktop-error"
-LOG_FILE = RUN_DIR + "/desktop.log"
+RUN_DIR = paths.RUN_DIR
+READY_FILE = paths.DESKTOP_READY
+ERROR_FILE = paths.DESKTOP_ERROR
+LOG_FILE = paths.DESKTOP_LOG
 DISPLAY = ":0"
 X_SOCKET = "/tmp/.X11-unix/X0"
 X_LOCK = "/tmp/.X0-lock"
 VNC_PORT = 5900
-PYTHON_DIR = "/usr/lib/hangar/python"
+PYTHON_DIR = paths.PYTHON_DIR
 CMDLINE_KEY = "hangar.desktop"
 PYTHON_MAIN = ["/usr/bin/python3", "-S", "-c", "from hangar.guest.desktop import main; main()"]
 """How this module's ``main`` is run in the guest (PYTHONPATH=PYTHON_DIR); ``-c`` rather
@@ -88,11 +90,11 @@ BACKOFF_FIRST_S, BACKOFF_MAX_S, BACKOFF_RESET_S = 0.5, 10.0, 30.0
 
 ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/root",
+    "HOME": paths.HOME,
     "USER": "root",
     "LANG": "C.UTF-8",
     "DISPLAY": DISPLAY,
-    "XDG_RUNTIME_DIR": RUN_DIR + "/xdg",
+    "XDG_RUNTIME_DIR": paths.XDG_RUNTIME_DIR,
 }
 
 
@@ -397,7 +399,7 @@ def supervise(geometry: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # typing any Unicode text (``main`` with ``type DELAY_MS``, the text on stdin)
 
-KEYMAP_STATE = RUN_DIR + "/keymap-bound"
+KEYMAP_STATE = paths.KEYMAP_BOUND
 """Keycodes this module has bound, oldest first (one decimal per line)."""
 SHIFT_L = 0xFFE1
 CONTROL_KEYSYMS = {"\n": 0xFF0D, "\r": 0xFF0D, "\t": 0xFF09}

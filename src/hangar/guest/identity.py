@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import os
 
+from hangar.guest import paths
+
 MACHINE_ID = "/etc/machine-id"
 DBUS_MACHINE_ID = "/var/lib/dbus/machine-id"
-RUN_DIR = "/run/hangar"
-GENERATION_FILE = RUN_DIR + "/fork-generation"
+RUN_DIR = paths.RUN_DIR
+GENERATION_FILE = paths.FORK_GENERATION
 MACHINE_ID_HEX = 32
 
 
@@ -103,13 +105,13 @@ def set_machine_id(value: str) -> None:
 
 
 def write_generation(generation: int) -> None:
-    """Replace /run/hangar/fork-generation with ``generation``. Raises OSError."""
+    """Replace ``paths.FORK_GENERATION`` with ``generation``. Raises OSError."""
     os.makedirs(RUN_DIR, exist_ok=True)
     replace_file(GENERATION_FILE, f"{generation}\n")
 
 
 def read_generation() -> int:
-    """The fork generation in /run/hangar/fork-generation; 0 when there is none."""
+    """The fork generation in ``paths.FORK_GENERATION``; 0 when there is none."""
     try:
         with open(GENERATION_FILE) as f:
             return int(f.read().strip() or 0)

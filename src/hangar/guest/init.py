@@ -49,7 +49,7 @@ import os
 import sys
 import time
 
-from hangar.guest import identity
+from hangar.guest import identity, paths
 from hangar.guest.identity import valid_hostname
 
 try:
@@ -58,14 +58,14 @@ except ImportError:  # pragma: no cover
     import signal  # type: ignore[no-redef]
 
 CONSOLE = "/dev/console"
-PYTHON_DIR = "/usr/lib/hangar/python"
+PYTHON_DIR = paths.PYTHON_DIR
 AGENT_MODULE = "hangar.guest.agent"
 """The agent, run in a child forked from this process (``fork_agent``)."""
-BOOT_MARKS = "/run/hangar/boot"
-"""Uptimes at the boot's steps (``hangar.guest.agent.BOOT_MARKS``); the initramfs began it."""
+BOOT_MARKS = paths.BOOT_MARKS
+"""Uptimes at the boot's steps, one ``<step> <uptime s>`` a line; the initramfs began it."""
 ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/root",
+    "HOME": paths.HOME,
     "LANG": "C.UTF-8",
     "TERM": "xterm-256color",
 }
@@ -146,7 +146,7 @@ def mount_all() -> None:
             os.symlink(target, link)
         except OSError:
             pass
-    os.makedirs("/run/hangar", exist_ok=True)
+    os.makedirs(paths.RUN_DIR, exist_ok=True)
 
 
 def console_fds() -> None:

@@ -31,11 +31,13 @@ import os
 import sys
 import time
 
+from hangar.guest import paths
+
 KEY = "hangar.net"
 WAIT_S = 2.0
 IP_PATHS = ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip",
-            "/usr/lib/hangar/runtime/bin/ip")
-BATCH_FILE = "/run/hangar/net.batch"
+            paths.RUNTIME_BIN + "/ip")
+BATCH_FILE = paths.NET_BATCH
 RESOLV_CONF = "/etc/resolv.conf"
 
 

@@ -18,10 +18,14 @@ Frames on the request's channel (``hangar.guest.protocol``, version 2)::
 
 The program runs in a new session whose controlling terminal is the pty
 (``setsid`` + ``TIOCSCTTY``), so job control, ``tty`` and full-screen programs
-work as in a terminal emulator. A lost host connection cancels the request
-(``Session.close``), which hangs up as CANCEL does, so no terminal outlives
-the server that could reach it. Input has no end of its own: a terminal
-ends when its program exits or by a hang-up (an EOF from the host is ignored).
+work as in a terminal emulator. It starts with every signal at its default
+action and none blocked, as a login session does, whatever the agent itself
+ignores: a shell cannot trap a signal that was ignored when it started, so
+an agent run under ``nohup`` would otherwise make every hang-up deaf. A lost
+host connection cancels the request (``Session.close``), which hangs up as
+CANCEL does, so no terminal outlives the server that could reach it. Input
+has no end of its own: a terminal ends when its program exits or by a
+hang-up (an EOF from the host is ignored).
 
 Flow control, both ways (``Channel.stream``, ``Channel.get`` and ``Channel.ack``):
 
@@ -55,6 +59,7 @@ import signal
 import struct
 import termios
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hangar.guest import protocol as P
@@ -88,9 +93,40 @@ def check_size(cols: Any, rows: Any) -> tuple[int, int]:
     return cols, rows
 
 
-def _controlling_tty() -> None:
-    """In the child, after ``setsid``: make stdin (the pty) the controlling terminal."""
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+def ignored_signals() -> tuple[int, ...]:
+    """Signals the agent ignores (``SIG_IGN``), as it inherited them or set them itself.
+
+    A child inherits ignored signals across ``exec``, and POSIX lets no
+    non-interactive shell trap a signal that was ignored when it started:
+    an agent started with SIGHUP ignored (``nohup``, a runner's background
+    job) would make every hang-up deaf, the program's HUP trap would never
+    run, and only the SIGKILL ``HANGUP_GRACE_S`` later would end it.
+    """
+    out = []
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            if signal.getsignal(sig) == signal.SIG_IGN:
+                out.append(int(sig))
+        except (OSError, ValueError):
+            continue
+    return tuple(out)
+
+
+def _child_setup(ignored: tuple[int, ...]) -> Callable[[], None]:
+    """The child's set-up, run after ``setsid`` and before ``exec``: every signal at its
+    default action and none blocked, as a login session starts (whatever the agent
+    inherited: see ``ignored_signals``); then stdin (the pty) becomes the controlling
+    terminal."""
+
+    def setup() -> None:
+        for sig in ignored:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    return setup
 
 
 async def _readable(fd: int) -> None:
@@ -213,7 +249,7 @@ async def run(ch: Channel, argv: list[str], env: dict[str, str], cwd: str, cols:
         os.set_blocking(master, False)
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env,
-            start_new_session=True, preexec_fn=_controlling_tty)
+            start_new_session=True, preexec_fn=_child_setup(ignored_signals()))
     except BaseException:
         os.close(master)
         os.close(slave)

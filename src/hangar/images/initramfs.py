@@ -31,7 +31,7 @@ copies its own Python files there (nothing written to the disk), moves /dev,
 /proc and /sys into the new root (so devtmpfs stays mounted), mounts
 /dev/pts, /dev/shm, /run, /tmp and /sys/fs/cgroup there, brings ``lo`` up,
 writes the uptime at which it began to /run/hangar/boot (the boot's phases:
-``hangar.guest.agent.BOOT_MARKS``), and ``switch_root``s to ``python3 -S``
+``hangar.guest.paths.BOOT_MARKS``), and ``switch_root``s to ``python3 -S``
 importing ``hangar.guest.init`` and calling its ``main()``:
 ``/usr/lib/hangar/runtime/bin/python3`` when the image carries Hangar's
 runtime (``hangar.images.runtime``), else ``/usr/bin/python3``.
@@ -55,6 +55,7 @@ from pathlib import Path
 
 import hangar
 from hangar.errors import ImageError
+from hangar.guest import paths
 
 INITRAMFS_VERSION = 1
 """Bump when the initramfs layout changes in a way the inputs do not show."""
@@ -80,9 +81,9 @@ ON_DEMAND: dict[str, str] = {
 """Modules loaded only when the kernel command line holds that option: each module
 loaded costs its signature check and its init, some tens of ms under TCG."""
 
-GUEST_PYTHON_DIR = "/usr/lib/hangar/python"
+GUEST_PYTHON_DIR = paths.PYTHON_DIR
 """Where the guest's Python files live in the running guest (its PYTHONPATH)."""
-RUNTIME_DIR = "/usr/lib/hangar/runtime"
+RUNTIME_DIR = paths.RUNTIME_DIR
 """Hangar's own Python runtime in images that bring it (``hangar.images.runtime``)."""
 
 INIT_SCRIPT = r"""#!/bin/sh
@@ -179,7 +180,7 @@ mount -t tmpfs -o nosuid,nodev,mode=0755 tmpfs $R/run
 mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs $R/tmp
 mount -t cgroup2 -o nosuid,nodev,noexec,relatime cgroup2 $R/sys/fs/cgroup
 ip link set lo up
-mkdir -p $R/run/hangar && echo "initramfs $BEGAN" > $R/run/hangar/boot
+mkdir -p $R@RUNDIR@ && echo "initramfs $BEGAN" > $R@BOOTMARKS@
 # Import the guest init from its .pyc (running init.py as a script would
 # compile it first: about 0.1 s under TCG).
 exec switch_root /newroot "$PY" -S -c \
@@ -221,7 +222,8 @@ def render_init(kernel_version: str) -> str:
     return (INIT_SCRIPT.replace("@KVER@", kernel_version)
             .replace("@MODULES@", " ".join(always))
             .replace("@ON_DEMAND@", on_demand)
-            .replace("@PYDIR@", GUEST_PYTHON_DIR).replace("@RUNTIME@", RUNTIME_DIR))
+            .replace("@PYDIR@", GUEST_PYTHON_DIR).replace("@RUNTIME@", RUNTIME_DIR)
+            .replace("@RUNDIR@", paths.RUN_DIR).replace("@BOOTMARKS@", paths.BOOT_MARKS))
 
 
 def initrd_tag(sources: Mapping[str, bytes], kernel_version: str, *,

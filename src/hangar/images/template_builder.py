@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from hangar.errors import ImageError, NotFound
+from hangar.guest import paths
 from hangar.images import oci, runtime, vmlinux
 from hangar.images import kernel as kernels
 from hangar.images.builder import (
@@ -63,8 +64,8 @@ from hangar.images.recipes import BASE, RECIPES
 from hangar.images.template_file import Template, TemplateFile
 from hangar.layout import ImagePaths, Layout
 
-ENV_FILE = "/etc/hangar/env.json"
-"""Environment of a template's sandboxes in the guest (read by ``hangar.guest.agent``)."""
+ENV_FILE = paths.TEMPLATE_ENV
+"""Environment of a template's sandboxes in the guest (read by ``hangar.guest.ops.common``)."""
 STEP_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 

@@ -20,6 +20,7 @@ import struct
 from typing import Any
 
 from hangar.errors import HangarError
+from hangar.guest import paths
 from hangar.images.recipes import CHROMIUM_FLAGS
 from hangar.tools.backend import Backend, SandboxInfo
 from hangar.tools.results import ToolResult
@@ -39,11 +40,11 @@ MAX_TEXT_CHARS = 100_000
 LAUNCH = r"""
 import json, os, socket, subprocess, sys, time
 deadline = time.monotonic() + float(sys.argv[1])
-while not os.path.exists("/run/hangar/desktop-ready"):
+while not os.path.exists("@READY@"):
     if time.monotonic() > deadline:
         sys.exit("the desktop did not come up")
     time.sleep(0.2)
-screen = json.load(open("/run/hangar/desktop-ready"))
+screen = json.load(open("@READY@"))
 args = ["chromium", *sys.argv[3:], "--kiosk", "--window-position=0,0",
         f"--window-size={screen['width']},{screen['height']}",
         "--remote-debugging-address=127.0.0.1", f"--remote-debugging-port={sys.argv[2]}",
@@ -60,7 +61,7 @@ while True:
             sys.exit("Chromium's DevTools endpoint did not open; see /tmp/hangar-chromium.log")
         time.sleep(0.2)
 print(json.dumps(screen))
-"""
+""".replace("@READY@", paths.DESKTOP_READY)
 
 
 def png_size(png: bytes) -> tuple[int, int]:

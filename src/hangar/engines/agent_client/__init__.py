@@ -1,0 +1,93 @@
+"""Host side of the guest agent protocol (see ``hangar.guest.protocol``).
+
+One ``AgentClient`` holds one connection to one guest's agent channel and
+multiplexes any number of calls over it. An engine says only how to open
+its channel (``AgentChannel``); ``AgentClient.handshake`` does the rest.
+This package runs on the host; ``hangar.guest`` holds only what runs in the
+guest. One module per job:
+
+    connection  ``Connection``: the framed session: the one handshake
+                (``AgentChannel``, ``unix_channel``), the read loop, the
+                channel table, plain calls, ``Deadlines``, agent error codes
+    channel     ``Channel``: one call's frames, its flow-control windows both
+                ways and its deadline
+    client      ``AgentClient``: the calls that carry streams (exec, file
+                read and write) and open long-lived channels
+    streams     handles of long-lived channels: ``Tunnel``, ``PtyChannel``
+                (a terminal), ``WatchChannel`` (a file watch)
+    results     ``ExecResult``, ``StreamCapture``, ``ExecEvent``, ``PtyExit``
+                and the exec request (``exec_meta``)
+
+Bounds. A guest is hostile, so nothing it sends is buffered without bound:
+
+* Flow control (protocol version 2, ``channel``): per channel the guest may
+  have at most ``WINDOW`` bytes that the host's consumer has not taken; a
+  guest that sends more loses the call (``GuestError``). The host's own
+  DATA keeps to the guest's window and waits for the stream to drain.
+* Deadlines (``Deadlines``): every call has one; a call whose guest does
+  not answer in time fails with ``Timeout`` (504), the guest is told to
+  CANCEL it, and ``on_unanswered`` is called (the orchestrator marks the
+  sandbox ``unresponsive``).
+* A consumer that gives up (an iterator closed early, an HTTP client gone)
+  CANCELs the call in the guest: an exec's process group is killed, a file
+  or socket closed, a terminal hung up, a watch stopped.
+* A HELLO with another ``boot_id`` on an open connection means the agent
+  restarted: every open call fails at once instead of waiting for its
+  deadline.
+
+Agent error codes become ``hangar.errors`` classes (``ERRORS``):
+
+==================  ======================
+agent code          raised
+==================  ======================
+not_found           NotFound
+is_directory,       InvalidRequest
+not_directory,
+invalid,
+permission_denied
+exists, not_empty   Conflict
+anything else       GuestError
+==================  ======================
+
+A lost connection fails every open request with ``GuestError``.
+"""
+
+from hangar.engines.agent_client.channel import Channel
+from hangar.engines.agent_client.client import AgentClient
+from hangar.engines.agent_client.connection import (
+    ERRORS,
+    PROBE_CHANNEL_BASE,
+    AgentChannel,
+    Connection,
+    Deadlines,
+    Streams,
+    unix_channel,
+)
+from hangar.engines.agent_client.results import (
+    ExecEvent,
+    ExecResult,
+    PtyExit,
+    StreamCapture,
+    exec_meta,
+)
+from hangar.engines.agent_client.streams import PtyChannel, Tunnel, WatchChannel
+
+__all__ = [
+    "ERRORS",
+    "PROBE_CHANNEL_BASE",
+    "AgentChannel",
+    "AgentClient",
+    "Channel",
+    "Connection",
+    "Deadlines",
+    "ExecEvent",
+    "ExecResult",
+    "PtyChannel",
+    "PtyExit",
+    "StreamCapture",
+    "Streams",
+    "Tunnel",
+    "WatchChannel",
+    "exec_meta",
+    "unix_channel",
+]

@@ -1,0 +1,247 @@
+"""``AgentClient``: the guest agent's calls on one connection, those that carry streams too.
+
+``Connection`` (``connection``) gives the handshake and plain calls
+(``call``: stat, list, mkdir, hello, set_time...); ``AgentClient`` adds the
+calls that move bytes or live on: an exec (its output as ``ExecEvent`` events,
+or its ``ExecResult``), a file read or write, and the long-lived channels
+opened through ``_open_long``, whose handles live in ``streams``: a tunnel
+(``Tunnel``), a terminal (``PtyChannel``), a file watch (``WatchChannel``).
+
+Each call keeps to its ``Deadlines``; a consumer that gives up (an iterator
+closed early, an HTTP client gone) CANCELs the call in the guest: an exec's
+process group is killed, a file or socket closed, a terminal hung up, a
+watch stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from hangar.engines.agent_client.channel import Channel
+from hangar.engines.agent_client.connection import Connection
+from hangar.engines.agent_client.results import ExecEvent, ExecResult, exec_result
+from hangar.engines.agent_client.streams import PtyChannel, Tunnel, WatchChannel
+from hangar.errors import GuestError, HangarError
+from hangar.guest import protocol as P
+
+
+class AgentClient(Connection):
+    """A connection to one guest agent with all its calls; safe for concurrent use within
+    one event loop. Made by ``AgentClient.handshake`` (see ``Connection``)."""
+
+    async def _send_stream(self, ch: Channel, stream: str,
+                           chunks: Iterable[bytes] | AsyncIterator[bytes],
+                           stall_s: float | None = None) -> int:
+        """Send ``chunks`` as DATA frames within the guest's window, then EOF; returns bytes.
+
+        With ``stall_s``, the guest must open its window within that many
+        seconds whenever the host waits for it (else ``Timeout``).
+        """
+        sent = 0
+
+        async def piece(kind: P.Kind, data: bytes = b"") -> None:
+            await ch.send_frame(P.encode(kind, ch.cid, {"stream": stream}, data), stall_s)
+
+        if hasattr(chunks, "__aiter__"):
+            async for chunk in chunks:
+                for i in range(0, len(chunk), P.CHUNK):
+                    await piece(P.Kind.DATA, chunk[i:i + P.CHUNK])
+                sent += len(chunk)
+        else:
+            for chunk in chunks:
+                for i in range(0, len(chunk), P.CHUNK):
+                    await piece(P.Kind.DATA, chunk[i:i + P.CHUNK])
+                sent += len(chunk)
+        await piece(P.Kind.EOF)
+        return sent
+
+
+    # -- operations --------------------------------------------------------
+
+    async def exec_stream(self, meta: dict[str, Any], stdin: bytes | None = None,
+                          ) -> AsyncIterator[ExecEvent]:
+        """Run a command (``meta`` from ``exec_meta``) and yield its events.
+
+        Yields ``stdout``/``stderr`` events as output arrives when
+        ``meta["stream"]`` is true, then one ``exit`` event. A command
+        without a timeout gets ``deadlines.exec_max_s``; the guest must end
+        the call within its timeout plus ``deadlines.exec_grace_s``, else
+        ``Timeout``. Output waits in the guest while the caller has not
+        taken it (at most ``WINDOW`` bytes wait here). Closing the iterator
+        early cancels the call: the guest kills the command's process group.
+        """
+        timeout = meta.get("timeout")
+        if timeout is None:
+            timeout = self.deadlines.exec_max_s
+        meta = {**meta, "timeout": timeout, "stdin": stdin is not None}
+        ch = self._open("exec")
+        sender: asyncio.Task[int] | None = None
+        try:
+            self._write(P.Kind.REQUEST, ch.cid, meta)
+            ch.expect(float(timeout) + self.deadlines.exec_grace_s)
+            if stdin is not None:
+                sender = _background(self._send_stream(ch, "stdin", [stdin] if stdin else []))
+            while True:
+                frame = await ch.get()
+                if frame.kind == P.Kind.DATA:
+                    kind = "stderr" if frame.meta.get("stream") == "stderr" else "stdout"
+                    yield ExecEvent(kind, frame.data)
+                elif frame.kind == P.Kind.RESPONSE:
+                    try:
+                        result = exec_result(frame)
+                    except (TypeError, ValueError, AttributeError):
+                        raise GuestError("the guest agent sent a malformed exec result") from None
+                    yield ExecEvent("exit", result=result)
+                    return
+                elif frame.kind == P.Kind.ERROR:
+                    self._raise(frame)
+        finally:
+            if sender is not None:
+                sender.cancel()
+            ch.close()
+
+    async def exec(self, meta: dict[str, Any], stdin: bytes | None = None) -> ExecResult:
+        """Run a command to completion; returns its captured result (see ``exec_stream``)."""
+        result: ExecResult | None = None
+        async for ev in self.exec_stream({**meta, "stream": False}, stdin):
+            if ev.kind == "exit":
+                result = ev.result
+        assert result is not None
+        return result
+
+    async def read_file(self, path: str) -> AsyncIterator[bytes]:
+        """Yield a guest file's bytes in chunks. Raises NotFound, InvalidRequest.
+
+        Whenever the guest has window to send, it must send its next bytes
+        within ``deadlines.stall_s`` seconds (time spent waiting for the
+        caller does not count), else ``Timeout``. Closing the iterator early
+        cancels the read.
+        """
+        ch = self._open("read_file")
+        try:
+            self._write(P.Kind.REQUEST, ch.cid, {"op": "read_file", "path": path})
+            ch.watch_stalls(self.deadlines.stall_s)
+            while True:
+                frame = await ch.get()
+                if frame.kind == P.Kind.DATA:
+                    yield frame.data
+                elif frame.kind == P.Kind.RESPONSE:
+                    return
+                elif frame.kind == P.Kind.ERROR:
+                    self._raise(frame)
+        finally:
+            ch.close()
+
+    async def write_file(self, path: str, chunks: Iterable[bytes] | AsyncIterator[bytes],
+                         mode: int = 0o644) -> dict[str, Any]:
+        """Write a guest file atomically from byte chunks; returns ``{path, size}``.
+
+        Chunks go out as the guest's window allows. While the host waits for
+        window the guest must open it within ``deadlines.stall_s``; after the
+        last byte it must answer within ``deadlines.control_s`` plus one
+        second per ``deadlines.write_rate`` bytes; else ``Timeout``. An error
+        of ``chunks`` (the client's upload broke) cancels the write and is
+        raised as it is.
+        """
+        ch = self._open("write_file")
+        try:
+            self._write(P.Kind.REQUEST, ch.cid, {"op": "write_file", "path": path, "mode": mode})
+            ch.expect(self.deadlines.control_s)  # to open the file; disarmed when data flows
+
+            async def send() -> None:
+                try:
+                    ch.expect(None)
+                    size = await self._send_stream(ch, "file", chunks, self.deadlines.stall_s)
+                except HangarError:
+                    return  # the channel failed: the reader below raises why
+                except Exception as exc:  # the source failed: cancel, then tell the caller
+                    ch.fail(exc, cancel=True)
+                    return
+                ch.expect(self.deadlines.control_s + size / self.deadlines.write_rate)
+
+            sender = _background(send())
+            try:
+                while True:
+                    frame = await ch.get()
+                    if frame.kind == P.Kind.RESPONSE:
+                        return frame.meta
+                    if frame.kind == P.Kind.ERROR:
+                        self._raise(frame)
+            finally:
+                sender.cancel()
+        finally:
+            ch.close()
+
+    async def open_tunnel(self, port: int, host: str = "127.0.0.1") -> Tunnel:
+        """Open a byte tunnel to ``host:port`` inside the guest.
+
+        The guest must connect (or refuse) within ``deadlines.control_s``;
+        an open tunnel has no deadline (its two ends decide when it ends).
+        Raises NotFound when nothing listens there.
+        """
+        ch, _ = await self._open_long(
+            {"op": "connect", "port": port, "host": host}, "connected",
+            "the guest ended the tunnel before it was open")
+        return Tunnel(self, ch)
+
+    async def open_pty(self, meta: dict[str, Any]) -> PtyChannel:
+        """Start a program on a pseudo-terminal in the guest (``hangar.guest.terminal``).
+
+        ``meta`` holds ``argv`` or ``shell`` (neither: a login shell), ``env``,
+        ``cwd``, ``cols``, ``rows``. Returns once the program runs. The guest
+        must start it (or refuse) within ``deadlines.control_s``; a running
+        terminal has no deadline (it lives until its program ends or it is
+        hung up). Raises InvalidRequest (bad input, a program that cannot
+        start), Timeout, GuestError.
+        """
+        ch, frame = await self._open_long({**meta, "op": "pty"}, "started",
+                                          "the guest ended the terminal before it started")
+        pid = frame.meta.get("pid")
+        return PtyChannel(self, ch, pid if isinstance(pid, int) else 0)
+
+    async def open_watch(self, path: str, recursive: bool) -> WatchChannel:
+        """Watch ``path`` in the guest for file changes (``hangar.guest.watch``).
+
+        Returns once the watch is in place. The guest must set it up (or
+        refuse) within ``deadlines.control_s``; a watch in place has no
+        deadline. Raises NotFound (no such path), InvalidRequest (too many
+        folders, a bad path), Timeout, GuestError.
+        """
+        ch, frame = await self._open_long(
+            {"op": "watch", "path": path, "recursive": recursive}, "ready",
+            "the guest ended the watch before it was in place")
+        return WatchChannel(ch, frame.meta)
+
+    async def _open_long(self, meta: dict[str, Any], flag: str,
+                         ended: str) -> tuple[Channel, P.Frame]:
+        """Open a long-lived channel (a tunnel, a terminal, a watch) with the request
+        ``meta`` and wait, within ``deadlines.control_s``, for the guest's first DATA frame
+        carrying ``flag``; from then on the channel has no deadline. Returns the channel
+        and that frame. Raises the guest's ERROR as its class, or GuestError(``ended``)
+        when the guest ends the channel first; the channel is closed on any failure.
+        """
+        ch = self._open(meta["op"])
+        try:
+            self._write(P.Kind.REQUEST, ch.cid, meta)
+            ch.expect(self.deadlines.control_s)
+            while True:
+                frame = await ch.get()
+                if frame.kind == P.Kind.DATA and frame.meta.get(flag):
+                    ch.expect(None)
+                    return ch, frame
+                if frame.kind in P.FINAL_KINDS:
+                    if frame.kind == P.Kind.ERROR:
+                        self._raise(frame)
+                    raise GuestError(ended)
+        except BaseException:
+            ch.close()
+            raise
+
+
+def _background(coro: Any) -> asyncio.Task[Any]:
+    """A task whose failure nobody awaits is not reported as never retrieved."""
+    task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task

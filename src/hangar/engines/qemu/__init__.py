@@ -1,0 +1,97 @@
+"""The QEMU engine: one QEMU ``microvm`` process per sandbox, driven over QMP.
+
+One module per job:
+
+    engine      ``QemuEngine``: boot, agent channel (virtio-serial), pause,
+                resume, stop, memory, snapshot, restore, adopt
+    argv        the command line: machine, devices, kernel arguments
+                (``QemuCommand``), memory tuning (``MemoryTuning``)
+    qmp         the QMP client: one command, or a session of several
+    migration   snapshots over the migration stream: saving and loading the
+                state through a passed file descriptor, the VM's shape
+    disk        the qcow2 overlay over the image's rootfs (``qemu-img``)
+    probe       what the host offers: QEMU's version, KVM (a probe boot,
+                cached), KSM, the TSC clock
+
+Files of one sandbox (``hangar.layout.SandboxPaths``)::
+
+    <sandbox>/
+      disk.qcow2     the writable disk: a qcow2 overlay over the image's rootfs
+      qmp.sock       QMP socket
+      agent.sock     the agent's virtio-serial port (``hangar.agent``)
+      serial.log     guest console (QEMU's stdout, capped)
+      vmm.log        QEMU's stderr
+      vmm.pid        QEMU's pid
+
+A snapshot (``hangar.layout.SnapshotPaths``) holds ``state.mig`` (the
+migration stream), ``disk.qcow2`` (a copy of the overlay) and
+``snapshot.json`` (its manifest, ``hangar.engines.snapshot_io``).
+"""
+
+from hangar.engines.qemu.argv import (
+    BALLOON_ID,
+    GUEST_KERNEL_ARGS,
+    KERNEL_ARGS,
+    MACHINE,
+    MACHINE_FLAGS,
+    SECCOMP,
+    TUNING_KEYS,
+    MemoryTuning,
+    QemuCommand,
+    without_tuning,
+)
+from hangar.engines.qemu.engine import (
+    FILE_LIMIT_SLACK_MIB,
+    HELLO_PROBE_S,
+    STOP_GRACE_S,
+    QemuEngine,
+)
+from hangar.engines.qemu.migration import (
+    MIGRATE_BANDWIDTH,
+    MIGRATE_S_PER_GIB,
+    MIGRATE_TIMEOUT_S,
+    MIGRATION_FD,
+)
+from hangar.engines.qemu.probe import (
+    KSM_RUN,
+    PROBE_MARKER,
+    PROBE_TIMEOUT_S,
+    QEMU,
+    QEMU_IMG,
+    choose_accel,
+    host_tsc_khz,
+    ksm_running,
+    probe_kvm,
+    qemu_version,
+)
+
+__all__ = [
+    "BALLOON_ID",
+    "FILE_LIMIT_SLACK_MIB",
+    "GUEST_KERNEL_ARGS",
+    "HELLO_PROBE_S",
+    "KERNEL_ARGS",
+    "KSM_RUN",
+    "MACHINE",
+    "MACHINE_FLAGS",
+    "MIGRATE_BANDWIDTH",
+    "MIGRATE_S_PER_GIB",
+    "MIGRATE_TIMEOUT_S",
+    "MIGRATION_FD",
+    "PROBE_MARKER",
+    "PROBE_TIMEOUT_S",
+    "QEMU",
+    "QEMU_IMG",
+    "SECCOMP",
+    "STOP_GRACE_S",
+    "TUNING_KEYS",
+    "MemoryTuning",
+    "QemuCommand",
+    "QemuEngine",
+    "choose_accel",
+    "host_tsc_khz",
+    "ksm_running",
+    "probe_kvm",
+    "qemu_version",
+    "without_tuning",
+]

@@ -1,0 +1,198 @@
+"""QEMU's command line for one sandbox: the machine, its devices, the kernel's arguments.
+
+Machine: ``-M microvm`` with virtio-mmio devices only: a virtio-blk disk
+(the sandbox's qcow2 overlay over the image's read-only ext4 rootfs), a
+virtio-serial port named ``hangar.agent`` on a Unix socket (the agent
+channel; this host kernel has no vhost-vsock, so QEMU's vsock is not used),
+a virtio-rng, a virtio-balloon (``MemoryTuning``), and the serial console
+on QEMU's stdout. When the spec has a ``net`` (``hangar.net``), a
+virtio-net NIC on its TAP (or on QEMU's user-mode stack) is added last,
+with ``hangar.net=`` on the kernel command line for the guest's
+``hangar.guest.net``; without one, no NIC.
+
+The kernel is the image's ELF ``vmlinux`` when it has one, booted through
+its PVH entry point: QEMU maps the file and copies its segments into guest
+RAM, so the host holds the kernel once in its page cache for every VM, and
+the guest skips decompressing itself. Without one (an image built before
+``vmlinux`` existed), the bzImage ``vmlinuz``, whose bytes QEMU keeps in
+its own heap for the VM's life (about 14 MiB per VM).
+
+Memory (``MemoryTuning``, figures in docs/performance.md): under TCG, a
+translation buffer of ``tb_mib`` (QEMU's default is 1 GiB, of which an
+idle guest keeps about 200 MiB resident); a virtio-balloon with free page
+reporting, so the pages the guest frees go back to the host, and guest
+memory statistics every ``stats_interval_s``; guest RAM marked mergeable
+for KSM only when ``ksm`` is set (QEMU's default marks it always).
+
+Only ``QemuCommand.machine_args`` (plus the fixed device list) must match
+between a snapshot and its restore; the tuning (``TUNING_KEYS``), the
+kernel command line and file paths may differ.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from hangar.engines.base import VMSpec
+
+MACHINE = "microvm,pit=on,rtc=on"
+MACHINE_FLAGS = ("-M", "-accel", "-cpu", "-smp", "-m")
+"""The flags whose values fix a machine's shape (``QemuCommand.machine_args``)."""
+SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+"""QEMU's ``-sandbox`` (seccomp) setting for every VMM."""
+BALLOON_ID = "balloon0"
+TUNING_KEYS = ("tb-size", "mem-merge")
+"""Suboptions of ``-accel`` and ``-M`` that tune the host's memory, not the machine's shape:
+snapshots neither record nor compare them."""
+KERNEL_ARGS = ("console=ttyS0", "root=/dev/vda", "rw", "quiet", "panic=-1")
+GUEST_KERNEL_ARGS = ("cryptomgr.notests",)
+"""Kernel options for what a guest's boot does not need (docs/performance.md, "Boot"):
+the crypto self-tests, about 0.25 s of an emulated boot. Others were measured
+(``mitigations=off``, ``audit=0``, ``nowatchdog``, no PS/2 or extra UART probing,
+skipping initcalls) and made no difference worth a line here."""
+
+
+@dataclass(frozen=True)
+class MemoryTuning:
+    """How a QEMU guest holds host memory; see the module docstring.
+
+    ``tb_mib``: the TCG translation buffer per VM, MiB (ignored under KVM).
+    A boot translates far more code than any size up to 64 MiB holds, so the
+    buffer fills and stays resident; 48 is the knee measured here (boot and a
+    mixed workload as fast as with 128 or QEMU's 1024, within noise; 32 boots
+    0.25 s slower and runs that workload 15-25 % slower; 16 retranslates so
+    often that an exec takes 6 times longer). ``balloon``: a virtio-balloon with
+    free page reporting and memory statistics every ``stats_interval_s``
+    seconds. ``ksm``: guest RAM may be merged with identical pages of other
+    guests by the host's ksmd (which the operator starts; see docs/security.md
+    for the side channel).
+    """
+
+    tb_mib: int = 48
+    balloon: bool = True
+    ksm: bool = False
+    stats_interval_s: int = 5
+
+
+def without_tuning(machine: list[str]) -> list[str]:
+    """``machine`` arguments without ``TUNING_KEYS`` suboptions (what snapshots compare)."""
+    out = []
+    for arg in machine:
+        out.append(",".join(p for p in arg.split(",")
+                            if p.split("=", 1)[0] not in TUNING_KEYS) if "," in arg else arg)
+    return out
+
+
+@dataclass(frozen=True)
+class QemuCommand:
+    """QEMU's argv under one engine's settings.
+
+    ``binary``: the QEMU executable; ``accel``: ``kvm`` or ``tcg``;
+    ``seccomp``: add ``-sandbox SECCOMP``; ``tsc_khz``: the host's TSC rate
+    (``probe.host_tsc_khz``), given to a TCG guest's kernel so that it
+    skips calibrating its TSC against the PIT, which fails on a busy host.
+    """
+
+    binary: str
+    accel: str
+    tuning: MemoryTuning
+    seccomp: bool
+    tsc_khz: int | None
+
+    def machine_args(self, spec: VMSpec) -> list[str]:
+        """The QEMU arguments that fix the machine's shape.
+
+        A snapshot can only be restored into a QEMU started with exactly
+        these (plus the same devices, which ``command`` always adds in the
+        same order), so snapshots record them and a restore compares.
+        """
+        cpu = "host" if self.accel == "kvm" else "max"
+        accel = "kvm" if self.accel == "kvm" else "tcg,thread=multi"
+        return ["-M", MACHINE, "-accel", accel, "-cpu", cpu,
+                "-smp", str(spec.vcpus), "-m", f"{spec.memory_mib}M"]
+
+    def tuned_machine_args(self, spec: VMSpec) -> list[str]:
+        """``machine_args`` with the memory tuning: ``tb-size`` and ``mem-merge``."""
+        machine = self.machine_args(spec)
+        i = machine.index("-M") + 1
+        machine[i] += f",mem-merge={'on' if self.tuning.ksm else 'off'}"
+        if self.accel != "kvm":
+            i = machine.index("-accel") + 1
+            machine[i] += f",tb-size={self.tuning.tb_mib}"
+        return machine
+
+    def command(self, spec: VMSpec, tap_fd: int | None = None, *,
+                balloon: bool | None = None) -> list[str]:
+        """The full QEMU argv for ``spec``; ``tap_fd``: an open TAP for its NIC;
+        ``balloon`` overrides the tuning's (restores keep the devices their snapshot has).
+
+        The serial console is QEMU's stdout (``VMMProcesses.spawn`` sends it
+        to the capped console log); with seccomp on, QEMU may not spawn,
+        raise privileges, use obsolete calls or change its own scheduling
+        (``SECCOMP``).
+        """
+        p = spec.paths
+        args = [*KERNEL_ARGS, *GUEST_KERNEL_ARGS, f"hangar.hostname={spec.hostname}"]
+        if self.accel != "kvm" and self.tsc_khz:
+            args += [f"tsc_early_khz={self.tsc_khz}", "tsc=reliable"]
+        if spec.net is not None:
+            args.append(spec.net.kernel_arg())
+        append = " ".join([*args, *spec.kernel_args])
+        kernel = spec.image.vmlinux if spec.image.vmlinux is not None else spec.image.kernel
+        if balloon is None:
+            balloon = self.tuning.balloon
+        return [
+            self.binary, "-name", f"hangar-{spec.sandbox_id}",
+            *self.tuned_machine_args(spec),
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            *(["-sandbox", SECCOMP] if self.seccomp else []),
+            "-kernel", str(kernel), "-initrd", str(spec.image.initrd),
+            "-append", append,
+            "-drive", f"id=root,file={p.disk},format=qcow2,if=none,discard=unmap",
+            "-device", "virtio-blk-device,drive=root",
+            "-device", "virtio-serial-device",
+            "-chardev", f"socket,id=agent,path={p.agent},server=on,wait=off",
+            "-device", "virtserialport,chardev=agent,name=hangar.agent",
+            "-object", "rng-random,id=rng,filename=/dev/urandom",
+            "-device", "virtio-rng-device,rng=rng",
+            *self.balloon_args(balloon),
+            "-chardev", "stdio,id=console,signal=off",
+            "-serial", "chardev:console",
+            "-qmp", f"unix:{p.qmp},server=on,wait=off",
+            *self.nic_args(spec, tap_fd),
+        ]
+
+    def balloon_args(self, balloon: bool) -> list[str]:
+        """The virtio-balloon: free page reporting, and statistics polled every few seconds."""
+        if not balloon:
+            return []
+        return ["-device", f"virtio-balloon-device,id={BALLOON_ID},free-page-reporting=on,"
+                           f"guest-stats-polling-interval={self.tuning.stats_interval_s}"]
+
+    @staticmethod
+    def nic_args(spec: VMSpec, tap_fd: int | None = None) -> list[str]:
+        """The NIC's QEMU arguments: [] without ``spec.net``.
+
+        TAP: the NetworkManager made the TAP, so QEMU runs no scripts; a
+        confined QEMU may not open ``/dev/net/tun``, so it gets the TAP as
+        the open file ``tap_fd`` (``hangar.engines.vmm_exec`` opens it). User mode: QEMU's own
+        stack on the attachment's subnet, IPv4 only.
+        """
+        net = spec.net
+        if net is None:
+            return []
+        if net.kind == "tap" and tap_fd is not None:
+            netdev = f"tap,id=net0,fd={tap_fd}"
+        elif net.kind == "tap":
+            netdev = f"tap,id=net0,ifname={net.tap},script=no,downscript=no"
+        else:
+            subnet = ipaddress.ip_interface(f"{net.ip}/{net.prefix}").network
+            netdev = (f"user,id=net0,net={subnet},host={net.gateway},ipv6=off"
+                      + (f",dns={net.dns}" if net.dns else ""))
+        return ["-netdev", netdev, "-device", f"virtio-net-device,netdev=net0,mac={net.mac}"]
+
+
+def has_balloon(argv: list[str]) -> bool:
+    """Whether a QEMU argv (``/proc/<pid>/cmdline``) has the virtio-balloon."""
+    return any(a.startswith("virtio-balloon-device") for a in argv)

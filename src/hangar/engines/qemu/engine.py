@@ -1,0 +1,403 @@
+"""``QemuEngine``: one QEMU ``microvm`` process per sandbox, driven over QMP.
+
+Boot: the sandbox's disk (``disk.make_disk``), then QEMU with the argv of
+``argv.QemuCommand``, started confined (``hangar.engines.confine``: its own
+user, cgroup and mount namespace, seccomp, a capped console log) in a
+session of its own (``start_new_session``), so a restarted server finds
+and adopts it by its pid file and its ``-name hangar-<id>`` tag. The agent
+channel is the virtio-serial port on ``agent.sock`` (``agent_channel``).
+
+Snapshots (``snapshot``, ``restore``) go through QEMU's migration stream
+(``migration``) plus a copy of the qcow2 overlay, which the finished
+migration has flushed and released; the snapshot's files and manifest are
+``hangar.engines.snapshot_io``'s. A restore starts QEMU with the same argv
+plus ``-incoming defer``, loads the state and runs ``cont``; the agent's
+virtio-serial port needs care then (see ``agent_channel``).
+
+Files: ``hangar.layout.SandboxPaths`` (disk.qcow2, qmp.sock, agent.sock,
+serial.log, vmm.log, vmm.pid) and ``SnapshotPaths`` (state.mig, disk.qcow2,
+snapshot.json). The process is started, reaped and killed by
+``hangar.engines.process``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from hangar.engines import process, snapshot_io
+from hangar.engines.agent_client import AgentChannel, Streams, unix_channel
+from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec
+from hangar.engines.confine import Confinement
+from hangar.engines.memory import MemoryUsage, host_usage
+from hangar.engines.process import VMMProcesses
+from hangar.engines.qemu import disk as qdisk
+from hangar.engines.qemu import migration, qmp
+from hangar.engines.qemu.argv import BALLOON_ID, MemoryTuning, QemuCommand, has_balloon
+from hangar.engines.qemu.probe import QEMU, host_tsc_khz, qemu_version
+from hangar.errors import EngineError
+from hangar.guest import protocol as P
+from hangar.layout import SandboxPaths, SnapshotPaths
+
+log = logging.getLogger("hangar.engine.qemu")
+
+STOP_GRACE_S = 3.0
+"""Seconds QEMU gets to quit (QMP ``quit``) and then to be gone, before it is killed."""
+START_S = 10.0
+"""Seconds QEMU gets to create its QMP and agent sockets at start."""
+FILE_LIMIT_SLACK_MIB = 512
+"""``RLIMIT_FSIZE`` of QEMU is its disk plus its memory plus this, MiB: no file it
+writes (its disk, a snapshot's stream) may grow past that."""
+HELLO_PROBE_S = 0.5
+"""Seconds between ``hello`` requests to a restored guest that owes no HELLO."""
+
+
+class QemuEngine(Engine):
+    """Boots sandboxes as QEMU microvm guests. See the module docstring.
+
+    ``accel``: ``kvm`` or ``tcg`` (``probe.choose_accel`` picks), with the
+    reason it was picked; ``confine``: how each VMM is confined (default:
+    ``Confinement()``); ``tuning``: how guests hold host memory. Raises
+    ``EngineError`` when QEMU is not installed.
+    """
+
+    name = "qemu"
+
+    def __init__(self, accel: str = "tcg", accel_reason: str = "",
+                 confine: Confinement | None = None,
+                 tuning: MemoryTuning | None = None) -> None:
+        self.accel = accel
+        self.accel_reason = accel_reason
+        self.tuning = tuning or MemoryTuning()
+        self.version = qemu_version()
+        self.binary = shutil.which(QEMU) or QEMU
+        self.confine = confine if confine is not None else Confinement()
+        self.network_namespace: Path | None = None
+        """Start VMMs in this network namespace (e.g. ``/run/netns/NAME``; where their
+        TAPs are) instead of the server's."""
+        self._procs = VMMProcesses()
+        # Agent connections that ``restore`` opened before ``cont``, by QEMU pid.
+        self._held: dict[int, Streams] = {}
+        self._tsc_khz = host_tsc_khz()
+
+    def describe(self) -> dict[str, str]:
+        """The engine's settings for ``hangar status`` and the health page: accelerator,
+        QEMU's version, memory tuning and each confinement measure (``on``/``off``)."""
+        t = self.tuning
+        d = {"engine": self.name, "accel": self.accel, "version": self.version,
+             "accel_reason": self.accel_reason,
+             "tb_mib": str(t.tb_mib) if self.accel != "kvm" else "",
+             "balloon": str(t.balloon).lower(), "ksm": str(t.ksm).lower()}
+        for m in self.confine.measures():
+            d[m.name.replace(" ", "_")] = "on" if m.on else "off"
+        return d
+
+    @property
+    def cmdline(self) -> QemuCommand:
+        """QEMU's command line under this engine's current settings."""
+        return QemuCommand(self.binary, self.accel, self.tuning, self.confine.seccomp,
+                           self._tsc_khz)
+
+    def machine_args(self, spec: VMSpec) -> list[str]:
+        """The QEMU arguments that fix the machine's shape (``QemuCommand.machine_args``):
+        a snapshot records them and a restore compares."""
+        return self.cmdline.machine_args(spec)
+
+    def command(self, spec: VMSpec, tap_fd: int | None = None, *,
+                balloon: bool | None = None) -> list[str]:
+        """The full QEMU argv for ``spec`` (``QemuCommand.command``)."""
+        return self.cmdline.command(spec, tap_fd, balloon=balloon)
+
+    async def boot(self, spec: VMSpec) -> VM:
+        """Make the sandbox's directory and disk and start its QEMU; returns once QEMU has
+        made its sockets. Raises ``EngineError``; on failure the directory is removed."""
+        p = spec.paths
+        p.dir.mkdir(parents=True, exist_ok=False)
+        try:
+            await qdisk.make_disk(spec)
+            return await self._start(spec)
+        except BaseException:
+            await self._cleanup(p, None)
+            raise
+
+    async def _start(self, spec: VMSpec, extra: tuple[str, ...] = (), *,
+                     balloon: bool | None = None) -> VM:
+        """Start QEMU for ``spec`` (its argv, with ``balloon`` as ``command`` takes it,
+        plus ``extra``) in the sandbox directory.
+
+        Confined as ``self.confine`` says (``hangar.engines.confine``): its
+        cgroup, user, view and console logger are set up here. Returns once
+        QEMU has created its QMP and agent sockets (so that a bad argument
+        fails here with QEMU's own message); raises ``EngineError``. The
+        caller cleans up on failure.
+        """
+        p = spec.paths
+        tap = spec.net.tap if spec.net is not None and spec.net.kind == "tap" else None
+        try:
+            image_dirs = sorted({f.parent for f in (spec.image.kernel, spec.image.vmlinux,
+                                                    spec.image.initrd, spec.image.rootfs)
+                                 if f is not None})
+            plan = self.confine.prepare(
+                spec.sandbox_id, p, vcpus=spec.vcpus, memory_mib=spec.memory_mib,
+                accel=self.accel, tcg_cache_mib=self.tuning.tb_mib, reads=image_dirs,
+                owned=[p.disk],
+                file_limit=(spec.disk_mib + spec.memory_mib + FILE_LIMIT_SLACK_MIB) << 20,
+                host_network=spec.net is not None and spec.net.kind == "user", tap=tap,
+                netns=self.network_namespace)
+            console = self.confine.console_argv(p)
+            argv = [*self.command(spec, self.confine.tap_fd() if tap else None, balloon=balloon),
+                    *extra]
+            proc = self._procs.spawn(argv, cwd=p.dir, pid_file=p.pid_file, stdout=p.serial_log,
+                                     stderr=p.vmm_log, plan=plan, console=console)
+        except OSError as exc:
+            raise EngineError(f"cannot start {QEMU}: {exc}", sandbox_id=spec.sandbox_id) from None
+        vm = VM(spec.sandbox_id, self.name, proc.pid, p, self.accel)
+        try:
+            deadline = time.monotonic() + START_S
+            while not (p.qmp.exists() and p.agent.exists()):
+                if proc.poll() is not None:
+                    raise EngineError(f"QEMU exited at start: {self._log_tail(p)}",
+                                      sandbox_id=spec.sandbox_id)
+                if time.monotonic() > deadline:
+                    raise EngineError(f"QEMU did not create its sockets in {START_S:g} s",
+                                      sandbox_id=spec.sandbox_id)
+                await asyncio.sleep(0.02)
+        except BaseException:
+            await self._procs.kill(proc.pid)
+            raise
+        return vm
+
+    @staticmethod
+    def _log_tail(p: SandboxPaths) -> str:
+        return process.tail(p.vmm_log, 1) or "no output"
+
+    def agent_channel(self, vm: VM) -> AgentChannel:
+        """The agent's virtio-serial port on ``agent.sock``; for a restored VM, with probing.
+
+        The snapshot recorded whether a host was connected to the agent
+        port. ``restore`` connects to the new QEMU's agent socket before
+        ``cont``, so the port's state does not change under the guest: if a
+        host was connected, the agent keeps the session it had and sends no
+        HELLO (it answers requests, so the handshake asks it ``hello``); if
+        not, the HELLO it had queued flows now. That held connection is the
+        channel's first stream.
+
+        Later connections (the first was closed) go through QEMU telling
+        the guest that the host left and came back; if both notices reach
+        the guest before the agent reads the port, the agent never sees the
+        EOF and again sends no HELLO. So a restored VM's channel always asks
+        ``hello`` every ``HELLO_PROBE_S`` seconds until one greeting comes
+        (bytes written while the agent reopens its port are dropped).
+        """
+        if not vm.extra.get("restored_from"):
+            return unix_channel(vm.paths.agent)
+        plain = unix_channel(vm.paths.agent)
+
+        async def open_() -> Streams:
+            held = self._held.pop(vm.pid, None)
+            return held if held is not None else await plain.open()
+
+        return AgentChannel(open_, probe_interval=HELLO_PROBE_S)
+
+    def vmm_error(self, vm: VM) -> str:
+        """The last line QEMU wrote to its log (``vmm.log``), or "no output"."""
+        return self._log_tail(vm.paths)
+
+    def _drop_held(self, pid: int | None) -> None:
+        held = self._held.pop(pid, None) if pid else None
+        if held is not None:
+            held[1].close()
+
+    async def _qmp(self, vm: VM, command: str, **args: object) -> object:
+        """One QMP command to ``vm``'s QEMU (``qmp.execute``); raises EngineError."""
+        return await qmp.execute(vm, command, **args)
+
+    async def memory(self, vm: VM) -> MemoryUsage | None:
+        """What ``vm`` costs the host and what its guest uses (``MemoryUsage``).
+
+        Host figures from /proc; guest figures from the balloon's statistics
+        (QMP ``qom-get guest-stats``), None without a balloon or before the
+        guest's first report. Returns None when the VMM is gone.
+        """
+        usage = host_usage(vm.pid)
+        if usage is None:
+            return None
+        argv = process.argv_of(vm.pid) or []
+        if not has_balloon(argv):
+            return usage
+        try:
+            got = await self._qmp(vm, "qom-get", path=f"/machine/peripheral/{BALLOON_ID}",
+                                  property="guest-stats")
+        except EngineError:
+            return usage
+        stats = got.get("stats", {}) if isinstance(got, dict) else {}
+        total, free = stats.get("stat-total-memory", -1), stats.get("stat-free-memory", -1)
+        updated = got.get("last-update", 0) if isinstance(got, dict) else 0
+        if total <= 0 or free < 0 or not updated:
+            return usage
+        mib = 1 << 20
+        cache = stats.get("stat-disk-caches", -1)
+        return MemoryUsage(
+            host_mib=usage.host_mib, host_rss_mib=usage.host_rss_mib,
+            guest_total_mib=round(total / mib, 1), guest_used_mib=round((total - free) / mib, 1),
+            guest_cache_mib=round(cache / mib, 1) if cache >= 0 else None,
+            guest_stats_age_s=round(max(0.0, time.time() - updated), 1))
+
+    async def pause(self, vm: VM) -> None:
+        """Stop the guest's vCPUs (QMP ``stop``); raises EngineError."""
+        await self._qmp(vm, "stop")
+
+    async def resume(self, vm: VM) -> None:
+        """Run the guest's vCPUs again (QMP ``cont``); raises EngineError."""
+        await self._qmp(vm, "cont")
+
+    async def stop(self, vm: VM) -> None:
+        """Ask QEMU to quit, kill it after ``STOP_GRACE_S``, and remove the sandbox's files."""
+        if vm.alive():
+            try:
+                await asyncio.wait_for(self._qmp(vm, "quit"), STOP_GRACE_S)
+            except (TimeoutError, EngineError):
+                pass
+            await self._procs.wait_gone(vm.pid, STOP_GRACE_S)
+        await self._cleanup(vm.paths, vm.pid)
+
+    async def _cleanup(self, p: SandboxPaths, pid: int | None) -> None:
+        """Kill the VMM if it still runs, reap it, and remove the sandbox's files.
+
+        Without a ``pid`` (or with -1) the pid file names it, trusted only if
+        that process is this server's child or this sandbox's QEMU (``adopt``).
+        """
+        if pid is None or pid <= 1:
+            pid = process.read_pid(p.pid_file)
+            if pid is not None and self._procs.child(pid) is None \
+                    and self.adopt(p.dir.name, p, pid) is None:
+                pid = None
+        self._drop_held(pid)
+        await self._procs.kill(pid)
+        await self.confine.release(p)
+        shutil.rmtree(p.dir, ignore_errors=True)
+
+    async def snapshot(self, vm: VM, dest: Path) -> SnapshotFiles:
+        """Save the VM's device state, RAM and disk into the new directory ``dest``.
+
+        Pauses the VM (QMP ``stop``), streams its state with QMP ``migrate``
+        into ``dest/state.mig`` (opened here, passed as a file descriptor),
+        waits for ``query-migrate`` to report completion,
+        copies the qcow2 overlay (the migration has flushed and released
+        it) and writes the manifest; see ``hangar.engines.snapshot_io``.
+        The VM ends paused (QEMU's ``postmigrate`` state); ``resume`` runs
+        it on, with its disk taken back. ``dest`` must not exist or be
+        empty; on failure it is removed again and the VM is left paused.
+        Returns the files and their allocated size in bytes (state file plus
+        disk copy). Raises ``EngineError`` or ``Timeout``.
+        """
+        if not vm.alive():
+            raise EngineError("cannot snapshot a VM that is not running", sandbox_id=vm.sandbox_id)
+        machine, image = migration.shape_of(vm)
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            if any(dest.iterdir()):
+                raise EngineError(f"snapshot directory {dest} is not empty",
+                                  sandbox_id=vm.sandbox_id)
+        except OSError as exc:
+            raise EngineError(f"cannot make snapshot directory {dest}: {exc}") from None
+        memory_mib = int(migration.arg(machine, "-m").rstrip("M"))
+        files = SnapshotPaths(dest)
+        state, partial = files.state, files.state_partial
+        started = time.monotonic()
+        created_at = time.time()
+        try:
+            info = await migration.save_state(vm, partial, memory_mib)
+            await asyncio.to_thread(snapshot_io.fsync_file, partial)
+            os.replace(partial, state)
+            disk = files.disk
+            await snapshot_io.copy_file(vm.paths.disk, disk)
+            await asyncio.to_thread(snapshot_io.fsync_file, disk)
+            manifest = snapshot_io.SnapshotManifest(
+                engine=self.name, vmm_version=self.version, accel=self.accel,
+                image_name=str(image.get("name", "")), image_digest=str(image.get("digest", "")),
+                kernel_version=str(image.get("kernel", {}).get("version", "")),
+                vcpus=int(migration.arg(machine, "-smp")), memory_mib=memory_mib,
+                disk_virtual_bytes=await qdisk.virtual_size(disk), machine=machine,
+                created_at=created_at, state_bytes=snapshot_io.allocated_bytes(state),
+                disk_bytes=snapshot_io.allocated_bytes(disk),
+                save_seconds=round(time.monotonic() - started, 3),
+                source_sandbox=vm.sandbox_id,
+                extra={"migration_ms": info.get("total-time"),
+                       "ram_transferred": info.get("ram", {}).get("transferred"),
+                       "balloon": has_balloon(migration.argv_of(vm))},
+            )
+            snapshot_io.write_manifest(dest, manifest)
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        log.info("snapshot of %s: %d bytes in %.2f s", vm.sandbox_id, manifest.total_bytes,
+                 manifest.save_seconds)
+        return SnapshotFiles(dest, manifest.total_bytes)
+
+    async def restore(self, spec: VMSpec, source: Path) -> VM:
+        """Start a new VM for ``spec`` from the snapshot in ``source``; it ends running.
+
+        The snapshot's disk is copied into the new sandbox (and its backing
+        file repointed at ``spec.image.rootfs``), QEMU starts with the same
+        argv as ``boot`` plus ``-incoming defer``, loads the state with QMP
+        ``migrate-incoming`` from ``state.mig`` passed as a file descriptor,
+        and is resumed with ``cont``.
+        ``spec`` must have the snapshot's image digest, vCPUs and memory
+        (``snapshot_io.read_manifest`` tells them). The guest's clock and
+        entropy are the snapshot's until ``snapshot_io.refresh_guest`` runs.
+        Raises ``NotFound`` (no snapshot there), ``EngineError`` (mismatch,
+        QEMU failure) or ``Timeout``; on failure the sandbox directory is removed.
+        """
+        manifest = snapshot_io.read_manifest(source, self.name)
+        if manifest.image_digest != spec.image.digest:
+            raise EngineError(
+                f"snapshot needs image {manifest.image_name}-{manifest.image_digest}, "
+                f"the sandbox has {spec.image.name}-{spec.image.digest}",
+                sandbox_id=spec.sandbox_id)
+        machine = self.machine_args(spec)
+        if machine != manifest.machine:
+            raise EngineError(
+                f"snapshot was made on machine {' '.join(manifest.machine)}; restoring on "
+                f"{' '.join(machine)} is not possible (vCPUs, memory and accelerator must match)",
+                sandbox_id=spec.sandbox_id)
+        if manifest.vmm_version != self.version:
+            log.warning("restoring a snapshot made by %s with %s",
+                        manifest.vmm_version, self.version)
+        p = spec.paths
+        p.dir.mkdir(parents=True, exist_ok=False)
+        vm: VM | None = None
+        try:
+            snap = SnapshotPaths(source)
+            await snapshot_io.copy_file(snap.disk, p.disk)
+            await qdisk.rebase(p.disk, spec.image.rootfs)
+            # The snapshot's devices, whatever the tuning says now.
+            balloon = bool(manifest.extra.get("balloon", False))
+            vm = await self._start(spec, ("-incoming", "defer"), balloon=balloon)
+            async with qmp.session(vm) as client:
+                await migration.load_state(client, vm, snap.state, manifest.memory_mib)
+                # Connect before the guest runs: see agent_channel.
+                self._held[vm.pid] = await asyncio.open_unix_connection(
+                    str(p.agent), limit=P.MAX_DATA * 2)
+                await qmp.run(client, vm, "cont")
+                status = await qmp.run(client, vm, "query-status")
+                if status.get("status") != "running":
+                    raise EngineError(f"restored VM is {status.get('status')}, not running",
+                                      sandbox_id=spec.sandbox_id)
+            vm.extra["restored_from"] = str(source)
+            return vm
+        except BaseException:
+            await self._cleanup(p, vm.pid if vm is not None else None)
+            raise
+
+    def adopt(self, sandbox_id: str, paths: SandboxPaths, pid: int) -> VM | None:
+        """Return the VM if ``pid`` is still this sandbox's QEMU (checked by its argv)."""
+        argv = process.argv_of(pid)
+        if argv is None or f"hangar-{sandbox_id}" not in argv:
+            return None
+        vm = VM(sandbox_id, self.name, pid, paths, self.accel, extra={"restored_from": "adopted"})
+        return vm if vm.alive() else None

@@ -1,0 +1,166 @@
+"""Snapshots over QEMU's migration stream: saving and loading a VM's state, the VM's shape.
+
+``save_state`` pauses the VM and migrates it into a file which the server
+opens and passes to QEMU as a file descriptor (QMP ``getfd``, then
+``migrate fd:migration``): a confined QEMU may neither open the snapshot
+folder nor spawn ``cat`` (QEMU 7.2 has no ``file:`` transport). All-zero
+pages cost a few bytes, so the file is about the guest memory in use.
+``load_state`` feeds that file to a QEMU started with ``-incoming defer``
+(``migrate-incoming fd:migration``). Both wait for ``query-migrate`` to
+report completion, for at most ``timeout_for(memory_mib)`` seconds.
+
+The guest TSC and clocks are part of the saved CPU state and simply
+continue, so the guest's wall clock lags by the time the snapshot sat on
+disk until ``snapshot_io.refresh_guest`` sets it. The files of a snapshot
+and its manifest are ``hangar.engines.snapshot_io``'s; ``shape_of`` reads
+what a manifest records of a running VM from its command line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import QMPClient, QMPError
+
+from hangar.engines import process
+from hangar.engines.base import VM
+from hangar.engines.qemu import qmp
+from hangar.engines.qemu.argv import MACHINE_FLAGS, without_tuning
+from hangar.errors import EngineError, Timeout
+from hangar.layout import ImagePaths
+
+MIGRATE_BANDWIDTH = 1 << 40  # bytes/s: no limit in practice (QEMU's default is 128 MiB/s)
+MIGRATE_TIMEOUT_S = 60.0
+MIGRATE_S_PER_GIB = 60.0  # extra seconds of migration timeout per GiB of guest memory
+MIGRATION_FD = "migration"
+"""The name under which a snapshot's stream is passed to QEMU (QMP ``getfd``)."""
+
+
+def timeout_for(memory_mib: float) -> float:
+    """Seconds a migration of a guest with ``memory_mib`` MiB may take."""
+    return MIGRATE_TIMEOUT_S + memory_mib / 1024 * MIGRATE_S_PER_GIB
+
+
+async def wait_migration(client: QMPClient, vm: VM, timeout: float) -> dict[str, Any]:
+    """Poll ``query-migrate`` until it completes; returns its last answer.
+
+    Raises ``EngineError`` when the migration fails or QEMU dies, and
+    ``Timeout`` after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        if not vm.alive():
+            tail = process.tail(vm.paths.vmm_log, 1) or "no output"
+            raise EngineError(f"QEMU exited during the migration: {tail}",
+                              sandbox_id=vm.sandbox_id)
+        info = await qmp.run(client, vm, "query-migrate")
+        status = info.get("status", "none")
+        if status == "completed":
+            done: dict[str, Any] = info
+            return done
+        if status in ("failed", "cancelled", "cancelling"):
+            reason = info.get("error-desc", "no reason given")
+            raise EngineError(f"migration {status}: {reason}", sandbox_id=vm.sandbox_id)
+        if time.monotonic() > deadline:
+            raise Timeout(f"migration did not complete in {timeout:.0f} s (status {status})",
+                          sandbox_id=vm.sandbox_id)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+async def pass_fd(client: QMPClient, vm: VM, path: Path, flags: int) -> None:
+    """Open ``path`` here (``os.open`` ``flags``) and hand it to QEMU as ``MIGRATION_FD``
+    (QMP ``getfd``). Raises EngineError.
+
+    A confined QEMU can neither open the snapshot folder nor spawn a
+    helper, so the migration stream reaches it as an open file.
+    """
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise EngineError(f"cannot open {path.name}: {exc.strerror}",
+                          sandbox_id=vm.sandbox_id) from None
+    try:
+        client.send_fd_scm(fd)
+        await qmp.run(client, vm, "getfd", fdname=MIGRATION_FD)
+    except (QMPError, OSError) as exc:
+        raise EngineError(f"cannot pass the migration file to QEMU: {exc}",
+                          sandbox_id=vm.sandbox_id) from None
+    finally:
+        os.close(fd)
+
+
+async def save_state(vm: VM, path: Path, memory_mib: float) -> dict[str, Any]:
+    """Pause ``vm`` (QMP ``stop``) and migrate its device state and RAM into ``path``
+    (created or truncated); returns ``query-migrate``'s last answer.
+
+    The VM ends paused (QEMU's ``postmigrate`` state). On failure the
+    migration is cancelled, so the VM is left paused and usable. Raises
+    ``EngineError`` or ``Timeout``.
+    """
+    async with qmp.session(vm) as client:
+        await qmp.run(client, vm, "stop")
+        await qmp.run(client, vm, "migrate-set-parameters",
+                      **{"max-bandwidth": MIGRATE_BANDWIDTH})
+        await pass_fd(client, vm, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        await qmp.run(client, vm, "migrate", uri=f"fd:{MIGRATION_FD}")
+        try:
+            return await wait_migration(client, vm, timeout_for(memory_mib))
+        except BaseException:
+            try:  # leave the VM paused and usable, not mid-migration
+                await asyncio.shield(qmp.run(client, vm, "migrate_cancel"))
+            except (EngineError, asyncio.CancelledError):
+                pass
+            raise
+
+
+async def load_state(client: QMPClient, vm: VM, path: Path, memory_mib: float) -> None:
+    """Load the state saved in ``path`` into ``vm``, a QEMU started with ``-incoming defer``,
+    over the open QMP ``client``; the VM stays paused. Raises ``EngineError`` or
+    ``Timeout``."""
+    await pass_fd(client, vm, path, os.O_RDONLY)
+    await qmp.run(client, vm, "migrate-incoming", uri=f"fd:{MIGRATION_FD}")
+    await wait_migration(client, vm, timeout_for(memory_mib))
+
+
+def argv_of(vm: VM) -> list[str]:
+    """The running VM's QEMU argv (``/proc/<pid>/cmdline``); EngineError once it is gone."""
+    argv = process.argv_of(vm.pid)
+    if argv is None:
+        raise EngineError("the VM's QEMU process is gone", sandbox_id=vm.sandbox_id)
+    return argv
+
+
+def arg(argv: list[str], flag: str) -> str:
+    """The value after ``flag`` in ``argv``; EngineError when there is none."""
+    try:
+        return argv[argv.index(flag) + 1]
+    except (ValueError, IndexError):
+        raise EngineError(f"QEMU's command line has no {flag}") from None
+
+
+def shape_of(vm: VM) -> tuple[list[str], dict[str, Any]]:
+    """The running VM's machine arguments (without tuning) and its image's manifest,
+    from its argv. Raises EngineError.
+
+    Read from ``/proc/<pid>/cmdline`` so that VMs adopted from an earlier
+    server process (whose ``VMSpec`` is gone) work too.
+    """
+    argv = argv_of(vm)
+    machine: list[str] = []
+    for flag in MACHINE_FLAGS:
+        machine += [flag, arg(argv, flag)]
+    machine = without_tuning(machine)
+    image_paths = ImagePaths(Path(arg(argv, "-kernel")).parent)
+    try:
+        image: dict[str, Any] = json.loads(image_paths.manifest.read_text())
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"cannot read the VM's image manifest: {exc}",
+                          sandbox_id=vm.sandbox_id) from None
+    return machine, image

@@ -1,0 +1,69 @@
+"""The QMP client: one command to a VM's QEMU, or a session of several (``qemu.qmp``).
+
+Every VMM serves QMP on the sandbox's ``qmp.sock`` (``SandboxPaths.qmp``).
+A connection must open within ``CONNECT_S`` and each command answer within
+``COMMAND_S``; any failure (QEMU's own error, a closed socket, a timeout)
+becomes one ``EngineError`` that names the command and carries the
+sandbox's id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from qemu.qmp import QMPClient, QMPError
+
+from hangar.engines.base import VM
+from hangar.errors import EngineError
+
+CONNECT_S = 5.0
+"""Seconds to connect to QEMU's QMP socket."""
+COMMAND_S = 30.0
+"""Seconds for QEMU to answer one QMP command."""
+
+
+@asynccontextmanager
+async def session(vm: VM) -> AsyncIterator[QMPClient]:
+    """One QMP connection for a sequence of commands (``run``); EngineError if it cannot
+    connect. Disconnects on exit."""
+    client = QMPClient(f"hangar-{vm.sandbox_id}")
+    try:
+        await asyncio.wait_for(client.connect(str(vm.paths.qmp)), CONNECT_S)
+    except (TimeoutError, QMPError, OSError) as exc:
+        raise EngineError(f"QMP connect failed: {exc}", sandbox_id=vm.sandbox_id) from None
+    try:
+        yield client
+    finally:
+        await _disconnect(client)
+
+
+async def run(client: QMPClient, vm: VM, command: str, **args: object) -> Any:
+    """Run ``command`` with ``args`` on an open ``session``; returns QEMU's answer.
+    Raises EngineError."""
+    try:
+        return await asyncio.wait_for(client.execute(command, args or None), COMMAND_S)
+    except (TimeoutError, QMPError, OSError) as exc:
+        raise EngineError(f"QMP {command} failed: {exc}", sandbox_id=vm.sandbox_id) from None
+
+
+async def execute(vm: VM, command: str, **args: object) -> object:
+    """Connect, run one ``command`` with ``args`` and disconnect; returns QEMU's answer.
+    Raises EngineError."""
+    client = QMPClient(f"hangar-{vm.sandbox_id}")
+    try:
+        await asyncio.wait_for(client.connect(str(vm.paths.qmp)), CONNECT_S)
+        return await asyncio.wait_for(client.execute(command, args or None), COMMAND_S)
+    except (TimeoutError, QMPError, OSError) as exc:
+        raise EngineError(f"QMP {command} failed: {exc}", sandbox_id=vm.sandbox_id) from None
+    finally:
+        await _disconnect(client)
+
+
+async def _disconnect(client: QMPClient) -> None:
+    try:
+        await client.disconnect()
+    except Exception:  # noqa: BLE001 -- a QEMU that went away is disconnected already
+        pass
