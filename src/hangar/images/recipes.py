@@ -36,8 +36,11 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from hangar.errors import NotFound
+from hangar.guest import paths
 
 BUILDER_VERSION = 2
 """Bump when the builder makes a different rootfs or kernel from the same recipe."""
@@ -74,11 +77,30 @@ class Recipe:
     """vCPUs of a sandbox of this image whose create names none (None: the server's)."""
     default_memory_mib: int | None = None
     """Guest memory (MiB) of a sandbox of this image whose create names none."""
+    start: str | None = None
+    """A command started in the background when a sandbox of it boots, as a template's
+    ``start`` (``hangar.core.startup``); not part of the image."""
+    ready_port: int | None = None
+    """The create answers once this guest port accepts (a template's ``[ready] port``)."""
+    ready_timeout_s: float = 60.0
+
+    def runtime(self) -> dict[str, Any] | None:
+        """What its sandboxes need at create, shaped as a template's
+        (``hangar.images.template_file.Template.runtime``), or None without a start
+        command or ready check."""
+        if self.start is None and self.ready_port is None:
+            return None
+        ready = None if self.ready_port is None else {
+            "port": self.ready_port, "command": None, "timeout_s": self.ready_timeout_s,
+            "interval_s": 0.5}
+        return {"start": self.start, "workdir": None, "ready": ready, "env": {},
+                "vcpus": self.default_vcpus, "memory_mib": self.default_memory_mib}
 
     def digest(self) -> str:
         """12 hex digits of sha256 over the build-relevant fields and ``BUILDER_VERSION``."""
         fields = dataclasses.asdict(self)
-        for name in ("description", "default_vcpus", "default_memory_mib"):
+        for name in ("description", "default_vcpus", "default_memory_mib", "start",
+                     "ready_port", "ready_timeout_s"):
             fields.pop(name)
         for name in ("files", "apt_packages"):  # absent when empty: old digests stay valid
             if not fields[name]:
@@ -176,7 +198,36 @@ DEV = Recipe(
     default_memory_mib=2048,
 )
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (BASE, DESKTOP, DEV)}
+CODE_INTERPRETER_PORT = 49999
+"""The guest port of the code interpreter's server (E2B's)."""
+FILES = Path(__file__).resolve().parent / "files"
+
+CODE_INTERPRETER = Recipe(
+    name="code-interpreter",
+    description="base plus a stateful Python code interpreter: ipykernel, jupyter_client, "
+                "numpy, pandas and matplotlib, served on port 49999 in E2B's protocol.",
+    packages=BASE.packages,
+    apt_packages=(                      # apt-get: numpy's ABI is a virtual package
+        "python3-ipykernel",
+        "python3-jupyter-client",
+        "python3-numpy",
+        "python3-pandas",
+        "python3-matplotlib",
+        "python3-matplotlib-inline",    # the kernel's inline backend: figures as PNG
+        "fonts-dejavu-core",            # matplotlib's default font
+    ),
+    files=(
+        RecipeFile(paths.CODE_INTERPRETER_SERVER,
+                   (FILES / "code_interpreter.py").read_text(), 0o755),
+    ),
+    start=f"exec /usr/bin/python3 {paths.CODE_INTERPRETER_SERVER} "
+          f"--port {CODE_INTERPRETER_PORT} --cwd {paths.HOME}",
+    ready_port=CODE_INTERPRETER_PORT,
+    ready_timeout_s=300.0,
+    default_memory_mib=1024,
+)
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (BASE, DESKTOP, DEV, CODE_INTERPRETER)}
 
 
 def get_recipe(name: str) -> Recipe:
