@@ -43,6 +43,8 @@ import json
 import os
 import queue
 import re
+import select
+import socket
 import sys
 import threading
 import time
@@ -144,15 +146,16 @@ class KernelContext:
             if msg["parent_header"].get("msg_id") == msg_id:
                 return
 
-    def run(self, code: str, env: dict[str, str], emit: Any) -> None:
-        """Run one cell, calling ``emit(line_dict)`` for each output as it comes."""
+    def run(self, code: str, env: dict[str, str], emit: Any, gone: Any) -> None:
+        """Run one cell, calling ``emit(line_dict)`` for each output as it comes;
+        ``gone()`` tells whether the client left (the kernel is then interrupted)."""
         with self.lock:
             if env:
                 self.silent("import os as _hangar_os\n"
                             f"_hangar_saved = {{k: _hangar_os.environ.get(k) for k in {list(env)!r}}}\n"
                             f"_hangar_os.environ.update({env!r})\n")
             try:
-                self._run(code, emit)
+                self._run(code, emit, gone)
             finally:
                 if env:
                     self.silent("for _k, _v in _hangar_saved.items():\n"
@@ -160,7 +163,7 @@ class KernelContext:
                                 "    else: _hangar_os.environ[_k] = _v\n"
                                 "del _hangar_saved, _k, _v\n")
 
-    def _run(self, code: str, emit: Any) -> None:
+    def _run(self, code: str, emit: Any, gone: Any) -> None:
         msg_id = self.kc.execute(code, store_history=True, allow_stdin=False,
                                  stop_on_error=True)
         try:
@@ -168,6 +171,8 @@ class KernelContext:
                 try:
                     msg = self.kc.get_iopub_msg(timeout=1)
                 except queue.Empty:
+                    if gone():
+                        raise Gone() from None
                     if not self.km.is_alive():
                         emit({"type": "error", "name": "KernelDied",
                               "value": "the kernel died; restart the context",
@@ -359,7 +364,7 @@ class Handler(BaseHTTPRequestHandler):
             except OSError:
                 raise Gone() from None
 
-        ctx.run(code, env, emit)
+        ctx.run(code, env, emit, lambda: _closed(self.connection))
 
     def _json(self, status: int, value: Any) -> None:
         data = json.dumps(value).encode()
@@ -373,6 +378,15 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Length", "0")
         self.end_headers()
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the peer closed ``sock`` (its request was read whole: only EOF is left)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 def _language(language: Any) -> None:
