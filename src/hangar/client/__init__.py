@@ -34,6 +34,9 @@ from hangar.client._sync.client import Hangar
 from hangar.client._sync.monitor import HealthMonitor
 from hangar.client._sync.objects import Desktop, Files, Machine, Sandbox
 from hangar.client._sync.streams import FileWatch, Terminal
+from hangar.client.execution import (
+    CodeContext, Execution, ExecutionError, Logs, OutputMessage, Result,
+)
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, FileEvent, Health,
     KeyResult, MachineInfo, PoolStatus, PortInfo, PtySession, PtyTicket, SandboxInfo, Snapshot,
@@ -45,6 +48,7 @@ __all__ = [
     "AsyncFiles", "Desktop", "AsyncDesktop", "HealthMonitor", "AsyncHealthMonitor",
     "Terminal", "AsyncTerminal", "FileWatch", "AsyncFileWatch",
     "RetryPolicy", "Timeouts",
+    "CodeContext", "Execution", "ExecutionError", "Logs", "OutputMessage", "Result",
     "ActionResult", "DisplayInfo", "Event", "ExecResult", "ExecStreamEvent", "FileEntry",
     "FileEvent", "Health", "KeyResult", "MachineInfo", "PoolStatus", "PortInfo", "PtySession",
     "PtyTicket", "SandboxInfo", "Snapshot", "VncTicket", "WriteResult",
