@@ -219,6 +219,10 @@ CODE_INTERPRETER = Recipe(
     files=(
         RecipeFile(paths.CODE_INTERPRETER_SERVER,
                    (FILES / "code_interpreter.py").read_text(), 0o755),
+        RecipeFile("/etc/ipython/ipython_kernel_config.py",
+                   "# Hangar: figures keep their size (figsize x dpi), tracebacks no colours.\n"
+                   "c.InlineBackend.print_figure_kwargs = {'bbox_inches': None}\n"
+                   "c.InteractiveShell.colors = 'NoColor'\n"),
     ),
     start=f"exec /usr/bin/python3 {paths.CODE_INTERPRETER_SERVER} "
           f"--port {CODE_INTERPRETER_PORT} --cwd {paths.HOME}",
