@@ -206,7 +206,7 @@ CODE_INTERPRETER = Recipe(
     name="code-interpreter",
     description="base plus a stateful Python code interpreter: ipykernel, jupyter_client, "
                 "numpy, pandas and matplotlib, served on port 49999 in E2B's protocol.",
-    packages=BASE.packages,
+    packages=BASE.packages + ("ripgrep",),     # search_code of the agent tools
     apt_packages=(                      # apt-get: numpy's ABI is a virtual package
         "python3-ipykernel",
         "python3-jupyter-client",
