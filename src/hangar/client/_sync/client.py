@@ -621,7 +621,9 @@ class Hangar:
                 if not line.strip():
                     continue
                 got = apply_line(execution, jsonlib.loads(line))
-                handler = handlers[got[0]] if got else None
+                if got is None or handlers[got[0]] is None:
+                    continue
+                handler = handlers[got[0]]
                 if handler is not None:
                     maybe = handler(got[1])
                     if inspect.isawaitable(maybe):
