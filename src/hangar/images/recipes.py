@@ -227,7 +227,7 @@ CODE_INTERPRETER = Recipe(
     start=f"exec /usr/bin/python3 {paths.CODE_INTERPRETER_SERVER} "
           f"--port {CODE_INTERPRETER_PORT} --cwd {paths.HOME}",
     ready_port=CODE_INTERPRETER_PORT,
-    ready_timeout_s=300.0,
+    ready_timeout_s=600.0,                # a cold boot under TCG on a busy host: minutes
     default_memory_mib=1024,
 )
 

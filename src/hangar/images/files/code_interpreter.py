@@ -93,7 +93,7 @@ class KernelContext:
         self.default = default
         self.lock = threading.Lock()
         env = dict(os.environ, MPLBACKEND="module://matplotlib_inline.backend_inline",
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1", PYDEVD_DISABLE_FILE_VALIDATION="1")
         env.pop("PYTHONPATH", None)  # Hangar's guest modules are no business of the kernel
         self.km = KernelManager(kernel_name="python3")
         self.km.start_kernel(cwd=cwd, env=env,
