@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,43 @@ def test_a_missing_key_says_where_it_was_looked_for(server: Server, tmp_path: Pa
     assert r.returncode == 1 and b"Traceback" not in r.stderr
     err = r.stderr.decode()
     assert "X-API-Key" in err and f"{tmp_path}/api-key (missing" in err, err
+
+
+def test_shell_with_piped_input_ends_when_the_input_does(server: Server) -> None:
+    sid = hangar(server, "create").stdout.decode().strip()
+    try:
+        r = hangar(server, "shell", sid, stdin=b"echo hello-$((6 * 7))\n")
+        assert r.returncode == 0, r.stderr
+        assert b"hello-42" in r.stdout
+        # The session's status is the remote program's: the shell's last command's.
+        r = hangar(server, "shell", sid, stdin=b"date\n(exit 3)\n")
+        assert r.returncode == 3, (r.stdout, r.stderr)
+        r = hangar(server, "shell", sid, "--", "sh", "-c", "cat; exit 5", stdin=b"through\n")
+        assert r.returncode == 5 and b"through" in r.stdout, (r.stdout, r.stderr)
+    finally:
+        hangar(server, "rm", sid)
+
+
+def test_status_names_the_engine_once(server: Server) -> None:
+    r = hangar(server, "status")
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.decode().splitlines()[0]
+    assert "engine=" not in r.stdout.decode(), r.stdout
+    assert re.search(r"; engine qemu \d+\.\d+\S* \((tcg|kvm)\)$", line), line
+
+
+def test_rm_of_an_expired_or_deleted_sandbox_is_done(server: Server) -> None:
+    sid = hangar(server, "create", "--timeout", "1").stdout.decode().strip()
+    with server.client() as c:
+        deadline = time.monotonic() + 60
+        while c.get(f"/sandboxes/{sid}").status_code != 410:
+            assert time.monotonic() < deadline, "the 1 s TTL never expired"
+            time.sleep(0.2)
+    r = hangar(server, "rm", sid)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode().strip() == f"{sid} had already expired; nothing to delete"
+    live = hangar(server, "create").stdout.decode().strip()
+    assert hangar(server, "rm", live).stdout.decode().strip() == f"deleted {live}"
+    r = hangar(server, "rm", live)
+    assert r.returncode == 0, r.stderr
+    assert "already deleted" in r.stdout.decode()

@@ -31,7 +31,7 @@ from hangar.cli.common import (
 from hangar.cli.key import app as key_app
 from hangar.cli.serve import serve
 from hangar.cli.template import app as template_app
-from hangar.errors import HangarError
+from hangar.errors import Gone, HangarError, NotFound
 
 app = typer.Typer(help="Hangar: microVM sandboxes for AI agents.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -205,11 +205,18 @@ def shell(
 
 @app.command()
 def rm(sandbox_ids: Annotated[list[str], typer.Argument()]) -> None:
-    """Delete sandboxes."""
+    """Delete sandboxes. One that expired or is already deleted is where rm would leave it:
+    that is said, and is no failure."""
     with sdk() as h:
         for sid in sandbox_ids:
-            h.delete(sid)
-            out.print(f"deleted {sid}")
+            try:
+                h.delete(sid)
+            except Gone:
+                out.print(f"{sid} had already expired; nothing to delete")
+            except NotFound:
+                out.print(f"no sandbox {sid} (already deleted, or never made); nothing to delete")
+            else:
+                out.print(f"deleted {sid}")
 
 
 @app.command()
@@ -229,11 +236,25 @@ def status() -> None:
     with sdk() as h:
         health = h.health()
         pool = h.pool()
-    engine = ", ".join(f"{k}={v}" for k, v in health.engine.items())
+    engine, details = describe_engine(health.engine)
     out.print(f"Hangar {health.version} at {h.base_url}: {health.status}; {health.sandboxes} "
-              f"sandboxes; engine {engine}")
+              f"sandboxes; engine {engine}", highlight=False, soft_wrap=True)
+    if details:
+        out.print(f"  {details}", highlight=False, soft_wrap=True)
     out.print(f"warm pool ({pool.image}): {pool.ready} ready, {pool.starting} starting, "
               f"{pool.size} wanted, replaced after {pool.max_age_s:.0f} s")
+
+
+def describe_engine(engine: dict[str, str]) -> tuple[str, str]:
+    """``("qemu 7.2.22 (tcg)", "tb_mib=48, balloon=true, ...")`` from /health's ``engine``."""
+    name, accel = engine.get("engine", "?"), engine.get("accel", "")
+    # "QEMU emulator version 7.2.22 (Debian ...)" says the name again: keep the number.
+    version = next((w for w in engine.get("version", "").split() if w[:1].isdigit()),
+                   engine.get("version", ""))
+    head = " ".join(x for x in (name, version) if x) + (f" ({accel})" if accel else "")
+    rest = ", ".join(f"{k}={v}" for k, v in engine.items()
+                     if k not in ("engine", "version", "accel") and v)
+    return head, rest
 
 
 @app.command()
