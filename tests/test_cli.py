@@ -16,11 +16,11 @@ from conftest import SRC, Server, vmm_pids
 pytestmark = pytest.mark.vm
 
 
-def hangar(server: Server, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+def hangar(server: Server, *args: str, stdin: bytes | None = None, timeout: float = 300) -> subprocess.CompletedProcess[bytes]:
     env = {**os.environ, "HANGAR_URL": server.url, "HANGAR_API_KEY": server.key,
            "PYTHONPATH": str(SRC), "HANGAR_NO_STDIN": "" if stdin is not None else "1"}
     return subprocess.run([sys.executable, "-m", "hangar.cli", *args], env=env, input=stdin,
-                          capture_output=True, timeout=300)
+                          capture_output=True, timeout=timeout)
 
 
 def test_cli_round_trip(server: Server, tmp_path: Path) -> None:
@@ -65,14 +65,18 @@ def test_a_missing_key_says_where_it_was_looked_for(server: Server, tmp_path: Pa
 def test_shell_with_piped_input_ends_when_the_input_does(server: Server) -> None:
     sid = hangar(server, "create").stdout.decode().strip()
     try:
-        r = hangar(server, "shell", sid, stdin=b"echo hello-$((6 * 7))\n")
+        r = hangar(server, "shell", sid, stdin=b"echo hello-$((6 * 7))\n", timeout=60)
         assert r.returncode == 0, r.stderr
         assert b"hello-42" in r.stdout
         # The session's status is the remote program's: the shell's last command's.
-        r = hangar(server, "shell", sid, stdin=b"date\n(exit 3)\n")
+        r = hangar(server, "shell", sid, stdin=b"date\n(exit 3)\n", timeout=60)
         assert r.returncode == 3, (r.stdout, r.stderr)
-        r = hangar(server, "shell", sid, "--", "sh", "-c", "cat; exit 5", stdin=b"through\n")
-        assert r.returncode == 5 and b"through" in r.stdout, (r.stdout, r.stderr)
+        r = hangar(server, "shell", sid, stdin=b"echo no-newline-at-the-end", timeout=60)
+        assert r.returncode == 0 and b"no-newline-at-the-end" in r.stdout, (r.stdout, r.stderr)
+        for piped in (b"through\n", b"through"):  # a program reading bytes gets them, then EOF
+            r = hangar(server, "shell", sid, "--", "sh", "-c", "cat; exit 5", stdin=piped,
+                       timeout=60)
+            assert r.returncode == 5 and b"through" in r.stdout, (r.stdout, r.stderr)
     finally:
         hangar(server, "rm", sid)
 
