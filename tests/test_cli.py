@@ -6,12 +6,11 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import SRC, Server, vmm_pids
+from conftest import SRC, Server, Waits, vmm_pids, wait_for
 
 pytestmark = pytest.mark.vm
 
@@ -89,13 +88,11 @@ def test_status_names_the_engine_once(server: Server) -> None:
     assert re.search(r"; engine qemu \d+\.\d+\S* \((tcg|kvm)\)$", line), line
 
 
-def test_rm_of_an_expired_or_deleted_sandbox_is_done(server: Server) -> None:
+def test_rm_of_an_expired_or_deleted_sandbox_is_done(server: Server, waits: Waits) -> None:
     sid = hangar(server, "create", "--timeout", "1").stdout.decode().strip()
     with server.client() as c:
-        deadline = time.monotonic() + 60
-        while c.get(f"/sandboxes/{sid}").status_code != 410:
-            assert time.monotonic() < deadline, "the 1 s TTL never expired"
-            time.sleep(0.2)
+        wait_for(lambda: c.get(f"/sandboxes/{sid}").status_code == 410, 1 + waits.vm(2),
+                 "the 1 s TTL to expire", every=0.2)
     r = hangar(server, "rm", sid)
     assert r.returncode == 0, r.stderr
     assert r.stdout.decode().strip() == f"{sid} had already expired; nothing to delete"
