@@ -34,7 +34,7 @@ machine's measured boot by ``vm_waits``."""
 @pytest.fixture(autouse=True)
 def vm_waits(waits: Waits) -> None:
     global VM_S
-    VM_S = waits.vm(12, floor=60)
+    VM_S = waits.vm(20, floor=90)
 
 
 def run(c: httpx.Client, sid: str, command: str) -> str:

@@ -544,12 +544,27 @@ class QemuEngine(Engine):
 
     @asynccontextmanager
     async def _qmp_session(self, vm: VM) -> AsyncIterator[QMPClient]:
-        """One QMP connection for a sequence of commands; EngineError if it cannot connect."""
-        client = QMPClient(f"hangar-{vm.sandbox_id}")
-        try:
-            await asyncio.wait_for(client.connect(str(vm.paths.qmp)), 5)
-        except (QMPError, OSError, asyncio.TimeoutError) as exc:
-            raise EngineError(f"QMP connect failed: {exc}", sandbox_id=vm.sandbox_id) from None
+        """One QMP connection for a sequence of commands; EngineError if it cannot connect.
+
+        QEMU's socket file exists from its ``bind()``; until its ``listen()`` a
+        connect is refused, a gap a busy host can stretch. A refused connect is
+        tried again (every 50 ms, within the same 5 s) while QEMU runs.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while True:
+            client = QMPClient(f"hangar-{vm.sandbox_id}")
+            try:
+                await asyncio.wait_for(client.connect(str(vm.paths.qmp)),
+                                       max(0.1, deadline - loop.time()))
+                break
+            except (QMPError, OSError, asyncio.TimeoutError) as exc:
+                refused = isinstance(getattr(exc, "exc", exc), ConnectionRefusedError)
+                if refused and loop.time() < deadline and vm.alive():
+                    await asyncio.sleep(0.05)
+                    continue
+                raise EngineError(f"QMP connect failed: {exc}",
+                                  sandbox_id=vm.sandbox_id) from None
         try:
             yield client
         finally:
