@@ -30,6 +30,7 @@ from hangar.cli.common import (
 )
 from hangar.cli.key import app as key_app
 from hangar.cli.serve import serve
+from hangar.cli.status import status
 from hangar.cli.template import app as template_app
 from hangar.errors import Gone, HangarError, NotFound
 
@@ -58,6 +59,7 @@ app.add_typer(node_app, name="node")
 app.add_typer(ops_cli.deploy_app, name="deploy")
 app.command("backup")(ops_cli.backup)
 app.command()(serve)
+app.command()(status)
 @image_app.command("build")
 def image_build(
     recipe: Annotated[str, typer.Argument(help="Recipe name.")] = "base",
@@ -228,33 +230,6 @@ def ttl(sandbox_id: str,
     out.print(f"{sb.id} expires "
               + (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sb.expires_at))
                  if sb.expires_at else "never"))
-
-
-@app.command()
-def status() -> None:
-    """The server's health and its warm pool."""
-    with sdk() as h:
-        health = h.health()
-        pool = h.pool()
-    engine, details = describe_engine(health.engine)
-    out.print(f"Hangar {health.version} at {h.base_url}: {health.status}; {health.sandboxes} "
-              f"sandboxes; engine {engine}", highlight=False, soft_wrap=True)
-    if details:
-        out.print(f"  {details}", highlight=False, soft_wrap=True)
-    out.print(f"warm pool ({pool.image}): {pool.ready} ready, {pool.starting} starting, "
-              f"{pool.size} wanted, replaced after {pool.max_age_s:.0f} s")
-
-
-def describe_engine(engine: dict[str, str]) -> tuple[str, str]:
-    """``("qemu 7.2.22 (tcg)", "tb_mib=48, balloon=true, ...")`` from /health's ``engine``."""
-    name, accel = engine.get("engine", "?"), engine.get("accel", "")
-    # "QEMU emulator version 7.2.22 (Debian ...)" says the name again: keep the number.
-    version = next((w for w in engine.get("version", "").split() if w[:1].isdigit()),
-                   engine.get("version", ""))
-    head = " ".join(x for x in (name, version) if x) + (f" ({accel})" if accel else "")
-    rest = ", ".join(f"{k}={v}" for k, v in engine.items()
-                     if k not in ("engine", "version", "accel") and v)
-    return head, rest
 
 
 @app.command()
