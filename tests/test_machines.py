@@ -98,9 +98,12 @@ def test_snapshot_restore_fork_and_clock(api: httpx.Client, fresh_sandbox: str) 
     run(api, sid, "echo after > /root/state; kill $(cat /root/pid)")
     r = api.post(f"/sandboxes/{sid}/restore", json={"snapshot_id": snap["id"]})
     assert r.status_code == 200, r.text
+    asked = time.time()
     out = run(api, sid, "date +%s; cat /root/state; kill -0 $(cat /root/pid) && echo alive")
+    answered = time.time()
     guest_now, state, alive = out["stdout"].split()
-    assert abs(int(guest_now) - time.time()) <= 2
+    # The guest read its clock while the call ran (a loaded host makes that long, not wrong).
+    assert int(asked) - 1 <= int(guest_now) <= answered + 1, (asked, guest_now, answered)
     assert (state, alive) == ("before", "alive")
     # A restored copy is a machine of its own: same name, new machine-id, a generation.
     host, restored_id, restored_gen = identity(api, sid)
@@ -230,7 +233,9 @@ def test_warm_pool(base_image, waits: Waits) -> None:  # noqa: ANN001
             sb = c.post("/sandboxes", json={}).json()
             took = time.monotonic() - t
             assert took < 3, f"a pooled create took {took:.1f} s"
-            assert abs(int(run(c, sb["id"], "date +%s")["stdout"]) - time.time()) <= 2
+            asked = time.time()
+            guest_now = int(run(c, sb["id"], "date +%s")["stdout"])
+            assert int(asked) - 1 <= guest_now <= time.time() + 1, (asked, guest_now)
             # The pool refills; the taken VM is never handed out again.
             wait_for(lambda: pooled() == 2, waits.vm(8), "the pool refilled", every=0.5)
             others = [c.post("/sandboxes", json={}).json()["id"] for _ in range(2)]
