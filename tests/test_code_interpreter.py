@@ -12,6 +12,8 @@ from __future__ import annotations
 import base64
 import io
 import os
+import re
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ import pytest
 from PIL import Image
 
 from conftest import SHARED, Server
-from hangar.client import Hangar, OutputMessage, Sandbox, Timeouts
+from hangar.client import ExecutionError, Hangar, OutputMessage, Sandbox, Timeouts
 from hangar.errors import Conflict, NotFound
 
 vm = pytest.mark.vm
@@ -93,7 +95,7 @@ def test_html_and_json_results(sb: Sandbox) -> None:
 
 @vm
 def test_error_has_name_value_and_traceback(sb: Sandbox) -> None:
-    errors = []
+    errors: list[ExecutionError] = []
     ex = sb.run_code("1/0", on_error=errors.append)
     assert ex.error is not None and ex.error.name == "ZeroDivisionError"
     assert ex.error.value == "division by zero"
@@ -151,9 +153,12 @@ def test_timeout_interrupts_the_cell(sb: Sandbox) -> None:
 def test_bad_requests_are_refused(sb: Sandbox, server: Server) -> None:
     with server.client() as api:
         r = api.post(f"/sandboxes/{sb.id}/code/execute", json={"code": "1", "language": "r"})
-        assert r.status_code == 400 and "only python" in r.json()["message"]
+        assert r.status_code == 400, r.text
+        assert "only python" in r.json()["error"]["message"]
         r = api.post(f"/sandboxes/{sb.id}/code/execute", json={"code": "x" * ((1 << 20) + 1)})
-        assert r.status_code == 400
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
+        r = api.post(f"/sandboxes/{sb.id}/code/contexts/nope/restart")
+        assert r.status_code == 404, r.text
 
 
 @vm
@@ -175,10 +180,12 @@ def _e2b_served(server: Server) -> bool:
 def e2b_env(server: Server, code_image: Path) -> Iterator[None]:
     if not _e2b_served(server):
         pytest.skip("this server does not serve E2B's API yet (branches e2bapi and envd)")
+    r = subprocess.run([sys.executable, "-m", "hangar.cli", "key", "add", "codeint", "--e2b"],
+                       env=server.env, capture_output=True, text=True, timeout=60)
+    found = re.search(r"\be2b_[0-9a-f]{20,}\b", r.stdout)
+    assert r.returncode == 0 and found, r.stdout + r.stderr
+    key = found.group(0)
     old = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
-    key = server.key if server.key.startswith("e2b_") else None
-    if key is None:
-        pytest.skip("the server's key is not in E2B's format")
     os.environ.update(E2B_API_URL=f"{server.url}/e2b", E2B_SANDBOX_URL=f"{server.url}/e2b/envd",
                       E2B_API_KEY=key)
     yield
