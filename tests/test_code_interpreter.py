@@ -24,7 +24,7 @@ from PIL import Image
 
 from conftest import SHARED, Server
 from hangar.client import ExecutionError, Hangar, OutputMessage, Sandbox, Timeouts
-from hangar.errors import Conflict, NotFound
+from hangar.errors import NoInterpreter, NotFound
 
 vm = pytest.mark.vm
 
@@ -163,7 +163,7 @@ def test_bad_requests_are_refused(sb: Sandbox, server: Server) -> None:
 
 @vm
 def test_other_images_have_no_interpreter(client: Hangar, sandbox: str) -> None:
-    with pytest.raises(Conflict) as exc:
+    with pytest.raises(NoInterpreter) as exc:
         client.run_code(sandbox, "1")
     assert exc.value.code == "no_interpreter"
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from hangar.core.guestcalls import NoListener
 from hangar.engines.agent_client import Tunnel
-from hangar.errors import (Conflict, GuestError, HangarError, InvalidRequest, LimitExceeded,
+from hangar.errors import (GuestError, HangarError, InvalidRequest, LimitExceeded, NoInterpreter,
                            NotFound, TooLarge)
 
 if TYPE_CHECKING:
@@ -47,12 +47,6 @@ MAX_LINE_BYTES = 64 << 20
 """Longest NDJSON line of ``execute`` (a result with a large image), bytes."""
 REQUEST_S = 120.0
 """Longest a context call (a kernel start or restart under emulation) may take, seconds."""
-
-
-class NoInterpreter(Conflict):
-    """The sandbox runs no code interpreter (409)."""
-
-    code = "no_interpreter"
 
 
 async def _request(m: SandboxManager, stack: AsyncExitStack, sandbox_id: str, method: str,
