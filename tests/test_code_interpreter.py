@@ -9,6 +9,7 @@ cases.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import os
@@ -166,6 +167,32 @@ def test_other_images_have_no_interpreter(client: Hangar, sandbox: str) -> None:
     with pytest.raises(NoInterpreter) as exc:
         client.run_code(sandbox, "1")
     assert exc.value.code == "no_interpreter"
+
+
+@vm
+def test_the_run_code_tool(sb: Sandbox, server: Server) -> None:
+    import hangar.tools as ht
+    from hangar.tools.backend import Backend, SandboxInfo
+    from hangar.tools.vm import VmTools
+
+    assert "run_code" in ht.TIER_TOOLS["vm"] and "run_code" in ht.TIER_TOOLS["browser"]
+    assert "run_code" not in ht.TIER_TOOLS["in-process"]
+
+    async def go() -> list[ht.ToolResult]:
+        backend = Backend(server.url, server.key)
+        try:
+            tools = VmTools(backend, SandboxInfo(sb.id, "code-interpreter", 1, 1024, "cold"))
+            return [await tools.call("run_code", {"code": c}, None)
+                    for c in ("z = 6", PLOT + "print(z * 7)", "1/0")]
+        finally:
+            await backend.close()
+
+    assign, plot, error = asyncio.run(go())
+    assert assign.ok and assign.output == ""
+    assert plot.ok and plot.output.startswith("42\n") and "[display: text, png]" in plot.output
+    assert plot.image is not None and Image.open(io.BytesIO(plot.image)).size == (400, 300)
+    assert not error.ok and error.error == "ZeroDivisionError: division by zero"
+    assert "1/0" in error.output and error.data["error"]["name"] == "ZeroDivisionError"
 
 
 # -- the unmodified e2b-code-interpreter SDK --------------------------------------------------

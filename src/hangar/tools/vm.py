@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from hangar.tools.backend import Backend, SandboxInfo
+from hangar.tools.code import run_code
 from hangar.tools.definitions import MAX_OUTPUT_BYTES, WORK_DIR
 from hangar.tools.format import command_result, resolve
 from hangar.tools.results import ToolResult, cap_text
@@ -54,6 +55,8 @@ class VmTools:
             return await self.write_file(args)
         if name == "search_code":
             return await self.search_code(args)
+        if name == "run_code":
+            return await run_code(self, args, time_left)
         return ToolResult.failure(f"the {self.tier} tier has no tool {name!r}")
 
     async def run_command(self, args: dict[str, Any], time_left: float | None) -> ToolResult:
