@@ -78,7 +78,10 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
     the command wait on its pipe; after the command exits its pipes are
     drained for ``DRAIN_GRACE_S``, or while the host's window is full up
     to the timeout (then the rest is dropped; the totals count what was
-    sent).
+    sent). Pipes still open then (a program the command started in the
+    background holds them) are handed to the process table
+    (``hangar.guest.procs``), which reads them for as long as that program
+    writes: its output goes to a buffer, never to a closed pipe.
 
     Returns (as RESPONSE meta) ``exit_code`` (128+N when killed by signal N), ``signal``,
     ``timed_out``, ``duration_s``, and per stream ``stdout``/``stderr``
@@ -129,7 +132,11 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
         finally:
             if cmd.returncode is None:  # cancelled: never leave the group behind
                 cmd.kill(signal.SIGKILL)
-            cmd.close()
+            # A program the command left behind may still hold its stdout or stderr:
+            # the process table reads them from now on (``hangar.guest.procs``), so it
+            # never writes to a closed pipe.
+            if not agent.procs.adopt(cmd, argv, meta.get("env") or {}, cwd):
+                cmd.close()
     finally:
         remove_script(script)
 
@@ -205,7 +212,8 @@ async def _run(ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
         if expired:
             cmd.kill(signal.SIGKILL)  # members of the group that outlived the leader
         # Drain: output to its end (streaming: every chunk sent). A pipe still open
-        # DRAIN_GRACE_S after the exit (a background process holds it) is cut off,
+        # DRAIN_GRACE_S after the exit (a background process holds it) is left to the
+        # process table (``exec_command``),
         # unless the relay waits for the host's window (a slow reader), which it may
         # do until the timeout.
         until = time.monotonic() + DRAIN_GRACE_S
@@ -229,7 +237,7 @@ async def _run(ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
                 t.cancel()
         await asyncio.gather(*(t for t in (feeder, relayer) if t is not None),
                              return_exceptions=True)
-        cmd.close()
+        cmd.close_stdin()
     timed_out = bool(expired)
 
     rc = cmd.returncode
