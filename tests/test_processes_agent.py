@@ -117,11 +117,11 @@ def test_stdin_close_signal_and_remove() -> None:
                 await c.send_process_input(b"more", pid=cat.pid)
 
             sleeper = await c.start_process(proc_meta(argv=["sleep", "60"]))
-            assert await c.signal_process(15, pid=sleeper.pid) is True
+            assert (await c.signal_process(15, pid=sleeper.pid)).delivered is True
             await asyncio.sleep(0.3)
             [entry] = [p for p in await c.list_processes() if p.pid == sleeper.pid]
             assert (entry.exit_code, entry.signal) == (143, 15)
-            assert await c.signal_process(15, pid=sleeper.pid) is False  # none of it is left
+            assert not (await c.signal_process(15, pid=sleeper.pid)).delivered  # none left
 
             other = await c.start_process(proc_meta("sleep 60"))
             gone = await c.remove_process(pid=other.pid)

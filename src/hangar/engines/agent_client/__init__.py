@@ -73,6 +73,7 @@ from hangar.engines.agent_client.processes import (
     ProcEvent,
     ProcessStream,
     ProcInfo,
+    ProcSignalled,
     proc_meta,
 )
 from hangar.engines.agent_client.results import (
@@ -97,6 +98,7 @@ __all__ = [
     "ProcEvent",
     "ProcInfo",
     "ProcessStream",
+    "ProcSignalled",
     "PtyChannel",
     "PtyExit",
     "StreamCapture",

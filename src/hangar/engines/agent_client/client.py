@@ -23,7 +23,9 @@ from typing import Any
 
 from hangar.engines.agent_client.channel import Channel
 from hangar.engines.agent_client.connection import Connection
-from hangar.engines.agent_client.processes import ProcessStream, ProcInfo, checked_info
+from hangar.engines.agent_client.processes import (
+    ProcessStream, ProcInfo, ProcSignalled, checked_info, proc_signalled,
+)
 from hangar.engines.agent_client.results import ExecEvent, ExecResult, exec_result
 from hangar.engines.agent_client.streams import PtyChannel, Tunnel, WatchChannel
 from hangar.errors import GuestError, HangarError
@@ -291,11 +293,14 @@ class AgentClient(Connection):
                                                **_selector(pid, tag)}))
 
     async def signal_process(self, sig: int, pid: int | None = None,
-                             tag: str | None = None) -> bool:
-        """Send signal ``sig`` (1..64) to a process's group; False when none of it is
-        left. Raises NotFound, InvalidRequest."""
+                             tag: str | None = None) -> ProcSignalled:
+        """Send signal ``sig`` (1..64) to a process's group; whether any of it was left to
+        get it, and the process's status. Raises NotFound, InvalidRequest."""
         meta = await self._plain({"op": "proc_signal", **_selector(pid, tag), "signal": sig})
-        return meta.get("delivered") is True
+        try:
+            return proc_signalled(meta)
+        except (TypeError, ValueError):
+            raise GuestError("the guest agent sent a malformed signal answer") from None
 
     async def resize_process(self, cols: int, rows: int, pid: int | None = None,
                              tag: str | None = None) -> ProcInfo:

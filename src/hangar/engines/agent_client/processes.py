@@ -3,8 +3,8 @@
 The guest keeps a table of them (``hangar.guest.procs``, operations in
 ``hangar.guest.ops.processes``); ``AgentClient`` (``client``) makes the calls,
 and this module reads what they answer: ``ProcInfo`` (an entry as listed),
-``ProcEvent`` (one piece of an attached stream) and ``ProcessStream`` (the
-handle of an attached channel). A guest is hostile: every field is checked
+``ProcEvent`` (one piece of an attached stream), ``ProcSignalled`` (a
+signal's answer) and ``ProcessStream`` (the handle of an attached channel). A guest is hostile: every field is checked
 and every string cut to a bound (``proc_info`` raises ValueError or TypeError
 for what is no entry, which the caller turns into one ``GuestError``).
 """
@@ -104,6 +104,23 @@ def checked_info(m: dict[str, Any]) -> ProcInfo:
         return proc_info(m)
     except (TypeError, ValueError, AttributeError):
         raise GuestError("the guest agent sent a malformed process entry") from None
+
+
+@dataclass
+class ProcSignalled:
+    """The answer to a signal: ``delivered`` (some process of the group was left to get
+    it) and the process's status just after."""
+
+    delivered: bool
+    running: bool
+    exit_code: int | None
+    signal: int | None
+
+
+def proc_signalled(m: dict[str, Any]) -> ProcSignalled:
+    """The signal answer in a guest's meta; ValueError or TypeError when it is none."""
+    return ProcSignalled(m.get("delivered") is True, bool(m.get("running")),
+                         int_or_none(m.get("exit_code")), int_or_none(m.get("signal")))
 
 
 @dataclass

@@ -20,7 +20,8 @@ op                   meta → RESPONSE meta
 ``proc_signal``      pid|tag, signal (1..64) → ``delivered`` and the status
 ``proc_resize``      pid|tag, cols, rows → the info
 ``proc_remove``      pid|tag → the info once it exited (SIGKILL to its group first
-                     when it runs; at most ``REMOVE_WAIT_S``), and it is forgotten
+                     while it runs or its output is open, so what a shell left
+                     behind goes too; at most ``REMOVE_WAIT_S``); it is forgotten
 ===================  ==========================================================
 
 An entry's info (``Proc.info``): ``pid``, ``tag``, ``cmd``, ``args``,
@@ -228,10 +229,10 @@ async def proc_resize(agent: AgentView, meta: dict[str, Any], ch: Channel) -> di
 
 
 async def proc_remove(agent: AgentView, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
-    """Kill the process's group (SIGKILL) when it runs, wait for its exit (at most
-    ``REMOVE_WAIT_S``) and forget it; its info as it was last."""
+    """Kill the process's group (SIGKILL) while it runs or its output is open, wait for
+    its exit (at most ``REMOVE_WAIT_S``) and forget it; its info as it was last."""
     proc = _select(agent, meta)
-    if proc.running:
+    if proc.running or proc.output_open:  # its group: what a shell left behind too
         proc.signal(signal.SIGKILL)
         loop = asyncio.get_running_loop()
         until = loop.time() + REMOVE_WAIT_S
