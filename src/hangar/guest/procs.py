@@ -38,8 +38,8 @@ Bounds (a client or a guest program controls these counts):
 * An entry removed while a program still holds its output open keeps being
   drained into nothing, by at most ``MAX_ORPHANS`` (128) such drains; past
   that the oldest one's pipes are closed (its writers then get EPIPE).
-* Per entry, the command, its arguments and env as listed are cut to
-  ``INFO_CHARS`` characters (``truncated`` says so), so a list fits a frame.
+* Per entry, the command, its arguments, env and cwd as listed are cut to
+  ``INFO_BYTES`` of JSON (``truncated`` says so), so a list fits a frame.
 
 The program's group: each process is started in a session (and process
 group) of its own, and signals go to that group, so a shell's children get
@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import json
 import os
 import signal
 import time
@@ -77,8 +78,9 @@ INPUT_STALL_S = 5.0
 """Seconds an input write may wait for a process that reads none of it."""
 MAX_TAG = 256
 """Characters of a tag."""
-INFO_CHARS = 4096
-"""Characters of command, arguments and env an entry's info carries."""
+INFO_BYTES = 8192
+"""Bytes (as JSON) of command, arguments, env and cwd an entry's info carries: 64 entries
+stay well within a frame's meta (``protocol.MAX_META``, 1 MiB)."""
 
 
 class Ring:
@@ -132,14 +134,20 @@ class Attachment:
 
 
 def _cut(values: list[str], budget: list[int]) -> tuple[list[str], bool]:
+    """``values`` while their JSON fits ``budget[0]`` bytes (which it decreases); the one
+    that does not fit is cut (conservatively: 12 bytes a character, an escaped astral
+    one's worst) and the rest left out. Returns them and whether any was cut."""
     out: list[str] = []
     for v in values:
-        if budget[0] <= 0:
-            return out, True
-        out.append(v[: budget[0]])
-        budget[0] -= len(v)
-        if budget[0] < 0:
-            return out, True
+        size = len(json.dumps(v))
+        if size <= budget[0]:
+            out.append(v)
+            budget[0] -= size
+            continue
+        if budget[0] >= 12:
+            out.append(v[: budget[0] // 12])
+        budget[0] = 0
+        return out, True
     return out, False
 
 
@@ -238,15 +246,16 @@ class Proc:
 
     def info(self) -> dict[str, Any]:
         """The entry as ``proc_list`` gives it (see ``hangar.guest.ops.processes``)."""
-        budget = [INFO_CHARS]
+        budget = [INFO_BYTES]
+        (cwd,), cut0 = _cut([self.cwd], budget) if len(self.cwd) < 4096 else ([""], True)
         argv, cut1 = _cut(self.argv, budget)
         pairs, cut2 = _cut([f"{k}={v}" for k, v in self.env.items()], budget)
         env = dict(p.partition("=")[::2] for p in pairs)
         ring = self.ring
         return {
             "pid": self.pid, "tag": self.tag, "cmd": argv[0] if argv else "",
-            "args": argv[1:], "env": env, "cwd": self.cwd[:INFO_CHARS],
-            "truncated": cut1 or cut2, "origin": self.origin,
+            "args": argv[1:], "env": env, "cwd": cwd,
+            "truncated": cut0 or cut1 or cut2, "origin": self.origin,
             "pty": self.master is not None,
             "cols": self.size[0] if self.size else None,
             "rows": self.size[1] if self.size else None,
