@@ -481,9 +481,10 @@ class ProcessTable:
         return proc
 
     def adopt(self, cmd: spawn.Command, argv: list[str], extra_env: dict[str, str],
-              cwd: str) -> bool:
-        """Take over an exec's pipes that a program it left behind still holds; False
-        (the caller closes them) when they are all closed already."""
+              cwd: str, *, keep: bool = True) -> bool:
+        """Take over an exec's pipes that a program it left behind still holds: an entry
+        of origin ``exec`` (``keep``), else drained into nothing. False (the caller closes
+        them) when they are all closed already."""
         if all(f.done() for f in cmd.eof.values()):
             return False
         proc = Proc(self, cmd.pid, argv, extra_env, cwd, tag=None, origin="exec", script=None)
@@ -496,7 +497,7 @@ class ProcessTable:
             cmd.exited.add_done_callback(lambda f: proc.exited(f.result()))
         both = asyncio.gather(*cmd.eof.values())
         both.add_done_callback(lambda f: proc.output_closed())
-        if self._room(None):
+        if keep and self._room(None):
             self._enter(proc)
         else:
             self._orphan(proc)

@@ -141,6 +141,8 @@ class Command:
         self.pid = pid
         self.stdin = stdin
         self.returncode: int | None = None
+        self.expired = False
+        """Set by the exec when its timeout killed the command's group."""
         self.exited: asyncio.Future[int] = self.loop.create_future()
         self.eof: dict[str, asyncio.Future[None]] = {n: self.loop.create_future() for n in STREAMS}
         self._fds: dict[str, int] = {"stdout": stdout, "stderr": stderr}

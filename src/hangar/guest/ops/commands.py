@@ -130,12 +130,14 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
         try:
             return await _run(ch, cmd, captures, chunks, want_stdin, timeout, started)
         finally:
+            killed = cmd.returncode is None or cmd.expired
             if cmd.returncode is None:  # cancelled: never leave the group behind
                 cmd.kill(signal.SIGKILL)
             # A program the command left behind may still hold its stdout or stderr:
             # the process table reads them from now on (``hangar.guest.procs``), so it
-            # never writes to a closed pipe.
-            if not agent.procs.adopt(cmd, argv, meta.get("env") or {}, cwd):
+            # never writes to a closed pipe; when the group was killed (cancelled, timed
+            # out), into nothing, as what is left is no program the caller meant to keep.
+            if not agent.procs.adopt(cmd, argv, meta.get("env") or {}, cwd, keep=not killed):
                 cmd.close()
     finally:
         remove_script(script)
@@ -203,6 +205,7 @@ async def _run(ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
 
     def expire() -> None:
         expired.append(True)
+        cmd.expired = True
         cmd.kill(signal.SIGKILL)
 
     timer = (asyncio.get_running_loop().call_later(timeout, expire)
