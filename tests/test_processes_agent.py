@@ -162,8 +162,15 @@ def test_a_program_an_exec_leaves_behind_keeps_its_output() -> None:
             assert out.count(b"line ") == 12 and out.count(b"log ") == 12
             shutil.rmtree(d, ignore_errors=True)
 
-            # An exec that leaves nothing behind leaves no entry.
+            # An exec that leaves nothing behind leaves no entry, nor does one whose group
+            # was killed (its client left, its timeout passed).
             await c.exec(exec_meta("echo quick"))
+            events = c.exec_stream(exec_meta("echo a; sleep 30 & sleep 30", stream=True))
+            await anext(events)
+            await events.aclose()
+            r = await c.exec(exec_meta("echo b; sleep 30 & sleep 30", timeout=0.5))
+            assert r.timed_out
+            await asyncio.sleep(0.5)
             assert len(await c.list_processes()) == 1
 
     asyncio.run(go())
