@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import builtins
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 
@@ -29,10 +29,16 @@ if TYPE_CHECKING:
     from hangar.client._async.client import AsyncHangar
 
 
+def _client(obj: object) -> AsyncHangar:
+    """The flat client a mixin method runs on (``AsyncProcessCalls`` is only ever part
+    of ``AsyncHangar``)."""
+    return cast("AsyncHangar", obj)
+
+
 class AsyncProcessCalls:
     """The flat client's process methods (mixed into ``AsyncHangar``)."""
 
-    async def process_start(self: AsyncHangar, sandbox_id: str, command: str, *,
+    async def process_start(self, sandbox_id: str, command: str, *,
                             args: Sequence[str] | None = None,
                             env: Mapping[str, str] | None = None, cwd: str | None = None,
                             tag: str | None = None, stdin: bool = False,
@@ -48,6 +54,7 @@ class AsyncProcessCalls:
         seconds. Not retried unless ``retry=True``. Raises InvalidRequest,
         Conflict (the tag is taken), LimitExceeded (64 processes run).
         """
+        c = _client(self)
         body: dict[str, Any] = {"command": command, "stdin": stdin}
         if args is not None:
             body["args"] = list(args)
@@ -61,22 +68,23 @@ class AsyncProcessCalls:
             body["pty"] = {"cols": pty[0], "rows": pty[1]}
         if timeout is not None:
             body["timeout"] = timeout
-        t = self._t(request_timeout, self.config.timeouts.control)
-        return ProcessInfo.model_validate(await self._json(
+        t = c._t(request_timeout, c.config.timeouts.control)
+        return ProcessInfo.model_validate(await c._json(
             "POST", f"/sandboxes/{sandbox_id}/processes", json=body, timeout=t,
             retry=bool(retry), idempotency_key=_core.new_idempotency_key() if retry else None))
 
-    async def process_list(self: AsyncHangar, sandbox_id: str, *,
+    async def process_list(self, sandbox_id: str, *,
                            request_timeout: float | None = None,
                            retry: bool | None = None) -> builtins.list[ProcessInfo]:
         """``GET /sandboxes/{id}/processes``: the sandbox's processes, running and exited,
         oldest first."""
-        t = self._t(request_timeout, self.config.timeouts.control)
-        return ProcessList.model_validate(await self._json(
+        c = _client(self)
+        t = c._t(request_timeout, c.config.timeouts.control)
+        return ProcessList.model_validate(await c._json(
             "GET", f"/sandboxes/{sandbox_id}/processes", timeout=t,
             retry=retry is not False)).processes
 
-    async def process_attach(self: AsyncHangar, sandbox_id: str, pid: int, *,
+    async def process_attach(self, sandbox_id: str, pid: int, *,
                              replay: bool = False, follow: bool = False,
                              request_timeout: float | None = None,
                              ) -> AsyncIterator[ProcessEvent]:
@@ -91,10 +99,11 @@ class AsyncProcessCalls:
         is the longest silence tolerated (the server sends a keep-alive
         every 15 s). Raises NotFound, and an ``error`` line's class.
         """
-        t = self._t(request_timeout, self.config.timeouts.events)
+        c = _client(self)
+        t = c._t(request_timeout, c.config.timeouts.events)
         params = {"replay": "true" if replay else "false",
                   "follow": "true" if follow else "false"}
-        resp = await self._send("GET", f"/sandboxes/{sandbox_id}/processes/{pid}",
+        resp = await c._send("GET", f"/sandboxes/{sandbox_id}/processes/{pid}",
                                 params=params, timeout=t, retry=True, stream=True)
         try:
             async for line in resp.aiter_lines():
@@ -109,56 +118,60 @@ class AsyncProcessCalls:
                 if ev.type == "end":
                     return
         except httpx.TransportError as exc:
-            raise _core.transport_error(self.base_url, exc, t) from None
+            raise _core.transport_error(c.base_url, exc, t) from None
         finally:
             await resp.aclose()
 
-    async def process_stdin(self: AsyncHangar, sandbox_id: str, pid: int,
+    async def process_stdin(self, sandbox_id: str, pid: int,
                             data: str | bytes = b"", *, close: bool = False,
                             request_timeout: float | None = None,
                             retry: bool | None = None) -> ProcessInputResult:
         """``POST /sandboxes/{id}/processes/{pid}/stdin``: write to its stdin (or terminal),
         in order (at most 1 MiB a call); ``close`` then closes its stdin. Raises NotFound,
         Conflict (its stdin is closed), Busy (it read none of it for 5 s)."""
+        c = _client(self)
         body: dict[str, Any] = {"close": close}
         if isinstance(data, bytes):
             body["data_b64"] = base64.b64encode(data).decode()
         else:
             body["data"] = data
-        t = self._t(request_timeout, self.config.timeouts.control)
-        return ProcessInputResult.model_validate(await self._json(
+        t = c._t(request_timeout, c.config.timeouts.control)
+        return ProcessInputResult.model_validate(await c._json(
             "POST", f"/sandboxes/{sandbox_id}/processes/{pid}/stdin", json=body, timeout=t,
             retry=bool(retry)))
 
-    async def process_signal(self: AsyncHangar, sandbox_id: str, pid: int,
+    async def process_signal(self, sandbox_id: str, pid: int,
                              signal: int | str = "SIGTERM", *,
                              request_timeout: float | None = None,
                              retry: bool | None = None) -> ProcessSignalResult:
         """``POST /sandboxes/{id}/processes/{pid}/signal``: signal its process group (a
         number, or a name such as ``SIGTERM``); ``delivered`` is false when none of it
         was left. Raises NotFound, InvalidRequest."""
-        t = self._t(request_timeout, self.config.timeouts.control)
-        return ProcessSignalResult.model_validate(await self._json(
+        c = _client(self)
+        t = c._t(request_timeout, c.config.timeouts.control)
+        return ProcessSignalResult.model_validate(await c._json(
             "POST", f"/sandboxes/{sandbox_id}/processes/{pid}/signal",
             json={"signal": signal}, timeout=t, retry=bool(retry)))
 
-    async def process_resize(self: AsyncHangar, sandbox_id: str, pid: int, cols: int,
+    async def process_resize(self, sandbox_id: str, pid: int, cols: int,
                              rows: int, *, request_timeout: float | None = None,
                              retry: bool | None = None) -> ProcessInfo:
         """``POST /sandboxes/{id}/processes/{pid}/resize``: a terminal process's new size,
         in characters. Raises NotFound, InvalidRequest (not on a terminal)."""
-        t = self._t(request_timeout, self.config.timeouts.control)
-        return ProcessInfo.model_validate(await self._json(
+        c = _client(self)
+        t = c._t(request_timeout, c.config.timeouts.control)
+        return ProcessInfo.model_validate(await c._json(
             "POST", f"/sandboxes/{sandbox_id}/processes/{pid}/resize",
             json={"cols": cols, "rows": rows}, timeout=t, retry=retry is not False))
 
-    async def process_kill(self: AsyncHangar, sandbox_id: str, pid: int, *,
+    async def process_kill(self, sandbox_id: str, pid: int, *,
                            request_timeout: float | None = None,
                            retry: bool | None = None) -> ProcessInfo:
         """``DELETE /sandboxes/{id}/processes/{pid}``: kill its process group (SIGKILL) if it
         runs and forget it; its last entry (exit code included). Raises NotFound."""
-        t = self._t(request_timeout, self.config.timeouts.control)
-        return ProcessInfo.model_validate(await self._json(
+        c = _client(self)
+        t = c._t(request_timeout, c.config.timeouts.control)
+        return ProcessInfo.model_validate(await c._json(
             "DELETE", f"/sandboxes/{sandbox_id}/processes/{pid}", timeout=t,
             retry=retry is not False))
 

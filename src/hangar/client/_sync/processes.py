@@ -17,7 +17,7 @@ from __future__ import annotations
 import base64
 import builtins
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 
@@ -30,10 +30,16 @@ if TYPE_CHECKING:
     from hangar.client._sync.client import Hangar
 
 
+def _client(obj: object) -> Hangar:
+    """The flat client a mixin method runs on (``AsyncProcessCalls`` is only ever part
+    of ``AsyncHangar``)."""
+    return cast("Hangar", obj)
+
+
 class ProcessCalls:
     """The flat client's process methods (mixed into ``AsyncHangar``)."""
 
-    def process_start(self: Hangar, sandbox_id: str, command: str, *,
+    def process_start(self, sandbox_id: str, command: str, *,
                             args: Sequence[str] | None = None,
                             env: Mapping[str, str] | None = None, cwd: str | None = None,
                             tag: str | None = None, stdin: bool = False,
@@ -49,6 +55,7 @@ class ProcessCalls:
         seconds. Not retried unless ``retry=True``. Raises InvalidRequest,
         Conflict (the tag is taken), LimitExceeded (64 processes run).
         """
+        c = _client(self)
         body: dict[str, Any] = {"command": command, "stdin": stdin}
         if args is not None:
             body["args"] = list(args)
@@ -62,22 +69,23 @@ class ProcessCalls:
             body["pty"] = {"cols": pty[0], "rows": pty[1]}
         if timeout is not None:
             body["timeout"] = timeout
-        t = self._t(request_timeout, self.config.timeouts.control)
-        return ProcessInfo.model_validate(self._json(
+        t = c._t(request_timeout, c.config.timeouts.control)
+        return ProcessInfo.model_validate(c._json(
             "POST", f"/sandboxes/{sandbox_id}/processes", json=body, timeout=t,
             retry=bool(retry), idempotency_key=_core.new_idempotency_key() if retry else None))
 
-    def process_list(self: Hangar, sandbox_id: str, *,
+    def process_list(self, sandbox_id: str, *,
                            request_timeout: float | None = None,
                            retry: bool | None = None) -> builtins.list[ProcessInfo]:
         """``GET /sandboxes/{id}/processes``: the sandbox's processes, running and exited,
         oldest first."""
-        t = self._t(request_timeout, self.config.timeouts.control)
-        return ProcessList.model_validate(self._json(
+        c = _client(self)
+        t = c._t(request_timeout, c.config.timeouts.control)
+        return ProcessList.model_validate(c._json(
             "GET", f"/sandboxes/{sandbox_id}/processes", timeout=t,
             retry=retry is not False)).processes
 
-    def process_attach(self: Hangar, sandbox_id: str, pid: int, *,
+    def process_attach(self, sandbox_id: str, pid: int, *,
                              replay: bool = False, follow: bool = False,
                              request_timeout: float | None = None,
                              ) -> Iterator[ProcessEvent]:
@@ -92,10 +100,11 @@ class ProcessCalls:
         is the longest silence tolerated (the server sends a keep-alive
         every 15 s). Raises NotFound, and an ``error`` line's class.
         """
-        t = self._t(request_timeout, self.config.timeouts.events)
+        c = _client(self)
+        t = c._t(request_timeout, c.config.timeouts.events)
         params = {"replay": "true" if replay else "false",
                   "follow": "true" if follow else "false"}
-        resp = self._send("GET", f"/sandboxes/{sandbox_id}/processes/{pid}",
+        resp = c._send("GET", f"/sandboxes/{sandbox_id}/processes/{pid}",
                                 params=params, timeout=t, retry=True, stream=True)
         try:
             for line in resp.iter_lines():
@@ -110,56 +119,60 @@ class ProcessCalls:
                 if ev.type == "end":
                     return
         except httpx.TransportError as exc:
-            raise _core.transport_error(self.base_url, exc, t) from None
+            raise _core.transport_error(c.base_url, exc, t) from None
         finally:
             resp.close()
 
-    def process_stdin(self: Hangar, sandbox_id: str, pid: int,
+    def process_stdin(self, sandbox_id: str, pid: int,
                             data: str | bytes = b"", *, close: bool = False,
                             request_timeout: float | None = None,
                             retry: bool | None = None) -> ProcessInputResult:
         """``POST /sandboxes/{id}/processes/{pid}/stdin``: write to its stdin (or terminal),
         in order (at most 1 MiB a call); ``close`` then closes its stdin. Raises NotFound,
         Conflict (its stdin is closed), Busy (it read none of it for 5 s)."""
+        c = _client(self)
         body: dict[str, Any] = {"close": close}
         if isinstance(data, bytes):
             body["data_b64"] = base64.b64encode(data).decode()
         else:
             body["data"] = data
-        t = self._t(request_timeout, self.config.timeouts.control)
-        return ProcessInputResult.model_validate(self._json(
+        t = c._t(request_timeout, c.config.timeouts.control)
+        return ProcessInputResult.model_validate(c._json(
             "POST", f"/sandboxes/{sandbox_id}/processes/{pid}/stdin", json=body, timeout=t,
             retry=bool(retry)))
 
-    def process_signal(self: Hangar, sandbox_id: str, pid: int,
+    def process_signal(self, sandbox_id: str, pid: int,
                              signal: int | str = "SIGTERM", *,
                              request_timeout: float | None = None,
                              retry: bool | None = None) -> ProcessSignalResult:
         """``POST /sandboxes/{id}/processes/{pid}/signal``: signal its process group (a
         number, or a name such as ``SIGTERM``); ``delivered`` is false when none of it
         was left. Raises NotFound, InvalidRequest."""
-        t = self._t(request_timeout, self.config.timeouts.control)
-        return ProcessSignalResult.model_validate(self._json(
+        c = _client(self)
+        t = c._t(request_timeout, c.config.timeouts.control)
+        return ProcessSignalResult.model_validate(c._json(
             "POST", f"/sandboxes/{sandbox_id}/processes/{pid}/signal",
             json={"signal": signal}, timeout=t, retry=bool(retry)))
 
-    def process_resize(self: Hangar, sandbox_id: str, pid: int, cols: int,
+    def process_resize(self, sandbox_id: str, pid: int, cols: int,
                              rows: int, *, request_timeout: float | None = None,
                              retry: bool | None = None) -> ProcessInfo:
         """``POST /sandboxes/{id}/processes/{pid}/resize``: a terminal process's new size,
         in characters. Raises NotFound, InvalidRequest (not on a terminal)."""
-        t = self._t(request_timeout, self.config.timeouts.control)
-        return ProcessInfo.model_validate(self._json(
+        c = _client(self)
+        t = c._t(request_timeout, c.config.timeouts.control)
+        return ProcessInfo.model_validate(c._json(
             "POST", f"/sandboxes/{sandbox_id}/processes/{pid}/resize",
             json={"cols": cols, "rows": rows}, timeout=t, retry=retry is not False))
 
-    def process_kill(self: Hangar, sandbox_id: str, pid: int, *,
+    def process_kill(self, sandbox_id: str, pid: int, *,
                            request_timeout: float | None = None,
                            retry: bool | None = None) -> ProcessInfo:
         """``DELETE /sandboxes/{id}/processes/{pid}``: kill its process group (SIGKILL) if it
         runs and forget it; its last entry (exit code included). Raises NotFound."""
-        t = self._t(request_timeout, self.config.timeouts.control)
-        return ProcessInfo.model_validate(self._json(
+        c = _client(self)
+        t = c._t(request_timeout, c.config.timeouts.control)
+        return ProcessInfo.model_validate(c._json(
             "DELETE", f"/sandboxes/{sandbox_id}/processes/{pid}", timeout=t,
             retry=retry is not False))
 
