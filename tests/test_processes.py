@@ -84,7 +84,7 @@ def test_start_leave_attach_again_stdin_and_exit_code(api: httpx.Client, sandbox
     with attach(api, sandbox, pid, replay=True) as events:
         out, seen = read_until(events, b"ready\n")
         assert seen[0]["type"] == "attached" and seen[0]["process"]["pid"] == pid
-        assert out == b"ready\n" and all(e["replay"] for e in seen[1:])
+        assert out == b"ready\n"  # from the ring, or live if it had not run yet
     # The client left; the process runs on and takes input meanwhile.
     r = api.post(f"/sandboxes/{sandbox}/processes/{pid}/stdin", json={"data": "one\n"})
     assert r.status_code == 200 and r.json() == {"written": 4, "stdin_open": True}
