@@ -34,7 +34,7 @@ a file watch does; leaving it detaches, the process runs on.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from hangar.core.commands import Command
 from hangar.core.guestcalls import GuestCalls
@@ -49,7 +49,7 @@ def info_of(p: ProcInfo) -> ProcessInfo:
     """The wire entry of the guest's ``ProcInfo``."""
     return ProcessInfo(
         pid=p.pid, tag=p.tag, command=p.cmd, args=p.args, env=p.env, cwd=p.cwd,
-        truncated=p.truncated, origin=p.origin if p.origin in ("start", "exec") else "start",
+        truncated=p.truncated, origin="exec" if p.origin == "exec" else "start",
         pty=p.pty, cols=p.cols, rows=p.rows, state="running" if p.running else "exited",
         exit_code=p.exit_code, signal=p.signal, timed_out=p.timed_out,
         started_at=p.started_at, ended_at=p.ended_at, output_open=p.output_open,
@@ -108,7 +108,7 @@ class Processes:
     async def start_attached(self, sandbox_id: str, cmd: Command, *, tag: str | None = None,
                              stdin: bool = False, pty: tuple[int, int] | None = None,
                              timeout: float | None = None,
-                             ) -> AsyncIterator[ProcessInfo | ProcessOutput]:
+                             ) -> AsyncGenerator[ProcessInfo | ProcessOutput, None]:
         """``start``, then its output: first its entry (``ProcessInfo``), then
         ``ProcessOutput`` items from its first byte to its ``end`` (whose ``process``
         is the final entry). Closing the iterator detaches; the process runs on. A stream that
@@ -126,7 +126,7 @@ class Processes:
 
     async def attach(self, sandbox_id: str, pid: int | None = None, tag: str | None = None,
                      *, replay: bool = False,
-                     follow: bool = False) -> AsyncIterator[ProcessInfo | ProcessOutput]:
+                     follow: bool = False) -> AsyncGenerator[ProcessInfo | ProcessOutput, None]:
         """Attach to a process by ``pid`` (else ``tag``): first its entry
         (``ProcessInfo``), then ``ProcessOutput`` items, output from now on (``replay``: what
         its 1 MiB ring holds first, marked ``replay``), until ``end`` (``follow``: until
@@ -176,7 +176,7 @@ class Processes:
             return info_of(await agent.remove_process(pid, tag))
 
 
-async def _events(stream: ProcessStream) -> AsyncIterator[ProcessInfo | ProcessOutput]:
+async def _events(stream: ProcessStream) -> AsyncGenerator[ProcessInfo | ProcessOutput, None]:
     """The stream's entry, then its events to the end; its error raised; detached at the
     end."""
     try:

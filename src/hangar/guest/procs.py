@@ -365,8 +365,13 @@ async def _write_fd(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> No
             continue
         except BlockingIOError:
             pass
-        ready = loop.create_future()
-        loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def wake(f: asyncio.Future[None] = ready) -> None:
+            if not f.done():
+                f.set_result(None)
+
+        loop.add_writer(fd, wake)
         try:
             await asyncio.wait_for(ready, INPUT_STALL_S)
         finally:
