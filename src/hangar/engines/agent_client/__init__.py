@@ -63,6 +63,7 @@ from hangar.engines.agent_client.client import AgentClient
 from hangar.engines.agent_client.connection import (
     ERRORS,
     PROBE_CHANNEL_BASE,
+    SessionRestarted,
     AgentChannel,
     Connection,
     Deadlines,
@@ -101,6 +102,7 @@ __all__ = [
     "ProcSignalled",
     "PtyChannel",
     "PtyExit",
+    "SessionRestarted",
     "StreamCapture",
     "Streams",
     "Tunnel",
