@@ -19,13 +19,17 @@ import time
 
 from hangar.core.sandboxes import SandboxManager
 
-_DOMAIN = b"hangar-e2b-envd-access-token:v1:"
+_DOMAIN = b"e2b-envd-access:v1:"
+
+
+def token_from_key(key: bytes, sandbox_id: str) -> str:
+    """The envd access token of ``sandbox_id`` under the port key ``key`` (64 hex digits)."""
+    return hmac.new(key, _DOMAIN + sandbox_id.encode(), hashlib.sha256).hexdigest()
 
 
 def access_token(manager: SandboxManager, sandbox_id: str) -> str:
-    """The envd access token of ``sandbox_id`` (64 hex digits)."""
-    return hmac.new(manager.ports.key.key(), _DOMAIN + sandbox_id.encode(),
-                    hashlib.sha256).hexdigest()
+    """The envd access token of ``sandbox_id`` on this server (64 hex digits)."""
+    return token_from_key(manager.ports.key.key(), sandbox_id)
 
 
 def token_ok(manager: SandboxManager, sandbox_id: str, given: str | None) -> bool:
