@@ -67,7 +67,11 @@ def env(base_image: Path) -> Iterator[Env]:
         with srv.client() as c:
             r = c.post("/sandboxes", json={})
             assert r.status_code == 201, r.text
-            yield Env(srv, c, r.json()["id"])
+            sid = r.json()["id"]
+            # No credential: 401 (and the server's port key, the tokens' secret, exists now).
+            r = httpx.get(f"{srv.url}/e2b/envd/health", headers={"E2b-Sandbox-Id": sid})
+            assert r.status_code == 401, r.text
+            yield Env(srv, c, sid)
     finally:
         leaked = cleanup(srv)
         assert not leaked, f"VMM processes outlived the module: {leaked}"
