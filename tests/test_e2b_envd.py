@@ -68,8 +68,9 @@ def env(base_image: Path) -> Iterator[Env]:
             r = c.post("/sandboxes", json={})
             assert r.status_code == 201, r.text
             sid = r.json()["id"]
-            # No credential: 401 (and the server's port key, the tokens' secret, exists now).
-            r = httpx.get(f"{srv.url}/e2b/envd/health", headers={"E2b-Sandbox-Id": sid})
+            # A wrong token: 401 (and the server's port key, the tokens' secret, exists now).
+            r = httpx.get(f"{srv.url}/e2b/envd/health",
+                          headers={"E2b-Sandbox-Id": sid, "X-Access-Token": "wrong"})
             assert r.status_code == 401, r.text
             yield Env(srv, c, sid)
     finally:
