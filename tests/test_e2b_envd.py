@@ -238,21 +238,26 @@ def test_access_token_key_and_refusals(env: Env) -> None:
 
 
 def test_signed_file_urls(env: Env) -> None:
+    """The SDK's signed URLs work with no header at all, as a browser would use them: under
+    E2B_SANDBOX_URL they lose its path (``/files`` at the server's root) and name no sandbox;
+    the signature, made with the sandbox's token, does."""
     sbx = env.sandbox()
     up = sbx.upload_url("/root/signed.txt")
-    assert "signature=v1_" in up
-    with httpx.Client(timeout=60) as c:  # no headers: the signature is the credential
-        r = c.post(up, files={"file": ("signed.txt", b"signed bytes")},
-                   headers={"E2b-Sandbox-Id": env.sid})
+    assert up.startswith(f"{env.srv.url}/files?path=") and "signature=v1_" in up
+    with httpx.Client(timeout=60) as c:
+        r = c.post(up, files={"file": ("signed.txt", b"signed bytes")})
         assert r.status_code == 200, r.text
         assert r.json() == [{"name": "signed.txt", "type": "file", "path": "/root/signed.txt"}]
         down = sbx.download_url("/root/signed.txt", use_signature_expiration=60)
-        r = c.get(down, headers={"E2b-Sandbox-Id": env.sid})
+        r = c.get(down)
         assert (r.status_code, r.content) == (200, b"signed bytes")
-        r = c.get(down.replace("signed.txt", "other.txt"), headers={"E2b-Sandbox-Id": env.sid})
+        r = c.get(down.replace("signed.txt", "other.txt"))
         assert r.status_code == 401
-        r = c.get(sbx.upload_url("/root/signed.txt"), headers={"E2b-Sandbox-Id": env.sid})
+        r = c.get(sbx.upload_url("/root/signed.txt"))
         assert r.status_code == 401  # a write signature does not read
+        r = c.get(f"{env.url}/files", params={"path": "/root/signed.txt"},
+                  headers=env.headers())
+        assert (r.status_code, r.content) == (200, b"signed bytes")
 
 
 def test_guest_port_by_header_and_host(env: Env) -> None:

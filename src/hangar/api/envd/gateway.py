@@ -14,6 +14,12 @@ Flow of a request to ``/e2b/envd/<rest>``::
         └── /health, /files, /envs, /metrics; /init and the freeze routes refused
               (``hangar.api.envd.rest``)
 
+The SDK's signed file URLs (``download_url``, ``upload_url``) lose the
+prefix under ``E2B_SANDBOX_URL`` (it joins ``/files`` to the URL) and carry
+no header: ``/files`` at the server's root with a ``signature`` parameter is
+taken too, its sandbox found by the signature (which binds the sandbox's
+token; one hash per live sandbox).
+
 It sits outside the body cap and idempotency (as the port proxy does):
 uploads are streamed to the guest, and no RPC is a keyed create. Errors of
 RPCs are Connect errors; those of REST routes E2B's ``{"code", "message"}``.
@@ -102,12 +108,14 @@ class EnvdGateway:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
+        signed = path == "/files" and scope["type"] == "http" and \
+            b"signature=" in bytes(scope.get("query_string", b""))
         if scope["type"] not in ("http", "websocket") or not (
-                path == PREFIX or path.startswith(PREFIX + "/")):
+                signed or path == PREFIX or path.startswith(PREFIX + "/")):
             await self.app(scope, receive, send)
             return
         state = scope["app"].state
-        rest_path = path[len(PREFIX):] or "/"
+        rest_path = "/files" if signed else path[len(PREFIX):] or "/"
         m = RPC_RE.match(rest_path)
         try:
             manager: SandboxManager | None = getattr(state, "manager", None)
@@ -117,6 +125,8 @@ class EnvdGateway:
                        for k, v in scope.get("headers", ())}
             query = {k: v[-1] for k, v in parse_qs(
                 bytes(scope.get("query_string", b"")).decode("latin-1")).items()}
+            if signed and "e2b-sandbox-id" not in headers:
+                headers["e2b-sandbox-id"] = self._signer(manager, scope, query)
             sandbox_id, port = self._target(manager, headers)
             self._admit(scope, state, manager, sandbox_id, headers, query,
                         rest_path if m is None else None)
@@ -140,6 +150,20 @@ class EnvdGateway:
                 await connect.unary_error(send, RpcError(r.code, r.message))
             else:
                 await rest.error(send, r.status, r.message)
+
+    @staticmethod
+    def _signer(manager: SandboxManager, scope: Scope, query: dict[str, str]) -> str:
+        """The sandbox whose token signed this file URL (one without ``E2b-Sandbox-Id``: the
+        SDK's ``download_url``/``upload_url`` under ``E2B_SANDBOX_URL`` drop the prefix and
+        name no sandbox, so the signature, which binds the sandbox's token, names it)."""
+        op = "read" if scope.get("method") == "GET" else "write"
+        for rec in manager.list():
+            if signature_ok(manager, rec.id, query.get("signature", ""), query.get("path", ""),
+                            op, query.get("username", ""),
+                            query.get("signature_expiration")) is None:
+                return rec.id
+        raise Refusal(401, "unauthenticated", "the signature matches no sandbox's file URL "
+                                              "(or it has expired)")
 
     @staticmethod
     def _target(manager: SandboxManager, headers: dict[str, str]) -> tuple[str, int]:
