@@ -128,7 +128,7 @@ class EnvdGateway:
             if signed and "e2b-sandbox-id" not in headers:
                 headers["e2b-sandbox-id"] = self._signer(manager, scope, query)
             sandbox_id, port = self._target(manager, headers)
-            self._admit(scope, state, manager, sandbox_id, headers, query,
+            self._admit(scope, state, manager, sandbox_id, port, headers, query,
                         rest_path if m is None else None)
             if port != ENVD_PORT:
                 await ports.forward(scope, receive, send, manager, state, sandbox_id, port,
@@ -184,10 +184,16 @@ class EnvdGateway:
         return sandbox_id, int(raw_port)
 
     @staticmethod
-    def _admit(scope: Scope, state: Any, manager: SandboxManager, sandbox_id: str,
+    def _admit(scope: Scope, state: Any, manager: SandboxManager, sandbox_id: str, port: int,
                headers: dict[str, str], query: dict[str, str], rest_path: str | None) -> None:
-        """Raises Refusal (401) unless the request carries a credential for the sandbox."""
+        """Raises Refusal (401) unless the request carries a credential for the sandbox:
+        its token in ``X-Access-Token`` (or, for a guest port, ``E2B-Traffic-Access-Token``:
+        the code interpreter's SDK sends only that one on some calls), a Hangar key, or a
+        file URL's signature."""
         if token_ok(manager, sandbox_id, headers.get("x-access-token")):
+            return
+        if port != ENVD_PORT and token_ok(manager, sandbox_id,
+                                          headers.get("e2b-traffic-access-token")):
             return
         key = headers.get("x-api-key")
         if key:
