@@ -275,6 +275,10 @@ def test_guest_port_by_header_and_host(env: Env) -> None:
             r = c.get(f"{env.url}/index.html", headers={"E2b-Sandbox-Id": env.sid,
                                                         "E2b-Sandbox-Port": "8123"})
             assert r.status_code == 401
+            r = c.get(f"{env.url}/index.html", headers={  # the code interpreter's SDK's way
+                "E2b-Sandbox-Id": env.sid, "E2b-Sandbox-Port": "8123",
+                "E2B-Traffic-Access-Token": env.token})
+            assert (r.status_code, r.text) == (200, "<h1>from the guest</h1>")
             host = sbx.get_host(8123)
             assert host == f"8123-{env.sid}.{DOMAIN}"
             env.api.post(f"/sandboxes/{env.sid}/ports",
