@@ -10,6 +10,7 @@ sandbox's envd access token in ``X-Access-Token``.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import struct
 import time
@@ -88,6 +89,9 @@ def test_commands_run_sync(env: Env) -> None:
         "hi there\n"
     assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
     assert sbx.commands.run("pwd").stdout == "/root\n"
+    assert sbx.commands.run("whoami", user="root").stdout == "root\n"
+    with pytest.raises(AuthenticationException):
+        sbx.commands.run("whoami", user="user")  # Hangar's guests run commands as root
     with pytest.raises(CommandExitException) as info:
         sbx.commands.run("echo partial; exit 3")
     assert (info.value.exit_code, info.value.stdout) == (3, "partial\n")
@@ -146,6 +150,16 @@ def test_files(env: Env) -> None:
     sbx.files.write("e2b/blob.bin", blob)  # relative: from the guest's home
     assert sbx.files.read("/root/e2b/blob.bin", format="bytes") == bytearray(blob)
     assert sbx.commands.run("cat e2b/notes.txt").stdout == "hello\nworld\n"
+    sbx.files.write("/root/e2b/streamed.bin", io.BytesIO(blob))  # octet-stream upload
+    sbx.files.write("/root/e2b/zipped.txt", "z" * 5000, gzip=True)  # gzip octet-stream
+    assert sbx.files.read("/root/e2b/streamed.bin", format="bytes") == bytearray(blob)
+    assert sbx.files.read("/root/e2b/zipped.txt") == "z" * 5000
+    sbx.files.write_files([{"path": "/root/e2b/many/a.txt", "data": "A"},
+                           {"path": "/root/e2b/many/b.txt", "data": b"B"}])  # one multipart
+    assert sbx.commands.run("cat /root/e2b/many/a.txt /root/e2b/many/b.txt").stdout == "AB"
+    sbx.files.remove("/root/e2b/many")
+    for name in ("streamed.bin", "zipped.txt"):
+        sbx.files.remove(f"/root/e2b/{name}")
     entries = {e.name: e for e in sbx.files.list("/root/e2b")}
     assert set(entries) == {"notes.txt", "blob.bin"}
     assert (entries["blob.bin"].size, entries["blob.bin"].type) == (25600, FileType.FILE)
