@@ -121,22 +121,57 @@ def test_commands_run_async(env: Env) -> None:
     asyncio.run(main())
 
 
-def test_command_in_background_listed_and_killed(env: Env) -> None:
+def test_command_in_background_reattached_fed_and_killed(env: Env) -> None:
+    """A background command outlives its stream: listed, left, attached again by pid, fed
+    stdin, killed (the guest's process table)."""
     sbx = env.sandbox()
-    handle = sbx.commands.run("sleep 120", background=True)
+    handle = sbx.commands.run("while read line; do echo got:$line; done", background=True,
+                              stdin=True, timeout=0)
     listed = {p.pid: p for p in sbx.commands.list()}
-    assert handle.pid in listed
-    assert (listed[handle.pid].cmd, listed[handle.pid].args) == ("/bin/bash",
-                                                                 ["-l", "-c", "sleep 120"])
+    assert (listed[handle.pid].cmd, listed[handle.pid].args) == (
+        "/bin/bash", ["-l", "-c", "while read line; do echo got:$line; done"])
     handle.disconnect()
-    again = sbx.commands.connect(handle.pid)
+    again = sbx.commands.connect(handle.pid, timeout=0)
     assert again.pid == handle.pid
+    sbx.commands.send_stdin(handle.pid, "hello\n")
+    out = ""
+    for stdout, _, _ in again:
+        out += stdout or ""
+        if "got:hello" in out:
+            break
+    assert out == "got:hello\n"
     assert sbx.commands.kill(handle.pid) is True
     with pytest.raises(CommandExitException) as info:
         again.wait()
     assert info.value.exit_code == -1
     assert handle.pid not in {p.pid for p in sbx.commands.list()}
     assert sbx.commands.kill(handle.pid) is False
+
+
+def test_stdin_closed_ends_the_reader(env: Env) -> None:
+    sbx = env.sandbox()
+    handle = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.send_stdin(handle.pid, "piped\n")
+    sbx.commands.close_stdin(handle.pid)
+    r = handle.wait()
+    assert (r.exit_code, r.stdout) == (0, "piped\n")
+
+
+def test_server_left_running_by_a_trailing_ampersand_still_answers(env: Env) -> None:
+    """Issue 18: ``server &`` with no redirection keeps answering (and logging every
+    request) a minute after its command returned."""
+    sbx = env.sandbox()
+    sbx.files.write("/srv/amp/index.html", "amp")
+    r = sbx.commands.run("cd /srv/amp && python3 -m http.server 8124 &")
+    assert r.exit_code == 0
+    sbx.commands.run("for i in $(seq 100); do ss -Hltn 'sport = :8124' | grep -q LISTEN "
+                     "&& exit 0; sleep 0.2; done; exit 1")
+    headers = {**env.headers(), "E2b-Sandbox-Port": "8124"}
+    time.sleep(60)
+    with httpx.Client(timeout=60) as c:
+        for _ in range(5):
+            r = c.get(f"{env.url}/index.html", headers=headers)
+            assert (r.status_code, r.text) == (200, "amp")
 
 
 # -- files --------------------------------------------------------------------------------

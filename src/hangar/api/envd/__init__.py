@@ -12,7 +12,6 @@ no wildcard DNS is needed. HTTP only: it calls the core's typed operations.
 ``messages``    envd's messages (process, filesystem) as run-time descriptors
 ``process_run`` Start, Connect, List
 ``process_io``  SendInput, StreamInput, CloseStdin, SendSignal, Update
-``processes``   the processes those RPCs name, by pid
 ``fs_entries``  Stat, MakeDir, Move, ListDir, Remove
 ``fs_watch``    WatchDir, CreateWatcher, GetWatcherEvents, RemoveWatcher
 ``rest``        /health, /files, /envs, /metrics; internal routes refused

@@ -39,7 +39,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hangar.api.auth import authenticate
 from hangar.api.envd import connect, fs_entries, fs_watch, ports, process_io, process_run, rest
 from hangar.api.envd.connect import RpcError
-from hangar.api.envd.processes import Processes
 from hangar.api.envd.tokens import signature_ok, token_ok
 from hangar.api.envd.versions import ENVD_PORT, PREFIX
 from hangar.api.envd.fs_watch import Watchers
@@ -62,7 +61,6 @@ class Envd:
     manager: SandboxManager
     sandbox_id: str
     user: str
-    processes: Processes
     watchers: Watchers
 
 
@@ -91,12 +89,11 @@ def _user(headers: dict[str, str], query_user: str | None) -> str:
     return user
 
 
-def state_of(app_state: Any) -> tuple[Processes, Watchers]:
-    """The server's process table and watchers (made on first use)."""
-    if getattr(app_state, "envd_processes", None) is None:
-        app_state.envd_processes = Processes()
+def watchers_of(app_state: Any) -> Watchers:
+    """The server's polled file watchers (made on first use)."""
+    if getattr(app_state, "envd_watchers", None) is None:
         app_state.envd_watchers = Watchers()
-    return app_state.envd_processes, app_state.envd_watchers
+    return app_state.envd_watchers
 
 
 class EnvdGateway:
@@ -136,9 +133,8 @@ class EnvdGateway:
                 return
             if scope["type"] != "http":
                 raise Refusal(404, "not_found", "envd serves no WebSocket")
-            processes, watchers = state_of(state)
             envd = Envd(manager, sandbox_id, _user(headers, query.get("username")),
-                        processes, watchers)
+                        watchers_of(state))
             if m is not None:
                 await self._rpc(m.group(1), scope, headers, envd, receive, send)
             else:

@@ -1,11 +1,12 @@
 """``process.Process``: SendInput, StreamInput (a client stream), CloseStdin, SendSignal,
 Update (a terminal's size).
 
-Input goes to a process on a terminal (``pty`` input); a command without
-a terminal runs with its input closed, so stdin input is refused with
-``invalid_argument`` and CloseStdin succeeds at once. SendSignal's SIGTERM
-and SIGKILL end the process (a terminal is hung up: SIGHUP, then SIGKILL
-2 s later); an unknown pid is ``not_found`` (the SDK's ``kill`` gives False).
+On the guest's process table (``SandboxManager.processes``). Input goes to
+a process's stdin pipe or its terminal, in order (a process that reads none
+of it for 5 s: ``unavailable``, retry); CloseStdin closes the pipe (a
+terminal: ``invalid_argument``, send Ctrl+D). SendSignal's SIGTERM and
+SIGKILL go to the process's group; a pid that names no running process is
+``not_found`` (the SDK's ``kill`` gives False).
 """
 
 from __future__ import annotations
@@ -17,61 +18,70 @@ from google.protobuf.message import Message
 
 from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
 from hangar.api.envd.messages import P
-from hangar.api.envd.process_run import selected
+from hangar.api.envd.process_run import selector
 from hangar.errors import HangarError
 
 
-async def _input(call: Call, proc: Any, data: Any) -> None:
+async def _input(call: Call, sel: dict[str, Any], data: Any) -> None:
     which = data.WhichOneof("input")
     if which is None:
         return
+    env = call.context
     try:
-        await call.context.processes.write(proc, getattr(data, which), which == "pty")
+        await env.manager.processes.send_input(env.sandbox_id, getattr(data, which), **sel)
     except HangarError as exc:
         raise rpc_error(exc) from None
 
 
 async def send_input(req: Any, call: Call) -> Message:
-    await _input(call, selected(call, req.process), req.input)
+    await _input(call, selector(req.process), req.input)
     return P.SendInputResponse()
 
 
 async def stream_input(reqs: AsyncIterator[Any], call: Call) -> Message:
-    proc = None
+    sel: dict[str, Any] | None = None
     async for req in reqs:
         which = req.WhichOneof("event")
         if which == "start":
-            proc = selected(call, req.start.process)
+            sel = selector(req.start.process)
         elif which == "data":
-            if proc is None:
+            if sel is None:
                 raise RpcError("invalid_argument", "the input stream must start with its "
                                                    "start event (the process)")
-            await _input(call, proc, req.data.input)
+            await _input(call, sel, req.data.input)
     return P.StreamInputResponse()
 
 
 async def close_stdin(req: Any, call: Call) -> Message:
-    proc = selected(call, req.process)
-    if proc.pty:
-        raise RpcError("failed_precondition", "a terminal's input is not closed: send Ctrl+D "
-                                              "(0x04) as pty input")
+    env = call.context
+    try:
+        await env.manager.processes.close_stdin(env.sandbox_id, **selector(req.process))
+    except HangarError as exc:
+        raise rpc_error(exc) from None
     return P.CloseStdinResponse()
 
 
 async def send_signal(req: Any, call: Call) -> Message:
-    proc = selected(call, req.process)
+    env = call.context
+    sig = int(req.signal)
+    if sig not in (9, 15):
+        raise RpcError("invalid_argument", f"signal {sig} is not one envd sends (SIGTERM, "
+                                           "SIGKILL)")
     try:
-        await call.context.processes.signal(proc, int(req.signal))
+        done = await env.manager.processes.signal(env.sandbox_id, sig, **selector(req.process))
     except HangarError as exc:
         raise rpc_error(exc) from None
+    if not done.delivered:
+        raise RpcError("not_found", "the process has ended")
     return P.SendSignalResponse()
 
 
 async def update(req: Any, call: Call) -> Message:
-    proc = selected(call, req.process)
+    env = call.context
     if req.HasField("pty"):
         try:
-            await call.context.processes.resize(proc, req.pty.size.cols, req.pty.size.rows)
+            await env.manager.processes.resize(env.sandbox_id, req.pty.size.cols,
+                                               req.pty.size.rows, **selector(req.process))
         except HangarError as exc:
             raise rpc_error(exc) from None
     return P.UpdateResponse()

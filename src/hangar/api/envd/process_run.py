@@ -1,18 +1,22 @@
 """``process.Process``: Start, Connect (server streams) and List.
 
-Start runs ``ProcessConfig`` (``cmd`` and ``args`` as an argv, no shell of
-its own: E2B's SDK sends ``/bin/bash -l -c <command>``; ``envs`` added to
-the guest's environment; ``cwd``, default the guest's home) and streams
-its start (pid), output (stdout/stderr, or pty) and end (exit code;
-``exited`` false and status ``signal: ...`` when a signal ended it). The
-call's ``Connect-Timeout-Ms`` is the process's lifetime: past it the
-process is killed and the stream ends with ``deadline_exceeded`` (the
-SDK's ``TimeoutException``). Connect streams the events of a running
-process from now on; List names the running ones.
+On the guest's table of processes that outlive their connection (the core's
+``SandboxManager.processes``). Start runs ``ProcessConfig`` (``cmd`` and
+``args`` as an argv, no shell of its own: E2B's SDK sends ``/bin/bash -l -c
+<command>``; ``envs`` added to the guest's environment; ``cwd``, default
+the guest's home; a pty when asked; a stdin pipe unless ``stdin`` is false)
+and streams its start (the guest's pid), output (stdout/stderr, or pty) and
+end (exit code; ``exited`` false and status ``signal: ...`` when a signal
+ended it). The call's ``Connect-Timeout-Ms`` is the process's lifetime: past
+it the guest kills its group and the stream ends with ``deadline_exceeded``
+(the SDK's ``TimeoutException``). Leaving a stream (the SDK's
+``disconnect``) detaches: the process runs on, and Connect attaches to it
+again by pid or tag (output from then on). List names the running ones.
 """
 
 from __future__ import annotations
 
+import signal as signals
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,49 +24,59 @@ from google.protobuf.message import Message
 
 from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
 from hangar.api.envd.messages import P
-from hangar.api.envd.processes import Proc
 from hangar.core.commands import Command
+from hangar.core.processes import ProcessInfo, ProcessOutput
 from hangar.errors import HangarError
 
 
-def selected(call: Call, selector: Any) -> Proc:
-    """The process a ``ProcessSelector`` names. Raises RpcError ``not_found``."""
-    env = call.context
-    which = selector.WhichOneof("selector")
+def selector(sel: Any) -> dict[str, Any]:
+    """``pid=`` or ``tag=`` of a ``ProcessSelector``. Raises RpcError."""
+    which = sel.WhichOneof("selector")
     if which is None:
         raise RpcError("invalid_argument", "the process selector names no pid or tag")
-    try:
-        return env.processes.find(env.sandbox_id, pid=selector.pid if which == "pid" else None,
-                                  tag=selector.tag if which == "tag" else None)
-    except HangarError as exc:
-        raise rpc_error(exc) from None
+    return {"pid": sel.pid} if which == "pid" else {"tag": sel.tag}
 
 
-def _event(kind: str, value: Any) -> Any:
-    """A ``ProcessEvent`` of one table event. Raises RpcError for an error or a timeout."""
+def end_event(info: ProcessInfo) -> Any:
+    """The ``ProcessEvent`` of a process's end. Raises RpcError for one killed at its
+    timeout."""
+    if info.timed_out:
+        raise RpcError("deadline_exceeded", "the process ran past the call's timeout and was "
+                                            "killed")
     ev = P.ProcessEvent()
-    if kind in ("stdout", "stderr", "pty"):
-        setattr(ev.data, kind, value)
-    elif kind == "end":
-        if value.timed_out:
-            raise RpcError("deadline_exceeded", "the process ran past the call's timeout and "
-                                                "was killed")
-        ev.end.exit_code, ev.end.exited, ev.end.status = value.exit_code, value.exited, \
-            value.status
-        if value.error:
-            ev.end.error = value.error
+    if info.signal:
+        try:
+            name = signals.Signals(info.signal).name[3:].lower()
+        except ValueError:
+            name = str(info.signal)
+        ev.end.exit_code, ev.end.exited = -1, False
+        ev.end.status = f"signal: {'killed' if name == 'kill' else name}"
     else:
-        raise rpc_error(value) if isinstance(value, HangarError) else \
-            RpcError("internal", str(value))
+        code = info.exit_code if info.exit_code is not None else -1
+        ev.end.exit_code, ev.end.exited, ev.end.status = code, info.exit_code is not None, \
+            f"exit status {code}"
     return ev
 
 
-async def _stream(proc: Proc, q: Any, response: type[Message]) -> AsyncIterator[Message]:
-    start = P.ProcessEvent()
-    start.start.pid = proc.pid
-    yield response(event=start)
-    async for kind, value in proc.events(q):
-        yield response(event=_event(kind, value))
+async def _stream(items: AsyncIterator[ProcessInfo | ProcessOutput],
+                  response: type[Message]) -> AsyncIterator[Message]:
+    try:
+        async for item in items:
+            ev = P.ProcessEvent()
+            if isinstance(item, ProcessInfo):
+                ev.start.pid = item.pid
+            elif item.kind == "end":
+                if item.process is None:
+                    raise RpcError("internal", "the process ended without its status")
+                yield response(event=end_event(item.process))
+                return
+            else:
+                setattr(ev.data, item.kind, item.data)
+            yield response(event=ev)
+    except HangarError as exc:
+        raise rpc_error(exc) from None
+    finally:
+        await items.aclose()  # type: ignore[attr-defined]
 
 
 async def start(req: Any, call: Call) -> AsyncIterator[Message]:
@@ -73,32 +87,39 @@ async def start(req: Any, call: Call) -> AsyncIterator[Message]:
     cmd = Command(command=cfg.cmd, args=list(cfg.args), env=dict(cfg.envs) or None,
                   cwd=cfg.cwd if cfg.HasField("cwd") and cfg.cwd else None)
     pty = (req.pty.size.cols or 80, req.pty.size.rows or 24) if req.HasField("pty") else None
-    try:
-        proc, q = await env.processes.start(
-            env.manager, env.sandbox_id, cmd, tag=req.tag if req.HasField("tag") else None,
-            pty=pty, timeout_s=call.timeout_s)
-    except HangarError as exc:
-        raise rpc_error(exc) from None
-    async for msg in _stream(proc, q, P.StartResponse):
+    items = env.manager.processes.start_attached(
+        env.sandbox_id, cmd, tag=req.tag if req.HasField("tag") else None,
+        stdin=req.stdin if req.HasField("stdin") else True, pty=pty, timeout=call.timeout_s)
+    async for msg in _stream(items, P.StartResponse):
         yield msg
 
 
 async def connect(req: Any, call: Call) -> AsyncIterator[Message]:
-    proc = selected(call, req.process)
-    async for msg in _stream(proc, proc.subscribe(), P.ConnectResponse):
+    env = call.context
+    items = env.manager.processes.attach(env.sandbox_id, **selector(req.process))
+    first = True
+    async for msg in _stream(items, P.ConnectResponse):
+        if first and msg.event.WhichOneof("event") != "start":
+            raise RpcError("not_found", "the process has ended")
+        first = False
         yield msg
 
 
 async def list_processes(req: Any, call: Call) -> Message:
     env = call.context
+    try:
+        procs = await env.manager.processes.list(env.sandbox_id)
+    except HangarError as exc:
+        raise rpc_error(exc) from None
     res = P.ListResponse()
-    for p in env.processes.list(env.sandbox_id):
+    for p in procs:
+        if p.state != "running" or p.origin != "start":
+            continue
         info = res.processes.add(pid=p.pid)
-        info.config.cmd = p.cmd
+        info.config.cmd = p.command
         info.config.args.extend(p.args)
-        info.config.envs.update(p.envs)
-        if p.cwd:
-            info.config.cwd = p.cwd
+        info.config.envs.update(p.env)
+        info.config.cwd = p.cwd
         if p.tag is not None:
             info.tag = p.tag
     return res
