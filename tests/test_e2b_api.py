@@ -213,19 +213,28 @@ def test_sync_sdk_drives_a_sandbox_through_its_life(server: Server, api: httpx.C
 
 
 @pytest.mark.vm
-def test_async_sdk_creates_connects_lists_and_kills(api: httpx.Client) -> None:
+def test_async_sdk_creates_connects_lists_pauses_on_timeout_and_kills(
+        api: httpx.Client) -> None:
     tag = uuid.uuid4().hex[:8]
 
     async def main() -> str:
-        sbx = await AsyncSandbox.create("base", metadata={"suite": tag}, timeout=300)
+        sbx = await AsyncSandbox.create("base", metadata={"suite": tag}, timeout=300,
+                                        lifecycle={"on_timeout": "pause"})
         try:
             again = await AsyncSandbox.connect(sbx.sandbox_id)
             assert again.sandbox_id == sbx.sandbox_id
-            assert (await sbx.get_info()).state == SandboxState.RUNNING
+            info = await sbx.get_info()
+            assert info.state == SandboxState.RUNNING and info.lifecycle is not None
             found = await AsyncSandbox.list(query=SandboxQuery(metadata={"suite": tag})
                                             ).next_items()
             assert [s.sandbox_id for s in found] == [sbx.sandbox_id]
-            await sbx.set_timeout(120)
+            # autoPause: when its time runs out, it is paused, not removed
+            await sbx.set_timeout(3)
+            deadline = time.monotonic() + 180
+            while api.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] != "sleeping":
+                assert time.monotonic() < deadline, "the sandbox did not pause on timeout"
+                await asyncio.sleep(1)
+            assert (await sbx.get_info()).state == SandboxState.PAUSED
             assert await sbx.kill() is True
             return sbx.sandbox_id
         finally:

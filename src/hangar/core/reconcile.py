@@ -5,7 +5,9 @@ decides, without waiting on anything, what each sandbox needs (``plan``):
 
 ``expire``    its time to live ran out (running, unresponsive or sleeping)
 ``crash``     its VMM died (or this server holds no VM for it)
-``sleep``     it wants to sleep (a machine idle past its idle timeout does)
+``sleep``     it wants to sleep (a machine idle past its idle timeout does, and so
+              does a running sandbox whose time ran out that asked to pause then:
+              E2B's ``autoPause``, ``hangar.core.e2b``; asleep it has no time limit)
 ``wake``      it sleeps but wants to run
 ``restore``   a restore was interrupted by a restart: do it again
 ``complete``  a removal stopped midway: finish it
@@ -29,6 +31,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from hangar.core import e2b
 from hangar.core.context import Context
 from hangar.core.lifecycle import State
 from hangar.core.pool import WarmPool
@@ -123,6 +126,10 @@ class Reconciler:
         rt = ctx.registry.get(sid)
         locked = ctx.registry.locked(sid)
         if rec.expires_at is not None and rec.expires_at <= now and state in EXPIRABLE:
+            if state == State.RUNNING and e2b.pauses_on_timeout(rec):
+                ctx.store.update(sid, expires_at=None, desired_state=State.SLEEPING)
+                log.info("sandbox timed out: pausing", extra={"sandbox_id": sid})
+                return "sleep"
             return "expire"
         if state in (State.RUNNING, State.UNRESPONSIVE) and not locked and (
                 rt is None or not rt.vm.alive()):
