@@ -10,8 +10,9 @@ carries it), never a 404 that looks like a bug:
 - a known path with another method: **405**, naming the methods it has;
 - any other path: **404**, naming it and pointing at docs/e2b.md.
 
-The catch-all never matches ``/e2b/envd`` or below: that prefix is envd's
-data plane (``hangar.api.envd``), whatever order the routes are in.
+The catch-all never matches ``/e2b/envd`` or below (its path parameter's
+convertor refuses a path starting ``envd/``): that prefix is envd's data
+plane (``hangar.api.envd``), whatever order the routes are in.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from starlette.routing import Match
-from starlette.types import Scope
+from fastapi.routing import APIRoute
+from starlette.convertors import Convertor, register_url_convertor
 
+from hangar.api.e2b import sandboxes, snapshots, templates
 from hangar.api.e2b.errors import E2BRoute, e2b_error
 
 ENVD_PREFIX = "/e2b/envd"
@@ -103,29 +105,33 @@ def _pattern(template: str) -> re.Pattern[str]:
 _TABLE = [(method, template, _pattern(template), why) for method, template, why in NOT_SERVED]
 
 
-class _Fallback(E2BRoute):
-    """The catch-all: matches every path under ``/e2b`` but envd's, every method."""
+class _NotEnvd(Convertor[str]):
+    """A path under ``/e2b`` that is not envd's: any text not starting ``envd/``."""
 
-    def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        path = scope.get("path", "")
-        if scope.get("type") != "http" or path == ENVD_PREFIX or path.startswith(
-                ENVD_PREFIX + "/"):
-            return Match.NONE, {}
-        return super().matches(scope)
+    regex = r"(?!envd(?:/|$)).*"
 
+    def convert(self, value: str) -> str:
+        return value
 
-router = APIRouter(route_class=_Fallback)
-
-_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+    def to_string(self, value: str) -> str:
+        return value
 
 
-def _methods_served(request: Request, path: str) -> set[str]:
-    """Methods that the served ``/e2b`` routes have for ``path`` (a full path)."""
+register_url_convertor("e2b_not_envd", _NotEnvd())
+
+router = APIRouter(route_class=E2BRoute)
+
+_SERVED = [route for module in (sandboxes, snapshots, templates)
+           for route in module.router.routes if isinstance(route, APIRoute)]
+"""The served routes, with paths relative to ``/e2b``."""
+
+
+def _methods_served(sub: str) -> set[str]:
+    """Methods the served routes have for ``sub`` (a path under ``/e2b``)."""
     out: set[str] = set()
-    for route in request.app.routes:
-        if isinstance(route, E2BRoute) and not isinstance(route, _Fallback):
-            if route.path_regex.match(path):
-                out |= set(route.methods or ())
+    for route in _SERVED:
+        if route.path_regex.match(sub):
+            out |= set(route.methods or ())
     return out
 
 
@@ -136,7 +142,7 @@ def answer(request: Request, sub: str) -> JSONResponse:
         if m == method and pattern.match(sub):
             return e2b_error(501, f"Hangar does not serve E2B's {method} {template}: {why}. "
                                   "See docs/e2b.md for what it serves.")
-    methods = _methods_served(request, request.url.path)
+    methods = _methods_served(sub)
     methods |= {m for m, _, pattern, _why in _TABLE if pattern.match(sub)}
     if methods:
         allowed = ", ".join(sorted(methods))
@@ -151,4 +157,5 @@ async def _fallback(request: Request, path: str) -> Any:
     return answer(request, "/" + path)
 
 
-router.add_api_route("/{path:path}", _fallback, methods=_METHODS, include_in_schema=False)
+router.add_api_route("/{path:e2b_not_envd}", _fallback, methods=_METHODS,
+                     include_in_schema=False)
