@@ -121,6 +121,8 @@ register_url_convertor("e2b_not_envd", _NotEnvd())
 
 router = APIRouter(route_class=E2BRoute)
 
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
 _SERVED = [route for module in (sandboxes, snapshots, templates)
            for route in module.router.routes if isinstance(route, APIRoute)]
 """The served routes, with paths relative to ``/e2b``."""
