@@ -10,9 +10,9 @@ that reads it, with a message that names it. Times are RFC 3339 strings
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 class _Request(BaseModel):
@@ -20,7 +20,16 @@ class _Request(BaseModel):
 
 
 class _Answer(BaseModel):
+    """An answer: a field that is None is left out (E2B's SDK refuses ``null`` for a field
+    that is optional but not nullable), except those of ``_null`` (required, nullable)."""
+
     model_config = ConfigDict(extra="forbid")
+    _null: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        return {k: v for k, v in data.items() if v is not None or k in self._null}
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -222,6 +231,8 @@ class Template(_Answer):
     envdVersion: str
     buildStatus: Literal["building", "waiting", "ready", "error"]
 
+    _null = frozenset({"createdBy", "lastSpawnedAt"})
+
 
 class TemplateBuild(_Answer):
     buildID: str
@@ -245,6 +256,8 @@ class TemplateWithBuilds(_Answer):
     lastSpawnedAt: str | None = None
     spawnCount: int
     builds: list[TemplateBuild]
+
+    _null = frozenset({"lastSpawnedAt"})
 
 
 class TemplateAlias(_Answer):
