@@ -164,6 +164,20 @@ def test_sync_sdk_drives_a_sandbox_through_its_life(server: Server, api: httpx.C
         expires = api.get(f"/sandboxes/{sid}").json()["expires_at"]
         assert abs(expires - (time.time() + 900)) < 60
 
+        # E2B's older routes, which this SDK no longer calls, answer as the spec says
+        with httpx.Client(base_url=server.url + "/e2b",
+                          headers={"X-API-Key": os.environ["E2B_API_KEY"]}) as c:
+            assert sid in [s["sandboxID"] for s in c.get("/sandboxes").json()]
+            assert c.post(f"/sandboxes/{sid}/refreshes", json={"duration": 10}).status_code \
+                == 204
+            assert api.get(f"/sandboxes/{sid}").json()["expires_at"] == expires  # only extends
+            r = c.post(f"/sandboxes/{sid}/resume", json={"timeout": 60})
+            assert (r.status_code, r.json()) == (409, {
+                "code": 409, "message": f"sandbox {sid} is already running"})
+            r = c.post(f"/sandboxes/{sid}/connect", json={"timeout": 60})
+            assert r.status_code == 200 and r.json()["sandboxID"] == sid
+            assert r.json()["envdVersion"] == "0.5.7" and len(r.json()["envdAccessToken"]) == 64
+
         found = Sandbox.list(query=SandboxQuery(metadata={"suite": tag})).next_items()
         assert [s.sandbox_id for s in found] == [sid]
         assert Sandbox.list(query=SandboxQuery(metadata={"suite": "other"})).next_items() == []
@@ -172,6 +186,11 @@ def test_sync_sdk_drives_a_sandbox_through_its_life(server: Server, api: httpx.C
         assert busy.cpu_used_pct >= idle.cpu_used_pct + 25, (idle, busy)
         assert busy.mem_used >= idle.mem_used + (64 << 20), (idle, busy)
         assert 0 < busy.disk_used < busy.disk_total and busy.cpu_count >= 1
+        with httpx.Client(base_url=server.url + "/e2b",
+                          headers={"X-API-Key": os.environ["E2B_API_KEY"]}) as c:
+            many = c.get("/sandboxes/metrics",
+                         params={"sandbox_ids": f"{sid},sb-000000000000"}).json()
+            assert list(many["sandboxes"]) == [sid]
 
         # pause keeps a file and a running process; connect resumes it
         pid = run(api, sid, "echo kept > /root/e2b-note; "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from hangar.api.e2b.models import (
     Lifecycle, ListedSandbox, NetworkConfig, Sandbox, SandboxDetail, SandboxMetric,
@@ -32,7 +32,10 @@ NEVER = "9999-12-31T23:59:59Z"
 _RUNNING = {State.RUNNING, State.UNRESPONSIVE, State.CREATING, State.WAKING, State.RESTORING}
 
 
-def state_of(rec: SandboxRecord) -> str | None:
+E2BState = Literal["running", "paused"]
+
+
+def state_of(rec: SandboxRecord) -> E2BState | None:
     """``running``, ``paused``, or None for a sandbox E2B would not show."""
     if rec.state == State.SLEEPING:
         return "paused"
