@@ -32,7 +32,7 @@ def build_app(data_dir: Path) -> Any:
     change the app's shape (a cluster node adds its gateway) or stop it from
     being built (a weak ``HANGAR_API_KEY``).
     """
-    from hangar.api.app import create_app
+    from hangar.server import create_app
     from hangar.config import Settings
 
     return create_app(Settings(data_dir=data_dir, api_key=None, etcd=None))

@@ -171,3 +171,109 @@ def test_restarted_server_knows_its_sandboxes(base_image) -> None:
         leaked = cleanup(srv)
         shutil.rmtree(d, ignore_errors=True)
     assert not leaked
+
+
+# -- one error renderer ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("seconds", "header"), [
+    (0, "1"), (0.2, "1"), (1, "1"), (1.0, "1"), (1.01, "2"), (4.5, "5"), (30, "30"),
+    ("2.5", "3"), (float("nan"), "1"), (None, "1")])
+def test_retry_after_is_whole_seconds_rounded_up_at_least_one(seconds: object,
+                                                              header: str) -> None:
+    from hangar.error_body import retry_after_header
+
+    assert retry_after_header(seconds) == header
+
+
+def test_every_asgi_layer_renders_an_error_the_same_way() -> None:
+    """The route handlers, a WebSocket denial and the port proxy answer a retryable error
+    with the same status, headers and body (one renderer, one rounding rule)."""
+    import asyncio
+    import json
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from hangar.api import errors
+    from hangar.api.proxy import Refused
+    from hangar.error_body import render_error
+    from hangar.errors import Busy, LimitExceeded, Timeout
+
+    cases = [Busy("busy now", retry_after=0.25, sandbox_id="sb-1"),
+             LimitExceeded("too many", retry_after=2.5, limit="execs"),
+             Timeout("unresponsive", retry_after=5.0, sandbox_id="sb-2")]
+    app = FastAPI()
+    errors.install(app)
+
+    @app.get("/raise/{n}")
+    async def _raise(n: int) -> None:
+        raise cases[n]
+
+    client = TestClient(app)
+    for n, exc in enumerate(cases):
+        status, headers, body = render_error(exc)
+        r = client.get(f"/raise/{n}")
+        assert (r.status_code, r.content) == (status, body)
+        assert r.headers["retry-after"] == dict(headers)[b"retry-after"].decode()
+        assert r.headers["content-type"] == "application/json"
+        assert Refused.of(exc).answer == (status, headers, body)
+        denial = errors.error_response(exc.status, exc.code, exc.message,
+                                       **errors.context_of(exc))
+        assert (denial.status_code, denial.body) == (status, body)
+        assert denial.headers["retry-after"] == r.headers["retry-after"]
+    doc = json.loads(render_error(cases[0])[2])
+    assert doc == {"error": {"code": "busy", "message": "busy now", "sandbox_id": "sb-1",
+                             "retry_after": 0.25}}
+    assert dict(render_error(cases[0])[1])[b"retry-after"] == b"1"
+    assert dict(render_error(cases[1])[1])[b"retry-after"] == b"3"
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(errors.send_error(send, render_error(cases[2])))
+    assert sent[0]["status"] == 504 and (b"retry-after", b"5") in sent[0]["headers"]
+    assert sent[1]["body"] == render_error(cases[2])[2]
+
+
+def test_the_api_app_is_built_from_given_parts_without_a_data_dir(tmp_path) -> None:
+    """api/app.py builds routes and middleware only: no data directory, engine or key file
+    is touched (the server assembly, hangar.server, does that)."""
+    from hangar.api.app import create_app
+    from hangar.config import Settings
+
+    d = tmp_path / "data"
+    app = create_app(Settings(data_dir=d))
+    assert "/sandboxes/{sandbox_id}/files/list" in app.openapi()["paths"]
+    assert not d.exists()
+
+
+def test_a_routing_middleware_sits_between_idempotency_and_the_routes(tmp_path) -> None:
+    """The server assembly hands a cluster node's gateway to api/app.py as ``routing``; it
+    is built as ``routing(app, state=app.state)`` just outside the routes."""
+    from functools import partial
+
+    from fastapi.testclient import TestClient
+
+    from hangar.api.app import create_app
+    from hangar.config import Settings
+
+    seen: list[tuple[str, object]] = []
+
+    class Routing:
+        def __init__(self, app, node: str, state: object) -> None:
+            self.app, self.node, self.state = app, node, state
+
+        async def __call__(self, scope, receive, send) -> None:
+            if scope["type"] == "http":
+                seen.append((scope["path"], self.node))
+            await self.app(scope, receive, send)
+
+    app = create_app(Settings(data_dir=tmp_path / "data"), routing=partial(Routing, node="n1"))
+    names = [getattr(m.cls, "func", m.cls).__name__ for m in app.user_middleware]
+    assert names == ["PortProxy", "BodyLimit", "IdempotencyMiddleware", "Routing"]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        client.get("/openapi.json")
+    assert seen == [("/openapi.json", "n1")]

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from conftest import make_data_dir, vmm_pids
-from hangar.api.app import create_app
+from hangar.server import create_app
 from hangar.config import Settings
 
 pytestmark = pytest.mark.vm

@@ -83,3 +83,35 @@ def test_file_errors_are_clear(api: httpx.Client, sandbox: str) -> None:
     assert r.status_code == 422
     r = get(api, "sb-000000000000", "/root/x")
     assert r.status_code == 404
+
+
+def test_relative_paths_start_at_the_guest_home_where_commands_run(
+        api: httpx.Client, sandbox: str) -> None:
+    """One base for relative paths: the guest's home, /root, which is also where a command
+    without cwd runs (as in E2B, whose relative paths and commands start at its home)."""
+    r = put(api, sandbox, "rel/notes.txt", b"relative")
+    assert r.status_code == 200 and r.json()["path"] == "/root/rel/notes.txt"
+    r = api.post(f"/sandboxes/{sandbox}/exec", json={"command": "pwd; cat rel/notes.txt"})
+    assert r.json()["stdout"] == "/root\nrelative"
+    assert get(api, sandbox, "/root/rel/notes.txt").content == b"relative"
+    st = api.get(f"/sandboxes/{sandbox}/files/stat", params={"path": "rel/notes.txt"}).json()
+    assert st["path"] == "/root/rel/notes.txt" and st["size"] == 8
+    home = api.get(f"/sandboxes/{sandbox}/files/list").json()  # no path: the home
+    assert home["path"] == "/root" and "rel" in {e["name"] for e in home["entries"]}
+    listed = api.get(f"/sandboxes/{sandbox}/files/list", params={"path": "rel"}).json()
+    assert listed["path"] == "/root/rel" and [e["path"] for e in listed["entries"]] == [
+        "/root/rel/notes.txt"]
+    r = api.post(f"/sandboxes/{sandbox}/files/mkdir", json={"path": "rel/sub"})
+    assert r.status_code == 201 and r.json()["path"] == "/root/rel/sub"
+    r = api.delete(f"/sandboxes/{sandbox}/files", params={"path": "rel", "recursive": True})
+    assert r.status_code == 204
+    assert api.get(f"/sandboxes/{sandbox}/files/stat",
+                   params={"path": "/root/rel"}).status_code == 404
+
+
+def test_the_spec_says_where_relative_paths_start(api: httpx.Client) -> None:
+    spec = api.get("/openapi.json").json()
+    listing = spec["paths"]["/sandboxes/{sandbox_id}/files/list"]["get"]
+    path = next(p for p in listing["parameters"] if p["name"] == "path")
+    assert path["schema"]["default"] == "/root"
+    assert "relative to its home /root" in path["description"]

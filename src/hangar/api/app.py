@@ -1,10 +1,27 @@
-"""The FastAPI application: wiring of settings, store, engine and routes."""
+"""The FastAPI application: routes and middleware, built from the parts it is given.
+
+``create_app`` knows no engine, store or cluster: ``hangar.server`` (server
+assembly) makes those and passes the key ring, the event bus, the lifespan
+that starts the core and puts it on ``app.state`` (``manager``,
+``machines``, ``metrics``, ``idempotency``), and a cluster node's routing
+middleware. Called with no arguments it gives the routes alone, e.g. for
+the OpenAPI document (``create_app().openapi()``).
+
+Middleware, outermost first::
+
+    PortProxy              requests for exposed ports go to the guest (hangar.api.proxy)
+    BodyLimit              the JSON body cap (hangar.api.limits)
+    IdempotencyMiddleware  a repeated Idempotency-Key gets the first answer
+    routing                the cluster's gateway, when given (inside idempotency: a
+                           retried create is answered, not placed again)
+    routes                 with error handlers (hangar.api.errors)
+"""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 from fastapi import Depends, FastAPI
 
@@ -19,75 +36,22 @@ from hangar.api.limits import BodyLimit
 from hangar.api.proxy import PortProxy
 from hangar.config import Settings
 from hangar.core.events import EventBus
-from hangar.core.idempotency import IdempotencyStore
-from hangar.core.machines import MachineManager
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.store import Store
-from hangar.engines.confine import config_from as confine_config
-from hangar.engines.doctor import choose_engine
-from hangar.engines.qemu import MemoryTuning, ksm_running
-from hangar.images import resolve_image
-from hangar.layout import Layout
-from hangar.metrics import Metrics
 
-log = logging.getLogger("hangar.app")
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the app. Reads the API keys at once (``ConfigError`` when one is
-    empty or weak: the server must not start). Start-up resolves the default
-    image, picks the engine (running the probe boots if not cached),
-    reconciles running VMs and starts filling the warm pool.
-    ``app.state.events`` is the live-event bus (``GET /events``); POSTs with
-    an ``Idempotency-Key`` go through ``IdempotencyMiddleware``; requests for
-    exposed ports (``/sandboxes/{id}/ports/{port}/...`` and, with a domain,
-    ``{port}-{id}.<domain>``) are forwarded to the guest by ``PortProxy``."""
+def create_app(settings: Settings | None = None, *, keys: KeyRing | None = None,
+               event_bus: EventBus | None = None, lifespan: Lifespan | None = None,
+               routing: Callable[..., Any] | None = None) -> FastAPI:
+    """The app's routes and middleware (see the module docstring).
+
+    ``keys``: the API key ring requests are checked against (``app.state.keys``);
+    ``event_bus``: the live-event bus (``app.state.events``; a new one if None);
+    ``lifespan``: starts and stops the core, setting ``app.state.manager`` and the
+    rest; ``routing``: an ASGI middleware factory, called as ``routing(app,
+    state=app.state)``, placed just outside the routes (a cluster node's gateway).
+    """
     settings = settings or Settings()
-    layout = Layout(settings.data_dir)
-    layout.ensure()
-    keys = KeyRing(layout.api_key_file, layout.api_keys_file, settings.api_key)
-    keys.load()
-    node = None
-    if settings.etcd:  # a node of a cluster (docs/cluster.md); unset: a single host
-        from hangar.cluster.node import ClusterNode
-
-        node = ClusterNode(settings, layout)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        layout.ensure()
-        image = resolve_image(layout, settings.default_image)
-        engine = choose_engine(settings.engine, layout, image, accel=settings.accel,
-                               jailer=settings.firecracker_jailer,
-                               confine=confine_config(settings), tuning=MemoryTuning(
-                                   tb_mib=settings.tcg_tb_mib, balloon=settings.balloon,
-                                   ksm=settings.ksm))
-        if settings.ksm and engine.name == "qemu" and not ksm_running():
-            log.warning("HANGAR_KSM is on but the host's ksmd is not running: no page is "
-                        "merged until an operator writes 1 to /sys/kernel/mm/ksm/run")
-        metrics = Metrics()
-        metrics.engine.info(engine.describe())
-        store = Store(layout.database)
-        if node is not None:
-            config = await node.load_config()
-            keys.share("cluster", config.key_hashes)
-        manager = SandboxManager(settings, layout, store, engine, metrics, app.state.events,
-                                 hooks=node.hooks if node is not None else None)
-        app.state.idempotency = IdempotencyStore(store.engine)
-        app.state.metrics = metrics
-        app.state.manager = manager
-        app.state.machines = MachineManager(manager, settings.machine_idle_s)
-        await manager.start()
-        if node is not None:
-            await node.start(manager)
-        try:
-            yield
-        finally:
-            app.state.events.close()
-            if node is not None:
-                await node.close()
-            await manager.close()
-
     app = FastAPI(
         title="Hangar",
         version=__version__,
@@ -98,12 +62,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.keys = keys
     app.state.throttle = Throttle()
-    app.state.events = EventBus()
-    if node is not None:  # inside idempotency: a retried create is answered, not placed again
-        from hangar.cluster.gateway import Gateway
-
-        app.add_middleware(Gateway, node=node, state=app.state)
-        app.state.cluster = node
+    app.state.events = event_bus if event_bus is not None else EventBus()
+    if routing is not None:  # inside idempotency: a retried create is answered, not placed again
+        app.add_middleware(routing, state=app.state)  # type: ignore[arg-type]
     app.add_middleware(IdempotencyMiddleware)
     errors.install(app)
     app.add_middleware(BodyLimit, limit=settings.max_json_bytes, raw=files.RAW_BODY)

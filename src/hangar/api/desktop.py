@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request, Response
+from fastapi import APIRouter, Body, Depends, Query, Request, Response
 from pydantic import ConfigDict, Field
 
 from hangar.api.deps import manager
@@ -27,16 +27,9 @@ from hangar.schemas import ScreenshotResponse
 router = APIRouter(prefix="/sandboxes", tags=["desktop"])
 
 
-def desktop_for(app: FastAPI, m: SandboxManager) -> Desktop:
-    """The server's ``Desktop`` (on ``app.state``), made on first use for its manager."""
-    d: Desktop | None = getattr(app.state, "desktop", None)
-    if d is None or d.manager is not m:
-        d = app.state.desktop = Desktop(m)
-    return d
-
-
-def desktop(request: Request, m: Annotated[SandboxManager, Depends(manager)]) -> Desktop:
-    return desktop_for(request.app, m)
+async def desktop(m: Annotated[SandboxManager, Depends(manager)]) -> Desktop:
+    """The server's ``Desktop`` (``SandboxManager.desktop``)."""
+    return m.desktop
 
 
 DesktopDep = Annotated[Desktop, Depends(desktop)]

@@ -1,31 +1,46 @@
 """Maps ``hangar.errors`` and validation failures to JSON error responses.
 
-Body: ``{"error": {"code": ..., "message": ..., <context>}}``; 429, a
-``busy`` 409, and a 504 for an ``unresponsive`` sandbox carry ``Retry-After``. Unexpected exceptions become a 500 with a generic message
-and are logged, never echoed.
+Body: ``{"error": {"code": ..., "message": ..., <context>}}``, rendered by
+``hangar.error_body`` (the one renderer every ASGI layer uses); 429, a
+``busy`` 409, and a 504 for an ``unresponsive`` sandbox carry
+``Retry-After`` (whole seconds, rounded up, at least 1). Unexpected
+exceptions become a 500 with a generic message and are logged, never
+echoed.
 """
 
 from __future__ import annotations
 
 import logging
-import math
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException
+from starlette.types import Send
 
-from hangar.errors import Busy, HangarError, LimitExceeded
+from hangar import error_body
+from hangar.error_body import context_of, render, render_error, retry_after_header
+from hangar.errors import HangarError
+
+__all__ = ["context_of", "count", "error_response", "install", "render", "render_error",
+           "retry_after_header", "send_error"]
 
 log = logging.getLogger("hangar.api")
 
 
-def error_response(status: int, code: str, message: str, **context: object) -> JSONResponse:
-    headers = {}
-    if "retry_after" in context:
-        headers["Retry-After"] = str(math.ceil(float(context["retry_after"])))  # type: ignore[arg-type]
-    return JSONResponse({"error": {"code": code, "message": message, **context}},
-                        status_code=status, headers=headers)
+def error_response(status: int, code: str, message: str, **context: Any) -> Response:
+    """An error answer for a route or a WebSocket denial (see ``hangar.error_body``)."""
+    return Response(error_body.body(code, message, **context), status_code=status,
+                    headers=error_body.headers(context), media_type="application/json")
+
+
+async def send_error(send: Send, rendered: tuple[int, list[tuple[bytes, bytes]], bytes]
+                     ) -> None:
+    """Send a ``render``-ed error as a whole HTTP answer on a raw ASGI ``send``."""
+    status, headers, data = rendered
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
 
 
 def count(request: Request, code: str) -> None:
@@ -37,17 +52,15 @@ def count(request: Request, code: str) -> None:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(HangarError)
-    async def _hangar(request: Request, exc: HangarError) -> JSONResponse:
+    async def _hangar(request: Request, exc: HangarError) -> Response:
         count(request, exc.code)
-        ctx = {k: v for k, v in exc.context.items() if isinstance(v, (str, int, float, bool))}
-        if isinstance(exc, (LimitExceeded, Busy)):
-            ctx["retry_after"] = exc.retry_after
+        ctx = context_of(exc)
         if exc.status >= 500:
             log.error("request failed", extra={"path": request.url.path, "error": exc.message})
         return error_response(exc.status, exc.code, exc.message, **ctx)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
         count(request, "invalid_request")
         errors = exc.errors()
         bad_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
@@ -72,11 +85,10 @@ def install(app: FastAPI) -> None:
             d["msg"] = str(d["msg"]).removeprefix("Value error, ")
         first = details[0] if details else {"loc": [], "msg": "invalid request"}
         message = f"{'.'.join(first['loc'])}: {first['msg']}" if first["loc"] else first["msg"]
-        return JSONResponse({"error": {"code": "invalid_request", "message": message,
-                                       "details": details}}, status_code=422)
+        return error_response(422, "invalid_request", message, details=details)
 
     @app.exception_handler(HTTPException)
-    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: HTTPException) -> Response:
         code = {401: "unauthorized", 403: "forbidden", 404: "not_found",
                 405: "method_not_allowed", 413: "too_large"}.get(exc.status_code, "http_error")
         count(request, code)
@@ -85,7 +97,7 @@ def install(app: FastAPI) -> None:
         return error_response(exc.status_code, code, str(exc.detail), **context)
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error", extra={"path": request.url.path})
         count(request, "internal")
         return error_response(500, "internal", "internal error; see the server log")

@@ -2,8 +2,14 @@
 
 ``PUT`` and ``GET /sandboxes/{id}/files?path=...`` carry the file's raw
 bytes (``application/octet-stream``), streamed in both directions; writes
-are atomic in the guest (temp file, fsync, rename). Relative paths start
-at ``/root``.
+are atomic in the guest (temp file, fsync, rename).
+
+Paths: absolute, or relative to the guest's home ``/root``
+(``hangar.core.commands.HOME``), which is also where ``exec`` runs a
+command without ``cwd``: ``PUT ...?path=notes.txt`` and then ``exec``
+``cat notes.txt`` read the same file, as in E2B (whose relative paths and
+commands both start at its user's home). Answers give absolute paths.
+``GET .../files/list`` without ``path`` lists the home.
 
 ``GET /sandboxes/{id}/files/watch?path=...&recursive=true`` streams changes
 (inotify in the guest, ``hangar.guest.watch``) as they happen, one
@@ -24,23 +30,26 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from hangar.api.deps import manager
 from hangar.api.models import FileEntry, FileList, PathBody, WriteResult
+from hangar.core.commands import HOME
+from hangar.core.sandboxes import SandboxManager
+from hangar.core.tasks import Tasks
 from hangar.errors import HangarError
 from hangar.schemas import FileEvent
-from hangar.core.sandboxes import SandboxManager
 
 router = APIRouter(prefix="/sandboxes/{sandbox_id}/files", tags=["files"])
 Manager = Annotated[SandboxManager, Depends(manager)]
 RAW_BODY = [("PUT", router.prefix)]
 """Routes whose body is streamed to the guest, not bound by the JSON body limit
 (``hangar.api.limits``)."""
-PathQ = Annotated[str, Query(min_length=1, max_length=4096, description="Path in the guest.")]
+PathQ = Annotated[str, Query(min_length=1, max_length=4096, description=(
+    f"Path in the guest: absolute, or relative to its home {HOME}."))]
 KEEPALIVE_S = 15.0
 """Seconds of quiet before a watch stream sends a keep-alive."""
 
@@ -74,27 +83,28 @@ async def write(sandbox_id: str, path: PathQ, request: Request, m: Manager,
             if chunk:
                 yield chunk
 
-    return WriteResult(**await m.write_file(sandbox_id, path, chunks(), mode))
+    return await m.write_file(sandbox_id, path, chunks(), mode)
 
 
-@router.get("/list", response_model=FileList, summary="List a directory")
-async def list_dir(sandbox_id: str, m: Manager, path: PathQ = "/root") -> FileList:
-    return FileList(**await m.file_op(sandbox_id, "list_dir", path=path))
+@router.get("/list", response_model=FileList,
+            summary=f"List a directory (default: the guest's home, {HOME})")
+async def list_dir(sandbox_id: str, m: Manager, path: PathQ = HOME) -> FileList:
+    return await m.list_dir(sandbox_id, path)
 
 
 @router.get("/stat", response_model=FileEntry)
 async def stat(sandbox_id: str, path: PathQ, m: Manager) -> FileEntry:
-    return FileEntry(**await m.file_op(sandbox_id, "stat", path=path))
+    return await m.stat(sandbox_id, path)
 
 
 @router.post("/mkdir", response_model=FileEntry, status_code=201)
 async def mkdir(sandbox_id: str, body: PathBody, m: Manager) -> FileEntry:
-    return FileEntry(**await m.file_op(sandbox_id, "mkdir", path=body.path, parents=body.parents))
+    return await m.mkdir(sandbox_id, body.path, body.parents)
 
 
 @router.delete("", status_code=204, summary="Remove a file or (recursive=true) a directory")
 async def remove(sandbox_id: str, path: PathQ, m: Manager, recursive: bool = False) -> Response:
-    await m.file_op(sandbox_id, "remove", path=path, recursive=recursive)
+    await m.remove(sandbox_id, path, recursive)
     return Response(status_code=204)
 
 
@@ -119,7 +129,7 @@ async def watch(sandbox_id: str, path: PathQ, m: Manager,
     # One batch at a time between the guest's channel and the client: batches not yet
     # taken stay in the guest (flow control), so a slow client holds the server at one
     # window, and the guest's inotify queue overflows instead.
-    queue: asyncio.Queue[list[dict[str, Any]] | None] = asyncio.Queue(maxsize=1)
+    queue: asyncio.Queue[list[FileEvent] | None] = asyncio.Queue(maxsize=1)
 
     async def pump() -> None:
         try:
@@ -132,7 +142,8 @@ async def watch(sandbox_id: str, path: PathQ, m: Manager,
         await queue.put(None)
 
     async def body() -> AsyncIterator[bytes]:
-        task = asyncio.create_task(pump())
+        tasks = Tasks(f"watch {sandbox_id}")
+        tasks.start("pump", pump())
         try:
             if fmt == "sse":
                 yield b"retry: 1000\n\n"
@@ -146,16 +157,12 @@ async def watch(sandbox_id: str, path: PathQ, m: Manager,
                     return
                 out = []
                 for e in batch:
-                    try:
-                        line = FileEvent.model_validate(e).model_dump_json(exclude_none=True)
-                    except ValueError:
-                        continue
+                    line = e.model_dump_json(exclude_none=True)
                     out.append(f"data: {line}\n\n" if fmt == "sse" else line + "\n")
                 if out:
                     yield "".join(out).encode()
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await tasks.stop()
 
     media = "text/event-stream" if fmt == "sse" else "application/x-ndjson"
     return StreamingResponse(body(), media_type=media, headers={

@@ -21,11 +21,11 @@ Keys are 1 to 255 printable ASCII characters; others get 400.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from hangar.api.errors import render, send_error
 from hangar.core.idempotency import MAX_KEY_LEN, IdempotencyStore, owner_of, request_hash
 
 MAX_BODY = 8 << 20
@@ -50,8 +50,7 @@ async def _reply(send: Send, status: int, body: bytes, content_type: str,
 
 
 async def _error(send: Send, status: int, code: str, message: str) -> None:
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    await _reply(send, status, body, "application/json")
+    await send_error(send, render(status, code, message))
 
 
 class IdempotencyMiddleware:

@@ -82,4 +82,4 @@ async def delete(user_id: str, mm: Machines) -> Response:
 async def exec_(user_id: str, body: ExecRequest, mm: Machines) -> ExecResponse:
     m = mm.get(user_id)
     return exec_response(await mm.sandboxes.exec(m.sandbox_id, _meta(body), _stdin(body),
-                                                 command=_shown(body)))
+                                                 shown=_shown(body)))

@@ -8,7 +8,7 @@ Flow::
                       PortProxy (outermost ASGI middleware of the app)
                           │ exposure? (hangar.core.ports) → 404
                           │ private: X-API-Key, or a token (?hangar_token= or cookie) → 401
-                          │ AgentClient.open_tunnel(port) (a sleeping sandbox is woken)
+                          │ SandboxManager.tunnel(id, port) (a sleeping sandbox is woken)
                           ▼
                       guest: 127.0.0.1:{port}, one TCP connection per request
 
@@ -49,7 +49,6 @@ port is an origin of its own. See docs/security.md.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import re
@@ -69,9 +68,11 @@ from websockets.uri import WebSocketURI
 
 from hangar.api.auth import authenticate
 from hangar.core.ports import Exposure
+from hangar.api.errors import render, render_error
+from hangar.core.commands import Tunnel
+from hangar.core.guestcalls import NoListener
 from hangar.core.sandboxes import SandboxManager
-from hangar.engines.agent_client import Tunnel
-from hangar.errors import HangarError, LimitExceeded, NotFound, Unauthorized
+from hangar.errors import HangarError, Unauthorized
 
 log = logging.getLogger("hangar.proxy")
 
@@ -217,38 +218,18 @@ def _token_cookie(token: str, expires: int, target: Target, scheme: str) -> tupl
                            f"SameSite=Lax{secure}".encode())
 
 
-def _error_body(status: int, code: str, message: str, **context: Any) -> tuple[int, list[tuple[
-        bytes, bytes]], bytes]:
-    body = json.dumps({"error": {"code": code, "message": message, **context}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if "retry_after" in context:
-        headers.append((b"retry-after", str(math.ceil(float(context["retry_after"]))).encode()))
-    return status, headers, body
-
-
-def _hangar_error(exc: HangarError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    ctx = {k: v for k, v in exc.context.items() if isinstance(v, (str, int, float, bool))}
-    if isinstance(exc, LimitExceeded):
-        ctx["retry_after"] = exc.retry_after
-    return _error_body(exc.status, exc.code, exc.message, **ctx)
-
-
 class Refused(Exception):
     """An answer of Hangar itself instead of the guest's (status, headers, body)."""
 
     def __init__(self, status: int, code: str, message: str, **context: Any) -> None:
         super().__init__(message)
-        self.answer = _error_body(status, code, message, **context)
+        self.answer = render(status, code, message, **context)
 
     @classmethod
     def of(cls, exc: HangarError) -> "Refused":
         r = cls(exc.status, exc.code, exc.message)
-        r.answer = _hangar_error(exc)
+        r.answer = render_error(exc)
         return r
-
-
-def _no_listener(exc: HangarError) -> bool:
-    return isinstance(exc, NotFound) and exc.context.get("guest_code") == "not_found"
 
 
 class PortProxy:
@@ -334,19 +315,11 @@ class _Exchange:
         t = self.target
         self.admit()
         try:
-            async with self.m.using(t.sandbox_id) as agent:
-                try:
-                    tunnel = await agent.open_tunnel(t.port)
-                except HangarError as exc:
-                    if _no_listener(exc):
-                        raise Refused(502, "bad_gateway", f"nothing listens on port {t.port} "
-                                      f"in sandbox {t.sandbox_id}", sandbox_id=t.sandbox_id,
-                                      port=t.port) from None
-                    raise
-                try:
-                    await use(tunnel)
-                finally:
-                    await tunnel.close()
+            async with self.m.tunnel(t.sandbox_id, t.port) as tunnel:
+                await use(tunnel)
+        except NoListener:
+            raise Refused(502, "bad_gateway", f"nothing listens on port {t.port} in sandbox "
+                          f"{t.sandbox_id}", sandbox_id=t.sandbox_id, port=t.port) from None
         except HangarError as exc:
             raise Refused.of(exc) from None
 

@@ -43,8 +43,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request, Response, WebSocket
 
 from hangar.api.deps import manager
-from hangar.api.tickets import TICKET_TTL_S, admit, deny, tickets
+from hangar.api.tickets import TICKET_TTL_S, admit, deny, deny_error, tickets
 from hangar.api.wspump import supervise
+from hangar.core.commands import Command
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.terminals import Terminal
 from hangar.errors import HangarError
@@ -74,17 +75,9 @@ def view(t: Terminal) -> PtySession:
              summary="Start a shell or a command on a pseudo-terminal; attach with a ticket")
 async def open_pty(sandbox_id: str, m: Manager, body: PtyRequest | None = None) -> PtySession:
     body = body or PtyRequest()
-    meta: dict[str, Any] = {"cols": body.cols, "rows": body.rows}
-    if body.command is not None:
-        if body.args is not None:
-            meta["argv"] = [body.command, *body.args]
-        else:
-            meta["shell"] = body.command
-    if body.env:
-        meta["env"] = body.env
-    if body.cwd:
-        meta["cwd"] = body.cwd
-    return view(await m.terminals.open(sandbox_id, meta, body.grace))
+    command = Command(body.command, body.args, env=body.env or None, cwd=body.cwd or None)
+    return view(await m.terminals.open(sandbox_id, command, cols=body.cols, rows=body.rows,
+                                       grace_s=body.grace))
 
 
 @router.get("/{sandbox_id}/pty", response_model=PtySessionList,
@@ -136,7 +129,7 @@ async def attach(ws: WebSocket, sandbox_id: str, session_id: str, ticket: str | 
     try:
         term = m.terminals.get(sandbox_id, session_id)
     except HangarError as e:
-        await deny(ws, e.status, e.code, e.message)
+        await deny_error(ws, e)
         return
     await ws.accept()
     viewer = term.attach(start)

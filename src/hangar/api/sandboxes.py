@@ -8,7 +8,7 @@ import dataclasses
 import json
 import shlex
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Response
 from fastapi.responses import StreamingResponse
@@ -21,8 +21,8 @@ from hangar.schemas import SandboxMemory
 from hangar.core.admission import CreateOptions
 from hangar.core.handover import Placement
 from hangar.core.sandboxes import SandboxManager
+from hangar.core.commands import Command, ExecResult, StreamCapture
 from hangar.core.views import sandbox_view
-from hangar.engines.agent_client import ExecResult, StreamCapture, exec_meta
 from hangar.errors import HangarError, InvalidRequest
 
 router = APIRouter(prefix="/sandboxes", tags=["sandboxes"])
@@ -93,10 +93,10 @@ def _shown(body: ExecRequest) -> str | None:
     return shlex.join([body.command, *body.args]) if body.args is not None else body.command
 
 
-def _meta(body: ExecRequest) -> dict[str, Any]:
-    argv = [body.command, *body.args] if body.args is not None else None
-    return exec_meta(body.command, argv=argv, env=body.env or None, cwd=body.cwd,
-                     timeout=body.timeout, head=body.max_output, tail=body.max_output // 4)
+def _meta(body: ExecRequest) -> Command:
+    """The command an exec request asks for (no ``cwd``: the guest's home, ``HOME``)."""
+    return Command(body.command, body.args, env=body.env or None, cwd=body.cwd,
+                   timeout_s=body.timeout, head=body.max_output, tail=body.max_output // 4)
 
 
 def _text(cap: StreamCapture) -> tuple[str, str, str | None]:
@@ -125,7 +125,7 @@ def exec_response(r: ExecResult) -> ExecResponse:
 @router.post("/{sandbox_id}/exec", response_model=ExecResponse, response_model_exclude_none=True,
              summary="Run a command and return its result")
 async def exec_(sandbox_id: str, body: ExecRequest, m: Manager) -> ExecResponse:
-    result = await m.exec(sandbox_id, _meta(body), _stdin(body), command=_shown(body))
+    result = await m.exec(sandbox_id, _meta(body), _stdin(body), shown=_shown(body))
     return exec_response(result)
 
 
@@ -142,7 +142,7 @@ async def exec_(sandbox_id: str, body: ExecRequest, m: Manager) -> ExecResponse:
     )}},
 )
 async def exec_stream(sandbox_id: str, body: ExecRequest, m: Manager) -> StreamingResponse:
-    events = m.exec_stream(sandbox_id, _meta(body), _stdin(body), command=_shown(body))
+    events = m.exec_stream(sandbox_id, _meta(body), _stdin(body), shown=_shown(body))
     # Pull the first event before answering, so a 404/409 is a real status code.
     first = await anext(events)
 

@@ -12,8 +12,7 @@ from hangar.api.sandboxes import view as sandbox_view
 from hangar.core.admission import CreateOptions
 from hangar.core.handover import Placement
 from hangar.core.sandboxes import SandboxManager
-from hangar.core.store import SnapshotRecord
-from hangar.images import image_id
+from hangar.core.store import SnapshotRecord, image_id
 
 router = APIRouter(tags=["snapshots"])
 Manager = Annotated[SandboxManager, Depends(manager)]

@@ -31,7 +31,8 @@ from typing import Any
 
 from fastapi import FastAPI, WebSocket
 
-from hangar.api.errors import error_response
+from hangar.api.errors import context_of, error_response
+from hangar.errors import HangarError
 
 TICKET_TTL_S = 30.0
 """Seconds a ticket stays valid."""
@@ -96,15 +97,18 @@ def allowed_origins(ws: WebSocket) -> set[str]:
     return {o.lower() for o in own | extra if o}
 
 
-async def deny(ws: WebSocket, status: int, code: str, message: str,
-               retry_after: Any = None) -> None:
-    """Refuse an upgrade with an HTTP status and Hangar's JSON error body (and
-    ``Retry-After`` when ``retry_after`` seconds are given)."""
+async def deny(ws: WebSocket, status: int, code: str, message: str, **context: Any) -> None:
+    """Refuse an upgrade with an HTTP status and Hangar's JSON error body (``context``
+    in it; ``Retry-After`` when it has ``retry_after`` seconds)."""
     if "websocket.http.response" in ws.scope.get("extensions", {}):
-        extra = {} if retry_after is None else {"retry_after": retry_after}
-        await ws.send_denial_response(error_response(status, code, message, **extra))
+        await ws.send_denial_response(error_response(status, code, message, **context))
     else:  # the server cannot send a body: a close before accept is a 403
         await ws.close(code=1008, reason=message[:120])
+
+
+async def deny_error(ws: WebSocket, exc: HangarError) -> None:
+    """Refuse an upgrade with a ``HangarError``'s answer, as a route would give it."""
+    await deny(ws, exc.status, exc.code, exc.message, **context_of(exc))
 
 
 async def admit(ws: WebSocket, sandbox_id: str, scope: str, token: str | None,

@@ -3,7 +3,7 @@
 Flow::
 
     client ══WebSocket /sandboxes/{id}/tunnel/{port} (X-API-Key)══► this module
-               binary frames both ways                                 │ AgentClient.open_tunnel
+               binary frames both ways                                 │ SandboxManager.tunnel
                                                                        ▼
                                                   guest: 127.0.0.1:{port}
 
@@ -35,10 +35,11 @@ from contextlib import AsyncExitStack
 from fastapi import APIRouter, WebSocket
 
 from hangar.api.auth import authenticate
-from hangar.api.tickets import deny
+from hangar.api.tickets import deny, deny_error
 from hangar.api.wspump import Traffic, pump_stream
+from hangar.core.guestcalls import NoListener
 from hangar.core.sandboxes import SandboxManager
-from hangar.errors import HangarError, NotFound
+from hangar.errors import HangarError
 
 log = logging.getLogger("hangar.tunnel")
 
@@ -52,7 +53,7 @@ async def tunnel(ws: WebSocket, sandbox_id: str, port: int) -> None:
         authenticate(ws.app.state, ws.headers.get("x-api-key"),
                      ws.client.host if ws.client else "unknown")
     except HangarError as e:
-        await deny(ws, e.status, e.code, e.message)
+        await deny_error(ws, e)
         return
     if not 0 < port < 65536:
         await deny(ws, 400, "invalid_request", f"port {port} is outside 1..65535")
@@ -60,22 +61,16 @@ async def tunnel(ws: WebSocket, sandbox_id: str, port: int) -> None:
     m: SandboxManager = ws.app.state.manager
     stack = AsyncExitStack()
     try:
-        agent = await stack.enter_async_context(m.using(sandbox_id))
-        conn = await agent.open_tunnel(port)
+        conn = await stack.enter_async_context(m.tunnel(sandbox_id, port))
+    except NoListener:
+        await deny(ws, 503, "unavailable", f"nothing listens on port {port} in sandbox "
+                                           f"{sandbox_id}; retry when it does")
+        return
     except HangarError as e:
-        await stack.aclose()
-        if isinstance(e, NotFound) and e.context.get("guest_code") == "not_found":
-            await deny(ws, 503, "unavailable", f"nothing listens on port {port} in sandbox "
-                                               f"{sandbox_id}; retry when it does")
-        else:
-            await deny(ws, e.status, e.code, e.message, e.context.get("retry_after"))
+        await deny_error(ws, e)
         return
     async with stack:
-        try:
-            await ws.accept()
-        except BaseException:
-            await conn.close()
-            raise
+        await ws.accept()
         log.info("tunnel opened", extra={"sandbox_id": sandbox_id, "port": port})
         traffic = Traffic()
         try:

@@ -4,7 +4,7 @@ Flow::
 
     browser ──POST /sandboxes/{id}/vnc/tickets (X-API-Key)──► {"ticket": ...}
     browser ══WebSocket /sandboxes/{id}/vnc?ticket=...═══════► this module
-                 binary frames, subprotocol "binary"               │ AgentClient.open_tunnel(5900)
+                 binary frames, subprotocol "binary"               │ Desktop.vnc (a tunnel to 5900)
                                                                    ▼
                                                  guest: x11vnc on 127.0.0.1:5900
 
@@ -39,19 +39,20 @@ from fastapi import APIRouter, Depends, Request, WebSocket
 from pydantic import ConfigDict, Field
 
 from hangar.api.deps import manager
-from hangar.api.desktop import desktop_for
 from hangar.api.models import RequestBody
 from hangar.api.tickets import (  # noqa: F401  (re-exported: vnc.TicketBook, vnc.deny)
-    ORIGINS_ENV, TICKET_TTL_S, Ticket, TicketBook, admit, allowed_origins, deny, tickets,
+    ORIGINS_ENV, TICKET_TTL_S, Ticket, TicketBook, admit, allowed_origins, deny, deny_error,
+    tickets,
 )
 from hangar.api.wspump import ByteStream, Refuse, pump_stream
+from hangar.core.desktop import VNC_PORT  # noqa: F401  (re-exported)
+from hangar.core.guestcalls import NoListener
 from hangar.core.sandboxes import SandboxManager
-from hangar.errors import HangarError, NotFound
+from hangar.errors import HangarError
 from hangar.schemas import VncTicket as TicketResponse
 
 log = logging.getLogger("hangar.vnc")
 
-VNC_PORT = 5900
 VNC_READY_TIMEOUT_S = 60.0
 """Seconds an upgrade waits for x11vnc in a freshly booted sandbox."""
 
@@ -73,7 +74,7 @@ class TicketRequest(RequestBody):
 async def create_ticket(sandbox_id: str, request: Request,
                         m: Annotated[SandboxManager, Depends(manager)],
                         body: TicketRequest | None = None) -> TicketResponse:
-    desktop_for(request.app, m).screen(sandbox_id)  # 404 / 409 now rather than at the upgrade
+    m.desktop.screen(sandbox_id)  # 404 / 409 now rather than at the upgrade
     body = body or TicketRequest()
     token, t = tickets(request.app).issue(sandbox_id, body.view_only)
     return TicketResponse(ticket=token, view_only=t.view_only, expires_at=t.expires_at,
@@ -222,26 +223,20 @@ async def vnc(ws: WebSocket, sandbox_id: str, ticket: str | None = None) -> None
     m: SandboxManager = ws.app.state.manager
     stack = AsyncExitStack()
     try:
-        await desktop_for(ws.app, m).wait_ready(sandbox_id, VNC_READY_TIMEOUT_S, vnc=True)
         # Held while the viewer is connected: the sandbox counts as busy, so it is
         # neither put to sleep nor snapshotted under a live viewer.
-        agent = await stack.enter_async_context(m.using(sandbox_id))
-        tunnel = await agent.open_tunnel(VNC_PORT)
+        tunnel = await stack.enter_async_context(m.desktop.vnc(sandbox_id,
+                                                               VNC_READY_TIMEOUT_S))
+    except NoListener:
+        await deny(ws, 503, "unavailable", "the guest's VNC server is not listening; "
+                                           "retry in a few seconds")
+        return
     except HangarError as e:
-        await stack.aclose()
-        if isinstance(e, NotFound) and e.context.get("guest_code") == "not_found":
-            await deny(ws, 503, "unavailable", "the guest's VNC server is not listening; "
-                                               "retry in a few seconds")
-        else:
-            await deny(ws, e.status, e.code, e.message, e.context.get("retry_after"))
+        await deny_error(ws, e)
         return
     async with stack:
         subprotocol = "binary" if "binary" in ws.scope.get("subprotocols", []) else None
-        try:
-            await ws.accept(subprotocol=subprotocol)
-        except BaseException:
-            await tunnel.close()
-            raise
+        await ws.accept(subprotocol=subprotocol)
         log.info("vnc viewer connected",
                  extra={"sandbox_id": sandbox_id, "view_only": t.view_only})
         await _proxy(ws, tunnel, RfbClientFilter(t.view_only), sandbox_id)

@@ -9,7 +9,7 @@ fails with anything but a dropped connection (``WebSocketDisconnect``,
 WebSocket closes with 1011.
 
 ``pump_stream`` is the pump for a byte stream in the guest
-(``AgentClient.open_tunnel``): binary frames both ways, text frames refused
+(``SandboxManager.tunnel``): binary frames both ways, text frames refused
 (close 1003). Used by ``hangar.api.tunnel`` and ``hangar.api.vnc``;
 ``hangar.api.pty`` brings its own halves to ``supervise``.
 """
@@ -32,7 +32,7 @@ DROPPED = (WebSocketDisconnect, HangarError, ConnectionError, RuntimeError)
 
 
 class ByteStream(Protocol):
-    """The far side of ``pump_stream`` (``hangar.engines.agent_client.Tunnel``)."""
+    """The far side of ``pump_stream`` (``hangar.core.commands.Tunnel``)."""
 
     async def read(self) -> bytes:
         """Next bytes; ``b""`` once the far side has closed."""

@@ -1,4 +1,4 @@
-"""``hangar serve``: the REST API on this host (``hangar.api.app``, run by uvicorn).
+"""``hangar serve``: the REST API on this host (built by ``hangar.server``, run by uvicorn).
 
 Also what ``hangar node join`` (``hangar.cli.cluster``) runs, once it has
 put the node's settings in the environment.
@@ -30,9 +30,9 @@ def serve(
     import uvicorn
 
     from hangar import log
-    from hangar.api.app import create_app
     from hangar.api.limits import WS_MAX_BYTES
     from hangar.layout import Layout
+    from hangar.server import create_app
 
     log.setup(settings.log_level)
     layout = Layout(settings.data_dir)

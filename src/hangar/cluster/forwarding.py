@@ -26,6 +26,7 @@ import httpx
 from hangar.cluster.records import NodeInfo
 from hangar.cluster.wsproxy import relay
 from hangar.core.handover import PLACEMENT_SCOPE, Placement
+from hangar.error_body import render_error
 from hangar.errors import HangarError, Unavailable
 
 H_LOCAL = "x-hangar-local"
@@ -41,17 +42,9 @@ Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 
 
 def error_answer(exc: HangarError) -> Answer:
-    """The JSON error body of ``exc`` as the API renders it, with ``Retry-After`` (whole
-    seconds, rounded up) when the error carries a ``retry_after``."""
-    ctx: dict[str, Any] = {k: v for k, v in exc.context.items()
-                           if isinstance(v, (str, int, float, bool))}
-    if hasattr(exc, "retry_after"):
-        ctx["retry_after"] = exc.retry_after  # type: ignore[attr-defined]
-    body = json.dumps({"error": {"code": exc.code, "message": exc.message, **ctx}}).encode()
-    headers = [(b"content-type", b"application/json")]
-    if "retry_after" in ctx:
-        headers.append((b"retry-after", str(int(float(ctx["retry_after"]) + 0.999)).encode()))
-    return exc.status, headers, body
+    """The error answer of ``exc`` exactly as the API renders it (``hangar.error_body``:
+    JSON body, ``Retry-After`` in whole seconds rounded up, at least 1)."""
+    return render_error(exc)
 
 
 def json_answer(status: int, body: Any) -> Answer:

@@ -20,6 +20,8 @@ from typing import Any
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
+from hangar.error_body import render
+
 log = logging.getLogger("hangar.cluster.ws")
 
 SKIP = {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
@@ -48,12 +50,12 @@ async def relay(scope: dict[str, Any], receive: Any, send: Any, url: str,
         await send({"type": "websocket.http.response.body", "body": resp.body or b""})
         return
     except (OSError, WebSocketException, asyncio.TimeoutError) as exc:
-        body = (b'{"error": {"code": "unavailable", "message": "the owner node did not '
-                b'answer; retry"}}')
         log.warning("WebSocket relay could not connect", extra={"url": url.split("?")[0],
                                                                 "error": repr(exc)})
-        await send({"type": "websocket.http.response.start", "status": 503,
-                    "headers": [(b"content-type", b"application/json"), (b"retry-after", b"2")]})
+        status, headers, body = render(503, "unavailable", "the owner node did not answer; "
+                                       "retry", retry_after=2)
+        await send({"type": "websocket.http.response.start", "status": status,
+                    "headers": headers})
         await send({"type": "websocket.http.response.body", "body": body})
         return
     await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})

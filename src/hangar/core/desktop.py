@@ -52,14 +52,18 @@ import json
 import re
 import struct
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal
 
 from hangar.core.sandboxes import SandboxManager
-from hangar.engines.agent_client import ExecResult, exec_meta
+from hangar.engines.agent_client import ExecResult, Tunnel, exec_meta
 from hangar.errors import Conflict, GuestError, HangarError, InvalidRequest, NotFound, Timeout
 from hangar.guest import paths
 
+VNC_PORT = 5900
+"""x11vnc's port on the guest's loopback."""
 READY_FILE = paths.DESKTOP_READY
 ERROR_FILE = paths.DESKTOP_ERROR
 DISPLAY = ":0"
@@ -287,6 +291,19 @@ class Desktop:
                 raise Timeout(f"{what} of sandbox {sandbox_id} was not ready within "
                               f"{timeout_s:.0f} s", sandbox_id=sandbox_id)
             await asyncio.sleep(POLL_S)
+
+    @asynccontextmanager
+    async def vnc(self, sandbox_id: str, timeout_s: float | None = None,
+                  ) -> AsyncIterator[Tunnel]:
+        """A connection to the guest's VNC server (x11vnc, ``VNC_PORT`` on its loopback),
+        open while the context lasts; the sandbox is busy meanwhile. Waits first (at
+        most ``timeout_s`` seconds) until the desktop and x11vnc are up.
+
+        Raises as ``wait_ready``, and NoListener when x11vnc does not listen.
+        """
+        await self.wait_ready(sandbox_id, timeout_s, vnc=True)
+        async with self.manager.tunnel(sandbox_id, VNC_PORT) as conn:
+            yield conn
 
     async def _ensure_ready(self, sandbox_id: str) -> None:
         agent = await self.manager.agent(sandbox_id)

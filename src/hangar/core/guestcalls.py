@@ -53,12 +53,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from hangar.core.admission import ExecSlots
+from hangar.core.commands import HOME, Command, FileEntry, FileEvent, FileList, WriteResult
 from hangar.core.context import Context
 from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
 from hangar.core.sleep import Sleeper
-from hangar.errors import Busy, Conflict, GuestError, HangarError, NotFound, Timeout
-from hangar.engines.agent_client import AgentClient, Deadlines, ExecEvent, ExecResult
+from hangar.errors import Busy, Conflict, HangarError, InvalidRequest, NotFound, Timeout
+from hangar.engines.agent_client import AgentClient, Deadlines, ExecEvent, ExecResult, Tunnel
 
 log = logging.getLogger("hangar.sandboxes")
 
@@ -78,6 +79,18 @@ PROBE_S = 5.0
 its ``Retry-After``."""
 BUSY_RETRY_S = 1.0
 """``Retry-After`` of a 409 ``busy`` while a lifecycle change runs, seconds."""
+
+
+def _file_event(raw: dict[str, Any]) -> FileEvent | None:
+    try:
+        return FileEvent.model_validate(raw)
+    except ValueError:
+        return None
+
+
+class NoListener(NotFound):
+    """Nothing listens on the guest port a tunnel was asked for (404 unless the route
+    says otherwise: the WebSocket tunnel answers 503, the port proxy 502)."""
 
 
 class GuestCalls:
@@ -217,16 +230,23 @@ class GuestCalls:
                          **({} if result is not None else {"error": True}))
         return took
 
-    async def exec(self, sandbox_id: str, meta: dict[str, Any], stdin: bytes | None = None,
-                   command: str | None = None) -> ExecResult:
-        """Run a command to completion (``meta`` from ``engines.agent_client.exec_meta``).
+    async def exec(self, sandbox_id: str, cmd: Command | dict[str, Any],
+                   stdin: bytes | None = None, shown: str | None = None) -> ExecResult:
+        """Run a command to completion and return its result (exit code or signal,
+        ``timed_out``, the head and tail of each output stream).
 
-        ``command`` is the text events may show (only when the caller opted in).
+        ``cmd`` is a ``Command`` (or, inside the core, the guest's exec request);
+        ``stdin`` its whole input; ``shown`` the text events may show (only when
+        the caller opted in). Raises LimitExceeded (too many commands in the
+        sandbox), InvalidRequest (a command that cannot start), Timeout (the
+        guest did not answer within the command's timeout plus 10 s) and the
+        errors of ``using``.
         """
+        meta = cmd.exec_meta() if isinstance(cmd, Command) else cmd
         result: ExecResult | None = None
         with self.execs.take(sandbox_id):
             async with self.using(sandbox_id) as agent:
-                exec_id, started = self._started(sandbox_id, command)
+                exec_id, started = self._started(sandbox_id, shown)
                 try:
                     result = await agent.exec(meta, stdin)
                 finally:
@@ -235,14 +255,17 @@ class GuestCalls:
                                 "exit_code": result.exit_code, "timed_out": result.timed_out})
         return result
 
-    async def exec_stream(self, sandbox_id: str, meta: dict[str, Any],
+    async def exec_stream(self, sandbox_id: str, cmd: Command | dict[str, Any],
                           stdin: bytes | None = None,
-                          command: str | None = None) -> AsyncIterator[ExecEvent]:
-        """Run a command, yielding output events then an ``exit`` event."""
+                          shown: str | None = None) -> AsyncIterator[ExecEvent]:
+        """Run a command, yielding ``stdout``/``stderr`` events as the output comes (at
+        the pace the caller takes them), then one ``exit`` event with the result.
+        Raises as ``exec`` (a failure midway raises from the iterator)."""
+        meta = cmd.exec_meta() if isinstance(cmd, Command) else cmd
         result: ExecResult | None = None
         with self.execs.take(sandbox_id):
             async with self.using(sandbox_id) as agent:
-                exec_id, started = self._started(sandbox_id, command)
+                exec_id, started = self._started(sandbox_id, shown)
                 try:
                     async for ev in agent.exec_stream({**meta, "stream": True}, stdin):
                         if ev.kind == "exit":
@@ -252,28 +275,77 @@ class GuestCalls:
                     self._finished(sandbox_id, exec_id, started, result)
 
     async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """A file's bytes, in chunks as the guest sends them (relative paths start at
+        ``HOME``). Raises NotFound, InvalidRequest (a folder, a bad path) and the
+        errors of ``using``."""
         async with self.using(sandbox_id) as agent:
             async for chunk in agent.read_file(path):
                 yield chunk
 
     async def write_file(self, sandbox_id: str, path: str,
                          chunks: Iterable[bytes] | AsyncIterator[bytes],
-                         mode: int = 0o644) -> dict[str, Any]:
+                         mode: int = 0o644) -> WriteResult:
+        """Write a file from ``chunks`` (atomically: temp file, fsync, rename; parent
+        folders made), permission bits ``mode``. Returns its absolute path and the bytes
+        written. Relative paths start at ``HOME``."""
         async with self.using(sandbox_id) as agent:
-            return await agent.write_file(path, chunks, mode)
+            return WriteResult.model_validate(await agent.write_file(path, chunks, mode))
 
-    async def file_op(self, sandbox_id: str, op: str, **meta: Any) -> dict[str, Any]:
-        """``list_dir``, ``stat``, ``mkdir`` or ``remove`` in the guest."""
-        if op not in ("list_dir", "stat", "mkdir", "remove"):
-            raise GuestError(f"unknown file operation {op}")
+    async def list_dir(self, sandbox_id: str, path: str = HOME) -> FileList:
+        """A folder's absolute ``path`` and its ``entries`` (``FileEntry``), sorted by
+        name. Relative paths start at ``HOME``. Raises NotFound, InvalidRequest (not a
+        folder, a bad path)."""
         async with self.using(sandbox_id) as agent:
-            return await agent.call(op, **meta)
+            return FileList.model_validate(await agent.call("list_dir", path=path))
+
+    async def stat(self, sandbox_id: str, path: str) -> FileEntry:
+        """One file's entry (a symlink's own, not its target's). Raises NotFound."""
+        async with self.using(sandbox_id) as agent:
+            return FileEntry.model_validate(await agent.call("stat", path=path))
+
+    async def mkdir(self, sandbox_id: str, path: str, parents: bool = True) -> FileEntry:
+        """Make a folder (with ``parents``, its missing parents too; an existing folder is
+        fine) and return its entry. Raises NotFound (no parent), Conflict (a file is there)."""
+        async with self.using(sandbox_id) as agent:
+            return FileEntry.model_validate(
+                await agent.call("mkdir", path=path, parents=parents))
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        """Remove a file, or a folder (empty, or with ``recursive`` everything in it).
+        Raises NotFound, InvalidRequest (``/``), Conflict (a folder not empty)."""
+        async with self.using(sandbox_id) as agent:
+            await agent.call("remove", path=path, recursive=recursive)
+
+    @asynccontextmanager
+    async def tunnel(self, sandbox_id: str, port: int) -> AsyncIterator[Tunnel]:
+        """A TCP connection to ``127.0.0.1:port`` in the guest, open while the context
+        lasts (closed on leaving); the sandbox is busy meanwhile. ``Tunnel.read`` gives
+        bytes (``b""`` at the end), ``Tunnel.write`` sends them.
+
+        Raises InvalidRequest (a port outside 1..65535), NoListener (nothing listens
+        on that port), and the errors of ``using``.
+        """
+        if not 0 < port < 65536:
+            raise InvalidRequest(f"port {port} is outside 1..65535", port=port)
+        async with self.using(sandbox_id) as agent:
+            try:
+                conn = await agent.open_tunnel(port)
+            except NotFound as exc:
+                if exc.context.get("guest_code") == "not_found":
+                    raise NoListener(f"nothing listens on port {port} in sandbox {sandbox_id}",
+                                     sandbox_id=sandbox_id, port=port) from None
+                raise
+            try:
+                yield conn
+            finally:
+                await conn.close()
 
     async def watch(self, sandbox_id: str, path: str,
-                    recursive: bool = False) -> AsyncIterator[list[dict[str, Any]]]:
+                    recursive: bool = False) -> AsyncIterator[list[FileEvent]]:
         """Watch ``path`` in the guest: first an empty batch once the watch is in place, then
-        batches of events (``hangar.guest.watch``) until the caller closes the iterator or
-        the path goes away. The sandbox is busy meanwhile.
+        batches of ``FileEvent`` until the caller closes the iterator or the path goes
+        away (an event the guest sent malformed is dropped). The sandbox is busy
+        meanwhile.
 
         Raises NotFound (no such path), InvalidRequest (too many folders), and the
         errors of ``using``.
@@ -283,12 +355,12 @@ class GuestCalls:
             try:
                 yield []
                 while (batch := await w.next()) is not None:
-                    yield batch
+                    yield [e for e in map(_file_event, batch) if e is not None]
             finally:
                 await w.close()
 
     async def agent(self, sandbox_id: str) -> AgentClient:
-        """The agent of a running sandbox (for long-lived uses such as tunnels)."""
+        """The agent of a running sandbox, for the core's own use (its hello, boot id)."""
         async with self.using(sandbox_id) as agent:
             return agent
 

@@ -23,7 +23,6 @@ or ended. Pool VMs do not outlive the server: a restarted server ends them.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Mapping
@@ -36,6 +35,7 @@ from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
 from hangar.core.publish import POOL_MARK
 from hangar.core.store import SandboxRecord
+from hangar.core.tasks import Tasks
 from hangar.engines.snapshot_io import refresh_guest
 from hangar.errors import Conflict, EngineError, HangarError, NotFound
 from hangar.images import GuestImage, resolve_image
@@ -74,7 +74,7 @@ class WarmPool:
         self.targets = dict(targets)
         self.max_age_s = max_age_s
         self._ready: dict[str, float] = {}  # sandbox id -> when it was ready (Unix s)
-        self._refill: asyncio.Task[None] | None = None
+        self._tasks = Tasks("pool")
         self._failures = 0
         self._paused_until = 0.0
 
@@ -148,8 +148,8 @@ class WarmPool:
 
     def kick(self) -> None:
         """Start a background refill if one is not running."""
-        if self.size > 0 and (self._refill is None or self._refill.done()):
-            self._refill = asyncio.create_task(self._fill())
+        if self.size > 0:
+            self._tasks.start("refill", self._fill())
 
     def _wanted(self) -> str | None:
         have: dict[str, int] = {}
@@ -231,11 +231,6 @@ class WarmPool:
     async def close(self) -> None:
         """Stop refilling and end the pooled VMs: unlike users' sandboxes they
         do not outlive the server."""
-        if self._refill is not None:
-            self._refill.cancel()
-            try:
-                await self._refill
-            except (asyncio.CancelledError, Exception):
-                pass
+        await self._tasks.stop()
         for rec in self.pooled():
             await self._end(rec.id)

@@ -29,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from hangar.core import e2b
 from hangar.core.context import Context
@@ -39,6 +40,7 @@ from hangar.core.removal import Removal
 from hangar.core.sleep import Sleeper
 from hangar.core.snapshots import Snapshots
 from hangar.core.store import SandboxRecord
+from hangar.core.tasks import Tasks
 from hangar.errors import HangarError, ImageMissing
 
 log = logging.getLogger("hangar.reconcile")
@@ -50,7 +52,7 @@ BACKOFF_S = (2.0, 300.0)
 SLOW = frozenset({"sleep", "wake", "restore", "complete"})
 EXPIRABLE = frozenset({State.RUNNING, State.UNRESPONSIVE, State.SLEEPING})
 
-Pass = Callable[[], Awaitable[None]]
+Pass = Callable[[], Coroutine[Any, Any, None]]
 
 
 class Reconciler:
@@ -66,20 +68,20 @@ class Reconciler:
         self.pool = pool
         self.interval_s = interval_s
         self._slow = asyncio.Semaphore(max(1, concurrency))
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._work_tasks = Tasks("reconcile")
+        """One task per sandbox with work under way, named by its id."""
+        self._background = Tasks("reconcile")
+        """The loop and the passes."""
         self._passes: dict[str, Pass] = {}
-        self._pass_tasks: dict[str, asyncio.Task[None]] = {}
         self._failures: dict[str, int] = {}
         self._retry_at: dict[str, float] = {}
-        self._loop: asyncio.Task[None] | None = None
 
     def add_pass(self, name: str, fn: Pass) -> None:
         """Run ``fn`` from every tick as its own task (never two at once)."""
         self._passes[name] = fn
 
     def start(self) -> None:
-        if self._loop is None:
-            self._loop = asyncio.create_task(self._run())
+        self._background.start("loop", self._run())
 
     async def _run(self) -> None:
         while True:
@@ -91,22 +93,21 @@ class Reconciler:
 
     def busy_ids(self) -> set[str]:
         """Sandboxes with a reconcile task under way."""
-        return set(self._tasks)
+        return self._work_tasks.names()
 
     def tick(self) -> None:
         """One pass: plan every live sandbox and start the tasks it needs. Never waits."""
         now = time.time()
         live = self.ctx.store.live()
         for rec in live:
-            if rec.id in self._tasks:
+            if self._work_tasks.running(rec.id):
                 continue
             action = self.plan(rec, now)
             if action is None:
                 continue
             if action in SLOW and self._retry_at.get(rec.id, 0.0) > now:
                 continue
-            self._tasks[rec.id] = asyncio.create_task(self._work(rec.id, action),
-                                                      name=f"reconcile {action} {rec.id}")
+            self._work_tasks.start(rec.id, self._work(rec.id, action))
         ids = {r.id for r in live}
         for table in (self._failures, self._retry_at):
             for sid in [s for s in table if s not in ids]:
@@ -115,9 +116,8 @@ class Reconciler:
         if self.pool is not None:
             passes["pool"] = self.pool.maintain
         for name, fn in passes.items():
-            t = self._pass_tasks.get(name)
-            if t is None or t.done():
-                self._pass_tasks[name] = asyncio.create_task(self._pass(name, fn))
+            if not self._background.running(f"pass {name}"):
+                self._background.start(f"pass {name}", fn())
 
     def plan(self, rec: SandboxRecord, now: float) -> str | None:
         """What ``rec`` needs now, or None (see the module docstring)."""
@@ -176,8 +176,6 @@ class Reconciler:
             log.warning("reconcile step failed", extra={
                 "sandbox_id": sid, "action": action, "error": msg, "attempt": n,
                 "retry_in_s": wait})
-        finally:
-            self._tasks.pop(sid, None)
 
     async def _quick_step(self, sid: str, action: str) -> None:
         """Expiry and crash handling, under the sandbox's lock, re-checked there."""
@@ -208,20 +206,7 @@ class Reconciler:
             async with self.ctx.registry.lock(sid):
                 await self.removal.complete(sid)
 
-    async def _pass(self, name: str, fn: Pass) -> None:
-        try:
-            await fn()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("reconcile pass failed", extra={"pass": name})
-
     async def close(self) -> None:
         """Stop the loop and its tasks (each cleans up after itself)."""
-        tasks = [t for t in (self._loop, *self._tasks.values(), *self._pass_tasks.values())
-                 if t is not None]
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=30)
-        self._loop = None
+        await self._background.stop()
+        await self._work_tasks.stop()

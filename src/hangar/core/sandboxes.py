@@ -15,6 +15,8 @@ module of ``hangar.core`` with a public surface the others use:
 ``snapshots``      take, restore in place, fork, list, remove
 ``sleep``          sleep and wake
 ``guestcalls``     exec, files, tunnels, file watches (wake a sleeping sandbox first)
+``commands``       the typed surface of guest calls: Command, ExecResult, FileEntry, HOME
+``desktop``        computer use and the VNC connection (``SandboxManager.desktop``)
 ``terminals``      terminal sessions (pty) that outlive their viewers
 ``ports``          exposed guest ports and their signed URL tokens
 ``reconcile``      the loop that moves current states toward desired ones
@@ -27,6 +29,7 @@ module of ``hangar.core`` with a public surface the others use:
 ``hooks``          a cluster node's part in wakes, saved snapshots and forks (no-ops alone)
 ``handover``       a cluster's placed creates, adopted sandboxes, sandboxes given up
 ``views``          records as the API shows them
+``tasks``          background tasks: started by name, crashes logged, stopped on close
 =================  ==============================================================
 
 Rules:
@@ -47,11 +50,12 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
-from typing import Any
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
 from hangar.config import Settings
 from hangar.core.admission import Admission, CreateOptions, new_id
+from hangar.core.commands import HOME, Command, FileEntry, FileEvent, FileList, WriteResult
 from hangar.core.context import Context
 from hangar.core.creation import Creation
 from hangar.core.events import EventBus
@@ -74,9 +78,12 @@ from hangar.core.store import SandboxRecord, SnapshotRecord, Store
 from hangar.core.terminals import Terminals
 from hangar.engines.base import Engine
 from hangar.errors import Conflict
-from hangar.engines.agent_client import AgentClient, ExecEvent, ExecResult
+from hangar.engines.agent_client import AgentClient, ExecEvent, ExecResult, Tunnel
 from hangar.layout import Layout
 from hangar.metrics import Capacity, Metrics
+
+if TYPE_CHECKING:
+    from hangar.core.desktop import Desktop
 
 log = logging.getLogger("hangar.sandboxes")
 
@@ -118,6 +125,7 @@ class SandboxManager:
         self.reconciler.add_pass("unresponsive", self.calls.probe_unresponsive)
         self.recovery = Recovery(ctx, self.launcher, self.removal)
         self.handover = Handover(ctx, self.launcher, self.removal)
+        self._desktop: Desktop | None = None
         metrics.watch_states(self.state_counts)
         metrics.watch_capacity(self.capacity)
 
@@ -253,36 +261,71 @@ class SandboxManager:
         return self.sleeper.want(sandbox_id, state)
 
     # -- guest calls ------------------------------------------------------------------
+    # Typed operations in a sandbox's guest (``hangar.core.commands``: Command, FileEntry,
+    # HOME...); each wakes a sleeping sandbox first and holds it busy while it runs. See
+    # ``GuestCalls`` for the errors each raises.
 
     @asynccontextmanager
     async def using(self, sandbox_id: str) -> AsyncIterator[AgentClient]:
-        """See ``GuestCalls.using``."""
+        """The core's own access to a sandbox's agent; see ``GuestCalls.using``."""
         async with self.calls.using(sandbox_id) as agent:
             yield agent
 
-    async def exec(self, sandbox_id: str, meta: dict[str, Any], stdin: bytes | None = None,
-                   command: str | None = None) -> ExecResult:
-        return await self.calls.exec(sandbox_id, meta, stdin, command)
+    async def exec(self, sandbox_id: str, cmd: Command | dict[str, Any],
+                   stdin: bytes | None = None, shown: str | None = None) -> ExecResult:
+        """See ``GuestCalls.exec``."""
+        return await self.calls.exec(sandbox_id, cmd, stdin, shown)
 
-    def exec_stream(self, sandbox_id: str, meta: dict[str, Any], stdin: bytes | None = None,
-                    command: str | None = None) -> AsyncIterator[ExecEvent]:
-        return self.calls.exec_stream(sandbox_id, meta, stdin, command)
+    def exec_stream(self, sandbox_id: str, cmd: Command | dict[str, Any],
+                    stdin: bytes | None = None, shown: str | None = None,
+                    ) -> AsyncIterator[ExecEvent]:
+        """See ``GuestCalls.exec_stream``."""
+        return self.calls.exec_stream(sandbox_id, cmd, stdin, shown)
 
     def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """See ``GuestCalls.read_file``."""
         return self.calls.read_file(sandbox_id, path)
 
     async def write_file(self, sandbox_id: str, path: str,
                          chunks: Iterable[bytes] | AsyncIterator[bytes],
-                         mode: int = 0o644) -> dict[str, Any]:
+                         mode: int = 0o644) -> WriteResult:
+        """See ``GuestCalls.write_file``."""
         return await self.calls.write_file(sandbox_id, path, chunks, mode)
 
-    async def file_op(self, sandbox_id: str, op: str, **meta: Any) -> dict[str, Any]:
-        return await self.calls.file_op(sandbox_id, op, **meta)
+    async def list_dir(self, sandbox_id: str, path: str = HOME) -> FileList:
+        """See ``GuestCalls.list_dir``."""
+        return await self.calls.list_dir(sandbox_id, path)
+
+    async def stat(self, sandbox_id: str, path: str) -> FileEntry:
+        """See ``GuestCalls.stat``."""
+        return await self.calls.stat(sandbox_id, path)
+
+    async def mkdir(self, sandbox_id: str, path: str, parents: bool = True) -> FileEntry:
+        """See ``GuestCalls.mkdir``."""
+        return await self.calls.mkdir(sandbox_id, path, parents)
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        """See ``GuestCalls.remove``."""
+        await self.calls.remove(sandbox_id, path, recursive)
+
+    def tunnel(self, sandbox_id: str, port: int) -> AbstractAsyncContextManager[Tunnel]:
+        """See ``GuestCalls.tunnel``: ``async with m.tunnel(id, port) as conn: ...``."""
+        return self.calls.tunnel(sandbox_id, port)
 
     async def agent(self, sandbox_id: str) -> AgentClient:
+        """See ``GuestCalls.agent``."""
         return await self.calls.agent(sandbox_id)
 
     def watch(self, sandbox_id: str, path: str,
-              recursive: bool = False) -> AsyncIterator[list[dict[str, Any]]]:
+              recursive: bool = False) -> AsyncIterator[list[FileEvent]]:
         """See ``GuestCalls.watch``."""
         return self.calls.watch(sandbox_id, path, recursive)
+
+    @property
+    def desktop(self) -> Desktop:
+        """Computer use on this manager's desktop sandboxes (``hangar.core.desktop``)."""
+        if self._desktop is None:
+            from hangar.core.desktop import Desktop
+
+            self._desktop = Desktop(self)
+        return self._desktop

@@ -32,6 +32,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from hangar.core.lifecycle import DESIRED, LIVE, VMM_STATES, State, check, check_desired
 from hangar.errors import Conflict, NotFound
+from hangar.images import image_id  # noqa: F401  (re-exported: a record's build id)
 
 log = logging.getLogger("hangar.store")
 

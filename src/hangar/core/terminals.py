@@ -46,6 +46,8 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+from hangar.core.commands import Command
+from hangar.core.tasks import Tasks
 from hangar.engines.agent_client import AgentClient, PtyChannel, PtyExit
 from hangar.errors import HangarError, LimitExceeded, NotFound
 
@@ -189,7 +191,8 @@ class Terminals:
         self._using = using
         self._publish = publish
         self._sessions: dict[str, Terminal] = {}
-        self._sweeper: asyncio.Task[None] | None = None
+        self._tasks = Tasks("terminals")
+        """Each session's task (named by the session id) and the sweeper."""
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -207,15 +210,18 @@ class Terminals:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    async def open(self, sandbox_id: str, meta: dict[str, Any], grace_s: float = DEFAULT_GRACE_S,
-                   ) -> Terminal:
-        """Start a program on a pty in ``sandbox_id``'s guest (``meta`` for the agent's
-        ``pty`` op: argv or shell, env, cwd, cols, rows); returns once it runs.
+    async def open(self, sandbox_id: str, command: Command | None = None, *, cols: int = 80,
+                   rows: int = 24, grace_s: float = DEFAULT_GRACE_S) -> Terminal:
+        """Start a program on a ``cols`` x ``rows`` pty in ``sandbox_id``'s guest: the
+        ``command`` (its env and cwd too), or the guest's login shell when it is None or
+        names no program; returns once it runs.
 
         Raises LimitExceeded (``MAX_PER_SANDBOX``), the errors of a guest call
         (NotFound, Conflict, Busy...) and InvalidRequest (bad input, a program
         that cannot start).
         """
+        command = command or Command()
+        meta = command.pty_meta(cols, rows)
         if len(self.list(sandbox_id)) >= MAX_PER_SANDBOX:
             raise LimitExceeded(f"sandbox {sandbox_id} has {MAX_PER_SANDBOX} terminal sessions, "
                                 "the most allowed; close one (DELETE .../pty/{session})",
@@ -223,10 +229,10 @@ class Terminals:
         t = Terminal(id="pty-" + secrets.token_hex(8), sandbox_id=sandbox_id,
                      cols=int(meta.get("cols", 80)), rows=int(meta.get("rows", 24)),
                      grace_s=grace_s,
-                     kind="command" if ("argv" in meta or "shell" in meta) else "shell")
+                     kind="command" if command.command is not None else "shell")
         self._sessions[t.id] = t
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        t._task = asyncio.create_task(self._run(t, meta, started), name=f"pty {t.id}")
+        t._task = self._tasks.start(t.id, self._run(t, meta, started))
         try:
             await asyncio.shield(started)
         except asyncio.CancelledError:
@@ -297,8 +303,7 @@ class Terminals:
         await t.hang_up()
 
     def _ensure_sweeper(self) -> None:
-        if self._sweeper is None or self._sweeper.done():
-            self._sweeper = asyncio.create_task(self._sweep(), name="pty sweeper")
+        self._tasks.start("sweeper", self._sweep())
 
     async def _sweep(self) -> None:
         while self._sessions:
@@ -322,9 +327,4 @@ class Terminals:
                 await asyncio.wait_for(t.hang_up(), 2)
             except (HangarError, asyncio.TimeoutError):
                 pass
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        tasks = [t._task for t in sessions if t._task is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.stop()

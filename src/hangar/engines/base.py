@@ -41,7 +41,10 @@ class VMSpec:
     """What to boot. Sizes: ``memory_mib`` and ``disk_mib`` in MiB.
 
     ``net`` is the guest's NIC (``hangar.net.NetworkManager.attach``); None
-    boots the guest without one.
+    boots the guest without one. ``template_source``: the VM will be saved
+    with ``Engine.snapshot(vm, dest, template=True)``; QEMU then holds its
+    RAM in a file of its folder, mapped shared (``hangar.engines.qemu.template``);
+    Firecracker needs nothing and ignores it. Only ``boot`` reads it.
     """
 
     sandbox_id: str
@@ -53,6 +56,7 @@ class VMSpec:
     hostname: str = "hangar"
     kernel_args: tuple[str, ...] = ()
     net: "NetAttachment | None" = None
+    template_source: bool = False
 
 
 @dataclass
@@ -137,12 +141,30 @@ class Engine(abc.ABC):
         """Restart the vCPUs of a paused VM."""
 
     @abc.abstractmethod
-    async def snapshot(self, vm: VM, dest: Path) -> SnapshotFiles:
-        """Save memory, device state and disk into ``dest``; the VM ends paused."""
+    async def snapshot(self, vm: VM, dest: Path, *, template: bool = False) -> SnapshotFiles:
+        """Save memory, device state and disk into ``dest``; the VM ends paused.
+
+        ``template``: the snapshot is a template's, restored many times;
+        its clones share the memory it saved copy-on-write on the host
+        (``SnapshotManifest.template``). QEMU needs ``vm`` booted with
+        ``VMSpec.template_source`` (else EngineError); Firecracker's
+        snapshots always map their memory file privately, so it only
+        records the flag.
+        """
 
     @abc.abstractmethod
     async def restore(self, spec: VMSpec, source: Path) -> VM:
-        """Start a new VM for ``spec`` from the snapshot in ``source``."""
+        """Start a new VM for ``spec`` from the snapshot in ``source``.
+
+        A template snapshot's clone maps its memory privately (copy-on-write);
+        a template made by another VMM version or on another machine shape
+        is refused with EngineError before any VMM starts.
+        """
+
+    def release_snapshot(self, source: Path) -> None:
+        """Forget what the engine keeps in memory for the snapshot in ``source`` (QEMU:
+        a template's sealed memory copy); call it when the snapshot is deleted.
+        Running clones are not affected. Never raises."""
 
     @abc.abstractmethod
     def adopt(self, sandbox_id: str, paths: SandboxPaths, pid: int) -> VM | None:

@@ -16,6 +16,11 @@ files are named in ``hangar.layout.SnapshotPaths``; for QEMU::
                       never at another one
       snapshot.json   the manifest (``SnapshotManifest``); written last, so a
                       directory without it is an unfinished snapshot
+      memory.ram      a template's only (``SnapshotManifest.template``): the
+                      guest's RAM, byte for byte, zero pages as holes, mode
+                      0444; ``state.mig`` then holds the device state only,
+                      and clones map this file's contents copy-on-write
+                      (``hangar.engines.qemu.template``)
 
 (Firecracker's: ``vmstate``, ``memory``, ``disk.ext4`` and ``snapshot.json``;
 see ``hangar.engines.firecracker.snapshots``.)
@@ -59,6 +64,14 @@ class SnapshotManifest:
     QEMU: ``-M``, ``-accel``, ``-cpu``, ``-smp``, ``-m``); ``vcpus`` and
     ``memory_mib`` repeat two of them for the orchestrator, which must
     restore with a ``VMSpec`` of the same shape.
+
+    A ``template`` (QEMU: ``Engine.snapshot(..., template=True)``) is
+    restored only where all of these match: ``vmm_version`` (the exact
+    QEMU build: a stream without RAM is read against the device layout of
+    the QEMU that wrote it), ``machine`` (hence vCPUs and memory size),
+    ``image_digest`` (which fixes the kernel, ``kernel_version``) and the
+    memory file's size and ``memory_sha256``; any other snapshot is only
+    warned about when the VMM's version differs.
     """
 
     engine: str
@@ -83,10 +96,16 @@ class SnapshotManifest:
     source_sandbox: str = ""
     format: int = FORMAT
     extra: dict[str, Any] = field(default_factory=dict)
+    template: bool = False
+    """Clones share this snapshot's memory (``memory.ram``) copy-on-write."""
+    memory_bytes: int = 0
+    """Allocated size of a template's ``memory.ram`` (0 for other snapshots)."""
+    memory_sha256: str = ""
+    """SHA-256 (hex) of a template's ``memory.ram``, all ``memory_mib`` MiB of it."""
 
     @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.disk_bytes
+        return self.state_bytes + self.disk_bytes + self.memory_bytes
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "total_bytes": self.total_bytes}, indent=2)
@@ -126,10 +145,17 @@ def read_manifest(snapshot_dir: Path, engine: str = "qemu") -> SnapshotManifest:
         raise EngineError(f"snapshot manifest {path} lacks fields: {exc}") from None
     needed = ((files.state, files.disk) if engine == "qemu"
               else (files.fc_state, files.fc_memory, files.fc_disk))
+    if engine == "qemu" and m.template:
+        needed = (*needed, template_memory(snapshot_dir))
     for f in needed:
         if not f.is_file():
             raise EngineError(f"snapshot {snapshot_dir} lacks {f.name}")
     return m
+
+
+def template_memory(snapshot_dir: Path) -> Path:
+    """A QEMU template snapshot's memory file, ``memory.ram``."""
+    return snapshot_dir / "memory.ram"
 
 
 def write_manifest(snapshot_dir: Path, manifest: SnapshotManifest) -> None:

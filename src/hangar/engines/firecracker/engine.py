@@ -313,7 +313,8 @@ class FirecrackerEngine(Engine):
         """Kill the VMM (a sandbox's disk is discarded, so no shutdown) and remove its files."""
         await self._cleanup(self.files_of(vm), vm.pid)
 
-    async def snapshot(self, vm: VM, dest: Path, diff: bool = False) -> SnapshotFiles:
+    async def snapshot(self, vm: VM, dest: Path, diff: bool = False, *,
+                       template: bool = False) -> SnapshotFiles:
         """Pause ``vm`` and save it into ``dest`` (created; must be empty); the VM stays paused.
 
         Writes ``vmstate``, ``memory`` (guest RAM), ``disk.ext4`` (sparse
@@ -322,6 +323,8 @@ class FirecrackerEngine(Engine):
         since this VM's previous snapshot or restore are saved, then merged
         onto a copy of that snapshot's memory; without such a snapshot (or on
         a filesystem that does not report holes) a full one is made.
+        ``template``: recorded in the manifest only; every restore already
+        maps ``memory`` privately, so clones share its pages (``snapshots``).
         ``size_bytes`` is the allocated size of the files. Raises EngineError.
         """
         files = self.files_of(vm)
@@ -373,6 +376,7 @@ class FirecrackerEngine(Engine):
                 machine=[f"vcpus={x.get('vcpus')}", f"memory_mib={x.get('memory_mib')}"],
                 created_at=created_at, state_bytes=state_bytes, disk_bytes=disk_bytes,
                 save_seconds=round(time.monotonic() - started, 6), source_sandbox=vm.sandbox_id,
+                template=template,
                 extra={"type": "Diff" if base else "Full",
                        "base": str(base.parent) if base else None,
                        "memory_apparent_bytes": out.fc_memory.stat().st_size,

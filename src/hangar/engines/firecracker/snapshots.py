@@ -12,6 +12,15 @@ with ``track_dirty_pages``) is merged onto a copy of that snapshot's memory,
 so every snapshot directory stands alone. A restore hard-links ``vmstate``
 and ``memory`` into the new VMM's root (Firecracker maps the memory file
 privately: the snapshot never changes) and copies ``disk.ext4``.
+
+Templates (``Engine.snapshot(..., template=True)``) need nothing more here:
+Firecracker's File memory backend maps ``memory`` ``MAP_PRIVATE``, so every
+clone of one snapshot reads the pages it has not written from the host's
+page cache of that one file, held once, and copies a page only when it
+writes it. The file is root's and mode 0644, hard-linked into each jail:
+the jailed VMM's uid can read it, never write it. Loading on demand through
+a userfaultfd page-fault handler (``"backend_type": "Uffd"``) would serve
+the same pages from one process instead of the page cache; it is not used.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ One module per job:
     qmp         the QMP client: one command, or a session of several
     migration   snapshots over the migration stream: saving and loading the
                 state through a passed file descriptor, the VM's shape
+    template    template memory: a template's RAM saved once, each clone
+                mapping it copy-on-write from a sealed memfd
     disk        the qcow2 overlay over the image's rootfs (``qemu-img``)
     probe       what the host offers: QEMU's version, KVM (a probe boot,
                 cached), KSM, the TSC clock
@@ -23,21 +25,27 @@ Files of one sandbox (``hangar.layout.SandboxPaths``)::
       vmm.log        QEMU's stderr
       vmm.pid        QEMU's pid
 
+A template's source VM also has ``memory.ram`` (its RAM, mapped shared).
+
 A snapshot (``hangar.layout.SnapshotPaths``) holds ``state.mig`` (the
 migration stream), ``disk.qcow2`` (a copy of the overlay) and
-``snapshot.json`` (its manifest, ``hangar.engines.snapshot_io``).
+``snapshot.json`` (its manifest, ``hangar.engines.snapshot_io``); a
+template's also ``memory.ram`` (``template``).
 """
 
 from hangar.engines.qemu.argv import (
+    BACKING_KEYS,
     BALLOON_ID,
     GUEST_KERNEL_ARGS,
     KERNEL_ARGS,
     MACHINE,
     MACHINE_FLAGS,
+    RAM_ID,
     SECCOMP,
     TUNING_KEYS,
     MemoryTuning,
     QemuCommand,
+    RamFile,
     without_tuning,
 )
 from hangar.engines.qemu.engine import (
@@ -66,6 +74,7 @@ from hangar.engines.qemu.probe import (
 )
 
 __all__ = [
+    "BACKING_KEYS",
     "BALLOON_ID",
     "FILE_LIMIT_SLACK_MIB",
     "GUEST_KERNEL_ARGS",
@@ -82,12 +91,14 @@ __all__ = [
     "PROBE_TIMEOUT_S",
     "QEMU",
     "QEMU_IMG",
+    "RAM_ID",
     "SECCOMP",
     "STOP_GRACE_S",
     "TUNING_KEYS",
     "MemoryTuning",
     "QemuCommand",
     "QemuEngine",
+    "RamFile",
     "choose_accel",
     "host_tsc_khz",
     "ksm_running",

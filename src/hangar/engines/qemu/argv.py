@@ -24,9 +24,16 @@ reporting, so the pages the guest frees go back to the host, and guest
 memory statistics every ``stats_interval_s``; guest RAM marked mergeable
 for KSM only when ``ksm`` is set (QEMU's default marks it always).
 
+Guest RAM is anonymous memory, except for a template (``RamFile``,
+``hangar.engines.qemu.template``): a template's source VM holds its RAM in
+a file it maps shared, and each clone maps the template's copy privately
+(copy-on-write) through a ``memory-backend-file`` named ``RAM_ID``, the id
+of microvm's default RAM block, so the migration stream's RAM block has
+the same name either way.
+
 Only ``QemuCommand.machine_args`` (plus the fixed device list) must match
-between a snapshot and its restore; the tuning (``TUNING_KEYS``), the
-kernel command line and file paths may differ.
+between a snapshot and its restore; the tuning (``TUNING_KEYS``), the RAM's
+backing (``BACKING_KEYS``), the kernel command line and file paths may differ.
 """
 
 from __future__ import annotations
@@ -45,6 +52,12 @@ BALLOON_ID = "balloon0"
 TUNING_KEYS = ("tb-size", "mem-merge")
 """Suboptions of ``-accel`` and ``-M`` that tune the host's memory, not the machine's shape:
 snapshots neither record nor compare them."""
+BACKING_KEYS = ("memory-backend",)
+"""Suboptions of ``-M`` that say where guest RAM lives (``RamFile``), not the machine's shape:
+snapshots neither record nor compare them."""
+RAM_ID = "microvm.ram"
+"""The id of a file-backed RAM backend: microvm's own name for its RAM block, so a
+migration stream's block matches whichever backing the other side has."""
 KERNEL_ARGS = ("console=ttyS0", "root=/dev/vda", "rw", "quiet", "panic=-1")
 GUEST_KERNEL_ARGS = ("cryptomgr.notests",)
 """Kernel options for what a guest's boot does not need (docs/performance.md, "Boot"):
@@ -75,12 +88,29 @@ class MemoryTuning:
     stats_interval_s: int = 5
 
 
+@dataclass(frozen=True)
+class RamFile:
+    """Guest RAM in a file (``memory-backend-file``) instead of anonymous memory.
+
+    ``path``: the file as QEMU opens it (QEMU 7.2 opens it read-write
+    whatever the mapping; a clone's is a sealed memfd, see
+    ``hangar.engines.qemu.template``); ``shared``: ``share=on``, writes
+    reach the file (a template's source), or ``share=off``, a private
+    copy-on-write mapping (a template's clone).
+    """
+
+    path: str
+    shared: bool
+
+
 def without_tuning(machine: list[str]) -> list[str]:
-    """``machine`` arguments without ``TUNING_KEYS`` suboptions (what snapshots compare)."""
+    """``machine`` arguments without ``TUNING_KEYS`` and ``BACKING_KEYS`` suboptions
+    (what snapshots compare)."""
+    skip = (*TUNING_KEYS, *BACKING_KEYS)
     out = []
     for arg in machine:
         out.append(",".join(p for p in arg.split(",")
-                            if p.split("=", 1)[0] not in TUNING_KEYS) if "," in arg else arg)
+                            if p.split("=", 1)[0] not in skip) if "," in arg else arg)
     return out
 
 
@@ -123,9 +153,13 @@ class QemuCommand:
         return machine
 
     def command(self, spec: VMSpec, tap_fd: int | None = None, *,
-                balloon: bool | None = None) -> list[str]:
+                balloon: bool | None = None, ram: RamFile | None = None,
+                reporting: bool | None = None) -> list[str]:
         """The full QEMU argv for ``spec``; ``tap_fd``: an open TAP for its NIC;
-        ``balloon`` overrides the tuning's (restores keep the devices their snapshot has).
+        ``balloon`` overrides the tuning's and ``reporting`` the balloon's free page
+        reporting (default: only with anonymous RAM; restores keep the devices
+        their snapshot has); ``ram``: guest RAM in that file (``ram_args``), else
+        anonymous memory.
 
         The serial console is QEMU's stdout (``VMMProcesses.spawn`` sends it
         to the capped console log); with seccomp on, QEMU may not spawn,
@@ -142,9 +176,12 @@ class QemuCommand:
         kernel = spec.image.vmlinux if spec.image.vmlinux is not None else spec.image.kernel
         if balloon is None:
             balloon = self.tuning.balloon
+        machine = self.tuned_machine_args(spec)
+        if ram is not None:
+            machine[machine.index("-M") + 1] += f",memory-backend={RAM_ID}"
         return [
             self.binary, "-name", f"hangar-{spec.sandbox_id}",
-            *self.tuned_machine_args(spec),
+            *machine, *self.ram_args(spec, ram),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             *(["-sandbox", SECCOMP] if self.seccomp else []),
             "-kernel", str(kernel), "-initrd", str(spec.image.initrd),
@@ -156,18 +193,39 @@ class QemuCommand:
             "-device", "virtserialport,chardev=agent,name=hangar.agent",
             "-object", "rng-random,id=rng,filename=/dev/urandom",
             "-device", "virtio-rng-device,rng=rng",
-            *self.balloon_args(balloon),
+            *self.balloon_args(balloon, reporting=ram is None if reporting is None else reporting),
             "-chardev", "stdio,id=console,signal=off",
             "-serial", "chardev:console",
             "-qmp", f"unix:{p.qmp},server=on,wait=off",
             *self.nic_args(spec, tap_fd),
         ]
 
-    def balloon_args(self, balloon: bool) -> list[str]:
-        """The virtio-balloon: free page reporting, and statistics polled every few seconds."""
+    def ram_args(self, spec: VMSpec, ram: RamFile | None) -> list[str]:
+        """The ``memory-backend-file`` for ``ram`` ([] without one): ``spec.memory_mib``
+        MiB, mergeable by KSM as the tuning says, its RAM block named ``RAM_ID``."""
+        if ram is None:
+            return []
+        path = ram.path.replace(",", ",,")
+        return ["-object", f"memory-backend-file,id={RAM_ID},mem-path={path},"
+                           f"size={spec.memory_mib}M,share={'on' if ram.shared else 'off'},"
+                           f"merge={'on' if self.tuning.ksm else 'off'},"
+                           "x-use-canonical-path-for-ramblock-id=off"]
+
+    def balloon_args(self, balloon: bool, reporting: bool = True) -> list[str]:
+        """The virtio-balloon: free page reporting (unless not ``reporting``), and
+        statistics polled every few seconds.
+
+        Guests whose RAM is a file (``RamFile``: templates) have no free page
+        reporting: QEMU 7.2 discards a reported page of a file-backed RAM by
+        punching a hole into the file, even when it maps that file privately,
+        which for a template's clone would mean its siblings' memory (the
+        sealed copy refuses, and QEMU logs every refusal). A template's source
+        has none either, so that its clones have the same devices.
+        """
         if not balloon:
             return []
-        return ["-device", f"virtio-balloon-device,id={BALLOON_ID},free-page-reporting=on,"
+        return ["-device", f"virtio-balloon-device,id={BALLOON_ID},"
+                           f"free-page-reporting={'on' if reporting else 'off'},"
                            f"guest-stats-polling-interval={self.tuning.stats_interval_s}"]
 
     @staticmethod

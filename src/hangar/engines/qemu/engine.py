@@ -14,6 +14,11 @@ migration has flushed and released; the snapshot's files and manifest are
 plus ``-incoming defer``, loads the state and runs ``cont``; the agent's
 virtio-serial port needs care then (see ``agent_channel``).
 
+Templates (``template``): a VM booted with ``VMSpec.template_source`` has
+its RAM in a shared file; ``snapshot(..., template=True)`` saves its device
+state without RAM plus that memory once, and ``restore`` of such a
+snapshot maps the memory privately (copy-on-write) in every clone.
+
 Files: ``hangar.layout.SandboxPaths`` (disk.qcow2, qmp.sock, agent.sock,
 serial.log, vmm.log, vmm.pid) and ``SnapshotPaths`` (state.mig, disk.qcow2,
 snapshot.json). The process is started, reaped and killed by
@@ -37,7 +42,8 @@ from hangar.engines.memory import MemoryUsage, host_usage
 from hangar.engines.process import VMMProcesses
 from hangar.engines.qemu import disk as qdisk
 from hangar.engines.qemu import migration, qmp
-from hangar.engines.qemu.argv import BALLOON_ID, MemoryTuning, QemuCommand, has_balloon
+from hangar.engines.qemu import template as tmpl
+from hangar.engines.qemu.argv import BALLOON_ID, MemoryTuning, QemuCommand, RamFile, has_balloon
 from hangar.engines.qemu.probe import QEMU, host_tsc_khz, qemu_version
 from hangar.errors import EngineError
 from hangar.guest import protocol as P
@@ -83,6 +89,7 @@ class QemuEngine(Engine):
         # Agent connections that ``restore`` opened before ``cont``, by QEMU pid.
         self._held: dict[int, Streams] = {}
         self._tsc_khz = host_tsc_khz()
+        self._templates = tmpl.TemplateMemories()
 
     def describe(self) -> dict[str, str]:
         """The engine's settings for ``hangar status`` and the health page: accelerator,
@@ -107,10 +114,15 @@ class QemuEngine(Engine):
         a snapshot records them and a restore compares."""
         return self.cmdline.machine_args(spec)
 
+    def tuned_machine_args(self, spec: VMSpec) -> list[str]:
+        """``machine_args`` with the memory tuning (``QemuCommand.tuned_machine_args``)."""
+        return self.cmdline.tuned_machine_args(spec)
+
     def command(self, spec: VMSpec, tap_fd: int | None = None, *,
-                balloon: bool | None = None) -> list[str]:
+                balloon: bool | None = None, ram: RamFile | None = None,
+                reporting: bool | None = None) -> list[str]:
         """The full QEMU argv for ``spec`` (``QemuCommand.command``)."""
-        return self.cmdline.command(spec, tap_fd, balloon=balloon)
+        return self.cmdline.command(spec, tap_fd, balloon=balloon, ram=ram, reporting=reporting)
 
     async def boot(self, spec: VMSpec) -> VM:
         """Make the sandbox's directory and disk and start its QEMU; returns once QEMU has
@@ -119,15 +131,25 @@ class QemuEngine(Engine):
         p.dir.mkdir(parents=True, exist_ok=False)
         try:
             await qdisk.make_disk(spec)
-            return await self._start(spec)
+            if not spec.template_source:
+                return await self._start(spec)
+            ram = tmpl.make_source_ram(p.dir, spec.memory_mib)
+            return await self._start(spec, ram=RamFile(str(ram), shared=True), owned=(ram,))
         except BaseException:
             await self._cleanup(p, None)
             raise
 
     async def _start(self, spec: VMSpec, extra: tuple[str, ...] = (), *,
-                     balloon: bool | None = None) -> VM:
-        """Start QEMU for ``spec`` (its argv, with ``balloon`` as ``command`` takes it,
-        plus ``extra``) in the sandbox directory.
+                     balloon: bool | None = None, ram: RamFile | None = None,
+                     reporting: bool | None = None, owned: tuple[Path, ...] = (),
+                     ram_fd: int | None = None) -> VM:
+        """Start QEMU for ``spec`` (its argv, with ``balloon``, ``ram`` and ``reporting``
+        as ``command`` takes them, plus ``extra``) in the sandbox directory.
+
+        ``owned``: files of the folder that become the VMM's besides its disk;
+        ``ram_fd``: a template's sealed memfd, passed open and used as its
+        RAM (``ram`` is then made here: ``template.VIEW_FDS/N`` in a private
+        view, ``/proc/self/fd/N`` otherwise).
 
         Confined as ``self.confine`` says (``hangar.engines.confine``): its
         cgroup, user, view and console logger are set up here. Returns once
@@ -144,15 +166,22 @@ class QemuEngine(Engine):
             plan = self.confine.prepare(
                 spec.sandbox_id, p, vcpus=spec.vcpus, memory_mib=spec.memory_mib,
                 accel=self.accel, tcg_cache_mib=self.tuning.tb_mib, reads=image_dirs,
-                owned=[p.disk],
+                owned=[p.disk, *owned],
                 file_limit=(spec.disk_mib + spec.memory_mib + FILE_LIMIT_SLACK_MIB) << 20,
                 host_network=spec.net is not None and spec.net.kind == "user", tap=tap,
                 netns=self.network_namespace)
+            if ram_fd is not None:
+                fd_path = f"/proc/self/fd/{ram_fd}"
+                if plan.root is not None:  # vmm_exec's own fds: QEMU's, once it execs
+                    plan.binds.append(("/proc/self/fd", tmpl.VIEW_FDS, False))
+                    fd_path = f"{tmpl.VIEW_FDS}/{ram_fd}"
+                ram = RamFile(fd_path, shared=False)
             console = self.confine.console_argv(p)
-            argv = [*self.command(spec, self.confine.tap_fd() if tap else None, balloon=balloon),
-                    *extra]
+            argv = [*self.command(spec, self.confine.tap_fd() if tap else None, balloon=balloon,
+                                  ram=ram, reporting=reporting), *extra]
             proc = self._procs.spawn(argv, cwd=p.dir, pid_file=p.pid_file, stdout=p.serial_log,
-                                     stderr=p.vmm_log, plan=plan, console=console)
+                                     stderr=p.vmm_log, plan=plan, console=console,
+                                     pass_fds=() if ram_fd is None else (ram_fd,))
         except OSError as exc:
             raise EngineError(f"cannot start {QEMU}: {exc}", sandbox_id=spec.sandbox_id) from None
         vm = VM(spec.sandbox_id, self.name, proc.pid, p, self.accel)
@@ -281,8 +310,13 @@ class QemuEngine(Engine):
         await self.confine.release(p)
         shutil.rmtree(p.dir, ignore_errors=True)
 
-    async def snapshot(self, vm: VM, dest: Path) -> SnapshotFiles:
+    async def snapshot(self, vm: VM, dest: Path, *, template: bool = False) -> SnapshotFiles:
         """Save the VM's device state, RAM and disk into the new directory ``dest``.
+
+        ``template``: ``vm`` was booted with ``VMSpec.template_source`` (else
+        EngineError); its state is saved without RAM (``x-ignore-shared``)
+        and its RAM file copied once into ``memory.ram`` (``template``), which
+        every clone then maps copy-on-write.
 
         Pauses the VM (QMP ``stop``), streams its state with QMP ``migrate``
         into ``dest/state.mig`` (opened here, passed as a file descriptor),
@@ -298,6 +332,11 @@ class QemuEngine(Engine):
         if not vm.alive():
             raise EngineError("cannot snapshot a VM that is not running", sandbox_id=vm.sandbox_id)
         machine, image = migration.shape_of(vm)
+        source_ram = vm.paths.dir / tmpl.SOURCE_RAM
+        if template and not (source_ram.is_file()
+                             and "share=on" in " ".join(migration.argv_of(vm))):
+            raise EngineError("only a VM booted as a template source (VMSpec.template_source) "
+                              "can be saved as a template", sandbox_id=vm.sandbox_id)
         try:
             dest.mkdir(parents=True, exist_ok=True)
             if any(dest.iterdir()):
@@ -306,14 +345,19 @@ class QemuEngine(Engine):
         except OSError as exc:
             raise EngineError(f"cannot make snapshot directory {dest}: {exc}") from None
         memory_mib = int(migration.arg(machine, "-m").rstrip("M"))
+        argv = " ".join(migration.argv_of(vm))
         files = SnapshotPaths(dest)
         state, partial = files.state, files.state_partial
         started = time.monotonic()
         created_at = time.time()
         try:
-            info = await migration.save_state(vm, partial, memory_mib)
+            info = await migration.save_state(vm, partial, memory_mib, ignore_shared=template)
             await asyncio.to_thread(snapshot_io.fsync_file, partial)
             os.replace(partial, state)
+            memory_bytes, memory_sha256 = 0, ""
+            if template:
+                memory_bytes, memory_sha256 = await tmpl.save_memory(
+                    source_ram, snapshot_io.template_memory(dest))
             disk = files.disk
             await snapshot_io.copy_file(vm.paths.disk, disk)
             await asyncio.to_thread(snapshot_io.fsync_file, disk)
@@ -329,7 +373,9 @@ class QemuEngine(Engine):
                 source_sandbox=vm.sandbox_id,
                 extra={"migration_ms": info.get("total-time"),
                        "ram_transferred": info.get("ram", {}).get("transferred"),
-                       "balloon": has_balloon(migration.argv_of(vm))},
+                       "balloon": has_balloon(migration.argv_of(vm)),
+                       "free_page_reporting": "free-page-reporting=on" in argv},
+                template=template, memory_bytes=memory_bytes, memory_sha256=memory_sha256,
             )
             snapshot_io.write_manifest(dest, manifest)
         except BaseException:
@@ -348,7 +394,10 @@ class QemuEngine(Engine):
         ``migrate-incoming`` from ``state.mig`` passed as a file descriptor,
         and is resumed with ``cont``.
         ``spec`` must have the snapshot's image digest, vCPUs and memory
-        (``snapshot_io.read_manifest`` tells them). The guest's clock and
+        (``snapshot_io.read_manifest`` tells them). A template's clone
+        (``SnapshotManifest.template``) also needs the QEMU version that made
+        it; its RAM is a private mapping of the template's memory (a sealed
+        memfd, ``template.TemplateMemories``) and the stream holds no RAM. The guest's clock and
         entropy are the snapshot's until ``snapshot_io.refresh_guest`` runs.
         Raises ``NotFound`` (no snapshot there), ``EngineError`` (mismatch,
         QEMU failure) or ``Timeout``; on failure the sandbox directory is removed.
@@ -365,9 +414,26 @@ class QemuEngine(Engine):
                 f"snapshot was made on machine {' '.join(manifest.machine)}; restoring on "
                 f"{' '.join(machine)} is not possible (vCPUs, memory and accelerator must match)",
                 sandbox_id=spec.sandbox_id)
+        if manifest.template and manifest.vmm_version != self.version:
+            raise EngineError(
+                f"template snapshot {source} was made by QEMU {manifest.vmm_version}; this "
+                f"host runs {self.version}: rebuild the template", sandbox_id=spec.sandbox_id)
         if manifest.vmm_version != self.version:
             log.warning("restoring a snapshot made by %s with %s",
                         manifest.vmm_version, self.version)
+        ram_fd = None
+        if manifest.template:
+            ram_fd = await self._templates.open(source, manifest.memory_mib << 20,
+                                                manifest.memory_sha256)
+        try:
+            return await self._restore(spec, source, manifest, ram_fd)
+        finally:
+            if ram_fd is not None:
+                os.close(ram_fd)
+
+    async def _restore(self, spec: VMSpec, source: Path, manifest: snapshot_io.SnapshotManifest,
+                       ram_fd: int | None) -> VM:
+        """``restore`` once the snapshot is checked: ``ram_fd`` is a template's memory."""
         p = spec.paths
         p.dir.mkdir(parents=True, exist_ok=False)
         vm: VM | None = None
@@ -377,9 +443,12 @@ class QemuEngine(Engine):
             await qdisk.rebase(p.disk, spec.image.rootfs)
             # The snapshot's devices, whatever the tuning says now.
             balloon = bool(manifest.extra.get("balloon", False))
-            vm = await self._start(spec, ("-incoming", "defer"), balloon=balloon)
+            reporting = manifest.extra.get("free_page_reporting", not manifest.template)
+            vm = await self._start(spec, ("-incoming", "defer"), balloon=balloon, ram_fd=ram_fd,
+                                   reporting=bool(reporting))
             async with qmp.session(vm) as client:
-                await migration.load_state(client, vm, snap.state, manifest.memory_mib)
+                await migration.load_state(client, vm, snap.state, manifest.memory_mib,
+                                           ignore_shared=manifest.template)
                 # Connect before the guest runs: see agent_channel.
                 self._held[vm.pid] = await asyncio.open_unix_connection(
                     str(p.agent), limit=P.MAX_DATA * 2)
@@ -393,6 +462,16 @@ class QemuEngine(Engine):
         except BaseException:
             await self._cleanup(p, vm.pid if vm is not None else None)
             raise
+
+    def release_snapshot(self, source: Path) -> None:
+        """Close a template snapshot's sealed memory copy (``template.TemplateMemories``),
+        if this engine holds one; clones keep their mapping. Never raises."""
+        self._templates.release(source)
+
+    def template_memory_bytes(self) -> int:
+        """Host memory held by the sealed copies of templates' memory, bytes: shared by
+        their clones, counted in no VMM's Pss (``template.TemplateMemories``)."""
+        return self._templates.resident_bytes()
 
     def adopt(self, sandbox_id: str, paths: SandboxPaths, pid: int) -> VM | None:
         """Return the VM if ``pid`` is still this sandbox's QEMU (checked by its argv)."""

@@ -9,6 +9,14 @@ pages cost a few bytes, so the file is about the guest memory in use.
 (``migrate-incoming fd:migration``). Both wait for ``query-migrate`` to
 report completion, for at most ``timeout_for(memory_mib)`` seconds.
 
+With ``ignore_shared`` (a template: ``hangar.engines.qemu.template``), both
+sides turn on QEMU's ``x-ignore-shared`` capability: the source leaves out
+RAM it maps shared (its ``memory-backend-file,share=on``), so the stream
+holds the device state only, and the destination, whose RAM is a private
+mapping of that memory's copy, expects no RAM pages (the flag changes the
+stream's header, so both sides must have it). QEMU 7.2 has it (as an
+experimental ``x-`` capability, which Kata Containers' VM templating uses).
+
 The guest TSC and clocks are part of the saved CPU state and simply
 continue, so the guest's wall clock lags by the time the snapshot sat on
 disk until ``snapshot_io.refresh_guest`` sets it. The files of a snapshot
@@ -37,6 +45,8 @@ from hangar.layout import ImagePaths
 MIGRATE_BANDWIDTH = 1 << 40  # bytes/s: no limit in practice (QEMU's default is 128 MiB/s)
 MIGRATE_TIMEOUT_S = 60.0
 MIGRATE_S_PER_GIB = 60.0  # extra seconds of migration timeout per GiB of guest memory
+IGNORE_SHARED = "x-ignore-shared"
+"""The migration capability that leaves shared RAM out of the stream."""
 MIGRATION_FD = "migration"
 """The name under which a snapshot's stream is passed to QEMU (QMP ``getfd``)."""
 
@@ -96,18 +106,29 @@ async def pass_fd(client: QMPClient, vm: VM, path: Path, flags: int) -> None:
         os.close(fd)
 
 
-async def save_state(vm: VM, path: Path, memory_mib: float) -> dict[str, Any]:
+async def set_ignore_shared(client: QMPClient, vm: VM, on: bool) -> None:
+    """Turn the ``x-ignore-shared`` capability on or off; raises EngineError."""
+    await qmp.run(client, vm, "migrate-set-capabilities",
+                  capabilities=[{"capability": IGNORE_SHARED, "state": on}])
+
+
+async def save_state(vm: VM, path: Path, memory_mib: float, *,
+                     ignore_shared: bool = False) -> dict[str, Any]:
     """Pause ``vm`` (QMP ``stop``) and migrate its device state and RAM into ``path``
     (created or truncated); returns ``query-migrate``'s last answer.
 
-    The VM ends paused (QEMU's ``postmigrate`` state). On failure the
-    migration is cancelled, so the VM is left paused and usable. Raises
-    ``EngineError`` or ``Timeout``.
+    ``ignore_shared``: leave out the RAM that QEMU maps shared (see the
+    module docstring); the capability is turned off again afterwards, so a
+    later snapshot of the same VM holds its RAM. The VM ends paused (QEMU's
+    ``postmigrate`` state). On failure the migration is cancelled, so the VM
+    is left paused and usable. Raises ``EngineError`` or ``Timeout``.
     """
     async with qmp.session(vm) as client:
         await qmp.run(client, vm, "stop")
         await qmp.run(client, vm, "migrate-set-parameters",
                       **{"max-bandwidth": MIGRATE_BANDWIDTH})
+        if ignore_shared:
+            await set_ignore_shared(client, vm, True)
         await pass_fd(client, vm, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         await qmp.run(client, vm, "migrate", uri=f"fd:{MIGRATION_FD}")
         try:
@@ -118,12 +139,22 @@ async def save_state(vm: VM, path: Path, memory_mib: float) -> dict[str, Any]:
             except (EngineError, asyncio.CancelledError):
                 pass
             raise
+        finally:
+            if ignore_shared:
+                try:
+                    await asyncio.shield(set_ignore_shared(client, vm, False))
+                except (EngineError, asyncio.CancelledError):
+                    pass
 
 
-async def load_state(client: QMPClient, vm: VM, path: Path, memory_mib: float) -> None:
+async def load_state(client: QMPClient, vm: VM, path: Path, memory_mib: float, *,
+                     ignore_shared: bool = False) -> None:
     """Load the state saved in ``path`` into ``vm``, a QEMU started with ``-incoming defer``,
-    over the open QMP ``client``; the VM stays paused. Raises ``EngineError`` or
-    ``Timeout``."""
+    over the open QMP ``client``; the VM stays paused. ``ignore_shared``: the
+    stream was saved with it (a template's), so its RAM is not in it. Raises
+    ``EngineError`` or ``Timeout``."""
+    if ignore_shared:
+        await set_ignore_shared(client, vm, True)
     await pass_fd(client, vm, path, os.O_RDONLY)
     await qmp.run(client, vm, "migrate-incoming", uri=f"fd:{MIGRATION_FD}")
     await wait_migration(client, vm, timeout_for(memory_mib))

@@ -1,0 +1,129 @@
+"""Server assembly: the one place that builds Hangar's application from its parts.
+
+``create_app(settings)`` is what ``hangar serve`` runs (``hangar.cli.serve``).
+It sits above ``hangar.api`` and ``hangar.core`` and wires them:
+
+At once (so a bad configuration stops ``hangar serve`` before it listens):
+
+1. the data directory's layout, and the API keys (``ConfigError`` when one
+   is empty or weak);
+2. with ``HANGAR_ETCD``, the cluster node (``hangar.cluster.node``;
+   docs/cluster.md), whose gateway becomes the routes' innermost middleware;
+3. the FastAPI app from ``hangar.api.app.create_app``: routes and
+   middleware, given the keys, the event bus, the lifespan below and the
+   gateway.
+
+At start-up (the app's lifespan, before the first request is served):
+
+4. the default image is resolved and the engine chosen
+   (``hangar.engines.doctor.choose_engine``; the probe boots run when no
+   cached result fits), with its confinement and QEMU's memory tuning; a
+   QEMU host with ``HANGAR_KSM`` on but ksmd stopped is warned about;
+5. metrics, the store, the cluster's shared key hashes (a node), the
+   ``SandboxManager`` (with the node's hooks), the idempotency store and
+   the ``MachineManager`` go on ``app.state`` (``manager``, ``machines``,
+   ``metrics``, ``idempotency``);
+6. the manager starts (recovery, the reconcile loop, the warm pool), then
+   the node.
+
+At shutdown: the event bus closes (open streams end), then the node, then
+the manager (background work stops; sandboxes keep running).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+from fastapi import FastAPI
+
+from hangar.api.app import create_app as create_api
+from hangar.api.auth import KeyRing
+from hangar.config import Settings
+from hangar.core.events import EventBus
+from hangar.core.idempotency import IdempotencyStore
+from hangar.core.machines import MachineManager
+from hangar.core.sandboxes import SandboxManager
+from hangar.core.store import Store
+from hangar.engines.base import Engine
+from hangar.engines.confine import config_from as confine_config
+from hangar.engines.doctor import choose_engine
+from hangar.engines.qemu import MemoryTuning, ksm_running
+from hangar.images import resolve_image
+from hangar.layout import Layout
+from hangar.metrics import Metrics
+
+log = logging.getLogger("hangar.app")
+
+__all__ = ["create_app", "pick_engine"]
+
+
+def pick_engine(settings: Settings, layout: Layout) -> Engine:
+    """The engine this server runs VMs with (``HANGAR_ENGINE``; ``auto`` probes), for the
+    default image. Warns when ``HANGAR_KSM`` is on for QEMU but the host's ksmd is not
+    running. Raises ImageError (no default image), EngineError (no usable engine)."""
+    image = resolve_image(layout, settings.default_image)
+    engine = choose_engine(settings.engine, layout, image, accel=settings.accel,
+                           jailer=settings.firecracker_jailer,
+                           confine=confine_config(settings), tuning=MemoryTuning(
+                               tb_mib=settings.tcg_tb_mib, balloon=settings.balloon,
+                               ksm=settings.ksm))
+    if settings.ksm and engine.name == "qemu" and not ksm_running():
+        log.warning("HANGAR_KSM is on but the host's ksmd is not running: no page is "
+                    "merged until an operator writes 1 to /sys/kernel/mm/ksm/run")
+    return engine
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Hangar's whole application for ``settings`` (default: from the environment); see
+    the module docstring for what is built when. Raises ConfigError (an empty or weak
+    API key)."""
+    settings = settings or Settings()
+    layout = Layout(settings.data_dir)
+    layout.ensure()
+    keys = KeyRing(layout.api_key_file, layout.api_keys_file, settings.api_key)
+    keys.load()
+    events = EventBus()
+    node: Any = None
+    gateway = None
+    if settings.etcd:  # a node of a cluster (docs/cluster.md); unset: a single host
+        from hangar.cluster.gateway import Gateway
+        from hangar.cluster.node import ClusterNode
+
+        node = ClusterNode(settings, layout)
+        gateway = partial(Gateway, node=node)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        layout.ensure()
+        engine = pick_engine(settings, layout)
+        metrics = Metrics()
+        metrics.engine.info(engine.describe())
+        store = Store(layout.database)
+        if node is not None:
+            config = await node.load_config()
+            keys.share("cluster", config.key_hashes)
+        manager = SandboxManager(settings, layout, store, engine, metrics, events,
+                                 hooks=node.hooks if node is not None else None)
+        app.state.idempotency = IdempotencyStore(store.engine)
+        app.state.metrics = metrics
+        app.state.manager = manager
+        app.state.machines = MachineManager(manager, settings.machine_idle_s)
+        await manager.start()
+        if node is not None:
+            await node.start(manager)
+        try:
+            yield
+        finally:
+            events.close()
+            if node is not None:
+                await node.close()
+            await manager.close()
+
+    app = create_api(settings, keys=keys, event_bus=events, lifespan=lifespan, routing=gateway)
+    if node is not None:
+        app.state.cluster = node
+    return app

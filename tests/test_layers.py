@@ -1,0 +1,98 @@
+"""The layers' arrows, checked on the source: which package may import which.
+
+Every ``import`` and ``from ... import`` of a module counts, at any depth
+(inside functions too, where a lazy import would hide an arrow), relative
+ones resolved against the module's package. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def modules(package: str, src: Path) -> list[Path]:
+    """The source files of ``package`` (``hangar.api`` → src/hangar/api/**/*.py)."""
+    root = src.joinpath(*package.split("."))
+    files = sorted(root.rglob("*.py"))
+    assert files, f"no sources under {root}"
+    return files
+
+
+def module_name(path: Path, src: Path) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path, src: Path) -> set[str]:
+    """Absolute names of the modules ``path`` imports (``from a import b`` counts ``a`` and
+    ``a.b``, since ``b`` may be a module)."""
+    name = module_name(path, src)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            found.add(prefix)
+            found |= {f"{prefix}.{a.name}" for a in node.names}
+    return found
+
+
+def offending(package: str, forbidden: tuple[str, ...],
+              src: Path = SRC) -> dict[str, list[str]]:
+    """{module: [the forbidden modules it imports]} for every module of ``package``."""
+    out: dict[str, list[str]] = {}
+    for path in modules(package, src):
+        bad = sorted(m for m in imports(path, src)
+                     if any(m == f or m.startswith(f + ".") for f in forbidden))
+        if bad:
+            out[module_name(path, src)] = bad
+    return out
+
+
+def test_the_checker_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
+    """A check that cannot fail proves nothing: feed it the imports it must catch."""
+    pkg = tmp_path / "hangar" / "api"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    probe = pkg / "probe.py"
+    probe.write_text("def f():\n    from ..engines import qemu\n    import hangar.net.nft\n")
+    assert offending("hangar.api", ("hangar.engines", "hangar.net"), tmp_path) == {
+        "hangar.api.probe": ["hangar.engines", "hangar.engines.qemu", "hangar.net.nft"]}
+
+
+def test_api_imports_nothing_below_core() -> None:
+    """api/ turns HTTP into calls on core/ and back: it never reaches the engines, the
+    guest's code, image builds or the host's network itself."""
+    bad = offending("hangar.api", ("hangar.engines", "hangar.guest", "hangar.images",
+                                   "hangar.net"))
+    assert bad == {}
+
+
+def test_core_never_imports_the_layers_above_it() -> None:
+    bad = offending("hangar.core", ("hangar.api", "hangar.cluster", "hangar.server",
+                                    "hangar.cli", "hangar.client", "hangar.tools"))
+    assert bad == {}
+
+
+def test_api_never_imports_the_cluster_or_the_server_assembly() -> None:
+    """The cluster's gateway is handed to api/app.py by hangar.server, so api and cluster
+    do not import each other through it."""
+    assert offending("hangar.api", ("hangar.cluster", "hangar.server", "hangar.cli")) == {}
+
+
+def test_cluster_never_imports_api() -> None:
+    """cluster/ uses core's public surface; the key check lives in hangar.keys."""
+    assert offending("hangar.cluster", ("hangar.api",)) == {}
