@@ -176,7 +176,9 @@ def test_sync_sdk_drives_a_sandbox_through_its_life(server: Server, api: httpx.C
                 "code": 409, "message": f"sandbox {sid} is already running"})
             r = c.post(f"/sandboxes/{sid}/connect", json={"timeout": 60})
             assert r.status_code == 200 and r.json()["sandboxID"] == sid
-            assert r.json()["envdVersion"] == "0.5.7" and len(r.json()["envdAccessToken"]) == 64
+            token = r.json()["envdAccessToken"]
+            assert (r.json()["envdVersion"], r.json()["trafficAccessToken"]) == ("0.5.7", token)
+            assert re.fullmatch(r"[0-9a-f]{64}", token) and token == sbx.traffic_access_token
 
         found = Sandbox.list(query=SandboxQuery(metadata={"suite": tag})).next_items()
         assert [s.sandbox_id for s in found] == [sid]

@@ -78,9 +78,12 @@ def template_names(rec: SandboxRecord) -> tuple[str, str | None]:
 def created(m: SandboxManager, rec: SandboxRecord) -> Sandbox:
     """What a create, connect, resume or fork answers: how the SDK reaches envd."""
     template, alias = template_names(rec)
+    token = e2b.access_token(m, rec.id)
+    # The same token opens its guest ports: the code interpreter's SDK sends only
+    # E2B-Traffic-Access-Token on some calls to its port.
     return Sandbox(templateID=template, sandboxID=rec.id, alias=alias, clientID=CLIENT_ID,
-                   envdVersion=e2b.ENVD_VERSION, envdAccessToken=e2b.access_token(m, rec.id),
-                   trafficAccessToken=None, domain=m.settings.domain)
+                   envdVersion=e2b.ENVD_VERSION, envdAccessToken=token,
+                   trafficAccessToken=token, domain=m.settings.domain)
 
 
 def listed(rec: SandboxRecord) -> ListedSandbox:
