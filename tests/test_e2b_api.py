@@ -256,6 +256,15 @@ def test_async_sdk_creates_connects_lists_pauses_on_timeout_and_kills(
                 assert time.monotonic() < deadline, "the sandbox did not pause on timeout"
                 await asyncio.sleep(1)
             assert (await sbx.get_info()).state == SandboxState.PAUSED
+            assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["expires_at"] is None
+            # any call wakes it (E2B's auto-resume), and it gets its create's 300 s back
+            assert run(api, sbx.sandbox_id, "echo awake")["stdout"] == "awake\n"
+            while (expires := api.get(f"/sandboxes/{sbx.sandbox_id}").json()["expires_at"]
+                   ) is None:
+                assert time.monotonic() < deadline + 60, "no time limit after the wake"
+                await asyncio.sleep(0.5)
+            assert abs(expires - (time.time() + 300)) < 30
+            assert (await sbx.get_info()).state == SandboxState.RUNNING
             assert await sbx.kill() is True
             return sbx.sandbox_id
         finally:

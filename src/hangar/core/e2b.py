@@ -25,6 +25,9 @@ its sandbox agent's protocol, envd (``hangar.api.envd``, under
 ``pauses_on_timeout``
     whether the reconcile loop puts a sandbox to sleep instead of removing it
     when its time to live runs out (E2B's ``autoPause``).
+``pause_clock`` / ``paused_changes`` / ``woken_changes`` / ``resume_clock``
+    a paused sandbox has no time limit; woken by a connect it gets the
+    connect's, woken any other way the create's (the reconcile loop).
 ``metrics``
     one sample of a running guest's CPU, memory and disk, read inside it.
 """
@@ -34,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from hangar.core.admission import default_size
@@ -49,7 +52,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ENVD_VERSION", "KEY", "Metric", "Options", "Source", "TemplateInfo",
            "access_token", "check_access_token", "envs", "metrics", "options",
-           "pauses_on_timeout", "resolve", "sandbox", "templates", "with_options"]
+           "pause_clock", "paused_changes", "pauses_on_timeout", "resolve", "resume_clock",
+           "sandbox", "templates", "with_options", "woken_changes"]
 
 ENVD_VERSION = "0.5.7"
 """The envd version every sandbox reports. >= 0.3.0: the SDK sends ``stdin``; >= 0.4.0 it
@@ -91,17 +95,22 @@ class Options:
     ``envs``: environment variables of every process envd starts in it;
     ``on_timeout``: ``kill`` or ``pause`` when its time to live runs out;
     ``auto_resume``: what the client asked (Hangar always wakes a paused
-    sandbox on a call to it).
+    sandbox on a call to it); ``timeout_s``: the create's time to live
+    (seconds, 0: none); ``wake_ttl_s``: while paused, the time to live it gets
+    back when it wakes, whatever wakes it (0: none).
     """
 
     template: str
     envs: dict[str, str] = field(default_factory=dict)
     on_timeout: str = "kill"
     auto_resume: bool = False
+    timeout_s: float = 0.0
+    wake_ttl_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"template": self.template, "envs": dict(self.envs),
-                "on_timeout": self.on_timeout, "auto_resume": self.auto_resume}
+                "on_timeout": self.on_timeout, "auto_resume": self.auto_resume,
+                "timeout_s": self.timeout_s, "wake_ttl_s": self.wake_ttl_s}
 
 
 def options(rec: SandboxRecord) -> Options | None:
@@ -115,7 +124,13 @@ def options(rec: SandboxRecord) -> Options | None:
         envs={str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {},
         on_timeout="pause" if raw.get("on_timeout") == "pause" else "kill",
         auto_resume=bool(raw.get("auto_resume")),
+        timeout_s=_seconds(raw.get("timeout_s")),
+        wake_ttl_s=_seconds(raw.get("wake_ttl_s")),
     )
+
+
+def _seconds(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and value > 0 else 0.0
 
 
 def with_options(metadata: dict[str, str], opts: Options) -> dict[str, Any]:
@@ -142,6 +157,51 @@ def pauses_on_timeout(rec: SandboxRecord) -> bool:
     """True when ``rec`` asked to sleep (E2B: pause), not end, when its time runs out."""
     opts = options(rec)
     return opts is not None and opts.on_timeout == "pause"
+
+
+# -- the time to live across a pause ---------------------------------------------------------
+# A paused sandbox has no time limit (E2B keeps it for its owner). Whatever wakes it (a
+# connect, or any call to it: E2B's auto-resume), it runs again with a limit: connect sets
+# its own; any other wake gives it back the create's time to live (the reconcile loop).
+
+def paused_changes(rec: SandboxRecord) -> dict[str, Any]:
+    """The record changes that pause ``rec``'s clock: no time limit while asleep, and the
+    create's time to live armed for when it wakes (nothing to arm without E2B options)."""
+    opts = options(rec)
+    if opts is None:
+        return {"expires_at": None}
+    armed = replace(opts, wake_ttl_s=opts.timeout_s)
+    return {"expires_at": None, "metadata_": {**(rec.metadata_ or {}), KEY: armed.as_dict()}}
+
+
+def pause_clock(manager: SandboxManager, sandbox_id: str) -> SandboxRecord:
+    """Stop ``sandbox_id``'s clock once it is paused (see ``paused_changes``)."""
+    rec = sandbox(manager, sandbox_id)
+    return manager.store.update(sandbox_id, **paused_changes(rec))  # type: ignore[return-value]
+
+
+def woken_changes(rec: SandboxRecord, now: float) -> dict[str, Any] | None:
+    """The record changes that restart the clock of ``rec``, running again after a pause
+    with no limit set since; None when there is nothing to do."""
+    opts = options(rec)
+    if (opts is None or not opts.wake_ttl_s or rec.state != State.RUNNING
+            or rec.expires_at is not None):
+        return None
+    disarmed = replace(opts, wake_ttl_s=0.0)
+    return {"expires_at": now + opts.wake_ttl_s,
+            "metadata_": {**(rec.metadata_ or {}), KEY: disarmed.as_dict()}}
+
+
+def resume_clock(manager: SandboxManager, sandbox_id: str, timeout_s: float) -> SandboxRecord:
+    """After a connect or resume woke ``sandbox_id``: it lives ``timeout_s`` seconds from
+    now (0: no limit), and nothing is left armed."""
+    rec = sandbox(manager, sandbox_id)
+    opts = options(rec)
+    changes: dict[str, Any] = {"expires_at": time.time() + timeout_s if timeout_s else None}
+    if opts is not None and opts.wake_ttl_s:
+        changes["metadata_"] = {**(rec.metadata_ or {}),
+                                KEY: replace(opts, wake_ttl_s=0.0).as_dict()}
+    return manager.store.update(sandbox_id, **changes)  # type: ignore[return-value]
 
 
 # -- templates -----------------------------------------------------------------------------

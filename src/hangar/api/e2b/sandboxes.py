@@ -12,7 +12,8 @@ into E2B's body (``hangar.api.e2b.views``). How E2B's words map:
 - **pause** is Hangar's sleep (memory, devices and disk saved, the VMM
   ended); a paused sandbox has no time limit. **connect** and **resume**
   wake it (``201``) and set its time to live; connect on a running one
-  (``200``) only ever extends it.
+  (``200``) only ever extends it. Woken any other way (a call to it), it
+  gets its create's time to live back (``hangar.core.e2b``).
 - **fork** snapshots the sandbox once, starts ``count`` sandboxes from the
   snapshot and removes the snapshot.
 - **metrics** are one sample read inside the guest (``hangar.core.e2b.metrics``);
@@ -25,6 +26,7 @@ import asyncio
 import logging
 import time
 import urllib.parse
+from dataclasses import replace
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -85,7 +87,8 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
     network = views.policy(body.allow_internet_access, body.network)
     opts = e2b.Options(template=source.asked, envs=dict(body.envVars or {}),
                        on_timeout="pause" if body.autoPause else "kill",
-                       auto_resume=bool(body.autoResume and body.autoResume.enabled))
+                       auto_resume=bool(body.autoResume and body.autoResume.enabled),
+                       timeout_s=body.timeout)
     metadata: Any = e2b.with_options(dict(body.metadata or {}), opts)
     if source.kind == "snapshot":
         if network is not None:
@@ -269,13 +272,13 @@ async def pause(sandbox_id: str, m: Manager, body: PauseRequest | None = None) -
         raise Busy(f"sandbox {sandbox_id} is {rec.state.value}; retry once it runs",
                    retry_after=2.0)
     await m.sleep(sandbox_id)
-    m.set_timeout(sandbox_id, 0)  # a paused sandbox waits for its owner: no time limit
+    e2b.pause_clock(m, sandbox_id)  # no time limit while paused; given back when it wakes
     return Response(status_code=204)
 
 
 async def _wake(m: SandboxManager, rec: SandboxRecord, timeout: int) -> SandboxRecord:
-    rec = await m.wake(rec.id)
-    return m.set_timeout(rec.id, timeout)
+    await m.wake(rec.id)
+    return e2b.resume_clock(m, rec.id, timeout)
 
 
 async def _connect(m: SandboxManager, sandbox_id: str, timeout: int) -> JSONResponse:
@@ -330,7 +333,8 @@ async def fork(sandbox_id: str, m: Manager, body: ForkRequest | None = None) -> 
     if rec.state != State.RUNNING:
         raise Conflict(f"sandbox {sandbox_id} is {views.state_of(rec)}; connect to it first",
                        sandbox_id=sandbox_id)
-    opts = e2b.options(rec) or e2b.Options(template=rec.image)
+    opts = replace(e2b.options(rec) or e2b.Options(template=rec.image),
+                   timeout_s=body.timeout, wake_ttl_s=0.0)
     metadata: Any = e2b.with_options(views.user_metadata(rec), opts)
     snap = await m.snapshot(sandbox_id)
     results: list[ForkResult] = []
