@@ -13,7 +13,8 @@ Two files in the data directory (see ``hangar.layout``), both 0600::
 A plain SHA-256 (no salt, no slow hash) is enough because every named key
 is random: 32 bytes (256 bits) made by ``generate``, or 20 bytes (160 bits)
 in E2B's format (``e2b_`` and 40 hex digits, ``generate_e2b``, for
-programs written for E2B's SDKs): there is nothing to guess. ``HANGAR_API_KEY``, when set, takes the place of the ``api-key`` file.
+programs written for E2B's SDKs): there is nothing to guess.
+``HANGAR_API_KEY``, when set, takes the place of the ``api-key`` file.
 
 A key is *weak* (``weakness``) when it is shorter than ``MIN_LENGTH``
 characters, has fewer than ``MIN_DISTINCT`` distinct characters, repeats a

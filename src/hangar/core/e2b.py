@@ -10,8 +10,8 @@ its sandbox agent's protocol, envd (``hangar.api.envd``, under
     a sandbox's envd access token (E2B's ``envdAccessToken``), derived,
     never stored: HMAC-SHA256 under the server's port key (``<data>/port-key``,
     ``hangar.core.ports``) of ``e2b-envd-access:v1:<sandbox id>``, 64 hex
-    digits. Every sandbox has one (E2B's SDK creates only secured sandboxes),
-    and it changes with no sandbox but with the port key.
+    digits. Every sandbox has one (E2B's SDK creates only secured sandboxes);
+    it stays the same for the sandbox's life unless the port key is replaced.
 ``Options`` / ``options`` / ``envs``
     what a create through ``/e2b`` asked for beyond Hangar's own fields
     (the template name it used, default environment variables, what a

@@ -321,7 +321,7 @@ async def resume(sandbox_id: str, m: Manager, body: ResumedSandbox | None = None
     return views.created(m, await _wake(m, rec, body.timeout))
 
 
-# -- fork -------------------------------------------------------------------------------------------
+# -- fork -----------------------------------------------------------------------------------------
 
 @router.post("/sandboxes/{sandbox_id}/fork", status_code=201, response_model=list[ForkResult])
 async def fork(sandbox_id: str, m: Manager, body: ForkRequest | None = None) -> list[ForkResult]:
