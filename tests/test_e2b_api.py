@@ -116,10 +116,18 @@ def test_templates_are_hangars_images_and_a_missing_one_is_a_404_naming_it(
                        match=r"^404: template 'no-such-template' is not built on this server"):
         Sandbox.create("no-such-template")
     if (server.data_dir / "images" / "code-interpreter").exists():
-        pytest.skip("the code-interpreter template is built here")
+        # built here: the code interpreter's default name is that image
+        with httpx.Client(base_url=server.url + "/e2b", headers={"X-API-Key": e2b_key}) as c:
+            assert c.get("/templates/aliases/code-interpreter-v1").json() == {
+                "templateID": "code-interpreter", "public": True}
+            got = c.get("/templates/code-interpreter-v1").json()
+            assert got["templateID"] == "code-interpreter"
+            assert "code-interpreter-v1" in got["names"]
+        return
     with pytest.raises(SandboxException, match=r"^404: template 'code-interpreter-v1' "
-                                               r"\(Hangar's template 'code-interpreter'\) is "
-                                               r"not built on this server"):
+                                               r"\(Hangar's image 'code-interpreter'\) is "
+                                               r"not built on this server: build it with "
+                                               r"`hangar image build code-interpreter`"):
         Sandbox.create("code-interpreter-v1")
 
 

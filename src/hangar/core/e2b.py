@@ -21,7 +21,7 @@ its sandbox agent's protocol, envd (``hangar.api.envd``, under
 ``resolve`` / ``templates``
     E2B template names onto Hangar's images, templates and snapshots
     (``base`` is Hangar's base image; the code interpreter's
-    ``code-interpreter-v1`` is Hangar's ``code-interpreter`` template).
+    ``code-interpreter-v1`` is Hangar's ``code-interpreter`` image).
 ``pauses_on_timeout``
     whether the reconcile loop puts a sandbox to sleep instead of removing it
     when its time to live runs out (E2B's ``autoPause``).
@@ -227,7 +227,7 @@ def resolve(manager: SandboxManager, template_id: str) -> Source:
 
     Raises InvalidRequest (an empty or malformed name), NotFound naming the template
     (nothing of that name is built here, e.g. ``code-interpreter-v1`` before Hangar's
-    ``code-interpreter`` template is built)."""
+    ``code-interpreter`` image is built)."""
     asked = template_id.strip()
     if not asked or "/" in asked or asked.startswith("."):
         raise InvalidRequest(f"bad template name {template_id!r}", template=template_id)
@@ -241,10 +241,10 @@ def resolve(manager: SandboxManager, template_id: str) -> Source:
     try:
         resolve_image(manager.layout, local)
     except NotFound:
-        also = f" (Hangar's template {local!r})" if local != name else ""
-        raise NotFound(f"template {asked!r}{also} is not built on this server: build it with "
-                       f"`hangar template build` (or `hangar image build`), or use 'base'",
-                       template=asked) from None
+        also = f" (Hangar's image {local!r})" if local != name else ""
+        raise NotFound(f"template {asked!r}{also} is not built on this server: build it "
+                       f"with `hangar image build {local}` (a recipe) or `hangar template "
+                       "build FILE` (a template), or use 'base'", template=asked) from None
     return Source("image", local, asked)
 
 
