@@ -44,7 +44,7 @@ from hangar.core.admission import default_size
 from hangar.core.commands import Command
 from hangar.core.lifecycle import State
 from hangar.core.store import SandboxRecord, SnapshotRecord
-from hangar.errors import HangarError, InvalidRequest, NotFound
+from hangar.errors import GuestError, HangarError, InvalidRequest, NotFound
 from hangar.images import list_images, resolve_image
 
 if TYPE_CHECKING:
@@ -331,17 +331,27 @@ def parse_sample(text: str, at: float) -> Metric:
                   disk_total=int(disk[1]) * 1024)
 
 
+SAMPLE_TIMEOUT_S = 30.0
+"""Longest a sample may take (it sleeps 0.2 s; an emulated guest on a busy host is slow)."""
+
+
 async def metrics(manager: SandboxManager, sandbox_id: str) -> Metric | None:
     """One sample of ``sandbox_id``'s guest, read inside it (a short command: about 0.3 s),
     or None when it is not running (a paused sandbox is not woken to be measured).
-    Raises NotFound, Gone, and the guest call's errors (Busy, Timeout, GuestError)."""
+    Raises NotFound, Gone, GuestError (no sample within ``SAMPLE_TIMEOUT_S``, or the
+    guest's figures could not be read), and the guest call's errors."""
     rec = sandbox(manager, sandbox_id)
     if rec.state != State.RUNNING:
         return None
-    result = await manager.exec(sandbox_id, Command(_SAMPLE, timeout_s=10.0))
-    if result.exit_code != 0:
-        return None
+    result = await manager.exec(sandbox_id, Command(_SAMPLE, timeout_s=SAMPLE_TIMEOUT_S))
+    if result.timed_out:
+        raise GuestError(f"sandbox {sandbox_id} gave no metrics within "
+                         f"{SAMPLE_TIMEOUT_S:.0f} s", sandbox_id=sandbox_id)
+    text = result.stdout.head.decode("utf-8", "replace")
     try:
-        return parse_sample(result.stdout.head.decode("utf-8", "replace"), time.time())
-    except (ValueError, KeyError, IndexError):
-        return None
+        if result.exit_code != 0:
+            raise ValueError(result.stderr.head.decode("utf-8", "replace")[:200])
+        return parse_sample(text, time.time())
+    except (ValueError, KeyError, IndexError) as exc:
+        raise GuestError(f"the metrics of sandbox {sandbox_id} could not be read in its "
+                         f"guest: {exc}", sandbox_id=sandbox_id) from None

@@ -189,7 +189,7 @@ async def list_v2(m: Manager, response: Response, metadata: str | None = None,
 @router.get("/sandboxes/metrics", response_model=SandboxesWithMetrics)
 async def metrics_of_many(m: Manager, sandbox_ids: str) -> SandboxesWithMetrics:
     """One sample of each running sandbox of ``sandbox_ids`` (comma-separated, at most 100);
-    unknown and paused ones are left out."""
+    unknown and paused ones, and those whose guest gives no sample, are left out."""
     ids = list(dict.fromkeys(s.strip() for s in sandbox_ids.split(",") if s.strip()))
     if not ids or len(ids) > 100:
         raise InvalidRequest("sandbox_ids: give 1 to 100 comma-separated ids",
@@ -199,7 +199,7 @@ async def metrics_of_many(m: Manager, sandbox_ids: str) -> SandboxesWithMetrics:
         try:
             views.shown(m, sid)
             sample = await e2b.metrics(m, sid)
-        except (NotFound, Busy):
+        except HangarError:  # gone, paused meanwhile, or its guest did not answer
             return None
         return views.metric(sample) if sample is not None else None
 
