@@ -39,7 +39,6 @@ from e2b import ConnectionConfig
 from e2b import Sandbox as E2BSandbox
 from packaging.version import Version
 
-from hangar.api.envd.tokens import token_from_key
 from hangar.api.envd.versions import ENVD_VERSION
 from hangar.client import Sandbox
 
@@ -66,9 +65,9 @@ def main() -> None:
     try:
         key = api_key(data_dir)
         with Sandbox.create(base_url=url, api_key=key) as sbx:
-            httpx.get(f"{url}/e2b/envd/health", headers={
-                "E2b-Sandbox-Id": sbx.id, "X-Access-Token": "wrong"})  # makes the port key
-            token = token_from_key((data_dir / "port-key").read_bytes(), sbx.id)
+            r = httpx.get(f"{url}/e2b/sandboxes/{sbx.id}", headers={"X-API-Key": key})
+            r.raise_for_status()
+            token = r.json()["envdAccessToken"]  # what E2B's control plane hands out
             cfg = ConnectionConfig(api_key="e2b_" + "0" * 40, sandbox_url=f"{url}/e2b/envd",
                                    extra_sandbox_headers={
                                        "E2b-Sandbox-Id": sbx.id, "E2b-Sandbox-Port": "49983",

@@ -1,16 +1,22 @@
 """E2B's data plane (envd) on a real microVM, driven by the unmodified ``e2b`` SDK.
 
 One server of this module's own (``HANGAR_DOMAIN=hangar.test``) runs one
-sandbox made through Hangar's own API; the SDK reaches it the way its docs
-allow for a custom data plane: ``E2B_SANDBOX_URL`` (``sandbox_url``) set to
-``<server>/e2b/envd``, the sandbox named by ``E2b-Sandbox-Id``, and the
-sandbox's envd access token in ``X-Access-Token``.
+sandbox made by the SDK's ``Sandbox.create`` through Hangar's E2B control
+plane (``api_url`` = ``<server>/e2b``, a key of ``hangar key add --e2b``);
+the SDK reaches envd at ``sandbox_url`` = ``<server>/e2b/envd`` (what
+``E2B_SANDBOX_URL`` sets), naming the sandbox in ``E2b-Sandbox-Id`` and
+sending its envd access token in ``X-Access-Token``. A few tests build the
+SDK's connection by hand, to send a wrong token or none.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import os
+import subprocess
+import sys
+import uuid
 import json
 import struct
 import time
@@ -27,9 +33,8 @@ from e2b.envd.process import process_pb
 from packaging.version import Version
 from protobuf import Oneof
 
-from conftest import Server, cleanup, free_port, make_data_dir
+from conftest import SRC, Server, cleanup, free_port, make_data_dir
 
-from hangar.api.envd.tokens import token_from_key
 from hangar.api.envd.versions import ENVD_VERSION
 
 pytestmark = pytest.mark.vm
@@ -38,25 +43,41 @@ DOMAIN = "hangar.test"
 
 
 class Env:
-    def __init__(self, srv: Server, api: httpx.Client, sid: str) -> None:
-        self.srv, self.api, self.sid = srv, api, sid
+    def __init__(self, srv: Server, api: httpx.Client, key: str, sbx: Sandbox) -> None:
+        self.srv, self.api, self.key = srv, api, key
+        self.sid, self.token = sbx.sandbox_id, sbx._envd_access_token
         self.url = f"{srv.url}/e2b/envd"
-        self.token = token_from_key((srv.data_dir / "port-key").read_bytes(), sid)
+        self.params = {"api_url": f"{srv.url}/e2b", "api_key": key, "sandbox_url": self.url}
 
     def headers(self, **extra: str) -> dict[str, str]:
         return {"E2b-Sandbox-Id": self.sid, "E2b-Sandbox-Port": "49983",
                 "X-Access-Token": self.token, **extra}
 
-    def sandbox(self, cls: type = Sandbox, token: str | None = None, **headers: str):
-        token = self.token if token is None else token
+    def sandbox(self) -> Sandbox:
+        """The sandbox as E2B's SDK connects to it (``Sandbox.connect``)."""
+        return Sandbox.connect(self.sid, **self.params)
+
+    def by_hand(self, token: str, **headers: str) -> Sandbox:
+        """The SDK's connection built by hand, with ``token`` (or none) and ``headers``."""
         extra = {"E2b-Sandbox-Id": self.sid, "E2b-Sandbox-Port": "49983", **headers}
         if token:
             extra["X-Access-Token"] = token
-        cfg = ConnectionConfig(api_key="e2b_" + "0" * 40, sandbox_url=self.url,
+        cfg = ConnectionConfig(api_key=self.key, sandbox_url=self.url,
                                extra_sandbox_headers=extra)
-        return cls(sandbox_id=self.sid, envd_version=Version(ENVD_VERSION),
-                   envd_access_token=token or None, sandbox_domain=DOMAIN,
-                   connection_config=cfg)
+        return Sandbox(sandbox_id=self.sid, envd_version=Version(ENVD_VERSION),
+                       envd_access_token=token or None, sandbox_domain=DOMAIN,
+                       connection_config=cfg)
+
+
+def e2b_key(srv: Server) -> str:
+    """A key made by ``hangar key add NAME --e2b`` (in E2B's format)."""
+    r = subprocess.run([sys.executable, "-m", "hangar.cli", "key", "add",
+                        f"envd-{uuid.uuid4().hex[:8]}", "--e2b"],
+                       env={**os.environ, "PYTHONPATH": str(SRC),
+                            "HANGAR_DATA_DIR": str(srv.data_dir)},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +86,13 @@ def env(base_image: Path) -> Iterator[Env]:
     srv = Server(d, free_port(), {"HANGAR_DOMAIN": DOMAIN})
     try:
         srv.start()
+        key = e2b_key(srv)
         with srv.client() as c:
-            r = c.post("/sandboxes", json={})
-            assert r.status_code == 201, r.text
-            sid = r.json()["id"]
-            # A wrong token: 401 (and the server's port key, the tokens' secret, exists now).
-            r = httpx.get(f"{srv.url}/e2b/envd/health",
-                          headers={"E2b-Sandbox-Id": sid, "X-Access-Token": "wrong"})
-            assert r.status_code == 401, r.text
-            yield Env(srv, c, sid)
+            sbx = Sandbox.create("base", timeout=3600, api_url=f"{srv.url}/e2b", api_key=key,
+                                 sandbox_url=f"{srv.url}/e2b/envd")
+            assert sbx.get_info().envd_version == ENVD_VERSION
+            yield Env(srv, c, key, sbx)
+            sbx.kill()
     finally:
         leaked = cleanup(srv)
         assert not leaked, f"VMM processes outlived the module: {leaked}"
@@ -106,7 +125,7 @@ def test_commands_run_sync(env: Env) -> None:
 
 def test_commands_run_async(env: Env) -> None:
     async def main() -> None:
-        sbx = env.sandbox(AsyncSandbox)
+        sbx = await AsyncSandbox.connect(env.sid, **env.params)
         r = await sbx.commands.run("echo $A-$B >&2", envs={"A": "x", "B": "y"})
         assert (r.exit_code, r.stdout, r.stderr) == (0, "", "x-y\n")
         assert (await sbx.commands.run("pwd", cwd="/usr")).stdout == "/usr\n"
@@ -265,10 +284,10 @@ def test_pty_create_input_resize_kill(env: Env) -> None:
 
 def test_access_token_key_and_refusals(env: Env) -> None:
     with pytest.raises(AuthenticationException):
-        env.sandbox(token="0" * 64).commands.run("true")
+        env.by_hand(token="0" * 64).commands.run("true")
     with pytest.raises(AuthenticationException):
-        env.sandbox(token="").files.read("/etc/hostname")
-    assert env.sandbox(token="", **{"X-API-Key": env.srv.key}).commands.run(
+        env.by_hand(token="").files.read("/etc/hostname")
+    assert env.by_hand(token="", **{"X-API-Key": env.srv.key}).commands.run(
         "echo key").stdout == "key\n"
     with httpx.Client(base_url=env.url, timeout=60) as c:
         r = c.get("/health", headers=env.headers())

@@ -3,7 +3,8 @@
 On the guest's table of processes that outlive their connection (the core's
 ``SandboxManager.processes``). Start runs ``ProcessConfig`` (``cmd`` and
 ``args`` as an argv, no shell of its own: E2B's SDK sends ``/bin/bash -l -c
-<command>``; ``envs`` added to the guest's environment; ``cwd``, default
+<command>``; ``envs`` over the sandbox's own, those its E2B create named,
+added to the guest's environment; ``cwd``, default
 the guest's home; a pty when asked; a stdin pipe unless ``stdin`` is false)
 and streams its start (the guest's pid), output (stdout/stderr, or pty) and
 end (exit code; ``exited`` false and status ``signal: ...`` when a signal
@@ -24,6 +25,7 @@ from google.protobuf.message import Message
 
 from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
 from hangar.api.envd.messages import P
+from hangar.core import e2b
 from hangar.core.commands import Command
 from hangar.core.processes import ProcessInfo, ProcessOutput
 from hangar.errors import HangarError
@@ -84,7 +86,11 @@ async def start(req: Any, call: Call) -> AsyncIterator[Message]:
     cfg = req.process
     if not cfg.cmd:
         raise RpcError("invalid_argument", "process.cmd is empty")
-    cmd = Command(command=cfg.cmd, args=list(cfg.args), env=dict(cfg.envs) or None,
+    try:
+        envs = {**e2b.envs(env.manager, env.sandbox_id), **dict(cfg.envs)}
+    except HangarError as exc:
+        raise rpc_error(exc) from None
+    cmd = Command(command=cfg.cmd, args=list(cfg.args), env=envs or None,
                   cwd=cfg.cwd if cfg.HasField("cwd") and cfg.cwd else None)
     pty = (req.pty.size.cols or 80, req.pty.size.rows or 24) if req.HasField("pty") else None
     items = env.manager.processes.start_attached(

@@ -10,7 +10,8 @@ ones refused.
                             ``application/octet-stream`` (``path`` needed; ``Content-Encoding:
                             gzip`` read); parent folders made; answers
                             ``[{"name", "type": "file", "path"}]``
-``GET /envs``               the environment a command gets (a JSON object)
+``GET /envs``               the environment a command gets: the guest's, and those the
+                            sandbox's E2B create named (a JSON object)
 ``GET /metrics``            CPU count and use, memory and disk, read in the guest
 ``/init``, ``/freeze``,     403: E2B's orchestrator's own, never served from outside
 ``/unfreeze``, ``/fsfreeze``,
@@ -35,6 +36,7 @@ from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from hangar.api.envd.fs_entries import absolute
+from hangar.core import e2b
 from hangar.core.commands import Command
 from hangar.errors import HangarError, InvalidRequest
 
@@ -189,6 +191,7 @@ async def _envs(scope: Scope, receive: Receive, send: Send, query: dict[str, str
         k, sep, v = item.decode(errors="replace").partition("=")
         if sep and k:
             out[k] = v
+    out.update(e2b.envs(envd.manager, envd.sandbox_id))
     await _json(send, 200, out)
 
 

@@ -1,9 +1,10 @@
 """Who may use a sandbox's envd: its access token, a Hangar key, or a signed file URL.
 
-Every sandbox has an envd access token, derived from the server's port key
-and the sandbox id (HMAC-SHA256, domain-separated; 64 hex digits), never
-stored. E2B's control plane (``hangar.api.e2b``) hands it out as
-``envdAccessToken``; the SDK sends it back in ``X-Access-Token``. A
+Every sandbox has an envd access token (``hangar.core.e2b.access_token``:
+derived from the server's port key and the sandbox id, never stored). E2B's
+control plane (``hangar.api.e2b``) hands it out as ``envdAccessToken`` and
+``trafficAccessToken``; the SDK sends it back in ``X-Access-Token`` (the
+code interpreter's SDK, to its port, in ``E2B-Traffic-Access-Token``). A
 request is admitted when it carries that token, or a valid Hangar API key
 in ``X-API-Key`` (sandboxes made through Hangar's own API), or, for
 ``/files``, the SDK's signature of the path, operation, user and expiry:
@@ -17,25 +18,15 @@ import hashlib
 import hmac
 import time
 
+from hangar.core.e2b import access_token, check_access_token
 from hangar.core.sandboxes import SandboxManager
 
-_DOMAIN = b"e2b-envd-access:v1:"
-
-
-def token_from_key(key: bytes, sandbox_id: str) -> str:
-    """The envd access token of ``sandbox_id`` under the port key ``key`` (64 hex digits)."""
-    return hmac.new(key, _DOMAIN + sandbox_id.encode(), hashlib.sha256).hexdigest()
-
-
-def access_token(manager: SandboxManager, sandbox_id: str) -> str:
-    """The envd access token of ``sandbox_id`` on this server (64 hex digits)."""
-    return token_from_key(manager.ports.key.key(), sandbox_id)
+__all__ = ["access_token", "signature", "signature_ok", "token_ok"]
 
 
 def token_ok(manager: SandboxManager, sandbox_id: str, given: str | None) -> bool:
     """Whether ``given`` is ``sandbox_id``'s access token (constant time)."""
-    return bool(given) and hmac.compare_digest(
-        given.encode(), access_token(manager, sandbox_id).encode())  # type: ignore[union-attr]
+    return check_access_token(manager, sandbox_id, given)
 
 
 def signature(token: str, path: str, operation: str, user: str,
