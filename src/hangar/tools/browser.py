@@ -23,6 +23,7 @@ from hangar.errors import HangarError
 from hangar.images.recipes import CHROMIUM_FLAGS
 from hangar.tools.backend import Backend, SandboxInfo
 from hangar.tools.results import ToolResult
+from hangar.tools.toolset import Handler
 from hangar.tools.tunnel import LocalTunnel
 from hangar.tools.vm import VmTools
 
@@ -68,6 +69,29 @@ def png_size(png: bytes) -> tuple[int, int]:
     return struct.unpack(">II", png[16:24])  # type: ignore[return-value]
 
 
+def _message(exc: BaseException) -> str:
+    """The first line of a Playwright error's message, at most 1000 characters."""
+    text = str(getattr(exc, "message", None) or exc).strip()
+    return (text.splitlines() or [""])[0][:1000]
+
+
+def _on_page(handler: Handler) -> Handler:
+    """``handler`` for the page: a failed result when the browser is not running, and
+    Playwright's errors (timeouts, net::ERR_...) as failed results with their message."""
+    async def on_page(tools: BrowserTools, args: dict[str, Any],
+                      time_left: float | None) -> ToolResult:
+        if tools.page is None:
+            return ToolResult.failure("the browser is not running")
+        from playwright.async_api import Error as PlaywrightError
+
+        try:
+            return await handler(tools, args, time_left)
+        except PlaywrightError as exc:
+            return ToolResult.failure(_message(exc))
+
+    return on_page
+
+
 class BrowserTools(VmTools):
     """The vm tools plus ``browser_navigate``, ``browser_interact`` and
     ``browser_screenshot`` on one page of the guest's Chromium."""
@@ -80,6 +104,8 @@ class BrowserTools(VmTools):
         self._pw: Any = None
         self._browser: Any = None
         self.page: Any = None
+        self.load_error: str | None = None
+        """Why the last navigation failed; None once a page has loaded."""
 
     async def prepare(self) -> None:
         """Work folder, Chromium, tunnel, Playwright. Raises HangarError when Chromium
@@ -116,24 +142,12 @@ class BrowserTools(VmTools):
                 pass
         self._browser = self._pw = self.page = self.tunnel = None
 
-    async def call(self, name: str, args: dict[str, Any], time_left: float | None) -> ToolResult:
-        if not name.startswith("browser_"):
-            return await super().call(name, args, time_left)
-        if self.page is None:
-            return ToolResult.failure("the browser is not running")
-        from playwright.async_api import Error as PlaywrightError
-
-        try:
-            if name == "browser_navigate":
-                return await self.navigate(args, time_left)
-            if name == "browser_interact":
-                return await self.interact(args)
-            if name == "browser_screenshot":
-                return await self.screenshot(args)
-        except PlaywrightError as exc:
-            return ToolResult.failure(str(exc.message if hasattr(exc, "message") else exc)
-                                      .strip().splitlines()[0][:1000])
-        return ToolResult.failure(f"the browser tier has no tool {name!r}")
+    def _not_loaded(self) -> str | None:
+        """Why the current page never loaded (a failed navigation, or Chromium's own error
+        page), or None."""
+        if self.load_error is None and str(self.page.url).startswith("chrome-error://"):
+            return "the browser shows an error page"
+        return self.load_error
 
     async def _page_text(self) -> tuple[str, bool]:
         text = str(await self.page.evaluate(
@@ -144,7 +158,15 @@ class BrowserTools(VmTools):
         timeout = float(args.get("timeout_s") or NAVIGATE_TIMEOUT_S)
         if time_left is not None:
             timeout = max(0.1, min(timeout, time_left))
-        resp = await self.page.goto(str(args["url"]), wait_until="load", timeout=timeout * 1000)
+        from playwright.async_api import Error as PlaywrightError
+
+        try:
+            resp = await self.page.goto(str(args["url"]), wait_until="load",
+                                        timeout=timeout * 1000)
+        except PlaywrightError as exc:
+            self.load_error = f"{args['url']} did not load: {_message(exc)}"
+            raise
+        self.load_error = None
         status = resp.status if resp is not None else None
         title = await self.page.title()
         text, cut = await self._page_text()
@@ -154,7 +176,12 @@ class BrowserTools(VmTools):
                           error=None if ok else f"HTTP status {status}", truncated=cut,
                           data={"url": self.page.url, "status": status, "title": title})
 
-    async def interact(self, args: dict[str, Any]) -> ToolResult:
+    async def interact(self, args: dict[str, Any], time_left: float | None) -> ToolResult:
+        """One action on the page. A page that never loaded fails at once, with the reason
+        (no element of it will ever appear, so waiting out the timeout would tell nothing)."""
+        why = self._not_loaded()
+        if why is not None:
+            return ToolResult.failure(f"{why}; open a page with browser_navigate first")
         page, action = self.page, args["action"]
         sel = args.get("selector")
         ms = float(args.get("timeout_s") or ACTION_TIMEOUT_S) * 1000
@@ -234,12 +261,19 @@ class BrowserTools(VmTools):
                 return
             except PlaywrightError:
                 pass
+        self.load_error = "the page did not finish loading"
         raise PlaywrightTimeout(f"Timeout {NAVIGATE_TIMEOUT_S * 1000:.0f}ms exceeded: the page "
                                 "did not finish loading")
 
-    async def screenshot(self, args: dict[str, Any]) -> ToolResult:
+    async def screenshot(self, args: dict[str, Any], time_left: float | None) -> ToolResult:
         png = await self.page.screenshot(full_page=bool(args.get("full_page")), type="png",
                                          timeout=NAVIGATE_TIMEOUT_S * 1000)
         w, h = png_size(png)
         return ToolResult(ok=True, output=f"screenshot {w}x{h} pixels", image=png,
                           data={"width": w, "height": h, "url": self.page.url})
+
+    HANDLERS = {**VmTools.HANDLERS,
+                "browser_navigate": _on_page(navigate),
+                "browser_interact": _on_page(interact),
+                "browser_screenshot": _on_page(screenshot)}
+
