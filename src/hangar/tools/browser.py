@@ -9,8 +9,10 @@ the display's size) with its DevTools endpoint on the guest's loopback
 route, and attaches Playwright with ``connect_over_cdp``. Playwright is the
 well-kept client; no browser is downloaded: the one in the guest is Debian's.
 
-Under software emulation (TCG) Chromium needs 30-60 s before its first page;
-``prepare`` waits up to ``START_TIMEOUT_S``.
+Under software emulation (TCG) Chromium needs 30-60 s before its first page on an
+idle machine, minutes on a busy one; ``prepare`` waits up to ``START_TIMEOUT_S``.
+The flags are the desktop image's (``hangar.images.recipes.CHROMIUM_FLAGS``),
+passed again here so that an image built before a change of them gets them too.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from hangar.tools.tunnel import LocalTunnel
 from hangar.tools.vm import VmTools
 
 DEVTOOLS_PORT = 9222
-START_TIMEOUT_S = 240.0
-"""Seconds ``prepare`` waits for the desktop and Chromium's DevTools endpoint."""
+START_TIMEOUT_S = 600.0
+"""Seconds ``prepare`` waits for the desktop and Chromium's DevTools endpoint (a guard
+against a hang: on a busy 2-core host under TCG, Chromium's start takes minutes)."""
 NAVIGATE_TIMEOUT_S = 120.0
 LOAD_EVENT_S = 20.0
 """Seconds an action waits for the ``load`` event alone before also asking the document
@@ -164,7 +167,8 @@ class BrowserTools(VmTools):
             resp = await self.page.goto(str(args["url"]), wait_until="load",
                                         timeout=timeout * 1000)
         except PlaywrightError as exc:
-            self.load_error = f"{args['url']} did not load: {_message(exc)}"
+            self.load_error = (f"{args['url']} did not load: "
+                               + _message(exc).removeprefix("Page.goto: "))
             raise
         self.load_error = None
         status = resp.status if resp is not None else None
