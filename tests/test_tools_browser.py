@@ -87,7 +87,8 @@ class Paint:
 
 
 @pytest.fixture(scope="session")
-def first_paint(api: httpx.Client, desktop_image: Path) -> Paint:
+def first_paint(api: httpx.Client, desktop_image: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Paint:
     """Time, once per session, how long Chromium takes from its start to a page on the X
     screen (what ``/screenshot``, VNC and a computer-use model see), as a user starts it:
     ``chromium --kiosk URL`` in a desktop sandbox of the defaults. The browser tests derive
@@ -125,7 +126,10 @@ def first_paint(api: httpx.Client, desktop_image: Path) -> Paint:
                     titled = time.monotonic() - started
         paint = Paint(time.monotonic() - started, titled, shot, api.post(
             f"/sandboxes/{sid}/exec", json={"command": "cat /tmp/chromium.log"}).json()["stdout"])
-        print(f"chromium first paint: {paint.seconds:.0f} s (title after {titled} s)",
+        saved = tmp_path_factory.mktemp("paint") / "first-paint.png"
+        saved.write_bytes(shot)
+        print(f"chromium first paint: {paint.seconds:.0f} s (title after "
+              f"{titled if titled is None else round(titled)} s); the screen: {saved}",
               file=sys.stderr)
         return paint
     finally:
@@ -183,6 +187,11 @@ def test_browser_task_fills_a_form(browser: ht.SyncTask, api: httpx.Client,
     assert done.ok, done
     assert done.data["title"] == "Thanks"
     assert "Welcome Ada Lovelace, plan pro" in done.output
+    deadline = time.monotonic() + wait  # the X screen (what computer use sees) shows it too
+    while share(api.post(f"/sandboxes/{browser.sandbox_id}/screenshot",
+                         params={"format": "png"}).content, (255, 255, 255)) > 0.999:
+        assert time.monotonic() < deadline, "the X screen stayed white"
+        time.sleep(1)
     shot = browser.call("browser_screenshot", {})
     assert shot.ok and shot.image is not None and shot.image[:8] == b"\x89PNG\r\n\x1a\n"
     assert (shot.data["width"], shot.data["height"]) == (1024, 768)
