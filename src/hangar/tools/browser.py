@@ -40,6 +40,15 @@ LOAD_EVENT_S = 20.0
 ACTION_TIMEOUT_S = 30.0
 MAX_TEXT_CHARS = 100_000
 
+DRIVEN_FLAGS = (
+    "--disable-backgrounding-occluded-windows",
+    "--disable-renderer-backgrounding",
+    "--disable-background-timer-throttling",
+)
+"""Flags for a Chromium driven over DevTools (those Playwright gives a browser it launches
+itself): a page is never throttled as hidden, so its animation frames, which a click's
+stability check waits for, keep coming."""
+
 LAUNCH = r"""
 import json, os, socket, subprocess, sys, time
 deadline = time.monotonic() + float(sys.argv[1])
@@ -116,7 +125,8 @@ class BrowserTools(VmTools):
         await super().prepare()
         r = await self.backend.exec(
             self.sid, "python3",
-            args=["-c", LAUNCH, str(START_TIMEOUT_S), str(DEVTOOLS_PORT), *CHROMIUM_FLAGS],
+            args=["-c", LAUNCH, str(START_TIMEOUT_S), str(DEVTOOLS_PORT), *CHROMIUM_FLAGS,
+                  *DRIVEN_FLAGS],
             timeout_s=START_TIMEOUT_S + 30)
         if r.exit_code != 0:
             raise HangarError("the browser did not start: "
