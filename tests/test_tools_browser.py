@@ -110,13 +110,17 @@ def first_paint(api: httpx.Client, desktop_image: Path,
             ">/tmp/chromium.log 2>&1 </dev/null &"), "timeout": 30})
         assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
         titled: float | None = None
-        seen = 0.0
+        seen, shot, failed = 0.0, b"", ""
         while seen < 0.5:
             took = time.monotonic() - started
             assert took < PAINT_GUARD_S, f"the page never showed ({seen:.0%} green, title " \
-                                         f"seen after {titled} s)"
+                                         f"seen after {titled} s{failed})"
             time.sleep(2)
-            shot = api.post(f"/sandboxes/{sid}/screenshot", params={"format": "png"}).content
+            r = api.post(f"/sandboxes/{sid}/screenshot", params={"format": "png"})
+            if r.status_code != 200:  # e.g. a busy guest's 504: ask again, say it if it stays
+                failed = f"; the last screenshot failed: {r.status_code} {r.text[:200]}"
+                continue
+            shot, failed = r.content, ""
             seen = share(shot, GREEN)
             if titled is None:
                 names = api.post(f"/sandboxes/{sid}/exec", json={
