@@ -625,3 +625,13 @@ class _WebSocket(_Exchange):
                 if proto.state is not WsState.CLOSED:
                     close.update(code=1011, reason="the guest closed the connection")
             events = proto.events_received()
+
+
+async def forward_admitted(scope: Scope, receive: Receive, send: Send, target: Target,
+                           manager: SandboxManager, state: Any) -> None:
+    """Forward one request (HTTP or WebSocket) to ``target``, its caller having admitted it
+    already (E2B's data plane, by the sandbox's access token): no exposure is needed."""
+    cls = _Http if scope["type"] == "http" else _WebSocket
+    exchange = cls(scope, receive, send, target, manager, state)
+    exchange.admit = lambda: None  # type: ignore[assignment, method-assign, return-value]
+    await exchange.run()
