@@ -45,7 +45,7 @@ MAX_JSON_BYTES = 4 << 20
 """Largest JSON answer of a context call, bytes."""
 MAX_LINE_BYTES = 64 << 20
 """Longest NDJSON line of ``execute`` (a result with a large image), bytes."""
-REQUEST_S = 120.0
+REQUEST_S = 300.0
 """Longest a context call (a kernel start or restart under emulation) may take, seconds."""
 
 
