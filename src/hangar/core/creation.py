@@ -1,4 +1,5 @@
-"""Creating sandboxes: from the warm pool when one fits, else a cold boot; and forks.
+"""Creating sandboxes: from the warm pool when one fits, else restored from the image's
+template snapshot (``hangar.core.templates``), else a cold boot; and forks.
 
 Every create writes its record (``creating``) under admission, brings the
 VM up, and moves the record to ``running`` by compare-and-set. A create
@@ -41,7 +42,8 @@ class Creation:
 
     async def create(self, opts: CreateOptions,
                      placement: Placement | None = None) -> SandboxRecord:
-        """A running sandbox, from the warm pool when one fits, else booted cold.
+        """A running sandbox, from the warm pool when one fits, else restored from its
+        image's template snapshot (made first if missing), else booted cold.
 
         ``placement``: the id a cluster claimed for it (a pool VM, which has its own
         id, is then not used).
@@ -64,10 +66,13 @@ class Creation:
         rec = self.admission.new_record(sid or new_id(), State.CREATING, image, opts, network)
         async with self.admission.slot(memory_mib=rec.memory_mib):
             self.ctx.store.add(rec)
-        return await self.bring_up(
-            rec, lambda: self.launcher.boot(rec, image, {State.CREATING},
-                                            crash_step="create.booting"),
-            "cold", started)
+
+        async def start() -> str:
+            _rt, source = await self.launcher.start_new(rec, image, {State.CREATING},
+                                                        crash_step="create.booting")
+            return source
+
+        return await self.bring_up(rec, start, "cold", started)
 
     async def _from_pool(self, opts: CreateOptions, image: GuestImage,
                          started: float) -> SandboxRecord | None:
@@ -96,6 +101,9 @@ class Creation:
                        source: str, started: float, **fields: Any) -> SandboxRecord:
         """Run ``start`` for a record in ``creating``, then move it to ``running`` with ``fields``.
 
+        ``source``: the path it took (``cold``, ``pool``, ``fork``), unless ``start``
+        returns one (``template`` or ``cold``: ``Launcher.start_new``).
+
         On failure the VM and the record are removed and the error raised;
         if a delete took the record meanwhile, raises Conflict ("deleted
         while being created") instead.
@@ -103,7 +111,9 @@ class Creation:
         ctx = self.ctx
         with ctx.registry.creating(rec.id):
             try:
-                await start()
+                took_path = await start()
+                if isinstance(took_path, str):
+                    source = took_path
                 rec = ctx.store.transition(rec.id, State.CREATING, State.RUNNING, source=source,
                                            **fields)
             except BaseException as exc:
