@@ -207,7 +207,7 @@ def test_a_rebuilt_template_makes_new_sandboxes_and_old_ones_run_on(
         assert sh(c, new["id"], "cat /srv/version").strip() == "two"
         # the old build's sandbox and snapshot keep working
         assert sh(c, old["id"], "cat /srv/version; cat /root/mark").split() == ["one", "kept"]
-        r = c.post(f"/snapshots/{snap}/fork", json={})
+        r = c.post(f"/snapshots/{snap}/sandboxes", json={})
         assert r.status_code == 201, r.text
         fork = r.json()["id"]
         assert sh(c, fork, "cat /srv/version; cat /root/mark").split() == ["one", "kept"]

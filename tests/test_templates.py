@@ -88,7 +88,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def built(base_image: Path, folder: Path) -> Iterator[dict[str, Any]]:
     """The Debian template, built with the CLI; every template of this run removed after."""
     try:
-        first = hangar_cli("template", "build", "-f", str(folder / "t.toml"))
+        first = hangar_cli("template", "build", "--no-snapshot", "-f", str(folder / "t.toml"))
         assert first.returncode == 0, first.stderr[-3000:]
         build_id, build_dir = first.stdout.split()
         yield {"id": build_id, "dir": Path(build_dir), "stderr": first.stderr}

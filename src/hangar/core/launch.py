@@ -93,7 +93,8 @@ class Launcher:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.net = network_manager(ctx.settings)
-        self.templates = TemplateSnapshots(ctx, self.net)
+        self.templates = TemplateSnapshots(ctx.settings, ctx.layout, ctx.engine, self.net,
+                                           ctx.publish)
 
     # -- network -----------------------------------------------------------------
 

@@ -45,17 +45,18 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hangar.core.context import Context
+from hangar.config import Settings
 from hangar.core.startup import needs_start, run_template
 from hangar.engines.agent_client import exec_meta
-from hangar.engines.base import VM, VMSpec
+from hangar.engines.base import VM, Engine, VMSpec
 from hangar.engines.snapshot_io import read_manifest
 from hangar.errors import EngineError, GuestError, HangarError, NotFound, Timeout
 from hangar.images import GuestImage
-from hangar.layout import ImagePaths
+from hangar.layout import ImagePaths, Layout
 from hangar.net import NetAttachment, NetworkManager
 
 log = logging.getLogger("hangar.templates")
@@ -74,29 +75,34 @@ FORGET_SECRETS = ("rm -f /etc/ssh/ssh_host_*_key /etc/ssh/ssh_host_*_key.pub; "
 class TemplateSnapshots:
     """Finds, checks and makes images' booted snapshots. One per server."""
 
-    def __init__(self, ctx: Context, net: NetworkManager | None) -> None:
-        self.ctx = ctx
+    def __init__(self, settings: Settings, layout: Layout, engine: Engine,
+                 net: NetworkManager | None,
+                 publish: Callable[..., None] | None = None) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.engine = engine
         self.net = net
+        self.publish = publish or (lambda *_a, **_k: None)
         self._locks: dict[str, asyncio.Lock] = {}
         self._failed: dict[str, float] = {}  # key -> until when creates boot cold
 
     @property
     def enabled(self) -> bool:
         """Whether creates restore template snapshots on this server."""
-        return (bool(getattr(self.ctx.settings, "template_snapshots", True))
-                and hasattr(self.ctx.engine, "snapshot") and hasattr(self.ctx.engine, "restore"))
+        return (bool(getattr(self.settings, "template_snapshots", True))
+                and hasattr(self.engine, "snapshot") and hasattr(self.engine, "restore"))
 
     def spec(self, sandbox_id: str, image: GuestImage, vcpus: int, memory_mib: int,
              disk_mib: int, kernel_args: tuple[str, ...] = (),
              net: NetAttachment | None = None, template_source: bool = False) -> VMSpec:
-        return VMSpec(sandbox_id, image, self.ctx.layout.sandbox(sandbox_id), vcpus, memory_mib,
+        return VMSpec(sandbox_id, image, self.layout.sandbox(sandbox_id), vcpus, memory_mib,
                       disk_mib, hostname=sandbox_id, kernel_args=kernel_args, net=net,
                       template_source=template_source)
 
     def key(self, image: GuestImage, vcpus: int, memory_mib: int, disk_mib: int,
             kernel_args: tuple[str, ...] = (), nic: str | None = None) -> str:
         """Hex SHA-256 (24 digits) of every input of the snapshot (module docstring)."""
-        engine = self.ctx.engine
+        engine = self.engine
         spec = self.spec("key", image, vcpus, memory_mib, disk_mib, kernel_args)
         machine = engine.machine_args(spec) if hasattr(engine, "machine_args") else [
             str(vcpus), str(memory_mib)]
@@ -113,7 +119,7 @@ class TemplateSnapshots:
 
     def usable(self, path: Path, image: GuestImage, spec: VMSpec) -> str | None:
         """None when the snapshot in ``path`` can be restored for ``spec``, else why not."""
-        engine = self.ctx.engine
+        engine = self.engine
         try:
             m = read_manifest(path, engine.name)
         except NotFound:
@@ -162,7 +168,7 @@ class TemplateSnapshots:
                 if why != "missing":
                     log.warning("template snapshot unusable: made again", extra={
                         "image": image.id, "key": key, "reason": why})
-                    self.ctx.engine.release_snapshot(dest)
+                    self.engine.release_snapshot(dest)
                     shutil.rmtree(dest, ignore_errors=True)
                 try:
                     await self._make(image, key, dest, vcpus, memory_mib, disk_mib,
@@ -182,8 +188,7 @@ class TemplateSnapshots:
                     memory_mib: int, disk_mib: int, kernel_args: tuple[str, ...],
                     nic: str | None) -> None:
         """Boot, start, check, forget per-host secrets, save into ``dest`` (atomically)."""
-        ctx = self.ctx
-        engine = ctx.engine
+        engine = self.engine
         sid = f"{BUILD_PREFIX}{secrets.token_hex(6)}"
         stage = dest.parent / f".{key}.tmp-{sid}"
         t0 = time.monotonic()
@@ -196,7 +201,7 @@ class TemplateSnapshots:
                                                   else _policy_for(nic))
             vm = await engine.boot(self.spec(sid, image, vcpus, memory_mib, disk_mib,
                                              kernel_args, net, template_source=True))
-            agent = await engine.connect_agent(vm, ctx.settings.boot_timeout_s)
+            agent = await engine.connect_agent(vm, self.settings.boot_timeout_s)
             if needs_start(image.template):
                 await run_template(agent, image.template or {}, name=image.name,
                                    sandbox_id=sid)
@@ -208,7 +213,7 @@ class TemplateSnapshots:
                 await agent.close()
             if vm is not None:
                 await engine.stop(vm)
-            shutil.rmtree(ctx.layout.sandbox(sid).dir, ignore_errors=True)
+            shutil.rmtree(self.layout.sandbox(sid).dir, ignore_errors=True)
             shutil.rmtree(stage, ignore_errors=True)
             if net is not None and self.net is not None:
                 try:
@@ -219,7 +224,7 @@ class TemplateSnapshots:
         took = round(time.monotonic() - t0, 3)
         log.info("template snapshot made", extra={"image": image.id, "key": key,
                                                    "duration_s": took})
-        ctx.publish("template.snapshot", None, image=image.name, key=key, duration_s=took)
+        self.publish("template.snapshot", None, image=image.name, key=key, duration_s=took)
 
     def remove_all(self, image: GuestImage) -> int:
         """Delete every template snapshot of ``image``'s build; returns how many."""
@@ -228,7 +233,7 @@ class TemplateSnapshots:
         if files.template_snapshots.is_dir():
             for d in files.template_snapshots.iterdir():
                 if d.is_dir():
-                    self.ctx.engine.release_snapshot(d)
+                    self.engine.release_snapshot(d)
                     shutil.rmtree(d, ignore_errors=True)
                     n += 1
         return n
@@ -250,3 +255,33 @@ def nic_of(network: dict[str, Any] | None) -> str | None:
     sandboxes with any policy share one snapshot: the key only says there is a NIC.
     """
     return None if not network else json.dumps({"egress": "internet"})
+
+
+def make_for_build(layout: Layout, image: GuestImage, say: Callable[[str], None],
+                   settings: Settings | None = None) -> Path | None:
+    """Make ``image``'s template snapshot now, for a build command (``hangar image build``,
+    ``hangar template build``), in the shape this host's server would use (its settings:
+    engine, default sizes and disk, guest networking); returns its folder, or None when
+    this engine makes none (the server then boots cold). Blocks; boots a VM.
+
+    Raises GuestError or Timeout when the template's start command or ready check fails.
+    """
+    import asyncio as _asyncio
+
+    from hangar.core.admission import default_size
+    from hangar.core.launch import network_manager
+    from hangar.server import pick_engine
+
+    settings = settings or Settings()
+    if not settings.template_snapshots:
+        return None
+    engine = pick_engine(settings, layout)  # the server's engine, tuning and all
+    net = network_manager(settings)
+    vcpus, memory = default_size(image, settings)
+    nic = nic_of({"egress": "internet"}) if net is not None and net.mode == "tap" else None
+    say(f"{image.id}: booting it for its template snapshot")
+    t = TemplateSnapshots(settings, layout, engine, net)
+    made = _asyncio.run(t.ensure(image, vcpus, memory, settings.default_disk_mib, (), nic))
+    say(f"{image.id}: template snapshot {made}" if made else
+        f"{image.id}: no template snapshot on this engine; sandboxes boot cold")
+    return made
