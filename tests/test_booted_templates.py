@@ -99,6 +99,7 @@ def server(template: Any) -> Iterator[Server]:
         yield srv
     finally:
         leaked = cleanup(srv)
+        shutil.copy(srv.log, Path("/tmp") / f"{NAME}-server.log")  # for a failure's story
         shutil.rmtree(d, ignore_errors=True)
         assert not leaked, f"VMM processes outlived the module: {leaked}"
 
