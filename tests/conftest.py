@@ -5,6 +5,13 @@ The guest image is built once per machine into ``$HANGAR_DATA_DIR``
 free port with a private data directory whose ``images`` links to that
 cache. Every VM a test makes is deleted when it ends, and the session
 fails if any VMM process of its data directory outlives it.
+
+Waiting: ``wait_for(check, timeout, what)`` is the one polling helper.
+Waits on a VM (a boot, a wake, a restore, a guest that must notice
+something) come from this machine's own speed, never from constants tuned
+on another: the session fixture ``waits`` times one cold boot of the base
+image on the session's server, and ``waits.vm(k)`` is ``k`` boots, at
+least ``VM_WAIT_FLOOR_S``.
 """
 
 from __future__ import annotations
@@ -17,14 +24,56 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
 
 SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
 SRC = Path(__file__).resolve().parents[1] / "src"
+
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T], timeout: float, what: str, *, every: float = 0.1) -> T:
+    """Call ``check`` every ``every`` seconds until it returns something truthy; return that.
+
+    Raises AssertionError naming ``what`` and the last value when ``timeout``
+    seconds pass first.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} "
+                                 f"(last: {got!r})")
+        time.sleep(every)
+
+
+VM_WAIT_FLOOR_S = 30.0
+"""The least any wait on a VM gets, seconds: a fast machine still has scheduling noise."""
+
+
+@dataclass(frozen=True)
+class Waits:
+    """Deadlines for waits on VMs, from one cold boot timed on this machine.
+
+    ``boot_s`` is the wall time of ``POST /sandboxes`` for the base image
+    (VMM start, kernel, init, agent; seconds). ``vm(k)`` is ``k`` such
+    boots, at least ``floor`` (default ``VM_WAIT_FLOOR_S``): use it for
+    anything that waits on a guest (a boot, a wake, a restore, a TTL that a
+    VM must honour).
+    """
+
+    boot_s: float
+
+    def vm(self, k: float, floor: float = VM_WAIT_FLOOR_S) -> float:
+        return max(floor, k * self.boot_s)
 
 
 def vmm_pids(marker: str) -> list[int]:
@@ -149,6 +198,20 @@ def server(base_image: Path) -> Iterator[Server]:
     leaked = cleanup(srv)
     shutil.rmtree(d, ignore_errors=True)
     assert not leaked, f"VMM processes outlived the session: {leaked}"
+
+
+@pytest.fixture(scope="session")
+def waits(server: Server) -> Waits:
+    """This machine's VM deadlines (``Waits``), from one cold boot timed on the session's
+    server. Printed once, so a slow run says how slow its machine was."""
+    with server.client() as c:
+        started = time.monotonic()
+        r = c.post("/sandboxes", json={})
+        took = time.monotonic() - started
+        assert r.status_code == 201, r.text
+        c.delete(f"/sandboxes/{r.json()['id']}")
+    print(f"\none cold boot of the base image took {took:.1f} s here", file=sys.stderr)
+    return Waits(boot_s=took)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import Waits, wait_for
+
 from hangar.engines.boot_phases import PHASES, boot_phases
 from hangar.engines.memory import smaps_rollup
 
@@ -25,25 +27,14 @@ def pss_mib(pid: int) -> float:
     return smaps_rollup(pid)["Pss"] / 1024
 
 
-def wait_for(check, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} within {timeout:.0f} s")
-        time.sleep(0.5)
-
-
 @pytest.mark.vm
 def test_get_reports_host_memory_beside_the_guests_own(api: httpx.Client, sandbox: str,
-                                                       server) -> None:  # type: ignore[no-untyped-def]
+                                                       server, waits: Waits) -> None:  # type: ignore[no-untyped-def]
     def reported() -> dict | None:
         m = api.get(f"/sandboxes/{sandbox}").json()["memory"]
         return m if m and m["guest_used_mib"] is not None else None
 
-    m = wait_for(reported, 30, "the guest's balloon reported its memory")
+    m = wait_for(reported, waits.vm(3), "the guest's balloon reported its memory", every=0.5)
     info = api.get(f"/sandboxes/{sandbox}").json()
     pss = pss_mib(vmm_pid(server, sandbox))
     assert abs(m["host_mib"] - pss) < max(16, pss * 0.15), (m, pss)
@@ -58,7 +49,7 @@ def test_get_reports_host_memory_beside_the_guests_own(api: httpx.Client, sandbo
 
 @pytest.mark.vm
 def test_memory_the_guest_frees_goes_back_to_the_host(api: httpx.Client, sandbox: str,
-                                                      server) -> None:  # type: ignore[no-untyped-def]
+                                                      server, waits: Waits) -> None:  # type: ignore[no-untyped-def]
     pid = vmm_pid(server, sandbox)
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     assert any(a.startswith(b"virtio-balloon-device") and b"free-page-reporting=on" in a
@@ -76,11 +67,12 @@ def test_memory_the_guest_frees_goes_back_to_the_host(api: httpx.Client, sandbox
     holder = r["stdout"].strip()
     assert holder.isdigit(), r
     try:
-        wait_for(lambda: pss_mib(pid) > before + 200, 30, "the host held the guest's 256 MiB")
+        wait_for(lambda: pss_mib(pid) > before + 200, waits.vm(3),
+                 "the host held the guest's 256 MiB", every=0.5)
     finally:
         api.post(f"/sandboxes/{sandbox}/exec", json={"command": f"kill {holder}; rm -f /tmp/held"})
-    wait_for(lambda: pss_mib(pid) < before + 48, 60,
-             "the 256 MiB the guest freed went back to the host")
+    wait_for(lambda: pss_mib(pid) < before + 48, waits.vm(6, floor=60),
+             "the 256 MiB the guest freed went back to the host", every=0.5)
 
 
 @pytest.mark.vm

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from conftest import Server, vmm_pids
+from conftest import Server, Waits, vmm_pids, wait_for
 
 pytestmark = pytest.mark.vm
 
@@ -72,7 +72,8 @@ def readers(server: Server) -> Iterator[list[socket.socket]]:
 
 
 def test_slow_readers_keep_server_memory_flat(api: httpx.Client, sandbox: str, server: Server,
-                                              readers: list[socket.socket]) -> None:
+                                              readers: list[socket.socket],
+                                              waits: Waits) -> None:
     sid = sandbox
     assert server.proc is not None
     pid = server.proc.pid
@@ -131,14 +132,9 @@ def test_slow_readers_keep_server_memory_flat(api: httpx.Client, sandbox: str, s
     # The readers go away: the guest stops writing for them.
     for s in readers:
         s.close()
-    deadline = time.monotonic() + 30
-    left = ""
-    while time.monotonic() < deadline:
-        left = run(api, sid, "pgrep -x yes; pgrep -x head; pgrep -f fill-707[0]; true")["stdout"]
-        if not left.strip():
-            break
-        time.sleep(1)
-    assert not left.strip(), f"guest processes outlived their readers: {left!r}"
+    wait_for(lambda: not run(api, sid, "pgrep -x yes; pgrep -x head; pgrep -f fill-707[0]; "
+                                       "true")["stdout"].strip(),
+             waits.vm(4), "the guest's writers to end with their readers", every=1)
     assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
     assert run(api, sid, "head -c 3000000 /dev/zero | wc -c")["stdout"] == "3000000\n"
 
@@ -178,7 +174,7 @@ def test_a_tunnel_carries_more_than_a_window_both_ways_intact(api: httpx.Client,
 
 
 def test_a_frozen_agent_makes_the_sandbox_unresponsive(api: httpx.Client,
-                                                      fresh_sandbox: str) -> None:
+                                                      fresh_sandbox: str, waits: Waits) -> None:
     sid = fresh_sandbox
     r = api.post(f"/sandboxes/{sid}/pty", json={"command": "sleep 600", "grace": 600})
     assert r.status_code == 201, r.text
@@ -205,16 +201,12 @@ def test_a_frozen_agent_makes_the_sandbox_unresponsive(api: httpx.Client,
     assert api.delete(f"/sandboxes/{sid}/pty/{session}").status_code == 204
     assert time.monotonic() - t < 5
     # SIGCONT: the agent answers the server's probe and the sandbox runs again.
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and api.get(f"/sandboxes/{sid}").json()["state"] != "running":
-        time.sleep(0.5)
-    rec = api.get(f"/sandboxes/{sid}").json()
-    assert rec["state"] == "running" and rec["error"] is None
+    rec = wait_for(lambda: (x := api.get(f"/sandboxes/{sid}").json())["state"] == "running"
+                   and x, waits.vm(8, floor=60), "the thawed sandbox running", every=0.5)
+    assert rec["error"] is None, rec
     assert run(api, sid, "echo back")["stdout"] == "back\n"
-    deadline = time.monotonic() + 30
-    while run(api, sid, "pgrep -f 'sleep 60[0]' || true")["stdout"].strip():
-        assert time.monotonic() < deadline, "the terminal closed while frozen was never hung up"
-        time.sleep(0.5)
+    wait_for(lambda: not run(api, sid, "pgrep -f 'sleep 60[0]' || true")["stdout"].strip(),
+             waits.vm(4), "the hang-up of the terminal closed while frozen", every=0.5)
     # Frozen for good: still deletable, and the VMM is gone.
     r = api.post(f"/sandboxes/{sid}/exec", json={"command": "kill -STOP $PPID", "timeout": 1})
     assert r.status_code == 504

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from conftest import SRC, Server, cleanup, free_port, make_data_dir, vmm_pids
+from conftest import SRC, Server, Waits, cleanup, free_port, make_data_dir, vmm_pids, wait_for
 
 from hangar.client import Hangar
 
@@ -50,15 +50,14 @@ def test_five_sleep_wake_cycles_keep_every_file(api: httpx.Client) -> None:
     assert vmm_pids(sid) == []
 
 
-def test_calls_wake_a_sleeping_machine_and_idle_machines_sleep(api: httpx.Client) -> None:
+def test_calls_wake_a_sleeping_machine_and_idle_machines_sleep(api: httpx.Client,
+                                                               waits: Waits) -> None:
     m = api.post("/machines/idle-user", json={"idle_timeout": 4}).json()
     sid = m["sandbox_id"]
     try:
         run(api, sid, "sleep 600 & echo $! > /root/pid")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and api.get("/machines/idle-user").json()["state"] != "sleeping":
-            time.sleep(0.5)
-        assert api.get("/machines/idle-user").json()["state"] == "sleeping"
+        wait_for(lambda: api.get("/machines/idle-user").json()["state"] == "sleeping",
+                 4 + waits.vm(4), "the idle machine asleep", every=0.5)
         # Any call wakes it; its processes are still there.
         out = api.post("/machines/idle-user/exec",
                        json={"command": "kill -0 $(cat /root/pid) && echo alive"})
@@ -99,9 +98,12 @@ def test_snapshot_restore_fork_and_clock(api: httpx.Client, fresh_sandbox: str) 
     run(api, sid, "echo after > /root/state; kill $(cat /root/pid)")
     r = api.post(f"/sandboxes/{sid}/restore", json={"snapshot_id": snap["id"]})
     assert r.status_code == 200, r.text
+    asked = time.time()
     out = run(api, sid, "date +%s; cat /root/state; kill -0 $(cat /root/pid) && echo alive")
+    answered = time.time()
     guest_now, state, alive = out["stdout"].split()
-    assert abs(int(guest_now) - time.time()) <= 2
+    # The guest read its clock while the call ran (a loaded host makes that long, not wrong).
+    assert int(asked) - 1 <= int(guest_now) <= answered + 1, (asked, guest_now, answered)
     assert (state, alive) == ("before", "alive")
     # A restored copy is a machine of its own: same name, new machine-id, a generation.
     host, restored_id, restored_gen = identity(api, sid)
@@ -214,7 +216,7 @@ def test_server_crash_recovery(base_image) -> None:
     assert not leaked
 
 
-def test_warm_pool(base_image) -> None:
+def test_warm_pool(base_image, waits: Waits) -> None:  # noqa: ANN001
     d = make_data_dir(base_image)
     srv = Server(d, free_port(), {"HANGAR_POOL_SIZE": "2", "HANGAR_POOL_MAX_AGE_S": "600"})
     try:
@@ -225,20 +227,17 @@ def test_warm_pool(base_image) -> None:
                 line = next(x for x in text.splitlines() if x.startswith('hangar_sandboxes{state="pooled"}'))
                 return int(float(line.split()[-1]))
 
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and pooled() < 2:
-                time.sleep(0.5)
-            assert pooled() == 2
+            wait_for(lambda: pooled() == 2, waits.vm(8), "two pool VMs", every=0.5)
             assert c.get("/sandboxes").json()["sandboxes"] == [], "pool VMs are not listed"
             t = time.monotonic()
             sb = c.post("/sandboxes", json={}).json()
             took = time.monotonic() - t
             assert took < 3, f"a pooled create took {took:.1f} s"
-            assert abs(int(run(c, sb["id"], "date +%s")["stdout"]) - time.time()) <= 2
+            asked = time.time()
+            guest_now = int(run(c, sb["id"], "date +%s")["stdout"])
+            assert int(asked) - 1 <= guest_now <= time.time() + 1, (asked, guest_now)
             # The pool refills; the taken VM is never handed out again.
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and pooled() < 2:
-                time.sleep(0.5)
+            wait_for(lambda: pooled() == 2, waits.vm(8), "the pool refilled", every=0.5)
             others = [c.post("/sandboxes", json={}).json()["id"] for _ in range(2)]
             assert sb["id"] not in others and len(set(others)) == 2
             # A create with another shape does not use the pool.
@@ -267,7 +266,7 @@ def test_machine_cli(server: Server) -> None:
         assert hangar("machine", "rm", "cli-user").returncode == 0
 
 
-def test_pool_vms_are_replaced_after_their_maximum_age(base_image) -> None:
+def test_pool_vms_are_replaced_after_their_maximum_age(base_image, waits: Waits) -> None:  # noqa: ANN001
     d = make_data_dir(base_image)
     srv = Server(d, free_port(), {"HANGAR_POOL_SIZE": "1", "HANGAR_POOL_MAX_AGE_S": "6"})
 
@@ -276,14 +275,10 @@ def test_pool_vms_are_replaced_after_their_maximum_age(base_image) -> None:
 
     try:
         srv.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not pooled_ids():
-            time.sleep(0.5)
+        wait_for(pooled_ids, waits.vm(4), "a pool VM", every=0.5)
         (first,) = pooled_ids()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and (first in pooled_ids() or not pooled_ids()):
-            time.sleep(0.5)
-        assert first not in pooled_ids(), "the old pool VM was retired"
+        wait_for(lambda: first not in pooled_ids() and pooled_ids(), 6 + waits.vm(4),
+                 "the old pool VM retired and replaced", every=0.5)
         assert len(pooled_ids()) == 1, "and replaced by a fresh one"
         assert vmm_pids(first) == []
     finally:

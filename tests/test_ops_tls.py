@@ -137,14 +137,14 @@ def test_certificate_is_verified(proxy: Proxy, server: Server,
 def test_forwarded_headers_are_trusted_from_the_proxy_only(proxy: Proxy, server: Server) -> None:
     # Through nginx (127.0.0.1, trusted): Hangar sees https and builds https URLs.
     r = httpx.get(proxy.https + "/ui", verify=proxy.tls)
-    assert r.status_code in (301, 307), r.text
+    assert r.status_code == 307, r.text  # Starlette's redirect to the mount's slash
     assert r.headers["location"] == proxy.https + "/ui/"
     # From another address, the same header is ignored.
     transport = httpx.HTTPTransport(local_address="127.0.0.2")
     with httpx.Client(transport=transport) as c:
         r = c.get(server.url + "/ui", headers={"X-Forwarded-Proto": "https",
                                                "X-Forwarded-For": "203.0.113.9"})
-    assert r.status_code in (301, 307)
+    assert r.status_code == 307
     assert r.headers["location"].startswith("http://127.0.0.1:")
 
 
@@ -215,10 +215,6 @@ def test_file_upload_past_the_json_cap(proxy: Proxy, server: Server, tls_sandbox
 
 @vm
 def test_events_stream_through_the_proxy(proxy: Proxy, server: Server) -> None:
-    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
-    if "/events" not in paths:
-        pytest.skip("this server has no GET /events yet (it comes with the SDK work); "
-                    "run again once it has")
     seen: list[str] = []
     ready = threading.Event()
     done = threading.Event()

@@ -12,24 +12,14 @@ import time
 
 import pytest
 
-from conftest import Server, cleanup, free_port, make_data_dir, vmm_pids
+from conftest import Server, Waits, cleanup, free_port, make_data_dir, vmm_pids, wait_for
 
 pytestmark = pytest.mark.vm
 
 WAKE_DELAY_S = 60
 
 
-def wait_for(what: str, check, timeout: float = 60, every: float = 0.1):  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(every)
-
-
-def test_a_slow_wake_delays_no_other_sandbox(base_image) -> None:
+def test_a_slow_wake_delays_no_other_sandbox(base_image, waits: Waits) -> None:  # noqa: ANN001
     d = make_data_dir(base_image)
     srv = Server(d, free_port(), {"HANGAR_TEST_WAKE_DELAY_S": str(WAKE_DELAY_S)})
     try:
@@ -58,17 +48,16 @@ def test_a_slow_wake_delays_no_other_sandbox(base_image) -> None:
             # Ask for a wake and let the reconcile loop do it: it is held for 60 s.
             r = c.post("/machines/slow/wake", params={"wait": "false"})
             assert r.status_code == 202 and r.json()["desired_state"] == "active"
-            wait_for("the wake", lambda: c.get("/machines/slow").json()["state"] == "waking")
+            wait_for(lambda: c.get("/machines/slow").json()["state"] == "waking", 60, "the wake")
 
             started = time.monotonic()
             assert c.post(f"/sandboxes/{ttl}/timeout", json={"timeout": 2}).status_code == 200
             os.kill(victim, signal.SIGKILL)
-            wait_for("the crash to be noticed",
-                     lambda: c.get(f"/sandboxes/{crashing}").json()["state"] == "failed",
-                     timeout=WAKE_DELAY_S)
+            wait_for(lambda: c.get(f"/sandboxes/{crashing}").json()["state"] == "failed",
+                     WAKE_DELAY_S, "the crash to be noticed")
             crashed_after = time.monotonic() - started
-            wait_for("the expiry", lambda: c.get(f"/sandboxes/{ttl}").status_code == 410,
-                     timeout=WAKE_DELAY_S)
+            wait_for(lambda: c.get(f"/sandboxes/{ttl}").status_code == 410, WAKE_DELAY_S,
+                     "the expiry")
             expired_after = time.monotonic() - started
             assert c.get("/machines/slow").json()["state"] == "waking", "the wake is still held"
             # Far below the 60 s the wake is held (and what a loop running it inline would take).
@@ -85,20 +74,23 @@ def test_a_slow_wake_delays_no_other_sandbox(base_image) -> None:
         srv.env.pop("HANGAR_TEST_WAKE_DELAY_S")
         srv.start()
         with srv.client() as c:
-            rec = wait_for("the wake's error on the record",
-                           lambda: (x := c.get(f"/sandboxes/{m}").json()).get("error") and x,
-                           timeout=120, every=0.2)
+            # Between two tries a failed wake rests asleep, its error on the record (a try
+            # in progress shows ``waking`` with the last error: wait for the rest).
+            rec = wait_for(lambda: (x := c.get(f"/sandboxes/{m}").json()).get("error")
+                           and x["state"] == "sleeping" and x,
+                           waits.vm(8, floor=120), "the wake's error on the record", every=0.2)
             assert rec["error"].startswith("wake failed"), rec
-            assert rec["state"] in ("sleeping", "waking")
 
-            def waits() -> list[float]:
+            def retries() -> list[float]:
                 lines = [json.loads(x) for x in srv.log.read_text().splitlines()
                          if '"action": "wake"' in x]
                 return [x["retry_in_s"] for x in lines]
 
-            got = wait_for("a retried wake", lambda: len(waits()) >= 2 and waits(), timeout=60)
+            got = wait_for(lambda: len(retries()) >= 2 and retries(), waits.vm(4, floor=60),
+                           "a retried wake")
             assert got == [2.0 * 2 ** i for i in range(len(got))], f"no backoff: {got}"
-            assert c.get(f"/sandboxes/{m}").json()["state"] in ("sleeping", "waking")
+            wait_for(lambda: c.get(f"/sandboxes/{m}").json()["state"] == "sleeping",
+                     waits.vm(4, floor=60), "the machine asleep between two tries")
     finally:
         leaked = cleanup(srv)
         shutil.rmtree(d, ignore_errors=True)

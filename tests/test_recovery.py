@@ -15,18 +15,26 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import time
 from pathlib import Path
 from typing import Callable
 
 import httpx
 import pytest
 
-from conftest import Server, cleanup, free_port, make_data_dir, vmm_pids
+from conftest import Server, Waits, cleanup, free_port, make_data_dir, vmm_pids, wait_for
 
 pytestmark = pytest.mark.vm
 
 SETTLED = ("running", "sleeping")
+VM_S = 240.0
+"""How long a step may take to settle (a boot, a restore, a wake), seconds: set from this
+machine's measured boot by ``vm_waits``."""
+
+
+@pytest.fixture(autouse=True)
+def vm_waits(waits: Waits) -> None:
+    global VM_S
+    VM_S = waits.vm(20, floor=90)
 
 
 def run(c: httpx.Client, sid: str, command: str) -> str:
@@ -74,7 +82,7 @@ def crash_at(srv: Server, step: str, call: Callable[[httpx.Client], httpx.Respon
         else:
             pytest.fail(f"{step}: the call answered {r.status_code} {r.text[:200]}")
     assert srv.proc is not None
-    assert srv.proc.wait(60) == -signal.SIGKILL, f"{step}: the server did not kill itself"
+    assert srv.proc.wait(VM_S) == -signal.SIGKILL, f"{step}: the server did not kill itself"
     start(srv)
     with open(srv.log, "rb") as f:
         f.seek(offset)
@@ -88,22 +96,18 @@ def crash_at(srv: Server, step: str, call: Callable[[httpx.Client], httpx.Respon
     assert not [x for x in lines[died:] if x.get("level") == "error"], lines[died:]
 
 
-def settle(c: httpx.Client, timeout: float = 240) -> dict[str, str]:
+def settle(c: httpx.Client) -> dict[str, str]:
     """Sandboxes by state once none is in a transient state."""
-    deadline = time.monotonic() + timeout
-    while True:
-        states = {s["id"]: s["state"] for s in c.get("/sandboxes").json()["sandboxes"]}
-        if all(s in SETTLED for s in states.values()):
-            return states
-        assert time.monotonic() < deadline, f"never settled: {states}"
-        time.sleep(0.3)
+    def states() -> tuple[dict[str, str]] | None:  # a tuple: no sandbox at all is settled too
+        now = {s["id"]: s["state"] for s in c.get("/sandboxes").json()["sandboxes"]}
+        return (now,) if all(s in SETTLED for s in now.values()) else None
+
+    return wait_for(states, VM_S, "every sandbox settled", every=0.3)[0]
 
 
-def machine_state(c: httpx.Client, user: str, want: str, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while (state := c.get(f"/machines/{user}").json()["state"]) != want:
-        assert time.monotonic() < deadline, f"machine is {state}, never {want}"
-        time.sleep(0.3)
+def machine_state(c: httpx.Client, user: str, want: str) -> None:
+    wait_for(lambda: c.get(f"/machines/{user}").json()["state"] == want, VM_S,
+             f"the machine {want}", every=0.3)
 
 
 def consistent(d: Path, c: httpx.Client, expect: set[str], gone: set[str] = frozenset()) -> dict:
@@ -210,6 +214,43 @@ def test_a_server_killed_at_any_step_comes_back_consistent(base_image) -> None:
             assert c.delete(f"/snapshots/{snap}").status_code == 204
             consistent(d, c, set(), gone={m})
         assert list((d / "snapshots").iterdir()) == []
+    finally:
+        leaked = cleanup(srv)
+        shutil.rmtree(d, ignore_errors=True)
+    assert not leaked
+
+
+WAKES = 6
+
+
+def test_a_machine_slept_by_a_server_that_never_spoke_to_it_wakes_at_once(base_image) -> None:
+    """A server SIGKILLed, a new one that puts the machine to sleep before any call: the
+    guest was saved with no host on its agent port, its agent reopening the port in a loop.
+    Woken, the agent may greet the new host from a session it is already closing, so the
+    wake's first call (set_time) goes to a dead session; it must be sent again to the next
+    session at once, never wait out its 30 s deadline (a 504 before the fix)."""
+    d = make_data_dir(base_image)
+    srv = Server(d, free_port())
+    try:
+        start(srv)
+        with srv.client() as c:
+            r = c.post("/machines/asleep", json={"idle_timeout": 3600, "memory_mib": 256})
+            assert r.status_code == 201, r.text
+            m = r.json()["sandbox_id"]
+            run(c, m, "echo M > /root/who")
+        for _ in range(WAKES):
+            srv.kill(signal.SIGKILL)
+            start(srv)
+            with srv.client() as c:
+                assert c.post("/machines/asleep/snapshot").json()["state"] == "sleeping"
+                r = c.post(f"/sandboxes/{m}/exec", json={"command": "cat /root/who"})
+                assert r.status_code == 200 and r.json()["stdout"] == "M\n", r.text
+        log = [json.loads(x) for x in srv.log.read_text().splitlines() if x.startswith("{")]
+        new_sessions = [x for x in log if x.get("event") == "guest agent began a new session"]
+        resent = [x for x in log if "sent again" in str(x.get("event"))]
+        print(f"{len(new_sessions)} new agent sessions met, {len(resent)} resends, "
+              f"in {WAKES} wakes")
+        assert not [x for x in log if x.get("level") == "error"]
     finally:
         leaked = cleanup(srv)
         shutil.rmtree(d, ignore_errors=True)

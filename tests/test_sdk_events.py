@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import SRC, Server, cleanup, free_port, make_data_dir
+from conftest import SRC, Server, cleanup, free_port, make_data_dir, wait_for
 from tcpproxy import TcpProxy
 
 from hangar.client import (
@@ -25,14 +25,6 @@ from hangar.client import (
 )
 from hangar.errors import HangarError, InvalidRequest
 from hangar.cli.events_view import EventView
-
-
-def wait_for(cond: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def seqs(events: list[Event]) -> list[int]:

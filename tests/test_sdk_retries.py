@@ -21,10 +21,10 @@ from conftest import Server, free_port
 from tcpproxy import TcpProxy
 
 from hangar.client import Hangar, RetryPolicy
-from hangar.client._core import retry_delay
+from hangar.client._core import error_for, retry_delay
 from hangar.errors import (
-    HangarError, IdempotencyMismatch, InvalidRequest, LimitExceeded, NotFound, RequestTimeout,
-    Unavailable,
+    Busy, HangarError, IdempotencyMismatch, InvalidRequest, LimitExceeded, NotFound,
+    RequestTimeout, Timeout, Unavailable,
 )
 
 FAST = RetryPolicy(delays=(0.05, 0.1))
@@ -126,24 +126,70 @@ def test_a_timeout_says_whether_the_outcome_is_unknown(rec: Recorder) -> None:
             s.close()
 
 
-def test_retry_decisions() -> None:
+def test_retry_decisions_read_the_error_class() -> None:
     p = RetryPolicy()
+
+    def resp(status: int, code: str | None = None, **headers: str) -> httpx.Response:
+        body = {"error": {"code": code, "message": "m"}} if code else None
+        return httpx.Response(status, headers=headers, json=body)
+
     unavailable = Unavailable("x")
+    assert retry_delay(p, 0, unavailable) == 1.0
+    assert retry_delay(p, 1, unavailable) == 3.0
+    assert retry_delay(p, 2, unavailable) is None
+    # Each answer is mapped to its class first; the class's flag decides, and the
+    # server's Retry-After, when the class carries one, is the wait.
+    retried = {
+        resp(409, "busy", **{"Retry-After": "2"}): (Busy, 2.0),
+        resp(429, "limit_exceeded", **{"Retry-After": "7"}): (LimitExceeded, 7.0),
+        resp(504, "timeout"): (Timeout, 1.0),
+        resp(503): (Unavailable, 1.0),  # a proxy's own answers, no Hangar body
+        resp(502): (Unavailable, 1.0),
+        resp(504): (Timeout, 1.0),
+    }
+    for r, (cls, wait) in retried.items():
+        error = error_for(r)
+        assert type(error) is cls and error.retryable, (r, error)
+        assert retry_delay(p, 0, error) == wait, r
+    assert retry_delay(p, 0, error_for(resp(429, "limit_exceeded",
+                                            **{"Retry-After": "3600"}))) is None
+    for r in (resp(400, "invalid_request"), resp(401, "unauthorized"), resp(404, "not_found"),
+              resp(409, "conflict"), resp(409, "image_missing"), resp(410, "gone"),
+              resp(422, "idempotency_mismatch"), resp(502, "guest_error"),
+              resp(500, "engine_error"), resp(500)):
+        error = error_for(r)
+        assert not error.retryable and retry_delay(p, 0, error) is None, (r, error)
+    assert retry_delay(p, 0, InvalidRequest("x")) is None
 
-    def resp(status: int, **headers: str) -> httpx.Response:
-        return httpx.Response(status, headers=headers)
 
-    assert retry_delay(p, 0, unavailable, None) == 1.0
-    assert retry_delay(p, 1, unavailable, None) == 3.0
-    assert retry_delay(p, 2, unavailable, None) is None
-    for status in (502, 503, 504):
-        assert retry_delay(p, 0, HangarError("x"), resp(status)) == 1.0
-    limit = LimitExceeded("x", retry_after=7)
-    assert retry_delay(p, 0, limit, resp(429, **{"Retry-After": "7"})) == 7.0
-    assert retry_delay(p, 0, limit, resp(429, **{"Retry-After": "3600"})) is None
-    for status in (400, 401, 404, 409, 410, 422, 500):
-        assert retry_delay(p, 0, HangarError("x"), resp(status)) is None
-    assert retry_delay(p, 0, InvalidRequest("x"), None) is None
+@pytest.mark.vm
+def test_busy_is_retried_after_its_retry_after(server: Server, rec: Recorder) -> None:
+    """A snapshot asked for while a command runs is Busy (409, retryable); the SDK waits
+    the server's Retry-After and tries again until the command has ended."""
+    with Hangar(server.url, server.key) as direct:
+        sb = direct.create()
+        try:
+            started, ended = threading.Event(), threading.Event()
+
+            def command() -> None:
+                for ev in direct.exec_stream(sb.id, "echo go; sleep 3", timeout=60):
+                    if ev.type == "stdout":
+                        started.set()
+                ended.set()
+
+            threading.Thread(target=command, daemon=True).start()
+            assert started.wait(120), "the command never started"
+            with pytest.raises(Busy) as info:  # without retries, raised at once
+                rec.client(server.url, server.key, retry=RetryPolicy(delays=())).snapshot(sb.id)
+            assert info.value.retryable and len(rec.times) == 1
+            h = rec.client(server.url, server.key, retry=RetryPolicy(delays=(1.0,) * 20))
+            snap = h.snapshot(sb.id)
+            assert len(rec.times) >= 3, rec.times  # Busy, Busy (at least once), the snapshot
+            gaps = [b - a for a, b in zip(rec.times[1:], rec.times[2:])]
+            assert all(g >= info.value.retry_after - 0.05 for g in gaps), gaps
+            direct.delete_snapshot(snap.id)
+        finally:
+            direct.delete(sb.id)
 
 
 @pytest.mark.vm

@@ -30,8 +30,9 @@ from hangar.cli.common import (
 )
 from hangar.cli.key import app as key_app
 from hangar.cli.serve import serve
+from hangar.cli.status import status
 from hangar.cli.template import app as template_app
-from hangar.errors import HangarError
+from hangar.errors import Gone, HangarError, NotFound
 
 app = typer.Typer(help="Hangar: microVM sandboxes for AI agents.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -58,6 +59,7 @@ app.add_typer(node_app, name="node")
 app.add_typer(ops_cli.deploy_app, name="deploy")
 app.command("backup")(ops_cli.backup)
 app.command()(serve)
+app.command()(status)
 @image_app.command("build")
 def image_build(
     recipe: Annotated[str, typer.Argument(help="Recipe name.")] = "base",
@@ -208,11 +210,18 @@ def shell(
 
 @app.command()
 def rm(sandbox_ids: Annotated[list[str], typer.Argument()]) -> None:
-    """Delete sandboxes."""
+    """Delete sandboxes. One that expired or is already deleted is where rm would leave it:
+    that is said, and is no failure."""
     with sdk() as h:
         for sid in sandbox_ids:
-            h.delete(sid)
-            out.print(f"deleted {sid}")
+            try:
+                h.delete(sid)
+            except Gone:
+                out.print(f"{sid} had already expired; nothing to delete")
+            except NotFound:
+                out.print(f"no sandbox {sid} (already deleted, or never made); nothing to delete")
+            else:
+                out.print(f"deleted {sid}")
 
 
 @app.command()
@@ -224,19 +233,6 @@ def ttl(sandbox_id: str,
     out.print(f"{sb.id} expires "
               + (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sb.expires_at))
                  if sb.expires_at else "never"))
-
-
-@app.command()
-def status() -> None:
-    """The server's health and its warm pool."""
-    with sdk() as h:
-        health = h.health()
-        pool = h.pool()
-    engine = ", ".join(f"{k}={v}" for k, v in health.engine.items())
-    out.print(f"Hangar {health.version} at {h.base_url}: {health.status}; {health.sandboxes} "
-              f"sandboxes; engine {engine}")
-    out.print(f"warm pool ({pool.image}): {pool.ready} ready, {pool.starting} starting, "
-              f"{pool.size} wanted, replaced after {pool.max_age_s:.0f} s")
 
 
 @app.command()

@@ -9,6 +9,17 @@ attached again (``RECONNECTS`` times, ``RECONNECT_DELAY_S`` apart) from the
 last byte received, so nothing printed meanwhile is lost. The remote
 ``TERM`` is the local one when the guest is likely to know it, else
 ``xterm-256color``.
+
+When the standard input is not a terminal (``echo date | hangar shell ID``,
+a file, /dev/null), the session still runs on an 80x24 terminal, and the
+end of the input is a ctrl+d at the start of a line (see ``end_of_input``
+for a last line without a newline), as a user would type it. No command given, the
+shell is ``PIPED_SHELL``: bash with its line editor off, so the terminal
+stays in line mode. (With the editor on, a ctrl+d that arrives before bash
+has switched the terminal to its raw mode is turned into a NUL byte by the
+kernel's line discipline, so bash never sees the end, and the session
+would never end.) The command exits with the shell's status: its last
+command's.
 """
 
 from __future__ import annotations
@@ -28,6 +39,9 @@ from hangar.errors import HangarError
 
 RECONNECTS = 5
 RECONNECT_DELAY_S = 1.0
+PIPED_SHELL = ("if [ -x /bin/bash ]; then exec /bin/bash --noediting -l; "
+               "else exec /bin/sh -l; fi")
+"""The program of a session whose input is not a terminal, when no command is given."""
 KNOWN_TERMS = ("xterm", "xterm-256color", "xterm-color", "screen", "screen-256color", "tmux",
                "tmux-256color", "linux", "vt100", "vt220", "rxvt-unicode", "dumb")
 """Terminal types of Debian's ncurses-base, which every guest image has."""
@@ -47,6 +61,8 @@ def run(h: Hangar, sandbox_id: str, command: str | None = None, cwd: str | None 
     """Run the session until its program ends; the exit code to leave with."""
     fd_in, fd_out = sys.stdin.fileno(), sys.stdout.fileno()
     interactive = os.isatty(fd_in)
+    if not interactive and command is None:
+        command = PIPED_SHELL
     cols, rows = _size(fd_in if interactive else fd_out)
     local = os.environ.get("TERM", "")
     env = {"TERM": local if local in KNOWN_TERMS else "xterm-256color"}
@@ -95,9 +111,12 @@ def run(h: Hangar, sandbox_id: str, command: str | None = None, cwd: str | None 
         try:
             sel.register(fd_in, selectors.EVENT_READ, "in")
         except PermissionError:  # a regular file or /dev/null: no waiting, read it whole
+            last = b"\n"
             while data := os.read(fd_in, 1 << 14):
                 _send(term, lock, data=data)
-            _send(term, lock, data=b"\x04")
+                last = data[-1:]
+            _send(term, lock, data=end_of_input(last))
+        last = b"\n"
         sel.register(winch_r, selectors.EVENT_READ, "winch")
         sel.register(done_r, selectors.EVENT_READ, "done")
         while True:
@@ -114,7 +133,8 @@ def run(h: Hangar, sandbox_id: str, command: str | None = None, cwd: str | None 
                 data = os.read(fd_in, 1 << 14)
                 if not data:  # stdin ended (not a terminal): end of input for the program
                     sel.unregister(fd_in)
-                    data = b"\x04"
+                    data = end_of_input(last)
+                last = data[-1:]
                 _send(term, lock, data=data)
     finally:
         sel.close()
@@ -125,6 +145,17 @@ def run(h: Hangar, sandbox_id: str, command: str | None = None, cwd: str | None 
         for fd in (done_r, done_w, winch_r, winch_w):
             os.close(fd)
         term.close()
+
+
+def end_of_input(last: bytes) -> bytes:
+    """The keys that end a terminal's input in line mode after ``last`` was sent: ctrl+d.
+
+    After a line left open, the first ctrl+d only hands that line over; the
+    second ends the input of a program that reads bytes (``cat``), while a
+    shell takes it as the end of its last line and runs it, so a third ends
+    the shell's input too. One that is left over is an end of input still.
+    """
+    return b"\x04" if last in (b"\n", b"\r", b"\x04", b"") else b"\x04\x04\x04"
 
 
 def _send(term: Terminal, lock: threading.Lock, data: bytes | None = None,

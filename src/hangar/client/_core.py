@@ -38,17 +38,19 @@ class RetryPolicy:
     Safe calls are reads (GET), deletes, file writes (PUT) and creates
     (sandbox, snapshot, fork, machine), which carry an ``Idempotency-Key``
     that the server honours; ``exec`` only when the caller passes
-    ``retry=True``. They are retried after each of ``delays`` in turn
-    (seconds; the default, 1 s then 3 s, gives three attempts in all) on a
-    connection error, a timeout, or a status in ``statuses``; on 429 after
-    the server's ``Retry-After`` (at most ``max_retry_after`` seconds; a
-    longer wait is raised to the caller as ``LimitExceeded``). Other 4xx
-    answers are never retried. Delays come from the contract agent platforms
-    kept with their earlier client.
+    ``retry=True``. Whether a failure is retried is the error class's
+    ``retryable`` flag (``hangar.errors``), never a status code: a
+    connection error (``Unavailable``), a timeout (``Timeout``), ``Busy``
+    and ``LimitExceeded`` are; everything else is raised at once. An error
+    that carries the server's ``Retry-After`` (``Busy``, ``LimitExceeded``)
+    is retried after it (at most ``max_retry_after`` seconds; a longer wait
+    is raised to the caller); the others after each of ``delays`` in turn
+    (seconds; the default, 1 s then 3 s, gives three attempts in all).
+    Delays come from the contract agent platforms kept with their earlier
+    client.
     """
 
     delays: tuple[float, ...] = (1.0, 3.0)
-    statuses: frozenset[int] = frozenset({502, 503, 504})
     max_retry_after: float = 60.0
 
     @property
@@ -166,6 +168,8 @@ def error_for(resp: httpx.Response) -> HangarError:
     # proxy's own answer, an older server). One class may answer with several statuses
     # (``invalid_request``: 400, or 422 from request validation).
     cls = BY_CODE.get(code)
+    if cls is None and resp.status_code == 502:
+        cls = Unavailable  # a gateway's own 502: it could not reach Hangar (Hangar says guest_error)
     if cls is None:
         cls = next((c for c in BY_CODE.values() if c.status == resp.status_code), HangarError)
     try:
@@ -218,23 +222,20 @@ def transport_error(url: str, exc: httpx.TransportError, timeout_s: float) -> Ha
                        "unknown: the server may have acted on the request", outcome_unknown=True)
 
 
-def retry_delay(policy: RetryPolicy, attempt: int, error: HangarError,
-                resp: httpx.Response | None) -> float | None:
+def retry_delay(policy: RetryPolicy, attempt: int, error: HangarError) -> float | None:
     """Seconds to wait before attempt ``attempt + 1`` of a safe call, or None to give up.
 
-    ``attempt`` counts from 0; ``error`` is what the attempt raised (mapped),
-    ``resp`` its response when there was one.
+    ``attempt`` counts from 0; ``error`` is what the attempt raised (mapped
+    by ``error_for`` or ``transport_error``). The decision reads the class's
+    ``retryable`` flag; the wait is the error's ``retry_after`` when the
+    server sent one, else the policy's delay for this attempt.
     """
-    if attempt >= len(policy.delays):
+    if attempt >= len(policy.delays) or not error.retryable:
         return None
-    if resp is None:
-        return policy.delays[attempt] if error.retryable else None
-    if resp.status_code == 429:
-        wait = retry_after(resp)
-        return wait if wait <= policy.max_retry_after else None
-    if resp.status_code in policy.statuses:
+    wait = getattr(error, "retry_after", None)
+    if wait is None:
         return policy.delays[attempt]
-    return None
+    return float(wait) if wait <= policy.max_retry_after else None
 
 
 # -- bodies -----------------------------------------------------------------------------------

@@ -43,13 +43,19 @@ from hangar.engines.boot_phases import boot_phases
 from hangar.engines.boot_phases import describe as describe_phases
 from hangar.engines.snapshot_io import refresh_guest
 from hangar.errors import Conflict, HangarError, InvalidRequest, Timeout
+from hangar.engines.agent_client import AgentClient, SessionRestarted
 from hangar.guest import paths
-from hangar.engines.agent_client import AgentClient
 from hangar.images import GuestImage, resolve_pinned
 from hangar.core.admission import default_size
 from hangar.net import NetAttachment, NetworkManager, Policy
 
 log = logging.getLogger("hangar.launch")
+
+READY_TRIES = 3
+"""Tries of a restored guest's first calls (clock, entropy, identity, NIC), each safe to
+repeat, when the agent begins a new session before answering (``SessionRestarted``: a
+guest saved while no host was connected greets the new host from a session it is
+already closing)."""
 
 Ready = Callable[[AgentClient, NetAttachment | None], Awaitable[None]]
 
@@ -275,11 +281,19 @@ class Launcher:
         generation: list[int] = []
 
         async def ready(agent: AgentClient, net: NetAttachment | None) -> None:
-            await refresh_guest(agent)
-            if snap.kind == "user":
-                generation.append(await self.identity(agent, rec.id))
-            if net is not None:
-                await agent.exec(renet_meta(net))
+            for tried in range(1, READY_TRIES + 1):
+                try:
+                    await refresh_guest(agent)
+                    if snap.kind == "user" and not generation:
+                        generation.append(await self.identity(agent, rec.id))
+                    if net is not None:
+                        await agent.exec(renet_meta(net))
+                    return
+                except SessionRestarted:
+                    if tried == READY_TRIES:
+                        raise
+                    log.info("restored guest's first calls sent again to its agent's new "
+                             "session", extra={"sandbox_id": rec.id, "try": tried + 1})
 
         # The NIC must match the snapshot's devices: a snapshot with one gets one.
         rt = await self.launch(

@@ -81,8 +81,12 @@ async def serve_port(agent: Server) -> None:
         finally:
             # abort, not close: a write the absent host never read would
             # otherwise keep the port open (and busy) forever.
+            # A transport that a write error already closed must not be aborted
+            # again: asyncio's unix pipe transport would run its connection_lost
+            # twice (``'NoneType' object has no attribute 'close'`` on the console).
             rtrans.close()
-            wtrans.abort()
+            if not wtrans.is_closing():
+                wtrans.abort()
         await asyncio.sleep(0.05)  # host away: the port reads EOF until it returns
 
 

@@ -98,7 +98,7 @@ class AsyncHangar:
                     await resp.aread()
                     await resp.aclose()
                 error = _core.error_for(resp)
-            delay = _core.retry_delay(policy, attempt, error, resp) if retry else None
+            delay = _core.retry_delay(policy, attempt, error) if retry else None
             if delay is None:
                 raise error
             attempt += 1

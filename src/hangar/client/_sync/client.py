@@ -99,7 +99,7 @@ class Hangar:
                     resp.read()
                     resp.close()
                 error = _core.error_for(resp)
-            delay = _core.retry_delay(policy, attempt, error, resp) if retry else None
+            delay = _core.retry_delay(policy, attempt, error) if retry else None
             if delay is None:
                 raise error
             attempt += 1

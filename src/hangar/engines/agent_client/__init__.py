@@ -57,6 +57,7 @@ from hangar.engines.agent_client.client import AgentClient
 from hangar.engines.agent_client.connection import (
     ERRORS,
     PROBE_CHANNEL_BASE,
+    SessionRestarted,
     AgentChannel,
     Connection,
     Deadlines,
@@ -84,6 +85,7 @@ __all__ = [
     "ExecResult",
     "PtyChannel",
     "PtyExit",
+    "SessionRestarted",
     "StreamCapture",
     "Streams",
     "Tunnel",

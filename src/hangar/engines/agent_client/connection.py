@@ -49,6 +49,21 @@ ERRORS: dict[str, type[HangarError]] = {
 log = logging.getLogger("hangar.agent")
 
 
+
+class SessionRestarted(GuestError):
+    """The agent began a new session on this connection before it answered (502).
+
+    The guest agent serves its virtio-serial port one session at a time and
+    reopens the port whenever it reads the host's absence; each session
+    starts with a HELLO and ends by cancelling its requests. A request sent
+    to a session that was ending (or while the port was closed, when the
+    bytes are dropped) is never answered: it fails with this error as soon
+    as the next session's HELLO arrives. Nothing of it ran to completion in
+    the guest, so a request that is safe to repeat may be sent again at once
+    on the same connection.
+    """
+
+
 @dataclass(frozen=True)
 class Deadlines:
     """How long a guest may take before a call fails with ``Timeout`` (504), seconds.
@@ -282,12 +297,23 @@ class Connection:
                 ch.fail(GuestError("agent connection lost"), cancel=False)
 
     def _greeted_again(self, hello: dict[str, Any]) -> None:
-        """A HELLO on an open connection: a restarted agent has none of our requests."""
+        """A HELLO on an open connection: a new agent session, which has none of our requests.
+
+        A session writes its HELLO before it reads any request, so a HELLO
+        after the greeting is never the greeting session's own: the session
+        that had our requests has ended (see ``SessionRestarted``), or the
+        agent itself restarted (another ``boot_id`` or pid).
+        """
+        lost = sorted(ch.op for ch in self._channels.values())
         if hello.get("boot_id") == self.hello.get("boot_id"):
-            return
+            log.info("guest agent began a new session", extra={"in_flight": lost})
+            error: GuestError = SessionRestarted(
+                "the guest agent began a new session before it answered; the call was lost")
+        else:
+            error = GuestError("the guest agent restarted; the call was lost")
         self.hello = hello
         for ch in list(self._channels.values()):
-            ch.fail(GuestError("the guest agent restarted; the call was lost"), cancel=False)
+            ch.fail(error, cancel=False)
 
     @property
     def closed(self) -> bool:

@@ -28,12 +28,26 @@ COMMAND_S = 30.0
 @asynccontextmanager
 async def session(vm: VM) -> AsyncIterator[QMPClient]:
     """One QMP connection for a sequence of commands (``run``); EngineError if it cannot
-    connect. Disconnects on exit."""
-    client = QMPClient(f"hangar-{vm.sandbox_id}")
-    try:
-        await asyncio.wait_for(client.connect(str(vm.paths.qmp)), CONNECT_S)
-    except (TimeoutError, QMPError, OSError) as exc:
-        raise EngineError(f"QMP connect failed: {exc}", sandbox_id=vm.sandbox_id) from None
+    connect. Disconnects on exit.
+
+    QEMU's socket file exists from its ``bind()``; until its ``listen()`` a
+    connect is refused, a gap a busy host can stretch. A refused connect is
+    tried again (every 50 ms, within the same ``CONNECT_S``) while QEMU runs.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + CONNECT_S
+    while True:
+        client = QMPClient(f"hangar-{vm.sandbox_id}")
+        try:
+            await asyncio.wait_for(client.connect(str(vm.paths.qmp)),
+                                   max(0.1, deadline - loop.time()))
+            break
+        except (TimeoutError, QMPError, OSError) as exc:
+            refused = isinstance(getattr(exc, "exc", exc), ConnectionRefusedError)
+            if refused and loop.time() < deadline and vm.alive():
+                await asyncio.sleep(0.05)
+                continue
+            raise EngineError(f"QMP connect failed: {exc}", sandbox_id=vm.sandbox_id) from None
     try:
         yield client
     finally:
