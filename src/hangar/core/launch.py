@@ -202,15 +202,19 @@ class Launcher:
                                  expect, crash_step=crash_step, ready=ready)
 
     async def start_new(self, rec: SandboxRecord, image: GuestImage, expect: Collection[State],
-                        crash_step: str | None = None) -> tuple[Runtime, str]:
+                        crash_step: str | None = None,
+                        chosen: list[str] | None = None) -> tuple[Runtime, str]:
         """Bring up a new sandbox's VM: restored from its image's template snapshot
         (``hangar.core.templates``) when it can be, else booted cold; (runtime, source),
-        source ``template`` or ``cold``. On failure nothing is left but the record.
+        source ``template`` or ``cold`` (also put in ``chosen`` as soon as it is known).
+        On failure nothing is left but the record.
 
         Raises what ``boot``/``restore_template`` raise, and GuestError or
         Timeout when the template's start command or ready check fails.
         """
         snap = await self.template_for(rec, image)
+        if chosen is not None:  # the caller's failure log names the path
+            chosen[:] = ["cold" if snap is None else "template"]
         if snap is None:
             return await self.boot(rec, image, expect, crash_step=crash_step), "cold"
         return await self.restore_template(
