@@ -85,6 +85,7 @@ class TemplateSnapshots:
         self.publish = publish or (lambda *_a, **_k: None)
         self._locks: dict[str, asyncio.Lock] = {}
         self._failed: dict[str, float] = {}  # key -> until when creates boot cold
+        self._last: dict[tuple[Any, ...], Path] = {}  # (image name, shape) -> snapshot used
 
     @property
     def enabled(self) -> bool:
@@ -149,6 +150,7 @@ class TemplateSnapshots:
         dest = files.template_snapshot(key)
         probe = self.spec("probe", image, vcpus, memory_mib, disk_mib, kernel_args)
         if self.usable(dest, image, probe) is None:
+            self._note(image, (vcpus, memory_mib, disk_mib, kernel_args, nic), dest)
             return dest
         async with self._locks.setdefault(key, asyncio.Lock()):
             try:
@@ -180,9 +182,19 @@ class TemplateSnapshots:
                         "image": image.id, "key": key, "error": exc.message})
                     self._failed[key] = time.time() + RETRY_AFTER_S
                     return None
+                self._note(image, (vcpus, memory_mib, disk_mib, kernel_args, nic), dest)
                 return dest
             finally:
                 os.close(lock_fd)  # releases the flock
+
+    def _note(self, image: GuestImage, shape: tuple[Any, ...], dest: Path) -> None:
+        """Remember the snapshot this image and shape now restore; when it replaces another
+        (a rebuilt image, a new QEMU), release the old one's in-memory copy: running clones
+        keep their own mapping of it, and no new clone will come from it."""
+        before = self._last.get((image.name, shape))
+        self._last[(image.name, shape)] = dest
+        if before is not None and before != dest:
+            self.engine.release_snapshot(before)
 
     async def _make(self, image: GuestImage, key: str, dest: Path, vcpus: int,
                     memory_mib: int, disk_mib: int, kernel_args: tuple[str, ...],
