@@ -273,7 +273,8 @@ def make_for_build(layout: Layout, image: GuestImage, say: Callable[[str], None]
                    settings: Settings | None = None) -> Path | None:
     """Make ``image``'s template snapshot now, for a build command (``hangar image build``,
     ``hangar template build``), in the shape this host's server would use (its settings:
-    engine, default sizes and disk, guest networking); returns its folder, or None when
+    engine, default sizes and disk; a NIC only with ``HANGAR_NETWORK=tap``); returns its
+    folder, or None when
     this engine makes none (the server then boots cold). Blocks; boots a VM.
 
     Raises GuestError or Timeout when the template's start command or ready check fails.
@@ -288,9 +289,12 @@ def make_for_build(layout: Layout, image: GuestImage, say: Callable[[str], None]
     if not settings.template_snapshots:
         return None
     engine = pick_engine(settings, layout)  # the server's engine, tuning and all
-    net = network_manager(settings)
+    # A NIC only where the server's is certain (HANGAR_NETWORK=tap): "auto" may pick
+    # either mode, and a build command should not set up the host's bridge on a guess.
+    # Otherwise the server makes the NIC's variant itself on its first create.
+    net = network_manager(settings) if settings.network == "tap" else None
     vcpus, memory = default_size(image, settings)
-    nic = nic_of({"egress": "internet"}) if net is not None and net.mode == "tap" else None
+    nic = nic_of({"egress": "internet"}) if net is not None else None
     say(f"{image.id}: booting it for its template snapshot")
     t = TemplateSnapshots(settings, layout, engine, net)
     made = _asyncio.run(t.ensure(image, vcpus, memory, settings.default_disk_mib, (), nic))
