@@ -251,3 +251,61 @@ def test_a_start_command_that_exits_fails_at_once_with_its_log(server: Server,
         while len(vmm_pids(str(server.data_dir))) > before and time.monotonic() < deadline:
             time.sleep(0.2)
         assert len(vmm_pids(str(server.data_dir))) <= before
+
+
+# -- clones with NICs, on test_network.py's namespaces (engine level, as there) ------------
+
+from test_network import Guests, guests, manager, needs_netns, topology  # noqa: E402,F401
+
+
+@needs_netns
+def test_clones_of_one_template_get_their_own_mac_and_address_and_reach_the_network(
+        guests: Guests, tmp_path: Path) -> None:
+    """QEMU's saved virtio-net state holds the template's MAC: each clone is given its own
+    MAC and address from inside (``Launcher.restore_template``'s ``renet_meta``)."""
+    from hangar.core.launch import renet_meta
+    from hangar.engines.base import VMSpec
+    from hangar.engines.snapshot_io import refresh_guest
+
+    async def go() -> list[dict[str, str]]:
+        g = guests
+        net = await g.manager.attach_async("tpl-net", "internet")
+        g.nets["tpl-net"] = net
+        spec = VMSpec("tpl-net", g.image, g.layout.sandbox("tpl-net"), memory_mib=256, net=net,
+                      template_source=True)
+        vm = await g.engine.boot(spec)
+        g.vms["tpl-net"] = vm
+        agent = await g.engine.connect_agent(vm, 120)
+        await agent.exec({"op": "exec", "shell": "true", "timeout": 30})
+        dest = tmp_path / "tpl"
+        await g.engine.snapshot(vm, dest, template=True)
+        await agent.close()
+        await g.engine.stop(vm)
+        g.vms.pop("tpl-net")
+        out = []
+        for sid in ("sb-clone-a", "sb-clone-b"):
+            n = await g.manager.attach_async(sid, "internet")
+            g.nets[sid] = n
+            clone = await g.engine.restore(VMSpec(sid, g.image, g.layout.sandbox(sid),
+                                                  memory_mib=256, net=n), dest)
+            g.vms[sid] = clone
+            g.agents[sid] = a = await g.engine.connect_agent(clone, 120)
+            await refresh_guest(a)
+            r = await a.exec(renet_meta(n))
+            assert r.exit_code == 0, r.stderr.head
+            code, text = await g.sh(sid, "d=$(ls /sys/class/net | grep -v '^lo$' | head -n1); "
+                                         "cat /sys/class/net/$d/address; "
+                                         "ip -4 -o addr show dev $d | awk '{print $4}'")
+            assert code == 0, text
+            mac, addr = text.split()[:2]
+            probe = await g.probe(sid, "203.0.113.1:80")
+            out.append({"mac": mac, "addr": addr.split("/")[0], "want_mac": n.mac,
+                        "want_addr": n.ip, "body": probe["body"]})
+        g.engine.release_snapshot(dest)
+        return out
+
+    a, b = asyncio.run(go())
+    for c in (a, b):
+        assert c["mac"] == c["want_mac"] and c["addr"] == c["want_addr"], c
+        assert c["body"] == "hello from the stand-in internet\n", c
+    assert a["mac"] != b["mac"] and a["addr"] != b["addr"]
