@@ -61,7 +61,7 @@ def test_lifecycle_and_exec_events(base_image) -> None:
         "sandbox.created", "exec.started", "exec.finished", "exec.started", "exec.finished",
         "snapshot.created", "sandbox.deleted"]
     created, start1, end1, start2, end2, snapped, _ = mine
-    assert created["image"] == "base" and created["source"] == "template"
+    assert created["image"] == "base" and created["source"] == "cold"
     assert created["duration_s"] > 0
     assert "command" not in start1, "the command is shown only when asked for"
     assert start2["command"] == "echo shown; exit 3"
