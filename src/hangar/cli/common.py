@@ -88,7 +88,21 @@ def build_recipe(layout, name: str, force: bool = False,  # type: ignore[no-unty
             status.update(f"image {name}: {msg}")
             err.print(f"[dim]image {name}:[/dim] {msg}")
 
-        return build_image(layout, name, force=force, progress=progress, snapshot=snapshot)
+        img = build_image(layout, name, force=force, progress=progress)
+        if snapshot:
+            template_snapshot(layout, img, progress)
+        return img
+
+
+def template_snapshot(layout, image, say) -> None:  # type: ignore[no-untyped-def]
+    """A build command's last step: boot ``image`` with the server's engine and settings,
+    run its start command until its ready check passes, and save its template snapshot
+    (``hangar.core.templates.make_for_build``; reused when there is one)."""
+    from hangar.core.templates import make_for_build
+    from hangar.server import pick_engine
+
+    settings = server_settings(layout.root)
+    make_for_build(layout, image, pick_engine(settings, layout), settings, say)
 
 
 def pinned_images(layout) -> set[str]:  # type: ignore[no-untyped-def]

@@ -18,7 +18,9 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from hangar.cli.common import DataDir, err, fail, out, pinned_images, server_settings
+from hangar.cli.common import (
+    DataDir, err, fail, out, pinned_images, server_settings, template_snapshot,
+)
 from hangar.errors import HangarError
 
 app = typer.Typer(help="Templates: your own guest images (a TOML file, or an OCI image).",
@@ -50,8 +52,9 @@ def _build(layout, template, force: bool,  # type: ignore[no-untyped-def]
                                    highlight=False)
 
         try:
-            img = build_template(layout, template, force=force, progress=say,
-                                 snapshot=snapshot)
+            img = build_template(layout, template, force=force, progress=say)
+            if snapshot:
+                template_snapshot(layout, img, say)
         except HangarError as exc:
             progress.stop()
             fail(exc)

@@ -269,13 +269,13 @@ def nic_of(network: dict[str, Any] | None) -> str | None:
     return None if not network else json.dumps({"egress": "internet"})
 
 
-def make_for_build(layout: Layout, image: GuestImage, say: Callable[[str], None],
-                   settings: Settings | None = None) -> Path | None:
+def make_for_build(layout: Layout, image: GuestImage, engine: Engine, settings: Settings,
+                   say: Callable[[str], None]) -> Path | None:
     """Make ``image``'s template snapshot now, for a build command (``hangar image build``,
-    ``hangar template build``), in the shape this host's server would use (its settings:
-    engine, default sizes and disk; a NIC only with ``HANGAR_NETWORK=tap``); returns its
-    folder, or None when
-    this engine makes none (the server then boots cold). Blocks; boots a VM.
+    ``hangar template build``), with the server's ``engine`` and ``settings`` (so in the
+    shape its server uses: default sizes and disk; a NIC only with
+    ``HANGAR_NETWORK=tap``); returns its folder, or None when this engine makes none
+    (the server then boots cold). Blocks; boots a VM.
 
     Raises GuestError or Timeout when the template's start command or ready check fails.
     """
@@ -283,12 +283,9 @@ def make_for_build(layout: Layout, image: GuestImage, say: Callable[[str], None]
 
     from hangar.core.admission import default_size
     from hangar.core.launch import network_manager
-    from hangar.server import pick_engine
 
-    settings = settings or Settings()
     if not settings.template_snapshots:
         return None
-    engine = pick_engine(settings, layout)  # the server's engine, tuning and all
     # A NIC only where the server's is certain (HANGAR_NETWORK=tap): "auto" may pick
     # either mode, and a build command should not set up the host's bridge on a guess.
     # Otherwise the server makes the NIC's variant itself on its first create.

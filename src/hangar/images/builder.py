@@ -151,38 +151,17 @@ def host_mirror(suite: str, sources: Path = DEBIAN_SOURCES) -> str | None:
 
 
 def build_image(layout: Layout, name: str, *, force: bool = False,
-                progress: Progress | None = None, snapshot: bool = False) -> GuestImage:
+                progress: Progress | None = None) -> GuestImage:
     """Build recipe ``name`` into a new immutable build, or reuse one; return it.
 
     Without ``force`` a build of the recipe's current digest is reused (well
     under a second); otherwise, or when there is none, a new build is made
     (one to a few minutes, debootstrap) with a new id, and the ``<name>``
     symlink moves to it. Older builds are left for ``hangar.images.gc``.
-    ``progress`` receives one-line status messages. ``snapshot``: then boot
-    the build and save its template snapshot if it has none
-    (``template_snapshot``). Raises ``NotFound`` for an unknown recipe,
-    ``ImageError`` when a step fails.
+    ``progress`` receives one-line status messages. Raises ``NotFound`` for
+    an unknown recipe, ``ImageError`` when a step fails. (``hangar image
+    build`` then makes the build's template snapshot: ``hangar.core.templates``.)
     """
-    img = _build_image(layout, name, force=force, progress=progress)
-    if snapshot:
-        template_snapshot(layout, img, progress)
-    return img
-
-
-def template_snapshot(layout: Layout, image: GuestImage,
-                      progress: Progress | None = None) -> Path | None:
-    """The last step of a build command: boot ``image`` as a template source, run its start
-    command until its ready check passes, and save its template snapshot
-    (``hangar.core.templates.make_for_build``; reused when there is one). Returns its
-    folder, or None when this host's engine makes none. Raises GuestError or Timeout
-    (the start command or ready check failed), EngineError (no usable engine)."""
-    from hangar.core.templates import make_for_build
-
-    return make_for_build(layout, image, progress or (lambda _msg: None))
-
-
-def _build_image(layout: Layout, name: str, *, force: bool,
-                 progress: Progress | None) -> GuestImage:
     recipe = get_recipe(name)
     rdigest = recipe.digest()
     say = progress or (lambda _msg: None)

@@ -31,11 +31,10 @@ the kernel, the initramfs and manifest.json, the digest covering its bytes,
    manifest's ``template`` holds what sandboxes need at create: the start
    command, the ready check, default vCPUs and memory, whether it has a
    desktop.
-7. With ``snapshot`` (``hangar template build`` does it): the booted
-   template snapshot (``hangar.core.templates``): the build is booted, its
-   start command run until the ready check passes, and the VM saved; every
-   create restores it. A server makes it itself on the first create when
-   it is missing.
+7. ``hangar template build`` then makes the booted template snapshot
+   (``hangar.core.templates``): the build is booted, its start command run
+   until the ready check passes, and the VM saved; every create restores
+   it. A server makes it itself on the first create when it is missing.
 
 Without ``force`` a build whose template digest (every field of the file,
 the files' contents, and the base build's id or the archive's SHA-256) is
@@ -62,7 +61,6 @@ from hangar.images.builder import (
     AptCaches, _apt_install, _current, _ensure_initrd, _newest_build,
     _point_symlink, _read_manifest, _recipe_digest, _trim, build_image, chroot_mounts,
     finish_build, guest_setup, image_lock, put_file, python_version, resolve_image,
-    template_snapshot,
 )
 from hangar.images.commands import Progress, inside, remove_tree, require_tools, run
 from hangar.images.guest_image import GuestImage
@@ -76,23 +74,13 @@ STEP_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def build_template(layout: Layout, t: Template, *, force: bool = False,
-                   progress: Progress | None = None, snapshot: bool = False) -> GuestImage:
-    """Build ``t`` (or reuse its build) and make it the current build of its name;
-    with ``snapshot``, then make its template snapshot (``builder.template_snapshot``).
+                   progress: Progress | None = None) -> GuestImage:
+    """Build ``t`` (or reuse its build) and make it the current build of its name.
 
     Raises NotFound (a base template that is not built), InvalidRequest (an
     archive that is not an image), ImageError (a step failed, with its
-    output's tail); with ``snapshot`` also GuestError or Timeout (its start
-    command or ready check failed).
+    output's tail).
     """
-    img = _build_or_reuse(layout, t, force, progress)
-    if snapshot:
-        template_snapshot(layout, img, progress)
-    return img
-
-
-def _build_or_reuse(layout: Layout, t: Template, force: bool,
-                    progress: Progress | None) -> GuestImage:
     say = progress or (lambda _msg: None)
     layout.ensure()
     base: GuestImage | None = None
