@@ -130,12 +130,12 @@ def test_a_slow_service_is_started_once_and_creates_restore_it(server: Server,
         assert first["source"] == "template"
         sb, took = create(c)
         assert sb["source"] == "template"
-        assert took < 15, f"a create from the template took {took:.1f} s"
-        # the service answers at once: no 20 s start
-        t0 = time.monotonic()
+        # A cold create could not answer before the start command's 20 s sleep ended.
+        assert took < 20, f"a create from the template took {took:.1f} s"
+        # The service answers at once: one connection, no retry (a refused one fails).
         out = sh(c, sb["id"], "python3 -c \"import urllib.request as u; "
                               "print(u.urlopen('http://127.0.0.1:8000/version').read().decode())\"")
-        assert out.strip() == "one" and time.monotonic() - t0 < 10
+        assert out.strip() == "one"
         assert c.get(f"/sandboxes/{sb['id']}").json()["source"] == "template"
         for s in (first, sb):
             c.delete(f"/sandboxes/{s['id']}")

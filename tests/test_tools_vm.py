@@ -315,6 +315,6 @@ def test_hangar_events_shows_a_running_vm_task(server: Server, api: httpx.Client
                          rf"VM {vm_short}…, 2 vCPU, 2 GB", text)
     assert running, text[-3000:]
     assert max(int(s) for s in running) >= 2, f"elapsed time never grew: {running}"
-    assert re.search(rf"Test Runner \(vm\)\s+started( \(cold\))?, VM {vm_short}", text), \
+    assert re.search(rf"Test Runner \(vm\)\s+started( \((cold|template)\))?, VM {vm_short}", text), \
         text[-3000:]
     assert gone(api, t.sandbox_id)
