@@ -27,8 +27,8 @@ from fastapi import Depends, FastAPI
 
 from hangar import __version__
 from hangar.api import (
-    desktop, errors, events, files, health, machines, pool, ports, pty, sandboxes, snapshots,
-    tunnel, vnc, web,
+    desktop, e2b, errors, events, files, health, machines, pool, ports, processes, pty,
+    sandboxes, snapshots, tunnel, vnc, web,
 )
 from hangar.api.auth import KeyRing, Throttle, require_key
 from hangar.api.idempotency import IdempotencyMiddleware
@@ -72,6 +72,7 @@ def create_app(settings: Settings | None = None, *, keys: KeyRing | None = None,
     keyed = [Depends(require_key)]
     app.include_router(sandboxes.router, dependencies=keyed)
     app.include_router(files.router, dependencies=keyed)
+    app.include_router(processes.router, dependencies=keyed)
     app.include_router(desktop.router, dependencies=keyed)
     app.include_router(vnc.router, dependencies=keyed)
     app.include_router(vnc.ws_router)  # authenticated by single-use ticket, not key
@@ -85,6 +86,9 @@ def create_app(settings: Settings | None = None, *, keys: KeyRing | None = None,
     app.include_router(pool.router, dependencies=keyed)
     app.include_router(events.router, dependencies=keyed)
     app.include_router(ports.router, dependencies=keyed)
+    # E2B's control plane under /e2b (docs/e2b.md): E2B's error shape, not in our spec
+    app.include_router(e2b.public)
+    app.include_router(e2b.router, dependencies=keyed)
     # Outermost: requests for exposed ports go to the guest untouched by the body cap and
     # idempotency (hangar.api.proxy checks the key or token itself).
     app.add_middleware(PortProxy)
