@@ -177,9 +177,10 @@ class TemplateSnapshots:
                                      kernel_args, nic)
                 except (GuestError, Timeout):
                     raise
-                except HangarError as exc:
+                except (HangarError, OSError) as exc:
                     log.warning("template snapshot failed: creates boot cold", extra={
-                        "image": image.id, "key": key, "error": exc.message})
+                        "image": image.id, "key": key,
+                        "error": exc.message if isinstance(exc, HangarError) else str(exc)})
                     self._failed[key] = time.time() + RETRY_AFTER_S
                     return None
                 self._note(image, (vcpus, memory_mib, disk_mib, kernel_args, nic), dest)
