@@ -1,13 +1,17 @@
 """Density and boot: the memory a sandbox costs (GET), the balloon that gives freed guest
 memory back, the phases every boot publishes, and KSM only when asked for.
 
-The VM tests share the session's sandbox (no boot of their own).
+The VM tests share the session's sandbox, except those about cold boots: a sandbox of the
+default size is restored from its image's template snapshot, whose clones neither boot nor
+report free pages (docs/performance.md, "Booted templates"); ``cold_sandbox`` asks for
+another size, so it boots.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,6 +21,15 @@ from conftest import Waits, wait_for
 
 from hangar.engines.boot_phases import PHASES, boot_phases
 from hangar.engines.memory import smaps_rollup
+
+
+@pytest.fixture(scope="module")
+def cold_sandbox(api: httpx.Client) -> Iterator[str]:
+    r = api.post("/sandboxes", json={"memory_mib": 384})
+    assert r.status_code == 201, r.text
+    assert r.json()["source"] == "cold"
+    yield r.json()["id"]
+    api.delete(f"/sandboxes/{r.json()['id']}")
 
 
 def vmm_pid(server, sid: str) -> int:  # type: ignore[no-untyped-def]
@@ -48,8 +61,9 @@ def test_get_reports_host_memory_beside_the_guests_own(api: httpx.Client, sandbo
 
 
 @pytest.mark.vm
-def test_memory_the_guest_frees_goes_back_to_the_host(api: httpx.Client, sandbox: str,
+def test_memory_the_guest_frees_goes_back_to_the_host(api: httpx.Client, cold_sandbox: str,
                                                       server, waits: Waits) -> None:  # type: ignore[no-untyped-def]
+    sandbox = cold_sandbox
     pid = vmm_pid(server, sandbox)
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     assert any(a.startswith(b"virtio-balloon-device") and b"free-page-reporting=on" in a
@@ -76,8 +90,9 @@ def test_memory_the_guest_frees_goes_back_to_the_host(api: httpx.Client, sandbox
 
 
 @pytest.mark.vm
-def test_every_boot_publishes_its_phases(api: httpx.Client, sandbox: str,
+def test_every_boot_publishes_its_phases(api: httpx.Client, cold_sandbox: str,
                                          server) -> None:  # type: ignore[no-untyped-def]
+    sandbox = cold_sandbox
     metrics = api.get("/metrics").text
     for phase in PHASES:
         line = next((ln for ln in metrics.splitlines() if ln.startswith(

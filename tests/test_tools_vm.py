@@ -67,7 +67,7 @@ def test_vm_task_builds_a_project(server: Server, api: httpx.Client, dev_image: 
         out: dict[str, ht.ToolResult] = {}
         async with ht.task("vm", "u-build", "Test Runner", {"max_tool_calls": 50},
                            **opts(server, sink=sink)) as t:
-            assert t.source == "cold" and t.sandbox is not None
+            assert t.source == "template" and t.sandbox is not None
             assert (t.sandbox.vcpus, t.sandbox.memory_mib, t.sandbox.image) == (2, 2048, "dev")
             listed = api.get(f"/sandboxes/{t.sandbox_id}").json()
             assert listed["metadata"]["hangar.task"] == t.task_id
@@ -114,7 +114,7 @@ def test_vm_task_builds_a_project(server: Server, api: httpx.Client, dev_image: 
     assert kinds[0] == "agent.task.started" and kinds[-1] == "agent.task.ended"
     started = sink.events[0].data
     assert {k: started[k] for k in ("tier", "vcpus", "memory_mib", "source")} == {
-        "tier": "vm", "vcpus": 2, "memory_mib": 2048, "source": "cold"}
+        "tier": "vm", "vcpus": 2, "memory_mib": 2048, "source": "template"}
     assert all(e.sandbox_id == t.sandbox_id for e in sink.events)
 
 
@@ -336,6 +336,6 @@ def test_hangar_events_shows_a_running_vm_task(server: Server, api: httpx.Client
                          rf"VM {vm_short}…, 2 vCPU, 2 GB", text)
     assert running, text[-3000:]
     assert max(int(s) for s in running) >= 2, f"elapsed time never grew: {running}"
-    assert re.search(rf"Test Runner \(vm\)\s+started( \(cold\))?, VM {vm_short}", text), \
+    assert re.search(rf"Test Runner \(vm\)\s+started( \((cold|template)\))?, VM {vm_short}", text), \
         text[-3000:]
     assert gone(api, t.sandbox_id)

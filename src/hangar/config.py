@@ -90,6 +90,9 @@ class Settings(BaseSettings):
     pool_templates: str | None = Field(
         None, description="Warm pool by template, e.g. 'base=2,dev=1' (paused VMs of each, "
                           "default shape); unset: pool_size VMs of default_image.")
+    template_snapshots: bool = Field(
+        True, description="Creates restore their image's booted template snapshot "
+                          "(hangar.core.templates); off: every create boots cold.")
     pool_max_age_s: float = Field(900.0, gt=0, description="Pool VMs older than this are replaced.")
     reconcile_concurrency: int = Field(
         4, ge=1, le=64, description="Slow reconcile steps (sleep, wake, restore) run at once.")

@@ -36,6 +36,13 @@ literals of their own. Everything lives under one data directory
                                 is added (about a second) when the agent changes
           initrd.img            symlink to the newest initrd-<tag>.img
           manifest.json         id, recipe, digests, kernel, sizes, build time
+          template-snapshots/   booted snapshots of this build (hangar.core.templates):
+            <key>/              one per key (engine, QEMU version, machine options,
+                                disk, NIC, start/ready recipe): snapshot.json,
+                                state.mig, disk.qcow2, memory.ram (SnapshotPaths);
+                                made in .<key>.tmp-* and renamed, so a folder there
+                                is whole; every create of the image restores it
+            .<key>.lock         flock held while that snapshot is made or removed
         <name> -> <name>-<digest>  symlink to the current build of a recipe or template
         .<name>.lock            flock held while building (or collecting) a recipe
         .staging-<name>-*/      a build in progress, renamed to <name>-<digest>
@@ -465,3 +472,18 @@ class ImagePaths:
     @property
     def manifest(self) -> Path:
         return self.dir / "manifest.json"
+
+    @property
+    def template_snapshots(self) -> Path:
+        """``template-snapshots/``: the build's booted snapshots (``hangar.core.templates``),
+        one folder per key (``<key>/``, ``SnapshotPaths``), each with ``.<key>.lock`` beside
+        it; removed with the build."""
+        return self.dir / "template-snapshots"
+
+    def template_snapshot(self, key: str) -> Path:
+        """The booted snapshot of this build for ``key`` (hex digest of its inputs)."""
+        return self.template_snapshots / key
+
+    def template_snapshot_lock(self, key: str) -> Path:
+        """flock file held while the snapshot for ``key`` is made or removed."""
+        return self.template_snapshots / f".{key}.lock"

@@ -4,7 +4,7 @@ Names and units follow Prometheus conventions: durations in seconds,
 counters end in ``_total``. Labels take a few fixed values only (never an
 id), so the number of series stays bounded:
 
-``hangar_sandbox_create_seconds{source, outcome}``  source: cold, pool, fork;
+``hangar_sandbox_create_seconds{source, outcome}``  source: template, pool, cold, fork;
                                                     outcome: ok, failed
 ``hangar_exec_seconds{outcome}``                    ok, error, timed_out
 ``hangar_snapshot_seconds{kind, outcome}``          kind: user, sleep

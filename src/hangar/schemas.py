@@ -185,8 +185,10 @@ class SandboxInfo(Model):
     metadata: dict[str, str] = Field(default_factory=dict)
     desktop: str | None = None
     network: dict[str, object] | None = Field(None, description="Egress policy; null: no NIC.")
-    source: str | None = Field(None, description="Where its VM came from: cold (booted for "
-                                                 "it), pool (the warm pool) or fork.")
+    source: str | None = Field(None, description="Where its VM came from: template "
+                                                 "(restored from its image's booted template "
+                                                 "snapshot), pool (the warm pool), cold "
+                                                 "(booted for it) or fork.")
     memory: SandboxMemory | None = Field(
         None, description="Host memory it costs and its guest's own use; only in "
                           "GET /sandboxes/{id}, and only while its VM runs.")

@@ -77,8 +77,10 @@ def key_hint() -> str:
             f"HANGAR_DATA_DIR); set one of them to a key the server accepts")
 
 
-def build_recipe(layout, name: str, force: bool = False):  # type: ignore[no-untyped-def]
-    """Build (or reuse) recipe ``name``'s image, its steps shown on stderr; a GuestImage."""
+def build_recipe(layout, name: str, force: bool = False,  # type: ignore[no-untyped-def]
+                 snapshot: bool = False):
+    """Build (or reuse) recipe ``name``'s image, its steps shown on stderr; a GuestImage.
+    ``snapshot``: then make its template snapshot (``hangar.core.templates``)."""
     from hangar.images import build_image
 
     with err.status(f"building image {name}") as status:
@@ -86,7 +88,21 @@ def build_recipe(layout, name: str, force: bool = False):  # type: ignore[no-unt
             status.update(f"image {name}: {msg}")
             err.print(f"[dim]image {name}:[/dim] {msg}")
 
-        return build_image(layout, name, force=force, progress=progress)
+        img = build_image(layout, name, force=force, progress=progress)
+        if snapshot:
+            template_snapshot(layout, img, progress)
+        return img
+
+
+def template_snapshot(layout, image, say) -> None:  # type: ignore[no-untyped-def]
+    """A build command's last step: boot ``image`` with the server's engine and settings,
+    run its start command until its ready check passes, and save its template snapshot
+    (``hangar.core.templates.make_for_build``; reused when there is one)."""
+    from hangar.core.templates import make_for_build
+    from hangar.server import pick_engine
+
+    settings = server_settings(layout.root)
+    make_for_build(layout, image, pick_engine(settings, layout), settings, say)
 
 
 def pinned_images(layout) -> set[str]:  # type: ignore[no-untyped-def]

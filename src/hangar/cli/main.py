@@ -66,6 +66,9 @@ def image_build(
     force: Annotated[bool, typer.Option(
         help="Make a new build even if one of this recipe exists (a new id; the old "
              "build stays for what was made from it).")] = False,
+    snapshot: Annotated[bool, typer.Option(
+        help="Then boot it and save its template snapshot, which creates restore "
+             "(else the server makes it on the first create).")] = True,
     data_dir: DataDir = None,
 ) -> None:
     """Build a guest image from a recipe (reused while the recipe is unchanged).
@@ -77,7 +80,7 @@ def image_build(
     layout = Layout(server_settings(data_dir).data_dir)
     layout.ensure()
     try:
-        img = build_recipe(layout, recipe, force)
+        img = build_recipe(layout, recipe, force, snapshot=snapshot)
     except HangarError as exc:
         fail(exc)
     out.print(f"{img.id} {img.dir}")

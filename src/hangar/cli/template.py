@@ -18,7 +18,9 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from hangar.cli.common import DataDir, err, fail, out, pinned_images, server_settings
+from hangar.cli.common import (
+    DataDir, err, fail, out, pinned_images, server_settings, template_snapshot,
+)
 from hangar.errors import HangarError
 
 app = typer.Typer(help="Templates: your own guest images (a TOML file, or an OCI image).",
@@ -33,7 +35,8 @@ def _layout(data_dir: Path | None):  # type: ignore[no-untyped-def]
     return layout
 
 
-def _build(layout, template, force: bool) -> None:  # type: ignore[no-untyped-def]
+def _build(layout, template, force: bool,  # type: ignore[no-untyped-def]
+           snapshot: bool = True) -> None:
     """Build with a live display: a spinner on the current step, each step's line with the
     time it started."""
     from hangar.images.template_builder import build_template
@@ -50,6 +53,8 @@ def _build(layout, template, force: bool) -> None:  # type: ignore[no-untyped-de
 
         try:
             img = build_template(layout, template, force=force, progress=say)
+            if snapshot:
+                template_snapshot(layout, img, say)
         except HangarError as exc:
             progress.stop()
             fail(exc)
@@ -63,17 +68,21 @@ def build(
     file: Annotated[Path, typer.Option("-f", "--file", help="The template file (TOML).")],
     force: Annotated[bool, typer.Option(
         help="Make a new build even if one of this file exists.")] = False,
+    snapshot: Annotated[bool, typer.Option(
+        help="Then boot it, run its start command until its ready check passes and save "
+             "its template snapshot, which creates restore (else the server makes it on "
+             "the first create).")] = True,
     data_dir: DataDir = None,
 ) -> None:
     """Build a template from its file (reused at once while the file, its files and its
-    base are unchanged). Prints the build's id and directory."""
+    base are unchanged), then its template snapshot. Prints the build's id and directory."""
     from hangar.images.template_file import load_template
 
     try:
         template = load_template(file)
     except HangarError as exc:
         fail(exc)
-    _build(_layout(data_dir), template, force)
+    _build(_layout(data_dir), template, force, snapshot)
 
 
 @app.command("import")

@@ -1,4 +1,5 @@
-"""Creating sandboxes: from the warm pool when one fits, else a cold boot; and forks.
+"""Creating sandboxes: from the warm pool when one fits, else restored from the image's
+template snapshot (``hangar.core.templates``), else a cold boot; and forks.
 
 Every create writes its record (``creating``) under admission, brings the
 VM up, and moves the record to ``running`` by compare-and-set. A create
@@ -41,7 +42,8 @@ class Creation:
 
     async def create(self, opts: CreateOptions,
                      placement: Placement | None = None) -> SandboxRecord:
-        """A running sandbox, from the warm pool when one fits, else booted cold.
+        """A running sandbox, from the warm pool when one fits, else restored from its
+        image's template snapshot (made first if missing), else booted cold.
 
         ``placement``: the id a cluster claimed for it (a pool VM, which has its own
         id, is then not used).
@@ -64,10 +66,15 @@ class Creation:
         rec = self.admission.new_record(sid or new_id(), State.CREATING, image, opts, network)
         async with self.admission.slot(memory_mib=rec.memory_mib):
             self.ctx.store.add(rec)
-        return await self.bring_up(
-            rec, lambda: self.launcher.boot(rec, image, {State.CREATING},
-                                            crash_step="create.booting"),
-            "cold", started)
+        chosen = ["template" if self.launcher.templates.enabled else "cold"]
+
+        async def start() -> str:
+            _rt, source = await self.launcher.start_new(rec, image, {State.CREATING},
+                                                        crash_step="create.booting",
+                                                        chosen=chosen)
+            return source
+
+        return await self.bring_up(rec, start, chosen, started)
 
     async def _from_pool(self, opts: CreateOptions, image: GuestImage,
                          started: float) -> SandboxRecord | None:
@@ -93,18 +100,30 @@ class Creation:
             return None
 
     async def bring_up(self, rec: SandboxRecord, start: Callable[[], Awaitable[Any]],
-                       source: str, started: float, **fields: Any) -> SandboxRecord:
+                       source: str | list[str], started: float, **fields: Any) -> SandboxRecord:
         """Run ``start`` for a record in ``creating``, then move it to ``running`` with ``fields``.
+
+        ``source``: the path it took (``cold``, ``pool``, ``fork``), or a one-item list
+        that ``start`` fills in as soon as it knows (``Launcher.start_new``), unless
+        ``start`` returns one (``template`` or ``cold``).
 
         On failure the VM and the record are removed and the error raised;
         if a delete took the record meanwhile, raises Conflict ("deleted
         while being created") instead.
         """
         ctx = self.ctx
+        path = source
+
+        def label() -> str:
+            return path[0] if isinstance(path, list) else path
+
         with ctx.registry.creating(rec.id):
             try:
-                await start()
-                rec = ctx.store.transition(rec.id, State.CREATING, State.RUNNING, source=source,
+                took_path = await start()
+                if isinstance(took_path, str):
+                    path = took_path
+                taken = label()
+                rec = ctx.store.transition(rec.id, State.CREATING, State.RUNNING, source=taken,
                                            **fields)
             except BaseException as exc:
                 await self.launcher.stop(rec.id)
@@ -117,18 +136,18 @@ class Creation:
                         raise Conflict(f"sandbox {rec.id} was deleted while being created",
                                        sandbox_id=rec.id) from None
                 ctx.metrics.creates.labels("failed").inc()
-                ctx.metrics.create_seconds.labels(source, "failed").observe(
+                ctx.metrics.create_seconds.labels(label(), "failed").observe(
                     time.monotonic() - started)
                 if isinstance(exc, Exception):
                     log.error("sandbox create failed", extra={
-                        "sandbox_id": rec.id, "source": source,
+                        "sandbox_id": rec.id, "source": label(),
                         "error": exc.message if isinstance(exc, HangarError) else repr(exc)})
                 raise
         took = time.monotonic() - started
         ctx.metrics.creates.labels("ok").inc()
-        ctx.metrics.create_seconds.labels(source, "ok").observe(took)
+        ctx.metrics.create_seconds.labels(taken, "ok").observe(took)
         log.info("sandbox created", extra={"sandbox_id": rec.id, "duration_s": round(took, 3),
-                                           "image": rec.image, "source": source})
-        ctx.publish("sandbox.created", rec.id, image=rec.image, source=source,
+                                           "image": rec.image, "source": taken})
+        ctx.publish("sandbox.created", rec.id, image=rec.image, source=taken,
                     duration_s=round(took, 3))
         return rec

@@ -7,13 +7,14 @@ Each event has an ``id`` (increasing within one server process), a
 
 Kinds (``data`` fields in brackets)::
 
-    sandbox.created   [image, source: cold|pool|fork, duration_s]
+    sandbox.created   [image, source: template|pool|cold|fork, duration_s]
     sandbox.deleted   sandbox.expired   sandbox.crashed [error]
     sandbox.unresponsive [error]    sandbox.responsive
     exec.started      [exec_id, command only when the caller opted in]
     exec.finished     [exec_id, exit_code, duration_s, timed_out]
     machine.sleeping  machine.asleep  machine.waking  machine.awake   [user_id]
-    pool.take         pool.refill
+    pool.take         pool.refill [source]
+    template.snapshot [image, key, duration_s]   (an image's template snapshot was made)
     snapshot.created  [snapshot_id, size_bytes]
     snapshot.restored [snapshot_id, generation]
     snapshot.forked   [snapshot_id, generation]   (the guest's new fork generation)

@@ -35,6 +35,7 @@ from hangar.core.context import Context
 from hangar.core.lifecycle import State
 from hangar.core.registry import Runtime
 from hangar.core.startup import needs_start, run_template
+from hangar.core.templates import TemplateSnapshots, nic_of
 from hangar.core.store import SandboxRecord, SnapshotRecord
 from hangar.core.testhooks import crash_point
 from hangar.engines.base import VM, VMSpec
@@ -45,6 +46,7 @@ from hangar.errors import Conflict, HangarError, InvalidRequest, Timeout
 from hangar.engines.agent_client import AgentClient, SessionRestarted
 from hangar.guest import paths
 from hangar.images import GuestImage, resolve_pinned
+from hangar.core.admission import default_size
 from hangar.net import NetAttachment, NetworkManager, Policy
 
 log = logging.getLogger("hangar.launch")
@@ -85,12 +87,20 @@ def renet_meta(net: NetAttachment) -> dict[str, Any]:
             "env": {"PYTHONPATH": paths.PYTHON_DIR}, "timeout": 20}
 
 
+HOST_KEYS = {"op": "exec", "argv": [
+    "/bin/sh", "-c", "command -v ssh-keygen >/dev/null && [ -d /etc/ssh ] || exit 0; "
+    "( ssh-keygen -A >/dev/null 2>&1 & ) ; exit 0"], "timeout": 20}
+"""An exec that makes a restored guest's ssh host keys in the background, if it has sshd."""
+
+
 class Launcher:
     """Starts and stops sandboxes' VMs and NICs."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.net = network_manager(ctx.settings)
+        self.templates = TemplateSnapshots(ctx.settings, ctx.layout, ctx.engine, self.net,
+                                           ctx.publish)
 
     # -- network -----------------------------------------------------------------
 
@@ -131,7 +141,7 @@ class Launcher:
 
     def spec(self, rec: SandboxRecord, image: GuestImage,
              net: NetAttachment | None = None) -> VMSpec:
-        kernel_args = (f"hangar.desktop={rec.desktop}",) if rec.desktop else ()
+        kernel_args = self.kernel_args(rec)
         return VMSpec(rec.id, image, self.ctx.layout.sandbox(rec.id), rec.vcpus, rec.memory_mib,
                       rec.disk_mib, hostname=rec.id, kernel_args=kernel_args, net=net)
 
@@ -190,6 +200,66 @@ class Launcher:
 
         return await self.launch(rec, lambda net: self.ctx.engine.boot(self.spec(rec, image, net)),
                                  expect, crash_step=crash_step, ready=ready)
+
+    async def start_new(self, rec: SandboxRecord, image: GuestImage, expect: Collection[State],
+                        crash_step: str | None = None,
+                        chosen: list[str] | None = None) -> tuple[Runtime, str]:
+        """Bring up a new sandbox's VM: restored from its image's template snapshot
+        (``hangar.core.templates``) when it can be, else booted cold; (runtime, source),
+        source ``template`` or ``cold`` (also put in ``chosen`` as soon as it is known).
+        On failure nothing is left but the record.
+
+        Raises what ``boot``/``restore_template`` raise, and GuestError or
+        Timeout when the template's start command or ready check fails.
+        """
+        snap = await self.template_for(rec, image)
+        if chosen is not None:  # the caller's failure log names the path
+            chosen[:] = ["cold" if snap is None else "template"]
+        if snap is None:
+            return await self.boot(rec, image, expect, crash_step=crash_step), "cold"
+        return await self.restore_template(
+            rec, image, snap, expect,
+            crash_step="create.restoring" if crash_step else None), "template"
+
+    async def template_for(self, rec: SandboxRecord, image: GuestImage) -> Any:
+        """The template snapshot folder ``rec`` can be restored from, or None (boot cold):
+        only for the image's default size and disk (``templates`` module docstring)."""
+        t = self.templates
+        if not t.enabled:
+            return None
+        vcpus, memory = default_size(image, self.ctx.settings)
+        if (rec.vcpus, rec.memory_mib, rec.disk_mib) != (
+                vcpus, memory, self.ctx.settings.default_disk_mib):
+            return None
+        return await t.ensure(image, rec.vcpus, rec.memory_mib, rec.disk_mib,
+                              self.kernel_args(rec), nic_of(rec.network) if self.net else None)
+
+    async def restore_template(self, rec: SandboxRecord, image: GuestImage, snap: Any,
+                               expect: Collection[State], crash_step: str | None = None
+                               ) -> Runtime:
+        """Start ``rec``'s VM from the template snapshot in ``snap`` and make it a machine
+        of its own: clock and entropy (``refresh_guest``), hostname, machine-id and fork
+        generation (``identity``), its NIC's MAC and address (``renet_meta``), and new
+        ssh host keys when the image has sshd (made in the background: the template has
+        none). On failure nothing is left but the record."""
+        generation: list[int] = []
+
+        async def ready(agent: AgentClient, net: NetAttachment | None) -> None:
+            await refresh_guest(agent)
+            generation.append(await self.identity(agent, rec.id))
+            if net is not None:
+                await agent.exec(renet_meta(net))
+            await agent.exec(HOST_KEYS)
+
+        rt = await self.launch(
+            rec, lambda net: self.ctx.engine.restore(self.spec(rec, image, net), snap),
+            expect, with_nic=bool(rec.network), ready=ready, crash_step=crash_step)
+        rt.generation = generation[0] if generation else None
+        return rt
+
+    @staticmethod
+    def kernel_args(rec: SandboxRecord) -> tuple[str, ...]:
+        return (f"hangar.desktop={rec.desktop}",) if rec.desktop else ()
 
     def publish_boot(self, sandbox_id: str, hello: dict[str, Any], took: float) -> None:
         phases = boot_phases(hello, took)

@@ -68,9 +68,10 @@ class State(str, enum.Enum):
 
 
 MEANING: dict[State, str] = {
-    State.CREATING: "the VMM is starting (cold boot, warm-pool take or fork); the guest agent "
-                    "has not answered yet",
-    State.POOLED: "a warm-pool VM, booted and paused, waiting for its one owner; never listed",
+    State.CREATING: "the VMM is starting (template restore, warm-pool take, cold boot or "
+                    "fork); the guest agent has not answered yet",
+    State.POOLED: "a warm-pool VM, restored (or booted) and paused, waiting for its one "
+                  "owner; never listed",
     State.RUNNING: "the agent answered; exec and file calls are served",
     State.UNRESPONSIVE: "the VMM runs but the guest stopped answering",
     State.SNAPSHOTTING: "paused while its memory and disk are saved (a snapshot, or before "

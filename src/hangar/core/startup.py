@@ -12,11 +12,15 @@ ready), and before the create answers:
    passes when a TCP connection to it in the guest opens (through the
    agent's tunnel, so the image needs no tools), ``command`` when it exits 0.
 
-When the check does not pass within ``timeout_s`` the create fails with
+When the start command exits with a non-zero status before the check
+passes, the create fails at once with ``GuestError`` (502, not retryable:
+the template is broken, a retry would fail the same way) quoting the start
+log's tail. When the check does not pass within ``timeout_s`` the create fails with
 ``Timeout`` (504) naming the check and quoting the start log's tail, and,
 like any failed create, leaves nothing behind. Sandboxes made from
-snapshots (restore, fork, a machine's wake) carry their processes in the
-snapshot and run neither step.
+snapshots (a template snapshot, restore, fork, a machine's wake) carry their
+processes in the snapshot and run neither step: a template's snapshot is made
+after both passed (``hangar.core.templates``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ log = logging.getLogger("hangar.startup")
 
 START_LOG = paths.START_LOG
 """Where the start command's output goes in the guest."""
+START_EXIT = paths.RUN_DIR + "/start.exit"
+"""Where the start command's exit status goes in the guest when it ends."""
 CHECK_TIMEOUT_S = 10.0
 """Longest one run of a ready ``command`` may take, seconds."""
 
@@ -43,10 +49,24 @@ Step = Callable[[AgentClient, Any], Awaitable[None]]
 
 
 def start_script(start: str, workdir: str | None) -> str:
-    """The shell script that starts ``start`` in the background and returns at once."""
+    """The shell script that starts ``start`` in the background and returns at once; when
+    the command ends, its exit status goes to ``START_EXIT``."""
     cd = f"cd {shlex.quote(workdir)} || exit 1; " if workdir else ""
-    return (f"{cd}exec >>{START_LOG} 2>&1 </dev/null; "
-            f"echo \"hangar: starting: $0\"; ( /bin/sh -c \"$0\" & )")
+    return (f"rm -f {START_EXIT}; {cd}exec >>{START_LOG} 2>&1 </dev/null; "
+            f"echo \"hangar: starting: $0\"; "
+            f"( ( /bin/sh -c \"$0\"; echo $? >{START_EXIT}.part; "
+            f"mv {START_EXIT}.part {START_EXIT} ) & )")
+
+
+async def _exited(agent: AgentClient) -> int | None:
+    """The start command's exit status when it has ended, else None."""
+    r = await agent.exec(exec_meta(argv=["cat", START_EXIT], timeout=10))
+    if r.exit_code != 0:
+        return None
+    try:
+        return int(r.stdout.head.decode().strip())
+    except ValueError:
+        return None
 
 
 async def _log_tail(agent: AgentClient) -> str:
@@ -76,8 +96,8 @@ async def run_template(agent: AgentClient, template: Mapping[str, Any], *, name:
                        sandbox_id: str) -> None:
     """Start the template's command and wait for its ready check (see the module docstring).
 
-    Raises GuestError when the start command cannot be started, Timeout when
-    the check does not pass in time.
+    Raises GuestError when the start command cannot be started or exits
+    non-zero before the check passes, Timeout when the check does not pass in time.
     """
     start, ready = template.get("start"), template.get("ready")
     t0 = time.monotonic()
@@ -104,6 +124,14 @@ async def run_template(agent: AgentClient, template: Mapping[str, Any], *, name:
             log.info("template ready", extra={"sandbox_id": sandbox_id, "image": name,
                                               "duration_s": round(time.monotonic() - t0, 3)})
             return
+        if start:
+            code = await _exited(agent)
+            if code is not None and code != 0:
+                tail = await _log_tail(agent)
+                raise GuestError(
+                    f"template {name}: its start command exited with status {code} before "
+                    f"the ready check ({what}) passed; the start command's log ({START_LOG}) "
+                    f"ends with:\n{tail}", sandbox_id=sandbox_id, image=name, exit_code=code)
         if loop.time() + interval >= deadline:
             break
         await asyncio.sleep(interval)

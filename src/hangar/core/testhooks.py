@@ -27,6 +27,8 @@ log = logging.getLogger("hangar.testhooks")
 
 CRASH_STEPS: dict[str, str] = {
     "create.booting": "a create's VMM runs; its agent has not answered",
+    "create.restoring": "a create's VMM restored its template snapshot; its agent has "
+                        "not answered, the guest is not re-identified",
     "snapshot.paused": "a snapshot has paused the VM; nothing is saved yet",
     "snapshot.saved": "a snapshot's files are complete, not yet recorded; the VM is paused",
     "sleep.paused": "a sleep has paused the VM; nothing is saved yet",

@@ -159,7 +159,8 @@ def build_image(layout: Layout, name: str, *, force: bool = False,
     (one to a few minutes, debootstrap) with a new id, and the ``<name>``
     symlink moves to it. Older builds are left for ``hangar.images.gc``.
     ``progress`` receives one-line status messages. Raises ``NotFound`` for
-    an unknown recipe, ``ImageError`` when a step fails.
+    an unknown recipe, ``ImageError`` when a step fails. (``hangar image
+    build`` then makes the build's template snapshot: ``hangar.core.templates``.)
     """
     recipe = get_recipe(name)
     rdigest = recipe.digest()

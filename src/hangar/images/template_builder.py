@@ -31,6 +31,10 @@ the kernel, the initramfs and manifest.json, the digest covering its bytes,
    manifest's ``template`` holds what sandboxes need at create: the start
    command, the ready check, default vCPUs and memory, whether it has a
    desktop.
+7. ``hangar template build`` then makes the booted template snapshot
+   (``hangar.core.templates``): the build is booted, its start command run
+   until the ready check passes, and the VM saved; every create restores
+   it. A server makes it itself on the first create when it is missing.
 
 Without ``force`` a build whose template digest (every field of the file,
 the files' contents, and the base build's id or the archive's SHA-256) is

@@ -7,7 +7,7 @@ A task publishes, in this order (each event's ``sandbox_id`` is the task's VM)::
     agent.tool.finished  {task_id, tool, duration_s, ok}      (one pair per call)
     agent.task.ended     {task_id, reason, usage}
 
-``source`` is ``pool``, ``cold`` or ``none`` (in-process: no VM);
+``source`` is ``template``, ``pool``, ``cold`` or ``none`` (in-process: no VM);
 ``reason`` is ``done``, ``error``, ``cancelled`` or ``limit:<name>``;
 ``usage`` is ``Usage.as_dict()``. ``summary`` is a one-line description of
 the call for a person watching (the command, the path, the pattern, the URL

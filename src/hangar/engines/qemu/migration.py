@@ -127,8 +127,10 @@ async def save_state(vm: VM, path: Path, memory_mib: float, *,
         await qmp.run(client, vm, "stop")
         await qmp.run(client, vm, "migrate-set-parameters",
                       **{"max-bandwidth": MIGRATE_BANDWIDTH})
-        if ignore_shared:
-            await set_ignore_shared(client, vm, True)
+        # Set either way: a template's clone came in with it on (``load_state``), and a
+        # stream saved with it on (it carries each RAM block's address) is read only by
+        # a QEMU that has it on too, so a user snapshot of a clone would not restore.
+        await set_ignore_shared(client, vm, ignore_shared)
         await pass_fd(client, vm, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         await qmp.run(client, vm, "migrate", uri=f"fd:{MIGRATION_FD}")
         try:

@@ -1,0 +1,301 @@
+"""Booted templates: every image's sandboxes start from one snapshot of a VM that booted it.
+
+A template snapshot is a VM of the image, booted as a template source
+(``VMSpec.template_source``: its RAM in a shared file), whose template start
+command ran until its ready check passed (``hangar.core.startup``), then
+saved with ``Engine.snapshot(..., template=True)``: device state, disk and
+one copy of the memory that every clone maps copy-on-write.
+
+Where and when: ``images/<name>-<digest>/template-snapshots/<key>/``
+(``ImagePaths.template_snapshot``), in the image cache every server on the
+host shares, removed with the build by ``hangar image gc``. It is made
+lazily, by the first create that can use it (the create waits for it), and
+ahead of time when the server starts its warm pool. ``key`` is the SHA-256
+of everything the snapshot depends on: the image build (its digest fixes
+the rootfs, kernel and initramfs), the engine and its exact VMM version,
+the machine arguments (accelerator, CPU, vCPUs, memory), the disk size,
+the kernel arguments, the NIC kind, and the template's start command,
+ready check, workdir and environment. When any of them changes, the key
+does and a new snapshot is made; old ones stay until their build is
+collected, so sandboxes and user snapshots that came from them run on
+(a clone's memory is a private mapping of a sealed in-memory copy).
+
+Making one is safe when servers race: one holds ``.<key>.lock`` (flock),
+builds in ``.<key>.tmp-*`` and renames it into place; the others wait on
+the lock and find it made. Before each restore the manifest is compared
+with this engine (``usable``); a snapshot that does not match (another
+QEMU build, a machine or image mismatch, a missing file) is removed and
+made again, never restored into a broken guest.
+
+Not used (the create boots cold): for a create that asks for a size the
+image's default is not, on an engine without template snapshots, when
+``HANGAR_TEMPLATE_SNAPSHOTS=0``, and after making one failed for an engine
+reason (retried after ``RETRY_AFTER_S``). A template whose start command or
+ready check fails fails the create: a cold boot would fail the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hangar.config import Settings
+from hangar.core.startup import needs_start, run_template
+from hangar.engines.agent_client import exec_meta
+from hangar.engines.base import VM, Engine, VMSpec
+from hangar.engines.snapshot_io import read_manifest
+from hangar.errors import EngineError, GuestError, HangarError, NotFound, Timeout
+from hangar.images import GuestImage
+from hangar.layout import ImagePaths, Layout
+from hangar.net import NetAttachment, NetworkManager
+
+log = logging.getLogger("hangar.templates")
+
+KEY_FORMAT = 1
+"""Bumped when what a template snapshot holds changes, so old ones are not used."""
+RETRY_AFTER_S = 300.0
+"""After an engine failure making a snapshot, creates of that key boot cold this long, s."""
+BUILD_PREFIX = "tpl-"
+"""Sandbox-id prefix of the VMs that template snapshots are made from."""
+FORGET_SECRETS = ("rm -f /etc/ssh/ssh_host_*_key /etc/ssh/ssh_host_*_key.pub; "
+                  "rm -f /var/lib/systemd/random-seed; sync")
+"""Run in the template VM before it is saved: per-host secrets are never in a template."""
+
+
+class TemplateSnapshots:
+    """Finds, checks and makes images' booted snapshots. One per server."""
+
+    def __init__(self, settings: Settings, layout: Layout, engine: Engine,
+                 net: NetworkManager | None,
+                 publish: Callable[..., None] | None = None) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.engine = engine
+        self.net = net
+        self.publish = publish or (lambda *_a, **_k: None)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._failed: dict[str, float] = {}  # key -> until when creates boot cold
+        self._last: dict[tuple[Any, ...], Path] = {}  # (image name, shape) -> snapshot used
+
+    @property
+    def enabled(self) -> bool:
+        """Whether creates restore template snapshots on this server."""
+        return (bool(getattr(self.settings, "template_snapshots", True))
+                and hasattr(self.engine, "snapshot") and hasattr(self.engine, "restore"))
+
+    def spec(self, sandbox_id: str, image: GuestImage, vcpus: int, memory_mib: int,
+             disk_mib: int, kernel_args: tuple[str, ...] = (),
+             net: NetAttachment | None = None, template_source: bool = False) -> VMSpec:
+        return VMSpec(sandbox_id, image, self.layout.sandbox(sandbox_id), vcpus, memory_mib,
+                      disk_mib, hostname=sandbox_id, kernel_args=kernel_args, net=net,
+                      template_source=template_source)
+
+    def key(self, image: GuestImage, vcpus: int, memory_mib: int, disk_mib: int,
+            kernel_args: tuple[str, ...] = (), nic: str | None = None) -> str:
+        """Hex SHA-256 (24 digits) of every input of the snapshot (module docstring)."""
+        engine = self.engine
+        spec = self.spec("key", image, vcpus, memory_mib, disk_mib, kernel_args)
+        machine = engine.machine_args(spec) if hasattr(engine, "machine_args") else [
+            str(vcpus), str(memory_mib)]
+        t = image.template or {}
+        inputs = {
+            "format": KEY_FORMAT, "engine": engine.name, "vmm": getattr(engine, "version", ""),
+            "accel": engine.accel, "image": image.id, "machine": machine, "disk_mib": disk_mib,
+            "kernel_args": list(kernel_args), "nic": nic,
+            "start": t.get("start"), "ready": t.get("ready"), "workdir": t.get("workdir"),
+            "env": t.get("env"),
+        }
+        raw = json.dumps(inputs, sort_keys=True, default=str).encode()
+        return hashlib.sha256(raw).hexdigest()[:24]
+
+    def usable(self, path: Path, image: GuestImage, spec: VMSpec) -> str | None:
+        """None when the snapshot in ``path`` can be restored for ``spec``, else why not."""
+        engine = self.engine
+        try:
+            m = read_manifest(path, engine.name)
+        except NotFound:
+            return "missing"
+        except EngineError as exc:
+            return exc.message
+        if m.image_digest != image.digest:
+            return f"made for image digest {m.image_digest}"
+        if getattr(engine, "version", m.vmm_version) != m.vmm_version:
+            return f"made by {engine.name} {m.vmm_version}"
+        if hasattr(engine, "machine_args") and engine.machine_args(spec) != m.machine:
+            return "made on another machine shape"
+        return None
+
+    async def ensure(self, image: GuestImage, vcpus: int, memory_mib: int, disk_mib: int,
+                     kernel_args: tuple[str, ...] = (), nic: str | None = None) -> Path | None:
+        """The folder of the image's template snapshot for this shape, made if missing or
+        unusable; None when creates of it boot cold (engine failure, see ``RETRY_AFTER_S``).
+
+        Raises GuestError (the start command failed) or Timeout (the ready check did
+        not pass): the template itself is broken, and a cold boot would be too.
+        """
+        key = self.key(image, vcpus, memory_mib, disk_mib, kernel_args, nic)
+        if self._failed.get(key, 0.0) > time.time():
+            return None
+        files = ImagePaths(image.dir)
+        dest = files.template_snapshot(key)
+        probe = self.spec("probe", image, vcpus, memory_mib, disk_mib, kernel_args)
+        if self.usable(dest, image, probe) is None:
+            self._note(image, (vcpus, memory_mib, disk_mib, kernel_args, nic), dest)
+            return dest
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            try:
+                files.template_snapshots.mkdir(exist_ok=True)
+                lock_fd = os.open(files.template_snapshot_lock(key), os.O_RDWR | os.O_CREAT,
+                                  0o600)
+            except OSError as exc:
+                log.warning("template snapshots unavailable", extra={
+                    "image": image.id, "error": str(exc)})
+                self._failed[key] = time.time() + RETRY_AFTER_S
+                return None
+            try:
+                await asyncio.to_thread(fcntl.flock, lock_fd, fcntl.LOCK_EX)
+                why = self.usable(dest, image, probe)
+                if why is None:
+                    return dest  # another server (or task) made it meanwhile
+                if why != "missing":
+                    log.warning("template snapshot unusable: made again", extra={
+                        "image": image.id, "key": key, "reason": why})
+                    self.engine.release_snapshot(dest)
+                    shutil.rmtree(dest, ignore_errors=True)
+                try:
+                    await self._make(image, key, dest, vcpus, memory_mib, disk_mib,
+                                     kernel_args, nic)
+                except (GuestError, Timeout):
+                    raise
+                except (HangarError, OSError) as exc:
+                    log.warning("template snapshot failed: creates boot cold", extra={
+                        "image": image.id, "key": key,
+                        "error": exc.message if isinstance(exc, HangarError) else str(exc)})
+                    self._failed[key] = time.time() + RETRY_AFTER_S
+                    return None
+                self._note(image, (vcpus, memory_mib, disk_mib, kernel_args, nic), dest)
+                return dest
+            finally:
+                os.close(lock_fd)  # releases the flock
+
+    def _note(self, image: GuestImage, shape: tuple[Any, ...], dest: Path) -> None:
+        """Remember the snapshot this image and shape now restore; when it replaces another
+        (a rebuilt image, a new QEMU), release the old one's in-memory copy: running clones
+        keep their own mapping of it, and no new clone will come from it."""
+        before = self._last.get((image.name, shape))
+        self._last[(image.name, shape)] = dest
+        if before is not None and before != dest:
+            self.engine.release_snapshot(before)
+
+    async def _make(self, image: GuestImage, key: str, dest: Path, vcpus: int,
+                    memory_mib: int, disk_mib: int, kernel_args: tuple[str, ...],
+                    nic: str | None) -> None:
+        """Boot, start, check, forget per-host secrets, save into ``dest`` (atomically)."""
+        engine = self.engine
+        sid = f"{BUILD_PREFIX}{secrets.token_hex(6)}"
+        stage = dest.parent / f".{key}.tmp-{sid}"
+        t0 = time.monotonic()
+        net: NetAttachment | None = None
+        vm: VM | None = None
+        agent = None
+        try:
+            if nic is not None and self.net is not None:
+                net = await self.net.attach_async(sid, {"egress": "none"} if nic == "none"
+                                                  else _policy_for(nic))
+            vm = await engine.boot(self.spec(sid, image, vcpus, memory_mib, disk_mib,
+                                             kernel_args, net, template_source=True))
+            agent = await engine.connect_agent(vm, self.settings.boot_timeout_s)
+            if needs_start(image.template):
+                await run_template(agent, image.template or {}, name=image.name,
+                                   sandbox_id=sid)
+            await agent.exec(exec_meta(argv=["/bin/sh", "-c", FORGET_SECRETS], timeout=30))
+            await engine.snapshot(vm, stage, template=True)
+            os.rename(stage, dest)
+        finally:
+            if agent is not None:
+                await agent.close()
+            if vm is not None:
+                await engine.stop(vm)
+            shutil.rmtree(self.layout.sandbox(sid).dir, ignore_errors=True)
+            shutil.rmtree(stage, ignore_errors=True)
+            if net is not None and self.net is not None:
+                try:
+                    await self.net.release_async(sid)
+                except Exception as exc:  # never let clean-up hide the build's outcome
+                    log.warning("network release failed", extra={"sandbox_id": sid,
+                                                                   "error": str(exc)})
+        took = round(time.monotonic() - t0, 3)
+        log.info("template snapshot made", extra={"image": image.id, "key": key,
+                                                   "duration_s": took})
+        self.publish("template.snapshot", None, image=image.name, key=key, duration_s=took)
+
+    def remove_all(self, image: GuestImage) -> int:
+        """Delete every template snapshot of ``image``'s build; returns how many."""
+        files = ImagePaths(image.dir)
+        n = 0
+        if files.template_snapshots.is_dir():
+            for d in files.template_snapshots.iterdir():
+                if d.is_dir():
+                    self.engine.release_snapshot(d)
+                    shutil.rmtree(d, ignore_errors=True)
+                    n += 1
+        return n
+
+
+def _policy_for(nic: str) -> dict[str, Any]:
+    """The egress policy a template VM's NIC is attached with (``nic``: a policy's JSON)."""
+    try:
+        policy = json.loads(nic)
+    except ValueError:
+        return {"egress": "internet"}
+    return policy if isinstance(policy, dict) else {"egress": "internet"}
+
+
+def nic_of(network: dict[str, Any] | None) -> str | None:
+    """The NIC part of a template snapshot's key for a sandbox's stored policy (None: no NIC).
+
+    The policy itself is applied on the host (filters on the TAP device), so
+    sandboxes with any policy share one snapshot: the key only says there is a NIC.
+    """
+    return None if not network else json.dumps({"egress": "internet"})
+
+
+def make_for_build(layout: Layout, image: GuestImage, engine: Engine, settings: Settings,
+                   say: Callable[[str], None]) -> Path | None:
+    """Make ``image``'s template snapshot now, for a build command (``hangar image build``,
+    ``hangar template build``), with the server's ``engine`` and ``settings`` (so in the
+    shape its server uses: default sizes and disk; a NIC only with
+    ``HANGAR_NETWORK=tap``); returns its folder, or None when this engine makes none
+    (the server then boots cold). Blocks; boots a VM.
+
+    Raises GuestError or Timeout when the template's start command or ready check fails.
+    """
+    import asyncio as _asyncio
+
+    from hangar.core.admission import default_size
+    from hangar.core.launch import network_manager
+
+    if not settings.template_snapshots:
+        return None
+    # A NIC only where the server's is certain (HANGAR_NETWORK=tap): "auto" may pick
+    # either mode, and a build command should not set up the host's bridge on a guess.
+    # Otherwise the server makes the NIC's variant itself on its first create.
+    net = network_manager(settings) if settings.network == "tap" else None
+    vcpus, memory = default_size(image, settings)
+    nic = nic_of({"egress": "internet"}) if net is not None else None
+    say(f"{image.id}: booting it for its template snapshot")
+    t = TemplateSnapshots(settings, layout, engine, net)
+    made = _asyncio.run(t.ensure(image, vcpus, memory, settings.default_disk_mib, (), nic))
+    say(f"{image.id}: template snapshot {made}" if made else
+        f"{image.id}: no template snapshot on this engine; sandboxes boot cold")
+    return made
