@@ -23,6 +23,20 @@ git, Node.js with npm and yarn (Debian's ``yarnpkg``, also as ``yarn``),
 Python 3 with venv and pip, ripgrep and the C build tools; 2 vCPUs and
 2048 MiB by default.
 
+``code-interpreter`` is the image of ``run_code`` (``hangar.core.interpreter``)
+and of E2B's ``code-interpreter-v1``: Debian's ipykernel, jupyter_client,
+numpy, pandas and matplotlib (installed with apt-get: numpy's ABI is a
+virtual package), and a server (``files/code_interpreter.py``) that speaks
+E2B's code interpreter protocol on port 49999. Its ``start`` command runs
+the server, which starts the default kernel and imports numpy, pandas and
+matplotlib before it opens the port, so the ``ready_port`` check passes only
+with a warm kernel and the booted template snapshot
+(``hangar.core.templates``) holds one. A warm guest uses about 330 MiB;
+the default is 1024 MiB for the user's data and figures.
+
+A recipe's ``start``, ``ready_port`` and ``ready_timeout_s`` shape a template's
+start command and ready check (``Recipe.runtime``, what ``GuestImage.template``
+holds for its builds); like the default size they leave the digest alone.
 A recipe's ``default_vcpus`` and ``default_memory_mib`` are not part of the
 image (they leave the digest alone): ``hangar.core.sandboxes`` gives them to
 a sandbox of that image whose create names no size. ``files`` are written
