@@ -12,7 +12,8 @@ host shares, removed with the build by ``hangar image gc``. It is made
 lazily, by the first create that can use it (the create waits for it), and
 ahead of time when the server starts its warm pool. ``key`` is the SHA-256
 of everything the snapshot depends on: the image build (its digest fixes
-the rootfs, kernel and initramfs), the engine and its exact VMM version,
+the rootfs and kernel), the initramfs (named by the tag of the guest
+agent's Python files, which a snapshot holds running), the engine and its exact VMM version,
 the machine arguments (accelerator, CPU, vCPUs, memory), the disk size,
 the kernel arguments, the NIC kind, and the template's start command,
 ready check, workdir and environment. When any of them changes, the key
@@ -111,6 +112,10 @@ class TemplateSnapshots:
         inputs = {
             "format": KEY_FORMAT, "engine": engine.name, "vmm": getattr(engine, "version", ""),
             "accel": engine.accel, "image": image.id, "machine": machine, "disk_mib": disk_mib,
+            # The initramfs carries the guest agent's Python files and is named by
+            # their tag, not by the image's digest: a snapshot holds a running agent,
+            # so a changed agent needs a new snapshot.
+            "initrd": image.initrd.name,
             "kernel_args": list(kernel_args), "nic": nic,
             "start": t.get("start"), "ready": t.get("ready"), "workdir": t.get("workdir"),
             "env": t.get("env"),
