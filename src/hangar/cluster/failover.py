@@ -39,6 +39,7 @@ from hangar.cluster.directory import Directory
 from hangar.cluster.membership import Membership
 from hangar.cluster.records import SandboxObject
 from hangar.core.lifecycle import GONE, Guard, IllegalTransition, State
+from hangar.core.tasks import Tasks
 from hangar.errors import Conflict
 
 log = logging.getLogger("hangar.cluster.failover")
@@ -54,17 +55,13 @@ class Failover:
         self.membership = membership
         self.after_s = after_s
         self._gone_since: dict[str, float] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = Tasks("failover")
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="failover")
+        self._tasks.start("run", self._run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self._tasks.stop()
 
     async def _run(self) -> None:
         while True:

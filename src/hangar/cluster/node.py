@@ -54,6 +54,7 @@ from hangar.core.hooks import Hooks
 from hangar.core.lifecycle import GONE, LIVE, IllegalTransition, State
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import SandboxRecord, SnapshotRecord
+from hangar.core.tasks import Tasks
 from hangar.core.views import sandbox_view
 from hangar.errors import ConfigError, Conflict, HangarError, NotFound
 from hangar.images import image_id
@@ -139,7 +140,7 @@ class ClusterNode:
         self.epochs: dict[str, int] = self._read_epochs()
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = Tasks("cluster node")
         self._discarding: set[str] = set()
         self._adopting: set[str] = set()
         self._orphans: dict[str, int] = {}
@@ -182,13 +183,11 @@ class ClusterNode:
         self.membership.start()
         self.failover = Failover(self.directory, self.membership, self.config.failover_after_s)
         self.failover.start()
-        self._tasks = [asyncio.create_task(self._pusher(), name="cluster push"),
-                       asyncio.create_task(self._auditor(), name="cluster audit")]
+        self._tasks.start("push", self._pusher())
+        self._tasks.start("audit", self._auditor())
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.stop()
         for part in (self.failover, self.membership):
             if part is not None:
                 await part.close()
@@ -366,7 +365,7 @@ class ClusterNode:
             if rec is None and local.state not in (State.FAILED,):
                 return  # our own delete in flight; the removal finishes locally
             self._discarding.add(sid)
-            asyncio.get_running_loop().create_task(self._discard_task(sid))
+            self._tasks.start(f"discard {sid}", self._discard_task(sid))
 
     async def _discard_task(self, sid: str) -> None:
         try:
