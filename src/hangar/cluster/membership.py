@@ -42,7 +42,7 @@ from hangar.cluster import records as R
 from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, EtcdUnavailable, LeaseGone, cmp_version, op_put
 from hangar.cluster.records import NodeInfo
-from hangar.core.tasks import Tasks
+from hangar.core.tasks import Tasks, every
 
 log = logging.getLogger("hangar.cluster.membership")
 
@@ -99,22 +99,12 @@ class Membership:
         log.info("node registered", extra={"node": self.name, "lease": f"{self.lease:x}"})
 
     def start(self) -> None:
-        self._tasks.start("run", self._run())
+        self._tasks.start("run", every(RENEW_S, self._step, log, "membership step failed"))
 
     async def close(self) -> None:
         """Stop renewing (the lease then expires by itself: VMMs outlive a restart)."""
         await self._tasks.stop()
         await self._http.aclose()
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(RENEW_S)
-            try:
-                await self._step()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("membership step failed")
 
     async def _step(self) -> None:
         sent = time.monotonic()

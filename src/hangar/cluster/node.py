@@ -54,7 +54,7 @@ from hangar.core.hooks import Hooks
 from hangar.core.lifecycle import GONE, LIVE, IllegalTransition, State
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import SandboxRecord, SnapshotRecord
-from hangar.core.tasks import Tasks
+from hangar.core.tasks import Tasks, every
 from hangar.core.views import sandbox_view
 from hangar.errors import ConfigError, Conflict, HangarError, NotFound
 from hangar.images import image_id
@@ -184,7 +184,7 @@ class ClusterNode:
         self.failover = Failover(self.directory, self.membership, self.config.failover_after_s)
         self.failover.start()
         self._tasks.start("push", self._pusher())
-        self._tasks.start("audit", self._auditor())
+        self._tasks.start("audit", every(AUDIT_S, self._audit_pass, log, "cluster audit failed"))
 
     async def close(self) -> None:
         await self._tasks.stop()
@@ -309,17 +309,9 @@ class ClusterNode:
 
         await self.directory.update(sid, change, extra)
 
-    async def _auditor(self) -> None:
-        while True:
-            await asyncio.sleep(AUDIT_S)
-            if not self.writable():
-                continue
-            try:
-                await self.audit()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("cluster audit failed")
+    async def _audit_pass(self) -> None:
+        if self.writable():
+            await self.audit()
 
     async def audit(self) -> None:
         """Records naming this node that it has no local sandbox for, seen so at two audits
