@@ -154,3 +154,22 @@ def test_every_outlives_a_failing_step_and_awaits_async_ones(
     failed = [r for r in caplog.records if r.name == "test.every"]
     assert [r.getMessage() for r in failed] == ["step failed"]
     assert failed[0].exc_info is not None and "second step fails" in str(failed[0].exc_info[1])
+
+
+def test_race_ends_every_task_once_the_first_one_ends() -> None:
+    """``race``: the tasks that ended first are returned; the others are cancelled and
+    awaited before it returns."""
+    from hangar.core.tasks import race
+
+    async def main() -> None:
+        async def quick() -> str:
+            await asyncio.sleep(0.01)
+            return "quick"
+
+        slow = asyncio.create_task(asyncio.sleep(60))
+        first = asyncio.create_task(quick())
+        done = await race([slow, first])
+        assert done == {first} and first.result() == "quick"
+        assert slow.cancelled()
+
+    asyncio.run(main())

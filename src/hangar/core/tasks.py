@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 log = logging.getLogger("hangar.tasks")
@@ -118,3 +118,18 @@ async def every(interval_s: float, step: Callable[[], Awaitable[object] | object
                 await got
         except Exception:
             logger.exception(failed)
+
+
+async def race(tasks: Iterable[asyncio.Task[Any]]) -> set[asyncio.Task[Any]]:
+    """Wait until the first of ``tasks`` ends (returns or raises), then cancel the others
+    and wait until every one has ended; returns the tasks that ended first (read their
+    ``result()`` or ``exception()``). If ``race`` itself is cancelled, so are they all.
+    For the halves of a relay: whichever side stops first ends both."""
+    tasks = list(tasks)
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        return done
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

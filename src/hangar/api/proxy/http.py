@@ -13,6 +13,7 @@ import h11
 from hangar.api.proxy.exchange import Exchange, Refused
 from hangar.api.proxy.routing import HOP_BY_HOP, connection_tokens, guest_headers, header
 from hangar.core.commands import Tunnel
+from hangar.core.tasks import race
 from hangar.errors import HangarError
 
 log = logging.getLogger("hangar.proxy")
@@ -62,16 +63,13 @@ class HttpExchange(Exchange):
         gone = asyncio.Event()
         upload = asyncio.create_task(self._upload(tunnel, conn, gone))
         download = asyncio.create_task(self._download(tunnel, conn))
-        watch = asyncio.create_task(gone.wait())
         try:
-            await asyncio.wait({download, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not download.done():  # the client went away: drop the guest's connection
-                return
-            download.result()  # a Refused before the answer started, or a broken answer
+            if download in await race([download, asyncio.create_task(gone.wait())]):
+                download.result()  # a Refused before the answer started, or a broken answer
+            # else the client went away: the guest's connection is dropped
         finally:
-            for task in (upload, download, watch):
-                task.cancel()
-            await asyncio.gather(upload, download, watch, return_exceptions=True)
+            upload.cancel()
+            await asyncio.gather(upload, return_exceptions=True)
 
     async def _upload(self, tunnel: Tunnel, conn: h11.Connection, gone: asyncio.Event) -> None:
         """Stream the request body to the guest, then wait for the client to leave."""

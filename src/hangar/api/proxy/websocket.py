@@ -18,6 +18,7 @@ from websockets.uri import WebSocketURI
 from hangar.api.proxy.exchange import Exchange, Refused
 from hangar.api.proxy.routing import HOP_BY_HOP, guest_headers, header
 from hangar.core.commands import Tunnel
+from hangar.core.tasks import race
 from hangar.errors import HangarError
 
 log = logging.getLogger("hangar.proxy")
@@ -107,21 +108,16 @@ class WebSocketExchange(Exchange):
         self.accepted = True
         log.info("websocket opened", extra={"sandbox_id": t.sandbox_id, "port": t.port})
         close = {"code": 1000, "reason": ""}
-        to_guest = asyncio.create_task(self._to_guest(proto, tunnel))
-        to_client = asyncio.create_task(self._to_client(proto, tunnel, pending, close))
         try:
-            done, _ = await asyncio.wait({to_guest, to_client},
-                                         return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
+            for task in await race([
+                    asyncio.create_task(self._to_guest(proto, tunnel)),
+                    asyncio.create_task(self._to_client(proto, tunnel, pending, close))]):
                 exc = task.exception()
                 if exc is not None and not isinstance(exc, (HangarError, ConnectionError)):
                     log.warning("websocket relay failed", extra={
                         "sandbox_id": t.sandbox_id, "port": t.port, "error": repr(exc)[:200]})
                     close.update(code=1011, reason="relay error")
         finally:
-            for task in (to_guest, to_client):
-                task.cancel()
-            await asyncio.gather(to_guest, to_client, return_exceptions=True)
             try:
                 await self.send({"type": "websocket.close", **close})
             except Exception:  # the client is gone already
