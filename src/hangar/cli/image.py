@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 import typer
@@ -42,8 +43,6 @@ def image_ls(data_dir: DataDir = None) -> None:
     """List built images."""
     from hangar.images import list_images
     from hangar.layout import Layout
-
-    import time
 
     table = Table("rootfs (MiB)", "kernel", "built", "state")
     table.columns.insert(0, Column("id", no_wrap=True, overflow="fold"))

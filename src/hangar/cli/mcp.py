@@ -10,7 +10,6 @@ import typer
 from hangar.cli.common import err
 
 
-
 def mcp(
     tier: Annotated[str, typer.Option(help="Tool tier: in-process, vm or browser.")] = "vm",
     transport: Annotated[str, typer.Option(help="stdio, or http (streamable HTTP at /mcp).")]

@@ -16,7 +16,6 @@ from hangar.cli.common import err, out, sdk
 from hangar.errors import Gone, NotFound
 
 
-
 def create(
     image: Annotated[Optional[str], typer.Option(help="Template name.")] = None,
     desktop: Annotated[Optional[str], typer.Option(
