@@ -22,13 +22,15 @@ import unasync
 ROOT = Path(__file__).resolve().parents[1]
 ASYNC = ROOT / "src/hangar/client/_async"
 SYNC = ROOT / "src/hangar/client/_sync"
-FILES = ["client.py", "monitor.py", "objects.py", "streams.py"]
+FILES = ["client.py", "monitor.py", "objects.py", "processes.py", "streams.py"]
 REPLACEMENTS = {
     "_async": "_sync",
     "AsyncHangar": "Hangar",
     "AsyncSandbox": "Sandbox",
     "AsyncMachine": "Machine",
     "AsyncFiles": "Files",
+    "AsyncProcessCalls": "ProcessCalls",
+    "AsyncProcesses": "Processes",
     "AsyncDesktop": "Desktop",
     "AsyncHealthMonitor": "HealthMonitor",
     "AsyncTerminal": "Terminal",

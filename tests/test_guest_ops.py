@@ -100,7 +100,9 @@ def test_the_guests_table_and_the_hosts_ops_are_one_list() -> None:
     assert not unsent, (f"the guest serves ops no host module sends: {sorted(unsent)} "
                         "(tests/test_guest_ops.py host_ops says where it looks)")
     assert served == {"hello", "exec", "read_file", "write_file", "list_dir", "stat", "mkdir",
-                      "remove", "connect", "pty", "watch", "set_time", "reseed", "identity"}
+                      "remove", "connect", "pty", "watch", "set_time", "reseed", "identity",
+                      "proc_start", "proc_list", "proc_attach", "proc_input",
+                      "proc_close_stdin", "proc_signal", "proc_resize", "proc_remove"}
 
 
 def test_every_op_is_a_coroutine_taking_agent_meta_channel() -> None:

@@ -62,6 +62,27 @@ def test_tiers_nest_and_schemas_export_in_both_formats() -> None:
     assert ht.validate("no_such_tool", {}) == "unknown tool 'no_such_tool'"
 
 
+def test_each_tier_has_one_handler_table_naming_its_tools() -> None:
+    from hangar.tools.toolset import tier_classes
+
+    classes = tier_classes()
+    assert set(classes) == set(ht.TIERS)
+    for tier, cls in classes.items():
+        assert cls.tier == tier
+        assert set(cls.HANDLERS) == set(ht.TIER_TOOLS[tier]), tier
+        assert all(asyncio.iscoroutinefunction(h) for h in cls.HANDLERS.values())
+
+    async def unknown() -> ht.ToolResult:
+        tools = classes["in-process"]()  # type: ignore[call-arg]
+        try:
+            return await tools.call("browser_navigate", {"url": "x"}, None)
+        finally:
+            await tools.close()
+
+    r = run(unknown())
+    assert not r.ok and r.error == "the in-process tier has no tool 'browser_navigate'"
+
+
 def test_results_convert_for_both_apis() -> None:
     r = ht.ToolResult(ok=False, output="partial", error="exited with code 2", image=b"\x89PNG..",
                       data={"width": 4, "height": 3})

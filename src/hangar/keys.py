@@ -11,8 +11,10 @@ Two files in the data directory (see ``hangar.layout``), both 0600::
                 leaks. Written by ``hangar key add|rm|rotate``.
 
 A plain SHA-256 (no salt, no slow hash) is enough because every named key
-is 32 random bytes (256 bits) made by ``generate``: there is nothing to
-guess. ``HANGAR_API_KEY``, when set, takes the place of the ``api-key`` file.
+is random: 32 bytes (256 bits) made by ``generate``, or 20 bytes (160 bits)
+in E2B's format (``e2b_`` and 40 hex digits, ``generate_e2b``, for
+programs written for E2B's SDKs): there is nothing to guess.
+``HANGAR_API_KEY``, when set, takes the place of the ``api-key`` file.
 
 A key is *weak* (``weakness``) when it is shorter than ``MIN_LENGTH``
 characters, has fewer than ``MIN_DISTINCT`` distinct characters, repeats a
@@ -72,6 +74,7 @@ from hangar.errors import (
 log = logging.getLogger("hangar.keys")
 
 PREFIX = "hk_"
+E2B_PREFIX = "e2b_"
 MIN_LENGTH = 32
 """Characters; a generated key has 46 (``hk_`` + 43 of URL-safe base64)."""
 MIN_DISTINCT = 8
@@ -84,6 +87,12 @@ _HEADER_SAFE = re.compile(r"^[\x21-\x7e]+$")
 def generate() -> str:
     """A new key: ``hk_`` and 32 random bytes, URL-safe base64 (46 characters)."""
     return PREFIX + secrets.token_urlsafe(32)
+
+
+def generate_e2b() -> str:
+    """A new key in E2B's format: ``e2b_`` and 20 random bytes as 40 hex digits (44
+    characters), which E2B's SDKs take as an API key as is."""
+    return E2B_PREFIX + secrets.token_hex(20)
 
 
 def digest(key: str) -> bytes:
@@ -281,8 +290,9 @@ class KeyStore:
             out.append((k.name, fingerprint(k.digest), k.created, str(self.named_file)))
         return out
 
-    def add(self, name: str) -> str:
-        """Make a key called ``name`` and return it (only its hash is stored).
+    def add(self, name: str, e2b: bool = False) -> str:
+        """Make a key called ``name`` and return it (only its hash is stored); in E2B's
+        format (``generate_e2b``) when ``e2b``.
 
         Raises InvalidRequest (bad name) or Conflict (the name exists).
         """
@@ -295,7 +305,7 @@ class KeyStore:
             if any(k.name == name for k in keys):
                 raise Conflict(f"a key called {name!r} exists; `hangar key rotate {name}` "
                                "replaces it")
-            key = generate()
+            key = generate_e2b() if e2b else generate()
             keys.append(NamedKey(name, digest(key), time.time()))
             self._write_named(keys)
         return key
@@ -311,10 +321,11 @@ class KeyStore:
                 raise NotFound(f"no key called {name!r}")
             self._write_named([k for k in keys if k.name != name])
 
-    def rotate(self, name: str = DEFAULT_NAME) -> str:
-        """Give ``name`` a new key and return it; the old one stops working at once."""
+    def rotate(self, name: str = DEFAULT_NAME, e2b: bool = False) -> str:
+        """Give ``name`` a new key and return it (in E2B's format when ``e2b``); the old
+        one stops working at once."""
         with locked(self.named_file.parent):
-            key = generate()
+            key = generate_e2b() if e2b else generate()
             if name == DEFAULT_NAME:
                 write_private(self.default_file, key + "\n")
                 return key

@@ -10,6 +10,7 @@ the OpenAPI document (``create_app().openapi()``).
 Middleware, outermost first::
 
     PortProxy              requests for exposed ports go to the guest (hangar.api.proxy)
+    EnvdGateway            E2B's data plane under /e2b/envd (hangar.api.envd)
     BodyLimit              the JSON body cap (hangar.api.limits)
     IdempotencyMiddleware  a repeated Idempotency-Key gets the first answer
     routing                the cluster's gateway, when given (inside idempotency: a
@@ -27,10 +28,11 @@ from fastapi import Depends, FastAPI
 
 from hangar import __version__
 from hangar.api import (
-    desktop, errors, events, files, health, machines, pool, ports, pty, sandboxes, snapshots,
-    tunnel, vnc, web,
+    desktop, e2b, errors, events, files, health, machines, pool, ports, processes, pty,
+    sandboxes, snapshots, tunnel, vnc, web,
 )
 from hangar.api.auth import KeyRing, Throttle, require_key
+from hangar.api.envd.gateway import EnvdGateway
 from hangar.api.idempotency import IdempotencyMiddleware
 from hangar.api.limits import BodyLimit
 from hangar.api.proxy import PortProxy
@@ -72,6 +74,7 @@ def create_app(settings: Settings | None = None, *, keys: KeyRing | None = None,
     keyed = [Depends(require_key)]
     app.include_router(sandboxes.router, dependencies=keyed)
     app.include_router(files.router, dependencies=keyed)
+    app.include_router(processes.router, dependencies=keyed)
     app.include_router(desktop.router, dependencies=keyed)
     app.include_router(vnc.router, dependencies=keyed)
     app.include_router(vnc.ws_router)  # authenticated by single-use ticket, not key
@@ -85,6 +88,12 @@ def create_app(settings: Settings | None = None, *, keys: KeyRing | None = None,
     app.include_router(pool.router, dependencies=keyed)
     app.include_router(events.router, dependencies=keyed)
     app.include_router(ports.router, dependencies=keyed)
+    # E2B's control plane under /e2b (docs/e2b.md): E2B's error shape, not in our spec
+    app.include_router(e2b.public)
+    app.include_router(e2b.router, dependencies=keyed)
+    # E2B's data plane (/e2b/envd) checks its own credentials and streams its bodies: outside
+    # the body cap and idempotency, inside the port proxy.
+    app.add_middleware(EnvdGateway)
     # Outermost: requests for exposed ports go to the guest untouched by the body cap and
     # idempotency (hangar.api.proxy checks the key or token itself).
     app.add_middleware(PortProxy)

@@ -49,13 +49,18 @@ def _fail(exc: HangarError | OSError) -> None:
     raise typer.Exit(1)
 
 
+E2B = Annotated[bool, typer.Option(
+    "--e2b", help="Make the key in E2B's format (e2b_ and 40 hex digits), for programs "
+                  "written for E2B's SDKs (E2B_API_KEY).")]
+
+
 @app.command("add")
 def add(name: Annotated[str, typer.Argument(help="A name for the key, e.g. ci or alice.")],
-        data_dir: DataDir = None) -> None:
+        e2b: E2B = False, data_dir: DataDir = None) -> None:
     """Make a named key and print it (shown once; only its hash is kept)."""
     store = _store(data_dir)
     try:
-        key = store.add(name)
+        key = store.add(name, e2b=e2b)
     except (HangarError, OSError) as exc:
         _fail(exc)
     print(key)
@@ -75,11 +80,11 @@ def rm(name: str, data_dir: DataDir = None) -> None:
 
 @app.command("rotate")
 def rotate(name: Annotated[str, typer.Argument(help="The key to replace.")] = "default",
-           data_dir: DataDir = None) -> None:
+           e2b: E2B = False, data_dir: DataDir = None) -> None:
     """Replace a key with a new one and print it; the old one stops working at once."""
     store = _store(data_dir)
     try:
-        key = store.rotate(name)
+        key = store.rotate(name, e2b=e2b)
     except (HangarError, OSError) as exc:
         _fail(exc)
     print(key)

@@ -28,24 +28,27 @@ generated from ``_async/`` (``scripts/gen_sync.py``).
 from hangar.client._async.client import AsyncHangar
 from hangar.client._async.monitor import AsyncHealthMonitor
 from hangar.client._async.objects import AsyncDesktop, AsyncFiles, AsyncMachine, AsyncSandbox
+from hangar.client._async.processes import AsyncProcesses
 from hangar.client._async.streams import AsyncFileWatch, AsyncTerminal
 from hangar.client._core import RetryPolicy, Timeouts
 from hangar.client._sync.client import Hangar
 from hangar.client._sync.monitor import HealthMonitor
 from hangar.client._sync.objects import Desktop, Files, Machine, Sandbox
+from hangar.client._sync.processes import Processes
 from hangar.client._sync.streams import FileWatch, Terminal
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, FileEvent, Health,
-    KeyResult, MachineInfo, PoolStatus, PortInfo, PtySession, PtyTicket, SandboxInfo, Snapshot,
-    VncTicket, WriteResult,
+    KeyResult, MachineInfo, PoolStatus, PortInfo, ProcessEvent, ProcessInfo, PtySession,
+    PtyTicket, SandboxInfo, Snapshot, VncTicket, WriteResult,
 )
 
 __all__ = [
     "Hangar", "AsyncHangar", "Sandbox", "AsyncSandbox", "Machine", "AsyncMachine", "Files",
     "AsyncFiles", "Desktop", "AsyncDesktop", "HealthMonitor", "AsyncHealthMonitor",
-    "Terminal", "AsyncTerminal", "FileWatch", "AsyncFileWatch",
+    "Terminal", "AsyncTerminal", "FileWatch", "AsyncFileWatch", "Processes", "AsyncProcesses",
     "RetryPolicy", "Timeouts",
     "ActionResult", "DisplayInfo", "Event", "ExecResult", "ExecStreamEvent", "FileEntry",
-    "FileEvent", "Health", "KeyResult", "MachineInfo", "PoolStatus", "PortInfo", "PtySession",
+    "FileEvent", "Health", "KeyResult", "MachineInfo", "PoolStatus", "PortInfo",
+    "ProcessEvent", "ProcessInfo", "PtySession",
     "PtyTicket", "SandboxInfo", "Snapshot", "VncTicket", "WriteResult",
 ]

@@ -5,7 +5,10 @@ decides, without waiting on anything, what each sandbox needs (``plan``):
 
 ``expire``    its time to live ran out (running, unresponsive or sleeping)
 ``crash``     its VMM died (or this server holds no VM for it)
-``sleep``     it wants to sleep (a machine idle past its idle timeout does)
+``sleep``     it wants to sleep (a machine idle past its idle timeout does, and so
+              does a running sandbox whose time ran out that asked to pause then:
+              E2B's ``autoPause``, ``hangar.core.e2b``; asleep it has no time limit,
+              and woken it gets its create's time to live back)
 ``wake``      it sleeps but wants to run
 ``restore``   a restore was interrupted by a restart: do it again
 ``complete``  a removal stopped midway: finish it
@@ -30,6 +33,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from hangar.core import e2b
 from hangar.core.context import Context
 from hangar.core.lifecycle import State
 from hangar.core.pool import WarmPool
@@ -116,7 +120,14 @@ class Reconciler:
         rt = ctx.registry.get(sid)
         locked = ctx.registry.locked(sid)
         if rec.expires_at is not None and rec.expires_at <= now and state in EXPIRABLE:
+            if state == State.RUNNING and e2b.pauses_on_timeout(rec):
+                ctx.store.update(sid, desired_state=State.SLEEPING, **e2b.paused_changes(rec))
+                log.info("sandbox timed out: pausing", extra={"sandbox_id": sid})
+                return "sleep"
             return "expire"
+        woken = e2b.woken_changes(rec, now)
+        if woken is not None:  # an E2B sandbox woken after a pause: its clock runs again
+            ctx.store.update(sid, **woken)
         if state in (State.RUNNING, State.UNRESPONSIVE) and not locked and (
                 rt is None or not rt.vm.alive()):
             return "crash"

@@ -18,6 +18,8 @@ module of ``hangar.core`` with a public surface the others use:
 ``commands``       the typed surface of guest calls: Command, ExecResult, FileEntry, HOME
 ``desktop``        computer use and the VNC connection (``SandboxManager.desktop``)
 ``terminals``      terminal sessions (pty) that outlive their viewers
+``processes``      background processes that outlive their connection (the guest's
+                   process table): start, list, attach, stdin, signal, kill
 ``ports``          exposed guest ports and their signed URL tokens
 ``reconcile``      the loop that moves current states toward desired ones
 ``recovery``       start-up: adopt, resume, finish or undo what a dead server left
@@ -60,6 +62,7 @@ from hangar.core.context import Context
 from hangar.core.creation import Creation
 from hangar.core.events import EventBus
 from hangar.core.guestcalls import GuestCalls
+from hangar.core.processes import Processes
 from hangar.core.handover import Adoptee, Handover, Placement
 from hangar.core.hooks import Hooks
 from hangar.core.launch import Launcher, renet_meta
@@ -119,6 +122,8 @@ class SandboxManager:
         self.sleeper = Sleeper(ctx, self.admission, self.launcher, self.removal, self.snapshots)
         self.calls = GuestCalls(ctx, self.launcher, self.sleeper)
         self.terminals = Terminals(self.calls.using, ctx.publish)
+        self.processes = Processes(self.calls)
+        """Background processes that outlive their connection (``core.processes``)."""
         self.ports = Ports(ctx)
         self.reconciler = Reconciler(ctx, self.removal, self.sleeper, self.snapshots, self.pool,
                                      concurrency=settings.reconcile_concurrency)

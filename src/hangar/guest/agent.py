@@ -45,6 +45,7 @@ from hangar.guest.channel import Channel, Session
 from hangar.guest.identity import read_generation
 from hangar.guest.ops import OPS, OpError
 from hangar.guest.ops.common import BASE_ENV
+from hangar.guest.procs import ProcessTable
 from hangar.guest.transports import (
     PORT_NAME, VSOCK_PORT, find_port, kernel_channel, serve_port, serve_unix, serve_vsock,
 )
@@ -82,6 +83,8 @@ class Agent:
         self.sessions: set[Session] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.generation = read_generation()
+        self.procs = ProcessTable()
+        """Processes that outlive their connection (``hangar.guest.procs``)."""
 
     def hello_meta(self) -> dict[str, Any]:
         """The HELLO meta: versions, window, boot id, pid, uptime (s), requests in progress,

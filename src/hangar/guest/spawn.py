@@ -145,6 +145,8 @@ class Command:
         self.pid = pid
         self.stdin = stdin
         self.returncode: int | None = None
+        self.expired = False
+        """Set by the exec when its timeout killed the command's group."""
         self.exited: asyncio.Future[int] = self.loop.create_future()
         self.eof: dict[str, asyncio.Future[None]] = {n: self.loop.create_future() for n in STREAMS}
         self._fds: dict[str, int] = {"stdout": stdout, "stderr": stderr}
@@ -204,6 +206,15 @@ class Command:
             os.close(fd)
         if not self.eof[name].done():
             self.eof[name].set_result(None)
+
+    def handover(self, sink: Callable[[str, bytes], None]) -> None:
+        """Give the pipes still open to ``sink``, read as fast as they fill (not paced):
+        the process table (``hangar.guest.procs``) takes them over from an exec whose
+        command left a program behind that still holds them."""
+        self._sink = sink
+        self._paced = False
+        for name, fd in self._fds.items():
+            self.loop.add_reader(fd, self._readable, name)
 
     def kill(self, sig: int) -> None:
         """Send ``sig`` to the command's process group (its session)."""

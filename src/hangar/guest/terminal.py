@@ -114,7 +114,7 @@ def ignored_signals() -> tuple[int, ...]:
     return tuple(out)
 
 
-def _child_setup(ignored: tuple[int, ...]) -> Callable[[], None]:
+def child_setup(ignored: tuple[int, ...]) -> Callable[[], None]:
     """The child's set-up, run after ``setsid`` and before ``exec``: every signal at its
     default action and none blocked, as a login session starts (whatever the agent
     inherited: see ``ignored_signals``); then stdin (the pty) becomes the controlling
@@ -249,7 +249,7 @@ async def run(ch: Channel, argv: list[str], env: dict[str, str], cwd: str, cols:
         os.set_blocking(master, False)
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env,
-            start_new_session=True, preexec_fn=_child_setup(ignored_signals()))
+            start_new_session=True, preexec_fn=child_setup(ignored_signals()))
     except BaseException:
         os.close(master)
         os.close(slave)

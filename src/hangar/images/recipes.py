@@ -108,6 +108,9 @@ BASE = Recipe(
     ),
 )
 
+CHROMIUM_IPC_CONNECTION_TIMEOUT_S = 600
+"""Seconds a Chromium child process waits for the browser's connection before it quits."""
+
 CHROMIUM_FLAGS = (
     "--no-sandbox",                       # runs as root; the VM is the boundary
     "--disable-dev-shm-usage",            # /dev/shm is small in a guest: use /tmp
@@ -119,8 +122,18 @@ CHROMIUM_FLAGS = (
     "--disable-sync",
     "--renderer-process-limit=4",         # bounds memory when many tabs open
     "--password-store=basic",             # no keyring daemon in the guest
+    f"--ipc-connection-timeout={CHROMIUM_IPC_CONNECTION_TIMEOUT_S}",
 )
-"""Flags Debian's ``chromium`` wrapper adds (``/etc/chromium.d/hangar``)."""
+"""Flags Debian's ``chromium`` wrapper adds (``/etc/chromium.d/hangar``).
+
+``--ipc-connection-timeout``: each child process (GPU, network service,
+renderer) ends itself when the browser has not connected to it within 15 s,
+Chromium's default. On a busy machine under TCG the browser's main thread
+needs longer than that at start, so the first network service and renderer
+quit, and the first tab stays blank for good: the window is white, its title
+"Untitled", while a page opened later over DevTools renders (the desktop's
+``/screenshot`` and VNC then never show it). Chromium passes the switch on to
+every child."""
 
 DESKTOP = Recipe(
     name="desktop",

@@ -15,7 +15,8 @@ in a microVM, or in a microVM with a real browser; with a cost guard and visible
 
 Modules: ``definitions`` (tools, schemas, ``TIER_TOOLS``), ``results``
 (``ToolResult``), ``task`` (``Task``, ``task``, ``SyncTask``, ``sync_task``),
-``limits`` (``Limits``: the cost guard), ``events`` (sinks), ``inprocess``
+``limits`` (``Limits``: the cost guard), ``events`` (sinks), ``toolset``
+(``ToolSet``: each tier's one table of handlers), ``inprocess``
 (bubblewrap), ``vm``, ``browser`` (Playwright over CDP), ``tunnel`` (a local
 port to a guest port), ``backend`` (the one adapter over the SDK),
 ``mcp_server`` (``hangar mcp``).

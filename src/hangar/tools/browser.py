@@ -9,8 +9,10 @@ the display's size) with its DevTools endpoint on the guest's loopback
 route, and attaches Playwright with ``connect_over_cdp``. Playwright is the
 well-kept client; no browser is downloaded: the one in the guest is Debian's.
 
-Under software emulation (TCG) Chromium needs 30-60 s before its first page;
-``prepare`` waits up to ``START_TIMEOUT_S``.
+Under software emulation (TCG) Chromium needs 30-60 s before its first page on an
+idle machine, minutes on a busy one; ``prepare`` waits up to ``START_TIMEOUT_S``.
+The flags are the desktop image's (``hangar.images.recipes.CHROMIUM_FLAGS``),
+passed again here so that an image built before a change of them gets them too.
 """
 
 from __future__ import annotations
@@ -24,18 +26,29 @@ from hangar.guest import paths
 from hangar.images.recipes import CHROMIUM_FLAGS
 from hangar.tools.backend import Backend, SandboxInfo
 from hangar.tools.results import ToolResult
+from hangar.tools.toolset import Handler
 from hangar.tools.tunnel import LocalTunnel
 from hangar.tools.vm import VmTools
 
 DEVTOOLS_PORT = 9222
-START_TIMEOUT_S = 240.0
-"""Seconds ``prepare`` waits for the desktop and Chromium's DevTools endpoint."""
+START_TIMEOUT_S = 600.0
+"""Seconds ``prepare`` waits for the desktop and Chromium's DevTools endpoint (a guard
+against a hang: on a busy 2-core host under TCG, Chromium's start takes minutes)."""
 NAVIGATE_TIMEOUT_S = 120.0
 LOAD_EVENT_S = 20.0
 """Seconds an action waits for the ``load`` event alone before also asking the document
 (``BrowserTools._settle``)."""
 ACTION_TIMEOUT_S = 30.0
 MAX_TEXT_CHARS = 100_000
+
+DRIVEN_FLAGS = (
+    "--disable-backgrounding-occluded-windows",
+    "--disable-renderer-backgrounding",
+    "--disable-background-timer-throttling",
+)
+"""Flags for a Chromium driven over DevTools (those Playwright gives a browser it launches
+itself): a page is never throttled as hidden, so its animation frames, which a click's
+stability check waits for, keep coming."""
 
 LAUNCH = r"""
 import json, os, socket, subprocess, sys, time
@@ -69,6 +82,29 @@ def png_size(png: bytes) -> tuple[int, int]:
     return struct.unpack(">II", png[16:24])  # type: ignore[return-value]
 
 
+def _message(exc: BaseException) -> str:
+    """The first line of a Playwright error's message, at most 1000 characters."""
+    text = str(getattr(exc, "message", None) or exc).strip()
+    return (text.splitlines() or [""])[0][:1000]
+
+
+def _on_page(handler: Handler) -> Handler:
+    """``handler`` for the page: a failed result when the browser is not running, and
+    Playwright's errors (timeouts, net::ERR_...) as failed results with their message."""
+    async def on_page(tools: BrowserTools, args: dict[str, Any],
+                      time_left: float | None) -> ToolResult:
+        if tools.page is None:
+            return ToolResult.failure("the browser is not running")
+        from playwright.async_api import Error as PlaywrightError
+
+        try:
+            return await handler(tools, args, time_left)
+        except PlaywrightError as exc:
+            return ToolResult.failure(_message(exc))
+
+    return on_page
+
+
 class BrowserTools(VmTools):
     """The vm tools plus ``browser_navigate``, ``browser_interact`` and
     ``browser_screenshot`` on one page of the guest's Chromium."""
@@ -81,6 +117,8 @@ class BrowserTools(VmTools):
         self._pw: Any = None
         self._browser: Any = None
         self.page: Any = None
+        self.load_error: str | None = None
+        """Why the last navigation failed; None once a page has loaded."""
 
     async def prepare(self) -> None:
         """Work folder, Chromium, tunnel, Playwright. Raises HangarError when Chromium
@@ -88,7 +126,8 @@ class BrowserTools(VmTools):
         await super().prepare()
         r = await self.backend.exec(
             self.sid, "python3",
-            args=["-c", LAUNCH, str(START_TIMEOUT_S), str(DEVTOOLS_PORT), *CHROMIUM_FLAGS],
+            args=["-c", LAUNCH, str(START_TIMEOUT_S), str(DEVTOOLS_PORT), *CHROMIUM_FLAGS,
+                  *DRIVEN_FLAGS],
             timeout_s=START_TIMEOUT_S + 30)
         if r.exit_code != 0:
             raise HangarError("the browser did not start: "
@@ -117,24 +156,12 @@ class BrowserTools(VmTools):
                 pass
         self._browser = self._pw = self.page = self.tunnel = None
 
-    async def call(self, name: str, args: dict[str, Any], time_left: float | None) -> ToolResult:
-        if not name.startswith("browser_"):
-            return await super().call(name, args, time_left)
-        if self.page is None:
-            return ToolResult.failure("the browser is not running")
-        from playwright.async_api import Error as PlaywrightError
-
-        try:
-            if name == "browser_navigate":
-                return await self.navigate(args, time_left)
-            if name == "browser_interact":
-                return await self.interact(args)
-            if name == "browser_screenshot":
-                return await self.screenshot(args)
-        except PlaywrightError as exc:
-            return ToolResult.failure(str(exc.message if hasattr(exc, "message") else exc)
-                                      .strip().splitlines()[0][:1000])
-        return ToolResult.failure(f"the browser tier has no tool {name!r}")
+    def _not_loaded(self) -> str | None:
+        """Why the current page never loaded (a failed navigation, or Chromium's own error
+        page), or None."""
+        if self.load_error is None and str(self.page.url).startswith("chrome-error://"):
+            return "the browser shows an error page"
+        return self.load_error
 
     async def _page_text(self) -> tuple[str, bool]:
         text = str(await self.page.evaluate(
@@ -145,7 +172,16 @@ class BrowserTools(VmTools):
         timeout = float(args.get("timeout_s") or NAVIGATE_TIMEOUT_S)
         if time_left is not None:
             timeout = max(0.1, min(timeout, time_left))
-        resp = await self.page.goto(str(args["url"]), wait_until="load", timeout=timeout * 1000)
+        from playwright.async_api import Error as PlaywrightError
+
+        try:
+            resp = await self.page.goto(str(args["url"]), wait_until="load",
+                                        timeout=timeout * 1000)
+        except PlaywrightError as exc:
+            self.load_error = (f"{args['url']} did not load: "
+                               + _message(exc).removeprefix("Page.goto: "))
+            raise
+        self.load_error = None
         status = resp.status if resp is not None else None
         title = await self.page.title()
         text, cut = await self._page_text()
@@ -155,7 +191,12 @@ class BrowserTools(VmTools):
                           error=None if ok else f"HTTP status {status}", truncated=cut,
                           data={"url": self.page.url, "status": status, "title": title})
 
-    async def interact(self, args: dict[str, Any]) -> ToolResult:
+    async def interact(self, args: dict[str, Any], time_left: float | None) -> ToolResult:
+        """One action on the page. A page that never loaded fails at once, with the reason
+        (no element of it will ever appear, so waiting out the timeout would tell nothing)."""
+        why = self._not_loaded()
+        if why is not None:
+            return ToolResult.failure(f"{why}; open a page with browser_navigate first")
         page, action = self.page, args["action"]
         sel = args.get("selector")
         ms = float(args.get("timeout_s") or ACTION_TIMEOUT_S) * 1000
@@ -235,12 +276,19 @@ class BrowserTools(VmTools):
                 return
             except PlaywrightError:
                 pass
+        self.load_error = "the page did not finish loading"
         raise PlaywrightTimeout(f"Timeout {NAVIGATE_TIMEOUT_S * 1000:.0f}ms exceeded: the page "
                                 "did not finish loading")
 
-    async def screenshot(self, args: dict[str, Any]) -> ToolResult:
+    async def screenshot(self, args: dict[str, Any], time_left: float | None) -> ToolResult:
         png = await self.page.screenshot(full_page=bool(args.get("full_page")), type="png",
                                          timeout=NAVIGATE_TIMEOUT_S * 1000)
         w, h = png_size(png)
         return ToolResult(ok=True, output=f"screenshot {w}x{h} pixels", image=png,
                           data={"width": w, "height": h, "url": self.page.url})
+
+    HANDLERS = {**VmTools.HANDLERS,
+                "browser_navigate": _on_page(navigate),
+                "browser_interact": _on_page(interact),
+                "browser_screenshot": _on_page(screenshot)}
+

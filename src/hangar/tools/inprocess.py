@@ -42,11 +42,13 @@ import signal
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from hangar.tools.definitions import MAX_OUTPUT_BYTES, WORK_DIR
 from hangar.tools.format import command_result, resolve
 from hangar.tools.results import ToolResult, cap_text
+from hangar.tools.toolset import ToolSet
 
 BWRAP = "bwrap"
 NOBODY = 65534
@@ -188,7 +190,7 @@ class Bubblewrap:
         timeout = timeout_s if timeout_s is not None else self.limits.timeout_s
         keep = output_bytes if output_bytes is not None else self.limits.output_bytes
         started = time.monotonic()
-        kwargs: dict[str, object] = {}
+        kwargs: dict[str, Any] = {}
         if self.as_nobody:
             kwargs.update(user=NOBODY, group=NOBODY, extra_groups=[])
         spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
@@ -276,7 +278,7 @@ MEMORY_SIGNS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"
                 b"Out of memory")
 
 
-class InProcessTools:
+class InProcessTools(ToolSet):
     """``run_command``, ``read_file`` and ``write_file`` in one task's ``Bubblewrap``."""
 
     tier = "in-process"
@@ -288,22 +290,12 @@ class InProcessTools:
     async def close(self) -> None:
         self.box.close()
 
-    async def call(self, name: str, args: dict[str, object], time_left: float | None
-                   ) -> ToolResult:
-        if name == "run_command":
-            return await self.run_command(args, time_left)
-        if name == "read_file":
-            return await self.read_file(args)
-        if name == "write_file":
-            return await self.write_file(args)
-        return ToolResult.failure(f"the in-process tier has no tool {name!r}")
-
-    async def run_command(self, args: dict[str, object], time_left: float | None) -> ToolResult:
-        timeout = float(args.get("timeout_s") or self.box.limits.timeout_s)  # type: ignore[arg-type]
+    async def run_command(self, args: dict[str, Any], time_left: float | None) -> ToolResult:
+        timeout = float(args.get("timeout_s") or self.box.limits.timeout_s)
         if time_left is not None:
             timeout = max(0.1, min(timeout, time_left))
         r = await self.box.run(["/bin/sh", "-c", str(args["command"])],
-                               cwd=resolve(args.get("cwd")),  # type: ignore[arg-type]
+                               cwd=resolve(args.get("cwd")),
                                timeout_s=timeout)
         lim = self.box.limits
         note = None
@@ -318,9 +310,10 @@ class InProcessTools:
                               stderr_total=r.stderr_total, duration_s=r.duration_s,
                               timeout_s=timeout, limit_note=note)
 
-    async def read_file(self, args: dict[str, object]) -> ToolResult:
+    async def read_file(self, args: dict[str, Any], time_left: float | None = None
+                        ) -> ToolResult:
         path = resolve(str(args["path"]))
-        limit = int(args.get("max_bytes") or MAX_OUTPUT_BYTES)  # type: ignore[arg-type]
+        limit = int(args.get("max_bytes") or MAX_OUTPUT_BYTES)
         r = await self.box.run(["cat", "--", path], output_bytes=limit)
         if r.exit_code != 0:
             return ToolResult.failure(r.stderr.decode("utf-8", "replace").strip()
@@ -330,7 +323,8 @@ class InProcessTools:
                           duration_s=round(r.duration_s, 3),
                           data={"path": path, "size": r.stdout_total})
 
-    async def write_file(self, args: dict[str, object]) -> ToolResult:
+    async def write_file(self, args: dict[str, Any], time_left: float | None = None
+                         ) -> ToolResult:
         path = resolve(str(args["path"]))
         data = str(args["content"]).encode()
         script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
@@ -341,3 +335,5 @@ class InProcessTools:
         return ToolResult(ok=True, output=f"wrote {len(data)} bytes to {path}",
                           duration_s=round(r.duration_s, 3),
                           data={"path": path, "size": len(data)})
+
+    HANDLERS = {"run_command": run_command, "read_file": read_file, "write_file": write_file}

@@ -22,9 +22,11 @@ class Limits:
     max_tool_calls: int | None = 10
     """Tool calls (the agent loop's iterations)."""
     max_wall_s: float | None = 15 * 60.0
-    """Seconds from the task's start."""
+    """Seconds from the task's start: from the moment it begins acquiring its sandbox, so a
+    VM's boot counts."""
     max_vm_s: float | None = None
-    """VM-seconds: seconds the task's VM has existed, times its vCPUs."""
+    """VM-seconds: seconds the task's VM has existed (from its create request), times its
+    vCPUs."""
     max_tokens: int | None = 100_000
     """Model tokens reported with ``report_tokens``."""
 
@@ -75,8 +77,11 @@ class CostGuard:
     tokens: int = 0
     vm_s_before: float = 0.0
 
-    def vm_started(self, vcpus: int) -> None:
-        self.vm_since, self.vcpus = time.monotonic(), vcpus
+    def vm_started(self, vcpus: int, since: float | None = None) -> None:
+        """Count VM-seconds of a VM with ``vcpus`` from ``since`` (``time.monotonic``; the
+        moment its create was asked for) or from now."""
+        self.vm_since = time.monotonic() if since is None else since
+        self.vcpus = vcpus
 
     def vm_stopped(self) -> None:
         if self.vm_since is not None:

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from hangar.errors import HangarError
 from hangar.tools.backend import Backend, SandboxInfo
@@ -48,6 +48,7 @@ from hangar.tools.format import summarize
 from hangar.tools.inprocess import InProcessTools, ProcessLimits
 from hangar.tools.limits import CostGuard, Limits, Usage
 from hangar.tools.results import ToolResult
+from hangar.tools.toolset import ToolSet, tier_classes
 
 log = logging.getLogger("hangar.tools")
 
@@ -59,15 +60,6 @@ DEFAULT_SCREEN = "1024x768x24"
 """The browser tier's display (pixels, bits)."""
 TTL_MARGIN_S = 120.0
 """Seconds added to the wall limit for the VM's time to live (the safety net)."""
-
-
-class _Tools(Protocol):
-    tier: str
-
-    async def call(self, name: str, args: dict[str, Any],
-                   time_left: float | None) -> ToolResult: ...
-
-    async def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -131,7 +123,7 @@ class Task:
         self._env = env
         self.guard = CostGuard(self.limits)
         self.sandbox: SandboxInfo | None = None
-        self._tools: _Tools | None = None
+        self._tools: ToolSet | None = None
         self._lock = asyncio.Lock()
         self._inflight: asyncio.Task[ToolResult] | None = None
         self._watchdog: asyncio.Task[None] | None = None
@@ -187,7 +179,15 @@ class Task:
         await _finish(self.end(reason, message))
 
     async def start(self) -> "Task":
-        """Acquire the sandbox and start the clocks."""
+        """Start the clocks, then acquire the sandbox.
+
+        The wall clock starts before the sandbox is asked for, and a VM's
+        VM-seconds count from its create request: boot (and the browser
+        tier's Chromium start) is spent by the task like any tool call. When
+        acquiring alone used up a clock limit, the task ends at once with that
+        limit (its VM released) and every call returns it.
+        """
+        self.guard.started = time.monotonic()
         wants_server = self.tier != "in-process" or self._url or self._api_key
         if wants_server and self._backend is None:
             self._backend = Backend(self._url, self._api_key)
@@ -206,29 +206,25 @@ class Task:
                 await self._backend.close()
             raise
         vcpus = self.sandbox.vcpus if self.sandbox else 0
-        if self.sandbox:
-            self.guard.vm_started(vcpus)
-        self.guard.started = time.monotonic()
         self._emit("agent.task.started", name=self.name, tier=self.tier, vcpus=vcpus,
                    memory_mib=self.sandbox.memory_mib if self.sandbox else 0, source=self.source)
         self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         return self
 
-    async def _acquire_vm(self) -> _Tools:
-        from hangar.tools.browser import BrowserTools
-        from hangar.tools.vm import VmTools
-
+    async def _acquire_vm(self) -> ToolSet:
         assert self._backend is not None
         s = self._shape
         ttl = self.limits.max_wall_s + TTL_MARGIN_S if self.limits.max_wall_s else None
         desktop = s["desktop"] or (DEFAULT_SCREEN if self.tier == "browser" else None)
+        asked = time.monotonic()
         # Shielded: a create cancelled half-way would leave a VM nobody knows of.
         self.sandbox = await _finish(self._backend.create(
             s["image"] or IMAGES[self.tier], vcpus=s["vcpus"], memory_mib=s["memory_mib"],
             timeout_s=ttl, desktop=desktop, network=s["network"],
             metadata={"hangar.task": self.task_id, "hangar.user": self.user_id[:200],
                       "hangar.tier": self.tier}))
-        tools = (BrowserTools if self.tier == "browser" else VmTools)(self._backend, self.sandbox)
+        self.guard.vm_started(self.sandbox.vcpus, since=asked)
+        tools = tier_classes()[self.tier](self._backend, self.sandbox)  # type: ignore[call-arg]
         try:
             await _finish(tools.prepare())
         except BaseException:
@@ -236,7 +232,7 @@ class Task:
             raise
         return tools
 
-    async def _delete_vm(self, tools: _Tools | None) -> None:
+    async def _delete_vm(self, tools: ToolSet | None) -> None:
         if tools is not None:
             try:
                 await tools.close()

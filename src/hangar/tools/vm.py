@@ -19,13 +19,14 @@ from hangar.tools.backend import Backend, SandboxInfo
 from hangar.tools.definitions import MAX_OUTPUT_BYTES, WORK_DIR
 from hangar.tools.format import command_result, resolve
 from hangar.tools.results import ToolResult, cap_text
+from hangar.tools.toolset import ToolSet
 
 DEFAULT_TIMEOUT_S = 60.0
 MAX_MATCH_CHARS = 500
 """Characters of a matching line kept in ``search_code`` results."""
 
 
-class VmTools:
+class VmTools(ToolSet):
     """``run_command``, ``read_file``, ``write_file`` and ``search_code`` in one sandbox."""
 
     tier = "vm"
@@ -42,20 +43,6 @@ class VmTools:
         """Make the work folder."""
         await self.backend.mkdir(self.sid, WORK_DIR)
 
-    async def close(self) -> None:
-        pass
-
-    async def call(self, name: str, args: dict[str, Any], time_left: float | None) -> ToolResult:
-        if name == "run_command":
-            return await self.run_command(args, time_left)
-        if name == "read_file":
-            return await self.read_file(args)
-        if name == "write_file":
-            return await self.write_file(args)
-        if name == "search_code":
-            return await self.search_code(args)
-        return ToolResult.failure(f"the {self.tier} tier has no tool {name!r}")
-
     async def run_command(self, args: dict[str, Any], time_left: float | None) -> ToolResult:
         timeout = float(args.get("timeout_s") or DEFAULT_TIMEOUT_S)
         if time_left is not None:
@@ -67,7 +54,8 @@ class VmTools:
                               stderr_total=r.stderr_total, duration_s=r.duration_s,
                               timeout_s=timeout)
 
-    async def read_file(self, args: dict[str, Any]) -> ToolResult:
+    async def read_file(self, args: dict[str, Any], time_left: float | None = None
+                       ) -> ToolResult:
         path = resolve(str(args["path"]))
         limit = int(args.get("max_bytes") or MAX_OUTPUT_BYTES)
         r = await self.backend.exec(self.sid, "head", args=["-c", str(limit + 1), "--", path],
@@ -79,14 +67,16 @@ class VmTools:
         return ToolResult(ok=True, output=text, truncated=cut or r.stdout_total > limit,
                           duration_s=round(r.duration_s, 3), data={"path": path})
 
-    async def write_file(self, args: dict[str, Any]) -> ToolResult:
+    async def write_file(self, args: dict[str, Any], time_left: float | None = None
+                        ) -> ToolResult:
         path = resolve(str(args["path"]))
         data = str(args["content"]).encode()
         size = await self.backend.write_file(self.sid, path, data)
         return ToolResult(ok=True, output=f"wrote {size} bytes to {path}",
                           data={"path": path, "size": size})
 
-    async def search_code(self, args: dict[str, Any]) -> ToolResult:
+    async def search_code(self, args: dict[str, Any], time_left: float | None = None
+                         ) -> ToolResult:
         keep = int(args.get("max_results") or 100)
         argv = ["--json", "--max-columns", str(MAX_MATCH_CHARS), "--max-columns-preview"]
         if args.get("ignore_case"):
@@ -114,6 +104,9 @@ class VmTools:
         return ToolResult(ok=True, output="\n".join(lines), truncated=left_out > 0,
                           duration_s=round(r.duration_s, 3),
                           data={"matches": matches, "total": total, "left_out": left_out})
+
+    HANDLERS = {"run_command": run_command, "read_file": read_file, "write_file": write_file,
+                "search_code": search_code}
 
 
 def parse_rg_json(head: bytes, tail: bytes, keep: int) -> tuple[list[dict[str, Any]], int]:

@@ -52,6 +52,8 @@ port is an origin of its own. See docs/security.md.
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hangar.api.proxy.exchange import Refused
@@ -64,7 +66,7 @@ from hangar.core.sandboxes import SandboxManager
 
 __all__ = [
     "COOKIE", "MAX_HEADER_BYTES", "TOKEN_PARAM", "WS_MAX_MESSAGE", "BrokenAnswer", "PortProxy",
-    "Refused", "Target", "guest_headers", "host_url", "path_prefix", "route",
+    "Refused", "Target", "forward_admitted", "guest_headers", "host_url", "path_prefix", "route",
 ]
 
 
@@ -93,3 +95,13 @@ class PortProxy:
             await HttpExchange(scope, receive, send, target, manager, state).run()
         else:
             await WebSocketExchange(scope, receive, send, target, manager, state).run()
+
+
+async def forward_admitted(scope: Scope, receive: Receive, send: Send, target: Target,
+                           manager: SandboxManager, state: Any) -> None:
+    """Forward one request (HTTP or WebSocket) to ``target``, its caller having admitted it
+    already (E2B's data plane, by the sandbox's access token): no exposure is needed."""
+    cls = HttpExchange if scope["type"] == "http" else WebSocketExchange
+    exchange = cls(scope, receive, send, target, manager, state)
+    exchange.admit = lambda: None  # type: ignore[assignment, method-assign, return-value]
+    await exchange.run()

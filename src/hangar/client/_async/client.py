@@ -20,6 +20,7 @@ from httpx_sse import EventSource
 
 from hangar.client import _core
 from hangar.client._async._compat import sleep
+from hangar.client._async.processes import AsyncProcessCalls
 from hangar.client._async.streams import AsyncFileWatch, AsyncTerminal
 from hangar.client._core import RetryPolicy, Timeouts
 from hangar.errors import HangarError, Unavailable
@@ -33,7 +34,7 @@ Button = Literal["left", "middle", "right"]
 Direction = Literal["up", "down", "left", "right"]
 
 
-class AsyncHangar:
+class AsyncHangar(AsyncProcessCalls):
     """A client of one Hangar server.
 
     ``base_url`` defaults to ``HANGAR_URL`` (else http://127.0.0.1:8080) and
@@ -43,7 +44,8 @@ class AsyncHangar:
     ``http_client`` lets the caller bring its own httpx client (a Unix-socket
     transport, a proxy, event hooks); the caller then closes it.
 
-    Use it as a context manager, or call ``close()``.
+    Use it as a context manager, or call ``close()``. The ``process_*`` methods
+    (background processes) live in ``processes`` (``AsyncProcessCalls``).
     """
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,

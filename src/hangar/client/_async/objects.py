@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from hangar.client._async.client import AsyncHangar, Button, Direction
+from hangar.client._async.processes import AsyncProcesses
 from hangar.client._async.streams import AsyncFileWatch, AsyncTerminal
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, KeyResult,
@@ -111,7 +112,8 @@ class AsyncSandbox:
     """One sandbox: ``create()`` or ``connect()`` it, then run commands, move files, snapshot.
 
     ``info`` is the sandbox as last seen (``refresh()`` reads it again);
-    ``files`` and ``desktop`` reach its files and screen. As a context
+    ``files`` and ``desktop`` reach its files and screen, ``processes`` its
+    background processes. As a context
     manager a sandbox made by ``create()`` or ``fork()`` is killed when the
     block ends; one reached by ``connect()`` is left running.
     """
@@ -122,6 +124,7 @@ class AsyncSandbox:
         self.info = info
         self.files = AsyncFiles(client, info.id)
         self.desktop = AsyncDesktop(client, info.id)
+        self.processes = AsyncProcesses(client, info.id)
         self._owns_client = owns_client
         self._kill_on_exit = kill_on_exit
 

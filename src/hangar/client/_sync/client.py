@@ -21,6 +21,7 @@ from httpx_sse import EventSource
 
 from hangar.client import _core
 from hangar.client._sync._compat import sleep
+from hangar.client._sync.processes import ProcessCalls
 from hangar.client._sync.streams import FileWatch, Terminal
 from hangar.client._core import RetryPolicy, Timeouts
 from hangar.errors import HangarError, Unavailable
@@ -34,7 +35,7 @@ Button = Literal["left", "middle", "right"]
 Direction = Literal["up", "down", "left", "right"]
 
 
-class Hangar:
+class Hangar(ProcessCalls):
     """A client of one Hangar server.
 
     ``base_url`` defaults to ``HANGAR_URL`` (else http://127.0.0.1:8080) and
@@ -44,7 +45,8 @@ class Hangar:
     ``http_client`` lets the caller bring its own httpx client (a Unix-socket
     transport, a proxy, event hooks); the caller then closes it.
 
-    Use it as a context manager, or call ``close()``.
+    Use it as a context manager, or call ``close()``. The ``process_*`` methods
+    (background processes) live in ``processes`` (``AsyncProcessCalls``).
     """
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,

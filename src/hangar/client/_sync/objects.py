@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from hangar.client._sync.client import Hangar, Button, Direction
+from hangar.client._sync.processes import Processes
 from hangar.client._sync.streams import FileWatch, Terminal
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, KeyResult,
@@ -112,7 +113,8 @@ class Sandbox:
     """One sandbox: ``create()`` or ``connect()`` it, then run commands, move files, snapshot.
 
     ``info`` is the sandbox as last seen (``refresh()`` reads it again);
-    ``files`` and ``desktop`` reach its files and screen. As a context
+    ``files`` and ``desktop`` reach its files and screen, ``processes`` its
+    background processes. As a context
     manager a sandbox made by ``create()`` or ``fork()`` is killed when the
     block ends; one reached by ``connect()`` is left running.
     """
@@ -123,6 +125,7 @@ class Sandbox:
         self.info = info
         self.files = Files(client, info.id)
         self.desktop = Desktop(client, info.id)
+        self.processes = Processes(client, info.id)
         self._owns_client = owns_client
         self._kill_on_exit = kill_on_exit
 

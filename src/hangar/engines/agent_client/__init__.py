@@ -15,6 +15,9 @@ guest. One module per job:
                 read and write) and open long-lived channels
     streams     handles of long-lived channels: ``Tunnel``, ``PtyChannel``
                 (a terminal), ``WatchChannel`` (a file watch)
+    processes   processes that outlive their connection: ``ProcInfo`` (an
+                entry of the guest's table), ``ProcEvent``, ``ProcessStream``
+                (an attached output) and the start request (``proc_meta``)
     results     ``ExecResult``, ``StreamCapture``, ``ExecEvent``, ``PtyExit``
                 and the exec request (``exec_meta``)
 
@@ -45,7 +48,10 @@ is_directory,       InvalidRequest
 not_directory,
 invalid,
 permission_denied
-exists, not_empty   Conflict
+exists, not_empty,  Conflict
+closed
+busy                Busy (409, retryable)
+too_many            LimitExceeded (429)
 anything else       GuestError
 ==================  ======================
 
@@ -63,6 +69,13 @@ from hangar.engines.agent_client.connection import (
     Deadlines,
     Streams,
     unix_channel,
+)
+from hangar.engines.agent_client.processes import (
+    ProcEvent,
+    ProcessStream,
+    ProcInfo,
+    ProcSignalled,
+    proc_meta,
 )
 from hangar.engines.agent_client.results import (
     ExecEvent,
@@ -83,6 +96,10 @@ __all__ = [
     "Deadlines",
     "ExecEvent",
     "ExecResult",
+    "ProcEvent",
+    "ProcInfo",
+    "ProcessStream",
+    "ProcSignalled",
     "PtyChannel",
     "PtyExit",
     "SessionRestarted",
@@ -91,5 +108,6 @@ __all__ = [
     "Tunnel",
     "WatchChannel",
     "exec_meta",
+    "proc_meta",
     "unix_channel",
 ]

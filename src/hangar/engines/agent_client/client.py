@@ -5,7 +5,9 @@
 calls that move bytes or live on: an exec (its output as ``ExecEvent`` events,
 or its ``ExecResult``), a file read or write, and the long-lived channels
 opened through ``_open_long``, whose handles live in ``streams``: a tunnel
-(``Tunnel``), a terminal (``PtyChannel``), a file watch (``WatchChannel``).
+(``Tunnel``), a terminal (``PtyChannel``), a file watch (``WatchChannel``);
+and the calls on processes that outlive their connection (start, list,
+attach, input, signal, resize, remove; their answers in ``processes``).
 
 Each call keeps to its ``Deadlines``; a consumer that gives up (an iterator
 closed early, an HTTP client gone) CANCELs the call in the guest: an exec's
@@ -21,6 +23,9 @@ from typing import Any
 
 from hangar.engines.agent_client.channel import Channel
 from hangar.engines.agent_client.connection import Connection
+from hangar.engines.agent_client.processes import (
+    ProcessStream, ProcInfo, ProcSignalled, checked_info, proc_signalled,
+)
 from hangar.engines.agent_client.results import ExecEvent, ExecResult, exec_result
 from hangar.engines.agent_client.streams import PtyChannel, Tunnel, WatchChannel
 from hangar.errors import GuestError, HangarError
@@ -209,6 +214,110 @@ class AgentClient(Connection):
             "the guest ended the watch before it was in place")
         return WatchChannel(ch, frame.meta)
 
+    # -- processes that outlive their connection (``processes``) --------------
+
+    async def start_process(self, meta: dict[str, Any]) -> ProcInfo:
+        """Start a process that outlives this connection (``meta`` from ``proc_meta``);
+        its entry. Raises InvalidRequest (bad input, a program that cannot start),
+        Conflict (a running process has its tag), LimitExceeded (the guest's table is
+        full of running processes), Timeout, GuestError."""
+        return checked_info(await self._plain({**meta, "op": "proc_start", "attach": False}))
+
+    async def start_process_attached(self, meta: dict[str, Any]) -> ProcessStream:
+        """``start_process``, its output streamed from its first byte (``ProcessStream``);
+        closing the stream detaches, the process runs on."""
+        ch, frame = await self._open_long({**meta, "op": "proc_start", "attach": True},
+                                          "started", "the guest ended the process stream "
+                                          "before it started")
+        return ProcessStream(self, ch, _frame_info(ch, frame))
+
+    async def list_processes(self) -> list[ProcInfo]:
+        """The guest's table, oldest first (at most 64 entries)."""
+        meta = await self._plain({"op": "proc_list"})
+        entries = meta.get("processes")
+        if not isinstance(entries, list):
+            raise GuestError("the guest agent sent a malformed process list")
+        return [checked_info(e if isinstance(e, dict) else {}) for e in entries[:1024]]
+
+    async def attach_process(self, pid: int | None = None, tag: str | None = None, *,
+                             replay: bool = False, follow: bool = False) -> ProcessStream:
+        """Attach to a process by ``pid`` (else ``tag``): its output from now on
+        (``replay``: what its 1 MiB ring holds first) until it ends (``follow``: until its
+        output ends, which a program it left behind may hold open). Raises NotFound."""
+        ch, frame = await self._open_long(
+            {"op": "proc_attach", **_selector(pid, tag), "replay": replay, "follow": follow},
+            "attached", "the guest ended the process stream before it attached")
+        return ProcessStream(self, ch, _frame_info(ch, frame))
+
+    async def send_process_input(self, data: bytes, pid: int | None = None,
+                                 tag: str | None = None) -> int:
+        """Write ``data`` to a process's stdin or terminal, in order; bytes written.
+        Raises NotFound, Conflict (its input is closed), Busy (it read none of it for
+        5 s), Timeout, GuestError."""
+        ch = self._open("proc_input")
+        try:
+            self._write(P.Kind.REQUEST, ch.cid, {"op": "proc_input", **_selector(pid, tag)})
+
+            async def send() -> None:
+                try:
+                    await self._send_stream(ch, "stdin", [data] if data else [],
+                                            self.deadlines.stall_s)
+                except HangarError:
+                    return  # the channel failed or ended: the reader below says why
+                ch.expect(self.deadlines.control_s)
+
+            sender = _background(send())
+            try:
+                while True:
+                    frame = await ch.get()
+                    if frame.kind == P.Kind.RESPONSE:
+                        written = frame.meta.get("written")
+                        return written if isinstance(written, int) else 0
+                    if frame.kind == P.Kind.ERROR:
+                        self._raise(frame)
+            finally:
+                sender.cancel()
+        finally:
+            ch.close()
+
+    async def close_process_stdin(self, pid: int | None = None,
+                                  tag: str | None = None) -> ProcInfo:
+        """Close a process's stdin (it reads EOF). Raises NotFound, InvalidRequest (a
+        terminal: send Ctrl-D, byte 4)."""
+        return checked_info(await self._plain({"op": "proc_close_stdin",
+                                               **_selector(pid, tag)}))
+
+    async def signal_process(self, sig: int, pid: int | None = None,
+                             tag: str | None = None) -> ProcSignalled:
+        """Send signal ``sig`` (1..64) to a process's group; whether any of it was left to
+        get it, and the process's status. Raises NotFound, InvalidRequest."""
+        meta = await self._plain({"op": "proc_signal", **_selector(pid, tag), "signal": sig})
+        try:
+            return proc_signalled(meta)
+        except (TypeError, ValueError):
+            raise GuestError("the guest agent sent a malformed signal answer") from None
+
+    async def resize_process(self, cols: int, rows: int, pid: int | None = None,
+                             tag: str | None = None) -> ProcInfo:
+        """Set a terminal process's size in characters. Raises NotFound, InvalidRequest
+        (not a terminal, a size outside 1..1000)."""
+        return checked_info(await self._plain({"op": "proc_resize", **_selector(pid, tag),
+                                               "cols": cols, "rows": rows}))
+
+    async def remove_process(self, pid: int | None = None,
+                             tag: str | None = None) -> ProcInfo:
+        """Kill a process's group (SIGKILL) if it runs, wait for its exit (at most 5 s)
+        and forget it; its last entry. Raises NotFound."""
+        return checked_info(await self._plain({"op": "proc_remove", **_selector(pid, tag)},
+                                              self.deadlines.control_s + 5.0))
+
+    async def _plain(self, meta: dict[str, Any],
+                     deadline_s: float | None = None) -> dict[str, Any]:
+        """``call`` with a request whose meta names its ``op``."""
+        rest = dict(meta)
+        op = rest.pop("op")
+        return await self.call(op, deadline_s=deadline_s, **rest)
+
     async def _open_long(self, meta: dict[str, Any], flag: str,
                          ended: str) -> tuple[Channel, P.Frame]:
         """Open a long-lived channel (a tunnel, a terminal, a watch) with the request
@@ -233,6 +342,24 @@ class AgentClient(Connection):
         except BaseException:
             ch.close()
             raise
+
+
+def _selector(pid: int | None, tag: str | None) -> dict[str, Any]:
+    """A process named by ``pid``, else ``tag``; ValueError for neither."""
+    if pid is not None:
+        return {"pid": pid}
+    if tag is not None:
+        return {"tag": tag}
+    raise ValueError("name the process by pid or tag")
+
+
+def _frame_info(ch: Channel, frame: P.Frame) -> ProcInfo:
+    """The entry a stream's first frame carries; the channel closed when it is malformed."""
+    try:
+        return checked_info(frame.meta)
+    except GuestError:
+        ch.close()
+        raise
 
 
 def _background(coro: Any) -> asyncio.Task[Any]:

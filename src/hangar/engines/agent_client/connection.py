@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Any, NoReturn, Self
 
 from hangar.engines.agent_client.channel import Channel
-from hangar.errors import Conflict, GuestError, HangarError, InvalidRequest, NotFound, Timeout
+from hangar.errors import (
+    Busy, Conflict, GuestError, HangarError, InvalidRequest, LimitExceeded, NotFound, Timeout,
+)
 from hangar.guest import protocol as P
 
 ERRORS: dict[str, type[HangarError]] = {
@@ -44,6 +46,9 @@ ERRORS: dict[str, type[HangarError]] = {
     "permission_denied": InvalidRequest,
     "exists": Conflict,
     "not_empty": Conflict,
+    "closed": Conflict,
+    "busy": Busy,
+    "too_many": LimitExceeded,
 }
 
 log = logging.getLogger("hangar.agent")

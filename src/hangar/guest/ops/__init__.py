@@ -24,6 +24,11 @@ op              module       what it does
 ``set_time``    machine      set the wall clock, used after a restore
 ``reseed``      machine      mix host entropy into the kernel's pool, after a restore
 ``identity``    machine      a fork's own hostname, machine-id and fork generation
+``proc_*``      processes    processes that outlive their connection
+                             (``hangar.guest.procs``): ``proc_start``,
+                             ``proc_list``, ``proc_attach``, ``proc_input``,
+                             ``proc_close_stdin``, ``proc_signal``,
+                             ``proc_resize``, ``proc_remove``
 ==============  ===========  =====================================================
 
 Shared by the handlers: ``common`` (``OpError``, the errno → code map, path
@@ -33,7 +38,7 @@ and cwd, checked; the shell's answer for a program that cannot start).
 
 from __future__ import annotations
 
-from hangar.guest.ops import commands, files, machine, terminals, tunnels, watches
+from hangar.guest.ops import commands, files, machine, processes, terminals, tunnels, watches
 from hangar.guest.ops.common import AgentView, Handler, OpError, Result
 
 OPS: dict[str, Handler] = {
@@ -51,6 +56,14 @@ OPS: dict[str, Handler] = {
     "set_time": machine.set_time,
     "reseed": machine.reseed,
     "identity": machine.identity,
+    "proc_start": processes.proc_start,
+    "proc_list": processes.proc_list,
+    "proc_attach": processes.proc_attach,
+    "proc_input": processes.proc_input,
+    "proc_close_stdin": processes.proc_close_stdin,
+    "proc_signal": processes.proc_signal,
+    "proc_resize": processes.proc_resize,
+    "proc_remove": processes.proc_remove,
 }
 """Every operation the agent serves, by the name a REQUEST gives in ``meta["op"]``."""
 

@@ -78,7 +78,10 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
     the command wait on its pipe; after the command exits its pipes are
     drained for ``DRAIN_GRACE_S``, or while the host's window is full up
     to the timeout (then the rest is dropped; the totals count what was
-    sent).
+    sent). Pipes still open then (a program the command started in the
+    background holds them) are handed to the process table
+    (``hangar.guest.procs``), which reads them for as long as that program
+    writes: its output goes to a buffer, never to a closed pipe.
 
     Returns (as RESPONSE meta) ``exit_code`` (128+N when killed by signal N), ``signal``,
     ``timed_out``, ``duration_s``, and per stream ``stdout``/``stderr``
@@ -127,9 +130,15 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
         try:
             return await _run(ch, cmd, captures, chunks, want_stdin, timeout, started)
         finally:
+            killed = cmd.returncode is None or cmd.expired
             if cmd.returncode is None:  # cancelled: never leave the group behind
                 cmd.kill(signal.SIGKILL)
-            cmd.close()
+            # A program the command left behind may still hold its stdout or stderr:
+            # the process table reads them from now on (``hangar.guest.procs``), so it
+            # never writes to a closed pipe; when the group was killed (cancelled, timed
+            # out), into nothing, as what is left is no program the caller meant to keep.
+            if not agent.procs.adopt(cmd, argv, meta.get("env") or {}, cwd, keep=not killed):
+                cmd.close()
     finally:
         remove_script(script)
 
@@ -196,6 +205,7 @@ async def _run(ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
 
     def expire() -> None:
         expired.append(True)
+        cmd.expired = True
         cmd.kill(signal.SIGKILL)
 
     timer = (asyncio.get_running_loop().call_later(timeout, expire)
@@ -205,7 +215,8 @@ async def _run(ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
         if expired:
             cmd.kill(signal.SIGKILL)  # members of the group that outlived the leader
         # Drain: output to its end (streaming: every chunk sent). A pipe still open
-        # DRAIN_GRACE_S after the exit (a background process holds it) is cut off,
+        # DRAIN_GRACE_S after the exit (a background process holds it) is left to the
+        # process table (``exec_command``),
         # unless the relay waits for the host's window (a slow reader), which it may
         # do until the timeout.
         until = time.monotonic() + DRAIN_GRACE_S
@@ -229,7 +240,7 @@ async def _run(ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
                 t.cancel()
         await asyncio.gather(*(t for t in (feeder, relayer) if t is not None),
                              return_exceptions=True)
-        cmd.close()
+        cmd.close_stdin()
     timed_out = bool(expired)
 
     rc = cmd.returncode

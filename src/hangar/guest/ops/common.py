@@ -19,6 +19,7 @@ from hangar.guest import paths
 
 if TYPE_CHECKING:
     from hangar.guest.channel import Channel
+    from hangar.guest.procs import ProcessTable
 
 Result = Union[dict[str, Any], tuple[dict[str, Any], bytes]]
 """A RESPONSE: its meta, or its meta and data bytes."""
@@ -29,6 +30,9 @@ class AgentView(Protocol):
 
     generation: int
     """The guest's fork generation (``hangar.guest.identity``), as the agent last set it."""
+
+    procs: ProcessTable
+    """The processes that outlive their connection (``hangar.guest.procs``)."""
 
     def hello_meta(self) -> dict[str, Any]:
         """The HELLO frame's meta (see ``hangar.guest.agent``)."""

@@ -1,0 +1,368 @@
+"""E2B's sandbox routes: create, list, get, kill, timeouts, connect, pause, resume, fork, metrics.
+
+Each route turns E2B's request into calls on Hangar's core and its answer
+into E2B's body (``hangar.api.e2b.views``). How E2B's words map:
+
+- **create** (``POST /sandboxes``, and ``POST /v2/sandboxes`` that the SDK
+  uses) boots the template's image, or forks when ``templateID`` names a
+  snapshot; ``envVars`` become the default environment of envd's processes,
+  ``autoPause`` makes the end of the time to live a pause instead of a
+  removal; ``secure`` is accepted and every sandbox is secured (an envd
+  access token in every answer).
+- **pause** is Hangar's sleep (memory, devices and disk saved, the VMM
+  ended); a paused sandbox has no time limit. **connect** and **resume**
+  wake it (``201``) and set its time to live; connect on a running one
+  (``200``) only ever extends it. Woken any other way (a call to it), it
+  gets its create's time to live back (``hangar.core.e2b``).
+- **fork** snapshots the sandbox once, starts ``count`` sandboxes from the
+  snapshot and removes the snapshot.
+- **metrics** are one sample read inside the guest (``hangar.core.e2b.metrics``);
+  a paused sandbox has none (``[]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import urllib.parse
+from dataclasses import replace
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Response
+from fastapi.responses import JSONResponse
+
+from hangar.api.deps import manager
+from hangar.api.e2b import views
+from hangar.api.e2b.errors import E2BRoute
+from hangar.api.e2b.models import (
+    ConnectSandbox, ConnectSandboxV2, Error, ForkRequest, ForkResult, ListedSandbox, NewSandbox,
+    NewSandboxV2, PauseRequest, RefreshRequest, ResumedSandbox, Sandbox, SandboxDetail,
+    SandboxesWithMetrics, SandboxMetric, TimeoutRequest,
+)
+from hangar.core import e2b
+from hangar.core.admission import CreateOptions
+from hangar.core.lifecycle import State
+from hangar.core.sandboxes import SandboxManager
+from hangar.core.store import SandboxRecord
+from hangar.errors import Busy, Conflict, HangarError, InvalidRequest, NotFound
+
+log = logging.getLogger("hangar.api.e2b")
+
+router = APIRouter(route_class=E2BRoute)
+Manager = Annotated[SandboxManager, Depends(manager)]
+
+MAX_METADATA = 64
+"""Metadata entries a sandbox may carry (as Hangar's own API allows)."""
+REFRESH_S = 15
+"""Seconds a refresh without ``duration`` keeps a sandbox alive (E2B's default timeout)."""
+SETTLE_S = 120.0
+"""Longest wait for a sandbox between states (pausing, waking) before a connect."""
+PAGE = 100
+"""Largest page of a list (E2B's ``limit`` maximum)."""
+
+
+# -- create -----------------------------------------------------------------------------------
+
+def _check_create(body: NewSandbox) -> None:
+    """Refuse what Hangar cannot honour, naming the field."""
+    if body.volumeMounts:
+        raise InvalidRequest("volumeMounts: Hangar has no volumes; copy files in with envd's "
+                             "/files or a snapshot", field="volumeMounts")
+    if body.mcp:
+        raise InvalidRequest("mcp: Hangar does not start E2B's MCP gateway", field="mcp")
+    if body.iam and body.iam.get("tokens"):
+        raise InvalidRequest("iam: Hangar has no workload identity tokens", field="iam")
+    if len(body.metadata or {}) > MAX_METADATA:
+        raise InvalidRequest(f"metadata: at most {MAX_METADATA} entries", field="metadata")
+    for name in body.envVars or {}:
+        if not name or "=" in name or "\0" in name:
+            raise InvalidRequest(f"envVars: {name!r} is not a variable name", field="envVars")
+
+
+async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
+    _check_create(body)
+    source = e2b.resolve(m, body.templateID)
+    network = views.policy(body.allow_internet_access, body.network)
+    opts = e2b.Options(template=source.asked, envs=dict(body.envVars or {}),
+                       on_timeout="pause" if body.autoPause else "kill",
+                       auto_resume=bool(body.autoResume and body.autoResume.enabled),
+                       timeout_s=body.timeout)
+    metadata: Any = e2b.with_options(dict(body.metadata or {}), opts)
+    if source.kind == "snapshot":
+        if network is not None:
+            raise InvalidRequest("network: a sandbox started from a snapshot keeps the "
+                                 "snapshot's egress policy", field="network")
+        rec = await m.fork(source.name, CreateOptions(timeout_s=body.timeout, metadata=metadata))
+    else:
+        m.policy(network)  # a policy Hangar cannot enforce is a 400 before anything boots
+        rec = await m.create(CreateOptions(image=source.name, timeout_s=body.timeout,
+                                           metadata=metadata, network=network))
+    return views.created(m, rec)
+
+
+@router.post("/sandboxes", status_code=201, response_model=Sandbox)
+async def create(body: NewSandbox, m: Manager) -> Sandbox:
+    return await _create(m, body)
+
+
+@router.post("/v2/sandboxes", status_code=201, response_model=Sandbox)
+async def create_v2(body: NewSandboxV2, m: Manager) -> Sandbox:
+    return await _create(m, body)
+
+
+# -- list ---------------------------------------------------------------------------------------
+
+def _metadata_query(query: str | None) -> dict[str, str]:
+    """E2B's ``metadata`` filter (``k=v&k2=v2``, keys and values URL-encoded) as a dict."""
+    if not query:
+        return {}
+    try:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=True)
+    except ValueError:
+        raise InvalidRequest(f"metadata: {query!r} is not of the form key=value&key2=value2",
+                             field="metadata") from None
+    return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
+
+
+def _states(raw: str | None) -> set[str]:
+    if not raw:
+        return {"running", "paused"}
+    states = {s.strip() for s in raw.split(",") if s.strip()}
+    bad = states - {"running", "paused"}
+    if bad:
+        raise InvalidRequest(f"state: {sorted(bad)[0]!r} is not running or paused",
+                             field="state")
+    return states
+
+
+def _matches(rec: SandboxRecord, metadata: dict[str, str], template: str | None) -> bool:
+    mine = views.user_metadata(rec)
+    if any(mine.get(k) != v for k, v in metadata.items()):
+        return False
+    return template is None or template in views.template_names(rec)
+
+
+def _offset(token: str | None) -> int:
+    if not token:
+        return 0
+    if not token.isdigit() or len(token) > 9:
+        raise InvalidRequest(f"nextToken: {token[:40]!r} is not a token this server gave",
+                             field="nextToken")
+    return int(token)
+
+
+@router.get("/sandboxes", response_model=list[ListedSandbox])
+async def list_v1(m: Manager, metadata: str | None = None) -> list[ListedSandbox]:
+    """Running sandboxes only, as E2B's v1 list."""
+    wanted = _metadata_query(metadata)
+    return [views.listed(r) for r in m.list()
+            if views.state_of(r) == "running" and _matches(r, wanted, None)]
+
+
+@router.get("/v2/sandboxes", response_model=list[ListedSandbox])
+async def list_v2(m: Manager, response: Response, metadata: str | None = None,
+                  state: str | None = None, order: str = "desc",
+                  startedAfter: datetime | None = None, template: str | None = None,
+                  nextToken: str | None = None,
+                  limit: Annotated[int, Query(ge=1, le=PAGE)] = PAGE) -> list[ListedSandbox]:
+    """Running and paused sandboxes (or those of ``state``), newest first unless ``order``
+    is ``asc``; ``X-Next-Token`` when there is another page, ``X-Total-Running``."""
+    if order not in ("asc", "desc"):
+        raise InvalidRequest(f"order: {order!r} is not asc or desc", field="order")
+    wanted, states = _metadata_query(metadata), _states(state)
+    after = startedAfter.timestamp() if startedAfter is not None else None
+    found = [r for r in m.list() if views.state_of(r) in states
+             and _matches(r, wanted, template) and (after is None or r.created_at >= after)]
+    found.sort(key=lambda r: r.created_at, reverse=order == "desc")
+    if "running" in states:
+        response.headers["X-Total-Running"] = str(
+            sum(1 for r in found if views.state_of(r) == "running"))
+    start = _offset(nextToken)
+    page = found[start:start + limit]
+    if start + limit < len(found):
+        response.headers["X-Next-Token"] = str(start + limit)
+    return [views.listed(r) for r in page]
+
+
+@router.get("/sandboxes/metrics", response_model=SandboxesWithMetrics)
+async def metrics_of_many(m: Manager, sandbox_ids: str) -> SandboxesWithMetrics:
+    """One sample of each running sandbox of ``sandbox_ids`` (comma-separated, at most 100);
+    unknown and paused ones, and those whose guest gives no sample, are left out."""
+    ids = list(dict.fromkeys(s.strip() for s in sandbox_ids.split(",") if s.strip()))
+    if not ids or len(ids) > 100:
+        raise InvalidRequest("sandbox_ids: give 1 to 100 comma-separated ids",
+                             field="sandbox_ids")
+
+    async def one(sid: str) -> SandboxMetric | None:
+        try:
+            views.shown(m, sid)
+            sample = await e2b.metrics(m, sid)
+        except HangarError:  # gone, paused meanwhile, or its guest did not answer
+            return None
+        return views.metric(sample) if sample is not None else None
+
+    got = await asyncio.gather(*(one(s) for s in ids))
+    return SandboxesWithMetrics(sandboxes={s: v for s, v in zip(ids, got) if v is not None})
+
+
+# -- one sandbox ----------------------------------------------------------------------------------
+
+@router.get("/sandboxes/{sandbox_id}", response_model=SandboxDetail)
+async def get(sandbox_id: str, m: Manager) -> SandboxDetail:
+    return views.detail(m, views.shown(m, sandbox_id))
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=204)
+async def kill(sandbox_id: str, m: Manager) -> Response:
+    """Remove the sandbox (running, paused or failed)."""
+    await m.delete(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+async def set_timeout(sandbox_id: str, body: TimeoutRequest, m: Manager) -> Response:
+    """The sandbox ends ``timeout`` seconds from now (0: no limit)."""
+    views.shown(m, sandbox_id)
+    m.set_timeout(sandbox_id, body.timeout)
+    return Response(status_code=204)
+
+
+def _extend(m: SandboxManager, rec: SandboxRecord, seconds: float) -> None:
+    """Make ``rec`` live at least ``seconds`` from now; never shortens, never limits one
+    that has no limit."""
+    if rec.expires_at is not None and rec.expires_at < time.time() + seconds:
+        m.set_timeout(rec.id, seconds)
+
+
+@router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
+async def refresh(sandbox_id: str, m: Manager, body: RefreshRequest | None = None) -> Response:
+    """Keep the sandbox alive at least ``duration`` seconds more (default ``REFRESH_S``)."""
+    rec = views.shown(m, sandbox_id)
+    duration = body.duration if body is not None and body.duration is not None else REFRESH_S
+    _extend(m, rec, duration)
+    return Response(status_code=204)
+
+
+# -- pause, connect, resume ------------------------------------------------------------------
+
+async def _settled(m: SandboxManager, sandbox_id: str) -> SandboxRecord:
+    """The sandbox once it is running or paused, not between the two (waits up to
+    ``SETTLE_S``). Raises NotFound, Busy (still moving: retry)."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        rec = views.shown(m, sandbox_id)
+        if rec.state in (State.RUNNING, State.SLEEPING, State.UNRESPONSIVE):
+            return rec
+        if time.monotonic() > deadline:
+            raise Busy(f"sandbox {sandbox_id} is still {rec.state.value}", retry_after=5.0)
+        await asyncio.sleep(0.2)
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
+async def pause(sandbox_id: str, m: Manager, body: PauseRequest | None = None) -> Response:
+    """Sleep the sandbox: memory, devices and disk saved, its VMM ended, no time limit.
+    409 when it is paused already (the SDK's ``pause`` then returns False); 503 while a
+    call to it is in flight or it is between states (retry)."""
+    rec = views.shown(m, sandbox_id)
+    if views.state_of(rec) == "paused":
+        raise Conflict(f"sandbox {sandbox_id} is already paused", sandbox_id=sandbox_id)
+    if rec.state != State.RUNNING:
+        raise Busy(f"sandbox {sandbox_id} is {rec.state.value}; retry once it runs",
+                   retry_after=2.0)
+    await m.sleep(sandbox_id)
+    e2b.pause_clock(m, sandbox_id)  # no time limit while paused; given back when it wakes
+    return Response(status_code=204)
+
+
+async def _wake(m: SandboxManager, rec: SandboxRecord, timeout: int) -> SandboxRecord:
+    await m.wake(rec.id)
+    return e2b.resume_clock(m, rec.id, timeout)
+
+
+async def _connect(m: SandboxManager, sandbox_id: str, timeout: int) -> JSONResponse:
+    rec = await _settled(m, sandbox_id)
+    status = 200
+    if rec.state == State.SLEEPING:
+        rec, status = await _wake(m, rec, timeout), 201
+    else:
+        _extend(m, rec, timeout)
+    return JSONResponse(views.created(m, rec).model_dump(), status_code=status)
+
+
+@router.post("/sandboxes/{sandbox_id}/connect", response_model=Sandbox,
+             responses={201: {"model": Sandbox}})
+async def connect(sandbox_id: str, body: ConnectSandbox, m: Manager) -> JSONResponse:
+    """The sandbox, woken if paused (201) or as it runs (200); its time to live is set
+    (woken) or only ever extended (running)."""
+    return await _connect(m, sandbox_id, body.timeout)
+
+
+@router.post("/v2/sandboxes/{sandbox_id}/connect", response_model=Sandbox,
+             responses={201: {"model": Sandbox}})
+async def connect_v2(sandbox_id: str, m: Manager,
+                     body: ConnectSandboxV2 | None = None) -> JSONResponse:
+    """As ``connect``; ``memory: false`` (a cold boot from disk) is refused."""
+    body = body or ConnectSandboxV2()
+    if body.memory is False:
+        raise InvalidRequest("memory: false is not supported: Hangar resumes a paused "
+                             "sandbox with its memory", field="memory")
+    return await _connect(m, sandbox_id, body.timeout)
+
+
+@router.post("/sandboxes/{sandbox_id}/resume", status_code=201, response_model=Sandbox)
+async def resume(sandbox_id: str, m: Manager, body: ResumedSandbox | None = None) -> Sandbox:
+    """Wake a paused sandbox; 409 when it runs."""
+    body = body or ResumedSandbox()
+    rec = await _settled(m, sandbox_id)
+    if rec.state != State.SLEEPING:
+        raise Conflict(f"sandbox {sandbox_id} is already running", sandbox_id=sandbox_id)
+    return views.created(m, await _wake(m, rec, body.timeout))
+
+
+# -- fork -----------------------------------------------------------------------------------------
+
+@router.post("/sandboxes/{sandbox_id}/fork", status_code=201, response_model=list[ForkResult])
+async def fork(sandbox_id: str, m: Manager, body: ForkRequest | None = None) -> list[ForkResult]:
+    """Snapshot the running sandbox once, start ``count`` sandboxes from it (one after
+    another), remove the snapshot. Each result holds a sandbox or the error that kept it
+    from starting."""
+    body = body or ForkRequest()
+    rec = views.shown(m, sandbox_id)
+    if rec.state != State.RUNNING:
+        raise Conflict(f"sandbox {sandbox_id} is {views.state_of(rec)}; connect to it first",
+                       sandbox_id=sandbox_id)
+    opts = replace(e2b.options(rec) or e2b.Options(template=rec.image),
+                   timeout_s=body.timeout, wake_ttl_s=0.0)
+    metadata: Any = e2b.with_options(views.user_metadata(rec), opts)
+    snap = await m.snapshot(sandbox_id)
+    results: list[ForkResult] = []
+    try:
+        for _ in range(body.count):
+            try:
+                child = await m.fork(snap.id, CreateOptions(timeout_s=body.timeout,
+                                                            metadata=metadata))
+                results.append(ForkResult(sandbox=views.created(m, child)))
+            except HangarError as exc:
+                status = 404 if exc.status == 410 else exc.status
+                results.append(ForkResult(error=Error(code=status, message=exc.message)))
+    finally:
+        try:
+            m.delete_snapshot(snap.id)
+        except HangarError as exc:
+            log.warning("fork snapshot left behind", extra={"snapshot_id": snap.id,
+                                                             "error": exc.message})
+    return results
+
+
+# -- metrics ----------------------------------------------------------------------------------
+
+@router.get("/sandboxes/{sandbox_id}/metrics", response_model=list[SandboxMetric])
+async def metrics(sandbox_id: str, m: Manager, start: Annotated[int | None, Query(ge=0)] = None,
+                  end: Annotated[int | None, Query(ge=0)] = None) -> list[SandboxMetric]:
+    """The sandbox's CPU, memory and disk now, as a list of one sample (``[]`` when it is
+    paused). ``start`` and ``end`` are accepted; Hangar keeps no history."""
+    views.shown(m, sandbox_id)
+    sample = await e2b.metrics(m, sandbox_id)
+    return [views.metric(sample)] if sample is not None else []

@@ -1,0 +1,115 @@
+"""E2B's template routes, read-only, over Hangar's images and templates.
+
+Every image or template with a current build (``hangar image build``,
+``hangar template build``) is an E2B template: ready, public, one build (the
+current one). Its ``templateID`` is its Hangar name (``base``, ``dev``...);
+E2B names that stand for a Hangar one are its ``aliases`` (the code
+interpreter's ``code-interpreter-v1`` for Hangar's ``code-interpreter``).
+Builds, tags and updates are not served (``hangar.api.e2b.unsupported``);
+``DELETE /templates/{id}`` removes a snapshot (what E2B's SDK calls it for)
+and refuses to remove an image.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Response
+
+from hangar.api.deps import manager
+from hangar.api.e2b.errors import E2BRoute
+from hangar.api.e2b.models import Template, TemplateAlias, TemplateBuild, TemplateWithBuilds
+from hangar.api.e2b.views import rfc3339
+from hangar.core import e2b
+from hangar.core.sandboxes import SandboxManager
+from hangar.errors import HangarError, InvalidRequest, NotFound
+
+router = APIRouter(route_class=E2BRoute)
+Manager = Annotated[SandboxManager, Depends(manager)]
+
+PAGE = 100
+
+
+def template(t: e2b.TemplateInfo) -> Template:
+    names = [t.name, *t.aliases]
+    return Template(
+        templateID=t.name, buildID=t.build_id, cpuCount=t.vcpus, memoryMB=t.memory_mib,
+        diskSizeMB=t.disk_mib, public=True, aliases=names, names=names,
+        createdAt=rfc3339(t.created_at), updatedAt=rfc3339(t.updated_at), spawnCount=0,
+        buildCount=t.builds, envdVersion=e2b.ENVD_VERSION, buildStatus="ready")
+
+
+def find(m: SandboxManager, name: str) -> e2b.TemplateInfo:
+    """The template ``name`` (a Hangar name or an E2B alias, a ``:tag`` ignored). Raises
+    NotFound naming it."""
+    wanted = name.rsplit(":", 1)[0]
+    for t in e2b.templates(m):
+        if wanted == t.name or wanted in t.aliases:
+            return t
+    raise NotFound(f"template {name!r} is not built on this server", template=name)
+
+
+@router.get("/templates", response_model=list[Template])
+async def list_v1(m: Manager) -> list[Template]:
+    return [template(t) for t in e2b.templates(m)]
+
+
+@router.get("/default-templates", response_model=list[Template])
+async def defaults(m: Manager) -> list[Template]:
+    """The same list: every template of a Hangar server is one of its defaults."""
+    return [template(t) for t in e2b.templates(m)]
+
+
+@router.get("/v2/templates", response_model=list[Template])
+async def list_v2(m: Manager, response: Response, nextToken: str | None = None,
+                  limit: Annotated[int, Query(ge=1, le=PAGE)] = PAGE) -> list[Template]:
+    if nextToken and (not nextToken.isdigit() or len(nextToken) > 9):
+        raise InvalidRequest(f"nextToken: {nextToken[:40]!r} is not a token this server gave",
+                             field="nextToken")
+    every = e2b.templates(m)
+    start = int(nextToken or 0)
+    if start + limit < len(every):
+        response.headers["X-Next-Token"] = str(start + limit)
+    return [template(t) for t in every[start:start + limit]]
+
+
+@router.get("/templates/aliases/{alias}", response_model=TemplateAlias)
+async def alias(alias: str, m: Manager) -> TemplateAlias:
+    return TemplateAlias(templateID=find(m, alias).name, public=True)
+
+
+@router.get("/templates/{template_id}", response_model=TemplateWithBuilds)
+async def get(template_id: str, m: Manager) -> TemplateWithBuilds:
+    """The template and its one (current) build."""
+    t = find(m, template_id)
+    names = [t.name, *t.aliases]
+    build = TemplateBuild(buildID=t.build_id, status="ready", createdAt=rfc3339(t.updated_at),
+                          updatedAt=rfc3339(t.updated_at), finishedAt=rfc3339(t.updated_at),
+                          cpuCount=t.vcpus, memoryMB=t.memory_mib, diskSizeMB=t.disk_mib,
+                          envdVersion=e2b.ENVD_VERSION)
+    return TemplateWithBuilds(templateID=t.name, public=True, aliases=names, names=names,
+                              createdAt=rfc3339(t.created_at), updatedAt=rfc3339(t.updated_at),
+                              spawnCount=0, builds=[build])
+
+
+@router.delete("/templates/{template_id}", status_code=204)
+async def delete(template_id: str, m: Manager) -> Response:
+    """Remove the snapshot ``template_id`` (E2B's ``Sandbox.delete_snapshot``). An image
+    or template is not removed through E2B's API (501); anything else is a 404."""
+    snapshot_id = template_id.rsplit(":", 1)[0]
+    try:
+        m.delete_snapshot(snapshot_id)
+        return Response(status_code=204)
+    except NotFound:
+        pass
+    try:
+        find(m, template_id)
+    except NotFound:
+        raise NotFound(f"no snapshot or template {template_id!r}",
+                       template=template_id) from None
+    raise _NotServed(f"DELETE /templates/{template_id}: Hangar does not remove images or "
+                     "templates through E2B's API; remove builds with `hangar image gc`")
+
+
+class _NotServed(HangarError):
+    status, code = 501, "not_implemented"

@@ -1,0 +1,156 @@
+"""Hangar's records as E2B's bodies: states, times, sandboxes, egress policies.
+
+States: E2B knows ``running`` and ``paused``. A Hangar sandbox asleep
+(``sleeping``), or on its way there (``snapshotting`` with desired state
+``sleeping``), is ``paused``; one that is ``running``, ``unresponsive``,
+``creating``, ``waking``, ``restoring`` or taking a snapshot it will run on
+from is ``running``. ``stopping``, ``failed`` and ended ones are not E2B
+sandboxes: they are not listed, and a call naming one is a 404 that says
+which state it is in.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from hangar.api.e2b.models import (
+    Lifecycle, ListedSandbox, NetworkConfig, Sandbox, SandboxDetail, SandboxMetric,
+)
+from hangar.core import e2b
+from hangar.core.lifecycle import State
+from hangar.core.sandboxes import SandboxManager
+from hangar.core.store import SandboxRecord
+from hangar.errors import InvalidRequest, NotFound
+
+CLIENT_ID = "hangar"
+"""E2B's deprecated ``clientID``: always this."""
+NEVER = "9999-12-31T23:59:59Z"
+"""``endAt`` of a sandbox with no time limit (E2B's field is required)."""
+
+_RUNNING = {State.RUNNING, State.UNRESPONSIVE, State.CREATING, State.WAKING, State.RESTORING}
+
+
+E2BState = Literal["running", "paused"]
+
+
+def state_of(rec: SandboxRecord) -> E2BState | None:
+    """``running``, ``paused``, or None for a sandbox E2B would not show."""
+    if rec.state == State.SLEEPING:
+        return "paused"
+    if rec.state == State.SNAPSHOTTING:
+        return "paused" if rec.desired_state == State.SLEEPING else "running"
+    if rec.state in _RUNNING:
+        return "running"
+    return None
+
+
+def shown(m: SandboxManager, sandbox_id: str) -> SandboxRecord:
+    """The record of a sandbox E2B shows. Raises NotFound (also for one that is failed,
+    stopping or gone, saying so), Gone."""
+    rec = e2b.sandbox(m, sandbox_id)
+    if state_of(rec) is None:
+        why = f": {rec.error}" if rec.error else ""
+        raise NotFound(f"sandbox {sandbox_id} is {rec.state.value}{why}",
+                       sandbox_id=sandbox_id)
+    return rec
+
+
+def rfc3339(t: float | None) -> str:
+    """Unix seconds as an RFC 3339 UTC time; None as ``NEVER``."""
+    if t is None:
+        return NEVER
+    return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
+
+
+def user_metadata(rec: SandboxRecord) -> dict[str, str]:
+    """The record's string metadata (the E2B options and Hangar's own numbers left out)."""
+    return {k: v for k, v in (rec.metadata_ or {}).items() if isinstance(v, str)}
+
+
+def template_names(rec: SandboxRecord) -> tuple[str, str | None]:
+    """(``templateID``, ``alias``): the Hangar image, and the name the client asked for."""
+    opts = e2b.options(rec)
+    return rec.image, (opts.template if opts is not None else None)
+
+
+def created(m: SandboxManager, rec: SandboxRecord) -> Sandbox:
+    """What a create, connect, resume or fork answers: how the SDK reaches envd."""
+    template, alias = template_names(rec)
+    token = e2b.access_token(m, rec.id)
+    # The same token opens its guest ports: the code interpreter's SDK sends only
+    # E2B-Traffic-Access-Token on some calls to its port.
+    return Sandbox(templateID=template, sandboxID=rec.id, alias=alias, clientID=CLIENT_ID,
+                   envdVersion=e2b.ENVD_VERSION, envdAccessToken=token,
+                   trafficAccessToken=token, domain=m.settings.domain)
+
+
+def listed(rec: SandboxRecord) -> ListedSandbox:
+    template, alias = template_names(rec)
+    return ListedSandbox(
+        templateID=template, alias=alias, sandboxID=rec.id, clientID=CLIENT_ID,
+        startedAt=rfc3339(rec.created_at), endAt=rfc3339(rec.expires_at),
+        cpuCount=rec.vcpus, memoryMB=rec.memory_mib, diskSizeMB=rec.disk_mib,
+        metadata=user_metadata(rec), state=state_of(rec) or "running",
+        envdVersion=e2b.ENVD_VERSION)
+
+
+def network_of(rec: SandboxRecord) -> tuple[bool | None, dict[str, Any] | None]:
+    """(``allowInternetAccess``, E2B's ``network``) of the record's egress policy."""
+    policy = rec.network
+    if not policy:
+        return False, None
+    egress = policy.get("egress", "internet")
+    net: dict[str, Any] = {}
+    if policy.get("allow"):
+        net["allowOut"] = list(policy["allow"])
+    if policy.get("deny"):
+        net["denyOut"] = list(policy["deny"])
+    internet = egress != "none" and "0.0.0.0/0" not in (policy.get("deny") or [])
+    return internet, net or None
+
+
+def detail(m: SandboxManager, rec: SandboxRecord) -> SandboxDetail:
+    opts = e2b.options(rec)
+    internet, net = network_of(rec)
+    return SandboxDetail(
+        **listed(rec).model_dump(), envdAccessToken=e2b.access_token(m, rec.id),
+        domain=m.settings.domain, allowInternetAccess=internet, network=net,
+        lifecycle=Lifecycle(autoResume=True, onTimeout="pause" if opts is not None
+                            and opts.on_timeout == "pause" else "kill"))
+
+
+def metric(sample: e2b.Metric) -> SandboxMetric:
+    return SandboxMetric(
+        timestamp=rfc3339(sample.at), timestampUnix=int(sample.at), cpuCount=sample.cpus,
+        cpuUsedPct=sample.cpu_pct, memUsed=sample.mem_used, memTotal=sample.mem_total,
+        memCache=sample.mem_cache, diskUsed=sample.disk_used, diskTotal=sample.disk_total)
+
+
+def _cidr(entry: str, field: str) -> str:
+    """An IPv4 CIDR from an E2B egress entry (a bare address is a /32). Raises
+    InvalidRequest for a domain name or anything else."""
+    try:
+        return str(ipaddress.IPv4Network(entry.strip(), strict=False))
+    except ValueError:
+        raise InvalidRequest(
+            f"network.{field}: {entry!r} is not an IPv4 address or CIDR; Hangar's egress "
+            "rules take addresses only (no domain names)", field=field) from None
+
+
+def policy(allow_internet: bool | None, net: NetworkConfig | None) -> dict[str, Any] | None:
+    """Hangar's egress policy for E2B's ``allow_internet_access`` and ``network``; None
+    takes the server's default. Raises InvalidRequest for what Hangar cannot enforce."""
+    if net is not None:
+        for name in ("egressProxy", "rules", "maskRequestHost"):
+            if getattr(net, name):
+                raise InvalidRequest(f"network.{name} is not supported by Hangar (egress "
+                                     "rules are IPv4 allowOut/denyOut lists)", field=name)
+    allow = [_cidr(e, "allowOut") for e in (net.allowOut or [])] if net else []
+    deny = [_cidr(e, "denyOut") for e in (net.denyOut or [])] if net else []
+    if allow_internet is False and "0.0.0.0/0" not in deny:
+        deny.append("0.0.0.0/0")
+    if allow_internet is None and not allow and not deny:
+        return None
+    return {"egress": "internet", "allow": allow, "deny": deny}

@@ -1,0 +1,415 @@
+"""Connect RPC, the server side: codecs, envelopes, errors, and the three call kinds.
+
+A call is ``POST /<package>.<Service>/<Method>``. Codecs, by content type:
+
+===========================  =====================================================
+``application/json``         unary, the proto3 JSON mapping (E2B's Python SDK)
+``application/proto``        unary, binary protobuf
+``application/connect+json`` streams (server or client), enveloped JSON
+``application/connect+proto`` streams, enveloped binary protobuf
+===========================  =====================================================
+
+An envelope is a flags byte (``0x01`` compressed, ``0x02`` end of stream)
+and a big-endian u32 length, then the message. A stream's answer is always
+HTTP 200 and ends with an end-of-stream envelope holding a JSON object,
+``{}`` or ``{"error": {"code", "message"}}``; a unary error is an HTTP
+status of its code with the JSON body ``{"code", "message"}``. Compression:
+``gzip`` and ``identity`` are read; answers are never compressed.
+
+``Connect-Timeout-Ms`` gives the call's deadline (``Call.deadline``); a
+unary handler that overruns it ends with ``deadline_exceeded``. Server
+streams send the method's keep-alive message when the stream was quiet
+for the ``Keepalive-Ping-Interval`` seconds the client asked for, and stop
+(the handler's generator is closed) when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import logging
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError, Message
+from starlette.types import Receive, Send
+
+from hangar import errors
+
+log = logging.getLogger("hangar.envd")
+
+MAX_MESSAGE = 16 << 20
+"""Largest request message taken, bytes (a StreamInput chunk, a request)."""
+KEEPALIVE_MIN_S = 1.0
+"""Shortest keep-alive interval honoured, seconds."""
+
+STATUS = {
+    "canceled": 499, "unknown": 500, "invalid_argument": 400, "deadline_exceeded": 504,
+    "not_found": 404, "already_exists": 409, "permission_denied": 403,
+    "resource_exhausted": 429, "failed_precondition": 400, "aborted": 409,
+    "out_of_range": 400, "unimplemented": 501, "internal": 500, "unavailable": 503,
+    "data_loss": 500, "unauthenticated": 401,
+}
+"""Connect's codes and the HTTP status of each in a unary answer."""
+
+
+class RpcError(Exception):
+    """Ends a call with a Connect error: ``code`` one of ``STATUS``'s keys."""
+
+    def __init__(self, code: str, message: str) -> None:
+        assert code in STATUS, code
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def wire(self) -> dict[str, str]:
+        return {"code": self.code, "message": self.message}
+
+
+_CODES: tuple[tuple[type[errors.HangarError], str], ...] = (
+    (errors.InvalidRequest, "invalid_argument"), (errors.Unauthorized, "unauthenticated"),
+    (errors.NotFound, "not_found"), (errors.Gone, "not_found"),
+    (errors.Busy, "unavailable"), (errors.Conflict, "failed_precondition"),
+    (errors.TooLarge, "resource_exhausted"), (errors.LimitExceeded, "resource_exhausted"),
+    (errors.Timeout, "deadline_exceeded"),
+)
+
+
+def rpc_error(exc: errors.HangarError) -> RpcError:
+    """The Connect error of one of Hangar's errors (its message kept)."""
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return RpcError(code, exc.message)
+    return RpcError("internal", exc.message)
+
+
+@dataclass
+class Call:
+    """One call as a handler sees it."""
+
+    headers: dict[str, str]
+    """Request headers, names lower-case (the last of repeated ones)."""
+    timeout_s: float | None
+    """``Connect-Timeout-Ms`` in seconds; None without one."""
+    started: float = field(default_factory=time.monotonic)
+    context: Any = None
+    """What the gateway adds: the sandbox, the manager (``hangar.api.envd.gateway``)."""
+
+    @property
+    def deadline(self) -> float | None:
+        """``time.monotonic()`` at which the call's time is up, or None."""
+        return None if self.timeout_s is None else self.started + self.timeout_s
+
+    def remaining(self) -> float | None:
+        d = self.deadline
+        return None if d is None else max(0.0, d - time.monotonic())
+
+
+Unary = Callable[[Message, Call], Awaitable[Message]]
+ServerStream = Callable[[Message, Call], AsyncIterator[Message]]
+ClientStream = Callable[[AsyncIterator[Message], Call], Awaitable[Message]]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One RPC: ``kind`` is ``unary``, ``server`` (server stream) or ``client``."""
+
+    kind: str
+    request: type[Message]
+    response: type[Message]
+    handler: Callable[..., Any]
+    keepalive: Callable[[], Message] | None = None
+    """A server stream's keep-alive message."""
+
+
+class Codec:
+    """``json`` or ``proto``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def decode(self, data: bytes, cls: type[Message]) -> Message:
+        try:
+            if self.name == "proto":
+                return cls.FromString(data)
+            return json_format.Parse(data or b"{}", cls(), ignore_unknown_fields=True)
+        except (DecodeError, json_format.ParseError, UnicodeDecodeError, ValueError) as exc:
+            raise RpcError("invalid_argument",
+                           f"the request is not a {cls.DESCRIPTOR.name} message: "
+                           f"{str(exc)[:200]}") from None
+
+    def encode(self, msg: Message) -> bytes:
+        if self.name == "proto":
+            return msg.SerializeToString()
+        return json.dumps(json_format.MessageToDict(msg), separators=(",", ":")).encode()
+
+
+CODECS = {"json": Codec("json"), "proto": Codec("proto")}
+
+
+def _codec(content_type: str, stream: bool) -> Codec:
+    ctype = content_type.partition(";")[0].strip().lower()
+    prefix = "application/connect+" if stream else "application/"
+    name = ctype[len(prefix):] if ctype.startswith(prefix) else ""
+    codec = CODECS.get(name)
+    if codec is None:
+        want = "application/connect+json or +proto" if stream else \
+            "application/json or application/proto"
+        raise RpcError("invalid_argument" if ctype else "unknown",
+                       f"content type {ctype or '(none)'} is not served here: send {want}")
+    return codec
+
+
+def _inflate(data: bytes, encoding: str) -> bytes:
+    if encoding in ("", "identity"):
+        return data
+    if encoding == "gzip":
+        try:
+            return gzip.decompress(data)
+        except (OSError, EOFError) as exc:
+            raise RpcError("invalid_argument", f"the gzip body is broken: {exc}") from None
+    raise RpcError("unimplemented", f"compression {encoding} is not served: use gzip or none")
+
+
+def envelope(data: bytes, end: bool = False) -> bytes:
+    return struct.pack(">BI", 0x02 if end else 0x00, len(data)) + data
+
+
+def end_of_stream(error: RpcError | None = None) -> bytes:
+    body = {"error": error.wire()} if error is not None else {}
+    return envelope(json.dumps(body).encode(), end=True)
+
+
+class Body:
+    """The request body as it arrives (ASGI ``receive``), with its envelopes parsed."""
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._buf = bytearray()
+        self.done = False
+        self.disconnected = False
+
+    async def _more(self) -> bool:
+        if self.done:
+            return False
+        msg = await self._receive()
+        if msg["type"] == "http.disconnect":
+            self.done = self.disconnected = True
+            return False
+        self._buf += msg.get("body", b"")
+        if len(self._buf) > MAX_MESSAGE + 5:
+            raise RpcError("resource_exhausted", f"a message over {MAX_MESSAGE} bytes")
+        if not msg.get("more_body", False):
+            self.done = True
+        return True
+
+    async def whole(self) -> bytes:
+        while await self._more():
+            pass
+        return bytes(self._buf)
+
+    async def envelopes(self, encoding: str) -> AsyncIterator[bytes]:
+        """Each enveloped message's bytes until the body ends."""
+        while True:
+            while len(self._buf) < 5 and await self._more():
+                pass
+            if len(self._buf) < 5:
+                if self._buf:
+                    raise RpcError("invalid_argument", "the body ends inside an envelope")
+                return
+            flags, size = struct.unpack(">BI", self._buf[:5])
+            if size > MAX_MESSAGE:
+                raise RpcError("resource_exhausted", f"a message over {MAX_MESSAGE} bytes")
+            while len(self._buf) < 5 + size and await self._more():
+                pass
+            if len(self._buf) < 5 + size:
+                raise RpcError("invalid_argument", "the body ends inside a message")
+            data = bytes(self._buf[5:5 + size])
+            del self._buf[:5 + size]
+            if flags & 0x02:
+                return  # a client's end-of-stream: nothing after it counts
+            yield _inflate(data, encoding) if flags & 0x01 else data
+
+
+async def _start(send: Send, status: int, ctype: str) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", ctype.encode()),
+                            (b"cache-control", b"no-store")]})
+
+
+async def unary_error(send: Send, error: RpcError) -> None:
+    """Answer a call (unary, or one not yet parsed) with a Connect error body."""
+    await _start(send, STATUS[error.code], "application/json")
+    await send({"type": "http.response.body", "body": json.dumps(error.wire()).encode()})
+
+
+def _timeout(headers: dict[str, str]) -> float | None:
+    raw = headers.get("connect-timeout-ms")
+    if not raw:
+        return None
+    if not raw.isdigit() or len(raw) > 10:
+        raise RpcError("invalid_argument", f"Connect-Timeout-Ms {raw[:20]!r} is not a number "
+                                           "of milliseconds (at most 10 digits)")
+    return int(raw) / 1000
+
+
+def _keepalive_s(headers: dict[str, str]) -> float | None:
+    raw = headers.get("keepalive-ping-interval", "")
+    try:
+        return max(KEEPALIVE_MIN_S, float(raw)) if raw else None
+    except ValueError:
+        return None
+
+
+def new_call(headers: dict[str, str]) -> Call:
+    """The ``Call`` of a request's headers. Raises RpcError for a bad timeout."""
+    if headers.get("connect-protocol-version", "1") != "1":
+        raise RpcError("invalid_argument", "Connect-Protocol-Version must be 1")
+    return Call(headers=headers, timeout_s=_timeout(headers))
+
+
+async def serve(method: Method, call: Call, receive: Receive, send: Send) -> None:
+    """Run ``method`` for one HTTP request whose headers made ``call``."""
+    stream = method.kind != "unary"
+    ctype = call.headers.get("content-type", "")
+    try:
+        codec = _codec(ctype, stream)
+    except RpcError as exc:
+        await unary_error(send, exc)
+        return
+    if method.kind == "unary":
+        await _unary(method, call, codec, receive, send)
+    elif method.kind == "server":
+        await _server_stream(method, call, codec, receive, send)
+    else:
+        await _client_stream(method, call, codec, receive, send)
+
+
+async def _unary(method: Method, call: Call, codec: Codec, receive: Receive,
+                 send: Send) -> None:
+    try:
+        data = _inflate(await Body(receive).whole(), call.headers.get("content-encoding", ""))
+        req = codec.decode(data, method.request)
+        coro = method.handler(req, call)
+        remaining = call.remaining()
+        try:
+            res = await (asyncio.wait_for(coro, remaining) if remaining is not None else coro)
+        except asyncio.TimeoutError:
+            raise RpcError("deadline_exceeded", f"the call took longer than its timeout "
+                                                f"({call.timeout_s:g} s)") from None
+    except RpcError as exc:
+        await unary_error(send, exc)
+        return
+    except errors.HangarError as exc:
+        await unary_error(send, rpc_error(exc))
+        return
+    await _start(send, 200, f"application/{codec.name}")
+    await send({"type": "http.response.body", "body": codec.encode(res)})
+
+
+async def _first(body: Body, call: Call, codec: Codec, cls: type[Message]) -> Message:
+    async for data in body.envelopes(call.headers.get("connect-content-encoding", "")):
+        return codec.decode(data, cls)
+    raise RpcError("invalid_argument", "the stream carries no request message")
+
+
+async def _disconnect(receive: Receive, body: Body) -> None:
+    """Returns once the client went away (its body was read before)."""
+    if body.disconnected:
+        return
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _server_stream(method: Method, call: Call, codec: Codec, receive: Receive,
+                         send: Send) -> None:
+    body = Body(receive)
+    ctype = f"application/connect+{codec.name}"
+    try:
+        req = await _first(body, call, codec, method.request)
+        await body.whole()
+    except RpcError as exc:
+        await _start(send, 200, ctype)
+        await send({"type": "http.response.body", "body": end_of_stream(exc)})
+        return
+    gen = method.handler(req, call)
+    gone = asyncio.ensure_future(_disconnect(receive, body))
+    interval = _keepalive_s(call.headers) if method.keepalive else None
+    started = False
+    error: RpcError | None = None
+    nxt: asyncio.Future[Message] | None = None
+    try:
+        while True:
+            if nxt is None:
+                nxt = asyncio.ensure_future(gen.__anext__())
+            done, _ = await asyncio.wait({nxt, gone}, timeout=interval,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:
+                return
+            if not done:  # quiet for the interval: a keep-alive
+                msg = method.keepalive()  # type: ignore[misc]
+            else:
+                try:
+                    msg = nxt.result()
+                except StopAsyncIteration:
+                    break
+                finally:
+                    nxt = None
+            if not started:
+                await _start(send, 200, ctype)
+                started = True
+            await send({"type": "http.response.body", "body": envelope(codec.encode(msg)),
+                        "more_body": True})
+    except RpcError as exc:
+        error = exc
+    except errors.HangarError as exc:
+        error = rpc_error(exc)
+    except Exception as exc:
+        log.exception("envd stream failed", extra={"method": method.request.DESCRIPTOR.name})
+        error = RpcError("internal", f"the call failed: {type(exc).__name__}")
+    finally:
+        gone.cancel()
+        if nxt is not None:
+            nxt.cancel()
+            try:
+                await nxt
+            except BaseException:
+                pass
+        await gen.aclose()
+    if not started:
+        await _start(send, 200, ctype)
+    await send({"type": "http.response.body", "body": end_of_stream(error)})
+
+
+async def _client_stream(method: Method, call: Call, codec: Codec, receive: Receive,
+                         send: Send) -> None:
+    body = Body(receive)
+    ctype = f"application/connect+{codec.name}"
+    encoding = call.headers.get("connect-content-encoding", "")
+
+    async def requests() -> AsyncIterator[Message]:
+        async for data in body.envelopes(encoding):
+            yield codec.decode(data, method.request)
+
+    try:
+        coro = method.handler(requests(), call)
+        remaining = call.remaining()
+        try:
+            res = await (asyncio.wait_for(coro, remaining) if remaining is not None else coro)
+        except asyncio.TimeoutError:
+            raise RpcError("deadline_exceeded", f"the stream lasted longer than its timeout "
+                                                f"({call.timeout_s:g} s)") from None
+        out = envelope(codec.encode(res)) + end_of_stream()
+    except RpcError as exc:
+        out = end_of_stream(exc)
+    except errors.HangarError as exc:
+        out = end_of_stream(rpc_error(exc))
+    await _start(send, 200, ctype)
+    await send({"type": "http.response.body", "body": out})

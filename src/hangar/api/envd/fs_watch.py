@@ -1,0 +1,229 @@
+"""``filesystem.Filesystem``: WatchDir (a server stream), and CreateWatcher,
+GetWatcherEvents, RemoveWatcher (the same, polled: what E2B's SDK uses).
+
+On the core's file watches (inotify in the guest). An event's ``name`` is
+its path relative to the watched folder. Hangar's events map as:
+``create`` → CREATE, ``modify`` → WRITE, ``delete`` → REMOVE, a ``move``
+→ RENAME of the old name and CREATE of the new one; a file written through
+``/files`` (Hangar writes a temporary file and renames it into place) →
+CREATE and WRITE of its name, its temporary file never shown; ``overflow``
+(events lost) is dropped. ``include_entry`` is not served (envd 0.5.7).
+
+A watcher keeps at most ``MAX_EVENTS`` events between two polls (the
+oldest go), at most ``MAX_PER_SANDBOX`` live in a sandbox, and one not
+polled for ``IDLE_S`` seconds is removed. While one is open the sandbox
+counts as busy (no snapshot or sleep under it), as with any watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import posixpath
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf.message import Message
+
+from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
+from hangar.api.envd.fs_entries import absolute
+from hangar.api.envd.messages import FS
+from hangar.core.commands import FileEvent
+from hangar.errors import HangarError
+
+MAX_EVENTS = 10_000
+MAX_PER_SANDBOX = 16
+IDLE_S = 600.0
+TEMP_PREFIX = ".hangar-"
+"""The guest's temporary files of a write (``op_write_file``)."""
+
+
+def _name(root: str, path: str) -> str:
+    rel = posixpath.relpath(path, root)
+    return path if rel.startswith("..") else rel
+
+
+def _hidden(path: str) -> bool:
+    return posixpath.basename(path).startswith(TEMP_PREFIX)
+
+
+def events_of(root: str, batch: list[FileEvent]) -> list[Any]:
+    """``FilesystemEvent``s of one batch of the core's events under ``root``."""
+    out: list[Any] = []
+
+    def add(path: str, kind: int) -> None:
+        out.append(FS.FilesystemEvent(name=_name(root, path), type=kind))
+
+    for e in batch:
+        if e.type == "move":
+            if e.old_path and _hidden(e.old_path):
+                add(e.path, FS.EVENT_TYPE_CREATE)
+                add(e.path, FS.EVENT_TYPE_WRITE)
+                continue
+            if e.old_path:
+                add(e.old_path, FS.EVENT_TYPE_RENAME)
+            add(e.path, FS.EVENT_TYPE_CREATE)
+        elif _hidden(e.path) or e.type == "overflow":
+            continue
+        else:
+            add(e.path, {"create": FS.EVENT_TYPE_CREATE, "modify": FS.EVENT_TYPE_WRITE,
+                         "delete": FS.EVENT_TYPE_REMOVE}[e.type])
+    return out
+
+
+def _check(req: Any) -> str:
+    if not req.path:
+        raise RpcError("invalid_argument", "path is empty")
+    if req.include_entry:
+        raise RpcError("unimplemented", "include_entry is not served (envd 0.5.7)")
+    return absolute(req.path)
+
+
+async def watch_dir(req: Any, call: Call) -> AsyncIterator[Message]:
+    env = call.context
+    root = _check(req)
+    gen = env.manager.watch(env.sandbox_id, req.path, bool(req.recursive))
+    try:
+        async for batch in gen:
+            if not batch:
+                ev = FS.WatchDirResponse()
+                ev.start.SetInParent()
+                yield ev
+                continue
+            for fe in events_of(root, batch):
+                yield FS.WatchDirResponse(filesystem=fe)
+    except HangarError as exc:
+        raise rpc_error(exc) from None
+    finally:
+        await gen.aclose()
+
+
+@dataclass
+class Watcher:
+    id: str
+    sandbox_id: str
+    root: str
+    events: deque[Any] = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
+    polled: float = field(default_factory=time.monotonic)
+    task: asyncio.Task[None] | None = None
+    error: HangarError | None = None
+
+
+class Watchers:
+    """The polled watchers of every sandbox on this server."""
+
+    def __init__(self) -> None:
+        self._all: dict[str, Watcher] = {}
+
+    def get(self, sandbox_id: str, watcher_id: str) -> Watcher:
+        w = self._all.get(watcher_id)
+        if w is None or w.sandbox_id != sandbox_id:
+            raise RpcError("not_found", f"watcher {watcher_id[:64]} not found")
+        return w
+
+    async def create(self, manager: Any, sandbox_id: str, path: str, root: str,
+                     recursive: bool) -> Watcher:
+        if sum(w.sandbox_id == sandbox_id for w in self._all.values()) >= MAX_PER_SANDBOX:
+            raise RpcError("resource_exhausted", f"sandbox {sandbox_id} has {MAX_PER_SANDBOX} "
+                                                 "watchers, the most allowed: remove one")
+        w = Watcher(id="w-" + secrets.token_hex(8), sandbox_id=sandbox_id, root=root)
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        w.task = asyncio.ensure_future(self._run(manager, w, path, recursive, ready))
+        try:
+            await ready
+        except BaseException:
+            w.task.cancel()
+            raise
+        self._all[w.id] = w
+        return w
+
+    async def _run(self, manager: Any, w: Watcher, path: str, recursive: bool,
+                   ready: asyncio.Future[None]) -> None:
+        gen = manager.watch(w.sandbox_id, path, recursive)
+        try:
+            nxt = asyncio.ensure_future(gen.__anext__())
+            while True:
+                done, _ = await asyncio.wait({nxt}, timeout=IDLE_S / 10)
+                if not done:
+                    if time.monotonic() - w.polled > IDLE_S:
+                        nxt.cancel()
+                        self._all.pop(w.id, None)  # nobody polls it any more
+                        break
+                    continue
+                batch = nxt.result()
+                if not ready.done():
+                    ready.set_result(None)
+                w.events.extend(events_of(w.root, batch))
+                nxt = asyncio.ensure_future(gen.__anext__())
+        except StopAsyncIteration:
+            pass
+        except HangarError as exc:
+            if not ready.done():
+                ready.set_exception(exc)
+            w.error = exc
+        finally:
+            if not ready.done():
+                ready.set_exception(HangarError(f"the watch of {w.root} ended before it was "
+                                                "in place"))
+            with contextlib.suppress(BaseException):
+                await gen.aclose()
+
+    def take(self, w: Watcher) -> list[Any]:
+        w.polled = time.monotonic()
+        out = list(w.events)
+        w.events.clear()
+        return out
+
+    def remove(self, w: Watcher) -> None:
+        self._all.pop(w.id, None)
+        if w.task is not None:
+            w.task.cancel()
+
+
+async def create_watcher(req: Any, call: Call) -> Message:
+    env = call.context
+    root = _check(req)
+    try:
+        w = await env.watchers.create(env.manager, env.sandbox_id, req.path, root,
+                                      bool(req.recursive))
+    except HangarError as exc:
+        raise rpc_error(exc) from None
+    return FS.CreateWatcherResponse(watcher_id=w.id)
+
+
+async def get_watcher_events(req: Any, call: Call) -> Message:
+    env = call.context
+    w = env.watchers.get(env.sandbox_id, req.watcher_id)
+    events = env.watchers.take(w)
+    if not events and w.error is not None:
+        env.watchers.remove(w)
+        raise rpc_error(w.error)
+    return FS.GetWatcherEventsResponse(events=events)
+
+
+async def remove_watcher(req: Any, call: Call) -> Message:
+    env = call.context
+    env.watchers.remove(env.watchers.get(env.sandbox_id, req.watcher_id))
+    return FS.RemoveWatcherResponse()
+
+
+def _keepalive() -> Message:
+    ev = FS.WatchDirResponse()
+    ev.keepalive.SetInParent()
+    return ev
+
+
+METHODS = {
+    "filesystem.Filesystem/WatchDir": Method("server", FS.WatchDirRequest, FS.WatchDirResponse,
+                                             watch_dir, _keepalive),
+    "filesystem.Filesystem/CreateWatcher": Method(
+        "unary", FS.CreateWatcherRequest, FS.CreateWatcherResponse, create_watcher),
+    "filesystem.Filesystem/GetWatcherEvents": Method(
+        "unary", FS.GetWatcherEventsRequest, FS.GetWatcherEventsResponse, get_watcher_events),
+    "filesystem.Filesystem/RemoveWatcher": Method(
+        "unary", FS.RemoveWatcherRequest, FS.RemoveWatcherResponse, remove_watcher),
+}

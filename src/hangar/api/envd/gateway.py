@@ -1,0 +1,229 @@
+"""The data plane's front: an ASGI middleware that takes every request under ``PREFIX``.
+
+Flow of a request to ``/e2b/envd/<rest>``::
+
+    E2b-Sandbox-Id: <id>        required: which sandbox (Hangar's id as is)
+    E2b-Sandbox-Port: <port>    49983 (envd, the default) or a guest port
+        │ no sandbox, or one that is gone → 502 "... was not found" (the SDK's
+        │   SandboxNotRunningException), as E2B's proxy answers
+        │ X-Access-Token | X-API-Key | a /files signature, else 401 (before any body
+        │   is read; ``hangar.api.envd.tokens``)
+        ├── port ≠ 49983 → the guest's port (``hangar.api.envd.ports``)
+        ├── POST /process.Process/<M>, /filesystem.Filesystem/<M> → Connect RPC
+        │     (``hangar.api.envd.connect``; one module per RPC or small group)
+        └── /health, /files, /envs, /metrics; /init and the freeze routes refused
+              (``hangar.api.envd.rest``)
+
+The SDK's signed file URLs (``download_url``, ``upload_url``) lose the
+prefix under ``E2B_SANDBOX_URL`` (it joins ``/files`` to the URL) and carry
+no header: ``/files`` at the server's root with a ``signature`` parameter is
+taken too, its sandbox found by the signature (which binds the sandbox's
+token; one hash per live sandbox).
+
+It sits outside the body cap and idempotency (as the port proxy does):
+uploads are streamed to the guest, and no RPC is a keyed create. Errors of
+RPCs are Connect errors; those of REST routes E2B's ``{"code", "message"}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from hangar.api.auth import authenticate
+from hangar.api.envd import connect, fs_entries, fs_watch, ports, process_io, process_run, rest
+from hangar.api.envd.connect import RpcError
+from hangar.api.envd.tokens import signature_ok, token_ok
+from hangar.api.envd.versions import ENVD_PORT, PREFIX
+from hangar.api.envd.fs_watch import Watchers
+from hangar.core.sandboxes import SandboxManager
+from hangar.errors import Gone, HangarError, NotFound
+
+RPC_RE = re.compile(r"^/((?:process\.Process|filesystem\.Filesystem)/[A-Za-z]+)$")
+METHODS: dict[str, connect.Method] = {
+    **process_run.METHODS, **process_io.METHODS, **fs_entries.METHODS, **fs_watch.METHODS,
+}
+"""Every RPC served, by ``<package>.<Service>/<Method>``."""
+ROOT_USERS = ("", "root")
+"""The users a call may name: Hangar's guests run commands and own files as root."""
+
+
+@dataclass
+class Envd:
+    """What a handler gets as ``Call.context``."""
+
+    manager: SandboxManager
+    sandbox_id: str
+    user: str
+    watchers: Watchers
+
+
+class Refusal(Exception):
+    """An answer before the request reaches a handler: ``status`` and Connect ``code``."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def _user(headers: dict[str, str], query_user: str | None) -> str:
+    """The user a call names (Basic auth ``user:``, or ``username=``); root only."""
+    user = query_user or ""
+    auth = headers.get("authorization", "")
+    if auth.lower().startswith("basic "):
+        try:
+            user = base64.b64decode(auth[6:].strip(), validate=True).decode().partition(":")[0]
+        except (binascii.Error, UnicodeDecodeError):
+            raise Refusal(400, "invalid_argument", "the Authorization header is not Basic "
+                                                   "base64 of 'user:'") from None
+    if user not in ROOT_USERS:
+        raise Refusal(401, "unauthenticated",
+                      f"user {user[:64]!r} is not served: Hangar's guests run commands and own "
+                      "files as root; name no user, or 'root'")
+    return user
+
+
+def watchers_of(app_state: Any) -> Watchers:
+    """The server's polled file watchers (made on first use)."""
+    if getattr(app_state, "envd_watchers", None) is None:
+        app_state.envd_watchers = Watchers()
+    return app_state.envd_watchers
+
+
+class EnvdGateway:
+    """ASGI middleware: requests under ``PREFIX`` are served here; others go to ``app``.
+    Finds the manager and key ring in ``scope["app"].state``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        signed = path == "/files" and scope["type"] == "http" and \
+            b"signature=" in bytes(scope.get("query_string", b""))
+        if scope["type"] not in ("http", "websocket") or not (
+                signed or path == PREFIX or path.startswith(PREFIX + "/")):
+            await self.app(scope, receive, send)
+            return
+        state = scope["app"].state
+        rest_path = "/files" if signed else path[len(PREFIX):] or "/"
+        m = RPC_RE.match(rest_path)
+        try:
+            manager: SandboxManager | None = getattr(state, "manager", None)
+            if manager is None:
+                raise Refusal(503, "unavailable", "the server is starting")
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                       for k, v in scope.get("headers", ())}
+            query = {k: v[-1] for k, v in parse_qs(
+                bytes(scope.get("query_string", b"")).decode("latin-1")).items()}
+            if signed and "e2b-sandbox-id" not in headers:
+                headers["e2b-sandbox-id"] = self._signer(manager, scope, query)
+            sandbox_id, port = self._target(manager, headers)
+            self._admit(scope, state, manager, sandbox_id, port, headers, query,
+                        rest_path if m is None else None)
+            if port != ENVD_PORT:
+                await ports.forward(scope, receive, send, manager, state, sandbox_id, port,
+                                    rest_path)
+                return
+            if scope["type"] != "http":
+                raise Refusal(404, "not_found", "envd serves no WebSocket")
+            envd = Envd(manager, sandbox_id, _user(headers, query.get("username")),
+                        watchers_of(state))
+            if m is not None:
+                await self._rpc(m.group(1), scope, headers, envd, receive, send)
+            else:
+                await rest.serve(scope, receive, send, rest_path, query, headers, envd)
+        except Refusal as r:
+            if scope["type"] != "http":
+                await send({"type": "websocket.close", "code": 1008})
+            elif m is not None:
+                await connect.unary_error(send, RpcError(r.code, r.message))
+            else:
+                await rest.error(send, r.status, r.message)
+
+    @staticmethod
+    def _signer(manager: SandboxManager, scope: Scope, query: dict[str, str]) -> str:
+        """The sandbox whose token signed this file URL (one without ``E2b-Sandbox-Id``: the
+        SDK's ``download_url``/``upload_url`` under ``E2B_SANDBOX_URL`` drop the prefix and
+        name no sandbox, so the signature, which binds the sandbox's token, names it)."""
+        op = "read" if scope.get("method") == "GET" else "write"
+        for rec in manager.list():
+            if signature_ok(manager, rec.id, query.get("signature", ""), query.get("path", ""),
+                            op, query.get("username", ""),
+                            query.get("signature_expiration")) is None:
+                return rec.id
+        raise Refusal(401, "unauthenticated", "the signature matches no sandbox's file URL "
+                                              "(or it has expired)")
+
+    @staticmethod
+    def _target(manager: SandboxManager, headers: dict[str, str]) -> tuple[str, int]:
+        sandbox_id = headers.get("e2b-sandbox-id", "")
+        if not sandbox_id:
+            raise Refusal(400, "invalid_argument",
+                          "the E2b-Sandbox-Id header is missing: it names the sandbox (E2B's "
+                          "SDK sends it with E2B_SANDBOX_URL set)")
+        raw_port = headers.get("e2b-sandbox-port", str(ENVD_PORT))
+        if not raw_port.isdigit() or not 0 < int(raw_port) < 65536:
+            raise Refusal(400, "invalid_argument",
+                          f"E2b-Sandbox-Port {raw_port[:16]!r} is not a port (1..65535)")
+        try:
+            manager.get(sandbox_id)
+        except (NotFound, Gone):
+            raise Refusal(502, "unavailable",
+                          f"The sandbox {sandbox_id[:64]} was not found") from None
+        return sandbox_id, int(raw_port)
+
+    @staticmethod
+    def _admit(scope: Scope, state: Any, manager: SandboxManager, sandbox_id: str, port: int,
+               headers: dict[str, str], query: dict[str, str], rest_path: str | None) -> None:
+        """Raises Refusal (401) unless the request carries a credential for the sandbox:
+        its token in ``X-Access-Token`` (or, for a guest port, ``E2B-Traffic-Access-Token``:
+        the code interpreter's SDK sends only that one on some calls), a Hangar key, or a
+        file URL's signature."""
+        if token_ok(manager, sandbox_id, headers.get("x-access-token")):
+            return
+        if port != ENVD_PORT and token_ok(manager, sandbox_id,
+                                          headers.get("e2b-traffic-access-token")):
+            return
+        key = headers.get("x-api-key")
+        if key:
+            client = scope.get("client")
+            try:
+                authenticate(state, key, client[0] if client else "unknown")
+                return
+            except HangarError as exc:
+                raise Refusal(401 if exc.status == 401 else exc.status,
+                              "unauthenticated" if exc.status == 401 else "resource_exhausted",
+                              exc.message) from None
+        sig = query.get("signature")
+        if rest_path == "/files" and sig and scope.get("method") in ("GET", "POST"):
+            op = "read" if scope["method"] == "GET" else "write"
+            why = signature_ok(manager, sandbox_id, sig, query.get("path", ""), op,
+                               query.get("username", ""), query.get("signature_expiration"))
+            if why is None:
+                return
+            raise Refusal(401, "unauthenticated", why)
+        raise Refusal(401, "unauthenticated",
+                      "missing or wrong X-Access-Token: send the sandbox's envdAccessToken "
+                      "(E2B's SDK does), or a Hangar X-API-Key")
+
+    @staticmethod
+    async def _rpc(name: str, scope: Scope, headers: dict[str, str], envd: Envd,
+                   receive: Receive, send: Send) -> None:
+        method = METHODS.get(name)
+        if method is None:
+            raise Refusal(501, "unimplemented", f"{name} is not an envd RPC Hangar serves")
+        if scope.get("method") != "POST":
+            raise Refusal(405, "unimplemented", f"{name} is called with POST")
+        try:
+            call = connect.new_call(headers)
+        except RpcError as exc:
+            raise Refusal(400, exc.code, exc.message) from None
+        call.context = envd
+        await connect.serve(method, call, receive, send)

@@ -1,0 +1,30 @@
+"""Guest ports other than envd's, reached by header: ``E2b-Sandbox-Port: <port>``.
+
+E2B's SDKs reach a sandbox's other ports (the code interpreter's 49999,
+a user's server) through the same URL, naming the port in a header. The
+request, admitted by the gateway (access token or key), is forwarded by
+Hangar's port proxy (``hangar.api.proxy.forward_admitted``: HTTP and
+WebSockets, streamed both ways) to ``127.0.0.1:<port>`` in the guest, with
+the path after ``/e2b/envd``. No exposure is needed (the credential is the
+sandbox's own); ``sandbox.get_host(port)`` URLs, which carry none, go
+through the port proxy's host routing and need the port exposed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.types import Receive, Scope, Send
+
+from hangar.api import proxy
+from hangar.api.envd.versions import PREFIX
+from hangar.core.sandboxes import SandboxManager
+
+
+async def forward(scope: Scope, receive: Receive, send: Send, manager: SandboxManager,
+                  state: Any, sandbox_id: str, port: int, rest_path: str) -> None:
+    """Forward one admitted request to ``port`` of ``sandbox_id``."""
+    raw = scope.get("raw_path") or scope.get("path", "").encode("utf-8", "surrogateescape")
+    path = raw[len(PREFIX):] if raw.startswith(PREFIX.encode()) else rest_path.encode()
+    target = proxy.Target(sandbox_id, port, path or b"/", None)
+    await proxy.forward_admitted(scope, receive, send, target, manager, state)

@@ -1,0 +1,148 @@
+"""``process.Process``: Start, Connect (server streams) and List.
+
+On the guest's table of processes that outlive their connection (the core's
+``SandboxManager.processes``). Start runs ``ProcessConfig`` (``cmd`` and
+``args`` as an argv, no shell of its own: E2B's SDK sends ``/bin/bash -l -c
+<command>``; ``envs`` over the sandbox's own, those its E2B create named,
+added to the guest's environment; ``cwd``, default
+the guest's home; a pty when asked; a stdin pipe unless ``stdin`` is false)
+and streams its start (the guest's pid), output (stdout/stderr, or pty) and
+end (exit code; ``exited`` false and status ``signal: ...`` when a signal
+ended it). The call's ``Connect-Timeout-Ms`` is the process's lifetime: past
+it the guest kills its group and the stream ends with ``deadline_exceeded``
+(the SDK's ``TimeoutException``). Leaving a stream (the SDK's
+``disconnect``) detaches: the process runs on, and Connect attaches to it
+again by pid or tag (output from then on). List names the running ones.
+"""
+
+from __future__ import annotations
+
+import signal as signals
+from collections.abc import AsyncIterator
+from typing import Any
+
+from google.protobuf.message import Message
+
+from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
+from hangar.api.envd.messages import P
+from hangar.core import e2b
+from hangar.core.commands import Command
+from hangar.core.processes import ProcessInfo, ProcessOutput
+from hangar.errors import HangarError
+
+
+def selector(sel: Any) -> dict[str, Any]:
+    """``pid=`` or ``tag=`` of a ``ProcessSelector``. Raises RpcError."""
+    which = sel.WhichOneof("selector")
+    if which is None:
+        raise RpcError("invalid_argument", "the process selector names no pid or tag")
+    return {"pid": sel.pid} if which == "pid" else {"tag": sel.tag}
+
+
+def end_event(info: ProcessInfo) -> Any:
+    """The ``ProcessEvent`` of a process's end. Raises RpcError for one killed at its
+    timeout."""
+    if info.timed_out:
+        raise RpcError("deadline_exceeded", "the process ran past the call's timeout and was "
+                                            "killed")
+    ev = P.ProcessEvent()
+    if info.signal:
+        try:
+            name = signals.Signals(info.signal).name[3:].lower()
+        except ValueError:
+            name = str(info.signal)
+        ev.end.exit_code, ev.end.exited = -1, False
+        ev.end.status = f"signal: {'killed' if name == 'kill' else name}"
+    else:
+        code = info.exit_code if info.exit_code is not None else -1
+        ev.end.exit_code, ev.end.exited, ev.end.status = code, info.exit_code is not None, \
+            f"exit status {code}"
+    return ev
+
+
+async def _stream(items: AsyncIterator[ProcessInfo | ProcessOutput],
+                  response: type[Message]) -> AsyncIterator[Message]:
+    try:
+        async for item in items:
+            ev = P.ProcessEvent()
+            if isinstance(item, ProcessInfo):
+                ev.start.pid = item.pid
+            elif item.kind == "end":
+                if item.process is None:
+                    raise RpcError("internal", "the process ended without its status")
+                yield response(event=end_event(item.process))
+                return
+            else:
+                setattr(ev.data, item.kind, item.data)
+            yield response(event=ev)
+    except HangarError as exc:
+        raise rpc_error(exc) from None
+    finally:
+        await items.aclose()  # type: ignore[attr-defined]
+
+
+async def start(req: Any, call: Call) -> AsyncIterator[Message]:
+    env = call.context
+    cfg = req.process
+    if not cfg.cmd:
+        raise RpcError("invalid_argument", "process.cmd is empty")
+    try:
+        envs = {**e2b.envs(env.manager, env.sandbox_id), **dict(cfg.envs)}
+    except HangarError as exc:
+        raise rpc_error(exc) from None
+    cmd = Command(command=cfg.cmd, args=list(cfg.args), env=envs or None,
+                  cwd=cfg.cwd if cfg.HasField("cwd") and cfg.cwd else None)
+    pty = (req.pty.size.cols or 80, req.pty.size.rows or 24) if req.HasField("pty") else None
+    items = env.manager.processes.start_attached(
+        env.sandbox_id, cmd, tag=req.tag if req.HasField("tag") else None,
+        stdin=req.stdin if req.HasField("stdin") else True, pty=pty, timeout=call.timeout_s)
+    async for msg in _stream(items, P.StartResponse):
+        yield msg
+
+
+async def connect(req: Any, call: Call) -> AsyncIterator[Message]:
+    env = call.context
+    items = env.manager.processes.attach(env.sandbox_id, **selector(req.process))
+    first = True
+    async for msg in _stream(items, P.ConnectResponse):
+        if first and msg.event.WhichOneof("event") != "start":
+            raise RpcError("not_found", "the process has ended")
+        first = False
+        yield msg
+
+
+async def list_processes(req: Any, call: Call) -> Message:
+    env = call.context
+    try:
+        procs = await env.manager.processes.list(env.sandbox_id)
+    except HangarError as exc:
+        raise rpc_error(exc) from None
+    res = P.ListResponse()
+    for p in procs:
+        if p.state != "running" or p.origin != "start":
+            continue
+        info = res.processes.add(pid=p.pid)
+        info.config.cmd = p.command
+        info.config.args.extend(p.args)
+        info.config.envs.update(p.env)
+        info.config.cwd = p.cwd
+        if p.tag is not None:
+            info.tag = p.tag
+    return res
+
+
+def _keepalive(response: type[Message]) -> Any:
+    def make() -> Message:
+        ev = P.ProcessEvent()
+        ev.keepalive.SetInParent()
+        return response(event=ev)
+    return make
+
+
+METHODS = {
+    "process.Process/Start": Method("server", P.StartRequest, P.StartResponse, start,
+                                    _keepalive(P.StartResponse)),
+    "process.Process/Connect": Method("server", P.ConnectRequest, P.ConnectResponse, connect,
+                                      _keepalive(P.ConnectResponse)),
+    "process.Process/List": Method("unary", P.ListRequest, P.ListResponse, list_processes),
+}

@@ -1,0 +1,55 @@
+"""Who may use a sandbox's envd: its access token, a Hangar key, or a signed file URL.
+
+Every sandbox has an envd access token (``hangar.core.e2b.access_token``:
+derived from the server's port key and the sandbox id, never stored). E2B's
+control plane (``hangar.api.e2b``) hands it out as ``envdAccessToken`` and
+``trafficAccessToken``; the SDK sends it back in ``X-Access-Token`` (the
+code interpreter's SDK, to its port, in ``E2B-Traffic-Access-Token``). A
+request is admitted when it carries that token, or a valid Hangar API key
+in ``X-API-Key`` (sandboxes made through Hangar's own API), or, for
+``/files``, the SDK's signature of the path, operation, user and expiry:
+``v1_`` + unpadded base64 of SHA-256 over ``path:op:user:token[:expiry]``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import time
+
+from hangar.core.e2b import access_token, check_access_token
+from hangar.core.sandboxes import SandboxManager
+
+__all__ = ["access_token", "signature", "signature_ok", "token_ok"]
+
+
+def token_ok(manager: SandboxManager, sandbox_id: str, given: str | None) -> bool:
+    """Whether ``given`` is ``sandbox_id``'s access token (constant time)."""
+    return check_access_token(manager, sandbox_id, given)
+
+
+def signature(token: str, path: str, operation: str, user: str,
+              expiration: int | None) -> str:
+    """The SDK's signature of a file URL (``operation``: ``read`` or ``write``)."""
+    raw = f"{path}:{operation}:{user}:{token}"
+    if expiration is not None:
+        raw += f":{expiration}"
+    digest = hashlib.sha256(raw.encode()).digest()
+    return "v1_" + base64.b64encode(digest).rstrip(b"=").decode()
+
+
+def signature_ok(manager: SandboxManager, sandbox_id: str, given: str, path: str,
+                 operation: str, user: str, expiration: str | None) -> str | None:
+    """None when ``given`` signs this file operation and has not expired, else why not."""
+    exp: int | None = None
+    if expiration:
+        if not expiration.isdigit() or len(expiration) > 12:
+            return "signature_expiration is not a Unix time"
+        exp = int(expiration)
+        if exp < time.time():
+            return "the signed URL has expired"
+    want = signature(access_token(manager, sandbox_id), path, operation, user, exp)
+    if not hmac.compare_digest(given.encode(), want.encode()):
+        return "the signature does not match this path, operation and user"
+    return None

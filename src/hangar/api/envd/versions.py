@@ -1,0 +1,17 @@
+"""What this data plane tells E2B's SDKs about itself.
+
+``ENVD_VERSION`` (defined once, in ``hangar.core.e2b``) is the envd version E2B's control plane reports for a
+sandbox (``envdVersion``); the SDK turns features on by it. 0.5.7 is the
+highest that promises nothing Hangar lacks: ``stdin=false`` (0.3.0), no
+forced user (0.4.0), ``close_stdin`` (0.5.2) and octet-stream uploads
+(0.5.7) are served; file metadata in xattrs (0.6.2) and entries in watch
+events (0.6.3) are not, and the SDK refuses them itself below those versions.
+"""
+
+from hangar.core.e2b import ENVD_VERSION
+
+__all__ = ["ENVD_PORT", "ENVD_VERSION", "PREFIX"]
+ENVD_PORT = 49983
+"""The guest port E2B's SDK names in ``E2b-Sandbox-Port`` for envd itself."""
+PREFIX = "/e2b/envd"
+"""Where the data plane is served: ``E2B_SANDBOX_URL=http://HOST:8080/e2b/envd``."""

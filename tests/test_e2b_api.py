@@ -1,0 +1,309 @@
+"""E2B's control plane: the unmodified ``e2b`` SDK (the pinned pair of pyproject's test extra)
+against a real server and real VMs.
+
+The SDK is configured only by E2B's environment variables (``E2B_API_URL`` =
+the server's ``/e2b``, ``E2B_API_KEY`` = a key made by ``hangar key add NAME
+--e2b``, ``E2B_SANDBOX_URL`` = its ``/e2b/envd``). What a sandbox holds is
+checked through Hangar's own API (``exec``), so these tests need only the
+control plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import SRC, Server
+
+e2b = pytest.importorskip("e2b")
+from e2b import (  # noqa: E402
+    AsyncSandbox, AuthenticationException, Sandbox, SandboxException, SandboxQuery, SandboxState,
+)
+from e2b.exceptions import SecretException  # noqa: E402
+
+KEY_FORMAT = re.compile(r"^e2b_[0-9a-f]{40}$")
+
+
+def hangar_cli(server: Server, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HANGAR_DATA_DIR": str(server.data_dir)}
+    return subprocess.run([sys.executable, "-m", "hangar.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def e2b_key(server: Server) -> str:
+    """A key made by ``hangar key add NAME --e2b`` (in E2B's format)."""
+    r = hangar_cli(server, "key", "add", f"e2b-{uuid.uuid4().hex[:8]}", "--e2b")
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+@pytest.fixture(autouse=True)
+def e2b_env(server: Server, e2b_key: str) -> Iterator[None]:
+    """The three variables a program written for E2B needs, and no others of E2B's."""
+    saved = {k: os.environ.get(k) for k in (
+        "E2B_API_URL", "E2B_API_KEY", "E2B_SANDBOX_URL", "E2B_DOMAIN", "E2B_DEBUG")}
+    os.environ.update({"E2B_API_URL": server.url + "/e2b", "E2B_API_KEY": e2b_key,
+                       "E2B_SANDBOX_URL": server.url + "/e2b/envd"})
+    os.environ.pop("E2B_DOMAIN", None)
+    os.environ.pop("E2B_DEBUG", None)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def run(api: httpx.Client, sid: str, command: str) -> dict:
+    """Run ``command`` in the sandbox through Hangar's own API."""
+    r = api.post(f"/sandboxes/{sid}/exec", json={"command": command, "timeout": 120})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# -- no VM ------------------------------------------------------------------------------------
+
+def test_hangar_key_add_e2b_prints_a_key_in_e2bs_format_that_the_server_accepts(
+        e2b_key: str) -> None:
+    assert KEY_FORMAT.match(e2b_key), e2b_key
+    assert isinstance(Sandbox.list().next_items(), list)
+
+
+def test_a_wrong_key_is_the_sdks_authentication_error() -> None:
+    with pytest.raises(AuthenticationException, match="401"):
+        Sandbox.list(api_key="e2b_" + "0" * 40).next_items()
+
+
+def test_a_route_hangar_does_not_serve_is_a_clear_501(server: Server, e2b_key: str) -> None:
+    with pytest.raises(SecretException,
+                       match=r"^501: Hangar does not serve E2B's POST /secrets: Hangar has no "
+                             r"secrets store"):
+        e2b.Secret.create("token", "value")
+    with httpx.Client(base_url=server.url, headers={"X-API-Key": e2b_key}) as c:
+        r = c.get("/e2b/teams")
+        assert (r.status_code, r.json()) == (501, {
+            "code": 501, "message": "Hangar does not serve E2B's GET /teams: Hangar has no "
+            "teams: a server has its API keys (`hangar key`) and nothing else. See "
+            "docs/e2b.md for what it serves."})
+        r = c.get("/e2b/no/such/route")
+        assert r.status_code == 404
+        assert r.json() == {"code": 404, "message": "E2B's API has no route GET /no/such/route; "
+                            "see docs/e2b.md for the routes Hangar serves under /e2b"}
+        r = c.put("/e2b/sandboxes/sb-000000000000")
+        assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET"
+        # envd's prefix is never the control plane's to answer
+        assert "E2B's API" not in c.get("/e2b/envd/health").text
+        assert httpx.get(server.url + "/e2b/health").status_code == 204
+
+
+def test_templates_are_hangars_images_and_a_missing_one_is_a_404_naming_it(
+        server: Server, e2b_key: str) -> None:
+    with httpx.Client(base_url=server.url + "/e2b", headers={"X-API-Key": e2b_key}) as c:
+        listed = {t["templateID"]: t for t in c.get("/templates").json()}
+        assert listed["base"]["buildStatus"] == "ready"
+        assert c.get("/templates/base").json()["builds"][0]["status"] == "ready"
+    with pytest.raises(SandboxException,
+                       match=r"^404: template 'no-such-template' is not built on this server"):
+        Sandbox.create("no-such-template")
+    if (server.data_dir / "images" / "code-interpreter").exists():
+        # built here: the code interpreter's default name is that image
+        with httpx.Client(base_url=server.url + "/e2b", headers={"X-API-Key": e2b_key}) as c:
+            assert c.get("/templates/aliases/code-interpreter-v1").json() == {
+                "templateID": "code-interpreter", "public": True}
+            got = c.get("/templates/code-interpreter-v1").json()
+            assert got["templateID"] == "code-interpreter"
+            assert "code-interpreter-v1" in got["names"]
+        return
+    with pytest.raises(SandboxException, match=r"^404: template 'code-interpreter-v1' "
+                                               r"\(Hangar's image 'code-interpreter'\) is "
+                                               r"not built on this server: build it with "
+                                               r"`hangar image build code-interpreter`"):
+        Sandbox.create("code-interpreter-v1")
+
+
+# -- real VMs ---------------------------------------------------------------------------------
+
+def metrics_under_load(server: Server, sbx: Sandbox) -> tuple[object, object]:
+    """(idle sample, sample while a guest process spins a CPU and holds 96 MiB). The busy
+    sample is the first that shows both, taken every 2 s while the load runs (its start
+    under emulation on a busy host takes a few seconds)."""
+    idle = sbx.get_metrics()[0]
+    load = "import time\nb = b'x' * (96 << 20)\nt = time.time() + 60\nwhile time.time() < t: pass"
+
+    def spin() -> None:
+        with server.client() as c:
+            c.post(f"/sandboxes/{sbx.sandbox_id}/exec",
+                   json={"command": "python3", "args": ["-c", load], "timeout": 90})
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    deadline = time.monotonic() + 50
+    while True:
+        time.sleep(2)
+        busy = sbx.get_metrics()[0]
+        loaded = (busy.cpu_used_pct >= idle.cpu_used_pct + 25
+                  and busy.mem_used >= idle.mem_used + (64 << 20))
+        if loaded or time.monotonic() > deadline:
+            break
+    with server.client() as c:  # end the load now rather than in a minute
+        run(c, sbx.sandbox_id, "pkill -f '^python3 -c import time' || true")
+    thread.join()
+    return idle, busy
+
+
+@pytest.mark.vm
+def test_sync_sdk_drives_a_sandbox_through_its_life(server: Server, api: httpx.Client) -> None:
+    tag = uuid.uuid4().hex[:8]
+    sbx = Sandbox.create("base", metadata={"suite": tag}, envs={"GREETING": "hi"}, timeout=300)
+    sid = sbx.sandbox_id
+    child: Sandbox | None = None
+    try:
+        rec = api.get(f"/sandboxes/{sid}").json()
+        assert (rec["state"], rec["image"], rec["metadata"]) == ("running", "base",
+                                                                 {"suite": tag})
+        info = sbx.get_info()
+        assert (info.state, info.template_id, info.name, info.metadata) == (
+            SandboxState.RUNNING, "base", "base", {"suite": tag})
+
+        again = Sandbox.connect(sid)
+        assert again.sandbox_id == sid
+
+        sbx.set_timeout(900)
+        expires = api.get(f"/sandboxes/{sid}").json()["expires_at"]
+        assert abs(expires - (time.time() + 900)) < 60
+
+        # E2B's older routes, which this SDK no longer calls, answer as the spec says
+        with httpx.Client(base_url=server.url + "/e2b",
+                          headers={"X-API-Key": os.environ["E2B_API_KEY"]}) as c:
+            assert sid in [s["sandboxID"] for s in c.get("/sandboxes").json()]
+            assert c.post(f"/sandboxes/{sid}/refreshes", json={"duration": 10}).status_code \
+                == 204
+            assert api.get(f"/sandboxes/{sid}").json()["expires_at"] == expires  # only extends
+            r = c.post(f"/sandboxes/{sid}/resume", json={"timeout": 60})
+            assert (r.status_code, r.json()) == (409, {
+                "code": 409, "message": f"sandbox {sid} is already running"})
+            r = c.post(f"/sandboxes/{sid}/connect", json={"timeout": 60})
+            assert r.status_code == 200 and r.json()["sandboxID"] == sid
+            token = r.json()["envdAccessToken"]
+            assert (r.json()["envdVersion"], r.json()["trafficAccessToken"]) == ("0.5.7", token)
+            assert re.fullmatch(r"[0-9a-f]{64}", token) and token == sbx.traffic_access_token
+
+        found = Sandbox.list(query=SandboxQuery(metadata={"suite": tag})).next_items()
+        assert [s.sandbox_id for s in found] == [sid]
+        assert Sandbox.list(query=SandboxQuery(metadata={"suite": "other"})).next_items() == []
+
+        idle, busy = metrics_under_load(server, sbx)
+        assert busy.cpu_used_pct >= idle.cpu_used_pct + 25, (idle, busy)
+        assert busy.mem_used >= idle.mem_used + (64 << 20), (idle, busy)
+        assert 0 < busy.disk_used < busy.disk_total and busy.cpu_count >= 1
+        with httpx.Client(base_url=server.url + "/e2b",
+                          headers={"X-API-Key": os.environ["E2B_API_KEY"]}) as c:
+            many = c.get("/sandboxes/metrics",
+                         params={"sandbox_ids": f"{sid},sb-000000000000"}).json()
+            assert list(many["sandboxes"]) == [sid]
+
+        # pause keeps a file and a running process; connect resumes it
+        pid = run(api, sid, "echo kept > /root/e2b-note; "
+                            "nohup sleep 900 >/dev/null 2>&1 & echo $!")["stdout"].strip()
+        assert sbx.pause() is True
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "sleeping"
+        paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED],
+                                                 metadata={"suite": tag})).next_items()
+        assert [(s.sandbox_id, s.state) for s in paused] == [(sid, SandboxState.PAUSED)]
+        assert sbx.get_metrics() == []
+        assert Sandbox.pause(sid) is False  # already paused
+        Sandbox.connect(sid, timeout=600)
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
+        out = run(api, sid, f"cat /root/e2b-note; kill -0 {pid} && echo alive")["stdout"]
+        assert out == "kept\nalive\n"
+
+        # a snapshot, then a new sandbox from it
+        snap = sbx.create_snapshot()
+        assert snap.snapshot_id in [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
+        child = Sandbox.create(snap.snapshot_id, timeout=300)
+        assert child.sandbox_id != sid
+        assert run(api, child.sandbox_id, "cat /root/e2b-note")["stdout"] == "kept\n"
+        assert child.get_info().metadata == {}
+        child.kill()
+        child = None
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+
+        with pytest.raises(SandboxException, match=r"^501: Hangar does not serve E2B's PUT "
+                                                   r"/sandboxes/\{sandboxID\}/network"):
+            sbx.update_network({"deny_out": ["0.0.0.0/0"]})
+
+        sbx.kill()
+        assert api.get(f"/sandboxes/{sid}").status_code == 404
+        assert Sandbox.kill(sid) is False
+    finally:
+        for s in (child, sbx):
+            if s is not None:
+                api.delete(f"/sandboxes/{s.sandbox_id}")
+
+
+@pytest.mark.vm
+def test_async_sdk_creates_connects_lists_pauses_on_timeout_and_kills(
+        api: httpx.Client) -> None:
+    tag = uuid.uuid4().hex[:8]
+
+    async def main() -> str:
+        sbx = await AsyncSandbox.create("base", metadata={"suite": tag}, timeout=300,
+                                        lifecycle={"on_timeout": "pause"})
+        try:
+            again = await AsyncSandbox.connect(sbx.sandbox_id)
+            assert again.sandbox_id == sbx.sandbox_id
+            info = await sbx.get_info()
+            assert info.state == SandboxState.RUNNING and info.lifecycle is not None
+            found = await AsyncSandbox.list(query=SandboxQuery(metadata={"suite": tag})
+                                            ).next_items()
+            assert [s.sandbox_id for s in found] == [sbx.sandbox_id]
+            # autoPause: when its time runs out, it is paused, not removed
+            await sbx.set_timeout(3)
+            deadline = time.monotonic() + 180
+            while api.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] != "sleeping":
+                assert time.monotonic() < deadline, "the sandbox did not pause on timeout"
+                await asyncio.sleep(1)
+            assert (await sbx.get_info()).state == SandboxState.PAUSED
+            assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["expires_at"] is None
+            # any call wakes it (E2B's auto-resume), and it gets its create's 300 s back
+            assert run(api, sbx.sandbox_id, "echo awake")["stdout"] == "awake\n"
+            while (expires := api.get(f"/sandboxes/{sbx.sandbox_id}").json()["expires_at"]
+                   ) is None:
+                assert time.monotonic() < deadline + 60, "no time limit after the wake"
+                await asyncio.sleep(0.5)
+            assert abs(expires - (time.time() + 300)) < 30
+            assert (await sbx.get_info()).state == SandboxState.RUNNING
+            assert await sbx.kill() is True
+            return sbx.sandbox_id
+        finally:
+            api.delete(f"/sandboxes/{sbx.sandbox_id}")
+
+    sid = asyncio.run(main())
+    assert api.get(f"/sandboxes/{sid}").status_code == 404
+
+
+@pytest.mark.vm
+def test_fork_starts_a_copy_and_keeps_the_source_running(api: httpx.Client) -> None:
+    sbx = Sandbox.create("base", timeout=300)
+    forks: list[object] = []
+    try:
+        run(api, sbx.sandbox_id, "echo forked > /root/e2b-fork")
+        forks = sbx.fork(count=1)
+        assert len(forks) == 1 and isinstance(forks[0], Sandbox), forks
+        assert run(api, forks[0].sandbox_id, "cat /root/e2b-fork")["stdout"] == "forked\n"
+        assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "running"
+        assert Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items() == []
+    finally:
+        for s in (*forks, sbx):
+            if isinstance(s, Sandbox):
+                api.delete(f"/sandboxes/{s.sandbox_id}")

@@ -1,0 +1,396 @@
+"""E2B's data plane (envd) on a real microVM, driven by the unmodified ``e2b`` SDK.
+
+One server of this module's own (``HANGAR_DOMAIN=hangar.test``) runs one
+sandbox made by the SDK's ``Sandbox.create`` through Hangar's E2B control
+plane (``api_url`` = ``<server>/e2b``, a key of ``hangar key add --e2b``);
+the SDK reaches envd at ``sandbox_url`` = ``<server>/e2b/envd`` (what
+``E2B_SANDBOX_URL`` sets), naming the sandbox in ``E2b-Sandbox-Id`` and
+sending its envd access token in ``X-Access-Token``. A few tests build the
+SDK's connection by hand, to send a wrong token or none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import subprocess
+import sys
+import uuid
+import json
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import (AsyncSandbox, AuthenticationException, CommandExitException, ConnectionConfig,
+                 FileNotFoundException, FileType, FilesystemEventType, PtySize, Sandbox,
+                 TimeoutException)
+from e2b.envd.filesystem import filesystem_pb
+from e2b.envd.process import process_pb
+from packaging.version import Version
+from protobuf import Oneof
+
+from conftest import SRC, Server, cleanup, free_port, make_data_dir
+
+from hangar.api.envd.versions import ENVD_VERSION
+
+pytestmark = pytest.mark.vm
+
+DOMAIN = "hangar.test"
+
+
+class Env:
+    def __init__(self, srv: Server, api: httpx.Client, key: str, sbx: Sandbox) -> None:
+        self.srv, self.api, self.key = srv, api, key
+        self.sid, self.token = sbx.sandbox_id, sbx._envd_access_token
+        self.url = f"{srv.url}/e2b/envd"
+        self.params = {"api_url": f"{srv.url}/e2b", "api_key": key, "sandbox_url": self.url}
+
+    def headers(self, **extra: str) -> dict[str, str]:
+        return {"E2b-Sandbox-Id": self.sid, "E2b-Sandbox-Port": "49983",
+                "X-Access-Token": self.token, **extra}
+
+    def sandbox(self) -> Sandbox:
+        """The sandbox as E2B's SDK connects to it (``Sandbox.connect``)."""
+        return Sandbox.connect(self.sid, **self.params)
+
+    def by_hand(self, token: str, **headers: str) -> Sandbox:
+        """The SDK's connection built by hand, with ``token`` (or none) and ``headers``."""
+        extra = {"E2b-Sandbox-Id": self.sid, "E2b-Sandbox-Port": "49983", **headers}
+        if token:
+            extra["X-Access-Token"] = token
+        cfg = ConnectionConfig(api_key=self.key, sandbox_url=self.url,
+                               extra_sandbox_headers=extra)
+        return Sandbox(sandbox_id=self.sid, envd_version=Version(ENVD_VERSION),
+                       envd_access_token=token or None, sandbox_domain=DOMAIN,
+                       connection_config=cfg)
+
+
+def e2b_key(srv: Server) -> str:
+    """A key made by ``hangar key add NAME --e2b`` (in E2B's format)."""
+    r = subprocess.run([sys.executable, "-m", "hangar.cli", "key", "add",
+                        f"envd-{uuid.uuid4().hex[:8]}", "--e2b"],
+                       env={**os.environ, "PYTHONPATH": str(SRC),
+                            "HANGAR_DATA_DIR": str(srv.data_dir)},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def env(base_image: Path) -> Iterator[Env]:
+    d = make_data_dir(base_image)
+    srv = Server(d, free_port(), {"HANGAR_DOMAIN": DOMAIN})
+    try:
+        srv.start()
+        key = e2b_key(srv)
+        with srv.client() as c:
+            sbx = Sandbox.create("base", timeout=3600, api_url=f"{srv.url}/e2b", api_key=key,
+                                 sandbox_url=f"{srv.url}/e2b/envd")
+            assert sbx.get_info().envd_version == ENVD_VERSION
+            yield Env(srv, c, key, sbx)
+            sbx.kill()
+    finally:
+        leaked = cleanup(srv)
+        assert not leaked, f"VMM processes outlived the module: {leaked}"
+
+
+# -- commands -----------------------------------------------------------------------------
+
+def test_commands_run_sync(env: Env) -> None:
+    sbx = env.sandbox()
+    r = sbx.commands.run("echo out; echo err >&2")
+    assert (r.exit_code, r.stdout, r.stderr) == (0, "out\n", "err\n")
+    assert sbx.commands.run("echo $GREETING", envs={"GREETING": "hi there"}).stdout == \
+        "hi there\n"
+    assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+    assert sbx.commands.run("pwd").stdout == "/root\n"
+    assert sbx.commands.run("whoami", user="root").stdout == "root\n"
+    with pytest.raises(AuthenticationException):
+        sbx.commands.run("whoami", user="user")  # Hangar's guests run commands as root
+    with pytest.raises(CommandExitException) as info:
+        sbx.commands.run("echo partial; exit 3")
+    assert (info.value.exit_code, info.value.stdout) == (3, "partial\n")
+    started = time.monotonic()
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("sleep 30", timeout=2)
+    assert time.monotonic() - started < 20
+    chunks: list[str] = []
+    sbx.commands.run("for i in 1 2 3; do echo $i; done", on_stdout=chunks.append)
+    assert "".join(chunks) == "1\n2\n3\n"
+
+
+def test_commands_run_async(env: Env) -> None:
+    async def main() -> None:
+        sbx = await AsyncSandbox.connect(env.sid, **env.params)
+        r = await sbx.commands.run("echo $A-$B >&2", envs={"A": "x", "B": "y"})
+        assert (r.exit_code, r.stdout, r.stderr) == (0, "", "x-y\n")
+        assert (await sbx.commands.run("pwd", cwd="/usr")).stdout == "/usr\n"
+        with pytest.raises(CommandExitException) as info:
+            await sbx.commands.run("exit 7")
+        assert info.value.exit_code == 7
+        with pytest.raises(TimeoutException):
+            await sbx.commands.run("sleep 30", timeout=2)
+        results = await asyncio.gather(*(sbx.commands.run(f"echo {i}") for i in range(4)))
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(4)]
+
+    asyncio.run(main())
+
+
+def test_command_in_background_reattached_fed_and_killed(env: Env) -> None:
+    """A background command outlives its stream: listed, left, attached again by pid, fed
+    stdin, killed (the guest's process table)."""
+    sbx = env.sandbox()
+    handle = sbx.commands.run("while read line; do echo got:$line; done", background=True,
+                              stdin=True, timeout=0)
+    listed = {p.pid: p for p in sbx.commands.list()}
+    assert (listed[handle.pid].cmd, listed[handle.pid].args) == (
+        "/bin/bash", ["-l", "-c", "while read line; do echo got:$line; done"])
+    handle.disconnect()
+    again = sbx.commands.connect(handle.pid, timeout=0)
+    assert again.pid == handle.pid
+    sbx.commands.send_stdin(handle.pid, "hello\n")
+    out = ""
+    for stdout, _, _ in again:
+        out += stdout or ""
+        if "got:hello" in out:
+            break
+    assert out == "got:hello\n"
+    assert sbx.commands.kill(handle.pid) is True
+    with pytest.raises(CommandExitException) as info:
+        again.wait()
+    assert info.value.exit_code == -1
+    assert handle.pid not in {p.pid for p in sbx.commands.list()}
+    assert sbx.commands.kill(handle.pid) is False
+
+
+def test_stdin_closed_ends_the_reader(env: Env) -> None:
+    sbx = env.sandbox()
+    handle = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.send_stdin(handle.pid, "piped\n")
+    sbx.commands.close_stdin(handle.pid)
+    r = handle.wait()
+    assert (r.exit_code, r.stdout) == (0, "piped\n")
+
+
+def test_server_left_running_by_a_trailing_ampersand_still_answers(env: Env) -> None:
+    """Issue 18: ``server &`` with no redirection keeps answering (and logging every
+    request) a minute after its command returned."""
+    sbx = env.sandbox()
+    sbx.files.write("/srv/amp/index.html", "amp")
+    r = sbx.commands.run("cd /srv/amp && python3 -m http.server 8124 &")
+    assert r.exit_code == 0
+    sbx.commands.run("for i in $(seq 100); do ss -Hltn 'sport = :8124' | grep -q LISTEN "
+                     "&& exit 0; sleep 0.2; done; exit 1")
+    headers = {**env.headers(), "E2b-Sandbox-Port": "8124"}
+    time.sleep(60)
+    with httpx.Client(timeout=60) as c:
+        for _ in range(5):
+            r = c.get(f"{env.url}/index.html", headers=headers)
+            assert (r.status_code, r.text) == (200, "amp")
+
+
+# -- files --------------------------------------------------------------------------------
+
+def test_files(env: Env) -> None:
+    sbx = env.sandbox()
+    info = sbx.files.write("/root/e2b/notes.txt", "hello\nworld\n")
+    assert (info.path, info.name, info.type) == ("/root/e2b/notes.txt", "notes.txt", FileType.FILE)
+    assert sbx.files.read("/root/e2b/notes.txt") == "hello\nworld\n"
+    blob = bytes(range(256)) * 100
+    sbx.files.write("e2b/blob.bin", blob)  # relative: from the guest's home
+    assert sbx.files.read("/root/e2b/blob.bin", format="bytes") == bytearray(blob)
+    assert sbx.commands.run("cat e2b/notes.txt").stdout == "hello\nworld\n"
+    sbx.files.write("/root/e2b/streamed.bin", io.BytesIO(blob))  # octet-stream upload
+    sbx.files.write("/root/e2b/zipped.txt", "z" * 5000, gzip=True)  # gzip octet-stream
+    assert sbx.files.read("/root/e2b/streamed.bin", format="bytes") == bytearray(blob)
+    assert sbx.files.read("/root/e2b/zipped.txt") == "z" * 5000
+    sbx.files.write_files([{"path": "/root/e2b/many/a.txt", "data": "A"},
+                           {"path": "/root/e2b/many/b.txt", "data": b"B"}])  # one multipart
+    assert sbx.commands.run("cat /root/e2b/many/a.txt /root/e2b/many/b.txt").stdout == "AB"
+    sbx.files.remove("/root/e2b/many")
+    for name in ("streamed.bin", "zipped.txt"):
+        sbx.files.remove(f"/root/e2b/{name}")
+    entries = {e.name: e for e in sbx.files.list("/root/e2b")}
+    assert set(entries) == {"notes.txt", "blob.bin"}
+    assert (entries["blob.bin"].size, entries["blob.bin"].type) == (25600, FileType.FILE)
+    assert sbx.files.exists("/root/e2b/notes.txt") is True
+    assert sbx.files.exists("/root/e2b/missing") is False
+    st = sbx.files.get_info("/root/e2b/notes.txt")
+    assert (st.size, st.owner, st.permissions, st.path) == (12, "root", "-rw-r--r--",
+                                                            "/root/e2b/notes.txt")
+    assert sbx.files.make_dir("/root/e2b/sub/deeper") is True
+    assert sbx.files.make_dir("/root/e2b/sub/deeper") is False
+    deep = {e.path for e in sbx.files.list("/root/e2b", depth=3)}
+    assert {"/root/e2b/sub", "/root/e2b/sub/deeper"} <= deep
+    moved = sbx.files.rename("/root/e2b/notes.txt", "/root/e2b/sub/moved.txt")
+    assert (moved.path, moved.type) == ("/root/e2b/sub/moved.txt", FileType.FILE)
+    assert sbx.files.exists("/root/e2b/notes.txt") is False
+    sbx.files.remove("/root/e2b/sub")
+    assert sbx.files.exists("/root/e2b/sub/moved.txt") is False
+    with pytest.raises(FileNotFoundException):
+        sbx.files.read("/root/e2b/none.txt")
+
+
+def test_watch_dir_sees_a_write(env: Env) -> None:
+    sbx = env.sandbox()
+    sbx.files.make_dir("/root/watched")
+    handle = sbx.files.watch_dir("/root/watched")
+    try:
+        sbx.files.write("/root/watched/new.txt", "fresh")
+        deadline = time.monotonic() + 30
+        seen: list[tuple[str, FilesystemEventType]] = []
+        while time.monotonic() < deadline and ("new.txt", FilesystemEventType.WRITE) not in seen:
+            seen += [(e.name, e.type) for e in handle.get_new_events()]
+            time.sleep(0.2)
+        assert ("new.txt", FilesystemEventType.WRITE) in seen
+        assert not any(name.startswith(".hangar-") for name, _ in seen)
+    finally:
+        handle.stop()
+
+
+# -- terminals ----------------------------------------------------------------------------
+
+def test_pty_create_input_resize_kill(env: Env) -> None:
+    sbx = env.sandbox()
+    handle = sbx.pty.create(PtySize(rows=24, cols=80))
+    out = bytearray()
+    try:
+        sbx.pty.send_stdin(handle.pid, b"stty size; echo $((6*7))\n")
+        for _, _, pty in handle:
+            out += pty or b""
+            if b"42" in out and b"24 80" in out:
+                break
+        sbx.pty.resize(handle.pid, PtySize(rows=30, cols=100))
+        sbx.pty.send_stdin(handle.pid, b"stty size\n")
+        for _, _, pty in handle:
+            out += pty or b""
+            if b"30 100" in out:
+                break
+        assert handle.pid in {p.pid for p in sbx.commands.list()}
+    finally:
+        assert sbx.pty.kill(handle.pid) is True
+    assert b"42" in out and b"30 100" in out
+    deadline = time.monotonic() + 30
+    while handle.pid in {p.pid for p in sbx.commands.list()} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert handle.pid not in {p.pid for p in sbx.commands.list()}
+
+
+# -- credentials, REST routes, ports ------------------------------------------------------
+
+def test_access_token_key_and_refusals(env: Env) -> None:
+    with pytest.raises(AuthenticationException):
+        env.by_hand(token="0" * 64).commands.run("true")
+    with pytest.raises(AuthenticationException):
+        env.by_hand(token="").files.read("/etc/hostname")
+    assert env.by_hand(token="", **{"X-API-Key": env.srv.key}).commands.run(
+        "echo key").stdout == "key\n"
+    with httpx.Client(base_url=env.url, timeout=60) as c:
+        r = c.get("/health", headers=env.headers())
+        assert r.status_code == 204
+        r = c.get("/health", headers={**env.headers(), "E2b-Sandbox-Id": "sb-000000000000"})
+        assert (r.status_code, r.json()["message"]) == (
+            502, "The sandbox sb-000000000000 was not found")
+        for path in ("/init", "/freeze", "/unfreeze", "/fsfreeze"):
+            r = c.post(path, headers=env.headers(), json={})
+            assert r.status_code == 403 and "internal" in r.json()["message"], path
+        envs = c.get("/envs", headers=env.headers()).json()
+        assert envs["HOME"] == "/root" and "PATH" in envs
+        m = c.get("/metrics", headers=env.headers()).json()
+        assert m["cpu_count"] >= 1 and 0 < m["mem_used"] < m["mem_total"]
+        assert 0 < m["disk_used"] < m["disk_total"]
+
+
+def test_signed_file_urls(env: Env) -> None:
+    """The SDK's signed URLs work with no header at all, as a browser would use them: under
+    E2B_SANDBOX_URL they lose its path (``/files`` at the server's root) and name no sandbox;
+    the signature, made with the sandbox's token, does."""
+    sbx = env.sandbox()
+    up = sbx.upload_url("/root/signed.txt")
+    assert up.startswith(f"{env.srv.url}/files?path=") and "signature=v1_" in up
+    with httpx.Client(timeout=60) as c:
+        r = c.post(up, files={"file": ("signed.txt", b"signed bytes")})
+        assert r.status_code == 200, r.text
+        assert r.json() == [{"name": "signed.txt", "type": "file", "path": "/root/signed.txt"}]
+        down = sbx.download_url("/root/signed.txt", use_signature_expiration=60)
+        r = c.get(down)
+        assert (r.status_code, r.content) == (200, b"signed bytes")
+        r = c.get(down.replace("signed.txt", "other.txt"))
+        assert r.status_code == 401
+        r = c.get(sbx.upload_url("/root/signed.txt"))
+        assert r.status_code == 401  # a write signature does not read
+        r = c.get(f"{env.url}/files", params={"path": "/root/signed.txt"},
+                  headers=env.headers())
+        assert (r.status_code, r.content) == (200, b"signed bytes")
+
+
+def test_guest_port_by_header_and_host(env: Env) -> None:
+    sbx = env.sandbox()
+    sbx.files.write("/srv/www/index.html", "<h1>from the guest</h1>")
+    server = sbx.commands.run("cd /srv/www && exec python3 -m http.server 8123", background=True,
+                              timeout=0)
+    try:
+        sbx.commands.run("for i in $(seq 100); do ss -Hltn 'sport = :8123' | grep -q LISTEN "
+                         "&& exit 0; sleep 0.2; done; exit 1")
+        with httpx.Client(timeout=60) as c:
+            r = c.get(f"{env.url}/index.html",
+                      headers={**env.headers(), "E2b-Sandbox-Port": "8123"})
+            assert (r.status_code, r.text) == (200, "<h1>from the guest</h1>")
+            r = c.get(f"{env.url}/index.html", headers={"E2b-Sandbox-Id": env.sid,
+                                                        "E2b-Sandbox-Port": "8123"})
+            assert r.status_code == 401
+            r = c.get(f"{env.url}/index.html", headers={  # the code interpreter's SDK's way
+                "E2b-Sandbox-Id": env.sid, "E2b-Sandbox-Port": "8123",
+                "E2B-Traffic-Access-Token": env.token})
+            assert (r.status_code, r.text) == (200, "<h1>from the guest</h1>")
+            host = sbx.get_host(8123)
+            assert host == f"8123-{env.sid}.{DOMAIN}"
+            env.api.post(f"/sandboxes/{env.sid}/ports",
+                         json={"port": 8123, "public": True}).raise_for_status()
+            r = c.get(f"{env.srv.url}/index.html", headers={"Host": host})
+            assert (r.status_code, r.text) == (200, "<h1>from the guest</h1>")
+    finally:
+        server.kill()
+
+
+# -- the binary codec (the SDK speaks JSON; this is the other half) -------------------------
+
+def test_binary_codec_unary_and_stream(env: Env) -> None:
+    with httpx.Client(base_url=env.url, timeout=60) as c:
+        r = c.post("/filesystem.Filesystem/Stat",
+                   content=filesystem_pb.StatRequest(path="/etc/hostname").to_binary(),
+                   headers=env.headers(**{"Content-Type": "application/proto"}))
+        assert r.headers["content-type"] == "application/proto"
+        entry = filesystem_pb.StatResponse.from_binary(r.content).entry
+        assert (entry.name, entry.type) == ("hostname", filesystem_pb.FileType.FILE)
+        r = c.post("/filesystem.Filesystem/Stat",
+                   content=filesystem_pb.StatRequest(path="/none").to_binary(),
+                   headers=env.headers(**{"Content-Type": "application/proto"}))
+        assert (r.status_code, r.json()["code"]) == (404, "not_found")
+        req = process_pb.StartRequest(process=process_pb.ProcessConfig(
+            cmd="/bin/sh", args=["-c", "echo bin"]))
+        body = req.to_binary()
+        r = c.post("/process.Process/Start", content=struct.pack(">BI", 0, len(body)) + body,
+                   headers=env.headers(**{"Content-Type": "application/connect+proto"}))
+        assert r.headers["content-type"] == "application/connect+proto"
+        data, events, end = r.content, [], None
+        while data:
+            flags, size = struct.unpack(">BI", data[:5])
+            msg, data = data[5:5 + size], data[5 + size:]
+            if flags & 2:
+                end = json.loads(msg)
+            else:
+                events.append(process_pb.StartResponse.from_binary(msg).event.event)
+        assert end == {}
+        assert [e.field for e in events][0] == "start" and events[-1].field == "end"
+        out = b"".join(e.value.output.value for e in events if e.field == "data")
+        assert (out, events[-1].value.exit_code) == (b"bin\n", 0)
+        sig = process_pb.SendSignalRequest(process=process_pb.ProcessSelector(
+            selector=Oneof("pid", 4_000_000)), signal=process_pb.Signal.SIGKILL)
+        r = c.post("/process.Process/SendSignal", content=sig.to_json(),
+                   headers=env.headers(**{"Content-Type": "application/json"}))
+        assert (r.status_code, r.json()["code"]) == (404, "not_found")
