@@ -537,6 +537,26 @@ async def read_until(p: PtyChannel, marker: bytes, within: float) -> bytes:
     return out
 
 
+def test_an_exec_starts_with_every_signal_at_its_default_whatever_the_agent_ignores() -> None:
+    """A command, like a terminal's program, starts with no signal ignored or blocked even
+    when the agent was started with SIGHUP, SIGINT and SIGQUIT ignored; so its shell can
+    trap SIGINT and a SIGINT sent to it runs that trap."""
+    async def go() -> None:
+        async with nohup_agent() as (client, _):
+            r = await client.exec(exec_meta("grep -E '^Sig(Ign|Blk)' /proc/self/status",
+                                            timeout=60))
+            assert r.exit_code == 0, r
+            blk, ign = (int(line.split()[1], 16) for line in r.stdout.head.splitlines())
+            # glibc's posix_spawn leaves its own two internal signals (32, 33: no valid
+            # signal number for any program) ignored; every signal a program can set is not.
+            assert blk == 0 and [s for s in signal.valid_signals() if ign >> (s - 1) & 1] == []
+            r = await client.exec(exec_meta("trap 'echo caught; exit 3' INT; kill -INT $$; "
+                                            "sleep 5; echo deaf", timeout=60))
+            assert (r.exit_code, r.stdout.head) == (3, b"caught\n"), r
+
+    asyncio.run(go())
+
+
 def test_a_terminal_keeps_to_its_window_both_ways_and_close_hangs_it_up(tmp_path: Path) -> None:
     """Output a host does not take blocks the program (at most a window waits here); input
     larger than a window arrives whole; a hang-up (``hang_up``, or ``close``, which CANCELs)

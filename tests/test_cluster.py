@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from clusterlab import Lab, can_run
+from conftest import wait_for
 
 pytestmark = pytest.mark.skipif(can_run() is not None, reason=str(can_run()))
 
@@ -37,17 +38,6 @@ def lab(base_image: Path) -> Iterator[Lab]:
         leaked = lab.leaked()
         lab.close()
     assert not leaked, f"VMM processes outlived the cluster tests: {leaked}"
-
-
-def wait_for(what, timeout: float = 40, every: float = 0.3):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = what()
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"condition not met in {timeout} s (last: {last!r})")
 
 
 def exec_(c: httpx.Client, sid: str, cmd: str) -> dict:
@@ -79,12 +69,13 @@ def test_three_nodes_join_and_a_stopped_one_disappears(lab: Lab) -> None:
                          env=env, stdout=open(d / "server.log", "ab"), stderr=subprocess.STDOUT,
                          start_new_session=True)
     lab.extra.append(p)
-    wait_for(lambda: lab.node_ls().get("n4", {}).get("state") == "ready", 60)
+    wait_for(lambda: lab.node_ls().get("n4", {}).get("state") == "ready", 60, "n4 ready",
+             every=0.3)
     p.send_signal(signal.SIGTERM)
     p.wait(20)
     stopped = time.monotonic()
     assert lab.node_ls()["n4"]["state"] == "ready"  # its lease is still running
-    wait_for(lambda: "n4" not in lab.node_ls(), 15)
+    wait_for(lambda: "n4" not in lab.node_ls(), 15, "n4 gone", every=0.3)
     assert time.monotonic() - stopped <= 12  # gone once its 5 s lease ended
 
 
@@ -201,7 +192,7 @@ def test_machine_sleeps_on_node1_and_wakes_elsewhere_with_file_and_process(lab: 
         assert r.status_code == 200 and r.json()["state"] == "sleeping", r.text
     assert lab.owner(sid) is None
     lab.hangar("node", "drain", "n1")
-    wait_for(lambda: lab.node_ls()["n1"]["state"] == "draining")
+    wait_for(lambda: lab.node_ls()["n1"]["state"] == "draining", 40, "n1 draining", every=0.3)
     with n2.client() as c:  # node 2 is full (its sandbox): the wake lands on node 3
         out = exec_(c, sid, "cat /root/note; kill -0 $(cat /root/pid) && echo running; "
                             "ip -4 -o addr show dev eth0")["stdout"]
@@ -217,12 +208,14 @@ def test_sigkill_of_node3_fails_its_sandboxes_and_puts_its_machines_to_sleep(lab
     sid, m = state["c"], state["m"]
     n3.stop(signal.SIGKILL)  # the server only: its VMMs keep running, now without a node
     with n1.client() as c:
-        wait_for(lambda: c.get(f"/sandboxes/{sid}").json().get("state") == "failed", 30)
+        wait_for(lambda: c.get(f"/sandboxes/{sid}").json().get("state") == "failed", 30,
+                 "the sandbox on lost n3 failed", every=0.3)
         assert "n3" in c.get(f"/sandboxes/{sid}").json()["error"]
-        wait_for(lambda: c.get(f"/machines/{USER}").json().get("state") == "sleeping", 10)
+        wait_for(lambda: c.get(f"/machines/{USER}").json().get("state") == "sleeping", 10,
+                 "the machine on lost n3 sleeping", every=0.3)
         assert "n3" not in lab.node_ls() or lab.node_ls()["n3"]["state"] == "lost"
     n3.start(slots=2)  # it rejoins: both VMMs have a stale epoch and are killed
-    wait_for(lambda: not n3.vmm_ids(), 20)
+    wait_for(lambda: not n3.vmm_ids(), 20, "n3's stale VMMs killed", every=0.3)
     with n1.client() as c:
         assert c.delete(f"/sandboxes/{sid}").status_code == 204
         assert c.get(f"/sandboxes/{sid}").status_code == 404
@@ -255,7 +248,8 @@ def test_cut_node3_fences_itself_and_no_machine_runs_twice(lab: Lab) -> None:
         assert lab.owner(sid) == "n1"
     finally:
         lab.heal(3)
-    wait_for(lambda: lab.node_ls().get("n3", {}).get("state") == "ready", 40)
+    wait_for(lambda: lab.node_ls().get("n3", {}).get("state") == "ready", 40, "n3 ready",
+             every=0.3)
     time.sleep(2)
     runs = [n.name for n in lab.nodes if sid in n.vmm_ids()]
     assert runs == ["n1"], runs
@@ -279,7 +273,8 @@ def test_etcd_one_member_down_works_two_down_writes_503_exec_still_answers(lab: 
         try:
             with n1.client(timeout=30) as c:
                 wait_for(lambda: c.post(f"/sandboxes/{sid}/timeout",
-                                        json={"timeout": 3600}).status_code == 503, 15)
+                                        json={"timeout": 3600}).status_code == 503, 15,
+                         "control writes refused without quorum", every=0.3)
                 r = c.post("/sandboxes", json={})
                 assert r.status_code == 503 and "retry-after" in r.headers, r.text
                 assert r.json()["error"]["code"] == "unavailable"
@@ -294,12 +289,15 @@ def test_etcd_one_member_down_works_two_down_writes_503_exec_still_answers(lab: 
         n3.etcd.send_signal(signal.SIGCONT)
     with n1.client(timeout=30) as c:
         wait_for(lambda: c.post(f"/sandboxes/{sid}/timeout",
-                                json={"timeout": 3600}).status_code == 200, 30)
+                                json={"timeout": 3600}).status_code == 200, 30,
+                 "control writes taken with quorum back", every=0.3)
         assert c.delete(f"/machines/{USER}").status_code == 204
     for n in lab.nodes:  # every node takes control writes again once quorum is back
-        wait_for(lambda: httpx.get(n.url + "/cluster/health").json()["writable"], 30)
+        wait_for(lambda: httpx.get(n.url + "/cluster/health").json()["writable"], 30,
+                 f"{n.name} writable", every=0.3)
     with lab.nodes[1].client() as c:
         for s in c.get("/sandboxes").json()["sandboxes"]:
             assert c.delete(f"/sandboxes/{s['id']}").status_code == 204
         assert c.get("/sandboxes").json()["sandboxes"] == []
-    wait_for(lambda: not any(n.vmm_ids() for n in lab.nodes), 20)
+    wait_for(lambda: not any(n.vmm_ids() for n in lab.nodes), 20, "no VMM left",
+             every=0.3)

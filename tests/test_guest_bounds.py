@@ -63,6 +63,22 @@ def send_request(s: socket.socket, server: Server, method: str, path: str,
               + "".join(f"{k}: {v}\r\n" for k, v in head.items()).encode() + b"\r\n" + body)
 
 
+def serve_in_guest(api: httpx.Client, sid: str, port: int, name: str, serve: str,
+                   waits: Waits) -> None:
+    """Start a guest service that takes one connection on ``127.0.0.1:port`` and runs
+    ``serve`` (Python, the connection is ``c``), and return once it listens: the exec waits
+    in the guest until ``ss`` shows the listener (a VM under load may take seconds to start
+    Python), within the measured ``waits.vm(1)``."""
+    script = ("import socket\n"
+              "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+              f"s.bind((\"127.0.0.1\", {port})); s.listen()\n"
+              f"c, _ = s.accept()\n{serve}")
+    r = run(api, sid, f"setsid python3 -c '{script}' {name} >/dev/null 2>&1 & "
+                      f"until ss -Hltn 'sport = :{port}' | grep -q LISTEN; do sleep 0.1; done",
+            timeout=waits.vm(1))
+    assert r["exit_code"] == 0, f"nothing listens on {port} in the guest: {r}"
+
+
 @pytest.fixture
 def readers(server: Server) -> Iterator[list[socket.socket]]:
     socks: list[socket.socket] = []
@@ -78,12 +94,7 @@ def test_slow_readers_keep_server_memory_flat(api: httpx.Client, sandbox: str, s
     assert server.proc is not None
     pid = server.proc.pid
     # A guest service that writes as fast as it can to whoever connects.
-    run(api, sid, "setsid python3 -c 'import socket\n"
-                  "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-                  "s.bind((\"127.0.0.1\", 7070)); s.listen()\n"
-                  "c, _ = s.accept()\n"
-                  "while True: c.sendall(b\"z\" * 65536)' fill-7070 >/dev/null 2>&1 &"
-                  " sleep 1")
+    serve_in_guest(api, sid, 7070, "fill-7070", "while True: c.sendall(b\"z\" * 65536)", waits)
     base = rss(pid)
 
     # 1. an exec stream of 2 GiB
@@ -140,18 +151,14 @@ def test_slow_readers_keep_server_memory_flat(api: httpx.Client, sandbox: str, s
 
 
 def test_a_tunnel_carries_more_than_a_window_both_ways_intact(api: httpx.Client, sandbox: str,
-                                                             server: Server) -> None:
+                                                             server: Server, waits: Waits) -> None:
     """The tools' local tunnel to a guest echo service: 3 MiB out and back, every byte."""
     import asyncio
 
     from hangar.tools.tunnel import LocalTunnel
 
-    run(api, sandbox, "setsid python3 -c 'import socket\n"
-                      "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-                      "s.bind((\"127.0.0.1\", 7071)); s.listen()\n"
-                      "c, _ = s.accept()\n"
-                      "while (d := c.recv(65536)): c.sendall(d)' echo-7071 >/dev/null 2>&1 &"
-                      " sleep 1")
+    serve_in_guest(api, sandbox, 7071, "echo-7071", "while (d := c.recv(65536)): c.sendall(d)",
+                   waits)
     blob = os.urandom(3 * MIB)
 
     async def go() -> bytes:

@@ -117,3 +117,59 @@ def test_stop_gives_up_on_a_task_that_ignores_cancellation(
         asyncio.run(main())
     assert [r.getMessage() for r in caplog.records] == [
         "background tasks did not stop in time"]
+
+
+def test_every_outlives_a_failing_step_and_awaits_async_ones(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``every``: a step that raises is logged and the loop goes on; an async step is
+    awaited (never two at once); a sync one is called; cancelling ends the loop."""
+    from hangar.core.tasks import Tasks, every
+
+    log = logging.getLogger("test.every")
+
+    async def main() -> None:
+        calls: list[str] = []
+        inside = 0
+
+        async def step() -> None:
+            nonlocal inside
+            inside += 1
+            assert inside == 1
+            calls.append("async")
+            await asyncio.sleep(0.02)
+            inside -= 1
+            if calls.count("async") == 2:
+                raise RuntimeError("second step fails")
+
+        tasks = Tasks("test")
+        tasks.start("loop", every(0.001, step, log, "step failed"))
+        tasks.start("sync", every(0.001, lambda: calls.append("sync"), log, "sync failed"))
+        while calls.count("async") < 4:
+            await asyncio.sleep(0.01)
+        await tasks.stop()
+        assert "sync" in calls and len(tasks) == 0
+
+    with caplog.at_level(logging.ERROR, logger="test.every"):
+        asyncio.run(main())
+    failed = [r for r in caplog.records if r.name == "test.every"]
+    assert [r.getMessage() for r in failed] == ["step failed"]
+    assert failed[0].exc_info is not None and "second step fails" in str(failed[0].exc_info[1])
+
+
+def test_race_ends_every_task_once_the_first_one_ends() -> None:
+    """``race``: the tasks that ended first are returned; the others are cancelled and
+    awaited before it returns."""
+    from hangar.core.tasks import race
+
+    async def main() -> None:
+        async def quick() -> str:
+            await asyncio.sleep(0.01)
+            return "quick"
+
+        slow = asyncio.create_task(asyncio.sleep(60))
+        first = asyncio.create_task(quick())
+        done = await race([slow, first])
+        assert done == {first} and first.result() == "quick"
+        assert slow.cancelled()
+
+    asyncio.run(main())

@@ -214,8 +214,8 @@ def test_browser_task_fills_a_form(browser: ht.SyncTask, api: httpx.Client,
 @vm
 def test_browser_tier_events(browser: ht.SyncTask) -> None:
     events = browser.sink.events
-    assert events[0].kind == "agent.task.started"
-    assert events[0].data["tier"] == "browser" and events[0].data["memory_mib"] == 2048
+    assert [e.kind for e in events[:2]] == ["agent.task.starting", "agent.task.started"]
+    assert events[1].data["tier"] == "browser" and events[1].data["memory_mib"] == 2048
     navs = [e.data for e in events if e.kind == "agent.tool.started"
             and e.data["tool"] == "browser_navigate"]
     assert navs and navs[0]["summary"] == "http://127.0.0.1:8000/"

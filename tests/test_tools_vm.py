@@ -111,11 +111,13 @@ def test_vm_task_builds_a_project(server: Server, api: httpx.Client, dev_image: 
     assert t.result is not None and t.result.reason == "done" and t.result.usage.vm_s > 0
     assert gone(api, t.sandbox_id)
     kinds = sink.kinds()
-    assert kinds[0] == "agent.task.started" and kinds[-1] == "agent.task.ended"
-    started = sink.events[0].data
+    assert kinds[:2] == ["agent.task.starting", "agent.task.started"]
+    assert kinds[-1] == "agent.task.ended"
+    assert sink.events[0].sandbox_id is None and sink.events[0].data["tier"] == "vm"
+    started = sink.events[1].data
     assert {k: started[k] for k in ("tier", "vcpus", "memory_mib", "source")} == {
         "tier": "vm", "vcpus": 2, "memory_mib": 2048, "source": "template"}
-    assert all(e.sandbox_id == t.sandbox_id for e in sink.events)
+    assert all(e.sandbox_id == t.sandbox_id for e in sink.events[1:])
 
 
 @vm

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from hangar.core.tasks import race
 from hangar.errors import HangarError
 
 DROPPED = (WebSocketDisconnect, HangarError, ConnectionError, RuntimeError)
@@ -71,18 +72,13 @@ async def supervise(ws: WebSocket, halves: Sequence[Callable[[], Awaitable[None]
     An unexpected failure is logged as ``failed`` (with ``extra`` and the error) and
     closes with 1011 and ``reason``.
     """
-    tasks = [asyncio.create_task(half()) for half in halves]
     try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
+        for task in await race(asyncio.ensure_future(half()) for half in halves):
             exc = task.exception()
             if exc is not None and not isinstance(exc, DROPPED):
                 log.error(failed, extra={**extra, "error": repr(exc)})
                 close.update(code=1011, reason=reason)
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         await release()
         if ws.application_state == WebSocketState.CONNECTED \
                 and ws.client_state == WebSocketState.CONNECTED:

@@ -1,7 +1,16 @@
 """The ``hangar`` command line (typer + rich): ``app`` is the console entry point.
 
-    main         the ``hangar`` app: server and client commands, and where the
-                 groups below are added
+    main         the ``hangar`` app: where every command and group is registered
+    sandbox      ``create``, ``ls``, ``exec``, ``shell``, ``rm``, ``ttl``, ``events``
+    files        ``hangar files``: copy in and out, list, remove, mkdir
+    machine      ``hangar machine``: per-user machines
+    snapshot     ``hangar snapshot``: snapshots, restores, forks
+    ports        ``hangar port``: exposed guest ports
+    desktop      ``hangar desktop``: screenshots, pointer, keyboard, live view
+    image        ``hangar image``: guest image builds on this host
+    host         ``hangar doctor`` and ``hangar bench boot``: what this host offers
+    mcp          ``hangar mcp``: the agent tools over MCP
+    serve        ``hangar serve``; status: ``hangar status``
     key          ``hangar key``: the server's API keys on this host's disk
     template     ``hangar template``: users' own guest images
     cluster      ``hangar cluster`` and ``hangar node``: etcd, cluster nodes

@@ -187,6 +187,9 @@ class EventView:
             source = f" ({d['source']})" if d.get("source") else ""
             return task.badge, f"started{source}, {task.where()}"
         badge = task.badge if task else f"task {tid or '?'}"
+        if ev.kind == "agent.task.starting":
+            name = str(d.get("name") or "task")
+            return f"{name} ({d.get('tier') or '?'})", "starting: asking for its VM"
         if ev.kind == "agent.tool.started":
             if task:
                 task.tool, task.summary, task.tool_started = (str(d.get("tool") or "tool"),

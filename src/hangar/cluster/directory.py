@@ -31,6 +31,7 @@ from hangar.cluster.etcd import (
     Compacted, Etcd, Event, cmp_mod, cmp_value, cmp_version, op_delete, op_put,
 )
 from hangar.cluster.records import BadRecord, NodeInfo, SandboxObject
+from hangar.core.tasks import Tasks
 from hangar.errors import Conflict, LimitExceeded
 
 log = logging.getLogger("hangar.cluster.directory")
@@ -62,7 +63,7 @@ class Directory:
         self.leader: str | None = None
         self.revision = 0
         self._listeners: list[Listener] = []
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = Tasks("directory")
         self.synced = asyncio.Event()
 
     def on_change(self, fn: Listener) -> None:
@@ -89,14 +90,10 @@ class Directory:
         self.synced.set()
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="directory watch")
+        self._tasks.start("run", self._run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self._tasks.stop()
 
     async def _run(self) -> None:
         while True:

@@ -30,7 +30,6 @@ left as it is and logged; the others are still handed on.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -39,6 +38,7 @@ from hangar.cluster.directory import Directory
 from hangar.cluster.membership import Membership
 from hangar.cluster.records import SandboxObject
 from hangar.core.lifecycle import GONE, Guard, IllegalTransition, State
+from hangar.core.tasks import Tasks, every
 from hangar.errors import Conflict
 
 log = logging.getLogger("hangar.cluster.failover")
@@ -54,30 +54,19 @@ class Failover:
         self.membership = membership
         self.after_s = after_s
         self._gone_since: dict[str, float] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = Tasks("failover")
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="failover")
+        self._tasks.start("run", every(INTERVAL_S, self._pass, log, "failover pass failed"))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self._tasks.stop()
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(INTERVAL_S)
-            if not self.membership.leader or not self.membership.writable():
-                self._gone_since.clear()
-                continue
-            try:
-                await self.tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("failover pass failed")
+    async def _pass(self) -> None:
+        if not self.membership.leader or not self.membership.writable():
+            self._gone_since.clear()
+            return
+        await self.tick()
 
     def lost_nodes(self) -> set[str]:
         """Nodes named by a record or a slot that hold no lease."""

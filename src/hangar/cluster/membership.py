@@ -42,6 +42,7 @@ from hangar.cluster import records as R
 from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, EtcdUnavailable, LeaseGone, cmp_version, op_put
 from hangar.cluster.records import NodeInfo
+from hangar.core.tasks import Tasks, every
 
 log = logging.getLogger("hangar.cluster.membership")
 
@@ -77,7 +78,7 @@ class Membership:
         self.leader = False
         self.quorum_lost = False
         """True while neither this node nor any peer can write to etcd (holding, not fenced)."""
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = Tasks("membership")
         self._last_refresh = 0.0
         self._quorum_back = 0.0
         """Monotonic time this node saw quorum return while its own renewal lagged: the
@@ -98,26 +99,12 @@ class Membership:
         log.info("node registered", extra={"node": self.name, "lease": f"{self.lease:x}"})
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="membership")
+        self._tasks.start("run", every(RENEW_S, self._step, log, "membership step failed"))
 
     async def close(self) -> None:
         """Stop renewing (the lease then expires by itself: VMMs outlive a restart)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self._tasks.stop()
         await self._http.aclose()
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(RENEW_S)
-            try:
-                await self._step()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("membership step failed")
 
     async def _step(self) -> None:
         sent = time.monotonic()

@@ -54,6 +54,7 @@ from hangar.core.hooks import Hooks
 from hangar.core.lifecycle import GONE, LIVE, IllegalTransition, State
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import SandboxRecord, SnapshotRecord
+from hangar.core.tasks import Tasks, every
 from hangar.core.views import sandbox_view
 from hangar.errors import ConfigError, Conflict, HangarError, NotFound
 from hangar.images import image_id
@@ -139,7 +140,7 @@ class ClusterNode:
         self.epochs: dict[str, int] = self._read_epochs()
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = Tasks("cluster node")
         self._discarding: set[str] = set()
         self._adopting: set[str] = set()
         self._orphans: dict[str, int] = {}
@@ -182,13 +183,11 @@ class ClusterNode:
         self.membership.start()
         self.failover = Failover(self.directory, self.membership, self.config.failover_after_s)
         self.failover.start()
-        self._tasks = [asyncio.create_task(self._pusher(), name="cluster push"),
-                       asyncio.create_task(self._auditor(), name="cluster audit")]
+        self._tasks.start("push", self._pusher())
+        self._tasks.start("audit", every(AUDIT_S, self._audit_pass, log, "cluster audit failed"))
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.stop()
         for part in (self.failover, self.membership):
             if part is not None:
                 await part.close()
@@ -310,17 +309,9 @@ class ClusterNode:
 
         await self.directory.update(sid, change, extra)
 
-    async def _auditor(self) -> None:
-        while True:
-            await asyncio.sleep(AUDIT_S)
-            if not self.writable():
-                continue
-            try:
-                await self.audit()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("cluster audit failed")
+    async def _audit_pass(self) -> None:
+        if self.writable():
+            await self.audit()
 
     async def audit(self) -> None:
         """Records naming this node that it has no local sandbox for, seen so at two audits
@@ -366,7 +357,7 @@ class ClusterNode:
             if rec is None and local.state not in (State.FAILED,):
                 return  # our own delete in flight; the removal finishes locally
             self._discarding.add(sid)
-            asyncio.get_running_loop().create_task(self._discard_task(sid))
+            self._tasks.start(f"discard {sid}", self._discard_task(sid))
 
     async def _discard_task(self, sid: str) -> None:
         try:

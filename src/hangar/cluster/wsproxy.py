@@ -20,6 +20,7 @@ from typing import Any
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
+from hangar.core.tasks import race
 from hangar.error_body import render
 
 log = logging.getLogger("hangar.cluster.ws")
@@ -83,17 +84,13 @@ async def relay(scope: dict[str, Any], receive: Any, send: Any, url: str,
         if rcvd is not None:
             close.update(code=rcvd, reason=upstream.close_reason or "")
 
-    tasks = [asyncio.create_task(client_to_node()), asyncio.create_task(node_to_client())]
+    from_node = asyncio.create_task(node_to_client())
     try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        if tasks[1] in done:
+        if from_node in await race([asyncio.create_task(client_to_node()), from_node]):
             try:
                 await send({"type": "websocket.close", "code": close["code"] if close["code"]
                             not in (1005, 1006) else 1000, "reason": close["reason"]})
             except (RuntimeError, OSError):
                 pass
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         await upstream.close()

@@ -143,23 +143,25 @@ class MachineManager:
 
         With ``wait=False`` only the desired state is set; the reconcile loop acts.
         """
-        m = self.get(user_id)
-        if wait:
-            await self.sandboxes.sleep(m.sandbox_id)
-        else:
-            self.sandboxes.want(m.sandbox_id, State.SLEEPING)
-        return self.get(user_id)
+        return await self._move(user_id, State.SLEEPING, wait)
 
     async def wake(self, user_id: str, wait: bool = True) -> Machine:
         """Restore a sleeping machine (a no-op when active). Raises NotFound, LimitExceeded.
 
         With ``wait=False`` only the desired state is set; the reconcile loop acts.
         """
-        m = self.get(user_id)
-        if wait:
-            await self.sandboxes.wake(m.sandbox_id)
+        return await self._move(user_id, State.RUNNING, wait)
+
+    async def _move(self, user_id: str, to: State, wait: bool) -> Machine:
+        """Sleep (``to`` SLEEPING) or wake (RUNNING) the machine's sandbox, or with
+        ``wait=False`` only set that desired state; returns the machine as it is then."""
+        sid = self.get(user_id).sandbox_id
+        if not wait:
+            self.sandboxes.want(sid, to)
+        elif to == State.SLEEPING:
+            await self.sandboxes.sleep(sid)
         else:
-            self.sandboxes.want(m.sandbox_id, State.RUNNING)
+            await self.sandboxes.wake(sid)
         return self.get(user_id)
 
     async def delete(self, user_id: str) -> None:

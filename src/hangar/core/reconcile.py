@@ -41,7 +41,7 @@ from hangar.core.removal import Removal
 from hangar.core.sleep import Sleeper
 from hangar.core.snapshots import Snapshots
 from hangar.core.store import SandboxRecord
-from hangar.core.tasks import Tasks
+from hangar.core.tasks import Tasks, every
 from hangar.errors import HangarError, ImageMissing
 
 log = logging.getLogger("hangar.reconcile")
@@ -82,15 +82,8 @@ class Reconciler:
         self._passes[name] = fn
 
     def start(self) -> None:
-        self._background.start("loop", self._run())
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                self.tick()
-            except Exception:  # the loop must outlive any one failure
-                log.exception("reconcile pass failed")
+        self._background.start("loop", every(self.interval_s, self.tick, log,
+                                             "reconcile pass failed"))
 
     def busy_ids(self) -> set[str]:
         """Sandboxes with a reconcile task under way."""

@@ -9,6 +9,7 @@ sessions and their sweeper, a cluster node's loops) keeps its tasks in one
     tasks.start("refill", self._fill())      # no-op while a "refill" runs
     tasks.running("refill")                  # True until it returns
     await tasks.stop()                       # on shutdown: cancel, then await each
+    tasks.start("loop", every(5.0, self.step, log, "step failed"))  # a periodic loop
 
 Rules:
 
@@ -25,8 +26,9 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 log = logging.getLogger("hangar.tasks")
@@ -101,3 +103,33 @@ class Tasks:
                 break
         log.warning("background tasks did not stop in time", extra={
             "owner": self.owner, "tasks": sorted(self.names()), "timeout_s": timeout_s})
+
+
+async def every(interval_s: float, step: Callable[[], Awaitable[object] | object],
+                logger: logging.Logger, failed: str) -> None:
+    """Call ``step`` every ``interval_s`` seconds (the first after one interval), awaiting
+    what it returns if that is awaitable, until cancelled. A step that raises is logged
+    with ``logger.exception(failed)`` and the loop goes on: one failure never ends it."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            got = step()
+            if inspect.isawaitable(got):
+                await got
+        except Exception:
+            logger.exception(failed)
+
+
+async def race(tasks: Iterable[asyncio.Task[Any]]) -> set[asyncio.Task[Any]]:
+    """Wait until the first of ``tasks`` ends (returns or raises), then cancel the others
+    and wait until every one has ended; returns the tasks that ended first (read their
+    ``result()`` or ``exception()``). If ``race`` itself is cancelled, so are they all.
+    For the halves of a relay: whichever side stops first ends both."""
+    tasks = list(tasks)
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        return done
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

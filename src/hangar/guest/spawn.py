@@ -2,8 +2,8 @@
 
 ``spawn`` starts a program with ``os.posix_spawn`` in a session of its own
 (``setsid``), stdin from /dev/null or a pipe, stdout and stderr on pipes,
-signals Python ignores (SIGPIPE, SIGXFSZ) back at their default action,
-and an empty signal mask, as ``subprocess`` would. glibc's posix_spawn is
+every signal at its default action and none blocked (``SIGDEF``), whatever
+the agent ignores or blocks itself. glibc's posix_spawn is
 a ``clone(CLONE_VM | CLONE_VFORK)``: the agent's page tables are not
 copied, and an ``execve`` error comes back as the call's own error.
 
@@ -39,8 +39,12 @@ from collections.abc import Callable, Mapping
 
 CHUNK = 1 << 16
 """Bytes read from a pipe at a time."""
-SIGDEF = (signal.SIGPIPE, signal.SIGXFSZ)
-"""Signals Python ignores in itself; a command starts with their default action."""
+SIGDEF = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP))
+"""Signals a command starts with at their default action: all of them. A child inherits
+ignored signals across ``exec`` (Python itself ignores SIGPIPE and SIGXFSZ; an agent started
+under ``nohup`` or as a background job also SIGHUP, SIGINT, SIGQUIT), and POSIX lets no
+non-interactive shell trap a signal that was ignored when it started, so a command would be
+deaf to a hang-up or an interrupt it means to handle (see ``terminal.ignored_signals``)."""
 STREAMS = ("stdout", "stderr")
 
 _home: tuple[str, int] | None = None

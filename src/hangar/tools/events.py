@@ -2,6 +2,8 @@
 
 A task publishes, in this order (each event's ``sandbox_id`` is the task's VM)::
 
+    agent.task.starting  {task_id, name, tier}         (vm and browser tiers: before the
+                                                        VM is asked for; no sandbox_id yet)
     agent.task.started   {task_id, name, tier, vcpus, memory_mib, source}
     agent.tool.started   {task_id, tool, summary}
     agent.tool.finished  {task_id, tool, duration_s, ok}      (one pair per call)

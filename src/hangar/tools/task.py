@@ -200,6 +200,10 @@ class Task:
             if self.tier == "in-process":
                 self._tools = InProcessTools(self._process_limits, self._env)
             else:
+                # Said before the VM is asked for: acquiring it (a restore, or a
+                # cold boot under emulation) can take long, and a person watching
+                # sees the task from its first moment.
+                self._emit("agent.task.starting", name=self.name, tier=self.tier)
                 self._tools = await self._acquire_vm()
         except BaseException:
             if self._own_backend and self._backend is not None:

@@ -351,6 +351,7 @@ function describe(ev) {
   const d = ev.data || {};
   switch (ev.kind) {
     case "exec.finished": return `exec finished: exit ${d.exit_code} in ${d.duration_s} s`;
+    case "agent.task.starting": return `task ${d.name || d.task_id} starting (${d.tier}): asking for its VM`;
     case "agent.task.started": return `task ${d.name || d.task_id} started (${d.tier})`;
     case "agent.task.ended": return `task ${d.name || d.task_id} ended: ${d.reason || ""}`;
     case "agent.tool.started": return `tool ${d.tool}: ${d.summary || ""}`;

@@ -168,12 +168,7 @@ class AgentClient(Connection):
 
             sender = _background(send())
             try:
-                while True:
-                    frame = await ch.get()
-                    if frame.kind == P.Kind.RESPONSE:
-                        return frame.meta
-                    if frame.kind == P.Kind.ERROR:
-                        self._raise(frame)
+                return await self._response(ch)
             finally:
                 sender.cancel()
         finally:

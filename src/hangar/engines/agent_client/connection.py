@@ -382,6 +382,16 @@ class Connection:
             code, message = "internal", "guest agent error"
         raise ERRORS.get(code, GuestError)(message[:2000], guest_code=code[:64])
 
+    async def _response(self, ch: Channel) -> dict[str, Any]:
+        """The meta of the call's RESPONSE on ``ch``; its ERROR raised (``_raise``); frames
+        before either are skipped."""
+        while True:
+            frame = await ch.get()
+            if frame.kind == P.Kind.RESPONSE:
+                return frame.meta
+            if frame.kind == P.Kind.ERROR:
+                self._raise(frame)
+
     # -- calls ---------------------------------------------------------------
 
     async def call(self, op: str, *, deadline_s: float | None = None,
@@ -395,12 +405,7 @@ class Connection:
         try:
             self._write(P.Kind.REQUEST, ch.cid, {"op": op, **meta})
             ch.expect(deadline_s if deadline_s is not None else self.deadlines.control_s)
-            while True:
-                frame = await ch.get()
-                if frame.kind == P.Kind.RESPONSE:
-                    return frame.meta
-                if frame.kind == P.Kind.ERROR:
-                    self._raise(frame)
+            return await self._response(ch)
         finally:
             ch.close()
 

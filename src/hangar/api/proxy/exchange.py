@@ -1,0 +1,97 @@
+"""What both kinds of forwarded request share: the admission check (exposure,
+key or token), the tunnel to the guest's port, and Hangar's own answers (``Refused``)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.types import Receive, Scope, Send
+
+from hangar.api.auth import authenticate
+from hangar.api.errors import render, render_error
+from hangar.api.proxy.routing import Target, header, split_cookies, split_query, token_cookie
+from hangar.core.commands import Tunnel
+from hangar.core.guestcalls import NoListener
+from hangar.core.ports import Exposure
+from hangar.core.sandboxes import SandboxManager
+from hangar.errors import HangarError, Unauthorized
+
+
+class Refused(Exception):
+    """An answer of Hangar itself instead of the guest's (status, headers, body)."""
+
+    def __init__(self, status: int, code: str, message: str, **context: Any) -> None:
+        super().__init__(message)
+        self.answer = render(status, code, message, **context)
+
+    @classmethod
+    def of(cls, exc: HangarError) -> "Refused":
+        r = cls(exc.status, exc.code, exc.message)
+        r.answer = render_error(exc)
+        return r
+
+
+class Exchange:
+    """What both kinds of forwarded request share: checks, credentials, the tunnel."""
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send, target: Target,
+                 manager: SandboxManager, state: Any) -> None:
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.target = target
+        self.m = manager
+        self.state = state
+        self.query, self.query_token = split_query(scope)
+        self.cookie, self.cookie_token = split_cookies(scope)
+        self.new_cookie: tuple[bytes, bytes] | None = None
+
+    def admit(self) -> Exposure:
+        """The exposure, once the request may use it. Raises ``Refused``."""
+        t = self.target
+        query_token, cookie_token = self.query_token, self.cookie_token
+        try:
+            exposure = self.m.ports.get(t.sandbox_id, t.port)
+        except HangarError as exc:
+            raise Refused.of(exc) from None
+        if exposure.public:
+            return exposure
+        key = header(self.scope, b"x-api-key")
+        if key:
+            client = self.scope.get("client")
+            try:
+                authenticate(self.state, key.decode("latin-1"), client[0] if client else "unknown")
+            except HangarError as exc:
+                raise Refused.of(exc) from None
+            return exposure
+        if query_token and self.m.ports.allows(exposure, query_token):
+            expires = int(query_token.partition(".")[0])
+            self.new_cookie = token_cookie(query_token, expires, t, self.scope.get("scheme", ""))
+            return exposure
+        if cookie_token and self.m.ports.allows(exposure, cookie_token):
+            return exposure
+        why = "is expired or not valid for it" if (query_token or cookie_token) else "is missing"
+        raise Refused.of(Unauthorized(
+            f"port {t.port} of sandbox {t.sandbox_id} is private and the token {why}: send "
+            f"X-API-Key, or open its signed URL (GET /sandboxes/{t.sandbox_id}/ports/{t.port} "
+            "gives one)", sandbox_id=t.sandbox_id, port=t.port))
+
+    def resource(self) -> bytes:
+        """Path and query the guest gets."""
+        return self.target.path + (b"?" + self.query if self.query else b"")
+
+    async def forward(self, use: Callable[[Tunnel], Awaitable[None]]) -> None:
+        """Admit the request, open a tunnel to the port and run ``use`` on it.
+
+        Raises ``Refused``."""
+        t = self.target
+        self.admit()
+        try:
+            async with self.m.tunnel(t.sandbox_id, t.port) as tunnel:
+                await use(tunnel)
+        except NoListener:
+            raise Refused(502, "bad_gateway", f"nothing listens on port {t.port} in sandbox "
+                          f"{t.sandbox_id}", sandbox_id=t.sandbox_id, port=t.port) from None
+        except HangarError as exc:
+            raise Refused.of(exc) from None

@@ -1,0 +1,157 @@
+"""Where a request for an exposed port goes, and what the guest's app sees of it.
+
+``route`` finds the port (path-routed ``/sandboxes/{id}/ports/{port}/...`` or
+host-routed ``{port}-{id}.<HANGAR_DOMAIN>``); ``guest_headers`` gives the
+client's headers as the guest gets them (Hangar's credentials and hop-by-hop
+headers removed, ``X-Forwarded-*`` added); ``split_query`` and ``split_cookies``
+take a port token out of the query and the ``Cookie`` header, and
+``token_cookie`` hands it back to a browser as a cookie.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+from starlette.types import Scope
+
+TOKEN_PARAM = "hangar_token"
+"""Query parameter that carries a private port's URL token."""
+COOKIE = "hangar_port_token"
+"""Cookie a browser keeps a private port's token in after a visit with ``TOKEN_PARAM``."""
+
+PATH_RE = re.compile(rb"^/sandboxes/([^/]{1,256})/ports/([0-9]{1,5})(/[^?#]*)$")
+"""Path-routed requests; an id that names no sandbox gets its 404 from the proxy."""
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
+                        b"proxy-authorization", b"proxy-connection", b"te", b"trailer",
+                        b"transfer-encoding", b"upgrade"})
+DROP_FROM_CLIENT = HOP_BY_HOP | {
+    b"x-api-key", b"expect", b"host", b"cookie", b"content-length", b"forwarded",
+    b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"x-forwarded-port",
+    b"x-forwarded-prefix",
+    # the WebSocket handshake's own headers are made anew for the guest's leg
+    b"sec-websocket-key", b"sec-websocket-version", b"sec-websocket-extensions",
+    b"sec-websocket-protocol", b"sec-websocket-accept",
+}
+
+
+def path_prefix(sandbox_id: str, port: int) -> str:
+    """The path under which a port is reached: ``/sandboxes/<id>/ports/<port>``."""
+    return f"/sandboxes/{sandbox_id}/ports/{port}"
+
+
+def host_url(scheme: str, domain: str | None, sandbox_id: str, port: int) -> str | None:
+    """``<scheme>://<port>-<id>.<domain>/``, or None without a domain."""
+    return f"{scheme}://{port}-{sandbox_id}.{domain}/" if domain else None
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a request goes: a port of a sandbox, and the path the guest's app sees."""
+
+    sandbox_id: str
+    port: int
+    path: bytes
+    """Raw (still percent-encoded) path for the guest, from ``/``."""
+    prefix: str | None
+    """``X-Forwarded-Prefix`` for path-routed requests; None when host-routed."""
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    for k, v in scope.get("headers", ()):
+        if k == name:
+            return bytes(v)
+    return None
+
+
+def _host_pattern(domain: str) -> re.Pattern[str]:
+    return re.compile(r"^([0-9]{1,5})-([a-z0-9_-]{1,64})\." + re.escape(domain.lower()) + "$")
+
+
+def route(scope: Scope, domain: str | None) -> Target | None:
+    """The exposed port a request is for, or None when it is one of the API's own."""
+    raw = scope.get("raw_path") or scope.get("path", "").encode("utf-8", "surrogateescape")
+    if domain:
+        host = (header(scope, b"host") or b"").decode("latin-1").strip().lower()
+        if ":" not in domain:
+            host = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        m = _host_pattern(domain).match(host)
+        if m is not None:
+            return Target(m.group(2), int(m.group(1)), raw or b"/", None)
+    m2 = PATH_RE.match(raw)
+    if m2 is None:
+        return None
+    sid, port = m2.group(1).decode("latin-1"), int(m2.group(2))
+    return Target(sid, port, m2.group(3), path_prefix(sid, port))
+
+
+def split_query(scope: Scope) -> tuple[bytes, str | None]:
+    """(query string without ``TOKEN_PARAM``, the token it carried)."""
+    token = None
+    kept: list[bytes] = []
+    for part in bytes(scope.get("query_string", b"")).split(b"&"):
+        if not part:
+            continue
+        name, _, value = part.partition(b"=")
+        if unquote(name.decode("latin-1")) == TOKEN_PARAM:
+            token = unquote(value.decode("latin-1"))
+        else:
+            kept.append(part)
+    return b"&".join(kept), token
+
+
+def split_cookies(scope: Scope) -> tuple[bytes | None, str | None]:
+    """(the Cookie header without ``COOKIE``, or None when empty; the token it carried)."""
+    token = None
+    kept: list[str] = []
+    for k, v in scope.get("headers", ()):
+        if k != b"cookie":
+            continue
+        for part in bytes(v).decode("latin-1").split(";"):
+            name, _, value = part.strip().partition("=")
+            if name == COOKIE:
+                token = value
+            elif part.strip():
+                kept.append(part.strip())
+    return ("; ".join(kept).encode("latin-1") if kept else None), token
+
+
+def connection_tokens(headers: Any) -> set[bytes]:
+    """Header names a ``Connection`` header lists (also hop-by-hop)."""
+    out: set[bytes] = set()
+    for k, v in headers:
+        if bytes(k).lower() == b"connection":
+            out |= {t.strip().lower() for t in bytes(v).split(b",") if t.strip()}
+    return out
+
+
+def guest_headers(scope: Scope, target: Target, cookie: bytes | None) -> list[tuple[bytes, bytes]]:
+    """The client's headers as the guest gets them (see the module docstring); no framing."""
+    drop = DROP_FROM_CLIENT | connection_tokens(scope.get("headers", ()))
+    out = [(bytes(k), bytes(v)) for k, v in scope.get("headers", ()) if k not in drop]
+    host = header(scope, b"host") or b"localhost"
+    client = scope.get("client")
+    given = str(scope.get("scheme") or "http")
+    scheme = {"ws": "http", "wss": "https"}.get(given, given)
+    out.insert(0, (b"host", host))
+    if cookie:
+        out.append((b"cookie", cookie))
+    if client:
+        out.append((b"x-forwarded-for", str(client[0]).encode()))
+    out += [(b"x-forwarded-proto", scheme.encode()), (b"x-forwarded-host", host)]
+    if target.prefix is not None:
+        out.append((b"x-forwarded-prefix", target.prefix.encode()))
+    return out
+
+
+def token_cookie(token: str, expires: int, target: Target, scheme: str) -> tuple[bytes, bytes]:
+    """``Set-Cookie`` that keeps ``token`` for the rest of a browser's visit."""
+    path = f"{target.prefix}/" if target.prefix is not None else "/"
+    max_age = max(0, math.floor(expires - time.time()))
+    secure = "; Secure" if scheme in ("https", "wss") else ""
+    return (b"set-cookie", f"{COOKIE}={token}; Path={path}; Max-Age={max_age}; HttpOnly; "
+                           f"SameSite=Lax{secure}".encode())
