@@ -4,6 +4,7 @@
 #   scripts/install.sh --no-start  install and build only
 #   scripts/install.sh --desktop   also build the desktop image (Xvfb, Chromium, x11vnc)
 #   scripts/install.sh --dev       also build the dev image (the agent tools' vm tier)
+#   scripts/install.sh --code-interpreter  also build the code-interpreter image (run_code)
 #   scripts/install.sh --ci        install, build every image, do not start (what CI runs)
 #   scripts/install.sh --service   run Hangar as the systemd service hangar.service
 #                                  (deploy/hangar.service) instead of with nohup
@@ -24,6 +25,7 @@ PORT=${HANGAR_PORT:-8080}
 START=1
 DESKTOP=0
 DEV=0
+CODEINT=0
 TEST_TOOLS=0
 SERVICE=0
 CLUSTER=0
@@ -32,7 +34,8 @@ for arg in "$@"; do
     --no-start) START=0 ;;
     --desktop) DESKTOP=1 ;;
     --dev) DEV=1 ;;
-    --ci) START=0; DESKTOP=1; DEV=1; TEST_TOOLS=1 ;;
+    --code-interpreter) CODEINT=1 ;;
+    --ci) START=0; DESKTOP=1; DEV=1; CODEINT=1; TEST_TOOLS=1 ;;
     --service) SERVICE=1 ;;
     --cluster) CLUSTER=1 ;;
     *) echo "unknown option: $arg" >&2; exit 2 ;;
@@ -110,6 +113,10 @@ fi
 if [ "$DEV" = 1 ]; then
   say "building the dev guest image (cached; the first build takes a few minutes)"
   HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build dev
+fi
+if [ "$CODEINT" = 1 ]; then
+  say "building the code-interpreter guest image (cached; the first build takes a few minutes)"
+  HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build code-interpreter
 fi
 
 if [ -d /etc/logrotate.d ]; then

@@ -115,6 +115,13 @@ class ImageMissing(Conflict):
     code = "image_missing"
 
 
+class NoInterpreter(Conflict):
+    """A code interpreter call to a sandbox that runs none (an image other than
+    ``code-interpreter``: nothing listens on its port 49999)."""
+
+    code = "no_interpreter"
+
+
 class TooLarge(HangarError):
     status, code = 413, "too_large"
 
@@ -166,7 +173,7 @@ BY_CODE: dict[str, type[HangarError]] = {
     cls.code: cls
     for cls in (
         HangarError, InvalidRequest, IdempotencyMismatch, Unauthorized, Unavailable, NotFound,
-        Gone, Conflict, Busy, ImageMissing, TooLarge, LimitExceeded, Timeout, RequestTimeout,
-        GuestError, EngineError, ImageError, ConfigError,
+        Gone, Conflict, Busy, ImageMissing, NoInterpreter, TooLarge, LimitExceeded, Timeout,
+        RequestTimeout, GuestError, EngineError, ImageError, ConfigError,
     )
 }

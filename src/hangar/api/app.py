@@ -28,7 +28,7 @@ from fastapi import Depends, FastAPI
 
 from hangar import __version__
 from hangar.api import (
-    desktop, e2b, errors, events, files, health, machines, pool, ports, processes, pty,
+    code, desktop, e2b, errors, events, files, health, machines, pool, ports, processes, pty,
     sandboxes, snapshots, tunnel, vnc, web,
 )
 from hangar.api.auth import KeyRing, Throttle, require_key
@@ -88,6 +88,7 @@ def create_app(settings: Settings | None = None, *, keys: KeyRing | None = None,
     app.include_router(pool.router, dependencies=keyed)
     app.include_router(events.router, dependencies=keyed)
     app.include_router(ports.router, dependencies=keyed)
+    app.include_router(code.router, dependencies=keyed)
     # E2B's control plane under /e2b (docs/e2b.md): E2B's error shape, not in our spec
     app.include_router(e2b.public)
     app.include_router(e2b.router, dependencies=keyed)

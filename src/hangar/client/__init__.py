@@ -36,6 +36,9 @@ from hangar.client._sync.monitor import HealthMonitor
 from hangar.client._sync.objects import Desktop, Files, Machine, Sandbox
 from hangar.client._sync.processes import Processes
 from hangar.client._sync.streams import FileWatch, Terminal
+from hangar.client.execution import (
+    CodeContext, Execution, ExecutionError, Logs, OutputMessage, Result,
+)
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, FileEvent, Health,
     KeyResult, MachineInfo, PoolStatus, PortInfo, ProcessEvent, ProcessInfo, PtySession,
@@ -47,6 +50,7 @@ __all__ = [
     "AsyncFiles", "Desktop", "AsyncDesktop", "HealthMonitor", "AsyncHealthMonitor",
     "Terminal", "AsyncTerminal", "FileWatch", "AsyncFileWatch", "Processes", "AsyncProcesses",
     "RetryPolicy", "Timeouts",
+    "CodeContext", "Execution", "ExecutionError", "Logs", "OutputMessage", "Result",
     "ActionResult", "DisplayInfo", "Event", "ExecResult", "ExecStreamEvent", "FileEntry",
     "FileEvent", "Health", "KeyResult", "MachineInfo", "PoolStatus", "PortInfo",
     "ProcessEvent", "ProcessInfo", "PtySession",

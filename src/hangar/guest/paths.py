@@ -39,6 +39,9 @@ name                  path                               written by, holds
 ``HOME``              /root                              the image: commands' HOME and default
                                                          cwd; relative paths start here
 ====================  =================================  ==========================================
+
+``CODE_INTERPRETER_SERVER`` (/usr/local/lib/hangar/code_interpreter.py): the
+``code-interpreter`` recipe's server on port 49999 (``hangar.images.recipes``).
 """
 
 RUN_DIR = "/run/hangar"
@@ -59,5 +62,8 @@ PYTHON_DIR = "/usr/lib/hangar/python"
 RUNTIME_DIR = "/usr/lib/hangar/runtime"
 RUNTIME_BIN = RUNTIME_DIR + "/bin"
 RUNTIME_PYTHON = RUNTIME_BIN + "/python3"
+
+CODE_INTERPRETER_SERVER = "/usr/local/lib/hangar/code_interpreter.py"
+"""The code-interpreter image's server (``hangar/images/files/code_interpreter.py``)."""
 
 HOME = "/root"

@@ -389,8 +389,14 @@ def _ensure_initrd(d: Path, manifest: dict[str, Any],
         name=manifest["name"], digest=manifest["digest"], dir=d, kernel=paths.kernel,
         initrd=initrd, rootfs=paths.rootfs, kernel_version=kver,
         recipe_digest=_recipe_digest(manifest), vmlinux=vmlinux.recorded(paths, manifest),
-        template=manifest.get("template"),
+        template=manifest.get("template") or _recipe_runtime(manifest),
     )
+
+
+def _recipe_runtime(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """A recipe build's start command and ready check (``Recipe.runtime``), if it has one."""
+    recipe = RECIPES.get(manifest["name"])
+    return recipe.runtime() if recipe is not None else None
 
 
 def _prune_initrds(paths: ImagePaths, keep: Path) -> None:

@@ -23,6 +23,20 @@ git, Node.js with npm and yarn (Debian's ``yarnpkg``, also as ``yarn``),
 Python 3 with venv and pip, ripgrep and the C build tools; 2 vCPUs and
 2048 MiB by default.
 
+``code-interpreter`` is the image of ``run_code`` (``hangar.core.interpreter``)
+and of E2B's ``code-interpreter-v1``: Debian's ipykernel, jupyter_client,
+numpy, pandas and matplotlib (installed with apt-get: numpy's ABI is a
+virtual package), and a server (``files/code_interpreter.py``) that speaks
+E2B's code interpreter protocol on port 49999. Its ``start`` command runs
+the server, which starts the default kernel and imports numpy, pandas and
+matplotlib before it opens the port, so the ``ready_port`` check passes only
+with a warm kernel and the booted template snapshot
+(``hangar.core.templates``) holds one. A warm guest uses about 330 MiB;
+the default is 1024 MiB for the user's data and figures.
+
+A recipe's ``start``, ``ready_port`` and ``ready_timeout_s`` shape a template's
+start command and ready check (``Recipe.runtime``, what ``GuestImage.template``
+holds for its builds); like the default size they leave the digest alone.
 A recipe's ``default_vcpus`` and ``default_memory_mib`` are not part of the
 image (they leave the digest alone): ``hangar.core.sandboxes`` gives them to
 a sandbox of that image whose create names no size. ``files`` are written
@@ -36,8 +50,11 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from hangar.errors import NotFound
+from hangar.guest import paths
 
 BUILDER_VERSION = 2
 """Bump when the builder makes a different rootfs or kernel from the same recipe."""
@@ -74,11 +91,30 @@ class Recipe:
     """vCPUs of a sandbox of this image whose create names none (None: the server's)."""
     default_memory_mib: int | None = None
     """Guest memory (MiB) of a sandbox of this image whose create names none."""
+    start: str | None = None
+    """A command started in the background when a sandbox of it boots, as a template's
+    ``start`` (``hangar.core.startup``); not part of the image."""
+    ready_port: int | None = None
+    """The create answers once this guest port accepts (a template's ``[ready] port``)."""
+    ready_timeout_s: float = 60.0
+
+    def runtime(self) -> dict[str, Any] | None:
+        """What its sandboxes need at create, shaped as a template's
+        (``hangar.images.template_file.Template.runtime``), or None without a start
+        command or ready check."""
+        if self.start is None and self.ready_port is None:
+            return None
+        ready = None if self.ready_port is None else {
+            "port": self.ready_port, "command": None, "timeout_s": self.ready_timeout_s,
+            "interval_s": 0.5}
+        return {"start": self.start, "workdir": None, "ready": ready, "env": {},
+                "vcpus": self.default_vcpus, "memory_mib": self.default_memory_mib}
 
     def digest(self) -> str:
         """12 hex digits of sha256 over the build-relevant fields and ``BUILDER_VERSION``."""
         fields = dataclasses.asdict(self)
-        for name in ("description", "default_vcpus", "default_memory_mib"):
+        for name in ("description", "default_vcpus", "default_memory_mib", "start",
+                     "ready_port", "ready_timeout_s"):
             fields.pop(name)
         for name in ("files", "apt_packages"):  # absent when empty: old digests stay valid
             if not fields[name]:
@@ -189,7 +225,40 @@ DEV = Recipe(
     default_memory_mib=2048,
 )
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (BASE, DESKTOP, DEV)}
+CODE_INTERPRETER_PORT = 49999
+"""The guest port of the code interpreter's server (E2B's)."""
+FILES = Path(__file__).resolve().parent / "files"
+
+CODE_INTERPRETER = Recipe(
+    name="code-interpreter",
+    description="base plus a stateful Python code interpreter: ipykernel, jupyter_client, "
+                "numpy, pandas and matplotlib, served on port 49999 in E2B's protocol.",
+    packages=BASE.packages + ("ripgrep",),     # search_code of the agent tools
+    apt_packages=(                      # apt-get: numpy's ABI is a virtual package
+        "python3-ipykernel",
+        "python3-jupyter-client",
+        "python3-numpy",
+        "python3-pandas",
+        "python3-matplotlib",
+        "python3-matplotlib-inline",    # the kernel's inline backend: figures as PNG
+        "fonts-dejavu-core",            # matplotlib's default font
+    ),
+    files=(
+        RecipeFile(paths.CODE_INTERPRETER_SERVER,
+                   (FILES / "code_interpreter.py").read_text(), 0o755),
+        RecipeFile("/etc/ipython/ipython_kernel_config.py",
+                   "# Hangar: figures keep their size (figsize x dpi), tracebacks no colours.\n"
+                   "c.InlineBackend.print_figure_kwargs = {'bbox_inches': None}\n"
+                   "c.InteractiveShell.colors = 'NoColor'\n"),
+    ),
+    start=f"exec /usr/bin/python3 {paths.CODE_INTERPRETER_SERVER} "
+          f"--port {CODE_INTERPRETER_PORT} --cwd {paths.HOME}",
+    ready_port=CODE_INTERPRETER_PORT,
+    ready_timeout_s=600.0,                # a cold boot under TCG on a busy host: minutes
+    default_memory_mib=1024,
+)
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (BASE, DESKTOP, DEV, CODE_INTERPRETER)}
 
 
 def get_recipe(name: str) -> Recipe:

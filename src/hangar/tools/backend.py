@@ -13,7 +13,7 @@ import base64
 from dataclasses import dataclass
 from typing import Any
 
-from hangar.client import AsyncHangar, ExecResult
+from hangar.client import AsyncHangar, ExecResult, Execution
 from hangar.errors import Conflict, NotFound
 
 
@@ -131,6 +131,12 @@ class Backend:
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         return await self._client.read_file(sandbox_id, path)
+
+    async def run_code(self, sandbox_id: str, code: str, *,
+                       timeout_s: float | None = None) -> Execution:
+        """Run a cell in the sandbox's code interpreter (its default context). Raises
+        ``NoInterpreter`` (409) for a sandbox of an image without one."""
+        return await self._client.run_code(sandbox_id, code, timeout=timeout_s)
 
     async def screenshot(self, sandbox_id: str) -> bytes:
         """The sandbox's screen as PNG bytes."""

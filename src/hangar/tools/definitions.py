@@ -3,7 +3,7 @@
 Tiers nest, ``in-process`` ⊂ ``vm`` ⊂ ``browser``::
 
     in-process   run_command, read_file, write_file            (bubblewrap on the host)
-    vm           + search_code                                 (a microVM of the dev image)
+    vm           + search_code, run_code                       (a microVM of the dev image)
     browser      + browser_navigate, browser_interact,         (a microVM of the desktop
                    browser_screenshot                            image, Chromium over CDP)
 
@@ -99,6 +99,19 @@ SEARCH_CODE = ToolSpec(
          max_results={"type": "integer", "minimum": 1, "maximum": 1000,
                       "description": "Matches returned (default 100)."}),
 )
+RUN_CODE = ToolSpec(
+    "run_code",
+    "Run Python in a stateful Jupyter kernel, like a notebook cell: variables, imports and "
+    "functions persist from one call to the next. Returns what the code printed, the value of "
+    "its last expression, charts (matplotlib figures as PNG) and any error with its "
+    "traceback. numpy, pandas and matplotlib are installed. Needs a task whose image is "
+    "code-interpreter.",
+    _obj(["code"],
+         code={"type": "string", "minLength": 1, "maxLength": 1 << 20,
+               "description": "Python code, like a notebook cell."},
+         timeout_s={"type": "number", "minimum": 1, "maximum": MAX_COMMAND_TIMEOUT_S,
+                    "description": "Seconds before the cell is interrupted (default 60)."}),
+)
 BROWSER_NAVIGATE = ToolSpec(
     "browser_navigate",
     "Open a URL in the browser and return the final URL (after redirects), the HTTP status, "
@@ -138,12 +151,12 @@ BROWSER_SCREENSHOT = ToolSpec(
 )
 
 TOOLS: dict[str, ToolSpec] = {t.name: t for t in (
-    RUN_COMMAND, READ_FILE, WRITE_FILE, SEARCH_CODE,
+    RUN_COMMAND, READ_FILE, WRITE_FILE, SEARCH_CODE, RUN_CODE,
     BROWSER_NAVIGATE, BROWSER_INTERACT, BROWSER_SCREENSHOT)}
 """Every tool by name."""
 
 _IN_PROCESS = ("run_command", "read_file", "write_file")
-_VM = _IN_PROCESS + ("search_code",)
+_VM = _IN_PROCESS + ("search_code", "run_code")
 _BROWSER = _VM + ("browser_navigate", "browser_interact", "browser_screenshot")
 TIER_TOOLS: dict[Tier, tuple[str, ...]] = {"in-process": _IN_PROCESS, "vm": _VM,
                                            "browser": _BROWSER}

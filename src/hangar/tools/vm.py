@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from hangar.tools.backend import Backend, SandboxInfo
+from hangar.tools.code import run_code
 from hangar.tools.definitions import MAX_OUTPUT_BYTES, WORK_DIR
 from hangar.tools.format import command_result, resolve
 from hangar.tools.results import ToolResult, cap_text
@@ -106,7 +107,7 @@ class VmTools(ToolSet):
                           data={"matches": matches, "total": total, "left_out": left_out})
 
     HANDLERS = {"run_command": run_command, "read_file": read_file, "write_file": write_file,
-                "search_code": search_code}
+                "search_code": search_code, "run_code": run_code}
 
 
 def parse_rg_json(head: bytes, tail: bytes, keep: int) -> tuple[list[dict[str, Any]], int]:

@@ -12,7 +12,9 @@ only, ``request_timeout`` (seconds; see ``Timeouts`` for the defaults) and
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Mapping, Sequence
+import inspect
+import json as jsonlib
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import httpx
@@ -23,6 +25,7 @@ from hangar.client._async._compat import sleep
 from hangar.client._async.processes import AsyncProcessCalls
 from hangar.client._async.streams import AsyncFileWatch, AsyncTerminal
 from hangar.client._core import RetryPolicy, Timeouts
+from hangar.client.execution import CodeContext, Execution, apply_line
 from hangar.errors import HangarError, Unavailable
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, FileList, Health,
@@ -30,6 +33,8 @@ from hangar.schemas import (
     PtyTicket, SandboxInfo, SandboxList, Snapshot, SnapshotList, VncTicket, WriteResult,
 )
 
+OutputHandler = Callable[[Any], Any]
+"""A ``run_code`` callback: given an ``OutputMessage``, ``Result`` or ``ExecutionError``."""
 Button = Literal["left", "middle", "right"]
 Direction = Literal["up", "down", "left", "right"]
 
@@ -583,6 +588,88 @@ class AsyncHangar(AsyncProcessCalls):
         await self._send("DELETE", f"/sandboxes/{sandbox_id}/ports/{port}", timeout=t,
                          retry=retry is not False)
 
+    # -- code interpreter (a ``code-interpreter`` sandbox) ---------------------------------
+
+    async def run_code(self, sandbox_id: str, code: str, *, context: CodeContext | str | None = None,
+                       language: str | None = None, envs: Mapping[str, str] | None = None,
+                       timeout: float | None = None, on_stdout: OutputHandler | None = None,
+                       on_stderr: OutputHandler | None = None,
+                       on_result: OutputHandler | None = None,
+                       on_error: OutputHandler | None = None,
+                       request_timeout: float | None = None) -> Execution:
+        """``POST /sandboxes/{id}/code/execute``: run a cell in the code interpreter.
+
+        ``context`` (a ``CodeContext`` or its id; None: the default Python
+        context, whose variables persist between calls); ``envs`` hold for
+        this cell only; ``timeout`` (seconds, None: none) ends a cell that
+        runs longer (its ``error`` is then named ``TimeoutError``). The
+        callbacks get each ``OutputMessage``, ``Result`` or ``ExecutionError``
+        as it arrives (plain functions, or coroutines in the asyncio client).
+        Returns the ``Execution``; an exception in the cell is its ``error``,
+        not raised. Raises ``Conflict`` (409 ``no_interpreter``) for a sandbox of
+        another image, ``NotFound`` for an unknown context. Never retried.
+        """
+        body = _core.drop_none(code=code, context_id=_context_id(context), language=language,
+                               env_vars=dict(envs) if envs else None, timeout=timeout)
+        t = self._t(request_timeout, self.config.timeouts.exec(timeout))
+        resp = await self._send("POST", f"/sandboxes/{sandbox_id}/code/execute", json=body,
+                                timeout=t, retry=False, stream=True)
+        execution = Execution()
+        handlers = {"stdout": on_stdout, "stderr": on_stderr, "result": on_result,
+                    "error": on_error}
+        try:
+            async for line in resp.aiter_lines():
+                if not line.strip():
+                    continue
+                got = apply_line(execution, jsonlib.loads(line))
+                if got is None or handlers[got[0]] is None:
+                    continue
+                handler = handlers[got[0]]
+                if handler is not None:
+                    maybe = handler(got[1])
+                    if inspect.isawaitable(maybe):
+                        await maybe
+        except httpx.TransportError as exc:
+            raise _core.transport_error(self.base_url, exc, t) from None
+        finally:
+            await resp.aclose()
+        return execution
+
+    async def create_code_context(self, sandbox_id: str, *, cwd: str | None = None,
+                                  language: str | None = None,
+                                  request_timeout: float | None = None) -> CodeContext:
+        """``POST /sandboxes/{id}/code/contexts``: a new context (a kernel of its own, in
+        ``cwd``, default /root). Raises ``LimitExceeded`` past the server's 16 contexts."""
+        t = self._t(request_timeout, self.config.timeouts.lifecycle)
+        data = await self._json("POST", f"/sandboxes/{sandbox_id}/code/contexts",
+                                json=_core.drop_none(cwd=cwd, language=language), timeout=t,
+                                retry=False)
+        return CodeContext(**data)
+
+    async def list_code_contexts(self, sandbox_id: str, *, request_timeout: float | None = None,
+                                 retry: bool | None = None) -> builtins.list[CodeContext]:
+        """``GET /sandboxes/{id}/code/contexts``: every context, the default one included."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        data = await self._json("GET", f"/sandboxes/{sandbox_id}/code/contexts", timeout=t,
+                                retry=retry is not False)
+        return [CodeContext(**c) for c in data]
+
+    async def restart_code_context(self, sandbox_id: str, context: CodeContext | str, *,
+                                   request_timeout: float | None = None) -> None:
+        """``POST /sandboxes/{id}/code/contexts/{cid}/restart``: a fresh kernel; its
+        variables are gone."""
+        t = self._t(request_timeout, self.config.timeouts.lifecycle)
+        await self._send("POST", f"/sandboxes/{sandbox_id}/code/contexts/"
+                                 f"{_context_id(context)}/restart", timeout=t, retry=False)
+
+    async def remove_code_context(self, sandbox_id: str, context: CodeContext | str, *,
+                                  request_timeout: float | None = None,
+                                  retry: bool | None = None) -> None:
+        """``DELETE /sandboxes/{id}/code/contexts/{cid}``: shut its kernel down."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        await self._send("DELETE", f"/sandboxes/{sandbox_id}/code/contexts/"
+                                   f"{_context_id(context)}", timeout=t, retry=bool(retry))
+
     async def _desktop(self, sandbox_id: str, action: str, request_timeout: float | None,
                        retry: bool | None, **body: Any) -> Any:
         t = self._t(request_timeout, self.config.timeouts.screenshot)
@@ -758,3 +845,7 @@ class AsyncHangar(AsyncProcessCalls):
             failures += 1
             _core.log.warning("event stream: reconnecting in %g s: %s", delay, error.message)
             await sleep(delay)
+
+
+def _context_id(context: CodeContext | str | None) -> str | None:
+    return context.id if isinstance(context, CodeContext) else context

@@ -19,9 +19,10 @@ import builtins
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from hangar.client._sync.client import Hangar, Button, Direction
+from hangar.client._sync.client import Hangar, Button, Direction, OutputHandler
 from hangar.client._sync.processes import Processes
 from hangar.client._sync.streams import FileWatch, Terminal
+from hangar.client.execution import CodeContext, Execution
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, KeyResult,
     MachineInfo, PortInfo, SandboxInfo, Snapshot, VncTicket, WriteResult,
@@ -237,6 +238,36 @@ class Sandbox:
     def close_port(self, port: int) -> None:
         """Stop exposing ``port``; its URLs answer 404."""
         self.client.close_port(self.id, port)
+
+    def run_code(self, code: str, context: CodeContext | str | None = None, *,
+                       language: str | None = None, envs: Mapping[str, str] | None = None,
+                       timeout: float | None = None, on_stdout: OutputHandler | None = None,
+                       on_stderr: OutputHandler | None = None,
+                       on_result: OutputHandler | None = None,
+                       on_error: OutputHandler | None = None) -> Execution:
+        """Run Python in the code interpreter of a ``code-interpreter`` sandbox; variables
+        persist in a context between calls. See ``AsyncHangar.run_code``."""
+        return self.client.run_code(self.id, code, context=context, language=language,
+                                          envs=envs, timeout=timeout, on_stdout=on_stdout,
+                                          on_stderr=on_stderr, on_result=on_result,
+                                          on_error=on_error)
+
+    def create_code_context(self, cwd: str | None = None,
+                                  language: str | None = None) -> CodeContext:
+        """A new code context (a kernel with its own variables)."""
+        return self.client.create_code_context(self.id, cwd=cwd, language=language)
+
+    def list_code_contexts(self) -> builtins.list[CodeContext]:
+        """Every code context, the default one included."""
+        return self.client.list_code_contexts(self.id)
+
+    def restart_code_context(self, context: CodeContext | str) -> None:
+        """Restart a context's kernel (its variables are lost)."""
+        self.client.restart_code_context(self.id, context)
+
+    def remove_code_context(self, context: CodeContext | str) -> None:
+        """Remove a context (its kernel is shut down)."""
+        self.client.remove_code_context(self.id, context)
 
     def set_timeout(self, timeout: float) -> SandboxInfo:
         """Expire ``timeout`` seconds from now (0: never)."""

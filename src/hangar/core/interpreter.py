@@ -1,0 +1,185 @@
+"""The code interpreter: calls to the server of a ``code-interpreter`` sandbox (port 49999).
+
+The server runs in the guest (``hangar/images/files/code_interpreter.py``,
+started by the recipe's start command) and speaks E2B's code interpreter
+protocol. This module carries one HTTP/1.1 request to it over the agent's
+tunnel (``SandboxManager.tunnel``: no guest NIC, no exposed port) and hands
+its answer back: ``execute`` streams the server's NDJSON lines as they come
+(``stdout``, ``stderr``, ``result``, ``error``, ``number_of_executions``,
+``end_of_execution``; see the server's docstring), the context calls give
+its JSON. The sandbox counts as busy while a call runs.
+
+Errors: ``NoInterpreter`` (409) when nothing listens on the port (a sandbox
+of another image); the server's refusals keep their status (400
+``InvalidRequest``, 404 ``NotFound``, 413 ``TooLarge``, 429
+``LimitExceeded``); a broken answer is ``GuestError`` (502). A cell that
+outlasts its ``timeout`` ends the stream with an ``error`` line named
+``TimeoutError``; closing the connection makes the server interrupt the
+kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any
+
+from hangar.core.guestcalls import NoListener
+from hangar.engines.agent_client import Tunnel
+from hangar.errors import (GuestError, HangarError, InvalidRequest, LimitExceeded, NoInterpreter,
+                           NotFound, TooLarge)
+
+if TYPE_CHECKING:
+    from hangar.core.sandboxes import SandboxManager
+
+PORT = 49999
+"""The server's guest port (``hangar.images.recipes.CODE_INTERPRETER_PORT``)."""
+IMAGE = "code-interpreter"
+MAX_CODE_CHARS = 1 << 20
+"""Longest cell, characters (the server takes bodies up to 4 MiB)."""
+MAX_HEAD_BYTES = 64 << 10
+MAX_JSON_BYTES = 4 << 20
+"""Largest JSON answer of a context call, bytes."""
+MAX_LINE_BYTES = 64 << 20
+"""Longest NDJSON line of ``execute`` (a result with a large image), bytes."""
+REQUEST_S = 300.0
+"""Longest a context call (a kernel start or restart under emulation) may take, seconds."""
+
+
+async def _request(m: SandboxManager, stack: AsyncExitStack, sandbox_id: str, method: str,
+                   path: str, body: Any = None) -> tuple[int, bytes, Tunnel]:
+    """Send one request; returns (status, body bytes already read, the tunnel)."""
+    try:
+        tunnel = await stack.enter_async_context(m.tunnel(sandbox_id, PORT))
+    except NoListener:
+        raise NoInterpreter(f"sandbox {sandbox_id} runs no code interpreter (nothing listens "
+                            f"on port {PORT}); create it from the {IMAGE!r} image",
+                            sandbox_id=sandbox_id, image=IMAGE) from None
+    data = b"" if body is None else json.dumps(body).encode()
+    head = (f"{method} {path} HTTP/1.1\r\nHost: localhost:{PORT}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+            "Connection: close\r\n\r\n").encode()
+    await tunnel.write(head + data)
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = await tunnel.read()
+        if not chunk:
+            raise GuestError(f"the code interpreter of sandbox {sandbox_id} closed without "
+                             "answering", sandbox_id=sandbox_id)
+        buf += chunk
+        if len(buf) > MAX_HEAD_BYTES:
+            raise GuestError("the code interpreter's answer has an oversized head",
+                             sandbox_id=sandbox_id)
+    head_raw, _, rest = buf.partition(b"\r\n\r\n")
+    try:
+        status = int(head_raw.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        raise GuestError(f"the code interpreter answered {head_raw[:80]!r}",
+                         sandbox_id=sandbox_id) from None
+    return status, rest, tunnel
+
+
+def _refusal(status: int, raw: bytes, sandbox_id: str) -> HangarError:
+    try:
+        message = str(json.loads(raw)["error"])
+    except (ValueError, KeyError, TypeError):
+        message = raw[:300].decode("utf-8", "replace") or f"status {status}"
+    kinds = {400: InvalidRequest, 404: NotFound, 413: TooLarge}
+    if status == 429:
+        return LimitExceeded(message, sandbox_id=sandbox_id)
+    return kinds.get(status, GuestError)(f"code interpreter: {message}", sandbox_id=sandbox_id)
+
+
+async def _read_all(tunnel: Tunnel, rest: bytes, sandbox_id: str) -> bytes:
+    buf = rest
+    while chunk := await tunnel.read():
+        buf += chunk
+        if len(buf) > MAX_JSON_BYTES:
+            raise GuestError("the code interpreter's answer is too large", sandbox_id=sandbox_id)
+    return buf
+
+
+async def call(m: SandboxManager, sandbox_id: str, method: str, path: str,
+               body: Any = None) -> Any:
+    """One context call (``/contexts...``); returns its JSON (None for an empty answer).
+
+    Raises NoInterpreter, InvalidRequest, NotFound, LimitExceeded, GuestError (see the
+    module docstring) and the errors of ``SandboxManager.tunnel``.
+    """
+    async with AsyncExitStack() as stack:
+        async with asyncio.timeout(REQUEST_S):
+            status, rest, tunnel = await _request(m, stack, sandbox_id, method, path, body)
+            raw = await _read_all(tunnel, rest, sandbox_id)
+    if status >= 300:
+        raise _refusal(status, raw, sandbox_id)
+    return json.loads(raw) if raw.strip() else None
+
+
+async def execute(m: SandboxManager, sandbox_id: str, code: str, *,
+                  context_id: str | None = None, language: str | None = None,
+                  env_vars: dict[str, str] | None = None,
+                  timeout: float | None = None) -> AsyncIterator[bytes]:
+    """Run ``code``; returns an iterator of the server's NDJSON lines (each ends in ``\\n``).
+
+    The request is sent, and its status checked, before this returns, so a refusal
+    raises here (NoInterpreter, NotFound for an unknown context, InvalidRequest,
+    LimitExceeded, GuestError). ``timeout`` (seconds, None: none) bounds the cell: past
+    it the stream ends with an ``error`` line named ``TimeoutError``.
+    """
+    if len(code) > MAX_CODE_CHARS:
+        raise TooLarge(f"code is over {MAX_CODE_CHARS} characters", sandbox_id=sandbox_id)
+    stack = AsyncExitStack()
+    try:
+        status, rest, tunnel = await _request(m, stack, sandbox_id, "POST", "/execute", {
+            "code": code, "context_id": context_id, "language": language,
+            "env_vars": env_vars or None})
+        if status >= 300:
+            raise _refusal(status, await _read_all(tunnel, rest, sandbox_id), sandbox_id)
+    except BaseException:
+        await stack.aclose()
+        raise
+    return _lines(stack, tunnel, rest, sandbox_id, timeout)
+
+
+def _line(kind: str, **fields: Any) -> bytes:
+    return (json.dumps({"type": kind, **fields}) + "\n").encode()
+
+
+async def _lines(stack: AsyncExitStack, tunnel: Tunnel, buf: bytes, sandbox_id: str,
+                 timeout: float | None) -> AsyncIterator[bytes]:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    ended = False
+    try:
+        while True:
+            while b"\n" in buf:
+                line, _, buf = buf.partition(b"\n")
+                if line.strip():
+                    ended = ended or b'"end_of_execution"' in line
+                    yield line + b"\n"
+            if len(buf) > MAX_LINE_BYTES:
+                yield _line("error", name="OutputTooLarge", traceback="",
+                            value=f"one output is over {MAX_LINE_BYTES} bytes")
+                return
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                async with asyncio.timeout(left):
+                    chunk = await tunnel.read()
+            except TimeoutError:
+                yield _line("error", name="TimeoutError", traceback="",
+                            value=f"the cell ran over its timeout of {timeout:g} s; "
+                                  "the kernel was interrupted")
+                return
+            if not chunk:
+                if not ended:
+                    yield _line("error", name="InterpreterGone", traceback="",
+                                value="the code interpreter closed the stream before the "
+                                      "cell ended")
+                return
+            buf += chunk
+    except HangarError as exc:
+        yield _line("error", name=exc.code, value=exc.message, traceback="")
+    finally:
+        await stack.aclose()

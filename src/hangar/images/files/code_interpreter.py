@@ -1,0 +1,421 @@
+"""The code interpreter's server, run inside a ``code-interpreter`` guest (not on the host).
+
+Written into the image by the ``code-interpreter`` recipe
+(``hangar.images.recipes``) and started by its start command; it needs the
+image's Debian packages (jupyter_client, ipykernel), never Hangar's modules.
+It speaks the protocol of E2B's code interpreter on one TCP port (49999):
+
+``POST /execute``  ``{"code", "context_id"?, "language"?, "env_vars"?}``: runs the
+                   code in a context's kernel and streams newline-delimited JSON
+                   objects as the kernel produces them, each with a ``type``:
+                   ``stdout``/``stderr`` (``text``, ``timestamp`` in ns),
+                   ``result`` (one key per format: ``text``, ``html``, ``markdown``,
+                   ``svg``, ``png``, ``jpeg`` (base64), ``pdf``, ``latex``, ``json``,
+                   ``javascript``, other MIME types under ``extra``; plus
+                   ``is_main_result``: true for the cell's value, false for
+                   ``display`` calls such as a matplotlib figure),
+                   ``error`` (``name``, ``value``, ``traceback``),
+                   ``number_of_executions`` (``execution_count``) and last
+                   ``end_of_execution``. Without ``context_id`` the default
+                   context runs it. ``env_vars`` hold for this run only.
+``POST /contexts``  ``{"language"?, "cwd"?}``: a new kernel; answers ``{"id",
+                   "language", "cwd"}``.
+``GET /contexts``  every context. ``POST /contexts/{id}/restart`` restarts its kernel
+                   (its variables go); ``DELETE /contexts/{id}`` shuts it down.
+``GET /health``    ``{"status": "ok"}``.
+
+Each context is one ipykernel under a ``jupyter_client.KernelManager``; its
+iopub messages are mapped to the lines above. One cell runs at a time in a
+context (the next waits). The default context's kernel is started, and
+``WARMUP`` run in it, before the port is bound: a port that accepts means a
+kernel ready to run code, which is what the image's ready check waits for
+(so a snapshot taken then holds a warm kernel). A client that goes away
+mid-cell interrupts the kernel. Bounds: ``MAX_BODY_BYTES`` per request,
+``MAX_CONTEXTS`` kernels, ``MAX_REQUESTS`` requests at once (429 beyond);
+output is forwarded message by message, never accumulated. Errors answer
+``{"error": message}`` with 400, 404, 413 or 429. Python only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import select
+import socket
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from jupyter_client.manager import KernelManager
+
+PORT = 49999
+MAX_BODY_BYTES = 4 << 20
+"""Largest request body (code plus env vars), bytes."""
+MAX_CONTEXTS = 16
+MAX_REQUESTS = 32
+MAX_ENV_VARS = 256
+KERNEL_START_S = 120.0
+WARMUP = "import numpy, pandas, matplotlib.pyplot"
+"""Run in the default context before the port opens: the imports most cells need."""
+FORMATS = {
+    "text/plain": "text", "text/html": "html", "text/markdown": "markdown",
+    "image/svg+xml": "svg", "image/png": "png", "image/jpeg": "jpeg",
+    "application/pdf": "pdf", "text/latex": "latex", "application/json": "json",
+    "application/javascript": "javascript",
+}
+"""MIME type → the result's key; other types go under ``extra``."""
+LANGUAGES = ("python", "python3")
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Gone(Exception):
+    """The client closed its connection mid-cell."""
+
+
+class KernelContext:
+    """One kernel: its manager, a blocking client, and the lock that runs one cell at a time."""
+
+    def __init__(self, cwd: str, default: bool = False) -> None:
+        self.id = uuid.uuid4().hex
+        self.cwd = cwd
+        self.default = default
+        self.lock = threading.Lock()
+        env = dict(os.environ, MPLBACKEND="module://matplotlib_inline.backend_inline",
+                   PYTHONUNBUFFERED="1", PYDEVD_DISABLE_FILE_VALIDATION="1")
+        env.pop("PYTHONPATH", None)  # Hangar's guest modules are no business of the kernel
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(cwd=cwd, env=env,
+                             extra_arguments=["--InteractiveShell.colors=NoColor"])
+        self.kc = self.km.blocking_client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=KERNEL_START_S)
+
+    def view(self) -> dict[str, str]:
+        return {"id": self.id, "language": "python", "cwd": self.cwd}
+
+    def restart(self) -> None:
+        with self.lock:
+            self.kc.stop_channels()
+            self.km.restart_kernel(now=True)
+            self.kc = self.km.blocking_client()
+            self.kc.start_channels()
+            self.kc.wait_for_ready(timeout=KERNEL_START_S)
+
+    def shutdown(self) -> None:
+        with self.lock:
+            self.kc.stop_channels()
+            self.km.shutdown_kernel(now=True)
+
+    def silent(self, code: str) -> None:
+        """Run ``code`` with no output, history or count, waiting for the kernel to idle."""
+        msg_id = self.kc.execute(code, silent=True, store_history=False)
+        self._drain(msg_id)
+
+    def _drain(self, msg_id: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=1)
+            except queue.Empty:
+                continue
+            if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                    and msg["content"].get("execution_state") == "idle"):
+                break
+        self._reply(msg_id)
+
+    def _reply(self, msg_id: str) -> None:
+        """Consume the shell reply of ``msg_id`` (replies would pile up otherwise)."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                msg = self.kc.get_shell_msg(timeout=1)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") == msg_id:
+                return
+
+    def run(self, code: str, env: dict[str, str], emit: Any, gone: Any) -> None:
+        """Run one cell, calling ``emit(line_dict)`` for each output as it comes;
+        ``gone()`` tells whether the client left (the kernel is then interrupted)."""
+        with self.lock:
+            if env:
+                self.silent("import os as _hangar_os\n"
+                            f"_hangar_saved = {{k: _hangar_os.environ.get(k) for k in {list(env)!r}}}\n"
+                            f"_hangar_os.environ.update({env!r})\n")
+            try:
+                self._run(code, emit, gone)
+            finally:
+                if env:
+                    self.silent("for _k, _v in _hangar_saved.items():\n"
+                                "    if _v is None: _hangar_os.environ.pop(_k, None)\n"
+                                "    else: _hangar_os.environ[_k] = _v\n"
+                                "del _hangar_saved, _k, _v\n")
+
+    def _run(self, code: str, emit: Any, gone: Any) -> None:
+        msg_id = self.kc.execute(code, store_history=True, allow_stdin=False,
+                                 stop_on_error=True)
+        try:
+            while True:
+                try:
+                    msg = self.kc.get_iopub_msg(timeout=1)
+                except queue.Empty:
+                    if gone():
+                        raise Gone() from None
+                    if not self.km.is_alive():
+                        emit({"type": "error", "name": "KernelDied",
+                              "value": "the kernel died; restart the context",
+                              "traceback": ""})
+                        break
+                    continue
+                if msg["parent_header"].get("msg_id") != msg_id:
+                    continue
+                kind, c = msg["msg_type"], msg["content"]
+                if kind == "status" and c.get("execution_state") == "idle":
+                    break
+                line = to_line(kind, c)
+                if line is not None:
+                    emit(line)
+        except Gone:
+            self.km.interrupt_kernel()
+            self._drain(msg_id)
+            raise
+        self._reply(msg_id)
+        emit({"type": "end_of_execution"})
+
+
+def to_line(kind: str, c: dict[str, Any]) -> dict[str, Any] | None:
+    """The protocol line for one iopub message, or None for messages it does not show."""
+    if kind == "stream":
+        return {"type": "stderr" if c.get("name") == "stderr" else "stdout",
+                "text": c.get("text", ""), "timestamp": time.time_ns()}
+    if kind in ("execute_result", "display_data"):
+        out: dict[str, Any] = {"type": "result", "is_main_result": kind == "execute_result"}
+        extra: dict[str, Any] = {}
+        for mime, value in (c.get("data") or {}).items():
+            if mime in FORMATS:
+                out[FORMATS[mime]] = value
+            else:
+                extra[mime] = value
+        if extra:
+            out["extra"] = extra
+        return out
+    if kind == "error":
+        return {"type": "error", "name": c.get("ename", ""), "value": c.get("evalue", ""),
+                "traceback": ANSI.sub("", "\n".join(c.get("traceback") or []))}
+    if kind == "execute_input":
+        return {"type": "number_of_executions", "execution_count": c.get("execution_count")}
+    return None
+
+
+class Contexts:
+    """Every kernel by id, the default one first."""
+
+    def __init__(self, cwd: str) -> None:
+        self.cwd = cwd
+        self.lock = threading.Lock()
+        self.by_id: dict[str, KernelContext] = {}
+        self.default_id: str | None = None
+
+    def default(self) -> KernelContext:
+        with self.lock:
+            ctx = self.by_id.get(self.default_id or "")
+            if ctx is None:
+                ctx = self._add(self.cwd, default=True)
+                self.default_id = ctx.id
+            return ctx
+
+    def create(self, cwd: str | None) -> KernelContext:
+        cwd = cwd or self.cwd
+        if not os.path.isdir(cwd):
+            raise Refused(400, f"cwd {cwd!r} is not a folder in the sandbox")
+        with self.lock:
+            return self._add(cwd)
+
+    def _add(self, cwd: str, default: bool = False) -> KernelContext:
+        if len(self.by_id) >= MAX_CONTEXTS:
+            raise Refused(429, f"at most {MAX_CONTEXTS} contexts; remove one first")
+        ctx = KernelContext(cwd, default)
+        self.by_id[ctx.id] = ctx
+        return ctx
+
+    def get(self, context_id: str) -> KernelContext:
+        ctx = self.by_id.get(context_id)
+        if ctx is None:
+            raise Refused(404, f"no context {context_id!r}")
+        return ctx
+
+    def remove(self, context_id: str) -> None:
+        with self.lock:
+            ctx = self.get(context_id)
+            del self.by_id[context_id]
+        ctx.shutdown()
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "hangar-code-interpreter"
+    contexts: Contexts
+    slots = threading.BoundedSemaphore(MAX_REQUESTS)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._serve("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._serve("POST")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._serve("DELETE")
+
+    def _serve(self, method: str) -> None:
+        if not self.slots.acquire(blocking=False):
+            self._json(429, {"error": f"at most {MAX_REQUESTS} requests at once"})
+            return
+        try:
+            self._route(method, self.path.split("?", 1)[0].rstrip("/"))
+        except Refused as exc:
+            self._json(exc.status, {"error": str(exc)})
+        except Gone:
+            pass
+        except Exception as exc:  # a kernel that fails to start or answer
+            self._json(500, {"error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            self.slots.release()
+
+    def _route(self, method: str, path: str) -> None:
+        parts = path.split("/")[1:]
+        if method == "GET" and parts == ["health"]:
+            return self._json(200, {"status": "ok"})
+        if method == "POST" and parts == ["execute"]:
+            return self._execute(self._body())
+        if parts[:1] == ["contexts"]:
+            if len(parts) == 1 and method == "GET":
+                return self._json(200, [c.view() for c in list(self.contexts.by_id.values())])
+            if len(parts) == 1 and method == "POST":
+                body = self._body()
+                _language(body.get("language"))
+                cwd = body.get("cwd")
+                if cwd is not None and not isinstance(cwd, str):
+                    raise Refused(400, "cwd must be a string")
+                return self._json(200, self.contexts.create(cwd).view())
+            if len(parts) == 3 and parts[2] == "restart" and method == "POST":
+                self.contexts.get(parts[1]).restart()
+                return self._json(200, {})
+            if len(parts) == 2 and method == "DELETE":
+                self.contexts.remove(parts[1])
+                return self._empty(204)
+        raise Refused(404, f"no route {method} {path or '/'}")
+
+    def _body(self) -> dict[str, Any]:
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise Refused(400, "bad Content-Length") from None
+        if n > MAX_BODY_BYTES:
+            raise Refused(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        raw = self.rfile.read(n) if n else b"{}"
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            raise Refused(400, "the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise Refused(400, "the body must be a JSON object")
+        return body
+
+    def _execute(self, body: dict[str, Any]) -> None:
+        code = body.get("code")
+        if not isinstance(code, str):
+            raise Refused(400, "code must be a string")
+        env = body.get("env_vars") or {}
+        if (not isinstance(env, dict) or len(env) > MAX_ENV_VARS
+                or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+            raise Refused(400, f"env_vars must map at most {MAX_ENV_VARS} names to strings")
+        context_id = body.get("context_id")
+        if context_id:
+            if body.get("language"):
+                raise Refused(400, "give context_id or language, not both")
+            ctx = self.contexts.get(str(context_id))
+        else:
+            _language(body.get("language"))
+            ctx = self.contexts.default()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("Connection", "close")
+        self.end_headers()
+
+        def emit(line: dict[str, Any]) -> None:
+            try:
+                self.wfile.write(json.dumps(line).encode() + b"\n")
+                self.wfile.flush()
+            except OSError:
+                raise Gone() from None
+
+        ctx.run(code, env, emit, lambda: _closed(self.connection))
+
+    def _json(self, status: int, value: Any) -> None:
+        data = json.dumps(value).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _empty(self, status: int) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the peer closed ``sock`` (its request was read whole: only EOF is left)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def _language(language: Any) -> None:
+    if language not in (None, "", *LANGUAGES):
+        raise Refused(400, f"language {language!r} is not served here (only python)")
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 64
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--port", type=int, default=PORT)
+    p.add_argument("--cwd", default=os.path.expanduser("~"))
+    p.add_argument("--warmup", default=WARMUP)
+    a = p.parse_args()
+    t0 = time.monotonic()
+    contexts = Contexts(a.cwd)
+    ctx = contexts.default()
+    if a.warmup:
+        ctx.silent(a.warmup)
+    Handler.contexts = contexts
+    server = Server(("127.0.0.1", a.port), Handler)
+    print(f"code interpreter: kernel ready in {time.monotonic() - t0:.1f} s; "
+          f"serving on port {a.port}", file=sys.stderr, flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""The code interpreter in a real ``code-interpreter`` microVM, through the real server.
+
+Hangar's SDK (``Sandbox.run_code``), its agent tool, and the unmodified
+``e2b-code-interpreter`` SDK (2.11.5 with e2b 2.63.0) through ``/e2b``, configured
+only by ``E2B_API_URL``, ``E2B_SANDBOX_URL`` and ``E2B_API_KEY``: state kept between
+calls, PNG charts of the figure's size, errors with tracebacks, separate
+contexts, stdout streamed before the cell ends. One sandbox serves most
+cases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from conftest import SHARED, Server
+from hangar.client import ExecutionError, Hangar, OutputMessage, Sandbox, Timeouts
+from hangar.errors import NoInterpreter, NotFound
+
+vm = pytest.mark.vm
+
+PLOT = """
+import matplotlib.pyplot as plt
+fig = plt.figure(figsize=(4, 3), dpi=100)
+plt.plot([1, 2, 3], [3, 1, 2])
+plt.show()
+"""
+STREAM = "print('first', flush=True)\nimport time\ntime.sleep(2)\nprint('second')\n"
+
+
+@pytest.fixture(scope="session")
+def code_image(base_image: Path) -> Path:
+    """Build (or reuse) the code-interpreter image in the shared cache: minutes at first."""
+    from hangar.images import build_image
+    from hangar.layout import Layout
+
+    return build_image(Layout(SHARED), "code-interpreter",
+                       progress=lambda m: print(f"image: {m}", file=sys.stderr)).dir
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Iterator[Hangar]:
+    # A cold boot starts a kernel and imports numpy, pandas and matplotlib under TCG.
+    with Hangar(server.url, server.key, timeouts=Timeouts(lifecycle=600)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def sb(client: Hangar, code_image: Path) -> Iterator[Sandbox]:
+    t0 = time.monotonic()
+    with Sandbox.create("code-interpreter", client=client) as s:
+        print(f"code-interpreter create: {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        yield s
+
+
+@vm
+def test_variables_persist(sb: Sandbox) -> None:
+    first = sb.run_code("x = 41")
+    assert first.error is None and first.results == []
+    second = sb.run_code("x + 1")
+    assert second.text == "42"
+    assert [r.is_main_result for r in second.results] == [True]
+    assert second.execution_count == first.execution_count + 1
+
+
+@vm
+def test_plot_is_a_png_of_the_figure_size(sb: Sandbox) -> None:
+    ex = sb.run_code(PLOT)
+    assert ex.error is None, ex.error
+    pngs = [r for r in ex.results if r.png]
+    assert len(pngs) == 1 and not pngs[0].is_main_result
+    img = Image.open(io.BytesIO(base64.b64decode(pngs[0].png)))
+    assert img.format == "PNG" and img.size == (400, 300)
+
+
+@vm
+def test_html_and_json_results(sb: Sandbox) -> None:
+    ex = sb.run_code("from IPython.display import HTML, JSON, display\n"
+                     "display(HTML('<b>hi</b>'))\ndisplay(JSON({'a': [1, 2]}))\n"
+                     "import pandas as pd\npd.DataFrame({'n': [1, 2]})")
+    assert ex.error is None, ex.error
+    html, js, frame = ex.results
+    assert html.html == "<b>hi</b>" and js.json == {"a": [1, 2]}
+    assert frame.is_main_result and "<table" in (frame.html or "") and "n" in frame.text
+
+
+@vm
+def test_error_has_name_value_and_traceback(sb: Sandbox) -> None:
+    errors: list[ExecutionError] = []
+    ex = sb.run_code("1/0", on_error=errors.append)
+    assert ex.error is not None and ex.error.name == "ZeroDivisionError"
+    assert ex.error.value == "division by zero"
+    assert "1/0" in ex.error.traceback and "ZeroDivisionError" in ex.error.traceback
+    assert "\x1b[" not in ex.error.traceback
+    assert errors == [ex.error]
+
+
+@vm
+def test_contexts_are_separate(sb: Sandbox) -> None:
+    ctx = sb.create_code_context()
+    try:
+        assert ctx.language == "python" and ctx.cwd == "/root"
+        assert sb.run_code("y = 'mine'", context=ctx).error is None
+        assert sb.run_code("y", context=ctx).text == "'mine'"
+        assert sb.run_code("y").error.name == "NameError"
+        assert ctx.id in [c.id for c in sb.list_code_contexts()]
+        sb.restart_code_context(ctx)
+        assert sb.run_code("y", context=ctx).error.name == "NameError"
+    finally:
+        sb.remove_code_context(ctx)
+    assert ctx.id not in [c.id for c in sb.list_code_contexts()]
+    with pytest.raises(NotFound):
+        sb.run_code("1", context=ctx.id)
+
+
+@vm
+def test_stdout_streams_before_the_cell_ends(sb: Sandbox) -> None:
+    seen: list[tuple[float, OutputMessage]] = []
+    ex = sb.run_code(STREAM, on_stdout=lambda m: seen.append((time.monotonic(), m)))
+    end = time.monotonic()
+    assert ex.logs.stdout == ["first\n", "second\n"]
+    assert [m.line for _, m in seen] == ["first\n", "second\n"]
+    assert end - seen[0][0] >= 1.0, f"the first line came {end - seen[0][0]:.2f} s before the end"
+
+
+@vm
+def test_env_vars_hold_for_one_cell(sb: Sandbox) -> None:
+    code = "import os; os.environ.get('HANGAR_CI_TEST', 'unset')"
+    assert sb.run_code(code, envs={"HANGAR_CI_TEST": "yes"}).text == "'yes'"
+    assert sb.run_code(code).text == "'unset'"
+
+
+@vm
+def test_timeout_interrupts_the_cell(sb: Sandbox) -> None:
+    ex = sb.run_code("import time; time.sleep(30)", timeout=2)
+    assert ex.error is not None and ex.error.name == "TimeoutError"
+    # the kernel was interrupted, not left busy: the next cell runs at once
+    t0 = time.monotonic()
+    assert sb.run_code("2 * 21").text == "42"
+    assert time.monotonic() - t0 < 15
+
+
+@vm
+def test_bad_requests_are_refused(sb: Sandbox, server: Server) -> None:
+    with server.client() as api:
+        r = api.post(f"/sandboxes/{sb.id}/code/execute", json={"code": "1", "language": "r"})
+        assert r.status_code == 400, r.text
+        assert "only python" in r.json()["error"]["message"]
+        r = api.post(f"/sandboxes/{sb.id}/code/execute", json={"code": "x" * ((1 << 20) + 1)})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
+        r = api.post(f"/sandboxes/{sb.id}/code/contexts/nope/restart")
+        assert r.status_code == 404, r.text
+
+
+@vm
+def test_other_images_have_no_interpreter(client: Hangar, sandbox: str) -> None:
+    with pytest.raises(NoInterpreter) as exc:
+        client.run_code(sandbox, "1")
+    assert exc.value.code == "no_interpreter"
+
+
+@vm
+def test_the_run_code_tool(sb: Sandbox, server: Server) -> None:
+    import hangar.tools as ht
+    from hangar.tools.backend import Backend, SandboxInfo
+    from hangar.tools.vm import VmTools
+
+    assert "run_code" in ht.TIER_TOOLS["vm"] and "run_code" in ht.TIER_TOOLS["browser"]
+    assert "run_code" not in ht.TIER_TOOLS["in-process"]
+
+    async def go() -> list[ht.ToolResult]:
+        backend = Backend(server.url, server.key)
+        try:
+            tools = VmTools(backend, SandboxInfo(sb.id, "code-interpreter", 1, 1024, "cold"))
+            return [await tools.call("run_code", {"code": c}, None)
+                    for c in ("z = 6", PLOT + "print(z * 7)", "1/0")]
+        finally:
+            await backend.close()
+
+    assign, plot, error = asyncio.run(go())
+    assert assign.ok and assign.output == ""
+    assert plot.ok and plot.output.startswith("42\n") and "[display: text, png]" in plot.output
+    assert plot.image is not None and Image.open(io.BytesIO(plot.image)).size == (400, 300)
+    assert not error.ok and error.error == "ZeroDivisionError: division by zero"
+    assert "1/0" in error.output and error.data["error"]["name"] == "ZeroDivisionError"
+
+
+# -- the unmodified e2b-code-interpreter SDK --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def e2b_env(server: Server, code_image: Path) -> Iterator[None]:
+    """The three variables a program written for E2B needs, and no others of E2B's."""
+    r = subprocess.run([sys.executable, "-m", "hangar.cli", "key", "add",
+                        f"codeint-{uuid.uuid4().hex[:8]}", "--e2b"],
+                       env=server.env, capture_output=True, text=True, timeout=60)
+    found = re.search(r"\be2b_[0-9a-f]{20,}\b", r.stdout)
+    assert r.returncode == 0 and found, r.stdout + r.stderr
+    names = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN", "E2B_DEBUG")
+    old = {k: os.environ.get(k) for k in names}
+    os.environ.update(E2B_API_URL=f"{server.url}/e2b", E2B_SANDBOX_URL=f"{server.url}/e2b/envd",
+                      E2B_API_KEY=found.group(0))
+    os.environ.pop("E2B_DOMAIN", None)
+    os.environ.pop("E2B_DEBUG", None)
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@vm
+def test_e2b_code_interpreter_sdk(e2b_env: None, sb: Sandbox,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # ``sb`` first: the image's booted template snapshot exists, so the SDK's create
+    # answers within its own default request timeout.
+    from e2b_code_interpreter import Sandbox
+
+    # The code interpreter's README example, unchanged.
+    with Sandbox.create() as sandbox:
+        sandbox.run_code("x = 1")
+        execution = sandbox.run_code("x+=1; x")
+        print(execution.text)  # outputs 2
+
+        assert capsys.readouterr().out == "2\n"
+        s = sandbox
+        assert s.run_code("x = 41").error is None and s.run_code("x + 1").text == "42"
+        png = [r for r in s.run_code(PLOT).results if r.png]
+        assert Image.open(io.BytesIO(base64.b64decode(png[0].png))).size == (400, 300)
+        err = s.run_code("1/0").error
+        assert err.name == "ZeroDivisionError" and "ZeroDivisionError" in err.traceback
+        ctx = s.create_code_context()
+        s.run_code("y = 1", context=ctx)
+        assert s.run_code("y").error.name == "NameError"
+        assert s.run_code("y", context=ctx).text == "1"
+        assert ctx.id in [c.id for c in s.list_code_contexts()]
+        s.remove_code_context(ctx)
+        seen: list[float] = []
+        s.run_code(STREAM, on_stdout=lambda m: seen.append(time.monotonic()))
+        assert time.monotonic() - seen[0] >= 1.0
