@@ -3,7 +3,7 @@
 These shapes are the public contract: the server (``hangar.api``) validates
 requests and renders responses with them, ``/openapi.json`` is generated
 from them, and the SDK (``hangar.client``) parses its results into them.
-This module imports pydantic and nothing of FastAPI, SQLAlchemy or the
+This package imports pydantic and nothing of FastAPI, SQLAlchemy or the
 core, so ``pip install hangar`` (the SDK and CLI alone) can use it.
 
 Sizes are MiB, durations seconds, times Unix seconds, byte counts bytes,

@@ -1,5 +1,7 @@
-"""Shared base of the wire schemas: the ``Model`` and ``RequestBody`` bases, the guest
-kernel's bounds on arguments, environment and paths, their checks, and ``Error``.
+"""Shared base of the wire schemas: ``Model``, ``RequestBody``, ``Error`` and the bounds.
+
+The bounds are the guest kernel's on arguments, environment and paths; ``check_args``,
+``check_env`` and ``check_cwd`` apply them for every body that runs a command.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Wire schemas of the desktop: screenshots, input actions, display and VNC tickets.
-"""
+"""Wire schemas of the desktop: screenshots, input actions, display and VNC tickets."""
 
 from __future__ import annotations
 
-import base64
 from typing import Literal
 
 from pydantic import Field

@@ -1,5 +1,4 @@
-"""Wire schemas of live events (``GET /events``, ``POST /events``).
-"""
+"""Wire schemas of live events (``GET /events``, ``POST /events``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Wire schemas of running a command: ``POST /sandboxes/{id}/exec`` and its stream.
-"""
+"""Wire schemas of running a command: ``POST /sandboxes/{id}/exec`` and its stream."""
 
 from __future__ import annotations
 

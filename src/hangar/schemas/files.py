@@ -1,5 +1,4 @@
-"""Wire schemas of a sandbox's files: listings, writes, paths and watched changes.
-"""
+"""Wire schemas of a sandbox's files: listings, writes, paths and watched changes."""
 
 from __future__ import annotations
 

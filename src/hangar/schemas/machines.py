@@ -1,5 +1,4 @@
-"""Wire schemas of snapshots (restore, fork) and of machines (long-lived sandboxes).
-"""
+"""Wire schemas of snapshots (restore, fork) and machines (long-lived sandboxes)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Wire schemas of exposed ports (a guest TCP port served over HTTP).
-"""
+"""Wire schemas of exposed ports: a guest TCP port served over HTTP."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Wire schemas of processes that outlive their connection (start, list, stdin,
-signals, resize, output events).
+"""Wire schemas of processes that outlive their connection.
+
+Starting one, listing them, their stdin, signals, terminal size and output events.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Wire schemas of terminals (pseudo-terminal sessions and their WebSocket tickets).
-"""
+"""Wire schemas of terminals: pseudo-terminal sessions and their WebSocket tickets."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Wire schemas of sandboxes (create, timeout, info, memory) and of the server's
-health and warm pool.
-"""
+"""Wire schemas of sandboxes (create, timeout, info, memory), health and the warm pool."""
 
 from __future__ import annotations
 
