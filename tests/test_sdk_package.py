@@ -58,7 +58,7 @@ def test_the_cli_uses_only_the_public_sdk() -> None:
 def test_mypy_strict_passes_on_the_sdk_and_a_typed_example(tmp_path: Path) -> None:
     r = subprocess.run(
         [PY, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache"),
-         "src/hangar/client", "src/hangar/schemas.py", "src/hangar/errors.py",
+         "src/hangar/client", "src/hangar/schemas", "src/hangar/errors.py",
          "src/hangar/cli/events_view.py", "examples/sdk_usage.py"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

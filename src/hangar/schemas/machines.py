@@ -1,0 +1,79 @@
+"""Wire schemas of snapshots (restore, fork) and machines (long-lived sandboxes)."""
+
+from __future__ import annotations
+
+from pydantic import ConfigDict, Field
+
+from hangar.schemas.base import Model, RequestBody
+
+
+class Snapshot(Model):
+    """A snapshot: memory, device state and disk of a sandbox at one moment."""
+
+    id: str
+    sandbox_id: str
+    size_bytes: int = Field(description="Bytes on disk.")
+    created_at: float = Field(description="Unix time, seconds.")
+    image: str
+    image_id: str = Field("", description="The image build it restores onto, "
+                                          "<image>-<digest>; gone: restores answer 409.")
+    vcpus: int
+    memory_mib: int
+    disk_mib: int
+
+
+class SnapshotList(Model):
+    snapshots: list[Snapshot]
+
+
+class RestoreRequest(RequestBody):
+    model_config = ConfigDict(extra="forbid")
+
+    snapshot_id: str = Field(min_length=1, max_length=64)
+
+
+class ForkRequest(RequestBody):
+    """Body of ``POST /snapshots/{id}/sandboxes`` (optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout: float | None = Field(None, ge=0, le=30 * 86400, description="Time to live, seconds.")
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+
+class MachineRequest(RequestBody):
+    """Body of ``POST /machines/{user_id}`` (optional; used only when creating)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    idle_timeout: float | None = Field(None, gt=0, le=30 * 86400,
+                                       description="Idle seconds before the machine sleeps.")
+    image: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    vcpus: int | None = Field(None, ge=1, le=32)
+    memory_mib: int | None = Field(None, ge=128, le=65536)
+    disk_mib: int | None = Field(None, ge=512, le=1048576)
+    network: str | dict[str, object] | None = Field(
+        None, description="Egress policy, as for POST /sandboxes.")
+
+
+class MachineInfo(Model):
+    """A user's persistent machine.
+
+    ``state``: creating, active, unresponsive, snapshotting, sleeping, waking,
+    restoring, stopping or failed;
+    ``desired_state``: active or sleeping. Exec and files go to
+    ``/sandboxes/{sandbox_id}/...`` (or ``/machines/{user_id}/exec``) and
+    wake a sleeping machine first.
+    """
+
+    user_id: str
+    sandbox_id: str
+    state: str
+    desired_state: str
+    idle_timeout_s: float
+    last_active_at: float = Field(description="Unix time, seconds.")
+    created_at: float = Field(description="Unix time, seconds.")
+
+
+class MachineList(Model):
+    machines: list[MachineInfo]

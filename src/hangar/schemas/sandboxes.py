@@ -1,0 +1,118 @@
+"""Wire schemas of sandboxes (create, timeout, info, memory), health and the warm pool."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+
+from hangar.schemas.base import Model, RequestBody
+
+
+class CreateSandbox(RequestBody):
+    """Body of ``POST /sandboxes``; every field is optional."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image: str | None = Field(None, description="Template (image recipe) name; default 'base'.",
+                              pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    vcpus: int | None = Field(None, ge=1, le=32)
+    memory_mib: int | None = Field(None, ge=128, le=65536,
+                                   description="Guest memory, MiB; default: the image's (desktop "
+                                               "and dev: 2048), else the server's (512).")
+    disk_mib: int | None = Field(None, ge=512, le=1048576, description="Writable disk, MiB.")
+    timeout: float | None = Field(None, ge=0, le=30 * 86400,
+                                  description="Time to live in seconds; 0 keeps it until deleted; "
+                                              "default: the server's (one hour).")
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+    network: str | dict[str, object] | None = Field(
+        None, description="Egress policy: 'none', 'internet' (public addresses only), 'open', "
+                          "or {'egress': ..., 'allow': [CIDR...], 'deny': [CIDR...]} where the "
+                          "most specific entry wins. Default: 'internet' with TAP networking.")
+    desktop: str | None = Field(
+        None, pattern=r"^[1-9][0-9]{2,4}x[1-9][0-9]{2,4}x(16|24)$",
+        description="Start a desktop of WIDTHxHEIGHTxDEPTH (pixels, bits), e.g. 1280x800x24; "
+                    "needs an image with one (the 'desktop' recipe).")
+
+
+class SetTimeout(RequestBody):
+    """Body of ``POST /sandboxes/{id}/timeout``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout: float = Field(ge=0, le=30 * 86400,
+                           description="Seconds from now until the sandbox expires; 0: never.")
+
+
+class SandboxMemory(Model):
+    """What a running sandbox's memory costs the host, beside what its guest uses; MiB.
+
+    Host figures are the VMM process's (``/proc/PID/smaps_rollup``); guest
+    figures come from the guest kernel's balloon driver every few seconds
+    (null without a balloon, e.g. under Firecracker, or before its first report).
+    """
+
+    host_mib: float = Field(description="Proportional set size of the VMM: its private "
+                                        "memory plus its share of pages other processes share "
+                                        "(QEMU's code, the guest kernel's file).")
+    host_rss_mib: float = Field(description="Resident set size of the VMM.")
+    guest_total_mib: float | None = Field(None, description="Memory the guest kernel manages.")
+    guest_used_mib: float | None = Field(None, description="Guest memory in use: used plus "
+                                                           "buffers and cache (all but free).")
+    guest_cache_mib: float | None = Field(None, description="Of which the guest's disk cache.")
+    guest_stats_age_s: float | None = Field(None, description="Age of the guest figures, "
+                                                              "seconds.")
+
+
+class SandboxInfo(Model):
+    """A sandbox as the API shows it."""
+
+    id: str
+    state: str
+    image: str
+    image_id: str = Field("", description="The image build it runs on and is pinned to, "
+                                          "<image>-<digest>; a rebuild never changes it.")
+    engine: str
+    accel: str
+    vcpus: int
+    memory_mib: int
+    disk_mib: int
+    created_at: float = Field(description="Unix time, seconds.")
+    expires_at: float | None = Field(None, description="Unix time, seconds; null: no TTL.")
+    error: str | None = Field(None, description="Why it failed, or the last error of a "
+                                                "background step (e.g. a sleep or wake).")
+    metadata: dict[str, str] = Field(default_factory=dict)
+    desktop: str | None = None
+    network: dict[str, object] | None = Field(None, description="Egress policy; null: no NIC.")
+    source: str | None = Field(None, description="Where its VM came from: template "
+                                                 "(restored from its image's booted template "
+                                                 "snapshot), pool (the warm pool), cold "
+                                                 "(booted for it) or fork.")
+    memory: SandboxMemory | None = Field(
+        None, description="Host memory it costs and its guest's own use; only in "
+                          "GET /sandboxes/{id}, and only while its VM runs.")
+
+
+class SandboxList(Model):
+    sandboxes: list[SandboxInfo]
+
+
+class Health(Model):
+    status: Literal["ok"]
+    version: str
+    engine: dict[str, str]
+    sandboxes: int = Field(description="Sandboxes that exist (warm-pool VMs not counted).")
+
+
+class PoolStatus(Model):
+    """``GET /pool``: the warm pool of paused VMs, booted ahead of creates."""
+
+    size: int = Field(description="VMs the pool keeps ready (HANGAR_POOL_SIZE).")
+    ready: int = Field(description="Paused VMs ready to be taken now.")
+    starting: int = Field(description="VMs booting to refill the pool.")
+    max_age_s: float = Field(description="A pool VM older than this is replaced, seconds.")
+    oldest_age_s: float | None = Field(None, description="Age of the oldest ready VM, seconds.")
+    image: str = Field(description="The server's default template.")
+    templates: dict[str, int] = Field(default_factory=dict, description=(
+        "VMs kept ready per template (HANGAR_POOL_SIZE of the default one, plus "
+        "HANGAR_POOL_TEMPLATES)."))
