@@ -90,7 +90,15 @@ def build_recipe(layout, name: str, force: bool = False,  # type: ignore[no-unty
 
         img = build_image(layout, name, force=force, progress=progress)
         if snapshot:
-            template_snapshot(layout, img, progress)
+            # The snapshot only saves the first create its boot: the image is built
+            # whatever happens here, and the server makes the snapshot on its first
+            # create if this could not (an install on a busy host must not fail on it).
+            try:
+                template_snapshot(layout, img, progress)
+            except HangarError as exc:
+                err.print(f"[yellow]warning:[/yellow] image {img.id} is built, but its "
+                          f"template snapshot could not be made now ({exc.message}); the "
+                          "server makes it on the first create")
         return img
 
 
