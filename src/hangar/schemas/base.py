@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, model_validator
+from pydantic import BaseModel, field_validator, model_validator
 
 
 class Model(BaseModel):
@@ -143,3 +143,40 @@ class Error(Model):
     """Every error response: ``{"error": {"code", "message", ...context}}``."""
 
     error: dict[str, object]
+
+
+class CommandRequest(RequestBody):
+    """A request body that names a program to run in the guest (exec, a background
+    process, a terminal): one check of its ``args``, ``env`` and ``cwd`` for all of them.
+    Subclasses define those fields."""
+
+    @field_validator("args", check_fields=False)
+    @classmethod
+    def _args(cls, value: list[str] | None) -> list[str] | None:
+        return check_args(value)
+
+    @field_validator("env", check_fields=False)
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        return check_env(value)
+
+    @field_validator("cwd", check_fields=False)
+    @classmethod
+    def _cwd(cls, value: str | None) -> str | None:
+        return check_cwd(value)
+
+
+def check_sizes(command: str, args: list[str] | None, env: dict[str, str]) -> None:
+    """Raise ValueError when ``command`` with ``args`` is longer than the guest's PATH_MAX,
+    or args and env take more than ``ARGS_ENV_MAX`` bytes (each counted as execve does:
+    its bytes, a NUL and a pointer)."""
+    if args is not None and _utf8_len(command) >= PATH_MAX:
+        raise ValueError(f"command (the program, with args) is longer than the guest's "
+                         f"PATH_MAX ({PATH_MAX} bytes)")
+    argv = [command, *args] if args is not None else []
+    total = sum(_utf8_len(a) + 1 + 8 for a in argv) + sum(
+        _utf8_len(k) + _utf8_len(v) + 2 + 8 for k, v in env.items())
+    if total > ARGS_ENV_MAX:
+        raise ValueError(f"args and env take {total} bytes; at most {ARGS_ENV_MAX} are "
+                         "allowed (the guest kernel's execve limit is 2 MiB): pass large "
+                         "data through stdin or a file")

@@ -8,12 +8,11 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from hangar.schemas.base import (
-    ARGS_ENV_MAX, Model, PATH_MAX, RequestBody, _no_nul, _utf8_len, check_args, check_cwd,
-    check_env,
+    CommandRequest, Model, _no_nul, check_sizes,
 )
 
 
-class ExecRequest(RequestBody):
+class ExecRequest(CommandRequest):
     """Body of ``POST /sandboxes/{id}/exec``.
 
     ``command`` is a shell string run by ``/bin/sh -c``; when ``args`` is
@@ -46,33 +45,9 @@ class ExecRequest(RequestBody):
         _no_nul("command", value)
         return value
 
-    @field_validator("args")
-    @classmethod
-    def _args(cls, value: list[str] | None) -> list[str] | None:
-        return check_args(value)
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        return check_env(value)
-
-    @field_validator("cwd")
-    @classmethod
-    def _cwd(cls, value: str | None) -> str | None:
-        return check_cwd(value)
-
     @model_validator(mode="after")
     def _sizes(self) -> "ExecRequest":
-        if self.args is not None and _utf8_len(self.command) >= PATH_MAX:
-            raise ValueError(f"command (the program, with args) is longer than the guest's "
-                             f"PATH_MAX ({PATH_MAX} bytes)")
-        argv = [self.command, *self.args] if self.args is not None else []
-        total = sum(_utf8_len(a) + 1 + 8 for a in argv) + sum(
-            _utf8_len(k) + _utf8_len(v) + 2 + 8 for k, v in self.env.items())
-        if total > ARGS_ENV_MAX:
-            raise ValueError(f"args and env take {total} bytes; at most {ARGS_ENV_MAX} are "
-                             "allowed (the guest kernel's execve limit is 2 MiB): pass large "
-                             "data through stdin or a file")
+        check_sizes(self.command, self.args, self.env)
         return self
 
 

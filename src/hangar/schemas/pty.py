@@ -7,8 +7,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from hangar.schemas.base import (
-    ARGS_ENV_MAX, Model, PATH_MAX, RequestBody, _no_nul, _utf8_len, check_args, check_cwd,
-    check_env,
+    ARGS_ENV_MAX, CommandRequest, Model, PATH_MAX, _no_nul, _utf8_len,
 )
 
 
@@ -16,7 +15,7 @@ PTY_MAX_SIDE = 1000
 """Largest terminal side, in characters."""
 
 
-class PtyRequest(RequestBody):
+class PtyRequest(CommandRequest):
     """Body of ``POST /sandboxes/{id}/pty``: what to run on a new pseudo-terminal.
 
     Without ``command`` the guest's login shell runs (``/bin/bash -l``).
@@ -42,21 +41,6 @@ class PtyRequest(RequestBody):
         if value is not None:
             _no_nul("command", value)
         return value
-
-    @field_validator("args")
-    @classmethod
-    def _args(cls, value: list[str] | None) -> list[str] | None:
-        return check_args(value)
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        return check_env(value)
-
-    @field_validator("cwd")
-    @classmethod
-    def _cwd(cls, value: str | None) -> str | None:
-        return check_cwd(value)
 
     @model_validator(mode="after")
     def _program(self) -> "PtyRequest":
