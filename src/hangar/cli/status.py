@@ -11,8 +11,9 @@ def status() -> None:
         health = h.health()
         pool = h.pool()
     engine, details = describe_engine(health.engine)
+    noun = "sandbox" if health.sandboxes == 1 else "sandboxes"
     out.print(f"Hangar {health.version} at {h.base_url}: {health.status}; {health.sandboxes} "
-              f"sandboxes; engine {engine}", highlight=False, soft_wrap=True)
+              f"{noun}; engine {engine}", highlight=False, soft_wrap=True)
     if details:
         out.print(f"  {details}", highlight=False, soft_wrap=True)
     out.print(f"warm pool ({pool.image}): {pool.ready} ready, {pool.starting} starting, "
