@@ -142,7 +142,7 @@ def test_names_and_resolver(tmp_path: Path) -> None:
 
 def test_user_mode_refuses_what_it_cannot_enforce() -> None:
     from hangar.engines.base import VMSpec
-    from hangar.engines.qemu import QemuEngine
+    from hangar.engines.qemu import QemuCommand
 
     closed = NetworkManager(mode="user")  # no opt-in: 'open' would reach the host's loopback
     with pytest.raises(InvalidRequest, match="HANGAR_NET_USER_OPEN") as info:
@@ -161,10 +161,10 @@ def test_user_mode_refuses_what_it_cannot_enforce() -> None:
     assert net is not None and net.kind == "user" and net.tap is None
     assert net.kernel_arg() == "hangar.net=10.0.2.15/24,10.0.2.2,10.0.2.3"
     spec = VMSpec("sb-0123456789ab", None, None, net=net)  # type: ignore[arg-type]
-    args = QemuEngine.nic_args(spec)
+    args = QemuCommand.nic_args(spec)
     assert args[:2] == ["-netdev", "user,id=net0,net=10.0.2.0/24,host=10.0.2.2,ipv6=off,dns=10.0.2.3"]
     assert args[3] == f"virtio-net-device,netdev=net0,mac={net.mac}"
-    assert QemuEngine.nic_args(VMSpec("x", None, None)) == []  # type: ignore[arg-type]
+    assert QemuCommand.nic_args(VMSpec("x", None, None)) == []  # type: ignore[arg-type]
 
 
 def test_guest_side_parses_its_kernel_argument() -> None:
