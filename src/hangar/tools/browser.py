@@ -35,6 +35,8 @@ START_TIMEOUT_S = 600.0
 """Seconds ``prepare`` waits for the desktop and Chromium's DevTools endpoint (a guard
 against a hang: on a busy 2-core host under TCG, Chromium's start takes minutes)."""
 NAVIGATE_TIMEOUT_S = 120.0
+READY_STATE_S = 5.0
+"""Seconds one ``document.readyState`` question may take before it is asked again."""
 LOAD_EVENT_S = 20.0
 """Seconds an action waits for the ``load`` event alone before also asking the document
 (``BrowserTools._settle``)."""
@@ -264,9 +266,11 @@ class BrowserTools(VmTools):
         except PlaywrightError:
             pass
         while (left := deadline - loop.time()) > 0:
-            try:  # bounded too: a hung renderer never answers
-                if await asyncio.wait_for(page.evaluate("document.readyState"), left) \
-                        == "complete":
+            try:  # bounded to a slice: over CDP, an evaluate sent while a navigation
+                # replaces the document may wait for the new context and never answer,
+                # and a hung renderer never does; the loop asks again.
+                if await asyncio.wait_for(page.evaluate("document.readyState"),
+                                          min(left, READY_STATE_S)) == "complete":
                     return
             except (PlaywrightError, asyncio.TimeoutError):
                 pass  # mid-navigation (the old document's context is gone), or out of time
