@@ -1,7 +1,7 @@
 """What this data plane tells E2B's SDKs about itself.
 
-``ENVD_VERSION`` (defined once, in ``hangar.core.e2b``) is the envd version E2B's control plane reports for a
-sandbox (``envdVersion``); the SDK turns features on by it. 0.5.7 is the
+``ENVD_VERSION`` (defined once, in ``hangar.core.e2b``) is the envd version E2B's
+control plane reports for a sandbox (``envdVersion``); the SDK turns features on by it. 0.5.7 is the
 highest that promises nothing Hangar lacks: ``stdin=false`` (0.3.0), no
 forced user (0.4.0), ``close_stdin`` (0.5.2) and octet-stream uploads
 (0.5.7) are served; file metadata in xattrs (0.6.2) and entries in watch
