@@ -168,12 +168,13 @@ class CommandRequest(RequestBody):
 
 def check_sizes(command: str, args: list[str] | None, env: dict[str, str]) -> None:
     """Raise ValueError when ``command`` with ``args`` is longer than the guest's PATH_MAX,
-    or args and env take more than ``ARGS_ENV_MAX`` bytes (each counted as execve does:
-    its bytes, a NUL and a pointer)."""
+    or the command, args and env take more than ``ARGS_ENV_MAX`` bytes (each counted as
+    execve does: its bytes, a NUL and a pointer). Exec, background processes and
+    terminals all check with this."""
     if args is not None and _utf8_len(command) >= PATH_MAX:
         raise ValueError(f"command (the program, with args) is longer than the guest's "
                          f"PATH_MAX ({PATH_MAX} bytes)")
-    argv = [command, *args] if args is not None else []
+    argv = [command, *(args or ())]  # without args, the command is a shell line: sh -c CMD
     total = sum(_utf8_len(a) + 1 + 8 for a in argv) + sum(
         _utf8_len(k) + _utf8_len(v) + 2 + 8 for k, v in env.items())
     if total > ARGS_ENV_MAX:

@@ -6,9 +6,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from hangar.schemas.base import (
-    ARGS_ENV_MAX, CommandRequest, Model, PATH_MAX, _no_nul, _utf8_len,
-)
+from hangar.schemas.base import CommandRequest, Model, _no_nul, check_sizes
 
 
 PTY_MAX_SIDE = 1000
@@ -46,14 +44,7 @@ class PtyRequest(CommandRequest):
     def _program(self) -> "PtyRequest":
         if self.args is not None and self.command is None:
             raise ValueError("args need a command (the program to run)")
-        if self.args is not None and _utf8_len(self.command or "") >= PATH_MAX:
-            raise ValueError(f"command (the program, with args) is longer than the guest's "
-                             f"PATH_MAX ({PATH_MAX} bytes)")
-        total = sum(_utf8_len(a) + 9 for a in [self.command or "", *(self.args or ())]) + sum(
-            _utf8_len(k) + _utf8_len(v) + 10 for k, v in self.env.items())
-        if total > ARGS_ENV_MAX:
-            raise ValueError(f"args and env take {total} bytes; at most {ARGS_ENV_MAX} are "
-                             "allowed (the guest kernel's execve limit is 2 MiB)")
+        check_sizes(self.command or "", self.args, self.env)
         return self
 
 
