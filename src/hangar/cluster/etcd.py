@@ -186,7 +186,7 @@ class Etcd:
             url = f"{self.endpoints[idx]}/v3/{path}"
             try:
                 r = await self._http.post(url, json=body, timeout=timeout or self.timeout)
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, OSError) as exc:  # ssl.SSLError: a refused certificate
                 errors.append(f"{self.endpoints[idx]}: {type(exc).__name__}")
                 continue
             try:
@@ -319,7 +319,7 @@ class Etcd:
                         if evs:
                             rev = max(e.kv.mod_revision for e in evs) + 1
                             yield evs
-            except (httpx.HTTPError, ValueError) as exc:
+            except (httpx.HTTPError, ValueError, OSError) as exc:
                 attempt += 1
                 log.debug("watch broke; reconnecting", extra={"error": str(exc)})
                 await asyncio.sleep(min(1.0, 0.1 * attempt))
