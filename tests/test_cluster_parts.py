@@ -389,7 +389,7 @@ def test_forged_records_are_refused_with_a_log_line_and_the_watch_goes_on(
             assert d.nodes == {} and d.machines == {} and d.snapshots == {}
             assert d.leader is None and not d.slots.get("x9")
             refused = [r for r in caplog.records if "ignored" in r.getMessage()]
-            assert len(refused) == len(forged), [r.__dict__.get("key") for r in refused]
+            assert len(refused) == len(forged), [r.__dict__.get("record") for r in refused]
             await d.load()  # a reload reads them all again: the same, no error
             assert set(d.sandboxes) == {good.name}
             with pytest.raises(Conflict):

@@ -43,7 +43,7 @@ def read_record(sid: str, value: bytes, mod_revision: int) -> SandboxObject:
         return SandboxObject.parse(R.load_json(value), mod_revision, sid=sid)
     except BadRecord as exc:
         log.warning("unreadable cluster record refused", extra={
-            "key": R.sandbox_key(sid), "error": str(exc)[:300]})
+            "record": R.sandbox_key(sid), "error": str(exc)[:300]})
         raise Conflict(f"sandbox {sid}'s cluster record is unreadable ({exc}); an operator "
                        f"must fix or delete {R.sandbox_key(sid)}", sandbox_id=sid) from None
 
@@ -175,7 +175,7 @@ class Directory:
                 self.leader = _name(kv.value) if put else None
         except Exception as exc:  # noqa: BLE001 (a forged record must never stop the watch)
             log.warning("unreadable cluster record ignored", extra={
-                "key": key[:200], "error": str(exc)[:300] or type(exc).__name__})
+                "record": key[:200], "error": str(exc)[:300] or type(exc).__name__})
 
     def _notify(self, sid: str) -> None:
         rec = self.sandboxes.get(sid)
@@ -238,7 +238,7 @@ class Directory:
                 m = self.machines[user] = R.machine_meta(R.load_json(kv.value))
             except BadRecord as exc:
                 log.warning("unreadable cluster record refused", extra={
-                    "key": R.machine_key(user), "error": str(exc)[:300]})
+                    "record": R.machine_key(user), "error": str(exc)[:300]})
                 raise Conflict(f"user {user}'s machine record is unreadable; an operator "
                                f"must fix or delete {R.machine_key(user)}",
                                user_id=user) from None
