@@ -60,6 +60,16 @@ def _etcd(urls: str | None, pki: Path | None = None):  # type: ignore[no-untyped
         raise typer.Exit(2) from None
 
 
+def _node_name(name: str) -> str:
+    from hangar.cluster.records import NODE_NAME
+
+    if not NODE_NAME.match(name):
+        err.print(f"[red]error:[/red] bad node name {name!r} (letters, digits, '.', '_', '-')",
+                  highlight=False)
+        raise typer.Exit(2)
+    return name
+
+
 def _run(coro: Any) -> Any:
     from hangar.errors import HangarError
 
@@ -251,6 +261,7 @@ def drain(name: str, etcd: EtcdOpt = None, pki: PkiOpt = None) -> None:
     """Place nothing new on NAME; its sleeping machines wake elsewhere on their next call."""
     from hangar.cluster import records as R
 
+    _node_name(name)
     async def go() -> None:
         client = _etcd(etcd, pki)
         try:
@@ -267,6 +278,7 @@ def undrain(name: str, etcd: EtcdOpt = None, pki: PkiOpt = None) -> None:
     """Let NAME take new sandboxes again."""
     from hangar.cluster import records as R
 
+    _node_name(name)
     async def go() -> None:
         client = _etcd(etcd, pki)
         try:
@@ -285,6 +297,7 @@ def rm(name: str, etcd: EtcdOpt = None, pki: PkiOpt = None,
     """Forget a node: its drain flag and VM slots. Refused while it is alive (unless --force)."""
     from hangar.cluster import records as R
 
+    _node_name(name)
     async def go() -> bool:
         client = _etcd(etcd, pki)
         try:

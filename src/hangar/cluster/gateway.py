@@ -40,6 +40,7 @@ from hangar.cluster.forwarding import (
 )
 from hangar.cluster.merging import LISTS, Merger
 from hangar.cluster.node import ClusterNode
+from hangar.cluster.records import SANDBOX_ID
 from hangar.cluster.routing import Router
 from hangar.errors import HangarError, InvalidRequest, Unauthorized, Unavailable
 from hangar.keys import authenticate
@@ -58,7 +59,7 @@ CONTROL = [
 OPEN = ("/health", "/", "/docs", "/openapi.json")
 """Paths that need no key (besides ``/web`` and ``/static``)."""
 
-PLACED_ID = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+PLACED_ID = SANDBOX_ID
 """What a placed sandbox id may look like (``hangar.core.admission.new_id`` makes them)."""
 
 

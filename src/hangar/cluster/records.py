@@ -76,7 +76,7 @@ HOST_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9]
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 WORD = re.compile(r"^[A-Za-z0-9._-]{0,32}$")
 """Engine, accelerator, source: short plain words."""
-MAX_RECORD_BYTES = 256 << 10
+MAX_RECORD_BYTES = 1 << 20
 """Largest value of a record the directory reads (a sandbox's view and template included)."""
 
 
