@@ -174,7 +174,9 @@ class Membership:
             try:
                 r = await self._http.get(f"{n.url}/cluster/health",
                                          headers={H_TOKEN: self.token()})
-                return bool(r.json().get("writable"))
+                if r.status_code != 200:  # a refusal is no answer: the safe side is to fence
+                    return None
+                return r.json().get("writable") is True
             except (httpx.HTTPError, ValueError):
                 return None
 
