@@ -177,7 +177,7 @@ class Membership:
                 if r.status_code != 200:  # a refusal is no answer: the safe side is to fence
                     return None
                 return r.json().get("writable") is True
-            except (httpx.HTTPError, ValueError):
+            except (httpx.HTTPError, ValueError, AttributeError):
                 return None
 
         answers = await asyncio.gather(*(ask(n) for n in peers))
