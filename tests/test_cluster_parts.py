@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import hangar
 import hangar.cluster
 from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, EtcdUnavailable, cmp_version, op_put
@@ -418,3 +419,29 @@ def test_the_node_token_is_read_from_raw_headers_and_a_bad_one_is_401() -> None:
         assert info.value.status == 401
     with pytest.raises(Unauthorized):
         node_token([(b"x-hangar-node-token", token.encode())], "")  # no cluster config yet
+
+
+def test_nodes_and_commands_refuse_etcd_without_tls(tmp_path: Path) -> None:
+    from hangar.cluster.node import ClusterNode
+    from hangar.config import Settings
+    from hangar.layout import Layout
+
+    s = Settings(data_dir=tmp_path, etcd="http://10.0.0.1:2379", node_name="n1",
+                 advertise="10.0.0.1:8080")
+    with pytest.raises(ConfigError) as info:
+        ClusterNode(s, Layout(tmp_path))
+    assert "https://" in info.value.message
+    s = Settings(data_dir=tmp_path, etcd="https://10.0.0.1:2379", node_name="n1",
+                 advertise="10.0.0.1:8080")
+    with pytest.raises(ConfigError) as info:  # no certificate folder
+        ClusterNode(s, Layout(tmp_path))
+    assert "etcd-pki" in info.value.message
+    for bad in ({"node_name": "../n1"}, {"advertise": "169.254.169.254:80"}):
+        with pytest.raises(ConfigError):
+            ClusterNode(s.model_copy(update=bad), Layout(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "hangar.cli", "cluster", "init", "--store",
+                        f"file://{tmp_path}/store", "--etcd", "http://127.0.0.1:1",
+                        "--key-file", str(tmp_path / "key")],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(Path(hangar.__file__).parents[1])})
+    assert r.returncode == 2 and "TLS" in r.stderr, r.stderr
