@@ -445,3 +445,13 @@ def test_nodes_and_commands_refuse_etcd_without_tls(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(Path(hangar.__file__).parents[1])})
     assert r.returncode == 2 and "TLS" in r.stderr, r.stderr
+
+
+def test_the_control_endpoints_come_from_etcd_urls_and_node_addresses() -> None:
+    from hangar.cluster.guard import endpoints
+
+    got = endpoints(["https://10.0.0.1:2379", "https://10.0.0.2:2380", "https://[fd00::1]:2379",
+                     "https://localhost:2379", "not a url"],
+                    ["10.0.0.3:8080", "10.0.0.4", "[fd00::2]:8080"])
+    assert got == {("10.0.0.1", 2379), ("10.0.0.2", 2380), ("127.0.0.1", 2379),
+                   ("10.0.0.3", 8080), ("10.0.0.4", 8080)}
