@@ -246,7 +246,11 @@ def test_calls_sent_to_node1_reach_a_sandbox_on_node3(lab: Lab) -> None:
         # A raw WebSocket tunnel to a TCP echo server in the guest (the VNC path's transport).
         exec_(c, sid, "nohup python3 -c \"import socket\ns=socket.create_server(('127.0.0.1',7000))\n"
                       "while True:\n c,_=s.accept(); d=c.recv(100); c.sendall(d[::-1]); c.close()\""
-                      " >/dev/null 2>&1 & sleep 1")
+                      " >/dev/null 2>&1 &")
+        assert exec_(c, sid, "for i in $(seq 100); do python3 -c \"import socket\n"
+                             "socket.create_connection(('127.0.0.1', 7000), 1)\" 2>/dev/null"
+                             " && exit 0; sleep 0.2; done; exit 1")["exit_code"] == 0  # listening
+
         assert c.get("/sandboxes/sb-000000000000").status_code == 404
     from websockets.sync.client import connect
 
