@@ -248,8 +248,8 @@ class Lab:
         self.extra: list[subprocess.Popen[bytes]] = []
         self.key = ""
         self.env = {**os.environ, "PYTHONPATH": str(SRC), "AWS_ACCESS_KEY_ID": "hangar-test",
-                    "AWS_SECRET_ACCESS_KEY": "hangar-test-secret", "AWS_DEFAULT_REGION": "us-east-1",
-                    "HANGAR_ETCD_PKI": str(self.root / "pki" / "n1")}
+                    "AWS_SECRET_ACCESS_KEY": "hangar-test-secret",
+                    "AWS_DEFAULT_REGION": "us-east-1", "HANGAR_ETCD_PKI": str(self.root / "pki" / "n1")}
 
     # -- topology --------------------------------------------------------------------------
 

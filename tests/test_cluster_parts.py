@@ -96,8 +96,9 @@ def test_claims_never_overshoot_and_a_dead_endpoint_is_skipped(etcd_url: str) ->
     async def go() -> None:
         e = _client(dead, etcd_url)  # the first member is down: every call fails over
         d = Directory(e)
-        nodes = [NodeInfo(name=f"x{i}", address=f"10.0.0.{i}:8080", capacity=c, free=c, engine="qemu",
-                          accel="tcg", cpu_model="", images=[]) for i, c in ((1, 1), (2, 2))]
+        nodes = [NodeInfo(name=f"x{i}", address=f"10.0.0.{i}:8080", capacity=c, free=c,
+                          engine="qemu", accel="tcg", cpu_model="", images=[])
+                 for i, c in ((1, 1), (2, 2))]
 
         def record(node: NodeInfo, k: int, sid: str) -> SandboxObject:
             return SandboxObject(name=sid, spec={}, status={"nodeName": node.name, "slot": k,

@@ -63,7 +63,7 @@ def _etcd(urls: str | None, pki: Path | None = None):  # type: ignore[no-untyped
 def _node_name(name: str) -> str:
     from hangar.cluster.records import NODE_NAME
 
-    if not NODE_NAME.match(name):
+    if not NODE_NAME.fullmatch(name):
         err.print(f"[red]error:[/red] bad node name {name!r} (letters, digits, '.', '_', '-')",
                   highlight=False)
         raise typer.Exit(2)
@@ -209,7 +209,7 @@ async def _nodes(client: Any) -> tuple[dict[str, Any], set[str], dict[str, int],
                 drained.add(R.key_id(kv.key, R.DRAIN, R.NODE_NAME))
             elif kv.key.startswith(R.SLOTS):
                 n = kv.key[len(R.SLOTS):].split("/", 1)[0]
-                if R.NODE_NAME.match(n):
+                if R.NODE_NAME.fullmatch(n):
                     used[n] = used.get(n, 0) + 1
                     named.add(n)
             elif kv.key.startswith(R.SANDBOXES):

@@ -200,7 +200,7 @@ class Directory:
         rec = self.sandboxes.get(sid)
         if rec is not None:
             return rec
-        if not R.SANDBOX_ID.match(sid):
+        if not R.SANDBOX_ID.fullmatch(sid):
             return None
         kv = await self.etcd.get(R.sandbox_key(sid))
         if kv is None:
@@ -214,7 +214,7 @@ class Directory:
     async def fresh(self, sid: str) -> SandboxObject | None:
         """The record of ``sid`` read from etcd now (before a compare-and-set). Raises
         ``Conflict`` when it is unreadable."""
-        if not R.SANDBOX_ID.match(sid):
+        if not R.SANDBOX_ID.fullmatch(sid):
             return None
         kv = await self.etcd.get(R.sandbox_key(sid))
         if kv is None:
@@ -227,7 +227,7 @@ class Directory:
     async def machine_sandbox(self, user: str) -> str | None:
         """The sandbox id of ``user``'s machine, or None (no machine, or a user id that no
         machine can have). Raises Conflict when its record is unreadable."""
-        if not USER_ID.match(user):
+        if not USER_ID.fullmatch(user):
             return None
         m = self.machines.get(user)
         if m is None:
@@ -345,20 +345,20 @@ MAX_SLOT = 100_000
 def _slot(key: str) -> tuple[str, int]:
     """(node, k) of a slot key ``/hangar/slots/<node>/<k>``. Raises BadRecord."""
     node, _, k = key[len(R.SLOTS):].partition("/")
-    if not R.NODE_NAME.match(node) or not k.isdigit() or len(k) > 6 or int(k) > MAX_SLOT:
+    if not R.NODE_NAME.fullmatch(node) or not k.isdigit() or len(k) > 6 or int(k) > MAX_SLOT:
         raise BadRecord(f"malformed slot key {key[:120]!r}")
     return node, int(k)
 
 
 def _slot_value(value: bytes) -> str:
     sid = value.decode("ascii", "replace")
-    if not R.SANDBOX_ID.match(sid):
+    if not R.SANDBOX_ID.fullmatch(sid):
         raise BadRecord("a slot holds no sandbox id")
     return sid
 
 
 def _name(value: bytes) -> str:
     name = value.decode("ascii", "replace")
-    if not R.NODE_NAME.match(name):
+    if not R.NODE_NAME.fullmatch(name):
         raise BadRecord("malformed node name")
     return name

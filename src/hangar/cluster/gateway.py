@@ -77,7 +77,7 @@ def node_token(raw_headers: list[tuple[bytes, bytes]], token: str) -> bool:
     given = [v for k, v in raw_headers if k.lower() == H_TOKEN.encode()]
     if not given:
         return False
-    if len(given) > 1 or not TOKEN_CHARS.match(given[0]) or not token:
+    if len(given) > 1 or not TOKEN_CHARS.fullmatch(given[0]) or not token:
         raise Unauthorized("malformed or unexpected X-Hangar-Node-Token header")
     if not secrets.compare_digest(given[0], token.encode()):
         raise Unauthorized("wrong X-Hangar-Node-Token header")
@@ -110,7 +110,7 @@ class Gateway:
         try:
             token_ok = node_token(scope["headers"], self._token())
             if token_ok and H_PLACED in headers:
-                if not PLACED_ID.match(headers[H_PLACED]):
+                if not PLACED_ID.fullmatch(headers[H_PLACED]):
                     raise InvalidRequest("malformed X-Hangar-Sandbox-Id from a node")
                 await self.app(with_placement(scope, headers[H_PLACED]), receive, send)
                 return

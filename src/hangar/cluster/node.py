@@ -126,7 +126,7 @@ class ClusterNode:
         self.layout = layout
         self.name = settings.node_name or socket.gethostname()
         self.address = settings.advertise or f"{settings.host}:{settings.port}"
-        if not R.NODE_NAME.match(self.name):
+        if not R.NODE_NAME.fullmatch(self.name):
             raise ConfigError(f"bad node name {self.name!r} (HANGAR_NODE_NAME: letters, "
                               "digits, '.', '_', '-'; at most 63)")
         try:

@@ -100,7 +100,7 @@ def make(out: Path, members: Iterable[tuple[str, str]]) -> list[Path]:
 
     members = list(members)
     for name, ip in members:
-        if not NODE_NAME.match(name):
+        if not NODE_NAME.fullmatch(name):
             raise ConfigError(f"bad node name {name!r} (letters, digits, '.', '_', '-')")
         try:
             ipaddress.ip_address(ip)

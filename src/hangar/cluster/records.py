@@ -96,7 +96,7 @@ def check_address(value: str) -> str:
         raise ValueError(f"{value[:80]!r} is not host:port")
     if host.startswith("[") and host.endswith("]"):
         ip = ipaddress.IPv6Address(host[1:-1])
-    elif HOST_NAME.match(host) and not host.replace(".", "").isdigit():
+    elif HOST_NAME.fullmatch(host) and not host.replace(".", "").isdigit():
         return value
     else:
         try:
@@ -110,7 +110,7 @@ def check_address(value: str) -> str:
 
 def _match(rx: re.Pattern[str], what: str) -> Any:
     def check_(v: Any) -> Any:
-        if v is not None and not (isinstance(v, str) and rx.match(v)):
+        if v is not None and not (isinstance(v, str) and rx.fullmatch(v)):
             raise ValueError(f"{what} {str(v)[:80]!r} is malformed")
         return v
     return check_
@@ -141,7 +141,7 @@ def key_id(key: str, prefix: str, rx: re.Pattern[str]) -> str:
     """The id at the end of ``key`` (after ``prefix``). Raises BadRecord when it does not
     match ``rx`` (a forged key: ``../``, a slash, a stray name)."""
     rest = key[len(prefix):]
-    if not rx.match(rest):
+    if not rx.fullmatch(rest):
         raise BadRecord(f"malformed key {key[:120]!r}")
     return rest
 
@@ -354,7 +354,7 @@ class _MetaIn(_Record):
             if len(k) > 64 or len(val) > 256:
                 raise ValueError("a label is too long")
         user = v.get("hangar.dev/user")
-        if user is not None and not USER_ID.match(user):
+        if user is not None and not USER_ID.fullmatch(user):
             raise ValueError("the user label is malformed")
         return v
 

@@ -85,7 +85,7 @@ class Router:
             sid = m["id"]
         else:
             m = MACHINE.match(path)
-            if m and not USER_ID.match(m["user"]):
+            if m and not USER_ID.fullmatch(m["user"]):
                 await self.app(scope, receive, send)  # the route's own 400 or 404
                 return
             if m:
@@ -200,7 +200,7 @@ class Router:
                                                          self.node.settings.default_image)
         if not image:
             raise Conflict("the snapshot's cluster record names no image")
-        if not isinstance(image, str) or not R.IMAGE_NAME.match(image):
+        if not isinstance(image, str) or not R.IMAGE_NAME.fullmatch(image):
             raise InvalidRequest(f"bad image name {str(image)[:80]!r}")
         need = Need(image_name=str(image), engine=snapshot.get("engine") if snapshot else None,
                     accel=snapshot.get("accel") if snapshot else None,
@@ -260,8 +260,8 @@ class Router:
         """A request about snapshot ``snap_id``: a fork is a create; others go to the node
         that made it, else are answered from its shared metadata."""
         d = self.node.directory
-        meta = d.snapshots.get(snap_id) if R.SNAPSHOT_ID.match(snap_id) else None
-        if meta is None and R.SNAPSHOT_ID.match(snap_id):
+        meta = d.snapshots.get(snap_id) if R.SNAPSHOT_ID.fullmatch(snap_id) else None
+        if meta is None and R.SNAPSHOT_ID.fullmatch(snap_id):
             kv = await self.node.etcd.get(R.snapshot_key(snap_id))
             if kv is not None:
                 try:

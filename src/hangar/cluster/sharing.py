@@ -137,7 +137,7 @@ class Sharing:
             return
         meta = self.directory.snapshots.get(snap_id)
         if meta is None:
-            if not R.SNAPSHOT_ID.match(snap_id):
+            if not R.SNAPSHOT_ID.fullmatch(snap_id):
                 raise NotFound(f"no snapshot {snap_id}", snapshot_id=snap_id)
             kv = await self.etcd.get(R.snapshot_key(snap_id))
             if kv is None:
