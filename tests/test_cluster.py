@@ -1,9 +1,11 @@
 """Many hosts, one Hangar: three nodes in network namespaces, etcd, S3 (tests/clusterlab.py).
 
 The tests run in order on one module-scoped cluster (each node has one VM
-slot; node 3 is restarted with two before the machine moves). Eight VM
-starts in all: five boots (three creates, one of twenty racing creates,
-one machine) and three restores (the machine's wakes on other nodes).
+slot; node 3 is restarted with two before the machine moves). Nine VM
+starts in all: six boots (three creates, one of twenty racing creates, a
+guest with open egress probing the control ports, one machine) and three
+restores (the machine's wakes on other nodes). etcd runs with TLS and
+client certificates, as ``hangar cluster certs`` and install.sh set it up.
 """
 
 from __future__ import annotations
