@@ -31,7 +31,7 @@ from hangar.errors import ImageError
 
 MAX_SYMLINK_HOPS = 40
 """Links followed while resolving one path (the kernel's own limit)."""
-_DIR = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _parts(path: str) -> list[str]:
@@ -123,7 +123,7 @@ def parent(root: Path, path: str, *, create: bool = False,
 
 
 def open_dir(root: Path, path: str, *, create: bool = False, mode: int = 0o755) -> int:
-    """A descriptor (``O_PATH``; ``os.listdir`` and ``dir_fd`` take it) of the folder
+    """A descriptor (``os.listdir``, ``os.fwalk`` and ``dir_fd`` take it) of the folder
     ``path``, links inside the tree followed. With ``create`` the missing folders are
     made with ``mode``. The caller closes it. Raises FileNotFoundError."""
     w = _Walk(root, path)
