@@ -178,6 +178,7 @@ def hostile_tree(root: Path, host: Path) -> None:
     (root / "usr" / "share" / "locale").symlink_to(host / "locale")
     (root / "usr" / "share" / "man").symlink_to(host / "share" / "man")
     (root / "srv").symlink_to(host)
+    (root / "bin" / "su").unlink()  # busybox's applet link
     (root / "bin" / "su").write_text("#!/bin/sh\n")
     (root / "bin" / "su").chmod(0o4755)  # set-user-ID: kept, it acts in the guest only
 

@@ -84,8 +84,11 @@ def _at(fd: int) -> str:
 
 
 def _setup(spec: dict) -> None:
-    """Mounts, host name, loopback and pivot_root, as PID 1 of the new namespaces."""
+    """Mounts, host name, loopback and pivot_root, as PID 1 of the new namespaces (still
+    host root: the mounts belong to the host's user namespace, so root in the build's
+    cannot undo or add any)."""
     root = spec["root"]
+    _check(_libc.unshare(CLONE_NEWNS), "unshare the mount namespace")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount(root, root, None, MS_BIND)
     root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -132,12 +135,20 @@ def _setup(spec: dict) -> None:
     _check(_libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
     _check(_libc.umount2(b".", MNT_DETACH), "detach the host's tree")
     os.chdir("/")
-    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
-def _init(spec: dict) -> int:
-    """PID 1: set up, run the command, reap orphans until it ends; return its status."""
+def _init(spec: dict, up_w: int, go_r: int) -> int:
+    """PID 1: set up (as host root), enter the user namespace, run the command, reap
+    orphans until it ends; return its status."""
     _setup(spec)
+    _check(_libc.unshare(CLONE_NEWUSER), "unshare the user namespace")
+    os.write(up_w, b"u")
+    if os.read(go_r, 1) != b"g":
+        return SETUP_FAILED
+    os.setgroups([])
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     pid = os.fork()
     if pid == 0:
         try:
@@ -149,7 +160,7 @@ def _init(spec: dict) -> int:
     while True:
         done, status = os.wait()
         if done == pid:
-            return os.waitstatus_to_exitcode(status) if status else 0
+            return _code(status)
 
 
 def _code(status: int) -> int:
@@ -158,50 +169,37 @@ def _code(status: int) -> int:
 
 
 def main() -> int:
+    """As host root: new mount, PID, UTS, IPC (and network) namespaces; their PID 1
+    mounts the tree's root, then makes the user namespace, whose id maps this process
+    writes."""
     spec = json.loads(sys.argv[1])
-    flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    flags = CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS  # the mount namespace: PID 1's own
     if not spec.get("network"):
         flags |= CLONE_NEWNET
+    _check(_libc.unshare(flags), "unshare")
     up_r, up_w = os.pipe()
     go_r, go_w = os.pipe()
-    child = os.fork()
-    if child == 0:
+    init = os.fork()
+    if init == 0:
         os.close(up_r)
         os.close(go_w)
         try:
-            _check(_libc.unshare(flags), "unshare")
-            os.write(up_w, b"u")
-            if os.read(go_r, 1) != b"g":
-                os._exit(SETUP_FAILED)
-            os.setgroups([])
-            os.setresgid(0, 0, 0)
-            os.setresuid(0, 0, 0)
-            init = os.fork()
-            if init == 0:
-                try:
-                    code = _init(spec)
-                except BaseException as e:  # noqa: BLE001 - reported, then the set-up fails
-                    print(f"hangar build step: set-up failed: {e}", file=sys.stderr)
-                    code = SETUP_FAILED
-                sys.stderr.flush()
-                os._exit(128 - code if code < 0 else code)
-            _, status = os.waitpid(init, 0)
-            os._exit(_code(status))
-        except BaseException as e:  # noqa: BLE001
+            code = _init(spec, up_w, go_r)
+        except BaseException as e:  # noqa: BLE001 - reported, then the set-up fails
             print(f"hangar build step: set-up failed: {e}", file=sys.stderr)
-            sys.stderr.flush()
-            os._exit(SETUP_FAILED)
+            code = SETUP_FAILED
+        sys.stderr.flush()
+        os._exit(code)
     os.close(up_w)
     os.close(go_r)
-    if os.read(up_r, 1) != b"u":
-        _, status = os.waitpid(child, 0)
-        return _code(status)
-    line = f"0 {int(spec['uid_base'])} {int(spec['uid_count'])}\n".encode()
-    for name in ("uid_map", "gid_map"):
-        with open(f"/proc/{child}/{name}", "wb") as f:
-            f.write(line)
-    os.write(go_w, b"g")
-    _, status = os.waitpid(child, 0)
+    if os.read(up_r, 1) == b"u":
+        line = f"0 {int(spec['uid_base'])} {int(spec['uid_count'])}\n".encode()
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{init}/{name}", "wb") as f:
+                f.write(line)
+        os.write(go_w, b"g")
+    os.close(go_w)
+    _, status = os.waitpid(init, 0)
     return _code(status)
 
 
