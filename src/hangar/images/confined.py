@@ -115,7 +115,6 @@ def shifted(root: Path, say: Progress) -> Iterator[None]:
         if st is not None and not stat.S_ISDIR(st.st_mode):
             safetree.remove(root, p)
         safetree.make_dirs(root, p)
-    safetree.make_dirs(root, "/proc/sys")  # pinned by buildns' read-only bind
     n = _shift(root, True)
     say(f"build namespace: tree of {n} files owned by uid {UID_BASE}+")
     try:
