@@ -283,3 +283,24 @@ def test_safetree_never_leaves_the_tree(tmp_path: Path, host: Path) -> None:
     assert (inside_host / "log" / "new").read_text() == "guest\n"
     assert (inside_host / "doc" / "copied" / "passwd").read_text().startswith("root:x:0")
     assert (inside_host / "made").is_dir()
+
+
+def test_cli_import_of_a_refused_image_says_why(tmp_path: Path) -> None:
+    """``hangar template import`` of a hostile archive: exit 1 and the reason, no traceback,
+    nothing built."""
+    import sys
+
+    from conftest import SRC
+
+    oci_archive(tmp_path / "bad.tar", [layer([member("bin", DIR, mode=0o755),
+                                              member("bin/disk", tarfile.BLKTYPE)])])
+    data = tmp_path / "data"
+    r = subprocess.run([sys.executable, "-m", "hangar.cli", "template", "import",
+                        str(tmp_path / "bad.tar"), "--name", "refused"],
+                       env={**os.environ, "HANGAR_DATA_DIR": str(data), "PYTHONPATH": str(SRC),
+                            "COLUMNS": "300"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "layer 1: 'bin/disk' is a device node" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not list((data / "images").glob("refused*"))

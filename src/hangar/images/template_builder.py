@@ -10,23 +10,24 @@ the kernel, the initramfs and manifest.json, the digest covering its bytes,
    first if it is not, which reuses its cache) is mounted read-only
    (``mount -o loop,ro,noload``: nothing is written to it, not even a
    journal replay) and copied with ``cp -a``; its kernel and modules are
-   copied too. From an OCI archive: ``hangar.images.oci`` unpacks it, Hangar's
-   guest runtime is added (``hangar.images.runtime``: the image needs no
+   copied too. From an OCI archive: ``hangar.images.oci`` checks every layer
+   (``hangar.images.oci_check``: no devices, no paths or links out of the
+   tree) and unpacks it, Hangar's guest runtime is added (``hangar.images.runtime``: the image needs no
    Python), and the kernel is Debian's cloud kernel, as for recipes.
 2. Guest set-up (host name, resolv.conf, poweroff commands, /root).
-3. ``packages``: ``apt-get install`` in the tree, with apt's archives and
-   lists bind-mounted from the host's shared caches
-   (``<data>/cache/debootstrap``, ``<data>/cache/apt-lists``, under
-   ``<data>/cache/.apt.lock``), so .debs are fetched once per host.
+3. ``packages``: ``apt-get update`` and ``install`` in the build namespace
+   (``hangar.images.confined``) with the host's network, after a copy of the
+   host's apt lists (``<data>/cache/apt-lists``, under ``<data>/cache/.apt.lock``);
+   nothing a build writes reaches the host's caches.
 4. ``files``, copied in order, then ``env`` into ``/etc/hangar/env.json``
    (which the guest agent merges into every command's environment; an OCI
    image's own ``Env`` comes first, a base template's env is kept).
-5. ``steps``: ``/bin/sh -c`` in the tree (``chroot``, with /proc, /sys,
-   /dev and the host's resolver lent), in ``workdir``, with an environment
-   of the template's own only (``env -i``: nothing of the host's leaks in).
-   They run the image's programs as root on the host (a chroot is no
-   boundary): only for images one trusts. Nothing else of an image runs on
-   the host.
+5. ``steps``: ``/bin/sh -c`` in the build namespace (``hangar.images.confined``:
+   root there is an unprivileged host uid, the tree is the whole root, a
+   private /proc and a minimal /dev, no network unless the template says
+   ``network = true``), in ``workdir``, with an environment of the
+   template's own only (nothing of the host's leaks in). Nothing of an
+   image runs as host root.
 6. Packing, hashing, initramfs, manifest (``builder.finish_build``); the
    manifest's ``template`` holds what sandboxes need at create: the start
    command, the ready check, default vCPUs and memory, whether it has a
@@ -38,8 +39,9 @@ the kernel, the initramfs and manifest.json, the digest covering its bytes,
 
 Without ``force`` a build whose template digest (every field of the file,
 the files' contents, and the base build's id or the archive's SHA-256) is
-unchanged is reused at once. Every write into the tree goes through
-``commands.inside``, so an image's symlinks cannot send one onto the host.
+unchanged is reused at once. Every host-side operation on the tree goes
+through ``hangar.images.safetree``, so an image's symlinks cannot send one
+onto the host.
 """
 
 from __future__ import annotations
