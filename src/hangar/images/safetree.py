@@ -290,15 +290,16 @@ def files_under(root: Path, folder: str) -> Iterator[tuple[int, str, os.stat_res
 def copy_in(src: Path, root: Path, path: str, mode: int | None = None) -> None:
     """Copy the host file, link or folder ``src`` to ``path`` in the tree.
 
-    A file or link there is replaced; a folder is merged into. ``mode`` sets
+    A file or link there is replaced by a file; a folder (or a link to one in
+    the tree) is merged into by a folder. ``mode`` sets
     the top file's permission bits (else the source's are kept). Links in
     ``src`` are copied as links, never followed.
     """
     st = os.lstat(src)
     if stat.S_ISLNK(st.st_mode):
         symlink(root, path, os.readlink(src))
-    elif stat.S_ISDIR(st.st_mode):
-        with parent(root, path, create=True) as (fd, name):
+    elif stat.S_ISDIR(st.st_mode):  # into a folder a link there names (inside the tree)
+        with parent(root, path, create=True, follow_last=True) as (fd, name):
             _copy_dir(src, fd, name, st.st_mode & 0o7777 if mode is None else mode)
     elif stat.S_ISREG(st.st_mode):
         with parent(root, path, create=True) as (fd, name):
