@@ -1,6 +1,6 @@
 """Run one command in an image tree inside namespaces of its own (standard library only).
 
-Started by ``hangar.images.confined`` as ``python3 buildns.py SPEC`` (SPEC is JSON:
+Started by ``hangar.images.confined`` as ``python3 buildns.py SPEC`` (SPEC names a JSON file:
 ``root``, ``uid_base``, ``uid_count``, ``argv``, ``env``, ``cwd``, ``network``,
 ``hostname``), as host root. What the command gets:
 
@@ -172,7 +172,8 @@ def main() -> int:
     """As host root: new mount, PID, UTS, IPC (and network) namespaces; their PID 1
     mounts the tree's root, then makes the user namespace, whose id maps this process
     writes."""
-    spec = json.loads(sys.argv[1])
+    with open(sys.argv[1], "rb") as f:
+        spec = json.loads(f.read(1 << 22))
     flags = CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS  # the mount namespace: PID 1's own
     if not spec.get("network"):
         flags |= CLONE_NEWNET

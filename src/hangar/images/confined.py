@@ -30,6 +30,7 @@ import json
 import os
 import stat
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -133,9 +134,14 @@ def run_in_tree(step: str, root: Path, argv: list[str], *, env: Mapping[str, str
     """
     spec = {"root": str(root), "uid_base": UID_BASE, "uid_count": UID_COUNT,
             "argv": list(argv), "env": dict(env), "cwd": cwd, "network": network}
-    return run(step, [sys.executable, "-I", "-S", buildns.__file__, json.dumps(spec)],
-               progress=progress, echo=(lambda _ln: True) if echo else None,
-               timeout=timeout)
+    # in a file of the build's own (0600), not in argv: the host's ps shows every argv
+    with tempfile.NamedTemporaryFile("w", dir=root.parent, prefix=".buildns-",
+                                     suffix=".json") as f:
+        json.dump(spec, f)
+        f.flush()
+        return run(step, [sys.executable, "-I", "-S", buildns.__file__, f.name],
+                   progress=progress, echo=(lambda _ln: True) if echo else None,
+                   timeout=timeout)
 
 
 def check_available() -> None:
