@@ -20,6 +20,7 @@ import socket
 import subprocess
 import tarfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -304,3 +305,24 @@ def test_cli_import_of_a_refused_image_says_why(tmp_path: Path) -> None:
     assert "layer 1: 'bin/disk' is a device node" in r.stderr
     assert "Traceback" not in r.stderr
     assert not list((data / "images").glob("refused*"))
+
+
+@pytest.mark.parametrize("network", [False, True])
+def test_a_step_reaches_the_network_only_when_asked(
+        tmp_path: Path, listener: tuple[int, list[str]], network: bool) -> None:
+    """Without ``network`` a step has a loopback of its own; with it, the host's network
+    (loopback services included: the documented cost)."""
+    port, connections = listener
+    root = tmp_path / "root"
+    busybox_rootfs(root)
+    with confined.shifted(root, lambda _m: None):
+        out = confined.run_in_tree(
+            "probe", root, ["/bin/sh", "-c", f"nc -w 2 127.0.0.1 {port} </dev/null && echo "
+                                             "reached || echo unreachable"],
+            env={"PATH": "/bin"}, network=network)
+    assert out.splitlines()[-1] == ("reached" if network else "unreachable")
+    deadline = time.monotonic() + 5  # the listener's thread accepts in its own time
+    while network and not connections and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert connections == (["connected"] if network else [])
+    assert os.stat(root / "bin" / "busybox").st_uid == 0  # owners moved back
