@@ -13,8 +13,8 @@ mirror).
 For root in the namespace to own the tree, ``shifted`` moves the tree's
 owners up by ``UID_BASE`` before and back after (an id above 65535 becomes
 65534, nobody); set-user-ID and set-group-ID bits and file capabilities,
-which ``chown`` clears, are put back. About a second per 50,000 files each way (measured on
-the dev image's tree: 48,087 files, 0.85 s up, 0.92 s back).
+which ``chown`` clears, are put back. About a second per 50,000 files each
+way (the dev image's tree: 48,087 files, 0.85 s up, 0.92 s back).
 
 Recipes (``hangar.images.builder``) are not built this way: their trees come
 from debootstrap of Debian's signed archive, which needs host root to make
