@@ -13,7 +13,8 @@ the kernel, the initramfs and manifest.json, the digest covering its bytes,
    copied too. From an OCI archive: ``hangar.images.oci`` checks every layer
    (``hangar.images.oci_check``: no devices, no paths or links out of the
    tree) and unpacks it, Hangar's guest runtime is added
-   (``hangar.images.runtime``: the image needs no Python), and the kernel is Debian's cloud kernel, as for recipes.
+   (``hangar.images.runtime``: the image needs no Python), and the kernel
+   is Debian's cloud kernel, as for recipes.
 2. Guest set-up (host name, resolv.conf, poweroff commands, /root).
 3. ``packages``: ``apt-get update`` and ``install`` in the build namespace
    (``hangar.images.confined``) with the host's network, after a copy of the
