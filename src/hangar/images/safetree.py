@@ -322,18 +322,22 @@ def _copy_file(src: Path | str, fd: int, name: str, mode: int) -> None:
 
 
 def _copy_dir(src: Path, fd: int, name: str, mode: int) -> None:
+    """Merge the host folder ``src`` into ``name`` of the folder ``fd`` (``""``: into the
+    folder ``fd`` itself, whose mode is left alone)."""
+    if name:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=fd)
+            st = None
+        if st is None:
+            os.mkdir(name, 0o700, dir_fd=fd)
+    sub = os.open(name, _DIR, dir_fd=fd) if name else os.dup(fd)
     try:
-        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-    except FileNotFoundError:
-        st = None
-    if st is not None and not stat.S_ISDIR(st.st_mode):
-        os.unlink(name, dir_fd=fd)
-        st = None
-    if st is None:
-        os.mkdir(name, 0o700, dir_fd=fd)
-    sub = os.open(name, _DIR, dir_fd=fd)
-    try:
-        os.chmod(f"/proc/self/fd/{sub}", mode)
+        if name:
+            os.chmod(f"/proc/self/fd/{sub}", mode)
         with os.scandir(src) as it:
             for entry in sorted(it, key=lambda e: e.name):
                 est = entry.stat(follow_symlinks=False)
