@@ -66,8 +66,12 @@ def source(spec: Path) -> str:
     if not path.is_file():
         raise InvalidRequest(f"{path} does not exist")
     try:
+        names: set[str] = set()
         with tarfile.open(path) as tar:
-            names = {m.name.lstrip("./") for m in tar.getmembers()[:10000]}
+            for i, m in enumerate(tar):  # the top of a layout or docker save: a few names
+                if i >= 10000:
+                    break
+                names.add(m.name.lstrip("./"))
     except (tarfile.TarError, OSError) as exc:
         raise InvalidRequest(f"{path} is not a tar archive: {exc}") from None
     if "oci-layout" in names:
