@@ -68,7 +68,7 @@ def _mount(src: str | None, target: str, fstype: str | None, flags: int,
 
 def _dir_fd(root_fd: int, path: str) -> int:
     """An O_PATH descriptor of the real folder ``path`` in the tree: no component may be a
-    symlink (``confined.prepare`` made them real folders before)."""
+    symlink (``confined.shifted`` made them real folders before)."""
     fd = os.dup(root_fd)
     for name in [p for p in path.split("/") if p]:
         try:
