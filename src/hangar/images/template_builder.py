@@ -271,7 +271,7 @@ def _apt_in_tree(rootdir: Path, packages: tuple[str, ...], layout: Layout,
         _shift_owner(rootdir, "/var/lib/apt/lists")
     env = {"PATH": STEP_PATH, "DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C",
            "HOME": "/root"}
-    opts = ["-o", "APT::Sandbox::User=root"]
+    opts: list[str] = []  # apt's own sandbox user (_apt) exists in the namespace's id map
     with _resolver(rootdir):
         confined.run_in_tree("apt-get update", rootdir,
                              ["/usr/bin/apt-get", *opts, "update", "-q"], env=env,
