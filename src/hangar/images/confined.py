@@ -46,8 +46,9 @@ UID_BASE = 300_000
 UID_COUNT = 65_536
 NOBODY = 65_534
 CAP_XATTR = "security.capability"
-MOUNT_POINTS = ("/proc", "/dev", "/tmp")
-"""Real folders (a link there is replaced) the namespace mounts on or needs."""
+MOUNT_POINTS = ("/proc", "/dev")
+"""Real folders the namespace mounts on (a link or file there is replaced by one; the
+guest mounts there too)."""
 
 
 def _shift(root: Path, up: bool) -> int:
@@ -117,6 +118,8 @@ def shifted(root: Path, say: Progress) -> Iterator[None]:
         if st is not None and not stat.S_ISDIR(st.st_mode):
             safetree.remove(root, p)
         safetree.make_dirs(root, p)
+    if safetree.lstat(root, "/tmp") is None:  # programs expect one; a link there is kept
+        safetree.make_dirs(root, "/tmp", 0o1777)
     n = _shift(root, True)
     say(f"build namespace: tree of {n} files owned by uid {UID_BASE}+")
     try:
