@@ -143,6 +143,7 @@ def sh(c: httpx.Client, sid: str, command: str) -> dict[str, Any]:
     ('name = "x"\nbase = "base"\n[ready]\ntimeout = 5', "port"),
     ('name = "x"\nbase = "base"\nvcpus = 0', "vcpus"),
     ('name = "x"\nbase = "base"\nsurprise = 1', "surprise"),
+    ('name = "x"\nbase = "base"\nnetwork = "yes"', "network"),
 ])
 def test_template_file_mistakes_name_the_field(tmp_path: Path, text: str, field: str) -> None:
     (tmp_path / "t.toml").write_text(text)
@@ -170,6 +171,7 @@ def test_digest_follows_every_input(tmp_path: Path) -> None:
     assert d != t.digest("base-001")  # another base build
     assert d != parse_template({**data, "start": "x"}, tmp_path).digest("base-000")
     assert d != parse_template({**data, "env": {"A": "1"}}, tmp_path).digest("base-000")
+    assert d != parse_template({**data, "network": True}, tmp_path).digest("base-000")
     (tmp_path / "f").write_text("two")  # a copied file's content
     assert d != parse_template(data, tmp_path).digest("base-000")
 

@@ -4,7 +4,11 @@ Like ``hangar image build`` these work on the data directory's image cache
 (``hangar.images.template_builder``); a running server sees a new template
 at its next create (``"image": "<name>"``). ``build`` takes a TOML file
 (``hangar.images.template_file``); ``import`` makes a template of an OCI
-image archive (``docker save`` tarball or OCI layout) without one.
+image archive (``docker save`` tarball or OCI layout) without one. An
+archive is checked member by member before it is unpacked (an image with a
+device node, or a path or link out of its tree, is refused with the
+member's name), and a template's packages and steps run in a build
+namespace, never as host root (``hangar.images.confined``).
 """
 
 from __future__ import annotations
@@ -98,7 +102,8 @@ def import_(
     data_dir: DataDir = None,
 ) -> None:
     """Make a template of an OCI image from a local archive, with Hangar's init, agent and
-    Python runtime added (the image needs no Python; /bin/sh for shell commands)."""
+    Python runtime added (the image needs no Python; /bin/sh for shell commands). An image
+    with device nodes, or paths or links out of its tree, is refused."""
     from hangar.images.template_file import parse_template
 
     data: dict[str, object] = {"name": name, "oci": str(archive.resolve())}

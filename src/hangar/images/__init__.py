@@ -15,9 +15,15 @@ means rebuilding the rootfs. A build never changes once made; its id,
     vmlinux     the ELF kernel from the bzImage (``ensure_vmlinux``)
     initramfs   the busybox initramfs and its /init
     commands    running host tools; removing temporary trees safely
+    template_file, template_builder   users' templates (TOML) and their builds
+    oci, oci_check   OCI archives: checked member by member, then unpacked (umoci)
+    runtime     the Python runtime added to OCI images
+    safetree    files inside a tree an image shaped, never leaving it (dir fds, O_NOFOLLOW)
+    confined, buildns   template steps and packages in a build namespace, never host root
 
 Building needs root and the host tools debootstrap, e2fsprogs, kmod, dpkg,
-apt and busybox-static.
+apt and busybox-static. Recipes are built as root (debootstrap of Debian's
+archive); templates run their packages and steps in a user namespace.
 """
 
 from hangar.images.builder import ImageInfo, build_image, list_images, resolve_image, resolve_pinned

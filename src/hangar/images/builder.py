@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from hangar.errors import ImageError, ImageMissing, NotFound
-from hangar.images import initramfs, kernel, vmlinux
+from hangar.images import initramfs, kernel, safetree, vmlinux
 from hangar.images.commands import Progress, inside, remove_tree, require_tools, run
 from hangar.images.guest_image import GuestImage, image_id
 from hangar.images.initramfs import GUEST_PYTHON_DIR
@@ -644,20 +644,12 @@ def _configure_rootfs(root: Path) -> None:
     _trim(root)
 
 
-def put_file(root: Path, path: str, data: bytes | str, mode: int | None = None) -> Path:
+def put_file(root: Path, path: str, data: bytes | str, mode: int | None = None,
+             owner: tuple[int, int] | None = None) -> None:
     """Write a file at the guest path ``path`` of the tree ``root`` (parents made, a link
-    or file there replaced), never outside the tree (``commands.inside``)."""
-    dest = inside(root, path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if dest.is_symlink() or dest.is_file():
-        dest.unlink()
-    if isinstance(data, str):
-        dest.write_text(data)
-    else:
-        dest.write_bytes(data)
-    if mode is not None:
-        dest.chmod(mode)
-    return dest
+    or file there replaced), never outside the tree (``hangar.images.safetree``);
+    ``owner`` is its (uid, gid) when given."""
+    safetree.write_file(root, path, data, 0o644 if mode is None else mode, owner)
 
 
 def guest_setup(root: Path) -> None:
@@ -673,35 +665,43 @@ def guest_setup(root: Path) -> None:
     put_file(root, "/etc/fstab",
              "# Hangar: the initramfs mounts / and the guest init mounts the rest; "
              "nothing here.\n")
-    home = inside(root, "/root", follow_last=True)
-    home.mkdir(parents=True, exist_ok=True)
-    home.chmod(0o700)
-    if os.path.lexists(inside(root, "/bin/sh", follow_last=True)):
+    safetree.make_dirs(root, "/root", 0o700)
+    if safetree.lstat(root, "/bin/sh", follow_last=True) is not None:
         for cmd in ("poweroff", "halt", "reboot", "shutdown"):
             put_file(root, f"/usr/local/sbin/{cmd}", POWEROFF_SHIM, 0o755)
-    inside(root, GUEST_PYTHON_DIR, follow_last=True).mkdir(parents=True, exist_ok=True)
+    safetree.make_dirs(root, GUEST_PYTHON_DIR)
+
+
+TRIM = (("/var/cache/apt", "*.bin"), ("/var/cache/apt/archives", "*.deb"),
+        ("/var/lib/apt/lists", "*_*"), ("/var/cache/debconf", "*-old"),
+        ("/var/lib/dpkg", "*-old"), ("/usr/share/man", "*"), ("/usr/share/info", "*"),
+        ("/usr/share/lintian", "*"), ("/var/log", "bootstrap.log"), ("/tmp", "*"),
+        ("/var/tmp", "*"))
+"""(folder, glob) of what ``_trim`` removes."""
 
 
 def _trim(root: Path) -> None:
     """Leave out of a Debian tree what a sandbox never needs: docs (but copyrights), man
-    pages, locales, apt caches and lists, logs; and keep dpkg from adding them back."""
+    pages, locales, apt caches and lists, logs; and keep dpkg from adding them back.
+
+    Works through ``safetree``: a tree whose ``usr/share/doc`` or ``var/log`` is a link
+    to the host's trims inside the tree only.
+    """
     put_file(root, "/etc/dpkg/dpkg.cfg.d/01-hangar-nodoc", NODOC)
-    # Space: apt caches and lists, docs (but copyrights), man pages, locales, logs.
-    for pattern in ("var/cache/apt/*.bin", "var/cache/apt/archives/*.deb",
-                    "var/lib/apt/lists/*_*", "var/cache/debconf/*-old", "var/lib/dpkg/*-old",
-                    "usr/share/man/*", "usr/share/info/*", "usr/share/lintian/*",
-                    "var/log/bootstrap.log", "tmp/*", "var/tmp/*"):
-        for p in root.glob(pattern):
-            remove_tree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
-    for p in (root / "usr/share/locale").glob("*"):
-        if p.name != "locale.alias":
-            remove_tree(p) if p.is_dir() else p.unlink(missing_ok=True)
-    for p in (root / "usr/share/doc").rglob("*"):
-        if p.is_file() and not p.is_symlink() and p.name != "copyright":
-            p.unlink()
-    for p in (root / "var/log").rglob("*"):
-        if p.is_file():
-            p.write_bytes(b"")
+    for folder, pattern in TRIM:
+        safetree.remove_matching(root, folder, pattern)
+    safetree.remove_matching(root, "/usr/share/locale", "*", keep=frozenset({"locale.alias"}))
+    for dfd, name, st in safetree.files_under(root, "/usr/share/doc"):
+        if stat.S_ISREG(st.st_mode) and name != "copyright":
+            os.unlink(name, dir_fd=dfd)
+    for dfd, name, st in safetree.files_under(root, "/var/log"):
+        if stat.S_ISREG(st.st_mode):
+            fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=dfd)
+            try:
+                os.ftruncate(fd, 0)
+            finally:
+                os.close(fd)
 
 
 def _write_files(root: Path, recipe: Recipe) -> None:
@@ -710,11 +710,7 @@ def _write_files(root: Path, recipe: Recipe) -> None:
         if not f.path.startswith("/") or ".." in f.path.split("/"):
             raise ImageError(f"recipe {recipe.name}: file path {f.path!r} must be absolute",
                              image=recipe.name)
-        dest = root / f.path.lstrip("/")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.unlink(missing_ok=True)
-        dest.write_text(f.content)
-        dest.chmod(f.mode)
+        put_file(root, f.path, f.content, f.mode)
 
 
 def python_version(root: Path) -> str | None:
@@ -723,9 +719,8 @@ def python_version(root: Path) -> str | None:
 
 
 def _python_version(root: Path) -> str | None:
-    try:
-        target = os.readlink(root / "usr/bin/python3")
-    except OSError:
+    target = safetree.readlink(root, "/usr/bin/python3")
+    if target is None:
         return None
     m = re.fullmatch(r"(?:.*/)?python(\d+\.\d+)", target)
     return m.group(1) if m else None

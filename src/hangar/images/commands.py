@@ -25,6 +25,11 @@ from hangar.errors import ImageError
 Progress = Callable[[str], None]
 
 TAIL_LINES = 25
+MAX_LINE = 65536
+"""Characters of one output line kept (a longer one is split): a build step's output is
+the image's to choose."""
+MAX_OUTPUT = 8 << 20
+"""Characters of a command's output kept for its caller; past that only the tail is."""
 
 
 def require_tools(*names: str) -> None:
@@ -79,12 +84,15 @@ def run(
     timer.daemon = True
     timer.start()
     out: list[str] = []
+    kept = 0
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     try:
         assert proc.stdout is not None
-        for line in proc.stdout:
+        for line in iter(lambda: proc.stdout.readline(MAX_LINE), ""):  # type: ignore[union-attr]
             line = line.rstrip("\n")
-            out.append(line)
+            kept += len(line) + 1
+            if kept <= MAX_OUTPUT:
+                out.append(line)
             tail.append(line)
             if progress is not None and echo is not None and echo(line):
                 progress(line)

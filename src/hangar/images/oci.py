@@ -20,13 +20,13 @@ skopeo runs with ``--insecure-policy`` (it would otherwise need
 from __future__ import annotations
 
 import hashlib
-import json
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hangar.errors import ImageError, InvalidRequest
+from hangar.images import oci_check
 from hangar.images.commands import Progress, require_tools, run
 
 TAG = "hangar"
@@ -66,8 +66,12 @@ def source(spec: Path) -> str:
     if not path.is_file():
         raise InvalidRequest(f"{path} does not exist")
     try:
+        names: set[str] = set()
         with tarfile.open(path) as tar:
-            names = {m.name.lstrip("./") for m in tar.getmembers()[:10000]}
+            for i, m in enumerate(tar):  # the top of a layout or docker save: a few names
+                if i >= 10000:
+                    break
+                names.add(m.name.lstrip("./"))
     except (tarfile.TarError, OSError) as exc:
         raise InvalidRequest(f"{path} is not a tar archive: {exc}") from None
     if "oci-layout" in names:
@@ -102,41 +106,41 @@ def unpack(spec: Path, work: Path, say: Progress) -> OciImage:
     ref = source(spec)
     layout = work / "oci"
     bundle = work / "bundle"
+    path, _tag = _split(spec)
+    if path.is_file() and path.stat().st_size > oci_check.MAX_ARCHIVE_BYTES:
+        raise InvalidRequest(f"{path} is larger than {oci_check.MAX_ARCHIVE_BYTES} bytes")
     say(f"reading {ref.split(':', 1)[0]} {spec}")
     run("skopeo copy", ["skopeo", "--insecure-policy", "copy", "--quiet", ref,
                         f"oci:{layout}:{TAG}"], progress=say, echo=lambda ln: True,
         timeout=1800)
+    members = oci_check.check_layers(layout, TAG)
+    say(f"checked {members} files of the image: no devices, no links or paths out of it")
     say("unpacking the layers (umoci)")
     run("umoci unpack", ["umoci", "unpack", "--image", f"{layout}:{TAG}", str(bundle)],
         timeout=1800)
     image_config = _image_config(layout)
     env: dict[str, str] = {}
-    for item in image_config.get("Env") or []:
-        name, sep, value = str(item).partition("=")
-        if sep and name:
+    for item in _strings(image_config.get("Env")):
+        name, sep, value = item.partition("=")
+        if sep and name and "\0" not in item:
             env[name] = value
-    args = [str(a) for a in (image_config.get("Entrypoint") or []) + (image_config.get("Cmd")
-                                                                        or [])]
+    args = _strings(image_config.get("Entrypoint")) + _strings(image_config.get("Cmd"))
     return OciImage(bundle / "rootfs", env, args, str(image_config.get("WorkingDir") or "/"))
 
 
-def _blob(layout: Path, digest: str) -> dict[str, Any]:
-    algo, _, hexdigest = digest.partition(":")
-    if algo != "sha256" or not hexdigest.isalnum():
-        raise ImageError(f"unexpected blob digest {digest[:80]!r} in the image")
-    return json.loads((layout / "blobs" / algo / hexdigest).read_bytes())
+def _strings(value: Any) -> list[str]:
+    """A config field that should be a list of strings (anything else reads as empty)."""
+    return [str(v) for v in value] if isinstance(value, list) else []
 
 
 def _image_config(layout: Path) -> dict[str, Any]:
     """The ``config`` object of the image tagged ``TAG`` in the layout skopeo wrote
     (Env, Entrypoint, Cmd, WorkingDir...; the OCI image spec's config)."""
     try:
-        index = json.loads((layout / "index.json").read_bytes())
-        entry = next(m for m in index.get("manifests", [])
-                     if m.get("annotations", {}).get("org.opencontainers.image.ref.name") == TAG)
-        manifest = _blob(layout, entry["digest"])
-        config = _blob(layout, manifest["config"]["digest"])
-    except (OSError, ValueError, KeyError, StopIteration) as exc:
-        raise ImageError(f"cannot read the image's config from the OCI layout: {exc!r}") from None
-    inner = config.get("config") or {}
+        config = oci_check.read_json(oci_check.blob_path(
+            layout, oci_check.manifest(layout, TAG)["config"]["digest"]))
+    except (KeyError, TypeError) as exc:
+        raise ImageError(f"cannot read the image's config from the OCI layout: {exc!r}") \
+            from None
+    inner = config.get("config") if isinstance(config, dict) else None
     return inner if isinstance(inner, dict) else {}

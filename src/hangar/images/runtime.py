@@ -37,10 +37,12 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 from hangar.errors import ImageError
-from hangar.images.commands import Progress, inside, require_tools, run
+from hangar.images import safetree
+from hangar.images.commands import Progress, require_tools, run
 from hangar.images.initramfs import RUNTIME_DIR
 HOST_PYTHON = Path("/usr/bin/python3")
 """The interpreter copied: Debian's, whose standard library is complete."""
@@ -98,11 +100,18 @@ def install_runtime(root: Path, say: Progress) -> str:
     info = _host_python()
     version = info["version"]
     say(f"adding Hangar's guest runtime (Python {version} from the host) at {RUNTIME_DIR}")
-    dest = inside(root, RUNTIME_DIR)
-    if dest.is_symlink() or dest.is_file():
-        dest.unlink()
-    elif dest.exists():
-        shutil.rmtree(dest)
+    with tempfile.TemporaryDirectory(prefix="runtime-", dir=root.parent) as tmp:
+        dest = Path(tmp) / "runtime"
+        _make(dest, info)
+        # into the tree through safetree: the image's links cannot send it elsewhere
+        safetree.remove(root, RUNTIME_DIR)
+        safetree.copy_in(dest, root, RUNTIME_DIR, 0o755)
+    return version
+
+
+def _make(dest: Path, info: dict[str, str]) -> None:
+    """The runtime folder at ``dest`` (a host folder of our own)."""
+    version = info["version"]
     bindir, libdir = dest / "bin", dest / "lib"
     bindir.mkdir(parents=True)
     libdir.mkdir()
@@ -131,4 +140,3 @@ def install_runtime(root: Path, say: Progress) -> str:
         run("patchelf", ["patchelf", "--set-interpreter", f"{RUNTIME_DIR}/lib/{LOADER}",
                          "--force-rpath", "--set-rpath", f"{RUNTIME_DIR}/lib", str(exe)],
             timeout=60)
-    return version

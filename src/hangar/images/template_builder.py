@@ -10,23 +10,25 @@ the kernel, the initramfs and manifest.json, the digest covering its bytes,
    first if it is not, which reuses its cache) is mounted read-only
    (``mount -o loop,ro,noload``: nothing is written to it, not even a
    journal replay) and copied with ``cp -a``; its kernel and modules are
-   copied too. From an OCI archive: ``hangar.images.oci`` unpacks it, Hangar's
-   guest runtime is added (``hangar.images.runtime``: the image needs no
-   Python), and the kernel is Debian's cloud kernel, as for recipes.
+   copied too. From an OCI archive: ``hangar.images.oci`` checks every layer
+   (``hangar.images.oci_check``: no devices, no paths or links out of the
+   tree) and unpacks it, Hangar's guest runtime is added
+   (``hangar.images.runtime``: the image needs no Python), and the kernel
+   is Debian's cloud kernel, as for recipes.
 2. Guest set-up (host name, resolv.conf, poweroff commands, /root).
-3. ``packages``: ``apt-get install`` in the tree, with apt's archives and
-   lists bind-mounted from the host's shared caches
-   (``<data>/cache/debootstrap``, ``<data>/cache/apt-lists``, under
-   ``<data>/cache/.apt.lock``), so .debs are fetched once per host.
+3. ``packages``: ``apt-get update`` and ``install`` in the build namespace
+   (``hangar.images.confined``) with the host's network, after a copy of the
+   host's apt lists (``<data>/cache/apt-lists``, under ``<data>/cache/.apt.lock``);
+   nothing a build writes reaches the host's caches.
 4. ``files``, copied in order, then ``env`` into ``/etc/hangar/env.json``
    (which the guest agent merges into every command's environment; an OCI
    image's own ``Env`` comes first, a base template's env is kept).
-5. ``steps``: ``/bin/sh -c`` in the tree (``chroot``, with /proc, /sys,
-   /dev and the host's resolver lent), in ``workdir``, with an environment
-   of the template's own only (``env -i``: nothing of the host's leaks in).
-   They run the image's programs as root on the host (a chroot is no
-   boundary): only for images one trusts. Nothing else of an image runs on
-   the host.
+5. ``steps``: ``/bin/sh -c`` in the build namespace (``hangar.images.confined``:
+   root there is an unprivileged host uid, the tree is the whole root, a
+   private /proc and a minimal /dev, no network unless the template says
+   ``network = true``), in ``workdir``, with an environment of the
+   template's own only (nothing of the host's leaks in). Nothing of an
+   image runs as host root.
 6. Packing, hashing, initramfs, manifest (``builder.finish_build``); the
    manifest's ``template`` holds what sandboxes need at create: the start
    command, the ready check, default vCPUs and memory, whether it has a
@@ -38,8 +40,9 @@ the kernel, the initramfs and manifest.json, the digest covering its bytes,
 
 Without ``force`` a build whose template digest (every field of the file,
 the files' contents, and the base build's id or the archive's SHA-256) is
-unchanged is reused at once. Every write into the tree goes through
-``commands.inside``, so an image's symlinks cannot send one onto the host.
+unchanged is reused at once. Every host-side operation on the tree goes
+through ``hangar.images.safetree``, so an image's symlinks cannot send one
+onto the host.
 """
 
 from __future__ import annotations
@@ -50,19 +53,21 @@ import shlex
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 from hangar.errors import ImageError, NotFound
 from hangar.guest import paths
-from hangar.images import oci, runtime, vmlinux
+from hangar.images import confined, oci, runtime, safetree, vmlinux
 from hangar.images import kernel as kernels
 from hangar.images.builder import (
-    AptCaches, _apt_install, _current, _ensure_initrd, _newest_build,
-    _point_symlink, _read_manifest, _recipe_digest, _trim, build_image, chroot_mounts,
-    finish_build, guest_setup, image_lock, put_file, python_version, resolve_image,
+    RESOLV_PLACEHOLDER, AptCaches, _current, _ensure_initrd, _flock, _newest_build,
+    _point_symlink, _read_manifest, _recipe_digest, _trim, build_image, finish_build,
+    guest_setup, image_lock, put_file, python_version, resolve_image,
 )
-from hangar.images.commands import Progress, inside, remove_tree, require_tools, run
+from hangar.images.commands import Progress, remove_tree, require_tools, run
 from hangar.images.guest_image import GuestImage
 from hangar.images.recipes import BASE, RECIPES
 from hangar.images.template_file import Template, TemplateFile
@@ -103,7 +108,9 @@ def build_template(layout: Layout, t: Template, *, force: bool = False,
         if d is not None and _recipe_digest(_read_manifest(d)) == digest:
             say(f"{t.name}: unchanged, build {d.name} reused")
             return _ensure_initrd(d, _read_manifest(d))
-    require_tools("mkfs.ext4", "depmod", "cp", "mount", "umount", "chroot", "env")
+    require_tools("mkfs.ext4", "depmod", "cp", "mount", "umount")
+    if t.steps or t.packages:
+        confined.check_available()
     with image_lock(layout, t.name):
         d = None if force else _newest_build(layout, t.name, digest)
         if d is None:
@@ -162,7 +169,8 @@ def _build(layout: Layout, t: Template, digest: str, base: GuestImage | None,
         t1 = time.monotonic()
         guest_setup(rootdir)
         if t.packages:
-            _apt_install(rootdir, t.packages, say, AptCaches.of(layout))
+            with confined.shifted(rootdir, say):
+                _apt_in_tree(rootdir, t.packages, layout, say)
         times["packages"] = time.monotonic() - t1
 
         t1 = time.monotonic()
@@ -174,15 +182,17 @@ def _build(layout: Layout, t: Template, digest: str, base: GuestImage | None,
             put_file(rootdir, ENV_FILE, json.dumps(env, indent=2, sort_keys=True) + "\n", 0o644)
         workdir = t.workdir or inherited.get("workdir")
         if workdir:
-            inside(rootdir, workdir, follow_last=True).mkdir(parents=True, exist_ok=True)
-        _run_steps(rootdir, t.steps, env, workdir, say)
+            safetree.make_dirs(rootdir, workdir)
+        if t.steps:
+            with confined.shifted(rootdir, say):
+                _run_steps(rootdir, t.steps, env, workdir, t.network, say)
         if debian:
             _trim(rootdir)
         times["files_and_steps"] = time.monotonic() - t1
 
-        runtime_python = inside(rootdir, f"{runtime.RUNTIME_DIR}/bin/python3")
-        pyver = (runtime_python.resolve().name.removeprefix("python")
-                 if os.path.lexists(runtime_python) else python_version(rootdir))
+        runtime_python = safetree.readlink(rootdir, f"{runtime.RUNTIME_DIR}/bin/python3")
+        pyver = (runtime_python.rsplit("/", 1)[-1].removeprefix("python")
+                 if runtime_python else python_version(rootdir))
         own = t.runtime()
         # The start command and its ready check go together: a template that names
         # either has its own pair, else it keeps its base template's.
@@ -230,8 +240,8 @@ def _copy_base(base: GuestImage, rootdir: Path, work: Path, stage: Path) -> None
 def _read_env(rootdir: Path) -> dict[str, str]:
     """The environment a base template left in the tree (``ENV_FILE``), if any."""
     try:
-        data = json.loads(inside(rootdir, ENV_FILE).read_text())
-    except (OSError, ValueError):
+        data = json.loads(safetree.read_file(rootdir, ENV_FILE) or b"{}")
+    except (ValueError, ImageError):
         return {}
     return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
@@ -242,55 +252,79 @@ def _copy_in(rootdir: Path, f: TemplateFile) -> None:
         put_file(rootdir, f.dest, f.content, 0o644 if f.mode is None else f.mode)
         return
     assert f.src is not None
-    if not f.src.is_dir():
-        _copy_one(rootdir, f.src, f.dest, f.mode)
-        return
-    top = inside(rootdir, f.dest, follow_last=True)
-    top.mkdir(parents=True, exist_ok=True)
-    for dirpath, dirnames, filenames in os.walk(f.src):
-        rel = Path(dirpath).relative_to(f.src)
-        guest_dir = f.dest.rstrip("/") + ("/" + rel.as_posix() if rel.parts else "")
-        for name in sorted(dirnames):
-            src = Path(dirpath) / name
-            if src.is_symlink():
-                _copy_one(rootdir, src, f"{guest_dir}/{name}", None)
-            else:
-                d = inside(rootdir, f"{guest_dir}/{name}", follow_last=True)
-                d.mkdir(parents=True, exist_ok=True)
-                d.chmod(src.stat().st_mode & 0o7777)
-        for name in sorted(filenames):
-            _copy_one(rootdir, Path(dirpath) / name, f"{guest_dir}/{name}", None)
+    safetree.copy_in(f.src, rootdir, f.dest, f.mode)
 
 
-def _copy_one(rootdir: Path, src: Path, guest: str, mode: int | None) -> None:
-    dest = inside(rootdir, guest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if dest.is_symlink() or dest.is_file():
-        dest.unlink()
-    if src.is_symlink():
-        os.symlink(os.readlink(src), dest)
-        return
-    if dest.is_dir():
-        raise ImageError(f"cannot copy {src} onto {guest}: a folder is there")
-    shutil.copyfile(src, dest)
-    dest.chmod(mode if mode is not None else src.stat().st_mode & 0o7777)
+def _apt_in_tree(rootdir: Path, packages: tuple[str, ...], layout: Layout,
+                 say: Progress) -> None:
+    """``apt-get update`` and ``install`` of ``packages`` in the build namespace, with the
+    host's network (the mirror) and resolver. The host's apt lists are copied in first
+    (so the update mostly revalidates them); nothing the build writes goes back to the
+    host's caches. The tree must be ``confined.shifted``."""
+    say(f"apt-get install {' '.join(packages)}")
+    lists = AptCaches.of(layout).lists
+    if lists.is_dir():
+        with _flock(layout.apt_lock):
+            for p in sorted(lists.iterdir()):
+                if p.is_file() and not p.is_symlink() and "_" in p.name:
+                    safetree.copy_in(p, rootdir, f"/var/lib/apt/lists/{p.name}", 0o644)
+        _shift_owner(rootdir, "/var/lib/apt/lists")
+    env = {"PATH": STEP_PATH, "DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C",
+           "HOME": "/root"}
+    opts: list[str] = []  # apt's own sandbox user (_apt) exists in the namespace's id map
+    with _resolver(rootdir):
+        confined.run_in_tree("apt-get update", rootdir,
+                             ["/usr/bin/apt-get", *opts, "update", "-q"], env=env,
+                             network=True, echo=False, timeout=1800)
+        confined.run_in_tree("apt-get install", rootdir,
+                             ["/usr/bin/apt-get", *opts, "install", "-y", "-q",
+                              "--no-install-recommends", *packages], env=env, network=True,
+                             progress=say, timeout=3600)
+    confined.run_in_tree("apt-get clean", rootdir, ["/usr/bin/apt-get", "clean"], env=env,
+                         echo=False, timeout=300)
+
+
+def _shift_owner(rootdir: Path, folder: str) -> None:
+    """Give what was just copied into ``folder`` to the build namespace's root."""
+    fd = safetree.open_dir(rootdir, folder)
+    try:
+        for _p, dirs, files, dfd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
+            for name in dirs + files:
+                os.chown(name, confined.UID_BASE, confined.UID_BASE, dir_fd=dfd,
+                         follow_symlinks=False)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _resolver(rootdir: Path) -> Iterator[None]:
+    """The host's resolv.conf in the tree while a command with the network runs."""
+    try:
+        host = Path("/etc/resolv.conf").read_bytes()[:65536]
+    except OSError:
+        host = b""
+    owner = (confined.UID_BASE, confined.UID_BASE)
+    put_file(rootdir, "/etc/resolv.conf", host, 0o644, owner)
+    try:
+        yield
+    finally:
+        put_file(rootdir, "/etc/resolv.conf", RESOLV_PLACEHOLDER, 0o644, owner)
 
 
 def _run_steps(rootdir: Path, steps: tuple[str, ...], env: dict[str, str],
-               workdir: str | None, say: Progress) -> None:
-    if not steps:
-        return
-    if not os.path.lexists(inside(rootdir, "/bin/sh", follow_last=True)):
+               workdir: str | None, network: bool, say: Progress) -> None:
+    """Each step as ``/bin/sh -c`` in the build namespace (``confined``), in ``workdir``,
+    with the template's environment only. The tree must be ``confined.shifted``."""
+    if safetree.lstat(rootdir, "/bin/sh", follow_last=True) is None:
         raise ImageError("the template's steps need /bin/sh, which the image lacks")
     clean = {"PATH": STEP_PATH, "HOME": "/root", "LANG": "C.UTF-8",
              "DEBIAN_FRONTEND": "noninteractive", **env}
-    with chroot_mounts(rootdir):
+    with _resolver(rootdir) if network else nullcontext():
         for i, step in enumerate(steps, 1):
             say(f"step {i}/{len(steps)}: {step if len(step) < 80 else step[:77] + '...'}")
             script = f"cd {shlex.quote(workdir or '/')} && {step}"
-            run(f"step {i}", ["env", "-i", *(f"{k}={v}" for k, v in clean.items()), "chroot",
-                              rootdir, "/bin/sh", "-c", script],
-                progress=say, echo=lambda ln: True, timeout=3600)
+            confined.run_in_tree(f"step {i}", rootdir, ["/bin/sh", "-c", script], env=clean,
+                                 network=network, progress=say, timeout=3600)
 
 
 def remove_template(layout: Layout, name: str, pinned: set[str]) -> list[str]:

@@ -13,6 +13,7 @@ name (``"image": "<name>"`` in ``POST /sandboxes``). Example::
     packages = ["tree"]                  # apt-get install (Debian bases only)
     env = { APP_ENV = "dev" }            # every exec, the start command, the build steps
     steps = ["python3 -m compileall -q /srv"]   # /bin/sh -c, in order, at build time
+    network = false                      # steps reach the network (default: loopback only)
     workdir = "/srv"                     # where steps and the start command run
     start = "python3 -m http.server 8000"       # started in the background at boot
     vcpus = 1                            # defaults for sandboxes of this template
@@ -57,8 +58,8 @@ TEMPLATE_FORMAT = 1
 READY_TIMEOUT_S = 60.0
 MAX_FILE_BYTES = 512 << 20
 """Largest file or folder a template may copy in, bytes."""
-KEYS = {"name", "description", "base", "oci", "packages", "env", "steps", "workdir", "start",
-        "vcpus", "memory_mib", "files", "ready"}
+KEYS = {"name", "description", "base", "oci", "packages", "env", "steps", "network", "workdir",
+        "start", "vcpus", "memory_mib", "files", "ready"}
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,9 @@ class Template:
     packages: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     steps: tuple[str, ...] = ()
+    network: bool = False
+    """The steps run with the host's network (else in a network namespace of their own
+    with a loopback only); see ``hangar.images.confined``."""
     workdir: str | None = None
     start: str | None = None
     ready: ReadyCheck | None = None
@@ -122,6 +126,7 @@ class Template:
         blob = json.dumps({
             "format": TEMPLATE_FORMAT, "base": base_id, "packages": list(self.packages),
             "steps": list(self.steps), "files": files, **self.runtime(),
+            **({"network": True} if self.network else {}),
         }, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
@@ -247,6 +252,9 @@ def parse_template(data: dict[str, Any], folder: Path, where: str = "template") 
             raise r.fail("env", f"{k!r}: names are letters, digits and _, values strings "
                                 "without NUL bytes")
         env[k] = v
+    network = data.get("network", False)
+    if not isinstance(network, bool):
+        raise r.fail("network", "must be true or false")
     workdir = r.text("workdir")
     if workdir is not None:
         workdir = guest_path(r, "workdir", workdir)
@@ -289,7 +297,7 @@ def parse_template(data: dict[str, Any], folder: Path, where: str = "template") 
                                             or 0.5))
     return Template(
         name=name, base=base, oci=oci_path, description=r.text("description") or "",
-        packages=packages, env=env, steps=r.strings("steps"), workdir=workdir,
+        packages=packages, env=env, steps=r.strings("steps"), network=network, workdir=workdir,
         start=r.text("start"), ready=ready, vcpus=r.number("vcpus", 1, 32),
         memory_mib=r.number("memory_mib", 128, 65536), files=tuple(files),
     )
