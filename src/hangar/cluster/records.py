@@ -273,7 +273,7 @@ def template_json(t: Template) -> dict[str, Any]:
             "accel": t.accel, "vcpus": t.vcpus, "memoryMiB": t.memory_mib,
             "diskMiB": t.disk_mib, "desktop": t.desktop, "network": t.network,
             "metadata": t.metadata, "source": t.source, "expiresAt": t.expires_at,
-            "lastActiveAt": t.last_active_at}
+            "lastActiveAt": t.last_active_at, "e2b": t.e2b}
 
 
 def parse_template(raw: Any) -> Template:
@@ -288,6 +288,9 @@ def parse_template(raw: Any) -> Template:
         metadata = raw.get("metadata") or {}
         if not isinstance(metadata, dict) or not (network is None or isinstance(network, dict)):
             raise ValueError("metadata or network is not an object")
+        e2b = raw.get("e2b")
+        if e2b is not None and not isinstance(e2b, dict):
+            raise ValueError("e2b is not an object")
         return Template(
             image=str(raw["image"]), image_digest=str(raw.get("imageDigest") or ""),
             engine=str(raw.get("engine") or ""), accel=str(raw.get("accel") or ""),
@@ -297,7 +300,7 @@ def parse_template(raw: Any) -> Template:
             network=network, metadata=dict(metadata),
             source=None if raw.get("source") is None else str(raw["source"]),
             expires_at=None if expires is None else float(expires),
-            last_active_at=None if active is None else float(active))
+            last_active_at=None if active is None else float(active), e2b=e2b)
     except (KeyError, TypeError, ValueError) as exc:
         raise BadRecord(f"unreadable sandbox template: {exc!r}") from None
 

@@ -129,7 +129,7 @@ class MachineManager:
             base = opts or CreateOptions()
             rec = await self.sandboxes.create(dataclasses.replace(
                 base, timeout_s=0, idle_timeout_s=idle,
-                metadata={**base.metadata, "user_id": user_id}), placement)
+                user_id=user_id), placement)
             # No await from here to the record: the reconcile pass never sees
             # this sandbox without its machine record.
             self.store.remove(MachineRecord, user_id)

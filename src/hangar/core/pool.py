@@ -128,7 +128,7 @@ class WarmPool:
             self._ready.pop(rec.id, None)
             try:
                 claimed = self.ctx.store.transition(rec.id, State.POOLED, State.CREATING,
-                                                    metadata_={})
+                                                    pooled=False)
             except (Conflict, NotFound):
                 continue  # retired meanwhile
             self.ctx.publish("pool.take", rec.id, image=image.name)
@@ -187,7 +187,7 @@ class WarmPool:
             async with self.admission.if_room(rec.memory_mib) as room:
                 if not room:
                     return
-                rec.metadata_ = {POOL_MARK: True}
+                rec.pooled = True
                 ctx.store.add(rec)
             started = time.monotonic()
             try:

@@ -89,16 +89,16 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
                        on_timeout="pause" if body.autoPause else "kill",
                        auto_resume=bool(body.autoResume and body.autoResume.enabled),
                        timeout_s=body.timeout)
-    metadata: Any = e2b.with_options(dict(body.metadata or {}), opts)
+    fields: Any = e2b.with_options(dict(body.metadata or {}), opts)
     if source.kind == "snapshot":
         if network is not None:
             raise InvalidRequest("network: a sandbox started from a snapshot keeps the "
                                  "snapshot's egress policy", field="network")
-        rec = await m.fork(source.name, CreateOptions(timeout_s=body.timeout, metadata=metadata))
+        rec = await m.fork(source.name, CreateOptions(timeout_s=body.timeout, **fields))
     else:
         m.policy(network)  # a policy Hangar cannot enforce is a 400 before anything boots
         rec = await m.create(CreateOptions(image=source.name, timeout_s=body.timeout,
-                                           metadata=metadata, network=network))
+                                           network=network, **fields))
     return views.created(m, rec)
 
 
@@ -335,14 +335,13 @@ async def fork(sandbox_id: str, m: Manager, body: ForkRequest | None = None) -> 
                        sandbox_id=sandbox_id)
     opts = replace(e2b.options(rec) or e2b.Options(template=rec.image),
                    timeout_s=body.timeout, wake_ttl_s=0.0)
-    metadata: Any = e2b.with_options(views.user_metadata(rec), opts)
+    fields: Any = e2b.with_options(views.user_metadata(rec), opts)
     snap = await m.snapshot(sandbox_id)
     results: list[ForkResult] = []
     try:
         for _ in range(body.count):
             try:
-                child = await m.fork(snap.id, CreateOptions(timeout_s=body.timeout,
-                                                            metadata=metadata))
+                child = await m.fork(snap.id, CreateOptions(timeout_s=body.timeout, **fields))
                 results.append(ForkResult(sandbox=views.created(m, child)))
             except HangarError as exc:
                 status = 404 if exc.status == 410 else exc.status
