@@ -41,7 +41,6 @@ from hangar.core.admission import Admission, CreateOptions, default_size, new_id
 from hangar.core.context import Context
 from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
-from hangar.core.publish import POOL_MARK
 from hangar.core.store import SandboxRecord
 from hangar.core.tasks import Tasks
 from hangar.engines.snapshot_io import refresh_guest

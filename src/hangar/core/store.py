@@ -195,6 +195,8 @@ class Store:
         self._move_internal_keys()
         self._session = sessionmaker(self.engine, expire_on_commit=False)
         self._listeners: list[TransitionListener] = []
+        self.unreadable: set[str] = set()
+        """Ids of sandbox rows that could not be read (``in_states``), logged once each."""
 
     def _add_missing_columns(self) -> None:
         insp = inspect(self.engine)
@@ -238,7 +240,10 @@ class Store:
                     cols["e2b"] = _json.dumps(meta.pop("e2b"))
                 if isinstance(meta.get("user_id"), str) and owners.get(sid) == meta["user_id"]:
                     cols["user_id"] = meta.pop("user_id")
-                meta = {k: v for k, v in meta.items() if isinstance(v, str)}
+                kept = {k: v for k, v in meta.items() if isinstance(v, str)}
+                if not cols and kept == meta:
+                    continue  # only a client's strings under these keys: nothing to move
+                meta = kept
                 sets = ", ".join(f"{k} = :{k}" for k in cols)
                 conn.execute(text(f"UPDATE sandboxes SET metadata = :metadata"
                                   f"{', ' + sets if sets else ''} WHERE id = :id"),
@@ -385,10 +390,46 @@ class Store:
         return self.in_states(VMM_STATES)
 
     def in_states(self, states: Iterable[State]) -> list[SandboxRecord]:
-        """Sandboxes in any of ``states``, oldest first."""
+        """Sandboxes in any of ``states``, oldest first.
+
+        A row that cannot be read (a damaged value in one of its columns) does not
+        fail the query: it is left out, logged once and marked (``unreadable``,
+        and its ``error`` column where that can be written), and every other row
+        is returned."""
+        where = SandboxRecord.state.in_(list(states))
+        try:
+            with self.session() as s:
+                return list(s.scalars(select(SandboxRecord).where(where)
+                                      .order_by(SandboxRecord.created_at)))
+        except Exception:  # one damaged row: read them one by one
+            pass
         with self.session() as s:
-            q = select(SandboxRecord).where(SandboxRecord.state.in_(list(states)))
-            return list(s.scalars(q.order_by(SandboxRecord.created_at)))
+            ids = list(s.scalars(select(SandboxRecord.id).where(where)
+                                 .order_by(SandboxRecord.created_at)))
+        out: list[SandboxRecord] = []
+        for sid in ids:
+            try:
+                with self.session() as s:
+                    rec = s.get(SandboxRecord, sid)
+                if rec is not None:
+                    out.append(rec)
+            except Exception as exc:
+                self._unreadable(sid, exc)
+        return out
+
+    def _unreadable(self, sandbox_id: str, exc: Exception) -> None:
+        """Log once and mark a sandbox row that cannot be read."""
+        if sandbox_id in self.unreadable:
+            return
+        self.unreadable.add(sandbox_id)
+        log.error("sandbox record unreadable: left out until repaired",
+                  extra={"sandbox_id": sandbox_id, "error": repr(exc)[:300]})
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(text("UPDATE sandboxes SET error = :e WHERE id = :id"),
+                             {"e": f"unreadable record: {exc!r}"[:1000], "id": sandbox_id})
+        except Exception:  # the mark is best effort; the log line is the record
+            pass
 
     def visible(self) -> list[SandboxRecord]:
         """Sandboxes the API lists: all but tombstones and warm-pool VMs, oldest first."""
