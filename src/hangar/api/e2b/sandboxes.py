@@ -47,14 +47,15 @@ from hangar.core.lifecycle import State
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import SandboxRecord
 from hangar.errors import Busy, Conflict, HangarError, InvalidRequest, NotFound
+from hangar.schemas.bounds import METADATA_ENTRIES, QUERY_BYTES
 
 log = logging.getLogger("hangar.api.e2b")
 
 router = APIRouter(route_class=E2BRoute)
 Manager = Annotated[SandboxManager, Depends(manager)]
 
-MAX_METADATA = 64
-"""Metadata entries a sandbox may carry (as Hangar's own API allows)."""
+MAX_METADATA = METADATA_ENTRIES
+"""Metadata entries a sandbox may carry (``hangar.schemas.bounds``, as Hangar's own API)."""
 REFRESH_S = 15
 """Seconds a refresh without ``duration`` keeps a sandbox alive (E2B's default timeout)."""
 SETTLE_S = 120.0
@@ -74,11 +75,7 @@ def _check_create(body: NewSandbox) -> None:
         raise InvalidRequest("mcp: Hangar does not start E2B's MCP gateway", field="mcp")
     if body.iam and body.iam.get("tokens"):
         raise InvalidRequest("iam: Hangar has no workload identity tokens", field="iam")
-    if len(body.metadata or {}) > MAX_METADATA:
-        raise InvalidRequest(f"metadata: at most {MAX_METADATA} entries", field="metadata")
-    for name in body.envVars or {}:
-        if not name or "=" in name or "\0" in name:
-            raise InvalidRequest(f"envVars: {name!r} is not a variable name", field="envVars")
+    # metadata and envVars are bounded by the model (``hangar.schemas.bounds``)
 
 
 async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
@@ -118,10 +115,13 @@ def _metadata_query(query: str | None) -> dict[str, str]:
     """E2B's ``metadata`` filter (``k=v&k2=v2``, keys and values URL-encoded) as a dict."""
     if not query:
         return {}
+    if len(query) > QUERY_BYTES:
+        raise InvalidRequest(f"metadata: the filter is {len(query)} characters; at most "
+                             f"{QUERY_BYTES} are taken", field="metadata", limit=QUERY_BYTES)
     try:
         pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=True)
     except ValueError:
-        raise InvalidRequest(f"metadata: {query!r} is not of the form key=value&key2=value2",
+        raise InvalidRequest(f"metadata: {query[:80]!r} is not of the form key=value&key2=value2",
                              field="metadata") from None
     return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
 
