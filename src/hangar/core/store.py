@@ -164,6 +164,31 @@ class CounterRecord(Base):
 
 R = TypeVar("R", bound=Base)
 
+_NUMBER = (int, float)
+_SOUND: tuple[tuple[str, tuple[type, ...], bool], ...] = (
+    ("state", (State,), False), ("desired_state", (State,), False),
+    ("image", (str,), False), ("vcpus", (int,), False), ("memory_mib", (int,), False),
+    ("disk_mib", (int,), False), ("created_at", _NUMBER, False),
+    ("updated_at", _NUMBER, False), ("last_active_at", _NUMBER, True),
+    ("expires_at", _NUMBER, True), ("pid", (int,), True), ("error", (str,), True),
+    ("metadata_", (dict,), True), ("network", (dict,), True), ("user_id", (str,), True),
+    ("idle_timeout_s", _NUMBER, True), ("e2b", (dict,), True), ("sleep_snapshot", (str,), True),
+    ("restore_from", (str,), True), ("desktop", (str,), True), ("source", (str,), True),
+)
+"""A sandbox row's fields, the types each must have, and whether it may be NULL."""
+
+
+def unsound(rec: "SandboxRecord") -> str | None:
+    """What is wrong with a sandbox row a damaged or forged database holds (a field of the
+    wrong type: SQLite stores any value in any column), or None when it is sound."""
+    for name, types, nullable in _SOUND:
+        value = getattr(rec, name, None)
+        if value is None and nullable:
+            continue
+        if not isinstance(value, types) or isinstance(value, bool):
+            return f"{name} is {type(value).__name__}"
+    return None
+
 
 def _json_object(raw: Any) -> dict[str, Any] | None:
     """A JSON column's raw value as a dict, or None when it is not one (NULL, garbage)."""
@@ -315,7 +340,14 @@ class Store:
             s.add_all(records)
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
-        return self.find(SandboxRecord, sandbox_id)
+        """The sandbox's record, or None: no such row, or one that cannot be read or holds
+        a damaged field (logged once and marked, as in ``in_states``)."""
+        try:
+            rec = self.find(SandboxRecord, sandbox_id)
+        except Exception as exc:
+            self._unreadable(sandbox_id, exc)
+            return None
+        return rec if rec is None or self._sound(rec) else None
 
     def find(self, cls: type[R], key: str) -> R | None:
         with self.session() as s:
@@ -399,8 +431,9 @@ class Store:
         where = SandboxRecord.state.in_(list(states))
         try:
             with self.session() as s:
-                return list(s.scalars(select(SandboxRecord).where(where)
+                recs = list(s.scalars(select(SandboxRecord).where(where)
                                       .order_by(SandboxRecord.created_at)))
+            return [r for r in recs if self._sound(r)]
         except Exception:  # one damaged row: read them one by one
             pass
         with self.session() as s:
@@ -411,14 +444,21 @@ class Store:
             try:
                 with self.session() as s:
                     rec = s.get(SandboxRecord, sid)
-                if rec is not None:
+                if rec is not None and self._sound(rec):
                     out.append(rec)
             except Exception as exc:
                 self._unreadable(sid, exc)
         return out
 
+    def _sound(self, rec: SandboxRecord) -> bool:
+        wrong = unsound(rec)
+        if wrong is None:
+            return True
+        self._unreadable(rec.id, ValueError(wrong))
+        return False
+
     def _unreadable(self, sandbox_id: str, exc: Exception) -> None:
-        """Log once and mark a sandbox row that cannot be read."""
+        """Log once and mark a sandbox row that cannot be read or holds a damaged field."""
         if sandbox_id in self.unreadable:
             return
         self.unreadable.add(sandbox_id)
