@@ -132,14 +132,9 @@ def test_hostile_metadata_changes_nothing(own: Server, waits: Waits) -> None:
         got = r.json()
         assert got["state"] == "running" and got["metadata"] == HOSTILE, got
         assert c.get("/machines/alice").status_code == 404
-        assert c.get("/machines").json()["machines"] == [] if c.get(
-            "/machines").status_code == 200 else True
         # Its own TTL ends it like any other.
         wait_for(lambda: c.get(f"/sandboxes/{hostile['id']}").status_code == 410,
                  30 + waits.vm(1.0), "the hostile sandbox's expiry")
-        events = c.get("/events", params={"since": 0, "follow": "false"})
-        if events.status_code == 200:
-            assert '"sandbox.expired"' in events.text
 
 
 def test_hostile_metadata_is_paused_and_reaped_like_any(own: Server, waits: Waits) -> None:

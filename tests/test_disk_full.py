@@ -75,6 +75,16 @@ def test_a_full_guest_disk_is_409_not_retried_and_the_sandbox_recovers(
             assert info.value.retryable is False and info.value.status == 409
             assert info.value.context.get("free_bytes") is not None
 
+            # envd (E2B's data plane) answers 507: E2B's SDK raises NotEnoughSpaceException.
+            token = c.get(f"/e2b/sandboxes/{sid}").json()["envdAccessToken"]
+            r = httpx.post(f"{server.url}/e2b/envd/files", params={"path": "/root/e2b.bin"},
+                           content=data, timeout=60,
+                           headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983",
+                                    "X-Access-Token": token,
+                                    "Content-Type": "application/octet-stream"})
+            assert r.status_code == 507, r.text
+            assert "No space left on device" in r.json()["message"]
+
             # Freed, the same write works and the sandbox runs on.
             out = _sh(c, sid, f"rm -f {FILL} {FILL}.tail && sync && echo ok")
             assert out["stdout"].strip() == "ok", out
