@@ -74,6 +74,17 @@ def test_a_full_guest_disk_is_409_not_retried_and_the_sandbox_recovers(
             assert len(sent) == 1, f"{len(sent)} attempts"
             assert info.value.retryable is False and info.value.status == 409
             assert info.value.context.get("free_bytes") is not None
+            # A large upload too: the server reads the rest of the refused body, so the
+            # client hears the 409 rather than a broken connection it would retry.
+            sent.clear()
+            http = httpx.Client(event_hooks={"request": [lambda req: sent.append(1)]})
+            try:
+                h = Hangar(server.url, server.key, http_client=http)
+                with pytest.raises(DiskFull):
+                    h.write_file(sid, "/root/big.bin", b"y" * (64 << 20))
+            finally:
+                http.close()
+            assert len(sent) == 1, f"{len(sent)} attempts"
 
             # envd (E2B's data plane) answers 507: E2B's SDK raises NotEnoughSpaceException.
             token = c.get(f"/e2b/sandboxes/{sid}").json()["envdAccessToken"]
