@@ -78,50 +78,12 @@ async def read(sandbox_id: str, path: PathQ, m: Manager) -> StreamingResponse:
 @router.put("", response_model=WriteResult, summary="Write a file from the raw request body")
 async def write(sandbox_id: str, path: PathQ, request: Request, m: Manager,
                 mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644) -> WriteResult:
-    got = [0, False]  # bytes of the body read, and whether it ended
-
     async def chunks() -> AsyncIterator[bytes]:
         async for chunk in request.stream():
-            got[0] += len(chunk)
             if chunk:
                 yield chunk
-        got[1] = True
 
-    try:
-        return await m.write_file(sandbox_id, path, chunks(), mode)
-    except HangarError:
-        length = request.headers.get("content-length", "")
-        if not got[1] and not (length.isdigit() and got[0] >= int(length)):
-            await _drain(request)
-        raise
-
-
-DRAIN_BYTES = 256 << 20
-"""Most bytes of a refused upload read (and dropped) so its client hears the answer."""
-DRAIN_S = 30.0
-"""Longest time spent reading them, seconds."""
-DRAIN_IDLE_S = 5.0
-"""Longest wait for the next part of them, seconds."""
-
-
-async def _drain(request: Request) -> None:
-    """Read and drop what is left of a refused upload's body (at most ``DRAIN_BYTES`` or
-    ``DRAIN_S``), so that its client, still sending, reads the 4xx instead of a broken
-    connection, which it would take for a network fault and retry. Past the bound the
-    connection is closed after the answer."""
-    loop = asyncio.get_running_loop()
-    deadline, left = loop.time() + DRAIN_S, DRAIN_BYTES
-    try:
-        while left > 0:
-            wait = min(DRAIN_IDLE_S, max(0.0, deadline - loop.time()))
-            msg = await asyncio.wait_for(request.receive(), wait)
-            if msg.get("type") != "http.request":
-                return
-            left -= len(msg.get("body", b""))
-            if not msg.get("more_body", False):
-                return
-    except (TimeoutError, asyncio.TimeoutError, OSError, RuntimeError):
-        return
+    return await m.write_file(sandbox_id, path, chunks(), mode)
 
 
 @router.get("/list", response_model=FileList,
