@@ -133,20 +133,44 @@ if [ "$CLUSTER" = 1 ]; then
   : "${HANGAR_CLUSTER:?set HANGAR_CLUSTER (every node: n1=10.0.0.1,n2=10.0.0.2,n3=10.0.0.3)}"
   INITIAL=""; ETCD_URLS=""
   for member in ${HANGAR_CLUSTER//,/ }; do
-    INITIAL="$INITIAL${INITIAL:+,}${member%%=*}=http://${member#*=}:2380"
-    ETCD_URLS="$ETCD_URLS${ETCD_URLS:+,}http://${member#*=}:2379"
+    INITIAL="$INITIAL${INITIAL:+,}${member%%=*}=https://${member#*=}:2380"
+    ETCD_URLS="$ETCD_URLS${ETCD_URLS:+,}https://${member#*=}:2379"
+  done
+  # etcd speaks TLS only, with client certificates (docs/cluster.md): the first host (the one
+  # given HANGAR_STORE) makes every node's certificates; copy /etc/hangar/etcd-pki/<node>/ to
+  # that host's same path before running this there.
+  PKI=/etc/hangar/etcd-pki/$HANGAR_NODE_NAME
+  if [ ! -f "$PKI/node.key" ]; then
+    if [ -z "${HANGAR_STORE:-}" ]; then
+      say "no $PKI: copy it from the first host (hangar cluster certs)"; exit 1
+    fi
+    .venv/bin/hangar cluster certs --nodes "$HANGAR_CLUSTER" --out /etc/hangar/etcd-pki
+    say "certificates made: copy /etc/hangar/etcd-pki/<node>/ to each other host, same path"
+  fi
+  ETCD_OWNER=root; id etcd >/dev/null 2>&1 && ETCD_OWNER=etcd
+  install -d -m 0700 -o "$ETCD_OWNER" /etc/etcd/pki
+  for f in ca.crt etcd.crt etcd.key; do
+    install -m 0600 -o "$ETCD_OWNER" "$PKI/$f" "/etc/etcd/pki/$f"
   done
   say "configuring this host's etcd member ${HANGAR_NODE_NAME} (peers: $INITIAL)"
   cat > /etc/default/etcd <<CONF
 ETCD_NAME=$HANGAR_NODE_NAME
 ETCD_DATA_DIR=/var/lib/etcd/hangar
-ETCD_LISTEN_CLIENT_URLS=http://$HANGAR_NODE_IP:2379,http://127.0.0.1:2379
-ETCD_ADVERTISE_CLIENT_URLS=http://$HANGAR_NODE_IP:2379
-ETCD_LISTEN_PEER_URLS=http://$HANGAR_NODE_IP:2380
-ETCD_INITIAL_ADVERTISE_PEER_URLS=http://$HANGAR_NODE_IP:2380
+ETCD_LISTEN_CLIENT_URLS=https://$HANGAR_NODE_IP:2379,https://127.0.0.1:2379
+ETCD_ADVERTISE_CLIENT_URLS=https://$HANGAR_NODE_IP:2379
+ETCD_LISTEN_PEER_URLS=https://$HANGAR_NODE_IP:2380
+ETCD_INITIAL_ADVERTISE_PEER_URLS=https://$HANGAR_NODE_IP:2380
 ETCD_INITIAL_CLUSTER=$INITIAL
 ETCD_INITIAL_CLUSTER_STATE=new
 ETCD_INITIAL_CLUSTER_TOKEN=hangar
+ETCD_CLIENT_CERT_AUTH=true
+ETCD_TRUSTED_CA_FILE=/etc/etcd/pki/ca.crt
+ETCD_CERT_FILE=/etc/etcd/pki/etcd.crt
+ETCD_KEY_FILE=/etc/etcd/pki/etcd.key
+ETCD_PEER_CLIENT_CERT_AUTH=true
+ETCD_PEER_TRUSTED_CA_FILE=/etc/etcd/pki/ca.crt
+ETCD_PEER_CERT_FILE=/etc/etcd/pki/etcd.crt
+ETCD_PEER_KEY_FILE=/etc/etcd/pki/etcd.key
 CONF
   if [ -d /run/systemd/system ]; then
     systemctl enable --quiet etcd && systemctl restart etcd
@@ -156,21 +180,24 @@ CONF
   fi
   say "waiting for etcd's quorum (start the other hosts' members too)"
   for _ in $(seq 240); do
-    ETCDCTL_API=3 etcdctl --endpoints "$ETCD_URLS" endpoint health >/dev/null 2>&1 && break
+    ETCDCTL_API=3 etcdctl --endpoints "$ETCD_URLS" --cacert "$PKI/ca.crt" --cert \
+      "$PKI/node.crt" --key "$PKI/node.key" endpoint health >/dev/null 2>&1 && break
     sleep 1
   done
   if [ -n "${HANGAR_STORE:-}" ]; then
-    .venv/bin/hangar cluster init --etcd "$ETCD_URLS" --store "$HANGAR_STORE" \
+    .venv/bin/hangar cluster init --etcd "$ETCD_URLS" --pki "$PKI" --store "$HANGAR_STORE" \
       --key-file "$DATA/api-key" || say "the cluster exists already; its settings are kept"
   fi
   export HANGAR_ETCD=$ETCD_URLS HANGAR_ADVERTISE=$HANGAR_NODE_IP:$PORT HANGAR_HOST=$HANGAR_NODE_IP
+  export HANGAR_ETCD_PKI=$PKI
   HEALTH_HOST=$HANGAR_NODE_IP
   if [ -f /etc/hangar/hangar.env ] || [ "$SERVICE" = 1 ]; then
     mkdir -p /etc/hangar
     touch /etc/hangar/hangar.env && chmod 600 /etc/hangar/hangar.env
-    sed -i '/^HANGAR_\(ETCD\|ADVERTISE\|HOST\|NODE_NAME\)=/d' /etc/hangar/hangar.env
-    printf 'HANGAR_ETCD=%s\nHANGAR_ADVERTISE=%s\nHANGAR_HOST=%s\nHANGAR_NODE_NAME=%s\n' \
-      "$HANGAR_ETCD" "$HANGAR_ADVERTISE" "$HANGAR_HOST" "$HANGAR_NODE_NAME" >> /etc/hangar/hangar.env
+    sed -i '/^HANGAR_\(ETCD\|ETCD_PKI\|ADVERTISE\|HOST\|NODE_NAME\)=/d' /etc/hangar/hangar.env
+    printf 'HANGAR_ETCD=%s\nHANGAR_ETCD_PKI=%s\nHANGAR_ADVERTISE=%s\nHANGAR_HOST=%s\nHANGAR_NODE_NAME=%s\n' \
+      "$HANGAR_ETCD" "$HANGAR_ETCD_PKI" "$HANGAR_ADVERTISE" "$HANGAR_HOST" "$HANGAR_NODE_NAME" \
+      >> /etc/hangar/hangar.env
   fi
 fi
 

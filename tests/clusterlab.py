@@ -7,6 +7,10 @@ bench/cluster_bench.py.
     hgc<tag>2   node n2: 10.231.<n>.2 ...
     hgc<tag>3   node n3: 10.231.<n>.3 ...
 
+etcd runs as users run it (docs/cluster.md): TLS on both ports with client
+certificates, from ``hangar cluster certs``; each node reads its own folder
+(``HANGAR_ETCD_PKI``), and the test process writes records with node 1's.
+
 Names carry a per-run tag, so runs never meet another's namespaces. The
 test process reaches each node through a forwarder on 127.0.0.1 whose
 outgoing sockets are made inside the LAN namespace (``setns`` in the
@@ -142,6 +146,11 @@ class Node:
         self.slots = 1
 
     @property
+    def pki(self) -> Path:
+        """This node's etcd TLS folder (``hangar cluster certs``)."""
+        return self.lab.root / "pki" / self.name
+
+    @property
     def url(self) -> str:
         assert self.fwd is not None
         return self.fwd.url
@@ -157,7 +166,7 @@ class Node:
                "HANGAR_MAX_SANDBOXES": str(self.slots), "HANGAR_NETWORK": "tap",
                "HANGAR_NET_POOL": f"172.31.{self.i}.0/24", "HANGAR_NET_DNS": f"{self.lab.net}.254",
                "HANGAR_POOL_SIZE": "0", "HANGAR_DEFAULT_MEMORY_MIB": "256",
-               "HANGAR_BOOT_TIMEOUT_S": "180"}
+               "HANGAR_BOOT_TIMEOUT_S": "180", "HANGAR_ETCD_PKI": str(self.pki)}
         log = open(self.data_dir / "server.log", "ab")
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", self.ns, sys.executable, "-m", "hangar.cli", "node", "join",
@@ -173,7 +182,8 @@ class Node:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"node {self.name} exited: {self.log_tail()}")
             try:
-                if httpx.get(self.url + "/cluster/health", timeout=2).json().get("writable"):
+                if httpx.get(self.url + "/cluster/health", headers={"X-API-Key": self.lab.key},
+                             timeout=2).json().get("writable"):
                     return
             except (httpx.HTTPError, ValueError):
                 pass
@@ -233,18 +243,20 @@ class Lab:
         self.root = Path(tempfile.mkdtemp(prefix="hg-cluster-", dir="/tmp"))
         self.base_image = base_image
         self.nodes = [Node(self, i) for i in (1, 2, 3)]
-        self.etcd_urls = ",".join(f"http://{n.ip}:2379" for n in self.nodes)
+        self.etcd_urls = ",".join(f"https://{n.ip}:2379" for n in self.nodes)
         self.s3: subprocess.Popen[bytes] | None = None
         self.extra: list[subprocess.Popen[bytes]] = []
         self.key = ""
         self.env = {**os.environ, "PYTHONPATH": str(SRC), "AWS_ACCESS_KEY_ID": "hangar-test",
-                    "AWS_SECRET_ACCESS_KEY": "hangar-test-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+                    "AWS_SECRET_ACCESS_KEY": "hangar-test-secret",
+                    "AWS_DEFAULT_REGION": "us-east-1", "HANGAR_ETCD_PKI": str(self.root / "pki" / "n1")}
 
     # -- topology --------------------------------------------------------------------------
 
     def up(self, slots: int = 1) -> None:
         try:
             self._net()
+            self._certs()
             self._etcd()
             self._s3()
             self._init()
@@ -283,19 +295,28 @@ class Lab:
     def port_name(self, i: int) -> str:
         return f"hgcb{self.tag}{i}"
 
+    def _certs(self) -> None:
+        nodes = ",".join(f"{n.name}={n.ip}" for n in self.nodes)
+        r = run([sys.executable, "-m", "hangar.cli", "cluster", "certs", "--nodes", nodes,
+                 "--out", str(self.root / "pki")], env=self.env, timeout=60)
+        assert all(n.name in r.stdout for n in self.nodes), r.stdout
+
     def _etcd(self) -> None:
-        cluster = ",".join(f"e{n.i}=http://{n.ip}:2380" for n in self.nodes)
+        from hangar.cluster.pki import etcd_flags
+
+        cluster = ",".join(f"e{n.i}=https://{n.ip}:2380" for n in self.nodes)
         for n in self.nodes:
             d = self.root / f"etcd{n.i}"
             n.etcd = subprocess.Popen(
                 ["ip", "netns", "exec", n.ns, "etcd", "--name", f"e{n.i}", "--data-dir", str(d),
-                 "--listen-client-urls", f"http://{n.ip}:2379",
-                 "--advertise-client-urls", f"http://{n.ip}:2379",
-                 "--listen-peer-urls", f"http://{n.ip}:2380",
-                 "--initial-advertise-peer-urls", f"http://{n.ip}:2380",
+                 "--listen-client-urls", f"https://{n.ip}:2379",
+                 "--advertise-client-urls", f"https://{n.ip}:2379",
+                 "--listen-peer-urls", f"https://{n.ip}:2380",
+                 "--initial-advertise-peer-urls", f"https://{n.ip}:2380",
                  "--initial-cluster", cluster, "--initial-cluster-state", "new",
                  "--initial-cluster-token", self.prefix,
-                 "--heartbeat-interval", "100", "--election-timeout", "1000"],
+                 "--heartbeat-interval", "100", "--election-timeout", "1000",
+                 *etcd_flags(n.pki)],
                 stdout=open(self.root / f"etcd{n.i}.log", "ab"), stderr=subprocess.STDOUT,
                 start_new_session=True)
         self.wait_etcd()
@@ -342,8 +363,10 @@ class Lab:
     def etcd_put(self, key: str, value: str) -> None:
         """Write ``value`` under ``key`` in the cluster's etcd as it is (an empty value deletes
         the key): how a test plants a record no node would write."""
-        code = ("import asyncio, sys\nfrom hangar.cluster.etcd import Etcd\n"
-                "async def go():\n    e = Etcd(sys.argv[1].split(','))\n"
+        code = ("import asyncio, os, sys\nfrom pathlib import Path\n"
+                "from hangar.cluster.etcd import Etcd\nfrom hangar.cluster.pki import tls_from\n"
+                "async def go():\n    e = Etcd(sys.argv[1].split(','), "
+                "tls=tls_from(Path(os.environ['HANGAR_ETCD_PKI'])).context())\n"
                 "    if sys.argv[3]:\n        await e.put(sys.argv[2], sys.argv[3])\n"
                 "    else:\n        await e.delete(sys.argv[2])\n    await e.close()\n"
                 "asyncio.run(go())\n")

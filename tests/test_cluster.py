@@ -1,9 +1,11 @@
 """Many hosts, one Hangar: three nodes in network namespaces, etcd, S3 (tests/clusterlab.py).
 
 The tests run in order on one module-scoped cluster (each node has one VM
-slot; node 3 is restarted with two before the machine moves). Eight VM
-starts in all: five boots (three creates, one of twenty racing creates,
-one machine) and three restores (the machine's wakes on other nodes).
+slot; node 3 is restarted with two before the machine moves). Nine VM
+starts in all: six boots (three creates, one of twenty racing creates, a
+guest with open egress probing the control ports, one machine) and three
+restores (the machine's wakes on other nodes). etcd runs with TLS and
+client certificates, as ``hangar cluster certs`` and install.sh set it up.
 """
 
 from __future__ import annotations
@@ -100,6 +102,50 @@ def test_a_record_with_an_unknown_state_is_a_clear_409_and_the_rest_works(lab: L
         lab.etcd_put(f"/hangar/sandboxes/{sid}", "")
 
 
+def test_forged_records_are_ignored_and_a_malformed_node_token_is_401(lab: Lab) -> None:
+    """Records written with a valid client certificate (as a stolen one would) but with a
+    path in an id or an address no node has: every node leaves them out, logs them, and
+    goes on; a bad node token is refused before anything else."""
+    good = {"apiVersion": "hangar.dev/v1alpha1", "kind": "Sandbox",
+            "metadata": {"name": "sb-0000000bad02", "labels": {}}, "spec": {},
+            "status": {"nodeName": "n2", "epoch": 1, "state": "sleeping", "view": {}}}
+    traversal = {**good, "status": {**good["status"], "snapshot": {"id": "../../../../etc"}}}
+    node = {"name": "n6", "address": "169.254.169.254:80", "capacity": 50, "free": 50,
+            "engine": "qemu", "accel": "tcg", "cpu_model": "", "images": []}
+    forged = {"/hangar/sandboxes/../../../etc/passwd": good,
+              "/hangar/sandboxes/sb-0000000bad02": traversal,
+              "/hangar/nodes/n6": node,
+              "/hangar/machines/forged-user": {"sandboxId": "../../sb-0000000bad02"}}
+    for key, value in forged.items():
+        lab.etcd_put(key, json.dumps(value))
+    try:
+        assert "n6" not in lab.node_ls()
+        with lab.nodes[0].client() as c:
+            r = c.get("/sandboxes/sb-0000000bad02")
+            assert r.status_code == 409 and "unreadable" in r.json()["error"]["message"], r.text
+            r = c.get("/machines/forged-user")
+            assert r.status_code == 409, r.text
+            r = c.get("/sandboxes")
+            assert r.status_code == 200 and r.json()["sandboxes"] == [], r.text
+        for n in lab.nodes:
+            wait_for(lambda: "unreadable cluster record" in n.log_tail(200_000), 10,
+                     f"{n.name} logs the forged records", every=0.3)
+            assert "/hangar/nodes/n6" in n.log_tail(200_000)
+            assert httpx.get(n.url + "/cluster/health", headers={"X-API-Key": lab.key}
+                             ).json()["writable"]  # the watch and the lease go on
+    finally:
+        for key in forged:
+            lab.etcd_put(key, "")
+    n1 = lab.nodes[0]
+    for token in (b"\xff\xfe\x80", b"not a token!", b"x" * 200, b"y" * 43):
+        r = httpx.get(n1.url + "/sandboxes", headers=[(b"X-API-Key", lab.key.encode()),
+                                                      (b"X-Hangar-Node-Token", token)])
+        assert r.status_code == 401, (token, r.text)
+        assert "X-Hangar-Node-Token" in r.json()["error"]["message"]
+    r = httpx.get(n1.url + "/cluster/health")  # the peer probe needs a node's token or a key
+    assert r.status_code == 401, r.text
+
+
 def test_one_slot_per_node_three_creates_three_nodes_then_429_and_a_race(lab: Lab) -> None:
     n1 = lab.nodes[0]
     with n1.client() as c:
@@ -137,6 +183,53 @@ def test_one_slot_per_node_three_creates_three_nodes_then_429_and_a_race(lab: La
         assert c.get(f"/sandboxes/{new[0]}").status_code == 404
 
 
+PROBE = """
+import errno, json, socket, sys, time
+out = {}
+listener = socket.create_server(("127.0.0.1", 0))  # port 0 below: this loopback
+for host, port in json.loads(sys.argv[1]):
+    s = socket.socket()
+    s.settimeout(5)
+    t = time.monotonic()
+    try:
+        s.connect((host, port or listener.getsockname()[1]))
+        verdict = "open"
+    except OSError as exc:
+        verdict = errno.errorcode.get(exc.errno, str(exc))
+    out[f"{host}:{port}"] = verdict + " %.1f" % (time.monotonic() - t)
+    s.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_guest_with_open_egress_reaches_no_control_endpoint_of_any_node(lab: Lab) -> None:
+    """From inside a guest under the most open policy: every node's etcd (client and peer
+    ports) and API refuse the connection at once (the filter's TCP reset), while the rest
+    of the cluster's network (its S3 store) and the guest's own loopback answer. The
+    create goes through node 2 with a client's own placement header, which must not ride
+    on the node token: the sandbox gets the id the cluster claims."""
+    with lab.nodes[1].client() as c:
+        r = c.post("/sandboxes", json={"network": {"egress": "open"}},
+                   headers={"X-Hangar-Sandbox-Id": "sb-00000000c0de"})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        assert sid != "sb-00000000c0de"
+        try:
+            assert lab.owner(sid) == "n1"  # the only free slot
+            targets = [[n.ip, p] for n in lab.nodes for p in (2379, 2380, 8080)]
+            targets += [[f"{lab.net}.254", 9000], ["127.0.0.1", 0]]
+            out = exec_(c, sid, f"python3 -c '{PROBE}' '{json.dumps(targets)}'")
+            got = json.loads(out["stdout"])
+            for n in lab.nodes:
+                for p in (2379, 2380, 8080):
+                    verdict, took = got[f"{n.ip}:{p}"].split()
+                    assert verdict == "ECONNREFUSED" and float(took) < 2, (n.name, p, got)
+            assert got[f"{lab.net}.254:9000"].startswith("open"), got
+            assert got["127.0.0.1:0"].startswith("open"), got
+        finally:
+            assert c.delete(f"/sandboxes/{sid}").status_code == 204
+
+
 def test_calls_sent_to_node1_reach_a_sandbox_on_node3(lab: Lab) -> None:
     sid = state["c"]
     assert lab.owner(sid) == "n3"
@@ -155,7 +248,11 @@ def test_calls_sent_to_node1_reach_a_sandbox_on_node3(lab: Lab) -> None:
         # A raw WebSocket tunnel to a TCP echo server in the guest (the VNC path's transport).
         exec_(c, sid, "nohup python3 -c \"import socket\ns=socket.create_server(('127.0.0.1',7000))\n"
                       "while True:\n c,_=s.accept(); d=c.recv(100); c.sendall(d[::-1]); c.close()\""
-                      " >/dev/null 2>&1 & sleep 1")
+                      " >/dev/null 2>&1 &")
+        assert exec_(c, sid, "for i in $(seq 100); do python3 -c \"import socket\n"
+                             "socket.create_connection(('127.0.0.1', 7000), 1)\" 2>/dev/null"
+                             " && exit 0; sleep 0.2; done; exit 1")["exit_code"] == 0  # listening
+
         assert c.get("/sandboxes/sb-000000000000").status_code == 404
     from websockets.sync.client import connect
 
@@ -293,7 +390,8 @@ def test_etcd_one_member_down_works_two_down_writes_503_exec_still_answers(lab: 
                  "control writes taken with quorum back", every=0.3)
         assert c.delete(f"/machines/{USER}").status_code == 204
     for n in lab.nodes:  # every node takes control writes again once quorum is back
-        wait_for(lambda: httpx.get(n.url + "/cluster/health").json()["writable"], 30,
+        wait_for(lambda: httpx.get(n.url + "/cluster/health", headers={"X-API-Key": lab.key})
+                 .json()["writable"], 30,
                  f"{n.name} writable", every=0.3)
     with lab.nodes[1].client() as c:
         for s in c.get("/sandboxes").json()["sandboxes"]:

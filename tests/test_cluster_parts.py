@@ -9,6 +9,7 @@ import asyncio
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -18,14 +19,17 @@ from pathlib import Path
 
 import pytest
 
+import hangar
 import hangar.cluster
 from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, EtcdUnavailable, cmp_version, op_put
 from hangar.cluster.failover import hand_on, landing
+from hangar.cluster.pki import etcd_flags, make, tls_from
 from hangar.cluster.records import BadRecord, NodeInfo, SandboxObject, sandbox_key
 from hangar.cluster.storage import FileStore, StorageError, open_store
 from hangar.core.lifecycle import Guard, IllegalTransition, State, check
-from hangar.errors import ConfigError, Conflict, LimitExceeded, NotFound
+from hangar.cluster.gateway import node_token
+from hangar.errors import ConfigError, Conflict, LimitExceeded, NotFound, Unauthorized
 
 
 def _port() -> int:
@@ -34,20 +38,35 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+TLS: dict[str, ssl.SSLContext] = {}
+PKI: dict[str, Path] = {}
+
+
+def _client(*urls: str, timeout: float = 2.0) -> Etcd:
+    """A client of the test's etcd with node t's certificate (as a node is)."""
+    return Etcd(list(urls), timeout=timeout, tls=TLS["t"])
+
+
 @pytest.fixture(scope="module")
 def etcd_url() -> Iterator[str]:
+    """One etcd member on loopback, run as a cluster runs it: TLS on both ports and client
+    certificates (``hangar.cluster.pki``)."""
     if shutil.which("etcd") is None:
         pytest.skip("needs etcd (apt-get install etcd-server)")
     d = Path(tempfile.mkdtemp(prefix="hg-etcd-"))
+    make(d / "pki", [("t", "127.0.0.1"), ("other", "127.0.0.1")])
+    PKI["t"] = d / "pki" / "t"
+    TLS["t"] = tls_from(PKI["t"]).context()
     client, peer = _port(), _port()
     p = subprocess.Popen(["etcd", "--name", "t", "--data-dir", str(d / "data"),
-                          "--listen-client-urls", f"http://127.0.0.1:{client}",
-                          "--advertise-client-urls", f"http://127.0.0.1:{client}",
-                          "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                          "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                          "--initial-cluster", f"t=http://127.0.0.1:{peer}"],
+                          "--listen-client-urls", f"https://127.0.0.1:{client}",
+                          "--advertise-client-urls", f"https://127.0.0.1:{client}",
+                          "--listen-peer-urls", f"https://127.0.0.1:{peer}",
+                          "--initial-advertise-peer-urls", f"https://127.0.0.1:{peer}",
+                          "--initial-cluster", f"t=https://127.0.0.1:{peer}",
+                          *etcd_flags(PKI["t"])],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{client}"
+    url = f"https://127.0.0.1:{client}"
     try:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -64,7 +83,7 @@ def etcd_url() -> Iterator[str]:
 
 
 async def _status(url: str) -> None:
-    e = Etcd([url])
+    e = _client(url)
     try:
         await e.status()
     finally:
@@ -72,13 +91,14 @@ async def _status(url: str) -> None:
 
 
 def test_claims_never_overshoot_and_a_dead_endpoint_is_skipped(etcd_url: str) -> None:
-    dead = f"http://127.0.0.1:{_port()}"
+    dead = f"https://127.0.0.1:{_port()}"
 
     async def go() -> None:
-        e = Etcd([dead, etcd_url])  # the first member is down: every call fails over
+        e = _client(dead, etcd_url)  # the first member is down: every call fails over
         d = Directory(e)
-        nodes = [NodeInfo(name=f"x{i}", address="", capacity=c, free=c, engine="qemu",
-                          accel="tcg", cpu_model="", images=[]) for i, c in ((1, 1), (2, 2))]
+        nodes = [NodeInfo(name=f"x{i}", address=f"10.0.0.{i}:8080", capacity=c, free=c,
+                          engine="qemu", accel="tcg", cpu_model="", images=[])
+                 for i, c in ((1, 1), (2, 2))]
 
         def record(node: NodeInfo, k: int, sid: str) -> SandboxObject:
             return SandboxObject(name=sid, spec={}, status={"nodeName": node.name, "slot": k,
@@ -103,7 +123,7 @@ def test_claims_never_overshoot_and_a_dead_endpoint_is_skipped(etcd_url: str) ->
                             [op_put("/hangar/slots/x1/0", "sb-intruder")])
         assert not ok and (await e.get("/hangar/slots/x1/0")).value != b"sb-intruder"
         await e.close()
-        gone = Etcd([dead], timeout=0.5)
+        gone = _client(dead, timeout=0.5)
         with pytest.raises(EtcdUnavailable) as info:
             await gone.get("/hangar/config")
         assert info.value.status == 503 and info.value.retryable
@@ -247,7 +267,7 @@ def test_record_moves_are_edges_of_the_lifecycle_table() -> None:
 def test_failover_moves_each_record_by_one_edge(was: str, user: str | None, snapshot: bool,
                                                 to: str, guard: Guard | None) -> None:
     raw = _obj(was, view={"id": "sb-000000000001", "state": was},
-               **({"snapshot": {"id": "sn-1"}} if snapshot else {}))
+               **({"snapshot": {"id": "snap-00000000000a"}} if snapshot else {}))
     if user:
         raw["metadata"]["labels"] = {"hangar.dev/user": user}
     rec = SandboxObject.parse(raw)
@@ -263,7 +283,7 @@ def test_failover_moves_each_record_by_one_edge(was: str, user: str | None, snap
 
 def test_an_unreadable_record_is_a_clear_409_and_the_others_still_load(etcd_url: str) -> None:
     async def go() -> None:
-        e = Etcd([etcd_url])
+        e = _client(etcd_url)
         d = Directory(e)
         good = SandboxObject.parse(_obj("sleeping"))
         good.name = "sb-0000000000aa"
@@ -301,3 +321,138 @@ def test_no_cluster_module_imports_the_api() -> None:
                          capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(root.parents[1])})
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_etcd_answers_only_a_client_with_a_certificate_of_the_cluster(
+        etcd_url: str, tmp_path: Path) -> None:
+    make(tmp_path / "stranger", [("t", "127.0.0.1")])  # another CA, same names
+
+    async def go() -> None:
+        e = _client(etcd_url)
+        await e.put("/hangar/probe", "x")
+        assert (await e.get("/hangar/probe")).value == b"x"
+        await e.close()
+        no_cert = ssl.create_default_context(cafile=str(PKI["t"] / "ca.crt"))
+        other = tls_from(tmp_path / "stranger" / "t").context()
+        other.load_verify_locations(str(PKI["t"] / "ca.crt"))  # trusts etcd, not trusted
+        for ctx in (no_cert, other):
+            c = Etcd([etcd_url], timeout=1.0, tls=ctx)
+            with pytest.raises(EtcdUnavailable):
+                await c.get("/hangar/probe")
+            await c.close()
+        plain = Etcd([etcd_url.replace("https://", "http://")], timeout=1.0)
+        with pytest.raises(EtcdUnavailable):
+            await plain.get("/hangar/probe")
+        await plain.close()
+        with pytest.raises(ValueError):
+            Etcd([etcd_url])  # https without the client's files
+
+    asyncio.run(go())
+    for f in (PKI["t"] / "node.key", PKI["t"] / "etcd.key", PKI["t"].parent / "ca.key"):
+        assert f.stat().st_mode & 0o777 == 0o600, f
+
+
+def test_forged_records_are_refused_with_a_log_line_and_the_watch_goes_on(
+        etcd_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    good = SandboxObject.parse(_obj("sleeping"))
+    good.name = "sb-0000000000ee"
+    forged_snapshot = _obj("sleeping", snapshot={"id": "../../../../etc", "sizeBytes": 1})
+    forged_snapshot["metadata"]["name"] = "sb-0000000000dd"
+    node = {"name": "evil", "address": "169.254.169.254:80", "capacity": 9, "free": 9,
+            "engine": "qemu", "accel": "tcg", "cpu_model": "", "images": []}
+    forged: list[tuple[bytes | str, object]] = [
+        ("/hangar/sandboxes/../../etc/passwd", good.to_json()),       # traversal in the key
+        ("/hangar/sandboxes/sb-0000000000dd", forged_snapshot),        # traversal in a field
+        ("/hangar/sandboxes/sb-0000000000ff", good.to_json()),         # names another id
+        ("/hangar/nodes/evil", node),                                  # metadata address
+        ("/hangar/nodes/n9", {**node, "name": "n9", "address": "10.0.0.9:80/x"}),
+        ("/hangar/machines/u1", {"sandboxId": "../sb-0000000000ee"}),
+        ("/hangar/snapshots/snap-00000000000b", {"id": "snap-00000000000b", "image": "../x"}),
+        ("/hangar/slots/x9/../0", "sb-0000000000ee"),
+        ("/hangar/leader", "../n1"),
+        ("/hangar/sandboxes/sb-0000000000cc", "[" * 200_000),          # nested past recursion
+        (b"/hangar/sandboxes/\xff\xfe", good.to_json()),               # not UTF-8
+    ]
+
+    async def go() -> None:
+        e = _client(etcd_url)
+        d = Directory(e)
+        await d.load()
+        d.start()
+        try:
+            caplog.set_level("WARNING", logger="hangar.cluster.directory")
+            for key, value in forged:
+                await e.put(key, value)  # type: ignore[arg-type]
+            await e.put(sandbox_key(good.name), good.to_json())  # after them: still seen
+            deadline = time.monotonic() + 10
+            while good.name not in d.sandboxes and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert set(d.sandboxes) == {good.name}, d.sandboxes
+            assert d.nodes == {} and d.machines == {} and d.snapshots == {}
+            assert d.leader is None and not d.slots.get("x9")
+            refused = [r for r in caplog.records if "ignored" in r.getMessage()]
+            assert len(refused) == len(forged), [r.__dict__.get("record") for r in refused]
+            await d.load()  # a reload reads them all again: the same, no error
+            assert set(d.sandboxes) == {good.name}
+            with pytest.raises(Conflict):
+                await d.fresh("sb-0000000000dd")
+            assert await d.lookup("../../etc/passwd") is None  # never read from etcd
+        finally:
+            await d.close()
+            await e.delete("/hangar/", prefix=True)
+            await e.close()
+
+    asyncio.run(go())
+
+
+def test_the_node_token_is_read_from_raw_headers_and_a_bad_one_is_401() -> None:
+    token = "t" * 43
+    assert node_token([(b"x-api-key", b"k")], token) is False
+    assert node_token([(b"X-Hangar-Node-Token", token.encode())], token) is True
+    for bad in ([(b"x-hangar-node-token", b"\xff\xfe\x00")],
+                [(b"x-hangar-node-token", "é".encode())],
+                [(b"x-hangar-node-token", b"t" * 129)],
+                [(b"x-hangar-node-token", b"")],
+                [(b"x-hangar-node-token", token.encode())] * 2,
+                [(b"x-hangar-node-token", b"t" * 42 + b"u")]):
+        with pytest.raises(Unauthorized) as info:
+            node_token(bad, token)
+        assert info.value.status == 401
+    with pytest.raises(Unauthorized):
+        node_token([(b"x-hangar-node-token", token.encode())], "")  # no cluster config yet
+
+
+def test_nodes_and_commands_refuse_etcd_without_tls(tmp_path: Path) -> None:
+    from hangar.cluster.node import ClusterNode
+    from hangar.config import Settings
+    from hangar.layout import Layout
+
+    s = Settings(data_dir=tmp_path, etcd="http://10.0.0.1:2379", node_name="n1",
+                 advertise="10.0.0.1:8080")
+    with pytest.raises(ConfigError) as info:
+        ClusterNode(s, Layout(tmp_path))
+    assert "https://" in info.value.message
+    s = Settings(data_dir=tmp_path, etcd="https://10.0.0.1:2379", node_name="n1",
+                 advertise="10.0.0.1:8080")
+    with pytest.raises(ConfigError) as info:  # no certificate folder
+        ClusterNode(s, Layout(tmp_path))
+    assert "etcd-pki" in info.value.message
+    for bad in ({"node_name": "../n1"}, {"advertise": "169.254.169.254:80"}):
+        with pytest.raises(ConfigError):
+            ClusterNode(s.model_copy(update=bad), Layout(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "hangar.cli", "cluster", "init", "--store",
+                        f"file://{tmp_path}/store", "--etcd", "http://127.0.0.1:1",
+                        "--key-file", str(tmp_path / "key")],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(Path(hangar.__file__).parents[1])})
+    assert r.returncode == 2 and "TLS" in r.stderr, r.stderr
+
+
+def test_the_control_endpoints_come_from_etcd_urls_and_node_addresses() -> None:
+    from hangar.cluster.guard import endpoints
+
+    got = endpoints(["https://10.0.0.1:2379", "https://10.0.0.2:2380", "https://[fd00::1]:2379",
+                     "https://localhost:2379", "not a url"],
+                    ["10.0.0.3:8080", "10.0.0.4", "[fd00::2]:8080"])
+    assert got == {("10.0.0.1", 2379), ("10.0.0.2", 2380), ("127.0.0.1", 2379),
+                   ("10.0.0.3", 8080), ("10.0.0.4", 8080)}

@@ -122,8 +122,11 @@ class Settings(BaseSettings):
                                       "uploads are streamed and not bound by it.")
     etcd: str | None = Field(
         None, description="Comma-separated URLs of the cluster's etcd members "
-                          "(http://host:2379,...); set, this server is a node of a cluster "
+                          "(https://host:2379,...); set, this server is a node of a cluster "
                           "(docs/cluster.md, `hangar node join`); unset, a single host.")
+    etcd_pki: Path | None = Field(
+        None, description="Folder with this node's etcd client files (ca.crt, node.crt, "
+                          "node.key; `hangar cluster certs`); default: data_dir/etcd-pki.")
     node_name: str | None = Field(None, description="This node's name in the cluster; "
                                                     "default: the host name.")
     advertise: str | None = Field(None, description="host:port other nodes reach this "

@@ -24,17 +24,50 @@ out = Console()
 err = Console(stderr=True)
 
 EtcdOpt = Annotated[Optional[str], typer.Option(
-    "--etcd", help="Comma-separated etcd URLs (HANGAR_ETCD), e.g. http://10.0.0.1:2379,...")]
+    "--etcd", help="Comma-separated etcd URLs (HANGAR_ETCD), e.g. https://10.0.0.1:2379,...")]
+PkiOpt = Annotated[Optional[Path], typer.Option(
+    "--pki", help="Folder with ca.crt, node.crt, node.key (HANGAR_ETCD_PKI; default: "
+                  "DATA_DIR/etcd-pki), made by `hangar cluster certs`.")]
 
 
-def _etcd(urls: str | None):  # type: ignore[no-untyped-def]
+def _pki(folder: Path | None) -> Path:
+    if folder is not None:
+        return folder
+    env = os.environ.get("HANGAR_ETCD_PKI")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("HANGAR_DATA_DIR") or "/var/lib/hangar") / "etcd-pki"
+
+
+def _etcd(urls: str | None, pki: Path | None = None):  # type: ignore[no-untyped-def]
     from hangar.cluster.etcd import Etcd
+    from hangar.cluster.pki import tls_from
+    from hangar.errors import ConfigError
 
     urls = urls or os.environ.get("HANGAR_ETCD")
     if not urls:
         err.print("[red]error:[/red] give --etcd URLS or set HANGAR_ETCD")
         raise typer.Exit(2)
-    return Etcd(Etcd.parse_urls(urls))
+    eps = Etcd.parse_urls(urls)
+    if any(not u.startswith("https://") for u in eps):
+        err.print("[red]error:[/red] etcd is reached over TLS only: give https:// URLs "
+                  "(docs/cluster.md)")
+        raise typer.Exit(2)
+    try:
+        return Etcd(eps, tls=tls_from(_pki(pki)).context())
+    except ConfigError as exc:
+        err.print(f"[red]error:[/red] {exc.message}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+def _node_name(name: str) -> str:
+    from hangar.cluster.records import NODE_NAME
+
+    if not NODE_NAME.fullmatch(name):
+        err.print(f"[red]error:[/red] bad node name {name!r} (letters, digits, '.', '_', '-')",
+                  highlight=False)
+        raise typer.Exit(2)
+    return name
 
 
 def _run(coro: Any) -> Any:
@@ -47,11 +80,43 @@ def _run(coro: Any) -> Any:
         raise typer.Exit(1) from None
 
 
+@cluster_app.command("certs")
+def certs(
+    nodes: Annotated[str, typer.Option(
+        help="Every node and the address of its etcd member: n1=10.0.0.1,n2=10.0.0.2,...")],
+    folder: Annotated[Path, typer.Option(
+        "--out", help="Folder to write the CA and one folder per node into (0700; files "
+                      "0600).")] = Path("/etc/hangar/etcd-pki"),
+) -> None:
+    """Make the cluster's CA, a server certificate per etcd member and a client certificate
+    per node (docs/cluster.md). An existing CA in OUT is kept and signs the new ones."""
+    from hangar.cluster.pki import make
+    from hangar.errors import ConfigError
+
+    members = []
+    for item in nodes.split(","):
+        name, sep, ip = item.strip().partition("=")
+        if not sep:
+            err.print(f"[red]error:[/red] {item!r} is not NAME=ADDRESS")
+            raise typer.Exit(2)
+        members.append((name, ip))
+    try:
+        folders = make(folder, members)
+    except ConfigError as exc:
+        err.print(f"[red]error:[/red] {exc.message}", highlight=False)
+        raise typer.Exit(2) from None
+    err.print(f"CA and certificates written under {folder}: copy {folder}/<node>/ to each "
+              "host (its etcd's files and HANGAR_ETCD_PKI); keep ca.key on none of them")
+    for d in folders:
+        out.print(f"{d.name}: {d}")
+
+
 @cluster_app.command("init")
 def init(
     store: Annotated[str, typer.Option(help="Shared snapshot storage: s3://bucket/prefix?"
                                             "endpoint=http://host:9000 or file:///path.")],
     etcd: EtcdOpt = None,
+    pki: PkiOpt = None,
     key_file: Annotated[Path, typer.Option(
         help="The cluster's API key: read from this file, or generated into it (0600).")]
     = Path("/var/lib/hangar/api-key"),
@@ -76,12 +141,17 @@ def init(
     else:
         key = K.create_default(key_file)
         err.print(f"API key generated into {key_file} (give it to your clients)")
-    cfg = ClusterConfig(store=store, key_hashes=[hashlib.sha256(key.encode()).hexdigest()],
-                        node_token=secrets.token_urlsafe(32), lease_ttl_s=lease_ttl,
-                        failover_after_s=failover_after)
+    try:
+        cfg = ClusterConfig.parse({
+            "store": store, "key_hashes": [hashlib.sha256(key.encode()).hexdigest()],
+            "node_token": secrets.token_urlsafe(32), "lease_ttl_s": lease_ttl,
+            "failover_after_s": failover_after})
+    except R.BadRecord as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False, markup=False)
+        raise typer.Exit(2) from None
 
     async def go() -> bool:
-        client = _etcd(etcd)
+        client = _etcd(etcd, pki)
         try:
             await open_store(store).ensure()
             compare = [] if force else [cmp_version(R.CONFIG, 0)]
@@ -108,6 +178,7 @@ def join(
     host: Annotated[Optional[str], typer.Option(help="Listen address (HANGAR_HOST).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Listen port (HANGAR_PORT).")] = None,
     data_dir: Annotated[Optional[Path], typer.Option(help="Data directory.")] = None,
+    pki: PkiOpt = None,
 ) -> None:
     """Run this host's Hangar server as a node of the cluster."""
     urls = etcd or os.environ.get("HANGAR_ETCD")
@@ -115,7 +186,8 @@ def join(
         err.print("[red]error:[/red] give --etcd URLS or set HANGAR_ETCD")
         raise typer.Exit(2)
     os.environ["HANGAR_ETCD"] = urls
-    for var, value in (("HANGAR_ADVERTISE", advertise), ("HANGAR_NODE_NAME", name)):
+    for var, value in (("HANGAR_ADVERTISE", advertise), ("HANGAR_NODE_NAME", name),
+                       ("HANGAR_ETCD_PKI", str(pki) if pki else None)):
         if value:
             os.environ[var] = value
     from hangar.cli.serve import serve
@@ -128,30 +200,36 @@ async def _nodes(client: Any) -> tuple[dict[str, Any], set[str], dict[str, int],
 
     kvs, _ = await client.get_prefix(R.ROOT)
     nodes, drained, used, named = {}, set(), {}, set()
-    for kv in kvs:
-        if kv.key.startswith(R.NODES):
-            nodes[kv.key[len(R.NODES):]] = kv.json()
-        elif kv.key.startswith(R.DRAIN):
-            drained.add(kv.key[len(R.DRAIN):])
-        elif kv.key.startswith(R.SLOTS):
-            n = kv.key[len(R.SLOTS):].split("/", 1)[0]
-            used[n] = used.get(n, 0) + 1
-            named.add(n)
-        elif kv.key.startswith(R.SANDBOXES):
-            owner = (kv.json().get("status") or {}).get("nodeName")
-            if owner:
-                named.add(owner)
+    for kv in kvs:  # read as untrusted, as the nodes read it: malformed keys are skipped
+        try:
+            if kv.key.startswith(R.NODES):
+                name = R.key_id(kv.key, R.NODES, R.NODE_NAME)
+                nodes[name] = R.NodeInfo.parse(R.load_json(kv.value)).to_json()
+            elif kv.key.startswith(R.DRAIN):
+                drained.add(R.key_id(kv.key, R.DRAIN, R.NODE_NAME))
+            elif kv.key.startswith(R.SLOTS):
+                n = kv.key[len(R.SLOTS):].split("/", 1)[0]
+                if R.NODE_NAME.fullmatch(n):
+                    used[n] = used.get(n, 0) + 1
+                    named.add(n)
+            elif kv.key.startswith(R.SANDBOXES):
+                sid = R.key_id(kv.key, R.SANDBOXES, R.SANDBOX_ID)
+                owner = R.SandboxObject.parse(R.load_json(kv.value), sid=sid).node
+                if owner:
+                    named.add(owner)
+        except R.BadRecord as exc:
+            err.print(f"skipped {kv.key[:120]!r}: {exc}", highlight=False, markup=False)
     return nodes, drained, used, named
 
 
 @node_app.command("ls")
-def ls(etcd: EtcdOpt = None,
+def ls(etcd: EtcdOpt = None, pki: PkiOpt = None,
        as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
     """List nodes: alive ones (holding their lease) and lost ones still named by records."""
     import json
 
     async def go() -> list[dict[str, Any]]:
-        client = _etcd(etcd)
+        client = _etcd(etcd, pki)
         try:
             nodes, drained, used, named = await _nodes(client)
         finally:
@@ -179,12 +257,13 @@ def ls(etcd: EtcdOpt = None,
 
 
 @node_app.command("drain")
-def drain(name: str, etcd: EtcdOpt = None) -> None:
+def drain(name: str, etcd: EtcdOpt = None, pki: PkiOpt = None) -> None:
     """Place nothing new on NAME; its sleeping machines wake elsewhere on their next call."""
     from hangar.cluster import records as R
 
+    _node_name(name)
     async def go() -> None:
-        client = _etcd(etcd)
+        client = _etcd(etcd, pki)
         try:
             await client.put(R.DRAIN + name, "1")
         finally:
@@ -195,12 +274,13 @@ def drain(name: str, etcd: EtcdOpt = None) -> None:
 
 
 @node_app.command("undrain")
-def undrain(name: str, etcd: EtcdOpt = None) -> None:
+def undrain(name: str, etcd: EtcdOpt = None, pki: PkiOpt = None) -> None:
     """Let NAME take new sandboxes again."""
     from hangar.cluster import records as R
 
+    _node_name(name)
     async def go() -> None:
-        client = _etcd(etcd)
+        client = _etcd(etcd, pki)
         try:
             await client.delete(R.DRAIN + name)
         finally:
@@ -211,14 +291,15 @@ def undrain(name: str, etcd: EtcdOpt = None) -> None:
 
 
 @node_app.command("rm")
-def rm(name: str, etcd: EtcdOpt = None,
+def rm(name: str, etcd: EtcdOpt = None, pki: PkiOpt = None,
        force: Annotated[bool, typer.Option(help="Also when the node still holds its lease.")]
        = False) -> None:
     """Forget a node: its drain flag and VM slots. Refused while it is alive (unless --force)."""
     from hangar.cluster import records as R
 
+    _node_name(name)
     async def go() -> bool:
-        client = _etcd(etcd)
+        client = _etcd(etcd, pki)
         try:
             if await client.get(R.node_key(name)) is not None and not force:
                 return False

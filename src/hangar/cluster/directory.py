@@ -21,7 +21,6 @@ a clear refusal and every other record keeps working.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -31,17 +30,20 @@ from hangar.cluster.etcd import (
     Compacted, Etcd, Event, cmp_mod, cmp_value, cmp_version, op_delete, op_put,
 )
 from hangar.cluster.records import BadRecord, NodeInfo, SandboxObject
+from hangar.core.machines import USER_ID
 from hangar.core.tasks import Tasks
 from hangar.errors import Conflict, LimitExceeded
 
 log = logging.getLogger("hangar.cluster.directory")
 
 
-def read_record(sid: str, raw: Any, mod_revision: int) -> SandboxObject:
+def read_record(sid: str, value: bytes, mod_revision: int) -> SandboxObject:
     """Parse ``sid``'s record from etcd. Raises ``Conflict`` (409) when it is unreadable."""
     try:
-        return SandboxObject.parse(raw, mod_revision)
+        return SandboxObject.parse(R.load_json(value), mod_revision, sid=sid)
     except BadRecord as exc:
+        log.warning("unreadable cluster record refused", extra={
+            "record": R.sandbox_key(sid), "error": str(exc)[:300]})
         raise Conflict(f"sandbox {sid}'s cluster record is unreadable ({exc}); an operator "
                        f"must fix or delete {R.sandbox_key(sid)}", sandbox_id=sid) from None
 
@@ -118,15 +120,19 @@ class Directory:
                     await asyncio.sleep(1.0)
 
     def _apply(self, ev: Event, notify: bool = True) -> None:
+        """Apply one event to the cache. Every key and value is checked like client input
+        (``hangar.cluster.records``); a malformed one is left out with a log line, and
+        nothing it holds can stop the watch or a load."""
         key, kv = ev.kv.key, ev.kv
         put = ev.type != "DELETE"
         try:
             if key.startswith(R.SANDBOXES):
-                sid = key[len(R.SANDBOXES):]
+                sid = R.key_id(key, R.SANDBOXES, R.SANDBOX_ID)
                 cur = self.sandboxes.get(sid)
                 if put and (cur is None or kv.mod_revision >= cur.mod_revision):
                     try:
-                        self.sandboxes[sid] = SandboxObject.parse(kv.json(), kv.mod_revision)
+                        self.sandboxes[sid] = SandboxObject.parse(
+                            R.load_json(kv.value), kv.mod_revision, sid=sid)
                     except BadRecord:
                         self.sandboxes.pop(sid, None)
                         raise
@@ -135,37 +141,41 @@ class Directory:
                 if notify:
                     self._notify(sid)
             elif key.startswith(R.NODES):
-                name = key[len(R.NODES):]
+                name = R.key_id(key, R.NODES, R.NODE_NAME)
                 if put:
-                    self.nodes[name] = NodeInfo.parse(kv.json())
+                    info = NodeInfo.parse(R.load_json(kv.value))
+                    if info.name != name:
+                        raise BadRecord(f"node record names {info.name!r}")
+                    self.nodes[name] = info
                 else:
                     self.nodes.pop(name, None)
             elif key.startswith(R.DRAIN):
-                name = key[len(R.DRAIN):]
+                name = R.key_id(key, R.DRAIN, R.NODE_NAME)
                 (self.draining.add if put else self.draining.discard)(name)
             elif key.startswith(R.MACHINES):
-                user = key[len(R.MACHINES):]
+                user = R.key_id(key, R.MACHINES, USER_ID)
                 if put:
-                    self.machines[user] = _object(kv)
+                    self.machines[user] = R.machine_meta(R.load_json(kv.value))
                 else:
                     self.machines.pop(user, None)
             elif key.startswith(R.SNAPSHOTS):
-                snap = key[len(R.SNAPSHOTS):]
+                snap = R.key_id(key, R.SNAPSHOTS, R.SNAPSHOT_ID)
                 if put:
-                    self.snapshots[snap] = _object(kv)
+                    self.snapshots[snap] = R.snapshot_meta(R.load_json(kv.value), snap)
                 else:
                     self.snapshots.pop(snap, None)
             elif key.startswith(R.SLOTS):
-                node, _, k = key[len(R.SLOTS):].partition("/")
+                node, k = _slot(key)
                 table = self.slots.setdefault(node, {})
                 if put:
-                    table[int(k)] = kv.value.decode()
+                    table[k] = _slot_value(kv.value)
                 else:
-                    table.pop(int(k), None)
+                    table.pop(k, None)
             elif key == R.LEADER:
-                self.leader = kv.value.decode() if put else None
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
-            log.warning("unreadable cluster record ignored", extra={"key": key})
+                self.leader = _name(kv.value) if put else None
+        except Exception as exc:  # noqa: BLE001 (a forged record must never stop the watch)
+            log.warning("unreadable cluster record ignored", extra={
+                "record": key[:200], "error": str(exc)[:300] or type(exc).__name__})
 
     def _notify(self, sid: str) -> None:
         rec = self.sandboxes.get(sid)
@@ -190,10 +200,12 @@ class Directory:
         rec = self.sandboxes.get(sid)
         if rec is not None:
             return rec
+        if not R.SANDBOX_ID.fullmatch(sid):
+            return None
         kv = await self.etcd.get(R.sandbox_key(sid))
         if kv is None:
             return None
-        rec = read_record(sid, _json(kv), kv.mod_revision)
+        rec = read_record(sid, kv.value, kv.mod_revision)
         cur = self.sandboxes.get(sid)
         if cur is None or cur.mod_revision < rec.mod_revision:
             self.sandboxes[sid] = rec
@@ -202,33 +214,47 @@ class Directory:
     async def fresh(self, sid: str) -> SandboxObject | None:
         """The record of ``sid`` read from etcd now (before a compare-and-set). Raises
         ``Conflict`` when it is unreadable."""
+        if not R.SANDBOX_ID.fullmatch(sid):
+            return None
         kv = await self.etcd.get(R.sandbox_key(sid))
         if kv is None:
             self.sandboxes.pop(sid, None)
             return None
-        rec = read_record(sid, _json(kv), kv.mod_revision)
+        rec = read_record(sid, kv.value, kv.mod_revision)
         self.sandboxes[sid] = rec
         return rec
 
     async def machine_sandbox(self, user: str) -> str | None:
+        """The sandbox id of ``user``'s machine, or None (no machine, or a user id that no
+        machine can have). Raises Conflict when its record is unreadable."""
+        if not USER_ID.fullmatch(user):
+            return None
         m = self.machines.get(user)
         if m is None:
             kv = await self.etcd.get(R.machine_key(user))
             if kv is None:
                 return None
-            m = self.machines[user] = _json(kv)
-        sid = m.get("sandboxId") if isinstance(m, dict) else None
-        if not isinstance(sid, str):
-            raise Conflict(f"user {user}'s machine record is unreadable; an operator must fix "
-                           f"or delete {R.machine_key(user)}", user_id=user)
-        return sid
+            try:
+                m = self.machines[user] = R.machine_meta(R.load_json(kv.value))
+            except BadRecord as exc:
+                log.warning("unreadable cluster record refused", extra={
+                    "record": R.machine_key(user), "error": str(exc)[:300]})
+                raise Conflict(f"user {user}'s machine record is unreadable; an operator "
+                               f"must fix or delete {R.machine_key(user)}",
+                               user_id=user) from None
+        return str(m["sandboxId"])
 
     # -- slots --------------------------------------------------------------------------
 
     async def _free_slots(self, node: NodeInfo, refresh: bool) -> list[int]:
         if refresh:
             kvs, _ = await self.etcd.get_prefix(f"{R.SLOTS}{node.name}/")
-            table = {int(kv.key.rsplit("/", 1)[1]): kv.value.decode() for kv in kvs}
+            table: dict[int, str] = {}
+            for kv in kvs:
+                try:
+                    table[_slot(kv.key)[1]] = _slot_value(kv.value)
+                except BadRecord:
+                    table[_slot(kv.key)[1]] = "?"  # taken, by something unreadable
             self.slots[node.name] = table
         taken = self.slots.get(node.name, {})
         return [k for k in range(node.capacity) if k not in taken]
@@ -313,15 +339,26 @@ class Directory:
         self.sandboxes.pop(rec.name, None)
 
 
-def _json(kv: Any) -> Any:
-    try:
-        return kv.json()
-    except ValueError:
-        return None
+MAX_SLOT = 100_000
 
 
-def _object(kv: Any) -> dict[str, Any]:
-    v = kv.json()
-    if not isinstance(v, dict):
-        raise ValueError("not an object")
-    return v
+def _slot(key: str) -> tuple[str, int]:
+    """(node, k) of a slot key ``/hangar/slots/<node>/<k>``. Raises BadRecord."""
+    node, _, k = key[len(R.SLOTS):].partition("/")
+    if not R.NODE_NAME.fullmatch(node) or not k.isdigit() or len(k) > 6 or int(k) > MAX_SLOT:
+        raise BadRecord(f"malformed slot key {key[:120]!r}")
+    return node, int(k)
+
+
+def _slot_value(value: bytes) -> str:
+    sid = value.decode("ascii", "replace")
+    if not R.SANDBOX_ID.fullmatch(sid):
+        raise BadRecord("a slot holds no sandbox id")
+    return sid
+
+
+def _name(value: bytes) -> str:
+    name = value.decode("ascii", "replace")
+    if not R.NODE_NAME.fullmatch(name):
+        raise BadRecord("malformed node name")
+    return name

@@ -10,6 +10,7 @@ Hangar needs::
     lease grant/keepalive  POST /v3/lease/grant, /v3/lease/keepalive, /v3/lease/revoke
     watch                  POST /v3/watch         (one chunked JSON object per event batch)
     status                 POST /v3/maintenance/status
+    member list            POST /v3/cluster/member/list
 
 Why not a library: ``aetcd`` (asyncio, gRPC) and ``etcd3gw`` (OpenStack,
 blocking ``requests``) are maintained, but both talk to one endpoint; a
@@ -30,6 +31,7 @@ import asyncio
 import base64
 import json
 import logging
+import ssl
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,7 +86,10 @@ class KV:
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> "KV":
-        return cls(key=_unb64(raw.get("key")).decode(), value=_unb64(raw.get("value")),
+        # A key is any bytes in etcd: one that is not UTF-8 is kept (replaced characters)
+        # for the directory to refuse by its pattern, never an error that stops a watch.
+        return cls(key=_unb64(raw.get("key")).decode("utf-8", "replace"),
+                   value=_unb64(raw.get("value")),
                    create_revision=int(raw.get("create_revision", 0)),
                    mod_revision=int(raw.get("mod_revision", 0)),
                    version=int(raw.get("version", 0)), lease=int(raw.get("lease", 0)))
@@ -138,15 +143,25 @@ def op_get(key: str) -> dict[str, Any]:
 
 
 class Etcd:
-    """An etcd v3 client over the JSON gateway of any of ``endpoints`` (``http://host:port``)."""
+    """An etcd v3 client over the JSON gateway of any of ``endpoints``.
 
-    def __init__(self, endpoints: Sequence[str], timeout: float = CALL_TIMEOUT_S) -> None:
+    ``endpoints`` are ``https://host:port`` (a cluster's etcd: ``tls`` is the client
+    context, ``hangar.cluster.pki.Tls.context``, that checks the member's certificate
+    and presents this node's) or ``http://host:port`` (only a bare etcd of a test).
+    Raises ValueError for no endpoint, or an https one without ``tls``.
+    """
+
+    def __init__(self, endpoints: Sequence[str], timeout: float = CALL_TIMEOUT_S,
+                 tls: ssl.SSLContext | None = None) -> None:
         eps = [e.strip().rstrip("/") for e in endpoints if e.strip()]
         if not eps:
             raise ValueError("no etcd endpoint given")
+        if tls is None and any(e.startswith("https://") for e in eps):
+            raise ValueError("https etcd endpoints need the client's TLS files")
         self.endpoints = eps
         self.timeout = timeout
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(1.0, timeout)))
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(1.0, timeout)),
+                                       verify=tls if tls is not None else True)
         self._first = 0
 
     async def close(self) -> None:
@@ -154,7 +169,7 @@ class Etcd:
 
     @classmethod
     def parse_urls(cls, urls: str) -> list[str]:
-        """Endpoints from a comma-separated list (``http://a:2379,http://b:2379``)."""
+        """Endpoints from a comma-separated list (``https://a:2379,https://b:2379``)."""
         return [u.strip() for u in urls.split(",") if u.strip()]
 
     async def call(self, path: str, body: dict[str, Any],
@@ -171,7 +186,7 @@ class Etcd:
             url = f"{self.endpoints[idx]}/v3/{path}"
             try:
                 r = await self._http.post(url, json=body, timeout=timeout or self.timeout)
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, OSError) as exc:  # ssl.SSLError: a refused certificate
                 errors.append(f"{self.endpoints[idx]}: {type(exc).__name__}")
                 continue
             try:
@@ -254,6 +269,16 @@ class Etcd:
         except LeaseGone:
             pass
 
+    async def member_urls(self) -> list[str]:
+        """Every member's client and peer URLs (``cluster/member/list``)."""
+        data = await self.call("cluster/member/list", {})
+        urls: list[str] = []
+        for m in data.get("members") or []:
+            if isinstance(m, dict):
+                for k in ("peerURLs", "clientURLs"):
+                    urls += [u for u in m.get(k) or [] if isinstance(u, str)]
+        return urls
+
     async def status(self) -> dict[str, Any]:
         """The answering member's status (``leader`` is "0" when it has none)."""
         return await self.call("maintenance/status", {})
@@ -294,7 +319,7 @@ class Etcd:
                         if evs:
                             rev = max(e.kv.mod_revision for e in evs) + 1
                             yield evs
-            except (httpx.HTTPError, ValueError) as exc:
+            except (httpx.HTTPError, ValueError, OSError) as exc:
                 attempt += 1
                 log.debug("watch broke; reconnecting", extra={"error": str(exc)})
                 await asyncio.sleep(min(1.0, 0.1 * attempt))

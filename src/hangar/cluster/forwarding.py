@@ -5,11 +5,11 @@ its answer back, or relays a WebSocket frame by frame (``wsproxy``); served
 here (``local``), it calls the app with a ``Placement`` in the scope when the
 request is a placed create (``hangar.core.handover.PLACEMENT_SCOPE``).
 
-What travels between nodes: the client's own headers (hop-by-hop ones
-dropped), ``X-Forwarded-For`` with the client's address appended, and, for
-placements and adoptions, ``X-Hangar-Node-Token`` (from the cluster config)
-that only nodes know, with ``X-Hangar-Sandbox-Id`` (the claimed id) or
-``X-Hangar-Adopt``. ``X-Hangar-Local`` asks a node to answer from its own
+What travels between nodes: the client's own headers (hop-by-hop ones and
+any ``X-Hangar-*`` dropped), ``X-Forwarded-For`` with the client's address
+appended, ``X-Hangar-Node-Token`` (from the cluster config) that only nodes
+know, on every call, and for placements and adoptions ``X-Hangar-Sandbox-Id``
+(the claimed id) or ``X-Hangar-Adopt``. ``X-Hangar-Local`` asks a node to answer from its own
 records (the parts of a merged list).
 """
 
@@ -36,6 +36,10 @@ H_ADOPT = "x-hangar-adopt"
 HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
        "proxy-authorization", "proxy-authenticate", "host", "content-length"}
 """Headers never passed on as they came (``host`` and ``content-length`` are set anew)."""
+
+INTERNAL = "x-hangar-"
+"""Headers only nodes set (token, placement, adoption, local lists): a client's own are
+dropped before a request is forwarded, so none can ride on the node token."""
 
 Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 """An answer the gateway makes itself: (status, headers, body)."""
@@ -109,16 +113,16 @@ class Forwarder:
         extra = extra or {}
         if local or node is None or node.name == self.name:
             return await self._here(scope, receive, send, extra)
-        hdrs = [(k, v) for k, v in headers.items() if k not in HOP]
+        hdrs = [(k, v) for k, v in headers.items()
+                if k not in HOP and not k.startswith(INTERNAL)]
         client = scope.get("client")
         if client:
             prior = headers.get("x-forwarded-for")
             hdrs = [(k, v) for k, v in hdrs if k != "x-forwarded-for"]
             hdrs.append(("x-forwarded-for", f"{prior}, {client[0]}" if prior else client[0]))
-        if extra:
-            hdrs += list(extra.items())
-            if self.token():
-                hdrs.append((H_TOKEN, self.token()))
+        hdrs += list(extra.items())
+        if self.token():  # every call between nodes carries the token (gateway.node_token)
+            hdrs.append((H_TOKEN, self.token()))
         if "host" in headers:
             hdrs.append(("host", headers["host"]))
         qs = scope.get("query_string", b"").decode()

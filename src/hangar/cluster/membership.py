@@ -7,7 +7,7 @@ lease expires (the node died, or is cut off), the record vanishes and the
 elected reconciler (``hangar.cluster.failover``) hands its sandboxes on.
 
 Fencing. A node that has not renewed its lease for ``lease_ttl_s - 1.5``
-seconds asks its peers (``GET /cluster/health``, no key):
+seconds asks its peers (``GET /cluster/health``, with the node token):
 
 * no peer answers, or one answers that *it* can write to etcd: this node
   is cut off while the others go on, and they will give its machines to
@@ -41,6 +41,7 @@ import httpx
 from hangar.cluster import records as R
 from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, EtcdUnavailable, LeaseGone, cmp_version, op_put
+from hangar.cluster.forwarding import H_TOKEN
 from hangar.cluster.records import NodeInfo
 from hangar.core.tasks import Tasks, every
 
@@ -63,7 +64,8 @@ class Membership:
 
     def __init__(self, etcd: Etcd, directory: Directory, name: str, ttl: int,
                  info: Callable[[], NodeInfo], on_fence: Callable[[str], Awaitable[None]],
-                 on_rejoin: Callable[[], Awaitable[None]]) -> None:
+                 on_rejoin: Callable[[], Awaitable[None]],
+                 token: Callable[[], str] = lambda: "") -> None:
         self.etcd = etcd
         self.directory = directory
         self.name = name
@@ -71,6 +73,8 @@ class Membership:
         self.info = info
         self.on_fence = on_fence
         self.on_rejoin = on_rejoin
+        self.token = token
+        """The node token (``X-Hangar-Node-Token``): peers answer the probe only with it."""
         self.lease = 0
         self.last_ok = 0.0
         """Monotonic time the lease was last renewed (sent time of the renewal)."""
@@ -168,9 +172,12 @@ class Membership:
 
         async def ask(n: NodeInfo) -> bool | None:
             try:
-                r = await self._http.get(f"{n.url}/cluster/health")
-                return bool(r.json().get("writable"))
-            except (httpx.HTTPError, ValueError):
+                r = await self._http.get(f"{n.url}/cluster/health",
+                                         headers={H_TOKEN: self.token()})
+                if r.status_code != 200:  # a refusal is no answer: the safe side is to fence
+                    return None
+                return r.json().get("writable") is True
+            except (httpx.HTTPError, ValueError, AttributeError):
                 return None
 
         answers = await asyncio.gather(*(ask(n) for n in peers))

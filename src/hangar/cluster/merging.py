@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from hangar.cluster.directory import Directory
-from hangar.cluster.forwarding import H_LOCAL, H_TOKEN, HOP, Answer, json_answer
+from hangar.cluster.forwarding import H_LOCAL, H_TOKEN, HOP, INTERNAL, Answer, json_answer
 from hangar.cluster.records import NodeInfo, SandboxObject
 from hangar.core.lifecycle import State
 from hangar.core.machines import NAMES
@@ -66,7 +66,7 @@ class Merger:
         d = self.directory
         field = LISTS[path]
         query = scope.get("query_string", b"").decode()
-        fwd = {k: v for k, v in headers.items() if k not in HOP}
+        fwd = {k: v for k, v in headers.items() if k not in HOP and not k.startswith(INTERNAL)}
         fwd[H_LOCAL] = "1"
         fwd[H_TOKEN] = self.token()
 

@@ -42,7 +42,9 @@ from hangar.cluster import records as R
 from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, EtcdUnavailable, op_delete
 from hangar.cluster.failover import Failover, hand_on
+from hangar.cluster.guard import Guard
 from hangar.cluster.membership import Membership
+from hangar.cluster.pki import tls_from
 from hangar.cluster.records import (
     BadRecord, ClusterConfig, NodeInfo, SandboxObject, parse_template, template_json,
 )
@@ -124,10 +126,23 @@ class ClusterNode:
         self.layout = layout
         self.name = settings.node_name or socket.gethostname()
         self.address = settings.advertise or f"{settings.host}:{settings.port}"
+        if not R.NODE_NAME.fullmatch(self.name):
+            raise ConfigError(f"bad node name {self.name!r} (HANGAR_NODE_NAME: letters, "
+                              "digits, '.', '_', '-'; at most 63)")
+        try:
+            R.check_address(self.address)
+        except ValueError as exc:
+            raise ConfigError(f"bad advertised address (HANGAR_ADVERTISE): {exc}") from None
         urls = Etcd.parse_urls(settings.etcd)
+        plain = [u for u in urls if not u.startswith("https://")]
+        if plain:
+            raise ConfigError(f"etcd must be reached over TLS with a client certificate: "
+                              f"{plain[0]} is not https:// (docs/cluster.md, `hangar cluster "
+                              "certs`)")
+        self.tls = tls_from(settings.etcd_pki or settings.data_dir / "etcd-pki")
         host = self.address.rsplit(":", 1)[0]
         urls.sort(key=lambda u: f"//{host}:" not in u)  # this host's member first
-        self.etcd = Etcd(urls)
+        self.etcd = Etcd(urls, tls=self.tls.context())
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per etcd call otherwise
         self.directory = Directory(self.etcd)
         self.hooks = NodeHooks(self)
@@ -137,6 +152,7 @@ class ClusterNode:
         self.manager: SandboxManager | None = None
         self.membership: Membership | None = None
         self.failover: Failover | None = None
+        self.guard: Guard | None = None
         self.epochs: dict[str, int] = self._read_epochs()
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
@@ -162,7 +178,11 @@ class ClusterNode:
         if kv is None:
             raise ConfigError("this etcd holds no Hangar cluster; run `hangar cluster init "
                               "--etcd URLS --store URL` once first")
-        self.config = ClusterConfig.parse(kv.json())
+        try:
+            self.config = ClusterConfig.parse(R.load_json(kv.value))
+        except BadRecord as exc:
+            raise ConfigError(f"{R.CONFIG} is unreadable ({exc}); rewrite it with `hangar "
+                              "cluster init --force`") from None
         self.store = open_store(self.config.store)
         self.sharing = Sharing(self.store, self.layout, self.etcd, self.directory, self.name,
                                self.owns)
@@ -175,7 +195,8 @@ class ClusterNode:
         manager.store.on_transition(lambda rec, frm, to: self.mark(rec.id))
         self.directory.on_change(self._changed)
         self.membership = Membership(self.etcd, self.directory, self.name,
-                                     self.config.lease_ttl_s, self.info, self.fence, self.rejoin)
+                                     self.config.lease_ttl_s, self.info, self.fence, self.rejoin,
+                                     token=lambda: self.config.node_token if self.config else "")
         await self.directory.load()
         await self.membership.register()
         await self.rejoin()
@@ -183,12 +204,19 @@ class ClusterNode:
         self.membership.start()
         self.failover = Failover(self.directory, self.membership, self.config.failover_after_s)
         self.failover.start()
+        self.guard = Guard(self.etcd, self.directory, manager.net)
+        try:
+            await self.guard.step()  # before the first guest of this run gets its NIC
+        except HangarError as exc:
+            log.error("guests' access to the control endpoints not closed yet; retrying",
+                      extra={"error": exc.message})
+        self.guard.start()
         self._tasks.start("push", self._pusher())
         self._tasks.start("audit", every(AUDIT_S, self._audit_pass, log, "cluster audit failed"))
 
     async def close(self) -> None:
         await self._tasks.stop()
-        for part in (self.failover, self.membership):
+        for part in (self.guard, self.failover, self.membership):
             if part is not None:
                 await part.close()
         await self.directory.close()

@@ -31,14 +31,20 @@ answers such a record with a 409 naming it, never a 500.
 
 from __future__ import annotations
 
+import ipaddress
+import json
+import re
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hangar.core.handover import Template
 from hangar.core.lifecycle import (
     VMM_STATES, Guard, State, check, check_desired, walk,
 )
+from hangar.core.machines import USER_ID
 
 ROOT = "/hangar/"
 CONFIG = ROOT + "config"
@@ -55,9 +61,89 @@ API_VERSION = "hangar.dev/v1alpha1"
 VMM_HOLDING: frozenset[State] = VMM_STATES - {State.POOLED}
 """States whose sandbox holds a VM slot (pool VMs have no cluster record)."""
 
+# -- what a field read from etcd may look like ------------------------------------------
+
+SANDBOX_ID = re.compile(r"^sb-[0-9a-f]{12}$")
+"""A sandbox id (``hangar.core.admission.new_id``): the only form a record's key, name or
+``sandboxId`` may take; paths under the data folder are derived from it, never read."""
+SNAPSHOT_ID = re.compile(r"^snap-[0-9a-f]{12}$")
+"""A snapshot id (``new_id("snap-")``)."""
+NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+"""A node's name (``HANGAR_NODE_NAME``; a host name by default): no slash, no leading dot."""
+IMAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+"""An image name or content id (``<name>-<digest>``)."""
+HOST_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+WORD = re.compile(r"^[A-Za-z0-9._-]{0,32}$")
+"""Engine, accelerator, source: short plain words."""
+MAX_RECORD_BYTES = 1 << 20
+"""Largest value of a record the directory reads (a sandbox's view and template included)."""
+
 
 class BadRecord(ValueError):
     """A record in etcd that does not parse: an unknown state, a malformed field."""
+
+
+def check_address(value: str) -> str:
+    """``host:port`` as a node advertises it: an IPv4 address, ``[IPv6]`` or a DNS name,
+    and a port 1-65535; nothing else (no scheme, path, user). Link-local, multicast and
+    unspecified addresses are refused (no node lives there; the cloud metadata service
+    does). Returns it; raises ValueError."""
+    if not isinstance(value, str) or len(value) > 270:
+        raise ValueError("not a host:port string")
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or port != str(int(port)):
+        raise ValueError(f"{value[:80]!r} is not host:port")
+    if host.startswith("[") and host.endswith("]"):
+        ip = ipaddress.IPv6Address(host[1:-1])
+    elif HOST_NAME.fullmatch(host) and not host.replace(".", "").isdigit():
+        return value
+    else:
+        try:
+            ip = ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ValueError(f"{value[:80]!r} is not host:port") from None
+    if ip.is_link_local or ip.is_multicast or ip.is_unspecified:
+        raise ValueError(f"{value[:80]!r}: no node can live at that address")
+    return value
+
+
+def _match(rx: re.Pattern[str], what: str) -> Any:
+    def check_(v: Any) -> Any:
+        if v is not None and not (isinstance(v, str) and rx.fullmatch(v)):
+            raise ValueError(f"{what} {str(v)[:80]!r} is malformed")
+        return v
+    return check_
+
+
+def _fail(what: str, exc: Exception) -> BadRecord:
+    if isinstance(exc, ValidationError):
+        why = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: "
+                        f"{e['msg'].removeprefix('Value error, ')}"[:160]
+                        for e in exc.errors()[:3])
+    else:
+        why = str(exc)[:200]
+    return BadRecord(f"unreadable {what}: {why}")
+
+
+def load_json(value: bytes) -> Any:
+    """A record's value as JSON. Raises BadRecord when it is too large, not JSON, or
+    nested too deeply to parse."""
+    if len(value) > MAX_RECORD_BYTES:
+        raise BadRecord(f"record of {len(value)} bytes (at most {MAX_RECORD_BYTES})")
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError) as exc:
+        raise BadRecord(f"record is not JSON: {str(exc)[:80]}") from None
+
+
+def key_id(key: str, prefix: str, rx: re.Pattern[str]) -> str:
+    """The id at the end of ``key`` (after ``prefix``). Raises BadRecord when it does not
+    match ``rx`` (a forged key: ``../``, a slash, a stray name)."""
+    rest = key[len(prefix):]
+    if not rx.fullmatch(rest):
+        raise BadRecord(f"malformed key {key[:120]!r}")
+    return rest
 
 
 def node_key(name: str) -> str:
@@ -85,66 +171,199 @@ def iso(t: float | None) -> str | None:
     return None if t is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
-@dataclass
-class ClusterConfig:
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="ignore", validate_assignment=True)
+
+
+class ClusterConfig(_Record):
     """Settings every node shares (``/hangar/config``).
 
     ``store`` is the shared snapshot storage (``s3://bucket/prefix`` or
     ``file:///path``); ``key_hashes`` the SHA-256 (hex) of the API keys
     every node accepts; ``node_token`` authenticates nodes to each other
-    (forwarded placements, adoptions); ``lease_ttl_s`` the nodes' lease;
-    ``failover_after_s`` how long after a node's lease expired its
-    sandboxes are declared failed.
+    (every forwarded request, merged lists, placements, adoptions, the peer
+    probe); ``lease_ttl_s`` the nodes' lease; ``failover_after_s`` how long
+    after a node's lease expired its sandboxes are declared failed.
     """
 
-    store: str
-    key_hashes: list[str]
-    node_token: str
-    lease_ttl_s: int = 5
-    failover_after_s: float = 3.0
-    created_at: float = field(default_factory=time.time)
+    store: str = Field(max_length=2048)
+    key_hashes: list[str] = Field(max_length=256)
+    node_token: str = Field(pattern=r"^[A-Za-z0-9_-]{32,128}$")
+    lease_ttl_s: int = Field(5, ge=2, le=600)
+    failover_after_s: float = Field(3.0, ge=0, le=3600)
+    created_at: float = Field(default_factory=time.time)
+
+    @field_validator("key_hashes")
+    @classmethod
+    def _hashes(cls, v: list[str]) -> list[str]:
+        for h in v:
+            if not re.fullmatch(r"[0-9a-f]{64}", h):
+                raise ValueError("a key hash is not 64 hex digits")
+        return v
 
     @classmethod
-    def parse(cls, raw: dict[str, Any]) -> "ClusterConfig":
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in raw.items() if k in known})
+    def parse(cls, raw: Any) -> "ClusterConfig":
+        """Raises BadRecord naming what is wrong."""
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise _fail("cluster config", exc) from None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return self.model_dump(mode="json")
 
 
-@dataclass
-class NodeInfo:
+class NodeInfo(_Record):
     """A node as it states itself (``/hangar/nodes/<name>``), refreshed every few seconds."""
 
-    name: str
+    name: str = Field(pattern=NODE_NAME.pattern)
     address: str
-    """``host:port`` other nodes forward requests to."""
-    capacity: int
+    """``host:port`` other nodes forward requests to (``check_address``)."""
+    capacity: int = Field(ge=0, le=100_000)
     """VM slots (its ``HANGAR_MAX_SANDBOXES``)."""
-    free: int
-    engine: str
-    accel: str
-    cpu_model: str
-    images: list[str]
-    memory_free_mib: int = 0
-    pool: int = 0
+    free: int = Field(ge=0, le=100_000)
+    engine: str = Field(pattern=WORD.pattern)
+    accel: str = Field(pattern=WORD.pattern)
+    cpu_model: str = Field(max_length=256)
+    images: list[str] = Field(max_length=4096)
+    memory_free_mib: int = Field(0, ge=0, le=1 << 40)
+    pool: int = Field(0, ge=0, le=100_000)
     """Warm-pool VMs ready."""
     draining: bool = False
-    started_at: float = field(default_factory=time.time)
-    version: str = ""
+    started_at: float = Field(default_factory=time.time)
+    version: str = Field("", max_length=64)
+
+    _address = field_validator("address")(classmethod(lambda cls, v: check_address(v)))
+
+    @field_validator("images")
+    @classmethod
+    def _images(cls, v: list[str]) -> list[str]:
+        for i in v:
+            _match(IMAGE_NAME, "image")(i)
+        return v
 
     @classmethod
-    def parse(cls, raw: dict[str, Any]) -> "NodeInfo":
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in raw.items() if k in known})
+    def parse(cls, raw: Any) -> "NodeInfo":
+        """Raises BadRecord naming what is wrong."""
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise _fail("node record", exc) from None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return self.model_dump(mode="json")
 
     @property
     def url(self) -> str:
         return f"http://{self.address}"
+
+
+class SnapshotMeta(_Record):
+    """A snapshot in shared storage as etcd describes it (``status.snapshot`` of a record,
+    ``/hangar/snapshots/<id>``)."""
+
+    id: str = Field(pattern=SNAPSHOT_ID.pattern)
+    sizeBytes: int = Field(0, ge=0, le=1 << 50)
+    createdAt: float | None = None
+    kind: Literal["user", "sleep"] | None = None
+    node: str | None = Field(None, pattern=NODE_NAME.pattern)
+    sandboxId: str | None = Field(None, pattern=SANDBOX_ID.pattern)
+    image: str | None = Field(None, pattern=IMAGE_NAME.pattern)
+    imageDigest: str | None = Field(None, pattern=r"^[0-9a-f]{0,64}$")
+    vcpus: int | None = Field(None, ge=1, le=1024)
+    memoryMiB: int | None = Field(None, ge=1, le=1 << 24)
+    diskMiB: int | None = Field(None, ge=1, le=1 << 30)
+    desktop: str | None = Field(None, max_length=32)
+    network: dict[str, Any] | None = None
+    engine: str | None = Field(None, pattern=WORD.pattern)
+    accel: str | None = Field(None, pattern=WORD.pattern)
+
+
+def snapshot_meta(raw: Any, snap_id: str | None = None) -> dict[str, Any]:
+    """Shared snapshot metadata checked (``SnapshotMeta``; ``snap_id``: the id its key
+    names, which the value must not contradict). Returns the value as read. Raises
+    BadRecord."""
+    try:
+        if snap_id is not None and isinstance(raw, dict) and raw.get("id") in (None, snap_id):
+            raw = {**raw, "id": snap_id}
+        SnapshotMeta.model_validate(raw)
+    except ValidationError as exc:
+        raise _fail("snapshot metadata", exc) from None
+    return dict(raw)
+
+
+class MachineMeta(_Record):
+    """``/hangar/machines/<user>``: the user's sandbox."""
+
+    sandboxId: str = Field(pattern=SANDBOX_ID.pattern)
+    idleTimeoutSeconds: float | None = Field(None, ge=0, le=10 ** 8)
+    createdAt: float | None = None
+
+
+def machine_meta(raw: Any) -> dict[str, Any]:
+    """A machine record checked (``MachineMeta``); returns it. Raises BadRecord."""
+    try:
+        MachineMeta.model_validate(raw)
+    except ValidationError as exc:
+        raise _fail("machine record", exc) from None
+    return dict(raw)
+
+
+class _TemplateIn(_Record):
+    image: str = Field(pattern=IMAGE_NAME.pattern)
+    imageDigest: str | None = Field(None, pattern=r"^[0-9a-f]{0,64}$")
+    engine: str | None = Field(None, pattern=WORD.pattern)
+    accel: str | None = Field(None, pattern=WORD.pattern)
+    vcpus: int | None = Field(None, ge=1, le=1024)
+    memoryMiB: int | None = Field(None, ge=1, le=1 << 24)
+    diskMiB: int | None = Field(None, ge=1, le=1 << 30)
+    desktop: str | None = Field(None, max_length=32)
+    network: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = Field(None, max_length=1024)
+    source: str | None = Field(None, max_length=128)
+    expiresAt: float | None = None
+    lastActiveAt: float | None = None
+    e2b: dict[str, Any] | None = Field(None, max_length=16)
+
+
+class _SpecIn(_Record):
+    template: _TemplateIn | None = None
+    desiredState: State | None = None
+    operatingMode: Literal["Running", "Suspended"] | None = None
+    shutdownTime: str | None = Field(None, max_length=40)
+
+
+class _StatusIn(_Record):
+    nodeName: str | None = Field(None, pattern=NODE_NAME.pattern)
+    epoch: int = Field(0, ge=0, le=1 << 62)
+    slot: int | None = Field(None, ge=0, le=100_000)
+    state: State
+    snapshot: SnapshotMeta | None = None
+    podIPs: list[str] = Field([], max_length=16)
+    view: dict[str, Any] | None = None
+
+
+class _MetaIn(_Record):
+    name: str = Field(pattern=SANDBOX_ID.pattern)
+    labels: dict[str, str] = Field({}, max_length=16)
+    createdAt: float | None = None
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if len(k) > 64 or len(val) > 256:
+                raise ValueError("a label is too long")
+        user = v.get("hangar.dev/user")
+        if user is not None and not USER_ID.fullmatch(user):
+            raise ValueError("the user label is malformed")
+        return v
+
+
+class _SandboxIn(_Record):
+    metadata: _MetaIn
+    spec: _SpecIn = _SpecIn()
+    status: _StatusIn
 
 
 @dataclass
@@ -238,33 +457,23 @@ class SandboxObject:
         }
 
     @classmethod
-    def parse(cls, raw: Any, mod_revision: int = 0) -> "SandboxObject":
-        """A record as read from etcd. Raises ``BadRecord`` naming what is wrong."""
+    def parse(cls, raw: Any, mod_revision: int = 0, sid: str | None = None) -> "SandboxObject":
+        """A record as read from etcd, checked like client input (ids, node names, sizes,
+        the state: ``_SandboxIn``); ``sid``: the id its key names, which ``metadata.name``
+        must equal. Raises ``BadRecord`` naming what is wrong."""
         try:
-            if not isinstance(raw, dict):
-                raise ValueError("not an object")
-            meta = raw.get("metadata") or {}
-            status = dict(raw.get("status") or {})
-            status.pop("conditions", None)
-            rec = cls(name=str(meta.get("name", "")), spec=dict(raw.get("spec") or {}),
-                      status=status, labels=dict(meta.get("labels") or {}),
-                      created_at=float(meta.get("createdAt") or time.time()),
-                      mod_revision=mod_revision)
-            state = status.get("state")
-            if state not in State._value2member_map_:
-                raise ValueError(f"state {str(state)[:40]!r} is not a sandbox state")
-            rec.desired, rec.epoch, rec.slot  # noqa: B018 (each raises on a malformed value)
-            node = status.get("nodeName")
-            if node is not None and not isinstance(node, str):
-                raise ValueError("nodeName is not a string")
-            if not isinstance(rec.spec.get("template") or {}, dict):
-                raise ValueError("spec.template is not an object")
-            if rec.snapshot is not None and not (isinstance(rec.snapshot, dict)
-                                                 and isinstance(rec.snapshot.get("id"), str)):
-                raise ValueError("snapshot has no id")
-        except (TypeError, ValueError, AttributeError) as exc:
-            raise BadRecord(f"unreadable sandbox record: {exc}") from None
-        return rec
+            _SandboxIn.model_validate(raw)
+        except ValidationError as exc:
+            raise _fail("sandbox record", exc) from None
+        meta = raw["metadata"]
+        if sid is not None and meta["name"] != sid:
+            raise BadRecord(f"record names sandbox {meta['name']!r}, its key {sid!r}")
+        status = dict(raw["status"])
+        status.pop("conditions", None)
+        return cls(name=meta["name"], spec=dict(raw.get("spec") or {}), status=status,
+                   labels=dict(meta.get("labels") or {}),
+                   created_at=float(meta.get("createdAt") or time.time()),
+                   mod_revision=mod_revision)
 
 
 def template_json(t: Template) -> dict[str, Any]:
@@ -280,27 +489,13 @@ def parse_template(raw: Any) -> Template:
     """The ``Template`` in ``spec.template``. Raises ``BadRecord`` when a field is missing
     or malformed."""
     try:
-        if not isinstance(raw, dict):
-            raise ValueError("no template")
-        expires = raw.get("expiresAt")
-        active = raw.get("lastActiveAt")
-        network = raw.get("network")
-        metadata = raw.get("metadata") or {}
-        if not isinstance(metadata, dict) or not (network is None or isinstance(network, dict)):
-            raise ValueError("metadata or network is not an object")
-        e2b = raw.get("e2b")
-        if e2b is not None and not isinstance(e2b, dict):
-            raise ValueError("e2b is not an object")
-        return Template(
-            image=str(raw["image"]), image_digest=str(raw.get("imageDigest") or ""),
-            engine=str(raw.get("engine") or ""), accel=str(raw.get("accel") or ""),
-            vcpus=int(raw["vcpus"]), memory_mib=int(raw["memoryMiB"]),
-            disk_mib=int(raw["diskMiB"]),
-            desktop=None if raw.get("desktop") is None else str(raw["desktop"]),
-            network=network, metadata=dict(metadata),
-            source=None if raw.get("source") is None else str(raw["source"]),
-            expires_at=None if expires is None else float(expires),
-            last_active_at=None if active is None else float(active), e2b=e2b)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise BadRecord(f"unreadable sandbox template: {exc!r}") from None
-
+        t = _TemplateIn.model_validate(raw)
+        if t.vcpus is None or t.memoryMiB is None or t.diskMiB is None:
+            raise BadRecord("unreadable sandbox template: vcpus, memoryMiB or diskMiB missing")
+    except ValidationError as exc:
+        raise _fail("sandbox template", exc) from None
+    return Template(
+        image=t.image, image_digest=t.imageDigest or "", engine=t.engine or "",
+        accel=t.accel or "", vcpus=t.vcpus, memory_mib=t.memoryMiB, disk_mib=t.diskMiB,
+        desktop=t.desktop, network=t.network, metadata=dict(t.metadata or {}),
+        source=t.source, expires_at=t.expiresAt, last_active_at=t.lastActiveAt, e2b=t.e2b)

@@ -43,7 +43,8 @@ from hangar.cluster.placement import Need, rank
 from hangar.cluster.records import NodeInfo, SandboxObject
 from hangar.core.admission import new_id
 from hangar.core.lifecycle import GONE, State
-from hangar.errors import Conflict, NotFound, TooLarge, Unavailable
+from hangar.core.machines import USER_ID
+from hangar.errors import Conflict, InvalidRequest, NotFound, TooLarge, Unavailable
 
 SANDBOX = re.compile(r"^/sandboxes/(?P<id>[^/]+)(?P<rest>/.*)?$")
 MACHINE = re.compile(r"^/machines/(?P<user>[^/]+)(?P<rest>/.*)?$")
@@ -84,6 +85,9 @@ class Router:
             sid = m["id"]
         else:
             m = MACHINE.match(path)
+            if m and not USER_ID.fullmatch(m["user"]):
+                await self.app(scope, receive, send)  # the route's own 400 or 404
+                return
             if m:
                 sid = await d.machine_sandbox(m["user"])
                 if sid is None:
@@ -188,7 +192,7 @@ class Router:
         body = await self._read_body(receive)
         try:
             req = json.loads(body) if body.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # the route answers the bad body
             req = {}
         if not isinstance(req, dict):
             req = {}
@@ -196,6 +200,8 @@ class Router:
                                                          self.node.settings.default_image)
         if not image:
             raise Conflict("the snapshot's cluster record names no image")
+        if not isinstance(image, str) or not R.IMAGE_NAME.fullmatch(image):
+            raise InvalidRequest(f"bad image name {str(image)[:80]!r}")
         need = Need(image_name=str(image), engine=snapshot.get("engine") if snapshot else None,
                     accel=snapshot.get("accel") if snapshot else None,
                     prefer=snapshot.get("node") if snapshot else None)
@@ -219,7 +225,10 @@ class Router:
         def extra(node: NodeInfo) -> list[dict[str, Any]]:
             if not user:
                 return []
-            idle = req.get("idle_timeout") or self.node.settings.machine_idle_s
+            idle = req.get("idle_timeout")
+            if isinstance(idle, bool) or not isinstance(idle, (int, float)) \
+                    or not 0 < idle <= 10 ** 8:
+                idle = self.node.settings.machine_idle_s  # the route refuses a bad one
             return [op_put(R.machine_key(user), {"sandboxId": sid, "idleTimeoutSeconds": idle,
                                                  "createdAt": time.time()})]
 
@@ -251,10 +260,16 @@ class Router:
         """A request about snapshot ``snap_id``: a fork is a create; others go to the node
         that made it, else are answered from its shared metadata."""
         d = self.node.directory
-        meta = d.snapshots.get(snap_id)
-        if meta is None:
+        meta = d.snapshots.get(snap_id) if R.SNAPSHOT_ID.fullmatch(snap_id) else None
+        if meta is None and R.SNAPSHOT_ID.fullmatch(snap_id):
             kv = await self.node.etcd.get(R.snapshot_key(snap_id))
-            meta = kv.json() if kv else None
+            if kv is not None:
+                try:
+                    meta = R.snapshot_meta(R.load_json(kv.value), snap_id)
+                except R.BadRecord as exc:
+                    raise Conflict(f"snapshot {snap_id}'s cluster record is unreadable "
+                                   f"({exc}); an operator must fix or delete "
+                                   f"{R.snapshot_key(snap_id)}", snapshot_id=snap_id) from None
         if not isinstance(meta, dict):
             await self.app(scope, receive, send)
             return

@@ -42,6 +42,10 @@ def shared_snapshot(meta: Any, kind: str, **known: Any) -> SharedSnapshot:
             raise ValueError("not an object")
         meta = {**meta, **{k: v for k, v in (("id", known.get("snap_id")),
                                               ("sandboxId", known.get("sandbox_id"))) if v}}
+        R.snapshot_meta(meta)  # ids, names and sizes as patterns and bounds allow
+        if meta.get("image") is None or None in (meta.get("vcpus"), meta.get("memoryMiB"),
+                                                 meta.get("diskMiB")):
+            raise ValueError("image, vcpus, memoryMiB or diskMiB missing")
         return SharedSnapshot(
             id=str(meta["id"]), sandbox_id=str(meta.get("sandboxId") or ""), kind=kind,
             size_bytes=int(meta.get("sizeBytes", 0)),
@@ -49,8 +53,10 @@ def shared_snapshot(meta: Any, kind: str, **known: Any) -> SharedSnapshot:
             image_digest=str(meta.get("imageDigest") or ""), vcpus=int(meta["vcpus"]),
             memory_mib=int(meta["memoryMiB"]), disk_mib=int(meta["diskMiB"]),
             desktop=meta.get("desktop"), network=meta.get("network"))
+    except BadRecord:
+        raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise BadRecord(f"unreadable snapshot metadata: {exc!r}") from None
+        raise BadRecord(f"unreadable snapshot metadata: {exc}") from None
 
 
 def template_meta(t: Any) -> dict[str, Any]:
@@ -131,11 +137,15 @@ class Sharing:
             return
         meta = self.directory.snapshots.get(snap_id)
         if meta is None:
+            if not R.SNAPSHOT_ID.fullmatch(snap_id):
+                raise NotFound(f"no snapshot {snap_id}", snapshot_id=snap_id)
             kv = await self.etcd.get(R.snapshot_key(snap_id))
             if kv is None:
                 raise NotFound(f"no snapshot {snap_id}", snapshot_id=snap_id)
-            meta = kv.json()
+            meta = kv.value
         try:
+            if isinstance(meta, bytes):
+                meta = R.snapshot_meta(R.load_json(meta), snap_id)
             snap = shared_snapshot(meta, "user", snap_id=snap_id)
         except BadRecord as exc:
             raise Conflict(f"snapshot {snap_id}'s cluster record is unreadable: {exc}",

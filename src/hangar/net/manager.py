@@ -283,6 +283,17 @@ class NetworkManager:
             log.info("guest network ready", extra={"bridge": self.bridge, "pool": str(self.pool),
                                                    "leases": len(self._leases)})
 
+    @_off_loop
+    def guard_control(self, endpoints: Iterable[tuple[str, int]]) -> None:
+        """Refuse every guest's TCP to ``endpoints`` ((IPv4, port) pairs: a cluster's etcd
+        and node APIs) under any policy: the ``control`` set (``hangar.net.nft``), replaced
+        in one transaction. Nothing to do unless guests use TAP networking."""
+        with self._lock:
+            if self.mode != "tap":
+                return
+            self.start()
+            self.nft.apply(N.control_script(endpoints))
+
     def _ipr(self) -> Any:
         from pyroute2 import IPRoute
 

@@ -5,13 +5,19 @@ rules (``BR`` is the bridge, ``POOL`` the guests' subnet, ``hgt*`` the TAPs)::
 
     table inet hangar
       map egress         guest address -> goto its chain   (one element per sandbox)
+      set control        address . TCP port of the cluster's control endpoints (etcd
+                                       client and peer ports, every node's API; filled
+                                       by a cluster node, ``control_script``)
       chain input        hook input:   from BR only replies (ct established,related);
+                                       a control endpoint is refused (TCP reset);
                                        every other packet from a guest to any host
                                        address is dropped
       chain forward      hook forward: BR -> BR dropped (guest to guest via the host);
                                        from BR to link-local (169.254/16, cloud
                                        metadata) dropped, whatever the policy
                                        (a link-local resolver passes to its chain);
+                                       from BR to a control endpoint: refused (TCP
+                                       reset), whatever the policy, ``open`` too;
                                        from BR: ip saddr vmap @egress, else drop;
                                        to BR: replies only
       chain postrouting  hook postrouting (nat): POOL leaving by any other
@@ -44,6 +50,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,14 +149,19 @@ def base_script(bridge: str, pool: str, tap_prefix: str, dns: str | None = None)
     return "\n".join([
         f"add table {t}",
         f"add map {t} egress {{ type ipv4_addr : verdict; }}",
+        f"add set {t} control {{ type ipv4_addr . inet_service; }}",
         f"add chain {t} input {{ type filter hook input priority filter; policy accept; }}",
         f"flush chain {t} input",
         f"add rule {t} input iifname {br} ct state established,related accept",
+        f"add rule {t} input iifname {br} meta l4proto tcp ip daddr . tcp dport @control"
+        f" counter reject with tcp reset",
         f"add rule {t} input iifname {br} counter drop",
         f"add chain {t} forward {{ type filter hook forward priority filter; policy accept; }}",
         f"flush chain {t} forward",
         f"add rule {t} forward iifname {br} oifname {br} counter drop",
         f"add rule {t} forward iifname {br} ip daddr {{ {blocked} }}{spare} counter drop",
+        f"add rule {t} forward iifname {br} meta l4proto tcp ip daddr . tcp dport @control"
+        f" counter reject with tcp reset",
         f"add rule {t} forward iifname {br} ip saddr vmap @egress",
         f"add rule {t} forward iifname {br} counter drop",
         f"add rule {t} forward oifname {br} ct state established,related accept",
@@ -171,6 +183,21 @@ def base_script(bridge: str, pool: str, tap_prefix: str, dns: str | None = None)
         f"add rule {b} forward iifname {taps} oifname {taps} counter drop",
         "",
     ])
+
+
+def control_script(endpoints: Iterable[tuple[str, int]]) -> str:
+    """Replace the ``control`` set with ``endpoints`` ((IPv4 address, TCP port) pairs: the
+    cluster's etcd client and peer ports, every node's API), in one transaction."""
+    import ipaddress
+
+    t = f"inet {TABLE}"
+    elems = sorted({f"{ipaddress.IPv4Address(ip)} . {int(port)}" for ip, port in endpoints
+                    if 0 < int(port) < 65536})
+    lines = [f"add set {t} control {{ type ipv4_addr . inet_service; }}",
+             f"flush set {t} control"]
+    if elems:
+        lines.append(f"add element {t} control {{ {', '.join(elems)} }}")
+    return "\n".join(lines) + "\n"
 
 
 def attach_script(tap: str, mac: str, ip: str, denied: list[str], dns: str | None) -> str:
