@@ -148,8 +148,8 @@ def test_moves_publish_their_events(store: Store) -> None:
             bus.publish(kind, sandbox_id, **data)
 
     store.on_transition(lambda rec, frm, to: announce(Ctx(), rec, frm, to))  # type: ignore[arg-type]
-    store.add(record("sb-00000000000a", State.RUNNING, metadata_={"user_id": "ann"}),
-              record("sb-00000000000b", State.POOLED, metadata_={"pool": True}))
+    store.add(record("sb-00000000000a", State.RUNNING, user_id="ann"),
+              record("sb-00000000000b", State.POOLED, pooled=True))
     a = "sb-00000000000a"
     store.transition(a, State.RUNNING, State.SNAPSHOTTING, desired_state=State.SLEEPING)
     store.transition(a, State.SNAPSHOTTING, State.SLEEPING)

@@ -96,6 +96,10 @@ class Settings(BaseSettings):
     pool_max_age_s: float = Field(900.0, gt=0, description="Pool VMs older than this are replaced.")
     reconcile_concurrency: int = Field(
         4, ge=1, le=64, description="Slow reconcile steps (sleep, wake, restore) run at once.")
+    purge_retention_s: float = Field(
+        7 * 86400.0, gt=0, le=365 * 86400,
+        description="Records of deleted and expired sandboxes are kept this long, then "
+                    "purged (seconds; until then GET answers 404 or 410 for them).")
     machine_idle_s: float = Field(1800.0, gt=0,
                                   description="Idle seconds before a user's machine sleeps.")
     network: Literal["auto", "tap", "user", "off"] = Field(

@@ -13,7 +13,9 @@ the client SDK (``hangar.client``)::
     ├── Gone                    410  the sandbox existed but expired
     ├── Conflict                409  the object's state forbids the call now
     │   ├── Busy                409  retryable after ``retry_after`` seconds
-    │   └── ImageMissing        409  the image build a sandbox or snapshot pins is gone
+    │   ├── ImageMissing        409  the image build a sandbox or snapshot pins is gone
+    │   └── DiskFull            409  the guest's file system is full (or over quota);
+    │                                free space in it first; not retryable as is
     ├── TooLarge                413  the request body is over the server's limit
     ├── LimitExceeded           429  retryable after ``retry_after`` seconds
     ├── Timeout                 504  the guest did not answer in time (it is marked
@@ -115,6 +117,19 @@ class ImageMissing(Conflict):
     code = "image_missing"
 
 
+class DiskFull(Conflict):
+    """The guest's file system has no room for the write (ENOSPC, or EDQUOT: over quota).
+
+    The sandbox's state, not the server, is at fault, and the same call fails
+    the same way until the caller frees space (delete files) or uses a sandbox
+    with a larger disk: 409, never retried. ``context`` names the ``path`` and
+    the ``free_bytes`` and ``total_bytes`` of its file system (as the guest's
+    ``statvfs`` counts them for an unprivileged writer; absent when the guest
+    could not say)."""
+
+    code = "disk_full"
+
+
 class NoInterpreter(Conflict):
     """A code interpreter call to a sandbox that runs none (an image other than
     ``code-interpreter``: nothing listens on its port 49999)."""
@@ -173,7 +188,7 @@ BY_CODE: dict[str, type[HangarError]] = {
     cls.code: cls
     for cls in (
         HangarError, InvalidRequest, IdempotencyMismatch, Unauthorized, Unavailable, NotFound,
-        Gone, Conflict, Busy, ImageMissing, NoInterpreter, TooLarge, LimitExceeded, Timeout,
-        RequestTimeout, GuestError, EngineError, ImageError, ConfigError,
+        Gone, Conflict, Busy, ImageMissing, DiskFull, NoInterpreter, TooLarge, LimitExceeded,
+        Timeout, RequestTimeout, GuestError, EngineError, ImageError, ConfigError,
     )
 }

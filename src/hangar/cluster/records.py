@@ -323,6 +323,7 @@ class _TemplateIn(_Record):
     source: str | None = Field(None, max_length=128)
     expiresAt: float | None = None
     lastActiveAt: float | None = None
+    e2b: dict[str, Any] | None = Field(None, max_length=16)
 
 
 class _SpecIn(_Record):
@@ -481,7 +482,7 @@ def template_json(t: Template) -> dict[str, Any]:
             "accel": t.accel, "vcpus": t.vcpus, "memoryMiB": t.memory_mib,
             "diskMiB": t.disk_mib, "desktop": t.desktop, "network": t.network,
             "metadata": t.metadata, "source": t.source, "expiresAt": t.expires_at,
-            "lastActiveAt": t.last_active_at}
+            "lastActiveAt": t.last_active_at, "e2b": t.e2b}
 
 
 def parse_template(raw: Any) -> Template:
@@ -497,4 +498,4 @@ def parse_template(raw: Any) -> Template:
         image=t.image, image_digest=t.imageDigest or "", engine=t.engine or "",
         accel=t.accel or "", vcpus=t.vcpus, memory_mib=t.memoryMiB, disk_mib=t.diskMiB,
         desktop=t.desktop, network=t.network, metadata=dict(t.metadata or {}),
-        source=t.source, expires_at=t.expiresAt, last_active_at=t.lastActiveAt)
+        source=t.source, expires_at=t.expiresAt, last_active_at=t.lastActiveAt, e2b=t.e2b)

@@ -72,6 +72,9 @@ class CreateOptions:
 
     Sizes in MiB; ``timeout_s`` is the time to live in seconds (0: none);
     ``idle_timeout_s`` makes the sandbox sleep after that many idle seconds.
+    ``metadata`` is the client's, stored as given and never read as state;
+    what the server itself keeps goes in the fields after it (``user_id``: the
+    machine's user, ``e2b``: E2B's options), each in a column of its own.
     """
 
     image: str | None = None
@@ -86,6 +89,10 @@ class CreateOptions:
     network: Any = None
     """Egress policy: ``none``, ``internet``, ``open`` or a dict with ``egress``,
     ``allow`` and ``deny`` CIDR lists; None takes the server's default."""
+    user_id: str | None = None
+    """The user whose machine it is (``hangar.core.machines``), or None."""
+    e2b: dict[str, Any] | None = None
+    """E2B's options of a create through ``/e2b`` (``hangar.core.e2b.Options.as_dict``)."""
 
 
 def new_id(prefix: str = "sb-") -> str:
@@ -237,9 +244,8 @@ class Admission:
         now = time.time()
         ttl = opts.timeout_s if opts.timeout_s is not None else s.default_timeout_s
         default_vcpus, default_memory = default_size(image, s)
-        metadata: dict[str, Any] = dict(opts.metadata)
-        if opts.idle_timeout_s:
-            metadata["idle_timeout_s"] = opts.idle_timeout_s
+        metadata = {k: v for k, v in opts.metadata.items()
+                    if isinstance(k, str) and isinstance(v, str)}
         return SandboxRecord(
             id=sid, state=state, desired_state=State.RUNNING,
             image=image.name, image_digest=image.digest, engine=self.ctx.engine.name,
@@ -248,6 +254,8 @@ class Admission:
             disk_mib=disk_mib or opts.disk_mib or s.default_disk_mib, pid=None, created_at=now,
             updated_at=now, last_active_at=now, expires_at=now + ttl if ttl else None,
             metadata_=metadata, desktop=opts.desktop, network=network,
+            user_id=opts.user_id, idle_timeout_s=opts.idle_timeout_s or None,
+            e2b=dict(opts.e2b) if opts.e2b is not None else None, pooled=False,
         )
 
 

@@ -91,7 +91,8 @@ class Creation:
                 claimed, lambda: self.pool.prepare(claimed.id),  # type: ignore[union-attr]
                 "pool", started, created_at=fresh.created_at,
                 last_active_at=fresh.last_active_at, expires_at=fresh.expires_at,
-                metadata_=fresh.metadata_)
+                metadata_=fresh.metadata_, user_id=fresh.user_id,
+                idle_timeout_s=fresh.idle_timeout_s, e2b=fresh.e2b)
         except Conflict:
             raise
         except HangarError as exc:  # a broken pool VM: it is gone; boot one cold

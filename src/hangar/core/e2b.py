@@ -15,9 +15,9 @@ its sandbox agent's protocol, envd (``hangar.api.envd``, under
 ``Options`` / ``options`` / ``envs``
     what a create through ``/e2b`` asked for beyond Hangar's own fields
     (the template name it used, default environment variables, what a
-    timeout does). Kept in the record's metadata under ``"e2b"`` as a dict:
-    it lives and dies with the record, and Hangar's own views show only
-    string metadata, so it never appears there.
+    timeout does). Kept in the record's own ``e2b`` column, never in the
+    client's metadata: it lives and dies with the record, and no request
+    writes it but the create that made it.
 ``resolve`` / ``templates``
     E2B template names onto Hangar's images, templates and snapshots
     (``base`` is Hangar's base image; the code interpreter's
@@ -62,7 +62,8 @@ stops forcing user ``user``; >= 0.5.2 ``close_stdin``; >= 0.5.7 octet-stream upl
 Hangar does not serve."""
 
 KEY = "e2b"
-"""The record metadata key that holds a sandbox's E2B ``Options`` (a dict)."""
+"""The metadata key where older servers kept a sandbox's E2B ``Options``; now the record's
+``e2b`` column (kept for imports; it is an ordinary key of the client's metadata)."""
 
 TEMPLATE_ALIASES = {"code-interpreter-v1": "code-interpreter"}
 """E2B template names that are another name in Hangar."""
@@ -115,7 +116,7 @@ class Options:
 
 def options(rec: SandboxRecord) -> Options | None:
     """The E2B options of ``rec``, or None for a sandbox made through Hangar's own API."""
-    raw = (rec.metadata_ or {}).get(KEY)
+    raw = rec.e2b
     if not isinstance(raw, dict):
         return None
     env = raw.get("envs")
@@ -134,11 +135,9 @@ def _seconds(value: Any) -> float:
 
 
 def with_options(metadata: dict[str, str], opts: Options) -> dict[str, Any]:
-    """A create's record metadata: the user's (string values) and ``opts`` under ``KEY``.
-    Raises InvalidRequest when the user's metadata uses ``KEY`` itself."""
-    if KEY in metadata:
-        raise InvalidRequest(f"metadata key {KEY!r} is reserved by Hangar", key=KEY)
-    return {**metadata, KEY: opts.as_dict()}
+    """The fields of a create's ``CreateOptions`` that carry the client's ``metadata``
+    (opaque) and ``opts`` (the record's ``e2b`` column)."""
+    return {"metadata": dict(metadata), "e2b": opts.as_dict()}
 
 
 def sandbox(manager: SandboxManager, sandbox_id: str) -> SandboxRecord:
@@ -171,7 +170,7 @@ def paused_changes(rec: SandboxRecord) -> dict[str, Any]:
     if opts is None:
         return {"expires_at": None}
     armed = replace(opts, wake_ttl_s=opts.timeout_s)
-    return {"expires_at": None, "metadata_": {**(rec.metadata_ or {}), KEY: armed.as_dict()}}
+    return {"expires_at": None, "e2b": armed.as_dict()}
 
 
 def pause_clock(manager: SandboxManager, sandbox_id: str) -> SandboxRecord:
@@ -189,7 +188,7 @@ def woken_changes(rec: SandboxRecord, now: float) -> dict[str, Any] | None:
         return None
     disarmed = replace(opts, wake_ttl_s=0.0)
     return {"expires_at": now + opts.wake_ttl_s,
-            "metadata_": {**(rec.metadata_ or {}), KEY: disarmed.as_dict()}}
+            "e2b": disarmed.as_dict()}
 
 
 def resume_clock(manager: SandboxManager, sandbox_id: str, timeout_s: float) -> SandboxRecord:
@@ -199,8 +198,7 @@ def resume_clock(manager: SandboxManager, sandbox_id: str, timeout_s: float) -> 
     opts = options(rec)
     changes: dict[str, Any] = {"expires_at": time.time() + timeout_s if timeout_s else None}
     if opts is not None and opts.wake_ttl_s:
-        changes["metadata_"] = {**(rec.metadata_ or {}),
-                                KEY: replace(opts, wake_ttl_s=0.0).as_dict()}
+        changes["e2b"] = replace(opts, wake_ttl_s=0.0).as_dict()
     return manager.store.update(sandbox_id, **changes)  # type: ignore[return-value]
 
 

@@ -33,6 +33,16 @@ shown as such, can be deleted, and expires as usual. The reconcile loop
 asks its agent ``hello`` about every ``PROBE_S`` seconds
 (``probe_unresponsive``); the first answer moves it back to ``running``.
 
+A guest call that fails for the caller's own reason is the caller's 4xx, never
+a retried 5xx (``client_fault``): a full disk (ENOSPC, EDQUOT) is ``DiskFull``
+(409, naming the path and the free space), a read-only file system, a loop of
+symbolic links or a rename across file systems ``InvalidRequest`` (400), a file
+over the size limit ``TooLarge`` (413), a program file in use ``Conflict``. The
+guest agent reports these errnos as ``io_error`` with the C library's message
+(``hangar.guest.ops.common.os_error``); a missing path, a folder for a file, a
+name too long and a denied permission have agent codes of their own
+(``hangar.engines.agent_client.ERRORS``).
+
 Commands running at once in one sandbox are capped
 (``max_execs_per_sandbox``; ``admission.ExecSlots``): one more is refused
 with 429 and ``Retry-After`` before it reaches the guest.
@@ -45,7 +55,9 @@ the command text only when the caller opted in.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -58,7 +70,9 @@ from hangar.core.context import Context
 from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
 from hangar.core.sleep import Sleeper
-from hangar.errors import Busy, Conflict, HangarError, InvalidRequest, NotFound, Timeout
+from hangar.errors import (
+    Busy, Conflict, DiskFull, GuestError, HangarError, InvalidRequest, NotFound, Timeout, TooLarge,
+)
 from hangar.engines.agent_client import AgentClient, Deadlines, ExecEvent, ExecResult, Tunnel
 
 log = logging.getLogger("hangar.sandboxes")
@@ -79,6 +93,19 @@ PROBE_S = 5.0
 its ``Retry-After``."""
 BUSY_RETRY_S = 1.0
 """``Retry-After`` of a 409 ``busy`` while a lifecycle change runs, seconds."""
+
+
+CLIENT_ERRNOS: dict[int, type[HangarError]] = {
+    errno.ENOSPC: DiskFull, errno.EDQUOT: DiskFull, errno.EROFS: InvalidRequest,
+    errno.EFBIG: TooLarge, errno.ELOOP: InvalidRequest, errno.EXDEV: InvalidRequest,
+    errno.ETXTBSY: Conflict, errno.EMLINK: InvalidRequest,
+}
+"""Errnos of a guest file call that are the caller's problem, and the class each becomes."""
+_BY_MESSAGE = {os.strerror(n) + ": ": (n, cls) for n, cls in CLIENT_ERRNOS.items()}
+FREE_SPACE_S = 10.0
+"""Longest wait for the guest to say how much room a full file system has, seconds."""
+_FREE = ('d="$1"; while [ ! -d "$d" ]; do d=$(dirname "$d"); done; '
+         'stat -f -c "%a %S %b" "$d"')
 
 
 def _file_event(raw: dict[str, Any]) -> FileEvent | None:
@@ -149,7 +176,13 @@ class GuestCalls:
                 agent = rt.agent
                 agent.deadlines = DEADLINES
                 agent.on_unanswered = lambda op, s: self.unanswered(sandbox_id, op, s)
-            yield agent
+            try:
+                yield agent
+            except GuestError as exc:
+                mapped = await self.client_fault(sandbox_id, agent, exc)
+                if mapped is None:
+                    raise
+                raise mapped from None
         finally:
             rt.busy -= 1
             # Recorded once the caller's answer is on its way (the next turn of the loop),
@@ -159,6 +192,47 @@ class GuestCalls:
             if now - rt.touched_at >= TOUCH_S:
                 rt.touched_at = now
                 asyncio.get_running_loop().call_soon(self._touch, sandbox_id, now)
+
+    async def client_fault(self, sandbox_id: str, agent: AgentClient,
+                           exc: GuestError) -> HangarError | None:
+        """The caller's error that a guest's ``io_error`` stands for (``CLIENT_ERRNOS``), or
+        None when it is the guest's own fault. A full disk also names its free space."""
+        if exc.context.get("guest_code") != "io_error":
+            return None
+        found = next(((prefix, hit) for prefix, hit in _BY_MESSAGE.items()
+                      if exc.message.startswith(prefix)), None)
+        if found is None:
+            return None
+        prefix, (number, cls) = found
+        path = exc.message[len(prefix):][:4096]
+        context: dict[str, Any] = {"sandbox_id": sandbox_id, "path": path,
+                                   "errno": errno.errorcode.get(number, str(number))}
+        message = exc.message[:500]
+        if cls is DiskFull:
+            room = await self._free_space(agent, path)
+            if room is not None:
+                context["free_bytes"], context["total_bytes"] = room
+                message = (f"{message}: the sandbox's disk has {room[0]} bytes free of "
+                           f"{room[1]}; delete files in it, or create the sandbox with a "
+                           "larger disk_mib")
+            else:
+                message += ": the sandbox's disk is full; delete files in it"
+        log.info("guest call refused by the guest's file system",
+                 extra={"sandbox_id": sandbox_id, "errno": context["errno"]})
+        return cls(message, **context)
+
+    async def _free_space(self, agent: AgentClient, path: str) -> tuple[int, int] | None:
+        """(free bytes for an unprivileged writer, total bytes) of the guest file system
+        that holds ``path`` (its nearest existing folder), or None when it cannot say."""
+        folder = path if path.startswith("/") else f"{HOME}/{path}"
+        meta = Command("sh", args=["-c", _FREE, "sh", os.path.dirname(folder) or "/"],
+                       timeout_s=FREE_SPACE_S).exec_meta()
+        try:
+            result = await asyncio.wait_for(agent.exec(meta), FREE_SPACE_S + 5)
+            avail, size, blocks = (int(x) for x in result.stdout.head.split()[:3])
+        except (HangarError, OSError, ValueError, asyncio.TimeoutError):
+            return None
+        return avail * size, blocks * size
 
     def _touch(self, sandbox_id: str, when: float) -> None:
         try:

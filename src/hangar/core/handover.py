@@ -39,6 +39,7 @@ from hangar.core.lifecycle import INITIAL, State, check_desired
 from hangar.core.recovery import vmm_processes
 from hangar.core.removal import Removal
 from hangar.core.store import MachineRecord, SandboxRecord, SnapshotRecord
+from hangar.core.views import user_metadata
 
 log = logging.getLogger("hangar.handover")
 
@@ -67,9 +68,12 @@ class Template:
     desktop: str | None = None
     network: dict[str, Any] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    """The client's metadata (opaque; only string keys and values are kept)."""
     source: str | None = None
     expires_at: float | None = None
     last_active_at: float | None = None
+    e2b: dict[str, Any] | None = None
+    """E2B's options (``hangar.core.e2b.Options.as_dict``), or None."""
 
 
 def describe(rec: SandboxRecord) -> Template:
@@ -77,8 +81,9 @@ def describe(rec: SandboxRecord) -> Template:
     return Template(image=rec.image, image_digest=rec.image_digest, engine=rec.engine,
                     accel=rec.accel, vcpus=rec.vcpus, memory_mib=rec.memory_mib,
                     disk_mib=rec.disk_mib, desktop=rec.desktop, network=rec.network,
-                    metadata=dict(rec.metadata_ or {}), source=rec.source,
-                    expires_at=rec.expires_at, last_active_at=rec.last_active_at)
+                    metadata=user_metadata(rec), source=rec.source,
+                    expires_at=rec.expires_at, last_active_at=rec.last_active_at,
+                    e2b=dict(rec.e2b) if isinstance(rec.e2b, dict) else None)
 
 
 @dataclass(frozen=True)
@@ -150,8 +155,12 @@ class Handover:
                 accel=t.accel or ctx.engine.accel, vcpus=t.vcpus, memory_mib=t.memory_mib,
                 disk_mib=t.disk_mib, pid=None, created_at=a.created_at, updated_at=now,
                 last_active_at=t.last_active_at or now, expires_at=t.expires_at,
-                desktop=t.desktop, network=t.network, metadata_=dict(t.metadata),
-                source=t.source, sleep_snapshot=a.snapshot.id)
+                desktop=t.desktop, network=t.network,
+                metadata_={k: v for k, v in t.metadata.items()
+                           if isinstance(k, str) and isinstance(v, str)},
+                source=t.source, sleep_snapshot=a.snapshot.id, user_id=a.user,
+                idle_timeout_s=a.idle_timeout_s,
+                e2b=dict(t.e2b) if isinstance(t.e2b, dict) else None)
             records: list[Any] = [rec, a.snapshot.record()]
             if a.user:
                 ctx.store.remove(MachineRecord, a.user)

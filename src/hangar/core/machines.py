@@ -129,7 +129,7 @@ class MachineManager:
             base = opts or CreateOptions()
             rec = await self.sandboxes.create(dataclasses.replace(
                 base, timeout_s=0, idle_timeout_s=idle,
-                metadata={**base.metadata, "user_id": user_id}), placement)
+                user_id=user_id), placement)
             # No await from here to the record: the reconcile pass never sees
             # this sandbox without its machine record.
             self.store.remove(MachineRecord, user_id)
@@ -175,19 +175,23 @@ class MachineManager:
         machines = {m.user_id: m for m in self.store.list(MachineRecord)}
         owned = {m.sandbox_id for m in machines.values()}
         for m in machines.values():
-            rec = self.store.get(m.sandbox_id)
+            try:
+                rec = self.store.get(m.sandbox_id)
+            except Exception:  # an unreadable sandbox row: the reconcile pass reports it
+                continue
             if (rec is None or rec.state in GONE) and not self._busy(m.user_id):
                 self.store.remove(MachineRecord, m.user_id)
                 log.info("machine record of a gone sandbox removed", extra={"user_id": m.user_id})
         for rec in self.store.in_states(LIVE - {State.CREATING}):
-            user = rec.user_id
+            user = rec.user_id if isinstance(rec.user_id, str) else None
             if user is None or rec.id in owned or self._busy(user):
                 continue
             if self._find(user) is None:
                 self.store.remove(MachineRecord, user)
+                idle = rec.idle_timeout_s
                 self.store.add(MachineRecord(user_id=user, sandbox_id=rec.id,
-                                             idle_timeout_s=rec.idle_timeout_s
-                                             or self.idle_timeout_s,
+                                             idle_timeout_s=idle if isinstance(idle, float)
+                                             and idle > 0 else self.idle_timeout_s,
                                              created_at=rec.created_at))
                 log.info("machine record restored", extra={"user_id": user, "sandbox_id": rec.id})
             else:

@@ -41,7 +41,6 @@ from hangar.core.admission import Admission, CreateOptions, default_size, new_id
 from hangar.core.context import Context
 from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
-from hangar.core.publish import POOL_MARK
 from hangar.core.store import SandboxRecord
 from hangar.core.tasks import Tasks
 from hangar.engines.snapshot_io import refresh_guest
@@ -128,7 +127,7 @@ class WarmPool:
             self._ready.pop(rec.id, None)
             try:
                 claimed = self.ctx.store.transition(rec.id, State.POOLED, State.CREATING,
-                                                    metadata_={})
+                                                    pooled=False)
             except (Conflict, NotFound):
                 continue  # retired meanwhile
             self.ctx.publish("pool.take", rec.id, image=image.name)
@@ -187,7 +186,7 @@ class WarmPool:
             async with self.admission.if_room(rec.memory_mib) as room:
                 if not room:
                     return
-                rec.metadata_ = {POOL_MARK: True}
+                rec.pooled = True
                 ctx.store.add(rec)
             started = time.monotonic()
             try:

@@ -30,12 +30,13 @@ from hangar.core.lifecycle import State
 from hangar.core.store import SandboxRecord
 
 POOL_MARK = "pool"
-"""Metadata key set on a warm-pool VM's record until it is claimed."""
+"""The metadata key where older servers marked a warm-pool VM (now the ``pooled`` column);
+kept for imports."""
 
 
 def announce(ctx: Context, rec: SandboxRecord, frm: frozenset[State], to: State) -> None:
     """Publish the events that follow ``rec``'s move from one of ``frm`` to ``to``."""
-    if (rec.metadata_ or {}).get(POOL_MARK):
+    if rec.pooled:
         return
     sid = rec.id
     if to == State.DELETED:

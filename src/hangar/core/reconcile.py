@@ -21,8 +21,14 @@ expiry or crash detection. A failed step is retried with exponential
 backoff (2 s, 4 s, ... up to 5 min) and its error is written on the record
 (``error``; ``GET /sandboxes/{id}`` shows it) until a step succeeds.
 
-Other passes (the warm pool's maintenance, machines' bookkeeping) run as
-tasks of their own from the same tick.
+Other passes (the warm pool's maintenance, machines' bookkeeping, the purge
+of old tombstones) run as tasks of their own from the same tick.
+
+One record never stops the pass for the others: a record whose planning
+fails (a damaged value) is logged once, marked (its ``error``) and skipped,
+and a row that cannot even be read is left out by ``Store.in_states``. The
+rest of the pass goes on: every other sandbox still expires, sleeps and is
+reaped on time.
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ class Reconciler:
         self._passes: dict[str, Pass] = {}
         self._failures: dict[str, int] = {}
         self._retry_at: dict[str, float] = {}
+        self._bad: set[str] = set()
+        """Sandboxes whose record failed planning, each logged once until it plans again."""
 
     def add_pass(self, name: str, fn: Pass) -> None:
         """Run ``fn`` from every tick as its own task (never two at once)."""
@@ -96,7 +104,12 @@ class Reconciler:
         for rec in live:
             if self._work_tasks.running(rec.id):
                 continue
-            action = self.plan(rec, now)
+            try:
+                action = self.plan(rec, now)
+            except Exception as exc:  # one bad record never stops the pass
+                self._bad_record(rec.id, exc)
+                continue
+            self._bad.discard(rec.id)
             if action is None:
                 continue
             if action in SLOW and self._retry_at.get(rec.id, 0.0) > now:
@@ -106,12 +119,25 @@ class Reconciler:
         for table in (self._failures, self._retry_at):
             for sid in [s for s in table if s not in ids]:
                 del table[sid]
+        self._bad &= ids
         passes = dict(self._passes)
         if self.pool is not None:
             passes["pool"] = self.pool.maintain
         for name, fn in passes.items():
             if not self._background.running(f"pass {name}"):
                 self._background.start(f"pass {name}", fn())
+
+    def _bad_record(self, sid: str, exc: Exception) -> None:
+        """Log once and mark a record that ``plan`` failed on; the pass goes on."""
+        if sid in self._bad:
+            return
+        self._bad.add(sid)
+        log.error("sandbox record skipped by the reconcile pass", exc_info=exc,
+                  extra={"sandbox_id": sid, "error": repr(exc)[:300]})
+        try:
+            self.ctx.store.update(sid, error=f"reconcile: unusable record: {exc!r}"[:1000])
+        except Exception:  # the mark is best effort; the log line is the record
+            pass
 
     def plan(self, rec: SandboxRecord, now: float) -> str | None:
         """What ``rec`` needs now, or None (see the module docstring)."""
@@ -169,7 +195,10 @@ class Reconciler:
             wait = most if isinstance(exc, ImageMissing) else min(most, first * 2 ** (n - 1))
             self._retry_at[sid] = time.time() + wait
             msg = exc.message if isinstance(exc, HangarError) else repr(exc)
-            ctx.store.update(sid, error=f"{action} failed: {msg}"[:1000])
+            try:
+                ctx.store.update(sid, error=f"{action} failed: {msg}"[:1000])
+            except Exception:  # a record that cannot even be marked: the log says it
+                pass
             log.warning("reconcile step failed", extra={
                 "sandbox_id": sid, "action": action, "error": msg, "attempt": n,
                 "retry_in_s": wait})

@@ -48,6 +48,7 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -90,6 +91,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hangar.sandboxes")
 
+PURGE_EVERY_S = 60.0
+"""Longest gap between two purges of old tombstones (``SandboxManager.purge``), seconds."""
+
 __all__ = ["CreateOptions", "SandboxManager", "new_id", "renet_meta"]
 
 
@@ -128,6 +132,8 @@ class SandboxManager:
         self.reconciler = Reconciler(ctx, self.removal, self.sleeper, self.snapshots, self.pool,
                                      concurrency=settings.reconcile_concurrency)
         self.reconciler.add_pass("unresponsive", self.calls.probe_unresponsive)
+        self.reconciler.add_pass("purge", self.purge)
+        self._purged_at = 0.0
         self.recovery = Recovery(ctx, self.launcher, self.removal)
         self.handover = Handover(ctx, self.launcher, self.removal)
         self._desktop: Desktop | None = None
@@ -176,8 +182,22 @@ class SandboxManager:
 
     def list(self) -> list[SandboxRecord]:
         """Sandboxes that exist or failed (not deleted, expired or pooled), oldest first."""
-        hidden = GONE | {State.POOLED}
-        return [r for r in self.store.all() if r.state not in hidden]
+        return self.store.visible()
+
+    async def purge(self) -> int:
+        """Remove the records of sandboxes deleted or expired more than
+        ``purge_retention_s`` ago (a reconcile pass; it works at most every
+        ``PURGE_EVERY_S`` seconds, or half the retention when that is shorter).
+        Returns how many went."""
+        keep = self.settings.purge_retention_s
+        now = time.time()
+        if now - self._purged_at < min(PURGE_EVERY_S, keep / 2):
+            return 0
+        self._purged_at = now
+        n = await asyncio.to_thread(self.store.purge, now - keep)
+        if n:
+            log.info("old sandbox records purged", extra={"records": n, "retention_s": keep})
+        return n
 
     def set_timeout(self, sandbox_id: str, timeout_s: float) -> SandboxRecord:
         """Make the sandbox expire ``timeout_s`` seconds from now (0: never)."""
@@ -203,9 +223,8 @@ class SandboxManager:
     def state_counts(self) -> dict[str, int]:
         """Sandboxes by state (tombstones not counted), for ``hangar_sandboxes{state}``."""
         counts = {s.value: 0 for s in State if s not in GONE}
-        for rec in self.store.all():
-            if rec.state.value in counts:
-                counts[rec.state.value] += 1
+        for state, n in self.store.state_counts().items():
+            counts[state.value] = n
         return counts
 
     # -- lifecycle ---------------------------------------------------------------------

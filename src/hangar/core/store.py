@@ -13,11 +13,22 @@ hear every move once it is committed (the event bus uses this).
 
 Columns added since a data directory was made are added to its tables at
 start (``ALTER TABLE ... ADD COLUMN``, nullable), so old databases keep working.
+
+A sandbox's ``metadata`` is the client's and opaque: nothing in Hangar reads
+it as state. What the server keeps of its own (a machine's user and idle
+timeout, the warm-pool mark, E2B's options) lives in columns of its own
+(``user_id``, ``idle_timeout_s``, ``pooled``, ``e2b``), which no request
+writes. Databases made when those lived in ``metadata`` are moved once at
+start (``_move_internal_keys``). Tombstones (``deleted``, ``expired``) are
+kept ``purge_retention_s`` and then removed (``purge``); the hot paths
+(``live``, ``visible``, ``state_counts``) read only the rows they need by the
+``state`` index.
 """
 
 from __future__ import annotations
 
 import builtins
+import json as _json
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -25,12 +36,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import (
-    JSON, Boolean, Enum, Float, Integer, String, create_engine, delete, event, inspect, select,
-    text, update,
+    JSON, Boolean, Enum, Float, Integer, String, create_engine, delete, event, func, inspect,
+    select, text, update,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from hangar.core.lifecycle import DESIRED, LIVE, VMM_STATES, State, check, check_desired
+from hangar.core.lifecycle import (
+    DESIRED, GONE, LIVE, VMM_STATES, State, check, check_desired,
+)
 from hangar.errors import Conflict, NotFound
 from hangar.images import image_id  # noqa: F401  (re-exported: a record's build id)
 
@@ -81,18 +94,15 @@ class SandboxRecord(Base):
     network: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     """Egress policy (``hangar.net.Policy`` as a dict); None: no NIC."""
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
-
-    @property
-    def user_id(self) -> str | None:
-        """The user whose machine this is, or None."""
-        v = (self.metadata_ or {}).get("user_id")
-        return v if isinstance(v, str) else None
-
-    @property
-    def idle_timeout_s(self) -> float | None:
-        """Idle seconds before it sleeps (machines), or None."""
-        v = (self.metadata_ or {}).get("idle_timeout_s")
-        return float(v) if v else None
+    """The client's metadata (string keys and values), opaque to Hangar: never read as state."""
+    user_id: Mapped[str | None] = mapped_column(String(128), nullable=True, default=None)
+    """The user whose machine this is (``hangar.core.machines``), or None."""
+    idle_timeout_s: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)
+    """Idle seconds before it sleeps (machines), or None: never for idleness."""
+    pooled: Mapped[bool | None] = mapped_column(Boolean, nullable=True, default=False)
+    """True while it is a warm-pool VM nobody has claimed (``hangar.core.pool``)."""
+    e2b: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True, default=None)
+    """E2B's options of a sandbox made through ``/e2b`` (``hangar.core.e2b.Options``), or None."""
 
 
 class SnapshotRecord(Base):
@@ -154,6 +164,40 @@ class CounterRecord(Base):
 
 R = TypeVar("R", bound=Base)
 
+_NUMBER = (int, float)
+_SOUND: tuple[tuple[str, tuple[type, ...], bool], ...] = (
+    ("state", (State,), False), ("desired_state", (State,), False),
+    ("image", (str,), False), ("vcpus", (int,), False), ("memory_mib", (int,), False),
+    ("disk_mib", (int,), False), ("created_at", _NUMBER, False),
+    ("updated_at", _NUMBER, False), ("last_active_at", _NUMBER, True),
+    ("expires_at", _NUMBER, True), ("pid", (int,), True), ("error", (str,), True),
+    ("metadata_", (dict,), True), ("network", (dict,), True), ("user_id", (str,), True),
+    ("idle_timeout_s", _NUMBER, True), ("e2b", (dict,), True), ("sleep_snapshot", (str,), True),
+    ("restore_from", (str,), True), ("desktop", (str,), True), ("source", (str,), True),
+)
+"""A sandbox row's fields, the types each must have, and whether it may be NULL."""
+
+
+def unsound(rec: "SandboxRecord") -> str | None:
+    """What is wrong with a sandbox row a damaged or forged database holds (a field of the
+    wrong type: SQLite stores any value in any column), or None when it is sound."""
+    for name, types, nullable in _SOUND:
+        value = getattr(rec, name, None)
+        if value is None and nullable:
+            continue
+        if not isinstance(value, types) or isinstance(value, bool):
+            return f"{name} is {type(value).__name__}"
+    return None
+
+
+def _json_object(raw: Any) -> dict[str, Any] | None:
+    """A JSON column's raw value as a dict, or None when it is not one (NULL, garbage)."""
+    try:
+        value = _json.loads(raw) if isinstance(raw, (str, bytes)) else raw
+    except ValueError:
+        return None
+    return dict(value) if isinstance(value, dict) else None
+
 TransitionListener = Callable[[SandboxRecord, frozenset[State], State], None]
 """Called with (the record after the move, the states it was expected in, the new state)."""
 
@@ -173,8 +217,11 @@ class Store:
 
         Base.metadata.create_all(self.engine)
         self._add_missing_columns()
+        self._move_internal_keys()
         self._session = sessionmaker(self.engine, expire_on_commit=False)
         self._listeners: list[TransitionListener] = []
+        self.unreadable: set[str] = set()
+        """Ids of sandbox rows that could not be read (``in_states``), logged once each."""
 
     def _add_missing_columns(self) -> None:
         insp = inspect(self.engine)
@@ -186,6 +233,48 @@ class Store:
                         kind = col.type.compile(self.engine.dialect)
                         conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{col.name}" {kind}'))
                         log.info("column added", extra={"table": table.name, "column": col.name})
+
+    INTERNAL_KEYS = ("user_id", "idle_timeout_s", "pool", "e2b")
+    """Metadata keys where Hangar once kept state of its own, before it had columns."""
+
+    def _move_internal_keys(self) -> None:
+        """Move state older servers kept in ``metadata`` into its columns, once.
+
+        Only a value a server wrote moves (the client's were strings: a non-string
+        idle timeout, pool mark or E2B options; a ``user_id`` only when a machine
+        record names this sandbox as that user's); a client's string under one of
+        these keys stays in its metadata, where it means nothing to the server.
+        """
+        with self.engine.begin() as conn:
+            rows = conn.execute(text("SELECT id, metadata FROM sandboxes")).all()
+            owners = {sid: user for user, sid in conn.execute(
+                text("SELECT user_id, sandbox_id FROM machines")).all()}
+            for sid, raw in rows:
+                meta = _json_object(raw)
+                if meta is None or not any(k in meta for k in self.INTERNAL_KEYS):
+                    continue
+                cols: dict[str, Any] = {}
+                idle = meta.get("idle_timeout_s")
+                if isinstance(idle, (int, float)) and not isinstance(idle, bool):
+                    cols["idle_timeout_s"] = float(idle) if idle > 0 else None
+                    del meta["idle_timeout_s"]
+                if meta.get("pool") is True:
+                    cols["pooled"] = True
+                    del meta["pool"]
+                if isinstance(meta.get("e2b"), dict):
+                    cols["e2b"] = _json.dumps(meta.pop("e2b"))
+                if isinstance(meta.get("user_id"), str) and owners.get(sid) == meta["user_id"]:
+                    cols["user_id"] = meta.pop("user_id")
+                kept = {k: v for k, v in meta.items() if isinstance(v, str)}
+                if not cols and kept == meta:
+                    continue  # only a client's strings under these keys: nothing to move
+                meta = kept
+                sets = ", ".join(f"{k} = :{k}" for k in cols)
+                conn.execute(text(f"UPDATE sandboxes SET metadata = :metadata"
+                                  f"{', ' + sets if sets else ''} WHERE id = :id"),
+                             {"metadata": _json.dumps(meta), "id": sid, **cols})
+                log.info("internal state moved out of metadata",
+                         extra={"sandbox_id": sid, "columns": sorted(cols)})
 
     def session(self) -> Session:
         return self._session()
@@ -251,7 +340,14 @@ class Store:
             s.add_all(records)
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
-        return self.find(SandboxRecord, sandbox_id)
+        """The sandbox's record, or None: no such row, or one that cannot be read or holds
+        a damaged field (logged once and marked, as in ``in_states``)."""
+        try:
+            rec = self.find(SandboxRecord, sandbox_id)
+        except Exception as exc:
+            self._unreadable(sandbox_id, exc)
+            return None
+        return rec if rec is None or self._sound(rec) else None
 
     def find(self, cls: type[R], key: str) -> R | None:
         with self.session() as s:
@@ -326,14 +422,84 @@ class Store:
         return self.in_states(VMM_STATES)
 
     def in_states(self, states: Iterable[State]) -> list[SandboxRecord]:
-        """Sandboxes in any of ``states``, oldest first."""
+        """Sandboxes in any of ``states``, oldest first.
+
+        A row that cannot be read (a damaged value in one of its columns) does not
+        fail the query: it is left out, logged once and marked (``unreadable``,
+        and its ``error`` column where that can be written), and every other row
+        is returned."""
+        where = SandboxRecord.state.in_(list(states))
+        try:
+            with self.session() as s:
+                recs = list(s.scalars(select(SandboxRecord).where(where)
+                                      .order_by(SandboxRecord.created_at)))
+            return [r for r in recs if self._sound(r)]
+        except Exception:  # one damaged row: read them one by one
+            pass
         with self.session() as s:
-            q = select(SandboxRecord).where(SandboxRecord.state.in_(list(states)))
-            return list(s.scalars(q.order_by(SandboxRecord.created_at)))
+            ids = list(s.scalars(select(SandboxRecord.id).where(where)
+                                 .order_by(SandboxRecord.created_at)))
+        out: list[SandboxRecord] = []
+        for sid in ids:
+            try:
+                with self.session() as s:
+                    rec = s.get(SandboxRecord, sid)
+                if rec is not None and self._sound(rec):
+                    out.append(rec)
+            except Exception as exc:
+                self._unreadable(sid, exc)
+        return out
+
+    def _sound(self, rec: SandboxRecord) -> bool:
+        wrong = unsound(rec)
+        if wrong is None:
+            return True
+        self._unreadable(rec.id, ValueError(wrong))
+        return False
+
+    def _unreadable(self, sandbox_id: str, exc: Exception) -> None:
+        """Log once and mark a sandbox row that cannot be read or holds a damaged field."""
+        if sandbox_id in self.unreadable:
+            return
+        self.unreadable.add(sandbox_id)
+        log.error("sandbox record unreadable: left out until repaired",
+                  extra={"sandbox_id": sandbox_id, "error": repr(exc)[:300]})
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(text("UPDATE sandboxes SET error = :e WHERE id = :id"),
+                             {"e": f"unreadable record: {exc!r}"[:1000], "id": sandbox_id})
+        except Exception:  # the mark is best effort; the log line is the record
+            pass
+
+    def visible(self) -> list[SandboxRecord]:
+        """Sandboxes the API lists: all but tombstones and warm-pool VMs, oldest first."""
+        return self.in_states(set(State) - GONE - {State.POOLED})
+
+    def state_counts(self) -> dict[State, int]:
+        """How many sandboxes are in each state but the tombstones (one indexed query)."""
+        with self.session() as s:
+            q = (select(SandboxRecord.state, func.count()).where(
+                SandboxRecord.state.in_(list(set(State) - GONE))).group_by(SandboxRecord.state))
+            return {State(st): int(n) for st, n in s.execute(q)}
 
     def all(self) -> list[SandboxRecord]:
+        """Every record, tombstones included (tools and tests; not for hot paths)."""
         with self.session() as s:
             return list(s.scalars(select(SandboxRecord).order_by(SandboxRecord.created_at)))
+
+    def purge(self, older_than: float) -> int:
+        """Remove tombstones (``deleted``, ``expired``) last changed before ``older_than``
+        (Unix seconds), with their exposed ports; returns how many went."""
+        with self.session() as s, s.begin():
+            gone = select(SandboxRecord.id).where(SandboxRecord.state.in_(list(GONE)),
+                                                  SandboxRecord.updated_at < older_than)
+            ids = list(s.scalars(gone))
+            for i in range(0, len(ids), 500):
+                chunk = ids[i:i + 500]
+                s.execute(delete(PortRecord).where(PortRecord.sandbox_id.in_(chunk)))
+                s.execute(delete(SandboxRecord).where(SandboxRecord.id.in_(chunk),
+                                                      SandboxRecord.state.in_(list(GONE))))
+            return len(ids)
 
     def list(self, cls: type[R]) -> list[R]:
         with self.session() as s:

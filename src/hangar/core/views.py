@@ -12,6 +12,15 @@ from hangar.images import image_id
 from hangar.schemas import SandboxInfo
 
 
+def user_metadata(rec: SandboxRecord) -> dict[str, str]:
+    """The client's metadata of ``rec`` (string keys and values; anything else a damaged
+    or old record holds is left out)."""
+    raw = rec.metadata_
+    if not isinstance(raw, dict):
+        return {}
+    return {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, str)}
+
+
 def sandbox_view(rec: SandboxRecord) -> SandboxInfo:
     """What ``GET /sandboxes/{id}`` shows of ``rec`` (without the live memory figures)."""
     return SandboxInfo(
@@ -19,6 +28,6 @@ def sandbox_view(rec: SandboxRecord) -> SandboxInfo:
         image_id=image_id(rec.image, rec.image_digest), engine=rec.engine, accel=rec.accel,
         vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
         created_at=rec.created_at, expires_at=rec.expires_at, error=rec.error,
-        metadata={k: v for k, v in (rec.metadata_ or {}).items() if isinstance(v, str)},
+        metadata=user_metadata(rec),
         desktop=rec.desktop, network=rec.network, source=rec.source,
     )

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from hangar.schemas.base import Model, RequestBody
+from hangar.schemas.bounds import METADATA_ENTRIES, check_metadata, check_network
 
 
 class Snapshot(Model):
@@ -38,7 +39,10 @@ class ForkRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     timeout: float | None = Field(None, ge=0, le=30 * 86400, description="Time to live, seconds.")
-    metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=METADATA_ENTRIES)
+
+    _metadata = field_validator("metadata")(classmethod(
+        lambda cls, v: check_metadata(v)))
 
 
 class MachineRequest(RequestBody):
@@ -54,6 +58,9 @@ class MachineRequest(RequestBody):
     disk_mib: int | None = Field(None, ge=512, le=1048576)
     network: str | dict[str, object] | None = Field(
         None, description="Egress policy, as for POST /sandboxes.")
+
+    _network = field_validator("network")(classmethod(
+        lambda cls, v: check_network(v)))
 
 
 class MachineInfo(Model):

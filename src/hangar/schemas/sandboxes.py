@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from hangar.schemas.base import Model, RequestBody
+from hangar.schemas.bounds import METADATA_ENTRIES, check_metadata, check_network
 
 
 class CreateSandbox(RequestBody):
@@ -24,7 +25,7 @@ class CreateSandbox(RequestBody):
     timeout: float | None = Field(None, ge=0, le=30 * 86400,
                                   description="Time to live in seconds; 0 keeps it until deleted; "
                                               "default: the server's (one hour).")
-    metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=METADATA_ENTRIES)
     network: str | dict[str, object] | None = Field(
         None, description="Egress policy: 'none', 'internet' (public addresses only), 'open', "
                           "or {'egress': ..., 'allow': [CIDR...], 'deny': [CIDR...]} where the "
@@ -33,6 +34,11 @@ class CreateSandbox(RequestBody):
         None, pattern=r"^[1-9][0-9]{2,4}x[1-9][0-9]{2,4}x(16|24)$",
         description="Start a desktop of WIDTHxHEIGHTxDEPTH (pixels, bits), e.g. 1280x800x24; "
                     "needs an image with one (the 'desktop' recipe).")
+
+    _metadata = field_validator("metadata")(classmethod(
+        lambda cls, v: check_metadata(v)))
+    _network = field_validator("network")(classmethod(
+        lambda cls, v: check_network(v)))
 
 
 class SetTimeout(RequestBody):

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer,
+)
+
+from hangar.schemas.bounds import (
+    METADATA_ENTRIES, NAME_BYTES, check_env_vars, check_metadata, check_name, check_rules,
+)
 
 
 class _Request(BaseModel):
@@ -57,13 +63,18 @@ class NetworkConfig(_Request):
     allowOut: list[str] | None = None
     denyOut: list[str] | None = None
     egressProxy: dict[str, Any] | None = None
-    maskRequestHost: str | None = None
+    maskRequestHost: str | None = Field(None, max_length=NAME_BYTES)
     rules: dict[str, Any] | None = None
+
+    _allow = field_validator("allowOut")(classmethod(
+        lambda cls, v: check_rules(v, "network.allowOut")))
+    _deny = field_validator("denyOut")(classmethod(
+        lambda cls, v: check_rules(v, "network.denyOut")))
 
 
 class VolumeMount(_Request):
-    name: str
-    path: str
+    name: str = Field(max_length=NAME_BYTES)
+    path: str = Field(max_length=4096)
 
 
 class NewSandbox(_Request):
@@ -77,11 +88,18 @@ class NewSandbox(_Request):
     secure: bool | None = None
     allow_internet_access: bool | None = None
     network: NetworkConfig | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=METADATA_ENTRIES)
     envVars: dict[str, str] | None = None
     mcp: dict[str, Any] | None = None
     iam: dict[str, Any] | None = None
-    volumeMounts: list[VolumeMount] | None = None
+    volumeMounts: list[VolumeMount] | None = Field(None, max_length=64)
+
+    _metadata = field_validator("metadata")(classmethod(
+        lambda cls, v: check_metadata(v)))
+    _env = field_validator("envVars")(classmethod(
+        lambda cls, v: check_env_vars(v)))
+    _template = field_validator("templateID")(classmethod(
+        lambda cls, v: check_name(v, "templateID")))
 
 
 class NewSandboxV2(NewSandbox):

@@ -47,14 +47,15 @@ from hangar.core.lifecycle import State
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import SandboxRecord
 from hangar.errors import Busy, Conflict, HangarError, InvalidRequest, NotFound
+from hangar.schemas.bounds import METADATA_ENTRIES, QUERY_BYTES
 
 log = logging.getLogger("hangar.api.e2b")
 
 router = APIRouter(route_class=E2BRoute)
 Manager = Annotated[SandboxManager, Depends(manager)]
 
-MAX_METADATA = 64
-"""Metadata entries a sandbox may carry (as Hangar's own API allows)."""
+MAX_METADATA = METADATA_ENTRIES
+"""Metadata entries a sandbox may carry (``hangar.schemas.bounds``, as Hangar's own API)."""
 REFRESH_S = 15
 """Seconds a refresh without ``duration`` keeps a sandbox alive (E2B's default timeout)."""
 SETTLE_S = 120.0
@@ -74,11 +75,7 @@ def _check_create(body: NewSandbox) -> None:
         raise InvalidRequest("mcp: Hangar does not start E2B's MCP gateway", field="mcp")
     if body.iam and body.iam.get("tokens"):
         raise InvalidRequest("iam: Hangar has no workload identity tokens", field="iam")
-    if len(body.metadata or {}) > MAX_METADATA:
-        raise InvalidRequest(f"metadata: at most {MAX_METADATA} entries", field="metadata")
-    for name in body.envVars or {}:
-        if not name or "=" in name or "\0" in name:
-            raise InvalidRequest(f"envVars: {name!r} is not a variable name", field="envVars")
+    # metadata and envVars are bounded by the model (``hangar.schemas.bounds``)
 
 
 async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
@@ -89,16 +86,16 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
                        on_timeout="pause" if body.autoPause else "kill",
                        auto_resume=bool(body.autoResume and body.autoResume.enabled),
                        timeout_s=body.timeout)
-    metadata: Any = e2b.with_options(dict(body.metadata or {}), opts)
+    fields: Any = e2b.with_options(dict(body.metadata or {}), opts)
     if source.kind == "snapshot":
         if network is not None:
             raise InvalidRequest("network: a sandbox started from a snapshot keeps the "
                                  "snapshot's egress policy", field="network")
-        rec = await m.fork(source.name, CreateOptions(timeout_s=body.timeout, metadata=metadata))
+        rec = await m.fork(source.name, CreateOptions(timeout_s=body.timeout, **fields))
     else:
         m.policy(network)  # a policy Hangar cannot enforce is a 400 before anything boots
         rec = await m.create(CreateOptions(image=source.name, timeout_s=body.timeout,
-                                           metadata=metadata, network=network))
+                                           network=network, **fields))
     return views.created(m, rec)
 
 
@@ -118,10 +115,13 @@ def _metadata_query(query: str | None) -> dict[str, str]:
     """E2B's ``metadata`` filter (``k=v&k2=v2``, keys and values URL-encoded) as a dict."""
     if not query:
         return {}
+    if len(query) > QUERY_BYTES:
+        raise InvalidRequest(f"metadata: the filter is {len(query)} characters; at most "
+                             f"{QUERY_BYTES} are taken", field="metadata", limit=QUERY_BYTES)
     try:
         pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=True)
     except ValueError:
-        raise InvalidRequest(f"metadata: {query!r} is not of the form key=value&key2=value2",
+        raise InvalidRequest(f"metadata: {query[:80]!r} is not of the form key=value&key2=value2",
                              field="metadata") from None
     return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
 
@@ -335,14 +335,13 @@ async def fork(sandbox_id: str, m: Manager, body: ForkRequest | None = None) -> 
                        sandbox_id=sandbox_id)
     opts = replace(e2b.options(rec) or e2b.Options(template=rec.image),
                    timeout_s=body.timeout, wake_ttl_s=0.0)
-    metadata: Any = e2b.with_options(views.user_metadata(rec), opts)
+    fields: Any = e2b.with_options(views.user_metadata(rec), opts)
     snap = await m.snapshot(sandbox_id)
     results: list[ForkResult] = []
     try:
         for _ in range(body.count):
             try:
-                child = await m.fork(snap.id, CreateOptions(timeout_s=body.timeout,
-                                                            metadata=metadata))
+                child = await m.fork(snap.id, CreateOptions(timeout_s=body.timeout, **fields))
                 results.append(ForkResult(sandbox=views.created(m, child)))
             except HangarError as exc:
                 status = 404 if exc.status == 410 else exc.status

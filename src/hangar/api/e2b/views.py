@@ -19,6 +19,7 @@ from hangar.api.e2b.models import (
     Lifecycle, ListedSandbox, NetworkConfig, Sandbox, SandboxDetail, SandboxMetric,
 )
 from hangar.core import e2b
+from hangar.core import views as core_views
 from hangar.core.lifecycle import State
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import SandboxRecord
@@ -65,8 +66,8 @@ def rfc3339(t: float | None) -> str:
 
 
 def user_metadata(rec: SandboxRecord) -> dict[str, str]:
-    """The record's string metadata (the E2B options and Hangar's own numbers left out)."""
-    return {k: v for k, v in (rec.metadata_ or {}).items() if isinstance(v, str)}
+    """The client's metadata of ``rec`` (``hangar.core.views.user_metadata``)."""
+    return core_views.user_metadata(rec)
 
 
 def template_names(rec: SandboxRecord) -> tuple[str, str | None]:

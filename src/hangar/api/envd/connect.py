@@ -72,7 +72,7 @@ class RpcError(Exception):
 
 
 _CODES: tuple[tuple[type[errors.HangarError], str], ...] = (
-    (errors.InvalidRequest, "invalid_argument"), (errors.Unauthorized, "unauthenticated"),
+    (errors.DiskFull, "resource_exhausted"), (errors.InvalidRequest, "invalid_argument"), (errors.Unauthorized, "unauthenticated"),
     (errors.NotFound, "not_found"), (errors.Gone, "not_found"),
     (errors.Busy, "unavailable"), (errors.Conflict, "failed_precondition"),
     (errors.TooLarge, "resource_exhausted"), (errors.LimitExceeded, "resource_exhausted"),

@@ -38,7 +38,7 @@ from starlette.types import Receive, Scope, Send
 from hangar.api.envd.fs_entries import absolute
 from hangar.core import e2b
 from hangar.core.commands import Command
-from hangar.errors import HangarError, InvalidRequest
+from hangar.errors import DiskFull, HangarError, InvalidRequest
 
 INTERNAL = ("/init", "/freeze", "/unfreeze", "/fsfreeze", "/fsthaw", "/collapse")
 MAX_FILES = 1000
@@ -57,7 +57,11 @@ async def _json(send: Send, status: int, body: Any) -> None:
 
 
 def _status(exc: HangarError) -> int:
-    return 507 if "No space" in exc.message else exc.status if exc.status < 500 else 500
+    """envd's status for ``exc``: 507 for a full disk (E2B's SDK raises its
+    ``NotEnoughSpaceException`` for it, and does not retry), else Hangar's 4xx, else 500."""
+    if isinstance(exc, DiskFull):
+        return 507
+    return exc.status if exc.status < 500 else 500
 
 
 async def serve(scope: Scope, receive: Receive, send: Send, path: str, query: dict[str, str],
