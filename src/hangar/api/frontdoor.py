@@ -7,9 +7,9 @@ path and headers only:
 ==============================  ==================================================
 request                         who checks it, before any body is read
 ==============================  ==================================================
-an open route (``/health``,     nobody: no key needed (routes without
-``/e2b/health``, the web page,  ``require_key``, found by walking the app's routes
-``/docs``, ``/openapi.json``)   once)
+an open route (``/health``,     nobody: no key needed (``OPEN_PATHS`` and
+``/e2b/health``, the web page,  ``OPEN_PREFIXES``, GET and HEAD only)
+``/docs``, ``/openapi.json``)
 an exposed port (path- or       ``hangar.api.proxy`` (``Exchange.admit``): the key,
 host-routed)                    or the port's token (query or cookie)
 ``/e2b/envd/...``, a signed     ``hangar.api.envd.gateway``: the sandbox's access
@@ -42,13 +42,11 @@ client's 8 MiB body does not stall other clients' calls.
 from __future__ import annotations
 
 import json
-import re
 import time
 from typing import Any
 
 import anyio
 from starlette.requests import Request
-from starlette.routing import Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hangar.api.errors import render_error, retry_after_header, send_error
@@ -65,8 +63,8 @@ OFFLOOP_JSON_BYTES = 64 << 10
 """JSON bodies larger than this (bytes) are parsed in a worker thread."""
 E2B_PREFIX = "/e2b"
 
-__all__ = ["DRAIN_BYTES", "DRAIN_S", "OFFLOOP_JSON_BYTES", "FrontDoor", "OffLoopJsonRequest",
-           "install_offloop_json"]
+__all__ = ["DRAIN_BYTES", "DRAIN_S", "OFFLOOP_JSON_BYTES", "OPEN_PATHS", "OPEN_PREFIXES",
+           "FrontDoor", "OffLoopJsonRequest", "install_offloop_json"]
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -76,55 +74,31 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def _is_open(route: Any) -> bool:
-    """Whether a route of the app serves without a key (no ``require_key`` dependency)."""
-    from hangar.api.auth import require_key
-
-    dependant = getattr(route, "dependant", None)
-    if dependant is None:
-        return True  # a plain Starlette route or websocket: checks its own credential
-
-    def calls(d: Any) -> bool:
-        return any(sub.call is require_key or calls(sub) for sub in d.dependencies)
-
-    return not calls(dependant)
+OPEN_PATHS = frozenset({"/health", "/e2b/health", "/", "/docs", "/docs/oauth2-redirect",
+                        "/redoc", "/openapi.json", "/ui"})
+"""Paths served without a key (GET and HEAD only)."""
+OPEN_PREFIXES = ("/ui/", "/novnc/", "/xterm/")
+"""Static files of the web page, noVNC and xterm.js (GET and HEAD only; no key: the page
+asks for it)."""
 
 
 class FrontDoor:
     """ASGI middleware, outermost: authenticate before anything reads the body.
 
-    Finds the key ring, throttle and manager in ``scope["app"].state``.
+    Finds the key ring, throttle and manager in ``scope["app"].state``. What needs no key
+    is listed here (``OPEN_PATHS``, ``OPEN_PREFIXES``): a new route needs a key unless it
+    is added to them (tests/test_front_door.py checks the lists against the app's routes).
     """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self._open: list[tuple[re.Pattern[str], frozenset[str] | None]] | None = None
-        self._mounts: tuple[str, ...] = ()
 
-    def _learn(self, fastapi_app: Any) -> None:
-        """Which paths need no key, from the app's routes (once, at the first request)."""
-        open_: list[tuple[re.Pattern[str], frozenset[str] | None]] = []
-        mounts: list[str] = []
-        for r in fastapi_app.router.routes:
-            if isinstance(r, Mount):
-                mounts.append(r.path.rstrip("/") + "/")
-                continue
-            regex = getattr(r, "path_regex", None)
-            if regex is None or not _is_open(r):
-                continue
-            methods = getattr(r, "methods", None)
-            open_.append((regex, frozenset(methods) if methods else None))
-        self._open, self._mounts = open_, tuple(mounts)
-
-    def _open_path(self, scope: Scope) -> bool:
-        if self._open is None:
-            self._learn(scope["app"])
-        path, method = scope.get("path", ""), scope.get("method", "GET")
-        if path.startswith(self._mounts) or path.rstrip("/") + "/" in self._mounts:
-            return True
-        return any(regex.match(path) and (methods is None or method in methods
-                                          or method == "HEAD" and "GET" in methods)
-                   for regex, methods in self._open or ())
+    @staticmethod
+    def _open_path(scope: Scope) -> bool:
+        if scope.get("method") not in ("GET", "HEAD"):
+            return False
+        path = scope.get("path", "")
+        return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
     @staticmethod
     def _delegated(scope: Scope, state: Any) -> bool:
@@ -192,17 +166,24 @@ async def drain(receive: Receive, limit: int = DRAIN_BYTES, deadline_s: float = 
 
 class OffLoopJsonRequest(Request):
     """A Starlette request whose ``json()`` parses bodies over ``OFFLOOP_JSON_BYTES`` in a
-    worker thread (``anyio.to_thread``). Errors are json.loads's own (``JSONDecodeError``,
-    ``RecursionError`` for very deep nesting), which FastAPI answers with 400."""
+    worker thread (``anyio.to_thread``). Raises ``json.JSONDecodeError`` for a body that
+    is not JSON or is nested too deeply for the parser, which the API answers with 400."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
             if len(body) > OFFLOOP_JSON_BYTES:
-                self._json = await anyio.to_thread.run_sync(json.loads, body)
+                self._json = await anyio.to_thread.run_sync(_loads, body)
             else:
-                self._json = json.loads(body)
+                self._json = _loads(body)
         return self._json
+
+
+def _loads(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", "", 0) from None
 
 
 def install_offloop_json() -> None:

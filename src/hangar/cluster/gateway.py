@@ -77,7 +77,7 @@ class Gateway:
         if scope["type"] not in ("http", "websocket") or self.node.manager is None:
             await self.app(scope, receive, send)
             return
-        headers = {k.decode().lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         path = scope["path"]
         method = scope.get("method", "GET") if scope["type"] == "http" else "WS"
         token_ok = self._token_ok(headers)
