@@ -184,6 +184,10 @@ def _loads(body: bytes) -> Any:
         return json.loads(body)
     except RecursionError:
         raise json.JSONDecodeError("nested too deeply", "", 0) from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise json.JSONDecodeError(str(exc)[:200], "", 0) from None
 
 
 def install_offloop_json() -> None:
