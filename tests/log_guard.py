@@ -16,7 +16,9 @@ What it gathers, as the session runs:
 What it checks: when a test server (``conftest.Server``) stops, its log
 file, its database (the raw bytes of ``hangar.db`` and its WAL, and SQLite's
 text dump of it) and every ``*.db`` copy under its data directory; at the
-end of the session every backup ``hangar.ops.backup.backup_database`` made.
+end of the session every backup ``hangar.ops.backup.backup_database`` made
+and every ``*.db`` under the session's temporary folder (``hangar backup``
+run by a test writes there).
 Secrets shorter than ``MIN_LEN`` characters are ignored (no real credential
 is that short; tests' deliberately bad ones are). Any secret found fails the
 session, naming the file and the secret's first characters only.
@@ -221,6 +223,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for data_dir, log in SCANNED:
         if data_dir.exists():
             scan_server(data_dir, log)
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is not None:  # backups made by `hangar backup` in a test's tmp_path
+        try:
+            base = factory.getbasetemp()
+        except Exception:
+            base = None
+        if base is not None and base.is_dir():
+            BACKUPS.extend(p for p in base.rglob("*.db") if p not in BACKUPS)
     for path in BACKUPS:
         scan_db(path, "backup")
     tr = session.config.pluginmanager.get_plugin("terminalreporter")
