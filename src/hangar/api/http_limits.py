@@ -16,6 +16,12 @@ is h11 (not httptools, whose parser buffers a header of any size):
 * past ``MAX_CONCURRENCY`` open connections or running requests, requests
   get 503 (uvicorn's ``limit_concurrency``).
 
+WebSockets: ``RefusingWebSockets`` is uvicorn's sans-I/O WebSocket protocol,
+except that a handshake the app refuses with an HTTP answer (the ASGI
+"websocket denial response", as every Hangar WebSocket route refuses) is
+not logged as an ERROR ("ASGI callable returned without completing
+handshake"): uvicorn logs the refusal at INFO already.
+
 Figures are chosen for an API whose requests are small: browsers send
 request heads of 1-8 KiB, nginx's default limit is 4 x 8 KiB.
 """
@@ -28,6 +34,8 @@ from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.utils import ClientDisconnected
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 HEADER_MAX_BYTES = 64 << 10
 """Largest request head (request line and headers) accepted, bytes."""
@@ -41,7 +49,7 @@ MAX_CONCURRENCY = 2048
 log = logging.getLogger("hangar.api.http")
 
 __all__ = ["HEADER_MAX_BYTES", "HEADER_TIMEOUT_S", "KEEP_ALIVE_S", "MAX_CONCURRENCY",
-           "BoundedH11Protocol", "uvicorn_options"]
+           "BoundedH11Protocol", "RefusingWebSockets", "uvicorn_options"]
 
 
 class BoundedH11Protocol(H11Protocol):
@@ -100,10 +108,35 @@ class BoundedH11Protocol(H11Protocol):
         self.transport.close()
 
 
+class RefusingWebSockets(WebSocketsSansIOProtocol):
+    """uvicorn's sans-I/O WebSocket protocol; a denial response is no error (see above)."""
+
+    async def run_asgi(self) -> None:
+        # uvicorn 0.54's run_asgi, but a handshake answered by a denial response
+        # (``initial_response``) counts as completed.
+        try:
+            result = await self.app(self.scope, self.receive, self.send)
+        except ClientDisconnected:
+            pass
+        except BaseException:
+            self.logger.exception("Exception in ASGI application\n")
+            self.send_500_response()
+        else:
+            if not self.handshake_complete and self.initial_response is None:
+                self.logger.error("ASGI callable returned without completing handshake.")
+                self.send_500_response()
+            elif result is not None:
+                self.logger.error("ASGI callable should return None, but returned '%s'.",
+                                  result)
+        if self.close_timer is None:
+            self.transport.close()
+
+
 def uvicorn_options() -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.Config`` that set the limits above."""
     return {
         "http": BoundedH11Protocol,
+        "ws": RefusingWebSockets,
         "h11_max_incomplete_event_size": HEADER_MAX_BYTES,
         "timeout_keep_alive": KEEP_ALIVE_S,
         "limit_concurrency": MAX_CONCURRENCY,
