@@ -9,7 +9,8 @@ request                         who checks it, before any body is read
 ==============================  ==================================================
 an open route (``/health``,     nobody: no key needed (``OPEN_PATHS`` and
 ``/e2b/health``, the web page,  ``OPEN_PREFIXES``, GET and HEAD only)
-``/docs``, ``/openapi.json``)
+``/docs``, ``/openapi.json``,
+``/cluster/health``)
 an exposed port (path- or       ``hangar.api.proxy`` (``Exchange.admit``): the key,
 host-routed)                    or the port's token (query or cookie)
 ``/e2b/envd/...``, a signed     ``hangar.api.envd.gateway``: the sandbox's access
@@ -75,8 +76,9 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 OPEN_PATHS = frozenset({"/health", "/e2b/health", "/", "/docs", "/docs/oauth2-redirect",
-                        "/redoc", "/openapi.json", "/ui"})
-"""Paths served without a key (GET and HEAD only)."""
+                        "/redoc", "/openapi.json", "/ui", "/cluster/health"})
+"""Paths served without a key (GET and HEAD only). ``/cluster/health`` is what a cluster's
+nodes ask each other (``hangar.cluster.membership``), answered by its gateway."""
 OPEN_PREFIXES = ("/ui/", "/novnc/", "/xterm/")
 """Static files of the web page, noVNC and xterm.js (GET and HEAD only; no key: the page
 asks for it)."""
