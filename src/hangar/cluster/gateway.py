@@ -115,7 +115,9 @@ class Gateway:
     def _token_ok(self, headers: dict[str, str]) -> bool:
         token = self._token()
         given = headers.get(H_TOKEN)
-        return bool(given and token and secrets.compare_digest(given, token))
+        # bytes: compare_digest refuses str holding non-ASCII (a 500 on a malformed header)
+        return bool(given and token and secrets.compare_digest(given.encode("latin-1"),
+                                                                token.encode("latin-1", "replace")))
 
     @staticmethod
     def _open(path: str) -> bool:
