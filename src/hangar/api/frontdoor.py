@@ -89,7 +89,8 @@ class FrontDoor:
 
     Finds the key ring, throttle and manager in ``scope["app"].state``. What needs no key
     is listed here (``OPEN_PATHS``, ``OPEN_PREFIXES``): a new route needs a key unless it
-    is added to them (tests/test_front_door.py checks the lists against the app's routes).
+    is added to them (tests/test_front_door.py: every route of the OpenAPI document but
+    ``/health`` answers 401 without a key).
     """
 
     def __init__(self, app: ASGIApp) -> None:
