@@ -9,6 +9,7 @@ import os
 import secrets
 import shutil
 import socket
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -210,7 +211,7 @@ def hangar_cli(server: Server, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, timeout=120)
 
 
-def test_a_removed_key_gets_401_on_an_idempotent_repeat(srv: Server) -> None:
+def test_a_removed_key_gets_401_on_an_idempotent_repeat(srv: Server, tmp_path: Path) -> None:
     r = hangar_cli(srv, "key", "add", "idem")
     assert r.returncode == 0, r.stderr
     key = r.stdout.strip().split()[-1]
@@ -226,9 +227,21 @@ def test_a_removed_key_gets_401_on_an_idempotent_repeat(srv: Server) -> None:
         gone = c.post("/events", json=event, headers=headers)
         assert gone.status_code == 401, gone.text
         assert "idempotent-replayed" not in gone.headers
-    # The stored answer is sealed: its bytes are not in the database in clear.
-    db = (srv.data_dir / "hangar.db").read_bytes()
-    assert first.json()["id"].encode() not in db
+    # The stored answer is sealed: its bytes are not in the database in clear, and a
+    # backup leaves the table out (its rows and their pages).
+    db = srv.data_dir / "hangar.db"
+    with sqlite3.connect(db) as con:
+        stored = con.execute("SELECT body FROM idempotency_keys").fetchall()
+    assert stored and all(row[0].startswith(b"hs1:") for row in stored)
+    assert all(first.json()["id"].encode() not in p.read_bytes()
+               for p in db.parent.glob("hangar.db*"))
+    out = hangar_cli(srv, "backup", str(tmp_path), "--data-dir", str(srv.data_dir))
+    assert out.returncode == 0, out.stderr
+    copy = next(tmp_path.glob("hangar-*.db"))
+    with sqlite3.connect(copy) as con:
+        assert con.execute("SELECT count(*) FROM idempotency_keys").fetchone() == (0,)
+        assert con.execute("SELECT count(*) FROM sandboxes").fetchone() is not None
+    assert stored[0][0][4:40] not in copy.read_bytes()
 
 
 def test_open_paths_need_no_key_and_every_other_route_does(srv: Server) -> None:
