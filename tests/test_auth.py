@@ -1,8 +1,8 @@
 """API keys against a real server: unsafe keys refused at start, named keys rotated
 live with ``hangar key``, guessers throttled, keys never logged. No VM is booted.
 
-Each test talks from its own loopback address (127.0.0.N), so the per-address
-throttle of one test never touches another.
+Each test talks from its own loopback address (127.0.0.N), so the throttle (per
+address and presented key) of one test never touches another.
 """
 
 from __future__ import annotations
@@ -180,13 +180,16 @@ def test_wrong_keys_in_a_row_end_in_429(keyed: Server) -> None:
     assert 1 <= wait <= 3, last.headers
     assert last.json()["error"]["code"] == "limit_exceeded" and "wrong API key" in \
         last.json()["error"]["message"]
-    # Throttled, the right key is refused too (no oracle), a missing one is a plain 401,
-    # and another address is not affected.
-    assert status(keyed, guesser, LEGACY_KEY) == 429
+    # The bucket is this address *and this key*: the right key from the same address (every
+    # local process shares 127.0.0.1) is never throttled by the wrong one, another wrong
+    # key starts its own bucket, a missing key is a plain 401, another address is apart.
+    assert status(keyed, guesser, LEGACY_KEY) == 200
+    assert status(keyed, guesser, wrong) == 429
+    assert status(keyed, guesser, "hk_" + secrets.token_urlsafe(32)) == 401
     assert status(keyed, guesser, None) == 401
     assert status(keyed, neighbour, LEGACY_KEY) == 200
+    assert status(keyed, neighbour, wrong) == 401
     time.sleep(wait + 0.2)
-    assert status(keyed, guesser, LEGACY_KEY) == 200
     # One more guess is allowed per refill, not a new burst.
     assert status(keyed, guesser, wrong) == 401
     assert status(keyed, guesser, wrong) == 429

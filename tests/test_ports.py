@@ -291,6 +291,9 @@ def test_private_port_needs_the_key_or_a_token(web) -> None:
                     f"?hangar_token={token}") as ws:
         ws.send("t")
         assert ws.recv() == "text:t"
+    # uvicorn logs the handshake's path and query: the token is redacted there
+    log = srv.log.read_text()
+    assert "hangar_token=***" in log and token not in log
 
 
 def test_token_works_until_it_expires(web) -> None:

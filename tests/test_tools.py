@@ -369,18 +369,27 @@ def test_example_agent_loop_runs_with_the_scripted_model() -> None:
 
 
 def test_mcp_streamable_http_keeps_a_task_per_session() -> None:
+    """Over HTTP, `hangar mcp` needs a bearer token (loopback too): without one it does not
+    start, a client of the official SDK without it gets 401, with it a task per session."""
     import subprocess
 
+    import httpx2
     from conftest import free_port
     from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     env.pop("HANGAR_MCP_TOKEN", None)
-    refused = subprocess.run([sys.executable, "-m", "hangar.cli", "mcp", "--transport", "http",
-                              "--host", "0.0.0.0", "--tier", "in-process"], env=env,
-                             capture_output=True, text=True, timeout=60)
-    assert refused.returncode == 2 and "HANGAR_MCP_TOKEN" in refused.stderr
+    for host in ("0.0.0.0", "127.0.0.1"):
+        refused = subprocess.run([sys.executable, "-m", "hangar.cli", "mcp", "--transport",
+                                  "http", "--host", host, "--port", str(port), "--tier",
+                                  "in-process"], env=env, capture_output=True, text=True,
+                                 timeout=60)
+        assert refused.returncode == 2 and "HANGAR_MCP_TOKEN" in refused.stderr, refused.stderr
+    token = secrets.token_urlsafe(32)
+    env["HANGAR_MCP_TOKEN"] = token
+    url = f"http://127.0.0.1:{port}/mcp"
     before = set(Path("/tmp").glob("hangar-task-*"))
     proc = subprocess.Popen([sys.executable, "-m", "hangar.cli", "mcp", "--transport", "http",
                              "--port", str(port), "--tier", "in-process"], env=env)
@@ -388,14 +397,38 @@ def test_mcp_streamable_http_keeps_a_task_per_session() -> None:
         deadline = time.monotonic() + 60
         while True:
             try:
-                httpx.get(f"http://127.0.0.1:{port}/mcp", timeout=1)
+                httpx.get(url, timeout=1)
                 break
             except httpx.HTTPError:
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.1)
 
+        def client(bearer: str | None, seen: list[int] | None = None) -> Client:
+            headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
+
+            async def note(response: httpx2.Response) -> None:
+                if seen is not None:
+                    seen.append(response.status_code)
+
+            return Client(streamable_http_client(url, http_client=httpx2.AsyncClient(
+                headers=headers, timeout=httpx2.Timeout(60.0),
+                event_hooks={"response": [note]})))
+
+        async def refused_by_sdk(bearer: str | None) -> list[int]:
+            seen: list[int] = []
+            with pytest.raises(Exception):  # the SDK's error for the server's answer
+                async with client(bearer, seen) as c:
+                    await c.list_tools()
+            return seen
+
+        for bearer in (None, "wrong" + token):
+            assert set(run(refused_by_sdk(bearer))) == {401}, bearer
+            r = httpx.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+                           headers={"Authorization": f"Bearer {bearer}"} if bearer else {})
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+
         async def session(text: str) -> tuple[str, set[Path]]:
-            async with Client(f"http://127.0.0.1:{port}/mcp") as c:
+            async with client(token) as c:
                 assert (await c.call_tool("write_file", {"path": "s.txt", "content": text})).content
                 r = await c.call_tool("read_file", {"path": "s.txt"})
                 return r.content[0].text, set(Path("/tmp").glob("hangar-task-*")) - before

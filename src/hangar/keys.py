@@ -38,12 +38,20 @@ The server side (no HTTP here: the API's routes and a cluster's gateway both use
   Matching hashes the presented key and compares it with *every* stored
   hash by ``hmac.compare_digest`` without stopping at a match, so the time
   taken tells nothing about which keys exist or how close a guess came.
-- ``Throttle``: each client address may present ``BURST`` wrong keys, then
-  one more every ``REFILL_S`` seconds; past that, a request from that
-  address that carries a key gets 429 with ``Retry-After`` *before* its key
-  is looked at, so a guesser learns nothing while throttled (the right key
-  is refused too until the wait is over). A request without a key is no
-  guess: it gets 401 and is not counted.
+- ``Throttle``: wrong keys are counted per *bucket*: the client's address
+  together with a digest of the key it presented (``bucket``). A bucket may
+  take ``BURST`` wrong keys, then one more every ``REFILL_S`` seconds; past
+  that, a request in that bucket gets 429 with ``Retry-After`` *before* its
+  key is looked at, so a client hammering one wrong key learns nothing while
+  throttled. Because the presented key is part of the bucket, one client's
+  wrong keys never throttle another key: every process on this host shares
+  the loopback address, and a local script retrying a stale key must not
+  lock the operator's CLI (which presents the right key) out. A correct key
+  is never throttled: its bucket is only charged when that same key is
+  wrong. Guessing with ever new keys is not slowed by the buckets; what
+  stops it is the keys' strength (``weakness``: at least 32 characters;
+  generated keys hold 160 or 256 random bits), not a rate. A request
+  without a key is no guess: it gets 401 and is not counted.
 - ``authenticate``: the one check of a presented key, with both of the above.
 
 Keys are never logged, never accepted in a URL and never passed into a guest.
@@ -67,6 +75,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hangar.durable import atomic_write
 from hangar.errors import (
     ConfigError, Conflict, InvalidRequest, LimitExceeded, NotFound, Unauthorized,
 )
@@ -154,6 +163,12 @@ def read_default(path: Path) -> str | None:
             f"one key there; named keys belong in {path.with_name('api-keys')} "
             f"(`hangar key add NAME`)")
     key = lines[0] if lines else ""
+    if not key:
+        raise ConfigError(
+            f"the API key file {path} is empty (a first start killed before the key was "
+            f"written, by a version that wrote it in place, or an emptied file). Fix: run "
+            f"`hangar key rotate` to write a new key there, or delete the file and start the "
+            f"server, which generates one")
     problem = weakness(key)
     if problem:
         raise ConfigError(
@@ -210,29 +225,24 @@ def read_named(path: Path) -> tuple[list[NamedKey], list[str]]:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text``: a 0600 temporary file, fsync, rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    """Replace ``path`` with ``text``, durably (``hangar.durable.atomic_write``: a 0600
+    temporary file, fsync, rename, fsync of the folder)."""
+    atomic_write(path, text.encode(), 0o600)
 
 
 def create_default(path: Path) -> str:
-    """Write a new default key to ``path`` if it does not exist (0600); return the key there."""
+    """Write a new default key to ``path`` if it does not exist (0600); return the key there.
+
+    Atomic and durable (``atomic_write`` with ``exclusive``): a kill at any moment leaves
+    either no file (the next start makes one) or the whole key, never an empty file.
+    """
     key = generate()
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        atomic_write(path, (key + "\n").encode(), 0o600, exclusive=True)
     except FileExistsError:
         found = read_default(path)
         assert found is not None
         return found
-    with os.fdopen(fd, "w") as f:
-        f.write(key + "\n")
     return key
 
 
@@ -340,11 +350,25 @@ class KeyStore:
 # -- the server's side: the ring of accepted keys, throttling, the check ----------------
 
 BURST = 20
-"""Wrong keys one client address may present before it is throttled."""
+"""Wrong keys one bucket (client address and presented key) may present before it is
+throttled."""
 REFILL_S = 3.0
-"""Seconds after which a throttled address may try one more key."""
+"""Seconds after which a throttled bucket may try once more."""
 MAX_ADDRESSES = 4096
-"""Client addresses remembered; the least recently seen is forgotten first."""
+"""Buckets remembered; the least recently seen is forgotten first."""
+
+
+def bucket(address: str, given: str) -> str:
+    """The throttle bucket of a key ``given`` from ``address``: the address and 16 hex
+    digits of the key's SHA-256 (see the module docstring)."""
+    return f"{address}|{digest(given).hex()[:16]}"
+
+
+def client_identity(scope: Any) -> str:
+    """The address of an ASGI request's TCP peer (``"unknown"`` without one, e.g. a Unix
+    socket). Port-independent: every connection of a client has the same one."""
+    client = scope.get("client") if hasattr(scope, "get") else None
+    return str(client[0]) if client else "unknown"
 
 
 @dataclass(frozen=True)
@@ -456,7 +480,8 @@ class KeyRing:
 
 
 class Throttle:
-    """Per-address token buckets of wrong keys: ``BURST`` at once, one per ``REFILL_S``."""
+    """Token buckets of wrong keys, by ``bucket`` (address and presented key): ``BURST`` at
+    once, one per ``REFILL_S``. The methods' ``address`` is a bucket's name."""
 
     def __init__(self, burst: int = BURST, refill_s: float = REFILL_S,
                  max_addresses: int = MAX_ADDRESSES) -> None:
@@ -489,7 +514,8 @@ class Throttle:
 def authenticate(state: Any, given: str | None, address: str) -> str:
     """The name of the key ``given`` (``default`` or a named key) that ``state``'s key
     ring accepts. Raises ``Unauthorized``, or ``LimitExceeded`` (429, ``Retry-After``)
-    for a client address that presented too many wrong keys, without checking its key.
+    when this key from this client ``address`` was wrong too often (its ``bucket``),
+    without checking it again.
 
     ``state`` is anything with ``keys`` (a ``KeyRing``) and ``throttle`` (a ``Throttle``):
     the app's ``state``. The API's routes use it through ``hangar.api.auth.require_key``,
@@ -497,16 +523,18 @@ def authenticate(state: Any, given: str | None, address: str) -> str:
     """
     ring: KeyRing = state.keys
     throttle: Throttle = state.throttle
+    where = bucket(address, given) if given else address
     if given:
-        wait = throttle.wait(address)
+        wait = throttle.wait(where)
         if wait > 0:
             raise LimitExceeded(
-                f"too many wrong API keys from {address}; retry in {math.ceil(wait)} s",
-                retry_after=wait)
+                f"this wrong API key was sent from {address} too often; retry in "
+                f"{math.ceil(wait)} s", retry_after=wait)
     ring.refresh()
     name = ring.match(given or "")
     if name is None:
-        if given and throttle.failed(address):
-            log.warning("client throttled after wrong API keys", extra={"client": address})
+        if given and throttle.failed(where):
+            log.warning("client throttled after wrong API keys",
+                        extra={"client": address, "key_digest": where.partition("|")[2]})
         raise Unauthorized("missing or wrong X-API-Key header")
     return name

@@ -18,7 +18,33 @@ import time
 
 REDACT = {"api_key", "key", "x-api-key", "authorization", "token", "secret", "password",
           "content", "data", "stdin", "env"}
-TICKET = re.compile(r"([?&]ticket=)[^&\s\"']+")
+QUERY_SECRETS = ("ticket", "hangar_token", "token", "access_token", "accesstoken", "signature",
+                 "key", "api_key", "apikey", "x-api-key", "secret", "password")
+"""Query parameters whose values never reach a log line."""
+SECRET_PARAM = re.compile(
+    r"((?:[?&;]|%3[Ff]|%26)(?:" + "|".join(re.escape(p) for p in QUERY_SECRETS) +
+    r")(?:=|%3[Dd]))[^&;\s\"'#]+", re.IGNORECASE)
+TICKET = SECRET_PARAM
+"""The old name of ``SECRET_PARAM``."""
+CLIENT_FAULTS = frozenset({"Invalid HTTP request received.", "Unsupported upgrade request.",
+                           "No supported WebSocket library detected. Please use \"pip install "
+                           "'uvicorn[standard]'\", or install 'websockets' or 'wsproto' manually."})
+"""uvicorn's messages (logged at WARNING) about what a client sent: INFO here."""
+
+
+def redact(text: str) -> str:
+    """``text`` with the value of every ``QUERY_SECRETS`` parameter replaced by ``***``."""
+    return SECRET_PARAM.sub(r"\1***", text)
+
+
+class ClientFaults(logging.Filter):
+    """Lowers uvicorn's WARNINGs about a client's malformed request to INFO."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and record.name.startswith("uvicorn") \
+                and record.msg in CLIENT_FAULTS:
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
 _STD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
 
@@ -28,14 +54,16 @@ class JsonFormatter(logging.Formatter):
             "ts": round(record.created, 3),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "event": TICKET.sub(r"\1***", record.getMessage()),
+            "event": redact(record.getMessage()),
         }
         for key, value in vars(record).items():
             if key in _STD or key.startswith("_") or key.lower() in REDACT:
                 continue
-            out[key] = value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+            if not isinstance(value, (int, float, bool, type(None))):
+                value = redact(str(value))
+            out[key] = value
         if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info).splitlines()[-1]
+            out["exc"] = redact(self.formatException(record.exc_info).splitlines()[-1])
         return json.dumps(out)
 
 
@@ -47,6 +75,7 @@ def setup(level: str = "INFO") -> None:
     """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
+    handler.addFilter(ClientFaults())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -9,10 +9,14 @@ the OpenAPI document (``create_app().openapi()``).
 
 Middleware, outermost first::
 
+    FrontDoor              authenticates from headers alone before any body is read:
+                           the key here, ports and envd by their own layers below
+                           (hangar.api.frontdoor)
     PortProxy              requests for exposed ports go to the guest (hangar.api.proxy)
     EnvdGateway            E2B's data plane under /e2b/envd (hangar.api.envd)
     BodyLimit              the JSON body cap (hangar.api.limits)
-    IdempotencyMiddleware  a repeated Idempotency-Key gets the first answer
+    IdempotencyMiddleware  a repeated Idempotency-Key gets the first answer (after the
+                           front door: a removed key gets 401, not a stored answer)
     routing                the cluster's gateway, when given (inside idempotency: a
                            retried create is answered, not placed again)
     routes                 with error handlers (hangar.api.errors)
@@ -33,6 +37,7 @@ from hangar.api import (
 )
 from hangar.api.auth import KeyRing, Throttle, require_key
 from hangar.api.envd.gateway import EnvdGateway
+from hangar.api.frontdoor import FrontDoor, install_offloop_json
 from hangar.api.idempotency import IdempotencyMiddleware
 from hangar.api.limits import BodyLimit
 from hangar.api.proxy import PortProxy
@@ -98,4 +103,7 @@ def create_app(settings: Settings | None = None, *, keys: KeyRing | None = None,
     # Outermost: requests for exposed ports go to the guest untouched by the body cap and
     # idempotency (hangar.api.proxy checks the key or token itself).
     app.add_middleware(PortProxy)
+    # Outside everything: no body is read before the sender is known (hangar.api.frontdoor).
+    app.add_middleware(FrontDoor)
+    install_offloop_json()
     return app

@@ -20,10 +20,12 @@ from __future__ import annotations
 from fastapi import Request, Security
 from fastapi.security import APIKeyHeader
 
-from hangar.keys import BURST, MAX_ADDRESSES, REFILL_S, KeyRing, Throttle, authenticate
+from hangar.keys import (
+    BURST, MAX_ADDRESSES, REFILL_S, KeyRing, Throttle, authenticate, client_identity,
+)
 
 __all__ = ["BURST", "HEADER", "MAX_ADDRESSES", "REFILL_S", "KeyRing", "Throttle",
-           "authenticate", "require_key"]
+           "authenticate", "client_identity", "require_key"]
 
 HEADER = APIKeyHeader(name="X-API-Key", auto_error=False,
                       description="An API key: the server's default key (<data>/api-key) or a "
@@ -33,6 +35,12 @@ HEADER = APIKeyHeader(name="X-API-Key", auto_error=False,
 async def require_key(request: Request, given: str | None = Security(HEADER)) -> None:
     """FastAPI dependency: 401 unless the request carries a key the server accepts
     (see ``authenticate``). Sets ``request.state.key_name`` to the key's name.
+
+    The front door (``hangar.api.frontdoor``) has checked the key already, before the
+    body was read, and left its name in the request's state: then nothing is checked
+    twice. Without the front door (an app assembled otherwise) the key is checked here.
     Runs on the event loop (two ``stat`` calls and a hash), not in a worker thread."""
-    address = request.client.host if request.client else "unknown"
-    request.state.key_name = authenticate(request.app.state, given, address)
+    if getattr(request.state, "key_name", None) is not None:
+        return
+    request.state.key_name = authenticate(request.app.state, given,
+                                          client_identity(request.scope))

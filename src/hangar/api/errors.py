@@ -6,6 +6,14 @@ Body: ``{"error": {"code": ..., "message": ..., <context>}}``, rendered by
 ``Retry-After`` (whole seconds, rounded up, at least 1). Unexpected
 exceptions become a 500 with a generic message and are logged, never
 echoed.
+
+Log levels of error answers (``level_of``): ERROR only when the server is
+at fault (a 500: an engine, image or config error, or an unexpected
+exception); 503 (the server cannot serve now) is a WARNING; a guest's fault
+or an unresponsive sandbox (502, 504) is INFO on each call: it is reported
+once, where it is found, not once per caller. A client that goes away in
+the middle of its request body (an aborted upload) is INFO, never an
+"Exception in ASGI application".
 """
 
 from __future__ import annotations
@@ -17,14 +25,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Send
 
 from hangar import error_body
 from hangar.error_body import context_of, render, render_error, retry_after_header
 from hangar.errors import HangarError
 
-__all__ = ["context_of", "count", "error_response", "install", "render", "render_error",
-           "retry_after_header", "send_error"]
+__all__ = ["context_of", "count", "error_response", "install", "level_of", "render",
+           "render_error", "retry_after_header", "send_error"]
 
 log = logging.getLogger("hangar.api")
 
@@ -50,14 +59,34 @@ def count(request: Request, code: str) -> None:
         metrics.errors.labels(code).inc()
 
 
+def level_of(exc: HangarError) -> int | None:
+    """The log level of an error answer (see the module docstring); None: not logged."""
+    if exc.status < 500:
+        return None
+    if exc.status == 500:
+        return logging.ERROR
+    if exc.status == 503:
+        return logging.WARNING
+    return logging.INFO
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(HangarError)
     async def _hangar(request: Request, exc: HangarError) -> Response:
         count(request, exc.code)
         ctx = context_of(exc)
-        if exc.status >= 500:
-            log.error("request failed", extra={"path": request.url.path, "error": exc.message})
+        level = level_of(exc)
+        if level is not None:
+            log.log(level, "request failed", extra={"path": request.url.path,
+                                                    "status": exc.status, "error": exc.message})
         return error_response(exc.status, exc.code, exc.message, **ctx)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        log.info("client went away before its request body ended",
+                 extra={"path": request.url.path, "method": request.method})
+        count(request, "client_disconnected")
+        return Response(status_code=400)  # nobody reads it
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:

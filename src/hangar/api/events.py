@@ -10,7 +10,9 @@ message per event::
 
 (on one line), and a ``: keep-alive`` comment after 15 s without one. A
 client that reconnects with ``Last-Event-ID`` first gets the events it
-missed from the server's ring of recent ones (``hangar.core.events``).
+missed from the server's ring of recent ones (``hangar.core.events``); a
+client that leaves during that replay ends it quietly (no log line per
+event written into a closed connection).
 ``kind`` (comma-separated kinds or prefixes, e.g. ``exec,sandbox.created``)
 and ``sandbox_id`` filter. The stream ends when the server shuts down.
 
@@ -22,6 +24,7 @@ sandboxes do.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
@@ -80,6 +83,9 @@ async def stream(
                 continue
             data = wire(b, ev).model_dump_json()
             yield f"id: {b.wire_id(ev)}\ndata: {data}\n\n".encode()
+            # A replay yields the ring's events without waiting: let the loop see a client
+            # that went away, or every write after it logs asyncio's warning (one per event).
+            await asyncio.sleep(0)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={
         "Cache-Control": "no-store", "X-Accel-Buffering": "no"})

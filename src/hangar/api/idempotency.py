@@ -12,7 +12,13 @@ retry). For a POST that carries the header it:
    slow first attempt): waits for it, then does step 2 (or, if it failed,
    runs this one);
 4. else runs the request and stores a successful JSON answer
-   (``hangar.core.idempotency``: 24 h, keyed by a hash of the API key).
+   (``hangar.core.idempotency``: 24 h, keyed by a hash of the API key and
+   sealed with a key derived from it: the store never holds an answer's
+   secrets in clear).
+
+It runs inside the front door (``hangar.api.frontdoor``): the API key was
+checked before this middleware reads a byte of the body, so a key that
+was removed gets 401, not a stored answer.
 
 A request without the header, or of another method, passes untouched.
 Keys are 1 to 255 printable ASCII characters; others get 400.
@@ -26,7 +32,9 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hangar.api.errors import render, send_error
-from hangar.core.idempotency import MAX_KEY_LEN, IdempotencyStore, owner_of, request_hash
+from hangar.core.idempotency import (
+    MAX_KEY_LEN, IdempotencyStore, owner_of, request_hash, seal, seal_key, unseal,
+)
 
 MAX_BODY = 8 << 20
 """Bytes of request body the middleware holds to hash (creates and execs are far smaller)."""
@@ -78,18 +86,21 @@ class IdempotencyMiddleware:
             await _error(send, 413, "too_large",
                          f"a request with an Idempotency-Key may carry at most {MAX_BODY} bytes")
             return
-        owner = owner_of(_header(scope, b"x-api-key") or "")
+        api_key = _header(scope, b"x-api-key") or ""
+        owner, secret = owner_of(api_key), seal_key(api_key)
         fingerprint = request_hash("POST", scope["path"],
                                    scope.get("query_string", b"").decode("latin-1"), body)
         slot = (owner, key)
         while True:
             rec = store.find(owner, key)
-            if rec is not None:
-                if rec.request_hash != fingerprint:
-                    await self._mismatch(send)
-                else:
-                    await _reply(send, rec.status, rec.body, rec.content_type,
-                                 [(b"idempotent-replayed", b"true")])
+            answer = None if rec is None or rec.request_hash != fingerprint else \
+                unseal(secret, owner, key, fingerprint, rec.body)
+            if rec is not None and rec.request_hash != fingerprint:
+                await self._mismatch(send)
+                return
+            if rec is not None and answer is not None:
+                await _reply(send, rec.status, answer, rec.content_type,
+                             [(b"idempotent-replayed", b"true")])
                 return
             running = self._running.get(slot)
             if running is None:
@@ -101,7 +112,7 @@ class IdempotencyMiddleware:
         done = asyncio.Event()
         self._running[slot] = (fingerprint, done)
         try:
-            await self._run(scope, body, receive, send, store, owner, key, fingerprint)
+            await self._run(scope, body, receive, send, store, owner, key, fingerprint, secret)
         finally:
             del self._running[slot]
             done.set()
@@ -131,7 +142,8 @@ class IdempotencyMiddleware:
         return b"".join(chunks), False
 
     async def _run(self, scope: Scope, body: bytes, receive: Receive, send: Send,
-                   store: IdempotencyStore, owner: str, key: str, fingerprint: str) -> None:
+                   store: IdempotencyStore, owner: str, key: str, fingerprint: str,
+                   secret: bytes) -> None:
         sent_body = False
 
         async def replay() -> Message:
@@ -160,7 +172,8 @@ class IdempotencyMiddleware:
                     parts.append(chunk)
                 if not msg.get("more_body", False) and 200 <= status < 300 \
                         and content_type.startswith("application/json") and size <= MAX_STORED:
-                    store.save(owner, key, fingerprint, status, content_type, b"".join(parts))
+                    store.save(owner, key, fingerprint, status, content_type,
+                               seal(secret, owner, key, fingerprint, b"".join(parts)))
             await _forward(send, msg)
 
         await self.app(scope, replay, capture)

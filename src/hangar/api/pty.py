@@ -121,7 +121,7 @@ async def attach(ws: WebSocket, sandbox_id: str, session_id: str, ticket: str | 
         return
     start: int | None = None
     if offset is not None:
-        if not offset.isdigit() or len(offset) > 18:
+        if not (offset.isascii() and offset.isdigit()) or len(offset) > 18:
             await deny(ws, 400, "invalid_request", "offset must be a count of output bytes")
             return
         start = int(offset)

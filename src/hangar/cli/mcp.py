@@ -14,8 +14,8 @@ def mcp(
     tier: Annotated[str, typer.Option(help="Tool tier: in-process, vm or browser.")] = "vm",
     transport: Annotated[str, typer.Option(help="stdio, or http (streamable HTTP at /mcp).")]
     = "stdio",
-    host: Annotated[str, typer.Option(help="Address for http; beyond loopback set "
-                                           "HANGAR_MCP_TOKEN.")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="Address for http (which needs a bearer token "
+                                           "in HANGAR_MCP_TOKEN).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port for http.")] = 8765,
     user_id: Annotated[str, typer.Option("--user", help="User id the tasks are made for.")]
     = "mcp",

@@ -30,7 +30,6 @@ def serve(
     import uvicorn
 
     from hangar import log
-    from hangar.api.limits import WS_MAX_BYTES
     from hangar.layout import Layout
     from hangar.server import create_app
 
@@ -65,5 +64,14 @@ def serve(
                 api.state.events.close()
             super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
-    Server(uvicorn.Config(api, log_config=None, access_log=False, ws_max_size=WS_MAX_BYTES,
+    Server(uvicorn.Config(api, log_config=None, access_log=False, **http_limits(),
                           **where_kw)).run()  # type: ignore[arg-type]
+
+
+def http_limits() -> dict[str, object]:
+    """uvicorn's limits for ``hangar serve``: request head size and read time, keep-alive,
+    concurrency (``hangar.api.http_limits``) and the largest WebSocket message."""
+    from hangar.api.http_limits import uvicorn_options
+    from hangar.api.limits import WS_MAX_BYTES
+
+    return {**uvicorn_options(), "ws_max_size": WS_MAX_BYTES}

@@ -65,7 +65,7 @@ class Merger:
         """The answer to ``GET path`` (one of ``LISTS``) for the whole cluster."""
         d = self.directory
         field = LISTS[path]
-        query = scope.get("query_string", b"").decode()
+        query = scope.get("query_string", b"").decode("latin-1")
         fwd = {k: v for k, v in headers.items() if k not in HOP and not k.startswith(INTERNAL)}
         fwd[H_LOCAL] = "1"
         fwd[H_TOKEN] = self.token()

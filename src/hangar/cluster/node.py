@@ -31,13 +31,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import platform
 import socket
 import time
 from typing import Any
 
 from hangar import __version__
+from hangar.durable import atomic_write
 from hangar.cluster import records as R
 from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, EtcdUnavailable, op_delete
@@ -252,10 +252,7 @@ class ClusterNode:
             return {}
 
     def _save_epochs(self) -> None:
-        path = self.layout.cluster_epochs
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.epochs))
-        os.replace(tmp, path)
+        atomic_write(self.layout.cluster_epochs, json.dumps(self.epochs).encode(), 0o600)
 
     def set_epoch(self, sid: str, epoch: int | None) -> None:
         if epoch is None:

@@ -139,7 +139,7 @@ class EventBus:
         if not wire_id:
             return None
         stream, _, n = wire_id.strip().rpartition(":")
-        if stream == self.stream and n.isdigit():
+        if stream == self.stream and n.isascii() and n.isdigit():
             return int(n)
         return 0
 

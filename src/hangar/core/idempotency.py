@@ -10,16 +10,32 @@ answers are kept: a failed create left nothing, so trying it again is
 right. The table lives in the server's SQLite database (``hangar.db``)
 beside the sandbox records; rows older than ``ttl_s`` are ignored and
 purged.
+
+Answers can hold secrets (a private port's signed URL, a sandbox's envd
+access token), so a stored answer is *sealed*: encrypted and authenticated
+with AES-256-GCM (``cryptography``) under a key derived from the caller's
+API key (``seal_key``: HMAC-SHA256 of the API key over a fixed label), with
+the owner, the idempotency key and the request's hash as associated data.
+The database, its dumps and copies hold only ciphertext; only a caller who
+presents the same API key again (and so could ask for the secret anyway)
+opens it. Backups leave the table out altogether (``hangar.ops.backup``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
 import time
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from sqlalchemy import Engine, Float, Integer, LargeBinary, String, delete
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
+SEALED = b"hs1:"
+"""Prefix of a sealed body: version 1 (12-byte nonce, then AES-GCM's ciphertext and tag)."""
 TTL_S = 24 * 3600.0
 """Seconds a key is remembered (the agent platforms' contract: 24 h)."""
 MAX_KEY_LEN = 255
@@ -41,12 +57,41 @@ class IdempotencyRecord(Base):
     status: Mapped[int] = mapped_column(Integer)
     content_type: Mapped[str] = mapped_column(String(128))
     body: Mapped[bytes] = mapped_column(LargeBinary)
+    """The answer, sealed (``seal``)."""
     created_at: Mapped[float] = mapped_column(Float, index=True)
 
 
 def owner_of(api_key: str) -> str:
     """The stored owner of a record: the SHA-256 of the API key, hex."""
     return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def seal_key(api_key: str) -> bytes:
+    """The 32-byte key that seals the answers of callers with ``api_key``."""
+    return hmac.new(api_key.encode("utf-8", "surrogatepass"), b"hangar idempotency seal v1",
+                    hashlib.sha256).digest()
+
+
+def _aad(owner: str, key: str, req_hash: str) -> bytes:
+    return f"{owner}\0{key}\0{req_hash}".encode("utf-8", "surrogatepass")
+
+
+def seal(secret: bytes, owner: str, key: str, req_hash: str, body: bytes) -> bytes:
+    """``body`` encrypted and authenticated under ``secret`` (``seal_key``), bound to the
+    record's owner, key and request hash."""
+    nonce = os.urandom(12)
+    return SEALED + nonce + AESGCM(secret).encrypt(nonce, body, _aad(owner, key, req_hash))
+
+
+def unseal(secret: bytes, owner: str, key: str, req_hash: str, blob: bytes) -> bytes | None:
+    """The body ``seal`` sealed, or None when ``blob`` is not one it made with ``secret``."""
+    if not blob.startswith(SEALED) or len(blob) < len(SEALED) + 12 + 16:
+        return None
+    nonce, data = blob[len(SEALED):len(SEALED) + 12], blob[len(SEALED) + 12:]
+    try:
+        return AESGCM(secret).decrypt(nonce, data, _aad(owner, key, req_hash))
+    except InvalidTag:
+        return None
 
 
 def request_hash(method: str, path: str, query: str, body: bytes) -> str:

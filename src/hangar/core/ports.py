@@ -116,7 +116,8 @@ class PortKey:
     def valid(self, token: str, exposure: Exposure) -> bool:
         """Whether ``token`` opens ``exposure`` now (signature right, not expired)."""
         stamp, sep, signature = token.partition(".")
-        if not sep or not stamp.isdigit() or len(stamp) > 12 or len(signature) > 64:
+        if not sep or not (stamp.isascii() and stamp.isdigit()) or len(stamp) > 12 \
+                or len(signature) > 64:
             return False
         expires = int(stamp)
         if expires <= time.time():

@@ -50,6 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hangar import durable
 from hangar.config import Settings
 from hangar.core.startup import needs_start, run_template
 from hangar.engines.agent_client import exec_meta
@@ -226,6 +227,7 @@ class TemplateSnapshots:
             await agent.exec(exec_meta(argv=["/bin/sh", "-c", FORGET_SECRETS], timeout=30))
             await engine.snapshot(vm, stage, template=True)
             os.rename(stage, dest)
+            durable.fsync_dir(dest.parent)
         finally:
             if agent is not None:
                 await agent.close()

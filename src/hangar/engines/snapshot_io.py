@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hangar.durable import atomic_write
 from hangar.errors import EngineError, NotFound
 from hangar.layout import SnapshotPaths
 
@@ -159,14 +160,8 @@ def template_memory(snapshot_dir: Path) -> Path:
 
 
 def write_manifest(snapshot_dir: Path, manifest: SnapshotManifest) -> None:
-    """Write ``snapshot.json`` atomically (temporary file, fsync, rename)."""
-    path = SnapshotPaths(snapshot_dir).manifest
-    tmp = path.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``snapshot.json`` atomically and durably (``hangar.durable.atomic_write``)."""
+    atomic_write(SnapshotPaths(snapshot_dir).manifest, manifest.to_json().encode(), 0o644)
 
 
 def allocated_bytes(path: Path) -> int:

@@ -9,7 +9,10 @@ is one self-contained file, checked with ``PRAGMA integrity_check``, synced
 and only then renamed into place (mode 0600).
 
 The store holds the records of sandboxes, snapshots and machines: what
-a restarted server reads to adopt running VMs. It does not hold the API
+a restarted server reads to adopt running VMs. The copy leaves out the
+stored answers of idempotent POSTs (``NOT_BACKED_UP``): they may hold
+secrets (a port's signed URL, a sandbox's access token) and are worth
+nothing after a restore. It does not hold the API
 key, snapshot files or images; docs/operations.md says what else to keep
 and how to restore.
 """
@@ -22,9 +25,26 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hangar import durable
 from hangar.errors import InvalidRequest, NotFound
 
 BACKUP_GLOB = "hangar-*.db"
+NOT_BACKED_UP = ("idempotency_keys",)
+"""Tables emptied in the copy: stored answers of idempotent POSTs (24 h; they may hold a
+port's signed URL or a sandbox's access token, sealed with the caller's key, and a
+restored server has no use for them)."""
+
+
+def _scrub(db: sqlite3.Connection) -> None:
+    """Empty ``NOT_BACKED_UP`` in a copy, leaving none of their bytes in free pages
+    (``secure_delete`` overwrites them, ``VACUUM`` drops the pages)."""
+    present = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    db.execute("PRAGMA secure_delete=ON")
+    with db:
+        for table in NOT_BACKED_UP:
+            if table in present:
+                db.execute(f'DELETE FROM "{table}"')
+    db.execute("VACUUM")
 
 
 @dataclass(frozen=True)
@@ -68,6 +88,7 @@ def backup_database(database: Path, dest: Path) -> BackupReport:
             with dst:
                 src.backup(dst)
             dst.execute("PRAGMA journal_mode=DELETE")
+            _scrub(dst)
             check = dst.execute("PRAGMA integrity_check").fetchone()[0]
             if check != "ok":
                 raise InvalidRequest(f"the copy of {database} fails SQLite's integrity check: "
@@ -81,12 +102,7 @@ def backup_database(database: Path, dest: Path) -> BackupReport:
             src.close()
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, dest)
-        dir_fd = os.open(dest.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        durable.replace(tmp, dest)
     except sqlite3.Error as exc:
         raise InvalidRequest(f"cannot back up {database}: {exc}") from None
     finally:

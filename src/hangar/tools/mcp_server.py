@@ -15,9 +15,13 @@ session closes:
   ``auto`` mode open a session; a task ends when its session ends (client
   DELETE, idle timeout of ``--idle-timeout`` seconds, server shutdown), via
   the SDK's per-connection ``exit_stack``. A request without a session gets
-  a tool error saying so. Listens on 127.0.0.1 by default; on any other
-  address ``HANGAR_MCP_TOKEN`` must be set and every request must carry
-  ``Authorization: Bearer <token>``.
+  a tool error saying so. Listens on 127.0.0.1 by default. Every request
+  must carry ``Authorization: Bearer <token>`` with the token of
+  ``HANGAR_MCP_TOKEN``, on loopback too (any local process could reach an
+  unauthenticated port and drive the sandboxes with the server's key); a
+  missing or wrong token gets 401 before the body is read. Without the
+  variable, or with a weak token (``hangar.keys.weakness``), the server
+  does not start.
 
 Tools are listed with the same JSON Schemas as ``hangar.tools.definitions``;
 a call returns the ``ToolResult`` as MCP content: the text (output, then the
@@ -176,12 +180,18 @@ def http_app(tier: str, user_id: str, name: str, *, host: str = "127.0.0.1",
              idle_timeout_s: float = 1800.0, **options: Any) -> Any:
     """The ASGI app of the streamable HTTP transport (path ``/mcp``).
 
-    Raises ValueError when ``host`` is not a loopback address and
-    ``HANGAR_MCP_TOKEN`` is unset.
+    Raises ValueError when ``HANGAR_MCP_TOKEN`` is unset or weak: every request needs
+    ``Authorization: Bearer <token>`` (401 otherwise).
     """
-    token = os.environ.get(TOKEN_ENV, "")
-    if host not in ("127.0.0.1", "localhost", "::1") and not token:
-        raise ValueError(f"serving MCP on {host} needs a bearer token: set {TOKEN_ENV}")
+    from hangar.keys import weakness
+
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    problem = weakness(token) if token else "it is unset"
+    if problem:
+        raise ValueError(
+            f"MCP over HTTP needs a bearer token in {TOKEN_ENV}, and {problem}. Fix: "
+            f"export {TOKEN_ENV}=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')"
+            f" and give the client the header 'Authorization: Bearer <token>'")
     tasks = SessionTasks(tier, user_id, name, options)
     server = build_server(tasks, stdio=False)
     app = server.streamable_http_app(host=host, session_idle_timeout=idle_timeout_s)
@@ -196,8 +206,6 @@ def http_app(tier: str, user_id: str, name: str, *, host: str = "127.0.0.1",
                 await tasks.close()
 
     app.router.lifespan_context = lifespan
-    if not token:
-        return app
 
     async def guarded(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
+from hangar.api.errors import level_of
 from hangar.errors import Busy, Gone, HangarError
 
 log = logging.getLogger("hangar.api.e2b")
@@ -85,9 +86,10 @@ class E2BRoute(APIRoute):
             try:
                 return await handler(request)
             except HangarError as exc:
-                if exc.status >= 500:
-                    log.error("E2B request failed", extra={"path": request.url.path,
-                                                           "error": exc.message})
+                level = level_of(exc)  # ERROR only when the server is at fault
+                if level is not None:
+                    log.log(level, "E2B request failed", extra={"path": request.url.path,
+                                                                "error": exc.message})
                 return from_hangar(exc)
             except RequestValidationError as exc:
                 return from_validation(exc)

@@ -147,7 +147,7 @@ def _matches(rec: SandboxRecord, metadata: dict[str, str], template: str | None)
 def _offset(token: str | None) -> int:
     if not token:
         return 0
-    if not token.isdigit() or len(token) > 9:
+    if not (token.isascii() and token.isdigit()) or len(token) > 9:
         raise InvalidRequest(f"nextToken: {token[:40]!r} is not a token this server gave",
                              field="nextToken")
     return int(token)

@@ -57,7 +57,7 @@ async def list_(m: Manager, response: Response, sandboxID: str | None = None,
     if name:
         wanted = name.rsplit(":", 1)[0]
         snaps = [s for s in snaps if s.id == wanted]
-    if nextToken and (not nextToken.isdigit() or len(nextToken) > 9):
+    if nextToken and (not (nextToken.isascii() and nextToken.isdigit()) or len(nextToken) > 9):
         raise InvalidRequest(f"nextToken: {nextToken[:40]!r} is not a token this server gave",
                              field="nextToken")
     start = int(nextToken or 0)

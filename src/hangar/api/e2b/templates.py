@@ -63,7 +63,7 @@ async def defaults(m: Manager) -> list[Template]:
 @router.get("/v2/templates", response_model=list[Template])
 async def list_v2(m: Manager, response: Response, nextToken: str | None = None,
                   limit: Annotated[int, Query(ge=1, le=PAGE)] = PAGE) -> list[Template]:
-    if nextToken and (not nextToken.isdigit() or len(nextToken) > 9):
+    if nextToken and (not (nextToken.isascii() and nextToken.isdigit()) or len(nextToken) > 9):
         raise InvalidRequest(f"nextToken: {nextToken[:40]!r} is not a token this server gave",
                              field="nextToken")
     every = e2b.templates(m)

@@ -252,7 +252,7 @@ def _timeout(headers: dict[str, str]) -> float | None:
     raw = headers.get("connect-timeout-ms")
     if not raw:
         return None
-    if not raw.isdigit() or len(raw) > 10:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 10:
         raise RpcError("invalid_argument", f"Connect-Timeout-Ms {raw[:20]!r} is not a number "
                                            "of milliseconds (at most 10 digits)")
     return int(raw) / 1000

@@ -169,7 +169,7 @@ class EnvdGateway:
                           "the E2b-Sandbox-Id header is missing: it names the sandbox (E2B's "
                           "SDK sends it with E2B_SANDBOX_URL set)")
         raw_port = headers.get("e2b-sandbox-port", str(ENVD_PORT))
-        if not raw_port.isdigit() or not 0 < int(raw_port) < 65536:
+        if not (raw_port.isascii() and raw_port.isdigit()) or not 0 < int(raw_port) < 65536:
             raise Refusal(400, "invalid_argument",
                           f"E2b-Sandbox-Port {raw_port[:16]!r} is not a port (1..65535)")
         try:

@@ -44,7 +44,7 @@ def signature_ok(manager: SandboxManager, sandbox_id: str, given: str, path: str
     """None when ``given`` signs this file operation and has not expired, else why not."""
     exp: int | None = None
     if expiration:
-        if not expiration.isdigit() or len(expiration) > 12:
+        if not (expiration.isascii() and expiration.isdigit()) or len(expiration) > 12:
             return "signature_expiration is not a Unix time"
         exp = int(expiration)
         if exp < time.time():

@@ -10,7 +10,9 @@ from starlette.types import Receive, Scope, Send
 
 from hangar.api.auth import authenticate
 from hangar.api.errors import render, render_error
-from hangar.api.proxy.routing import Target, header, split_cookies, split_query, token_cookie
+from hangar.api.proxy.routing import (
+    Target, header, split_cookies, split_query, token_cookie, well_formed,
+)
 from hangar.core.commands import Tunnel
 from hangar.core.guestcalls import NoListener
 from hangar.core.ports import Exposure
@@ -50,7 +52,8 @@ class Exchange:
     def admit(self) -> Exposure:
         """The exposure, once the request may use it. Raises ``Refused``."""
         t = self.target
-        query_token, cookie_token = self.query_token, self.cookie_token
+        given = self.query_token or self.cookie_token
+        query_token, cookie_token = well_formed(self.query_token), well_formed(self.cookie_token)
         try:
             exposure = self.m.ports.get(t.sandbox_id, t.port)
         except HangarError as exc:
@@ -71,7 +74,7 @@ class Exchange:
             return exposure
         if cookie_token and self.m.ports.allows(exposure, cookie_token):
             return exposure
-        why = "is expired or not valid for it" if (query_token or cookie_token) else "is missing"
+        why = "is expired or not valid for it" if given else "is missing"
         raise Refused.of(Unauthorized(
             f"port {t.port} of sandbox {t.sandbox_id} is private and the token {why}: send "
             f"X-API-Key, or open its signed URL (GET /sandboxes/{t.sandbox_id}/ports/{t.port} "

@@ -23,6 +23,14 @@ TOKEN_PARAM = "hangar_token"
 """Query parameter that carries a private port's URL token."""
 COOKIE = "hangar_port_token"
 """Cookie a browser keeps a private port's token in after a visit with ``TOKEN_PARAM``."""
+TOKEN_RE = re.compile(r"^[0-9]{1,12}\.[A-Za-z0-9_-]{1,64}$")
+"""What a port token looks like (``hangar.core.ports.PortKey.issue``: expiry in Unix
+seconds, a dot, an HMAC in URL-safe base64). Anything else is refused (401) unchecked."""
+
+
+def well_formed(token: str | None) -> str | None:
+    """``token`` when it has a port token's shape (``TOKEN_RE``), else None."""
+    return token if token is not None and TOKEN_RE.match(token) else None
 
 PATH_RE = re.compile(rb"^/sandboxes/([^/]{1,256})/ports/([0-9]{1,5})(/[^?#]*)$")
 """Path-routed requests; an id that names no sandbox gets its 404 from the proxy."""

@@ -34,6 +34,7 @@ import shutil
 import time
 from pathlib import Path
 
+from hangar import durable
 from hangar.engines import process, snapshot_io
 from hangar.engines.agent_client import AgentChannel, Streams, unix_channel
 from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec
@@ -353,7 +354,7 @@ class QemuEngine(Engine):
         try:
             info = await migration.save_state(vm, partial, memory_mib, ignore_shared=template)
             await asyncio.to_thread(snapshot_io.fsync_file, partial)
-            os.replace(partial, state)
+            durable.replace(partial, state)  # the folder is synced too
             memory_bytes, memory_sha256 = 0, ""
             if template:
                 memory_bytes, memory_sha256 = await tmpl.save_memory(
