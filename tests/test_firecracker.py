@@ -601,7 +601,8 @@ def test_jailer(fc_bins, image, work: Path) -> None:  # noqa: ANN001
         vm2 = None
         try:
             files = engine.files_of(vm)
-            uid = config.uid_for(files.vm_id)
+            uid = int(vm.extra["uid"])
+            assert config.allocator().lookup(spec.paths.dir) == uid
             root = spec.paths.dir / "firecracker" / files.vm_id / "root"
             assert files.root == root and root.is_dir()
             st = proc_status(vm.pid)

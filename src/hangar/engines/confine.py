@@ -3,9 +3,10 @@
 A guest must be assumed hostile, and a VMM is the code it attacks first. So
 each QEMU runs (``QemuEngine``; Firecracker gets the same from its jailer):
 
-- **as its own unprivileged user**: uid = gid = ``uid_base`` + a hash of
-  the sandbox id modulo ``uid_count`` (so two sandboxes share one with
-  chance 1/``uid_count``), no supplementary groups, ``no_new_privs``;
+- **as its own unprivileged user**: uid = gid from ``uid_base`` +
+  ``[0, uid_count)``, claimed for its folder from a host-wide registry
+  (``hangar.engines.uids.UidAllocator``: never two live VMMs on one uid,
+  kept across a server restart), no supplementary groups, ``no_new_privs``;
 - **in its own cgroup** (``hangar.engines.cgroups``): memory = the guest's
   plus ``overhead_mib`` (plus the TCG translation cache under TCG), CPU =
   its vCPUs, pids = ``PIDS_MAX``;
@@ -43,13 +44,13 @@ import shutil
 import stat
 import sys
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from typing import TYPE_CHECKING
 
 from hangar.engines.cgroups import Hierarchy, Limits, remove_dirs
+from hangar.engines.uids import DEFAULT_REGISTRY, UidAllocator
 from hangar.layout import SandboxPaths
 
 if TYPE_CHECKING:
@@ -80,6 +81,8 @@ TAP_FD = 3
 """The file descriptor under which a confined VMM gets its TAP device."""
 DEVICES = (("null", 1, 3), ("zero", 1, 5), ("random", 1, 8), ("urandom", 1, 9))
 KVM_DEVICE = ("kvm", 10, 232)
+ANY_UID = (1 << 31) - 1
+"""A range that holds every uid: releasing a folder's claim, whatever its VMM's range."""
 MERGED_USR = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
@@ -99,11 +102,13 @@ class Measure:
 class ConfineConfig:
     """What to apply. ``cgroups``: ``auto``, ``v2``, ``v1`` or ``off``;
     ``overhead_mib``: memory allowed beyond the guest's (MiB); ``console_log_bytes``:
-    the most a sandbox's console logs hold on disk (bytes; 0: no cap)."""
+    the most a sandbox's console logs hold on disk (bytes; 0: no cap); ``uid_registry``:
+    the host-wide folder of VMM uid claims (``hangar.engines.uids``)."""
 
     enabled: bool = True
     uid_base: int = 400_000
     uid_count: int = 65_536
+    uid_registry: Path = DEFAULT_REGISTRY
     cgroups: str = "auto"
     view: bool = True
     seccomp: bool = True
@@ -175,6 +180,7 @@ class Confinement:
                     why = f"{why}, but {note}"
             self._cg_reason = why
         self.multilog = shutil.which("multilog")
+        self.uids = UidAllocator(c.uid_base, c.uid_count, c.uid_registry)
 
     # -- what is on ---------------------------------------------------------------
 
@@ -234,10 +240,10 @@ class Confinement:
 
     # -- per sandbox --------------------------------------------------------------
 
-    def uid_for(self, sandbox_id: str) -> int:
-        """The VMM's uid (= gid) of ``sandbox_id`` (see the module docstring)."""
-        c = self.config
-        return c.uid_base + zlib.crc32(sandbox_id.encode()) % c.uid_count
+    def uid_for(self, sandbox_id: str, folder: Path) -> int:
+        """The VMM's uid (= gid) of ``sandbox_id`` in ``folder``: the one the folder
+        holds, or a new claim (``UidAllocator.allocate``; raises OSError)."""
+        return self.uids.allocate(sandbox_id, folder)
 
     def limits(self, vcpus: int, memory_mib: int, accel: str,
                tcg_cache_mib: int = TCG_CACHE_MIB) -> Limits:
@@ -273,7 +279,7 @@ class Confinement:
             paths.cgroup_file.write_text("".join(f"{d}\n" for d in group.dirs))
         if not self.user:
             return plan
-        uid = self.uid_for(sandbox_id)
+        uid = self.uid_for(sandbox_id, paths.dir)
         plan.uid = plan.gid = uid
         if tap:
             plan.tap = (tap, TAP_FD)
@@ -317,7 +323,7 @@ class Confinement:
         size = min(max(total // 4, 4096), 16_777_215)
         paths.console_dir.mkdir(mode=0o750, exist_ok=True)
         if self.user:
-            uid = self.uid_for(paths.dir.name)
+            uid = self.uid_for(paths.dir.name, paths.dir)
             os.chown(paths.console_dir, uid, uid)
         try:
             paths.serial_log.symlink_to(paths.console_current.relative_to(paths.dir))
@@ -326,18 +332,23 @@ class Confinement:
         return [self.multilog, f"s{size}", "n3", str(paths.console_dir)]
 
     async def release(self, paths: SandboxPaths) -> None:
-        """Remove the sandbox's cgroup once its VMM is gone (never raises)."""
+        """Remove the sandbox's cgroup and drop its uid claim once its VMM is gone
+        (never raises)."""
         try:
             dirs = [Path(line) for line in paths.cgroup_file.read_text().split()]
         except OSError:
-            return
+            dirs = []
         await remove_dirs(dirs)
+        if self.user:
+            self.uids.release(paths.dir)
 
 
 def release_folder(paths: SandboxPaths, wait: float = 1.0) -> None:
     """Remove the cgroup that ``paths``' ``vmm.cgroup`` names, waiting up to ``wait``
     seconds for a just-killed VMM to leave it; for callers that cannot await (the
-    start-up sweep). Never raises."""
+    start-up sweep), and drop the folder's VMM uid claim. Never raises."""
+    if os.geteuid() == 0:
+        UidAllocator(1, ANY_UID).release(paths.dir)  # QEMU's or a jailed Firecracker's
     try:
         dirs = [Path(line) for line in paths.cgroup_file.read_text().split()]
     except OSError:

@@ -156,7 +156,7 @@ class FirecrackerEngine(Engine):
     def _ids(self, files: FirecrackerFiles) -> tuple[int, int]:
         if self.jailer is None:
             return os.geteuid(), os.getegid()
-        uid = self.jailer.uid_for(files.vm_id)
+        uid = self.jailer.uid_for(files.vm_id, files.paths.dir)
         return uid, uid
 
     def command(self, spec: VMSpec, files: FirecrackerFiles) -> list[str]:
@@ -231,6 +231,8 @@ class FirecrackerEngine(Engine):
             await remove_cgroups(self.jailer.parent_cgroup if self.jailer
                                  else JailerConfig.parent_cgroup, files.vm_id)
         shutil.rmtree(p.dir, ignore_errors=True)
+        if files.jailed:
+            (self.jailer or JailerConfig(Path("jailer"))).allocator().release(p.dir)
 
     def vmm_error(self, vm: VM) -> str:
         files = self.files_of(vm)
