@@ -114,6 +114,10 @@ def test_vmm_runs_confined(srv: Server, api: httpx.Client, sid: str) -> None:
     assert st["Seccomp"] == "2"
     assert st["NoNewPrivs"] == "1"
     assert st["Groups"] == ""
+    # Its own pid namespace, in which it is pid 1: no host process is in its sight.
+    assert st["NSpid"].split() == [str(pid), "1"], st["NSpid"]
+    assert os.readlink(f"/proc/{pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
+    assert (srv.data_dir / "sandboxes" / sid / "vmm.pid").read_text().strip() == str(pid)
 
     accel = api.get(f"/sandboxes/{sid}").json().get("accel", "tcg")
     # The server's default translation buffer (HANGAR_TCG_TB_MIB) counts under TCG.

@@ -7,6 +7,9 @@ each QEMU runs (``QemuEngine``; Firecracker gets the same from its jailer):
   ``[0, uid_count)``, claimed for its folder from a host-wide registry
   (``hangar.engines.uids.UidAllocator``: never two live VMMs on one uid,
   kept across a server restart), no supplementary groups, ``no_new_privs``;
+- **in its own pid namespace**, as its pid 1 (``vmm_exec`` forks into it): it
+  sees and can signal no process of the host; the server knows it by its
+  host pid, and reaps it as a child subreaper (``hangar.engines.process``);
 - **in its own cgroup** (``hangar.engines.cgroups``): memory = the guest's
   plus ``overhead_mib`` (plus the TCG translation cache under TCG), CPU =
   its vCPUs, pids = ``PIDS_MAX``;
@@ -49,6 +52,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from hangar.engines import safefs
 from hangar.engines.cgroups import Hierarchy, Limits, remove_dirs
 from hangar.engines.uids import DEFAULT_REGISTRY, UidAllocator
 from hangar.layout import SandboxPaths
@@ -140,6 +144,8 @@ class Plan:
     own_network: bool = False
     netns: str | None = None
     tap: tuple[str, int] | None = None
+    pid_ns: bool = False
+    report_fd: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, separators=(",", ":"))
@@ -220,7 +226,7 @@ class Confinement:
         else:
             cg = Measure("vmm cgroup", False, self._cg_reason)
         if self.view:
-            view = Measure("vmm view", True, "own mount, IPC and network namespaces; sees "
+            view = Measure("vmm view", True, "own mount, IPC, pid and network namespaces; sees "
                                              "/usr, its image and its sandbox folder only")
         elif not c.enabled:
             view = Measure("vmm view", False, off)
@@ -281,13 +287,12 @@ class Confinement:
             return plan
         uid = self.uid_for(sandbox_id, paths.dir)
         plan.uid = plan.gid = uid
+        plan.pid_ns = True
         if tap:
             plan.tap = (tap, TAP_FD)
-        os.chown(paths.dir, 0, uid)
-        os.chmod(paths.dir, 0o1770)
-        for f in owned:
-            os.chown(f, uid, uid)
-            os.chmod(f, 0o600)
+        safefs.own_folder(paths.dir, 0, uid, 0o1770)
+        for f in owned:  # through descriptors: a link put in a file's place is refused
+            safefs.own(paths.dir, f.relative_to(paths.dir), uid, uid, 0o600)
         if self.view:
             root = paths.view_root
             root.mkdir(mode=0o755, exist_ok=True)
@@ -324,7 +329,7 @@ class Confinement:
         paths.console_dir.mkdir(mode=0o750, exist_ok=True)
         if self.user:
             uid = self.uid_for(paths.dir.name, paths.dir)
-            os.chown(paths.console_dir, uid, uid)
+            safefs.own(paths.dir, paths.console_dir.name, uid, uid, 0o750, directory=True)
         try:
             paths.serial_log.symlink_to(paths.console_current.relative_to(paths.dir))
         except FileExistsError:

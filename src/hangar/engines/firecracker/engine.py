@@ -35,7 +35,7 @@ import shutil
 import time
 from pathlib import Path
 
-from hangar.engines import process
+from hangar.engines import process, safefs
 from hangar.engines.agent_client import AgentChannel, Streams
 from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec
 from hangar.engines.firecracker.api import FirecrackerAPI
@@ -361,11 +361,11 @@ class FirecrackerEngine(Engine):
             else:
                 await asyncio.to_thread(shutil.move, tmp_mem, out.fc_memory)
                 await dig_holes(out.fc_memory)
-            await copy_file(files.disk, out.fc_disk)
+            # The jailed VMM owns its root and may have swapped any name in it for a link:
+            # copied and re-owned through descriptors only (hangar.engines.safefs).
+            await asyncio.to_thread(safefs.copy_out, files.root, files.disk.name, out.fc_disk)
             for f in (out.fc_state, out.fc_memory, out.fc_disk):
-                if os.geteuid() == 0:  # the jailed VMM's uid wrote them
-                    os.chown(f, 0, 0)
-                os.chmod(f, 0o644)
+                safefs.own(dest, f.name, os.geteuid(), os.getegid(), 0o644)
             state_bytes = allocated_bytes(out.fc_state) + allocated_bytes(out.fc_memory)
             disk_bytes = allocated_bytes(out.fc_disk)
             x = vm.extra
@@ -421,7 +421,8 @@ class FirecrackerEngine(Engine):
             await asyncio.to_thread(link_or_copy, snap.fc_memory, files.restore_memory)
             await copy_file(snap.fc_disk, files.disk)
             if self.jailer is not None:
-                os.chown(files.disk, *self._ids(files))
+                uid, gid = self._ids(files)
+                safefs.own(files.root, files.disk.name, uid, gid, 0o600)
             vm = await self._start(spec, files)
             async with FirecrackerAPI(files.api) as api:
                 # A snapshot's NIC is re-pointed at this sandbox's own TAP.

@@ -34,7 +34,7 @@ import shutil
 import time
 from pathlib import Path
 
-from hangar.engines import process, snapshot_io
+from hangar.engines import process, safefs, snapshot_io
 from hangar.engines.agent_client import AgentChannel, Streams, unix_channel
 from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec
 from hangar.engines.confine import Confinement
@@ -359,7 +359,8 @@ class QemuEngine(Engine):
                 memory_bytes, memory_sha256 = await tmpl.save_memory(
                     source_ram, snapshot_io.template_memory(dest))
             disk = files.disk
-            await snapshot_io.copy_file(vm.paths.disk, disk)
+            # The VMM owns its folder's disk and may have swapped it for a link.
+            await asyncio.to_thread(safefs.copy_out, vm.paths.dir, vm.paths.disk.name, disk)
             await asyncio.to_thread(snapshot_io.fsync_file, disk)
             manifest = snapshot_io.SnapshotManifest(
                 engine=self.name, vmm_version=self.version, accel=self.accel,
