@@ -142,8 +142,10 @@ def _pid_from_file(path: Path, launcher: subprocess.Popen[bytes]) -> int | None:
     except OSError:
         return None
     try:
+        if os.fstat(fd).st_uid != os.geteuid():  # not the launcher's: the VMM's own
+            return None
         pid = int(os.read(fd, 64).strip())
-    except ValueError:
+    except (OSError, ValueError):
         return None
     finally:
         os.close(fd)

@@ -83,6 +83,11 @@ AGENT_PORT = 52
 CONNECT_TIMEOUT_S = 2.0
 """Seconds to wait for Firecracker's ``OK`` to a ``CONNECT``."""
 START_TIMEOUT_S = 10.0
+UNJAILED_REFUSED = (
+    "Firecracker would run as root without its jailer; install the jailer "
+    "(scripts/fetch-firecracker.sh) or allow unjailed VMMs explicitly with "
+    "HANGAR_FIRECRACKER_JAILER=off")
+"""The refusal of a root server to run Firecracker without its jailer unasked."""
 FIRECRACKER_NAME = "firecracker"
 """The jailer names the chroot after the binary; ``FirecrackerPaths`` expects this name."""
 
@@ -91,9 +96,12 @@ class FirecrackerEngine(Engine):
     """Boots sandboxes as Firecracker microVMs. See the module docstring.
 
     ``binary``: the firecracker executable (default: ``find_firecracker()``).
-    ``jailer``: run each VMM under the jailer. ``track_dirty_pages``: allow
+    ``jailer``: run each VMM under the jailer. ``unjailed``: as root, allow
+    VMMs without the jailer (they would run as root: only by this explicit
+    choice, ``HANGAR_FIRECRACKER_JAILER=off``). ``track_dirty_pages``: allow
     Diff snapshots (costs a little at every guest write fault).
-    Raises EngineError when the binary or /dev/kvm is missing.
+    Raises EngineError when the binary or /dev/kvm is missing, or when root
+    would run VMMs without the jailer and ``unjailed`` is not given.
     """
 
     name = "firecracker"
@@ -101,7 +109,10 @@ class FirecrackerEngine(Engine):
 
     def __init__(self, binary: Path | None = None, *, jailer: JailerConfig | None = None,
                  track_dirty_pages: bool = True, start_timeout: float = START_TIMEOUT_S,
-                 console_log_bytes: int = ConfineConfig.console_log_bytes) -> None:
+                 console_log_bytes: int = ConfineConfig.console_log_bytes,
+                 unjailed: bool = False) -> None:
+        if jailer is None and os.geteuid() == 0 and not unjailed:
+            raise EngineError(UNJAILED_REFUSED)
         found = binary or find_firecracker()
         if found is None:
             raise EngineError("firecracker not found; run scripts/fetch-firecracker.sh "
@@ -168,7 +179,7 @@ class FirecrackerEngine(Engine):
         uid, gid = self._ids(files)
         return [str(self.jailer.binary), "--id", files.vm_id, "--exec-file", str(self.binary),
                 "--uid", str(uid), "--gid", str(gid),
-                "--chroot-base-dir", str(files.jail_base.absolute()),
+                "--chroot-base-dir", str(files.jail_base.absolute()), "--new-pid-ns",
                 *cgroup_args(self.jailer, self.cgroup_version, spec.vcpus, spec.memory_mib),
                 "--", *fc_args]
 
@@ -200,9 +211,13 @@ class FirecrackerEngine(Engine):
         """Start the VMM process and wait until its API answers."""
         p = spec.paths
         try:
+            # Jailed: the jailer forks Firecracker into a pid namespace of its own
+            # (``--new-pid-ns``), writes its host pid into the chroot and exits.
             proc = self._procs.spawn(self.command(spec, files), cwd=files.root,
                                      pid_file=p.pid_file, stdout=p.serial_log,
-                                     stderr=p.vmm_log, console=self._console.console_argv(p))
+                                     stderr=p.vmm_log, console=self._console.console_argv(p),
+                                     pid_from=(files.root / f"{FIRECRACKER_NAME}.pid"
+                                               if self.jailer is not None else None))
         except OSError as exc:
             raise EngineError(f"cannot start firecracker: {exc}",
                               sandbox_id=spec.sandbox_id) from None
