@@ -40,6 +40,7 @@ create its sockets there but may neither change nor remove the server's
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -52,9 +53,11 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from hangar import privileged
 from hangar.engines import safefs
 from hangar.engines.cgroups import Hierarchy, Limits, remove_dirs
 from hangar.engines.uids import DEFAULT_REGISTRY, UidAllocator
+from hangar.errors import HangarError
 from hangar.layout import SandboxPaths
 
 if TYPE_CHECKING:
@@ -146,6 +149,10 @@ class Plan:
     tap: tuple[str, int] | None = None
     pid_ns: bool = False
     report_fd: int | None = None
+    umask: int | None = None
+    remote: str | None = None
+    """Made by the privileged helper for this sandbox id (``hangar.privileged``): the
+    helper starts the VMM with its own copy, this one only informs the caller."""
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, separators=(",", ":"))
@@ -187,6 +194,12 @@ class Confinement:
             self._cg_reason = why
         self.multilog = shutil.which("multilog")
         self.uids = UidAllocator(c.uid_base, c.uid_count, c.uid_registry)
+        self.owner_uid = 0
+        """Who owns sandbox folders (and the VMM's disk and console folder, with the
+        VMM's group): root, or the unprivileged server's user under a privileged helper."""
+        self.helper = privileged.current()
+        if self.helper is not None:
+            self.root = True  # the helper is, and confines every VMM
 
     # -- what is on ---------------------------------------------------------------
 
@@ -263,7 +276,8 @@ class Confinement:
                 accel: str, reads: list[Path], owned: list[Path],
                 tcg_cache_mib: int = TCG_CACHE_MIB,
                 file_limit: int | None = None, host_network: bool = False,
-                tap: str | None = None, netns: Path | None = None) -> Plan:
+                tap: str | None = None, netns: Path | None = None,
+                view_fds: str | None = None) -> Plan:
         """Make ``sandbox_id``'s cgroup and folder ready, and return its ``Plan``.
 
         ``reads``: folders the VMM reads (its image), bound read-only at their
@@ -273,8 +287,23 @@ class Confinement:
         otherwise it gets one of its own with nothing in it; ``tap``: its TAP
         device, handed to it open as ``TAP_FD`` when it runs as its own user
         (``tap_fd`` tells); ``netns``: a network namespace to start it in
-        (where its TAP is). Raises OSError (a cgroup or a file could not be set up).
+        (where its TAP is); ``view_fds``: bind the VMM's own ``/proc/self/fd`` there in
+        its view (a descriptor passed to it is then opened by that path). Under a
+        privileged helper (``hangar.privileged``) the helper does all of it and keeps
+        the plan; the one returned only tells ``uid`` and ``root``. Raises OSError (a
+        cgroup or a file could not be set up; EngineError from the helper).
         """
+        if self.helper is not None:
+            if tap or netns:
+                raise OSError("guest networking is not routed through the privileged "
+                              "helper yet: run with HANGAR_NETWORK=off")
+            got = self.helper.call({
+                "op": "prepare_vmm", "sandbox_id": sandbox_id, "vcpus": vcpus,
+                "memory_mib": memory_mib, "accel": accel, "tcg_cache_mib": tcg_cache_mib,
+                "reads": [str(d) for d in reads],
+                "owned": [str(f.relative_to(paths.dir)) for f in owned],
+                "file_limit": file_limit, "host_network": host_network, "view_fds": view_fds})
+            return Plan(uid=got["uid"], gid=got["uid"], root=got["root"], remote=sandbox_id)
         plan = Plan(cwd=str(paths.dir), netns=str(netns) if netns else None)
         if file_limit:
             plan.rlimits["FSIZE"] = file_limit
@@ -290,9 +319,9 @@ class Confinement:
         plan.pid_ns = True
         if tap:
             plan.tap = (tap, TAP_FD)
-        safefs.own_folder(paths.dir, 0, uid, 0o1770)
+        safefs.own_folder(paths.dir, self.owner_uid, uid, 0o1770)
         for f in owned:  # through descriptors: a link put in a file's place is refused
-            safefs.own(paths.dir, f.relative_to(paths.dir), uid, uid, 0o600)
+            safefs.own(paths.dir, f.relative_to(paths.dir), self.owner_uid, uid, 0o660)
         if self.view:
             root = paths.view_root
             root.mkdir(mode=0o755, exist_ok=True)
@@ -307,13 +336,15 @@ class Confinement:
             plan.binds.append((str(paths.dir), str(paths.dir.absolute()), True))
             plan.symlinks = [(p, os.readlink(p)) for p in MERGED_USR if os.path.islink(p)]
             plan.devices = [*DEVICES, *([KVM_DEVICE] if accel == "kvm" else [])]
+            if view_fds:
+                plan.binds.append(("/proc/self/fd", view_fds, False))
         elif accel == "kvm":
             plan.groups = _kvm_group()
         return plan
 
     def tap_fd(self) -> int | None:
         """The file descriptor a VMM gets its TAP as, or None (it opens the TAP itself)."""
-        return TAP_FD if self.user else None
+        return TAP_FD if self.user and self.helper is None else None
 
     def console_argv(self, paths: SandboxPaths) -> list[str] | None:
         """The logger that takes the VMM's stdout, or None (stdout goes to ``serial.log``).
@@ -321,7 +352,7 @@ class Confinement:
         Makes ``console/`` (the VMM's own when confined) and points
         ``serial.log`` at ``console/current``.
         """
-        if not self.console_cap:
+        if not self.console_cap or self.helper is not None:  # the helper makes its own
             return None
         assert self.multilog is not None
         total = self.config.console_log_bytes
@@ -329,7 +360,8 @@ class Confinement:
         paths.console_dir.mkdir(mode=0o750, exist_ok=True)
         if self.user:
             uid = self.uid_for(paths.dir.name, paths.dir)
-            safefs.own(paths.dir, paths.console_dir.name, uid, uid, 0o750, directory=True)
+            safefs.own(paths.dir, paths.console_dir.name, self.owner_uid, uid, 0o1770,
+                       directory=True)
         try:
             paths.serial_log.symlink_to(paths.console_current.relative_to(paths.dir))
         except FileExistsError:
@@ -339,6 +371,13 @@ class Confinement:
     async def release(self, paths: SandboxPaths) -> None:
         """Remove the sandbox's cgroup and drop its uid claim once its VMM is gone
         (never raises)."""
+        if self.helper is not None:
+            try:
+                await asyncio.to_thread(self.helper.call, {"op": "release_vmm",
+                                                           "sandbox_id": paths.dir.name})
+            except HangarError as exc:
+                log.warning("%s", exc.message)
+            return
         try:
             dirs = [Path(line) for line in paths.cgroup_file.read_text().split()]
         except OSError:
@@ -352,6 +391,13 @@ def release_folder(paths: SandboxPaths, wait: float = 1.0) -> None:
     """Remove the cgroup that ``paths``' ``vmm.cgroup`` names, waiting up to ``wait``
     seconds for a just-killed VMM to leave it; for callers that cannot await (the
     start-up sweep), and drop the folder's VMM uid claim. Never raises."""
+    helper = privileged.current()
+    if helper is not None:
+        try:
+            helper.call({"op": "release_vmm", "sandbox_id": paths.dir.name})
+        except HangarError as exc:
+            log.warning("%s", exc.message)
+        return
     if os.geteuid() == 0:
         UidAllocator(1, ANY_UID).release(paths.dir)  # QEMU's or a jailed Firecracker's
     try:

@@ -37,7 +37,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hangar import privileged
 from hangar.engines import safefs
+from hangar.errors import HangarError
 
 if TYPE_CHECKING:
     from hangar.engines.confine import Plan
@@ -183,8 +185,15 @@ def kill_process(pid: int | None) -> None:
         return
     try:
         os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+    except ProcessLookupError:
         pass
+    except PermissionError:  # a VMM's uid, from an unprivileged server: the helper may
+        helper = privileged.current()
+        if helper is not None:
+            try:
+                helper.call({"op": "kill_vmm", "pid": pid})
+            except HangarError as exc:
+                log.warning("%s", exc.message)
 
 
 def read_pid(pid_file: Path) -> int | None:
@@ -240,6 +249,8 @@ class VMMProcesses:
         the VMM gives the launcher's own, already ended. Raises ``OSError``
         when it cannot start.
         """
+        if plan is not None and plan.remote is not None:
+            return self._spawn_remote(plan.remote, argv, pass_fds)
         report_r: int | None = None
         fds = list(pass_fds)
         if plan is not None and plan.pid_ns or pid_from is not None:
@@ -304,6 +315,22 @@ class VMMProcesses:
             self._children.pop(handle.pid, None)
             self._reap_logger(handle.pid, force=True)
             raise
+        return handle
+
+    def _spawn_remote(self, sandbox_id: str, argv: Sequence[str],
+                      pass_fds: Sequence[int]) -> VMMHandle:
+        """Have the privileged helper start the VMM it prepared (``Plan.remote``)."""
+        helper = privileged.current()
+        if helper is None:
+            raise OSError("no privileged helper")
+        try:
+            got = helper.call({"op": "spawn_vmm", "sandbox_id": sandbox_id,
+                               "argv": list(argv), "fds": list(pass_fds)}, fds=pass_fds)
+        except HangarError as exc:
+            raise OSError(exc.message) from None
+        handle = VMMHandle(int(got["pid"]))
+        if got.get("exit") is not None:
+            handle.returncode = int(got["exit"])
         return handle
 
     def _reap_logger(self, pid: int, force: bool = False) -> None:

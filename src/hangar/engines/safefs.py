@@ -181,9 +181,10 @@ def replace_file(folder: Path, name: str, data: bytes, mode: int = 0o644) -> Non
 
 
 def read_own(folder: Path, name: str, max_bytes: int = 4096) -> bytes:
-    """The start of ``folder/name`` if it is a regular file of this process's own user
-    (one the VMM made is not believed). Raises OSError (``EPERM``: another owner)."""
+    """The start of ``folder/name`` if it is a regular file of root's or this process's
+    own user (one the VMM made is not believed). Raises OSError (``EPERM``: another
+    owner)."""
     with opened(folder, name) as fd:
-        if os.fstat(fd).st_uid != os.geteuid():
+        if os.fstat(fd).st_uid not in (0, os.geteuid()):
             raise OSError(errno.EPERM, f"{folder / name} is not ours")
         return os.read(fd, max_bytes)

@@ -42,7 +42,8 @@ directory, or null for no view), ``binds`` (``[src, dst, writable]``),
 ``symlinks`` (``[path, target]``), ``devices`` (``[name, major, minor]``),
 ``own_network`` (bool), ``netns`` (a path or null), ``tap`` (``[device, fd]`` or null),
 ``uid``, ``gid``, ``groups`` (null: keep the caller's identity), ``cwd``,
-``pid_ns`` (bool) and ``report_fd`` (a file descriptor number, with ``pid_ns``).
+``pid_ns`` (bool), ``report_fd`` (a file descriptor number, with ``pid_ns``) and
+``umask`` (the VMM's, or null: keep it).
 """
 
 import ctypes
@@ -237,6 +238,8 @@ def run(plan: dict, argv: list[str]) -> None:
     if plan.get("root"):
         make_view(plan)
     drop_user(plan)
+    if plan.get("umask") is not None:
+        os.umask(int(plan["umask"]))
     try:
         os.chdir(plan.get("cwd") or "/")
     except OSError as exc:

@@ -169,12 +169,11 @@ class QemuEngine(Engine):
                 owned=[p.disk, *owned],
                 file_limit=(spec.disk_mib + spec.memory_mib + FILE_LIMIT_SLACK_MIB) << 20,
                 host_network=spec.net is not None and spec.net.kind == "user", tap=tap,
-                netns=self.network_namespace)
-            if ram_fd is not None:
-                fd_path = f"/proc/self/fd/{ram_fd}"
-                if plan.root is not None:  # vmm_exec's own fds: QEMU's, once it execs
-                    plan.binds.append(("/proc/self/fd", tmpl.VIEW_FDS, False))
-                    fd_path = f"{tmpl.VIEW_FDS}/{ram_fd}"
+                netns=self.network_namespace,
+                view_fds=tmpl.VIEW_FDS if ram_fd is not None else None)
+            if ram_fd is not None:  # in a view, the VMM's own fds are bound at VIEW_FDS
+                fd_path = (f"{tmpl.VIEW_FDS}/{ram_fd}" if plan.root is not None
+                           else f"/proc/self/fd/{ram_fd}")
                 ram = RamFile(fd_path, shared=False)
             console = self.confine.console_argv(p)
             argv = [*self.command(spec, self.confine.tap_fd() if tap else None, balloon=balloon,

@@ -1,0 +1,93 @@
+"""Fork the privileged helper, hand the data directory over, drop root.
+
+``split(layout, confine, user)``, called as root before any thread starts
+and before uvicorn parses a byte from the network:
+
+1. a ``SOCK_SEQPACKET`` socketpair, then ``fork``: the child keeps root and
+   runs ``helper.run`` on its end (it closes the other);
+2. the parent gives the data directory to ``user`` (every file and folder
+   but ``images/`` and ``bin/``, which stay root's and readable), since the
+   server writes its store, keys and sandbox folders itself;
+3. it drops to ``user``: ``setgroups([])``, ``setresgid``, ``setresuid``
+   (which clears every capability), ``PR_SET_NO_NEW_PRIVS``; and installs
+   the helper's ``Client`` (``hangar.privileged.current``).
+
+Raises ``ConfigError`` when not root or ``user`` does not exist.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pwd
+import socket
+from pathlib import Path
+
+from hangar.engines.confine import Confinement
+from hangar.errors import ConfigError
+from hangar.layout import Layout
+from hangar.privileged.client import Client, install
+
+PR_SET_NO_NEW_PRIVS = 38
+KEEP_ROOTS = ("images", "bin")
+"""Top-level entries of the data directory that stay root's."""
+
+
+def _give(root: Path, uid: int, gid: int) -> None:
+    """``root`` and everything below it (never through a link) to ``uid:gid``."""
+    os.chown(root, uid, gid, follow_symlinks=False)
+    for dirpath, dirnames, filenames, dirfd in os.fwalk(root):
+        for name in (*dirnames, *filenames):
+            os.chown(name, uid, gid, dir_fd=dirfd, follow_symlinks=False)
+
+
+def hand_over(layout: Layout, uid: int, gid: int) -> None:
+    """Give the data directory to ``uid:gid`` but for ``KEEP_ROOTS``."""
+    root = layout.root
+    os.chown(root, uid, gid, follow_symlinks=False)
+    os.chmod(root, 0o700)
+    for entry in os.scandir(root):
+        if entry.name in KEEP_ROOTS:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            _give(Path(entry.path), uid, gid)
+        else:
+            os.chown(entry.path, uid, gid, follow_symlinks=False)
+
+
+def drop(uid: int, gid: int) -> None:
+    """Become ``uid:gid`` for good, with no groups, capabilities or way back."""
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
+    if os.getuid() != uid or os.geteuid() != uid or os.getegid() != gid:
+        raise OSError("the server is still privileged")
+
+
+def split(layout: Layout, confine: Confinement, user: str) -> int:
+    """Fork the helper and drop to ``user`` (see the module docstring); returns the
+    helper's pid. Raises ConfigError."""
+    if os.geteuid() != 0:
+        raise ConfigError("HANGAR_PRIVSEP needs hangar serve to start as root")
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        raise ConfigError(f"no user {user!r}: create it (scripts/install.sh does) or set "
+                          f"HANGAR_USER") from None
+    if pw.pw_uid == 0:
+        raise ConfigError(f"HANGAR_USER {user!r} is root")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        from hangar.privileged.helper import run
+
+        run(theirs, layout, confine, pw.pw_uid)  # never returns
+    theirs.close()
+    hand_over(layout, pw.pw_uid, pw.pw_gid)
+    drop(pw.pw_uid, pw.pw_gid)
+    install(Client(ours))
+    return pid
