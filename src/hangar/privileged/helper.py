@@ -73,7 +73,7 @@ class Helper:
     # -- checks against the host ----------------------------------------------------
 
     def folder(self, sandbox_id: str) -> Path:
-        d = self.layout.sandbox(sandbox_id)
+        d = self.layout.sandbox(sandbox_id).dir
         try:
             st = os.lstat(d)
         except OSError:
@@ -145,14 +145,15 @@ class Helper:
         return {"pid": handle.pid, "exit": handle.poll()}
 
     def kill_vmm(self, req: P.KillVmm, fds: list[int]) -> Any:
+        if not process.alive(req.pid):
+            return None  # already gone (a zombie is reaped here within a second)
         self.vmm_uid(req.pid)
         process.kill_process(req.pid)
         return None
 
     def release_vmm(self, req: P.ReleaseVmm, fds: list[int]) -> Any:
-        d = self.layout.sandbox(req.sandbox_id)
         self.plans.pop(req.sandbox_id, None)
-        release_folder(SandboxPaths(d), wait=1.0)
+        release_folder(self.layout.sandbox(req.sandbox_id), wait=1.0)
         return None
 
     def vmm_memory(self, req: P.VmmMemory, fds: list[int]) -> Any:
@@ -177,6 +178,9 @@ class Helper:
                 return {"ok": False, "error": f"refused: {exc}"}
             except OSError as exc:
                 return {"ok": False, "error": f"{req.op}: {exc}"}
+            except Exception as exc:  # noqa: BLE001 - a bug answers, the helper lives on
+                log.exception("privileged request %s failed", req.op)
+                return {"ok": False, "error": f"{req.op}: {type(exc).__name__}"}
         finally:
             for fd in fds:
                 try:
