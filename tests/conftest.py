@@ -188,8 +188,11 @@ class Server:
 
 def make_data_dir(base_image: Path, privsep: bool = PRIVSEP) -> Path:
     d = Path(tempfile.mkdtemp(prefix="hg-", dir="/tmp"))
-    if privsep:  # the shared data dir is root's only: a hard-linked copy the server can read
+    if privsep:  # the shared data dir is root's only: a hard-linked copy the server can read,
+        # without the template snapshots (root's 0600 files; the server makes its own)
         subprocess.run(["cp", "-al", str(base_image.parent), str(d / "images")], check=True)
+        for snaps in (d / "images").glob("*/template-snapshots"):
+            shutil.rmtree(snaps)
     else:
         (d / "images").symlink_to(base_image.parent)
     for name in ("engine-probe.json", "firecracker-probe.json"):

@@ -27,11 +27,11 @@ def split_privileges(settings: "Settings", layout: "Layout") -> None:
     from hangar.engines.confine import Confinement, config_from
     from hangar.privileged.split import split
 
-    if settings.network == "tap":
-        fail(ConfigError("HANGAR_PRIVSEP does not route guest networking through its helper "
-                         "yet: set HANGAR_NETWORK=user or off"))
+    from hangar.core.launch import network_manager
+
     try:
-        pid = split(layout, Confinement(config_from(settings)), settings.user)
+        pid = split(layout, Confinement(config_from(settings)), settings.user,
+                    network_manager(settings))
     except (HangarError, OSError) as exc:
         fail(exc if isinstance(exc, HangarError) else ConfigError(f"privilege split: {exc}"))
     err.print(f"privileged helper: pid {pid}; this server runs as {settings.user}")

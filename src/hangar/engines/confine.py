@@ -294,15 +294,16 @@ class Confinement:
         cgroup or a file could not be set up; EngineError from the helper).
         """
         if self.helper is not None:
-            if tap or netns:
-                raise OSError("guest networking is not routed through the privileged "
-                              "helper yet: run with HANGAR_NETWORK=off")
+            if netns:
+                raise OSError("a VMM network namespace is not routed through the privileged "
+                              "helper")
             got = self.helper.call({
                 "op": "prepare_vmm", "sandbox_id": sandbox_id, "vcpus": vcpus,
                 "memory_mib": memory_mib, "accel": accel, "tcg_cache_mib": tcg_cache_mib,
                 "reads": [str(d) for d in reads],
                 "owned": [str(f.relative_to(paths.dir)) for f in owned],
-                "file_limit": file_limit, "host_network": host_network, "view_fds": view_fds})
+                "file_limit": file_limit, "host_network": host_network, "view_fds": view_fds,
+                "tap": tap})
             return Plan(uid=got["uid"], gid=got["uid"], root=got["root"], remote=sandbox_id)
         plan = Plan(cwd=str(paths.dir), netns=str(netns) if netns else None)
         if file_limit:
@@ -344,7 +345,7 @@ class Confinement:
 
     def tap_fd(self) -> int | None:
         """The file descriptor a VMM gets its TAP as, or None (it opens the TAP itself)."""
-        return TAP_FD if self.user and self.helper is None else None
+        return TAP_FD if self.user else None
 
     def console_argv(self, paths: SandboxPaths) -> list[str] | None:
         """The logger that takes the VMM's stdout, or None (stdout goes to ``serial.log``).

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from hangar.errors import EngineError
+from hangar.errors import EngineError, InvalidRequest
 from hangar.privileged import protocol as P
 
 _current: "Client | None" = None
@@ -55,5 +55,7 @@ class Client:
             raise EngineError("the privileged helper is gone")
         answer = json.loads(raw)
         if not answer.get("ok"):
+            if answer.get("status") == 400:  # the request's own fault, e.g. a policy
+                raise InvalidRequest(str(answer.get("error")))
             raise EngineError(f"privileged helper: {answer.get('error')}")
         return answer.get("result")

@@ -25,13 +25,19 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 from pydantic import ValidationError
 
 from hangar.engines import memory, process
 from hangar.engines.confine import Confinement, Plan, release_folder
 from hangar.engines.process import VMMProcesses
+from hangar.errors import HangarError
 from hangar.layout import Layout, SandboxPaths
 from hangar.privileged import protocol as P
+
+if TYPE_CHECKING:
+    from hangar.net import NetworkManager
 
 log = logging.getLogger("hangar.privileged")
 
@@ -59,12 +65,13 @@ class Helper:
     ``owner_uid`` the unprivileged server's uid, which owns the sandbox folders."""
 
     def __init__(self, layout: Layout, confine: Confinement, owner_uid: int,
-                 qemu: str | None) -> None:
+                 qemu: str | None, net: "NetworkManager | None" = None) -> None:
         self.layout = layout
         self.confine = confine
         self.confine.owner_uid = owner_uid
         self.owner_uid = owner_uid
         self.qemu = qemu
+        self.net = net
         self.procs = VMMProcesses()
         self.plans: dict[str, tuple[Plan, list[str] | None]] = {}
         self.ranges = [(confine.config.uid_base, confine.config.uid_base
@@ -106,11 +113,14 @@ class Helper:
     def prepare_vmm(self, req: P.PrepareVmm, fds: list[int]) -> Any:
         d = self.folder(req.sandbox_id)
         paths = SandboxPaths(d)
+        if req.tap is not None and (self.net is None or self.net.tap_of(req.sandbox_id)
+                                    != req.tap):
+            raise Refused(f"{req.tap} is not the TAP of {req.sandbox_id}")
         plan = self.confine.prepare(
             req.sandbox_id, paths, vcpus=req.vcpus, memory_mib=req.memory_mib, accel=req.accel,
             tcg_cache_mib=req.tcg_cache_mib, reads=[self.image_dir(r) for r in req.reads],
             owned=[d / n for n in req.owned], file_limit=req.file_limit,
-            host_network=req.host_network)
+            host_network=req.host_network, tap=req.tap)
         if req.view_fds and plan.root is not None:
             plan.binds.append(("/proc/self/fd", req.view_fds, False))
         plan.umask = 0  # its sockets: reachable by the server, in a folder only it and the VMM enter
@@ -162,6 +172,36 @@ class Helper:
         return None if usage is None else {"host_mib": usage.host_mib,
                                            "host_rss_mib": usage.host_rss_mib}
 
+    def _net(self) -> "NetworkManager":
+        if self.net is None:
+            raise Refused("guest networking is off (HANGAR_NETWORK)")
+        return self.net
+
+    def net_info(self, req: P.NetInfo, fds: list[int]) -> Any:
+        ok, reason = self._net().available()
+        return {"ok": ok, "reason": reason}
+
+    def net_start(self, req: P.NetStart, fds: list[int]) -> Any:
+        self._net().start()
+
+    def net_attach(self, req: P.NetAttach, fds: list[int]) -> Any:
+        from dataclasses import asdict
+
+        got = self._net().attach(req.sandbox_id, dict(req.policy))
+        return None if got is None else asdict(got)
+
+    def net_release(self, req: P.NetRelease, fds: list[int]) -> Any:
+        self._net().release(req.sandbox_id)
+
+    def net_sweep(self, req: P.NetSweep, fds: list[int]) -> Any:
+        return self._net().sweep(req.live_ids)
+
+    def net_teardown(self, req: P.NetTeardown, fds: list[int]) -> Any:
+        self._net().teardown()
+
+    def net_leases(self, req: P.NetLeases, fds: list[int]) -> Any:
+        return self._net().leases()
+
     # -- the loop -----------------------------------------------------------------------
 
     def answer(self, data: bytes, fds: list[int]) -> dict[str, Any]:
@@ -178,6 +218,8 @@ class Helper:
                 return {"ok": False, "error": f"refused: {exc}"}
             except OSError as exc:
                 return {"ok": False, "error": f"{req.op}: {exc}"}
+            except HangarError as exc:  # e.g. a policy the network cannot enforce
+                return {"ok": False, "error": exc.message, "status": exc.status}
             except Exception as exc:  # noqa: BLE001 - a bug answers, the helper lives on
                 log.exception("privileged request %s failed", req.op)
                 return {"ok": False, "error": f"{req.op}: {type(exc).__name__}"}
@@ -222,14 +264,15 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def run(sock: socket.socket, layout: Layout, confine: Confinement, owner_uid: int) -> None:
+def run(sock: socket.socket, layout: Layout, confine: Confinement, owner_uid: int,
+        net: "NetworkManager | None" = None) -> None:
     """The helper's whole life (in the forked child); never returns."""
     from hangar.engines.qemu.probe import QEMU
 
     code = 0
     try:
         process.become_subreaper()
-        Helper(layout, confine, owner_uid, shutil.which(QEMU)).serve(sock)
+        Helper(layout, confine, owner_uid, shutil.which(QEMU), net).serve(sock)
     except BaseException:  # noqa: BLE001 - the helper must end, whatever happened
         log.exception("privileged helper failed")
         code = 1

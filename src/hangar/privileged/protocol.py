@@ -18,6 +18,9 @@ network input.
 | ``kill_vmm`` | SIGKILL to a process whose real uid is a VMM uid |
 | ``release_vmm`` | removes a sandbox's cgroup and drops its uid claim |
 | ``vmm_memory`` | a VMM's ``Pss``/``Rss`` (another uid's ``/proc/PID/smaps_rollup``) |
+| ``net_info``, ``net_start`` | whether TAP networking works; the bridge, sysctls and base nftables rules |
+| ``net_attach``, ``net_release`` | a sandbox's TAP, address and nftables rules (its policy parsed by ``Policy``), and their removal |
+| ``net_sweep``, ``net_teardown``, ``net_leases`` | TAPs of sandboxes not live; everything; the leases |
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class PrepareVmm(_Strict):
     host_network: bool = False
     view_fds: str | None = Field(default=None, max_length=256, pattern=r"^/")
     """Bind the VMM's own ``/proc/self/fd`` at this path of its view (a template's memfd)."""
+    tap: Name | None = None
+    """The sandbox's TAP (``net_attach`` made it): handed to the VMM open."""
 
 
 class SpawnVmm(_Strict):
@@ -87,7 +92,43 @@ class VmmMemory(_Strict):
     pid: int = Field(gt=1, lt=1 << 22)
 
 
-Request = Annotated[Union[Ping, PrepareVmm, SpawnVmm, KillVmm, ReleaseVmm, VmmMemory],
+class NetInfo(_Strict):
+    op: Literal["net_info"]
+
+
+class NetStart(_Strict):
+    op: Literal["net_start"]
+
+
+class NetAttach(_Strict):
+    """``NetworkManager.attach``; ``policy`` is parsed by ``hangar.net.Policy`` there."""
+
+    op: Literal["net_attach"]
+    sandbox_id: SandboxId
+    policy: dict[str, Union[str, list[Annotated[str, Field(max_length=64)]]]] = Field(
+        max_length=4)
+
+
+class NetRelease(_Strict):
+    op: Literal["net_release"]
+    sandbox_id: SandboxId
+
+
+class NetSweep(_Strict):
+    op: Literal["net_sweep"]
+    live_ids: list[SandboxId] = Field(max_length=2048)
+
+
+class NetTeardown(_Strict):
+    op: Literal["net_teardown"]
+
+
+class NetLeases(_Strict):
+    op: Literal["net_leases"]
+
+
+Request = Annotated[Union[Ping, PrepareVmm, SpawnVmm, KillVmm, ReleaseVmm, VmmMemory, NetInfo,
+                          NetStart, NetAttach, NetRelease, NetSweep, NetTeardown, NetLeases],
                     Field(discriminator="op")]
 REQUEST = TypeAdapter(Request)
 """Parses one request from JSON bytes (``REQUEST.validate_json``); raises ValidationError."""

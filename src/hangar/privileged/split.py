@@ -6,8 +6,8 @@ and before uvicorn parses a byte from the network:
 1. a ``SOCK_SEQPACKET`` socketpair, then ``fork``: the child keeps root and
    runs ``helper.run`` on its end (it closes the other);
 2. the parent gives the data directory to ``user`` (every file and folder
-   but ``images/`` and ``bin/``, which stay root's and readable), since the
-   server writes its store, keys and sandbox folders itself;
+   but the images' files and ``bin/``, which stay root's and readable), since
+   the server writes its store, keys, sandbox folders and template snapshots;
 3. it drops to ``user``: ``setgroups([])``, ``setresgid``, ``setresuid``
    (which clears every capability), ``PR_SET_NO_NEW_PRIVS``; and installs
    the helper's ``Client`` (``hangar.privileged.current``).
@@ -22,11 +22,15 @@ import os
 import pwd
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hangar.engines.confine import Confinement
 from hangar.errors import ConfigError
 from hangar.layout import Layout
 from hangar.privileged.client import Client, install
+
+if TYPE_CHECKING:
+    from hangar.net import NetworkManager
 
 PR_SET_NO_NEW_PRIVS = 38
 KEEP_ROOTS = ("images", "bin")
@@ -41,12 +45,26 @@ def _give(root: Path, uid: int, gid: int) -> None:
             os.chown(name, uid, gid, dir_fd=dirfd, follow_symlinks=False)
 
 
+def _give_images(images: Path, uid: int, gid: int) -> None:
+    """The folders of ``images`` (the server adds template snapshots and their folders)
+    and the files of its template snapshots to ``uid:gid``; an image's own files stay
+    root's (read-only to the server). A linked ``images`` is left alone."""
+    for dirpath, dirnames, filenames, dirfd in os.fwalk(images):
+        os.chown(dirfd, uid, gid)
+        if "template-snapshots" in Path(dirpath).relative_to(images).parts:
+            for name in filenames:
+                os.chown(name, uid, gid, dir_fd=dirfd, follow_symlinks=False)
+
+
 def hand_over(layout: Layout, uid: int, gid: int) -> None:
-    """Give the data directory to ``uid:gid`` but for ``KEEP_ROOTS``."""
+    """Give the data directory to ``uid:gid`` but for ``KEEP_ROOTS`` (of ``images``, only
+    what the server writes: ``_give_images``)."""
     root = layout.root
     os.chown(root, uid, gid, follow_symlinks=False)
     os.chmod(root, 0o700)
     for entry in os.scandir(root):
+        if entry.name == "images" and entry.is_dir(follow_symlinks=False):
+            _give_images(Path(entry.path), uid, gid)
         if entry.name in KEEP_ROOTS:
             continue
         if entry.is_dir(follow_symlinks=False):
@@ -67,9 +85,11 @@ def drop(uid: int, gid: int) -> None:
         raise OSError("the server is still privileged")
 
 
-def split(layout: Layout, confine: Confinement, user: str) -> int:
+def split(layout: Layout, confine: Confinement, user: str,
+          net: "NetworkManager | None" = None) -> int:
     """Fork the helper and drop to ``user`` (see the module docstring); returns the
-    helper's pid. Raises ConfigError."""
+    helper's pid. ``confine`` and ``net`` (the guest network, or None) are the
+    helper's, made from the server's settings as root. Raises ConfigError."""
     if os.geteuid() != 0:
         raise ConfigError("HANGAR_PRIVSEP needs hangar serve to start as root")
     try:
@@ -85,7 +105,7 @@ def split(layout: Layout, confine: Confinement, user: str) -> int:
         ours.close()
         from hangar.privileged.helper import run
 
-        run(theirs, layout, confine, pw.pw_uid)  # never returns
+        run(theirs, layout, confine, pw.pw_uid, net)  # never returns
     theirs.close()
     hand_over(layout, pw.pw_uid, pw.pw_gid)
     drop(pw.pw_uid, pw.pw_gid)
