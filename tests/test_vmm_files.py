@@ -1,9 +1,10 @@
 """Root never follows a name a confined VMM can swap (``hangar.engines.safefs``).
 
 A sandbox folder is set up as for a confined VMM (``Confinement.prepare`` and
-``console_argv``, as root); then, as the VMM's own uid, its console log, its
-console folder and its disk are replaced by links to a host sentinel file and
-folder. Everything the server does as root with that folder afterwards (read
+``console_argv``, as root). As the VMM's own uid, it can write but neither
+remove nor swap its disk and console folder; it can swap its console log for
+a link to a host sentinel file (and a disk and console folder are swapped for
+links by hand, as an older layout allowed). Everything the server does as root with that folder afterwards (read
 the console for an error message, give the disk to the VMM again, copy the
 disk into a snapshot, write the pid file, remove the folder) leaves the
 sentinels as they were: same bytes, owner and mode.
@@ -36,10 +37,10 @@ def fingerprint(p: Path) -> tuple[str, int, int, int]:
     return hashlib.sha256(p.read_bytes()).hexdigest(), st.st_uid, st.st_gid, st.st_mode
 
 
-def as_vmm(uid: int, script: str) -> None:
+def as_vmm(uid: int, script: str, ok: bool = True) -> None:
     out = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                           "sh", "-ec", script], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    assert (out.returncode == 0) == ok, (script, out.stderr)
 
 
 @pytest.fixture
@@ -79,10 +80,18 @@ def test_links_the_vmm_makes_are_never_followed(tmp_path: Path) -> None:
     os.chown(paths.console_dir / "current", uid, uid)
     assert Engine.console_tail(paths) == "boot line"
 
-    # The VMM swaps what it owns for links to the host's files.
-    as_vmm(uid, f"cd {paths.dir}; rm -f console/current; ln -s {sentinel} console/current; "
-                f"rm -f disk.qcow2; ln -s {sentinel} disk.qcow2")
+    # Its disk and console folder are the server's, written through its group: the VMM can
+    # neither remove nor rename them (sticky folder).
+    assert paths.disk.stat().st_gid == uid and paths.disk.stat().st_mode & 0o777 == 0o660
+    as_vmm(uid, f"echo x >> {paths.disk}")
+    as_vmm(uid, f"cd {paths.dir}; rm -f disk.qcow2", ok=False)
+    as_vmm(uid, f"cd {paths.dir}; mv console console.old", ok=False)
+    # What multilog (as the VMM's uid) writes is its own: it swaps that for a link.
+    as_vmm(uid, f"cd {paths.dir}; rm -f console/current; ln -s {sentinel} console/current")
     assert Engine.console_tail(paths) == "no console output"
+    # A disk swapped all the same (an older layout gave the VMM its disk) is never followed.
+    paths.disk.unlink()
+    paths.disk.symlink_to(sentinel)
     assert process.tail(paths.disk) == ""
     with pytest.raises(OSError):
         confine.prepare("sb-links", paths, vcpus=1, memory_mib=64, accel="tcg", reads=[],
@@ -92,7 +101,8 @@ def test_links_the_vmm_makes_are_never_followed(tmp_path: Path) -> None:
     assert not (tmp_path / "snapshot-disk").exists()
 
     # Its console folder swapped for a link to a host folder: not given to the VMM.
-    as_vmm(uid, f"cd {paths.dir}; mv console console.old; ln -s {host} console")
+    paths.console_dir.rename(paths.dir / "console.old")
+    paths.console_dir.symlink_to(host)
     with pytest.raises(OSError):
         confine.console_argv(paths)
     assert Engine.console_tail(paths) == "no console output"

@@ -33,9 +33,13 @@ says which are on and why not (``hangar doctor`` prints it). Being root
 is the main one: without it the VMM already runs as the server's own
 (unprivileged) user, and cgroups and the view are off.
 
-The sandbox folder is ``root:<vmm gid>`` mode 1770 (sticky): the VMM may
-create its sockets there but may neither change nor remove the server's
-``vmm.pid`` and ``vmm.log``; its disk is ``<uid>:<gid>`` 0600.
+The sandbox folder is ``<owner>:<vmm gid>`` mode 1770 (sticky; the owner is
+root, or the server's user under a privileged helper: ``owner_uid``): the
+VMM may create its sockets there but may neither change nor remove the
+server's ``vmm.pid`` and ``vmm.log``; its disk (and a template's RAM file)
+is ``<owner>:<vmm gid>`` 0660 and its console folder ``<owner>:<vmm gid>``
+1770: it writes them through its group, and can neither remove nor swap
+them.
 """
 
 from __future__ import annotations
