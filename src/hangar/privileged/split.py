@@ -37,12 +37,22 @@ KEEP_ROOTS = ("images", "bin")
 """Top-level entries of the data directory that stay root's."""
 
 
+def _take(path: str | Path, uid: int, gid: int, dir_fd: int | None = None) -> None:
+    """What root owns of ``path`` (its user, its group) to ``uid`` and ``gid``; a VMM's
+    own files and the VMM's group of its folder, disk and console stay as they are."""
+    st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    new_uid = uid if st.st_uid == 0 else -1
+    new_gid = gid if st.st_gid == 0 else -1
+    if new_uid != -1 or new_gid != -1:
+        os.chown(path, new_uid, new_gid, dir_fd=dir_fd, follow_symlinks=False)
+
+
 def _give(root: Path, uid: int, gid: int) -> None:
-    """``root`` and everything below it (never through a link) to ``uid:gid``."""
-    os.chown(root, uid, gid, follow_symlinks=False)
+    """``root`` and everything below it (never through a link): ``_take``."""
+    _take(root, uid, gid)
     for dirpath, dirnames, filenames, dirfd in os.fwalk(root):
         for name in (*dirnames, *filenames):
-            os.chown(name, uid, gid, dir_fd=dirfd, follow_symlinks=False)
+            _take(name, uid, gid, dir_fd=dirfd)
 
 
 def _give_images(images: Path, uid: int, gid: int) -> None:
@@ -70,7 +80,7 @@ def hand_over(layout: Layout, uid: int, gid: int) -> None:
         if entry.is_dir(follow_symlinks=False):
             _give(Path(entry.path), uid, gid)
         else:
-            os.chown(entry.path, uid, gid, follow_symlinks=False)
+            _take(entry.path, uid, gid)
 
 
 def drop(uid: int, gid: int) -> None:
