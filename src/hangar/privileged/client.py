@@ -15,6 +15,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
 from hangar.errors import EngineError, InvalidRequest
 from hangar.privileged import protocol as P
 
@@ -41,7 +43,11 @@ class Client:
 
     def call(self, request: dict[str, Any], fds: Sequence[int] = ()) -> Any:
         """The result of ``request``; raises EngineError with the helper's message."""
-        P.REQUEST.validate_python(request)  # a bug here, not a refusal there
+        try:
+            P.REQUEST.validate_python(request)  # refused here already, not sent
+        except ValidationError as exc:
+            raise EngineError(f"privileged helper: bad request: {exc.errors()[0]['msg']}"
+                              ) from None
         data = json.dumps(request, separators=(",", ":")).encode()
         anc = ([(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
                if fds else [])
