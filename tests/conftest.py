@@ -190,7 +190,10 @@ def make_data_dir(base_image: Path, privsep: bool = PRIVSEP) -> Path:
     d = Path(tempfile.mkdtemp(prefix="hg-", dir="/tmp"))
     if privsep:  # the shared data dir is root's only: a hard-linked copy the server can read,
         # without the template snapshots (root's 0600 files; the server makes its own)
-        subprocess.run(["cp", "-al", str(base_image.parent), str(d / "images")], check=True)
+        # (other servers add and remove builds meanwhile: what vanished mid-copy is not needed)
+        subprocess.run(["cp", "-al", str(base_image.parent), str(d / "images")],
+                       capture_output=True)
+        assert (d / "images" / base_image.name / "rootfs.ext4").exists(), "image copy failed"
         for snaps in (d / "images").glob("*/template-snapshots"):
             shutil.rmtree(snaps)
     else:
