@@ -134,3 +134,35 @@ def test_the_helper_refuses_what_the_table_does_not_hold(tmp_path: Path) -> None
         os.fstat(r)
     os.close(w)
     socket.socketpair()  # (the real channel is a SOCK_SEQPACKET socketpair)
+
+
+def test_split_refuses_what_would_fail_later(base_image) -> None:  # noqa: ANN001
+    """No such user, or a Python the user cannot read: `hangar serve` exits at once with
+    the reason, before it listens."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    from conftest import SRC
+    from hangar.privileged.split import _reachable
+
+    d = make_data_dir(base_image, privsep=True)
+    try:
+        def serve(python: str, path: str, **env: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [python, "-m", "hangar.cli", "serve", "--port", str(free_port())],
+                capture_output=True, text=True, timeout=120,
+                env={**os.environ, "PYTHONPATH": path, "HANGAR_DATA_DIR": str(d),
+                     "HANGAR_PRIVSEP": "1", "HANGAR_NETWORK": "off", **env})
+
+        out = serve(sys.executable, str(SRC), HANGAR_USER="no-such-user-here")
+        assert out.returncode == 1 and "no user 'no-such-user-here'" in out.stderr, out.stderr
+        import pwd
+        pw = pwd.getpwnam("hangar")
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        if not _reachable(stdlib, pw.pw_uid, pw.pw_gid):  # this host's Python (under /root)
+            out = serve(sys.executable, str(SRC))
+            assert out.returncode == 1, out.stderr
+            assert f"cannot read {stdlib}" in out.stderr, out.stderr
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

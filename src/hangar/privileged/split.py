@@ -12,7 +12,8 @@ and before uvicorn parses a byte from the network:
    (which clears every capability), ``PR_SET_NO_NEW_PRIVS``; and installs
    the helper's ``Client`` (``hangar.privileged.current``).
 
-Raises ``ConfigError`` when not root or ``user`` does not exist.
+Raises ``ConfigError`` when not root, ``user`` does not exist, or it could not
+read the code the server still has to import (``check_code``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import ctypes
 import os
 import pwd
 import socket
+import stat
+import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -83,6 +86,35 @@ def hand_over(layout: Layout, uid: int, gid: int) -> None:
             _take(entry.path, uid, gid)
 
 
+def _reachable(path: Path, uid: int, gid: int) -> bool:
+    """Whether ``uid:gid`` (no other group) may enter every folder down to ``path`` and
+    read it, by the mode bits."""
+    for p in (*reversed(path.parents), path):
+        try:
+            st = os.stat(p)
+        except OSError:
+            return False
+        need = stat.S_IXUSR | stat.S_IRUSR if p == path else stat.S_IXUSR
+        shift = 0 if st.st_uid == uid else 3 if st.st_gid == gid else 6
+        if (st.st_mode << shift) & need != need:
+            return False
+    return True
+
+
+def check_code(uid: int, gid: int) -> None:
+    """Refuse (ConfigError) when ``uid`` could not import the rest of Hangar once
+    dropped: the standard library, the installed packages and Hangar itself."""
+    import hangar
+
+    paths = sysconfig.get_paths()
+    for where in (paths["stdlib"], paths["platstdlib"], paths["purelib"],
+                  Path(hangar.__file__).parent):
+        if Path(where).exists() and not _reachable(Path(where), uid, gid):
+            raise ConfigError(f"the server's user cannot read {where} (Python or Hangar "
+                              f"installed where only root can read it): install Hangar in a "
+                              f"virtual environment of a Python that user can read")
+
+
 def drop(uid: int, gid: int) -> None:
     """Become ``uid:gid`` for good, with no groups, capabilities or way back."""
     os.setgroups([])
@@ -109,6 +141,7 @@ def split(layout: Layout, confine: Confinement, user: str,
                           f"HANGAR_USER") from None
     if pw.pw_uid == 0:
         raise ConfigError(f"HANGAR_USER {user!r} is root")
+    check_code(pw.pw_uid, pw.pw_gid)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
