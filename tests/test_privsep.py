@@ -121,6 +121,9 @@ def test_the_helper_refuses_what_the_table_does_not_hold(tmp_path: Path) -> None
                                       [])["error"]
     spawn = (b'{"op": "spawn_vmm", "sandbox_id": "sb-x", "argv": ["/bin/sh", "-c", "id"]}')
     assert "only /usr/bin/qemu-system-x86_64" in h.answer(spawn, [])["error"]
+    no_seccomp = (b'{"op": "spawn_vmm", "sandbox_id": "sb-x", "argv": '
+                  b'["/usr/bin/qemu-system-x86_64", "-sandbox", "off"]}')
+    assert "runs with -sandbox on," in h.answer(no_seccomp, [])["error"]
     prep = (b'{"op": "prepare_vmm", "sandbox_id": "sb-none", "vcpus": 1, "memory_mib": 256,'
             b' "accel": "tcg", "tcg_cache_mib": 64, "reads": ["/etc"], "owned": []}')
     assert "no sandbox folder" in h.answer(prep, [])["error"]

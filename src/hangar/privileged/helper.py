@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from hangar.engines import memory, process
 from hangar.engines.confine import Confinement, Plan, release_folder
 from hangar.engines.process import VMMProcesses
+from hangar.engines.qemu.argv import SECCOMP
 from hangar.errors import HangarError
 from hangar.layout import Layout, SandboxPaths
 from hangar.privileged import protocol as P
@@ -131,6 +132,8 @@ class Helper:
     def spawn_vmm(self, req: P.SpawnVmm, fds: list[int]) -> Any:
         if self.qemu is None or req.argv[0] != self.qemu:
             raise Refused(f"only {self.qemu} is started")
+        if self.confine.seccomp and not _seccomp_on(req.argv):
+            raise Refused(f"a VMM runs with -sandbox {SECCOMP} only")
         if len(fds) != len(req.fds):
             raise Refused("the descriptors sent and named differ")
         d = self.folder(req.sandbox_id)
@@ -254,6 +257,13 @@ class Helper:
                 sock.send(out)
             except OSError:
                 return
+
+
+def _seccomp_on(argv: list[str]) -> bool:
+    """Whether QEMU's ``argv`` turns seccomp on as ``QemuCommand`` does, once, and never
+    off (a later ``-sandbox`` would win)."""
+    values = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-sandbox", "--sandbox")]
+    return values == [SECCOMP]
 
 
 def _is_open(fd: int) -> bool:
