@@ -43,6 +43,15 @@ for arg in "$@"; do
 done
 say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
+# The unprivileged user of the HTTP server under HANGAR_PRIVSEP=1 (docs/security.md,
+# class 9): a system user with no login and no home.
+ensure_hangar_user() {
+  if ! getent passwd hangar >/dev/null; then
+    useradd --system --user-group --no-create-home --home-dir /nonexistent \
+      --shell /usr/sbin/nologin hangar
+  fi
+}
+
 if [ "$(id -u)" != 0 ]; then
   echo "run as root: Hangar uses /dev/kvm, debootstrap and mkfs to build and boot guests" >&2
   exit 1
@@ -95,6 +104,8 @@ if [ ! -x .venv/bin/python ]; then
   say "creating the Python environment in .venv"
   "${PYTHON:-python3}" -m venv .venv
 fi
+ensure_hangar_user
+
 say "installing Hangar and the exact Python dependencies of requirements.lock"
 .venv/bin/pip install -q --disable-pip-version-check -r requirements.lock
 .venv/bin/pip install -q --disable-pip-version-check --no-deps -e .

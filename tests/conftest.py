@@ -118,6 +118,23 @@ def base_image() -> Path:
     return img.dir
 
 
+PRIVSEP = os.environ.get("HANGAR_TEST_PRIVSEP") == "1"
+"""Start every server split (``HANGAR_PRIVSEP=1``: its HTTP process runs as ``hangar``)."""
+
+
+def privsep_python() -> tuple[str, str]:
+    """An interpreter whose standard library the ``hangar`` user can read after the
+    split, and the PYTHONPATH it needs: this one when its prefix is readable by all,
+    else the system's ``python3`` of the same version with this one's site-packages
+    (a prefix under root's home is not)."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    if all(os.stat(p).st_mode & 0o005 == 0o005 for p in (stdlib, *stdlib.parents)):
+        return sys.executable, str(SRC)
+    return "/usr/bin/python3", f"{SRC}:{sysconfig.get_paths()['purelib']}"
+
+
 class Server:
     """A ``hangar serve`` subprocess and an httpx client for it."""
 
@@ -131,12 +148,16 @@ class Server:
         self.env = {**os.environ, "HANGAR_DATA_DIR": str(data_dir), "HANGAR_PORT": str(port),
                     "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "off", "PYTHONPATH": str(SRC),
                     **(extra_env or {})}
+        self.python = sys.executable
+        if PRIVSEP or self.env.get("HANGAR_PRIVSEP") == "1":
+            self.python, self.env["PYTHONPATH"] = privsep_python()
+            self.env["HANGAR_PRIVSEP"] = "1"
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data_dir / "server.log"
 
     def start(self, timeout: float = 60) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hangar.cli", "serve"], env=self.env,
+            [self.python, "-m", "hangar.cli", "serve"], env=self.env,
             stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -167,9 +188,18 @@ class Server:
                 self.proc.wait()
 
 
-def make_data_dir(base_image: Path) -> Path:
+def make_data_dir(base_image: Path, privsep: bool = PRIVSEP) -> Path:
     d = Path(tempfile.mkdtemp(prefix="hg-", dir="/tmp"))
-    (d / "images").symlink_to(base_image.parent)
+    if privsep:  # the shared data dir is root's only: a hard-linked copy the server can read,
+        # without the template snapshots (root's 0600 files; the server makes its own)
+        # (other servers add and remove builds meanwhile: what vanished mid-copy is not needed)
+        subprocess.run(["cp", "-al", str(base_image.parent), str(d / "images")],
+                       capture_output=True)
+        assert (d / "images" / base_image.name / "rootfs.ext4").exists(), "image copy failed"
+        for snaps in (d / "images").glob("*/template-snapshots"):
+            shutil.rmtree(snaps)
+    else:
+        (d / "images").symlink_to(base_image.parent)
     for name in ("engine-probe.json", "firecracker-probe.json"):
         if (SHARED / name).exists():
             shutil.copy(SHARED / name, d / name)

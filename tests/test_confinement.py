@@ -114,6 +114,10 @@ def test_vmm_runs_confined(srv: Server, api: httpx.Client, sid: str) -> None:
     assert st["Seccomp"] == "2"
     assert st["NoNewPrivs"] == "1"
     assert st["Groups"] == ""
+    # Its own pid namespace, in which it is pid 1: no host process is in its sight.
+    assert st["NSpid"].split() == [str(pid), "1"], st["NSpid"]
+    assert os.readlink(f"/proc/{pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
+    assert (srv.data_dir / "sandboxes" / sid / "vmm.pid").read_text().strip() == str(pid)
 
     accel = api.get(f"/sandboxes/{sid}").json().get("accel", "tcg")
     # The server's default translation buffer (HANGAR_TCG_TB_MIB) counts under TCG.
@@ -150,7 +154,9 @@ def test_vmm_runs_confined(srv: Server, api: httpx.Client, sid: str) -> None:
                              "cat", str(key)], capture_output=True, text=True)
     assert inside.returncode != 0 and "No such file" in inside.stderr, inside
     seen = sorted(os.listdir(f"/proc/{pid}/root{srv.data_dir}"))
-    assert seen == ["sandboxes"], seen  # (images: bound at their resolved path)
+    # (images: bound at their resolved path, inside the data dir only if they are there)
+    inside = (srv.data_dir / "images").resolve().is_relative_to(srv.data_dir.resolve())
+    assert seen == (["images", "sandboxes"] if inside else ["sandboxes"]), seen
     assert os.listdir(f"/proc/{pid}/root{srv.data_dir}/sandboxes") == [sid]
     assert set(os.listdir(f"/proc/{pid}/root/dev")) <= {"null", "random", "urandom", "zero", "kvm"}
     for ns in ("mnt", "net", "ipc"):  # no NIC here: not even the host's network

@@ -367,7 +367,7 @@ def test_api_faults_carry_firecrackers_message(fc_bins, work: Path) -> None:  # 
 
 
 def test_boot_pause_resume_stop(fc_bins, image, work: Path) -> None:  # noqa: ANN001
-    engine = FirecrackerEngine(fc_bins["firecracker"])
+    engine = FirecrackerEngine(fc_bins["firecracker"], unjailed=True)
     spec = spec_for(image, work)
 
     async def go() -> None:
@@ -416,7 +416,7 @@ def test_boot_pause_resume_stop(fc_bins, image, work: Path) -> None:  # noqa: AN
 def test_connect_agent_handshake_times_out_without_a_guest(fc_bins, image,  # noqa: ANN001
                                                             work: Path) -> None:
     """Here no guest runs: CONNECT 52 gets no OK and connect_agent ends with Timeout."""
-    engine = FirecrackerEngine(fc_bins["firecracker"])
+    engine = FirecrackerEngine(fc_bins["firecracker"], unjailed=True)
     spec = spec_for(image, work)
 
     async def go() -> None:
@@ -434,7 +434,7 @@ def test_connect_agent_handshake_times_out_without_a_guest(fc_bins, image,  # no
 
 
 def test_snapshot_and_restore(fc_bins, image, work: Path) -> None:  # noqa: ANN001
-    engine = FirecrackerEngine(fc_bins["firecracker"])
+    engine = FirecrackerEngine(fc_bins["firecracker"], unjailed=True)
     spec = spec_for(image, work)
     dest = work / "snap"
 
@@ -490,7 +490,7 @@ def test_snapshot_and_restore(fc_bins, image, work: Path) -> None:  # noqa: ANN0
 
 
 def test_diff_snapshot_equals_a_full_one(fc_bins, image, work: Path) -> None:  # noqa: ANN001
-    engine = FirecrackerEngine(fc_bins["firecracker"])
+    engine = FirecrackerEngine(fc_bins["firecracker"], unjailed=True)
     spec = spec_for(image, work)
 
     async def go() -> None:
@@ -527,7 +527,7 @@ def test_diff_snapshot_equals_a_full_one(fc_bins, image, work: Path) -> None:  #
 
 
 def test_failures_leave_nothing_behind(fc_bins, image, work: Path) -> None:  # noqa: ANN001
-    engine = FirecrackerEngine(fc_bins["firecracker"])
+    engine = FirecrackerEngine(fc_bins["firecracker"], unjailed=True)
 
     async def go() -> None:
         # Firecracker refuses the machine config: its fault message comes through.
@@ -569,7 +569,7 @@ def test_failures_leave_nothing_behind(fc_bins, image, work: Path) -> None:  # n
 def test_failed_start_reports_the_vmm_error(fc_bins, image, work: Path,  # noqa: ANN001
                                             ) -> None:
     """A VMM that exits at start (here: its log file is a directory) fails boot cleanly."""
-    engine = FirecrackerEngine(fc_bins["firecracker"])
+    engine = FirecrackerEngine(fc_bins["firecracker"], unjailed=True)
     spec = spec_for(image, work)
     orig = engine._prepare
 
@@ -601,11 +601,14 @@ def test_jailer(fc_bins, image, work: Path) -> None:  # noqa: ANN001
         vm2 = None
         try:
             files = engine.files_of(vm)
-            uid = config.uid_for(files.vm_id)
+            uid = int(vm.extra["uid"])
+            assert config.allocator().lookup(spec.paths.dir) == uid
             root = spec.paths.dir / "firecracker" / files.vm_id / "root"
             assert files.root == root and root.is_dir()
             st = proc_status(vm.pid)
             assert st["Uid"].split() == [str(uid)] * 4 and st["Gid"].split() == [str(uid)] * 4
+            assert st["NSpid"].split() == [str(vm.pid), "1"]  # --new-pid-ns: its own
+            assert (spec.paths.pid_file).read_text().strip() == str(vm.pid)
             # pivot_root in its own mount namespace: its / is the jail's root
             assert os.readlink(f"/proc/{vm.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
             seen = set(os.listdir(f"/proc/{vm.pid}/root"))
@@ -766,7 +769,7 @@ def test_agent_over_vsock_exec_snapshot_restore(fc_bins, image, work: Path,  # n
                                                 guest_runs) -> None:
     if not guest_runs[0]:
         pytest.skip(f"no guest runs under Firecracker on this host: {guest_runs[1]}")
-    engine = FirecrackerEngine(fc_bins["firecracker"])
+    engine = FirecrackerEngine(fc_bins["firecracker"], unjailed=True)
     spec = spec_for(image, work)
 
     async def go() -> None:

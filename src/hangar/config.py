@@ -42,6 +42,11 @@ class Settings(BaseSettings):
     firecracker_jailer: Literal["auto", "on", "off"] = Field(
         "auto", description="Run Firecracker VMMs under its jailer: auto when Hangar is root "
                             "and the jailer is found; on requires it.")
+    privsep: bool = Field(
+        False, description="Started as root, fork a small privileged helper and run the "
+                           "HTTP server as HANGAR_USER (docs/security.md, class 9).")
+    user: str = Field("hangar", max_length=32,
+                      description="The unprivileged user of the server under HANGAR_PRIVSEP.")
     vmm_confine: bool = Field(
         True, description="Confine QEMU VMMs (own uid, cgroup, mount namespace, seccomp); "
                           "see hangar.engines.confine and docs/security.md.")

@@ -6,12 +6,35 @@ put the node's settings in the environment.
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from hangar.cli.common import DataDir, build_recipe, err, fail, server_settings
-from hangar.errors import HangarError
+from hangar.errors import ConfigError, HangarError
+
+if TYPE_CHECKING:
+    from hangar.config import Settings
+    from hangar.layout import Layout
+
+
+def split_privileges(settings: "Settings", layout: "Layout") -> None:
+    """With ``HANGAR_PRIVSEP`` (as root): fork the privileged helper and drop this process
+    to ``HANGAR_USER`` before uvicorn reads a byte (``hangar.privileged.split``). Exits
+    with the reason when that cannot be done."""
+    if not settings.privsep:
+        return
+    from hangar.engines.confine import Confinement, config_from
+    from hangar.privileged.split import split
+
+    from hangar.core.launch import network_manager
+
+    try:
+        pid = split(layout, Confinement(config_from(settings)), settings.user,
+                    network_manager(settings))
+    except (HangarError, OSError) as exc:
+        fail(exc if isinstance(exc, HangarError) else ConfigError(f"privilege split: {exc}"))
+    err.print(f"privileged helper: pid {pid}; this server runs as {settings.user}")
 
 
 def serve(
@@ -46,6 +69,7 @@ def serve(
             resolve_image(layout, settings.default_image)
     except HangarError as exc:
         fail(exc)
+    split_privileges(settings, layout)
     where = f"unix:{settings.uds}" if settings.uds else f"http://{settings.host}:{settings.port}"
     err.print(f"Hangar on {where}  (API key in {layout.api_key_file})")
     where_kw: dict[str, object] = ({"uds": str(settings.uds)} if settings.uds

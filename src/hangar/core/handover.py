@@ -27,8 +27,6 @@ Both writers hold the sandbox's lock; neither touches anything outside this host
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +38,7 @@ from hangar.core.recovery import vmm_processes
 from hangar.core.removal import Removal
 from hangar.core.store import MachineRecord, SandboxRecord, SnapshotRecord
 from hangar.core.views import user_metadata
+from hangar.engines.process import kill_process
 
 log = logging.getLogger("hangar.handover")
 
@@ -218,8 +217,5 @@ class Handover:
         pids = {rt.vm.pid for sid in ctx.registry.ids() if (rt := ctx.registry.get(sid))}
         pids |= {pid for pid, _ in vmm_processes(ctx.layout.sandboxes)}
         for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_process(pid)  # through the privileged helper under a privilege split
         return len(pids)

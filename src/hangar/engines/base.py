@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hangar.engines import process
+from hangar.engines import process, safefs
 from hangar.engines.agent_client import AgentChannel, AgentClient
 from hangar.engines.memory import MemoryUsage, host_usage
 from hangar.engines.process import kill_process
@@ -121,8 +121,10 @@ class Engine(abc.ABC):
 
     @staticmethod
     def console_tail(paths: SandboxPaths, lines: int = 3) -> str:
-        """The guest console's last lines, for error messages."""
-        return process.tail(paths.serial_log, lines) or "no console output"
+        """The guest console's last lines, for error messages (read without following a
+        link the VMM may have put in its folder: ``hangar.engines.safefs``)."""
+        name = safefs.console_file(paths.dir)
+        return process.tail(paths.dir / name, lines, within=paths.dir) or "no console output"
 
     def vmm_error(self, vm: VM) -> str:
         """The VMM's last words (its log's tail), for error messages."""

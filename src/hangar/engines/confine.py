@@ -3,9 +3,13 @@
 A guest must be assumed hostile, and a VMM is the code it attacks first. So
 each QEMU runs (``QemuEngine``; Firecracker gets the same from its jailer):
 
-- **as its own unprivileged user**: uid = gid = ``uid_base`` + a hash of
-  the sandbox id modulo ``uid_count`` (so two sandboxes share one with
-  chance 1/``uid_count``), no supplementary groups, ``no_new_privs``;
+- **as its own unprivileged user**: uid = gid from ``uid_base`` +
+  ``[0, uid_count)``, claimed for its folder from a host-wide registry
+  (``hangar.engines.uids.UidAllocator``: never two live VMMs on one uid,
+  kept across a server restart), no supplementary groups, ``no_new_privs``;
+- **in its own pid namespace**, as its pid 1 (``vmm_exec`` forks into it): it
+  sees and can signal no process of the host; the server knows it by its
+  host pid, and reaps it as a child subreaper (``hangar.engines.process``);
 - **in its own cgroup** (``hangar.engines.cgroups``): memory = the guest's
   plus ``overhead_mib`` (plus the TCG translation cache under TCG), CPU =
   its vCPUs, pids = ``PIDS_MAX``;
@@ -29,13 +33,18 @@ says which are on and why not (``hangar doctor`` prints it). Being root
 is the main one: without it the VMM already runs as the server's own
 (unprivileged) user, and cgroups and the view are off.
 
-The sandbox folder is ``root:<vmm gid>`` mode 1770 (sticky): the VMM may
-create its sockets there but may neither change nor remove the server's
-``vmm.pid`` and ``vmm.log``; its disk is ``<uid>:<gid>`` 0600.
+The sandbox folder is ``<owner>:<vmm gid>`` mode 1770 (sticky; the owner is
+root, or the server's user under a privileged helper: ``owner_uid``): the
+VMM may create its sockets there but may neither change nor remove the
+server's ``vmm.pid`` and ``vmm.log``; its disk (and a template's RAM file)
+is ``<owner>:<vmm gid>`` 0660 and its console folder ``<owner>:<vmm gid>``
+1770: it writes them through its group, and can neither remove nor swap
+them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -43,13 +52,16 @@ import shutil
 import stat
 import sys
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from hangar import privileged
+from hangar.engines import safefs
 from hangar.engines.cgroups import Hierarchy, Limits, remove_dirs
+from hangar.engines.uids import DEFAULT_REGISTRY, UidAllocator
+from hangar.errors import HangarError
 from hangar.layout import SandboxPaths
 
 if TYPE_CHECKING:
@@ -80,6 +92,8 @@ TAP_FD = 3
 """The file descriptor under which a confined VMM gets its TAP device."""
 DEVICES = (("null", 1, 3), ("zero", 1, 5), ("random", 1, 8), ("urandom", 1, 9))
 KVM_DEVICE = ("kvm", 10, 232)
+ANY_UID = (1 << 31) - 1
+"""A range that holds every uid: releasing a folder's claim, whatever its VMM's range."""
 MERGED_USR = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
@@ -99,11 +113,13 @@ class Measure:
 class ConfineConfig:
     """What to apply. ``cgroups``: ``auto``, ``v2``, ``v1`` or ``off``;
     ``overhead_mib``: memory allowed beyond the guest's (MiB); ``console_log_bytes``:
-    the most a sandbox's console logs hold on disk (bytes; 0: no cap)."""
+    the most a sandbox's console logs hold on disk (bytes; 0: no cap); ``uid_registry``:
+    the host-wide folder of VMM uid claims (``hangar.engines.uids``)."""
 
     enabled: bool = True
     uid_base: int = 400_000
     uid_count: int = 65_536
+    uid_registry: Path = DEFAULT_REGISTRY
     cgroups: str = "auto"
     view: bool = True
     seccomp: bool = True
@@ -135,6 +151,12 @@ class Plan:
     own_network: bool = False
     netns: str | None = None
     tap: tuple[str, int] | None = None
+    pid_ns: bool = False
+    report_fd: int | None = None
+    umask: int | None = None
+    remote: str | None = None
+    """Made by the privileged helper for this sandbox id (``hangar.privileged``): the
+    helper starts the VMM with its own copy, this one only informs the caller."""
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, separators=(",", ":"))
@@ -175,6 +197,13 @@ class Confinement:
                     why = f"{why}, but {note}"
             self._cg_reason = why
         self.multilog = shutil.which("multilog")
+        self.uids = UidAllocator(c.uid_base, c.uid_count, c.uid_registry)
+        self.owner_uid = 0
+        """Who owns sandbox folders (and the VMM's disk and console folder, with the
+        VMM's group): root, or the unprivileged server's user under a privileged helper."""
+        self.helper = privileged.current()
+        if self.helper is not None:
+            self.root = True  # the helper is, and confines every VMM
 
     # -- what is on ---------------------------------------------------------------
 
@@ -214,7 +243,7 @@ class Confinement:
         else:
             cg = Measure("vmm cgroup", False, self._cg_reason)
         if self.view:
-            view = Measure("vmm view", True, "own mount, IPC and network namespaces; sees "
+            view = Measure("vmm view", True, "own mount, IPC, pid and network namespaces; sees "
                                              "/usr, its image and its sandbox folder only")
         elif not c.enabled:
             view = Measure("vmm view", False, off)
@@ -234,10 +263,10 @@ class Confinement:
 
     # -- per sandbox --------------------------------------------------------------
 
-    def uid_for(self, sandbox_id: str) -> int:
-        """The VMM's uid (= gid) of ``sandbox_id`` (see the module docstring)."""
-        c = self.config
-        return c.uid_base + zlib.crc32(sandbox_id.encode()) % c.uid_count
+    def uid_for(self, sandbox_id: str, folder: Path) -> int:
+        """The VMM's uid (= gid) of ``sandbox_id`` in ``folder``: the one the folder
+        holds, or a new claim (``UidAllocator.allocate``; raises OSError)."""
+        return self.uids.allocate(sandbox_id, folder)
 
     def limits(self, vcpus: int, memory_mib: int, accel: str,
                tcg_cache_mib: int = TCG_CACHE_MIB) -> Limits:
@@ -251,7 +280,8 @@ class Confinement:
                 accel: str, reads: list[Path], owned: list[Path],
                 tcg_cache_mib: int = TCG_CACHE_MIB,
                 file_limit: int | None = None, host_network: bool = False,
-                tap: str | None = None, netns: Path | None = None) -> Plan:
+                tap: str | None = None, netns: Path | None = None,
+                view_fds: str | None = None) -> Plan:
         """Make ``sandbox_id``'s cgroup and folder ready, and return its ``Plan``.
 
         ``reads``: folders the VMM reads (its image), bound read-only at their
@@ -261,8 +291,24 @@ class Confinement:
         otherwise it gets one of its own with nothing in it; ``tap``: its TAP
         device, handed to it open as ``TAP_FD`` when it runs as its own user
         (``tap_fd`` tells); ``netns``: a network namespace to start it in
-        (where its TAP is). Raises OSError (a cgroup or a file could not be set up).
+        (where its TAP is); ``view_fds``: bind the VMM's own ``/proc/self/fd`` there in
+        its view (a descriptor passed to it is then opened by that path). Under a
+        privileged helper (``hangar.privileged``) the helper does all of it and keeps
+        the plan; the one returned only tells ``uid`` and ``root``. Raises OSError (a
+        cgroup or a file could not be set up; EngineError from the helper).
         """
+        if self.helper is not None:
+            if netns:
+                raise OSError("a VMM network namespace is not routed through the privileged "
+                              "helper")
+            got = self.helper.call({
+                "op": "prepare_vmm", "sandbox_id": sandbox_id, "vcpus": vcpus,
+                "memory_mib": memory_mib, "accel": accel, "tcg_cache_mib": tcg_cache_mib,
+                "reads": [str(d) for d in reads],
+                "owned": [str(f.relative_to(paths.dir)) for f in owned],
+                "file_limit": file_limit, "host_network": host_network, "view_fds": view_fds,
+                "tap": tap})
+            return Plan(uid=got["uid"], gid=got["uid"], root=got["root"], remote=sandbox_id)
         plan = Plan(cwd=str(paths.dir), netns=str(netns) if netns else None)
         if file_limit:
             plan.rlimits["FSIZE"] = file_limit
@@ -273,15 +319,14 @@ class Confinement:
             paths.cgroup_file.write_text("".join(f"{d}\n" for d in group.dirs))
         if not self.user:
             return plan
-        uid = self.uid_for(sandbox_id)
+        uid = self.uid_for(sandbox_id, paths.dir)
         plan.uid = plan.gid = uid
+        plan.pid_ns = True
         if tap:
             plan.tap = (tap, TAP_FD)
-        os.chown(paths.dir, 0, uid)
-        os.chmod(paths.dir, 0o1770)
-        for f in owned:
-            os.chown(f, uid, uid)
-            os.chmod(f, 0o600)
+        safefs.own_folder(paths.dir, self.owner_uid, uid, 0o1770)
+        for f in owned:  # through descriptors: a link put in a file's place is refused
+            safefs.own(paths.dir, f.relative_to(paths.dir), self.owner_uid, uid, 0o660)
         if self.view:
             root = paths.view_root
             root.mkdir(mode=0o755, exist_ok=True)
@@ -296,6 +341,8 @@ class Confinement:
             plan.binds.append((str(paths.dir), str(paths.dir.absolute()), True))
             plan.symlinks = [(p, os.readlink(p)) for p in MERGED_USR if os.path.islink(p)]
             plan.devices = [*DEVICES, *([KVM_DEVICE] if accel == "kvm" else [])]
+            if view_fds:
+                plan.binds.append(("/proc/self/fd", view_fds, False))
         elif accel == "kvm":
             plan.groups = _kvm_group()
         return plan
@@ -310,15 +357,16 @@ class Confinement:
         Makes ``console/`` (the VMM's own when confined) and points
         ``serial.log`` at ``console/current``.
         """
-        if not self.console_cap:
+        if not self.console_cap or self.helper is not None:  # the helper makes its own
             return None
         assert self.multilog is not None
         total = self.config.console_log_bytes
         size = min(max(total // 4, 4096), 16_777_215)
         paths.console_dir.mkdir(mode=0o750, exist_ok=True)
         if self.user:
-            uid = self.uid_for(paths.dir.name)
-            os.chown(paths.console_dir, uid, uid)
+            uid = self.uid_for(paths.dir.name, paths.dir)
+            safefs.own(paths.dir, paths.console_dir.name, self.owner_uid, uid, 0o1770,
+                       directory=True)
         try:
             paths.serial_log.symlink_to(paths.console_current.relative_to(paths.dir))
         except FileExistsError:
@@ -326,18 +374,37 @@ class Confinement:
         return [self.multilog, f"s{size}", "n3", str(paths.console_dir)]
 
     async def release(self, paths: SandboxPaths) -> None:
-        """Remove the sandbox's cgroup once its VMM is gone (never raises)."""
+        """Remove the sandbox's cgroup and drop its uid claim once its VMM is gone
+        (never raises)."""
+        if self.helper is not None:
+            try:
+                await asyncio.to_thread(self.helper.call, {"op": "release_vmm",
+                                                           "sandbox_id": paths.dir.name})
+            except HangarError as exc:
+                log.warning("%s", exc.message)
+            return
         try:
             dirs = [Path(line) for line in paths.cgroup_file.read_text().split()]
         except OSError:
-            return
+            dirs = []
         await remove_dirs(dirs)
+        if self.user:
+            self.uids.release(paths.dir)
 
 
 def release_folder(paths: SandboxPaths, wait: float = 1.0) -> None:
     """Remove the cgroup that ``paths``' ``vmm.cgroup`` names, waiting up to ``wait``
     seconds for a just-killed VMM to leave it; for callers that cannot await (the
-    start-up sweep). Never raises."""
+    start-up sweep), and drop the folder's VMM uid claim. Never raises."""
+    helper = privileged.current()
+    if helper is not None:
+        try:
+            helper.call({"op": "release_vmm", "sandbox_id": paths.dir.name})
+        except HangarError as exc:
+            log.warning("%s", exc.message)
+        return
+    if os.geteuid() == 0:
+        UidAllocator(1, ANY_UID).release(paths.dir)  # QEMU's or a jailed Firecracker's
     try:
         dirs = [Path(line) for line in paths.cgroup_file.read_text().split()]
     except OSError:

@@ -45,6 +45,7 @@ from hangar.engines.base import Engine
 from hangar.engines.confine import ConfineConfig, Confinement, Measure
 from hangar.engines.firecracker import (
     PROBE_TIMEOUT_S,
+    UNJAILED_REFUSED,
     FirecrackerEngine,
     JailerConfig,
     binary_version,
@@ -176,9 +177,11 @@ def jailer_choice(wanted: bool | str) -> tuple[Path | None, str]:
     problem = ("Hangar is not root" if os.geteuid() != 0 else
                "no jailer found; run scripts/fetch-firecracker.sh" if jb is None else None)
     if problem is None:
-        return jb, f"{jb}: own uid, chroot, cgroup limits per VMM"
+        return jb, f"{jb}: own uid, own pid namespace, chroot, cgroup limits per VMM"
     if wanted in (True, "on"):
         raise EngineError(f"the jailer is required (HANGAR_FIRECRACKER_JAILER=on) but {problem}")
+    if os.geteuid() == 0:  # auto, as root, without a jailer: never a root VMM unasked
+        raise EngineError(f"{problem}: {UNJAILED_REFUSED}")
     return None, problem
 
 
@@ -306,14 +309,26 @@ def choose_engine(kind: str, layout: Layout, image: "GuestImage", *, accel: str 
             if isinstance(jailer, JailerConfig):
                 config = jailer
             else:
-                jb, why = jailer_choice(jailer)
+                try:
+                    jb, why = jailer_choice(jailer)
+                except EngineError as exc:
+                    if kind == "firecracker":
+                        raise
+                    log.warning("engine auto: QEMU, since Firecracker cannot run confined: "
+                                "%s", exc.message)
+                    return _qemu(layout, image, accel, confine, tuning)
                 if jb is not None:
                     c = confine or ConfineConfig()
                     config = JailerConfig(jb, cgroups=c.cgroups if c.enabled else "off")  # type: ignore[arg-type]
                 else:
                     log.warning("Firecracker runs without its jailer: %s", why)
             return FirecrackerEngine(fc, jailer=config, console_log_bytes=(
-                confine or ConfineConfig()).console_log_bytes)
+                confine or ConfineConfig()).console_log_bytes, unjailed=config is None)
+    return _qemu(layout, image, accel, confine, tuning)
+
+
+def _qemu(layout: Layout, image: "GuestImage", accel: str, confine: ConfineConfig | None,
+          tuning: "MemoryTuning | None") -> Engine:
     from hangar.engines.qemu import QemuEngine, choose_accel
 
     chosen, reason = choose_accel(layout, image.kernel, image.initrd, accel)

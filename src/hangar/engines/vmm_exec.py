@@ -16,7 +16,11 @@ stderr, which is the sandbox's ``vmm.log``, and exits 126):
    that network namespace (a path such as ``/run/netns/NAME``). ``tap``: open the
    existing TAP device (of the network namespace it was started in) as
    the given file descriptor, since the VMM may not open ``/dev/net/tun``.
-3. ``view``: new mount and IPC namespaces (and, with ``own_network``, a
+3. ``pidns`` (with ``pid_ns``): a new pid namespace, then ``fork``: the
+   child is its pid 1 and goes on; this process writes the child's pid (as
+   the host sees it) and a newline to ``report_fd`` and exits 0. The VMM
+   then sees no process of the host, and cannot signal any.
+4. ``view``: new mount and IPC namespaces (and, with ``own_network``, a
    network namespace holding only a loopback that is down: a VMM whose NIC
    is a TAP it was handed, or that has none, needs no network of the
    host's), the mount namespace's root an empty tmpfs mounted on
@@ -26,17 +30,20 @@ stderr, which is the sandbox's ``vmm.log``, and exits 126):
    ``/dev/kvm``); then ``pivot_root`` into it and the old root detached, and
    the tmpfs made read-only. Paths keep their host names, so the VMM's argv
    is the same with or without a view.
-4. ``user``: no supplementary groups but ``groups``, then ``gid`` and
+5. ``user``: no supplementary groups but ``groups``, then ``gid`` and
    ``uid`` (real, effective and saved), and ``PR_SET_NO_NEW_PRIVS``.
-5. ``exec``: ``cwd``, then ``execv`` of the argv after ``--`` (it keeps the
-   pid, so the VMM's pid is the one the server started).
+6. ``exec``: ``cwd``, then ``execv`` of the argv after ``--`` (it keeps the
+   pid: without ``pid_ns`` the VMM's pid is the one the server started,
+   with it the one written to ``report_fd``).
 
 The plan (``hangar.engines.confine.Plan.to_json``) has the keys ``cgroups``
 (list of directories), ``rlimits`` (``{"FSIZE": bytes}``), ``root`` (a
 directory, or null for no view), ``binds`` (``[src, dst, writable]``),
 ``symlinks`` (``[path, target]``), ``devices`` (``[name, major, minor]``),
 ``own_network`` (bool), ``netns`` (a path or null), ``tap`` (``[device, fd]`` or null),
-``uid``, ``gid``, ``groups`` (null: keep the caller's identity) and ``cwd``.
+``uid``, ``gid``, ``groups`` (null: keep the caller's identity), ``cwd``,
+``pid_ns`` (bool), ``report_fd`` (a file descriptor number, with ``pid_ns``) and
+``umask`` (the VMM's, or null: keep it).
 """
 
 import ctypes
@@ -52,6 +59,7 @@ import sys
 CLONE_NEWNS = 0x00020000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWPID = 0x20000000
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
@@ -190,6 +198,20 @@ def make_view(plan: dict) -> None:
     os.umask(umask)
 
 
+def new_pid_namespace(report_fd: int) -> None:
+    """Fork into a new pid namespace; only the child (its pid 1) returns. The parent
+    reports the child's host pid on ``report_fd`` and exits."""
+    _check(_libc.unshare(CLONE_NEWPID), "pidns: unshare")
+    pid = os.fork()
+    if pid == 0:
+        os.close(report_fd)
+        return
+    try:
+        os.write(report_fd, f"{pid}\n".encode())
+    finally:
+        os._exit(0)
+
+
 def drop_user(plan: dict) -> None:
     uid, gid = plan.get("uid"), plan.get("gid")
     if uid is not None:
@@ -211,9 +233,13 @@ def run(plan: dict, argv: list[str]) -> None:
         enter_netns(plan["netns"])
     if plan.get("tap"):
         open_tap(plan["tap"][0], int(plan["tap"][1]))
+    if plan.get("pid_ns"):  # before the view, whose /proc/self binds must be the VMM's
+        new_pid_namespace(int(plan["report_fd"]))
     if plan.get("root"):
         make_view(plan)
     drop_user(plan)
+    if plan.get("umask") is not None:
+        os.umask(int(plan["umask"]))
     try:
         os.chdir(plan.get("cwd") or "/")
     except OSError as exc:

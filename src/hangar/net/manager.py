@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from hangar import privileged
 from hangar.errors import EngineError, InvalidRequest
 from hangar.net import nft as N
 from hangar.net.attachment import NetAttachment
@@ -169,6 +170,9 @@ class NetworkManager:
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.RLock()
         self._started = False
+        self._helper = privileged.current() if os.geteuid() != 0 else None
+        """Under a privilege split (``hangar.privileged``) the root helper holds the
+        real manager: this one checks policies and forwards the rest."""
 
     # -- capability ----------------------------------------------------------
 
@@ -178,6 +182,9 @@ class NetworkManager:
         Needs CAP_NET_ADMIN (root), /dev/net/tun, the ``nft`` command,
         pyroute2, and, when one is named, the network namespace and ``nsenter``.
         """
+        if self._helper is not None:
+            got = self._helper.call({"op": "net_info"})
+            return bool(got["ok"]), str(got["reason"])
         if not _has_net_admin():
             return False, "TAP networking needs root (CAP_NET_ADMIN)"
         try:
@@ -269,6 +276,10 @@ class NetworkManager:
         with self._lock:
             if self._started or self.mode != "tap":
                 return
+            if self._helper is not None:
+                self._helper.call({"op": "net_start"})
+                self._started = True
+                return
             ok, reason = self.available()
             if not ok:
                 raise EngineError(f"TAP networking is unavailable: {reason}")
@@ -288,6 +299,9 @@ class NetworkManager:
         """Refuse every guest's TCP to ``endpoints`` ((IPv4, port) pairs: a cluster's etcd
         and node APIs) under any policy: the ``control`` set (``hangar.net.nft``), replaced
         in one transaction. Nothing to do unless guests use TAP networking."""
+        if self._helper is not None:
+            self._helper.call({"op": "net_guard", "endpoints": [list(e) for e in endpoints]})
+            return
         with self._lock:
             if self.mode != "tap":
                 return
@@ -386,6 +400,10 @@ class NetworkManager:
         if self.mode == "user":
             ip, prefix, gw, dns = USER_NET
             return NetAttachment(sandbox_id, "user", None, mac, ip, prefix, gw, dns, pol.egress)
+        if self._helper is not None:
+            got = self._helper.call({"op": "net_attach", "sandbox_id": sandbox_id,
+                                     "policy": pol.model_dump(mode="json")})
+            return NetAttachment(**got)
         started = time.monotonic()
         with self._lock:
             self.start()
@@ -411,6 +429,12 @@ class NetworkManager:
             "duration_s": round(time.monotonic() - started, 3)})
         return NetAttachment(sandbox_id, "tap", tap, mac, ip, self.pool.prefixlen, self.gateway,
                              self.dns, pol.egress)
+
+    def tap_of(self, sandbox_id: str) -> str | None:
+        """The TAP of ``sandbox_id``'s current lease, or None."""
+        with self._lock:
+            lease = self._leases.get(sandbox_id)
+            return lease.tap if lease else None
 
     def _free_ip(self) -> str:
         used = {ipaddress.IPv4Address(x.ip) for x in self._leases.values()}
@@ -447,6 +471,9 @@ class NetworkManager:
         held by a running VMM is removed too, cutting its network.
         """
         if self.mode != "tap":
+            return
+        if self._helper is not None:
+            self._helper.call({"op": "net_release", "sandbox_id": sandbox_id})
             return
         started = time.monotonic()
         with self._lock:
@@ -497,6 +524,8 @@ class NetworkManager:
         """
         if self.mode != "tap":
             return []
+        if self._helper is not None:
+            return list(self._helper.call({"op": "net_sweep", "live_ids": list(live_ids)}))
         with self._lock:
             self.start()
             live = {tap_name(s, self.tap_prefix) for s in live_ids}
@@ -521,6 +550,9 @@ class NetworkManager:
         """Remove everything Hangar made: every TAP, both tables and the bridge."""
         if self.mode != "tap":
             return
+        if self._helper is not None:
+            self._helper.call({"op": "net_teardown"})
+            return
         with self._lock:
             with self._ipr() as ipr:
                 names = {link.get("ifname") for link in ipr.get_links()}
@@ -534,6 +566,8 @@ class NetworkManager:
 
     def leases(self) -> dict[str, str]:
         """Sandbox id -> guest address of every current lease (TAP mode)."""
+        if self._helper is not None and self.mode == "tap":
+            return dict(self._helper.call({"op": "net_leases"}))
         with self._lock:
             return {sid: lease.ip for sid, lease in self._leases.items()}
 

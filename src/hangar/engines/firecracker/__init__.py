@@ -43,7 +43,7 @@ directory holding only its own files.
 
 from hangar.engines.firecracker.api import FirecrackerAPI, FirecrackerAPIError
 from hangar.engines.firecracker.binaries import binary_version, find_firecracker, find_jailer
-from hangar.engines.firecracker.engine import AGENT_PORT, FirecrackerEngine
+from hangar.engines.firecracker.engine import AGENT_PORT, UNJAILED_REFUSED, FirecrackerEngine
 from hangar.engines.firecracker.files import FirecrackerFiles, vm_id_for
 from hangar.engines.firecracker.jailer import JailerConfig, cgroup_mounts, cgroup_version
 from hangar.engines.firecracker.probe import PROBE_TIMEOUT_S, probe_boot, probe_boot_async
@@ -55,6 +55,7 @@ from hangar.engines.firecracker.snapshots import (
 )
 
 __all__ = [
+    "UNJAILED_REFUSED",
     "AGENT_PORT",
     "PROBE_TIMEOUT_S",
     "FirecrackerAPI",

@@ -35,7 +35,7 @@ import shutil
 import time
 from pathlib import Path
 
-from hangar.engines import process
+from hangar.engines import process, safefs
 from hangar.engines.agent_client import AgentChannel, Streams
 from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec
 from hangar.engines.firecracker.api import FirecrackerAPI
@@ -83,6 +83,11 @@ AGENT_PORT = 52
 CONNECT_TIMEOUT_S = 2.0
 """Seconds to wait for Firecracker's ``OK`` to a ``CONNECT``."""
 START_TIMEOUT_S = 10.0
+UNJAILED_REFUSED = (
+    "Firecracker would run as root without its jailer; install the jailer "
+    "(scripts/fetch-firecracker.sh) or allow unjailed VMMs explicitly with "
+    "HANGAR_FIRECRACKER_JAILER=off")
+"""The refusal of a root server to run Firecracker without its jailer unasked."""
 FIRECRACKER_NAME = "firecracker"
 """The jailer names the chroot after the binary; ``FirecrackerPaths`` expects this name."""
 
@@ -91,9 +96,12 @@ class FirecrackerEngine(Engine):
     """Boots sandboxes as Firecracker microVMs. See the module docstring.
 
     ``binary``: the firecracker executable (default: ``find_firecracker()``).
-    ``jailer``: run each VMM under the jailer. ``track_dirty_pages``: allow
+    ``jailer``: run each VMM under the jailer. ``unjailed``: as root, allow
+    VMMs without the jailer (they would run as root: only by this explicit
+    choice, ``HANGAR_FIRECRACKER_JAILER=off``). ``track_dirty_pages``: allow
     Diff snapshots (costs a little at every guest write fault).
-    Raises EngineError when the binary or /dev/kvm is missing.
+    Raises EngineError when the binary or /dev/kvm is missing, or when root
+    would run VMMs without the jailer and ``unjailed`` is not given.
     """
 
     name = "firecracker"
@@ -101,7 +109,10 @@ class FirecrackerEngine(Engine):
 
     def __init__(self, binary: Path | None = None, *, jailer: JailerConfig | None = None,
                  track_dirty_pages: bool = True, start_timeout: float = START_TIMEOUT_S,
-                 console_log_bytes: int = ConfineConfig.console_log_bytes) -> None:
+                 console_log_bytes: int = ConfineConfig.console_log_bytes,
+                 unjailed: bool = False) -> None:
+        if jailer is None and os.geteuid() == 0 and not unjailed:
+            raise EngineError(UNJAILED_REFUSED)
         found = binary or find_firecracker()
         if found is None:
             raise EngineError("firecracker not found; run scripts/fetch-firecracker.sh "
@@ -156,7 +167,7 @@ class FirecrackerEngine(Engine):
     def _ids(self, files: FirecrackerFiles) -> tuple[int, int]:
         if self.jailer is None:
             return os.geteuid(), os.getegid()
-        uid = self.jailer.uid_for(files.vm_id)
+        uid = self.jailer.uid_for(files.vm_id, files.paths.dir)
         return uid, uid
 
     def command(self, spec: VMSpec, files: FirecrackerFiles) -> list[str]:
@@ -168,7 +179,7 @@ class FirecrackerEngine(Engine):
         uid, gid = self._ids(files)
         return [str(self.jailer.binary), "--id", files.vm_id, "--exec-file", str(self.binary),
                 "--uid", str(uid), "--gid", str(gid),
-                "--chroot-base-dir", str(files.jail_base.absolute()),
+                "--chroot-base-dir", str(files.jail_base.absolute()), "--new-pid-ns",
                 *cgroup_args(self.jailer, self.cgroup_version, spec.vcpus, spec.memory_mib),
                 "--", *fc_args]
 
@@ -200,9 +211,13 @@ class FirecrackerEngine(Engine):
         """Start the VMM process and wait until its API answers."""
         p = spec.paths
         try:
+            # Jailed: the jailer forks Firecracker into a pid namespace of its own
+            # (``--new-pid-ns``), writes its host pid into the chroot and exits.
             proc = self._procs.spawn(self.command(spec, files), cwd=files.root,
                                      pid_file=p.pid_file, stdout=p.serial_log,
-                                     stderr=p.vmm_log, console=self._console.console_argv(p))
+                                     stderr=p.vmm_log, console=self._console.console_argv(p),
+                                     pid_from=(files.root / f"{FIRECRACKER_NAME}.pid"
+                                               if self.jailer is not None else None))
         except OSError as exc:
             raise EngineError(f"cannot start firecracker: {exc}",
                               sandbox_id=spec.sandbox_id) from None
@@ -231,6 +246,8 @@ class FirecrackerEngine(Engine):
             await remove_cgroups(self.jailer.parent_cgroup if self.jailer
                                  else JailerConfig.parent_cgroup, files.vm_id)
         shutil.rmtree(p.dir, ignore_errors=True)
+        if files.jailed:
+            (self.jailer or JailerConfig(Path("jailer"))).allocator().release(p.dir)
 
     def vmm_error(self, vm: VM) -> str:
         files = self.files_of(vm)
@@ -359,11 +376,11 @@ class FirecrackerEngine(Engine):
             else:
                 await asyncio.to_thread(shutil.move, tmp_mem, out.fc_memory)
                 await dig_holes(out.fc_memory)
-            await copy_file(files.disk, out.fc_disk)
+            # The jailed VMM owns its root and may have swapped any name in it for a link:
+            # copied and re-owned through descriptors only (hangar.engines.safefs).
+            await asyncio.to_thread(safefs.copy_out, files.root, files.disk.name, out.fc_disk)
             for f in (out.fc_state, out.fc_memory, out.fc_disk):
-                if os.geteuid() == 0:  # the jailed VMM's uid wrote them
-                    os.chown(f, 0, 0)
-                os.chmod(f, 0o644)
+                safefs.own(dest, f.name, os.geteuid(), os.getegid(), 0o644)
             state_bytes = allocated_bytes(out.fc_state) + allocated_bytes(out.fc_memory)
             disk_bytes = allocated_bytes(out.fc_disk)
             x = vm.extra
@@ -419,7 +436,8 @@ class FirecrackerEngine(Engine):
             await asyncio.to_thread(link_or_copy, snap.fc_memory, files.restore_memory)
             await copy_file(snap.fc_disk, files.disk)
             if self.jailer is not None:
-                os.chown(files.disk, *self._ids(files))
+                uid, gid = self._ids(files)
+                safefs.own(files.root, files.disk.name, uid, gid, 0o600)
             vm = await self._start(spec, files)
             async with FirecrackerAPI(files.api) as api:
                 # A snapshot's NIC is re-pointed at this sandbox's own TAP.

@@ -1,7 +1,8 @@
 """Firecracker's jailer and the cgroup limits it applies.
 
-Under the jailer (``JailerConfig``) each VMM gets its own uid/gid, derived
-from its id in ``[uid_base, uid_base + uid_count)``, a chroot
+Under the jailer (``JailerConfig``) each VMM gets its own uid/gid, claimed
+for its sandbox folder in ``[uid_base, uid_base + uid_count)`` from the
+host-wide registry (``hangar.engines.uids``: never two live VMMs on one uid), a chroot
 (``hangar.layout.FirecrackerPaths.root``) and cgroup limits: memory (the
 guest's plus ``vmm_overhead_mib``) and CPU (``vcpus`` CPUs of quota), in
 ``<controller>/<parent_cgroup>/<vm id>``, and a pids limit (``pids_max``).
@@ -15,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from hangar.engines.uids import DEFAULT_REGISTRY, UidAllocator
 
 log = logging.getLogger("hangar.engine.firecracker")
 
@@ -30,9 +32,8 @@ CPU_PERIOD_US = 100_000
 class JailerConfig:
     """Run each VMM under Firecracker's ``jailer`` (needs root).
 
-    ``uid_base``/``uid_count``: the range each VMM's uid (= gid) is drawn
-    from, by a hash of its id; two live sandboxes share one with chance
-    1/``uid_count``. ``cgroups``: ``auto``, ``v1``, ``v2`` or ``off``.
+    ``uid_base``/``uid_count``: the range each VMM's uid (= gid) is claimed
+    from (``hangar.engines.uids.UidAllocator``, claims in ``uid_registry``). ``cgroups``: ``auto``, ``v1``, ``v2`` or ``off``.
     ``vmm_overhead_mib``: memory allowed beyond the guest's, in MiB.
     """
 
@@ -43,9 +44,16 @@ class JailerConfig:
     parent_cgroup: str = "hangar"
     vmm_overhead_mib: int = 128
     pids_max: int = 256
+    uid_registry: Path = DEFAULT_REGISTRY
 
-    def uid_for(self, vm_id: str) -> int:
-        return self.uid_base + zlib.crc32(vm_id.encode()) % self.uid_count
+    def allocator(self) -> UidAllocator:
+        """The allocator of this range (claims are host-wide, so any instance will do)."""
+        return UidAllocator(self.uid_base, self.uid_count, self.uid_registry)
+
+    def uid_for(self, vm_id: str, folder: Path) -> int:
+        """The uid (= gid) of the VMM ``vm_id`` whose sandbox folder is ``folder``: the
+        one the folder holds, or a new claim. Raises OSError (``UidsExhausted``)."""
+        return self.allocator().allocate(vm_id, folder)
 
 
 def cgroup_mounts() -> dict[str, list[Path]]:

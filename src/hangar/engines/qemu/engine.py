@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from hangar import durable
-from hangar.engines import process, snapshot_io
+from hangar.engines import process, safefs, snapshot_io
 from hangar.engines.agent_client import AgentChannel, Streams, unix_channel
 from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec
 from hangar.engines.confine import Confinement
@@ -170,12 +170,11 @@ class QemuEngine(Engine):
                 owned=[p.disk, *owned],
                 file_limit=(spec.disk_mib + spec.memory_mib + FILE_LIMIT_SLACK_MIB) << 20,
                 host_network=spec.net is not None and spec.net.kind == "user", tap=tap,
-                netns=self.network_namespace)
-            if ram_fd is not None:
-                fd_path = f"/proc/self/fd/{ram_fd}"
-                if plan.root is not None:  # vmm_exec's own fds: QEMU's, once it execs
-                    plan.binds.append(("/proc/self/fd", tmpl.VIEW_FDS, False))
-                    fd_path = f"{tmpl.VIEW_FDS}/{ram_fd}"
+                netns=self.network_namespace,
+                view_fds=tmpl.VIEW_FDS if ram_fd is not None else None)
+            if ram_fd is not None:  # in a view, the VMM's own fds are bound at VIEW_FDS
+                fd_path = (f"{tmpl.VIEW_FDS}/{ram_fd}" if plan.root is not None
+                           else f"/proc/self/fd/{ram_fd}")
                 ram = RamFile(fd_path, shared=False)
             console = self.confine.console_argv(p)
             argv = [*self.command(spec, self.confine.tap_fd() if tap else None, balloon=balloon,
@@ -360,7 +359,8 @@ class QemuEngine(Engine):
                 memory_bytes, memory_sha256 = await tmpl.save_memory(
                     source_ram, snapshot_io.template_memory(dest))
             disk = files.disk
-            await snapshot_io.copy_file(vm.paths.disk, disk)
+            # The VMM owns its folder's disk and may have swapped it for a link.
+            await asyncio.to_thread(safefs.copy_out, vm.paths.dir, vm.paths.disk.name, disk)
             await asyncio.to_thread(snapshot_io.fsync_file, disk)
             manifest = snapshot_io.SnapshotManifest(
                 engine=self.name, vmm_version=self.version, accel=self.accel,

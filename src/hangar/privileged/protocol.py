@@ -1,0 +1,144 @@
+"""The privileged helper's request table: one strict pydantic model per request.
+
+The unprivileged server sends one JSON object per ``SOCK_SEQPACKET``
+message (at most ``MAX_MESSAGE`` bytes; file descriptors ride along as
+``SCM_RIGHTS``) and gets one answer: ``{"ok": true, "result": ...}`` or
+``{"ok": false, "error": "<message>"}``. Every request is validated with
+``Request`` (``strict``, no extra field, bounded sizes) before anything
+runs, and then again by its handler against the host (a folder must be a
+sandbox folder of the data directory, a pid must run as a VMM uid, ...):
+the helper trusts nothing the server sends, since the server parses
+network input.
+
+| op | does (as root) |
+|---|---|
+| ``ping`` | answers ``pong`` (start-up check) |
+| ``prepare_vmm`` | the VMM's uid claim, cgroup, folder owner and modes, console folder (``Confinement.prepare``, ``console_argv``) |
+| ``spawn_vmm`` | starts QEMU (only the configured binary) confined by the plan ``prepare_vmm`` made, with its console logger; answers its host pid |
+| ``kill_vmm`` | SIGKILL to a process whose real uid is a VMM uid |
+| ``release_vmm`` | removes a sandbox's cgroup and drops its uid claim |
+| ``vmm_memory`` | a VMM's ``Pss``/``Rss`` (another uid's ``/proc/PID/smaps_rollup``) |
+| ``net_info``, ``net_start`` | whether TAP networking works; the bridge, sysctls and base nftables rules |
+| ``net_attach``, ``net_release`` | a sandbox's TAP, address and nftables rules (its policy parsed by ``Policy``), and their removal |
+| ``net_sweep``, ``net_teardown``, ``net_leases`` | TAPs of sandboxes not live; everything; the leases |
+| ``net_guard`` | the cluster's control endpoints no guest may reach (IPv4 address, TCP port pairs) |
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+MAX_MESSAGE = 64 << 10
+"""Bytes of one request or answer."""
+MAX_FDS = 2
+"""File descriptors one request may carry."""
+
+SandboxId = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+AbsPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^/")]
+Arg = Annotated[str, Field(max_length=8192)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class Ping(_Strict):
+    op: Literal["ping"]
+
+
+class PrepareVmm(_Strict):
+    """``Confinement.prepare`` of one sandbox, then its console folder."""
+
+    op: Literal["prepare_vmm"]
+    sandbox_id: SandboxId
+    vcpus: int = Field(ge=1, le=64)
+    memory_mib: int = Field(ge=16, le=1 << 20)
+    accel: Literal["kvm", "tcg"]
+    tcg_cache_mib: int = Field(ge=0, le=1 << 16)
+    reads: list[AbsPath] = Field(max_length=8)
+    owned: list[Name] = Field(max_length=8)
+    file_limit: int | None = Field(default=None, ge=1 << 20, le=1 << 44)
+    host_network: bool = False
+    view_fds: str | None = Field(default=None, max_length=256, pattern=r"^/")
+    """Bind the VMM's own ``/proc/self/fd`` at this path of its view (a template's memfd)."""
+    tap: Name | None = None
+    """The sandbox's TAP (``net_attach`` made it): handed to the VMM open."""
+
+
+class SpawnVmm(_Strict):
+    """Start the sandbox's VMM with the plan ``prepare_vmm`` made for it."""
+
+    op: Literal["spawn_vmm"]
+    sandbox_id: SandboxId
+    argv: list[Arg] = Field(min_length=1, max_length=512)
+    fds: list[int] = Field(default_factory=list, max_length=MAX_FDS)
+    """The numbers the passed descriptors get in the VMM, in the order they were sent."""
+
+
+class KillVmm(_Strict):
+    op: Literal["kill_vmm"]
+    pid: int = Field(gt=1, lt=1 << 22)
+
+
+class ReleaseVmm(_Strict):
+    op: Literal["release_vmm"]
+    sandbox_id: SandboxId
+
+
+class VmmMemory(_Strict):
+    op: Literal["vmm_memory"]
+    pid: int = Field(gt=1, lt=1 << 22)
+
+
+class NetInfo(_Strict):
+    op: Literal["net_info"]
+
+
+class NetStart(_Strict):
+    op: Literal["net_start"]
+
+
+class NetAttach(_Strict):
+    """``NetworkManager.attach``; ``policy`` is parsed by ``hangar.net.Policy`` there."""
+
+    op: Literal["net_attach"]
+    sandbox_id: SandboxId
+    policy: dict[str, Union[str, list[Annotated[str, Field(max_length=64)]]]] = Field(
+        max_length=4)
+
+
+class NetRelease(_Strict):
+    op: Literal["net_release"]
+    sandbox_id: SandboxId
+
+
+class NetSweep(_Strict):
+    op: Literal["net_sweep"]
+    live_ids: list[SandboxId] = Field(max_length=2048)
+
+
+class NetTeardown(_Strict):
+    op: Literal["net_teardown"]
+
+
+class NetLeases(_Strict):
+    op: Literal["net_leases"]
+
+
+class NetGuard(_Strict):
+    """``NetworkManager.guard_control``: at most 256 (IPv4 address, TCP port) pairs."""
+
+    op: Literal["net_guard"]
+    endpoints: list[tuple[Annotated[str, Field(pattern=r"^[0-9]{1,3}(\.[0-9]{1,3}){3}$")],
+                          Annotated[int, Field(ge=1, le=65535)]]] = Field(max_length=256)
+
+
+Request = Annotated[Union[Ping, PrepareVmm, SpawnVmm, KillVmm, ReleaseVmm, VmmMemory, NetInfo,
+                          NetStart, NetAttach, NetRelease, NetSweep, NetTeardown, NetLeases,
+                          NetGuard],
+                    Field(discriminator="op")]
+REQUEST = TypeAdapter(Request)
+"""Parses one request from JSON bytes (``REQUEST.validate_json``); raises ValidationError."""

@@ -1,0 +1,156 @@
+"""Fork the privileged helper, hand the data directory over, drop root.
+
+``split(layout, confine, user)``, called as root before any thread starts
+and before uvicorn parses a byte from the network:
+
+1. a ``SOCK_SEQPACKET`` socketpair, then ``fork``: the child keeps root and
+   runs ``helper.run`` on its end (it closes the other);
+2. the parent gives the data directory to ``user`` (every file and folder
+   but the images' files and ``bin/``, which stay root's and readable), since
+   the server writes its store, keys, sandbox folders and template snapshots;
+3. it drops to ``user``: ``setgroups([])``, ``setresgid``, ``setresuid``
+   (which clears every capability), ``PR_SET_NO_NEW_PRIVS``; and installs
+   the helper's ``Client`` (``hangar.privileged.current``).
+
+Raises ``ConfigError`` when not root, ``user`` does not exist, or it could not
+read the code the server still has to import (``check_code``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pwd
+import socket
+import stat
+import sysconfig
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hangar.engines.confine import Confinement
+from hangar.errors import ConfigError
+from hangar.layout import Layout
+from hangar.privileged.client import Client, install
+
+if TYPE_CHECKING:
+    from hangar.net import NetworkManager
+
+PR_SET_NO_NEW_PRIVS = 38
+KEEP_ROOTS = ("images", "bin")
+"""Top-level entries of the data directory that stay root's."""
+
+
+def _take(path: str | Path, uid: int, gid: int, dir_fd: int | None = None) -> None:
+    """What root owns of ``path`` (its user, its group) to ``uid`` and ``gid``; a VMM's
+    own files and the VMM's group of its folder, disk and console stay as they are."""
+    st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    new_uid = uid if st.st_uid == 0 else -1
+    new_gid = gid if st.st_gid == 0 else -1
+    if new_uid != -1 or new_gid != -1:
+        os.chown(path, new_uid, new_gid, dir_fd=dir_fd, follow_symlinks=False)
+
+
+def _give(root: Path, uid: int, gid: int) -> None:
+    """``root`` and everything below it (never through a link): ``_take``."""
+    _take(root, uid, gid)
+    for dirpath, dirnames, filenames, dirfd in os.fwalk(root):
+        for name in (*dirnames, *filenames):
+            _take(name, uid, gid, dir_fd=dirfd)
+
+
+def _give_images(images: Path, uid: int, gid: int) -> None:
+    """The folders of ``images`` (the server adds template snapshots and their folders)
+    and the files of its template snapshots to ``uid:gid``; an image's own files stay
+    root's (read-only to the server). A linked ``images`` is left alone."""
+    for dirpath, dirnames, filenames, dirfd in os.fwalk(images):
+        os.chown(dirfd, uid, gid)
+        if "template-snapshots" in Path(dirpath).relative_to(images).parts:
+            for name in filenames:
+                os.chown(name, uid, gid, dir_fd=dirfd, follow_symlinks=False)
+
+
+def hand_over(layout: Layout, uid: int, gid: int) -> None:
+    """Give the data directory to ``uid:gid`` but for ``KEEP_ROOTS`` (of ``images``, only
+    what the server writes: ``_give_images``)."""
+    root = layout.root
+    os.chown(root, uid, gid, follow_symlinks=False)
+    os.chmod(root, 0o700)
+    for entry in os.scandir(root):
+        if entry.name == "images" and entry.is_dir(follow_symlinks=False):
+            _give_images(Path(entry.path), uid, gid)
+        if entry.name in KEEP_ROOTS:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            _give(Path(entry.path), uid, gid)
+        else:
+            _take(entry.path, uid, gid)
+
+
+def _reachable(path: Path, uid: int, gid: int) -> bool:
+    """Whether ``uid:gid`` (no other group) may enter every folder down to ``path`` and
+    read it, by the mode bits."""
+    for p in (*reversed(path.parents), path):
+        try:
+            st = os.stat(p)
+        except OSError:
+            return False
+        need = stat.S_IXUSR | stat.S_IRUSR if p == path else stat.S_IXUSR
+        shift = 0 if st.st_uid == uid else 3 if st.st_gid == gid else 6
+        if (st.st_mode << shift) & need != need:
+            return False
+    return True
+
+
+def check_code(uid: int, gid: int) -> None:
+    """Refuse (ConfigError) when ``uid`` could not import the rest of Hangar once
+    dropped: the standard library, the installed packages and Hangar itself."""
+    import hangar
+
+    paths = sysconfig.get_paths()
+    for where in (paths["stdlib"], paths["platstdlib"], paths["purelib"],
+                  Path(hangar.__file__).parent):
+        if Path(where).exists() and not _reachable(Path(where), uid, gid):
+            raise ConfigError(f"the server's user cannot read {where} (Python or Hangar "
+                              f"installed where only root can read it): install Hangar in a "
+                              f"virtual environment of a Python that user can read")
+
+
+def drop(uid: int, gid: int) -> None:
+    """Become ``uid:gid`` for good, with no groups, capabilities or way back."""
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
+    if os.getuid() != uid or os.geteuid() != uid or os.getegid() != gid:
+        raise OSError("the server is still privileged")
+
+
+def split(layout: Layout, confine: Confinement, user: str,
+          net: "NetworkManager | None" = None) -> int:
+    """Fork the helper and drop to ``user`` (see the module docstring); returns the
+    helper's pid. ``confine`` and ``net`` (the guest network, or None) are the
+    helper's, made from the server's settings as root. Raises ConfigError."""
+    if os.geteuid() != 0:
+        raise ConfigError("HANGAR_PRIVSEP needs hangar serve to start as root")
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        raise ConfigError(f"no user {user!r}: create it (scripts/install.sh does) or set "
+                          f"HANGAR_USER") from None
+    if pw.pw_uid == 0:
+        raise ConfigError(f"HANGAR_USER {user!r} is root")
+    check_code(pw.pw_uid, pw.pw_gid)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        from hangar.privileged.helper import run
+
+        run(theirs, layout, confine, pw.pw_uid, net)  # never returns
+    theirs.close()
+    hand_over(layout, pw.pw_uid, pw.pw_gid)
+    drop(pw.pw_uid, pw.pw_gid)
+    install(Client(ours))
+    return pid
