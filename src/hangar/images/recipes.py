@@ -41,7 +41,9 @@ A recipe's ``default_vcpus`` and ``default_memory_mib`` are not part of the
 image (they leave the digest alone): ``hangar.core.sandboxes`` gives them to
 a sandbox of that image whose create names no size. ``files`` are written
 into the rootfs after debootstrap, and ``apt_packages`` installed with apt-get
-inside it first (both are part of the digest).
+inside it first (both are part of the digest). Every recipe's files start with
+``LOGIN_PROFILE``: Debian's login scripts without the two processes they start
+on every login shell (E2B's SDK runs each command in one).
 """
 
 from __future__ import annotations
