@@ -20,8 +20,9 @@ that all of them see the same load (seconds):
 
 ``ratio`` is the p50 of ``e2b_run_s`` over the p50 of ``hangar_exec_s`` (the
 target), ``ratio_of_min`` the same of their fastest calls (what an idle host
-would show, the least moved by other work on a shared one); ``adapter_ratio`` that of ``envd_sh_s`` (the path alone);
-``login_adapter_ratio`` ``envd_bash_login_s`` over ``hangar_exec_bash_login_s``.
+would show, the least moved by other work on a shared one); ``adapter_ratio``
+that of ``envd_sh_s`` (the path alone); ``login_adapter_ratio``
+``envd_bash_login_s`` over ``hangar_exec_bash_login_s``.
 The guest's own part, timed inside it (``guest_ms``: ``sh -c true``, ``bash
 -c true``, ``bash -l -c true``, p50 of 20), shows how much of ``ratio`` is the
 login shell the SDK asks for rather than the path through the server.
