@@ -4,7 +4,8 @@
 directory that links the shared image cache (``$HANGAR_DATA_DIR``, default
 /var/lib/hangar) and copies its cached probe results; guests get no NIC and
 there is no warm pool unless ``env`` says otherwise. ``stop_server`` ends it
-and removes the directory. ``machine`` describes the host (CPU, memory,
+and removes the directory; ``e2b_env`` gives E2B's SDKs the variables that point
+them at it. ``machine`` describes the host (CPU, memory,
 kernel, QEMU, load); ``peer`` runs a script of ``bench/peers`` and returns
 its JSON; ``proc_usage`` reads a process's CPU seconds and memory.
 """
@@ -68,6 +69,16 @@ def start_server(env: dict[str, str] | None = None
 
 def api_key(data_dir: Path) -> str:
     return (data_dir / "api-key").read_text().strip()
+
+
+def e2b_env(data_dir: Path, url: str) -> dict[str, str]:
+    """E2B's three variables for the server at ``url``: ``E2B_API_URL``, ``E2B_SANDBOX_URL``
+    and an ``E2B_API_KEY`` made by ``hangar key add NAME --e2b`` in its data directory."""
+    env = {**os.environ, "HANGAR_DATA_DIR": str(data_dir)}
+    out = subprocess.run([sys.executable, "-m", "hangar.cli", "key", "add", "bench", "--e2b"],
+                         env=env, capture_output=True, text=True, timeout=120, check=True)
+    return {"E2B_API_URL": f"{url}/e2b", "E2B_SANDBOX_URL": f"{url}/e2b/envd",
+            "E2B_API_KEY": out.stdout.strip()}
 
 
 def stop_server(proc: subprocess.Popen[bytes], data_dir: Path) -> None:

@@ -1,86 +1,155 @@
-"""Benchmark: the code interpreter through Hangar's SDK, as one JSON object.
+"""Benchmark: the code interpreter through Hangar's SDK and E2B's, as one JSON object.
 
-    .venv/bin/python bench/code_interpreter_bench.py [--creates 1] [--runs 30]
+    .venv/bin/python bench/code_interpreter_bench.py [--creates 3] [--runs 30] [--no-e2b]
 
-Figures (seconds):
+One private server (``benchlib.start_server``: the shared image cache, no
+pool, no guest NIC); the image is built first if there is no build of it
+(an existing build is used as it is, even one of an older recipe: its id is
+printed). Figures (seconds), in one run, the two SDKs in turn so that both
+see the same load:
 
-* ``create_to_first_result``: ``Sandbox.create("code-interpreter")`` until
-  ``run_code("1+1")`` has returned ``2``, per create (``--creates``), with
-  whether the server booted cold or came from a snapshot (its create's
-  ``source``, when the server reports one);
-* ``run_code_1_plus_1``: p50, p95, min and max of ``run_code("1+1")`` in the
-  last sandbox created (``--runs``, after 3 unmeasured), the round trip SDK → HTTP →
-  API → agent tunnel → guest server → kernel and back;
+* ``create_to_first_result``: per side, ``create_s`` (the create call
+  returned) and ``create_to_first_result_s`` (until ``run_code("1+1")`` gave
+  ``2``), p50 over ``--creates`` rounds, and the path each create took
+  (``source``: ``template``, restored from the image's booted snapshot, or
+  ``cold``). ``hangar``: ``hangar.client.Sandbox.create("code-interpreter")``
+  and ``sb.run_code``; ``e2b``: the unmodified ``e2b-code-interpreter`` SDK's
+  ``Sandbox.create()`` (its default template, ``code-interpreter-v1``) with
+  only E2B's three variables set, and its ``run_code`` (port 49999 through
+  ``/e2b/envd``). ``ratio``: e2b over hangar.
+* ``run_code_1_plus_1``: p50, p95, min and max of ``run_code("1+1")`` in one
+  sandbox, Hangar's SDK and E2B's alternating (``--runs`` each, after 3
+  unmeasured), the round trip SDK → HTTP → API → agent tunnel → guest server
+  → kernel and back; ``ratio``: e2b's p50 over hangar's.
 * ``guest_memory_mib``: the guest's used memory (MemTotal - MemAvailable)
   with a warm kernel, beside the image's default size.
-
-The server is private (``benchlib.start_server``: shared image cache, no
-pool, no guest NIC); the image is built first if it is missing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import time
+from typing import Any, Callable
 
-from benchlib import SHARED, api_key, machine, pct, start_server, stop_server
+from benchlib import SHARED, api_key, e2b_env, machine, pct, start_server, stop_server
 
 from hangar.client import Hangar, Sandbox, Timeouts
-from hangar.images import build_image
+from hangar.errors import NotFound
+from hangar.images import build_image, resolve_image
 from hangar.images.recipes import RECIPES
 from hangar.layout import Layout
 
 IMAGE = "code-interpreter"
 
 
-def round_trips(sb: Sandbox, runs: int) -> dict[str, object]:
-    """``run_code("1+1")`` timings in ``sb`` and the guest's memory with a warm kernel."""
-    for _ in range(3):
-        sb.run_code("1+1")
-    xs = []
+def timing(xs: list[float]) -> dict[str, float]:
+    return {"runs": len(xs), "p50_s": round(pct(xs, 0.5), 4), "p95_s": round(pct(xs, 0.95), 4),
+            "min_s": round(min(xs), 4), "max_s": round(max(xs), 4)}
+
+
+def hangar_create(c: Hangar) -> dict[str, Any]:
+    t0 = time.monotonic()
+    with Sandbox.create(IMAGE, client=c) as sb:
+        created = time.monotonic() - t0
+        text = sb.run_code("1+1").text
+        first = time.monotonic() - t0
+        assert text == "2", text
+        return {"create_s": created, "first_s": first, "source": sb.info.source}
+
+
+def e2b_create(source: Callable[[str], str]) -> dict[str, Any]:
+    from e2b_code_interpreter import Sandbox as E2BSandbox
+
+    t0 = time.monotonic()
+    sbx = E2BSandbox.create(timeout=600)
+    try:
+        created = time.monotonic() - t0
+        text = sbx.run_code("1+1").text
+        first = time.monotonic() - t0
+        assert text == "2", text
+        return {"create_s": created, "first_s": first, "source": source(sbx.sandbox_id)}
+    finally:
+        sbx.kill()
+
+
+def creates_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"create_s": round(pct([r["create_s"] for r in rows], 0.5), 3),
+            "create_to_first_result_s": round(pct([r["first_s"] for r in rows], 0.5), 3),
+            "runs": [round(r["first_s"], 3) for r in rows],
+            "sources": sorted({str(r["source"]) for r in rows})}
+
+
+def round_trips(sb: Sandbox, e2b: Any, runs: int) -> dict[str, Any]:
+    """``run_code("1+1")`` timings in ``sb`` through both SDKs, and the guest's memory."""
+    calls: dict[str, Callable[[], str]] = {"hangar": lambda: sb.run_code("1+1").text}
+    if e2b is not None:
+        calls["e2b"] = lambda: e2b.run_code("1+1").text
+    for call in calls.values():
+        for _ in range(3):
+            call()
+    xs: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(runs):
-        t = time.perf_counter()
-        assert sb.run_code("1+1").text == "2"
-        xs.append(time.perf_counter() - t)
+        for name, call in calls.items():
+            t = time.perf_counter()
+            assert call() == "2"
+            xs[name].append(time.perf_counter() - t)
     mem = sb.exec("cat /proc/meminfo").stdout.split("\n")
     kib = {line.split(":")[0]: int(line.split()[1]) for line in mem if line}
-    return {
-        "run_code_1_plus_1": {"runs": runs, "p50_s": round(statistics.median(xs), 4),
-                              "p95_s": round(pct(xs, 0.95), 4), "min_s": round(min(xs), 4),
-                              "max_s": round(max(xs), 4)},
-        "guest_memory_mib": {
-            "used_with_warm_kernel": round((kib["MemTotal"] - kib["MemAvailable"]) / 1024),
-            "default_size": RECIPES[IMAGE].default_memory_mib}}
+    out: dict[str, Any] = {name: timing(v) for name, v in xs.items()}
+    if e2b is not None:
+        out["ratio"] = round(out["e2b"]["p50_s"] / out["hangar"]["p50_s"], 3)
+    return {"run_code_1_plus_1": out,
+            "guest_memory_mib": {
+                "used_with_warm_kernel": round((kib["MemTotal"] - kib["MemAvailable"]) / 1024),
+                "default_size": RECIPES[IMAGE].default_memory_mib}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--creates", type=int, default=1)
+    ap.add_argument("--creates", type=int, default=3)
     ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--no-e2b", action="store_true", help="Hangar's SDK only")
     a = ap.parse_args()
-    build_image(Layout(SHARED), IMAGE)
+    layout = Layout(SHARED)
+    try:
+        image = resolve_image(layout, IMAGE)
+    except NotFound:
+        image = build_image(layout, IMAGE)
+    out: dict[str, Any] = {"bench": "code_interpreter", "image_id": image.id,
+                           "machine": machine()}
     proc, d, url = start_server()
-    out: dict[str, object] = {"bench": "code_interpreter", "machine": machine()}
     try:
         with Hangar(url, api_key(d), timeouts=Timeouts(lifecycle=900)) as c:
-            creates = []
-            for i in range(a.creates):
-                t0 = time.monotonic()
-                with Sandbox.create(IMAGE, client=c) as sb:
-                    created = time.monotonic() - t0
-                    text = sb.run_code("1+1").text
-                    first = time.monotonic() - t0
-                    assert text == "2", text
-                    creates.append({"create_s": round(created, 3),
-                                    "create_to_first_result_s": round(first, 3),
-                                    "source": getattr(sb.info, "source", None)})
-                    if i == a.creates - 1:  # the last sandbox serves the round trips
-                        out.update(round_trips(sb, a.runs))
+            if not a.no_e2b:
+                os.environ.update(e2b_env(d, url))
+
+            def source(sid: str) -> str:
+                return str(c.get(sid).source)
+
+            sides: dict[str, Callable[[], dict[str, Any]]] = {"hangar": lambda: hangar_create(c)}
+            if not a.no_e2b:
+                sides["e2b"] = lambda: e2b_create(source)
+            rows: dict[str, list[dict[str, Any]]] = {k: [] for k in sides}
+            for _ in range(a.creates):
+                for name, side in sides.items():
+                    rows[name].append(side())
+            creates = {name: creates_summary(r) for name, r in rows.items()}
+            if not a.no_e2b:
+                creates["ratio"] = round(creates["e2b"]["create_to_first_result_s"]
+                                         / creates["hangar"]["create_to_first_result_s"], 3)
             out["create_to_first_result"] = creates
+            with Sandbox.create(IMAGE, client=c) as sb:
+                e2b = None
+                if not a.no_e2b:
+                    from e2b_code_interpreter import Sandbox as E2BSandbox
+
+                    e2b = E2BSandbox.connect(sb.id)
+                out.update(round_trips(sb, e2b, a.runs))
     finally:
         stop_server(proc, d)
+    out["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(out, indent=2))
 
 

@@ -123,6 +123,27 @@ def test_commands_run_sync(env: Env) -> None:
     assert "".join(chunks) == "1\n2\n3\n"
 
 
+def test_commands_run_in_a_light_login_shell(env: Env) -> None:
+    """The SDK runs every command as ``/bin/bash -l -c``: the image's login scripts
+    (``hangar.images.recipes.LOGIN_PROFILE``) give it what a login shell gives, and
+    start no ``id -u`` or ``mesg n`` process on the way."""
+    sbx = env.sandbox()
+    r = sbx.commands.run('shopt -q login_shell && echo login; echo "$HOME $PATH"')
+    root_path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    assert r.stdout == f"login\n/root {root_path}\n"
+    trace = sbx.commands.run("/bin/bash -lx -c true 2>&1").stdout
+    assert ". /root/.bashrc" in trace and "id -u" not in trace and "mesg" not in trace, trace
+    sbx.files.write("/etc/profile.d/zz-hangar-test.sh", "export FROM_PROFILE_D=yes\n")
+    try:
+        assert sbx.commands.run("echo $FROM_PROFILE_D").stdout == "yes\n"
+    finally:
+        sbx.files.remove("/etc/profile.d/zz-hangar-test.sh")
+    # another user's login shell (dash or bash) still gets the user PATH
+    sbx.commands.run("id u1 >/dev/null 2>&1 || useradd -m u1")
+    user = sbx.commands.run("su - u1 -c 'id -u; echo $PATH'").stdout.split()
+    assert user[0] != "0" and user[1] == "/usr/local/bin:/usr/bin:/bin:/usr/local/games:/usr/games"
+
+
 def test_commands_run_async(env: Env) -> None:
     async def main() -> None:
         sbx = await AsyncSandbox.connect(env.sid, **env.params)

@@ -237,7 +237,8 @@ def test_recipes() -> None:
     assert base.digest() != RECIPES["desktop"].digest()
     other = Recipe(name="base", packages=base.packages + ("curl",), description=base.description)
     assert other.digest() != base.digest()
-    reworded = Recipe(name="base", packages=base.packages, description="other words")
+    reworded = Recipe(name="base", packages=base.packages, files=base.files,
+                      description="other words")
     assert reworded.digest() == base.digest()
     with pytest.raises(NotFound):
         get_recipe("no-such-recipe")

