@@ -13,7 +13,9 @@ memory it needs to answer and to kill them:
 ``memory.max``    the guest's memory less ``memory_reserve`` (an eighth, at least
                   64 MiB): an OOM is the command's own (``memory.oom.group`` is set
                   on each command's group, so the OOM killer ends that command whole)
-``cpu.weight``    100 for commands, 10000 for the agent: a busy guest still answers
+``cpu.weight``    100 for commands, 10000 for the agent: a busy guest still answers;
+                  each command's group has the same weight as every other, so a
+                  command of a thousand processes weighs as much as one of one
 ================  ================================================================
 
 A command that hits the process limit (a fork bomb) is killed whole: ``Watchdog`` reads
@@ -127,7 +129,7 @@ def setup() -> bool:
         _write(f"{ROOT}/cgroup.subtree_control", " ".join(f"+{c}" for c in CONTROLLERS))
         for d in (AGENT, USER):
             os.makedirs(d, exist_ok=True)
-        _write(f"{USER}/cgroup.subtree_control", "+memory +pids")
+        _write(f"{USER}/cgroup.subtree_control", " ".join(f"+{c}" for c in CONTROLLERS))
         total = mem_total()
         threads_max = int(_read("/proc/sys/kernel/threads-max"))
         _write(f"{USER}/pids.max", str(pids_budget(total, threads_max)))
