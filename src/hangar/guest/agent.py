@@ -113,7 +113,8 @@ class Agent:
         session = Session(writer)
         self.sessions.add(session)
         await session.send(P.Kind.HELLO, 0, self.hello_meta())
-        decoder = P.Decoder()
+        channels = session.channels  # a frame for a channel not open is skipped unparsed
+        decoder = P.Decoder(lambda kind, cid: kind == P.Kind.REQUEST or cid in channels)
         try:
             while True:
                 data = await reader.read(1 << 16)
