@@ -58,7 +58,7 @@ def _pump(frames: list[bytes]) -> tuple[P.Decoder, list[P.Frame], int]:
     t.start()
     try:
         while chunk := b.recv(1 << 16):
-            out += decoder.feed(chunk)
+            out.extend(decoder.feed(chunk))
             held = max(held, len(decoder._buf))
     finally:
         t.join()

@@ -60,7 +60,7 @@ import asyncio
 import enum
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 MAGIC = b"HG"
@@ -179,17 +179,25 @@ class Decoder:
         self.skipped = 0  # bytes dropped while resynchronising or skipping
         self.dropped = 0  # frames dropped: unwanted, or a meta out of bounds
 
-    def feed(self, data: bytes) -> list[Frame]:
+    def feed(self, data: bytes) -> Iterator[Frame]:
+        """Take ``data`` (now) and return an iterator of the complete frames it holds.
+
+        Frames are cut one at a time as the caller iterates, so ``wanted`` sees the
+        channels that the frames before it opened (a REQUEST and its CANCEL often come
+        in one read). Frames left unread stay buffered for the next ``feed``.
+        """
         if self._skip:
             n = min(self._skip, len(data))
             self._skip -= n
             self.skipped += n
             data = data[n:]
         self._buf += data
-        frames: list[Frame] = []
+        return self._frames()
+
+    def _frames(self) -> Iterator[Frame]:
         while True:
-            if len(self._buf) < HEADER.size:
-                return frames
+            if self._skip or len(self._buf) < HEADER.size:
+                return
             if self._buf[:2] != MAGIC:
                 i = self._buf.find(MAGIC, 1)
                 drop = i if i > 0 else len(self._buf) - 1
@@ -208,11 +216,9 @@ class Decoder:
                 del self._buf[:n]
                 self.skipped += n
                 self._skip = end - n
-                if self._skip:
-                    return frames
                 continue
             if len(self._buf) < end:
-                return frames
+                return
             raw_meta = bytes(self._buf[HEADER.size:HEADER.size + mlen])
             data = bytes(self._buf[HEADER.size + mlen:end])
             del self._buf[:end]
@@ -221,7 +227,7 @@ class Decoder:
                 self.dropped += 1
                 self.skipped += end
                 continue
-            frames.append(Frame(kind, channel, meta, data, version, end))
+            yield Frame(kind, channel, meta, data, version, end)
 
 
 def granted(frame: Frame) -> int:
