@@ -39,7 +39,8 @@ snapshot, sleep or wake pauses its VM) is not asked. An unresponsive
 sandbox answers guest calls at once with 504 and ``Retry-After``; it is
 shown as such, can be deleted, and expires as usual. The reconcile loop
 asks its agent ``hello`` about every ``PROBE_S`` seconds
-(``probe_unresponsive``); the first answer moves it back to ``running``.
+(``probe_unresponsive``), on a fresh connection after one that went unanswered; the
+first answer moves it back to ``running``.
 
 Commands running at once in one sandbox are capped
 (``max_execs_per_sandbox``; ``admission.ExecSlots``): one more is refused
@@ -218,6 +219,12 @@ class GuestCalls:
                     rt.agent = await self.launcher.reconnect(rt.vm, PROBE_S)
                 agent = rt.agent
             await agent.call("hello", deadline_s=PROBE_S)
+        except Timeout:
+            # No answer on this connection: the next probe opens a fresh one. A guest can
+            # leave the stream mid-frame (a writer killed on the agent's port), and the old
+            # connection's decoder would wait for the rest of that frame for ever.
+            await agent.close()
+            return
         except (HangarError, OSError):
             return
         try:
