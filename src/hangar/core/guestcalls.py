@@ -121,8 +121,12 @@ class GuestCalls:
         self._beating: dict[str, asyncio.Task[None]] = {}
 
     @asynccontextmanager
-    async def using(self, sandbox_id: str) -> AsyncIterator[AgentClient]:
+    async def using(self, sandbox_id: str, *, busy: bool = True) -> AsyncIterator[AgentClient]:
         """The agent of a running sandbox for one call; wakes a sleeping one first.
+
+        With ``busy`` (the default) the sandbox counts as busy meanwhile (neither
+        snapshotted nor put to sleep); connections to exposed ports pass ``busy=False``
+        (``hangar.core.ports``: they never hold a snapshot or sleep off).
 
         Raises NotFound, Gone, Conflict (not running), Busy (it keeps
         changing state: retry), Timeout (it is ``unresponsive``: retry later).
@@ -153,7 +157,8 @@ class GuestCalls:
                 if rec.state != State.RUNNING or rt is None:
                     raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}, not running",
                                    sandbox_id=sandbox_id, state=rec.state.value)
-                rt.busy += 1
+                if busy:
+                    rt.busy += 1
             break
         else:
             raise Busy(f"sandbox {sandbox_id} keeps falling asleep; retry",
@@ -169,7 +174,8 @@ class GuestCalls:
                 agent.on_unanswered = lambda op, s: self.unanswered(sandbox_id, op, s)
             yield agent
         finally:
-            rt.busy -= 1
+            if busy:
+                rt.busy -= 1
             # Recorded once the caller's answer is on its way (the next turn of the loop),
             # at most once per TOUCH_S: a database write is the slowest step of a short
             # call on the host.
@@ -380,9 +386,11 @@ class GuestCalls:
             await agent.call("remove", path=path, recursive=recursive)
 
     @asynccontextmanager
-    async def tunnel(self, sandbox_id: str, port: int) -> AsyncIterator[Tunnel]:
+    async def tunnel(self, sandbox_id: str, port: int, *,
+                     busy: bool = True) -> AsyncIterator[Tunnel]:
         """A TCP connection to ``127.0.0.1:port`` in the guest, open while the context
-        lasts (closed on leaving); the sandbox is busy meanwhile. ``Tunnel.read`` gives
+        lasts (closed on leaving); with ``busy`` (see ``using``) the sandbox is busy
+        meanwhile. ``Tunnel.read`` gives
         bytes (``b""`` at the end), ``Tunnel.write`` sends them.
 
         Raises InvalidRequest (a port outside 1..65535), NoListener (nothing listens
@@ -390,7 +398,7 @@ class GuestCalls:
         """
         if not 0 < port < 65536:
             raise InvalidRequest(f"port {port} is outside 1..65535", port=port)
-        async with self.using(sandbox_id) as agent:
+        async with self.using(sandbox_id, busy=busy) as agent:
             try:
                 conn = await agent.open_tunnel(port)
             except NotFound as exc:
