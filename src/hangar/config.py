@@ -60,6 +60,12 @@ class Settings(BaseSettings):
                                    "(needs multilog; 0: no cap).")
     max_execs_per_sandbox: int = Field(
         16, ge=1, description="Commands running at once in one sandbox (429 beyond).")
+    port_max_connections: int = Field(
+        64, ge=1, description="Connections open at once to one exposed port, through the "
+                              "port proxy and envd's port forwarding (429 beyond).")
+    sandbox_max_port_connections: int = Field(
+        256, ge=1, description="Connections open at once to all of one sandbox's ports "
+                               "(429 beyond).")
     memory_budget_mib: int | None = Field(
         None, ge=128, description="Sum of guest memory of running VMMs, MiB (429 beyond); "
                                   "unset: 80 % of the host's RAM.")

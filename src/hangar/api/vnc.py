@@ -22,6 +22,9 @@ Security model:
 * **View-only** viewers (``view_only: true`` on the ticket) are enforced
   here, not trusted to the browser: the proxy parses every client→server
   RFB message and drops input (``RfbClientFilter``).
+* **Bounds** for every viewer: a message is relayed as its bytes arrive, never held
+  whole, and a ClientCutText over 1 MiB or a SetEncodings over 256 encodings closes
+  the connection (1008) on its header (``RfbClientFilter``).
 * Keepalive: uvicorn pings every WebSocket every ``ws_ping_interval``
   seconds (default 20) and closes it when no pong comes within
   ``ws_ping_timeout``; browsers answer pings by themselves, so idle viewers
@@ -102,9 +105,14 @@ class RfbClientFilter:
         VNC auth response 16 bytes, after type 2 only
         ClientInit        1 byte shared-flag: rewritten to 1 (shared) for everyone
 
-    After the handshake an interactive viewer's bytes pass unparsed. A
-    view-only viewer's are cut into messages by type (first byte); lengths
-    per RFC 6143 §7.5 and the registered extensions noVNC may send:
+    After the handshake every viewer's bytes are cut into messages by type (first
+    byte); lengths per RFC 6143 §7.5 and the registered extensions noVNC may send.
+    A message is forwarded (or, for a view-only viewer's input, dropped) as its bytes
+    arrive once its header is read: the filter never holds more than one header
+    (at most 12 bytes) beyond the WebSocket message it was given. Bounds, checked on
+    the header, close the connection (``RfbViolation``) for everyone: ClientCutText
+    longer than ``MAX_CUT_TEXT`` (1 MiB), SetEncodings with more than
+    ``MAX_ENCODINGS`` (256) encodings.
 
         type  message                    length (bytes)            view-only
         0     SetPixelFormat             20                        pass
@@ -120,8 +128,13 @@ class RfbClientFilter:
         255   QEMU, subtype 0 (key)      12                        drop
 
     Any other type (or QEMU subtype) cannot be measured, so a view-only
-    connection that sends one is closed (``RfbViolation``): fail closed.
+    connection that sends one is closed (``RfbViolation``): fail closed. An
+    interactive viewer's stream passes unparsed from such a message on (what it
+    sends is the guest's to judge; nothing of it is held here).
     """
+
+    MAX_CUT_TEXT: ClassVar[int] = 1 << 20
+    MAX_ENCODINGS: ClassVar[int] = 256
 
     PASS: ClassVar[dict[int, int]] = {0: 20, 3: 10, 150: 10}
     DROP_FIXED: ClassVar[dict[int, int]] = {4: 8, 5: 6, 250: 4}
@@ -132,28 +145,46 @@ class RfbClientFilter:
         self.buf = bytearray()
         self.dropped = 0
         """Messages dropped so far (input from a view-only viewer)."""
+        self.left = 0
+        """Bytes of the current message still to come (forwarded or dropped as they do)."""
+        self.forwarding = True
 
     def _message_length(self) -> tuple[int, bool] | None:
         """(length, forward?) of the message at the head of ``buf``; None if more is needed."""
         b = self.buf
         t = b[0]
+        keep = not self.view_only
         if t in self.PASS:
             return self.PASS[t], True
         if t in self.DROP_FIXED:
-            return self.DROP_FIXED[t], False
+            return self.DROP_FIXED[t], keep
         if t == 2:
-            return (4 + 4 * struct.unpack_from(">H", b, 2)[0], True) if len(b) >= 4 else None
+            if len(b) < 4:
+                return None
+            count = struct.unpack_from(">H", b, 2)[0]
+            if count > self.MAX_ENCODINGS:
+                raise RfbViolation(f"SetEncodings with {count} encodings (at most "
+                                   f"{self.MAX_ENCODINGS})")
+            return 4 + 4 * count, True
         if t == 6:
-            return (8 + abs(struct.unpack_from(">i", b, 4)[0]), False) if len(b) >= 8 else None
+            if len(b) < 8:
+                return None
+            size = abs(struct.unpack_from(">i", b, 4)[0])
+            if size > self.MAX_CUT_TEXT:
+                raise RfbViolation(f"ClientCutText of {size} bytes (at most "
+                                   f"{self.MAX_CUT_TEXT})")
+            return 8 + size, keep
         if t == 248:
             return (9 + b[8], True) if len(b) >= 9 else None
         if t == 251:
-            return (8 + 16 * b[6], False) if len(b) >= 8 else None
+            return (8 + 16 * b[6], keep) if len(b) >= 8 else None
         if t == 255:
             if len(b) < 2:
                 return None
             if b[1] == 0:
-                return 12, False
+                return 12, keep
+        if keep:
+            return -1, True  # an interactive viewer's unknown message: pass from here on
         raise RfbViolation(f"view-only viewer sent RFB message type {t}, which is not "
                            f"forwarded")
 
@@ -193,20 +224,26 @@ class RfbClientFilter:
             elif self.stage == "init":
                 out.append(1)  # ClientInit: shared
                 del self.buf[:1]
-                self.stage = "messages" if self.view_only else "pass"
-                if self.stage == "pass":
-                    out += self.buf
-                    self.buf.clear()
-            else:  # messages (view-only)
+                self.stage = "messages"
+            elif self.left:  # the rest of a message, as it comes
+                n = min(self.left, len(self.buf))
+                if self.forwarding:
+                    out += self.buf[:n]
+                del self.buf[:n]
+                self.left -= n
+            else:  # the next message's header
                 found = self._message_length()
-                if found is None or len(self.buf) < found[0]:
+                if found is None:
                     break
                 n, forward = found
-                if forward:
-                    out += self.buf[:n]
-                else:
+                if n < 0:
+                    self.stage = "pass"
+                    out += self.buf
+                    self.buf.clear()
+                    break
+                if not forward:
                     self.dropped += 1
-                del self.buf[:n]
+                self.left, self.forwarding = n, forward
         return bytes(out)
 
 

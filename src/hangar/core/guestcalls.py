@@ -27,11 +27,20 @@ file watch             30 s to be in place; none while open
 =====================  ========================================================
 
 A call whose deadline passes fails with ``Timeout`` (504) and moves the
-sandbox ``running -> unresponsive`` (``unanswered``). An unresponsive
+sandbox ``running -> unresponsive`` (``unanswered``), and so does a heartbeat
+left unanswered: every running sandbox whose agent is connected is asked
+``hello`` every ``HEARTBEAT_S`` seconds (from the reconcile loop's
+``probe_unresponsive`` pass, each in a task of its own), and one that does not
+answer within ``HEARTBEAT_DEADLINE_S`` is marked ``unresponsive`` at once, with a
+``sandbox.state`` event, whether or not a call is waiting on it; so a guest
+that stopped answering shows in ``GET /sandboxes/{id}`` and the events within
+``HEARTBEAT_S + HEARTBEAT_DEADLINE_S`` (15 s). A sandbox whose lock is held (a
+snapshot, sleep or wake pauses its VM) is not asked. An unresponsive
 sandbox answers guest calls at once with 504 and ``Retry-After``; it is
 shown as such, can be deleted, and expires as usual. The reconcile loop
 asks its agent ``hello`` about every ``PROBE_S`` seconds
-(``probe_unresponsive``); the first answer moves it back to ``running``.
+(``probe_unresponsive``), on a fresh connection after one that went unanswered; the
+first answer moves it back to ``running``.
 
 A guest call that fails for the caller's own reason is the caller's 4xx, never
 a retried 5xx (``client_fault``): a full disk (ENOSPC, EDQUOT) is ``DiskFull``
@@ -91,6 +100,12 @@ EXEC_MAX_S = DEADLINES.exec_max_s
 PROBE_S = 5.0
 """How long a probe of an unresponsive sandbox's agent waits for ``hello``, seconds; also
 its ``Retry-After``."""
+HEARTBEAT_S = 5.0
+"""Seconds between heartbeats (``hello``) to each running sandbox's connected agent."""
+HEARTBEAT_DEADLINE_S = 10.0
+"""How long a heartbeat waits for the agent's answer before the sandbox is marked
+``unresponsive``, seconds (a loaded TCG guest answers ``hello`` well within it: the
+agent's CPU weight is a hundred times its commands', ``hangar.guest.limits``)."""
 BUSY_RETRY_S = 1.0
 """``Retry-After`` of a 409 ``busy`` while a lifecycle change runs, seconds."""
 
@@ -128,10 +143,17 @@ class GuestCalls:
         self.launcher = launcher
         self.sleeper = sleeper
         self.execs = ExecSlots(ctx.settings.max_execs_per_sandbox)
+        self._beats: dict[str, float] = {}
+        """Sandbox id → when its last heartbeat was sent (monotonic s)."""
+        self._beating: dict[str, asyncio.Task[None]] = {}
 
     @asynccontextmanager
-    async def using(self, sandbox_id: str) -> AsyncIterator[AgentClient]:
+    async def using(self, sandbox_id: str, *, busy: bool = True) -> AsyncIterator[AgentClient]:
         """The agent of a running sandbox for one call; wakes a sleeping one first.
+
+        With ``busy`` (the default) the sandbox counts as busy meanwhile (neither
+        snapshotted nor put to sleep); connections to exposed ports pass ``busy=False``
+        (``hangar.core.ports``: they never hold a snapshot or sleep off).
 
         Raises NotFound, Gone, Conflict (not running), Busy (it keeps
         changing state: retry), Timeout (it is ``unresponsive``: retry later).
@@ -162,7 +184,8 @@ class GuestCalls:
                 if rec.state != State.RUNNING or rt is None:
                     raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}, not running",
                                    sandbox_id=sandbox_id, state=rec.state.value)
-                rt.busy += 1
+                if busy:
+                    rt.busy += 1
             break
         else:
             raise Busy(f"sandbox {sandbox_id} keeps falling asleep; retry",
@@ -184,7 +207,8 @@ class GuestCalls:
                     raise
                 raise mapped from None
         finally:
-            rt.busy -= 1
+            if busy:
+                rt.busy -= 1
             # Recorded once the caller's answer is on its way (the next turn of the loop),
             # at most once per TOUCH_S: a database write is the slowest step of a short
             # call on the host.
@@ -255,10 +279,12 @@ class GuestCalls:
 
     async def probe_unresponsive(self) -> None:
         """Ask each ``unresponsive`` sandbox's agent ``hello``; one that answers runs again.
+        Also starts the heartbeats that are due (``heartbeats``).
 
         A reconcile pass (each tick, never two at once). A sandbox whose VMM
         died is left to crash handling.
         """
+        self.heartbeats()
         recs = self.ctx.store.in_states({State.UNRESPONSIVE})
         if recs:
             await asyncio.gather(*(self._probe(r.id) for r in recs))
@@ -273,6 +299,12 @@ class GuestCalls:
                     rt.agent = await self.launcher.reconnect(rt.vm, PROBE_S)
                 agent = rt.agent
             await agent.call("hello", deadline_s=PROBE_S)
+        except Timeout:
+            # No answer on this connection: the next probe opens a fresh one. A guest can
+            # leave the stream mid-frame (a writer killed on the agent's port), and the old
+            # connection's decoder would wait for the rest of that frame for ever.
+            await agent.close()
+            return
         except (HangarError, OSError):
             return
         try:
@@ -280,6 +312,43 @@ class GuestCalls:
         except (Conflict, NotFound):
             return
         log.info("guest agent answers again", extra={"sandbox_id": sandbox_id})
+
+    def heartbeats(self) -> None:
+        """Start a heartbeat (``_beat``) for each sandbox whose agent is connected, at most
+        one at a time each, every ``HEARTBEAT_S``. Never waits."""
+        now = time.monotonic()
+        ids = self.ctx.registry.ids()
+        for gone in set(self._beats) - ids:
+            del self._beats[gone]
+        for sandbox_id in ids:
+            if sandbox_id in self._beating or now - self._beats.get(sandbox_id, 0.0) < HEARTBEAT_S:
+                continue
+            rt = self.ctx.registry.get(sandbox_id)
+            if rt is None or rt.agent is None or rt.agent.closed \
+                    or self.ctx.registry.locked(sandbox_id):
+                continue
+            self._beats[sandbox_id] = now
+            task = asyncio.get_running_loop().create_task(self._beat(sandbox_id, rt.agent))
+            self._beating[sandbox_id] = task
+            task.add_done_callback(lambda _t, sid=sandbox_id: self._beating.pop(sid, None))
+
+    async def _beat(self, sandbox_id: str, agent: AgentClient) -> None:
+        """One heartbeat: ``hello`` within ``HEARTBEAT_DEADLINE_S``, else ``unanswered``.
+        Only a sandbox that is ``running`` before and after, with its lock free, is marked
+        (a snapshot or sleep pauses the VM and takes the lock)."""
+        rec = self.ctx.store.get(sandbox_id)
+        if rec is None or rec.state != State.RUNNING:
+            return
+        try:
+            await agent.call("hello", deadline_s=HEARTBEAT_DEADLINE_S)
+        except Timeout:
+            rec = self.ctx.store.get(sandbox_id)
+            if rec is not None and rec.state == State.RUNNING \
+                    and not self.ctx.registry.locked(sandbox_id) \
+                    and self.ctx.registry.get(sandbox_id) is not None:
+                self.unanswered(sandbox_id, "heartbeat", HEARTBEAT_DEADLINE_S)
+        except (HangarError, OSError):
+            return  # a lost connection: crash handling or the next call reconnects
 
     def _started(self, sandbox_id: str, command: str | None) -> tuple[str, float]:
         exec_id = "ex-" + secrets.token_hex(6)
@@ -391,9 +460,11 @@ class GuestCalls:
             await agent.call("remove", path=path, recursive=recursive)
 
     @asynccontextmanager
-    async def tunnel(self, sandbox_id: str, port: int) -> AsyncIterator[Tunnel]:
+    async def tunnel(self, sandbox_id: str, port: int, *,
+                     busy: bool = True) -> AsyncIterator[Tunnel]:
         """A TCP connection to ``127.0.0.1:port`` in the guest, open while the context
-        lasts (closed on leaving); the sandbox is busy meanwhile. ``Tunnel.read`` gives
+        lasts (closed on leaving); with ``busy`` (see ``using``) the sandbox is busy
+        meanwhile. ``Tunnel.read`` gives
         bytes (``b""`` at the end), ``Tunnel.write`` sends them.
 
         Raises InvalidRequest (a port outside 1..65535), NoListener (nothing listens
@@ -401,7 +472,7 @@ class GuestCalls:
         """
         if not 0 < port < 65536:
             raise InvalidRequest(f"port {port} is outside 1..65535", port=port)
-        async with self.using(sandbox_id) as agent:
+        async with self.using(sandbox_id, busy=busy) as agent:
             try:
                 conn = await agent.open_tunnel(port)
             except NotFound as exc:

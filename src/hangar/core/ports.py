@@ -18,24 +18,36 @@ is drawn anew each time a port is exposed, so closing a port revokes every
 token issued for it. Tokens are checked by ``hmac.compare_digest``.
 
 Ports of a sandbox are forgotten when it is deleted or expires.
+
+**Connections** (``Ports.connection``): at most ``port_max_connections`` (64) open at
+once to one port and ``sandbox_max_port_connections`` (256) to all ports of one
+sandbox, counted over the port proxy and E2B's envd port forwarding alike; one more is
+answered 429 ``limit_exceeded`` with ``Retry-After`` (``CAP_RETRY_S``), as a command
+over ``max_execs_per_sandbox`` is. A connection does not make its sandbox busy
+(``GuestCalls.tunnel(busy=False)``), so it never holds off a snapshot or a sleep: a
+snapshot pauses it with the VM (it goes on after), a sleep ends it (the VM stops; the
+client's next connection wakes the sandbox). It counts as activity when it opens and
+when it ends, not while it idles.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import logging
 import os
 import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from hangar.core.context import Context
 from hangar.core.lifecycle import State
 from hangar.core.store import PortRecord, SandboxRecord
-from hangar.errors import Conflict, InvalidRequest, NotFound
+from hangar.errors import Conflict, InvalidRequest, LimitExceeded, NotFound
 
 log = logging.getLogger("hangar.ports")
 
@@ -48,6 +60,8 @@ EXPOSABLE = frozenset(State) - {State.STOPPING, State.FAILED, State.DELETED, Sta
                                 State.POOLED}
 """States in which a sandbox's ports may be exposed."""
 ENDED = frozenset({State.DELETED, State.EXPIRED})
+CAP_RETRY_S = 1.0
+"""``Retry-After`` of a connection over a port's or a sandbox's cap, seconds."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +145,41 @@ class Ports:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.key = PortKey(ctx.layout.port_key_file)
+        self.open: dict[str, dict[int, int]] = {}
+        """Sandbox id → port → connections open now."""
         ctx.store.on_transition(self._on_transition)
+
+    @contextlib.contextmanager
+    def connection(self, sandbox_id: str, port: int) -> Iterator[None]:
+        """Count one connection to ``port`` of the sandbox while the block runs.
+
+        Raises LimitExceeded (429, ``Retry-After``) when the port holds
+        ``port_max_connections`` already, or the sandbox's ports together
+        ``sandbox_max_port_connections`` (module docstring).
+        """
+        settings = self.ctx.settings
+        per_port = getattr(settings, "port_max_connections", 64)
+        per_sandbox = getattr(settings, "sandbox_max_port_connections", 256)
+        ports = self.open.setdefault(sandbox_id, {})
+        if ports.get(port, 0) >= per_port:
+            raise LimitExceeded(f"port {port} of sandbox {sandbox_id} has {per_port} "
+                                "connections open, the most allowed; retry shortly",
+                                retry_after=CAP_RETRY_S, sandbox_id=sandbox_id, port=port)
+        if sum(ports.values()) >= per_sandbox:
+            raise LimitExceeded(f"sandbox {sandbox_id} has {per_sandbox} connections open "
+                                "to its ports, the most allowed; retry shortly",
+                                retry_after=CAP_RETRY_S, sandbox_id=sandbox_id, port=port)
+        ports[port] = ports.get(port, 0) + 1
+        try:
+            yield
+        finally:
+            left = ports.get(port, 1) - 1
+            if left > 0:
+                ports[port] = left
+            else:
+                ports.pop(port, None)
+            if not ports and self.open.get(sandbox_id) is ports:
+                del self.open[sandbox_id]
 
     def _on_transition(self, rec: SandboxRecord, _from: frozenset[State], to: State) -> None:
         if to in ENDED:

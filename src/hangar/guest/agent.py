@@ -27,7 +27,9 @@ closed, a terminal is hung up, a watch stops. A host connection that ends
 cancels all of its requests (``Session.close``).
 
 The agent is one-per-guest and trusts its host: the guest, not the agent,
-is the security boundary. Orphaned processes are reaped by PID 1
+is the security boundary. Users' commands run in cgroups under limits set below the
+guest's own (``hangar.guest.limits``), so no command can starve the agent of processes,
+memory or CPU, and a timeout or kill ends everything a command started. Orphaned processes are reaped by PID 1
 (``hangar.guest.init``); the agent reaps its own children.
 """
 
@@ -39,7 +41,7 @@ import sys
 from typing import Any
 
 from hangar import __version__
-from hangar.guest import paths, transports
+from hangar.guest import limits, paths, transports
 from hangar.guest import protocol as P
 from hangar.guest.channel import Channel, Session
 from hangar.guest.identity import read_generation
@@ -111,7 +113,8 @@ class Agent:
         session = Session(writer)
         self.sessions.add(session)
         await session.send(P.Kind.HELLO, 0, self.hello_meta())
-        decoder = P.Decoder()
+        channels = session.channels  # a frame for a channel not open is skipped unparsed
+        decoder = P.Decoder(lambda kind, cid: kind == P.Kind.REQUEST or cid in channels)
         try:
             while True:
                 data = await reader.read(1 << 16)
@@ -209,14 +212,21 @@ def main(argv: list[str] | None = None) -> None:
     """Run the agent: ``--listen PATH`` serves a Unix socket, else the guest's channel."""
     args = sys.argv[1:] if argv is None else argv
     warm_malloc()
+    if not args:  # in a guest (never on a test host under --listen): commands' limits
+        limits.setup()
     agent = Agent()
-    coro = transports.serve(agent, args)
+    served = transports.serve(agent, args)
+
+    async def coro() -> None:
+        limits.Watchdog().start()  # a no-op without limits
+        await served
+
     try:  # a command's default cwd: spawning there needs no chdir
         os.chdir(BASE_ENV["HOME"])
     except OSError:
         pass
     print(f"hangar-agent {__version__} protocol {P.VERSION} starting", file=sys.stderr, flush=True)
-    asyncio.run(coro)
+    asyncio.run(coro())
 
 
 if __name__ == "__main__":

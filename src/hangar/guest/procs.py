@@ -59,7 +59,7 @@ import signal
 import time
 from typing import Any
 
-from hangar.guest import spawn, terminal
+from hangar.guest import limits, spawn, terminal
 
 RING_BYTES = 1 << 20
 """Bytes of output kept per process; the oldest chunks go first."""
@@ -180,6 +180,8 @@ class Proc:
         """When the output ended (wall clock, s)."""
         self.input_lock = asyncio.Lock()
         self._timer: asyncio.TimerHandle | None = None
+        self.group: limits.Group | None = None
+        """Its cgroup (``hangar.guest.limits``): a SIGKILL ends every process in it."""
         self._waiter: asyncio.Task[None] | None = None
 
     # -- output and status --------------------------------------------------
@@ -200,6 +202,8 @@ class Proc:
         if self.returncode is not None:
             return
         self.returncode = rc
+        if self.group is not None:
+            self.group.release()  # removed once empty; a kill still reaches what is left
         self.ended_at = time.time()
         self.exit_mono = self.loop.time()
         if self._timer is not None:
@@ -277,7 +281,17 @@ class Proc:
         return self.cmd is not None and self.cmd.stdin is not None
 
     def signal(self, sig: int) -> bool:
-        """Send ``sig`` to the process's group; False when no process of it is left."""
+        """Send ``sig`` to the process's group; False when no process of it is left.
+        SIGKILL also ends every process of its cgroup (``limits.Group.kill``)."""
+        if sig == signal.SIGKILL and self.group is not None:
+            alive = self.group.populated()
+            self.group.kill()
+            if alive:
+                try:
+                    os.killpg(self.pid, sig)
+                except OSError:
+                    pass
+                return True
         try:
             os.killpg(self.pid, sig)
         except ProcessLookupError:
@@ -441,14 +455,22 @@ class ProcessTable:
         program cannot start)."""
         if not self._room(tag):
             raise LookupError(f"{MAX_PROCS} processes are running")
-        if pty is None:
-            pid, stdin_fd, out_fd, err_fd = spawn.spawn(argv, env, cwd, stdin_pipe=stdin)
-            proc = Proc(self, pid, argv, extra_env, cwd, tag=tag, origin="start", script=script)
-            cmd = spawn.Command(pid, stdin_fd, out_fd, err_fd, proc.output)
-            proc.cmd = cmd
-            self._watch_pipes(proc, cmd)
-        else:
-            proc = await self._start_pty(argv, env, extra_env, cwd, tag, pty, script)
+        group = limits.Group()
+        try:
+            if pty is None:
+                pid, stdin_fd, out_fd, err_fd = spawn.spawn(argv, env, cwd, stdin_pipe=stdin,
+                                                            group=group)
+                proc = Proc(self, pid, argv, extra_env, cwd, tag=tag, origin="start",
+                            script=script)
+                cmd = spawn.Command(pid, stdin_fd, out_fd, err_fd, proc.output, group=group)
+                proc.cmd = cmd
+                proc.group = group
+                self._watch_pipes(proc, cmd)
+            else:
+                proc = await self._start_pty(argv, env, extra_env, cwd, tag, pty, script, group)
+        except BaseException:
+            group.release()
+            raise
         if timeout is not None:
             proc._timer = proc.loop.call_later(timeout, proc.expire)
         self._enter(proc)
@@ -461,7 +483,8 @@ class ProcessTable:
 
     async def _start_pty(self, argv: list[str], env: dict[str, str],
                          extra_env: dict[str, str], cwd: str, tag: str | None,
-                         size: tuple[int, int], script: str | None) -> Proc:
+                         size: tuple[int, int], script: str | None,
+                         group: limits.Group) -> Proc:
         master, slave = os.openpty()
         try:
             terminal.set_size(slave, *size)
@@ -469,13 +492,14 @@ class ProcessTable:
             sub = await asyncio.create_subprocess_exec(
                 *argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env,
                 start_new_session=True,
-                preexec_fn=terminal.child_setup(terminal.ignored_signals()))
+                preexec_fn=terminal.child_setup(terminal.ignored_signals(), group))
         except BaseException:
             os.close(master)
             os.close(slave)
             raise
         os.close(slave)
         proc = Proc(self, sub.pid, argv, extra_env, cwd, tag=tag, origin="start", script=script)
+        proc.group = group
         proc.master, proc.size = master, size
         proc.loop.add_reader(master, proc._pty_readable)
 
@@ -494,6 +518,7 @@ class ProcessTable:
             return False
         proc = Proc(self, cmd.pid, argv, extra_env, cwd, tag=None, origin="exec", script=None)
         proc.cmd = cmd
+        proc.group = cmd.group
         cmd.close_stdin()
         cmd.handover(proc.output)
         if cmd.returncode is not None:

@@ -40,6 +40,12 @@ channel's writer, and other channels on the same stream go on (no
 head-of-line blocking). A receiver that gets more than it granted on a
 channel treats it as a broken peer and drops the channel (``Inflow``).
 
+**Bounds.** A meta is at most ``MAX_META`` bytes (1 MiB) and ``MAX_DEPTH``
+(32) levels of nesting; a frame whose meta is larger, deeper, not JSON or not
+an object is dropped whole (``Decoder.dropped``), and the stream goes on. A
+frame on a channel the reader did not open (``Decoder``'s ``wanted``) is
+skipped as its bytes arrive: never buffered whole, its meta never parsed.
+
 A reader that meets bytes that are not a frame header skips forward to the
 next magic; a frame with another version is answered with an ERROR of code
 ``unsupported_version``, so an old guest is detected, not misread.
@@ -54,12 +60,15 @@ import asyncio
 import enum
 import json
 import struct
+from collections.abc import Callable, Iterator
 from typing import Any
 
 MAGIC = b"HG"
 VERSION = 2
 HEADER = struct.Struct("!2sBBIII")
 MAX_META = 1 << 20
+MAX_DEPTH = 32
+"""Most levels of nesting in a meta (the protocol's own use at most 4)."""
 MAX_DATA = 1 << 22
 CHUNK = 1 << 16  # bytes of stream data per DATA frame
 WINDOW = 1 << 20
@@ -119,19 +128,76 @@ class Frame:
         return f"Frame(kind={self.kind}, channel={self.channel}, meta={self.meta}, data={len(self.data)}B)"
 
 
+def depth_ok(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """True when ``value`` (parsed JSON) nests at most ``limit`` containers deep."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        if d > limit:
+            return False
+        stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return True
+
+
+def parse_meta(raw: bytes) -> dict[str, Any] | None:
+    """A frame's meta, or None when it is not a JSON object within ``MAX_META`` bytes and
+    ``MAX_DEPTH`` levels. Never raises (a meta nested deeper than the interpreter's
+    recursion limit is refused by the JSON parser itself: RecursionError, caught)."""
+    if not raw:
+        return {}
+    if len(raw) > MAX_META:
+        return None
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    # n bytes of JSON nest at most n/2 deep: small metas need no walk
+    if len(raw) > 2 * MAX_DEPTH and not depth_ok(meta):
+        return None
+    return meta
+
+
 class Decoder:
-    """Incremental decoder: ``feed`` bytes, iterate complete frames."""
+    """Incremental decoder: ``feed`` bytes, iterate complete frames.
 
-    def __init__(self) -> None:
+    ``wanted(kind, channel)``, when given, says which frames to decode: any other is
+    skipped as its bytes arrive (``dropped`` counts it), never held whole nor parsed.
+    ``dropped`` also counts frames refused by ``parse_meta``; ``skipped`` counts bytes
+    dropped while resynchronising and in skipped frames.
+    """
+
+    def __init__(self, wanted: Callable[[int, int], bool] | None = None) -> None:
         self._buf = bytearray()
-        self.skipped = 0  # bytes dropped while resynchronising
+        self._skip = 0  # bytes of a skipped frame still to come
+        self.wanted = wanted
+        self.skipped = 0  # bytes dropped while resynchronising or skipping
+        self.dropped = 0  # frames dropped: unwanted, or a meta out of bounds
 
-    def feed(self, data: bytes) -> list[Frame]:
+    def feed(self, data: bytes) -> Iterator[Frame]:
+        """Take ``data`` (now) and return an iterator of the complete frames it holds.
+
+        Frames are cut one at a time as the caller iterates, so ``wanted`` sees the
+        channels that the frames before it opened (a REQUEST and its CANCEL often come
+        in one read). Frames left unread stay buffered for the next ``feed``.
+        """
+        if self._skip:
+            n = min(self._skip, len(data))
+            self._skip -= n
+            self.skipped += n
+            data = data[n:]
         self._buf += data
-        frames: list[Frame] = []
+        return self._frames()
+
+    def _frames(self) -> Iterator[Frame]:
         while True:
-            if len(self._buf) < HEADER.size:
-                return frames
+            if self._skip or len(self._buf) < HEADER.size:
+                return
             if self._buf[:2] != MAGIC:
                 i = self._buf.find(MAGIC, 1)
                 drop = i if i > 0 else len(self._buf) - 1
@@ -144,20 +210,24 @@ class Decoder:
                 self.skipped += 2
                 continue
             end = HEADER.size + mlen + dlen
+            if self.wanted is not None and not self.wanted(kind, channel):
+                self.dropped += 1
+                n = min(end, len(self._buf))
+                del self._buf[:n]
+                self.skipped += n
+                self._skip = end - n
+                continue
             if len(self._buf) < end:
-                return frames
+                return
             raw_meta = bytes(self._buf[HEADER.size:HEADER.size + mlen])
             data = bytes(self._buf[HEADER.size + mlen:end])
             del self._buf[:end]
-            try:
-                meta = json.loads(raw_meta) if raw_meta else {}
-            except ValueError:
+            meta = parse_meta(raw_meta)
+            if meta is None:
+                self.dropped += 1
                 self.skipped += end
                 continue
-            if not isinstance(meta, dict):
-                self.skipped += end
-                continue
-            frames.append(Frame(kind, channel, meta, data, version, end))
+            yield Frame(kind, channel, meta, data, version, end)
 
 
 def granted(frame: Frame) -> int:

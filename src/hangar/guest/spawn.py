@@ -37,6 +37,8 @@ import os
 import signal
 from collections.abc import Callable, Mapping
 
+from hangar.guest.limits import Group
+
 CHUNK = 1 << 16
 """Bytes read from a pipe at a time."""
 SIGDEF = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP))
@@ -85,10 +87,10 @@ def _spawn_first(argv: list[str], env: Mapping[str, str], actions: list[tuple]) 
 
 
 def spawn(argv: list[str], env: Mapping[str, str], cwd: str, *, stdin_pipe: bool,
-          ) -> tuple[int, int | None, int, int]:
+          group: Group | None = None) -> tuple[int, int | None, int, int]:
     """Start ``argv`` in ``cwd``; returns (pid, stdin fd or None, stdout fd, stderr fd).
 
-    The returned fds are the agent's non-blocking ends of the pipes. Raises
+    With ``group``, the child starts in that cgroup (``hangar.guest.limits``). The returned fds are the agent's non-blocking ends of the pipes. Raises
     ``OSError`` as ``execve`` would (see the module docstring).
     """
     in_r = in_w = None
@@ -108,7 +110,11 @@ def spawn(argv: list[str], env: Mapping[str, str], cwd: str, *, stdin_pipe: bool
         if moved:
             os.chdir(cwd)
         try:
-            pid = _spawn_first(argv, env, actions)
+            if group is None:
+                pid = _spawn_first(argv, env, actions)
+            else:
+                with group.entered():
+                    pid = _spawn_first(argv, env, actions)
         finally:
             if moved:
                 os.fchdir(here_fd)
@@ -140,9 +146,12 @@ class Command:
     """
 
     def __init__(self, pid: int, stdin: int | None, stdout: int, stderr: int,
-                 sink: Callable[[str, bytes], None], *, paced: bool = False) -> None:
+                 sink: Callable[[str, bytes], None], *, paced: bool = False,
+                 group: Group | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.pid = pid
+        self.group = group
+        """The command's cgroup (``hangar.guest.limits``): SIGKILL ends all of it."""
         self.stdin = stdin
         self.returncode: int | None = None
         self.expired = False
@@ -217,11 +226,14 @@ class Command:
             self.loop.add_reader(fd, self._readable, name)
 
     def kill(self, sig: int) -> None:
-        """Send ``sig`` to the command's process group (its session)."""
+        """Send ``sig`` to the command's process group (its session); SIGKILL also ends
+        every process of its cgroup, wherever it went (``limits.Group.kill``)."""
         try:
             os.killpg(self.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+        if sig == signal.SIGKILL and self.group is not None:
+            self.group.kill()
 
     async def write_stdin(self, data: bytes) -> None:
         """Write ``data`` to the command's stdin; raises BrokenPipeError once it is closed."""

@@ -62,6 +62,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hangar.guest import limits
 from hangar.guest import protocol as P
 
 if TYPE_CHECKING:
@@ -114,13 +115,17 @@ def ignored_signals() -> tuple[int, ...]:
     return tuple(out)
 
 
-def child_setup(ignored: tuple[int, ...]) -> Callable[[], None]:
-    """The child's set-up, run after ``setsid`` and before ``exec``: every signal at its
+def child_setup(ignored: tuple[int, ...],
+                group: limits.Group | None = None) -> Callable[[], None]:
+    """The child's set-up, run after ``setsid`` and before ``exec``: into ``group`` (its
+    cgroup, ``hangar.guest.limits``), every signal at its
     default action and none blocked, as a login session starts (whatever the agent
     inherited: see ``ignored_signals``); then stdin (the pty) becomes the controlling
     terminal."""
 
     def setup() -> None:
+        if group is not None:
+            group.join_self()
         for sig in ignored:
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, ())
@@ -244,13 +249,15 @@ async def run(ch: Channel, argv: list[str], env: dict[str, str], cwd: str, cols:
     """
     loop = asyncio.get_running_loop()
     master, slave = os.openpty()
+    group = limits.Group()
     try:
         set_size(slave, cols, rows)
         os.set_blocking(master, False)
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env,
-            start_new_session=True, preexec_fn=child_setup(ignored_signals()))
+            start_new_session=True, preexec_fn=child_setup(ignored_signals(), group))
     except BaseException:
+        group.release()
         os.close(master)
         os.close(slave)
         raise
@@ -265,6 +272,8 @@ async def run(ch: Channel, argv: list[str], env: dict[str, str], cwd: str, cols:
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+        if sig == signal.SIGKILL:
+            group.kill()  # what it left behind in other sessions too
 
     def hang_up() -> None:
         nonlocal hangup
@@ -348,6 +357,7 @@ async def run(ch: Channel, argv: list[str], env: dict[str, str], cwd: str, cols:
         await asyncio.gather(*tasks, return_exceptions=True)
         keys.close()
         os.close(master)
+        group.release()
     sig = -rc if rc < 0 else None
     return {"exit_code": 128 + sig if sig else rc, "signal": sig,
             "duration_s": round(time.monotonic() - started, 6),

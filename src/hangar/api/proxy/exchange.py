@@ -91,8 +91,11 @@ class Exchange:
         t = self.target
         self.admit()
         try:
-            async with self.m.tunnel(t.sandbox_id, t.port) as tunnel:
-                await use(tunnel)
+            # Capped per port and per sandbox (429), and never busy: a connection holds no
+            # snapshot or sleep off (``hangar.core.ports``).
+            with self.m.ports.connection(t.sandbox_id, t.port):
+                async with self.m.calls.tunnel(t.sandbox_id, t.port, busy=False) as tunnel:
+                    await use(tunnel)
         except NoListener:
             raise Refused(502, "bad_gateway", f"nothing listens on port {t.port} in sandbox "
                           f"{t.sandbox_id}", sandbox_id=t.sandbox_id, port=t.port) from None

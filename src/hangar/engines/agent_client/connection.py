@@ -206,8 +206,9 @@ class Connection:
                         probe_interval: float | None) -> dict[str, Any] | None:
         """The greeting's meta, or None at ``deadline``; OSError when the stream ends."""
         loop = asyncio.get_running_loop()
-        decoder = P.Decoder()
         probes: set[int] = set()
+        decoder = P.Decoder(lambda kind, cid: (cid == 0 and kind == P.Kind.HELLO)
+                            or cid in probes)
         probe_ids = itertools.count(PROBE_CHANNEL_BASE)
         next_probe = loop.time() if probe_interval else math.inf
         while loop.time() < deadline:
@@ -281,7 +282,11 @@ class Connection:
     # -- plumbing: for the channels and stream handles of this package, not for callers --
 
     async def _read_loop(self) -> None:
-        decoder = P.Decoder()
+        # Frames on channels this side never opened (or closed) are skipped unparsed, and a
+        # meta out of the protocol's bounds drops its frame (``P.Decoder``).
+        channels = self._channels
+        decoder = P.Decoder(lambda kind, cid: (cid == 0 and kind == P.Kind.HELLO)
+                            or cid in channels)
         try:
             while True:
                 data = await self._reader.read(1 << 16)

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hangar.guest import protocol as P
-from hangar.guest import spawn
+from hangar.guest import limits, spawn
 from hangar.guest.ops.common import AgentView, OpError
 from hangar.guest.ops.process import (
     exec_argv, exec_cwd, exec_env, remove_script, spawn_failure,
@@ -71,7 +71,7 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
     meta: ``argv`` (list of str) or ``shell`` (str, run by /bin/sh -c);
     ``env`` (dict), ``cwd`` (str, default /root), ``stdin`` (bool: DATA
     frames of stream ``stdin`` and an EOF follow; false means EOF at
-    once), ``timeout`` (seconds; the whole process group is killed),
+    once), ``timeout`` (seconds; the whole process group and cgroup are killed),
     ``stream`` (bool: send stdout/stderr as DATA frames), ``head`` and
     ``tail`` (bytes kept of each stream when not streaming). Streamed
     output goes out as the host's window allows, so a slow reader makes
@@ -82,6 +82,10 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
     background holds them) are handed to the process table
     (``hangar.guest.procs``), which reads them for as long as that program
     writes: its output goes to a buffer, never to a closed pipe.
+
+    The command runs in a cgroup of its own under the commands' limits
+    (``hangar.guest.limits``); one killed by a limit (a fork bomb's process limit, the
+    OOM killer) says so in a line on its stderr and in ``limit`` (``pids``, ``memory``).
 
     Returns (as RESPONSE meta) ``exit_code`` (128+N when killed by signal N), ``signal``,
     ``timed_out``, ``duration_s``, and per stream ``stdout``/``stderr``
@@ -115,9 +119,12 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
             raise OpError("invalid", "head and tail must be byte counts") from None
 
         started = time.monotonic()
+        group = limits.Group()
         try:
-            pid, stdin_fd, out_fd, err_fd = spawn.spawn(argv, env, cwd, stdin_pipe=want_stdin)
+            pid, stdin_fd, out_fd, err_fd = spawn.spawn(argv, env, cwd, stdin_pipe=want_stdin,
+                                                        group=group)
         except OSError as exc:
+            group.release()
             code, message = spawn_failure(exc, argv[0], cwd)
             return await _not_started(ch, stream, head, tail, code, message, started)
         captures = {"stdout": Capture(head, tail), "stderr": Capture(head, tail)}
@@ -126,10 +133,11 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
                             (lambda name, chunk: chunks.put_nowait((name, chunk)))
                             if chunks is not None
                             else (lambda name, chunk: captures[name].add(chunk)),
-                            paced=stream)
+                            paced=stream, group=group)
         try:
             return await _run(ch, cmd, captures, chunks, want_stdin, timeout, started)
         finally:
+            group.release()
             killed = cmd.returncode is None or cmd.expired
             if cmd.returncode is None:  # cancelled: never leave the group behind
                 cmd.kill(signal.SIGKILL)
@@ -211,7 +219,7 @@ async def _run(ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
     timer = (asyncio.get_running_loop().call_later(timeout, expire)
              if timeout is not None else None)
     try:
-        await cmd.exited
+        await asyncio.shield(cmd.exited)  # a cancel must not cancel the exit's future
         if expired:
             cmd.kill(signal.SIGKILL)  # members of the group that outlived the leader
         # Drain: output to its end (streaming: every chunk sent). A pipe still open
@@ -242,6 +250,17 @@ async def _run(ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
                              return_exceptions=True)
         cmd.close_stdin()
     timed_out = bool(expired)
+    group = cmd.group
+    note = ""
+    if group is not None and cmd.returncode is not None and cmd.returncode < 0:
+        group.oom_killed()
+        note = group.describe()
+    if note:  # a limit killed it: say so on stderr, as a shell would report a signal
+        if stream:
+            await ch.stream({"stream": "stderr"}, note.encode())
+            captures["stderr"].total += len(note)
+        else:
+            captures["stderr"].add(note.encode())
 
     rc = cmd.returncode
     sig = -rc if rc is not None and rc < 0 else None
@@ -252,6 +271,8 @@ async def _run(ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
         "duration_s": round(time.monotonic() - started, 6),
         "pid": cmd.pid,
     }
+    if group is not None and group.limit:
+        result["limit"] = group.limit
     data = b""
     for name, cap in captures.items():
         if stream:

@@ -107,10 +107,19 @@ def spawn_failure(exc: OSError, program: str, cwd: str) -> tuple[int, str]:
     """(exit code, stderr text) for a program that could not be started, as a shell says it.
 
     Raises OpError for what is no missing or unrunnable program: arguments
-    over the kernel's limit (E2BIG), an unusable cwd, or a failure of the
-    guest itself (ENOMEM, EAGAIN...).
+    over the kernel's limit (E2BIG), an unusable cwd, the commands' process limit
+    reached (EAGAIN: ``too_many``, which the host answers 429 with ``Retry-After``;
+    ``hangar.guest.limits`` kills a runaway command within seconds), or a failure of
+    the guest itself (ENOMEM...).
     """
     err = exc.errno or 0
+    if err == errno.EAGAIN:
+        from hangar.guest import limits
+
+        most = limits.limits()["pids_max"]
+        raise OpError("too_many", "the guest's commands hold all the processes they may "
+                                  f"({most if most is not None else 'the kernel limit'}); "
+                                  "retry shortly, or end some") from None
     if err == errno.E2BIG:
         raise OpError("invalid", "args and env are too long for the guest kernel (E2BIG: "
                                  "at most 128 KiB per string and about 2 MiB in all); pass "
