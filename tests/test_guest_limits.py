@@ -198,6 +198,26 @@ def test_memory_hog_is_oom_killed_in_its_cgroup(api, small) -> None:
     assert api.get(f"/sandboxes/{small}").json()["state"] == "running"
 
 
+@pytest.mark.vm
+def test_a_template_clone_that_fills_its_memory_keeps_its_vmm(api) -> None:
+    """A sandbox restored from a template maps the template's memory privately: a page
+    it faults on one of the template memory's holes is charged to its VMM's cgroup
+    besides the private copy its guest writes. A guest that fills its memory must meet
+    its own OOM killer, never the host's limit on its VMM (which ended the sandbox)."""
+    r = api.post("/sandboxes", json={})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    try:
+        assert r.json()["source"] == "template", r.text
+        hog = "python3 -c 'a = []\nwhile True: a.append(bytearray(8 << 20))'"
+        got = run(api, sid, hog, timeout=180)
+        assert got["exit_code"] == 137, got
+        assert run(api, sid, "echo alive")["stdout"] == "alive\n"
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
 def _events(server, sid: str, into: list[tuple[float, dict]], stop: threading.Event) -> None:
     with httpx.Client(base_url=server.url, headers={"X-API-Key": server.key},
                       timeout=httpx.Timeout(5, read=None)) as c:

@@ -269,10 +269,19 @@ class Confinement:
         return self.uids.allocate(sandbox_id, folder)
 
     def limits(self, vcpus: int, memory_mib: int, accel: str,
-               tcg_cache_mib: int = TCG_CACHE_MIB) -> Limits:
+               tcg_cache_mib: int = TCG_CACHE_MIB, template_clone: bool = False) -> Limits:
         """The cgroup limits of a VMM with ``vcpus`` and ``memory_mib`` MiB of guest;
-        ``tcg_cache_mib``: its TCG translation cache (``tb-size``), MiB."""
+        ``tcg_cache_mib``: its TCG translation cache (``tb-size``), MiB.
+
+        ``template_clone``: its RAM is a template's sealed memfd mapped privately
+        (``hangar.engines.qemu.template``). A page it faults on one of the memfd's holes
+        is a shmem page charged to this cgroup (once per template, then shared by every
+        clone) besides the private copy the guest writes, so a guest that fills its
+        memory is charged up to twice its size: the limit allows that, or such a clone's
+        VMM is OOM-killed while its guest is inside its own memory."""
         extra = self.config.overhead_mib + (tcg_cache_mib if accel != "kvm" else 0)
+        if template_clone:
+            extra += memory_mib
         return Limits(memory_bytes=(memory_mib + extra) << 20, cpus=float(vcpus),
                       pids=PIDS_MAX)
 
@@ -313,8 +322,8 @@ class Confinement:
         if file_limit:
             plan.rlimits["FSIZE"] = file_limit
         if self.hierarchy is not None:
-            group = self.hierarchy.create(sandbox_id, self.limits(vcpus, memory_mib, accel,
-                                                                      tcg_cache_mib))
+            group = self.hierarchy.create(sandbox_id, self.limits(
+                vcpus, memory_mib, accel, tcg_cache_mib, template_clone=view_fds is not None))
             plan.cgroups = [str(d) for d in group.dirs]
             paths.cgroup_file.write_text("".join(f"{d}\n" for d in group.dirs))
         if not self.user:

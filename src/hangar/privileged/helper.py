@@ -121,9 +121,7 @@ class Helper:
             req.sandbox_id, paths, vcpus=req.vcpus, memory_mib=req.memory_mib, accel=req.accel,
             tcg_cache_mib=req.tcg_cache_mib, reads=[self.image_dir(r) for r in req.reads],
             owned=[d / n for n in req.owned], file_limit=req.file_limit,
-            host_network=req.host_network, tap=req.tap)
-        if req.view_fds and plan.root is not None:
-            plan.binds.append(("/proc/self/fd", req.view_fds, False))
+            host_network=req.host_network, tap=req.tap, view_fds=req.view_fds)
         plan.umask = 0  # its sockets: reachable by the server, in a folder only it and the VMM enter
         console = self.confine.console_argv(paths)
         self.plans[req.sandbox_id] = (plan, console)

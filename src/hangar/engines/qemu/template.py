@@ -40,7 +40,8 @@ on its holes (shmem gives a hole a zero page of its own, even when the
 clone then writes a private copy): at most the guest's memory size once
 per template, in no clone's Pss (``resident_bytes`` tells). Its pages are
 charged to the cgroup of whoever first touched them (the server, or a
-clone at a hole). ``release`` (``QemuEngine.release_snapshot``) drops a
+clone at a hole), so a clone's memory limit allows twice its guest
+(``Confinement.limits``, ``template_clone``). ``release`` (``QemuEngine.release_snapshot``) drops a
 template's memfd when its snapshot is deleted (running clones keep their
 mapping), and a template whose file changed or vanished is dropped at the
 next ``open``.
