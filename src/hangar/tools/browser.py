@@ -35,11 +35,10 @@ START_TIMEOUT_S = 600.0
 """Seconds ``prepare`` waits for the desktop and Chromium's DevTools endpoint (a guard
 against a hang: on a busy 2-core host under TCG, Chromium's start takes minutes)."""
 NAVIGATE_TIMEOUT_S = 120.0
-READY_STATE_S = 5.0
-"""Seconds one ``document.readyState`` question may take before it is asked again."""
-LOAD_EVENT_S = 20.0
-"""Seconds an action waits for the ``load`` event alone before also asking the document
-(``BrowserTools._settle``)."""
+"""The least a navigation (``browser_navigate`` without ``timeout_s``, or the page an action
+led to) may take, seconds. A sandbox's own budget is the larger of this and its Chromium's
+measured start (``BrowserTools.navigate_timeout_s``): both are CPU-bound work of the same
+guest, and under emulation on a busy host a page's load takes minutes."""
 ACTION_TIMEOUT_S = 30.0
 MAX_TEXT_CHARS = 100_000
 
@@ -121,11 +120,18 @@ class BrowserTools(VmTools):
         self.page: Any = None
         self.load_error: str | None = None
         """Why the last navigation failed; None once a page has loaded."""
+        self.start_s: float | None = None
+        """Seconds Chromium took from its launch until Playwright was attached (``prepare``)."""
+        self.navigate_timeout_s = NAVIGATE_TIMEOUT_S
+        """Seconds a navigation may take here: ``NAVIGATE_TIMEOUT_S`` or, when larger, this
+        sandbox's measured ``start_s``."""
 
     async def prepare(self) -> None:
         """Work folder, Chromium, tunnel, Playwright. Raises HangarError when Chromium
         does not start; the caller deletes the sandbox."""
         await super().prepare()
+        loop = asyncio.get_running_loop()
+        launched = loop.time()
         r = await self.backend.exec(
             self.sid, "python3",
             args=["-c", LAUNCH, str(START_TIMEOUT_S), str(DEVTOOLS_PORT), *CHROMIUM_FLAGS,
@@ -145,6 +151,8 @@ class BrowserTools(VmTools):
         context = self._browser.contexts[0] if self._browser.contexts \
             else await self._browser.new_context()
         self.page = context.pages[0] if context.pages else await context.new_page()
+        self.start_s = loop.time() - launched
+        self.navigate_timeout_s = max(NAVIGATE_TIMEOUT_S, self.start_s)
 
     async def close(self) -> None:
         for step in (lambda: self._browser and self._browser.close(),
@@ -171,7 +179,7 @@ class BrowserTools(VmTools):
         return text[:MAX_TEXT_CHARS], len(text) > MAX_TEXT_CHARS
 
     async def navigate(self, args: dict[str, Any], time_left: float | None) -> ToolResult:
-        timeout = float(args.get("timeout_s") or NAVIGATE_TIMEOUT_S)
+        timeout = float(args.get("timeout_s") or self.navigate_timeout_s)
         if time_left is not None:
             timeout = max(0.1, min(timeout, time_left))
         from playwright.async_api import Error as PlaywrightError
@@ -238,55 +246,40 @@ class BrowserTools(VmTools):
                 if has_xy:
                     await page.mouse.move(args["x"], args["y"])
                 await page.mouse.wheel(0, args.get("delta_y", 500))
-        await self._settle()
+        await self._settle(time_left)
         title = await page.title()
         text, cut = await self._page_text()
         return ToolResult(ok=True, output=f"URL: {page.url}\nTitle: {title}\n\n{text}",
                           truncated=cut, data={"url": page.url, "title": title})
 
-    async def _settle(self) -> None:
-        """Wait, up to ``NAVIGATE_TIMEOUT_S``, until the page an action led to has loaded.
+    async def _settle(self, time_left: float | None) -> None:
+        """Wait until the page an action led to has fired its ``load`` event, up to
+        ``navigate_timeout_s`` (or the task's ``time_left``, when shorter).
 
-        Over ``connect_over_cdp`` Playwright can miss the ``load`` event of a
-        navigation an action started (a known race of its lifecycle tracking),
-        and would then wait out the whole timeout on a page that is there. So
-        after ``LOAD_EVENT_S`` without the event the document's own
-        ``readyState`` is asked every half second as well. Raises Playwright's
-        timeout error when neither says the page loaded.
+        Event-driven: Playwright follows Chromium's ``Page.lifecycleEvent`` for the
+        document the click committed (it returns from the click once a navigation it
+        started has committed), and returns at once when the action navigated nowhere.
+        No ``document.readyState`` polling: a renderer still laying out the new page
+        answers no ``Runtime.evaluate`` either, and each such question only adds work to a
+        guest whose one vCPU is already saturated. Raises Playwright's timeout error when
+        the page has not loaded in time; the next action then fails at once with that
+        reason.
         """
-        from playwright.async_api import Error as PlaywrightError
         from playwright.async_api import TimeoutError as PlaywrightTimeout
 
-        page = self.page
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + NAVIGATE_TIMEOUT_S
+        timeout = self.navigate_timeout_s
+        if time_left is not None:
+            timeout = max(0.1, min(timeout, time_left))
         try:
-            await page.wait_for_load_state("load", timeout=LOAD_EVENT_S * 1000)
-            return
-        except PlaywrightError:
-            pass
-        while (left := deadline - loop.time()) > 0:
-            try:  # bounded to a slice: over CDP, an evaluate sent while a navigation
-                # replaces the document may wait for the new context and never answer,
-                # and a hung renderer never does; the loop asks again.
-                if await asyncio.wait_for(page.evaluate("document.readyState"),
-                                          min(left, READY_STATE_S)) == "complete":
-                    return
-            except (PlaywrightError, asyncio.TimeoutError):
-                pass  # mid-navigation (the old document's context is gone), or out of time
-            try:
-                await page.wait_for_load_state(
-                    "load", timeout=max(1.0, min(500.0, (deadline - loop.time()) * 1000)))
-                return
-            except PlaywrightError:
-                pass
-        self.load_error = "the page did not finish loading"
-        raise PlaywrightTimeout(f"Timeout {NAVIGATE_TIMEOUT_S * 1000:.0f}ms exceeded: the page "
-                                "did not finish loading")
+            await self.page.wait_for_load_state("load", timeout=timeout * 1000)
+        except PlaywrightTimeout:
+            self.load_error = (f"{self.page.url} did not finish loading within "
+                               f"{timeout:.0f} s")
+            raise
 
     async def screenshot(self, args: dict[str, Any], time_left: float | None) -> ToolResult:
         png = await self.page.screenshot(full_page=bool(args.get("full_page")), type="png",
-                                         timeout=NAVIGATE_TIMEOUT_S * 1000)
+                                         timeout=self.navigate_timeout_s * 1000)
         w, h = png_size(png)
         return ToolResult(ok=True, output=f"screenshot {w}x{h} pixels", image=png,
                           data={"width": w, "height": h, "url": self.page.url})
