@@ -16,7 +16,6 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from conftest import Server, cleanup, free_port, make_data_dir, vmm_pids

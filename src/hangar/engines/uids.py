@@ -36,7 +36,7 @@ from pathlib import Path
 
 log = logging.getLogger("hangar.engine.uids")
 
-DEFAULT_REGISTRY = Path("/run/hangar/vmm-uids")
+DEFAULT_REGISTRY = Path("/run") / "hangar" / "vmm-uids"  # on the host: not a guest path
 """Where claims are kept unless configured otherwise (a tmpfs on every systemd host)."""
 
 
