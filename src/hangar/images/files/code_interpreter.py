@@ -119,13 +119,17 @@ class KernelContext:
             self.km.shutdown_kernel(now=True)
 
     def silent(self, code: str) -> None:
-        """Run ``code`` with no output, history or count, waiting for the kernel to idle."""
+        """Run ``code`` with no output, history or count, waiting for the kernel to idle
+        however long that takes (under emulation on a busy host, the warm-up's imports take
+        minutes; the template's ready timeout bounds the whole start). Returning early
+        would open the port, and a template's snapshot would hold a half-done import that
+        every copy then finishes on its first cell."""
         msg_id = self.kc.execute(code, silent=True, store_history=False)
-        self._drain(msg_id)
+        self._drain(msg_id, timeout=None)
 
-    def _drain(self, msg_id: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def _drain(self, msg_id: str, timeout: float | None = 30.0) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while deadline is None or time.monotonic() < deadline:
             try:
                 msg = self.kc.get_iopub_msg(timeout=1)
             except queue.Empty:
