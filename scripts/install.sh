@@ -115,6 +115,9 @@ say "fetching Firecracker and its jailer (used on hosts where KVM runs guests)"
 HANGAR_DATA_DIR=$DATA PYTHON=.venv/bin/python sh scripts/fetch-firecracker.sh \
   || echo "warning: could not fetch Firecracker; Hangar will use QEMU" >&2
 
+# Each image's template snapshot is made in the network shape its sandboxes will have:
+# the test suite's servers run without guest networking, a server's TAP NIC otherwise.
+if [ "$TEST_TOOLS" = 1 ]; then export HANGAR_NETWORK=off; fi
 say "building the base guest image (cached; the first build takes a few minutes)"
 HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build base
 if [ "$DESKTOP" = 1 ]; then

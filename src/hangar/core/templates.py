@@ -291,8 +291,8 @@ def make_for_build(layout: Layout, image: GuestImage, engine: Engine, settings: 
                    say: Callable[[str], None]) -> Path | None:
     """Make ``image``'s template snapshot now, for a build command (``hangar image build``,
     ``hangar template build``), with the server's ``engine`` and ``settings`` (so in the
-    shape its server uses: default sizes and disk; a NIC only with
-    ``HANGAR_NETWORK=tap``); returns its folder, or None when this engine makes none
+    shape its server uses: default sizes and disk; a NIC when its sandboxes get one,
+    ``HANGAR_NETWORK=tap`` or ``auto`` where TAP works); returns its folder, or None when this engine makes none
     (the server then boots cold). Blocks; boots a VM.
 
     Raises GuestError or Timeout when the template's start command or ready check fails.
@@ -304,10 +304,13 @@ def make_for_build(layout: Layout, image: GuestImage, engine: Engine, settings: 
 
     if not settings.template_snapshots:
         return None
-    # A NIC only where the server's is certain (HANGAR_NETWORK=tap): "auto" may pick
-    # either mode, and a build command should not set up the host's bridge on a guess.
-    # Otherwise the server makes the NIC's variant itself on its first create.
-    net = network_manager(settings) if settings.network == "tap" else None
+    # A NIC where the server's sandboxes get one: HANGAR_NETWORK=tap, or "auto" on a host
+    # where TAP networking works (the mode a server started here picks). Otherwise the
+    # server would make that variant itself on its first create, which under emulation
+    # takes minutes (longer than a client such as E2B's SDK waits for a create).
+    net = network_manager(settings) if settings.network in ("tap", "auto") else None
+    if net is not None and net.mode != "tap":
+        net = None
     vcpus, memory = default_size(image, settings)
     nic = nic_of({"egress": "internet"}) if net is not None else None
     say(f"{image.id}: booting it for its template snapshot")
