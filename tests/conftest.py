@@ -16,6 +16,7 @@ least ``VM_WAIT_FLOOR_S``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -219,6 +220,23 @@ def cleanup(server: Server) -> list[int]:
     for pid in leaked:
         os.kill(pid, signal.SIGKILL)
     return leaked
+
+
+@contextlib.contextmanager
+def own_server(base_image: Path, env: dict[str, str] | None = None,
+               data_dir: Path | None = None) -> Iterator[Server]:
+    """A started server of a test's own, on ``data_dir`` (a new ``make_data_dir`` by
+    default) with ``env`` added to its environment. Afterwards its sandboxes are deleted,
+    it is stopped, its folder removed, and it fails if a VMM outlived it."""
+    d = data_dir if data_dir is not None else make_data_dir(base_image)
+    srv = Server(d, free_port(), env)
+    try:
+        srv.start()
+        yield srv
+    finally:
+        leaked = cleanup(srv)
+        shutil.rmtree(d, ignore_errors=True)
+        assert not leaked, f"VMM processes outlived the server: {leaked}"
 
 
 @pytest.fixture(scope="session")

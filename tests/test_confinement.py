@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import SRC, Server, Waits, cleanup, free_port, make_data_dir, vmm_pids, wait_for
+from conftest import SRC, Server, Waits, make_data_dir, own_server, vmm_pids, wait_for
 from hangar.engines.cgroups import CPU_PERIOD_US, Hierarchy, Limits
 from hangar.engines.confine import OVERHEAD_MIB, PIDS_MAX
 from hangar.engines.qemu import MemoryTuning
@@ -38,21 +38,14 @@ MAX_EXECS = 2
 
 @pytest.fixture(scope="module")
 def srv(base_image) -> Iterator[Server]:  # noqa: ANN001
-    d = make_data_dir(base_image)
-    s = Server(d, free_port(), {
+    with own_server(base_image, {
         "HANGAR_MAX_EXECS_PER_SANDBOX": str(MAX_EXECS),
         "HANGAR_MEMORY_BUDGET_MIB": str(BUDGET_MIB),
         "HANGAR_CONSOLE_LOG_BYTES": str(CONSOLE_BYTES),
         "HANGAR_SNAPSHOT_STORAGE_BYTES": str(SNAPSHOT_CAP),
         "HANGAR_MAX_DISK_MIB": "1024",
-    })
-    try:
-        s.start()
+    }) as s:
         yield s
-    finally:
-        leaked = cleanup(s)
-        shutil.rmtree(d, ignore_errors=True)
-        assert not leaked, f"VMM processes outlived the module: {leaked}"
 
 
 @pytest.fixture(scope="module")

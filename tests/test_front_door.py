@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import socket
 import sqlite3
 import statistics
@@ -21,22 +20,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import SRC, Server, cleanup, free_port, make_data_dir
+from conftest import SRC, Server, own_server
 
 BIG = 8 << 20
 
 
 @pytest.fixture(scope="module")
 def srv(base_image: Path) -> Iterator[Server]:
-    d = make_data_dir(base_image)
-    s = Server(d, free_port())
-    try:
-        s.start()
+    with own_server(base_image) as s:
         yield s
-    finally:
-        leaked = cleanup(s)
-        shutil.rmtree(d, ignore_errors=True)
-        assert not leaked
 
 
 def raw(server: Server, data: bytes, *, read_timeout: float = 10.0) -> bytes:

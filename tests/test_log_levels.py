@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -16,20 +15,13 @@ import httpx
 import pytest
 import websockets
 
-from conftest import Server, cleanup, free_port, make_data_dir
+from conftest import Server, own_server
 
 
 @pytest.fixture(scope="module")
 def srv(base_image: Path) -> Iterator[Server]:
-    d = make_data_dir(base_image)
-    s = Server(d, free_port())
-    try:
-        s.start()
+    with own_server(base_image) as s:
         yield s
-    finally:
-        leaked = cleanup(s)
-        shutil.rmtree(d, ignore_errors=True)
-        assert not leaked
 
 
 def lines_after(server: Server, offset: int) -> list[dict[str, object]]:
