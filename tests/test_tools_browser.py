@@ -199,6 +199,7 @@ def test_browser_task_fills_a_form(browser: ht.SyncTask, api: httpx.Client,
                                              "value": "pro", "timeout_s": wait}).ok
     done = browser.call("browser_interact", {"action": "click", "timeout_s": wait,
                                              "selector": "form button[type=submit]"})
+    print(f"form submit: click to load {done.duration_s:.1f} s", file=sys.stderr)
     assert done.ok, done
     assert done.data["title"] == "Thanks"
     assert "Welcome Ada Lovelace, plan pro" in done.output

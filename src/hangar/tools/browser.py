@@ -46,10 +46,18 @@ DRIVEN_FLAGS = (
     "--disable-backgrounding-occluded-windows",
     "--disable-renderer-backgrounding",
     "--disable-background-timer-throttling",
+    "--disable-features=OptimizationGuideOnDeviceModel,OptimizationHints,"
+    "OptimizationHintsFetching,OptimizationTargetPrediction,OptimizationGuideModelDownloading,"
+    "Translate,MediaRouter",
 )
-"""Flags for a Chromium driven over DevTools (those Playwright gives a browser it launches
-itself): a page is never throttled as hidden, so its animation frames, which a click's
-stability check waits for, keep coming."""
+"""Flags for a Chromium driven over DevTools. The first three are those Playwright gives a
+browser it launches itself: a page is never throttled as hidden, so its animation frames,
+which a click's stability check waits for, keep coming. ``--disable-features`` turns off
+background work an agent's browser has no use for (Playwright turns off Translate,
+MediaRouter and OptimizationHints for the browsers it launches, too): without it Chromium
+starts its on-device model service a few minutes after launch, a utility process that
+probes for a Vulkan GPU the guest does not have ("Error loading backend" in
+``/tmp/hangar-chromium.log``) while the guest's one vCPU is loading the agent's page."""
 
 LAUNCH = r"""
 import json, os, socket, subprocess, sys, time
