@@ -52,7 +52,8 @@ class Env:
         """Run the ``hangar`` CLI on this data directory, as a user would."""
         return subprocess.run(
             [sys.executable, "-m", "hangar.cli", *args, "--data-dir", str(self.root)],
-            env={**os.environ, "PYTHONPATH": str(SRC), "COLUMNS": "200"},
+            # the shape of this module's server (no guest networking), as a build for it
+            env={**os.environ, "PYTHONPATH": str(SRC), "COLUMNS": "200", "HANGAR_NETWORK": "off"},
             capture_output=True, text=True, timeout=timeout, check=False)
 
     def backing_build(self, sandbox_id: str) -> str:
