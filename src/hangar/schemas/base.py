@@ -165,6 +165,19 @@ class CommandRequest(RequestBody):
     def _cwd(cls, value: str | None) -> str | None:
         return check_cwd(value)
 
+    @field_validator("command", check_fields=False)
+    @classmethod
+    def _command(cls, value: str | None) -> str | None:
+        if value is not None:
+            _no_nul("command", value)
+        return value
+
+    @model_validator(mode="after")
+    def _sizes(self) -> Any:
+        check_sizes(getattr(self, "command", None) or "", getattr(self, "args", None),
+                    getattr(self, "env", {}))
+        return self
+
 
 def check_sizes(command: str, args: list[str] | None, env: dict[str, str]) -> None:
     """Raise ValueError when ``command`` with ``args`` is longer than the guest's PATH_MAX,

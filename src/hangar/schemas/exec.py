@@ -5,11 +5,9 @@ from __future__ import annotations
 import base64
 from typing import Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field
 
-from hangar.schemas.base import (
-    CommandRequest, Model, _no_nul, check_sizes,
-)
+from hangar.schemas.base import CommandRequest, Model
 
 
 class ExecRequest(CommandRequest):
@@ -38,17 +36,6 @@ class ExecRequest(CommandRequest):
                                         "max_output/4 bytes are kept as the tail.")
     show_command: bool = Field(False, description="Put the command text in the live events "
                                                   "(exec.started); off by default.")
-
-    @field_validator("command")
-    @classmethod
-    def _command(cls, value: str) -> str:
-        _no_nul("command", value)
-        return value
-
-    @model_validator(mode="after")
-    def _sizes(self) -> "ExecRequest":
-        check_sizes(self.command, self.args, self.env)
-        return self
 
 
 class ExecResult(Model):

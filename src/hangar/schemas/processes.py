@@ -8,11 +8,9 @@ from __future__ import annotations
 import base64
 from typing import Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator
 
-from hangar.schemas.base import (
-    CommandRequest, Model, RequestBody, _no_nul, _show, check_sizes,
-)
+from hangar.schemas.base import CommandRequest, Model, RequestBody, _no_nul, _show
 from hangar.schemas.pty import PTY_MAX_SIDE
 
 
@@ -60,23 +58,12 @@ class ProcessStart(CommandRequest):
     timeout: float | None = Field(None, gt=0, le=86400,
                                   description="Seconds until its process group is killed.")
 
-    @field_validator("command")
-    @classmethod
-    def _command(cls, value: str) -> str:
-        _no_nul("command", value)
-        return value
-
     @field_validator("tag")
     @classmethod
     def _tag(cls, value: str | None) -> str | None:
         if value is not None:
             _no_nul("tag", value)
         return value
-
-    @model_validator(mode="after")
-    def _sizes(self) -> "ProcessStart":
-        check_sizes(self.command, self.args, self.env)
-        return self
 
 
 class ProcessInfo(Model):

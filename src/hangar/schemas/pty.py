@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from hangar.schemas.base import CommandRequest, Model, _no_nul, check_sizes
+from hangar.schemas.base import CommandRequest, Model, check_sizes
 
 
 PTY_MAX_SIDE = 1000
@@ -33,15 +33,9 @@ class PtyRequest(CommandRequest):
         "Seconds the session lives without a viewer before it is hung up (SIGHUP, then "
         "SIGKILL); also how long an ended session waits for a viewer to collect its exit code."))
 
-    @field_validator("command")
-    @classmethod
-    def _command(cls, value: str | None) -> str | None:
-        if value is not None:
-            _no_nul("command", value)
-        return value
-
     @model_validator(mode="after")
-    def _program(self) -> "PtyRequest":
+    def _sizes(self) -> "PtyRequest":
+        """Replaces CommandRequest's check (same name): args without a program first."""
         if self.args is not None and self.command is None:
             raise ValueError("args need a command (the program to run)")
         check_sizes(self.command or "", self.args, self.env)
