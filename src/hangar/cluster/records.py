@@ -36,7 +36,7 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -114,6 +114,17 @@ def _match(rx: re.Pattern[str], what: str) -> Any:
             raise ValueError(f"{what} {str(v)[:80]!r} is malformed")
         return v
     return check_
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _checked(model: type[_M], what: str, raw: Any) -> _M:
+    """``raw`` validated as ``model``; raises BadRecord naming ``what`` and the fields."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise _fail(what, exc) from None
 
 
 def _fail(what: str, exc: Exception) -> BadRecord:
@@ -204,10 +215,7 @@ class ClusterConfig(_Record):
     @classmethod
     def parse(cls, raw: Any) -> "ClusterConfig":
         """Raises BadRecord naming what is wrong."""
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as exc:
-            raise _fail("cluster config", exc) from None
+        return _checked(cls, "cluster config", raw)
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -245,10 +253,7 @@ class NodeInfo(_Record):
     @classmethod
     def parse(cls, raw: Any) -> "NodeInfo":
         """Raises BadRecord naming what is wrong."""
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as exc:
-            raise _fail("node record", exc) from None
+        return _checked(cls, "node record", raw)
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -283,12 +288,9 @@ def snapshot_meta(raw: Any, snap_id: str | None = None) -> dict[str, Any]:
     """Shared snapshot metadata checked (``SnapshotMeta``; ``snap_id``: the id its key
     names, which the value must not contradict). Returns the value as read. Raises
     BadRecord."""
-    try:
-        if snap_id is not None and isinstance(raw, dict) and raw.get("id") in (None, snap_id):
-            raw = {**raw, "id": snap_id}
-        SnapshotMeta.model_validate(raw)
-    except ValidationError as exc:
-        raise _fail("snapshot metadata", exc) from None
+    if snap_id is not None and isinstance(raw, dict) and raw.get("id") in (None, snap_id):
+        raw = {**raw, "id": snap_id}
+    _checked(SnapshotMeta, "snapshot metadata", raw)
     return dict(raw)
 
 
@@ -302,10 +304,7 @@ class MachineMeta(_Record):
 
 def machine_meta(raw: Any) -> dict[str, Any]:
     """A machine record checked (``MachineMeta``); returns it. Raises BadRecord."""
-    try:
-        MachineMeta.model_validate(raw)
-    except ValidationError as exc:
-        raise _fail("machine record", exc) from None
+    _checked(MachineMeta, "machine record", raw)
     return dict(raw)
 
 
@@ -461,10 +460,7 @@ class SandboxObject:
         """A record as read from etcd, checked like client input (ids, node names, sizes,
         the state: ``_SandboxIn``); ``sid``: the id its key names, which ``metadata.name``
         must equal. Raises ``BadRecord`` naming what is wrong."""
-        try:
-            _SandboxIn.model_validate(raw)
-        except ValidationError as exc:
-            raise _fail("sandbox record", exc) from None
+        _checked(_SandboxIn, "sandbox record", raw)
         meta = raw["metadata"]
         if sid is not None and meta["name"] != sid:
             raise BadRecord(f"record names sandbox {meta['name']!r}, its key {sid!r}")
@@ -488,12 +484,9 @@ def template_json(t: Template) -> dict[str, Any]:
 def parse_template(raw: Any) -> Template:
     """The ``Template`` in ``spec.template``. Raises ``BadRecord`` when a field is missing
     or malformed."""
-    try:
-        t = _TemplateIn.model_validate(raw)
-        if t.vcpus is None or t.memoryMiB is None or t.diskMiB is None:
-            raise BadRecord("unreadable sandbox template: vcpus, memoryMiB or diskMiB missing")
-    except ValidationError as exc:
-        raise _fail("sandbox template", exc) from None
+    t = _checked(_TemplateIn, "sandbox template", raw)
+    if t.vcpus is None or t.memoryMiB is None or t.diskMiB is None:
+        raise BadRecord("unreadable sandbox template: vcpus, memoryMiB or diskMiB missing")
     return Template(
         image=t.image, image_digest=t.imageDigest or "", engine=t.engine or "",
         accel=t.accel or "", vcpus=t.vcpus, memory_mib=t.memoryMiB, disk_mib=t.diskMiB,
