@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import SRC, Server, cleanup, free_port, make_data_dir
+from conftest import SRC, Server, cleanup, free_port, make_data_dir, own_server
 
 LEGACY_KEY = secrets.token_hex(32)  # a key file of the old format: one line, 64 hex digits
 USED: list[str] = []  # every key this module presents, right or wrong; none may be logged
@@ -54,14 +54,8 @@ def keyed(base_image: Path) -> Iterator[Server]:
     d = make_data_dir(base_image)
     (d / "api-key").write_text(LEGACY_KEY + "\n")
     (d / "api-key").chmod(0o600)
-    srv = Server(d, free_port(), {"HANGAR_LOG_LEVEL": "DEBUG"})
-    try:
-        srv.start()
+    with own_server(base_image, {"HANGAR_LOG_LEVEL": "DEBUG"}, data_dir=d) as srv:
         yield srv
-    finally:
-        leaked = cleanup(srv)
-        shutil.rmtree(d, ignore_errors=True)
-        assert not leaked
 
 
 @pytest.mark.parametrize("case", ["empty file", "weak file", "two lines", "weak env",

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import SHARED, SRC, Server, cleanup, free_port, make_data_dir, vmm_pids
+from conftest import SHARED, SRC, Server, own_server, vmm_pids
 from oci_support import busybox_rootfs, docker_archive
 
 from hangar.errors import ImageError, InvalidRequest
@@ -104,15 +104,8 @@ def built(base_image: Path, folder: Path) -> Iterator[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def server(built: dict[str, Any]) -> Iterator[Server]:
-    d = make_data_dir(built["dir"])
-    srv = Server(d, free_port(), {"HANGAR_POOL_TEMPLATES": f"{NAME}=1"})
-    try:
-        srv.start()
+    with own_server(built["dir"], {"HANGAR_POOL_TEMPLATES": f"{NAME}=1"}) as srv:
         yield srv
-    finally:
-        leaked = cleanup(srv)
-        shutil.rmtree(d, ignore_errors=True)
-        assert not leaked, f"VMM processes outlived the module: {leaked}"
 
 
 def sh(c: httpx.Client, sid: str, command: str) -> dict[str, Any]:
