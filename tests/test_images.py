@@ -250,8 +250,8 @@ def test_recipe_sizes_files_and_apt_packages() -> None:
     from hangar.images.recipes import RecipeFile
 
     base, desktop, dev = get_recipe("base"), get_recipe("desktop"), get_recipe("dev")
-    assert desktop.default_memory_mib == 2048 and (dev.default_vcpus, dev.default_memory_mib) == (
-        2, 2048)
+    assert (desktop.default_vcpus, desktop.default_memory_mib) == (2, 2048)
+    assert (dev.default_vcpus, dev.default_memory_mib) == (2, 2048)
     assert base.default_memory_mib is None  # the server's default applies
     # Default sizes are not part of the image; files and apt packages are.
     assert dataclasses.replace(base, default_memory_mib=4096).digest() == base.digest()

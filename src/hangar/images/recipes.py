@@ -14,8 +14,10 @@ small editor, Chromium, and fonts for Latin, CJK and symbols (DejaVu +
 WenQuanYi Micro Hei: about 8 MB, against 90 MB for Noto CJK). debootstrap
 installs Depends only, never Recommends, which keeps it near 1 GB. Its
 Chromium needs room: in a 512 MiB guest every tab crashes ("V8 process OOM
-... CodeRange"), so the recipe carries a default memory of 2048 MiB (used
-when a create names none) and a ``/etc/chromium.d`` file with flags that
+... CodeRange"), so the recipe carries a default size of 2 vCPUs and
+2048 MiB (used when a create names none: Chromium's browser, GPU, network
+and renderer processes all want a CPU, and on one emulated vCPU a form's
+submit took minutes) and a ``/etc/chromium.d`` file with flags that
 suit a VM (see ``CHROMIUM_FLAGS``).
 
 ``dev`` is the image of the agent tools' ``vm`` tier (``hangar.tools``):
@@ -273,6 +275,7 @@ DESKTOP = Recipe(
                    "# Hangar: flags for Chromium in a microVM (read by /usr/bin/chromium).\n"
                    f'export CHROMIUM_FLAGS="$CHROMIUM_FLAGS {" ".join(CHROMIUM_FLAGS)}"\n'),
     ),
+    default_vcpus=2,
     default_memory_mib=2048,
 )
 

@@ -42,22 +42,52 @@ guest, and under emulation on a busy host a page's load takes minutes."""
 ACTION_TIMEOUT_S = 30.0
 MAX_TEXT_CHARS = 100_000
 
-DRIVEN_FLAGS = (
-    "--disable-backgrounding-occluded-windows",
-    "--disable-renderer-backgrounding",
-    "--disable-background-timer-throttling",
-    "--disable-features=OptimizationGuideOnDeviceModel,OptimizationHints,"
-    "OptimizationHintsFetching,OptimizationTargetPrediction,OptimizationGuideModelDownloading,"
-    "Translate,MediaRouter",
+DISABLED_FEATURES = (
+    # Playwright's list for the browsers it launches (chromiumSwitches in playwright-core)
+    "AvoidUnnecessaryBeforeUnloadCheckSync", "DestroyProfileOnBrowserClose", "HttpsUpgrades",
+    "HttpsFirstBalancedModeAutoEnable", "LensOverlay", "MediaRouter", "PaintHolding",
+    "ThirdPartyStoragePartitioning", "OptimizationHints", "NetworkTimeServiceQuerying",
+    "AimEnabled", "PreconnectToSearch", "Translate",
+    # and background work of Chromium's own that an agent's browser has no use for
+    "OptimizationGuideOnDeviceModel", "OptimizationHintsFetching",
+    "OptimizationTargetPrediction", "OptimizationGuideModelDownloading",
+    "AutofillServerCommunication",
 )
-"""Flags for a Chromium driven over DevTools. The first three are those Playwright gives a
-browser it launches itself: a page is never throttled as hidden, so its animation frames,
-which a click's stability check waits for, keep coming. ``--disable-features`` turns off
-background work an agent's browser has no use for (Playwright turns off Translate,
-MediaRouter and OptimizationHints for the browsers it launches, too): without it Chromium
-starts its on-device model service a few minutes after launch, a utility process that
-probes for a Vulkan GPU the guest does not have ("Error loading backend" in
-``/tmp/hangar-chromium.log``) while the guest's one vCPU is loading the agent's page."""
+"""Chromium features turned off in a driven browser (``--disable-features``)."""
+
+DRIVEN_FLAGS = (
+    "--disable-field-trial-config",
+    "--disable-background-networking",
+    "--disable-background-timer-throttling",
+    "--disable-backgrounding-occluded-windows",
+    "--disable-back-forward-cache",
+    "--disable-breakpad",
+    "--disable-component-extensions-with-background-pages",
+    "--disable-default-apps",
+    "--disable-extensions",
+    "--disable-features=" + ",".join(DISABLED_FEATURES),
+    "--allow-pre-commit-input",
+    "--disable-hang-monitor",
+    "--disable-ipc-flooding-protection",
+    "--disable-popup-blocking",
+    "--disable-prompt-on-repost",
+    "--disable-renderer-backgrounding",
+    "--force-color-profile=srgb",
+    "--metrics-recording-only",
+    "--no-service-autorun",
+    "--disable-search-engine-choice-screen",
+)
+"""Flags for a Chromium driven over DevTools: those Playwright (1.65) gives a Chromium it
+launches itself on Linux, since here the tier launches it and Playwright only attaches
+(``connect_over_cdp``), less the ones ``CHROMIUM_FLAGS`` already sets and those for other
+browsers or platforms. A page is never throttled as hidden, so its animation frames, which
+a click's stability check waits for, keep coming. No field-trial configuration, back-forward
+cache, paint holding or autofill queries: work a form's submit did on the guest's vCPUs
+before its result page could load (measured: click to load 143 s with Chromium's defaults
+against 65 s, side by side on one busy host). ``DISABLED_FEATURES`` also stops Chromium's
+on-device model service, a utility process that otherwise starts a few minutes after launch
+and probes for a Vulkan GPU the guest does not have ("Error loading backend" in
+``/tmp/hangar-chromium.log``) while the guest is loading the agent's page."""
 
 LAUNCH = r"""
 import json, os, socket, subprocess, sys, time
@@ -269,7 +299,7 @@ class BrowserTools(VmTools):
         started has committed), and returns at once when the action navigated nowhere.
         No ``document.readyState`` polling: a renderer still laying out the new page
         answers no ``Runtime.evaluate`` either, and each such question only adds work to a
-        guest whose one vCPU is already saturated. Raises Playwright's timeout error when
+        guest whose vCPUs are already saturated. Raises Playwright's timeout error when
         the page has not loaded in time; the next action then fails at once with that
         reason.
         """

@@ -92,9 +92,8 @@ class Task:
     ``backend`` to share one. ``sink`` receives the events (default: the
     server's ``POST /events``). ``image``, ``vcpus``, ``memory_mib``,
     ``network`` and ``desktop`` override the VM's shape (default: the tier's
-    image and that image's size: dev and desktop have 2 vCPU/2048 MiB and
-    1 vCPU/2048 MiB; the server's default egress policy, ``internet`` with
-    TAP networking). ``process_limits`` and ``env`` apply to ``in-process``.
+    image and that image's size: dev and desktop both have 2 vCPU/2048 MiB;
+    the server's default egress policy, ``internet`` with TAP networking). ``process_limits`` and ``env`` apply to ``in-process``.
 
     Raises ValueError for an unknown tier or bad limits (at construction),
     and ``hangar.errors`` classes when the sandbox cannot be had (at start).
