@@ -60,7 +60,11 @@ class Removal:
         rec = self.ctx.store.get(sandbox_id)
         if rec is None or rec.state != State.STOPPING:
             return
+        rt = self.ctx.registry.get(sandbox_id)
+        if rt is not None and rt.agent is not None and rt.vm.alive():
+            await self.launcher.volumes.unmount(rt.agent, sandbox_id)
         await self.launcher.stop(sandbox_id, rec.pid)
+        await self.launcher.volumes.release(sandbox_id)
         if rec.sleep_snapshot:
             self.drop_snapshot(rec.sleep_snapshot)
         end = rec.desired_state if rec.desired_state in ENDINGS else State.DELETED

@@ -141,6 +141,11 @@ class SandboxManager:
         metrics.watch_capacity(self.capacity)
 
     @property
+    def volumes(self) -> Any:
+        """Named volumes (``hangar.core.volumes.Volumes``)."""
+        return self.launcher.volumes
+
+    @property
     def net(self) -> Any:
         """The network manager (``hangar.net.NetworkManager``), or None when networking is off."""
         return self.launcher.net

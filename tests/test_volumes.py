@@ -1,0 +1,140 @@
+"""Named volumes on real VMs: one writer at a time, read-only for many, data that outlives
+its sandbox and the server, files read on the host without a sandbox (docs/volumes.md).
+
+One server of the module's own (a restart is part of the story); four cold boots in all:
+a writer, a second writer after it, and two readers at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import Server, own_server
+
+
+@pytest.fixture(scope="module")
+def srv(base_image: Path) -> Iterator[Server]:
+    with own_server(base_image) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def api(srv: Server) -> Iterator[httpx.Client]:
+    with srv.client() as c:
+        yield c
+
+
+def run(api: httpx.Client, sid: str, command: str) -> str:
+    r = api.post(f"/sandboxes/{sid}/exec", json={"command": command})
+    assert r.status_code == 200, r.text
+    assert r.json()["exit_code"] == 0, r.json()
+    return r.json()["stdout"]
+
+
+def create(api: httpx.Client, volumes: dict) -> str:
+    r = api.post("/sandboxes", json={"volumes": volumes})
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def test_bad_input_is_a_clear_4xx(api: httpx.Client) -> None:
+    r = api.post("/volumes", json={"name": "tiny", "size_mib": 1})
+    assert r.status_code == 422, r.text
+    r = api.post("/volumes", json={"name": "Bad Name", "size_mib": 64})
+    assert r.status_code == 422, r.text
+    r = api.post("/volumes", json={"name": "vol-0123456789ab", "size_mib": 64})
+    assert r.status_code == 400 and "shaped like an id" in r.json()["error"]["message"]
+    r = api.post("/sandboxes", json={"volumes": {"/data": "no-such-volume"}})
+    assert r.status_code == 404 and "no-such-volume" in r.json()["error"]["message"]
+    for path in ("data", "/data/../etc", "/proc/x", "/", "/etc"):
+        r = api.post("/sandboxes", json={"volumes": {path: "whatever"}})
+        assert r.status_code == 400, (path, r.text)
+    r = api.post("/sandboxes", json={"volumes": {f"/d{i}": "v" for i in range(5)}})
+    assert r.status_code == 422, r.text
+    assert api.get("/volumes/vol-000000000000").status_code == 404
+    r = api.get("/volumes/nope/files", params={"path": "/"})
+    assert r.status_code == 404
+    assert api.get("/sandboxes").json()["sandboxes"] == []
+
+
+def test_make_list_grow_and_read_without_a_sandbox(api: httpx.Client, srv: Server) -> None:
+    r = api.post("/volumes", json={"name": "scratch", "size_mib": 64})
+    assert r.status_code == 201, r.text
+    vol = r.json()
+    assert vol["id"].startswith("vol-") and vol["size_mib"] == 64 and vol["attached"] == []
+    assert api.post("/volumes", json={"name": "scratch", "size_mib": 64}).status_code == 409
+    image = srv.data_dir / "volumes" / vol["id"] / "volume.ext4"
+    assert os.stat(image).st_blocks * 512 < 16 << 20  # sparse
+    assert [v["id"] for v in api.get("/volumes").json()["volumes"]] == [vol["id"]]
+    assert api.get("/volumes/scratch").json()["id"] == vol["id"]
+    r = api.patch(f"/volumes/{vol['id']}", json={"size_mib": 32})
+    assert r.status_code == 400 and "only grow" in r.json()["error"]["message"]
+    r = api.patch(f"/volumes/{vol['id']}", json={"size_mib": 128})
+    assert r.status_code == 200 and r.json()["size_mib"] == 128
+    assert os.stat(image).st_size == 128 << 20
+    listing = api.get(f"/volumes/{vol['id']}/files", params={"path": "/"}).json()
+    assert [e["name"] for e in listing["entries"]] == ["lost+found"]
+    r = api.get(f"/volumes/{vol['id']}/files", params={"path": "/../x\"y"})
+    assert r.status_code == 400
+    assert api.delete(f"/volumes/{vol['id']}").status_code == 204
+    assert api.get(f"/volumes/{vol['id']}").status_code == 404
+    assert not image.parent.exists()
+
+
+def test_one_writer_then_another_then_readers_and_a_restart(api: httpx.Client,
+                                                            srv: Server) -> None:
+    vol = api.post("/volumes", json={"name": "shared", "size_mib": 64}).json()
+    vid = vol["id"]
+    first = create(api, {"/data": vid})
+    got = api.get(f"/sandboxes/{first}").json()
+    assert got["volumes"] == {"/data": {"volume": vid, "read_only": False}}
+    assert got["source"] == "cold"
+    run(api, first, "mkdir -p /data/notes && echo written-by-first > /data/notes/a.txt")
+    # a second writer, or a reader, while the first writes: 409, and nothing is made
+    for spec in ("shared", {"volume": "shared", "read_only": True}):
+        r = api.post("/sandboxes", json={"volumes": {"/data": spec}})
+        assert r.status_code == 409, r.text
+        assert first in r.json()["error"]["message"]
+    assert api.delete(f"/volumes/{vid}").status_code == 409
+    assert api.patch(f"/volumes/{vid}", json={"size_mib": 128}).status_code == 409
+    assert api.post(f"/sandboxes/{first}/snapshot").status_code == 409
+    assert api.get(f"/volumes/{vid}").json()["attached"] == [
+        {"sandbox_id": first, "path": "/data", "read_only": False}]
+    assert api.delete(f"/sandboxes/{first}").status_code == 204
+
+    # the data outlives its sandbox: on the host (no sandbox) and in a second writer
+    r = api.get(f"/volumes/{vid}/files", params={"path": "/notes/a.txt"})
+    assert r.status_code == 200 and r.content == b"written-by-first\n"
+    listing = api.get(f"/volumes/{vid}/files", params={"path": "/notes"}).json()
+    assert [(e["name"], e["type"], e["size"]) for e in listing["entries"]] == [
+        ("a.txt", "file", 17)]
+    second = create(api, {"/mnt/v": "shared"})
+    assert run(api, second, "cat /mnt/v/notes/a.txt") == "written-by-first\n"
+    run(api, second, "echo second >> /mnt/v/notes/a.txt")
+    assert api.delete(f"/sandboxes/{second}").status_code == 204
+
+    # the server restarts: the volume and its data are there
+    srv.kill()
+    srv.start()
+    with srv.client() as c:
+        assert c.get(f"/volumes/{vid}").json()["attached"] == []
+        r = c.get(f"/volumes/{vid}/files", params={"path": "/notes/a.txt"})
+        assert r.content == b"written-by-first\nsecond\n"
+
+        # read-only for many at once; a writer meanwhile is refused
+        ro = {"/data": {"volume": vid, "read_only": True}}
+        readers = [create(c, ro), create(c, ro)]
+        for sid in readers:
+            assert run(c, sid, "cat /data/notes/a.txt") == "written-by-first\nsecond\n"
+            r = c.post(f"/sandboxes/{sid}/exec", json={"command": "touch /data/x"})
+            assert r.json()["exit_code"] != 0
+        assert c.post("/sandboxes", json={"volumes": {"/data": vid}}).status_code == 409
+        assert len(c.get(f"/volumes/{vid}").json()["attached"]) == 2
+        for sid in readers:
+            assert c.delete(f"/sandboxes/{sid}").status_code == 204
+        assert c.delete(f"/volumes/{vid}").status_code == 204
