@@ -43,12 +43,14 @@ import os
 import re
 import shutil
 import time
+from pathlib import PurePosixPath
 from typing import Any
 
 from hangar.core.admission import new_id
 from hangar.core.context import Context
 from hangar.core.store import VolumeAttachmentRecord, VolumeRecord
 from hangar.engines.base import VolumeDrive
+from hangar.guest import paths
 from hangar.errors import Busy, Conflict, GuestError, HangarError, InvalidRequest, NotFound
 from hangar.images import volfs
 
@@ -70,7 +72,7 @@ SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/run
                "/sys", "/usr", "/var", "/tmp")
 """Guest folders a volume may not be mounted on (nor under, for /dev, /proc, /run, /sys
 and /usr/lib/hangar, which the guest's own init and agent use)."""
-NO_SUBPATHS = ("/dev", "/proc", "/run", "/sys", "/usr/lib/hangar")
+NO_SUBPATHS = ("/dev", "/proc", "/run", "/sys", str(PurePosixPath(paths.PYTHON_DIR).parent))
 MOUNT_WAIT_S = 10
 """Seconds the guest waits for a volume's drive to appear at boot."""
 
