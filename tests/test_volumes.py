@@ -8,13 +8,15 @@ a writer, a second writer after it, and two readers at once.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import Server, own_server
+from conftest import SRC, Server, own_server
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,15 @@ def run(api: httpx.Client, sid: str, command: str) -> str:
     assert r.status_code == 200, r.text
     assert r.json()["exit_code"] == 0, r.json()
     return r.json()["stdout"]
+
+
+def backup(srv: Server, dest: Path) -> subprocess.CompletedProcess[str]:
+    """``hangar backup DEST`` of the server's data directory (it works while the server runs)."""
+    out = subprocess.run([sys.executable, "-m", "hangar.cli", "backup", str(dest), "--data-dir",
+                          str(srv.data_dir)], env={**os.environ, "PYTHONPATH": str(SRC)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out
 
 
 def create(api: httpx.Client, volumes: dict) -> str:
@@ -79,6 +90,9 @@ def test_make_list_grow_and_read_without_a_sandbox(api: httpx.Client, srv: Serve
     assert os.stat(image).st_size == 128 << 20
     listing = api.get(f"/volumes/{vol['id']}/files", params={"path": "/"}).json()
     assert [e["name"] for e in listing["entries"]] == ["lost+found"]
+    backup(srv, srv.data_dir / "b1.db")
+    copy = srv.data_dir / "b1.volumes" / f"{vol['id']}.ext4"
+    assert copy.stat().st_size == 128 << 20 and copy.stat().st_mode & 0o777 == 0o600
     r = api.get(f"/volumes/{vol['id']}/files", params={"path": "/../x\"y"})
     assert r.status_code == 400
     assert api.delete(f"/volumes/{vol['id']}").status_code == 204
@@ -103,6 +117,9 @@ def test_one_writer_then_another_then_readers_and_a_restart(api: httpx.Client,
     assert api.delete(f"/volumes/{vid}").status_code == 409
     assert api.patch(f"/volumes/{vid}", json={"size_mib": 128}).status_code == 409
     assert api.post(f"/sandboxes/{first}/snapshot").status_code == 409
+    out = backup(srv, srv.data_dir / "b2.db")  # a volume being written is not copied
+    assert f"volume {vid} not backed up: a sandbox holds it read-write" in out.stderr
+    assert not (srv.data_dir / "b2.volumes" / f"{vid}.ext4").exists()
     assert api.get(f"/volumes/{vid}").json()["attached"] == [
         {"sandbox_id": first, "path": "/data", "read_only": False}]
     assert api.delete(f"/sandboxes/{first}").status_code == 204
