@@ -155,3 +155,40 @@ def test_one_writer_then_another_then_readers_and_a_restart(api: httpx.Client,
         for sid in readers:
             assert c.delete(f"/sandboxes/{sid}").status_code == 204
         assert c.delete(f"/volumes/{vid}").status_code == 204
+
+
+def test_e2b_sdk_volumes_map_onto_hangars(api: httpx.Client, srv: Server) -> None:
+    """E2B's unmodified SDK: Volume.create/list/get_info/destroy and a sandbox's
+    volume_mounts, on Hangar's volumes."""
+    e2b = pytest.importorskip("e2b")
+    made = subprocess.run([sys.executable, "-m", "hangar.cli", "key", "add", "e2b-vol", "--e2b"],
+                          env={**os.environ, "PYTHONPATH": str(SRC),
+                               "HANGAR_DATA_DIR": str(srv.data_dir)},
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    opts = {"api_key": made.stdout.strip(), "api_url": srv.url + "/e2b"}
+    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_DOMAIN")}
+    os.environ.update({"E2B_API_URL": srv.url + "/e2b",
+                       "E2B_SANDBOX_URL": srv.url + "/e2b/envd"})
+    os.environ.pop("E2B_DOMAIN", None)
+    try:
+        vol = e2b.Volume.create("E2B_vol", **opts)
+        assert vol.volume_id.startswith("vol-") and vol.name == "E2B_vol"
+        assert [v.volume_id for v in e2b.Volume.list(**opts)
+                if v.name == "E2B_vol"] == [vol.volume_id]
+        assert api.get(f"/volumes/{vol.volume_id}").json()["size_mib"] == 1024
+        sb = e2b.Sandbox.create(volume_mounts={"/mnt/e2b": vol}, api_key=opts["api_key"])
+        try:
+            sb.commands.run("echo via-e2b > /mnt/e2b/f.txt")
+        finally:
+            sb.kill()
+        r = api.get(f"/volumes/{vol.volume_id}/files", params={"path": "/f.txt"})
+        assert r.content == b"via-e2b\n"
+        assert e2b.Volume.destroy(vol.volume_id, **opts) is True
+        assert api.get(f"/volumes/{vol.volume_id}").status_code == 404
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -65,7 +65,7 @@ MAX_VOLUMES = 1024
 """Volumes one server keeps at most."""
 MAX_READ_BYTES = 16 << 20
 """The largest file ``GET /volumes/{id}/files`` returns, bytes."""
-NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 ID = re.compile(r"^vol-[0-9a-f]{12}$")
 GUEST_PATH = re.compile(r"^(/[A-Za-z0-9._@+-]+)+$")
 SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/run", "/sbin",
@@ -100,7 +100,7 @@ def check_name(name: str) -> str:
     """A volume's name: 1-63 of ``a-z0-9._-``, starting with a letter or digit, and not
     shaped like an id. Raises InvalidRequest."""
     if not isinstance(name, str) or not NAME.match(name) or ID.match(name):
-        raise InvalidRequest("a volume's name is 1-63 characters of a-z, 0-9, '.', '_' and "
+        raise InvalidRequest("a volume's name is 1-63 characters of A-Z, a-z, 0-9, '.', '_' and "
                              "'-', starting with a letter or digit, and not shaped like an id "
                              "(vol-<12 hex digits>)")
     return name

@@ -12,7 +12,7 @@ from hangar.schemas.base import Model, RequestBody
 
 MAX_VOLUMES_PER_SANDBOX = 4
 """Volumes one sandbox attaches at most (``hangar.core.volumes.MAX_PER_SANDBOX``)."""
-VOLUME_NAME = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+VOLUME_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 
 
 class VolumeMount(RequestBody):
@@ -42,7 +42,7 @@ class CreateVolume(RequestBody):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(pattern=VOLUME_NAME, description="Unique name: 1-63 of a-z 0-9 . _ -, "
+    name: str = Field(pattern=VOLUME_NAME, description="Unique name: 1-63 of A-Z a-z 0-9 . _ -, "
                                                        "not shaped like an id (vol-...).")
     size_mib: int = Field(ge=16, le=1 << 20, description="Size, MiB (16 MiB to 1 TiB); the "
                                                          "host holds only what is written.")
