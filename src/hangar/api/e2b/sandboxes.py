@@ -70,6 +70,9 @@ def _check_create(body: NewSandbox) -> None:
     """Refuse what Hangar cannot honour, naming the field."""
     if body.volumeMounts and len({v.path for v in body.volumeMounts}) != len(body.volumeMounts):
         raise InvalidRequest("volumeMounts: each path once", field="volumeMounts")
+    if body.volumeMounts and body.autoPause:
+        raise InvalidRequest("autoPause: a sandbox with volumeMounts cannot pause (volumes are "
+                             "left out of snapshots)", field="autoPause")
     if body.mcp:
         raise InvalidRequest("mcp: Hangar does not start E2B's MCP gateway", field="mcp")
     if body.iam and body.iam.get("tokens"):
