@@ -133,12 +133,16 @@ def test_one_writer_then_another_then_readers_and_a_restart(api: httpx.Client,
     second = create(api, {"/mnt/v": "shared"})
     assert run(api, second, "cat /mnt/v/notes/a.txt") == "written-by-first\n"
     run(api, second, "echo second >> /mnt/v/notes/a.txt")
-    assert api.delete(f"/sandboxes/{second}").status_code == 204
 
-    # the server restarts: the volume and its data are there
+    # the server restarts while the second writes: its VM is adopted and keeps the volume;
+    # deleted then (no call since the restart), its guest still unmounts it first
     srv.kill()
     srv.start()
     with srv.client() as c:
+        assert c.get(f"/volumes/{vid}").json()["attached"] == [
+            {"sandbox_id": second, "path": "/mnt/v", "read_only": False}]
+        assert c.post("/sandboxes", json={"volumes": {"/data": vid}}).status_code == 409
+        assert c.delete(f"/sandboxes/{second}").status_code == 204
         assert c.get(f"/volumes/{vid}").json()["attached"] == []
         r = c.get(f"/volumes/{vid}/files", params={"path": "/notes/a.txt"})
         assert r.content == b"written-by-first\nsecond\n"

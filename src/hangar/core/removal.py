@@ -61,8 +61,8 @@ class Removal:
         if rec is None or rec.state != State.STOPPING:
             return
         rt = self.ctx.registry.get(sandbox_id)
-        if rt is not None and rt.agent is not None and rt.vm.alive():
-            await self.launcher.volumes.unmount(rt.agent, sandbox_id)
+        if rt is not None and rt.vm.alive():  # what its guest wrote reaches its volumes
+            await self.launcher.volumes.unmount(rt, sandbox_id, self.launcher.reconnect)
         await self.launcher.stop(sandbox_id, rec.pid)
         await self.launcher.volumes.release(sandbox_id)
         if rec.sleep_snapshot:

@@ -159,6 +159,7 @@ class SandboxManager:
     async def start(self) -> None:
         """Recover what a previous server left, start the reconcile loop, fill the pool."""
         await self.recovery.run()
+        self.launcher.volumes.sweep()
         self.reconciler.start()
         if self.pool is not None:
             self.pool.kick()

@@ -44,11 +44,12 @@ import re
 import shutil
 import time
 from pathlib import PurePosixPath
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hangar.core.admission import new_id
 from hangar.core.context import Context
-from hangar.core.store import VolumeAttachmentRecord, VolumeRecord
+from hangar.core.store import SandboxRecord, VolumeAttachmentRecord, VolumeRecord
 from hangar.engines.base import VolumeDrive
 from hangar.guest import paths
 from hangar.errors import Busy, Conflict, GuestError, HangarError, InvalidRequest, NotFound
@@ -75,6 +76,8 @@ and /usr/lib/hangar, which the guest's own init and agent use)."""
 NO_SUBPATHS = ("/dev", "/proc", "/run", "/sys", str(PurePosixPath(paths.PYTHON_DIR).parent))
 MOUNT_WAIT_S = 10
 """Seconds the guest waits for a volume's drive to appear at boot."""
+UNMOUNT_S = 15
+"""Seconds a guest has to unmount its volumes when its sandbox ends."""
 
 MOUNT_SCRIPT = r"""
 while [ $# -ge 3 ]; do
@@ -174,7 +177,7 @@ def mount_meta(attached: list[VolumeAttachmentRecord]) -> dict[str, Any]:
 def unmount_meta(paths: list[str]) -> dict[str, Any]:
     """The agent exec that unmounts (else remounts read-only, else syncs) ``paths``."""
     return {"op": "exec", "argv": ["/bin/sh", "-c", UNMOUNT_SCRIPT, "unmount-volumes", *paths],
-            "timeout": 15}
+            "timeout": UNMOUNT_S}
 
 
 class Volumes:
@@ -209,10 +212,13 @@ class Volumes:
         return self.ctx.layout.volume(volume_id).image
 
     async def create(self, name: str, size_mib: int) -> VolumeRecord:
-        """Make an empty volume. Raises InvalidRequest (bad name or size), Conflict (the
-        name is taken), LimitExceeded-like InvalidRequest (too many volumes), EngineError."""
+        """Make an empty volume. Raises InvalidRequest (bad name or size, too many volumes, a
+        cluster node), Conflict (the name is taken), EngineError (mkfs failed)."""
         check_name(name)
         check_size(size_mib)
+        if self.ctx.settings.etcd:
+            raise InvalidRequest("volumes are kept by one host; a cluster's nodes (HANGAR_ETCD) "
+                                 "do not share them yet")
         store = self.ctx.store
         if store.volume_by_name(name) is not None or name in self._busy:
             raise Conflict(f"a volume named {name!r} exists already", volume=name)
@@ -354,17 +360,28 @@ class Volumes:
             raise GuestError(f"mounting the sandbox's volumes failed: "
                              f"{_text(res.stderr)[-300:]}", sandbox_id=sandbox_id)
 
-    async def unmount(self, agent: Any, sandbox_id: str) -> None:
+    async def unmount(self, rt: Any, sandbox_id: str,
+                      reconnect: Callable[[Any, float], Awaitable[Any]]) -> None:
         """Unmount the sandbox's writable volumes in its guest before its VM ends, so what
-        it wrote reaches the images; best effort, never raises."""
+        it wrote reaches the images. ``rt``: its runtime; without an agent connection (an
+        adopted VM nobody called since a restart) one is opened with ``reconnect(vm,
+        timeout)`` for it. Best effort: never raises."""
         paths = [a.path for a in self.ctx.store.attachments(sandbox_id) if not a.read_only]
-        if not paths or agent is None:
+        if not paths:
             return
+        opened = None
         try:
-            await asyncio.wait_for(agent.exec(unmount_meta(paths)), 20)
+            agent = rt.agent
+            if agent is None:
+                agent = opened = await asyncio.wait_for(reconnect(rt.vm, UNMOUNT_S),
+                                                        UNMOUNT_S + 1)
+            await asyncio.wait_for(agent.exec(unmount_meta(paths)), UNMOUNT_S + 5)
         except (HangarError, asyncio.TimeoutError, OSError) as exc:
             log.warning("volumes not unmounted before the VM ended",
                         extra={"sandbox_id": sandbox_id, "error": repr(exc)[:200]})
+        finally:
+            if opened is not None:
+                await opened.close()
 
     async def release(self, sandbox_id: str) -> None:
         """Forget a gone sandbox's attachments; each of its volumes that no other sandbox
@@ -390,6 +407,25 @@ class Volumes:
                             extra={"volume_id": a.volume_id, "error": repr(exc)[:200]})
             finally:
                 self._busy.discard(a.volume_id)
+
+    def sweep(self) -> int:
+        """At start, after recovery: forget attachments whose sandbox record is gone (a create
+        a restart interrupted) and give each volume no sandbox holds its 0600 mode back.
+        Returns how many attachments went. Never raises."""
+        store = self.ctx.store
+        gone = 0
+        try:
+            for a in store.list(VolumeAttachmentRecord):
+                if store.find(SandboxRecord, a.sandbox_id) is None:
+                    gone += store.detach_volumes(a.sandbox_id)
+            for vol in store.list(VolumeRecord):
+                if not self.holders(vol.id):
+                    image = self.image(vol.id)
+                    if image.exists() and image.stat().st_mode & 0o777 != 0o600:
+                        os.chmod(image, 0o600)
+        except (OSError, HangarError) as exc:
+            log.warning("volume sweep failed", extra={"error": repr(exc)[:200]})
+        return gone
 
     # -- files ---------------------------------------------------------------------
 
