@@ -39,8 +39,12 @@ TOOL_TIMEOUT_S = 60.0
 """Wall-clock limit of one e2fsprogs run, seconds (resize2fs of a large image is the slow one)."""
 MAX_LISTING = 4096
 """Entries a listing returns at most (the rest are counted, not returned)."""
+MAX_RUNNING = 4
+"""e2fsprogs runs at once, server-wide; more wait their turn (a flood of file reads
+cannot fork without bound)."""
 IMAGE_IN_VIEW = "/volume.ext4"
 _warned = False
+_slots: asyncio.Semaphore | None = None
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,16 @@ def confined_argv(image: Path, argv: list[str], *, writable: bool = False) -> tu
 
 async def _run(argv: list[str], *, limit: int = 1 << 20,
                timeout: float = TOOL_TIMEOUT_S) -> tuple[int, bytes, str]:
-    """Run ``argv``; (exit code, stdout up to ``limit`` + 1 bytes, stderr text). Raises
-    EngineError when it cannot start or outlives ``timeout``."""
+    """Run ``argv`` (at most ``MAX_RUNNING`` at once); (exit code, stdout up to ``limit`` + 1
+    bytes, stderr text). Raises EngineError when it cannot start or outlives ``timeout``."""
+    global _slots
+    if _slots is None:
+        _slots = asyncio.Semaphore(MAX_RUNNING)
+    async with _slots:
+        return await _run_one(argv, limit=limit, timeout=timeout)
+
+
+async def _run_one(argv: list[str], *, limit: int, timeout: float) -> tuple[int, bytes, str]:
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
