@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
 from hangar.schemas.base import Model, RequestBody
 from hangar.schemas.bounds import METADATA_ENTRIES, check_metadata, check_network
-from hangar.schemas.volumes import MAX_VOLUMES_PER_SANDBOX, MountedVolume, VolumeMount
+from hangar.schemas.volumes import MAX_VOLUMES_PER_SANDBOX, MountPath, MountedVolume, VolumeMount
 
 
 class CreateSandbox(RequestBody):
@@ -35,7 +35,7 @@ class CreateSandbox(RequestBody):
         None, pattern=r"^[1-9][0-9]{2,4}x[1-9][0-9]{2,4}x(16|24)$",
         description="Start a desktop of WIDTHxHEIGHTxDEPTH (pixels, bits), e.g. 1280x800x24; "
                     "needs an image with one (the 'desktop' recipe).")
-    volumes: dict[str, str | VolumeMount] | None = Field(
+    volumes: dict[MountPath, Annotated[str, Field(max_length=64)] | VolumeMount] | None = Field(
         None, max_length=MAX_VOLUMES_PER_SANDBOX,
         description="Named volumes by guest mount path (absolute, no '..'): a volume's id or "
                     "name (read-write, one writer at a time) or {'volume': ..., 'read_only': "

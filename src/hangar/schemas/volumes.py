@@ -6,12 +6,16 @@ image that outlives sandboxes; see docs/volumes.md.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import ConfigDict, Field
 
 from hangar.schemas.base import Model, RequestBody
 
 MAX_VOLUMES_PER_SANDBOX = 4
 """Volumes one sandbox attaches at most (``hangar.core.volumes.MAX_PER_SANDBOX``)."""
+MountPath = Annotated[str, Field(min_length=1, max_length=256)]
+"""A guest mount path (``hangar.core.volumes.check_mount_path`` checks the rest)."""
 VOLUME_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 
 
