@@ -147,11 +147,16 @@ class QemuEngine(Engine):
         (``SandboxPaths.volume``); returns the links the VMM writes (they become its own
         with its disk: ``Confinement.prepare``'s ``owned``). A read-only volume's image is
         made readable (0644: only VMMs whose folder holds a link reach it) and stays the
-        server's. Raises OSError."""
+        server's. Raises EngineError (volumes/ and sandboxes/ must be one filesystem)."""
         writable = []
         for v in spec.volumes:
             link = spec.paths.volume(v.index)
-            os.link(v.image, link)
+            try:
+                os.link(v.image, link)
+            except OSError as exc:  # e.g. EXDEV: volumes/ and sandboxes/ on two filesystems
+                raise EngineError(f"cannot link volume image {v.image.parent.name} into the "
+                                  f"sandbox's folder: {exc.strerror}",
+                                  sandbox_id=spec.sandbox_id) from None
             if v.read_only:
                 os.chmod(link, 0o644)
             else:
