@@ -191,3 +191,23 @@ def test_e2b_sdk_volumes_map_onto_hangars(api: httpx.Client, srv: Server) -> Non
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def test_a_broken_image_is_a_clear_400_and_its_tools_run_confined(api: httpx.Client,
+                                                                  srv: Server) -> None:
+    """What a guest wrote is hostile: a volume whose filesystem is garbage is a 400 from the
+    files route (debugfs, under bwrap, never a host mount), not a 500."""
+    from hangar.images import volfs
+
+    vid = api.post("/volumes", json={"name": "broken", "size_mib": 16}).json()["id"]
+    image = srv.data_dir / "volumes" / vid / "volume.ext4"
+    with open(image, "r+b") as f:
+        f.write(os.urandom(1 << 16))
+    r = api.get(f"/volumes/{vid}/files", params={"path": "/"})
+    assert r.status_code == 400 and "cannot be read" in r.json()["error"]["message"], r.text
+    r = api.patch(f"/volumes/{vid}", json={"size_mib": 32})
+    assert r.status_code == 400 and "repair" in r.json()["error"]["message"], r.text
+    assert api.delete(f"/volumes/{vid}").status_code == 204
+    argv, inside = volfs.confined_argv(image, ["debugfs", "-R", "ls", volfs.IMAGE_IN_VIEW])
+    assert argv[0].endswith("bwrap") and "--unshare-all" in argv and inside == "/volume.ext4"
+    assert argv[argv.index(str(image)) - 1] == "--ro-bind"
