@@ -50,7 +50,7 @@ from typing import Any
 from hangar.core.admission import new_id
 from hangar.core.context import Context
 from hangar.core.store import SandboxRecord, VolumeAttachmentRecord, VolumeRecord
-from hangar.engines.base import VolumeDrive
+from hangar.engines.base import VolumeDrive, volume_serial
 from hangar.guest import paths
 from hangar.errors import Busy, Conflict, GuestError, HangarError, InvalidRequest, NotFound
 from hangar.images import volfs
@@ -167,9 +167,7 @@ def mount_meta(attached: list[VolumeAttachmentRecord]) -> dict[str, Any]:
     """The agent exec that mounts ``attached`` in the guest (each by its drive's serial)."""
     args: list[str] = []
     for a in attached:
-        drive = VolumeDrive(image=None, index=a.index, read_only=a.read_only,  # type: ignore
-                            size_mib=0)
-        args += [drive.serial, a.path, "ro,noload" if a.read_only else "rw"]
+        args += [volume_serial(a.index), a.path, "ro,noload" if a.read_only else "rw"]
     return {"op": "exec", "argv": ["/bin/sh", "-c", MOUNT_SCRIPT, "mount-volumes", *args],
             "env": {"WAIT": str(MOUNT_WAIT_S)}, "timeout": MOUNT_WAIT_S + 20}
 

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from hangar.images import GuestImage
     from hangar.net.attachment import NetAttachment
 
-__all__ = ["VM", "Engine", "SnapshotFiles", "VMSpec", "VolumeDrive", "kill_process"]
+__all__ = ["VM", "Engine", "SnapshotFiles", "VMSpec", "VolumeDrive", "kill_process",
+           "volume_serial"]
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,14 @@ class VolumeDrive:
 
     @property
     def serial(self) -> str:
-        """The drive's virtio-blk serial, which the guest reads in ``/sys/block/vd*/serial``."""
-        return f"hangar-vol{self.index}"
+        """The drive's virtio-blk serial (``volume_serial``)."""
+        return volume_serial(self.index)
+
+
+def volume_serial(index: int) -> str:
+    """The virtio-blk serial of a VM's ``index``-th volume drive, which its guest reads in
+    ``/sys/block/vd*/serial`` to find it."""
+    return f"hangar-vol{index}"
 
 
 @dataclass(frozen=True)
