@@ -33,7 +33,7 @@ def test_every_rest_route_has_an_sdk_method() -> None:
         for name, fn in inspect.getmembers(cls, inspect.isfunction):
             if name.startswith("_"):
                 continue
-            for m, p in re.findall(r"``(GET|POST|PUT|DELETE) (/[^`]*)``", fn.__doc__ or ""):
+            for m, p in re.findall(r"``(GET|POST|PUT|PATCH|DELETE) (/[^`]*)``", fn.__doc__ or ""):
                 named.add((m, norm(p)))
         assert routes - named == set(), f"{cls.__name__} lacks methods for {routes - named}"
         assert named - routes == set(), f"{cls.__name__} names unknown routes {named - routes}"

@@ -68,11 +68,17 @@ literals of their own. Everything lives under one data directory
             agent.sock          the vsock host socket (the agent channel)
             firecracker.log     Firecracker's own log
             snapshot.vmstate, snapshot.memory   hard links of a snapshot being restored
+          volume-<n>.ext4       QEMU: a hard link of an attached volume's image (n: 0-3),
+                                removed with the folder (hangar.core.volumes)
       snapshots/
         <snapshot id>/          snapshot.json (manifest, written last) and
                                 QEMU: state.mig (device state and RAM), disk.qcow2
                                 Firecracker: vmstate, memory, disk.ext4
                                 (see hangar.engines.snapshot_io)
+      volumes/
+        <vol id>/volume.ext4    a named volume: a sparse ext4 image (mkfs.ext4, never
+                                mounted on the host; hangar.core.volumes), 0600 while
+                                no VMM holds it
       backups/                  ``hangar backup``'s default folder (hangar.ops.backup)
       cluster-epochs.json       a cluster node's epoch of each sandbox it owns (hangar.cluster)
       hangar.pid, hangar.log    the server's pid and log when it runs without systemd
@@ -193,6 +199,15 @@ class Layout:
         return self.root / "snapshots"
 
     @property
+    def volumes(self) -> Path:
+        """Named volumes' folders (``hangar.core.volumes``)."""
+        return self.root / "volumes"
+
+    def volume(self, volume_id: str) -> "VolumePaths":
+        """The files of one named volume."""
+        return VolumePaths(self.volumes / volume_id)
+
+    @property
     def backups(self) -> Path:
         """Default folder of ``hangar backup``; made (0700) by it, not by ``ensure``."""
         return self.root / "backups"
@@ -243,7 +258,7 @@ class Layout:
         """Create the top-level folders (mode 0700 for the root)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o700)
-        for p in (self.cache, self.images, self.sandboxes, self.snapshots):
+        for p in (self.cache, self.images, self.sandboxes, self.snapshots, self.volumes):
             p.mkdir(exist_ok=True)
 
 
@@ -306,9 +321,25 @@ class SandboxPaths:
         """Firecracker: what was booted (ids, image, shape)."""
         return self.dir / "vm.json"
 
+    def volume(self, n: int) -> Path:
+        """QEMU: the hard link of the sandbox's ``n``-th attached volume image."""
+        return self.dir / f"volume-{n}.ext4"
+
     def firecracker(self, vm_id: str, jailed: bool) -> "FirecrackerPaths":
         """The files of this sandbox's Firecracker VMM with ``--id vm_id``."""
         return FirecrackerPaths(self, vm_id, jailed)
+
+
+@dataclass(frozen=True)
+class VolumePaths:
+    """Files of one named volume (``hangar.core.volumes``)."""
+
+    dir: Path
+
+    @property
+    def image(self) -> Path:
+        """The volume's sparse ext4 image."""
+        return self.dir / "volume.ext4"
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,17 @@ async def create(m: Manager, placed: Placed, body: CreateSandbox | None = None) 
         image=body.image, vcpus=body.vcpus, memory_mib=body.memory_mib,
         disk_mib=body.disk_mib, timeout_s=body.timeout, metadata=body.metadata,
         desktop=body.desktop, network=body.network,
+        volumes={p: v if isinstance(v, str) else v.model_dump() for p, v in body.volumes.items()}
+        if body.volumes else None,
     ), placed)
-    return view(rec)
+    return _with_volumes(m, view(rec))
+
+
+def _with_volumes(m: SandboxManager, out: Sandbox) -> Sandbox:
+    got = m.volumes.view(out.id)
+    if got:
+        out.volumes = got
+    return out
 
 
 @router.get("", response_model=SandboxList, summary="List sandboxes that are not deleted")
@@ -55,7 +64,7 @@ async def list_(m: Manager) -> SandboxList:
 @router.get("/{sandbox_id}", response_model=Sandbox,
             summary="One sandbox, with the host memory its VM costs beside its guest's use")
 async def get(sandbox_id: str, m: Manager) -> Sandbox:
-    out = view(m.get(sandbox_id))
+    out = _with_volumes(m, view(m.get(sandbox_id)))
     if out.state == "running":
         usage = await m.memory(sandbox_id)
         if usage is not None:

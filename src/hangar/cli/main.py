@@ -8,7 +8,7 @@ agent tools of ``hangar.tools`` over MCP), ``hangar cluster``/``node``,
 Client side (talks to a server at ``HANGAR_URL`` with ``HANGAR_API_KEY`` or
 the key file), through the public SDK (``hangar.client``) only: ``create``,
 ``ls``, ``exec``, ``shell``, ``rm``, ``ttl``, ``events`` (``sandbox``),
-``status``, ``files``, ``snapshot``, ``machine``, ``desktop``, ``port``
+``status``, ``files``, ``snapshot``, ``volume``, ``machine``, ``desktop``, ``port``
 (``ports``).
 Errors print one line and exit 1; ``exec`` exits with the command's code.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import typer
 
-from hangar.cli import desktop, files, image, machine, ops, ports, sandbox, snapshot
+from hangar.cli import desktop, files, image, machine, ops, ports, sandbox, snapshot, volume
 from hangar.cli.cluster import cluster_app, node_app
 from hangar.cli.host import bench_app, doctor
 from hangar.cli.key import app as key_app
@@ -49,6 +49,7 @@ app.add_typer(image.app, name="image")
 app.add_typer(files.app, name="files")
 app.add_typer(machine.app, name="machine")
 app.add_typer(snapshot.app, name="snapshot")
+app.add_typer(volume.app, name="volume")
 app.add_typer(desktop.app, name="desktop")
 app.add_typer(ports.app, name="port")
 app.add_typer(bench_app, name="bench")

@@ -111,9 +111,11 @@ def backup(
     keep: Annotated[Optional[int], typer.Option(
         help="Then delete all but the newest KEEP hangar-*.db in the folder.")] = None,
 ) -> None:
-    """Back up the database while the server runs (SQLite's online backup)."""
+    """Back up the database while the server runs (SQLite's online backup), and the named
+    volumes beside it (hangar-<time>.volumes/; a volume a sandbox writes is skipped)."""
     from hangar.layout import Layout
     from hangar.ops.backup import backup_database, prune
+    from hangar.ops.volume_backup import backup_volumes
 
     layout = Layout(data_dir or _settings().data_dir)
     if dest is None:
@@ -121,11 +123,16 @@ def backup(
         dest.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
         report = backup_database(layout.database, dest)
+        vols = backup_volumes(layout, report.path)
         removed = prune(report.path.parent, keep) if keep else []
     except HangarError as exc:
         _fail(exc.message)
         return
     rows = ", ".join(f"{n} {t}" for t, n in report.rows.items())
     typer.echo(f"{report.path}: {report.size_bytes} bytes in {report.duration_s:.2f} s ({rows})")
+    if vols.folder is not None:
+        typer.echo(f"{vols.folder}: {len(vols.copied)} volumes, {vols.size_bytes} bytes on disk")
+    for vid, why in vols.skipped.items():
+        typer.echo(f"volume {vid} not backed up: {why}", err=True)
     for p in removed:
         typer.echo(f"removed {p}")

@@ -24,11 +24,15 @@ def create(
     memory: Annotated[Optional[int], typer.Option(help="Memory, MiB.")] = None,
     disk: Annotated[Optional[int], typer.Option(help="Disk, MiB.")] = None,
     timeout: Annotated[Optional[float], typer.Option(help="Time to live, seconds.")] = None,
+    volume: Annotated[Optional[list[str]], typer.Option(
+        "--volume", "-v", help="Mount a named volume: PATH=VOLUME, or PATH=VOLUME:ro for a "
+                               "read-only mount (repeatable, at most 4).")] = None,
 ) -> None:
     """Create a sandbox and print its id."""
+    from hangar.cli.volume import parse_mounts
     with sdk() as h:
         sb = h.create(image, vcpus=vcpus, memory_mib=memory, disk_mib=disk, timeout=timeout,
-                      desktop=desktop)
+                      desktop=desktop, volumes=parse_mounts(volume or []) or None)
     out.print(sb.id)
 
 

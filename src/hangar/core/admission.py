@@ -93,6 +93,8 @@ class CreateOptions:
     """The user whose machine it is (``hangar.core.machines``), or None."""
     e2b: dict[str, Any] | None = None
     """E2B's options of a create through ``/e2b`` (``hangar.core.e2b.Options.as_dict``)."""
+    volumes: dict[str, Any] | None = None
+    """Named volumes by guest path (``hangar.core.volumes.parse_request``), or None."""
 
 
 def new_id(prefix: str = "sb-") -> str:

@@ -58,6 +58,8 @@ class Creation:
         if opts.desktop:
             check_desktop(opts.desktop, image)
         network = self.launcher.policy(opts.network)
+        volumes = self.launcher.volumes
+        volumes.plan("-", opts.volumes)  # a bad request is a 4xx before anything else
         sid = placement.sandbox_id if placement is not None else None
         if sid is None and self.pool is not None and self.pool.fits(opts, image):
             rec = await self._from_pool(opts, image, started)
@@ -65,7 +67,9 @@ class Creation:
                 return rec
         rec = self.admission.new_record(sid or new_id(), State.CREATING, image, opts, network)
         async with self.admission.slot(memory_mib=rec.memory_mib):
-            self.ctx.store.add(rec)
+            # checked and written in one step of the event loop: two creates cannot
+            # both take a volume's one writer's place (hangar.core.volumes)
+            self.ctx.store.add(rec, *volumes.plan(rec.id, opts.volumes))
         chosen = ["template" if self.launcher.templates.enabled else "cold"]
 
         async def start() -> str:
@@ -128,7 +132,10 @@ class Creation:
                                            **fields)
             except BaseException as exc:
                 await self.launcher.stop(rec.id)
-                if not ctx.store.discard(rec.id, State.CREATING):
+                discarded = ctx.store.discard(rec.id, State.CREATING)
+                if discarded:
+                    await self.launcher.volumes.release(rec.id)
+                if not discarded:
                     cur = ctx.store.get(rec.id)
                     if cur is not None and cur.state in (State.STOPPING, State.DELETED):
                         ctx.metrics.creates.labels("deleted").inc()

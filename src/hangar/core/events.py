@@ -19,6 +19,7 @@ Kinds (``data`` fields in brackets)::
     snapshot.restored [snapshot_id, generation]
     snapshot.forked   [snapshot_id, generation]   (the guest's new fork generation)
     port.exposed      [port, public]   port.closed [port]
+    volume.created    [volume_id, size_mib]   volume.deleted [volume_id]
     agent.task.started  agent.tool.started  agent.tool.finished  agent.task.ended
 
 Rules: an event never carries command output, environment variables, file

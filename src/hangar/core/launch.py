@@ -38,6 +38,7 @@ from hangar.core.startup import needs_start, run_template
 from hangar.core.templates import TemplateSnapshots, nic_of
 from hangar.core.store import SandboxRecord, SnapshotRecord
 from hangar.core.testhooks import crash_point
+from hangar.core.volumes import Volumes
 from hangar.engines.base import VM, VMSpec
 from hangar.engines.boot_phases import boot_phases
 from hangar.engines.boot_phases import describe as describe_phases
@@ -101,6 +102,8 @@ class Launcher:
         self.net = network_manager(ctx.settings)
         self.templates = TemplateSnapshots(ctx.settings, ctx.layout, ctx.engine, self.net,
                                            ctx.publish)
+        self.volumes = Volumes(ctx)
+        """Named volumes (``hangar.core.volumes``): attached at boot, released at the end."""
 
     # -- network -----------------------------------------------------------------
 
@@ -143,7 +146,8 @@ class Launcher:
              net: NetAttachment | None = None) -> VMSpec:
         kernel_args = self.kernel_args(rec)
         return VMSpec(rec.id, image, self.ctx.layout.sandbox(rec.id), rec.vcpus, rec.memory_mib,
-                      rec.disk_mib, hostname=rec.id, kernel_args=kernel_args, net=net)
+                      rec.disk_mib, hostname=rec.id, kernel_args=kernel_args, net=net,
+                      volumes=self.volumes.drives(rec.id))
 
     async def launch(self, rec: SandboxRecord, start: Callable[[NetAttachment | None], Awaitable[VM]],
                      expect: Collection[State], *, with_nic: bool = True,
@@ -195,6 +199,7 @@ class Launcher:
 
         async def ready(agent: AgentClient, net: NetAttachment | None) -> None:
             self.publish_boot(rec.id, agent.hello, time.monotonic() - started)
+            await self.volumes.mount(agent, rec.id)
             if template is not None and needs_start(template):
                 await run_template(agent, template, name=image.name, sandbox_id=rec.id)
 
@@ -223,9 +228,10 @@ class Launcher:
 
     async def template_for(self, rec: SandboxRecord, image: GuestImage) -> Any:
         """The template snapshot folder ``rec`` can be restored from, or None (boot cold):
-        only for the image's default size and disk (``templates`` module docstring)."""
+        only for the image's default size and disk (``templates`` module docstring), and
+        without volumes (``hangar.core.volumes``)."""
         t = self.templates
-        if not t.enabled:
+        if not t.enabled or self.volumes.has(rec.id):  # volumes: booted (core.volumes)
             return None
         vcpus, memory = default_size(image, self.ctx.settings)
         if (rec.vcpus, rec.memory_mib, rec.disk_mib) != (

@@ -110,7 +110,7 @@ class WarmPool:
         s = self.ctx.settings
         vcpus, memory = default_size(image, s)
         return (self.targets.get(image.name, 0) > 0 and not opts.desktop
-                and opts.network is None
+                and opts.network is None and not opts.volumes
                 and opts.vcpus in (None, vcpus)
                 and opts.memory_mib in (None, memory)
                 and opts.disk_mib in (None, s.default_disk_mib))

@@ -60,7 +60,11 @@ class Removal:
         rec = self.ctx.store.get(sandbox_id)
         if rec is None or rec.state != State.STOPPING:
             return
+        rt = self.ctx.registry.get(sandbox_id)
+        if rt is not None and rt.vm.alive():  # what its guest wrote reaches its volumes
+            await self.launcher.volumes.unmount(rt, sandbox_id, self.launcher.reconnect)
         await self.launcher.stop(sandbox_id, rec.pid)
+        await self.launcher.volumes.release(sandbox_id)
         if rec.sleep_snapshot:
             self.drop_snapshot(rec.sleep_snapshot)
         end = rec.desired_state if rec.desired_state in ENDINGS else State.DELETED

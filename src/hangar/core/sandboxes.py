@@ -141,6 +141,11 @@ class SandboxManager:
         metrics.watch_capacity(self.capacity)
 
     @property
+    def volumes(self) -> Any:
+        """Named volumes (``hangar.core.volumes.Volumes``)."""
+        return self.launcher.volumes
+
+    @property
     def net(self) -> Any:
         """The network manager (``hangar.net.NetworkManager``), or None when networking is off."""
         return self.launcher.net
@@ -154,6 +159,7 @@ class SandboxManager:
     async def start(self) -> None:
         """Recover what a previous server left, start the reconcile loop, fill the pool."""
         await self.recovery.run()
+        self.launcher.volumes.sweep()
         self.reconciler.start()
         if self.pool is not None:
             self.pool.kick()

@@ -60,6 +60,7 @@ class Sleeper:
             rec = ctx.record(sandbox_id)
             if rec.state == State.SLEEPING:
                 return rec
+            self.launcher.volumes.refuse_snapshot(sandbox_id, "sleep")
             rec, rt = running_and_idle(ctx, sandbox_id)
             ctx.store.transition(sandbox_id, State.RUNNING, State.SNAPSHOTTING,
                                  desired_state=State.SLEEPING)
@@ -88,6 +89,8 @@ class Sleeper:
         if state not in (State.RUNNING, State.SLEEPING):
             raise ValueError(f"cannot want {state}")
         rec = self.ctx.record(sandbox_id)
+        if state == State.SLEEPING:
+            self.launcher.volumes.refuse_snapshot(sandbox_id, "sleep")
         if rec.state not in (State.RUNNING, State.SLEEPING, State.SNAPSHOTTING, State.WAKING):
             raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}", sandbox_id=sandbox_id,
                            state=rec.state.value)

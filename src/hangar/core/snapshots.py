@@ -105,6 +105,7 @@ class Snapshots:
         """
         ctx = self.ctx
         started = time.monotonic()
+        self.launcher.volumes.refuse_snapshot(sandbox_id, "be snapshotted")
         async with ctx.registry.lock(sandbox_id):
             rec, rt = running_and_idle(ctx, sandbox_id)
             self.admission.check_snapshot_room(rec)

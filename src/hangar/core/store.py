@@ -1,4 +1,5 @@
-"""Persistent records in SQLite (SQLAlchemy 2 ORM): sandboxes, snapshots, machines, ports.
+"""Persistent records in SQLite (SQLAlchemy 2 ORM): sandboxes, snapshots, machines, ports,
+volumes and their attachments.
 
 The store is the source of truth across server restarts: on start the
 orchestrator reads every live record and adopts or cleans up its VM
@@ -11,8 +12,10 @@ that ``hangar.core.lifecycle.MOVES`` allows. ``update`` changes any other
 field and refuses ``state``. Listeners registered with ``on_transition``
 hear every move once it is committed (the event bus uses this).
 
-Columns added since a data directory was made are added to its tables at
-start (``ALTER TABLE ... ADD COLUMN``, nullable), so old databases keep working.
+Tables added since a data directory was made are created at start
+(``create_all`` makes only the missing ones, e.g. ``volumes`` and
+``volume_attachments``), and columns added since are added to their tables
+(``ALTER TABLE ... ADD COLUMN``, nullable), so old databases keep working.
 
 A sandbox's ``metadata`` is the client's and opaque: nothing in Hangar reads
 it as state. What the server keeps of its own (a machine's user and idle
@@ -153,6 +156,34 @@ class PortRecord(Base):
     public: Mapped[bool] = mapped_column(Boolean, default=False)
     nonce: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[float] = mapped_column(Float)
+class VolumeRecord(Base):
+    """A named volume (``hangar.core.volumes``): an ext4 image that outlives sandboxes.
+
+    ``size_mib`` in MiB; times are Unix seconds."""
+
+    __tablename__ = "volumes"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    size_mib: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class VolumeAttachmentRecord(Base):
+    """A volume attached to a sandbox at ``path`` in its guest; ``index`` is its drive's
+    place among the sandbox's volumes (``SandboxPaths.volume``). It holds the volume while
+    the sandbox lives (``Store.volume_holders``)."""
+
+    __tablename__ = "volume_attachments"
+
+    sandbox_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    volume_id: Mapped[str] = mapped_column(String(32), primary_key=True, index=True)
+    index: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(String(256))
+    read_only: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
 class CounterRecord(Base):
     """A named number that only grows (``Store.next_value``)."""
 
@@ -489,7 +520,7 @@ class Store:
 
     def purge(self, older_than: float) -> int:
         """Remove tombstones (``deleted``, ``expired``) last changed before ``older_than``
-        (Unix seconds), with their exposed ports; returns how many went."""
+        (Unix seconds), with their exposed ports and volume attachments; returns how many went."""
         with self.session() as s, s.begin():
             gone = select(SandboxRecord.id).where(SandboxRecord.state.in_(list(GONE)),
                                                   SandboxRecord.updated_at < older_than)
@@ -497,6 +528,8 @@ class Store:
             for i in range(0, len(ids), 500):
                 chunk = ids[i:i + 500]
                 s.execute(delete(PortRecord).where(PortRecord.sandbox_id.in_(chunk)))
+                s.execute(delete(VolumeAttachmentRecord).where(
+                    VolumeAttachmentRecord.sandbox_id.in_(chunk)))
                 s.execute(delete(SandboxRecord).where(SandboxRecord.id.in_(chunk),
                                                       SandboxRecord.state.in_(list(GONE))))
             return len(ids)
@@ -504,6 +537,37 @@ class Store:
     def list(self, cls: type[R]) -> list[R]:
         with self.session() as s:
             return list(s.scalars(select(cls)))
+
+    # -- volumes ------------------------------------------------------------------------
+
+    HOLDING = frozenset(set(State) - GONE - {State.FAILED})
+    """States in which a sandbox holds the volumes attached to it."""
+
+    def volume_holders(self, volume_id: str) -> "builtins.list[VolumeAttachmentRecord]":
+        """The attachments of ``volume_id`` whose sandbox still holds it (exists, not failed)."""
+        with self.session() as s:
+            q = (select(VolumeAttachmentRecord).join(
+                SandboxRecord, SandboxRecord.id == VolumeAttachmentRecord.sandbox_id)
+                .where(VolumeAttachmentRecord.volume_id == volume_id,
+                       SandboxRecord.state.in_(list(self.HOLDING))))
+            return list(s.scalars(q))
+
+    def attachments(self, sandbox_id: str) -> "builtins.list[VolumeAttachmentRecord]":
+        """The sandbox's volumes, by drive index."""
+        with self.session() as s:
+            q = select(VolumeAttachmentRecord).where(
+                VolumeAttachmentRecord.sandbox_id == sandbox_id)
+            return list(s.scalars(q.order_by(VolumeAttachmentRecord.index)))
+
+    def detach_volumes(self, sandbox_id: str) -> int:
+        """Forget the sandbox's attachments; returns how many went."""
+        q = delete(VolumeAttachmentRecord).where(VolumeAttachmentRecord.sandbox_id == sandbox_id)
+        with self.session() as s, s.begin():
+            return int(s.execute(q).rowcount)  # type: ignore[attr-defined]
+
+    def volume_by_name(self, name: str) -> VolumeRecord | None:
+        with self.session() as s:
+            return s.scalars(select(VolumeRecord).where(VolumeRecord.name == name)).first()
 
     # -- exposed ports --------------------------------------------------------------
 

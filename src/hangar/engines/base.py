@@ -33,7 +33,36 @@ if TYPE_CHECKING:
     from hangar.images import GuestImage
     from hangar.net.attachment import NetAttachment
 
-__all__ = ["VM", "Engine", "SnapshotFiles", "VMSpec", "kill_process"]
+__all__ = ["VM", "Engine", "SnapshotFiles", "VMSpec", "VolumeDrive", "kill_process",
+           "volume_serial"]
+
+
+@dataclass(frozen=True)
+class VolumeDrive:
+    """A named volume attached to a VM as an extra virtio-blk drive (``hangar.core.volumes``).
+
+    ``image``: the volume's ext4 image, which the engine hard-links into the sandbox's
+    folder as ``SandboxPaths.volume(index)`` (so a confined VMM reaches it where it
+    reaches its own disk); ``read_only``: the drive is read-only (many readers) or
+    read-write (one writer); ``size_mib``: its size, MiB. The guest finds the drive by
+    its ``serial``.
+    """
+
+    image: Path
+    index: int
+    read_only: bool
+    size_mib: int
+
+    @property
+    def serial(self) -> str:
+        """The drive's virtio-blk serial (``volume_serial``)."""
+        return volume_serial(self.index)
+
+
+def volume_serial(index: int) -> str:
+    """The virtio-blk serial of a VM's ``index``-th volume drive, which its guest reads in
+    ``/sys/block/vd*/serial`` to find it."""
+    return f"hangar-vol{index}"
 
 
 @dataclass(frozen=True)
@@ -57,6 +86,9 @@ class VMSpec:
     kernel_args: tuple[str, ...] = ()
     net: "NetAttachment | None" = None
     template_source: bool = False
+    volumes: tuple[VolumeDrive, ...] = ()
+    """Named volumes attached as extra drives, after every other device (``boot`` only:
+    QEMU; a restore with volumes is refused)."""
 
 
 @dataclass

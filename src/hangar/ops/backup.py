@@ -13,13 +13,15 @@ a restarted server reads to adopt running VMs. The copy leaves out the
 stored answers of idempotent POSTs (``NOT_BACKED_UP``): they may hold
 secrets (a port's signed URL, a sandbox's access token) and are worth
 nothing after a restore. It does not hold the API
-key, snapshot files or images; docs/operations.md says what else to keep
+key, snapshot files or images; named volumes are copied beside it by
+``hangar.ops.volume_backup``. docs/operations.md says what else to keep
 and how to restore.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -111,10 +113,12 @@ def backup_database(database: Path, dest: Path) -> BackupReport:
 
 
 def prune(folder: Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest ``hangar-*.db`` in ``folder``; returns the deleted."""
+    """Delete all but the ``keep`` newest ``hangar-*.db`` in ``folder`` (and their volumes'
+    ``.volumes`` folders); returns the deleted."""
     if keep < 1:
         raise InvalidRequest("keep at least one backup")
     olds = sorted(folder.glob(BACKUP_GLOB), reverse=True)[keep:]
     for p in olds:
         p.unlink(missing_ok=True)
+        shutil.rmtree(p.with_suffix(".volumes"), ignore_errors=True)  # ops.volume_backup
     return olds

@@ -39,11 +39,17 @@ from hangar.schemas.processes import (
     ProcessStart, SIGNAL_NAMES,
 )
 from hangar.schemas.pty import PTY_MAX_SIDE, PtyRequest, PtySession, PtySessionList, PtyTicket
+from hangar.schemas.volumes import (
+    CreateVolume, MountedVolume, ResizeVolume, VolumeAttachment, VolumeFileEntry, VolumeFileList, VolumeInfo,
+    VolumeList, VolumeMount,
+)
 from hangar.schemas.sandboxes import (
     CreateSandbox, Health, PoolStatus, SandboxInfo, SandboxList, SandboxMemory, SetTimeout,
 )
 
 __all__ = [
+    "CreateVolume", "MountedVolume", "ResizeVolume", "VolumeAttachment", "VolumeFileEntry", "VolumeFileList",
+    "VolumeInfo", "VolumeList", "VolumeMount",
     "AGENT_KIND",
     "ARGS_ENV_MAX",
     "ARG_STRLEN_MAX",

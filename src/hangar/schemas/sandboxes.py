@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
 from hangar.schemas.base import Model, RequestBody
 from hangar.schemas.bounds import METADATA_ENTRIES, check_metadata, check_network
+from hangar.schemas.volumes import MAX_VOLUMES_PER_SANDBOX, MountPath, MountedVolume, VolumeMount
 
 
 class CreateSandbox(RequestBody):
@@ -34,6 +35,13 @@ class CreateSandbox(RequestBody):
         None, pattern=r"^[1-9][0-9]{2,4}x[1-9][0-9]{2,4}x(16|24)$",
         description="Start a desktop of WIDTHxHEIGHTxDEPTH (pixels, bits), e.g. 1280x800x24; "
                     "needs an image with one (the 'desktop' recipe).")
+    volumes: dict[MountPath, Annotated[str, Field(max_length=64)] | VolumeMount] | None = Field(
+        None, max_length=MAX_VOLUMES_PER_SANDBOX,
+        description="Named volumes by guest mount path (absolute, no '..'): a volume's id or "
+                    "name (read-write, one writer at a time) or {'volume': ..., 'read_only': "
+                    "true} (any number of readers while none writes). A sandbox with volumes "
+                    "boots (no template snapshot or warm pool) and cannot be snapshotted or "
+                    "put to sleep; see docs/volumes.md.")
 
     _metadata = field_validator("metadata")(classmethod(
         lambda cls, v: check_metadata(v)))
@@ -97,6 +105,11 @@ class SandboxInfo(Model):
     memory: SandboxMemory | None = Field(
         None, description="Host memory it costs and its guest's own use; only in "
                           "GET /sandboxes/{id}, and only while its VM runs.")
+
+
+    volumes: dict[str, MountedVolume] | None = Field(
+        None, description="Its named volumes by guest path (volume id and read_only); only in "
+                          "the create's answer and GET /sandboxes/{id}.")
 
 
 class SandboxList(Model):

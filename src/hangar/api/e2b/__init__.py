@@ -12,6 +12,7 @@ with what is served. HTTP only: the routes call ``hangar.core`` (and its
                     pause, resume, fork, metrics
 ``snapshots``       take one of a sandbox, list them
 ``templates``       list and get (Hangar's images and templates), remove a snapshot
+``volumes``         list, create, get, delete (Hangar's named volumes)
 ``unsupported``     E2B's routes Hangar does not serve (501), and every other
                     path under ``/e2b`` but envd's (404, 405)
 ``models``          E2B's request and answer bodies (pydantic)
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from hangar.api.e2b import sandboxes, snapshots, templates, unsupported
+from hangar.api.e2b import sandboxes, snapshots, templates, unsupported, volumes
 from hangar.api.e2b.errors import E2BRoute
 
 __all__ = ["PREFIX", "public", "router"]
@@ -40,6 +41,7 @@ router = APIRouter(prefix=PREFIX, route_class=E2BRoute, include_in_schema=False)
 router.include_router(sandboxes.router)
 router.include_router(snapshots.router)
 router.include_router(templates.router)
+router.include_router(volumes.router)
 router.include_router(unsupported.router)  # last: the catch-all
 
 public = APIRouter(prefix=PREFIX, route_class=E2BRoute, include_in_schema=False)

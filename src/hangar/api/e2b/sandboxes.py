@@ -68,9 +68,11 @@ PAGE = 100
 
 def _check_create(body: NewSandbox) -> None:
     """Refuse what Hangar cannot honour, naming the field."""
-    if body.volumeMounts:
-        raise InvalidRequest("volumeMounts: Hangar has no volumes; copy files in with envd's "
-                             "/files or a snapshot", field="volumeMounts")
+    if body.volumeMounts and len({v.path for v in body.volumeMounts}) != len(body.volumeMounts):
+        raise InvalidRequest("volumeMounts: each path once", field="volumeMounts")
+    if body.volumeMounts and body.autoPause:
+        raise InvalidRequest("autoPause: a sandbox with volumeMounts cannot pause (volumes are "
+                             "left out of snapshots)", field="autoPause")
     if body.mcp:
         raise InvalidRequest("mcp: Hangar does not start E2B's MCP gateway", field="mcp")
     if body.iam and body.iam.get("tokens"):
@@ -88,14 +90,18 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
                        timeout_s=body.timeout)
     fields: Any = e2b.with_options(dict(body.metadata or {}), opts)
     if source.kind == "snapshot":
+        if body.volumeMounts:
+            raise InvalidRequest("volumeMounts: a sandbox started from a snapshot gets no "
+                                 "volumes (snapshots leave them out)", field="volumeMounts")
         if network is not None:
             raise InvalidRequest("network: a sandbox started from a snapshot keeps the "
                                  "snapshot's egress policy", field="network")
         rec = await m.fork(source.name, CreateOptions(timeout_s=body.timeout, **fields))
     else:
         m.policy(network)  # a policy Hangar cannot enforce is a 400 before anything boots
+        volumes = {v.path: v.name for v in body.volumeMounts or ()} or None  # read-write
         rec = await m.create(CreateOptions(image=source.name, timeout_s=body.timeout,
-                                           network=network, **fields))
+                                           network=network, volumes=volumes, **fields))
     return views.created(m, rec)
 
 

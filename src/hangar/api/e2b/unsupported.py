@@ -38,7 +38,6 @@ _BUILDS = ("Hangar builds templates on the server with `hangar template build` (
 _TAGS = "Hangar's templates have no tags"
 _ADMIN = "Hangar has no admin API (a cluster of servers is run with `hangar cluster`)"
 _KEYS = "Hangar's API keys are made on the server with `hangar key add NAME --e2b`"
-_VOLUMES = "Hangar has no volumes (copy files in with envd's /files, or use a snapshot)"
 _SECRETS = "Hangar has no secrets store (pass values as envVars)"
 _NETWORK = "Hangar sets a sandbox's egress policy when it is created, not afterwards"
 
@@ -81,10 +80,6 @@ NOT_SERVED: tuple[tuple[str, str, str], ...] = (
     ("POST", "/api-keys", _KEYS),
     ("PATCH", "/api-keys/{apiKeyID}", _KEYS),
     ("DELETE", "/api-keys/{apiKeyID}", _KEYS),
-    ("GET", "/volumes", _VOLUMES),
-    ("POST", "/volumes", _VOLUMES),
-    ("GET", "/volumes/{volumeID}", _VOLUMES),
-    ("DELETE", "/volumes/{volumeID}", _VOLUMES),
     ("GET", "/secrets", _SECRETS),
     ("POST", "/secrets", _SECRETS),
     ("GET", "/secrets/{secretID}", _SECRETS),

@@ -262,6 +262,9 @@ class FirecrackerEngine(Engine):
         fault message when it refuses a setting), ImageError (no kernel);
         nothing is left behind.
         """
+        if spec.volumes:
+            raise EngineError("named volumes are attached by the QEMU engine only",
+                              sandbox_id=spec.sandbox_id)
         files = self.files_for(spec.sandbox_id, spec.paths)
         self._make_dir(spec, files)
         vm: VM | None = None

@@ -6,9 +6,10 @@ virtio-serial port named ``hangar.agent`` on a Unix socket (the agent
 channel; this host kernel has no vhost-vsock, so QEMU's vsock is not used),
 a virtio-rng, a virtio-balloon (``MemoryTuning``), and the serial console
 on QEMU's stdout. When the spec has a ``net`` (``hangar.net``), a
-virtio-net NIC on its TAP (or on QEMU's user-mode stack) is added last,
+virtio-net NIC on its TAP (or on QEMU's user-mode stack) is added after them,
 with ``hangar.net=`` on the kernel command line for the guest's
-``hangar.guest.net``; without one, no NIC.
+``hangar.guest.net``; without one, no NIC. Named volumes come last, one
+raw virtio-blk drive each (``volume_args``).
 
 The kernel is the image's ELF ``vmlinux`` when it has one, booted through
 its PVH entry point: QEMU maps the file and copies its segments into guest
@@ -198,7 +199,21 @@ class QemuCommand:
             "-serial", "chardev:console",
             "-qmp", f"unix:{p.qmp},server=on,wait=off",
             *self.nic_args(spec, tap_fd),
+            *self.volume_args(spec),
         ]
+
+    @staticmethod
+    def volume_args(spec: VMSpec) -> list[str]:
+        """Each attached volume as a raw virtio-blk drive on its link in the sandbox folder
+        (``SandboxPaths.volume``), read-only or not, with the serial the guest finds it by;
+        after every other device, so a VM with volumes has the same devices before them."""
+        out: list[str] = []
+        for v in spec.volumes:
+            out += ["-drive", f"id=vol{v.index},file={spec.paths.volume(v.index)},format=raw,"
+                              f"if=none,readonly={'on' if v.read_only else 'off'}"
+                              + ("" if v.read_only else ",discard=unmap"),
+                    "-device", f"virtio-blk-device,drive=vol{v.index},serial={v.serial}"]
+        return out
 
     def ram_args(self, spec: VMSpec, ram: RamFile | None) -> list[str]:
         """The ``memory-backend-file`` for ``ram`` ([] without one): ``spec.memory_mib``

@@ -132,13 +132,36 @@ class QemuEngine(Engine):
         p.dir.mkdir(parents=True, exist_ok=False)
         try:
             await qdisk.make_disk(spec)
+            writable = self._link_volumes(spec)
             if not spec.template_source:
-                return await self._start(spec)
+                return await self._start(spec, owned=writable)
             ram = tmpl.make_source_ram(p.dir, spec.memory_mib)
             return await self._start(spec, ram=RamFile(str(ram), shared=True), owned=(ram,))
         except BaseException:
             await self._cleanup(p, None)
             raise
+
+    @staticmethod
+    def _link_volumes(spec: VMSpec) -> tuple[Path, ...]:
+        """Hard-link each attached volume's image into the sandbox folder
+        (``SandboxPaths.volume``); returns the links the VMM writes (they become its own
+        with its disk: ``Confinement.prepare``'s ``owned``). A read-only volume's image is
+        made readable (0644: only VMMs whose folder holds a link reach it) and stays the
+        server's. Raises EngineError (volumes/ and sandboxes/ must be one filesystem)."""
+        writable = []
+        for v in spec.volumes:
+            link = spec.paths.volume(v.index)
+            try:
+                os.link(v.image, link)
+            except OSError as exc:  # e.g. EXDEV: volumes/ and sandboxes/ on two filesystems
+                raise EngineError(f"cannot link volume image {v.image.parent.name} into the "
+                                  f"sandbox's folder: {exc.strerror}",
+                                  sandbox_id=spec.sandbox_id) from None
+            if v.read_only:
+                os.chmod(link, 0o644)
+            else:
+                writable.append(link)
+        return tuple(writable)
 
     async def _start(self, spec: VMSpec, extra: tuple[str, ...] = (), *,
                      balloon: bool | None = None, ram: RamFile | None = None,
@@ -168,7 +191,8 @@ class QemuEngine(Engine):
                 spec.sandbox_id, p, vcpus=spec.vcpus, memory_mib=spec.memory_mib,
                 accel=self.accel, tcg_cache_mib=self.tuning.tb_mib, reads=image_dirs,
                 owned=[p.disk, *owned],
-                file_limit=(spec.disk_mib + spec.memory_mib + FILE_LIMIT_SLACK_MIB) << 20,
+                file_limit=(max([spec.disk_mib, *(v.size_mib for v in spec.volumes)])
+                            + spec.memory_mib + FILE_LIMIT_SLACK_MIB) << 20,
                 host_network=spec.net is not None and spec.net.kind == "user", tap=tap,
                 netns=self.network_namespace,
                 view_fds=tmpl.VIEW_FDS if ram_fd is not None else None)
@@ -403,6 +427,9 @@ class QemuEngine(Engine):
         Raises ``NotFound`` (no snapshot there), ``EngineError`` (mismatch,
         QEMU failure) or ``Timeout``; on failure the sandbox directory is removed.
         """
+        if spec.volumes:
+            raise EngineError("a VM with volumes is booted, never restored (its snapshot's "
+                              "devices hold no volume drive)", sandbox_id=spec.sandbox_id)
         manifest = snapshot_io.read_manifest(source, self.name)
         if manifest.image_digest != spec.image.digest:
             raise EngineError(

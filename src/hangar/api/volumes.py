@@ -1,0 +1,85 @@
+"""``/volumes``: named volumes that outlive sandboxes: make, list, get, grow, delete, and read
+their files without a sandbox (``hangar.core.volumes``; docs/volumes.md)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Response
+
+from hangar.api.deps import manager
+from hangar.core.sandboxes import SandboxManager
+from hangar.core.store import VolumeRecord
+from hangar.core.volumes import Volumes
+from hangar.schemas import (
+    CreateVolume, ResizeVolume, VolumeAttachment, VolumeFileEntry, VolumeFileList, VolumeInfo,
+    VolumeList,
+)
+
+router = APIRouter(prefix="/volumes", tags=["volumes"])
+Manager = Annotated[SandboxManager, Depends(manager)]
+ATTACHED = {409: {"description": "the volume is attached to a sandbox (or being changed: "
+                                 "busy, retry)"}}
+
+
+def _volumes(m: SandboxManager) -> Volumes:
+    return m.volumes
+
+
+def view(v: Volumes, rec: VolumeRecord) -> VolumeInfo:
+    return VolumeInfo(id=rec.id, name=rec.name, size_mib=rec.size_mib,
+                      created_at=rec.created_at, updated_at=rec.updated_at,
+                      attached=[VolumeAttachment(sandbox_id=a.sandbox_id, path=a.path,
+                                                 read_only=a.read_only)
+                                for a in v.holders(rec.id)])
+
+
+@router.post("", status_code=201, response_model=VolumeInfo,
+             summary="Make an empty named volume (an ext4 filesystem of size_mib MiB)",
+             responses={409: {"description": "the name is taken"}})
+async def create(body: CreateVolume, m: Manager) -> VolumeInfo:
+    v = _volumes(m)
+    return view(v, await v.create(body.name, body.size_mib))
+
+
+@router.get("", response_model=VolumeList, summary="List volumes")
+async def list_(m: Manager) -> VolumeList:
+    v = _volumes(m)
+    return VolumeList(volumes=[view(v, r) for r in v.list()])
+
+
+@router.get("/{volume}", response_model=VolumeInfo, summary="One volume, by id or name")
+async def get(volume: str, m: Manager) -> VolumeInfo:
+    v = _volumes(m)
+    return view(v, v.get(volume))
+
+
+@router.patch("/{volume}", response_model=VolumeInfo, responses=ATTACHED,
+              summary="Grow a volume (offline: refused while a sandbox holds it)")
+async def resize(volume: str, body: ResizeVolume, m: Manager) -> VolumeInfo:
+    v = _volumes(m)
+    return view(v, await v.resize(volume, body.size_mib))
+
+
+@router.delete("/{volume}", status_code=204, responses=ATTACHED,
+               summary="Delete a volume and its data (refused while a sandbox holds it)")
+async def delete(volume: str, m: Manager) -> Response:
+    _volumes(m).delete(volume)
+    return Response(status_code=204)
+
+
+@router.get("/{volume}/files", summary="List a folder of a volume, or read a file of it "
+                                       "(at most 16 MiB), without a sandbox",
+            responses={200: {"content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/VolumeFileList"}},
+                "application/octet-stream": {}},
+                "description": "a folder's entries (JSON), or a file's bytes"}})
+async def files(volume: str, m: Manager,
+                path: Annotated[str, Query(max_length=4096)] = "/") -> Any:
+    kind, got = await _volumes(m).files(volume, path)
+    if kind == "file":
+        return Response(got, media_type="application/octet-stream")
+    entries, total = got
+    return VolumeFileList(path=path, total=total, entries=[
+        VolumeFileEntry(name=e.name, type=e.type, size=e.size, mode=e.mode, uid=e.uid,
+                        gid=e.gid) for e in entries])
