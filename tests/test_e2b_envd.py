@@ -271,6 +271,11 @@ def test_watch_dir_sees_a_write(env: Env) -> None:
         assert not any(name.startswith(".hangar-") for name, _ in seen)
     finally:
         handle.stop()
+    # A removed watcher holds nothing: the sandbox pauses at once (its watch's pending
+    # step once outlived the removal and kept the sandbox busy, so every pause was a 503),
+    # and a connect resumes it for the tests that follow.
+    assert sbx.pause() is True
+    assert env.sandbox().is_running()
 
 
 # -- terminals ----------------------------------------------------------------------------
