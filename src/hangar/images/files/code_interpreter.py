@@ -64,9 +64,7 @@ MAX_BODY_BYTES = 4 << 20
 MAX_CONTEXTS = 16
 MAX_REQUESTS = 32
 MAX_ENV_VARS = 256
-KERNEL_START_S = 300.0
-"""How long a kernel may take to answer after its start: under emulation on a busy host,
-over 120 s was seen (the template's ready timeout bounds the server's own start)."""
+KERNEL_START_S = 120.0
 SPARES = 2
 """Kernels kept started for the next contexts and restarts (each about 45 MiB)."""
 WARMUP = "import numpy, pandas, matplotlib.pyplot"
