@@ -126,34 +126,6 @@ def test_contexts_are_separate(sb: Sandbox) -> None:
 
 
 @vm
-def test_contexts_and_restarts_take_kernels_started_ahead(sb: Sandbox) -> None:
-    """Two kernels wait started beside the contexts' (a kernel's start under emulation
-    takes about a minute, as long as E2B's SDK waits for an answer); a context or a
-    restart takes one, moved to its cwd, and another is started in its place."""
-    def kernels() -> int:
-        return int(sb.exec("pgrep -fc ipykernel_launcher").stdout)
-
-    def settled(want: int) -> None:  # the replacement kernels start in the background
-        deadline = time.monotonic() + 300
-        while kernels() != want:
-            assert time.monotonic() < deadline, f"{kernels()} kernels, not {want}"
-            time.sleep(1)
-
-    settled(len(sb.list_code_contexts()) + 2)
-    ctx = sb.create_code_context(cwd="/tmp")
-    try:
-        assert ctx.cwd == "/tmp"
-        assert sb.run_code("import os; y = 1; os.getcwd()", context=ctx).text == "'/tmp'"
-        settled(len(sb.list_code_contexts()) + 2)
-        sb.restart_code_context(ctx)
-        assert sb.run_code("y", context=ctx).error.name == "NameError"
-        assert sb.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
-        settled(len(sb.list_code_contexts()) + 2)  # the old kernel is gone, a spare came
-    finally:
-        sb.remove_code_context(ctx)
-
-
-@vm
 def test_stdout_streams_before_the_cell_ends(sb: Sandbox) -> None:
     seen: list[tuple[float, OutputMessage]] = []
     ex = sb.run_code(STREAM, on_stdout=lambda m: seen.append((time.monotonic(), m)))

@@ -29,11 +29,7 @@ iopub messages are mapped to the lines above. One cell runs at a time in a
 context (the next waits). The default context's kernel is started, and
 ``WARMUP`` run in it, before the port is bound: a port that accepts means a
 kernel ready to run code, which is what the image's ready check waits for
-(so a snapshot taken then holds a warm kernel). ``SPARES`` more kernels are
-started then too, and kept that many as they are used: a new context, or a
-restart, takes a spare (moved to the context's cwd) instead of starting a
-kernel, which under emulation takes about a minute, as long as E2B's SDK
-waits for an answer. A client that goes away
+(so a snapshot taken then holds a warm kernel). A client that goes away
 mid-cell interrupts the kernel. Bounds: ``MAX_BODY_BYTES`` per request,
 ``MAX_CONTEXTS`` kernels, ``MAX_REQUESTS`` requests at once (429 beyond);
 output is forwarded message by message, never accumulated. Errors answer
@@ -65,8 +61,6 @@ MAX_CONTEXTS = 16
 MAX_REQUESTS = 32
 MAX_ENV_VARS = 256
 KERNEL_START_S = 120.0
-SPARES = 2
-"""Kernels kept started for the next contexts and restarts (each about 45 MiB)."""
 WARMUP = "import numpy, pandas, matplotlib.pyplot"
 """Run in the default context before the port opens: the imports most cells need."""
 FORMATS = {
@@ -111,24 +105,18 @@ class KernelContext:
     def view(self) -> dict[str, str]:
         return {"id": self.id, "language": "python", "cwd": self.cwd}
 
-    def move(self, cwd: str) -> None:
-        """Make ``cwd`` the kernel's working directory (a spare starts in the default)."""
-        if cwd != self.cwd:
-            self.silent(f"__import__('os').chdir({cwd!r})")
-            self.cwd = cwd
-
-    def replace_kernel(self, spare: "KernelContext") -> None:
-        """Run on ``spare``'s kernel from now on (a restart: the variables go), once the
-        cell that runs now has ended; the old kernel is shut down in the background."""
-        spare.move(self.cwd)
+    def restart(self) -> None:
         with self.lock:
-            old = (self.km, self.kc)
-            self.km, self.kc = spare.km, spare.kc
-        threading.Thread(target=_stop, args=old, daemon=True).start()
+            self.kc.stop_channels()
+            self.km.restart_kernel(now=True)
+            self.kc = self.km.blocking_client()
+            self.kc.start_channels()
+            self.kc.wait_for_ready(timeout=KERNEL_START_S)
 
     def shutdown(self) -> None:
         with self.lock:
-            _stop(self.km, self.kc)
+            self.kc.stop_channels()
+            self.km.shutdown_kernel(now=True)
 
     def silent(self, code: str) -> None:
         """Run ``code`` with no output, history or count, waiting for the kernel to idle
@@ -235,60 +223,14 @@ def to_line(kind: str, c: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def _stop(km: KernelManager, kc: Any) -> None:
-    kc.stop_channels()
-    km.shutdown_kernel(now=True)
-
-
 class Contexts:
-    """Every kernel by id, the default one first, and the spare kernels."""
+    """Every kernel by id, the default one first."""
 
     def __init__(self, cwd: str) -> None:
         self.cwd = cwd
         self.lock = threading.Lock()
         self.by_id: dict[str, KernelContext] = {}
         self.default_id: str | None = None
-        self.spares: list[KernelContext] = []
-        self.starting = 0
-        self.spare_cond = threading.Condition()
-
-    def fill(self) -> None:
-        """Start kernels (a thread each) until ``SPARES`` are ready or on their way."""
-        with self.spare_cond:
-            need = max(0, SPARES - len(self.spares) - self.starting)
-            self.starting += need
-        for _ in range(need):
-            threading.Thread(target=self._start_spare, daemon=True).start()
-
-    def wait_filled(self) -> None:
-        with self.spare_cond:
-            while self.starting:
-                self.spare_cond.wait()
-
-    def _start_spare(self) -> None:
-        kernel = None
-        try:
-            kernel = KernelContext(self.cwd)
-        except Exception as e:  # noqa: BLE001 -- a take then starts its own
-            print(f"code interpreter: a spare kernel did not start: {e}", file=sys.stderr,
-                  flush=True)
-        with self.spare_cond:
-            self.starting -= 1
-            if kernel is not None:
-                self.spares.append(kernel)
-            self.spare_cond.notify_all()
-
-    def _spare(self) -> KernelContext:
-        """A started kernel: a spare (waiting for one on its way), else a new one."""
-        with self.spare_cond:
-            while not self.spares and self.starting:
-                self.spare_cond.wait()
-            kernel = self.spares.pop(0) if self.spares else None
-        self.fill()
-        return kernel if kernel is not None else KernelContext(self.cwd)
-
-    def restart(self, context_id: str) -> None:
-        self.get(context_id).replace_kernel(self._spare())
 
     def default(self) -> KernelContext:
         with self.lock:
@@ -303,24 +245,11 @@ class Contexts:
         if not os.path.isdir(cwd):
             raise Refused(400, f"cwd {cwd!r} is not a folder in the sandbox")
         with self.lock:
-            self._room()
-        ctx = self._spare()
-        ctx.move(cwd)
-        with self.lock:
-            try:
-                self._room()
-            except Refused:
-                ctx.shutdown()
-                raise
-            self.by_id[ctx.id] = ctx
-        return ctx
-
-    def _room(self) -> None:
-        if len(self.by_id) >= MAX_CONTEXTS:
-            raise Refused(429, f"at most {MAX_CONTEXTS} contexts; remove one first")
+            return self._add(cwd)
 
     def _add(self, cwd: str, default: bool = False) -> KernelContext:
-        self._room()
+        if len(self.by_id) >= MAX_CONTEXTS:
+            raise Refused(429, f"at most {MAX_CONTEXTS} contexts; remove one first")
         ctx = KernelContext(cwd, default)
         self.by_id[ctx.id] = ctx
         return ctx
@@ -387,7 +316,7 @@ class Handler(BaseHTTPRequestHandler):
                     raise Refused(400, "cwd must be a string")
                 return self._json(200, self.contexts.create(cwd).view())
             if len(parts) == 3 and parts[2] == "restart" and method == "POST":
-                self.contexts.restart(parts[1])
+                self.contexts.get(parts[1]).restart()
                 return self._json(200, {})
             if len(parts) == 2 and method == "DELETE":
                 self.contexts.remove(parts[1])
@@ -483,10 +412,8 @@ def main() -> None:
     t0 = time.monotonic()
     contexts = Contexts(a.cwd)
     ctx = contexts.default()
-    contexts.fill()  # the spares start while the default context warms up
     if a.warmup:
         ctx.silent(a.warmup)
-    contexts.wait_filled()
     Handler.contexts = contexts
     server = Server(("127.0.0.1", a.port), Handler)
     print(f"code interpreter: kernel ready in {time.monotonic() - t0:.1f} s; "
