@@ -271,6 +271,11 @@ def test_watch_dir_sees_a_write(env: Env) -> None:
         assert not any(name.startswith(".hangar-") for name, _ in seen)
     finally:
         handle.stop()
+    # A removed watcher holds nothing: the sandbox pauses at once (its watch's pending
+    # step once outlived the removal and kept the sandbox busy, so every pause was a 503),
+    # and a connect resumes it for the tests that follow.
+    assert sbx.pause() is True
+    assert env.sandbox().is_running()
 
 
 # -- terminals ----------------------------------------------------------------------------
@@ -368,14 +373,36 @@ def test_guest_port_by_header_and_host(env: Env) -> None:
                 "E2b-Sandbox-Id": env.sid, "E2b-Sandbox-Port": "8123",
                 "E2B-Traffic-Access-Token": env.token})
             assert (r.status_code, r.text) == (200, "<h1>from the guest</h1>")
+            # E2B's sandbox URLs are public (its default network.allowPublicTraffic):
+            # what get_host names answers with no credential and no exposure first.
             host = sbx.get_host(8123)
             assert host == f"8123-{env.sid}.{DOMAIN}"
-            env.api.post(f"/sandboxes/{env.sid}/ports",
-                         json={"port": 8123, "public": True}).raise_for_status()
             r = c.get(f"{env.srv.url}/index.html", headers={"Host": host})
             assert (r.status_code, r.text) == (200, "<h1>from the guest</h1>")
     finally:
         server.kill()
+
+
+def test_private_sandbox_urls_need_the_traffic_token(env: Env) -> None:
+    sbx = Sandbox.create("base", timeout=300, network={"allow_public_traffic": False},
+                         **env.params)
+    try:
+        host = sbx.get_host(8124)
+        with httpx.Client(base_url=env.srv.url, timeout=60) as c:
+            r = c.get("/", headers={"Host": host})
+            assert r.status_code == 401
+            assert "E2B-Traffic-Access-Token" in r.json()["error"]["message"]
+            r = c.get("/", headers={"Host": host,
+                                    "E2B-Traffic-Access-Token": env.token})  # another's
+            assert r.status_code == 401
+            # admitted with its own: the guest's port answers (nothing listens there)
+            r = c.get("/", headers={"Host": host,
+                                    "E2B-Traffic-Access-Token": sbx.traffic_access_token})
+            assert r.status_code == 502
+            assert r.json()["error"]["message"] == (
+                f"nothing listens on port 8124 in sandbox {sbx.sandbox_id}")
+    finally:
+        sbx.kill()
 
 
 # -- the binary codec (the SDK speaks JSON; this is the other half) -------------------------

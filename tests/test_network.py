@@ -620,7 +620,23 @@ def test_api_sandboxes_get_networking_and_give_it_back(topology: Topology, base_
             ip = lambda s: c.post(f"/sandboxes/{s}/exec", json={  # noqa: E731
                 "command": "ip -4 -o addr show scope global | awk '{print $4}'"}).json()["stdout"]
             assert ip(fork) != ip(sid)
-            for s in (sid, fork):
+            # A wake keeps a working NIC: on another address when its own was taken while
+            # it slept, on the same one (left as it was in the guest) when not.
+            first = ip(sid)
+            assert c.post(f"/e2b/sandboxes/{sid}/pause").status_code == 204
+            other = c.post("/sandboxes", json={"network": {"egress": "internet"}}).json()["id"]
+            assert ip(other) == first
+            r = c.post(f"/e2b/sandboxes/{sid}/connect", json={"timeout": 300})
+            assert r.status_code == 201, r.text
+            moved = ip(sid)
+            assert moved not in (first, ip(fork))
+            assert fetch(sid, "http://203.0.113.1/") == BODY
+            assert c.post(f"/e2b/sandboxes/{sid}/pause").status_code == 204
+            r = c.post(f"/e2b/sandboxes/{sid}/connect", json={"timeout": 300})
+            assert r.status_code == 201, r.text
+            assert ip(sid) == moved
+            assert fetch(sid, "http://203.0.113.1/") == BODY
+            for s in (sid, fork, other):
                 assert c.delete(f"/sandboxes/{s}").status_code == 204
             c.delete(f"/snapshots/{snap}")
             none = c.post("/sandboxes", json={"network": "none"}).json()["id"]

@@ -18,6 +18,9 @@ its sandbox agent's protocol, envd (``hangar.api.envd``, under
     timeout does). Kept in the record's own ``e2b`` column, never in the
     client's metadata: it lives and dies with the record, and no request
     writes it but the create that made it.
+``url_exposure``
+    E2B's sandbox URLs (``{port}-{id}.<HANGAR_DOMAIN>``) open every guest port of
+    a sandbox made through ``/e2b``, public unless its create said otherwise.
 ``resolve`` / ``templates``
     E2B template names onto Hangar's images, templates and snapshots
     (``base`` is Hangar's base image; the code interpreter's
@@ -43,8 +46,9 @@ from typing import TYPE_CHECKING, Any
 from hangar.core.admission import default_size
 from hangar.core.commands import Command
 from hangar.core.lifecycle import State
+from hangar.core.ports import Exposure
 from hangar.core.store import SandboxRecord, SnapshotRecord
-from hangar.errors import GuestError, HangarError, InvalidRequest, NotFound
+from hangar.errors import GuestError, HangarError, InvalidRequest, NotFound, Unauthorized
 from hangar.images import list_images, resolve_image
 
 if TYPE_CHECKING:
@@ -53,7 +57,7 @@ if TYPE_CHECKING:
 __all__ = ["ENVD_VERSION", "KEY", "Metric", "Options", "Source", "TemplateInfo",
            "access_token", "check_access_token", "envs", "metrics", "options",
            "pause_clock", "paused_changes", "pauses_on_timeout", "resolve", "resume_clock",
-           "sandbox", "templates", "with_options", "woken_changes"]
+           "sandbox", "templates", "url_exposure", "with_options", "woken_changes"]
 
 ENVD_VERSION = "0.5.7"
 """The envd version every sandbox reports. >= 0.3.0: the SDK sends ``stdin``; >= 0.4.0 it
@@ -98,7 +102,9 @@ class Options:
     ``auto_resume``: what the client asked (Hangar always wakes a paused
     sandbox on a call to it); ``timeout_s``: the create's time to live
     (seconds, 0: none); ``wake_ttl_s``: while paused, the time to live it gets
-    back when it wakes, whatever wakes it (0: none).
+    back when it wakes, whatever wakes it (0: none); ``public_traffic``: its
+    sandbox URLs (``{port}-{id}.<HANGAR_DOMAIN>``) need no credential, as E2B's
+    do unless ``network.allowPublicTraffic`` is false (``url_exposure``).
     """
 
     template: str
@@ -107,11 +113,13 @@ class Options:
     auto_resume: bool = False
     timeout_s: float = 0.0
     wake_ttl_s: float = 0.0
+    public_traffic: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {"template": self.template, "envs": dict(self.envs),
                 "on_timeout": self.on_timeout, "auto_resume": self.auto_resume,
-                "timeout_s": self.timeout_s, "wake_ttl_s": self.wake_ttl_s}
+                "timeout_s": self.timeout_s, "wake_ttl_s": self.wake_ttl_s,
+                "public_traffic": self.public_traffic}
 
 
 def options(rec: SandboxRecord) -> Options | None:
@@ -127,6 +135,7 @@ def options(rec: SandboxRecord) -> Options | None:
         auto_resume=bool(raw.get("auto_resume")),
         timeout_s=_seconds(raw.get("timeout_s")),
         wake_ttl_s=_seconds(raw.get("wake_ttl_s")),
+        public_traffic=raw.get("public_traffic") is True,
     )
 
 
@@ -150,6 +159,30 @@ def envs(manager: SandboxManager, sandbox_id: str) -> dict[str, str]:
     ``envVars``; ``{}`` for a sandbox made by Hangar's own API). Raises as ``sandbox``."""
     opts = options(sandbox(manager, sandbox_id))
     return dict(opts.envs) if opts is not None else {}
+
+
+def url_exposure(manager: SandboxManager, sandbox_id: str, port: int,
+                 traffic_token: str | None) -> Exposure | None:
+    """How E2B's sandbox URLs reach a port nobody exposed: ``{port}-{id}.<HANGAR_DOMAIN>``,
+    what ``sandbox.get_host(port)`` names, opens every guest port of a sandbox made
+    through ``/e2b``, as E2B's own do. Its create's ``network.allowPublicTraffic``
+    (default true) says whether that needs no credential or the
+    ``E2B-Traffic-Access-Token`` header (its ``trafficAccessToken``).
+
+    Returns a public ``Exposure`` for the request when it may pass; None for a sandbox
+    made through Hangar's own API (its ports are exposed with ``POST
+    /sandboxes/{id}/ports``). Raises Unauthorized (a private sandbox's token is missing
+    or wrong), NotFound or Gone (no such sandbox).
+    """
+    opts = options(sandbox(manager, sandbox_id))
+    if opts is None:
+        return None
+    if not opts.public_traffic and not check_access_token(manager, sandbox_id, traffic_token):
+        raise Unauthorized(f"sandbox {sandbox_id} was created with "
+                           "network.allowPublicTraffic false: its URLs need its "
+                           "trafficAccessToken in the E2B-Traffic-Access-Token header",
+                           sandbox_id=sandbox_id, port=port)
+    return Exposure(sandbox_id, port, True, "", time.time())
 
 
 def pauses_on_timeout(rec: SandboxRecord) -> bool:

@@ -75,16 +75,26 @@ def network_manager(settings: Settings) -> NetworkManager | None:
 
 
 def renet_meta(net: NetAttachment) -> dict[str, Any]:
-    """An exec that gives a restored guest's NIC ``net``'s MAC and address."""
+    """An exec that gives a restored guest's NIC ``net``'s MAC and address.
+
+    What the guest has already is kept: a wake restores a sandbox's own NIC (same MAC,
+    and the same address unless another sandbox took it meanwhile), and under emulation
+    taking a link down and flushing its address cost seconds."""
     script = (
+        f'PATH="$PATH:{paths.RUNTIME_BIN}"; '
         'dev=$(ls /sys/class/net | grep -v "^lo$" | head -n1); '
+        'if [ "$(cat "/sys/class/net/$dev/address")" != "$1" ]; then '
         'ip link set dev "$dev" down; ip link set dev "$dev" address "$1"; '
         'ip addr flush dev "$dev"; '
-        f'PATH="$PATH:{paths.RUNTIME_BIN}"; '
+        'elif [ -n "$5" ] && [ "$(ip -4 -o addr show dev "$dev" | grep -c " inet ")" = 1 ] '
+        '&& ip -4 -o addr show dev "$dev" | grep -qF " inet $3 " '
+        '&& ip route show default | grep -qF "default via $4 dev $dev" '
+        '&& grep -qxF "nameserver $5" /etc/resolv.conf; then exit 0; fi; '
         f'py={paths.RUNTIME_PYTHON}; [ -x "$py" ] || py=python3; '
         'exec "$py" -c "import sys; from hangar.guest import net; net.configure(sys.argv[1])" "$2"'
     )
-    return {"op": "exec", "argv": ["/bin/sh", "-c", script, "renet", net.mac, net.kernel_arg()],
+    return {"op": "exec", "argv": ["/bin/sh", "-c", script, "renet", net.mac, net.kernel_arg(),
+                                   f"{net.ip}/{net.prefix}", net.gateway, net.dns or ""],
             "env": {"PYTHONPATH": paths.PYTHON_DIR}, "timeout": 20}
 
 

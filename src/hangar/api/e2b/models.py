@@ -55,9 +55,9 @@ class AutoResume(_Request):
 
 class NetworkConfig(_Request):
     """Egress rules of a new sandbox. Hangar serves ``allowOut``/``denyOut`` as IPv4 CIDRs
-    or addresses; ``allowPublicTraffic`` is accepted (Hangar's ports are private unless
-    exposed as public); domain names, ``egressProxy``, ``rules`` and ``maskRequestHost``
-    are refused."""
+    or addresses; ``allowPublicTraffic`` (default true) says whether the sandbox's URLs
+    need its traffic token (``hangar.core.e2b.url_exposure``); domain names,
+    ``egressProxy``, ``rules`` and ``maskRequestHost`` are refused."""
 
     allowPublicTraffic: bool | None = None
     allowOut: list[str] | None = None

@@ -87,7 +87,9 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
     opts = e2b.Options(template=source.asked, envs=dict(body.envVars or {}),
                        on_timeout="pause" if body.autoPause else "kill",
                        auto_resume=bool(body.autoResume and body.autoResume.enabled),
-                       timeout_s=body.timeout)
+                       timeout_s=body.timeout,
+                       public_traffic=body.network is None
+                       or body.network.allowPublicTraffic is not False)
     fields: Any = e2b.with_options(dict(body.metadata or {}), opts)
     if source.kind == "snapshot":
         if body.volumeMounts:

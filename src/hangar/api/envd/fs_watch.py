@@ -144,13 +144,13 @@ class Watchers:
     async def _run(self, manager: Any, w: Watcher, path: str, recursive: bool,
                    ready: asyncio.Future[None]) -> None:
         gen = manager.watch(w.sandbox_id, path, recursive)
+        nxt: asyncio.Future[Any] | None = None
         try:
             nxt = asyncio.ensure_future(gen.__anext__())
             while True:
                 done, _ = await asyncio.wait({nxt}, timeout=IDLE_S / 10)
                 if not done:
                     if time.monotonic() - w.polled > IDLE_S:
-                        nxt.cancel()
                         self._all.pop(w.id, None)  # nobody polls it any more
                         break
                     continue
@@ -169,6 +169,9 @@ class Watchers:
             if not ready.done():
                 ready.set_exception(HangarError(f"the watch of {w.root} ended before it was "
                                                 "in place"))
+            # The generator's pending step is ended first: while it runs, aclose() fails
+            # ("already running"), and the watch would hold the sandbox busy for good.
+            await _end(nxt)
             with contextlib.suppress(BaseException):
                 await gen.aclose()
 
@@ -209,6 +212,17 @@ async def remove_watcher(req: Any, call: Call) -> Message:
     env = call.context
     env.watchers.remove(env.watchers.get(env.sandbox_id, req.watcher_id))
     return FS.RemoveWatcherResponse()
+
+
+async def _end(step: asyncio.Future[Any] | None) -> None:
+    """Cancel a pending step of a watch's generator and wait until it has ended, even
+    when the task that waits is itself being cancelled (``Watchers.remove``)."""
+    if step is None or step.done():
+        return
+    step.cancel()
+    while not step.done():
+        with contextlib.suppress(BaseException):
+            await asyncio.wait({step})
 
 
 def _keepalive() -> Message:

@@ -7,7 +7,8 @@ Hangar's port proxy (``hangar.api.proxy.forward_admitted``: HTTP and
 WebSockets, streamed both ways) to ``127.0.0.1:<port>`` in the guest, with
 the path after ``/e2b/envd``. No exposure is needed (the credential is the
 sandbox's own); ``sandbox.get_host(port)`` URLs, which carry none, go
-through the port proxy's host routing and need the port exposed.
+through the port proxy's host routing, which opens them as E2B does
+(``hangar.core.e2b.url_exposure``).
 """
 
 from __future__ import annotations

@@ -14,10 +14,11 @@ from hangar.api.proxy.routing import (
     Target, header, split_cookies, split_query, token_cookie, well_formed,
 )
 from hangar.core.commands import Tunnel
+from hangar.core.e2b import url_exposure
 from hangar.core.guestcalls import NoListener
 from hangar.core.ports import Exposure
 from hangar.core.sandboxes import SandboxManager
-from hangar.errors import HangarError, Unauthorized
+from hangar.errors import HangarError, NotFound, Unauthorized
 
 
 class Refused(Exception):
@@ -56,6 +57,8 @@ class Exchange:
         query_token, cookie_token = well_formed(self.query_token), well_formed(self.cookie_token)
         try:
             exposure = self.m.ports.get(t.sandbox_id, t.port)
+        except NotFound as exc:
+            exposure = self._e2b_url(exc)
         except HangarError as exc:
             raise Refused.of(exc) from None
         if exposure.public:
@@ -79,6 +82,20 @@ class Exchange:
             f"port {t.port} of sandbox {t.sandbox_id} is private and the token {why}: send "
             f"X-API-Key, or open its signed URL (GET /sandboxes/{t.sandbox_id}/ports/{t.port} "
             "gives one)", sandbox_id=t.sandbox_id, port=t.port))
+
+    def _e2b_url(self, not_exposed: NotFound) -> Exposure:
+        """A port nobody exposed, reached by its host name: open when the sandbox was made
+        through E2B's API (``hangar.core.e2b.url_exposure``). Raises ``Refused``."""
+        t = self.target
+        token = header(self.scope, b"e2b-traffic-access-token")
+        try:
+            found = (url_exposure(self.m, t.sandbox_id, t.port, token.decode("latin-1")
+                                  if token else None) if t.prefix is None else None)
+        except HangarError as exc:
+            raise Refused.of(exc) from None
+        if found is None:
+            raise Refused.of(not_exposed) from None
+        return found
 
     def resource(self) -> bytes:
         """Path and query the guest gets."""
