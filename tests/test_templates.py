@@ -330,3 +330,25 @@ def test_pool_keeps_the_template_warm_and_sandboxes_have_what_it_adds(
         assert "starting: python3 -m http.server 8000" in sh(
             c, sid, "cat /run/hangar/start.log")["stdout"]
         c.delete(f"/sandboxes/{sid}")
+
+
+def test_a_live_template_build_names_its_vm_and_a_finished_one_does_not(tmp_path: Path) -> None:
+    """A server that starts beside ``hangar image build`` spares the build's template VM:
+    the build holds its snapshot's lock with the VM's id in it (``templates.building``),
+    which the start-up sweep adds to the VMs it keeps."""
+    import fcntl
+
+    from hangar.core.templates import building
+
+    snaps = tmp_path / "images" / "base-0123" / "template-snapshots"
+    snaps.mkdir(parents=True)
+    (snaps / ".oldkey.lock").write_text("tpl-aaaaaaaaaaaa")  # a finished build's: unlocked
+    fd = os.open(snaps / ".newkey.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.pwrite(fd, b"tpl-0123456789ab", 0)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert building(Layout(tmp_path)) == {"tpl-0123456789ab"}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        assert building(Layout(tmp_path)) == set()
+    finally:
+        os.close(fd)

@@ -23,7 +23,9 @@ of this data directory that no adopted sandbox holds, snapshot folders
 without a record, snapshot records whose files are incomplete, sleep
 snapshots no sandbox sleeps in, and (with TAP networking) TAP devices and
 rules of sandboxes that no longer hold a VMM. So no VM is left without a
-record and no record without its VM.
+record and no record without its VM. A template build's VM (``tpl-...``)
+that a live build holds (``hangar image build`` beside the server; see
+``templates.building``) is not this server's to sweep.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from hangar.core import templates
 from hangar.core.context import Context
 from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
@@ -149,7 +152,8 @@ class Recovery:
         ctx = self.ctx
         layout = ctx.layout
         live = {r.id: r for r in ctx.store.live()}
-        held = ctx.registry.ids()
+        # a template build running beside this server (hangar image build) owns its VM
+        held = set(ctx.registry.ids()) | templates.building(layout)
         for pid, sid in vmm_processes(layout.sandboxes):
             if sid not in held:
                 kill_process(pid)

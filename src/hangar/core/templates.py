@@ -185,7 +185,7 @@ class TemplateSnapshots:
                     shutil.rmtree(dest, ignore_errors=True)
                 try:
                     await self._make(image, key, dest, vcpus, memory_mib, disk_mib,
-                                     kernel_args, nic)
+                                     kernel_args, nic, lock_fd)
                 except (GuestError, Timeout):
                     raise
                 except (HangarError, OSError) as exc:
@@ -210,10 +210,14 @@ class TemplateSnapshots:
 
     async def _make(self, image: GuestImage, key: str, dest: Path, vcpus: int,
                     memory_mib: int, disk_mib: int, kernel_args: tuple[str, ...],
-                    nic: str | None) -> None:
-        """Boot, start, check, forget per-host secrets, save into ``dest`` (atomically)."""
+                    nic: str | None, lock_fd: int) -> None:
+        """Boot, start, check, forget per-host secrets, save into ``dest`` (atomically).
+        The template VM's id is written into the lock file held (``lock_fd``), so that a
+        server starting meanwhile on the same data directory spares it (``building``)."""
         engine = self.engine
         sid = f"{BUILD_PREFIX}{secrets.token_hex(6)}"
+        os.ftruncate(lock_fd, 0)
+        os.pwrite(lock_fd, sid.encode(), 0)
         stage = dest.parent / f".{key}.tmp-{sid}"
         t0 = time.monotonic()
         net: NetAttachment | None = None
@@ -267,6 +271,31 @@ class TemplateSnapshots:
                     shutil.rmtree(d, ignore_errors=True)
                     n += 1
         return n
+
+
+def building(layout: Layout) -> set[str]:
+    """Ids of the template VMs (``tpl-...``) that a live build holds now, in this process
+    or another (``hangar image build`` beside a server): each build writes its VM's id into
+    the lock file of the snapshot it makes while it holds that file's flock. A lock file
+    this process cannot open, or whose lock is free, names no live build."""
+    ids: set[str] = set()
+    for lock in layout.images.glob("*/template-snapshots/.*.lock"):
+        try:
+            fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                sid = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+                if sid.startswith(BUILD_PREFIX):
+                    ids.add(sid)
+            else:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+    return ids
 
 
 def _policy_for(nic: str) -> dict[str, Any]:
