@@ -191,14 +191,22 @@ class Server:
 
 def make_data_dir(base_image: Path, privsep: bool = PRIVSEP) -> Path:
     d = Path(tempfile.mkdtemp(prefix="hg-", dir="/tmp"))
-    if privsep:  # the shared data dir is root's only: a hard-linked copy the server can read,
-        # without the template snapshots (root's 0600 files; the server makes its own)
-        # (other servers add and remove builds meanwhile: what vanished mid-copy is not needed)
+    if privsep:  # the shared data dir is root's only: a hard-linked copy of its images
+        # (other servers add and remove builds meanwhile: what vanished mid-copy is not
+        # needed). Its template snapshots are restored, not made again: the split hands
+        # their files to the server read-only (root's, group-readable by its group), which
+        # the shared cache's root servers read as before. Lock files and half-made
+        # snapshots are the shared cache's own, not linked.
         subprocess.run(["cp", "-al", str(base_image.parent), str(d / "images")],
                        capture_output=True)
         assert (d / "images" / base_image.name / "rootfs.ext4").exists(), "image copy failed"
         for snaps in (d / "images").glob("*/template-snapshots"):
-            shutil.rmtree(snaps)
+            for entry in snaps.iterdir():
+                if entry.name.startswith("."):
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    else:
+                        entry.unlink(missing_ok=True)
     else:
         (d / "images").symlink_to(base_image.parent)
     for name in ("engine-probe.json", "firecracker-probe.json"):

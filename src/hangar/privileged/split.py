@@ -58,15 +58,40 @@ def _give(root: Path, uid: int, gid: int) -> None:
             _take(name, uid, gid, dir_fd=dirfd)
 
 
+def _share(name: str, dirfd: int, uid: int, gid: int) -> None:
+    """A file of a template snapshot, for the server: a lock file is given to
+    ``uid:gid``; a snapshot's file of root's stays root's, read-only to the server (group
+    ``gid``, group-readable, writable by nobody but root), so that one image cache can
+    serve split and unsplit servers alike and a server can restore it but never alter it
+    in place. Opened without following a link; what is not a regular file is left."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dirfd)
+    except OSError:
+        return  # a link, or gone meanwhile
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != 0:
+            return
+        if name.endswith(".lock"):
+            os.fchown(fd, uid, gid)
+            return
+        os.fchown(fd, 0, gid)
+        os.fchmod(fd, (stat.S_IMODE(st.st_mode) | stat.S_IRGRP) & ~0o7022)
+    finally:
+        os.close(fd)
+
+
 def _give_images(images: Path, uid: int, gid: int) -> None:
-    """The folders of ``images`` (the server adds template snapshots and their folders)
-    and the files of its template snapshots to ``uid:gid``; an image's own files stay
-    root's (read-only to the server). A linked ``images`` is left alone."""
+    """The folders of ``images`` to ``uid:gid`` (the server adds template snapshots and
+    their folders, and removes unusable ones); the files of template snapshots shared
+    read-only (``_share``); an image's own files stay root's (read-only to the server).
+    A linked ``images`` is left alone."""
     for dirpath, dirnames, filenames, dirfd in os.fwalk(images):
         os.chown(dirfd, uid, gid)
         if "template-snapshots" in Path(dirpath).relative_to(images).parts:
             for name in filenames:
-                os.chown(name, uid, gid, dir_fd=dirfd, follow_symlinks=False)
+                _share(name, dirfd, uid, gid)
 
 
 def hand_over(layout: Layout, uid: int, gid: int) -> None:
