@@ -151,8 +151,7 @@ class Server:
                     **(extra_env or {})}
         self.python = sys.executable
         if PRIVSEP or self.env.get("HANGAR_PRIVSEP") == "1":
-            self.python, self.env["PYTHONPATH"] = privsep_python()
-            self.env["HANGAR_PRIVSEP"] = "1"
+            self.python = split_env(self.env)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data_dir / "server.log"
 
@@ -189,26 +188,39 @@ class Server:
                 self.proc.wait()
 
 
+def link_images(base_image: Path, d: Path, privsep: bool = PRIVSEP) -> None:
+    """``d/images``: the shared image cache, linked; for a split server (the shared data
+    dir is root's only) a hard-linked copy of it (other servers add and remove builds
+    meanwhile: what vanished mid-copy is not needed). Its template snapshots are
+    restored, not made again: the split hands their files to the server read-only
+    (root's, group-readable by its group), which the shared cache's root servers read as
+    before. Lock files and half-made snapshots are the shared cache's own, not linked."""
+    if not privsep:
+        (d / "images").symlink_to(base_image.parent)
+        return
+    subprocess.run(["cp", "-al", str(base_image.parent), str(d / "images")],
+                   capture_output=True)
+    assert (d / "images" / base_image.name / "rootfs.ext4").exists(), "image copy failed"
+    for snaps in (d / "images").glob("*/template-snapshots"):
+        for entry in snaps.iterdir():
+            if entry.name.startswith("."):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+
+
+def split_env(env: dict[str, str]) -> str:
+    """Make ``env`` start a split server (``HANGAR_PRIVSEP=1``, the PYTHONPATH of
+    ``privsep_python``); returns the interpreter to start it with."""
+    python, env["PYTHONPATH"] = privsep_python()
+    env["HANGAR_PRIVSEP"] = "1"
+    return python
+
+
 def make_data_dir(base_image: Path, privsep: bool = PRIVSEP) -> Path:
     d = Path(tempfile.mkdtemp(prefix="hg-", dir="/tmp"))
-    if privsep:  # the shared data dir is root's only: a hard-linked copy of its images
-        # (other servers add and remove builds meanwhile: what vanished mid-copy is not
-        # needed). Its template snapshots are restored, not made again: the split hands
-        # their files to the server read-only (root's, group-readable by its group), which
-        # the shared cache's root servers read as before. Lock files and half-made
-        # snapshots are the shared cache's own, not linked.
-        subprocess.run(["cp", "-al", str(base_image.parent), str(d / "images")],
-                       capture_output=True)
-        assert (d / "images" / base_image.name / "rootfs.ext4").exists(), "image copy failed"
-        for snaps in (d / "images").glob("*/template-snapshots"):
-            for entry in snaps.iterdir():
-                if entry.name.startswith("."):
-                    if entry.is_dir() and not entry.is_symlink():
-                        shutil.rmtree(entry, ignore_errors=True)
-                    else:
-                        entry.unlink(missing_ok=True)
-    else:
-        (d / "images").symlink_to(base_image.parent)
+    link_images(base_image, d, privsep)
     for name in ("engine-probe.json", "firecracker-probe.json"):
         if (SHARED / name).exists():
             shutil.copy(SHARED / name, d / name)

@@ -146,7 +146,7 @@ def test_split_refuses_what_would_fail_later(base_image) -> None:  # noqa: ANN00
     import sysconfig
 
     from conftest import SRC
-    from hangar.privileged.split import _reachable
+    from hangar.privileged.split import unreadable
 
     d = make_data_dir(base_image, privsep=True)
     try:
@@ -162,7 +162,7 @@ def test_split_refuses_what_would_fail_later(base_image) -> None:  # noqa: ANN00
         import pwd
         pw = pwd.getpwnam("hangar")
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        if not _reachable(stdlib, pw.pw_uid, pw.pw_gid):  # this host's Python (under /root)
+        if unreadable([stdlib], pw.pw_uid, pw.pw_gid):  # this host's Python (under /root)
             out = serve(sys.executable, str(SRC))
             assert out.returncode == 1, out.stderr
             assert f"cannot read {stdlib}" in out.stderr, out.stderr

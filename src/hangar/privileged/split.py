@@ -111,19 +111,31 @@ def hand_over(layout: Layout, uid: int, gid: int) -> None:
             _take(entry.path, uid, gid)
 
 
-def _reachable(path: Path, uid: int, gid: int) -> bool:
-    """Whether ``uid:gid`` (no other group) may enter every folder down to ``path`` and
-    read it, by the mode bits."""
-    for p in (*reversed(path.parents), path):
+def unreadable(paths: list[Path], uid: int, gid: int) -> Path | None:
+    """The first of ``paths`` that ``uid:gid`` (no other group) could not enter and read,
+    or None. Asked of the kernel by a child that becomes that user (so access control
+    lists and every folder on the way count), before anything is handed over."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 1
         try:
-            st = os.stat(p)
-        except OSError:
-            return False
-        need = stat.S_IXUSR | stat.S_IRUSR if p == path else stat.S_IXUSR
-        shift = 0 if st.st_uid == uid else 3 if st.st_gid == gid else 6
-        if (st.st_mode << shift) & need != need:
-            return False
-    return True
+            os.close(r)
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            bad = next((str(p) for p in paths if not os.access(p, os.R_OK | os.X_OK)), "")
+            os.write(w, bad.encode() or b"-")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        got = f.read(8192).decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    if status != 0 or not got:
+        raise OSError("could not check what the server's user can read")
+    return None if got == "-" else Path(got)
 
 
 def check_code(uid: int, gid: int) -> None:
@@ -132,12 +144,13 @@ def check_code(uid: int, gid: int) -> None:
     import hangar
 
     paths = sysconfig.get_paths()
-    for where in (paths["stdlib"], paths["platstdlib"], paths["purelib"],
-                  Path(hangar.__file__).parent):
-        if Path(where).exists() and not _reachable(Path(where), uid, gid):
-            raise ConfigError(f"the server's user cannot read {where} (Python or Hangar "
-                              f"installed where only root can read it): install Hangar in a "
-                              f"virtual environment of a Python that user can read")
+    wanted = [Path(p) for p in (paths["stdlib"], paths["platstdlib"], paths["purelib"],
+                                Path(hangar.__file__).parent) if Path(p).exists()]
+    where = unreadable(wanted, uid, gid)
+    if where is not None:
+        raise ConfigError(f"the server's user cannot read {where} (Python or Hangar "
+                          f"installed where only root can read it): install Hangar in a "
+                          f"virtual environment of a Python that user can read")
 
 
 def drop(uid: int, gid: int) -> None:
