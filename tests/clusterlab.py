@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from conftest import PRIVSEP, link_images, split_env, vmm_pids
+from conftest import PRIVSEP, link_images, server_python, vmm_pids
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 CLONE_NEWNET = 0x40000000
@@ -167,7 +167,7 @@ class Node:
                "HANGAR_NET_POOL": f"172.31.{self.i}.0/24", "HANGAR_NET_DNS": f"{self.lab.net}.254",
                "HANGAR_POOL_SIZE": "0", "HANGAR_DEFAULT_MEMORY_MIB": "256",
                "HANGAR_BOOT_TIMEOUT_S": "180", "HANGAR_ETCD_PKI": str(self.pki)}
-        python = split_env(env) if PRIVSEP else sys.executable
+        python = server_python(env)
         log = open(self.data_dir / "server.log", "ab")
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", self.ns, python, "-m", "hangar.cli", "node", "join",

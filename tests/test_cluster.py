@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from clusterlab import Lab, can_run
-from conftest import PRIVSEP, link_images, split_env, wait_for
+from conftest import link_images, server_python, wait_for
 
 pytestmark = pytest.mark.skipif(can_run() is not None, reason=str(can_run()))
 
@@ -62,10 +62,9 @@ def test_three_nodes_join_and_a_stopped_one_disappears(lab: Lab) -> None:
     d.mkdir()
     link_images(lab.base_image, d)
     import subprocess
-    import sys
 
     env = {**lab.env, "HANGAR_DATA_DIR": str(d), "HANGAR_NETWORK": "off", "HANGAR_POOL_SIZE": "0"}
-    python = split_env(env) if PRIVSEP else sys.executable
+    python = server_python(env)
     p = subprocess.Popen(["ip", "netns", "exec", n1.ns, python, "-m", "hangar.cli", "node",
                           "join", "--etcd", lab.etcd_urls, "--advertise", f"{n1.ip}:8081",
                           "--name", "n4", "--host", n1.ip, "--port", "8081"],

@@ -82,7 +82,7 @@ def _share(name: str, dirfd: int, uid: int, gid: int) -> None:
         os.close(fd)
 
 
-def _give_images(images: Path, uid: int, gid: int) -> None:
+def give_images(images: Path, uid: int, gid: int) -> None:
     """The folders of ``images`` to ``uid:gid`` (the server adds template snapshots and
     their folders, and removes unusable ones); the files of template snapshots shared
     read-only (``_share``); an image's own files stay root's (read-only to the server).
@@ -94,15 +94,35 @@ def _give_images(images: Path, uid: int, gid: int) -> None:
                 _share(name, dirfd, uid, gid)
 
 
+def share_snapshot(folder: Path) -> None:
+    """A template snapshot that root just made (``hangar template build`` or ``image
+    build``) in a data directory handed to a split server: the folder to the owner of the
+    folder that holds it, its files shared read-only (``_share``), so that the running
+    server restores it. Nothing when the holding folder is root's (no split), or when not
+    root."""
+    if os.geteuid() != 0:
+        return
+    st = os.stat(folder.parent)
+    if st.st_uid == 0:
+        return
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchown(fd, st.st_uid, st.st_gid)
+        for name in os.listdir(fd):
+            _share(name, fd, st.st_uid, st.st_gid)
+    finally:
+        os.close(fd)
+
+
 def hand_over(layout: Layout, uid: int, gid: int) -> None:
     """Give the data directory to ``uid:gid`` but for ``KEEP_ROOTS`` (of ``images``, only
-    what the server writes: ``_give_images``)."""
+    what the server writes: ``give_images``)."""
     root = layout.root
     os.chown(root, uid, gid, follow_symlinks=False)
     os.chmod(root, 0o700)
     for entry in os.scandir(root):
         if entry.name == "images" and entry.is_dir(follow_symlinks=False):
-            _give_images(Path(entry.path), uid, gid)
+            give_images(Path(entry.path), uid, gid)
         if entry.name in KEEP_ROOTS:
             continue
         if entry.is_dir(follow_symlinks=False):
