@@ -120,7 +120,7 @@ def base_image() -> Path:
     return img.dir
 
 
-PRIVSEP = os.environ.get("HANGAR_TEST_PRIVSEP", "0") == "1"
+PRIVSEP = os.environ.get("HANGAR_TEST_PRIVSEP", "1") == "1"
 """Start every server split (``HANGAR_PRIVSEP=1``: its HTTP process runs as ``hangar``);
 ``HANGAR_TEST_PRIVSEP=0`` starts them as root (``HANGAR_PRIVSEP=0``)."""
 

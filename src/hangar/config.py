@@ -43,7 +43,7 @@ class Settings(BaseSettings):
         "auto", description="Run Firecracker VMMs under its jailer: auto when Hangar is root "
                             "and the jailer is found; on requires it.")
     privsep: bool | None = Field(
-        False, description="Started as root, fork a small privileged helper and run the "
+        None, description="Started as root, fork a small privileged helper and run the "
                           "HTTP server as HANGAR_USER (docs/security.md, class 9). Unset: "
                           "on, but for a host whose VMMs are Firecracker's under its "
                           "jailer (not routed through the helper: the server stays root, "

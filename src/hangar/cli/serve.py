@@ -48,17 +48,18 @@ def split_privileges(settings: "Settings", layout: "Layout") -> None:
 
 
 def jailed_firecracker(settings: "Settings", layout: "Layout") -> str | None:
-    """Why this root server's VMMs would be Firecracker's under its jailer (the split does
-    not route the jailer through its helper yet), or None: the engine is QEMU, or the
-    jailer is off. Reads the cached probe boot (``firecracker_usable``)."""
+    """Why this root server's VMMs would be Firecracker's, jailed (the split does not route
+    the jailer through its helper yet; a missing jailer is then refused as root, never run
+    unjailed unasked), or None: the engine is QEMU, or the jailer is turned off. Reads the
+    cached probe boot (``firecracker_usable``)."""
     if settings.engine == "qemu" or settings.firecracker_jailer == "off":
         return None
     from hangar.engines.doctor import firecracker_usable
-    from hangar.engines.firecracker import find_firecracker, find_jailer
+    from hangar.engines.firecracker import find_firecracker
     from hangar.images import resolve_image
 
     fc = find_firecracker()
-    if fc is None or find_jailer() is None:
+    if fc is None and settings.engine == "auto":
         return None
     if settings.engine == "auto":
         try:
@@ -68,7 +69,7 @@ def jailed_firecracker(settings: "Settings", layout: "Layout") -> str | None:
             return None
         if not ok:
             return None
-    return "its VMMs are Firecracker's under its jailer, which the split does not run"
+    return "its VMMs are Firecracker's, under its jailer, which the split does not run"
 
 
 def serve(
