@@ -94,24 +94,17 @@ def give_images(images: Path, uid: int, gid: int) -> None:
                 _share(name, dirfd, uid, gid)
 
 
-def share_snapshot(folder: Path) -> None:
-    """A template snapshot that root just made (``hangar template build`` or ``image
-    build``) in a data directory handed to a split server: the folder to the owner of the
-    folder that holds it, its files shared read-only (``_share``), so that the running
-    server restores it. Nothing when the holding folder is root's (no split), or when not
-    root."""
+def hand_new(data_dir: Path, build: Path) -> None:
+    """A build (or a template snapshot of it) that root just made in a split server's data
+    directory (``hangar image build``, ``hangar template build`` run as root while the
+    server runs): handed over as the split hands its images at start (``give_images``), so
+    the running server restores its template snapshots and makes new ones. Nothing when
+    the data directory is root's (no split), or when not root."""
     if os.geteuid() != 0:
         return
-    st = os.stat(folder.parent)
-    if st.st_uid == 0:
-        return
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        os.fchown(fd, st.st_uid, st.st_gid)
-        for name in os.listdir(fd):
-            _share(name, fd, st.st_uid, st.st_gid)
-    finally:
-        os.close(fd)
+    st = os.stat(data_dir)
+    if st.st_uid != 0:
+        give_images(build, st.st_uid, st.st_gid)
 
 
 def hand_over(layout: Layout, uid: int, gid: int) -> None:
