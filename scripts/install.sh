@@ -43,34 +43,8 @@ for arg in "$@"; do
 done
 say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
-# The unprivileged user of the HTTP server (`hangar serve` started as root splits and runs
-# it as `hangar`, docs/security.md, class 9; HANGAR_PRIVSEP=0 turns that off): a system
-# user with no login and no home.
-ensure_hangar_user() {
-  if ! getent passwd hangar >/dev/null; then
-    useradd --system --user-group --no-create-home --home-dir /nonexistent \
-      --shell /usr/sbin/nologin hangar
-  fi
-}
-
-# Once dropped, the server still imports code: Hangar's sources, the packages of .venv and
-# its Python's standard library. Where the user `hangar` cannot reach one of them (a
-# checkout or a Python under /root), it alone gets an ACL entry: search (x) on each
-# folder above that it cannot enter, read on the tree itself if needed. Nothing is
-# widened for other users; the data directory is handed over by the server itself.
-as_hangar() { setpriv --reuid=hangar --regid=hangar --clear-groups -- "$@"; }
-let_hangar_read() {
-  local target dir="" part
-  target=$(readlink -f "$1")
-  for part in $(echo "${target#/}" | tr / ' '); do
-    dir="$dir/$part"
-    [ "$dir" = "$target" ] && break
-    as_hangar test -x "$dir" || setfacl -m u:hangar:x "$dir"
-  done
-  if [ -n "$(as_hangar find "$target" ! -readable -print -quit 2>&1)" ]; then
-    setfacl -R -m u:hangar:rX "$target"
-  fi
-}
+# The user `hangar` of the split server, and its read access to the code (hangar-user.sh).
+. "$ROOT/scripts/hangar-user.sh"
 
 if [ "$(id -u)" != 0 ]; then
   echo "run as root: Hangar uses /dev/kvm, debootstrap and mkfs to build and boot guests" >&2
@@ -132,9 +106,7 @@ say "installing Hangar and the exact Python dependencies of requirements.lock"
 .venv/bin/pip install -q --disable-pip-version-check -r requirements.lock
 .venv/bin/pip install -q --disable-pip-version-check --no-deps -e .
 ln -sf "$ROOT/.venv/bin/hangar" /usr/local/bin/hangar
-for code in "$ROOT/src" "$ROOT/.venv" "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"; do
-  let_hangar_read "$code"
-done
+let_hangar_import "$ROOT/.venv" "$ROOT/src"
 
 say "fetching Firecracker and its jailer (used on hosts where KVM runs guests)"
 HANGAR_DATA_DIR=$DATA PYTHON=.venv/bin/python sh scripts/fetch-firecracker.sh \
