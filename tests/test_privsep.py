@@ -189,15 +189,24 @@ def test_split_refuses_what_would_fail_later(base_image) -> None:  # noqa: ANN00
 
     d = make_data_dir(base_image, privsep=True)
     try:
-        def serve(python: str, path: str, **env: str) -> subprocess.CompletedProcess[str]:
+        def serve(python: str, path: str, **env: str | None) -> subprocess.CompletedProcess[str]:
+            full = {**os.environ, "PYTHONPATH": path, "HANGAR_DATA_DIR": str(d),
+                    "HANGAR_PRIVSEP": "1", "HANGAR_NETWORK": "off", **env}
             return subprocess.run(
                 [python, "-m", "hangar.cli", "serve", "--port", str(free_port())],
                 capture_output=True, text=True, timeout=120,
-                env={**os.environ, "PYTHONPATH": path, "HANGAR_DATA_DIR": str(d),
-                     "HANGAR_PRIVSEP": "1", "HANGAR_NETWORK": "off", **env})
+                env={k: v for k, v in full.items() if v is not None})
 
         out = serve(sys.executable, str(SRC), HANGAR_USER="no-such-user-here")
         assert out.returncode == 1 and "no user 'no-such-user-here'" in out.stderr, out.stderr
+        # The default (HANGAR_PRIVSEP unset) splits too: never root silently, and the one
+        # line names the fixes.
+        out = serve(sys.executable, str(SRC), HANGAR_USER="no-such-user-here",
+                    HANGAR_PRIVSEP=None)
+        assert out.returncode == 1, out.stderr
+        said = " ".join(out.stderr.split())  # one message (the console wraps it)
+        assert "no user 'no-such-user-here'" in said, said
+        assert "scripts/install.sh" in said and "HANGAR_PRIVSEP=0" in said, said
         import pwd
         pw = pwd.getpwnam("hangar")
         stdlib = Path(sysconfig.get_paths()["stdlib"])

@@ -162,8 +162,10 @@ def check_code(uid: int, gid: int) -> None:
     where = unreadable(wanted, uid, gid)
     if where is not None:
         raise ConfigError(f"the server's user cannot read {where} (Python or Hangar "
-                          f"installed where only root can read it): install Hangar in a "
-                          f"virtual environment of a Python that user can read")
+                          f"installed where only root can read it): run scripts/install.sh "
+                          f"(it grants that user read access), install Hangar in a virtual "
+                          f"environment of a Python that user can read, or keep the server "
+                          f"root with HANGAR_PRIVSEP=0")
 
 
 def drop(uid: int, gid: int) -> None:
@@ -188,8 +190,9 @@ def split(layout: Layout, confine: Confinement, user: str,
     try:
         pw = pwd.getpwnam(user)
     except KeyError:
-        raise ConfigError(f"no user {user!r}: create it (scripts/install.sh does) or set "
-                          f"HANGAR_USER") from None
+        raise ConfigError(f"no user {user!r} to run the HTTP server as: create it "
+                          f"(scripts/install.sh does), set HANGAR_USER, or keep the server "
+                          f"root with HANGAR_PRIVSEP=0") from None
     if pw.pw_uid == 0:
         raise ConfigError(f"HANGAR_USER {user!r} is root")
     check_code(pw.pw_uid, pw.pw_gid)
