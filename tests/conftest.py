@@ -234,10 +234,18 @@ def link_images(base_image: Path, d: Path, privsep: bool = PRIVSEP) -> None:
     if not privsep:
         (d / "images").symlink_to(base_image.parent)
         return
-    subprocess.run(["cp", "-al", str(base_image.parent), str(d / "images")],
-                   capture_output=True)
-    assert (d / "images" / base_image.name / "rootfs.ext4").exists(), "image copy failed"
-    _unlink_locks(d / "images")
+    # Only the builds that a name points at (and ``base_image``): older ones are many and
+    # unused, and every entry linked in costs time at the start and removal of a server.
+    cache, images = base_image.parent, d / "images"
+    images.mkdir()
+    names = [e for e in cache.iterdir() if e.is_symlink() and not e.name.startswith(".")]
+    builds = {base_image.name} | {os.readlink(e) for e in names}
+    for e in names:
+        (images / e.name).symlink_to(os.readlink(e))
+    subprocess.run(["cp", "-al", *(str(cache / b) for b in sorted(builds)
+                                   if (cache / b).is_dir()), str(images)], capture_output=True)
+    assert (images / base_image.name / "rootfs.ext4").exists(), "image copy failed"
+    _unlink_locks(images)
 
 
 def _unlink_locks(images: Path) -> None:
