@@ -35,9 +35,9 @@ def split_privileges(settings: "Settings", layout: "Layout") -> None:
     from hangar.core.launch import network_manager
 
     if settings.privsep is None and (why := jailed_firecracker(settings, layout)):
-        logging.getLogger("hangar.privileged").warning("the server runs as root: %s; HANGAR_PRIVSEP=1 splits it anyway (its "
-                    "VMMs then run unjailed as %s), HANGAR_ENGINE=qemu runs QEMU split",
-                    why, settings.user)
+        logging.getLogger("hangar.privileged").warning(
+            "the server runs as root: %s; HANGAR_PRIVSEP=1 splits it anyway (its VMMs then "
+            "run unjailed as %s), HANGAR_ENGINE=qemu runs QEMU split", why, settings.user)
         return
     try:
         pid = split(layout, Confinement(config_from(settings)), settings.user,
