@@ -63,6 +63,7 @@ if git -C "$ROOT" rev-parse --short HEAD >/dev/null 2>&1; then
   git -C "$ROOT" diff --quiet HEAD 2>/dev/null || ID="$ID-dirty"
 fi
 cp scripts/release.sh "$STAGE/release.sh"
+cp scripts/hangar-user.sh "$STAGE/hangar-user.sh"
 say "release $ID ($(ls "$STAGE/wheels" | wc -l) wheels, $(du -sh "$STAGE/wheels" | cut -f1))"
 
 REMOTE_STAGE="/tmp/hangar-release.$ID"
@@ -75,7 +76,7 @@ if [ "$HOST" = local ]; then
   rm -rf "$REMOTE_STAGE"
 else
   say "copying it to $HOST"
-  tar -C "$STAGE" -cf - wheels release.sh \
+  tar -C "$STAGE" -cf - wheels release.sh hangar-user.sh \
     | ssh "${SSH_OPTS[@]}" "$HOST" "rm -rf '$REMOTE_STAGE' && mkdir -p '$REMOTE_STAGE' && tar -C '$REMOTE_STAGE' -xf -"
   QUOTED=$(printf ' %q' "${ARGS[@]}")
   ssh "${SSH_OPTS[@]}" "$HOST" \

@@ -43,14 +43,8 @@ for arg in "$@"; do
 done
 say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
-# The unprivileged user of the HTTP server under HANGAR_PRIVSEP=1 (docs/security.md,
-# class 9): a system user with no login and no home.
-ensure_hangar_user() {
-  if ! getent passwd hangar >/dev/null; then
-    useradd --system --user-group --no-create-home --home-dir /nonexistent \
-      --shell /usr/sbin/nologin hangar
-  fi
-}
+# The user `hangar` of the split server, and its read access to the code (hangar-user.sh).
+. "$ROOT/scripts/hangar-user.sh"
 
 if [ "$(id -u)" != 0 ]; then
   echo "run as root: Hangar uses /dev/kvm, debootstrap and mkfs to build and boot guests" >&2
@@ -63,6 +57,8 @@ if [ "$SERVICE" = 1 ] && [ ! -d /run/systemd/system ]; then
 fi
 
 PKGS="qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils lz4 curl nftables iproute2 novnc logrotate"
+# The unprivileged server's read access to the code it imports (let_hangar_read below).
+PKGS="$PKGS acl"
 # The agent tools' in-process tier runs commands in bubblewrap sandboxes.
 PKGS="$PKGS bubblewrap"
 # The dashboard's terminal: xterm.js (node-xterm's modules, libjs-xterm's stylesheet and fit
@@ -110,6 +106,7 @@ say "installing Hangar and the exact Python dependencies of requirements.lock"
 .venv/bin/pip install -q --disable-pip-version-check -r requirements.lock
 .venv/bin/pip install -q --disable-pip-version-check --no-deps -e .
 ln -sf "$ROOT/.venv/bin/hangar" /usr/local/bin/hangar
+let_hangar_import "$ROOT/.venv" "$ROOT/src"
 
 say "fetching Firecracker and its jailer (used on hosts where KVM runs guests)"
 HANGAR_DATA_DIR=$DATA PYTHON=.venv/bin/python sh scripts/fetch-firecracker.sh \

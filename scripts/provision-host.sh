@@ -140,7 +140,7 @@ printf '%s\n' "# Loaded at boot for Hangar (scripts/provision-host.sh)." $MODULE
 # -- packages -------------------------------------------------------------------
 step "Packages"
 PKGS="qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils lz4
-      curl ca-certificates openssl nftables iproute2 novnc python3 python3-venv logrotate nginx
+      curl ca-certificates openssl nftables iproute2 novnc python3 python3-venv acl logrotate nginx
       skopeo umoci patchelf daemontools"
 [ -n "$EMAIL" ] && PKGS="$PKGS certbot"
 missing=""

@@ -105,6 +105,10 @@ python3 -m venv "$REL/venv"
 "$REL/venv/bin/pip" install -q --disable-pip-version-check --no-index \
   --find-links "$REL/wheels" "hangar[server]==$VERSION"
 "$REL/venv/bin/hangar" --help >/dev/null
+# The split server's user, and its read access to the release (hangar-user.sh).
+. "$(dirname "$0")/hangar-user.sh"
+ensure_hangar_user
+let_hangar_import "$REL/venv"
 # What /health will report (the wheel's name carries the normalized form).
 VERSION=$("$REL/venv/bin/python" -c 'import hangar; print(hangar.__version__)')
 echo "$VERSION" > "$REL/version"

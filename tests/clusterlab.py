@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from conftest import vmm_pids
+from conftest import PRIVSEP, link_images, server_python, vmm_pids
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 CLONE_NEWNET = 0x40000000
@@ -167,9 +167,10 @@ class Node:
                "HANGAR_NET_POOL": f"172.31.{self.i}.0/24", "HANGAR_NET_DNS": f"{self.lab.net}.254",
                "HANGAR_POOL_SIZE": "0", "HANGAR_DEFAULT_MEMORY_MIB": "256",
                "HANGAR_BOOT_TIMEOUT_S": "180", "HANGAR_ETCD_PKI": str(self.pki)}
+        python = server_python(env)
         log = open(self.data_dir / "server.log", "ab")
         self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.ns, sys.executable, "-m", "hangar.cli", "node", "join",
+            ["ip", "netns", "exec", self.ns, python, "-m", "hangar.cli", "node", "join",
              "--etcd", self.lab.etcd_urls, "--advertise", f"{self.ip}:8080", "--name", self.name,
              "--host", self.ip, "--port", "8080"],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -241,6 +242,8 @@ class Lab:
         octet = 100 + int(self.tag, 16) % 150
         self.net = f"10.231.{octet}"
         self.root = Path(tempfile.mkdtemp(prefix="hg-cluster-", dir="/tmp"))
+        if PRIVSEP:  # split nodes (user hangar) reach their data directories inside
+            self.root.chmod(0o711)
         self.base_image = base_image
         self.nodes = [Node(self, i) for i in (1, 2, 3)]
         self.etcd_urls = ",".join(f"https://{n.ip}:2379" for n in self.nodes)
@@ -262,7 +265,7 @@ class Lab:
             self._init()
             for n in self.nodes:
                 n.data_dir.mkdir()
-                (n.data_dir / "images").symlink_to(self.base_image.parent)
+                link_images(self.base_image, n.data_dir)
                 for f in ("engine-probe.json", "firecracker-probe.json"):
                     src = self.base_image.parent.parent / f
                     if src.exists():

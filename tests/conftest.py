@@ -17,6 +17,7 @@ least ``VM_WAIT_FLOOR_S``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -119,21 +120,29 @@ def base_image() -> Path:
     return img.dir
 
 
-PRIVSEP = os.environ.get("HANGAR_TEST_PRIVSEP") == "1"
-"""Start every server split (``HANGAR_PRIVSEP=1``: its HTTP process runs as ``hangar``)."""
+PRIVSEP = os.environ.get("HANGAR_TEST_PRIVSEP", "1") == "1"
+"""Start every server split (``HANGAR_PRIVSEP=1``: its HTTP process runs as ``hangar``);
+``HANGAR_TEST_PRIVSEP=0`` starts them as root (``HANGAR_PRIVSEP=0``)."""
 
 
+@functools.lru_cache(maxsize=1)
 def privsep_python() -> tuple[str, str]:
     """An interpreter whose standard library the ``hangar`` user can read after the
-    split, and the PYTHONPATH it needs: this one when its prefix is readable by all,
-    else the system's ``python3`` of the same version with this one's site-packages
-    (a prefix under root's home is not)."""
+    split, and the PYTHONPATH it needs: this one when that user can read its standard
+    library and packages (asked of the kernel as that user: scripts/install.sh grants it
+    with ACLs), else the system's ``python3`` of the same version with this one's
+    site-packages (a prefix under root's home that nobody granted)."""
+    import pwd
     import sysconfig
 
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    if all(os.stat(p).st_mode & 0o005 == 0o005 for p in (stdlib, *stdlib.parents)):
+    from hangar.privileged.split import unreadable
+
+    pw = pwd.getpwnam("hangar")
+    paths = sysconfig.get_paths()
+    if unreadable([Path(paths["stdlib"]), Path(paths["purelib"]), SRC],
+                  pw.pw_uid, pw.pw_gid) is None:
         return sys.executable, str(SRC)
-    return "/usr/bin/python3", f"{SRC}:{sysconfig.get_paths()['purelib']}"
+    return "/usr/bin/python3", f"{SRC}:{paths['purelib']}"
 
 
 class Server:
@@ -150,9 +159,7 @@ class Server:
                     "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "off", "PYTHONPATH": str(SRC),
                     **(extra_env or {})}
         self.python = sys.executable
-        if PRIVSEP or self.env.get("HANGAR_PRIVSEP") == "1":
-            self.python, self.env["PYTHONPATH"] = privsep_python()
-            self.env["HANGAR_PRIVSEP"] = "1"
+        self.python = server_python(self.env)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data_dir / "server.log"
 
@@ -172,6 +179,34 @@ class Server:
             time.sleep(0.2)
         raise RuntimeError("server did not start")
 
+    def refresh_images(self) -> None:
+        """Builds and names made in the shared image cache since this server started (a
+        template a test built), linked into its images when they are a split server's copy
+        and handed to its user as the split hands its own; nothing when it links the cache."""
+        import pwd
+
+        from hangar.privileged.split import give_images
+
+        images = self.data_dir / "images"
+        if images.is_symlink():
+            return
+        pw = pwd.getpwnam(self.env.get("HANGAR_USER", "hangar"))
+        for entry in (SHARED / "images").iterdir():
+            mine = images / entry.name
+            if entry.name.startswith("."):
+                continue
+            if entry.is_symlink():
+                target = os.readlink(entry)
+                if not mine.is_symlink() or os.readlink(mine) != target:
+                    tmp = images / f".{entry.name}.new"
+                    tmp.unlink(missing_ok=True)
+                    tmp.symlink_to(target)
+                    os.replace(tmp, mine)
+            elif entry.is_dir() and not mine.exists():
+                subprocess.run(["cp", "-al", str(entry), str(mine)], capture_output=True)
+                _unlink_locks(images)
+                give_images(mine, pw.pw_uid, pw.pw_gid)
+
     @property
     def key(self) -> str:
         return (self.data_dir / "api-key").read_text().strip()
@@ -189,18 +224,62 @@ class Server:
                 self.proc.wait()
 
 
+def link_images(base_image: Path, d: Path, privsep: bool = PRIVSEP) -> None:
+    """``d/images``: the shared image cache, linked; for a split server (the shared data
+    dir is root's only) a hard-linked copy of it (other servers add and remove builds
+    meanwhile: what vanished mid-copy is not needed). Its template snapshots are
+    restored, not made again: the split hands their files to the server read-only
+    (root's, group-readable by its group), which the shared cache's root servers read as
+    before. Lock files and half-made snapshots are the shared cache's own, not linked."""
+    if not privsep:
+        (d / "images").symlink_to(base_image.parent)
+        return
+    # Only the builds that a name points at (and ``base_image``): older ones are many and
+    # unused, and every entry linked in costs time at the start and removal of a server.
+    cache, images = base_image.parent, d / "images"
+    images.mkdir()
+    names = [e for e in cache.iterdir() if e.is_symlink() and not e.name.startswith(".")]
+    builds = {base_image.name} | {os.readlink(e) for e in names}
+    for e in names:
+        (images / e.name).symlink_to(os.readlink(e))
+    subprocess.run(["cp", "-al", *(str(cache / b) for b in sorted(builds)
+                                   if (cache / b).is_dir()), str(images)], capture_output=True)
+    assert (images / base_image.name / "rootfs.ext4").exists(), "image copy failed"
+    _unlink_locks(images)
+
+
+def _unlink_locks(images: Path) -> None:
+    """Lock files and half-made template snapshots out of a hard-linked image copy."""
+    for snaps in images.glob("*/template-snapshots"):
+        for entry in snaps.iterdir():
+            if entry.name.startswith("."):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+
+
+def split_env(env: dict[str, str]) -> str:
+    """Make ``env`` start a split server (``HANGAR_PRIVSEP=1``, the PYTHONPATH of
+    ``privsep_python``); returns the interpreter to start it with."""
+    python, env["PYTHONPATH"] = privsep_python()
+    env["HANGAR_PRIVSEP"] = "1"
+    return python
+
+
+def server_python(env: dict[str, str]) -> str:
+    """The interpreter to start a server of the suite with ``env``, which this sets up:
+    split (``split_env``) when ``PRIVSEP`` or ``env`` asks for it (``HANGAR_PRIVSEP=1``),
+    else ``HANGAR_PRIVSEP=0`` (a root server) and this interpreter."""
+    if env.get("HANGAR_PRIVSEP", "1" if PRIVSEP else "0") == "1":
+        return split_env(env)
+    env["HANGAR_PRIVSEP"] = "0"
+    return sys.executable
+
+
 def make_data_dir(base_image: Path, privsep: bool = PRIVSEP) -> Path:
     d = Path(tempfile.mkdtemp(prefix="hg-", dir="/tmp"))
-    if privsep:  # the shared data dir is root's only: a hard-linked copy the server can read,
-        # without the template snapshots (root's 0600 files; the server makes its own)
-        # (other servers add and remove builds meanwhile: what vanished mid-copy is not needed)
-        subprocess.run(["cp", "-al", str(base_image.parent), str(d / "images")],
-                       capture_output=True)
-        assert (d / "images" / base_image.name / "rootfs.ext4").exists(), "image copy failed"
-        for snaps in (d / "images").glob("*/template-snapshots"):
-            shutil.rmtree(snaps)
-    else:
-        (d / "images").symlink_to(base_image.parent)
+    link_images(base_image, d, privsep)
     for name in ("engine-probe.json", "firecracker-probe.json"):
         if (SHARED / name).exists():
             shutil.copy(SHARED / name, d / name)

@@ -291,7 +291,13 @@ class PrivateSystemd:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 os.kill(self.pid, signal.SIGKILL)
                 self.proc.wait()
+        # The namespace's processes were killed with its init; the last of them (a split
+        # server's helper, a VMM) may still be exiting: their cgroups empty soon after.
+        deadline = time.monotonic() + 15
         for d in _cgroup_dirs(self.name):
+            while time.monotonic() < deadline and any(
+                    f.read_text().strip() for f in d.rglob("cgroup.procs")):
+                time.sleep(0.1)
             for sub in sorted((p for p in d.rglob("*") if p.is_dir()),
                               key=lambda p: -len(p.parts)):
                 sub.rmdir()

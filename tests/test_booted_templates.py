@@ -215,6 +215,7 @@ def test_a_rebuilt_template_makes_new_sandboxes_and_old_ones_run_on(
         assert r.status_code == 201, r.text
         snap = r.json()["id"]
         new_build = build(SLOW.format(name=NAME, version="two"), tmp_path)
+        server.refresh_images()
         assert new_build.digest != template.digest
         new, _ = create(c)
         assert new["source"] == "template" and new["image_id"] == new_build.id
@@ -235,6 +236,7 @@ def test_a_start_command_that_exits_fails_at_once_with_its_log(server: Server,
     """Its ready timeout is 600 s; the create fails as soon as the command has exited,
     with a 502 the SDK does not retry."""
     build(BROKEN.format(name=NAME), tmp_path)
+    server.refresh_images()
     with server.client() as c:
         before = len(vmm_pids(str(server.data_dir)))
         t0 = time.monotonic()

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from clusterlab import Lab, can_run
-from conftest import wait_for
+from conftest import link_images, server_python, wait_for
 
 pytestmark = pytest.mark.skipif(can_run() is not None, reason=str(can_run()))
 
@@ -60,12 +60,12 @@ def test_three_nodes_join_and_a_stopped_one_disappears(lab: Lab) -> None:
     n1 = lab.nodes[0]
     d = lab.root / "node4"
     d.mkdir()
-    (d / "images").symlink_to(lab.base_image.parent)
+    link_images(lab.base_image, d)
     import subprocess
-    import sys
 
     env = {**lab.env, "HANGAR_DATA_DIR": str(d), "HANGAR_NETWORK": "off", "HANGAR_POOL_SIZE": "0"}
-    p = subprocess.Popen(["ip", "netns", "exec", n1.ns, sys.executable, "-m", "hangar.cli", "node",
+    python = server_python(env)
+    p = subprocess.Popen(["ip", "netns", "exec", n1.ns, python, "-m", "hangar.cli", "node",
                           "join", "--etcd", lab.etcd_urls, "--advertise", f"{n1.ip}:8081",
                           "--name", "n4", "--host", n1.ip, "--port", "8081"],
                          env=env, stdout=open(d / "server.log", "ab"), stderr=subprocess.STDOUT,

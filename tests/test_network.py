@@ -580,14 +580,14 @@ def test_api_sandboxes_get_networking_and_give_it_back(topology: Topology, base_
     """A Hangar server running in hg-host (API on a Unix socket): create with a policy,
     fetch, fork keeps a working NIC of its own, delete leaves no device or rule."""
     import httpx
-    from conftest import PRIVSEP, SRC, make_data_dir, privsep_python
+    from conftest import SRC, make_data_dir, server_python
 
     d = make_data_dir(base_image)
     sock = d / "api.sock"
-    python, path = privsep_python() if PRIVSEP else (sys.executable, str(SRC))
     env = {**os.environ, "HANGAR_DATA_DIR": str(d), "HANGAR_UDS": str(sock),
            "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "tap", "HANGAR_NET_DNS": DNS,
-           "PYTHONPATH": path, **({"HANGAR_PRIVSEP": "1"} if PRIVSEP else {})}
+           "PYTHONPATH": str(SRC)}
+    python = server_python(env)
     server = subprocess.Popen(["ip", "netns", "exec", NS_HOST, python, "-m", "hangar.cli",
                                "serve"], env=env, stdout=open(d / "server.log", "wb"),
                               stderr=subprocess.STDOUT, start_new_session=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import SHARED, SRC, free_port, vmm_pids
+from conftest import SHARED, SRC, free_port, link_images, server_python, vmm_pids
 from ops_support import ROOT, SCRIPTS, PrivateSystemd, fixed_port, hangar_cli
 
 vm = pytest.mark.vm
@@ -72,21 +72,24 @@ def systemd_host(base_image: Path) -> Iterator[tuple[PrivateSystemd, Path, int]]
     data = top / "data"
     port = fixed_port()  # the service restarts on it
     env_file = top / "hangar.env"
-    top.mkdir(mode=0o700)
+    top.mkdir(mode=0o711)  # a split server (user hangar) passes through to its data
     data.mkdir(mode=0o700)
-    (data / "images").symlink_to(base_image.parent)
+    link_images(base_image, data)
     for probe in ("engine-probe.json", "firecracker-probe.json"):
         if (SHARED / probe).exists():
             shutil.copy(SHARED / probe, data / probe)
+    env = {"PYTHONPATH": str(SRC)}
+    python = server_python(env)
     env_file.write_text(f"HANGAR_DATA_DIR={data}\nHANGAR_PORT={port}\nHANGAR_POOL_SIZE=0\n"
-                        f"HANGAR_NETWORK=off\nPYTHONPATH={SRC}\n")
+                        f"HANGAR_NETWORK=off\nPYTHONPATH={env['PYTHONPATH']}\n"
+                        f"HANGAR_PRIVSEP={env['HANGAR_PRIVSEP']}\n")
     dropin = f"""[Unit]
 DefaultDependencies=no
 [Service]
 EnvironmentFile=
 EnvironmentFile={env_file}
 ExecStart=
-ExecStart={sys.executable} -m hangar.cli serve
+ExecStart={python} -m hangar.cli serve
 StateDirectory=
 StateDirectory={name}/data
 ReadWritePaths={base_image.parent}

@@ -95,6 +95,45 @@ def test_confined_sandbox_through_the_helper(srv: Server) -> None:
         assert not (srv.data_dir / "sandboxes" / sid).exists()
 
 
+def test_template_snapshots_are_restored_read_only_and_root_written_keys_are_the_servers(
+        srv: Server) -> None:
+    """The image cache's template snapshots (made by root) are handed over read-only:
+    root's files, group-readable by the server's group, writable by nobody else; the split
+    server's creates restore them instead of booting to make its own. A key that root adds
+    with the CLI to the split server's data directory is the server's, and it accepts it."""
+    import grp
+    import pwd
+    import subprocess
+    import sys
+
+    from conftest import SRC
+
+    gid = grp.getgrnam("hangar").gr_gid
+    shared = [f for f in (srv.data_dir / "images").glob("*/template-snapshots/*/*")
+              if f.stat().st_uid == 0]
+    assert shared, "no template snapshot of root's in the image copy"
+    for f in shared:
+        st = f.stat()
+        assert st.st_gid == gid and st.st_mode & 0o040 and not st.st_mode & 0o022, (f, st)
+    with srv.client() as api:
+        r = api.post("/sandboxes", json={})
+        assert r.status_code == 201, r.text
+        assert r.json()["source"] == "template"
+        assert api.delete(f"/sandboxes/{r.json()['id']}").status_code == 204
+    assert "template snapshot made" not in srv.log.read_text()
+    out = subprocess.run([sys.executable, "-m", "hangar.cli", "key", "add", "split-added"],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(SRC),
+                              "HANGAR_DATA_DIR": str(srv.data_dir)})
+    assert out.returncode == 0, out.stderr
+    keys = srv.data_dir / "api-keys"
+    assert keys.stat().st_uid == pwd.getpwnam("hangar").pw_uid
+    import httpx
+
+    r = httpx.get(srv.url + "/sandboxes", headers={"X-API-Key": out.stdout.strip()})
+    assert r.status_code == 200, r.text
+
+
 def test_the_helper_refuses_what_the_table_does_not_hold(tmp_path: Path) -> None:
     from hangar.privileged.helper import Helper
 
@@ -146,23 +185,32 @@ def test_split_refuses_what_would_fail_later(base_image) -> None:  # noqa: ANN00
     import sysconfig
 
     from conftest import SRC
-    from hangar.privileged.split import _reachable
+    from hangar.privileged.split import unreadable
 
     d = make_data_dir(base_image, privsep=True)
     try:
-        def serve(python: str, path: str, **env: str) -> subprocess.CompletedProcess[str]:
+        def serve(python: str, path: str, **env: str | None) -> subprocess.CompletedProcess[str]:
+            full = {**os.environ, "PYTHONPATH": path, "HANGAR_DATA_DIR": str(d),
+                    "HANGAR_PRIVSEP": "1", "HANGAR_NETWORK": "off", **env}
             return subprocess.run(
                 [python, "-m", "hangar.cli", "serve", "--port", str(free_port())],
                 capture_output=True, text=True, timeout=120,
-                env={**os.environ, "PYTHONPATH": path, "HANGAR_DATA_DIR": str(d),
-                     "HANGAR_PRIVSEP": "1", "HANGAR_NETWORK": "off", **env})
+                env={k: v for k, v in full.items() if v is not None})
 
         out = serve(sys.executable, str(SRC), HANGAR_USER="no-such-user-here")
         assert out.returncode == 1 and "no user 'no-such-user-here'" in out.stderr, out.stderr
+        # The default (HANGAR_PRIVSEP unset) splits too: never root silently, and the one
+        # line names the fixes.
+        out = serve(sys.executable, str(SRC), HANGAR_USER="no-such-user-here",
+                    HANGAR_PRIVSEP=None)
+        assert out.returncode == 1, out.stderr
+        said = " ".join(out.stderr.split())  # one message (the console wraps it)
+        assert "no user 'no-such-user-here'" in said, said
+        assert "scripts/install.sh" in said and "HANGAR_PRIVSEP=0" in said, said
         import pwd
         pw = pwd.getpwnam("hangar")
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        if not _reachable(stdlib, pw.pw_uid, pw.pw_gid):  # this host's Python (under /root)
+        if unreadable([stdlib], pw.pw_uid, pw.pw_gid):  # this host's Python (under /root)
             out = serve(sys.executable, str(SRC))
             assert out.returncode == 1, out.stderr
             assert f"cannot read {stdlib}" in out.stderr, out.stderr

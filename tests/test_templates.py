@@ -249,6 +249,7 @@ def test_oci_archive_becomes_a_bootable_template(server: Server, tmp_path: Path)
     image = build_template(Layout(SHARED), load_template(tmp_path / "oci.toml"),
                            progress=lines.append)
     assert any("guest runtime" in ln for ln in lines)
+    server.refresh_images()
     with server.client() as c:
         r = c.post("/sandboxes", json={"image": f"{NAME}-oci"})
         assert r.status_code == 201, r.text
@@ -279,6 +280,7 @@ def test_a_ready_check_that_fails_fails_the_create_and_leaves_nothing(
         f'name = "{NAME}-child"\nbase = "{NAME}"\n'
         'start = "echo child starting; exit 3"\n[ready]\nport = 9\ntimeout = 5\n')
     image = build_template(Layout(SHARED), load_template(tmp_path / "child.toml"))
+    server.refresh_images()
     manifest = json.loads((image.dir / "manifest.json").read_text())
     assert manifest["base"] == built["id"]
     assert manifest["template"]["env"] == {"GREETING": "hello from the template"}

@@ -42,11 +42,15 @@ class Settings(BaseSettings):
     firecracker_jailer: Literal["auto", "on", "off"] = Field(
         "auto", description="Run Firecracker VMMs under its jailer: auto when Hangar is root "
                             "and the jailer is found; on requires it.")
-    privsep: bool = Field(
-        False, description="Started as root, fork a small privileged helper and run the "
-                           "HTTP server as HANGAR_USER (docs/security.md, class 9).")
+    privsep: bool | None = Field(
+        None, description="Started as root, fork a small privileged helper and run the "
+                          "HTTP server as HANGAR_USER (docs/security.md, class 9). Unset: "
+                          "on, but for a host whose VMMs are Firecracker's under its "
+                          "jailer (not routed through the helper: the server stays root, "
+                          "with a warning); 0 turns it off; 1 splits whatever the engine. "
+                          "A start as another user than root runs as that user.")
     user: str = Field("hangar", max_length=32,
-                      description="The unprivileged user of the server under HANGAR_PRIVSEP.")
+                      description="The unprivileged user of the server under the split.")
     vmm_confine: bool = Field(
         True, description="Confine QEMU VMMs (own uid, cgroup, mount namespace, seccomp); "
                           "see hangar.engines.confine and docs/security.md.")

@@ -41,6 +41,9 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, mode: int = 0o600, *
     synced, then renamed over ``path`` (or, with ``exclusive``, linked to ``path`` only if
     nothing is there: ``FileExistsError`` otherwise), then the folder is synced. A crash
     at any point leaves either the old file (or none) or the new one, never a part.
+    Written by root into a folder another user owns (a split server's data directory,
+    docs/security.md class 9: e.g. ``hangar key add`` run as root), the file is that
+    user's, as if the server had written it.
     Raises ``OSError`` as the system gives it; the temporary file is removed on failure.
     """
     target = Path(path)
@@ -49,6 +52,10 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, mode: int = 0o600, *
     try:
         try:
             os.fchmod(fd, mode)
+            if os.geteuid() == 0:
+                folder = os.stat(target.parent)
+                if folder.st_uid != 0:
+                    os.fchown(fd, folder.st_uid, folder.st_gid)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]

@@ -6,6 +6,7 @@ put the node's settings in the environment.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -19,22 +20,56 @@ if TYPE_CHECKING:
 
 
 def split_privileges(settings: "Settings", layout: "Layout") -> None:
-    """With ``HANGAR_PRIVSEP`` (as root): fork the privileged helper and drop this process
-    to ``HANGAR_USER`` before uvicorn reads a byte (``hangar.privileged.split``). Exits
-    with the reason when that cannot be done."""
-    if not settings.privsep:
-        return
+    """Started as root, fork the privileged helper and drop this process to
+    ``HANGAR_USER`` before uvicorn reads a byte (``hangar.privileged.split``), unless
+    ``HANGAR_PRIVSEP=0`` (or, left unset, on a host whose VMMs run under Firecracker's
+    jailer: ``jailed_firecracker``). Exits with the reason (one line naming the fix) when
+    that cannot be done: no such user, or code it could not read."""
+    import os
+
+    if settings.privsep is False or os.geteuid() != 0:
+        return  # off, or started unprivileged already
     from hangar.engines.confine import Confinement, config_from
     from hangar.privileged.split import split
 
     from hangar.core.launch import network_manager
 
+    if settings.privsep is None and (why := jailed_firecracker(settings, layout)):
+        logging.getLogger("hangar.privileged").warning(
+            "the server runs as root: %s; HANGAR_PRIVSEP=1 splits it anyway (its VMMs then "
+            "run unjailed as %s), HANGAR_ENGINE=qemu runs QEMU split", why, settings.user)
+        return
     try:
         pid = split(layout, Confinement(config_from(settings)), settings.user,
                     network_manager(settings))
     except (HangarError, OSError) as exc:
         fail(exc if isinstance(exc, HangarError) else ConfigError(f"privilege split: {exc}"))
     err.print(f"privileged helper: pid {pid}; this server runs as {settings.user}")
+
+
+def jailed_firecracker(settings: "Settings", layout: "Layout") -> str | None:
+    """Why this root server's VMMs would be Firecracker's, jailed (the split does not route
+    the jailer through its helper yet; a missing jailer is then refused as root, never run
+    unjailed unasked), or None: the engine is QEMU, or the jailer is turned off. Reads the
+    cached probe boot (``firecracker_usable``)."""
+    if settings.engine == "qemu" or settings.firecracker_jailer == "off":
+        return None
+    from hangar.engines.doctor import firecracker_usable
+    from hangar.engines.firecracker import find_firecracker
+    from hangar.images import resolve_image
+
+    fc = find_firecracker()
+    if fc is None and settings.engine == "auto":
+        return None
+    if settings.engine == "auto":
+        try:
+            ok, _ = firecracker_usable(layout, resolve_image(layout, settings.default_image),
+                                       fc)
+        except HangarError:
+            return None
+        if not ok:
+            return None
+    return "its VMMs are Firecracker's, under its jailer, which the split does not run"
 
 
 def serve(

@@ -242,6 +242,9 @@ class TemplateSnapshots:
             await engine.snapshot(vm, stage, template=True)
             os.rename(stage, dest)
             durable.fsync_dir(dest.parent)
+            from hangar.privileged.split import hand_new
+
+            hand_new(self.layout.root, image.dir)  # made by root for a split server
         finally:
             if agent is not None:
                 await agent.close()

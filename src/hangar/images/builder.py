@@ -508,6 +508,9 @@ def finish_build(layout: Layout, name: str, stage: Path, rootdir: Path,
         say(f"{final.name}: identical to the existing build")
         return final
     os.replace(stage, final)
+    from hangar.privileged.split import hand_new
+
+    hand_new(layout.root, final)  # built by root while a split server runs
     say(f"{final.name}: built in {time.monotonic() - t0:.0f} s, rootfs "
         f"{size / 2**20:.0f} MiB ({content / 2**20:.0f} MiB of files)")
     return final

@@ -43,12 +43,12 @@ class Client:
 
     def call(self, request: dict[str, Any], fds: Sequence[int] = ()) -> Any:
         """The result of ``request``; raises EngineError with the helper's message."""
-        try:
-            P.REQUEST.validate_python(request)  # refused here already, not sent
+        data = json.dumps(request, separators=(",", ":")).encode()
+        try:  # refused here already, not sent: checked as the helper checks it, as JSON
+            P.REQUEST.validate_json(data)
         except ValidationError as exc:
             raise EngineError(f"privileged helper: bad request: {exc.errors()[0]['msg']}"
                               ) from None
-        data = json.dumps(request, separators=(",", ":")).encode()
         anc = ([(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
                if fds else [])
         with self._lock:

@@ -58,26 +58,64 @@ def _give(root: Path, uid: int, gid: int) -> None:
             _take(name, uid, gid, dir_fd=dirfd)
 
 
-def _give_images(images: Path, uid: int, gid: int) -> None:
-    """The folders of ``images`` (the server adds template snapshots and their folders)
-    and the files of its template snapshots to ``uid:gid``; an image's own files stay
-    root's (read-only to the server). A linked ``images`` is left alone."""
+def _share(name: str, dirfd: int, uid: int, gid: int) -> None:
+    """A file of a template snapshot, for the server: a lock file is given to
+    ``uid:gid``; a snapshot's file of root's stays root's, read-only to the server (group
+    ``gid``, group-readable, writable by nobody but root), so that one image cache can
+    serve split and unsplit servers alike and a server can restore it but never alter it
+    in place. Opened without following a link; what is not a regular file is left."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dirfd)
+    except OSError:
+        return  # a link, or gone meanwhile
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != 0:
+            return
+        if name.endswith(".lock"):
+            os.fchown(fd, uid, gid)
+            return
+        os.fchown(fd, 0, gid)
+        os.fchmod(fd, (stat.S_IMODE(st.st_mode) | stat.S_IRGRP) & ~0o7022)
+    finally:
+        os.close(fd)
+
+
+def give_images(images: Path, uid: int, gid: int) -> None:
+    """The folders of ``images`` to ``uid:gid`` (the server adds template snapshots and
+    their folders, and removes unusable ones); the files of template snapshots shared
+    read-only (``_share``); an image's own files stay root's (read-only to the server).
+    A linked ``images`` is left alone."""
     for dirpath, dirnames, filenames, dirfd in os.fwalk(images):
         os.chown(dirfd, uid, gid)
         if "template-snapshots" in Path(dirpath).relative_to(images).parts:
             for name in filenames:
-                os.chown(name, uid, gid, dir_fd=dirfd, follow_symlinks=False)
+                _share(name, dirfd, uid, gid)
+
+
+def hand_new(data_dir: Path, build: Path) -> None:
+    """A build (or a template snapshot of it) that root just made in a split server's data
+    directory (``hangar image build``, ``hangar template build`` run as root while the
+    server runs): handed over as the split hands its images at start (``give_images``), so
+    the running server restores its template snapshots and makes new ones. Nothing when
+    the data directory is root's (no split), or when not root."""
+    if os.geteuid() != 0:
+        return
+    st = os.stat(data_dir)
+    if st.st_uid != 0:
+        give_images(build, st.st_uid, st.st_gid)
 
 
 def hand_over(layout: Layout, uid: int, gid: int) -> None:
     """Give the data directory to ``uid:gid`` but for ``KEEP_ROOTS`` (of ``images``, only
-    what the server writes: ``_give_images``)."""
+    what the server writes: ``give_images``)."""
     root = layout.root
     os.chown(root, uid, gid, follow_symlinks=False)
     os.chmod(root, 0o700)
     for entry in os.scandir(root):
         if entry.name == "images" and entry.is_dir(follow_symlinks=False):
-            _give_images(Path(entry.path), uid, gid)
+            give_images(Path(entry.path), uid, gid)
         if entry.name in KEEP_ROOTS:
             continue
         if entry.is_dir(follow_symlinks=False):
@@ -86,19 +124,31 @@ def hand_over(layout: Layout, uid: int, gid: int) -> None:
             _take(entry.path, uid, gid)
 
 
-def _reachable(path: Path, uid: int, gid: int) -> bool:
-    """Whether ``uid:gid`` (no other group) may enter every folder down to ``path`` and
-    read it, by the mode bits."""
-    for p in (*reversed(path.parents), path):
+def unreadable(paths: list[Path], uid: int, gid: int) -> Path | None:
+    """The first of ``paths`` that ``uid:gid`` (no other group) could not enter and read,
+    or None. Asked of the kernel by a child that becomes that user (so access control
+    lists and every folder on the way count), before anything is handed over."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 1
         try:
-            st = os.stat(p)
-        except OSError:
-            return False
-        need = stat.S_IXUSR | stat.S_IRUSR if p == path else stat.S_IXUSR
-        shift = 0 if st.st_uid == uid else 3 if st.st_gid == gid else 6
-        if (st.st_mode << shift) & need != need:
-            return False
-    return True
+            os.close(r)
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            bad = next((str(p) for p in paths if not os.access(p, os.R_OK | os.X_OK)), "")
+            os.write(w, bad.encode() or b"-")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        got = f.read(8192).decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    if status != 0 or not got:
+        raise OSError("could not check what the server's user can read")
+    return None if got == "-" else Path(got)
 
 
 def check_code(uid: int, gid: int) -> None:
@@ -107,12 +157,15 @@ def check_code(uid: int, gid: int) -> None:
     import hangar
 
     paths = sysconfig.get_paths()
-    for where in (paths["stdlib"], paths["platstdlib"], paths["purelib"],
-                  Path(hangar.__file__).parent):
-        if Path(where).exists() and not _reachable(Path(where), uid, gid):
-            raise ConfigError(f"the server's user cannot read {where} (Python or Hangar "
-                              f"installed where only root can read it): install Hangar in a "
-                              f"virtual environment of a Python that user can read")
+    wanted = [Path(p) for p in (paths["stdlib"], paths["platstdlib"], paths["purelib"],
+                                Path(hangar.__file__).parent) if Path(p).exists()]
+    where = unreadable(wanted, uid, gid)
+    if where is not None:
+        raise ConfigError(f"the server's user cannot read {where} (Python or Hangar "
+                          f"installed where only root can read it): run scripts/install.sh "
+                          f"(it grants that user read access), install Hangar in a virtual "
+                          f"environment of a Python that user can read, or keep the server "
+                          f"root with HANGAR_PRIVSEP=0")
 
 
 def drop(uid: int, gid: int) -> None:
@@ -137,8 +190,9 @@ def split(layout: Layout, confine: Confinement, user: str,
     try:
         pw = pwd.getpwnam(user)
     except KeyError:
-        raise ConfigError(f"no user {user!r}: create it (scripts/install.sh does) or set "
-                          f"HANGAR_USER") from None
+        raise ConfigError(f"no user {user!r} to run the HTTP server as: create it "
+                          f"(scripts/install.sh does), set HANGAR_USER, or keep the server "
+                          f"root with HANGAR_PRIVSEP=0") from None
     if pw.pw_uid == 0:
         raise ConfigError(f"HANGAR_USER {user!r} is root")
     check_code(pw.pw_uid, pw.pw_gid)
