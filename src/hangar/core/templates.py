@@ -166,8 +166,10 @@ class TemplateSnapshots:
         async with self._locks.setdefault(key, asyncio.Lock()):
             try:
                 files.template_snapshots.mkdir(exist_ok=True)
+                # readable by all: it holds only the id of the VM a build boots, which a
+                # split server (another user than a root build's) reads (``building``)
                 lock_fd = os.open(files.template_snapshot_lock(key), os.O_RDWR | os.O_CREAT,
-                                  0o600)
+                                  0o644)
             except OSError as exc:
                 log.warning("template snapshots unavailable", extra={
                     "image": image.id, "error": str(exc)})
