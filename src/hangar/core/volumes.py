@@ -52,21 +52,19 @@ from hangar.core.context import Context
 from hangar.core.store import SandboxRecord, VolumeAttachmentRecord, VolumeRecord
 from hangar.engines.base import VolumeDrive, volume_serial
 from hangar.guest import paths
+from hangar.schemas.volumes import (MAX_SIZE_MIB, MAX_VOLUMES_PER_SANDBOX, MIN_SIZE_MIB,
+                                    VOLUME_NAME)
 from hangar.errors import Busy, Conflict, GuestError, HangarError, InvalidRequest, NotFound
 from hangar.images import volfs
 
 log = logging.getLogger("hangar.volumes")
 
-MAX_PER_SANDBOX = 4
-"""Volumes one sandbox may attach (the privileged helper passes at most 8 VMM-owned files)."""
-MIN_SIZE_MIB = 16
-MAX_SIZE_MIB = 1 << 20
-"""A volume's size bounds, MiB (16 MiB to 1 TiB)."""
+MAX_PER_SANDBOX = MAX_VOLUMES_PER_SANDBOX
 MAX_VOLUMES = 1024
 """Volumes one server keeps at most."""
 MAX_READ_BYTES = 16 << 20
 """The largest file ``GET /volumes/{id}/files`` returns, bytes."""
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+NAME = re.compile(VOLUME_NAME)
 ID = re.compile(r"^vol-[0-9a-f]{12}$")
 GUEST_PATH = re.compile(r"^(/[A-Za-z0-9._@+-]+)+$")
 SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/run", "/sbin",
@@ -243,9 +241,14 @@ class Volumes:
         self.ctx.publish("volume.created", None, volume_id=vid, size_mib=size_mib)
         return rec
 
-    def _idle(self, vol: VolumeRecord, doing: str) -> None:
+    def _not_busy(self, vol: VolumeRecord) -> None:
+        """Raise Busy while ``vol`` is being made, resized, deleted or tidied."""
         if vol.id in self._busy:
             raise Busy(f"volume {vol.id} is being changed; try again", volume_id=vol.id)
+
+    def _idle(self, vol: VolumeRecord, doing: str) -> None:
+        """Raise Busy (being changed) or Conflict (a sandbox holds it)."""
+        self._not_busy(vol)
         held = self.holders(vol.id)
         if held:
             raise Conflict(f"volume {vol.id} is attached to sandbox {held[0].sandbox_id}; "
@@ -306,8 +309,7 @@ class Volumes:
             if vol.id in seen:
                 raise Conflict(f"volume {vol.id} is named twice", volume_id=vol.id)
             seen.add(vol.id)
-            if vol.id in self._busy:
-                raise Busy(f"volume {vol.id} is being changed; try again", volume_id=vol.id)
+            self._not_busy(vol)
             for h in self.holders(vol.id):
                 if not ro or not h.read_only:
                     raise Conflict(
@@ -433,8 +435,7 @@ class Volumes:
         read as its image is now (what the guest has not yet written back is missing).
         Raises NotFound, InvalidRequest (bad path, a file over ``MAX_READ_BYTES``), Busy."""
         vol = self.get(ref)
-        if vol.id in self._busy:
-            raise Busy(f"volume {vol.id} is being changed; try again", volume_id=vol.id)
+        self._not_busy(vol)
         image = self.image(vol.id)
         kind, _size = await volfs.stat(image, path)
         if kind == "dir":

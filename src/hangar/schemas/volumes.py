@@ -13,10 +13,15 @@ from pydantic import ConfigDict, Field
 from hangar.schemas.base import Model, RequestBody
 
 MAX_VOLUMES_PER_SANDBOX = 4
-"""Volumes one sandbox attaches at most (``hangar.core.volumes.MAX_PER_SANDBOX``)."""
+"""Volumes one sandbox attaches at most (the privileged helper passes at most 8 VMM-owned
+files)."""
+MIN_SIZE_MIB = 16
+MAX_SIZE_MIB = 1 << 20
+"""A volume's size bounds, MiB (16 MiB to 1 TiB)."""
 MountPath = Annotated[str, Field(min_length=1, max_length=256)]
 """A guest mount path (``hangar.core.volumes.check_mount_path`` checks the rest)."""
 VOLUME_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+"""A volume's name (``hangar.core.volumes.check_name`` also refuses an id's shape)."""
 
 
 class VolumeMount(RequestBody):
@@ -48,7 +53,7 @@ class CreateVolume(RequestBody):
 
     name: str = Field(pattern=VOLUME_NAME, description="Unique name: 1-63 of A-Z a-z 0-9 . _ -, "
                                                        "not shaped like an id (vol-...).")
-    size_mib: int = Field(ge=16, le=1 << 20, description="Size, MiB (16 MiB to 1 TiB); the "
+    size_mib: int = Field(ge=MIN_SIZE_MIB, le=MAX_SIZE_MIB, description="Size, MiB (16 MiB to 1 TiB); the "
                                                          "host holds only what is written.")
 
 
@@ -57,7 +62,7 @@ class ResizeVolume(RequestBody):
 
     model_config = ConfigDict(extra="forbid")
 
-    size_mib: int = Field(ge=16, le=1 << 20, description="New size, MiB; not smaller than now.")
+    size_mib: int = Field(ge=MIN_SIZE_MIB, le=MAX_SIZE_MIB, description="New size, MiB; not smaller than now.")
 
 
 class VolumeAttachment(Model):
