@@ -23,11 +23,13 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hangar.core.lifecycle import State
+from hangar.core.store import Store
 from hangar.errors import InvalidRequest
 from hangar.layout import Layout
 
-NOT_HOLDING = ("deleted", "expired", "failed")
-"""Sandbox states that hold no volume (``Store.HOLDING`` is every other state)."""
+NOT_HOLDING = tuple(sorted(s.value for s in set(State) - Store.HOLDING))
+"""Sandbox states that hold no volume (deleted, expired, failed: all but ``Store.HOLDING``)."""
 
 
 @dataclass(frozen=True)
