@@ -158,7 +158,6 @@ class Server:
         self.env = {**os.environ, "HANGAR_DATA_DIR": str(data_dir), "HANGAR_PORT": str(port),
                     "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "off", "PYTHONPATH": str(SRC),
                     **(extra_env or {})}
-        self.python = sys.executable
         self.python = server_python(self.env)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data_dir / "server.log"
