@@ -57,7 +57,6 @@ DISABLED_FEATURES = (
 
 DRIVEN_FLAGS = (
     "--disable-field-trial-config",
-    "--disable-background-networking",
     "--disable-background-timer-throttling",
     "--disable-backgrounding-occluded-windows",
     "--disable-back-forward-cache",
