@@ -132,6 +132,17 @@ class Settings(BaseSettings):
     api_key: str | None = Field(
         None, description="The default API key; when unset, read from or generated into "
                           "data_dir/api-key. Named keys live in data_dir/api-keys.")
+    secrets_key_file: Path | None = Field(
+        None, description="The vault's key (32 bytes, 0600; made on first start): secrets are "
+                          "stored sealed with it (hangar.core.secrets). Default: "
+                          "<data_dir>.secrets-key, beside the data directory, so neither a "
+                          "copy of it nor `hangar backup` holds the key.")
+    secret_proxy_mitmdump: Path | None = Field(
+        None, description="The mitmdump of the secret proxy's own environment; default: "
+                          ".venv-proxy/bin/mitmdump beside the server's (scripts/install.sh).")
+    secret_proxy_upstream_ca: Path | None = Field(
+        None, description="Tests only: a PEM file of the CAs the secret proxy trusts "
+                          "upstream instead of its own bundle (a stand-in internet's CA).")
     max_json_bytes: int = Field(
         8 << 20, ge=1024, description="Largest JSON request body, bytes (413 beyond); file "
                                       "uploads are streamed and not bound by it.")

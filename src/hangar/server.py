@@ -42,6 +42,7 @@ from fastapi import FastAPI
 
 from hangar.api.app import create_app as create_api
 from hangar.api.auth import KeyRing
+from hangar.core.secrets import default_key_file, load_key
 from hangar.config import Settings
 from hangar.core.events import EventBus
 from hangar.core.idempotency import IdempotencyStore
@@ -86,6 +87,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     layout.ensure()
     keys = KeyRing(layout.api_key_file, layout.api_keys_file, settings.api_key)
     keys.load()
+    # read (or made) now, while a split server is still root: it keeps the key in memory
+    # and its user needs no access to the file (hangar.core.secrets)
+    secret_key = load_key(settings.secrets_key_file or default_key_file(settings.data_dir))
     events = EventBus()
     node: Any = None
     gateway = None
@@ -107,7 +111,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             config = await node.load_config()
             keys.share("cluster", config.key_hashes)
         manager = SandboxManager(settings, layout, store, engine, metrics, events,
-                                 hooks=node.hooks if node is not None else None)
+                                 hooks=node.hooks if node is not None else None,
+                                 secret_key=secret_key)
         app.state.idempotency = IdempotencyStore(store.engine)
         app.state.metrics = metrics
         app.state.manager = manager

@@ -33,7 +33,7 @@ from fastapi import Depends, FastAPI
 from hangar import __version__
 from hangar.api import (
     code, desktop, e2b, errors, events, files, health, machines, pool, ports, processes, pty,
-    sandboxes, snapshots, tunnel, vnc, volumes, web,
+    sandboxes, secrets, snapshots, tunnel, vnc, volumes, web,
 )
 from hangar.api.auth import KeyRing, Throttle, require_key
 from hangar.api.envd.gateway import EnvdGateway
@@ -89,6 +89,7 @@ def create_app(settings: Settings | None = None, *, keys: KeyRing | None = None,
     web.install(app)  # the web page and noVNC: static files, no key (the page asks for it)
     app.include_router(snapshots.router, dependencies=keyed)
     app.include_router(volumes.router, dependencies=keyed)
+    app.include_router(secrets.router, dependencies=keyed)
     app.include_router(machines.listing, dependencies=keyed)
     app.include_router(machines.router, dependencies=keyed)
     app.include_router(pool.router, dependencies=keyed)

@@ -45,6 +45,7 @@ async def create(m: Manager, placed: Placed, body: CreateSandbox | None = None) 
         desktop=body.desktop, network=body.network,
         volumes={p: v if isinstance(v, str) else v.model_dump() for p, v in body.volumes.items()}
         if body.volumes else None,
+        secrets=dict(body.secrets) if body.secrets else None,
     ), placed)
     return _with_volumes(m, view(rec))
 

@@ -95,6 +95,8 @@ class CreateOptions:
     """E2B's options of a create through ``/e2b`` (``hangar.core.e2b.Options.as_dict``)."""
     volumes: dict[str, Any] | None = None
     """Named volumes by guest path (``hangar.core.volumes.parse_request``), or None."""
+    secrets: dict[str, str] | None = None
+    """Vault secrets by environment variable (``hangar.core.secrets``), or None."""
 
 
 def new_id(prefix: str = "sb-") -> str:

@@ -24,7 +24,7 @@ from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
 from hangar.core.pool import WarmPool
 from hangar.core.store import SandboxRecord
-from hangar.errors import Conflict, HangarError
+from hangar.errors import Conflict, HangarError, InvalidRequest
 from hangar.images import GuestImage, resolve_image
 
 log = logging.getLogger("hangar.sandboxes")
@@ -60,8 +60,14 @@ class Creation:
         network = self.launcher.policy(opts.network)
         volumes = self.launcher.volumes
         volumes.plan("-", opts.volumes)  # a bad request is a 4xx before anything else
+        wanted = self.launcher.vault.check_request(opts.secrets)  # hangar.core.secrets
+        if wanted and not network:
+            raise InvalidRequest("a sandbox with secrets needs a network (its egress proxy "
+                                 "puts them in its requests); give it network 'internet' or "
+                                 "'open'")
         sid = placement.sandbox_id if placement is not None else None
-        if sid is None and self.pool is not None and self.pool.fits(opts, image):
+        if sid is None and not wanted and self.pool is not None \
+                and self.pool.fits(opts, image):
             rec = await self._from_pool(opts, image, started)
             if rec is not None:
                 return rec
@@ -70,6 +76,12 @@ class Creation:
             # checked and written in one step of the event loop: two creates cannot
             # both take a volume's one writer's place (hangar.core.volumes)
             self.ctx.store.add(rec, *volumes.plan(rec.id, opts.volumes))
+        try:
+            self.launcher.bind_secrets(rec.id, wanted)
+        except BaseException:
+            self.ctx.store.discard(rec.id, State.CREATING)
+            await volumes.release(rec.id)
+            raise
         chosen = ["template" if self.launcher.templates.enabled else "cold"]
 
         async def start() -> str:
@@ -135,6 +147,7 @@ class Creation:
                 discarded = ctx.store.discard(rec.id, State.CREATING)
                 if discarded:
                     await self.launcher.volumes.release(rec.id)
+                    self.launcher.vault.forget(rec.id)
                 if not discarded:
                     cur = ctx.store.get(rec.id)
                     if cur is not None and cur.state in (State.STOPPING, State.DELETED):

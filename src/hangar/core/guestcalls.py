@@ -74,6 +74,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from hangar.core.admission import ExecSlots
+from hangar.core.secrets import with_env
 from hangar.core.commands import HOME, Command, FileEntry, FileEvent, FileList, WriteResult
 from hangar.core.context import Context
 from hangar.core.launch import Launcher
@@ -385,7 +386,8 @@ class GuestCalls:
         guest did not answer within the command's timeout plus 10 s) and the
         errors of ``using``.
         """
-        meta = cmd.exec_meta() if isinstance(cmd, Command) else cmd
+        meta = (with_env(cmd, self.launcher.vault.env(sandbox_id)).exec_meta()
+                if isinstance(cmd, Command) else cmd)
         result: ExecResult | None = None
         with self.execs.take(sandbox_id):
             async with self.using(sandbox_id) as agent:
@@ -404,7 +406,8 @@ class GuestCalls:
         """Run a command, yielding ``stdout``/``stderr`` events as the output comes (at
         the pace the caller takes them), then one ``exit`` event with the result.
         Raises as ``exec`` (a failure midway raises from the iterator)."""
-        meta = cmd.exec_meta() if isinstance(cmd, Command) else cmd
+        meta = (with_env(cmd, self.launcher.vault.env(sandbox_id)).exec_meta()
+                if isinstance(cmd, Command) else cmd)
         result: ExecResult | None = None
         with self.execs.take(sandbox_id):
             async with self.using(sandbox_id) as agent:

@@ -34,6 +34,8 @@ from hangar.config import Settings
 from hangar.core.context import Context
 from hangar.core.lifecycle import State
 from hangar.core.registry import Runtime
+from hangar.core.secret_proxy import SecretProxies, install_ca_meta, make_ca
+from hangar.core.secrets import Vault, default_key_file
 from hangar.core.startup import needs_start, run_template
 from hangar.core.templates import TemplateSnapshots, nic_of
 from hangar.core.store import SandboxRecord, SnapshotRecord
@@ -43,7 +45,7 @@ from hangar.engines.base import VM, VMSpec
 from hangar.engines.boot_phases import boot_phases
 from hangar.engines.boot_phases import describe as describe_phases
 from hangar.engines.snapshot_io import refresh_guest
-from hangar.errors import Conflict, HangarError, InvalidRequest, Timeout
+from hangar.errors import Conflict, GuestError, HangarError, InvalidRequest, Timeout
 from hangar.engines.agent_client import AgentClient, SessionRestarted
 from hangar.guest import paths
 from hangar.images import GuestImage, resolve_pinned
@@ -107,9 +109,14 @@ HOST_KEYS = {"op": "exec", "argv": [
 class Launcher:
     """Starts and stops sandboxes' VMs and NICs."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, secret_key: bytes | None = None) -> None:
         self.ctx = ctx
         self.net = network_manager(ctx.settings)
+        self.vault = Vault(ctx.store, ctx.settings.secrets_key_file
+                           or default_key_file(ctx.settings.data_dir), secret_key)
+        """Secrets and sandboxes' placeholders (``hangar.core.secrets``)."""
+        self.secret_proxies = SecretProxies(ctx, self.vault, self.net)
+        """One egress proxy per running sandbox with secrets (``hangar.core.secret_proxy``)."""
         self.templates = TemplateSnapshots(ctx.settings, ctx.layout, ctx.engine, self.net,
                                            ctx.publish)
         self.volumes = Volumes(ctx)
@@ -185,6 +192,7 @@ class Launcher:
             rt.agent = await ctx.engine.connect_agent(vm, ctx.settings.boot_timeout_s)
             if ready is not None:
                 await ready(rt.agent, net)
+            await self.secure(rec, rt.agent)
         except BaseException:
             if rt is not None and ctx.registry.get(rec.id) is rt:
                 await ctx.registry.drop(rec.id)
@@ -192,9 +200,51 @@ class Launcher:
                 await rt.agent.close()
             if vm is not None:
                 await ctx.engine.stop(vm)
+            await self.secret_proxies.stop(rec.id)
             await self.detach(rec.id)
             raise
         return rt
+
+    # -- secrets -------------------------------------------------------------------------
+
+    async def secure(self, rec: SandboxRecord, agent: AgentClient) -> None:
+        """A sandbox with secrets: start its egress proxy and make its guest trust the
+        proxy's CA (``hangar.core.secret_proxy``); nothing for one without."""
+        ca = self.vault.ca(rec.id)
+        if ca is None:
+            return
+        await self.secret_proxies.start(rec.id, rec.network)
+        result = await agent.exec(install_ca_meta(ca[0]))
+        if result.exit_code != 0:
+            raise GuestError("the guest did not take its secret proxy's CA: "
+                             + result.stderr.head.decode(errors="replace")[-200:], sandbox_id=rec.id)
+
+    def bind_secrets(self, sandbox_id: str, wanted: dict[str, str]) -> None:
+        """Give a new sandbox placeholders for ``wanted`` ({variable: secret}, checked by
+        ``Vault.check_request``) and a CA of its own."""
+        if wanted:
+            cert, key = make_ca(sandbox_id)
+            self.vault.bind(sandbox_id, wanted, cert, key)
+
+    async def recover_secrets(self) -> None:
+        """At start: end proxies a previous server left, forget bindings of sandboxes and
+        snapshots that are gone, and start the proxy of each running sandbox with secrets
+        (its guest trusts its CA already). A proxy that cannot start is logged; its
+        sandbox's web traffic stays sent to a closed port (refused, never direct)."""
+        self.secret_proxies.sweep()
+        live = {r.id: r for r in self.ctx.store.visible()}  # failed ones may be restored
+        snaps = {s.id for s in self.ctx.store.list(SnapshotRecord)}
+        for owner in self.vault.owners():
+            if owner not in live and owner not in snaps:
+                self.vault.forget(owner)
+        for rec in live.values():
+            if rec.state in (State.RUNNING, State.UNRESPONSIVE) \
+                    and self.vault.binding(rec.id) is not None:
+                try:
+                    await self.secret_proxies.start(rec.id, rec.network)
+                except HangarError as exc:
+                    log.error("secret proxy not restarted", extra={"sandbox_id": rec.id,
+                                                                   "error": exc.message})
 
     async def boot(self, rec: SandboxRecord, image: GuestImage, expect: Collection[State],
                    crash_step: str | None = None) -> Runtime:
@@ -386,6 +436,7 @@ class Launcher:
         paths = ctx.layout.sandbox(sandbox_id)
         if vm is not None:
             await ctx.engine.stop(vm)
+        await self.secret_proxies.stop(sandbox_id)
         shutil.rmtree(paths.dir, ignore_errors=True)
         await self.detach(sandbox_id)
 

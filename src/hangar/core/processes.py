@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from hangar.core.secrets import with_env
 from hangar.core.commands import Command
 from hangar.core.guestcalls import GuestCalls
 from hangar.engines.agent_client import ProcessStream, ProcInfo, ProcSignalled, proc_meta
@@ -101,6 +102,7 @@ class Processes:
         input, a program that cannot start), Conflict (the tag is taken),
         LimitExceeded (64 processes run in the guest).
         """
+        cmd = with_env(cmd, self.calls.launcher.vault.env(sandbox_id))
         meta = _start_meta(cmd, tag, stdin, pty, timeout)
         async with self.calls.using(sandbox_id) as agent:
             return info_of(await agent.start_process(meta))
@@ -113,6 +115,7 @@ class Processes:
         ``ProcessOutput`` items from its first byte to its ``end`` (whose ``process``
         is the final entry). Closing the iterator detaches; the process runs on. A stream that
         breaks midway (the guest went away) raises its error from the iterator."""
+        cmd = with_env(cmd, self.calls.launcher.vault.env(sandbox_id))
         meta = _start_meta(cmd, tag, stdin, pty, timeout)
         async with self.calls.using(sandbox_id) as agent:
             stream = await agent.start_process_attached(meta)

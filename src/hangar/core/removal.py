@@ -68,6 +68,8 @@ class Removal:
         if rec.sleep_snapshot:
             self.drop_snapshot(rec.sleep_snapshot)
         end = rec.desired_state if rec.desired_state in ENDINGS else State.DELETED
+        if end != State.FAILED:  # a failed sandbox may be restored: it keeps its secrets
+            self.launcher.vault.forget(sandbox_id)
         self.ctx.store.transition(sandbox_id, State.STOPPING, end, pid=None,
                                   sleep_snapshot=None, restore_from=None)
         log.info(f"sandbox {end.value}", extra={"sandbox_id": sandbox_id})
@@ -116,4 +118,5 @@ class Removal:
     def drop_snapshot(self, snapshot_id: str) -> None:
         """Remove a snapshot's record and files."""
         self.ctx.store.remove(SnapshotRecord, snapshot_id)
+        self.launcher.vault.forget(snapshot_id)
         shutil.rmtree(self.ctx.layout.snapshot(snapshot_id), ignore_errors=True)

@@ -58,6 +58,8 @@ from typing import TYPE_CHECKING, Any
 
 from hangar.config import Settings
 from hangar.core.admission import Admission, CreateOptions, new_id
+from hangar.core.secret_proxy import SecretProxies
+from hangar.core.secrets import Vault
 from hangar.core.commands import HOME, Command, FileEntry, FileEvent, FileList, WriteResult
 from hangar.core.context import Context
 from hangar.core.creation import Creation
@@ -102,7 +104,7 @@ class SandboxManager:
 
     def __init__(self, settings: Settings, layout: Layout, store: Store, engine: Engine,
                  metrics: Metrics, events: EventBus | None = None,
-                 hooks: Hooks | None = None) -> None:
+                 hooks: Hooks | None = None, secret_key: bytes | None = None) -> None:
         self.settings = settings
         self.layout = layout
         self.store = store
@@ -114,7 +116,7 @@ class SandboxManager:
                                  self.registry, hooks or Hooks())
         store.on_transition(lambda rec, frm, to: announce(ctx, rec, frm, to))
         self.admission = Admission(ctx)
-        self.launcher = Launcher(ctx)
+        self.launcher = Launcher(ctx, secret_key)
         self.removal = Removal(ctx, self.launcher)
         targets = templates(settings)
         self.pool: WarmPool | None = (
@@ -125,7 +127,7 @@ class SandboxManager:
                                    self.creation)
         self.sleeper = Sleeper(ctx, self.admission, self.launcher, self.removal, self.snapshots)
         self.calls = GuestCalls(ctx, self.launcher, self.sleeper)
-        self.terminals = Terminals(self.calls.using, ctx.publish)
+        self.terminals = Terminals(self.calls.using, ctx.publish, self.launcher.vault.env)
         self.processes = Processes(self.calls)
         """Background processes that outlive their connection (``core.processes``)."""
         self.ports = Ports(ctx)
@@ -160,6 +162,7 @@ class SandboxManager:
         """Recover what a previous server left, start the reconcile loop, fill the pool."""
         await self.recovery.run()
         self.launcher.volumes.sweep()
+        await self.launcher.recover_secrets()
         self.reconciler.start()
         if self.pool is not None:
             self.pool.kick()
@@ -167,10 +170,22 @@ class SandboxManager:
     async def close(self) -> None:
         """Stop background work, end pool VMs and drop agent connections; sandboxes keep running."""
         await self.reconciler.close()
+        await self.launcher.secret_proxies.stop_all(keep_rules=True)
         await self.terminals.shutdown()
         if self.pool is not None:
             await self.pool.close()
         await self.registry.close()
+
+    @property
+    def vault(self) -> "Vault":
+        """The vault of secrets (``hangar.core.secrets``)."""
+        return self.launcher.vault
+
+    @property
+    def secret_proxies(self) -> "SecretProxies":
+        """Sandboxes' secret-injecting proxies (``hangar.core.secret_proxy``); the network
+        rules' changes go to ``update_rules``."""
+        return self.launcher.secret_proxies
 
     # -- records -----------------------------------------------------------------------
 

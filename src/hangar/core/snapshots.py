@@ -89,10 +89,12 @@ class Snapshots:
                 created_at=time.time(), image=rec.image, image_digest=rec.image_digest,
                 vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
                 desktop=rec.desktop, network=rec.network)
+            self.launcher.vault.copy(rec.id, snap_id)  # its placeholders and CA, if any
             ctx.store.add_snapshot(snap, sleep_of=rec.id if kind == "sleep" else None)
             outcome = "ok"
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)
+            self.launcher.vault.forget(snap_id)
             raise
         finally:
             ctx.metrics.snapshot_seconds.labels(kind, outcome).observe(time.monotonic() - started)
@@ -212,6 +214,7 @@ class Snapshots:
         started = time.monotonic()
         rec = ctx.record(sandbox_id)
         try:
+            self.launcher.vault.copy(snap.id, sandbox_id)  # the secrets its guest holds
             await self.launcher.restore(rec, snap, {State.RESTORING})
             crash_point("restore.restored")
         except BaseException as exc:
@@ -247,6 +250,11 @@ class Snapshots:
             self.launcher.policy(snap.network or "none"), snap.vcpus, snap.memory_mib, snap.disk_mib)
         async with self.admission.slot(memory_mib=rec.memory_mib):
             ctx.store.add(rec)
+        try:
+            self.launcher.vault.copy(snapshot_id, rec.id)  # the placeholders its guest holds
+        except BaseException:
+            ctx.store.discard(rec.id, State.CREATING)
+            raise
 
         async def start() -> None:
             await self.launcher.restore(rec, snap, {State.CREATING})

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hangar.core.commands import Command
+from hangar.core.secrets import with_env
 from hangar.core.tasks import Tasks
 from hangar.engines.agent_client import AgentClient, PtyChannel, PtyExit
 from hangar.errors import HangarError, LimitExceeded, NotFound
@@ -187,8 +188,11 @@ class Terminal:
 class Terminals:
     """Every terminal session of a server, by sandbox."""
 
-    def __init__(self, using: Using, publish: Callable[..., None]) -> None:
+    def __init__(self, using: Using, publish: Callable[..., None],
+                 base_env: Callable[[str], dict[str, str]] | None = None) -> None:
         self._using = using
+        self._base_env = base_env
+        """A sandbox's own variables (its secrets' placeholders: ``hangar.core.secrets``)."""
         self._publish = publish
         self._sessions: dict[str, Terminal] = {}
         self._tasks = Tasks("terminals")
@@ -221,6 +225,8 @@ class Terminals:
         that cannot start).
         """
         command = command or Command()
+        if self._base_env is not None:
+            command = with_env(command, self._base_env(sandbox_id))
         meta = command.pty_meta(cols, rows)
         if len(self.list(sandbox_id)) >= MAX_PER_SANDBOX:
             raise LimitExceeded(f"sandbox {sandbox_id} has {MAX_PER_SANDBOX} terminal sessions, "

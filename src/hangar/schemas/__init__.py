@@ -43,11 +43,13 @@ from hangar.schemas.volumes import (
     CreateVolume, MountedVolume, ResizeVolume, VolumeAttachment, VolumeFileEntry, VolumeFileList, VolumeInfo,
     VolumeList, VolumeMount,
 )
+from hangar.schemas.secrets import CreateSecret, RotateSecret, SecretInfo, SecretList
 from hangar.schemas.sandboxes import (
     CreateSandbox, Health, PoolStatus, SandboxInfo, SandboxList, SandboxMemory, SetTimeout,
 )
 
 __all__ = [
+    "CreateSecret", "RotateSecret", "SecretInfo", "SecretList",
     "CreateVolume", "MountedVolume", "ResizeVolume", "VolumeAttachment", "VolumeFileEntry", "VolumeFileList",
     "VolumeInfo", "VolumeList", "VolumeMount",
     "AGENT_KIND",

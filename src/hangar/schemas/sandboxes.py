@@ -8,6 +8,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from hangar.schemas.base import Model, RequestBody
 from hangar.schemas.bounds import METADATA_ENTRIES, check_metadata, check_network
+from hangar.schemas.secrets import ENV_NAME, MAX_SECRETS_PER_SANDBOX, SECRET_NAME
 from hangar.schemas.volumes import MAX_VOLUMES_PER_SANDBOX, MountPath, MountedVolume, VolumeMount
 
 
@@ -42,6 +43,14 @@ class CreateSandbox(RequestBody):
                     "true} (any number of readers while none writes). A sandbox with volumes "
                     "boots (no template snapshot or warm pool) and cannot be snapshotted or "
                     "put to sleep; see docs/volumes.md.")
+    secrets: dict[Annotated[str, Field(pattern=ENV_NAME)],
+                  Annotated[str, Field(pattern=SECRET_NAME)]] | None = Field(
+        None, max_length=MAX_SECRETS_PER_SANDBOX,
+        description="Vault secrets by environment variable, e.g. {'GITHUB_TOKEN': 'gh'}: the "
+                    "guest's commands see only a placeholder in that variable; the sandbox's "
+                    "egress proxy puts the real value in its place in HTTP headers sent to "
+                    "the secret's hosts, and refuses it anywhere else (docs/security.md, "
+                    "'Secrets and the vault'). Needs TAP networking.")
 
     _metadata = field_validator("metadata")(classmethod(
         lambda cls, v: check_metadata(v)))

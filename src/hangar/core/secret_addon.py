@@ -1,0 +1,234 @@
+"""The secret-injecting proxy's mitmproxy addon (runs in mitmdump, never in the server).
+
+Loaded by ``mitmdump -s`` in the proxy's own virtual environment (mitmproxy pins older
+libraries than Hangar's): it imports the standard library and mitmproxy only, never
+``hangar`` (``hangar.core.secret_proxy`` starts it and is its only peer).
+
+Its peer talks to it over two pipes, whose descriptors are in the environment:
+
+- ``HANGAR_PROXY_CONTROL_FD`` (in): JSON lines. The first, read before the proxy serves,
+  is ``{"secrets": {placeholder: {"name", "value", "hosts"}}, "rules": {...},
+  "egress_match": path or null}``; later lines replace ``secrets`` or ``rules``. End of
+  file (the server is gone) ends the proxy.
+- ``HANGAR_PROXY_EVENTS_FD`` (out): JSON lines: ``{"event": "ready"}``, then
+  ``secret.refused`` (secret name, host, reason) and ``egress.denied`` (host, address,
+  port, reason). Never a value or a header.
+
+Rules for each request (docs/security.md, "Secrets and the vault"):
+
+1. Every upstream connection is checked with ``egress_match.decide`` (loaded by path)
+   against the sandbox's rules, on the address the guest connected to and the name it
+   asked for (TLS SNI, else the HTTP Host): refused, it never opens.
+2. A placeholder in a header value is replaced by its secret only when the request is
+   HTTPS (so the upstream's certificate, verified, proves the name), its SNI and Host
+   name the same host, and that host is one of the secret's hosts. Anywhere else (another
+   host, plain HTTP, the URL) the request is answered 403 with one line of reason, and
+   nothing is sent upstream.
+3. The secret's value in the answer's headers or body goes back to the guest as its
+   placeholder again.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import json
+import os
+import signal
+import threading
+from typing import Any
+
+from mitmproxy import http
+
+CONTROL_FD = "HANGAR_PROXY_CONTROL_FD"
+EVENTS_FD = "HANGAR_PROXY_EVENTS_FD"
+PREFIX = b"hangar-secret-"
+PLACEHOLDER_LEN = len(PREFIX) + 32
+ALWAYS_DENIED = ("127.0.0.0/8", "0.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4",
+                 "255.255.255.255/32", "::1/128", "fe80::/10")
+
+
+def _fallback_decide(rules: dict, *, ip: str, port: int,
+                     name: str | None = None) -> tuple[bool, str]:
+    """Used only when no ``egress_match`` file is given: refuses loopback, link-local,
+    multicast, the ``never`` CIDRs and the ``denied_ranges`` of ``rules``."""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return False, "denied_address"
+    for first, last in rules.get("denied_ranges", ()):
+        if addr.version == 4 and first <= int(addr) <= last:
+            return False, "denied_address"
+    for cidr in (*ALWAYS_DENIED, *rules.get("never", ())):
+        try:
+            if addr in ipaddress.ip_network(cidr, strict=False):
+                return False, "denied_address"
+        except ValueError:
+            continue
+    return True, "allowed"
+
+
+def _host_matches(host: str, patterns: list[str]) -> bool:
+    host = host.lower().rstrip(".")
+    for p in patterns:
+        if p.startswith("*."):
+            if host.endswith(p[1:]) and len(host) > len(p) - 1:
+                return True
+        elif host == p:
+            return True
+    return False
+
+
+class SecretProxy:
+    def __init__(self) -> None:
+        self.secrets: dict[bytes, dict[str, Any]] = {}
+        self.rules: dict[str, Any] = {}
+        self.decide = _fallback_decide
+        self.names: dict[str, str] = {}
+        self._out = os.fdopen(int(os.environ[EVENTS_FD]), "w", buffering=1)
+        self._lock = threading.Lock()
+        self._control = os.fdopen(int(os.environ[CONTROL_FD]), "r")
+        first = self._control.readline()
+        if not first:
+            raise SystemExit("no configuration on the control pipe")
+        self._apply(json.loads(first))
+        threading.Thread(target=self._follow, name="hangar-control", daemon=True).start()
+
+    # -- the server's side -----------------------------------------------------------------
+
+    def _apply(self, msg: dict[str, Any]) -> None:
+        path = msg.get("egress_match")
+        if isinstance(path, str) and path:
+            spec = importlib.util.spec_from_file_location("hangar_egress_match", path)
+            if spec is None or spec.loader is None:
+                raise SystemExit(f"cannot load {path}")
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            self.decide = mod.decide
+        if isinstance(msg.get("secrets"), dict):
+            self.secrets = {k.encode(): v for k, v in msg["secrets"].items()
+                            if isinstance(v, dict) and len(k) == PLACEHOLDER_LEN}
+        if isinstance(msg.get("rules"), dict):
+            self.rules = msg["rules"]
+
+    def _follow(self) -> None:
+        for line in self._control:
+            try:
+                self._apply(json.loads(line))
+            except (ValueError, TypeError, AttributeError):
+                self.emit("proxy.error", reason="bad control line")
+        os.kill(os.getpid(), signal.SIGTERM)  # the server is gone: so is this proxy
+
+    def emit(self, event: str, **data: Any) -> None:
+        with self._lock:
+            try:
+                self._out.write(json.dumps({"event": event, **data}) + "\n")
+            except OSError:
+                pass
+
+    # -- mitmproxy's hooks -----------------------------------------------------------------
+
+    def running(self) -> None:
+        self.emit("ready")
+
+    def client_disconnected(self, client: Any) -> None:
+        self.names.pop(client.id, None)
+
+    def server_connect(self, data: Any) -> None:
+        """Rule 1: refuse an upstream connection the sandbox's rules do not allow."""
+        address = data.server.address
+        if not address:
+            return
+        ip, port = str(address[0]), int(address[1])
+        name = data.server.sni or self.names.get(data.client.id)
+        try:
+            ok, reason = self.decide(self.rules, ip=ip, port=port, name=name)
+        except Exception:  # a rule the matcher cannot read: closed, not open
+            ok, reason = False, "rule_error"
+        if not ok:
+            data.server.error = f"refused by the sandbox's egress rules ({reason})"
+            self.emit("egress.denied", host=(name or "")[:253], address=ip, port=port,
+                      reason=str(reason)[:64])
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        """Rule 2: put secrets in the place of their placeholders, or refuse."""
+        req = flow.request
+        sni = (flow.client_conn.sni or "").lower().rstrip(".")
+        host = (req.host_header or "").lower()
+        host = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        host = host.strip("[]").rstrip(".")
+        self.names[flow.client_conn.id] = sni or host
+        if PREFIX in req.url.encode("utf-8", "surrogateescape"):
+            return self._refuse(flow, self._named(req.url.encode()), host or sni,
+                                "a secret's placeholder may go only in a header")
+        fields = list(req.headers.fields)
+        used: list[dict[str, Any]] = []
+        for i, (key, value) in enumerate(fields):
+            if PREFIX not in value:
+                continue
+            for ph in self._found(value):
+                sec = self.secrets.get(ph)
+                name = str(sec.get("name", "?")) if sec else "?"
+                if sec is None or not isinstance(sec.get("value"), str):
+                    return self._refuse(flow, name, sni or host,
+                                        "no such secret (deleted, or not this sandbox's)")
+                if req.scheme != "https" or not sni:
+                    return self._refuse(flow, name, host,
+                                        "secrets are sent only over HTTPS")
+                if host and host != sni:
+                    return self._refuse(flow, name, sni, "the Host header and the TLS "
+                                                         "server name differ")
+                if not _host_matches(sni, list(sec.get("hosts", ()))):
+                    return self._refuse(flow, name, sni,
+                                        f"{sni} is not one of the secret's hosts")
+                value = value.replace(ph, sec["value"].encode())
+                used.append(sec)
+            fields[i] = (key, value)
+        if used:
+            req.headers.fields = tuple(fields)
+            flow.metadata["hangar_secrets"] = used
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        """Rule 3: an answer that echoes a value gets the placeholder back in its place."""
+        used = flow.metadata.get("hangar_secrets")
+        resp = flow.response
+        if not used or resp is None:
+            return
+        back = [(s["value"].encode(), ph) for ph, s in self.secrets.items() if s in used]
+        fields = list(resp.headers.fields)
+        for i, (key, value) in enumerate(fields):
+            for real, ph in back:
+                value = value.replace(real, ph)
+            fields[i] = (key, value)
+        resp.headers.fields = tuple(fields)
+        content = resp.raw_content
+        if content and any(real in content for real, _ in back):
+            for real, ph in back:
+                content = content.replace(real, ph)
+            resp.raw_content = content
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _found(value: bytes) -> list[bytes]:
+        out, at = [], value.find(PREFIX)
+        while at >= 0:
+            out.append(value[at:at + PLACEHOLDER_LEN])
+            at = value.find(PREFIX, at + 1)
+        return out
+
+    def _named(self, raw: bytes) -> str:
+        for ph in self._found(raw):
+            sec = self.secrets.get(ph)
+            if sec:
+                return str(sec.get("name", "?"))
+        return "?"
+
+    def _refuse(self, flow: http.HTTPFlow, name: str, host: str, reason: str) -> None:
+        flow.response = http.Response.make(
+            403, f"hangar: secret {name} refused: {reason}\n".encode(),
+            {"Content-Type": "text/plain; charset=utf-8", "Connection": "close"})
+        self.emit("secret.refused", secret=name[:64], host=host[:253], reason=reason[:120])
+
+
+addons = [SecretProxy()]

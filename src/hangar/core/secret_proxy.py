@@ -1,0 +1,420 @@
+"""Sandboxes' secret-injecting egress proxies: one ``mitmdump`` per running sandbox that
+has secrets (docs/security.md, "Secrets and the vault").
+
+mitmproxy (pinned in ``requirements-proxy.lock``) runs in a virtual environment of its
+own, ``HANGAR_SECRET_PROXY_MITMDUMP`` (default: ``.venv-proxy/bin/mitmdump`` beside the
+server's environment, which ``scripts/install.sh`` makes), with the addon
+``hangar/core/secret_addon.py``. For a sandbox, ``SecretProxies.start``:
+
+1. writes its CA (``make_ca``; kept sealed in the vault) to a confdir of its own,
+   ``<data>/secret-proxies/<id>/mitmproxy-ca.pem`` (0600, in a 0700 folder), which
+   mitmproxy signs the guest's per-host certificates with;
+2. starts ``mitmdump`` in transparent mode on (the bridge gateway, a free port), quiet
+   (no flow is printed), with an environment of its own (none of the server's), and
+   hands it its secrets' values and egress rules on a pipe (``secret_addon``'s control
+   pipe; the values are never written to a file);
+3. waits for the addon's ``ready`` and then has the network manager send the guest's
+   new connections to ports 80 and 443 to it (``NetworkManager.intercept``).
+
+The addon's events (``secret.refused``, ``egress.denied``) are published as Hangar
+events with the sandbox's id: names and hosts, never a value. ``stop`` ends the proxy
+(the pipe closes, then SIGTERM, then SIGKILL) and removes its folder; a proxy whose
+server is gone ends by itself (end of file on its pipe), and ``sweep`` ends any left
+over at start (its command line names this data directory's proxies folder).
+
+``install_ca_meta`` is the guest exec that makes the guest trust the CA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.x509.oid import NameOID
+
+from hangar.core.context import Context
+from hangar.core.secrets import CA_FILE, SYSTEM_BUNDLE, Vault
+from hangar.errors import ConfigError, EngineError
+
+log = logging.getLogger("hangar.secrets")
+
+ADDON = Path(__file__).with_name("secret_addon.py")
+READY_S = 30.0
+"""Seconds a new proxy has to say it serves (mitmdump starts in about 1 s idle)."""
+STOP_S = 3.0
+"""Seconds a proxy has to end after its pipe closes, before SIGKILL."""
+DPORTS = (80, 443)
+EVENTS = {"secret.refused", "egress.denied"}
+"""Events of the addon published as Hangar events (anything else is logged)."""
+
+
+def default_mitmdump() -> Path:
+    """``.venv-proxy/bin/mitmdump`` beside the server's virtual environment."""
+    return Path(sys.prefix).parent / ".venv-proxy" / "bin" / "mitmdump"
+
+
+def make_ca(sandbox_id: str) -> tuple[str, bytes]:
+    """A new certificate authority for one sandbox's proxy: (certificate PEM, key PEM).
+    RSA 2048, valid from a day ago for ten years, may sign only end certificates."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Hangar"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, f"Hangar sandbox {sandbox_id}")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=3650))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True,
+                                         crl_sign=True, content_commitment=False,
+                                         key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False,
+                                         decipher_only=False), critical=True)
+            .add_extension(ski, critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    key_pem = key.private_bytes(serialization.Encoding.PEM,
+                                serialization.PrivateFormat.TraditionalOpenSSL,
+                                serialization.NoEncryption())
+    return cert.public_bytes(serialization.Encoding.PEM).decode(), key_pem
+
+
+INSTALL_CA = r"""
+set -e
+mkdir -p "$(dirname "$CA_FILE")"
+printf '%s' "$CERT" > "$CA_FILE.tmp" && mv "$CA_FILE.tmp" "$CA_FILE"
+mkdir -p "$(dirname "$BUNDLE")"
+if ! grep -qF "$MARK" "$BUNDLE" 2>/dev/null; then
+  { cat "$BUNDLE" 2>/dev/null || true; printf '%s\n' "$CERT"; } > "$BUNDLE.tmp"
+  mv "$BUNDLE.tmp" "$BUNDLE"
+fi
+"""
+
+
+def install_ca_meta(cert_pem: str) -> dict[str, Any]:
+    """The guest exec that writes ``cert_pem`` to ``CA_FILE`` and appends it to the system
+    bundle once (a restored guest that has it already is left as it is)."""
+    mark = cert_pem.strip().splitlines()[1]  # the certificate's first base64 line
+    return {"op": "exec", "argv": ["/bin/sh", "-c", INSTALL_CA], "timeout": 30,
+            "env": {"CERT": cert_pem, "CA_FILE": CA_FILE, "BUNDLE": SYSTEM_BUNDLE,
+                    "MARK": mark}}
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def host_addresses() -> list[str]:
+    """The host's own IPv4 addresses as /32 CIDRs (``ip -j -4 addr``); [] when unknown."""
+    try:
+        out = subprocess.run(["ip", "-j", "-4", "addr"], capture_output=True, timeout=5,
+                             check=True).stdout
+        return sorted({f"{a['local']}/32" for link in json.loads(out)
+                       for a in link.get("addr_info", ()) if a.get("local")})
+    except (OSError, ValueError, subprocess.SubprocessError, KeyError, TypeError):
+        return []
+
+
+def match_rules(network: dict[str, Any] | None, never: list[str]) -> dict[str, Any]:
+    """What the addon's ``decide`` gets for an egress policy: the net layer's
+    ``Policy.match_rules`` when it has one, else the policy's denied ranges (first and
+    last address as integers) and ``never``, which the addon's fallback reads."""
+    from hangar.net import Policy
+
+    policy = Policy.parse(network or "none")
+    if hasattr(policy, "match_rules"):
+        return dict(policy.match_rules(never=never))
+    return {"never": list(never), "denied_ranges": [list(r) for r in policy.denied_ranges()]}
+
+
+def egress_match_path() -> str | None:
+    """The net layer's stdlib-only matcher (``hangar/net/egress_match.py``), which the
+    addon loads by path; None where it is missing (the addon's fallback then decides)."""
+    import hangar.net
+
+    path = Path(hangar.net.__file__).with_name("egress_match.py")
+    return str(path) if path.is_file() else None
+
+
+@dataclass
+class Proxy:
+    """One running proxy: its process, port and pipes."""
+
+    sandbox_id: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    control: Any
+    confdir: Path
+    reader: asyncio.Task[None] | None = None
+    ready: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop()
+                                        .create_future())
+
+
+class SecretProxies:
+    """The proxies of one server's sandboxes (see the module docstring)."""
+
+    def __init__(self, ctx: Context, vault: Vault, net: Any) -> None:
+        self.ctx = ctx
+        self.vault = vault
+        self.net = net
+        self.root = ctx.layout.root / "secret-proxies"
+        self.proxies: dict[str, Proxy] = {}
+        self._never: list[str] | None = None
+
+    @property
+    def mitmdump(self) -> Path:
+        return Path(self.ctx.settings.secret_proxy_mitmdump or default_mitmdump())
+
+    # -- rules ------------------------------------------------------------------------------
+
+    def never(self) -> list[str]:
+        """Addresses no proxy connects to whatever a sandbox's rules say: the guests' network
+        (the bridge's pool) and the host's own addresses."""
+        if self._never is None:
+            pool = getattr(self.net, "pool", None)
+            self._never = ([str(pool)] if pool is not None else []) + host_addresses()
+        return self._never
+
+    def rules_for(self, network: dict[str, Any] | None) -> dict[str, Any]:
+        """The rules the addon's ``decide`` gets for a sandbox's egress policy."""
+        return match_rules(network, self.never())
+
+    # -- start and stop -----------------------------------------------------------------------
+
+    async def start(self, sandbox_id: str, network: dict[str, Any] | None) -> int | None:
+        """Start ``sandbox_id``'s proxy if it has secrets and is not proxied yet, and send
+        its guest's web traffic there; its port, or None (no secrets). Raises EngineError
+        (the proxy did not start; nothing is left), ConfigError (no mitmdump)."""
+        if self.vault.binding(sandbox_id) is None:
+            return None
+        if sandbox_id in self.proxies:
+            return self.proxies[sandbox_id].port
+        if self.net is None or getattr(self.net, "mode", "") != "tap":
+            raise ConfigError("secrets need TAP networking (HANGAR_NETWORK=tap, as root)")
+        exe = self.mitmdump
+        if not os.access(exe, os.X_OK):
+            raise ConfigError(f"no mitmdump at {exe}: run scripts/install.sh (it makes the "
+                              "proxy's environment) or set HANGAR_SECRET_PROXY_MITMDUMP")
+        ca = self.vault.ca(sandbox_id)
+        assert ca is not None
+        confdir = self.root / sandbox_id
+        shutil.rmtree(confdir, ignore_errors=True)
+        confdir.mkdir(mode=0o700, parents=True)
+        fd = os.open(confdir / "mitmproxy-ca.pem", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(ca[1] + ca[0].encode())
+        gateway = self.net.gateway
+        port = free_port(gateway)
+        ctl_r, ctl_w = os.pipe()
+        ev_r, ev_w = os.pipe()
+        argv = [str(exe), "--mode", "transparent", "--listen-host", gateway,
+                "--listen-port", str(port), "-q", "-s", str(ADDON),
+                "--set", f"confdir={confdir}", "--set", "flow_detail=0",
+                "--set", "termlog_verbosity=error", "--set", "connection_strategy=lazy",
+                "--set", "upstream_cert=false", "--set", "ssl_insecure=false"]
+        upstream_ca = self.ctx.settings.secret_proxy_upstream_ca
+        if upstream_ca:  # tests only: the stand-in internet's own CA
+            argv += ["--set", f"ssl_verify_upstream_trusted_ca={upstream_ca}"]
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(confdir), "LANG": "C.UTF-8",
+               "HANGAR_PROXY_CONTROL_FD": str(ctl_r), "HANGAR_PROXY_EVENTS_FD": str(ev_w)}
+        try:
+            errlog = open(confdir / "proxy.log", "wb")
+            try:
+                proc = subprocess.Popen(argv, env=env, cwd=confdir, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=errlog,
+                                        pass_fds=(ctl_r, ev_w), start_new_session=True)
+            finally:
+                errlog.close()
+        except OSError as exc:
+            for fd_ in (ctl_r, ctl_w, ev_r, ev_w):
+                os.close(fd_)
+            shutil.rmtree(confdir, ignore_errors=True)
+            raise EngineError(f"the secret proxy did not start: {exc}",
+                              sandbox_id=sandbox_id) from None
+        os.close(ctl_r)
+        os.close(ev_w)
+        (confdir / "pid").write_text(f"{proc.pid}\n")
+        control = os.fdopen(ctl_w, "w", buffering=1)
+        proxy = Proxy(sandbox_id, proc, port, control, confdir)
+        self.proxies[sandbox_id] = proxy
+        try:
+            self._send(proxy, {"secrets": self.vault.resolved(sandbox_id),
+                               "rules": self.rules_for(network),
+                               "egress_match": self.egress_match()})
+            proxy.reader = asyncio.get_running_loop().create_task(self._read(proxy, ev_r))
+            try:
+                await asyncio.wait_for(asyncio.shield(proxy.ready), READY_S)
+            except asyncio.TimeoutError:
+                raise EngineError(f"the secret proxy did not start within {READY_S:.0f} s: "
+                                  f"{self._tail(proxy)}", sandbox_id=sandbox_id) from None
+            await self.net.intercept_async(sandbox_id, port, DPORTS)
+        except BaseException:
+            await self.stop(sandbox_id)
+            raise
+        log.info("secret proxy started", extra={"sandbox_id": sandbox_id, "port": port,
+                                                "pid": proc.pid})
+        return port
+
+    def egress_match(self) -> str | None:
+        """The path of the net layer's stdlib-only matcher, or None (the addon's fallback)."""
+        return egress_match_path()
+
+    async def stop(self, sandbox_id: str, keep_rules: bool = False) -> None:
+        """End ``sandbox_id``'s proxy, if any, and remove its folder; never raises.
+        ``keep_rules``: leave its guest's web traffic sent to the (closed) port, so it is
+        refused rather than sent direct until a server starts the proxy again."""
+        proxy = self.proxies.pop(sandbox_id, None)
+        if proxy is None:
+            shutil.rmtree(self.root / sandbox_id, ignore_errors=True)
+            return
+        if self.net is not None and not keep_rules:
+            try:
+                await self.net.intercept_async(sandbox_id, None, DPORTS)
+            except Exception:
+                pass  # the NIC (and its rules) may be gone already
+        try:
+            proxy.control.close()
+        except OSError:
+            pass
+        await asyncio.get_running_loop().run_in_executor(None, self._end, proxy.proc)
+        if proxy.reader is not None:
+            proxy.reader.cancel()
+        shutil.rmtree(proxy.confdir, ignore_errors=True)
+        log.info("secret proxy stopped", extra={"sandbox_id": sandbox_id})
+
+    async def stop_all(self, keep_rules: bool = False) -> None:
+        """End every proxy (the server is closing: ``keep_rules``)."""
+        for sid in list(self.proxies):
+            await self.stop(sid, keep_rules=keep_rules)
+
+    @staticmethod
+    def _end(proc: subprocess.Popen[bytes]) -> None:
+        try:
+            proc.wait(STOP_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        for sig, wait in ((signal.SIGTERM, STOP_S), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def sweep(self, keep: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        """End proxies a previous server left (their folders, pids checked against their
+        command lines) but for ``keep``, and remove their folders."""
+        if not self.root.is_dir():
+            return
+        for d in self.root.iterdir():
+            if d.name in keep or d.name in self.proxies:
+                continue
+            try:
+                pid = int((d / "pid").read_text().strip())
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if f"confdir={d}".encode() in cmdline:
+                    os.killpg(pid, signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+            shutil.rmtree(d, ignore_errors=True)
+
+    # -- while running ------------------------------------------------------------------
+
+    def update_rules(self, sandbox_id: str, rules: dict[str, Any]) -> bool:
+        """Give ``sandbox_id``'s proxy new egress rules (``rules_for``'s shape); they hold
+        for the next connection. False when it has no proxy."""
+        proxy = self.proxies.get(sandbox_id)
+        if proxy is None:
+            return False
+        self._send(proxy, {"rules": rules})
+        return True
+
+    def refresh(self) -> None:
+        """Send every proxy its secrets again (after a rotation or a delete)."""
+        for sid, proxy in list(self.proxies.items()):
+            try:
+                self._send(proxy, {"secrets": self.vault.resolved(sid)})
+            except Exception as exc:
+                log.warning("secret proxy not refreshed", extra={"sandbox_id": sid,
+                                                                  "error": type(exc).__name__})
+
+    @staticmethod
+    def _send(proxy: Proxy, msg: dict[str, Any]) -> None:
+        try:
+            proxy.control.write(json.dumps(msg) + "\n")
+        except (OSError, ValueError):
+            raise EngineError("the secret proxy is gone", sandbox_id=proxy.sandbox_id) from None
+
+    async def _read(self, proxy: Proxy, fd: int) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=1 << 16)
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0))
+        try:
+            while True:
+                try:
+                    line = await reader.readline()
+                except ValueError:  # an over-long line: not the addon's
+                    continue
+                if not line:
+                    break
+                self._event(proxy, line)
+        finally:
+            transport.close()
+            if not proxy.ready.done():
+                proxy.ready.set_exception(EngineError(
+                    f"the secret proxy ended: {self._tail(proxy)}", sandbox_id=proxy.sandbox_id))
+                proxy.ready.exception()  # retrieved: nobody may wait
+
+    def _event(self, proxy: Proxy, line: bytes) -> None:
+        try:
+            ev = json.loads(line)
+            kind = str(ev.pop("event"))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return
+        if kind == "ready":
+            if not proxy.ready.done():
+                proxy.ready.set_result(None)
+            return
+        data = {k: str(v)[:253] for k, v in ev.items() if k in (
+            "secret", "host", "address", "port", "reason")}
+        if kind in EVENTS:
+            self.ctx.publish(kind, proxy.sandbox_id, **data)
+            log.info(kind, extra={"sandbox_id": proxy.sandbox_id, **data})
+        else:
+            log.warning("secret proxy: %s", kind, extra={"sandbox_id": proxy.sandbox_id})
+
+    @staticmethod
+    def _tail(proxy: Proxy) -> str:
+        """The end of the proxy's own error output (mitmproxy's errors: no header)."""
+        try:
+            text = (proxy.confdir / "proxy.log").read_bytes()[-600:].decode(errors="replace")
+        except OSError:
+            text = ""
+        code = proxy.proc.poll()
+        return (text.strip().splitlines() or [f"exit {code}" if code is not None
+                                              else "no answer"])[-1][:300]
+
