@@ -34,7 +34,8 @@ from hangar import privileged
 from hangar.errors import EngineError, InvalidRequest
 from hangar.net import nft as N
 from hangar.net.attachment import NetAttachment
-from hangar.net.policy import Policy, range_text
+from hangar.net.intercept import EgressOps, rules_script
+from hangar.net.policy import Policy
 
 log = logging.getLogger("hangar.net")
 
@@ -120,7 +121,7 @@ class _Lease:
     egress: str
 
 
-class NetworkManager:
+class NetworkManager(EgressOps):
     """Bridge, TAPs, addresses and rules of Hangar's guests on this host.
 
     ``bridge`` names the bridge (the guests' gateway, holding the pool's
@@ -168,6 +169,7 @@ class NetworkManager:
         self.user_open = user_open
         self._mode: str | None = None
         self._leases: dict[str, _Lease] = {}
+        self._redirects: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {}
         self._lock = threading.RLock()
         self._started = False
         self._helper = privileged.current() if os.geteuid() != 0 else None
@@ -413,10 +415,7 @@ class NetworkManager:
             self._leases[sandbox_id] = _Lease(sandbox_id, tap, ip, pol.egress)
             try:
                 self._make_tap(tap, f"{ALIAS_TAG} {sandbox_id} {ip} {pol.egress}")
-                dns_ok = self.dns if self.dns and Policy(
-                    egress="open", allow=pol.allow, deny=pol.deny).permits(self.dns) else None
-                denied = [range_text(a, b) for a, b in pol.denied_ranges()]
-                self.nft.apply(N.attach_script(tap, mac, ip, denied, dns_ok))
+                self.nft.apply(rules_script(tap, mac, ip, pol, self.dns))
             except BaseException:
                 try:
                     self._remove(sandbox_id, tap)
@@ -486,6 +485,7 @@ class NetworkManager:
 
     def _remove(self, sandbox_id: str, tap: str) -> None:
         lease = self._leases.pop(sandbox_id, None)
+        self._redirects.pop(sandbox_id, None)
         errors = []
         try:
             self._delete_links({tap})
@@ -533,14 +533,15 @@ class NetworkManager:
                 taps = {link.get("ifname") for link in ipr.get_links()}
             taps = {t for t in taps if t and t.startswith(self.tap_prefix)}
             found = self.nft.find(self.tap_prefix)
-            stale = (taps | found.chains | {p[0] for p in found.ports}
-                     | set(found.egress.values())) - live
+            stale = (taps | {N.owner(c) for c in found.chains | found.sets}
+                     | {p[0] for p in found.ports} | set(found.egress.values())) - live
             self._delete_links(stale & taps)
             script = N.detach_script(found, stale)
             if script:
                 self.nft.apply(script)
             self._leases = {sid: lease for sid, lease in self._read_leases().items()
                             if lease.tap in live}
+            self._redirects = {s: r for s, r in self._redirects.items() if s in self._leases}
         if stale:
             log.info("stale sandbox networks swept", extra={"taps": sorted(stale)})
         return sorted(stale)
@@ -562,6 +563,7 @@ class NetworkManager:
             if script:
                 self.nft.apply(script)
             self._leases.clear()
+            self._redirects.clear()
             self._started = False
 
     def leases(self) -> dict[str, str]:

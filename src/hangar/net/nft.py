@@ -9,6 +9,7 @@ rules (``BR`` is the bridge, ``POOL`` the guests' subnet, ``hgt*`` the TAPs)::
                                        client and peer ports, every node's API; filled
                                        by a cluster node, ``control_script``)
       chain input        hook input:   from BR only replies (ct established,related);
+                                       a guest's redirected flows (@inports) to the gateway;
                                        a control endpoint is refused (TCP reset);
                                        every other packet from a guest to any host
                                        address is dropped
@@ -22,8 +23,17 @@ rules (``BR`` is the bridge, ``POOL`` the guests' subnet, ``hgt*`` the TAPs)::
                                        to BR: replies only
       chain postrouting  hook postrouting (nat): POOL leaving by any other
                                        interface is masqueraded
-      chain hgt<id>      one per sandbox: DNS exception, then ``ip daddr {denied} drop``,
-                                       then accept
+      chain hgt<id>      one per sandbox: DNS exception, then (domain rules) the
+                                       addresses its allowed names resolved to
+                                       (sets hgt<id>_r, hgt<id>_rp, with timeouts),
+                                       then per-port CIDR rules, then
+                                       ``ip daddr {denied} drop``, then accept
+      map nat            guest address -> goto its nat chain (intercepted sandboxes)
+      set inports        guest address . protocol . port it may open on the gateway
+                                       (what its nat chain redirects there)
+      chain prerouting   hook prerouting (dstnat): from BR: ip saddr vmap @nat
+      chain hgt<id>_nat  TCP to dports -> DNAT gateway:proxy port (``intercept``);
+                                       UDP/TCP 53 -> DNAT gateway:DNS port
 
     table bridge hangar
       set ports          ifname . MAC . IPv4 of each TAP (anti-spoofing)
@@ -60,12 +70,20 @@ TABLE = "hangar"
 NFT_TIMEOUT_S = 10.0
 
 
+def owner(name: str) -> str:
+    """The TAP a per-sandbox chain or set belongs to (``hgt…`` before any ``_``)."""
+    return name.split("_", 1)[0]
+
+
 @dataclass
 class Found:
     """Hangar's per-sandbox nftables objects, as read from the kernel."""
 
     chains: set[str] = field(default_factory=set)
+    sets: set[str] = field(default_factory=set)
     egress: dict[str, str] = field(default_factory=dict)  # guest ip -> chain
+    nat: dict[str, str] = field(default_factory=dict)  # guest ip -> nat chain
+    inports: list[tuple[str, str, str]] = field(default_factory=list)  # (ip, proto, port)
     ports: list[tuple[str, str, str]] = field(default_factory=list)  # (tap, mac, ip)
     tables: set[str] = field(default_factory=set)  # families that have a hangar table
 
@@ -109,10 +127,18 @@ class Nft:
                     found.tables.add(family)
                 elif "chain" in obj and obj["chain"]["name"].startswith(tap_prefix):
                     found.chains.add(obj["chain"]["name"])
-                elif "map" in obj and obj["map"]["name"] == "egress":
+                elif "map" in obj and obj["map"]["name"] in ("egress", "nat"):
+                    into = found.egress if obj["map"]["name"] == "egress" else found.nat
                     for key, verdict in obj["map"].get("elem", []):
                         target = next(iter(verdict.values()), {}).get("target", "")
-                        found.egress[str(key)] = target
+                        into[str(key)] = target
+                elif "set" in obj and obj["set"]["name"].startswith(tap_prefix):
+                    found.sets.add(obj["set"]["name"])
+                elif "set" in obj and obj["set"]["name"] == "inports":
+                    for elem in obj["set"].get("elem", []):
+                        ip, proto, port = (elem.get("elem", elem) if isinstance(elem, dict)
+                                           else elem)["concat"]
+                        found.inports.append((str(ip), str(proto), str(port)))
                 elif "set" in obj and obj["set"]["name"] == "ports":
                     for elem in obj["set"].get("elem", []):
                         tap, mac, ip = (elem.get("elem", elem) if isinstance(elem, dict)
@@ -140,6 +166,7 @@ def base_script(bridge: str, pool: str, tap_prefix: str, dns: str | None = None)
     from hangar.net.policy import ALWAYS_BLOCKED
 
     br, taps = q(bridge), q(tap_prefix + "*")
+    gateway = ipaddress.IPv4Network(pool).network_address + 1
     t = f"inet {TABLE}"
     b = f"bridge {TABLE}"
     blocked = ", ".join(ALWAYS_BLOCKED)
@@ -150,9 +177,13 @@ def base_script(bridge: str, pool: str, tap_prefix: str, dns: str | None = None)
         f"add table {t}",
         f"add map {t} egress {{ type ipv4_addr : verdict; }}",
         f"add set {t} control {{ type ipv4_addr . inet_service; }}",
+        f"add map {t} nat {{ type ipv4_addr : verdict; }}",
+        f"add set {t} inports {{ type ipv4_addr . inet_proto . inet_service; }}",
         f"add chain {t} input {{ type filter hook input priority filter; policy accept; }}",
         f"flush chain {t} input",
         f"add rule {t} input iifname {br} ct state established,related accept",
+        f"add rule {t} input iifname {br} ip daddr {gateway} ct status dnat"
+        f" ip saddr . meta l4proto . th dport @inports accept",
         f"add rule {t} input iifname {br} meta l4proto tcp ip daddr . tcp dport @control"
         f" counter reject with tcp reset",
         f"add rule {t} input iifname {br} counter drop",
@@ -169,6 +200,9 @@ def base_script(bridge: str, pool: str, tap_prefix: str, dns: str | None = None)
         f"add chain {t} postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}",
         f"flush chain {t} postrouting",
         f"add rule {t} postrouting ip saddr {pool} oifname != {br} masquerade",
+        f"add chain {t} prerouting {{ type nat hook prerouting priority dstnat; policy accept; }}",
+        f"flush chain {t} prerouting",
+        f"add rule {t} prerouting iifname {br} ip saddr vmap @nat",
         f"add table {b}",
         f"add set {b} ports {{ type ifname . ether_addr . ipv4_addr; }}",
         f"add chain {b} prerouting {{ type filter hook prerouting priority filter; policy accept; }}",
@@ -200,13 +234,32 @@ def control_script(endpoints: Iterable[tuple[str, int]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def attach_script(tap: str, mac: str, ip: str, denied: list[str], dns: str | None) -> str:
-    """One sandbox's chain, its ``egress`` element and its ``ports`` element."""
+def attach_script(tap: str, mac: str, ip: str, denied: list[str], dns: str | None,
+                  ports: dict[int, list[str]] | None = None, resolved: bool = False) -> str:
+    """One sandbox's chain, its ``egress`` element and its ``ports`` element.
+
+    ``ports`` maps a port to the ranges denied on it (CIDR entries with a
+    port); ``resolved`` adds the sets of addresses its allowed names
+    resolved to (``<tap>_r``: any port, ``<tap>_rp``: address . port), kept
+    (with their elements) when they exist, and accepted before any deny.
+    """
     t = f"inet {TABLE}"
     lines = [f"add chain {t} {tap}", f"flush chain {t} {tap}"]
     if dns:
         lines.append(f"add rule {t} {tap} ip daddr {dns} meta l4proto {{ tcp, udp }} "
                      f"th dport 53 accept")
+    if resolved:
+        lines += [f"add set {t} {tap}_r {{ type ipv4_addr; flags timeout; }}",
+                  f"add set {t} {tap}_rp {{ type ipv4_addr . inet_service; flags timeout; }}",
+                  f"add rule {t} {tap} ip daddr @{tap}_r accept",
+                  f"add rule {t} {tap} meta l4proto {{ tcp, udp }} ip daddr . th dport "
+                  f"@{tap}_rp accept"]
+    for port, ranges in sorted((ports or {}).items()):
+        if ranges:
+            lines.append(f"add rule {t} {tap} meta l4proto {{ tcp, udp }} th dport {int(port)} "
+                         f"ip daddr {{ {', '.join(ranges)} }} counter drop")
+        lines.append(f"add rule {t} {tap} meta l4proto {{ tcp, udp }} th dport {int(port)} "
+                     f"accept")
     if denied:
         lines.append(f"add rule {t} {tap} ip daddr {{ {', '.join(denied)} }} counter drop")
     lines += [
@@ -218,8 +271,62 @@ def attach_script(tap: str, mac: str, ip: str, denied: list[str], dns: str | Non
     return "\n".join(lines)
 
 
+def unresolved_script(found: Found, tap: str) -> str:
+    """Delete ``tap``'s sets of resolved addresses (after its chain stops using them)."""
+    t = f"inet {TABLE}"
+    return "".join(f"delete set {t} {name}\n" for name in sorted(found.sets)
+                   if name in (f"{tap}_r", f"{tap}_rp"))
+
+
+def nat_script(found: Found, tap: str, ip: str, gateway: str,
+               redirects: list[tuple[str, tuple[int, ...], int]]) -> str:
+    """Replace ``tap``'s redirections: each (protocol ``tcp``/``udp``, destination ports,
+    gateway port) DNATs the guest's new flows of that protocol to those ports, any
+    address, to ``gateway``:port, and lets them into the host (``inports``). No
+    redirects: the nat chain and its elements go."""
+    t = f"inet {TABLE}"
+    chain = f"{tap}_nat"
+    lines = [f"delete element {t} inports {{ {e[0]} . {e[1]} . {e[2]} }}"
+             for e in found.inports if e[0] == ip]
+    if ip in found.nat:
+        lines.append(f"delete element {t} nat {{ {ip} }}")
+    if not redirects:
+        if chain in found.chains:
+            lines.append(f"delete chain {t} {chain}")
+        return "\n".join(lines) + "\n" if lines else ""
+    lines += [f"add chain {t} {chain}", f"flush chain {t} {chain}"]
+    elems = []
+    for proto, dports, port in redirects:
+        if proto not in ("tcp", "udp") or not 0 < int(port) < 65536:
+            raise EngineError(f"bad redirect {proto}/{port}")
+        listed = ", ".join(str(int(p)) for p in dports)
+        lines.append(f"add rule {t} {chain} meta l4proto {proto} th dport {{ {listed} }} "
+                     f"dnat ip to {gateway}:{int(port)}")
+        elems.append(f"{ip} . {proto} . {int(port)}")
+    lines += [f"add element {t} inports {{ {', '.join(elems)} }}",
+              f"add element {t} nat {{ {ip} : goto {chain} }}", ""]
+    return "\n".join(lines)
+
+
+def admit_script(tap: str, entries: Iterable[tuple[str, int | None, int]]) -> str:
+    """Add (address, port or None for any, seconds) to ``tap``'s resolved sets; an
+    element already there gets the new timeout."""
+    t = f"inet {TABLE}"
+    lines = []
+    import ipaddress
+
+    for addr, port, seconds in entries:
+        a = ipaddress.IPv4Address(addr)
+        key = str(a) if port is None else f"{a} . {int(port)}"
+        name = f"{tap}_r" if port is None else f"{tap}_rp"
+        # delete-after-add: an element that exists gets its timeout renewed
+        lines += [f"add element {t} {name} {{ {key} }}", f"delete element {t} {name} {{ {key} }}",
+                  f"add element {t} {name} {{ {key} timeout {max(1, int(seconds))}s }}"]
+    return "\n".join(lines) + "\n" if lines else ""
+
+
 def detach_script(found: Found, taps: set[str], ips: set[str] | None = None) -> str:
-    """Delete every object of the TAPs ``taps`` (and ``egress`` elements of ``ips``) in ``found``.
+    """Delete every object of the TAPs ``taps`` (and map elements of ``ips``) in ``found``.
 
     Built from what exists, so it never fails on something already gone.
     """
@@ -229,11 +336,20 @@ def detach_script(found: Found, taps: set[str], ips: set[str] | None = None) -> 
     for ip, chain in sorted(found.egress.items()):
         if chain in taps or ip in ips:
             lines.append(f"delete element {t} egress {{ {ip} }}")
+    for ip, chain in sorted(found.nat.items()):
+        if owner(chain) in taps or ip in ips:
+            ips.add(ip)
+            lines.append(f"delete element {t} nat {{ {ip} }}")
+    for ip, proto, port in found.inports:
+        if ip in ips:
+            lines.append(f"delete element {t} inports {{ {ip} . {proto} . {port} }}")
     for tap, mac, ip in found.ports:
         if tap in taps:
             lines.append(f"delete element bridge {TABLE} ports {{ {q(tap)} . {mac} . {ip} }}")
-    for chain in sorted(found.chains & taps):
+    for chain in sorted(c for c in found.chains if owner(c) in taps):
         lines.append(f"delete chain {t} {chain}")
+    for name in sorted(n for n in found.sets if owner(n) in taps):
+        lines.append(f"delete set {t} {name}")
     return "\n".join(lines) + "\n" if lines else ""
 
 

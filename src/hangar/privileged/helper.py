@@ -206,6 +206,18 @@ class Helper:
     def net_guard(self, req: P.NetGuard, fds: list[int]) -> Any:
         self._net().guard_control(list(req.endpoints))
 
+    def net_intercept(self, req: P.NetIntercept, fds: list[int]) -> Any:
+        if req.kind == "dns":
+            self._net().redirect_dns(req.sandbox_id, req.port)
+        else:
+            self._net().intercept(req.sandbox_id, req.port, tuple(req.dports))
+
+    def net_admit(self, req: P.NetAdmit, fds: list[int]) -> Any:
+        self._net().admit(req.sandbox_id, [tuple(e) for e in req.entries])
+
+    def net_rules(self, req: P.NetRules, fds: list[int]) -> Any:
+        self._net().set_rules(req.sandbox_id, dict(req.policy))
+
     # -- the loop -----------------------------------------------------------------------
 
     def answer(self, data: bytes, fds: list[int]) -> dict[str, Any]:

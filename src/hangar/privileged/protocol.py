@@ -22,6 +22,9 @@ network input.
 | ``net_attach``, ``net_release`` | a sandbox's TAP, address and nftables rules (its policy parsed by ``Policy``), and their removal |
 | ``net_sweep``, ``net_teardown``, ``net_leases`` | TAPs of sandboxes not live; everything; the leases |
 | ``net_guard`` | the cluster's control endpoints no guest may reach (IPv4 address, TCP port pairs) |
+| ``net_intercept`` | a sandbox's TCP to some ports (or its DNS) redirected to a port of the gateway (``NetworkManager.intercept``, ``redirect_dns``) |
+| ``net_admit`` | addresses (and ports) a sandbox's allowed names resolved to, opened until their timeout (``NetworkManager.admit``) |
+| ``net_rules`` | a running sandbox's egress rules replaced (``NetworkManager.set_rules``; its policy parsed by ``Policy``) |
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ class NetAttach(_Strict):
 
     op: Literal["net_attach"]
     sandbox_id: SandboxId
-    policy: dict[str, Union[str, list[Annotated[str, Field(max_length=64)]]]] = Field(
+    policy: dict[str, Union[str, list[Annotated[str, Field(max_length=300)]]]] = Field(
         max_length=4)
 
 
@@ -136,9 +139,42 @@ class NetGuard(_Strict):
                           Annotated[int, Field(ge=1, le=65535)]]] = Field(max_length=256)
 
 
+Port = Annotated[int, Field(ge=1, le=65535)]
+IPv4 = Annotated[str, Field(pattern=r"^[0-9]{1,3}(\.[0-9]{1,3}){3}$")]
+
+
+class NetIntercept(_Strict):
+    """``NetworkManager.intercept`` (``kind`` tcp: TCP to ``dports``) or ``redirect_dns``
+    (``kind`` dns: UDP and TCP 53): redirected to the gateway's ``port``; null stops it."""
+
+    op: Literal["net_intercept"]
+    sandbox_id: SandboxId
+    kind: Literal["tcp", "dns"]
+    port: Annotated[int, Field(ge=1024, le=65535)] | None
+    dports: list[Port] = Field(min_length=1, max_length=16)
+
+
+class NetAdmit(_Strict):
+    """``NetworkManager.admit``: at most 256 (IPv4 address, port or null, seconds)."""
+
+    op: Literal["net_admit"]
+    sandbox_id: SandboxId
+    entries: list[tuple[IPv4, Port | None, Annotated[int, Field(ge=1, le=86400)]]] = Field(
+        min_length=1, max_length=256)
+
+
+class NetRules(_Strict):
+    """``NetworkManager.set_rules``; ``policy`` is parsed by ``hangar.net.Policy`` there."""
+
+    op: Literal["net_rules"]
+    sandbox_id: SandboxId
+    policy: dict[str, Union[str, list[Annotated[str, Field(max_length=300)]]]] = Field(
+        max_length=4)
+
+
 Request = Annotated[Union[Ping, PrepareVmm, SpawnVmm, KillVmm, ReleaseVmm, VmmMemory, NetInfo,
                           NetStart, NetAttach, NetRelease, NetSweep, NetTeardown, NetLeases,
-                          NetGuard],
+                          NetGuard, NetIntercept, NetAdmit, NetRules],
                     Field(discriminator="op")]
 REQUEST = TypeAdapter(Request)
 """Parses one request from JSON bytes (``REQUEST.validate_json``); raises ValidationError."""

@@ -1,0 +1,254 @@
+"""Egress rules by domain and CIDR (issue 22, part 1) on real namespaces, nftables, microVMs.
+
+Namespaces of their own (never those of test_network.py or the secrets tests)::
+
+    hg-eg-inet  203.0.113.1/24 and 203.0.113.10-12 (on lo): the stand-in internet.
+                A DNS server (dnspython, in this test's process via ``ip netns
+                exec``) on 198.51.100.53 answers a.example.test -> .10,
+                b.example.test -> .11, other.test -> .12; HTTP servers on port 80
+                of every address; a TLS server (self-signed) on 443 of .10.
+    hg-eg-host  203.0.113.2/24, default route via .1: Hangar's side (bridge, TAPs,
+                nft, the server and its VMs).
+
+Nothing leaves the two namespaces; deleting them at the end removes every device and
+rule made inside, pass or fail, and every process a test starts is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hangar.errors import InvalidRequest, NotFound
+from hangar.net import NetworkManager, Policy
+from hangar.net.egress_match import decide
+
+NS_INET = "hg-eg-inet"
+NS_HOST = "hg-eg-host"
+DNS = "198.51.100.53"
+NAMES = {"a.example.test": "203.0.113.10", "b.example.test": "203.0.113.11",
+         "other.test": "203.0.113.12"}
+HERE = Path(__file__).resolve().parent
+
+
+def _can_netns() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, TAPs, nftables)"
+    for tool in ("ip", "nft", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"needs the {tool} command"
+    if not os.path.exists("/dev/net/tun"):
+        return "needs /dev/net/tun"
+    return None
+
+
+needs_netns = pytest.mark.skipif(_can_netns() is not None, reason=str(_can_netns()))
+
+
+def run(cmd: str) -> str:
+    return subprocess.run(cmd, shell=True, check=True, capture_output=True, text=True).stdout
+
+
+def ruleset() -> str:
+    return run(f"ip netns exec {NS_HOST} nft list ruleset")
+
+
+# -- rules (no root) ----------------------------------------------------------------
+
+
+def test_entries_parse_normalise_and_refuse_junk() -> None:
+    p = Policy.parse({"allow": ["*.Example.TEST", "bücher.de:443", "10.0.0.0/8:22", "1.2.3.4"],
+                      "deny": ["0.0.0.0/0", "Bad.example.test."]})
+    assert p.allow == ("*.example.test", "xn--bcher-kva.de:443", "10.0.0.0/8:22", "1.2.3.4/32")
+    assert p.deny == ("0.0.0.0/0", "bad.example.test") and p.has_domains
+    assert not Policy.parse({"allow": ["10.0.0.0/8"]}).has_domains
+    for bad, words in [(["exa mple.com"], "nor a domain"), (["*"], "nor a domain"),
+                       (["a.*.com"], "nor a domain"), (["1.2.3.999"], "not a valid CIDR"),
+                       (["host:0"], "1-65535"), (["host:70000"], "1-65535"),
+                       (["fd00::/8"], "IPv6"), (["x" * 400], "300"),
+                       ([f"h{i}.test" for i in range(300)], "at most 256"),
+                       ([f"10.0.0.0/8:{p}" for p in range(1, 20)], "distinct ports")]:
+        with pytest.raises(InvalidRequest) as info:
+            Policy.parse({"deny": bad})
+        assert words in info.value.message and info.value.status == 400, info.value.message
+
+
+def test_decide_matches_names_addresses_and_never() -> None:
+    p = Policy.parse({"allow": ["*.example.test", "api.test:443", "10.0.0.0/8:22"],
+                      "deny": ["0.0.0.0/0", "bad.example.test"]})
+    rules = p.match_rules(never=["172.30.0.0/16", "203.0.113.2/32"])
+    rules["resolved"] = {"203.0.113.10": ["a.example.test"], "203.0.113.20": ["api.test"]}
+    json.dumps(rules)  # plain data, for a proxy in another process
+    cases = [
+        (("203.0.113.10", 443, "a.example.test"), (True, "allowed_domain")),
+        (("203.0.113.10", 80, "A.Example.Test."), (True, "allowed_domain")),
+        (("203.0.113.11", 443, "a.example.test"), (False, "unresolved_address")),
+        (("203.0.113.10", 443, "other.test"), (False, "denied_address")),
+        (("203.0.113.10", 443, None), (False, "denied_address")),
+        (("203.0.113.10", 443, "bad.example.test"), (False, "denied_domain")),
+        (("203.0.113.20", 443, "api.test"), (True, "allowed_domain")),
+        (("203.0.113.20", 80, "api.test"), (False, "denied_address")),  # port entry
+        (("10.1.2.3", 22, None), (True, "allowed_address")),
+        (("10.1.2.3", 23, None), (False, "denied_address")),
+        (("172.30.0.1", 443, "a.example.test"), (False, "denied_host")),  # the gateway
+        (("203.0.113.2", 80, None), (False, "denied_host")),  # the host
+        (("169.254.169.254", 80, "a.example.test"), (False, "denied_host")),
+        (("127.0.0.1", 80, None), (False, "denied_host")),
+        (("nonsense", 80, None), (False, "bad_address")),
+        (("203.0.113.10", 80, "a b"), (False, "bad_name")),
+    ]
+    for (ip, port, name), want in cases:
+        assert decide(rules, ip=ip, port=port, name=name) == want, (ip, port, name)
+    opened = decide(Policy.parse("open").match_rules(), ip="10.9.9.9", port=5)
+    assert opened == (True, "allowed_address")
+
+
+def test_egress_match_loads_by_path_with_the_standard_library_only() -> None:
+    """The secret proxy's venv loads the module by path: no import of Hangar's may run."""
+    src = HERE.parent / "src" / "hangar" / "net" / "egress_match.py"
+    code = ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('em', {str(src)!r})\n"
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            "assert not [n for n in sys.modules if n.startswith(('hangar', 'pydantic'))]\n"
+            "print(m.decide({'v': 1, 'never': [], 'denied': [], 'domains': []},"
+            " ip='1.2.3.4', port=80))\n")
+    out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and "allowed_address" in out.stdout, out.stderr
+
+
+# -- namespaces ----------------------------------------------------------------------
+
+
+def _delete_namespaces() -> None:
+    for ns in (NS_HOST, NS_INET):
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+class Topology:
+    """The two namespaces and the processes started in them (killed on ``close``)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.dir = Path(tempfile.mkdtemp(prefix="hg-eg-"))
+
+    def spawn(self, ns: str, *argv: str) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=subprocess.DEVNULL,
+                             stderr=open(self.dir / f"p{len(self.procs)}.log", "wb"),
+                             start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def topology() -> Iterator[Topology]:
+    reason = _can_netns()
+    if reason:
+        pytest.skip(reason)
+    _delete_namespaces()  # left over by a killed run
+    topo = Topology()
+    try:
+        run(f"ip netns add {NS_INET} && ip netns add {NS_HOST}")
+        run(f"ip link add hgev-host netns {NS_HOST} type veth peer name hgev-inet netns {NS_INET}")
+        run(f"ip -n {NS_INET} addr add 203.0.113.1/24 dev hgev-inet && "
+            f"ip -n {NS_INET} link set hgev-inet up && ip -n {NS_INET} link set lo up && "
+            f"ip -n {NS_INET} addr add {DNS}/32 dev lo")
+        for addr in NAMES.values():
+            run(f"ip -n {NS_INET} addr add {addr}/32 dev lo")
+        run(f"ip -n {NS_HOST} addr add 203.0.113.2/24 dev hgev-host && "
+            f"ip -n {NS_HOST} link set hgev-host up && ip -n {NS_HOST} link set lo up && "
+            f"ip -n {NS_HOST} route add default via 203.0.113.1")
+        topo.spawn(NS_INET, sys.executable, str(HERE / "egress_inet.py"), DNS,
+                   json.dumps(NAMES), str(topo.dir))
+        _wait_ready(topo)
+        yield topo
+    finally:
+        topo.close()
+        _delete_namespaces()
+        left = run("ip netns list")
+        assert NS_HOST not in left and NS_INET not in left, left
+
+
+def _wait_ready(topo: Topology, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (topo.dir / "ready").exists():
+        if time.monotonic() > deadline or topo.procs[0].poll() is not None:
+            raise AssertionError("the stand-in internet did not start: "
+                                 + (topo.dir / "p0.log").read_text()[-2000:])
+        time.sleep(0.1)
+
+
+def sandbox_names(text: str) -> list[str]:
+    return re.findall(r"hgt[0-9a-f]{12}", text)
+
+
+@pytest.fixture
+def manager(topology: Topology) -> Iterator[NetworkManager]:
+    m = NetworkManager(netns=NS_HOST, dns=DNS, mode="tap")  # its own namespace: the defaults
+    try:
+        yield m
+    finally:
+        m.sweep([])
+        assert not sandbox_names(ruleset())
+
+
+@needs_netns
+def test_intercept_redirect_admit_and_rules_are_nft_state_released_with_the_sandbox(
+        manager: NetworkManager) -> None:
+    a, b = "sb-e00000000001", "sb-e00000000002"
+    na = manager.attach(a, {"allow": ["*.example.test"], "deny": ["0.0.0.0/0"]})
+    nb = manager.attach(b, "internet")
+    assert na and nb and manager.gateway == "172.30.0.1"
+    with pytest.raises(NotFound):
+        manager.intercept("sb-e0000000000f", 18443)
+    with pytest.raises(InvalidRequest):
+        manager.intercept(a, 80)  # a privileged port is never a proxy's
+    for _ in range(2):  # idempotent
+        manager.intercept(a, 18443)
+        manager.redirect_dns(a, 18053)
+    manager.admit(a, [("203.0.113.10", None, 30), ("203.0.113.11", 443, 5)])
+    rules = ruleset()
+    chain = f"{na.tap}_nat"
+    assert f"{na.ip} : goto {chain}" in rules
+    assert "tcp dport { 80, 443 } dnat ip to 172.30.0.1:18443" in rules
+    assert "udp dport 53 dnat ip to 172.30.0.1:18053" in rules
+    assert "tcp dport 53 dnat ip to 172.30.0.1:18053" in rules
+    assert f"{na.ip} . tcp . 18443" in rules and f"{na.ip} . udp . 18053" in rules
+    assert re.search(r"203\.0\.113\.10 timeout 30s expires", rules), rules
+    assert "203.0.113.11 . 443 timeout 5s" in rules
+    assert nb.ip not in re.sub(rf"{nb.ip} : goto {nb.tap}\b|\"{nb.tap}\" . [0-9a-f:]+ . "
+                               rf"{re.escape(nb.ip)}", "", rules)  # b: no redirect
+    manager.intercept(a, None)
+    rules = ruleset()
+    assert "18443" not in rules and "18053" in rules
+    # A live rule change: b gets domain rules (and sets), a loses them (and its sets)
+    manager.set_rules(b, {"egress": "open", "allow": ["x.test"], "deny": ["10.0.0.0/8"]})
+    manager.set_rules(a, {"egress": "open", "deny": ["10.0.0.0/8:22"]})
+    rules = ruleset()
+    assert f"set {nb.tap}_r " in rules and f"set {na.tap}_r " not in rules
+    assert "th dport 22 ip daddr { 10.0.0.0/8, 169.254.0.0/16 } counter" in rules
+    with pytest.raises(InvalidRequest, match="none"):
+        manager.set_rules(a, "none")
+    manager.release(a)
+    assert na.tap not in ruleset() and na.ip not in ruleset()
+    manager.release(b)
+    assert not sandbox_names(ruleset())
