@@ -1,0 +1,51 @@
+"""The stand-in internet's HTTPS server of tests/test_secrets.py and bench/secret_proxy_bench.py.
+
+``python secret_inet.py CERT KEY TOKEN PORT...``: one HTTPS server per PORT on every
+address, with the certificate CERT (a test CA's, for api.example.test and
+other.example.test). ``GET /`` answers 200 ``ok`` when the Authorization header is
+``Bearer TOKEN``, else 401 ``no``; ``GET /plain`` answers 200 ``plain`` to anyone.
+Prints ``ready`` once all listen; runs until killed.
+"""
+
+from __future__ import annotations
+
+import ssl
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def main() -> None:
+    cert, key, token, ports = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # noqa: N802
+            if self.path == "/plain":
+                code, body = 200, b"plain"
+            elif self.headers.get("Authorization") == f"Bearer {token}":
+                code, body = 200, b"ok"
+            else:
+                code, body = 401, b"no"
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    for port in ports:
+        srv = ThreadingHTTPServer(("0.0.0.0", int(port)), Handler)
+        srv.daemon_threads = True
+        srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    print("ready", flush=True)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()
