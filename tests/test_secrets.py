@@ -15,6 +15,7 @@ The server trusts the test CA upstream through the test-only setting
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -131,6 +132,14 @@ def inet() -> Iterator[Inet]:
     reason = _can_netns()
     if reason:
         pytest.skip(reason)
+    with stand_in_internet() as topo:
+        yield topo
+
+
+@contextlib.contextmanager
+def stand_in_internet() -> Iterator[Inet]:
+    """The two namespaces and the HTTPS server (see the module docstring); all removed
+    on the way out."""
     _delete_namespaces()  # left over by a killed run
     folder = Path(tempfile.mkdtemp(prefix="hg-sc-"))
     ca, cert, key = make_test_ca(folder)
