@@ -22,7 +22,7 @@ import unasync
 ROOT = Path(__file__).resolve().parents[1]
 ASYNC = ROOT / "src/hangar/client/_async"
 SYNC = ROOT / "src/hangar/client/_sync"
-FILES = ["client.py", "monitor.py", "objects.py", "processes.py", "streams.py", "volumes.py"]
+FILES = ["client.py", "monitor.py", "objects.py", "processes.py", "secrets.py", "streams.py", "volumes.py"]
 REPLACEMENTS = {
     "_async": "_sync",
     "AsyncHangar": "Hangar",

@@ -108,6 +108,16 @@ say "installing Hangar and the exact Python dependencies of requirements.lock"
 ln -sf "$ROOT/.venv/bin/hangar" /usr/local/bin/hangar
 let_hangar_import "$ROOT/.venv" "$ROOT/src"
 
+# The secret proxy (mitmproxy) pins older libraries than Hangar's own: it gets an
+# environment of its own, which the server finds beside .venv (HANGAR_SECRET_PROXY_MITMDUMP).
+if [ ! -x .venv-proxy/bin/python ]; then
+  say "creating the secret proxy's Python environment in .venv-proxy"
+  "${PYTHON:-python3}" -m venv .venv-proxy
+fi
+say "installing the secret proxy's exact dependencies of requirements-proxy.lock"
+.venv-proxy/bin/pip install -q --disable-pip-version-check -r requirements-proxy.lock
+let_hangar_import "$ROOT/.venv-proxy" "$ROOT/src"
+
 say "fetching Firecracker and its jailer (used on hosts where KVM runs guests)"
 HANGAR_DATA_DIR=$DATA PYTHON=.venv/bin/python sh scripts/fetch-firecracker.sh \
   || echo "warning: could not fetch Firecracker; Hangar will use QEMU" >&2

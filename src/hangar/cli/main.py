@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import typer
 
-from hangar.cli import desktop, files, image, machine, ops, ports, sandbox, snapshot, volume
+from hangar.cli import (desktop, files, image, machine, ops, ports, sandbox, secret, snapshot,
+                        volume)
 from hangar.cli.cluster import cluster_app, node_app
 from hangar.cli.host import bench_app, doctor
 from hangar.cli.key import app as key_app
@@ -50,6 +51,7 @@ app.add_typer(files.app, name="files")
 app.add_typer(machine.app, name="machine")
 app.add_typer(snapshot.app, name="snapshot")
 app.add_typer(volume.app, name="volume")
+app.add_typer(secret.app, name="secret")
 app.add_typer(desktop.app, name="desktop")
 app.add_typer(ports.app, name="port")
 app.add_typer(bench_app, name="bench")

@@ -27,12 +27,17 @@ def create(
     volume: Annotated[Optional[list[str]], typer.Option(
         "--volume", "-v", help="Mount a named volume: PATH=VOLUME, or PATH=VOLUME:ro for a "
                                "read-only mount (repeatable, at most 4).")] = None,
+    secret: Annotated[Optional[list[str]], typer.Option(
+        "--secret", "-s", help="Give it a vault secret: ENV=NAME (its commands see a "
+                               "placeholder in ENV; repeatable).")] = None,
 ) -> None:
     """Create a sandbox and print its id."""
+    from hangar.cli.secret import parse_secrets
     from hangar.cli.volume import parse_mounts
     with sdk() as h:
         sb = h.create(image, vcpus=vcpus, memory_mib=memory, disk_mib=disk, timeout=timeout,
-                      desktop=desktop, volumes=parse_mounts(volume or []) or None)
+                      desktop=desktop, volumes=parse_mounts(volume or []) or None,
+                      secrets=parse_secrets(secret or []) or None)
     out.print(sb.id)
 
 

@@ -25,6 +25,7 @@ from hangar.client import _core
 from hangar.client._sync._compat import sleep
 from hangar.client._sync.processes import ProcessCalls
 from hangar.client._sync.streams import FileWatch, Terminal
+from hangar.client._sync.secrets import SyncSecretCalls
 from hangar.client._sync.volumes import VolumeCalls
 from hangar.client._core import RetryPolicy, Timeouts
 from hangar.client.execution import CodeContext, Execution, apply_line
@@ -41,7 +42,7 @@ Button = Literal["left", "middle", "right"]
 Direction = Literal["up", "down", "left", "right"]
 
 
-class Hangar(ProcessCalls, VolumeCalls):
+class Hangar(ProcessCalls, VolumeCalls, SyncSecretCalls):
     """A client of one Hangar server.
 
     ``base_url`` defaults to ``HANGAR_URL`` (else http://127.0.0.1:8080) and
@@ -53,7 +54,8 @@ class Hangar(ProcessCalls, VolumeCalls):
 
     Use it as a context manager, or call ``close()``. The ``process_*`` methods
     (background processes) live in ``processes`` (``AsyncProcessCalls``), the volume
-    methods (``create_volume``, ...) in ``volumes`` (``AsyncVolumeCalls``).
+    methods (``create_volume``, ...) in ``volumes`` (``AsyncVolumeCalls``), the vault's
+    (``create_secret``, ...) in ``secrets`` (``AsyncSecretCalls``).
     """
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
@@ -153,6 +155,7 @@ class Hangar(ProcessCalls, VolumeCalls):
                      network: str | Mapping[str, Any] | None = None,
                      desktop: str | None = None, idempotency_key: str | None = None,
                      volumes: Mapping[str, Any] | None = None,
+                     secrets: Mapping[str, str] | None = None,
                      request_timeout: float | None = None,
                      retry: bool | None = None) -> SandboxInfo:
         """``POST /sandboxes``: a running sandbox; answers once its guest agent is ready.
@@ -161,8 +164,9 @@ class Hangar(ProcessCalls, VolumeCalls):
         ``disk_mib`` are MiB; ``timeout`` the time to live in seconds (0:
         none); ``network`` an egress policy; ``desktop`` a screen as
         ``WIDTHxHEIGHTxDEPTH``; ``volumes`` named volumes by guest path (a volume's
-        id or name, or ``{"volume": ..., "read_only": True}``; docs/volumes.md). The
-        call carries ``idempotency_key`` (a new one when None), so its retries never
+        id or name, or ``{"volume": ..., "read_only": True}``; docs/volumes.md);
+        ``secrets`` vault secrets by environment variable (its guest sees placeholders;
+        ``create_secret``). The call carries ``idempotency_key`` (a new one when None), so its retries never
         make a second sandbox. Raises LimitExceeded (cap reached), NotFound (no such
         image or volume), InvalidRequest, Conflict (a volume's writer is taken),
         EngineError or Timeout (the VM did not come up).
@@ -171,6 +175,7 @@ class Hangar(ProcessCalls, VolumeCalls):
                                disk_mib=disk_mib, timeout=timeout, network=network,
                                desktop=desktop,
                                volumes=dict(volumes) if volumes is not None else None,
+                               secrets=dict(secrets) if secrets is not None else None,
                                metadata=dict(metadata) if metadata is not None else None)
         return SandboxInfo.model_validate(self._json(
             "POST", "/sandboxes", json=body, retry=retry is not False,
