@@ -60,6 +60,14 @@ class AsyncSecretCalls:
             "GET", "/secrets", retry=retry is not False,
             timeout=c._t(request_timeout, c.config.timeouts.control))).secrets
 
+    async def get_secret(self, name: str, *, request_timeout: float | None = None,
+                         retry: bool | None = None) -> SecretInfo:
+        """``GET /secrets/{name}``: its name and hosts (never its value). Raises NotFound."""
+        c = _client(self)
+        return SecretInfo.model_validate(await c._json(
+            "GET", f"/secrets/{name}", retry=retry is not False,
+            timeout=c._t(request_timeout, c.config.timeouts.control)))
+
     async def delete_secret(self, name: str, *, request_timeout: float | None = None,
                             retry: bool | None = None) -> None:
         """``DELETE /secrets/{name}``; sandboxes given it get its placeholder refused from

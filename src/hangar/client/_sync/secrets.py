@@ -61,6 +61,14 @@ class SyncSecretCalls:
             "GET", "/secrets", retry=retry is not False,
             timeout=c._t(request_timeout, c.config.timeouts.control))).secrets
 
+    def get_secret(self, name: str, *, request_timeout: float | None = None,
+                         retry: bool | None = None) -> SecretInfo:
+        """``GET /secrets/{name}``: its name and hosts (never its value). Raises NotFound."""
+        c = _client(self)
+        return SecretInfo.model_validate(c._json(
+            "GET", f"/secrets/{name}", retry=retry is not False,
+            timeout=c._t(request_timeout, c.config.timeouts.control)))
+
     def delete_secret(self, name: str, *, request_timeout: float | None = None,
                             retry: bool | None = None) -> None:
         """``DELETE /secrets/{name}``; sandboxes given it get its placeholder refused from
