@@ -3,7 +3,8 @@
 ``python secret_inet.py CERT KEY TOKEN PORT...``: one HTTPS server per PORT on every
 address, with the certificate CERT (a test CA's, for api.example.test and
 other.example.test). ``GET /`` answers 200 ``ok`` when the Authorization header is
-``Bearer TOKEN``, else 401 ``no``; ``GET /plain`` answers 200 ``plain`` to anyone.
+``Bearer TOKEN``, else 401 ``no``; ``GET /plain`` answers 200 ``plain`` to anyone, and
+``GET /echo`` 200 with the Authorization header it got (a host that reflects it).
 Prints ``ready`` once all listen; runs until killed.
 """
 
@@ -26,6 +27,8 @@ def main() -> None:
         def do_GET(self) -> None:  # noqa: N802
             if self.path == "/plain":
                 code, body = 200, b"plain"
+            elif self.path == "/echo":
+                code, body = 200, (self.headers.get("Authorization") or "").encode()
             elif self.headers.get("Authorization") == f"Bearer {token}":
                 code, body = 200, b"ok"
             else:

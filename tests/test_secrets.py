@@ -43,13 +43,18 @@ REAL = "ghp_" + "Zq8" * 12  # the real value: it must appear nowhere but the vau
 CLIENT = r"""
 import http.client, os, socket, ssl, sys
 host, port, var = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-ctx = ssl.create_default_context(cafile=sys.argv[4] if len(sys.argv) > 4 else None)
+path = sys.argv[4] if len(sys.argv) > 4 else "/"
+ip = sys.argv[5] if len(sys.argv) > 5 else "203.0.113.1"
+ctx = ssl.create_default_context()
 class C(http.client.HTTPSConnection):
     def connect(self):
-        self.sock = ctx.wrap_socket(socket.create_connection(("203.0.113.1", port), 30),
+        self.sock = ctx.wrap_socket(socket.create_connection((ip, port), 30),
                                     server_hostname=host)
-c = C(host, port, context=ctx, timeout=30)
-c.request("GET", "/", headers={"Authorization": "Bearer " + os.environ.get(var, "")})
+class P(http.client.HTTPConnection):
+    def connect(self):
+        self.sock = socket.create_connection((ip, port), 30)
+c = (P if port == 80 else C)(host, port, timeout=30)
+c.request("GET", path, headers={"Authorization": "Bearer " + os.environ.get(var, "")})
 r = c.getresponse()
 print(r.status, r.read().decode().strip())
 """
@@ -180,56 +185,80 @@ class Hangar:
     proc: subprocess.Popen[bytes]
     client: object
     key_file: Path
+    env: dict[str, str]
 
 
 def start_server(inet: Inet, base_image: Path) -> Hangar:
     """A Hangar server in hg-sc-host on a Unix socket, its proxies trusting the test CA."""
-    import httpx
     from conftest import SRC, make_data_dir, server_python
 
     d = make_data_dir(base_image)
     upstream = d / "upstream-ca.pem"
     shutil.copy(inet.ca, upstream)
-    sock = d / "api.sock"
-    env = {**os.environ, "HANGAR_DATA_DIR": str(d), "HANGAR_UDS": str(sock),
+    env = {**os.environ, "HANGAR_DATA_DIR": str(d), "HANGAR_UDS": str(d / "api.sock"),
            "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "tap", "HANGAR_NET_DNS": INET,
            "HANGAR_SECRET_PROXY_MITMDUMP": str(MITMDUMP),
            "HANGAR_SECRET_PROXY_UPSTREAM_CA": str(upstream), "PYTHONPATH": str(SRC)}
-    python = server_python(env)
-    proc = subprocess.Popen(["ip", "netns", "exec", NS_HOST, python, "-m", "hangar.cli",
-                             "serve"], env=env, stdout=open(d / "server.log", "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    env["HANGAR_TEST_PYTHON"] = server_python(env)
+    h = Hangar(d, None, None, d.parent / f"{d.name}.secrets-key", env)  # type: ignore[arg-type]
+    serve(h)
+    return h
+
+
+def serve(h: Hangar) -> None:
+    """Start (or start again) ``h``'s server and its client."""
+    import httpx
+
+    sock = h.data / "api.sock"
+    sock.unlink(missing_ok=True)
+    h.proc = subprocess.Popen(["ip", "netns", "exec", NS_HOST, h.env["HANGAR_TEST_PYTHON"],
+                               "-m", "hangar.cli", "serve"], env=h.env,
+                              stdout=open(h.data.parent / f"{h.data.name}.log", "ab"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 90
     while not sock.exists() and time.monotonic() < deadline:
-        assert proc.poll() is None, (d / "server.log").read_text()[-2000:]
+        assert h.proc.poll() is None, server_log(h)[-2000:]
         time.sleep(0.2)
-    key = (d / "api-key").read_text().strip()
-    client = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)),
-                          base_url="http://hangar", headers={"X-API-Key": key}, timeout=300)
-    return Hangar(d, proc, client, d.parent / f"{d.name}.secrets-key")
+    key = (h.data / "api-key").read_text().strip()
+    h.client = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)),
+                            base_url="http://hangar", headers={"X-API-Key": key}, timeout=300)
 
 
-def stop_server(h: Hangar) -> list[str]:
-    """Stop the server, end what it left, remove its files; what was left over."""
-    from test_network import vmm_pids
+def server_log(h: Hangar) -> str:
+    return (h.data.parent / f"{h.data.name}.log").read_text(errors="replace")
 
+
+def proxy_pids(h: Hangar) -> list[str]:
+    return subprocess.run(["pgrep", "-f", f"confdir={h.data}/secret-proxies"],
+                          capture_output=True, text=True).stdout.split()
+
+
+def halt(h: Hangar) -> None:
+    """Stop ``h``'s server (SIGTERM: sandboxes keep running)."""
     h.client.close()  # type: ignore[attr-defined]
     try:
         os.killpg(h.proc.pid, signal.SIGTERM)
         h.proc.wait(30)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         os.killpg(h.proc.pid, signal.SIGKILL)
+
+
+def stop_server(h: Hangar) -> list[str]:
+    """Stop the server, end what it left, remove its files; what was left over."""
+    from conftest import vmm_pids
+
+    halt(h)
     leaked = [f"vmm {p}" for p in vmm_pids(str(h.data))]
     for pid in vmm_pids(str(h.data)):
         os.kill(pid, signal.SIGKILL)
-    proxies = subprocess.run(["pgrep", "-f", f"confdir={h.data}/secret-proxies"],
-                             capture_output=True, text=True).stdout.split()
+    proxies = proxy_pids(h)
     for pid in proxies:
         os.kill(int(pid), signal.SIGKILL)
     leaked += [f"proxy {p}" for p in proxies]
     subprocess.run(["ip", "-n", NS_HOST, "link", "del", "hgbr0"], capture_output=True)
     shutil.rmtree(h.data, ignore_errors=True)
     h.key_file.unlink(missing_ok=True)
+    (h.data.parent / f"{h.data.name}.log").unlink(missing_ok=True)
     return leaked
 
 
@@ -241,107 +270,161 @@ def test_vault_hosts_are_checked() -> None:
             check_hosts(bad)
 
 
+def sse(c: object, kind: str, count: int, within: float = 10.0) -> list[dict]:
+    """The first ``count`` events of ``kind`` in the server's ring (and after), as JSON."""
+    got: list[dict] = []
+    with c.stream("GET", "/events", params={"kind": kind},  # type: ignore[attr-defined]
+                  headers={"Last-Event-ID": "0"}, timeout=within) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                got.append(json.loads(line[6:]))
+                if len(got) >= count:
+                    break
+    return got
+
+
+def grep_files(files: list[Path], *needles: bytes) -> set[bytes]:
+    """Which of ``needles`` occur in ``files`` (read in 16 MiB chunks, overlapping)."""
+    found: set[bytes] = set()
+    for f in files:
+        with open(f, "rb") as fh:
+            tail = b""
+            while chunk := fh.read(16 << 20):
+                buf = tail + chunk
+                found |= {n for n in needles if n in buf}
+                tail = buf[-128:]
+    return found
+
+
 @pytest.mark.vm
 def test_secret_reaches_its_host_only_and_never_the_guest(inet: Inet, base_image: Path) -> None:
+    """The vault's routes; a sandbox's placeholder replaced for its secret's host and
+    refused elsewhere (another host, plain HTTP), with events; the egress rules on the
+    proxy's upstream; rotation; a snapshot's memory, a fork and a server restart; and the
+    value nowhere: guest environment and /proc, snapshot files, server log, events,
+    a backup."""
     h = start_server(inet, base_image)
-    c = h.client
-    sid = snap = None
+    made: list[str] = []
+    snap = None
     try:
-        # the vault: bad input is a 400 with a message, a second POST a 409, no value shown
+        c = h.client
+        # the vault: bad input is refused with a message, a second POST is a 409
         r = c.post("/secrets", json={"name": "gh", "value": REAL, "hosts": ["ftp://x"]})
         assert r.status_code == 422 and "host" in r.text, r.text
         r = c.post("/secrets", json={"name": "gh", "value": "a\nb", "hosts": ["x.test"]})
         assert r.status_code == 422 and "control" in r.text, r.text
         r = c.post("/secrets", json={"name": "gh", "value": REAL,
                                      "hosts": ["api.example.test"]})
-        assert r.status_code == 201, r.text
-        assert REAL not in r.text
-        assert c.post("/secrets", json={"name": "gh", "value": REAL,
-                                        "hosts": ["x.test"]}).status_code == 409
+        assert r.status_code == 201 and REAL not in r.text, r.text
+        r = c.post("/secrets", json={"name": "gh", "value": REAL, "hosts": ["x.test"]})
+        assert r.status_code == 409, r.text
         listed = c.get("/secrets").json()
-        assert [s["name"] for s in listed["secrets"]] == ["gh"] and REAL not in json.dumps(listed)
-        assert c.post("/sandboxes", json={"secrets": {"T": "nope"}}).status_code == 404
+        assert [x["name"] for x in listed["secrets"]] == ["gh"]
+        assert REAL not in json.dumps(listed)
+        r = c.post("/sandboxes", json={"secrets": {"T": "nope"}})
+        assert r.status_code == 404 and "nope" in r.text, r.text
         r = c.post("/sandboxes", json={"secrets": {"T": "gh"}, "network": "none"})
         assert r.status_code == 400 and "network" in r.text, r.text
 
         r = c.post("/sandboxes", json={"secrets": {"GITHUB_TOKEN": "gh"}})
         assert r.status_code == 201, r.text
         sid = r.json()["id"]
+        made.append(sid)
 
-        def guest(args: list[str], **extra: object) -> dict:
-            r = c.post(f"/sandboxes/{sid}/exec", json={"command": args[0], "args": args[1:],
-                                                       "timeout": 60, **extra})
+        def guest(on: str, args: list[str]) -> str:
+            r = h.client.post(f"/sandboxes/{on}/exec",  # type: ignore[attr-defined]
+                              json={"command": args[0], "args": args[1:], "timeout": 60})
             assert r.status_code == 200, r.text
-            return r.json()
+            return r.json()["stdout"].strip()
 
-        env = guest(["/bin/sh", "-c", "echo $GITHUB_TOKEN"])["stdout"].strip()
-        assert env.startswith("hangar-secret-") and len(env) == 46, env
-        # the placeholder goes to the secret's host: the proxy puts the value in its place
-        out = guest(["python3", "-c", CLIENT, "api.example.test", "443", "GITHUB_TOKEN"])
-        assert out["stdout"].strip() == "200 ok", out
-        # and anywhere else it is refused by the proxy, which says so in an event
-        out = guest(["python3", "-c", CLIENT, "other.example.test", "443", "GITHUB_TOKEN"])
-        assert out["stdout"].startswith("403 hangar: secret gh refused"), out
-        # a background process keeps the placeholder in guest memory for the grep below
+        def get(on: str, host: str, port: int = 443, path: str = "/",
+                ip: str = INET) -> str:
+            return guest(on, ["python3", "-c", CLIENT, host, str(port), "GITHUB_TOKEN",
+                              path, ip])
+
+        placeholder = guest(sid, ["/bin/sh", "-c", "echo $GITHUB_TOKEN"])
+        assert placeholder.startswith("hangar-secret-") and len(placeholder) == 46
+        # the secret's host gets the value in the placeholder's place
+        assert get(sid, "api.example.test") == "200 ok"
+        # a host that reflects it sends back the placeholder, not the value
+        assert get(sid, "api.example.test", path="/echo") == f"200 Bearer {placeholder}"
+        # anywhere else the proxy refuses it (nothing goes upstream) and says so
+        assert get(sid, "other.example.test").startswith(
+            "403 hangar: secret gh refused: other.example.test is not one of")
+        assert get(sid, "api.example.test", port=80).startswith(
+            "403 hangar: secret gh refused: secrets are sent only over HTTPS")
+        # the proxy's upstream obeys the egress rules: never the host's own addresses
+        assert get(sid, "api.example.test", ip="203.0.113.2").startswith("502 ")
+        refused = sse(c, "secret.refused", 2)
+        assert [(e["sandbox_id"], e["data"]["secret"], e["data"]["host"]) for e in refused] \
+            == [(sid, "gh", "other.example.test"), (sid, "gh", "api.example.test")]
+        denied = sse(c, "egress.denied", 1)
+        assert denied[0]["sandbox_id"] == sid and denied[0]["data"]["address"] == "203.0.113.2"
+        assert REAL not in json.dumps(refused + denied)
+        # rotation holds from the next request
+        assert c.put("/secrets/gh", json={"value": "wrong"}).status_code == 200
+        assert get(sid, "api.example.test") == "401 no"
+        assert c.put("/secrets/gh", json={"value": REAL}).status_code == 200
+        assert get(sid, "api.example.test") == "200 ok"
+
+        # the value is in no process's environment of the guest
         r = c.post(f"/sandboxes/{sid}/processes", json={"command": "sleep", "args": ["600"]})
-        assert r.status_code in (200, 201), r.text
-        procs = guest(["/bin/sh", "-c", "cat /proc/[0-9]*/environ | tr '\\0' '\\n' | "
-                                        f"grep -c {REAL[:20]} || true"])
-        assert procs["stdout"].strip() == "0", procs
-        events = []
-        with c.stream("GET", "/events", params={"kind": "secret"},
-                      headers={"Last-Event-ID": "0"}, timeout=10) as s:
-            deadline = time.monotonic() + 10
-            for line in s.iter_lines():
-                if line.startswith("data: "):
-                    events.append(json.loads(line[6:]))
-                    break
-                if time.monotonic() > deadline:
-                    break
-        assert events and events[0]["kind"] == "secret.refused", events
-        assert events[0]["sandbox_id"] == sid and events[0]["data"]["secret"] == "gh"
-        assert events[0]["data"]["host"] == "other.example.test"
-
-        # a snapshot's memory holds the placeholder, never the value
+        assert r.status_code == 201, r.text
+        assert guest(sid, ["/bin/sh", "-c", "cat /proc/[0-9]*/environ | tr '\\0' '\\n' | "
+                                            f"grep -c {REAL[:20]} || true"]) == "0"
+        # a snapshot's files hold the placeholder (the sleep above keeps it in memory),
+        # never the value
         r = c.post(f"/sandboxes/{sid}/snapshot")
-        assert r.status_code in (200, 201), r.text
+        assert r.status_code == 201, r.text
         snap = r.json()["id"]
         files = [p for p in (h.data / "snapshots" / snap).rglob("*") if p.is_file()]
-        assert files
-        seen_placeholder = False
-        for f in files:
-            with open(f, "rb") as fh:
-                tail = b""
-                while chunk := fh.read(16 << 20):
-                    buf = tail + chunk
-                    assert REAL.encode() not in buf, f
-                    seen_placeholder = seen_placeholder or env.encode() in buf
-                    tail = buf[-64:]
-        assert seen_placeholder, "the grep found not even the placeholder: it proves nothing"
-        # still working after the snapshot; a rotated value is used at once
-        out = guest(["python3", "-c", CLIENT, "api.example.test", "443", "GITHUB_TOKEN"])
-        assert out["stdout"].strip() == "200 ok", out
-        # a backup holds no value
-        backup = h.data / "backup-test.db"
+        found = grep_files(files, REAL.encode(), placeholder.encode())
+        assert found == {placeholder.encode()}, "the grep found not even the placeholder"
+        # a fork holds the same placeholder, and its own proxy resolves it
+        r = c.post(f"/snapshots/{snap}/sandboxes")
+        assert r.status_code == 201, r.text
+        fork = r.json()["id"]
+        made.append(fork)
+        assert guest(fork, ["/bin/sh", "-c", "echo $GITHUB_TOKEN"]) == placeholder
+        assert get(fork, "api.example.test") == "200 ok"
+        assert len(proxy_pids(h)) == 2
+
+        # a restarted server: the old proxies end with it, recovery starts new ones
+        halt(h)
+        time.sleep(1)
+        assert proxy_pids(h) == []
+        serve(h)
+        c = h.client
+        assert len(proxy_pids(h)) == 2
+        assert get(sid, "api.example.test") == "200 ok"
+
+        # a backup holds no value (the vault's key is not in the data directory)
+        backup = h.data.parent / f"{h.data.name}-backup.db"
         out = subprocess.run([sys.executable, "-m", "hangar.cli", "backup", str(backup),
                               "--data-dir", str(h.data)], capture_output=True, text=True,
                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=120)
-        assert out.returncode == 0, out.stderr
-        assert REAL.encode() not in backup.read_bytes()
-        assert c.delete(f"/sandboxes/{sid}").status_code == 204
-        sid = None
+        try:
+            assert out.returncode == 0, out.stderr
+            assert REAL.encode() not in backup.read_bytes()
+        finally:
+            backup.unlink(missing_ok=True)
+            shutil.rmtree(backup.with_suffix(".volumes"), ignore_errors=True)
+        assert not list(h.data.rglob("*.secrets-key"))
+
+        for s_ in made:
+            assert c.delete(f"/sandboxes/{s_}").status_code == 204
+        made.clear()
         assert c.delete(f"/snapshots/{snap}").status_code == 204
         snap = None
-        assert not list((h.data / "secret-proxies").glob("*"))
+        assert proxy_pids(h) == [] and not list((h.data / "secret-proxies").iterdir())
         assert c.delete("/secrets/gh").status_code == 204
         assert c.get("/secrets").json()["secrets"] == []
     finally:
-        for s in (sid,):
-            if s:
-                c.delete(f"/sandboxes/{s}")
+        for s_ in made:
+            h.client.delete(f"/sandboxes/{s_}")  # type: ignore[attr-defined]
         if snap:
-            c.delete(f"/snapshots/{snap}")
-        log = (h.data / "server.log").read_bytes()
+            h.client.delete(f"/snapshots/{snap}")  # type: ignore[attr-defined]
+        log = server_log(h)
         leaked = stop_server(h)
-    assert REAL.encode() not in log
+    assert REAL not in log
     assert not leaked, leaked

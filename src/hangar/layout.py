@@ -79,10 +79,19 @@ literals of their own. Everything lives under one data directory
         <vol id>/volume.ext4    a named volume: a sparse ext4 image (mkfs.ext4, never
                                 mounted on the host; hangar.core.volumes), 0600 while
                                 no VMM holds it
+      secret-proxies/           0700 (hangar.core.secret_proxy)
+        <sandbox id>/           0700, one running sandbox's secret proxy: mitmproxy-ca.pem
+                                (0600, its CA's key and certificate), pid, proxy.log
+                                (mitmproxy's errors); removed when the proxy stops. The
+                                secrets' values are never written here (a pipe)
       backups/                  ``hangar backup``'s default folder (hangar.ops.backup)
       cluster-epochs.json       a cluster node's epoch of each sandbox it owns (hangar.cluster)
       hangar.pid, hangar.log    the server's pid and log when it runs without systemd
                                 (scripts/install.sh, scripts/release.sh)
+    <data>.secrets-key          0600, beside (not inside) the data directory: the vault's
+                                32-byte AES-256-GCM key (hangar.core.secrets;
+                                HANGAR_SECRETS_KEY_FILE), made on first start; outside
+                                what ``hangar backup`` or a copy of <data> takes
 
 Image ids. A build's id is ``<name>-<digest>``, where ``<digest>`` is 12 hex
 digits of the SHA-256 of its bytes (rootfs.ext4, vmlinuz and the modules
@@ -206,6 +215,17 @@ class Layout:
     def volume(self, volume_id: str) -> "VolumePaths":
         """The files of one named volume."""
         return VolumePaths(self.volumes / volume_id)
+
+    @property
+    def secret_proxies(self) -> Path:
+        """Running secret proxies' folders (``hangar.core.secret_proxy``)."""
+        return self.root / "secret-proxies"
+
+    @property
+    def secrets_key_file(self) -> Path:
+        """The vault's key by default: ``<data>.secrets-key``, beside the data directory."""
+        root = self.root.absolute()
+        return root.parent / f"{root.name}.secrets-key"
 
     @property
     def backups(self) -> Path:

@@ -54,6 +54,7 @@ from hangar.engines.confine import config_from as confine_config
 from hangar.engines.doctor import choose_engine
 from hangar.engines.qemu import MemoryTuning, ksm_running
 from hangar.images import resolve_image
+from hangar.errors import ConfigError
 from hangar.layout import Layout
 from hangar.metrics import Metrics
 
@@ -88,8 +89,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     keys = KeyRing(layout.api_key_file, layout.api_keys_file, settings.api_key)
     keys.load()
     # read (or made) now, while a split server is still root: it keeps the key in memory
-    # and its user needs no access to the file (hangar.core.secrets)
-    secret_key = load_key(settings.secrets_key_file or default_key_file(settings.data_dir))
+    # and its user needs no access to the file (hangar.core.secrets). A key that cannot be
+    # read or made leaves the vault to try again when used (its routes answer why).
+    try:
+        secret_key: bytes | None = load_key(settings.secrets_key_file
+                                            or default_key_file(settings.data_dir))
+    except ConfigError as exc:
+        log.warning("the vault has no key: %s", exc.message)
+        secret_key = None
     events = EventBus()
     node: Any = None
     gateway = None

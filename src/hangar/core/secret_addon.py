@@ -30,11 +30,13 @@ Rules for each request (docs/security.md, "Secrets and the vault"):
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import ipaddress
 import json
 import os
 import signal
+import socket
 import threading
 from typing import Any
 
@@ -134,21 +136,36 @@ class SecretProxy:
     def client_disconnected(self, client: Any) -> None:
         self.names.pop(client.id, None)
 
-    def server_connect(self, data: Any) -> None:
-        """Rule 1: refuse an upstream connection the sandbox's rules do not allow."""
+    async def server_connect(self, data: Any) -> None:
+        """Rule 1: refuse an upstream connection the sandbox's rules do not allow. A name
+        allowed by a domain rule at an address the host did not resolve for the guest is
+        resolved here: the connection goes on only when the name leads to that address."""
         address = data.server.address
         if not address:
             return
         ip, port = str(address[0]), int(address[1])
         name = data.server.sni or self.names.get(data.client.id)
-        try:
-            ok, reason = self.decide(self.rules, ip=ip, port=port, name=name)
-        except Exception:  # a rule the matcher cannot read: closed, not open
-            ok, reason = False, "rule_error"
+        ok, reason = self._decide(self.rules, ip, port, name)
+        if not ok and reason == "unresolved_address" and name:
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(
+                    name, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
+            except OSError:
+                infos = []
+            if ip in {i[4][0] for i in infos}:
+                ok, reason = self._decide({**self.rules, "resolved": {ip: [name.lower()]}},
+                                          ip, port, name)
         if not ok:
             data.server.error = f"refused by the sandbox's egress rules ({reason})"
             self.emit("egress.denied", host=(name or "")[:253], address=ip, port=port,
                       reason=str(reason)[:64])
+
+    def _decide(self, rules: dict, ip: str, port: int, name: str | None) -> tuple[bool, str]:
+        try:
+            ok, reason = self.decide(rules, ip=ip, port=port, name=name or None)
+            return bool(ok), str(reason)
+        except Exception:  # a rule the matcher cannot read: closed, not open
+            return False, "rule_error"
 
     def request(self, flow: http.HTTPFlow) -> None:
         """Rule 2: put secrets in the place of their placeholders, or refuse."""
@@ -201,11 +218,11 @@ class SecretProxy:
                 value = value.replace(real, ph)
             fields[i] = (key, value)
         resp.headers.fields = tuple(fields)
-        content = resp.raw_content
+        content = resp.get_content(strict=False)  # decoded (gzip...) when it can be
         if content and any(real in content for real, _ in back):
             for real, ph in back:
                 content = content.replace(real, ph)
-            resp.raw_content = content
+            resp.content = content  # encoded again, Content-Length set
 
     # -- helpers -----------------------------------------------------------------------------
 

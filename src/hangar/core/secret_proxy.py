@@ -176,7 +176,7 @@ class SecretProxies:
         self.ctx = ctx
         self.vault = vault
         self.net = net
-        self.root = ctx.layout.root / "secret-proxies"
+        self.root = ctx.layout.secret_proxies
         self.proxies: dict[str, Proxy] = {}
         self._never: list[str] | None = None
 
@@ -218,7 +218,8 @@ class SecretProxies:
         assert ca is not None
         confdir = self.root / sandbox_id
         shutil.rmtree(confdir, ignore_errors=True)
-        confdir.mkdir(mode=0o700, parents=True)
+        self.root.mkdir(mode=0o700, exist_ok=True)
+        confdir.mkdir(mode=0o700)
         fd = os.open(confdir / "mitmproxy-ca.pem", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(ca[1] + ca[0].encode())

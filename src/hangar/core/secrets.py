@@ -42,6 +42,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from hangar.core.store import Base, Store
 from hangar.errors import ConfigError, Conflict, InvalidRequest, NotFound
+from hangar.layout import Layout
 from hangar.schemas.secrets import (ENV_NAME, MAX_SECRETS_PER_SANDBOX, SECRET_NAME, check_hosts,
                                     check_value)
 
@@ -89,10 +90,9 @@ class SecretBindingRecord(Base):
 
 
 def default_key_file(data_dir: Path) -> Path:
-    """``<data dir>.secrets-key``: beside the data directory, so neither the directory's
-    own copies nor ``hangar backup`` take it."""
-    data_dir = Path(data_dir).absolute()
-    return data_dir.parent / f"{data_dir.name}.secrets-key"
+    """``<data dir>.secrets-key`` (``Layout.secrets_key_file``): beside the data directory,
+    so neither the directory's own copies nor ``hangar backup`` take it."""
+    return Layout(Path(data_dir)).secrets_key_file
 
 
 def load_key(path: Path) -> bytes:
