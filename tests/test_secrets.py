@@ -388,6 +388,15 @@ def test_secret_reaches_its_host_only_and_never_the_guest(inet: Inet, base_image
         assert guest(fork, ["/bin/sh", "-c", "echo $GITHUB_TOKEN"]) == placeholder
         assert get(fork, "api.example.test") == "200 ok"
         assert len(proxy_pids(h)) == 2
+        # asleep, no proxy; awake, its proxy again (the guest has the CA already)
+        assert c.post(f"/e2b/sandboxes/{fork}/pause").status_code == 204
+        assert len(proxy_pids(h)) == 1
+        r = c.post(f"/e2b/sandboxes/{fork}/connect", json={"timeout": 300})
+        assert r.status_code == 201, r.text
+        assert get(fork, "api.example.test") == "200 ok"
+        assert guest(fork, ["/bin/sh", "-c", "grep -cF \"$(sed -n 2p /usr/local/share/"
+                            "ca-certificates/hangar-sandbox.crt)\" /etc/ssl/certs/"
+                            "ca-certificates.crt"]) == "1"  # once, however often woken
 
         # a restarted server: the old proxies end with it, recovery starts new ones
         halt(h)

@@ -142,6 +142,8 @@ class Vault:
         self.store = store
         self.key_file = key_file
         self._key = key
+        self._env: dict[str, dict[str, str]] = {}
+        """``env`` by owner, read once: this server alone writes bindings."""
         for table in (SecretRecord.__table__, SecretBindingRecord.__table__):
             table.create(store.engine, checkfirst=True)  # type: ignore[attr-defined]
 
@@ -250,6 +252,7 @@ class Vault:
         by ``check_request``) and its proxy's CA."""
         env = {var: {"secret": name, "placeholder": f"hangar-secret-{_random.token_hex(16)}"}
                for var, name in wanted.items()}
+        self._env.pop(owner, None)
         self.store.remove(SecretBindingRecord, owner)
         self.store.add(SecretBindingRecord(owner=owner, env=env, ca_cert=ca_cert,
                                            ca_key=self.seal(f"ca:{owner}", ca_key)))
@@ -264,6 +267,7 @@ class Vault:
         a snapshot): the same placeholders and CA. False when ``src`` has none (``dst``'s
         own, if any, is removed)."""
         rec = self.binding(src)
+        self._env.pop(dst, None)
         self.store.remove(SecretBindingRecord, dst)
         if rec is None:
             return False
@@ -274,6 +278,7 @@ class Vault:
 
     def forget(self, owner: str) -> None:
         """Remove ``owner``'s binding (its sandbox or snapshot is gone); never raises."""
+        self._env.pop(owner, None)
         try:
             self.store.remove(SecretBindingRecord, owner)
         except Exception:
@@ -285,13 +290,21 @@ class Vault:
 
     def env(self, owner: str) -> dict[str, str]:
         """The variables a sandbox's commands get: its placeholders and ``CA_ENV``; {} for a
-        sandbox without secrets."""
+        sandbox without secrets. Read from the store once per owner."""
+        got = self._env.get(owner)
+        if got is not None:
+            return dict(got)
         rec = self.binding(owner)
         if rec is None:
-            return {}
-        out = {var: str(b.get("placeholder", "")) for var, b in rec.env.items()
-               if isinstance(b, dict) and PLACEHOLDER.match(str(b.get("placeholder", "")))}
-        return {**CA_ENV, **out}
+            got = {}
+        else:
+            got = {**CA_ENV, **{var: str(b.get("placeholder", "")) for var, b in rec.env.items()
+                                if isinstance(b, dict)
+                                and PLACEHOLDER.match(str(b.get("placeholder", "")))}}
+        if len(self._env) > 4096:
+            self._env.clear()
+        self._env[owner] = got
+        return dict(got)
 
     def ca(self, owner: str) -> tuple[str, bytes] | None:
         """(CA certificate PEM, CA key PEM) of ``owner``'s proxy, or None."""
