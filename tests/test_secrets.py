@@ -198,7 +198,8 @@ def start_server(inet: Inet, base_image: Path) -> Hangar:
     env = {**os.environ, "HANGAR_DATA_DIR": str(d), "HANGAR_UDS": str(d / "api.sock"),
            "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "tap", "HANGAR_NET_DNS": INET,
            "HANGAR_SECRET_PROXY_MITMDUMP": str(MITMDUMP),
-           "HANGAR_SECRET_PROXY_UPSTREAM_CA": str(upstream), "PYTHONPATH": str(SRC)}
+           "HANGAR_SECRET_PROXY_UPSTREAM_CA": str(upstream), "PYTHONPATH": str(SRC),
+           "HANGAR_SECRETS_KEY_FILE": str(d.parent / f"{d.name}.secrets-key")}
     env["HANGAR_TEST_PYTHON"] = server_python(env)
     h = Hangar(d, None, None, d.parent / f"{d.name}.secrets-key", env)  # type: ignore[arg-type]
     serve(h)

@@ -135,8 +135,9 @@ class Settings(BaseSettings):
     secrets_key_file: Path | None = Field(
         None, description="The vault's key (32 bytes, 0600; made on first start): secrets are "
                           "stored sealed with it (hangar.core.secrets). Default: "
-                          "<data_dir>.secrets-key, beside the data directory, so neither a "
-                          "copy of it nor `hangar backup` holds the key.")
+                          "/etc/hangar/secrets.key as root, else "
+                          "~/.config/hangar/secrets.key: outside the data directory, so "
+                          "neither a copy of it nor `hangar backup` holds the key.")
     secret_proxy_mitmdump: Path | None = Field(
         None, description="The mitmdump of the secret proxy's own environment; default: "
                           ".venv-proxy/bin/mitmdump beside the server's (scripts/install.sh).")

@@ -88,10 +88,11 @@ literals of their own. Everything lives under one data directory
       cluster-epochs.json       a cluster node's epoch of each sandbox it owns (hangar.cluster)
       hangar.pid, hangar.log    the server's pid and log when it runs without systemd
                                 (scripts/install.sh, scripts/release.sh)
-    <data>.secrets-key          0600, beside (not inside) the data directory: the vault's
-                                32-byte AES-256-GCM key (hangar.core.secrets;
+    /etc/hangar/secrets.key     0600 (~/.config/hangar/secrets.key when not root): the
+                                vault's 32-byte AES-256-GCM key (hangar.core.secrets;
                                 HANGAR_SECRETS_KEY_FILE), made on first start; outside
-                                what ``hangar backup`` or a copy of <data> takes
+                                the data directory, so ``hangar backup`` and a copy of
+                                <data> never hold it
 
 Image ids. A build's id is ``<name>-<digest>``, where ``<digest>`` is 12 hex
 digits of the SHA-256 of its bytes (rootfs.ext4, vmlinuz and the modules
@@ -221,11 +222,14 @@ class Layout:
         """Running secret proxies' folders (``hangar.core.secret_proxy``)."""
         return self.root / "secret-proxies"
 
-    @property
-    def secrets_key_file(self) -> Path:
-        """The vault's key by default: ``<data>.secrets-key``, beside the data directory."""
-        root = self.root.absolute()
-        return root.parent / f"{root.name}.secrets-key"
+    @staticmethod
+    def secrets_key_file() -> Path:
+        """The vault's key by default, outside any data directory: ``/etc/hangar/secrets.key``
+        as root, else ``$XDG_CONFIG_HOME/hangar/secrets.key`` (``~/.config``)."""
+        if os.geteuid() == 0:
+            return Path("/etc/hangar/secrets.key")
+        config = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+        return Path(config) / "hangar" / "secrets.key"
 
     @property
     def backups(self) -> Path:

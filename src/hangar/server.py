@@ -93,7 +93,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # read or made leaves the vault to try again when used (its routes answer why).
     try:
         secret_key: bytes | None = load_key(settings.secrets_key_file
-                                            or default_key_file(settings.data_dir))
+                                            or default_key_file())
     except ConfigError as exc:
         log.warning("the vault has no key: %s", exc.message)
         secret_key = None

@@ -113,7 +113,7 @@ class Launcher:
         self.ctx = ctx
         self.net = network_manager(ctx.settings)
         self.vault = Vault(ctx.store, ctx.settings.secrets_key_file
-                           or default_key_file(ctx.settings.data_dir), secret_key)
+                           or default_key_file(), secret_key)
         """Secrets and sandboxes' placeholders (``hangar.core.secrets``)."""
         self.secret_proxies = SecretProxies(ctx, self.vault, self.net)
         """One egress proxy per running sandbox with secrets (``hangar.core.secret_proxy``)."""

@@ -3,8 +3,8 @@
 A secret (``SecretRecord``) is a name, the hosts it may be sent to and its value sealed
 with AES-256-GCM (``cryptography``), a fresh 96-bit nonce per seal and the secret's name
 as associated data (a sealed value moved under another name does not open). The key is
-32 random bytes in a file of its own (``key_file``: by default ``<data dir>.secrets-key``,
-beside the data directory, never inside it; ``HANGAR_SECRETS_KEY_FILE``), mode 0600,
+32 random bytes in a file of its own (``key_file``: by default ``/etc/hangar/secrets.key``,
+as root, outside the data directory; ``HANGAR_SECRETS_KEY_FILE``), mode 0600,
 made on first use and read by ``hangar serve`` before it drops its privileges, so the
 database (what ``hangar backup`` copies) holds ciphertext only.
 
@@ -89,10 +89,10 @@ class SecretBindingRecord(Base):
     ca_key: Mapped[str] = mapped_column(Text)
 
 
-def default_key_file(data_dir: Path) -> Path:
-    """``<data dir>.secrets-key`` (``Layout.secrets_key_file``): beside the data directory,
-    so neither the directory's own copies nor ``hangar backup`` take it."""
-    return Layout(Path(data_dir)).secrets_key_file
+def default_key_file() -> Path:
+    """``Layout.secrets_key_file()``: outside the data directory, so neither copies of it
+    nor ``hangar backup`` take the key."""
+    return Layout.secrets_key_file()
 
 
 def load_key(path: Path) -> bytes:
