@@ -88,12 +88,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     layout.ensure()
     keys = KeyRing(layout.api_key_file, layout.api_keys_file, settings.api_key)
     keys.load()
-    # read (or made) now, while a split server is still root: it keeps the key in memory
-    # and its user needs no access to the file (hangar.core.secrets). A key that cannot be
-    # read or made leaves the vault to try again when used (its routes answer why).
+    # read now, while a split server is still root (`hangar serve` made it first): it keeps
+    # the key in memory and its user needs no access to the file (hangar.core.secrets). A
+    # key that is missing or unreadable leaves the vault to try again when used.
     try:
-        secret_key: bytes | None = load_key(settings.secrets_key_file
-                                            or default_key_file())
+        secret_key = load_key(settings.secrets_key_file or default_key_file(), create=False)
     except ConfigError as exc:
         log.warning("the vault has no key: %s", exc.message)
         secret_key = None

@@ -94,6 +94,12 @@ def serve(
     log.setup(settings.log_level)
     layout = Layout(settings.data_dir)
     layout.ensure()
+    from hangar.core.secrets import default_key_file, load_key
+
+    try:  # the vault's key, made while still root (hangar.core.secrets)
+        load_key(settings.secrets_key_file or default_key_file())
+    except HangarError as exc:
+        logging.getLogger("hangar.secrets").warning("the vault has no key: %s", exc.message)
     try:
         api = create_app(settings)  # refuses an empty or weak API key (ConfigError)
         from hangar.images import RECIPES, resolve_image

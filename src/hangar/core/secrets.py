@@ -95,12 +95,14 @@ def default_key_file() -> Path:
     return Layout.secrets_key_file()
 
 
-def load_key(path: Path) -> bytes:
+def load_key(path: Path, create: bool = True) -> bytes | None:
     """The vault's key from ``path``, made there (0600, in a folder made 0700) when it is
-    missing. Raises ConfigError when the file is unreadable, not 32 bytes, or readable by
-    others than its owner."""
+    missing and ``create`` (else None). Raises ConfigError when the file is unreadable,
+    not 32 bytes, or readable by others than its owner."""
     path = Path(path)
     try:
+        if not path.exists() and not create:
+            return None
         if not path.exists():
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -152,6 +154,7 @@ class Vault:
     def _aead(self) -> AESGCM:
         if self._key is None:
             self._key = load_key(self.key_file)
+            assert self._key is not None
         return AESGCM(self._key)
 
     def seal(self, label: str, plain: bytes) -> str:
