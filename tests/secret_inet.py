@@ -3,13 +3,14 @@
 ``python secret_inet.py CERT KEY TOKEN PORT...``: one HTTPS server per PORT on every
 address, with the certificate CERT (a test CA's, for api.example.test and
 other.example.test). ``GET /`` answers 200 ``ok`` when the Authorization header is
-``Bearer TOKEN``, else 401 ``no``; ``GET /plain`` answers 200 ``plain`` to anyone, and
+``Bearer TOKEN`` (or Basic ``x-access-token:TOKEN``, as git sends it), else 401 ``no``; ``GET /plain`` answers 200 ``plain`` to anyone, and
 ``GET /echo`` 200 with the Authorization header it got (a host that reflects it).
 Prints ``ready`` once all listen; runs until killed.
 """
 
 from __future__ import annotations
 
+import base64
 import ssl
 import sys
 import threading
@@ -29,7 +30,9 @@ def main() -> None:
                 code, body = 200, b"plain"
             elif self.path == "/echo":
                 code, body = 200, (self.headers.get("Authorization") or "").encode()
-            elif self.headers.get("Authorization") == f"Bearer {token}":
+            elif self.headers.get("Authorization") in (
+                    f"Bearer {token}",
+                    "Basic " + base64.b64encode(f"x-access-token:{token}".encode()).decode()):
                 code, body = 200, b"ok"
             else:
                 code, body = 401, b"no"

@@ -41,7 +41,7 @@ MITMDUMP = ROOT / ".venv-proxy" / "bin" / "mitmdump"
 REAL = "ghp_" + "Zq8" * 12  # the real value: it must appear nowhere but the vault's ciphertext
 
 CLIENT = r"""
-import http.client, os, socket, ssl, sys
+import base64, http.client, os, socket, ssl, sys
 host, port, var = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 path = sys.argv[4] if len(sys.argv) > 4 else "/"
 ip = sys.argv[5] if len(sys.argv) > 5 else "203.0.113.1"
@@ -54,7 +54,10 @@ class P(http.client.HTTPConnection):
     def connect(self):
         self.sock = socket.create_connection((ip, port), 30)
 c = (P if port == 80 else C)(host, port, timeout=30)
-c.request("GET", path, headers={"Authorization": "Bearer " + os.environ.get(var, "")})
+token = os.environ.get(var, "")
+auth = ("Basic " + base64.b64encode(("x-access-token:" + token).encode()).decode()
+        if path == "/basic" else "Bearer " + token)
+c.request("GET", "/" if path == "/basic" else path, headers={"Authorization": auth})
 r = c.getresponse()
 print(r.status, r.read().decode().strip())
 """
@@ -347,6 +350,7 @@ def test_secret_reaches_its_host_only_and_never_the_guest(inet: Inet, base_image
         assert placeholder.startswith("hangar-secret-") and len(placeholder) == 46
         # the secret's host gets the value in the placeholder's place
         assert get(sid, "api.example.test") == "200 ok"
+        assert get(sid, "api.example.test", path="/basic") == "200 ok"  # git's Basic auth
         # a host that reflects it sends back the placeholder, not the value
         assert get(sid, "api.example.test", path="/echo") == f"200 Bearer {placeholder}"
         # anywhere else the proxy refuses it (nothing goes upstream) and says so

@@ -19,7 +19,8 @@ Rules for each request (docs/security.md, "Secrets and the vault"):
 1. Every upstream connection is checked with ``egress_match.decide`` (loaded by path)
    against the sandbox's rules, on the address the guest connected to and the name it
    asked for (TLS SNI, else the HTTP Host): refused, it never opens.
-2. A placeholder in a header value is replaced by its secret only when the request is
+2. A placeholder in a header value (or inside an ``Authorization: Basic`` header's
+   base64) is replaced by its secret only when the request is
    HTTPS (so the upstream's certificate, verified, proves the name), its SNI and Host
    name the same host, and that host is one of the secret's hosts. Anywhere else (another
    host, plain HTTP, the URL) the request is answered 403 with one line of reason, and
@@ -31,6 +32,8 @@ Rules for each request (docs/security.md, "Secrets and the vault"):
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import importlib.util
 import ipaddress
 import json
@@ -79,6 +82,19 @@ def _host_matches(host: str, patterns: list[str]) -> bool:
         elif host == p:
             return True
     return False
+
+
+def _basic(key: bytes, value: bytes) -> bytes | None:
+    """The decoded credentials of an ``Authorization: Basic`` header that holds a
+    placeholder (``user:placeholder``, as git and many clients send a token), else None."""
+    if key.lower() not in (b"authorization", b"proxy-authorization") \
+            or value[:6].lower() != b"basic ":
+        return None
+    try:
+        inner = base64.b64decode(value[6:].strip(), validate=True)
+    except (ValueError, binascii.Error):
+        return None
+    return inner if PREFIX in inner else None
 
 
 class SecretProxy:
@@ -181,6 +197,9 @@ class SecretProxy:
         fields = list(req.headers.fields)
         used: list[dict[str, Any]] = []
         for i, (key, value) in enumerate(fields):
+            basic = _basic(key, value)  # HTTP Basic: the placeholder is inside base64
+            if basic is not None:
+                value = basic
             if PREFIX not in value:
                 continue
             for ph in self._found(value):
@@ -200,7 +219,8 @@ class SecretProxy:
                                         f"{sni} is not one of the secret's hosts")
                 value = value.replace(ph, sec["value"].encode())
                 used.append(sec)
-            fields[i] = (key, value)
+            fields[i] = (key, b"Basic " + base64.b64encode(value) if basic is not None
+                         else value)
         if used:
             req.headers.fields = tuple(fields)
             flow.metadata["hangar_secrets"] = used

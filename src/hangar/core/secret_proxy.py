@@ -353,6 +353,13 @@ class SecretProxies:
         self._send(proxy, {"rules": rules})
         return True
 
+    def update_policy(self, sandbox_id: str, network: dict[str, Any] | None) -> bool:
+        """``update_rules`` with the rules of egress policy ``network`` (as stored on the
+        sandbox's record: ``Policy.model_dump``). False when it has no proxy."""
+        if sandbox_id not in self.proxies:
+            return False
+        return self.update_rules(sandbox_id, self.rules_for(network))
+
     def refresh(self) -> None:
         """Send every proxy its secrets again (after a rotation or a delete)."""
         for sid, proxy in list(self.proxies.items()):
