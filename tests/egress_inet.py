@@ -3,7 +3,7 @@
 ``python egress_inet.py DNS_IP NAMES_JSON DIR``: a DNS server (dnspython
 messages, UDP and TCP) on DNS_IP:53 answering the A record of each name in
 NAMES_JSON (TTL 30 s) and NXDOMAIN for the rest; an HTTP server on port 80
-of every address and an HTTPS one (a self-signed certificate made here with
+(and 8080) of every address and an HTTPS one (a self-signed certificate made here with
 openssl) on 443, both answering ``hello <local address> <Host>``. Writes
 DIR/ready when all listen; runs until killed.
 """
@@ -74,6 +74,7 @@ async def main() -> None:
 
     await asyncio.start_server(tcp_dns, dns_ip, 53)
     await asyncio.start_server(http, "0.0.0.0", 80)
+    await asyncio.start_server(http, "0.0.0.0", 8080)  # a port no proxy sees
     key, cert = folder / "key.pem", folder / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
                     "-subj", "/CN=a.example.test", "-keyout", str(key), "-out", str(cert)],

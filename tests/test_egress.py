@@ -252,3 +252,216 @@ def test_intercept_redirect_admit_and_rules_are_nft_state_released_with_the_sand
     assert na.tap not in ruleset() and na.ip not in ruleset()
     manager.release(b)
     assert not sandbox_names(ruleset())
+
+
+# -- the whole server and a real guest -------------------------------------------------
+
+GUEST = r"""
+import http.client, json, socket, ssl, struct, sys, time
+out = []
+def http_get(ip, host, port=80, timeout=4):
+    c = http.client.HTTPConnection(ip, port, timeout=timeout)
+    try:
+        c.request("GET", "/", headers={"Host": host})
+        r = c.getresponse()
+        return f"{r.status} {r.read().decode().strip()}"
+    except socket.timeout:
+        return "timeout"
+    except OSError as e:
+        return type(e).__name__
+    finally:
+        c.close()
+def tls_get(ip, sni, timeout=4):
+    ctx = ssl.create_default_context(); ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((ip, 443), timeout) as s:
+            with ctx.wrap_socket(s, server_hostname=sni) as t:
+                t.sendall(f"GET / HTTP/1.1\r\nHost: {sni}\r\n\r\n".encode())
+                return t.recv(4096).decode().split("\r\n\r\n", 1)[-1].strip()
+    except socket.timeout:
+        return "timeout"
+    except (OSError, ssl.SSLError) as e:
+        return type(e).__name__
+def resolve(name):
+    try:
+        return socket.gethostbyname(name)
+    except OSError as e:
+        return type(e).__name__
+def rcode(server, name):
+    q = struct.pack("!HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0)
+    q += b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+    q += struct.pack("!HH", 1, 1)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(3)
+    try:
+        s.sendto(q, (server, 53))
+        a = s.recv(4096)
+        return a[3] & 15
+    except socket.timeout:
+        return "timeout"
+def tcp(ip, port):
+    try:
+        socket.create_connection((ip, port), 2).close()
+        return "open"
+    except socket.timeout:
+        return "timeout"
+    except OSError as e:
+        return type(e).__name__
+def bench(ip, host, port, n):
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        got = http_get(ip, host, port)
+        times.append(time.perf_counter() - t)
+        assert got.startswith("200"), got
+    return sorted(times)[n // 2]
+for step in json.loads(sys.argv[1]):
+    out.append(globals()[step[0]](*step[1:]))
+print(json.dumps(out))
+"""
+
+
+@needs_netns
+@pytest.mark.vm
+def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
+                                                       base_image: Path) -> None:
+    """One sandbox allowed only ``*.example.test`` (and denied ``bad.example.test``),
+    behind a server running in hg-eg-host: by name it reaches a.example.test over HTTP,
+    TLS (SNI) and a port no proxy sees; other names, raw addresses and addresses the
+    guest resolved itself are refused; a denied name is REFUSED by DNS whatever resolver
+    the guest asks; a rule added by PATCH opens a name at once; denials are counted and
+    published. Nothing is left behind."""
+    import httpx
+    from conftest import SRC, make_data_dir, server_python, vmm_pids
+
+    d = make_data_dir(base_image)
+    sock = d / "api.sock"
+    env = {**os.environ, "HANGAR_DATA_DIR": str(d), "HANGAR_UDS": str(sock),
+           "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "tap", "HANGAR_NET_DNS": DNS,
+           "PYTHONPATH": str(SRC)}
+    python = server_python(env)
+    server = subprocess.Popen(["ip", "netns", "exec", NS_HOST, python, "-m", "hangar.cli",
+                               "serve"], env=env, stdout=open(d / "server.log", "wb"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    a, b, other = NAMES["a.example.test"], NAMES["b.example.test"], NAMES["other.test"]
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists() and time.monotonic() < deadline:
+            assert server.poll() is None, (d / "server.log").read_text()[-2000:]
+            time.sleep(0.2)
+        key = (d / "api-key").read_text().strip()
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://hangar",
+                          headers={"X-API-Key": key}, timeout=300) as c:
+            def guest(*steps: list) -> list:
+                r = c.post(f"/sandboxes/{sid}/exec", json={
+                    "command": "python3", "args": ["-c", GUEST, json.dumps(steps)],
+                    "timeout": 120})
+                assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+                return json.loads(r.json()["stdout"])
+
+            bad = c.post("/sandboxes", json={"network": {"allow": ["exa mple.test"]}})
+            assert bad.status_code == 400 and "nor a domain" in bad.text, bad.text
+            policy = {"egress": "internet", "allow": ["*.Example.test"],
+                      "deny": ["0.0.0.0/0", "bad.example.test"]}
+            r = c.post("/sandboxes", json={"network": policy})
+            assert r.status_code == 201, r.text
+            sid = r.json()["id"]
+            shown = c.get(f"/sandboxes/{sid}").json()["network"]
+            assert shown == {"egress": "internet", "allow": ["*.example.test"],
+                             "deny": ["0.0.0.0/0", "bad.example.test"]}, shown
+
+            got = guest(["resolve", "a.example.test"], ["http_get", a, "a.example.test"],
+                        ["tls_get", a, "a.example.test"], ["tcp", a, 8080],
+                        ["resolve", "other.test"], ["http_get", other, "other.test"],
+                        ["http_get", other, other], ["tcp", other, 8080],
+                        ["http_get", b, "a.example.test"],  # an allowed name, not resolved
+                        ["http_get", a, "other.test"],  # an address another name opened
+                        ["tls_get", a, "other.test"],
+                        ["rcode", "203.0.113.1", "bad.example.test"],  # its own resolver
+                        ["rcode", DNS, "a.example.test"],
+                        ["http_get", "172.30.0.1", "a.example.test"],  # the host
+                        ["http_get", "169.254.169.254", "a.example.test"])
+            assert got[0] == a, got
+            assert got[1] == f"200 hello {a} a.example.test", got
+            assert got[2] == f"hello {a} a.example.test", got  # TLS, SNI checked, not opened
+            assert got[3] == "open", got  # the DNS answer opened the address itself
+            assert got[4] == other, got  # answered (no rule names it) ...
+            assert got[5] == "403 hangar egress: denied_address other.test:80", got  # ... refused
+            assert got[6] == f"403 hangar egress: denied_address {other}:80", got  # raw address
+            assert got[7] == "timeout", got
+            assert got[8] == "403 hangar egress: unresolved_address a.example.test:80", got
+            assert got[9] == "403 hangar egress: denied_address other.test:80", got
+            assert got[10] in ("SSLEOFError", "ConnectionResetError", "SSLZeroReturnError"), got
+            assert got[11] == 5 and got[12] == 0, got  # REFUSED, even asked of another server
+            assert got[13].startswith("403 hangar egress: denied_host"), got
+            assert got[14].startswith("403 hangar egress: denied_host"), got
+
+            # A rule added at run time opens a name at once, without a restart.
+            started = time.monotonic()
+            r = c.patch(f"/sandboxes/{sid}/network",
+                        json={"allow": ["*.example.test", "other.test"]})
+            took = time.monotonic() - started
+            assert r.status_code == 200, r.text
+            assert r.json() == {"egress": "internet", "allow": ["*.example.test", "other.test"],
+                                "deny": ["0.0.0.0/0", "bad.example.test"]}
+            assert c.get(f"/sandboxes/{sid}").json()["network"] == r.json()
+            assert took < 1.0, took
+            got = guest(["http_get", other, "other.test"], ["tcp", other, 8080],
+                        ["bench", a, "a.example.test", 80, 15],
+                        ["bench", a, "a.example.test", 8080, 15])
+            assert got[0] == f"200 hello {other} other.test" and got[1] == "open", got
+            print(f"PATCH applied in {took * 1000:.0f} ms; HTTP GET p50 through the proxy "
+                  f"{got[2] * 1000:.1f} ms, direct {got[3] * 1000:.1f} ms "
+                  f"(ratio {got[2] / got[3]:.2f})")
+            for body, status, words in [({"egress": "none"}, 409, "remove the sandbox's NIC"),
+                                        ({"allow": ["*"]}, 400, "nor a domain"),
+                                        ({"allow": "x.test"}, 422, "list"),
+                                        ({"other": 1}, 422, "other"),
+                                        ({"deny": ["x" * 300]}, 422, "over 256 bytes")]:
+                r = c.patch(f"/sandboxes/{sid}/network", json=body)
+                assert r.status_code == status and words in r.text, (body, r.text)
+            assert c.patch("/sandboxes/sb-000000000000/network",
+                           json={"allow": []}).status_code == 404
+
+            metrics = c.get("/metrics").text
+            assert re.search(r'hangar_egress_denied_total\{reason="denied_address",via="proxy"\}'
+                             r' [1-9]', metrics), metrics[-3000:]
+            assert re.search(r'hangar_egress_denied_total\{reason="denied_domain",via="dns"\}'
+                             r' [1-9]', metrics)
+            events: list[dict] = []
+            want = {("dns", "denied_domain", "bad.example.test"),
+                    ("proxy", "denied_address", "other.test"),
+                    ("proxy", "unresolved_address", "a.example.test"),
+                    ("proxy", "denied_host", "a.example.test")}
+            kinds: set[tuple] = set()
+            with c.stream("GET", "/events", params={"kind": "egress", "sandbox_id": sid},
+                          headers={"Last-Event-ID": "none:0"}, timeout=5) as s:
+                try:
+                    for line in s.iter_lines():
+                        if line.startswith("data: "):
+                            e = json.loads(line[6:])
+                            events.append(e)
+                            kinds.add((e["data"]["via"], e["data"]["reason"],
+                                       e["data"].get("domain")))
+                        if want <= kinds:
+                            break
+                except httpx.ReadTimeout:
+                    pass
+            assert want <= kinds, events
+            assert all(e["kind"] == "egress.denied" and e["sandbox_id"] == sid
+                       and set(e["data"]) <= {"port", "reason", "via", "domain", "address",
+                                              "repeats"} for e in events), events
+            assert c.delete(f"/sandboxes/{sid}").status_code == 204
+        rules = ruleset()
+        assert not re.findall(r"hgt[0-9a-f]{12}", rules), rules
+        assert "172.30.0.2" not in rules
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        for pid in vmm_pids(str(d)):
+            os.kill(pid, signal.SIGKILL)
+        subprocess.run(["ip", "-n", NS_HOST, "link", "del", "hgbr0"], capture_output=True)
+        shutil.rmtree(d, ignore_errors=True)

@@ -33,6 +33,7 @@ from typing import Any
 from hangar.config import Settings
 from hangar.core.context import Context
 from hangar.core.lifecycle import State
+from hangar.core.network import NetworkRules
 from hangar.core.registry import Runtime
 from hangar.core.startup import needs_start, run_template
 from hangar.core.templates import TemplateSnapshots, nic_of
@@ -114,6 +115,8 @@ class Launcher:
                                            ctx.publish)
         self.volumes = Volumes(ctx)
         """Named volumes (``hangar.core.volumes``): attached at boot, released at the end."""
+        self.rules = NetworkRules(ctx, self.net)
+        """Live egress rules and the domain guard (``hangar.core.network``)."""
 
     # -- network -----------------------------------------------------------------
 
@@ -138,13 +141,16 @@ class Launcher:
     async def attach(self, rec: SandboxRecord) -> NetAttachment | None:
         if self.net is None or not rec.network:
             return None
-        return await self.net.attach_async(rec.id, rec.network)
+        nic = await self.net.attach_async(rec.id, rec.network)
+        await self.rules.attached(rec.id, nic, rec.network)
+        return nic
 
     async def detach(self, sandbox_id: str) -> None:
         """Release the sandbox's NIC; never raises (a state change must not stall on it)."""
         if self.net is None:
             return
         try:
+            await self.rules.released(sandbox_id)
             await self.net.release_async(sandbox_id)
         except Exception as exc:
             log.warning("network release failed", extra={"sandbox_id": sandbox_id,

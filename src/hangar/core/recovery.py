@@ -194,3 +194,5 @@ class Recovery:
             removed = await net.sweep_async(sorted(self.ctx.registry.ids()))
             if removed:
                 log.info("stale network devices removed", extra={"count": len(removed)})
+            await self.launcher.rules.adopt(
+                [r for r in self.ctx.store.live() if r.id in set(self.ctx.registry.ids())])
