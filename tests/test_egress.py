@@ -423,6 +423,24 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
             assert c.patch("/sandboxes/sb-000000000000/network",
                            json={"allow": []}).status_code == 404
 
+            # E2B's PUT replaces both lists (an allowed entry beats a denied one there:
+            # the denied /32 inside the allowed /24 is left out).
+            r = c.put(f"/e2b/sandboxes/{sid}/network", json={
+                "allowOut": ["*.example.test", "203.0.113.0/24"],
+                "denyOut": ["203.0.113.12/32"], "allow_internet_access": False})
+            assert r.status_code == 204, r.text
+            assert c.get(f"/sandboxes/{sid}").json()["network"] == {
+                "egress": "internet", "allow": ["*.example.test", "203.0.113.0/24"],
+                "deny": ["0.0.0.0/0"]}
+            e2b = c.get(f"/e2b/sandboxes/{sid}").json()
+            assert e2b["network"] == {"allowOut": ["*.example.test", "203.0.113.0/24"],
+                                      "denyOut": ["0.0.0.0/0"]}, e2b
+            got = guest(["http_get", other, other], ["tcp", other, 8080],
+                        ["rcode", DNS, "bad.example.test"])
+            assert got == [f"200 hello {other} {other}", "open", 3], got  # upstream: NXDOMAIN
+            r = c.put(f"/e2b/sandboxes/{sid}/network", json={"rules": {"x.test": []}})
+            assert r.status_code == 400 and "not supported" in r.text, r.text
+
             metrics = c.get("/metrics").text
             assert re.search(r'hangar_egress_denied_total\{reason="denied_address",via="proxy"\}'
                              r' [1-9]', metrics), metrics[-3000:]
