@@ -397,14 +397,18 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
             assert got[14].startswith("403 hangar egress: denied_host"), got
 
             # A rule added at run time opens a name at once, without a restart.
-            started = time.monotonic()
-            r = c.patch(f"/sandboxes/{sid}/network",
-                        json={"allow": ["*.example.test", "other.test"]})
-            took = time.monotonic() - started
-            assert r.status_code == 200, r.text
-            assert r.json() == {"egress": "internet", "allow": ["*.example.test", "other.test"],
-                                "deny": ["0.0.0.0/0", "bad.example.test"]}
-            assert c.get(f"/sandboxes/{sid}").json()["network"] == r.json()
+            from hangar.client import Hangar, Sandbox
+
+            with Hangar("http://hangar", key, http_client=httpx.Client(
+                    transport=httpx.HTTPTransport(uds=str(sock)))) as h:
+                box = Sandbox.connect(sid, client=h)
+                started = time.monotonic()
+                rules = box.update_network(allow=["*.example.test", "other.test"])  # the SDK
+                took = time.monotonic() - started
+            assert rules.model_dump() == {"egress": "internet",
+                                          "allow": ["*.example.test", "other.test"],
+                                          "deny": ["0.0.0.0/0", "bad.example.test"]}
+            assert c.get(f"/sandboxes/{sid}").json()["network"] == rules.model_dump()
             assert took < 1.0, took
             got = guest(["http_get", other, "other.test"], ["tcp", other, 8080],
                         ["bench", a, "a.example.test", 80, 15],
