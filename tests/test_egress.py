@@ -127,6 +127,20 @@ def test_egress_match_loads_by_path_with_the_standard_library_only() -> None:
     assert out.returncode == 0 and "allowed_address" in out.stdout, out.stderr
 
 
+def test_denials_are_coalesced_so_a_loop_cannot_flood_the_bus() -> None:
+    from hangar.net.egress import Coalescer
+
+    c = Coalescer(window=60, per_window=5)
+    key = ("sb-1", "x.test", 443, "denied_domain", "proxy")
+    assert [c.admit("sb-1", key) for _ in range(1000)] == [0] + [None] * 999
+    others = [c.admit("sb-1", ("sb-1", f"h{i}.test", 443, "denied_domain", "proxy"))
+              for i in range(100)]
+    assert others == [0] * 4 + [None] * 96  # at most 5 events per sandbox and window
+    assert c.admit("sb-2", ("sb-2", "x.test", 443, "denied_domain", "proxy")) == 0
+    c.window = 0  # the window passed: the next one says how many were held back
+    assert c.admit("sb-1", key) == 999
+
+
 # -- namespaces ----------------------------------------------------------------------
 
 

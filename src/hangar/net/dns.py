@@ -108,6 +108,14 @@ class DnsForwarder:
         g = self.guard.lookup(source)
         if g is None or len(wire) < 12:
             return None
+        if not g.enter():  # this guest has too many queries in flight: dropped
+            return None
+        try:
+            return await self._answer(g, wire, tcp)
+        finally:
+            g.leave()
+
+    async def _answer(self, g: Any, wire: bytes, tcp: bool) -> bytes | None:
         try:
             q = dns.message.from_wire(wire) if len(wire) <= MAX_QUERY else None
         except dns.exception.DNSException:
@@ -143,8 +151,10 @@ class DnsForwarder:
                 try:
                     await self.guard.net.admit_async(g.sandbox_id, admit[:256])
                 except Exception as exc:  # the answer still goes: the guest retries
-                    log.warning("admitting resolved addresses failed", extra={
-                        "sandbox_id": g.sandbox_id, "error": str(exc)})
+                    if not g.warned:  # once per sandbox (e.g. its sets are full)
+                        g.warned = True
+                        log.warning("admitting resolved addresses failed", extra={
+                            "sandbox_id": g.sandbox_id, "error": str(exc)})
         out = resp.to_wire()
         limit = 65535 if tcp else max(512, q.payload if q.edns >= 0 else 512)
         if len(out) > limit:

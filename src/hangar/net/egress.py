@@ -52,7 +52,10 @@ COALESCE_S = 10.0
 EVENTS_PER_WINDOW = 20
 """Most ``egress.denied`` events of one sandbox per window; the rest are counted only."""
 MAX_RESOLVED = 4096
-"""Most (address, name) pairs remembered per sandbox; the oldest go first."""
+"""Most (address, name) pairs remembered per sandbox; those closest to expiry go first."""
+PER_SANDBOX = 64
+"""Most DNS queries, and proxied connections, one sandbox has in flight at once (the rest
+are dropped or closed), so one guest cannot starve the others."""
 
 
 @dataclass
@@ -65,6 +68,20 @@ class Guarded:
     rules: dict[str, Any]
     resolved: dict[str, dict[str, float]] = field(default_factory=dict)
     """address -> name -> monotonic expiry: what the forwarder resolved for the guest."""
+    busy: int = 0
+    """Its DNS queries and proxied connections in flight (``PER_SANDBOX`` at most)."""
+    warned: bool = False
+    """Whether a failed admission was logged already (once per sandbox)."""
+
+    def enter(self) -> bool:
+        """Count one more query or connection in flight; False (not counted) past the cap."""
+        if self.busy >= PER_SANDBOX:
+            return False
+        self.busy += 1
+        return True
+
+    def leave(self) -> None:
+        self.busy -= 1
 
     def live_rules(self) -> dict[str, Any]:
         """``rules`` with ``resolved`` (unexpired) added, for ``egress_match.decide``."""
@@ -196,9 +213,11 @@ class EgressGuard:
             g.resolved.setdefault(addr, {})[norm] = now + keep
             out += [(addr, p, keep) for p in ports]
         if sum(len(v) for v in g.resolved.values()) > MAX_RESOLVED:
-            g.resolved = {a: {n: t for n, t in v.items() if t > now}
-                          for a, v in g.resolved.items()}
-            g.resolved = {a: v for a, v in g.resolved.items() if v}
+            pairs = sorted(((t, a, n) for a, v in g.resolved.items() for n, t in v.items()
+                            if t > now), reverse=True)[:MAX_RESOLVED]
+            g.resolved = {}
+            for t, a, n in pairs:
+                g.resolved.setdefault(a, {})[n] = t
         return out
 
     def _is_never(self, g: Guarded, addr: str) -> bool:

@@ -146,8 +146,15 @@ class SniProxy:
     async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         source = writer.get_extra_info("peername")[0]
         g = self.guard.lookup(source)
-        if g is None:
+        if g is None or not g.enter():  # unknown, or this guest has too many open
             return
+        try:
+            await self._guarded(g, reader, writer)
+        finally:
+            g.leave()
+
+    async def _guarded(self, g: Any, reader: asyncio.StreamReader,
+                       writer: asyncio.StreamWriter) -> None:
         ip, port = original_dst(writer.get_extra_info("socket"))
         data, name, tls = await self._peek(reader)
         name = _name_or_none(name)
