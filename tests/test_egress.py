@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -270,6 +271,73 @@ def test_intercept_redirect_admit_and_rules_are_nft_state_released_with_the_sand
 
 # -- the whole server and a real guest -------------------------------------------------
 
+
+class UdsRelay:
+    """127.0.0.1:<port> in this namespace -> the server's Unix socket, for the CLI (which
+    speaks TCP only). Threads; ``close`` ends them."""
+
+    def __init__(self, path: Path) -> None:
+        import socket
+        import threading
+
+        self.path = str(path)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self._socket = socket
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                a, _ = self.sock.accept()
+            except OSError:
+                return
+            b = self._socket.socket(self._socket.AF_UNIX)
+            b.connect(self.path)
+            for x, y in ((a, b), (b, a)):
+                threading.Thread(target=self._pump, args=(x, y), daemon=True).start()
+
+    @staticmethod
+    def _pump(x: Any, y: Any) -> None:
+        try:
+            while chunk := x.recv(65536):
+                y.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (x, y):
+                try:
+                    s.shutdown(2)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def start_server(env: dict[str, str], python: str, d: Path) -> subprocess.Popen[bytes]:
+    sock = d / "api.sock"
+    sock.unlink(missing_ok=True)
+    server = subprocess.Popen(["ip", "netns", "exec", NS_HOST, python, "-m", "hangar.cli",
+                               "serve"], env=env, stdout=open(d / "server.log", "ab"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not sock.exists() and time.monotonic() < deadline:
+        assert server.poll() is None, (d / "server.log").read_text()[-2000:]
+        time.sleep(0.2)
+    return server
+
+
+def stop_server(server: subprocess.Popen[bytes]) -> None:
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
 GUEST = r"""
 import http.client, json, socket, ssl, struct, sys, time
 out = []
@@ -349,21 +417,23 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
     from conftest import SRC, make_data_dir, server_python, vmm_pids
 
     d = make_data_dir(base_image)
-    sock = d / "api.sock"
+    sock = d / "api.sock"  # the test talks to it from outside the namespace
     env = {**os.environ, "HANGAR_DATA_DIR": str(d), "HANGAR_UDS": str(sock),
            "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "tap", "HANGAR_NET_DNS": DNS,
            "PYTHONPATH": str(SRC)}
     python = server_python(env)
-    server = subprocess.Popen(["ip", "netns", "exec", NS_HOST, python, "-m", "hangar.cli",
-                               "serve"], env=env, stdout=open(d / "server.log", "wb"),
-                              stderr=subprocess.STDOUT, start_new_session=True)
+    server = start_server(env, python, d)
+    relay = UdsRelay(sock)
     a, b, other = NAMES["a.example.test"], NAMES["b.example.test"], NAMES["other.test"]
     try:
-        deadline = time.monotonic() + 60
-        while not sock.exists() and time.monotonic() < deadline:
-            assert server.poll() is None, (d / "server.log").read_text()[-2000:]
-            time.sleep(0.2)
         key = (d / "api-key").read_text().strip()
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "hangar.cli", *args], text=True,
+                                  capture_output=True, timeout=60, env={
+                                      **os.environ, "HANGAR_URL": relay.url,
+                                      "HANGAR_API_KEY": key, "PYTHONPATH": str(SRC)})
+
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://hangar",
                           headers={"X-API-Key": key}, timeout=300) as c:
             def guest(*steps: list) -> list:
@@ -375,6 +445,9 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
 
             bad = c.post("/sandboxes", json={"network": {"allow": ["exa mple.test"]}})
             assert bad.status_code == 400 and "nor a domain" in bad.text, bad.text
+            r = cli("create", "--allow", "exa mple.test", "--deny", "0.0.0.0/0")
+            assert r.returncode == 1 and "nor a domain" in r.stderr, r
+            assert c.get("/sandboxes").json()["sandboxes"] == []
             policy = {"egress": "internet", "allow": ["*.Example.test"],
                       "deny": ["0.0.0.0/0", "bad.example.test"]}
             r = c.post("/sandboxes", json={"network": policy})
@@ -459,6 +532,17 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
             r = c.put(f"/e2b/sandboxes/{sid}/network", json={"rules": {"x.test": []}})
             assert r.status_code == 400 and "not supported" in r.text, r.text
 
+            # The CLI shows and changes them.
+            r = cli("network", sid, "--allow", "*.example.test", "--deny", "0.0.0.0/0",
+                    "--deny", "bad.example.test:443")
+            assert r.returncode == 0, r
+            assert r.stdout.split("\n")[:3] == [
+                "egress internet", "allow: *.example.test",
+                "deny: 0.0.0.0/0, bad.example.test:443"], r.stdout
+            r = cli("network", sid)
+            assert r.returncode == 0 and "deny: 0.0.0.0/0, bad.example.test:443" in r.stdout
+
+
             metrics = c.get("/metrics").text
             assert re.search(r'hangar_egress_denied_total\{reason="denied_address",via="proxy"\}'
                              r' [1-9]', metrics), metrics[-3000:]
@@ -487,16 +571,26 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
             assert all(e["kind"] == "egress.denied" and e["sandbox_id"] == sid
                        and set(e["data"]) <= {"port", "reason", "via", "domain", "address",
                                               "repeats"} for e in events), events
+            # A restarted server guards the sandbox it adopts: DNS and the proxy answer
+            # again (on new ports) and the rules hold. What the host resolved for the guest
+            # was in the old server's memory: the guest resolves again (as it does for
+            # every connection without a cache).
+            stop_server(server)
+            server = start_server(env, python, d)
+            got = guest(["http_get", a, "a.example.test"], ["resolve", "a.example.test"],
+                        ["http_get", a, "a.example.test"], ["http_get", other, "other.test"],
+                        ["rcode", "203.0.113.1", "bad.example.test"])
+            assert got[0] == "403 hangar egress: unresolved_address a.example.test:80", got
+            assert got[1] == a and got[2] == f"200 hello {a} a.example.test", got
+            assert got[3] == "403 hangar egress: denied_address other.test:80", got
+            assert got[4] == 3, got  # bad.example.test is denied on 443 only: answered
             assert c.delete(f"/sandboxes/{sid}").status_code == 204
         rules = ruleset()
         assert not re.findall(r"hgt[0-9a-f]{12}", rules), rules
         assert "172.30.0.2" not in rules
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        relay.close()
+        stop_server(server)
         for pid in vmm_pids(str(d)):
             os.kill(pid, signal.SIGKILL)
         subprocess.run(["ip", "-n", NS_HOST, "link", "del", "hgbr0"], capture_output=True)
