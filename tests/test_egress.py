@@ -142,6 +142,20 @@ def test_denials_are_coalesced_so_a_loop_cannot_flood_the_bus() -> None:
     assert c.admit("sb-1", key) == 999
 
 
+def test_the_proxy_never_reaches_the_pool_the_host_or_cluster_control_endpoints() -> None:
+    import types
+
+    from hangar.net.egress import EgressGuard
+
+    net = types.SimpleNamespace(pool="172.30.0.0/16", dns=None,
+                                control=[("10.9.9.9", 2379), ("10.9.9.9", 443)])
+    never = EgressGuard(net).never()
+    assert never[0] == "172.30.0.0/16" and "10.9.9.9/32" in never and "127.0.0.1/32" in never
+    rules = Policy.parse("open").match_rules(never)
+    assert decide(rules, ip="10.9.9.9", port=443, name="x.test") == (False, "denied_host")
+    assert decide(rules, ip="10.9.9.8", port=443, name="x.test") == (True, "allowed_address")
+
+
 # -- namespaces ----------------------------------------------------------------------
 
 

@@ -153,8 +153,10 @@ class EgressGuard:
     # -- the rules ---------------------------------------------------------------------
 
     def never(self) -> list[str]:
-        """CIDRs no rule opens beyond ``policy.NEVER``: the guests' pool and the host's own
-        IPv4 addresses (read once from the kernel)."""
+        """CIDRs no rule opens beyond ``policy.NEVER``: the guests' pool, the host's own
+        IPv4 addresses (read once from the kernel) and the addresses of the cluster's
+        control endpoints (``NetworkManager.guard_control``: the kernel refuses a guest
+        those ports, and the proxy's connections leave from the host)."""
         if self._never is None:
             out = [str(self.net.pool)]
             try:
@@ -166,7 +168,7 @@ class EgressGuard:
             except Exception as exc:  # the pool and NEVER still hold
                 log.warning("cannot read the host's addresses", extra={"error": str(exc)})
             self._never = out
-        return self._never
+        return self._never + sorted({f"{ip}/32" for ip, _ in getattr(self.net, "control", [])})
 
     def lookup(self, ip: str) -> Guarded | None:
         """The guarded sandbox whose guest has address ``ip``, or None."""
