@@ -208,11 +208,11 @@ def http_get(ip, host, port=80, timeout=4):
         return type(e).__name__
     finally:
         c.close()
-def tls_get(ip, sni, timeout=4):
+def tls_get(ip, sni, port=443, timeout=4):
     ctx = ssl.create_default_context(); ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
     try:
-        with socket.create_connection((ip, 443), timeout) as s:
+        with socket.create_connection((ip, port), timeout) as s:
             with ctx.wrap_socket(s, server_hostname=sni) as t:
                 t.sendall(f"GET / HTTP/1.1\r\nHost: {sni}\r\n\r\n".encode())
                 return t.recv(4096).decode().split("\r\n\r\n", 1)[-1].strip()
@@ -244,6 +244,13 @@ def tcp(ip, port):
         return "timeout"
     except OSError as e:
         return type(e).__name__
+def times(fn, n, *args):
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        globals()[fn](*args)
+        out.append(time.perf_counter() - t)
+    return out
 def bench(ip, host, port, n):
     times = []
     for _ in range(n):
