@@ -147,6 +147,8 @@ class DnsForwarder:
                  if rrset.rdtype == dns.rdatatype.A for rd in rrset]
         if addrs:
             admit = self.guard.record(g, name, addrs, ports)
+            if self.guard.listeners:
+                self.guard.changed(g)
             if admit:
                 try:
                     await self.guard.net.admit_async(g.sandbox_id, admit[:256])

@@ -18,6 +18,11 @@ address of its packets (the bridge drops spoofed ones). Both read the live
 rules here, so ``update`` changes what they decide at once, and
 ``NetworkManager.set_rules`` changes the kernel's part in one transaction.
 
+Another proxy (the secret-injecting one) can take a sandbox's HTTP(S)
+instead: its id in ``external`` makes ``enable`` redirect only the DNS, and
+``listeners`` hear every change of a guarded sandbox's live rules (the rule
+dict with ``resolved``), which that proxy hands to ``egress_match.decide``.
+
 Denials are counted (``on_denied``: the metric) and published as
 ``egress.denied`` events (``publish``) carrying the sandbox, the domain or
 address, the port, the reason and ``via`` (dns or proxy), never a payload.
@@ -143,6 +148,12 @@ class EgressGuard:
         self._publish = publish or (lambda *a, **k: None)
         self._on_denied = on_denied or (lambda via, reason: None)
         self.coalescer = Coalescer()
+        self.external: set[str] = set()
+        """Sandboxes whose HTTP(S) another proxy takes (the secret-injecting proxy, which
+        calls ``egress_match.decide`` itself): ``enable`` redirects only their DNS."""
+        self.listeners: list[Callable[[str, dict[str, Any] | None], None]] = []
+        """Called with (sandbox id, its live rules, None when unguarded) after every change
+        of a guarded sandbox's rules or resolutions: how another proxy follows them."""
         self.by_ip: dict[str, Guarded] = {}
         self.by_id: dict[str, Guarded] = {}
         self._dns: Any = None
@@ -282,7 +293,17 @@ class EgressGuard:
         else:
             self._set(g, policy)
         await self.net.redirect_dns_async(sandbox_id, self._dns.port)
-        await self.net.intercept_async(sandbox_id, self._proxy.port, (80, 443))
+        if sandbox_id not in self.external:
+            await self.net.intercept_async(sandbox_id, self._proxy.port, (80, 443))
+        self.changed(g)
+
+    def changed(self, g: Guarded | None, sandbox_id: str | None = None) -> None:
+        """Tell the ``listeners`` a sandbox's live rules (None: no longer guarded)."""
+        for listener in list(self.listeners):
+            try:
+                listener(g.sandbox_id if g else str(sandbox_id), g.live_rules() if g else None)
+            except Exception:  # a listener's failure is its own
+                log.exception("egress rules listener failed")
 
     def _set(self, g: Guarded, policy: Policy) -> None:
         g.policy = policy
@@ -315,6 +336,7 @@ class EgressGuard:
                     again += self.record(g, name, [(addr, int(expiry - now) + 1)], ports)
         if again:
             await self.net.admit_async(sandbox_id, again[:256])
+        self.changed(g)
 
     async def disable(self, sandbox_id: str, redirects: bool = False) -> None:
         """Stop guarding ``sandbox_id`` (its release removes its rules; ``redirects``
@@ -323,9 +345,12 @@ class EgressGuard:
         if g is not None:
             self.by_ip.pop(g.ip, None)
         self.coalescer.forget(sandbox_id)
+        if g is not None:
+            self.changed(None, sandbox_id)
         if redirects:
             await self.net.redirect_dns_async(sandbox_id, None)
-            await self.net.intercept_async(sandbox_id, None)
+            if sandbox_id not in self.external:
+                await self.net.intercept_async(sandbox_id, None)
 
     async def close(self) -> None:
         """Stop the forwarder and the proxy."""
