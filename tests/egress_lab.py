@@ -236,6 +236,17 @@ def rcode(server, name):
         return a[3] & 15
     except socket.timeout:
         return "timeout"
+def rcode_tcp(server, name):
+    q = struct.pack("!HHHHHH", 0x4321, 0x0100, 1, 0, 0, 0)
+    q += b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+    q += struct.pack("!HH", 1, 1)
+    try:
+        with socket.create_connection((server, 53), 3) as s:
+            s.sendall(struct.pack("!H", len(q)) + q)
+            a = s.recv(4096)
+            return [a[5] & 15, a[2:4] == b"\x43\x21"]
+    except OSError as e:
+        return type(e).__name__
 def tcp(ip, port):
     try:
         socket.create_connection((ip, port), 2).close()

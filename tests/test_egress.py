@@ -254,7 +254,9 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
                         ["rcode", "203.0.113.1", "bad.example.test"],  # its own resolver
                         ["rcode", DNS, "a.example.test"],
                         ["http_get", "172.30.0.1", "a.example.test"],  # the host
-                        ["http_get", "169.254.169.254", "a.example.test"])
+                        ["http_get", "169.254.169.254", "a.example.test"],
+                        ["rcode_tcp", "203.0.113.1", "bad.example.test"],  # DNS over TCP
+                        ["rcode_tcp", "203.0.113.1", "a.example.test"])
             assert got[0] == a, got
             assert got[1] == f"200 hello {a} a.example.test", got
             assert got[2] == f"hello {a} a.example.test", got  # TLS, SNI checked, not opened
@@ -269,6 +271,7 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
             assert got[11] == 5 and got[12] == 0, got  # REFUSED, even asked of another server
             assert got[13].startswith("403 hangar egress: denied_host"), got
             assert got[14].startswith("403 hangar egress: denied_host"), got
+            assert got[15] == [5, True] and got[16] == [0, True], got
 
             # A rule added at run time opens a name at once, without a restart.
             from hangar.client import Hangar, Sandbox
