@@ -44,10 +44,9 @@ class Settings(BaseSettings):
                             "and the jailer is found; on requires it.")
     privsep: bool | None = Field(
         None, description="Started as root, fork a small privileged helper and run the "
-                          "HTTP server as HANGAR_USER (docs/security.md, class 9). Unset: "
-                          "on, but for a host whose VMMs are Firecracker's under its "
-                          "jailer (not routed through the helper: the server stays root, "
-                          "with a warning); 0 turns it off; 1 splits whatever the engine. "
+                          "HTTP server as HANGAR_USER (docs/security.md, class 9); the "
+                          "helper also runs Firecracker's jailer. Unset or 1: on; 0 "
+                          "turns it off. "
                           "A start as another user than root runs as that user.")
     user: str = Field("hangar", max_length=32,
                       description="The unprivileged user of the server under the split.")
