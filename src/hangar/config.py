@@ -96,6 +96,10 @@ class Settings(BaseSettings):
     default_disk_mib: int = Field(2048, ge=512, le=1048576)
     boot_timeout_s: float = Field(60.0, description="Seconds to wait for the guest agent.")
     max_sandboxes: int = Field(30, ge=1, description="Cap on concurrently running VMs.")
+    volumes_max_total_mib: int = Field(
+        1 << 20, ge=16, description="Cap on the sizes of all named volumes together, MiB "
+                                    "(default 1 TiB); their images are sparse, so this bounds "
+                                    "what they may come to hold on the host.")
     default_timeout_s: float = Field(
         3600.0, ge=0, description="Time to live of a sandbox created without one, seconds; "
                                   "0 keeps such sandboxes until deleted.")
