@@ -228,6 +228,8 @@ if [ "$SERVICE" = 1 ]; then
     bash scripts/stop.sh  # the nohup server; its sandboxes are adopted by the service
   fi
   install -D -m 0644 deploy/hangar.service /etc/systemd/system/hangar.service
+  # Firecracker's jails under the privilege split: root's folders (hangar.engines.firecracker.hostjail)
+  install -d -m 0711 -o root -g root /srv/jailer
   [ -f /etc/hangar/hangar.env ] || install -D -m 0600 deploy/hangar.env /etc/hangar/hangar.env
   if [ "$DATA" != /var/lib/hangar ] || [ "$PORT" != 8080 ]; then
     mkdir -p /etc/systemd/system/hangar.service.d

@@ -1,11 +1,11 @@
-"""The stand-in internet of tests/test_egress.py, run in its namespace.
+"""The stand-in internet of tests/egress_lab.py, run in its namespace.
 
 ``python egress_inet.py DNS_IP NAMES_JSON DIR``: a DNS server (dnspython
 messages, UDP and TCP) on DNS_IP:53 answering the A record of each name in
-NAMES_JSON (TTL 30 s) and NXDOMAIN for the rest; an HTTP server on port 80
-of every address and an HTTPS one (a self-signed certificate made here with
-openssl) on 443, both answering ``hello <local address> <Host>``. Writes
-DIR/ready when all listen; runs until killed.
+NAMES_JSON (TTL 30 s) and NXDOMAIN for the rest; HTTP on ports 80 and 8080 of
+every address and HTTPS (a self-signed certificate made here with openssl) on
+443 and 8443, all answering ``hello <local address> <Host>``. Writes DIR/ready
+when all listen; runs until killed.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ async def main() -> None:
 
     await asyncio.start_server(tcp_dns, dns_ip, 53)
     await asyncio.start_server(http, "0.0.0.0", 80)
+    await asyncio.start_server(http, "0.0.0.0", 8080)  # a port no proxy sees
     key, cert = folder / "key.pem", folder / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
                     "-subj", "/CN=a.example.test", "-keyout", str(key), "-out", str(cert)],
@@ -81,6 +82,7 @@ async def main() -> None:
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(cert, key)
     await asyncio.start_server(http, "0.0.0.0", 443, ssl=ctx)
+    await asyncio.start_server(http, "0.0.0.0", 8443, ssl=ctx)  # a port no proxy sees
     (folder / "ready").write_text("ok")
     await asyncio.Event().wait()
 

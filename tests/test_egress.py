@@ -1,17 +1,8 @@
 """Egress rules by domain and CIDR (issue 22, part 1) on real namespaces, nftables, microVMs.
 
-Namespaces of their own (never those of test_network.py or the secrets tests)::
-
-    hg-eg-inet  203.0.113.1/24 and 203.0.113.10-12 (on lo): the stand-in internet.
-                A DNS server (dnspython, in this test's process via ``ip netns
-                exec``) on 198.51.100.53 answers a.example.test -> .10,
-                b.example.test -> .11, other.test -> .12; HTTP servers on port 80
-                of every address; a TLS server (self-signed) on 443 of .10.
-    hg-eg-host  203.0.113.2/24, default route via .1: Hangar's side (bridge, TAPs,
-                nft, the server and its VMs).
-
-Nothing leaves the two namespaces; deleting them at the end removes every device and
-rule made inside, pass or fail, and every process a test starts is killed.
+The namespaces, the stand-in internet (DNS, HTTP, HTTPS) and the guest probe are
+``egress_lab``'s (shared with bench/egress_bench.py); its ``topology`` removes
+everything made inside, pass or fail, and every process a test starts is killed.
 """
 
 from __future__ import annotations
@@ -23,46 +14,22 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from egress_lab import (
+    DNS, GUEST, HERE, NAMES, NS_HOST, Topology, UdsRelay, can_netns, ruleset, sandbox_names,
+    start_server, stop_server,
+)
+from egress_lab import topology as make_topology
 
 from hangar.errors import InvalidRequest, NotFound
 from hangar.net import NetworkManager, Policy
 from hangar.net.egress_match import decide
 
-NS_INET = "hg-eg-inet"
-NS_HOST = "hg-eg-host"
-DNS = "198.51.100.53"
-NAMES = {"a.example.test": "203.0.113.10", "b.example.test": "203.0.113.11",
-         "other.test": "203.0.113.12"}
-HERE = Path(__file__).resolve().parent
-
-
-def _can_netns() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, TAPs, nftables)"
-    for tool in ("ip", "nft", "nsenter"):
-        if shutil.which(tool) is None:
-            return f"needs the {tool} command"
-    if not os.path.exists("/dev/net/tun"):
-        return "needs /dev/net/tun"
-    return None
-
-
-needs_netns = pytest.mark.skipif(_can_netns() is not None, reason=str(_can_netns()))
-
-
-def run(cmd: str) -> str:
-    return subprocess.run(cmd, shell=True, check=True, capture_output=True, text=True).stdout
-
-
-def ruleset() -> str:
-    return run(f"ip netns exec {NS_HOST} nft list ruleset")
-
+needs_netns = pytest.mark.skipif(can_netns() is not None, reason=str(can_netns()))
 
 # -- rules (no root) ----------------------------------------------------------------
 
@@ -127,78 +94,44 @@ def test_egress_match_loads_by_path_with_the_standard_library_only() -> None:
     assert out.returncode == 0 and "allowed_address" in out.stdout, out.stderr
 
 
+def test_denials_are_coalesced_so_a_loop_cannot_flood_the_bus() -> None:
+    from hangar.net.egress import Coalescer
+
+    c = Coalescer(window=60, per_window=5)
+    key = ("sb-1", "x.test", 443, "denied_domain", "proxy")
+    assert [c.admit("sb-1", key) for _ in range(1000)] == [0] + [None] * 999
+    others = [c.admit("sb-1", ("sb-1", f"h{i}.test", 443, "denied_domain", "proxy"))
+              for i in range(100)]
+    assert others == [0] * 4 + [None] * 96  # at most 5 events per sandbox and window
+    assert c.admit("sb-2", ("sb-2", "x.test", 443, "denied_domain", "proxy")) == 0
+    c.window = 0  # the window passed: the next one says how many were held back
+    assert c.admit("sb-1", key) == 999
+
+
+def test_the_proxy_never_reaches_the_pool_the_host_or_cluster_control_endpoints() -> None:
+    import types
+
+    from hangar.net.egress import EgressGuard
+
+    net = types.SimpleNamespace(pool="172.30.0.0/16", dns=None,
+                                control=[("10.9.9.9", 2379), ("10.9.9.9", 443)])
+    never = EgressGuard(net).never()
+    assert never[0] == "172.30.0.0/16" and "10.9.9.9/32" in never and "127.0.0.1/32" in never
+    rules = Policy.parse("open").match_rules(never)
+    assert decide(rules, ip="10.9.9.9", port=443, name="x.test") == (False, "denied_host")
+    assert decide(rules, ip="10.9.9.8", port=443, name="x.test") == (True, "allowed_address")
+
+
 # -- namespaces ----------------------------------------------------------------------
-
-
-def _delete_namespaces() -> None:
-    for ns in (NS_HOST, NS_INET):
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-
-
-class Topology:
-    """The two namespaces and the processes started in them (killed on ``close``)."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.dir = Path(tempfile.mkdtemp(prefix="hg-eg-"))
-
-    def spawn(self, ns: str, *argv: str) -> subprocess.Popen[bytes]:
-        p = subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=subprocess.DEVNULL,
-                             stderr=open(self.dir / f"p{len(self.procs)}.log", "wb"),
-                             start_new_session=True)
-        self.procs.append(p)
-        return p
-
-    def close(self) -> None:
-        for p in self.procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def topology() -> Iterator[Topology]:
-    reason = _can_netns()
+    reason = can_netns()
     if reason:
         pytest.skip(reason)
-    _delete_namespaces()  # left over by a killed run
-    topo = Topology()
-    try:
-        run(f"ip netns add {NS_INET} && ip netns add {NS_HOST}")
-        run(f"ip link add hgev-host netns {NS_HOST} type veth peer name hgev-inet netns {NS_INET}")
-        run(f"ip -n {NS_INET} addr add 203.0.113.1/24 dev hgev-inet && "
-            f"ip -n {NS_INET} link set hgev-inet up && ip -n {NS_INET} link set lo up && "
-            f"ip -n {NS_INET} addr add {DNS}/32 dev lo")
-        for addr in NAMES.values():
-            run(f"ip -n {NS_INET} addr add {addr}/32 dev lo")
-        run(f"ip -n {NS_HOST} addr add 203.0.113.2/24 dev hgev-host && "
-            f"ip -n {NS_HOST} link set hgev-host up && ip -n {NS_HOST} link set lo up && "
-            f"ip -n {NS_HOST} route add default via 203.0.113.1")
-        topo.spawn(NS_INET, sys.executable, str(HERE / "egress_inet.py"), DNS,
-                   json.dumps(NAMES), str(topo.dir))
-        _wait_ready(topo)
+    with make_topology() as topo:
         yield topo
-    finally:
-        topo.close()
-        _delete_namespaces()
-        left = run("ip netns list")
-        assert NS_HOST not in left and NS_INET not in left, left
-
-
-def _wait_ready(topo: Topology, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not (topo.dir / "ready").exists():
-        if time.monotonic() > deadline or topo.procs[0].poll() is not None:
-            raise AssertionError("the stand-in internet did not start: "
-                                 + (topo.dir / "p0.log").read_text()[-2000:])
-        time.sleep(0.1)
-
-
-def sandbox_names(text: str) -> list[str]:
-    return re.findall(r"hgt[0-9a-f]{12}", text)
 
 
 @pytest.fixture
@@ -252,3 +185,203 @@ def test_intercept_redirect_admit_and_rules_are_nft_state_released_with_the_sand
     assert na.tap not in ruleset() and na.ip not in ruleset()
     manager.release(b)
     assert not sandbox_names(ruleset())
+
+
+# -- the whole server and a real guest -------------------------------------------------
+
+
+@needs_netns
+@pytest.mark.vm
+def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
+                                                       base_image: Path) -> None:
+    """One sandbox allowed only ``*.example.test`` (and denied ``bad.example.test``),
+    behind a server running in hg-eg-host: by name it reaches a.example.test over HTTP,
+    TLS (SNI) and a port no proxy sees; other names, raw addresses and addresses the
+    guest resolved itself are refused; a denied name is REFUSED by DNS whatever resolver
+    the guest asks; a rule added by PATCH opens a name at once; denials are counted and
+    published. Nothing is left behind."""
+    import httpx
+    from conftest import SRC, make_data_dir, server_python, vmm_pids
+
+    d = make_data_dir(base_image)
+    sock = d / "api.sock"  # the test talks to it from outside the namespace
+    env = {**os.environ, "HANGAR_DATA_DIR": str(d), "HANGAR_UDS": str(sock),
+           "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "tap", "HANGAR_NET_DNS": DNS,
+           "PYTHONPATH": str(SRC)}
+    python = server_python(env)
+    server = start_server(env, python, d)
+    relay = UdsRelay(sock)
+    a, b, other = NAMES["a.example.test"], NAMES["b.example.test"], NAMES["other.test"]
+    try:
+        key = (d / "api-key").read_text().strip()
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "hangar.cli", *args], text=True,
+                                  capture_output=True, timeout=60, env={
+                                      **os.environ, "HANGAR_URL": relay.url,
+                                      "HANGAR_API_KEY": key, "PYTHONPATH": str(SRC)})
+
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://hangar",
+                          headers={"X-API-Key": key}, timeout=300) as c:
+            def guest(*steps: list) -> list:
+                r = c.post(f"/sandboxes/{sid}/exec", json={
+                    "command": "python3", "args": ["-c", GUEST, json.dumps(steps)],
+                    "timeout": 120})
+                assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+                return json.loads(r.json()["stdout"])
+
+            bad = c.post("/sandboxes", json={"network": {"allow": ["exa mple.test"]}})
+            assert bad.status_code == 400 and "nor a domain" in bad.text, bad.text
+            r = cli("create", "--allow", "exa mple.test", "--deny", "0.0.0.0/0")
+            assert r.returncode == 1 and "nor a domain" in r.stderr, r
+            assert c.get("/sandboxes").json()["sandboxes"] == []
+            policy = {"egress": "internet", "allow": ["*.Example.test"],
+                      "deny": ["0.0.0.0/0", "bad.example.test"]}
+            r = c.post("/sandboxes", json={"network": policy})
+            assert r.status_code == 201, r.text
+            sid = r.json()["id"]
+            shown = c.get(f"/sandboxes/{sid}").json()["network"]
+            assert shown == {"egress": "internet", "allow": ["*.example.test"],
+                             "deny": ["0.0.0.0/0", "bad.example.test"]}, shown
+
+            got = guest(["resolve", "a.example.test"], ["http_get", a, "a.example.test"],
+                        ["tls_get", a, "a.example.test"], ["tcp", a, 8080],
+                        ["resolve", "other.test"], ["http_get", other, "other.test"],
+                        ["http_get", other, other], ["tcp", other, 8080],
+                        ["http_get", b, "a.example.test"],  # an allowed name, not resolved
+                        ["http_get", a, "other.test"],  # an address another name opened
+                        ["tls_get", a, "other.test"],
+                        ["rcode", "203.0.113.1", "bad.example.test"],  # its own resolver
+                        ["rcode", DNS, "a.example.test"],
+                        ["http_get", "172.30.0.1", "a.example.test"],  # the host
+                        ["http_get", "169.254.169.254", "a.example.test"],
+                        ["rcode_tcp", "203.0.113.1", "bad.example.test"],  # DNS over TCP
+                        ["rcode_tcp", "203.0.113.1", "a.example.test"])
+            assert got[0] == a, got
+            assert got[1] == f"200 hello {a} a.example.test", got
+            assert got[2] == f"hello {a} a.example.test", got  # TLS, SNI checked, not opened
+            assert got[3] == "open", got  # the DNS answer opened the address itself
+            assert got[4] == other, got  # answered (no rule names it) ...
+            assert got[5] == "403 hangar egress: denied_address other.test:80", got  # ... refused
+            assert got[6] == f"403 hangar egress: denied_address {other}:80", got  # raw address
+            assert got[7] == "timeout", got
+            assert got[8] == "403 hangar egress: unresolved_address a.example.test:80", got
+            assert got[9] == "403 hangar egress: denied_address other.test:80", got
+            assert got[10] in ("SSLEOFError", "ConnectionResetError", "SSLZeroReturnError"), got
+            assert got[11] == 5 and got[12] == 0, got  # REFUSED, even asked of another server
+            assert got[13].startswith("403 hangar egress: denied_host"), got
+            assert got[14].startswith("403 hangar egress: denied_host"), got
+            assert got[15] == [5, True] and got[16] == [0, True], got
+
+            # A rule added at run time opens a name at once, without a restart.
+            from hangar.client import Hangar, Sandbox
+
+            with Hangar("http://hangar", key, http_client=httpx.Client(
+                    transport=httpx.HTTPTransport(uds=str(sock)))) as h:
+                box = Sandbox.connect(sid, client=h)
+                started = time.monotonic()
+                rules = box.update_network(allow=["*.example.test", "other.test"])  # the SDK
+                took = time.monotonic() - started
+            assert rules.model_dump() == {"egress": "internet",
+                                          "allow": ["*.example.test", "other.test"],
+                                          "deny": ["0.0.0.0/0", "bad.example.test"]}
+            assert c.get(f"/sandboxes/{sid}").json()["network"] == rules.model_dump()
+            assert took < 1.0, took
+            got = guest(["http_get", other, "other.test"], ["tcp", other, 8080],
+                        ["bench", a, "a.example.test", 80, 15],
+                        ["bench", a, "a.example.test", 8080, 15])
+            assert got[0] == f"200 hello {other} other.test" and got[1] == "open", got
+            print(f"PATCH applied in {took * 1000:.0f} ms; HTTP GET p50 through the proxy "
+                  f"{got[2] * 1000:.1f} ms, direct {got[3] * 1000:.1f} ms "
+                  f"(ratio {got[2] / got[3]:.2f})")
+            for body, status, words in [({"egress": "none"}, 409, "remove the sandbox's NIC"),
+                                        ({"allow": ["*"]}, 400, "nor a domain"),
+                                        ({"allow": "x.test"}, 422, "list"),
+                                        ({"other": 1}, 422, "other"),
+                                        ({"deny": ["x" * 300]}, 422, "over 256 bytes")]:
+                r = c.patch(f"/sandboxes/{sid}/network", json=body)
+                assert r.status_code == status and words in r.text, (body, r.text)
+            assert c.patch("/sandboxes/sb-000000000000/network",
+                           json={"allow": []}).status_code == 404
+
+            # E2B's PUT replaces both lists (an allowed entry beats a denied one there:
+            # the denied /32 inside the allowed /24 is left out).
+            r = c.put(f"/e2b/sandboxes/{sid}/network", json={
+                "allowOut": ["*.example.test", "203.0.113.0/24"],
+                "denyOut": ["203.0.113.12/32"], "allow_internet_access": False})
+            assert r.status_code == 204, r.text
+            assert c.get(f"/sandboxes/{sid}").json()["network"] == {
+                "egress": "internet", "allow": ["*.example.test", "203.0.113.0/24"],
+                "deny": ["0.0.0.0/0"]}
+            e2b = c.get(f"/e2b/sandboxes/{sid}").json()
+            assert e2b["network"] == {"allowOut": ["*.example.test", "203.0.113.0/24"],
+                                      "denyOut": ["0.0.0.0/0"]}, e2b
+            got = guest(["http_get", other, other], ["tcp", other, 8080],
+                        ["rcode", DNS, "bad.example.test"])
+            assert got == [f"200 hello {other} {other}", "open", 3], got  # upstream: NXDOMAIN
+            r = c.put(f"/e2b/sandboxes/{sid}/network", json={"rules": {"x.test": []}})
+            assert r.status_code == 400 and "not supported" in r.text, r.text
+
+            # The CLI shows and changes them.
+            r = cli("network", sid, "--allow", "*.example.test", "--deny", "0.0.0.0/0",
+                    "--deny", "bad.example.test:443")
+            assert r.returncode == 0, r
+            assert r.stdout.split("\n")[:3] == [
+                "egress internet", "allow: *.example.test",
+                "deny: 0.0.0.0/0, bad.example.test:443"], r.stdout
+            r = cli("network", sid)
+            assert r.returncode == 0 and "deny: 0.0.0.0/0, bad.example.test:443" in r.stdout
+
+
+            metrics = c.get("/metrics").text
+            assert re.search(r'hangar_egress_denied_total\{reason="denied_address",via="proxy"\}'
+                             r' [1-9]', metrics), metrics[-3000:]
+            assert re.search(r'hangar_egress_denied_total\{reason="denied_domain",via="dns"\}'
+                             r' [1-9]', metrics)
+            events: list[dict] = []
+            want = {("dns", "denied_domain", "bad.example.test"),
+                    ("proxy", "denied_address", "other.test"),
+                    ("proxy", "unresolved_address", "a.example.test"),
+                    ("proxy", "denied_host", "a.example.test")}
+            kinds: set[tuple] = set()
+            with c.stream("GET", "/events", params={"kind": "egress", "sandbox_id": sid},
+                          headers={"Last-Event-ID": "none:0"}, timeout=5) as s:
+                try:
+                    for line in s.iter_lines():
+                        if line.startswith("data: "):
+                            e = json.loads(line[6:])
+                            events.append(e)
+                            kinds.add((e["data"]["via"], e["data"]["reason"],
+                                       e["data"].get("domain")))
+                        if want <= kinds:
+                            break
+                except httpx.ReadTimeout:
+                    pass
+            assert want <= kinds, events
+            assert all(e["kind"] == "egress.denied" and e["sandbox_id"] == sid
+                       and set(e["data"]) <= {"port", "reason", "via", "domain", "address",
+                                              "repeats"} for e in events), events
+            # A restarted server guards the sandbox it adopts: DNS and the proxy answer
+            # again (on new ports) and the rules hold. What the host resolved for the guest
+            # was in the old server's memory: the guest resolves again (as it does for
+            # every connection without a cache).
+            stop_server(server)
+            server = start_server(env, python, d)
+            got = guest(["http_get", a, "a.example.test"], ["resolve", "a.example.test"],
+                        ["http_get", a, "a.example.test"], ["http_get", other, "other.test"],
+                        ["rcode", "203.0.113.1", "bad.example.test"])
+            assert got[0] == "403 hangar egress: unresolved_address a.example.test:80", got
+            assert got[1] == a and got[2] == f"200 hello {a} a.example.test", got
+            assert got[3] == "403 hangar egress: denied_address other.test:80", got
+            assert got[4] == 3, got  # bad.example.test is denied on 443 only: answered
+            assert c.delete(f"/sandboxes/{sid}").status_code == 204
+        rules = ruleset()
+        assert not re.findall(r"hgt[0-9a-f]{12}", rules), rules
+        assert "172.30.0.2" not in rules
+    finally:
+        relay.close()
+        stop_server(server)
+        for pid in vmm_pids(str(d)):
+            os.kill(pid, signal.SIGKILL)
+        subprocess.run(["ip", "-n", NS_HOST, "link", "del", "hgbr0"], capture_output=True)
+        shutil.rmtree(d, ignore_errors=True)

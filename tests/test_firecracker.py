@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gzip
+import json
 import os
 import secrets
 import shutil
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -795,3 +797,114 @@ def test_agent_over_vsock_exec_snapshot_restore(fc_bins, image, work: Path,  # n
         shutil.rmtree(work / "gsnap", ignore_errors=True)
 
     run(go())
+
+
+SPLIT_SCRIPT = r'''
+import asyncio, json, os, sys
+from pathlib import Path
+
+from hangar.engines.base import VMSpec
+from hangar.engines.confine import ConfineConfig, Confinement
+from hangar.engines.firecracker import FirecrackerAPI, FirecrackerEngine, JailerConfig
+from hangar.engines.firecracker.hostjail import HostJail
+from hangar.images import resolve_image
+from hangar.layout import Layout
+from hangar.privileged.split import split
+
+data, fc, jb, jails, sid1, sid2 = sys.argv[1:7]
+layout = Layout(Path(data))
+layout.ensure()
+image = resolve_image(layout, "base")
+config = JailerConfig(Path(jb), chroot_base=Path(jails))
+split(layout, Confinement(ConfineConfig()), "hangar", None,
+      lambda gid: HostJail(config, Path(fc), gid))
+engine = FirecrackerEngine(Path(fc), jailer=config)
+
+
+def status(pid):
+    return dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+
+
+async def state(vm):
+    async with FirecrackerAPI(engine.files_of(vm).api) as api:
+        return (await api.get_instance_info()).state
+
+
+async def go():
+    out = {"server": [os.getuid(), os.getgid()], "describe": engine.describe()}
+    vm = await engine.boot(VMSpec(sid1, image, layout.sandbox(sid1), memory_mib=256, disk_mib=512))
+    vm2 = None
+    try:
+        files = engine.files_of(vm)
+        st = status(vm.pid)
+        out["vmm"] = [st["Uid"].split(), st["Gid"].split(), st["NSpid"].split()]
+        out["pid"] = vm.pid
+        out["root"] = str(files.root)
+        out["root_mode"] = oct(files.root.stat().st_mode & 0o7777)
+        out["linked"] = [os.stat(files.rootfs).st_ino == os.stat(image.rootfs).st_ino]
+        out["state"] = await state(vm)
+        dest = layout.snapshots / "s1"
+        await engine.snapshot(vm, dest)
+        out["snapshot"] = sorted((f.name, f.stat().st_uid) for f in dest.iterdir())
+        vm2 = await engine.restore(VMSpec(sid2, image, layout.sandbox(sid2), memory_mib=256,
+                                          disk_mib=512), dest)
+        out["state2"] = await state(vm2)
+        out["uid2"] = status(vm2.pid)["Uid"].split()[0]
+        out["adopt"] = engine.adopt(sid1, layout.sandbox(sid1), vm.pid) is not None
+    finally:
+        await engine.stop(vm)
+        if vm2 is not None:
+            await engine.stop(vm2)
+    out["alive"] = [os.path.exists(f"/proc/{vm.pid}")]
+    out["sandboxes_left"] = os.listdir(layout.sandboxes)
+    print(json.dumps(out))
+
+
+asyncio.run(go())
+'''
+
+
+def test_jailer_through_the_privileged_helper(fc_bins, base_image) -> None:  # noqa: ANN001
+    """A server split from root (HANGAR_PRIVSEP, the default) runs Firecracker jailed: its
+    helper claims the uid, makes the jail (root's, outside the server's folders), links
+    the image in and starts the jailer; the unprivileged server boots, snapshots (files
+    of its own), restores into another jail and stops, leaving nothing."""
+    if os.geteuid() != 0:
+        pytest.skip("the split starts as root")
+    from conftest import SRC, make_data_dir
+
+    d = make_data_dir(base_image, privsep=True)
+    jails = Path(tempfile.mkdtemp(prefix="hfj-", dir="/tmp"))
+    sid1, sid2 = f"sb-{new_id()}", f"sb-{new_id()}"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", SPLIT_SCRIPT, str(d), str(fc_bins["firecracker"]),
+             str(fc_bins["jailer"]), str(jails), sid1, sid2],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(SRC)})
+        assert out.returncode == 0, out.stderr[-3000:]
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        jails_left = os.listdir(jails / "firecracker")
+        err = out.stderr[-2000:]
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(jails, ignore_errors=True)
+    import pwd
+    hangar = pwd.getpwnam("hangar")
+    assert got["server"] == [hangar.pw_uid, hangar.pw_gid]
+    assert got["describe"]["jailer"] == "on, through the privileged helper"
+    uids, gids, nspid = got["vmm"]
+    assert len(set(uids)) == 1 and 300_000 <= int(uids[0]) < 300_000 + 65_536, uids
+    assert gids == [str(hangar.pw_gid)] * 4  # the server's group: it reaches the sockets
+    assert nspid[-1] == "1"  # --new-pid-ns
+    assert got["root"].startswith(str(jails) + "/firecracker/hangar-")
+    assert got["root_mode"] == "0o770"
+    assert got["linked"] == [True], err  # linked by the helper, not copied
+    assert got["state"] == "Running" and got["state2"] == "Running"
+    assert got["uid2"] != uids[0]
+    assert {uid for _, uid in got["snapshot"]} == {hangar.pw_uid}  # the server's own copies
+    assert "snapshot.json" in {n for n, _ in got["snapshot"]}
+    assert got["adopt"] is True
+    assert got["alive"] == [False]
+    assert got["sandboxes_left"] == [] and jails_left == []
+    assert not our_cgroups()

@@ -19,9 +19,13 @@ import pytest
 from conftest import SRC, Server, own_server
 
 
+CAP_MIB = 2048
+"""HANGAR_VOLUMES_MAX_TOTAL_MIB of this module's server."""
+
+
 @pytest.fixture(scope="module")
 def srv(base_image: Path) -> Iterator[Server]:
-    with own_server(base_image) as s:
+    with own_server(base_image, {"HANGAR_VOLUMES_MAX_TOTAL_MIB": str(CAP_MIB)}) as s:
         yield s
 
 
@@ -88,6 +92,12 @@ def test_make_list_grow_and_read_without_a_sandbox(api: httpx.Client, srv: Serve
     r = api.patch(f"/volumes/{vol['id']}", json={"size_mib": 128})
     assert r.status_code == 200 and r.json()["size_mib"] == 128
     assert os.stat(image).st_size == 128 << 20
+    # All volumes together stay within the server's cap, made or grown.
+    r = api.post("/volumes", json={"name": "huge", "size_mib": CAP_MIB - 100})
+    assert r.status_code == 409, r.text
+    assert "HANGAR_VOLUMES_MAX_TOTAL_MIB" in r.json()["error"]["message"]
+    r = api.patch(f"/volumes/{vol['id']}", json={"size_mib": CAP_MIB + 1})
+    assert r.status_code == 409 and "cap of 2048 MiB" in r.json()["error"]["message"], r.text
     listing = api.get(f"/volumes/{vol['id']}/files", params={"path": "/"}).json()
     assert [e["name"] for e in listing["entries"]] == ["lost+found"]
     backup(srv, srv.data_dir / "b1.db")

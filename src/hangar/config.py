@@ -44,10 +44,9 @@ class Settings(BaseSettings):
                             "and the jailer is found; on requires it.")
     privsep: bool | None = Field(
         None, description="Started as root, fork a small privileged helper and run the "
-                          "HTTP server as HANGAR_USER (docs/security.md, class 9). Unset: "
-                          "on, but for a host whose VMMs are Firecracker's under its "
-                          "jailer (not routed through the helper: the server stays root, "
-                          "with a warning); 0 turns it off; 1 splits whatever the engine. "
+                          "HTTP server as HANGAR_USER (docs/security.md, class 9); the "
+                          "helper also runs Firecracker's jailer. Unset or 1: on; 0 "
+                          "turns it off. "
                           "A start as another user than root runs as that user.")
     user: str = Field("hangar", max_length=32,
                       description="The unprivileged user of the server under the split.")
@@ -97,6 +96,10 @@ class Settings(BaseSettings):
     default_disk_mib: int = Field(2048, ge=512, le=1048576)
     boot_timeout_s: float = Field(60.0, description="Seconds to wait for the guest agent.")
     max_sandboxes: int = Field(30, ge=1, description="Cap on concurrently running VMs.")
+    volumes_max_total_mib: int = Field(
+        1 << 20, ge=16, description="Cap on the sizes of all named volumes together, MiB "
+                                    "(default 1 TiB); their images are sparse, so this bounds "
+                                    "what they may come to hold on the host.")
     default_timeout_s: float = Field(
         3600.0, ge=0, description="Time to live of a sandbox created without one, seconds; "
                                   "0 keeps such sandboxes until deleted.")

@@ -349,9 +349,11 @@ class SandboxPaths:
         """QEMU: the hard link of the sandbox's ``n``-th attached volume image."""
         return self.dir / f"volume-{n}.ext4"
 
-    def firecracker(self, vm_id: str, jailed: bool) -> "FirecrackerPaths":
-        """The files of this sandbox's Firecracker VMM with ``--id vm_id``."""
-        return FirecrackerPaths(self, vm_id, jailed)
+    def firecracker(self, vm_id: str, jailed: bool,
+                    base: Path | None = None) -> "FirecrackerPaths":
+        """The files of this sandbox's Firecracker VMM with ``--id vm_id`` (jailed under
+        ``base`` when given, else in this folder)."""
+        return FirecrackerPaths(self, vm_id, jailed, base)
 
 
 @dataclass(frozen=True)
@@ -374,6 +376,9 @@ class FirecrackerPaths:
     paths: SandboxPaths
     vm_id: str
     jailed: bool
+    base: Path | None = None
+    """The jailer's ``--chroot-base-dir`` when it is not the sandbox folder: a server
+    split from root keeps its jails in a root-owned folder (``JailerConfig.chroot_base``)."""
 
     @property
     def root(self) -> Path:
@@ -385,7 +390,7 @@ class FirecrackerPaths:
     def jail_base(self) -> Path:
         """The jailer's ``--chroot-base-dir``: it builds ``<exec file name>/<vm id>/root``
         there, and Hangar runs only a binary named ``firecracker`` under it."""
-        return self.paths.dir
+        return self.base if self.base is not None else self.paths.dir
 
     @property
     def kernel(self) -> Path:

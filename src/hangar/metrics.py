@@ -16,6 +16,8 @@ id), so the number of series stays bounded:
 warm pool and got, or did not get, a ready VM; ``hangar_pool_refills_total``.
 ``hangar_errors_total{code}``                       error answers by Hangar's error
                                                     code (a fixed set: hangar.errors)
+``hangar_egress_denied_total{via, reason}``         via: dns, proxy; reason: one of
+                                                    hangar.net.egress_match.REASONS
 
 Gauges read at each scrape (``watch_capacity``): the VMMs running against
 their cap, guest memory committed against the budget, the warm pool's
@@ -132,6 +134,9 @@ class Metrics:
                                     "passed unanswered", registry=r)
         self.errors = Counter("hangar_errors_total", "Error answers by Hangar's error code",
                               ["code"], registry=r)
+        self.egress_denied = Counter(
+            "hangar_egress_denied_total", "Guest connections and DNS queries refused by egress "
+            "rules (hangar.net.egress)", ["via", "reason"], registry=r)
         self.engine = Info("hangar_engine", "VMM engine in use", registry=r)
 
     def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:

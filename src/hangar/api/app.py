@@ -32,8 +32,8 @@ from fastapi import Depends, FastAPI
 
 from hangar import __version__
 from hangar.api import (
-    code, desktop, e2b, errors, events, files, health, machines, pool, ports, processes, pty,
-    sandboxes, secrets, snapshots, tunnel, vnc, volumes, web,
+    code, desktop, e2b, errors, events, files, health, machines, network, pool, ports, processes,
+    pty, sandboxes, secrets, snapshots, tunnel, vnc, volumes, web,
 )
 from hangar.api.auth import KeyRing, Throttle, require_key
 from hangar.api.envd.gateway import EnvdGateway
@@ -78,6 +78,7 @@ def create_app(settings: Settings | None = None, *, keys: KeyRing | None = None,
     app.include_router(health.router)
     keyed = [Depends(require_key)]
     app.include_router(sandboxes.router, dependencies=keyed)
+    app.include_router(network.router, dependencies=keyed)
     app.include_router(files.router, dependencies=keyed)
     app.include_router(processes.router, dependencies=keyed)
     app.include_router(desktop.router, dependencies=keyed)

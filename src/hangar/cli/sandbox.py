@@ -1,5 +1,6 @@
 """The sandbox commands on the ``hangar`` app itself (through the SDK): ``create``, ``ls``,
-``exec``, ``shell``, ``rm``, ``ttl``, ``events``. ``hangar.cli.main`` registers them."""
+``exec``, ``shell``, ``rm``, ``ttl``, ``network``, ``events``. ``hangar.cli.main`` registers
+them."""
 
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ def create(
     volume: Annotated[Optional[list[str]], typer.Option(
         "--volume", "-v", help="Mount a named volume: PATH=VOLUME, or PATH=VOLUME:ro for a "
                                "read-only mount (repeatable, at most 4).")] = None,
+    egress: Annotated[Optional[str], typer.Option(
+        help="Egress mode: none, internet (default), open.")] = None,
+    allow: Annotated[Optional[list[str]], typer.Option(
+        help="Egress allow entry: CIDR, domain (*.example.com), optionally :PORT "
+             "(repeatable).")] = None,
+    deny: Annotated[Optional[list[str]], typer.Option(
+        help="Egress deny entry, same forms (repeatable); --deny 0.0.0.0/0 makes --allow "
+             "an allowlist.")] = None,
     secret: Annotated[Optional[list[str]], typer.Option(
         "--secret", "-s", help="Give it a vault secret: ENV=NAME (its commands see a "
                                "placeholder in ENV; repeatable).")] = None,
@@ -34,9 +43,13 @@ def create(
     """Create a sandbox and print its id."""
     from hangar.cli.secret import parse_secrets
     from hangar.cli.volume import parse_mounts
+    network = None
+    if egress or allow or deny:
+        network = {"egress": egress or "internet", "allow": allow or [], "deny": deny or []}
     with sdk() as h:
         sb = h.create(image, vcpus=vcpus, memory_mib=memory, disk_mib=disk, timeout=timeout,
                       desktop=desktop, volumes=parse_mounts(volume or []) or None,
+                      network=network,
                       secrets=parse_secrets(secret or []) or None)
     out.print(sb.id)
 
@@ -122,6 +135,37 @@ def ttl(sandbox_id: str,
     out.print(f"{sb.id} expires "
               + (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sb.expires_at))
                  if sb.expires_at else "never"))
+
+
+def network(
+    sandbox_id: str,
+    allow: Annotated[Optional[list[str]], typer.Option(
+        help="Allow entry (repeatable): CIDR, domain (*.example.com), optionally :PORT. "
+             "Replaces the list; none given keeps it.")] = None,
+    deny: Annotated[Optional[list[str]], typer.Option(
+        help="Deny entry (repeatable), same forms. Replaces the list; none given keeps it.")
+    ] = None,
+    clear: Annotated[bool, typer.Option(help="Empty both lists (before --allow/--deny).")
+                     ] = False,
+    egress: Annotated[Optional[str], typer.Option(help="internet or open.")] = None,
+) -> None:
+    """Show a sandbox's egress rules, or change them while it runs (new connections see
+    the change within a second)."""
+    with sdk() as h:
+        if allow is None and deny is None and egress is None and not clear:
+            rules = h.get(sandbox_id).network
+            if rules is None:
+                out.print(f"{sandbox_id}: no network")
+                return
+        else:
+            got = h.update_network(sandbox_id,
+                                   allow=allow if allow is not None else ([] if clear else None),
+                                   deny=deny if deny is not None else ([] if clear else None),
+                                   egress=egress)
+            rules = got.model_dump()
+    out.print(f"egress {rules.get('egress')}")
+    for key in ("allow", "deny"):
+        out.print(f"{key}: {', '.join(rules.get(key) or []) or '-'}")
 
 
 def events(

@@ -6,7 +6,6 @@ put the node's settings in the environment.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -15,16 +14,19 @@ from hangar.cli.common import DataDir, build_recipe, err, fail, server_settings
 from hangar.errors import ConfigError, HangarError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from hangar.config import Settings
+    from hangar.engines.firecracker.hostjail import HostJail
     from hangar.layout import Layout
 
 
 def split_privileges(settings: "Settings", layout: "Layout") -> None:
     """Started as root, fork the privileged helper and drop this process to
     ``HANGAR_USER`` before uvicorn reads a byte (``hangar.privileged.split``), unless
-    ``HANGAR_PRIVSEP=0`` (or, left unset, on a host whose VMMs run under Firecracker's
-    jailer: ``jailed_firecracker``). Exits with the reason (one line naming the fix) when
-    that cannot be done: no such user, or code it could not read."""
+    ``HANGAR_PRIVSEP=0``. The helper also runs Firecracker's jailer (``host_jail``).
+    Exits with the reason (one line naming the fix) when that cannot be done: no such
+    user, code it could not read, or an unsafe folder for the jails."""
     import os
 
     if settings.privsep is False or os.geteuid() != 0:
@@ -34,42 +36,52 @@ def split_privileges(settings: "Settings", layout: "Layout") -> None:
 
     from hangar.core.launch import network_manager
 
-    if settings.privsep is None and (why := jailed_firecracker(settings, layout)):
-        logging.getLogger("hangar.privileged").warning(
-            "the server runs as root: %s; HANGAR_PRIVSEP=1 splits it anyway (its VMMs then "
-            "run unjailed as %s), HANGAR_ENGINE=qemu runs QEMU split", why, settings.user)
-        return
+    jail = host_jail(settings)
+    if jail is not None and settings.engine == "auto":
+        probe_as_root(settings, layout)
     try:
         pid = split(layout, Confinement(config_from(settings)), settings.user,
-                    network_manager(settings))
+                    network_manager(settings), jail)
     except (HangarError, OSError) as exc:
         fail(exc if isinstance(exc, HangarError) else ConfigError(f"privilege split: {exc}"))
     err.print(f"privileged helper: pid {pid}; this server runs as {settings.user}")
 
 
-def jailed_firecracker(settings: "Settings", layout: "Layout") -> str | None:
-    """Why this root server's VMMs would be Firecracker's, jailed (the split does not route
-    the jailer through its helper yet; a missing jailer is then refused as root, never run
-    unjailed unasked), or None: the engine is QEMU, or the jailer is turned off. Reads the
-    cached probe boot (``firecracker_usable``)."""
-    if settings.engine == "qemu" or settings.firecracker_jailer == "off":
-        return None
+def probe_as_root(settings: "Settings", layout: "Layout") -> None:
+    """Run (or read) the Firecracker probe boot while still root, so its cached answer
+    (``firecracker_usable``) is there for the split server, which cannot open /dev/kvm
+    itself (its VMMs get a KVM node from the jailer)."""
     from hangar.engines.doctor import firecracker_usable
-    from hangar.engines.firecracker import find_firecracker
     from hangar.images import resolve_image
 
-    fc = find_firecracker()
-    if fc is None and settings.engine == "auto":
+    try:
+        firecracker_usable(layout, resolve_image(layout, settings.default_image))
+    except HangarError:
+        pass  # no default image yet: the server's own choice says so
+
+
+def host_jail(settings: "Settings") -> "Callable[[int], HostJail] | None":
+    """What makes the helper's Firecracker jailer (``HostJail``) from the server's group,
+    or None: the engine is QEMU, the jailer is turned off, or firecracker or the jailer
+    is not installed (the engine's choice then says why, as for a root server)."""
+    if settings.engine == "qemu" or settings.firecracker_jailer == "off":
         return None
-    if settings.engine == "auto":
-        try:
-            ok, _ = firecracker_usable(layout, resolve_image(layout, settings.default_image),
-                                       fc)
-        except HangarError:
-            return None
-        if not ok:
-            return None
-    return "its VMMs are Firecracker's, under its jailer, which the split does not run"
+    from hangar.engines.confine import config_from
+    from hangar.engines.firecracker import find_firecracker, find_jailer
+
+    fc, jb = find_firecracker(), find_jailer()
+    if fc is None or jb is None:
+        return None
+
+    def make(gid: int) -> "HostJail":
+        from hangar.engines.firecracker.hostjail import HostJail
+        from hangar.engines.firecracker.jailer import JailerConfig
+
+        c = config_from(settings)
+        return HostJail(JailerConfig(jb, cgroups=c.cgroups if c.enabled else "off"),  # type: ignore[arg-type]
+                        fc, gid, console_log_bytes=c.console_log_bytes)
+
+    return make
 
 
 def serve(

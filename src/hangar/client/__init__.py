@@ -41,7 +41,7 @@ from hangar.client.execution import (
 )
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, FileEvent, Health,
-    KeyResult, MachineInfo, PoolStatus, PortInfo, ProcessEvent, ProcessInfo, PtySession,
+    KeyResult, MachineInfo, NetworkRules, PoolStatus, PortInfo, ProcessEvent, ProcessInfo, PtySession,
     PtyTicket, SandboxInfo, Snapshot, VncTicket, WriteResult,
 )
 
@@ -52,7 +52,7 @@ __all__ = [
     "RetryPolicy", "Timeouts",
     "CodeContext", "Execution", "ExecutionError", "Logs", "OutputMessage", "Result",
     "ActionResult", "DisplayInfo", "Event", "ExecResult", "ExecStreamEvent", "FileEntry",
-    "FileEvent", "Health", "KeyResult", "MachineInfo", "PoolStatus", "PortInfo",
+    "FileEvent", "Health", "KeyResult", "MachineInfo", "NetworkRules", "PoolStatus", "PortInfo",
     "ProcessEvent", "ProcessInfo", "PtySession",
     "PtyTicket", "SandboxInfo", "Snapshot", "VncTicket", "WriteResult",
 ]

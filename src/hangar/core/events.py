@@ -20,6 +20,8 @@ Kinds (``data`` fields in brackets)::
     snapshot.forked   [snapshot_id, generation]   (the guest's new fork generation)
     port.exposed      [port, public]   port.closed [port]
     volume.created    [volume_id, size_mib]   volume.deleted [volume_id]
+    egress.denied     [port, reason, via: dns|proxy, domain and/or address, repeats]
+                      (coalesced: hangar.net.egress)
     agent.task.started  agent.tool.started  agent.tool.finished  agent.task.ended
 
 Rules: an event never carries command output, environment variables, file

@@ -33,6 +33,7 @@ from typing import Any
 from hangar.config import Settings
 from hangar.core.context import Context
 from hangar.core.lifecycle import State
+from hangar.core.network import NetworkRules
 from hangar.core.registry import Runtime
 from hangar.core.secret_proxy import SecretProxies, install_ca_meta, make_ca
 from hangar.core.secrets import Vault, default_key_file
@@ -121,6 +122,9 @@ class Launcher:
                                            ctx.publish)
         self.volumes = Volumes(ctx)
         """Named volumes (``hangar.core.volumes``): attached at boot, released at the end."""
+        self.rules = NetworkRules(ctx, self.net)
+        """Live egress rules and the domain guard (``hangar.core.network``)."""
+        self.secret_proxies.follow(self.rules.guard)
 
     # -- network -----------------------------------------------------------------
 
@@ -145,13 +149,17 @@ class Launcher:
     async def attach(self, rec: SandboxRecord) -> NetAttachment | None:
         if self.net is None or not rec.network:
             return None
-        return await self.net.attach_async(rec.id, rec.network)
+        nic = await self.net.attach_async(rec.id, rec.network)
+        self.secret_proxies.claim(rec.id)  # its HTTP(S) is its secret proxy's, not the guard's
+        await self.rules.attached(rec.id, nic, rec.network)
+        return nic
 
     async def detach(self, sandbox_id: str) -> None:
         """Release the sandbox's NIC; never raises (a state change must not stall on it)."""
         if self.net is None:
             return
         try:
+            await self.rules.released(sandbox_id)
             await self.net.release_async(sandbox_id)
         except Exception as exc:
             log.warning("network release failed", extra={"sandbox_id": sandbox_id,

@@ -194,3 +194,7 @@ class Recovery:
             removed = await net.sweep_async(sorted(self.ctx.registry.ids()))
             if removed:
                 log.info("stale network devices removed", extra={"count": len(removed)})
+            adopted = [r for r in self.ctx.store.live() if r.id in set(self.ctx.registry.ids())]
+            for r in adopted:  # those with secrets: their HTTP(S) is their own proxy's
+                self.launcher.secret_proxies.claim(r.id)
+            await self.launcher.rules.adopt(adopted)

@@ -175,6 +175,7 @@ class SandboxManager:
         if self.pool is not None:
             await self.pool.close()
         await self.registry.close()
+        await self.launcher.rules.close()
 
     @property
     def vault(self) -> "Vault":

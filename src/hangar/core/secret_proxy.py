@@ -179,6 +179,30 @@ class SecretProxies:
         self.root = ctx.layout.secret_proxies
         self.proxies: dict[str, Proxy] = {}
         self._never: list[str] | None = None
+        self.guard: Any = None
+        """The domain guard (``hangar.net.egress.EgressGuard``), when there is one."""
+
+    def follow(self, guard: Any) -> None:
+        """Take a sandbox's live rules from the domain ``guard`` (its DNS answers included)
+        whenever they change."""
+        self.guard = guard
+        if guard is not None:
+            guard.listeners.append(self._guard_changed)
+
+    def claim(self, sandbox_id: str) -> None:
+        """Before a NIC of a sandbox with secrets is guarded: its HTTP(S) goes to its own
+        proxy (the guard redirects only its DNS)."""
+        if self.guard is not None and self.vault.binding(sandbox_id) is not None:
+            self.guard.external.add(sandbox_id)
+
+    def _guard_changed(self, sandbox_id: str, rules: dict[str, Any] | None) -> None:
+        if sandbox_id not in self.proxies:
+            return
+        if rules is None:  # no longer guarded: the rules of its stored policy
+            rec = self.ctx.store.get(sandbox_id)
+            self.update_policy(sandbox_id, rec.network if rec is not None else None)
+        else:
+            self.update_rules(sandbox_id, rules)
 
     @property
     def mitmdump(self) -> Path:
@@ -194,9 +218,12 @@ class SecretProxies:
             self._never = ([str(pool)] if pool is not None else []) + host_addresses()
         return self._never
 
-    def rules_for(self, network: dict[str, Any] | None) -> dict[str, Any]:
-        """The rules the addon's ``decide`` gets for a sandbox's egress policy."""
-        return match_rules(network, self.never())
+    def rules_for(self, network: dict[str, Any] | None,
+                  sandbox_id: str | None = None) -> dict[str, Any]:
+        """The rules the addon's ``decide`` gets for a sandbox's egress policy: the domain
+        guard's live ones (with the names it resolved) when it guards ``sandbox_id``."""
+        live = self.guard.rules(sandbox_id) if self.guard is not None and sandbox_id else None
+        return dict(live) if live is not None else match_rules(network, self.never())
 
     # -- start and stop -----------------------------------------------------------------------
 
@@ -259,7 +286,7 @@ class SecretProxies:
         self.proxies[sandbox_id] = proxy
         try:
             self._send(proxy, {"secrets": self.vault.resolved(sandbox_id),
-                               "rules": self.rules_for(network),
+                               "rules": self.rules_for(network, sandbox_id),
                                "egress_match": self.egress_match()})
             proxy.reader = asyncio.get_running_loop().create_task(self._read(proxy, ev_r))
             try:
@@ -287,6 +314,8 @@ class SecretProxies:
         if proxy is None:
             shutil.rmtree(self.root / sandbox_id, ignore_errors=True)
             return
+        if self.guard is not None and not keep_rules:
+            self.guard.external.discard(sandbox_id)
         if self.net is not None and not keep_rules:
             try:
                 await self.net.intercept_async(sandbox_id, None, DPORTS)
@@ -358,7 +387,7 @@ class SecretProxies:
         sandbox's record: ``Policy.model_dump``). False when it has no proxy."""
         if sandbox_id not in self.proxies:
             return False
-        return self.update_rules(sandbox_id, self.rules_for(network))
+        return self.update_rules(sandbox_id, self.rules_for(network, sandbox_id))
 
     def refresh(self) -> None:
         """Send every proxy its secrets again (after a rotation or a delete)."""

@@ -209,7 +209,8 @@ class Volumes:
 
     async def create(self, name: str, size_mib: int) -> VolumeRecord:
         """Make an empty volume. Raises InvalidRequest (bad name or size, too many volumes, a
-        cluster node), Conflict (the name is taken), EngineError (mkfs failed)."""
+        cluster node), Conflict (the name is taken, or past HANGAR_VOLUMES_MAX_TOTAL_MIB),
+        EngineError (mkfs failed)."""
         check_name(name)
         check_size(size_mib)
         if self.ctx.settings.etcd:
@@ -220,6 +221,7 @@ class Volumes:
             raise Conflict(f"a volume named {name!r} exists already", volume=name)
         if len(store.list(VolumeRecord)) >= MAX_VOLUMES:
             raise InvalidRequest(f"this server keeps at most {MAX_VOLUMES} volumes")
+        self._within_cap(size_mib)
         vid = new_id("vol-")
         paths = self.ctx.layout.volume(vid)
         self._busy.update((name, vid))
@@ -240,6 +242,16 @@ class Volumes:
         log.info("volume created", extra={"volume_id": vid, "size_mib": size_mib})
         self.ctx.publish("volume.created", None, volume_id=vid, size_mib=size_mib)
         return rec
+
+    def _within_cap(self, more_mib: int) -> None:
+        """Raise Conflict when ``more_mib`` MiB more would take all volumes together past
+        ``HANGAR_VOLUMES_MAX_TOTAL_MIB``."""
+        cap = self.ctx.settings.volumes_max_total_mib
+        total = sum(v.size_mib for v in self.ctx.store.list(VolumeRecord))
+        if total + more_mib > cap:
+            raise Conflict(f"volumes would come to {total + more_mib} MiB, past this server's "
+                           f"cap of {cap} MiB (HANGAR_VOLUMES_MAX_TOTAL_MIB); they hold "
+                           f"{total} MiB now", total_mib=total, cap_mib=cap)
 
     def _not_busy(self, vol: VolumeRecord) -> None:
         """Raise Busy while ``vol`` is being made, resized, deleted or tidied."""
@@ -267,6 +279,7 @@ class Volumes:
         if size_mib == vol.size_mib:
             return vol
         self._idle(vol, "resize")
+        self._within_cap(size_mib - vol.size_mib)
         self._busy.add(vol.id)
         try:
             await volfs.grow(self.image(vol.id), size_mib)

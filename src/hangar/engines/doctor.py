@@ -174,13 +174,18 @@ def jailer_choice(wanted: bool | str) -> tuple[Path | None, str]:
     if wanted in (False, "off"):
         return None, "turned off (HANGAR_FIRECRACKER_JAILER=off)"
     jb = find_jailer()
-    problem = ("Hangar is not root" if os.geteuid() != 0 else
+    from hangar import privileged
+
+    split = os.geteuid() != 0 and privileged.current() is not None  # its helper jails
+    problem = ("Hangar is not root" if os.geteuid() != 0 and not split else
                "no jailer found; run scripts/fetch-firecracker.sh" if jb is None else None)
     if problem is None:
-        return jb, f"{jb}: own uid, own pid namespace, chroot, cgroup limits per VMM"
+        return jb, (f"{jb}: own uid, own pid namespace, chroot, cgroup limits per VMM"
+                    + (", run by the privileged helper" if split else ""))
     if wanted in (True, "on"):
         raise EngineError(f"the jailer is required (HANGAR_FIRECRACKER_JAILER=on) but {problem}")
-    if os.geteuid() == 0:  # auto, as root, without a jailer: never a root VMM unasked
+    if os.geteuid() == 0 or split:  # auto without a jailer: never a VMM as root (or as
+        # the split server's own user) unasked
         raise EngineError(f"{problem}: {UNJAILED_REFUSED}")
     return None, problem
 

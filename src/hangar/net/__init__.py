@@ -24,9 +24,13 @@ Design (TAP mode, the default when the server runs as root)::
   (start-up); ``teardown`` removes all.
 * Egress policy (``Policy``): ``none`` (no NIC), ``internet`` (default;
   public addresses only), ``open`` (every address), with ``allow``/``deny``
-  CIDR lists where the most specific entry wins (deny on a tie). See
-  ``hangar.net.policy``.
-* DNS: no forwarder runs on the host. A guest gets the configured resolver
+  lists of CIDRs, domains (``*.github.com``) and ports where the most
+  specific entry wins (deny on a tie). See ``hangar.net.policy``; changed
+  live by ``NetworkManager.set_rules`` (``hangar.net.intercept``).
+* Domain entries: the guest's DNS and its TCP 80/443 are redirected to a
+  forwarder and a proxy in the server process (``hangar.net.egress``,
+  ``dns``, ``sniproxy``), which decide with ``hangar.net.egress_match``.
+* DNS otherwise: no forwarder runs on the host. A guest gets the configured resolver
   (``dns``) or else the host's first non-loopback IPv4 nameserver from
   /etc/resolv.conf, and a rule lets it reach that address on port 53 even
   when it is private (unless ``deny`` names it). A host whose only resolver

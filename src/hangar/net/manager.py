@@ -170,6 +170,8 @@ class NetworkManager(EgressOps):
         self._mode: str | None = None
         self._leases: dict[str, _Lease] = {}
         self._redirects: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {}
+        self.control: list[tuple[str, int]] = []
+        """The cluster's control endpoints (``guard_control``)."""
         self._lock = threading.RLock()
         self._started = False
         self._helper = privileged.current() if os.geteuid() != 0 else None
@@ -301,6 +303,8 @@ class NetworkManager(EgressOps):
         """Refuse every guest's TCP to ``endpoints`` ((IPv4, port) pairs: a cluster's etcd
         and node APIs) under any policy: the ``control`` set (``hangar.net.nft``), replaced
         in one transaction. Nothing to do unless guests use TAP networking."""
+        endpoints = list(endpoints)
+        self.control = endpoints  # the egress proxy refuses them too (hangar.net.egress)
         if self._helper is not None:
             self._helper.call({"op": "net_guard", "endpoints": [list(e) for e in endpoints]})
             return

@@ -68,6 +68,8 @@ from hangar.errors import EngineError
 
 TABLE = "hangar"
 NFT_TIMEOUT_S = 10.0
+RESOLVED_MAX = 16384
+"""Most elements of one sandbox's set of resolved addresses (an add past it fails)."""
 
 
 def owner(name: str) -> str:
@@ -249,8 +251,9 @@ def attach_script(tap: str, mac: str, ip: str, denied: list[str], dns: str | Non
         lines.append(f"add rule {t} {tap} ip daddr {dns} meta l4proto {{ tcp, udp }} "
                      f"th dport 53 accept")
     if resolved:
-        lines += [f"add set {t} {tap}_r {{ type ipv4_addr; flags timeout; }}",
-                  f"add set {t} {tap}_rp {{ type ipv4_addr . inet_service; flags timeout; }}",
+        lines += [f"add set {t} {tap}_r {{ type ipv4_addr; flags timeout; size {RESOLVED_MAX}; }}",
+                  f"add set {t} {tap}_rp {{ type ipv4_addr . inet_service; flags timeout; "
+                  f"size {RESOLVED_MAX}; }}",
                   f"add rule {t} {tap} ip daddr @{tap}_r accept",
                   f"add rule {t} {tap} meta l4proto {{ tcp, udp }} ip daddr . th dport "
                   f"@{tap}_rp accept"]

@@ -38,6 +38,7 @@ from hangar.layout import Layout, SandboxPaths
 from hangar.privileged import protocol as P
 
 if TYPE_CHECKING:
+    from hangar.engines.firecracker.hostjail import HostJail
     from hangar.net import NetworkManager
 
 log = logging.getLogger("hangar.privileged")
@@ -66,8 +67,10 @@ class Helper:
     ``owner_uid`` the unprivileged server's uid, which owns the sandbox folders."""
 
     def __init__(self, layout: Layout, confine: Confinement, owner_uid: int,
-                 qemu: str | None, net: "NetworkManager | None" = None) -> None:
+                 qemu: str | None, net: "NetworkManager | None" = None,
+                 jail: "HostJail | None" = None) -> None:
         self.layout = layout
+        self.jail = jail
         self.confine = confine
         self.confine.owner_uid = owner_uid
         self.owner_uid = owner_uid
@@ -165,6 +168,11 @@ class Helper:
     def release_vmm(self, req: P.ReleaseVmm, fds: list[int]) -> Any:
         self.plans.pop(req.sandbox_id, None)
         release_folder(self.layout.sandbox(req.sandbox_id), wait=1.0)
+        if self.jail is not None:  # a jailed Firecracker's too (the start-up sweep's orphans)
+            try:
+                self.jail.release(self.layout.sandbox(req.sandbox_id), req.sandbox_id)
+            except HangarError:
+                pass  # no Firecracker id: never jailed
         return None
 
     def vmm_memory(self, req: P.VmmMemory, fds: list[int]) -> Any:
@@ -217,6 +225,32 @@ class Helper:
 
     def net_rules(self, req: P.NetRules, fds: list[int]) -> Any:
         self._net().set_rules(req.sandbox_id, dict(req.policy))
+
+    def _jail(self) -> "HostJail":
+        if self.jail is None:
+            raise Refused("Firecracker's jailer is not run by this helper")
+        return self.jail
+
+    def jail_prepare(self, req: P.JailPrepare, fds: list[int]) -> Any:
+        d = self.folder(req.sandbox_id)
+        return {"uid": self._jail().prepare(SandboxPaths(d), req.sandbox_id),
+                "gid": self._jail().group}
+
+    def jail_link(self, req: P.JailLink, fds: list[int]) -> Any:
+        d = self.folder(req.sandbox_id)
+        self._jail().link(self.layout, SandboxPaths(d), req.sandbox_id,
+                          [(src, name) for src, name in req.links])
+        return None
+
+    def jail_spawn(self, req: P.JailSpawn, fds: list[int]) -> Any:
+        d = self.folder(req.sandbox_id)
+        handle = self._jail().spawn(self.procs, SandboxPaths(d), req.sandbox_id, req.vcpus,
+                                    req.memory_mib)
+        return {"pid": handle.pid, "exit": handle.poll()}
+
+    def jail_release(self, req: P.JailRelease, fds: list[int]) -> Any:
+        self._jail().release(self.layout.sandbox(req.sandbox_id), req.sandbox_id)
+        return None
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -288,14 +322,14 @@ def _is_open(fd: int) -> bool:
 
 
 def run(sock: socket.socket, layout: Layout, confine: Confinement, owner_uid: int,
-        net: "NetworkManager | None" = None) -> None:
+        net: "NetworkManager | None" = None, jail: "HostJail | None" = None) -> None:
     """The helper's whole life (in the forked child); never returns."""
     from hangar.engines.qemu.probe import QEMU
 
     code = 0
     try:
         process.become_subreaper()
-        Helper(layout, confine, owner_uid, shutil.which(QEMU), net).serve(sock)
+        Helper(layout, confine, owner_uid, shutil.which(QEMU), net, jail).serve(sock)
     except BaseException:  # noqa: BLE001 - the helper must end, whatever happened
         log.exception("privileged helper failed")
         code = 1

@@ -172,9 +172,42 @@ class NetRules(_Strict):
         max_length=4)
 
 
+class JailPrepare(_Strict):
+    """``HostJail.prepare``: claim the sandbox's Firecracker VMM a uid and make its root."""
+
+    op: Literal["jail_prepare"]
+    sandbox_id: SandboxId
+
+
+class JailLink(_Strict):
+    """``HostJail.link``: (a file under the data directory, its name in the VMM's root)."""
+
+    op: Literal["jail_link"]
+    sandbox_id: SandboxId
+    links: list[tuple[AbsPath, Annotated[str, Field(pattern=r"^[a-z][a-z0-9.]{0,31}$")]]] = Field(
+        max_length=4)
+
+
+class JailSpawn(_Strict):
+    """``HostJail.spawn``: start the prepared VMM under the jailer (argv made there)."""
+
+    op: Literal["jail_spawn"]
+    sandbox_id: SandboxId
+    vcpus: int = Field(ge=1, le=64)
+    memory_mib: int = Field(ge=16, le=1 << 20)
+
+
+class JailRelease(_Strict):
+    """``HostJail.release``: the VMM's cgroups, jail and uid claim (the VMM killed first)."""
+
+    op: Literal["jail_release"]
+    sandbox_id: SandboxId
+
+
 Request = Annotated[Union[Ping, PrepareVmm, SpawnVmm, KillVmm, ReleaseVmm, VmmMemory, NetInfo,
                           NetStart, NetAttach, NetRelease, NetSweep, NetTeardown, NetLeases,
-                          NetGuard, NetIntercept, NetAdmit, NetRules],
+                          NetGuard, NetIntercept, NetAdmit, NetRules, JailPrepare, JailLink,
+                          JailSpawn, JailRelease],
                     Field(discriminator="op")]
 REQUEST = TypeAdapter(Request)
 """Parses one request from JSON bytes (``REQUEST.validate_json``); raises ValidationError."""

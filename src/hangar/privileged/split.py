@@ -33,6 +33,9 @@ from hangar.layout import Layout
 from hangar.privileged.client import Client, install
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from hangar.engines.firecracker.hostjail import HostJail
     from hangar.net import NetworkManager
 
 PR_SET_NO_NEW_PRIVS = 38
@@ -181,10 +184,12 @@ def drop(uid: int, gid: int) -> None:
 
 
 def split(layout: Layout, confine: Confinement, user: str,
-          net: "NetworkManager | None" = None) -> int:
+          net: "NetworkManager | None" = None, jail: "Callable[[int], HostJail] | None" = None) -> int:
     """Fork the helper and drop to ``user`` (see the module docstring); returns the
     helper's pid. ``confine`` and ``net`` (the guest network, or None) are the
-    helper's, made from the server's settings as root. Raises ConfigError."""
+    helper's, made from the server's settings as root; ``jail`` makes its Firecracker
+    jailer (``HostJail``) from the server's group id, or is None (no Firecracker).
+    Raises ConfigError."""
     if os.geteuid() != 0:
         raise ConfigError("HANGAR_PRIVSEP needs hangar serve to start as root")
     try:
@@ -196,13 +201,18 @@ def split(layout: Layout, confine: Confinement, user: str,
     if pw.pw_uid == 0:
         raise ConfigError(f"HANGAR_USER {user!r} is root")
     check_code(pw.pw_uid, pw.pw_gid)
+    try:
+        host_jail = jail(pw.pw_gid) if jail is not None else None
+    except OSError as exc:
+        raise ConfigError(f"Firecracker's jailer cannot run for a split server: {exc}") \
+            from None
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
         ours.close()
         from hangar.privileged.helper import run
 
-        run(theirs, layout, confine, pw.pw_uid, net)  # never returns
+        run(theirs, layout, confine, pw.pw_uid, net, host_jail)  # never returns
     theirs.close()
     hand_over(layout, pw.pw_uid, pw.pw_gid)
     drop(pw.pw_uid, pw.pw_gid)

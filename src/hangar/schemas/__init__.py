@@ -32,6 +32,7 @@ from hangar.schemas.files import FileEntry, FileEvent, FileList, PathBody, Write
 from hangar.schemas.machines import (
     ForkRequest, MachineInfo, MachineList, MachineRequest, RestoreRequest, Snapshot, SnapshotList,
 )
+from hangar.schemas.network import NetworkRules, NetworkRulesUpdate
 from hangar.schemas.ports import ExposePort, PortInfo
 from hangar.schemas.processes import (
     PROCESS_INPUT_MAX, PROCESS_TAG_MAX, ProcessEvent, ProcessInfo, ProcessInput,
@@ -50,6 +51,7 @@ from hangar.schemas.sandboxes import (
 
 __all__ = [
     "CreateSecret", "RotateSecret", "SecretInfo", "SecretList",
+    "NetworkRules", "NetworkRulesUpdate",
     "CreateVolume", "MountedVolume", "ResizeVolume", "VolumeAttachment", "VolumeFileEntry", "VolumeFileList",
     "VolumeInfo", "VolumeList", "VolumeMount",
     "AGENT_KIND",

@@ -3,6 +3,8 @@
 // with fetch, since EventSource cannot send headers). WebSockets (terminal, desktop) are
 // opened with single-use tickets.
 import { showPorts } from "./ports.js";
+import { createSecret, createVolume, refreshSecrets, refreshVolumes, showNetwork }
+  from "./storage.js";
 
 const KEY = "hangar.apiKey";
 const $ = (sel) => document.querySelector(sel);
@@ -69,7 +71,8 @@ function status(sel, state, text) {
 
 async function refresh() {
   if (!apiKey()) { status("#list-status", "idle", "Enter the API key to see the server."); return; }
-  await Promise.all([refreshSandboxes(), refreshMachines(), refreshSnapshots(), refreshPool()]);
+  await Promise.all([refreshSandboxes(), refreshMachines(), refreshSnapshots(), refreshPool(),
+                     refreshVolumes(api, act), refreshSecrets(api, act)]);
 }
 
 async function refreshSandboxes() {
@@ -203,6 +206,7 @@ function openDetail(id, title) {
   $("#detail-title").textContent = title;
   $("#detail-id").textContent = id;
   showPorts($("#ports"), id, headers());
+  showNetwork($("#network"), id, api, act);
 }
 
 function closeDetail() {
@@ -461,7 +465,7 @@ $("#forget-key").addEventListener("click", () => {
   sessionStorage.removeItem(KEY);
   if (eventsAbort) eventsAbort.abort();
   closeDetail();
-  for (const sel of ["#sandboxes", "#machines", "#snapshots", "#tasks"]) {
+  for (const sel of ["#sandboxes", "#machines", "#snapshots", "#tasks", "#volumes", "#secrets"]) {
     $(`${sel} tbody`).replaceChildren();
   }
   $("#events").replaceChildren();
@@ -471,6 +475,8 @@ $("#forget-key").addEventListener("click", () => {
 $("#refresh").addEventListener("click", refresh);
 $("#disconnect").addEventListener("click", closeDetail);
 $("#create-form").addEventListener("submit", create);
+$("#volume-form").addEventListener("submit", (ev) => { ev.preventDefault(); createVolume(api, act); });
+$("#secret-form").addEventListener("submit", (ev) => { ev.preventDefault(); createSecret(api, act); });
 window.addEventListener("resize", () => {
   if (terminal) import("/xterm/xterm.js").then((x) => { try { x.fit(terminal.term); } catch (e) {} });
 });

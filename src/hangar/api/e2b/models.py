@@ -54,16 +54,34 @@ class AutoResume(_Request):
 
 
 class NetworkConfig(_Request):
-    """Egress rules of a new sandbox. Hangar serves ``allowOut``/``denyOut`` as IPv4 CIDRs
-    or addresses; ``allowPublicTraffic`` (default true) says whether the sandbox's URLs
-    need its traffic token (``hangar.core.e2b.url_exposure``); domain names,
-    ``egressProxy``, ``rules`` and ``maskRequestHost`` are refused."""
+    """Egress rules of a new sandbox. Hangar serves ``allowOut``/``denyOut`` as IPv4 CIDRs,
+    addresses and domains (``example.com``, ``*.example.com``; docs/networking.md);
+    ``allowPublicTraffic`` (default true) says whether the sandbox's URLs need its traffic
+    token (``hangar.core.e2b.url_exposure``); ``egressProxy``, ``rules`` and
+    ``maskRequestHost`` are refused."""
 
     allowPublicTraffic: bool | None = None
     allowOut: list[str] | None = None
     denyOut: list[str] | None = None
     egressProxy: dict[str, Any] | None = None
     maskRequestHost: str | None = Field(None, max_length=NAME_BYTES)
+    rules: dict[str, Any] | None = None
+
+    _allow = field_validator("allowOut")(classmethod(
+        lambda cls, v: check_rules(v, "network.allowOut")))
+    _deny = field_validator("denyOut")(classmethod(
+        lambda cls, v: check_rules(v, "network.denyOut")))
+
+
+class NetworkUpdate(_Request):
+    """Body of ``PUT /sandboxes/{id}/network``: the egress rules replaced (an omitted list
+    is cleared, as E2B does); ``allow_internet_access`` false denies 0.0.0.0/0;
+    ``egressProxy`` and ``rules`` are refused."""
+
+    allowOut: list[str] | None = None
+    denyOut: list[str] | None = None
+    allow_internet_access: bool | None = None
+    egressProxy: dict[str, Any] | None = None
     rules: dict[str, Any] | None = None
 
     _allow = field_validator("allowOut")(classmethod(

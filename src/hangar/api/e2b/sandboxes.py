@@ -16,6 +16,9 @@ into E2B's body (``hangar.api.e2b.views``). How E2B's words map:
   gets its create's time to live back (``hangar.core.e2b``).
 - **fork** snapshots the sandbox once, starts ``count`` sandboxes from the
   snapshot and removes the snapshot.
+- **network** (``PUT /sandboxes/{id}/network``) replaces the egress rules of a
+  running sandbox (``hangar.core.network``); its ``allowOut``/``denyOut`` take
+  addresses, CIDRs and domains, an allowed entry beating a denied one as in E2B.
 - **metrics** are one sample read inside the guest (``hangar.core.e2b.metrics``);
   a paused sandbox has none (``[]``).
 """
@@ -37,8 +40,8 @@ from hangar.api.deps import manager
 from hangar.api.e2b import views
 from hangar.api.e2b.errors import E2BRoute
 from hangar.api.e2b.models import (
-    ConnectSandbox, ConnectSandboxV2, Error, ForkRequest, ForkResult, ListedSandbox, NewSandbox,
-    NewSandboxV2, PauseRequest, RefreshRequest, ResumedSandbox, Sandbox, SandboxDetail,
+    ConnectSandbox, ConnectSandboxV2, Error, ForkRequest, ForkResult, ListedSandbox, NetworkUpdate,
+    NewSandbox, NewSandboxV2, PauseRequest, RefreshRequest, ResumedSandbox, Sandbox, SandboxDetail,
     SandboxesWithMetrics, SandboxMetric, TimeoutRequest,
 )
 from hangar.core import e2b
@@ -226,6 +229,20 @@ async def get(sandbox_id: str, m: Manager) -> SandboxDetail:
 async def kill(sandbox_id: str, m: Manager) -> Response:
     """Remove the sandbox (running, paused or failed)."""
     await m.delete(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204)
+async def update_network(sandbox_id: str, body: NetworkUpdate, m: Manager) -> Response:
+    """E2B's network update: Hangar's ``PATCH /sandboxes/{id}/network`` with both lists."""
+    if body.egressProxy or body.rules:
+        raise InvalidRequest("network.egressProxy and network.rules are not supported by "
+                             "Hangar (egress rules are allowOut/denyOut lists)")
+    deny = list(body.denyOut or [])
+    if body.allow_internet_access is False and "0.0.0.0/0" not in deny:
+        deny.append("0.0.0.0/0")
+    allow, deny = views.e2b_rules(list(body.allowOut or []), deny)
+    await m.launcher.rules.change(sandbox_id, allow=allow, deny=deny)
     return Response(status_code=204)
 
 

@@ -39,7 +39,6 @@ _TAGS = "Hangar's templates have no tags"
 _ADMIN = "Hangar has no admin API (a cluster of servers is run with `hangar cluster`)"
 _KEYS = "Hangar's API keys are made on the server with `hangar key add NAME --e2b`"
 _SECRETS = "Hangar has no secrets store (pass values as envVars)"
-_NETWORK = "Hangar sets a sandbox's egress policy when it is created, not afterwards"
 
 NOT_SERVED: tuple[tuple[str, str, str], ...] = (
     ("GET", "/teams", _TEAMS),
@@ -47,7 +46,6 @@ NOT_SERVED: tuple[tuple[str, str, str], ...] = (
     ("GET", "/teams/{teamID}/metrics/max", _TEAMS),
     ("GET", "/sandboxes/{sandboxID}/logs", _LOGS),
     ("GET", "/v2/sandboxes/{sandboxID}/logs", _LOGS),
-    ("PUT", "/sandboxes/{sandboxID}/network", _NETWORK),
     ("POST", "/v3/templates", _BUILDS),
     ("POST", "/v2/templates", _BUILDS),
     ("GET", "/templates/{templateID}/files/{hash}", _BUILDS),

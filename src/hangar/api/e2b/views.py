@@ -129,15 +129,20 @@ def metric(sample: e2b.Metric) -> SandboxMetric:
         memCache=sample.mem_cache, diskUsed=sample.disk_used, diskTotal=sample.disk_total)
 
 
-def _cidr(entry: str, field: str) -> str:
-    """An IPv4 CIDR from an E2B egress entry (a bare address is a /32). Raises
-    InvalidRequest for a domain name or anything else."""
+def _net(entry: str) -> ipaddress.IPv4Network | None:
     try:
-        return str(ipaddress.IPv4Network(entry.strip(), strict=False))
+        return ipaddress.IPv4Network(entry.strip(), strict=False)
     except ValueError:
-        raise InvalidRequest(
-            f"network.{field}: {entry!r} is not an IPv4 address or CIDR; Hangar's egress "
-            "rules take addresses only (no domain names)", field=field) from None
+        return None
+
+
+def e2b_rules(allow: list[str], deny: list[str]) -> tuple[list[str], list[str]]:
+    """Hangar's allow/deny for E2B's ``allowOut``/``denyOut`` (CIDRs, addresses, domains;
+    ``hangar.net.policy`` checks them). E2B lets an allowed entry beat a denied one, Hangar
+    the most specific: a denied CIDR inside (or equal to) an allowed one is left out."""
+    wide = [n for n in map(_net, allow) if n is not None]
+    return list(allow), [d for d in deny if (n := _net(d)) is None
+                         or not any(n.subnet_of(w) for w in wide)]
 
 
 def policy(allow_internet: bool | None, net: NetworkConfig | None) -> dict[str, Any] | None:
@@ -147,11 +152,12 @@ def policy(allow_internet: bool | None, net: NetworkConfig | None) -> dict[str, 
         for name in ("egressProxy", "rules", "maskRequestHost"):
             if getattr(net, name):
                 raise InvalidRequest(f"network.{name} is not supported by Hangar (egress "
-                                     "rules are IPv4 allowOut/denyOut lists)", field=name)
-    allow = [_cidr(e, "allowOut") for e in (net.allowOut or [])] if net else []
-    deny = [_cidr(e, "denyOut") for e in (net.denyOut or [])] if net else []
+                                     "rules are allowOut/denyOut lists)", field=name)
+    allow = list(net.allowOut or []) if net else []
+    deny = list(net.denyOut or []) if net else []
     if allow_internet is False and "0.0.0.0/0" not in deny:
         deny.append("0.0.0.0/0")
     if allow_internet is None and not allow and not deny:
         return None
+    allow, deny = e2b_rules(allow, deny)
     return {"egress": "internet", "allow": allow, "deny": deny}

@@ -31,8 +31,8 @@ from hangar.client.execution import CodeContext, Execution, apply_line
 from hangar.errors import HangarError, Unavailable
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, FileList, Health,
-    KeyResult, MachineInfo, MachineList, PoolStatus, PortInfo, PtySession, PtySessionList,
-    PtyTicket, SandboxInfo, SandboxList, Snapshot, SnapshotList, VncTicket, WriteResult,
+    KeyResult, MachineInfo, MachineList, NetworkRules, PoolStatus, PortInfo, PtySession,
+    PtySessionList, PtyTicket, SandboxInfo, SandboxList, Snapshot, SnapshotList, VncTicket, WriteResult,
 )
 
 OutputHandler = Callable[[Any], Any]
@@ -210,6 +210,28 @@ class AsyncHangar(AsyncProcessCalls, AsyncVolumeCalls, AsyncSecretCalls):
         return SandboxInfo.model_validate(await self._json(
             "POST", f"/sandboxes/{sandbox_id}/timeout", json={"timeout": timeout},
             timeout=t, retry=bool(retry)))
+
+    async def update_network(self, sandbox_id: str, *, allow: Sequence[str] | None = None,
+                             deny: Sequence[str] | None = None, egress: str | None = None,
+                             request_timeout: float | None = None,
+                             retry: bool | None = None) -> NetworkRules:
+        """``PATCH /sandboxes/{id}/network``: replace the egress ``allow``/``deny`` lists
+        (None keeps a list; entries are IPv4 CIDRs, domains such as ``*.example.com``, each
+        optionally ``:port``) and optionally ``egress`` (``internet``/``open``). New
+        connections see them within a second. Raises InvalidRequest (a bad entry),
+        Conflict (the sandbox has no NIC, or ``egress='none'``), NotFound. Retried by
+        default: the same lists twice are the same rules."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        body: dict[str, Any] = {}
+        if allow is not None:
+            body["allow"] = list(allow)
+        if deny is not None:
+            body["deny"] = list(deny)
+        if egress is not None:
+            body["egress"] = egress
+        return NetworkRules.model_validate(await self._json(
+            "PATCH", f"/sandboxes/{sandbox_id}/network", json=body, timeout=t,
+            retry=retry is not False))
 
     # -- exec -------------------------------------------------------------------------------
 

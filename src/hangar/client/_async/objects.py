@@ -24,7 +24,7 @@ from hangar.client._async.streams import AsyncFileWatch, AsyncTerminal
 from hangar.client.execution import CodeContext, Execution
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, KeyResult,
-    MachineInfo, PortInfo, SandboxInfo, Snapshot, VncTicket, WriteResult,
+    MachineInfo, NetworkRules, PortInfo, SandboxInfo, Snapshot, VncTicket, WriteResult,
 )
 
 
@@ -273,6 +273,13 @@ class AsyncSandbox:
         """Expire ``timeout`` seconds from now (0: never)."""
         self.info = await self.client.set_timeout(self.id, timeout)
         return self.info
+
+    async def update_network(self, *, allow: Sequence[str] | None = None,
+                             deny: Sequence[str] | None = None,
+                             egress: str | None = None) -> NetworkRules:
+        """Replace this sandbox's egress ``allow``/``deny`` lists (None keeps one) while it
+        runs; see ``AsyncHangar.update_network`` and docs/networking.md."""
+        return await self.client.update_network(self.id, allow=allow, deny=deny, egress=egress)
 
     async def terminal(self, command: str | None = None, *, cols: int = 80, rows: int = 24,
                        env: Mapping[str, str] | None = None, cwd: str | None = None,

@@ -25,7 +25,7 @@ from hangar.client._sync.streams import FileWatch, Terminal
 from hangar.client.execution import CodeContext, Execution
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, KeyResult,
-    MachineInfo, PortInfo, SandboxInfo, Snapshot, VncTicket, WriteResult,
+    MachineInfo, NetworkRules, PortInfo, SandboxInfo, Snapshot, VncTicket, WriteResult,
 )
 
 
@@ -274,6 +274,13 @@ class Sandbox:
         """Expire ``timeout`` seconds from now (0: never)."""
         self.info = self.client.set_timeout(self.id, timeout)
         return self.info
+
+    def update_network(self, *, allow: Sequence[str] | None = None,
+                             deny: Sequence[str] | None = None,
+                             egress: str | None = None) -> NetworkRules:
+        """Replace this sandbox's egress ``allow``/``deny`` lists (None keeps one) while it
+        runs; see ``AsyncHangar.update_network`` and docs/networking.md."""
+        return self.client.update_network(self.id, allow=allow, deny=deny, egress=egress)
 
     def terminal(self, command: str | None = None, *, cols: int = 80, rows: int = 24,
                        env: Mapping[str, str] | None = None, cwd: str | None = None,

@@ -35,6 +35,7 @@ import shutil
 import time
 from pathlib import Path
 
+from hangar import privileged
 from hangar.engines import process, safefs
 from hangar.engines.agent_client import AgentChannel, Streams
 from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec
@@ -51,9 +52,10 @@ from hangar.engines.firecracker.files import (
 )
 from hangar.engines.confine import ConfineConfig, Confinement
 from hangar.engines.firecracker.jailer import (
+    SPLIT_CHROOT_BASE,
     JailerConfig,
-    cgroup_args,
     cgroup_version,
+    jailed_argv,
     remove_cgroups,
 )
 from hangar.engines.firecracker.probe import BOOT_ARGS
@@ -63,14 +65,14 @@ from hangar.engines.firecracker.snapshots import (
     read_snapshot,
     reports_holes,
 )
-from hangar.engines.process import VMMProcesses
+from hangar.engines.process import VMMHandle, VMMProcesses
 from hangar.engines.snapshot_io import (
     SnapshotManifest,
     allocated_bytes,
     copy_file,
     write_manifest,
 )
-from hangar.errors import EngineError, InvalidRequest
+from hangar.errors import EngineError, HangarError, InvalidRequest
 from hangar.guest.protocol import MAX_DATA
 from hangar.images.vmlinux import ensure_vmlinux
 from hangar.layout import SandboxPaths, SnapshotPaths
@@ -117,14 +119,23 @@ class FirecrackerEngine(Engine):
         if found is None:
             raise EngineError("firecracker not found; run scripts/fetch-firecracker.sh "
                               "or set HANGAR_FIRECRACKER")
-        if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        split = jailer is not None and os.geteuid() != 0  # the helper's jailer opens KVM
+        if not (os.access("/dev/kvm", os.R_OK | os.W_OK)
+                or split and os.path.exists("/dev/kvm")):
             raise EngineError("/dev/kvm is missing or not accessible; Firecracker needs KVM")
         self.binary = found
         self.version = binary_version(found)
         self.jailer = jailer
+        # A server split from root (hangar.privileged) has its helper run the jailer.
+        self._helper = privileged.current() if jailer is not None and os.geteuid() != 0 \
+            else None
+        self._jail_base = (jailer.chroot_base or SPLIT_CHROOT_BASE) if self._helper \
+            else jailer.chroot_base if jailer else None
+        self._helper_ids: dict[str, tuple[int, int]] = {}
         if jailer is not None:
-            if os.geteuid() != 0:
-                raise EngineError("the jailer needs root")
+            if os.geteuid() != 0 and self._helper is None:
+                raise EngineError("the jailer needs root, or the privileged helper of a "
+                                  "server split from root (hangar serve started as root)")
             if not (jailer.binary.is_file() and os.access(jailer.binary, os.X_OK)):
                 raise EngineError(f"jailer not found at {jailer.binary}")
             if self.binary.name != FIRECRACKER_NAME:
@@ -143,18 +154,31 @@ class FirecrackerEngine(Engine):
              "binary": str(self.binary), "jailer": "on" if self.jailer else "off"}
         if self.jailer:
             d["cgroups"] = f"v{self.cgroup_version}" if self.cgroup_version else "none"
+            if self._helper is not None:
+                d["jailer"] = "on, through the privileged helper"
         return d
+
+    def _call(self, request: dict[str, object]) -> dict[str, object] | None:
+        """One request to the privileged helper; its refusal raises EngineError."""
+        assert self._helper is not None
+        try:
+            return self._helper.call(request)
+        except HangarError as exc:
+            raise EngineError(exc.message, sandbox_id=str(request.get("sandbox_id"))) from None
 
     # -- files and processes ------------------------------------------------------
 
     def files_for(self, sandbox_id: str, paths: SandboxPaths) -> FirecrackerFiles:
         """The file layout a new VM of ``sandbox_id`` gets from this engine."""
-        return paths.firecracker(vm_id_for(sandbox_id), self.jailer is not None)
+        return paths.firecracker(vm_id_for(sandbox_id), self.jailer is not None,
+                                 self._jail_base)
 
     @staticmethod
     def files_of(vm: VM) -> FirecrackerFiles:
         """The file layout of a running VM."""
-        return vm.paths.firecracker(vm.extra["vm_id"], vm.extra.get("jailed") == "1")
+        base = vm.extra.get("jail_base")
+        return vm.paths.firecracker(vm.extra["vm_id"], vm.extra.get("jailed") == "1",
+                                    Path(base) if base else None)
 
     @staticmethod
     def boot_args(spec: VMSpec) -> str:
@@ -167,6 +191,11 @@ class FirecrackerEngine(Engine):
     def _ids(self, files: FirecrackerFiles) -> tuple[int, int]:
         if self.jailer is None:
             return os.geteuid(), os.getegid()
+        if self._helper is not None:
+            try:
+                return self._helper_ids[files.vm_id]
+            except KeyError:
+                raise EngineError(f"VMM {files.vm_id} was not prepared") from None
         uid = self.jailer.uid_for(files.vm_id, files.paths.dir)
         return uid, uid
 
@@ -177,11 +206,8 @@ class FirecrackerEngine(Engine):
         if self.jailer is None:
             return [str(self.binary), "--id", files.vm_id, *fc_args]
         uid, gid = self._ids(files)
-        return [str(self.jailer.binary), "--id", files.vm_id, "--exec-file", str(self.binary),
-                "--uid", str(uid), "--gid", str(gid),
-                "--chroot-base-dir", str(files.jail_base.absolute()), "--new-pid-ns",
-                *cgroup_args(self.jailer, self.cgroup_version, spec.vcpus, spec.memory_mib),
-                "--", *fc_args]
+        return jailed_argv(self.jailer, self.binary, files.vm_id, uid, gid, files.jail_base,
+                           self.cgroup_version, spec.vcpus, spec.memory_mib, fc_args)
 
     @staticmethod
     def _make_dir(spec: VMSpec, files: FirecrackerFiles) -> None:
@@ -193,23 +219,49 @@ class FirecrackerEngine(Engine):
         spec.paths.dir.mkdir(parents=True, exist_ok=False)
 
     def _prepare(self, spec: VMSpec, files: FirecrackerFiles) -> None:
-        """Make the VMM's root, its log file and ``vm.json``."""
-        files.root.mkdir(parents=True, exist_ok=True)
+        """Make the VMM's root (the helper's, when split), its log file and ``vm.json``."""
+        if self._helper is not None:
+            got = self._call({"op": "jail_prepare", "sandbox_id": spec.sandbox_id}) or {}
+            self._helper_ids[files.vm_id] = (int(got["uid"]), int(got["gid"]))  # type: ignore[call-overload]
+        else:
+            files.root.mkdir(parents=True, exist_ok=True)
         uid, gid = self._ids(files)
         files.log.touch()
-        if self.jailer is not None:
+        if self.jailer is not None and self._helper is None:
             os.chown(files.log, uid, gid)
         write_vm_json(files, {
             "sandbox_id": spec.sandbox_id, "vm_id": files.vm_id, "jailed": files.jailed,
+            "jail_base": str(files.jail_base) if files.jailed else None,
             "uid": uid, "gid": gid, "cgroup_version": self.cgroup_version,
             "image": spec.image.name, "image_digest": spec.image.digest,
             "kernel_version": spec.image.kernel_version, "vcpus": spec.vcpus,
             "memory_mib": spec.memory_mib, "disk_mib": spec.disk_mib,
             "firecracker_version": self.version})
 
+    async def _link(self, spec: VMSpec, files: FirecrackerFiles,
+                    links: list[tuple[Path, Path]]) -> None:
+        """Hard-link each (source, destination in the VMM's root); the helper links when
+        split (root may link what the server only reads), else ``link_or_copy``."""
+        if self._helper is not None:
+            try:
+                self._call({"op": "jail_link", "sandbox_id": spec.sandbox_id,
+                            "links": [[str(src.resolve()), dst.name] for src, dst in links]})
+                return
+            except EngineError as exc:  # e.g. a linked images folder: copied instead
+                log.warning("copying into %s: %s", files.vm_id, exc.message)
+        for src, dst in links:
+            await asyncio.to_thread(link_or_copy, src, dst)
+
     async def _start(self, spec: VMSpec, files: FirecrackerFiles) -> VM:
         """Start the VMM process and wait until its API answers."""
         p = spec.paths
+        if self._helper is not None:
+            got = self._call({"op": "jail_spawn", "sandbox_id": spec.sandbox_id,
+                              "vcpus": spec.vcpus, "memory_mib": spec.memory_mib}) or {}
+            proc = VMMHandle(int(got["pid"]))  # type: ignore[call-overload]
+            if got.get("exit") is not None:
+                proc.returncode = int(got["exit"])  # type: ignore[call-overload]
+            return await self._started(spec, files, proc)
         try:
             # Jailed: the jailer forks Firecracker into a pid namespace of its own
             # (``--new-pid-ns``), writes its host pid into the chroot and exits.
@@ -221,9 +273,15 @@ class FirecrackerEngine(Engine):
         except OSError as exc:
             raise EngineError(f"cannot start firecracker: {exc}",
                               sandbox_id=spec.sandbox_id) from None
+        return await self._started(spec, files, proc)
+
+    async def _started(self, spec: VMSpec, files: FirecrackerFiles, proc: VMMHandle) -> VM:
+        """The VM of the started VMM ``proc``, once its API answers."""
+        p = spec.paths
         uid, gid = self._ids(files)
         vm = VM(spec.sandbox_id, self.name, proc.pid, p, self.accel, extra={
             "vm_id": files.vm_id, "jailed": "1" if files.jailed else "0", "root": str(files.root),
+            **({"jail_base": str(files.jail_base)} if files.jailed else {}),
             "uid": str(uid), "gid": str(gid), "version": self.version,
             "image": spec.image.name, "image_digest": spec.image.digest,
             "kernel_version": spec.image.kernel_version, "vcpus": str(spec.vcpus),
@@ -242,6 +300,14 @@ class FirecrackerEngine(Engine):
         if pid is None:
             pid = process.read_pid(p.pid_file)
         await self._procs.kill(pid)
+        self._helper_ids.pop(files.vm_id, None)
+        if files.jailed and self._helper is not None:
+            try:
+                self._call({"op": "jail_release", "sandbox_id": p.dir.name})
+            except EngineError as exc:
+                log.warning("%s", exc.message)
+            shutil.rmtree(p.dir, ignore_errors=True)
+            return
         if files.jailed:
             await remove_cgroups(self.jailer.parent_cgroup if self.jailer
                                  else JailerConfig.parent_cgroup, files.vm_id)
@@ -271,11 +337,11 @@ class FirecrackerEngine(Engine):
         try:
             self._prepare(spec, files)
             kernel = await asyncio.to_thread(ensure_vmlinux, spec.image)
-            for src, dst in ((kernel, files.kernel), (spec.image.initrd, files.initrd),
-                             (spec.image.rootfs, files.rootfs)):
-                await asyncio.to_thread(link_or_copy, src, dst)
-            await make_disk(files, spec.disk_mib,
-                            self._ids(files) if self.jailer is not None else None)
+            await self._link(spec, files, [(kernel, files.kernel),
+                                           (spec.image.initrd, files.initrd),
+                                           (spec.image.rootfs, files.rootfs)])
+            await make_disk(files, spec.disk_mib, self._ids(files)
+                            if self.jailer is not None and self._helper is None else None)
             vm = await self._start(spec, files)
             async with FirecrackerAPI(files.api) as api:
                 await api.put_machine_config(
@@ -371,13 +437,13 @@ class FirecrackerEngine(Engine):
                     # A failed or unrecorded snapshot may have reset the dirty
                     # log: the next diff must start from a full snapshot.
                     vm.extra.pop("last_snapshot", None)
-            await asyncio.to_thread(shutil.move, tmp_state, out.fc_state)
+            await asyncio.to_thread(self._take, files, tmp_state, out.fc_state)
             if base is not None:
                 await copy_file(base, out.fc_memory)
                 await asyncio.to_thread(merge_diff, tmp_mem, out.fc_memory)
                 tmp_mem.unlink()
             else:
-                await asyncio.to_thread(shutil.move, tmp_mem, out.fc_memory)
+                await asyncio.to_thread(self._take, files, tmp_mem, out.fc_memory)
                 await dig_holes(out.fc_memory)
             # The jailed VMM owns its root and may have swapped any name in it for a link:
             # copied and re-owned through descriptors only (hangar.engines.safefs).
@@ -414,6 +480,16 @@ class FirecrackerEngine(Engine):
         vm.extra["last_snapshot"] = str(dest)
         return SnapshotFiles(dest, state_bytes + disk_bytes)
 
+    def _take(self, files: FirecrackerFiles, src: Path, dst: Path) -> None:
+        """Move a file the VMM wrote in its root to ``dst``. Split from root, the server
+        cannot re-own the VMM's file: it copies it through a descriptor instead
+        (``safefs.copy_out``: no link followed) and removes the VMM's."""
+        if self._helper is None:
+            shutil.move(src, dst)
+            return
+        safefs.copy_out(files.root, src.name, dst)
+        src.unlink()
+
     async def restore(self, spec: VMSpec, source: Path) -> VM:
         """Start a new VMM for ``spec`` from the snapshot in ``source``, running.
 
@@ -434,11 +510,11 @@ class FirecrackerEngine(Engine):
         vm: VM | None = None
         try:
             self._prepare(spec, files)
-            await asyncio.to_thread(link_or_copy, spec.image.rootfs, files.rootfs)
-            await asyncio.to_thread(link_or_copy, snap.fc_state, files.restore_state)
-            await asyncio.to_thread(link_or_copy, snap.fc_memory, files.restore_memory)
+            await self._link(spec, files, [(spec.image.rootfs, files.rootfs),
+                                           (snap.fc_state, files.restore_state),
+                                           (snap.fc_memory, files.restore_memory)])
             await copy_file(snap.fc_disk, files.disk)
-            if self.jailer is not None:
+            if self.jailer is not None and self._helper is None:
                 uid, gid = self._ids(files)
                 safefs.own(files.root, files.disk.name, uid, gid, 0o600)
             vm = await self._start(spec, files)
@@ -468,8 +544,11 @@ class FirecrackerEngine(Engine):
         if not any(a == "--id" and b == vm_id for a, b in zip(argv, argv[1:])):
             return None
         meta = read_vm_json(paths.firecracker(vm_id, False))
-        files = paths.firecracker(vm_id, bool(meta.get("jailed")))
+        base = meta.get("jail_base")
+        files = paths.firecracker(vm_id, bool(meta.get("jailed")),
+                                  Path(base) if isinstance(base, str) and base else None)
         extra = {"vm_id": vm_id, "jailed": "1" if files.jailed else "0",
+                 **({"jail_base": str(files.jail_base)} if files.jailed else {}),
                  "root": str(files.root), "version": str(meta.get("firecracker_version", "")),
                  "image": str(meta.get("image", "")),
                  "image_digest": str(meta.get("image_digest", "")),

@@ -35,6 +35,10 @@ class JailerConfig:
     ``uid_base``/``uid_count``: the range each VMM's uid (= gid) is claimed
     from (``hangar.engines.uids.UidAllocator``, claims in ``uid_registry``). ``cgroups``: ``auto``, ``v1``, ``v2`` or ``off``.
     ``vmm_overhead_mib``: memory allowed beyond the guest's, in MiB.
+    ``chroot_base``: the jailer's ``--chroot-base-dir``; None (as root) is the sandbox's
+    own folder. A server split from root (``hangar.privileged``) owns its sandbox folders,
+    so its jails live in a root-owned folder instead (``SPLIT_CHROOT_BASE``): the jailer
+    is root and follows the path it is given.
     """
 
     binary: Path
@@ -45,6 +49,7 @@ class JailerConfig:
     vmm_overhead_mib: int = 128
     pids_max: int = 256
     uid_registry: Path = DEFAULT_REGISTRY
+    chroot_base: Path | None = None
 
     def allocator(self) -> UidAllocator:
         """The allocator of this range (claims are host-wide, so any instance will do)."""
@@ -54,6 +59,24 @@ class JailerConfig:
         """The uid (= gid) of the VMM ``vm_id`` whose sandbox folder is ``folder``: the
         one the folder holds, or a new claim. Raises OSError (``UidsExhausted``)."""
         return self.allocator().allocate(vm_id, folder)
+
+
+SPLIT_CHROOT_BASE = Path("/srv/jailer")
+"""Where a split server's jails live (the jailer's own default ``--chroot-base-dir``):
+``<base>/firecracker/<vm id>/root``, every folder above ``root`` root's."""
+
+
+def jailed_argv(config: JailerConfig, firecracker: Path, vm_id: str, uid: int, gid: int,
+                jail_base: Path, version: str | None, vcpus: int, memory_mib: int,
+                fc_args: list[str]) -> list[str]:
+    """The jailer's argv that starts ``firecracker`` as ``uid:gid`` in
+    ``<jail_base>/firecracker/<vm_id>/root``, in a pid namespace of its own, with the
+    cgroup limits of a guest of ``vcpus`` and ``memory_mib`` MiB; ``fc_args`` go to
+    Firecracker."""
+    return [str(config.binary), "--id", vm_id, "--exec-file", str(firecracker),
+            "--uid", str(uid), "--gid", str(gid),
+            "--chroot-base-dir", str(jail_base.absolute()), "--new-pid-ns",
+            *cgroup_args(config, version, vcpus, memory_mib), "--", *fc_args]
 
 
 def cgroup_mounts() -> dict[str, list[Path]]:
@@ -119,6 +142,13 @@ async def remove_cgroups(parent: str, vm_id: str) -> None:
 
     Retries for about a second while the killed VMM's tasks leave (EBUSY).
     """
+    await asyncio.to_thread(remove_cgroups_now, parent, vm_id)
+
+
+def remove_cgroups_now(parent: str, vm_id: str) -> None:
+    """``remove_cgroups``, blocking (the privileged helper's)."""
+    import time
+
     mounts = cgroup_mounts()
     for base in [*mounts["v1"], *mounts["v2"]]:
         d = base / parent / vm_id
@@ -129,6 +159,6 @@ async def remove_cgroups(parent: str, vm_id: str) -> None:
             except FileNotFoundError:
                 break
             except OSError:  # EBUSY while the killed tasks leave
-                await asyncio.sleep(0.02)
+                time.sleep(0.02)
         else:
             log.warning("could not remove cgroup %s", d)
