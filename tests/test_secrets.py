@@ -365,11 +365,18 @@ def test_secret_reaches_its_host_only_and_never_the_guest(inet: Inet, base_image
             == [(sid, "gh", "other.example.test"), (sid, "gh", "api.example.test")]
         denied = sse(c, "egress.denied", 1)
         assert denied[0]["sandbox_id"] == sid and denied[0]["data"]["address"] == "203.0.113.2"
+        assert denied[0]["data"]["reason"] == "denied_host"
         assert REAL not in json.dumps(refused + denied)
         # rotation holds from the next request
         assert c.put("/secrets/gh", json={"value": "wrong"}).status_code == 200
         assert get(sid, "api.example.test") == "401 no"
         assert c.put("/secrets/gh", json={"value": REAL}).status_code == 200
+        assert get(sid, "api.example.test") == "200 ok"
+        # a rule changed at run time holds in the proxy from the next connection
+        r = c.patch(f"/sandboxes/{sid}/network", json={"deny": [f"{INET}/32"]})
+        assert r.status_code == 200, r.text
+        assert get(sid, "api.example.test").startswith("502 ")
+        assert c.patch(f"/sandboxes/{sid}/network", json={"deny": []}).status_code == 200
         assert get(sid, "api.example.test") == "200 ok"
 
         # the value is in no process's environment of the guest
