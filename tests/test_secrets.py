@@ -232,8 +232,9 @@ def server_log(h: Hangar) -> str:
     return (h.data.parent / f"{h.data.name}.log").read_text(errors="replace")
 
 
-def proxy_pids(h: Hangar) -> list[str]:
-    return subprocess.run(["pgrep", "-f", f"confdir={h.data}/secret-proxies"],
+def proxy_pids(h: Hangar, sandbox_id: str = "") -> list[str]:
+    """Pids of ``h``'s secret proxies (of one sandbox when given)."""
+    return subprocess.run(["pgrep", "-f", f"confdir={h.data}/secret-proxies/{sandbox_id}"],
                           capture_output=True, text=True).stdout.split()
 
 
@@ -409,6 +410,16 @@ def test_secret_reaches_its_host_only_and_never_the_guest(inet: Inet, base_image
         assert guest(fork, ["/bin/sh", "-c", "grep -cF \"$(sed -n 2p /usr/local/share/"
                             "ca-certificates/hangar-sandbox.crt)\" /etc/ssl/certs/"
                             "ca-certificates.crt"]) == "1"  # once, however often woken
+
+        # a proxy that dies is started again (meanwhile the guest's web traffic is refused)
+        old = proxy_pids(h, sid)
+        assert len(old) == 1
+        os.kill(int(old[0]), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while proxy_pids(h, sid) in ([], old) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(proxy_pids(h, sid)) == 1 and proxy_pids(h, sid) != old
+        assert get(sid, "api.example.test") == "200 ok"
 
         # a restarted server: the old proxies end with it, recovery starts new ones
         halt(h)

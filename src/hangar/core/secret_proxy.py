@@ -47,6 +47,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 
 from hangar.core.context import Context
+from hangar.core.lifecycle import State
 from hangar.core.secrets import CA_FILE, SYSTEM_BUNDLE, Vault
 from hangar.errors import ConfigError, EngineError
 
@@ -57,6 +58,8 @@ READY_S = 30.0
 """Seconds a new proxy has to say it serves (mitmdump starts in about 1 s idle)."""
 STOP_S = 3.0
 """Seconds a proxy has to end after its pipe closes, before SIGKILL."""
+RESTARTS = 3
+"""Times a proxy that ended on its own is started again for one sandbox."""
 DPORTS = (80, 443)
 EVENTS = {"secret.refused", "egress.denied"}
 """Events of the addon published as Hangar events (anything else is logged)."""
@@ -164,6 +167,9 @@ class Proxy:
     port: int
     control: Any
     confdir: Path
+    events: Any = None
+    """The read end of the addon's events pipe (a file object)."""
+    network: dict[str, Any] | None = None
     reader: asyncio.Task[None] | None = None
     ready: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop()
                                         .create_future())
@@ -179,6 +185,7 @@ class SecretProxies:
         self.root = ctx.layout.secret_proxies
         self.proxies: dict[str, Proxy] = {}
         self._never: list[str] | None = None
+        self._restarts: dict[str, int] = {}
         self.guard: Any = None
         """The domain guard (``hangar.net.egress.EgressGuard``), when there is one."""
 
@@ -282,13 +289,14 @@ class SecretProxies:
         os.close(ev_w)
         (confdir / "pid").write_text(f"{proc.pid}\n")
         control = os.fdopen(ctl_w, "w", buffering=1)
-        proxy = Proxy(sandbox_id, proc, port, control, confdir)
+        proxy = Proxy(sandbox_id, proc, port, control, confdir,
+                      os.fdopen(ev_r, "rb", buffering=0), network)
         self.proxies[sandbox_id] = proxy
         try:
+            proxy.reader = asyncio.get_running_loop().create_task(self._read(proxy))
             self._send(proxy, {"secrets": self.vault.resolved(sandbox_id),
                                "rules": self.rules_for(network, sandbox_id),
                                "egress_match": self.egress_match()})
-            proxy.reader = asyncio.get_running_loop().create_task(self._read(proxy, ev_r))
             try:
                 await asyncio.wait_for(asyncio.shield(proxy.ready), READY_S)
             except asyncio.TimeoutError:
@@ -328,6 +336,10 @@ class SecretProxies:
         await asyncio.get_running_loop().run_in_executor(None, self._end, proxy.proc)
         if proxy.reader is not None:
             proxy.reader.cancel()
+        try:
+            proxy.events.close()
+        except OSError:
+            pass
         shutil.rmtree(proxy.confdir, ignore_errors=True)
         log.info("secret proxy stopped", extra={"sandbox_id": sandbox_id})
 
@@ -379,7 +391,10 @@ class SecretProxies:
         proxy = self.proxies.get(sandbox_id)
         if proxy is None:
             return False
-        self._send(proxy, {"rules": rules})
+        try:
+            self._send(proxy, {"rules": rules})
+        except EngineError:  # it ended: _read starts it again, with the live rules
+            return False
         return True
 
     def update_policy(self, sandbox_id: str, network: dict[str, Any] | None) -> bool:
@@ -405,11 +420,11 @@ class SecretProxies:
         except (OSError, ValueError):
             raise EngineError("the secret proxy is gone", sandbox_id=proxy.sandbox_id) from None
 
-    async def _read(self, proxy: Proxy, fd: int) -> None:
+    async def _read(self, proxy: Proxy) -> None:
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=1 << 16)
         transport, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0))
+            lambda: asyncio.StreamReaderProtocol(reader), proxy.events)
         try:
             while True:
                 try:
@@ -425,6 +440,28 @@ class SecretProxies:
                 proxy.ready.set_exception(EngineError(
                     f"the secret proxy ended: {self._tail(proxy)}", sandbox_id=proxy.sandbox_id))
                 proxy.ready.exception()  # retrieved: nobody may wait
+            elif self.proxies.get(proxy.sandbox_id) is proxy:  # it ended on its own
+                loop.create_task(self._restart(proxy))
+
+    async def _restart(self, proxy: Proxy) -> None:
+        """A proxy that ended while its sandbox runs: logged, and started again (at most
+        ``RESTARTS`` times per sandbox); meanwhile its guest's web traffic is refused."""
+        sid = proxy.sandbox_id
+        why = self._tail(proxy)
+        await self.stop(sid, keep_rules=True)
+        tries = self._restarts[sid] = self._restarts.get(sid, 0) + 1
+        log.error("secret proxy ended", extra={"sandbox_id": sid, "error": why,
+                                               "restart": tries <= RESTARTS})
+        self.ctx.publish("secret.proxy_ended", sid, restarted=tries <= RESTARTS)
+        rec = self.ctx.store.get(sid)
+        if tries > RESTARTS or rec is None or rec.state not in (State.RUNNING,
+                                                                  State.UNRESPONSIVE):
+            return
+        try:
+            await self.start(sid, proxy.network)
+        except Exception as exc:
+            log.error("secret proxy not restarted", extra={"sandbox_id": sid,
+                                                           "error": str(exc)[:300]})
 
     def _event(self, proxy: Proxy, line: bytes) -> None:
         try:
