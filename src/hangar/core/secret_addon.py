@@ -11,8 +11,8 @@ Its peer talks to it over two pipes, whose descriptors are in the environment:
   "egress_match": path or null}``; later lines replace ``secrets`` or ``rules``. End of
   file (the server is gone) ends the proxy.
 - ``HANGAR_PROXY_EVENTS_FD`` (out): JSON lines: ``{"event": "ready"}``, then
-  ``secret.refused`` (secret name, host, reason) and ``egress.denied`` (host, address,
-  port, reason). Never a value or a header.
+  ``secret.refused`` (secret name, host, reason) and ``egress.denied`` (domain,
+  address, port, reason). Never a value or a header.
 
 Rules for each request (docs/security.md, "Secrets and the vault"):
 
@@ -173,7 +173,7 @@ class SecretProxy:
                                           ip, port, name)
         if not ok:
             data.server.error = f"refused by the sandbox's egress rules ({reason})"
-            self.emit("egress.denied", host=(name or "")[:253], address=ip, port=port,
+            self.emit("egress.denied", domain=(name or "")[:253], address=ip, port=port,
                       reason=str(reason)[:64])
 
     def _decide(self, rules: dict, ip: str, port: int, name: str | None) -> tuple[bool, str]:

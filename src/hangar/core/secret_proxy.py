@@ -16,8 +16,9 @@ server's environment, which ``scripts/install.sh`` makes), with the addon
 3. waits for the addon's ``ready`` and then has the network manager send the guest's
    new connections to ports 80 and 443 to it (``NetworkManager.intercept``).
 
-The addon's events (``secret.refused``, ``egress.denied``) are published as Hangar
-events with the sandbox's id: names and hosts, never a value. ``stop`` ends the proxy
+The addon's events (``secret.refused``: secret, host, reason; ``egress.denied``: domain,
+address, port, reason, ``via`` ``secret_proxy``) are published as Hangar events with the
+sandbox's id, repeats coalesced as the domain guard's are: names and hosts, never a value. ``stop`` ends the proxy
 (the pipe closes, then SIGTERM, then SIGKILL) and removes its folder; a proxy whose
 server is gone ends by itself (end of file on its pipe), and ``sweep`` ends any left
 over at start (its command line names this data directory's proxies folder).
@@ -50,6 +51,7 @@ from hangar.core.context import Context
 from hangar.core.lifecycle import State
 from hangar.core.secrets import CA_FILE, SYSTEM_BUNDLE, Vault
 from hangar.errors import ConfigError, EngineError
+from hangar.net.egress import Coalescer
 
 log = logging.getLogger("hangar.secrets")
 
@@ -186,6 +188,9 @@ class SecretProxies:
         self.proxies: dict[str, Proxy] = {}
         self._never: list[str] | None = None
         self._restarts: dict[str, int] = {}
+        self.coalescer = Coalescer()
+        """One event per (sandbox, kind, fields) per 10 s, 20 per sandbox per 10 s, as
+        the domain guard's (``hangar.net.egress``): a guest in a loop floods nothing."""
         self.guard: Any = None
         """The domain guard (``hangar.net.egress.EgressGuard``), when there is one."""
 
@@ -473,13 +478,26 @@ class SecretProxies:
             if not proxy.ready.done():
                 proxy.ready.set_result(None)
             return
-        data = {k: str(v)[:253] for k, v in ev.items() if k in (
-            "secret", "host", "address", "port", "reason")}
-        if kind in EVENTS:
-            self.ctx.publish(kind, proxy.sandbox_id, **data)
-            log.info(kind, extra={"sandbox_id": proxy.sandbox_id, **data})
-        else:
-            log.warning("secret proxy: %s", kind, extra={"sandbox_id": proxy.sandbox_id})
+        if kind not in EVENTS:
+            log.warning("secret proxy: %s", kind[:64], extra={"sandbox_id": proxy.sandbox_id})
+            return
+        data: dict[str, Any] = {k: str(v)[:253] for k, v in ev.items() if k in (
+            "secret", "host", "domain", "address", "reason")}
+        sid = proxy.sandbox_id
+        if kind == "egress.denied":
+            data["port"] = int(ev["port"]) if isinstance(ev.get("port"), int) else 0
+            data["via"] = "secret_proxy"
+            try:
+                self.ctx.metrics.egress_denied.labels("secret_proxy", data.get("reason", "")).inc()
+            except AttributeError:  # a server without the egress metric
+                pass
+        held = self.coalescer.admit(sid, (sid, kind, *sorted(data.items())))
+        if held is None:  # a repeat within the window: counted, not published
+            return
+        if held:
+            data["repeats"] = held
+        self.ctx.publish(kind, sid, **data)
+        log.info(kind, extra={"sandbox_id": sid, **data})
 
     @staticmethod
     def _tail(proxy: Proxy) -> str:
