@@ -301,6 +301,39 @@ def grep_files(files: list[Path], *needles: bytes) -> set[bytes]:
     return found
 
 
+def test_vault_seals_under_a_key_outside_the_store(tmp_path: Path) -> None:
+    """The key file is made 0600 and refused when others can read it; values are sealed
+    (the database holds no value), bound to their name, and open only under their key."""
+    from hangar.core.secrets import Vault, load_key
+    from hangar.core.store import Store
+    from hangar.errors import ConfigError, Conflict, InvalidRequest, NotFound
+
+    key_file = tmp_path / "conf" / "secrets.key"
+    assert load_key(key_file, create=False) is None and not key_file.exists()
+    key = load_key(key_file)
+    assert key is not None and len(key) == 32 and (key_file.stat().st_mode & 0o777) == 0o600
+    assert load_key(key_file) == key
+    store = Store(tmp_path / "hangar.db")
+    vault = Vault(store, key_file)
+    vault.add("gh", REAL, ["api.example.test"])
+    with pytest.raises(Conflict):
+        vault.add("gh", REAL, ["api.example.test"])
+    with pytest.raises(InvalidRequest):
+        vault.add("bad", "x\ny", ["api.example.test"])
+    with pytest.raises(NotFound):
+        vault.check_request({"T": "nope"})
+    sealed = vault.get("gh").sealed
+    assert vault.open("gh", sealed) == REAL.encode()
+    with pytest.raises(ConfigError):
+        vault.open("other", sealed)  # bound to its name
+    with pytest.raises(ConfigError):
+        Vault(store, tmp_path / "another.key").open("gh", sealed)  # and to its key
+    assert all(REAL.encode() not in f.read_bytes() for f in tmp_path.glob("hangar.db*"))
+    os.chmod(key_file, 0o644)
+    with pytest.raises(ConfigError, match="readable by others"):
+        load_key(key_file)
+
+
 @pytest.mark.vm
 def test_secret_reaches_its_host_only_and_never_the_guest(inet: Inet, base_image: Path) -> None:
     """The vault's routes; a sandbox's placeholder replaced for its secret's host and
