@@ -143,6 +143,7 @@ class AsyncSandbox:
                      timeout: float | None = None, metadata: Mapping[str, str] | None = None,
                      network: str | Mapping[str, Any] | None = None, desktop: str | None = None,
                      volumes: Mapping[str, Any] | None = None,
+                     secrets: Mapping[str, str] | None = None,
                      client: AsyncHangar | None = None, base_url: str | None = None,
                      api_key: str | None = None) -> AsyncSandbox:
         """Create a sandbox (arguments as ``AsyncHangar.create``; ``timeout`` is its TTL, s).
@@ -154,7 +155,7 @@ class AsyncSandbox:
         try:
             info = await c.create(image, vcpus=vcpus, memory_mib=memory_mib, disk_mib=disk_mib,
                                   timeout=timeout, metadata=metadata, network=network,
-                                  desktop=desktop, volumes=volumes)
+                                  desktop=desktop, volumes=volumes, secrets=secrets)
         except BaseException:
             if own:
                 await c.close()

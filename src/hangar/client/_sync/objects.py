@@ -144,6 +144,7 @@ class Sandbox:
                      timeout: float | None = None, metadata: Mapping[str, str] | None = None,
                      network: str | Mapping[str, Any] | None = None, desktop: str | None = None,
                      volumes: Mapping[str, Any] | None = None,
+                     secrets: Mapping[str, str] | None = None,
                      client: Hangar | None = None, base_url: str | None = None,
                      api_key: str | None = None) -> Sandbox:
         """Create a sandbox (arguments as ``AsyncHangar.create``; ``timeout`` is its TTL, s).
@@ -155,7 +156,7 @@ class Sandbox:
         try:
             info = c.create(image, vcpus=vcpus, memory_mib=memory_mib, disk_mib=disk_mib,
                                   timeout=timeout, metadata=metadata, network=network,
-                                  desktop=desktop, volumes=volumes)
+                                  desktop=desktop, volumes=volumes, secrets=secrets)
         except BaseException:
             if own:
                 c.close()
