@@ -224,7 +224,10 @@ class SecretProxies:
 
     def never(self) -> list[str]:
         """Addresses no proxy connects to whatever a sandbox's rules say: the guests' network
-        (the bridge's pool) and the host's own addresses."""
+        (the bridge's pool) and the host's own addresses (and, from the domain guard, a
+        cluster's control endpoints)."""
+        if self.guard is not None:
+            return list(self.guard.never())
         if self._never is None:
             pool = getattr(self.net, "pool", None)
             self._never = ([str(pool)] if pool is not None else []) + host_addresses()
