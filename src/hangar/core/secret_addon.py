@@ -56,21 +56,24 @@ ALWAYS_DENIED = ("127.0.0.0/8", "0.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4",
 def _fallback_decide(rules: dict, *, ip: str, port: int,
                      name: str | None = None) -> tuple[bool, str]:
     """Used only when no ``egress_match`` file is given: refuses loopback, link-local,
-    multicast, the ``never`` CIDRs and the ``denied_ranges`` of ``rules``."""
+    multicast, and the ``never``, ``denied`` and ``denied_ranges`` entries of ``rules``
+    (CIDR strings or [first, last] integer ranges)."""
     try:
         addr = ipaddress.ip_address(ip)
     except ValueError:
-        return False, "denied_address"
-    for first, last in rules.get("denied_ranges", ()):
-        if addr.version == 4 and first <= int(addr) <= last:
-            return False, "denied_address"
-    for cidr in (*ALWAYS_DENIED, *rules.get("never", ())):
-        try:
-            if addr in ipaddress.ip_network(cidr, strict=False):
-                return False, "denied_address"
-        except ValueError:
-            continue
-    return True, "allowed"
+        return False, "bad_address"
+    for key in ("never", "denied", "denied_ranges"):
+        for entry in (*(ALWAYS_DENIED if key == "never" else ()), *rules.get(key, ())):
+            try:
+                if isinstance(entry, str):
+                    hit = addr in ipaddress.ip_network(entry, strict=False)
+                else:
+                    hit = addr.version == 4 and int(entry[0]) <= int(addr) <= int(entry[1])
+            except (ValueError, TypeError, IndexError):
+                return False, "rule_error"  # closed, not open
+            if hit:
+                return False, "denied_host" if key == "never" else "denied_address"
+    return True, "allowed_address"
 
 
 def _host_matches(host: str, patterns: list[str]) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import ipaddress
 import json
 import logging
 import os
@@ -226,19 +227,27 @@ class SecretProxies:
         """Addresses no proxy connects to whatever a sandbox's rules say: the guests' network
         (the bridge's pool) and the host's own addresses (and, from the domain guard, a
         cluster's control endpoints)."""
-        if self.guard is not None:
-            return list(self.guard.never())
         if self._never is None:
             pool = getattr(self.net, "pool", None)
             self._never = ([str(pool)] if pool is not None else []) + host_addresses()
-        return self._never
+        extra = list(self.guard.never()) if self.guard is not None else []
+        return sorted(set(self._never) | set(extra))
 
     def rules_for(self, network: dict[str, Any] | None,
                   sandbox_id: str | None = None) -> dict[str, Any]:
         """The rules the addon's ``decide`` gets for a sandbox's egress policy: the domain
         guard's live ones (with the names it resolved) when it guards ``sandbox_id``."""
         live = self.guard.rules(sandbox_id) if self.guard is not None and sandbox_id else None
-        return dict(live) if live is not None else match_rules(network, self.never())
+        return self.with_never(live) if live is not None else match_rules(network, self.never())
+
+    def with_never(self, rules: dict[str, Any]) -> dict[str, Any]:
+        """``rules`` with ``never`` (integer ranges) holding this proxy's ``never`` too,
+        whoever made them."""
+        extra = [[int(n.network_address), int(n.broadcast_address)]
+                 for n in (ipaddress.IPv4Network(c, strict=False) for c in self.never())]
+        out = dict(rules)
+        out["never"] = [*out.get("never", []), *extra]
+        return out
 
     # -- start and stop -----------------------------------------------------------------------
 
@@ -400,7 +409,7 @@ class SecretProxies:
         if proxy is None:
             return False
         try:
-            self._send(proxy, {"rules": rules})
+            self._send(proxy, {"rules": self.with_never(rules)})
         except EngineError:  # it ended: _read starts it again, with the live rules
             return False
         return True
