@@ -374,7 +374,9 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
             got = guest(["http_get", a, "a.example.test"], ["resolve", "a.example.test"],
                         ["http_get", a, "a.example.test"], ["http_get", other, "other.test"],
                         ["rcode", "203.0.113.1", "bad.example.test"])
-            assert got[0] == "403 hangar egress: unresolved_address a.example.test:80", got
+            assert got[0] == "403 hangar egress: unresolved_address a.example.test:80", (
+                got, "\n".join(line for line in (d / "server.log").read_text().splitlines()
+                               if "egress" in line or "network" in line)[-3000:])
             assert got[1] == a and got[2] == f"200 hello {a} a.example.test", got
             assert got[3] == "403 hangar egress: denied_address other.test:80", got
             assert got[4] == 3, got  # bad.example.test is denied on 443 only: answered
