@@ -39,6 +39,8 @@ def test_entries_parse_normalise_and_refuse_junk() -> None:
                       "deny": ["0.0.0.0/0", "Bad.example.test."]})
     assert p.allow == ("*.example.test", "xn--bcher-kva.de:443", "10.0.0.0/8:22", "1.2.3.4/32")
     assert p.deny == ("0.0.0.0/0", "bad.example.test") and p.has_domains
+    assert p.match_rules()["unlisted"] == "refuse"  # an allowlist: other names get no answer
+    assert Policy.parse({"deny": ["*.bad.test"]}).match_rules()["unlisted"] == "resolve"
     assert not Policy.parse({"allow": ["10.0.0.0/8"]}).has_domains
     for bad, words in [(["exa mple.com"], "nor a domain"), (["*"], "nor a domain"),
                        (["a.*.com"], "nor a domain"), (["1.2.3.999"], "not a valid CIDR"),
@@ -261,7 +263,7 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
             assert got[1] == f"200 hello {a} a.example.test", got
             assert got[2] == f"hello {a} a.example.test", got  # TLS, SNI checked, not opened
             assert got[3] == "open", got  # the DNS answer opened the address itself
-            assert got[4] == other, got  # answered (no rule names it) ...
+            assert got[4] == "gaierror", got  # REFUSED: no rule names it, deny 0.0.0.0/0
             assert got[5] == "403 hangar egress: denied_address other.test:80", got  # ... refused
             assert got[6] == f"403 hangar egress: denied_address {other}:80", got  # raw address
             assert got[7] == "timeout", got
@@ -287,13 +289,14 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
                                           "deny": ["0.0.0.0/0", "bad.example.test"]}
             assert c.get(f"/sandboxes/{sid}").json()["network"] == rules.model_dump()
             assert took < 1.0, took
-            got = guest(["http_get", other, "other.test"], ["tcp", other, 8080],
+            got = guest(["resolve", "other.test"], ["http_get", other, "other.test"],
+                        ["tcp", other, 8080],
                         ["bench", a, "a.example.test", 80, 15],
                         ["bench", a, "a.example.test", 8080, 15])
-            assert got[0] == f"200 hello {other} other.test" and got[1] == "open", got
+            assert got[:3] == [other, f"200 hello {other} other.test", "open"], got
             print(f"PATCH applied in {took * 1000:.0f} ms; HTTP GET p50 through the proxy "
-                  f"{got[2] * 1000:.1f} ms, direct {got[3] * 1000:.1f} ms "
-                  f"(ratio {got[2] / got[3]:.2f})")
+                  f"{got[3] * 1000:.1f} ms, direct {got[4] * 1000:.1f} ms "
+                  f"(ratio {got[3] / got[4]:.2f})")
             for body, status, words in [({"egress": "none"}, 409, "remove the sandbox's NIC"),
                                         ({"allow": ["*"]}, 400, "nor a domain"),
                                         ({"allow": "x.test"}, 422, "list"),
@@ -340,6 +343,7 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
                              r' [1-9]', metrics)
             events: list[dict] = []
             want = {("dns", "denied_domain", "bad.example.test"),
+                    ("dns", "unlisted_domain", "other.test"),
                     ("proxy", "denied_address", "other.test"),
                     ("proxy", "unresolved_address", "a.example.test"),
                     ("proxy", "denied_host", "a.example.test")}
@@ -370,7 +374,9 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
             got = guest(["http_get", a, "a.example.test"], ["resolve", "a.example.test"],
                         ["http_get", a, "a.example.test"], ["http_get", other, "other.test"],
                         ["rcode", "203.0.113.1", "bad.example.test"])
-            assert got[0] == "403 hangar egress: unresolved_address a.example.test:80", got
+            assert got[0] == "403 hangar egress: unresolved_address a.example.test:80", (
+                got, "\n".join(line for line in (d / "server.log").read_text().splitlines()
+                               if "egress" in line or "network" in line)[-3000:])
             assert got[1] == a and got[2] == f"200 hello {a} a.example.test", got
             assert got[3] == "403 hangar egress: denied_address other.test:80", got
             assert got[4] == 3, got  # bad.example.test is denied on 443 only: answered

@@ -74,6 +74,7 @@ class NetworkRules:
                 pol = Policy.parse(rec.network)
                 if pol.has_domains:
                     await self.guard.enable(rec.id, ip, pol)
+                    log.info("egress guard restored", extra={"sandbox_id": rec.id, "ip": ip})
             except Exception as exc:  # one sandbox must not keep the server down
                 log.warning("egress guard not restored", extra={"sandbox_id": rec.id,
                                                                 "error": str(exc)})

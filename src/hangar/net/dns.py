@@ -11,7 +11,10 @@ pick a resolver of its own. For each query (messages parsed by dnspython):
 * a name a ``deny`` entry matches (and no ``allow`` does) is answered
   **REFUSED** (chosen over NXDOMAIN: it says "not here by policy" and is
   not cached as "does not exist"); counted and published (``via: dns``,
-  reason ``denied_domain``);
+  reason ``denied_domain``); so is a name no entry matches when ``deny``
+  holds 0.0.0.0/0 (an allowlist: reason ``unlisted_domain``), since no
+  address would open for it and forwarding any name would leave DNS
+  itself as a way out (tunnelling data in queries);
 * any other name is forwarded to the upstream resolver (the server's
   ``HANGAR_NET_DNS`` or the host's) over UDP, then TCP when truncated,
   with ``UPSTREAM_TIMEOUT_S``; SERVFAIL when it does not answer;
@@ -126,8 +129,9 @@ class DnsForwarder:
         question = q.question[0]
         name = question.name.to_text(omit_final_dot=True)
         verdict, ports = self.guard.name_verdict(g, name)
-        if verdict == "deny":
-            self.guard.denied(g, "dns", "denied_domain", port=53, domain=name.lower())
+        if verdict in ("deny", "unlisted"):
+            reason = "denied_domain" if verdict == "deny" else "unlisted_domain"
+            self.guard.denied(g, "dns", reason, port=53, domain=name.lower())
             r = dns.message.make_response(q)
             r.set_rcode(dns.rcode.REFUSED)
             return r.to_wire()

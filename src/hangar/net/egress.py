@@ -191,7 +191,8 @@ class EgressGuard:
         return None if g is None else g.live_rules()
 
     def name_verdict(self, g: Guarded, name: str) -> tuple[str, list[int | None]]:
-        """For a DNS question: ("deny" | "allow" | "none", ports to open: None = any)."""
+        """For a DNS question: ("deny" | "unlisted" | "allow" | "none", ports to open:
+        None = any). "unlisted": no entry matches and the rules refuse such names."""
         norm = normalize_name(name)
         if norm is None:
             return "deny", []
@@ -208,7 +209,9 @@ class EgressGuard:
                 ports.append(port)
         if ports:
             return "allow", ports
-        return ("deny" if denied else "none"), []
+        if denied:
+            return "deny", []
+        return ("unlisted" if g.rules.get("unlisted") == "refuse" else "none"), []
 
     def record(self, g: Guarded, name: str, addrs: list[tuple[str, int]],
                ports: list[int | None]) -> list[tuple[str, int | None, int]]:
@@ -332,7 +335,7 @@ class EgressGuard:
         for addr, names in old.items():
             for name, expiry in names.items():
                 verdict, ports = self.name_verdict(g, name)
-                if verdict != "deny" and expiry > now:
+                if verdict in ("allow", "none") and expiry > now:
                     again += self.record(g, name, [(addr, int(expiry - now) + 1)], ports)
         if again:
             await self.net.admit_async(sandbox_id, again[:256])

@@ -18,6 +18,10 @@ makes (``VERSION`` 1)::
                                        with that port exists (``10.0.0.0/8:22``)
      "domains": [["*.example.com", null, false], ["api.x.com", 443, true], ...]
                                        (pattern, port or null, deny?)
+     "unlisted": "resolve" | "refuse"  what the DNS forwarder does with a name no domain
+                                       entry matches: refused when ``deny`` holds 0.0.0.0/0
+                                       (an allowlist: no address would open, and a
+                                       resolver that answers any name is a way out)
      "resolved": {"203.0.113.7": ["a.example.com"], ...}   optional: addresses the host
                                        resolved for the guest, by the names asked}
 
@@ -48,7 +52,7 @@ VERSION = 1
 """The ``v`` of the rules dict this module reads."""
 
 REASONS = ("allowed_domain", "allowed_address", "denied_host", "denied_domain",
-           "denied_address", "unresolved_address", "bad_address", "bad_name")
+           "denied_address", "unresolved_address", "unlisted_domain", "bad_address", "bad_name")
 """Every reason ``decide`` gives (short words for events and metrics)."""
 
 MAX_NAME = 253

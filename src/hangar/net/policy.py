@@ -238,6 +238,9 @@ class Policy(BaseModel):
             "denied": [list(r) for r in self.denied_ranges()],
             "ports": {str(p): [list(r) for r in rs] for p, rs in self.port_ranges().items()},
             "domains": self.domain_entries(),
+            "unlisted": "refuse" if any(e.deny and e.net is not None and e.port is None
+                                        and e.net.prefixlen == 0 for e in self.entries())
+            else "resolve",
         }
 
 

@@ -30,8 +30,10 @@ class CreateSandbox(RequestBody):
     metadata: dict[str, str] = Field(default_factory=dict, max_length=METADATA_ENTRIES)
     network: str | dict[str, object] | None = Field(
         None, description="Egress policy: 'none', 'internet' (public addresses only), 'open', "
-                          "or {'egress': ..., 'allow': [CIDR...], 'deny': [CIDR...]} where the "
-                          "most specific entry wins. Default: 'internet' with TAP networking.")
+                          "or {'egress': ..., 'allow': [...], 'deny': [...]} whose entries are "
+                          "IPv4 CIDRs or domains (example.com, *.example.com), each optionally "
+                          "with :PORT; the most specific entry wins (docs/networking.md). "
+                          "Default: 'internet' with TAP networking.")
     desktop: str | None = Field(
         None, pattern=r"^[1-9][0-9]{2,4}x[1-9][0-9]{2,4}x(16|24)$",
         description="Start a desktop of WIDTHxHEIGHTxDEPTH (pixels, bits), e.g. 1280x800x24; "

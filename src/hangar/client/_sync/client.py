@@ -33,7 +33,8 @@ from hangar.errors import HangarError, Unavailable
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, FileList, Health,
     KeyResult, MachineInfo, MachineList, NetworkRules, PoolStatus, PortInfo, PtySession,
-    PtySessionList, PtyTicket, SandboxInfo, SandboxList, Snapshot, SnapshotList, VncTicket, WriteResult,
+    PtySessionList, PtyTicket, SandboxInfo, SandboxList, Snapshot, SnapshotList, VncTicket,
+    WriteResult,
 )
 
 OutputHandler = Callable[[Any], Any]
