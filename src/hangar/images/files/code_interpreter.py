@@ -127,11 +127,6 @@ class Kernel:
             self.km.shutdown_kernel(now=True)
             raise
 
-    def pid(self) -> int | None:
-        """The kernel process's pid (None when unknown)."""
-        proc = getattr(getattr(self.km, "provisioner", None), "process", None)
-        return getattr(proc, "pid", None)
-
     def shutdown(self) -> None:
         """Stop the client and kill the kernel (no graceful shutdown request: nothing of it
         is kept)."""
@@ -196,11 +191,6 @@ class Spares:
         self.started_s: float | None = None
         """Seconds the last spare took to start and warm up (None before the first)."""
 
-    def fill(self) -> None:
-        """Start the next spare in the background unless one is ready or starting."""
-        with self.cond:
-            self._spawn()
-
     def _spawn(self) -> None:
         if self.ready is None and not self.starting:
             self.starting = True
@@ -213,6 +203,8 @@ class Spares:
             try:
                 if self.warmup:
                     kernel.silent(self.warmup)
+                if not kernel.km.is_alive():
+                    raise RuntimeError("the kernel died while it imported the warm-up modules")
             except BaseException:
                 kernel.shutdown()
                 raise
@@ -263,17 +255,11 @@ class Spares:
             return kernel
 
     def state(self) -> str:
-        """``ready``, ``starting`` or ``failed`` (what ``/health`` shows)."""
+        """``ready``, ``starting``, ``failed`` (the last start; the next take retries) or
+        ``none`` (what ``/health`` shows)."""
         with self.cond:
             return ("ready" if self.ready is not None else "starting" if self.starting
                     else "failed" if self.failed else "none")
-
-    def shutdown(self) -> None:
-        with self.cond:
-            kernel, self.ready = self.ready, None
-        if kernel is not None:
-            kernel.shutdown()
-
 
 class KernelContext:
     """One context: its kernel (swapped for a spare on restart), its working folder, and the
