@@ -6,7 +6,10 @@ as the kernel produces it, in E2B's code interpreter shapes (``stdout``,
 ``end_of_execution``); ``.../code/contexts`` creates, lists, restarts and
 removes contexts (kernels with their own variables). The calls go to the
 guest's server through ``hangar.core.interpreter``. A sandbox of another
-image answers 409 ``no_interpreter``.
+image answers 409 ``no_interpreter``. A context create or restart answers
+at once with the guest's spare kernel; one made before the next spare is
+ready waits for it, and answers 504 ``timeout`` when none is ready within
+the guest server's 240 s (the start goes on: try again).
 """
 
 from __future__ import annotations

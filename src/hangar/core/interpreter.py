@@ -12,7 +12,12 @@ its JSON. The sandbox counts as busy while a call runs.
 Errors: ``NoInterpreter`` (409) when nothing listens on the port (a sandbox
 of another image); the server's refusals keep their status (400
 ``InvalidRequest``, 404 ``NotFound``, 413 ``TooLarge``, 429
-``LimitExceeded``); a broken answer is ``GuestError`` (502). A cell that
+``LimitExceeded``, 504 ``Timeout``: no kernel was ready for a context
+create or restart within the server's wait); a kernel that failed to start
+and a broken answer are ``GuestError`` (502). Context creates and restarts
+answer at once: the server hands out the spare kernel it keeps started
+(see its docstring), so only a second create in a row waits for a kernel
+to start. A cell that
 outlasts its ``timeout`` ends the stream with an ``error`` line named
 ``TimeoutError``; closing the connection makes the server interrupt the
 kernel.
@@ -30,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from hangar.core.guestcalls import NoListener
 from hangar.engines.agent_client import Tunnel
 from hangar.errors import (GuestError, HangarError, InvalidRequest, LimitExceeded, NoInterpreter,
-                           NotFound, TooLarge)
+                           NotFound, Timeout, TooLarge)
 
 if TYPE_CHECKING:
     from hangar.core.sandboxes import SandboxManager
@@ -46,7 +51,8 @@ MAX_JSON_BYTES = 4 << 20
 MAX_LINE_BYTES = 64 << 20
 """Longest NDJSON line of ``execute`` (a result with a large image), bytes."""
 REQUEST_S = 300.0
-"""Longest a context call (a kernel start or restart under emulation) may take, seconds."""
+"""Longest a context call may take, seconds: one that finds no spare kernel ready waits for
+the one starting (up to the server's ``SPARE_WAIT_S``, 240 s, under this)."""
 
 
 async def _request(m: SandboxManager, stack: AsyncExitStack, sandbox_id: str, method: str,
@@ -87,7 +93,7 @@ def _refusal(status: int, raw: bytes, sandbox_id: str) -> HangarError:
         message = str(json.loads(raw)["error"])
     except (ValueError, KeyError, TypeError):
         message = raw[:300].decode("utf-8", "replace") or f"status {status}"
-    kinds = {400: InvalidRequest, 404: NotFound, 413: TooLarge}
+    kinds = {400: InvalidRequest, 404: NotFound, 413: TooLarge, 504: Timeout}
     if status == 429:
         return LimitExceeded(message, sandbox_id=sandbox_id)
     return kinds.get(status, GuestError)(f"code interpreter: {message}", sandbox_id=sandbox_id)

@@ -31,10 +31,12 @@ numpy, pandas and matplotlib (installed with apt-get: numpy's ABI is a
 virtual package), and a server (``files/code_interpreter.py``) that speaks
 E2B's code interpreter protocol on port 49999. Its ``start`` command runs
 the server, which starts the default kernel and imports numpy, pandas and
-matplotlib before it opens the port, so the ``ready_port`` check passes only
-with a warm kernel and the booted template snapshot
-(``hangar.core.templates``) holds one. A warm guest uses about 330 MiB;
-the default is 1024 MiB for the user's data and figures.
+matplotlib in it, then starts and warms a spare kernel (what new contexts
+and restarts are handed at once), before it opens the port, so the
+``ready_port`` check passes only with both kernels warm and the booted
+template snapshot (``hangar.core.templates``) holds both. A warm guest uses
+about 330 MiB plus the spare's 130 MiB; the default is 1024 MiB for the
+user's data and figures.
 
 A recipe's ``start``, ``ready_port`` and ``ready_timeout_s`` shape a template's
 start command and ready check (``Recipe.runtime``, what ``GuestImage.template``

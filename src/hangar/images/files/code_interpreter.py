@@ -18,22 +18,40 @@ It speaks the protocol of E2B's code interpreter on one TCP port (49999):
                    ``number_of_executions`` (``execution_count``) and last
                    ``end_of_execution``. Without ``context_id`` the default
                    context runs it. ``env_vars`` hold for this run only.
-``POST /contexts``  ``{"language"?, "cwd"?}``: a new kernel; answers ``{"id",
+``POST /contexts``  ``{"language"?, "cwd"?}``: a new context; answers ``{"id",
                    "language", "cwd"}``.
-``GET /contexts``  every context. ``POST /contexts/{id}/restart`` restarts its kernel
+``GET /contexts``  every context. ``POST /contexts/{id}/restart`` gives it a new kernel
                    (its variables go); ``DELETE /contexts/{id}`` shuts it down.
-``GET /health``    ``{"status": "ok"}``.
+``GET /health``    ``{"status": "ok", "spare": "ready"|"starting"|"failed"|"none",
+                   "spare_start_s": seconds the last spare took to start, or null}``.
 
 Each context is one ipykernel under a ``jupyter_client.KernelManager``; its
 iopub messages are mapped to the lines above. One cell runs at a time in a
-context (the next waits). The default context's kernel is started, and
-``WARMUP`` run in it, before the port is bound: a port that accepts means a
-kernel ready to run code, which is what the image's ready check waits for
-(so a snapshot taken then holds a warm kernel). A client that goes away
-mid-cell interrupts the kernel. Bounds: ``MAX_BODY_BYTES`` per request,
-``MAX_CONTEXTS`` kernels, ``MAX_REQUESTS`` requests at once (429 beyond);
-output is forwarded message by message, never accumulated. Errors answer
-``{"error": message}`` with 400, 404, 413 or 429. Python only.
+context (the next waits).
+
+Kernels start ahead of need: starting one (and importing ``WARMUP``) takes
+a second natively but 15 to 90 s under emulation (QEMU TCG), longer than
+E2B's SDK waits for a call by default. So the server keeps one spare
+kernel, started and warmed in the background (``Spares``): a create hands
+it out at once (a ``cwd`` other than the server's is applied by a silent
+``os.chdir``), a restart swaps it in at once and kills the old kernel, and
+either then starts the next spare. When none is ready (two creates in a
+row) the call waits for the one being started, up to ``SPARE_WAIT_S``;
+only one kernel starts at a time, so that two starts never share the CPU.
+The default context's kernel is started and warmed, then the spare, and
+only then is the port bound: a port that accepts means both are ready,
+which is what the image's ready check waits for, so a template snapshot
+taken then holds both and every sandbox restored from it answers its
+first create and restart at once. A spare costs about 130 MB of resident
+memory (100 MB of it its own; measured natively with numpy, pandas and
+matplotlib imported).
+
+A client that goes away mid-cell interrupts the kernel. Bounds:
+``MAX_BODY_BYTES`` per request, ``MAX_CONTEXTS`` contexts, one spare,
+``MAX_REQUESTS`` requests at once (429 beyond); output is forwarded message
+by message, never accumulated. Errors answer ``{"error": message}`` with
+400, 404, 413, 429, 502 (a kernel failed to start) or 504 (no kernel ready
+within ``SPARE_WAIT_S``). Python only.
 """
 
 from __future__ import annotations
@@ -61,8 +79,14 @@ MAX_CONTEXTS = 16
 MAX_REQUESTS = 32
 MAX_ENV_VARS = 256
 KERNEL_START_S = 120.0
-WARMUP = "import numpy, pandas, matplotlib.pyplot"
-"""Run in the default context before the port opens: the imports most cells need."""
+"""Longest a kernel may take to answer after its process started, seconds."""
+SPARE_WAIT_S = 240.0
+"""Longest a create or restart waits for the spare being started, seconds: under the
+host's 300 s per call (``hangar.core.interpreter.REQUEST_S``), so that the client gets
+this server's clear 504 rather than the host's timeout."""
+WARMUP = "__import__('numpy'), __import__('pandas'), __import__('matplotlib.pyplot')"
+"""Run in every kernel (the default one and each spare) before it is used: the imports most
+cells need, loaded without binding a name (a new context's namespace is empty)."""
 FORMATS = {
     "text/plain": "text", "text/html": "html", "text/markdown": "markdown",
     "image/svg+xml": "svg", "image/png": "png", "image/jpeg": "jpeg",
@@ -84,38 +108,31 @@ class Gone(Exception):
     """The client closed its connection mid-cell."""
 
 
-class KernelContext:
-    """One kernel: its manager, a blocking client, and the lock that runs one cell at a time."""
+class Kernel:
+    """One started ipykernel: its manager and a blocking client. Used by one thread at a time
+    (a context's lock, or the spare's starter before it is handed out)."""
 
-    def __init__(self, cwd: str, default: bool = False) -> None:
-        self.id = uuid.uuid4().hex
-        self.cwd = cwd
-        self.default = default
-        self.lock = threading.Lock()
+    def __init__(self, cwd: str) -> None:
         env = dict(os.environ, MPLBACKEND="module://matplotlib_inline.backend_inline",
                    PYTHONUNBUFFERED="1", PYDEVD_DISABLE_FILE_VALIDATION="1")
         env.pop("PYTHONPATH", None)  # Hangar's guest modules are no business of the kernel
         self.km = KernelManager(kernel_name="python3")
         self.km.start_kernel(cwd=cwd, env=env,
                              extra_arguments=["--InteractiveShell.colors=NoColor"])
-        self.kc = self.km.blocking_client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=KERNEL_START_S)
-
-    def view(self) -> dict[str, str]:
-        return {"id": self.id, "language": "python", "cwd": self.cwd}
-
-    def restart(self) -> None:
-        with self.lock:
-            self.kc.stop_channels()
-            self.km.restart_kernel(now=True)
+        try:
             self.kc = self.km.blocking_client()
             self.kc.start_channels()
             self.kc.wait_for_ready(timeout=KERNEL_START_S)
+        except BaseException:
+            self.km.shutdown_kernel(now=True)
+            raise
 
     def shutdown(self) -> None:
-        with self.lock:
+        """Stop the client and kill the kernel (no graceful shutdown request: nothing of it
+        is kept)."""
+        try:
             self.kc.stop_channels()
+        finally:
             self.km.shutdown_kernel(now=True)
 
     def silent(self, code: str) -> None:
@@ -125,21 +142,24 @@ class KernelContext:
         would open the port, and a template's snapshot would hold a half-done import that
         every copy then finishes on its first cell."""
         msg_id = self.kc.execute(code, silent=True, store_history=False)
-        self._drain(msg_id, timeout=None)
+        self.drain(msg_id, timeout=None)
 
-    def _drain(self, msg_id: str, timeout: float | None = 30.0) -> None:
+    def drain(self, msg_id: str, timeout: float | None = 30.0) -> None:
+        """Read iopub until ``msg_id``'s cell idles (or ``timeout`` s), then its reply."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while deadline is None or time.monotonic() < deadline:
             try:
                 msg = self.kc.get_iopub_msg(timeout=1)
             except queue.Empty:
+                if not self.km.is_alive():
+                    return
                 continue
             if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
                     and msg["content"].get("execution_state") == "idle"):
                 break
-        self._reply(msg_id)
+        self.reply(msg_id)
 
-    def _reply(self, msg_id: str) -> None:
+    def reply(self, msg_id: str) -> None:
         """Consume the shell reply of ``msg_id`` (replies would pile up otherwise)."""
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
@@ -150,34 +170,157 @@ class KernelContext:
             if msg["parent_header"].get("msg_id") == msg_id:
                 return
 
+
+def _shutdown_later(kernel: Kernel) -> None:
+    """Kill ``kernel`` in a thread of its own: the caller answers at once."""
+    threading.Thread(target=kernel.shutdown, name="kernel-shutdown", daemon=True).start()
+
+
+class Spares:
+    """The spare kernel: at most one, started and warmed in the background, handed out by
+    ``take``. One start runs at a time (a second one at once would only halve the CPU of
+    both under emulation); a failed start is retried by the next ``take``."""
+
+    def __init__(self, cwd: str, warmup: str) -> None:
+        self.cwd = cwd
+        self.warmup = warmup
+        self.cond = threading.Condition()
+        self.ready: Kernel | None = None
+        self.starting = False
+        self.failed: str | None = None
+        self.started_s: float | None = None
+        """Seconds the last spare took to start and warm up (None before the first)."""
+
+    def _spawn(self) -> None:
+        if self.ready is None and not self.starting:
+            self.starting = True
+            threading.Thread(target=self._start, name="spare-kernel", daemon=True).start()
+
+    def _start(self) -> None:
+        t0 = time.monotonic()
+        try:
+            kernel = Kernel(self.cwd)
+            try:
+                if self.warmup:
+                    kernel.silent(self.warmup)
+                if not kernel.km.is_alive():
+                    raise RuntimeError("the kernel died while it imported the warm-up modules")
+            except BaseException:
+                kernel.shutdown()
+                raise
+        except Exception as exc:  # reported to the waiting takes; the next take retries
+            with self.cond:
+                self.starting = False
+                self.failed = f"{type(exc).__name__}: {exc}"
+                self.cond.notify_all()
+            print(f"code interpreter: spare kernel failed: {self.failed}", file=sys.stderr,
+                  flush=True)
+            return
+        with self.cond:
+            self.ready, self.starting, self.failed = kernel, False, None
+            self.started_s = time.monotonic() - t0
+            self.cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until a spare is ready (True) or ``timeout`` seconds pass (False); starts one
+        if none is ready or starting."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while self.ready is None:
+                self._spawn()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.cond.wait(left)
+            return True
+
+    def take(self, timeout: float) -> Kernel:
+        """The ready spare, waiting up to ``timeout`` seconds for the one being started
+        (starting one if none is); the next one then starts in the background. Raises
+        Refused: 504 when none is ready in time (the start goes on: the next call gets
+        it), 502 when the start it waited for failed (the next call tries again)."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.ready is None:
+                self._spawn()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Refused(504, f"no kernel was ready within {timeout:g} s; one is "
+                                       "starting: try again")
+                self.cond.wait(left)
+                if self.ready is None and not self.starting and self.failed is not None:
+                    raise Refused(502, f"a kernel failed to start: {self.failed}")
+            kernel, self.ready = self.ready, None
+            self._spawn()
+            return kernel
+
+    def state(self) -> str:
+        """``ready``, ``starting``, ``failed`` (the last start; the next take retries) or
+        ``none`` (what ``/health`` shows)."""
+        with self.cond:
+            return ("ready" if self.ready is not None else "starting" if self.starting
+                    else "failed" if self.failed else "none")
+
+class KernelContext:
+    """One context: its kernel (swapped for a spare on restart), its working folder, and the
+    lock that runs one cell at a time."""
+
+    def __init__(self, kernel: Kernel, cwd: str, default: bool = False) -> None:
+        self.id = uuid.uuid4().hex
+        self.cwd = cwd
+        self.default = default
+        self.lock = threading.Lock()
+        self.kernel = kernel
+
+    def view(self) -> dict[str, str]:
+        return {"id": self.id, "language": "python", "cwd": self.cwd}
+
+    def enter_cwd(self) -> None:
+        """Move the kernel to the context's folder (a spare starts in the server's)."""
+        self.kernel.silent(f"__import__('os').chdir({self.cwd!r})")
+
+    def restart(self, spares: Spares) -> None:
+        """Swap in the spare (waiting for a running cell to end, as a restart always did)
+        and kill the old kernel in the background: the variables go at once."""
+        with self.lock:
+            old, self.kernel = self.kernel, spares.take(SPARE_WAIT_S)
+            _shutdown_later(old)
+            if self.cwd != spares.cwd:
+                self.enter_cwd()
+
+    def shutdown(self) -> None:
+        with self.lock:
+            self.kernel.shutdown()
+
     def run(self, code: str, env: dict[str, str], emit: Any, gone: Any) -> None:
         """Run one cell, calling ``emit(line_dict)`` for each output as it comes;
         ``gone()`` tells whether the client left (the kernel is then interrupted)."""
         with self.lock:
+            k = self.kernel
             if env:
-                self.silent("import os as _hangar_os\n"
-                            f"_hangar_saved = {{k: _hangar_os.environ.get(k) for k in {list(env)!r}}}\n"
-                            f"_hangar_os.environ.update({env!r})\n")
+                k.silent("import os as _hangar_os\n"
+                         f"_hangar_saved = {{k: _hangar_os.environ.get(k) for k in {list(env)!r}}}\n"
+                         f"_hangar_os.environ.update({env!r})\n")
             try:
-                self._run(code, emit, gone)
+                self._run(k, code, emit, gone)
             finally:
                 if env:
-                    self.silent("for _k, _v in _hangar_saved.items():\n"
-                                "    if _v is None: _hangar_os.environ.pop(_k, None)\n"
-                                "    else: _hangar_os.environ[_k] = _v\n"
-                                "del _hangar_saved, _k, _v\n")
+                    k.silent("for _k, _v in _hangar_saved.items():\n"
+                             "    if _v is None: _hangar_os.environ.pop(_k, None)\n"
+                             "    else: _hangar_os.environ[_k] = _v\n"
+                             "del _hangar_saved, _k, _v\n")
 
-    def _run(self, code: str, emit: Any, gone: Any) -> None:
-        msg_id = self.kc.execute(code, store_history=True, allow_stdin=False,
-                                 stop_on_error=True)
+    @staticmethod
+    def _run(k: Kernel, code: str, emit: Any, gone: Any) -> None:
+        msg_id = k.kc.execute(code, store_history=True, allow_stdin=False, stop_on_error=True)
         try:
             while True:
                 try:
-                    msg = self.kc.get_iopub_msg(timeout=1)
+                    msg = k.kc.get_iopub_msg(timeout=1)
                 except queue.Empty:
                     if gone():
                         raise Gone() from None
-                    if not self.km.is_alive():
+                    if not k.km.is_alive():
                         emit({"type": "error", "name": "KernelDied",
                               "value": "the kernel died; restart the context",
                               "traceback": ""})
@@ -192,10 +335,10 @@ class KernelContext:
                 if line is not None:
                     emit(line)
         except Gone:
-            self.km.interrupt_kernel()
-            self._drain(msg_id)
+            k.km.interrupt_kernel()
+            k.drain(msg_id)
             raise
-        self._reply(msg_id)
+        k.reply(msg_id)
         emit({"type": "end_of_execution"})
 
 
@@ -224,34 +367,59 @@ def to_line(kind: str, c: dict[str, Any]) -> dict[str, Any] | None:
 
 
 class Contexts:
-    """Every kernel by id, the default one first."""
+    """Every context by id, the default one first, and the spare kernel they are made from."""
 
-    def __init__(self, cwd: str) -> None:
+    def __init__(self, cwd: str, spares: Spares) -> None:
         self.cwd = cwd
+        self.spares = spares
         self.lock = threading.Lock()
         self.by_id: dict[str, KernelContext] = {}
         self.default_id: str | None = None
+        self.pending = 0  # creates waiting for a kernel, counted against MAX_CONTEXTS
+
+    def start_default(self, warmup: str) -> KernelContext:
+        """Start the default context's own kernel (at server start, before any spare)."""
+        kernel = Kernel(self.cwd)
+        if warmup:
+            kernel.silent(warmup)
+        ctx = KernelContext(kernel, self.cwd, default=True)
+        with self.lock:
+            self.by_id[ctx.id] = ctx
+            self.default_id = ctx.id
+        return ctx
 
     def default(self) -> KernelContext:
+        """The default context; a spare becomes it when it was removed."""
         with self.lock:
             ctx = self.by_id.get(self.default_id or "")
-            if ctx is None:
-                ctx = self._add(self.cwd, default=True)
-                self.default_id = ctx.id
-            return ctx
+        return ctx if ctx is not None else self._add(self.cwd, default=True)
 
     def create(self, cwd: str | None) -> KernelContext:
         cwd = cwd or self.cwd
         if not os.path.isdir(cwd):
             raise Refused(400, f"cwd {cwd!r} is not a folder in the sandbox")
-        with self.lock:
-            return self._add(cwd)
+        return self._add(cwd)
 
     def _add(self, cwd: str, default: bool = False) -> KernelContext:
-        if len(self.by_id) >= MAX_CONTEXTS:
-            raise Refused(429, f"at most {MAX_CONTEXTS} contexts; remove one first")
-        ctx = KernelContext(cwd, default)
-        self.by_id[ctx.id] = ctx
+        with self.lock:
+            if len(self.by_id) + self.pending >= MAX_CONTEXTS:
+                raise Refused(429, f"at most {MAX_CONTEXTS} contexts; remove one first")
+            self.pending += 1
+        try:
+            ctx = KernelContext(self.spares.take(SPARE_WAIT_S), cwd, default)
+            if cwd != self.cwd:
+                ctx.enter_cwd()
+        finally:
+            with self.lock:
+                self.pending -= 1
+        with self.lock:
+            if default:
+                current = self.by_id.get(self.default_id or "")
+                if current is not None:  # another call made it meanwhile: hand that out
+                    _shutdown_later(ctx.kernel)
+                    return current
+                self.default_id = ctx.id
+            self.by_id[ctx.id] = ctx
         return ctx
 
     def get(self, context_id: str) -> KernelContext:
@@ -302,7 +470,9 @@ class Handler(BaseHTTPRequestHandler):
     def _route(self, method: str, path: str) -> None:
         parts = path.split("/")[1:]
         if method == "GET" and parts == ["health"]:
-            return self._json(200, {"status": "ok"})
+            spares = self.contexts.spares
+            return self._json(200, {"status": "ok", "spare": spares.state(),
+                                    "spare_start_s": spares.started_s})
         if method == "POST" and parts == ["execute"]:
             return self._execute(self._body())
         if parts[:1] == ["contexts"]:
@@ -316,7 +486,7 @@ class Handler(BaseHTTPRequestHandler):
                     raise Refused(400, "cwd must be a string")
                 return self._json(200, self.contexts.create(cwd).view())
             if len(parts) == 3 and parts[2] == "restart" and method == "POST":
-                self.contexts.get(parts[1]).restart()
+                self.contexts.get(parts[1]).restart(self.contexts.spares)
                 return self._json(200, {})
             if len(parts) == 2 and method == "DELETE":
                 self.contexts.remove(parts[1])
@@ -410,14 +580,16 @@ def main() -> None:
     p.add_argument("--warmup", default=WARMUP)
     a = p.parse_args()
     t0 = time.monotonic()
-    contexts = Contexts(a.cwd)
-    ctx = contexts.default()
-    if a.warmup:
-        ctx.silent(a.warmup)
+    spares = Spares(a.cwd, a.warmup)
+    contexts = Contexts(a.cwd, spares)
+    contexts.start_default(a.warmup)
+    t1 = time.monotonic()
+    spares.wait()  # the port opens with both ready: a template snapshot then holds both
     Handler.contexts = contexts
     server = Server(("127.0.0.1", a.port), Handler)
-    print(f"code interpreter: kernel ready in {time.monotonic() - t0:.1f} s; "
-          f"serving on port {a.port}", file=sys.stderr, flush=True)
+    print(f"code interpreter: default kernel ready in {t1 - t0:.1f} s, spare in "
+          f"{time.monotonic() - t1:.1f} s more; serving on port {a.port}",
+          file=sys.stderr, flush=True)
     server.serve_forever()
 
 
