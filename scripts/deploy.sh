@@ -54,6 +54,10 @@ say "building Hangar's and its server dependencies' wheels (versions of requirem
 # what hangar[server] needs is built).
 "$PY" -m pip wheel -q --disable-pip-version-check --wheel-dir "$STAGE/wheels" \
   -c "$ROOT/requirements.lock" "$ROOT[server]"
+say "building the secret proxy's wheels (requirements-proxy.lock: an environment of its own)"
+"$PY" -m pip wheel -q --disable-pip-version-check --no-deps --wheel-dir "$STAGE/proxy-wheels" \
+  -r "$ROOT/requirements-proxy.lock"
+cp "$ROOT/requirements-proxy.lock" "$STAGE/requirements-proxy.lock"
 WHEEL=$(cd "$STAGE/wheels" && ls hangar-*.whl)
 VERSION=${WHEEL#hangar-}
 VERSION=${VERSION%%-*}
@@ -76,7 +80,7 @@ if [ "$HOST" = local ]; then
   rm -rf "$REMOTE_STAGE"
 else
   say "copying it to $HOST"
-  tar -C "$STAGE" -cf - wheels release.sh hangar-user.sh \
+  tar -C "$STAGE" -cf - wheels proxy-wheels requirements-proxy.lock release.sh hangar-user.sh \
     | ssh "${SSH_OPTS[@]}" "$HOST" "rm -rf '$REMOTE_STAGE' && mkdir -p '$REMOTE_STAGE' && tar -C '$REMOTE_STAGE' -xf -"
   QUOTED=$(printf ' %q' "${ARGS[@]}")
   ssh "${SSH_OPTS[@]}" "$HOST" \

@@ -4,7 +4,8 @@
 # /health to report the new version, and switch back if it does not.
 #
 #   release.sh --stage DIR --version V [options]        (as root, on the Hangar host)
-#     --stage DIR         holds wheels/ (Hangar's wheel and every dependency's)
+#     --stage DIR         holds wheels/ (Hangar's wheel and every dependency's) and
+#                         proxy-wheels/ with requirements-proxy.lock (the secret proxy's)
 #     --version V         the version the new release reports on /health
 #     --id ID             release name (default: V-<UTC time>)
 #     --prefix DIR        releases live in DIR/releases/<id>, DIR/current points at one
@@ -105,10 +106,18 @@ python3 -m venv "$REL/venv"
 "$REL/venv/bin/pip" install -q --disable-pip-version-check --no-index \
   --find-links "$REL/wheels" "hangar[server]==$VERSION"
 "$REL/venv/bin/hangar" --help >/dev/null
+# The secret proxy's own environment (mitmproxy pins older libraries than Hangar's), where
+# the server looks for it: beside its venv (HANGAR_SECRET_PROXY_MITMDUMP's default).
+if [ -d "$STAGE/proxy-wheels" ]; then
+  python3 -m venv "$REL/.venv-proxy"
+  "$REL/.venv-proxy/bin/pip" install -q --disable-pip-version-check --no-index \
+    --find-links "$STAGE/proxy-wheels" -r "$STAGE/requirements-proxy.lock"
+fi
 # The split server's user, and its read access to the release (hangar-user.sh).
 . "$(dirname "$0")/hangar-user.sh"
 ensure_hangar_user
 let_hangar_import "$REL/venv"
+if [ -d "$REL/.venv-proxy" ]; then let_hangar_import "$REL/.venv-proxy"; fi
 # What /health will report (the wheel's name carries the normalized form).
 VERSION=$("$REL/venv/bin/python" -c 'import hangar; print(hangar.__version__)')
 echo "$VERSION" > "$REL/version"

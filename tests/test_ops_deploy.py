@@ -70,7 +70,7 @@ def source_tree(dest: Path, version: str, broken: bool = False) -> Path:
     dest.mkdir(parents=True)
     for name in ("src", "scripts"):
         shutil.copytree(ROOT / name, dest / name, ignore=ignore)
-    for name in ("pyproject.toml", "README.md", "requirements.lock"):
+    for name in ("pyproject.toml", "README.md", "requirements.lock", "requirements-proxy.lock"):
         shutil.copy(ROOT / name, dest / name)
     init = dest / "src/hangar/__init__.py"
     text = init.read_text()
@@ -176,6 +176,10 @@ def test_first_deploy_installs_a_release(host: Host) -> None:
     out = subprocess.run([str(host.link), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "backup" in out.stdout
     assert not list(Path("/tmp").glob("hangar-release.*")), "the upload was not removed"
+    # The secret proxy's own environment, where the server looks for it (beside its venv).
+    out = subprocess.run([str(rel / ".venv-proxy/bin/mitmdump"), "--version"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "Mitmproxy: 11.0.2" in out.stdout, out.stderr
 
 
 @vm

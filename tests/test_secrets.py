@@ -368,6 +368,9 @@ def test_secret_reaches_its_host_only_and_never_the_guest(inet: Inet, base_image
         assert r.status_code == 201, r.text
         sid = r.json()["id"]
         made.append(sid)
+        # The sandbox shows its secrets by name only: no value, no placeholder.
+        assert r.json()["secrets"] == {"GITHUB_TOKEN": "gh"}
+        assert c.get(f"/sandboxes/{sid}").json()["secrets"] == {"GITHUB_TOKEN": "gh"}
 
         def guest(on: str, args: list[str]) -> str:
             r = h.client.post(f"/sandboxes/{on}/exec",  # type: ignore[attr-defined]

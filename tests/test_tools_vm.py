@@ -231,26 +231,44 @@ def test_mcp_stdio_runs_a_command_in_a_vm(server: Server, api: httpx.Client,
     from mcp import Client
     from mcp.client.stdio import StdioServerParameters
 
+    r = api.post("/volumes", json={"name": "mcp-notes", "size_mib": 64})
+    assert r.status_code == 201, r.text
+    vid = r.json()["id"]
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HANGAR_URL": server.url,
+           "HANGAR_API_KEY": server.key}
+
     async def go() -> str:
         params = StdioServerParameters(
             command=sys.executable, args=["-m", "hangar.cli", "mcp", "--tier", "vm",
-                                          "--user", "mcp-test"],
-            env={**os.environ, "PYTHONPATH": str(SRC), "HANGAR_URL": server.url,
-                 "HANGAR_API_KEY": server.key})
+                                          "--user", "mcp-test", "--volume", "/data=mcp-notes"],
+            env=env)
         async with Client(params) as c:
             names = [t.name for t in (await c.list_tools()).tools]
             assert names == list(ht.TIER_TOOLS["vm"])
-            r = await c.call_tool("run_command", {"command": "echo hi"})
+            r = await c.call_tool("run_command", {"command": "echo hi | tee /data/note.txt"})
             assert not r.is_error and r.content[0].text == "hi\n", r
             [sb] = [s for s in api.get("/sandboxes").json()["sandboxes"]
                     if s["metadata"].get("hangar.user") == "mcp-test"]
+            got = api.get(f"/sandboxes/{sb['id']}").json()["volumes"]
+            assert got == {"/data": {"volume": vid, "read_only": False}}, got
             return sb["id"]
 
-    sid = asyncio.run(go())
-    deadline = time.monotonic() + 30
-    while not gone(api, sid):
-        assert time.monotonic() < deadline, "closing the MCP session did not delete its VM"
-        time.sleep(0.2)
+    try:
+        sid = asyncio.run(go())
+        deadline = time.monotonic() + 30
+        while not gone(api, sid):
+            assert time.monotonic() < deadline, "closing the MCP session did not delete its VM"
+            time.sleep(0.2)
+        # What the session's VM wrote outlives it, in the volume.
+        r = api.get(f"/volumes/{vid}/files", params={"path": "/note.txt"})
+        assert r.status_code == 200 and r.content == b"hi\n", r.text
+    finally:
+        api.delete(f"/volumes/{vid}")
+    # A malformed option, or one that shapes a VM on the in-process tier, is refused at once.
+    for args in (["--volume", "no-equals"], ["--tier", "in-process", "--allow", "x.test"]):
+        out = subprocess.run([sys.executable, "-m", "hangar.cli", "mcp", *args], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "error:" in out.stdout + out.stderr, (args, out)
 
 
 @pytest.fixture(scope="module")

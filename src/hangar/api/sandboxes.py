@@ -51,9 +51,14 @@ async def create(m: Manager, placed: Placed, body: CreateSandbox | None = None) 
 
 
 def _with_volumes(m: SandboxManager, out: Sandbox) -> Sandbox:
+    """``out`` with its volumes and its secrets' names (never a value or placeholder)."""
     got = m.volumes.view(out.id)
     if got:
         out.volumes = got
+    binding = m.vault.binding(out.id)
+    if binding is not None:
+        out.secrets = {var: str(b.get("secret", "")) for var, b in binding.env.items()
+                       if isinstance(b, dict)}
     return out
 
 

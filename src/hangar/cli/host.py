@@ -38,9 +38,13 @@ def doctor(data_dir: DataDir = None) -> None:
         print(line)
     from hangar.ops.checklist import host_checklist, lines
 
+    from hangar.core.secret_proxy import default_mitmdump
+
     for line in lines(host_checklist(data_dir=layout.root, image=settings.default_image,
                                      bridge=settings.net_bridge, host=settings.host,
-                                     port=settings.port)):
+                                     port=settings.port,
+                                     mitmdump=settings.secret_proxy_mitmdump
+                                     or default_mitmdump())):
         print(line)
 
 

@@ -16,6 +16,7 @@ bridge          the guests' bridge exists (Hangar makes it when it starts)
 data_dir        the data directory exists, mode 0700, with free space
 image           the default guest image is built
 service         the systemd unit is installed, enabled and running
+secret_proxy    the secret proxy's mitmdump (.venv-proxy) is installed
 server          /health answers at HANGAR_HOST:HANGAR_PORT
 nginx           a site rendered by ``hangar deploy nginx`` is enabled
 certificate     that site's certificate exists and is not about to expire
@@ -205,6 +206,15 @@ def check_image(data_dir: Path, name: str) -> Check:
                  f"hangar image build {name} (a few minutes; the server also builds it at start)")
 
 
+def check_secret_proxy(mitmdump: Path) -> Check:
+    """The secret proxy's ``mitmdump`` (its own environment, ``.venv-proxy``)."""
+    if mitmdump.is_file() and os.access(mitmdump, os.X_OK):
+        return Check("secret_proxy", OK, f"{mitmdump} (sandboxes with secrets get a proxy)")
+    return Check("secret_proxy", NOT_READY, f"{mitmdump} is missing: sandboxes with secrets "
+                 "cannot start", "scripts/install.sh makes .venv-proxy (or set "
+                 "HANGAR_SECRET_PROXY_MITMDUMP)")
+
+
 def check_service(root: Path) -> Check:
     unit = root / UNIT_FILE
     if not _systemd_runs() and not unit.exists():
@@ -310,10 +320,11 @@ def check_logrotate(root: Path, data_dir: Path) -> Check:
 
 def host_checklist(*, data_dir: Path, image: str = "base", bridge: str = "hgbr0",
                    host: str = "127.0.0.1", port: int = 8080, root: Path = Path("/"),
-                   server: bool = True) -> list[Check]:
+                   server: bool = True, mitmdump: Path | None = None) -> list[Check]:
     """Every item of the module docstring, in that order. Changes nothing.
 
-    ``server`` False skips the /health probe (a network call of up to 3 s).
+    ``server`` False skips the /health probe (a network call of up to 3 s);
+    ``mitmdump`` (the secret proxy's) is checked when given.
     """
     checks: list[Callable[[], Check | tuple[Check, ...]]] = [
         check_kvm, check_tun, check_vhost_vsock,
@@ -322,6 +333,8 @@ def host_checklist(*, data_dir: Path, image: str = "base", bridge: str = "hgbr0"
         lambda: check_data_dir(data_dir), lambda: check_image(data_dir, image),
         lambda: check_service(root),
     ]
+    if mitmdump is not None:
+        checks.append(lambda: check_secret_proxy(mitmdump))
     if server:
         checks.append(lambda: check_server(host, port))
     checks += [lambda: check_nginx(root), lambda: check_logrotate(root, data_dir)]

@@ -116,11 +116,13 @@ class SandboxInfo(Model):
     memory: SandboxMemory | None = Field(
         None, description="Host memory it costs and its guest's own use; only in "
                           "GET /sandboxes/{id}, and only while its VM runs.")
-
-
     volumes: dict[str, MountedVolume] | None = Field(
         None, description="Its named volumes by guest path (volume id and read_only); only in "
                           "the create's answer and GET /sandboxes/{id}.")
+    secrets: dict[str, str] | None = Field(
+        None, description="Its secrets: environment variable -> secret name (the guest holds "
+                          "a placeholder; docs/security.md); only in the create's answer and "
+                          "GET /sandboxes/{id}.")
 
 
 class SandboxList(Model):

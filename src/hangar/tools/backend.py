@@ -82,11 +82,14 @@ class Backend:
     async def create(self, image: str, *, vcpus: int | None = None,
                      memory_mib: int | None = None, timeout_s: float | None = None,
                      metadata: dict[str, str] | None = None, desktop: str | None = None,
-                     network: Any = None) -> SandboxInfo:
-        """A new sandbox (from the warm pool when one fits). Sizes None: the image's defaults."""
+                     network: Any = None, volumes: dict[str, Any] | None = None,
+                     secrets: dict[str, str] | None = None) -> SandboxInfo:
+        """A new sandbox (from the warm pool when one fits). Sizes None: the image's defaults.
+        ``network``, ``volumes`` and ``secrets`` as ``POST /sandboxes`` takes them."""
         r = await self._client.create(image, vcpus=vcpus, memory_mib=memory_mib,
                                       timeout=timeout_s, metadata=metadata or None,
-                                      desktop=desktop, network=network)
+                                      desktop=desktop, network=network, volumes=volumes or None,
+                                      secrets=secrets or None)
         return SandboxInfo(r.id, r.image, r.vcpus, r.memory_mib, r.source or "cold", r.desktop)
 
     async def delete(self, sandbox_id: str) -> bool:

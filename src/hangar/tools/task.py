@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
+import secrets as random_tokens
 import threading
 import time
 from collections.abc import Awaitable, Coroutine
@@ -93,7 +93,11 @@ class Task:
     server's ``POST /events``). ``image``, ``vcpus``, ``memory_mib``,
     ``network`` and ``desktop`` override the VM's shape (default: the tier's
     image and that image's size: dev and desktop both have 2 vCPU/2048 MiB;
-    the server's default egress policy, ``internet`` with TAP networking). ``process_limits`` and ``env`` apply to ``in-process``.
+    the server's default egress policy, ``internet`` with TAP networking; ``network``
+    may name domains: ``{"allow": ["*.github.com"], "deny": ["0.0.0.0/0"]}``).
+    ``volumes`` (guest path -> volume) and ``secrets`` (env var -> secret name: the
+    guest sees a placeholder) are the VM's too (docs/volumes.md, docs/security.md).
+    ``process_limits`` and ``env`` apply to ``in-process``.
 
     Raises ValueError for an unknown tier or bad limits (at construction),
     and ``hangar.errors`` classes when the sandbox cannot be had (at start).
@@ -106,18 +110,20 @@ class Task:
                  image: str | None = None, vcpus: int | None = None,
                  memory_mib: int | None = None, network: Any = None,
                  desktop: str | None = None, process_limits: ProcessLimits | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, volumes: dict[str, Any] | None = None,
+                 secrets: dict[str, str] | None = None) -> None:
         self.tier: Tier = check_tier(tier)
         self.user_id = str(user_id)
         self.name = str(name)
         self.limits = Limits.of(limits)
-        self.task_id = "task-" + secrets.token_hex(6)
+        self.task_id = "task-" + random_tokens.token_hex(6)
         self._own_backend = False
         self._backend = backend
         self._url, self._api_key = url, api_key
         self._sink = sink
         self._shape = {"image": image, "vcpus": vcpus, "memory_mib": memory_mib,
-                       "network": network, "desktop": desktop}
+                       "network": network, "desktop": desktop, "volumes": volumes,
+                       "secrets": secrets}
         self._process_limits = process_limits
         self._env = env
         self.guard = CostGuard(self.limits)
@@ -223,7 +229,8 @@ class Task:
         # Shielded: a create cancelled half-way would leave a VM nobody knows of.
         self.sandbox = await _finish(self._backend.create(
             s["image"] or IMAGES[self.tier], vcpus=s["vcpus"], memory_mib=s["memory_mib"],
-            timeout_s=ttl, desktop=desktop, network=s["network"],
+            timeout_s=ttl, desktop=desktop, network=s["network"], volumes=s["volumes"],
+            secrets=s["secrets"],
             metadata={"hangar.task": self.task_id, "hangar.user": self.user_id[:200],
                       "hangar.tier": self.tier}))
         self.guard.vm_started(self.sandbox.vcpus, since=asked)
