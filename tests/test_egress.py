@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from egress_lab import (
@@ -380,6 +381,7 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
             assert got[1] == a and got[2] == f"200 hello {a} a.example.test", got
             assert got[3] == "403 hangar egress: denied_address other.test:80", got
             assert got[4] == 3, got  # bad.example.test is denied on 443 only: answered
+            dashboard_changes_rules(relay.url, key, sid, c)
             assert c.delete(f"/sandboxes/{sid}").status_code == 204
         rules = ruleset()
         assert not re.findall(r"hgt[0-9a-f]{12}", rules), rules
@@ -391,3 +393,33 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
             os.kill(pid, signal.SIGKILL)
         subprocess.run(["ip", "-n", NS_HOST, "link", "del", "hgbr0"], capture_output=True)
         shutil.rmtree(d, ignore_errors=True)
+
+
+def dashboard_changes_rules(url: str, key: str, sid: str, c: Any) -> None:
+    """The dashboard shows a sandbox's rules and adds a deny entry (real Chromium)."""
+    chromium = "/usr/bin/chromium"
+    if not os.path.exists(chromium):
+        return
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium,
+                                    args=["--headless", "--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            page.goto(url + "/ui/")
+            page.fill("#api-key", key)
+            page.click("#key-form button[type=submit]")
+            page.click(f'tr[data-id="{sid}"] button[data-action="egress"]', timeout=30_000)
+            rules = page.wait_for_selector("#network [data-role=rules]", timeout=30_000)
+            net = c.get(f"/sandboxes/{sid}").json()["network"]
+            want = f"allow {', '.join(net['allow'])}; deny {', '.join(net['deny'])}"
+            assert want in rules.inner_text(), (want, rules.inner_text())
+            page.fill("#network-entry", "b.example.test")
+            page.click('#network button[data-action="network-deny"]')
+            page.wait_for_selector("#network [data-role=rules] >> text=b.example.test",
+                                   timeout=30_000)
+        finally:
+            browser.close()
+    deny = c.get(f"/sandboxes/{sid}").json()["network"]["deny"]
+    assert deny[-1] == "b.example.test", deny

@@ -93,6 +93,9 @@ async function refreshSandboxes() {
       if (sb.state === "running") {
         button(open, "Terminal", "terminal", () => openTerminal(sb.id));
       }
+      if (sb.network && sb.network.egress !== "none") {
+        button(open, "Egress", "egress", () => openDetail(sb.id, "Egress rules"));
+      }
       if (sb.desktop) {
         button(open, "View", "view", () => openDesktop(sb.id, false));
         button(open, "View only", "view-only", () => openDesktop(sb.id, true));
