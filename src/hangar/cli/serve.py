@@ -6,6 +6,7 @@ put the node's settings in the environment.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
