@@ -22,7 +22,8 @@ import unasync
 ROOT = Path(__file__).resolve().parents[1]
 ASYNC = ROOT / "src/hangar/client/_async"
 SYNC = ROOT / "src/hangar/client/_sync"
-FILES = ["client.py", "monitor.py", "objects.py", "processes.py", "secrets.py", "streams.py", "volumes.py"]
+FILES = ["client.py", "code.py", "desktop.py", "machines.py", "monitor.py", "objects.py",
+         "processes.py", "secrets.py", "streams.py", "volumes.py"]
 REPLACEMENTS = {
     "_async": "_sync",
     "AsyncHangar": "Hangar",
@@ -31,6 +32,10 @@ REPLACEMENTS = {
     "AsyncFiles": "Files",
     "AsyncProcessCalls": "ProcessCalls",
     "AsyncVolumeCalls": "VolumeCalls",
+    "AsyncSecretCalls": "SecretCalls",
+    "AsyncMachineCalls": "MachineCalls",
+    "AsyncDesktopCalls": "DesktopCalls",
+    "AsyncCodeCalls": "CodeCalls",
     "AsyncProcesses": "Processes",
     "AsyncDesktop": "Desktop",
     "AsyncHealthMonitor": "HealthMonitor",

@@ -59,6 +59,11 @@ def test_dashboard_makes_and_deletes_volumes_and_secrets(server: Server,
             page.click(f'{row} button[data-action="delete-secret"]')
             page.wait_for_selector(row, state="detached", timeout=30_000)
             assert api.get("/secrets/dash-gh").status_code == 404
+            # A mistake is reported in the section it came from.
+            page.fill("#volume-name", "dash-notes")
+            page.click("#volume-form button[type=submit]")
+            page.wait_for_selector('#volumes-status[data-state="error"]', timeout=30_000)
+            assert "exists" in page.inner_text("#volumes-status"), page.inner_text("#volumes-status")
             page.click(f'#volumes tr[data-id="{vol["id"]}"] button[data-action="delete-volume"]')
             page.wait_for_selector(f'#volumes tr[data-id="{vol["id"]}"]', state="detached",
                                    timeout=30_000)

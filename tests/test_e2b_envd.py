@@ -188,6 +188,23 @@ def test_command_in_background_reattached_fed_and_killed(env: Env) -> None:
     assert sbx.commands.kill(handle.pid) is False
 
 
+def test_pause_with_a_background_command_attached(env: Env) -> None:
+    """A trial's finding: a background command's handle (a stream that never ends) kept
+    every pause a 503. Now the pause ends the stream; the process lives on in the
+    snapshot, is listed after the resume and attached again by pid."""
+    sbx = env.sandbox()
+    handle = sbx.commands.run("while true; do echo tick; sleep 1; done", background=True,
+                              timeout=0)
+    assert sbx.pause() is True
+    again = env.sandbox()  # resumes it
+    assert handle.pid in {p.pid for p in again.commands.list()}
+    attached = again.commands.connect(handle.pid, timeout=0)
+    for stdout, _, _ in attached:
+        if "tick" in (stdout or ""):
+            break
+    assert again.commands.kill(handle.pid) is True
+
+
 def test_stdin_closed_ends_the_reader(env: Env) -> None:
     sbx = env.sandbox()
     handle = sbx.commands.run("cat", background=True, stdin=True)

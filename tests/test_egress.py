@@ -327,14 +327,20 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
             assert r.status_code == 400 and "not supported" in r.text, r.text
 
             # The CLI shows and changes them.
-            r = cli("network", sid, "--allow", "*.example.test", "--deny", "0.0.0.0/0",
-                    "--deny", "bad.example.test:443")
+            r = cli("network", sid, "--clear", "--allow", "*.example.test", "--deny",
+                    "0.0.0.0/0", "--deny", "bad.example.test:443")
             assert r.returncode == 0, r
             assert r.stdout.split("\n")[:3] == [
                 "egress internet", "allow: *.example.test",
                 "deny: 0.0.0.0/0, bad.example.test:443"], r.stdout
+            # Entries are added, never replacing a list unasked, and removed by name.
+            r = cli("network", sid, "--deny", "x.example.test")
+            assert "deny: 0.0.0.0/0, bad.example.test:443, x.example.test" in r.stdout, r
+            r = cli("network", sid, "--remove", "x.example.test")
+            assert r.returncode == 0, r
             r = cli("network", sid)
-            assert r.returncode == 0 and "deny: 0.0.0.0/0, bad.example.test:443" in r.stdout
+            assert r.returncode == 0 and r.stdout.split("\n")[1:3] == [
+                "allow: *.example.test", "deny: 0.0.0.0/0, bad.example.test:443"], r.stdout
 
 
             metrics = c.get("/metrics").text
@@ -419,6 +425,11 @@ def dashboard_changes_rules(url: str, key: str, sid: str, c: Any) -> None:
             page.click('#network button[data-action="network-deny"]')
             page.wait_for_selector("#network [data-role=rules] >> text=b.example.test",
                                    timeout=30_000)
+            # An entry with a space is one entry, which the server refuses, with its reason.
+            page.fill("#network-entry", "exa mple.test")
+            page.click('#network button[data-action="network-deny"]')
+            page.wait_for_selector('#network-status[data-state="error"]', timeout=30_000)
+            assert "nor a domain" in page.inner_text("#network-status")
         finally:
             browser.close()
     deny = c.get(f"/sandboxes/{sid}").json()["network"]["deny"]

@@ -216,3 +216,23 @@ def test_split_refuses_what_would_fail_later(base_image) -> None:  # noqa: ANN00
             assert f"cannot read {stdlib}" in out.stderr, out.stderr
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_second_server_on_the_same_data_directory_is_refused(srv: Server) -> None:
+    """Two servers on one data directory would each sweep the other's VMMs and folders as
+    orphans: the second one exits naming the first."""
+    import subprocess
+    import sys
+
+    from conftest import SRC
+
+    out = subprocess.run(
+        [sys.executable, "-m", "hangar.cli", "serve", "--port", str(free_port())],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(SRC), "HANGAR_DATA_DIR": str(srv.data_dir),
+             "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "off"})
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "another Hangar server" in text and str(srv.data_dir) in text, text[-2000:]
+    with srv.client() as c:
+        assert c.get("/health").status_code == 200  # the first one is untouched

@@ -17,7 +17,7 @@ from hangar.api.deps import manager, placement
 from hangar.api.models import (
     CreateSandbox, ExecRequest, ExecResponse, Sandbox, SandboxList, SetTimeout,
 )
-from hangar.schemas import SandboxMemory
+from hangar.schemas import MountedVolume, SandboxMemory
 from hangar.core.admission import CreateOptions
 from hangar.core.handover import Placement
 from hangar.core.sandboxes import SandboxManager
@@ -54,7 +54,7 @@ def _with_volumes(m: SandboxManager, out: Sandbox) -> Sandbox:
     """``out`` with its volumes and its secrets' names (never a value or placeholder)."""
     got = m.volumes.view(out.id)
     if got:
-        out.volumes = got
+        out.volumes = {path: MountedVolume(**v) for path, v in got.items()}
     binding = m.vault.binding(out.id)
     if binding is not None:
         out.secrets = {var: str(b.get("secret", "")) for var, b in binding.env.items()

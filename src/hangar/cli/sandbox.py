@@ -8,7 +8,7 @@ import os
 import shlex
 import sys
 import time
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
@@ -140,29 +140,35 @@ def ttl(sandbox_id: str,
 def network(
     sandbox_id: str,
     allow: Annotated[Optional[list[str]], typer.Option(
-        help="Allow entry (repeatable): CIDR, domain (*.example.com), optionally :PORT. "
-             "Replaces the list; none given keeps it.")] = None,
+        help="Add an allow entry (repeatable): CIDR, domain (*.example.com), optionally "
+             ":PORT.")] = None,
     deny: Annotated[Optional[list[str]], typer.Option(
-        help="Deny entry (repeatable), same forms. Replaces the list; none given keeps it.")
-    ] = None,
-    clear: Annotated[bool, typer.Option(help="Empty both lists (before --allow/--deny).")
-                     ] = False,
+        help="Add a deny entry (repeatable), same forms.")] = None,
+    remove: Annotated[Optional[list[str]], typer.Option(
+        help="Remove an entry from both lists (repeatable).")] = None,
+    clear: Annotated[bool, typer.Option(help="Empty both lists first.")] = False,
     egress: Annotated[Optional[str], typer.Option(help="internet or open.")] = None,
 ) -> None:
     """Show a sandbox's egress rules, or change them while it runs (new connections see
-    the change within a second)."""
+    the change within a second). Entries are added to the lists as they are (--clear
+    first to replace them), so a change never drops a deny entry unasked."""
     with sdk() as h:
-        if allow is None and deny is None and egress is None and not clear:
-            rules = h.get(sandbox_id).network
+        rules = h.get(sandbox_id).network
+        if allow is None and deny is None and remove is None and egress is None and not clear:
             if rules is None:
                 out.print(f"{sandbox_id}: no network")
                 return
         else:
-            got = h.update_network(sandbox_id,
-                                   allow=allow if allow is not None else ([] if clear else None),
-                                   deny=deny if deny is not None else ([] if clear else None),
-                                   egress=egress)
-            rules = got.model_dump()
+            now: dict[str, Any] = dict(rules or {})
+            lists: dict[str, list[str]] = {
+                key: [] if clear else [str(e) for e in now.get(key) or []]
+                for key in ("allow", "deny")}
+            for key, added in (("allow", allow), ("deny", deny)):
+                lists[key] += [e for e in added or [] if e not in lists[key]]
+            for key in lists:
+                lists[key] = [e for e in lists[key] if e not in (remove or [])]
+            rules = h.update_network(sandbox_id, allow=lists["allow"], deny=lists["deny"],
+                                     egress=egress).model_dump()
     out.print(f"egress {rules.get('egress')}")
     for key in ("allow", "deny"):
         out.print(f"{key}: {', '.join(rules.get(key) or []) or '-'}")

@@ -85,6 +85,42 @@ def host_jail(settings: "Settings") -> "Callable[[int], HostJail] | None":
     return make
 
 
+LOCK_WAIT_S = 10.0
+"""Seconds a new server waits for the data directory's lock (a restart's old server and
+its helper end within a second)."""
+_held: list[int] = []
+"""The data directory's lock, held open for the server's life (``hold_data_dir``)."""
+
+
+def hold_data_dir(layout: "Layout") -> None:
+    """Take ``<data>/server.lock`` (``flock``, exclusive) for this server's life, or raise
+    ConfigError naming the server that holds it: a second server on one data directory
+    would take the first's VMMs, folders and records for orphans and remove them. The
+    descriptor is inherited by the split's helper, so the lock ends with both."""
+    import fcntl
+    import os
+    import time
+
+    fd = os.open(layout.root / "server.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + LOCK_WAIT_S  # a restart: the old helper ends just after
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.1)
+                continue
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ConfigError(f"another Hangar server (pid {holder}) uses the data directory "
+                          f"{layout.root}: stop it, or give this one its own "
+                          f"HANGAR_DATA_DIR") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held.append(fd)
+
+
 def serve(
     host: Annotated[Optional[str], typer.Option(help="Listen address (HANGAR_HOST).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Listen port (HANGAR_PORT).")] = None,
@@ -107,6 +143,10 @@ def serve(
     log.setup(settings.log_level)
     layout = Layout(settings.data_dir)
     layout.ensure()
+    try:
+        hold_data_dir(layout)
+    except HangarError as exc:
+        fail(exc)
     from hangar.core.secrets import default_key_file, load_key
 
     try:  # the vault's key, made while still root (hangar.core.secrets)

@@ -27,9 +27,13 @@ operation              what it gives
 
 Every operation raises the errors of ``GuestCalls.using`` (NotFound, Gone,
 Conflict, Busy, Timeout for the sandbox), and NotFound for a pid or tag the
-table lacks; see each for the rest. An attached stream holds the sandbox
-busy (not snapshotted, not put to sleep) while it is open, as a terminal or
-a file watch does; leaving it detaches, the process runs on.
+table lacks; see each for the rest. An attached stream (``start_attached``,
+``attach``) does not hold the sandbox busy, unlike a terminal or a file watch:
+a background process's output may never end (a server), and E2B's SDK keeps
+such a stream open for every background command, yet a pause must still
+work. A snapshot only pauses the stream; a sleep (E2B's pause) ends it with
+the VM, the process lives on in the snapshot, and it is attached again by
+pid after the wake. Leaving a stream detaches; the process runs on.
 """
 
 from __future__ import annotations
@@ -117,7 +121,7 @@ class Processes:
         breaks midway (the guest went away) raises its error from the iterator."""
         cmd = with_env(cmd, self.calls.launcher.vault.env(sandbox_id))
         meta = _start_meta(cmd, tag, stdin, pty, timeout)
-        async with self.calls.using(sandbox_id) as agent:
+        async with self.calls.using(sandbox_id, busy=False) as agent:  # see the module
             stream = await agent.start_process_attached(meta)
             async for item in _events(stream):
                 yield item
@@ -135,7 +139,7 @@ class Processes:
         its 1 MiB ring holds first, marked ``replay``), until ``end`` (``follow``: until
         its output ends, which a program it left running may hold open). Closing the
         iterator detaches. Raises NotFound before the first item."""
-        async with self.calls.using(sandbox_id) as agent:
+        async with self.calls.using(sandbox_id, busy=False) as agent:  # see the module
             stream = await agent.attach_process(pid, tag, replay=replay, follow=follow)
             async for item in _events(stream):
                 yield item

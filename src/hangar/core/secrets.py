@@ -192,7 +192,8 @@ class Vault:
             raise InvalidRequest(f"a secret's name matches {SECRET_NAME}")
         hosts = self._checked(value, hosts)
         if self.store.find(SecretRecord, name) is not None:
-            raise Conflict(f"a secret named {name!r} exists; PUT /secrets/{name} rotates it")
+            raise Conflict(f"a secret named {name!r} exists; rotate it (hangar secret rotate, "
+                           f"rotate_secret, PUT /secrets/{name})")
         if len(self.store.list(SecretRecord)) >= MAX_SECRETS:
             raise InvalidRequest(f"this server keeps at most {MAX_SECRETS} secrets")
         now = time.time()

@@ -174,13 +174,14 @@ async function refreshPool() {
   } catch (e) { $("#pool").textContent = ""; }
 }
 
-async function act(what, fn) {
-  status("#list-status", "busy", `${what}…`);
+// Runs fn, reporting in `where` (the sandboxes' status line unless a section has its own).
+async function act(what, fn, where = "#list-status") {
+  status(where, "busy", `${what}…`);
   try {
     await fn();
-    status("#list-status", "ok", `${what}: done`);
+    status(where, "ok", `${what}: done`);
   } catch (e) {
-    status("#list-status", "error", `${what}: ${e.message}`);
+    status(where, "error", `${what}: ${e.message}`);
   }
   refresh();
 }
@@ -209,6 +210,7 @@ function openDetail(id, title) {
   $("#detail-title").textContent = title;
   $("#detail-id").textContent = id;
   showPorts($("#ports"), id, headers());
+  $("#network-status").textContent = "";
   showNetwork($("#network"), id, api, act);
 }
 
@@ -364,6 +366,12 @@ function describe(ev) {
     case "agent.tool.started": return `tool ${d.tool}: ${d.summary || ""}`;
     case "pty.opened": return `terminal ${d.session} opened (${d.program})`;
     case "pty.closed": return `terminal ${d.session} closed: exit ${d.exit_code}`;
+    case "egress.denied":
+      return `egress denied (${d.via}): ${d.domain || d.address || ""}:${d.port} ${d.reason}` +
+             (d.repeats ? ` (+${d.repeats})` : "");
+    case "secret.refused": return `secret ${d.secret} refused for ${d.host}: ${d.reason}`;
+    case "volume.created": return `volume ${d.volume_id} created (${d.size_mib} MiB)`;
+    case "volume.deleted": return `volume ${d.volume_id} deleted`;
     default: return ev.kind;
   }
 }

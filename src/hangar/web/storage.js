@@ -21,8 +21,10 @@ function button(parent, label, action, onClick) {
   return b;
 }
 
+// Entries separated by commas (never by spaces: "exa mple.com" is one entry, which the
+// server refuses with its reason).
 function list(text) {
-  return text.split(/[\s,]+/).map((s) => s.trim()).filter(Boolean);
+  return text.split(/[,\n]+/).map((s) => s.trim()).filter(Boolean);
 }
 
 export async function refreshVolumes(api, act) {
@@ -41,7 +43,8 @@ export async function refreshVolumes(api, act) {
       const acts = row.insertCell();
       button(acts, "Delete", "delete-volume", () => {
         if (confirm(`Delete volume ${v.name} and its data?`)) {
-          act(`Delete volume ${v.name}`, () => api("DELETE", `/volumes/${enc(v.id)}`));
+          act(`Delete volume ${v.name}`, () => api("DELETE", `/volumes/${enc(v.id)}`),
+              "#volumes-status");
         }
       });
     }
@@ -53,7 +56,7 @@ export async function createVolume(api, act) {
   const size = parseInt(document.querySelector("#volume-size").value, 10);
   const body = { name };
   if (size) body.size_mib = size;
-  await act(`Create volume ${name}`, () => api("POST", "/volumes", body));
+  await act(`Create volume ${name}`, () => api("POST", "/volumes", body), "#volumes-status");
 }
 
 export async function refreshSecrets(api, act) {
@@ -69,7 +72,8 @@ export async function refreshSecrets(api, act) {
       const acts = row.insertCell();
       button(acts, "Delete", "delete-secret", () => {
         if (confirm(`Delete secret ${s.name}?`)) {
-          act(`Delete secret ${s.name}`, () => api("DELETE", `/secrets/${enc(s.name)}`));
+          act(`Delete secret ${s.name}`, () => api("DELETE", `/secrets/${enc(s.name)}`),
+              "#secrets-status");
         }
       });
     }
@@ -82,11 +86,13 @@ export async function createSecret(api, act) {
   field.value = "";
   const name = document.querySelector("#secret-name").value.trim();
   const hosts = list(document.querySelector("#secret-hosts").value);
-  await act(`Store secret ${name}`, () => api("POST", "/secrets", { name, value, hosts }));
+  await act(`Store secret ${name}`, () => api("POST", "/secrets", { name, value, hosts }),
+            "#secrets-status");
 }
 
 // A sandbox's egress rules (GET /sandboxes/{id} `network`), with a form that adds allow or
-// deny entries at runtime (PATCH /sandboxes/{id}/network).
+// deny entries at runtime (PATCH /sandboxes/{id}/network). Each section reports in its own
+// status line (#volumes-status, #secrets-status, #network-status).
 export async function showNetwork(target, sandboxId, api, act) {
   target.replaceChildren();
   let sb;
@@ -107,7 +113,8 @@ export async function showNetwork(target, sandboxId, api, act) {
     const next = { allow: [...(net.allow || [])], deny: [...(net.deny || [])] };
     next[key].push(...entries);
     await act(`Egress of ${sandboxId}`,
-              () => api("PATCH", `/sandboxes/${enc(sandboxId)}/network`, next));
+              () => api("PATCH", `/sandboxes/${enc(sandboxId)}/network`, next),
+              "#network-status");
     showNetwork(target, sandboxId, api, act);
   };
   target.append(text, input);

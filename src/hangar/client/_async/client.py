@@ -12,37 +12,36 @@ only, ``request_timeout`` (seconds; see ``Timeouts`` for the defaults) and
 from __future__ import annotations
 
 import builtins
-import inspect
-import json as jsonlib
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 import httpx
 from httpx_sse import EventSource
 
 from hangar.client import _core
 from hangar.client._async._compat import sleep
+from hangar.client._async.code import AsyncCodeCalls, OutputHandler
+from hangar.client._async.desktop import AsyncDesktopCalls, Button, Direction
+from hangar.client._async.machines import AsyncMachineCalls
 from hangar.client._async.processes import AsyncProcessCalls
 from hangar.client._async.streams import AsyncFileWatch, AsyncTerminal
 from hangar.client._async.secrets import AsyncSecretCalls
 from hangar.client._async.volumes import AsyncVolumeCalls
 from hangar.client._core import RetryPolicy, Timeouts
-from hangar.client.execution import CodeContext, Execution, apply_line
 from hangar.errors import HangarError, Unavailable
 from hangar.schemas import (
-    ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, FileList, Health,
-    KeyResult, MachineInfo, MachineList, NetworkRules, PoolStatus, PortInfo, PtySession,
-    PtySessionList, PtyTicket, SandboxInfo, SandboxList, Snapshot, SnapshotList, VncTicket,
-    WriteResult,
+    Event, ExecResult, ExecStreamEvent, FileEntry, FileList, Health, NetworkRules, PoolStatus,
+    PortInfo, PtySession, PtySessionList, PtyTicket, SandboxInfo, SandboxList, Snapshot,
+    SnapshotList, WriteResult,
 )
 
-OutputHandler = Callable[[Any], Any]
-"""A ``run_code`` callback: given an ``OutputMessage``, ``Result`` or ``ExecutionError``."""
-Button = Literal["left", "middle", "right"]
-Direction = Literal["up", "down", "left", "right"]
+__all__ = ["AsyncHangar", "Button", "Direction", "OutputHandler"]
 
 
-class AsyncHangar(AsyncProcessCalls, AsyncVolumeCalls, AsyncSecretCalls):
+
+class AsyncHangar(
+        AsyncMachineCalls, AsyncDesktopCalls, AsyncCodeCalls, AsyncProcessCalls,
+        AsyncVolumeCalls, AsyncSecretCalls):
     """A client of one Hangar server.
 
     ``base_url`` defaults to ``HANGAR_URL`` (else http://127.0.0.1:8080) and
@@ -52,8 +51,11 @@ class AsyncHangar(AsyncProcessCalls, AsyncVolumeCalls, AsyncSecretCalls):
     ``http_client`` lets the caller bring its own httpx client (a Unix-socket
     transport, a proxy, event hooks); the caller then closes it.
 
-    Use it as a context manager, or call ``close()``. The ``process_*`` methods
-    (background processes) live in ``processes`` (``AsyncProcessCalls``), the volume
+    Use it as a context manager, or call ``close()``. Groups of methods live in mixins:
+    machines (``machines``, ``AsyncMachineCalls``), a desktop's screen and input
+    (``desktop``, ``AsyncDesktopCalls``), the code interpreter (``code``,
+    ``AsyncCodeCalls``), the ``process_*`` methods
+    (background processes) in ``processes`` (``AsyncProcessCalls``), the volume
     methods (``create_volume``, ...) in ``volumes`` (``AsyncVolumeCalls``), the vault's
     (``create_secret``, ...) in ``secrets`` (``AsyncSecretCalls``).
     """
@@ -166,10 +168,10 @@ class AsyncHangar(AsyncProcessCalls, AsyncVolumeCalls, AsyncSecretCalls):
         ``WIDTHxHEIGHTxDEPTH``; ``volumes`` named volumes by guest path (a volume's
         id or name, or ``{"volume": ..., "read_only": True}``; docs/volumes.md);
         ``secrets`` vault secrets by environment variable (its guest sees placeholders;
-        ``create_secret``). The call carries ``idempotency_key`` (a new one when None), so its retries never
-        make a second sandbox. Raises LimitExceeded (cap reached), NotFound (no such
-        image or volume), InvalidRequest, Conflict (a volume's writer is taken),
-        EngineError or Timeout (the VM did not come up).
+        ``create_secret``). The call carries ``idempotency_key`` (a new one when None),
+        so its retries never make a second sandbox. Raises LimitExceeded (cap reached),
+        NotFound (no such image or volume), InvalidRequest, Conflict (a volume's writer
+        is taken), EngineError or Timeout (the VM did not come up).
         """
         body = _core.drop_none(image=image, vcpus=vcpus, memory_mib=memory_mib,
                                disk_mib=disk_mib, timeout=timeout, network=network,
@@ -413,168 +415,6 @@ class AsyncHangar(AsyncProcessCalls, AsyncVolumeCalls, AsyncSecretCalls):
         await self._send("DELETE", f"/snapshots/{snapshot_id}", timeout=t,
                          retry=retry is not False)
 
-    # -- machines ---------------------------------------------------------------------------
-
-    async def get_or_create_machine(self, user_id: str, *, idle_timeout: float | None = None,
-                                    image: str | None = None, vcpus: int | None = None,
-                                    memory_mib: int | None = None, disk_mib: int | None = None,
-                                    idempotency_key: str | None = None,
-                                    request_timeout: float | None = None,
-                                    retry: bool | None = None) -> MachineInfo:
-        """``POST /machines/{user_id}``: the user's machine, created if there is none.
-
-        The options apply only when creating; ``idle_timeout`` is the idle
-        seconds before it sleeps.
-        """
-        body = _core.drop_none(idle_timeout=idle_timeout, image=image, vcpus=vcpus,
-                               memory_mib=memory_mib, disk_mib=disk_mib)
-        t = self._t(request_timeout, self.config.timeouts.lifecycle)
-        return MachineInfo.model_validate(await self._json(
-            "POST", f"/machines/{user_id}", json=body, timeout=t, retry=retry is not False,
-            idempotency_key=idempotency_key or _core.new_idempotency_key()))
-
-    async def get_machine(self, user_id: str, *, request_timeout: float | None = None,
-                          retry: bool | None = None) -> MachineInfo:
-        """``GET /machines/{user_id}``: the machine's state, unchanged. Raises NotFound."""
-        t = self._t(request_timeout, self.config.timeouts.control)
-        return MachineInfo.model_validate(await self._json(
-            "GET", f"/machines/{user_id}", timeout=t, retry=retry is not False))
-
-    async def list_machines(self, *, request_timeout: float | None = None,
-                            retry: bool | None = None) -> builtins.list[MachineInfo]:
-        """``GET /machines``."""
-        t = self._t(request_timeout, self.config.timeouts.control)
-        return MachineList.model_validate(await self._json(
-            "GET", "/machines", timeout=t, retry=retry is not False)).machines
-
-    async def sleep_machine(self, user_id: str, *, request_timeout: float | None = None,
-                            retry: bool | None = None) -> MachineInfo:
-        """``POST /machines/{user_id}/snapshot``: snapshot the machine and stop its VM.
-
-        Raises Busy while a command runs (retry shortly).
-        """
-        t = self._t(request_timeout, self.config.timeouts.lifecycle)
-        return MachineInfo.model_validate(await self._json(
-            "POST", f"/machines/{user_id}/snapshot", timeout=t, retry=bool(retry)))
-
-    async def wake_machine(self, user_id: str, *, request_timeout: float | None = None,
-                           retry: bool | None = None) -> MachineInfo:
-        """``POST /machines/{user_id}/wake``: restore the machine from its sleep snapshot."""
-        t = self._t(request_timeout, self.config.timeouts.lifecycle)
-        return MachineInfo.model_validate(await self._json(
-            "POST", f"/machines/{user_id}/wake", timeout=t, retry=bool(retry)))
-
-    async def delete_machine(self, user_id: str, *, request_timeout: float | None = None,
-                             retry: bool | None = None) -> None:
-        """``DELETE /machines/{user_id}``: the machine and everything it held."""
-        t = self._t(request_timeout, self.config.timeouts.lifecycle)
-        await self._send("DELETE", f"/machines/{user_id}", timeout=t, retry=retry is not False)
-
-    async def machine_exec(self, user_id: str, command: str, *,
-                           args: Sequence[str] | None = None,
-                           env: Mapping[str, str] | None = None, cwd: str | None = None,
-                           stdin: str | bytes | None = None, timeout: float | None = None,
-                           max_output: int | None = None, show_command: bool = False,
-                           request_timeout: float | None = None,
-                           retry: bool | None = None) -> ExecResult:
-        """``POST /machines/{user_id}/exec``: run a command, waking the machine first.
-
-        Arguments as for ``exec``; a wake can add some seconds.
-        """
-        body = _core.exec_body(command, list(args) if args is not None else None, env, cwd,
-                               stdin, timeout, max_output, show_command)
-        t = self._t(request_timeout,
-                    self.config.timeouts.exec(timeout) + self.config.timeouts.lifecycle)
-        return ExecResult.model_validate(await self._json(
-            "POST", f"/machines/{user_id}/exec", json=body, timeout=t, retry=bool(retry),
-            idempotency_key=_core.new_idempotency_key() if retry else None))
-
-    # -- desktop (sandboxes created with desktop="WxHxD"); pixels ---------------------------
-
-    async def screenshot(self, sandbox_id: str, width: int | None = None, *,
-                         request_timeout: float | None = None,
-                         retry: bool | None = None) -> bytes:
-        """``POST /sandboxes/{id}/screenshot``: the screen as PNG bytes.
-
-        Scaled to ``width`` pixels when given. Default timeout 45 s. Raises
-        Conflict (no desktop), Timeout (the desktop did not come up).
-        """
-        params: dict[str, Any] = {"format": "png"}
-        if width is not None:
-            params["width"] = width
-        t = self._t(request_timeout, self.config.timeouts.screenshot)
-        return (await self._send("POST", f"/sandboxes/{sandbox_id}/screenshot", params=params,
-                                 timeout=t, retry=retry is not False)).content
-
-    async def click(self, sandbox_id: str, x: int, y: int, button: Button = "left",
-                    double: bool = False, *, request_timeout: float | None = None,
-                    retry: bool | None = None) -> ActionResult:
-        """``POST /sandboxes/{id}/click``: move the pointer to (``x``, ``y``) and click.
-
-        Raises InvalidRequest off screen.
-        """
-        return ActionResult.model_validate(await self._desktop(
-            sandbox_id, "click", request_timeout, retry, x=x, y=y, button=button,
-            double=double))
-
-    async def move(self, sandbox_id: str, x: int, y: int, *,
-                   request_timeout: float | None = None,
-                   retry: bool | None = None) -> ActionResult:
-        """``POST /sandboxes/{id}/move``: move the pointer to (``x``, ``y``)."""
-        return ActionResult.model_validate(await self._desktop(
-            sandbox_id, "move", request_timeout, retry, x=x, y=y))
-
-    async def drag(self, sandbox_id: str, from_x: int, from_y: int, to_x: int, to_y: int,
-                   button: Button = "left", *, request_timeout: float | None = None,
-                   retry: bool | None = None) -> ActionResult:
-        """``POST /sandboxes/{id}/drag``: press at (``from_x``, ``from_y``), move, release.
-
-        The button is released at (``to_x``, ``to_y``).
-        """
-        return ActionResult.model_validate(await self._desktop(
-            sandbox_id, "drag", request_timeout, retry, from_x=from_x, from_y=from_y,
-            to_x=to_x, to_y=to_y, button=button))
-
-    async def type(self, sandbox_id: str, text: str, *, request_timeout: float | None = None,
-                   retry: bool | None = None) -> ActionResult:
-        """``POST /sandboxes/{id}/type``: type any Unicode text exactly into the focused window."""
-        return ActionResult.model_validate(await self._desktop(
-            sandbox_id, "type", request_timeout, retry, text=text))
-
-    async def key(self, sandbox_id: str, keys: str, *, request_timeout: float | None = None,
-                  retry: bool | None = None) -> KeyResult:
-        """``POST /sandboxes/{id}/key``: press keys, e.g. ``ctrl+shift+t`` or ``ctrl+a Delete``.
-
-        Raises InvalidRequest naming an unknown key.
-        """
-        return KeyResult.model_validate(await self._desktop(
-            sandbox_id, "key", request_timeout, retry, keys=keys))
-
-    async def scroll(self, sandbox_id: str, direction: Direction, amount: int = 3,
-                     x: int | None = None, y: int | None = None, *,
-                     request_timeout: float | None = None,
-                     retry: bool | None = None) -> ActionResult:
-        """``POST /sandboxes/{id}/scroll``: ``amount`` wheel clicks, at (``x``, ``y``) if given."""
-        return ActionResult.model_validate(await self._desktop(
-            sandbox_id, "scroll", request_timeout, retry, direction=direction, amount=amount,
-            x=x, y=y))
-
-    async def display(self, sandbox_id: str, *, request_timeout: float | None = None,
-                      retry: bool | None = None) -> DisplayInfo:
-        """``GET /sandboxes/{id}/display``: screen size and pointer position, pixels."""
-        t = self._t(request_timeout, self.config.timeouts.screenshot)
-        return DisplayInfo.model_validate(await self._json(
-            "GET", f"/sandboxes/{sandbox_id}/display", timeout=t, retry=retry is not False))
-
-    async def vnc_ticket(self, sandbox_id: str, view_only: bool = False, *,
-                         request_timeout: float | None = None,
-                         retry: bool | None = None) -> VncTicket:
-        """``POST /sandboxes/{id}/vnc/tickets``: a single-use ticket (30 s) for the live view."""
-        t = self._t(request_timeout, self.config.timeouts.control)
-        return VncTicket.model_validate(await self._json(
-            "POST", f"/sandboxes/{sandbox_id}/vnc/tickets", json={"view_only": view_only},
-            timeout=t, retry=bool(retry)))
-
     # -- exposed ports ----------------------------------------------------------------------
 
     async def expose(self, sandbox_id: str, port: int, public: bool = False, *,
@@ -621,94 +461,6 @@ class AsyncHangar(AsyncProcessCalls, AsyncVolumeCalls, AsyncSecretCalls):
         t = self._t(request_timeout, self.config.timeouts.control)
         await self._send("DELETE", f"/sandboxes/{sandbox_id}/ports/{port}", timeout=t,
                          retry=retry is not False)
-
-    # -- code interpreter (a ``code-interpreter`` sandbox) ---------------------------------
-
-    async def run_code(self, sandbox_id: str, code: str, *, context: CodeContext | str | None = None,
-                       language: str | None = None, envs: Mapping[str, str] | None = None,
-                       timeout: float | None = None, on_stdout: OutputHandler | None = None,
-                       on_stderr: OutputHandler | None = None,
-                       on_result: OutputHandler | None = None,
-                       on_error: OutputHandler | None = None,
-                       request_timeout: float | None = None) -> Execution:
-        """``POST /sandboxes/{id}/code/execute``: run a cell in the code interpreter.
-
-        ``context`` (a ``CodeContext`` or its id; None: the default Python
-        context, whose variables persist between calls); ``envs`` hold for
-        this cell only; ``timeout`` (seconds, None: none) ends a cell that
-        runs longer (its ``error`` is then named ``TimeoutError``). The
-        callbacks get each ``OutputMessage``, ``Result`` or ``ExecutionError``
-        as it arrives (plain functions, or coroutines in the asyncio client).
-        Returns the ``Execution``; an exception in the cell is its ``error``,
-        not raised. Raises ``Conflict`` (409 ``no_interpreter``) for a sandbox of
-        another image, ``NotFound`` for an unknown context. Never retried.
-        """
-        body = _core.drop_none(code=code, context_id=_context_id(context), language=language,
-                               env_vars=dict(envs) if envs else None, timeout=timeout)
-        t = self._t(request_timeout, self.config.timeouts.exec(timeout))
-        resp = await self._send("POST", f"/sandboxes/{sandbox_id}/code/execute", json=body,
-                                timeout=t, retry=False, stream=True)
-        execution = Execution()
-        handlers = {"stdout": on_stdout, "stderr": on_stderr, "result": on_result,
-                    "error": on_error}
-        try:
-            async for line in resp.aiter_lines():
-                if not line.strip():
-                    continue
-                got = apply_line(execution, jsonlib.loads(line))
-                if got is None or handlers[got[0]] is None:
-                    continue
-                handler = handlers[got[0]]
-                if handler is not None:
-                    maybe = handler(got[1])
-                    if inspect.isawaitable(maybe):
-                        await maybe
-        except httpx.TransportError as exc:
-            raise _core.transport_error(self.base_url, exc, t) from None
-        finally:
-            await resp.aclose()
-        return execution
-
-    async def create_code_context(self, sandbox_id: str, *, cwd: str | None = None,
-                                  language: str | None = None,
-                                  request_timeout: float | None = None) -> CodeContext:
-        """``POST /sandboxes/{id}/code/contexts``: a new context (a kernel of its own, in
-        ``cwd``, default /root). Raises ``LimitExceeded`` past the server's 16 contexts."""
-        t = self._t(request_timeout, self.config.timeouts.lifecycle)
-        data = await self._json("POST", f"/sandboxes/{sandbox_id}/code/contexts",
-                                json=_core.drop_none(cwd=cwd, language=language), timeout=t,
-                                retry=False)
-        return CodeContext(**data)
-
-    async def list_code_contexts(self, sandbox_id: str, *, request_timeout: float | None = None,
-                                 retry: bool | None = None) -> builtins.list[CodeContext]:
-        """``GET /sandboxes/{id}/code/contexts``: every context, the default one included."""
-        t = self._t(request_timeout, self.config.timeouts.control)
-        data = await self._json("GET", f"/sandboxes/{sandbox_id}/code/contexts", timeout=t,
-                                retry=retry is not False)
-        return [CodeContext(**c) for c in data]
-
-    async def restart_code_context(self, sandbox_id: str, context: CodeContext | str, *,
-                                   request_timeout: float | None = None) -> None:
-        """``POST /sandboxes/{id}/code/contexts/{cid}/restart``: a fresh kernel; its
-        variables are gone."""
-        t = self._t(request_timeout, self.config.timeouts.lifecycle)
-        await self._send("POST", f"/sandboxes/{sandbox_id}/code/contexts/"
-                                 f"{_context_id(context)}/restart", timeout=t, retry=False)
-
-    async def remove_code_context(self, sandbox_id: str, context: CodeContext | str, *,
-                                  request_timeout: float | None = None,
-                                  retry: bool | None = None) -> None:
-        """``DELETE /sandboxes/{id}/code/contexts/{cid}``: shut its kernel down."""
-        t = self._t(request_timeout, self.config.timeouts.control)
-        await self._send("DELETE", f"/sandboxes/{sandbox_id}/code/contexts/"
-                                   f"{_context_id(context)}", timeout=t, retry=bool(retry))
-
-    async def _desktop(self, sandbox_id: str, action: str, request_timeout: float | None,
-                       retry: bool | None, **body: Any) -> Any:
-        t = self._t(request_timeout, self.config.timeouts.screenshot)
-        return await self._json("POST", f"/sandboxes/{sandbox_id}/{action}",
-                                json=_core.drop_none(**body), timeout=t, retry=bool(retry))
 
     # -- terminals (pty) --------------------------------------------------------------------
 
@@ -881,5 +633,3 @@ class AsyncHangar(AsyncProcessCalls, AsyncVolumeCalls, AsyncSecretCalls):
             await sleep(delay)
 
 
-def _context_id(context: CodeContext | str | None) -> str | None:
-    return context.id if isinstance(context, CodeContext) else context

@@ -26,7 +26,7 @@ def _client(obj: object) -> Hangar:
     return cast("Hangar", obj)
 
 
-class SyncSecretCalls:
+class SecretCalls:
     """The flat client's vault methods (mixed into ``AsyncHangar``)."""
 
     def create_secret(self, name: str, value: str, hosts: Sequence[str], *,

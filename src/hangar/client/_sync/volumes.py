@@ -101,5 +101,6 @@ class VolumeCalls:
                              retry=retry is not False,
                              timeout=c._t(request_timeout, c.config.timeouts.transfer))
         if resp.headers.get("content-type", "").startswith("application/json"):
-            raise InvalidRequest(f"{path} is a folder, not a file: use volume_files")
+            raise InvalidRequest(f"{path} is a folder, not a file: list it (volume_files, "
+                                 f"or hangar volume files)")
         return resp.content
