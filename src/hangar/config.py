@@ -145,8 +145,9 @@ class Settings(BaseSettings):
         None, description="The mitmdump of the secret proxy's own environment; default: "
                           ".venv-proxy/bin/mitmdump beside the server's (scripts/install.sh).")
     secret_proxy_upstream_ca: Path | None = Field(
-        None, description="Tests only: a PEM file of the CAs the secret proxy trusts "
-                          "upstream instead of its own bundle (a stand-in internet's CA).")
+        None, description="A PEM file of the CAs the secret proxy trusts upstream instead "
+                          "of the public ones (internal APIs under a private CA; the "
+                          "tests' stand-in internet).")
     max_json_bytes: int = Field(
         8 << 20, ge=1024, description="Largest JSON request body, bytes (413 beyond); file "
                                       "uploads are streamed and not bound by it.")
