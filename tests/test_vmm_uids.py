@@ -79,3 +79,26 @@ def test_a_stale_claim_is_taken_over(tmp_path: Path) -> None:
     c.mkdir()
     assert alloc.allocate("sb-same", c) == uid
     assert alloc.lookup(a) is None
+
+
+def test_sweep_drops_only_stale_claims(tmp_path: Path) -> None:
+    """A test run's servers killed before they released leave claims behind: ``sweep``
+    drops those (folder gone, uid running nothing) and their index files, and keeps
+    every claim whose folder is there, and other ranges' claims."""
+    registry = tmp_path / "uids"
+    alloc = UidAllocator(BASE, COUNT, registry)
+    other = UidAllocator(BASE + COUNT, COUNT, registry)
+    kept, gone, theirs = tmp_path / "kept", tmp_path / "gone", tmp_path / "theirs"
+    for d in (kept, gone, theirs):
+        d.mkdir()
+    held = alloc.allocate("sb-kept", kept)
+    alloc.allocate("sb-gone", gone)
+    their_uid = other.allocate("sb-theirs", theirs)
+    gone.rmdir()
+    theirs.rmdir()
+    assert alloc.sweep() == 1
+    assert alloc.lookup(kept) == held and alloc.lookup(gone) is None
+    assert other.lookup(theirs) == their_uid  # not this range's to sweep
+    names = sorted(p.name for p in registry.iterdir() if not p.name.startswith("."))
+    assert len(names) == 4, names  # two claims and their two index files
+    assert alloc.sweep() == 0

@@ -184,6 +184,41 @@ class UidAllocator:
         """The uid ``folder`` holds, or None."""
         return self._held_by(str(Path(folder).absolute()))
 
+    def sweep(self) -> int:
+        """Drop every stale claim of this range (its folder gone, its uid running no
+        process): what a VMM whose folder was removed without a release left behind.
+        ``allocate`` takes such claims over anyway; this keeps the registry to what is
+        held. Returns how many went. Never raises."""
+        dropped = 0
+        try:
+            with self._lock:
+                lock_fd = self._locked()
+                try:
+                    running = process_uids()
+                    for entry in os.listdir(self.registry):
+                        if not entry.isdigit() or not (self.base <= int(entry)
+                                                       < self.base + self.count):
+                            continue
+                        uid = int(entry)
+                        owner = self._read(uid)
+                        if owner is not None and self._stale(uid, owner, running):
+                            self._drop(uid, owner)
+                            dropped += 1
+                    for entry in os.listdir(self.registry):  # index files of no claim
+                        if entry.startswith("f-") and not entry.endswith(".tmp"):
+                            try:
+                                uid = int((self.registry / entry).read_text())
+                            except (OSError, ValueError):
+                                continue
+                            if (self.base <= uid < self.base + self.count
+                                    and self._read(uid) is None):
+                                (self.registry / entry).unlink(missing_ok=True)
+                finally:
+                    os.close(lock_fd)
+        except OSError as exc:
+            log.warning("could not sweep the VMM uid claims: %s", exc)
+        return dropped
+
     def release(self, folder: Path) -> None:
         """Drop ``folder``'s claim, if any (its VMM is gone). Never raises."""
         key = str(Path(folder).absolute())
