@@ -196,6 +196,10 @@ def test_pause_with_a_background_command_attached(env: Env) -> None:
     handle = sbx.commands.run("while true; do echo tick; sleep 1; done", background=True,
                               timeout=0)
     assert sbx.pause() is True
+    with pytest.raises(Exception) as ended:  # the handle's stream, ended by the pause
+        for _ in handle:
+            pass
+    assert "was paused" in str(ended.value), ended.value
     again = env.sandbox()  # resumes it
     assert handle.pid in {p.pid for p in again.commands.list()}
     attached = again.commands.connect(handle.pid, timeout=0)

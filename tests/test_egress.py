@@ -336,8 +336,8 @@ def test_domain_rules_on_a_real_guest_through_the_api(topology: Topology,
             # Entries are added, never replacing a list unasked, and removed by name.
             r = cli("network", sid, "--deny", "x.example.test")
             assert "deny: 0.0.0.0/0, bad.example.test:443, x.example.test" in r.stdout, r
-            r = cli("network", sid, "--remove", "x.example.test")
-            assert r.returncode == 0, r
+            r = cli("network", sid, "--remove", "x.example.test", "--remove", "absent.test")
+            assert r.returncode == 0 and "absent.test: in neither list" in r.stderr, r
             r = cli("network", sid)
             assert r.returncode == 0 and r.stdout.split("\n")[1:3] == [
                 "allow: *.example.test", "deny: 0.0.0.0/0, bad.example.test:443"], r.stdout

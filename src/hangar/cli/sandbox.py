@@ -165,6 +165,9 @@ def network(
                 for key in ("allow", "deny")}
             for key, added in (("allow", allow), ("deny", deny)):
                 lists[key] += [e for e in added or [] if e not in lists[key]]
+            for e in remove or []:
+                if not any(e in lists[key] for key in lists):
+                    err.print(f"{e}: in neither list, nothing removed")
             for key in lists:
                 lists[key] = [e for e in lists[key] if e not in (remove or [])]
             rules = h.update_network(sandbox_id, allow=lists["allow"], deny=lists["deny"],

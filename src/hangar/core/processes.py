@@ -44,7 +44,8 @@ from hangar.core.secrets import with_env
 from hangar.core.commands import Command
 from hangar.core.guestcalls import GuestCalls
 from hangar.engines.agent_client import ProcessStream, ProcInfo, ProcSignalled, proc_meta
-from hangar.errors import InvalidRequest
+from hangar.core.lifecycle import State
+from hangar.errors import Conflict, GuestError, InvalidRequest
 from hangar.schemas import ProcessInfo
 
 __all__ = ["ProcSignalled", "ProcessInfo", "ProcessOutput", "Processes", "info_of"]
@@ -123,7 +124,7 @@ class Processes:
         meta = _start_meta(cmd, tag, stdin, pty, timeout)
         async with self.calls.using(sandbox_id, busy=False) as agent:  # see the module
             stream = await agent.start_process_attached(meta)
-            async for item in _events(stream):
+            async for item in self._paused_says_so(sandbox_id, _events(stream)):
                 yield item
 
     async def list(self, sandbox_id: str) -> list[ProcessInfo]:
@@ -141,8 +142,29 @@ class Processes:
         iterator detaches. Raises NotFound before the first item."""
         async with self.calls.using(sandbox_id, busy=False) as agent:  # see the module
             stream = await agent.attach_process(pid, tag, replay=replay, follow=follow)
-            async for item in _events(stream):
+            async for item in self._paused_says_so(sandbox_id, _events(stream)):
                 yield item
+
+    async def _paused_says_so(self, sandbox_id: str, items: AsyncGenerator[
+            ProcessInfo | ProcessOutput, None]) -> AsyncGenerator[ProcessInfo | ProcessOutput,
+                                                                  None]:
+        """``items``, but a stream that a pause (a sleep) ended raises Conflict saying so,
+        rather than the agent connection's own error."""
+        try:
+            async for item in items:
+                yield item
+        except GuestError:
+            try:
+                state = self.calls.ctx.record(sandbox_id).state
+            except Exception:  # gone meanwhile: the stream's own error stands
+                raise
+            if state in (State.SNAPSHOTTING, State.SLEEPING):
+                raise Conflict(f"sandbox {sandbox_id} was paused: its processes sleep with "
+                               "it; attach again by pid once it is resumed",
+                               sandbox_id=sandbox_id, state=state.value) from None
+            raise
+        finally:
+            await items.aclose()
 
     async def send_input(self, sandbox_id: str, data: bytes, pid: int | None = None,
                          tag: str | None = None) -> int:
