@@ -8,8 +8,10 @@ Its peer talks to it over two pipes, whose descriptors are in the environment:
 
 - ``HANGAR_PROXY_CONTROL_FD`` (in): JSON lines. The first, read before the proxy serves,
   is ``{"secrets": {placeholder: {"name", "value", "hosts"}}, "rules": {...},
-  "egress_match": path or null}``; later lines replace ``secrets`` or ``rules``. End of
-  file (the server is gone) ends the proxy.
+  "egress_match": path}`` (``hangar/net/egress_match.py``: ``decide`` and
+  ``host_matches``, the one matcher of every egress proxy; without it the proxy does
+  not start); later lines replace ``secrets`` or ``rules``. End of file (the server is
+  gone) ends the proxy.
 - ``HANGAR_PROXY_EVENTS_FD`` (out): JSON lines: ``{"event": "ready"}``, then
   ``secret.refused`` (secret name, host, reason) and ``egress.denied`` (domain,
   address, port, reason). Never a value or a header.
@@ -35,7 +37,6 @@ import asyncio
 import base64
 import binascii
 import importlib.util
-import ipaddress
 import json
 import os
 import signal
@@ -49,42 +50,6 @@ CONTROL_FD = "HANGAR_PROXY_CONTROL_FD"
 EVENTS_FD = "HANGAR_PROXY_EVENTS_FD"
 PREFIX = b"hangar-secret-"
 PLACEHOLDER_LEN = len(PREFIX) + 32
-ALWAYS_DENIED = ("127.0.0.0/8", "0.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4",
-                 "255.255.255.255/32", "::1/128", "fe80::/10")
-
-
-def _fallback_decide(rules: dict, *, ip: str, port: int,
-                     name: str | None = None) -> tuple[bool, str]:
-    """Used only when no ``egress_match`` file is given: refuses loopback, link-local,
-    multicast, and the ``never``, ``denied`` and ``denied_ranges`` entries of ``rules``
-    (CIDR strings or [first, last] integer ranges)."""
-    try:
-        addr = ipaddress.ip_address(ip)
-    except ValueError:
-        return False, "bad_address"
-    for key in ("never", "denied", "denied_ranges"):
-        for entry in (*(ALWAYS_DENIED if key == "never" else ()), *rules.get(key, ())):
-            try:
-                if isinstance(entry, str):
-                    hit = addr in ipaddress.ip_network(entry, strict=False)
-                else:
-                    hit = addr.version == 4 and int(entry[0]) <= int(addr) <= int(entry[1])
-            except (ValueError, TypeError, IndexError):
-                return False, "rule_error"  # closed, not open
-            if hit:
-                return False, "denied_host" if key == "never" else "denied_address"
-    return True, "allowed_address"
-
-
-def _host_matches(host: str, patterns: list[str]) -> bool:
-    host = host.lower().rstrip(".")
-    for p in patterns:
-        if p.startswith("*."):
-            if host.endswith(p[1:]) and len(host) > len(p) - 1:
-                return True
-        elif host == p:
-            return True
-    return False
 
 
 def _basic(key: bytes, value: bytes) -> bytes | None:
@@ -104,7 +69,7 @@ class SecretProxy:
     def __init__(self) -> None:
         self.secrets: dict[bytes, dict[str, Any]] = {}
         self.rules: dict[str, Any] = {}
-        self.decide = _fallback_decide
+        self.match: Any = None  # hangar/net/egress_match.py, loaded by path (_apply)
         self.names: dict[str, str] = {}
         self._out = os.fdopen(int(os.environ[EVENTS_FD]), "w", buffering=1)
         self._lock = threading.Lock()
@@ -125,7 +90,9 @@ class SecretProxy:
                 raise SystemExit(f"cannot load {path}")
             mod = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(mod)
-            self.decide = mod.decide
+            self.match = mod
+        if self.match is None:  # without the one matcher there is no deciding: no proxy
+            raise SystemExit("the first control line names no egress_match file")
         if isinstance(msg.get("secrets"), dict):
             self.secrets = {k.encode(): v for k, v in msg["secrets"].items()
                             if isinstance(v, dict) and len(k) == PLACEHOLDER_LEN}
@@ -181,7 +148,7 @@ class SecretProxy:
 
     def _decide(self, rules: dict, ip: str, port: int, name: str | None) -> tuple[bool, str]:
         try:
-            ok, reason = self.decide(rules, ip=ip, port=port, name=name or None)
+            ok, reason = self.match.decide(rules, ip=ip, port=port, name=name or None)
             return bool(ok), str(reason)
         except Exception:  # a rule the matcher cannot read: closed, not open
             return False, "rule_error"
@@ -217,7 +184,7 @@ class SecretProxy:
                 if host and host != sni:
                     return self._refuse(flow, name, sni, "the Host header and the TLS "
                                                          "server name differ")
-                if not _host_matches(sni, list(sec.get("hosts", ()))):
+                if not self.match.host_matches(sni, list(sec.get("hosts", ()))):
                     return self._refuse(flow, name, sni,
                                         f"{sni} is not one of the secret's hosts")
                 value = value.replace(ph, sec["value"].encode())

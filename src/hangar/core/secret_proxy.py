@@ -141,24 +141,18 @@ def host_addresses() -> list[str]:
 
 
 def match_rules(network: dict[str, Any] | None, never: list[str]) -> dict[str, Any]:
-    """What the addon's ``decide`` gets for an egress policy: the net layer's
-    ``Policy.match_rules`` when it has one, else the policy's denied ranges (first and
-    last address as integers) and ``never``, which the addon's fallback reads."""
+    """What the addon's ``decide`` gets for an egress policy (``Policy.match_rules``)."""
     from hangar.net import Policy
 
-    policy = Policy.parse(network or "none")
-    if hasattr(policy, "match_rules"):
-        return dict(policy.match_rules(never=never))
-    return {"never": list(never), "denied_ranges": [list(r) for r in policy.denied_ranges()]}
+    return dict(Policy.parse(network or "none").match_rules(never=never))
 
 
-def egress_match_path() -> str | None:
+def egress_match_path() -> str:
     """The net layer's stdlib-only matcher (``hangar/net/egress_match.py``), which the
-    addon loads by path; None where it is missing (the addon's fallback then decides)."""
-    import hangar.net
+    addon loads by path."""
+    import hangar.net.egress_match
 
-    path = Path(hangar.net.__file__).with_name("egress_match.py")
-    return str(path) if path.is_file() else None
+    return str(Path(hangar.net.egress_match.__file__))
 
 
 @dataclass
@@ -313,7 +307,7 @@ class SecretProxies:
             proxy.reader = asyncio.get_running_loop().create_task(self._read(proxy))
             self._send(proxy, {"secrets": self.vault.resolved(sandbox_id),
                                "rules": self.rules_for(network, sandbox_id),
-                               "egress_match": self.egress_match()})
+                               "egress_match": egress_match_path()})
             try:
                 await asyncio.wait_for(asyncio.shield(proxy.ready), READY_S)
             except asyncio.TimeoutError:
@@ -326,10 +320,6 @@ class SecretProxies:
         log.info("secret proxy started", extra={"sandbox_id": sandbox_id, "port": port,
                                                 "pid": proc.pid})
         return port
-
-    def egress_match(self) -> str | None:
-        """The path of the net layer's stdlib-only matcher, or None (the addon's fallback)."""
-        return egress_match_path()
 
     async def stop(self, sandbox_id: str, keep_rules: bool = False) -> None:
         """End ``sandbox_id``'s proxy, if any, and remove its folder; never raises.

@@ -123,19 +123,6 @@ def load_key(path: Path, create: bool = True) -> bytes | None:
     return key
 
 
-def host_matches(host: str, patterns: list[str]) -> bool:
-    """True when ``host`` (a request's host, any case, maybe with a trailing dot) is one of
-    ``patterns`` or under a ``*.`` one of them."""
-    host = host.lower().rstrip(".")
-    for p in patterns:
-        if p.startswith("*."):
-            if host.endswith(p[1:]) and len(host) > len(p) - 1:
-                return True
-        elif host == p:
-            return True
-    return False
-
-
 class Vault:
     """Secrets and sandboxes' bindings to them, in the server's store (see the module
     docstring). ``key`` is the vault's key, or None to read ``key_file`` on first use."""

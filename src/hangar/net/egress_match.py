@@ -106,6 +106,14 @@ def match_domain(domains: list[Any], name: str, port: int | None) -> tuple[bool,
     return None if best is None else (best[1], best[2])
 
 
+def host_matches(host: str, patterns: list[str]) -> bool:
+    """True when ``host`` (a request's host, any case, maybe with a trailing dot) is one of
+    ``patterns`` or below a ``*.`` one of them (a secret's hosts: the secret proxy's)."""
+    host = host.lower().rstrip(".")
+    return any(host.endswith(p[1:]) and len(host) > len(p) - 1 if p.startswith("*.")
+               else host == p for p in patterns)
+
+
 def in_ranges(ranges: list[Any], address: int) -> bool:
     """Whether ``address`` (an int) lies in one of the [first, last] ``ranges``."""
     return any(lo <= address <= hi for lo, hi in ranges)
