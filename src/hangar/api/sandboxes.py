@@ -47,10 +47,10 @@ async def create(m: Manager, placed: Placed, body: CreateSandbox | None = None) 
         if body.volumes else None,
         secrets=dict(body.secrets) if body.secrets else None,
     ), placed)
-    return _with_volumes(m, view(rec))
+    return _in_full(m, view(rec))
 
 
-def _with_volumes(m: SandboxManager, out: Sandbox) -> Sandbox:
+def _in_full(m: SandboxManager, out: Sandbox) -> Sandbox:
     """``out`` with its volumes and its secrets' names (never a value or placeholder)."""
     got = m.volumes.view(out.id)
     if got:
@@ -70,7 +70,7 @@ async def list_(m: Manager) -> SandboxList:
 @router.get("/{sandbox_id}", response_model=Sandbox,
             summary="One sandbox, with the host memory its VM costs beside its guest's use")
 async def get(sandbox_id: str, m: Manager) -> Sandbox:
-    out = _with_volumes(m, view(m.get(sandbox_id)))
+    out = _in_full(m, view(m.get(sandbox_id)))
     if out.state == "running":
         usage = await m.memory(sandbox_id)
         if usage is not None:

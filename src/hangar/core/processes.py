@@ -154,14 +154,11 @@ class Processes:
             async for item in items:
                 yield item
         except GuestError:
-            try:
-                state = self.calls.ctx.record(sandbox_id).state
-            except Exception:  # gone meanwhile: the stream's own error stands
-                raise
-            if state in (State.SNAPSHOTTING, State.SLEEPING):
+            rec = self.calls.ctx.store.get(sandbox_id)  # None once gone: its own error stands
+            if rec is not None and rec.state in (State.SNAPSHOTTING, State.SLEEPING):
                 raise Conflict(f"sandbox {sandbox_id} was paused: its processes sleep with "
                                "it; attach again by pid once it is resumed",
-                               sandbox_id=sandbox_id, state=state.value) from None
+                               sandbox_id=sandbox_id, state=rec.state.value) from None
             raise
         finally:
             await items.aclose()
