@@ -22,8 +22,8 @@ import unasync
 ROOT = Path(__file__).resolve().parents[1]
 ASYNC = ROOT / "src/hangar/client/_async"
 SYNC = ROOT / "src/hangar/client/_sync"
-FILES = ["client.py", "code.py", "desktop.py", "machines.py", "monitor.py", "objects.py",
-         "processes.py", "secrets.py", "streams.py", "volumes.py"]
+FILES = ["client.py", "code.py", "desktop.py", "machines.py", "mixin.py", "monitor.py",
+         "objects.py", "processes.py", "secrets.py", "streams.py", "volumes.py"]
 REPLACEMENTS = {
     "_async": "_sync",
     "AsyncHangar": "Hangar",

@@ -7,18 +7,12 @@ Mixed into ``AsyncHangar``; its methods run on the flat client (``self``). Sourc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast, Any, Literal
+from typing import Any, Literal
 
 from hangar.client import _core
+from hangar.client._async.mixin import flat_client as _client
 from hangar.schemas import ActionResult, DisplayInfo, KeyResult, VncTicket
 
-if TYPE_CHECKING:
-    from hangar.client._async.client import AsyncHangar
-
-
-def _client(obj: object) -> AsyncHangar:
-    """The flat client a mixin method runs on (only ever part of ``AsyncHangar``)."""
-    return cast("AsyncHangar", obj)
 
 Button = Literal["left", "middle", "right"]
 Direction = Literal["up", "down", "left", "right"]

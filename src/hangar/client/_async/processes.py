@@ -16,23 +16,18 @@ from __future__ import annotations
 import base64
 import builtins
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from hangar.client import _core
+from hangar.client._async.mixin import flat_client as _client
 from hangar.schemas import (
     ProcessEvent, ProcessInfo, ProcessInputResult, ProcessList, ProcessSignalResult,
 )
 
 if TYPE_CHECKING:
     from hangar.client._async.client import AsyncHangar
-
-
-def _client(obj: object) -> AsyncHangar:
-    """The flat client a mixin method runs on (``AsyncProcessCalls`` is only ever part
-    of ``AsyncHangar``)."""
-    return cast("AsyncHangar", obj)
 
 
 class AsyncProcessCalls:

@@ -11,18 +11,10 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
 
 from hangar.client import _core
+from hangar.client._async.mixin import flat_client as _client
 from hangar.schemas import SecretInfo, SecretList
-
-if TYPE_CHECKING:
-    from hangar.client._async.client import AsyncHangar
-
-
-def _client(obj: object) -> AsyncHangar:
-    """The flat client a mixin method runs on (only ever part of ``AsyncHangar``)."""
-    return cast("AsyncHangar", obj)
 
 
 class AsyncSecretCalls:

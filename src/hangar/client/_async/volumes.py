@@ -10,19 +10,11 @@ docs/volumes.md. Source of ``hangar/client/_sync/volumes.py``.
 from __future__ import annotations
 
 import builtins
-from typing import TYPE_CHECKING, cast
 
 from hangar.client import _core
+from hangar.client._async.mixin import flat_client as _client
 from hangar.errors import InvalidRequest
 from hangar.schemas import VolumeFileEntry, VolumeFileList, VolumeInfo, VolumeList
-
-if TYPE_CHECKING:
-    from hangar.client._async.client import AsyncHangar
-
-
-def _client(obj: object) -> AsyncHangar:
-    """The flat client a mixin method runs on (only ever part of ``AsyncHangar``)."""
-    return cast("AsyncHangar", obj)
 
 
 class AsyncVolumeCalls:

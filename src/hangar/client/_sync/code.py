@@ -12,20 +12,14 @@ import builtins
 import inspect
 import json as jsonlib
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, cast, Any
+from typing import Any
 
 import httpx
 
 from hangar.client import _core
+from hangar.client._sync.mixin import flat_client as _client
 from hangar.client.execution import CodeContext, Execution, apply_line
 
-if TYPE_CHECKING:
-    from hangar.client._sync.client import Hangar
-
-
-def _client(obj: object) -> Hangar:
-    """The flat client a mixin method runs on (only ever part of ``AsyncHangar``)."""
-    return cast("Hangar", obj)
 
 OutputHandler = Callable[[Any], Any]
 """A ``run_code`` callback: given an ``OutputMessage``, ``Result`` or ``ExecutionError``."""

@@ -17,23 +17,18 @@ from __future__ import annotations
 import base64
 import builtins
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from hangar.client import _core
+from hangar.client._sync.mixin import flat_client as _client
 from hangar.schemas import (
     ProcessEvent, ProcessInfo, ProcessInputResult, ProcessList, ProcessSignalResult,
 )
 
 if TYPE_CHECKING:
     from hangar.client._sync.client import Hangar
-
-
-def _client(obj: object) -> Hangar:
-    """The flat client a mixin method runs on (``AsyncProcessCalls`` is only ever part
-    of ``AsyncHangar``)."""
-    return cast("Hangar", obj)
 
 
 class ProcessCalls:

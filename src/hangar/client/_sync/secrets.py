@@ -12,18 +12,10 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
 
 from hangar.client import _core
+from hangar.client._sync.mixin import flat_client as _client
 from hangar.schemas import SecretInfo, SecretList
-
-if TYPE_CHECKING:
-    from hangar.client._sync.client import Hangar
-
-
-def _client(obj: object) -> Hangar:
-    """The flat client a mixin method runs on (only ever part of ``AsyncHangar``)."""
-    return cast("Hangar", obj)
 
 
 class SecretCalls:

@@ -11,19 +11,11 @@ docs/volumes.md. Source of ``hangar/client/_sync/volumes.py``.
 from __future__ import annotations
 
 import builtins
-from typing import TYPE_CHECKING, cast
 
 from hangar.client import _core
+from hangar.client._sync.mixin import flat_client as _client
 from hangar.errors import InvalidRequest
 from hangar.schemas import VolumeFileEntry, VolumeFileList, VolumeInfo, VolumeList
-
-if TYPE_CHECKING:
-    from hangar.client._sync.client import Hangar
-
-
-def _client(obj: object) -> Hangar:
-    """The flat client a mixin method runs on (only ever part of ``AsyncHangar``)."""
-    return cast("Hangar", obj)
 
 
 class VolumeCalls:
