@@ -39,8 +39,9 @@ import httpx
 from benchlib import SHARED, machine, pct
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from netns import can_netns  # noqa: E402
 from egress_lab import (  # noqa: E402
-    DNS, GUEST, NAMES, NS_HOST, can_netns, start_server, stop_server, topology,
+    DNS, GUEST, NAMES, NS_HOST, start_server, stop_server, topology,
 )
 
 

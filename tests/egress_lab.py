@@ -31,6 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from netns import delete_namespaces, kill_groups, remove_namespaces, run
+
 
 NS_INET = "hg-eg-inet"
 NS_HOST = "hg-eg-host"
@@ -39,28 +41,8 @@ NAMES = {"a.example.test": "203.0.113.10", "b.example.test": "203.0.113.11",
          "other.test": "203.0.113.12"}
 HERE = Path(__file__).resolve().parent
 
-def can_netns() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, TAPs, nftables)"
-    for tool in ("ip", "nft", "nsenter"):
-        if shutil.which(tool) is None:
-            return f"needs the {tool} command"
-    if not os.path.exists("/dev/net/tun"):
-        return "needs /dev/net/tun"
-    return None
-
-
-def run(cmd: str) -> str:
-    return subprocess.run(cmd, shell=True, check=True, capture_output=True, text=True).stdout
-
-
 def ruleset() -> str:
     return run(f"ip netns exec {NS_HOST} nft list ruleset")
-
-
-def delete_namespaces() -> None:
-    for ns in (NS_HOST, NS_INET):
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
 class Topology:
@@ -78,19 +60,14 @@ class Topology:
         return p
 
     def close(self) -> None:
-        for p in self.procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        kill_groups(self.procs)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def topology() -> Iterator["Topology"]:
     """The two namespaces and the stand-in internet; all removed on exit."""
-    delete_namespaces()  # left over by a killed run
+    delete_namespaces(NS_HOST, NS_INET)  # left over by a killed run
     topo = Topology()
     try:
         run(f"ip netns add {NS_INET} && ip netns add {NS_HOST}")
@@ -109,9 +86,7 @@ def topology() -> Iterator["Topology"]:
         yield topo
     finally:
         topo.close()
-        delete_namespaces()
-        left = run("ip netns list")
-        assert NS_HOST not in left and NS_INET not in left, left
+        remove_namespaces(NS_HOST, NS_INET)
 
 
 def wait_ready(topo: Topology, timeout: float = 20.0) -> None:

@@ -21,10 +21,11 @@ from typing import Any
 
 import pytest
 from egress_lab import (
-    DNS, GUEST, HERE, NAMES, NS_HOST, Topology, UdsRelay, can_netns, ruleset, sandbox_names,
+    DNS, GUEST, HERE, NAMES, NS_HOST, Topology, UdsRelay, ruleset, sandbox_names,
     start_server, stop_server,
 )
 from egress_lab import topology as make_topology
+from netns import can_netns
 
 from hangar.errors import InvalidRequest, NotFound
 from hangar.net import NetworkManager, Policy

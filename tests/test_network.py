@@ -40,6 +40,7 @@ from pathlib import Path
 
 import pytest
 from conftest import vmm_pids
+from netns import can_netns, delete_namespaces, kill_groups, remove_namespaces, run
 
 from hangar.errors import InvalidRequest
 from hangar.net import NetworkManager, Policy, mac_for, read_resolver, tap_name
@@ -56,22 +57,7 @@ SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
 AGENT_TIMEOUT_S = 120.0
 
 
-def _can_netns() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, TAPs, nftables)"
-    for tool in ("ip", "nft", "nsenter"):
-        if shutil.which(tool) is None:
-            return f"needs the {tool} command"
-    if not os.path.exists("/dev/net/tun"):
-        return "needs /dev/net/tun"
-    return None
-
-
-needs_netns = pytest.mark.skipif(_can_netns() is not None, reason=str(_can_netns()))
-
-
-def run(cmd: str) -> str:
-    return subprocess.run(cmd, shell=True, check=True, capture_output=True, text=True).stdout
+needs_netns = pytest.mark.skipif(can_netns() is not None, reason=str(can_netns()))
 
 
 def host_links() -> str:
@@ -190,11 +176,6 @@ class Topology:
     www: Path | None = None
 
 
-def _delete_namespaces() -> None:
-    for ns in (NS_HOST, NS_INET):
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-
-
 def _listen(ns: str, port: int, bind: str, directory: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         ["ip", "netns", "exec", ns, sys.executable, "-m", "http.server", str(port),
@@ -211,10 +192,10 @@ def _wait_port(ns: str, host: str, port: int, timeout: float = 10.0) -> None:
 
 @pytest.fixture(scope="module")
 def topology() -> Iterator[Topology]:
-    reason = _can_netns()
+    reason = can_netns()
     if reason:
         pytest.skip(reason)
-    _delete_namespaces()  # left over by a killed run
+    delete_namespaces(NS_HOST, NS_INET)  # left over by a killed run
     topo = Topology(www=Path(tempfile.mkdtemp(prefix="hg-www-")))
     try:
         (topo.www / "index.html").write_text(BODY)
@@ -236,16 +217,9 @@ def topology() -> Iterator[Topology]:
         _wait_port(NS_HOST, "127.0.0.1", API_PORT)
         yield topo
     finally:
-        for p in topo.procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-        _delete_namespaces()
+        kill_groups(topo.procs)
+        remove_namespaces(NS_HOST, NS_INET)
         shutil.rmtree(topo.www, ignore_errors=True)
-        left = run("ip netns list")
-        assert NS_HOST not in left and NS_INET not in left, left
 
 
 @pytest.fixture
@@ -427,12 +401,7 @@ class Guests:
         return json.loads(r.stdout.head)
 
     async def close(self) -> None:
-        for p in self.topology_procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        kill_groups(self.topology_procs)
         for agent in self.agents.values():
             await agent.close()  # type: ignore[attr-defined]
         for sid, vm in self.vms.items():

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from hangar.schemas.secrets import check_hosts
+from netns import can_netns, delete_namespaces, kill_groups, remove_namespaces, run
 
 NS_INET = "hg-sc-inet"
 NS_HOST = "hg-sc-host"
@@ -63,15 +64,9 @@ print(r.status, r.read().decode().strip())
 """
 
 
-def run(cmd: str) -> str:
-    return subprocess.run(cmd, shell=True, check=True, capture_output=True, text=True).stdout
-
-
 def _can_netns() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    if shutil.which("nft") is None or shutil.which("ip") is None:
-        return "needs ip and nft"
+    if (why := can_netns()) is not None:
+        return why
     if not os.access(MITMDUMP, os.X_OK):
         return f"no {MITMDUMP}: scripts/install.sh makes the proxy's environment"
     return None
@@ -130,11 +125,6 @@ class Inet:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
 
-def _delete_namespaces() -> None:
-    for ns in (NS_HOST, NS_INET):
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-
-
 @pytest.fixture(scope="module")
 def inet() -> Iterator[Inet]:
     reason = _can_netns()
@@ -148,7 +138,7 @@ def inet() -> Iterator[Inet]:
 def stand_in_internet() -> Iterator[Inet]:
     """The two namespaces and the HTTPS server (see the module docstring); all removed
     on the way out."""
-    _delete_namespaces()  # left over by a killed run
+    delete_namespaces(NS_HOST, NS_INET)  # left over by a killed run
     folder = Path(tempfile.mkdtemp(prefix="hg-sc-"))
     ca, cert, key = make_test_ca(folder)
     topo = Inet(folder, ca)
@@ -170,16 +160,9 @@ def stand_in_internet() -> Iterator[Inet]:
         assert srv.stdout is not None and srv.stdout.readline().strip() == b"ready"
         yield topo
     finally:
-        for p in topo.procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-        _delete_namespaces()
+        kill_groups(topo.procs)
+        remove_namespaces(NS_HOST, NS_INET)
         shutil.rmtree(folder, ignore_errors=True)
-        left = run("ip netns list")
-        assert NS_HOST not in left and NS_INET not in left, left
 
 
 @dataclass
