@@ -48,6 +48,7 @@ from hangar.engines.firecracker.files import (
     make_disk,
     read_vm_json,
     vm_id_for,
+    vmm_args,
     write_vm_json,
 )
 from hangar.engines.confine import ConfineConfig, Confinement
@@ -201,8 +202,7 @@ class FirecrackerEngine(Engine):
 
     def command(self, spec: VMSpec, files: FirecrackerFiles) -> list[str]:
         """The argv that starts ``spec``'s VMM (the jailer's, when jailed)."""
-        fc_args = ["--api-sock", files.api.name, "--log-path", files.log.name,
-                   "--level", "Warning"]
+        fc_args = vmm_args(files)
         if self.jailer is None:
             return [str(self.binary), "--id", files.vm_id, *fc_args]
         uid, gid = self._ids(files)

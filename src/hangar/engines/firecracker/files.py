@@ -38,6 +38,11 @@ def vm_id_for(sandbox_id: str) -> str:
     return vm_id
 
 
+def vmm_args(files: FirecrackerFiles) -> list[str]:
+    """Firecracker's own arguments: its API socket and log, relative to its root."""
+    return ["--api-sock", files.api.name, "--log-path", files.log.name, "--level", "Warning"]
+
+
 def check_socket_paths(files: FirecrackerFiles) -> None:
     """Raise EngineError when a socket path of ``files`` is too long for a Unix socket."""
     for sock in (files.api, files.vsock):

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from hangar.engines import safefs
 from hangar.engines.confine import ConfineConfig, Confinement
-from hangar.engines.firecracker.files import vm_id_for
+from hangar.engines.firecracker.files import vm_id_for, vmm_args
 from hangar.engines.firecracker.jailer import (
     SPLIT_CHROOT_BASE,
     JailerConfig,
@@ -51,11 +51,6 @@ from hangar.layout import FirecrackerPaths, Layout, SandboxPaths
 LINK_NAMES = frozenset({"vmlinux", "initrd.img", "rootfs.ext4", "snapshot.vmstate",
                         "snapshot.memory"})
 """The names ``link`` may make in a VMM's root (``FirecrackerPaths``' read-only files)."""
-
-FIRECRACKER_ARGS = ["--api-sock", "firecracker.sock", "--log-path", "firecracker.log",
-                    "--level", "Warning"]
-"""Firecracker's own arguments under the jailer (paths relative to its root; the same
-names as ``hangar.layout.FirecrackerPaths``)."""
 
 
 def check_base(base: Path) -> None:
@@ -160,7 +155,7 @@ class HostJail:
             console = ["setpriv", f"--reuid={uid}", f"--regid={self.group}", "--clear-groups",
                        "--", *console]
         argv = jailed_argv(self.config, self.firecracker, files.vm_id, uid, self.group,
-                           self.base, self.version, vcpus, memory_mib, FIRECRACKER_ARGS)
+                           self.base, self.version, vcpus, memory_mib, vmm_args(files))
         old = os.umask(0o007)
         try:
             handle = procs.spawn(argv, cwd=files.root, pid_file=paths.pid_file,
