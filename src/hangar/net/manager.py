@@ -28,14 +28,16 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from hangar import privileged
 from hangar.errors import EngineError, InvalidRequest
 from hangar.net import nft as N
 from hangar.net.attachment import NetAttachment
 from hangar.net.intercept import EgressOps, rules_script
 from hangar.net.policy import Policy
+
+if TYPE_CHECKING:
+    from hangar.privileged import Client
 
 log = logging.getLogger("hangar.net")
 
@@ -134,13 +136,17 @@ class NetworkManager(EgressOps):
     own; ``mode`` is ``tap``, ``user`` (QEMU user-mode networking: see
     ``attach``) or ``auto`` (``tap`` when ``available()``, else ``user``);
     ``user_open`` is the operator's opt-in to ``egress: open`` in user mode
-    (``HANGAR_NET_USER_OPEN``), where a guest reaches the host's loopback.
+    (``HANGAR_NET_USER_OPEN``), where a guest reaches the host's loopback;
+    ``helper`` is the root helper's client of a server split from root
+    (``hangar.roothelper``), which then holds the real manager: this one checks
+    policies and forwards the rest.
     """
 
     def __init__(self, *, bridge: str = "hgbr0", pool: str = "172.30.0.0/16",
                  tap_prefix: str = "hgt", dns: str | None = None,
                  resolv_conf: Path = Path("/etc/resolv.conf"), netns: str | None = None,
-                 mode: Literal["auto", "tap", "user"] = "auto", user_open: bool = False) -> None:
+                 mode: Literal["auto", "tap", "user"] = "auto", user_open: bool = False,
+                 helper: "Client | None" = None) -> None:
         try:
             net = ipaddress.IPv4Network(pool)
         except ValueError as exc:
@@ -174,9 +180,7 @@ class NetworkManager(EgressOps):
         """The cluster's control endpoints (``guard_control``)."""
         self._lock = threading.RLock()
         self._started = False
-        self._helper = privileged.current() if os.geteuid() != 0 else None
-        """Under a privilege split (``hangar.privileged``) the root helper holds the
-        real manager: this one checks policies and forwards the rest."""
+        self._helper = helper if os.geteuid() != 0 else None
 
     # -- capability ----------------------------------------------------------
 
@@ -187,8 +191,8 @@ class NetworkManager(EgressOps):
         pyroute2, and, when one is named, the network namespace and ``nsenter``.
         """
         if self._helper is not None:
-            got = self._helper.call({"op": "net_info"})
-            return bool(got["ok"]), str(got["reason"])
+            got = self._helper.net_info()
+            return got["ok"], got["reason"]
         if not _has_net_admin():
             return False, "TAP networking needs root (CAP_NET_ADMIN)"
         try:
@@ -281,7 +285,7 @@ class NetworkManager(EgressOps):
             if self._started or self.mode != "tap":
                 return
             if self._helper is not None:
-                self._helper.call({"op": "net_start"})
+                self._helper.net_start()
                 self._started = True
                 return
             ok, reason = self.available()
@@ -306,7 +310,7 @@ class NetworkManager(EgressOps):
         endpoints = list(endpoints)
         self.control = endpoints  # the egress proxy refuses them too (hangar.net.egress)
         if self._helper is not None:
-            self._helper.call({"op": "net_guard", "endpoints": [list(e) for e in endpoints]})
+            self._helper.net_guard(endpoints)
             return
         with self._lock:
             if self.mode != "tap":
@@ -407,9 +411,8 @@ class NetworkManager(EgressOps):
             ip, prefix, gw, dns = USER_NET
             return NetAttachment(sandbox_id, "user", None, mac, ip, prefix, gw, dns, pol.egress)
         if self._helper is not None:
-            got = self._helper.call({"op": "net_attach", "sandbox_id": sandbox_id,
-                                     "policy": pol.model_dump(mode="json")})
-            return NetAttachment(**got)
+            got = self._helper.net_attach(sandbox_id, pol.model_dump(mode="json"))
+            return None if got is None else NetAttachment(**got)
         started = time.monotonic()
         with self._lock:
             self.start()
@@ -476,7 +479,7 @@ class NetworkManager(EgressOps):
         if self.mode != "tap":
             return
         if self._helper is not None:
-            self._helper.call({"op": "net_release", "sandbox_id": sandbox_id})
+            self._helper.net_release(sandbox_id)
             return
         started = time.monotonic()
         with self._lock:
@@ -529,7 +532,7 @@ class NetworkManager(EgressOps):
         if self.mode != "tap":
             return []
         if self._helper is not None:
-            return list(self._helper.call({"op": "net_sweep", "live_ids": list(live_ids)}))
+            return self._helper.net_sweep(live_ids)
         with self._lock:
             self.start()
             live = {tap_name(s, self.tap_prefix) for s in live_ids}
@@ -556,7 +559,7 @@ class NetworkManager(EgressOps):
         if self.mode != "tap":
             return
         if self._helper is not None:
-            self._helper.call({"op": "net_teardown"})
+            self._helper.net_teardown()
             return
         with self._lock:
             with self._ipr() as ipr:
@@ -573,7 +576,7 @@ class NetworkManager(EgressOps):
     def leases(self) -> dict[str, str]:
         """Sandbox id -> guest address of every current lease (TAP mode)."""
         if self._helper is not None and self.mode == "tap":
-            return dict(self._helper.call({"op": "net_leases"}))
+            return self._helper.net_leases()
         with self._lock:
             return {sid: lease.ip for sid, lease in self._leases.items()}
 
