@@ -109,8 +109,8 @@ class FirecrackerEngine(Engine):
     choice, ``HANGAR_FIRECRACKER_JAILER=off``). ``track_dirty_pages``: allow
     Diff snapshots (costs a little at every guest write fault). ``helper``: the root
     helper's client of a server split from root (``hangar.roothelper``), which then
-    runs the jailer. Raises EngineError when the binary or /dev/kvm is missing, or when root
-    would run VMMs without the jailer and ``unjailed`` is not given.
+    runs the jailer. Raises EngineError when the binary or /dev/kvm is missing, or
+    when root would run VMMs without the jailer and ``unjailed`` is not given.
     """
 
     name = "firecracker"
