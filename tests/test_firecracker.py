@@ -809,16 +809,16 @@ from hangar.engines.firecracker import FirecrackerAPI, FirecrackerEngine, Jailer
 from hangar.engines.firecracker.hostjail import HostJail
 from hangar.images import resolve_image
 from hangar.layout import Layout
-from hangar.privileged.split import split
+from hangar.roothelper import split
 
 data, fc, jb, jails, sid1, sid2 = sys.argv[1:7]
 layout = Layout(Path(data))
 layout.ensure()
 image = resolve_image(layout, "base")
 config = JailerConfig(Path(jb), chroot_base=Path(jails))
-split(layout, Confinement(ConfineConfig()), "hangar", None,
-      lambda gid: HostJail(config, Path(fc), gid))
-engine = FirecrackerEngine(Path(fc), jailer=config)
+_, helper = split(layout, Confinement(ConfineConfig()), "hangar", None,
+                  lambda gid: HostJail(config, Path(fc), gid))
+engine = FirecrackerEngine(Path(fc), jailer=config, helper=helper)
 
 
 def status(pid):

@@ -96,3 +96,85 @@ def test_api_never_imports_the_cluster_or_the_server_assembly() -> None:
 def test_cluster_never_imports_api() -> None:
     """cluster/ uses core's public surface; the key check lives in hangar.keys."""
     assert offending("hangar.cluster", ("hangar.api",)) == {}
+
+
+BELOW_THE_HELPER = ("hangar.engines", "hangar.net", "hangar.images", "hangar.core",
+                    "hangar.api", "hangar.cluster", "hangar.guest", "hangar.privileged")
+
+
+def test_privileged_is_the_bottom() -> None:
+    """``hangar.privileged`` (the root helper's protocol and client) is what the engines
+    and the network are handed; it imports none of the packages that use it, so no
+    package imports its way back through it (the helper itself is ``hangar.roothelper``,
+    beside the server)."""
+    bad = offending("hangar.privileged", ("hangar.engines", "hangar.net", "hangar.images",
+                                          "hangar.core", "hangar.api", "hangar.cluster",
+                                          "hangar.guest", "hangar.server", "hangar.cli",
+                                          "hangar.roothelper", "hangar.client",
+                                          "hangar.tools"))
+    assert bad == {}
+
+
+def test_nothing_below_the_server_imports_the_root_helper() -> None:
+    """The root helper drives the engines and the network: only the server's assembly
+    (``hangar.cli.serve``) forks it."""
+    bad: dict[str, list[str]] = {}
+    for package in BELOW_THE_HELPER:
+        bad |= offending(package, ("hangar.roothelper", "hangar.server", "hangar.cli"))
+    assert bad == {}
+
+
+def privileged_ops() -> set[str]:
+    """The ops of the root helper's request table (``hangar.privileged.protocol``)."""
+    from typing import get_args
+
+    from hangar.privileged import protocol
+
+    union = get_args(get_args(protocol.Request)[0])
+    return {get_args(m.model_fields["op"].annotation)[0] for m in union}
+
+
+def op_literals(path: Path) -> list[tuple[int, object]]:
+    """(line, value) of every ``"op"`` a dict literal or ``dict(op=...)`` in ``path`` spells
+    (the value when it is a constant, else None)."""
+    found: list[tuple[int, object]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values):
+                if isinstance(key, ast.Constant) and key.value == "op":
+                    found.append((node.lineno, value.value if isinstance(value, ast.Constant)
+                                  else None))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id == "dict"):
+            for kw in node.keywords:
+                if kw.arg == "op":
+                    found.append((node.lineno, kw.value.value if isinstance(
+                        kw.value, ast.Constant) else None))
+    return found
+
+
+def test_the_op_finder_sees_literals_and_dict_calls(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text('a = {"op": "kill_vmm", "pid": 2}\nb = dict(op="net_info")\n'
+                     'c = {"op": name}\nd = {"other": "op"}\n')
+    assert op_literals(probe) == [(1, "kill_vmm"), (2, "net_info"), (3, None)]
+
+
+def test_only_privileged_spells_a_privileged_request() -> None:
+    """Every request to the root helper goes through a typed method of
+    ``hangar.privileged.Client``: no module outside ``hangar.privileged`` writes one as
+    an ``{"op": ...}`` dict (the guest's own protocol, whose requests are dicts with an
+    ``op`` too, is another table and another check)."""
+    ops = privileged_ops()
+    root = SRC / "hangar"
+    bad = {module_name(p, SRC): [line for line, op in op_literals(p) if op in ops]
+           for p in sorted(root.rglob("*.py"))
+           if not p.is_relative_to(root / "privileged")}
+    assert {m: lines for m, lines in bad.items() if lines} == {}
+
+
+def test_net_spells_no_op_dict_at_all() -> None:
+    """The network manager forwards to the root helper through its typed client and
+    speaks to no guest: no ``"op"`` dict anywhere in ``hangar.net``."""
+    bad = {module_name(p, SRC): op_literals(p) for p in modules("hangar.net", SRC)}
+    assert {m: found for m, found in bad.items() if found} == {}

@@ -135,7 +135,7 @@ def test_template_snapshots_are_restored_read_only_and_root_written_keys_are_the
 
 
 def test_the_helper_refuses_what_the_table_does_not_hold(tmp_path: Path) -> None:
-    from hangar.privileged.helper import Helper
+    from hangar.roothelper import Helper
 
     layout = Layout(tmp_path)
     layout.ensure()

@@ -17,8 +17,11 @@ At start-up (the app's lifespan, before the first request is served):
 
 4. the default image is resolved and the engine chosen
    (``hangar.engines.doctor.choose_engine``; the probe boots run when no
-   cached result fits), with its confinement and QEMU's memory tuning; a
-   QEMU host with ``HANGAR_KSM`` on but ksmd stopped is warned about;
+   cached result fits), with its confinement and QEMU's memory tuning, and
+   the root helper's client of a split server (``app.state.helper``, which
+   ``hangar serve`` sets after ``hangar.roothelper.split``; the engine hands it
+   on to the network manager); a QEMU host with ``HANGAR_KSM`` on but ksmd
+   stopped is warned about;
 5. metrics, the store, the cluster's shared key hashes (a node), the
    ``SandboxManager`` (with the node's hooks), the idempotency store and
    the ``MachineManager`` go on ``app.state`` (``manager``, ``machines``,
@@ -57,22 +60,24 @@ from hangar.images import resolve_image
 from hangar.errors import ConfigError
 from hangar.layout import Layout
 from hangar.metrics import Metrics
+from hangar.privileged import Client
 
 log = logging.getLogger("hangar.app")
 
 __all__ = ["create_app", "pick_engine"]
 
 
-def pick_engine(settings: Settings, layout: Layout) -> Engine:
+def pick_engine(settings: Settings, layout: Layout, helper: Client | None = None) -> Engine:
     """The engine this server runs VMs with (``HANGAR_ENGINE``; ``auto`` probes), for the
-    default image. Warns when ``HANGAR_KSM`` is on for QEMU but the host's ksmd is not
-    running. Raises ImageError (no default image), EngineError (no usable engine)."""
+    default image; ``helper``: the root helper's client of a server split from root.
+    Warns when ``HANGAR_KSM`` is on for QEMU but the host's ksmd is not running. Raises
+    ImageError (no default image), EngineError (no usable engine)."""
     image = resolve_image(layout, settings.default_image)
     engine = choose_engine(settings.engine, layout, image, accel=settings.accel,
                            jailer=settings.firecracker_jailer,
                            confine=confine_config(settings), tuning=MemoryTuning(
                                tb_mib=settings.tcg_tb_mib, balloon=settings.balloon,
-                               ksm=settings.ksm))
+                               ksm=settings.ksm), helper=helper)
     if settings.ksm and engine.name == "qemu" and not ksm_running():
         log.warning("HANGAR_KSM is on but the host's ksmd is not running: no page is "
                     "merged until an operator writes 1 to /sys/kernel/mm/ksm/run")
@@ -109,7 +114,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         layout.ensure()
-        engine = pick_engine(settings, layout)
+        engine = pick_engine(settings, layout, getattr(app.state, "helper", None))
         metrics = Metrics()
         metrics.engine.info(engine.describe())
         store = Store(layout.database)

@@ -20,20 +20,22 @@ if TYPE_CHECKING:
     from hangar.config import Settings
     from hangar.engines.firecracker.hostjail import HostJail
     from hangar.layout import Layout
+    from hangar.privileged import Client
 
 
-def split_privileges(settings: "Settings", layout: "Layout") -> None:
-    """Started as root, fork the privileged helper and drop this process to
-    ``HANGAR_USER`` before uvicorn reads a byte (``hangar.privileged.split``), unless
-    ``HANGAR_PRIVSEP=0``. The helper also runs Firecracker's jailer (``host_jail``).
+def split_privileges(settings: "Settings", layout: "Layout") -> "Client | None":
+    """Started as root, fork the root helper and drop this process to ``HANGAR_USER``
+    before uvicorn reads a byte (``hangar.roothelper.split``), unless
+    ``HANGAR_PRIVSEP=0``; returns the helper's client (None: no split), which the
+    server's engine gets. The helper also runs Firecracker's jailer (``host_jail``).
     Exits with the reason (one line naming the fix) when that cannot be done: no such
     user, code it could not read, or an unsafe folder for the jails."""
     import os
 
     if settings.privsep is False or os.geteuid() != 0:
-        return  # off, or started unprivileged already
+        return None  # off, or started unprivileged already
     from hangar.engines.confine import Confinement, config_from
-    from hangar.privileged.split import split
+    from hangar.roothelper import split
 
     from hangar.core.launch import network_manager
 
@@ -41,11 +43,12 @@ def split_privileges(settings: "Settings", layout: "Layout") -> None:
     if jail is not None and settings.engine == "auto":
         probe_as_root(settings, layout)
     try:
-        pid = split(layout, Confinement(config_from(settings)), settings.user,
-                    network_manager(settings), jail)
+        pid, client = split(layout, Confinement(config_from(settings)), settings.user,
+                            network_manager(settings), jail)
     except (HangarError, OSError) as exc:
         fail(exc if isinstance(exc, HangarError) else ConfigError(f"privilege split: {exc}"))
     err.print(f"privileged helper: pid {pid}; this server runs as {settings.user}")
+    return client
 
 
 def probe_as_root(settings: "Settings", layout: "Layout") -> None:
@@ -163,7 +166,7 @@ def serve(
             resolve_image(layout, settings.default_image)
     except HangarError as exc:
         fail(exc)
-    split_privileges(settings, layout)
+    api.state.helper = split_privileges(settings, layout)  # the lifespan's engine gets it
     where = f"unix:{settings.uds}" if settings.uds else f"http://{settings.host}:{settings.port}"
     err.print(f"Hangar on {where}  (API key in {layout.api_key_file})")
     where_kw: dict[str, object] = ({"uds": str(settings.uds)} if settings.uds

@@ -217,5 +217,5 @@ class Handover:
         pids = {rt.vm.pid for sid in ctx.registry.ids() if (rt := ctx.registry.get(sid))}
         pids |= {pid for pid, _ in vmm_processes(ctx.layout.sandboxes)}
         for pid in pids:
-            kill_process(pid)  # through the privileged helper under a privilege split
+            kill_process(pid, ctx.engine.helper)  # the root helper's, under a split
         return len(pids)

@@ -52,6 +52,7 @@ from hangar.guest import paths
 from hangar.images import GuestImage, resolve_pinned
 from hangar.core.admission import default_size
 from hangar.net import NetAttachment, NetworkManager, Policy
+from hangar.privileged import Client
 
 log = logging.getLogger("hangar.launch")
 
@@ -67,14 +68,16 @@ PROBE_S = 2.0
 """How long a reconnected agent has to answer the ``hello`` probe, seconds."""
 
 
-def network_manager(settings: Settings) -> NetworkManager | None:
-    """The server's network manager, or None when guest networking is off."""
+def network_manager(settings: Settings, helper: "Client | None" = None
+                    ) -> NetworkManager | None:
+    """The server's network manager, or None when guest networking is off; ``helper``:
+    the root helper's client of a server split from root, to which it forwards."""
     if settings.network == "off":
         return None
     mode = "auto" if settings.network == "auto" else settings.network
     return NetworkManager(bridge=settings.net_bridge, pool=settings.net_pool,
                           dns=settings.net_dns, mode=mode,  # type: ignore[arg-type]
-                          user_open=settings.net_user_open)
+                          user_open=settings.net_user_open, helper=helper)
 
 
 def renet_meta(net: NetAttachment) -> dict[str, Any]:
@@ -112,7 +115,7 @@ class Launcher:
 
     def __init__(self, ctx: Context, secret_key: bytes | None = None) -> None:
         self.ctx = ctx
-        self.net = network_manager(ctx.settings)
+        self.net = network_manager(ctx.settings, ctx.engine.helper)
         self.vault = Vault(ctx.store, ctx.settings.secrets_key_file
                            or default_key_file(), secret_key)
         """Secrets and sandboxes' placeholders (``hangar.core.secrets``)."""

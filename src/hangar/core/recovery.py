@@ -156,11 +156,12 @@ class Recovery:
         held = set(ctx.registry.ids()) | templates.building(layout)
         for pid, sid in vmm_processes(layout.sandboxes):
             if sid not in held:
-                kill_process(pid)
+                kill_process(pid, ctx.engine.helper)
                 log.info("orphan VMM killed", extra={"sandbox_id": sid, "pid": pid})
         for d in layout.sandboxes.iterdir():
             if d.name not in held:
-                release_folder(layout.sandbox(d.name))  # its VMM's cgroup, once it left
+                # its VMM's cgroup, once it left
+                release_folder(layout.sandbox(d.name), helper=ctx.engine.helper)
                 shutil.rmtree(d, ignore_errors=True)
                 log.info("orphan sandbox folder removed", extra={"sandbox_id": d.name})
         sleeping_in = {r.sleep_snapshot for r in live.values() if r.sleep_snapshot}

@@ -31,6 +31,7 @@ from hangar.layout import SandboxPaths
 
 if TYPE_CHECKING:
     from hangar.images import GuestImage
+    from hangar.privileged import Client
     from hangar.net.attachment import NetAttachment
 
 __all__ = ["VM", "Engine", "SnapshotFiles", "VMSpec", "VolumeDrive", "kill_process",
@@ -120,6 +121,10 @@ class Engine(abc.ABC):
 
     name: str
     accel: str
+    helper: "Client | None" = None
+    """The root helper's client of a server split from root (``hangar.roothelper``),
+    given to the engine when it is built; None when this process is root or unsplit.
+    Whoever kills or releases a VMM outside the engine (recovery's sweep) passes it on."""
 
     @abc.abstractmethod
     async def boot(self, spec: VMSpec) -> VM:
@@ -213,5 +218,5 @@ class Engine(abc.ABC):
 
         Engines that can ask the guest (QEMU's balloon statistics) add its own use.
         """
-        return host_usage(vm.pid)
+        return host_usage(vm.pid, self.helper)
 

@@ -57,7 +57,6 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from hangar import privileged
 from hangar.engines import safefs
 from hangar.engines.cgroups import Hierarchy, Limits, remove_dirs
 from hangar.engines.uids import DEFAULT_REGISTRY, UidAllocator
@@ -66,6 +65,7 @@ from hangar.layout import SandboxPaths
 
 if TYPE_CHECKING:
     from hangar.config import Settings
+    from hangar.privileged import Client
 
 log = logging.getLogger("hangar.engine.confine")
 
@@ -155,7 +155,7 @@ class Plan:
     report_fd: int | None = None
     umask: int | None = None
     remote: str | None = None
-    """Made by the privileged helper for this sandbox id (``hangar.privileged``): the
+    """Made by the root helper for this sandbox id (``hangar.roothelper``): the
     helper starts the VMM with its own copy, this one only informs the caller."""
 
     def to_json(self) -> str:
@@ -179,9 +179,12 @@ class Plan:
 
 
 class Confinement:
-    """Decides and prepares each VMM's confinement; one per engine."""
+    """Decides and prepares each VMM's confinement; one per engine. ``helper``: the root
+    helper's client of a server split from root (``hangar.roothelper``), which then
+    prepares, starts and releases every VMM; None: this process does it."""
 
-    def __init__(self, config: ConfineConfig | None = None) -> None:
+    def __init__(self, config: ConfineConfig | None = None,
+                 helper: "Client | None" = None) -> None:
         self.config = config or ConfineConfig()
         c = self.config
         self.root = os.geteuid() == 0
@@ -201,7 +204,7 @@ class Confinement:
         self.owner_uid = 0
         """Who owns sandbox folders (and the VMM's disk and console folder, with the
         VMM's group): root, or the unprivileged server's user under a privileged helper."""
-        self.helper = privileged.current()
+        self.helper = helper
         if self.helper is not None:
             self.root = True  # the helper is, and confines every VMM
 
@@ -302,7 +305,7 @@ class Confinement:
         (``tap_fd`` tells); ``netns``: a network namespace to start it in
         (where its TAP is); ``view_fds``: bind the VMM's own ``/proc/self/fd`` there in
         its view (a descriptor passed to it is then opened by that path). Under a
-        privileged helper (``hangar.privileged``) the helper does all of it and keeps
+        privileged helper (``helper``) the helper does all of it and keeps
         the plan; the one returned only tells ``uid`` and ``root``. Raises OSError (a
         cgroup or a file could not be set up; EngineError from the helper).
         """
@@ -310,13 +313,11 @@ class Confinement:
             if netns:
                 raise OSError("a VMM network namespace is not routed through the privileged "
                               "helper")
-            got = self.helper.call({
-                "op": "prepare_vmm", "sandbox_id": sandbox_id, "vcpus": vcpus,
-                "memory_mib": memory_mib, "accel": accel, "tcg_cache_mib": tcg_cache_mib,
-                "reads": [str(d) for d in reads],
-                "owned": [str(f.relative_to(paths.dir)) for f in owned],
-                "file_limit": file_limit, "host_network": host_network, "view_fds": view_fds,
-                "tap": tap})
+            got = self.helper.prepare_vmm(
+                sandbox_id, vcpus=vcpus, memory_mib=memory_mib, accel=accel,
+                tcg_cache_mib=tcg_cache_mib, reads=[str(d) for d in reads],
+                owned=[str(f.relative_to(paths.dir)) for f in owned], file_limit=file_limit,
+                host_network=host_network, view_fds=view_fds, tap=tap)
             return Plan(uid=got["uid"], gid=got["uid"], root=got["root"], remote=sandbox_id)
         plan = Plan(cwd=str(paths.dir), netns=str(netns) if netns else None)
         if file_limit:
@@ -387,8 +388,7 @@ class Confinement:
         (never raises)."""
         if self.helper is not None:
             try:
-                await asyncio.to_thread(self.helper.call, {"op": "release_vmm",
-                                                           "sandbox_id": paths.dir.name})
+                await asyncio.to_thread(self.helper.release_vmm, paths.dir.name)
             except HangarError as exc:
                 log.warning("%s", exc.message)
             return
@@ -401,14 +401,15 @@ class Confinement:
             self.uids.release(paths.dir)
 
 
-def release_folder(paths: SandboxPaths, wait: float = 1.0) -> None:
+def release_folder(paths: SandboxPaths, wait: float = 1.0,
+                   helper: "Client | None" = None) -> None:
     """Remove the cgroup that ``paths``' ``vmm.cgroup`` names, waiting up to ``wait``
     seconds for a just-killed VMM to leave it; for callers that cannot await (the
-    start-up sweep), and drop the folder's VMM uid claim. Never raises."""
-    helper = privileged.current()
+    start-up sweep), and drop the folder's VMM uid claim. ``helper``: a split server's
+    root helper, which then does it. Never raises."""
     if helper is not None:
         try:
-            helper.call({"op": "release_vmm", "sandbox_id": paths.dir.name})
+            helper.release_vmm(paths.dir.name)
         except HangarError as exc:
             log.warning("%s", exc.message)
         return

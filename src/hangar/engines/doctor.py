@@ -59,6 +59,7 @@ from hangar.layout import Layout
 
 if TYPE_CHECKING:
     from hangar.engines.qemu import MemoryTuning
+    from hangar.privileged import Client
     from hangar.images import GuestImage
 
 log = logging.getLogger("hangar.engine.doctor")
@@ -167,16 +168,16 @@ def _kvm() -> tuple[bool, str]:
     return True, "present and accessible; only a probe boot shows whether guests run"
 
 
-def jailer_choice(wanted: bool | str) -> tuple[Path | None, str]:
+def jailer_choice(wanted: bool | str, helper: "Client | None" = None
+                  ) -> tuple[Path | None, str]:
     """Firecracker's jailer for ``wanted`` (``auto``, ``on``/True, ``off``/False):
-    (its path, why) when it is used, (None, why not) otherwise. ``on`` without
-    root or a jailer raises EngineError."""
+    (its path, why) when it is used, (None, why not) otherwise. ``helper``: the root
+    helper's client of a server split from root, which runs the jailer. ``on``
+    without root (or such a helper) or a jailer raises EngineError."""
     if wanted in (False, "off"):
         return None, "turned off (HANGAR_FIRECRACKER_JAILER=off)"
     jb = find_jailer()
-    from hangar import privileged
-
-    split = os.geteuid() != 0 and privileged.current() is not None  # its helper jails
+    split = os.geteuid() != 0 and helper is not None  # its helper jails
     problem = ("Hangar is not root" if os.geteuid() != 0 and not split else
                "no jailer found; run scripts/fetch-firecracker.sh" if jb is None else None)
     if problem is None:
@@ -285,7 +286,8 @@ def diagnose(layout: Layout, image: "GuestImage | None", *, use_cache: bool = Tr
 def choose_engine(kind: str, layout: Layout, image: "GuestImage", *, accel: str = "auto",
                   jailer: bool | str | JailerConfig = "auto",
                   confine: ConfineConfig | None = None,
-                  tuning: "MemoryTuning | None" = None) -> Engine:
+                  tuning: "MemoryTuning | None" = None,
+                  helper: "Client | None" = None) -> Engine:
     """Build the engine named ``kind``: ``auto``, ``firecracker`` or ``qemu``.
 
     ``auto`` runs (or reads the cached result of) the Firecracker probe boot
@@ -295,6 +297,9 @@ def choose_engine(kind: str, layout: Layout, image: "GuestImage", *, accel: str 
     ``off`` (False) does without; or give a ``JailerConfig``. ``confine``:
     QEMU's confinement (default: ``ConfineConfig()``, everything on).
     ``tuning`` is QEMU's memory tuning (``hangar.engines.qemu.MemoryTuning``).
+    ``helper``: the root helper's client of a server split from root
+    (``hangar.roothelper``), given to the engine (None: this process is root or
+    unsplit).
     Raises InvalidRequest for an unknown kind, EngineError when the VMM (or a
     required jailer) is missing.
     """
@@ -315,26 +320,27 @@ def choose_engine(kind: str, layout: Layout, image: "GuestImage", *, accel: str 
                 config = jailer
             else:
                 try:
-                    jb, why = jailer_choice(jailer)
+                    jb, why = jailer_choice(jailer, helper)
                 except EngineError as exc:
                     if kind == "firecracker":
                         raise
                     log.warning("engine auto: QEMU, since Firecracker cannot run confined: "
                                 "%s", exc.message)
-                    return _qemu(layout, image, accel, confine, tuning)
+                    return _qemu(layout, image, accel, confine, tuning, helper)
                 if jb is not None:
                     c = confine or ConfineConfig()
                     config = JailerConfig(jb, cgroups=c.cgroups if c.enabled else "off")  # type: ignore[arg-type]
                 else:
                     log.warning("Firecracker runs without its jailer: %s", why)
             return FirecrackerEngine(fc, jailer=config, console_log_bytes=(
-                confine or ConfineConfig()).console_log_bytes, unjailed=config is None)
-    return _qemu(layout, image, accel, confine, tuning)
+                confine or ConfineConfig()).console_log_bytes, unjailed=config is None,
+                helper=helper)
+    return _qemu(layout, image, accel, confine, tuning, helper)
 
 
 def _qemu(layout: Layout, image: "GuestImage", accel: str, confine: ConfineConfig | None,
-          tuning: "MemoryTuning | None") -> Engine:
+          tuning: "MemoryTuning | None", helper: "Client | None" = None) -> Engine:
     from hangar.engines.qemu import QemuEngine, choose_accel
 
     chosen, reason = choose_accel(layout, image.kernel, image.initrd, accel)
-    return QemuEngine(chosen, reason, Confinement(confine), tuning)
+    return QemuEngine(chosen, reason, Confinement(confine, helper), tuning)

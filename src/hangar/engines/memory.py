@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hangar.errors import HangarError
+
+if TYPE_CHECKING:
+    from hangar.privileged import Client
 
 
 @dataclass(frozen=True)
@@ -49,20 +53,16 @@ def smaps_rollup(pid: int) -> dict[str, int]:
     return out
 
 
-def host_usage(pid: int) -> MemoryUsage | None:
+def host_usage(pid: int, helper: "Client | None" = None) -> MemoryUsage | None:
     """The host figures of the process ``pid``; None once it is gone. An unprivileged
     server may not read a VMM's ``smaps_rollup`` (another uid's, which needs ptrace
-    rights): it asks the privileged helper (``hangar.privileged``)."""
-    if os.geteuid() != 0:
-        from hangar import privileged
-
-        helper = privileged.current()
-        if helper is not None:
-            try:
-                got = helper.call({"op": "vmm_memory", "pid": pid})
-            except HangarError:
-                return None
-            return None if got is None else MemoryUsage(**got)
+    rights): a server split from root asks its root helper (``helper``, its client)."""
+    if helper is not None and os.geteuid() != 0:
+        try:
+            got = helper.vmm_memory(pid)
+        except HangarError:
+            return None
+        return None if got is None else MemoryUsage(**got)
     roll = smaps_rollup(pid)
     if not roll:
         return None

@@ -37,12 +37,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hangar import privileged
 from hangar.engines import safefs
 from hangar.errors import HangarError
 
 if TYPE_CHECKING:
     from hangar.engines.confine import Plan
+    from hangar.privileged import Client
 
 log = logging.getLogger("hangar.engine.process")
 
@@ -175,11 +175,13 @@ def argv_of(pid: int) -> list[str] | None:
     return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]]
 
 
-def kill_process(pid: int | None) -> None:
+def kill_process(pid: int | None, helper: "Client | None" = None) -> None:
     """SIGKILL the single process ``pid``, ignoring one that is already gone.
 
     Only real process ids (> 1) are signalled: ``kill(-1)`` would end every
-    process on the host and ``kill(0)`` our own process group.
+    process on the host and ``kill(0)`` our own process group. A VMM of another
+    uid, which a server split from root may not signal, is killed by its root
+    helper (``helper``: its client, or None).
     """
     if pid is None or pid <= 1:
         return
@@ -188,10 +190,9 @@ def kill_process(pid: int | None) -> None:
     except ProcessLookupError:
         pass
     except PermissionError:  # a VMM's uid, from an unprivileged server: the helper may
-        helper = privileged.current()
         if helper is not None:
             try:
-                helper.call({"op": "kill_vmm", "pid": pid})
+                helper.kill_vmm(pid)
             except HangarError as exc:
                 log.warning("%s", exc.message)
 
@@ -222,9 +223,12 @@ def tail(path: Path, lines: int = 3, within: Path | None = None) -> str:
 
 
 class VMMProcesses:
-    """The VMM processes this server started; one per engine."""
+    """The VMM processes this server started; one per engine. ``helper``: the root
+    helper's client of a server split from root, which starts the VMMs it prepared
+    (``Plan.remote``) and kills those of other uids; None: no split."""
 
-    def __init__(self) -> None:
+    def __init__(self, helper: "Client | None" = None) -> None:
+        self.helper = helper
         self._children: dict[int, VMMHandle] = {}
         self._loggers: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -310,7 +314,7 @@ class VMMProcesses:
         try:
             safefs.replace_file(pid_file.parent, pid_file.name, f"{handle.pid}\n".encode())
         except OSError:
-            kill_process(handle.pid)
+            kill_process(handle.pid, self.helper)
             handle.wait()
             self._children.pop(handle.pid, None)
             self._reap_logger(handle.pid, force=True)
@@ -320,17 +324,15 @@ class VMMProcesses:
     def _spawn_remote(self, sandbox_id: str, argv: Sequence[str],
                       pass_fds: Sequence[int]) -> VMMHandle:
         """Have the privileged helper start the VMM it prepared (``Plan.remote``)."""
-        helper = privileged.current()
-        if helper is None:
+        if self.helper is None:
             raise OSError("no privileged helper")
         try:
-            got = helper.call({"op": "spawn_vmm", "sandbox_id": sandbox_id,
-                               "argv": list(argv), "fds": list(pass_fds)}, fds=pass_fds)
+            got = self.helper.spawn_vmm(sandbox_id, argv, pass_fds)
         except HangarError as exc:
             raise OSError(exc.message) from None
-        handle = VMMHandle(int(got["pid"]))
-        if got.get("exit") is not None:
-            handle.returncode = int(got["exit"])
+        handle = VMMHandle(got["pid"])
+        if got["exit"] is not None:
+            handle.returncode = got["exit"]
         return handle
 
     def _reap_logger(self, pid: int, force: bool = False) -> None:
@@ -379,6 +381,6 @@ class VMMProcesses:
         """SIGKILL ``pid`` and wait up to ``wait`` seconds until it is gone and reaped."""
         if pid is None or pid <= 1:
             return
-        kill_process(pid)
+        kill_process(pid, self.helper)
         if not await self.wait_gone(pid, wait):
             log.warning("VMM %d did not exit after SIGKILL", pid)

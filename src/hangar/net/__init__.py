@@ -65,7 +65,8 @@ open`` is refused too unless the operator opted in (``user_open``,
 from __future__ import annotations
 
 from hangar.net.attachment import NetAttachment
-from hangar.net.manager import NetworkManager, doctor_lines, mac_for, read_resolver, tap_name
+from hangar.net.doctor import doctor_lines
+from hangar.net.manager import NetworkManager, mac_for, read_resolver, tap_name
 from hangar.net.policy import BLOCKED_INTERNET, Policy
 
 __all__ = ["BLOCKED_INTERNET", "NetAttachment", "NetworkManager", "Policy", "doctor_lines",

@@ -4,8 +4,8 @@ opening the addresses its allowed names resolved to, and changing its rules live
 A mix-in of ``hangar.net.manager.NetworkManager`` (kept apart so each module
 stays one job). Like the rest of the manager, each method is synchronous,
 serialised by the manager's lock, and forwarded to the root helper under a
-privilege split (``hangar.privileged``: ops ``net_intercept``,
-``net_redirect``, ``net_admit``, ``net_rules``); the ``*_async`` twins run
+privilege split (``hangar.privileged.Client``: ``net_intercept``,
+``net_admit``, ``net_rules``); the ``*_async`` twins run
 in a worker thread.
 
 * ``intercept(sandbox_id, port, dports=(80, 443))``: the guest's new TCP
@@ -33,11 +33,14 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hangar.errors import InvalidRequest, NotFound
 from hangar.net import nft as N
 from hangar.net.policy import Policy, range_text
+
+if TYPE_CHECKING:
+    from hangar.privileged import Client
 
 MAX_ADMIT = 256
 """Most (address, port) pairs one ``admit`` takes."""
@@ -49,7 +52,7 @@ class EgressOps:
     """The egress half of ``NetworkManager`` (see the module docstring)."""
 
     # provided by NetworkManager
-    _helper: Any
+    _helper: "Client | None"
     _lock: Any
     _leases: dict[str, Any]
     _redirects: dict[str, dict[str, tuple[tuple[int, ...], int]]]
@@ -86,8 +89,7 @@ class EgressOps:
         if self.mode != "tap":
             raise InvalidRequest("redirecting a guest's traffic needs TAP networking")
         if self._helper is not None:
-            self._helper.call({"op": "net_intercept", "sandbox_id": sandbox_id, "kind": kind,
-                               "port": port, "dports": [int(p) for p in dports]})
+            self._helper.net_intercept(sandbox_id, kind, port, [int(p) for p in dports])
             return
         with self._lock:
             lease = self._tap_lease(sandbox_id)
@@ -127,8 +129,7 @@ class EgressOps:
         if not items:
             return
         if self._helper is not None:
-            self._helper.call({"op": "net_admit", "sandbox_id": sandbox_id,
-                               "entries": [list(e) for e in items]})
+            self._helper.net_admit(sandbox_id, items)
             return
         with self._lock:
             lease = self._tap_lease(sandbox_id)
@@ -146,8 +147,7 @@ class EgressOps:
         if self.mode != "tap":
             raise InvalidRequest("changing a running sandbox's rules needs TAP networking")
         if self._helper is not None:
-            self._helper.call({"op": "net_rules", "sandbox_id": sandbox_id,
-                               "policy": pol.model_dump(mode="json")})
+            self._helper.net_rules(sandbox_id, pol.model_dump(mode="json"))
             return pol
         with self._lock:
             lease = self._tap_lease(sandbox_id)

@@ -1,13 +1,17 @@
 """``NetworkManager``: the host side of guest networking (bridge, TAPs, rules).
 
 See ``hangar.net`` for the design and the security model. This module
-does the work: netlink through pyroute2 (bridge, TAPs, addresses; the
-kernel is the record of what exists) and nftables through
-``hangar.net.nft``. Every method is synchronous and serialised by one
-lock (each takes tens of milliseconds, see ``attach``); the ``*_async``
-twins run them in a worker thread for the orchestrator's event loop, and a
-sync call made from an event loop's thread moves itself to a worker thread
-(pyroute2's sync API cannot run inside a running loop).
+does the per-sandbox work: a sandbox's TAP, address lease and rules
+(``attach``, ``release``, ``sweep``, ``teardown``), through netlink
+(pyroute2; the kernel is the record of what exists) and nftables
+(``hangar.net.nft``). The bridge, its sysctls and the address pool are
+``hangar.net.bridge``'s, the egress operations ``hangar.net.intercept``'s
+(a mix-in), ``hangar doctor``'s lines ``hangar.net.doctor``'s. Every
+method is synchronous and serialised by one lock (each takes tens of
+milliseconds, see ``attach``); the ``*_async`` twins run them in a worker
+thread for the orchestrator's event loop, and a sync call made from an
+event loop's thread moves itself to a worker thread (pyroute2's sync API
+cannot run inside a running loop).
 """
 
 from __future__ import annotations
@@ -21,26 +25,33 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from hangar import privileged
 from hangar.errors import EngineError, InvalidRequest
 from hangar.net import nft as N
 from hangar.net.attachment import NetAttachment
+from hangar.net.bridge import (
+    ALIAS_TAG,
+    Lease,
+    ensure_bridge,
+    free_ip,
+    has_net_admin,
+    read_leases,
+    set_sysctl,
+)
+from hangar.net.doctor import describe
 from hangar.net.intercept import EgressOps, rules_script
 from hangar.net.policy import Policy
 
-log = logging.getLogger("hangar.net")
+if TYPE_CHECKING:
+    from hangar.privileged import Client
 
-ALIAS_TAG = "hangar"
-"""First word of a TAP's ifalias: ``hangar <sandbox id> <guest ip> <egress>``."""
+log = logging.getLogger("hangar.net")
 
 USER_NET = ("10.0.2.15", 24, "10.0.2.2", "10.0.2.3")
 """Guest address, prefix, gateway and DNS under QEMU's user-mode stack (its defaults)."""
@@ -88,11 +99,6 @@ def mac_for(sandbox_id: str) -> str:
     return ":".join(f"{b:02x}" for b in (0x02, *h[:5]))
 
 
-def _bridge_mac(bridge: str) -> str:
-    h = hashlib.sha256(b"hangar-bridge:" + bridge.encode()).digest()
-    return ":".join(f"{b:02x}" for b in (0x02, *h[:5]))
-
-
 def read_resolver(paths: Iterable[Path] = (Path("/etc/resolv.conf"),)) -> str | None:
     """The first IPv4 ``nameserver`` of the first readable file that is not loopback, or None."""
     for path in paths:
@@ -113,14 +119,6 @@ def read_resolver(paths: Iterable[Path] = (Path("/etc/resolv.conf"),)) -> str | 
     return None
 
 
-@dataclass
-class _Lease:
-    sandbox_id: str
-    tap: str
-    ip: str
-    egress: str
-
-
 class NetworkManager(EgressOps):
     """Bridge, TAPs, addresses and rules of Hangar's guests on this host.
 
@@ -134,13 +132,17 @@ class NetworkManager(EgressOps):
     own; ``mode`` is ``tap``, ``user`` (QEMU user-mode networking: see
     ``attach``) or ``auto`` (``tap`` when ``available()``, else ``user``);
     ``user_open`` is the operator's opt-in to ``egress: open`` in user mode
-    (``HANGAR_NET_USER_OPEN``), where a guest reaches the host's loopback.
+    (``HANGAR_NET_USER_OPEN``), where a guest reaches the host's loopback;
+    ``helper`` is the root helper's client of a server split from root
+    (``hangar.roothelper``), which then holds the real manager: this one checks
+    policies and forwards the rest.
     """
 
     def __init__(self, *, bridge: str = "hgbr0", pool: str = "172.30.0.0/16",
                  tap_prefix: str = "hgt", dns: str | None = None,
                  resolv_conf: Path = Path("/etc/resolv.conf"), netns: str | None = None,
-                 mode: Literal["auto", "tap", "user"] = "auto", user_open: bool = False) -> None:
+                 mode: Literal["auto", "tap", "user"] = "auto", user_open: bool = False,
+                 helper: "Client | None" = None) -> None:
         try:
             net = ipaddress.IPv4Network(pool)
         except ValueError as exc:
@@ -168,15 +170,13 @@ class NetworkManager(EgressOps):
         self._mode_wanted = mode
         self.user_open = user_open
         self._mode: str | None = None
-        self._leases: dict[str, _Lease] = {}
+        self._leases: dict[str, Lease] = {}
         self._redirects: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {}
         self.control: list[tuple[str, int]] = []
         """The cluster's control endpoints (``guard_control``)."""
         self._lock = threading.RLock()
         self._started = False
-        self._helper = privileged.current() if os.geteuid() != 0 else None
-        """Under a privilege split (``hangar.privileged``) the root helper holds the
-        real manager: this one checks policies and forwards the rest."""
+        self._helper = helper if os.geteuid() != 0 else None
 
     # -- capability ----------------------------------------------------------
 
@@ -187,9 +187,9 @@ class NetworkManager(EgressOps):
         pyroute2, and, when one is named, the network namespace and ``nsenter``.
         """
         if self._helper is not None:
-            got = self._helper.call({"op": "net_info"})
-            return bool(got["ok"]), str(got["reason"])
-        if not _has_net_admin():
+            got = self._helper.net_info()
+            return got["ok"], got["reason"]
+        if not has_net_admin():
             return False, "TAP networking needs root (CAP_NET_ADMIN)"
         try:
             fd = os.open("/dev/net/tun", os.O_RDWR)
@@ -246,26 +246,15 @@ class NetworkManager(EgressOps):
                 "egress 'none'")
         return pol
 
+    @property
+    def mode_wanted(self) -> str:
+        """The mode asked for: ``auto``, ``tap`` or ``user`` (``mode`` is the one used)."""
+        return self._mode_wanted
+
     def describe(self) -> list[str]:
-        """Lines for ``hangar doctor``: the mode and what a guest can reach under it."""
-        if self.mode == "tap":
-            ok, reason = self.available()
-            state = reason if ok else f"wanted but unavailable: {reason}"
-            return [f"guest network: TAP ({state})",
-                    "guest network: every policy enforced; the host, other sandboxes and "
-                    "link-local/metadata addresses are never reachable"]
-        why = ("HANGAR_NETWORK=user" if self._mode_wanted == "user"
-               else f"TAP unavailable: {self.available()[1]}")
-        lines = [f"guest network: QEMU user mode ({why}); it filters nothing"]
-        if self.user_open:
-            lines.append("guest network: egress 'open' ALLOWED by HANGAR_NET_USER_OPEN: such "
-                         "guests reach every address this host can, its loopback services "
-                         "(the API too) through 10.0.2.2")
-        else:
-            lines.append("guest network: egress 'open' refused (guests would reach this "
-                         "host's loopback through 10.0.2.2); HANGAR_NET_USER_OPEN=1 allows "
-                         "it; only 'none' is offered")
-        return lines
+        """Lines for ``hangar doctor``: the mode and what a guest can reach under it
+        (``hangar.net.doctor.describe``)."""
+        return describe(self)
 
     # -- start-up -------------------------------------------------------------
 
@@ -281,17 +270,18 @@ class NetworkManager(EgressOps):
             if self._started or self.mode != "tap":
                 return
             if self._helper is not None:
-                self._helper.call({"op": "net_start"})
+                self._helper.net_start()
                 self._started = True
                 return
             ok, reason = self.available()
             if not ok:
                 raise EngineError(f"TAP networking is unavailable: {reason}")
             with self._ipr() as ipr:
-                self._ensure_bridge(ipr)
-            self._sysctl("net.ipv4.ip_forward", "1")
-            self._sysctl(f"net.ipv4.conf.{self.bridge}.send_redirects", "0")
-            self._sysctl(f"net.ipv6.conf.{self.bridge}.disable_ipv6", "1", optional=True)
+                ensure_bridge(ipr, self.bridge, self.gateway, self.pool)
+            set_sysctl("net.ipv4.ip_forward", "1", self.netns)
+            set_sysctl(f"net.ipv4.conf.{self.bridge}.send_redirects", "0", self.netns)
+            set_sysctl(f"net.ipv6.conf.{self.bridge}.disable_ipv6", "1", self.netns,
+                       optional=True)
             self.nft.apply(N.base_script(self.bridge, str(self.pool), self.tap_prefix, self.dns))
             self._leases = self._read_leases()
             self._started = True
@@ -306,7 +296,7 @@ class NetworkManager(EgressOps):
         endpoints = list(endpoints)
         self.control = endpoints  # the egress proxy refuses them too (hangar.net.egress)
         if self._helper is not None:
-            self._helper.call({"op": "net_guard", "endpoints": [list(e) for e in endpoints]})
+            self._helper.net_guard(endpoints)
             return
         with self._lock:
             if self.mode != "tap":
@@ -319,62 +309,10 @@ class NetworkManager(EgressOps):
 
         return IPRoute(netns=self.netns) if self.netns else IPRoute()
 
-    def _ensure_bridge(self, ipr: Any) -> None:
-        self._check_overlap(ipr)
-        idx = ipr.link_lookup(ifname=self.bridge)
-        if not idx:
-            ipr.link("add", ifname=self.bridge, kind="bridge", br_forward_delay=0, br_stp_state=0)
-            idx = ipr.link_lookup(ifname=self.bridge)
-            ipr.link("set", index=idx[0], address=_bridge_mac(self.bridge),
-                     ifalias=f"{ALIAS_TAG} bridge")
-        index = idx[0]
-        have = {(a.get("address"), a["prefixlen"]) for a in ipr.get_addr(index=index, family=2)}
-        if (self.gateway, self.pool.prefixlen) not in have:
-            ipr.addr("add", index=index, address=self.gateway, prefixlen=self.pool.prefixlen)
-        ipr.link("set", index=index, state="up")
-
-    def _check_overlap(self, ipr: Any) -> None:
-        """EngineError when another interface routes part of the pool."""
-        mine = set(ipr.link_lookup(ifname=self.bridge))
-        for route in ipr.get_routes(family=2, table=254):
-            dst = route.get("dst")
-            if not dst or route.get("oif") in mine:
-                continue
-            net = ipaddress.IPv4Network(f"{dst}/{route['dst_len']}", strict=False)
-            if net.prefixlen and net.overlaps(self.pool):
-                raise EngineError(f"the guest pool {self.pool} overlaps the host's route to "
-                                  f"{net}; configure another pool", pool=str(self.pool))
-
-    def _sysctl(self, key: str, value: str, optional: bool = False) -> None:
-        path = "/proc/sys/" + key.replace(".", "/")
-        if self.netns:
-            argv = ["nsenter", f"--net=/run/netns/{self.netns}", "sh", "-c",
-                    '[ -e "$1" ] || exit 3; echo "$2" > "$1"', "sh", path, value]
-            rc = subprocess.run(argv, capture_output=True, timeout=10, check=False).returncode
-            ok = rc == 0 or (optional and rc == 3)
-        else:
-            try:
-                with open(path, "w") as f:
-                    f.write(value)
-                ok = True
-            except FileNotFoundError:
-                ok = optional
-            except OSError:
-                ok = False
-        if not ok:
-            raise EngineError(f"cannot set sysctl {key}={value}")
-
-    def _read_leases(self) -> dict[str, _Lease]:
-        """Leases from the TAPs that exist: their ifalias names the sandbox and address."""
-        leases: dict[str, _Lease] = {}
+    def _read_leases(self) -> dict[str, Lease]:
+        """Leases from the TAPs that exist (``hangar.net.bridge.read_leases``)."""
         with self._ipr() as ipr:
-            for link in ipr.get_links():
-                name = link.get("ifname") or ""
-                alias = (link.get("ifalias") or "").split()
-                if not name.startswith(self.tap_prefix) or len(alias) < 4 or alias[0] != ALIAS_TAG:
-                    continue
-                leases[alias[1]] = _Lease(alias[1], name, alias[2], alias[3])
-        return leases
+            return read_leases(ipr, self.tap_prefix)
 
     # -- attach / release ---------------------------------------------------------
 
@@ -407,16 +345,15 @@ class NetworkManager(EgressOps):
             ip, prefix, gw, dns = USER_NET
             return NetAttachment(sandbox_id, "user", None, mac, ip, prefix, gw, dns, pol.egress)
         if self._helper is not None:
-            got = self._helper.call({"op": "net_attach", "sandbox_id": sandbox_id,
-                                     "policy": pol.model_dump(mode="json")})
-            return NetAttachment(**got)
+            got = self._helper.net_attach(sandbox_id, pol.model_dump(mode="json"))
+            return None if got is None else NetAttachment(**got)
         started = time.monotonic()
         with self._lock:
             self.start()
             tap = tap_name(sandbox_id, self.tap_prefix)
             lease = self._leases.get(sandbox_id)
-            ip = lease.ip if lease else self._free_ip()
-            self._leases[sandbox_id] = _Lease(sandbox_id, tap, ip, pol.egress)
+            ip = lease.ip if lease else free_ip(self.pool, self.gateway, self._leases)
+            self._leases[sandbox_id] = Lease(sandbox_id, tap, ip, pol.egress)
             try:
                 self._make_tap(tap, f"{ALIAS_TAG} {sandbox_id} {ip} {pol.egress}")
                 self.nft.apply(rules_script(tap, mac, ip, pol, self.dns))
@@ -438,15 +375,6 @@ class NetworkManager(EgressOps):
         with self._lock:
             lease = self._leases.get(sandbox_id)
             return lease.tap if lease else None
-
-    def _free_ip(self) -> str:
-        used = {ipaddress.IPv4Address(x.ip) for x in self._leases.values()}
-        for addr in self.pool.hosts():
-            if addr == ipaddress.IPv4Address(self.gateway):
-                continue
-            if addr not in used:
-                return str(addr)
-        raise EngineError(f"the guest address pool {self.pool} is exhausted", pool=str(self.pool))
 
     def _make_tap(self, tap: str, alias: str) -> None:
         from pyroute2.netlink.exceptions import NetlinkError
@@ -476,7 +404,7 @@ class NetworkManager(EgressOps):
         if self.mode != "tap":
             return
         if self._helper is not None:
-            self._helper.call({"op": "net_release", "sandbox_id": sandbox_id})
+            self._helper.net_release(sandbox_id)
             return
         started = time.monotonic()
         with self._lock:
@@ -529,7 +457,7 @@ class NetworkManager(EgressOps):
         if self.mode != "tap":
             return []
         if self._helper is not None:
-            return list(self._helper.call({"op": "net_sweep", "live_ids": list(live_ids)}))
+            return self._helper.net_sweep(live_ids)
         with self._lock:
             self.start()
             live = {tap_name(s, self.tap_prefix) for s in live_ids}
@@ -556,7 +484,7 @@ class NetworkManager(EgressOps):
         if self.mode != "tap":
             return
         if self._helper is not None:
-            self._helper.call({"op": "net_teardown"})
+            self._helper.net_teardown()
             return
         with self._lock:
             with self._ipr() as ipr:
@@ -573,7 +501,7 @@ class NetworkManager(EgressOps):
     def leases(self) -> dict[str, str]:
         """Sandbox id -> guest address of every current lease (TAP mode)."""
         if self._helper is not None and self.mode == "tap":
-            return dict(self._helper.call({"op": "net_leases"}))
+            return self._helper.net_leases()
         with self._lock:
             return {sid: lease.ip for sid, lease in self._leases.items()}
 
@@ -591,29 +519,3 @@ class NetworkManager(EgressOps):
     async def sweep_async(self, live_ids: Iterable[str]) -> list[str]:
         """``sweep`` in a worker thread."""
         return await asyncio.to_thread(self.sweep, list(live_ids))
-
-
-def doctor_lines(network: str, *, user_open: bool = False, bridge: str = "hgbr0",
-                 pool: str = "172.30.0.0/16") -> list[str]:
-    """``hangar doctor``'s lines on guest networking for the settings ``HANGAR_NETWORK``
-    (``network``: auto, tap, user or off) and ``HANGAR_NET_USER_OPEN`` (``user_open``)."""
-    if network == "off":
-        return ["guest network: off (HANGAR_NETWORK=off): guests get no NIC"]
-    try:
-        m = NetworkManager(bridge=bridge, pool=pool, dns="", user_open=user_open,
-                           mode=network)  # type: ignore[arg-type]
-    except InvalidRequest as exc:
-        return [f"guest network: misconfigured: {exc.message}"]
-    return m.describe()
-
-
-def _has_net_admin() -> bool:
-    """True when this process has CAP_NET_ADMIN in its effective set."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) & (1 << 12))
-    except (OSError, ValueError):
-        pass
-    return os.geteuid() == 0

@@ -1,12 +1,16 @@
-"""The split of ``hangar serve`` into an unprivileged server and a small root helper.
+"""The typed bottom of the privilege split: the root helper's protocol and its client.
 
-``split.split`` (called by ``hangar serve`` with ``HANGAR_PRIVSEP=1`` as root)
-forks the helper (``helper``: keeps root, answers the request table of
-``protocol`` over an inherited socketpair) and drops the server to the
-``hangar`` user; the server then reaches root only through ``client``.
-docs/security.md ("Class 9") shows the two processes and the table.
+Under ``HANGAR_PRIVSEP`` ``hangar serve`` forks a small root helper
+(``hangar.roothelper``, beside the server) and drops to an unprivileged user;
+the server then reaches root only through a ``client.Client``, handed to the
+engines and the network manager that need it. ``protocol`` holds the request
+table (one strict model per request), ``client`` one typed method per request,
+and ``split`` the two steps of the split that need no helper (the data
+directory handed over, root dropped). This package imports nothing of
+Hangar's but its errors and layout. docs/security.md ("Class 9") shows the
+two processes and the table.
 """
 
-from hangar.privileged.client import Client, current, install
+from hangar.privileged.client import Client
 
-__all__ = ["Client", "current", "install"]
+__all__ = ["Client"]

@@ -8,7 +8,11 @@ message (at most ``MAX_MESSAGE`` bytes; file descriptors ride along as
 runs, and then again by its handler against the host (a folder must be a
 sandbox folder of the data directory, a pid must run as a VMM uid, ...):
 the helper trusts nothing the server sends, since the server parses
-network input.
+network input. The server never writes a request itself: it calls the
+typed method of ``hangar.privileged.client.Client`` named like the op,
+which builds the model below and reads the answer into the ``TypedDict``
+its handler returns (``Claim``, ``Started``, ...). The handlers live in
+``hangar.roothelper``, above the engines and the network they drive.
 
 | op | does (as root) |
 |---|---|
@@ -29,7 +33,7 @@ network input.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, TypedDict, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -44,18 +48,54 @@ AbsPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^/")]
 Arg = Annotated[str, Field(max_length=8192)]
 
 
+class Claim(TypedDict):
+    """``prepare_vmm``'s answer: the VMM's uid (= gid) and its view's root, if any."""
+
+    uid: int
+    root: str | None
+
+
+class Started(TypedDict):
+    """``spawn_vmm``'s and ``jail_spawn``'s answer: the VMM's host pid, and its exit
+    status when it already ended."""
+
+    pid: int
+    exit: int | None
+
+
+class HostMemory(TypedDict):
+    """``vmm_memory``'s answer: the VMM's ``Pss`` and ``Rss``, MiB."""
+
+    host_mib: float
+    host_rss_mib: float
+
+
+class NetStatus(TypedDict):
+    """``net_info``'s answer: whether TAP networking works, and why (not)."""
+
+    ok: bool
+    reason: str
+
+
+class JailIds(TypedDict):
+    """``jail_prepare``'s answer: the jailed VMM's uid and gid."""
+
+    uid: int
+    gid: int
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
 class Ping(_Strict):
-    op: Literal["ping"]
+    op: Literal["ping"] = "ping"
 
 
 class PrepareVmm(_Strict):
     """``Confinement.prepare`` of one sandbox, then its console folder."""
 
-    op: Literal["prepare_vmm"]
+    op: Literal["prepare_vmm"] = "prepare_vmm"
     sandbox_id: SandboxId
     vcpus: int = Field(ge=1, le=64)
     memory_mib: int = Field(ge=16, le=1 << 20)
@@ -74,7 +114,7 @@ class PrepareVmm(_Strict):
 class SpawnVmm(_Strict):
     """Start the sandbox's VMM with the plan ``prepare_vmm`` made for it."""
 
-    op: Literal["spawn_vmm"]
+    op: Literal["spawn_vmm"] = "spawn_vmm"
     sandbox_id: SandboxId
     argv: list[Arg] = Field(min_length=1, max_length=512)
     fds: list[int] = Field(default_factory=list, max_length=MAX_FDS)
@@ -82,59 +122,59 @@ class SpawnVmm(_Strict):
 
 
 class KillVmm(_Strict):
-    op: Literal["kill_vmm"]
+    op: Literal["kill_vmm"] = "kill_vmm"
     pid: int = Field(gt=1, lt=1 << 22)
 
 
 class ReleaseVmm(_Strict):
-    op: Literal["release_vmm"]
+    op: Literal["release_vmm"] = "release_vmm"
     sandbox_id: SandboxId
 
 
 class VmmMemory(_Strict):
-    op: Literal["vmm_memory"]
+    op: Literal["vmm_memory"] = "vmm_memory"
     pid: int = Field(gt=1, lt=1 << 22)
 
 
 class NetInfo(_Strict):
-    op: Literal["net_info"]
+    op: Literal["net_info"] = "net_info"
 
 
 class NetStart(_Strict):
-    op: Literal["net_start"]
+    op: Literal["net_start"] = "net_start"
 
 
 class NetAttach(_Strict):
     """``NetworkManager.attach``; ``policy`` is parsed by ``hangar.net.Policy`` there."""
 
-    op: Literal["net_attach"]
+    op: Literal["net_attach"] = "net_attach"
     sandbox_id: SandboxId
     policy: dict[str, Union[str, list[Annotated[str, Field(max_length=300)]]]] = Field(
         max_length=4)
 
 
 class NetRelease(_Strict):
-    op: Literal["net_release"]
+    op: Literal["net_release"] = "net_release"
     sandbox_id: SandboxId
 
 
 class NetSweep(_Strict):
-    op: Literal["net_sweep"]
+    op: Literal["net_sweep"] = "net_sweep"
     live_ids: list[SandboxId] = Field(max_length=2048)
 
 
 class NetTeardown(_Strict):
-    op: Literal["net_teardown"]
+    op: Literal["net_teardown"] = "net_teardown"
 
 
 class NetLeases(_Strict):
-    op: Literal["net_leases"]
+    op: Literal["net_leases"] = "net_leases"
 
 
 class NetGuard(_Strict):
     """``NetworkManager.guard_control``: at most 256 (IPv4 address, TCP port) pairs."""
 
-    op: Literal["net_guard"]
+    op: Literal["net_guard"] = "net_guard"
     endpoints: list[tuple[Annotated[str, Field(pattern=r"^[0-9]{1,3}(\.[0-9]{1,3}){3}$")],
                           Annotated[int, Field(ge=1, le=65535)]]] = Field(max_length=256)
 
@@ -147,7 +187,7 @@ class NetIntercept(_Strict):
     """``NetworkManager.intercept`` (``kind`` tcp: TCP to ``dports``) or ``redirect_dns``
     (``kind`` dns: UDP and TCP 53): redirected to the gateway's ``port``; null stops it."""
 
-    op: Literal["net_intercept"]
+    op: Literal["net_intercept"] = "net_intercept"
     sandbox_id: SandboxId
     kind: Literal["tcp", "dns"]
     port: Annotated[int, Field(ge=1024, le=65535)] | None
@@ -157,7 +197,7 @@ class NetIntercept(_Strict):
 class NetAdmit(_Strict):
     """``NetworkManager.admit``: at most 256 (IPv4 address, port or null, seconds)."""
 
-    op: Literal["net_admit"]
+    op: Literal["net_admit"] = "net_admit"
     sandbox_id: SandboxId
     entries: list[tuple[IPv4, Port | None, Annotated[int, Field(ge=1, le=86400)]]] = Field(
         min_length=1, max_length=256)
@@ -166,7 +206,7 @@ class NetAdmit(_Strict):
 class NetRules(_Strict):
     """``NetworkManager.set_rules``; ``policy`` is parsed by ``hangar.net.Policy`` there."""
 
-    op: Literal["net_rules"]
+    op: Literal["net_rules"] = "net_rules"
     sandbox_id: SandboxId
     policy: dict[str, Union[str, list[Annotated[str, Field(max_length=300)]]]] = Field(
         max_length=4)
@@ -175,14 +215,14 @@ class NetRules(_Strict):
 class JailPrepare(_Strict):
     """``HostJail.prepare``: claim the sandbox's Firecracker VMM a uid and make its root."""
 
-    op: Literal["jail_prepare"]
+    op: Literal["jail_prepare"] = "jail_prepare"
     sandbox_id: SandboxId
 
 
 class JailLink(_Strict):
     """``HostJail.link``: (a file under the data directory, its name in the VMM's root)."""
 
-    op: Literal["jail_link"]
+    op: Literal["jail_link"] = "jail_link"
     sandbox_id: SandboxId
     links: list[tuple[AbsPath, Annotated[str, Field(pattern=r"^[a-z][a-z0-9.]{0,31}$")]]] = Field(
         max_length=4)
@@ -191,7 +231,7 @@ class JailLink(_Strict):
 class JailSpawn(_Strict):
     """``HostJail.spawn``: start the prepared VMM under the jailer (argv made there)."""
 
-    op: Literal["jail_spawn"]
+    op: Literal["jail_spawn"] = "jail_spawn"
     sandbox_id: SandboxId
     vcpus: int = Field(ge=1, le=64)
     memory_mib: int = Field(ge=16, le=1 << 20)
@@ -200,7 +240,7 @@ class JailSpawn(_Strict):
 class JailRelease(_Strict):
     """``HostJail.release``: the VMM's cgroups, jail and uid claim (the VMM killed first)."""
 
-    op: Literal["jail_release"]
+    op: Literal["jail_release"] = "jail_release"
     sandbox_id: SandboxId
 
 

@@ -1,42 +1,28 @@
-"""Fork the privileged helper, hand the data directory over, drop root.
+"""The steps of the privilege split that need no helper: hand the data directory over,
+drop root, and check first that the dropped server could still run.
 
-``split(layout, confine, user)``, called as root before any thread starts
-and before uvicorn parses a byte from the network:
-
-1. a ``SOCK_SEQPACKET`` socketpair, then ``fork``: the child keeps root and
-   runs ``helper.run`` on its end (it closes the other);
-2. the parent gives the data directory to ``user`` (every file and folder
-   but the images' files and ``bin/``, which stay root's and readable), since
-   the server writes its store, keys, sandbox folders and template snapshots;
-3. it drops to ``user``: ``setgroups([])``, ``setresgid``, ``setresuid``
-   (which clears every capability), ``PR_SET_NO_NEW_PRIVS``; and installs
-   the helper's ``Client`` (``hangar.privileged.current``).
-
-Raises ``ConfigError`` when not root, ``user`` does not exist, or it could not
-read the code the server still has to import (``check_code``).
+``hangar.roothelper.split`` forks the root helper, then (in the server) calls
+``hand_over`` (the data directory to the server's user: every file and
+folder but the images' files and ``bin/``, which stay root's and readable,
+since the server writes its store, keys, sandbox folders and template
+snapshots) and ``drop`` (``setgroups([])``, ``setresgid``, ``setresuid``,
+which clears every capability, ``PR_SET_NO_NEW_PRIVS``); before forking it
+refuses (``check_code``) a user who could not read the code the server still
+has to import. ``hand_new`` hands over what a root CLI builds into a split
+server's data directory. Standard library only: ``hangar.images`` and
+``hangar.core`` call ``hand_new`` from below the helper.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import pwd
-import socket
 import stat
 import sysconfig
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from hangar.engines.confine import Confinement
 from hangar.errors import ConfigError
 from hangar.layout import Layout
-from hangar.privileged.client import Client, install
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from hangar.engines.firecracker.hostjail import HostJail
-    from hangar.net import NetworkManager
 
 PR_SET_NO_NEW_PRIVS = 38
 KEEP_ROOTS = ("images", "bin")
@@ -181,40 +167,3 @@ def drop(uid: int, gid: int) -> None:
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
     if os.getuid() != uid or os.geteuid() != uid or os.getegid() != gid:
         raise OSError("the server is still privileged")
-
-
-def split(layout: Layout, confine: Confinement, user: str,
-          net: "NetworkManager | None" = None, jail: "Callable[[int], HostJail] | None" = None) -> int:
-    """Fork the helper and drop to ``user`` (see the module docstring); returns the
-    helper's pid. ``confine`` and ``net`` (the guest network, or None) are the
-    helper's, made from the server's settings as root; ``jail`` makes its Firecracker
-    jailer (``HostJail``) from the server's group id, or is None (no Firecracker).
-    Raises ConfigError."""
-    if os.geteuid() != 0:
-        raise ConfigError("HANGAR_PRIVSEP needs hangar serve to start as root")
-    try:
-        pw = pwd.getpwnam(user)
-    except KeyError:
-        raise ConfigError(f"no user {user!r} to run the HTTP server as: create it "
-                          f"(scripts/install.sh does), set HANGAR_USER, or keep the server "
-                          f"root with HANGAR_PRIVSEP=0") from None
-    if pw.pw_uid == 0:
-        raise ConfigError(f"HANGAR_USER {user!r} is root")
-    check_code(pw.pw_uid, pw.pw_gid)
-    try:
-        host_jail = jail(pw.pw_gid) if jail is not None else None
-    except OSError as exc:
-        raise ConfigError(f"Firecracker's jailer cannot run for a split server: {exc}") \
-            from None
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
-    if pid == 0:
-        ours.close()
-        from hangar.privileged.helper import run
-
-        run(theirs, layout, confine, pw.pw_uid, net, host_jail)  # never returns
-    theirs.close()
-    hand_over(layout, pw.pw_uid, pw.pw_gid)
-    drop(pw.pw_uid, pw.pw_gid)
-    install(Client(ours))
-    return pid

@@ -33,9 +33,10 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
-from hangar import privileged
 from hangar.engines import process, safefs
 from hangar.engines.agent_client import AgentChannel, Streams
 from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec
@@ -78,7 +79,11 @@ from hangar.guest.protocol import MAX_DATA
 from hangar.images.vmlinux import ensure_vmlinux
 from hangar.layout import SandboxPaths, SnapshotPaths
 
+if TYPE_CHECKING:
+    from hangar.privileged import Client
+
 log = logging.getLogger("hangar.engine.firecracker")
+_T = TypeVar("_T")
 
 GUEST_CID = 3
 AGENT_PORT = 52
@@ -102,9 +107,10 @@ class FirecrackerEngine(Engine):
     ``jailer``: run each VMM under the jailer. ``unjailed``: as root, allow
     VMMs without the jailer (they would run as root: only by this explicit
     choice, ``HANGAR_FIRECRACKER_JAILER=off``). ``track_dirty_pages``: allow
-    Diff snapshots (costs a little at every guest write fault).
-    Raises EngineError when the binary or /dev/kvm is missing, or when root
-    would run VMMs without the jailer and ``unjailed`` is not given.
+    Diff snapshots (costs a little at every guest write fault). ``helper``: the root
+    helper's client of a server split from root (``hangar.roothelper``), which then
+    runs the jailer. Raises EngineError when the binary or /dev/kvm is missing, or
+    when root would run VMMs without the jailer and ``unjailed`` is not given.
     """
 
     name = "firecracker"
@@ -113,7 +119,7 @@ class FirecrackerEngine(Engine):
     def __init__(self, binary: Path | None = None, *, jailer: JailerConfig | None = None,
                  track_dirty_pages: bool = True, start_timeout: float = START_TIMEOUT_S,
                  console_log_bytes: int = ConfineConfig.console_log_bytes,
-                 unjailed: bool = False) -> None:
+                 unjailed: bool = False, helper: "Client | None" = None) -> None:
         if jailer is None and os.geteuid() == 0 and not unjailed:
             raise EngineError(UNJAILED_REFUSED)
         found = binary or find_firecracker()
@@ -127,9 +133,9 @@ class FirecrackerEngine(Engine):
         self.binary = found
         self.version = binary_version(found)
         self.jailer = jailer
-        # A server split from root (hangar.privileged) has its helper run the jailer.
-        self._helper = privileged.current() if jailer is not None and os.geteuid() != 0 \
-            else None
+        self.helper = helper
+        # A server split from root (hangar.roothelper) has its helper run the jailer.
+        self._helper = helper if jailer is not None and os.geteuid() != 0 else None
         self._jail_base = (jailer.chroot_base or SPLIT_CHROOT_BASE) if self._helper \
             else jailer.chroot_base if jailer else None
         self._helper_ids: dict[str, tuple[int, int]] = {}
@@ -145,7 +151,7 @@ class FirecrackerEngine(Engine):
         self.cgroup_version = cgroup_version(jailer.cgroups) if jailer else None
         self.track_dirty_pages = track_dirty_pages
         self.start_timeout = start_timeout
-        self._procs = VMMProcesses()
+        self._procs = VMMProcesses(helper)
         # The console cap only: the jailer confines the VMM itself.
         self._console = Confinement(ConfineConfig(enabled=False,
                                                   console_log_bytes=console_log_bytes))
@@ -159,13 +165,14 @@ class FirecrackerEngine(Engine):
                 d["jailer"] = "on, through the privileged helper"
         return d
 
-    def _call(self, request: dict[str, object]) -> dict[str, object] | None:
-        """One request to the privileged helper; its refusal raises EngineError."""
+    def _call(self, request: "Callable[[Client], _T]", sandbox_id: str) -> _T:
+        """``request`` of the root helper's client for ``sandbox_id``; its refusal raises
+        EngineError."""
         assert self._helper is not None
         try:
-            return self._helper.call(request)
+            return request(self._helper)
         except HangarError as exc:
-            raise EngineError(exc.message, sandbox_id=str(request.get("sandbox_id"))) from None
+            raise EngineError(exc.message, sandbox_id=sandbox_id) from None
 
     # -- files and processes ------------------------------------------------------
 
@@ -221,8 +228,8 @@ class FirecrackerEngine(Engine):
     def _prepare(self, spec: VMSpec, files: FirecrackerFiles) -> None:
         """Make the VMM's root (the helper's, when split), its log file and ``vm.json``."""
         if self._helper is not None:
-            got = self._call({"op": "jail_prepare", "sandbox_id": spec.sandbox_id}) or {}
-            self._helper_ids[files.vm_id] = (int(got["uid"]), int(got["gid"]))  # type: ignore[call-overload]
+            ids = self._call(lambda h: h.jail_prepare(spec.sandbox_id), spec.sandbox_id)
+            self._helper_ids[files.vm_id] = (ids["uid"], ids["gid"])
         else:
             files.root.mkdir(parents=True, exist_ok=True)
         uid, gid = self._ids(files)
@@ -244,8 +251,8 @@ class FirecrackerEngine(Engine):
         split (root may link what the server only reads), else ``link_or_copy``."""
         if self._helper is not None:
             try:
-                self._call({"op": "jail_link", "sandbox_id": spec.sandbox_id,
-                            "links": [[str(src.resolve()), dst.name] for src, dst in links]})
+                named = [(str(src.resolve()), dst.name) for src, dst in links]
+                self._call(lambda h: h.jail_link(spec.sandbox_id, named), spec.sandbox_id)
                 return
             except EngineError as exc:  # e.g. a linked images folder: copied instead
                 log.warning("copying into %s: %s", files.vm_id, exc.message)
@@ -256,11 +263,11 @@ class FirecrackerEngine(Engine):
         """Start the VMM process and wait until its API answers."""
         p = spec.paths
         if self._helper is not None:
-            got = self._call({"op": "jail_spawn", "sandbox_id": spec.sandbox_id,
-                              "vcpus": spec.vcpus, "memory_mib": spec.memory_mib}) or {}
-            proc = VMMHandle(int(got["pid"]))  # type: ignore[call-overload]
-            if got.get("exit") is not None:
-                proc.returncode = int(got["exit"])  # type: ignore[call-overload]
+            got = self._call(lambda h: h.jail_spawn(spec.sandbox_id, spec.vcpus,
+                                                    spec.memory_mib), spec.sandbox_id)
+            proc = VMMHandle(got["pid"])
+            if got["exit"] is not None:
+                proc.returncode = got["exit"]
             return await self._started(spec, files, proc)
         try:
             # Jailed: the jailer forks Firecracker into a pid namespace of its own
@@ -303,7 +310,7 @@ class FirecrackerEngine(Engine):
         self._helper_ids.pop(files.vm_id, None)
         if files.jailed and self._helper is not None:
             try:
-                self._call({"op": "jail_release", "sandbox_id": p.dir.name})
+                self._call(lambda h: h.jail_release(p.dir.name), p.dir.name)
             except EngineError as exc:
                 log.warning("%s", exc.message)
             shutil.rmtree(p.dir, ignore_errors=True)

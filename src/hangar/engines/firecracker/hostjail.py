@@ -1,4 +1,4 @@
-"""The jailer's root half, for a server split from root (``hangar.privileged``).
+"""The jailer's root half, for a server split from root (``hangar.roothelper``).
 
 The jailer needs root, and the split server is not. So the privileged helper
 holds a ``HostJail`` and does the three things that need root, each checked

@@ -36,7 +36,7 @@ class JailerConfig:
     from (``hangar.engines.uids.UidAllocator``, claims in ``uid_registry``). ``cgroups``: ``auto``, ``v1``, ``v2`` or ``off``.
     ``vmm_overhead_mib``: memory allowed beyond the guest's, in MiB.
     ``chroot_base``: the jailer's ``--chroot-base-dir``; None (as root) is the sandbox's
-    own folder. A server split from root (``hangar.privileged``) owns its sandbox folders,
+    own folder. A server split from root (``hangar.roothelper``) owns its sandbox folders,
     so its jails live in a root-owned folder instead (``SPLIT_CHROOT_BASE``): the jailer
     is root and follows the path it is given.
     """

@@ -68,7 +68,8 @@ class QemuEngine(Engine):
 
     ``accel``: ``kvm`` or ``tcg`` (``probe.choose_accel`` picks), with the
     reason it was picked; ``confine``: how each VMM is confined (default:
-    ``Confinement()``); ``tuning``: how guests hold host memory. Raises
+    ``Confinement()``; its ``helper``, a split server's root helper, becomes the
+    engine's); ``tuning``: how guests hold host memory. Raises
     ``EngineError`` when QEMU is not installed.
     """
 
@@ -83,10 +84,11 @@ class QemuEngine(Engine):
         self.version = qemu_version()
         self.binary = shutil.which(QEMU) or QEMU
         self.confine = confine if confine is not None else Confinement()
+        self.helper = self.confine.helper
         self.network_namespace: Path | None = None
         """Start VMMs in this network namespace (e.g. ``/run/netns/NAME``; where their
         TAPs are) instead of the server's."""
-        self._procs = VMMProcesses()
+        self._procs = VMMProcesses(self.helper)
         # Agent connections that ``restore`` opened before ``cont``, by QEMU pid.
         self._held: dict[int, Streams] = {}
         self._tsc_khz = host_tsc_khz()
@@ -276,7 +278,7 @@ class QemuEngine(Engine):
         (QMP ``qom-get guest-stats``), None without a balloon or before the
         guest's first report. Returns None when the VMM is gone.
         """
-        usage = host_usage(vm.pid)
+        usage = host_usage(vm.pid, self.helper)
         if usage is None:
             return None
         argv = process.argv_of(vm.pid) or []

@@ -1,15 +1,30 @@
-"""The privileged helper: the one process of ``hangar serve`` that keeps root.
+"""The root helper: the one process of ``hangar serve`` that keeps root.
 
-Forked by ``hangar.privileged.split`` before the server drops to its
-unprivileged user; it talks only over the inherited socketpair (no path on
-the filesystem), one request at a time (``hangar.privileged.protocol``),
-and ends when the server's end closes. It does only what the request table
+``split(layout, confine, user, net, jail)``, called by ``hangar serve``
+(``hangar.cli.serve``) as root before any thread starts and before uvicorn
+parses a byte from the network:
+
+1. a ``SOCK_SEQPACKET`` socketpair, then ``fork``: the child keeps root and
+   runs ``run`` on its end (it closes the other);
+2. the parent gives the data directory to ``user``
+   (``hangar.privileged.split.hand_over``) and drops to it for good
+   (``hangar.privileged.split.drop``);
+3. it returns the helper's pid and the server's ``hangar.privileged.Client``,
+   which the caller hands to the engine and the network manager it builds.
+
+The helper (``Helper``) talks only over the inherited socketpair (no path on
+the filesystem), one request at a time (``hangar.privileged.protocol``), and
+ends when the server's end closes. It does only what the request table
 names, each request checked twice: by its strict model, and here against
 the host (a sandbox id names ``<data>/sandboxes/<id>``, a real folder; a
 read-only folder lies under the images; a pid runs as a VMM uid; the VMM's
 binary is QEMU's, and what confines it is the plan this helper made, never
 one the server sent). VMMs it starts are its children (it is their
 subreaper), reaped here.
+
+It sits beside ``hangar.server``, above the engines and the network whose
+root halves it runs; ``hangar.privileged`` below them holds only the
+protocol and the client, so no package imports its way back up here.
 """
 
 from __future__ import annotations
@@ -19,13 +34,12 @@ import json
 import logging
 import os
 import select
+import pwd
 import shutil
 import socket
 import stat
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -33,11 +47,15 @@ from hangar.engines import memory, process
 from hangar.engines.confine import Confinement, Plan, release_folder
 from hangar.engines.process import VMMProcesses
 from hangar.engines.qemu.argv import SECCOMP
-from hangar.errors import HangarError
+from hangar.errors import ConfigError, HangarError
 from hangar.layout import Layout, SandboxPaths
 from hangar.privileged import protocol as P
+from hangar.privileged.client import Client
+from hangar.privileged.split import check_code, drop, hand_over
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from hangar.engines.firecracker.hostjail import HostJail
     from hangar.net import NetworkManager
 
@@ -335,3 +353,38 @@ def run(sock: socket.socket, layout: Layout, confine: Confinement, owner_uid: in
         code = 1
     finally:
         os._exit(code)
+
+
+def split(layout: Layout, confine: Confinement, user: str,
+          net: "NetworkManager | None" = None, jail: "Callable[[int], HostJail] | None" = None
+          ) -> tuple[int, Client]:
+    """Fork the helper and drop to ``user`` (see the module docstring); returns the
+    helper's pid and the server's client of it. ``confine`` and ``net`` (the guest
+    network, or None) are the helper's, made from the server's settings as root;
+    ``jail`` makes its Firecracker jailer (``HostJail``) from the server's group id, or
+    is None (no Firecracker). Raises ConfigError."""
+    if os.geteuid() != 0:
+        raise ConfigError("HANGAR_PRIVSEP needs hangar serve to start as root")
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        raise ConfigError(f"no user {user!r} to run the HTTP server as: create it "
+                          f"(scripts/install.sh does), set HANGAR_USER, or keep the server "
+                          f"root with HANGAR_PRIVSEP=0") from None
+    if pw.pw_uid == 0:
+        raise ConfigError(f"HANGAR_USER {user!r} is root")
+    check_code(pw.pw_uid, pw.pw_gid)
+    try:
+        host_jail = jail(pw.pw_gid) if jail is not None else None
+    except OSError as exc:
+        raise ConfigError(f"Firecracker's jailer cannot run for a split server: {exc}") \
+            from None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        run(theirs, layout, confine, pw.pw_uid, net, host_jail)  # never returns
+    theirs.close()
+    hand_over(layout, pw.pw_uid, pw.pw_gid)
+    drop(pw.pw_uid, pw.pw_gid)
+    return pid, Client(ours)
