@@ -142,7 +142,7 @@ def test_template_file_mistakes_name_the_field(tmp_path: Path, text: str, field:
     (tmp_path / "t.toml").write_text(text)
     with pytest.raises(InvalidRequest) as e:
         load_template(tmp_path / "t.toml")
-    assert f": {field}:" in e.value.message or e.value.context.get("field") == field, \
+    assert f": {field}:" in e.value.message and e.value.context.get("field") == field, \
         e.value.message
     assert str(tmp_path / "t.toml") in e.value.message
 
