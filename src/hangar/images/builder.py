@@ -1,4 +1,4 @@
-"""Building, listing and resolving guest images; a build is immutable.
+"""Building a recipe into a guest image, step by step; a build is immutable.
 
 ``build_image`` turns a recipe (``hangar.images.recipes``) into an image
 directory, ``<data>/images/<name>-<digest>/`` (see ``hangar.layout``), whose
