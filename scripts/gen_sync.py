@@ -22,8 +22,9 @@ import unasync
 ROOT = Path(__file__).resolve().parents[1]
 ASYNC = ROOT / "src/hangar/client/_async"
 SYNC = ROOT / "src/hangar/client/_sync"
-FILES = ["client.py", "code.py", "desktop.py", "machines.py", "mixin.py", "monitor.py",
-         "objects.py", "processes.py", "secrets.py", "streams.py", "volumes.py"]
+FILES = ["client.py", "code.py", "desktop.py", "events.py", "files.py", "machines.py",
+         "mixin.py", "monitor.py", "objects.py", "ports.py", "processes.py", "secrets.py",
+         "snapshots.py", "streams.py", "terminals.py", "volumes.py"]
 REPLACEMENTS = {
     "_async": "_sync",
     "AsyncHangar": "Hangar",
@@ -36,6 +37,11 @@ REPLACEMENTS = {
     "AsyncMachineCalls": "MachineCalls",
     "AsyncDesktopCalls": "DesktopCalls",
     "AsyncCodeCalls": "CodeCalls",
+    "AsyncFileCalls": "FileCalls",
+    "AsyncSnapshotCalls": "SnapshotCalls",
+    "AsyncPortCalls": "PortCalls",
+    "AsyncTerminalCalls": "TerminalCalls",
+    "AsyncEventCalls": "EventCalls",
     "AsyncProcesses": "Processes",
     "AsyncDesktop": "Desktop",
     "AsyncHealthMonitor": "HealthMonitor",

@@ -28,7 +28,7 @@ def test_streams_apart_and_exit_code(api: httpx.Client, sandbox: str) -> None:
 
 def test_killed_by_signal_is_never_zero(api: httpx.Client, sandbox: str) -> None:
     r = run(api, sandbox, command="sh -c 'kill -KILL $$'")
-    assert r["exit_code"] == 137 or r.get("signal") == 9
+    assert r["exit_code"] == 137, r  # 128 + SIGKILL, whichever process of the command it hit
     assert r["exit_code"] != 0
 
 

@@ -262,13 +262,13 @@ def test_a_template_on_a_hostile_image_changes_nothing_on_the_host(
 def test_safetree_never_leaves_the_tree(tmp_path: Path, host: Path) -> None:
     """Reads, writes, copies, removals and trims through absolute, relative and looping
     links stay in the tree."""
-    from hangar.images.builder import _trim
+    from hangar.images.rootfs import trim
 
     before = checksums(host)
     root = tmp_path / "root"
     hostile_tree(root, host)
     (root / "up").symlink_to("../../../../../../..")
-    _trim(root)  # its globs meet links to the host's doc, locale, man and log folders
+    trim(root)  # its globs meet links to the host's doc, locale, man and log folders
     assert safetree.read_file(root, "/etc/passwd") is None  # a dangling link in the guest
     assert safetree.read_file(root, f"/up{host}/passwd") is None
     safetree.write_file(root, "/etc/passwd", "guest\n")

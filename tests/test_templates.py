@@ -25,7 +25,7 @@ from conftest import SHARED, SRC, Server, own_server, vmm_pids
 from oci_support import busybox_rootfs, docker_archive
 
 from hangar.errors import ImageError, InvalidRequest
-from hangar.images import builder
+from hangar.images import rootfs
 from hangar.images.commands import inside
 from hangar.images.template_builder import build_template, remove_template
 from hangar.images.template_file import load_template, parse_template
@@ -142,7 +142,7 @@ def test_template_file_mistakes_name_the_field(tmp_path: Path, text: str, field:
     (tmp_path / "t.toml").write_text(text)
     with pytest.raises(InvalidRequest) as e:
         load_template(tmp_path / "t.toml")
-    assert f": {field}:" in e.value.message or e.value.context.get("field") == field, \
+    assert f": {field}:" in e.value.message and e.value.context.get("field") == field, \
         e.value.message
     assert str(tmp_path / "t.toml") in e.value.message
 
@@ -180,8 +180,8 @@ def test_writes_into_a_tree_never_leave_it(tmp_path: Path) -> None:
     (root / "usr").symlink_to("../../host")              # relative, climbing out
     (root / "root").symlink_to(host_home)                # /root, to the host's
     (root / "loop").symlink_to("loop")
-    builder.guest_setup(root)
-    builder.put_file(root, "/usr/local/bin/tool", "x")
+    rootfs.guest_setup(root)
+    rootfs.put_file(root, "/usr/local/bin/tool", "x")
     assert list(host.iterdir()) == [] and list(host_home.iterdir()) == []
     assert (root / str(host).lstrip("/") / "hostname").read_text() == "hangar\n"
     assert (root / "host" / "local" / "bin" / "tool").read_text() == "x"

@@ -9,7 +9,11 @@ means rebuilding the rootfs. A build never changes once made; its id,
 
     recipes     what goes into an image (``Recipe``, ``RECIPES``, ``get_recipe``)
     guest_image a built image as a VMM sees it (``GuestImage``, ``image_id``)
-    builder     ``build_image``, ``list_images``, ``resolve_image``, ``resolve_pinned``
+    builder     ``build_image``: a recipe's build, step by step (``finish_build`` packs, names)
+    catalogue   the builds on disk: ``list_images``, ``resolve_image``, ``resolve_pinned``
+    debian      debootstrap from the host's mirror, apt-get install in the tree
+    rootfs      shaping a guest's tree (``guest_setup``, ``trim``, ``put_file``)
+    packing     mkfs.ext4 of the tree (``pack``), the hash of a build's bytes
     gc          ``collect``: removing builds nothing pins or uses
     kernel      fetching and unpacking the kernel .deb
     vmlinux     the ELF kernel from the bzImage (``ensure_vmlinux``)
@@ -26,7 +30,8 @@ apt and busybox-static. Recipes are built as root (debootstrap of Debian's
 archive); templates run their packages and steps in a user namespace.
 """
 
-from hangar.images.builder import ImageInfo, build_image, list_images, resolve_image, resolve_pinned
+from hangar.images.builder import build_image
+from hangar.images.catalogue import ImageInfo, list_images, resolve_image, resolve_pinned
 from hangar.images.guest_image import KERNEL_CMDLINE, GuestImage, image_id
 from hangar.images.recipes import RECIPES, Recipe, get_recipe
 from hangar.images.vmlinux import ensure_vmlinux, extract_vmlinux

@@ -17,7 +17,7 @@ image cache, whose records the caller cannot see; their snapshots and
 sleeping machines are not protected by it, so ``collect`` refuses to work
 on an ``images`` folder that is a symlink to someone else's cache.
 
-Each recipe is handled under its build lock (``builder.image_lock``), so no
+Each recipe is handled under its build lock (``catalogue.image_lock``), so no
 build of it can pick a build as current while it is being removed. A build
 is first renamed to ``.trash-<id>-<pid>`` and then deleted, so a crash never
 leaves half a build under a real id; leftovers of interrupted builds and
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hangar.errors import ImageError
-from hangar.images.builder import ImageInfo, image_lock, list_images
+from hangar.images.catalogue import ImageInfo, image_lock, list_images
 from hangar.images.commands import remove_tree
 from hangar.images.recipes import RECIPES
 from hangar.layout import ImagePaths, Layout

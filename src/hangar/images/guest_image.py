@@ -1,9 +1,9 @@
 """A built guest image as a VMM sees it: ``GuestImage``, its id and kernel command line.
 
-Made by ``hangar.images.builder`` (``build_image``, ``resolve_image``,
-``resolve_pinned``); read by the engines, the core and
-``hangar.images.vmlinux``. A build's id is ``<name>-<digest>``: its
-directory name under ``<data>/images`` (``hangar.layout``).
+Made by ``hangar.images.builder`` (``build_image``) and
+``hangar.images.catalogue`` (``resolve_image``, ``resolve_pinned``); read by the
+engines, the core and ``hangar.images.vmlinux``. A build's id is ``<name>-<digest>``:
+its directory name under ``<data>/images`` (``hangar.layout``).
 """
 
 from __future__ import annotations

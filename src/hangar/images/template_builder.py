@@ -62,14 +62,16 @@ from hangar.errors import ImageError, NotFound
 from hangar.guest import paths
 from hangar.images import confined, oci, runtime, safetree, vmlinux
 from hangar.images import kernel as kernels
-from hangar.images.builder import (
-    RESOLV_PLACEHOLDER, AptCaches, _current, _ensure_initrd, _flock, _newest_build,
-    _point_symlink, _read_manifest, _recipe_digest, _trim, build_image, finish_build,
-    guest_setup, image_lock, put_file, python_version, resolve_image,
+from hangar.images.builder import build_image, finish_build
+from hangar.images.catalogue import (
+    current_build, ensure_initrd, image_lock, newest_build, point_symlink, read_manifest,
+    recipe_digest_of, resolve_image,
 )
 from hangar.images.commands import Progress, remove_tree, require_tools, run
+from hangar.images.debian import AptCaches, flock
 from hangar.images.guest_image import GuestImage
 from hangar.images.recipes import BASE, RECIPES
+from hangar.images.rootfs import RESOLV_PLACEHOLDER, guest_setup, put_file, python_version, trim
 from hangar.images.template_file import Template, TemplateFile
 from hangar.layout import ImagePaths, Layout
 
@@ -104,19 +106,19 @@ def build_template(layout: Layout, t: Template, *, force: bool = False,
         base_id = f"oci-sha256:{oci.archive_digest(t.oci)}"
     digest = t.digest(base_id)
     if not force:
-        d = _current(layout, t.name)
-        if d is not None and _recipe_digest(_read_manifest(d)) == digest:
+        d = current_build(layout, t.name)
+        if d is not None and recipe_digest_of(read_manifest(d)) == digest:
             say(f"{t.name}: unchanged, build {d.name} reused")
-            return _ensure_initrd(d, _read_manifest(d))
+            return ensure_initrd(d, read_manifest(d))
     require_tools("mkfs.ext4", "depmod", "cp", "mount", "umount")
     if t.steps or t.packages:
         confined.check_available()
     with image_lock(layout, t.name):
-        d = None if force else _newest_build(layout, t.name, digest)
+        d = None if force else newest_build(layout, t.name, digest)
         if d is None:
             d = _build(layout, t, digest, base, say)
-        _point_symlink(layout, t.name, d)
-        return _ensure_initrd(d, _read_manifest(d))
+        point_symlink(layout, t.name, d)
+        return ensure_initrd(d, read_manifest(d))
 
 
 def _build(layout: Layout, t: Template, digest: str, base: GuestImage | None,
@@ -133,7 +135,7 @@ def _build(layout: Layout, t: Template, digest: str, base: GuestImage | None,
         inherited: dict[str, Any] = {}
         if base is not None:
             rootdir = work / "root"
-            base_manifest = _read_manifest(base.dir)
+            base_manifest = read_manifest(base.dir)
             say(f"{t.name} (template {digest}): copying the tree of {base.id}")
             _copy_base(base, rootdir, work, stage)
             kernel = base_manifest["kernel"]
@@ -187,7 +189,7 @@ def _build(layout: Layout, t: Template, digest: str, base: GuestImage | None,
             with confined.shifted(rootdir, say):
                 _run_steps(rootdir, t.steps, env, workdir, t.network, say)
         if debian:
-            _trim(rootdir)
+            trim(rootdir)
         times["files_and_steps"] = time.monotonic() - t1
 
         runtime_python = safetree.readlink(rootdir, f"{runtime.RUNTIME_DIR}/bin/python3")
@@ -264,7 +266,7 @@ def _apt_in_tree(rootdir: Path, packages: tuple[str, ...], layout: Layout,
     say(f"apt-get install {' '.join(packages)}")
     lists = AptCaches.of(layout).lists
     if lists.is_dir():
-        with _flock(layout.apt_lock):
+        with flock(layout.apt_lock):
             for p in sorted(lists.iterdir()):
                 if p.is_file() and not p.is_symlink() and "_" in p.name:
                     safetree.copy_in(p, rootdir, f"/var/lib/apt/lists/{p.name}", 0o644)
@@ -339,8 +341,8 @@ def remove_template(layout: Layout, name: str, pinned: set[str]) -> list[str]:
     if name in RECIPES:
         raise InvalidRequest(f"{name!r} is a recipe, not a template")
     link = layout.image_link(name)
-    cur = _current(layout, name)
-    if cur is None or "template" not in _read_manifest(cur):
+    cur = current_build(layout, name)
+    if cur is None or "template" not in read_manifest(cur):
         raise NotFound(f"no template named {name!r}", image=name)
     with image_lock(layout, name):
         link.unlink(missing_ok=True)

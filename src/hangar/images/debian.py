@@ -1,0 +1,166 @@
+"""The Debian pipeline of a recipe's build: ``debootstrap`` from the host's mirror, then
+``apt-get install`` inside the tree (chroot), and the mounts and shared apt caches
+that takes.
+
+The mirror is the one the host's apt uses for the recipe's suite (the ``URIs:`` of
+the matching stanza of /etc/apt/sources.list.d/debian.sources, ``host_mirror``),
+else debootstrap's default. Downloaded .debs are kept in
+``<data>/cache/debootstrap/``. Every step runs a host tool through
+``hangar.images.commands.run`` and raises ``ImageError`` with the tail of its output.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from hangar.errors import ImageError
+from hangar.images.commands import Progress, inside, run
+from hangar.images.recipes import Recipe
+from hangar.images.rootfs import RESOLV_PLACEHOLDER, put_file
+from hangar.layout import Layout
+
+DEBIAN_SOURCES = Path("/etc/apt/sources.list.d/debian.sources")
+
+
+def host_mirror(suite: str, sources: Path = DEBIAN_SOURCES) -> str | None:
+    """The first ``URIs:`` entry of the deb822 stanza of ``sources`` listing ``suite``."""
+    try:
+        text = sources.read_text()
+    except OSError:
+        return None
+    for stanza in re.split(r"\n[ \t]*\n", text):
+        fields: dict[str, str] = {}
+        key = None
+        for line in stanza.splitlines():
+            if line.startswith("#"):
+                continue
+            if line[:1] in (" ", "\t") and key:
+                fields[key] += " " + line.strip()
+                continue
+            k, sep, v = line.partition(":")
+            if sep:
+                key = k.strip().lower()
+                fields[key] = v.strip()
+        if fields.get("enabled", "yes").lower() == "no":
+            continue
+        if "deb" not in fields.get("types", "").split():
+            continue
+        if suite not in fields.get("suites", "").split():
+            continue
+        for uri in fields.get("uris", "").split():
+            if uri.split(":", 1)[0] in ("http", "https", "file"):
+                return uri
+    return None
+
+
+def debootstrap(recipe: Recipe, rootdir: Path, mirror: str | None, cache: Path,
+                 say: Progress) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
+    argv: list[str | Path] = ["debootstrap", f"--variant={recipe.variant}",
+                              f"--cache-dir={cache.resolve()}"]
+    if recipe.packages:
+        argv.append(f"--include={','.join(recipe.packages)}")
+    argv += [recipe.suite, rootdir]
+    if mirror:
+        argv.append(mirror)
+    run("debootstrap", argv, progress=say, echo=lambda ln: ln.startswith(("I: ", "W: ", "E: ")),
+        timeout=3600)
+
+
+@contextmanager
+def chroot_mounts(rootdir: Path, binds: Mapping[str, Path] | None = None) -> Iterator[None]:
+    """/proc, /sys and /dev in the tree (and ``binds``: path in the tree -> host folder),
+    plus the host's resolver, for commands run in it with ``chroot``.
+
+    Everything is unmounted and /etc/resolv.conf emptied whatever happens
+    (the guest writes its own at boot when it has a network).
+    """
+    try:
+        host_resolv = Path("/etc/resolv.conf").read_bytes()
+    except OSError:
+        host_resolv = b""
+    put_file(rootdir, "/etc/resolv.conf", host_resolv)
+    mounts: list[Path] = []
+    try:
+        for fstype, src, target in (("proc", "proc", "/proc"), ("sysfs", "sysfs", "/sys"),
+                                    (None, "/dev", "/dev"), *((None, str(h), t) for t, h in
+                                                              (binds or {}).items())):
+            # Mount only on real folders of the tree: a link could point at the host's.
+            dest = inside(rootdir, target)
+            if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+                dest.unlink()
+            dest.mkdir(parents=True, exist_ok=True)
+            argv: list[str | Path] = (["mount", "--bind", src, dest] if fstype is None
+                                      else ["mount", "-t", fstype, src, dest])
+            run("mount", argv, timeout=60)
+            mounts.append(dest)
+        yield
+    finally:
+        for dest in reversed(mounts):
+            try:
+                run("umount", ["umount", "-l", dest], timeout=60)
+            except ImageError:
+                pass
+        put_file(rootdir, "/etc/resolv.conf", RESOLV_PLACEHOLDER)
+
+
+@dataclass(frozen=True)
+class AptCaches:
+    """Host folders apt may share between builds: .debs and package lists, under a lock."""
+
+    archives: Path
+    lists: Path
+    lock: Path
+
+    @classmethod
+    def of(cls, layout: Layout) -> "AptCaches":
+        return cls(layout.debootstrap_cache, layout.apt_lists_cache, layout.apt_lock)
+
+
+def apt_install(rootdir: Path, packages: tuple[str, ...], say: Progress,
+                 caches: AptCaches | None = None) -> None:
+    """``apt-get install`` ``packages`` inside the tree (chroot with /proc, /sys, /dev).
+
+    The tree's apt sources are those debootstrap wrote (the same mirror);
+    the host's resolver is lent for the duration. With ``caches``, apt's
+    archives and lists are the host's shared folders (bind-mounted, under
+    their flock), so .debs fetched once (by debootstrap or an earlier build)
+    are reused and nothing is left in the tree; else the tree's own, cleaned
+    after.
+    """
+    say(f"apt-get install {' '.join(packages)}")
+    env = {"DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C"}
+    opts = ["-o", "APT::Sandbox::User=root"]
+    binds: dict[str, Path] = {}
+    if caches is not None:
+        for d in (caches.archives / "partial", caches.lists / "partial"):
+            d.mkdir(parents=True, exist_ok=True)
+        binds = {"/var/cache/apt/archives": caches.archives, "/var/lib/apt/lists": caches.lists}
+    with flock(caches.lock if caches else None), chroot_mounts(rootdir, binds):
+        run("apt-get update", ["chroot", rootdir, "apt-get", *opts, "update", "-q"], env=env,
+            timeout=1800)
+        run("apt-get install", ["chroot", rootdir, "apt-get", *opts, "install", "-y", "-q",
+                                "--no-install-recommends", *packages],
+            progress=say, echo=lambda ln: ln.startswith(("E: ", "W: ", "Get:", "Setting up ")),
+            env=env, timeout=3600)
+        if caches is None:
+            run("apt-get clean", ["chroot", rootdir, "apt-get", "clean"], env=env, timeout=300)
+
+
+@contextmanager
+def flock(path: Path | None) -> Iterator[None]:
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
