@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -99,12 +100,16 @@ class Sleeper:
         self.snapshots = snapshots
         self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         """Sandbox id -> the ``settled`` calls waiting for it to move."""
+        self._waiters_lock = threading.Lock()
+        """Guards ``_waiters``: a change notice may come from another thread."""
         ctx.store.on_change(self._changed)
 
     def _changed(self, sandbox_id: str) -> None:
         """The store's change notification: wake every ``settled`` waiting on it (any
         thread may call it)."""
-        for loop, event in list(self._waiters.get(sandbox_id, ())):
+        with self._waiters_lock:
+            waiting = list(self._waiters.get(sandbox_id, ()))
+        for loop, event in waiting:
             loop.call_soon_threadsafe(event.set)
 
     async def settled(self, sandbox_id: str, timeout_s: float = SETTLE_S) -> SandboxRecord:
@@ -117,7 +122,8 @@ class Sleeper:
         deadline = loop.time() + timeout_s
         while True:
             waiter = (loop, asyncio.Event())
-            self._waiters.setdefault(sandbox_id, set()).add(waiter)
+            with self._waiters_lock:
+                self._waiters.setdefault(sandbox_id, set()).add(waiter)
             try:
                 rec = self.ctx.record(sandbox_id)  # read after the waiter is in place
                 if rec.state not in MOVING:
@@ -131,11 +137,12 @@ class Sleeper:
                 except TimeoutError:
                     pass  # read once more: the answer says what it is now
             finally:
-                waiting = self._waiters.get(sandbox_id)
-                if waiting is not None:
-                    waiting.discard(waiter)
-                    if not waiting:
-                        del self._waiters[sandbox_id]
+                with self._waiters_lock:
+                    waiting = self._waiters.get(sandbox_id)
+                    if waiting is not None:
+                        waiting.discard(waiter)
+                        if not waiting:
+                            del self._waiters[sandbox_id]
 
     def extend(self, sandbox_id: str, ttl_s: float,
                expect: Collection[State] = LIVE) -> SandboxRecord:
