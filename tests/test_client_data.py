@@ -224,6 +224,7 @@ def test_tombstones_are_purged_after_the_retention(own: Server, waits: Waits) ->
 # -- old rows move -------------------------------------------------------------------------------
 
 def test_state_an_older_server_kept_in_metadata_moves_to_columns(tmp_path: Path) -> None:
+    from hangar.core.lifecycle import OnExpiry
     from hangar.core.store import MachineRecord, Store
 
     db = tmp_path / "hangar.db"
@@ -245,8 +246,8 @@ def test_state_an_older_server_kept_in_metadata_moves_to_columns(tmp_path: Path)
     store = Store(db)
     a, b = store.get("sb-000000000001"), store.get("sb-000000000002")
     assert a is not None and b is not None
-    assert (a.user_id, a.idle_timeout_s, bool(a.pooled), a.e2b) == (
-        "bob", 60.0, True, {"template": "base", "on_timeout": "pause"})
+    assert (a.user_id, a.idle_timeout_s, bool(a.pooled), a.e2b, a.on_expiry) == (
+        "bob", 60.0, True, {"template": "base"}, OnExpiry.SLEEP)
     assert a.metadata_ == {"team": "a"}
     assert (b.user_id, b.idle_timeout_s, bool(b.pooled), b.e2b) == (None, None, False, None)
     assert b.metadata_ == forged

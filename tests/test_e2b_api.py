@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import SRC, Server
+from conftest import SRC, Server, Waits, wait_for
 
 e2b = pytest.importorskip("e2b")
 from e2b import (  # noqa: E402
@@ -307,3 +307,54 @@ def test_fork_starts_a_copy_and_keeps_the_source_running(api: httpx.Client) -> N
         for s in (*forks, sbx):
             if isinstance(s, Sandbox):
                 api.delete(f"/sandboxes/{s.sandbox_id}")
+
+
+@pytest.mark.vm
+def test_connect_extends_a_running_sandbox_and_wakes_one_a_pause_is_putting_to_sleep(
+        server: Server, api: httpx.Client, e2b_key: str, waits: Waits) -> None:
+    """Core's verbs behind E2B's routes: connect on a running sandbox only ever extends its
+    time to live (200); a pause stops its clock; a connect sent while the pause is under way
+    waits for it to settle, then wakes the sandbox with the connect's time to live (201)."""
+    def expires(sid: str) -> float | None:
+        return api.get(f"/sandboxes/{sid}").json()["expires_at"]
+
+    with httpx.Client(base_url=server.url + "/e2b", headers={"X-API-Key": e2b_key},
+                      timeout=waits.vm(4)) as c:
+        r = c.post("/sandboxes", json={"templateID": "base", "timeout": 120})
+        assert r.status_code == 201, r.text
+        sid = r.json()["sandboxID"]
+        try:
+            r = c.post(f"/sandboxes/{sid}/connect", json={"timeout": 600})
+            assert (r.status_code, r.json()["sandboxID"]) == (200, sid)
+            extended = expires(sid)
+            assert extended is not None and abs(extended - (time.time() + 600)) < 30
+            assert c.post(f"/sandboxes/{sid}/connect", json={"timeout": 30}).status_code == 200
+            assert expires(sid) == extended  # never shortened
+
+            paused: dict[str, httpx.Response] = {}
+
+            def pause() -> None:
+                with httpx.Client(base_url=c.base_url, headers=c.headers,
+                                  timeout=waits.vm(4)) as c2:
+                    paused["r"] = c2.post(f"/sandboxes/{sid}/pause")
+
+            thread = threading.Thread(target=pause)
+            thread.start()
+            wait_for(lambda: api.get(f"/sandboxes/{sid}").json()["state"] != "running",
+                     waits.vm(1), "the pause to begin", every=0.02)
+            r = c.post(f"/sandboxes/{sid}/connect", json={"timeout": 900})
+            thread.join()
+            assert paused["r"].status_code == 204, paused["r"].text
+            assert (r.status_code, r.json()["sandboxID"]) == (201, sid), r.text
+            rec = api.get(f"/sandboxes/{sid}").json()
+            assert rec["state"] == "running" and abs(rec["expires_at"] - (time.time() + 900)) < 60
+
+            # paused: no time limit; a connect gives it its own
+            assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+            rec = api.get(f"/sandboxes/{sid}").json()
+            assert (rec["state"], rec["expires_at"]) == ("sleeping", None)
+            r = c.post(f"/sandboxes/{sid}/connect", json={"timeout": 300})
+            assert r.status_code == 201, r.text
+            assert abs(expires(sid) - (time.time() + 300)) < 60
+        finally:
+            api.delete(f"/sandboxes/{sid}")

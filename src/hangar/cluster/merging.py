@@ -20,7 +20,7 @@ from hangar.cluster.directory import Directory
 from hangar.cluster.forwarding import H_LOCAL, H_TOKEN, HOP, INTERNAL, Answer, json_answer
 from hangar.cluster.records import NodeInfo, SandboxObject
 from hangar.core.lifecycle import State
-from hangar.core.machines import NAMES
+from hangar.core.machines import NAMES, desired_name
 from hangar.images import image_id
 
 NODE_TIMEOUT_S = 10.0
@@ -35,8 +35,8 @@ def machine_view(rec: SandboxObject, m: dict[str, Any]) -> dict[str, Any]:
     t = rec.spec.get("template") or {}
     asleep = rec.desired == State.SLEEPING or rec.state == State.SLEEPING
     return {"user_id": rec.user, "sandbox_id": rec.name,
-            "state": NAMES.get(rec.state, rec.state.value),
-            "desired_state": "sleeping" if asleep else "active",
+            "state": NAMES[rec.state],
+            "desired_state": desired_name(State.SLEEPING if asleep else State.RUNNING),
             "idle_timeout_s": float(m.get("idleTimeoutSeconds") or 0),
             "last_active_at": float(t.get("lastActiveAt") or rec.created_at),
             "created_at": float(m.get("createdAt") or rec.created_at)}

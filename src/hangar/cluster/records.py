@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from hangar.core.handover import Template
 from hangar.core.lifecycle import (
-    VMM_STATES, Guard, State, check, check_desired, walk,
+    VMM_STATES, Face, Guard, OnExpiry, State, check, check_desired, from_public, public_name, walk,
 )
 from hangar.core.machines import USER_ID
 
@@ -323,6 +323,10 @@ class _TemplateIn(_Record):
     expiresAt: float | None = None
     lastActiveAt: float | None = None
     e2b: dict[str, Any] | None = Field(None, max_length=16)
+    onExpiry: OnExpiry | None = None
+    autoResume: bool | None = None
+    ttlSeconds: float | None = Field(None, ge=0, le=10 ** 8)
+    wakeTtlSeconds: float | None = Field(None, ge=0, le=10 ** 8)
 
 
 class _SpecIn(_Record):
@@ -397,7 +401,8 @@ class SandboxObject:
         d = self.spec.get("desiredState")
         if d is not None:
             return State(d)
-        return State.SLEEPING if self.spec.get("operatingMode") == "Suspended" else State.RUNNING
+        mode = self.spec.get("operatingMode")
+        return from_public(mode, Face.CLUSTER) if mode else State.RUNNING
 
     @property
     def slot(self) -> int | None:
@@ -426,7 +431,8 @@ class SandboxObject:
         agent-sandbox names it). Raises ``IllegalTransition`` when the state forbids it."""
         check_desired(self.state, desired)
         self.spec["desiredState"] = desired.value
-        self.spec["operatingMode"] = "Suspended" if desired == State.SLEEPING else "Running"
+        self.spec["operatingMode"] = public_name(
+            State.SLEEPING if desired == State.SLEEPING else State.RUNNING, Face.CLUSTER)
 
     def _set(self, to: State) -> None:
         self.status["state"] = to.value
@@ -478,7 +484,8 @@ def template_json(t: Template) -> dict[str, Any]:
             "accel": t.accel, "vcpus": t.vcpus, "memoryMiB": t.memory_mib,
             "diskMiB": t.disk_mib, "desktop": t.desktop, "network": t.network,
             "metadata": t.metadata, "source": t.source, "expiresAt": t.expires_at,
-            "lastActiveAt": t.last_active_at, "e2b": t.e2b}
+            "lastActiveAt": t.last_active_at, "e2b": t.e2b, "onExpiry": t.on_expiry,
+            "autoResume": t.auto_resume, "ttlSeconds": t.ttl_s, "wakeTtlSeconds": t.wake_ttl_s}
 
 
 def parse_template(raw: Any) -> Template:
@@ -491,4 +498,6 @@ def parse_template(raw: Any) -> Template:
         image=t.image, image_digest=t.imageDigest or "", engine=t.engine or "",
         accel=t.accel or "", vcpus=t.vcpus, memory_mib=t.memoryMiB, disk_mib=t.diskMiB,
         desktop=t.desktop, network=t.network, metadata=dict(t.metadata or {}),
-        source=t.source, expires_at=t.expiresAt, last_active_at=t.lastActiveAt, e2b=t.e2b)
+        source=t.source, expires_at=t.expiresAt, last_active_at=t.lastActiveAt, e2b=t.e2b,
+        on_expiry=t.onExpiry.value if t.onExpiry else None, auto_resume=bool(t.autoResume),
+        ttl_s=t.ttlSeconds, wake_ttl_s=t.wakeTtlSeconds)

@@ -29,7 +29,7 @@ from typing import Any
 
 from hangar.config import Settings
 from hangar.core.context import Context
-from hangar.core.lifecycle import State
+from hangar.core.lifecycle import OnExpiry, State
 from hangar.core.store import SandboxRecord
 from hangar.errors import InvalidRequest, LimitExceeded
 from hangar.images import RECIPES, GuestImage
@@ -93,6 +93,10 @@ class CreateOptions:
     """The user whose machine it is (``hangar.core.machines``), or None."""
     e2b: dict[str, Any] | None = None
     """E2B's options of a create through ``/e2b`` (``hangar.core.e2b.Options.as_dict``)."""
+    on_expiry: OnExpiry = OnExpiry.DELETE
+    """What the end of its time to live does (``lifecycle.OnExpiry``)."""
+    auto_resume: bool = False
+    """Whether a call wakes it once it sleeps, as asked (Hangar always wakes it)."""
     volumes: dict[str, Any] | None = None
     """Named volumes by guest path (``hangar.core.volumes.parse_request``), or None."""
     secrets: dict[str, str] | None = None
@@ -260,6 +264,7 @@ class Admission:
             metadata_=metadata, desktop=opts.desktop, network=network,
             user_id=opts.user_id, idle_timeout_s=opts.idle_timeout_s or None,
             e2b=dict(opts.e2b) if opts.e2b is not None else None, pooled=False,
+            on_expiry=opts.on_expiry, auto_resume=opts.auto_resume, ttl_s=ttl or None,
         )
 
 

@@ -108,7 +108,8 @@ class Creation:
                 "pool", started, created_at=fresh.created_at,
                 last_active_at=fresh.last_active_at, expires_at=fresh.expires_at,
                 metadata_=fresh.metadata_, user_id=fresh.user_id,
-                idle_timeout_s=fresh.idle_timeout_s, e2b=fresh.e2b)
+                idle_timeout_s=fresh.idle_timeout_s, e2b=fresh.e2b, on_expiry=fresh.on_expiry,
+                auto_resume=fresh.auto_resume, ttl_s=fresh.ttl_s)
         except Conflict:
             raise
         except HangarError as exc:  # a broken pool VM: it is gone; boot one cold

@@ -14,10 +14,13 @@ its sandbox agent's protocol, envd (``hangar.api.envd``, under
     it stays the same for the sandbox's life unless the port key is replaced.
 ``Options`` / ``options`` / ``envs``
     what a create through ``/e2b`` asked for beyond Hangar's own fields
-    (the template name it used, default environment variables, what a
-    timeout does). Kept in the record's own ``e2b`` column, never in the
+    (the template name it used, default environment variables, whether its
+    URLs are public). Kept in the record's own ``e2b`` column, never in the
     client's metadata: it lives and dies with the record, and no request
-    writes it but the create that made it.
+    writes it but the create that made it. What a timeout does (``autoPause``)
+    and the clock across a pause are no E2B matter: the record's generic
+    ``on_expiry``, ``ttl_s`` and ``wake_ttl_s``, moved by core's verbs
+    (``hangar.core.sleep``: pause, connect, settled).
 ``url_exposure``
     E2B's sandbox URLs (``{port}-{id}.<HANGAR_DOMAIN>``) open every guest port of
     a sandbox made through ``/e2b``, public unless its create said otherwise.
@@ -25,12 +28,6 @@ its sandbox agent's protocol, envd (``hangar.api.envd``, under
     E2B template names onto Hangar's images, templates and snapshots
     (``base`` is Hangar's base image; the code interpreter's
     ``code-interpreter-v1`` is Hangar's ``code-interpreter`` image).
-``pauses_on_timeout``
-    whether the reconcile loop puts a sandbox to sleep instead of removing it
-    when its time to live runs out (E2B's ``autoPause``).
-``pause_clock`` / ``paused_changes`` / ``woken_changes`` / ``resume_clock``
-    a paused sandbox has no time limit; woken by a connect it gets the
-    connect's, woken any other way the create's (the reconcile loop).
 ``metrics``
     one sample of a running guest's CPU, memory and disk, read inside it.
 """
@@ -40,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hangar.core.admission import default_size
@@ -55,9 +52,8 @@ if TYPE_CHECKING:
     from hangar.core.sandboxes import SandboxManager
 
 __all__ = ["ENVD_VERSION", "KEY", "Metric", "Options", "Source", "TemplateInfo",
-           "access_token", "check_access_token", "envs", "metrics", "options",
-           "pause_clock", "paused_changes", "pauses_on_timeout", "resolve", "resume_clock",
-           "sandbox", "templates", "url_exposure", "with_options", "woken_changes"]
+           "access_token", "check_access_token", "envs", "metrics", "options", "resolve",
+           "sandbox", "templates", "url_exposure", "with_options"]
 
 ENVD_VERSION = "0.5.7"
 """The envd version every sandbox reports. >= 0.3.0: the SDK sends ``stdin``; >= 0.4.0 it
@@ -98,27 +94,17 @@ class Options:
 
     ``template``: the template name the client used (E2B's ``alias``);
     ``envs``: environment variables of every process envd starts in it;
-    ``on_timeout``: ``kill`` or ``pause`` when its time to live runs out;
-    ``auto_resume``: what the client asked (Hangar always wakes a paused
-    sandbox on a call to it); ``timeout_s``: the create's time to live
-    (seconds, 0: none); ``wake_ttl_s``: while paused, the time to live it gets
-    back when it wakes, whatever wakes it (0: none); ``public_traffic``: its
+    ``public_traffic``: its
     sandbox URLs (``{port}-{id}.<HANGAR_DOMAIN>``) need no credential, as E2B's
     do unless ``network.allowPublicTraffic`` is false (``url_exposure``).
     """
 
     template: str
     envs: dict[str, str] = field(default_factory=dict)
-    on_timeout: str = "kill"
-    auto_resume: bool = False
-    timeout_s: float = 0.0
-    wake_ttl_s: float = 0.0
     public_traffic: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {"template": self.template, "envs": dict(self.envs),
-                "on_timeout": self.on_timeout, "auto_resume": self.auto_resume,
-                "timeout_s": self.timeout_s, "wake_ttl_s": self.wake_ttl_s,
                 "public_traffic": self.public_traffic}
 
 
@@ -131,16 +117,8 @@ def options(rec: SandboxRecord) -> Options | None:
     return Options(
         template=str(raw.get("template") or rec.image),
         envs={str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {},
-        on_timeout="pause" if raw.get("on_timeout") == "pause" else "kill",
-        auto_resume=bool(raw.get("auto_resume")),
-        timeout_s=_seconds(raw.get("timeout_s")),
-        wake_ttl_s=_seconds(raw.get("wake_ttl_s")),
         public_traffic=raw.get("public_traffic") is True,
     )
-
-
-def _seconds(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and value > 0 else 0.0
 
 
 def with_options(metadata: dict[str, str], opts: Options) -> dict[str, Any]:
@@ -183,56 +161,6 @@ def url_exposure(manager: SandboxManager, sandbox_id: str, port: int,
                            "trafficAccessToken in the E2B-Traffic-Access-Token header",
                            sandbox_id=sandbox_id, port=port)
     return Exposure(sandbox_id, port, True, "", time.time())
-
-
-def pauses_on_timeout(rec: SandboxRecord) -> bool:
-    """True when ``rec`` asked to sleep (E2B: pause), not end, when its time runs out."""
-    opts = options(rec)
-    return opts is not None and opts.on_timeout == "pause"
-
-
-# -- the time to live across a pause ---------------------------------------------------------
-# A paused sandbox has no time limit (E2B keeps it for its owner). Whatever wakes it (a
-# connect, or any call to it: E2B's auto-resume), it runs again with a limit: connect sets
-# its own; any other wake gives it back the create's time to live (the reconcile loop).
-
-def paused_changes(rec: SandboxRecord) -> dict[str, Any]:
-    """The record changes that pause ``rec``'s clock: no time limit while asleep, and the
-    create's time to live armed for when it wakes (nothing to arm without E2B options)."""
-    opts = options(rec)
-    if opts is None:
-        return {"expires_at": None}
-    armed = replace(opts, wake_ttl_s=opts.timeout_s)
-    return {"expires_at": None, "e2b": armed.as_dict()}
-
-
-def pause_clock(manager: SandboxManager, sandbox_id: str) -> SandboxRecord:
-    """Stop ``sandbox_id``'s clock once it is paused (see ``paused_changes``)."""
-    rec = sandbox(manager, sandbox_id)
-    return manager.store.update(sandbox_id, **paused_changes(rec))  # type: ignore[return-value]
-
-
-def woken_changes(rec: SandboxRecord, now: float) -> dict[str, Any] | None:
-    """The record changes that restart the clock of ``rec``, running again after a pause
-    with no limit set since; None when there is nothing to do."""
-    opts = options(rec)
-    if (opts is None or not opts.wake_ttl_s or rec.state != State.RUNNING
-            or rec.expires_at is not None):
-        return None
-    disarmed = replace(opts, wake_ttl_s=0.0)
-    return {"expires_at": now + opts.wake_ttl_s,
-            "e2b": disarmed.as_dict()}
-
-
-def resume_clock(manager: SandboxManager, sandbox_id: str, timeout_s: float) -> SandboxRecord:
-    """After a connect or resume woke ``sandbox_id``: it lives ``timeout_s`` seconds from
-    now (0: no limit), and nothing is left armed."""
-    rec = sandbox(manager, sandbox_id)
-    opts = options(rec)
-    changes: dict[str, Any] = {"expires_at": time.time() + timeout_s if timeout_s else None}
-    if opts is not None and opts.wake_ttl_s:
-        changes["e2b"] = replace(opts, wake_ttl_s=0.0).as_dict()
-    return manager.store.update(sandbox_id, **changes)  # type: ignore[return-value]
 
 
 # -- templates -----------------------------------------------------------------------------

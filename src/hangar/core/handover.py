@@ -33,7 +33,7 @@ from typing import Any
 
 from hangar.core.context import Context
 from hangar.core.launch import Launcher
-from hangar.core.lifecycle import INITIAL, State, check_desired
+from hangar.core.lifecycle import INITIAL, OnExpiry, State, check_desired
 from hangar.core.recovery import vmm_processes
 from hangar.core.removal import Removal
 from hangar.core.store import MachineRecord, SandboxRecord, SnapshotRecord
@@ -73,6 +73,12 @@ class Template:
     last_active_at: float | None = None
     e2b: dict[str, Any] | None = None
     """E2B's options (``hangar.core.e2b.Options.as_dict``), or None."""
+    on_expiry: str | None = None
+    """``lifecycle.OnExpiry``'s value, or None (``delete``)."""
+    auto_resume: bool = False
+    ttl_s: float | None = None
+    wake_ttl_s: float | None = None
+    """The record's clock (``hangar.core.sleep``): a paused sandbox keeps it stopped."""
 
 
 def describe(rec: SandboxRecord) -> Template:
@@ -82,7 +88,10 @@ def describe(rec: SandboxRecord) -> Template:
                     disk_mib=rec.disk_mib, desktop=rec.desktop, network=rec.network,
                     metadata=user_metadata(rec), source=rec.source,
                     expires_at=rec.expires_at, last_active_at=rec.last_active_at,
-                    e2b=dict(rec.e2b) if isinstance(rec.e2b, dict) else None)
+                    e2b=dict(rec.e2b) if isinstance(rec.e2b, dict) else None,
+                    on_expiry=rec.on_expiry.value if rec.on_expiry else None,
+                    auto_resume=bool(rec.auto_resume), ttl_s=rec.ttl_s,
+                    wake_ttl_s=rec.wake_ttl_s)
 
 
 @dataclass(frozen=True)
@@ -159,7 +168,9 @@ class Handover:
                            if isinstance(k, str) and isinstance(v, str)},
                 source=t.source, sleep_snapshot=a.snapshot.id, user_id=a.user,
                 idle_timeout_s=a.idle_timeout_s,
-                e2b=dict(t.e2b) if isinstance(t.e2b, dict) else None)
+                e2b=dict(t.e2b) if isinstance(t.e2b, dict) else None,
+                on_expiry=OnExpiry(t.on_expiry) if t.on_expiry else None,
+                auto_resume=t.auto_resume, ttl_s=t.ttl_s, wake_ttl_s=t.wake_ttl_s)
             records: list[Any] = [rec, a.snapshot.record()]
             if a.user:
                 ctx.store.remove(MachineRecord, a.user)

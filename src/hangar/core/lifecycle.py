@@ -45,6 +45,10 @@ import sys
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hangar.core.store import SandboxRecord
 
 
 class State(str, enum.Enum):
@@ -197,6 +201,46 @@ TRANSIENT: frozenset[State] = frozenset({
 """States held only by an operation in progress (or left by a server that died)."""
 
 
+MOVING: frozenset[State] = TRANSIENT - {State.STOPPING}
+"""States an operation holds on its way to a state a caller can act on (``running``,
+``sleeping``, ``failed``); ``settled`` (``hangar.core.sleep``) waits them out. ``stopping``
+is not among them: it leads out of existence, and a caller is told so at once."""
+
+
+class OnExpiry(str, enum.Enum):
+    """What the end of a sandbox's time to live does (its record's ``on_expiry``; None is
+    ``delete``): ``delete`` ends it (``expired``); ``sleep`` puts a running sandbox to sleep
+    with its clock stopped, as ``pause`` does (asleep it has no time limit; woken, it gets
+    its time to live back). The reconcile loop reads it; E2B's ``autoPause`` is ``sleep``."""
+
+    DELETE = "delete"
+    SLEEP = "sleep"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# -- the clock across a sleep (``hangar.core.sleep``) ------------------------------------
+
+def stopped_clock(rec: SandboxRecord) -> dict[str, Any]:
+    """The fields a move into ``sleeping`` sets beside the state: no time limit when a
+    pause armed ``wake_ttl_s``; nothing else (a plain sleep's clock runs on)."""
+    return {"expires_at": None} if rec.wake_ttl_s is not None else {}
+
+
+def restarted_clock(rec: SandboxRecord, ttl_s: float | None, now: float) -> dict[str, Any]:
+    """The fields the ``waking -> running`` move sets beside the state: ``ttl_s`` (a
+    connect's: seconds from ``now``, 0 no limit) when given; else a clock a pause stopped
+    runs again with ``wake_ttl_s`` (unless a limit was set while it slept); disarmed."""
+    if ttl_s is not None:
+        return {"expires_at": now + ttl_s if ttl_s else None, "wake_ttl_s": None}
+    if rec.wake_ttl_s is None:
+        return {}
+    if rec.expires_at is None and rec.wake_ttl_s:
+        return {"expires_at": now + rec.wake_ttl_s, "wake_ttl_s": None}
+    return {"wake_ttl_s": None}
+
+
 class IllegalTransition(ValueError):
     """A move that ``MOVES`` does not hold: a bug in the caller."""
 
@@ -261,6 +305,72 @@ def check_desired(state: State, desired: State) -> None:
         raise IllegalTransition(f"a {state.value} sandbox cannot want {desired.value}")
 
 
+# -- public names -------------------------------------------------------------------
+
+class Face(str, enum.Enum):
+    """Who shows a sandbox's state: Hangar's own API (``native``), its machines API
+    (``machine``), E2B's control plane (``e2b``), a cluster's directory record (``cluster``:
+    agent-sandbox's ``spec.operatingMode``)."""
+
+    NATIVE = "native"
+    MACHINE = "machine"
+    E2B = "e2b"
+    CLUSTER = "cluster"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Names:
+    """A state's public name in each ``Face``; None: that face never shows it (E2B: a call
+    naming such a sandbox is a 404 saying its state; cluster: only a desired state has a
+    name, ``operatingMode``)."""
+
+    native: str
+    machine: str
+    e2b: str | None
+    cluster: str | None
+
+
+PUBLIC: dict[State, Names] = {
+    State.CREATING: Names("creating", "creating", "running", None),
+    State.POOLED: Names("pooled", "pooled", None, None),
+    State.RUNNING: Names("running", "active", "running", "Running"),
+    State.UNRESPONSIVE: Names("unresponsive", "unresponsive", "running", None),
+    State.SNAPSHOTTING: Names("snapshotting", "snapshotting", "running", None),
+    State.SLEEPING: Names("sleeping", "sleeping", "paused", "Suspended"),
+    State.WAKING: Names("waking", "waking", "running", None),
+    State.RESTORING: Names("restoring", "restoring", "running", None),
+    State.STOPPING: Names("stopping", "stopping", None, None),
+    State.DELETED: Names("deleted", "deleted", None, None),
+    State.EXPIRED: Names("expired", "expired", None, None),
+    State.FAILED: Names("failed", "failed", None, None),
+}
+"""The one table of public state names. One rule besides: E2B shows a sandbox on its way
+to sleep (``snapshotting``, wanting ``sleeping``) as ``paused`` (``public_name``)."""
+
+
+def public_name(state: State, face: Face, desired: State | None = None) -> str | None:
+    """``state``'s name in ``face`` (``PUBLIC``), given the ``desired`` state for E2B's
+    rule; None when that face does not show it."""
+    if face == Face.E2B and state == State.SNAPSHOTTING and desired == State.SLEEPING:
+        state = State.SLEEPING
+    names = PUBLIC[state]
+    return {Face.NATIVE: names.native, Face.MACHINE: names.machine, Face.E2B: names.e2b,
+            Face.CLUSTER: names.cluster}[face]
+
+
+def from_public(name: str, face: Face) -> State:
+    """The state ``name`` stands for in ``face`` (the first in ``State``'s order: E2B's
+    ``running`` is ``creating``... so ask it only of names that stand for one state, e.g.
+    a cluster's ``operatingMode``). Raises ValueError for a name the face never shows."""
+    for state in State:
+        if public_name(state, face) == name:
+            return state
+    raise ValueError(f"{name!r} is no {face.value} state name")
+
+
 # -- the diagram ------------------------------------------------------------------
 
 BEGIN = "<!-- state-diagram:begin (generated by python -m hangar.core.lifecycle) -->"
@@ -281,6 +391,14 @@ def render_diagram(moves: Iterable[Move] = MOVES) -> str:
         nxt = ", ".join(t.value for t in State if t in NEXT[s]) or "(final)"
         want = ", ".join(t.value for t in State if t in DESIRED[s])
         lines.append(f"| `{s.value}` | {MEANING[s]} | {nxt} | {want} |")
+    lines += ["", "Public names (`PUBLIC`; `-`: not shown; E2B shows a sandbox on its way to "
+              "sleep as `paused`; a cluster names only desired states):", "",
+              "| state | " + " | ".join(f.value for f in Face) + " |",
+              "|---|" + "---|" * len(Face)]
+    for s in State:
+        cells = [public_name(s, f) for f in Face]
+        lines.append(f"| `{s.value}` | " + " | ".join(f"`{c}`" if c else "-" for c in cells)
+                     + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from hangar.core.admission import CreateOptions
 from hangar.core.handover import Placement
-from hangar.core.lifecycle import GONE, LIVE, State
+from hangar.core.lifecycle import GONE, LIVE, PUBLIC, Face, State, public_name
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import MachineRecord, SandboxRecord
 from hangar.errors import HangarError, InvalidRequest, NotFound
@@ -40,17 +40,14 @@ log = logging.getLogger("hangar.machines")
 
 USER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
 
-NAMES = {
-    State.CREATING: "creating",
-    State.RUNNING: "active",
-    State.UNRESPONSIVE: "unresponsive",
-    State.SNAPSHOTTING: "snapshotting",
-    State.SLEEPING: "sleeping",
-    State.WAKING: "waking",
-    State.RESTORING: "restoring",
-    State.FAILED: "failed",
-    State.STOPPING: "stopping",
-}
+NAMES = {s: n.machine for s, n in PUBLIC.items()}
+"""A machine's state names: the machine column of ``lifecycle.PUBLIC``."""
+
+
+def desired_name(desired: State) -> str:
+    """A machine's desired state as shown: ``sleeping`` or ``active``."""
+    return public_name(State.SLEEPING if desired == State.SLEEPING else State.RUNNING,
+                       Face.MACHINE) or ""
 
 
 @dataclass(frozen=True)
@@ -84,8 +81,8 @@ class MachineManager:
 
     def _view(self, m: MachineRecord, rec: SandboxRecord) -> Machine:
         return Machine(
-            user_id=m.user_id, sandbox_id=rec.id, state=NAMES.get(rec.state, rec.state.value),
-            desired_state="sleeping" if rec.desired_state == State.SLEEPING.value else "active",
+            user_id=m.user_id, sandbox_id=rec.id, state=NAMES[rec.state],
+            desired_state=desired_name(rec.desired_state),
             idle_timeout_s=m.idle_timeout_s, last_active_at=rec.last_active_at,
             created_at=m.created_at)
 

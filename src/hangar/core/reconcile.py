@@ -4,11 +4,12 @@ Every ``interval_s`` (1 s) one pass (``tick``) reads the live records and
 decides, without waiting on anything, what each sandbox needs (``plan``):
 
 ``expire``    its time to live ran out (running, unresponsive or sleeping)
+``pause``     its time to live ran out while it runs, and its record's ``on_expiry``
+              is ``sleep``: it sleeps with its clock stopped once no call is in
+              flight (``Sleeper.pause``: asleep it has no time limit, woken it gets
+              its ``ttl_s`` back)
 ``crash``     its VMM died (or this server holds no VM for it)
-``sleep``     it wants to sleep (a machine idle past its idle timeout does, and so
-              does a running sandbox whose time ran out that asked to pause then:
-              E2B's ``autoPause``, ``hangar.core.e2b``; asleep it has no time limit,
-              and woken it gets its create's time to live back)
+``sleep``     it wants to sleep (a machine idle past its idle timeout does)
 ``wake``      it sleeps but wants to run
 ``restore``   a restore was interrupted by a restart: do it again
 ``complete``  a removal stopped midway: finish it
@@ -39,9 +40,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from hangar.core import e2b
 from hangar.core.context import Context
-from hangar.core.lifecycle import State
+from hangar.core.lifecycle import OnExpiry, State
 from hangar.core.pool import WarmPool
 from hangar.core.removal import Removal
 from hangar.core.sleep import Sleeper
@@ -56,7 +56,7 @@ INTERVAL_S = 1.0
 """Seconds between passes."""
 BACKOFF_S = (2.0, 300.0)
 """First and largest wait before retrying a failed step, seconds (doubling)."""
-SLOW = frozenset({"sleep", "wake", "restore", "complete"})
+SLOW = frozenset({"sleep", "pause", "wake", "restore", "complete"})
 EXPIRABLE = frozenset({State.RUNNING, State.UNRESPONSIVE, State.SLEEPING})
 
 Pass = Callable[[], Coroutine[Any, Any, None]]
@@ -146,14 +146,13 @@ class Reconciler:
         rt = ctx.registry.get(sid)
         locked = ctx.registry.locked(sid)
         if rec.expires_at is not None and rec.expires_at <= now and state in EXPIRABLE:
-            if state == State.RUNNING and e2b.pauses_on_timeout(rec):
-                ctx.store.update(sid, desired_state=State.SLEEPING, **e2b.paused_changes(rec))
+            if state != State.RUNNING or rec.on_expiry != OnExpiry.SLEEP:
+                return "expire"
+            if rt is not None and rt.vm.alive():  # else it crashed (below)
+                if rt.busy:
+                    return None  # paused once no call is in flight
                 log.info("sandbox timed out: pausing", extra={"sandbox_id": sid})
-                return "sleep"
-            return "expire"
-        woken = e2b.woken_changes(rec, now)
-        if woken is not None:  # an E2B sandbox woken after a pause: its clock runs again
-            ctx.store.update(sid, **woken)
+                return "pause"
         if state in (State.RUNNING, State.UNRESPONSIVE) and not locked and (
                 rt is None or not rt.vm.alive()):
             return "crash"
@@ -224,6 +223,8 @@ class Reconciler:
     async def _slow_step(self, sid: str, action: str) -> None:
         if action == "sleep":
             await self.sleeper.sleep(sid)
+        elif action == "pause":
+            await self.sleeper.pause(sid)
         elif action == "wake":
             await self.sleeper.wake(sid)
         elif action == "restore":

@@ -9,9 +9,10 @@ still runs (found by pid and checked by its command line, ``Engine.adopt``):
 ``creating``      VMM ended, record removed (the create's caller got an error)
 ``running``       VMM adopted (agent reconnected on first use); none: ``failed``
 ``unresponsive``  as ``running``, back to ``running``
-``snapshotting``  sleep snapshot complete: VMM ended, ``sleeping`` (on purpose);
-                  else VMM resumed, ``running`` (a sleep is tried again by the
-                  reconcile loop); no VMM and no snapshot: ``failed``
+``snapshotting``  sleep snapshot complete: VMM ended, ``sleeping`` (on purpose; a
+                  pause's clock stops, ``lifecycle.stopped_clock``); else VMM resumed,
+                  ``running`` (a sleep is tried again by the reconcile loop, a
+                  pause's clock still armed); no VMM and no snapshot: ``failed``
 ``waking``        VMM ended, back to ``sleeping``; the reconcile loop wakes it
 ``restoring``     VMM ended, left ``restoring``; the reconcile loop redoes it
 ``stopping``      removal finished: ``deleted``, ``expired`` or ``failed``
@@ -39,7 +40,7 @@ from pathlib import Path
 from hangar.core import templates
 from hangar.core.context import Context
 from hangar.core.launch import Launcher
-from hangar.core.lifecycle import State
+from hangar.core.lifecycle import State, stopped_clock
 from hangar.core.registry import Runtime
 from hangar.core.removal import Removal
 from hangar.core.store import SandboxRecord, SnapshotRecord
@@ -114,7 +115,8 @@ class Recovery:
         elif state == State.SNAPSHOTTING:
             if rec.sleep_snapshot and self._complete(rec.sleep_snapshot):
                 await self.launcher.stop(sid, rec.pid)
-                ctx.store.transition(sid, State.SNAPSHOTTING, State.SLEEPING, pid=None)
+                ctx.store.transition(sid, State.SNAPSHOTTING, State.SLEEPING, pid=None,
+                                     **stopped_clock(rec))  # a pause's clock stops
                 log.info("interrupted sleep finished", extra={"sandbox_id": sid})
             elif vm is not None:
                 ctx.registry.put(sid, Runtime(vm))

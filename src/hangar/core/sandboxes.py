@@ -13,7 +13,7 @@ module of ``hangar.core`` with a public surface the others use:
 ``creation``       create (warm pool or cold boot), the create protocol forks share
 ``removal``        delete, expiry, a dead VMM; snapshot files
 ``snapshots``      take, restore in place, fork, list, remove
-``sleep``          sleep and wake
+``sleep``          sleep and wake; pause, connect, settled: the verbs protocols use
 ``guestcalls``     exec, files, tunnels, file watches (wake a sleeping sandbox first)
 ``commands``       the typed surface of guest calls: Command, ExecResult, FileEntry, HOME
 ``desktop``        computer use and the VNC connection (``SandboxManager.desktop``)
@@ -78,7 +78,7 @@ from hangar.core.recovery import Recovery
 from hangar.core.registry import Registry
 from hangar.engines.memory import MemoryUsage
 from hangar.core.removal import Removal
-from hangar.core.sleep import Sleeper
+from hangar.core.sleep import SETTLE_S, Connected, Sleeper
 from hangar.core.snapshots import Snapshots
 from hangar.core.store import SandboxRecord, SnapshotRecord, Store
 from hangar.core.terminals import Terminals
@@ -305,6 +305,23 @@ class SandboxManager:
     def want(self, sandbox_id: str, state: State) -> SandboxRecord:
         """See ``Sleeper.want``."""
         return self.sleeper.want(sandbox_id, state)
+
+    async def pause(self, sandbox_id: str) -> SandboxRecord:
+        """Sleep with the clock stopped (``Sleeper.pause``)."""
+        return await self.sleeper.pause(sandbox_id)
+
+    async def connect(self, sandbox_id: str, ttl_s: float,
+                      settle_s: float = SETTLE_S) -> Connected:
+        """Wake or extend, saying which (``Sleeper.connect``)."""
+        return await self.sleeper.connect(sandbox_id, ttl_s, settle_s)
+
+    async def settled(self, sandbox_id: str, timeout_s: float = SETTLE_S) -> SandboxRecord:
+        """The record once it is between no two states (``Sleeper.settled``)."""
+        return await self.sleeper.settled(sandbox_id, timeout_s)
+
+    def extend(self, sandbox_id: str, ttl_s: float) -> SandboxRecord:
+        """Live at least ``ttl_s`` seconds more, never less (``Sleeper.extend``)."""
+        return self.sleeper.extend(sandbox_id, ttl_s)
 
     # -- guest calls ------------------------------------------------------------------
     # Typed operations in a sandbox's guest (``hangar.core.commands``: Command, FileEntry,

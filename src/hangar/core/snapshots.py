@@ -246,7 +246,8 @@ class Snapshots:
         rec = self.admission.new_record(
             placement.sandbox_id if placement is not None else new_id(), State.CREATING, image,
             CreateOptions(timeout_s=opts.timeout_s, metadata=opts.metadata,
-                          desktop=snap.desktop, e2b=opts.e2b),
+                          desktop=snap.desktop, e2b=opts.e2b, on_expiry=opts.on_expiry,
+                          auto_resume=opts.auto_resume),
             self.launcher.policy(snap.network or "none"), snap.vcpus, snap.memory_mib, snap.disk_mib)
         async with self.admission.slot(memory_mib=rec.memory_mib):
             ctx.store.add(rec)

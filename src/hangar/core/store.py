@@ -14,15 +14,16 @@ hear every move once it is committed (the event bus uses this).
 
 Tables added since a data directory was made are created at start
 (``create_all`` makes only the missing ones, e.g. ``volumes`` and
-``volume_attachments``), and columns added since are added to their tables
-(``ALTER TABLE ... ADD COLUMN``, nullable), so old databases keep working.
+``volume_attachments``), and the rest is brought up to date in place
+(``hangar.core.migrations``: columns added since, state moved to its
+columns), so old databases keep working.
 
 A sandbox's ``metadata`` is the client's and opaque: nothing in Hangar reads
 it as state. What the server keeps of its own (a machine's user and idle
 timeout, the warm-pool mark, E2B's options) lives in columns of its own
-(``user_id``, ``idle_timeout_s``, ``pooled``, ``e2b``), which no request
-writes. Databases made when those lived in ``metadata`` are moved once at
-start (``_move_internal_keys``). Tombstones (``deleted``, ``expired``) are
+(``user_id``, ``idle_timeout_s``, ``pooled``, ``e2b``, and the clock's
+``on_expiry``, ``auto_resume``, ``ttl_s``, ``wake_ttl_s``), which no request
+writes. Tombstones (``deleted``, ``expired``) are
 kept ``purge_retention_s`` and then removed (``purge``); the hot paths
 (``live``, ``visible``, ``state_counts``) read only the rows they need by the
 ``state`` index.
@@ -31,7 +32,6 @@ kept ``purge_retention_s`` and then removed (``purge``); the hot paths
 from __future__ import annotations
 
 import builtins
-import json as _json
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -39,14 +39,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import (
-    JSON, Boolean, Enum, Float, Integer, String, create_engine, delete, event, func, inspect,
+    JSON, Boolean, Enum, Float, Integer, String, create_engine, delete, event, func,
     select, text, update,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from hangar.core.lifecycle import (
-    DESIRED, GONE, LIVE, VMM_STATES, State, check, check_desired,
+    DESIRED, GONE, LIVE, VMM_STATES, OnExpiry, State, check, check_desired,
 )
+from hangar.core.migrations import migrate
 from hangar.errors import Conflict, NotFound
 from hangar.images import image_id  # noqa: F401  (re-exported: a record's build id)
 
@@ -57,6 +58,11 @@ def _state_column() -> Enum:
     # Stored as the value ("running"), as a VARCHAR: databases made before the
     # column was an Enum hold exactly these strings.
     return Enum(State, native_enum=False, length=16, create_constraint=False,
+                validate_strings=True, values_callable=lambda e: [m.value for m in e])
+
+
+def _expiry_column() -> Enum:
+    return Enum(OnExpiry, native_enum=False, length=8, create_constraint=False,
                 validate_strings=True, values_callable=lambda e: [m.value for m in e])
 
 
@@ -106,6 +112,19 @@ class SandboxRecord(Base):
     """True while it is a warm-pool VM nobody has claimed (``hangar.core.pool``)."""
     e2b: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True, default=None)
     """E2B's options of a sandbox made through ``/e2b`` (``hangar.core.e2b.Options``), or None."""
+    on_expiry: Mapped[OnExpiry | None] = mapped_column(_expiry_column(), nullable=True,
+                                                       default=None)
+    """What the end of its time to live does (``lifecycle.OnExpiry``); None: ``delete``."""
+    auto_resume: Mapped[bool | None] = mapped_column(Boolean, nullable=True, default=False)
+    """Whether its create asked a call to wake it once it sleeps (E2B's ``autoResume``);
+    kept as asked: Hangar wakes a sleeping sandbox on any call to it."""
+    ttl_s: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)
+    """The time to live it was created with, seconds (None: none); what a sleep that
+    stopped its clock gives back when it wakes."""
+    wake_ttl_s: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)
+    """Set (armed) by ``pause`` and a sleep at expiry: its clock stops when it falls asleep
+    (``expires_at`` None), and when it wakes it lives this many seconds more (0: no limit),
+    unless a connect gives its own. None: its clock runs on while it sleeps."""
 
 
 class SnapshotRecord(Base):
@@ -205,6 +224,7 @@ _SOUND: tuple[tuple[str, tuple[type, ...], bool], ...] = (
     ("metadata_", (dict,), True), ("network", (dict,), True), ("user_id", (str,), True),
     ("idle_timeout_s", _NUMBER, True), ("e2b", (dict,), True), ("sleep_snapshot", (str,), True),
     ("restore_from", (str,), True), ("desktop", (str,), True), ("source", (str,), True),
+    ("on_expiry", (OnExpiry,), True), ("ttl_s", _NUMBER, True), ("wake_ttl_s", _NUMBER, True),
 )
 """A sandbox row's fields, the types each must have, and whether it may be NULL."""
 
@@ -221,17 +241,10 @@ def unsound(rec: "SandboxRecord") -> str | None:
     return None
 
 
-def _json_object(raw: Any) -> dict[str, Any] | None:
-    """A JSON column's raw value as a dict, or None when it is not one (NULL, garbage)."""
-    try:
-        value = _json.loads(raw) if isinstance(raw, (str, bytes)) else raw
-    except ValueError:
-        return None
-    return dict(value) if isinstance(value, dict) else None
-
 TransitionListener = Callable[[SandboxRecord, frozenset[State], State], None]
 """Called with (the record after the move, the states it was expected in, the new state)."""
-
+ChangeListener = Callable[[str], None]
+"""Called with a sandbox's id after it moved or its record was removed."""
 
 class Store:
     """Access to the records; one short session and transaction per call."""
@@ -247,65 +260,12 @@ class Store:
             cur.close()
 
         Base.metadata.create_all(self.engine)
-        self._add_missing_columns()
-        self._move_internal_keys()
+        migrate(self.engine, Base.metadata)
         self._session = sessionmaker(self.engine, expire_on_commit=False)
         self._listeners: list[TransitionListener] = []
+        self._watchers: list[ChangeListener] = []
         self.unreadable: set[str] = set()
         """Ids of sandbox rows that could not be read (``in_states``), logged once each."""
-
-    def _add_missing_columns(self) -> None:
-        insp = inspect(self.engine)
-        with self.engine.begin() as conn:
-            for table in Base.metadata.sorted_tables:
-                have = {c["name"] for c in insp.get_columns(table.name)}
-                for col in table.columns:
-                    if col.name not in have:
-                        kind = col.type.compile(self.engine.dialect)
-                        conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{col.name}" {kind}'))
-                        log.info("column added", extra={"table": table.name, "column": col.name})
-
-    INTERNAL_KEYS = ("user_id", "idle_timeout_s", "pool", "e2b")
-    """Metadata keys where Hangar once kept state of its own, before it had columns."""
-
-    def _move_internal_keys(self) -> None:
-        """Move state older servers kept in ``metadata`` into its columns, once.
-
-        Only a value a server wrote moves (the client's were strings: a non-string
-        idle timeout, pool mark or E2B options; a ``user_id`` only when a machine
-        record names this sandbox as that user's); a client's string under one of
-        these keys stays in its metadata, where it means nothing to the server.
-        """
-        with self.engine.begin() as conn:
-            rows = conn.execute(text("SELECT id, metadata FROM sandboxes")).all()
-            owners = {sid: user for user, sid in conn.execute(
-                text("SELECT user_id, sandbox_id FROM machines")).all()}
-            for sid, raw in rows:
-                meta = _json_object(raw)
-                if meta is None or not any(k in meta for k in self.INTERNAL_KEYS):
-                    continue
-                cols: dict[str, Any] = {}
-                idle = meta.get("idle_timeout_s")
-                if isinstance(idle, (int, float)) and not isinstance(idle, bool):
-                    cols["idle_timeout_s"] = float(idle) if idle > 0 else None
-                    del meta["idle_timeout_s"]
-                if meta.get("pool") is True:
-                    cols["pooled"] = True
-                    del meta["pool"]
-                if isinstance(meta.get("e2b"), dict):
-                    cols["e2b"] = _json.dumps(meta.pop("e2b"))
-                if isinstance(meta.get("user_id"), str) and owners.get(sid) == meta["user_id"]:
-                    cols["user_id"] = meta.pop("user_id")
-                kept = {k: v for k, v in meta.items() if isinstance(v, str)}
-                if not cols and kept == meta:
-                    continue  # only a client's strings under these keys: nothing to move
-                meta = kept
-                sets = ", ".join(f"{k} = :{k}" for k in cols)
-                conn.execute(text(f"UPDATE sandboxes SET metadata = :metadata"
-                                  f"{', ' + sets if sets else ''} WHERE id = :id"),
-                             {"metadata": _json.dumps(meta), "id": sid, **cols})
-                log.info("internal state moved out of metadata",
-                         extra={"sandbox_id": sid, "columns": sorted(cols)})
 
     def session(self) -> Session:
         return self._session()
@@ -313,6 +273,19 @@ class Store:
     def on_transition(self, listener: TransitionListener) -> None:
         """Call ``listener`` after every committed move (it must not raise or block)."""
         self._listeners.append(listener)
+
+    def on_change(self, listener: ChangeListener) -> None:
+        """Call ``listener`` with a sandbox's id after every committed move and every
+        removal of its record (``discard``); it must not raise or block. ``settled``
+        (``hangar.core.sleep``) waits on it."""
+        self._watchers.append(listener)
+
+    def _changed(self, sandbox_id: str) -> None:
+        for watcher in self._watchers:
+            try:
+                watcher(sandbox_id)
+            except Exception:  # a watcher never undoes or blocks a change
+                log.exception("change listener failed")
 
     # -- sandboxes: state ----------------------------------------------------
 
@@ -350,6 +323,7 @@ class Store:
                 listener(rec, exp, to)
             except Exception:  # a listener never undoes or blocks a move
                 log.exception("transition listener failed")
+        self._changed(sandbox_id)
         return rec
 
     def discard(self, sandbox_id: str, expect: State | Collection[State]) -> bool:
@@ -361,7 +335,33 @@ class Store:
         with self.session() as s, s.begin():
             res = s.execute(delete(SandboxRecord).where(
                 SandboxRecord.id == sandbox_id, SandboxRecord.state.in_(exp)))
-            return bool(res.rowcount)  # type: ignore[attr-defined]
+            gone = bool(res.rowcount)  # type: ignore[attr-defined]
+        if gone:
+            self._changed(sandbox_id)
+        return gone
+
+    def extend(self, sandbox_id: str, until: float,
+               expect: Collection[State] = LIVE) -> SandboxRecord:
+        """Make the sandbox live at least until ``until`` (Unix seconds) if it is in
+        ``expect``, as a compare-and-set: a later ``expires_at`` is never shortened and
+        none (no limit) is never set. Returns the record. Raises NotFound, Conflict (with
+        the current ``state``) when it is in another state."""
+        exp = frozenset(expect)
+        with self.session() as s, s.begin():
+            s.execute(
+                update(SandboxRecord)
+                .where(SandboxRecord.id == sandbox_id, SandboxRecord.state.in_(exp),
+                       SandboxRecord.expires_at.is_not(None),
+                       SandboxRecord.expires_at < until)
+                .values(expires_at=until, updated_at=time.time())
+                .execution_options(synchronize_session=False))
+            rec = s.get(SandboxRecord, sandbox_id, populate_existing=True)
+            if rec is None:
+                raise NotFound(f"no sandbox {sandbox_id}", sandbox_id=sandbox_id)
+            if rec.state not in exp:
+                raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}",
+                               sandbox_id=sandbox_id, state=rec.state.value)
+        return rec
 
     # -- sandboxes: other fields -------------------------------------------------
 

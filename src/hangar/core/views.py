@@ -7,6 +7,7 @@ still shown exactly as its node last showed it.
 
 from __future__ import annotations
 
+from hangar.core.lifecycle import Face, public_name
 from hangar.core.store import SandboxRecord
 from hangar.images import image_id
 from hangar.schemas import SandboxInfo
@@ -24,7 +25,7 @@ def user_metadata(rec: SandboxRecord) -> dict[str, str]:
 def sandbox_view(rec: SandboxRecord) -> SandboxInfo:
     """What ``GET /sandboxes/{id}`` shows of ``rec`` (without the live memory figures)."""
     return SandboxInfo(
-        id=rec.id, state=rec.state.value, image=rec.image,
+        id=rec.id, state=public_name(rec.state, Face.NATIVE) or rec.state.value, image=rec.image,
         image_id=image_id(rec.image, rec.image_digest), engine=rec.engine, accel=rec.accel,
         vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
         created_at=rec.created_at, expires_at=rec.expires_at, error=rec.error,

@@ -9,11 +9,12 @@ into E2B's body (``hangar.api.e2b.views``). How E2B's words map:
   ``autoPause`` makes the end of the time to live a pause instead of a
   removal; ``secure`` is accepted and every sandbox is secured (an envd
   access token in every answer).
-- **pause** is Hangar's sleep (memory, devices and disk saved, the VMM
-  ended); a paused sandbox has no time limit. **connect** and **resume**
-  wake it (``201``) and set its time to live; connect on a running one
-  (``200``) only ever extends it. Woken any other way (a call to it), it
-  gets its create's time to live back (``hangar.core.e2b``).
+- **pause** is core's ``pause`` (a sleep: memory, devices and disk saved, the
+  VMM ended, and the clock stopped in the same move: no time limit). **connect**
+  and **resume** are core's ``connect``: it wakes a paused one (``201``) with
+  their time to live, or only ever extends a running one's (``200``). Woken any
+  other way (a call to it), it gets its create's time to live back; ``autoPause``
+  is the record's ``on_expiry`` ``sleep`` (``hangar.core.sleep``).
 - **fork** snapshots the sandbox once, starts ``count`` sandboxes from the
   snapshot and removes the snapshot.
 - **network** (``PUT /sandboxes/{id}/network``) replaces the egress rules of a
@@ -27,9 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import urllib.parse
-from dataclasses import replace
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -46,8 +45,9 @@ from hangar.api.e2b.models import (
 )
 from hangar.core import e2b
 from hangar.core.admission import CreateOptions
-from hangar.core.lifecycle import State
+from hangar.core.lifecycle import Face, OnExpiry, State, public_name
 from hangar.core.sandboxes import SandboxManager
+from hangar.core.sleep import Connect
 from hangar.core.store import SandboxRecord
 from hangar.errors import Busy, Conflict, HangarError, InvalidRequest, NotFound
 from hangar.schemas.bounds import METADATA_ENTRIES, QUERY_BYTES
@@ -61,8 +61,6 @@ MAX_METADATA = METADATA_ENTRIES
 """Metadata entries a sandbox may carry (``hangar.schemas.bounds``, as Hangar's own API)."""
 REFRESH_S = 15
 """Seconds a refresh without ``duration`` keeps a sandbox alive (E2B's default timeout)."""
-SETTLE_S = 120.0
-"""Longest wait for a sandbox between states (pausing, waking) before a connect."""
 PAGE = 100
 """Largest page of a list (E2B's ``limit`` maximum)."""
 
@@ -88,12 +86,11 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
     source = e2b.resolve(m, body.templateID)
     network = views.policy(body.allow_internet_access, body.network)
     opts = e2b.Options(template=source.asked, envs=dict(body.envVars or {}),
-                       on_timeout="pause" if body.autoPause else "kill",
-                       auto_resume=bool(body.autoResume and body.autoResume.enabled),
-                       timeout_s=body.timeout,
                        public_traffic=body.network is None
                        or body.network.allowPublicTraffic is not False)
-    fields: Any = e2b.with_options(dict(body.metadata or {}), opts)
+    fields: Any = {**e2b.with_options(dict(body.metadata or {}), opts),
+                   "on_expiry": OnExpiry.SLEEP if body.autoPause else OnExpiry.DELETE,
+                   "auto_resume": bool(body.autoResume and body.autoResume.enabled)}
     if source.kind == "snapshot":
         if body.volumeMounts:
             raise InvalidRequest("volumeMounts: a sandbox started from a snapshot gets no "
@@ -137,11 +134,15 @@ def _metadata_query(query: str | None) -> dict[str, str]:
     return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
 
 
+E2B_STATES = frozenset(n for s in State if (n := public_name(s, Face.E2B)) is not None)
+"""The names E2B shows (``lifecycle.PUBLIC``): running, paused."""
+
+
 def _states(raw: str | None) -> set[str]:
     if not raw:
-        return {"running", "paused"}
+        return set(E2B_STATES)
     states = {s.strip() for s in raw.split(",") if s.strip()}
-    bad = states - {"running", "paused"}
+    bad = states - E2B_STATES
     if bad:
         raise InvalidRequest(f"state: {sorted(bad)[0]!r} is not running or paused",
                              field="state")
@@ -254,36 +255,16 @@ async def set_timeout(sandbox_id: str, body: TimeoutRequest, m: Manager) -> Resp
     return Response(status_code=204)
 
 
-def _extend(m: SandboxManager, rec: SandboxRecord, seconds: float) -> None:
-    """Make ``rec`` live at least ``seconds`` from now; never shortens, never limits one
-    that has no limit."""
-    if rec.expires_at is not None and rec.expires_at < time.time() + seconds:
-        m.set_timeout(rec.id, seconds)
-
-
 @router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
 async def refresh(sandbox_id: str, m: Manager, body: RefreshRequest | None = None) -> Response:
     """Keep the sandbox alive at least ``duration`` seconds more (default ``REFRESH_S``)."""
-    rec = views.shown(m, sandbox_id)
+    views.shown(m, sandbox_id)
     duration = body.duration if body is not None and body.duration is not None else REFRESH_S
-    _extend(m, rec, duration)
+    m.extend(sandbox_id, duration)
     return Response(status_code=204)
 
 
 # -- pause, connect, resume ------------------------------------------------------------------
-
-async def _settled(m: SandboxManager, sandbox_id: str) -> SandboxRecord:
-    """The sandbox once it is running or paused, not between the two (waits up to
-    ``SETTLE_S``). Raises NotFound, Busy (still moving: retry)."""
-    deadline = time.monotonic() + SETTLE_S
-    while True:
-        rec = views.shown(m, sandbox_id)
-        if rec.state in (State.RUNNING, State.SLEEPING, State.UNRESPONSIVE):
-            return rec
-        if time.monotonic() > deadline:
-            raise Busy(f"sandbox {sandbox_id} is still {rec.state.value}", retry_after=5.0)
-        await asyncio.sleep(0.2)
-
 
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
 async def pause(sandbox_id: str, m: Manager, body: PauseRequest | None = None) -> Response:
@@ -296,24 +277,15 @@ async def pause(sandbox_id: str, m: Manager, body: PauseRequest | None = None) -
     if rec.state != State.RUNNING:
         raise Busy(f"sandbox {sandbox_id} is {rec.state.value}; retry once it runs",
                    retry_after=2.0)
-    await m.sleep(sandbox_id)
-    e2b.pause_clock(m, sandbox_id)  # no time limit while paused; given back when it wakes
+    await m.pause(sandbox_id)  # no time limit while paused; given back when it wakes
     return Response(status_code=204)
 
 
-async def _wake(m: SandboxManager, rec: SandboxRecord, timeout: int) -> SandboxRecord:
-    await m.wake(rec.id)
-    return e2b.resume_clock(m, rec.id, timeout)
-
-
 async def _connect(m: SandboxManager, sandbox_id: str, timeout: int) -> JSONResponse:
-    rec = await _settled(m, sandbox_id)
-    status = 200
-    if rec.state == State.SLEEPING:
-        rec, status = await _wake(m, rec, timeout), 201
-    else:
-        _extend(m, rec, timeout)
-    return JSONResponse(views.created(m, rec).model_dump(), status_code=status)
+    views.visible(await m.settled(sandbox_id))  # a failed or stopping one is a 404
+    done = await m.connect(sandbox_id, timeout)
+    status = 201 if done.did == Connect.WOKE else 200
+    return JSONResponse(views.created(m, done.record).model_dump(), status_code=status)
 
 
 @router.post("/sandboxes/{sandbox_id}/connect", response_model=Sandbox,
@@ -340,10 +312,10 @@ async def connect_v2(sandbox_id: str, m: Manager,
 async def resume(sandbox_id: str, m: Manager, body: ResumedSandbox | None = None) -> Sandbox:
     """Wake a paused sandbox; 409 when it runs."""
     body = body or ResumedSandbox()
-    rec = await _settled(m, sandbox_id)
+    rec = views.visible(await m.settled(sandbox_id))
     if rec.state != State.SLEEPING:
         raise Conflict(f"sandbox {sandbox_id} is already running", sandbox_id=sandbox_id)
-    return views.created(m, await _wake(m, rec, body.timeout))
+    return views.created(m, (await m.connect(sandbox_id, body.timeout)).record)
 
 
 # -- fork -----------------------------------------------------------------------------------------
@@ -358,9 +330,10 @@ async def fork(sandbox_id: str, m: Manager, body: ForkRequest | None = None) -> 
     if rec.state != State.RUNNING:
         raise Conflict(f"sandbox {sandbox_id} is {views.state_of(rec)}; connect to it first",
                        sandbox_id=sandbox_id)
-    opts = replace(e2b.options(rec) or e2b.Options(template=rec.image),
-                   timeout_s=body.timeout, wake_ttl_s=0.0)
-    fields: Any = e2b.with_options(views.user_metadata(rec), opts)
+    opts = e2b.options(rec) or e2b.Options(template=rec.image)
+    fields: Any = {**e2b.with_options(views.user_metadata(rec), opts),
+                   "on_expiry": rec.on_expiry or OnExpiry.DELETE,
+                   "auto_resume": bool(rec.auto_resume)}
     snap = await m.snapshot(sandbox_id)
     results: list[ForkResult] = []
     try:

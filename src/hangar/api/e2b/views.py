@@ -1,7 +1,8 @@
 """Hangar's records as E2B's bodies: states, times, sandboxes, egress policies.
 
-States: E2B knows ``running`` and ``paused``. A Hangar sandbox asleep
-(``sleeping``), or on its way there (``snapshotting`` with desired state
+States: E2B knows ``running`` and ``paused``, named by the E2B column of the one
+table of public state names (``hangar.core.lifecycle.PUBLIC``). A Hangar sandbox
+asleep (``sleeping``), or on its way there (``snapshotting`` with desired state
 ``sleeping``), is ``paused``; one that is ``running``, ``unresponsive``,
 ``creating``, ``waking``, ``restoring`` or taking a snapshot it will run on
 from is ``running``. ``stopping``, ``failed`` and ended ones are not E2B
@@ -20,7 +21,7 @@ from hangar.api.e2b.models import (
 )
 from hangar.core import e2b
 from hangar.core import views as core_views
-from hangar.core.lifecycle import State
+from hangar.core.lifecycle import Face, OnExpiry, public_name
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import SandboxRecord
 from hangar.errors import InvalidRequest, NotFound
@@ -30,32 +31,28 @@ CLIENT_ID = "hangar"
 NEVER = "9999-12-31T23:59:59Z"
 """``endAt`` of a sandbox with no time limit (E2B's field is required)."""
 
-_RUNNING = {State.RUNNING, State.UNRESPONSIVE, State.CREATING, State.WAKING, State.RESTORING}
-
-
 E2BState = Literal["running", "paused"]
 
 
 def state_of(rec: SandboxRecord) -> E2BState | None:
     """``running``, ``paused``, or None for a sandbox E2B would not show."""
-    if rec.state == State.SLEEPING:
-        return "paused"
-    if rec.state == State.SNAPSHOTTING:
-        return "paused" if rec.desired_state == State.SLEEPING else "running"
-    if rec.state in _RUNNING:
-        return "running"
-    return None
+    name = public_name(rec.state, Face.E2B, rec.desired_state)
+    return "paused" if name == "paused" else "running" if name == "running" else None
+
+
+def visible(rec: SandboxRecord) -> SandboxRecord:
+    """``rec`` when E2B shows it. Raises NotFound for one that is failed or stopping,
+    saying so."""
+    if state_of(rec) is None:
+        why = f": {rec.error}" if rec.error else ""
+        raise NotFound(f"sandbox {rec.id} is {rec.state.value}{why}", sandbox_id=rec.id)
+    return rec
 
 
 def shown(m: SandboxManager, sandbox_id: str) -> SandboxRecord:
     """The record of a sandbox E2B shows. Raises NotFound (also for one that is failed,
     stopping or gone, saying so), Gone."""
-    rec = e2b.sandbox(m, sandbox_id)
-    if state_of(rec) is None:
-        why = f": {rec.error}" if rec.error else ""
-        raise NotFound(f"sandbox {sandbox_id} is {rec.state.value}{why}",
-                       sandbox_id=sandbox_id)
-    return rec
+    return visible(e2b.sandbox(m, sandbox_id))
 
 
 def rfc3339(t: float | None) -> str:
@@ -113,13 +110,12 @@ def network_of(rec: SandboxRecord) -> tuple[bool | None, dict[str, Any] | None]:
 
 
 def detail(m: SandboxManager, rec: SandboxRecord) -> SandboxDetail:
-    opts = e2b.options(rec)
     internet, net = network_of(rec)
     return SandboxDetail(
         **listed(rec).model_dump(), envdAccessToken=e2b.access_token(m, rec.id),
         domain=m.settings.domain, allowInternetAccess=internet, network=net,
-        lifecycle=Lifecycle(autoResume=True, onTimeout="pause" if opts is not None
-                            and opts.on_timeout == "pause" else "kill"))
+        lifecycle=Lifecycle(autoResume=True, onTimeout="pause"
+                            if rec.on_expiry == OnExpiry.SLEEP else "kill"))
 
 
 def metric(sample: e2b.Metric) -> SandboxMetric:
