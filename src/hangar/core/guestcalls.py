@@ -83,6 +83,7 @@ from hangar.core.sleep import Sleeper
 from hangar.errors import (
     Busy, Conflict, DiskFull, GuestError, HangarError, InvalidRequest, NotFound, Timeout, TooLarge,
 )
+from hangar.schemas.bounds import PORT_MAX, PORT_MIN
 from hangar.engines.agent_client import (
     AgentClient, Deadlines, ExecEvent, ExecResult, GuestFile, Tunnel,
 )
@@ -479,8 +480,8 @@ class GuestCalls:
         Raises InvalidRequest (a port outside 1..65535), NoListener (nothing listens
         on that port), and the errors of ``using``.
         """
-        if not 0 < port < 65536:
-            raise InvalidRequest(f"port {port} is outside 1..65535", port=port)
+        if not PORT_MIN <= port <= PORT_MAX:
+            raise InvalidRequest(f"port {port} is outside {PORT_MIN}..{PORT_MAX}", port=port)
         async with self.using(sandbox_id, busy=busy) as agent:
             try:
                 conn = await agent.open_tunnel(port)
