@@ -736,3 +736,46 @@ def test_a_watch_whose_host_lags_holds_a_window_and_overflows_in_the_guest(
         "/r" if e["path"].startswith("/r/x") else e["path"] for e in events]
     assert cut[0][0]["type"] == "create" and any(e["type"] == "overflow" for b in cut for e in b)
     assert all(len(json.dumps(b, separators=(",", ":"))) <= BATCH_BYTES for b in cut) and len(cut) > 4
+
+
+def test_typed_file_calls_answer_typed_entries(tmp_path: Path) -> None:
+    """``stat``, ``list_dir``, ``mkdir``, ``remove`` and ``ping``: one typed method per
+    guest operation, their answers checked; the guest's refusals are their classes."""
+    from hangar.engines.agent_client import GuestFile, GuestFolder
+    from hangar.errors import Conflict, InvalidRequest, NotFound
+
+    async def go() -> None:
+        async with agent_socket() as path:
+            client = await AgentClient.handshake(unix_channel(path), 10)
+            assert (await client.ping(5))["protocol"] == P.VERSION
+            made = await client.mkdir(str(tmp_path / "a" / "b"))
+            assert isinstance(made, GuestFile) and made.type == "dir" and made.name == "b"
+            (tmp_path / "a" / "f.txt").write_bytes(b"hello")
+            f = await client.stat(str(tmp_path / "a" / "f.txt"))
+            assert (f.type, f.size, f.path) == ("file", 5, str(tmp_path / "a" / "f.txt"))
+            folder = await client.list_dir(str(tmp_path / "a"))
+            assert isinstance(folder, GuestFolder) and folder.path == str(tmp_path / "a")
+            assert [(e.name, e.type) for e in folder.entries] == [("b", "dir"), ("f.txt", "file")]
+            with pytest.raises(Conflict):
+                await client.remove(str(tmp_path / "a"))
+            with pytest.raises(InvalidRequest):
+                await client.remove("/")
+            await client.remove(str(tmp_path / "a"), recursive=True)
+            with pytest.raises(NotFound):
+                await client.stat(str(tmp_path / "a"))
+            with pytest.raises(NotFound):
+                await client.mkdir(str(tmp_path / "x" / "y"), parents=False)
+            await client.close()
+
+    asyncio.run(go())
+
+
+def test_a_malformed_answer_is_a_guest_error() -> None:
+    from hangar.engines.agent_client.files import guest_file
+
+    good = {"name": "f", "path": "/f", "type": "file", "size": 1, "mode": 420, "mtime": 1}
+    assert guest_file(good).mtime == 1.0
+    for bad in ({**good, "type": "pipe"}, {**good, "size": True}, {**good, "mtime": "now"},
+                {**good, "name": None}, []):
+        with pytest.raises((TypeError, ValueError)):
+            guest_file(bad)

@@ -178,3 +178,49 @@ def test_net_spells_no_op_dict_at_all() -> None:
     speaks to no guest: no ``"op"`` dict anywhere in ``hangar.net``."""
     bad = {module_name(p, SRC): op_literals(p) for p in modules("hangar.net", SRC)}
     assert {m: found for m, found in bad.items() if found} == {}
+
+
+def raw_guest_requests(package: str, src: Path = SRC) -> dict[str, list[int]]:
+    """{module: [lines]} of guest requests written by hand in ``package``: a dict literal
+    with an ``"op"`` key, a ``dict(op=...)``, or a ``.call("<guest operation>", ...)``.
+    The agent client's typed methods (``hangar.engines.agent_client``) make them."""
+    from hangar.guest.ops import OPS
+
+    out: dict[str, list[int]] = {}
+    for path in modules(package, src):
+        lines = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Dict) and any(
+                    isinstance(k, ast.Constant) and k.value == "op" for k in node.keys):
+                lines.append(node.lineno)
+            elif isinstance(node, ast.Call) and (
+                    (isinstance(node.func, ast.Name) and node.func.id == "dict"
+                     and any(kw.arg == "op" for kw in node.keywords))
+                    or (isinstance(node.func, ast.Attribute) and node.func.attr == "call"
+                        and node.args and isinstance(node.args[0], ast.Constant)
+                        and node.args[0].value in OPS)):
+                lines.append(node.lineno)
+        if lines:
+            out[module_name(path, src)] = sorted(lines)
+    return out
+
+
+def test_the_guest_request_checker_sees_each_form(tmp_path: Path) -> None:
+    pkg = tmp_path / "hangar" / "core"
+    pkg.mkdir(parents=True)
+    (pkg / "probe.py").write_text(
+        'A = {"op": "exec", "argv": ["true"]}\n'
+        'B = dict(op="stat", path="/")\n'
+        'async def f(agent):\n'
+        '    await agent.call("hello")\n'
+        '    await agent.ping()\n'
+        '    return {"call": "op"}, {**A}\n')
+    assert raw_guest_requests("hangar.core", tmp_path) == {"hangar.core.probe": [1, 2, 4]}
+
+
+def test_core_and_api_make_guest_requests_only_through_the_typed_client() -> None:
+    """Core calls the agent client's typed methods (one per guest operation) and builds
+    exec and process requests with its builders (``exec_meta``, ``proc_meta``); api
+    knows no guest operation at all."""
+    assert raw_guest_requests("hangar.core") == {}
+    assert raw_guest_requests("hangar.api") == {}

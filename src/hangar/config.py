@@ -13,6 +13,9 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hangar.layout import DEFAULT_ROOT
+from hangar.schemas.bounds import (
+    DISK_MIB_MAX, DISK_MIB_MIN, MEMORY_MIB_MAX, MEMORY_MIB_MIN, TTL_MAX_S, VCPUS_MAX, VCPUS_MIN,
+)
 
 
 class Settings(BaseSettings):
@@ -34,7 +37,7 @@ class Settings(BaseSettings):
                           "Unset: ports are reached by path only, /sandboxes/<id>/ports/<port>/.",
         pattern=r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?(:[0-9]{1,5})?$")
     port_token_ttl_s: float = Field(
-        3600.0, gt=0, le=30 * 86400,
+        3600.0, gt=0, le=TTL_MAX_S,
         description="Lifetime of a private port's signed URL when the caller names none, "
                     "seconds.")
     engine: Literal["auto", "firecracker", "qemu"] = Field(
@@ -70,10 +73,10 @@ class Settings(BaseSettings):
         256, ge=1, description="Connections open at once to all of one sandbox's ports "
                                "(429 beyond).")
     memory_budget_mib: int | None = Field(
-        None, ge=128, description="Sum of guest memory of running VMMs, MiB (429 beyond); "
+        None, ge=MEMORY_MIB_MIN, description="Sum of guest memory of running VMMs, MiB (429 beyond); "
                                   "unset: 80 % of the host's RAM.")
     max_disk_mib: int = Field(
-        65536, ge=512, description="Largest disk one sandbox may ask for, MiB (400 beyond).")
+        65536, ge=DISK_MIB_MIN, description="Largest disk one sandbox may ask for, MiB (400 beyond).")
     snapshot_storage_bytes: int | None = Field(
         None, ge=0, description="Most bytes all snapshots may hold on disk (429 beyond); "
                                 "unset: half the data directory's file system.")
@@ -91,9 +94,9 @@ class Settings(BaseSettings):
                            "default: merged pages open a timing side channel between sandboxes "
                            "(docs/security.md). The host's ksmd must run (/sys/kernel/mm/ksm/run).")
     default_image: str = Field("base", description="Template used when a create names none.")
-    default_vcpus: int = Field(1, ge=1, le=64)
-    default_memory_mib: int = Field(512, ge=128, le=65536)
-    default_disk_mib: int = Field(2048, ge=512, le=1048576)
+    default_vcpus: int = Field(1, ge=VCPUS_MIN, le=VCPUS_MAX)
+    default_memory_mib: int = Field(512, ge=MEMORY_MIB_MIN, le=MEMORY_MIB_MAX)
+    default_disk_mib: int = Field(2048, ge=DISK_MIB_MIN, le=DISK_MIB_MAX)
     boot_timeout_s: float = Field(60.0, description="Seconds to wait for the guest agent.")
     max_sandboxes: int = Field(30, ge=1, description="Cap on concurrently running VMs.")
     volumes_max_total_mib: int = Field(

@@ -24,6 +24,8 @@ from hangar.api.deps import manager
 from hangar.core import interpreter
 from hangar.core.sandboxes import SandboxManager
 from hangar.errors import InvalidRequest
+from hangar.schemas.base import PATH_MAX
+from hangar.schemas.bounds import EXEC_TIMEOUT_MAX_S
 
 router = APIRouter(prefix="/sandboxes", tags=["code interpreter"])
 Manager = Annotated[SandboxManager, Depends(manager)]
@@ -38,13 +40,13 @@ class RunCode(BaseModel):
                                  description="Only \"python\" is served.")
     env_vars: dict[str, str] | None = Field(default=None, max_length=256,
                                             description="Environment for this cell only.")
-    timeout: float | None = Field(default=None, gt=0, le=86400,
+    timeout: float | None = Field(default=None, gt=0, le=EXEC_TIMEOUT_MAX_S,
                                   description="Seconds the cell may run (none: no limit).")
 
 
 class CreateContext(BaseModel):
     language: str | None = Field(default=None, max_length=32)
-    cwd: str | None = Field(default=None, max_length=4096,
+    cwd: str | None = Field(default=None, max_length=PATH_MAX,
                             description="The kernel's working folder (default: /root).")
 
 

@@ -36,7 +36,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from hangar.api.deps import manager
-from hangar.api.models import FileEntry, FileList, PathBody, WriteResult
+from hangar.api.models import PATH_MAX, FileEntry, FileList, PathBody, WriteResult
 from hangar.core.commands import HOME
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.tasks import Tasks
@@ -48,7 +48,7 @@ Manager = Annotated[SandboxManager, Depends(manager)]
 RAW_BODY = [("PUT", router.prefix)]
 """Routes whose body is streamed to the guest, not bound by the JSON body limit
 (``hangar.api.limits``)."""
-PathQ = Annotated[str, Query(min_length=1, max_length=4096, description=(
+PathQ = Annotated[str, Query(min_length=1, max_length=PATH_MAX, description=(
     f"Path in the guest: absolute, or relative to its home {HOME}."))]
 KEEPALIVE_S = 15.0
 """Seconds of quiet before a watch stream sends a keep-alive."""

@@ -17,11 +17,12 @@ from hangar.api.proxy import TOKEN_PARAM, host_url, path_prefix
 from hangar.core.ports import Exposure
 from hangar.core.sandboxes import SandboxManager
 from hangar.schemas import ExposePort, PortInfo
+from hangar.schemas.bounds import PORT_MAX, PORT_MIN, TTL_MAX_S
 
 router = APIRouter(prefix="/sandboxes", tags=["ports"])
 Manager = Annotated[SandboxManager, Depends(manager)]
-PortNumber = Annotated[int, Path(ge=1, le=65535, description="The guest's TCP port.")]
-TokenTtl = Annotated[float | None, Query(gt=0, le=30 * 86400, description=(
+PortNumber = Annotated[int, Path(ge=PORT_MIN, le=PORT_MAX, description="The guest's TCP port.")]
+TokenTtl = Annotated[float | None, Query(gt=0, le=TTL_MAX_S, description=(
     "Lifetime of the signed URLs in the answer, seconds (default HANGAR_PORT_TOKEN_TTL_S)."))]
 
 

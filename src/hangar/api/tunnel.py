@@ -40,6 +40,7 @@ from hangar.api.wspump import Traffic, pump_stream
 from hangar.core.guestcalls import NoListener
 from hangar.core.sandboxes import SandboxManager
 from hangar.errors import HangarError
+from hangar.schemas.bounds import PORT_MAX, PORT_MIN
 
 log = logging.getLogger("hangar.tunnel")
 
@@ -55,8 +56,8 @@ async def tunnel(ws: WebSocket, sandbox_id: str, port: int) -> None:
     except HangarError as e:
         await deny_error(ws, e)
         return
-    if not 0 < port < 65536:
-        await deny(ws, 400, "invalid_request", f"port {port} is outside 1..65535")
+    if not PORT_MIN <= port <= PORT_MAX:
+        await deny(ws, 400, "invalid_request", f"port {port} is outside {PORT_MIN}..{PORT_MAX}")
         return
     m: SandboxManager = ws.app.state.manager
     stack = AsyncExitStack()

@@ -15,6 +15,7 @@ from hangar.schemas import (
     CreateVolume, ResizeVolume, VolumeAttachment, VolumeFileEntry, VolumeFileList, VolumeInfo,
     VolumeList,
 )
+from hangar.schemas.base import PATH_MAX
 
 router = APIRouter(prefix="/volumes", tags=["volumes"])
 Manager = Annotated[SandboxManager, Depends(manager)]
@@ -75,7 +76,7 @@ async def delete(volume: str, m: Manager) -> Response:
                 "application/octet-stream": {}},
                 "description": "a folder's entries (JSON), or a file's bytes"}})
 async def files(volume: str, m: Manager,
-                path: Annotated[str, Query(max_length=4096)] = "/") -> Any:
+                path: Annotated[str, Query(max_length=PATH_MAX)] = "/") -> Any:
     kind, got = await _volumes(m).files(volume, path)
     if kind == "file":
         return Response(got, media_type="application/octet-stream")

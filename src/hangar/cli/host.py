@@ -10,6 +10,7 @@ import typer
 
 from hangar.cli.common import DataDir, fail, out, server_settings
 from hangar.errors import HangarError
+from hangar.schemas.bounds import MEMORY_MIB_MAX, MEMORY_MIB_MIN
 
 
 bench_app = typer.Typer(help="Measure this host: boots and their phases.", no_args_is_help=True)
@@ -52,7 +53,8 @@ def doctor(data_dir: DataDir = None) -> None:
 def bench_boot(
     runs: Annotated[int, typer.Option(min=1, max=50, help="Boots, one after the other.")] = 3,
     image: Annotated[Optional[str], typer.Option(help="Image (default: the server's).")] = None,
-    memory_mib: Annotated[int, typer.Option(min=128, help="Guest memory, MiB.")] = 512,
+    memory_mib: Annotated[int, typer.Option(min=MEMORY_MIB_MIN, max=MEMORY_MIB_MAX,
+                                             help="Guest memory, MiB.")] = 512,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     data_dir: DataDir = None,
 ) -> None:

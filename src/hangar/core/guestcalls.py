@@ -83,7 +83,10 @@ from hangar.core.sleep import Sleeper
 from hangar.errors import (
     Busy, Conflict, DiskFull, GuestError, HangarError, InvalidRequest, NotFound, Timeout, TooLarge,
 )
-from hangar.engines.agent_client import AgentClient, Deadlines, ExecEvent, ExecResult, Tunnel
+from hangar.schemas.bounds import PORT_MAX, PORT_MIN
+from hangar.engines.agent_client import (
+    AgentClient, Deadlines, ExecEvent, ExecResult, GuestFile, Tunnel,
+)
 
 log = logging.getLogger("hangar.sandboxes")
 
@@ -122,6 +125,10 @@ FREE_SPACE_S = 10.0
 """Longest wait for the guest to say how much room a full file system has, seconds."""
 _FREE = ('d="$1"; while [ ! -d "$d" ]; do d=$(dirname "$d"); done; '
          'stat -f -c "%a %S %b" "$d"')
+
+
+def _entry(f: GuestFile) -> FileEntry:
+    return FileEntry.model_validate(f, from_attributes=True)
 
 
 def _file_event(raw: dict[str, Any]) -> FileEvent | None:
@@ -275,7 +282,7 @@ class GuestCalls:
         except (Conflict, NotFound):
             return  # not running (already unresponsive, or being deleted)
         self.ctx.metrics.unresponsive.inc()
-        log.warning("guest agent unresponsive", extra={"sandbox_id": sandbox_id, "op": op,
+        log.warning("guest agent unresponsive", extra={"sandbox_id": sandbox_id, "call": op,
                                                        "deadline_s": seconds})
 
     async def probe_unresponsive(self) -> None:
@@ -299,7 +306,7 @@ class GuestCalls:
                 if rt.agent is None or rt.agent.closed:
                     rt.agent = await self.launcher.reconnect(rt.vm, PROBE_S)
                 agent = rt.agent
-            await agent.call("hello", deadline_s=PROBE_S)
+            await agent.ping(PROBE_S)
         except Timeout:
             # No answer on this connection: the next probe opens a fresh one. A guest can
             # leave the stream mid-frame (a writer killed on the agent's port), and the old
@@ -341,7 +348,7 @@ class GuestCalls:
         if rec is None or rec.state != State.RUNNING:
             return
         try:
-            await agent.call("hello", deadline_s=HEARTBEAT_DEADLINE_S)
+            await agent.ping(HEARTBEAT_DEADLINE_S)
         except Timeout:
             rec = self.ctx.store.get(sandbox_id)
             if rec is not None and rec.state == State.RUNNING \
@@ -442,25 +449,25 @@ class GuestCalls:
         name. Relative paths start at ``HOME``. Raises NotFound, InvalidRequest (not a
         folder, a bad path)."""
         async with self.using(sandbox_id) as agent:
-            return FileList.model_validate(await agent.call("list_dir", path=path))
+            folder = await agent.list_dir(path)
+        return FileList(path=folder.path, entries=[_entry(e) for e in folder.entries])
 
     async def stat(self, sandbox_id: str, path: str) -> FileEntry:
         """One file's entry (a symlink's own, not its target's). Raises NotFound."""
         async with self.using(sandbox_id) as agent:
-            return FileEntry.model_validate(await agent.call("stat", path=path))
+            return _entry(await agent.stat(path))
 
     async def mkdir(self, sandbox_id: str, path: str, parents: bool = True) -> FileEntry:
         """Make a folder (with ``parents``, its missing parents too; an existing folder is
         fine) and return its entry. Raises NotFound (no parent), Conflict (a file is there)."""
         async with self.using(sandbox_id) as agent:
-            return FileEntry.model_validate(
-                await agent.call("mkdir", path=path, parents=parents))
+            return _entry(await agent.mkdir(path, parents))
 
     async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
         """Remove a file, or a folder (empty, or with ``recursive`` everything in it).
         Raises NotFound, InvalidRequest (``/``), Conflict (a folder not empty)."""
         async with self.using(sandbox_id) as agent:
-            await agent.call("remove", path=path, recursive=recursive)
+            await agent.remove(path, recursive)
 
     @asynccontextmanager
     async def tunnel(self, sandbox_id: str, port: int, *,
@@ -473,8 +480,8 @@ class GuestCalls:
         Raises InvalidRequest (a port outside 1..65535), NoListener (nothing listens
         on that port), and the errors of ``using``.
         """
-        if not 0 < port < 65536:
-            raise InvalidRequest(f"port {port} is outside 1..65535", port=port)
+        if not PORT_MIN <= port <= PORT_MAX:
+            raise InvalidRequest(f"port {port} is outside {PORT_MIN}..{PORT_MAX}", port=port)
         async with self.using(sandbox_id, busy=busy) as agent:
             try:
                 conn = await agent.open_tunnel(port)

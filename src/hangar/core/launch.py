@@ -47,7 +47,7 @@ from hangar.engines.boot_phases import boot_phases
 from hangar.engines.boot_phases import describe as describe_phases
 from hangar.engines.snapshot_io import refresh_guest
 from hangar.errors import Conflict, GuestError, HangarError, InvalidRequest, Timeout
-from hangar.engines.agent_client import AgentClient, SessionRestarted
+from hangar.engines.agent_client import AgentClient, SessionRestarted, exec_meta
 from hangar.guest import paths
 from hangar.images import GuestImage, resolve_pinned
 from hangar.core.admission import default_size
@@ -99,14 +99,14 @@ def renet_meta(net: NetAttachment) -> dict[str, Any]:
         f'py={paths.RUNTIME_PYTHON}; [ -x "$py" ] || py=python3; '
         'exec "$py" -c "import sys; from hangar.guest import net; net.configure(sys.argv[1])" "$2"'
     )
-    return {"op": "exec", "argv": ["/bin/sh", "-c", script, "renet", net.mac, net.kernel_arg(),
-                                   f"{net.ip}/{net.prefix}", net.gateway, net.dns or ""],
-            "env": {"PYTHONPATH": paths.PYTHON_DIR}, "timeout": 20}
+    return exec_meta(argv=["/bin/sh", "-c", script, "renet", net.mac, net.kernel_arg(),
+                           f"{net.ip}/{net.prefix}", net.gateway, net.dns or ""],
+                     env={"PYTHONPATH": paths.PYTHON_DIR}, timeout=20)
 
 
-HOST_KEYS = {"op": "exec", "argv": [
+HOST_KEYS = exec_meta(argv=[
     "/bin/sh", "-c", "command -v ssh-keygen >/dev/null && [ -d /etc/ssh ] || exit 0; "
-    "( ssh-keygen -A >/dev/null 2>&1 & ) ; exit 0"], "timeout": 20}
+    "( ssh-keygen -A >/dev/null 2>&1 & ) ; exit 0"], timeout=20)
 """An exec that makes a restored guest's ssh host keys in the background, if it has sshd."""
 
 
@@ -393,8 +393,8 @@ class Launcher:
         two copies share it (``hangar.guest.identity``).
         """
         generation = self.ctx.store.next_value("fork_generation")
-        await agent.call("identity", hostname=sandbox_id, machine_id=secrets.token_hex(16),
-                         generation=generation)
+        await agent.set_identity(hostname=sandbox_id, machine_id=secrets.token_hex(16),
+                                 generation=generation)
         return generation
 
     async def reconnect(self, vm: VM, timeout: float) -> AgentClient:
@@ -413,7 +413,7 @@ class Launcher:
                               sandbox_id=vm.sandbox_id)
             agent = await self.ctx.engine.connect_agent(vm, left)
             try:
-                await asyncio.wait_for(agent.call("hello"), min(PROBE_S, max(0.1, left)))
+                await asyncio.wait_for(agent.ping(), min(PROBE_S, max(0.1, left)))
                 return agent
             except (asyncio.TimeoutError, HangarError) as exc:
                 last = "a stale HELLO" if isinstance(exc, asyncio.TimeoutError) else exc.message

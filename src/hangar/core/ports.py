@@ -48,13 +48,12 @@ from hangar.core.context import Context
 from hangar.core.lifecycle import State
 from hangar.core.store import PortRecord, SandboxRecord
 from hangar.errors import Conflict, InvalidRequest, LimitExceeded, NotFound
+from hangar.schemas.bounds import PORT_MAX, PORT_MIN, TTL_MAX_S
 
 log = logging.getLogger("hangar.ports")
 
 MAX_PORTS = 64
 """Ports one sandbox may have exposed at once."""
-MAX_TOKEN_TTL_S = 30 * 86400
-"""Longest lifetime of a URL token, seconds."""
 KEY_BYTES = 32
 EXPOSABLE = frozenset(State) - {State.STOPPING, State.FAILED, State.DELETED, State.EXPIRED,
                                 State.POOLED}
@@ -80,9 +79,10 @@ def _exposure(rec: PortRecord) -> Exposure:
 
 
 def check_port(port: int) -> None:
-    """Raise ``InvalidRequest`` unless ``port`` is a TCP port number (1..65535)."""
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise InvalidRequest(f"port {port!r} is outside 1..65535", port=str(port)[:20])
+    """Raise ``InvalidRequest`` unless ``port`` is a TCP port number (``PORT_MIN``..``PORT_MAX``)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not PORT_MIN <= port <= PORT_MAX:
+        raise InvalidRequest(f"port {port!r} is outside {PORT_MIN}..{PORT_MAX}",
+                             port=str(port)[:20])
 
 
 class PortKey:
@@ -239,8 +239,8 @@ class Ports:
     def token(self, exposure: Exposure, ttl_s: float | None = None) -> tuple[str, int]:
         """A URL token for ``exposure`` (see the module docstring): (token, expiry, Unix s)."""
         ttl = self.ctx.settings.port_token_ttl_s if ttl_s is None else ttl_s
-        if not 0 < ttl <= MAX_TOKEN_TTL_S:
-            raise InvalidRequest(f"token_ttl must be in (0, {MAX_TOKEN_TTL_S}] seconds")
+        if not 0 < ttl <= TTL_MAX_S:
+            raise InvalidRequest(f"token_ttl must be in (0, {TTL_MAX_S}] seconds")
         return self.key.issue(exposure, ttl)
 
     def allows(self, exposure: Exposure, token: str | None) -> bool:

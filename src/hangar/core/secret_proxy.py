@@ -51,6 +51,7 @@ from cryptography.x509.oid import NameOID
 from hangar.core.context import Context
 from hangar.core.lifecycle import State
 from hangar.core.secrets import CA_FILE, SYSTEM_BUNDLE, Vault
+from hangar.engines.agent_client import exec_meta
 from hangar.errors import ConfigError, EngineError
 from hangar.net.egress import Coalescer
 
@@ -117,9 +118,9 @@ def install_ca_meta(cert_pem: str) -> dict[str, Any]:
     """The guest exec that writes ``cert_pem`` to ``CA_FILE`` and appends it to the system
     bundle once (a restored guest that has it already is left as it is)."""
     mark = cert_pem.strip().splitlines()[1]  # the certificate's first base64 line
-    return {"op": "exec", "argv": ["/bin/sh", "-c", INSTALL_CA], "timeout": 30,
-            "env": {"CERT": cert_pem, "CA_FILE": CA_FILE, "BUNDLE": SYSTEM_BUNDLE,
-                    "MARK": mark}}
+    return exec_meta(argv=["/bin/sh", "-c", INSTALL_CA], timeout=30,
+                     env={"CERT": cert_pem, "CA_FILE": CA_FILE, "BUNDLE": SYSTEM_BUNDLE,
+                          "MARK": mark})
 
 
 def free_port(host: str) -> int:

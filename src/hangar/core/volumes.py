@@ -50,6 +50,7 @@ from typing import Any
 from hangar.core.admission import new_id
 from hangar.core.context import Context
 from hangar.core.store import SandboxRecord, VolumeAttachmentRecord, VolumeRecord
+from hangar.engines.agent_client import exec_meta
 from hangar.engines.base import VolumeDrive, volume_serial
 from hangar.guest import paths
 from hangar.schemas.volumes import (MAX_SIZE_MIB, MAX_VOLUMES_PER_SANDBOX, MIN_SIZE_MIB,
@@ -166,14 +167,14 @@ def mount_meta(attached: list[VolumeAttachmentRecord]) -> dict[str, Any]:
     args: list[str] = []
     for a in attached:
         args += [volume_serial(a.index), a.path, "ro,noload" if a.read_only else "rw"]
-    return {"op": "exec", "argv": ["/bin/sh", "-c", MOUNT_SCRIPT, "mount-volumes", *args],
-            "env": {"WAIT": str(MOUNT_WAIT_S)}, "timeout": MOUNT_WAIT_S + 20}
+    return exec_meta(argv=["/bin/sh", "-c", MOUNT_SCRIPT, "mount-volumes", *args],
+                     env={"WAIT": str(MOUNT_WAIT_S)}, timeout=MOUNT_WAIT_S + 20)
 
 
 def unmount_meta(paths: list[str]) -> dict[str, Any]:
     """The agent exec that unmounts (else remounts read-only, else syncs) ``paths``."""
-    return {"op": "exec", "argv": ["/bin/sh", "-c", UNMOUNT_SCRIPT, "unmount-volumes", *paths],
-            "timeout": UNMOUNT_S}
+    return exec_meta(argv=["/bin/sh", "-c", UNMOUNT_SCRIPT, "unmount-volumes", *paths],
+                     timeout=UNMOUNT_S)
 
 
 class Volumes:

@@ -38,7 +38,6 @@ calls it after every restore, before the sandbox is handed out.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import os
 import time
@@ -204,9 +203,7 @@ async def refresh_guest(agent: "AgentClient") -> dict[str, float | int]:
     Raises ``GuestError`` (or another agent error) when the agent refuses.
     """
     sent = time.monotonic()
-    r = await agent.call("set_time", unix_ns=time.time_ns())
+    clock = await agent.set_time(time.time_ns())
     rtt = time.monotonic() - sent
-    seed = base64.b64encode(os.urandom(RESEED_BYTES)).decode()
-    s = await agent.call("reseed", seed=seed)
-    return {"skew_s": float(r.get("skew_s", 0.0)), "rtt_s": rtt,
-            "reseed_bytes": int(s.get("bytes", 0))}
+    seeded = await agent.reseed(os.urandom(RESEED_BYTES))
+    return {"skew_s": clock.skew_s, "rtt_s": rtt, "reseed_bytes": seeded.bytes}

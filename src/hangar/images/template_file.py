@@ -49,6 +49,9 @@ from typing import Any
 
 from hangar.errors import InvalidRequest
 from hangar.images.recipes import RECIPES
+from hangar.schemas.bounds import (
+    MEMORY_MIB_MAX, MEMORY_MIB_MIN, PORT_MAX, PORT_MIN, VCPUS_MAX, VCPUS_MIN,
+)
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 """Template names: what ``POST /sandboxes`` accepts as ``image``."""
@@ -287,7 +290,7 @@ def parse_template(data: dict[str, Any], folder: Path, where: str = "template") 
         extra = sorted(set(raw_ready) - {"port", "command", "timeout", "interval"})
         if extra:
             raise rr.fail(extra[0], "unknown key (known: port, command, timeout, interval)")
-        port, command = rr.number("port", 1, 65535), rr.text("command")
+        port, command = rr.number("port", PORT_MIN, PORT_MAX), rr.text("command")
         if (port is None) == (command is None):
             raise rr.fail("port", "give exactly one of port and command")
         ready = ReadyCheck(port=port, command=command,
@@ -298,8 +301,8 @@ def parse_template(data: dict[str, Any], folder: Path, where: str = "template") 
     return Template(
         name=name, base=base, oci=oci_path, description=r.text("description") or "",
         packages=packages, env=env, steps=r.strings("steps"), network=network, workdir=workdir,
-        start=r.text("start"), ready=ready, vcpus=r.number("vcpus", 1, 32),
-        memory_mib=r.number("memory_mib", 128, 65536), files=tuple(files),
+        start=r.text("start"), ready=ready, vcpus=r.number("vcpus", VCPUS_MIN, VCPUS_MAX),
+        memory_mib=r.number("memory_mib", MEMORY_MIB_MIN, MEMORY_MIB_MAX), files=tuple(files),
     )
 
 

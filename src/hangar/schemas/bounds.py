@@ -15,6 +15,13 @@ one record small: at most ``METADATA_ENTRIES`` entries, a key of 1 to
 bytes, and ``METADATA_TOTAL_BYTES`` in all (keys plus values). The figures
 follow Kubernetes' annotations (a key of at most 253 + 63 bytes; 256 KiB in all)
 cut to what a sandbox's label needs.
+
+Numeric bounds that several places check (a request body, the server's
+settings, a template file, the CLI, the agent client) are named here too, and
+imported wherever they are checked: a sandbox's size (``VCPUS_*``,
+``MEMORY_MIB_*``, ``DISK_MIB_*``), the longest time to live (``TTL_MAX_S``), the
+longest command (``EXEC_TIMEOUT_MAX_S``) and a TCP port (``PORT_*``). A test
+(tests/test_bounds.py) finds no second spelling of them in the source.
 """
 
 from __future__ import annotations
@@ -44,9 +51,33 @@ RULE_BYTES = 256
 QUERY_BYTES = 8192
 """Longest filter a list takes in its query (E2B's ``metadata=k=v&...``), bytes."""
 
-__all__ = ["ENV_ENTRIES", "ENV_TOTAL_BYTES", "METADATA_ENTRIES", "METADATA_KEY_BYTES",
-           "METADATA_TOTAL_BYTES", "METADATA_VALUE_BYTES", "NAME_BYTES", "QUERY_BYTES",
-           "RULES", "RULE_BYTES", "check_env_vars", "check_metadata", "check_name",
+VCPUS_MIN = 1
+VCPUS_MAX = 32
+"""The virtual CPUs a sandbox, machine or template may ask for."""
+MEMORY_MIB_MIN = 128
+MEMORY_MIB_MAX = 65536
+"""The guest memory a sandbox, machine or template may ask for (and the server's default
+may be), MiB."""
+DISK_MIB_MIN = 512
+DISK_MIB_MAX = 1 << 20
+"""The writable disk a sandbox or machine may ask for (and the server's default may be),
+MiB (512 MiB to 1 TiB; the server's ``max_disk_mib`` may cap it lower)."""
+TTL_MAX_S = 30 * 86400
+"""Longest time to live a client may set (a sandbox's or machine's ``timeout``, a machine's
+``idle_timeout``, a port URL's ``token_ttl``, and the server's default of the last),
+seconds: 30 days."""
+EXEC_TIMEOUT_MAX_S = 86400
+"""Longest a command may run (an exec's, a process's or a code run's ``timeout``), seconds:
+24 h; also what an exec without a timeout gets (the agent client's ``exec_max_s``)."""
+PORT_MIN = 1
+PORT_MAX = 65535
+"""A TCP port, in a guest or on the host."""
+
+__all__ = ["DISK_MIB_MAX", "DISK_MIB_MIN", "ENV_ENTRIES", "ENV_TOTAL_BYTES",
+           "EXEC_TIMEOUT_MAX_S", "MEMORY_MIB_MAX", "MEMORY_MIB_MIN", "METADATA_ENTRIES",
+           "METADATA_KEY_BYTES", "METADATA_TOTAL_BYTES", "METADATA_VALUE_BYTES", "NAME_BYTES",
+           "PORT_MAX", "PORT_MIN", "QUERY_BYTES", "RULES", "RULE_BYTES", "TTL_MAX_S",
+           "VCPUS_MAX", "VCPUS_MIN", "check_env_vars", "check_metadata", "check_name",
            "check_network", "check_rules"]
 
 

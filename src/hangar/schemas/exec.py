@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from hangar.schemas.base import CommandRequest, Model
+from hangar.schemas.bounds import EXEC_TIMEOUT_MAX_S
 
 
 class ExecRequest(CommandRequest):
@@ -26,7 +27,7 @@ class ExecRequest(CommandRequest):
     cwd: str | None = None
     stdin: str | None = Field(None, description="Text fed to stdin; none means EOF at once.")
     stdin_b64: str | None = Field(None, description="Bytes fed to stdin, base64.")
-    timeout: float | None = Field(60.0, gt=0, le=86400,
+    timeout: float | None = Field(60.0, gt=0, le=EXEC_TIMEOUT_MAX_S,
                                   description="Seconds; the whole process group is killed then. "
                                               "null means the maximum, 86400 (24 h). The call "
                                               "fails with 504 when the guest has not answered "

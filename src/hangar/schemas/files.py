@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from hangar.schemas.base import Model, RequestBody
+from hangar.schemas.base import PATH_MAX, Model, RequestBody
 
 
 class FileEntry(Model):
@@ -31,7 +31,7 @@ class WriteResult(Model):
 class PathBody(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(min_length=1, max_length=4096)
+    path: str = Field(min_length=1, max_length=PATH_MAX)
     parents: bool = True
     recursive: bool = False
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 from pydantic import ConfigDict, Field, field_validator
 
 from hangar.schemas.base import Model, RequestBody
-from hangar.schemas.bounds import METADATA_ENTRIES, check_metadata, check_network
+from hangar.schemas.bounds import (
+    DISK_MIB_MAX, DISK_MIB_MIN, MEMORY_MIB_MAX, MEMORY_MIB_MIN, METADATA_ENTRIES, TTL_MAX_S,
+    VCPUS_MAX, VCPUS_MIN, check_metadata, check_network,
+)
 
 
 class Snapshot(Model):
@@ -38,7 +41,7 @@ class ForkRequest(RequestBody):
 
     model_config = ConfigDict(extra="forbid")
 
-    timeout: float | None = Field(None, ge=0, le=30 * 86400, description="Time to live, seconds.")
+    timeout: float | None = Field(None, ge=0, le=TTL_MAX_S, description="Time to live, seconds.")
     metadata: dict[str, str] = Field(default_factory=dict, max_length=METADATA_ENTRIES)
 
     _metadata = field_validator("metadata")(classmethod(
@@ -50,12 +53,12 @@ class MachineRequest(RequestBody):
 
     model_config = ConfigDict(extra="forbid")
 
-    idle_timeout: float | None = Field(None, gt=0, le=30 * 86400,
+    idle_timeout: float | None = Field(None, gt=0, le=TTL_MAX_S,
                                        description="Idle seconds before the machine sleeps.")
     image: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
-    vcpus: int | None = Field(None, ge=1, le=32)
-    memory_mib: int | None = Field(None, ge=128, le=65536)
-    disk_mib: int | None = Field(None, ge=512, le=1048576)
+    vcpus: int | None = Field(None, ge=VCPUS_MIN, le=VCPUS_MAX)
+    memory_mib: int | None = Field(None, ge=MEMORY_MIB_MIN, le=MEMORY_MIB_MAX)
+    disk_mib: int | None = Field(None, ge=DISK_MIB_MIN, le=DISK_MIB_MAX)
     network: str | dict[str, object] | None = Field(
         None, description="Egress policy, as for POST /sandboxes.")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import ConfigDict, Field
 
 from hangar.schemas.base import Model, RequestBody
+from hangar.schemas.bounds import PORT_MAX, PORT_MIN, TTL_MAX_S
 
 
 class ExposePort(RequestBody):
@@ -12,12 +13,12 @@ class ExposePort(RequestBody):
 
     model_config = ConfigDict(extra="forbid")
 
-    port: int = Field(ge=1, le=65535, strict=True,
+    port: int = Field(ge=PORT_MIN, le=PORT_MAX, strict=True,
                       description="TCP port the guest listens on (on any address, or 127.0.0.1).")
     public: bool = Field(False, strict=True, description=(
         "true: anyone with the URL reaches it. false (private): requests need X-API-Key or "
         "a signed URL's token."))
-    token_ttl: float | None = Field(None, gt=0, le=30 * 86400, description=(
+    token_ttl: float | None = Field(None, gt=0, le=TTL_MAX_S, description=(
         "Lifetime of the signed URL in the answer, seconds (default "
         "HANGAR_PORT_TOKEN_TTL_S, 3600)."))
 

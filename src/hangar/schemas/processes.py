@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from hangar.schemas.base import CommandRequest, Model, RequestBody, _no_nul, _show
+from hangar.schemas.bounds import EXEC_TIMEOUT_MAX_S
 from hangar.schemas.pty import PTY_MAX_SIDE
 
 
@@ -55,7 +56,7 @@ class ProcessStart(CommandRequest):
                                         "running processes.")
     stdin: bool = Field(False, description="Give it a stdin pipe (fed by .../stdin).")
     pty: ProcessPty | None = Field(None, description="Run it on a terminal of this size.")
-    timeout: float | None = Field(None, gt=0, le=86400,
+    timeout: float | None = Field(None, gt=0, le=EXEC_TIMEOUT_MAX_S,
                                   description="Seconds until its process group is killed.")
 
     @field_validator("tag")

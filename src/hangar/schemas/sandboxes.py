@@ -7,7 +7,10 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from hangar.schemas.base import Model, RequestBody
-from hangar.schemas.bounds import METADATA_ENTRIES, check_metadata, check_network
+from hangar.schemas.bounds import (
+    DISK_MIB_MAX, DISK_MIB_MIN, MEMORY_MIB_MAX, MEMORY_MIB_MIN, METADATA_ENTRIES, TTL_MAX_S,
+    VCPUS_MAX, VCPUS_MIN, check_metadata, check_network,
+)
 from hangar.schemas.secrets import ENV_NAME, MAX_SECRETS_PER_SANDBOX, SECRET_NAME
 from hangar.schemas.volumes import MAX_VOLUMES_PER_SANDBOX, MountPath, MountedVolume, VolumeMount
 
@@ -19,12 +22,13 @@ class CreateSandbox(RequestBody):
 
     image: str | None = Field(None, description="Template (image recipe) name; default 'base'.",
                               pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
-    vcpus: int | None = Field(None, ge=1, le=32)
-    memory_mib: int | None = Field(None, ge=128, le=65536,
+    vcpus: int | None = Field(None, ge=VCPUS_MIN, le=VCPUS_MAX)
+    memory_mib: int | None = Field(None, ge=MEMORY_MIB_MIN, le=MEMORY_MIB_MAX,
                                    description="Guest memory, MiB; default: the image's (desktop "
                                                "and dev: 2048), else the server's (512).")
-    disk_mib: int | None = Field(None, ge=512, le=1048576, description="Writable disk, MiB.")
-    timeout: float | None = Field(None, ge=0, le=30 * 86400,
+    disk_mib: int | None = Field(None, ge=DISK_MIB_MIN, le=DISK_MIB_MAX,
+                                 description="Writable disk, MiB.")
+    timeout: float | None = Field(None, ge=0, le=TTL_MAX_S,
                                   description="Time to live in seconds; 0 keeps it until deleted; "
                                               "default: the server's (one hour).")
     metadata: dict[str, str] = Field(default_factory=dict, max_length=METADATA_ENTRIES)
@@ -65,7 +69,7 @@ class SetTimeout(RequestBody):
 
     model_config = ConfigDict(extra="forbid")
 
-    timeout: float = Field(ge=0, le=30 * 86400,
+    timeout: float = Field(ge=0, le=TTL_MAX_S,
                            description="Seconds from now until the sandbox expires; 0: never.")
 
 

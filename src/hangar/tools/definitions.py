@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import jsonschema
 
+from hangar.schemas.base import PATH_MAX
+
 Tier = Literal["in-process", "vm", "browser"]
 TIERS: tuple[Tier, ...] = ("in-process", "vm", "browser")
 
@@ -56,7 +58,7 @@ def _obj(required: list[str], **props: dict[str, Any]) -> dict[str, Any]:
             "additionalProperties": False}
 
 
-_PATH = {"type": "string", "minLength": 1, "maxLength": 4096,
+_PATH = {"type": "string", "minLength": 1, "maxLength": PATH_MAX,
          "description": f"File path, absolute or relative to the work folder {WORK_DIR}."}
 
 RUN_COMMAND = ToolSpec(

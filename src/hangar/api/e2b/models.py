@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer,
 )
 
+from hangar.schemas.base import PATH_MAX
 from hangar.schemas.bounds import (
     METADATA_ENTRIES, NAME_BYTES, check_env_vars, check_metadata, check_name, check_rules,
 )
@@ -92,7 +93,7 @@ class NetworkUpdate(_Request):
 
 class VolumeMount(_Request):
     name: str = Field(max_length=NAME_BYTES)
-    path: str = Field(max_length=4096)
+    path: str = Field(max_length=PATH_MAX)
 
 
 class NewSandbox(_Request):

@@ -44,6 +44,7 @@ from hangar.api.envd.versions import ENVD_PORT, PREFIX
 from hangar.api.envd.fs_watch import Watchers
 from hangar.core.sandboxes import SandboxManager
 from hangar.errors import Gone, HangarError, NotFound
+from hangar.schemas.bounds import PORT_MAX, PORT_MIN
 
 RPC_RE = re.compile(r"^/((?:process\.Process|filesystem\.Filesystem)/[A-Za-z]+)$")
 METHODS: dict[str, connect.Method] = {
@@ -169,9 +170,10 @@ class EnvdGateway:
                           "the E2b-Sandbox-Id header is missing: it names the sandbox (E2B's "
                           "SDK sends it with E2B_SANDBOX_URL set)")
         raw_port = headers.get("e2b-sandbox-port", str(ENVD_PORT))
-        if not (raw_port.isascii() and raw_port.isdigit()) or not 0 < int(raw_port) < 65536:
-            raise Refusal(400, "invalid_argument",
-                          f"E2b-Sandbox-Port {raw_port[:16]!r} is not a port (1..65535)")
+        if not (raw_port.isascii() and raw_port.isdigit()) \
+                or not PORT_MIN <= int(raw_port) <= PORT_MAX:
+            raise Refusal(400, "invalid_argument", f"E2b-Sandbox-Port {raw_port[:16]!r} is not "
+                                                   f"a port ({PORT_MIN}..{PORT_MAX})")
         try:
             manager.get(sandbox_id)
         except (NotFound, Gone):

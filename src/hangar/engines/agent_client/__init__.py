@@ -11,8 +11,14 @@ guest. One module per job:
                 channel table, plain calls, ``Deadlines``, agent error codes
     channel     ``Channel``: one call's frames, its flow-control windows both
                 ways and its deadline
-    client      ``AgentClient``: the calls that carry streams (exec, file
+    client      ``AgentClient``: every call, one typed method per guest
+                operation; itself the calls that carry streams (exec, file
                 read and write) and open long-lived channels
+    files       plain file calls (``FileCalls``: stat, list_dir, mkdir,
+                remove) and their answers (``GuestFile``, ``GuestFolder``)
+    machine     calls on the guest as a machine (``MachineCalls``: ping,
+                set_time, reseed, set_identity) and their answers
+                (``ClockSet``, ``Reseeded``, ``Identity``)
     streams     handles of long-lived channels: ``Tunnel``, ``PtyChannel``
                 (a terminal), ``WatchChannel`` (a file watch)
     processes   processes that outlive their connection: ``ProcInfo`` (an
@@ -70,6 +76,8 @@ from hangar.engines.agent_client.connection import (
     Streams,
     unix_channel,
 )
+from hangar.engines.agent_client.files import GuestFile, GuestFolder
+from hangar.engines.agent_client.machine import ClockSet, Identity, Reseeded
 from hangar.engines.agent_client.processes import (
     ProcEvent,
     ProcessStream,
@@ -92,16 +100,21 @@ __all__ = [
     "AgentChannel",
     "AgentClient",
     "Channel",
+    "ClockSet",
     "Connection",
     "Deadlines",
     "ExecEvent",
     "ExecResult",
+    "GuestFile",
+    "GuestFolder",
+    "Identity",
     "ProcEvent",
     "ProcInfo",
     "ProcessStream",
     "ProcSignalled",
     "PtyChannel",
     "PtyExit",
+    "Reseeded",
     "SessionRestarted",
     "StreamCapture",
     "Streams",

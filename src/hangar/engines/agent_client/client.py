@@ -1,7 +1,9 @@
 """``AgentClient``: the guest agent's calls on one connection, those that carry streams too.
 
-``Connection`` (``connection``) gives the handshake and plain calls
-(``call``: stat, list, mkdir, hello, set_time...); ``AgentClient`` adds the
+``Connection`` (``connection``) gives the handshake and ``call``, on which
+the typed plain calls stand: on files (``FileCalls``, ``files``: stat,
+list_dir, mkdir, remove) and on the machine (``MachineCalls``, ``machine``:
+ping, set_time, reseed, set_identity); ``AgentClient`` adds the
 calls that move bytes or live on: an exec (its output as ``ExecEvent`` events,
 or its ``ExecResult``), a file read or write, and the long-lived channels
 opened through ``_open_long``, whose handles live in ``streams``: a tunnel
@@ -22,7 +24,8 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from hangar.engines.agent_client.channel import Channel
-from hangar.engines.agent_client.connection import Connection
+from hangar.engines.agent_client.files import FileCalls
+from hangar.engines.agent_client.machine import MachineCalls
 from hangar.engines.agent_client.processes import (
     ProcessStream, ProcInfo, ProcSignalled, checked_info, proc_signalled,
 )
@@ -32,9 +35,10 @@ from hangar.errors import GuestError, HangarError
 from hangar.guest import protocol as P
 
 
-class AgentClient(Connection):
-    """A connection to one guest agent with all its calls; safe for concurrent use within
-    one event loop. Made by ``AgentClient.handshake`` (see ``Connection``)."""
+class AgentClient(FileCalls, MachineCalls):
+    """A connection to one guest agent with all its calls, one typed method per guest
+    operation; safe for concurrent use within one event loop. Made by
+    ``AgentClient.handshake`` (see ``Connection``)."""
 
     async def _send_stream(self, ch: Channel, stream: str,
                            chunks: Iterable[bytes] | AsyncIterator[bytes],

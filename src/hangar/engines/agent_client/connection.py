@@ -37,6 +37,7 @@ from hangar.errors import (
     Busy, Conflict, GuestError, HangarError, InvalidRequest, LimitExceeded, NotFound, Timeout,
 )
 from hangar.guest import protocol as P
+from hangar.schemas.bounds import EXEC_TIMEOUT_MAX_S
 
 ERRORS: dict[str, type[HangarError]] = {
     "not_found": NotFound,
@@ -85,7 +86,7 @@ class Deadlines:
 
     control_s: float = 30.0
     exec_grace_s: float = 10.0
-    exec_max_s: float = 86400.0
+    exec_max_s: float = EXEC_TIMEOUT_MAX_S
     stall_s: float = 30.0
     write_rate: float = float(4 << 20)
 
