@@ -115,11 +115,11 @@ def test_other_client_strings_are_bounded(own: Server) -> None:
 
 def test_hostile_metadata_changes_nothing(own: Server, waits: Waits) -> None:
     with own.client() as c:
-        r = c.post("/sandboxes", json={"metadata": HOSTILE, "timeout": 600, "memory_mib": 256})
+        r = c.post("/sandboxes", json={"metadata": HOSTILE, "timeout": 600})
         assert r.status_code == 201, r.text
         hostile = r.json()
         assert hostile["metadata"] == HOSTILE  # stored and shown as given
-        r = c.post("/sandboxes", json={"timeout": 3, "memory_mib": 256})
+        r = c.post("/sandboxes", json={"timeout": 3})
         assert r.status_code == 201, r.text
         plain = r.json()["id"]
         # The plain one expires on time while the other lives on...
@@ -186,7 +186,7 @@ def _poison(db: Path) -> list[str]:
 def test_a_damaged_row_stops_no_other_expiry(own: Server, waits: Waits) -> None:
     bad = _poison(own.data_dir / "hangar.db")
     with own.client() as c:
-        r = c.post("/sandboxes", json={"timeout": 3, "memory_mib": 256})
+        r = c.post("/sandboxes", json={"timeout": 3})
         assert r.status_code == 201, r.text
         sid = r.json()["id"]
         created = time.monotonic()
@@ -204,7 +204,7 @@ def test_a_damaged_row_stops_no_other_expiry(own: Server, waits: Waits) -> None:
 
 def test_tombstones_are_purged_after_the_retention(own: Server, waits: Waits) -> None:
     with own.client() as c:
-        r = c.post("/sandboxes", json={"timeout": 1, "memory_mib": 256})
+        r = c.post("/sandboxes", json={"timeout": 1})
         assert r.status_code == 201, r.text
         sid = r.json()["id"]
         wait_for(lambda: c.get(f"/sandboxes/{sid}").status_code == 410, waits.vm(1.0),

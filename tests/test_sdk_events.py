@@ -122,8 +122,12 @@ def test_the_view_renders_agent_tasks_like_the_chat() -> None:
 def test_hangar_events_shows_what_another_process_does(server: Server) -> None:
     env = {**os.environ, "HANGAR_URL": server.url, "HANGAR_API_KEY": server.key,
            "PYTHONPATH": str(SRC), "COLUMNS": "200"}
+    # Started as a terminal's foreground job is, with SIGINT at its default: a suite started
+    # in the background by a non-interactive shell (`scripts/test.sh &`) ignores SIGINT, and
+    # so, inherited, would the CLI (POSIX), which Ctrl-C could then not stop.
     cli = subprocess.Popen([sys.executable, "-m", "hangar.cli", "events"], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[tuple[float, str]] = []
 
     def read() -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import SHARED, SRC, Server
+from conftest import SHARED, SRC, Server, Waits
 from tcpproxy import TcpProxy
 
 from hangar.client import Hangar
@@ -36,6 +36,10 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 vm = pytest.mark.vm
+STEP_S = 30.0
+"""How long the desktop guest may take to show a terminal's new size, output made while
+detached, or a hang-up after the grace, seconds: set from this machine's measured create by
+``desk`` (20 creates, never under the 30 s of a quiet machine)."""
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +59,9 @@ def sdk(server: Server) -> Iterator[Hangar]:
 
 
 @pytest.fixture(scope="module")
-def desk(sdk: Hangar, desktop_build: Path) -> Iterator[str]:
+def desk(sdk: Hangar, desktop_build: Path, waits: Waits) -> Iterator[str]:
+    global STEP_S
+    STEP_S = waits.vm(20, floor=30)
     sb = sdk.create("desktop", desktop=f"{W}x{H}x24", memory_mib=1024, timeout=1800)
     try:
         yield sb.id
@@ -125,7 +131,7 @@ def test_hangar_shell_tty_resize_nano_reconnect_and_exit_code(server: Server, sd
         t.write("tty; stty size\r")
         assert b"/dev/pts/" in t.expect("24 80")
         t.resize(100, 40)  # SIGWINCH to hangar shell: it sends the new size
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + STEP_S
         while b"40 100" not in t.expect("# "):
             assert time.monotonic() < deadline, "the new size never reached the guest"
             t.write("stty size\r")
@@ -185,7 +191,7 @@ def test_sdk_terminal_reattach_takeover_and_replay(sdk: Hangar, desk: str) -> No
     term.read_until("sleep 1")
     seen = term.offset
     term.close()  # no viewer now; the program goes on
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + STEP_S
     while sdk.pty_get(desk, sid).output_bytes < seen + len("produced-while-away-42"):
         assert time.monotonic() < deadline, "no output while detached"
         time.sleep(0.2)
@@ -213,7 +219,7 @@ def test_sdk_terminal_reattach_takeover_and_replay(sdk: Hangar, desk: str) -> No
 @vm
 def test_terminal_grace_period_and_limits(sdk: Hangar, desk: str) -> None:
     s = sdk.pty_open(desk, "sleep 600", grace=1)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + STEP_S
     while any(x.id == s.id for x in sdk.pty_list(desk)):
         assert time.monotonic() < deadline, "a session without a viewer outlived its grace"
         time.sleep(0.5)
