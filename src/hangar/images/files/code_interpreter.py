@@ -78,8 +78,12 @@ MAX_BODY_BYTES = 4 << 20
 MAX_CONTEXTS = 16
 MAX_REQUESTS = 32
 MAX_ENV_VARS = 256
-KERNEL_START_S = 120.0
-"""Longest a kernel may take to answer after its process started, seconds."""
+KERNEL_START_S: float | None = None
+"""Longest a kernel may take to answer after its process started, seconds: no limit of its
+own. A kernel that dies is noticed at once (``wait_for_ready`` watches its process); a slow
+one is bounded by what waits for it: at server start the template's ready timeout (the
+recipe's ``ready_timeout_s``), later a take's ``SPARE_WAIT_S``. A fixed figure here failed
+the start on a busy host, where the default kernel's imports under emulation took longer."""
 SPARE_WAIT_S = 240.0
 """Longest a create or restart waits for the spare being started, seconds: under the
 host's 300 s per call (``hangar.core.interpreter.REQUEST_S``), so that the client gets
