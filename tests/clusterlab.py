@@ -11,6 +11,12 @@ etcd runs as users run it (docs/cluster.md): TLS on both ports with client
 certificates, from ``hangar cluster certs``; each node reads its own folder
 (``HANGAR_ETCD_PKI``), and the test process writes records with node 1's.
 
+The nodes' lease follows this machine: ``lease_s`` is 5 s (the default), or
+three times what ``hangar cluster certs`` (a CLI start: Hangar's imports) took
+when that is longer. A rolling restart (stop, start) must fit in the lease
+and the failover delay, or the other nodes rightly take the node's sandboxes;
+on a loaded host a node's start takes several CLI starts' time.
+
 Names carry a per-run tag, so runs never meet another's namespaces. The
 test process reaches each node through a forwarder on 127.0.0.1 whose
 outgoing sockets are made inside the LAN namespace (``setns`` in the
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import secrets
 import shutil
@@ -250,6 +257,8 @@ class Lab:
         self.s3: subprocess.Popen[bytes] | None = None
         self.extra: list[subprocess.Popen[bytes]] = []
         self.key = ""
+        self.lease_s = 5
+        """The nodes' lease, seconds (the module docstring: it follows this machine)."""
         self.env = {**os.environ, "PYTHONPATH": str(SRC), "AWS_ACCESS_KEY_ID": "hangar-test",
                     "AWS_SECRET_ACCESS_KEY": "hangar-test-secret",
                     "AWS_DEFAULT_REGION": "us-east-1", "HANGAR_ETCD_PKI": str(self.root / "pki" / "n1")}
@@ -300,9 +309,11 @@ class Lab:
 
     def _certs(self) -> None:
         nodes = ",".join(f"{n.name}={n.ip}" for n in self.nodes)
+        t0 = time.monotonic()
         r = run([sys.executable, "-m", "hangar.cli", "cluster", "certs", "--nodes", nodes,
                  "--out", str(self.root / "pki")], env=self.env, timeout=60)
         assert all(n.name in r.stdout for n in self.nodes), r.stdout
+        self.lease_s = max(5, math.ceil(3 * (time.monotonic() - t0)))
 
     def _etcd(self) -> None:
         from hangar.cluster.pki import etcd_flags
@@ -348,7 +359,7 @@ class Lab:
         deadline = time.monotonic() + 30
         while True:
             r = self.hangar("cluster", "init", "--store", self.store_url, "--key-file",
-                            str(self.root / "api-key"), "--lease-ttl", "5",
+                            str(self.root / "api-key"), "--lease-ttl", str(self.lease_s),
                             "--failover-after", "3", check=False)
             if r.returncode == 0:
                 break
