@@ -37,9 +37,7 @@ from fastapi.responses import StreamingResponse
 
 from hangar.api.deps import manager
 from hangar.api.models import FileEntry, FileList, PathBody, WriteResult
-from hangar.core.commands import HOME
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.tasks import Tasks
+from hangar.core.service import HOME, SandboxManager, Tasks
 from hangar.errors import HangarError
 from hangar.schemas import FileEvent
 

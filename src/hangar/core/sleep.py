@@ -30,6 +30,7 @@ from hangar.core.removal import Removal
 from hangar.core.snapshots import Snapshots, running_and_idle
 from hangar.core.store import SandboxRecord, SnapshotRecord
 from hangar.core.testhooks import crash_point, wake_delay
+from hangar.core.views import SandboxView, SnapshotView
 from hangar.errors import Conflict
 
 log = logging.getLogger("hangar.sleep")
@@ -66,7 +67,7 @@ class Sleeper:
                                  desired_state=State.SLEEPING)
             try:
                 snap = await self.snapshots.save(rec, rt, "sleep")
-                await ctx.hooks.saved(rec, snap)  # a cluster uploads it before the VM ends
+                await ctx.hooks.saved(SandboxView.of(rec), SnapshotView.of(snap))  # uploaded first
             except BaseException:
                 if rt.vm.alive():
                     await ctx.engine.resume(rt.vm)
@@ -117,7 +118,7 @@ class Sleeper:
                 raise Conflict(f"sandbox {sandbox_id} lost its sleep snapshot",
                                sandbox_id=sandbox_id)
             async with self.admission.slot(create=False, memory_mib=rec.memory_mib):
-                await ctx.hooks.claim(rec)  # a cluster: ownership and a slot, or refused
+                await ctx.hooks.claim(SandboxView.of(rec))  # a cluster: owner and slot, or refused
                 try:
                     rec = ctx.store.transition(sandbox_id, State.SLEEPING, State.WAKING,
                                                desired_state=State.RUNNING)

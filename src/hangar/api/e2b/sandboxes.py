@@ -44,11 +44,7 @@ from hangar.api.e2b.models import (
     NewSandbox, NewSandboxV2, PauseRequest, RefreshRequest, ResumedSandbox, Sandbox, SandboxDetail,
     SandboxesWithMetrics, SandboxMetric, TimeoutRequest,
 )
-from hangar.core import e2b
-from hangar.core.admission import CreateOptions
-from hangar.core.lifecycle import State
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.store import SandboxRecord
+from hangar.core.service import CreateOptions, SandboxManager, SandboxView, State, e2b
 from hangar.errors import Busy, Conflict, HangarError, InvalidRequest, NotFound
 from hangar.schemas.bounds import METADATA_ENTRIES, QUERY_BYTES
 
@@ -148,7 +144,7 @@ def _states(raw: str | None) -> set[str]:
     return states
 
 
-def _matches(rec: SandboxRecord, metadata: dict[str, str], template: str | None) -> bool:
+def _matches(rec: SandboxView, metadata: dict[str, str], template: str | None) -> bool:
     mine = views.user_metadata(rec)
     if any(mine.get(k) != v for k, v in metadata.items()):
         return False
@@ -242,7 +238,7 @@ async def update_network(sandbox_id: str, body: NetworkUpdate, m: Manager) -> Re
     if body.allow_internet_access is False and "0.0.0.0/0" not in deny:
         deny.append("0.0.0.0/0")
     allow, deny = views.e2b_rules(list(body.allowOut or []), deny)
-    await m.launcher.rules.change(sandbox_id, allow=allow, deny=deny)
+    await m.network.change(sandbox_id, allow=allow, deny=deny)
     return Response(status_code=204)
 
 
@@ -254,7 +250,7 @@ async def set_timeout(sandbox_id: str, body: TimeoutRequest, m: Manager) -> Resp
     return Response(status_code=204)
 
 
-def _extend(m: SandboxManager, rec: SandboxRecord, seconds: float) -> None:
+def _extend(m: SandboxManager, rec: SandboxView, seconds: float) -> None:
     """Make ``rec`` live at least ``seconds`` from now; never shortens, never limits one
     that has no limit."""
     if rec.expires_at is not None and rec.expires_at < time.time() + seconds:
@@ -272,7 +268,7 @@ async def refresh(sandbox_id: str, m: Manager, body: RefreshRequest | None = Non
 
 # -- pause, connect, resume ------------------------------------------------------------------
 
-async def _settled(m: SandboxManager, sandbox_id: str) -> SandboxRecord:
+async def _settled(m: SandboxManager, sandbox_id: str) -> SandboxView:
     """The sandbox once it is running or paused, not between the two (waits up to
     ``SETTLE_S``). Raises NotFound, Busy (still moving: retry)."""
     deadline = time.monotonic() + SETTLE_S
@@ -301,7 +297,7 @@ async def pause(sandbox_id: str, m: Manager, body: PauseRequest | None = None) -
     return Response(status_code=204)
 
 
-async def _wake(m: SandboxManager, rec: SandboxRecord, timeout: int) -> SandboxRecord:
+async def _wake(m: SandboxManager, rec: SandboxView, timeout: int) -> SandboxView:
     await m.wake(rec.id)
     return e2b.resume_clock(m, rec.id, timeout)
 

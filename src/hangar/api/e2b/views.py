@@ -18,11 +18,8 @@ from typing import Any, Literal
 from hangar.api.e2b.models import (
     Lifecycle, ListedSandbox, NetworkConfig, Sandbox, SandboxDetail, SandboxMetric,
 )
-from hangar.core import e2b
-from hangar.core import views as core_views
-from hangar.core.lifecycle import State
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.store import SandboxRecord
+from hangar.core.service import SandboxManager, SandboxView, State, e2b
+from hangar.core.service import user_metadata as core_user_metadata
 from hangar.errors import InvalidRequest, NotFound
 
 CLIENT_ID = "hangar"
@@ -36,7 +33,7 @@ _RUNNING = {State.RUNNING, State.UNRESPONSIVE, State.CREATING, State.WAKING, Sta
 E2BState = Literal["running", "paused"]
 
 
-def state_of(rec: SandboxRecord) -> E2BState | None:
+def state_of(rec: SandboxView) -> E2BState | None:
     """``running``, ``paused``, or None for a sandbox E2B would not show."""
     if rec.state == State.SLEEPING:
         return "paused"
@@ -47,7 +44,7 @@ def state_of(rec: SandboxRecord) -> E2BState | None:
     return None
 
 
-def shown(m: SandboxManager, sandbox_id: str) -> SandboxRecord:
+def shown(m: SandboxManager, sandbox_id: str) -> SandboxView:
     """The record of a sandbox E2B shows. Raises NotFound (also for one that is failed,
     stopping or gone, saying so), Gone."""
     rec = e2b.sandbox(m, sandbox_id)
@@ -65,18 +62,18 @@ def rfc3339(t: float | None) -> str:
     return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
 
 
-def user_metadata(rec: SandboxRecord) -> dict[str, str]:
+def user_metadata(rec: SandboxView) -> dict[str, str]:
     """The client's metadata of ``rec`` (``hangar.core.views.user_metadata``)."""
-    return core_views.user_metadata(rec)
+    return core_user_metadata(rec)
 
 
-def template_names(rec: SandboxRecord) -> tuple[str, str | None]:
+def template_names(rec: SandboxView) -> tuple[str, str | None]:
     """(``templateID``, ``alias``): the Hangar image, and the name the client asked for."""
     opts = e2b.options(rec)
     return rec.image, (opts.template if opts is not None else None)
 
 
-def created(m: SandboxManager, rec: SandboxRecord) -> Sandbox:
+def created(m: SandboxManager, rec: SandboxView) -> Sandbox:
     """What a create, connect, resume or fork answers: how the SDK reaches envd."""
     template, alias = template_names(rec)
     token = e2b.access_token(m, rec.id)
@@ -87,7 +84,7 @@ def created(m: SandboxManager, rec: SandboxRecord) -> Sandbox:
                    trafficAccessToken=token, domain=m.settings.domain)
 
 
-def listed(rec: SandboxRecord) -> ListedSandbox:
+def listed(rec: SandboxView) -> ListedSandbox:
     template, alias = template_names(rec)
     return ListedSandbox(
         templateID=template, alias=alias, sandboxID=rec.id, clientID=CLIENT_ID,
@@ -97,7 +94,7 @@ def listed(rec: SandboxRecord) -> ListedSandbox:
         envdVersion=e2b.ENVD_VERSION)
 
 
-def network_of(rec: SandboxRecord) -> tuple[bool | None, dict[str, Any] | None]:
+def network_of(rec: SandboxView) -> tuple[bool | None, dict[str, Any] | None]:
     """(``allowInternetAccess``, E2B's ``network``) of the record's egress policy."""
     policy = rec.network
     if not policy:
@@ -112,7 +109,7 @@ def network_of(rec: SandboxRecord) -> tuple[bool | None, dict[str, Any] | None]:
     return internet, net or None
 
 
-def detail(m: SandboxManager, rec: SandboxRecord) -> SandboxDetail:
+def detail(m: SandboxManager, rec: SandboxView) -> SandboxDetail:
     opts = e2b.options(rec)
     internet, net = network_of(rec)
     return SandboxDetail(

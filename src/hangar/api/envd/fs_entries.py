@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 
 from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
 from hangar.api.envd.messages import FS
-from hangar.core.commands import HOME, Command, FileEntry
+from hangar.core.service import HOME, Command, FileEntry
 from hangar.errors import HangarError, NotFound
 
 MAX_ENTRIES = 10_000

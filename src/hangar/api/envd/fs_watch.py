@@ -32,7 +32,7 @@ from google.protobuf.message import Message
 from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
 from hangar.api.envd.fs_entries import absolute
 from hangar.api.envd.messages import FS
-from hangar.core.commands import FileEvent
+from hangar.core.service import FileEvent
 from hangar.errors import HangarError
 
 MAX_EVENTS = 10_000

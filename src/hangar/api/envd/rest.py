@@ -36,8 +36,7 @@ from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from hangar.api.envd.fs_entries import absolute
-from hangar.core import e2b
-from hangar.core.commands import Command
+from hangar.core.service import Command, e2b
 from hangar.errors import DiskFull, HangarError, InvalidRequest
 
 INTERNAL = ("/init", "/freeze", "/unfreeze", "/fsfreeze", "/fsthaw", "/collapse")
