@@ -243,9 +243,10 @@ class SandboxManager:
         """Sandboxes that hold a VMM (the ones counted against ``max_sandboxes``)."""
         return len(self.store.with_vmm())
 
-    def on_transition(self, listener: Callable[[SandboxView, State, State], None]) -> None:
-        """Call ``listener(sandbox, from, to)`` after every state change (in the writer's
-        thread; it must be quick and not raise)."""
+    def on_transition(self, listener: Callable[[SandboxView, frozenset[State], State], None]
+                      ) -> None:
+        """Call ``listener(sandbox, the states it was expected in, the new state)`` after
+        every state change (in the writer's thread; it must be quick and not raise)."""
         self.store.on_transition(lambda rec, frm, to: listener(SandboxView.of(rec), frm, to))
 
     def create_in_flight(self, sandbox_id: str) -> bool:

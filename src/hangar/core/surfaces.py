@@ -19,6 +19,7 @@ used as they are; these three wrap the ones that are not:
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -87,11 +88,11 @@ class SecretsFace:
         """Raises NotFound."""
         return SecretView.of(self._vault.get(name))
 
-    def add(self, name: str, value: str, hosts: list[str]) -> SecretView:
+    def add(self, name: str, value: str, hosts: builtins.list[str]) -> SecretView:
         """Store a new secret. Raises InvalidRequest, Conflict (name taken)."""
         return SecretView.of(self._vault.add(name, value, hosts))
 
-    def rotate(self, name: str, value: str, hosts: list[str] | None) -> SecretView:
+    def rotate(self, name: str, value: str, hosts: builtins.list[str] | None) -> SecretView:
         """A new value (and hosts); running sandboxes' proxies use it from their next
         request. Raises NotFound, InvalidRequest."""
         got = SecretView.of(self._vault.rotate(name, value, hosts))
@@ -120,7 +121,7 @@ class NetworkFace:
         self._proxies = proxies
 
     async def change(self, sandbox_id: str, *, allow: list[str] | None = None,
-                     deny: list[str] | None = None, egress: str | None = None
+                     deny: builtins.list[str] | None = None, egress: str | None = None
                      ) -> dict[str, Any]:
         """Replace the sandbox's rules (None keeps a list); returns the policy as stored.
         A sandbox with secrets has its proxy told. Raises what ``NetworkRules.change`` does:

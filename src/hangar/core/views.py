@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hangar.core.lifecycle import State
 from hangar.images import image_id
 from hangar.schemas import SandboxInfo
+
+if TYPE_CHECKING:
+    from hangar.core.store import SandboxRecord
 
 __all__ = ["AttachmentView", "SandboxView", "SecretView", "SnapshotView",
            "VolumeView", "sandbox_view", "user_metadata"]
@@ -153,7 +156,7 @@ class SecretView:
         return _copy(cls, rec, hosts=tuple(rec.hosts))
 
 
-def user_metadata(rec: SandboxView) -> dict[str, str]:
+def user_metadata(rec: SandboxView | SandboxRecord) -> dict[str, str]:
     """The client's metadata of ``rec`` (string keys and values; anything else a damaged
     or old record holds is left out)."""
     raw = rec.metadata_
@@ -162,7 +165,7 @@ def user_metadata(rec: SandboxView) -> dict[str, str]:
     return {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, str)}
 
 
-def sandbox_view(rec: SandboxView) -> SandboxInfo:
+def sandbox_view(rec: SandboxView | SandboxRecord) -> SandboxInfo:
     """What ``GET /sandboxes/{id}`` shows of ``rec`` (without the live memory figures)."""
     return SandboxInfo(
         id=rec.id, state=rec.state.value, image=rec.image,
