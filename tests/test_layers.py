@@ -167,8 +167,8 @@ SERVICE_TYPES = {"SandboxManager", "SandboxService", "Manager"}
 """Names whose presence in an annotation marks the sandbox service (``Manager`` is the
 routes' ``Annotated[SandboxManager, Depends(manager)]``)."""
 SERVICE_ATTRS = {"manager"}
-"""An attribute of this name holds the service (``request.app.state.manager``,
-``env.manager``, ``self.manager``)."""
+"""An attribute or parameter of this name holds the service (``request.app.state.manager``,
+``env.manager``, ``self.manager``, ``def f(manager: Any)``)."""
 
 
 def _mentions_service(annotation: ast.expr | None) -> bool:
@@ -230,7 +230,8 @@ class _Chains(ast.NodeVisitor):
 
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
         args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-        self.names.append({a.arg for a in args if _mentions_service(a.annotation)})
+        self.names.append({a.arg for a in args
+                           if _mentions_service(a.annotation) or a.arg in SERVICE_ATTRS})
         self.generic_visit(node)
         self.names.pop()
 
@@ -326,12 +327,15 @@ def test_the_face_check_sees_every_way_to_the_service(tmp_path: Path) -> None:
         "        manager = request.app.state.manager\n"
         "        manager.launcher.volumes\n"
         "        env.manager.registry.get('s')\n"
-        "        self.m.settings.domain\n")               # settings' field: allowed
+        "        self.m.settings.domain\n"               # settings' field: allowed
+        "def untyped(manager):\n"
+        "    return manager.pool.status()\n")
     seen, bad = reaching_through("hangar.api", tmp_path)
-    assert seen == 9
+    assert seen == 10
     assert bad == ["hangar.api.probe:3 m.launcher.rules.change",
                    "hangar.api.probe:4 m.volumes.holders",
                    "hangar.api.probe:6 m.store.get",
                    "hangar.api.probe:12 m.calls.tunnel",
                    "hangar.api.probe:14 m.launcher.volumes",
-                   "hangar.api.probe:15 m.registry.get"]
+                   "hangar.api.probe:15 m.registry.get",
+                   "hangar.api.probe:18 m.pool.status"]
