@@ -66,7 +66,7 @@ from hangar.config import Settings
 from hangar.core.admission import Admission, CreateOptions, new_id
 from hangar.core.secret_proxy import SecretProxies
 from hangar.core.secrets import Vault
-from hangar.core.commands import HOME, Command, FileEntry, FileEvent, FileList, WriteResult
+from hangar.core.commands import Command
 from hangar.core.context import Context
 from hangar.core.creation import Creation
 from hangar.core.events import EventBus
@@ -87,7 +87,7 @@ from hangar.core.removal import Removal
 from hangar.core.sleep import Sleeper
 from hangar.core.snapshots import Snapshots
 from hangar.core.store import Store
-from hangar.core.surfaces import CodeFace, NetworkFace, SecretsFace, VolumesFace
+from hangar.core.surfaces import CodeFace, FilesFace, NetworkFace, SecretsFace, VolumesFace
 from hangar.core.terminals import Terminals
 from hangar.core.views import SandboxView, SnapshotView
 from hangar.engines.base import Engine
@@ -114,8 +114,8 @@ class SandboxManager:
     sub-surfaces in ``SURFACES`` (``m.ports.expose(...)``); everything else on it
     (``launcher``, ``calls``, ``store``, ``registry``...) is core's own."""
 
-    SURFACES = ("ports", "processes", "terminals", "desktop", "volumes", "secrets", "network",
-                "code", "settings", "events")
+    SURFACES = ("files", "ports", "processes", "terminals", "desktop", "volumes", "secrets",
+                "network", "code", "settings", "events")
     """Attributes that are sub-surfaces: outside core, ``m.<surface>.<verb>`` is allowed
     for their public verbs (``settings`` and ``events`` are the server's settings and
     event bus, shared as they are)."""
@@ -126,8 +126,7 @@ class SandboxManager:
         "state_counts", "engine_name", "engine_accel", "describe_engine", "pool_status",
         "create", "delete", "snapshot", "restore", "fork", "adopt", "forget", "fence",
         "get_snapshot", "list_snapshots", "delete_snapshot", "has_snapshot",
-        "receive_snapshot", "sleep", "wake", "want", "exec", "exec_stream", "read_file",
-        "write_file", "list_dir", "stat", "mkdir", "remove", "tunnel", "agent", "watch",
+        "receive_snapshot", "sleep", "wake", "want", "exec", "exec_stream", "tunnel", "agent",
         "port_key"}
     """The face's names that api and cluster may use on the manager."""
 
@@ -157,6 +156,8 @@ class SandboxManager:
         self.sleeper = Sleeper(ctx, self.admission, self.launcher, self.removal, self.snapshots)
         self.calls = GuestCalls(ctx, self.launcher, self.sleeper)
         self.terminals = Terminals(self.calls.using, ctx.publish, self.launcher.vault.env)
+        self.files = FilesFace(self.calls)
+        """A sandbox's files (``core.surfaces.FilesFace``)."""
         self.processes = Processes(self.calls)
         """Background processes that outlive their connection (``core.processes``)."""
         self.ports = Ports(ctx)
@@ -404,7 +405,7 @@ class SandboxManager:
     # -- guest calls ------------------------------------------------------------------
     # Typed operations in a sandbox's guest (``hangar.core.commands``: Command, FileEntry,
     # HOME...); each wakes a sleeping sandbox first and holds it busy while it runs. See
-    # ``GuestCalls`` for the errors each raises.
+    # ``GuestCalls`` for the errors each raises. Files are ``self.files``.
 
     @asynccontextmanager
     async def using(self, sandbox_id: str) -> AsyncIterator[AgentClient]:
@@ -423,32 +424,6 @@ class SandboxManager:
         """See ``GuestCalls.exec_stream``."""
         return self.calls.exec_stream(sandbox_id, cmd, stdin, shown)
 
-    def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
-        """See ``GuestCalls.read_file``."""
-        return self.calls.read_file(sandbox_id, path)
-
-    async def write_file(self, sandbox_id: str, path: str,
-                         chunks: Iterable[bytes] | AsyncIterator[bytes],
-                         mode: int = 0o644) -> WriteResult:
-        """See ``GuestCalls.write_file``."""
-        return await self.calls.write_file(sandbox_id, path, chunks, mode)
-
-    async def list_dir(self, sandbox_id: str, path: str = HOME) -> FileList:
-        """See ``GuestCalls.list_dir``."""
-        return await self.calls.list_dir(sandbox_id, path)
-
-    async def stat(self, sandbox_id: str, path: str) -> FileEntry:
-        """See ``GuestCalls.stat``."""
-        return await self.calls.stat(sandbox_id, path)
-
-    async def mkdir(self, sandbox_id: str, path: str, parents: bool = True) -> FileEntry:
-        """See ``GuestCalls.mkdir``."""
-        return await self.calls.mkdir(sandbox_id, path, parents)
-
-    async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
-        """See ``GuestCalls.remove``."""
-        await self.calls.remove(sandbox_id, path, recursive)
-
     def tunnel(self, sandbox_id: str, port: int,
                busy: bool = True) -> AbstractAsyncContextManager[Tunnel]:
         """See ``GuestCalls.tunnel``: ``async with m.tunnel(id, port) as conn: ...``;
@@ -458,11 +433,6 @@ class SandboxManager:
     async def agent(self, sandbox_id: str) -> AgentClient:
         """See ``GuestCalls.agent``."""
         return await self.calls.agent(sandbox_id)
-
-    def watch(self, sandbox_id: str, path: str,
-              recursive: bool = False) -> AsyncIterator[list[FileEvent]]:
-        """See ``GuestCalls.watch``."""
-        return self.calls.watch(sandbox_id, path, recursive)
 
     @property
     def desktop(self) -> Desktop:

@@ -5,11 +5,12 @@ The sandbox service is ``SandboxService`` (the ``SandboxManager`` of
 only through:
 
 * its verbs and attributes named in ``SandboxService.PUBLIC``: create, get,
-  list, delete, snapshot, fork, sleep, wake, exec, files, tunnel...;
+  list, delete, snapshot, fork, sleep, wake, exec, tunnel...;
 * its named sub-surfaces (``SandboxService.SURFACES``), each a small typed
   object whose public methods are the verbs:
 
   ==============  =============================================================
+  ``files``       a sandbox's files: read, write, list, stat, mkdir, remove, watch
   ``ports``       exposed guest ports and their signed tokens (``core.ports``)
   ``processes``   background processes (``core.processes``)
   ``terminals``   terminal sessions (``core.terminals``)
@@ -39,7 +40,7 @@ from hangar.config import Settings
 from hangar.core import e2b
 from hangar.core.admission import CreateOptions, new_id
 from hangar.core.commands import (
-    HOME, Command, ExecResult, FileEntry, FileEvent, StreamCapture, Tunnel,
+    HOME, Command, ExecResult, FileEntry, FileEvent, FileList, StreamCapture, Tunnel, WriteResult,
 )
 from hangar.core.desktop import MAX_SCROLL, MAX_TYPE_CHARS, TYPE_DELAY_MS, VNC_PORT, Desktop
 from hangar.core.events import Event, EventBus
@@ -59,7 +60,7 @@ from hangar.core.machines import NAMES, USER_ID, Machine, MachineManager
 from hangar.core.ports import Exposure, Ports
 from hangar.core.processes import ProcessInfo, ProcessOutput, Processes
 from hangar.core.sandboxes import SandboxManager
-from hangar.core.surfaces import CodeFace, NetworkFace, SecretsFace, VolumesFace
+from hangar.core.surfaces import CodeFace, FilesFace, NetworkFace, SecretsFace, VolumesFace
 from hangar.core.tasks import Tasks, every, race
 from hangar.core.terminals import Terminal, Terminals
 from hangar.core.views import (
@@ -74,7 +75,7 @@ MachineView = Machine
 """A user's machine as core shows it (frozen; ``hangar.core.machines.Machine``)."""
 
 SURFACE_TYPES: dict[str, type] = {
-    "ports": Ports, "processes": Processes, "terminals": Terminals, "desktop": Desktop,
+    "files": FilesFace, "ports": Ports, "processes": Processes, "terminals": Terminals, "desktop": Desktop,
     "volumes": VolumesFace, "secrets": SecretsFace, "network": NetworkFace, "code": CodeFace,
     "settings": Settings, "events": EventBus,
 }
@@ -87,13 +88,13 @@ MachineService = MachineManager
 __all__ = [
     # the services and their sub-surfaces
     "SandboxService", "SandboxManager", "MachineService", "MachineManager", "CodeFace",
-    "NetworkFace", "SecretsFace", "VolumesFace", "Desktop", "SURFACE_TYPES", "e2b",
+    "FilesFace", "NetworkFace", "SecretsFace", "VolumesFace", "Desktop", "SURFACE_TYPES", "e2b",
     # views
     "AttachmentView", "MachineView", "SandboxView", "SecretView", "SnapshotView",
     "VolumeView", "sandbox_view", "user_metadata",
     # requests and results
     "CreateOptions", "Placement", "PLACEMENT_SCOPE", "Command", "ExecResult",
-    "StreamCapture", "FileEntry", "FileEvent", "HOME", "Tunnel", "NoListener", "Exposure",
+    "StreamCapture", "FileEntry", "FileEvent", "FileList", "WriteResult", "HOME", "Tunnel", "NoListener", "Exposure",
     "ProcessInfo", "ProcessOutput", "Terminal", "MAX_CODE_CHARS", "MAX_SCROLL",
     "MAX_TYPE_CHARS", "TYPE_DELAY_MS", "VNC_PORT",
     # states and their table

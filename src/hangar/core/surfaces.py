@@ -12,6 +12,8 @@ used as they are; these three wrap the ones that are not:
                    change reaches running sandboxes' proxies
 ``NetworkFace``    a running sandbox's egress rules (``core.network``), its
                    secret proxy told of each change
+``FilesFace``      a sandbox's files (``core.guestcalls``): read, write, list, stat,
+                   mkdir, remove, watch
 ``CodeFace``       the code interpreter of a ``code-interpreter`` sandbox
                    (``core.interpreter``)
 =================  ===========================================================
@@ -20,13 +22,15 @@ used as they are; these three wrap the ones that are not:
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
 from hangar.core import interpreter
+from hangar.core.commands import HOME, FileEntry, FileEvent, FileList, WriteResult
 from hangar.core.views import SecretView, VolumeView
 
 if TYPE_CHECKING:
+    from hangar.core.guestcalls import GuestCalls
     from hangar.core.sandboxes import SandboxManager
     from hangar.core.network import NetworkRules
     from hangar.core.secret_proxy import SecretProxies
@@ -149,3 +153,43 @@ class CodeFace:
         return await interpreter.execute(self._m, sandbox_id, code, context_id=context_id,
                                          language=language, env_vars=env_vars,
                                          timeout=timeout)
+
+
+class FilesFace:
+    """A sandbox's files, through its guest agent; each call wakes a sleeping sandbox first
+    and holds it busy while it runs. Relative paths start at ``HOME``. The errors are
+    ``GuestCalls``'s: NotFound, InvalidRequest, Conflict, and those of ``GuestCalls.using``."""
+
+    def __init__(self, calls: GuestCalls) -> None:
+        self._calls = calls
+
+    def read(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """A file's bytes, in chunks as the guest sends them."""
+        return self._calls.read_file(sandbox_id, path)
+
+    async def write(self, sandbox_id: str, path: str,
+                    chunks: Iterable[bytes] | AsyncIterator[bytes],
+                    mode: int = 0o644) -> WriteResult:
+        """Write a file from ``chunks`` (atomically); its path and size."""
+        return await self._calls.write_file(sandbox_id, path, chunks, mode)
+
+    async def list(self, sandbox_id: str, path: str = HOME) -> FileList:
+        """A folder's absolute path and its entries, sorted by name."""
+        return await self._calls.list_dir(sandbox_id, path)
+
+    async def stat(self, sandbox_id: str, path: str) -> FileEntry:
+        """One file's entry (a symlink's own)."""
+        return await self._calls.stat(sandbox_id, path)
+
+    async def mkdir(self, sandbox_id: str, path: str, parents: bool = True) -> FileEntry:
+        """Make a folder (and with ``parents`` its missing parents); its entry."""
+        return await self._calls.mkdir(sandbox_id, path, parents)
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        """Remove a file, or a folder (empty, or with ``recursive`` all in it)."""
+        await self._calls.remove(sandbox_id, path, recursive)
+
+    def watch(self, sandbox_id: str, path: str,
+              recursive: bool = False) -> AsyncIterator[builtins.list[FileEvent]]:
+        """An empty batch once the watch is in place, then batches of ``FileEvent``."""
+        return self._calls.watch(sandbox_id, path, recursive)
