@@ -204,29 +204,34 @@ class _Chains(ast.NodeVisitor):
         return False
 
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
-        held = {t.attr for n in ast.walk(node)
-                for t in (n.targets if isinstance(n, ast.Assign) else
-                          [n.target] if isinstance(n, ast.AnnAssign) else [])
-                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
-                and t.value.id == "self"
-                and (isinstance(n, ast.AnnAssign) and _mentions_service(n.annotation)
-                     or isinstance(n.value, ast.Name | ast.Attribute)
-                     and (isinstance(n.value, ast.Attribute) and n.value.attr in SERVICE_ATTRS
-                          or isinstance(n.value, ast.Name) and self._param_is_service(
-                              node, n.value.id)))}
-        held |= {n.target.id for n in node.body
-                 if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
-                 and _mentions_service(n.annotation)}
+        """``self.<name>`` holds the service in this class when the class annotates
+        ``<name>`` with it, or a method sets it from the service (``self.m = manager``)."""
+        held = {n.target.id for n in node.body
+                if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+                and _mentions_service(n.annotation)}
+        for f in node.body:
+            if not isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            args = f.args.posonlyargs + f.args.args + f.args.kwonlyargs
+            params = {a.arg for a in args
+                      if _mentions_service(a.annotation) or a.arg in SERVICE_ATTRS}
+            for n in ast.walk(f):
+                if isinstance(n, ast.Assign):
+                    targets, value, note = n.targets, n.value, None
+                elif isinstance(n, ast.AnnAssign):
+                    targets, value, note = [n.target], n.value, n.annotation
+                else:
+                    continue
+                from_service = (_mentions_service(note)
+                                or isinstance(value, ast.Name) and value.id in params
+                                or isinstance(value, ast.Attribute)
+                                and value.attr in SERVICE_ATTRS)
+                held |= {t.attr for t in targets if from_service
+                         and isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                         and t.value.id == "self"}
         self.self_attrs.append(held)
         self.generic_visit(node)
         self.self_attrs.pop()
-
-    @staticmethod
-    def _param_is_service(cls: ast.ClassDef, name: str) -> bool:
-        return any(isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
-                   and any(a.arg == name and _mentions_service(a.annotation)
-                           for a in f.args.args + f.args.kwonlyargs)
-                   for f in cls.body)
 
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
         args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
