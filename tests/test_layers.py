@@ -344,3 +344,16 @@ def test_the_face_check_sees_every_way_to_the_service(tmp_path: Path) -> None:
                    "hangar.api.probe:14 m.launcher.volumes",
                    "hangar.api.probe:15 m.registry.get",
                    "hangar.api.probe:18 m.pool.status"]
+
+
+def test_every_public_name_of_the_face_exists() -> None:
+    """``PUBLIC`` and ``SURFACE_TYPES`` name only what the service has: a method, a
+    property, or an attribute its ``__init__`` sets."""
+    import inspect
+
+    from hangar.core.service import SURFACE_TYPES, SandboxService
+
+    init = inspect.getsource(SandboxService.__init__)
+    has = set(dir(SandboxService)) | set(re.findall(r"self\.(\w+)(?::[^=\n]*)? = ", init))
+    assert sorted(SandboxService.PUBLIC - has) == []
+    assert set(SURFACE_TYPES) == set(SandboxService.SURFACES) <= SandboxService.PUBLIC
