@@ -8,6 +8,7 @@ ones resolved against the module's package. See docs/architecture.md.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 
@@ -224,3 +225,263 @@ def test_core_and_api_make_guest_requests_only_through_the_typed_client() -> Non
     knows no guest operation at all."""
     assert raw_guest_requests("hangar.core") == {}
     assert raw_guest_requests("hangar.api") == {}
+
+
+# -- core's face (hangar.core.service) --------------------------------------------------
+
+FACE = ("hangar.core.service", "hangar.core.views")
+"""The only modules of core that api and cluster import."""
+
+
+def beyond_the_face(package: str, src: Path = SRC) -> dict[str, list[str]]:
+    """{module: [the modules of core other than ``FACE`` it imports]} for ``package``."""
+    out: dict[str, list[str]] = {}
+    for path in modules(package, src):
+        bad = sorted(m for m in imports(path, src)
+                     if m.startswith("hangar.core.")
+                     and not any(m == f or m.startswith(f + ".") for f in FACE))
+        if bad:
+            out[module_name(path, src)] = bad
+    return out
+
+
+def test_api_and_cluster_import_only_cores_face() -> None:
+    """api and cluster see core through ``hangar.core.service`` (and its views) only."""
+    assert beyond_the_face("hangar.api") == {}
+    assert beyond_the_face("hangar.cluster") == {}
+
+
+def test_the_face_check_sees_a_core_module(tmp_path: Path) -> None:
+    pkg = tmp_path / "hangar" / "api"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "probe.py").write_text("from hangar.core.service import State\n"
+                                  "def f():\n    from ..core import store\n")
+    assert beyond_the_face("hangar.api", tmp_path) == {"hangar.api.probe": ["hangar.core.store"]}
+
+
+def row_names() -> set[str]:
+    """The class names of core's ORM rows (every class mapped on the store's ``Base``)."""
+    import hangar.core.service  # noqa: F401  (imports every module that maps a row)
+    from hangar.core.store import Base
+
+    return {m.class_.__name__ for m in Base.registry.mappers}
+
+
+def naming_rows(package: str, names: set[str], src: Path = SRC) -> dict[str, list[str]]:
+    """{module: [the row names its text mentions]} (code, comments and docstrings)."""
+    out: dict[str, list[str]] = {}
+    for path in modules(package, src):
+        words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", path.read_text()))
+        if bad := sorted(words & names):
+            out[module_name(path, src)] = bad
+    return out
+
+
+def test_no_row_of_core_reaches_api_or_cluster(tmp_path: Path) -> None:
+    """Core answers with frozen views (``hangar.core.views``), never its ORM rows."""
+    names = row_names()
+    assert {"SandboxRecord", "SnapshotRecord", "VolumeRecord", "SecretRecord"} <= names
+    assert naming_rows("hangar.api", names) == {}
+    assert naming_rows("hangar.cluster", names) == {}
+    pkg = tmp_path / "hangar" / "cluster"
+    pkg.mkdir(parents=True)
+    (pkg / "probe.py").write_text("def f(rec: 'SandboxRecord') -> None: ...\n")
+    assert naming_rows("hangar.cluster", names, tmp_path) == {
+        "hangar.cluster.probe": ["SandboxRecord"]}
+
+
+SERVICE_TYPES = {"SandboxManager", "SandboxService", "Manager"}
+"""Names whose presence in an annotation marks the sandbox service (``Manager`` is the
+routes' ``Annotated[SandboxManager, Depends(manager)]``)."""
+SERVICE_ATTRS = {"manager"}
+"""An attribute or parameter of this name holds the service (``request.app.state.manager``,
+``env.manager``, ``self.manager``, ``def f(manager: Any)``)."""
+
+
+def _mentions_service(annotation: ast.expr | None) -> bool:
+    if annotation is None:
+        return False
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        return bool(set(re.findall(r"\w+", annotation.value)) & SERVICE_TYPES)
+    return any(isinstance(n, ast.Name) and n.id in SERVICE_TYPES
+               or isinstance(n, ast.Attribute) and n.attr in SERVICE_TYPES
+               for n in ast.walk(annotation))
+
+
+class _Chains(ast.NodeVisitor):
+    """Every attribute chain from the service in one module: ``(line, [names...])``."""
+
+    def __init__(self) -> None:
+        self.chains: list[tuple[int, list[str]]] = []
+        self.names: list[set[str]] = [set()]
+        self.self_attrs: list[set[str]] = [set()]
+
+    def is_service(self, node: ast.expr) -> bool:
+        if isinstance(node, ast.Name):
+            return any(node.id in scope for scope in self.names)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "getattr" and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant) and node.args[1].value in SERVICE_ATTRS):
+            return True  # getattr(state, "manager", None)
+        if isinstance(node, ast.Attribute):
+            if node.attr in SERVICE_ATTRS:
+                return True
+            return (isinstance(node.value, ast.Name) and node.value.id == "self"
+                    and node.attr in self.self_attrs[-1])
+        return False
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        """``self.<name>`` holds the service in this class when the class annotates
+        ``<name>`` with it, or a method sets it from the service (``self.m = manager``)."""
+        held = {n.target.id for n in node.body
+                if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+                and _mentions_service(n.annotation)}
+        for f in node.body:
+            if not isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            args = f.args.posonlyargs + f.args.args + f.args.kwonlyargs
+            params = {a.arg for a in args
+                      if _mentions_service(a.annotation) or a.arg in SERVICE_ATTRS}
+            for n in ast.walk(f):
+                if isinstance(n, ast.Assign):
+                    targets, value, note = n.targets, n.value, None
+                elif isinstance(n, ast.AnnAssign):
+                    targets, value, note = [n.target], n.value, n.annotation
+                else:
+                    continue
+                from_service = (_mentions_service(note)
+                                or isinstance(value, ast.Name) and value.id in params
+                                or isinstance(value, ast.Attribute)
+                                and value.attr in SERVICE_ATTRS)
+                held |= {t.attr for t in targets if from_service
+                         and isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                         and t.value.id == "self"}
+        self.self_attrs.append(held)
+        self.generic_visit(node)
+        self.self_attrs.pop()
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+        self.names.append({a.arg for a in args
+                           if _mentions_service(a.annotation) or a.arg in SERVICE_ATTRS})
+        self.generic_visit(node)
+        self.names.pop()
+
+    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        self.visit(node.value)
+        if self.is_service(node.value):
+            self.names[-1] |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        for t in node.targets:
+            self.visit(t)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        if node.value is not None:
+            self.visit(node.value)
+        if isinstance(node.target, ast.Name) and (
+                _mentions_service(node.annotation)
+                or node.value is not None and self.is_service(node.value)):
+            self.names[-1].add(node.target.id)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        chain: list[str] = []
+        cur: ast.expr = node
+        while isinstance(cur, ast.Attribute) and not self.is_service(cur):
+            chain.append(cur.attr)
+            cur = cur.value
+        if chain and self.is_service(cur):
+            self.chains.append((node.lineno, chain[::-1]))
+            return  # the inner links are this chain's prefix
+        self.generic_visit(node)
+
+
+def service_chains(path: Path) -> list[tuple[int, list[str]]]:
+    """Attribute chains from the sandbox service in ``path``: ``m.ports.expose(...)`` is
+    ``["ports", "expose"]``; ``m.get(x).state`` is ``["get"]`` (a call ends the chain)."""
+    v = _Chains()
+    v.visit(ast.parse(path.read_text(), str(path)))
+    return v.chains
+
+
+def surface_names(cls: type) -> set[str]:
+    """The public names of a sub-surface type: its methods and properties, and the fields
+    of a pydantic model (``Settings``)."""
+    names = {n for n in dir(cls) if not n.startswith("_")}
+    return names | set(getattr(cls, "model_fields", {}))
+
+
+def reaching_through(package: str, src: Path = SRC) -> tuple[int, list[str]]:
+    """(chains checked, ``module:line m.a.b`` of each that leaves the face)."""
+    from hangar.core.service import SURFACE_TYPES, SandboxService
+
+    bad: list[str] = []
+    n = 0
+    for path in modules(package, src):
+        for line, chain in service_chains(path):
+            n += 1
+            first, rest = chain[0], chain[1:]
+            ok = first in SandboxService.PUBLIC and (
+                not rest or first in SURFACE_TYPES
+                and rest[0] in surface_names(SURFACE_TYPES[first]))
+            if not ok:
+                bad.append(f"{module_name(path, src)}:{line} m.{'.'.join(chain)}")
+    return n, bad
+
+
+def test_api_and_cluster_use_only_the_faces_names() -> None:
+    """From the service, api and cluster use only ``SandboxService.PUBLIC`` and, on a
+    sub-surface (``SURFACES``), its public verbs: ``m.ports.expose(...)``, never
+    ``m.launcher.rules.change(...)`` or ``m.store.get(...)``."""
+    seen_api, bad_api = reaching_through("hangar.api")
+    seen_cluster, bad_cluster = reaching_through("hangar.cluster")
+    assert bad_api == [] and bad_cluster == []
+    # the checker found the service where it is used (a blind checker passes everything)
+    assert seen_api > 100 and seen_cluster > 15, (seen_api, seen_cluster)
+
+
+def test_the_face_check_sees_every_way_to_the_service(tmp_path: Path) -> None:
+    pkg = tmp_path / "hangar" / "api"
+    pkg.mkdir(parents=True)
+    (pkg / "probe.py").write_text(
+        "async def route(m: Manager, request):\n"
+        "    m.ports.expose('s', 80, False)\n"          # a sub-surface's verb: allowed
+        "    await m.launcher.rules.change('s')\n"       # a part behind the face
+        "    m.volumes.holders('v')\n"                   # not a verb of the surface
+        "    mgr = getattr(request.app.state, 'manager', None)\n"
+        "    mgr.store.get('s')\n"
+        "    m.get('s').state\n"                         # a view's field: allowed
+        "class Proxy:\n"
+        "    def __init__(self, manager: 'SandboxManager | None') -> None:\n"
+        "        self.m = manager\n"
+        "    async def go(self, env):\n"
+        "        self.m.calls.tunnel('s', 80)\n"
+        "        manager = request.app.state.manager\n"
+        "        manager.launcher.volumes\n"
+        "        env.manager.registry.get('s')\n"
+        "        self.m.settings.domain\n"               # settings' field: allowed
+        "def untyped(manager):\n"
+        "    return manager.pool.status()\n")
+    seen, bad = reaching_through("hangar.api", tmp_path)
+    assert seen == 10
+    assert bad == ["hangar.api.probe:3 m.launcher.rules.change",
+                   "hangar.api.probe:4 m.volumes.holders",
+                   "hangar.api.probe:6 m.store.get",
+                   "hangar.api.probe:12 m.calls.tunnel",
+                   "hangar.api.probe:14 m.launcher.volumes",
+                   "hangar.api.probe:15 m.registry.get",
+                   "hangar.api.probe:18 m.pool.status"]
+
+
+def test_every_public_name_of_the_face_exists() -> None:
+    """``PUBLIC`` and ``SURFACE_TYPES`` name only what the service has: a method, a
+    property, or an attribute its ``__init__`` sets."""
+    import inspect
+
+    from hangar.core.service import SURFACE_TYPES, SandboxService
+
+    init = inspect.getsource(SandboxService.__init__)
+    has = set(dir(SandboxService)) | set(re.findall(r"self\.(\w+)(?::[^=\n]*)? = ", init))
+    assert sorted(SandboxService.PUBLIC - has) == []
+    assert set(SURFACE_TYPES) == set(SandboxService.SURFACES) <= SandboxService.PUBLIC

@@ -42,7 +42,7 @@ from hangar.api.idempotency import IdempotencyMiddleware
 from hangar.api.limits import BodyLimit
 from hangar.api.proxy import PortProxy
 from hangar.config import Settings
-from hangar.core.events import EventBus
+from hangar.core.service import EventBus
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 

@@ -5,7 +5,7 @@ as the kernel produces it, in E2B's code interpreter shapes (``stdout``,
 ``stderr``, ``result``, ``error``, ``number_of_executions``,
 ``end_of_execution``); ``.../code/contexts`` creates, lists, restarts and
 removes contexts (kernels with their own variables). The calls go to the
-guest's server through ``hangar.core.interpreter``. A sandbox of another
+guest's server through ``SandboxService.code`` (``hangar.core.interpreter``). A sandbox of another
 image answers 409 ``no_interpreter``. A context create or restart answers
 at once with the guest's spare kernel; one made before the next spare is
 ready waits for it, and answers 504 ``timeout`` when none is ready within
@@ -21,8 +21,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from hangar.api.deps import manager
-from hangar.core import interpreter
-from hangar.core.sandboxes import SandboxManager
+from hangar.core.service import MAX_CODE_CHARS, SandboxManager
 from hangar.errors import InvalidRequest
 from hangar.schemas.base import PATH_MAX
 from hangar.schemas.bounds import EXEC_TIMEOUT_MAX_S
@@ -32,7 +31,7 @@ Manager = Annotated[SandboxManager, Depends(manager)]
 
 
 class RunCode(BaseModel):
-    code: str = Field(max_length=interpreter.MAX_CODE_CHARS, description="The cell's code.")
+    code: str = Field(max_length=MAX_CODE_CHARS, description="The cell's code.")
     context_id: str | None = Field(default=None, max_length=64,
                                    description="The context to run in (default: the default "
                                                "Python context).")
@@ -69,9 +68,9 @@ class CodeContext(BaseModel):
         "{\"type\": \"end_of_execution\"}.")}},
 )
 async def execute(sandbox_id: str, body: RunCode, m: Manager) -> StreamingResponse:
-    lines = await interpreter.execute(m, sandbox_id, body.code, context_id=body.context_id,
-                                      language=body.language, env_vars=body.env_vars,
-                                      timeout=body.timeout)
+    lines = await m.code.execute(sandbox_id, body.code, context_id=body.context_id,
+                                 language=body.language, env_vars=body.env_vars,
+                                 timeout=body.timeout)
     return StreamingResponse(lines, media_type="application/x-ndjson")
 
 
@@ -79,27 +78,27 @@ async def execute(sandbox_id: str, body: RunCode, m: Manager) -> StreamingRespon
              summary="Create a code context (a kernel of its own)")
 async def create_context(sandbox_id: str, m: Manager,
                          body: CreateContext | None = None) -> Any:
-    return await interpreter.call(m, sandbox_id, "POST", "/contexts",
-                                  (body or CreateContext()).model_dump(exclude_none=True))
+    return await m.code.call(sandbox_id, "POST", "/contexts",
+                             (body or CreateContext()).model_dump(exclude_none=True))
 
 
 @router.get("/{sandbox_id}/code/contexts", response_model=list[CodeContext],
             summary="List the code contexts")
 async def list_contexts(sandbox_id: str, m: Manager) -> Any:
-    return await interpreter.call(m, sandbox_id, "GET", "/contexts")
+    return await m.code.call(sandbox_id, "GET", "/contexts")
 
 
 @router.post("/{sandbox_id}/code/contexts/{context_id}/restart", status_code=204,
              summary="Restart a code context's kernel (its variables are lost)")
 async def restart_context(sandbox_id: str, context_id: str, m: Manager) -> Response:
-    await interpreter.call(m, sandbox_id, "POST", f"/contexts/{_cid(context_id)}/restart")
+    await m.code.call(sandbox_id, "POST", f"/contexts/{_cid(context_id)}/restart")
     return Response(status_code=204)
 
 
 @router.delete("/{sandbox_id}/code/contexts/{context_id}", status_code=204,
                summary="Remove a code context")
 async def remove_context(sandbox_id: str, context_id: str, m: Manager) -> Response:
-    await interpreter.call(m, sandbox_id, "DELETE", f"/contexts/{_cid(context_id)}")
+    await m.code.call(sandbox_id, "DELETE", f"/contexts/{_cid(context_id)}")
     return Response(status_code=204)
 
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from hangar.core.handover import PLACEMENT_SCOPE, Placement
-from hangar.core.sandboxes import SandboxManager
+from hangar.core.service import PLACEMENT_SCOPE, Placement, SandboxManager
 
 
 async def manager(request: Request) -> SandboxManager:

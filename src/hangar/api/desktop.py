@@ -17,8 +17,9 @@ from pydantic import ConfigDict, Field
 
 from hangar.api.deps import manager
 from hangar.api.models import RequestBody
-from hangar.core.desktop import MAX_SCROLL, MAX_TYPE_CHARS, TYPE_DELAY_MS, Desktop
-from hangar.core.sandboxes import SandboxManager
+from hangar.core.service import (
+    MAX_SCROLL, MAX_TYPE_CHARS, TYPE_DELAY_MS, Desktop, SandboxManager,
+)
 from hangar.schemas import ActionResult as ActionResponse
 from hangar.schemas import DisplayInfo as DisplayResponse
 from hangar.schemas import KeyResult as KeyResponse

@@ -33,8 +33,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
-from hangar.core.events import Event as BusEvent
-from hangar.core.events import EventBus
+from hangar.core.service import Event as BusEvent, EventBus
 from hangar.errors import InvalidRequest
 from hangar.schemas import MAX_EVENT_DATA, Event, PublishEvent
 

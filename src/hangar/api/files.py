@@ -37,9 +37,7 @@ from fastapi.responses import StreamingResponse
 
 from hangar.api.deps import manager
 from hangar.api.models import PATH_MAX, FileEntry, FileList, PathBody, WriteResult
-from hangar.core.commands import HOME
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.tasks import Tasks
+from hangar.core.service import HOME, SandboxManager, Tasks
 from hangar.errors import HangarError
 from hangar.schemas import FileEvent
 
@@ -57,7 +55,7 @@ KEEPALIVE_S = 15.0
 @router.get("", response_class=StreamingResponse, summary="Read a file's raw bytes",
             responses={200: {"content": {"application/octet-stream": {}}}})
 async def read(sandbox_id: str, path: PathQ, m: Manager) -> StreamingResponse:
-    chunks = m.read_file(sandbox_id, path)
+    chunks = m.files.read(sandbox_id, path)
     try:
         first = await anext(chunks)
     except StopAsyncIteration:
@@ -83,28 +81,28 @@ async def write(sandbox_id: str, path: PathQ, request: Request, m: Manager,
             if chunk:
                 yield chunk
 
-    return await m.write_file(sandbox_id, path, chunks(), mode)
+    return await m.files.write(sandbox_id, path, chunks(), mode)
 
 
 @router.get("/list", response_model=FileList,
             summary=f"List a directory (default: the guest's home, {HOME})")
 async def list_dir(sandbox_id: str, m: Manager, path: PathQ = HOME) -> FileList:
-    return await m.list_dir(sandbox_id, path)
+    return await m.files.list(sandbox_id, path)
 
 
 @router.get("/stat", response_model=FileEntry)
 async def stat(sandbox_id: str, path: PathQ, m: Manager) -> FileEntry:
-    return await m.stat(sandbox_id, path)
+    return await m.files.stat(sandbox_id, path)
 
 
 @router.post("/mkdir", response_model=FileEntry, status_code=201)
 async def mkdir(sandbox_id: str, body: PathBody, m: Manager) -> FileEntry:
-    return await m.mkdir(sandbox_id, body.path, body.parents)
+    return await m.files.mkdir(sandbox_id, body.path, body.parents)
 
 
 @router.delete("", status_code=204, summary="Remove a file or (recursive=true) a directory")
 async def remove(sandbox_id: str, path: PathQ, m: Manager, recursive: bool = False) -> Response:
-    await m.remove(sandbox_id, path, recursive)
+    await m.files.remove(sandbox_id, path, recursive)
     return Response(status_code=204)
 
 
@@ -120,7 +118,7 @@ async def watch(sandbox_id: str, path: PathQ, m: Manager,
                 accept: Annotated[str | None, Header(max_length=1000)] = None,
                 ) -> StreamingResponse:
     fmt = format or ("ndjson" if "application/x-ndjson" in (accept or "") else "sse")
-    batches = m.watch(sandbox_id, path, recursive)
+    batches = m.files.watch(sandbox_id, path, recursive)
     try:
         await anext(batches)  # the watch is in place (or its error is this answer's)
     except BaseException:

@@ -16,7 +16,7 @@ router = APIRouter(tags=["operations"])
 async def health(request: Request) -> Health:
     m = request.app.state.manager
     counts = m.state_counts()  # one indexed query over live rows, never the tombstones
-    return Health(status="ok", version=__version__, engine=m.engine.describe(),
+    return Health(status="ok", version=__version__, engine=m.describe_engine(),
                   sandboxes=sum(n for s, n in counts.items() if s not in ("failed", "pooled")))
 
 

@@ -32,7 +32,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hangar.api.errors import render, send_error
-from hangar.core.idempotency import (
+from hangar.core.service import (
     MAX_KEY_LEN, IdempotencyStore, owner_of, request_hash, seal, seal_key, unseal,
 )
 

@@ -10,9 +10,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from hangar.api.deps import placement
 from hangar.api.models import ExecRequest, ExecResponse, Machine, MachineList, MachineRequest
 from hangar.api.sandboxes import _meta, _shown, _stdin, exec_response
-from hangar.core.admission import CreateOptions
-from hangar.core.handover import Placement
-from hangar.core.machines import MachineManager
+from hangar.core.service import CreateOptions, MachineManager, Placement
 
 router = APIRouter(prefix="/machines/{user_id}", tags=["machines"])
 listing = APIRouter(tags=["machines"])

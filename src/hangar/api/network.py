@@ -1,7 +1,7 @@
 """``PATCH /sandboxes/{id}/network``: change a running sandbox's egress rules.
 
-The work is ``hangar.core.network.NetworkRules.change`` (what may change and
-when it takes effect); ``GET /sandboxes/{id}`` shows the rules as ``network``.
+The work is ``SandboxService.network.change`` (``hangar.core.network``: what may
+change and when it takes effect); ``GET /sandboxes/{id}`` shows the rules as ``network``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 
 from hangar.api.deps import manager
-from hangar.core.sandboxes import SandboxManager
+from hangar.core.service import SandboxManager
 from hangar.schemas import NetworkRules, NetworkRulesUpdate
 
 router = APIRouter(prefix="/sandboxes", tags=["sandboxes"])
@@ -24,7 +24,6 @@ Manager = Annotated[SandboxManager, Depends(manager)]
               responses={409: {"description": "The sandbox has no NIC, or the change would "
                                               "add or remove one (egress 'none')"}})
 async def update_network(sandbox_id: str, body: NetworkRulesUpdate, m: Manager) -> NetworkRules:
-    stored = await m.launcher.rules.change(sandbox_id, allow=body.allow, deny=body.deny,
-                                           egress=body.egress)
-    m.secret_proxies.update_policy(sandbox_id, stored)  # a sandbox with secrets: its proxy
+    stored = await m.network.change(sandbox_id, allow=body.allow, deny=body.deny,
+                                    egress=body.egress)
     return NetworkRules.model_validate(stored)

@@ -13,7 +13,8 @@ router = APIRouter(tags=["operations"])
             summary="The warm pool: size wanted, VMs ready and starting, maximum age")
 async def pool(request: Request) -> PoolStatus:
     m = request.app.state.manager
-    if m.pool is None:
+    status = m.pool_status()
+    if status is None:
         return PoolStatus(size=0, ready=0, starting=0, max_age_s=0.0,
                           image=m.settings.default_image)
-    return PoolStatus.model_validate(m.pool.status())
+    return PoolStatus.model_validate(status)

@@ -14,8 +14,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request, Response
 
 from hangar.api.deps import manager
 from hangar.api.proxy import TOKEN_PARAM, host_url, path_prefix
-from hangar.core.ports import Exposure
-from hangar.core.sandboxes import SandboxManager
+from hangar.core.service import Exposure, SandboxManager
 from hangar.schemas import ExposePort, PortInfo
 from hangar.schemas.bounds import PORT_MAX, PORT_MIN, TTL_MAX_S
 

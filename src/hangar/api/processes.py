@@ -33,10 +33,7 @@ from fastapi import APIRouter, Depends, Header, Path, Query
 from fastapi.responses import StreamingResponse
 
 from hangar.api.deps import manager
-from hangar.core.commands import Command
-from hangar.core.processes import ProcessOutput, ProcessInfo
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.tasks import Tasks
+from hangar.core.service import Command, ProcessInfo, ProcessOutput, SandboxManager, Tasks
 from hangar.errors import HangarError, InvalidRequest
 from hangar.schemas import (
     ProcessInput, ProcessInputResult, ProcessList, ProcessResize, ProcessSignal,

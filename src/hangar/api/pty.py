@@ -45,9 +45,7 @@ from fastapi import APIRouter, Depends, Request, Response, WebSocket
 from hangar.api.deps import manager
 from hangar.api.tickets import TICKET_TTL_S, admit, deny, deny_error, tickets
 from hangar.api.wspump import supervise
-from hangar.core.commands import Command
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.terminals import Terminal
+from hangar.core.service import Command, SandboxManager, Terminal
 from hangar.errors import HangarError
 from hangar.schemas import PTY_MAX_SIDE, PtyRequest, PtySession, PtySessionList, PtyTicket
 

@@ -18,11 +18,9 @@ from hangar.api.models import (
     CreateSandbox, ExecRequest, ExecResponse, Sandbox, SandboxList, SetTimeout,
 )
 from hangar.schemas import MountedVolume, SandboxMemory
-from hangar.core.admission import CreateOptions
-from hangar.core.handover import Placement
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.commands import Command, ExecResult, StreamCapture
-from hangar.core.views import sandbox_view
+from hangar.core.service import (
+    Command, CreateOptions, ExecResult, Placement, SandboxManager, StreamCapture, sandbox_view,
+)
 from hangar.errors import HangarError, InvalidRequest
 
 router = APIRouter(prefix="/sandboxes", tags=["sandboxes"])
@@ -31,7 +29,7 @@ Placed = Annotated[Placement | None, Depends(placement)]
 
 
 view = sandbox_view
-"""A record as the API shows it (``hangar.core.views.sandbox_view``)."""
+"""A sandbox as the API shows it (``hangar.core.views.sandbox_view``)."""
 
 
 @router.post("", status_code=201, response_model=Sandbox,
@@ -52,13 +50,12 @@ async def create(m: Manager, placed: Placed, body: CreateSandbox | None = None) 
 
 def _in_full(m: SandboxManager, out: Sandbox) -> Sandbox:
     """``out`` with its volumes and its secrets' names (never a value or placeholder)."""
-    got = m.volumes.view(out.id)
+    got = m.volumes.of_sandbox(out.id)
     if got:
         out.volumes = {path: MountedVolume(**v) for path, v in got.items()}
-    binding = m.vault.binding(out.id)
-    if binding is not None:
-        out.secrets = {var: str(b.get("secret", "")) for var, b in binding.env.items()
-                       if isinstance(b, dict)}
+    names = m.secrets.of_sandbox(out.id)
+    if names is not None:
+        out.secrets = names
     return out
 
 

@@ -1,4 +1,4 @@
-"""``/secrets``: the vault (``hangar.core.secrets``): store, list, rotate and delete secrets
+"""``/secrets``: the vault (``SandboxService.secrets``): store, list, rotate and delete secrets
 that sandboxes use through their egress proxy without holding them (docs/security.md,
 "Secrets and the vault"). No route ever answers with a value."""
 
@@ -9,8 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Response
 
 from hangar.api.deps import manager
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.secrets import SecretRecord
+from hangar.core.service import SandboxManager, SecretView
 from hangar.schemas import CreateSecret, RotateSecret, SecretInfo, SecretList
 from hangar.schemas.secrets import SECRET_NAME
 
@@ -19,7 +18,7 @@ Manager = Annotated[SandboxManager, Depends(manager)]
 Name = Annotated[str, Path(pattern=SECRET_NAME, description="The secret's name.")]
 
 
-def view(rec: SecretRecord) -> SecretInfo:
+def view(rec: SecretView) -> SecretInfo:
     return SecretInfo(name=rec.name, hosts=list(rec.hosts), created_at=rec.created_at,
                       updated_at=rec.updated_at)
 
@@ -28,31 +27,28 @@ def view(rec: SecretRecord) -> SecretInfo:
              summary="Store a secret, encrypted, with the hosts it may be sent to",
              responses={409: {"description": "the name is taken (PUT rotates it)"}})
 async def create(body: CreateSecret, m: Manager) -> SecretInfo:
-    return view(m.vault.add(body.name, body.value, body.hosts))
+    return view(m.secrets.add(body.name, body.value, body.hosts))
 
 
 @router.get("", response_model=SecretList, summary="List secrets: names and hosts, never values")
 async def list_(m: Manager) -> SecretList:
-    return SecretList(secrets=[view(r) for r in m.vault.list()])
+    return SecretList(secrets=[view(r) for r in m.secrets.list()])
 
 
 @router.get("/{name}", response_model=SecretInfo, summary="One secret's name and hosts")
 async def get(name: Name, m: Manager) -> SecretInfo:
-    return view(m.vault.get(name))
+    return view(m.secrets.get(name))
 
 
 @router.put("/{name}", response_model=SecretInfo,
             summary="Rotate a secret: a new value (and hosts); running sandboxes' proxies "
                     "use it from their next request")
 async def rotate(name: Name, body: RotateSecret, m: Manager) -> SecretInfo:
-    rec = m.vault.rotate(name, body.value, body.hosts)
-    m.secret_proxies.refresh()
-    return view(rec)
+    return view(m.secrets.rotate(name, body.value, body.hosts))
 
 
 @router.delete("/{name}", status_code=204,
                summary="Delete a secret; sandboxes that use it get their placeholder refused")
 async def delete(name: Name, m: Manager) -> Response:
-    m.vault.delete(name)
-    m.secret_proxies.refresh()
+    m.secrets.delete(name)
     return Response(status_code=204)

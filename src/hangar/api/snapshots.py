@@ -9,19 +9,16 @@ from fastapi import APIRouter, Depends, Response
 from hangar.api.deps import manager, placement
 from hangar.api.models import ForkRequest, RestoreRequest, Sandbox, Snapshot, SnapshotList
 from hangar.api.sandboxes import view as sandbox_view
-from hangar.core.admission import CreateOptions
-from hangar.core.handover import Placement
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.store import SnapshotRecord, image_id
+from hangar.core.service import CreateOptions, Placement, SandboxManager, SnapshotView
 
 router = APIRouter(tags=["snapshots"])
 Manager = Annotated[SandboxManager, Depends(manager)]
 
 
-def view(s: SnapshotRecord) -> Snapshot:
+def view(s: SnapshotView) -> Snapshot:
     return Snapshot(id=s.id, sandbox_id=s.sandbox_id, size_bytes=s.size_bytes,
                     created_at=s.created_at, image=s.image,
-                    image_id=image_id(s.image, s.image_digest), vcpus=s.vcpus,
+                    image_id=s.image_id, vcpus=s.vcpus,
                     memory_mib=s.memory_mib, disk_mib=s.disk_mib)
 
 

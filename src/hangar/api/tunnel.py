@@ -37,8 +37,7 @@ from fastapi import APIRouter, WebSocket
 from hangar.api.auth import authenticate
 from hangar.api.tickets import deny, deny_error
 from hangar.api.wspump import Traffic, pump_stream
-from hangar.core.guestcalls import NoListener
-from hangar.core.sandboxes import SandboxManager
+from hangar.core.service import NoListener, SandboxManager
 from hangar.errors import HangarError
 from hangar.schemas.bounds import PORT_MAX, PORT_MIN
 

@@ -48,9 +48,9 @@ from hangar.api.tickets import (  # noqa: F401  (re-exported: vnc.TicketBook, vn
     tickets,
 )
 from hangar.api.wspump import ByteStream, Refuse, pump_stream
-from hangar.core.desktop import VNC_PORT  # noqa: F401  (re-exported)
-from hangar.core.guestcalls import NoListener
-from hangar.core.sandboxes import SandboxManager
+from hangar.core.service import (  # noqa: F401  (VNC_PORT re-exported)
+    VNC_PORT, NoListener, SandboxManager,
+)
 from hangar.errors import HangarError
 from hangar.schemas import VncTicket as TicketResponse
 

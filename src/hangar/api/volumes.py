@@ -1,5 +1,5 @@
 """``/volumes``: named volumes that outlive sandboxes: make, list, get, grow, delete, and read
-their files without a sandbox (``hangar.core.volumes``; docs/volumes.md)."""
+their files without a sandbox (``SandboxService.volumes``; docs/volumes.md)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Response
 
 from hangar.api.deps import manager
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.store import VolumeRecord
-from hangar.core.volumes import Volumes
+from hangar.core.service import SandboxManager, VolumeView
 from hangar.schemas import (
     CreateVolume, ResizeVolume, VolumeAttachment, VolumeFileEntry, VolumeFileList, VolumeInfo,
     VolumeList,
@@ -23,49 +21,41 @@ ATTACHED = {409: {"description": "the volume is attached to a sandbox (or being 
                                  "busy, retry)"}}
 
 
-def _volumes(m: SandboxManager) -> Volumes:
-    return m.volumes
-
-
-def view(v: Volumes, rec: VolumeRecord) -> VolumeInfo:
+def view(rec: VolumeView) -> VolumeInfo:
     return VolumeInfo(id=rec.id, name=rec.name, size_mib=rec.size_mib,
                       created_at=rec.created_at, updated_at=rec.updated_at,
                       attached=[VolumeAttachment(sandbox_id=a.sandbox_id, path=a.path,
                                                  read_only=a.read_only)
-                                for a in v.holders(rec.id)])
+                                for a in rec.attached])
 
 
 @router.post("", status_code=201, response_model=VolumeInfo,
              summary="Make an empty named volume (an ext4 filesystem of size_mib MiB)",
              responses={409: {"description": "the name is taken"}})
 async def create(body: CreateVolume, m: Manager) -> VolumeInfo:
-    v = _volumes(m)
-    return view(v, await v.create(body.name, body.size_mib))
+    return view(await m.volumes.create(body.name, body.size_mib))
 
 
 @router.get("", response_model=VolumeList, summary="List volumes")
 async def list_(m: Manager) -> VolumeList:
-    v = _volumes(m)
-    return VolumeList(volumes=[view(v, r) for r in v.list()])
+    return VolumeList(volumes=[view(r) for r in m.volumes.list()])
 
 
 @router.get("/{volume}", response_model=VolumeInfo, summary="One volume, by id or name")
 async def get(volume: str, m: Manager) -> VolumeInfo:
-    v = _volumes(m)
-    return view(v, v.get(volume))
+    return view(m.volumes.get(volume))
 
 
 @router.patch("/{volume}", response_model=VolumeInfo, responses=ATTACHED,
               summary="Grow a volume (offline: refused while a sandbox holds it)")
 async def resize(volume: str, body: ResizeVolume, m: Manager) -> VolumeInfo:
-    v = _volumes(m)
-    return view(v, await v.resize(volume, body.size_mib))
+    return view(await m.volumes.resize(volume, body.size_mib))
 
 
 @router.delete("/{volume}", status_code=204, responses=ATTACHED,
                summary="Delete a volume and its data (refused while a sandbox holds it)")
 async def delete(volume: str, m: Manager) -> Response:
-    _volumes(m).delete(volume)
+    m.volumes.delete(volume)
     return Response(status_code=204)
 
 
@@ -77,7 +67,7 @@ async def delete(volume: str, m: Manager) -> Response:
                 "description": "a folder's entries (JSON), or a file's bytes"}})
 async def files(volume: str, m: Manager,
                 path: Annotated[str, Query(max_length=PATH_MAX)] = "/") -> Any:
-    kind, got = await _volumes(m).files(volume, path)
+    kind, got = await m.volumes.files(volume, path)
     if kind == "file":
         return Response(got, media_type="application/octet-stream")
     entries, total = got

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from hangar.core.tasks import race
+from hangar.core.service import race
 from hangar.errors import HangarError
 
 DROPPED = (WebSocketDisconnect, HangarError, ConnectionError, RuntimeError)

@@ -30,8 +30,7 @@ from hangar.cluster.etcd import (
     Compacted, Etcd, Event, cmp_mod, cmp_value, cmp_version, op_delete, op_put,
 )
 from hangar.cluster.records import BadRecord, NodeInfo, SandboxObject
-from hangar.core.machines import USER_ID
-from hangar.core.tasks import Tasks
+from hangar.core.service import USER_ID, Tasks
 from hangar.errors import Conflict, LimitExceeded
 
 log = logging.getLogger("hangar.cluster.directory")

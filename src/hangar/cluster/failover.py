@@ -37,8 +37,7 @@ from hangar.cluster import records as R
 from hangar.cluster.directory import Directory
 from hangar.cluster.membership import Membership
 from hangar.cluster.records import SandboxObject
-from hangar.core.lifecycle import GONE, Guard, IllegalTransition, State
-from hangar.core.tasks import Tasks, every
+from hangar.core.service import GONE, Guard, IllegalTransition, State, Tasks, every
 from hangar.errors import Conflict
 
 log = logging.getLogger("hangar.cluster.failover")

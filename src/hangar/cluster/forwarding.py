@@ -25,7 +25,7 @@ import httpx
 
 from hangar.cluster.records import NodeInfo
 from hangar.cluster.wsproxy import relay
-from hangar.core.handover import PLACEMENT_SCOPE, Placement
+from hangar.core.service import PLACEMENT_SCOPE, Placement
 from hangar.error_body import render_error
 from hangar.errors import HangarError, Unavailable
 

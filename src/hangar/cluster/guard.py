@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, EtcdUnavailable
-from hangar.core.tasks import Tasks, every
+from hangar.core.service import Tasks, every
 
 log = logging.getLogger("hangar.cluster.guard")
 

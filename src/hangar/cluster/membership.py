@@ -43,7 +43,7 @@ from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, EtcdUnavailable, LeaseGone, cmp_version, op_put
 from hangar.cluster.forwarding import H_TOKEN
 from hangar.cluster.records import NodeInfo
-from hangar.core.tasks import Tasks, every
+from hangar.core.service import Tasks, every
 
 log = logging.getLogger("hangar.cluster.membership")
 

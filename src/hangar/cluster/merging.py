@@ -19,8 +19,7 @@ import httpx
 from hangar.cluster.directory import Directory
 from hangar.cluster.forwarding import H_LOCAL, H_TOKEN, HOP, INTERNAL, Answer, json_answer
 from hangar.cluster.records import NodeInfo, SandboxObject
-from hangar.core.lifecycle import State
-from hangar.core.machines import NAMES, desired_name
+from hangar.core.service import NAMES, State, desired_name
 from hangar.images import image_id
 
 NODE_TIMEOUT_S = 10.0

@@ -51,13 +51,10 @@ from hangar.cluster.records import (
 from hangar.cluster.sharing import Sharing, shared_snapshot, template_meta
 from hangar.cluster.storage import SharedStore, open_store
 from hangar.config import Settings
-from hangar.core.handover import Adoptee, describe
-from hangar.core.hooks import Hooks
-from hangar.core.lifecycle import GONE, LIVE, IllegalTransition, State
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.store import SandboxRecord, SnapshotRecord
-from hangar.core.tasks import Tasks, every
-from hangar.core.views import sandbox_view
+from hangar.core.service import (
+    GONE, LIVE, Adoptee, Hooks, IllegalTransition, SandboxManager, SandboxView, SnapshotView, State,
+    Tasks, describe, every, sandbox_view,
+)
 from hangar.errors import ConfigError, Conflict, HangarError, NotFound
 from hangar.images import image_id
 from hangar.layout import Layout
@@ -97,7 +94,7 @@ class NodeHooks(Hooks):
     def __init__(self, node: "ClusterNode") -> None:
         self.node = node
 
-    async def claim(self, rec: SandboxRecord) -> None:
+    async def claim(self, rec: SandboxView) -> None:
         await self.node.claim_slot(rec.id)
 
     async def release(self, sandbox_id: str) -> None:
@@ -107,7 +104,7 @@ class NodeHooks(Hooks):
             log.warning("slot release failed", extra={"sandbox_id": sandbox_id,
                                                       "error": exc.message})
 
-    async def saved(self, rec: SandboxRecord, snap: SnapshotRecord) -> None:
+    async def saved(self, rec: SandboxView, snap: SnapshotView) -> None:
         assert self.node.sharing is not None
         await self.node.sharing.share(rec, snap)
 
@@ -192,7 +189,7 @@ class ClusterNode:
         """Register, load the directory, drop stale local sandboxes, then start the loops."""
         assert self.config is not None
         self.manager = manager
-        manager.store.on_transition(lambda rec, frm, to: self.mark(rec.id))
+        manager.on_transition(lambda rec, frm, to: self.mark(rec.id))
         self.directory.on_change(self._changed)
         self.membership = Membership(self.etcd, self.directory, self.name,
                                      self.config.lease_ttl_s, self.info, self.fence, self.rejoin,
@@ -225,7 +222,7 @@ class ClusterNode:
     def info(self) -> NodeInfo:
         m = self.manager
         cap = self.settings.max_sandboxes
-        used = len(m.store.with_vmm()) if m else 0
+        used = m.vmm_count() if m else 0
         images = []
         try:
             images = sorted(p.name for p in self.layout.images.iterdir()
@@ -234,9 +231,9 @@ class ClusterNode:
             pass
         return NodeInfo(
             name=self.name, address=self.address, capacity=cap, free=max(0, cap - used),
-            engine=m.engine.name if m else "", accel=m.engine.accel if m else "",
+            engine=m.engine_name if m else "", accel=m.engine_accel if m else "",
             cpu_model=cpu_model(), images=images, memory_free_mib=memory_free_mib(),
-            pool=len(m.store.in_states({State.POOLED})) if m else 0,
+            pool=len(m.in_states({State.POOLED})) if m else 0,
             draining=self.name in self.directory.draining, version=__version__)
 
     def writable(self) -> bool:
@@ -297,7 +294,7 @@ class ClusterNode:
         """Write this node's view of ``sid`` into its record (see the module docstring)."""
         m = self.manager
         assert m is not None
-        rec = m.store.get(sid)
+        rec = m.find(sid)
         if rec is None or rec.state == State.POOLED:
             return
         cur = await self.directory.fresh(sid)
@@ -349,7 +346,7 @@ class ClusterNode:
         for sid, d in list(self.directory.sandboxes.items()):
             if d.node != self.name or sid in self._adopting:
                 continue
-            local = m.store.get(sid)
+            local = m.find(sid)
             if local is not None and local.state not in GONE:
                 if d.state != local.state:
                     self.mark(sid)
@@ -375,7 +372,7 @@ class ClusterNode:
         m = self.manager
         if m is None or sid in self._discarding:
             return
-        local = m.store.get(sid)
+        local = m.find(sid)
         if local is None or local.state in GONE or local.state == State.CREATING:
             return
         if rec is None or rec.node != self.name:
@@ -413,8 +410,8 @@ class ClusterNode:
         m = self.manager
         assert m is not None
         await self.directory.load()
-        for rec in m.store.in_states(LIVE | {State.FAILED}):
-            if rec.state == State.CREATING and m.registry.create_in_flight(rec.id):
+        for rec in m.in_states(LIVE | {State.FAILED}):
+            if rec.state == State.CREATING and m.create_in_flight(rec.id):
                 continue
             d = self.directory.sandboxes.get(rec.id)
             if not self.owns(d):
@@ -489,7 +486,7 @@ class ClusterNode:
         d = await self.directory.fresh(sid)
         if d is None:
             raise NotFound(f"no sandbox {sid}", sandbox_id=sid)
-        local = m.store.get(sid)
+        local = m.find(sid)
         if self.owns(d) and local is not None and local.state not in GONE:
             return True
         if d.state != State.SLEEPING or not d.snapshot:

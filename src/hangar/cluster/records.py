@@ -40,11 +40,10 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from hangar.core.handover import Template
-from hangar.core.lifecycle import (
-    VMM_STATES, Face, Guard, OnExpiry, State, check, check_desired, from_public, public_name, walk,
+from hangar.core.service import (
+    USER_ID, VMM_STATES, Face, Guard, OnExpiry, State, Template, check, check_desired,
+    from_public, public_name, walk,
 )
-from hangar.core.machines import USER_ID
 
 ROOT = "/hangar/"
 CONFIG = ROOT + "config"

@@ -41,9 +41,7 @@ from hangar.cluster.merging import machine_view, snapshot_view
 from hangar.cluster.node import ClusterNode
 from hangar.cluster.placement import Need, rank
 from hangar.cluster.records import NodeInfo, SandboxObject
-from hangar.core.admission import new_id
-from hangar.core.lifecycle import GONE, State
-from hangar.core.machines import USER_ID
+from hangar.core.service import GONE, USER_ID, State, new_id
 from hangar.errors import Conflict, InvalidRequest, NotFound, TooLarge, Unavailable
 
 SANDBOX = re.compile(r"^/sandboxes/(?P<id>[^/]+)(?P<rest>/.*)?$")
@@ -118,7 +116,7 @@ class Router:
 
     def _local(self, sid: str) -> bool:
         m = self.node.manager
-        rec = m.store.get(sid) if m else None
+        rec = m.find(sid) if m else None
         return rec is not None and rec.state not in GONE
 
     async def _adopt_and_serve(self, scope: dict[str, Any], receive: Any, send: Any,
@@ -281,7 +279,7 @@ class Router:
             status = await self.fwd.forward(scope, receive, send, headers, d.nodes[owner])
         else:
             m = self.node.manager
-            if m is not None and not m.handover.has_snapshot(snap_id):
+            if m is not None and not m.has_snapshot(snap_id):
                 if method == "GET":
                     await respond(send, json_answer(200, snapshot_view({**meta, "id": snap_id})))
                     return

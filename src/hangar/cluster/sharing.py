@@ -22,9 +22,7 @@ from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd
 from hangar.cluster.records import BadRecord, SandboxObject
 from hangar.cluster.storage import SharedStore
-from hangar.core.handover import SharedSnapshot
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.store import SandboxRecord, SnapshotRecord
+from hangar.core.service import SandboxManager, SandboxView, SharedSnapshot, SnapshotView
 from hangar.errors import Conflict, HangarError, NotFound
 from hangar.layout import Layout, SnapshotPaths
 
@@ -79,7 +77,7 @@ class Sharing:
         self.name = name
         self.owns = owns
 
-    async def share(self, rec: SandboxRecord, snap: SnapshotRecord) -> None:
+    async def share(self, rec: SandboxView, snap: SnapshotView) -> None:
         """Upload a finished snapshot; a sleep snapshot becomes the record's last snapshot
         (the one before is deleted), a user snapshot is listed for forks on any node."""
         started = time.monotonic()
@@ -133,7 +131,7 @@ class Sharing:
         """Download a user snapshot made on another node and record it here (a fork).
         Raises NotFound, Conflict (its metadata is unreadable), StorageError."""
         m = manager
-        if m.handover.has_snapshot(snap_id):
+        if m.has_snapshot(snap_id):
             return
         meta = self.directory.snapshots.get(snap_id)
         if meta is None:
@@ -151,4 +149,4 @@ class Sharing:
             raise Conflict(f"snapshot {snap_id}'s cluster record is unreadable: {exc}",
                            snapshot_id=snap_id) from None
         await self.fetch(snap_id)
-        m.handover.receive(snap)
+        m.receive_snapshot(snap)

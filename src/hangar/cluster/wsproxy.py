@@ -20,7 +20,7 @@ from typing import Any
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from hangar.core.tasks import race
+from hangar.core.service import race
 from hangar.error_body import render
 
 log = logging.getLogger("hangar.cluster.ws")

@@ -243,7 +243,7 @@ class Desktop:
 
     async def _marker(self, sandbox_id: str) -> dict[str, object] | None:
         try:
-            data = b"".join([c async for c in self.manager.read_file(sandbox_id, READY_FILE)])
+            data = b"".join([c async for c in self.manager.files.read(sandbox_id, READY_FILE)])
         except NotFound:
             return None
         try:
@@ -253,7 +253,7 @@ class Desktop:
 
     async def _error(self, sandbox_id: str) -> str | None:
         try:
-            data = b"".join([c async for c in self.manager.read_file(sandbox_id, ERROR_FILE)])
+            data = b"".join([c async for c in self.manager.files.read(sandbox_id, ERROR_FILE)])
         except NotFound:
             return None
         return data.decode(errors="replace").strip() or "unknown error"

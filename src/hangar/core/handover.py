@@ -37,7 +37,7 @@ from hangar.core.lifecycle import INITIAL, OnExpiry, State, check_desired
 from hangar.core.recovery import vmm_processes
 from hangar.core.removal import Removal
 from hangar.core.store import MachineRecord, SandboxRecord, SnapshotRecord
-from hangar.core.views import user_metadata
+from hangar.core.views import SandboxView, user_metadata
 from hangar.engines.process import kill_process
 
 log = logging.getLogger("hangar.handover")
@@ -81,7 +81,7 @@ class Template:
     """The record's clock (``hangar.core.sleep``): a paused sandbox keeps it stopped."""
 
 
-def describe(rec: SandboxRecord) -> Template:
+def describe(rec: SandboxRecord | SandboxView) -> Template:
     """The template of ``rec`` (what another node needs to recreate it)."""
     return Template(image=rec.image, image_digest=rec.image_digest, engine=rec.engine,
                     accel=rec.accel, vcpus=rec.vcpus, memory_mib=rec.memory_mib,

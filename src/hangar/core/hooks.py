@@ -16,7 +16,8 @@ nodes or its files shared with them:
                             and record it locally; raises NotFound
 ==========================  ===================================================
 
-Arrows run one way: the core never imports the cluster layer.
+Records reach the hooks as frozen views (``hangar.core.views``). Arrows run one
+way: the core never imports the cluster layer.
 """
 
 from __future__ import annotations
@@ -24,19 +25,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hangar.core.store import SandboxRecord, SnapshotRecord
+    from hangar.core.views import SandboxView, SnapshotView
 
 
 class Hooks:
     """No-op hooks: one host, nothing to agree on."""
 
-    async def claim(self, rec: "SandboxRecord") -> None:
+    async def claim(self, rec: "SandboxView") -> None:
         """Take ownership and a VM slot before ``rec`` wakes."""
 
     async def release(self, sandbox_id: str) -> None:
         """Give back what ``claim`` took (the wake failed)."""
 
-    async def saved(self, rec: "SandboxRecord", snap: "SnapshotRecord") -> None:
+    async def saved(self, rec: "SandboxView", snap: "SnapshotView") -> None:
         """``snap``'s files are complete in the local snapshot folder."""
 
     async def fetch_snapshot(self, snapshot_id: str) -> None:

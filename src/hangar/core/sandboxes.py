@@ -30,7 +30,9 @@ module of ``hangar.core`` with a public surface the others use:
 ``testhooks``      test-only: crash at a named step, hold a wake up
 ``hooks``          a cluster node's part in wakes, saved snapshots and forks (no-ops alone)
 ``handover``       a cluster's placed creates, adopted sandboxes, sandboxes given up
-``views``          records as the API shows them
+``views``          frozen views of records (what the face answers with)
+``surfaces``       the face's sub-surfaces that wrap a part (volumes, secrets, network)
+``service``        the face: the one module api and cluster import
 ``tasks``          background tasks: started by name, crashes logged, stopped on close
 =================  ==============================================================
 
@@ -44,6 +46,10 @@ Rules:
   retirement hold the sandbox's lock; guest calls mark it busy, and a
   snapshot or sleep of a busy sandbox is refused with ``Busy`` (409, retryable).
 * A server killed at any step comes back consistent (``recovery``).
+* Outside core (api, cluster) the manager is used only through its face:
+  the names in ``SandboxManager.PUBLIC`` and the verbs of the sub-surfaces
+  in ``SandboxManager.SURFACES``; records leave it only as views
+  (``hangar.core.views``). ``tests/test_layers.py`` checks both.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -60,13 +66,13 @@ from hangar.config import Settings
 from hangar.core.admission import Admission, CreateOptions, new_id
 from hangar.core.secret_proxy import SecretProxies
 from hangar.core.secrets import Vault
-from hangar.core.commands import HOME, Command, FileEntry, FileEvent, FileList, WriteResult
+from hangar.core.commands import Command
 from hangar.core.context import Context
 from hangar.core.creation import Creation
 from hangar.core.events import EventBus
 from hangar.core.guestcalls import GuestCalls
 from hangar.core.processes import Processes
-from hangar.core.handover import Adoptee, Handover, Placement
+from hangar.core.handover import Adoptee, Handover, Placement, SharedSnapshot
 from hangar.core.hooks import Hooks
 from hangar.core.launch import Launcher, renet_meta
 from hangar.core.lifecycle import GONE, State
@@ -80,8 +86,10 @@ from hangar.engines.memory import MemoryUsage
 from hangar.core.removal import Removal
 from hangar.core.sleep import SETTLE_S, Connected, Sleeper
 from hangar.core.snapshots import Snapshots
-from hangar.core.store import SandboxRecord, SnapshotRecord, Store
+from hangar.core.store import Store
+from hangar.core.surfaces import CodeFace, FilesFace, NetworkFace, SecretsFace, VolumesFace
 from hangar.core.terminals import Terminals
+from hangar.core.views import SandboxView, SnapshotView
 from hangar.engines.base import Engine
 from hangar.errors import Conflict
 from hangar.engines.agent_client import AgentClient, ExecEvent, ExecResult, Tunnel
@@ -100,7 +108,27 @@ __all__ = ["CreateOptions", "SandboxManager", "new_id", "renet_meta"]
 
 
 class SandboxManager:
-    """Creates, tracks, snapshots and removes sandboxes. One per server process."""
+    """Creates, tracks, snapshots and removes sandboxes. One per server process.
+
+    Its face (``hangar.core.service``): the methods and attributes in ``PUBLIC``, and the
+    sub-surfaces in ``SURFACES`` (``m.ports.expose(...)``); everything else on it
+    (``launcher``, ``calls``, ``store``, ``registry``...) is core's own."""
+
+    SURFACES = ("files", "ports", "processes", "terminals", "desktop", "volumes", "secrets",
+                "network", "code", "settings", "events")
+    """Attributes that are sub-surfaces: outside core, ``m.<surface>.<verb>`` is allowed
+    for their public verbs (``settings`` and ``events`` are the server's settings and
+    event bus, shared as they are)."""
+
+    PUBLIC = frozenset(SURFACES) | {
+        "start", "close", "net", "policy", "get", "find", "list", "in_states", "vmm_count",
+        "on_transition", "create_in_flight", "memory", "set_timeout", "capacity",
+        "state_counts", "engine_name", "engine_accel", "describe_engine", "pool_status",
+        "create", "delete", "snapshot", "restore", "fork", "adopt", "forget", "fence",
+        "get_snapshot", "list_snapshots", "delete_snapshot", "has_snapshot",
+        "receive_snapshot", "sleep", "wake", "want", "pause", "connect", "settled", "extend",
+        "exec", "exec_stream", "tunnel", "agent", "port_key"}
+    """The face's names that api and cluster may use on the manager."""
 
     def __init__(self, settings: Settings, layout: Layout, store: Store, engine: Engine,
                  metrics: Metrics, events: EventBus | None = None,
@@ -128,9 +156,18 @@ class SandboxManager:
         self.sleeper = Sleeper(ctx, self.admission, self.launcher, self.removal, self.snapshots)
         self.calls = GuestCalls(ctx, self.launcher, self.sleeper)
         self.terminals = Terminals(self.calls.using, ctx.publish, self.launcher.vault.env)
+        self.files = FilesFace(self.calls)
+        """A sandbox's files (``core.surfaces.FilesFace``)."""
         self.processes = Processes(self.calls)
         """Background processes that outlive their connection (``core.processes``)."""
         self.ports = Ports(ctx)
+        self.secrets = SecretsFace(self.launcher.vault, self.launcher.secret_proxies)
+        """The vault, as views (``core.surfaces.SecretsFace``)."""
+        self.network = NetworkFace(self.launcher.rules, self.launcher.secret_proxies)
+        """Running sandboxes' egress rules (``core.surfaces.NetworkFace``)."""
+        self._volumes = VolumesFace(self.launcher.volumes)
+        self.code = CodeFace(self)
+        """The code interpreter (``core.surfaces.CodeFace``)."""
         self.reconciler = Reconciler(ctx, self.removal, self.sleeper, self.snapshots, self.pool,
                                      concurrency=settings.reconcile_concurrency)
         self.reconciler.add_pass("unresponsive", self.calls.probe_unresponsive)
@@ -143,9 +180,9 @@ class SandboxManager:
         metrics.watch_capacity(self.capacity)
 
     @property
-    def volumes(self) -> Any:
-        """Named volumes (``hangar.core.volumes.Volumes``)."""
-        return self.launcher.volumes
+    def volumes(self) -> VolumesFace:
+        """Named volumes, as views (``core.surfaces.VolumesFace``)."""
+        return self._volumes
 
     @property
     def net(self) -> Any:
@@ -190,9 +227,56 @@ class SandboxManager:
 
     # -- records -----------------------------------------------------------------------
 
-    def get(self, sandbox_id: str) -> SandboxRecord:
-        """The record of a sandbox. Raises NotFound (unknown, deleted) or Gone (expired)."""
-        return self.ctx.record(sandbox_id)
+    def get(self, sandbox_id: str) -> SandboxView:
+        """A sandbox. Raises NotFound (unknown, deleted) or Gone (expired)."""
+        return SandboxView.of(self.ctx.record(sandbox_id))
+
+    def find(self, sandbox_id: str) -> SandboxView | None:
+        """A sandbox in any state (pooled, ended ones too), or None when there is no record."""
+        rec = self.store.get(sandbox_id)
+        return None if rec is None else SandboxView.of(rec)
+
+    def in_states(self, states: Iterable[State]) -> list[SandboxView]:
+        """Sandboxes in ``states`` (pooled ones too when asked)."""
+        return [SandboxView.of(r) for r in self.store.in_states(states)]
+
+    def vmm_count(self) -> int:
+        """Sandboxes that hold a VMM (the ones counted against ``max_sandboxes``)."""
+        return len(self.store.with_vmm())
+
+    def on_transition(self, listener: Callable[[SandboxView, frozenset[State], State], None]
+                      ) -> None:
+        """Call ``listener(sandbox, the states it was expected in, the new state)`` after
+        every state change (in the writer's thread; it must be quick and not raise)."""
+        self.store.on_transition(lambda rec, frm, to: listener(SandboxView.of(rec), frm, to))
+
+    def create_in_flight(self, sandbox_id: str) -> bool:
+        """Whether this server is creating ``sandbox_id`` right now."""
+        return self.registry.create_in_flight(sandbox_id)
+
+    @property
+    def engine_name(self) -> str:
+        """The engine's name (``firecracker``, ``qemu``)."""
+        return self.engine.name
+
+    @property
+    def engine_accel(self) -> str:
+        """The engine's acceleration (``kvm``, ``tcg``...)."""
+        return self.engine.accel
+
+    def describe_engine(self) -> dict[str, str]:
+        """The engine as ``/health`` shows it."""
+        return self.engine.describe()
+
+    def pool_status(self) -> dict[str, Any] | None:
+        """The warm pool's sizes (``WarmPool.status``), or None when there is no pool."""
+        return self.pool.status() if self.pool is not None else None
+
+    @property
+    def port_key(self) -> bytes:
+        """The secret that signs this server's port tokens (E2B's access tokens derive
+        from it)."""
+        return self.ports.key.key()
 
     async def memory(self, sandbox_id: str) -> MemoryUsage | None:
         """What the sandbox's running VM costs the host and its guest uses (MiB); None when
@@ -202,9 +286,9 @@ class SandboxManager:
             return None
         return await self.engine.memory(rt.vm)
 
-    def list(self) -> list[SandboxRecord]:
+    def list(self) -> list[SandboxView]:
         """Sandboxes that exist or failed (not deleted, expired or pooled), oldest first."""
-        return self.store.visible()
+        return [SandboxView.of(r) for r in self.store.visible()]
 
     async def purge(self) -> int:
         """Remove the records of sandboxes deleted or expired more than
@@ -221,13 +305,13 @@ class SandboxManager:
             log.info("old sandbox records purged", extra={"records": n, "retention_s": keep})
         return n
 
-    def set_timeout(self, sandbox_id: str, timeout_s: float) -> SandboxRecord:
+    def set_timeout(self, sandbox_id: str, timeout_s: float) -> SandboxView:
         """Make the sandbox expire ``timeout_s`` seconds from now (0: never)."""
         rec = self.get(sandbox_id)
         if rec.state in (State.STOPPING, State.FAILED):
             raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}", sandbox_id=sandbox_id)
         expires = time.time() + timeout_s if timeout_s else None
-        return self.store.update(sandbox_id, expires_at=expires)  # type: ignore[return-value]
+        return SandboxView.of(self.store.update(sandbox_id, expires_at=expires))
 
     def capacity(self) -> Capacity:
         """VMMs against their cap, guest memory against the budget, the pool and free disk
@@ -252,30 +336,30 @@ class SandboxManager:
     # -- lifecycle ---------------------------------------------------------------------
 
     async def create(self, opts: CreateOptions,
-                     placement: Placement | None = None) -> SandboxRecord:
+                     placement: Placement | None = None) -> SandboxView:
         """See ``Creation.create``; ``placement``: the id a cluster claimed for it."""
-        return await self.creation.create(opts, placement)
+        return SandboxView.of(await self.creation.create(opts, placement))
 
     async def delete(self, sandbox_id: str) -> None:
         """See ``Removal.delete``."""
         await self.removal.delete(sandbox_id)
 
-    async def snapshot(self, sandbox_id: str) -> SnapshotRecord:
+    async def snapshot(self, sandbox_id: str) -> SnapshotView:
         """See ``Snapshots.snapshot``."""
-        return await self.snapshots.snapshot(sandbox_id)
+        return SnapshotView.of(await self.snapshots.snapshot(sandbox_id))
 
-    async def restore(self, sandbox_id: str, snapshot_id: str) -> SandboxRecord:
+    async def restore(self, sandbox_id: str, snapshot_id: str) -> SandboxView:
         """See ``Snapshots.restore``."""
-        return await self.snapshots.restore(sandbox_id, snapshot_id)
+        return SandboxView.of(await self.snapshots.restore(sandbox_id, snapshot_id))
 
     async def fork(self, snapshot_id: str, opts: CreateOptions,
-                   placement: Placement | None = None) -> SandboxRecord:
+                   placement: Placement | None = None) -> SandboxView:
         """See ``Snapshots.fork``; ``placement``: the id a cluster claimed for it."""
-        return await self.snapshots.fork(snapshot_id, opts, placement)
+        return SandboxView.of(await self.snapshots.fork(snapshot_id, opts, placement))
 
-    async def adopt(self, adoptee: Adoptee) -> SandboxRecord:
+    async def adopt(self, adoptee: Adoptee) -> SandboxView:
         """Take over a sleeping sandbox from another node. See ``Handover.adopt``."""
-        return await self.handover.adopt(adoptee)
+        return SandboxView.of(await self.handover.adopt(adoptee))
 
     async def forget(self, sandbox_id: str, why: str = "owned by another node") -> bool:
         """Drop a sandbox another node owns now. See ``Handover.forget``."""
@@ -285,48 +369,60 @@ class SandboxManager:
         """SIGKILL every VMM of this host (a cut-off cluster node). See ``Handover.fence``."""
         return self.handover.fence()
 
-    def get_snapshot(self, snapshot_id: str) -> SnapshotRecord:
-        return self.snapshots.get(snapshot_id)
+    def get_snapshot(self, snapshot_id: str) -> SnapshotView:
+        """One snapshot. Raises NotFound."""
+        return SnapshotView.of(self.snapshots.get(snapshot_id))
 
-    def list_snapshots(self, sandbox_id: str | None = None) -> list[SnapshotRecord]:
-        return self.snapshots.list(sandbox_id)
+    def list_snapshots(self, sandbox_id: str | None = None) -> list[SnapshotView]:
+        """Snapshots (of ``sandbox_id`` when given), oldest first."""
+        return [SnapshotView.of(s) for s in self.snapshots.list(sandbox_id)]
 
     def delete_snapshot(self, snapshot_id: str) -> None:
+        """Remove a snapshot and its files. Raises NotFound, Conflict (in use)."""
         self.snapshots.delete(snapshot_id)
 
-    async def sleep(self, sandbox_id: str) -> SandboxRecord:
+    def has_snapshot(self, snapshot_id: str) -> bool:
+        """Whether this host has a record of ``snapshot_id``."""
+        return self.handover.has_snapshot(snapshot_id)
+
+    def receive_snapshot(self, snap: SharedSnapshot) -> bool:
+        """Record a snapshot fetched from shared storage; False when this host has it.
+        See ``Handover.receive``."""
+        return self.handover.receive(snap)
+
+    async def sleep(self, sandbox_id: str) -> SandboxView:
         """See ``Sleeper.sleep``."""
-        return await self.sleeper.sleep(sandbox_id)
+        return SandboxView.of(await self.sleeper.sleep(sandbox_id))
 
-    async def wake(self, sandbox_id: str) -> SandboxRecord:
+    async def wake(self, sandbox_id: str) -> SandboxView:
         """See ``Sleeper.wake``."""
-        return await self.sleeper.wake(sandbox_id)
+        return SandboxView.of(await self.sleeper.wake(sandbox_id))
 
-    def want(self, sandbox_id: str, state: State) -> SandboxRecord:
+    def want(self, sandbox_id: str, state: State) -> SandboxView:
         """See ``Sleeper.want``."""
-        return self.sleeper.want(sandbox_id, state)
+        return SandboxView.of(self.sleeper.want(sandbox_id, state))
 
-    async def pause(self, sandbox_id: str) -> SandboxRecord:
+    async def pause(self, sandbox_id: str) -> SandboxView:
         """Sleep with the clock stopped (``Sleeper.pause``)."""
-        return await self.sleeper.pause(sandbox_id)
+        return SandboxView.of(await self.sleeper.pause(sandbox_id))
 
     async def connect(self, sandbox_id: str, ttl_s: float,
                       settle_s: float = SETTLE_S) -> Connected:
         """Wake or extend, saying which (``Sleeper.connect``)."""
         return await self.sleeper.connect(sandbox_id, ttl_s, settle_s)
 
-    async def settled(self, sandbox_id: str, timeout_s: float = SETTLE_S) -> SandboxRecord:
-        """The record once it is between no two states (``Sleeper.settled``)."""
-        return await self.sleeper.settled(sandbox_id, timeout_s)
+    async def settled(self, sandbox_id: str, timeout_s: float = SETTLE_S) -> SandboxView:
+        """The sandbox once it is between no two states (``Sleeper.settled``)."""
+        return SandboxView.of(await self.sleeper.settled(sandbox_id, timeout_s))
 
-    def extend(self, sandbox_id: str, ttl_s: float) -> SandboxRecord:
+    def extend(self, sandbox_id: str, ttl_s: float) -> SandboxView:
         """Live at least ``ttl_s`` seconds more, never less (``Sleeper.extend``)."""
-        return self.sleeper.extend(sandbox_id, ttl_s)
+        return SandboxView.of(self.sleeper.extend(sandbox_id, ttl_s))
 
     # -- guest calls ------------------------------------------------------------------
     # Typed operations in a sandbox's guest (``hangar.core.commands``: Command, FileEntry,
     # HOME...); each wakes a sleeping sandbox first and holds it busy while it runs. See
-    # ``GuestCalls`` for the errors each raises.
+    # ``GuestCalls`` for the errors each raises. Files are ``self.files``.
 
     @asynccontextmanager
     async def using(self, sandbox_id: str) -> AsyncIterator[AgentClient]:
@@ -345,44 +441,15 @@ class SandboxManager:
         """See ``GuestCalls.exec_stream``."""
         return self.calls.exec_stream(sandbox_id, cmd, stdin, shown)
 
-    def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
-        """See ``GuestCalls.read_file``."""
-        return self.calls.read_file(sandbox_id, path)
-
-    async def write_file(self, sandbox_id: str, path: str,
-                         chunks: Iterable[bytes] | AsyncIterator[bytes],
-                         mode: int = 0o644) -> WriteResult:
-        """See ``GuestCalls.write_file``."""
-        return await self.calls.write_file(sandbox_id, path, chunks, mode)
-
-    async def list_dir(self, sandbox_id: str, path: str = HOME) -> FileList:
-        """See ``GuestCalls.list_dir``."""
-        return await self.calls.list_dir(sandbox_id, path)
-
-    async def stat(self, sandbox_id: str, path: str) -> FileEntry:
-        """See ``GuestCalls.stat``."""
-        return await self.calls.stat(sandbox_id, path)
-
-    async def mkdir(self, sandbox_id: str, path: str, parents: bool = True) -> FileEntry:
-        """See ``GuestCalls.mkdir``."""
-        return await self.calls.mkdir(sandbox_id, path, parents)
-
-    async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
-        """See ``GuestCalls.remove``."""
-        await self.calls.remove(sandbox_id, path, recursive)
-
-    def tunnel(self, sandbox_id: str, port: int) -> AbstractAsyncContextManager[Tunnel]:
-        """See ``GuestCalls.tunnel``: ``async with m.tunnel(id, port) as conn: ...``."""
-        return self.calls.tunnel(sandbox_id, port)
+    def tunnel(self, sandbox_id: str, port: int,
+               busy: bool = True) -> AbstractAsyncContextManager[Tunnel]:
+        """See ``GuestCalls.tunnel``: ``async with m.tunnel(id, port) as conn: ...``;
+        ``busy=False``: the tunnel does not hold the sandbox busy (proxied traffic)."""
+        return self.calls.tunnel(sandbox_id, port, busy=busy)
 
     async def agent(self, sandbox_id: str) -> AgentClient:
         """See ``GuestCalls.agent``."""
         return await self.calls.agent(sandbox_id)
-
-    def watch(self, sandbox_id: str, path: str,
-              recursive: bool = False) -> AsyncIterator[list[FileEvent]]:
-        """See ``GuestCalls.watch``."""
-        return self.calls.watch(sandbox_id, path, recursive)
 
     @property
     def desktop(self) -> Desktop:

@@ -58,6 +58,7 @@ from hangar.core.removal import Removal
 from hangar.core.snapshots import Snapshots, running_and_idle
 from hangar.core.store import SandboxRecord, SnapshotRecord
 from hangar.core.testhooks import crash_point, wake_delay
+from hangar.core.views import SandboxView, SnapshotView
 from hangar.errors import Busy, Conflict
 
 log = logging.getLogger("hangar.sleep")
@@ -82,9 +83,9 @@ class Connect(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Connected:
-    """The answer of ``connect``: the record after it, and what it did."""
+    """The answer of ``connect``: the sandbox after it (a frozen view), and what it did."""
 
-    record: SandboxRecord
+    record: SandboxView
     did: Connect
 
 
@@ -172,10 +173,10 @@ class Sleeper:
                 if rec.state == State.SLEEPING:
                     rec, woke = await self._wake(sandbox_id, ttl_s)
                     if woke:
-                        return Connected(rec, Connect.WOKE)
+                        return Connected(SandboxView.of(rec), Connect.WOKE)
                 if rec.state in (State.RUNNING, State.UNRESPONSIVE):
                     rec = self.extend(sandbox_id, ttl_s, {State.RUNNING, State.UNRESPONSIVE})
-                    return Connected(rec, Connect.EXTENDED)
+                    return Connected(SandboxView.of(rec), Connect.EXTENDED)
             except Conflict as exc:
                 if isinstance(exc, Busy) or self.ctx.record(sandbox_id).state == rec.state:
                     raise  # not a move under it: the connect's own answer
@@ -207,7 +208,7 @@ class Sleeper:
                                        desired_state=State.SLEEPING, **armed)
             try:
                 snap = await self.snapshots.save(rec, rt, "sleep")
-                await ctx.hooks.saved(rec, snap)  # a cluster uploads it before the VM ends
+                await ctx.hooks.saved(SandboxView.of(rec), SnapshotView.of(snap))  # uploaded first
             except BaseException:
                 if rt.vm.alive():
                     await ctx.engine.resume(rt.vm)
@@ -267,7 +268,7 @@ class Sleeper:
                 raise Conflict(f"sandbox {sandbox_id} lost its sleep snapshot",
                                sandbox_id=sandbox_id)
             async with self.admission.slot(create=False, memory_mib=rec.memory_mib):
-                await ctx.hooks.claim(rec)  # a cluster: ownership and a slot, or refused
+                await ctx.hooks.claim(SandboxView.of(rec))  # a cluster: owner and slot, or refused
                 try:
                     rec = ctx.store.transition(sandbox_id, State.SLEEPING, State.WAKING,
                                                desired_state=State.RUNNING)

@@ -30,6 +30,7 @@ from hangar.core.registry import Runtime
 from hangar.core.removal import Removal
 from hangar.core.store import SandboxRecord, SnapshotRecord
 from hangar.core.testhooks import crash_point
+from hangar.core.views import SandboxView, SnapshotView
 from hangar.errors import Busy, Conflict, InvalidRequest, NotFound
 from hangar.images import resolve_pinned
 
@@ -118,7 +119,7 @@ class Snapshots:
                 if rt.vm.alive():
                     await ctx.engine.resume(rt.vm)
                 ctx.store.transition(sandbox_id, State.SNAPSHOTTING, State.RUNNING)
-        await ctx.hooks.saved(rec, snap)  # the VM runs again while a cluster uploads it
+        await ctx.hooks.saved(SandboxView.of(rec), SnapshotView.of(snap))  # VM runs on meanwhile
         log.info("snapshot taken", extra={"sandbox_id": sandbox_id, "snapshot_id": snap.id,
                                           "size_bytes": snap.size_bytes,
                                           "duration_s": round(time.monotonic() - started, 3)})

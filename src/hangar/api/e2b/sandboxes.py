@@ -43,13 +43,10 @@ from hangar.api.e2b.models import (
     NewSandbox, NewSandboxV2, PauseRequest, RefreshRequest, ResumedSandbox, Sandbox, SandboxDetail,
     SandboxesWithMetrics, SandboxMetric, TimeoutRequest,
 )
-from hangar.core import e2b
-from hangar.core.admission import CreateOptions
-from hangar.core.lifecycle import Face, OnExpiry, State, public_name
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.sleep import Connect
-from hangar.core.store import SandboxRecord
-from hangar.errors import Busy, Conflict, HangarError, InvalidRequest, NotFound
+from hangar.core.service import (
+    Connect, CreateOptions, Face, OnExpiry, SandboxManager, SandboxView, State, e2b, public_name,
+)
+from hangar.errors import Busy, Conflict, HangarError, InvalidRequest
 from hangar.schemas.bounds import METADATA_ENTRIES, QUERY_BYTES
 
 log = logging.getLogger("hangar.api.e2b")
@@ -149,7 +146,7 @@ def _states(raw: str | None) -> set[str]:
     return states
 
 
-def _matches(rec: SandboxRecord, metadata: dict[str, str], template: str | None) -> bool:
+def _matches(rec: SandboxView, metadata: dict[str, str], template: str | None) -> bool:
     mine = views.user_metadata(rec)
     if any(mine.get(k) != v for k, v in metadata.items()):
         return False
@@ -243,7 +240,7 @@ async def update_network(sandbox_id: str, body: NetworkUpdate, m: Manager) -> Re
     if body.allow_internet_access is False and "0.0.0.0/0" not in deny:
         deny.append("0.0.0.0/0")
     allow, deny = views.e2b_rules(list(body.allowOut or []), deny)
-    await m.launcher.rules.change(sandbox_id, allow=allow, deny=deny)
+    await m.network.change(sandbox_id, allow=allow, deny=deny)
     return Response(status_code=204)
 
 

@@ -17,9 +17,7 @@ from hangar.api.deps import manager
 from hangar.api.e2b import views
 from hangar.api.e2b.errors import E2BRoute
 from hangar.api.e2b.models import SnapshotInfo, SnapshotRequest
-from hangar.core.lifecycle import State
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.store import SnapshotRecord
+from hangar.core.service import SandboxManager, SnapshotView, State
 from hangar.errors import Conflict, InvalidRequest
 
 router = APIRouter(route_class=E2BRoute)
@@ -29,7 +27,7 @@ PAGE = 100
 """Largest page of the list (E2B's ``limit`` maximum)."""
 
 
-def info(snap: SnapshotRecord) -> SnapshotInfo:
+def info(snap: SnapshotView) -> SnapshotInfo:
     return SnapshotInfo(snapshotID=snap.id, names=[snap.id])
 
 

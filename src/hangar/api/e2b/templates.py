@@ -20,8 +20,7 @@ from hangar.api.deps import manager
 from hangar.api.e2b.errors import E2BRoute
 from hangar.api.e2b.models import Template, TemplateAlias, TemplateBuild, TemplateWithBuilds
 from hangar.api.e2b.views import rfc3339
-from hangar.core import e2b
-from hangar.core.sandboxes import SandboxManager
+from hangar.core.service import SandboxManager, e2b
 from hangar.errors import HangarError, InvalidRequest, NotFound
 
 router = APIRouter(route_class=E2BRoute)

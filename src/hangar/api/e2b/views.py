@@ -19,11 +19,10 @@ from typing import Any, Literal
 from hangar.api.e2b.models import (
     Lifecycle, ListedSandbox, NetworkConfig, Sandbox, SandboxDetail, SandboxMetric,
 )
-from hangar.core import e2b
-from hangar.core import views as core_views
-from hangar.core.lifecycle import Face, OnExpiry, public_name
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.store import SandboxRecord
+from hangar.core.service import (
+    Face, OnExpiry, SandboxManager, SandboxView, e2b, public_name,
+)
+from hangar.core.service import user_metadata as core_user_metadata
 from hangar.errors import InvalidRequest, NotFound
 
 CLIENT_ID = "hangar"
@@ -34,13 +33,13 @@ NEVER = "9999-12-31T23:59:59Z"
 E2BState = Literal["running", "paused"]
 
 
-def state_of(rec: SandboxRecord) -> E2BState | None:
+def state_of(rec: SandboxView) -> E2BState | None:
     """``running``, ``paused``, or None for a sandbox E2B would not show."""
     name = public_name(rec.state, Face.E2B, rec.desired_state)
     return "paused" if name == "paused" else "running" if name == "running" else None
 
 
-def visible(rec: SandboxRecord) -> SandboxRecord:
+def visible(rec: SandboxView) -> SandboxView:
     """``rec`` when E2B shows it. Raises NotFound for one that is failed or stopping,
     saying so."""
     if state_of(rec) is None:
@@ -49,7 +48,7 @@ def visible(rec: SandboxRecord) -> SandboxRecord:
     return rec
 
 
-def shown(m: SandboxManager, sandbox_id: str) -> SandboxRecord:
+def shown(m: SandboxManager, sandbox_id: str) -> SandboxView:
     """The record of a sandbox E2B shows. Raises NotFound (also for one that is failed,
     stopping or gone, saying so), Gone."""
     return visible(e2b.sandbox(m, sandbox_id))
@@ -62,18 +61,18 @@ def rfc3339(t: float | None) -> str:
     return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
 
 
-def user_metadata(rec: SandboxRecord) -> dict[str, str]:
+def user_metadata(rec: SandboxView) -> dict[str, str]:
     """The client's metadata of ``rec`` (``hangar.core.views.user_metadata``)."""
-    return core_views.user_metadata(rec)
+    return core_user_metadata(rec)
 
 
-def template_names(rec: SandboxRecord) -> tuple[str, str | None]:
+def template_names(rec: SandboxView) -> tuple[str, str | None]:
     """(``templateID``, ``alias``): the Hangar image, and the name the client asked for."""
     opts = e2b.options(rec)
     return rec.image, (opts.template if opts is not None else None)
 
 
-def created(m: SandboxManager, rec: SandboxRecord) -> Sandbox:
+def created(m: SandboxManager, rec: SandboxView) -> Sandbox:
     """What a create, connect, resume or fork answers: how the SDK reaches envd."""
     template, alias = template_names(rec)
     token = e2b.access_token(m, rec.id)
@@ -84,7 +83,7 @@ def created(m: SandboxManager, rec: SandboxRecord) -> Sandbox:
                    trafficAccessToken=token, domain=m.settings.domain)
 
 
-def listed(rec: SandboxRecord) -> ListedSandbox:
+def listed(rec: SandboxView) -> ListedSandbox:
     template, alias = template_names(rec)
     return ListedSandbox(
         templateID=template, alias=alias, sandboxID=rec.id, clientID=CLIENT_ID,
@@ -94,7 +93,7 @@ def listed(rec: SandboxRecord) -> ListedSandbox:
         envdVersion=e2b.ENVD_VERSION)
 
 
-def network_of(rec: SandboxRecord) -> tuple[bool | None, dict[str, Any] | None]:
+def network_of(rec: SandboxView) -> tuple[bool | None, dict[str, Any] | None]:
     """(``allowInternetAccess``, E2B's ``network``) of the record's egress policy."""
     policy = rec.network
     if not policy:
@@ -109,7 +108,7 @@ def network_of(rec: SandboxRecord) -> tuple[bool | None, dict[str, Any] | None]:
     return internet, net or None
 
 
-def detail(m: SandboxManager, rec: SandboxRecord) -> SandboxDetail:
+def detail(m: SandboxManager, rec: SandboxView) -> SandboxDetail:
     internet, net = network_of(rec)
     return SandboxDetail(
         **listed(rec).model_dump(), envdAccessToken=e2b.access_token(m, rec.id),

@@ -20,8 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hangar.api.deps import manager
 from hangar.api.e2b.errors import E2BRoute
-from hangar.core.sandboxes import SandboxManager
-from hangar.core.store import VolumeRecord
+from hangar.core.service import SandboxManager, VolumeView
 
 router = APIRouter(route_class=E2BRoute)
 Manager = Annotated[SandboxManager, Depends(manager)]
@@ -55,7 +54,7 @@ async def list_(m: Manager) -> list[Volume]:
 async def create(body: NewVolume, m: Manager) -> VolumeAndToken:
     """A new empty volume of ``E2B_VOLUME_MIB`` MiB; 400 for a name Hangar cannot take,
     409 when it is taken."""
-    v: VolumeRecord = await m.volumes.create(body.name, E2B_VOLUME_MIB)
+    v: VolumeView = await m.volumes.create(body.name, E2B_VOLUME_MIB)
     return VolumeAndToken(volumeID=v.id, name=v.name)
 
 

@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 
 from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
 from hangar.api.envd.messages import FS
-from hangar.core.commands import HOME, Command, FileEntry
+from hangar.core.service import HOME, Command, FileEntry
 from hangar.errors import HangarError, NotFound
 
 MAX_ENTRIES = 10_000
@@ -57,7 +57,7 @@ def _path(value: str, what: str = "path") -> str:
 async def stat(req: Any, call: Call) -> Message:
     env = call.context
     try:
-        e = await env.manager.stat(env.sandbox_id, _path(req.path))
+        e = await env.manager.files.stat(env.sandbox_id, _path(req.path))
     except HangarError as exc:
         raise rpc_error(exc) from None
     return FS.StatResponse(entry=entry_info(e))
@@ -68,9 +68,9 @@ async def make_dir(req: Any, call: Call) -> Message:
     path = _path(req.path)
     try:
         try:
-            await env.manager.stat(env.sandbox_id, path)
+            await env.manager.files.stat(env.sandbox_id, path)
         except NotFound:
-            e = await env.manager.mkdir(env.sandbox_id, path, parents=True)
+            e = await env.manager.files.mkdir(env.sandbox_id, path, parents=True)
             return FS.MakeDirResponse(entry=entry_info(e))
     except HangarError as exc:
         raise rpc_error(exc) from None
@@ -81,7 +81,7 @@ async def move(req: Any, call: Call) -> Message:
     env = call.context
     src, dst = _path(req.source, "source"), _path(req.destination, "destination")
     try:
-        await env.manager.stat(env.sandbox_id, src)
+        await env.manager.files.stat(env.sandbox_id, src)
         r = await env.manager.exec(env.sandbox_id, Command(
             command="mv", args=["-T", "--", absolute(src), absolute(dst)], timeout_s=60))
         if r.exit_code != 0:
@@ -89,7 +89,7 @@ async def move(req: Any, call: Call) -> Message:
             code = "not_found" if "No such file" in why else "invalid_argument"
             raise RpcError(code, f"cannot move {absolute(src)} to {absolute(dst)}: "
                                  f"{why[:300] or f'mv exited {r.exit_code}'}")
-        e = await env.manager.stat(env.sandbox_id, dst)
+        e = await env.manager.files.stat(env.sandbox_id, dst)
     except HangarError as exc:
         raise rpc_error(exc) from None
     return FS.MoveResponse(entry=entry_info(e))
@@ -103,7 +103,7 @@ async def list_dir(req: Any, call: Call) -> Message:
     try:
         while todo:
             path, level = todo.pop(0)
-            listing = await env.manager.list_dir(env.sandbox_id, path)
+            listing = await env.manager.files.list(env.sandbox_id, path)
             for e in listing.entries:
                 if len(res.entries) >= MAX_ENTRIES:
                     raise RpcError("resource_exhausted",
@@ -119,7 +119,7 @@ async def list_dir(req: Any, call: Call) -> Message:
 async def remove(req: Any, call: Call) -> Message:
     env = call.context
     try:
-        await env.manager.remove(env.sandbox_id, _path(req.path), recursive=True)
+        await env.manager.files.remove(env.sandbox_id, _path(req.path), recursive=True)
     except HangarError as exc:
         raise rpc_error(exc) from None
     return FS.RemoveResponse()

@@ -32,7 +32,7 @@ from google.protobuf.message import Message
 from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
 from hangar.api.envd.fs_entries import absolute
 from hangar.api.envd.messages import FS
-from hangar.core.commands import FileEvent
+from hangar.core.service import FileEvent
 from hangar.errors import HangarError
 
 MAX_EVENTS = 10_000
@@ -86,7 +86,7 @@ def _check(req: Any) -> str:
 async def watch_dir(req: Any, call: Call) -> AsyncIterator[Message]:
     env = call.context
     root = _check(req)
-    gen = env.manager.watch(env.sandbox_id, req.path, bool(req.recursive))
+    gen = env.manager.files.watch(env.sandbox_id, req.path, bool(req.recursive))
     try:
         async for batch in gen:
             if not batch:
@@ -143,7 +143,7 @@ class Watchers:
 
     async def _run(self, manager: Any, w: Watcher, path: str, recursive: bool,
                    ready: asyncio.Future[None]) -> None:
-        gen = manager.watch(w.sandbox_id, path, recursive)
+        gen = manager.files.watch(w.sandbox_id, path, recursive)
         nxt: asyncio.Future[Any] | None = None
         try:
             nxt = asyncio.ensure_future(gen.__anext__())

@@ -42,7 +42,7 @@ from hangar.api.envd.connect import RpcError
 from hangar.api.envd.tokens import signature_ok, token_ok
 from hangar.api.envd.versions import ENVD_PORT, PREFIX
 from hangar.api.envd.fs_watch import Watchers
-from hangar.core.sandboxes import SandboxManager
+from hangar.core.service import SandboxManager
 from hangar.errors import Gone, HangarError, NotFound
 from hangar.schemas.bounds import PORT_MAX, PORT_MIN
 

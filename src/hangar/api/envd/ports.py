@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from hangar.api import proxy
 from hangar.api.envd.versions import PREFIX
-from hangar.core.sandboxes import SandboxManager
+from hangar.core.service import SandboxManager
 
 
 async def forward(scope: Scope, receive: Receive, send: Send, manager: SandboxManager,

@@ -25,9 +25,7 @@ from google.protobuf.message import Message
 
 from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
 from hangar.api.envd.messages import P
-from hangar.core import e2b
-from hangar.core.commands import Command
-from hangar.core.processes import ProcessInfo, ProcessOutput
+from hangar.core.service import Command, ProcessInfo, ProcessOutput, e2b
 from hangar.errors import HangarError
 
 

@@ -36,8 +36,7 @@ from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from hangar.api.envd.fs_entries import absolute
-from hangar.core import e2b
-from hangar.core.commands import Command
+from hangar.core.service import Command, e2b
 from hangar.errors import DiskFull, HangarError, InvalidRequest
 
 INTERNAL = ("/init", "/freeze", "/unfreeze", "/fsfreeze", "/fsthaw", "/collapse")
@@ -109,7 +108,7 @@ def _need_path(query: dict[str, str]) -> str:
 async def _download(scope: Scope, receive: Receive, send: Send, query: dict[str, str],
                     headers: dict[str, str], envd: Any) -> None:
     path = _need_path(query)
-    chunks = envd.manager.read_file(envd.sandbox_id, path)
+    chunks = envd.manager.files.read(envd.sandbox_id, path)
     try:
         first = await anext(chunks, b"")  # errors (no such file) before the answer starts
         name = posixpath.basename(absolute(path)).replace('"', "")
@@ -154,8 +153,8 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
     if encoding not in ("", "identity", "gzip"):
         raise InvalidRequest(f"Content-Encoding {encoding[:32]} is not served: gzip or none")
     if ctype == "application/octet-stream":
-        r = await envd.manager.write_file(envd.sandbox_id, _need_path(query),
-                                          _body(receive, encoding == "gzip"))
+        r = await envd.manager.files.write(envd.sandbox_id, _need_path(query),
+                                           _body(receive, encoding == "gzip"))
         await _json(send, 200, [_written(r)])
         return
     if ctype != "multipart/form-data":
@@ -173,7 +172,7 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
             if not target:
                 raise InvalidRequest("a file part has no filename and no path parameter names "
                                      "its path")
-            out.append(_written(await envd.manager.write_file(
+            out.append(_written(await envd.manager.files.write(
                 envd.sandbox_id, target, _read(part))))
         await _json(send, 200, out)
     finally:

@@ -18,15 +18,17 @@ import hashlib
 import hmac
 import time
 
-from hangar.core.e2b import access_token, check_access_token
-from hangar.core.sandboxes import SandboxManager
+from hangar.core.service import SandboxManager, e2b
 
 __all__ = ["access_token", "signature", "signature_ok", "token_ok"]
+
+access_token = e2b.access_token
+"""A sandbox's envd access token (``hangar.core.e2b.access_token``)."""
 
 
 def token_ok(manager: SandboxManager, sandbox_id: str, given: str | None) -> bool:
     """Whether ``given`` is ``sandbox_id``'s access token (constant time)."""
-    return check_access_token(manager, sandbox_id, given)
+    return e2b.check_access_token(manager, sandbox_id, given)
 
 
 def signature(token: str, path: str, operation: str, user: str,

@@ -8,9 +8,12 @@ forced user (0.4.0), ``close_stdin`` (0.5.2) and octet-stream uploads
 events (0.6.3) are not, and the SDK refuses them itself below those versions.
 """
 
-from hangar.core.e2b import ENVD_VERSION
+from hangar.core.service import e2b
 
 __all__ = ["ENVD_PORT", "ENVD_VERSION", "PREFIX"]
+
+ENVD_VERSION = e2b.ENVD_VERSION
+"""The envd version E2B's SDKs are told (defined in ``hangar.core.e2b``)."""
 ENVD_PORT = 49983
 """The guest port E2B's SDK names in ``E2b-Sandbox-Port`` for envd itself."""
 PREFIX = "/e2b/envd"

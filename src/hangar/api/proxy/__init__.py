@@ -62,7 +62,7 @@ from hangar.api.proxy.routing import (
     COOKIE, TOKEN_PARAM, Target, guest_headers, host_url, path_prefix, route,
 )
 from hangar.api.proxy.websocket import WS_MAX_MESSAGE, WebSocketExchange
-from hangar.core.sandboxes import SandboxManager
+from hangar.core.service import SandboxManager
 
 __all__ = [
     "COOKIE", "MAX_HEADER_BYTES", "TOKEN_PARAM", "WS_MAX_MESSAGE", "BrokenAnswer", "PortProxy",

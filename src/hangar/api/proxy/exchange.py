@@ -13,11 +13,7 @@ from hangar.api.errors import render, render_error
 from hangar.api.proxy.routing import (
     Target, header, split_cookies, split_query, token_cookie, well_formed,
 )
-from hangar.core.commands import Tunnel
-from hangar.core.e2b import url_exposure
-from hangar.core.guestcalls import NoListener
-from hangar.core.ports import Exposure
-from hangar.core.sandboxes import SandboxManager
+from hangar.core.service import Exposure, NoListener, SandboxManager, Tunnel, e2b
 from hangar.errors import HangarError, NotFound, Unauthorized
 
 
@@ -89,8 +85,8 @@ class Exchange:
         t = self.target
         token = header(self.scope, b"e2b-traffic-access-token")
         try:
-            found = (url_exposure(self.m, t.sandbox_id, t.port, token.decode("latin-1")
-                                  if token else None) if t.prefix is None else None)
+            found = (e2b.url_exposure(self.m, t.sandbox_id, t.port, token.decode("latin-1")
+                                      if token else None) if t.prefix is None else None)
         except HangarError as exc:
             raise Refused.of(exc) from None
         if found is None:
@@ -111,7 +107,7 @@ class Exchange:
             # Capped per port and per sandbox (429), and never busy: a connection holds no
             # snapshot or sleep off (``hangar.core.ports``).
             with self.m.ports.connection(t.sandbox_id, t.port):
-                async with self.m.calls.tunnel(t.sandbox_id, t.port, busy=False) as tunnel:
+                async with self.m.tunnel(t.sandbox_id, t.port, busy=False) as tunnel:
                     await use(tunnel)
         except NoListener:
             raise Refused(502, "bad_gateway", f"nothing listens on port {t.port} in sandbox "

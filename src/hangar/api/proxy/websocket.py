@@ -17,8 +17,7 @@ from websockets.uri import WebSocketURI
 
 from hangar.api.proxy.exchange import Exchange, Refused
 from hangar.api.proxy.routing import HOP_BY_HOP, guest_headers, header
-from hangar.core.commands import Tunnel
-from hangar.core.tasks import race
+from hangar.core.service import Tunnel, race
 from hangar.errors import HangarError
 
 log = logging.getLogger("hangar.proxy")

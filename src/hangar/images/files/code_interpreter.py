@@ -79,11 +79,10 @@ MAX_CONTEXTS = 16
 MAX_REQUESTS = 32
 MAX_ENV_VARS = 256
 KERNEL_START_S: float | None = None
-"""Longest a kernel may take to answer after its process started, seconds: no limit of its
-own. A kernel that dies is noticed at once (``wait_for_ready`` watches its process); a slow
-one is bounded by what waits for it: at server start the template's ready timeout (the
-recipe's ``ready_timeout_s``), later a take's ``SPARE_WAIT_S``. A fixed figure here failed
-the start on a busy host, where the default kernel's imports under emulation took longer."""
+"""Longest a kernel may take to answer after its process started, seconds: none of its own.
+A dead kernel is noticed at once (``wait_for_ready`` watches it); a slow one is bounded by
+what waits for it: the template's ready timeout at server start, a take's SPARE_WAIT_S
+later. A fixed 120 s failed the start on a busy host (imports under emulation)."""
 SPARE_WAIT_S = 240.0
 """Longest a create or restart waits for the spare being started, seconds: under the
 host's 300 s per call (``hangar.core.interpreter.REQUEST_S``), so that the client gets
