@@ -58,7 +58,8 @@ def names_op(node: ast.AST) -> bool:
 
 def host_ops() -> dict[str, list[str]]:
     """The op names the host sends, each with where: ``{"op": "exec", ...}`` dict literals,
-    ``<agent>.call("set_time", ...)``, ``op="..."`` keywords, and ``op in ("stat", ...)``
+    ``<agent>.call("set_time", ...)`` (``self.call`` in the agent client's typed methods),
+    ``op="..."`` keywords, and ``op in ("stat", ...)``
     checks of the names a host module passes on to ``call``."""
     found: dict[str, list[str]] = {}
 
@@ -74,8 +75,11 @@ def host_ops() -> dict[str, list[str]]:
                         add(v.value, path, node)
             elif isinstance(node, ast.Call):
                 f = node.func
+                caller = ast.unparse(f.value) if isinstance(f, ast.Attribute) else ""
                 if (isinstance(f, ast.Attribute) and f.attr == "call"
-                        and "agent" in ast.unparse(f.value).lower() and node.args
+                        and ("agent" in caller.lower()  # the agent client's own methods:
+                             or (caller == "self" and "agent_client" in path.parts))
+                        and node.args
                         and isinstance(node.args[0], ast.Constant)
                         and isinstance(node.args[0].value, str)):
                     add(node.args[0].value, path, node)
