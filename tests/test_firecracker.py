@@ -874,12 +874,19 @@ def test_jailer_through_the_privileged_helper(fc_bins, base_image) -> None:  # n
     from conftest import SRC, make_data_dir
 
     d = make_data_dir(base_image, privsep=True)
+    # The binaries in the server's own data directory (``<data>/bin``, as an install puts
+    # them): the shared cache is root's alone (0700), which the dropped server cannot enter.
+    (d / "bin").mkdir()
+    bins = {n: d / "bin" / n for n in ("firecracker", "jailer")}
+    for n, dst in bins.items():
+        shutil.copy(fc_bins[n], dst)
+        dst.chmod(0o755)
     jails = Path(tempfile.mkdtemp(prefix="hfj-", dir="/tmp"))
     sid1, sid2 = f"sb-{new_id()}", f"sb-{new_id()}"
     try:
         out = subprocess.run(
-            [sys.executable, "-c", SPLIT_SCRIPT, str(d), str(fc_bins["firecracker"]),
-             str(fc_bins["jailer"]), str(jails), sid1, sid2],
+            [sys.executable, "-c", SPLIT_SCRIPT, str(d), str(bins["firecracker"]),
+             str(bins["jailer"]), str(jails), sid1, sid2],
             capture_output=True, text=True, timeout=300,
             env={**os.environ, "PYTHONPATH": str(SRC)})
         assert out.returncode == 0, out.stderr[-3000:]
