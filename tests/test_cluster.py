@@ -388,13 +388,23 @@ def test_etcd_one_member_down_works_two_down_writes_503_exec_still_answers(lab: 
     finally:
         n3.etcd.send_signal(signal.SIGCONT)
     with n1.client(timeout=30) as c:
-        wait_for(lambda: c.post(f"/sandboxes/{sid}/timeout",
-                                json={"timeout": 3600}).status_code == 200, 30,
-                 "control writes taken with quorum back", every=0.3)
+        answers: list[str] = []
+
+        def written() -> bool:
+            r = c.post(f"/sandboxes/{sid}/timeout", json={"timeout": 3600})
+            answers.append(f"{r.status_code} {r.text[:300]}")
+            return r.status_code == 200
+
+        try:
+            wait_for(written, 6 * lab.lease_s, "control writes taken with quorum back",
+                     every=0.3)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the last answer: {answers[-1:]}; n1's log: "
+                                 f"{n1.log_tail(1500)}") from None
         assert c.delete(f"/machines/{USER}").status_code == 204
     for n in lab.nodes:  # every node takes control writes again once quorum is back
         wait_for(lambda: httpx.get(n.url + "/cluster/health", headers={"X-API-Key": lab.key})
-                 .json()["writable"], 30,
+                 .json()["writable"], 6 * lab.lease_s,
                  f"{n.name} writable", every=0.3)
     with lab.nodes[1].client() as c:
         for s in c.get("/sandboxes").json()["sandboxes"]:

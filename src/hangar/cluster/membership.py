@@ -16,6 +16,13 @@ seconds asks its peers (``GET /cluster/health``, with the node token):
 * peers answer and none can write to etcd: quorum is lost everywhere,
   nobody can move anything (and etcd's next leader extends every lease),
   so the node keeps its VMs running and serving; control writes get 503.
+  While it holds so, a round in which no peer answers (each has
+  ``PEER_TIMEOUT_S``; a busy host's peers can miss one) does not fence it at
+  once: the last round in which peers said that none could write stands for
+  a renewal, and the node fences only when no peer has answered for
+  ``lease_ttl_s - 1.5`` seconds after it. Quorum came back after that round,
+  and etcd's new leader then extended every lease by its TTL, so the node
+  still stops its VMMs before anybody could hand them on.
 
 A node whose lease etcd says is gone although etcd answers (quorum came
 back, or a paused leader revoked it) registers again at once without
@@ -85,6 +92,8 @@ class Membership:
         self._tasks = Tasks("membership")
         self._last_refresh = 0.0
         self._quorum_back = 0.0
+        self._held_at = 0.0
+        """When peers last answered that none of them could write (quorum lost everywhere)."""
         """Monotonic time this node saw quorum return while its own renewal lagged: the
         fence is counted from the later of this and ``last_ok`` (see ``_decide``)."""
         self._http = httpx.AsyncClient(timeout=PEER_TIMEOUT_S)
@@ -187,6 +196,7 @@ class Membership:
     async def _decide(self) -> None:
         answered, writable = await self.peers_can_write()
         if answered and not writable:
+            self._held_at = time.monotonic()
             if not self.quorum_lost:
                 log.warning("etcd has no quorum anywhere; holding every VM (control writes "
                             "get 503)", extra={"node": self.name, "peers": answered})
@@ -201,6 +211,11 @@ class Membership:
             log.info("etcd has quorum again; renewing this node's lease",
                      extra={"node": self.name})
             return
+        if not answered and self.quorum_lost \
+                and time.monotonic() - self._held_at < self.ttl - FENCE_MARGIN_S:
+            log.warning("no peer answered while etcd has no quorum; holding (the last "
+                        "answer said nobody can write)", extra={"node": self.name})
+            return  # see the module docstring: the last "nobody writes" stands for a renewal
         why = ("no peer answers: this node is cut off" if not answered
                else "peers can write to etcd but this node cannot")
         await self._fence(why)
