@@ -37,7 +37,7 @@ from hangar.core.lifecycle import INITIAL, OnExpiry, State, check_desired
 from hangar.core.recovery import vmm_processes
 from hangar.core.removal import Removal
 from hangar.core.store import MachineRecord, SandboxRecord, SnapshotRecord
-from hangar.core.views import SandboxView, user_metadata
+from hangar.core.views import SandboxView, SnapshotView, user_metadata
 from hangar.engines.process import kill_process
 
 log = logging.getLogger("hangar.handover")
@@ -95,20 +95,11 @@ def describe(rec: SandboxRecord | SandboxView) -> Template:
 
 
 @dataclass(frozen=True)
-class SharedSnapshot:
-    """A snapshot made on another node; its files are in this host's layout."""
+class SharedSnapshot(SnapshotView):
+    """A snapshot made on another node (``kind`` ``user`` or ``sleep``); its files are in
+    this host's layout. The fields are ``SnapshotView``'s, a desktop and a network policy
+    absent unless given."""
 
-    id: str
-    sandbox_id: str
-    kind: str
-    """``user`` or ``sleep``."""
-    size_bytes: int
-    created_at: float
-    image: str
-    image_digest: str
-    vcpus: int
-    memory_mib: int
-    disk_mib: int
     desktop: str | None = None
     network: dict[str, Any] | None = None
 
