@@ -23,16 +23,7 @@ from hangar.core.lifecycle import (
 from hangar.core.sleep import Connect, Sleeper
 from hangar.core.store import SandboxRecord, Store
 from hangar.errors import Busy, Conflict, NotFound
-
-
-def record(sid: str, state: State, **extra: object) -> SandboxRecord:
-    now = time.time()
-    fields: dict = dict(id=sid, state=state, desired_state=State.RUNNING, image="base",
-                        image_digest="d", engine="qemu", accel="tcg", vcpus=1, memory_mib=256,
-                        disk_mib=2048, created_at=now, updated_at=now, last_active_at=now,
-                        metadata_={})
-    fields.update(extra)
-    return SandboxRecord(**fields)
+from test_lifecycle import record  # the one record maker of the lifecycle tests
 
 
 @pytest.fixture
