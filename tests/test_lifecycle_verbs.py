@@ -188,3 +188,16 @@ def test_e2bs_lifecycle_in_an_older_database_moves_to_the_generic_columns(
             killed.e2b) == (OnExpiry.DELETE, 60.0, None, 99.0, {"template": "base"})
     Store(db)  # once: a second start changes nothing
     assert store.get("sb-00000000000c").e2b == {"template": "base", "envs": {"A": "1"}}
+
+
+def test_views_carry_every_column_of_their_records() -> None:
+    """A view is the record as read (``SandboxView.of`` copies the fields it names): a
+    column the view lacks is silently lost outside core (the lifecycle columns once were)."""
+    import dataclasses
+
+    from hangar.core.store import SnapshotRecord
+    from hangar.core.views import SandboxView, SnapshotView
+
+    for view, row in ((SandboxView, SandboxRecord), (SnapshotView, SnapshotRecord)):
+        columns = {c.key for c in row.__mapper__.column_attrs}
+        assert {f.name for f in dataclasses.fields(view)} == columns, view.__name__
