@@ -35,7 +35,10 @@ from typing import TypeVar
 import httpx
 import pytest
 
-pytest_plugins = ["log_guard"]  # secrets the suite handled stay out of logs, stores, backups
+pytest_plugins = [
+    "log_guard",  # secrets the suite handled stay out of logs, stores, backups
+    "schedule",  # how the tests spread over parallel workers (scripts/test.sh)
+]
 
 SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
 SRC = Path(__file__).resolve().parents[1] / "src"

@@ -1,0 +1,140 @@
+"""pytest plugin: how the suite spreads over parallel workers (registered by conftest.py).
+
+``scripts/test.sh`` runs the suite on ``HANGAR_TEST_WORKERS`` pytest-xdist workers (default
+2) with ``--dist loadgroup``: each worker is its own pytest session with its own server
+(conftest's session fixtures), and a *group* of tests always runs whole on one worker. This
+plugin gives every test its group before xdist sees it:
+
+* a module is its own group, so its module-scoped servers and sandboxes are made once;
+* modules that share state outside their own data directory run as one group, one after
+  another (``SHARED_STATE``): fixed network namespace names, or the shared image cache's
+  build folder and names that they rebuild or inspect;
+* groups are queued longest first (``COST_S``: seconds each module took in a whole run on
+  this kind of machine, 2 cores, TCG), so the long ones do not start last and leave a
+  worker idle at the end. A module missing from the table counts as ``DEFAULT_COST_S``.
+
+Without workers (``-n 0`` or no xdist) nothing changes: tests run in file order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SHARED_STATE: dict[str, tuple[str, ...]] = {
+    # `ip netns` names of their labs (hg-host, hg-inet, hg-eg-*) and the nft rules in them
+    "netns": ("test_network", "test_egress", "test_secrets"),
+    # builds into the shared image cache (template builds, its build/ folder checked empty)
+    "image-cache": ("test_images", "test_image_pinning", "test_image_hostile",
+                    "test_templates", "test_booted_templates"),
+}
+
+COST_S: dict[str, int] = {
+    "test_code_interpreter": 276,
+    "test_docs": 248,
+    "test_ops_deploy": 212,
+    "test_tools_browser": 190,
+    "test_booted_templates": 162,
+    "test_cluster": 143,
+    "test_recovery": 109,
+    "test_network": 101,
+    "test_machines": 99,
+    "test_image_pinning": 95,
+    "test_e2b_envd": 91,
+    "test_template_memory": 91,
+    "test_desktop": 90,
+    "test_guest_limits": 89,
+    "test_secrets": 69,
+    "test_guest_bounds": 65,
+    "test_tools_vm": 62,
+    "test_exec": 55,
+    "test_templates": 54,
+    "test_processes": 53,
+    "test_ops_host": 49,
+    "test_ops_tls": 45,
+    "test_tools": 44,
+    "test_terminal": 39,
+    "test_confinement": 35,
+    "test_volumes": 35,
+    "test_hostile": 33,
+    "test_sdk_package": 33,
+    "test_egress": 33,
+    "test_front_door": 31,
+    "test_log_levels": 29,
+    "test_privsep": 28,
+    "test_client_data": 28,
+    "test_auth": 27,
+    "test_agent_client": 26,
+    "test_ports": 25,
+    "test_images": 25,
+    "test_qemu_snapshot": 24,
+    "test_cli": 23,
+    "test_e2b_api": 23,
+    "test_reconcile": 21,
+    "test_races": 20,
+    "test_api": 19,
+    "test_ops_backup": 17,
+    "test_sdk_retries": 15,
+    "test_firecracker": 13,
+    "test_port_caps": 13,
+    "test_sdk_events": 12,
+    "test_density": 11,
+    "test_vnc_bounds": 10,
+    "test_image_hostile": 10,
+    "test_limits": 9,
+    "test_sdk_surface": 9,
+    "test_overlay_root": 8,
+    "test_disk_full": 8,
+    "test_vmm_uids": 7,
+    "test_processes_agent": 7,
+    "test_cluster_parts": 6,
+    "test_events": 6,
+    "test_guest_ops": 4,
+    "test_layers": 4,
+    "test_dashboard_storage": 4,
+    "test_jailer_option": 3,
+    "test_files": 2,
+    "test_bounds": 1,
+    "test_lifecycle_verbs": 1,
+    "test_lifecycle": 1,
+    "test_openapi": 0,
+    "test_tasks": 0,
+    "test_envd_codec": 0,
+    "test_file_sizes": 0,
+    "test_ops_metrics": 0,
+    "test_vmm_files": 0,
+    "test_log_guard": 0,
+    "test_durable": 0,
+}
+"""Seconds per module in one whole run (setup, call and teardown summed), 2026-12-03."""
+
+DEFAULT_COST_S = 10
+
+
+def group_of(module: str) -> str:
+    """The xdist group of a test module (its name without ``.py``)."""
+    for group, modules in SHARED_STATE.items():
+        if module in modules:
+            return group
+    return module
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not getattr(config.option, "numprocesses", None):
+        return
+    modules = {Path(str(item.fspath)).stem for item in items}
+    cost: dict[str, int] = {}
+    for module in modules:
+        cost[group_of(module)] = cost.get(group_of(module), 0) + COST_S.get(module,
+                                                                           DEFAULT_COST_S)
+    place = {id(item): n for n, item in enumerate(items)}
+
+    def key(item: pytest.Item) -> tuple[int, str, int]:
+        group = group_of(Path(str(item.fspath)).stem)
+        return -cost[group], group, place[id(item)]
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(name=group_of(Path(str(item.fspath)).stem)))
+    items.sort(key=key)
