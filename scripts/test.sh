@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 if [ -z "${HANGAR_TEST_NO_INSTALL:-}" ]; then
   bash scripts/install.sh --ci
 fi
-workers=(-n "${HANGAR_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder)
+workers=(-n "${HANGAR_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder)
 for arg in "$@"; do
   case "$arg" in -n|-n[0-9]*|--numprocesses|--numprocesses=*) workers=() ;; esac
 done

@@ -1,15 +1,15 @@
 """pytest plugin: how the suite spreads over parallel workers (registered by conftest.py).
 
 ``scripts/test.sh`` runs the suite on ``HANGAR_TEST_WORKERS`` pytest-xdist workers (default
-2) with ``--dist loadgroup``: each worker is its own pytest session with its own server
-(conftest's session fixtures), and a *group* of tests always runs whole on one worker. This
-plugin gives every test its group before xdist sees it:
+2) : each worker is its own pytest session with its own server (conftest's session
+fixtures), and a *group* of tests always runs whole on one worker. This plugin makes the
+groups (a scheduler of its own, ``GroupScheduling``) and their order:
 
 * a module is its own group, so its module-scoped servers and sandboxes are made once;
 * modules that share state outside their own data directory run as one group, one after
   another (``SHARED_STATE``): fixed network namespace names, or the shared image cache's
   build folder and names that they rebuild or inspect;
-* groups are queued longest first (``COST_S``: seconds each module took in a whole run on
+* groups are queued longest first (the workers collect, and sort, the tests) (``COST_S``: seconds each module took in a whole run on
   this kind of machine, 2 cores, TCG), so the long ones do not start last and leave a
   worker idle at the end. A module missing from the table counts as ``DEFAULT_COST_S``.
 
@@ -18,7 +18,9 @@ Without workers (``-n 0`` or no xdist) nothing changes: tests run in file order.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,21 +122,37 @@ def group_of(module: str) -> str:
     return module
 
 
-@pytest.hookimpl(tryfirst=True)
+def group_of_nodeid(nodeid: str) -> str:
+    """The group of the test ``nodeid`` (``tests/test_x.py::test_y[...]``)."""
+    return group_of(Path(nodeid.split("::", 1)[0]).stem)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduling with ``group_of`` as the scope: each group goes whole to one
+    worker, in the order the workers collected them (``--no-loadscope-reorder``)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of_nodeid(nodeid)
+
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not getattr(config.option, "numprocesses", None):
+    """On a worker: the tests sorted by group, the costliest group first, each group's tests
+    in file order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    modules = {Path(str(item.fspath)).stem for item in items}
     cost: dict[str, int] = {}
-    for module in modules:
-        cost[group_of(module)] = cost.get(group_of(module), 0) + COST_S.get(module,
-                                                                           DEFAULT_COST_S)
+    for module in {Path(str(item.fspath)).stem for item in items}:
+        group = group_of(module)
+        cost[group] = cost.get(group, 0) + COST_S.get(module, DEFAULT_COST_S)
     place = {id(item): n for n, item in enumerate(items)}
 
     def key(item: pytest.Item) -> tuple[int, str, int]:
-        group = group_of(Path(str(item.fspath)).stem)
+        group = group_of_nodeid(item.nodeid)
         return -cost[group], group, place[id(item)]
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(name=group_of(Path(str(item.fspath)).stem)))
     items.sort(key=key)
