@@ -37,6 +37,7 @@ from hangar.images import (
     resolve_image,
 )
 from hangar.images.builder import host_mirror
+from hangar.images.debian import UNSAFE_IO_CONF, unsafe_io
 from hangar.images.commands import remove_tree, run
 from hangar.images.recipes import RECIPES, Recipe
 from hangar.layout import Layout
@@ -284,6 +285,18 @@ def test_failed_step_raises_image_error_with_tail() -> None:
         run("demo", ["sh", "-c", "echo first; echo the-reason >&2; exit 3"])
     assert e.value.context["step"] == "demo" and e.value.context["exit_code"] == 3
     assert "the-reason" in e.value.message
+
+
+def test_dpkg_skips_its_syncs_only_while_the_tree_is_built(tmp_path: Path) -> None:
+    """debootstrap's and apt-get's dpkg read ``force-unsafe-io`` from the tree while it is
+    built; the option leaves the tree with the build step, also when the step fails."""
+    conf = tmp_path / UNSAFE_IO_CONF
+    with unsafe_io(tmp_path):
+        assert conf.read_text() == "force-unsafe-io\n"
+    assert not conf.exists()
+    with pytest.raises(ImageError), unsafe_io(tmp_path):
+        raise ImageError("debootstrap failed")
+    assert not conf.exists() and conf.parent.is_dir()
 
 
 def test_remove_tree_unmounts_first() -> None:

@@ -65,7 +65,7 @@ from hangar.images.catalogue import (
     recipe_digest_of,
 )
 from hangar.images.commands import Progress, remove_tree, require_tools
-from hangar.images.debian import apt_install, debootstrap, host_mirror
+from hangar.images.debian import apt_install, debootstrap, host_mirror, unsafe_io
 from hangar.images.guest_image import GuestImage, image_id
 from hangar.images.packing import content_digest, pack, tree_size
 from hangar.images.recipes import BUILDER_VERSION, Recipe, get_recipe
@@ -123,9 +123,10 @@ def _build(layout: Layout, recipe: Recipe, recipe_digest: str, say: Progress) ->
         mirror = host_mirror(recipe.suite)
         say(f"{recipe.name} (recipe {recipe_digest}): debootstrap {recipe.suite} "
             f"({recipe.variant} + {len(recipe.packages)} packages)")
-        debootstrap(recipe, rootdir, mirror, layout.debootstrap_cache, say)
-        if recipe.apt_packages:
-            apt_install(rootdir, recipe.apt_packages, say)
+        with unsafe_io(rootdir):
+            debootstrap(recipe, rootdir, mirror, layout.debootstrap_cache, say)
+            if recipe.apt_packages:
+                apt_install(rootdir, recipe.apt_packages, say)
         times["debootstrap"] = time.monotonic() - t0
 
         t = time.monotonic()
