@@ -7,8 +7,8 @@ groups (a scheduler of its own, ``GroupScheduling``) and their order:
 
 * a module is its own group, so its module-scoped servers and sandboxes are made once;
 * modules that share state outside their own data directory run as one group, one after
-  another (``SHARED_STATE``): fixed network namespace names, or the shared image cache's
-  build folder and names that they rebuild or inspect;
+  another (``HOST_GROUP``): the fixed network namespace names of their labs, or the shared
+  image cache's build folder and names that they rebuild or inspect;
 * groups are queued longest first (the workers collect, and sort, the tests) (``COST_S``: seconds each module took in a whole run on
   this kind of machine, 2 cores, TCG), so the long ones do not start last and leave a
   worker idle at the end. A module missing from the table counts as ``DEFAULT_COST_S``.
@@ -18,19 +18,29 @@ Without workers (``-n 0`` or no xdist) nothing changes: tests run in file order.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-SHARED_STATE: dict[str, tuple[str, ...]] = {
-    # `ip netns` names of their labs (hg-host, hg-inet, hg-eg-*) and the nft rules in them
-    "netns": ("test_network", "test_egress", "test_secrets"),
+HOST_GROUP = "host-state"
+"""The group of the modules that share state outside their own data directory."""
+
+SHARED_STATE: tuple[str, ...] = (
     # builds into the shared image cache (template builds, its build/ folder checked empty)
-    "image-cache": ("test_images", "test_image_pinning", "test_image_hostile",
-                    "test_templates", "test_booted_templates"),
-}
+    "test_images", "test_image_pinning", "test_image_hostile", "test_templates",
+    "test_booted_templates",
+)
+"""Modules of ``HOST_GROUP`` by name; ``uses_host_state`` finds the others by their imports."""
+
+LAB_IMPORTS = ("netns", "egress_lab", "test_network")
+"""Helpers whose labs have fixed ``ip netns`` names (hg-host, hg-inet, hg-eg-*, ...): a
+module that imports one joins ``HOST_GROUP``."""
+
+TESTS = Path(__file__).resolve().parent
+
 
 COST_S: dict[str, int] = {
     "test_code_interpreter": 276,
@@ -114,12 +124,22 @@ COST_S: dict[str, int] = {
 DEFAULT_COST_S = 10
 
 
+@functools.cache
+def uses_host_state(module: str) -> bool:
+    """Whether the test module ``module`` (its name without ``.py``) shares host state."""
+    if module in SHARED_STATE:
+        return True
+    try:
+        source = (TESTS / f"{module}.py").read_text()
+    except OSError:
+        return False
+    return any(f"from {lab} import" in source or f"import {lab}\n" in source
+               for lab in LAB_IMPORTS)
+
+
 def group_of(module: str) -> str:
     """The xdist group of a test module (its name without ``.py``)."""
-    for group, modules in SHARED_STATE.items():
-        if module in modules:
-            return group
-    return module
+    return HOST_GROUP if uses_host_state(module) else module
 
 
 def group_of_nodeid(nodeid: str) -> str:
