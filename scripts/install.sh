@@ -127,17 +127,20 @@ HANGAR_DATA_DIR=$DATA PYTHON=.venv/bin/python sh scripts/fetch-firecracker.sh \
 if [ "$TEST_TOOLS" = 1 ]; then export HANGAR_NETWORK=off; fi
 say "building the base guest image (cached; the first build takes a few minutes)"
 HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build base
-if [ "$DESKTOP" = 1 ]; then
-  say "building the desktop guest image (cached; the first build takes a few minutes)"
-  HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build desktop
-fi
-if [ "$DEV" = 1 ]; then
-  say "building the dev guest image (cached; the first build takes a few minutes)"
-  HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build dev
-fi
-if [ "$CODEINT" = 1 ]; then
-  say "building the code-interpreter guest image (cached; the first build takes a few minutes)"
-  HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build code-interpreter
+# The others side by side: each one's lines prefixed with its name. Their downloads into
+# the shared .deb cache take turns (hangar.images.debian.debootstrap); the rest overlaps.
+build_image() { HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build "$1" 2>&1 | sed -u "s/^/[$1] /"; }
+MORE=()
+[ "$DESKTOP" = 1 ] && MORE+=(desktop)
+[ "$DEV" = 1 ] && MORE+=(dev)
+[ "$CODEINT" = 1 ] && MORE+=(code-interpreter)
+if [ "${#MORE[@]}" -gt 0 ]; then
+  say "building the ${MORE[*]} guest images side by side (cached; the first build takes several minutes)"
+  BUILDS=()
+  for name in "${MORE[@]}"; do build_image "$name" & BUILDS+=($!); done
+  FAILED=0
+  for pid in "${BUILDS[@]}"; do wait "$pid" || FAILED=1; done
+  [ "$FAILED" = 0 ] || { echo "an image build failed: see its lines above" >&2; exit 1; }
 fi
 
 if [ -d /etc/logrotate.d ]; then

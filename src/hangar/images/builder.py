@@ -124,7 +124,8 @@ def _build(layout: Layout, recipe: Recipe, recipe_digest: str, say: Progress) ->
         say(f"{recipe.name} (recipe {recipe_digest}): debootstrap {recipe.suite} "
             f"({recipe.variant} + {len(recipe.packages)} packages)")
         with unsafe_io(rootdir):
-            debootstrap(recipe, rootdir, mirror, layout.debootstrap_cache, say)
+            debootstrap(recipe, rootdir, mirror, layout.debootstrap_cache, say,
+                        lock=layout.apt_lock)
             if recipe.apt_packages:
                 apt_install(rootdir, recipe.apt_packages, say)
         times["debootstrap"] = time.monotonic() - t0

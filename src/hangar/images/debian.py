@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hangar.errors import ImageError
-from hangar.images.commands import Progress, inside, run
+from hangar.images.commands import Progress, inside, remove_tree, run
 from hangar.images.recipes import Recipe
 from hangar.images.rootfs import RESOLV_PLACEHOLDER, put_file
 from hangar.layout import Layout
@@ -59,16 +59,33 @@ def host_mirror(suite: str, sources: Path = DEBIAN_SOURCES) -> str | None:
 
 
 def debootstrap(recipe: Recipe, rootdir: Path, mirror: str | None, cache: Path,
-                 say: Progress) -> None:
+                say: Progress, lock: Path | None = None) -> None:
+    """``debootstrap`` of ``recipe`` into ``rootdir``, its .debs kept in ``cache``.
+
+    With ``lock`` (a flock file), builds may run side by side: what ``cache`` lacks is
+    first fetched under the lock (``--download-only`` into a scratch tree beside
+    ``rootdir``, removed after), since debootstrap writes a download straight to its
+    final name there and another build reading it half-written would take it for a bad
+    copy and delete it; the debootstrap proper then finds every .deb in ``cache`` and
+    only reads it.
+    """
     cache.mkdir(parents=True, exist_ok=True)
     argv: list[str | Path] = ["debootstrap", f"--variant={recipe.variant}",
                               f"--cache-dir={cache.resolve()}"]
     if recipe.packages:
         argv.append(f"--include={','.join(recipe.packages)}")
-    argv += [recipe.suite, rootdir]
-    if mirror:
-        argv.append(mirror)
-    run("debootstrap", argv, progress=say, echo=lambda ln: ln.startswith(("I: ", "W: ", "E: ")),
+    tail: list[str | Path] = [mirror] if mirror else []
+    echo = lambda ln: ln.startswith(("I: ", "W: ", "E: "))  # noqa: E731
+    if lock is not None:
+        scratch = rootdir.with_name(rootdir.name + ".download")
+        try:
+            with flock(lock):
+                run("debootstrap --download-only",
+                    [*argv, "--download-only", recipe.suite, scratch, *tail],
+                    progress=say, echo=echo, timeout=3600)
+        finally:
+            remove_tree(scratch)
+    run("debootstrap", [*argv, recipe.suite, rootdir, *tail], progress=say, echo=echo,
         timeout=3600)
 
 
