@@ -18,6 +18,7 @@ data directory.
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import subprocess
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from hangar.core.store import Store
 from hangar.errors import InvalidRequest
 from hangar.layout import Layout
 
+VOLUME_ID = re.compile(r"vol-[0-9a-f]{12}")
+"""A volume id (``hangar.core.volumes.ID``): what names a folder under ``<data>/volumes``."""
 NOT_HOLDING = tuple(sorted(s.value for s in set(State) - Store.HOLDING))
 """Sandbox states that hold no volume (deleted, expired, failed: all but ``Store.HOLDING``)."""
 
@@ -81,6 +84,9 @@ def backup_volumes(layout: Layout, db_backup: Path) -> VolumesReport:
     skipped: dict[str, str] = {}
     size = 0
     for vid in ids:
+        if not VOLUME_ID.fullmatch(vid):  # read from the database: checked again
+            skipped[str(vid)[:64]] = "not a volume id"
+            continue
         if vid in writers:
             skipped[vid] = "a sandbox holds it read-write"
             continue
