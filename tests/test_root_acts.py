@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
 import stat
 import subprocess
-import tempfile
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from conftest import SRC, privsep_python, wait_for
+from conftest import SRC, wait_for
 from hangar.engines.confine import ConfineConfig, Confinement
 from hangar.engines.qemu.argv import SECCOMP
 from hangar.errors import ConfigError
@@ -455,44 +454,59 @@ def test_hand_new_chowns_nothing_through_a_swapped_image_cache(tmp_path: Path) -
     assert os.stat(snap / "mem").st_uid == 0 and os.stat(snap / "mem").st_gid == OWNER
 
 
-def test_backup_as_root_of_a_split_data_directory_runs_as_its_owner() -> None:
-    """``hangar backup`` run by root over a split server's data directory acts as the
-    server's user: its copy is that user's, and a ``backups`` folder the server swapped
-    for a link to a folder of root's is not written through."""
+def test_backup_as_root_follows_no_symlink_of_a_split_data_directory(tmp_path: Path) -> None:
+    """``hangar backup`` run by root over a split server's data directory: the copy is
+    written through a descriptor of a folder root opened without following the server's
+    symlinks (a ``backups`` swapped for a link to a folder of root's is refused), the
+    database read must be the regular file opened beside it (one swapped for a link to
+    a database of root's is refused), and a volume image swapped for a link to a file
+    of root's is left out; nothing outside is touched, and the copy of a sound data
+    directory is made."""
     import sqlite3
 
-    hangar = pwd.getpwnam("hangar")
-    top = Path(tempfile.mkdtemp(prefix="hg-root-acts-", dir="/tmp"))
-    try:
-        os.chmod(top, 0o711)
-        data = top / "data"
-        data.mkdir()
-        db = sqlite3.connect(data / "hangar.db")
-        db.execute("CREATE TABLE t (x)")
-        db.commit()
-        db.close()
-        for p in (data, data / "hangar.db"):
-            os.chown(p, hangar.pw_uid, hangar.pw_gid)
-        python, path = privsep_python()
+    data = tmp_path / "data"
+    (data / "volumes" / "vol-0123456789ab").mkdir(parents=True)
+    db = sqlite3.connect(data / "hangar.db")
+    db.execute("CREATE TABLE volumes (id TEXT, created_at REAL)")
+    db.execute("INSERT INTO volumes VALUES ('vol-0123456789ab', 1)")
+    db.execute("CREATE TABLE volume_attachments (volume_id, sandbox_id, read_only)")
+    db.execute("CREATE TABLE sandboxes (id, state)")
+    db.commit()
+    db.close()
+    out = Outside(tmp_path)
+    private = out.dir / "root.db"
+    shutil.copy(data / "hangar.db", private)
+    out.before = out._state()
+    (data / "volumes" / "vol-0123456789ab" / "volume.ext4").symlink_to(out.secret)
+    for p in (data, data / "hangar.db", data / "volumes"):
+        os.chown(p, OWNER, OWNER)
 
-        def backup() -> subprocess.CompletedProcess[str]:
-            return subprocess.run([python, "-m", "hangar.cli", "backup"], capture_output=True,
-                                  text=True, timeout=120,
-                                  env={**os.environ, "PYTHONPATH": path,
-                                       "HANGAR_DATA_DIR": str(data)})
+    def backup(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hangar.cli", "backup", *args],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(SRC),
+                                   "HANGAR_DATA_DIR": str(data)})
 
-        got = backup()
-        assert got.returncode == 0, got.stderr
-        copies = list((data / "backups").glob("hangar-*.db"))
-        assert len(copies) == 1 and copies[0].stat().st_uid == hangar.pw_uid
-        out = Outside(top)
-        shutil.rmtree(data / "backups")
-        (data / "backups").symlink_to(out.dir)
-        got = backup()
-        assert got.returncode != 0 and "Permission denied" in got.stderr, got.stderr
-        out.untouched()
-    finally:
-        shutil.rmtree(top, ignore_errors=True)
+    (data / "backups").symlink_to(out.dir)
+    got = backup()
+    assert got.returncode == 1 and "cannot write into" in got.stderr, got.stderr
+    out.untouched()
+    (data / "backups").unlink()
+    os.rename(data / "hangar.db", data / "hangar.db.aside")
+    (data / "hangar.db").symlink_to(private)
+    got = backup()
+    assert got.returncode == 1 and "is not the server's database" in got.stderr, got.stderr
+    (data / "hangar.db").unlink()
+    os.rename(data / "hangar.db.aside", data / "hangar.db")
+    got = backup()
+    assert got.returncode == 0, got.stderr
+    assert "volume vol-0123456789ab not backed up: its image is not a regular file" \
+        in got.stderr, got.stderr
+    copies = list((data / "backups").glob("hangar-*.db"))
+    assert len(copies) == 1
+    assert sqlite3.connect(copies[0]).execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    assert not list(copies[0].with_suffix(".volumes").iterdir())
+    out.untouched()
 
 
 def test_the_helper_opens_the_data_directory_itself(world: dict[str, Any]) -> None:

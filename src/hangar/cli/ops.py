@@ -12,14 +12,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import Annotated, Optional
 
 import typer
 
 from hangar.errors import HangarError
-
-if TYPE_CHECKING:
-    from hangar.layout import Layout
 
 deploy_app = typer.Typer(help="Put Hangar on a public address.", no_args_is_help=True)
 
@@ -106,22 +103,6 @@ def deploy_nginx(
         typer.echo("nginx reloaded")
 
 
-def _as_data_owner(layout: "Layout") -> None:
-    """Run on as the owner of the data directory when root runs a command over a split
-    server's (``hangar backup``): its files and folders are that user's, who may swap any
-    name there for a symlink, so root does not act there at all (nor needs to)."""
-    if os.geteuid() != 0:
-        return
-    try:
-        st = os.stat(layout.root)
-    except OSError:
-        return
-    if st.st_uid != 0:
-        from hangar.privileged.split import drop
-
-        drop(st.st_uid, st.st_gid)
-
-
 def backup(
     dest: Annotated[Optional[Path], typer.Argument(
         help="File, or folder for hangar-<UTC time>.db. Default: <data>/backups/.")] = None,
@@ -137,7 +118,6 @@ def backup(
     from hangar.ops.volume_backup import backup_volumes
 
     layout = Layout(data_dir or _settings().data_dir)
-    _as_data_owner(layout)
     if dest is None:
         dest = layout.backups
         dest.mkdir(mode=0o700, parents=True, exist_ok=True)
