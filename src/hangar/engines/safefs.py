@@ -51,7 +51,7 @@ def open_dir(folder: Path) -> int:
     parent, name = os.path.split(os.path.abspath(text))
     if not name:
         return os.open("/", DIR_FLAGS)
-    up = beneath.open_trusted(parent)
+    up = beneath.open_trusted(parent, path_only=True)
     try:
         return os.open(name, DIR_FLAGS, dir_fd=up)
     finally:

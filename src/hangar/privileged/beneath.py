@@ -37,6 +37,8 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 """Flags that open one folder, never a symlink to one."""
 FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 """Added to a file's flags: never a symlink, and a FIFO put there cannot hang root."""
+PATH_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+"""Flags that hold one folder on the way (search permission is enough, as for a path)."""
 MAX_LINKS = 40
 """Symlinks ``open_trusted`` follows on one path (the kernel's own bound)."""
 
@@ -59,7 +61,7 @@ def _trusted_folder(fd: int) -> bool:
     return own and (not st.st_mode & 0o022 or bool(st.st_mode & stat.S_ISVTX))
 
 
-def open_trusted(path: str | Path) -> int:
+def open_trusted(path: str | Path, *, path_only: bool = False) -> int:
     """A descriptor of the folder ``path``, opened from ``/`` one name at a time.
 
     A symlink on the way is followed only when the folder holding it is one
@@ -68,14 +70,17 @@ def open_trusted(path: str | Path) -> int:
     other symlink fails with ELOOP. So a root process opens
     ``/var/lib/hangar`` (its parents are root's) but never follows a link
     the server put in ``<data>`` or below. ``/proc/...`` paths are opened by
-    the kernel (``fd_path`` of a descriptor: the exact folder). Raises
-    OSError. The caller closes the descriptor.
+    the kernel (``fd_path`` of a descriptor: the exact folder). ``path_only``:
+    an ``O_PATH`` descriptor (to walk below, as a path would: search permission
+    is enough), else one to read the folder. Raises OSError. The caller
+    closes the descriptor.
     """
     text = os.path.abspath(str(path))
     if text.startswith("/proc/"):
-        return os.open(text, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return os.open(text, (os.O_PATH if path_only else os.O_RDONLY) | os.O_DIRECTORY
+                       | os.O_CLOEXEC)
     todo = [p for p in text.split("/") if p]
-    fd = os.open("/", DIR_FLAGS)
+    fd = os.open("/", PATH_FLAGS)
     links = 0
     try:
         while todo:
@@ -83,7 +88,7 @@ def open_trusted(path: str | Path) -> int:
             if name == ".":
                 continue
             try:
-                nxt = os.open(name, DIR_FLAGS, dir_fd=fd)
+                nxt = os.open(name, PATH_FLAGS, dir_fd=fd)
             except OSError as exc:
                 if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                     raise
@@ -101,15 +106,18 @@ def open_trusted(path: str | Path) -> int:
                 target = os.readlink(name, dir_fd=fd)
                 todo = [p for p in target.split("/") if p] + todo
                 if target.startswith("/"):
-                    nxt = os.open("/", DIR_FLAGS)
+                    nxt = os.open("/", PATH_FLAGS)
                 else:
                     nxt = os.dup(fd)
             os.close(fd)
             fd = nxt
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        if path_only:
+            fd, out = -1, fd
+            return out
+        return os.open(".", DIR_FLAGS, dir_fd=fd)  # the folder itself, to read and act on
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def walk(dir_fd: int, rel: str | Path, flags: int = os.O_RDONLY, *, directory: bool = False,
