@@ -113,10 +113,7 @@ class Helper:
         self.net = net
         self.procs = VMMProcesses()
         self.plans: dict[str, tuple[Plan, list[str] | None]] = {}
-        named = {"QEMU's VMMs": (confine.config.uid_base, confine.config.uid_count),
-                 "image builds": (BUILD_UID_BASE, BUILD_UID_COUNT)}
-        if jail is not None:
-            named["jailed Firecracker VMMs"] = (jail.config.uid_base, jail.config.uid_count)
+        named = uid_ranges(confine, jail)
         check_disjoint(named)
         self.ranges = [(base, base + count) for what, (base, count) in named.items()
                        if what != "image builds"]
@@ -437,6 +434,16 @@ _ID = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 """A sandbox id as the request table spells it (``protocol.SandboxId``)."""
 
 
+def uid_ranges(confine: Confinement, jail: "HostJail | None") -> dict[str, tuple[int, int]]:
+    """``{what: (base, count)}`` of the uids QEMU's VMMs, image builds and (with ``jail``)
+    jailed Firecracker VMMs run as."""
+    named = {"QEMU's VMMs": (confine.config.uid_base, confine.config.uid_count),
+             "image builds": (BUILD_UID_BASE, BUILD_UID_COUNT)}
+    if jail is not None:
+        named["jailed Firecracker VMMs"] = (jail.config.uid_base, jail.config.uid_count)
+    return named
+
+
 def check_disjoint(ranges: dict[str, tuple[int, int]]) -> None:
     """Refuse (ConfigError) uid ranges ``{what: (base, count)}`` that overlap: a jailed
     VMM, a QEMU VMM and an image build must never share a uid (one could then signal,
@@ -503,6 +510,7 @@ def split(layout: Layout, confine: Confinement, user: str,
     except OSError as exc:
         raise ConfigError(f"Firecracker's jailer cannot run for a split server: {exc}") \
             from None
+    check_disjoint(uid_ranges(confine, host_jail))  # refused here, in the server's words
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
