@@ -301,9 +301,10 @@ def test_spawn_vmm_starts_a_vmm_that_was_not_swapped(world: dict[str, Any]) -> N
 
 def test_release_vmm_removes_only_the_cgroups_it_made(world: dict[str, Any],
                                                       tmp_path: Path) -> None:
-    """``vmm.cgroup`` lies in the server's folder: one the server wrote (its own file, or
-    a link to a file of root's) is not believed, and one of root's names only folders
-    of the helper's hierarchy for that sandbox."""
+    """``vmm.cgroup`` lies in the server's folder (and a restart's hand-over makes it the
+    server's): the helper never reads it, and removes only the folders of its hierarchy
+    made for that sandbox, whatever the file names (the server's own file, a link to a
+    file of root's, or a file of root's)."""
     decoy = tmp_path / "decoy"
     decoy.mkdir()
     helper = world["helper"]

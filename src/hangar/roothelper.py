@@ -339,28 +339,14 @@ class Helper:
         return None
 
     def release_cgroups(self, sandbox_id: str) -> None:
-        """Remove the cgroup folders ``vmm.cgroup`` of ``sandbox_id`` names, believed only
-        when root wrote that file (the server may have put its own in its place) and
-        only folders this helper's hierarchy makes for that sandbox (``<parent>/<id>``).
-        Never raises."""
+        """Remove the cgroup folders this helper's hierarchy makes for ``sandbox_id``
+        (``<parent>/<id>`` of each controller), waiting up to a second for its VMM to
+        leave them. Computed here, never read from ``vmm.cgroup``: that file lies in the
+        server's folder (and a restart's hand-over makes it the server's). Never raises."""
         if not _ID.fullmatch(sandbox_id) or self.confine.hierarchy is None:
             return
-        try:
-            fd = beneath.walk(self.data_fd, f"sandboxes/{sandbox_id}", directory=True)
-        except OSError:
-            return
-        try:
-            raw = beneath.read_own_at(fd, "vmm.cgroup", 8192).decode(errors="replace")
-        except OSError:
-            return
-        finally:
-            os.close(fd)
-        bases = {str(b) for b in self.confine.hierarchy.bases}
-        for line in raw.split():
-            d = Path(line)
-            if str(d.parent) not in bases or d.name != sandbox_id:
-                log.warning("not removing %s: not a cgroup of sandbox %s", line, sandbox_id)
-                continue
+        for base in self.confine.hierarchy.bases:
+            d = Path(base) / sandbox_id
             deadline = time.monotonic() + 1.0
             while True:
                 try:
