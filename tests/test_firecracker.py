@@ -901,7 +901,7 @@ def test_jailer_through_the_privileged_helper(fc_bins, base_image) -> None:  # n
     assert got["server"] == [hangar.pw_uid, hangar.pw_gid]
     assert got["describe"]["jailer"] == "on, through the privileged helper"
     uids, gids, nspid = got["vmm"]
-    assert len(set(uids)) == 1 and 300_000 <= int(uids[0]) < 300_000 + 65_536, uids
+    assert len(set(uids)) == 1 and 500_000 <= int(uids[0]) < 500_000 + 65_536, uids
     assert gids == [str(hangar.pw_gid)] * 4  # the server's group: it reaches the sockets
     assert nspid[-1] == "1"  # --new-pid-ns
     assert got["root"].startswith(str(jails) + "/firecracker/hangar-")

@@ -203,10 +203,11 @@ def test_e2b_sdk_volumes_map_onto_hangars(api: httpx.Client, srv: Server) -> Non
                 os.environ[k] = v
 
 
-def test_a_broken_image_is_a_clear_400_and_its_tools_run_confined(api: httpx.Client,
+def test_a_broken_image_is_a_clear_409_and_its_tools_run_confined(api: httpx.Client,
                                                                   srv: Server) -> None:
-    """What a guest wrote is hostile: a volume whose filesystem is garbage is a 400 from the
-    files route (debugfs, under bwrap, never a host mount), not a 500."""
+    """What a guest wrote is hostile: a volume whose filesystem is garbage is a 409
+    ``volume_corrupt`` from the files route (debugfs, under bwrap, never a host mount) and
+    from a grow, naming the repair, not a 500."""
     from hangar.images import volfs
 
     vid = api.post("/volumes", json={"name": "broken", "size_mib": 16}).json()["id"]
@@ -214,10 +215,60 @@ def test_a_broken_image_is_a_clear_400_and_its_tools_run_confined(api: httpx.Cli
     with open(image, "r+b") as f:
         f.write(os.urandom(1 << 16))
     r = api.get(f"/volumes/{vid}/files", params={"path": "/"})
-    assert r.status_code == 400 and "cannot be read" in r.json()["error"]["message"], r.text
+    assert r.status_code == 409 and r.json()["error"]["code"] == "volume_corrupt", r.text
+    assert "cannot be read" in r.json()["error"]["message"], r.text
     r = api.patch(f"/volumes/{vid}", json={"size_mib": 32})
-    assert r.status_code == 400 and "repair" in r.json()["error"]["message"], r.text
+    assert r.status_code == 409 and r.json()["error"]["code"] == "volume_corrupt", r.text
+    assert "hangar volume fsck broken" in r.json()["error"]["message"], r.text
     assert api.delete(f"/volumes/{vid}").status_code == 204
     argv, inside = volfs.confined_argv(image, ["debugfs", "-R", "ls", volfs.IMAGE_IN_VIEW])
     assert argv[0].endswith("bwrap") and "--unshare-all" in argv and inside == "/volume.ext4"
     assert argv[argv.index(str(image)) - 1] == "--ro-bind"
+
+
+def test_a_volume_its_guest_scribbled_over_is_a_409_until_fsck_repairs_it(
+        api: httpx.Client, srv: Server) -> None:
+    """Class 9 (security round 3): a guest writes zeros over its volume's superblock. The
+    next create that attaches it answers 409 ``volume_corrupt`` naming the volume and the
+    repair (never a 5xx a client would retry), and so does the host-side file reader;
+    ``hangar volume fsck NAME`` repairs it from a backup superblock (then the SDK's
+    ``fsck_volume`` finds it sound), and the file the first guest wrote is there again."""
+    from hangar.client import Hangar
+    from hangar.errors import VolumeCorrupt
+
+    vid = api.post("/volumes", json={"name": "scribbled", "size_mib": 64}).json()["id"]
+    sid = create(api, {"/data": "scribbled"})
+    run(api, sid, "echo kept > /data/kept && sync")
+    run(api, sid, "dev=$(awk '$2==\"/data\"{print $1}' /proc/mounts) && umount /data && "
+                  "dd if=/dev/zero of=$dev bs=1024 seek=1 count=1 conv=notrunc,fsync "
+                  "status=none")
+    assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    r = api.post("/sandboxes", json={"volumes": {"/data": "scribbled"}})
+    assert r.status_code == 409, r.text
+    err = r.json()["error"]
+    assert err["code"] == "volume_corrupt", err
+    assert "scribbled" in err["message"] and "hangar volume fsck scribbled" in err["message"]
+    assert f"POST /volumes/{vid}/fsck" in err["message"], err
+    assert api.get(f"/volumes/{vid}").json()["attached"] == []
+    r = api.get(f"/volumes/{vid}/files", params={"path": "/"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "volume_corrupt", r.text
+    with Hangar(srv.url, srv.key) as h:
+        with pytest.raises(VolumeCorrupt):
+            h.volume_files("scribbled", "/")
+    out = subprocess.run([sys.executable, "-m", "hangar.cli", "volume", "fsck", "scribbled"],
+                         env={**os.environ, "PYTHONPATH": str(SRC), "HANGAR_URL": srv.url,
+                              "HANGAR_API_KEY": srv.key},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"{vid} (scribbled): repaired" in " ".join(out.stdout.split()), out.stdout
+    with Hangar(srv.url, srv.key) as h:
+        again = h.fsck_volume("scribbled")
+        assert (again.exit_code, again.repaired) == (0, False), again
+        assert [e.name for e in h.volume_files("scribbled", "/") if e.name == "kept"]
+        assert h.volume_read("scribbled", "/kept") == b"kept\n"
+    sid = create(api, {"/data": "scribbled"})
+    assert run(api, sid, "cat /data/kept") == "kept\n"
+    r = api.post(f"/volumes/{vid}/fsck")
+    assert r.status_code == 409 and sid in r.json()["error"]["message"], r.text
+    assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    assert api.delete(f"/volumes/{vid}").status_code == 204

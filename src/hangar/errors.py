@@ -14,8 +14,10 @@ the client SDK (``hangar.client``)::
     ├── Conflict                409  the object's state forbids the call now
     │   ├── Busy                409  retryable after ``retry_after`` seconds
     │   ├── ImageMissing        409  the image build a sandbox or snapshot pins is gone
-    │   └── DiskFull            409  the guest's file system is full (or over quota);
-    │                                free space in it first; not retryable as is
+    │   ├── DiskFull            409  the guest's file system is full (or over quota);
+    │   │                            free space in it first; not retryable as is
+    │   └── VolumeCorrupt       409  a named volume's filesystem is damaged (a guest
+    │                                wrote over it): repair it (``hangar volume fsck``)
     ├── TooLarge                413  the request body is over the server's limit
     ├── LimitExceeded           429  retryable after ``retry_after`` seconds
     ├── Timeout                 504  the guest did not answer in time (it is marked
@@ -130,6 +132,17 @@ class DiskFull(Conflict):
     code = "disk_full"
 
 
+class VolumeCorrupt(Conflict):
+    """A named volume's ext4 filesystem is damaged (a guest may write anything to its
+    drive, its superblock included), so a create cannot mount it and the host cannot
+    read it. The volume's data, not the server, is at fault: 409, never retried; the
+    message names the volume and the repair (``hangar volume fsck NAME``, ``POST
+    /volumes/{id}/fsck``); ``context`` holds ``volume_id``, ``volume`` (its name) and
+    ``repair``."""
+
+    code = "volume_corrupt"
+
+
 class NoInterpreter(Conflict):
     """A code interpreter call to a sandbox that runs none (an image other than
     ``code-interpreter``: nothing listens on its port 49999)."""
@@ -188,7 +201,8 @@ BY_CODE: dict[str, type[HangarError]] = {
     cls.code: cls
     for cls in (
         HangarError, InvalidRequest, IdempotencyMismatch, Unauthorized, Unavailable, NotFound,
-        Gone, Conflict, Busy, ImageMissing, DiskFull, NoInterpreter, TooLarge, LimitExceeded,
+        Gone, Conflict, Busy, ImageMissing, DiskFull, VolumeCorrupt, NoInterpreter, TooLarge,
+        LimitExceeded,
         Timeout, RequestTimeout, GuestError, EngineError, ImageError, ConfigError,
     )
 }

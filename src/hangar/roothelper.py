@@ -22,6 +22,16 @@ binary is QEMU's, and what confines it is the plan this helper made, never
 one the server sent). VMMs it starts are its children (it is their
 subreaper), reaped here.
 
+Root acts only on what it opened itself (``hangar.privileged.beneath``): the
+server owns the data directory and may swap any name in it for a symlink at
+any moment, so the helper opens the data directory once, when it starts
+(``data_fd``), and reaches a sandbox's folder or an image's folder from it
+one name at a time with ``O_NOFOLLOW``, checking what it got after opening.
+Every file operation then goes through that descriptor, and the processes
+it starts (``vmm_exec``'s bind mounts, the VMM's working directory) name the
+folder as ``/proc/<helper pid>/fd/<n>``: that very folder, whatever its name
+became. The descriptors of a sandbox are held (``held``) until its release.
+
 It sits beside ``hangar.server``, above the engines and the network whose
 root halves it runs; ``hangar.privileged`` below them holds only the
 protocol and the client, so no package imports its way back up here.
@@ -30,6 +40,7 @@ protocol and the client, so no package imports its way back up here.
 from __future__ import annotations
 
 import array
+import errno
 import json
 import logging
 import os
@@ -37,7 +48,9 @@ import select
 import pwd
 import shutil
 import socket
+import re
 import stat
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,8 +60,12 @@ from hangar.engines import memory, process
 from hangar.engines.confine import Confinement, Plan, release_folder
 from hangar.engines.process import VMMProcesses
 from hangar.engines.qemu.argv import SECCOMP
+from hangar.engines.qemu.template import VIEW_FDS
+from hangar.images.confined import UID_BASE as BUILD_UID_BASE
+from hangar.images.confined import UID_COUNT as BUILD_UID_COUNT
 from hangar.errors import ConfigError, HangarError
 from hangar.layout import Layout, SandboxPaths
+from hangar.privileged import beneath
 from hangar.privileged import protocol as P
 from hangar.privileged.client import Client
 from hangar.privileged.split import check_code, drop, hand_over
@@ -96,27 +113,64 @@ class Helper:
         self.net = net
         self.procs = VMMProcesses()
         self.plans: dict[str, tuple[Plan, list[str] | None]] = {}
-        self.ranges = [(confine.config.uid_base, confine.config.uid_base
-                        + confine.config.uid_count), (300_000, 300_000 + 65_536)]
+        named = uid_ranges(confine, jail)
+        check_disjoint(named)
+        self.ranges = [(base, base + count) for what, (base, count) in named.items()
+                       if what != "image builds"]
+        self.data_fd = beneath.open_trusted(layout.root)
+        """The data directory, opened by root itself when the helper starts."""
+        self.held: dict[str, list[int]] = {}
+        """Descriptors each sandbox's VMM (and its start) still names, closed at release."""
 
     # -- checks against the host ----------------------------------------------------
 
-    def folder(self, sandbox_id: str) -> Path:
-        d = self.layout.sandbox(sandbox_id).dir
-        try:
-            st = os.lstat(d)
-        except OSError:
-            raise Refused(f"no sandbox folder {sandbox_id}") from None
-        if not stat.S_ISDIR(st.st_mode) or d.parent.resolve() != self.layout.sandboxes.resolve():
-            raise Refused(f"{d} is not a sandbox folder")
-        return d
+    def _hold(self, sandbox_id: str, fd: int) -> str:
+        fds = self.held.setdefault(sandbox_id, [])
+        if len(fds) >= MAX_HELD:
+            os.close(fd)
+            raise Refused(f"sandbox {sandbox_id} holds too many open folders; release it")
+        fds.append(fd)
+        return beneath.fd_path(fd)
 
-    def image_dir(self, path: str) -> Path:
-        real = Path(path).resolve()
-        images = self.layout.images.resolve()
-        if not real.is_dir() or not real.is_relative_to(images):
+    def _drop(self, sandbox_id: str) -> None:
+        for fd in self.held.pop(sandbox_id, []):
+            os.close(fd)
+
+    def folder(self, sandbox_id: str) -> tuple[SandboxPaths, SandboxPaths]:
+        """``sandbox_id``'s folder: its names (what the VMM and the server see) and the
+        same folder as this helper opened it (``<data>/sandboxes/<id>`` walked from
+        ``data_fd`` without following a symlink, a folder of the server's or root's;
+        every file operation goes there). Raises Refused."""
+        if not _ID.fullmatch(sandbox_id):  # validated again: it names a folder here
+            raise Refused(f"{sandbox_id!r} is not a sandbox id")
+        try:
+            fd = beneath.walk(self.data_fd, f"sandboxes/{sandbox_id}", directory=True)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                raise Refused(f"no sandbox folder {sandbox_id}") from None
+            raise Refused(f"{self.layout.sandbox(sandbox_id).dir} is not a sandbox folder "
+                          f"({exc.strerror or exc})") from None
+        if os.fstat(fd).st_uid not in (0, self.owner_uid):
+            os.close(fd)
+            raise Refused(f"{self.layout.sandbox(sandbox_id).dir} is not a sandbox folder")
+        return self.layout.sandbox(sandbox_id), SandboxPaths(Path(self._hold(sandbox_id, fd)))
+
+    def image_dir(self, sandbox_id: str, path: str) -> tuple[str, str]:
+        """The image folder ``path`` (under ``<data>/images``, through the images' own
+        links) as this helper opened it: its real path walked from ``data_fd`` without
+        following a symlink. Returns (that real path, its ``/proc`` name, held for
+        ``sandbox_id``). Raises Refused."""
+        images = os.path.normpath(self.layout.images.absolute())
+        asked = os.path.normpath(path)
+        real, real_images = os.path.realpath(asked), os.path.realpath(images)
+        if not asked.startswith(images + "/") or not real.startswith(real_images + "/"):
             raise Refused(f"{path} is not an image folder")
-        return Path(path)
+        try:
+            fd = beneath.walk(self.data_fd, "images/" + os.path.relpath(real, real_images),
+                              directory=True)
+        except OSError:
+            raise Refused(f"{path} is not an image folder") from None
+        return real, self._hold(sandbox_id, fd)
 
     def vmm_uid(self, pid: int) -> None:
         try:
@@ -133,18 +187,29 @@ class Helper:
         return "pong"
 
     def prepare_vmm(self, req: P.PrepareVmm, fds: list[int]) -> Any:
-        d = self.folder(req.sandbox_id)
-        paths = SandboxPaths(d)
+        self._drop(req.sandbox_id)  # a new start: what an earlier one held goes
+        if req.view_fds is not None and req.view_fds != VIEW_FDS:
+            raise Refused(f"a VMM's own descriptors are bound at {VIEW_FDS} only")
+        paths, at = self.folder(req.sandbox_id)
         if req.tap is not None and (self.net is None or self.net.tap_of(req.sandbox_id)
                                     != req.tap):
             raise Refused(f"{req.tap} is not the TAP of {req.sandbox_id}")
+        sources = [self.image_dir(req.sandbox_id, r) for r in req.reads]
         plan = self.confine.prepare(
             req.sandbox_id, paths, vcpus=req.vcpus, memory_mib=req.memory_mib, accel=req.accel,
-            tcg_cache_mib=req.tcg_cache_mib, reads=[self.image_dir(r) for r in req.reads],
-            owned=[d / n for n in req.owned], file_limit=req.file_limit,
-            host_network=req.host_network, tap=req.tap, view_fds=req.view_fds)
+            tcg_cache_mib=req.tcg_cache_mib, reads=[Path(r) for r in req.reads],
+            owned=[paths.dir / n for n in req.owned], file_limit=req.file_limit,
+            host_network=req.host_network, tap=req.tap, view_fds=req.view_fds, at=at,
+            read_sources=sources)
         plan.umask = 0  # its sockets: reachable by the server, in a folder only it and the VMM enter
-        console = self.confine.console_argv(paths)
+        console = self.confine.console_argv(paths, at)
+        if console is not None and plan.root is not None:
+            try:
+                cfd = beneath.walk(self.data_fd, f"sandboxes/{req.sandbox_id}/console",
+                                   directory=True)
+            except OSError as exc:
+                raise Refused(f"the console folder of {req.sandbox_id}: {exc}") from None
+            plan.console_source = self._hold(req.sandbox_id, cfd)
         self.plans[req.sandbox_id] = (plan, console)
         return {"uid": plan.uid, "root": plan.root}
 
@@ -155,7 +220,7 @@ class Helper:
             raise Refused(f"a VMM runs with -sandbox {SECCOMP} only")
         if len(fds) != len(req.fds):
             raise Refused("the descriptors sent and named differ")
-        d = self.folder(req.sandbox_id)
+        paths, at = self.folder(req.sandbox_id)
         got = self.plans.pop(req.sandbox_id, None)
         if got is None:
             raise Refused(f"sandbox {req.sandbox_id} was not prepared")
@@ -167,9 +232,8 @@ class Helper:
                     raise Refused(f"descriptor number {number} is not free")
                 os.dup2(fd, number, inheritable=False)
                 placed.append(number)
-            paths = SandboxPaths(d)
-            handle = self.procs.spawn(req.argv, cwd=d, pid_file=paths.pid_file,
-                                      stdout=paths.serial_log, stderr=paths.vmm_log, plan=plan,
+            handle = self.procs.spawn(req.argv, cwd=at.dir, pid_file=at.pid_file,
+                                      stdout=at.serial_log, stderr=at.vmm_log, plan=plan,
                                       console=console, pass_fds=placed)
         finally:
             for number in placed:
@@ -185,7 +249,9 @@ class Helper:
 
     def release_vmm(self, req: P.ReleaseVmm, fds: list[int]) -> Any:
         self.plans.pop(req.sandbox_id, None)
-        release_folder(self.layout.sandbox(req.sandbox_id), wait=1.0)
+        self._drop(req.sandbox_id)
+        self.release_cgroups(req.sandbox_id)
+        release_folder(self.layout.sandbox(req.sandbox_id), wait=1.0, cgroups=False)
         if self.jail is not None:  # a jailed Firecracker's too (the start-up sweep's orphans)
             try:
                 self.jail.release(self.layout.sandbox(req.sandbox_id), req.sandbox_id)
@@ -250,25 +316,49 @@ class Helper:
         return self.jail
 
     def jail_prepare(self, req: P.JailPrepare, fds: list[int]) -> Any:
-        d = self.folder(req.sandbox_id)
-        return {"uid": self._jail().prepare(SandboxPaths(d), req.sandbox_id),
+        self._drop(req.sandbox_id)
+        paths, _ = self.folder(req.sandbox_id)
+        return {"uid": self._jail().prepare(paths, req.sandbox_id),
                 "gid": self._jail().group}
 
     def jail_link(self, req: P.JailLink, fds: list[int]) -> Any:
-        d = self.folder(req.sandbox_id)
-        self._jail().link(self.layout, SandboxPaths(d), req.sandbox_id,
-                          [(src, name) for src, name in req.links])
+        paths, _ = self.folder(req.sandbox_id)
+        self._jail().link(self.layout, paths, req.sandbox_id,
+                          [(src, name) for src, name in req.links], data_fd=self.data_fd)
         return None
 
     def jail_spawn(self, req: P.JailSpawn, fds: list[int]) -> Any:
-        d = self.folder(req.sandbox_id)
-        handle = self._jail().spawn(self.procs, SandboxPaths(d), req.sandbox_id, req.vcpus,
-                                    req.memory_mib)
+        paths, at = self.folder(req.sandbox_id)
+        handle = self._jail().spawn(self.procs, paths, req.sandbox_id, req.vcpus,
+                                    req.memory_mib, at=at)
         return {"pid": handle.pid, "exit": handle.poll()}
 
     def jail_release(self, req: P.JailRelease, fds: list[int]) -> Any:
+        self._drop(req.sandbox_id)
         self._jail().release(self.layout.sandbox(req.sandbox_id), req.sandbox_id)
         return None
+
+    def release_cgroups(self, sandbox_id: str) -> None:
+        """Remove the cgroup folders this helper's hierarchy makes for ``sandbox_id``
+        (``<parent>/<id>`` of each controller), waiting up to a second for its VMM to
+        leave them. Computed here, never read from ``vmm.cgroup``: that file lies in the
+        server's folder (and a restart's hand-over makes it the server's). Never raises."""
+        if not _ID.fullmatch(sandbox_id) or self.confine.hierarchy is None:
+            return
+        for base in self.confine.hierarchy.bases:
+            d = Path(base) / sandbox_id
+            deadline = time.monotonic() + 1.0
+            while True:
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        log.warning("could not remove cgroup %s", d)
+                        break
+                    time.sleep(0.02)
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -322,6 +412,33 @@ class Helper:
                 sock.send(out)
             except OSError:
                 return
+
+
+MAX_HELD = 16
+"""Folders one sandbox's requests may hold open in the helper until its release."""
+_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+"""A sandbox id as the request table spells it (``protocol.SandboxId``)."""
+
+
+def uid_ranges(confine: Confinement, jail: "HostJail | None") -> dict[str, tuple[int, int]]:
+    """``{what: (base, count)}`` of the uids QEMU's VMMs, image builds and (with ``jail``)
+    jailed Firecracker VMMs run as."""
+    named = {"QEMU's VMMs": (confine.config.uid_base, confine.config.uid_count),
+             "image builds": (BUILD_UID_BASE, BUILD_UID_COUNT)}
+    if jail is not None:
+        named["jailed Firecracker VMMs"] = (jail.config.uid_base, jail.config.uid_count)
+    return named
+
+
+def check_disjoint(ranges: dict[str, tuple[int, int]]) -> None:
+    """Refuse (ConfigError) uid ranges ``{what: (base, count)}`` that overlap: a jailed
+    VMM, a QEMU VMM and an image build must never share a uid (one could then signal,
+    trace or write the other's files)."""
+    items = sorted((base, base + count, what) for what, (base, count) in ranges.items())
+    for (lo1, hi1, a), (lo2, hi2, b) in zip(items, items[1:]):
+        if lo2 < hi1:
+            raise ConfigError(f"the uids of {a} ({lo1}-{hi1 - 1}) and of {b} "
+                              f"({lo2}-{hi2 - 1}) overlap: give them disjoint ranges")
 
 
 def _seccomp_on(argv: list[str]) -> bool:
@@ -379,6 +496,7 @@ def split(layout: Layout, confine: Confinement, user: str,
     except OSError as exc:
         raise ConfigError(f"Firecracker's jailer cannot run for a split server: {exc}") \
             from None
+    check_disjoint(uid_ranges(confine, host_jail))  # refused here, in the server's words
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:

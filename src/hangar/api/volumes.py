@@ -1,5 +1,7 @@
-"""``/volumes``: named volumes that outlive sandboxes: make, list, get, grow, delete, and read
-their files without a sandbox (``SandboxService.volumes``; docs/volumes.md)."""
+"""``/volumes``: named volumes that outlive sandboxes: make, list, get, grow, delete, check and
+repair, and read their files without a sandbox (``SandboxService.volumes``; docs/volumes.md).
+A volume whose filesystem a guest damaged is a 409 ``volume_corrupt`` naming the repair
+(``POST /volumes/{id}/fsck``)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ from fastapi import APIRouter, Depends, Query, Response
 from hangar.api.deps import manager
 from hangar.core.service import SandboxManager, VolumeView
 from hangar.schemas import (
-    CreateVolume, ResizeVolume, VolumeAttachment, VolumeFileEntry, VolumeFileList, VolumeInfo,
-    VolumeList,
+    CreateVolume, ResizeVolume, VolumeAttachment, VolumeFileEntry, VolumeFileList, VolumeFsck,
+    VolumeInfo, VolumeList,
 )
 from hangar.schemas.base import PATH_MAX
 
@@ -19,6 +21,9 @@ router = APIRouter(prefix="/volumes", tags=["volumes"])
 Manager = Annotated[SandboxManager, Depends(manager)]
 ATTACHED = {409: {"description": "the volume is attached to a sandbox (or being changed: "
                                  "busy, retry)"}}
+CORRUPT = {409: {"description": "the volume is attached to a sandbox (or being changed: busy, "
+                                "retry), or its filesystem is damaged (volume_corrupt: repair "
+                                "it with POST /volumes/{id}/fsck)"}}
 
 
 def view(rec: VolumeView) -> VolumeInfo:
@@ -46,7 +51,7 @@ async def get(volume: str, m: Manager) -> VolumeInfo:
     return view(m.volumes.get(volume))
 
 
-@router.patch("/{volume}", response_model=VolumeInfo, responses=ATTACHED,
+@router.patch("/{volume}", response_model=VolumeInfo, responses=CORRUPT,
               summary="Grow a volume (offline: refused while a sandbox holds it)")
 async def resize(volume: str, body: ResizeVolume, m: Manager) -> VolumeInfo:
     return view(await m.volumes.resize(volume, body.size_mib))
@@ -59,9 +64,20 @@ async def delete(volume: str, m: Manager) -> Response:
     return Response(status_code=204)
 
 
+@router.post("/{volume}/fsck", response_model=VolumeFsck, responses={
+    409: {"description": "the volume is attached to a sandbox (or busy), or e2fsck could not "
+                         "repair it (volume_corrupt)"}},
+             summary="Check and repair a volume's filesystem (e2fsck -f -y; refused while a "
+                     "sandbox holds it)")
+async def fsck(volume: str, m: Manager) -> VolumeFsck:
+    got = await m.volumes.fsck(volume)
+    return VolumeFsck(id=got.id, name=got.name, exit_code=got.exit_code,
+                      repaired=got.repaired, output=got.output)
+
+
 @router.get("/{volume}/files", summary="List a folder of a volume, or read a file of it "
                                        "(at most 16 MiB), without a sandbox",
-            responses={200: {"content": {"application/json": {
+            responses={**CORRUPT, 200: {"content": {"application/json": {
                 "schema": {"$ref": "#/components/schemas/VolumeFileList"}},
                 "application/octet-stream": {}},
                 "description": "a folder's entries (JSON), or a file's bytes"}})

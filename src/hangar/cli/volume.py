@@ -1,5 +1,5 @@
-"""``hangar volume``: named volumes that outlive sandboxes (create, ls, resize, rm, ls-files,
-cat), through the SDK; and ``parse_mounts`` for ``hangar create --volume``."""
+"""``hangar volume``: named volumes that outlive sandboxes (create, ls, resize, rm, fsck,
+files, cat), through the SDK; and ``parse_mounts`` for ``hangar create --volume``."""
 
 from __future__ import annotations
 
@@ -68,6 +68,18 @@ def volume_rm(volume: str) -> None:
     with sdk() as h:
         h.delete_volume(volume)
     out.print(f"deleted {volume}")
+
+
+@app.command("fsck")
+def volume_fsck(volume: str) -> None:
+    """Check and repair a volume's filesystem (e2fsck -f -y) once no sandbox holds it: the
+    repair a volume_corrupt error names."""
+    with sdk() as h:
+        got = h.fsck_volume(volume)
+    if got.output:
+        out.print(got.output, markup=False, highlight=False)
+    out.print(f"{got.id} ({got.name}): "
+              f"{'repaired' if got.repaired else 'sound'} (e2fsck exit {got.exit_code})")
 
 
 @app.command("files")

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from hangar.core import interpreter
 from hangar.core.commands import HOME, FileEntry, FileEvent, FileList, WriteResult
-from hangar.core.views import SecretView, VolumeView
+from hangar.core.views import FsckView, SecretView, VolumeView
 
 if TYPE_CHECKING:
     from hangar.core.guestcalls import GuestCalls
@@ -67,6 +67,11 @@ class VolumesFace:
     def delete(self, ref: str) -> None:
         """Delete a volume and its data. Raises NotFound, Conflict (held), Busy."""
         self._v.delete(ref)
+
+    async def fsck(self, ref: str) -> FsckView:
+        """Check and repair a volume's filesystem (``e2fsck -f -y``). Raises NotFound,
+        Conflict (held), Busy, VolumeCorrupt (beyond repair)."""
+        return await self._v.fsck(ref)
 
     async def files(self, ref: str, path: str) -> tuple[str, Any]:
         """``("dir", (entries, total))`` or ``("file", bytes)``; see ``Volumes.files``."""

@@ -149,6 +149,18 @@ class VolumeView:
 
 
 @dataclass(frozen=True)
+class FsckView:
+    """What ``e2fsck -f -y`` did to a volume: its exit code (0: sound, 1 to 3: repaired),
+    whether it repaired anything, and the last 4 KiB of its output."""
+
+    id: str
+    name: str
+    exit_code: int
+    repaired: bool
+    output: str
+
+
+@dataclass(frozen=True)
 class SecretView:
     """A vault entry without its value: the hosts it may be sent to, times Unix seconds."""
 

@@ -33,6 +33,13 @@ When it ends, its guest first unmounts (or remounts read-only) each
 writable volume so its data reaches the image (``unmount_meta``); after
 its VMM is gone, a journal left to replay is replayed on the host
 (``e2fsck -E journal_only``), so the files API reads what the guest wrote.
+
+A guest may write anything to its drive, its filesystem's superblock
+included. A volume it left damaged is the volume's fault, never the
+server's: a create whose guest cannot mount it, a grow, and a read of its
+files answer 409 ``volume_corrupt`` (``VolumeCorrupt``) naming the volume
+and the repair, ``fsck`` (``e2fsck -f -y`` on the host, confined, while no
+sandbox holds it: ``hangar volume fsck NAME``, ``POST /volumes/{id}/fsck``).
 """
 
 from __future__ import annotations
@@ -55,7 +62,9 @@ from hangar.engines.base import VolumeDrive, volume_serial
 from hangar.guest import paths
 from hangar.schemas.volumes import (MAX_SIZE_MIB, MAX_VOLUMES_PER_SANDBOX, MIN_SIZE_MIB,
                                     VOLUME_NAME)
-from hangar.errors import Busy, Conflict, GuestError, HangarError, InvalidRequest, NotFound
+from hangar.core.views import FsckView
+from hangar.errors import (Busy, Conflict, GuestError, HangarError, InvalidRequest, NotFound,
+                           VolumeCorrupt)
 from hangar.images import volfs
 
 log = logging.getLogger("hangar.volumes")
@@ -283,7 +292,10 @@ class Volumes:
         self._within_cap(size_mib - vol.size_mib)
         self._busy.add(vol.id)
         try:
-            await volfs.grow(self.image(vol.id), size_mib)
+            try:
+                await volfs.grow(self.image(vol.id), size_mib)
+            except VolumeCorrupt as exc:
+                raise self.corrupt(vol, exc.message) from None
             out = self.ctx.store.change(VolumeRecord, vol.id, size_mib=size_mib,
                                         updated_at=time.time())
         finally:
@@ -371,6 +383,12 @@ class Volumes:
             return
         res = await agent.exec(mount_meta(got))
         if res.exit_code != 0:
+            for a in got:  # a filesystem the guest damaged is the volume's fault: 409
+                vol = self.ctx.store.find(VolumeRecord, a.volume_id)
+                why = None if vol is None else await volfs.damage(self.image(vol.id))
+                if vol is not None and why is not None:
+                    raise self.corrupt(vol, f"its guest cannot mount it ({why})",
+                                       sandbox_id=sandbox_id)
             raise GuestError(f"mounting the sandbox's volumes failed: "
                              f"{_text(res.stderr)[-300:]}", sandbox_id=sandbox_id)
 
@@ -451,10 +469,44 @@ class Volumes:
         vol = self.get(ref)
         self._not_busy(vol)
         image = self.image(vol.id)
-        kind, _size = await volfs.stat(image, path)
-        if kind == "dir":
-            return "dir", await volfs.listdir(image, path)
-        return "file", await volfs.read(image, path, MAX_READ_BYTES)
+        try:
+            kind, _size = await volfs.stat(image, path)
+            if kind == "dir":
+                return "dir", await volfs.listdir(image, path)
+            return "file", await volfs.read(image, path, MAX_READ_BYTES)
+        except VolumeCorrupt as exc:
+            raise self.corrupt(vol, exc.message) from None
+
+    def corrupt(self, vol: VolumeRecord, why: str, **context: Any) -> VolumeCorrupt:
+        """The ``VolumeCorrupt`` (409 ``volume_corrupt``) of ``vol``: ``why``, then its name
+        and the repair."""
+        repair = f"hangar volume fsck {vol.name}"
+        return VolumeCorrupt(
+            f"volume {vol.name} ({vol.id}) has a damaged filesystem: {why}. Repair it while "
+            f"no sandbox holds it: {repair} (POST /volumes/{vol.id}/fsck)",
+            volume_id=vol.id, volume=vol.name, repair=repair, **context)
+
+    async def fsck(self, ref: str) -> FsckView:
+        """Check and repair the filesystem of a volume that no sandbox holds (``e2fsck -f
+        -y``, confined; from a backup superblock when a guest wrote over the first).
+
+        Returns what e2fsck did (``FsckView``). Raises NotFound, Conflict (attached), Busy
+        (being changed), VolumeCorrupt (e2fsck could not repair it), EngineError."""
+        vol = self.get(ref)
+        self._idle(vol, "check")
+        self._busy.add(vol.id)
+        try:
+            rc, output = await volfs.repair(self.image(vol.id))
+        finally:
+            self._busy.discard(vol.id)
+        log.info("volume checked", extra={"volume_id": vol.id, "exit_code": rc})
+        if rc >= 4:
+            raise VolumeCorrupt(
+                f"e2fsck could not repair volume {vol.name} ({vol.id}) (exit {rc}): "
+                f"{output[-300:]}; restore it from a backup (docs/operations.md)",
+                volume_id=vol.id, volume=vol.name)
+        return FsckView(id=vol.id, name=vol.name, exit_code=rc, repaired=rc in (1, 2, 3),
+                        output=output)
 
 
 def _text(cap: Any) -> str:

@@ -62,6 +62,7 @@ from hangar.engines.cgroups import Hierarchy, Limits, remove_dirs
 from hangar.engines.uids import DEFAULT_REGISTRY, UidAllocator
 from hangar.errors import HangarError
 from hangar.layout import SandboxPaths
+from hangar.privileged import beneath
 
 if TYPE_CHECKING:
     from hangar.config import Settings
@@ -157,6 +158,16 @@ class Plan:
     remote: str | None = None
     """Made by the root helper for this sandbox id (``hangar.roothelper``): the
     helper starts the VMM with its own copy, this one only informs the caller."""
+    same: dict[str, str] = field(default_factory=dict)
+    """``{bind target: path}``: after binding, ``vmm_exec`` checks that the target is the
+    very folder ``path`` names (same device and inode), or fails. The root helper gives
+    ``/proc/<its pid>/fd/<n>`` of a folder it opened (``hangar.privileged.beneath``): a
+    bind source whose name the server swapped for a symlink is refused, not shown to the
+    VMM. (A bind cannot take such a path as its source: the folder's mount belongs to the
+    helper's mount namespace, not the view's.)"""
+    console_source: str | None = None
+    """The console folder as the root helper opened it (as in ``same``), for
+    ``for_logger``."""
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, separators=(",", ":"))
@@ -175,6 +186,8 @@ class Plan:
         if self.root:
             plan.binds = [b for b in self.binds if b[0] in ("/usr", "/etc/ld.so.cache")]
             plan.binds.append((str(console_dir), str(console_dir.absolute()), True))
+            if self.console_source:
+                plan.same = {str(console_dir.absolute()): self.console_source}
         return plan
 
 
@@ -293,7 +306,8 @@ class Confinement:
                 tcg_cache_mib: int = TCG_CACHE_MIB,
                 file_limit: int | None = None, host_network: bool = False,
                 tap: str | None = None, netns: Path | None = None,
-                view_fds: str | None = None) -> Plan:
+                view_fds: str | None = None, at: SandboxPaths | None = None,
+                read_sources: list[tuple[str, str]] | None = None) -> Plan:
         """Make ``sandbox_id``'s cgroup and folder ready, and return its ``Plan``.
 
         ``reads``: folders the VMM reads (its image), bound read-only at their
@@ -306,8 +320,14 @@ class Confinement:
         (where its TAP is); ``view_fds``: bind the VMM's own ``/proc/self/fd`` there in
         its view (a descriptor passed to it is then opened by that path). Under a
         privileged helper (``helper``) the helper does all of it and keeps
-        the plan; the one returned only tells ``uid`` and ``root``. Raises OSError (a
-        cgroup or a file could not be set up; EngineError from the helper).
+        the plan; the one returned only tells ``uid`` and ``root``. The helper itself
+        passes ``at``: the same folder named through a descriptor it opened
+        (``hangar.privileged.beneath.fd_path``), where every file operation here acts
+        (``paths`` then only gives the names the VMM sees), and ``read_sources``: for each
+        of ``reads``, its real path and such a name of it, which the bind must match
+        (``Plan.same``).
+        Raises OSError (a cgroup or a file could not be set up, a symlink where none may
+        be; EngineError from the helper).
         """
         if self.helper is not None:
             if netns:
@@ -319,6 +339,7 @@ class Confinement:
                 owned=[str(f.relative_to(paths.dir)) for f in owned], file_limit=file_limit,
                 host_network=host_network, view_fds=view_fds, tap=tap)
             return Plan(uid=got["uid"], gid=got["uid"], root=got["root"], remote=sandbox_id)
+        act = at or paths  # where root acts: never through a name the server may swap
         plan = Plan(cwd=str(paths.dir), netns=str(netns) if netns else None)
         if file_limit:
             plan.rlimits["FSIZE"] = file_limit
@@ -326,7 +347,8 @@ class Confinement:
             group = self.hierarchy.create(sandbox_id, self.limits(
                 vcpus, memory_mib, accel, tcg_cache_mib, template_clone=view_fds is not None))
             plan.cgroups = [str(d) for d in group.dirs]
-            paths.cgroup_file.write_text("".join(f"{d}\n" for d in group.dirs))
+            safefs.replace_file(act.dir, paths.cgroup_file.name,
+                                "".join(f"{d}\n" for d in group.dirs).encode())
         if not self.user:
             return plan
         uid = self.uid_for(sandbox_id, paths.dir)
@@ -334,21 +356,30 @@ class Confinement:
         plan.pid_ns = True
         if tap:
             plan.tap = (tap, TAP_FD)
-        safefs.own_folder(paths.dir, self.owner_uid, uid, 0o1770)
+        safefs.own_folder(act.dir, self.owner_uid, uid, 0o1770)
         for f in owned:  # through descriptors: a link put in a file's place is refused
-            safefs.own(paths.dir, f.relative_to(paths.dir), self.owner_uid, uid, 0o660)
+            safefs.own(act.dir, f.relative_to(paths.dir), self.owner_uid, uid, 0o660)
         if self.view:
             root = paths.view_root
-            root.mkdir(mode=0o755, exist_ok=True)
-            plan.root = str(root)
+            fd = safefs.open_dir(act.dir)
+            try:
+                os.close(beneath.mkdir_at(fd, root.name, 0o755))
+            finally:
+                os.close(fd)
+            plan.root = str(root)  # vmm_exec checks that it mounted its tmpfs there
             plan.own_network = not host_network
             plan.binds = [("/usr", "/usr", False)]
             if Path("/etc/ld.so.cache").exists():
                 plan.binds.append(("/etc/ld.so.cache", "/etc/ld.so.cache", False))
-            for d in reads:
-                _readable_by_all(d)
-                plan.binds.append((str(d.resolve()), str(d.absolute()), False))
+            for i, d in enumerate(reads):
+                src, opened = read_sources[i] if read_sources else (str(d.resolve()), None)
+                _readable_by_all(Path(opened or src), (0, self.owner_uid))
+                plan.binds.append((src, str(d.absolute()), False))
+                if opened:
+                    plan.same[str(d.absolute())] = opened
             plan.binds.append((str(paths.dir), str(paths.dir.absolute()), True))
+            if at is not None:
+                plan.same[str(paths.dir.absolute())] = str(at.dir)
             plan.symlinks = [(p, os.readlink(p)) for p in MERGED_USR if os.path.islink(p)]
             plan.devices = [*DEVICES, *([KVM_DEVICE] if accel == "kvm" else [])]
             if view_fds:
@@ -361,26 +392,35 @@ class Confinement:
         """The file descriptor a VMM gets its TAP as, or None (it opens the TAP itself)."""
         return TAP_FD if self.user else None
 
-    def console_argv(self, paths: SandboxPaths) -> list[str] | None:
+    def console_argv(self, paths: SandboxPaths,
+                     at: SandboxPaths | None = None) -> list[str] | None:
         """The logger that takes the VMM's stdout, or None (stdout goes to ``serial.log``).
 
         Makes ``console/`` (the VMM's own when confined) and points
-        ``serial.log`` at ``console/current``.
+        ``serial.log`` at ``console/current``; ``at``: the folder as the root helper
+        opened it (see ``prepare``), where it acts.
         """
         if not self.console_cap or self.helper is not None:  # the helper makes its own
             return None
         assert self.multilog is not None
         total = self.config.console_log_bytes
         size = min(max(total // 4, 4096), 16_777_215)
-        paths.console_dir.mkdir(mode=0o750, exist_ok=True)
-        if self.user:
-            uid = self.uid_for(paths.dir.name, paths.dir)
-            safefs.own(paths.dir, paths.console_dir.name, self.owner_uid, uid, 0o1770,
-                       directory=True)
+        act = at or paths
+        fd = safefs.open_dir(act.dir)
         try:
-            paths.serial_log.symlink_to(paths.console_current.relative_to(paths.dir))
-        except FileExistsError:
-            pass
+            os.close(beneath.mkdir_at(fd, paths.console_dir.name, 0o750))
+            if self.user:
+                uid = self.uid_for(paths.dir.name, paths.dir)
+                with beneath.walked(fd, paths.console_dir.name, directory=True) as cfd:
+                    os.fchown(cfd, self.owner_uid, uid)
+                    os.fchmod(cfd, 0o1770)
+            try:
+                os.symlink(str(paths.console_current.relative_to(paths.dir)),
+                           paths.serial_log.name, dir_fd=fd)
+            except FileExistsError:
+                pass
+        finally:
+            os.close(fd)
         return [self.multilog, f"s{size}", "n3", str(paths.console_dir)]
 
     async def release(self, paths: SandboxPaths) -> None:
@@ -402,11 +442,12 @@ class Confinement:
 
 
 def release_folder(paths: SandboxPaths, wait: float = 1.0,
-                   helper: "Client | None" = None) -> None:
+                   helper: "Client | None" = None, cgroups: bool = True) -> None:
     """Remove the cgroup that ``paths``' ``vmm.cgroup`` names, waiting up to ``wait``
     seconds for a just-killed VMM to leave it; for callers that cannot await (the
     start-up sweep), and drop the folder's VMM uid claim. ``helper``: a split server's
-    root helper, which then does it. Never raises."""
+    root helper, which then does it. ``cgroups`` False: the uid claim only (the root
+    helper removes the cgroups itself, believing only what it wrote). Never raises."""
     if helper is not None:
         try:
             helper.release_vmm(paths.dir.name)
@@ -415,6 +456,8 @@ def release_folder(paths: SandboxPaths, wait: float = 1.0,
         return
     if os.geteuid() == 0:
         UidAllocator(1, ANY_UID).release(paths.dir)  # QEMU's or a jailed Firecracker's
+    if not cgroups:
+        return
     try:
         dirs = [Path(line) for line in paths.cgroup_file.read_text().split()]
     except OSError:
@@ -434,17 +477,19 @@ def release_folder(paths: SandboxPaths, wait: float = 1.0,
                 time.sleep(0.02)
 
 
-def _readable_by_all(folder: Path) -> None:
+def _readable_by_all(folder: Path, owners: tuple[int, ...] = (0,)) -> None:
     """Let any user read ``folder`` and its files (a build made under umask 0077 is
-    root's only; images are shared and hold nothing secret)."""
-    for p in (folder, *folder.iterdir()):
-        try:
-            st = p.stat()
-            want = st.st_mode | (0o555 if stat.S_ISDIR(st.st_mode) else 0o444)
-            if stat.S_IMODE(st.st_mode) != stat.S_IMODE(want) and not p.is_symlink():
-                os.chmod(p, stat.S_IMODE(want))
-        except OSError:
-            pass
+    root's only; images are shared and hold nothing secret): each opened without
+    following a symlink and changed through its descriptor, and only what ``owners``
+    own (``hangar.privileged.beneath.chmod_entries``). Never raises."""
+    try:
+        fd = safefs.open_dir(folder)
+    except OSError:
+        return
+    try:
+        beneath.chmod_entries(fd, 0o444, uids=owners)
+    finally:
+        os.close(fd)
 
 
 def _kvm_group() -> list[int]:

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from hangar.privileged import beneath
+
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -38,8 +40,22 @@ def _parts(rel: str | Path) -> list[str]:
 
 
 def open_dir(folder: Path) -> int:
-    """A descriptor of the trusted ``folder`` itself (it must not be a symlink)."""
-    return os.open(folder, DIR_FLAGS)
+    """A descriptor of the trusted ``folder`` itself, opened one name at a time from ``/``
+    (``hangar.privileged.beneath.open_trusted``: a symlink on the way is followed only
+    where no one but root, or this process's user, may have put it; ``folder`` itself is
+    never a symlink). A ``/proc/<pid>/fd/<n>`` path (``beneath.fd_path``) is that open
+    folder itself."""
+    text = str(folder)
+    if text.startswith("/proc/"):
+        return beneath.open_trusted(text)
+    parent, name = os.path.split(os.path.abspath(text))
+    if not name:
+        return os.open("/", DIR_FLAGS)
+    up = beneath.open_trusted(parent, path_only=True)
+    try:
+        return os.open(name, DIR_FLAGS, dir_fd=up)
+    finally:
+        os.close(up)
 
 
 def open_in(folder: Path, rel: str | Path, flags: int = os.O_RDONLY, *,

@@ -42,8 +42,15 @@ directory, or null for no view), ``binds`` (``[src, dst, writable]``),
 ``symlinks`` (``[path, target]``), ``devices`` (``[name, major, minor]``),
 ``own_network`` (bool), ``netns`` (a path or null), ``tap`` (``[device, fd]`` or null),
 ``uid``, ``gid``, ``groups`` (null: keep the caller's identity), ``cwd``,
-``pid_ns`` (bool), ``report_fd`` (a file descriptor number, with ``pid_ns``) and
-``umask`` (the VMM's, or null: keep it).
+``pid_ns`` (bool), ``report_fd`` (a file descriptor number, with ``pid_ns``),
+``umask`` (the VMM's, or null: keep it) and ``same`` (``{bind target: path}``: the
+bound folder must be the very one ``path`` names, same device and inode: the root
+helper's ``/proc/<pid>/fd/<n>`` of a folder it opened itself).
+
+The view's root and the bind sources may be names in a folder the server's user
+can write; they are resolved once each, and checked after: the working directory
+becomes the tmpfs just mounted (``enter_view_root``, everything after relative to
+it) and each bind of ``same`` is compared with the folder the helper opened.
 """
 
 import ctypes
@@ -146,8 +153,30 @@ def open_tap(name: str, fd_number: int) -> None:
     os.set_inheritable(fd_number, True)
 
 
-def _inside(root: str, path: str) -> str:
-    return os.path.join(root, path.lstrip("/"))
+VIEW_TMPFS = "mode=0755,size=1m,nr_inodes=4096"
+VIEW_BYTES, VIEW_INODES = 1 << 20, 4096
+
+
+def _inside(path: str) -> str:
+    """``path`` of the view, relative to the working directory (the view's tmpfs)."""
+    return "./" + path.lstrip("/")
+
+
+def enter_view_root(root: str) -> None:
+    """Make the working directory the tmpfs just mounted on ``root``, checked after
+    opening: the folder ``root`` names may lie in a folder the server's user can write
+    (its sandbox folder), so the name is resolved once and what it gave must be that
+    tmpfs (its size and inode count, empty); everything after is relative to it, never
+    through ``root`` again."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        st = os.fstatvfs(fd)
+        if (st.f_blocks * st.f_frsize != VIEW_BYTES or st.f_files != VIEW_INODES
+                or os.listdir(fd)):
+            raise Failed(f"view: {root} is not the view's own tmpfs")
+        os.fchdir(fd)
+    finally:
+        os.close(fd)
 
 
 def make_view(plan: dict) -> None:
@@ -157,10 +186,11 @@ def make_view(plan: dict) -> None:
     _check(_libc.unshare(flags), "view: unshare")
     umask = os.umask(0o022)  # the view's folders must be traversable by the VMM's user
     _mount(None, "/", None, MS_REC | MS_PRIVATE, what="view: make private")
-    _mount("tmpfs", root, "tmpfs", MS_NOSUID, "mode=0755,size=1m,nr_inodes=4096",
-           what="view: tmpfs on")
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID, VIEW_TMPFS, what="view: tmpfs on")
+    enter_view_root(root)
+    same = plan.get("same") or {}
     for src, dst, writable in plan.get("binds", []):
-        target = _inside(root, dst)
+        target = _inside(dst)
         try:
             is_dir = stat.S_ISDIR(os.stat(src).st_mode)
         except OSError as exc:
@@ -171,18 +201,23 @@ def make_view(plan: dict) -> None:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             open(target, "a").close()
         _mount(src, target, None, MS_BIND | MS_REC, what="view: bind")
+        if dst in same:  # checked after binding: the very folder the helper opened
+            got, want = os.stat(target), os.stat(same[dst])
+            if (got.st_dev, got.st_ino) != (want.st_dev, want.st_ino):
+                raise Failed(f"view: {src} is not the folder that was opened (a symlink "
+                             f"was put in its place)")
         flags = MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | (0 if writable else MS_RDONLY)
         _mount(None, target, None, flags, what="view: remount")
     for path, target in plan.get("symlinks", []):
-        link = _inside(root, path)
+        link = _inside(path)
         os.makedirs(os.path.dirname(link), exist_ok=True)
         if not os.path.lexists(link):
             os.symlink(target, link)
     devices = plan.get("devices", [])
     if devices:
-        os.makedirs(_inside(root, "/dev"), exist_ok=True)
+        os.makedirs(_inside("/dev"), exist_ok=True)
     for name, major, minor in devices:
-        node = _inside(root, "/dev/" + name)
+        node = _inside("/dev/" + name)
         os.makedirs(os.path.dirname(node), exist_ok=True)
         try:
             os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(major, minor))
@@ -190,7 +225,6 @@ def make_view(plan: dict) -> None:
                 os.chown(node, uid, gid)
         except OSError as exc:
             raise Failed(f"view: mknod /dev/{name}: {exc.strerror}") from None
-    os.chdir(root)
     _check(_libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "view: pivot_root")
     _check(_libc.umount2(b".", MNT_DETACH), "view: detach the old root")
     os.chdir("/")

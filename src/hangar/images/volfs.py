@@ -12,7 +12,14 @@ userspace instead:
 - ``grow``: ``e2fsck -fp`` (replays a journal a deleted writer left), a
   larger file, ``resize2fs`` (offline; the caller makes sure no VMM has it);
 - ``stat``, ``listdir``, ``read``: ``debugfs -R`` (read-only), for
-  ``GET /volumes/{id}/files``.
+  ``GET /volumes/{id}/files``;
+- ``damage``: ``e2fsck -n -f`` (read-only): whether a guest left the
+  filesystem damaged (asked when a mount or a read failed), and ``repair``:
+  ``e2fsck -f -y`` (``hangar volume fsck``, ``POST /volumes/{id}/fsck``).
+
+A damaged filesystem is the volume's fault, not the server's: ``VolumeCorrupt``
+(409 ``volume_corrupt``), whose message ``hangar.core.volumes`` completes with the
+volume's name and the repair.
 
 The tools that read or write a guest-written image run confined
 (``confined_argv``): under ``bwrap`` in new user, mount, PID, network and
@@ -31,7 +38,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from hangar.errors import EngineError, InvalidRequest, NotFound
+from hangar.errors import EngineError, InvalidRequest, NotFound, VolumeCorrupt
 
 log = logging.getLogger("hangar.volumes")
 
@@ -138,14 +145,14 @@ async def grow(image: Path, size_mib: int) -> None:
     """Grow ``image`` to ``size_mib`` MiB and its filesystem with it, offline: ``e2fsck -fp``
     first (a writer that was ended leaves its journal to replay), then ``resize2fs``.
 
-    Raises InvalidRequest when the filesystem needs more repair than ``-p`` makes, and
+    Raises VolumeCorrupt when the filesystem needs more repair than ``-p`` makes, and
     EngineError when a tool fails.
     """
     argv, _ = confined_argv(image, ["e2fsck", "-f", "-p", IMAGE_IN_VIEW], writable=True)
     rc, _, err = await _run(argv)
     if rc >= 4:  # 1 and 2: errors corrected
-        raise InvalidRequest(f"the volume's filesystem needs a repair e2fsck -p does not "
-                             f"make (exit {rc}): {err.strip()[-200:]}")
+        raise VolumeCorrupt(f"the volume's filesystem needs a repair e2fsck -p does not "
+                            f"make (exit {rc}): {err.strip()[-200:]}")
     with open(image, "r+b") as f:
         f.truncate(size_mib << 20)
     argv, _ = confined_argv(image, ["resize2fs", IMAGE_IN_VIEW], writable=True)
@@ -163,6 +170,67 @@ async def replay_journal(image: Path) -> None:
     if rc >= 4:
         raise EngineError(f"e2fsck could not replay the volume's journal (exit {rc}): "
                           f"{err.strip()[-200:]}")
+
+
+async def damage(image: Path) -> str | None:
+    """Why the filesystem of ``image`` is damaged (e2fsck's last words), or None when
+    ``e2fsck -n -f`` (read-only: it changes nothing, and replays no journal) finds it
+    sound. Raises EngineError (e2fsck could not run)."""
+    argv, _ = confined_argv(image, ["e2fsck", "-n", "-f", IMAGE_IN_VIEW])
+    rc, head, _tail = await _run_all(argv)
+    if rc < 4:
+        return None
+    said = [ln.strip() for ln in head.splitlines()
+            if ln.strip() and not ln.startswith("e2fsck 1.")]
+    return f"e2fsck -n exit {rc}: " + ("; ".join(said[:3]) or "no output")[:300]
+
+
+async def repair(image: Path) -> tuple[int, str]:
+    """``e2fsck -f -y`` on ``image`` (nobody may have it open): every repair it can make,
+    from a backup superblock if the first is gone. Returns (its exit code: 0 sound, 1 or
+    2 repaired, 4 and up not repaired; its output's last 4 KiB). Raises EngineError."""
+    argv, _ = confined_argv(image, ["e2fsck", "-f", "-y", IMAGE_IN_VIEW], writable=True)
+    rc, _head, tail = await _run_all(argv)
+    return rc, tail.strip()
+
+
+async def _run_all(argv: list[str], keep: int = 4096,
+                   timeout: float = TOOL_TIMEOUT_S) -> tuple[int, str, str]:
+    """Run ``argv`` to its end (at most ``MAX_RUNNING`` at once), its stderr joined to its
+    stdout, which is read whole but kept only in part: (exit code, the first ``keep``
+    bytes, the last ``keep`` bytes). Never ended for talking too much (e2fsck repairing
+    must finish); raises EngineError when it cannot start or outlives ``timeout``."""
+    global _slots
+    if _slots is None:
+        _slots = asyncio.Semaphore(MAX_RUNNING)
+    async with _slots:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT)
+        except OSError as exc:
+            raise EngineError(f"cannot run {argv[0]}: {exc}") from None
+        assert proc.stdout is not None
+        head, tail = bytearray(), bytearray()
+
+        async def take() -> None:
+            while True:
+                chunk = await proc.stdout.read(65536)  # type: ignore[union-attr]
+                if not chunk:
+                    return
+                if len(head) < keep:
+                    head.extend(chunk[:keep - len(head)])
+                tail.extend(chunk)
+                del tail[:-keep]
+
+        try:
+            await asyncio.wait_for(take(), timeout)
+            rc = await asyncio.wait_for(proc.wait(), timeout)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise EngineError(f"{Path(argv[0]).name} did not finish in {timeout:g} s") from None
+    return rc, head.decode("utf-8", "replace"), tail.decode("utf-8", "replace")
 
 
 _BAD_PATH = re.compile(r'[\x00-\x1f\x7f"\\]')
@@ -188,6 +256,10 @@ async def _debugfs(image: Path, command: str, *, limit: int = 1 << 20) -> tuple[
         msg = lines[-1].strip() if lines else f"debugfs exited {rc}"
         if "not found" in msg:
             raise NotFound(f"no such file in the volume: {msg.split(':')[0]}")
+        why = await damage(image)
+        if why is not None:
+            raise VolumeCorrupt(f"the volume cannot be read ({msg[:200]}): its filesystem is "
+                                f"damaged ({why})")
         raise InvalidRequest(f"the volume cannot be read: {msg[:200]}")
     return out, err
 

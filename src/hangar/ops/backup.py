@@ -6,7 +6,16 @@ the server runs: it reads one consistent snapshot of the database, WAL
 included, without stopping writers (the store runs in WAL mode). The copy
 is written to a temporary file, switched to rollback-journal mode so that it
 is one self-contained file, checked with ``PRAGMA integrity_check``, synced
-and only then renamed into place (mode 0600).
+and only then linked into place (mode 0600).
+
+Root runs it over a split server's data directory, whose names the server
+may swap for symlinks at any moment, so root acts only on what it opened
+itself (``hangar.privileged.beneath``): the copy is made in memory and
+written through a descriptor of the destination folder (a new file, never
+through a name the server put there; the folder itself is opened without
+following a symlink the server put on the way), and the database SQLite read
+must be the regular file opened beside it without following a symlink
+(checked after the copy: same device and inode), or the copy is refused.
 
 The store holds the records of sandboxes, snapshots and machines: what
 a restarted server reads to adopt running VMs. The copy leaves out the
@@ -27,8 +36,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hangar import durable
 from hangar.errors import InvalidRequest, NotFound
+from hangar.privileged import beneath
 
 BACKUP_GLOB = "hangar-*.db"
 NOT_BACKED_UP = ("idempotency_keys",)
@@ -71,25 +80,77 @@ def backup_database(database: Path, dest: Path) -> BackupReport:
     exist, InvalidRequest when ``dest`` exists already or the copy fails its
     integrity check. Never leaves a partial file at ``dest``.
     """
-    if not database.is_file():
-        raise NotFound(f"no database at {database}; is HANGAR_DATA_DIR right?")
-    if dest.is_dir():
-        dest = dest / default_name()
-    if dest.exists():
+    try:
+        db_fd = _open_database(database)
+    except FileNotFoundError:
+        raise NotFound(f"no database at {database}; is HANGAR_DATA_DIR right?") from None
+    except OSError as exc:
+        raise InvalidRequest(f"{database} is not the server's database: {exc}") from None
+    try:
+        if dest.is_dir():  # only decides the name: what is written is checked below
+            dest = dest / default_name()
+        dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            folder = beneath.open_trusted(dest.parent)
+        except OSError as exc:
+            raise InvalidRequest(f"cannot write into {dest.parent}: {exc}") from None
+        try:
+            return _backup(database, db_fd, folder, dest)
+        finally:
+            os.close(folder)
+    finally:
+        os.close(db_fd)
+
+
+def _open_database(database: Path) -> int:
+    """The database file, opened without following a symlink (its folder opened from
+    ``/`` as ``beneath.open_trusted`` does), checked to be a regular file of the folder's
+    owner with no other link. Raises OSError."""
+    up = beneath.open_trusted(database.parent)
+    try:
+        fd = beneath.walk(up, database.name)
+        try:
+            beneath.expect(fd, uids=(os.fstat(up).st_uid,), single=True)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+    finally:
+        os.close(up)
+
+
+def _reads(fd: int) -> bool:
+    """Whether another descriptor of this process is open on the file of ``fd``: SQLite's
+    own, when it opened that very file by its name."""
+    want = os.fstat(fd)
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            n = int(name)
+            st = os.fstat(n) if n != fd else None
+        except (ValueError, OSError):
+            continue
+        if st is not None and (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+            return True
+    return False
+
+
+def _backup(database: Path, db_fd: int, folder: int, dest: Path) -> BackupReport:
+    try:
+        os.stat(dest.name, dir_fd=folder, follow_symlinks=False)
+    except FileNotFoundError:
+        pass
+    else:
         raise InvalidRequest(f"{dest} exists already; give a new name")
-    dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.part")
-    tmp.unlink(missing_ok=True)
     t0 = time.monotonic()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.close(fd)
     try:
         src = sqlite3.connect(f"file:{database}?mode=rw", uri=True, timeout=30)
-        dst = sqlite3.connect(tmp)
+        dst = sqlite3.connect(":memory:")
         try:
             with dst:
                 src.backup(dst)
-            dst.execute("PRAGMA journal_mode=DELETE")
+            if not _reads(db_fd):  # checked after opening: the file opened beside it
+                raise InvalidRequest(f"{database} changed while it was copied (a symlink "
+                                     f"put in its place?); nothing was written")
             _scrub(dst)
             check = dst.execute("PRAGMA integrity_check").fetchone()[0]
             if check != "ok":
@@ -99,17 +160,39 @@ def backup_database(database: Path, dest: Path) -> BackupReport:
                 "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%' "
                 "ORDER BY name")]
             rows = {t: dst.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in tables}
+            image = bytearray(dst.serialize())
         finally:
             dst.close()
             src.close()
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        durable.replace(tmp, dest)
     except sqlite3.Error as exc:
         raise InvalidRequest(f"cannot back up {database}: {exc}") from None
+    if len(image) >= 20:
+        image[18:20] = b"\x01\x01"  # one self-contained file (rollback journal, not WAL)
+    tmp = f".{dest.name}.{os.getpid()}.part"
+    try:
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | beneath.FILE_FLAGS, 0o600,
+                      dir_fd=folder)
+        try:
+            os.set_blocking(out, True)
+            view = memoryview(image)
+            while view:
+                view = view[os.write(out, view):]
+            os.fsync(out)
+        finally:
+            os.close(out)
+        try:
+            os.link(tmp, dest.name, src_dir_fd=folder, dst_dir_fd=folder,
+                    follow_symlinks=False)
+        except FileExistsError:
+            raise InvalidRequest(f"{dest} exists already; give a new name") from None
+        os.fsync(folder)
     finally:
-        tmp.unlink(missing_ok=True)
-    return BackupReport(dest, dest.stat().st_size, time.monotonic() - t0, rows)
+        try:
+            os.unlink(tmp, dir_fd=folder)
+        except OSError:
+            pass
+    size = os.stat(dest.name, dir_fd=folder, follow_symlinks=False).st_size
+    return BackupReport(dest, size, time.monotonic() - t0, rows)
 
 
 def prune(folder: Path, keep: int) -> list[Path]:
@@ -117,8 +200,17 @@ def prune(folder: Path, keep: int) -> list[Path]:
     ``.volumes`` folders); returns the deleted."""
     if keep < 1:
         raise InvalidRequest("keep at least one backup")
-    olds = sorted(folder.glob(BACKUP_GLOB), reverse=True)[keep:]
-    for p in olds:
-        p.unlink(missing_ok=True)
-        shutil.rmtree(p.with_suffix(".volumes"), ignore_errors=True)  # ops.volume_backup
-    return olds
+    fd = beneath.open_trusted(folder)  # root acts only on what it opened itself
+    try:
+        names = sorted((n for n in os.listdir(fd) if Path(n).match(BACKUP_GLOB)),
+                       reverse=True)[keep:]
+        for name in names:
+            try:
+                os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            volumes = Path(name).with_suffix(".volumes").name  # ops.volume_backup
+            shutil.rmtree(volumes, dir_fd=fd, ignore_errors=True)
+    finally:
+        os.close(fd)
+    return [folder / n for n in names]

@@ -18,6 +18,7 @@ data directory.
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import subprocess
 from dataclasses import dataclass, field
@@ -27,7 +28,10 @@ from hangar.core.lifecycle import State
 from hangar.core.store import Store
 from hangar.errors import InvalidRequest
 from hangar.layout import Layout
+from hangar.privileged import beneath
 
+VOLUME_ID = re.compile(r"vol-[0-9a-f]{12}")
+"""A volume id (``hangar.core.volumes.ID``): what names a folder under ``<data>/volumes``."""
 NOT_HOLDING = tuple(sorted(s.value for s in set(State) - Store.HOLDING))
 """Sandbox states that hold no volume (deleted, expired, failed: all but ``Store.HOLDING``)."""
 
@@ -73,34 +77,72 @@ def backup_volumes(layout: Layout, db_backup: Path) -> VolumesReport:
     if not ids:
         return VolumesReport(None)
     folder = volumes_folder(db_backup)
+    # Root acts only on what it opened itself (hangar.privileged.beneath): the folders are
+    # opened without following a symlink the server put on the way, each volume's image
+    # and each copy through descriptors, cp reading and writing those descriptors.
+    up = beneath.open_trusted(folder.parent)
     try:
-        folder.mkdir(mode=0o700)
-    except FileExistsError:
-        raise InvalidRequest(f"{folder} exists already; give a new name") from None
+        try:
+            os.mkdir(folder.name, 0o700, dir_fd=up)
+        except FileExistsError:
+            raise InvalidRequest(f"{folder} exists already; give a new name") from None
+        into = beneath.walk(up, folder.name, directory=True)
+    finally:
+        os.close(up)
+    data = beneath.open_trusted(layout.root)
     copied: list[str] = []
     skipped: dict[str, str] = {}
     size = 0
-    for vid in ids:
-        if vid in writers:
-            skipped[vid] = "a sandbox holds it read-write"
-            continue
-        src = layout.volume(vid).image
-        dst = folder / f"{vid}.ext4"
-        if not src.is_file():
-            skipped[vid] = "its image is missing"
-            continue
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.close(fd)
-        out = subprocess.run(["cp", "--reflink=auto", "--sparse=always", "--", str(src),
-                              str(dst)], capture_output=True, text=True)
+    try:
+        for vid in ids:
+            if not VOLUME_ID.fullmatch(vid):  # read from the database: checked again
+                skipped[str(vid)[:64]] = "not a volume id"
+                continue
+            if vid in writers:
+                skipped[vid] = "a sandbox holds it read-write"
+                continue
+            try:
+                src = beneath.walk(data, f"volumes/{vid}/volume.ext4")
+            except FileNotFoundError:
+                skipped[vid] = "its image is missing"
+                continue
+            except OSError as exc:
+                skipped[vid] = f"its image is not a regular file ({exc.strerror or exc})"
+                continue
+            try:
+                size += _copy(vid, src, into, layout)
+                copied.append(vid)
+            except _Skipped as why:
+                skipped[vid] = str(why)
+            finally:
+                os.close(src)
+    finally:
+        os.close(data)
+        os.close(into)
+    return VolumesReport(folder, copied, skipped, size)
+
+
+class _Skipped(Exception):
+    """A volume left out of the backup; the message says why."""
+
+
+def _copy(vid: str, src: int, into: int, layout: Layout) -> int:
+    """Copy the open image ``src`` to a new ``<vid>.ext4`` in the folder ``into``; returns
+    its bytes on disk. Raises _Skipped, InvalidRequest (cp failed)."""
+    name = f"{vid}.ext4"
+    dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | beneath.FILE_FLAGS, 0o600,
+                  dir_fd=into)
+    try:
+        os.set_blocking(dst, True)
+        out = subprocess.run(["cp", "--reflink=auto", "--sparse=always", "--", "/dev/stdin",
+                              "/dev/stdout"], stdin=src, stdout=dst, stderr=subprocess.PIPE,
+                             text=True)
         if out.returncode != 0:
             raise InvalidRequest(f"copying volume {vid} failed: {out.stderr.strip()[-200:]}")
         if vid in _rows(layout.database)[1]:  # a writer attached while it was copied
-            dst.unlink()
-            skipped[vid] = "a sandbox attached it read-write while it was copied"
-            continue
-        with open(dst, "rb") as f:
-            os.fsync(f.fileno())
-        copied.append(vid)
-        size += os.stat(dst).st_blocks * 512
-    return VolumesReport(folder, copied, skipped, size)
+            os.unlink(name, dir_fd=into)
+            raise _Skipped("a sandbox attached it read-write while it was copied")
+        os.fsync(dst)
+        return os.fstat(dst).st_blocks * 512
+    finally:
+        os.close(dst)

@@ -16,6 +16,7 @@ server's data directory. Standard library only: ``hangar.images`` and
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import stat
 import sysconfig
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from hangar.errors import ConfigError
 from hangar.layout import Layout
+from hangar.privileged import beneath
 
 PR_SET_NO_NEW_PRIVS = 38
 KEEP_ROOTS = ("images", "bin")
@@ -71,14 +73,17 @@ def _share(name: str, dirfd: int, uid: int, gid: int) -> None:
         os.close(fd)
 
 
-def give_images(images: Path, uid: int, gid: int) -> None:
+def give_images(images: Path | str, uid: int, gid: int, dir_fd: int | None = None,
+                under: tuple[str, ...] = ()) -> None:
     """The folders of ``images`` to ``uid:gid`` (the server adds template snapshots and
     their folders, and removes unusable ones); the files of template snapshots shared
     read-only (``_share``); an image's own files stay root's (read-only to the server).
-    A linked ``images`` is left alone."""
-    for dirpath, dirnames, filenames, dirfd in os.fwalk(images):
+    A linked ``images`` is left alone. ``dir_fd``: ``images`` is a name relative to that
+    folder (``hand_new``), and ``under`` the names it lies under in the image cache."""
+    for dirpath, dirnames, filenames, dirfd in os.fwalk(images, dir_fd=dir_fd):
         os.chown(dirfd, uid, gid)
-        if "template-snapshots" in Path(dirpath).relative_to(images).parts:
+        where = under + Path(os.path.relpath(dirpath, images)).parts
+        if "template-snapshots" in where:
             for name in filenames:
                 _share(name, dirfd, uid, gid)
 
@@ -91,9 +96,23 @@ def hand_new(data_dir: Path, build: Path) -> None:
     the data directory is root's (no split), or when not root."""
     if os.geteuid() != 0:
         return
-    st = os.stat(data_dir)
-    if st.st_uid != 0:
-        give_images(build, st.st_uid, st.st_gid)
+    top = beneath.open_trusted(data_dir)  # root acts only on what it opened itself
+    try:
+        st = os.fstat(top)
+        if st.st_uid == 0:
+            return
+        rel = os.path.relpath(os.path.abspath(build), os.path.abspath(data_dir))
+        names = beneath.parts(rel)
+        if names[0] != "images" or len(names) < 2:
+            raise OSError(errno.EINVAL, f"{build} is not in the image cache")
+        up = beneath.walk(top, "/".join(names[:-1]), directory=True)  # no symlink on the way
+        try:
+            give_images(names[-1], st.st_uid, st.st_gid, dir_fd=up,
+                        under=tuple(names[1:-1]))
+        finally:
+            os.close(up)
+    finally:
+        os.close(top)
 
 
 def hand_over(layout: Layout, uid: int, gid: int) -> None:

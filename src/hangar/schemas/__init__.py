@@ -42,7 +42,7 @@ from hangar.schemas.processes import (
 from hangar.schemas.pty import PTY_MAX_SIDE, PtyRequest, PtySession, PtySessionList, PtyTicket
 from hangar.schemas.volumes import (
     CreateVolume, MountedVolume, ResizeVolume, VolumeAttachment, VolumeFileEntry, VolumeFileList, VolumeInfo,
-    VolumeList, VolumeMount,
+    VolumeFsck, VolumeList, VolumeMount,
 )
 from hangar.schemas.secrets import CreateSecret, RotateSecret, SecretInfo, SecretList
 from hangar.schemas.sandboxes import (
@@ -53,7 +53,7 @@ __all__ = [
     "CreateSecret", "RotateSecret", "SecretInfo", "SecretList",
     "NetworkRules", "NetworkRulesUpdate",
     "CreateVolume", "MountedVolume", "ResizeVolume", "VolumeAttachment", "VolumeFileEntry", "VolumeFileList",
-    "VolumeInfo", "VolumeList", "VolumeMount",
+    "VolumeFsck", "VolumeInfo", "VolumeList", "VolumeMount",
     "AGENT_KIND",
     "ARGS_ENV_MAX",
     "ARG_STRLEN_MAX",

@@ -90,6 +90,17 @@ class VolumeList(Model):
     volumes: list[VolumeInfo]
 
 
+class VolumeFsck(Model):
+    """What ``POST /volumes/{id}/fsck`` did: ``e2fsck -f -y`` on the volume's filesystem."""
+
+    id: str
+    name: str
+    exit_code: int = Field(description="e2fsck's: 0 sound, 1 to 3 repaired (4 and up is a "
+                                       "409 volume_corrupt instead).")
+    repaired: bool = Field(description="Whether e2fsck changed anything.")
+    output: str = Field(description="The last 4 KiB of e2fsck's output.")
+
+
 class VolumeFileEntry(Model):
     """One entry of a folder of a volume."""
 

@@ -15,7 +15,7 @@ import builtins
 from hangar.client import _core
 from hangar.client._sync.mixin import flat_client as _client
 from hangar.errors import InvalidRequest
-from hangar.schemas import VolumeFileEntry, VolumeFileList, VolumeInfo, VolumeList
+from hangar.schemas import VolumeFileEntry, VolumeFileList, VolumeFsck, VolumeInfo, VolumeList
 
 
 class VolumeCalls:
@@ -69,6 +69,17 @@ class VolumeCalls:
         c = _client(self)
         c._send("DELETE", f"/volumes/{volume}", retry=retry is not False,
                       timeout=c._t(request_timeout, c.config.timeouts.control))
+
+    def fsck_volume(self, volume: str, *, request_timeout: float | None = None,
+                          retry: bool | None = None) -> VolumeFsck:
+        """``POST /volumes/{id}/fsck``: check and repair the volume's filesystem (``e2fsck -f
+        -y`` on the host) once no sandbox holds it: the repair a ``volume_corrupt`` error
+        names. Safe to repeat. Raises NotFound, Conflict (a sandbox holds it),
+        VolumeCorrupt (beyond repair: restore it from a backup)."""
+        c = _client(self)
+        return VolumeFsck.model_validate(c._json(
+            "POST", f"/volumes/{volume}/fsck", retry=retry is not False,
+            timeout=c._t(request_timeout, c.config.timeouts.lifecycle)))
 
     def volume_files(self, volume: str, path: str = "/", *,
                            request_timeout: float | None = None,

@@ -47,6 +47,7 @@ from hangar.engines.firecracker.jailer import (
 )
 from hangar.engines.process import VMMHandle, VMMProcesses
 from hangar.layout import FirecrackerPaths, Layout, SandboxPaths
+from hangar.privileged import beneath
 
 LINK_NAMES = frozenset({"vmlinux", "initrd.img", "rootfs.ext4", "snapshot.vmstate",
                         "snapshot.memory"})
@@ -117,19 +118,32 @@ class HostJail:
         return uid
 
     def link(self, layout: Layout, paths: SandboxPaths, sandbox_id: str,
-             links: list[tuple[str, str]]) -> None:
+             links: list[tuple[str, str]], data_fd: int | None = None) -> None:
         """Hard-link each ``(source, name)``: ``source`` a regular file under the data
-        directory (walked without following a symlink), ``name`` one of ``LINK_NAMES`` in
-        the VMM's root. Raises OSError."""
+        directory (walked without following a symlink from ``data_fd``, the data
+        directory as the helper opened it, or from its trusted path), ``name`` one of
+        ``LINK_NAMES`` in the VMM's root. Raises OSError."""
         files = self.files(paths, sandbox_id)
         root = layout.root.absolute()
+        if data_fd is None:
+            data_fd = own_fd = safefs.open_dir(root)
+        else:
+            own_fd = -1
+        try:
+            self._link(files, root, data_fd, links)
+        finally:
+            if own_fd >= 0:
+                os.close(own_fd)
+
+    def _link(self, files: FirecrackerPaths, root: Path, data_fd: int,
+              links: list[tuple[str, str]]) -> None:
         for source, name in links:
             if name not in LINK_NAMES:
                 raise OSError(f"{name!r} is not a file a VMM's root holds")
             rel = Path(os.path.normpath(source))
             if not rel.is_absolute() or not rel.is_relative_to(root):
                 raise OSError(f"{source} is not in the data directory")
-            with safefs.opened(root, rel.relative_to(root)) as fd:
+            with beneath.walked(data_fd, rel.relative_to(root)) as fd:
                 dst = safefs.open_dir(files.root)
                 try:
                     os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dst, follow_symlinks=True)
@@ -137,9 +151,12 @@ class HostJail:
                     os.close(dst)
 
     def spawn(self, procs: VMMProcesses, paths: SandboxPaths, sandbox_id: str, vcpus: int,
-              memory_mib: int) -> VMMHandle:
-        """Start the prepared VMM; returns its handle (its host pid). Raises OSError."""
+              memory_mib: int, at: SandboxPaths | None = None) -> VMMHandle:
+        """Start the prepared VMM; returns its handle (its host pid). ``at``: the sandbox
+        folder as the helper opened it (``hangar.privileged.beneath.fd_path``), where the
+        VMM's log, pid file and console are made. Raises OSError."""
         files = self.files(paths, sandbox_id)
+        act = at or paths
         uid = self.config.allocator().lookup(paths.dir)
         if uid is None:
             raise OSError(f"sandbox {sandbox_id} has no VMM uid: prepare it first")
@@ -148,9 +165,9 @@ class HostJail:
                 if os.fstat(fd).st_nlink != 1:
                     raise OSError(f"{name} of {sandbox_id} has other links")
             safefs.own(files.root, name, uid, self.group, 0o660)
-        console = self._console.console_argv(paths)
+        console = self._console.console_argv(paths, at)
         if console is not None:  # the logger writes in the server's folder: as the VMM's uid
-            safefs.own(paths.dir, paths.console_dir.name, uid, self.group, 0o770,
+            safefs.own(act.dir, paths.console_dir.name, uid, self.group, 0o770,
                        directory=True)
             console = ["setpriv", f"--reuid={uid}", f"--regid={self.group}", "--clear-groups",
                        "--", *console]
@@ -158,8 +175,8 @@ class HostJail:
                            self.base, self.version, vcpus, memory_mib, vmm_args(files))
         old = os.umask(0o007)
         try:
-            handle = procs.spawn(argv, cwd=files.root, pid_file=paths.pid_file,
-                                 stdout=paths.serial_log, stderr=paths.vmm_log,
+            handle = procs.spawn(argv, cwd=files.root, pid_file=act.pid_file,
+                                 stdout=act.serial_log, stderr=act.vmm_log,
                                  console=console, pid_from=files.root / "firecracker.pid")
         finally:
             os.umask(old)

@@ -42,7 +42,10 @@ class JailerConfig:
     """
 
     binary: Path
-    uid_base: int = 300_000
+    uid_base: int = 500_000
+    """Above QEMU's VMMs (``hangar.engines.confine``, 400,000 up) and image builds
+    (``hangar.images.confined``, 300,000 up): no two kinds share a uid (the root helper
+    refuses ranges that overlap)."""
     uid_count: int = 65_536
     cgroups: Literal["auto", "v1", "v2", "off"] = "auto"
     parent_cgroup: str = "hangar"

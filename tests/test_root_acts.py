@@ -1,0 +1,519 @@
+"""Class 1 (security round 3): root acts only on what it opened itself.
+
+The split server owns its data directory, so a compromised server may swap
+any name there for a symlink at any moment. Each test here plays that
+server against the real root helper (``hangar.roothelper.Helper``, driven
+through its request table as ``tests/test_privsep.py`` does, with real
+QEMU, ``vmm_exec`` and Firecracker's jailer preparation) or a real root CLI,
+swaps a name for a symlink (before the request, between two requests, or
+all the time from a thread), and asserts that root refused and that nothing
+outside was touched: ``outside`` keeps its owner, mode, content and
+entries. One test per request of the helper's table that touches a path,
+one per root CLI path (``hand_new`` of the image and template builds,
+``hangar backup``), and the uid ranges.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import SRC, wait_for
+from hangar.engines.confine import ConfineConfig, Confinement
+from hangar.engines.qemu.argv import SECCOMP
+from hangar.errors import ConfigError
+from hangar.layout import Layout
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the root helper runs as root")
+
+QEMU = shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64"
+OWNER = 999  # the server's uid in these tests (the helper's owner_uid)
+
+
+class Outside:
+    """A folder of root's outside the data directory, with a secret file, that a
+    compromised server points its symlinks at; ``untouched`` says nothing changed."""
+
+    def __init__(self, root: Path) -> None:
+        self.dir = root / "outside"
+        self.dir.mkdir(mode=0o700)
+        self.secret = self.dir / "secret"
+        self.secret.write_text("root's own\n")
+        os.chmod(self.secret, 0o600)
+        self.before = self._state()
+
+    def _state(self) -> Any:
+        def one(p: Path) -> tuple[int, int, int]:
+            st = os.lstat(p)
+            return st.st_uid, st.st_gid, st.st_mode
+
+        return (one(self.dir), one(self.secret), self.secret.read_text(),
+                sorted(os.listdir(self.dir)))
+
+    def untouched(self) -> None:
+        assert self._state() == self.before, (self.before, self._state())
+
+
+@pytest.fixture()
+def world(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A data directory with one image (``images/img`` -> ``img-1``) and one sandbox
+    folder (``sb-a``, with a ``disk``), a helper over it, and an ``Outside``."""
+    from hangar.roothelper import Helper
+
+    layout = Layout(tmp_path / "data")
+    layout.ensure()
+    img = layout.images / "img-1"
+    img.mkdir()
+    (img / "vmlinuz").write_text("kernel")
+    os.chmod(img / "vmlinuz", 0o600)
+    (layout.images / "img").symlink_to("img-1")
+    sb = layout.sandboxes / "sb-a"
+    sb.mkdir()
+    (sb / "disk").write_text("disk")
+    confine = Confinement(ConfineConfig(uid_registry=tmp_path / "uids", cgroups="off"))
+    helper = Helper(layout, confine, OWNER, QEMU)
+    out = Outside(tmp_path)
+    try:
+        yield {"layout": layout, "helper": helper, "outside": out, "sb": sb, "img": img}
+    finally:
+        helper.answer(b'{"op": "release_vmm", "sandbox_id": "sb-a"}', [])
+        for pid in list(helper.procs._children):
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        helper.reap()
+
+
+def ask(helper: Any, **req: Any) -> dict[str, Any]:
+    return helper.answer(json.dumps(req).encode(), [])
+
+
+def prepare(w: dict[str, Any], **over: Any) -> dict[str, Any]:
+    req = {"op": "prepare_vmm", "sandbox_id": "sb-a", "vcpus": 1, "memory_mib": 64,
+           "accel": "tcg", "tcg_cache_mib": 16,
+           "reads": [str(w["layout"].images / "img")], "owned": ["disk"], **over}
+    return ask(w["helper"], **req)
+
+
+def spawn(w: dict[str, Any]) -> dict[str, Any]:
+    return ask(w["helper"], op="spawn_vmm", sandbox_id="sb-a",
+               argv=[QEMU, "-sandbox", SECCOMP, "-version"])
+
+
+def swap(name: Path, target: Path) -> Path:
+    """Play the server: move ``name`` aside and put a symlink to ``target`` in its place;
+    returns where the original went."""
+    aside = name.with_name(name.name + ".aside")
+    os.rename(name, aside)
+    name.symlink_to(target)
+    return aside
+
+
+# -- prepare_vmm -------------------------------------------------------------------------
+
+
+def test_prepare_vmm_refuses_a_sandbox_folder_swapped_for_a_symlink(world: dict[str, Any]
+                                                                     ) -> None:
+    swap(world["sb"], world["outside"].dir)
+    got = prepare(world)
+    assert got["ok"] is False and "is not a sandbox folder" in got["error"], got
+    world["outside"].untouched()
+
+
+def test_prepare_vmm_refuses_a_sandboxes_folder_swapped_for_a_symlink(
+        world: dict[str, Any]) -> None:
+    """``<data>/sandboxes`` itself is the server's: a symlink there is never followed,
+    even to a folder that holds a real ``sb-a``."""
+    out = world["outside"]
+    shutil.copytree(world["sb"], out.dir / "sb-a")
+    out.before = out._state()
+    swap(world["layout"].sandboxes, out.dir)
+    got = prepare(world)
+    assert got["ok"] is False and "is not a sandbox folder" in got["error"], got
+    out.untouched()
+    assert os.lstat(out.dir / "sb-a").st_uid == 0
+
+
+def test_prepare_vmm_refuses_an_owned_file_swapped_for_a_symlink(world: dict[str, Any]
+                                                                 ) -> None:
+    (world["sb"] / "disk").unlink()
+    (world["sb"] / "disk").symlink_to(world["outside"].secret)
+    got = prepare(world)
+    assert got["ok"] is False and "Too many levels of symbolic links" in got["error"], got
+    world["outside"].untouched()
+
+
+def test_prepare_vmm_refuses_an_image_folder_swapped_for_a_symlink(world: dict[str, Any]
+                                                                   ) -> None:
+    swap(world["img"], world["outside"].dir)
+    got = prepare(world)
+    assert got["ok"] is False and "is not an image folder" in got["error"], got
+    world["outside"].untouched()
+
+
+def test_prepare_vmm_changes_no_mode_through_a_link_in_an_image_folder(
+        world: dict[str, Any]) -> None:
+    """The image's files are made readable to the VMM through descriptors: a link the
+    server put among them is left alone, its target keeps its mode."""
+    (world["img"] / "initrd").symlink_to(world["outside"].secret)
+    got = prepare(world)
+    assert got["ok"] is True, got
+    assert stat.S_IMODE(os.stat(world["img"] / "vmlinuz").st_mode) == 0o644
+    world["outside"].untouched()
+
+
+@pytest.mark.parametrize("name", [".view", "console"])
+def test_prepare_vmm_refuses_its_view_or_console_folder_swapped_for_a_symlink(
+        world: dict[str, Any], name: str) -> None:
+    (world["sb"] / name).symlink_to(world["outside"].dir)
+    got = prepare(world)
+    assert got["ok"] is False and "symbolic links" in got["error"], got
+    world["outside"].untouched()
+
+
+def test_prepare_vmm_writes_no_cgroup_file_through_a_symlink(tmp_path: Path) -> None:
+    """With cgroups on, ``vmm.cgroup`` is written as a new file renamed over the name:
+    a symlink the server put there is replaced, its target never written."""
+    from hangar.roothelper import Helper
+
+    confine = Confinement(ConfineConfig(uid_registry=tmp_path / "uids"))
+    if confine.hierarchy is None:
+        pytest.fail(f"no cgroup hierarchy on this host: {confine.measures()[2].reason}")
+    layout = Layout(tmp_path / "data")
+    layout.ensure()
+    (layout.images / "img-1").mkdir()
+    sb = layout.sandboxes / "sb-cg"
+    sb.mkdir()
+    out = Outside(tmp_path)
+    (sb / "vmm.cgroup").symlink_to(out.secret)
+    helper = Helper(layout, confine, OWNER, QEMU)
+    got = helper.answer(json.dumps({
+        "op": "prepare_vmm", "sandbox_id": "sb-cg", "vcpus": 1, "memory_mib": 64,
+        "accel": "tcg", "tcg_cache_mib": 16, "reads": [str(layout.images / "img-1")],
+        "owned": []}).encode(), [])
+    try:
+        assert got["ok"] is True, got
+        assert not (sb / "vmm.cgroup").is_symlink()
+        out.untouched()
+    finally:
+        assert helper.answer(b'{"op": "release_vmm", "sandbox_id": "sb-cg"}', [])["ok"]
+    assert not any(Path(d).exists() for d in (sb / "vmm.cgroup").read_text().split())
+
+
+def test_prepare_vmm_races_a_server_that_swaps_the_folder_all_the_time(
+        world: dict[str, Any]) -> None:
+    """Between check and use: a thread swaps ``sb-a`` and a symlink to ``outside`` as
+    fast as it can while the helper prepares again and again. Whichever it opened, it
+    acted on a real sandbox folder only: ``outside`` is never touched."""
+    sb, out = world["sb"], world["outside"]
+    link = sb.with_name("sb-a.link")
+    link.symlink_to(out.dir)
+    real = sb.with_name("sb-a.real")
+    stop = threading.Event()
+
+    def flip() -> None:
+        while not stop.is_set():
+            os.rename(sb, real)
+            os.rename(link, sb)  # now a symlink
+            os.rename(sb, link)
+            os.rename(real, sb)
+
+    t = threading.Thread(target=flip)
+    t.start()
+    answers = []
+    try:
+        for _ in range(200):
+            answers.append(prepare(world)["ok"])
+            ask(world["helper"], op="release_vmm", sandbox_id="sb-a")
+    finally:
+        stop.set()
+        t.join()
+    out.untouched()
+    assert False in answers  # the race was run (some refused) ...
+    assert os.lstat(link).st_uid == 0 and stat.S_ISLNK(os.lstat(link).st_mode)
+
+
+# -- spawn_vmm ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["vmm.log", "vmm.pid"])
+def test_spawn_vmm_writes_no_log_or_pid_through_a_symlink_put_after_prepare(
+        world: dict[str, Any], name: str) -> None:
+    assert prepare(world)["ok"] is True
+    (world["sb"] / name).unlink(missing_ok=True)
+    (world["sb"] / name).symlink_to(world["outside"].secret)
+    got = spawn(world)
+    world["outside"].untouched()
+    if name == "vmm.log":  # opened to append: refused
+        assert got["ok"] is False and "symbolic links" in got["error"], got
+    else:  # written as a new file renamed over the link
+        assert got["ok"] is True, got
+        assert not (world["sb"] / name).is_symlink()
+
+
+def test_spawn_vmm_refuses_a_folder_swapped_after_prepare(world: dict[str, Any]) -> None:
+    assert prepare(world)["ok"] is True
+    swap(world["sb"], world["outside"].dir)
+    got = spawn(world)
+    assert got["ok"] is False and "is not a sandbox folder" in got["error"], got
+    world["outside"].untouched()
+
+
+def test_spawn_vmm_binds_only_the_image_folder_it_opened(world: dict[str, Any]) -> None:
+    """The image's folder is swapped for a symlink to ``outside`` after prepare:
+    ``vmm_exec`` binds by name, then checks the bind against the folder the helper
+    opened, and refuses to start the VMM with the other folder in its view."""
+    assert prepare(world)["ok"] is True
+    swap(world["img"], world["outside"].dir)
+    got = spawn(world)
+    assert got["ok"] is True, got
+    log = world["sb"] / "vmm.log"
+    text = wait_for(lambda: log.exists() and "vmm_exec" in log.read_text() and log.read_text(),
+                    120, "vmm_exec's refusal")
+    assert "is not the folder that was opened" in text, text
+    current = world["sb"] / "console" / "current"
+    assert not current.exists() or "QEMU emulator" not in current.read_text()
+    world["outside"].untouched()
+
+
+def test_spawn_vmm_starts_a_vmm_that_was_not_swapped(world: dict[str, Any]) -> None:
+    """The same steps without a swap start QEMU (its version on the console)."""
+    assert prepare(world)["ok"] is True
+    assert spawn(world)["ok"] is True
+    current = world["sb"] / "console" / "current"
+    wait_for(lambda: current.exists() and "QEMU emulator" in current.read_text(), 120,
+             "QEMU's version on the console")
+
+
+# -- release_vmm -------------------------------------------------------------------------
+
+
+def test_release_vmm_removes_only_the_cgroups_it_made(world: dict[str, Any],
+                                                      tmp_path: Path) -> None:
+    """``vmm.cgroup`` lies in the server's folder (and a restart's hand-over makes it the
+    server's): the helper never reads it, and removes only the folders of its hierarchy
+    made for that sandbox, whatever the file names (the server's own file, a link to a
+    file of root's, or a file of root's)."""
+    decoy = tmp_path / "decoy"
+    decoy.mkdir()
+    helper = world["helper"]
+    helper.confine.hierarchy = type("H", (), {"bases": (tmp_path / "cg",)})()
+    (tmp_path / "cg").mkdir()
+    other = tmp_path / "cg" / "sb-other"
+    other.mkdir()
+    cg = world["sb"] / "vmm.cgroup"
+    cg.write_text(f"{decoy}\n{other}\n")
+    os.chown(cg, OWNER, OWNER)  # the server's own file
+    assert ask(helper, op="release_vmm", sandbox_id="sb-a")["ok"] is True
+    assert decoy.is_dir() and other.is_dir()
+    cg.unlink()
+    root_file = tmp_path / "root-file"
+    root_file.write_text(f"{decoy}\n")
+    cg.symlink_to(root_file)
+    assert ask(helper, op="release_vmm", sandbox_id="sb-a")["ok"] is True
+    assert decoy.is_dir()
+    cg.unlink()
+    cg.write_text(f"{decoy}\n{other}\n{tmp_path / 'cg' / 'sb-a'}\n")  # root's, but not its
+    (tmp_path / "cg" / "sb-a").mkdir()
+    assert ask(helper, op="release_vmm", sandbox_id="sb-a")["ok"] is True
+    assert decoy.is_dir() and other.is_dir()
+    assert not (tmp_path / "cg" / "sb-a").exists()  # its own went
+
+
+# -- the jailer's requests ---------------------------------------------------------------
+
+
+@pytest.fixture()
+def jailed(world: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    from hangar.engines.firecracker.hostjail import HostJail
+    from hangar.engines.firecracker.jailer import JailerConfig
+    from hangar.roothelper import Helper
+
+    base = tmp_path / "jails"
+    config = JailerConfig(binary=Path("/nonexistent/jailer"), chroot_base=base,
+                          uid_registry=tmp_path / "uids", cgroups="off")
+    jail = HostJail(config, Path("/nonexistent/firecracker"), OWNER)
+    helper = Helper(world["layout"], Confinement(ConfineConfig(
+        uid_registry=tmp_path / "uids", cgroups="off")), OWNER, QEMU, jail=jail)
+    return {**world, "helper": helper, "jail": jail,
+            "root": base / "firecracker" / "hangar-sb-a" / "root"}
+
+
+def test_jail_prepare_refuses_a_sandbox_folder_swapped_for_a_symlink(
+        jailed: dict[str, Any]) -> None:
+    swap(jailed["sb"], jailed["outside"].dir)
+    got = ask(jailed["helper"], op="jail_prepare", sandbox_id="sb-a")
+    assert got["ok"] is False and "is not a sandbox folder" in got["error"], got
+    jailed["outside"].untouched()
+
+
+def test_jail_link_follows_no_symlink_to_its_source_or_target(jailed: dict[str, Any]
+                                                              ) -> None:
+    h = jailed["helper"]
+    assert ask(h, op="jail_prepare", sandbox_id="sb-a")["ok"] is True
+    kernel = str(jailed["layout"].images / "img-1" / "vmlinuz")
+    via_link = str(jailed["layout"].images / "img" / "vmlinuz")  # images/img is a link
+    got = ask(h, op="jail_link", sandbox_id="sb-a", links=[[via_link, "vmlinux"]])
+    assert got["ok"] is False and "symbolic links" in got["error"], got
+    (jailed["root"] / "vmlinux").symlink_to(jailed["outside"].secret)  # the server's
+    got = ask(h, op="jail_link", sandbox_id="sb-a", links=[[kernel, "vmlinux"]])
+    assert got["ok"] is False and "File exists" in got["error"], got
+    (jailed["root"] / "vmlinux").unlink()
+    assert ask(h, op="jail_link", sandbox_id="sb-a", links=[[kernel, "vmlinux"]])["ok"]
+    assert os.stat(jailed["root"] / "vmlinux").st_ino == os.stat(kernel).st_ino
+    jailed["outside"].untouched()
+
+
+def test_jail_spawn_gives_and_writes_nothing_through_a_symlink(jailed: dict[str, Any]
+                                                               ) -> None:
+    h, root = jailed["helper"], jailed["root"]
+    assert ask(h, op="jail_prepare", sandbox_id="sb-a")["ok"] is True
+    (root / "firecracker.log").symlink_to(jailed["outside"].secret)
+    (root / "disk.ext4").write_text("disk")
+    got = ask(h, op="jail_spawn", sandbox_id="sb-a", vcpus=1, memory_mib=64)
+    assert got["ok"] is False and "symbolic links" in got["error"], got
+    (root / "firecracker.log").unlink()
+    (root / "firecracker.log").write_text("")
+    (jailed["sb"] / "vmm.log").symlink_to(jailed["outside"].secret)
+    got = ask(h, op="jail_spawn", sandbox_id="sb-a", vcpus=1, memory_mib=64)
+    assert got["ok"] is False and "symbolic links" in got["error"], got
+    jailed["outside"].untouched()
+
+
+def test_jail_release_removes_the_jail_without_following_its_links(
+        jailed: dict[str, Any]) -> None:
+    h, root = jailed["helper"], jailed["root"]
+    assert ask(h, op="jail_prepare", sandbox_id="sb-a")["ok"] is True
+    (root / "escape").symlink_to(jailed["outside"].dir)
+    assert ask(h, op="jail_release", sandbox_id="sb-a")["ok"] is True
+    assert not root.exists()
+    jailed["outside"].untouched()
+
+
+# -- uid ranges --------------------------------------------------------------------------
+
+
+def test_uid_ranges_of_builds_and_vmms_do_not_overlap(tmp_path: Path) -> None:
+    """QEMU's VMMs, jailed Firecracker VMMs and image builds each have their own uids;
+    the helper refuses to start with ranges that overlap."""
+    from hangar.engines.firecracker.hostjail import HostJail
+    from hangar.engines.firecracker.jailer import JailerConfig
+    from hangar.images.confined import UID_BASE, UID_COUNT
+    from hangar.roothelper import Helper, check_disjoint
+
+    qemu, fc = ConfineConfig(), JailerConfig(binary=Path("/x"))
+    check_disjoint({"qemu": (qemu.uid_base, qemu.uid_count), "builds": (UID_BASE, UID_COUNT),
+                    "firecracker": (fc.uid_base, fc.uid_count)})
+    with pytest.raises(ConfigError, match="overlap"):
+        check_disjoint({"a": (300_000, 65_536), "b": (365_535, 10)})
+    layout = Layout(tmp_path / "data")
+    layout.ensure()
+    bad = HostJail(JailerConfig(binary=Path("/x"), uid_base=UID_BASE + 10,
+                                chroot_base=tmp_path / "jails"), Path("/x"), OWNER)
+    with pytest.raises(ConfigError, match="image builds"):
+        Helper(layout, Confinement(ConfineConfig(uid_registry=tmp_path / "u")), OWNER, QEMU,
+               jail=bad)
+
+
+# -- root CLIs ---------------------------------------------------------------------------
+
+
+def test_hand_new_chowns_nothing_through_a_swapped_image_cache(tmp_path: Path) -> None:
+    """``hangar image build``/``template build`` hand a new build to a split server's
+    user: the walk starts at the data directory and follows no symlink the server put
+    on the way (its ``images`` folder swapped for a link to ``outside``)."""
+    from hangar.privileged.split import hand_new
+
+    data = tmp_path / "data"
+    (data / "images" / "b-1" / "template-snapshots" / "t").mkdir(parents=True)
+    (data / "images" / "b-1" / "template-snapshots" / "t" / "mem").write_text("m")
+    os.chown(data, OWNER, OWNER)
+    out = Outside(tmp_path)
+    (out.dir / "b-1").mkdir()
+    out.before = out._state()
+    aside = swap(data / "images", out.dir)
+    with pytest.raises(OSError, match="symlink|symbolic"):
+        hand_new(data, data / "images" / "b-1")
+    out.untouched()
+    assert os.stat(out.dir / "b-1").st_uid == 0
+    (data / "images").unlink()
+    os.rename(aside, data / "images")
+    hand_new(data, data / "images" / "b-1")
+    snap = data / "images" / "b-1" / "template-snapshots" / "t"
+    assert os.stat(snap).st_uid == OWNER
+    assert os.stat(snap / "mem").st_uid == 0 and os.stat(snap / "mem").st_gid == OWNER
+
+
+def test_backup_as_root_follows_no_symlink_of_a_split_data_directory(tmp_path: Path) -> None:
+    """``hangar backup`` run by root over a split server's data directory: the copy is
+    written through a descriptor of a folder root opened without following the server's
+    symlinks (a ``backups`` swapped for a link to a folder of root's is refused), the
+    database read must be the regular file opened beside it (one swapped for a link to
+    a database of root's is refused), and a volume image swapped for a link to a file
+    of root's is left out; nothing outside is touched, and the copy of a sound data
+    directory is made."""
+    import sqlite3
+
+    data = tmp_path / "data"
+    (data / "volumes" / "vol-0123456789ab").mkdir(parents=True)
+    db = sqlite3.connect(data / "hangar.db")
+    db.execute("CREATE TABLE volumes (id TEXT, created_at REAL)")
+    db.execute("INSERT INTO volumes VALUES ('vol-0123456789ab', 1)")
+    db.execute("CREATE TABLE volume_attachments (volume_id, sandbox_id, read_only)")
+    db.execute("CREATE TABLE sandboxes (id, state)")
+    db.commit()
+    db.close()
+    out = Outside(tmp_path)
+    private = out.dir / "root.db"
+    shutil.copy(data / "hangar.db", private)
+    out.before = out._state()
+    (data / "volumes" / "vol-0123456789ab" / "volume.ext4").symlink_to(out.secret)
+    for p in (data, data / "hangar.db", data / "volumes"):
+        os.chown(p, OWNER, OWNER)
+
+    def backup(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hangar.cli", "backup", *args],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(SRC),
+                                   "HANGAR_DATA_DIR": str(data)})
+
+    (data / "backups").symlink_to(out.dir)
+    got = backup()
+    assert got.returncode == 1 and "cannot write into" in got.stderr, got.stderr
+    out.untouched()
+    (data / "backups").unlink()
+    os.rename(data / "hangar.db", data / "hangar.db.aside")
+    (data / "hangar.db").symlink_to(private)
+    got = backup()
+    assert got.returncode == 1 and "is not the server's database" in got.stderr, got.stderr
+    (data / "hangar.db").unlink()
+    os.rename(data / "hangar.db.aside", data / "hangar.db")
+    got = backup()
+    assert got.returncode == 0, got.stderr
+    assert "volume vol-0123456789ab not backed up: its image is not a regular file" \
+        in got.stderr, got.stderr
+    copies = list((data / "backups").glob("hangar-*.db"))
+    assert len(copies) == 1
+    assert sqlite3.connect(copies[0]).execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    assert not list(copies[0].with_suffix(".volumes").iterdir())
+    out.untouched()
+
+
+def test_the_helper_opens_the_data_directory_itself(world: dict[str, Any]) -> None:
+    """The descriptor the helper walks from is the data directory it was given (opened
+    when it started), so renaming names inside changes nothing of it."""
+    st = os.fstat(world["helper"].data_fd)
+    assert (st.st_dev, st.st_ino) == (os.stat(world["layout"].root).st_dev,
+                                      os.stat(world["layout"].root).st_ino)
