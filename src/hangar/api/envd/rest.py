@@ -32,6 +32,7 @@ was answered by the gateway (502, "... was not found").
 
 from __future__ import annotations
 
+import asyncio
 import json
 import posixpath
 import time
@@ -126,6 +127,9 @@ async def _download(scope: Scope, receive: Receive, send: Send, query: dict[str,
                     headers: dict[str, str], envd: Any) -> None:
     path = _need_path(query)
     chunks = envd.manager.files.read(envd.sandbox_id, path)
+    # uvicorn drops what is sent after the client left without a word: watch for the
+    # disconnect, else a download of an endless file would go on (and hold its slot) for good
+    gone = asyncio.ensure_future(_disconnected(receive))
     try:
         first = await anext(chunks, b"")  # errors (no such file) before the answer starts
         name = posixpath.basename(absolute(path)).replace('"', "")
@@ -135,10 +139,19 @@ async def _download(scope: Scope, receive: Receive, send: Send, query: dict[str,
         if first:
             await send({"type": "http.response.body", "body": first, "more_body": True})
         async for chunk in chunks:
+            if gone.done():
+                return
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
     finally:
+        gone.cancel()
         await chunks.aclose()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has gone away (a GET's body is empty)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _written(r: Any) -> dict[str, str]:
