@@ -162,6 +162,16 @@ class Settings(BaseSettings):
         None, description="A PEM file of the CAs the secret proxy trusts upstream instead "
                           "of the public ones (internal APIs under a private CA; the "
                           "tests' stand-in internet).")
+    secret_proxy_max_body_bytes: int = Field(
+        4 << 30, ge=1 << 20, description="Largest request or answer body a secret proxy "
+                                         "passes when its length is declared (413 or 502 "
+                                         "beyond); bodies stream through, never held.")
+    secret_proxy_memory_mib: int = Field(
+        512, ge=128, description="Memory cgroup limit of one secret proxy, MiB (when the "
+                                 "server may make cgroups: root, or cgroup delegation).")
+    secret_proxy_max_connections: int = Field(
+        128, ge=1, description="Connections one sandbox's secret proxy serves at once (the "
+                               "rest wait in its listen queue).")
     max_json_bytes: int = Field(
         8 << 20, ge=1024, description="Largest JSON request body, bytes (413 beyond); file "
                                       "uploads are streamed and not bound by it.")
