@@ -240,3 +240,38 @@ def test_envd_watchers_take_their_slot_atomically(env: Env) -> None:
             assert r.status_code == 200, r.text
         again = asyncio.run(burst(env.a, WATCHER_CAP))
         assert [r.status_code for r in again] == [200] * WATCHER_CAP
+
+
+@pytest.mark.vm
+def test_one_client_address_cannot_take_every_connection(env: Env) -> None:
+    """One address holds at most ``PER_CLIENT_MAX`` connections; one more is closed as it
+    opens, another address is served meanwhile, and the places come back."""
+    from hangar.api.http_limits import PER_CLIENT_MAX
+
+    port = env.srv.port
+
+    def conn(src: str) -> socket.socket:
+        s = socket.socket()
+        s.bind((src, 0))
+        s.connect(("127.0.0.1", port))
+        return s
+
+    def served(src: str) -> bool:
+        s = conn(src)
+        try:
+            s.settimeout(10)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            return s.recv(64).startswith(b"HTTP/1.1 200")
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    held = [conn(A) for _ in range(PER_CLIENT_MAX)]  # idle: under the head deadline (15 s)
+    try:
+        assert not served(A), "one over the cap is closed"
+        assert served(B), "another address is served meanwhile"
+    finally:
+        for s in held:
+            s.close()
+    wait_for(lambda: served(A), 10, "the places come back")

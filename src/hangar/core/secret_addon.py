@@ -241,6 +241,10 @@ class SecretProxy:
                 value = value.replace(real, ph)
             fields[i] = (key, value)
         resp.headers.fields = tuple(fields)
+        if resp.status_code < 200 or resp.status_code in (204, 304) \
+                or flow.request.method == "HEAD":  # no body (a 101 is a WebSocket's)
+            resp.stream = True
+            return
         encoding = resp.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):  # asked for identity: not rewritable, not sent
             name = str(used[0].get("name", "?"))
