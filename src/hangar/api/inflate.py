@@ -67,7 +67,7 @@ class Inflater:
         follow the end of the gzip stream)."""
         self.read += len(data)
         pending = data
-        while pending:
+        while pending or not self._z.eof:
             if self._z.eof:
                 raise InvalidRequest(f"{self.what} has bytes after its gzip stream")
             try:
@@ -81,6 +81,8 @@ class Inflater:
             self._check()
             if piece:
                 yield piece
+            if not pending and len(piece) < CHUNK:
+                break  # all input taken and no output held back: wait for more input
 
     def close(self) -> None:
         """Raises InvalidRequest when the body ended before its gzip stream did."""
