@@ -3,9 +3,10 @@
 Each test fills one sandbox's cap and shows that the one more is refused while another
 sandbox is still served, and that slots come back when their holders end (on error too):
 
-* the DNS forwarder, UDP and TCP, on real sockets (the forwarder and guard the server runs,
-  two "guests" at 127.0.0.2 and 127.0.0.3, an upstream that never answers so that
-  forwarded queries hold their slots);
+* the DNS forwarder, UDP and TCP, and the egress proxy, on real sockets (the forwarder,
+  proxy and guard the server runs, two "guests" at 127.0.0.2 and 127.0.0.3, an upstream
+  that never answers so that forwarded queries hold their slots);
+* the server's own connections: one client address holds at most ``PER_CLIENT_MAX``;
 * E2B's data plane on a real server and VMs: requests in flight per sandbox
   (``HANGAR_ENVD_MAX_REQUESTS_PER_SANDBOX``) and polled watchers, made in a burst so that
   the cap is checked atomically (``HANGAR_ENVD_MAX_WATCHERS_PER_SANDBOX``).
@@ -124,6 +125,46 @@ def test_dns_forwarder_caps_each_guest_on_udp_and_tcp() -> None:
             for s in socks:
                 s.close()
             await fwd.close()
+
+    asyncio.run(run())
+
+
+def test_egress_proxy_caps_each_guest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The egress proxy takes a guest's connections under the same cap: A holds its cap of
+    connections (idle, while the proxy waits for their first bytes), its next one is
+    closed at once, and B's request is answered meanwhile (refused by its rules: 403)."""
+    import hangar.net.sniproxy as sniproxy
+
+    monkeypatch.setattr(sniproxy, "original_dst", lambda sock: ("203.0.113.9", 80))
+
+    async def run() -> None:
+        guard = _guard()
+        proxy = sniproxy.SniProxy(guard, "127.0.0.1")
+        await proxy.start()
+        held = []
+        try:
+            for _ in range(CAP):
+                _, w = await asyncio.open_connection("127.0.0.1", proxy.port,
+                                                     local_addr=(A, 0))
+                held.append(w)
+            await wait_for_async(lambda: guard.by_ip[A].busy == CAP, 5)
+            r, w = await asyncio.open_connection("127.0.0.1", proxy.port, local_addr=(A, 0))
+            try:
+                rest = await asyncio.wait_for(r.read(), 5)
+            except ConnectionResetError:
+                rest = b""
+            assert rest == b"", "A's connection over its cap is closed at once"
+            w.close()
+            r, w = await asyncio.open_connection("127.0.0.1", proxy.port, local_addr=(B, 0))
+            w.write(b"GET / HTTP/1.1\r\nHost: x.denied.test\r\n\r\n")
+            answer = await asyncio.wait_for(r.read(), 10)
+            assert answer.startswith(b"HTTP/1.1 403") and b"denied_domain" in answer, answer
+            w.close()
+            for h in held:
+                h.close()
+            await wait_for_async(lambda: guard.by_ip[A].busy == 0, 10)
+        finally:
+            await proxy.close()
 
     asyncio.run(run())
 
