@@ -473,6 +473,9 @@ class SecretProxies:
                 self._event(proxy, line)
         finally:
             transport.close()
+            ended = not proxy.ready.done() or self.proxies.get(proxy.sandbox_id) is proxy
+            if ended and proxy.err_reader is not None:  # its last words, for _tail
+                await asyncio.wait({proxy.err_reader}, timeout=1.0)
             if not proxy.ready.done():
                 proxy.ready.set_exception(EngineError(
                     f"the secret proxy ended: {self._tail(proxy)}", sandbox_id=proxy.sandbox_id))
