@@ -10,7 +10,7 @@ them:
 
 * ``limit``: the most bytes the whole body may inflate to (None: no total cap);
 * ``ratio``: past ``ratio_floor`` inflated bytes, the output may be at most ``ratio``
-  times the compressed bytes read so far (None: no ratio cap).
+  times the compressed bytes it came from so far (None: no ratio cap).
 
 ``inflate_whole`` inflates a body held whole (a Connect message) in a worker thread
 once it is larger than ``OFFLOOP_BYTES``, so a large message never holds the event
@@ -46,7 +46,9 @@ class Inflater:
         self._z = zlib.decompressobj(wbits=31)
         self.limit, self.ratio, self.ratio_floor, self.what = limit, ratio, ratio_floor, what
         self.read = 0
-        """Compressed bytes taken so far."""
+        """Compressed bytes given so far."""
+        self.used = 0
+        """Compressed bytes inflated so far (the ratio's base)."""
         self.out = 0
         """Inflated bytes given so far."""
 
@@ -54,7 +56,7 @@ class Inflater:
         if self.limit is not None and self.out > self.limit:
             raise TooLarge(f"{self.what} inflates to more than {self.limit} bytes, the limit",
                            limit_bytes=self.limit)
-        if self.ratio is not None and self.out > max(self.ratio_floor, self.ratio * self.read):
+        if self.ratio is not None and self.out > max(self.ratio_floor, self.ratio * self.used):
             raise TooLarge(f"{self.what} inflates more than {self.ratio} times its "
                            f"compressed size past {self.ratio_floor} bytes, the limit "
                            f"(a compression bomb?); send it uncompressed",
@@ -75,6 +77,7 @@ class Inflater:
             except zlib.error as exc:
                 raise InvalidRequest(f"{self.what} is broken: {exc}") from None
             pending = self._z.unconsumed_tail
+            self.used = self.read - len(pending)
             if self._z.eof and self._z.unused_data:
                 raise InvalidRequest(f"{self.what} has bytes after its gzip stream")
             self.out += len(piece)
