@@ -174,8 +174,9 @@ class Hangar:
     env: dict[str, str]
 
 
-def start_server(inet: Inet, base_image: Path) -> Hangar:
-    """A Hangar server in hg-sc-host on a Unix socket, its proxies trusting the test CA."""
+def start_server(inet: Inet, base_image: Path, extra: dict[str, str] | None = None) -> Hangar:
+    """A Hangar server in hg-sc-host on a Unix socket, its proxies trusting the test CA
+    (``extra``: more of its environment)."""
     from conftest import SRC, make_data_dir, server_python
 
     d = make_data_dir(base_image)
@@ -185,7 +186,7 @@ def start_server(inet: Inet, base_image: Path) -> Hangar:
            "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "tap", "HANGAR_NET_DNS": INET,
            "HANGAR_SECRET_PROXY_MITMDUMP": str(MITMDUMP),
            "HANGAR_SECRET_PROXY_UPSTREAM_CA": str(upstream), "PYTHONPATH": str(SRC),
-           "HANGAR_SECRETS_KEY_FILE": str(d.parent / f"{d.name}.secrets-key")}
+           "HANGAR_SECRETS_KEY_FILE": str(d.parent / f"{d.name}.secrets-key"), **(extra or {})}
     env["HANGAR_TEST_PYTHON"] = server_python(env)
     h = Hangar(d, None, None, d.parent / f"{d.name}.secrets-key", env)  # type: ignore[arg-type]
     serve(h)
@@ -475,6 +476,144 @@ def test_secret_reaches_its_host_only_and_never_the_guest(inet: Inet, base_image
             h.client.delete(f"/sandboxes/{s_}")  # type: ignore[attr-defined]
         if snap:
             h.client.delete(f"/snapshots/{snap}")  # type: ignore[attr-defined]
+        log = server_log(h)
+        leaked = stop_server(h)
+    assert REAL not in log
+    assert not leaked, leaked
+
+
+BIG_CLIENT = r"""
+import http.client, os, socket, ssl, sys
+n, ip = int(sys.argv[1]), "203.0.113.1"
+ctx = ssl.create_default_context()
+class C(http.client.HTTPSConnection):
+    def connect(self):
+        self.sock = ctx.wrap_socket(socket.create_connection((ip, 443), 30),
+                                    server_hostname="api.example.test")
+auth = {"Authorization": "Bearer " + os.environ["GITHUB_TOKEN"]}
+def body():
+    block = bytes(1 << 16)
+    for _ in range(n >> 16):
+        yield block
+c = C("api.example.test", 443, timeout=120)
+c.request("POST", "/sink", body=body(), headers={**auth, "Content-Length": str(n)})
+r = c.getresponse()
+up = r.read().decode()
+c.request("GET", f"/zeros?n={n}", headers=auth)
+r = c.getresponse()
+got, tail = 0, b""
+while chunk := r.read(1 << 16):
+    got += len(chunk)
+    tail = (tail + chunk)[-100:]
+print(up, got, tail.lstrip(b"\0").decode())
+"""
+"""Uploads ``n`` bytes with the secret to the stand-in's /sink, then downloads ``n`` zeros
+and the header it got (the value, which the proxy must turn back into the placeholder)."""
+BIG = 128 << 20
+CONNS = 4
+HOLD_CLIENT = r"""
+import socket, ssl, sys
+n = int(sys.argv[1])
+held = [socket.create_connection(("203.0.113.1", 443), 10) for _ in range(n)]
+ctx = ssl.create_default_context()
+one = socket.create_connection(("203.0.113.1", 443), 10)
+try:
+    ctx.wrap_socket(one, server_hostname="api.example.test").close()
+    print("over the cap: served")
+except (OSError, ssl.SSLError):
+    print("over the cap: closed")
+for s in held:
+    s.close()
+"""
+"""Holds ``n`` connections to the proxy, then tries one more TLS handshake."""
+
+
+def test_the_proxy_streams_large_bodies_both_ways(inet: Inet, base_image: Path) -> None:
+    """A guest with a secret uploads and downloads 128 MiB through its proxy: the upload
+    reaches the host with the value in its header, the download's echo of the value comes
+    back as the placeholder, and the proxy's memory stays flat (it streams, holding at
+    most a value's length of an answer it rewrites). Its connections are capped
+    (``HANGAR_SECRET_PROXY_MAX_CONNECTIONS``); it has no onboarding app; it runs in a
+    memory cgroup of its own where the server may make one."""
+    import threading
+
+    h = start_server(inet, base_image, {"HANGAR_SECRET_PROXY_MAX_CONNECTIONS": str(CONNS)})
+    made: list[str] = []
+    try:
+        c = h.client
+        r = c.post("/secrets", json={"name": "gh", "value": REAL,
+                                     "hosts": ["api.example.test"]})
+        assert r.status_code == 201, r.text
+        r = c.post("/sandboxes", json={"secrets": {"GITHUB_TOKEN": "gh"}})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        made.append(sid)
+        pids = proxy_pids(h, sid)
+        assert len(pids) == 1
+        status = Path(f"/proc/{pids[0]}/status")
+
+        def rss() -> int:
+            text = status.read_text()
+            return int(text.split("VmRSS:")[1].split()[0]) << 10
+
+        base = peak = rss()
+        done = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not done.wait(0.1):
+                peak = max(peak, rss())
+
+        t = threading.Thread(target=sample, daemon=True)
+        t.start()
+        try:
+            r = c.post(f"/sandboxes/{sid}/exec", json={
+                "command": "python3", "args": ["-c", BIG_CLIENT, str(BIG)], "timeout": 900})
+        finally:
+            done.set()
+            t.join()
+        assert r.status_code == 200, r.text
+        out = r.json()
+        placeholder = c.post(f"/sandboxes/{sid}/exec", json={
+            "command": "/bin/sh", "args": ["-c", "echo $GITHUB_TOKEN"]}).json()["stdout"].strip()
+        # (the echo is the placeholder, longer than the value: its length is not declared)
+        assert out["stdout"].split() == [str(BIG), "True",
+                                         str(BIG + len(f"Bearer {placeholder}")),
+                                         "Bearer", placeholder], out
+        grew = peak - base
+        print(f"proxy RSS {base >> 20} MiB, peak +{grew / (1 << 20):.1f} MiB")
+        assert grew < 32 << 20, f"the proxy's RSS grew {grew >> 20} MiB for {BIG >> 20} MiB"
+        # its connections are capped: one over is closed at once, and once they end the
+        # guest is served again
+        r = c.post(f"/sandboxes/{sid}/exec", json={
+            "command": "python3", "args": ["-c", HOLD_CLIENT, str(CONNS)], "timeout": 120})
+        assert r.json()["stdout"].strip() == "over the cap: closed", r.text
+        r = c.post(f"/sandboxes/{sid}/exec", json={
+            "command": "python3", "args": ["-c", HOLD_CLIENT, str(CONNS - 1)], "timeout": 120})
+        assert r.json()["stdout"].strip() == "over the cap: served", r.text
+        # no onboarding app: mitm.it is not answered by the proxy itself
+        cmdline = Path(f"/proc/{pids[0]}/cmdline").read_bytes().split(b"\0")
+        assert b"onboarding=false" in cmdline
+        # its own memory cgroup where the server may make cgroups (a server that runs as
+        # root on a host with a cgroup hierarchy); a split server's HTTP process (the
+        # hangar user, no delegation here) runs it without one, and says so once
+        from conftest import PRIVSEP, SRC
+
+        probe = subprocess.run(  # the hierarchy as the server sees it, in its namespace
+            ["ip", "netns", "exec", NS_HOST, sys.executable, "-c",
+             "from hangar.engines.cgroups import Hierarchy\n"
+             "print(Hierarchy.detect('auto')[0] is not None)"],
+            env={**os.environ, "PYTHONPATH": str(SRC)}, capture_output=True, text=True,
+            timeout=60)
+        groups = Path(f"/proc/{pids[0]}/cgroup").read_text()
+        if not PRIVSEP and probe.stdout.strip() == "True":
+            assert f"/hangar/secret-proxy-{sid}\n" in groups, groups
+        else:
+            assert "secret-proxy-" not in groups, groups
+            assert "secret proxies run without a memory cgroup" in server_log(h)
+    finally:
+        for s_ in made:
+            h.client.delete(f"/sandboxes/{s_}")  # type: ignore[attr-defined]
         log = server_log(h)
         leaked = stop_server(h)
     assert REAL not in log

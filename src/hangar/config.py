@@ -72,6 +72,17 @@ class Settings(BaseSettings):
     sandbox_max_port_connections: int = Field(
         256, ge=1, description="Connections open at once to all of one sandbox's ports "
                                "(429 beyond).")
+    envd_max_requests_per_sandbox: int = Field(
+        128, ge=1, description="Requests of E2B's data plane (envd calls, streams, file "
+                               "transfers) in flight at once for one sandbox (429, or "
+                               "Connect's resource_exhausted, beyond).")
+    envd_max_watchers_per_sandbox: int = Field(
+        16, ge=1, description="Polled file watchers of E2B's data plane live at once in one "
+                              "sandbox (resource_exhausted beyond).")
+    egress_max_flows_per_sandbox: int = Field(
+        64, ge=1, description="DNS queries, DNS TCP connections and egress-proxy connections "
+                              "one guest under domain rules has open at once (the rest are "
+                              "dropped or closed).")
     memory_budget_mib: int | None = Field(
         None, ge=MEMORY_MIB_MIN, description="Sum of guest memory of running VMMs, MiB (429 beyond); "
                                   "unset: 80 % of the host's RAM.")
@@ -151,6 +162,16 @@ class Settings(BaseSettings):
         None, description="A PEM file of the CAs the secret proxy trusts upstream instead "
                           "of the public ones (internal APIs under a private CA; the "
                           "tests' stand-in internet).")
+    secret_proxy_max_body_bytes: int = Field(
+        4 << 30, ge=1 << 20, description="Largest request or answer body a secret proxy "
+                                         "passes when its length is declared (413 or 502 "
+                                         "beyond); bodies stream through, never held.")
+    secret_proxy_memory_mib: int = Field(
+        512, ge=128, description="Memory cgroup limit of one secret proxy, MiB (when the "
+                                 "server may make cgroups: root, or cgroup delegation).")
+    secret_proxy_max_connections: int = Field(
+        128, ge=1, description="Connections one sandbox's secret proxy serves at once (the "
+                               "rest wait in its listen queue).")
     max_json_bytes: int = Field(
         8 << 20, ge=1024, description="Largest JSON request body, bytes (413 beyond); file "
                                       "uploads are streamed and not bound by it.")

@@ -14,7 +14,12 @@ is h11 (not httptools, whose parser buffers a header of any size):
   (slow-header clients, "slowloris"); uvicorn has no such timer of its own;
 * an idle keep-alive connection is closed after ``KEEP_ALIVE_S``;
 * past ``MAX_CONCURRENCY`` open connections or running requests, requests
-  get 503 (uvicorn's ``limit_concurrency``).
+  get 503 (uvicorn's ``limit_concurrency``);
+* one client address holds at most ``PER_CLIENT_MAX`` connections at once
+  (a WebSocket's included); one more is closed as it opens, so a single
+  anonymous client cannot take the ``MAX_CONCURRENCY`` all share. The
+  addresses of ``forwarded_allow_ips`` (a trusted reverse proxy, which must
+  cap its own clients) and Unix-socket clients are not capped.
 
 WebSockets: ``RefusingWebSockets`` is uvicorn's sans-I/O WebSocket protocol,
 except that a handshake the app refuses with an HTTP answer (the ASGI
@@ -45,10 +50,39 @@ KEEP_ALIVE_S = 5
 """Seconds an idle keep-alive connection is kept (uvicorn's ``timeout_keep_alive``)."""
 MAX_CONCURRENCY = 2048
 """Open connections or running requests past which requests get 503."""
+PER_CLIENT_MAX = 256
+"""Connections one client address may hold open at once (see the module docstring)."""
+
+_open_by_ip: dict[str, int] = {}
+"""Open connections by client address (this process's; the event loop's thread only)."""
+
+
+def _trusted(config: Any, ip: str) -> bool:
+    allowed = getattr(config, "forwarded_allow_ips", None) or ()
+    items = [a.strip() for a in allowed.split(",")] if isinstance(allowed, str) else \
+        [str(a).strip() for a in allowed]
+    return "*" in items or ip in items
+
+
+def _release_ip(ip: str) -> None:
+    left = _open_by_ip.get(ip, 1) - 1
+    if left > 0:
+        _open_by_ip[ip] = left
+    else:
+        _open_by_ip.pop(ip, None)
+
+
+def _release(protocol: Any) -> None:
+    """Give back the place ``protocol``'s connection held, once."""
+    ip = getattr(protocol, "_counted_ip", None)
+    if ip is not None:
+        protocol._counted_ip = None
+        _release_ip(ip)
 
 log = logging.getLogger("hangar.api.http")
 
 __all__ = ["HEADER_MAX_BYTES", "HEADER_TIMEOUT_S", "KEEP_ALIVE_S", "MAX_CONCURRENCY",
+           "PER_CLIENT_MAX",
            "BoundedH11Protocol", "RefusingWebSockets", "uvicorn_options"]
 
 
@@ -57,10 +91,28 @@ class BoundedH11Protocol(H11Protocol):
 
     _head_timer: asyncio.TimerHandle | None = None
     _armed_scope: Any = None
+    _counted_ip: str | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        ip = self.client[0] if self.client else None
+        if ip is not None and not _trusted(self.config, ip):
+            if _open_by_ip.get(ip, 0) >= PER_CLIENT_MAX:
+                transport.close()  # over its cap: closed as it opens, nothing read
+                return
+            _open_by_ip[ip] = _open_by_ip.get(ip, 0) + 1
+            self._counted_ip = ip
         self._arm()
+
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        counted, self._counted_ip = self._counted_ip, None
+        super().handle_websocket_upgrade(event)
+        # the WebSocket's protocol holds the connection's place from now on
+        ws = self.transport.get_protocol()
+        if counted is not None and isinstance(ws, RefusingWebSockets):
+            ws._counted_ip = counted
+        elif counted is not None:
+            _release_ip(counted)
 
     def _arm(self) -> None:
         self._disarm()
@@ -84,6 +136,7 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        _release(self)
         super().connection_lost(exc)
 
     def _head_timeout(self) -> None:
@@ -109,7 +162,14 @@ class BoundedH11Protocol(H11Protocol):
 
 
 class RefusingWebSockets(WebSocketsSansIOProtocol):
-    """uvicorn's sans-I/O WebSocket protocol; a denial response is no error (see above)."""
+    """uvicorn's sans-I/O WebSocket protocol; a denial response is no error (see above).
+    It holds its connection's place in ``PER_CLIENT_MAX`` until the connection ends."""
+
+    _counted_ip: str | None = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        _release(self)
+        super().connection_lost(exc)
 
     async def run_asgi(self) -> None:
         # uvicorn 0.54's run_asgi, but a handshake answered by a denial response

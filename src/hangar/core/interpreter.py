@@ -50,6 +50,9 @@ MAX_JSON_BYTES = 4 << 20
 """Largest JSON answer of a context call, bytes."""
 MAX_LINE_BYTES = 64 << 20
 """Longest NDJSON line of ``execute`` (a result with a large image), bytes."""
+LINE_HOLD_BYTES = 1 << 20
+"""Longest part of a line held before it is passed on in pieces, bytes: so a stream holds at
+most about this much in the server, however long its lines."""
 REQUEST_S = 300.0
 """Longest a context call may take, seconds: one that finds no spare kernel ready waits for
 the one starting (up to the server's ``SPARE_WAIT_S``, 240 s, under this)."""
@@ -100,12 +103,12 @@ def _refusal(status: int, raw: bytes, sandbox_id: str) -> HangarError:
 
 
 async def _read_all(tunnel: Tunnel, rest: bytes, sandbox_id: str) -> bytes:
-    buf = rest
+    buf = bytearray(rest)
     while chunk := await tunnel.read():
         buf += chunk
         if len(buf) > MAX_JSON_BYTES:
             raise GuestError("the code interpreter's answer is too large", sandbox_id=sandbox_id)
-    return buf
+    return bytes(buf)
 
 
 async def call(m: SandboxManager, sandbox_id: str, method: str, path: str,
@@ -121,7 +124,14 @@ async def call(m: SandboxManager, sandbox_id: str, method: str, path: str,
             raw = await _read_all(tunnel, rest, sandbox_id)
     if status >= 300:
         raise _refusal(status, raw, sandbox_id)
-    return json.loads(raw) if raw.strip() else None
+    if not raw.strip():
+        return None
+    try:  # up to MAX_JSON_BYTES of the guest's JSON: a large one is parsed off the loop
+        return json.loads(raw) if len(raw) <= 64 << 10 else await asyncio.to_thread(json.loads,
+                                                                                    raw)
+    except ValueError:
+        raise GuestError("the code interpreter's answer is not JSON",
+                         sandbox_id=sandbox_id) from None
 
 
 async def execute(m: SandboxManager, sandbox_id: str, code: str, *,
@@ -154,38 +164,62 @@ def _line(kind: str, **fields: Any) -> bytes:
     return (json.dumps({"type": kind, **fields}) + "\n").encode()
 
 
-async def _lines(stack: AsyncExitStack, tunnel: Tunnel, buf: bytes, sandbox_id: str,
+async def _lines(stack: AsyncExitStack, tunnel: Tunnel, rest: bytes, sandbox_id: str,
                  timeout: float | None) -> AsyncIterator[bytes]:
+    """The server's lines as they come. A line longer than ``LINE_HOLD_BYTES`` is passed on in
+    pieces as its bytes arrive (the client gets the same bytes), so no line is held whole;
+    one over ``MAX_LINE_BYTES`` is cut: a newline, then an ``OutputTooLarge`` error line."""
     deadline = None if timeout is None else time.monotonic() + timeout
     ended = False
+    buf = bytearray(rest)
+    passed = 0  # bytes of the current line already passed on
     try:
         while True:
-            while b"\n" in buf:
-                line, _, buf = buf.partition(b"\n")
-                if line.strip():
+            start = 0
+            while (nl := buf.find(b"\n", start)) >= 0:
+                line = bytes(buf[start:nl + 1])
+                start = nl + 1
+                if passed + len(line) > MAX_LINE_BYTES:
+                    yield b"\n" + _too_large()
+                    return
+                if passed:
+                    passed = 0
+                    yield line  # the end of a line passed on in pieces
+                elif line.strip():
                     ended = ended or b'"end_of_execution"' in line
-                    yield line + b"\n"
-            if len(buf) > MAX_LINE_BYTES:
-                yield _line("error", name="OutputTooLarge", traceback="",
-                            value=f"one output is over {MAX_LINE_BYTES} bytes")
-                return
+                    yield line
+            del buf[:start]
+            if buf and (passed or len(buf) >= LINE_HOLD_BYTES):
+                passed += len(buf)
+                if passed > MAX_LINE_BYTES:
+                    yield b"\n" + _too_large()
+                    return
+                yield bytes(buf)
+                buf.clear()
             try:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 async with asyncio.timeout(left):
                     chunk = await tunnel.read()
             except TimeoutError:
-                yield _line("error", name="TimeoutError", traceback="",
-                            value=f"the cell ran over its timeout of {timeout:g} s; "
-                                  "the kernel was interrupted")
+                yield (b"\n" if passed else b"") + _line(
+                    "error", name="TimeoutError", traceback="",
+                    value=f"the cell ran over its timeout of {timeout:g} s; the kernel was "
+                          "interrupted")
                 return
             if not chunk:
                 if not ended:
-                    yield _line("error", name="InterpreterGone", traceback="",
-                                value="the code interpreter closed the stream before the "
-                                      "cell ended")
+                    yield (b"\n" if passed else b"") + _line(
+                        "error", name="InterpreterGone", traceback="",
+                        value="the code interpreter closed the stream before the cell ended")
                 return
             buf += chunk
     except HangarError as exc:
-        yield _line("error", name=exc.code, value=exc.message, traceback="")
+        yield (b"\n" if passed else b"") + _line("error", name=exc.code, value=exc.message,
+                                                  traceback="")
     finally:
         await stack.aclose()
+
+
+def _too_large() -> bytes:
+    return _line("error", name="OutputTooLarge", traceback="",
+                 value=f"one output is over {MAX_LINE_BYTES} bytes, the limit")

@@ -46,6 +46,7 @@ class NetworkRules:
         if net is not None:
             self.guard = EgressGuard(
                 net, publish=ctx.publish,
+                per_sandbox=ctx.settings.egress_max_flows_per_sandbox,
                 on_denied=lambda via, reason: ctx.metrics.egress_denied.labels(
                     via, reason).inc())
         self._lock = asyncio.Lock()

@@ -8,7 +8,7 @@ Its peer talks to it over two pipes, whose descriptors are in the environment:
 
 - ``HANGAR_PROXY_CONTROL_FD`` (in): JSON lines. The first, read before the proxy serves,
   is ``{"secrets": {placeholder: {"name", "value", "hosts"}}, "rules": {...},
-  "egress_match": path}`` (``hangar/net/egress_match.py``: ``decide`` and
+  "egress_match": path, "max_connections": n}`` (``hangar/net/egress_match.py``: ``decide`` and
   ``host_matches``, the one matcher of every egress proxy; without it the proxy does
   not start); later lines replace ``secrets`` or ``rules``. End of file (the server is
   gone) ends the proxy.
@@ -21,6 +21,10 @@ Rules for each request (docs/security.md, "Secrets and the vault"):
 1. Every upstream connection is checked with ``egress_match.decide`` (loaded by path)
    against the sandbox's rules, on the address the guest connected to and the name it
    asked for (TLS SNI, else the HTTP Host): refused, it never opens.
+Every decision is made on the request's headers (``requestheaders``); bodies are then
+streamed both ways, never held whole: a request's body as it comes, an answer's body
+too, rewritten on the way (rule 3) only when its request carried a secret.
+
 2. A placeholder in a header value (or inside an ``Authorization: Basic`` header's
    base64) is replaced by its secret only when the request is
    HTTPS (so the upstream's certificate, verified, proves the name), its SNI and Host
@@ -28,7 +32,9 @@ Rules for each request (docs/security.md, "Secrets and the vault"):
    host, plain HTTP, the URL) the request is answered 403 with one line of reason, and
    nothing is sent upstream.
 3. The secret's value in the answer's headers or body goes back to the guest as its
-   placeholder again.
+   placeholder again: the request is sent with ``Accept-Encoding: identity`` and the
+   body rewritten as it streams (``_Swap``, holding at most a value's length); an answer
+   that comes compressed anyway is not passed on (the connection is closed).
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ CONTROL_FD = "HANGAR_PROXY_CONTROL_FD"
 EVENTS_FD = "HANGAR_PROXY_EVENTS_FD"
 PREFIX = b"hangar-secret-"
 PLACEHOLDER_LEN = len(PREFIX) + 32
+REFUSED_BODY_MAX = 64 << 10
+"""Largest request body read before a refusal is answered 403 (a larger one: closed)."""
 
 
 def _basic(key: bytes, value: bytes) -> bytes | None:
@@ -71,6 +79,9 @@ class SecretProxy:
         self.rules: dict[str, Any] = {}
         self.match: Any = None  # hangar/net/egress_match.py, loaded by path (_apply)
         self.names: dict[str, str] = {}
+        self.max_connections = 0
+        """Client connections served at once (0: no cap); more are closed at once."""
+        self.clients: set[str] = set()
         self._out = os.fdopen(int(os.environ[EVENTS_FD]), "w", buffering=1)
         self._lock = threading.Lock()
         self._control = os.fdopen(int(os.environ[CONTROL_FD]), "r")
@@ -98,6 +109,8 @@ class SecretProxy:
                             if isinstance(v, dict) and len(k) == PLACEHOLDER_LEN}
         if isinstance(msg.get("rules"), dict):
             self.rules = msg["rules"]
+        if isinstance(msg.get("max_connections"), int):
+            self.max_connections = msg["max_connections"]
 
     def _follow(self) -> None:
         for line in self._control:
@@ -119,8 +132,17 @@ class SecretProxy:
     def running(self) -> None:
         self.emit("ready")
 
+    def client_connected(self, client: Any) -> None:
+        """The guest's connections are capped (``max_connections``): one more is closed."""
+        if self.max_connections and len(self.clients) >= self.max_connections:
+            client.error = "too many connections from the sandbox"
+            self.emit("proxy.busy")
+            return
+        self.clients.add(client.id)
+
     def client_disconnected(self, client: Any) -> None:
         self.names.pop(client.id, None)
+        self.clients.discard(client.id)
 
     async def server_connect(self, data: Any) -> None:
         """Rule 1: refuse an upstream connection the sandbox's rules do not allow. A name
@@ -153,8 +175,9 @@ class SecretProxy:
         except Exception:  # a rule the matcher cannot read: closed, not open
             return False, "rule_error"
 
-    def request(self, flow: http.HTTPFlow) -> None:
-        """Rule 2: put secrets in the place of their placeholders, or refuse."""
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        """Rule 2, on the request's headers alone: put secrets in the place of their
+        placeholders, or refuse; the body is then streamed, never held."""
         req = flow.request
         sni = (flow.client_conn.sni or "").lower().rstrip(".")
         host = (req.host_header or "").lower()
@@ -192,27 +215,50 @@ class SecretProxy:
             fields[i] = (key, b"Basic " + base64.b64encode(value) if basic is not None
                          else value)
         if used:
+            # an answer is rewritten as it streams (rule 3): ask for it uncompressed
+            fields = [(k, v) for k, v in fields if k.lower() != b"accept-encoding"]
+            fields.append((b"accept-encoding", b"identity"))
             req.headers.fields = tuple(fields)
             flow.metadata["hangar_secrets"] = used
+        req.stream = True
 
-    def response(self, flow: http.HTTPFlow) -> None:
-        """Rule 3: an answer that echoes a value gets the placeholder back in its place."""
-        used = flow.metadata.get("hangar_secrets")
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        """Rule 3, streamed: an answer to a request that carried a secret has the value
+        replaced by its placeholder in its headers, and in its body as it passes (holding
+        at most a value's length of it); any other answer streams through untouched."""
         resp = flow.response
-        if not used or resp is None:
+        if resp is None or flow.metadata.get("hangar_refused"):
             return
-        back = [(s["value"].encode(), ph) for ph, s in self.secrets.items() if s in used]
+        used = flow.metadata.get("hangar_secrets")
+        if not used:
+            resp.stream = True
+            return
+        back = [(s["value"].encode(), ph) for ph, s in self.secrets.items()
+                if s in used and s.get("value")]
         fields = list(resp.headers.fields)
         for i, (key, value) in enumerate(fields):
             for real, ph in back:
                 value = value.replace(real, ph)
             fields[i] = (key, value)
         resp.headers.fields = tuple(fields)
-        content = resp.get_content(strict=False)  # decoded (gzip...) when it can be
-        if content and any(real in content for real, _ in back):
-            for real, ph in back:
-                content = content.replace(real, ph)
-            resp.content = content  # encoded again, Content-Length set
+        if resp.status_code < 200 or resp.status_code in (204, 304) \
+                or flow.request.method == "HEAD":  # no body (a 101 is a WebSocket's)
+            resp.stream = True
+            return
+        encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):  # asked for identity: not rewritable, not sent
+            name = str(used[0].get("name", "?"))
+            self.emit("secret.refused", secret=name[:64], host=(flow.request.host or "")[:253],
+                      reason="the answer came compressed although identity was asked: "
+                             "not passed on")
+            flow.kill()
+            return
+        # the body's length may change (a value and its placeholder differ): no declared
+        # length, chunked for HTTP/1.1 (HTTP/2 frames itself)
+        resp.headers.pop("content-length", None)
+        if resp.http_version == "HTTP/1.1":
+            resp.headers["transfer-encoding"] = "chunked"
+        resp.stream = _Swap(back)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -232,10 +278,47 @@ class SecretProxy:
         return "?"
 
     def _refuse(self, flow: http.HTTPFlow, name: str, host: str, reason: str) -> None:
+        """Answer 403 with one line of reason, nothing sent upstream. mitmproxy reads a
+        request's body before it answers one it did not send: a body that may be larger
+        than ``REFUSED_BODY_MAX`` (or of unknown size) is not read, the connection is
+        closed instead."""
+        self.emit("secret.refused", secret=name[:64], host=host[:253], reason=reason[:120])
+        flow.metadata["hangar_refused"] = True
+        length = flow.request.headers.get("content-length", "")
+        chunked = "chunked" in flow.request.headers.get("transfer-encoding", "").lower()
+        if chunked or (length and (not length.isdigit() or int(length) > REFUSED_BODY_MAX)):
+            flow.kill()
+            return
         flow.response = http.Response.make(
             403, f"hangar: secret {name} refused: {reason}\n".encode(),
             {"Content-Type": "text/plain; charset=utf-8", "Connection": "close"})
-        self.emit("secret.refused", secret=name[:64], host=host[:253], reason=reason[:120])
+
+
+class _Swap:
+    """A streamed body's filter (mitmproxy's ``stream`` callable): each real value becomes
+    its placeholder again. Holds back the last ``longest value - 1`` bytes of each chunk, in
+    case a value spans two chunks; an empty chunk (the end) gives what was held."""
+
+    def __init__(self, pairs: list[tuple[bytes, bytes]]) -> None:
+        self.pairs = pairs
+        self.keep = max((len(real) for real, _ in pairs), default=1) - 1
+        self.held = b""
+
+    def _swap(self, data: bytes) -> bytes:
+        for real, ph in self.pairs:
+            data = data.replace(real, ph)
+        return data
+
+    def __call__(self, data: bytes) -> list[bytes]:
+        # a list, never an empty bytes: mitmproxy sends each item as a chunk, and an
+        # empty chunk ends a chunked body
+        if not data:
+            out, self.held = self._swap(self.held), b""
+            return [out] if out else []
+        buf = self._swap(self.held + data)
+        if self.keep > 0:
+            buf, self.held = buf[:-self.keep], buf[-self.keep:]
+        return [buf] if buf else []
 
 
 addons = [SecretProxy()]

@@ -34,6 +34,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -53,6 +54,7 @@ from hangar.core.lifecycle import State
 from hangar.core.secrets import CA_FILE, SYSTEM_BUNDLE, Vault
 from hangar.engines.agent_client import exec_meta
 from hangar.errors import ConfigError, EngineError
+from hangar.log import redact
 from hangar.net.egress import Coalescer
 
 log = logging.getLogger("hangar.secrets")
@@ -67,6 +69,13 @@ RESTARTS = 3
 DPORTS = (80, 443)
 EVENTS = {"secret.refused", "egress.denied"}
 """Events of the addon published as Hangar events (anything else is logged)."""
+ERR_LINES = 20
+"""Lines of a proxy's stderr kept (filtered) for the error of a proxy that ended."""
+ERR_LINE_MAX = 300
+_PLACEHOLDER = re.compile(r"hangar-secret-[0-9a-zA-Z]*")
+_QUERY = re.compile(r"\?[^\s\"']*")
+_AUTH = re.compile(r"(?i)\b(authorization|proxy-authorization|cookie|x-api-key)\b\S*\s*[^,;]*")
+_CGROUP_NOTE: str | None = None
 
 
 def default_mitmdump() -> Path:
@@ -169,6 +178,13 @@ class Proxy:
     """The read end of the addon's events pipe (a file object)."""
     network: dict[str, Any] | None = None
     reader: asyncio.Task[None] | None = None
+    stderr: Any = None
+    """The read end of mitmdump's stderr (a file object): never logged as it is."""
+    err_reader: asyncio.Task[None] | None = None
+    err_tail: list[str] = field(default_factory=list)
+    """The last lines of its stderr, filtered (``_filter``)."""
+    cgroup: Any = None
+    """Its memory cgroup (``hangar.engines.cgroups.Group``), when one was made."""
     ready: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop()
                                         .create_future())
 
@@ -273,42 +289,48 @@ class SecretProxies:
         port = free_port(gateway)
         ctl_r, ctl_w = os.pipe()
         ev_r, ev_w = os.pipe()
+        err_r, err_w = os.pipe()
         argv = [str(exe), "--mode", "transparent", "--listen-host", gateway,
                 "--listen-port", str(port), "-q", "-s", str(ADDON),
                 "--set", f"confdir={confdir}", "--set", "flow_detail=0",
                 "--set", "termlog_verbosity=error", "--set", "connection_strategy=lazy",
-                "--set", "upstream_cert=false", "--set", "ssl_insecure=false"]
+                "--set", "upstream_cert=false", "--set", "ssl_insecure=false",
+                "--set", "onboarding=false",
+                "--set", f"body_size_limit={self.ctx.settings.secret_proxy_max_body_bytes}"]
         upstream_ca = self.ctx.settings.secret_proxy_upstream_ca
         if upstream_ca:  # tests only: the stand-in internet's own CA
             argv += ["--set", f"ssl_verify_upstream_trusted_ca={upstream_ca}"]
         env = {"PATH": "/usr/bin:/bin", "HOME": str(confdir), "LANG": "C.UTF-8",
                "HANGAR_PROXY_CONTROL_FD": str(ctl_r), "HANGAR_PROXY_EVENTS_FD": str(ev_w)}
         try:
-            errlog = open(confdir / "proxy.log", "wb")
-            try:
-                proc = subprocess.Popen(argv, env=env, cwd=confdir, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, stderr=errlog,
-                                        pass_fds=(ctl_r, ev_w), start_new_session=True)
-            finally:
-                errlog.close()
+            proc = subprocess.Popen(argv, env=env, cwd=confdir, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=err_w,
+                                    pass_fds=(ctl_r, ev_w), start_new_session=True)
         except OSError as exc:
-            for fd_ in (ctl_r, ctl_w, ev_r, ev_w):
+            for fd_ in (ctl_r, ctl_w, ev_r, ev_w, err_r, err_w):
                 os.close(fd_)
             shutil.rmtree(confdir, ignore_errors=True)
             raise EngineError(f"the secret proxy did not start: {exc}",
                               sandbox_id=sandbox_id) from None
         os.close(ctl_r)
         os.close(ev_w)
+        os.close(err_w)
         (confdir / "pid").write_text(f"{proc.pid}\n")
         control = os.fdopen(ctl_w, "w", buffering=1)
         proxy = Proxy(sandbox_id, proc, port, control, confdir,
                       os.fdopen(ev_r, "rb", buffering=0), network)
+        proxy.stderr = os.fdopen(err_r, "rb", buffering=0)
         self.proxies[sandbox_id] = proxy
+        self._confine(proxy)
         try:
-            proxy.reader = asyncio.get_running_loop().create_task(self._read(proxy))
+            loop = asyncio.get_running_loop()
+            proxy.reader = loop.create_task(self._read(proxy))
+            proxy.err_reader = loop.create_task(self._read_stderr(proxy))
             self._send(proxy, {"secrets": self.vault.resolved(sandbox_id),
                                "rules": self.rules_for(network, sandbox_id),
-                               "egress_match": egress_match_path()})
+                               "egress_match": egress_match_path(),
+                               "max_connections":
+                                   self.ctx.settings.secret_proxy_max_connections})
             try:
                 await asyncio.wait_for(asyncio.shield(proxy.ready), READY_S)
             except asyncio.TimeoutError:
@@ -342,12 +364,19 @@ class SecretProxies:
         except OSError:
             pass
         await asyncio.get_running_loop().run_in_executor(None, self._end, proxy.proc)
-        if proxy.reader is not None:
-            proxy.reader.cancel()
-        try:
-            proxy.events.close()
-        except OSError:
-            pass
+        for task in (proxy.reader, proxy.err_reader):
+            if task is not None:
+                task.cancel()
+        for f in (proxy.events, proxy.stderr):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+        if proxy.cgroup is not None:
+            from hangar.engines.cgroups import remove_dirs
+
+            await remove_dirs(list(proxy.cgroup.dirs))
         shutil.rmtree(proxy.confdir, ignore_errors=True)
         log.info("secret proxy stopped", extra={"sandbox_id": sandbox_id})
 
@@ -444,6 +473,9 @@ class SecretProxies:
                 self._event(proxy, line)
         finally:
             transport.close()
+            ended = not proxy.ready.done() or self.proxies.get(proxy.sandbox_id) is proxy
+            if ended and proxy.err_reader is not None:  # its last words, for _tail
+                await asyncio.wait({proxy.err_reader}, timeout=1.0)
             if not proxy.ready.done():
                 proxy.ready.set_exception(EngineError(
                     f"the secret proxy ended: {self._tail(proxy)}", sandbox_id=proxy.sandbox_id))
@@ -481,6 +513,12 @@ class SecretProxies:
             if not proxy.ready.done():
                 proxy.ready.set_result(None)
             return
+        if kind == "proxy.busy":  # a connection over the cap, closed: counted, logged seldom
+            if self.coalescer.admit(proxy.sandbox_id, (proxy.sandbox_id, kind)) is not None:
+                log.info("secret proxy: a connection over the cap was closed", extra={
+                    "sandbox_id": proxy.sandbox_id,
+                    "max_connections": self.ctx.settings.secret_proxy_max_connections})
+            return
         if kind not in EVENTS:
             log.warning("secret proxy: %s", kind[:64], extra={"sandbox_id": proxy.sandbox_id})
             return
@@ -504,12 +542,69 @@ class SecretProxies:
 
     @staticmethod
     def _tail(proxy: Proxy) -> str:
-        """The end of the proxy's own error output (mitmproxy's errors: no header)."""
-        try:
-            text = (proxy.confdir / "proxy.log").read_bytes()[-600:].decode(errors="replace")
-        except OSError:
-            text = ""
+        """The last line of the proxy's own error output, filtered (``_filter``)."""
         code = proxy.proc.poll()
-        return (text.strip().splitlines() or [f"exit {code}" if code is not None
-                                              else "no answer"])[-1][:300]
+        return (proxy.err_tail or [f"exit {code}" if code is not None else "no answer"])[-1]
+
+    def _filter(self, sandbox_id: str, raw: bytes) -> str:
+        """One line of mitmdump's stderr as it may be logged or shown: printable ASCII
+        only, at most ``ERR_LINE_MAX`` characters, every secret value of the sandbox (and
+        anything that looks like a placeholder) replaced by ``[secret]``, query strings
+        and header-like values cut."""
+        text = raw.decode("utf-8", "replace")
+        try:
+            values = [s.get("value", "") for s in self.vault.resolved(sandbox_id).values()]
+        except Exception:
+            values = []
+        for v in values:
+            if isinstance(v, str) and len(v) >= 4:
+                text = text.replace(v, "[secret]")
+        text = _PLACEHOLDER.sub("[secret]", text)
+        text = _QUERY.sub("?[cut]", text)
+        text = _AUTH.sub(r"\1 [cut]", text)
+        text = "".join(c if " " <= c <= "~" else "?" for c in text)
+        return redact(text.strip())[:ERR_LINE_MAX]
+
+    async def _read_stderr(self, proxy: Proxy) -> None:
+        """Keep the last ``ERR_LINES`` filtered lines of mitmdump's stderr (read from its
+        pipe as they come, so it never blocks); nothing else of it is kept or logged."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=1 << 16)
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), proxy.stderr)
+        try:
+            while True:
+                try:
+                    line = await reader.readline()
+                except ValueError:  # an over-long line: dropped
+                    continue
+                if not line:
+                    break
+                if line.strip():
+                    proxy.err_tail.append(self._filter(proxy.sandbox_id, line))
+                    del proxy.err_tail[:-ERR_LINES]
+        finally:
+            transport.close()
+
+    def _confine(self, proxy: Proxy) -> None:
+        """Put the proxy in a memory cgroup of its own (``secret_proxy_memory_mib``) when
+        this server may make cgroups; else it runs without one (logged once)."""
+        global _CGROUP_NOTE
+        from hangar.engines.cgroups import Hierarchy, Limits
+
+        hierarchy, why = Hierarchy.detect(self.ctx.settings.vmm_cgroups)
+        if hierarchy is not None:  # tried as whoever this is: root, or a delegated user
+            try:
+                group = hierarchy.create(
+                    f"secret-proxy-{proxy.sandbox_id}",
+                    Limits(self.ctx.settings.secret_proxy_memory_mib << 20, 1.0, 256))
+                for d in group.dirs:
+                    (d / "cgroup.procs").write_text(str(proxy.proc.pid))
+                proxy.cgroup = group
+                return
+            except OSError as exc:
+                why = str(exc)
+        if _CGROUP_NOTE is None:
+            _CGROUP_NOTE = why
+            log.info("secret proxies run without a memory cgroup", extra={"reason": why})
 

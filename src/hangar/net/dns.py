@@ -7,7 +7,10 @@ pick a resolver of its own. For each query (messages parsed by dnspython):
 
 * the sender must be a guarded guest (``EgressGuard.lookup``; others get
   no answer), and the message one question of class IN, at most
-  ``MAX_QUERY`` bytes (else FORMERR);
+  ``MAX_QUERY`` bytes (else FORMERR); each guest has at most its cap
+  (``Guarded.cap``, ``Settings.egress_max_flows_per_sandbox``) of queries and
+  TCP connections open here, together with its proxied connections (the rest
+  are dropped or closed at once), so one guest cannot starve the others;
 * a name a ``deny`` entry matches (and no ``allow`` does) is answered
   **REFUSED** (chosen over NXDOMAIN: it says "not here by policy" and is
   not cached as "does not exist"); counted and published (``via: dns``,
@@ -92,10 +95,11 @@ class DnsForwarder:
         for t in list(self._tasks):
             t.cancel()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> bool:
+        """Run ``coro`` as a task unless ``MAX_INFLIGHT`` run already (then False)."""
         if self._inflight >= MAX_INFLIGHT:
             coro.close()
-            return
+            return False
         self._inflight += 1
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -104,6 +108,17 @@ class DnsForwarder:
             self._inflight -= 1
             self._tasks.discard(t)
         task.add_done_callback(done)
+        return True
+
+    def _datagram(self, transport: asyncio.DatagramTransport, data: bytes,
+                  addr: tuple[str, int]) -> None:
+        """One UDP query: its guest's slot is taken here, before a task is made, so one
+        guest holds at most its cap of the ``MAX_INFLIGHT`` tasks."""
+        g = self.guard.lookup(addr[0])
+        if g is None or len(data) < 12 or not g.enter():
+            return
+        if not self._spawn(self._udp_query(transport, g, data, addr)):
+            g.leave()
 
     async def answer(self, wire: bytes, source: str, tcp: bool) -> bytes | None:
         """The answer (wire format) to query ``wire`` from guest address ``source``; None:
@@ -169,21 +184,26 @@ class DnsForwarder:
             out = r.to_wire()
         return out
 
-    async def _udp_query(self, transport: asyncio.DatagramTransport, data: bytes,
+    async def _udp_query(self, transport: asyncio.DatagramTransport, g: Any, data: bytes,
                          addr: tuple[str, int]) -> None:
         try:
-            out = await self.answer(data, addr[0], tcp=False)
+            out = await self._answer(g, data, tcp=False)
         except Exception:  # a bug answers nothing; the forwarder lives on
             log.exception("DNS query failed")
             return
+        finally:
+            g.leave()
         if out is not None and not transport.is_closing():
             transport.sendto(out, addr)
 
     async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                          ) -> None:
         source = writer.get_extra_info("peername")[0]
+        g = None
         try:
-            if self.guard.lookup(source) is None:
+            g = self.guard.lookup(source)
+            if g is None or not g.enter():  # unknown, or this guest has too many open
+                g = None
                 return
             while True:
                 head = await asyncio.wait_for(reader.readexactly(2), TCP_IDLE_S)
@@ -199,6 +219,8 @@ class DnsForwarder:
         except (asyncio.IncompleteReadError, TimeoutError, ConnectionError, OSError):
             pass
         finally:
+            if g is not None:
+                g.leave()
             writer.close()
 
 
@@ -215,7 +237,7 @@ class _Udp(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         if self.transport is not None:
-            self.fwd._spawn(self.fwd._udp_query(self.transport, data, addr))
+            self.fwd._datagram(self.transport, data, addr)
 
 
 def _formerr(wire: bytes) -> bytes:

@@ -59,8 +59,9 @@ EVENTS_PER_WINDOW = 20
 MAX_RESOLVED = 4096
 """Most (address, name) pairs remembered per sandbox; those closest to expiry go first."""
 PER_SANDBOX = 64
-"""Most DNS queries, and proxied connections, one sandbox has in flight at once (the rest
-are dropped or closed), so one guest cannot starve the others."""
+"""Most DNS queries, DNS TCP connections and proxied connections one sandbox has in flight
+at once by default (the rest are dropped or closed), so one guest cannot starve the others
+(``Settings.egress_max_flows_per_sandbox``)."""
 
 
 @dataclass
@@ -74,13 +75,14 @@ class Guarded:
     resolved: dict[str, dict[str, float]] = field(default_factory=dict)
     """address -> name -> monotonic expiry: what the forwarder resolved for the guest."""
     busy: int = 0
-    """Its DNS queries and proxied connections in flight (``PER_SANDBOX`` at most)."""
+    """Its DNS queries and connections in flight (``cap`` at most)."""
+    cap: int = PER_SANDBOX
     warned: bool = False
     """Whether a failed admission was logged already (once per sandbox)."""
 
     def enter(self) -> bool:
         """Count one more query or connection in flight; False (not counted) past the cap."""
-        if self.busy >= PER_SANDBOX:
+        if self.busy >= self.cap:
             return False
         self.busy += 1
         return True
@@ -142,8 +144,11 @@ class EgressGuard:
 
     def __init__(self, net: Any, *, upstream: str | None = None,
                  publish: Callable[..., None] | None = None,
-                 on_denied: Callable[[str, str], None] | None = None) -> None:
+                 on_denied: Callable[[str, str], None] | None = None,
+                 per_sandbox: int = PER_SANDBOX) -> None:
         self.net = net
+        self.per_sandbox = per_sandbox
+        """Each guest's cap on flows in flight (``Guarded.cap``)."""
         self.upstream = upstream or net.dns
         self._publish = publish or (lambda *a, **k: None)
         self._on_denied = on_denied or (lambda via, reason: None)
@@ -291,7 +296,8 @@ class EgressGuard:
         if g is None or g.ip != ip:
             if g is not None:
                 self.by_ip.pop(g.ip, None)
-            g = Guarded(sandbox_id, ip, policy, policy.match_rules(self.never()))
+            g = Guarded(sandbox_id, ip, policy, policy.match_rules(self.never()),
+                        cap=self.per_sandbox)
             self.by_id[sandbox_id] = self.by_ip[ip] = g
         else:
             self._set(g, policy)

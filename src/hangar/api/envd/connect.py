@@ -16,6 +16,12 @@ HTTP 200 and ends with an end-of-stream envelope holding a JSON object,
 status of its code with the JSON body ``{"code", "message"}``. Compression:
 ``gzip`` and ``identity`` are read; answers are never compressed.
 
+Bounds: a message is at most ``MAX_MESSAGE`` bytes as sent and again once
+inflated (``hangar.api.inflate``: incremental, never ``gzip.decompress``); past
+either the call ends with ``resource_exhausted`` naming the limit (HTTP 429 for
+a unary call, Connect's status for that code). A message over ``OFFLOOP_BYTES``
+is inflated and decoded in a worker thread, never on the event loop.
+
 ``Connect-Timeout-Ms`` gives the call's deadline (``Call.deadline``); a
 unary handler that overruns it ends with ``deadline_exceeded``. Server
 streams send the method's keep-alive message when the stream was quiet
@@ -26,7 +32,6 @@ for the ``Keepalive-Ping-Interval`` seconds the client asked for, and stop
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
 import logging
 import struct
@@ -40,6 +45,7 @@ from google.protobuf.message import DecodeError, Message
 from starlette.types import Receive, Send
 
 from hangar import errors
+from hangar.api.inflate import OFFLOOP_BYTES, inflate_whole
 
 log = logging.getLogger("hangar.envd")
 
@@ -143,6 +149,12 @@ class Codec:
                            f"the request is not a {cls.DESCRIPTOR.name} message: "
                            f"{str(exc)[:200]}") from None
 
+    async def decode_async(self, data: bytes, cls: type[Message]) -> Message:
+        """``decode``, in a worker thread for a message over ``OFFLOOP_BYTES``."""
+        if len(data) <= OFFLOOP_BYTES:
+            return self.decode(data, cls)
+        return await asyncio.to_thread(self.decode, data, cls)
+
     def encode(self, msg: Message) -> bytes:
         if self.name == "proto":
             return msg.SerializeToString()
@@ -165,15 +177,21 @@ def _codec(content_type: str, stream: bool) -> Codec:
     return codec
 
 
-def _inflate(data: bytes, encoding: str) -> bytes:
+async def _inflate(data: bytes, encoding: str) -> bytes:
+    """``data`` inflated by ``encoding``: at most ``MAX_MESSAGE`` bytes, off the loop when
+    large. Raises RpcError (resource_exhausted past the limit, invalid_argument when broken,
+    unimplemented for another encoding)."""
     if encoding in ("", "identity"):
         return data
     if encoding == "gzip":
         try:
-            return gzip.decompress(data)
-        except (OSError, EOFError) as exc:
-            raise RpcError("invalid_argument", f"the gzip body is broken: {exc}") from None
-    raise RpcError("unimplemented", f"compression {encoding} is not served: use gzip or none")
+            return await inflate_whole(data, MAX_MESSAGE, "the gzip message")
+        except errors.TooLarge as exc:
+            raise RpcError("resource_exhausted", exc.message) from None
+        except errors.InvalidRequest as exc:
+            raise RpcError("invalid_argument", exc.message) from None
+    raise RpcError("unimplemented", f"compression {encoding[:32]} is not served: use gzip "
+                                    "or none")
 
 
 def envelope(data: bytes, end: bool = False) -> bytes:
@@ -203,7 +221,8 @@ class Body:
             return False
         self._buf += msg.get("body", b"")
         if len(self._buf) > MAX_MESSAGE + 5:
-            raise RpcError("resource_exhausted", f"a message over {MAX_MESSAGE} bytes")
+            raise RpcError("resource_exhausted", f"a message over {MAX_MESSAGE} bytes, the "
+                                                 "limit")
         if not msg.get("more_body", False):
             self.done = True
         return True
@@ -224,7 +243,8 @@ class Body:
                 return
             flags, size = struct.unpack(">BI", self._buf[:5])
             if size > MAX_MESSAGE:
-                raise RpcError("resource_exhausted", f"a message over {MAX_MESSAGE} bytes")
+                raise RpcError("resource_exhausted", f"a message over {MAX_MESSAGE} bytes, "
+                                                     "the limit")
             while len(self._buf) < 5 + size and await self._more():
                 pass
             if len(self._buf) < 5 + size:
@@ -233,7 +253,7 @@ class Body:
             del self._buf[:5 + size]
             if flags & 0x02:
                 return  # a client's end-of-stream: nothing after it counts
-            yield _inflate(data, encoding) if flags & 0x01 else data
+            yield await _inflate(data, encoding) if flags & 0x01 else data
 
 
 async def _start(send: Send, status: int, ctype: str) -> None:
@@ -293,8 +313,9 @@ async def serve(method: Method, call: Call, receive: Receive, send: Send) -> Non
 async def _unary(method: Method, call: Call, codec: Codec, receive: Receive,
                  send: Send) -> None:
     try:
-        data = _inflate(await Body(receive).whole(), call.headers.get("content-encoding", ""))
-        req = codec.decode(data, method.request)
+        data = await _inflate(await Body(receive).whole(),
+                              call.headers.get("content-encoding", ""))
+        req = await codec.decode_async(data, method.request)
         coro = method.handler(req, call)
         remaining = call.remaining()
         try:
@@ -314,7 +335,7 @@ async def _unary(method: Method, call: Call, codec: Codec, receive: Receive,
 
 async def _first(body: Body, call: Call, codec: Codec, cls: type[Message]) -> Message:
     async for data in body.envelopes(call.headers.get("connect-content-encoding", "")):
-        return codec.decode(data, cls)
+        return await codec.decode_async(data, cls)
     raise RpcError("invalid_argument", "the stream carries no request message")
 
 
@@ -396,7 +417,7 @@ async def _client_stream(method: Method, call: Call, codec: Codec, receive: Rece
 
     async def requests() -> AsyncIterator[Message]:
         async for data in body.envelopes(encoding):
-            yield codec.decode(data, method.request)
+            yield await codec.decode_async(data, method.request)
 
     try:
         coro = method.handler(requests(), call)

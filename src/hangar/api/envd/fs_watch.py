@@ -10,8 +10,9 @@ CREATE and WRITE of its name, its temporary file never shown; ``overflow``
 (events lost) is dropped. ``include_entry`` is not served (envd 0.5.7).
 
 A watcher keeps at most ``MAX_EVENTS`` events between two polls (the
-oldest go), at most ``MAX_PER_SANDBOX`` live in a sandbox, and one not
-polled for ``IDLE_S`` seconds is removed. While one is open the sandbox
+oldest go), at most ``Settings.envd_max_watchers_per_sandbox`` (16) live in a
+sandbox (a slot is taken before the watch starts and given back when it
+fails), and one not polled for ``IDLE_S`` seconds is removed. While one is open the sandbox
 counts as busy (no snapshot or sleep under it), as with any watch.
 """
 
@@ -37,6 +38,7 @@ from hangar.errors import HangarError
 
 MAX_EVENTS = 10_000
 MAX_PER_SANDBOX = 16
+"""Live watchers per sandbox when the manager names no ``envd_max_watchers_per_sandbox``."""
 IDLE_S = 600.0
 TEMP_PREFIX = ".hangar-"
 """The guest's temporary files of a write (``op_write_file``)."""
@@ -125,20 +127,41 @@ class Watchers:
             raise RpcError("not_found", f"watcher {watcher_id[:64]} not found")
         return w
 
+    def live(self, sandbox_id: str) -> int:
+        """Watchers of ``sandbox_id`` being made or running (one whose watch ended, kept
+        until polled for its error, does not count)."""
+        return sum(w.sandbox_id == sandbox_id and (w.task is None or not w.task.done())
+                   for w in self._all.values())
+
+    def _sweep(self) -> None:
+        """Drop ended watchers nobody polled for ``IDLE_S``."""
+        now = time.monotonic()
+        for w in [w for w in self._all.values() if w.task is not None and w.task.done()
+                  and now - w.polled > IDLE_S]:
+            self._all.pop(w.id, None)
+
     async def create(self, manager: Any, sandbox_id: str, path: str, root: str,
                      recursive: bool) -> Watcher:
-        if sum(w.sandbox_id == sandbox_id for w in self._all.values()) >= MAX_PER_SANDBOX:
-            raise RpcError("resource_exhausted", f"sandbox {sandbox_id} has {MAX_PER_SANDBOX} "
+        """A running watcher of ``path``. Its slot is taken (checked and counted with no
+        wait between) before the watch starts and given back if it fails, so a burst of
+        creates cannot pass the cap together. Raises RpcError (resource_exhausted past
+        ``Settings.envd_max_watchers_per_sandbox``) and the watch's errors."""
+        cap = getattr(getattr(manager, "settings", None), "envd_max_watchers_per_sandbox",
+                      MAX_PER_SANDBOX)
+        self._sweep()
+        if self.live(sandbox_id) >= cap:
+            raise RpcError("resource_exhausted", f"sandbox {sandbox_id} has {cap} "
                                                  "watchers, the most allowed: remove one")
         w = Watcher(id="w-" + secrets.token_hex(8), sandbox_id=sandbox_id, root=root)
+        self._all[w.id] = w
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         w.task = asyncio.ensure_future(self._run(manager, w, path, recursive, ready))
         try:
             await ready
         except BaseException:
+            self._all.pop(w.id, None)
             w.task.cancel()
             raise
-        self._all[w.id] = w
         return w
 
     async def _run(self, manager: Any, w: Watcher, path: str, recursive: bool,

@@ -20,6 +20,12 @@ no header: ``/files`` at the server's root with a ``signature`` parameter is
 taken too, its sandbox found by the signature (which binds the sandbox's
 token; one hash per live sandbox).
 
+Each sandbox has at most ``Settings.envd_max_requests_per_sandbox`` (128)
+envd requests in flight (calls, streams, file transfers; port forwarding has
+the port caps of ``hangar.core.ports``); one more is refused 429
+``resource_exhausted`` before it is read, so one sandbox's client cannot
+hold the server's connections from the others.
+
 It sits outside the body cap and idempotency (as the port proxy does):
 uploads are streamed to the guest, and no RPC is a keyed create. Errors of
 RPCs are Connect errors; those of REST routes E2B's ``{"code", "message"}``.
@@ -30,6 +36,8 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
@@ -97,6 +105,30 @@ def watchers_of(app_state: Any) -> Watchers:
     return app_state.envd_watchers
 
 
+@contextmanager
+def _slot(state: Any, manager: SandboxManager, sandbox_id: str) -> Iterator[None]:
+    """One of ``sandbox_id``'s envd requests in flight while the context lasts: checked and
+    counted with no wait between, given back however the request ends. Raises Refusal (429
+    resource_exhausted) past ``Settings.envd_max_requests_per_sandbox``."""
+    inflight: dict[str, int] | None = getattr(state, "envd_inflight", None)
+    if inflight is None:
+        inflight = state.envd_inflight = {}
+    cap = manager.settings.envd_max_requests_per_sandbox
+    if inflight.get(sandbox_id, 0) >= cap:
+        raise Refusal(429, "resource_exhausted",
+                      f"sandbox {sandbox_id} has {cap} envd requests in flight, the most "
+                      "allowed (HANGAR_ENVD_MAX_REQUESTS_PER_SANDBOX): end a stream first")
+    inflight[sandbox_id] = inflight.get(sandbox_id, 0) + 1
+    try:
+        yield
+    finally:
+        left = inflight[sandbox_id] - 1
+        if left:
+            inflight[sandbox_id] = left
+        else:
+            del inflight[sandbox_id]
+
+
 class EnvdGateway:
     """ASGI middleware: requests under ``PREFIX`` are served here; others go to ``app``.
     Finds the manager and key ring in ``scope["app"].state``."""
@@ -136,10 +168,11 @@ class EnvdGateway:
                 raise Refusal(404, "not_found", "envd serves no WebSocket")
             envd = Envd(manager, sandbox_id, _user(headers, query.get("username")),
                         watchers_of(state))
-            if m is not None:
-                await self._rpc(m.group(1), scope, headers, envd, receive, send)
-            else:
-                await rest.serve(scope, receive, send, rest_path, query, headers, envd)
+            with _slot(state, manager, sandbox_id):
+                if m is not None:
+                    await self._rpc(m.group(1), scope, headers, envd, receive, send)
+                else:
+                    await rest.serve(scope, receive, send, rest_path, query, headers, envd)
         except Refusal as r:
             if scope["type"] != "http":
                 await send({"type": "websocket.close", "code": 1008})

@@ -5,8 +5,9 @@ ones refused.
 ``GET /health``             204 (the gateway found the sandbox)
 ``GET /files``              the file at ``path`` (relative: from the guest's home), as
                             ``application/octet-stream``, streamed; 404 none, 400 a folder
-``POST /files``             ``multipart/form-data`` (each ``file`` part's filename is its
-                            path, or the ``path`` parameter for a single part) or
+``POST /files``             ``multipart/form-data`` (each file part's filename is its
+                            path, or the ``path`` parameter for a single part: a second
+                            part is then 400, as E2B's envd answers) or
                             ``application/octet-stream`` (``path`` needed; ``Content-Encoding:
                             gzip`` read); parent folders made; answers
                             ``[{"name", "type": "file", "path"}]``
@@ -19,29 +20,46 @@ ones refused.
 ``/files/compose``          501: not served
 ==========================  ===============================================================
 
+Uploads are streamed to the guest as they arrive, never spooled: a multipart
+body is parsed part by part (``_Parts``), a gzip body inflated piece by piece
+(``hangar.api.inflate``); past ``GZIP_RATIO_FLOOR`` inflated bytes, a gzip body
+inflating more than ``GZIP_RATIO`` times its size is refused 413 naming the
+limit (a compression bomb).
+
 Errors are E2B's ``{"code": <status>, "message"}``. A sandbox that is gone
 was answered by the gateway (502, "... was not found").
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import posixpath
 import time
-import zlib
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.requests import Request
+from python_multipart.exceptions import FormParserError
+from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.types import Receive, Scope, Send
 
 from hangar.api.envd.fs_entries import absolute
+from hangar.api.inflate import Inflater
 from hangar.core.service import Command, e2b
 from hangar.errors import DiskFull, HangarError, InvalidRequest
 
 INTERNAL = ("/init", "/freeze", "/unfreeze", "/fsfreeze", "/fsthaw", "/collapse")
 MAX_FILES = 1000
-"""Most parts of one multipart upload."""
+"""Most file parts of one multipart upload."""
+PART_HEAD_MAX = 16 << 10
+"""Largest headers of one multipart part, bytes."""
+PART_HEADERS_MAX = 16
+"""Most headers of one multipart part."""
+GZIP_RATIO = 200
+"""A gzip upload may inflate to at most this many times its compressed size ..."""
+GZIP_RATIO_FLOOR = 16 << 20
+"""... once it is past this many bytes (a file of zeros compresses about 1000:1)."""
 _STATUS_OF = {"is_directory": 400}
 
 
@@ -109,6 +127,9 @@ async def _download(scope: Scope, receive: Receive, send: Send, query: dict[str,
                     headers: dict[str, str], envd: Any) -> None:
     path = _need_path(query)
     chunks = envd.manager.files.read(envd.sandbox_id, path)
+    # uvicorn drops what is sent after the client left without a word: watch for the
+    # disconnect, else a download of an endless file would go on (and hold its slot) for good
+    gone = asyncio.ensure_future(_disconnected(receive))
     try:
         first = await anext(chunks, b"")  # errors (no such file) before the answer starts
         name = posixpath.basename(absolute(path)).replace('"', "")
@@ -118,10 +139,19 @@ async def _download(scope: Scope, receive: Receive, send: Send, query: dict[str,
         if first:
             await send({"type": "http.response.body", "body": first, "more_body": True})
         async for chunk in chunks:
+            if gone.done():
+                return
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
     finally:
+        gone.cancel()
         await chunks.aclose()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has gone away (a GET's body is empty)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _written(r: Any) -> dict[str, str]:
@@ -129,60 +159,160 @@ def _written(r: Any) -> dict[str, str]:
 
 
 async def _body(receive: Receive, gzip: bool) -> AsyncIterator[bytes]:
-    inflate = zlib.decompressobj(wbits=31) if gzip else None
+    """The request body's bytes as they arrive; a gzip body inflated piece by piece under
+    the bounds of ``GZIP_RATIO`` (``hangar.api.inflate``)."""
+    inflate = Inflater(limit=None, ratio=GZIP_RATIO, ratio_floor=GZIP_RATIO_FLOOR) \
+        if gzip else None
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
             raise InvalidRequest("the client went away during the upload")
         data = msg.get("body", b"")
-        if inflate is not None and data:
-            try:
-                data = inflate.decompress(data)
-            except zlib.error as exc:
-                raise InvalidRequest(f"the gzip body is broken: {exc}") from None
-        if data:
+        if inflate is not None:
+            for piece in inflate.feed(data):
+                yield piece  # the guest takes it before the next piece is inflated
+        elif data:
             yield data
         if not msg.get("more_body", False):
+            if inflate is not None:
+                inflate.close()
             return
 
 
 async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, str],
                   headers: dict[str, str], envd: Any) -> None:
-    ctype = headers.get("content-type", "").partition(";")[0].strip().lower()
+    ctype, options = parse_options_header(headers.get("content-type", ""))
+    ctype = ctype.strip().lower()
     encoding = headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity", "gzip"):
         raise InvalidRequest(f"Content-Encoding {encoding[:32]} is not served: gzip or none")
-    if ctype == "application/octet-stream":
+    if ctype == b"application/octet-stream":
         r = await envd.manager.files.write(envd.sandbox_id, _need_path(query),
                                            _body(receive, encoding == "gzip"))
         await _json(send, 200, [_written(r)])
         return
-    if ctype != "multipart/form-data":
-        raise InvalidRequest(f"content type {ctype or '(none)'} is not served: send "
+    if ctype != b"multipart/form-data":
+        shown = ctype.decode("latin-1")[:64] or "(none)"
+        raise InvalidRequest(f"content type {shown} is not served: send "
                              "multipart/form-data or application/octet-stream")
-    form = await Request(scope, receive).form(max_files=MAX_FILES)
+    if encoding == "gzip":
+        raise InvalidRequest("Content-Encoding gzip is served for application/octet-stream "
+                             "uploads only")
+    boundary = options.get(b"boundary", b"")
+    if not boundary or len(boundary) > 200:
+        raise InvalidRequest("the multipart content type names no boundary (or one over "
+                             "200 bytes)")
+    out: list[dict[str, str]] = []
+    parts = _Parts(receive, boundary)
+    while (part := await parts.next_part()) is not None:
+        name, filename = part
+        if filename is None:  # a form field, not a file: its bytes are skipped
+            async for _ in parts.data():
+                pass
+            continue
+        if len(out) >= MAX_FILES:
+            raise InvalidRequest(f"the multipart body has more than {MAX_FILES} file parts, "
+                                 "the limit")
+        target = query.get("path") or filename
+        if not target:
+            raise InvalidRequest("a file part has no filename and no path parameter names "
+                                 "its path")
+        if query.get("path") and out:
+            raise InvalidRequest(f"the path parameter names one file: a second file part "
+                                 f"cannot go to the same path ({out[0]['path']} was written); "
+                                 "name each part's path by its filename instead")
+        out.append(_written(await envd.manager.files.write(envd.sandbox_id, target,
+                                                           parts.data())))
+    if not out:
+        raise InvalidRequest("the multipart body carries no file part")
+    await _json(send, 200, out)
+
+
+class _Parts:
+    """A ``multipart/form-data`` body read part by part as it arrives, never spooled: each
+    part's bytes go on (to the guest) before more of the body is read. Holds at most one
+    received chunk and one part's headers (``PART_HEAD_MAX`` bytes)."""
+
+    def __init__(self, receive: Receive, boundary: bytes) -> None:
+        self._receive = receive
+        self._events: deque[tuple[str, bytes]] = deque()
+        self._head: list[tuple[bytes, bytes]] = []
+        self._heads: deque[list[tuple[bytes, bytes]]] = deque()
+        self._head_bytes = 0
+        self._ended = False
+        self._in_part = False
+        cb = self._events.append
+        self._parser = MultipartParser(boundary, {
+            "on_header_begin": lambda: self._head.append((b"", b"")),
+            "on_header_field": lambda d, a, b: self._header(d[a:b], True),
+            "on_header_value": lambda d, a, b: self._header(d[a:b], False),
+            "on_headers_finished": self._headers_done,
+            "on_part_data": lambda d, a, b: cb(("data", bytes(d[a:b]))),
+            "on_part_end": lambda: cb(("end", b"")),
+            "on_end": lambda: cb(("done", b"")),
+        }, max_header_count=PART_HEADERS_MAX, max_header_size=PART_HEAD_MAX)
+
+    def _headers_done(self) -> None:
+        self._events.append(("head", b""))
+        self._heads.append(self._head)
+        self._head, self._head_bytes = [], 0
+
+    def _header(self, data: bytes, field: bool) -> None:
+        self._head_bytes += len(data)
+        if self._head_bytes > PART_HEAD_MAX:
+            raise InvalidRequest(f"a multipart part's headers are over {PART_HEAD_MAX} bytes")
+        name, value = self._head[-1]
+        self._head[-1] = (name + data, value) if field else (name, value + data)
+
+    async def _event(self) -> tuple[str, bytes]:
+        while not self._events:
+            if self._ended:
+                raise InvalidRequest("the multipart body ends inside a part")
+            msg = await self._receive()
+            if msg["type"] == "http.disconnect":
+                raise InvalidRequest("the client went away during the upload")
+            try:
+                if msg.get("body"):
+                    self._parser.write(msg["body"])
+                if not msg.get("more_body", False):
+                    self._ended = True
+                    self._parser.finalize()
+            except FormParserError as exc:
+                raise InvalidRequest(f"the multipart body is malformed: {exc}") from None
+        return self._events.popleft()
+
+    async def next_part(self) -> tuple[str, str | None] | None:
+        """The next part's (form name, filename or None for a field), or None at the end."""
+        while True:
+            kind, _ = await self._event()
+            if kind == "done":
+                return None
+            if kind == "head":
+                self._in_part = True
+                for field, value in self._heads.popleft():
+                    if field.strip().lower() == b"content-disposition":
+                        _, opts = parse_options_header(value)
+                        name = _text(opts.get(b"name", b""))
+                        filename = _text(opts[b"filename"]) if b"filename" in opts else None
+                        return name, filename
+                return "", None
+
+    async def data(self) -> AsyncIterator[bytes]:
+        """The current part's bytes as they arrive, until the part ends."""
+        while self._in_part:
+            kind, data = await self._event()
+            if kind == "data":
+                if data:
+                    yield data
+            elif kind == "end":
+                self._in_part = False
+
+
+def _text(raw: bytes) -> str:
     try:
-        parts = [v for _, v in form.multi_items() if not isinstance(v, str)]
-        if not parts:
-            raise InvalidRequest("the multipart body carries no file part")
-        out = []
-        for part in parts:
-            target = query.get("path") if len(parts) == 1 and query.get("path") else \
-                part.filename
-            if not target:
-                raise InvalidRequest("a file part has no filename and no path parameter names "
-                                     "its path")
-            out.append(_written(await envd.manager.files.write(
-                envd.sandbox_id, target, _read(part))))
-        await _json(send, 200, out)
-    finally:
-        await form.close()
-
-
-async def _read(part: Any) -> AsyncIterator[bytes]:
-    await part.seek(0)
-    while chunk := await part.read(1 << 20):
-        yield chunk
+        return raw.decode()
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")
 
 
 async def _envs(scope: Scope, receive: Receive, send: Send, query: dict[str, str],

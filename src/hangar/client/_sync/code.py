@@ -63,7 +63,11 @@ class CodeCalls:
             for line in resp.iter_lines():
                 if not line.strip():
                     continue
-                got = apply_line(execution, jsonlib.loads(line))
+                try:
+                    data = jsonlib.loads(line)
+                except ValueError:  # a line the server cut at its limit: an error line follows
+                    continue
+                got = apply_line(execution, data)
                 if got is None or handlers[got[0]] is None:
                     continue
                 handler = handlers[got[0]]

@@ -35,6 +35,27 @@ from hangar.errors import GuestError, HangarError
 from hangar.guest import protocol as P
 
 
+class _SourceFailed(Exception):
+    """A HangarError raised by the chunks of a write (not by its channel), carried past the
+    channel's own error handling to the caller as it is."""
+
+    def __init__(self, error: HangarError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+async def _source(chunks: Iterable[bytes] | AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        if hasattr(chunks, "__aiter__"):
+            async for chunk in chunks:
+                yield chunk
+        else:
+            for chunk in chunks:
+                yield chunk
+    except HangarError as exc:
+        raise _SourceFailed(exc) from None
+
+
 class AgentClient(FileCalls, MachineCalls):
     """A connection to one guest agent with all its calls, one typed method per guest
     operation; safe for concurrent use within one event loop. Made by
@@ -162,7 +183,11 @@ class AgentClient(FileCalls, MachineCalls):
             async def send() -> None:
                 try:
                     ch.expect(None)
-                    size = await self._send_stream(ch, "file", chunks, self.deadlines.stall_s)
+                    size = await self._send_stream(ch, "file", _source(chunks),
+                                                   self.deadlines.stall_s)
+                except _SourceFailed as exc:  # e.g. TooLarge from an upload's decoder
+                    ch.fail(exc.error, cancel=True)
+                    return
                 except HangarError:
                     return  # the channel failed: the reader below raises why
                 except Exception as exc:  # the source failed: cancel, then tell the caller
