@@ -85,7 +85,8 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
     opts = e2b.Options(template=source.asked, envs=dict(body.envVars or {}),
                        public_traffic=body.network is None
                        or body.network.allowPublicTraffic is not False)
-    fields: Any = {**e2b.with_options(dict(body.metadata or {}), opts),
+    # envVars often hold keys: sealed by the vault before any record keeps them
+    fields: Any = {**e2b.with_options(dict(body.metadata or {}), e2b.sealed(m, opts)),
                    "on_expiry": OnExpiry.SLEEP if body.autoPause else OnExpiry.DELETE,
                    "auto_resume": bool(body.autoResume and body.autoResume.enabled)}
     if source.kind == "snapshot":

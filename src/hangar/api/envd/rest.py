@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import posixpath
 import time
+import urllib.parse
 import zlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -102,7 +103,20 @@ def _need_path(query: dict[str, str]) -> str:
     path = query.get("path", "")
     if not path:
         raise InvalidRequest("the path parameter is missing")
+    if any(ord(c) < 0x20 or ord(c) == 0x7f for c in path):
+        raise InvalidRequest("the path parameter holds a control character (CR, LF, NUL...), "
+                             "which Hangar does not take in a file path", field="path")
     return path
+
+
+def content_disposition(path: str) -> bytes:
+    """``Content-Disposition`` of a download of ``path`` (RFC 6266): its base name only,
+    as a quoted ASCII ``filename`` (anything else, quotes and backslashes as ``_``) and
+    ``filename*`` in percent-encoded UTF-8; never the client's raw path."""
+    name = posixpath.basename(absolute(path)) or "download"
+    plain = "".join(c if 0x20 <= ord(c) < 0x7f and c not in '"\\' else "_" for c in name)
+    encoded = urllib.parse.quote(name, safe="")
+    return f"inline; filename=\"{plain}\"; filename*=UTF-8''{encoded}".encode("ascii")
 
 
 async def _download(scope: Scope, receive: Receive, send: Send, query: dict[str, str],
@@ -111,10 +125,9 @@ async def _download(scope: Scope, receive: Receive, send: Send, query: dict[str,
     chunks = envd.manager.files.read(envd.sandbox_id, path)
     try:
         first = await anext(chunks, b"")  # errors (no such file) before the answer starts
-        name = posixpath.basename(absolute(path)).replace('"', "")
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/octet-stream"),
-            (b"content-disposition", f'inline; filename="{name}"'.encode("latin-1", "replace"))]})
+            (b"content-disposition", content_disposition(path))]})
         if first:
             await send({"type": "http.response.body", "body": first, "more_body": True})
         async for chunk in chunks:
