@@ -103,9 +103,15 @@ def _need_path(query: dict[str, str]) -> str:
     path = query.get("path", "")
     if not path:
         raise InvalidRequest("the path parameter is missing")
+    return _no_controls(path)
+
+
+def _no_controls(path: str) -> str:
+    """``path``, unless it holds a control character (InvalidRequest, 400): no CR or LF
+    of a client's path may reach a header (``content_disposition``) or a log line."""
     if any(ord(c) < 0x20 or ord(c) == 0x7f for c in path):
-        raise InvalidRequest("the path parameter holds a control character (CR, LF, NUL...), "
-                             "which Hangar does not take in a file path", field="path")
+        raise InvalidRequest("the path holds a control character (CR, LF, NUL...), which "
+                             "Hangar does not take in a file path", field="path")
     return path
 
 
@@ -165,6 +171,7 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
     encoding = headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity", "gzip"):
         raise InvalidRequest(f"Content-Encoding {encoding[:32]} is not served: gzip or none")
+    _no_controls(query.get("path", ""))
     if ctype == "application/octet-stream":
         r = await envd.manager.files.write(envd.sandbox_id, _need_path(query),
                                            _body(receive, encoding == "gzip"))
@@ -186,7 +193,7 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
                 raise InvalidRequest("a file part has no filename and no path parameter names "
                                      "its path")
             out.append(_written(await envd.manager.files.write(
-                envd.sandbox_id, target, _read(part))))
+                envd.sandbox_id, _no_controls(target), _read(part))))
         await _json(send, 200, out)
     finally:
         await form.close()
