@@ -328,7 +328,7 @@ async def fork(sandbox_id: str, m: Manager, body: ForkRequest | None = None) -> 
     if rec.state != State.RUNNING:
         raise Conflict(f"sandbox {sandbox_id} is {views.state_of(rec)}; connect to it first",
                        sandbox_id=sandbox_id)
-    opts = e2b.options(rec) or e2b.Options(template=rec.image)
+    opts = e2b.sealed(m, e2b.options(rec) or e2b.Options(template=rec.image))
     fields: Any = {**e2b.with_options(views.user_metadata(rec), opts),
                    "on_expiry": rec.on_expiry or OnExpiry.DELETE,
                    "auto_resume": bool(rec.auto_resume)}
