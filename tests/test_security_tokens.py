@@ -47,6 +47,21 @@ APP = r'''
 import json, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+SW_PAGE = """<html><body><script>
+window.probe = async () => {
+  const out = {origin: self.origin};
+  try {
+    await navigator.serviceWorker.register("sw.js", {scope: "/"});
+    out.sw = "registered";
+  } catch (e) { out.sw = String(e && e.name); }
+  try { localStorage.setItem("k", "v"); out.storage = "ok"; }
+  catch (e) { out.storage = String(e && e.name); }
+  try { document.cookie = "c=1; path=/"; out.cookie = document.cookie; }
+  catch (e) { out.cookie = String(e && e.name); }
+  return out;
+};
+</script></body></html>"""
+
 class H(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
@@ -59,6 +74,11 @@ class H(BaseHTTPRequestHandler):
         if self.path.startswith("/headers"):
             body = json.dumps([[k.lower(), v] for k, v in self.headers.items()]).encode()
             ctype = "application/json"
+        elif self.path.startswith("/sw.html"):
+            body, ctype = SW_PAGE.encode(), "text/html"
+        elif self.path.startswith("/sw.js"):
+            body, ctype = b"self.addEventListener('fetch', () => {});", "text/javascript"
+            extra = [("Service-Worker-Allowed", "/")]
         else:
             body, ctype = b"<html><body>a page</body></html>", "text/html"
             extra = [("Service-Worker-Allowed", "/"), ("Clear-Site-Data", '"*"'),
@@ -262,6 +282,38 @@ def test_path_routed_answers_cannot_reach_beyond_their_prefix(env: Env) -> None:
         assert r.status_code == 200 and r.headers["service-worker-allowed"] == "/"
         assert "content-security-policy" not in r.headers
         assert len(r.headers.get_list("set-cookie")) == 5
+
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def probe(url: str) -> dict[str, str]:
+    """What a real browser lets the page at ``url`` do (``SW_PAGE``'s ``probe``)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(url)
+            out: dict[str, str] = page.evaluate("() => window.probe()")
+            return out
+        finally:
+            browser.close()
+
+
+def test_a_path_routed_page_registers_no_service_worker_in_a_browser(env: Env) -> None:
+    pytest.importorskip("playwright")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("needs Debian's chromium")
+    env.api.post(f"/sandboxes/{env.sid}/ports", json={"port": PORT, "public": True})
+    seen = probe(f"{env.srv.url}/sandboxes/{env.sid}/ports/{PORT}/sw.html")
+    # an opaque origin: no service worker, no storage or cookies of Hangar's origin
+    assert seen["origin"] == "null", seen
+    assert seen["sw"] != "registered" and seen["storage"] == "SecurityError", seen
+    assert seen["cookie"] == "SecurityError", seen
 
 
 # -- class 8: nothing in clear at rest or in logs ------------------------------------------
