@@ -54,6 +54,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hangar.core import interpreter
 from hangar.core.admission import default_size
 from hangar.core.commands import Command
 from hangar.core.lifecycle import State
@@ -87,8 +88,8 @@ _TOKEN_LABEL = b"e2b-envd-access:v1:"
 _TRAFFIC_LABEL = b"e2b-traffic-access:v1:"
 ENVD_PORT = 49983
 """The guest port E2B's SDK names for envd itself (served by Hangar, ``hangar.api.envd``)."""
-INTERPRETER_PORT = 49999
-"""The code interpreter's server (``hangar.core.interpreter.PORT``)."""
+INTERPRETER_PORT = interpreter.PORT
+"""The code interpreter's server (49999, ``hangar.core.interpreter.PORT``)."""
 CONTROL_PORTS = frozenset({ENVD_PORT, INTERPRETER_PORT})
 """Ports that run code in the guest: only the envd access token (or a Hangar key) opens
 them, never the traffic token, and E2B's public sandbox URLs never make them public."""
