@@ -194,9 +194,11 @@ def test_sync_sdk_drives_a_sandbox_through_its_life(server: Server, api: httpx.C
                 "code": 409, "message": f"sandbox {sid} is already running"})
             r = c.post(f"/sandboxes/{sid}/connect", json={"timeout": 60})
             assert r.status_code == 200 and r.json()["sandboxID"] == sid
-            token = r.json()["envdAccessToken"]
-            assert (r.json()["envdVersion"], r.json()["trafficAccessToken"]) == ("0.5.7", token)
-            assert re.fullmatch(r"[0-9a-f]{64}", token) and token == sbx.traffic_access_token
+            token, traffic = r.json()["envdAccessToken"], r.json()["trafficAccessToken"]
+            assert r.json()["envdVersion"] == "0.5.7"
+            # two capabilities, two values (docs/security.md, class 4)
+            assert re.fullmatch(r"[0-9a-f]{64}", token) and re.fullmatch(r"[0-9a-f]{64}", traffic)
+            assert token != traffic and traffic == sbx.traffic_access_token
 
         found = Sandbox.list(query=SandboxQuery(metadata={"suite": tag})).next_items()
         assert [s.sandbox_id for s in found] == [sid]

@@ -339,7 +339,11 @@ def test_access_token_key_and_refusals(env: Env) -> None:
     with httpx.Client(base_url=env.url, timeout=60) as c:
         r = c.get("/health", headers=env.headers())
         assert r.status_code == 204
+        # another sandbox's token names no sandbox: refused as a wrong token is (no oracle)
         r = c.get("/health", headers={**env.headers(), "E2b-Sandbox-Id": "sb-000000000000"})
+        assert r.status_code == 401
+        r = c.get("/health", headers={"E2b-Sandbox-Id": "sb-000000000000",
+                                      "X-API-Key": env.srv.key})
         assert (r.status_code, r.json()["message"]) == (
             502, "The sandbox sb-000000000000 was not found")
         for path in ("/init", "/freeze", "/unfreeze", "/fsfreeze"):
@@ -392,7 +396,7 @@ def test_guest_port_by_header_and_host(env: Env) -> None:
             assert r.status_code == 401
             r = c.get(f"{env.url}/index.html", headers={  # the code interpreter's SDK's way
                 "E2b-Sandbox-Id": env.sid, "E2b-Sandbox-Port": "8123",
-                "E2B-Traffic-Access-Token": env.token})
+                "E2B-Traffic-Access-Token": sbx.traffic_access_token})
             assert (r.status_code, r.text) == (200, "<h1>from the guest</h1>")
             # E2B's sandbox URLs are public (its default network.allowPublicTraffic):
             # what get_host names answers with no credential and no exposure first.

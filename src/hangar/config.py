@@ -36,6 +36,13 @@ class Settings(BaseSettings):
                           "points at this server or its reverse proxy); may end in :port. "
                           "Unset: ports are reached by path only, /sandboxes/<id>/ports/<port>/.",
         pattern=r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?(:[0-9]{1,5})?$")
+    port_path_sandbox: bool = Field(
+        True, description="Answers of ports reached by path (/sandboxes/<id>/ports/<port>/, "
+                          "on this server's own origin) get Content-Security-Policy: sandbox "
+                          "(an opaque origin: no cookies, storage or service workers of "
+                          "Hangar's origin, no scripting of the dashboard). 0 turns it off "
+                          "for apps that need their origin; prefer HANGAR_DOMAIN's "
+                          "host-routed URLs for those (docs/security.md, class 5).")
     port_token_ttl_s: float = Field(
         3600.0, gt=0, le=TTL_MAX_S,
         description="Lifetime of a private port's signed URL when the caller names none, "

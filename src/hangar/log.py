@@ -3,9 +3,10 @@
 Fields: ``ts`` (Unix seconds), ``level``, ``logger``, ``event`` (the
 message) and whatever ``extra=`` carried (``sandbox_id``, ``duration_s``,
 ...). Keys that could carry a secret or file contents are dropped, so a
-careless ``extra`` cannot leak them, and the value of a ``ticket=`` query
-parameter (a WebSocket's single-use ticket, which uvicorn logs with the
-path it upgrades) is replaced by ``***``.
+careless ``extra`` cannot leak them, and the value of a credential query
+parameter (``QUERY_SECRETS``: a WebSocket's single-use ticket, which uvicorn
+logs with the path it upgrades, a port token...) is replaced by ``***``,
+whatever percent-encoding its name or the whole query wears.
 """
 
 from __future__ import annotations
@@ -15,15 +16,52 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Callable
+from urllib.parse import unquote_plus
 
 REDACT = {"api_key", "key", "x-api-key", "authorization", "token", "secret", "password",
           "content", "data", "stdin", "env"}
 QUERY_SECRETS = ("ticket", "hangar_token", "token", "access_token", "accesstoken", "signature",
                  "key", "api_key", "apikey", "x-api-key", "secret", "password")
 """Query parameters whose values never reach a log line."""
-SECRET_PARAM = re.compile(
-    r"((?:[?&;]|%3[Ff]|%26)(?:" + "|".join(re.escape(p) for p in QUERY_SECRETS) +
-    r")(?:=|%3[Dd]))[^&;\s\"'#]+", re.IGNORECASE)
+PARAM = re.compile(
+    r"((?:[?&;]|%3[Ff]|%26|%3[Bb])"                          # the separator, or its escape
+    r"((?:[^=&;?\s\"'#%]|%(?!3[DdFfBb]|26)[0-9A-Fa-f]{2})*)"  # the name as written
+    r"(?:=|%3[Dd]))([^&;\s\"'#]+)")                           # = (or %3D), the value
+"""One query parameter in a logged line (after ``?``, ``&`` or ``;``, themselves perhaps
+percent-encoded): its lead-in with name (group 1), the name as written (2), its value (3)."""
+MAX_DECODES = 3
+"""Times a parameter's name is percent-decoded before it is compared (``%2574oken``...)."""
+
+
+def _name(raw: str) -> str:
+    """A parameter's name as a server would read it: percent-decoded (repeatedly, so a
+    double-encoded name is seen too) and ``+`` as a space, lower-cased."""
+    name = raw
+    for _ in range(MAX_DECODES):
+        decoded = unquote_plus(name)
+        if decoded == name:
+            break
+        name = decoded
+    return name.strip().lower()
+
+
+MAX_NESTING = 4
+"""URLs inside parameters' values (``next=%2Fp%3Ftoken%3D...``) looked into, deepest."""
+
+
+def _hiding(depth: int) -> Callable[[re.Match[str]], str]:
+    def hide(m: re.Match[str]) -> str:
+        if _name(m.group(2)) in QUERY_SECRETS:
+            return m.group(1) + "***"
+        if depth >= MAX_NESTING:
+            return m.group(0)
+        return m.group(1) + PARAM.sub(_hiding(depth + 1), m.group(3))
+    return hide
+
+
+SECRET_PARAM = PARAM
+"""The old name of ``PARAM`` (use ``redact``: it decides by the decoded name)."""
 TICKET = SECRET_PARAM
 """The old name of ``SECRET_PARAM``."""
 CLIENT_FAULTS = frozenset({"Invalid HTTP request received.", "Unsupported upgrade request.",
@@ -33,8 +71,9 @@ CLIENT_FAULTS = frozenset({"Invalid HTTP request received.", "Unsupported upgrad
 
 
 def redact(text: str) -> str:
-    """``text`` with the value of every ``QUERY_SECRETS`` parameter replaced by ``***``."""
-    return SECRET_PARAM.sub(r"\1***", text)
+    """``text`` with the value of every ``QUERY_SECRETS`` parameter replaced by ``***``,
+    however its name is percent-encoded (``?%74oken=``, ``?hangar%5Ftoken=``)."""
+    return PARAM.sub(_hiding(0), text)
 
 
 class ClientFaults(logging.Filter):

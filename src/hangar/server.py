@@ -50,6 +50,7 @@ from hangar.config import Settings
 from hangar.core.events import EventBus
 from hangar.core.idempotency import IdempotencyStore
 from hangar.core.machines import MachineManager
+from hangar.core.ports import PortKey
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import Store
 from hangar.engines.base import Engine
@@ -87,12 +88,13 @@ def pick_engine(settings: Settings, layout: Layout, helper: Client | None = None
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Hangar's whole application for ``settings`` (default: from the environment); see
     the module docstring for what is built when. Raises ConfigError (an empty or weak
-    API key)."""
+    API key, a port key file under 32 bytes)."""
     settings = settings or Settings()
     layout = Layout(settings.data_dir)
     layout.ensure()
     keys = KeyRing(layout.api_key_file, layout.api_keys_file, settings.api_key)
     keys.load()
+    PortKey(layout.port_key_file).check()  # an empty or short port key: ConfigError
     # read now, while a split server is still root (`hangar serve` made it first): it keeps
     # the key in memory and its user needs no access to the file (hangar.core.secrets). A
     # key that is missing or unreadable leaves the vault to try again when used.

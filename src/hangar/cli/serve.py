@@ -157,7 +157,7 @@ def serve(
     except HangarError as exc:
         logging.getLogger("hangar.secrets").warning("the vault has no key: %s", exc.message)
     try:
-        api = create_app(settings)  # refuses an empty or weak API key (ConfigError)
+        api = create_app(settings)  # refuses a weak API key or port key (ConfigError)
         from hangar.images import RECIPES, resolve_image
 
         if settings.default_image in RECIPES:

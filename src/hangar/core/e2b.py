@@ -12,18 +12,31 @@ its sandbox agent's protocol, envd (``hangar.api.envd``, under
     ``hangar.core.ports``) of ``e2b-envd-access:v1:<sandbox id>``, 64 hex
     digits. Every sandbox has one (E2B's SDK creates only secured sandboxes);
     it stays the same for the sandbox's life unless the port key is replaced.
-``Options`` / ``options`` / ``envs``
+    It opens everything of its sandbox: envd, the code interpreter, every port.
+``traffic_token`` / ``check_traffic_token`` / ``traffic_admits``
+    a sandbox's traffic access token (E2B's ``trafficAccessToken``): derived the
+    same way from ``e2b-traffic-access:v1:<sandbox id>``, so a different value.
+    It opens the sandbox's user ports only, never envd (``ENVD_PORT``) nor the
+    code interpreter's server (``INTERPRETER_PORT``), save the one narrow case
+    ``traffic_admits`` names (the code interpreter's SDK sends only this token
+    when it manages contexts; it never runs code with it).
+``Options`` / ``options`` / ``envs`` / ``sealed``
     what a create through ``/e2b`` asked for beyond Hangar's own fields
     (the template name it used, default environment variables, whether its
-    URLs are public). Kept in the record's own ``e2b`` column, never in the
+    URLs are public). The environment variables (``envVars``: they often hold
+    keys) are sealed by the vault (``hangar.core.secrets.Vault.seal``, label
+    ``ENVS_LABEL``) before the record is written, so the database holds
+    ciphertext only; ``envs`` opens them when a process starts. Kept in the record's own ``e2b`` column, never in the
     client's metadata: it lives and dies with the record, and no request
     writes it but the create that made it. What a timeout does (``autoPause``)
     and the clock across a pause are no E2B matter: the record's generic
     ``on_expiry``, ``ttl_s`` and ``wake_ttl_s``, moved by core's verbs
     (``hangar.core.sleep``: pause, connect, settled).
 ``url_exposure``
-    E2B's sandbox URLs (``{port}-{id}.<HANGAR_DOMAIN>``) open every guest port of
-    a sandbox made through ``/e2b``, public unless its create said otherwise.
+    E2B's sandbox URLs (``{port}-{id}.<HANGAR_DOMAIN>``) open every user port of
+    a sandbox made through ``/e2b``, public unless its create said otherwise;
+    envd's and the code interpreter's ports (``CONTROL_PORTS``) are never public
+    and need the envd access token.
 ``resolve`` / ``templates``
     E2B template names onto Hangar's images, templates and snapshots
     (``base`` is Hangar's base image; the code interpreter's
@@ -36,10 +49,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hangar.core import interpreter
 from hangar.core.admission import default_size
 from hangar.core.commands import Command
 from hangar.core.lifecycle import State
@@ -51,9 +66,10 @@ from hangar.images import list_images, resolve_image
 if TYPE_CHECKING:
     from hangar.core.sandboxes import SandboxManager
 
-__all__ = ["ENVD_VERSION", "KEY", "Metric", "Options", "Source", "TemplateInfo",
-           "access_token", "check_access_token", "envs", "metrics", "options", "resolve",
-           "sandbox", "templates", "url_exposure", "with_options"]
+__all__ = ["CONTROL_PORTS", "ENVD_PORT", "ENVD_VERSION", "INTERPRETER_PORT", "KEY", "Metric",
+           "Options", "Source", "TemplateInfo", "access_token", "check_access_token",
+           "check_traffic_token", "envs", "metrics", "options", "resolve", "sandbox", "sealed",
+           "templates", "traffic_admits", "traffic_token", "url_exposure", "with_options"]
 
 ENVD_VERSION = "0.5.7"
 """The envd version every sandbox reports. >= 0.3.0: the SDK sends ``stdin``; >= 0.4.0 it
@@ -69,6 +85,16 @@ TEMPLATE_ALIASES = {"code-interpreter-v1": "code-interpreter"}
 """E2B template names that are another name in Hangar."""
 
 _TOKEN_LABEL = b"e2b-envd-access:v1:"
+_TRAFFIC_LABEL = b"e2b-traffic-access:v1:"
+ENVD_PORT = 49983
+"""The guest port E2B's SDK names for envd itself (served by Hangar, ``hangar.api.envd``)."""
+INTERPRETER_PORT = interpreter.PORT
+"""The code interpreter's server (49999, ``hangar.core.interpreter.PORT``)."""
+CONTROL_PORTS = frozenset({ENVD_PORT, INTERPRETER_PORT})
+"""Ports that run code in the guest: only the envd access token (or a Hangar key) opens
+them, never the traffic token, and E2B's public sandbox URLs never make them public."""
+ENVS_LABEL = "e2b-envs:v1"
+"""The vault's label (associated data) of a record's sealed ``envVars``."""
 
 
 # -- the envd access token -------------------------------------------------------------
@@ -86,6 +112,35 @@ def check_access_token(manager: SandboxManager, sandbox_id: str, given: str | No
     return hmac.compare_digest(given.encode(), access_token(manager, sandbox_id).encode())
 
 
+def traffic_token(manager: SandboxManager, sandbox_id: str) -> str:
+    """The traffic access token of ``sandbox_id`` (64 hex digits, never its envd access
+    token); see the module docstring."""
+    key = manager.ports.key.key()
+    return hmac.new(key, _TRAFFIC_LABEL + sandbox_id.encode(), hashlib.sha256).hexdigest()
+
+
+def check_traffic_token(manager: SandboxManager, sandbox_id: str, given: str | None) -> bool:
+    """True when ``given`` is ``sandbox_id``'s traffic access token (constant time)."""
+    if not given:
+        return False
+    return hmac.compare_digest(given.encode(), traffic_token(manager, sandbox_id).encode())
+
+
+def traffic_admits(port: int, method: str, path: str) -> bool:
+    """Whether the traffic token may open this request to ``port`` (``path``: the guest's
+    path, without its query): every user port; of the code interpreter's server only its
+    context routes (``/contexts``, ``/contexts/<id>``, ``/contexts/<id>/restart``), which
+    E2B's code interpreter SDK calls with that token alone and which run no code; never
+    envd, never ``/execute``."""
+    if port not in CONTROL_PORTS:
+        return True
+    if port != INTERPRETER_PORT or method not in ("GET", "POST", "DELETE"):
+        return False
+    parts = path.split("?", 1)[0].rstrip("/").split("/")[1:]
+    return parts[:1] == ["contexts"] and len(parts) <= 3 and ".." not in parts \
+        and (len(parts) < 3 or parts[2] == "restart")
+
+
 # -- a sandbox's E2B settings ------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -93,7 +148,9 @@ class Options:
     """What a create through ``/e2b`` asked for beyond Hangar's own fields.
 
     ``template``: the template name the client used (E2B's ``alias``);
-    ``envs``: environment variables of every process envd starts in it;
+    ``envs``: environment variables of every process envd starts in it, in clear (only
+    in memory: ``sealed`` turns them into ``sealed_envs`` before a record keeps them);
+    ``sealed_envs``: the same, sealed by the vault (``ENVS_LABEL``), as records keep them;
     ``public_traffic``: its
     sandbox URLs (``{port}-{id}.<HANGAR_DOMAIN>``) need no credential, as E2B's
     do unless ``network.allowPublicTraffic`` is false (``url_exposure``).
@@ -102,28 +159,46 @@ class Options:
     template: str
     envs: dict[str, str] = field(default_factory=dict)
     public_traffic: bool = False
+    sealed_envs: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"template": self.template, "envs": dict(self.envs),
-                "public_traffic": self.public_traffic}
+        out: dict[str, Any] = {"template": self.template, "public_traffic": self.public_traffic}
+        if self.sealed_envs is not None:
+            out["envs_sealed"] = self.sealed_envs
+        if self.envs:
+            out["envs"] = dict(self.envs)
+        return out
+
+
+def sealed(manager: SandboxManager, opts: Options) -> Options:
+    """``opts`` with its ``envs`` sealed by the vault (``sealed_envs``) and none in clear:
+    what a record may keep. Raises ConfigError when the vault has no usable key."""
+    if not opts.envs:
+        return opts
+    box = manager.vault.seal(ENVS_LABEL, json.dumps(opts.envs, sort_keys=True).encode())
+    return Options(template=opts.template, public_traffic=opts.public_traffic, sealed_envs=box)
 
 
 def options(rec: SandboxRecord) -> Options | None:
-    """The E2B options of ``rec``, or None for a sandbox made through Hangar's own API."""
+    """The E2B options of ``rec``, or None for a sandbox made through Hangar's own API.
+    Its environment stays sealed (``sealed_envs``; ``envs`` holds only what a record of an
+    older server kept in clear)."""
     raw = rec.e2b
     if not isinstance(raw, dict):
         return None
     env = raw.get("envs")
+    box = raw.get("envs_sealed")
     return Options(
         template=str(raw.get("template") or rec.image),
         envs={str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {},
         public_traffic=raw.get("public_traffic") is True,
+        sealed_envs=box if isinstance(box, str) else None,
     )
 
 
 def with_options(metadata: dict[str, str], opts: Options) -> dict[str, Any]:
     """The fields of a create's ``CreateOptions`` that carry the client's ``metadata``
-    (opaque) and ``opts`` (the record's ``e2b`` column)."""
+    (opaque) and ``opts`` (the record's ``e2b`` column; pass ``sealed(manager, opts)``)."""
     return {"metadata": dict(metadata), "e2b": opts.as_dict()}
 
 
@@ -134,28 +209,48 @@ def sandbox(manager: SandboxManager, sandbox_id: str) -> SandboxRecord:
 
 def envs(manager: SandboxManager, sandbox_id: str) -> dict[str, str]:
     """The default environment variables of ``sandbox_id``'s processes (create's
-    ``envVars``; ``{}`` for a sandbox made by Hangar's own API). Raises as ``sandbox``."""
+    ``envVars``, opened from the vault; ``{}`` for a sandbox made by Hangar's own API).
+    Raises as ``sandbox``, and ConfigError when the vault cannot open them."""
     opts = options(sandbox(manager, sandbox_id))
-    return dict(opts.envs) if opts is not None else {}
+    if opts is None:
+        return {}
+    out = dict(opts.envs)
+    if opts.sealed_envs is not None:
+        opened = json.loads(manager.vault.open(ENVS_LABEL, opts.sealed_envs))
+        out.update({str(k): str(v) for k, v in opened.items()})
+    return out
 
 
 def url_exposure(manager: SandboxManager, sandbox_id: str, port: int,
-                 traffic_token: str | None) -> Exposure | None:
+                 traffic: str | None, access: str | None = None, method: str = "GET",
+                 path: str = "/") -> Exposure | None:
     """How E2B's sandbox URLs reach a port nobody exposed: ``{port}-{id}.<HANGAR_DOMAIN>``,
-    what ``sandbox.get_host(port)`` names, opens every guest port of a sandbox made
+    what ``sandbox.get_host(port)`` names, opens every user port of a sandbox made
     through ``/e2b``, as E2B's own do. Its create's ``network.allowPublicTraffic``
-    (default true) says whether that needs no credential or the
-    ``E2B-Traffic-Access-Token`` header (its ``trafficAccessToken``).
+    (default true) says whether that needs no credential or a token: the
+    ``E2B-Traffic-Access-Token`` header (``traffic``: its ``trafficAccessToken``) or
+    ``X-Access-Token`` (``access``: its envd access token). ``CONTROL_PORTS`` are never
+    public: they need the envd access token (the traffic token only where
+    ``traffic_admits`` says, for ``method`` and the guest's ``path``).
 
     Returns a public ``Exposure`` for the request when it may pass; None for a sandbox
     made through Hangar's own API (its ports are exposed with ``POST
-    /sandboxes/{id}/ports``). Raises Unauthorized (a private sandbox's token is missing
-    or wrong), NotFound or Gone (no such sandbox).
+    /sandboxes/{id}/ports``). Raises Unauthorized (a token is missing or wrong),
+    NotFound or Gone (no such sandbox).
     """
     opts = options(sandbox(manager, sandbox_id))
     if opts is None:
         return None
-    if not opts.public_traffic and not check_access_token(manager, sandbox_id, traffic_token):
+    if check_access_token(manager, sandbox_id, access):
+        return Exposure(sandbox_id, port, True, "", time.time())
+    if port in CONTROL_PORTS:
+        if not (traffic_admits(port, method, path)
+                and check_traffic_token(manager, sandbox_id, traffic)):
+            raise Unauthorized(f"port {port} of sandbox {sandbox_id} runs code in its guest "
+                               "(envd, the code interpreter): it is never public and needs "
+                               "the sandbox's envdAccessToken in the X-Access-Token header",
+                               sandbox_id=sandbox_id, port=port)
+    elif not opts.public_traffic and not check_traffic_token(manager, sandbox_id, traffic):
         raise Unauthorized(f"sandbox {sandbox_id} was created with "
                            "network.allowPublicTraffic false: its URLs need its "
                            "trafficAccessToken in the E2B-Traffic-Access-Token header",

@@ -47,7 +47,7 @@ from pathlib import Path
 from hangar.core.context import Context
 from hangar.core.lifecycle import State
 from hangar.core.store import PortRecord, SandboxRecord
-from hangar.errors import Conflict, InvalidRequest, LimitExceeded, NotFound
+from hangar.errors import ConfigError, Conflict, InvalidRequest, LimitExceeded, NotFound
 from hangar.schemas.bounds import PORT_MAX, PORT_MIN, TTL_MAX_S
 
 log = logging.getLogger("hangar.ports")
@@ -92,9 +92,31 @@ class PortKey:
         self.path = path
         self._key: bytes | None = None
 
+    def check(self) -> None:
+        """Raise ConfigError, naming the fix, when the key file exists but is shorter than
+        ``KEY_BYTES`` (empty, cut short): tokens signed with it could be forged. A missing
+        file is fine (``key`` makes one). ``hangar serve`` calls this at start."""
+        try:
+            size = len(self.path.read_bytes())
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise ConfigError(f"cannot read the port key {self.path}: "
+                              f"{exc.strerror or exc}") from None
+        if size < KEY_BYTES:
+            raise ConfigError(
+                f"the port key {self.path} is {size} bytes, under the {KEY_BYTES} it must "
+                "hold: it signs port URL tokens and E2B's access tokens, which a short key "
+                f"lets anyone forge. Remove it (a new one is made at start: tokens issued "
+                f"so far stop working) or write {KEY_BYTES} random bytes to it "
+                f"(head -c {KEY_BYTES} /dev/urandom > {self.path}; chmod 600 {self.path})",
+                path=str(self.path))
+
     def key(self) -> bytes:
-        """The key's bytes; made (0600, atomically) when the file does not exist."""
+        """The key's bytes; made (0600, atomically) when the file does not exist. Raises
+        ConfigError when it exists and is too short (``check``)."""
         if self._key is None:
+            self.check()
             try:
                 data = self.path.read_bytes()
             except FileNotFoundError:
@@ -111,6 +133,7 @@ class PortKey:
                 try:
                     os.link(tmp, self.path)  # never replaces a key another process made
                 except FileExistsError:
+                    self.check()
                     data = self.path.read_bytes()
                 finally:
                     tmp.unlink(missing_ok=True)

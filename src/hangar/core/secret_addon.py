@@ -147,7 +147,9 @@ class SecretProxy:
     async def server_connect(self, data: Any) -> None:
         """Rule 1: refuse an upstream connection the sandbox's rules do not allow. A name
         allowed by a domain rule at an address the host did not resolve for the guest is
-        resolved here: the connection goes on only when the name leads to that address."""
+        resolved here: the connection goes on only when the name leads to that address
+        and that address passes the domain guard's rebinding guard (``admits``: a public
+        name that resolves to a private address opens nothing under ``internet``)."""
         address = data.server.address
         if not address:
             return
@@ -160,13 +162,19 @@ class SecretProxy:
                     name, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
             except OSError:
                 infos = []
-            if ip in {i[4][0] for i in infos}:
+            if ip in {i[4][0] for i in infos} and self._admits(ip):
                 ok, reason = self._decide({**self.rules, "resolved": {ip: [name.lower()]}},
                                           ip, port, name)
         if not ok:
             data.server.error = f"refused by the sandbox's egress rules ({reason})"
             self.emit("egress.denied", domain=(name or "")[:253], address=ip, port=port,
                       reason=str(reason)[:64])
+
+    def _admits(self, ip: str) -> bool:
+        try:
+            return bool(self.match.admits(self.rules, ip))
+        except Exception:  # an older matcher, a rule it cannot read: closed, not open
+            return False
 
     def _decide(self, rules: dict, ip: str, port: int, name: str | None) -> tuple[bool, str]:
         try:

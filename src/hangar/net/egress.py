@@ -35,14 +35,13 @@ event bus: one event per (sandbox, target, port, reason) per
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hangar.net.egress_match import match_domain, normalize_name
+from hangar.net.egress_match import admits, match_domain, normalize_name
 from hangar.net.policy import Policy
 
 log = logging.getLogger("hangar.net.egress")
@@ -223,12 +222,13 @@ class EgressGuard:
         """Remember that ``name`` resolved to ``addrs`` ((address, TTL)), whatever the
         verdict (a rule added later opens what the guest already resolved); the entries
         to admit into the kernel's sets for ``ports`` (None: any; [] admits nothing).
-        Addresses ``Policy.admits`` refuses, or ``never`` ones, are left out."""
+        Addresses ``egress_match.admits`` refuses (the rebinding guard, ``never``, the
+        host's own) are left out."""
         norm = normalize_name(name) or name
         now = time.monotonic()
         out = []
         for addr, ttl in addrs:
-            if not g.policy.admits(addr) or self._is_never(g, addr):
+            if not admits(g.rules, addr):  # rebinding, never, the host's own (egress_match)
                 continue
             keep = min(max(int(ttl), ADMIT_FLOOR_S), ADMIT_CEIL_S)
             g.resolved.setdefault(addr, {})[norm] = now + keep
@@ -240,10 +240,6 @@ class EgressGuard:
             for t, a, n in pairs:
                 g.resolved.setdefault(a, {})[n] = t
         return out
-
-    def _is_never(self, g: Guarded, addr: str) -> bool:
-        a = int(ipaddress.IPv4Address(addr))
-        return any(lo <= a <= hi for lo, hi in g.rules["never"])
 
     def denied(self, g: Guarded | None, via: str, reason: str, *, port: int,
                domain: str | None = None, address: str | None = None) -> None:

@@ -22,12 +22,19 @@ makes (``VERSION`` 1)::
                                        entry matches: refused when ``deny`` holds 0.0.0.0/0
                                        (an allowlist: no address would open, and a
                                        resolver that answers any name is a way out)
+     "unsafe":  [[first, last], ...]   ranges an allowed name's DNS answer never opens:
+                                       those the mode itself denies (``internet``: private,
+                                       shared, loopback, link-local...), the DNS rebinding
+                                       guard (``Policy.admits``; ``admits`` here)
      "resolved": {"203.0.113.7": ["a.example.com"], ...}   optional: addresses the host
                                        resolved for the guest, by the names asked}
 
 How a destination is decided (``decide``), in order:
 
-1. An address in ``never``: refused, ``denied_host``. No entry lifts it.
+1. An address in ``never``, or one the host owns now (``host_owns``: the
+   kernel's answer at the time of the decision, so an address the host gains
+   after the rules were made is refused too): refused, ``denied_host``. No
+   entry lifts it.
 2. With a ``name`` (TLS SNI, HTTP Host, a DNS question): the domain entry
    that matches best (``match_domain``). A deny: refused,
    ``denied_domain``. An allow: let through when the host resolved that
@@ -46,6 +53,7 @@ ASCII (``xn--...``), without a trailing dot.
 from __future__ import annotations
 
 import ipaddress
+import socket
 from typing import Any
 
 VERSION = 1
@@ -125,6 +133,49 @@ def cidr_allows(rules: dict[str, Any], address: int, port: int) -> bool:
     return not in_ranges(rules.get("denied", []) if ranges is None else ranges, address)
 
 
+_NONLOCAL_BIND: list[bool] = []
+"""Whether this host lets a socket bind to any address (``net.ipv4.ip_nonlocal_bind``),
+which makes ``host_owns`` unable to tell; asked once."""
+
+
+def _binds(ip: str) -> bool:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
+def host_owns(ip: str) -> bool:
+    """Whether ``ip`` (IPv4 text) is one of this host's own addresses now: the kernel lets a
+    socket bind to it. Asked at each decision, so the never-list follows the host's
+    address changes (DHCP, an interface added later) without a refresh. False when the
+    host binds any address (``ip_nonlocal_bind``): ``never`` alone holds then."""
+    if not _NONLOCAL_BIND:
+        _NONLOCAL_BIND.append(_binds("192.0.2.1"))  # TEST-NET-1: no host owns it
+    if _NONLOCAL_BIND[0] or ip in ("0.0.0.0", "255.255.255.255"):
+        return False
+    return _binds(ip)
+
+
+def admits(rules: dict[str, Any], ip: str) -> bool:
+    """Whether a name's DNS answer may open ``ip`` (IPv4 text) for a guest: not in
+    ``never`` nor in ``unsafe`` (the DNS rebinding guard: ``hangar.net.policy.Policy.
+    admits``), nor the host's own (``host_owns``). The domain guard's DNS forwarder and
+    the secret proxy's re-resolution both ask this. Rules without ``unsafe`` admit
+    nothing."""
+    try:
+        address = int(ipaddress.IPv4Address(ip))
+    except (ValueError, TypeError):
+        return False
+    unsafe = rules.get("unsafe")
+    if unsafe is None:
+        return False
+    return not in_ranges(rules.get("never", []), address) and not in_ranges(unsafe, address) \
+        and not host_owns(ip)
+
+
 def decide(rules: dict[str, Any], *, ip: str, port: int, name: str | None = None
            ) -> tuple[bool, str]:
     """Whether a guest may reach ``ip`` (IPv4 text) on ``port`` (TCP/UDP), having asked
@@ -135,7 +186,7 @@ def decide(rules: dict[str, Any], *, ip: str, port: int, name: str | None = None
         address = int(ipaddress.IPv4Address(ip))
     except (ValueError, TypeError):
         return False, "bad_address"
-    if in_ranges(rules.get("never", []), address):
+    if in_ranges(rules.get("never", []), address) or host_owns(ip):
         return False, "denied_host"
     if name is not None:
         norm = normalize_name(name)

@@ -238,6 +238,8 @@ class Policy(BaseModel):
             "denied": [list(r) for r in self.denied_ranges()],
             "ports": {str(p): [list(r) for r in rs] for p, rs in self.port_ranges().items()},
             "domains": self.domain_entries(),
+            # what an allowed name's DNS answer may never open (``admits``: rebinding)
+            "unsafe": [list(r) for r in Policy(egress=self.egress).denied_ranges()],
             "unlisted": "refuse" if any(e.deny and e.net is not None and e.port is None
                                         and e.net.prefixlen == 0 for e in self.entries())
             else "resolve",

@@ -85,7 +85,8 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
     opts = e2b.Options(template=source.asked, envs=dict(body.envVars or {}),
                        public_traffic=body.network is None
                        or body.network.allowPublicTraffic is not False)
-    fields: Any = {**e2b.with_options(dict(body.metadata or {}), opts),
+    # envVars often hold keys: sealed by the vault before any record keeps them
+    fields: Any = {**e2b.with_options(dict(body.metadata or {}), e2b.sealed(m, opts)),
                    "on_expiry": OnExpiry.SLEEP if body.autoPause else OnExpiry.DELETE,
                    "auto_resume": bool(body.autoResume and body.autoResume.enabled)}
     if source.kind == "snapshot":
@@ -327,7 +328,7 @@ async def fork(sandbox_id: str, m: Manager, body: ForkRequest | None = None) -> 
     if rec.state != State.RUNNING:
         raise Conflict(f"sandbox {sandbox_id} is {views.state_of(rec)}; connect to it first",
                        sandbox_id=sandbox_id)
-    opts = e2b.options(rec) or e2b.Options(template=rec.image)
+    opts = e2b.sealed(m, e2b.options(rec) or e2b.Options(template=rec.image))
     fields: Any = {**e2b.with_options(views.user_metadata(rec), opts),
                    "on_expiry": rec.on_expiry or OnExpiry.DELETE,
                    "auto_resume": bool(rec.auto_resume)}

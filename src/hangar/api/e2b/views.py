@@ -75,12 +75,11 @@ def template_names(rec: SandboxView) -> tuple[str, str | None]:
 def created(m: SandboxManager, rec: SandboxView) -> Sandbox:
     """What a create, connect, resume or fork answers: how the SDK reaches envd."""
     template, alias = template_names(rec)
-    token = e2b.access_token(m, rec.id)
-    # The same token opens its guest ports: the code interpreter's SDK sends only
-    # E2B-Traffic-Access-Token on some calls to its port.
+    # Two capabilities, two values: the envd access token opens everything of the
+    # sandbox; the traffic token its user ports only (``hangar.core.e2b.traffic_admits``).
     return Sandbox(templateID=template, sandboxID=rec.id, alias=alias, clientID=CLIENT_ID,
-                   envdVersion=e2b.ENVD_VERSION, envdAccessToken=token,
-                   trafficAccessToken=token, domain=m.settings.domain)
+                   envdVersion=e2b.ENVD_VERSION, envdAccessToken=e2b.access_token(m, rec.id),
+                   trafficAccessToken=e2b.traffic_token(m, rec.id), domain=m.settings.domain)
 
 
 def listed(rec: SandboxView) -> ListedSandbox:

@@ -4,10 +4,13 @@ Flow of a request to ``/e2b/envd/<rest>``::
 
     E2b-Sandbox-Id: <id>        required: which sandbox (Hangar's id as is)
     E2b-Sandbox-Port: <port>    49983 (envd, the default) or a guest port
-        │ no sandbox, or one that is gone → 502 "... was not found" (the SDK's
-        │   SandboxNotRunningException), as E2B's proxy answers
         │ X-Access-Token | X-API-Key | a /files signature, else 401 (before any body
-        │   is read; ``hangar.api.envd.tokens``)
+        │   is read; ``hangar.api.envd.tokens``); the traffic token
+        │   (E2B-Traffic-Access-Token) for user ports only (``e2b.traffic_admits``).
+        │   Checked before the sandbox is looked up: a missing sandbox and a wrong
+        │   token get the same 401, so the unauthenticated learn nothing of ids
+        │ then: no sandbox, or one that is gone → 502 "... was not found" (the SDK's
+        │   SandboxNotRunningException), as E2B's proxy answers
         ├── port ≠ 49983 → the guest's port (``hangar.api.envd.ports``)
         ├── POST /process.Process/<M>, /filesystem.Filesystem/<M> → Connect RPC
         │     (``hangar.api.envd.connect``; one module per RPC or small group)
@@ -50,7 +53,7 @@ from hangar.api.envd.connect import RpcError
 from hangar.api.envd.tokens import signature_ok, token_ok
 from hangar.api.envd.versions import ENVD_PORT, PREFIX
 from hangar.api.envd.fs_watch import Watchers
-from hangar.core.service import SandboxManager
+from hangar.core.service import SandboxManager, e2b
 from hangar.errors import Gone, HangarError, NotFound
 from hangar.schemas.bounds import PORT_MAX, PORT_MIN
 
@@ -157,9 +160,10 @@ class EnvdGateway:
                 bytes(scope.get("query_string", b"")).decode("latin-1")).items()}
             if signed and "e2b-sandbox-id" not in headers:
                 headers["e2b-sandbox-id"] = self._signer(manager, scope, query)
-            sandbox_id, port = self._target(manager, headers)
+            sandbox_id, port = self._target(headers)
             self._admit(scope, state, manager, sandbox_id, port, headers, query,
-                        rest_path if m is None else None)
+                        rest_path if m is None else None, rest_path)
+            self._exists(manager, sandbox_id)
             if port != ENVD_PORT:
                 await ports.forward(scope, receive, send, manager, state, sandbox_id, port,
                                     rest_path)
@@ -196,7 +200,7 @@ class EnvdGateway:
                                               "(or it has expired)")
 
     @staticmethod
-    def _target(manager: SandboxManager, headers: dict[str, str]) -> tuple[str, int]:
+    def _target(headers: dict[str, str]) -> tuple[str, int]:
         sandbox_id = headers.get("e2b-sandbox-id", "")
         if not sandbox_id:
             raise Refusal(400, "invalid_argument",
@@ -207,24 +211,34 @@ class EnvdGateway:
                 or not PORT_MIN <= int(raw_port) <= PORT_MAX:
             raise Refusal(400, "invalid_argument", f"E2b-Sandbox-Port {raw_port[:16]!r} is not "
                                                    f"a port ({PORT_MIN}..{PORT_MAX})")
+        return sandbox_id, int(raw_port)
+
+    @staticmethod
+    def _exists(manager: SandboxManager, sandbox_id: str) -> None:
+        """Raises Refusal (502, as E2B's proxy answers) when the sandbox is unknown or gone;
+        asked only once the request is admitted (a token is derived from the id alone)."""
         try:
             manager.get(sandbox_id)
         except (NotFound, Gone):
             raise Refusal(502, "unavailable",
                           f"The sandbox {sandbox_id[:64]} was not found") from None
-        return sandbox_id, int(raw_port)
 
     @staticmethod
     def _admit(scope: Scope, state: Any, manager: SandboxManager, sandbox_id: str, port: int,
-               headers: dict[str, str], query: dict[str, str], rest_path: str | None) -> None:
+               headers: dict[str, str], query: dict[str, str], rest_path: str | None,
+               guest_path: str) -> None:
         """Raises Refusal (401) unless the request carries a credential for the sandbox:
-        its token in ``X-Access-Token`` (or, for a guest port, ``E2B-Traffic-Access-Token``:
-        the code interpreter's SDK sends only that one on some calls), a Hangar key, or a
-        file URL's signature."""
+        its envd access token in ``X-Access-Token``, a Hangar key, a file URL's signature,
+        or, for a user port (and the code interpreter's context routes, which E2B's code
+        interpreter SDK calls with it alone: ``e2b.traffic_admits``), its traffic token in
+        ``E2B-Traffic-Access-Token``. The sandbox need not exist: tokens derive from the id,
+        so an unknown id is refused as a wrong token is."""
         if token_ok(manager, sandbox_id, headers.get("x-access-token")):
             return
-        if port != ENVD_PORT and token_ok(manager, sandbox_id,
-                                          headers.get("e2b-traffic-access-token")):
+        if port != ENVD_PORT and e2b.traffic_admits(port, str(scope.get("method", "")),
+                                                    guest_path) \
+                and e2b.check_traffic_token(manager, sandbox_id,
+                                            headers.get("e2b-traffic-access-token")):
             return
         key = headers.get("x-api-key")
         if key:

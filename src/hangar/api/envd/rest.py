@@ -36,6 +36,7 @@ import asyncio
 import json
 import posixpath
 import time
+import urllib.parse
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -120,7 +121,26 @@ def _need_path(query: dict[str, str]) -> str:
     path = query.get("path", "")
     if not path:
         raise InvalidRequest("the path parameter is missing")
+    return _no_controls(path)
+
+
+def _no_controls(path: str) -> str:
+    """``path``, unless it holds a control character (InvalidRequest, 400): no CR or LF
+    of a client's path may reach a header (``content_disposition``) or a log line."""
+    if any(ord(c) < 0x20 or ord(c) == 0x7f for c in path):
+        raise InvalidRequest("the path holds a control character (CR, LF, NUL...), which "
+                             "Hangar does not take in a file path", field="path")
     return path
+
+
+def content_disposition(path: str) -> bytes:
+    """``Content-Disposition`` of a download of ``path`` (RFC 6266): its base name only,
+    as a quoted ASCII ``filename`` (anything else, quotes and backslashes as ``_``) and
+    ``filename*`` in percent-encoded UTF-8; never the client's raw path."""
+    name = posixpath.basename(absolute(path)) or "download"
+    plain = "".join(c if 0x20 <= ord(c) < 0x7f and c not in '"\\' else "_" for c in name)
+    encoded = urllib.parse.quote(name, safe="")
+    return f"inline; filename=\"{plain}\"; filename*=UTF-8''{encoded}".encode("ascii")
 
 
 async def _download(scope: Scope, receive: Receive, send: Send, query: dict[str, str],
@@ -132,10 +152,9 @@ async def _download(scope: Scope, receive: Receive, send: Send, query: dict[str,
     gone = asyncio.ensure_future(_disconnected(receive))
     try:
         first = await anext(chunks, b"")  # errors (no such file) before the answer starts
-        name = posixpath.basename(absolute(path)).replace('"', "")
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/octet-stream"),
-            (b"content-disposition", f'inline; filename="{name}"'.encode("latin-1", "replace"))]})
+            (b"content-disposition", content_disposition(path))]})
         if first:
             await send({"type": "http.response.body", "body": first, "more_body": True})
         async for chunk in chunks:
@@ -186,6 +205,7 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
     encoding = headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity", "gzip"):
         raise InvalidRequest(f"Content-Encoding {encoding[:32]} is not served: gzip or none")
+    _no_controls(query.get("path", ""))
     if ctype == b"application/octet-stream":
         r = await envd.manager.files.write(envd.sandbox_id, _need_path(query),
                                            _body(receive, encoding == "gzip"))
@@ -221,8 +241,8 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
             raise InvalidRequest(f"the path parameter names one file: a second file part "
                                  f"cannot go to the same path ({out[0]['path']} was written); "
                                  "name each part's path by its filename instead")
-        out.append(_written(await envd.manager.files.write(envd.sandbox_id, target,
-                                                           parts.data())))
+        out.append(_written(await envd.manager.files.write(
+            envd.sandbox_id, _no_controls(target), parts.data())))
     if not out:
         raise InvalidRequest("the multipart body carries no file part")
     await _json(send, 200, out)

@@ -2,10 +2,11 @@
 
 Every sandbox has an envd access token (``hangar.core.e2b.access_token``:
 derived from the server's port key and the sandbox id, never stored). E2B's
-control plane (``hangar.api.e2b``) hands it out as ``envdAccessToken`` and
-``trafficAccessToken``; the SDK sends it back in ``X-Access-Token`` (the
-code interpreter's SDK, to its port, in ``E2B-Traffic-Access-Token``). A
-request is admitted when it carries that token, or a valid Hangar API key
+control plane (``hangar.api.e2b``) hands it out as ``envdAccessToken``; the
+SDK sends it back in ``X-Access-Token``. Its ``trafficAccessToken`` is another
+value (``hangar.core.e2b.traffic_token``), taken in ``E2B-Traffic-Access-Token``
+for user ports only (``hangar.core.e2b.traffic_admits``). A request is
+admitted when it carries the access token, or a valid Hangar API key
 in ``X-API-Key`` (sandboxes made through Hangar's own API), or, for
 ``/files``, the SDK's signature of the path, operation, user and expiry:
 ``v1_`` + unpadded base64 of SHA-256 over ``path:op:user:token[:expiry]``.

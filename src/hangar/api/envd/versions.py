@@ -14,7 +14,7 @@ __all__ = ["ENVD_PORT", "ENVD_VERSION", "PREFIX"]
 
 ENVD_VERSION = e2b.ENVD_VERSION
 """The envd version E2B's SDKs are told (defined in ``hangar.core.e2b``)."""
-ENVD_PORT = 49983
-"""The guest port E2B's SDK names in ``E2b-Sandbox-Port`` for envd itself."""
+ENVD_PORT = e2b.ENVD_PORT
+"""The guest port E2B's SDK names in ``E2b-Sandbox-Port`` for envd itself (49983)."""
 PREFIX = "/e2b/envd"
 """Where the data plane is served: ``E2B_SANDBOX_URL=http://HOST:8080/e2b/envd``."""

@@ -29,9 +29,11 @@ What the app in the guest sees:
   the prefix back on the way out;
 * the client's ``Host`` (apps that check it may need to allow Hangar's
   name), ``X-Forwarded-For``, ``-Proto`` and ``-Host``;
-* never Hangar's credentials: ``X-API-Key``, the ``hangar_token`` query
-  parameter and the ``hangar_port_token`` cookie are removed, as are
-  hop-by-hop headers.
+* never Hangar's credentials: ``X-API-Key``, E2B's ``X-Access-Token`` and
+  ``E2B-Traffic-Access-Token``, an ``Authorization`` that carries any of
+  Hangar's keys or tokens, the ``hangar_token`` query parameter and the
+  ``hangar_port_token`` cookie are removed, as are hop-by-hop headers; on
+  every path (path- and host-routed, E2B's ``E2b-Sandbox-Port``).
 
 A request that brings a valid token in its query gets the token back as
 a cookie (``HttpOnly; SameSite=Lax``; path-scoped to the port's prefix, or
@@ -44,10 +46,15 @@ Modules: ``routing`` (where a request goes, the guest's headers, tokens in
 queries and cookies), ``exchange`` (admission, the tunnel, ``Refused``),
 ``http`` and ``websocket`` (the two kinds of exchange); ``PortProxy`` here.
 
-Path-routed ports share Hangar's origin: a page served there is
-same-origin with ``/ui/`` and with every other path-routed port. Serve
-untrusted web content on host-routed URLs (``HANGAR_DOMAIN``), where each
-port is an origin of its own. See docs/security.md.
+Modules: ``origin`` (what a path-routed answer may not do on Hangar's origin).
+
+Path-routed ports share Hangar's origin: their answers lose the headers that
+reach beyond the port (``Service-Worker-Allowed``, ``Clear-Site-Data``, a
+``Set-Cookie`` outside the prefix) and get ``Content-Security-Policy:
+sandbox`` (an opaque origin; ``HANGAR_PORT_PATH_SANDBOX=0`` opts out):
+``hangar.api.proxy.origin``. Serve web apps that need an origin of their own
+on host-routed URLs (``HANGAR_DOMAIN``), where each port is one. See
+docs/security.md.
 """
 
 from __future__ import annotations

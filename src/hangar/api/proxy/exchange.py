@@ -3,6 +3,8 @@ key or token), the tunnel to the guest's port, and Hangar's own answers (``Refus
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -45,6 +47,42 @@ class Exchange:
         self.query, self.query_token = split_query(scope)
         self.cookie, self.cookie_token = split_cookies(scope)
         self.new_cookie: tuple[bytes, bytes] | None = None
+        self._drop: frozenset[bytes] | None = None
+
+    @property
+    def drop(self) -> frozenset[bytes]:
+        """Headers of this request never passed to the guest beyond ``DROP_FROM_CLIENT``:
+        ``Authorization`` (and ``Proxy-Authorization``, hop-by-hop anyway) when it carries
+        a credential of Hangar's (``hangar_credential``)."""
+        if self._drop is None:
+            auth = header(self.scope, b"authorization")
+            self._drop = frozenset({b"authorization"}) \
+                if auth is not None and self.hangar_credential(auth) else frozenset()
+        return self._drop
+
+    def hangar_credential(self, value: bytes) -> bool:
+        """Whether an ``Authorization`` value carries a credential of Hangar's: an API key
+        its key ring accepts, the target sandbox's E2B access or traffic token, or the
+        port token of this request, as a ``Bearer`` token, a ``Basic`` user or password,
+        or the bare value."""
+        text = value.decode("latin-1").strip()
+        scheme, _, rest = text.partition(" ")
+        candidates = {text, rest.strip()}
+        if scheme.lower() == "basic":
+            try:
+                user, _, password = base64.b64decode(rest.strip(), validate=True) \
+                    .decode("latin-1").partition(":")
+                candidates |= {user, password}
+            except (binascii.Error, ValueError):
+                pass
+        candidates.discard("")
+        t = self.target
+        known = {self.query_token, self.cookie_token,
+                 e2b.access_token(self.m, t.sandbox_id), e2b.traffic_token(self.m, t.sandbox_id)}
+        if candidates & {k for k in known if k}:
+            return True
+        ring = getattr(self.state, "keys", None)
+        return ring is not None and any(ring.match(c) is not None for c in candidates)
 
     def admit(self) -> Exposure:
         """The exposure, once the request may use it. Raises ``Refused``."""
@@ -83,10 +121,15 @@ class Exchange:
         """A port nobody exposed, reached by its host name: open when the sandbox was made
         through E2B's API (``hangar.core.e2b.url_exposure``). Raises ``Refused``."""
         t = self.target
-        token = header(self.scope, b"e2b-traffic-access-token")
+        traffic = header(self.scope, b"e2b-traffic-access-token")
+        access = header(self.scope, b"x-access-token")
         try:
-            found = (e2b.url_exposure(self.m, t.sandbox_id, t.port, token.decode("latin-1")
-                                      if token else None) if t.prefix is None else None)
+            found = (e2b.url_exposure(
+                self.m, t.sandbox_id, t.port,
+                traffic.decode("latin-1") if traffic else None,
+                access.decode("latin-1") if access else None,
+                str(self.scope.get("method", "GET")), t.path.decode("latin-1"))
+                if t.prefix is None else None)
         except HangarError as exc:
             raise Refused.of(exc) from None
         if found is None:

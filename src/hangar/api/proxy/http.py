@@ -11,6 +11,7 @@ from typing import Any
 import h11
 
 from hangar.api.proxy.exchange import Exchange, Refused
+from hangar.api.proxy.origin import filter_headers
 from hangar.api.proxy.routing import HOP_BY_HOP, connection_tokens, guest_headers, header
 from hangar.core.service import Tunnel, race
 from hangar.errors import HangarError
@@ -45,7 +46,7 @@ class HttpExchange(Exchange):
 
     async def _exchange(self, tunnel: Tunnel) -> None:
         conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
-        headers = guest_headers(self.scope, self.target, self.cookie)
+        headers = guest_headers(self.scope, self.target, self.cookie, self.drop)
         length = header(self.scope, b"content-length")
         chunked = b"chunked" in (header(self.scope, b"transfer-encoding") or b"").lower()
         if chunked:
@@ -147,6 +148,7 @@ class HttpExchange(Exchange):
                     and not v.startswith(b"//"):
                 v = prefix.encode() + v
             out.append((k, v))
+        out = filter_headers(out, self.target, self.m.settings.port_path_sandbox)
         if self.new_cookie is not None:
             out.append(self.new_cookie)
         return out

@@ -37,8 +37,12 @@ PATH_RE = re.compile(rb"^/sandboxes/([^/]{1,256})/ports/([0-9]{1,5})(/[^?#]*)$")
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
                         b"proxy-authorization", b"proxy-connection", b"te", b"trailer",
                         b"transfer-encoding", b"upgrade"})
-DROP_FROM_CLIENT = HOP_BY_HOP | {
-    b"x-api-key", b"expect", b"host", b"cookie", b"content-length", b"forwarded",
+CREDENTIAL_HEADERS = frozenset({b"x-api-key", b"x-access-token", b"e2b-traffic-access-token"})
+"""Headers that carry Hangar's credentials (its key; E2B's envd access and traffic tokens):
+never passed to a guest. ``Authorization`` is dropped too when it carries one of them
+(``hangar.api.proxy.exchange.Exchange.drop``)."""
+DROP_FROM_CLIENT = HOP_BY_HOP | CREDENTIAL_HEADERS | {
+    b"expect", b"host", b"cookie", b"content-length", b"forwarded",
     b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"x-forwarded-port",
     b"x-forwarded-prefix",
     # the WebSocket handshake's own headers are made anew for the guest's leg
@@ -137,9 +141,11 @@ def connection_tokens(headers: Any) -> set[bytes]:
     return out
 
 
-def guest_headers(scope: Scope, target: Target, cookie: bytes | None) -> list[tuple[bytes, bytes]]:
-    """The client's headers as the guest gets them (see the module docstring); no framing."""
-    drop = DROP_FROM_CLIENT | connection_tokens(scope.get("headers", ()))
+def guest_headers(scope: Scope, target: Target, cookie: bytes | None,
+                  also_drop: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:
+    """The client's headers as the guest gets them (see the module docstring), without
+    ``also_drop`` (lower-case names); no framing."""
+    drop = DROP_FROM_CLIENT | also_drop | connection_tokens(scope.get("headers", ()))
     out = [(bytes(k), bytes(v)) for k, v in scope.get("headers", ()) if k not in drop]
     host = header(scope, b"host") or b"localhost"
     client = scope.get("client")

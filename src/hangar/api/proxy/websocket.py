@@ -16,6 +16,7 @@ from websockets.protocol import State as WsState
 from websockets.uri import WebSocketURI
 
 from hangar.api.proxy.exchange import Exchange, Refused
+from hangar.api.proxy.origin import filter_headers
 from hangar.api.proxy.routing import HOP_BY_HOP, guest_headers, header
 from hangar.core.service import Tunnel, race
 from hangar.errors import HangarError
@@ -69,7 +70,7 @@ class WebSocketExchange(Exchange):
         del request.headers["Host"]
         if "Origin" in request.headers:
             del request.headers["Origin"]
-        for k, v in guest_headers(self.scope, t, self.cookie):
+        for k, v in guest_headers(self.scope, t, self.cookie, self.drop):
             request.headers[k.decode("latin-1")] = v.decode("latin-1")
         proto.send_request(request)
         await self._flush(proto, tunnel)
@@ -95,9 +96,10 @@ class WebSocketExchange(Exchange):
                 raise Refused(502, "bad_gateway", f"port {t.port} of sandbox {t.sandbox_id} "
                               f"refused the WebSocket handshake: {proto.handshake_exc}",
                               sandbox_id=t.sandbox_id, port=t.port)
-            headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
-                       for k, v in response.headers.raw_items()
-                       if k.lower().encode("latin-1") not in HOP_BY_HOP]
+            headers = filter_headers([(k.lower().encode("latin-1"), v.encode("latin-1"))
+                                      for k, v in response.headers.raw_items()
+                                      if k.lower().encode("latin-1") not in HOP_BY_HOP],
+                                     t, self.m.settings.port_path_sandbox)
             await self._deny(response.status_code, headers, bytes(response.body or b""))
             return
         accept: Message = {"type": "websocket.accept",
