@@ -35,7 +35,8 @@ from hangar.core.context import Context
 from hangar.core.lifecycle import State
 from hangar.core.network import NetworkRules
 from hangar.core.registry import Runtime
-from hangar.core.secret_proxy import SecretProxies, install_ca_meta, make_ca
+from hangar.core.secret_ca import install_ca_meta, make_ca
+from hangar.core.secret_proxy import SecretProxies
 from hangar.core.secrets import Vault, default_key_file
 from hangar.core.startup import needs_start, run_template
 from hangar.core.templates import TemplateSnapshots, nic_of

@@ -29,7 +29,6 @@ over at start (its command line names this data directory's proxies folder).
 from __future__ import annotations
 
 import asyncio
-import datetime
 import ipaddress
 import json
 import logging
@@ -44,15 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
-from cryptography.x509.oid import NameOID
 
 from hangar.core.context import Context
 from hangar.core.lifecycle import State
-from hangar.core.secrets import CA_FILE, SYSTEM_BUNDLE, Vault
-from hangar.engines.agent_client import exec_meta
+from hangar.core.secrets import Vault
 from hangar.errors import ConfigError, EngineError
 from hangar.log import redact
 from hangar.net.egress import Coalescer
@@ -81,55 +75,6 @@ _CGROUP_NOTE: str | None = None
 def default_mitmdump() -> Path:
     """``.venv-proxy/bin/mitmdump`` beside the server's virtual environment."""
     return Path(sys.prefix).parent / ".venv-proxy" / "bin" / "mitmdump"
-
-
-def make_ca(sandbox_id: str) -> tuple[str, bytes]:
-    """A new certificate authority for one sandbox's proxy: (certificate PEM, key PEM).
-    RSA 2048, valid from a day ago for ten years, may sign only end certificates."""
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Hangar"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, f"Hangar sandbox {sandbox_id}")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=3650))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True,
-                                         crl_sign=True, content_commitment=False,
-                                         key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False,
-                                         decipher_only=False), critical=True)
-            .add_extension(ski, critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski),
-                           critical=False)
-            .sign(key, hashes.SHA256()))
-    key_pem = key.private_bytes(serialization.Encoding.PEM,
-                                serialization.PrivateFormat.TraditionalOpenSSL,
-                                serialization.NoEncryption())
-    return cert.public_bytes(serialization.Encoding.PEM).decode(), key_pem
-
-
-INSTALL_CA = r"""
-set -e
-mkdir -p "$(dirname "$CA_FILE")"
-printf '%s' "$CERT" > "$CA_FILE.tmp" && mv "$CA_FILE.tmp" "$CA_FILE"
-mkdir -p "$(dirname "$BUNDLE")"
-if ! grep -qF "$MARK" "$BUNDLE" 2>/dev/null; then
-  { cat "$BUNDLE" 2>/dev/null || true; printf '%s\n' "$CERT"; } > "$BUNDLE.tmp"
-  mv "$BUNDLE.tmp" "$BUNDLE"
-fi
-"""
-
-
-def install_ca_meta(cert_pem: str) -> dict[str, Any]:
-    """The guest exec that writes ``cert_pem`` to ``CA_FILE`` and appends it to the system
-    bundle once (a restored guest that has it already is left as it is)."""
-    mark = cert_pem.strip().splitlines()[1]  # the certificate's first base64 line
-    return exec_meta(argv=["/bin/sh", "-c", INSTALL_CA], timeout=30,
-                     env={"CERT": cert_pem, "CA_FILE": CA_FILE, "BUNDLE": SYSTEM_BUNDLE,
-                          "MARK": mark})
 
 
 def free_port(host: str) -> int:
