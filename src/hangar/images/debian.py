@@ -80,8 +80,7 @@ def debootstrap(recipe: Recipe, rootdir: Path, mirror: str | None, cache: Path,
         scratch = rootdir.with_name(rootdir.name + ".download")
         try:
             with flock(lock):
-                run("debootstrap --download-only",
-                    [*argv, "--download-only", recipe.suite, scratch, *tail],
+                run("debootstrap", [*argv, "--download-only", recipe.suite, scratch, *tail],
                     progress=say, echo=echo, timeout=3600)
         finally:
             remove_tree(scratch)
