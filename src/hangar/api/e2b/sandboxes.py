@@ -8,7 +8,9 @@ into E2B's body (``hangar.api.e2b.views``). How E2B's words map:
   snapshot; ``envVars`` become the default environment of envd's processes,
   ``autoPause`` makes the end of the time to live a pause instead of a
   removal; ``secure`` is accepted and every sandbox is secured (an envd
-  access token in every answer).
+  access token in every answer). E2B's default user, ``user`` with home
+  ``/home/user`` and passwordless sudo, is made in the guest before the answer
+  (``hangar.core.e2b.add_user``): envd's calls run as it unless they name root.
 - **pause** is core's ``pause`` (a sleep: memory, devices and disk saved, the
   VMM ended, and the clock stopped in the same move: no time limit). **connect**
   and **resume** are core's ``connect``: it wakes a paused one (``201``) with
@@ -84,7 +86,8 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
     network = views.policy(body.allow_internet_access, body.network)
     opts = e2b.Options(template=source.asked, envs=dict(body.envVars or {}),
                        public_traffic=body.network is None
-                       or body.network.allowPublicTraffic is not False)
+                       or body.network.allowPublicTraffic is not False,
+                       user=e2b.DEFAULT_USER)
     fields: Any = {**e2b.with_options(dict(body.metadata or {}), opts),
                    "on_expiry": OnExpiry.SLEEP if body.autoPause else OnExpiry.DELETE,
                    "auto_resume": bool(body.autoResume and body.autoResume.enabled)}
@@ -101,7 +104,12 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
         volumes = {v.path: v.name for v in body.volumeMounts or ()} or None  # read-write
         rec = await m.create(CreateOptions(image=source.name, timeout_s=body.timeout,
                                            network=network, volumes=volumes, **fields))
-    return views.created(m, rec)
+    try:
+        await e2b.add_user(m, rec.id)  # E2B's default user, ``user`` (idempotent)
+    except BaseException:
+        await m.delete(rec.id)
+        raise
+    return views.created(m, m.get(rec.id))
 
 
 @router.post("/sandboxes", status_code=201, response_model=Sandbox)

@@ -75,18 +75,18 @@ def events_of(root: str, batch: list[FileEvent]) -> list[Any]:
     return out
 
 
-def _check(req: Any) -> str:
+def _check(req: Any, home: str) -> str:
     if not req.path:
         raise RpcError("invalid_argument", "path is empty")
     if req.include_entry:
         raise RpcError("unimplemented", "include_entry is not served (envd 0.5.7)")
-    return absolute(req.path)
+    return absolute(req.path, home)
 
 
 async def watch_dir(req: Any, call: Call) -> AsyncIterator[Message]:
     env = call.context
-    root = _check(req)
-    gen = env.manager.files.watch(env.sandbox_id, req.path, bool(req.recursive))
+    root = _check(req, env.home)
+    gen = env.manager.files.watch(env.sandbox_id, root, bool(req.recursive))
     try:
         async for batch in gen:
             if not batch:
@@ -189,9 +189,9 @@ class Watchers:
 
 async def create_watcher(req: Any, call: Call) -> Message:
     env = call.context
-    root = _check(req)
+    root = _check(req, env.home)
     try:
-        w = await env.watchers.create(env.manager, env.sandbox_id, req.path, root,
+        w = await env.watchers.create(env.manager, env.sandbox_id, root, root,
                                       bool(req.recursive))
     except HangarError as exc:
         raise rpc_error(exc) from None

@@ -42,8 +42,8 @@ from hangar.api.envd.connect import RpcError
 from hangar.api.envd.tokens import signature_ok, token_ok
 from hangar.api.envd.versions import ENVD_PORT, PREFIX
 from hangar.api.envd.fs_watch import Watchers
-from hangar.core.service import SandboxManager
-from hangar.errors import Gone, HangarError, NotFound
+from hangar.core.service import SandboxManager, e2b
+from hangar.errors import Gone, HangarError, NotFound, Unauthorized
 from hangar.schemas.bounds import PORT_MAX, PORT_MIN
 
 RPC_RE = re.compile(r"^/((?:process\.Process|filesystem\.Filesystem)/[A-Za-z]+)$")
@@ -51,18 +51,22 @@ METHODS: dict[str, connect.Method] = {
     **process_run.METHODS, **process_io.METHODS, **fs_entries.METHODS, **fs_watch.METHODS,
 }
 """Every RPC served, by ``<package>.<Service>/<Method>``."""
-ROOT_USERS = ("", "root")
-"""The users a call may name: Hangar's guests run commands and own files as root."""
 
 
 @dataclass
 class Envd:
-    """What a handler gets as ``Call.context``."""
+    """What a handler gets as ``Call.context``: ``user`` is the user the call runs as
+    (``root``, or E2B's default user ``user``: ``hangar.core.e2b.user_of``)."""
 
     manager: SandboxManager
     sandbox_id: str
     user: str
     watchers: Watchers
+
+    @property
+    def home(self) -> str:
+        """Where the call's relative paths start: its user's home."""
+        return e2b.home(self.user)
 
 
 class Refusal(Exception):
@@ -73,8 +77,10 @@ class Refusal(Exception):
         self.status, self.code, self.message = status, code, message
 
 
-def _user(headers: dict[str, str], query_user: str | None) -> str:
-    """The user a call names (Basic auth ``user:``, or ``username=``); root only."""
+def _user(manager: SandboxManager, sandbox_id: str, headers: dict[str, str],
+          query_user: str | None) -> str:
+    """The user a call runs as: the one it names (Basic auth ``user:``, or ``username=``),
+    else the sandbox's default (``hangar.core.e2b.user_of``); an unknown one is a 401."""
     user = query_user or ""
     auth = headers.get("authorization", "")
     if auth.lower().startswith("basic "):
@@ -83,11 +89,13 @@ def _user(headers: dict[str, str], query_user: str | None) -> str:
         except (binascii.Error, UnicodeDecodeError):
             raise Refusal(400, "invalid_argument", "the Authorization header is not Basic "
                                                    "base64 of 'user:'") from None
-    if user not in ROOT_USERS:
-        raise Refusal(401, "unauthenticated",
-                      f"user {user[:64]!r} is not served: Hangar's guests run commands and own "
-                      "files as root; name no user, or 'root'")
-    return user
+    try:
+        return e2b.user_of(manager, sandbox_id, user)
+    except Unauthorized as exc:
+        raise Refusal(401, "unauthenticated", exc.message) from None
+    except (NotFound, Gone):
+        raise Refusal(502, "unavailable",
+                      f"The sandbox {sandbox_id[:64]} was not found") from None
 
 
 def watchers_of(app_state: Any) -> Watchers:
@@ -134,7 +142,8 @@ class EnvdGateway:
                 return
             if scope["type"] != "http":
                 raise Refusal(404, "not_found", "envd serves no WebSocket")
-            envd = Envd(manager, sandbox_id, _user(headers, query.get("username")),
+            envd = Envd(manager, sandbox_id, _user(manager, sandbox_id, headers,
+                                                   query.get("username")),
                         watchers_of(state))
             if m is not None:
                 await self._rpc(m.group(1), scope, headers, envd, receive, send)

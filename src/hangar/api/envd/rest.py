@@ -3,14 +3,14 @@ ones refused.
 
 ==========================  ===============================================================
 ``GET /health``             204 (the gateway found the sandbox)
-``GET /files``              the file at ``path`` (relative: from the guest's home), as
+``GET /files``              the file at ``path`` (relative: from the user's home), as
                             ``application/octet-stream``, streamed; 404 none, 400 a folder
 ``POST /files``             ``multipart/form-data`` (each ``file`` part's filename is its
                             path, or the ``path`` parameter for a single part) or
                             ``application/octet-stream`` (``path`` needed; ``Content-Encoding:
                             gzip`` read); parent folders made; answers
                             ``[{"name", "type": "file", "path"}]``
-``GET /envs``               the environment a command gets: the guest's, and those the
+``GET /envs``               the environment a command of the call's user gets: the guest's, those the
                             sandbox's E2B create named (a JSON object)
 ``GET /metrics``            CPU count and use, memory and disk, read in the guest
 ``/init``, ``/freeze``,     403: E2B's orchestrator's own, never served from outside
@@ -35,9 +35,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
+from hangar.api.envd import fs_entries
+from hangar.api.envd.connect import RpcError
 from hangar.api.envd.fs_entries import absolute
 from hangar.core.service import Command, e2b
-from hangar.errors import DiskFull, HangarError, InvalidRequest
+from hangar.errors import DiskFull, HangarError, InvalidRequest, NotFound
 
 INTERNAL = ("/init", "/freeze", "/unfreeze", "/fsfreeze", "/fsthaw", "/collapse")
 MAX_FILES = 1000
@@ -90,6 +92,9 @@ async def serve(scope: Scope, receive: Receive, send: Send, path: str, query: di
         await handler(scope, receive, send, query, headers, envd)
     except HangarError as exc:
         await error(send, _status(exc), exc.message)
+    except RpcError as exc:
+        await error(send, {"not_found": 404, "permission_denied": 403}.get(exc.code, 400),
+                    exc.message)
 
 
 async def _health(scope: Scope, receive: Receive, send: Send, query: dict[str, str],
@@ -107,11 +112,11 @@ def _need_path(query: dict[str, str]) -> str:
 
 async def _download(scope: Scope, receive: Receive, send: Send, query: dict[str, str],
                     headers: dict[str, str], envd: Any) -> None:
-    path = _need_path(query)
+    path = absolute(_need_path(query), envd.home)
     chunks = envd.manager.files.read(envd.sandbox_id, path)
     try:
         first = await anext(chunks, b"")  # errors (no such file) before the answer starts
-        name = posixpath.basename(absolute(path)).replace('"', "")
+        name = posixpath.basename(path).replace('"', "")
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/octet-stream"),
             (b"content-disposition", f'inline; filename="{name}"'.encode("latin-1", "replace"))]})
@@ -153,8 +158,11 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
     if encoding not in ("", "identity", "gzip"):
         raise InvalidRequest(f"Content-Encoding {encoding[:32]} is not served: gzip or none")
     if ctype == "application/octet-stream":
-        r = await envd.manager.files.write(envd.sandbox_id, _need_path(query),
+        path = absolute(_need_path(query), envd.home)
+        await _folder(envd, path)
+        r = await envd.manager.files.write(envd.sandbox_id, path,
                                            _body(receive, encoding == "gzip"))
+        await e2b.give(envd.manager, envd.sandbox_id, [r.path], envd.user)
         await _json(send, 200, [_written(r)])
         return
     if ctype != "multipart/form-data":
@@ -172,11 +180,26 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
             if not target:
                 raise InvalidRequest("a file part has no filename and no path parameter names "
                                      "its path")
+            target = absolute(target, envd.home)
+            await _folder(envd, target)
             out.append(_written(await envd.manager.files.write(
                 envd.sandbox_id, target, _read(part))))
+        await e2b.give(envd.manager, envd.sandbox_id, [w["path"] for w in out], envd.user)
         await _json(send, 200, out)
     finally:
         await form.close()
+
+
+async def _folder(envd: Any, path: str) -> None:
+    """Make the folders above ``path`` (absolute) as the call's user when they are missing,
+    so that they are its own (the write itself makes them as root). Raises RpcError."""
+    if envd.user == e2b.ROOT:
+        return
+    parent = posixpath.dirname(path)
+    try:
+        await envd.manager.files.stat(envd.sandbox_id, parent)
+    except NotFound:
+        await fs_entries.as_user(envd, ["mkdir", "-p", "--", parent], f"cannot make {parent}")
 
 
 async def _read(part: Any) -> AsyncIterator[bytes]:
@@ -187,8 +210,8 @@ async def _read(part: Any) -> AsyncIterator[bytes]:
 
 async def _envs(scope: Scope, receive: Receive, send: Send, query: dict[str, str],
                 headers: dict[str, str], envd: Any) -> None:
-    r = await envd.manager.exec(envd.sandbox_id, Command(command="env", args=["-0"],
-                                                         timeout_s=30))
+    r = await envd.manager.exec(envd.sandbox_id, e2b.as_user(
+        Command(command="env", args=["-0"], timeout_s=30), envd.user))
     out = {}
     for item in r.stdout.head.split(b"\0"):
         k, sep, v = item.decode(errors="replace").partition("=")
