@@ -79,9 +79,8 @@ EOF
   fi
   # VMMs the server left behind: only those of this run's data directory.
   for p in /proc/[0-9]*; do
-    if tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -qE "^[^ ]*(qemu-system|firecracker)[^ ]* .*$DATA"; then
-      kill -KILL "${p#/proc/}" 2>/dev/null
-    fi
+    { tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null \
+      | grep -qE "^[^ ]*(qemu-system|firecracker)[^ ]* .*$DATA" && kill -KILL "${p#/proc/}" 2>/dev/null
   done
   rm -rf "$DATA"
 }

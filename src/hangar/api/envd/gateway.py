@@ -5,7 +5,9 @@ Flow of a request to ``/e2b/envd/<rest>``::
     E2b-Sandbox-Id: <id>        required: which sandbox (Hangar's id as is)
     E2b-Sandbox-Port: <port>    49983 (envd, the default) or a guest port
         │ no sandbox, or one that is gone → 502 "... was not found" (the SDK's
-        │   SandboxNotRunningException), as E2B's proxy answers
+        │   SandboxNotRunningException), as E2B's proxy answers; a paused one made
+        │   without auto_resume → 502 too (``is_running()`` is False; connect wakes it),
+        │   one made with it is woken by the call
         │ X-Access-Token | X-API-Key | a /files signature, else 401 (before any body
         │   is read; ``hangar.api.envd.tokens``)
         ├── port ≠ 49983 → the guest's port (``hangar.api.envd.ports``)
@@ -30,6 +32,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
@@ -39,10 +42,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hangar.api.auth import authenticate
 from hangar.api.envd import connect, fs_entries, fs_watch, ports, process_io, process_run, rest
 from hangar.api.envd.connect import RpcError
-from hangar.api.envd.tokens import signature_ok, token_ok
+from hangar.api.envd.tokens import EXPIRED, signature_ok, token_ok
 from hangar.api.envd.versions import ENVD_PORT, PREFIX
 from hangar.api.envd.fs_watch import Watchers
-from hangar.core.service import SandboxManager, e2b
+from hangar.core.service import Face, SandboxManager, e2b, public_name
 from hangar.errors import Gone, HangarError, NotFound, Unauthorized
 from hangar.schemas.bounds import PORT_MAX, PORT_MIN
 
@@ -163,6 +166,9 @@ class EnvdGateway:
         SDK's ``download_url``/``upload_url`` under ``E2B_SANDBOX_URL`` drop the prefix and
         name no sandbox, so the signature, which binds the sandbox's token, names it)."""
         op = "read" if scope.get("method") == "GET" else "write"
+        exp = query.get("signature_expiration", "")
+        if exp.isascii() and exp.isdigit() and len(exp) <= 12 and int(exp) < time.time():
+            raise Refusal(401, "unauthenticated", EXPIRED)  # whichever sandbox signed it
         for rec in manager.list():
             if signature_ok(manager, rec.id, query.get("signature", ""), query.get("path", ""),
                             op, query.get("username", ""),
@@ -184,10 +190,14 @@ class EnvdGateway:
             raise Refusal(400, "invalid_argument", f"E2b-Sandbox-Port {raw_port[:16]!r} is not "
                                                    f"a port ({PORT_MIN}..{PORT_MAX})")
         try:
-            manager.get(sandbox_id)
+            rec = manager.get(sandbox_id)
         except (NotFound, Gone):
             raise Refusal(502, "unavailable",
                           f"The sandbox {sandbox_id[:64]} was not found") from None
+        if public_name(rec.state, Face.E2B) == "paused" and not rec.auto_resume:
+            raise Refusal(502, "unavailable",
+                          f"The sandbox {sandbox_id} is paused: connect to it to resume it "
+                          "(it was created without auto_resume)")
         return sandbox_id, int(raw_port)
 
     @staticmethod
