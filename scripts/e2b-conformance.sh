@@ -110,6 +110,7 @@ rc=0
 if [ "${E2B_CONFORMANCE_KEEP_LOG:-}" ]; then
   cp "$DATA/server.log" "$E2B_CONFORMANCE_KEEP_LOG"
 fi
+[ -f "$REPORT" ] || { echo "pytest wrote no report (exit $rc)" >&2; exit 1; }
 "$HANGAR_PYTHON" - "$REPORT" "$SDK_VERSION" "$SDK_DIR" <<'EOF'
 import json, os, subprocess, sys, xml.etree.ElementTree as ET
 report, version, sdk_dir = sys.argv[1:4]

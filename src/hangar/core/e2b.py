@@ -189,34 +189,33 @@ fi
 exec {SUDO_HELPER} --reuid=0 --regid=0 --init-groups -- "$@"
 """
 
-USER_SETUP = f"""set -e
-u={DEFAULT_USER}
+USER_SETUP = f"""u={DEFAULT_USER}
 command -v {SETPRIV} >/dev/null || {{ echo "no {SETPRIV} in the image" >&2; exit 3; }}
-if ! id -u $u >/dev/null 2>&1; then
+known=
+while IFS=: read -r name _; do [ "$name" = $u ] && known=1; done < /etc/passwd
+if [ -z "$known" ]; then
   sh=/bin/sh; [ -x /bin/bash ] && sh=/bin/bash
-  if command -v useradd >/dev/null; then
-    useradd --create-home --user-group --shell $sh $u
-  else
-    echo "$u:x:1000:1000::/home/$u:$sh" >> /etc/passwd
-    echo "$u:x:1000:" >> /etc/group
-    mkdir -p /home/$u; cp -a /etc/skel/. /home/$u/ 2>/dev/null || true
-    chown -R 1000:1000 /home/$u
-  fi
+  echo "$u:x:1000:1000::/home/$u:$sh" >> /etc/passwd
+  echo "$u:x:1000:" >> /etc/group
+  [ -f /etc/shadow ] && echo "$u:!:20000:0:99999:7:::" >> /etc/shadow
+  [ -f /etc/gshadow ] && echo "$u:!::" >> /etc/gshadow
+  install -d -o 1000 -g 1000 -m 0755 /home/$u || exit 1
+  skel=
+  for f in /etc/skel/.[!.]* /etc/skel/*; do [ -f "$f" ] && skel="$skel $f"; done
+  [ -z "$skel" ] || install -o 1000 -g 1000 -m 0644 $skel /home/$u/ || exit 1
 fi
-if command -v sudo >/dev/null && [ -d /etc/sudoers.d ]; then
-  echo "$u ALL=(ALL:ALL) NOPASSWD: ALL" > /etc/sudoers.d/90-hangar-$u
-  chmod 0440 /etc/sudoers.d/90-hangar-$u
-elif ! command -v sudo >/dev/null; then
-  mkdir -p {SUDO_HELPER.rsplit("/", 1)[0]}
-  cp "$(command -v {SETPRIV})" {SUDO_HELPER}
-  chown root:$u {SUDO_HELPER}; chmod 4750 {SUDO_HELPER}
-  cat > /usr/local/bin/sudo <<'SHIM'
+if command -v sudo >/dev/null; then
+  [ -d /etc/sudoers.d ] && echo "$u ALL=(ALL:ALL) NOPASSWD: ALL" > /etc/sudoers.d/90-hangar-$u
+else
+  install -D -o 0 -g 1000 -m 4750 "$(command -v {SETPRIV})" {SUDO_HELPER} || exit 1
+  cat > /usr/local/bin/sudo <<'SHIM' && chmod 0755 /usr/local/bin/sudo || exit 1
 {SUDO_SHIM}SHIM
-  chmod 0755 /usr/local/bin/sudo
 fi
+exit 0
 """
-"""Run as root in a new sandbox made through ``/e2b`` (idempotent): the default user with
-its group and home (``useradd``, or ``/etc/passwd`` written directly without it), and
+"""Run as root in a new sandbox made through ``/e2b`` (idempotent): the default user (uid and
+gid 1000) with its group and home (written into ``/etc/passwd`` and its siblings by the
+shell itself, with ``/etc/skel``'s files: few processes, each costly under emulation), and
 passwordless ``sudo`` (a sudoers entry, or the ``SUDO_SHIM`` where the image has none).
 Exits 3 when the image has no ``setpriv``, without which commands cannot run as it."""
 

@@ -364,7 +364,10 @@ async def fork(sandbox_id: str, m: Manager, body: ForkRequest | None = None) -> 
 async def metrics(sandbox_id: str, m: Manager, start: Annotated[int | None, Query(ge=0)] = None,
                   end: Annotated[int | None, Query(ge=0)] = None) -> list[SandboxMetric]:
     """The sandbox's CPU, memory and disk now, as a list of one sample (``[]`` when it is
-    paused). ``start`` and ``end`` are accepted; Hangar keeps no history."""
-    views.shown(m, sandbox_id)
+    paused, or ``[]`` for a range that ``end``s before the sandbox was made). Hangar keeps
+    no history: ``start`` changes nothing."""
+    rec = views.shown(m, sandbox_id)
+    if end is not None and end < int(rec.created_at):
+        return []  # a range that ended before the sandbox existed
     sample = await e2b.metrics(m, sandbox_id)
     return [views.metric(sample)] if sample is not None else []
