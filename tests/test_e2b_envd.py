@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 from e2b import (AsyncSandbox, AuthenticationException, CommandExitException, ConnectionConfig,
-                 FileNotFoundException, FileType, FilesystemEventType, PtySize, Sandbox,
-                 TimeoutException)
+                 FileNotFoundException, FileType, FilesystemEventType, InvalidArgumentException,
+                 PtySize, Sandbox, TimeoutException)
 from e2b.envd.filesystem import filesystem_pb
 from e2b.envd.process import process_pb
 from packaging.version import Version
@@ -297,9 +297,11 @@ def test_watch_dir_sees_a_write(env: Env) -> None:
         handle.stop()
     # A removed watcher holds nothing: the sandbox pauses at once (its watch's pending
     # step once outlived the removal and kept the sandbox busy, so every pause was a 503),
-    # and a connect resumes it for the tests that follow.
+    # and a connect resumes it for the tests that follow. Made without auto_resume, it is
+    # not woken by envd's calls meanwhile (E2B's proxy answers them 502).
     assert sbx.pause() is True
-    assert env.sandbox().is_running()
+    assert sbx.is_running() is False
+    assert env.sandbox().is_running() is True
 
 
 # -- terminals ----------------------------------------------------------------------------
@@ -503,3 +505,30 @@ def test_symlink_info_and_removing_a_missing_path(env: Env) -> None:
     sbx.files.remove("links")
     sbx.files.remove("links")  # no longer there: no error
     assert sbx.files.exists("links") is False
+
+
+def test_watch_sees_a_write_at_the_next_poll_and_refuses_a_file(env: Env) -> None:
+    """A poll right after a write in the watched folder holds its WRITE (E2B's envd has it
+    before the write answers); watching a file is refused."""
+    sbx = env.sandbox()
+    sbx.files.write("polled/seen.txt", "one")
+    handle = sbx.files.watch_dir("polled")
+    try:
+        sbx.files.write("polled/seen.txt", "two")
+        events = {(e.name, e.type) for e in handle.get_new_events()}
+        assert ("seen.txt", FilesystemEventType.WRITE) in events, events
+    finally:
+        handle.stop()
+    with pytest.raises(InvalidArgumentException):
+        sbx.files.watch_dir("polled/seen.txt")
+    sbx.files.remove("polled")
+
+
+def test_an_expired_signed_url_gets_e2bs_answer(env: Env) -> None:
+    sbx = env.sandbox()
+    sbx.files.write("expiring.txt", "x")
+    url = sbx.download_url("expiring.txt", use_signature_expiration=-120)
+    with httpx.Client(timeout=60) as c:
+        r = c.get(url)
+    assert (r.status_code, r.json()) == (401, {"code": 401,
+                                               "message": "signature is already expired"})

@@ -74,7 +74,8 @@ def _check_create(body: NewSandbox) -> None:
         raise InvalidRequest("autoPause: a sandbox with volumeMounts cannot pause (volumes are "
                              "left out of snapshots)", field="autoPause")
     if body.mcp:
-        raise InvalidRequest("mcp: Hangar does not start E2B's MCP gateway", field="mcp")
+        raise InvalidRequest("mcp: Failed to start MCP gateway: Hangar does not start E2B's "
+                             "MCP gateway (no sandbox was made)", field="mcp")
     if body.iam and body.iam.get("tokens"):
         raise InvalidRequest("iam: Hangar has no workload identity tokens", field="iam")
     # metadata and envVars are bounded by the model (``hangar.schemas.bounds``)
