@@ -63,7 +63,7 @@ log = logging.getLogger("hangar.e2b")
 __all__ = ["DEFAULT_USER", "ENVD_VERSION", "KEY", "ROOT", "Metric", "Options", "Owner",
            "Source", "TemplateInfo", "access_token", "add_user", "as_user", "check_access_token",
            "envs", "give", "home", "metrics", "options", "owners", "resolve", "sandbox", "templates",
-           "url_exposure", "user_of", "with_options"]
+           "unwrapped", "url_exposure", "user_of", "with_options"]
 
 ENVD_VERSION = "0.5.7"
 """The envd version every sandbox reports. >= 0.3.0: the SDK sends ``stdin``; >= 0.4.0 it
@@ -279,6 +279,16 @@ def as_user(cmd: Command, user: str) -> Command:
                                           "--init-groups", "--", cmd.command, *cmd.args],
                    env=env, cwd=cmd.cwd or home(user), timeout_s=cmd.timeout_s,
                    head=cmd.head, tail=cmd.tail)
+
+
+def unwrapped(command: str, args: list[str]) -> tuple[str, list[str]]:
+    """The command and args a client asked for, of a process ``as_user`` started (what the
+    guest lists is ``setpriv``'s argv)."""
+    if command == SETPRIV and "--" in args and args and args[0].startswith("--reuid="):
+        rest = args[args.index("--") + 1:]
+        if rest:
+            return rest[0], rest[1:]
+    return command, args
 
 
 @dataclass(frozen=True)

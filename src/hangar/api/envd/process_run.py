@@ -123,8 +123,8 @@ async def list_processes(req: Any, call: Call) -> Message:
         if p.state != "running" or p.origin != "start":
             continue
         info = res.processes.add(pid=p.pid)
-        info.config.cmd = p.command
-        info.config.args.extend(p.args)
+        info.config.cmd, args = e2b.unwrapped(p.command, list(p.args))
+        info.config.args.extend(args)
         info.config.envs.update(p.env)
         info.config.cwd = p.cwd
         if p.tag is not None:
