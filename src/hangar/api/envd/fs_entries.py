@@ -12,7 +12,8 @@ dangles). Errors: no such path ``not_found`` (the SDK's
 user (what they make is its own). Move renames (the destination's folder
 must exist; an existing file there is replaced). Remove of a missing path
 succeeds, as E2B's does. ListDir goes ``depth`` levels down (0 and 1: the
-folder's own entries), at most ``MAX_ENTRIES`` entries.
+folder's own entries) and lists in a walk's order (each folder before its
+entries, names sorted), at most ``MAX_ENTRIES`` entries.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ async def list_dir(req: Any, call: Call) -> Message:
                 found.append(e)
                 if e.type == "dir" and level < depth:
                     todo.append((e.path, level + 1))
+        found.sort(key=lambda e: e.path.split("/"))  # a walk's order, as E2B's envd lists
         res = FS.ListDirResponse()
         res.entries.extend(await entry_infos(env, found))
     except HangarError as exc:
