@@ -486,6 +486,8 @@ def test_default_user_runs_commands_and_owns_what_envd_makes(env: Env) -> None:
     assert sbx.files.make_dir("owned/made") is True
     entries = {e.name: (e.owner, e.group) for e in sbx.files.list("owned")}
     assert entries == {"deep": ("user", "user"), "made": ("user", "user")}
+    assert [e.path for e in sbx.files.list("owned", depth=2)] == [  # a walk's order
+        "/home/user/owned/deep", "/home/user/owned/deep/a.txt", "/home/user/owned/made"]
     sbx.files.write("/root/by-root.txt", "r", user="root")
     st = sbx.files.get_info("by-root.txt", user="root")  # relative to root's home
     assert (st.path, st.owner, st.group) == ("/root/by-root.txt", "root", "root")
