@@ -106,10 +106,14 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
         rec = await m.create(CreateOptions(image=source.name, timeout_s=body.timeout,
                                            network=network, volumes=volumes, **fields))
     try:
+        if body.timeout:
+            m.set_timeout(rec.id, 0)  # no expiry while the user is made
         await e2b.add_user(m, rec.id)  # E2B's default user, ``user`` (idempotent)
     except BaseException:
         await m.delete(rec.id)
         raise
+    if body.timeout:
+        m.set_timeout(rec.id, body.timeout)  # its time to live starts once it is ready
     return views.created(m, m.get(rec.id))
 
 
