@@ -332,8 +332,9 @@ def test_e2b_code_interpreter_sdk(e2b_env: None, sb: Sandbox, waits: Waits,
         assert s.run_code("y").error.name == "NameError"
         assert s.run_code("y", context=ctx).text == "1"
         assert ctx.id in [c.id for c in s.list_code_contexts()]
-        s.files.write("/root/spare_state.py", SPARE_STATE)
-        wait_for_spare(lambda cmd: s.commands.run(cmd, timeout=120).stdout,
+        # as root: E2B's default user (``user``) cannot enter /root
+        s.files.write("/root/spare_state.py", SPARE_STATE, user="root")
+        wait_for_spare(lambda cmd: s.commands.run(cmd, timeout=120, user="root").stdout,
                        waits.vm(SPARE_BOOTS, floor=SPARE_FLOOR_S))
         s.restart_code_context(ctx)
         assert s.run_code("y", context=ctx).error.name == "NameError"

@@ -106,6 +106,25 @@ def test_a_route_hangar_does_not_serve_is_a_clear_501(server: Server, e2b_key: s
         assert httpx.get(server.url + "/e2b/health").status_code == 204
 
 
+def test_a_create_with_an_mcp_gateway_gets_e2bs_error_and_makes_nothing() -> None:
+    tag = uuid.uuid4().hex[:8]
+    with pytest.raises(SandboxException, match="^400: mcp: Failed to start MCP gateway"):
+        Sandbox.create("base", metadata={"suite": tag}, mcp={"invalid_server": {}})
+    assert Sandbox.list(query=SandboxQuery(metadata={"suite": tag})).next_items() == []
+
+
+def test_allow_internet_access_true_alone_is_the_servers_default() -> None:
+    """Older SDKs send ``allow_internet_access: true`` with every create: it asks nothing
+    (a create from a snapshot, which keeps the snapshot's policy, is then not refused)."""
+    from hangar.api.e2b import views
+    from hangar.api.e2b.models import NetworkConfig
+
+    assert views.policy(True, None) is None
+    assert views.policy(None, NetworkConfig()) is None
+    assert views.policy(False, None) == {"egress": "internet", "allow": [],
+                                         "deny": ["0.0.0.0/0"]}
+
+
 def test_templates_are_hangars_images_and_a_missing_one_is_a_404_naming_it(
         server: Server, e2b_key: str) -> None:
     with httpx.Client(base_url=server.url + "/e2b", headers={"X-API-Key": e2b_key}) as c:

@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 from e2b import (AsyncSandbox, AuthenticationException, CommandExitException, ConnectionConfig,
-                 FileNotFoundException, FileType, FilesystemEventType, PtySize, Sandbox,
-                 TimeoutException)
+                 FileNotFoundException, FileType, FilesystemEventType, InvalidArgumentException,
+                 PtySize, Sandbox, TimeoutException)
 from e2b.envd.filesystem import filesystem_pb
 from e2b.envd.process import process_pb
 from packaging.version import Version
@@ -107,10 +107,12 @@ def test_commands_run_sync(env: Env) -> None:
     assert sbx.commands.run("echo $GREETING", envs={"GREETING": "hi there"}).stdout == \
         "hi there\n"
     assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
-    assert sbx.commands.run("pwd").stdout == "/root\n"
+    assert sbx.commands.run("pwd").stdout == "/home/user\n"  # E2B's default user's home
+    assert sbx.commands.run("whoami").stdout == "user\n"
     assert sbx.commands.run("whoami", user="root").stdout == "root\n"
+    assert sbx.commands.run("pwd", user="root").stdout == "/root\n"
     with pytest.raises(AuthenticationException):
-        sbx.commands.run("whoami", user="user")  # Hangar's guests run commands as root
+        sbx.commands.run("whoami", user="nobody")  # root and E2B's user only
     with pytest.raises(CommandExitException) as info:
         sbx.commands.run("echo partial; exit 3")
     assert (info.value.exit_code, info.value.stdout) == (3, "partial\n")
@@ -128,19 +130,20 @@ def test_commands_run_in_a_light_login_shell(env: Env) -> None:
     (``hangar.images.recipes.LOGIN_PROFILE``) give it what a login shell gives, and
     start no ``id -u`` or ``mesg n`` process on the way."""
     sbx = env.sandbox()
-    r = sbx.commands.run('shopt -q login_shell && echo login; echo "$HOME $PATH"')
     root_path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    r = sbx.commands.run('shopt -q login_shell && echo login; echo "$HOME $PATH"', user="root")
     assert r.stdout == f"login\n/root {root_path}\n"
-    trace = sbx.commands.run("/bin/bash -lx -c true 2>&1").stdout
+    trace = sbx.commands.run("/bin/bash -lx -c true 2>&1", user="root").stdout
     assert ". /root/.bashrc" in trace and "id -u" not in trace and "mesg" not in trace, trace
-    sbx.files.write("/etc/profile.d/zz-hangar-test.sh", "export FROM_PROFILE_D=yes\n")
+    sbx.files.write("/etc/profile.d/zz-hangar-test.sh", "export FROM_PROFILE_D=yes\n",
+                    user="root")
     try:
         assert sbx.commands.run("echo $FROM_PROFILE_D").stdout == "yes\n"
     finally:
-        sbx.files.remove("/etc/profile.d/zz-hangar-test.sh")
+        sbx.files.remove("/etc/profile.d/zz-hangar-test.sh", user="root")
     # another user's login shell (dash or bash) still gets the user PATH
-    sbx.commands.run("id u1 >/dev/null 2>&1 || useradd -m u1")
-    user = sbx.commands.run("su - u1 -c 'id -u; echo $PATH'").stdout.split()
+    sbx.commands.run("id u1 >/dev/null 2>&1 || useradd -m u1", user="root")
+    user = sbx.commands.run("su - u1 -c 'id -u; echo $PATH'", user="root").stdout.split()
     assert user[0] != "0" and user[1] == "/usr/local/bin:/usr/bin:/bin:/usr/local/games:/usr/games"
 
 
@@ -222,7 +225,7 @@ def test_server_left_running_by_a_trailing_ampersand_still_answers(env: Env) -> 
     """Issue 18: ``server &`` with no redirection keeps answering (and logging every
     request) a minute after its command returned."""
     sbx = env.sandbox()
-    sbx.files.write("/srv/amp/index.html", "amp")
+    sbx.files.write("/srv/amp/index.html", "amp", user="root")
     r = sbx.commands.run("cd /srv/amp && python3 -m http.server 8124 &")
     assert r.exit_code == 0
     sbx.commands.run("for i in $(seq 100); do ss -Hltn 'sport = :8124' | grep -q LISTEN "
@@ -239,50 +242,50 @@ def test_server_left_running_by_a_trailing_ampersand_still_answers(env: Env) -> 
 
 def test_files(env: Env) -> None:
     sbx = env.sandbox()
-    info = sbx.files.write("/root/e2b/notes.txt", "hello\nworld\n")
-    assert (info.path, info.name, info.type) == ("/root/e2b/notes.txt", "notes.txt", FileType.FILE)
-    assert sbx.files.read("/root/e2b/notes.txt") == "hello\nworld\n"
+    info = sbx.files.write("/home/user/e2b/notes.txt", "hello\nworld\n")
+    assert (info.path, info.name, info.type) == ("/home/user/e2b/notes.txt", "notes.txt", FileType.FILE)
+    assert sbx.files.read("/home/user/e2b/notes.txt") == "hello\nworld\n"
     blob = bytes(range(256)) * 100
-    sbx.files.write("e2b/blob.bin", blob)  # relative: from the guest's home
-    assert sbx.files.read("/root/e2b/blob.bin", format="bytes") == bytearray(blob)
+    sbx.files.write("e2b/blob.bin", blob)  # relative: from the user's home
+    assert sbx.files.read("/home/user/e2b/blob.bin", format="bytes") == bytearray(blob)
     assert sbx.commands.run("cat e2b/notes.txt").stdout == "hello\nworld\n"
-    sbx.files.write("/root/e2b/streamed.bin", io.BytesIO(blob))  # octet-stream upload
-    sbx.files.write("/root/e2b/zipped.txt", "z" * 5000, gzip=True)  # gzip octet-stream
-    assert sbx.files.read("/root/e2b/streamed.bin", format="bytes") == bytearray(blob)
-    assert sbx.files.read("/root/e2b/zipped.txt") == "z" * 5000
-    sbx.files.write_files([{"path": "/root/e2b/many/a.txt", "data": "A"},
-                           {"path": "/root/e2b/many/b.txt", "data": b"B"}])  # one multipart
-    assert sbx.commands.run("cat /root/e2b/many/a.txt /root/e2b/many/b.txt").stdout == "AB"
-    sbx.files.remove("/root/e2b/many")
+    sbx.files.write("/home/user/e2b/streamed.bin", io.BytesIO(blob))  # octet-stream upload
+    sbx.files.write("/home/user/e2b/zipped.txt", "z" * 5000, gzip=True)  # gzip octet-stream
+    assert sbx.files.read("/home/user/e2b/streamed.bin", format="bytes") == bytearray(blob)
+    assert sbx.files.read("/home/user/e2b/zipped.txt") == "z" * 5000
+    sbx.files.write_files([{"path": "/home/user/e2b/many/a.txt", "data": "A"},
+                           {"path": "/home/user/e2b/many/b.txt", "data": b"B"}])  # one multipart
+    assert sbx.commands.run("cat /home/user/e2b/many/a.txt /home/user/e2b/many/b.txt").stdout == "AB"
+    sbx.files.remove("/home/user/e2b/many")
     for name in ("streamed.bin", "zipped.txt"):
-        sbx.files.remove(f"/root/e2b/{name}")
-    entries = {e.name: e for e in sbx.files.list("/root/e2b")}
+        sbx.files.remove(f"/home/user/e2b/{name}")
+    entries = {e.name: e for e in sbx.files.list("/home/user/e2b")}
     assert set(entries) == {"notes.txt", "blob.bin"}
     assert (entries["blob.bin"].size, entries["blob.bin"].type) == (25600, FileType.FILE)
-    assert sbx.files.exists("/root/e2b/notes.txt") is True
-    assert sbx.files.exists("/root/e2b/missing") is False
-    st = sbx.files.get_info("/root/e2b/notes.txt")
-    assert (st.size, st.owner, st.permissions, st.path) == (12, "root", "-rw-r--r--",
-                                                            "/root/e2b/notes.txt")
-    assert sbx.files.make_dir("/root/e2b/sub/deeper") is True
-    assert sbx.files.make_dir("/root/e2b/sub/deeper") is False
-    deep = {e.path for e in sbx.files.list("/root/e2b", depth=3)}
-    assert {"/root/e2b/sub", "/root/e2b/sub/deeper"} <= deep
-    moved = sbx.files.rename("/root/e2b/notes.txt", "/root/e2b/sub/moved.txt")
-    assert (moved.path, moved.type) == ("/root/e2b/sub/moved.txt", FileType.FILE)
-    assert sbx.files.exists("/root/e2b/notes.txt") is False
-    sbx.files.remove("/root/e2b/sub")
-    assert sbx.files.exists("/root/e2b/sub/moved.txt") is False
+    assert sbx.files.exists("/home/user/e2b/notes.txt") is True
+    assert sbx.files.exists("/home/user/e2b/missing") is False
+    st = sbx.files.get_info("/home/user/e2b/notes.txt")
+    assert (st.size, st.owner, st.group, st.permissions, st.path) == (
+        12, "user", "user", "-rw-r--r--", "/home/user/e2b/notes.txt")
+    assert sbx.files.make_dir("/home/user/e2b/sub/deeper") is True
+    assert sbx.files.make_dir("/home/user/e2b/sub/deeper") is False
+    deep = {e.path for e in sbx.files.list("/home/user/e2b", depth=3)}
+    assert {"/home/user/e2b/sub", "/home/user/e2b/sub/deeper"} <= deep
+    moved = sbx.files.rename("/home/user/e2b/notes.txt", "/home/user/e2b/sub/moved.txt")
+    assert (moved.path, moved.type) == ("/home/user/e2b/sub/moved.txt", FileType.FILE)
+    assert sbx.files.exists("/home/user/e2b/notes.txt") is False
+    sbx.files.remove("/home/user/e2b/sub")
+    assert sbx.files.exists("/home/user/e2b/sub/moved.txt") is False
     with pytest.raises(FileNotFoundException):
-        sbx.files.read("/root/e2b/none.txt")
+        sbx.files.read("/home/user/e2b/none.txt")
 
 
 def test_watch_dir_sees_a_write(env: Env) -> None:
     sbx = env.sandbox()
-    sbx.files.make_dir("/root/watched")
-    handle = sbx.files.watch_dir("/root/watched")
+    sbx.files.make_dir("watched")
+    handle = sbx.files.watch_dir("watched")
     try:
-        sbx.files.write("/root/watched/new.txt", "fresh")
+        sbx.files.write("watched/new.txt", "fresh")
         deadline = time.monotonic() + 30
         seen: list[tuple[str, FilesystemEventType]] = []
         while time.monotonic() < deadline and ("new.txt", FilesystemEventType.WRITE) not in seen:
@@ -294,9 +297,11 @@ def test_watch_dir_sees_a_write(env: Env) -> None:
         handle.stop()
     # A removed watcher holds nothing: the sandbox pauses at once (its watch's pending
     # step once outlived the removal and kept the sandbox busy, so every pause was a 503),
-    # and a connect resumes it for the tests that follow.
+    # and a connect resumes it for the tests that follow. Made without auto_resume, it is
+    # not woken by envd's calls meanwhile (E2B's proxy answers them 502).
     assert sbx.pause() is True
-    assert env.sandbox().is_running()
+    assert sbx.is_running() is False
+    assert env.sandbox().is_running() is True
 
 
 # -- terminals ----------------------------------------------------------------------------
@@ -350,7 +355,7 @@ def test_access_token_key_and_refusals(env: Env) -> None:
             r = c.post(path, headers=env.headers(), json={})
             assert r.status_code == 403 and "internal" in r.json()["message"], path
         envs = c.get("/envs", headers=env.headers()).json()
-        assert envs["HOME"] == "/root" and "PATH" in envs
+        assert envs["HOME"] == "/home/user" and "PATH" in envs
         m = c.get("/metrics", headers=env.headers()).json()
         assert m["cpu_count"] >= 1 and 0 < m["mem_used"] < m["mem_total"]
         assert 0 < m["disk_used"] < m["disk_total"]
@@ -361,27 +366,27 @@ def test_signed_file_urls(env: Env) -> None:
     E2B_SANDBOX_URL they lose its path (``/files`` at the server's root) and name no sandbox;
     the signature, made with the sandbox's token, does."""
     sbx = env.sandbox()
-    up = sbx.upload_url("/root/signed.txt")
+    up = sbx.upload_url("/home/user/signed.txt")
     assert up.startswith(f"{env.srv.url}/files?path=") and "signature=v1_" in up
     with httpx.Client(timeout=60) as c:
         r = c.post(up, files={"file": ("signed.txt", b"signed bytes")})
         assert r.status_code == 200, r.text
-        assert r.json() == [{"name": "signed.txt", "type": "file", "path": "/root/signed.txt"}]
-        down = sbx.download_url("/root/signed.txt", use_signature_expiration=60)
+        assert r.json() == [{"name": "signed.txt", "type": "file", "path": "/home/user/signed.txt"}]
+        down = sbx.download_url("/home/user/signed.txt", use_signature_expiration=60)
         r = c.get(down)
         assert (r.status_code, r.content) == (200, b"signed bytes")
         r = c.get(down.replace("signed.txt", "other.txt"))
         assert r.status_code == 401
-        r = c.get(sbx.upload_url("/root/signed.txt"))
+        r = c.get(sbx.upload_url("/home/user/signed.txt"))
         assert r.status_code == 401  # a write signature does not read
-        r = c.get(f"{env.url}/files", params={"path": "/root/signed.txt"},
+        r = c.get(f"{env.url}/files", params={"path": "/home/user/signed.txt"},
                   headers=env.headers())
         assert (r.status_code, r.content) == (200, b"signed bytes")
 
 
 def test_guest_port_by_header_and_host(env: Env) -> None:
     sbx = env.sandbox()
-    sbx.files.write("/srv/www/index.html", "<h1>from the guest</h1>")
+    sbx.files.write("/srv/www/index.html", "<h1>from the guest</h1>", user="root")
     server = sbx.commands.run("cd /srv/www && exec python3 -m http.server 8123", background=True,
                               timeout=0)
     try:
@@ -467,3 +472,69 @@ def test_binary_codec_unary_and_stream(env: Env) -> None:
         r = c.post("/process.Process/SendSignal", content=sig.to_json(),
                    headers=env.headers(**{"Content-Type": "application/json"}))
         assert (r.status_code, r.json()["code"]) == (404, "not_found")
+
+
+# -- E2B's default user ---------------------------------------------------------------------
+
+def test_default_user_runs_commands_and_owns_what_envd_makes(env: Env) -> None:
+    """A sandbox made through /e2b has E2B's default user, ``user`` (home /home/user, its
+    own group, passwordless sudo): commands run as it, relative paths start at its home,
+    and what envd's file calls make is its own; ``user="root"`` is root."""
+    sbx = env.sandbox()
+    r = sbx.commands.run("id -un; id -gn; echo $HOME; pwd; sudo whoami; sudo -n id -u")
+    assert r.stdout == "user\nuser\n/home/user\n/home/user\nroot\n0\n"
+    info = sbx.files.write("owned/deep/a.txt", "a")  # its folders are made as the user
+    assert info.path == "/home/user/owned/deep/a.txt"
+    assert sbx.commands.run("stat -c %U:%G owned owned/deep owned/deep/a.txt").stdout == \
+        "user:user\n" * 3
+    assert sbx.files.make_dir("owned/made") is True
+    entries = {e.name: (e.owner, e.group) for e in sbx.files.list("owned")}
+    assert entries == {"deep": ("user", "user"), "made": ("user", "user")}
+    assert [e.path for e in sbx.files.list("owned", depth=2)] == [  # a walk's order
+        "/home/user/owned/deep", "/home/user/owned/deep/a.txt", "/home/user/owned/made"]
+    sbx.files.write("/root/by-root.txt", "r", user="root")
+    st = sbx.files.get_info("by-root.txt", user="root")  # relative to root's home
+    assert (st.path, st.owner, st.group) == ("/root/by-root.txt", "root", "root")
+    sbx.files.remove("owned")
+
+
+def test_symlink_info_and_removing_a_missing_path(env: Env) -> None:
+    """A symlink's entry names its absolute target (and, to this SDK, is a symlink: the
+    newer envd's ``is_symlink``); removing a path that is not there succeeds, as on E2B."""
+    sbx = env.sandbox()
+    sbx.files.write("links/target.txt", "t")
+    sbx.commands.run("ln -s target.txt link", cwd="links")
+    st = sbx.files.get_info("links/link")
+    assert (st.type, st.symlink_target, st.owner) == (
+        FileType.SYMLINK, "/home/user/links/target.txt", "user")
+    assert sbx.files.get_info("links/target.txt").symlink_target is None
+    sbx.files.remove("links")
+    sbx.files.remove("links")  # no longer there: no error
+    assert sbx.files.exists("links") is False
+
+
+def test_watch_sees_a_write_at_the_next_poll_and_refuses_a_file(env: Env) -> None:
+    """A poll right after a write in the watched folder holds its WRITE (E2B's envd has it
+    before the write answers); watching a file is refused."""
+    sbx = env.sandbox()
+    sbx.files.write("polled/seen.txt", "one")
+    handle = sbx.files.watch_dir("polled")
+    try:
+        sbx.files.write("polled/seen.txt", "two")
+        events = {(e.name, e.type) for e in handle.get_new_events()}
+        assert ("seen.txt", FilesystemEventType.WRITE) in events, events
+    finally:
+        handle.stop()
+    with pytest.raises(InvalidArgumentException):
+        sbx.files.watch_dir("polled/seen.txt")
+    sbx.files.remove("polled")
+
+
+def test_an_expired_signed_url_gets_e2bs_answer(env: Env) -> None:
+    sbx = env.sandbox()
+    sbx.files.write("expiring.txt", "x")
+    url = sbx.download_url("expiring.txt", use_signature_expiration=-120)
+    with httpx.Client(timeout=60) as c:
+        r = c.get(url)
+    assert (r.status_code, r.json()) == (401, {"code": 401,
+                                               "message": "signature is already expired"})

@@ -8,7 +8,9 @@ into E2B's body (``hangar.api.e2b.views``). How E2B's words map:
   snapshot; ``envVars`` become the default environment of envd's processes,
   ``autoPause`` makes the end of the time to live a pause instead of a
   removal; ``secure`` is accepted and every sandbox is secured (an envd
-  access token in every answer).
+  access token in every answer). E2B's default user, ``user`` with home
+  ``/home/user`` and passwordless sudo, is made in the guest before the answer
+  (``hangar.core.e2b.add_user``): envd's calls run as it unless they name root.
 - **pause** is core's ``pause`` (a sleep: memory, devices and disk saved, the
   VMM ended, and the clock stopped in the same move: no time limit). **connect**
   and **resume** are core's ``connect``: it wakes a paused one (``201``) with
@@ -72,7 +74,8 @@ def _check_create(body: NewSandbox) -> None:
         raise InvalidRequest("autoPause: a sandbox with volumeMounts cannot pause (volumes are "
                              "left out of snapshots)", field="autoPause")
     if body.mcp:
-        raise InvalidRequest("mcp: Hangar does not start E2B's MCP gateway", field="mcp")
+        raise InvalidRequest("mcp: Failed to start MCP gateway: Hangar does not start E2B's "
+                             "MCP gateway (no sandbox was made)", field="mcp")
     if body.iam and body.iam.get("tokens"):
         raise InvalidRequest("iam: Hangar has no workload identity tokens", field="iam")
     # metadata and envVars are bounded by the model (``hangar.schemas.bounds``)
@@ -84,7 +87,8 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
     network = views.policy(body.allow_internet_access, body.network)
     opts = e2b.Options(template=source.asked, envs=dict(body.envVars or {}),
                        public_traffic=body.network is None
-                       or body.network.allowPublicTraffic is not False)
+                       or body.network.allowPublicTraffic is not False,
+                       user=e2b.DEFAULT_USER)
     # envVars often hold keys: sealed by the vault before any record keeps them
     fields: Any = {**e2b.with_options(dict(body.metadata or {}), e2b.sealed(m, opts)),
                    "on_expiry": OnExpiry.SLEEP if body.autoPause else OnExpiry.DELETE,
@@ -102,7 +106,16 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
         volumes = {v.path: v.name for v in body.volumeMounts or ()} or None  # read-write
         rec = await m.create(CreateOptions(image=source.name, timeout_s=body.timeout,
                                            network=network, volumes=volumes, **fields))
-    return views.created(m, rec)
+    try:
+        if body.timeout:
+            m.set_timeout(rec.id, 0)  # no expiry while the user is made
+        await e2b.add_user(m, rec.id)  # E2B's default user, ``user`` (idempotent)
+    except BaseException:
+        await m.delete(rec.id)
+        raise
+    if body.timeout:
+        m.set_timeout(rec.id, body.timeout)  # its time to live starts once it is ready
+    return views.created(m, m.get(rec.id))
 
 
 @router.post("/sandboxes", status_code=201, response_model=Sandbox)
@@ -357,7 +370,10 @@ async def fork(sandbox_id: str, m: Manager, body: ForkRequest | None = None) -> 
 async def metrics(sandbox_id: str, m: Manager, start: Annotated[int | None, Query(ge=0)] = None,
                   end: Annotated[int | None, Query(ge=0)] = None) -> list[SandboxMetric]:
     """The sandbox's CPU, memory and disk now, as a list of one sample (``[]`` when it is
-    paused). ``start`` and ``end`` are accepted; Hangar keeps no history."""
-    views.shown(m, sandbox_id)
+    paused, or ``[]`` for a range that ``end``s before the sandbox was made). Hangar keeps
+    no history: ``start`` changes nothing."""
+    rec = views.shown(m, sandbox_id)
+    if end is not None and end < int(rec.created_at):
+        return []  # a range that ended before the sandbox existed
     sample = await e2b.metrics(m, sandbox_id)
     return [views.metric(sample)] if sample is not None else []

@@ -151,7 +151,7 @@ def policy(allow_internet: bool | None, net: NetworkConfig | None) -> dict[str, 
     deny = list(net.denyOut or []) if net else []
     if allow_internet is False and "0.0.0.0/0" not in deny:
         deny.append("0.0.0.0/0")
-    if allow_internet is None and not allow and not deny:
-        return None
+    if allow_internet is not False and not allow and not deny:
+        return None  # E2B's default (older SDKs send allow_internet_access: true always)
     allow, deny = e2b_rules(allow, deny)
     return {"egress": "internet", "allow": allow, "deny": deny}

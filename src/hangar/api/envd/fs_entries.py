@@ -1,15 +1,19 @@
 """``filesystem.Filesystem``: Stat, MakeDir, Move, ListDir, Remove.
 
-On the core's file operations (relative paths start at the guest's home,
-``/root``). Entries: owner and group are ``root`` (Hangar's guests own
-files as root), ``mode`` the permission bits, ``permissions`` as ``ls``
-shows them, a symlink's type ``FILE_TYPE_SYMLINK`` (its target is not
-read). Errors: no such path ``not_found`` (the SDK's
+On the core's file operations, as the call's user (``Envd.user``: E2B's
+default ``user`` for a sandbox made through ``/e2b``, or ``root``); relative
+paths start at that user's home. Entries: owner and group by name, read in
+the guest (``hangar.core.e2b.owners``), ``mode`` the permission bits,
+``permissions`` as ``ls`` shows them; a symlink has the type of what it
+reaches and its absolute ``symlink_target`` (``FILE_TYPE_SYMLINK`` when it
+dangles). Errors: no such path ``not_found`` (the SDK's
 ``FileNotFoundException``), MakeDir of an existing path ``already_exists``
-(the SDK's ``make_dir`` gives False). Move renames (the destination's
-folder must exist; an existing file there is replaced). ListDir goes
-``depth`` levels down (0 and 1: the folder's own entries), at most
-``MAX_ENTRIES`` entries.
+(the SDK's ``make_dir`` gives False). MakeDir and Move run as the call's
+user (what they make is its own). Move renames (the destination's folder
+must exist; an existing file there is replaced). Remove of a missing path
+succeeds, as E2B's does. ListDir goes ``depth`` levels down (0 and 1: the
+folder's own entries) and lists in a walk's order (each folder before its
+entries, names sorted), at most ``MAX_ENTRIES`` entries.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from google.protobuf.message import Message
 
 from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
 from hangar.api.envd.messages import FS
-from hangar.core.service import HOME, Command, FileEntry
+from hangar.core.service import HOME, Command, FileEntry, e2b
 from hangar.errors import HangarError, NotFound
 
 MAX_ENTRIES = 10_000
@@ -33,19 +37,44 @@ _TYPES = {"file": (FS.FILE_TYPE_FILE, stat_mod.S_IFREG),
           "symlink": (FS.FILE_TYPE_SYMLINK, stat_mod.S_IFLNK)}
 
 
-def absolute(path: str) -> str:
-    """``path`` as the guest resolves it (relative ones from ``HOME``), normalized."""
-    return posixpath.normpath(path if path.startswith("/") else posixpath.join(HOME, path))
+def absolute(path: str, home: str = HOME) -> str:
+    """``path`` as the guest resolves it (relative ones from ``home``), normalized."""
+    return posixpath.normpath(path if path.startswith("/") else posixpath.join(home, path))
 
 
-def entry_info(e: FileEntry) -> Any:
-    """The ``EntryInfo`` of one of the core's entries."""
+def entry_info(e: FileEntry, who: e2b.Owner | None = None) -> Any:
+    """The ``EntryInfo`` of one of the core's entries; ``who`` owns it (root when None)."""
     ftype, bits = _TYPES.get(e.type, (FS.FILE_TYPE_UNSPECIFIED, 0))
+    if e.type == "symlink" and who is not None and who.target_type in _TYPES:
+        ftype = _TYPES[who.target_type][0]
     info = FS.EntryInfo(name=e.name, type=ftype, path=e.path, size=e.size, mode=e.mode,
-                        permissions=stat_mod.filemode(bits | e.mode), owner="root",
-                        group="root", is_symlink=e.type == "symlink")
+                        permissions=stat_mod.filemode(bits | e.mode),
+                        owner=who.owner if who else "root", group=who.group if who else "root",
+                        is_symlink=e.type == "symlink")
+    if e.type == "symlink" and who is not None and who.target:
+        info.symlink_target = who.target
     info.modified_time.FromNanoseconds(int(e.mtime * 1e9))
     return info
+
+
+async def entry_infos(env: Any, entries: list[FileEntry]) -> list[Any]:
+    """The ``EntryInfo`` of each of ``entries``, their owners read in the guest at once.
+    Raises the guest call's errors."""
+    who = await e2b.owners(env.manager, env.sandbox_id, [e.path for e in entries])
+    return [entry_info(e, who.get(e.path)) for e in entries]
+
+
+async def as_user(env: Any, argv: list[str], what: str) -> None:
+    """Run ``argv`` in the guest as the call's user. Raises RpcError (``not_found``,
+    ``permission_denied``, else ``invalid_argument``) naming ``what`` when it fails, and
+    the guest call's errors."""
+    r = await env.manager.exec(env.sandbox_id, e2b.as_user(
+        Command(command=argv[0], args=argv[1:], timeout_s=60), env.user))
+    if r.exit_code != 0:
+        why = (r.stderr.head or r.stderr.tail).decode(errors="replace").strip()
+        code = "not_found" if "No such file" in why else \
+            "permission_denied" if "Permission denied" in why else "invalid_argument"
+        raise RpcError(code, f"{what}: {why[:300] or f'{argv[0]} exited {r.exit_code}'}")
 
 
 def _path(value: str, what: str = "path") -> str:
@@ -57,60 +86,60 @@ def _path(value: str, what: str = "path") -> str:
 async def stat(req: Any, call: Call) -> Message:
     env = call.context
     try:
-        e = await env.manager.files.stat(env.sandbox_id, _path(req.path))
+        e = await env.manager.files.stat(env.sandbox_id, absolute(_path(req.path), env.home))
+        info, = await entry_infos(env, [e])
     except HangarError as exc:
         raise rpc_error(exc) from None
-    return FS.StatResponse(entry=entry_info(e))
+    return FS.StatResponse(entry=info)
 
 
 async def make_dir(req: Any, call: Call) -> Message:
     env = call.context
-    path = _path(req.path)
+    path = absolute(_path(req.path), env.home)
     try:
         try:
             await env.manager.files.stat(env.sandbox_id, path)
         except NotFound:
-            e = await env.manager.files.mkdir(env.sandbox_id, path, parents=True)
-            return FS.MakeDirResponse(entry=entry_info(e))
+            await as_user(env, ["mkdir", "-p", "--", path], f"cannot make {path}")
+            info, = await entry_infos(env, [await env.manager.files.stat(env.sandbox_id, path)])
+            return FS.MakeDirResponse(entry=info)
     except HangarError as exc:
         raise rpc_error(exc) from None
-    raise RpcError("already_exists", f"path {absolute(path)} already exists")
+    raise RpcError("already_exists", f"path {path} already exists")
 
 
 async def move(req: Any, call: Call) -> Message:
     env = call.context
-    src, dst = _path(req.source, "source"), _path(req.destination, "destination")
+    src = absolute(_path(req.source, "source"), env.home)
+    dst = absolute(_path(req.destination, "destination"), env.home)
     try:
         await env.manager.files.stat(env.sandbox_id, src)
-        r = await env.manager.exec(env.sandbox_id, Command(
-            command="mv", args=["-T", "--", absolute(src), absolute(dst)], timeout_s=60))
-        if r.exit_code != 0:
-            why = (r.stderr.head or r.stderr.tail).decode(errors="replace").strip()
-            code = "not_found" if "No such file" in why else "invalid_argument"
-            raise RpcError(code, f"cannot move {absolute(src)} to {absolute(dst)}: "
-                                 f"{why[:300] or f'mv exited {r.exit_code}'}")
-        e = await env.manager.files.stat(env.sandbox_id, dst)
+        await as_user(env, ["mv", "-T", "--", src, dst], f"cannot move {src} to {dst}")
+        info, = await entry_infos(env, [await env.manager.files.stat(env.sandbox_id, dst)])
     except HangarError as exc:
         raise rpc_error(exc) from None
-    return FS.MoveResponse(entry=entry_info(e))
+    return FS.MoveResponse(entry=info)
 
 
 async def list_dir(req: Any, call: Call) -> Message:
     env = call.context
     depth = max(1, min(int(req.depth or 1), MAX_DEPTH))
-    res = FS.ListDirResponse()
-    todo = [(_path(req.path), 1)]
+    found: list[FileEntry] = []
+    todo = [(absolute(_path(req.path), env.home), 1)]
     try:
         while todo:
             path, level = todo.pop(0)
             listing = await env.manager.files.list(env.sandbox_id, path)
             for e in listing.entries:
-                if len(res.entries) >= MAX_ENTRIES:
+                if len(found) >= MAX_ENTRIES:
                     raise RpcError("resource_exhausted",
                                    f"more than {MAX_ENTRIES} entries: list a smaller depth")
-                res.entries.append(entry_info(e))
+                found.append(e)
                 if e.type == "dir" and level < depth:
                     todo.append((e.path, level + 1))
+        found.sort(key=lambda e: e.path.split("/"))  # a walk's order, as E2B's envd lists
+        res = FS.ListDirResponse()
+        res.entries.extend(await entry_infos(env, found))
     except HangarError as exc:
         raise rpc_error(exc) from None
     return res
@@ -119,7 +148,10 @@ async def list_dir(req: Any, call: Call) -> Message:
 async def remove(req: Any, call: Call) -> Message:
     env = call.context
     try:
-        await env.manager.files.remove(env.sandbox_id, _path(req.path), recursive=True)
+        await env.manager.files.remove(env.sandbox_id, absolute(_path(req.path), env.home),
+                                       recursive=True)
+    except NotFound:
+        pass  # E2B's envd removes a missing path without an error
     except HangarError as exc:
         raise rpc_error(exc) from None
     return FS.RemoveResponse()

@@ -8,6 +8,9 @@ its path relative to the watched folder. Hangar's events map as:
 ``/files`` (Hangar writes a temporary file and renames it into place) →
 CREATE and WRITE of its name, its temporary file never shown; ``overflow``
 (events lost) is dropped. ``include_entry`` is not served (envd 0.5.7).
+Only folders are watched: a file's path is ``invalid_argument``. A poll that
+finds no event waits up to ``SETTLE_S`` for one, so that a write made just
+before it is seen, as E2B's envd sees it.
 
 A watcher keeps at most ``MAX_EVENTS`` events between two polls (the
 oldest go), at most ``Settings.envd_max_watchers_per_sandbox`` (16) live in a
@@ -40,6 +43,10 @@ MAX_EVENTS = 10_000
 MAX_PER_SANDBOX = 16
 """Live watchers per sandbox when the manager names no ``envd_max_watchers_per_sandbox``."""
 IDLE_S = 600.0
+SETTLE_S = 1.0
+"""Longest a poll that finds no event waits for one (``Watchers.take``), seconds."""
+COALESCE_S = 0.05
+"""How long a poll waits, once an event arrived, for the rest of its batch, seconds."""
 TEMP_PREFIX = ".hangar-"
 """The guest's temporary files of a write (``op_write_file``)."""
 
@@ -77,18 +84,31 @@ def events_of(root: str, batch: list[FileEvent]) -> list[Any]:
     return out
 
 
-def _check(req: Any) -> str:
+def _check(req: Any, home: str) -> str:
     if not req.path:
         raise RpcError("invalid_argument", "path is empty")
     if req.include_entry:
         raise RpcError("unimplemented", "include_entry is not served (envd 0.5.7)")
-    return absolute(req.path)
+    return absolute(req.path, home)
+
+
+async def _folder(env: Any, root: str) -> None:
+    """Raises RpcError unless ``root`` is a folder (``not_found``, or ``invalid_argument``
+    for a file: E2B's envd watches folders only)."""
+    try:
+        e = await env.manager.files.stat(env.sandbox_id, root)
+    except HangarError as exc:
+        raise rpc_error(exc) from None
+    if e.type != "dir":
+        raise RpcError("invalid_argument", f"path {root} is not a directory: only folders "
+                                           "are watched")
 
 
 async def watch_dir(req: Any, call: Call) -> AsyncIterator[Message]:
     env = call.context
-    root = _check(req)
-    gen = env.manager.files.watch(env.sandbox_id, req.path, bool(req.recursive))
+    root = _check(req, env.home)
+    await _folder(env, root)
+    gen = env.manager.files.watch(env.sandbox_id, root, bool(req.recursive))
     try:
         async for batch in gen:
             if not batch:
@@ -113,6 +133,8 @@ class Watcher:
     polled: float = field(default_factory=time.monotonic)
     task: asyncio.Task[None] | None = None
     error: HangarError | None = None
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when events are added, cleared when they are taken."""
 
 
 class Watchers:
@@ -181,6 +203,8 @@ class Watchers:
                 if not ready.done():
                     ready.set_result(None)
                 w.events.extend(events_of(w.root, batch))
+                if w.events:
+                    w.arrived.set()
                 nxt = asyncio.ensure_future(gen.__anext__())
         except StopAsyncIteration:
             pass
@@ -198,10 +222,19 @@ class Watchers:
             with contextlib.suppress(BaseException):
                 await gen.aclose()
 
-    def take(self, w: Watcher) -> list[Any]:
+    async def take(self, w: Watcher) -> list[Any]:
+        """The events gathered since the last poll. With none yet, waits up to
+        ``SETTLE_S`` for the guest's events of what was just done (E2B's envd sees a
+        write in a watched folder before the write's answer; here its event follows
+        through the agent), then ``COALESCE_S`` for the rest of their batch."""
         w.polled = time.monotonic()
+        if not w.events and w.error is None and w.task is not None and not w.task.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(w.arrived.wait(), SETTLE_S)
+                await asyncio.sleep(COALESCE_S)
         out = list(w.events)
         w.events.clear()
+        w.arrived.clear()
         return out
 
     def remove(self, w: Watcher) -> None:
@@ -212,9 +245,10 @@ class Watchers:
 
 async def create_watcher(req: Any, call: Call) -> Message:
     env = call.context
-    root = _check(req)
+    root = _check(req, env.home)
+    await _folder(env, root)
     try:
-        w = await env.watchers.create(env.manager, env.sandbox_id, req.path, root,
+        w = await env.watchers.create(env.manager, env.sandbox_id, root, root,
                                       bool(req.recursive))
     except HangarError as exc:
         raise rpc_error(exc) from None
@@ -224,7 +258,7 @@ async def create_watcher(req: Any, call: Call) -> Message:
 async def get_watcher_events(req: Any, call: Call) -> Message:
     env = call.context
     w = env.watchers.get(env.sandbox_id, req.watcher_id)
-    events = env.watchers.take(w)
+    events = await env.watchers.take(w)
     if not events and w.error is not None:
         env.watchers.remove(w)
         raise rpc_error(w.error)

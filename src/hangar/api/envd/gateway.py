@@ -10,7 +10,9 @@ Flow of a request to ``/e2b/envd/<rest>``::
         │   Checked before the sandbox is looked up: a missing sandbox and a wrong
         │   token get the same 401, so the unauthenticated learn nothing of ids
         │ then: no sandbox, or one that is gone → 502 "... was not found" (the SDK's
-        │   SandboxNotRunningException), as E2B's proxy answers
+        │   SandboxNotRunningException), as E2B's proxy answers; a paused one made
+        │   without auto_resume → 502 too (``is_running()`` is False; connect wakes it),
+        │   one made with it is woken by the call
         ├── port ≠ 49983 → the guest's port (``hangar.api.envd.ports``)
         ├── POST /process.Process/<M>, /filesystem.Filesystem/<M> → Connect RPC
         │     (``hangar.api.envd.connect``; one module per RPC or small group)
@@ -39,6 +41,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,11 +53,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hangar.api.auth import authenticate
 from hangar.api.envd import connect, fs_entries, fs_watch, ports, process_io, process_run, rest
 from hangar.api.envd.connect import RpcError
-from hangar.api.envd.tokens import signature_ok, token_ok
+from hangar.api.envd.tokens import EXPIRED, signature_ok, token_ok
 from hangar.api.envd.versions import ENVD_PORT, PREFIX
 from hangar.api.envd.fs_watch import Watchers
-from hangar.core.service import SandboxManager, e2b
-from hangar.errors import Gone, HangarError, NotFound
+from hangar.core.service import Face, SandboxManager, e2b, public_name
+from hangar.errors import Gone, HangarError, NotFound, Unauthorized
 from hangar.schemas.bounds import PORT_MAX, PORT_MIN
 
 RPC_RE = re.compile(r"^/((?:process\.Process|filesystem\.Filesystem)/[A-Za-z]+)$")
@@ -62,18 +65,22 @@ METHODS: dict[str, connect.Method] = {
     **process_run.METHODS, **process_io.METHODS, **fs_entries.METHODS, **fs_watch.METHODS,
 }
 """Every RPC served, by ``<package>.<Service>/<Method>``."""
-ROOT_USERS = ("", "root")
-"""The users a call may name: Hangar's guests run commands and own files as root."""
 
 
 @dataclass
 class Envd:
-    """What a handler gets as ``Call.context``."""
+    """What a handler gets as ``Call.context``: ``user`` is the user the call runs as
+    (``root``, or E2B's default user ``user``: ``hangar.core.e2b.user_of``)."""
 
     manager: SandboxManager
     sandbox_id: str
     user: str
     watchers: Watchers
+
+    @property
+    def home(self) -> str:
+        """Where the call's relative paths start: its user's home."""
+        return e2b.home(self.user)
 
 
 class Refusal(Exception):
@@ -84,8 +91,10 @@ class Refusal(Exception):
         self.status, self.code, self.message = status, code, message
 
 
-def _user(headers: dict[str, str], query_user: str | None) -> str:
-    """The user a call names (Basic auth ``user:``, or ``username=``); root only."""
+def _user(manager: SandboxManager, sandbox_id: str, headers: dict[str, str],
+          query_user: str | None) -> str:
+    """The user a call runs as: the one it names (Basic auth ``user:``, or ``username=``),
+    else the sandbox's default (``hangar.core.e2b.user_of``); an unknown one is a 401."""
     user = query_user or ""
     auth = headers.get("authorization", "")
     if auth.lower().startswith("basic "):
@@ -94,11 +103,13 @@ def _user(headers: dict[str, str], query_user: str | None) -> str:
         except (binascii.Error, UnicodeDecodeError):
             raise Refusal(400, "invalid_argument", "the Authorization header is not Basic "
                                                    "base64 of 'user:'") from None
-    if user not in ROOT_USERS:
-        raise Refusal(401, "unauthenticated",
-                      f"user {user[:64]!r} is not served: Hangar's guests run commands and own "
-                      "files as root; name no user, or 'root'")
-    return user
+    try:
+        return e2b.user_of(manager, sandbox_id, user)
+    except Unauthorized as exc:
+        raise Refusal(401, "unauthenticated", exc.message) from None
+    except (NotFound, Gone):
+        raise Refusal(502, "unavailable",
+                      f"The sandbox {sandbox_id[:64]} was not found") from None
 
 
 def watchers_of(app_state: Any) -> Watchers:
@@ -170,7 +181,8 @@ class EnvdGateway:
                 return
             if scope["type"] != "http":
                 raise Refusal(404, "not_found", "envd serves no WebSocket")
-            envd = Envd(manager, sandbox_id, _user(headers, query.get("username")),
+            envd = Envd(manager, sandbox_id, _user(manager, sandbox_id, headers,
+                                                   query.get("username")),
                         watchers_of(state))
             with _slot(state, manager, sandbox_id):
                 if m is not None:
@@ -191,6 +203,9 @@ class EnvdGateway:
         SDK's ``download_url``/``upload_url`` under ``E2B_SANDBOX_URL`` drop the prefix and
         name no sandbox, so the signature, which binds the sandbox's token, names it)."""
         op = "read" if scope.get("method") == "GET" else "write"
+        exp = query.get("signature_expiration", "")
+        if exp.isascii() and exp.isdigit() and len(exp) <= 12 and int(exp) < time.time():
+            raise Refusal(401, "unauthenticated", EXPIRED)  # whichever sandbox signed it
         for rec in manager.list():
             if signature_ok(manager, rec.id, query.get("signature", ""), query.get("path", ""),
                             op, query.get("username", ""),
@@ -218,10 +233,14 @@ class EnvdGateway:
         """Raises Refusal (502, as E2B's proxy answers) when the sandbox is unknown or gone;
         asked only once the request is admitted (a token is derived from the id alone)."""
         try:
-            manager.get(sandbox_id)
+            rec = manager.get(sandbox_id)
         except (NotFound, Gone):
             raise Refusal(502, "unavailable",
                           f"The sandbox {sandbox_id[:64]} was not found") from None
+        if public_name(rec.state, Face.E2B) == "paused" and not rec.auto_resume:
+            raise Refusal(502, "unavailable",
+                          f"The sandbox {sandbox_id} is paused: connect to it to resume it "
+                          "(it was created without auto_resume)")
 
     @staticmethod
     def _admit(scope: Scope, state: Any, manager: SandboxManager, sandbox_id: str, port: int,

@@ -4,8 +4,9 @@ On the guest's table of processes that outlive their connection (the core's
 ``SandboxManager.processes``). Start runs ``ProcessConfig`` (``cmd`` and
 ``args`` as an argv, no shell of its own: E2B's SDK sends ``/bin/bash -l -c
 <command>``; ``envs`` over the sandbox's own, those its E2B create named,
-added to the guest's environment; ``cwd``, default
-the guest's home; a pty when asked; a stdin pipe unless ``stdin`` is false)
+added to the guest's environment; as the call's user (E2B's default
+``user`` through ``setpriv``, or ``root``: ``hangar.core.e2b.as_user``);
+``cwd``, default that user's home; a pty when asked; a stdin pipe unless ``stdin`` is false)
 and streams its start (the guest's pid), output (stdout/stderr, or pty) and
 end (exit code; ``exited`` false and status ``signal: ...`` when a signal
 ended it). The call's ``Connect-Timeout-Ms`` is the process's lifetime: past
@@ -23,6 +24,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
+from hangar.api.envd import fs_entries
 from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
 from hangar.api.envd.messages import P
 from hangar.core.service import Command, ProcessInfo, ProcessOutput, e2b
@@ -88,8 +90,9 @@ async def start(req: Any, call: Call) -> AsyncIterator[Message]:
         envs = {**e2b.envs(env.manager, env.sandbox_id), **dict(cfg.envs)}
     except HangarError as exc:
         raise rpc_error(exc) from None
-    cmd = Command(command=cfg.cmd, args=list(cfg.args), env=envs or None,
-                  cwd=cfg.cwd if cfg.HasField("cwd") and cfg.cwd else None)
+    cwd = fs_entries.absolute(cfg.cwd, env.home) if cfg.HasField("cwd") and cfg.cwd else None
+    cmd = e2b.as_user(Command(command=cfg.cmd, args=list(cfg.args), env=envs or None,
+                              cwd=cwd or env.home), env.user)
     pty = (req.pty.size.cols or 80, req.pty.size.rows or 24) if req.HasField("pty") else None
     items = env.manager.processes.start_attached(
         env.sandbox_id, cmd, tag=req.tag if req.HasField("tag") else None,
@@ -120,8 +123,8 @@ async def list_processes(req: Any, call: Call) -> Message:
         if p.state != "running" or p.origin != "start":
             continue
         info = res.processes.add(pid=p.pid)
-        info.config.cmd = p.command
-        info.config.args.extend(p.args)
+        info.config.cmd, args = e2b.unwrapped(p.command, list(p.args))
+        info.config.args.extend(args)
         info.config.envs.update(p.env)
         info.config.cwd = p.cwd
         if p.tag is not None:

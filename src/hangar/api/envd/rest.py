@@ -3,7 +3,7 @@ ones refused.
 
 ==========================  ===============================================================
 ``GET /health``             204 (the gateway found the sandbox)
-``GET /files``              the file at ``path`` (relative: from the guest's home), as
+``GET /files``              the file at ``path`` (relative: from the user's home), as
                             ``application/octet-stream``, streamed; 404 none, 400 a folder
 ``POST /files``             ``multipart/form-data`` (each file part's filename is its
                             path, or the ``path`` parameter for a single part: a second
@@ -11,7 +11,7 @@ ones refused.
                             ``application/octet-stream`` (``path`` needed; ``Content-Encoding:
                             gzip`` read); parent folders made; answers
                             ``[{"name", "type": "file", "path"}]``
-``GET /envs``               the environment a command gets: the guest's, and those the
+``GET /envs``               the environment a command of the call's user gets: the guest's, those the
                             sandbox's E2B create named (a JSON object)
 ``GET /metrics``            CPU count and use, memory and disk, read in the guest
 ``/init``, ``/freeze``,     403: E2B's orchestrator's own, never served from outside
@@ -45,10 +45,12 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.types import Receive, Scope, Send
 
+from hangar.api.envd import fs_entries
+from hangar.api.envd.connect import RpcError
 from hangar.api.envd.fs_entries import absolute
 from hangar.api.inflate import Inflater
 from hangar.core.service import Command, e2b
-from hangar.errors import DiskFull, HangarError, InvalidRequest
+from hangar.errors import DiskFull, HangarError, InvalidRequest, NotFound
 
 INTERNAL = ("/init", "/freeze", "/unfreeze", "/fsfreeze", "/fsthaw", "/collapse")
 MAX_FILES = 1000
@@ -109,6 +111,9 @@ async def serve(scope: Scope, receive: Receive, send: Send, path: str, query: di
         await handler(scope, receive, send, query, headers, envd)
     except HangarError as exc:
         await error(send, _status(exc), exc.message)
+    except RpcError as exc:
+        await error(send, {"not_found": 404, "permission_denied": 403}.get(exc.code, 400),
+                    exc.message)
 
 
 async def _health(scope: Scope, receive: Receive, send: Send, query: dict[str, str],
@@ -145,7 +150,7 @@ def content_disposition(path: str) -> bytes:
 
 async def _download(scope: Scope, receive: Receive, send: Send, query: dict[str, str],
                     headers: dict[str, str], envd: Any) -> None:
-    path = _need_path(query)
+    path = absolute(_need_path(query), envd.home)
     chunks = envd.manager.files.read(envd.sandbox_id, path)
     # uvicorn drops what is sent after the client left without a word: watch for the
     # disconnect, else a download of an endless file would go on (and hold its slot) for good
@@ -207,8 +212,11 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
         raise InvalidRequest(f"Content-Encoding {encoding[:32]} is not served: gzip or none")
     _no_controls(query.get("path", ""))
     if ctype == b"application/octet-stream":
-        r = await envd.manager.files.write(envd.sandbox_id, _need_path(query),
+        path = absolute(_need_path(query), envd.home)
+        await _folder(envd, path)
+        r = await envd.manager.files.write(envd.sandbox_id, path,
                                            _body(receive, encoding == "gzip"))
+        await e2b.give(envd.manager, envd.sandbox_id, [r.path], envd.user)
         await _json(send, 200, [_written(r)])
         return
     if ctype != b"multipart/form-data":
@@ -241,11 +249,26 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
             raise InvalidRequest(f"the path parameter names one file: a second file part "
                                  f"cannot go to the same path ({out[0]['path']} was written); "
                                  "name each part's path by its filename instead")
-        out.append(_written(await envd.manager.files.write(
-            envd.sandbox_id, _no_controls(target), parts.data())))
+        target = absolute(_no_controls(target), envd.home)
+        await _folder(envd, target)
+        out.append(_written(await envd.manager.files.write(envd.sandbox_id, target,
+                                                           parts.data())))
     if not out:
         raise InvalidRequest("the multipart body carries no file part")
+    await e2b.give(envd.manager, envd.sandbox_id, [w["path"] for w in out], envd.user)
     await _json(send, 200, out)
+
+
+async def _folder(envd: Any, path: str) -> None:
+    """Make the folders above ``path`` (absolute) as the call's user when they are missing,
+    so that they are its own (the write itself makes them as root). Raises RpcError."""
+    if envd.user == e2b.ROOT:
+        return
+    parent = posixpath.dirname(path)
+    try:
+        await envd.manager.files.stat(envd.sandbox_id, parent)
+    except NotFound:
+        await fs_entries.as_user(envd, ["mkdir", "-p", "--", parent], f"cannot make {parent}")
 
 
 class _Parts:
@@ -337,8 +360,8 @@ def _text(raw: bytes) -> str:
 
 async def _envs(scope: Scope, receive: Receive, send: Send, query: dict[str, str],
                 headers: dict[str, str], envd: Any) -> None:
-    r = await envd.manager.exec(envd.sandbox_id, Command(command="env", args=["-0"],
-                                                         timeout_s=30))
+    r = await envd.manager.exec(envd.sandbox_id, e2b.as_user(
+        Command(command="env", args=["-0"], timeout_s=30), envd.user))
     out = {}
     for item in r.stdout.head.split(b"\0"):
         k, sep, v = item.decode(errors="replace").partition("=")

@@ -42,6 +42,10 @@ def signature(token: str, path: str, operation: str, user: str,
     return "v1_" + base64.b64encode(digest).rstrip(b"=").decode()
 
 
+EXPIRED = "signature is already expired"
+"""E2B's envd's message for a file URL past its ``signature_expiration`` (a 401)."""
+
+
 def signature_ok(manager: SandboxManager, sandbox_id: str, given: str, path: str,
                  operation: str, user: str, expiration: str | None) -> str | None:
     """None when ``given`` signs this file operation and has not expired, else why not."""
@@ -51,7 +55,7 @@ def signature_ok(manager: SandboxManager, sandbox_id: str, given: str, path: str
             return "signature_expiration is not a Unix time"
         exp = int(expiration)
         if exp < time.time():
-            return "the signed URL has expired"
+            return EXPIRED
     want = signature(access_token(manager, sandbox_id), path, operation, user, exp)
     if not hmac.compare_digest(given.encode(), want.encode()):
         return "the signature does not match this path, operation and user"

@@ -27,6 +27,7 @@ import asyncio
 import itertools
 import logging
 import math
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,9 +92,11 @@ class Deadlines:
     write_rate: float = float(4 << 20)
 
 
+CHANNEL_START_SPAN = 1 << 30
+"""A connection's first request channel id is drawn below this (``Connection``)."""
 PROBE_CHANNEL_BASE = 0xFFFF0000
-"""First channel id of the handshake's ``hello`` probes; requests count from 1 and
-never reach it."""
+"""First channel id of the handshake's ``hello`` probes; requests count from below
+``CHANNEL_START_SPAN`` and never reach it."""
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
@@ -140,7 +143,10 @@ class Connection:
         self.deadlines = deadlines or Deadlines()
         self.on_unanswered: Callable[[str, float], None] | None = None
         """Called with (operation, seconds) when a call's deadline passes unanswered."""
-        self._ids = itertools.count(1)
+        # Channel ids start at a random point: a restored guest may keep its session, whose
+        # channels still open (a process's stream from before a pause) would otherwise be
+        # named again by this connection's first requests ("channel already open").
+        self._ids = itertools.count(1 + secrets.randbelow(CHANNEL_START_SPAN))
         self._channels: dict[int, Channel] = {}
         self._closed = False
         self._pump = asyncio.create_task(self._read_loop())

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# E2B conformance: run E2B's own Python SDK tests, unmodified, against a real Hangar server.
+#
+#   scripts/e2b-conformance.sh E2B_SOURCE [pytest options...]
+#
+# E2B_SOURCE is a checkout of e2b-dev/E2B, its packages/python-sdk, or that folder's tests/
+# (the folder holding conftest.py and sync/). The SDK itself is not taken from it: the
+# Python in $E2B_PYTHON (default python3) must have the `e2b` package of the same version
+# (packages/python-sdk/package.json), pytest, pytest-asyncio, pytest-timeout and
+# pytest-dotenv, as that checkout's dev group pins them. Nothing of E2B's is copied here.
+#
+# It starts a Hangar server of its own (a root server on a free port, a fresh data
+# directory whose images are the host's built ones, $HANGAR_IMAGES, default
+# /var/lib/hangar/images; no warm pool), makes an E2B key with `hangar key add --e2b`, runs
+# tests/sync/{sandbox_sync,api_sync,volume_sync,secret_sync} with E2B_API_URL,
+# E2B_SANDBOX_URL and E2B_API_KEY set (or the folders and options given after E2B_SOURCE,
+# e.g. `-x -k test_run`), and prints one JSON line:
+#   {"passed": N, "failed": N, "skipped": N, "errors": N, "total": N, "e2b": "2.45.1", ...}
+# The per-test report (JUnit XML) is left in $E2B_CONFORMANCE_REPORT (default
+# /tmp/e2b-conformance-<pid>.xml); $E2B_COMMIT names the E2B commit when E2B_SOURCE is not
+# a git checkout. Afterwards every sandbox is deleted, the server is
+# stopped by its pid, VMMs of its data directory are ended and the directory is removed.
+# Runs the whole selection in about 15 minutes on a 2-core host under emulation.
+set -euo pipefail
+
+if [ $# -lt 1 ]; then
+  sed -n '2,24p' "$0" >&2
+  exit 2
+fi
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+SRC_ARG=$1
+shift
+if [ -d "$SRC_ARG/packages/python-sdk/tests/sync" ]; then
+  TESTS=$(cd "$SRC_ARG/packages/python-sdk/tests" && pwd)
+elif [ -d "$SRC_ARG/tests/sync" ]; then
+  TESTS=$(cd "$SRC_ARG/tests" && pwd)
+elif [ -d "$SRC_ARG/sync" ]; then
+  TESTS=$(cd "$SRC_ARG" && pwd)
+else
+  echo "no E2B Python SDK tests (tests/sync) under $SRC_ARG" >&2
+  exit 2
+fi
+SDK_DIR=$(dirname "$TESTS")
+E2B_PYTHON=${E2B_PYTHON:-python3}
+HANGAR_PYTHON=${HANGAR_PYTHON:-$REPO/.venv/bin/python}
+IMAGES=${HANGAR_IMAGES:-/var/lib/hangar/images}
+REPORT=${E2B_CONFORMANCE_REPORT:-/tmp/e2b-conformance-$$.xml}
+[ -x "$HANGAR_PYTHON" ] || { echo "no Hangar Python at $HANGAR_PYTHON (HANGAR_PYTHON)" >&2; exit 2; }
+[ -e "$IMAGES/base" ] || { echo "no built base image in $IMAGES (HANGAR_IMAGES)" >&2; exit 2; }
+SDK_VERSION=$("$E2B_PYTHON" -c 'import importlib.metadata as m; print(m.version("e2b"))') || {
+  echo "$E2B_PYTHON has no e2b package (E2B_PYTHON)" >&2; exit 2; }
+
+DATA=$(mktemp -d /tmp/hangar-e2b-XXXXXX)
+ln -s "$IMAGES" "$DATA/images"
+for f in engine-probe.json firecracker-probe.json; do
+  [ -f "$IMAGES/../$f" ] && cp "$IMAGES/../$f" "$DATA/$f"
+done
+PORT=$("$HANGAR_PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+URL=http://127.0.0.1:$PORT
+export HANGAR_DATA_DIR=$DATA HANGAR_PORT=$PORT HANGAR_POOL_SIZE=0 HANGAR_PRIVSEP=0
+SERVER_PID=
+
+cleanup() {
+  set +e
+  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    local key
+    key=$(cat "$DATA/api-key" 2>/dev/null)
+    "$HANGAR_PYTHON" - "$URL" "$key" <<'EOF'
+import sys, httpx
+url, key = sys.argv[1], sys.argv[2]
+with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=120) as c:
+    for sb in c.get("/sandboxes").json().get("sandboxes", []):
+        c.delete(f"/sandboxes/{sb['id']}")
+EOF
+    kill -TERM "$SERVER_PID"
+    for _ in $(seq 1 150); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$SERVER_PID" 2>/dev/null && kill -KILL "$SERVER_PID"
+    wait "$SERVER_PID" 2>/dev/null
+  fi
+  # VMMs the server left behind: only those of this run's data directory.
+  for p in /proc/[0-9]*; do
+    { tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null \
+      | grep -qE "^[^ ]*(qemu-system|firecracker)[^ ]* .*$DATA" && kill -KILL "${p#/proc/}" 2>/dev/null
+  done
+  rm -rf "$DATA"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+PYTHONPATH=$REPO/src "$HANGAR_PYTHON" -m hangar.cli serve >"$DATA/server.log" 2>&1 &
+SERVER_PID=$!
+for _ in $(seq 1 300); do
+  kill -0 "$SERVER_PID" 2>/dev/null || { tail -30 "$DATA/server.log" >&2; exit 1; }
+  curl -fs "$URL/health" >/dev/null 2>&1 && break
+  sleep 0.2
+done
+curl -fs "$URL/health" >/dev/null || { echo "server did not start" >&2; tail -30 "$DATA/server.log" >&2; exit 1; }
+KEY=$(PYTHONPATH=$REPO/src "$HANGAR_PYTHON" -m hangar.cli key add "e2b-conformance" --e2b)
+
+if [ $# -eq 0 ]; then
+  set -- tests/sync/sandbox_sync tests/sync/api_sync tests/sync/volume_sync tests/sync/secret_sync
+fi
+rc=0
+(
+  cd "$SDK_DIR"
+  env -u E2B_DOMAIN -u E2B_DEBUG -u PYTHONPATH E2B_API_URL="$URL/e2b" \
+    E2B_SANDBOX_URL="$URL/e2b/envd" E2B_API_KEY="$KEY" \
+    "$E2B_PYTHON" -m pytest -p no:cacheprovider -q -rfE --junitxml="$REPORT" "$@"
+) >&2 || rc=$?
+if [ "${E2B_CONFORMANCE_KEEP_LOG:-}" ]; then
+  cp "$DATA/server.log" "$E2B_CONFORMANCE_KEEP_LOG"
+fi
+[ -f "$REPORT" ] || { echo "pytest wrote no report (exit $rc)" >&2; exit 1; }
+"$HANGAR_PYTHON" - "$REPORT" "$SDK_VERSION" "$SDK_DIR" <<'EOF'
+import json, os, subprocess, sys, xml.etree.ElementTree as ET
+report, version, sdk_dir = sys.argv[1:4]
+counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+for case in ET.parse(report).getroot().iter("testcase"):
+    kinds = {child.tag for child in case}
+    if "failure" in kinds:
+        counts["failed"] += 1
+    elif "error" in kinds:
+        counts["errors"] += 1
+    elif "skipped" in kinds:
+        counts["skipped"] += 1
+    else:
+        counts["passed"] += 1
+commit = os.environ.get("E2B_COMMIT") or subprocess.run(
+    ["git", "-C", sdk_dir, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+print(json.dumps({**counts, "total": sum(counts.values()), "e2b": version, "commit": commit,
+                  "report": report}))
+EOF
+exit $([ "$rc" -le 1 ] && echo 0 || echo "$rc")
