@@ -30,14 +30,15 @@ the face (``m.launcher``, ``m.calls``, ``m.store``, ``m.registry``...) is
 not. ``tests/test_layers.py`` checks the imports, that no row class is
 named, and every attribute chain from the service in api and cluster.
 
-``e2b`` is E2B's dialect of core (tokens, template names, options, metrics),
-exported as a named part until it moves beside E2B's routes.
+``e2b`` is E2B's dialect of core (tokens, template names, options, metrics) and
+``e2b_user`` its default user, exported as named parts until they move beside E2B's
+routes.
 """
 
 from __future__ import annotations
 
 from hangar.config import Settings
-from hangar.core import e2b
+from hangar.core import e2b, e2b_user
 from hangar.core.admission import CreateOptions, new_id
 from hangar.core.commands import (
     HOME, Command, ExecResult, FileEntry, FileEvent, FileList, StreamCapture, Tunnel, WriteResult,
@@ -91,6 +92,7 @@ __all__ = [
     # the services and their sub-surfaces
     "SandboxService", "SandboxManager", "MachineService", "MachineManager", "CodeFace",
     "FilesFace", "NetworkFace", "SecretsFace", "VolumesFace", "Desktop", "SURFACE_TYPES", "e2b",
+    "e2b_user",
     # views
     "AttachmentView", "MachineView", "SandboxView", "SecretView", "SnapshotView",
     "VolumeView", "sandbox_view", "user_metadata",

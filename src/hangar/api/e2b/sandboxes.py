@@ -10,7 +10,7 @@ into E2B's body (``hangar.api.e2b.views``). How E2B's words map:
   removal; ``secure`` is accepted and every sandbox is secured (an envd
   access token in every answer). E2B's default user, ``user`` with home
   ``/home/user`` and passwordless sudo, is made in the guest before the answer
-  (``hangar.core.e2b.add_user``): envd's calls run as it unless they name root.
+  (``hangar.core.e2b_user.add_user``): envd's calls run as it unless they name root.
 - **pause** is core's ``pause`` (a sleep: memory, devices and disk saved, the
   VMM ended, and the clock stopped in the same move: no time limit). **connect**
   and **resume** are core's ``connect``: it wakes a paused one (``201``) with
@@ -46,7 +46,8 @@ from hangar.api.e2b.models import (
     SandboxesWithMetrics, SandboxMetric, TimeoutRequest,
 )
 from hangar.core.service import (
-    Connect, CreateOptions, Face, OnExpiry, SandboxManager, SandboxView, State, e2b, public_name,
+    Connect, CreateOptions, Face, OnExpiry, SandboxManager, SandboxView, State, e2b, e2b_user,
+    public_name,
 )
 from hangar.errors import Busy, Conflict, HangarError, InvalidRequest
 from hangar.schemas.bounds import METADATA_ENTRIES, QUERY_BYTES
@@ -109,7 +110,7 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
     try:
         if body.timeout:
             m.set_timeout(rec.id, 0)  # no expiry while the user is made
-        await e2b.add_user(m, rec.id)  # E2B's default user, ``user`` (idempotent)
+        await e2b_user.add_user(m, rec.id)  # E2B's default user, ``user`` (idempotent)
     except BaseException:
         await m.delete(rec.id)
         raise

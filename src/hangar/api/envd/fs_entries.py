@@ -3,7 +3,7 @@
 On the core's file operations, as the call's user (``Envd.user``: E2B's
 default ``user`` for a sandbox made through ``/e2b``, or ``root``); relative
 paths start at that user's home. Entries: owner and group by name, read in
-the guest (``hangar.core.e2b.owners``), ``mode`` the permission bits,
+the guest (``hangar.core.e2b_user.owners``), ``mode`` the permission bits,
 ``permissions`` as ``ls`` shows them; a symlink has the type of what it
 reaches and its absolute ``symlink_target`` (``FILE_TYPE_SYMLINK`` when it
 dangles). Errors: no such path ``not_found`` (the SDK's
@@ -26,7 +26,7 @@ from google.protobuf.message import Message
 
 from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
 from hangar.api.envd.messages import FS
-from hangar.core.service import HOME, Command, FileEntry, e2b
+from hangar.core.service import Command, FileEntry, HOME, e2b, e2b_user
 from hangar.errors import HangarError, NotFound
 
 MAX_ENTRIES = 10_000
@@ -42,7 +42,7 @@ def absolute(path: str, home: str = HOME) -> str:
     return posixpath.normpath(path if path.startswith("/") else posixpath.join(home, path))
 
 
-def entry_info(e: FileEntry, who: e2b.Owner | None = None) -> Any:
+def entry_info(e: FileEntry, who: e2b_user.Owner | None = None) -> Any:
     """The ``EntryInfo`` of one of the core's entries; ``who`` owns it (root when None)."""
     ftype, bits = _TYPES.get(e.type, (FS.FILE_TYPE_UNSPECIFIED, 0))
     if e.type == "symlink" and who is not None and who.target_type in _TYPES:
@@ -60,7 +60,7 @@ def entry_info(e: FileEntry, who: e2b.Owner | None = None) -> Any:
 async def entry_infos(env: Any, entries: list[FileEntry]) -> list[Any]:
     """The ``EntryInfo`` of each of ``entries``, their owners read in the guest at once.
     Raises the guest call's errors."""
-    who = await e2b.owners(env.manager, env.sandbox_id, [e.path for e in entries])
+    who = await e2b_user.owners(env.manager, env.sandbox_id, [e.path for e in entries])
     return [entry_info(e, who.get(e.path)) for e in entries]
 
 
@@ -68,7 +68,7 @@ async def as_user(env: Any, argv: list[str], what: str) -> None:
     """Run ``argv`` in the guest as the call's user. Raises RpcError (``not_found``,
     ``permission_denied``, else ``invalid_argument``) naming ``what`` when it fails, and
     the guest call's errors."""
-    r = await env.manager.exec(env.sandbox_id, e2b.as_user(
+    r = await env.manager.exec(env.sandbox_id, e2b_user.as_user(
         Command(command=argv[0], args=argv[1:], timeout_s=60), env.user))
     if r.exit_code != 0:
         why = (r.stderr.head or r.stderr.tail).decode(errors="replace").strip()

@@ -56,7 +56,7 @@ from hangar.api.envd.connect import RpcError
 from hangar.api.envd.tokens import EXPIRED, signature_ok, token_ok
 from hangar.api.envd.versions import ENVD_PORT, PREFIX
 from hangar.api.envd.fs_watch import Watchers
-from hangar.core.service import Face, SandboxManager, e2b, public_name
+from hangar.core.service import Face, SandboxManager, e2b, e2b_user, public_name
 from hangar.errors import Gone, HangarError, NotFound, Unauthorized
 from hangar.schemas.bounds import PORT_MAX, PORT_MIN
 
@@ -70,7 +70,7 @@ METHODS: dict[str, connect.Method] = {
 @dataclass
 class Envd:
     """What a handler gets as ``Call.context``: ``user`` is the user the call runs as
-    (``root``, or E2B's default user ``user``: ``hangar.core.e2b.user_of``)."""
+    (``root``, or E2B's default user ``user``: ``hangar.core.e2b_user.user_of``)."""
 
     manager: SandboxManager
     sandbox_id: str
@@ -80,7 +80,7 @@ class Envd:
     @property
     def home(self) -> str:
         """Where the call's relative paths start: its user's home."""
-        return e2b.home(self.user)
+        return e2b_user.home(self.user)
 
 
 class Refusal(Exception):
@@ -94,7 +94,7 @@ class Refusal(Exception):
 def _user(manager: SandboxManager, sandbox_id: str, headers: dict[str, str],
           query_user: str | None) -> str:
     """The user a call runs as: the one it names (Basic auth ``user:``, or ``username=``),
-    else the sandbox's default (``hangar.core.e2b.user_of``); an unknown one is a 401."""
+    else the sandbox's default (``hangar.core.e2b_user.user_of``); an unknown one is a 401."""
     user = query_user or ""
     auth = headers.get("authorization", "")
     if auth.lower().startswith("basic "):
@@ -104,7 +104,7 @@ def _user(manager: SandboxManager, sandbox_id: str, headers: dict[str, str],
             raise Refusal(400, "invalid_argument", "the Authorization header is not Basic "
                                                    "base64 of 'user:'") from None
     try:
-        return e2b.user_of(manager, sandbox_id, user)
+        return e2b_user.user_of(manager, sandbox_id, user)
     except Unauthorized as exc:
         raise Refusal(401, "unauthenticated", exc.message) from None
     except (NotFound, Gone):

@@ -5,7 +5,7 @@ On the guest's table of processes that outlive their connection (the core's
 ``args`` as an argv, no shell of its own: E2B's SDK sends ``/bin/bash -l -c
 <command>``; ``envs`` over the sandbox's own, those its E2B create named,
 added to the guest's environment; as the call's user (E2B's default
-``user`` through ``setpriv``, or ``root``: ``hangar.core.e2b.as_user``);
+``user`` through ``setpriv``, or ``root``: ``hangar.core.e2b_user.as_user``);
 ``cwd``, default that user's home; a pty when asked; a stdin pipe unless ``stdin`` is false)
 and streams its start (the guest's pid), output (stdout/stderr, or pty) and
 end (exit code; ``exited`` false and status ``signal: ...`` when a signal
@@ -27,7 +27,7 @@ from google.protobuf.message import Message
 from hangar.api.envd import fs_entries
 from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
 from hangar.api.envd.messages import P
-from hangar.core.service import Command, ProcessInfo, ProcessOutput, e2b
+from hangar.core.service import Command, ProcessInfo, ProcessOutput, e2b, e2b_user
 from hangar.errors import HangarError
 
 
@@ -91,7 +91,7 @@ async def start(req: Any, call: Call) -> AsyncIterator[Message]:
     except HangarError as exc:
         raise rpc_error(exc) from None
     cwd = fs_entries.absolute(cfg.cwd, env.home) if cfg.HasField("cwd") and cfg.cwd else None
-    cmd = e2b.as_user(Command(command=cfg.cmd, args=list(cfg.args), env=envs or None,
+    cmd = e2b_user.as_user(Command(command=cfg.cmd, args=list(cfg.args), env=envs or None,
                               cwd=cwd or env.home), env.user)
     pty = (req.pty.size.cols or 80, req.pty.size.rows or 24) if req.HasField("pty") else None
     items = env.manager.processes.start_attached(
@@ -123,7 +123,7 @@ async def list_processes(req: Any, call: Call) -> Message:
         if p.state != "running" or p.origin != "start":
             continue
         info = res.processes.add(pid=p.pid)
-        info.config.cmd, args = e2b.unwrapped(p.command, list(p.args))
+        info.config.cmd, args = e2b_user.unwrapped(p.command, list(p.args))
         info.config.args.extend(args)
         info.config.envs.update(p.env)
         info.config.cwd = p.cwd

@@ -49,7 +49,7 @@ from hangar.api.envd import fs_entries
 from hangar.api.envd.connect import RpcError
 from hangar.api.envd.fs_entries import absolute
 from hangar.api.inflate import Inflater
-from hangar.core.service import Command, e2b
+from hangar.core.service import Command, e2b, e2b_user
 from hangar.errors import DiskFull, HangarError, InvalidRequest, NotFound
 
 INTERNAL = ("/init", "/freeze", "/unfreeze", "/fsfreeze", "/fsthaw", "/collapse")
@@ -216,7 +216,7 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
         await _folder(envd, path)
         r = await envd.manager.files.write(envd.sandbox_id, path,
                                            _body(receive, encoding == "gzip"))
-        await e2b.give(envd.manager, envd.sandbox_id, [r.path], envd.user)
+        await e2b_user.give(envd.manager, envd.sandbox_id, [r.path], envd.user)
         await _json(send, 200, [_written(r)])
         return
     if ctype != b"multipart/form-data":
@@ -255,7 +255,7 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
                                                            parts.data())))
     if not out:
         raise InvalidRequest("the multipart body carries no file part")
-    await e2b.give(envd.manager, envd.sandbox_id, [w["path"] for w in out], envd.user)
+    await e2b_user.give(envd.manager, envd.sandbox_id, [w["path"] for w in out], envd.user)
     await _json(send, 200, out)
 
 
@@ -360,7 +360,7 @@ def _text(raw: bytes) -> str:
 
 async def _envs(scope: Scope, receive: Receive, send: Send, query: dict[str, str],
                 headers: dict[str, str], envd: Any) -> None:
-    r = await envd.manager.exec(envd.sandbox_id, e2b.as_user(
+    r = await envd.manager.exec(envd.sandbox_id, e2b_user.as_user(
         Command(command="env", args=["-0"], timeout_s=30), envd.user))
     out = {}
     for item in r.stdout.head.split(b"\0"):
