@@ -228,7 +228,8 @@ def test_sync_sdk_drives_a_sandbox_through_its_life(server: Server, api: httpx.C
         assert busy.mem_used >= idle.mem_used + (64 << 20), (idle, busy)
         assert 0 < busy.disk_used < busy.disk_total and busy.cpu_count >= 1
         with httpx.Client(base_url=server.url + "/e2b",
-                          headers={"X-API-Key": os.environ["E2B_API_KEY"]}) as c:
+                          headers={"X-API-Key": os.environ["E2B_API_KEY"]},
+                          timeout=120) as c:  # a guest sample under load: seconds
             many = c.get("/sandboxes/metrics",
                          params={"sandbox_ids": f"{sid},sb-000000000000"}).json()
             assert list(many["sandboxes"]) == [sid]
