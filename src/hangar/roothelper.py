@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import array
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ import pwd
 import shutil
 import socket
 import re
+import resource
 import stat
 import time
 from pathlib import Path
@@ -117,7 +119,8 @@ class Helper:
         check_disjoint(named)
         self.ranges = [(base, base + count) for what, (base, count) in named.items()
                        if what != "image builds"]
-        self.data_fd = beneath.open_trusted(layout.root)
+        _room_above(HELD_FLOOR)
+        self.data_fd = _above(beneath.open_trusted(layout.root))
         """The data directory, opened by root itself when the helper starts."""
         self.held: dict[str, list[int]] = {}
         """Descriptors each sandbox's VMM (and its start) still names, closed at release."""
@@ -129,6 +132,7 @@ class Helper:
         if len(fds) >= MAX_HELD:
             os.close(fd)
             raise Refused(f"sandbox {sandbox_id} holds too many open folders; release it")
+        fd = _above(fd)
         fds.append(fd)
         return beneath.fd_path(fd)
 
@@ -446,6 +450,34 @@ def _seccomp_on(argv: list[str]) -> bool:
     off (a later ``-sandbox`` would win)."""
     values = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-sandbox", "--sandbox")]
     return values == [SECCOMP]
+
+
+HELD_FLOOR = 1024
+"""The least number of a descriptor the helper keeps open (``data_fd``, a sandbox's held
+folders): above every number a VMM may be handed (``spawn_vmm``: 3..1023), so that the
+numbers the server asks for stay free however many sandboxes hold folders."""
+
+
+def _room_above(floor: int) -> None:
+    """Raise this process's soft limit of open files to its hard limit, so that descriptors
+    fit above ``floor`` (``_above``). Never raises."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError):
+        pass
+
+
+def _above(fd: int) -> int:
+    """``fd`` moved to the lowest free number at or above ``HELD_FLOOR`` (close-on-exec; the
+    old number closed), or ``fd`` itself when the limit of open files leaves no room."""
+    try:
+        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, HELD_FLOOR)
+    except OSError:
+        return fd
+    os.close(fd)
+    return high
 
 
 def _is_open(fd: int) -> bool:
