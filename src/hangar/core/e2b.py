@@ -110,31 +110,36 @@ ENVS_LABEL = "e2b-envs:v1"
 
 # -- the envd access token -------------------------------------------------------------
 
+def _token(manager: SandboxManager, label: bytes, sandbox_id: str) -> str:
+    """HMAC-SHA256 of ``label`` and ``sandbox_id`` under the port key, as 64 hex digits."""
+    key = manager.ports.key.key()
+    return hmac.new(key, label + sandbox_id.encode(), hashlib.sha256).hexdigest()
+
+
+def _same(given: str | None, token: str) -> bool:
+    """True when ``given`` is ``token`` (compared in constant time); False when empty."""
+    return bool(given) and hmac.compare_digest(str(given).encode(), token.encode())
+
+
 def access_token(manager: SandboxManager, sandbox_id: str) -> str:
     """The envd access token of ``sandbox_id`` (64 hex digits); see the module docstring."""
-    key = manager.ports.key.key()
-    return hmac.new(key, _TOKEN_LABEL + sandbox_id.encode(), hashlib.sha256).hexdigest()
+    return _token(manager, _TOKEN_LABEL, sandbox_id)
 
 
 def check_access_token(manager: SandboxManager, sandbox_id: str, given: str | None) -> bool:
     """True when ``given`` is ``sandbox_id``'s access token (compared in constant time)."""
-    if not given:
-        return False
-    return hmac.compare_digest(given.encode(), access_token(manager, sandbox_id).encode())
+    return _same(given, access_token(manager, sandbox_id))
 
 
 def traffic_token(manager: SandboxManager, sandbox_id: str) -> str:
     """The traffic access token of ``sandbox_id`` (64 hex digits, never its envd access
     token); see the module docstring."""
-    key = manager.ports.key.key()
-    return hmac.new(key, _TRAFFIC_LABEL + sandbox_id.encode(), hashlib.sha256).hexdigest()
+    return _token(manager, _TRAFFIC_LABEL, sandbox_id)
 
 
 def check_traffic_token(manager: SandboxManager, sandbox_id: str, given: str | None) -> bool:
     """True when ``given`` is ``sandbox_id``'s traffic access token (constant time)."""
-    if not given:
-        return False
-    return hmac.compare_digest(given.encode(), traffic_token(manager, sandbox_id).encode())
+    return _same(given, traffic_token(manager, sandbox_id))
 
 
 def traffic_admits(port: int, method: str, path: str) -> bool:
