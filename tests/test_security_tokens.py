@@ -138,10 +138,13 @@ def env(base_image: Path) -> Iterator[Env]:
             sbx = E2BSandbox.create("base", timeout=3600, envs={"SEALED_VALUE": value},
                                     api_url=f"{srv.url}/e2b", api_key=key,
                                     sandbox_url=f"{srv.url}/e2b/envd")
-            sbx.files.write("/root/secapp.py", APP)
-            sbx.commands.run(f"exec python3 /root/secapp.py {PORT}", background=True, timeout=0)
-            sbx.commands.run(f"for i in $(seq 300); do ss -Hltn 'sport = :{PORT}' | grep -q "
-                             "LISTEN && exit 0; sleep 0.2; done; exit 1", timeout=120)
+            sbx.files.write("secapp.py", APP)  # in the default user's home
+            app = sbx.commands.run(f"exec python3 secapp.py {PORT}", background=True,
+                                   timeout=0)
+            # until it listens, or ends (a failed start is its own error, not a timeout)
+            sbx.commands.run(f"while kill -0 {app.pid} 2>/dev/null; do ss -Hltn "
+                             f"'sport = :{PORT}' | grep -q LISTEN && exit 0; sleep 0.2; done; "
+                             "exit 1", timeout=0)
             yield Env(srv, c, key, sbx, value)
             sbx.kill()
     finally:
@@ -347,15 +350,15 @@ def test_download_names_are_rfc6266_and_crlf_is_a_400(env: Env) -> None:
     h = env.port(ENVD, **{"X-Access-Token": env.token})
     name = 'na"me é\\x.txt'
     with httpx.Client(base_url=env.envd, timeout=60) as c:
-        r = c.post("/files", params={"path": f"/root/{name}"}, headers=h,
+        r = c.post("/files", params={"path": f"/home/user/{name}"}, headers=h,
                    files={"file": ("f", b"payload")})
         assert r.status_code == 200, r.text
-        r = c.get("/files", params={"path": f"/root/{name}"}, headers=h)
+        r = c.get("/files", params={"path": f"/home/user/{name}"}, headers=h)
         assert r.status_code == 200 and r.content == b"payload"
         assert r.headers["content-disposition"] == (
             "inline; filename=\"na_me __x.txt\"; "
             "filename*=UTF-8''na%22me%20%C3%A9%5Cx.txt")
-        for bad in ("/root/a\r\nX-Injected: 1", "/root/a\nb", "/root/a\x00b"):
+        for bad in ("/home/user/a\r\nX-Injected: 1", "/home/user/a\nb", "/home/user/a\x00b"):
             for method in ("GET", "POST"):
                 r = c.request(method, "/files", params={"path": bad}, headers=h,
                               files={"file": ("f", b"x")} if method == "POST" else None)

@@ -89,7 +89,8 @@ busy host is slow)."""
 
 
 async def add_user(manager: SandboxManager, sandbox_id: str) -> str:
-    """Make E2B's default user in a new sandbox's guest (``USER_SETUP``) and return the user
+    """Make E2B's default user in a new sandbox's guest (``USER_SETUP``), give it the top
+    folder of each read-write volume mounted there, and return the user
     its envd calls default to: ``DEFAULT_USER``, or ``root`` where the image cannot run
     commands as another user (no ``setpriv``; the record's options are changed to say so,
     and a warning is logged). Raises GuestError (the setup failed otherwise) and the guest
@@ -108,6 +109,10 @@ async def add_user(manager: SandboxManager, sandbox_id: str) -> str:
         why = (r.stderr.head or r.stdout.head).decode("utf-8", "replace").strip()[:300]
         raise GuestError(f"E2B's default user {DEFAULT_USER!r} could not be made in sandbox "
                          f"{sandbox_id}: {why or f'exit {r.exit_code}'}", sandbox_id=sandbox_id)
+    # the top folder of each read-write volume is the default user's, as a write of that
+    # user leaves what it makes (an E2B program writes into its volume without sudo)
+    mounts = [a.path for a in manager.store.attachments(sandbox_id) if not a.read_only]
+    await give(manager, sandbox_id, mounts, DEFAULT_USER)
     return DEFAULT_USER
 
 
