@@ -101,6 +101,7 @@ def template(base_image: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             for d in (SHARED / "images").glob(f"{name}-*"):
                 if d.is_dir() and not d.is_symlink():
                     shutil.rmtree(d, ignore_errors=True)
+            Layout(SHARED).image_lock(name).unlink(missing_ok=True)  # this run's name alone
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,7 @@ def built(base_image: Path, folder: Path) -> Iterator[dict[str, Any]]:
                 pass
             for left in builds_of(name):  # a build a failed test left unlinked
                 shutil.rmtree(SHARED / "images" / left, ignore_errors=True)
+            Layout(SHARED).image_lock(name).unlink(missing_ok=True)  # this run's name alone
 
 
 @pytest.fixture(scope="module")
