@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from hangar.engines import memory, process
-from hangar.engines.confine import Confinement, Plan, release_folder
+from hangar.engines.confine import Confinement, Plan, release_folder, remove_cgroup
 from hangar.engines.process import VMMProcesses
 from hangar.engines.qemu.argv import SECCOMP
 from hangar.engines.qemu.template import VIEW_FDS
@@ -350,19 +350,7 @@ class Helper:
         if not _ID.fullmatch(sandbox_id) or self.confine.hierarchy is None:
             return
         for base in self.confine.hierarchy.bases:
-            d = Path(base) / sandbox_id
-            deadline = time.monotonic() + 1.0
-            while True:
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        log.warning("could not remove cgroup %s", d)
-                        break
-                    time.sleep(0.02)
+            remove_cgroup(Path(base) / sandbox_id, time.monotonic() + 1.0)
 
     # -- the loop -----------------------------------------------------------------------
 

@@ -464,17 +464,23 @@ def release_folder(paths: SandboxPaths, wait: float = 1.0,
         return
     deadline = time.monotonic() + wait
     for d in dirs:
-        while True:
-            try:
-                d.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    log.warning("could not remove cgroup %s", d)
-                    break
-                time.sleep(0.02)
+        remove_cgroup(d, deadline)
+
+
+def remove_cgroup(d: Path, deadline: float) -> None:
+    """Remove the cgroup folder ``d``, retrying until ``deadline`` (``time.monotonic``)
+    while its processes leave it; a warning if it stays. Never raises."""
+    while True:
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                log.warning("could not remove cgroup %s", d)
+                return
+            time.sleep(0.02)
 
 
 def _readable_by_all(folder: Path, owners: tuple[int, ...] = (0,)) -> None:

@@ -178,20 +178,8 @@ def replace_file(folder: Path, name: str, data: bytes, mode: int = 0o644) -> Non
     through)."""
     (name,) = _parts(name)
     fd = open_dir(folder)
-    tmp = f".{name}.{os.getpid()}.tmp"
     try:
-        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | FILE_FLAGS, mode, dir_fd=fd)
-        try:
-            os.write(out, data)
-        finally:
-            os.close(out)
-        os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
-    except BaseException:
-        try:
-            os.unlink(tmp, dir_fd=fd)
-        except OSError:
-            pass
-        raise
+        beneath.write_at(fd, name, data, mode)
     finally:
         os.close(fd)
 
