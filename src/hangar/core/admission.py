@@ -127,6 +127,22 @@ def check_desktop(screen: str, image: GuestImage) -> None:
                              "such as 'desktop'", image=image.name)
 
 
+DEFAULT_SCREEN = "1024x768x24"
+"""The desktop a client most often asks for (the agent tools' default, the docs'
+examples): an image with a desktop gets a template snapshot of it at build."""
+
+
+def has_desktop(image: GuestImage) -> bool:
+    """Whether ``image`` is known to run a desktop: its recipe installs Xvfb, or its
+    template (``hangar template build``) says ``desktop``."""
+    from hangar.images import RECIPES
+
+    recipe = RECIPES.get(image.name)
+    if recipe is not None:
+        return "xvfb" in recipe.packages
+    return image.template is not None and bool(image.template.get("desktop"))
+
+
 def default_size(image: GuestImage, settings: Settings) -> tuple[int, int]:
     """(vCPUs, memory in MiB) of a sandbox of ``image`` whose create names none: the
     image's recipe's (``Recipe.default_vcpus``/``default_memory_mib``; desktop and dev

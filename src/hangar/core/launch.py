@@ -111,6 +111,12 @@ HOST_KEYS = exec_meta(argv=[
 """An exec that makes a restored guest's ssh host keys in the background, if it has sshd."""
 
 
+
+def desktop_args(screen: str | None) -> tuple[str, ...]:
+    """The kernel arguments of a sandbox with a desktop of ``screen`` (``"1024x768x24"``;
+    none without one): part of its template snapshot's key."""
+    return (f"hangar.desktop={screen}",) if screen else ()
+
 class Launcher:
     """Starts and stops sandboxes' VMs and NICs."""
 
@@ -201,7 +207,8 @@ class Launcher:
                                sandbox_id=rec.id)
             if crash_step:
                 crash_point(crash_step)
-            rt.agent = await ctx.engine.connect_agent(vm, ctx.settings.boot_timeout_s)
+            rt.agent = await ctx.engine.connect_agent(
+                vm, ctx.settings.boot_deadline_s(ctx.engine.accel))
             if ready is not None:
                 await ready(rt.agent, net)
             await self.secure(rec, rt.agent)
@@ -337,7 +344,7 @@ class Launcher:
 
     @staticmethod
     def kernel_args(rec: SandboxRecord) -> tuple[str, ...]:
-        return (f"hangar.desktop={rec.desktop}",) if rec.desktop else ()
+        return desktop_args(rec.desktop)
 
     def publish_boot(self, sandbox_id: str, hello: dict[str, Any], took: float) -> None:
         phases = boot_phases(hello, took)

@@ -231,7 +231,7 @@ class TemplateSnapshots:
                                                   else _policy_for(nic))
             vm = await engine.boot(self.spec(sid, image, vcpus, memory_mib, disk_mib,
                                              kernel_args, net, template_source=True))
-            agent = await engine.connect_agent(vm, self.settings.boot_timeout_s)
+            agent = await engine.connect_agent(vm, self.settings.boot_deadline_s(engine.accel))
             if needs_start(image.template):
                 await run_template(agent, image.template or {}, name=image.name,
                                    sandbox_id=sid)
@@ -326,15 +326,17 @@ def make_for_build(layout: Layout, image: GuestImage, engine: Engine, settings: 
     """Make ``image``'s template snapshot now, for a build command (``hangar image build``,
     ``hangar template build``), with the server's ``engine`` and ``settings`` (so in the
     shape its server uses: default sizes and disk; a NIC when its sandboxes get one,
-    ``HANGAR_NETWORK=tap`` or ``auto`` where TAP works); returns its folder, or None when this engine makes none
-    (the server then boots cold). Blocks; boots a VM.
+    ``HANGAR_NETWORK=tap`` or ``auto`` where TAP works); for an image with a desktop
+    (``admission.has_desktop``) also the variant with a ``DEFAULT_SCREEN`` desktop. Returns
+    the folder of the first, or None when this engine makes none (the server then boots
+    cold). Blocks; boots a VM (two for a desktop image).
 
     Raises GuestError or Timeout when the template's start command or ready check fails.
     """
     import asyncio as _asyncio
 
-    from hangar.core.admission import default_size
-    from hangar.core.launch import network_manager
+    from hangar.core.admission import DEFAULT_SCREEN, default_size, has_desktop
+    from hangar.core.launch import desktop_args, network_manager
 
     if not settings.template_snapshots:
         return None
@@ -347,9 +349,17 @@ def make_for_build(layout: Layout, image: GuestImage, engine: Engine, settings: 
         net = None
     vcpus, memory = default_size(image, settings)
     nic = nic_of({"egress": "internet"}) if net is not None else None
-    say(f"{image.id}: booting it for its template snapshot")
     t = TemplateSnapshots(settings, layout, engine, net)
+    say(f"{image.id}: booting it for its template snapshot")
     made = _asyncio.run(t.ensure(image, vcpus, memory, settings.default_disk_mib, (), nic))
     say(f"{image.id}: template snapshot {made}" if made else
         f"{image.id}: no template snapshot on this engine; sandboxes boot cold")
+    if made and has_desktop(image):
+        # and with the desktop most creates ask for: the first would else boot it cold and
+        # make this snapshot itself, minutes under emulation
+        say(f"{image.id}: booting it with a {DEFAULT_SCREEN} desktop for its template "
+            "snapshot")
+        shown = _asyncio.run(t.ensure(image, vcpus, memory, settings.default_disk_mib,
+                                      desktop_args(DEFAULT_SCREEN), nic))
+        say(f"{image.id}: template snapshot with a desktop {shown}")
     return made
