@@ -57,6 +57,7 @@ from hangar.engines.agent_client import exec_meta
 from hangar.engines.base import VM, Engine, VMSpec
 from hangar.engines.snapshot_io import read_manifest
 from hangar.errors import EngineError, GuestError, HangarError, NotFound, Timeout
+from hangar.guest import paths
 from hangar.images import GuestImage
 from hangar.layout import ImagePaths, Layout
 from hangar.net import NetAttachment, NetworkManager
@@ -235,6 +236,8 @@ class TemplateSnapshots:
             if needs_start(image.template):
                 await run_template(agent, image.template or {}, name=image.name,
                                    sandbox_id=sid)
+            if any(a.startswith("hangar.desktop=") for a in kernel_args):
+                await _desktop_up(agent, self.settings.boot_deadline_s(engine.accel), sid)
             try:
                 await agent.exec(exec_meta(argv=["/bin/sh", "-c", WARM_SHELL], timeout=30))
             except HangarError as exc:
@@ -301,6 +304,27 @@ def building(layout: Layout) -> set[str]:
         finally:
             os.close(fd)
     return ids
+
+
+DESKTOP_UP = (f'while ! grep -q \'"vnc": true\' {paths.DESKTOP_READY} 2>/dev/null; do '
+              f'if [ -e {paths.DESKTOP_ERROR} ]; then cat {paths.DESKTOP_ERROR} >&2; exit 1; fi; '
+              'sleep 0.2; done')
+"""Waits in the guest until its desktop's X answers and x11vnc listens (the supervisor's
+ready file says ``"vnc": true``, ``hangar.guest.desktop``); exits 1 with the reason when the
+desktop cannot run."""
+
+
+async def _desktop_up(agent: Any, deadline_s: float, sid: str) -> None:
+    """Wait until a template VM's desktop is up (``DESKTOP_UP``), so that its snapshot holds
+    a running X, window manager and VNC server rather than ones still starting. Raises
+    GuestError (the desktop cannot run) or Timeout (not up within ``deadline_s``)."""
+    r = await agent.exec(exec_meta(argv=["/bin/sh", "-c", DESKTOP_UP], timeout=deadline_s))
+    if r.timed_out:
+        raise Timeout(f"the template VM's desktop was not up within {deadline_s:.0f} s",
+                      sandbox_id=sid)
+    if r.exit_code != 0:
+        raise GuestError("the template VM's desktop cannot run: "
+                         + r.stderr.head.decode("utf-8", "replace").strip()[:300], sandbox_id=sid)
 
 
 def _policy_for(nic: str) -> dict[str, Any]:
