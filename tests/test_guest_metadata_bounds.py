@@ -306,8 +306,7 @@ def test_envd_lists_and_stats_odd_names_and_far_times(vm: Any) -> None:
     far = [e for e in vm.sbx.files.list("/dev/shm/far")]
     assert [e.name for e in far] == ["x"] and far[0].modified_time.year == 9999
     info = vm.sbx.files.get_info("/dev/shm/far/x")
-    assert info.modified_time.year == 9999
-    assert vm.sbx.files.get_info("/home/user/odd/far-ok").modified_time.year == 9999
+    assert info.modified_time.year == 9999  # ext4 (the home) stops at 2446: tmpfs is needed
 
 
 @pytest.mark.vm
