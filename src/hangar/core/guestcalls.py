@@ -128,7 +128,14 @@ _FREE = ('d="$1"; while [ ! -d "$d" ]; do d=$(dirname "$d"); done; '
 
 
 def _entry(f: GuestFile) -> FileEntry:
-    return FileEntry.model_validate(f, from_attributes=True)
+    """``f`` as a wire-safe ``FileEntry`` (``FileEntry`` replaces undecodable bytes of names;
+    see ``schemas.files``). Raises GuestError for an entry past the bounds (a name longer
+    than NAME_MAX, a path longer than PATH_MAX + NAME_MAX, an mtime that is not finite)."""
+    try:
+        return FileEntry.model_validate(f, from_attributes=True)
+    except ValueError as exc:
+        raise GuestError(f"the guest answered a malformed file entry "
+                         f"({exc.__class__.__name__})") from None
 
 
 def _file_event(raw: dict[str, Any]) -> FileEvent | None:

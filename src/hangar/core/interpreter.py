@@ -93,8 +93,8 @@ async def _request(m: SandboxManager, stack: AsyncExitStack, sandbox_id: str, me
 
 def _refusal(status: int, raw: bytes, sandbox_id: str) -> HangarError:
     try:
-        message = str(json.loads(raw)["error"])
-    except (ValueError, KeyError, TypeError):
+        message = str(json.loads(raw)["error"]).encode("utf-8", "replace").decode()
+    except (ValueError, KeyError, TypeError, RecursionError):
         message = raw[:300].decode("utf-8", "replace") or f"status {status}"
     kinds = {400: InvalidRequest, 404: NotFound, 413: TooLarge, 504: Timeout}
     if status == 429:
@@ -115,6 +115,9 @@ async def call(m: SandboxManager, sandbox_id: str, method: str, path: str,
                body: Any = None) -> Any:
     """One context call (``/contexts...``); returns its JSON (None for an empty answer).
 
+    ``/contexts`` answers a context (POST) or a list of them (GET): ``{id, language, cwd}``,
+    strings; any other shape is a GuestError.
+
     Raises NoInterpreter, InvalidRequest, NotFound, LimitExceeded, GuestError (see the
     module docstring) and the errors of ``SandboxManager.tunnel``.
     """
@@ -127,11 +130,32 @@ async def call(m: SandboxManager, sandbox_id: str, method: str, path: str,
     if not raw.strip():
         return None
     try:  # up to MAX_JSON_BYTES of the guest's JSON: a large one is parsed off the loop
-        return json.loads(raw) if len(raw) <= 64 << 10 else await asyncio.to_thread(json.loads,
-                                                                                    raw)
-    except ValueError:
+        value = json.loads(raw) if len(raw) <= 64 << 10 else await asyncio.to_thread(json.loads,
+                                                                                     raw)
+    except (ValueError, RecursionError):
         raise GuestError("the code interpreter's answer is not JSON",
                          sandbox_id=sandbox_id) from None
+    if path == "/contexts" and not (_is_context(value) if method == "POST" else
+                                    isinstance(value, list) and all(map(_is_context, value))):
+        raise GuestError("the code interpreter's answer is not a context (a list of them for "
+                         "GET): {id, language, cwd}", sandbox_id=sandbox_id)
+    return value
+
+
+def _is_context(value: Any) -> bool:
+    """Whether ``value`` is a context as the API answers it: ``id``, ``language``, ``cwd``,
+    each a string every encoder takes (no lone surrogate)."""
+    if not isinstance(value, dict):
+        return False
+    for key in ("id", "language", "cwd"):
+        v = value.get(key)
+        if not isinstance(v, str):
+            return False
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+    return True
 
 
 async def execute(m: SandboxManager, sandbox_id: str, code: str, *,

@@ -323,14 +323,19 @@ async def _unary(method: Method, call: Call, codec: Codec, receive: Receive,
         except asyncio.TimeoutError:
             raise RpcError("deadline_exceeded", f"the call took longer than its timeout "
                                                 f"({call.timeout_s:g} s)") from None
+        out = codec.encode(res)
     except RpcError as exc:
         await unary_error(send, exc)
         return
     except errors.HangarError as exc:
         await unary_error(send, rpc_error(exc))
         return
+    except Exception as exc:  # a bug or a guest value no encoder takes: never a bare 500
+        log.exception("envd call failed", extra={"method": method.request.DESCRIPTOR.name})
+        await unary_error(send, RpcError("internal", f"the call failed: {type(exc).__name__}"))
+        return
     await _start(send, 200, f"application/{codec.name}")
-    await send({"type": "http.response.body", "body": codec.encode(res)})
+    await send({"type": "http.response.body", "body": out})
 
 
 async def _first(body: Body, call: Call, codec: Codec, cls: type[Message]) -> Message:
@@ -432,5 +437,8 @@ async def _client_stream(method: Method, call: Call, codec: Codec, receive: Rece
         out = end_of_stream(exc)
     except errors.HangarError as exc:
         out = end_of_stream(rpc_error(exc))
+    except Exception as exc:  # as in _unary
+        log.exception("envd stream failed", extra={"method": method.request.DESCRIPTOR.name})
+        out = end_of_stream(RpcError("internal", f"the call failed: {type(exc).__name__}"))
     await _start(send, 200, ctype)
     await send({"type": "http.response.body", "body": out})

@@ -13,14 +13,15 @@ user (what they make is its own). Move renames (the destination's folder
 must exist; an existing file there is replaced). Remove of a missing path
 succeeds, as E2B's does. ListDir goes ``depth`` levels down (0 and 1: the
 folder's own entries) and lists in a walk's order (each folder before its
-entries, names sorted), at most ``MAX_ENTRIES`` entries.
+entries, names sorted), at most ``MAX_ENTRIES`` entries and ``MAX_LIST_CHARS`` characters of paths and names (past either
+``resource_exhausted`` naming it).
 """
 
 from __future__ import annotations
 
 import posixpath
 import stat as stat_mod
-from typing import Any
+from typing import Any, Iterator
 
 from google.protobuf.message import Message
 
@@ -31,7 +32,14 @@ from hangar.errors import HangarError, NotFound
 
 MAX_ENTRIES = 10_000
 """Most entries one ListDir returns."""
+MAX_LIST_CHARS = 4 << 20
+"""Most characters of paths and names one ListDir returns (its answer and the entries
+it holds in memory are a few times that)."""
 MAX_DEPTH = 32
+_SECONDS = (-62135596800, 253402300799)
+"""The range of a protobuf ``Timestamp`` (years 1 to 9999); a guest's mtime past it (tmpfs
+keeps 64-bit times) is clamped."""
+_INT64_MAX = (1 << 63) - 1
 _TYPES = {"file": (FS.FILE_TYPE_FILE, stat_mod.S_IFREG),
           "dir": (FS.FILE_TYPE_DIRECTORY, stat_mod.S_IFDIR),
           "symlink": (FS.FILE_TYPE_SYMLINK, stat_mod.S_IFLNK)}
@@ -47,21 +55,23 @@ def entry_info(e: FileEntry, who: e2b_user.Owner | None = None) -> Any:
     ftype, bits = _TYPES.get(e.type, (FS.FILE_TYPE_UNSPECIFIED, 0))
     if e.type == "symlink" and who is not None and who.target_type in _TYPES:
         ftype = _TYPES[who.target_type][0]
-    info = FS.EntryInfo(name=e.name, type=ftype, path=e.path, size=e.size, mode=e.mode,
-                        permissions=stat_mod.filemode(bits | e.mode),
+    mode = e.mode & 0xFFFFFFFF  # a uint32 on the wire; the guest reports only the S_IMODE bits
+    info = FS.EntryInfo(name=e.name, type=ftype, path=e.path,
+                        size=min(max(e.size, 0), _INT64_MAX), mode=mode,
+                        permissions=stat_mod.filemode(bits | mode),
                         owner=who.owner if who else "root", group=who.group if who else "root",
                         is_symlink=e.type == "symlink")
     if e.type == "symlink" and who is not None and who.target:
         info.symlink_target = who.target
-    info.modified_time.FromNanoseconds(int(e.mtime * 1e9))
+    info.modified_time.FromNanoseconds(int(min(max(e.mtime, _SECONDS[0]), _SECONDS[1]) * 1e9))
     return info
 
 
-async def entry_infos(env: Any, entries: list[FileEntry]) -> list[Any]:
-    """The ``EntryInfo`` of each of ``entries``, their owners read in the guest at once.
-    Raises the guest call's errors."""
+async def entry_infos(env: Any, entries: list[FileEntry]) -> Iterator[Any]:
+    """The ``EntryInfo`` of each of ``entries`` (made one at a time as the iterator is
+    read), their owners read in the guest at once. Raises the guest call's errors."""
     who = await e2b_user.owners(env.manager, env.sandbox_id, [e.path for e in entries])
-    return [entry_info(e, who.get(e.path)) for e in entries]
+    return (entry_info(e, who.get(e.path)) for e in entries)
 
 
 async def as_user(env: Any, argv: list[str], what: str) -> None:
@@ -125,6 +135,7 @@ async def list_dir(req: Any, call: Call) -> Message:
     env = call.context
     depth = max(1, min(int(req.depth or 1), MAX_DEPTH))
     found: list[FileEntry] = []
+    chars = 0
     todo = [(absolute(_path(req.path), env.home), 1)]
     try:
         while todo:
@@ -134,6 +145,11 @@ async def list_dir(req: Any, call: Call) -> Message:
                 if len(found) >= MAX_ENTRIES:
                     raise RpcError("resource_exhausted",
                                    f"more than {MAX_ENTRIES} entries: list a smaller depth")
+                chars += len(e.path) + len(e.name)
+                if chars > MAX_LIST_CHARS:
+                    raise RpcError("resource_exhausted",
+                                   f"more than {MAX_LIST_CHARS} characters of paths and names: "
+                                   "list a smaller depth")
                 found.append(e)
                 if e.type == "dir" and level < depth:
                     todo.append((e.path, level + 1))

@@ -12,10 +12,12 @@ Only folders are watched: a file's path is ``invalid_argument``. A poll that
 finds no event waits up to ``SETTLE_S`` for one, so that a write made just
 before it is seen, as E2B's envd sees it.
 
-A watcher keeps at most ``MAX_EVENTS`` events between two polls (the
-oldest go), at most ``Settings.envd_max_watchers_per_sandbox`` (16) live in a
-sandbox (a slot is taken before the watch starts and given back when it
-fails), and one not polled for ``IDLE_S`` seconds is removed. While one is open the sandbox
+A watcher keeps at most ``MAX_EVENTS`` events and ``MAX_EVENT_CHARS`` characters of
+their names between two polls (the oldest go), at most
+``Settings.envd_max_watchers_per_sandbox`` (16) live in a sandbox (running, or ended
+still holding events; a slot is taken before the watch starts and given back when it
+fails), and one not polled for ``IDLE_S`` seconds is removed (swept at every create,
+poll and remove). While one is open the sandbox
 counts as busy (no snapshot or sleep under it), as with any watch.
 """
 
@@ -25,6 +27,7 @@ import asyncio
 import contextlib
 import posixpath
 import secrets
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -39,7 +42,10 @@ from hangar.api.envd.messages import FS
 from hangar.core.service import FileEvent
 from hangar.errors import HangarError
 
+log = logging.getLogger("hangar.envd")
 MAX_EVENTS = 10_000
+MAX_EVENT_CHARS = 1 << 20
+"""Most characters of event names one watcher holds between two polls."""
 MAX_PER_SANDBOX = 16
 """Live watchers per sandbox when the manager names no ``envd_max_watchers_per_sandbox``."""
 IDLE_S = 600.0
@@ -135,6 +141,18 @@ class Watcher:
     error: HangarError | None = None
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when events are added, cleared when they are taken."""
+    chars: int = 0
+    """Characters of the names of ``events``."""
+
+    def add(self, events: list[Any]) -> None:
+        """Keep ``events``, dropping the oldest past ``MAX_EVENTS`` or ``MAX_EVENT_CHARS``."""
+        for ev in events:
+            if len(self.events) >= MAX_EVENTS:
+                self.chars -= len(self.events.popleft().name)
+            self.events.append(ev)
+            self.chars += len(ev.name)
+            while self.chars > MAX_EVENT_CHARS and self.events:
+                self.chars -= len(self.events.popleft().name)
 
 
 class Watchers:
@@ -150,9 +168,11 @@ class Watchers:
         return w
 
     def live(self, sandbox_id: str) -> int:
-        """Watchers of ``sandbox_id`` being made or running (one whose watch ended, kept
-        until polled for its error, does not count)."""
-        return sum(w.sandbox_id == sandbox_id and (w.task is None or not w.task.done())
+        """Watchers of ``sandbox_id`` being made or running, or ended still holding events
+        (one whose watch ended with no event left, kept until polled for its error, does
+        not count)."""
+        return sum(w.sandbox_id == sandbox_id
+                   and (w.task is None or not w.task.done() or bool(w.events))
                    for w in self._all.values())
 
     def _sweep(self) -> None:
@@ -202,7 +222,7 @@ class Watchers:
                 batch = nxt.result()
                 if not ready.done():
                     ready.set_result(None)
-                w.events.extend(events_of(w.root, batch))
+                w.add(events_of(w.root, batch))
                 if w.events:
                     w.arrived.set()
                 nxt = asyncio.ensure_future(gen.__anext__())
@@ -212,6 +232,11 @@ class Watchers:
             if not ready.done():
                 ready.set_exception(exc)
             w.error = exc
+        except Exception as exc:  # a bug or a guest value nothing takes: the poll says so
+            log.exception("envd watcher failed", extra={"sandbox_id": w.sandbox_id})
+            w.error = HangarError(f"the watch of {w.root} failed: {type(exc).__name__}")
+            if not ready.done():
+                ready.set_exception(w.error)
         finally:
             if not ready.done():
                 ready.set_exception(HangarError(f"the watch of {w.root} ended before it was "
@@ -228,17 +253,20 @@ class Watchers:
         write in a watched folder before the write's answer; here its event follows
         through the agent), then ``COALESCE_S`` for the rest of their batch."""
         w.polled = time.monotonic()
+        self._sweep()
         if not w.events and w.error is None and w.task is not None and not w.task.done():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(w.arrived.wait(), SETTLE_S)
                 await asyncio.sleep(COALESCE_S)
         out = list(w.events)
         w.events.clear()
+        w.chars = 0
         w.arrived.clear()
         return out
 
     def remove(self, w: Watcher) -> None:
         self._all.pop(w.id, None)
+        self._sweep()
         if w.task is not None:
             w.task.cancel()
 

@@ -1,0 +1,336 @@
+"""Security round 3, review F2, F3, F14 (docs/security.md classes 2 and 6): a guest's file
+metadata and answers never make the host answer 5xx or hold unbounded memory.
+
+Unit level (no VM; the functions called directly with hostile values): names that are not
+UTF-8 (lone surrogates), far-future mtimes, modes past 32 bits and over-long paths in
+``FileEntry``/``FileEvent`` and envd's ``entry_info``; Connect's unary and client-stream
+catch-alls; ListDir's bound on characters; the polled watchers' bound on characters, the
+count of ended watchers holding events and a watch that fails; the code interpreter's
+context answers of another shape or nested too deep.
+
+Against a real server and VM (one server of this module's own, one sandbox made by E2B's
+SDK): a guest folder holding a file named ``b"\\xff"`` and one with mtime 3e11 on tmpfs is
+listed and stat'ed through envd (E2B's SDK) and Hangar's REST API: 200; a polled watcher
+sees the non-UTF-8 name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import Server, cleanup, free_port, make_data_dir
+from hangar.api.envd import connect, fs_entries, fs_watch
+from hangar.api.envd.messages import FS
+from hangar.core import interpreter
+from hangar.errors import GuestError
+from hangar.schemas import FileEntry, FileEvent, FileList
+
+FAR = 300_000_000_000  # year ~11476: tmpfs keeps it, a protobuf Timestamp cannot
+REPLACED = "\ufffd"
+
+
+def entry(name: str = "f", path: str | None = None, **kw: Any) -> FileEntry:
+    fields: dict[str, Any] = {"name": name, "path": path or "/d/" + name, "type": "file",
+                              "size": 1, "mode": 0o644, "mtime": 1.0, **kw}
+    return FileEntry.model_validate(fields)
+
+
+# -- unit level: the schemas and entry_info (F2) -----------------------------------------------
+
+def test_guest_names_that_are_not_utf8_become_wire_safe() -> None:
+    e = entry("\udcff", "/d/a\udcffb")
+    assert (e.name, e.path) == (REPLACED, f"/d/a{REPLACED}b")
+    dumped = FileList(path="/d\udcfe", entries=[e]).model_dump_json()
+    assert json.loads(dumped)["path"] == f"/d{REPLACED}"
+    ev = FileEvent.model_validate({"type": "move", "path": "/d/\udcff", "old_path": "/d/\udc80",
+                                   "time": 1.0})
+    assert (ev.path, ev.old_path) == (f"/d/{REPLACED}", f"/d/{REPLACED}")
+    assert entry("caf\u00e9").name == "caf\u00e9"  # UTF-8 names are kept as they are
+
+
+def test_over_long_or_non_finite_guest_metadata_is_malformed() -> None:
+    for bad in ({"name": "n" * 256}, {"path": "/" + "p" * 4351},
+                {"mtime": float("inf")}, {"mtime": float("nan")}):
+        with pytest.raises(ValueError):
+            entry(**bad)
+    assert entry("n" * 255, "/" + "p" * 4350).name == "n" * 255
+    for bad_ev in ({"path": "/" + "p" * 4096}, {"path": "/a", "old_path": "/" + "p" * 4096},
+                   {"path": "/a", "time": float("inf")}):
+        with pytest.raises(ValueError):
+            FileEvent.model_validate({"type": "create", "time": 1.0, **bad_ev})
+
+
+def test_entry_info_takes_far_times_huge_modes_and_sizes() -> None:
+    for mtime in (FAR, -1e15, 1.5):
+        e = entry("\udcff", mtime=mtime, mode=(1 << 40) | 0o755, size=1 << 70)
+        info = fs_entries.entry_info(e)
+        for codec in connect.CODECS.values():
+            codec.encode(FS.StatResponse(entry=info))  # neither codec raises
+        assert info.mode == 0o755 and info.size == (1 << 63) - 1
+        assert info.name == REPLACED and info.permissions == "-rwxr-xr-x"
+    assert fs_entries.entry_info(entry(mtime=FAR)).modified_time.ToDatetime().year == 9999
+    assert fs_entries.entry_info(entry(mtime=-1e15)).modified_time.ToDatetime().year == 1
+    assert fs_entries.entry_info(entry(mtime=1.5)).modified_time.ToNanoseconds() == 1_500_000_000
+
+
+# -- unit level: Connect's catch-alls (F2) ------------------------------------------------------
+
+class Asgi:
+    def __init__(self, body: bytes) -> None:
+        self.body, self.status, self.out = body, 0, b""
+
+    async def receive(self) -> dict[str, Any]:
+        body, self.body = self.body, b""
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        if msg["type"] == "http.response.start":
+            self.status = msg["status"]
+        else:
+            self.out += msg.get("body", b"")
+
+
+async def _raises(req: Any, call: connect.Call) -> Any:
+    raise ValueError("secret detail")
+
+
+async def _unencodable(req: Any, call: connect.Call) -> Any:
+    return SimpleNamespace()  # no codec encodes it
+
+
+async def _raises_stream(reqs: AsyncIterator[Any], call: connect.Call) -> Any:
+    raise UnicodeEncodeError("utf-8", "\udcff", 0, 1, "secret detail")
+
+
+def serve(method: connect.Method, ctype: str, body: bytes) -> Asgi:
+    a = Asgi(body)
+    asyncio.run(connect.serve(method, connect.new_call({"content-type": ctype}),
+                              a.receive, a.send))
+    return a
+
+
+def test_unary_and_client_stream_answer_internal_for_any_exception() -> None:
+    for handler in (_raises, _unencodable):
+        a = serve(connect.Method("unary", FS.StatRequest, FS.StatResponse, handler),
+                  "application/json", b'{"path": "/x"}')
+        err = json.loads(a.out)
+        assert (a.status, err["code"]) == (500, "internal")
+        assert "secret detail" not in err["message"]
+    a = serve(connect.Method("client", FS.StatRequest, FS.StatResponse, _raises_stream),
+              "application/connect+proto",
+              connect.envelope(FS.StatRequest(path="a").SerializeToString()))
+    assert a.status == 200
+    end = json.loads(a.out[5:])
+    assert end["error"]["code"] == "internal" and "secret" not in end["error"]["message"]
+
+
+# -- unit level: ListDir's bounds (F14) ---------------------------------------------------------
+
+class FakeFiles:
+    def __init__(self, per_folder: int, name_len: int) -> None:
+        self.per_folder, self.name_len = per_folder, name_len
+
+    async def list(self, sandbox_id: str, path: str) -> FileList:
+        return FileList(path=path, entries=[
+            entry(f"{i:06d}".ljust(self.name_len, "n"), f"{path}/{i:06d}".ljust(
+                len(path) + 1 + self.name_len, "n")) for i in range(self.per_folder)])
+
+
+def list_env(files: FakeFiles) -> Any:
+    async def exec(*args: Any, **kw: Any) -> Any:
+        return SimpleNamespace(exit_code=0, stdout=SimpleNamespace(head=b""))
+    return SimpleNamespace(manager=SimpleNamespace(files=files, exec=exec),
+                           sandbox_id="s", home="/home/user", user="user")
+
+
+def list_dir(files: FakeFiles) -> Any:
+    call = connect.Call(headers={}, timeout_s=None, context=list_env(files))
+    return asyncio.run(fs_entries.list_dir(FS.ListDirRequest(path="/d", depth=1), call))
+
+
+def test_list_dir_is_bounded_by_characters_as_well_as_entries() -> None:
+    res = list_dir(FakeFiles(per_folder=100, name_len=255))
+    assert len(res.entries) == 100
+    # 9,000 entries of 255-character names: under MAX_ENTRIES, past MAX_LIST_CHARS
+    with pytest.raises(connect.RpcError) as exc:
+        list_dir(FakeFiles(per_folder=9_000, name_len=255))
+    assert exc.value.code == "resource_exhausted"
+    assert str(fs_entries.MAX_LIST_CHARS) in str(exc.value)
+
+
+# -- unit level: polled watchers (F2, F3) -------------------------------------------------------
+
+def ev(path: str) -> FileEvent:
+    return FileEvent(type="create", path=path, time=1.0)
+
+
+def test_a_watcher_is_bounded_by_characters_as_well_as_events() -> None:
+    w = fs_watch.Watcher(id="w", sandbox_id="s", root="/r")
+    long = "/r/" + "x" * 4000
+    for _ in range(10):
+        w.add(fs_watch.events_of("/r", [ev(long)] * 100))
+    assert w.chars <= fs_watch.MAX_EVENT_CHARS
+    assert len(w.events) == fs_watch.MAX_EVENT_CHARS // 4000
+    assert w.chars == sum(len(e.name) for e in w.events)
+    w.events.clear()
+    w.chars = 0
+    w.add(fs_watch.events_of("/r", [ev("/r/a")] * (fs_watch.MAX_EVENTS + 5)))
+    assert len(w.events) == fs_watch.MAX_EVENTS and w.chars == fs_watch.MAX_EVENTS
+
+
+class WatchManager:
+    """A manager whose watches give ``batches`` then end."""
+
+    def __init__(self, batches: list[Any], cap: int = 2) -> None:
+        self.batches = batches
+        self.settings = SimpleNamespace(envd_max_watchers_per_sandbox=cap)
+        self.files = self
+
+    async def watch(self, sandbox_id: str, path: str, recursive: bool) -> AsyncIterator[Any]:
+        yield []
+        for b in self.batches:
+            yield b
+
+
+async def _settle(w: fs_watch.Watcher) -> None:
+    assert w.task is not None
+    await asyncio.wait_for(asyncio.shield(w.task), 10)
+
+
+def test_ended_watchers_holding_events_count_and_a_failed_watch_reports() -> None:
+    async def main() -> None:
+        ws = fs_watch.Watchers()
+        m = WatchManager([[ev("/r/a")]])
+        for _ in range(2):
+            w = await ws.create(m, "s", "/r", "/r", False)
+            await _settle(w)  # ended, holding one event
+        with pytest.raises(connect.RpcError) as exc:
+            await ws.create(m, "s", "/r", "/r", False)
+        assert exc.value.code == "resource_exhausted"
+        assert [e.name for e in await ws.take(w)] == ["a"]  # polled: its slot is free
+        w3 = await ws.create(m, "s", "/r", "/r", False)
+        await _settle(w3)
+        # a batch nothing takes (a bug, or a value no encoder takes): the watcher ends
+        # with an error the poll reports, not silently
+        bad = await ws.create(WatchManager([[None]], cap=4), "s", "/r", "/r", False)
+        await _settle(bad)
+        assert bad.error is not None and "AttributeError" in str(bad.error)
+        call = connect.Call(headers={}, timeout_s=None,
+                            context=SimpleNamespace(watchers=ws, sandbox_id="s"))
+        with pytest.raises(connect.RpcError):
+            await fs_watch.get_watcher_events(
+                FS.GetWatcherEventsRequest(watcher_id=bad.id), call)
+    asyncio.run(main())
+
+
+# -- unit level: the code interpreter's context answers (F2) ------------------------------------
+
+def interpreter_answers(monkeypatch: pytest.MonkeyPatch, status: int, raw: bytes) -> None:
+    async def request(*args: Any) -> tuple[int, bytes, Any]:
+        return status, raw, None
+
+    async def read_all(tunnel: Any, rest: bytes, sandbox_id: str) -> bytes:
+        return rest
+    monkeypatch.setattr(interpreter, "_request", request)
+    monkeypatch.setattr(interpreter, "_read_all", read_all)
+
+
+CONTEXT = {"id": "c1", "language": "python", "cwd": "/home/user"}
+
+
+@pytest.mark.parametrize("method,raw", [
+    ("POST", b"{}"), ("POST", b"[1]"), ("GET", b"[1]"), ("GET", b"{}"),
+    ("POST", json.dumps({**CONTEXT, "cwd": 5}).encode()),
+    ("POST", json.dumps({**CONTEXT, "id": "\udcff"}).encode()),
+    ("GET", b"[" * 100_000), ("POST", b"not json")])
+def test_context_answers_of_another_shape_are_guest_errors(
+        monkeypatch: pytest.MonkeyPatch, method: str, raw: bytes) -> None:
+    interpreter_answers(monkeypatch, 200, raw)
+    with pytest.raises(GuestError):
+        asyncio.run(interpreter.call(SimpleNamespace(), "s", method, "/contexts"))
+
+
+def test_context_answers_of_the_right_shape_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    interpreter_answers(monkeypatch, 200, json.dumps(CONTEXT).encode())
+    assert asyncio.run(interpreter.call(SimpleNamespace(), "s", "POST", "/contexts")) == CONTEXT
+    interpreter_answers(monkeypatch, 200, json.dumps([CONTEXT]).encode())
+    assert asyncio.run(interpreter.call(SimpleNamespace(), "s", "GET", "/contexts")) == [CONTEXT]
+    for raw in (b"[" * 100_000, json.dumps({"error": "\udcff"}).encode()):
+        err = interpreter._refusal(500, raw, "s")
+        assert isinstance(err, GuestError)
+        str(err).encode("utf-8")  # encodable
+
+
+# -- against a real server and VM ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vm(base_image: Path) -> Iterator[Any]:
+    from e2b import Sandbox as E2BSandbox
+
+    from test_security_tokens import e2b_key
+    d = make_data_dir(base_image)
+    srv = Server(d, free_port())
+    try:
+        srv.start()
+        key = e2b_key(srv)
+        with srv.client() as c:
+            sbx = E2BSandbox.create("base", timeout=3600, api_url=f"{srv.url}/e2b",
+                                    api_key=key, sandbox_url=f"{srv.url}/e2b/envd")
+            r = sbx.commands.run(
+                "mkdir -p /home/user/odd /dev/shm/far && touch /home/user/odd/$(printf '\\377') "
+                f"&& touch -d @{FAR} /dev/shm/far/x /home/user/odd/far-ok "
+                "&& stat -c %Y /dev/shm/far/x", timeout=60)
+            assert r.stdout.strip() == str(FAR), r.stdout + r.stderr
+            yield SimpleNamespace(srv=srv, api=c, sbx=sbx, sid=sbx.sandbox_id)
+            sbx.kill()
+    finally:
+        leaked = cleanup(srv)
+        shutil.rmtree(d, ignore_errors=True)
+        assert not leaked, f"VMM processes outlived the module: {leaked}"
+
+
+@pytest.mark.vm
+def test_envd_lists_and_stats_odd_names_and_far_times(vm: Any) -> None:
+    names = {e.name for e in vm.sbx.files.list("/home/user/odd")}
+    assert names == {REPLACED, "far-ok"}
+    far = [e for e in vm.sbx.files.list("/dev/shm/far")]
+    assert [e.name for e in far] == ["x"] and far[0].modified_time.year == 9999
+    info = vm.sbx.files.get_info("/dev/shm/far/x")
+    assert info.modified_time.year == 9999  # ext4 (the home) stops at 2446: tmpfs is needed
+
+
+@pytest.mark.vm
+def test_rest_lists_and_stats_odd_names_and_far_times(vm: Any) -> None:
+    r = vm.api.get(f"/sandboxes/{vm.sid}/files/list", params={"path": "/home/user/odd"})
+    assert r.status_code == 200, r.text
+    assert {e["name"] for e in r.json()["entries"]} == {REPLACED, "far-ok"}
+    r = vm.api.get(f"/sandboxes/{vm.sid}/files/list", params={"path": "/dev/shm/far"})
+    assert r.status_code == 200, r.text
+    assert [e["mtime"] for e in r.json()["entries"]] == [FAR]
+    r = vm.api.get(f"/sandboxes/{vm.sid}/files/stat", params={"path": "/dev/shm/far/x"})
+    assert (r.status_code, r.json()["mtime"]) == (200, FAR)
+
+
+@pytest.mark.vm
+def test_a_polled_watcher_sees_odd_names(vm: Any) -> None:
+    vm.sbx.commands.run("mkdir -p /home/user/w", timeout=60)
+    handle = vm.sbx.files.watch_dir("/home/user/w")
+    try:
+        vm.sbx.commands.run("touch /home/user/w/$(printf 'a\\377')", timeout=60)
+        deadline = time.monotonic() + 60
+        names: set[str] = set()
+        while f"a{REPLACED}" not in names and time.monotonic() < deadline:
+            names |= {e.name for e in handle.get_new_events()}
+        assert f"a{REPLACED}" in names
+    finally:
+        handle.stop()
