@@ -376,7 +376,7 @@ main().catch((e) => { console.error(e); process.exit(1) })
 
 
 @pytest.fixture(scope="module")
-def js_sdk(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def js_sdk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A folder with the npm ``e2b`` SDK at ``E2B_JS_VERSION`` installed (npm's own
     registry setting); skips when npm or its registry is not reachable."""
     if shutil.which("npm") is None or shutil.which("node") is None:
@@ -388,10 +388,15 @@ def js_sdk(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             f"e2b@{E2B_JS_VERSION}"], cwd=folder, capture_output=True,
                            text=True, timeout=300)
     except subprocess.TimeoutExpired:
+        shutil.rmtree(folder, ignore_errors=True)
         pytest.skip("npm install e2b timed out: its registry is not reachable")
     if r.returncode != 0:
+        shutil.rmtree(folder, ignore_errors=True)
         pytest.skip(f"npm cannot install e2b@{E2B_JS_VERSION}: {r.stderr.strip()[-500:]}")
-    return folder
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @vm
