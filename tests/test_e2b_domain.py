@@ -20,7 +20,8 @@ The programs: the newest Python SDK (this venv's ``e2b``) and the npm ``e2b`` SD
 (installed here with npm at ``E2B_JS_VERSION``; skipped when npm cannot reach its
 registry). Both create, run commands (with callbacks, in the background), write, read
 and list files, watch a folder, pause and connect, fetch a user port through
-``get_host`` over https and kill. Everything made is removed, pass or fail.
+``get_host`` over https and kill; E2B's code interpreter SDK runs code in a context and
+draws a chart (port 49999). Everything made is removed, pass or fail.
 """
 
 from __future__ import annotations
@@ -416,3 +417,37 @@ def test_the_npm_sdk_runs_a_program_with_e2b_domain_alone(site: Site, js_sdk: Pa
     assert log["pause"] is True and log["pausedRunning"] is False
     assert log["afterConnect"] == "hello over TLS"
     assert log["kill"] is True
+
+
+CI_PROGRAM = """
+import json
+from e2b_code_interpreter import Sandbox
+
+log = {}
+sbx = Sandbox.create(timeout=600)
+try:
+    ctx = sbx.create_code_context()
+    log["context"] = sbx.run_code("x = 40 + 2; x", context=ctx).text
+    chart = sbx.run_code("import matplotlib.pyplot as plt\\n"
+                         "plt.plot([1, 2, 3], [2, 4, 1]); plt.title('over TLS'); plt.show()")
+    log["chart"] = [bool(r.png) for r in chart.results]
+    log["error"] = chart.error is None
+finally:
+    log["kill"] = sbx.kill()
+print(json.dumps(log))
+"""
+
+
+@vm
+def test_the_code_interpreter_runs_a_chart_with_e2b_domain_alone(site: Site,
+                                                                 tmp_path: Path) -> None:
+    """E2B's code interpreter SDK reaches port 49999 at ``49999-<id>.<domain>``."""
+    pytest.importorskip("e2b_code_interpreter")
+    if not (Path(site.server.data_dir) / "images" / "code-interpreter").exists():
+        pytest.skip("the code-interpreter image is not built")
+    prog = tmp_path / "ci.py"
+    prog.write_text(CI_PROGRAM)
+    r = site.run([sys.executable, str(prog)], tmp_path)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {
+        "context": "42", "chart": [True], "error": True, "kill": True}
