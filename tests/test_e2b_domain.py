@@ -42,6 +42,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,11 +65,40 @@ E2B_JS_VERSION = "2.51.0"
 """The npm ``e2b`` SDK the JS program runs with (the newest when this was written)."""
 PROGRAM_TIMEOUT_S = 900
 
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="binds port 443 and 53 and unshares mounts"),
-    pytest.mark.skipif(shutil.which("nginx") is None or shutil.which("unshare") is None,
-                       reason="needs Debian's nginx and unshare"),
-]
+
+
+def test_e2bs_host_names_become_hangars_paths() -> None:
+    """api.<domain> is /e2b; 49983-<id>.<domain> is /e2b/envd for that sandbox (the host's
+    id wins over a header's); other ports, other names and no domain pass untouched."""
+    from hangar.api.e2b_hosts import rewrite
+    from hangar.api.proxy.routing import route
+
+    def scope(host: str, path: str = "/v2/sandboxes",
+              headers: tuple[tuple[bytes, bytes], ...] = ()) -> dict[str, Any]:
+        return {"type": "http", "path": path, "raw_path": path.encode(),
+                "headers": [(b"host", host.encode()), *headers]}
+
+    api = rewrite(scope("API.sbx.test:443"), "sbx.test")
+    assert api is not None and (api["path"], api["raw_path"]) == ("/e2b/v2/sandboxes",
+                                                                  b"/e2b/v2/sandboxes")
+    envd = rewrite(scope("49983-sb-0123456789ab.sbx.test", "/files",
+                         headers=((b"e2b-sandbox-id", b"sb-other"),)), "sbx.test")
+    assert envd is not None and envd["path"] == "/e2b/envd/files"
+    assert [h for h in envd["headers"] if h[0] != b"host"] == [
+        (b"e2b-sandbox-id", b"sb-0123456789ab"), (b"e2b-sandbox-port", b"49983")]
+    assert route(envd, "sbx.test") is None  # envd is Hangar's, not a guest port
+    for host in ("3000-sb-1.sbx.test", "api.sbx.test.evil", "x.api.sbx.test",
+                 "49983-sb-1.x.sbx.test", "sbx.test", "api.other.test"):
+        assert rewrite(scope(host), "sbx.test") is None, host
+    assert rewrite(scope("api.sbx.test"), None) is None
+    assert route(scope("3000-sb-1.sbx.test", "/"), "sbx.test") is not None
+
+
+def needs_root_nginx() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("binds ports 443 and 53 on a loopback address and unshares mounts: root")
+    if shutil.which("nginx") is None or shutil.which("unshare") is None:
+        pytest.skip("needs Debian's nginx and unshare")
 
 
 # -- the pieces: a CA, a DNS server, an address ---------------------------------------------
@@ -197,6 +227,7 @@ class Site:
 
 @pytest.fixture(scope="module")
 def site(base_image: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    needs_root_nginx()
     base = tmp_path_factory.mktemp("e2b-domain")
     domain = f"hangar-{uuid.uuid4().hex[:8]}.test"
     address = own_loopback()
