@@ -192,7 +192,8 @@ def own_loopback() -> str:
         except OSError:
             continue
         return addr
-    raise RuntimeError("no free loopback address for ports 53, 80 and 443")
+    pytest.skip("ports 53, 80 or 443 are taken on every loopback address tried (a server "
+                "listening on 0.0.0.0 holds them)")
 
 
 # -- the whole setup --------------------------------------------------------------------------
