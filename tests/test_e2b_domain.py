@@ -19,9 +19,9 @@ module sets up what a user's host has (docs/e2b.md, "E2B_DOMAIN: one host"):
 The programs: the newest Python SDK (this venv's ``e2b``) and the npm ``e2b`` SDK
 (installed here with npm at ``E2B_JS_VERSION``; skipped when npm cannot reach its
 registry). Both create, run commands (with callbacks, in the background), write, read
-and list files, watch a folder, pause and connect, fetch a user port through
-``get_host`` over https and kill; E2B's code interpreter SDK runs code in a context and
-draws a chart (port 49999). Everything made is removed, pass or fail.
+and list files (Python: also through a signed download URL), watch a folder, pause and
+connect, fetch a user port through ``get_host`` over https and kill; E2B's code
+interpreter SDK runs code in a context and draws a chart (port 49999). Everything made is removed, pass or fail.
 """
 
 from __future__ import annotations
@@ -313,6 +313,7 @@ try:
     log["watch"] = sorted(names)
     log["read"] = sbx.files.read("watched/a.txt")
     log["list"] = [e.name for e in sbx.files.list("watched")]
+    log["signed"] = httpx.get(sbx.download_url("watched/a.txt"), timeout=30).text
     sbx.files.write("/tmp/web/index.html", "served")
     sbx.commands.run("python3 -m http.server 8000", cwd="/tmp/web", background=True,
                      timeout=0)
@@ -353,6 +354,7 @@ def test_the_newest_python_sdk_runs_a_program_with_e2b_domain_alone(site: Site,
     assert "a.txt" in log["watch"]
     assert log["read"] == "hello over TLS"
     assert log["list"] == ["a.txt"]
+    assert log["signed"] == "hello over TLS"  # a signed download URL, at 49983-<id>.<domain>
     assert log["host"].startswith("8000-") and log["host"].endswith("." + site.domain)
     assert log["port"] == "served"
     assert log["pause"] is True and log["paused_running"] is False
