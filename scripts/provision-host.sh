@@ -8,6 +8,16 @@
 #     --domain NAME     also set up https://NAME: nginx site (hangar deploy nginx),
 #                       and with --email a Let's Encrypt certificate (certbot, webroot)
 #     --email ADDR      the Let's Encrypt account's address (needs --domain)
+#     --e2b-domain NAME also serve E2B's SDKs configured with E2B_DOMAIN=NAME alone
+#                       (needs --domain): HANGAR_DOMAIN=NAME in hangar.env, and the
+#                       nginx site for api.NAME and <port>-<id>.NAME with a wildcard
+#                       certificate for *.NAME: yours (--e2b-cert, --e2b-key), or
+#                       Let's Encrypt's by a DNS-01 challenge (--email with
+#                       --dns-plugin and --dns-credentials). Wildcard DNS
+#                       (*.NAME and NAME -> this host) is yours to add
+#     --e2b-cert FILE, --e2b-key FILE   a certificate chain and key for *.NAME
+#     --dns-plugin NAME certbot's DNS plugin (e.g. cloudflare: package
+#                       python3-certbot-dns-cloudflare), --dns-credentials FILE its file
 #     --no-deploy       do not install Hangar itself (scripts/deploy.sh local) when
 #                       no release is installed yet
 #     --root DIR        write every file under DIR instead of /, and leave the running
@@ -24,6 +34,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 DRY=0 ROOT=/ DOMAIN="" EMAIL="" DEPLOY=1
+E2B_DOMAIN="" E2B_CERT="" E2B_KEY="" DNS_PLUGIN="" DNS_CREDENTIALS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1; shift ;;
@@ -31,13 +42,31 @@ while [ $# -gt 0 ]; do
     --domain) DOMAIN=$2; shift 2 ;;
     --email) EMAIL=$2; shift 2 ;;
     --no-deploy) DEPLOY=0; shift ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    --e2b-domain) E2B_DOMAIN=$2; shift 2 ;;
+    --e2b-cert) E2B_CERT=$2; shift 2 ;;
+    --e2b-key) E2B_KEY=$2; shift 2 ;;
+    --dns-plugin) DNS_PLUGIN=$2; shift 2 ;;
+    --dns-credentials) DNS_CREDENTIALS=$2; shift 2 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "provision-host.sh: unknown option $1" >&2; exit 1 ;;
   esac
 done
 [ -z "$EMAIL" ] || [ -n "$DOMAIN" ] || { echo "provision-host.sh: --email needs --domain" >&2; exit 1; }
 if [ -n "$DOMAIN" ] && ! printf '%s' "$DOMAIN" | grep -Eq '^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$'; then
   echo "provision-host.sh: not a host name: $DOMAIN" >&2; exit 1
+fi
+if [ -n "$E2B_DOMAIN" ]; then
+  [ -n "$DOMAIN" ] || { echo "provision-host.sh: --e2b-domain needs --domain" >&2; exit 1; }
+  printf '%s' "$E2B_DOMAIN" | grep -Eq '^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$' \
+    || { echo "provision-host.sh: not a host name: $E2B_DOMAIN" >&2; exit 1; }
+  { [ -n "$E2B_CERT" ] && [ -n "$E2B_KEY" ]; } || { [ -z "$E2B_CERT" ] && [ -z "$E2B_KEY" ]; } \
+    || { echo "provision-host.sh: give --e2b-cert and --e2b-key together" >&2; exit 1; }
+  { [ -n "$DNS_PLUGIN" ] && [ -n "$DNS_CREDENTIALS" ]; } || { [ -z "$DNS_PLUGIN" ] && [ -z "$DNS_CREDENTIALS" ]; } \
+    || { echo "provision-host.sh: give --dns-plugin and --dns-credentials together" >&2; exit 1; }
+  [ -z "$DNS_PLUGIN" ] || printf '%s' "$DNS_PLUGIN" | grep -Eq '^[a-z0-9-]{1,40}$' \
+    || { echo "provision-host.sh: not a certbot DNS plugin name: $DNS_PLUGIN" >&2; exit 1; }
+elif [ -n "$E2B_CERT$E2B_KEY$DNS_PLUGIN$DNS_CREDENTIALS" ]; then
+  echo "provision-host.sh: --e2b-cert, --e2b-key, --dns-plugin and --dns-credentials need --e2b-domain" >&2; exit 1
 fi
 [ "$(id -u)" = 0 ] || { echo "provision-host.sh: run as root" >&2; exit 1; }
 LIVE=1; [ "$ROOT" = / ] || LIVE=0
@@ -143,6 +172,7 @@ PKGS="qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static cpio kmod 
       curl ca-certificates openssl nftables iproute2 novnc python3 python3-venv acl logrotate nginx
       skopeo umoci patchelf daemontools"
 [ -n "$EMAIL" ] && PKGS="$PKGS certbot"
+[ -n "$EMAIL" ] && [ -n "$DNS_PLUGIN" ] && PKGS="$PKGS python3-certbot-dns-$DNS_PLUGIN"
 missing=""
 for p in $PKGS; do have_pkg "$p" || missing="$missing $p"; done
 if [ -z "$missing" ]; then
@@ -195,6 +225,18 @@ put_link "$UNIT_DIR/multi-user.target.wants/hangar.service" "$UNIT_DIR/hangar.se
 if [ "$SYSTEMD" = 1 ] && [ "$(cat "$R$UNIT_DIR/hangar.service" 2>/dev/null || true)" != "$UNIT_BEFORE" ]; then
   live "reload systemd's units" systemctl daemon-reload
 fi
+if [ -n "$E2B_DOMAIN" ]; then
+  if [ "$(env_value HANGAR_DOMAIN "")" = "$E2B_DOMAIN" ]; then
+    ok "HANGAR_DOMAIN=$E2B_DOMAIN in /etc/hangar/hangar.env (E2B's api.$E2B_DOMAIN and sandbox hosts)"
+  else
+    act "set HANGAR_DOMAIN=$E2B_DOMAIN in /etc/hangar/hangar.env (E2B's api.$E2B_DOMAIN and sandbox hosts)" \
+      sh -c 'sed -i "/^HANGAR_DOMAIN=/d" "$1" && echo "HANGAR_DOMAIN=$2" >> "$1"' sh \
+      "$R/etc/hangar/hangar.env" "$E2B_DOMAIN"
+    if [ "$SYSTEMD" = 1 ]; then
+      live "restart Hangar if it runs (it reads HANGAR_DOMAIN at start)" systemctl try-restart hangar.service
+    fi
+  fi
+fi
 sed "s#/var/lib/hangar/#$DATA/#" deploy/logrotate/hangar | put_text /etc/logrotate.d/hangar 0644 "file log rotation"
 
 # -- nginx and the certificate ----------------------------------------------------
@@ -214,9 +256,39 @@ else
   else
     warn "no certificate at $CERT: run again with --email ADDR, or put yours there"
   fi
-  if [ ! -f "$R$CERT" ] && [ "$LIVE" = 1 ] && [ "$DRY" = 0 ]; then
+  E2B_READY=1
+  if [ -n "$E2B_DOMAIN" ]; then
+    # A wildcard certificate needs a DNS-01 challenge: certbot's DNS plugin for your DNS host.
+    if [ -z "$E2B_CERT" ]; then
+      E2B_CERT=/etc/letsencrypt/live/$E2B_DOMAIN/fullchain.pem
+      E2B_KEY=/etc/letsencrypt/live/$E2B_DOMAIN/privkey.pem
+      if [ -f "$R$E2B_CERT" ]; then
+        ok "certificate $E2B_CERT (*.$E2B_DOMAIN)"
+      elif [ -n "$EMAIL" ] && [ -n "$DNS_PLUGIN" ]; then
+        live "get a Let's Encrypt certificate for *.$E2B_DOMAIN and $E2B_DOMAIN (certbot, DNS-01 by $DNS_PLUGIN)" \
+          certbot certonly "--dns-$DNS_PLUGIN" "--dns-$DNS_PLUGIN-credentials" "$DNS_CREDENTIALS" \
+          -d "*.$E2B_DOMAIN" -d "$E2B_DOMAIN" --cert-name "$E2B_DOMAIN" -m "$EMAIL" --agree-tos -n \
+          --deploy-hook "systemctl reload nginx"
+      else
+        warn "no certificate at $E2B_CERT: run again with --email, --dns-plugin and --dns-credentials, or give yours (--e2b-cert, --e2b-key)"
+      fi
+    elif [ -f "$E2B_CERT" ] && [ -f "$E2B_KEY" ]; then
+      ok "certificate $E2B_CERT (*.$E2B_DOMAIN, yours)"
+    else
+      warn "$E2B_CERT or $E2B_KEY does not exist"
+    fi
+    [ -f "$R$E2B_CERT" ] || [ -f "$E2B_CERT" ] || E2B_READY=0
+    if [ "$LIVE" = 1 ] && command -v getent >/dev/null; then
+      if getent ahostsv4 "api.$E2B_DOMAIN" >/dev/null; then
+        ok "api.$E2B_DOMAIN resolves ($(getent ahostsv4 "api.$E2B_DOMAIN" | awk 'NR==1{print $1}'))"
+      else
+        warn "api.$E2B_DOMAIN does not resolve: add DNS records *.$E2B_DOMAIN and $E2B_DOMAIN naming this host"
+      fi
+    fi
+  fi
+  if { [ ! -f "$R$CERT" ] || [ "$E2B_READY" = 0 ]; } && [ "$LIVE" = 1 ] && [ "$DRY" = 0 ]; then
     # An enabled site without its certificate would stop every nginx reload.
-    skip "the site for $DOMAIN waits for its certificate: run again once $CERT exists"
+    skip "the site for $DOMAIN waits for its certificates: run again once $CERT${E2B_DOMAIN:+ and $E2B_CERT} exist"
   else
     SITE_TMP=$(mktemp)
     HOST=$(env_value HANGAR_HOST 127.0.0.1); PORT=$(env_value HANGAR_PORT 8080)
@@ -225,11 +297,14 @@ else
 import sys
 from pathlib import Path
 from hangar.ops.nginx import Site, render
-domain, upstream, limit, out = sys.argv[1:]
-Path(out).write_text(render(Site(domain=domain, upstream=upstream, max_json_bytes=int(limit))))
-' "$DOMAIN" "$HOST:$PORT" "$(env_value HANGAR_MAX_JSON_BYTES 8388608)" "$SITE_TMP"
+domain, upstream, limit, out, e2b, e2b_cert, e2b_key = sys.argv[1:]
+Path(out).write_text(render(Site(domain=domain, upstream=upstream, max_json_bytes=int(limit),
+                                 e2b_domain=e2b, e2b_certificate=e2b_cert,
+                                 e2b_certificate_key=e2b_key)))
+' "$DOMAIN" "$HOST:$PORT" "$(env_value HANGAR_MAX_JSON_BYTES 8388608)" "$SITE_TMP" \
+      "$E2B_DOMAIN" "$E2B_CERT" "$E2B_KEY"
     SITE_BEFORE=$(cat "$R/etc/nginx/sites-available/hangar" 2>/dev/null || true)
-    put_file /etc/nginx/sites-available/hangar 0644 "$SITE_TMP" "the site for https://$DOMAIN (hangar deploy nginx)"
+    put_file /etc/nginx/sites-available/hangar 0644 "$SITE_TMP" "the site for https://$DOMAIN${E2B_DOMAIN:+ and *.$E2B_DOMAIN} (hangar deploy nginx)"
     rm -f "$SITE_TMP"
     put_link /etc/nginx/sites-enabled/hangar /etc/nginx/sites-available/hangar "site enabled"
     if [ "$LIVE" = 1 ] && [ "$DRY" = 0 ] \

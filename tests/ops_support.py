@@ -125,13 +125,13 @@ http {{
         return subprocess.run(["nginx", "-t", "-p", str(self.folder), "-e", str(self.error_log),
                                "-c", str(self.conf)], capture_output=True, text=True)
 
-    def start(self, port: int) -> None:
+    def start(self, port: int, host: str = "127.0.0.1") -> None:
         self.proc = subprocess.Popen(
             ["nginx", "-p", str(self.folder), "-e", str(self.error_log), "-c", str(self.conf),
              "-g", "daemon off;"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
             start_new_session=True)
         try:
-            wait_port(port, self.proc)
+            wait_port(port, self.proc, host=host)
         except RuntimeError:
             self.stop()
             raise RuntimeError(f"nginx did not start: {self.error_log.read_text()[-2000:]}")

@@ -243,8 +243,32 @@ def test_provision_plans_then_converges(tmp_path: Path) -> None:
     assert (root / "etc/systemd/system/hangar.service").read_bytes() == UNIT.read_bytes()
 
 
+def test_provision_sets_up_e2bs_domain(tmp_path: Path) -> None:
+    """--e2b-domain: HANGAR_DOMAIN in the settings and nginx's site for *.<domain> with the
+    wildcard certificate given; a second run changes nothing."""
+    root = tmp_path / "host"
+    root.mkdir()
+    cert, key = tmp_path / "wild.pem", tmp_path / "wild.key"
+    cert.write_text("x")
+    key.write_text("x")
+    args = ["--root", str(root), "--domain", "hangar.example.com", "--e2b-domain",
+            "sbx.example.com", "--e2b-cert", str(cert), "--e2b-key", str(key)]
+    first = provision(*args).stdout
+    assert "[changed] set HANGAR_DOMAIN=sbx.example.com" in first
+    assert "HANGAR_DOMAIN=sbx.example.com\n" in (root / "etc/hangar/hangar.env").read_text()
+    site = (root / "etc/nginx/sites-available/hangar").read_text()
+    assert "server_name hangar.example.com;" in site and "server_name *.sbx.example.com;" in site
+    assert f"ssl_certificate {cert};" in site and f"ssl_certificate_key {key};" in site
+    second = provision(*args).stdout
+    assert "0 changes made" in second and "[changed]" not in second, second
+
+
 def test_provision_refuses_bad_input(tmp_path: Path) -> None:
-    for args in (["--domain", "bad;name"], ["--email", "a@b.c"], ["--frobnicate"]):
+    for args in (["--domain", "bad;name"], ["--email", "a@b.c"], ["--frobnicate"],
+                 ["--e2b-domain", "sbx.example.com"],
+                 ["--domain", "h.example.com", "--e2b-domain", "bad;name"],
+                 ["--domain", "h.example.com", "--e2b-domain", "s.example.com", "--e2b-cert", "/x"],
+                 ["--dns-plugin", "cloudflare", "--dns-credentials", "/x"]):
         r = subprocess.run(["bash", str(SCRIPTS / "provision-host.sh"), "--root", str(tmp_path),
                             *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and r.stderr, args

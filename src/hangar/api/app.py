@@ -9,6 +9,9 @@ the OpenAPI document (``create_app().openapi()``).
 
 Middleware, outermost first::
 
+    E2bHosts               E2B's host names under HANGAR_DOMAIN (api.<domain>,
+                           49983-<id>.<domain>) become /e2b and /e2b/envd paths
+                           (hangar.api.e2b_hosts)
     FrontDoor              authenticates from headers alone before any body is read:
                            the key here, ports and envd by their own layers below
                            (hangar.api.frontdoor)
@@ -36,6 +39,7 @@ from hangar.api import (
     pty, sandboxes, secrets, snapshots, tunnel, vnc, volumes, web,
 )
 from hangar.api.auth import KeyRing, Throttle, require_key
+from hangar.api.e2b_hosts import E2bHosts
 from hangar.api.envd.gateway import EnvdGateway
 from hangar.api.frontdoor import FrontDoor, install_offloop_json
 from hangar.api.idempotency import IdempotencyMiddleware
@@ -108,5 +112,7 @@ def create_app(settings: Settings | None = None, *, keys: KeyRing | None = None,
     app.add_middleware(PortProxy)
     # Outside everything: no body is read before the sender is known (hangar.api.frontdoor).
     app.add_middleware(FrontDoor)
+    # Before the front door: E2B's host names are read as the paths they stand for.
+    app.add_middleware(E2bHosts)
     install_offloop_json()
     return app

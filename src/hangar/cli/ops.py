@@ -56,6 +56,15 @@ def deploy_nginx(
         help="JSON body cap, bytes. Default: Hangar's (HANGAR_MAX_JSON_BYTES).")] = None,
     reload: Annotated[bool, typer.Option(
         help="After writing, check the config (nginx -t) and reload nginx.")] = False,
+    address: Annotated[str, typer.Option(
+        help="Listen on this one address only (e.g. 127.0.0.2). Default: every address.")] = "",
+    e2b_domain: Annotated[str, typer.Option(
+        help="Also serve E2B's host names *.<this> (api.<this>, <port>-<id>.<this>): "
+             "Hangar's HANGAR_DOMAIN, with a wildcard certificate (docs/e2b.md).")] = "",
+    e2b_cert: Annotated[Optional[str], typer.Option(
+        help="Wildcard certificate chain for *.<e2b-domain> (PEM). Default: certbot's.")] = None,
+    e2b_key: Annotated[Optional[str], typer.Option(
+        help="Its private key (PEM). Default: certbot's for the E2B domain.")] = None,
 ) -> None:
     """Render the nginx site (TLS, WebSockets, unbuffered streams) for Hangar."""
     from hangar.ops import nginx
@@ -70,7 +79,9 @@ def deploy_nginx(
         site = nginx.Site(domain=domain, upstream=upstream, certificate=cert or "",
                           certificate_key=key or "", acme_root=acme_root,
                           https_port=https_port, http_port=http_port,
-                          max_json_bytes=max_json_bytes)
+                          max_json_bytes=max_json_bytes, address=address,
+                          e2b_domain=e2b_domain, e2b_certificate=e2b_cert or "",
+                          e2b_certificate_key=e2b_key or "")
     except nginx.SiteError as exc:
         _fail(str(exc))
         return
@@ -89,8 +100,9 @@ def deploy_nginx(
                 typer.echo(f"enabled it: {link} -> {target}")
     except OSError as exc:
         _fail(f"cannot write {exc.filename or target}: {exc.strerror or exc} (run as root?)")
-    for path in (site.certificate, site.certificate_key):
-        if not Path(path).exists():
+    for path in (site.certificate, site.certificate_key, site.e2b_certificate,
+                 site.e2b_certificate_key):
+        if path and not Path(path).exists():
             typer.echo(f"note: {path} does not exist yet; nginx will not start with this site "
                        "until it does (docs/operations.md: certbot)", err=True)
     if reload:

@@ -15,7 +15,11 @@ what Hangar needs from a reverse proxy:
   the guest;
 * ``X-Forwarded-For``/``-Proto``/``-Host`` set from the connection, never
   passed on from the client, for Hangar to trust from the proxy's address
-  only (``HANGAR_FORWARDED_ALLOW_IPS``).
+  only (``HANGAR_FORWARDED_ALLOW_IPS``);
+* with ``e2b_domain`` (Hangar's ``HANGAR_DOMAIN``), a second site
+  (``templates/nginx-site-e2b.conf``) for ``*.<e2b_domain>``: E2B's
+  ``api.<domain>`` and ``<port>-<id>.<domain>`` names, served with a wildcard
+  certificate, streamed both ways without a body cap.
 
 Placeholders are ``{{name}}``; nginx's own ``$variables`` pass through.
 """
@@ -28,11 +32,13 @@ from importlib import resources
 from pathlib import Path
 
 TEMPLATE = "nginx-site.conf"
+E2B_TEMPLATE = "nginx-site-e2b.conf"
 DEFAULT_JSON_LIMIT = 8 << 20
 """Hangar's JSON body cap in bytes when the settings do not say (``max_json_bytes``)."""
 
 _LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
 _DOMAIN = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
+_ADDRESS = re.compile(r"^([0-9]{1,3}(\.[0-9]{1,3}){3}|\[[0-9A-Fa-f:.]+\])$")
 _UPSTREAM = re.compile(r"^(unix:/[^\s;{}]+|[A-Za-z0-9.-]+:\d{1,5}|\[[0-9A-Fa-f:.]+\]:\d{1,5})$")
 _PATH = re.compile(r"^/[^\s;{}'\"\\]*$")
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
@@ -49,7 +55,12 @@ class Site:
     ``domain``: the public host name. ``upstream``: where Hangar listens,
     ``host:port`` or ``unix:/path``. ``certificate``/``certificate_key``:
     PEM files (default: certbot's for ``domain``). Ports are TCP ports;
-    ``max_json_bytes`` is bytes.
+    ``max_json_bytes`` is bytes. ``address``: the one address nginx listens on
+    (``127.0.0.2``, ``[::1]``); empty: every IPv4 and IPv6 address.
+    ``e2b_domain``: Hangar's ``HANGAR_DOMAIN``, whose ``*.<e2b_domain>`` names
+    (E2B's ``api.`` and sandbox hosts) get a site of their own, with
+    ``e2b_certificate``/``e2b_certificate_key`` (a wildcard certificate; default:
+    certbot's for ``e2b_domain``); empty: none.
     """
 
     domain: str
@@ -60,10 +71,24 @@ class Site:
     https_port: int = 443
     http_port: int = 80
     max_json_bytes: int = DEFAULT_JSON_LIMIT
+    address: str = ""
+    e2b_domain: str = ""
+    e2b_certificate: str = ""
+    e2b_certificate_key: str = ""
 
     def __post_init__(self) -> None:
         if not _DOMAIN.match(self.domain):
             raise SiteError(f"not a host name: {self.domain!r}")
+        if self.address and not _ADDRESS.match(self.address):
+            raise SiteError(f"address must be an IPv4 address or [IPv6], not {self.address!r}")
+        if self.e2b_domain:
+            if not _DOMAIN.match(self.e2b_domain):
+                raise SiteError(f"not a host name: {self.e2b_domain!r}")
+            live = f"/etc/letsencrypt/live/{self.e2b_domain}"
+            if not self.e2b_certificate:
+                object.__setattr__(self, "e2b_certificate", f"{live}/fullchain.pem")
+            if not self.e2b_certificate_key:
+                object.__setattr__(self, "e2b_certificate_key", f"{live}/privkey.pem")
         if not _UPSTREAM.match(self.upstream):
             raise SiteError(f"upstream must be HOST:PORT or unix:/PATH, not {self.upstream!r}")
         if not self.certificate:
@@ -72,7 +97,10 @@ class Site:
         if not self.certificate_key:
             object.__setattr__(self, "certificate_key",
                                f"/etc/letsencrypt/live/{self.domain}/privkey.pem")
-        for name in ("certificate", "certificate_key", "acme_root"):
+        for name in ("certificate", "certificate_key", "acme_root", "e2b_certificate",
+                     "e2b_certificate_key"):
+            if name.startswith("e2b_") and not self.e2b_domain:
+                continue
             if not _PATH.match(getattr(self, name)):
                 raise SiteError(f"{name} must be an absolute path without spaces, quotes or "
                                 f"';{{}}': {getattr(self, name)!r}")
@@ -85,14 +113,23 @@ class Site:
             raise SiteError(f"max_json_bytes must be at least 1024, not {self.max_json_bytes}")
 
 
-def template_text() -> str:
-    """The template shipped in the package."""
-    return resources.files("hangar.ops").joinpath("templates", TEMPLATE).read_text()
+def template_text(name: str = TEMPLATE) -> str:
+    """A template shipped in the package (``TEMPLATE``, ``E2B_TEMPLATE``)."""
+    return resources.files("hangar.ops").joinpath("templates", name).read_text()
+
+
+def _listen(address: str, port: int, ssl: str) -> str:
+    if address:
+        return f"listen {address}:{port}{ssl};"
+    return f"listen {port}{ssl};\n    listen [::]:{port}{ssl};"
 
 
 def render(site: Site, template: str | None = None) -> str:
-    """The site config for ``site``; raises SiteError for a placeholder it cannot fill."""
+    """The site config for ``site`` (with E2B's site after it when ``site.e2b_domain``);
+    raises SiteError for a placeholder it cannot fill."""
     values = {k: str(v) for k, v in asdict(site).items()}
+    values["listen_http"] = _listen(site.address, site.http_port, "")
+    values["listen_https"] = _listen(site.address, site.https_port, " ssl")
     values["slug"] = re.sub(r"[^a-z0-9]", "_", site.domain.lower())
     values["https_suffix"] = "" if site.https_port == 443 else f":{site.https_port}"
     values["api_timeout"] = "600s"
@@ -105,7 +142,10 @@ def render(site: Site, template: str | None = None) -> str:
         except KeyError:
             raise SiteError(f"the template names an unknown value {{{{{m.group(1)}}}}}") from None
 
-    return _PLACEHOLDER.sub(fill, template if template is not None else template_text())
+    text = template if template is not None else template_text()
+    if site.e2b_domain and template is None:
+        text += template_text(E2B_TEMPLATE)
+    return _PLACEHOLDER.sub(fill, text)
 
 
 def write(site: Site, path: Path) -> Path:

@@ -1,7 +1,8 @@
 """Where a request for an exposed port goes, and what the guest's app sees of it.
 
 ``route`` finds the port (path-routed ``/sandboxes/{id}/ports/{port}/...`` or
-host-routed ``{port}-{id}.<HANGAR_DOMAIN>``); ``guest_headers`` gives the
+host-routed ``{port}-{id}.<HANGAR_DOMAIN>``, but for port 49983, E2B's envd, which
+``hangar.api.e2b_hosts`` serves); ``guest_headers`` gives the
 client's headers as the guest gets them (Hangar's credentials and hop-by-hop
 headers removed, ``X-Forwarded-*`` added); ``split_query`` and ``split_cookies``
 take a port token out of the query and the ``Cookie`` header, and
@@ -18,6 +19,8 @@ from typing import Any
 from urllib.parse import unquote
 
 from starlette.types import Scope
+
+from hangar.core.service import e2b
 
 TOKEN_PARAM = "hangar_token"
 """Query parameter that carries a private port's URL token."""
@@ -92,7 +95,8 @@ def route(scope: Scope, domain: str | None) -> Target | None:
         if ":" not in domain:
             host = host.rsplit(":", 1)[0] if not host.endswith("]") else host
         m = _host_pattern(domain).match(host)
-        if m is not None:
+        # 49983 is E2B's envd, which Hangar serves itself (hangar.api.e2b_hosts)
+        if m is not None and int(m.group(1)) != e2b.ENVD_PORT:
             return Target(m.group(2), int(m.group(1)), raw or b"/", None)
     m2 = PATH_RE.match(raw)
     if m2 is None:
