@@ -54,6 +54,8 @@ COST_S: dict[str, int] = {
     "test_machines": 99,
     "test_image_pinning": 95,
     "test_e2b_envd": 91,
+    "test_e2b_domain": 90,  # measured alone at load 16: 250 s (about a third of that quiet)
+    "test_guest_metadata_bounds": 40,
     "test_template_memory": 91,
     "test_desktop": 90,
     "test_guest_limits": 89,
