@@ -244,9 +244,9 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
         await _folder(envd, path)
         r = await envd.manager.files.write(envd.sandbox_id, path,
                                            _body(receive, encoding == "gzip"))
-        out = [_written(r)]
-        await _finish(envd, out, metadata)
-        await _json(send, 200, out)
+        written = [_written(r)]
+        await _finish(envd, written, metadata)
+        await _json(send, 200, written)
         return
     if ctype != b"multipart/form-data":
         shown = ctype.decode("latin-1")[:64] or "(none)"
