@@ -190,7 +190,8 @@ _OWNER_PY = (
     " except OSError: continue\n"
     " t=k=''\n"
     " if stat.S_ISLNK(s.st_mode):\n"
-    "  t=os.path.realpath(p); k='dir' if os.path.isdir(p) else 'file' if os.path.isfile(p) else ''\n"
+    "  t=os.path.realpath(p)\n"
+    "  k='dir' if os.path.isdir(p) else 'file' if os.path.isfile(p) else ''\n"
     " m={}\n"
     " try:\n"
     "  for a in os.listxattr(p,follow_symlinks=False):\n"
@@ -198,7 +199,8 @@ _OWNER_PY = (
     "os.getxattr(p,a,follow_symlinks=False).decode('utf-8','replace')\n"
     " except OSError: pass\n"
     " o.write(('%s:%s\\t%s\\t%s\\t%s\\t%s\\0'%(nm(pwd.getpwuid,s.st_uid),"
-    "nm(grp.getgrgid,s.st_gid),p,t,k,json.dumps(m) if m else '')).encode('utf-8','surrogateescape'))\n")
+    "nm(grp.getgrgid,s.st_gid),p,t,k,json.dumps(m) if m else ''))"
+    ".encode('utf-8','surrogateescape'))\n")
 """Owners, symlinks and metadata of the paths in ``argv`` in one process, as ``_OWNER_SH``'s
 loop prints them with a fifth field: the metadata as a JSON object (empty when none)."""
 _META_PL = (
