@@ -214,7 +214,7 @@ def test_sync_sdk_drives_a_sandbox_through_its_life(server: Server, api: httpx.C
             r = c.post(f"/sandboxes/{sid}/connect", json={"timeout": 60})
             assert r.status_code == 200 and r.json()["sandboxID"] == sid
             token, traffic = r.json()["envdAccessToken"], r.json()["trafficAccessToken"]
-            assert r.json()["envdVersion"] == "0.5.7"
+            assert r.json()["envdVersion"] == "0.6.4"
             # two capabilities, two values (docs/security.md, class 4)
             assert re.fullmatch(r"[0-9a-f]{64}", token) and re.fullmatch(r"[0-9a-f]{64}", traffic)
             assert token != traffic and traffic == sbx.traffic_access_token

@@ -538,3 +538,50 @@ def test_an_expired_signed_url_gets_e2bs_answer(env: Env) -> None:
         r = c.get(url)
     assert (r.status_code, r.json()) == (401, {"code": 401,
                                                "message": "signature is already expired"})
+
+
+def test_file_metadata_kept_as_xattrs(env: Env) -> None:
+    """``X-Metadata-*`` upload headers (envd 0.6.2) are ``user.e2b.*`` xattrs: answered by
+    the write, surfaced by Stat and ListDir, kept by a move, cleared by an overwrite
+    without any; keys lowercased; a key that is not printable ASCII is a 400."""
+    sbx = env.sandbox()
+    info = sbx.files.write("meta/a.txt", "one", metadata={"Author": "ann", "stage": "1"})
+    assert info.metadata == {"author": "ann", "stage": "1"}
+    assert sbx.files.get_info("meta/a.txt").metadata == {"author": "ann", "stage": "1"}
+    assert [e.metadata for e in sbx.files.list("meta")] == [{"author": "ann", "stage": "1"}]
+    assert sbx.files.get_info("meta/a.txt").owner == "user"
+    assert sbx.files.rename("meta/a.txt", "meta/b.txt").metadata == {"author": "ann",
+                                                                       "stage": "1"}
+    assert sbx.files.write("meta/b.txt", "two").metadata is None
+    assert sbx.files.get_info("meta/b.txt").metadata is None
+    sbx.commands.run("python3 -c \"import os; os.setxattr('meta/b.txt', 'user.e2b.k', b'v')\"")
+    assert sbx.files.get_info("meta/b.txt").metadata == {"k": "v"}
+    with httpx.Client(timeout=60) as c:
+        r = c.post(f"{env.url}/files", params={"path": "meta/c.txt"}, content=b"x",
+                   headers=env.headers(**{"Content-Type": "application/octet-stream",
+                                          "X-Metadata-ok": "tab\there"}))
+    assert r.status_code == 400, r.text
+    assert sbx.files.exists("meta/c.txt") is False
+    sbx.files.remove("meta")
+
+
+def test_watch_events_carry_their_entry(env: Env) -> None:
+    """With ``include_entry`` (envd 0.6.3) a written file's events carry its ``EntryInfo``;
+    a file written through ``/files`` is CREATE, WRITE and CHMOD, as on E2B's envd;
+    ``allow_network_mounts`` (0.6.4) is taken."""
+    sbx = env.sandbox()
+    sbx.files.make_dir("entries")
+    handle = sbx.files.watch_dir("entries", include_entry=True, allow_network_mounts=True)
+    try:
+        sbx.files.write("entries/new.txt", "fresh")
+        events = handle.get_new_events()
+        assert [(e.name, e.type) for e in events] == [
+            ("new.txt", FilesystemEventType.CREATE), ("new.txt", FilesystemEventType.WRITE),
+            ("new.txt", FilesystemEventType.CHMOD)]
+        entry = events[1].entry
+        assert entry is not None
+        assert (entry.path, entry.type, entry.owner) == ("/home/user/entries/new.txt",
+                                                         FileType.FILE, "user")
+    finally:
+        handle.stop()
+    sbx.files.remove("entries")

@@ -78,11 +78,12 @@ __all__ = ["CONTROL_PORTS", "DEFAULT_USER", "ENVD_PORT", "ENVD_VERSION", "INTERP
            "resolve", "sandbox", "sealed", "templates", "traffic_admits", "traffic_token",
            "url_exposure", "with_options"]
 
-ENVD_VERSION = "0.5.7"
+ENVD_VERSION = "0.6.4"
 """The envd version every sandbox reports. >= 0.3.0: the SDK sends ``stdin``; >= 0.4.0 it
-stops forcing user ``user``; >= 0.5.2 ``close_stdin``; >= 0.5.7 octet-stream uploads. Below
-0.6.2 the SDK itself refuses file metadata (xattrs) and below 0.6.3 watch entry info, which
-Hangar does not serve."""
+stops forcing user ``user``; >= 0.5.2 ``close_stdin``; >= 0.5.7 octet-stream uploads;
+>= 0.6.2 file metadata (``X-Metadata-*`` upload headers, kept as ``user.e2b.*`` xattrs);
+>= 0.6.3 entry info in watch events; >= 0.6.4 ``allow_network_mounts`` on a watch. All are
+served; nothing above 0.6.4 is promised."""
 
 KEY = "e2b"
 """The metadata key where older servers kept a sandbox's E2B ``Options``; now the record's

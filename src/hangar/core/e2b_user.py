@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,8 +21,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hangar.e2b")
 
-__all__ = ["DEFAULT_USER", "ROOT", "Owner", "add_user", "as_user", "give", "home", "owners",
-           "unwrapped", "user_of"]
+__all__ = ["DEFAULT_USER", "METADATA_XATTR", "ROOT", "Owner", "add_user", "as_user",
+           "check_metadata", "give", "home", "owners", "unwrapped", "user_of"]
 
 SETPRIV = "setpriv"
 """util-linux's ``setpriv``: sets the user, group and groups, then ``exec``s the command."""
@@ -162,20 +164,71 @@ def unwrapped(command: str, args: list[str]) -> tuple[str, list[str]]:
 
 @dataclass(frozen=True)
 class Owner:
-    """Who owns a path in the guest, by name, and where a symlink points (its absolute
-    target, and the type of what it reaches: ``file``, ``dir``, or None when dangling)."""
+    """Who owns a path in the guest, by name, where a symlink points (its absolute target,
+    and the type of what it reaches: ``file``, ``dir``, or None when dangling), and its
+    E2B file metadata (``METADATA_XATTR`` extended attributes, the prefix stripped; None
+    when it has none, or the image has no ``python3`` to read them)."""
 
     owner: str
     group: str
     target: str | None = None
     target_type: str | None = None
+    metadata: dict[str, str] | None = None
 
 
 OWNERS_BATCH = 500
 """Paths asked about in one command."""
-_OWNER_SH = ('for p; do if [ -L "$p" ]; then t=$(readlink -f -- "$p" || true); '
+METADATA_XATTR = "user.e2b."
+"""The extended attributes' namespace of E2B's file metadata (a key ``k`` is ``user.e2b.k``)."""
+METADATA_KEY_MAX = 255 - len(METADATA_XATTR)
+"""Longest metadata key, bytes (the kernel's xattr name limit less the prefix)."""
+METADATA_MAX = 4096
+"""Most bytes of one file's metadata: keys with their prefix, plus values."""
+_OWNER_PY = (
+    "import grp,json,os,pwd,stat,sys\n"
+    "def nm(f,i):\n"
+    " try: return f(i)[0]\n"
+    " except KeyError: return 'UNKNOWN'\n"
+    "o=sys.stdout.buffer\n"
+    "for p in sys.argv[1:]:\n"
+    " try: s=os.lstat(p)\n"
+    " except OSError: continue\n"
+    " t=k=''\n"
+    " if stat.S_ISLNK(s.st_mode):\n"
+    "  t=os.path.realpath(p)\n"
+    "  k='dir' if os.path.isdir(p) else 'file' if os.path.isfile(p) else ''\n"
+    " m={}\n"
+    " try:\n"
+    "  for a in os.listxattr(p,follow_symlinks=False):\n"
+    f"   if a.startswith({METADATA_XATTR!r}): m[a[{len(METADATA_XATTR)}:]]="
+    "os.getxattr(p,a,follow_symlinks=False).decode('utf-8','replace')\n"
+    " except OSError: pass\n"
+    " o.write(('%s:%s\\t%s\\t%s\\t%s\\t%s\\0'%(nm(pwd.getpwuid,s.st_uid),"
+    "nm(grp.getgrgid,s.st_gid),p,t,k,json.dumps(m) if m else ''))"
+    ".encode('utf-8','surrogateescape'))\n")
+"""Owners, symlinks and metadata of the paths in ``argv`` in one process, as ``_OWNER_SH``'s
+loop prints them with a fifth field: the metadata as a JSON object (empty when none)."""
+_META_PL = (
+    "use Config; my %n=(x86_64=>[192,195],aarch64=>[9,12]); "
+    "my ($g,$l)=@{$n{(split /-/,$Config{archname})[0]} || exit}; "
+    "for my $p (@ARGV) { my $b=\"\\0\"x65536; my $k=syscall($l,$p,$b,65536); next if $k<=0; "
+    "my @o; for my $x (split /\\0/, substr($b,0,$k)) { "
+    f"next unless $x=~s/^{re.escape(METADATA_XATTR)}//s; my $v=\"\\0\"x65536; "
+    f"my $m=syscall($g,$p,\"{METADATA_XATTR}$x\",$v,65536); "
+    "push @o, unpack('H*',$x).':'.unpack('H*',substr($v,0,$m)) if $m>=0 } "
+    "print \"M\\t$p\\t\", join(',',@o), \"\\0\" if @o }")
+"""The metadata of the paths in ``argv`` (perl's ``syscall`` of ``lgetxattr`` and
+``llistxattr``: perl starts in a few milliseconds where python3 takes a tenth of a second,
+a second under emulation), one ``M<TAB>path<TAB>hexkey:hexvalue,...`` record a path that
+has any."""
+_OWNER_SH = ('py=$1 pl=$2; shift 2; if command -v perl >/dev/null; then perl -e "$pl" -- "$@"; '
+             'elif command -v python3 >/dev/null; then exec python3 -I -S -c "$py" "$@"; fi; '
+             'for p; do if [ -L "$p" ]; then t=$(readlink -f -- "$p" || true); '
              'k=; [ -d "$p" ] && k=dir; [ -f "$p" ] && k=file; else t=; k=; fi; '
              'printf "%s\\t%s\\t%s\\t%s\\0" "$(stat -c %U:%G -- "$p")" "$p" "$t" "$k"; done')
+"""Owners and symlinks of the paths in ``argv`` (``owner:group``, path, symlink target, its
+type), with their metadata from ``_META_PL`` where the image has perl, else all of it from
+``_OWNER_PY`` where it has python3, else without metadata."""
 
 
 async def owners(manager: SandboxManager, sandbox_id: str,
@@ -186,24 +239,118 @@ async def owners(manager: SandboxManager, sandbox_id: str,
     for i in range(0, len(paths), OWNERS_BATCH):
         batch = paths[i:i + OWNERS_BATCH]
         r = await manager.exec(sandbox_id, Command(
-            command="/bin/sh", args=["-c", _OWNER_SH, "sh", *batch], timeout_s=60,
-            head=1 << 20))
+            command="/bin/sh", args=["-c", _OWNER_SH, "sh", _OWNER_PY, _META_PL, *batch],
+            timeout_s=60, head=1 << 20))
+        found: dict[str, dict[str, str]] = {}
         for item in r.stdout.head.split(b"\0"):
-            parts = item.decode("utf-8", "replace").split("\t")
-            if len(parts) != 4 or ":" not in parts[0]:
+            text = item.decode("utf-8", "replace")
+            if text.startswith("M\t"):
+                path, _, pairs = text[2:].rpartition("\t")
+                found[path] = _hex_pairs(pairs)
+                continue
+            parts = text.split("\t")
+            if len(parts) not in (4, 5) or ":" not in parts[0]:
                 continue
             owner, _, group = parts[0].partition(":")
-            out[parts[1]] = Owner(owner, group, parts[2] or None, parts[3] or None)
+            meta = _json_object(parts[4]) if len(parts) == 5 else found.get(parts[1])
+            out[parts[1]] = Owner(owner, group, parts[2] or None, parts[3] or None, meta or None)
     return out
 
 
-async def give(manager: SandboxManager, sandbox_id: str, paths: list[str], user: str) -> None:
+def _hex_pairs(text: str) -> dict[str, str]:
+    out = {}
+    for pair in text.split(","):
+        k, _, v = pair.partition(":")
+        try:
+            out[bytes.fromhex(k).decode("utf-8", "replace")] = \
+                bytes.fromhex(v).decode("utf-8", "replace")
+        except ValueError:
+            continue
+    return out
+
+
+def _json_object(text: str) -> dict[str, str] | None:
+    try:
+        value = json.loads(text) if text else None
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def check_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    """``metadata`` as it is stored: keys lowercased (the first of two keys that differ by
+    case wins). Raises InvalidRequest (400) for a key or value that is not printable ASCII,
+    an empty key or one over ``METADATA_KEY_MAX`` bytes, or more than ``METADATA_MAX`` bytes
+    in all."""
+    out: dict[str, str] = {}
+    total = 0
+    for key, value in metadata.items():
+        k = key.lower()
+        if not k or len(k) > METADATA_KEY_MAX or not _printable(k) or not _printable(value):
+            raise InvalidRequest(f"metadata key {key[:64]!r}: keys (1 to {METADATA_KEY_MAX} "
+                                 "bytes) and values must be printable US-ASCII",
+                                 field="metadata")
+        if k in out:
+            continue
+        out[k] = value
+        total += len(METADATA_XATTR) + len(k) + len(value)
+    if total > METADATA_MAX:
+        raise InvalidRequest(f"the file metadata is {total} bytes, over the {METADATA_MAX} "
+                             "bytes a file may hold (keys with their user.e2b. prefix, and "
+                             "values)", field="metadata")
+    return out
+
+
+def _printable(text: str) -> bool:
+    return all(0x20 <= ord(c) <= 0x7e for c in text)
+
+
+_LABEL_PL = (
+    "use Config; my %n=(x86_64=>189,aarch64=>6); "
+    "my $s=$n{(split /-/,$Config{archname})[0]} or die \"no lsetxattr on this arch\\n\"; "
+    "my ($u,$m,@p)=@ARGV; my @kv=map { [map { pack('H*',$_) } split /:/,$_,2] } "
+    "grep { length } split /,/,$m; my @w=$u eq 'root' ? () : (getpwnam($u))[2,3]; "
+    "for my $p (@p) { for my $e (@kv) { "
+    f"syscall($s,$p,\"{METADATA_XATTR}$e->[0]\",$e->[1],length($e->[1]),0)==0 "
+    "or die \"cannot set metadata on $p: $!\\n\" } "
+    "if (@w) { chown($w[0],$w[1],$p) or die \"cannot give $p to $u: $!\\n\" } }")
+"""Set the metadata (``argv[1]``: ``hexkey:hexvalue,...``) on the paths after it and give
+them to ``argv[0]`` (unless root): perl's ``syscall`` of ``lsetxattr``."""
+_LABEL_PY = (
+    "import os,pwd,sys\n"
+    "u,m=sys.argv[1],[p.split(':') for p in sys.argv[2].split(',') if p]\n"
+    "w=pwd.getpwnam(u) if u!='root' else None\n"
+    "for p in sys.argv[3:]:\n"
+    f" for k,v in m: os.setxattr(p,{METADATA_XATTR!r}+bytes.fromhex(k).decode(),"
+    "bytes.fromhex(v),follow_symlinks=False)\n"
+    " if w: os.lchown(p,w.pw_uid,w.pw_gid)\n")
+"""``_LABEL_PL`` where the image has python3 and no perl."""
+_LABEL_SH = ('pl=$1 py=$2; shift 2; command -v perl >/dev/null && exec perl -e "$pl" -- "$@"; '
+             'command -v python3 >/dev/null && exec python3 -I -S -c "$py" "$@"; '
+             'echo "the image has neither perl nor python3, which file metadata needs" >&2; '
+             'exit 3')
+
+
+async def give(manager: SandboxManager, sandbox_id: str, paths: list[str], user: str,
+               metadata: dict[str, str] | None = None) -> None:
     """Make ``user`` (not root) the owner of ``paths`` (absolute), as envd's writes as that
-    user leave them. Raises GuestError (chown failed) and the guest call's errors."""
-    if user == ROOT or not paths:
+    user leave them, and set ``metadata`` (checked by ``check_metadata``) on each as
+    ``METADATA_XATTR`` attributes (that needs perl or python3 in the image). Raises GuestError
+    (chown or the metadata failed) and the guest call's errors."""
+    if not paths or (user == ROOT and not metadata):
         return
-    r = await manager.exec(sandbox_id, Command(
-        command="chown", args=["-h", f"{user}:{user}", "--", *paths], timeout_s=60))
+    if metadata:
+        pairs = ",".join(f"{k.encode().hex()}:{v.encode().hex()}" for k, v in metadata.items())
+        cmd = Command(command="/bin/sh", args=["-c", _LABEL_SH, "sh", _LABEL_PL, _LABEL_PY,
+                                                user, pairs, *paths], timeout_s=60)
+    else:
+        cmd = Command(command="chown", args=["-h", f"{user}:{user}", "--", *paths],
+                      timeout_s=60)
+    r = await manager.exec(sandbox_id, cmd)
     if r.exit_code != 0:
-        why = r.stderr.head.decode("utf-8", "replace").strip()[:300]
-        raise GuestError(f"cannot give {paths[0]} to {user}: {why}", sandbox_id=sandbox_id)
+        why = (r.stderr.head or r.stderr.tail).decode("utf-8", "replace").strip()
+        raise GuestError(f"cannot give {paths[0]} to {user}"
+                         f"{' with its metadata' if metadata else ''}: {why[-300:]}",
+                         sandbox_id=sandbox_id)

@@ -4,7 +4,8 @@ On the core's file operations, as the call's user (``Envd.user``: E2B's
 default ``user`` for a sandbox made through ``/e2b``, or ``root``); relative
 paths start at that user's home. Entries: owner and group by name, read in
 the guest (``hangar.core.e2b_user.owners``), ``mode`` the permission bits,
-``permissions`` as ``ls`` shows them; a symlink has the type of what it
+``permissions`` as ``ls`` shows them, ``metadata`` the file's E2B metadata
+(``user.e2b.*`` extended attributes, read with the owners); a symlink has the type of what it
 reaches and its absolute ``symlink_target`` (``FILE_TYPE_SYMLINK`` when it
 dangles). Errors: no such path ``not_found`` (the SDK's
 ``FileNotFoundException``), MakeDir of an existing path ``already_exists``
@@ -63,6 +64,8 @@ def entry_info(e: FileEntry, who: e2b_user.Owner | None = None) -> Any:
                         is_symlink=e.type == "symlink")
     if e.type == "symlink" and who is not None and who.target:
         info.symlink_target = who.target
+    if who is not None and who.metadata:
+        info.metadata.update(who.metadata)
     info.modified_time.FromNanoseconds(int(min(max(e.mtime, _SECONDS[0]), _SECONDS[1]) * 1e9))
     return info
 

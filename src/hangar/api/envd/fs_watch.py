@@ -5,9 +5,14 @@ On the core's file watches (inotify in the guest). An event's ``name`` is
 its path relative to the watched folder. Hangar's events map as:
 ``create`` → CREATE, ``modify`` → WRITE, ``delete`` → REMOVE, a ``move``
 → RENAME of the old name and CREATE of the new one; a file written through
-``/files`` (Hangar writes a temporary file and renames it into place) →
-CREATE and WRITE of its name, its temporary file never shown; ``overflow``
-(events lost) is dropped. ``include_entry`` is not served (envd 0.5.7).
+``/files`` (Hangar writes a temporary file and renames it into place, then
+gives it its owner) → CREATE, WRITE and CHMOD of its name, as E2B's envd
+reports a written file, its temporary file never shown; ``overflow``
+(events lost) is dropped. With ``include_entry`` (envd 0.6.3), each CREATE,
+WRITE and CHMOD event carries the ``EntryInfo`` of its path when the poll
+(or the stream's batch) finds it still there (best effort, as E2B's envd).
+``allow_network_mounts`` (envd 0.6.4) is taken: Hangar's watches refuse no
+mount, so it changes nothing.
 Only folders are watched: a file's path is ``invalid_argument``. A poll that
 finds no event waits up to ``SETTLE_S`` for one, so that a write made just
 before it is seen, as E2B's envd sees it.
@@ -37,7 +42,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
-from hangar.api.envd.fs_entries import absolute
+from hangar.api.envd.fs_entries import absolute, entry_infos
 from hangar.api.envd.messages import FS
 from hangar.core.service import FileEvent
 from hangar.errors import HangarError
@@ -78,6 +83,7 @@ def events_of(root: str, batch: list[FileEvent]) -> list[Any]:
             if e.old_path and _hidden(e.old_path):
                 add(e.path, FS.EVENT_TYPE_CREATE)
                 add(e.path, FS.EVENT_TYPE_WRITE)
+                add(e.path, FS.EVENT_TYPE_CHMOD)
                 continue
             if e.old_path:
                 add(e.old_path, FS.EVENT_TYPE_RENAME)
@@ -93,9 +99,32 @@ def events_of(root: str, batch: list[FileEvent]) -> list[Any]:
 def _check(req: Any, home: str) -> str:
     if not req.path:
         raise RpcError("invalid_argument", "path is empty")
-    if req.include_entry:
-        raise RpcError("unimplemented", "include_entry is not served (envd 0.5.7)")
     return absolute(req.path, home)
+
+
+_WITH_ENTRY = frozenset({FS.EVENT_TYPE_CREATE, FS.EVENT_TYPE_WRITE, FS.EVENT_TYPE_CHMOD})
+"""Events whose path should still be there: they get its ``EntryInfo`` (``include_entry``)."""
+
+
+async def with_entries(env: Any, root: str, events: list[Any]) -> None:
+    """Set the ``entry`` of each CREATE, WRITE and CHMOD event of ``events`` (of the watch
+    of ``root``) whose path is there now: one stat a path and one read of their owners.
+    Best effort: a path gone, or a guest call that fails, leaves events without one."""
+    paths = {posixpath.join(root, ev.name) for ev in events if ev.type in _WITH_ENTRY}
+    found = []
+    for path in sorted(paths):
+        with contextlib.suppress(HangarError):
+            found.append(await env.manager.files.stat(env.sandbox_id, path))
+    if not found:
+        return
+    try:
+        infos = {info.path: info for info in await entry_infos(env, found)}
+    except HangarError:
+        return
+    for ev in events:
+        info = infos.get(posixpath.join(root, ev.name)) if ev.type in _WITH_ENTRY else None
+        if info is not None:
+            ev.entry.CopyFrom(info)
 
 
 async def _folder(env: Any, root: str) -> None:
@@ -122,7 +151,10 @@ async def watch_dir(req: Any, call: Call) -> AsyncIterator[Message]:
                 ev.start.SetInParent()
                 yield ev
                 continue
-            for fe in events_of(root, batch):
+            events = events_of(root, batch)
+            if req.include_entry:
+                await with_entries(env, root, events)
+            for fe in events:
                 yield FS.WatchDirResponse(filesystem=fe)
     except HangarError as exc:
         raise rpc_error(exc) from None
@@ -135,6 +167,8 @@ class Watcher:
     id: str
     sandbox_id: str
     root: str
+    include_entry: bool = False
+    """Events carry their path's ``EntryInfo`` (``with_entries``, when polled)."""
     events: deque[Any] = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
     polled: float = field(default_factory=time.monotonic)
     task: asyncio.Task[None] | None = None
@@ -183,7 +217,7 @@ class Watchers:
             self._all.pop(w.id, None)
 
     async def create(self, manager: Any, sandbox_id: str, path: str, root: str,
-                     recursive: bool) -> Watcher:
+                     recursive: bool, include_entry: bool = False) -> Watcher:
         """A running watcher of ``path``. Its slot is taken (checked and counted with no
         wait between) before the watch starts and given back if it fails, so a burst of
         creates cannot pass the cap together. Raises RpcError (resource_exhausted past
@@ -194,7 +228,8 @@ class Watchers:
         if self.live(sandbox_id) >= cap:
             raise RpcError("resource_exhausted", f"sandbox {sandbox_id} has {cap} "
                                                  "watchers, the most allowed: remove one")
-        w = Watcher(id="w-" + secrets.token_hex(8), sandbox_id=sandbox_id, root=root)
+        w = Watcher(id="w-" + secrets.token_hex(8), sandbox_id=sandbox_id, root=root,
+                    include_entry=include_entry)
         self._all[w.id] = w
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         w.task = asyncio.ensure_future(self._run(manager, w, path, recursive, ready))
@@ -277,7 +312,7 @@ async def create_watcher(req: Any, call: Call) -> Message:
     await _folder(env, root)
     try:
         w = await env.watchers.create(env.manager, env.sandbox_id, root, root,
-                                      bool(req.recursive))
+                                      bool(req.recursive), bool(req.include_entry))
     except HangarError as exc:
         raise rpc_error(exc) from None
     return FS.CreateWatcherResponse(watcher_id=w.id)
@@ -290,6 +325,8 @@ async def get_watcher_events(req: Any, call: Call) -> Message:
     if not events and w.error is not None:
         env.watchers.remove(w)
         raise rpc_error(w.error)
+    if w.include_entry and events:
+        await with_entries(env, w.root, events)
     return FS.GetWatcherEventsResponse(events=events)
 
 

@@ -10,7 +10,8 @@ ones refused.
                             part is then 400, as E2B's envd answers) or
                             ``application/octet-stream`` (``path`` needed; ``Content-Encoding:
                             gzip`` read); parent folders made; answers
-                            ``[{"name", "type": "file", "path"}]``
+                            ``[{"name", "type": "file", "path"}]`` (and ``metadata``);
+                            ``X-Metadata-<key>`` headers are the files' metadata
 ``GET /envs``               the environment a command of the call's user gets: the guest's, those the
                             sandbox's E2B create named (a JSON object)
 ``GET /metrics``            CPU count and use, memory and disk, read in the guest
@@ -178,8 +179,34 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-def _written(r: Any) -> dict[str, str]:
+def _written(r: Any) -> dict[str, Any]:
     return {"name": posixpath.basename(r.path), "type": "file", "path": r.path}
+
+
+METADATA_HEADER = b"x-metadata-"
+"""A request header ``X-Metadata-<key>: <value>`` of an upload is file metadata."""
+
+
+def _metadata(scope: Scope) -> dict[str, str]:
+    """The file metadata of an upload's ``X-Metadata-*`` headers (the first of a repeated
+    one), checked and with lowercased keys (``e2b_user.check_metadata``). Raises
+    InvalidRequest (400)."""
+    found: dict[str, str] = {}
+    for name, value in scope.get("headers", ()):
+        if name.lower().startswith(METADATA_HEADER):
+            key = name[len(METADATA_HEADER):].decode("latin-1").lower()
+            found.setdefault(key, value.decode("latin-1"))
+    return e2b_user.check_metadata(found)
+
+
+async def _finish(envd: Any, out: list[dict[str, Any]], metadata: dict[str, str]) -> None:
+    """Give the written files to the call's user and set their ``metadata`` (each upload
+    replaces a file, so one without metadata leaves it none); named in the answer."""
+    await e2b_user.give(envd.manager, envd.sandbox_id, [w["path"] for w in out], envd.user,
+                        metadata or None)
+    if metadata:
+        for w in out:
+            w["metadata"] = dict(metadata)
 
 
 async def _body(receive: Receive, gzip: bool) -> AsyncIterator[bytes]:
@@ -211,13 +238,15 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
     if encoding not in ("", "identity", "gzip"):
         raise InvalidRequest(f"Content-Encoding {encoding[:32]} is not served: gzip or none")
     _no_controls(query.get("path", ""))
+    metadata = _metadata(scope)
     if ctype == b"application/octet-stream":
         path = absolute(_need_path(query), envd.home)
         await _folder(envd, path)
         r = await envd.manager.files.write(envd.sandbox_id, path,
                                            _body(receive, encoding == "gzip"))
-        await e2b_user.give(envd.manager, envd.sandbox_id, [r.path], envd.user)
-        await _json(send, 200, [_written(r)])
+        written = [_written(r)]
+        await _finish(envd, written, metadata)
+        await _json(send, 200, written)
         return
     if ctype != b"multipart/form-data":
         shown = ctype.decode("latin-1")[:64] or "(none)"
@@ -230,7 +259,7 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
     if not boundary or len(boundary) > 200:
         raise InvalidRequest("the multipart content type names no boundary (or one over "
                              "200 bytes)")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     parts = _Parts(receive, boundary)
     while (part := await parts.next_part()) is not None:
         name, filename = part
@@ -255,7 +284,7 @@ async def _upload(scope: Scope, receive: Receive, send: Send, query: dict[str, s
                                                            parts.data())))
     if not out:
         raise InvalidRequest("the multipart body carries no file part")
-    await e2b_user.give(envd.manager, envd.sandbox_id, [w["path"] for w in out], envd.user)
+    await _finish(envd, out, metadata)
     await _json(send, 200, out)
 
 

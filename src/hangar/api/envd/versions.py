@@ -1,11 +1,11 @@
 """What this data plane tells E2B's SDKs about itself.
 
 ``ENVD_VERSION`` (defined once, in ``hangar.core.e2b``) is the envd version E2B's
-control plane reports for a sandbox (``envdVersion``); the SDK turns features on by it. 0.5.7 is the
+control plane reports for a sandbox (``envdVersion``); the SDK turns features on by it. 0.6.4 is the
 highest that promises nothing Hangar lacks: ``stdin=false`` (0.3.0), no
-forced user (0.4.0), ``close_stdin`` (0.5.2) and octet-stream uploads
-(0.5.7) are served; file metadata in xattrs (0.6.2) and entries in watch
-events (0.6.3) are not, and the SDK refuses them itself below those versions.
+forced user (0.4.0), ``close_stdin`` (0.5.2), octet-stream uploads (0.5.7),
+file metadata in xattrs (0.6.2), entries in watch events (0.6.3) and
+``allow_network_mounts`` on a watch (0.6.4) are served.
 """
 
 from hangar.core.service import e2b
