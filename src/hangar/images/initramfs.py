@@ -436,8 +436,13 @@ def build_initrd(dest: Path, *, modules_dir: Path, kernel_version: str,
 
     data = gzip.compress(buf.getvalue(), compresslevel=6, mtime=0)
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
     try:
-        tmp.write_bytes(data)
+        # a new file of this process's own, never a link or file someone put there first
+        # (root may add an initramfs to a build folder that a split server owns)
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                          | os.O_CLOEXEC, 0o644), "wb") as f:
+            f.write(data)
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
