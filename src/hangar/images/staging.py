@@ -293,7 +293,6 @@ class BuildRoom:
             pass
         os.rename(self.stage_name, leaf, src_dir_fd=self.images_fd,
                   dst_dir_fd=self.images_fd)
-        self.published = True
         try:
             fd = beneath.walk(self.images_fd, leaf, directory=True)
         except OSError as exc:
@@ -305,6 +304,7 @@ class BuildRoom:
                                  "it was published; not used", image=image_id)
         finally:
             os.close(fd)
+        self.published = True  # else ``close`` empties the folder staged, wherever it is
         return True
 
     def close(self) -> None:
