@@ -521,6 +521,41 @@ def test_image_build_stages_where_a_swapped_name_reaches_nothing(tmp_path: Path)
     out.untouched()
 
 
+def test_image_build_takes_the_build_caches_back(tmp_path: Path) -> None:
+    """The build caches (``<data>/cache``: .debs, lists, the apt lock, work trees) are
+    root's: an earlier Hangar handed them to the server, whose links there (a .deb, the
+    apt lock pointing at root's secret) a build removes before any tool runs, and whose
+    files it gives back to root; the apt lock is then taken without following a link or
+    truncating; a cached kernel .deb that apt's index does not list is not used."""
+    from hangar.images.debian import flock
+    from hangar.images.kernel import listed_debs
+    from hangar.images.staging import BuildRoom
+
+    layout, out = split_data(tmp_path)
+    layout.debs_cache.mkdir()
+    (layout.debs_cache / "linux-image-cloud-amd64_1_amd64.deb").symlink_to(out.secret)
+    (layout.debs_cache / "linux-image-cloud-amd64_2_amd64.deb").write_bytes(b"not Debian's")
+    layout.apt_lock.symlink_to(out.secret)
+    for p in (layout.debs_cache, layout.debs_cache / "linux-image-cloud-amd64_2_amd64.deb"):
+        os.chown(p, OWNER, OWNER)
+    with BuildRoom(layout, "base", "base-r-") as room:
+        debs = room.cached(layout.debs_cache)
+        assert sorted(os.listdir(debs)) == ["linux-image-cloud-amd64_2_amd64.deb"]
+        assert not os.path.lexists(room.cached(layout.apt_lock))
+        for p in (layout.cache, layout.debs_cache, debs / "linux-image-cloud-amd64_2_amd64.deb"):
+            st = os.stat(p)
+            assert (st.st_uid, st.st_gid) == (0, 0) and not st.st_mode & 0o022, p
+        with flock(room.cached(layout.apt_lock)):
+            pass
+        assert listed_debs("linux-image-cloud-amd64", debs) == set()
+    (layout.cache / ".apt.lock").unlink()
+    (layout.cache / ".apt.lock").symlink_to(out.secret)
+    with pytest.raises(OSError, match="symbolic|symlink"):
+        with flock(layout.apt_lock):
+            pass
+    out.untouched()
+
+
 def test_image_build_publishes_only_the_folder_it_staged(tmp_path: Path) -> None:
     """Unswapped, the staging folder becomes ``images/<id>`` (checked after the rename to
     be the very folder staged), readable, and the ``<name>`` link points at it."""

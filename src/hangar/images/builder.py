@@ -127,8 +127,8 @@ def _build(layout: Layout, recipe: Recipe, recipe_digest: str, say: Progress) ->
         say(f"{recipe.name} (recipe {recipe_digest}): debootstrap {recipe.suite} "
             f"({recipe.variant} + {len(recipe.packages)} packages)")
         with unsafe_io(rootdir):
-            debootstrap(recipe, rootdir, mirror, layout.debootstrap_cache, say,
-                        lock=layout.apt_lock)
+            debootstrap(recipe, rootdir, mirror, room.cached(layout.debootstrap_cache), say,
+                        lock=room.cached(layout.apt_lock))
             if recipe.apt_packages:
                 apt_install(rootdir, recipe.apt_packages, say)
         times["debootstrap"] = time.monotonic() - t0
@@ -141,7 +141,8 @@ def _build(layout: Layout, recipe: Recipe, recipe_digest: str, say: Progress) ->
         times["configure"] = time.monotonic() - t
 
         t = time.monotonic()
-        k = kernel.fetch(recipe.kernel_package, layout.debs_cache, work, stage, say)
+        k = kernel.fetch(recipe.kernel_package, room.cached(layout.debs_cache), work, stage,
+                         say)
         elf = vmlinux.write_vmlinux(paths)
         times["kernel"] = time.monotonic() - t
 

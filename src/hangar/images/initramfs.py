@@ -441,8 +441,8 @@ def build_initrd(dest: Path, *, modules_dir: Path, kernel_version: str,
         # a new file of this process's own, never a link or file someone put there first
         # (root may add an initramfs to a build folder that a split server owns)
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                          | os.O_CLOEXEC, 0o644), "wb") as f:
-            f.write(data)
+                          | os.O_CLOEXEC, 0o644), "wb") as out:
+            out.write(data)
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)

@@ -21,6 +21,11 @@ works by a path through those folders (``hangar.privileged.beneath``):
   mount(8) and umount(8) (debootstrap's, apt's chroot mounts, the template
   build's loop mount) canonicalize the paths they are given into a string,
   which must not pass through a folder of the server's.
+- ``<data>/cache`` (the .debs, lists and work trees of root's builds, which
+  the server never uses) stays root's under the split (``split.take_back``
+  gives back what an earlier Hangar handed over, also when a build finds it
+  the server's) and the caches are named through its descriptor
+  (``BuildRoom.cached``).
 - ``BuildRoom.publish`` renames the finished staging folder to its id
   relative to the descriptor of ``images`` (``renameat``), then opens the
   id without following a link and checks that it is the folder root staged
@@ -245,8 +250,13 @@ class BuildRoom:
         self._bind: _Bind | None = None
         try:
             self.images_fd = self._hold(open_images(layout))
-            cache = self._hold(beneath.open_trusted(layout.cache))
-            self.build_fd = self._hold(beneath.mkdir_at(cache, layout.build_cache.name, 0o700))
+            self.cache_fd = self._hold(beneath.open_trusted(layout.cache))
+            if os.geteuid() == 0:
+                from hangar.privileged.split import take_back
+
+                take_back(self.cache_fd)  # handed to the server by an earlier Hangar
+            self.build_fd = self._hold(beneath.mkdir_at(self.cache_fd, layout.build_cache.name,
+                                                        0o700))
             self.work_fd, self.work_name = new_dir(self.build_fd, work_prefix)
             self._hold(self.work_fd)
             self.stage_fd, self.stage_name = new_dir(self.images_fd,
@@ -270,6 +280,11 @@ class BuildRoom:
     def stage(self) -> Path:
         """The staging folder, as a path through this process's descriptor."""
         return Path(beneath.fd_path(self.stage_fd))
+
+    def cached(self, path: Path) -> Path:
+        """``path`` (a cache of the layout's: ``debs_cache``, ``apt_lock`` ...) as a path
+        through this process's descriptor of ``<data>/cache``, which is root's own."""
+        return Path(beneath.fd_path(self.cache_fd)) / path.relative_to(self.layout.cache)
 
     @property
     def work(self) -> Path:

@@ -155,7 +155,8 @@ def _build(layout: Layout, t: Template, digest: str, base: GuestImage | None,
             env = dict(image.env)
             inherited = {"workdir": image.workdir if image.workdir != "/" else None}
             runtime.install_runtime(rootdir, say)
-            k = kernels.fetch(BASE.kernel_package, layout.debs_cache, work, stage, say)
+            k = kernels.fetch(BASE.kernel_package, room.cached(layout.debs_cache), work,
+                              stage, say)
             kernel = {"meta_package": BASE.kernel_package, "package": k.package,
                       "deb_version": k.deb_version, "version": k.version,
                       "vmlinux": vmlinux.write_vmlinux(paths)}
@@ -169,7 +170,7 @@ def _build(layout: Layout, t: Template, digest: str, base: GuestImage | None,
         guest_setup(rootdir)
         if t.packages:
             with confined.shifted(rootdir, say):
-                _apt_in_tree(rootdir, t.packages, layout, say)
+                _apt_in_tree(rootdir, t.packages, layout, room, say)
         times["packages"] = time.monotonic() - t1
 
         t1 = time.monotonic()
@@ -261,16 +262,16 @@ def _copy_in(rootdir: Path, f: TemplateFile) -> None:
     safetree.copy_in(f.src, rootdir, f.dest, f.mode)
 
 
-def _apt_in_tree(rootdir: Path, packages: tuple[str, ...], layout: Layout,
+def _apt_in_tree(rootdir: Path, packages: tuple[str, ...], layout: Layout, room: BuildRoom,
                  say: Progress) -> None:
     """``apt-get update`` and ``install`` of ``packages`` in the build namespace, with the
     host's network (the mirror) and resolver. The host's apt lists are copied in first
     (so the update mostly revalidates them); nothing the build writes goes back to the
     host's caches. The tree must be ``confined.shifted``."""
     say(f"apt-get install {' '.join(packages)}")
-    lists = AptCaches.of(layout).lists
+    lists = room.cached(AptCaches.of(layout).lists)
     if lists.is_dir():
-        with flock(layout.apt_lock):
+        with flock(room.cached(layout.apt_lock)):
             for p in sorted(lists.iterdir()):
                 if p.is_file() and not p.is_symlink() and "_" in p.name:
                     safetree.copy_in(p, rootdir, f"/var/lib/apt/lists/{p.name}", 0o644)
