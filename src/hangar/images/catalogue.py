@@ -259,8 +259,19 @@ def ensure_initrd(d: Path, manifest: dict[str, Any],
     tag = initramfs.initrd_tag(sources, kver, python_version=pyver)
     initrd = paths.initrd_for(tag)
     if not initrd.is_file():
-        initramfs.build_initrd(initrd, modules_dir=paths.modules / kver, kernel_version=kver,
-                               sources=sources, python_version=pyver)
+        from hangar.privileged import beneath
+
+        # the modules tree opened without following a link (a split server's folders)
+        top = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            mods = beneath.walk(top, f"{paths.modules.name}/{kver}", directory=True)
+        finally:
+            os.close(top)
+        try:
+            initramfs.build_initrd(initrd, modules_dir=Path(beneath.fd_path(mods)),
+                                   kernel_version=kver, sources=sources, python_version=pyver)
+        finally:
+            os.close(mods)
         _prune_initrds(paths, keep=initrd)
     link = paths.initrd  # follows this Hangar's own guest files only
     if own and not (link.is_symlink() and os.readlink(link) == initrd.name):
