@@ -456,6 +456,225 @@ def test_hand_new_chowns_nothing_through_a_swapped_image_cache(tmp_path: Path) -
     assert os.stat(snap / "mem").st_uid == 0 and os.stat(snap / "mem").st_gid == OWNER
 
 
+def split_data(tmp_path: Path) -> tuple[Layout, Outside]:
+    """A data directory as a split server has it (``<data>``, ``images``, ``cache`` and
+    ``cache/build`` its user's), and an ``Outside``."""
+    layout = Layout(tmp_path / "data")
+    layout.ensure()
+    layout.build_cache.mkdir()
+    for p in (layout.root, layout.images, layout.cache, layout.build_cache):
+        os.chown(p, OWNER, OWNER)
+    return layout, Outside(tmp_path)
+
+
+def test_image_build_stages_where_a_swapped_name_reaches_nothing(tmp_path: Path) -> None:
+    """``hangar image build`` as root beside a split server: its staging folder
+    (``images/.staging-*``) and work tree (``cache/build/*``) are root's own, held by
+    descriptor. The server swaps both names for symlinks to ``outside`` after they were
+    made; what the build's tools then write (``mkfs.ext4`` packing the tree, ``cp``, a
+    file written by path) lands in root's folders, never in ``outside``; publishing
+    refuses the swapped staging name, and the clean-up removes root's folders' contents
+    only. A build lock or ``images`` swapped for a symlink is refused, nothing truncated."""
+    from hangar.errors import ImageError
+    from hangar.images.catalogue import image_lock
+    from hangar.images.packing import pack, tree_size
+    from hangar.images.staging import PRIVATE_ROOT, BuildRoom
+    from hangar.layout import ImagePaths
+
+    layout, out = split_data(tmp_path)
+    tree = tmp_path / "tree"
+    (tree / "etc").mkdir(parents=True)
+    (tree / "etc" / "hostname").write_text("guest\n")
+    room = BuildRoom(layout, "base", "base-r-")
+    bind = room.work
+    try:
+        stage_aside = swap(layout.images / room.stage_name, out.dir)
+        work_aside = swap(layout.build_cache / room.work_name, out.dir)
+        assert str(room.work).startswith(f"{PRIVATE_ROOT}/")  # a path of root's chain
+        content, inodes = tree_size(tree)
+        pack(tree, ImagePaths(room.stage).rootfs, content, inodes, lambda _m: None)
+        subprocess.run(["cp", "-a", str(tree), str(room.work / "root")], check=True)
+        (room.stage / "manifest.json").write_text("{}")
+        out.untouched()
+        assert (stage_aside / "rootfs.ext4").stat().st_size > 0
+        assert (work_aside / "root" / "etc" / "hostname").read_text() == "guest\n"
+        with pytest.raises(ImageError, match="swapped"):
+            room.publish("base-000000000001")
+        assert (layout.images / "base-000000000001").is_symlink()  # moved, not followed
+        out.untouched()
+    finally:
+        room.close()
+    out.untouched()
+    assert os.listdir(stage_aside) == [] and os.listdir(work_aside) == []
+    assert not bind.exists() and str(bind) not in Path("/proc/self/mountinfo").read_text()
+    # the build lock swapped for a link to root's secret: refused, not truncated
+    (layout.images / ".base.lock").symlink_to(out.secret)
+    with pytest.raises(OSError, match="symbolic|symlink"):
+        with image_lock(layout, "base"):
+            pass
+    out.untouched()
+    # ``images`` itself swapped: no room is made anywhere
+    (layout.images / ".base.lock").unlink()
+    swap(layout.images, out.dir)
+    with pytest.raises(OSError, match="symlink|symbolic"):
+        BuildRoom(layout, "base", "base-r-")
+    out.untouched()
+
+
+def test_image_build_takes_the_build_caches_back(tmp_path: Path) -> None:
+    """The build caches (``<data>/cache``: .debs, lists, the apt lock, work trees) are
+    root's: an earlier Hangar handed them to the server, whose links there (a .deb, the
+    apt lock pointing at root's secret) a build removes before any tool runs, and whose
+    files it gives back to root; the apt lock is then taken without following a link or
+    truncating; a cached kernel .deb that apt's index does not list is not used."""
+    from hangar.images.debian import flock
+    from hangar.images.kernel import listed_debs
+    from hangar.images.staging import BuildRoom
+
+    layout, out = split_data(tmp_path)
+    layout.debs_cache.mkdir()
+    (layout.debs_cache / "linux-image-cloud-amd64_1_amd64.deb").symlink_to(out.secret)
+    (layout.debs_cache / "linux-image-cloud-amd64_2_amd64.deb").write_bytes(b"not Debian's")
+    layout.apt_lock.symlink_to(out.secret)
+    for p in (layout.debs_cache, layout.debs_cache / "linux-image-cloud-amd64_2_amd64.deb"):
+        os.chown(p, OWNER, OWNER)
+    with BuildRoom(layout, "base", "base-r-") as room:
+        debs = room.cached(layout.debs_cache)
+        assert sorted(os.listdir(debs)) == ["linux-image-cloud-amd64_2_amd64.deb"]
+        assert not os.path.lexists(room.cached(layout.apt_lock))
+        for p in (layout.cache, layout.debs_cache, debs / "linux-image-cloud-amd64_2_amd64.deb"):
+            st = os.stat(p)
+            assert (st.st_uid, st.st_gid) == (0, 0) and not st.st_mode & 0o022, p
+        with flock(room.cached(layout.apt_lock)):
+            pass
+        assert listed_debs("linux-image-cloud-amd64", debs) == set()
+    (layout.cache / ".apt.lock").unlink()
+    (layout.cache / ".apt.lock").symlink_to(out.secret)
+    with pytest.raises(OSError, match="symbolic|symlink"):
+        with flock(layout.apt_lock):
+            pass
+    out.untouched()
+
+
+def test_image_build_publishes_only_the_folder_it_staged(tmp_path: Path) -> None:
+    """Unswapped, the staging folder becomes ``images/<id>`` (checked after the rename to
+    be the very folder staged), readable, and the ``<name>`` link points at it."""
+    from hangar.images.catalogue import point_symlink
+    from hangar.images.staging import BuildRoom
+
+    layout, out = split_data(tmp_path)
+    with BuildRoom(layout, "base", "base-r-") as room:
+        (room.stage / "vmlinuz").write_text("k")
+        assert room.publish("base-000000000002")
+    final = layout.images / "base-000000000002"
+    assert (final / "vmlinuz").read_text() == "k" and stat.S_IMODE(final.stat().st_mode) == 0o755
+    point_symlink(layout, "base", final)
+    assert os.readlink(layout.images / "base") == final.name
+    assert not list(layout.images.glob(".staging-*")) and os.listdir(layout.build_cache) == []
+    out.untouched()
+
+
+def test_template_build_reads_its_base_only_by_descriptor(tmp_path: Path) -> None:
+    """``hangar template build`` copies its base build (``images/<base id>``, a folder of
+    the server's) through descriptors: the base's rootfs is put on a loop device by its
+    descriptor and mounted read-only, its kernel and modules copied from descriptors. A
+    base kernel swapped for a link to root's secret is refused; a link put in its modules
+    tree is copied as a link, never followed; the template's own staging and work folders
+    are root's (``BuildRoom``), as for an image build."""
+    from hangar.images.guest_image import GuestImage
+    from hangar.images.packing import pack, tree_size
+    from hangar.images.staging import BuildRoom
+    from hangar.images.template_builder import _copy_base
+    from hangar.layout import ImagePaths
+
+    layout, out = split_data(tmp_path)
+    tree = tmp_path / "tree"
+    (tree / "etc").mkdir(parents=True)
+    (tree / "etc" / "os-release").write_text("ID=test\n")
+    base = ImagePaths(layout.images / "t-000000000001")
+    (base.modules / "6.1.0-x" / "kernel").mkdir(parents=True)
+    (base.modules / "6.1.0-x" / "modules.dep").write_text("")
+    (base.modules / "6.1.0-x" / "kernel" / "a.ko").write_bytes(b"ko")
+    (base.modules / "6.1.0-x" / "build").symlink_to(out.dir)  # the server's link
+    content, inodes = tree_size(tree)
+    pack(tree, base.rootfs, content, inodes, lambda _m: None)
+    base.kernel.write_bytes(b"kernel")
+    for d in (base.dir, base.modules, base.modules / "6.1.0-x"):
+        os.chown(d, OWNER, OWNER)  # as give_images leaves a build: folders the server's
+    image = GuestImage(name="t", digest="000000000001", dir=base.dir, kernel=base.kernel,
+                       initrd=base.dir / "initrd.img", rootfs=base.rootfs,
+                       kernel_version="6.1.0-x")
+    with BuildRoom(layout, "child", "child-r-") as room:
+        _copy_base(layout, image, room.work / "root", room.work, room.stage)
+        assert (room.work / "root" / "etc" / "os-release").read_text() == "ID=test\n"
+        got = ImagePaths(room.stage)
+        assert got.kernel.read_bytes() == b"kernel"
+        assert (got.modules / "6.1.0-x" / "kernel" / "a.ko").read_bytes() == b"ko"
+        assert os.readlink(got.modules / "6.1.0-x" / "build") == str(out.dir)
+    aside = swap(base.kernel, out.secret)
+    with BuildRoom(layout, "child", "child-r-") as room:
+        with pytest.raises(OSError, match="symbolic|symlink"):
+            _copy_base(layout, image, room.work / "root", room.work, room.stage)
+        assert not ImagePaths(room.stage).kernel.exists()
+    base.kernel.unlink()
+    os.rename(aside, base.kernel)
+    swap(base.rootfs, out.secret)
+    with BuildRoom(layout, "child", "child-r-") as room:
+        with pytest.raises(OSError, match="symbolic|symlink"):
+            _copy_base(layout, image, room.work / "root", room.work, room.stage)
+    out.untouched()
+    assert not list(layout.images.glob(".staging-*")) and os.listdir(layout.build_cache) == []
+
+
+def test_image_gc_removes_only_through_descriptors(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hangar image gc`` as root beside a split server: a build the server swaps for a
+    symlink to ``outside`` between gc's checks and the removal is renamed and unlinked as
+    a link, never followed; leftovers (``.staging-*``, ``.trash-*``) that are links are
+    unlinked; a link inside a build removed is not followed. ``outside`` is untouched."""
+    from hangar.images import gc
+
+    layout, out = split_data(tmp_path)
+    (out.dir / "base-000000000005").mkdir()  # a look-alike the swap points at
+    (out.dir / "base-000000000005" / "manifest.json").write_text("root's")
+    out.before = out._state()
+
+    def build(digest: str, built_at: float) -> Path:
+        d = layout.images / f"base-{digest}"
+        (d / "modules").mkdir(parents=True)
+        (d / "modules" / "6.1.0-x").symlink_to(out.dir)  # the server's link inside
+        (d / "rootfs.ext4").write_bytes(b"r")
+        (d / "manifest.json").write_text(json.dumps({
+            "format": 2, "id": d.name, "name": "base", "digest": digest,
+            "recipe_digest": "r", "recipe": {"description": ""},
+            "kernel": {"version": "6.1.0-x"}, "sizes": {"rootfs_bytes": 1},
+            "built_at": built_at, "build_seconds": {"total": 1}}))
+        os.chown(d, OWNER, OWNER)
+        return d
+
+    cur = build("000000000001", 2.0)
+    (layout.images / "base").symlink_to(cur.name)
+    old = build("000000000002", 1.0)
+    raced = build("000000000003", 1.5)
+    (layout.images / ".staging-base-x1").symlink_to(out.dir)
+    (layout.images / ".trash-base-000000000009-1").symlink_to(out.dir)
+    real_in_use = gc.in_use
+
+    def in_use(build_dir: Path, opened: set[tuple[int, int]]) -> bool:
+        busy = real_in_use(build_dir, opened)
+        if build_dir.name == raced.name:  # the server, after gc's checks of this build
+            swap(raced, out.dir / "base-000000000005")
+        return busy
+
+    monkeypatch.setattr(gc, "in_use", in_use)
+    done = gc.collect(layout, set(), only=None)
+    assert sorted(i.id for i in done.removed) == [old.name, raced.name]
+    assert not old.exists() and not raced.exists() and cur.is_dir()
+    assert (layout.images / f"{raced.name}.aside").is_dir()  # the server's, left to it
+    assert not [p for p in layout.images.iterdir() if p.name.startswith((".staging", ".trash"))]
+    out.untouched()
+
+
 def test_backup_as_root_follows_no_symlink_of_a_split_data_directory(tmp_path: Path) -> None:
     """``hangar backup`` run by root over a split server's data directory: the copy is
     written through a descriptor of a folder root opened without following the server's

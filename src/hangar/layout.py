@@ -17,13 +17,13 @@ literals of their own. Everything lives under one data directory
       firecracker-probe.json    cached result of the Firecracker probe boot
       bin/                      firecracker and jailer, fetched by
                                 hangar.engines.firecracker.binaries
-      cache/
+      cache/                    root's, also under the privilege split (hangar.images.staging)
         debs/                   kernel packages fetched by ``apt-get download``
         debootstrap/            .debs kept by debootstrap --cache-dir; also apt's
                                 archives when a template build installs packages
         apt-lists/              apt's package lists for template builds
         .apt.lock               flock held while a build uses those two
-        build/                  temporary build trees (removed after each build)
+        build/                  temporary build trees (0700 each, removed after each build)
       images/
         <name>-<digest>/        one build of a recipe or template, never changed;
                                 <name>-<digest> is its id (see below)
@@ -45,7 +45,7 @@ literals of their own. Everything lives under one data directory
             .<key>.lock         flock held while that snapshot is made or removed
         <name> -> <name>-<digest>  symlink to the current build of a recipe or template
         .<name>.lock            flock held while building (or collecting) a recipe
-        .staging-<name>-*/      a build in progress, renamed to <name>-<digest>
+        .staging-<name>-*/      a build in progress (root's, 0700), renamed to <name>-<digest>
         .trash-*/               a build being removed by ``hangar image gc``
       sandboxes/
         <id>/                   one sandbox's private directory, removed with it

@@ -24,6 +24,8 @@ means rebuilding the rootfs. A build never changes once made; its id,
     runtime     the Python runtime added to OCI images
     safetree    files inside a tree an image shaped, never leaving it (dir fds, O_NOFOLLOW)
     confined, buildns   template steps and packages in a build namespace, never host root
+    staging     a build's own folders, held by descriptor (``BuildRoom``), published by
+                ``renameat``; removing through descriptors (``remove_at``)
 
 Building needs root and the host tools debootstrap, e2fsprogs, kmod, dpkg,
 apt and busybox-static. Recipes are built as root (debootstrap of Debian's

@@ -26,6 +26,13 @@ name is the build's id:
    directory (``.staging-<name>-*`` in ``<data>/images``) to
    ``<name>-<digest>`` atomically and point the ``<name>`` symlink at it.
 
+Root beside a split server: the work tree and the staging directory are
+root's own (0700), made and held by descriptor (``hangar.images.staging``);
+every tool is given a path through those descriptors and the build is
+published by ``renameat`` relative to the descriptor of ``images``, so the
+server, which owns ``<data>``, ``images`` and ``cache``, cannot swap a name
+under the build.
+
 Immutability: a build's directory is never replaced or rewritten. mkfs.ext4
 stamps each filesystem with a new UUID and times, so every build has new
 bytes and a new id; ``force`` therefore makes a new build beside the old one
@@ -52,8 +59,6 @@ symlinks, the initramfs; ``list_images``, ``resolve_image``, ``resolve_pinned``)
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -70,6 +75,7 @@ from hangar.images.guest_image import GuestImage, image_id
 from hangar.images.packing import content_digest, pack, tree_size
 from hangar.images.recipes import BUILDER_VERSION, Recipe, get_recipe
 from hangar.images.rootfs import configure_rootfs, python_version, write_files
+from hangar.images.staging import BuildRoom, image_at
 from hangar.layout import ImagePaths, Layout
 
 MANIFEST_FORMAT = 2
@@ -97,7 +103,7 @@ def build_image(layout: Layout, name: str, *, force: bool = False,
     if not force:
         d = current_build(layout, name)
         if d is not None and recipe_digest_of(read_manifest(d)) == rdigest:
-            return ensure_initrd(d, read_manifest(d))
+            return image_at(layout, d.name)
     require_tools("debootstrap", "mkfs.ext4", "apt-get", "apt-cache", "dpkg-deb", "depmod")
     layout.ensure()
     with image_lock(layout, name):
@@ -105,27 +111,24 @@ def build_image(layout: Layout, name: str, *, force: bool = False,
         if d is None:
             d = _build(layout, recipe, rdigest, say)
         point_symlink(layout, name, d)
-        return ensure_initrd(d, read_manifest(d))
+        return image_at(layout, d.name)
 
 
 def _build(layout: Layout, recipe: Recipe, recipe_digest: str, say: Progress) -> Path:
-    """Make a new build of ``recipe``; returns its directory ``<name>-<content digest>``."""
+    """Make a new build of ``recipe``; returns its directory ``<name>-<content digest>``.
+    Staged in a ``BuildRoom``: every tool works through root's own descriptors."""
     t0 = time.monotonic()
     times: dict[str, float] = {}
-    layout.build_cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{recipe.name}-{recipe_digest}-",
-                                 dir=layout.build_cache))
-    stage = Path(tempfile.mkdtemp(prefix=layout.image_staging_prefix(recipe.name),
-                                  dir=layout.images))
-    paths = ImagePaths(stage)
-    try:
+    with BuildRoom(layout, recipe.name, f"{recipe.name}-{recipe_digest}-") as room:
+        work, stage = room.work, room.stage
+        paths = ImagePaths(stage)
         rootdir = work / "root"
         mirror = host_mirror(recipe.suite)
         say(f"{recipe.name} (recipe {recipe_digest}): debootstrap {recipe.suite} "
             f"({recipe.variant} + {len(recipe.packages)} packages)")
         with unsafe_io(rootdir):
-            debootstrap(recipe, rootdir, mirror, layout.debootstrap_cache, say,
-                        lock=layout.apt_lock)
+            debootstrap(recipe, rootdir, mirror, room.cached(layout.debootstrap_cache), say,
+                        lock=room.cached(layout.apt_lock))
             if recipe.apt_packages:
                 apt_install(rootdir, recipe.apt_packages, say)
         times["debootstrap"] = time.monotonic() - t0
@@ -138,7 +141,8 @@ def _build(layout: Layout, recipe: Recipe, recipe_digest: str, say: Progress) ->
         times["configure"] = time.monotonic() - t
 
         t = time.monotonic()
-        k = kernel.fetch(recipe.kernel_package, layout.debs_cache, work, stage, say)
+        k = kernel.fetch(recipe.kernel_package, room.cached(layout.debs_cache), work, stage,
+                         say)
         elf = vmlinux.write_vmlinux(paths)
         times["kernel"] = time.monotonic() - t
 
@@ -150,25 +154,24 @@ def _build(layout: Layout, recipe: Recipe, recipe_digest: str, say: Progress) ->
             "kernel": {"meta_package": recipe.kernel_package, "package": k.package,
                        "deb_version": k.deb_version, "version": k.version, "vmlinux": elf},
         }
-        return finish_build(layout, recipe.name, stage, rootdir, manifest, say, times, t0)
-    finally:
-        remove_tree(work)
-        remove_tree(stage)
+        return finish_build(layout, recipe.name, room, rootdir, manifest, say, times, t0)
 
 
-def finish_build(layout: Layout, name: str, stage: Path, rootdir: Path,
+def finish_build(layout: Layout, name: str, room: BuildRoom, rootdir: Path,
                  manifest: dict[str, Any], say: Progress, times: dict[str, float],
                  t0: float) -> Path:
-    """Pack ``rootdir`` into the staging build ``stage`` and give it its id.
+    """Pack ``rootdir`` into the staging build of ``room`` and give it its id.
 
-    ``stage`` already holds the kernel (vmlinuz, vmlinux, modules/);
+    The staging folder (``room.stage``) already holds the kernel (vmlinuz, vmlinux, modules/);
     ``manifest`` holds the build's own fields (``recipe_digest``, ``recipe``,
     ``kernel``, ``python_version``, ...), to which this adds the id, digests,
     sizes and times. Packs rootfs.ext4 (removing ``rootdir`` after), hashes
-    the built bytes, writes manifest.json, builds the initramfs and renames
-    ``stage`` to ``images/<name>-<digest>``, which it returns (an existing
-    build of the very same bytes is kept instead). Raises ImageError.
+    the built bytes, writes manifest.json, builds the initramfs and publishes the
+    staging folder as ``images/<name>-<digest>`` (``BuildRoom.publish``), which it
+    returns (an existing build of the very same bytes is kept instead). Raises
+    ImageError.
     """
+    stage = room.stage
     paths = ImagePaths(stage)
     t = time.monotonic()
     content, inodes = tree_size(rootdir)
@@ -207,11 +210,9 @@ def finish_build(layout: Layout, name: str, stage: Path, rootdir: Path,
     paths.manifest.write_text(json.dumps(manifest, indent=2) + "\n")
     say("building the initramfs")
     ensure_initrd(stage, manifest)
-    stage.chmod(0o755)
-    if final.exists():  # the very same bytes were built before: keep that build
+    if not room.publish(final.name):  # the very same bytes were built before: keep that
         say(f"{final.name}: identical to the existing build")
         return final
-    os.replace(stage, final)
     from hangar.privileged.split import hand_new
 
     hand_new(layout.root, final)  # built by root while a split server runs

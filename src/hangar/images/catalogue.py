@@ -20,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -144,13 +145,25 @@ def resolve_pinned(layout: Layout, name: str, digest: str, *,
 
 @contextmanager
 def image_lock(layout: Layout, name: str) -> Iterator[None]:
-    """Hold recipe ``name``'s build lock (flock; blocks while a build of it runs)."""
-    with open(layout.image_lock(name), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    """Hold recipe ``name``'s build lock (flock; blocks while a build of it runs). The
+    lock file is opened relative to a descriptor of ``images`` without following a link
+    and never truncated (a split server owns ``images``). Raises OSError."""
+    from hangar.privileged import beneath
+
+    lock = layout.image_lock(name)
+    images = beneath.open_trusted(lock.parent)
+    try:
+        fd = beneath.walk(images, lock.name, os.O_WRONLY | os.O_CREAT, mode=0o644)
+    finally:
+        os.close(images)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def read_manifest(d: Path) -> dict[str, Any]:
@@ -209,15 +222,31 @@ def _allocated(d: Path) -> int:
 
 
 def point_symlink(layout: Layout, name: str, target: Path) -> None:
+    """Point ``images/<name>`` at the build ``target`` (a new link renamed over the old),
+    relative to a descriptor of ``images`` (a split server owns it). Raises ImageError
+    when ``<name>`` is something else than a link, OSError."""
+    from hangar.privileged import beneath
+
     link = layout.image_link(name)
-    if link.is_symlink() and os.readlink(link) == target.name:
-        return
-    if link.exists() and not link.is_symlink():
-        raise ImageError(f"{link} exists and is not a symlink", image=name)
-    tmp = layout.images / f".{name}.link-{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    os.symlink(target.name, tmp)
-    os.replace(tmp, link)
+    images = beneath.open_trusted(link.parent)
+    try:
+        try:
+            st = os.stat(link.name, dir_fd=images, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISLNK(st.st_mode):
+            raise ImageError(f"{link} exists and is not a symlink", image=name)
+        if st is not None and os.readlink(link.name, dir_fd=images) == target.name:
+            return
+        tmp = f".{name}.link-{os.getpid()}"
+        try:
+            os.unlink(tmp, dir_fd=images)
+        except FileNotFoundError:
+            pass
+        os.symlink(target.name, tmp, dir_fd=images)
+        os.replace(tmp, link.name, src_dir_fd=images, dst_dir_fd=images)
+    finally:
+        os.close(images)
 
 
 def ensure_initrd(d: Path, manifest: dict[str, Any],
@@ -230,8 +259,19 @@ def ensure_initrd(d: Path, manifest: dict[str, Any],
     tag = initramfs.initrd_tag(sources, kver, python_version=pyver)
     initrd = paths.initrd_for(tag)
     if not initrd.is_file():
-        initramfs.build_initrd(initrd, modules_dir=paths.modules / kver, kernel_version=kver,
-                               sources=sources, python_version=pyver)
+        from hangar.privileged import beneath
+
+        # the modules tree opened without following a link (a split server's folders)
+        top = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            mods = beneath.walk(top, f"{paths.modules.name}/{kver}", directory=True)
+        finally:
+            os.close(top)
+        try:
+            initramfs.build_initrd(initrd, modules_dir=Path(beneath.fd_path(mods)),
+                                   kernel_version=kver, sources=sources, python_version=pyver)
+        finally:
+            os.close(mods)
         _prune_initrds(paths, keep=initrd)
     link = paths.initrd  # follows this Hangar's own guest files only
     if own and not (link.is_symlink() and os.readlink(link) == initrd.name):

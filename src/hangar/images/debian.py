@@ -12,6 +12,7 @@ else debootstrap's default. Downloaded .debs are kept in
 from __future__ import annotations
 
 import fcntl
+import os
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -71,7 +72,7 @@ def debootstrap(recipe: Recipe, rootdir: Path, mirror: str | None, cache: Path,
     """
     cache.mkdir(parents=True, exist_ok=True)
     argv: list[str | Path] = ["debootstrap", f"--variant={recipe.variant}",
-                              f"--cache-dir={cache.resolve()}"]
+                              f"--cache-dir={os.path.abspath(cache)}"]
     if recipe.packages:
         argv.append(f"--include={','.join(recipe.packages)}")
     tail: list[str | Path] = [mirror] if mirror else []
@@ -192,13 +193,19 @@ def apt_install(rootdir: Path, packages: tuple[str, ...], say: Progress,
 
 @contextmanager
 def flock(path: Path | None) -> Iterator[None]:
+    """Hold the flock of the file ``path`` (made if missing; a link there is refused,
+    never followed, and the file is never truncated)."""
     if path is None:
         yield
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                 | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

@@ -21,7 +21,12 @@ Each recipe is handled under its build lock (``catalogue.image_lock``), so no
 build of it can pick a build as current while it is being removed. A build
 is first renamed to ``.trash-<id>-<pid>`` and then deleted, so a crash never
 leaves half a build under a real id; leftovers of interrupted builds and
-collections (``.staging-*``, ``.trash-*``) are removed too.
+collections (``.staging-*``, ``.trash-*``) are removed too. Every rename and
+removal is relative to a descriptor of ``images`` opened without following a
+link, and a tree is removed through descriptors (``staging.remove_at``:
+``shutil.rmtree`` with ``dir_fd``, which opens each name with ``O_NOFOLLOW``
+and checks it after opening), so root collecting beside a split server, whose
+user owns ``images``, never removes through a symlink the server put there.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hangar.errors import ImageError
+from hangar.images import staging
 from hangar.images.catalogue import ImageInfo, image_lock, list_images
-from hangar.images.commands import remove_tree
 from hangar.images.recipes import RECIPES
 from hangar.layout import ImagePaths, Layout
 
@@ -115,33 +120,52 @@ def collect(layout: Layout, pinned: Iterable[str], *, dry_run: bool = False,
     result = Collection(dry_run)
     if not layout.images.is_dir():
         return result
-    names = sorted({i.name for i in list_images(layout)} | set(RECIPES))
-    if only is not None:
-        names = [n for n in names if n in set(only)]
-    for name in names:
-        with image_lock(layout, name):
-            opened = open_inodes()
-            for info in list_images(layout):
-                if info.name != name:
-                    continue
-                if info.current:
-                    result.kept.append(Kept(info, "current"))
-                elif info.id in pins or info.name in pins:
-                    result.kept.append(Kept(info, "pinned"))
-                elif in_use(info.dir, opened):
-                    result.kept.append(Kept(info, "in use"))
-                else:
-                    result.removed.append(info)
+    images = staging.open_images(layout)  # every removal below goes through it
+    try:
+        names = sorted({i.name for i in list_images(layout)} | set(RECIPES))
+        if only is not None:
+            names = [n for n in names if n in set(only)]
+        for name in names:
+            with image_lock(layout, name):
+                opened = open_inodes()
+                for info in list_images(layout):
+                    if info.name != name:
+                        continue
+                    if info.current:
+                        result.kept.append(Kept(info, "current"))
+                    elif info.id in pins or info.name in pins:
+                        result.kept.append(Kept(info, "pinned"))
+                    elif in_use(info.dir, opened):
+                        result.kept.append(Kept(info, "in use"))
+                    else:
+                        result.removed.append(info)
+                        if not dry_run:
+                            trash = layout.image_trash(info.id).name
+                            os.rename(info.id, trash, src_dir_fd=images, dst_dir_fd=images)
+                            _remove(images, trash)
+                for leftover in _named(images, layout.image_staging_prefix(name)):
+                    result.leftovers.append(layout.images / leftover)
                     if not dry_run:
-                        trash = layout.image_trash(info.id)
-                        os.replace(info.dir, trash)
-                        remove_tree(trash)
-            for d in layout.images.glob(layout.image_staging_prefix(name) + "*"):
-                result.leftovers.append(d)
-                if not dry_run:
-                    remove_tree(d)
-    for d in (layout.images.glob(".trash-*") if only is None else ()):
-        result.leftovers.append(d)
-        if not dry_run:
-            remove_tree(d)
+                        _remove(images, leftover)
+        for leftover in (_named(images, ".trash-") if only is None else ()):
+            result.leftovers.append(layout.images / leftover)
+            if not dry_run:
+                _remove(images, leftover)
+    finally:
+        os.close(images)
     return result
+
+
+def _named(images: int, prefix: str) -> list[str]:
+    """Names in the folder ``images`` that start with ``prefix``."""
+    return sorted(n for n in os.listdir(images) if n.startswith(prefix))
+
+
+def _remove(images: int, name: str) -> None:
+    """``name`` of ``images`` and everything in it, through descriptors
+    (``staging.remove_at``: a symlink there is unlinked, never followed). Raises
+    ImageError."""
+    try:
+        staging.remove_at(images, name)
+    except OSError as exc:
+        raise ImageError(f"cannot remove {name}: {exc}", image=name) from exc

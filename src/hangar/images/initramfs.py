@@ -56,6 +56,7 @@ from pathlib import Path
 import hangar
 from hangar.errors import ImageError
 from hangar.guest import paths
+from hangar.privileged import beneath
 
 INITRAMFS_VERSION = 1
 """Bump when the initramfs layout changes in a way the inputs do not show."""
@@ -276,7 +277,7 @@ def module_closure(modules_dir: Path, wanted: Iterable[str] = MODULES) -> tuple[
     Returns (relative .ko paths in load order, wanted names that are built in).
     Raises ``ImageError`` for a module that is neither a file nor built in.
     """
-    dep_text = (modules_dir / "modules.dep").read_text()
+    dep_text = _read_text(modules_dir, "modules.dep")
     deps: dict[str, list[str]] = {}
     by_name: dict[str, str] = {}
     for line in dep_text.splitlines():
@@ -285,9 +286,8 @@ def module_closure(modules_dir: Path, wanted: Iterable[str] = MODULES) -> tuple[
         mod, rest = line.split(":", 1)
         deps[mod] = rest.split()
         by_name[_mod_name(mod)] = mod
-    builtin_file = modules_dir / "modules.builtin"
-    builtin = ({_mod_name(x) for x in builtin_file.read_text().split()}
-               if builtin_file.exists() else set())
+    builtin = {_mod_name(x) for x in (_read(modules_dir, "modules.builtin") or b"").decode(
+        errors="replace").split()}
     order: list[str] = []
     seen: set[str] = set()
 
@@ -310,6 +310,29 @@ def module_closure(modules_dir: Path, wanted: Iterable[str] = MODULES) -> tuple[
             raise ImageError(f"kernel module {name} is neither in modules.dep nor built in",
                              step="initramfs", module=name)
     return order, built_in
+
+
+def _read(modules_dir: Path, rel: str) -> bytes | None:
+    """The regular file ``rel`` below the folder ``modules_dir``, None when missing. Opened
+    without following a link below that folder: root may build an initramfs from a build
+    folder that a split server owns (``staging.image_at``). Raises OSError (ELOOP)."""
+    top = os.open(modules_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = beneath.walk(top, rel)
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(top)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _read_text(modules_dir: Path, rel: str) -> str:
+    """``_read`` of a file that must be there, as text. Raises OSError."""
+    data = _read(modules_dir, rel)
+    if data is None:
+        raise FileNotFoundError(2, "no such file", str(modules_dir / rel))
+    return data.decode(errors="replace")
 
 
 def _filtered(text: str, keep: set[str], key: Callable[[str], str]) -> bytes:
@@ -406,22 +429,27 @@ def build_initrd(dest: Path, *, modules_dir: Path, kernel_version: str,
 
     mroot = f"lib/modules/{kernel_version}"
     for rel in modpaths:
-        c.file(f"{mroot}/{rel}", (modules_dir / rel).read_bytes())
-    dep_text = (modules_dir / "modules.dep").read_text()
+        data = _read(modules_dir, rel)
+        if data is None:
+            raise FileNotFoundError(2, "no such file", str(modules_dir / rel))
+        c.file(f"{mroot}/{rel}", data)
+    dep_text = _read_text(modules_dir, "modules.dep")
     c.file(f"{mroot}/modules.dep", _filtered(dep_text, keep, lambda ln: ln.split(":", 1)[0]))
     names = {_mod_name(p) for p in modpaths}
     # "alias <pattern> <module>" and "softdep <module> pre: ... post: ..." lines
     for idx, field in (("modules.alias", -1), ("modules.symbols", -1), ("modules.softdep", 1)):
-        f = modules_dir / idx
-        if f.exists():
+        got = _read(modules_dir, idx)
+        if got is not None:
             c.file(f"{mroot}/{idx}", _filtered(
-                f.read_text(), names,
+                got.decode(errors="replace"), names,
                 lambda ln, i=field: ln.split()[i] if len(ln.split()) > 2 else ""))
-    if (modules_dir / "modules.order").exists():
+    order = _read(modules_dir, "modules.order")
+    if order is not None:
         c.file(f"{mroot}/modules.order",
-               _filtered((modules_dir / "modules.order").read_text(), keep, lambda ln: ln))
-    if (modules_dir / "modules.builtin").exists():
-        c.file(f"{mroot}/modules.builtin", (modules_dir / "modules.builtin").read_bytes())
+               _filtered(order.decode(errors="replace"), keep, lambda ln: ln))
+    builtin = _read(modules_dir, "modules.builtin")
+    if builtin is not None:
+        c.file(f"{mroot}/modules.builtin", builtin)
 
     precompile = _can_precompile(python_version)
     tag = sys.implementation.cache_tag
@@ -436,8 +464,13 @@ def build_initrd(dest: Path, *, modules_dir: Path, kernel_version: str,
 
     data = gzip.compress(buf.getvalue(), compresslevel=6, mtime=0)
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
     try:
-        tmp.write_bytes(data)
+        # a new file of this process's own, never a link or file someone put there first
+        # (root may add an initramfs to a build folder that a split server owns)
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                          | os.O_CLOEXEC, 0o644), "wb") as out:
+            out.write(data)
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)

@@ -16,6 +16,7 @@ from it) and the full ``lib/modules/<version>`` tree, re-indexed with
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 from dataclasses import dataclass
@@ -59,8 +60,10 @@ def download(package: str, debs: Path, progress: Progress | None = None) -> Path
     """The .deb of ``package`` in ``debs``, downloaded with ``apt-get download`` unless present."""
     debs.mkdir(parents=True, exist_ok=True)
     have = sorted(debs.glob(f"{package}_*.deb"), key=lambda p: p.stat().st_mtime)
-    if have:
+    if have and have[-1].name in listed_debs(package, debs):
         return have[-1]
+    for p in have:  # not one apt's index lists (an older build, or not Debian's): fetched again
+        p.unlink(missing_ok=True)
     if progress:
         progress(f"downloading {package}")
     partial = debs / "partial"
@@ -75,6 +78,23 @@ def download(package: str, debs: Path, progress: Progress | None = None) -> Path
     got[-1].replace(dest)
     shutil.rmtree(partial, ignore_errors=True)
     return dest
+
+
+def listed_debs(package: str, debs: Path) -> set[str]:
+    """Names of the .debs in ``debs`` whose SHA-256 is one that the host's apt index (signed
+    by Debian) lists for ``package``: a cached kernel is used only when it is Debian's
+    (an earlier Hangar handed the cache to a split server's user, who could write it)."""
+    out = run("kernel checksums", ["apt-cache", "show", package])
+    sums = {ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("SHA256:")}
+    found: set[str] = set()
+    for p in debs.glob(f"{package}_*.deb"):
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        if h.hexdigest() in sums:
+            found.add(p.name)
+    return found
 
 
 def unpack(deb: Path, work: Path, image_dir: Path) -> KernelFiles:

@@ -50,8 +50,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -60,20 +58,22 @@ from typing import Any
 
 from hangar.errors import ImageError, NotFound
 from hangar.guest import paths
-from hangar.images import confined, oci, runtime, safetree, vmlinux
+from hangar.images import confined, oci, runtime, safetree, staging, vmlinux
 from hangar.images import kernel as kernels
 from hangar.images.builder import build_image, finish_build
 from hangar.images.catalogue import (
-    current_build, ensure_initrd, image_lock, newest_build, point_symlink, read_manifest,
+    current_build, image_lock, newest_build, point_symlink, read_manifest,
     recipe_digest_of, resolve_image,
 )
-from hangar.images.commands import Progress, remove_tree, require_tools, run
+from hangar.images.commands import Progress, require_tools, run
 from hangar.images.debian import AptCaches, flock
 from hangar.images.guest_image import GuestImage
 from hangar.images.recipes import BASE, RECIPES
+from hangar.images.staging import BuildRoom, image_at
 from hangar.images.rootfs import RESOLV_PLACEHOLDER, guest_setup, put_file, python_version, trim
 from hangar.images.template_file import Template, TemplateFile
 from hangar.layout import ImagePaths, Layout
+from hangar.privileged import beneath
 
 ENV_FILE = paths.TEMPLATE_ENV
 """Environment of a template's sandboxes in the guest (read by ``hangar.guest.ops.common``)."""
@@ -109,7 +109,7 @@ def build_template(layout: Layout, t: Template, *, force: bool = False,
         d = current_build(layout, t.name)
         if d is not None and recipe_digest_of(read_manifest(d)) == digest:
             say(f"{t.name}: unchanged, build {d.name} reused")
-            return ensure_initrd(d, read_manifest(d))
+            return image_at(layout, d.name)
     require_tools("mkfs.ext4", "depmod", "cp", "mount", "umount")
     if t.steps or t.packages:
         confined.check_available()
@@ -118,26 +118,23 @@ def build_template(layout: Layout, t: Template, *, force: bool = False,
         if d is None:
             d = _build(layout, t, digest, base, say)
         point_symlink(layout, t.name, d)
-        return ensure_initrd(d, read_manifest(d))
+        return image_at(layout, d.name)
 
 
 def _build(layout: Layout, t: Template, digest: str, base: GuestImage | None,
            say: Progress) -> Path:
     t0 = time.monotonic()
     times: dict[str, float] = {}
-    layout.build_cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{t.name}-{digest}-", dir=layout.build_cache))
-    stage = Path(tempfile.mkdtemp(prefix=layout.image_staging_prefix(t.name),
-                                  dir=layout.images))
-    paths = ImagePaths(stage)
-    try:
+    with BuildRoom(layout, t.name, f"{t.name}-{digest}-") as room:
+        work, stage = room.work, room.stage
+        paths = ImagePaths(stage)
         env: dict[str, str] = {}
         inherited: dict[str, Any] = {}
         if base is not None:
             rootdir = work / "root"
             base_manifest = read_manifest(base.dir)
             say(f"{t.name} (template {digest}): copying the tree of {base.id}")
-            _copy_base(base, rootdir, work, stage)
+            _copy_base(layout, base, rootdir, work, stage)
             kernel = base_manifest["kernel"]
             kernel["vmlinux"] = vmlinux.write_vmlinux(paths)
             env = _read_env(rootdir)
@@ -158,7 +155,8 @@ def _build(layout: Layout, t: Template, digest: str, base: GuestImage | None,
             env = dict(image.env)
             inherited = {"workdir": image.workdir if image.workdir != "/" else None}
             runtime.install_runtime(rootdir, say)
-            k = kernels.fetch(BASE.kernel_package, layout.debs_cache, work, stage, say)
+            k = kernels.fetch(BASE.kernel_package, room.cached(layout.debs_cache), work,
+                              stage, say)
             kernel = {"meta_package": BASE.kernel_package, "package": k.package,
                       "deb_version": k.deb_version, "version": k.version,
                       "vmlinux": vmlinux.write_vmlinux(paths)}
@@ -172,7 +170,7 @@ def _build(layout: Layout, t: Template, digest: str, base: GuestImage | None,
         guest_setup(rootdir)
         if t.packages:
             with confined.shifted(rootdir, say):
-                _apt_in_tree(rootdir, t.packages, layout, say)
+                _apt_in_tree(rootdir, t.packages, layout, room, say)
         times["packages"] = time.monotonic() - t1
 
         t1 = time.monotonic()
@@ -215,28 +213,35 @@ def _build(layout: Layout, t: Template, digest: str, base: GuestImage | None,
             "python_version": pyver,
             "kernel": kernel,
         }
-        return finish_build(layout, t.name, stage, rootdir, manifest, say, times, t0)
-    finally:
-        remove_tree(work)
-        remove_tree(stage)
+        return finish_build(layout, t.name, room, rootdir, manifest, say, times, t0)
 
 
-def _copy_base(base: GuestImage, rootdir: Path, work: Path, stage: Path) -> None:
-    """The base build's tree into ``rootdir`` and its kernel into ``stage``."""
+def _copy_base(layout: Layout, base: GuestImage, rootdir: Path, work: Path,
+               stage: Path) -> None:
+    """The base build's tree into ``rootdir`` and its kernel into ``stage``. The base's
+    folder and files are opened without following a link (a split server owns
+    ``images`` and its folders): its rootfs is put on a loop device by descriptor and
+    mounted read-only, its kernel and modules copied from descriptors."""
     mnt = work / "base-rootfs"
     mnt.mkdir()
     rootdir.mkdir()
-    run("mount base", ["mount", "-o", "loop,ro,noload", base.rootfs, mnt], timeout=120)
-    try:
-        run("copy base", ["cp", "-a", f"{mnt}/.", f"{rootdir}/"], timeout=1800)
-    finally:
-        try:
-            run("umount base", ["umount", mnt], timeout=120)
-        except ImageError:
-            run("umount base", ["umount", "-l", mnt], timeout=120)
-    src, dest = ImagePaths(base.dir), ImagePaths(stage)
-    shutil.copy2(src.kernel, dest.kernel)
-    shutil.copytree(src.modules, dest.modules, symlinks=True)
+    owners = (0, os.geteuid())  # an image's files are root's (or the unprivileged builder's)
+    dest = ImagePaths(stage)
+    with staging.opened_build(layout, base.id) as bfd:
+        with beneath.walked(bfd, ImagePaths(Path()).rootfs.name) as rfd:
+            beneath.expect(rfd, uids=owners)
+            with staging.loop_device(rfd) as dev:
+                run("mount base", ["mount", "-o", "ro,noload", dev, mnt], timeout=120)
+                try:
+                    run("copy base", ["cp", "-a", f"{mnt}/.", f"{rootdir}/"], timeout=1800)
+                finally:
+                    try:
+                        run("umount base", ["umount", mnt], timeout=120)
+                    except ImageError:
+                        run("umount base", ["umount", "-l", mnt], timeout=120)
+        staging.copy_file_at(bfd, dest.kernel.name, dest.kernel, owners)
+        with beneath.walked(bfd, dest.modules.name, directory=True) as mfd:
+            staging.copy_tree_at(mfd, dest.modules)
 
 
 def _read_env(rootdir: Path) -> dict[str, str]:
@@ -257,16 +262,16 @@ def _copy_in(rootdir: Path, f: TemplateFile) -> None:
     safetree.copy_in(f.src, rootdir, f.dest, f.mode)
 
 
-def _apt_in_tree(rootdir: Path, packages: tuple[str, ...], layout: Layout,
+def _apt_in_tree(rootdir: Path, packages: tuple[str, ...], layout: Layout, room: BuildRoom,
                  say: Progress) -> None:
     """``apt-get update`` and ``install`` of ``packages`` in the build namespace, with the
     host's network (the mirror) and resolver. The host's apt lists are copied in first
     (so the update mostly revalidates them); nothing the build writes goes back to the
     host's caches. The tree must be ``confined.shifted``."""
     say(f"apt-get install {' '.join(packages)}")
-    lists = AptCaches.of(layout).lists
+    lists = room.cached(AptCaches.of(layout).lists)
     if lists.is_dir():
-        with flock(layout.apt_lock):
+        with flock(room.cached(layout.apt_lock)):
             for p in sorted(lists.iterdir()):
                 if p.is_file() and not p.is_symlink() and "_" in p.name:
                     safetree.copy_in(p, rootdir, f"/var/lib/apt/lists/{p.name}", 0o644)

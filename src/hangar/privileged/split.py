@@ -9,7 +9,8 @@ snapshots) and ``drop`` (``setgroups([])``, ``setresgid``, ``setresuid``,
 which clears every capability, ``PR_SET_NO_NEW_PRIVS``); before forking it
 refuses (``check_code``) a user who could not read the code the server still
 has to import. ``hand_new`` hands over what a root CLI builds into a split
-server's data directory. Standard library only: ``hangar.images`` and
+server's data directory; ``take_back`` gives root back the build caches an
+earlier Hangar handed over. Standard library only: ``hangar.images`` and
 ``hangar.core`` call ``hand_new`` from below the helper.
 """
 
@@ -27,8 +28,9 @@ from hangar.layout import Layout
 from hangar.privileged import beneath
 
 PR_SET_NO_NEW_PRIVS = 38
-KEEP_ROOTS = ("images", "bin")
-"""Top-level entries of the data directory that stay root's."""
+KEEP_ROOTS = ("images", "bin", "cache")
+"""Top-level entries of the data directory that stay root's (``cache``: the build caches
+and work trees of root's image builds, which the server never uses; see ``take_back``)."""
 
 
 def _take(path: str | Path, uid: int, gid: int, dir_fd: int | None = None) -> None:
@@ -115,15 +117,64 @@ def hand_new(data_dir: Path, build: Path) -> None:
         os.close(top)
 
 
+def take_back(dir_fd: int) -> None:
+    """The folder ``dir_fd`` and everything in it root's again, writable by root only:
+    what an earlier Hangar handed to the server (``<data>/cache``, whose .debs, lists and
+    trees root's builds use). Each name is opened without following a link and changed
+    through its descriptor; a symlink, FIFO, socket or device there (which root's tools
+    could be sent through) is removed, never followed. Walked top-down, so a folder is
+    root's before what is in it is looked at. Raises OSError."""
+    def own(fd: int) -> None:
+        st = os.fstat(fd)
+        if (st.st_uid, st.st_gid) != (0, 0):
+            os.fchown(fd, 0, 0)
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o7022:
+            os.fchmod(fd, mode & ~0o7022)
+
+    own(dir_fd)
+    for _p, dirs, files, dfd in os.fwalk(".", dir_fd=dir_fd, follow_symlinks=False):
+        for name in dirs + files:
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                    os.unlink(name, dir_fd=dfd)
+                    continue
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                             dir_fd=dfd)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:  # swapped for a link meanwhile: removed
+                    raise
+                os.unlink(name, dir_fd=dfd)
+                continue
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):
+                    own(fd)
+            finally:
+                os.close(fd)
+
+
 def hand_over(layout: Layout, uid: int, gid: int) -> None:
     """Give the data directory to ``uid:gid`` but for ``KEEP_ROOTS`` (of ``images``, only
-    what the server writes: ``give_images``)."""
+    what the server writes: ``give_images``; ``cache`` is taken back: ``take_back``)."""
     root = layout.root
     os.chown(root, uid, gid, follow_symlinks=False)
     os.chmod(root, 0o700)
     for entry in os.scandir(root):
         if entry.name == "images" and entry.is_dir(follow_symlinks=False):
             give_images(Path(entry.path), uid, gid)
+        if entry.name == "cache":
+            if entry.is_dir(follow_symlinks=False):
+                fd = os.open(entry.path, beneath.DIR_FLAGS)
+                try:
+                    take_back(fd)
+                finally:
+                    os.close(fd)
+            else:  # a link an earlier server put there: root makes its own folder
+                os.unlink(entry.path)
         if entry.name in KEEP_ROOTS:
             continue
         if entry.is_dir(follow_symlinks=False):
