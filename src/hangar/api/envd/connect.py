@@ -77,6 +77,12 @@ class RpcError(Exception):
         return {"code": self.code, "message": self.message}
 
 
+class Dropped(Exception):
+    """Ends a server stream by dropping its connection, with no end-of-stream message: what
+    a client of E2B's envd sees when the sandbox is killed during the call (the SDK then
+    probes ``/health``, a 502, and raises its ``TimeoutException``)."""
+
+
 _CODES: tuple[tuple[type[errors.HangarError], str], ...] = (
     (errors.DiskFull, "resource_exhausted"), (errors.InvalidRequest, "invalid_argument"), (errors.Unauthorized, "unauthenticated"),
     (errors.NotFound, "not_found"), (errors.Gone, "not_found"),
@@ -363,7 +369,7 @@ async def _server_stream(method: Method, call: Call, codec: Codec, receive: Rece
     gen = method.handler(req, call)
     gone = asyncio.ensure_future(_disconnect(receive, body))
     interval = _keepalive_s(call.headers) if method.keepalive else None
-    started = False
+    started = dropped = False
     error: RpcError | None = None
     nxt: asyncio.Future[Message] | None = None
     try:
@@ -392,6 +398,10 @@ async def _server_stream(method: Method, call: Call, codec: Codec, receive: Rece
         error = exc
     except errors.HangarError as exc:
         error = rpc_error(exc)
+    except Dropped as exc:
+        log.info("envd stream dropped", extra={"method": method.request.DESCRIPTOR.name,
+                                               "reason": str(exc)})
+        dropped = True
     except Exception as exc:
         log.exception("envd stream failed", extra={"method": method.request.DESCRIPTOR.name})
         error = RpcError("internal", f"the call failed: {type(exc).__name__}")
@@ -404,6 +414,10 @@ async def _server_stream(method: Method, call: Call, codec: Codec, receive: Rece
             except BaseException:
                 pass
         await gen.aclose()
+    if dropped:
+        # the response is left incomplete: the server closes the connection (a transport
+        # error at the client), as E2B's edge does when the sandbox behind a call is gone
+        return
     if not started:
         await _start(send, 200, ctype)
     await send({"type": "http.response.body", "body": end_of_stream(error)})
