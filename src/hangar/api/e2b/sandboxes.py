@@ -65,6 +65,9 @@ REFRESH_S = 15
 """Seconds a refresh without ``duration`` keeps a sandbox alive (E2B's default timeout)."""
 PAGE = 100
 """Largest page of a list (E2B's ``limit`` maximum)."""
+EXPIRE_NOW_S = 0.001
+"""The time to live a ``timeout`` of 0 sets: E2B's sandbox expires at once (Hangar's 0 would
+mean no limit)."""
 
 
 # -- create -----------------------------------------------------------------------------------
@@ -257,9 +260,10 @@ async def update_network(sandbox_id: str, body: NetworkUpdate, m: Manager) -> Re
 
 @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
 async def set_timeout(sandbox_id: str, body: TimeoutRequest, m: Manager) -> Response:
-    """The sandbox ends ``timeout`` seconds from now (0: no limit)."""
+    """The sandbox's time runs out ``timeout`` seconds from now (0: now, as E2B's: it is
+    removed, or paused with ``autoPause``, at the next reconcile)."""
     views.shown(m, sandbox_id)
-    m.set_timeout(sandbox_id, body.timeout)
+    m.set_timeout(sandbox_id, body.timeout or EXPIRE_NOW_S)
     return Response(status_code=204)
 
 

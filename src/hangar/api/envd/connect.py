@@ -414,10 +414,8 @@ async def _server_stream(method: Method, call: Call, codec: Codec, receive: Rece
             except BaseException:
                 pass
         await gen.aclose()
-    if dropped:
-        # the response is left incomplete: the server closes the connection (a transport
-        # error at the client), as E2B's edge does when the sandbox behind a call is gone
-        return
+    if dropped:  # no end of stream: the gateway resets the connection (``Dropped``)
+        raise Dropped("the call's sandbox is gone")
     if not started:
         await _start(send, 200, ctype)
     await send({"type": "http.response.body", "body": end_of_stream(error)})
