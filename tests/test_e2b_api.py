@@ -249,10 +249,15 @@ def test_sync_sdk_drives_a_sandbox_through_its_life(server: Server, api: httpx.C
         out = run(api, sid, f"cat /root/e2b-note; kill -0 {pid} && echo alive")["stdout"]
         assert out == "kept\nalive\n"
 
-        # a snapshot, then a new sandbox from it
-        snap = sbx.create_snapshot()
-        assert snap.snapshot_id in [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
-        child = Sandbox.create(snap.snapshot_id, timeout=300)
+        # a named snapshot, then a new sandbox from it by its name
+        with pytest.raises(SandboxException, match=r"^400: name: 'snap-0123456789ab' is not"):
+            sbx.create_snapshot(name="snap-0123456789ab")  # an id's form
+        snap = sbx.create_snapshot(name=f"note-{tag}")
+        assert snap.names == [f"note-{tag}"]
+        assert [s.snapshot_id for s in Sandbox.list_snapshots(name=f"note-{tag}").next_items()] \
+            == [snap.snapshot_id]
+        assert Sandbox.list_snapshots(name=f"note-{tag}-not").next_items() == []
+        child = Sandbox.create(f"note-{tag}", timeout=300)
         assert child.sandbox_id != sid
         assert run(api, child.sandbox_id, "cat /root/e2b-note")["stdout"] == "kept\n"
         assert child.get_info().metadata == {}

@@ -585,3 +585,18 @@ def test_watch_events_carry_their_entry(env: Env) -> None:
     finally:
         handle.stop()
     sbx.files.remove("entries")
+
+
+def test_a_sandbox_killed_during_a_command_drops_its_stream(env: Env) -> None:
+    """E2B's answer to a command whose sandbox is killed under it: the stream's connection
+    is dropped (no end-of-stream message), the SDK's health probe gets a 502, and the
+    command's ``wait`` raises ``TimeoutException`` saying the sandbox was killed."""
+    other = Sandbox.create("base", timeout=600, **env.params)
+    try:
+        handle = other.commands.run("sleep 60", background=True)
+        other.kill()
+        with pytest.raises(TimeoutException,
+                           match="sandbox was killed or reached its end of life"):
+            handle.wait()
+    finally:
+        Sandbox.kill(other.sandbox_id, **env.params)

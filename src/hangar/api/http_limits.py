@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 from typing import Any
 
 import h11
@@ -201,3 +203,26 @@ def uvicorn_options() -> dict[str, Any]:
         "timeout_keep_alive": KEEP_ALIVE_S,
         "limit_concurrency": MAX_CONCURRENCY,
     }
+
+
+def reset_connection(scope: Any) -> bool:
+    """End the client's TCP connection of the request ``scope`` with a reset (RST), not a
+    close: what a client sees when the server behind a proxy dies mid-response (an HTTP
+    client's read error, not an incomplete message). Finds the connection among the
+    server's (``app.state.connections``, set by ``hangar serve`` to uvicorn's) by the
+    client's address; returns False when it is not found (another ASGI server, a Unix
+    socket): the response is then left incomplete and the connection closed."""
+    app = scope.get("app")
+    conns = getattr(getattr(app, "state", None), "connections", None)
+    client = scope.get("client")
+    if not conns or not client:
+        return False
+    for proto in list(conns):
+        transport = getattr(proto, "transport", None)
+        if getattr(proto, "client", None) == tuple(client) and transport is not None:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()
+            return True
+    return False

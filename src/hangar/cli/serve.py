@@ -7,7 +7,7 @@ put the node's settings in the environment.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -185,8 +185,10 @@ def serve(
                 api.state.events.close()
             super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
-    Server(uvicorn.Config(api, log_config=None, access_log=False, **http_limits(),
-                          **where_kw)).run()  # type: ignore[arg-type]
+    config: dict[str, Any] = {**http_limits(), **where_kw}
+    server = Server(uvicorn.Config(api, log_config=None, access_log=False, **config))
+    api.state.connections = server.server_state.connections  # http_limits.reset_connection
+    server.run()
 
 
 def http_limits() -> dict[str, object]:

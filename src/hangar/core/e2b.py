@@ -314,6 +314,10 @@ def resolve(manager: SandboxManager, template_id: str) -> Source:
         return Source("snapshot", snap.id, asked)
     except NotFound:
         pass
+    try:  # a snapshot's name: its newest snapshot
+        return Source("snapshot", manager.named_snapshot(name).id, asked)
+    except NotFound:
+        pass
     local = TEMPLATE_ALIASES.get(name, name)
     try:
         resolve_image(manager.layout, local)

@@ -55,10 +55,12 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import replace
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -91,7 +93,7 @@ from hangar.core.surfaces import CodeFace, FilesFace, NetworkFace, SecretsFace, 
 from hangar.core.terminals import Terminals
 from hangar.core.views import SandboxView, SnapshotView
 from hangar.engines.base import Engine
-from hangar.errors import Conflict
+from hangar.errors import Conflict, HangarError
 from hangar.engines.agent_client import AgentClient, ExecEvent, ExecResult, Tunnel
 from hangar.layout import Layout
 from hangar.metrics import Capacity, Metrics
@@ -124,8 +126,8 @@ class SandboxManager:
         "start", "close", "net", "policy", "get", "find", "list", "in_states", "vmm_count",
         "on_transition", "create_in_flight", "memory", "set_timeout", "capacity",
         "state_counts", "engine_name", "engine_accel", "describe_engine", "pool_status",
-        "create", "delete", "snapshot", "restore", "fork", "adopt", "forget", "fence",
-        "get_snapshot", "list_snapshots", "delete_snapshot", "has_snapshot",
+        "create", "provision", "delete", "snapshot", "restore", "fork", "adopt", "forget", "fence",
+        "get_snapshot", "named_snapshot", "list_snapshots", "delete_snapshot", "has_snapshot",
         "receive_snapshot", "sleep", "wake", "want", "pause", "connect", "settled", "extend",
         "exec", "exec_stream", "tunnel", "agent", "port_key"}
     """The face's names that api and cluster may use on the manager."""
@@ -340,13 +342,46 @@ class SandboxManager:
         """See ``Creation.create``; ``placement``: the id a cluster claimed for it."""
         return SandboxView.of(await self.creation.create(opts, placement))
 
+    async def provision(self, opts: CreateOptions, *, snapshot_id: str | None = None,
+                        prepare: Callable[[str], Awaitable[object]] | None = None
+                        ) -> SandboxView:
+        """A sandbox made ready in one verb: created from ``opts`` (or forked from the
+        snapshot ``snapshot_id``), then ``prepare(sandbox_id)`` run in it (a guest setup
+        a protocol needs, such as E2B's default user) while it has no expiry, and only then
+        its time to live started (``opts.timeout_s`` seconds, else the server's default; 0:
+        none). All or nothing: on any failure, the create's or ``prepare``'s, the sandbox
+        is deleted and the error raised. Raises what ``create``/``fork`` and ``prepare``
+        raise, and Conflict when it was deleted meanwhile."""
+        ttl = opts.timeout_s if opts.timeout_s is not None else self.settings.default_timeout_s
+        clockless = replace(opts, timeout_s=0)  # no expiry until it is ready
+        rec = (await self.fork(snapshot_id, clockless) if snapshot_id is not None
+               else await self.create(clockless))
+        try:
+            if prepare is not None:
+                await prepare(rec.id)
+            cur = self.get(rec.id)
+            if cur.state in (State.STOPPING, State.FAILED, *GONE):
+                raise Conflict(f"sandbox {rec.id} was deleted while being created",
+                               sandbox_id=rec.id)
+            now = time.time()
+            done = self.store.update(rec.id, ttl_s=ttl or None,
+                                     expires_at=now + ttl if ttl else None)
+            if done is None:
+                raise Conflict(f"sandbox {rec.id} was deleted while being created",
+                               sandbox_id=rec.id)
+        except BaseException:
+            with contextlib.suppress(HangarError):  # deleted meanwhile: nothing left to do
+                await self.delete(rec.id)
+            raise
+        return SandboxView.of(done)
+
     async def delete(self, sandbox_id: str) -> None:
         """See ``Removal.delete``."""
         await self.removal.delete(sandbox_id)
 
-    async def snapshot(self, sandbox_id: str) -> SnapshotView:
+    async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotView:
         """See ``Snapshots.snapshot``."""
-        return SnapshotView.of(await self.snapshots.snapshot(sandbox_id))
+        return SnapshotView.of(await self.snapshots.snapshot(sandbox_id, name))
 
     async def restore(self, sandbox_id: str, snapshot_id: str) -> SandboxView:
         """See ``Snapshots.restore``."""
@@ -372,6 +407,10 @@ class SandboxManager:
     def get_snapshot(self, snapshot_id: str) -> SnapshotView:
         """One snapshot. Raises NotFound."""
         return SnapshotView.of(self.snapshots.get(snapshot_id))
+
+    def named_snapshot(self, name: str) -> SnapshotView:
+        """See ``Snapshots.named``."""
+        return SnapshotView.of(self.snapshots.named(name))
 
     def list_snapshots(self, sandbox_id: str | None = None) -> list[SnapshotView]:
         """Snapshots (of ``sandbox_id`` when given), oldest first."""

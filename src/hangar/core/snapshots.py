@@ -17,6 +17,7 @@ snapshot (``hangar.core.creation``).
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import time
 
@@ -35,6 +36,19 @@ from hangar.errors import Busy, Conflict, InvalidRequest, NotFound
 from hangar.images import resolve_pinned
 
 log = logging.getLogger("hangar.snapshots")
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""A snapshot's name: 1 to 128 letters, digits, ``.``, ``_`` and ``-``, not first."""
+_ID = re.compile(r"snap-[0-9a-f]{12}")
+
+
+def check_name(name: str) -> None:
+    """Refuse a snapshot name that is malformed or has a snapshot id's form (InvalidRequest)."""
+    if not NAME.fullmatch(name) or _ID.fullmatch(name):
+        raise InvalidRequest(f"name: {name[:140]!r} is not a snapshot name (1 to 128 letters, "
+                             "digits, '.', '_' and '-', a letter or digit first, not of a "
+                             "snapshot id's form)", field="name")
 
 
 def running_and_idle(ctx: Context, sandbox_id: str) -> tuple[SandboxRecord, Runtime]:
@@ -66,8 +80,10 @@ class Snapshots:
 
     # -- taking ------------------------------------------------------------------------
 
-    async def save(self, rec: SandboxRecord, rt: Runtime, kind: str) -> SnapshotRecord:
-        """Pause the VM and save it as a snapshot of ``kind`` (``user`` or ``sleep``).
+    async def save(self, rec: SandboxRecord, rt: Runtime, kind: str,
+                   name: str | None = None) -> SnapshotRecord:
+        """Pause the VM and save it as a snapshot of ``kind`` (``user`` or ``sleep``),
+        named ``name`` when given.
 
         The VM ends paused. The record is written once the files are complete
         (a ``sleep`` snapshot becomes the sandbox's ``sleep_snapshot`` in the
@@ -89,7 +105,7 @@ class Snapshots:
                 id=snap_id, sandbox_id=rec.id, kind=kind, size_bytes=files.size_bytes,
                 created_at=time.time(), image=rec.image, image_digest=rec.image_digest,
                 vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
-                desktop=rec.desktop, network=rec.network)
+                desktop=rec.desktop, network=rec.network, name=name)
             self.launcher.vault.copy(rec.id, snap_id)  # its placeholders and CA, if any
             ctx.store.add_snapshot(snap, sleep_of=rec.id if kind == "sleep" else None)
             outcome = "ok"
@@ -101,20 +117,23 @@ class Snapshots:
             ctx.metrics.snapshot_seconds.labels(kind, outcome).observe(time.monotonic() - started)
         return snap
 
-    async def snapshot(self, sandbox_id: str) -> SnapshotRecord:
-        """Save the sandbox's memory, device state and disk; it keeps running.
+    async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotRecord:
+        """Save the sandbox's memory, device state and disk; it keeps running. ``name``:
+        a name for it (``check_name``; the newest of a name answers to it: ``named``).
 
         Raises NotFound, Conflict (not running) or Busy (a command runs: retry).
         """
         ctx = self.ctx
         started = time.monotonic()
+        if name is not None:
+            check_name(name)
         self.launcher.volumes.refuse_snapshot(sandbox_id, "be snapshotted")
         async with ctx.registry.lock(sandbox_id):
             rec, rt = running_and_idle(ctx, sandbox_id)
             self.admission.check_snapshot_room(rec)
             ctx.store.transition(sandbox_id, State.RUNNING, State.SNAPSHOTTING)
             try:
-                snap = await self.save(rec, rt, "user")
+                snap = await self.save(rec, rt, "user", name)
             finally:
                 if rt.vm.alive():
                     await ctx.engine.resume(rt.vm)
@@ -135,6 +154,13 @@ class Snapshots:
         if snap is None or snap.kind != "user":
             raise NotFound(f"no snapshot {snapshot_id}", snapshot_id=snapshot_id)
         return snap
+
+    def named(self, name: str) -> SnapshotRecord:
+        """The newest user snapshot named ``name``. Raises NotFound."""
+        snaps = [s for s in self.list() if s.name == name]
+        if not snaps:
+            raise NotFound(f"no snapshot named {name!r}", snapshot=name)
+        return snaps[-1]
 
     def list(self, sandbox_id: str | None = None) -> list[SnapshotRecord]:
         """User snapshots, oldest first; only ``sandbox_id``'s when given."""

@@ -148,6 +148,8 @@ class SnapshotRecord(Base):
     disk_mib: Mapped[int] = mapped_column(Integer)
     desktop: Mapped[str | None] = mapped_column(String(32), nullable=True)
     network: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    name: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
+    """A name the client gave it (several may share one; the newest answers to it)."""
 
 
 class MachineRecord(Base):

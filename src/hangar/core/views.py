@@ -110,6 +110,8 @@ class SnapshotView:
     disk_mib: int
     desktop: str | None
     network: dict[str, Any] | None
+    name: str | None = None
+    """The name its client gave it, or None (``Snapshots.named``)."""
 
     @classmethod
     def of(cls, rec: Any) -> SnapshotView:

@@ -8,9 +8,10 @@ into E2B's body (``hangar.api.e2b.views``). How E2B's words map:
   snapshot; ``envVars`` become the default environment of envd's processes,
   ``autoPause`` makes the end of the time to live a pause instead of a
   removal; ``secure`` is accepted and every sandbox is secured (an envd
-  access token in every answer). E2B's default user, ``user`` with home
-  ``/home/user`` and passwordless sudo, is made in the guest before the answer
-  (``hangar.core.e2b_user.add_user``): envd's calls run as it unless they name root.
+  access token in every answer). It is core's ``provision``: the sandbox made,
+  E2B's default user, ``user`` with home ``/home/user`` and passwordless sudo, made
+  in the guest (``hangar.core.e2b_user.add_user``; envd's calls run as it unless they
+  name root), then its time to live started, all before the answer.
 - **pause** is core's ``pause`` (a sleep: memory, devices and disk saved, the
   VMM ended, and the clock stopped in the same move: no time limit). **connect**
   and **resume** are core's ``connect``: it wakes a paused one (``201``) with
@@ -29,6 +30,7 @@ into E2B's body (``hangar.api.e2b.views``). How E2B's words map:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import urllib.parse
 from datetime import datetime
@@ -63,6 +65,9 @@ REFRESH_S = 15
 """Seconds a refresh without ``duration`` keeps a sandbox alive (E2B's default timeout)."""
 PAGE = 100
 """Largest page of a list (E2B's ``limit`` maximum)."""
+EXPIRE_NOW_S = 0.001
+"""The time to live a ``timeout`` of 0 sets: E2B's sandbox expires at once (Hangar's 0 would
+mean no limit)."""
 
 
 # -- create -----------------------------------------------------------------------------------
@@ -101,22 +106,16 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
         if network is not None:
             raise InvalidRequest("network: a sandbox started from a snapshot keeps the "
                                  "snapshot's egress policy", field="network")
-        rec = await m.fork(source.name, CreateOptions(timeout_s=body.timeout, **fields))
+        made = CreateOptions(timeout_s=body.timeout, **fields)
     else:
         m.policy(network)  # a policy Hangar cannot enforce is a 400 before anything boots
         volumes = {v.path: v.name for v in body.volumeMounts or ()} or None  # read-write
-        rec = await m.create(CreateOptions(image=source.name, timeout_s=body.timeout,
-                                           network=network, volumes=volumes, **fields))
-    try:
-        if body.timeout:
-            m.set_timeout(rec.id, 0)  # no expiry while the user is made
-        await e2b_user.add_user(m, rec.id)  # E2B's default user, ``user`` (idempotent)
-    except BaseException:
-        await m.delete(rec.id)
-        raise
-    if body.timeout:
-        m.set_timeout(rec.id, body.timeout)  # its time to live starts once it is ready
-    return views.created(m, m.get(rec.id))
+        made = CreateOptions(image=source.name, timeout_s=body.timeout, network=network,
+                             volumes=volumes, **fields)
+    # one verb: made, E2B's default user added (idempotent), then its time to live started
+    rec = await m.provision(made, prepare=functools.partial(e2b_user.add_user, m),
+                            snapshot_id=source.name if source.kind == "snapshot" else None)
+    return views.created(m, rec)
 
 
 @router.post("/sandboxes", status_code=201, response_model=Sandbox)
@@ -261,9 +260,10 @@ async def update_network(sandbox_id: str, body: NetworkUpdate, m: Manager) -> Re
 
 @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
 async def set_timeout(sandbox_id: str, body: TimeoutRequest, m: Manager) -> Response:
-    """The sandbox ends ``timeout`` seconds from now (0: no limit)."""
+    """The sandbox's time runs out ``timeout`` seconds from now (0: now, as E2B's: it is
+    removed, or paused with ``autoPause``, at the next reconcile)."""
     views.shown(m, sandbox_id)
-    m.set_timeout(sandbox_id, body.timeout)
+    m.set_timeout(sandbox_id, body.timeout or EXPIRE_NOW_S)
     return Response(status_code=204)
 
 

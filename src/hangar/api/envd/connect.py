@@ -77,6 +77,12 @@ class RpcError(Exception):
         return {"code": self.code, "message": self.message}
 
 
+class Dropped(Exception):
+    """Ends a server stream by dropping its connection, with no end-of-stream message: what
+    a client of E2B's envd sees when the sandbox is killed during the call (the SDK then
+    probes ``/health``, a 502, and raises its ``TimeoutException``)."""
+
+
 _CODES: tuple[tuple[type[errors.HangarError], str], ...] = (
     (errors.DiskFull, "resource_exhausted"), (errors.InvalidRequest, "invalid_argument"), (errors.Unauthorized, "unauthenticated"),
     (errors.NotFound, "not_found"), (errors.Gone, "not_found"),
@@ -368,7 +374,7 @@ async def _server_stream(method: Method, call: Call, codec: Codec, receive: Rece
     gen = method.handler(req, call)
     gone = asyncio.ensure_future(_disconnect(receive, body))
     interval = _keepalive_s(call.headers) if method.keepalive else None
-    started = False
+    started = dropped = False
     error: RpcError | None = None
     nxt: asyncio.Future[Message] | None = None
     try:
@@ -397,6 +403,10 @@ async def _server_stream(method: Method, call: Call, codec: Codec, receive: Rece
         error = exc
     except errors.HangarError as exc:
         error = rpc_error(exc)
+    except Dropped as exc:
+        log.info("envd stream dropped", extra={"method": method.request.DESCRIPTOR.name,
+                                               "reason": str(exc)})
+        dropped = True
     except Exception as exc:
         log.exception("envd stream failed", extra={"method": method.request.DESCRIPTOR.name})
         error = RpcError("internal", f"the call failed: {type(exc).__name__}")
@@ -409,6 +419,8 @@ async def _server_stream(method: Method, call: Call, codec: Codec, receive: Rece
             except BaseException:
                 pass
         await gen.aclose()
+    if dropped:  # no end of stream: the gateway resets the connection (``Dropped``)
+        raise Dropped("the call's sandbox is gone")
     if not started:
         await _start(send, 200, ctype)
     await send({"type": "http.response.body", "body": end_of_stream(error)})

@@ -51,12 +51,13 @@ from urllib.parse import parse_qs
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hangar.api.auth import authenticate
+from hangar.api.http_limits import reset_connection
 from hangar.api.envd import connect, fs_entries, fs_watch, ports, process_io, process_run, rest
 from hangar.api.envd.connect import RpcError
 from hangar.api.envd.tokens import EXPIRED, signature_ok, token_ok
 from hangar.api.envd.versions import ENVD_PORT, PREFIX
 from hangar.api.envd.fs_watch import Watchers
-from hangar.core.service import Face, SandboxManager, e2b, e2b_user, public_name
+from hangar.core.service import Face, SandboxManager, State, e2b, e2b_user, public_name
 from hangar.errors import Gone, HangarError, NotFound, Unauthorized
 from hangar.schemas.bounds import PORT_MAX, PORT_MIN
 
@@ -237,6 +238,8 @@ class EnvdGateway:
         except (NotFound, Gone):
             raise Refusal(502, "unavailable",
                           f"The sandbox {sandbox_id[:64]} was not found") from None
+        if rec.state == State.STOPPING:  # being deleted: gone for E2B already
+            raise Refusal(502, "unavailable", f"The sandbox {sandbox_id} was not found")
         if public_name(rec.state, Face.E2B) == "paused" and not rec.auto_resume:
             raise Refusal(502, "unavailable",
                           f"The sandbox {sandbox_id} is paused: connect to it to resume it "
@@ -294,4 +297,9 @@ class EnvdGateway:
         except RpcError as exc:
             raise Refusal(400, exc.code, exc.message) from None
         call.context = envd
-        await connect.serve(method, call, receive, send)
+        try:
+            await connect.serve(method, call, receive, send)
+        except connect.Dropped:
+            # the connection is reset, as E2B's edge does when the sandbox behind a call
+            # is gone: the SDK reads a transport error, probes /health (502) and says so
+            reset_connection(scope)

@@ -25,9 +25,11 @@ from typing import Any
 from google.protobuf.message import Message
 
 from hangar.api.envd import fs_entries
-from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
+from hangar.api.envd.connect import Call, Dropped, Method, RpcError, rpc_error
 from hangar.api.envd.messages import P
-from hangar.core.service import Command, ProcessInfo, ProcessOutput, e2b, e2b_user
+from hangar.core.service import (
+    GONE, Command, ProcessInfo, ProcessOutput, State, e2b, e2b_user,
+)
 from hangar.errors import HangarError
 
 
@@ -60,8 +62,16 @@ def end_event(info: ProcessInfo) -> Any:
     return ev
 
 
+def _gone(env: Any) -> bool:
+    """Whether the call's sandbox is being deleted or gone."""
+    rec = env.manager.find(env.sandbox_id)
+    return rec is None or rec.state in (State.STOPPING, *GONE)
+
+
 async def _stream(items: AsyncIterator[ProcessInfo | ProcessOutput],
-                  response: type[Message]) -> AsyncIterator[Message]:
+                  response: type[Message], env: Any) -> AsyncIterator[Message]:
+    """The process's events as ``response`` messages; a sandbox deleted meanwhile drops the
+    connection (``Dropped``), as E2B's envd does."""
     try:
         async for item in items:
             ev = P.ProcessEvent()
@@ -76,6 +86,8 @@ async def _stream(items: AsyncIterator[ProcessInfo | ProcessOutput],
                 setattr(ev.data, item.kind, item.data)
             yield response(event=ev)
     except HangarError as exc:
+        if _gone(env):
+            raise Dropped(f"sandbox {env.sandbox_id} was deleted during the call") from None
         raise rpc_error(exc) from None
     finally:
         await items.aclose()  # type: ignore[attr-defined]
@@ -97,7 +109,7 @@ async def start(req: Any, call: Call) -> AsyncIterator[Message]:
     items = env.manager.processes.start_attached(
         env.sandbox_id, cmd, tag=req.tag if req.HasField("tag") else None,
         stdin=req.stdin if req.HasField("stdin") else True, pty=pty, timeout=call.timeout_s)
-    async for msg in _stream(items, P.StartResponse):
+    async for msg in _stream(items, P.StartResponse, env):
         yield msg
 
 
@@ -105,7 +117,7 @@ async def connect(req: Any, call: Call) -> AsyncIterator[Message]:
     env = call.context
     items = env.manager.processes.attach(env.sandbox_id, **selector(req.process))
     first = True
-    async for msg in _stream(items, P.ConnectResponse):
+    async for msg in _stream(items, P.ConnectResponse, env):
         if first and msg.event.WhichOneof("event") != "start":
             raise RpcError("not_found", "the process has ended")
         first = False
