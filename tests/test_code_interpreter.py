@@ -13,23 +13,30 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 from PIL import Image
 
 from conftest import SHARED, Server, Waits
-from hangar.client import ExecutionError, Hangar, OutputMessage, Sandbox, Timeouts
-from hangar.errors import NoInterpreter, NotFound
+from hangar.client import (CodeContext, ExecutionError, Hangar, OutputMessage, Sandbox,
+                           Timeouts)
+from hangar.core.interpreter import REQUEST_S
+from hangar.errors import NoInterpreter, NotFound, Timeout
 
 vm = pytest.mark.vm
+T = TypeVar("T")
 
 PLOT = """
 import matplotlib.pyplot as plt
@@ -38,15 +45,31 @@ plt.plot([1, 2, 3], [3, 1, 2])
 plt.show()
 """
 STREAM = "print('first', flush=True)\nimport time\ntime.sleep(2)\nprint('second')\n"
-SPARE_STATE = ("import json, urllib.request\n"
-               "url = 'http://127.0.0.1:49999/health'\n"
-               "print(json.load(urllib.request.urlopen(url, timeout=30))['spare'])\n")
+WAIT_FOR_SPARE = r"""
+end=$((SECONDS + $1))
+while :; do
+  exec 3<>/dev/tcp/127.0.0.1/49999 || exit 2
+  printf 'GET /health HTTP/1.0\r\n\r\n' >&3
+  while IFS= read -r -u 3 line || [[ -n $line ]]; do body=$line; line=; done
+  exec 3<&-
+  case $body in
+    *'"spare": "starting"'*) ((SECONDS < end)) || break; sleep 2 ;;
+    *) break ;;
+  esac
+done
+echo "$body"
+"""
+"""A bash script (argument: seconds) that waits in the guest until its server's spare kernel
+is no longer starting, asking ``GET /health`` every 2 s with bash's own ``/dev/tcp``, and
+prints the last answer's JSON. One command for the whole wait: a command per poll (and a
+python3 per poll even more) costs the guest's one vCPU under emulation much of what the
+kernel start being waited for needs (python3 starts took 10 to 28 s at host load 8-10)."""
 AT_ONCE_BOOTS = 3.0
 """A context create or restart that hands out the spare answers within this many boots of
 the base image (``waits``; at least 3 s): a round trip to the guest's server, plus, for the
 first call after a restore, the spare's pages read back from the snapshot (2.6 s measured at
 load 3 beside another sandbox starting a kernel, with a boot of 1.7 s). Starting a kernel
-instead takes 30 to 90 s under emulation on a 2-core host."""
+instead takes 30 to 90 s under emulation on a 2-core host, minutes at load 8-10."""
 SPARE_BOOTS = 150
 """The longest wait for the next spare kernel, in boots, and never under the 240 s that the
 guest's server itself waits for one (``SPARE_WAIT_S``): a kernel's start and its imports of
@@ -55,20 +78,29 @@ whose boots took 0.9 to 1.9 s."""
 SPARE_FLOOR_S = 240.0
 
 
-def spare_state(run: Callable[[str], str]) -> str:
-    """The guest server's spare kernel: ``ready``, ``starting``, ``failed`` or ``none``;
-    ``run`` runs a shell command in the guest and returns its stdout."""
-    return run("python3 /root/spare_state.py").strip()
+def wait_for_spare(run: Callable[[str, float], str], deadline_s: float) -> dict[str, Any]:
+    """Wait up to ``deadline_s`` for the guest's spare kernel to be ready; returns the guest
+    server's ``/health`` (``spare``, ``spare_start_s``: seconds the last start took).
+    ``run(command, timeout)`` runs a shell command in the guest and returns its stdout."""
+    out = run(f"bash -c {shlex.quote(WAIT_FOR_SPARE)} wait {deadline_s:.0f} || true",
+              deadline_s + 120)
+    got: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    assert got["spare"] == "ready", f"no spare kernel within {deadline_s:.0f} s: {got}"
+    return got
 
 
-def wait_for_spare(run: Callable[[str], str], deadline_s: float) -> float:
-    """Wait until the guest's spare kernel is ready; returns the seconds waited."""
-    t0 = time.monotonic()
-    while (state := spare_state(run)) != "ready":
-        assert state == "starting", f"spare kernel {state}"
-        assert time.monotonic() - t0 < deadline_s, f"no spare kernel within {deadline_s:.0f} s"
-        time.sleep(1)
-    return time.monotonic() - t0
+def until_a_kernel(create: Callable[[], T], refused: type[Exception], deadline_s: float) -> T:
+    """``create()``, again while the guest answers 504 (``refused``: no kernel was ready within
+    its fixed 240 s, one is starting: "try again"), up to ``deadline_s`` in all: at host load
+    15 and more one kernel start alone took over 240 s."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            return create()
+        except refused as exc:
+            if "504" not in str(exc) and "no kernel was ready" not in str(exc):
+                raise
+            assert time.monotonic() < end, f"no kernel within {deadline_s:.0f} s: {exc}"
 
 
 @pytest.fixture(scope="session")
@@ -139,7 +171,7 @@ def test_error_has_name_value_and_traceback(sb: Sandbox) -> None:
 
 
 @vm
-def test_contexts_are_separate(sb: Sandbox) -> None:
+def test_contexts_are_separate(sb: Sandbox, waits: Waits) -> None:
     ctx = sb.create_code_context()
     try:
         assert ctx.language == "python" and ctx.cwd == "/root"
@@ -147,6 +179,10 @@ def test_contexts_are_separate(sb: Sandbox) -> None:
         assert sb.run_code("y", context=ctx).text == "'mine'"
         assert sb.run_code("y").error.name == "NameError"
         assert ctx.id in [c.id for c in sb.list_code_contexts()]
+        # The restart swaps in the next spare: waited for here, by a deadline from this
+        # machine's boots, not by the guest's fixed 240 s (a 504 at host load 15 and more).
+        wait_for_spare(lambda command, timeout: sb.exec(command, timeout=timeout).stdout,
+                       waits.vm(SPARE_BOOTS, floor=SPARE_FLOOR_S))
         sb.restart_code_context(ctx)
         assert sb.run_code("y", context=ctx).error.name == "NameError"
     finally:
@@ -157,34 +193,40 @@ def test_contexts_are_separate(sb: Sandbox) -> None:
 
 
 @vm
-@pytest.mark.skip(reason="hangs past its 600 s on the merged main of 2026-12-03 (a second create "
-                  "waits for a spare kernel that never comes): issue 34's bug to find, "
-                  "not to widen")
 def test_contexts_answer_at_once(client: Hangar, code_image: Path, waits: Waits) -> None:
-    """A sandbox from the template has a spare kernel: create and restart hand it out at
-    once; two creates in a row both work (the second waits for the next spare)."""
+    """A sandbox from the template has a spare kernel. Two creates at once (a program's
+    threads): one takes the spare at once, the other waits for the next one to start. A
+    restart with a spare ready swaps it in at once. Two kernel starts in all, one at a time."""
     at_once = waits.vm(AT_ONCE_BOOTS, floor=3.0)
     with Sandbox.create("code-interpreter", client=client) as s:
-        s.files.write("/root/spare_state.py", SPARE_STATE)
 
-        def run(cmd: str) -> str:
-            return s.exec(cmd, timeout=120).stdout
+        def run(command: str, timeout: float) -> str:
+            return s.exec(command, timeout=timeout).stdout
+
+        def create(cwd: str) -> tuple[float, CodeContext]:
+            t0 = time.monotonic()
+            ctx = until_a_kernel(lambda: s.create_code_context(cwd=cwd), Timeout,
+                                 waits.vm(SPARE_BOOTS, floor=SPARE_FLOOR_S))
+            return time.monotonic() - t0, ctx
 
         assert s.info.source == "template"
-        assert spare_state(run) == "ready"  # the snapshot was taken with the spare ready
-        t0 = time.monotonic()
-        a = s.create_code_context(cwd="/tmp")
-        took = time.monotonic() - t0
+        wait_for_spare(run, 0)  # the snapshot was taken with the spare ready
+        with ThreadPoolExecutor(2) as pool:
+            (took, a), (second, b) = sorted(pool.map(create, ("/tmp", "/tmp")),
+                                            key=lambda r: r[0])
+        print(f"two creates at once: {took:.2f} s and {second:.1f} s", file=sys.stderr)
         assert took < at_once, f"create_code_context took {took:.1f} s (bound {at_once:.1f})"
-        print(f"create_code_context {took:.2f} s", file=sys.stderr)
-        assert a.cwd == "/tmp"
-        assert s.run_code("import os; os.getcwd()", context=a).text == "'/tmp'"
-        assert s.run_code("v = 'a'", context=a).error is None
-        assert s.run_code("v", context=a).text == "'a'"
+        assert a.id != b.id and a.cwd == b.cwd == "/tmp"
+        for ctx, value in ((a, "a"), (b, "b")):
+            assert s.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+            assert s.run_code(f"v = {value!r}", context=ctx).error is None
+        assert [s.run_code("v", context=x).text for x in (a, b)] == ["'a'", "'b'"]
         assert s.run_code("v").error.name == "NameError"  # not in the default context
 
-        waited = wait_for_spare(run, waits.vm(SPARE_BOOTS, floor=SPARE_FLOOR_S))
-        print(f"next spare ready {waited:.1f} s later", file=sys.stderr)
+        t0 = time.monotonic()
+        spare = wait_for_spare(run, waits.vm(SPARE_BOOTS, floor=SPARE_FLOOR_S))
+        print(f"next spare ready {time.monotonic() - t0:.1f} s later (its start took "
+              f"{spare['spare_start_s']:.1f} s)", file=sys.stderr)
         t0 = time.monotonic()
         s.restart_code_context(a)
         took = time.monotonic() - t0
@@ -192,23 +234,16 @@ def test_contexts_answer_at_once(client: Hangar, code_image: Path, waits: Waits)
         print(f"restart_code_context {took:.2f} s", file=sys.stderr)
         assert s.run_code("v", context=a).error.name == "NameError"
         assert s.run_code("import os; os.getcwd()", context=a).text == "'/tmp'"
-        assert s.run_code("v = 'a2'", context=a).error is None
-
-        # No spare is ready now: two creates in a row each wait for the one being started.
-        t0 = time.monotonic()
-        b = s.create_code_context()
-        c = s.create_code_context()
-        print(f"two creates in a row {time.monotonic() - t0:.1f} s", file=sys.stderr)
-        assert len({a.id, b.id, c.id}) == 3
-        for ctx, value in ((b, "b"), (c, "c")):
-            assert s.run_code(f"v = {value!r}", context=ctx).error is None
-        assert [s.run_code("v", context=x).text for x in (a, b, c)] == ["'a2'", "'b'", "'c'"]
+        assert s.run_code("v", context=b).text == "'b'"
         listed = {x.id for x in s.list_code_contexts()}
-        assert {a.id, b.id, c.id} <= listed and len(listed) == 4  # and the default one
-        # One spare at most: the default context's kernel, three contexts' and one spare.
-        wait_for_spare(run, waits.vm(SPARE_BOOTS, floor=SPARE_FLOOR_S))
-        kernels = run("pgrep -fc '[i]pykernel_launcher' || true").strip()
-        assert kernels == "5", kernels
+        assert {a.id, b.id} <= listed and len(listed) == 3  # and the default one
+        # One spare at most: the default context's kernel, two contexts' and the spare being
+        # started; a's old kernel is killed in the background.
+        deadline = waits.vm(AT_ONCE_BOOTS * 10, floor=30.0)
+        kernels = run("for i in $(seq %d); do n=$(pgrep -fc '[i]pykernel_launcher'); "
+                      "[ \"$n\" = 4 ] && break; sleep 1; done; echo $n" % deadline,
+                      deadline + 60).strip()
+        assert kernels == "4", kernels
 
 
 @vm
@@ -244,6 +279,9 @@ def test_bad_requests_are_refused(sb: Sandbox, server: Server) -> None:
         r = api.post(f"/sandboxes/{sb.id}/code/execute", json={"code": "1", "language": "r"})
         assert r.status_code == 400, r.text
         assert "only python" in r.json()["error"]["message"]
+        r = api.post(f"/sandboxes/{sb.id}/code/contexts", json={"language": "cobol"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", r.text
+        assert "'cobol' is not served here (only python)" in r.json()["error"]["message"]
         r = api.post(f"/sandboxes/{sb.id}/code/execute", json={"code": "x" * ((1 << 20) + 1)})
         assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
         r = api.post(f"/sandboxes/{sb.id}/code/contexts/nope/restart")
@@ -313,7 +351,8 @@ def test_e2b_code_interpreter_sdk(e2b_env: None, sb: Sandbox, waits: Waits,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     # ``sb`` first: the image's booted template snapshot exists, so the SDK's create
     # answers within its own default request timeout.
-    from e2b_code_interpreter import Sandbox
+    from e2b import SandboxException
+    from e2b_code_interpreter import Context, Sandbox
 
     # The code interpreter's README example, unchanged.
     with Sandbox.create() as sandbox:
@@ -323,21 +362,43 @@ def test_e2b_code_interpreter_sdk(e2b_env: None, sb: Sandbox, waits: Waits,
 
         assert capsys.readouterr().out == "2\n"
         s = sandbox
+        # E2B's default life of 300 s is shorter than this test under load: its kernel starts
+        # (one for the second context, one for the spare of the restart) are waited for.
+        s.set_timeout(int(3 * waits.vm(SPARE_BOOTS, floor=REQUEST_S)))
         assert s.run_code("x = 41").error is None and s.run_code("x + 1").text == "42"
         png = [r for r in s.run_code(PLOT).results if r.png]
         assert Image.open(io.BytesIO(base64.b64decode(png[0].png))).size == (400, 300)
         err = s.run_code("1/0").error
         assert err.name == "ZeroDivisionError" and "ZeroDivisionError" in err.traceback
-        # A context answers within the SDK's own default request timeout (60 s): the
-        # server hands out its spare kernel instead of starting one.
-        ctx = s.create_code_context()
+        # Two contexts made at once from threads: one answers within the SDK's own default
+        # request timeout (60 s), the server handing out its spare kernel; the other waits
+        # for the next kernel's start (minutes under emulation: it needs a longer timeout).
+        at_once = waits.vm(AT_ONCE_BOOTS, floor=3.0)
+        longest = waits.vm(SPARE_BOOTS, floor=REQUEST_S)
+
+        def create(_: int) -> tuple[float, Context]:
+            t0 = time.monotonic()
+            made = until_a_kernel(lambda: s.create_code_context(request_timeout=longest),
+                                  SandboxException, longest)
+            return time.monotonic() - t0, made
+
+        with ThreadPoolExecutor(2) as pool:
+            (took, ctx), (second, other) = sorted(pool.map(create, (0, 1)), key=lambda r: r[0])
+        print(f"e2b: two creates at once: {took:.2f} s and {second:.1f} s", file=sys.stderr)
+        assert took < at_once, f"create_code_context took {took:.1f} s (bound {at_once:.1f})"
+        s.run_code("y = 2", context=other)
         s.run_code("y = 1", context=ctx)
+        assert s.run_code("y", context=other).text == "2"
         assert s.run_code("y").error.name == "NameError"
         assert s.run_code("y", context=ctx).text == "1"
-        assert ctx.id in [c.id for c in s.list_code_contexts()]
-        # as root: E2B's default user (``user``) cannot enter /root
-        s.files.write("/root/spare_state.py", SPARE_STATE, user="root")
-        wait_for_spare(lambda cmd: s.commands.run(cmd, timeout=120, user="root").stdout,
+        assert {ctx.id, other.id} <= {c.id for c in s.list_code_contexts()}
+        s.remove_code_context(other)
+        # A language the image does not serve: a 400 (E2B's own server answers 500 there).
+        for call in (lambda: s.create_code_context(language="cobol"),
+                     lambda: s.run_code("1", language="cobol")):
+            with pytest.raises(SandboxException, match=r"^400 .*'cobol' is not served"):
+                call()
+        wait_for_spare(lambda command, timeout: s.commands.run(command, timeout=timeout).stdout,
                        waits.vm(SPARE_BOOTS, floor=SPARE_FLOOR_S))
         s.restart_code_context(ctx)
         assert s.run_code("y", context=ctx).error.name == "NameError"
