@@ -12,6 +12,7 @@ SDK's connection by hand, to send a wrong token or none.
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import os
 import subprocess
@@ -377,6 +378,10 @@ def test_signed_file_urls(env: Env) -> None:
         assert (r.status_code, r.content) == (200, b"signed bytes")
         r = c.get(down.replace("signed.txt", "other.txt"))
         assert r.status_code == 401
+        # a URL signed for the default user runs as it whatever user Basic auth names
+        rel = sbx.download_url("signed.txt", use_signature_expiration=60)
+        r = c.get(rel, headers={"Authorization": "Basic " + base64.b64encode(b"root:").decode()})
+        assert (r.status_code, r.content) == (200, b"signed bytes")
         r = c.get(sbx.upload_url("/home/user/signed.txt"))
         assert r.status_code == 401  # a write signature does not read
         r = c.get(f"{env.url}/files", params={"path": "/home/user/signed.txt"},

@@ -316,3 +316,16 @@ def test_one_client_address_cannot_take_every_connection(env: Env) -> None:
         for s in held:
             s.close()
     wait_for(lambda: served(A), 10, "the places come back")
+
+
+def test_the_per_client_cap_counts_an_ipv6_host_by_its_64() -> None:
+    """One IPv6 host holds a whole /64: its addresses share one ``PER_CLIENT_MAX`` count
+    (review round 3, F8); an IPv4-mapped address counts as its IPv4 address."""
+    from hangar.api.http_limits import client_key
+
+    assert client_key("2001:db8:1:2::1") == client_key("2001:db8:1:2:ffff::9") \
+        == "2001:db8:1:2::/64"
+    assert client_key("2001:db8:1:3::1") != client_key("2001:db8:1:2::1")
+    assert client_key("::ffff:192.0.2.7") == client_key("192.0.2.7") == "192.0.2.7"
+    assert client_key("fe80::1%eth0") == "fe80::/64"
+    assert client_key("not-an-address") == "not-an-address"

@@ -7,6 +7,7 @@ gave two sandboxes one uid with chance 1/65,536 each pair and certainly for thes
 from __future__ import annotations
 
 import random
+import time
 import zlib
 from collections import defaultdict
 from pathlib import Path
@@ -102,3 +103,27 @@ def test_sweep_drops_only_stale_claims(tmp_path: Path) -> None:
     names = sorted(p.name for p in registry.iterdir() if not p.name.startswith("."))
     assert len(names) == 4, names  # two claims and their two index files
     assert alloc.sweep() == 0
+
+
+def test_a_uid_a_process_runs_as_is_never_given_even_without_a_claim(tmp_path: Path) -> None:
+    """A uid whose claim is gone while its VMM still runs (a compromised server released
+    it) is not handed to the next VMM, also when it is the first candidate tried."""
+    import subprocess
+
+    alloc = UidAllocator(BASE, COUNT, tmp_path / "uids")
+    sid = "sb-unclaimed"
+    first = BASE + zlib.crc32(sid.encode()) % COUNT
+    runner = subprocess.Popen(["setpriv", f"--reuid={first}", f"--regid={first}",
+                               "--clear-groups", "sleep", "60"])
+    try:
+        folder = tmp_path / sid
+        folder.mkdir()
+        status = Path(f"/proc/{runner.pid}/status")
+        until = time.monotonic() + 30
+        while f"Uid:\t{first}\t" not in status.read_text():  # setpriv has switched
+            assert time.monotonic() < until, status.read_text()
+            time.sleep(0.01)
+        assert alloc.allocate(sid, folder) != first
+    finally:
+        runner.kill()
+        runner.wait()

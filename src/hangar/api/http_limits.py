@@ -34,6 +34,7 @@ request heads of 1-8 KiB, nginx's default limit is 4 x 8 KiB.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import struct
@@ -88,6 +89,20 @@ __all__ = ["HEADER_MAX_BYTES", "HEADER_TIMEOUT_S", "KEEP_ALIVE_S", "MAX_CONCURRE
            "BoundedH11Protocol", "RefusingWebSockets", "uvicorn_options"]
 
 
+def client_key(ip: str) -> str:
+    """What ``PER_CLIENT_MAX`` counts a client by: its IPv4 address (an IPv4-mapped IPv6
+    one too), or the /64 of an IPv6 address (a single host holds a whole /64)."""
+    try:
+        addr = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        return ip
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
+
+
 class BoundedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a request-head deadline and 431 for an oversized head."""
 
@@ -97,8 +112,9 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        ip = self.client[0] if self.client else None
-        if ip is not None and not _trusted(self.config, ip):
+        addr = self.client[0] if self.client else None
+        ip = client_key(addr) if addr is not None else None
+        if addr is not None and ip is not None and not _trusted(self.config, addr):
             if _open_by_ip.get(ip, 0) >= PER_CLIENT_MAX:
                 transport.close()  # over its cap: closed as it opens, nothing read
                 return

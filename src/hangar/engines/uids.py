@@ -152,8 +152,11 @@ class UidAllocator:
                         log.info("vmm uid %d: taking over a stale claim of %s", uid,
                                  owner or "(garbled)")
                         self._drop(uid, owner)
-                    elif running is not None and uid in running:
-                        continue  # a process runs as it without a claim: not ours to give
+                    else:
+                        if running is None:  # asked even for the first free candidate
+                            running = process_uids()
+                        if uid in running:
+                            continue  # a process runs as it without a claim: not ours to give
                     self._write(uid, sandbox_id, key)
                     return uid
                 raise UidsExhausted(errno.EUSERS, f"all {self.count} VMM uids from "

@@ -173,8 +173,8 @@ class EnvdGateway:
             if signed and "e2b-sandbox-id" not in headers:
                 headers["e2b-sandbox-id"] = self._signer(manager, scope, query)
             sandbox_id, port = self._target(headers)
-            self._admit(scope, state, manager, sandbox_id, port, headers, query,
-                        rest_path if m is None else None, rest_path)
+            by_signature = self._admit(scope, state, manager, sandbox_id, port, headers,
+                                       query, rest_path if m is None else None, rest_path)
             self._exists(manager, sandbox_id)
             if port != ENVD_PORT:
                 await ports.forward(scope, receive, send, manager, state, sandbox_id, port,
@@ -182,7 +182,9 @@ class EnvdGateway:
                 return
             if scope["type"] != "http":
                 raise Refusal(404, "not_found", "envd serves no WebSocket")
-            envd = Envd(manager, sandbox_id, _user(manager, sandbox_id, headers,
+            # a signed file URL runs as the user it was signed for, whatever else is sent
+            envd = Envd(manager, sandbox_id, _user(manager, sandbox_id,
+                                                   {} if by_signature else headers,
                                                    query.get("username")),
                         watchers_of(state))
             with _slot(state, manager, sandbox_id):
@@ -248,26 +250,28 @@ class EnvdGateway:
     @staticmethod
     def _admit(scope: Scope, state: Any, manager: SandboxManager, sandbox_id: str, port: int,
                headers: dict[str, str], query: dict[str, str], rest_path: str | None,
-               guest_path: str) -> None:
-        """Raises Refusal (401) unless the request carries a credential for the sandbox:
+               guest_path: str) -> bool:
+        """True when a file URL's signature admitted the request (it then runs as the user
+        it was signed for), False for another credential. Raises Refusal (401) unless the
+        request carries a credential for the sandbox:
         its envd access token in ``X-Access-Token``, a Hangar key, a file URL's signature,
         or, for a user port (and the code interpreter's context routes, which E2B's code
         interpreter SDK calls with it alone: ``e2b.traffic_admits``), its traffic token in
         ``E2B-Traffic-Access-Token``. The sandbox need not exist: tokens derive from the id,
         so an unknown id is refused as a wrong token is."""
         if token_ok(manager, sandbox_id, headers.get("x-access-token")):
-            return
+            return False
         if port != ENVD_PORT and e2b.traffic_admits(port, str(scope.get("method", "")),
                                                     guest_path) \
                 and e2b.check_traffic_token(manager, sandbox_id,
                                             headers.get("e2b-traffic-access-token")):
-            return
+            return False
         key = headers.get("x-api-key")
         if key:
             client = scope.get("client")
             try:
                 authenticate(state, key, client[0] if client else "unknown")
-                return
+                return False
             except HangarError as exc:
                 raise Refusal(401 if exc.status == 401 else exc.status,
                               "unauthenticated" if exc.status == 401 else "resource_exhausted",
@@ -278,7 +282,7 @@ class EnvdGateway:
             why = signature_ok(manager, sandbox_id, sig, query.get("path", ""), op,
                                query.get("username", ""), query.get("signature_expiration"))
             if why is None:
-                return
+                return True
             raise Refusal(401, "unauthenticated", why)
         raise Refusal(401, "unauthenticated",
                       "missing or wrong X-Access-Token: send the sandbox's envdAccessToken "
