@@ -85,6 +85,7 @@ class H(BaseHTTPRequestHandler):
                      ("Set-Cookie", "root=1; Path=/"), ("Set-Cookie", "nopath=1"),
                      ("Set-Cookie", "dom=1; Domain=127.0.0.1; Path=/"),
                      ("Set-Cookie", "up=1; Path=../../"),
+                     ("Set-Cookie", "hangar_port_token=1.tossed; Path=/"),
                      ("Set-Cookie", "inside=1; Path=%s/x; HttpOnly" % (prefix or ""))]
         self.send_response(200)
         self.send_header("Content-Type", ctype)
@@ -281,11 +282,13 @@ def test_path_routed_answers_cannot_reach_beyond_their_prefix(env: Env) -> None:
             f"nopath=1; Path={prefix}/",
             f"root=1; Path={prefix}/",
         ]), cookies
-        # host-routed: an origin of its own, nothing to filter
+        # host-routed: an origin of its own, but one site with every other port: only
+        # cookies that stay on its host, and never Hangar's port-token cookie
         r = c.get("/evil", headers={"Host": env.host(PORT)})
         assert r.status_code == 200 and r.headers["service-worker-allowed"] == "/"
         assert "content-security-policy" not in r.headers
-        assert len(r.headers.get_list("set-cookie")) == 5
+        assert sorted(c.partition("=")[0] for c in r.headers.get_list("set-cookie")) == [
+            "inside", "nopath", "root", "up"]
 
 
 CHROMIUM = "/usr/bin/chromium"
@@ -388,3 +391,23 @@ def test_percent_encoded_token_names_are_redacted_in_the_log(env: Env) -> None:
         time.sleep(0.2)
     assert "%68angar%5Ftoken=***" in log and "tic%6Bet=***" in log, log[-2000:]
     assert token not in log
+
+
+def test_a_tossed_port_token_cookie_does_not_shadow_the_browsers_own(env: Env) -> None:
+    """Every ``{port}-{id}.<domain>`` is one site, so another port's page may toss a
+    ``hangar_port_token`` cookie beside the browser's own: the proxy tries each it gets."""
+    env.api.delete(f"/sandboxes/{env.sid}/ports/{PORT}")  # whatever an earlier test left
+    r = env.api.post(f"/sandboxes/{env.sid}/ports", json={"port": PORT})
+    assert r.status_code == 201 and r.json()["public"] is False, r.text
+    token = r.json()["token"]
+    try:
+        with httpx.Client(base_url=env.srv.url, timeout=60) as c:
+            path = f"/sandboxes/{env.sid}/ports/{PORT}/headers"
+            for cookie in (f"hangar_port_token={token}; hangar_port_token=1.tossed",
+                           f"hangar_port_token=1.tossed; hangar_port_token={token}"):
+                r = c.get(path, headers={"Cookie": cookie})
+                assert r.status_code == 200, (cookie, r.text[:300])
+            r = c.get(path, headers={"Cookie": "hangar_port_token=1.tossed"})
+            assert r.status_code == 401
+    finally:
+        env.api.delete(f"/sandboxes/{env.sid}/ports/{PORT}")

@@ -45,7 +45,7 @@ class Exchange:
         self.m = manager
         self.state = state
         self.query, self.query_token = split_query(scope)
-        self.cookie, self.cookie_token = split_cookies(scope)
+        self.cookie, self.cookie_tokens = split_cookies(scope)
         self.new_cookie: tuple[bytes, bytes] | None = None
         self._drop: frozenset[bytes] | None = None
 
@@ -77,7 +77,7 @@ class Exchange:
                 pass
         candidates.discard("")
         t = self.target
-        known = {self.query_token, self.cookie_token,
+        known = {self.query_token, *self.cookie_tokens,
                  e2b.access_token(self.m, t.sandbox_id), e2b.traffic_token(self.m, t.sandbox_id)}
         if candidates & {k for k in known if k}:
             return True
@@ -87,8 +87,8 @@ class Exchange:
     def admit(self) -> Exposure:
         """The exposure, once the request may use it. Raises ``Refused``."""
         t = self.target
-        given = self.query_token or self.cookie_token
-        query_token, cookie_token = well_formed(self.query_token), well_formed(self.cookie_token)
+        given = self.query_token or self.cookie_tokens
+        query_token = well_formed(self.query_token)
         try:
             exposure = self.m.ports.get(t.sandbox_id, t.port)
         except NotFound as exc:
@@ -109,8 +109,10 @@ class Exchange:
             expires = int(query_token.partition(".")[0])
             self.new_cookie = token_cookie(query_token, expires, t, self.scope.get("scheme", ""))
             return exposure
-        if cookie_token and self.m.ports.allows(exposure, cookie_token):
-            return exposure
+        for cookie_token in self.cookie_tokens:  # any the browser sent, not only the last
+            ok = well_formed(cookie_token)
+            if ok and self.m.ports.allows(exposure, ok):
+                return exposure
         why = "is expired or not valid for it" if given else "is missing"
         raise Refused.of(Unauthorized(
             f"port {t.port} of sandbox {t.sandbox_id} is private and the token {why}: send "

@@ -24,16 +24,20 @@ or storage of Hangar's origin, register no service worker and cannot script
 the dashboard or other ports' pages. Apps that need their own origin (their
 own cookies from script, service workers, same-origin fetches with cookies)
 are served on host-routed URLs (``HANGAR_DOMAIN``): each port an origin of its
-own, where none of this applies. docs/security.md, class 5.
+own, where none of this applies but one rule: every ``{port}-{id}.<domain>`` is
+one *site*, so a ``Set-Cookie`` with a ``Domain`` attribute (it would reach other
+sandboxes' ports: cookie tossing) is dropped (``host_cookie``). Under both
+routings a guest never sets Hangar's port-token cookie, and the proxy tries every
+port-token cookie a request carries, not only the last. docs/security.md, class 5.
 """
 
 from __future__ import annotations
 
 import re
 
-from hangar.api.proxy.routing import Target
+from hangar.api.proxy.routing import COOKIE, Target
 
-__all__ = ["DROP_FROM_GUEST", "SANDBOX_CSP", "filter_headers", "scoped_cookie"]
+__all__ = ["DROP_FROM_GUEST", "SANDBOX_CSP", "filter_headers", "host_cookie", "scoped_cookie"]
 
 DROP_FROM_GUEST = frozenset({b"service-worker-allowed", b"clear-site-data"})
 """Response headers of a path-routed guest answer never passed to the client."""
@@ -72,20 +76,33 @@ def scoped_cookie(value: bytes, prefix: str) -> bytes | None:
     return ";".join(kept).encode("latin-1")
 
 
+def host_cookie(value: bytes) -> bool:
+    """Whether a host-routed guest's ``Set-Cookie`` value may pass: not one with a
+    ``Domain`` attribute (every ``{port}-{id}.<domain>`` is one site: such a cookie would
+    reach other sandboxes' ports) and not one of Hangar's port-token name."""
+    first, *attrs = value.decode("latin-1").split(";")
+    if first.partition("=")[0].strip() == COOKIE:
+        return False
+    return not any((m := _ATTR.match(a)) is not None and m.group(1).lower() == "domain"
+                   for a in attrs)
+
+
 def filter_headers(headers: list[tuple[bytes, bytes]], target: Target,
                    sandbox: bool) -> list[tuple[bytes, bytes]]:
-    """``headers`` (lower-case names) of a guest's answer as the client gets them: unchanged
-    for a host-routed ``target`` (its own origin); for a path-routed one, filtered and,
-    when ``sandbox``, with ``SANDBOX_CSP`` added."""
+    """``headers`` (lower-case names) of a guest's answer as the client gets them: for a
+    host-routed ``target`` (its own origin, one site with every other port) only cookies
+    that stay on its host (``host_cookie``); for a path-routed one, filtered and, when
+    ``sandbox``, with ``SANDBOX_CSP`` added."""
     prefix = target.prefix
     if prefix is None:
-        return headers
+        return [(k, v) for k, v in headers if k != b"set-cookie" or host_cookie(v)]
     out: list[tuple[bytes, bytes]] = []
     for k, v in headers:
         if k in DROP_FROM_GUEST:
             continue
         if k == b"set-cookie":
-            scoped = scoped_cookie(v, prefix)
+            scoped = scoped_cookie(v, prefix) \
+                if v.decode("latin-1").partition("=")[0].strip() != COOKIE else None
             if scoped is None:
                 continue
             v = scoped

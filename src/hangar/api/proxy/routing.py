@@ -120,9 +120,15 @@ def split_query(scope: Scope) -> tuple[bytes, str | None]:
     return b"&".join(kept), token
 
 
-def split_cookies(scope: Scope) -> tuple[bytes | None, str | None]:
-    """(the Cookie header without ``COOKIE``, or None when empty; the token it carried)."""
-    token = None
+COOKIES_TRIED = 4
+"""Most ``COOKIE`` values of one request that are tried (a page of another port of the same
+site may have tossed one in beside the browser's own)."""
+
+
+def split_cookies(scope: Scope) -> tuple[bytes | None, list[str]]:
+    """(the Cookie header without ``COOKIE``, or None when empty; the tokens it carried, at
+    most ``COOKIES_TRIED``, in the order sent)."""
+    tokens: list[str] = []
     kept: list[str] = []
     for k, v in scope.get("headers", ()):
         if k != b"cookie":
@@ -130,10 +136,11 @@ def split_cookies(scope: Scope) -> tuple[bytes | None, str | None]:
         for part in bytes(v).decode("latin-1").split(";"):
             name, _, value = part.strip().partition("=")
             if name == COOKIE:
-                token = value
+                if len(tokens) < COOKIES_TRIED:
+                    tokens.append(value)
             elif part.strip():
                 kept.append(part.strip())
-    return ("; ".join(kept).encode("latin-1") if kept else None), token
+    return ("; ".join(kept).encode("latin-1") if kept else None), tokens
 
 
 def connection_tokens(headers: Any) -> set[bytes]:
