@@ -334,3 +334,34 @@ def test_a_polled_watcher_sees_odd_names(vm: Any) -> None:
         assert f"a{REPLACED}" in names
     finally:
         handle.stop()
+
+
+def test_metadata_a_guest_set_is_bounded_when_read_back() -> None:
+    """A guest may set any number of ``user.e2b.*`` attributes on its files (and share one
+    inode among many hard links): each file's are cut to ``METADATA_READ_KEYS`` keys and
+    ``METADATA_MAX`` characters, and a ListDir counts them in its character budget
+    (review round 3, G1)."""
+    from hangar.api.envd import fs_entries
+    from hangar.api.envd.connect import RpcError
+    from hangar.core.service import StreamCapture, e2b_user
+
+    pairs = ",".join(f"{f'k{i:03d}'.encode().hex()}:{(b'v' * 40).hex()}" for i in range(170))
+
+    class Manager:
+        async def exec(self, sandbox_id: str, cmd: Any) -> Any:
+            paths = cmd.args[5:]
+            out = b"".join(f"M\t{p}\t{pairs}\0user:user\t{p}\t\t\0".encode() for p in paths)
+            return SimpleNamespace(stdout=StreamCapture(head=out), exit_code=0)
+
+    paths = [f"/home/user/d/{i}" for i in range(200)]
+    who = asyncio.run(e2b_user.owners(Manager(), "sb-x", paths))  # type: ignore[arg-type]
+    meta = who[paths[0]].metadata or {}
+    assert len(meta) == e2b_user.METADATA_READ_KEYS
+    assert sum(len(k) + len(v) for k, v in meta.items()) <= e2b_user.METADATA_MAX
+    env = SimpleNamespace(manager=Manager(), sandbox_id="sb-x")
+    entries = [FileEntry(name=p.rsplit("/", 1)[1], path=p, type="file", size=1, mode=0o644,
+                         mtime=0.0) for p in paths]
+    with pytest.raises(RpcError) as caught:
+        asyncio.run(fs_entries.entry_infos(env, entries, budget=100_000))
+    assert caught.value.code == "resource_exhausted"
+    assert len(list(asyncio.run(fs_entries.entry_infos(env, entries, budget=1_000_000)))) == 200

@@ -253,8 +253,33 @@ async def owners(manager: SandboxManager, sandbox_id: str,
                 continue
             owner, _, group = parts[0].partition(":")
             meta = _json_object(parts[4]) if len(parts) == 5 else found.get(parts[1])
-            out[parts[1]] = Owner(owner, group, parts[2] or None, parts[3] or None, meta or None)
+            out[parts[1]] = Owner(owner, group, parts[2] or None, parts[3] or None,
+                                  _bounded(meta) or None)
     return out
+
+
+METADATA_READ_KEYS = 64
+"""Most metadata keys of one file read back from the guest (what a guest set itself is not
+bound by ``check_metadata``): the first ones, up to ``METADATA_MAX`` characters in all."""
+
+
+def _bounded(meta: dict[str, str] | None) -> dict[str, str] | None:
+    """``meta`` cut to ``METADATA_READ_KEYS`` keys and ``METADATA_MAX`` characters."""
+    if not meta:
+        return meta
+    out: dict[str, str] = {}
+    total = 0
+    for k, v in meta.items():
+        total += len(k) + len(v)
+        if len(out) >= METADATA_READ_KEYS or total > METADATA_MAX:
+            break
+        out[k] = v
+    return out
+
+
+def metadata_chars(who: dict[str, Owner]) -> int:
+    """Characters of the metadata of all of ``who`` (a ListDir's budget counts them)."""
+    return sum(len(k) + len(v) for o in who.values() for k, v in (o.metadata or {}).items())
 
 
 def _hex_pairs(text: str) -> dict[str, str]:
@@ -312,20 +337,23 @@ _LABEL_PL = (
     "my $s=$n{(split /-/,$Config{archname})[0]} or die \"no lsetxattr on this arch\\n\"; "
     "my ($u,$m,@p)=@ARGV; my @kv=map { [map { pack('H*',$_) } split /:/,$_,2] } "
     "grep { length } split /,/,$m; my @w=$u eq 'root' ? () : (getpwnam($u))[2,3]; "
-    "for my $p (@p) { for my $e (@kv) { "
+    "for my $p (@p) { if (@w) { chown($w[0],$w[1],$p) or die \"cannot give $p to $u: $!\\n\" } "
+    "for my $e (@kv) { "
     f"syscall($s,$p,\"{METADATA_XATTR}$e->[0]\",$e->[1],length($e->[1]),0)==0 "
-    "or die \"cannot set metadata on $p: $!\\n\" } "
-    "if (@w) { chown($w[0],$w[1],$p) or die \"cannot give $p to $u: $!\\n\" } }")
-"""Set the metadata (``argv[1]``: ``hexkey:hexvalue,...``) on the paths after it and give
-them to ``argv[0]`` (unless root): perl's ``syscall`` of ``lsetxattr``."""
+    "or do { print STDERR \"$p: $!\\n\"; exit 4 } } }")
+"""Give the paths after ``argv[1]`` to ``argv[0]`` (unless root) and set the metadata
+(``argv[1]``: ``hexkey:hexvalue,...``) on them: perl's ``syscall`` of ``lsetxattr``; exits
+4 when the filesystem refuses the attributes."""
 _LABEL_PY = (
     "import os,pwd,sys\n"
     "u,m=sys.argv[1],[p.split(':') for p in sys.argv[2].split(',') if p]\n"
     "w=pwd.getpwnam(u) if u!='root' else None\n"
     "for p in sys.argv[3:]:\n"
-    f" for k,v in m: os.setxattr(p,{METADATA_XATTR!r}+bytes.fromhex(k).decode(),"
+    " if w: os.lchown(p,w.pw_uid,w.pw_gid)\n"
+    " try:\n"
+    f"  for k,v in m: os.setxattr(p,{METADATA_XATTR!r}+bytes.fromhex(k).decode(),"
     "bytes.fromhex(v),follow_symlinks=False)\n"
-    " if w: os.lchown(p,w.pw_uid,w.pw_gid)\n")
+    " except OSError as e: print(p+': '+e.strerror,file=sys.stderr); sys.exit(4)\n")
 """``_LABEL_PL`` where the image has python3 and no perl."""
 _LABEL_SH = ('pl=$1 py=$2; shift 2; command -v perl >/dev/null && exec perl -e "$pl" -- "$@"; '
              'command -v python3 >/dev/null && exec python3 -I -S -c "$py" "$@"; '
@@ -337,8 +365,9 @@ async def give(manager: SandboxManager, sandbox_id: str, paths: list[str], user:
                metadata: dict[str, str] | None = None) -> None:
     """Make ``user`` (not root) the owner of ``paths`` (absolute), as envd's writes as that
     user leave them, and set ``metadata`` (checked by ``check_metadata``) on each as
-    ``METADATA_XATTR`` attributes (that needs perl or python3 in the image). Raises GuestError
-    (chown or the metadata failed) and the guest call's errors."""
+    ``METADATA_XATTR`` attributes (that needs perl or python3 in the image). Raises
+    InvalidRequest (400: the filesystem refuses the attributes; the files are written and
+    given), GuestError (chown failed, or no perl or python3) and the guest call's errors."""
     if not paths or (user == ROOT and not metadata):
         return
     if metadata:
@@ -349,6 +378,12 @@ async def give(manager: SandboxManager, sandbox_id: str, paths: list[str], user:
         cmd = Command(command="chown", args=["-h", f"{user}:{user}", "--", *paths],
                       timeout_s=60)
     r = await manager.exec(sandbox_id, cmd)
+    if metadata and r.exit_code == 4:
+        why = (r.stderr.head or r.stderr.tail).decode("utf-8", "replace").strip()
+        raise InvalidRequest(f"the file is written, but its metadata cannot be kept there "
+                             f"({why[-300:]}): that filesystem takes no user extended "
+                             "attributes (tmpfs on this guest's kernel: /tmp, /dev/shm) or has "
+                             "no room for these", field="metadata")
     if r.exit_code != 0:
         why = (r.stderr.head or r.stderr.tail).decode("utf-8", "replace").strip()
         raise GuestError(f"cannot give {paths[0]} to {user}"

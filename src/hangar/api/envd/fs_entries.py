@@ -70,10 +70,17 @@ def entry_info(e: FileEntry, who: e2b_user.Owner | None = None) -> Any:
     return info
 
 
-async def entry_infos(env: Any, entries: list[FileEntry]) -> Iterator[Any]:
+async def entry_infos(env: Any, entries: list[FileEntry],
+                      budget: int | None = None) -> Iterator[Any]:
     """The ``EntryInfo`` of each of ``entries`` (made one at a time as the iterator is
-    read), their owners read in the guest at once. Raises the guest call's errors."""
+    read), their owners read in the guest at once. Raises the guest call's errors, and
+    RpcError (``resource_exhausted``) when their metadata (what the guest set, each file's
+    bounded: ``e2b_user.METADATA_READ_KEYS``) comes to more than ``budget`` characters."""
     who = await e2b_user.owners(env.manager, env.sandbox_id, [e.path for e in entries])
+    if budget is not None and e2b_user.metadata_chars(who) > budget:
+        raise RpcError("resource_exhausted",
+                       f"more than {MAX_LIST_CHARS} characters of paths, names and file "
+                       "metadata: list a smaller depth")
     return (entry_info(e, who.get(e.path)) for e in entries)
 
 
@@ -158,7 +165,7 @@ async def list_dir(req: Any, call: Call) -> Message:
                     todo.append((e.path, level + 1))
         found.sort(key=lambda e: e.path.split("/"))  # a walk's order, as E2B's envd lists
         res = FS.ListDirResponse()
-        res.entries.extend(await entry_infos(env, found))
+        res.entries.extend(await entry_infos(env, found, budget=MAX_LIST_CHARS - chars))
     except HangarError as exc:
         raise rpc_error(exc) from None
     return res

@@ -118,8 +118,9 @@ async def with_entries(env: Any, root: str, events: list[Any]) -> None:
     if not found:
         return
     try:
-        infos = {info.path: info for info in await entry_infos(env, found)}
-    except HangarError:
+        infos = {info.path: info for info in await entry_infos(env, found,
+                                                               budget=MAX_EVENT_CHARS)}
+    except (HangarError, RpcError):  # best effort: too much metadata gives no entries
         return
     for ev in events:
         info = infos.get(posixpath.join(root, ev.name)) if ev.type in _WITH_ENTRY else None
