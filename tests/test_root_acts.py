@@ -736,3 +736,34 @@ def test_the_helper_opens_the_data_directory_itself(world: dict[str, Any]) -> No
     st = os.fstat(world["helper"].data_fd)
     assert (st.st_dev, st.st_ino) == (os.stat(world["layout"].root).st_dev,
                                       os.stat(world["layout"].root).st_ino)
+
+
+def test_remove_tree_never_opens_a_link_fifo_or_device_put_in_a_folders_place(
+        tmp_path: Path) -> None:
+    """``beneath.remove_tree`` (image gc's, a build's leftovers') opens each folder with
+    ``O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK``: links to a folder, a FIFO and a device
+    below the tree are unlinked, never opened or followed (a FIFO opened would hang root;
+    review round 3, G12), and what they point at stays."""
+    from hangar.privileged import beneath
+
+    outside = tmp_path / "outside"
+    (outside / "keep").mkdir(parents=True)
+    (outside / "keep" / "f").write_text("kept")
+    os.mkfifo(outside / "fifo")
+    tree = tmp_path / "tree"
+    (tree / "a" / "b").mkdir(parents=True)
+    (tree / "a" / "b" / "file").write_text("x")
+    (tree / "a" / "to-dir").symlink_to(outside / "keep")
+    (tree / "a" / "to-fifo").symlink_to(outside / "fifo")
+    os.mkfifo(tree / "a" / "b" / "fifo")
+    os.mknod(tree / "a" / "null", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    top = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        beneath.remove_tree(top, "tree")
+        beneath.remove_tree(top, "tree")  # a missing name is left alone
+        os.symlink(outside / "keep", tmp_path / "tree")
+        beneath.remove_tree(top, "tree")  # the name itself a link: unlinked, not followed
+    finally:
+        os.close(top)
+    assert not os.path.lexists(tree)
+    assert (outside / "keep" / "f").read_text() == "kept" and (outside / "fifo").exists()

@@ -24,8 +24,8 @@ leaves half a build under a real id; leftovers of interrupted builds and
 collections (``.staging-*``, ``.trash-*``) are removed too. Every rename and
 removal is relative to a descriptor of ``images`` opened without following a
 link, and a tree is removed through descriptors (``staging.remove_at``:
-``shutil.rmtree`` with ``dir_fd``, which opens each name with ``O_NOFOLLOW``
-and checks it after opening), so root collecting beside a split server, whose
+``beneath.remove_tree``, which opens each folder with ``O_DIRECTORY |
+O_NOFOLLOW | O_NONBLOCK`` relative to its parent), so root collecting beside a split server, whose
 user owns ``images``, never removes through a symlink the server put there.
 """
 

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hangar.errors import ImageError
+from hangar.privileged import beneath
 
 MAX_SYMLINK_HOPS = 40
 """Links followed while resolving one path (the kernel's own limit)."""
@@ -245,7 +246,7 @@ def _remove_at(fd: int, name: str) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(name, dir_fd=fd)  # descriptor-based: never follows a link
+        beneath.remove_tree(fd, name)  # never opens a link, FIFO or device
     else:
         os.unlink(name, dir_fd=fd)
 

@@ -33,8 +33,8 @@ works by a path through those folders (``hangar.privileged.beneath``):
   with it.
 - ``BuildRoom.close`` removes what is left of the two folders through their
   descriptors (``remove_at``: anything mounted below is unmounted by a path
-  through the descriptor first, then ``shutil.rmtree(dir_fd=...)``, which
-  opens each name with ``O_NOFOLLOW`` and checks it with ``fstat``), and
+  through the descriptor first, then ``beneath.remove_tree``, which opens
+  each folder with ``O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK``), and
   their names only while they still name those folders.
 - ``image_at`` describes a published build (its initramfs made or
   repointed if this Hangar's guest files changed) through a descriptor of
@@ -53,7 +53,6 @@ import errno
 import fcntl
 import os
 import secrets
-import shutil
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -157,7 +156,7 @@ def clear(fd: int) -> None:
 
 def remove_at(dir_fd: int, name: str) -> None:
     """Remove ``name`` of the folder ``dir_fd``: a folder with everything in it (through
-    descriptors, ``shutil.rmtree(dir_fd=...)``, after unmounting what is mounted below
+    descriptors, ``beneath.remove_tree``, after unmounting what is mounted below
     it), anything else (a symlink too, never followed) unlinked. Raises OSError."""
     (leaf,) = beneath.parts(name)
     try:
@@ -176,7 +175,7 @@ def remove_at(dir_fd: int, name: str) -> None:
         raise OSError(errno.EBUSY, exc.message) from exc
     finally:
         os.close(fd)
-    shutil.rmtree(leaf, dir_fd=dir_fd)
+    beneath.remove_tree(dir_fd, leaf)
 
 
 def _drop(parent_fd: int, name: str, fd: int) -> None:

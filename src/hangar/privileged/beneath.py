@@ -26,6 +26,7 @@ type, ``EPERM`` for a file of the wrong owner or with other links.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -261,3 +262,30 @@ def chmod_entries(dir_fd: int, add: int, *, uids: tuple[int, ...] = (0,)) -> Non
             pass
         finally:
             os.close(fd)
+
+
+def remove_tree(dir_fd: int, name: str) -> None:
+    """Remove ``name`` of the folder ``dir_fd`` and everything in it. Each folder is opened
+    with ``O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK`` relative to its parent's descriptor, so a
+    symlink, FIFO or device put in a folder's place is never opened (it is unlinked), and
+    each name is removed relative to its folder's descriptor. (Python 3.11's
+    ``shutil.rmtree(dir_fd=...)`` opens each subfolder with plain ``O_RDONLY`` and checks
+    only afterwards.) A ``name`` that is not a folder is unlinked; a missing one is left.
+    Raises OSError (e.g. ``EBUSY`` for a mount point)."""
+    try:
+        fd = os.open(name, DIR_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dir_fd)
+        return
+    try:
+        for entry in os.listdir(fd):
+            remove_tree(fd, entry)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
+
