@@ -38,6 +38,7 @@ ready check fails fails the create: a cold boot would fail the same way.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import hashlib
 import json
@@ -45,6 +46,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -169,8 +171,15 @@ class TemplateSnapshots:
                 files.template_snapshots.mkdir(exist_ok=True)
                 # readable by all: it holds only the id of the VM a build boots, which a
                 # split server (another user than a root build's) reads (``building``)
-                lock_fd = os.open(files.template_snapshot_lock(key), os.O_RDWR | os.O_CREAT,
-                                  0o644)
+                # never through a link (root builds beside a split server, whose folder
+                # this is): a symlink is ELOOP, a second name of another file refused
+                lock_fd = os.open(files.template_snapshot_lock(key),
+                                  os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+                st = os.fstat(lock_fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    os.close(lock_fd)
+                    raise OSError(errno.ELOOP, f"{files.template_snapshot_lock(key)} is not "
+                                               "a lock file of its own")
             except OSError as exc:
                 log.warning("template snapshots unavailable", extra={
                     "image": image.id, "error": str(exc)})
