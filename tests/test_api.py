@@ -276,8 +276,8 @@ def test_a_routing_middleware_sits_between_idempotency_and_the_routes(tmp_path) 
 
     app = create_app(Settings(data_dir=tmp_path / "data"), routing=partial(Routing, node="n1"))
     names = [getattr(m.cls, "func", m.cls).__name__ for m in app.user_middleware]
-    assert names == ["FrontDoor", "PortProxy", "EnvdGateway", "BodyLimit", "IdempotencyMiddleware",
-                     "Routing"]
+    assert names == ["E2bHosts", "FrontDoor", "PortProxy", "EnvdGateway", "BodyLimit",
+                     "IdempotencyMiddleware", "Routing"]
     with TestClient(app, raise_server_exceptions=False) as client:
         client.get("/openapi.json")
     assert seen == [("/openapi.json", "n1")]

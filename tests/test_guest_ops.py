@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import inspect
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,6 +197,8 @@ def test_the_guest_package_imports_alone_in_a_bare_interpreter(tmp_path: Path) -
 
 
 GUEST_ROOTS = ("/run/hangar", "/usr/lib/hangar", "/etc/hangar/env.json")
+_GUEST_ROOT = re.compile("(?:" + "|".join(map(re.escape, GUEST_ROOTS)) + r")(?![\w.-])")
+"""A guest root as a whole name (the host's own ``/run/hangar-builds`` is not one)."""
 
 
 def docstrings(tree: ast.Module) -> set[int]:
@@ -224,7 +227,7 @@ def test_each_guest_path_is_spelled_once_in_hangar_guest_paths() -> None:
         docs = docstrings(tree)
         for node in ast.walk(tree):
             if (isinstance(node, ast.Constant) and isinstance(node.value, str)
-                    and id(node) not in docs and any(r in node.value for r in GUEST_ROOTS)):
+                    and id(node) not in docs and _GUEST_ROOT.search(node.value)):
                 spelled.append(f"{path.relative_to(PKG)}:{node.lineno}: {node.value[:60]!r}")
     assert not spelled, "guest paths spelled outside hangar.guest.paths:\n" + "\n".join(spelled)
     assert paths.BOOT_MARKS.startswith(paths.RUN_DIR + "/")

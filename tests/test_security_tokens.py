@@ -193,7 +193,16 @@ def test_control_ports_are_never_public(env: Env) -> None:
     with httpx.Client(base_url=env.srv.url, timeout=60) as c:
         r = c.get("/headers", headers={"Host": env.host(PORT)})
         assert r.status_code == 200  # a user port: public, as E2B's are
-        for port in (ENVD, INTERPRETER):
+        # envd's host is Hangar's own envd (hangar.api.e2b_hosts): a credential first
+        r = c.post("/execute", json={"code": "1"}, headers={"Host": env.host(ENVD)})
+        assert r.status_code == 401 and "X-Access-Token" in r.text, r.text
+        r = c.post("/execute", json={"code": "1"}, headers={
+            "Host": env.host(ENVD), "E2B-Traffic-Access-Token": env.traffic})
+        assert r.status_code == 401, r.text
+        r = c.post("/execute", json={"code": "1"}, headers={
+            "Host": env.host(ENVD), "X-Access-Token": env.token})
+        assert r.status_code == 404 and "not a route of envd" in r.text, r.text
+        for port in (INTERPRETER,):
             r = c.post("/execute", json={"code": "1"}, headers={"Host": env.host(port)})
             assert r.status_code == 401 and "X-Access-Token" in r.json()["error"]["message"]
             r = c.post("/execute", json={"code": "1"}, headers={
