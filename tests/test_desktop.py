@@ -215,6 +215,9 @@ def test_keys_reach_the_focused_window(api: httpx.Client, desk: str) -> None:
     api.put(f"/sandboxes/{desk}/files", params={"path": "/root/keylog.py"},
             content=KEYLOGGER.encode())
     open_window(api, desk, "keylog", "python3", "/root/keylog.py")
+    # it opens its log once its terminal is raw: a key sent before then is flushed by
+    # tcsetattr(TCSAFLUSH) (a slow python3 start under emulation outlasts any fixed pause)
+    wait_file(api, desk, "/root/keys.log", lambda b: True)
     expected = {"Enter": "0d", "enter": "0d", "Return": "0d", "ctrl+a": "01",
                 "Page_Down": "1b5b367e", "F5": "1b5b31357e"}
     for n, (keys, hexed) in enumerate(expected.items(), 1):
