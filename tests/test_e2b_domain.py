@@ -225,6 +225,12 @@ class Site:
         return subprocess.run(wrapped, env=self.env(), cwd=cwd, capture_output=True, text=True,
                               timeout=PROGRAM_TIMEOUT_S)
 
+    def program(self, argv: list[str], cwd: Path) -> Any:
+        """The JSON a program ``run`` prints last; it must exit 0."""
+        r = self.run(argv, cwd)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
 
 @pytest.fixture(scope="module")
 def site(base_image: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
@@ -280,9 +286,7 @@ def test_the_site_names_e2bs_hosts_with_the_wildcard_certificate(site: Site,
             out["envd"] = [r.status_code, r.headers.get("content-type")]
         print(json.dumps(out))
     """))
-    r = site.run([sys.executable, str(probe)], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = site.program([sys.executable, str(probe)], tmp_path)
     assert out == {"addr": site.address, "health": 204, "list": 200,
                    "envd": [401, "application/json"]}
 
@@ -345,20 +349,26 @@ def test_the_newest_python_sdk_runs_a_program_with_e2b_domain_alone(site: Site,
                                                                      tmp_path: Path) -> None:
     prog = tmp_path / "program.py"
     prog.write_text(PY_PROGRAM)
-    r = site.run([sys.executable, str(prog)], tmp_path)
-    assert r.returncode == 0, r.stderr[-4000:]
-    log = json.loads(r.stdout.strip().splitlines()[-1])
+    log = site.program([sys.executable, str(prog)], tmp_path)
     assert log["domain"] == site.domain
+    assert log["signed"] == "hello over TLS"  # a signed download URL, at 49983-<id>.<domain>
+    assert_typical_calls(log, site, paused_running="paused_running",
+                         after_connect="after_connect")
+
+
+def assert_typical_calls(log: dict[str, Any], site: Site, *, paused_running: str,
+                         after_connect: str) -> None:
+    """What both SDKs' programs report of the typical calls (their own key names for the
+    two that differ by language)."""
     assert log["run"] == [0, "one\ntwo\n", "one\ntwo\n"]
     assert log["background"] == "late\n"
     assert "a.txt" in log["watch"]
     assert log["read"] == "hello over TLS"
     assert log["list"] == ["a.txt"]
-    assert log["signed"] == "hello over TLS"  # a signed download URL, at 49983-<id>.<domain>
     assert log["host"].startswith("8000-") and log["host"].endswith("." + site.domain)
     assert log["port"] == "served"
-    assert log["pause"] is True and log["paused_running"] is False
-    assert log["after_connect"] == "hello over TLS"
+    assert log["pause"] is True and log[paused_running] is False
+    assert log[after_connect] == "hello over TLS"
     assert log["kill"] is True
 
 
@@ -438,19 +448,9 @@ def js_sdk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def test_the_npm_sdk_runs_a_program_with_e2b_domain_alone(site: Site, js_sdk: Path) -> None:
     prog = js_sdk / "program.js"
     prog.write_text(JS_PROGRAM)
-    r = site.run(["node", str(prog)], js_sdk)
-    assert r.returncode == 0, r.stderr[-4000:]
-    log = json.loads(r.stdout.strip().splitlines()[-1])
-    assert log["run"] == [0, "one\ntwo\n", "one\ntwo\n"]
-    assert log["background"] == "late\n"
-    assert "a.txt" in log["watch"]
-    assert log["read"] == "hello over TLS"
-    assert log["list"] == ["a.txt"]
-    assert log["host"].startswith("8000-") and log["host"].endswith("." + site.domain)
-    assert log["port"] == "served"
-    assert log["pause"] is True and log["pausedRunning"] is False
-    assert log["afterConnect"] == "hello over TLS"
-    assert log["kill"] is True
+    log = site.program(["node", str(prog)], js_sdk)
+    assert_typical_calls(log, site, paused_running="pausedRunning",
+                         after_connect="afterConnect")
 
 
 CI_PROGRAM = """
@@ -481,7 +481,5 @@ def test_the_code_interpreter_runs_a_chart_with_e2b_domain_alone(site: Site,
         pytest.skip("the code-interpreter image is not built")
     prog = tmp_path / "ci.py"
     prog.write_text(CI_PROGRAM)
-    r = site.run([sys.executable, str(prog)], tmp_path)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {
+    assert site.program([sys.executable, str(prog)], tmp_path) == {
         "context": "42", "chart": [True], "error": True, "kill": True}
