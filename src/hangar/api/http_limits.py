@@ -113,8 +113,8 @@ class BoundedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         addr = self.client[0] if self.client else None
-        ip = client_key(addr) if addr is not None else None
-        if addr is not None and ip is not None and not _trusted(self.config, addr):
+        if addr is not None and not _trusted(self.config, addr):
+            ip = client_key(addr)
             if _open_by_ip.get(ip, 0) >= PER_CLIENT_MAX:
                 transport.close()  # over its cap: closed as it opens, nothing read
                 return

@@ -50,6 +50,7 @@ from hangar.engines.snapshot_io import refresh_guest
 from hangar.errors import Conflict, GuestError, HangarError, InvalidRequest, Timeout
 from hangar.engines.agent_client import AgentClient, SessionRestarted, exec_meta
 from hangar.guest import paths
+from hangar.guest.desktop import CMDLINE_KEY
 from hangar.images import GuestImage, resolve_pinned
 from hangar.core.admission import default_size
 from hangar.net import NetAttachment, NetworkManager, Policy
@@ -115,7 +116,7 @@ HOST_KEYS = exec_meta(argv=[
 def desktop_args(screen: str | None) -> tuple[str, ...]:
     """The kernel arguments of a sandbox with a desktop of ``screen`` (``"1024x768x24"``;
     none without one): part of its template snapshot's key."""
-    return (f"hangar.desktop={screen}",) if screen else ()
+    return (f"{CMDLINE_KEY}={screen}",) if screen else ()
 
 class Launcher:
     """Starts and stops sandboxes' VMs and NICs."""

@@ -60,6 +60,7 @@ from hangar.engines.base import VM, Engine, VMSpec
 from hangar.engines.snapshot_io import read_manifest
 from hangar.errors import EngineError, GuestError, HangarError, NotFound, Timeout
 from hangar.guest import paths
+from hangar.guest.desktop import CMDLINE_KEY
 from hangar.images import GuestImage
 from hangar.layout import ImagePaths, Layout
 from hangar.net import NetAttachment, NetworkManager
@@ -245,7 +246,7 @@ class TemplateSnapshots:
             if needs_start(image.template):
                 await run_template(agent, image.template or {}, name=image.name,
                                    sandbox_id=sid)
-            if any(a.startswith("hangar.desktop=") for a in kernel_args):
+            if any(a.startswith(CMDLINE_KEY + "=") for a in kernel_args):
                 await _desktop_up(agent, self.settings.boot_deadline_s(engine.accel), sid)
             try:
                 await agent.exec(exec_meta(argv=["/bin/sh", "-c", WARM_SHELL], timeout=30))

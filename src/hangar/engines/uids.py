@@ -140,23 +140,18 @@ class UidAllocator:
                 if held is not None:
                     return held
                 start = zlib.crc32(sandbox_id.encode()) % self.count
-                running: set[int] | None = None
+                running = process_uids()  # a uid a process runs as is never given
                 for step in range(self.count):
                     uid = self.base + (start + step) % self.count
                     owner = self._read(uid)
                     if owner is not None:
-                        if running is None:
-                            running = process_uids()
                         if not self._stale(uid, owner, running):
                             continue
                         log.info("vmm uid %d: taking over a stale claim of %s", uid,
                                  owner or "(garbled)")
                         self._drop(uid, owner)
-                    else:
-                        if running is None:  # asked even for the first free candidate
-                            running = process_uids()
-                        if uid in running:
-                            continue  # a process runs as it without a claim: not ours to give
+                    elif uid in running:
+                        continue  # a process runs as it without a claim: not ours to give
                     self._write(uid, sandbox_id, key)
                     return uid
                 raise UidsExhausted(errno.EUSERS, f"all {self.count} VMM uids from "

@@ -79,8 +79,9 @@ async def entry_infos(env: Any, entries: list[FileEntry],
     who = await e2b_user.owners(env.manager, env.sandbox_id, [e.path for e in entries])
     if budget is not None and e2b_user.metadata_chars(who) > budget:
         raise RpcError("resource_exhausted",
-                       f"more than {MAX_LIST_CHARS} characters of paths, names and file "
-                       "metadata: list a smaller depth")
+                       f"the file metadata is over the {budget} characters left of this "
+                       f"answer's {MAX_LIST_CHARS} (paths, names and metadata): list a "
+                       "smaller depth")
     return (entry_info(e, who.get(e.path)) for e in entries)
 
 

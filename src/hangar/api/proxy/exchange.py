@@ -87,7 +87,7 @@ class Exchange:
     def admit(self) -> Exposure:
         """The exposure, once the request may use it. Raises ``Refused``."""
         t = self.target
-        given = self.query_token or self.cookie_tokens
+        given = bool(self.query_token or self.cookie_tokens)
         query_token = well_formed(self.query_token)
         try:
             exposure = self.m.ports.get(t.sandbox_id, t.port)
