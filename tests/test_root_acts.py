@@ -767,3 +767,162 @@ def test_remove_tree_never_opens_a_link_fifo_or_device_put_in_a_folders_place(
         os.close(top)
     assert not os.path.lexists(tree)
     assert (outside / "keep" / "f").read_text() == "kept" and (outside / "fifo").exists()
+
+
+# -- the template snapshot of a root build (review 29b, G3 and G13) ------------------------
+
+
+def test_root_confines_a_vmm_only_on_an_image_folder_it_opened(tmp_path: Path) -> None:
+    """Root's own engine (a build's template VM where the data directory is root's, a root
+    server) prepares a VMM's view without a helper: it opens each folder the VMM reads
+    itself, never resolving its path, and makes root's files there readable through that
+    descriptor. A build folder swapped for a link to a folder of root's 0600 files is
+    refused and those files keep their modes; the folder opened is the one the VMM's bind
+    must be (``Plan.same``), held until the release."""
+    import asyncio
+
+    layout = Layout(tmp_path / "data")
+    layout.ensure()
+    img = layout.images / "img-1"
+    img.mkdir()
+    (img / "vmlinuz").write_text("kernel")
+    os.chmod(img / "vmlinuz", 0o600)
+    paths = layout.sandbox("tpl-0123456789ab")
+    paths.dir.mkdir()
+    (paths.dir / "disk").write_text("disk")
+    out = Outside(tmp_path)
+    confine = Confinement(ConfineConfig(uid_registry=tmp_path / "uids", cgroups="off"))
+    assert confine.helper is None and confine.view
+
+    def prepare() -> Any:
+        return confine.prepare(paths.dir.name, paths, vcpus=1, memory_mib=64, accel="tcg",
+                               reads=[img], owned=[paths.dir / "disk"])
+
+    aside = swap(img, out.dir)
+    with pytest.raises(OSError, match="symbolic|Not a directory"):
+        prepare()
+    out.untouched()
+    img.unlink()
+    os.rename(aside, img)
+    try:
+        plan = prepare()
+        opened = plan.same[str(img)]
+        assert opened.startswith(f"/proc/{os.getpid()}/fd/")
+        assert os.path.samestat(os.stat(opened), os.stat(img))
+        assert (str(img), str(img), False) in plan.binds
+        assert stat.S_IMODE(os.stat(img / "vmlinuz").st_mode) == 0o644
+    finally:
+        asyncio.run(confine.release(paths))
+    assert confine._held == {}
+    out.untouched()
+
+
+@pytest.fixture()
+def split_copy(base_image: Path, monkeypatch: pytest.MonkeyPatch
+               ) -> Iterator[tuple[Layout, Any, tuple[int, int]]]:
+    """A data directory as a split server leaves it (handed over to the ``hangar``
+    user), with a hard-linked copy of the shared cache's builds and template snapshots;
+    the base build as ``image_at`` gives it; the server's uid and gid. The step's
+    settings are the suite servers' (no guest NIC)."""
+    import pwd
+
+    from conftest import make_data_dir
+    from hangar.images.staging import image_at
+    from hangar.privileged.split import hand_over
+
+    try:
+        pw = pwd.getpwnam("hangar")
+    except KeyError:
+        pytest.skip("no user hangar (scripts/install.sh makes it)")
+    d = make_data_dir(base_image, privsep=True)
+    monkeypatch.setenv("HANGAR_DATA_DIR", str(d))
+    monkeypatch.setenv("HANGAR_NETWORK", "off")
+    monkeypatch.setenv("PYTHONPATH", str(SRC))
+    layout = Layout(d)
+    layout.ensure()
+    hand_over(layout, pw.pw_uid, pw.pw_gid)
+    try:
+        yield layout, image_at(layout, base_image.name), (pw.pw_uid, pw.pw_gid)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_the_template_step_beside_a_split_server_runs_as_its_user(
+        split_copy: tuple[Layout, Any, tuple[int, int]], tmp_path: Path) -> None:
+    """``hangar image build``/``template build`` as root beside a split server make the
+    build's template snapshot as that server's user, through a root helper of their own
+    (``hangar.cli.snapshot_step``): the snapshot found (or made) is the one the server
+    restores (same key). Then the server, compromised, plants ``.<key>.lock`` -> a file
+    of root's, then ``template-snapshots`` -> a folder of root's (where root itself would
+    have made its lock file): the step makes nothing, says so, and root's file and folder
+    are untouched; no template VM is left."""
+    from hangar.cli import snapshot_step
+    from hangar.cli.common import template_snapshot
+    from hangar.layout import ImagePaths
+
+    layout, image, (uid, gid) = split_copy
+    assert snapshot_step.where(layout, image.id) == (uid, gid)
+    said: list[str] = []
+    made = snapshot_step.as_server(layout, image, said.append)
+    snaps = ImagePaths(image.dir).template_snapshots
+    assert made is not None and made.parent == snaps, said
+    key = made.name  # the suite's servers' own snapshot: found, not made again
+    out = Outside(tmp_path)
+    shutil.rmtree(made)  # the server's own folder: it may remove it
+    (snaps / f".{key}.lock").unlink(missing_ok=True)
+    (snaps / f".{key}.lock").symlink_to(out.secret)
+    said.clear()
+    template_snapshot(layout, image, said.append)
+    assert any("no template snapshot made now" in m for m in said), said
+    out.untouched()
+    aside = swap(snaps, out.dir)
+    said.clear()
+    template_snapshot(layout, image, said.append)
+    assert any("no template snapshot made now" in m for m in said), said
+    out.untouched()
+    assert not (out.dir / key).exists() and aside.is_dir()
+    assert [p.name for p in layout.sandboxes.iterdir() if p.name.startswith("tpl-")] == []
+
+
+def test_the_template_step_refuses_a_build_folder_swapped_for_a_link(
+        split_copy: tuple[Layout, Any, tuple[int, int]], tmp_path: Path) -> None:
+    """The server swaps ``images/<build>`` for a link to a folder of root's 0600 files
+    before the step: nothing there is handed over, made readable or written, and the step
+    refuses (the server makes the snapshot on its first create)."""
+    from hangar.cli.common import template_snapshot
+    from hangar.errors import EngineError
+
+    layout, image, _ = split_copy
+    out = Outside(tmp_path)
+    swap(image.dir, out.dir)
+    with pytest.raises(EngineError, match="no longer exists"):
+        template_snapshot(layout, image, lambda _m: None)
+    out.untouched()
+
+
+def test_root_makes_no_template_snapshot_where_another_user_may_write(
+        tmp_path: Path) -> None:
+    """Where the data directory is root's, root makes the build's template snapshot
+    itself, so every folder it works in must be root's alone: a ``sandboxes`` of another
+    user, or a ``template-snapshots`` that is a link, is refused before anything is
+    opened there."""
+    from hangar.cli import snapshot_step
+
+    layout = Layout(tmp_path / "data")
+    layout.ensure()
+    build = layout.images / "base-0123"
+    build.mkdir()
+    assert snapshot_step.where(layout, "base-0123") is None
+    out = Outside(tmp_path)
+    (build / "template-snapshots").symlink_to(out.dir)
+    with pytest.raises(OSError, match="symbolic"):
+        snapshot_step.where(layout, "base-0123")
+    (build / "template-snapshots").unlink()
+    os.chown(layout.sandboxes, OWNER, OWNER)
+    with pytest.raises(OSError, match="not root's alone"):
+        snapshot_step.where(layout, "base-0123")
+    os.chown(layout.sandboxes, 0, 0)
+    os.chmod(layout.images, 0o777)
+    with pytest.raises(OSError, match="not root's alone"):
+        snapshot_step.where(layout, "base-0123")
+    out.untouched()

@@ -517,12 +517,45 @@ def split(layout: Layout, confine: Confinement, user: str,
         raise ConfigError(f"Firecracker's jailer cannot run for a split server: {exc}") \
             from None
     check_disjoint(uid_ranges(confine, host_jail))  # refused here, in the server's words
+    pid, client = _fork(layout, confine, pw.pw_uid, net, host_jail)
+    hand_over(layout, pw.pw_uid, pw.pw_gid)
+    drop(pw.pw_uid, pw.pw_gid)
+    return pid, client
+
+
+def beside(layout: Layout, confine: Confinement, uid: int, gid: int,
+           net: "NetworkManager | None" = None, jail: "Callable[[int], HostJail] | None" = None
+           ) -> tuple[int, Client]:
+    """What ``split`` does, for a root command beside a split server's data directory
+    (``hangar.cli.snapshot_step``: the template snapshot of ``hangar image build`` and
+    ``hangar template build``): fork a helper whose server is ``uid:gid`` (the user that
+    owns the data directory), and drop this process to that user, so that the step runs
+    as the server itself would, every root act through the helper's request table. Hands
+    nothing over: the data directory is that user's already. Raises ConfigError."""
+    if os.geteuid() != 0:
+        raise ConfigError("acting as a split server's user needs root")
+    if uid == 0:
+        raise ConfigError("the data directory is root's: no server's user to act as")
+    check_code(uid, gid)
+    try:
+        host_jail = jail(gid) if jail is not None else None
+    except OSError as exc:
+        raise ConfigError(f"Firecracker's jailer cannot run for a split server: {exc}") \
+            from None
+    check_disjoint(uid_ranges(confine, host_jail))
+    pid, client = _fork(layout, confine, uid, net, host_jail)
+    drop(uid, gid)
+    return pid, client
+
+
+def _fork(layout: Layout, confine: Confinement, uid: int, net: "NetworkManager | None",
+          jail: "HostJail | None") -> tuple[int, Client]:
+    """Fork the helper (it runs ``run`` on its end of a new socketpair and never returns);
+    returns its pid and this process's client of it."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
         ours.close()
-        run(theirs, layout, confine, pw.pw_uid, net, host_jail)  # never returns
+        run(theirs, layout, confine, uid, net, jail)  # never returns
     theirs.close()
-    hand_over(layout, pw.pw_uid, pw.pw_gid)
-    drop(pw.pw_uid, pw.pw_gid)
     return pid, Client(ours)

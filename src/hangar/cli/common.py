@@ -105,10 +105,30 @@ def build_recipe(layout, name: str, force: bool = False,  # type: ignore[no-unty
 def template_snapshot(layout, image, say) -> None:  # type: ignore[no-untyped-def]
     """A build command's last step: boot ``image`` with the server's engine and settings,
     run its start command until its ready check passes, and save its template snapshot
-    (``hangar.core.templates.make_for_build``; reused when there is one)."""
+    (``hangar.core.templates.make_for_build``; reused when there is one). Run as root
+    beside a split server, the step runs as that server's user through a root helper of
+    its own (``hangar.cli.snapshot_step``): root never acts in the server's folders.
+    Raises GuestError or Timeout (the template is broken), another HangarError (no
+    snapshot now: the server makes it on its first create)."""
+    import os
+
+    from hangar.cli import snapshot_step
     from hangar.core.templates import make_for_build
+    from hangar.errors import EngineError
     from hangar.server import pick_engine
 
+    if os.geteuid() == 0:
+        try:
+            server_user = snapshot_step.where(layout, image.id)
+            if server_user is not None:
+                made = snapshot_step.as_server(layout, image, say)
+                if made is None:
+                    say(f"{image.id}: no template snapshot made now; the server makes it "
+                        "on the first create")
+                return
+        except OSError as exc:
+            raise EngineError(f"root does not make the template snapshot in {layout.root} "
+                              f"({exc.strerror or exc})", image=image.id) from None
     settings = server_settings(layout.root)
     make_for_build(layout, image, pick_engine(settings, layout), settings, say)
 

@@ -172,8 +172,9 @@ class TemplateSnapshots:
                 files.template_snapshots.mkdir(exist_ok=True)
                 # readable by all: it holds only the id of the VM a build boots, which a
                 # split server (another user than a root build's) reads (``building``)
-                # never through a link (root builds beside a split server, whose folder
-                # this is): a symlink is ELOOP, a second name of another file refused
+                # never through a link (a server's folder holds it, under the split):
+                # a symlink is ELOOP, a second name of another file refused. Root never
+                # runs this beside a split server (``hangar.cli.snapshot_step``).
                 lock_fd = os.open(files.template_snapshot_lock(key),
                                   os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
                 st = os.fstat(lock_fd)
@@ -257,9 +258,6 @@ class TemplateSnapshots:
             await engine.snapshot(vm, stage, template=True)
             os.rename(stage, dest)
             durable.fsync_dir(dest.parent)
-            from hangar.privileged.split import hand_new
-
-            hand_new(self.layout.root, image.dir)  # made by root for a split server
         finally:
             if agent is not None:
                 await agent.close()
@@ -277,18 +275,6 @@ class TemplateSnapshots:
         log.info("template snapshot made", extra={"image": image.id, "key": key,
                                                    "duration_s": took})
         self.publish("template.snapshot", None, image=image.name, key=key, duration_s=took)
-
-    def remove_all(self, image: GuestImage) -> int:
-        """Delete every template snapshot of ``image``'s build; returns how many."""
-        files = ImagePaths(image.dir)
-        n = 0
-        if files.template_snapshots.is_dir():
-            for d in files.template_snapshots.iterdir():
-                if d.is_dir():
-                    self.engine.release_snapshot(d)
-                    shutil.rmtree(d, ignore_errors=True)
-                    n += 1
-        return n
 
 
 def building(layout: Layout) -> set[str]:
@@ -378,7 +364,8 @@ def make_for_build(layout: Layout, image: GuestImage, engine: Engine, settings: 
     # where TAP networking works (the mode a server started here picks). Otherwise the
     # server would make that variant itself on its first create, which under emulation
     # takes minutes (longer than a client such as E2B's SDK waits for a create).
-    net = network_manager(settings) if settings.network in ("tap", "auto") else None
+    net = (network_manager(settings, getattr(engine, "helper", None))
+           if settings.network in ("tap", "auto") else None)
     if net is not None and net.mode != "tap":
         net = None
     vcpus, memory = default_size(image, settings)

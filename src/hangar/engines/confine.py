@@ -220,6 +220,8 @@ class Confinement:
         self.helper = helper
         if self.helper is not None:
             self.root = True  # the helper is, and confines every VMM
+        self._held: dict[str, list[int]] = {}
+        """The read folders each sandbox's VMM is bound to, opened by root (``prepare``)."""
 
     # -- what is on ---------------------------------------------------------------
 
@@ -371,12 +373,11 @@ class Confinement:
             plan.binds = [("/usr", "/usr", False)]
             if Path("/etc/ld.so.cache").exists():
                 plan.binds.append(("/etc/ld.so.cache", "/etc/ld.so.cache", False))
-            for i, d in enumerate(reads):
-                src, opened = read_sources[i] if read_sources else (str(d.resolve()), None)
-                _readable_by_all(Path(opened or src), (0, self.owner_uid))
+            sources = read_sources or self._open_reads(sandbox_id, reads)
+            for d, (src, opened) in zip(reads, sources):
+                _readable_by_all(Path(opened), (0, self.owner_uid))
                 plan.binds.append((src, str(d.absolute()), False))
-                if opened:
-                    plan.same[str(d.absolute())] = opened
+                plan.same[str(d.absolute())] = opened
             plan.binds.append((str(paths.dir), str(paths.dir.absolute()), True))
             if at is not None:
                 plan.same[str(paths.dir.absolute())] = str(at.dir)
@@ -387,6 +388,25 @@ class Confinement:
         elif accel == "kvm":
             plan.groups = _kvm_group()
         return plan
+
+    def _open_reads(self, sandbox_id: str, reads: list[Path]) -> list[tuple[str, str]]:
+        """Each folder of ``reads`` opened by this (root) process itself, never resolved by
+        path (``safefs.open_dir``: from ``/``, following only a link root put, the folder
+        itself never a link): ``(its real path, fd_path of the descriptor)`` as the helper's
+        ``read_sources``, the descriptors held until ``release``. So a name swapped for a
+        link to another folder (``images/<build>`` of a split server) is refused before
+        any mode changes, and the VMM is bound to the very folder opened (``Plan.same``).
+        Raises OSError."""
+        for fd in self._held.pop(sandbox_id, []):
+            os.close(fd)
+        held = self._held.setdefault(sandbox_id, [])
+        out = []
+        for d in reads:
+            fd = safefs.open_dir(d.absolute())
+            held.append(fd)
+            opened = beneath.fd_path(fd)
+            out.append((os.readlink(opened), opened))
+        return out
 
     def tap_fd(self) -> int | None:
         """The file descriptor a VMM gets its TAP as, or None (it opens the TAP itself)."""
@@ -432,6 +452,8 @@ class Confinement:
             except HangarError as exc:
                 log.warning("%s", exc.message)
             return
+        for fd in self._held.pop(paths.dir.name, []):
+            os.close(fd)
         try:
             dirs = [Path(line) for line in paths.cgroup_file.read_text().split()]
         except OSError:
