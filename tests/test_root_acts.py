@@ -888,14 +888,15 @@ def test_the_template_step_refuses_a_build_folder_swapped_for_a_link(
         split_copy: tuple[Layout, Any, tuple[int, int]], tmp_path: Path) -> None:
     """The server swaps ``images/<build>`` for a link to a folder of root's 0600 files
     before the step: nothing there is handed over, made readable or written, and the step
-    refuses (the server makes the snapshot on its first create)."""
+    refuses (the server makes the snapshot on its first create). (Swapped after the
+    hand-over, the step's own process, the server's user, finds no build there.)"""
     from hangar.cli.common import template_snapshot
     from hangar.errors import EngineError
 
     layout, image, _ = split_copy
     out = Outside(tmp_path)
     swap(image.dir, out.dir)
-    with pytest.raises(EngineError, match="no longer exists"):
+    with pytest.raises(EngineError, match="that others may change"):
         template_snapshot(layout, image, lambda _m: None)
     out.untouched()
 
@@ -926,3 +927,50 @@ def test_root_makes_no_template_snapshot_where_another_user_may_write(
     with pytest.raises(OSError, match="not root's alone"):
         snapshot_step.where(layout, "base-0123")
     out.untouched()
+
+
+def test_root_walks_never_open_a_fifo_or_link_swapped_in_for_a_folder(
+        tmp_path: Path) -> None:
+    """``beneath.fwalk`` (``give_images``, ``hand_new``, ``hand_over``, ``take_back``)
+    opens each subfolder with ``O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK`` relative to its
+    parent: a folder the server swaps for a link to a FIFO (or for a FIFO) after it was
+    listed is skipped, never opened (Python 3.11's ``os.fwalk`` opened it with plain
+    ``O_RDONLY`` and blocked there forever; review 29b, G12), and the rest is walked."""
+    from hangar.privileged import beneath
+    from hangar.privileged.split import give_images
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    tree = tmp_path / "images"
+    for sub in ("a/x", "b/y", "c"):
+        (tree / sub).mkdir(parents=True)
+    opened: list[bool] = []
+    done = threading.Event()
+
+    def watch() -> None:  # a writer can open a FIFO without blocking only while read
+        while not done.is_set():
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                opened.append(True)
+            except OSError:
+                pass
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    top = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    seen: list[tuple[str, ...]] = []
+    try:
+        for rel, _dirs, _files, _fd in beneath.fwalk(top, "images"):
+            seen.append(rel)
+            if rel == ():  # listed: now the server swaps two of its folders
+                swap(tree / "a", fifo)
+                os.rename(tree / "b", tmp_path / "b-aside")
+                os.mkfifo(tree / "b")
+    finally:
+        done.set()
+        watcher.join()
+        os.close(top)
+    assert sorted(seen) == [(), ("c",)] and not opened
+    give_images(tree, OWNER, OWNER)  # the whole hand-over: the links and FIFOs left alone
+    assert os.stat(tree / "c").st_uid == OWNER and os.stat(fifo).st_uid == 0 and not opened

@@ -127,8 +127,8 @@ def template_snapshot(layout, image, say) -> None:  # type: ignore[no-untyped-de
                         "on the first create")
                 return
         except OSError as exc:
-            raise EngineError(f"root does not make the template snapshot in {layout.root} "
-                              f"({exc.strerror or exc})", image=image.id) from None
+            raise EngineError(f"root acts on no folder of {layout.root} that others may "
+                              f"change ({exc.strerror or exc})", image=image.id) from None
     settings = server_settings(layout.root)
     make_for_build(layout, image, pick_engine(settings, layout), settings, say)
 

@@ -30,7 +30,6 @@ and how to restore.
 from __future__ import annotations
 
 import os
-import shutil
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -210,7 +209,10 @@ def prune(folder: Path, keep: int) -> list[Path]:
             except FileNotFoundError:
                 pass
             volumes = Path(name).with_suffix(".volumes").name  # ops.volume_backup
-            shutil.rmtree(volumes, dir_fd=fd, ignore_errors=True)
+            try:  # never opening a link, FIFO or device put in a folder's place
+                beneath.remove_tree(fd, volumes)
+            except OSError:
+                pass
     finally:
         os.close(fd)
     return [folder / n for n in names]

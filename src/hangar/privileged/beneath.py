@@ -149,7 +149,7 @@ def walk(dir_fd: int, rel: str | Path, flags: int = os.O_RDONLY, *, directory: b
     return last
 
 
-def _open(name: str, flags: int, mode: int, dir_fd: int) -> int:
+def _open(name: str, flags: int, mode: int, dir_fd: int | None) -> int:
     """``openat``; a symlink met where a folder was asked (ENOTDIR) fails as ELOOP."""
     try:
         return os.open(name, flags, mode, dir_fd=dir_fd)
@@ -262,6 +262,54 @@ def chmod_entries(dir_fd: int, add: int, *, uids: tuple[int, ...] = (0,)) -> Non
             pass
         finally:
             os.close(fd)
+
+
+WALK_FLAGS = DIR_FLAGS | os.O_NONBLOCK | os.O_NOCTTY
+"""Flags that open a folder of a walk: never a symlink, and a FIFO or device swapped in
+fails (``ENOTDIR``) without being opened."""
+
+
+def fwalk(dir_fd: int | None, name: str = ".") -> Iterator[tuple[tuple[str, ...], list[str],
+                                                                   list[str], int]]:
+    """``os.fwalk(name, dir_fd=dir_fd, follow_symlinks=False)`` that never opens what it
+    did not mean to: top-down, it yields ``(the folder's names below name, its
+    subfolders, its other entries, its descriptor)``, each folder opened with
+    ``WALK_FLAGS`` relative to its parent's descriptor (Python 3.11's ``os.fwalk`` opens
+    a subfolder with plain ``O_RDONLY`` and compares after, so a name swapped for a link
+    to a FIFO or a device meanwhile was opened as root: review 29b, G12). A subfolder
+    swapped for anything else meanwhile is skipped; a symlink is listed with the other
+    entries, never followed. The descriptor is valid until the next step; subfolders
+    removed from the list by the caller are not walked. Raises OSError for ``name``
+    itself (ELOOP or ENOTDIR when it is not a folder). ``dir_fd`` None: ``name`` is a
+    path (its last name never a link)."""
+    top = _open(name, WALK_FLAGS, 0, dir_fd)
+    try:
+        yield from _fwalk(top, ())
+    finally:
+        os.close(top)
+
+
+def _fwalk(fd: int, rel: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], list[str],
+                                                             list[str], int]]:
+    dirs: list[str] = []
+    files: list[str] = []
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            try:
+                is_dir = entry.is_dir(follow_symlinks=False)
+            except OSError:
+                continue
+            (dirs if is_dir else files).append(entry.name)
+    yield rel, dirs, files, fd
+    for name in dirs:
+        try:
+            sub = os.open(name, WALK_FLAGS, dir_fd=fd)
+        except OSError:
+            continue  # swapped for a link, FIFO or device, or gone meanwhile: not walked
+        try:
+            yield from _fwalk(sub, (*rel, name))
+        finally:
+            os.close(sub)
 
 
 def remove_tree(dir_fd: int, name: str) -> None:

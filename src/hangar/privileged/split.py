@@ -46,7 +46,7 @@ def _take(path: str | Path, uid: int, gid: int, dir_fd: int | None = None) -> No
 def _give(root: Path, uid: int, gid: int) -> None:
     """``root`` and everything below it (never through a link): ``_take``."""
     _take(root, uid, gid)
-    for dirpath, dirnames, filenames, dirfd in os.fwalk(root):
+    for _rel, dirnames, filenames, dirfd in beneath.fwalk(None, str(root)):
         for name in (*dirnames, *filenames):
             _take(name, uid, gid, dir_fd=dirfd)
 
@@ -80,11 +80,13 @@ def give_images(images: Path | str, uid: int, gid: int, dir_fd: int | None = Non
     """The folders of ``images`` to ``uid:gid`` (the server adds template snapshots and
     their folders, and removes unusable ones); the files of template snapshots shared
     read-only (``_share``); an image's own files stay root's (read-only to the server).
-    A linked ``images`` is left alone. ``dir_fd``: ``images`` is a name relative to that
-    folder (``hand_new``), and ``under`` the names it lies under in the image cache."""
-    for dirpath, dirnames, filenames, dirfd in os.fwalk(images, dir_fd=dir_fd):
+    ``dir_fd``: ``images`` is a name relative to that folder (``hand_new``), and
+    ``under`` the names it lies under in the image cache. Walked by ``beneath.fwalk``
+    (never opening a link, FIFO or device put in a folder's place); raises OSError when
+    ``images`` itself is not a folder."""
+    for rel, dirnames, filenames, dirfd in beneath.fwalk(dir_fd, str(images)):
         os.chown(dirfd, uid, gid)
-        where = under + Path(os.path.relpath(dirpath, images)).parts
+        where = under + rel
         if "template-snapshots" in where:
             for name in filenames:
                 _share(name, dirfd, uid, gid)
@@ -133,7 +135,7 @@ def take_back(dir_fd: int) -> None:
             os.fchmod(fd, mode & ~0o7022)
 
     own(dir_fd)
-    for _p, dirs, files, dfd in os.fwalk(".", dir_fd=dir_fd, follow_symlinks=False):
+    for _p, dirs, files, dfd in beneath.fwalk(dir_fd):
         for name in dirs + files:
             try:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
