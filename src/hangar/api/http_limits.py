@@ -47,6 +47,9 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 
 HEADER_MAX_BYTES = 64 << 10
 """Largest request head (request line and headers) accepted, bytes."""
+TRANSPORT = "hangar.transport"
+"""Key of a request scope's ``extensions`` that holds the connection that carried it
+(``BoundedH11Protocol``, for ``reset_connection``)."""
 HEADER_TIMEOUT_S = 15.0
 """Seconds a connection may take to send a whole request head."""
 KEEP_ALIVE_S = 5
@@ -142,6 +145,15 @@ class BoundedH11Protocol(H11Protocol):
             self._head_timer.cancel()
             self._head_timer = None
 
+    def handle_events(self) -> None:
+        before = getattr(self, "scope", None)
+        super().handle_events()
+        scope = getattr(self, "scope", None)
+        if scope is not None and scope is not before and scope.get("type") == "http":
+            # a new request: its own connection, for ``reset_connection`` (its task has
+            # not run yet, so the app sees it)
+            scope.setdefault("extensions", {})[TRANSPORT] = self.transport
+
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self._head_timer is not None and self.scope is not self._armed_scope:
@@ -222,23 +234,19 @@ def uvicorn_options() -> dict[str, Any]:
 
 
 def reset_connection(scope: Any) -> bool:
-    """End the client's TCP connection of the request ``scope`` with a reset (RST), not a
+    """End the TCP connection that carried the request ``scope`` with a reset (RST), not a
     close: what a client sees when the server behind a proxy dies mid-response (an HTTP
-    client's read error, not an incomplete message). Finds the connection among the
-    server's (``app.state.connections``, set by ``hangar serve`` to uvicorn's) by the
-    client's address; returns False when it is not found (another ASGI server, a Unix
-    socket): the response is then left incomplete and the connection closed."""
-    app = scope.get("app")
-    conns = getattr(getattr(app, "state", None), "connections", None)
-    client = scope.get("client")
-    if not conns or not client:
+    client's read error, not an incomplete message). The connection is the one
+    ``BoundedH11Protocol`` put in that very request's scope (``TRANSPORT``), never one
+    looked up by the client's address (behind a proxy that is ``X-Forwarded-For``'s,
+    which names no connection of this server, or another client's); a Unix socket's is
+    closed. Returns False when the scope has none (another ASGI server) or it is closing
+    already."""
+    transport = (scope.get("extensions") or {}).get(TRANSPORT)
+    if transport is None or transport.is_closing():
         return False
-    for proto in list(conns):
-        transport = getattr(proto, "transport", None)
-        if getattr(proto, "client", None) == tuple(client) and transport is not None:
-            sock = transport.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            transport.abort()
-            return True
-    return False
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+    return True

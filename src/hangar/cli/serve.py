@@ -187,7 +187,6 @@ def serve(
 
     config: dict[str, Any] = {**http_limits(), **where_kw}
     server = Server(uvicorn.Config(api, log_config=None, access_log=False, **config))
-    api.state.connections = server.server_state.connections  # http_limits.reset_connection
     server.run()
 
 

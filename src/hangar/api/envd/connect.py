@@ -80,7 +80,21 @@ class RpcError(Exception):
 class Dropped(Exception):
     """Ends a server stream by dropping its connection, with no end-of-stream message: what
     a client of E2B's envd sees when the sandbox is killed during the call (the SDK then
-    probes ``/health``, a 502, and raises its ``TimeoutException``)."""
+    probes ``/health``, a 502, and raises its ``TimeoutException``). ``started``: whether
+    the stream's response had started; ``ctype``: its content type (for ``answer``)."""
+
+    def __init__(self, reason: str, started: bool = False, ctype: str = "") -> None:
+        super().__init__(reason)
+        self.started, self.ctype = started, ctype
+
+    async def answer(self, send: Send) -> None:
+        """Where the connection cannot be reset (another ASGI server, a Unix socket): end
+        the stream with Connect's ``unavailable`` instead, starting its response first if
+        it had not started, so the client reads the call's end, never a 500."""
+        if not self.started:
+            await _start(send, 200, self.ctype)
+        await send({"type": "http.response.body",
+                    "body": end_of_stream(RpcError("unavailable", str(self)))})
 
 
 _CODES: tuple[tuple[type[errors.HangarError], str], ...] = (
@@ -420,7 +434,7 @@ async def _server_stream(method: Method, call: Call, codec: Codec, receive: Rece
                 pass
         await gen.aclose()
     if dropped:  # no end of stream: the gateway resets the connection (``Dropped``)
-        raise Dropped("the call's sandbox is gone")
+        raise Dropped("the call's sandbox is gone", started, ctype)
     if not started:
         await _start(send, 200, ctype)
     await send({"type": "http.response.body", "body": end_of_stream(error)})

@@ -38,6 +38,7 @@ RPCs are Connect errors; those of REST routes E2B's ``{"code", "message"}``.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import re
@@ -303,7 +304,11 @@ class EnvdGateway:
         call.context = envd
         try:
             await connect.serve(method, call, receive, send)
-        except connect.Dropped:
+        except connect.Dropped as exc:
             # the connection is reset, as E2B's edge does when the sandbox behind a call
             # is gone: the SDK reads a transport error, probes /health (502) and says so
-            reset_connection(scope)
+            if reset_connection(scope):
+                await asyncio.sleep(0)  # its connection_lost first: uvicorn then sees a
+                # client gone, not an app that returned without an answer (a 500)
+            else:
+                await exc.answer(send)
