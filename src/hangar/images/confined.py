@@ -39,6 +39,7 @@ from pathlib import Path
 from hangar.errors import ImageError
 from hangar.images import buildns, safetree
 from hangar.images.commands import Progress, run
+from hangar.privileged import beneath
 
 UID_BASE = 300_000
 """Host uid (and gid) of root in a build's user namespace. Below the VMMs' range
@@ -60,7 +61,7 @@ def _shift(root: Path, up: bool) -> int:
     top = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.chown(f"/proc/self/fd/{top}", *_moved(os.fstat(top), up))
-        for _p, dirs, files, dfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+        for _p, dirs, files, dfd in beneath.fwalk(top):
             for name in dirs + files:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                 if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):

@@ -414,11 +414,12 @@ def loop_device(fd: int) -> Iterator[str]:
 def copy_tree_at(src_fd: int, dest: Path) -> None:
     """Copy the folder ``src_fd`` into the new folder ``dest`` (of root's own): folders,
     regular files (opened without following a link) and symlinks (copied as links), with
-    their modes; anything else is left out. Walks by descriptor (``os.fwalk``), so a name
-    swapped for a link on the way is never followed. Raises OSError."""
+    their modes; anything else is left out. Walks by descriptor (``beneath.fwalk``), so a
+    name swapped for a link, FIFO or device on the way is never followed or opened.
+    Raises OSError."""
     dest.mkdir(mode=stat.S_IMODE(os.fstat(src_fd).st_mode))
-    for rel, dirs, files, dfd in os.fwalk(".", dir_fd=src_fd, follow_symlinks=False):
-        here = dest / rel
+    for rel, dirs, files, dfd in beneath.fwalk(src_fd):
+        here = dest.joinpath(*rel)
         for name in dirs:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             if stat.S_ISLNK(st.st_mode):

@@ -295,7 +295,7 @@ def _shift_owner(rootdir: Path, folder: str) -> None:
     """Give what was just copied into ``folder`` to the build namespace's root."""
     fd = safetree.open_dir(rootdir, folder)
     try:
-        for _p, dirs, files, dfd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
+        for _p, dirs, files, dfd in beneath.fwalk(fd):
             for name in dirs + files:
                 os.chown(name, confined.UID_BASE, confined.UID_BASE, dir_fd=dfd,
                          follow_symlinks=False)
