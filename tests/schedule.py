@@ -49,6 +49,7 @@ COST_S: dict[str, int] = {
     "test_tools_browser": 190,
     "test_booted_templates": 162,
     "test_cluster": 143,
+    "test_root_acts": 114,  # measured alone (the template step beside a split server: ~100 s)
     "test_recovery": 109,
     "test_network": 101,
     "test_machines": 99,

@@ -374,7 +374,8 @@ def make_for_build(layout: Layout, image: GuestImage, engine: Engine, settings: 
     say(f"{image.id}: booting it for its template snapshot")
     made = _asyncio.run(t.ensure(image, vcpus, memory, settings.default_disk_mib, (), nic))
     say(f"{image.id}: template snapshot {made}" if made else
-        f"{image.id}: no template snapshot on this engine; sandboxes boot cold")
+        f"{image.id}: no template snapshot made (this engine makes none, or making it "
+        "failed: see the warning above)")
     if made and has_desktop(image):
         # and with the desktop most creates ask for: the first would else boot it cold and
         # make this snapshot itself, minutes under emulation
