@@ -49,7 +49,6 @@ COST_S: dict[str, int] = {
     "test_tools_browser": 190,
     "test_booted_templates": 162,
     "test_cluster": 143,
-    "test_root_acts": 114,  # measured alone (the template step beside a split server: ~100 s)
     "test_recovery": 109,
     "test_network": 101,
     "test_machines": 99,
@@ -68,6 +67,7 @@ COST_S: dict[str, int] = {
     "test_processes": 53,
     "test_ops_host": 49,
     "test_ops_tls": 45,
+    "test_root_acts": 45,  # measured alone, 2026-12-04 (114 s at load 15)
     "test_tools": 44,
     "test_terminal": 39,
     "test_confinement": 35,
