@@ -44,7 +44,7 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -56,6 +56,7 @@ from hangar.api.envd import connect, fs_entries, fs_watch, ports, process_io, pr
 from hangar.api.envd.connect import RpcError
 from hangar.api.envd.tokens import EXPIRED, signature_ok, token_ok
 from hangar.api.envd.versions import ENVD_PORT, PREFIX
+from hangar.api.envd.fs_entries import Listings
 from hangar.api.envd.fs_watch import Watchers
 from hangar.core.service import Face, SandboxManager, State, e2b, e2b_user, public_name
 from hangar.errors import Gone, HangarError, NotFound, Unauthorized
@@ -77,6 +78,8 @@ class Envd:
     sandbox_id: str
     user: str
     watchers: Watchers
+    listings: Listings = field(default_factory=Listings)
+    """The server's turns for ListDir answers (``listings_of``)."""
 
     @property
     def home(self) -> str:
@@ -111,6 +114,13 @@ def _user(manager: SandboxManager, sandbox_id: str, headers: dict[str, str],
     except (NotFound, Gone):
         raise Refusal(502, "unavailable",
                       f"The sandbox {sandbox_id[:64]} was not found") from None
+
+
+def listings_of(app_state: Any) -> Listings:
+    """The server's turns for building ListDir answers (made on first use)."""
+    if getattr(app_state, "envd_listings", None) is None:
+        app_state.envd_listings = Listings()
+    return app_state.envd_listings
 
 
 def watchers_of(app_state: Any) -> Watchers:
@@ -186,7 +196,7 @@ class EnvdGateway:
             envd = Envd(manager, sandbox_id, _user(manager, sandbox_id,
                                                    {} if by_signature else headers,
                                                    query.get("username")),
-                        watchers_of(state))
+                        watchers_of(state), listings_of(state))
             with _slot(state, manager, sandbox_id):
                 if m is not None:
                     await self._rpc(m.group(1), scope, headers, envd, receive, send)
