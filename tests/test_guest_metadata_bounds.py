@@ -392,3 +392,17 @@ def test_metadata_a_guest_set_is_bounded_when_read_back() -> None:
         asyncio.run(fs_entries.entry_infos(env, entries, budget=100_000))
     assert caught.value.code == "resource_exhausted"
     assert len(list(asyncio.run(fs_entries.entry_infos(env, entries, budget=1_000_000)))) == 200
+
+
+def test_a_context_list_past_its_cap_is_a_guest_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """REVIEW29b G6: a guest's list of 116,000 tiny contexts (3.9 MiB, under the JSON cap)
+    held the event loop ~0.9 s to check, validate and encode; past ``MAX_CONTEXTS`` it is a
+    GuestError, checked on its length alone, and a list at the cap passes."""
+    tiny = {"id": "", "language": "", "cwd": ""}
+    interpreter_answers(monkeypatch, 200, json.dumps([tiny] * 116_000).encode())
+    with pytest.raises(GuestError, match=f"more than {interpreter.MAX_CONTEXTS} contexts"):
+        asyncio.run(interpreter.call(SimpleNamespace(), "s", "GET", "/contexts"))
+    interpreter_answers(monkeypatch, 200,
+                        json.dumps([CONTEXT] * interpreter.MAX_CONTEXTS).encode())
+    assert len(asyncio.run(interpreter.call(SimpleNamespace(), "s", "GET", "/contexts"))) \
+        == interpreter.MAX_CONTEXTS
