@@ -295,6 +295,7 @@ def test_private_port_needs_the_key_or_a_token(web) -> None:
     own, other = host_of(sid, 3001), host_of("sb-000000000000", 8080)
     jar = {"Host": own, "Cookie": f"hangar_port_token={token}"}
     for extra in ({}, {"Origin": f"https://{own}", "Sec-Fetch-Site": "same-origin"},
+                  {"Origin": f"https://{own}:8443"},  # a proxy in front may drop the port
                   {"Sec-Fetch-Site": "none", "Sec-Fetch-Mode": "navigate"},
                   {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "navigate",
                    "Sec-Fetch-Dest": "document"}):

@@ -131,11 +131,10 @@ class Exchange:
         sandboxing CSP), so their own requests are cross-site. Raises ``Refused`` (403)."""
         if self.target.prefix is not None:
             return
-        host = (header(self.scope, b"host") or b"").decode("latin-1").lower()
+        host = _hostname((header(self.scope, b"host") or b"").decode("latin-1"))
         origin = header(self.scope, b"origin")
-        if origin is not None:
-            netloc = origin.decode("latin-1").lower().partition("://")[2]
-            if netloc != host:
+        if origin is not None:  # by name: a proxy in front may drop the port from Host
+            if _hostname(origin.decode("latin-1").partition("://")[2]) != host:
                 raise self._not_own(f"a page of {origin.decode('latin-1')[:200]}")
         site = header(self.scope, b"sec-fetch-site")
         if site is None or site in (b"same-origin", b"none"):
@@ -194,3 +193,11 @@ class Exchange:
                           f"{t.sandbox_id}", sandbox_id=t.sandbox_id, port=t.port) from None
         except HangarError as exc:
             raise Refused.of(exc) from None
+
+
+def _hostname(netloc: str) -> str:
+    """``netloc``'s host name, lowercased, without a port (``[v6]`` kept whole)."""
+    netloc = netloc.strip().lower()
+    if netloc.startswith("["):
+        return netloc.partition("]")[0] + "]"
+    return netloc.partition(":")[0]
