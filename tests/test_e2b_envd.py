@@ -384,9 +384,29 @@ def test_signed_file_urls(env: Env) -> None:
         assert (r.status_code, r.content) == (200, b"signed bytes")
         r = c.get(sbx.upload_url("/home/user/signed.txt"))
         assert r.status_code == 401  # a write signature does not read
+        # anonymous, so bounded (REVIEW29c H4): a path past 4096 characters is not hashed
+        r = c.get(sbx.download_url("/home/user/" + "p" * 5000))
+        assert (r.status_code, r.json()["message"]) == (
+            400, "a signed file URL's path and username are at most 4096 characters")
         r = c.get(f"{env.url}/files", params={"path": "/home/user/signed.txt"},
                   headers=env.headers())
         assert (r.status_code, r.content) == (200, b"signed bytes")
+
+
+def test_the_signer_hashes_the_clients_part_once() -> None:
+    """``tokens.signer`` finds the sandbox whose token made a signature as
+    ``tokens.signature`` makes it, with and without an expiry, among many ids."""
+    from types import SimpleNamespace
+
+    from hangar.api.envd import tokens
+
+    m = SimpleNamespace(ports=SimpleNamespace(key=SimpleNamespace(key=lambda: b"k" * 32)))
+    ids = [f"sb-{i:012x}" for i in range(500)]
+    for exp in (None, 1_900_000_000):
+        sig = tokens.signature(tokens.access_token(m, ids[321]), "/p", "read", "user", exp)
+        assert tokens.signer(m, ids, sig, "/p", "read", "user", exp) == ids[321]
+        assert tokens.signer(m, ids, sig, "/p", "write", "user", exp) is None
+        assert tokens.signer(m, ids, sig + "x", "/p", "read", "user", exp) is None
 
 
 def test_guest_port_by_header_and_host(env: Env) -> None:

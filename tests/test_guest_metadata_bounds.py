@@ -150,12 +150,39 @@ def list_env(files: FakeFiles) -> Any:
     async def exec(*args: Any, **kw: Any) -> Any:
         return SimpleNamespace(exit_code=0, stdout=SimpleNamespace(head=b""))
     return SimpleNamespace(manager=SimpleNamespace(files=files, exec=exec),
-                           sandbox_id="s", home="/home/user", user="user")
+                           sandbox_id="s", home="/home/user", user="user",
+                           listings=fs_entries.Listings())
 
 
 def list_dir(files: FakeFiles) -> Any:
     call = connect.Call(headers={}, timeout_s=None, context=list_env(files))
     return asyncio.run(fs_entries.list_dir(FS.ListDirRequest(path="/d", depth=1), call))
+
+
+def test_list_dir_answers_are_built_a_few_at_a_time() -> None:
+    """REVIEW29b G4: 128 ListDirs of one sandbox at once hold at most ``LIST_AT_ONCE``
+    answers being built (the others wait their turn), and all are answered."""
+    class SlowFiles(FakeFiles):
+        now = most = 0
+
+        async def list(self, sandbox_id: str, path: str) -> FileList:
+            SlowFiles.now += 1
+            SlowFiles.most = max(SlowFiles.most, SlowFiles.now)
+            await asyncio.sleep(0.01)
+            SlowFiles.now -= 1
+            return await super().list(sandbox_id, path)
+
+    env = list_env(SlowFiles(per_folder=3, name_len=8))
+
+    async def many() -> list[Any]:
+        calls = [connect.Call(headers={}, timeout_s=None, context=env) for _ in range(128)]
+        return await asyncio.gather(*(fs_entries.list_dir(
+            FS.ListDirRequest(path="/d", depth=1), c) for c in calls))
+
+    answers = asyncio.run(many())
+    assert [len(a.entries) for a in answers] == [3] * 128
+    assert SlowFiles.most == fs_entries.LIST_AT_ONCE
+    assert env.listings._by_sandbox == {}  # nothing kept once the listings end
 
 
 def test_list_dir_is_bounded_by_characters_as_well_as_entries() -> None:
@@ -365,3 +392,17 @@ def test_metadata_a_guest_set_is_bounded_when_read_back() -> None:
         asyncio.run(fs_entries.entry_infos(env, entries, budget=100_000))
     assert caught.value.code == "resource_exhausted"
     assert len(list(asyncio.run(fs_entries.entry_infos(env, entries, budget=1_000_000)))) == 200
+
+
+def test_a_context_list_past_its_cap_is_a_guest_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """REVIEW29b G6: a guest's list of 116,000 tiny contexts (3.9 MiB, under the JSON cap)
+    held the event loop ~0.9 s to check, validate and encode; past ``MAX_CONTEXTS`` it is a
+    GuestError, checked on its length alone, and a list at the cap passes."""
+    tiny = {"id": "", "language": "", "cwd": ""}
+    interpreter_answers(monkeypatch, 200, json.dumps([tiny] * 116_000).encode())
+    with pytest.raises(GuestError, match=f"more than {interpreter.MAX_CONTEXTS} contexts"):
+        asyncio.run(interpreter.call(SimpleNamespace(), "s", "GET", "/contexts"))
+    interpreter_answers(monkeypatch, 200,
+                        json.dumps([CONTEXT] * interpreter.MAX_CONTEXTS).encode())
+    assert len(asyncio.run(interpreter.call(SimpleNamespace(), "s", "GET", "/contexts"))) \
+        == interpreter.MAX_CONTEXTS

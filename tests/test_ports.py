@@ -22,7 +22,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
-from conftest import Server, cleanup, free_port, make_data_dir
+from conftest import Server, Waits, cleanup, free_port, make_data_dir
 
 from hangar.client import Hangar, Sandbox
 
@@ -61,8 +61,10 @@ def web(base_image: Path) -> Iterator[tuple[Server, httpx.Client, str]]:
     try:
         srv.start()
         with srv.client() as c:
+            started = time.monotonic()
             r = c.post("/sandboxes", json={})
             assert r.status_code == 201, r.text
+            patience = Waits(boot_s=time.monotonic() - started).vm(30, floor=60)
             sid = r.json()["id"]
             c.put(f"/sandboxes/{sid}/files", params={"path": "/root/app.py"},
                   content=APP.read_bytes()).raise_for_status()
@@ -72,8 +74,8 @@ def web(base_image: Path) -> Iterator[tuple[Server, httpx.Client, str]]:
                   content=b"a page in a folder\n").raise_for_status()
             start_in_guest(c, sid, "cd /srv && exec python3 -m http.server 3000")
             start_in_guest(c, sid, "exec python3 /root/app.py 3001")
-            wait_listening(c, sid, 3000)
-            wait_listening(c, sid, 3001)
+            wait_listening(c, sid, 3000, patience)  # two Pythons starting: slow under load
+            wait_listening(c, sid, 3001, patience)
             yield srv, c, sid
     finally:
         leaked = cleanup(srv)
@@ -287,6 +289,39 @@ def test_private_port_needs_the_key_or_a_token(web) -> None:
     r = httpx.get(f"{srv.url}/headers", params={"hangar_token": token},
                   headers={"Host": host_of(sid, 3001)})
     assert r.status_code == 200 and "Path=/;" in r.headers["set-cookie"]
+    # by host name the cookie is taken only from the port's own pages and top-level
+    # navigations: every {port}-{id}.<domain> is one site, so a page of another sandbox's
+    # port gets the browser to send it (REVIEW29c H5)
+    own, other = host_of(sid, 3001), host_of("sb-000000000000", 8080)
+    jar = {"Host": own, "Cookie": f"hangar_port_token={token}"}
+    for extra in ({}, {"Origin": f"https://{own}", "Sec-Fetch-Site": "same-origin"},
+                  {"Origin": f"https://{own}:8443"},  # a proxy in front may drop the port
+                  {"Sec-Fetch-Site": "none", "Sec-Fetch-Mode": "navigate"},
+                  {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "navigate",
+                   "Sec-Fetch-Dest": "document"}):
+        r = httpx.get(f"{srv.url}/headers", headers={**jar, **extra})
+        assert r.status_code == 200, (extra, r.text)
+    for method, extra in (
+            ("GET", {"Origin": f"https://{other}", "Sec-Fetch-Site": "same-site",
+                     "Sec-Fetch-Mode": "cors", "Sec-Fetch-Dest": "empty"}),
+            ("GET", {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "navigate",
+                     "Sec-Fetch-Dest": "iframe"}),
+            ("POST", {"Origin": f"https://{other}", "Sec-Fetch-Site": "same-site",
+                      "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}),
+            ("POST", {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "navigate",
+                      "Sec-Fetch-Dest": "document"})):
+        r = httpx.request(method, f"{srv.url}/headers", headers={**jar, **extra})
+        assert r.status_code == 403, (method, extra, r.text)
+        assert "taken only from its own pages and top-level navigations" in \
+            error_of(r)["message"]
+    handshake = ("GET /ws HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n"
+                 "Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+                 "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nOrigin: https://{origin}\r\n"
+                 "Cookie: hangar_port_token={token}\r\n\r\n")
+    for origin, status in ((other, b" 403 "), (own, b" 101 ")):
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+            sock.sendall(handshake.format(host=own, origin=origin, token=token).encode())
+            assert status in sock.recv(4096).split(b"\r\n", 1)[0], origin
     # and for a WebSocket, where browsers cannot send headers
     with ws_connect(f"ws://127.0.0.1:{srv.port}/sandboxes/{sid}/ports/3001/ws"
                     f"?hangar_token={token}") as ws:

@@ -54,7 +54,13 @@ def _query(name: str) -> bytes:
     return dns.message.make_query(name, "A").to_wire()
 
 
-def test_dns_forwarder_caps_each_guest_on_udp_and_tcp() -> None:
+def test_dns_forwarder_caps_each_guest_on_udp_and_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the host-wide floor at one guest's cap, B is still answered while A fills its
+    own: the host-wide cap is every guarded guest's cap together (REVIEW29 F12)."""
+    import hangar.net.dns as dns_fwd
+
+    monkeypatch.setattr(dns_fwd, "MAX_INFLIGHT", CAP)
+
     async def run() -> None:
         guard = _guard()
         fwd = DnsForwarder(guard, "127.0.0.1")
@@ -136,6 +142,7 @@ def test_egress_proxy_caps_each_guest(monkeypatch: pytest.MonkeyPatch) -> None:
     import hangar.net.sniproxy as sniproxy
 
     monkeypatch.setattr(sniproxy, "original_dst", lambda sock: ("203.0.113.9", 80))
+    monkeypatch.setattr(sniproxy, "MAX_CONNECTIONS", CAP)  # B served beyond it (F12)
 
     async def run() -> None:
         guard = _guard()

@@ -48,6 +48,9 @@ MAX_CODE_CHARS = 1 << 20
 MAX_HEAD_BYTES = 64 << 10
 MAX_JSON_BYTES = 4 << 20
 """Largest JSON answer of a context call, bytes."""
+MAX_CONTEXTS = 1000
+"""Most contexts a list may hold (each is a kernel process in the guest): a guest's list of
+100,000 tiny ones took the event loop about 0.9 s to check, validate and encode."""
 MAX_LINE_BYTES = 64 << 20
 """Longest NDJSON line of ``execute`` (a result with a large image), bytes."""
 LINE_HOLD_BYTES = 1 << 20
@@ -135,6 +138,10 @@ async def call(m: SandboxManager, sandbox_id: str, method: str, path: str,
     except (ValueError, RecursionError):
         raise GuestError("the code interpreter's answer is not JSON",
                          sandbox_id=sandbox_id) from None
+    if path == "/contexts" and method == "GET" and isinstance(value, list) \
+            and len(value) > MAX_CONTEXTS:  # checked, validated and encoded on the loop
+        raise GuestError(f"the code interpreter lists more than {MAX_CONTEXTS} contexts, the "
+                         "most taken", sandbox_id=sandbox_id)
     if path == "/contexts" and not (_is_context(value) if method == "POST" else
                                     isinstance(value, list) and all(map(_is_context, value))):
         raise GuestError("the code interpreter's answer is not a context (a list of them for "

@@ -508,6 +508,13 @@ class Store:
         """Sandboxes the API lists: all but tombstones and warm-pool VMs, oldest first."""
         return self.in_states(set(State) - GONE - {State.POOLED})
 
+    def visible_ids(self) -> list[str]:
+        """Ids of the sandboxes ``visible`` returns, oldest first: one query of one column,
+        no record read (a hot path may afford it for thousands)."""
+        with self.session() as s:
+            return list(s.scalars(select(SandboxRecord.id).where(SandboxRecord.state.in_(
+                list(set(State) - GONE - {State.POOLED}))).order_by(SandboxRecord.created_at)))
+
     def state_counts(self) -> dict[State, int]:
         """How many sandboxes are in each state but the tombstones (one indexed query)."""
         with self.session() as s:

@@ -55,7 +55,8 @@ UPSTREAM_TIMEOUT_S = 3.0
 TCP_IDLE_S = 10.0
 """How long a guest's TCP DNS connection may sit idle, seconds."""
 MAX_INFLIGHT = 256
-"""Queries being answered at once (the rest are dropped, as a busy resolver would)."""
+"""Queries being answered at once, at least (the rest are dropped, as a busy resolver
+would); more with many guarded guests: ``EgressGuard.flow_limit``."""
 
 
 class DnsForwarder:
@@ -96,8 +97,8 @@ class DnsForwarder:
             t.cancel()
 
     def _spawn(self, coro: Any) -> bool:
-        """Run ``coro`` as a task unless ``MAX_INFLIGHT`` run already (then False)."""
-        if self._inflight >= MAX_INFLIGHT:
+        """Run ``coro`` as a task unless the host-wide cap run already (then False)."""
+        if self._inflight >= self.guard.flow_limit(MAX_INFLIGHT):
             coro.close()
             return False
         self._inflight += 1

@@ -185,6 +185,12 @@ class EgressGuard:
             self._never = out
         return self._never + sorted({f"{ip}/32" for ip, _ in getattr(self.net, "control", [])})
 
+    def flow_limit(self, floor: int) -> int:
+        """The host-wide cap on a proxy's flows in flight: every guarded guest's own cap
+        together (at least ``floor``), so that guests filling their caps (one tenant's
+        several sandboxes) never leave another guest without its share (REVIEW29 F12)."""
+        return max(floor, self.per_sandbox * len(self.by_ip))
+
     def lookup(self, ip: str) -> Guarded | None:
         """The guarded sandbox whose guest has address ``ip``, or None."""
         return self.by_ip.get(ip)

@@ -43,7 +43,8 @@ CONNECT_S = 10.0
 """How long the upstream connection may take, seconds."""
 CHUNK = 64 * 1024
 MAX_CONNECTIONS = 1024
-"""Connections proxied at once (more are refused by closing them)."""
+"""Connections proxied at once, at least (more are refused by closing them); more with
+many guarded guests: ``EgressGuard.flow_limit``."""
 
 
 def original_dst(sock: socket.socket) -> tuple[str, int]:
@@ -135,7 +136,7 @@ class SniProxy:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._open += 1
         try:
-            if self._open <= MAX_CONNECTIONS:
+            if self._open <= self.guard.flow_limit(MAX_CONNECTIONS):
                 await self._one(reader, writer)
         except Exception:  # a bug closes this connection, the proxy lives on
             log.exception("proxied connection failed")

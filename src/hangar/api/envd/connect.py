@@ -53,6 +53,9 @@ MAX_MESSAGE = 16 << 20
 """Largest request message taken, bytes (a StreamInput chunk, a request)."""
 KEEPALIVE_MIN_S = 1.0
 """Shortest keep-alive interval honoured, seconds."""
+YIELD_EVERY = 64
+"""Messages of one request body parsed between two turns of the event loop (64 empty
+JSON envelopes take about 1.5 ms here; a 256 KiB chunk may hold 37,000)."""
 
 STATUS = {
     "canceled": 499, "unknown": 500, "invalid_argument": 400, "deadline_exceeded": 504,
@@ -253,8 +256,14 @@ class Body:
         return bytes(self._buf)
 
     async def envelopes(self, encoding: str) -> AsyncIterator[bytes]:
-        """Each enveloped message's bytes until the body ends."""
+        """Each enveloped message's bytes until the body ends. Gives the event loop a turn
+        every ``YIELD_EVERY`` messages: one received chunk may hold tens of thousands of
+        tiny envelopes, none of which awaits anything."""
+        count = 0
         while True:
+            count += 1
+            if count % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
             while len(self._buf) < 5 and await self._more():
                 pass
             if len(self._buf) < 5:

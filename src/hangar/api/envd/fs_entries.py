@@ -20,8 +20,11 @@ entries, names sorted), at most ``MAX_ENTRIES`` entries and ``MAX_LIST_CHARS`` c
 
 from __future__ import annotations
 
+import asyncio
 import posixpath
 import stat as stat_mod
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any, Iterator
 
 from google.protobuf.message import Message
@@ -37,6 +40,36 @@ MAX_LIST_CHARS = 4 << 20
 """Most characters of paths and names one ListDir returns (its answer and the entries
 it holds in memory are a few times that)."""
 MAX_DEPTH = 32
+LIST_AT_ONCE = 4
+"""Most ListDir answers built at once for one sandbox (each may hold tens of MiB while it is
+built); more wait their turn."""
+LIST_AT_ONCE_ALL = 32
+"""Most ListDir answers built at once on the server, all sandboxes together."""
+
+
+class Listings:
+    """Turns for building ListDir answers: at most ``LIST_AT_ONCE`` per sandbox and
+    ``LIST_AT_ONCE_ALL`` in all, so that many concurrent listings of a large tree cost the
+    server a bounded amount of memory (REVIEW29b G4). One per server (app state)."""
+
+    def __init__(self) -> None:
+        self._all = asyncio.Semaphore(LIST_AT_ONCE_ALL)
+        self._by_sandbox: dict[str, tuple[asyncio.Semaphore, int]] = {}
+
+    @asynccontextmanager
+    async def turn(self, sandbox_id: str) -> AsyncIterator[None]:
+        """Waits for a turn of ``sandbox_id`` and the server's; holds both while in use."""
+        sem, users = self._by_sandbox.get(sandbox_id, (asyncio.Semaphore(LIST_AT_ONCE), 0))
+        self._by_sandbox[sandbox_id] = (sem, users + 1)
+        try:
+            async with sem, self._all:
+                yield
+        finally:
+            sem, users = self._by_sandbox[sandbox_id]
+            if users == 1:
+                del self._by_sandbox[sandbox_id]
+            else:
+                self._by_sandbox[sandbox_id] = (sem, users - 1)
 _SECONDS = (-62135596800, 253402300799)
 """The range of a protobuf ``Timestamp`` (years 1 to 9999); a guest's mtime past it (tmpfs
 keeps 64-bit times) is clamped."""
@@ -145,9 +178,16 @@ async def move(req: Any, call: Call) -> Message:
 async def list_dir(req: Any, call: Call) -> Message:
     env = call.context
     depth = max(1, min(int(req.depth or 1), MAX_DEPTH))
+    top = absolute(_path(req.path), env.home)
+    async with env.listings.turn(env.sandbox_id):
+        return await _list(env, top, depth)
+
+
+async def _list(env: Any, top: str, depth: int) -> Message:
+    """ListDir's answer for ``top`` (absolute), ``depth`` levels down. Raises RpcError."""
     found: list[FileEntry] = []
     chars = 0
-    todo = [(absolute(_path(req.path), env.home), 1)]
+    todo = [(top, 1)]
     try:
         while todo:
             path, level = todo.pop(0)

@@ -45,7 +45,7 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -55,14 +55,19 @@ from hangar.api.auth import authenticate
 from hangar.api.http_limits import reset_connection
 from hangar.api.envd import connect, fs_entries, fs_watch, ports, process_io, process_run, rest
 from hangar.api.envd.connect import RpcError
-from hangar.api.envd.tokens import EXPIRED, signature_ok, token_ok
+from hangar.api.envd.tokens import EXPIRED, signature_ok, signer, token_ok
 from hangar.api.envd.versions import ENVD_PORT, PREFIX
+from hangar.api.envd.fs_entries import Listings
 from hangar.api.envd.fs_watch import Watchers
 from hangar.core.service import Face, SandboxManager, State, e2b, e2b_user, public_name
 from hangar.errors import Gone, HangarError, NotFound, Unauthorized
 from hangar.schemas.bounds import PORT_MAX, PORT_MIN
 
 RPC_RE = re.compile(r"^/((?:process\.Process|filesystem\.Filesystem)/[A-Za-z]+)$")
+SIGNED_FIELD_MAX = 4096
+"""Longest path and username of a file URL found by its signature, characters."""
+SIGNER_CANDIDATES_MAX = 5000
+"""Most sandboxes tried for a file URL's signer (past it the URL must name its sandbox)."""
 METHODS: dict[str, connect.Method] = {
     **process_run.METHODS, **process_io.METHODS, **fs_entries.METHODS, **fs_watch.METHODS,
 }
@@ -78,6 +83,8 @@ class Envd:
     sandbox_id: str
     user: str
     watchers: Watchers
+    listings: Listings = field(default_factory=Listings)
+    """The server's turns for ListDir answers (``listings_of``)."""
 
     @property
     def home(self) -> str:
@@ -112,6 +119,13 @@ def _user(manager: SandboxManager, sandbox_id: str, headers: dict[str, str],
     except (NotFound, Gone):
         raise Refusal(502, "unavailable",
                       f"The sandbox {sandbox_id[:64]} was not found") from None
+
+
+def listings_of(app_state: Any) -> Listings:
+    """The server's turns for building ListDir answers (made on first use)."""
+    if getattr(app_state, "envd_listings", None) is None:
+        app_state.envd_listings = Listings()
+    return app_state.envd_listings
 
 
 def watchers_of(app_state: Any) -> Watchers:
@@ -172,7 +186,7 @@ class EnvdGateway:
             query = {k: v[-1] for k, v in parse_qs(
                 bytes(scope.get("query_string", b"")).decode("latin-1")).items()}
             if signed and "e2b-sandbox-id" not in headers:
-                headers["e2b-sandbox-id"] = self._signer(manager, scope, query)
+                headers["e2b-sandbox-id"] = await self._signer(manager, scope, query)
             sandbox_id, port = self._target(headers)
             by_signature = self._admit(scope, state, manager, sandbox_id, port, headers,
                                        query, rest_path if m is None else None, rest_path)
@@ -187,7 +201,7 @@ class EnvdGateway:
             envd = Envd(manager, sandbox_id, _user(manager, sandbox_id,
                                                    {} if by_signature else headers,
                                                    query.get("username")),
-                        watchers_of(state))
+                        watchers_of(state), listings_of(state))
             with _slot(state, manager, sandbox_id):
                 if m is not None:
                     await self._rpc(m.group(1), scope, headers, envd, receive, send)
@@ -202,21 +216,37 @@ class EnvdGateway:
                 await rest.error(send, r.status, r.message)
 
     @staticmethod
-    def _signer(manager: SandboxManager, scope: Scope, query: dict[str, str]) -> str:
+    async def _signer(manager: SandboxManager, scope: Scope, query: dict[str, str]) -> str:
         """The sandbox whose token signed this file URL (one without ``E2b-Sandbox-Id``: the
         SDK's ``download_url``/``upload_url`` under ``E2B_SANDBOX_URL`` drop the prefix and
-        name no sandbox, so the signature, which binds the sandbox's token, names it)."""
+        name no sandbox, so the signature, which binds the sandbox's token, names it).
+
+        Anonymous, so bounded (REVIEW29c H4): the path and user at most
+        ``SIGNED_FIELD_MAX`` characters (400), the candidates the visible sandboxes' ids
+        alone (no record read), at most ``SIGNER_CANDIDATES_MAX`` of them (400: name the
+        sandbox), hashed in a worker thread past a few dozen."""
         op = "read" if scope.get("method") == "GET" else "write"
         exp = query.get("signature_expiration", "")
-        if exp.isascii() and exp.isdigit() and len(exp) <= 12 and int(exp) < time.time():
+        if exp and (not (exp.isascii() and exp.isdigit()) or len(exp) > 12):
+            raise Refusal(401, "unauthenticated", "signature_expiration is not a Unix time")
+        if exp and int(exp) < time.time():
             raise Refusal(401, "unauthenticated", EXPIRED)  # whichever sandbox signed it
-        for rec in manager.list():
-            if signature_ok(manager, rec.id, query.get("signature", ""), query.get("path", ""),
-                            op, query.get("username", ""),
-                            query.get("signature_expiration")) is None:
-                return rec.id
-        raise Refusal(401, "unauthenticated", "the signature matches no sandbox's file URL "
-                                              "(or it has expired)")
+        path, user = query.get("path", ""), query.get("username", "")
+        if len(path) > SIGNED_FIELD_MAX or len(user) > SIGNED_FIELD_MAX:
+            raise Refusal(400, "invalid_argument", f"a signed file URL's path and username "
+                                                   f"are at most {SIGNED_FIELD_MAX} characters")
+        ids = manager.ids()
+        if len(ids) > SIGNER_CANDIDATES_MAX:
+            raise Refusal(400, "invalid_argument", f"more than {SIGNER_CANDIDATES_MAX} "
+                          "sandboxes could have signed this file URL: name its sandbox in "
+                          "the E2b-Sandbox-Id header (or use the sandbox's own host)")
+        args = (manager, ids, query.get("signature", ""), path, op, user,
+                int(exp) if exp else None)
+        found = await asyncio.to_thread(signer, *args) if len(ids) > 32 else signer(*args)
+        if found is None:
+            raise Refusal(401, "unauthenticated", "the signature matches no sandbox's file "
+                                                  "URL (or it has expired)")
+        return found
 
     @staticmethod
     def _target(headers: dict[str, str]) -> tuple[str, int]:

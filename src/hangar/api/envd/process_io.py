@@ -38,17 +38,29 @@ async def send_input(req: Any, call: Call) -> Message:
     return P.SendInputResponse()
 
 
+MAX_IDLE_MESSAGES = 1024
+"""Most messages in a row of one StreamInput that carry no input (a start again, a
+keep-alive, an empty message): each costs the event loop work and does nothing."""
+
+
 async def stream_input(reqs: AsyncIterator[Any], call: Call) -> Message:
     sel: dict[str, Any] | None = None
+    idle = 0
     async for req in reqs:
         which = req.WhichOneof("event")
-        if which == "start":
-            sel = selector(req.start.process)
-        elif which == "data":
+        if which == "data":
             if sel is None:
                 raise RpcError("invalid_argument", "the input stream must start with its "
                                                    "start event (the process)")
+            idle = 0
             await _input(call, sel, req.data.input)
+            continue
+        idle += 1
+        if idle > MAX_IDLE_MESSAGES:
+            raise RpcError("invalid_argument", f"more than {MAX_IDLE_MESSAGES} input messages "
+                                               "in a row carry no input")
+        if which == "start":
+            sel = selector(req.start.process)
     return P.StreamInputResponse()
 
 

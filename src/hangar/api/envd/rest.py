@@ -60,6 +60,11 @@ PART_HEAD_MAX = 16 << 10
 """Largest headers of one multipart part, bytes."""
 PART_HEADERS_MAX = 16
 """Most headers of one multipart part."""
+MAX_PARTS = 2 * MAX_FILES
+"""Most parts of one multipart upload, fields and files alike."""
+PARSE_SLICE = 4 << 10
+"""Bytes of a multipart body parsed between two turns of the event loop: a received chunk
+(up to 256 KiB) of empty parts would otherwise hold the loop for about 0.4 s."""
 GZIP_RATIO = 200
 """A gzip upload may inflate to at most this many times its compressed size ..."""
 GZIP_RATIO_FLOOR = 16 << 20
@@ -313,6 +318,8 @@ class _Parts:
         self._head_bytes = 0
         self._ended = False
         self._in_part = False
+        self.parts = 0
+        """Parts begun so far."""
         cb = self._events.append
         self._parser = MultipartParser(boundary, {
             "on_header_begin": lambda: self._head.append((b"", b"")),
@@ -325,6 +332,10 @@ class _Parts:
         }, max_header_count=PART_HEADERS_MAX, max_header_size=PART_HEAD_MAX)
 
     def _headers_done(self) -> None:
+        self.parts += 1
+        if self.parts > MAX_PARTS:
+            raise InvalidRequest(f"the multipart body has more than {MAX_PARTS} parts, "
+                                 "the limit")
         self._events.append(("head", b""))
         self._heads.append(self._head)
         self._head, self._head_bytes = [], 0
@@ -344,8 +355,11 @@ class _Parts:
             if msg["type"] == "http.disconnect":
                 raise InvalidRequest("the client went away during the upload")
             try:
-                if msg.get("body"):
-                    self._parser.write(msg["body"])
+                body = msg.get("body", b"")
+                for at in range(0, len(body), PARSE_SLICE):
+                    if at:
+                        await asyncio.sleep(0)
+                    self._parser.write(body[at:at + PARSE_SLICE])
                 if not msg.get("more_body", False):
                     self._ended = True
                     self._parser.finalize()
@@ -374,8 +388,11 @@ class _Parts:
         while self._in_part:
             kind, data = await self._event()
             if kind == "data":
-                if data:
-                    yield data
+                pieces = [data]  # one received chunk parsed in slices: passed on whole
+                while self._events and self._events[0][0] == "data":
+                    pieces.append(self._events.popleft()[1])
+                if any(pieces):
+                    yield b"".join(pieces)
             elif kind == "end":
                 self._in_part = False
 

@@ -21,7 +21,7 @@ import time
 
 from hangar.core.service import SandboxManager, e2b
 
-__all__ = ["access_token", "signature", "signature_ok", "token_ok"]
+__all__ = ["access_token", "signature", "signature_ok", "signer", "token_ok"]
 
 access_token = e2b.access_token
 """A sandbox's envd access token (``hangar.core.e2b.access_token``)."""
@@ -59,4 +59,20 @@ def signature_ok(manager: SandboxManager, sandbox_id: str, given: str, path: str
     want = signature(access_token(manager, sandbox_id), path, operation, user, exp)
     if not hmac.compare_digest(given.encode(), want.encode()):
         return "the signature does not match this path, operation and user"
+    return None
+
+
+def signer(manager: SandboxManager, sandbox_ids: list[str], given: str, path: str,
+           operation: str, user: str, expiration: int | None) -> str | None:
+    """The one of ``sandbox_ids`` whose token made signature ``given`` of this file
+    operation, or None. The client's part (``path``, ``user``) is hashed once, then each
+    sandbox's token and the expiry on a copy: a long path costs once, not per sandbox."""
+    prefix = hashlib.sha256(f"{path}:{operation}:{user}:".encode())
+    tail = f":{expiration}".encode() if expiration is not None else b""
+    want = given.encode()
+    for sandbox_id in sandbox_ids:
+        h = prefix.copy()
+        h.update(access_token(manager, sandbox_id).encode() + tail)
+        if hmac.compare_digest(want, b"v1_" + base64.b64encode(h.digest()).rstrip(b"=")):
+            return sandbox_id
     return None

@@ -112,12 +112,46 @@ class Exchange:
         for cookie_token in self.cookie_tokens:  # any the browser sent, not only the last
             ok = well_formed(cookie_token)
             if ok and self.m.ports.allows(exposure, ok):
+                self._cookie_from_its_own()
                 return exposure
         why = "is expired or not valid for it" if given else "is missing"
         raise Refused.of(Unauthorized(
             f"port {t.port} of sandbox {t.sandbox_id} is private and the token {why}: send "
             f"X-API-Key, or open its signed URL (GET /sandboxes/{t.sandbox_id}/ports/{t.port} "
             "gives one)", sandbox_id=t.sandbox_id, port=t.port))
+
+    def _cookie_from_its_own(self) -> None:
+        """A host-routed port's token cookie is taken only from the port's own pages and
+        from top-level GET navigations. Every ``{port}-{id}.<domain>`` is one site, so a
+        browser sends the cookie (``SameSite=Lax``) on requests a page of another sandbox's
+        port makes (fetches, form posts, frames, WebSockets): with it, that page would read
+        and drive this private port (REVIEW29c H5). Browsers mark the request's origin
+        (``Origin``, ``Sec-Fetch-*``); a client that sends neither is no browser page.
+        Path-routed ports are left as they are: their pages are opaque origins (a
+        sandboxing CSP), so their own requests are cross-site. Raises ``Refused`` (403)."""
+        if self.target.prefix is not None:
+            return
+        host = _hostname((header(self.scope, b"host") or b"").decode("latin-1"))
+        origin = header(self.scope, b"origin")
+        if origin is not None:  # by name: a proxy in front may drop the port from Host
+            if _hostname(origin.decode("latin-1").partition("://")[2]) != host:
+                raise self._not_own(f"a page of {origin.decode('latin-1')[:200]}")
+        site = header(self.scope, b"sec-fetch-site")
+        if site is None or site in (b"same-origin", b"none"):
+            return
+        navigation = header(self.scope, b"sec-fetch-mode") == b"navigate" and \
+            header(self.scope, b"sec-fetch-dest") == b"document" and \
+            self.scope.get("method", "GET") in ("GET", "HEAD")
+        if not navigation:
+            raise self._not_own(f"a {site.decode('latin-1')[:40]} page")
+
+    def _not_own(self, who: str) -> Refused:
+        t = self.target
+        return Refused(403, "forbidden",
+                       f"port {t.port} of sandbox {t.sandbox_id} is private: its token cookie "
+                       f"is taken only from its own pages and top-level navigations, and this "
+                       f"request comes from {who}; send X-API-Key or its signed URL instead",
+                       sandbox_id=t.sandbox_id, port=t.port)
 
     def _e2b_url(self, not_exposed: NotFound) -> Exposure:
         """A port nobody exposed, reached by its host name: open when the sandbox was made
@@ -159,3 +193,11 @@ class Exchange:
                           f"{t.sandbox_id}", sandbox_id=t.sandbox_id, port=t.port) from None
         except HangarError as exc:
             raise Refused.of(exc) from None
+
+
+def _hostname(netloc: str) -> str:
+    """``netloc``'s host name, lowercased, without a port (``[v6]`` kept whole)."""
+    netloc = netloc.strip().lower()
+    if netloc.startswith("["):
+        return netloc.partition("]")[0] + "]"
+    return netloc.partition(":")[0]
