@@ -123,7 +123,7 @@ class SandboxManager:
     event bus, shared as they are)."""
 
     PUBLIC = frozenset(SURFACES) | {
-        "start", "close", "net", "policy", "get", "find", "list", "in_states", "vmm_count",
+        "start", "close", "net", "policy", "get", "find", "list", "ids", "in_states", "vmm_count",
         "on_transition", "create_in_flight", "memory", "set_timeout", "capacity",
         "state_counts", "engine_name", "engine_accel", "describe_engine", "pool_status",
         "create", "provision", "delete", "snapshot", "restore", "fork", "adopt", "forget", "fence",
