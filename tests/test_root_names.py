@@ -1,0 +1,184 @@
+"""Class 1 (security round 3), review 29c: root writes through no name of the server's.
+
+Each test plays a compromised split server (it owns the data directory, its
+``images/`` and ``sandboxes/``) against a real root act: the root helper's
+``prepare_vmm`` and ``vmm_exec`` (a ``reads`` path or bind target with ``..``,
+H1), ``hangar serve``'s root phase (``server.lock`` and the probe caches, H2), the
+no-systemd scripts' pid file and log (H3), and the ``vmlinux`` that root unpacks into
+an image folder (H6). The server plants a symlink, a ``..`` path or a swapped name;
+root refuses, or its act leaves the target unchanged (``Outside.untouched``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import SRC
+from hangar.engines.confine import ConfineConfig, Confinement
+from hangar.engines.qemu.argv import SECCOMP
+from hangar.layout import Layout
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="root's acts run as root")
+
+QEMU = shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64"
+OWNER = 999  # the server's uid in these tests
+VMM_EXEC = SRC / "hangar" / "engines" / "vmm_exec.py"
+
+
+class Outside:
+    """A folder of root's (0700) with a secret file (0600) that the server points its
+    symlinks and ``..`` paths at; ``untouched`` says nothing in it changed."""
+
+    def __init__(self, root: Path) -> None:
+        self.dir = root / "outside"
+        self.dir.mkdir(mode=0o700)
+        self.secret = self.dir / "secret"
+        self.secret.write_text("root's own\n")
+        os.chmod(self.secret, 0o600)
+        self.before = self._state()
+
+    def _state(self) -> Any:
+        def one(p: Path) -> tuple[int, int, int]:
+            st = os.lstat(p)
+            return st.st_uid, st.st_gid, st.st_mode
+
+        return (one(self.dir), one(self.secret), self.secret.read_text(),
+                sorted(os.listdir(self.dir)))
+
+    def untouched(self) -> None:
+        assert self._state() == self.before, (self.before, self._state())
+
+
+def give(path: Path, uid: int = OWNER) -> None:
+    """``path`` and everything below become the server's (as ``split.hand_over`` does)."""
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in [*dirnames, *filenames]:
+            os.lchown(os.path.join(dirpath, name), uid, uid)
+    os.lchown(path, uid, uid)
+
+
+# -- H1: prepare_vmm's reads and vmm_exec's bind targets ---------------------------------
+
+
+@pytest.fixture()
+def helper_world(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A data directory with an image folder ``images/img-1`` and a sandbox folder
+    ``sb-a``, a real root helper over it, and an ``Outside``."""
+    from hangar.roothelper import Helper
+
+    layout = Layout(tmp_path / "data")
+    layout.ensure()
+    (layout.images / "img-1").mkdir()
+    sb = layout.sandboxes / "sb-a"
+    sb.mkdir()
+    (sb / "disk").write_text("disk")
+    helper = Helper(layout, Confinement(ConfineConfig(uid_registry=tmp_path / "uids",
+                                                      cgroups="off")), OWNER, QEMU)
+    try:
+        yield {"layout": layout, "helper": helper, "sb": sb,
+               "outside": Outside(tmp_path)}
+    finally:
+        helper.answer(b'{"op": "release_vmm", "sandbox_id": "sb-a"}', [])
+        for pid in list(helper.procs._children):
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        helper.reap()
+
+
+def climbing_read(layout: Layout, outside: Path) -> str:
+    """The server's moves of review 29c's H1: in ``sandboxes/`` (its own) the folders of
+    the images folder's path and ``.../images`` -> ``outside``; returns a ``reads`` path
+    whose ``..`` climb from the view's tmpfs (on ``sandboxes/sb-a/.view``) into
+    ``sandboxes/`` and on through that link, while ``os.path.normpath`` of it is
+    ``images/evil``."""
+    images = str(layout.images.absolute())
+    plant = layout.sandboxes / Path(images.lstrip("/")).parent
+    plant.mkdir(parents=True)
+    (plant / "images").symlink_to(outside)
+    (layout.images / "evil").mkdir()
+    ups = len(Path(images.lstrip("/")).parts) + 2  # the tmpfs's root -> sb-a -> sandboxes
+    read = images + "/.." * ups + images + "/evil"
+    assert os.path.normpath(read) == images + "/evil"
+    return read
+
+
+def test_prepare_vmm_refuses_a_read_path_with_dot_dot(helper_world: dict[str, Any]) -> None:
+    """H1: a ``reads`` path that is not already normal is refused by the protocol, and
+    by ``Helper.image_dir`` itself: nothing is made, and no VMM can be spawned."""
+    w = helper_world
+    read = climbing_read(w["layout"], w["outside"].dir)
+    req = {"op": "prepare_vmm", "sandbox_id": "sb-a", "vcpus": 1, "memory_mib": 64,
+           "accel": "tcg", "tcg_cache_mib": 16, "reads": [read], "owned": ["disk"]}
+    got = w["helper"].answer(json.dumps(req).encode(), [])
+    assert got["ok"] is False and "'..' name" in got["error"], got
+    for odd in (str(w["layout"].images) + "//img-1", str(w["layout"].images) + "/./img-1",
+                str(w["layout"].images) + "/img-1/"):
+        got = w["helper"].answer(json.dumps({**req, "reads": [odd]}).encode(), [])
+        assert got["ok"] is False, (odd, got)
+    from hangar.roothelper import Refused
+
+    with pytest.raises(Refused, match="'..' name"):
+        w["helper"].image_dir("sb-a", read)
+    got = w["helper"].answer(json.dumps({"op": "spawn_vmm", "sandbox_id": "sb-a",
+                                         "argv": [QEMU, "-sandbox", SECCOMP, "-version"]}
+                                        ).encode(), [])
+    assert got["ok"] is False, got
+    w["outside"].untouched()
+    got = w["helper"].answer(json.dumps({**req, "reads": [str(w["layout"].images / "img-1")]}
+                                        ).encode(), [])
+    assert got["ok"] is True, got  # the same request with a normal path passes
+
+
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_vmm_exec_makes_nothing_for_a_bind_target_that_climbs_out(tmp_path: Path,
+                                                                  kind: str) -> None:
+    """H1, the second line: a plan whose bind target climbs out of the view's tmpfs with
+    ``..`` (a folder or a file source) fails before ``vmm_exec`` makes anything, and the
+    folder next to the view keeps its entries."""
+    out = Outside(tmp_path)
+    view = tmp_path / "view"
+    view.mkdir()
+    src = tmp_path / "src"
+    if kind == "folder":
+        src.mkdir()
+    else:
+        src.write_text("x")
+    plan = {"root": str(view), "binds": [[str(src), "/../outside/evil", False]],
+            "symlinks": [], "devices": []}
+    r = subprocess.run([sys.executable, "-S", "-E", str(VMM_EXEC), json.dumps(plan), "--",
+                        "/bin/true"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 126, r
+    assert "view: '/../outside/evil' is not a plain absolute path" in r.stderr, r.stderr
+    out.untouched()
+
+
+def test_vmm_exec_makes_its_view_through_descriptors(tmp_path: Path) -> None:
+    """The same ``vmm_exec`` with plain targets (a folder, a file, a symlink and a
+    device) makes its view and runs the command in it."""
+    view = tmp_path / "view"
+    view.mkdir()
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "hello").write_text("from the bound folder\n")
+    (tmp_path / "file").write_text("a bound file\n")
+    plan = {"root": str(view), "binds": [["/usr", "/usr", False],
+                                         [str(tmp_path / "src"), "/a/b/src", False],
+                                         [str(tmp_path / "file"), "/a/c/file", False]],
+            "symlinks": [[p, os.readlink(p)] for p in ("/bin", "/lib", "/lib64")
+                         if os.path.islink(p)],
+            "devices": [["null", 1, 3]]}
+    r = subprocess.run([sys.executable, "-S", "-E", str(VMM_EXEC), json.dumps(plan), "--",
+                        "/bin/sh", "-c", "cat /a/b/src/hello /a/c/file; ls /dev"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r
+    assert r.stdout == "from the bound folder\na bound file\nnull\n", r.stdout
