@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -182,3 +183,116 @@ def test_vmm_exec_makes_its_view_through_descriptors(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r
     assert r.stdout == "from the bound folder\na bound file\nnull\n", r.stdout
+
+
+# -- H6: the vmlinux root unpacks into an image folder ------------------------------------
+
+
+@pytest.fixture()
+def server_image(base_image: Path, tmp_path: Path) -> dict[str, Any]:
+    """A build folder of the server's (``vmlinuz`` and a ``manifest.json`` that records
+    no ``vmlinux``), as ``split.give_images`` leaves one, and an ``Outside``."""
+    img = tmp_path / "img-1"
+    img.mkdir()
+    shutil.copy(base_image / "vmlinuz", img / "vmlinuz")
+    (img / "manifest.json").write_text(json.dumps({"kernel": {}}))
+    give(img)
+    return {"dir": img, "outside": Outside(tmp_path)}
+
+
+def _swap_temporaries(folder: Path, secret: Path) -> int:
+    """Fork the compromised server (uid ``OWNER``): on inotify's ``IN_CREATE`` of each
+    temporary file in ``folder`` it moves that file aside and puts a symlink to
+    ``secret`` in its place (review 29c's probe, won 4 times in 6 against a chmod by
+    path). Returns its pid; it ends after 5 s or two swaps."""
+    import ctypes
+    import struct
+
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)  # its folder, below root's tmp
+        os.setresgid(OWNER, OWNER, OWNER)
+        os.setresuid(OWNER, OWNER, OWNER)
+        libc = ctypes.CDLL(None, use_errno=True)
+        ifd = libc.inotify_init1(os.O_NONBLOCK)
+        if libc.inotify_add_watch(ifd, f"/proc/self/fd/{dfd}".encode(), 0x100) < 0:  # IN_CREATE
+            raise OSError(ctypes.get_errno(), "inotify_add_watch")
+        import select
+        import time
+
+        swapped, deadline = 0, time.monotonic() + 5
+        while swapped < 2 and time.monotonic() < deadline:
+            if not select.select([ifd], [], [], 0.1)[0]:
+                continue
+            buf, off = os.read(ifd, 4096), 0
+            while off < len(buf):
+                _wd, _mask, _cookie, ln = struct.unpack_from("iIII", buf, off)
+                name = buf[off + 16:off + 16 + ln].rstrip(b"\0").decode()
+                off += 16 + ln
+                if name.startswith("."):
+                    try:
+                        os.rename(name, f"aside{swapped}", src_dir_fd=dfd, dst_dir_fd=dfd)
+                        os.symlink(secret, name, dir_fd=dfd)
+                        swapped += 1
+                    except OSError:
+                        pass
+    finally:
+        os._exit(0)
+
+
+def test_ensure_vmlinux_chmods_nothing_through_a_swapped_temporary(
+        server_image: dict[str, Any]) -> None:
+    """H6: root (``ensure_vmlinux``, as ``hangar serve``'s Firecracker probe runs it)
+    unpacks the kernel while the server swaps each temporary name for a link to a root
+    0600 file: the file keeps its mode, owner and content; ``vmlinux`` and the manifest
+    are root's own new files, 0644."""
+    from types import SimpleNamespace
+
+    from hangar.images.vmlinux import ensure_vmlinux
+
+    img, out = server_image["dir"], server_image["outside"]
+    pid = _swap_temporaries(img, out.secret)
+    try:
+        try:
+            got = ensure_vmlinux(SimpleNamespace(dir=img, vmlinux=None))  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001  (a swapped rename may refuse: fine)
+            got = exc
+    finally:
+        os.waitpid(pid, 0)
+    out.untouched()
+    assert (img / "aside0").exists(), "the server swapped no temporary name"
+    if isinstance(got, Path):
+        st = os.lstat(got)
+        assert stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode), st
+
+
+@pytest.mark.parametrize("name", ["vmlinux", "vmlinuz", "manifest.json",
+                                  f".vmlinux.{os.getpid()}.tmp"])
+def test_ensure_vmlinux_follows_no_link_the_server_planted(server_image: dict[str, Any],
+                                                           name: str) -> None:
+    """H6: a link the server put at any name root reads or writes there (the kernel, the
+    manifest, ``vmlinux``, the temporary file's name) is never read or written through:
+    a read or a temporary through a link is refused, a name root writes is replaced."""
+    from types import SimpleNamespace
+
+    from hangar.errors import ImageError
+    from hangar.images.vmlinux import ensure_vmlinux
+
+    img, out = server_image["dir"], server_image["outside"]
+    (img / name).unlink(missing_ok=True)
+    (img / name).symlink_to(out.secret)
+    os.lchown(img / name, OWNER, OWNER)
+    image = SimpleNamespace(dir=img, vmlinux=None)
+    if name == "vmlinux":
+        assert ensure_vmlinux(image) == img / "vmlinux"  # type: ignore[arg-type]
+        st = os.lstat(img / "vmlinux")
+        assert stat.S_ISREG(st.st_mode) and st.st_uid == 0, st
+        assert stat.S_IMODE(st.st_mode) == 0o644
+        assert json.loads((img / "manifest.json").read_text())["kernel"]["vmlinux"]["bytes"] \
+            == st.st_size
+    else:
+        with pytest.raises(ImageError):
+            ensure_vmlinux(image)  # type: ignore[arg-type]
+    out.untouched()
