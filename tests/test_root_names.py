@@ -296,3 +296,107 @@ def test_ensure_vmlinux_follows_no_link_the_server_planted(server_image: dict[st
         with pytest.raises(ImageError):
             ensure_vmlinux(image)  # type: ignore[arg-type]
     out.untouched()
+
+
+# -- H2: hangar serve's root phase in the server's data directory --------------------------
+
+
+@pytest.fixture()
+def split_data(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A data directory handed to the server (uid ``OWNER``) and an ``Outside``; the lock
+    ``hold_data_dir`` keeps is released after the test."""
+    from hangar.cli import serve
+
+    layout = Layout(tmp_path / "data")
+    layout.ensure()
+    give(layout.root)
+    before = list(serve._held)
+    try:
+        yield {"layout": layout, "outside": Outside(tmp_path)}
+    finally:
+        for fd in serve._held[len(before):]:
+            os.close(fd)
+        del serve._held[len(before):]
+
+
+def plant(kind: str, at: Path, target: Path) -> None:
+    """The server's move at ``at``: a symlink to ``target``, a FIFO, or (as on a host with
+    ``protected_hardlinks=0``) a hard link to it."""
+    if kind == "hardlink":
+        os.link(target, at)
+        return
+    if kind == "symlink":
+        at.symlink_to(target)
+    else:
+        os.mkfifo(at)
+    os.lchown(at, OWNER, OWNER)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "hardlink"])
+def test_serve_takes_no_lock_through_a_name_the_server_planted(split_data: dict[str, Any],
+                                                               kind: str) -> None:
+    """H2: ``server.lock`` -> a root 0600 file (or a FIFO, or a hard link to it): the start
+    refuses, naming the fix, and the file is neither truncated nor written; nothing of
+    it is held open for the server."""
+    from hangar.cli import serve
+    from hangar.errors import ConfigError
+
+    layout, out = split_data["layout"], split_data["outside"]
+    plant(kind, layout.root / "server.lock", out.secret)
+    if kind == "hardlink":
+        out.before = out._state()  # the link's count is the server's move, not root's
+    held = len(serve._held)
+    with pytest.raises(ConfigError, match="is not a lock file of Hangar's.*remove it"):
+        serve.hold_data_dir(layout)
+    assert len(serve._held) == held
+    out.untouched()
+
+
+def test_serve_takes_the_servers_own_lock(split_data: dict[str, Any]) -> None:
+    """The lock the split server's earlier start left (the server's, one link) is taken
+    and holds this process's pid; a second start on it is refused naming that pid."""
+    from hangar.cli import serve
+    from hangar.errors import ConfigError
+
+    layout = split_data["layout"]
+    lock = layout.root / "server.lock"
+    lock.write_text("12345678\nold\n")
+    os.chown(lock, OWNER, OWNER)
+    serve.hold_data_dir(layout)
+    assert lock.read_text() == f"{os.getpid()}\n"
+    second = ("import sys; from pathlib import Path; from hangar.cli import serve; "
+              "from hangar.layout import Layout; serve.LOCK_WAIT_S = 0; "
+              "serve.hold_data_dir(Layout(Path(sys.argv[1])))")
+    r = subprocess.run([sys.executable, "-c", second, str(layout.root)],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert r.returncode != 0 and f"(pid {os.getpid()})" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_probe_caches_are_never_written_or_read_through_the_servers_names(
+        split_data: dict[str, Any], monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """H2: root's probe caches in ``<data>`` (Firecracker's at every root start on a
+    jailer host, QEMU's for ``hangar doctor``): a symlink to a root file or a FIFO the
+    server put at the cache's name is neither read (no hang) nor written through; the
+    answer is written as a new file of root's, renamed over the name."""
+    from types import SimpleNamespace
+
+    from hangar.engines import doctor
+    from hangar.engines.qemu import probe
+
+    layout, out = split_data["layout"], split_data["outside"]
+    for cache in (layout.firecracker_probe_file, layout.qemu_probe_file,
+                  layout.firecracker_probe_file.with_suffix(".tmp")):
+        plant(kind, cache, out.secret)
+    monkeypatch.setattr(doctor, "_probe_key", lambda binary, image: "key")
+    monkeypatch.setattr(doctor, "probe_boot", lambda image, binary, timeout: (False, "no"))
+    monkeypatch.setattr(probe, "probe_kvm", lambda kernel, initrd: (False, "no KVM"))
+    image: Any = SimpleNamespace()
+    assert doctor.firecracker_usable(layout, image, Path("/bin/true")) == (False, "no")
+    assert probe.choose_accel(layout, Path("/k"), Path("/i"))[0] == "tcg"
+    out.untouched()
+    for cache in (layout.firecracker_probe_file, layout.qemu_probe_file):
+        st = os.lstat(cache)
+        assert stat.S_ISREG(st.st_mode) and st.st_uid == 0, (cache, st)
+    assert doctor.firecracker_usable(layout, image, Path("/bin/true")) == (False, "no (cached)")
