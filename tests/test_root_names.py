@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from conftest import SRC
+from conftest import SRC, wait_for
 from hangar.engines.confine import ConfineConfig, Confinement
 from hangar.engines.qemu.argv import SECCOMP
 from hangar.layout import Layout
@@ -400,3 +400,115 @@ def test_probe_caches_are_never_written_or_read_through_the_servers_names(
         st = os.lstat(cache)
         assert stat.S_ISREG(st.st_mode) and st.st_uid == 0, (cache, st)
     assert doctor.firecracker_usable(layout, image, Path("/bin/true")) == (False, "no (cached)")
+
+
+# -- H3: the no-systemd scripts' pid file, log and signal ----------------------------------
+
+SCRIPTS = SRC.parent / "scripts"
+
+
+@pytest.fixture()
+def nohup_host(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A data directory of the server's holding its planted ``hangar.pid`` -> a root 0600
+    file and ``hangar.log`` -> a new name in a root folder (the names the scripts used
+    to write as root); a fake ``hangar`` (``hangar serve`` sleeps), the scripts' env
+    (``HANGAR_RUN_DIR`` a root folder of the test's), and the pids started, ended after."""
+    data = tmp_path / "data"
+    data.mkdir()
+    out = Outside(tmp_path)
+    (data / "hangar.pid").symlink_to(out.secret)
+    (data / "hangar.log").symlink_to(out.dir / "newfile")
+    give(data)
+    hangar = tmp_path / "hangar"
+    hangar.write_text("#!/bin/sh\nexec python3 -c 'import time; time.sleep(300)' \"$@\"\n")
+    hangar.chmod(0o755)
+    env = {**os.environ, "HANGAR_DATA_DIR": str(data), "HANGAR_RUN_DIR": str(tmp_path / "run")}
+    started: list[int] = []
+    try:
+        yield {"data": data, "outside": out, "hangar": hangar, "env": env,
+               "run": tmp_path / "run", "started": started}
+    finally:
+        for pid in started:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+
+
+def sh(host: dict[str, Any], script: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in bash with ``scripts/nohup-server.sh`` sourced (DATA set)."""
+    return subprocess.run(["bash", "-c", f'set -euo pipefail; DATA=$HANGAR_DATA_DIR; '
+                                         f'. {SCRIPTS}/nohup-server.sh; {script}'],
+                          capture_output=True, text=True, timeout=60, env=host["env"])
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_nohup_start_writes_no_pid_or_log_through_the_servers_names(
+        nohup_host: dict[str, Any]) -> None:
+    """H3: the scripts' start (``start_server``) writes the pid and opens the log in
+    ``HANGAR_RUN_DIR`` (root's, 0700): the server's links in the data directory are not
+    written through, the root file keeps its content and no file is made where the log
+    link points; ``scripts/stop.sh`` then stops the very server it started."""
+    h = nohup_host
+    r = sh(h, f"start_server {h['hangar']}; echo $!")
+    assert r.returncode == 0, r.stderr
+    pid = int(r.stdout.split()[-1])
+    h["started"].append(pid)
+    assert (h["run"] / "hangar.pid").read_text() == f"{pid}\n"
+    st = os.lstat(h["run"])
+    assert st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o700
+    assert os.lstat(h["run"] / "hangar.log").st_uid == 0
+    h["outside"].untouched()
+    assert os.readlink(h["data"] / "hangar.pid") == str(h["outside"].secret)
+    wait_for(lambda: sh(h, "server_pid").stdout.strip() == str(pid), 30,
+             "the started process to exec `hangar serve`")
+    r = subprocess.run(["bash", str(SCRIPTS / "stop.sh")], capture_output=True, text=True,
+                       timeout=60, env=h["env"])
+    assert r.returncode == 0 and f"stopped Hangar (pid {pid})" in r.stdout, r
+    assert not alive(pid)
+    assert not (h["run"] / "hangar.pid").exists()
+
+
+@pytest.mark.parametrize("who", ["another program", "a server of another data directory"])
+def test_stop_signals_no_pid_that_is_not_the_server(nohup_host: dict[str, Any],
+                                                    who: str) -> None:
+    """H3: the pid file names a process that is not ``hangar serve`` on this data
+    directory (a reused pid: another program, or a server of another folder): stop.sh
+    signals nothing, and the process keeps running."""
+    h = nohup_host
+    if who == "another program":
+        argv = ["python3", "-c", "import time; time.sleep(300)"]
+        env = h["env"]
+    else:
+        argv = [str(h["hangar"]), "serve"]
+        env = {**h["env"], "HANGAR_DATA_DIR": str(h["run"].parent / "other")}
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    h["started"].append(proc.pid)
+    h["run"].mkdir(mode=0o700)
+    (h["run"] / "hangar.pid").write_text(f"{proc.pid}\n")
+    r = subprocess.run(["bash", str(SCRIPTS / "stop.sh")], capture_output=True, text=True,
+                       timeout=60, env=h["env"])
+    assert r.returncode == 0 and "Hangar is not running" in r.stdout, r
+    assert proc.poll() is None, "a process that is not the server was signalled"
+    proc.kill()
+    proc.wait()
+
+
+def test_nohup_start_refuses_a_run_folder_the_server_may_write(
+        nohup_host: dict[str, Any]) -> None:
+    """H3: ``HANGAR_RUN_DIR`` set to a folder of the server's (in its data directory)
+    is refused, naming the fix, before anything is started or written there."""
+    h = nohup_host
+    run = h["data"] / "run"
+    h["env"]["HANGAR_RUN_DIR"] = str(run)
+    r = sh(h, f"start_server {h['hangar']}")
+    assert r.returncode == 1 and "is not root's alone" in r.stderr, r
+    assert list(run.iterdir()) == []
+    h["outside"].untouched()
