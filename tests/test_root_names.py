@@ -512,3 +512,74 @@ def test_nohup_start_refuses_a_run_folder_the_server_may_write(
     assert r.returncode == 1 and "is not root's alone" in r.stderr, r
     assert list(run.iterdir()) == []
     h["outside"].untouched()
+
+
+# -- M3: the helper's removal of a Firecracker jail ---------------------------------------
+
+
+def test_jail_release_never_opens_a_fifo_swapped_in_for_a_folder(
+        helper_world: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """M3: the jail's ``root/`` is writable by the server's group; after the helper listed
+    it, the server swaps a folder there for a FIFO (and leaves a link to root's folder):
+    ``jail_release`` (and ``jail_prepare`` of a leftover jail) removes the jail without
+    opening the FIFO (a reader would hang the helper) or following the link."""
+    import threading
+    import time
+
+    from hangar.engines.firecracker.hostjail import HostJail
+    from hangar.engines.firecracker.jailer import JailerConfig
+    from hangar.privileged import beneath
+    from hangar.roothelper import Helper
+
+    w = helper_world
+    config = JailerConfig(binary=Path("/nonexistent/jailer"), chroot_base=tmp_path / "jails",
+                          uid_registry=tmp_path / "uids", cgroups="off")
+    helper = Helper(w["layout"], Confinement(ConfineConfig(uid_registry=tmp_path / "uids",
+                                                           cgroups="off")), OWNER, QEMU,
+                    jail=HostJail(config, Path("/nonexistent/firecracker"), OWNER))
+    root = tmp_path / "jails" / "firecracker" / "hangar-sb-a" / "root"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    opened: list[bool] = []
+    done = threading.Event()
+
+    def watch() -> None:  # a writer opens a FIFO without blocking only while it is read
+        while not done.is_set():
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                opened.append(True)
+            except OSError:
+                pass
+            time.sleep(0.001)
+
+    real_listdir = os.listdir
+
+    def listdir(fd: Any = ".") -> list[str]:  # the server's move, once root has listed
+        names = real_listdir(fd)
+        if isinstance(fd, int) and os.fstat(fd).st_ino == os.stat(root).st_ino \
+                and "d" in names and (root / "d").is_dir():
+            os.rename(root / "d", tmp_path / "d-aside")
+            os.symlink(fifo, root / "d")  # a link to a FIFO where a folder was
+        return names
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        for op in ("jail_prepare", "jail_release"):
+            assert helper.answer(json.dumps({"op": "jail_prepare", "sandbox_id": "sb-a"}
+                                            ).encode(), [])["ok"] is True
+            (root / "d" / "e").mkdir(parents=True)
+            (root / "escape").symlink_to(w["outside"].dir)
+            monkeypatch.setattr(beneath.os, "listdir", listdir)
+            got = helper.answer(json.dumps({"op": op, "sandbox_id": "sb-a"}).encode(), [])
+            monkeypatch.setattr(beneath.os, "listdir", real_listdir)
+            assert got["ok"] is True, got
+            assert (tmp_path / "d-aside").is_dir()
+            shutil.rmtree(tmp_path / "d-aside")
+            if op == "jail_release":
+                assert not root.parent.exists()
+    finally:
+        done.set()
+        watcher.join()
+    assert not opened
+    w["outside"].untouched()
