@@ -68,6 +68,7 @@ if git -C "$ROOT" rev-parse --short HEAD >/dev/null 2>&1; then
 fi
 cp scripts/release.sh "$STAGE/release.sh"
 cp scripts/hangar-user.sh "$STAGE/hangar-user.sh"
+cp scripts/nohup-server.sh "$STAGE/nohup-server.sh"
 say "release $ID ($(ls "$STAGE/wheels" | wc -l) wheels, $(du -sh "$STAGE/wheels" | cut -f1))"
 
 REMOTE_STAGE="/tmp/hangar-release.$ID"
@@ -80,7 +81,7 @@ if [ "$HOST" = local ]; then
   rm -rf "$REMOTE_STAGE"
 else
   say "copying it to $HOST"
-  tar -C "$STAGE" -cf - wheels proxy-wheels requirements-proxy.lock release.sh hangar-user.sh \
+  tar -C "$STAGE" -cf - wheels proxy-wheels requirements-proxy.lock release.sh hangar-user.sh nohup-server.sh \
     | ssh "${SSH_OPTS[@]}" "$HOST" "rm -rf '$REMOTE_STAGE' && mkdir -p '$REMOTE_STAGE' && tar -C '$REMOTE_STAGE' -xf -"
   QUOTED=$(printf ' %q' "${ARGS[@]}")
   ssh "${SSH_OPTS[@]}" "$HOST" \

@@ -15,8 +15,9 @@
 #                                  node: name=ip,name=ip,...) and, on the first host only,
 #                                  HANGAR_STORE (s3://... or file:///...) for `cluster init`
 # Idempotent: a second run only starts what is not running. Without --service the
-# server runs with setsid nohup (log: $DATA/hangar.log, rotated by /etc/logrotate.d/hangar;
-# scripts/stop.sh stops it); production hosts: docs/operations.md.
+# server runs with setsid nohup (pid file and log in $HANGAR_RUN_DIR, default
+# /var/log/hangar, root's: scripts/nohup-server.sh; the log rotated by
+# /etc/logrotate.d/hangar; scripts/stop.sh stops it); production hosts: docs/operations.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -45,6 +46,8 @@ say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
 # The user `hangar` of the split server, and its read access to the code (hangar-user.sh).
 . "$ROOT/scripts/hangar-user.sh"
+# The nohup server's pid file and log, in a folder of root's (nohup-server.sh).
+. "$ROOT/scripts/nohup-server.sh"
 
 if [ "$(id -u)" != 0 ]; then
   echo "run as root: Hangar uses /dev/kvm, debootstrap and mkfs to build and boot guests" >&2
@@ -144,7 +147,7 @@ if [ "${#MORE[@]}" -gt 0 ]; then
 fi
 
 if [ -d /etc/logrotate.d ]; then
-  sed "s#/var/lib/hangar/#$DATA/#" deploy/logrotate/hangar > /etc/logrotate.d/hangar.new
+  sed "s#/var/log/hangar/#$RUN_DIR/#" deploy/logrotate/hangar > /etc/logrotate.d/hangar.new
   mv /etc/logrotate.d/hangar.new /etc/logrotate.d/hangar
 fi
 
@@ -227,7 +230,7 @@ fi
 
 if [ "$SERVICE" = 1 ]; then
   say "installing the systemd service hangar.service"
-  if [ -f "$DATA/hangar.pid" ]; then
+  if server_pid >/dev/null; then
     bash scripts/stop.sh  # the nohup server; its sandboxes are adopted by the service
   fi
   install -D -m 0644 deploy/hangar.service /etc/systemd/system/hangar.service
@@ -247,16 +250,15 @@ if [ "$SERVICE" = 1 ]; then
     systemctl is-active --quiet hangar.service || { journalctl -u hangar -n 20 --no-pager; exit 1; }
     sleep 0.5
   done
-elif [ -f "$DATA/hangar.pid" ] && kill -0 "$(cat "$DATA/hangar.pid")" 2>/dev/null; then
-  say "Hangar is already running (pid $(cat "$DATA/hangar.pid"))"
+elif pid=$(server_pid); then
+  say "Hangar is already running (pid $pid)"
 else
-  say "starting Hangar on 127.0.0.1:$PORT (log: $DATA/hangar.log)"
-  HANGAR_DATA_DIR=$DATA HANGAR_PORT=$PORT setsid nohup .venv/bin/hangar serve \
-    >>"$DATA/hangar.log" 2>&1 < /dev/null &
-  echo $! > "$DATA/hangar.pid"
+  say "starting Hangar on 127.0.0.1:$PORT (log: $LOGFILE)"
+  HANGAR_PORT=$PORT start_server .venv/bin/hangar
+  pid=$!
   for _ in $(seq 120); do
     curl -fs "http://$HEALTH_HOST:$PORT/health" >/dev/null 2>&1 && break
-    kill -0 "$(cat "$DATA/hangar.pid")" 2>/dev/null || { tail -20 "$DATA/hangar.log"; exit 1; }
+    running "$pid" || { tail -20 "$LOGFILE"; exit 1; }
     sleep 0.5
   done
 fi

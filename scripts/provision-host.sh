@@ -237,7 +237,7 @@ if [ -n "$E2B_DOMAIN" ]; then
     fi
   fi
 fi
-sed "s#/var/lib/hangar/#$DATA/#" deploy/logrotate/hangar | put_text /etc/logrotate.d/hangar 0644 "file log rotation"
+sed "s#/var/log/hangar/#${HANGAR_RUN_DIR:-/var/log/hangar}/#" deploy/logrotate/hangar | put_text /etc/logrotate.d/hangar 0644 "file log rotation"
 
 # -- nginx and the certificate ----------------------------------------------------
 step "nginx and TLS"

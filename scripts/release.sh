@@ -21,8 +21,10 @@
 #
 # Restart: with systemd running (/run/systemd/system), `systemctl restart hangar`
 # (the unit's KillMode=process leaves VMs running). Without systemd, the same as
-# scripts/install.sh: the server in $HANGAR_DATA_DIR/hangar.pid gets SIGTERM, and
-# the new one starts with setsid nohup, its log appended to $HANGAR_DATA_DIR/hangar.log.
+# scripts/install.sh: the server named by the pid file in $HANGAR_RUN_DIR (default
+# /var/log/hangar, root's: nohup-server.sh) gets SIGTERM while it is `hangar serve` on
+# the data directory, and the new one starts with setsid nohup, its log appended to
+# $HANGAR_RUN_DIR/hangar.log.
 # Either way sandboxes keep running and the new server adopts them.
 # Exit status: 0 deployed; 1 failed before the switch (nothing changed); 2 rolled back.
 set -euo pipefail
@@ -80,18 +82,16 @@ if [ -L "$PREFIX/current" ]; then
   PREV=$(basename "$(readlink "$PREFIX/current")")
 fi
 
-running() {  # running PID: the process exists and is not a zombie
-  local state
-  state=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1) || return 1
-  [ -n "$state" ] && [ "$state" != Z ]
-}
+# The nohup server's pid file and log, in a folder of root's (nohup-server.sh, shipped
+# beside this script).
+. "$(dirname "$0")/nohup-server.sh"
 
 # Without systemd the pid file names the server to stop; one that answers without
-# it (started by hand, or its data folder lost) would keep the port from the new one.
-if [ "$SYSTEMD" = 0 ] && ! { [ -f "$DATA/hangar.pid" ] && running "$(cat "$DATA/hangar.pid")"; } \
+# it (started by hand, or by an older install.sh) would keep the port from the new one.
+if [ "$SYSTEMD" = 0 ] && ! server_pid >/dev/null \
    && python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=3)' \
         "http://$HOST:$PORT/health" 2>/dev/null; then
-  die "a server answers on $HOST:$PORT but $DATA/hangar.pid does not name it: stop it first (nothing was changed)"
+  die "a server answers on $HOST:$PORT but $PIDFILE does not name it: stop it first (nothing was changed)"
 fi
 
 # 1. Install next to the previous release: its own venv, from the shipped wheels only.
@@ -136,19 +136,17 @@ switch_to() {  # atomically point current at releases/$1
 }
 
 stop_nohup() {
-  local pidfile=$DATA/hangar.pid pid
-  [ -f "$pidfile" ] || return 0
-  pid=$(cat "$pidfile")
-  if running "$pid"; then
+  local pid
+  if pid=$(server_pid); then
     echo "stopping the server (pid $pid); its VMs keep running"
     kill -TERM "$pid"
     for _ in $(seq 120); do running "$pid" || break; sleep 0.5; done
-    if running "$pid"; then
+    if [ "$(server_pid)" = "$pid" ]; then
       echo "server $pid did not stop in 60 s; killing it (VMs keep running)" >&2
       kill -KILL "$pid"
     fi
   fi
-  rm -f "$pidfile"
+  rm -f "$PIDFILE"
 }
 
 restart() {
@@ -157,16 +155,15 @@ restart() {
   else
     stop_nohup
     mkdir -p "$DATA"
-    setsid nohup "$PREFIX/current/venv/bin/hangar" serve >>"$DATA/hangar.log" 2>&1 </dev/null 9>&- &
-    echo $! > "$DATA/hangar.pid"
-    echo "started the server (pid $!, log $DATA/hangar.log)"
+    start_server "$PREFIX/current/venv/bin/hangar"
+    echo "started the server (pid $!, log $LOGFILE)"
   fi
 }
 
 healthy() {  # wait until /health reports version $1; 0 when it does
-  "$PREFIX/current/venv/bin/python" - "$HOST" "$PORT" "$1" "$HEALTH_TIMEOUT" "$DATA" "$SYSTEMD" <<'EOF'
+  "$PREFIX/current/venv/bin/python" - "$HOST" "$PORT" "$1" "$HEALTH_TIMEOUT" "$PIDFILE" "$SYSTEMD" <<'EOF'
 import json, os, sys, time, urllib.error, urllib.request
-host, port, want, timeout, data, systemd = sys.argv[1:]
+host, port, want, timeout, pidfile, systemd = sys.argv[1:]
 url = f"http://{host}:{port}/health"
 deadline = time.monotonic() + float(timeout)
 seen = "no answer"
@@ -174,7 +171,7 @@ bad_since = None  # an answer that is not 200 for 10 s running fails at once
 while time.monotonic() < deadline:
     if systemd == "0":
         try:
-            pid = int(open(os.path.join(data, "hangar.pid")).read())
+            pid = int(open(pidfile).read())
             if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
                 raise ProcessLookupError
         except (OSError, ValueError):
@@ -204,7 +201,7 @@ server_log_tail() {
   if [ "$SYSTEMD" = 1 ]; then
     journalctl -u hangar.service -n 20 --no-pager >&2 || true
   else
-    tail -n 20 "$DATA/hangar.log" >&2 || true
+    tail -n 20 "$LOGFILE" >&2 || true
   fi
 }
 
@@ -217,7 +214,7 @@ if [ "$LINK" != none ]; then
     say "$LINK now runs $PREFIX/current"
   fi
 fi
-say "restarting Hangar ($([ "$SYSTEMD" = 1 ] && echo systemctl || echo "no systemd: pid file $DATA/hangar.pid"))"
+say "restarting Hangar ($([ "$SYSTEMD" = 1 ] && echo systemctl || echo "no systemd: pid file $PIDFILE"))"
 restart
 if healthy "$VERSION"; then
   say "Hangar $VERSION is healthy on $HOST:$PORT"

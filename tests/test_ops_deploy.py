@@ -55,9 +55,15 @@ class Host:
     def current(self) -> str:
         return os.readlink(self.prefix / "current")
 
+    @property
+    def run(self) -> Path:
+        """The nohup server's pid file and log (``HANGAR_RUN_DIR``: root's, not the data
+        directory, which is the split server's)."""
+        return self.base / "run"
+
     def server_pid(self) -> int | None:
         try:
-            pid = int((self.data / "hangar.pid").read_text())
+            pid = int((self.run / "hangar.pid").read_text())
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             return None if state == "Z" else pid  # an exited child not yet reaped
         except (OSError, ValueError):
@@ -96,7 +102,7 @@ def deploy(host: Host, tree: Path) -> subprocess.CompletedProcess[str]:
     r = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHON": sys.executable})
     print(r.stdout[-6000:], r.stderr[-6000:], sep="\n")
-    log = host.data / "hangar.log"
+    log = host.run / "hangar.log"
     if r.returncode != 0 and log.exists():
         print("server log:", log.read_text()[-3000:], sep="\n")
     return r
@@ -112,7 +118,7 @@ def host(base_image: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     env_file = base / "etc/hangar/hangar.env"
     env_file.parent.mkdir(parents=True)
     env_file.write_text(f"HANGAR_DATA_DIR={data}\nHANGAR_PORT={port}\nHANGAR_POOL_SIZE=0\n"
-                        "HANGAR_NETWORK=off\n")
+                        f"HANGAR_NETWORK=off\nHANGAR_RUN_DIR={base / 'run'}\n")
     h = Host(base, sshd, data, port, base / "opt/hangar", env_file, base / "bin/hangar")
     try:
         r = deploy(h, source_tree(base / "tree-1", "0.1.0+deploy.1"))
@@ -191,7 +197,7 @@ def test_upgrade_keeps_a_running_sandbox(host: Host, running: dict) -> None:
     assert host.current() != before_release and host.server_pid() != before_pid
     assert (host.prefix / before_release / "venv").is_dir(), "the previous release is kept"
     assert_same_vm(host, running)
-    assert "sandbox adopted" in (host.data / "hangar.log").read_text()
+    assert "sandbox adopted" in (host.run / "hangar.log").read_text()
 
 
 @vm
@@ -211,7 +217,7 @@ def test_failed_health_check_rolls_back(host: Host, running: dict) -> None:
 @vm
 def test_server_the_pid_file_does_not_name_stops_the_deploy(host: Host, tmp_path: Path) -> None:
     """A server answering on the port without the pid file (started by hand): refused."""
-    pidfile = host.data / "hangar.pid"
+    pidfile = host.run / "hangar.pid"
     saved = pidfile.read_text()
     before = host.current()
     stage = tmp_path / "stage"

@@ -283,7 +283,7 @@ def test_file_log_rotates_while_the_server_writes(tmp_path: Path) -> None:
     log = tmp_path / "hangar.log"
     conf = tmp_path / "logrotate.conf"
     conf.write_text((ROOT / "deploy/logrotate/hangar").read_text()
-                    .replace("/var/lib/hangar/hangar.log", str(log)))
+                    .replace("/var/log/hangar/hangar.log", str(log)))
     # A writer like `nohup hangar serve >>hangar.log`: one O_APPEND descriptor, kept open.
     writer = subprocess.Popen(["sh", "-c", "i=0; while true; do i=$((i+1)); echo line $i; "
                                            "sleep 0.05; done"],

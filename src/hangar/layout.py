@@ -86,8 +86,9 @@ literals of their own. Everything lives under one data directory
                                 secrets' values are never written here (a pipe)
       backups/                  ``hangar backup``'s default folder (hangar.ops.backup)
       cluster-epochs.json       a cluster node's epoch of each sandbox it owns (hangar.cluster)
-      hangar.pid, hangar.log    the server's pid and log when it runs without systemd
-                                (scripts/install.sh, scripts/release.sh)
+    /var/log/hangar/            root's, 0700 (HANGAR_RUN_DIR): hangar.pid and hangar.log of a
+                                server started without systemd (scripts/nohup-server.sh);
+                                never in the data directory, which is the split server's
     /etc/hangar/secrets.key     0600 (~/.config/hangar/secrets.key when not root): the
                                 vault's 32-byte AES-256-GCM key (hangar.core.secrets;
                                 HANGAR_SECRETS_KEY_FILE), made on first start; outside
@@ -241,11 +242,6 @@ class Layout:
         """A cluster node's epochs of the sandboxes it owns (``hangar.cluster.node``): a VMM
         whose sandbox's epoch in etcd differs was started before ownership moved."""
         return self.root / "cluster-epochs.json"
-
-    @property
-    def server_log(self) -> Path:
-        """The server's log when it runs without systemd (scripts/install.sh, release.sh)."""
-        return self.root / "hangar.log"
 
     def snapshot(self, snapshot_id: str) -> Path:
         """The directory of one snapshot (``SnapshotPaths`` names its files)."""

@@ -164,6 +164,9 @@ class Helper:
         links) as this helper opened it: its real path walked from ``data_fd`` without
         following a symlink. Returns (that real path, its ``/proc`` name, held for
         ``sandbox_id``). Raises Refused."""
+        if not P.normal_path(path):  # a ``..`` would climb out of the VMM's view
+            raise Refused(f"{path} is not an image folder (a path with no empty, '.' or "
+                          f"'..' name)")
         images = os.path.normpath(self.layout.images.absolute())
         asked = os.path.normpath(path)
         real, real_images = os.path.realpath(asked), os.path.realpath(images)

@@ -99,12 +99,42 @@ def hold_data_dir(layout: "Layout") -> None:
     """Take ``<data>/server.lock`` (``flock``, exclusive) for this server's life, or raise
     ConfigError naming the server that holds it: a second server on one data directory
     would take the first's VMMs, folders and records for orphans and remove them. The
-    descriptor is inherited by the split's helper, so the lock ends with both."""
+    descriptor is inherited by the split's helper, so the lock ends with both.
+
+    Run as root before the split, in a folder the server owns: the lock is opened
+    relative to a descriptor of ``<data>`` this process opened itself
+    (``beneath.open_trusted``), never through a symlink and without blocking on a FIFO,
+    and it must be a regular file with no other link, owned by root, this process's user
+    or the data directory's owner (the server's); anything else is refused with the fix
+    (review 29c, H2), so root never truncates, writes or reads a file the server named."""
+    import errno
     import fcntl
     import os
     import time
 
-    fd = os.open(layout.root / "server.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    from hangar.privileged import beneath
+
+    path = layout.root / "server.lock"
+    refused = (f"{path} is not a lock file of Hangar's: a regular file of root's or the "
+               f"server's with no other link; remove it and start again")
+    try:
+        dfd = beneath.open_trusted(layout.root)
+    except OSError as exc:
+        raise ConfigError(f"cannot open the data directory {layout.root}: "
+                          f"{exc.strerror or exc}") from None
+    fd = -1
+    try:
+        fd = os.open(path.name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | os.O_NOCTTY | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        beneath.expect(fd, uids=(0, os.geteuid(), os.fstat(dfd).st_uid), single=True)
+    except OSError as exc:
+        if fd >= 0:
+            os.close(fd)
+        if exc.errno not in (errno.ELOOP, errno.EINVAL, errno.EPERM, errno.ENXIO):
+            raise ConfigError(f"cannot open {path}: {exc.strerror or exc}") from None
+        raise ConfigError(f"{refused} ({exc.strerror or exc})") from None
+    finally:
+        os.close(dfd)
     deadline = time.monotonic() + LOCK_WAIT_S  # a restart: the old helper ends just after
     while True:
         try:
@@ -114,12 +144,12 @@ def hold_data_dir(layout: "Layout") -> None:
             if time.monotonic() < deadline:
                 time.sleep(0.1)
                 continue
-        holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
         raise ConfigError(f"another Hangar server (pid {holder}) uses the data directory "
                           f"{layout.root}: stop it, or give this one its own "
                           f"HANGAR_DATA_DIR") from None
-    os.ftruncate(fd, 0)
+    os.ftruncate(fd, 0)  # checked above: root's own lock, or the server's
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held.append(fd)
 

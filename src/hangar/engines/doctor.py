@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hangar.engines.base import Engine
+from hangar.engines import safefs
 from hangar.engines.confine import ConfineConfig, Confinement, Measure
 from hangar.engines.firecracker import (
     PROBE_TIMEOUT_S,
@@ -144,17 +145,16 @@ def firecracker_usable(layout: Layout, image: "GuestImage", binary: Path | None 
     except EngineError as exc:
         return False, exc.message
     if use_cache:
-        try:
-            cached = json.loads(cache.read_text())
+        try:  # never through a link, a FIFO or a large file the server put there
+            cached = json.loads(safefs.read_tail(cache.parent, cache.name))
             if cached.get("key") == key:
                 return bool(cached["ok"]), str(cached["reason"]) + " (cached)"
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, AttributeError):
             pass
     ok, reason = probe_boot(image, binary, timeout)
-    try:
-        tmp = cache.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "ok": ok, "reason": reason}))
-        os.replace(tmp, cache)
+    try:  # a new file of this process's own, renamed over the name (root's probe)
+        safefs.replace_file(cache.parent, cache.name,
+                            json.dumps({"key": key, "ok": ok, "reason": reason}).encode())
     except OSError as exc:
         log.warning("cannot cache the Firecracker probe result in %s: %s", cache, exc)
     return ok, reason

@@ -50,7 +50,10 @@ helper's ``/proc/<pid>/fd/<n>`` of a folder it opened itself).
 The view's root and the bind sources may be names in a folder the server's user
 can write; they are resolved once each, and checked after: the working directory
 becomes the tmpfs just mounted (``enter_view_root``, everything after relative to
-it) and each bind of ``same`` is compared with the folder the helper opened.
+it) and each bind of ``same`` is compared with the folder the helper opened. A path
+of the view (a bind target, a symlink, a device) must be plain (no empty, ``.`` or
+``..`` name: a ``..`` from the tmpfs's root would climb into the host's tree) and is
+made one name at a time with ``O_NOFOLLOW`` relative to the tmpfs's descriptors.
 """
 
 import ctypes
@@ -157,9 +160,65 @@ VIEW_TMPFS = "mode=0755,size=1m,nr_inodes=4096"
 VIEW_BYTES, VIEW_INODES = 1 << 20, 4096
 
 
+def _names(path: str) -> list[str]:
+    """The names of the view's path ``path``: absolute, with no empty, ``.`` or ``..``
+    name (a ``..`` from the tmpfs's root climbs into the host's tree, where the server's
+    symlinks are). Raises Failed."""
+    names = path.split("/")[1:]
+    if not path.startswith("/") or any(n in ("", ".", "..") for n in names):
+        raise Failed(f"view: {path!r} is not a plain absolute path")
+    return names
+
+
 def _inside(path: str) -> str:
     """``path`` of the view, relative to the working directory (the view's tmpfs)."""
-    return "./" + path.lstrip("/")
+    return "./" + "/".join(_names(path))
+
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _folder(names: list[str]) -> int:
+    """The folder ``names`` of the view (below the working directory, its tmpfs), each
+    name made if missing and opened with ``O_NOFOLLOW`` relative to the one before: never
+    a symlink, never outside the view. The caller closes it. Raises Failed."""
+    fd = os.open(".", DIR_FLAGS)
+    try:
+        for name in names:
+            try:
+                os.mkdir(name, 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass
+            nxt = os.open(name, DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except OSError as exc:
+        os.close(fd)
+        raise Failed(f"view: cannot make /{'/'.join(names)}: {exc.strerror}") from None
+    return fd
+
+
+def make_target(path: str, is_dir: bool) -> str:
+    """Make the bind target ``path`` of the view (a folder, or an empty regular file),
+    through descriptors of the tmpfs; returns its name relative to the working directory.
+    Raises Failed."""
+    names = _names(path)
+    fd = _folder(names if is_dir else names[:-1])
+    try:
+        if not is_dir:
+            try:
+                f = os.open(names[-1], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                            | os.O_NOCTTY | os.O_CLOEXEC, 0o644, dir_fd=fd)
+            except OSError as exc:
+                raise Failed(f"view: cannot make {path}: {exc.strerror}") from None
+            try:
+                if not stat.S_ISREG(os.fstat(f).st_mode):
+                    raise Failed(f"view: {path} is not a regular file")
+            finally:
+                os.close(f)
+    finally:
+        os.close(fd)
+    return _inside(path)
 
 
 def enter_view_root(root: str) -> None:
@@ -190,16 +249,12 @@ def make_view(plan: dict) -> None:
     enter_view_root(root)
     same = plan.get("same") or {}
     for src, dst, writable in plan.get("binds", []):
-        target = _inside(dst)
+        _names(dst)  # refused before anything is made
         try:
             is_dir = stat.S_ISDIR(os.stat(src).st_mode)
         except OSError as exc:
             raise Failed(f"view: {src}: {exc.strerror}") from None
-        if is_dir:
-            os.makedirs(target, exist_ok=True)
-        else:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            open(target, "a").close()
+        target = make_target(dst, is_dir)
         _mount(src, target, None, MS_BIND | MS_REC, what="view: bind")
         if dst in same:  # checked after binding: the very folder the helper opened
             got, want = os.stat(target), os.stat(same[dst])
@@ -209,22 +264,25 @@ def make_view(plan: dict) -> None:
         flags = MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | (0 if writable else MS_RDONLY)
         _mount(None, target, None, flags, what="view: remount")
     for path, target in plan.get("symlinks", []):
-        link = _inside(path)
-        os.makedirs(os.path.dirname(link), exist_ok=True)
-        if not os.path.lexists(link):
-            os.symlink(target, link)
-    devices = plan.get("devices", [])
-    if devices:
-        os.makedirs(_inside("/dev"), exist_ok=True)
-    for name, major, minor in devices:
-        node = _inside("/dev/" + name)
-        os.makedirs(os.path.dirname(node), exist_ok=True)
+        names = _names(path)
+        fd = _folder(names[:-1])
         try:
-            os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(major, minor))
+            os.symlink(target, names[-1], dir_fd=fd)
+        except FileExistsError:
+            pass
+        finally:
+            os.close(fd)
+    for name, major, minor in plan.get("devices", []):
+        names = _names("/dev/" + name)
+        fd = _folder(names[:-1])
+        try:
+            os.mknod(names[-1], 0o600 | stat.S_IFCHR, os.makedev(major, minor), dir_fd=fd)
             if uid is not None:
-                os.chown(node, uid, gid)
+                os.chown(names[-1], uid, gid, dir_fd=fd, follow_symlinks=False)
         except OSError as exc:
             raise Failed(f"view: mknod /dev/{name}: {exc.strerror}") from None
+        finally:
+            os.close(fd)
     _check(_libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "view: pivot_root")
     _check(_libc.umount2(b".", MNT_DETACH), "view: detach the old root")
     os.chdir("/")

@@ -49,6 +49,13 @@ SYSCTL_FILE = "etc/sysctl.d/60-hangar.conf"
 UNIT_FILE = "etc/systemd/system/hangar.service"
 ENV_FILE = "etc/hangar/hangar.env"
 LOGROTATE_FILE = "etc/logrotate.d/hangar"
+
+
+def nohup_log() -> Path:
+    """The log of a server started without systemd (scripts/nohup-server.sh): in
+    ``HANGAR_RUN_DIR`` (default /var/log/hangar), a folder of root's, never the data
+    directory (the split server's)."""
+    return Path(os.environ.get("HANGAR_RUN_DIR") or "/var/log/hangar") / "hangar.log"
 SITE_MARK = "Rendered by `hangar deploy nginx"
 MIN_FREE_BYTES = 20 << 30
 CERT_DAYS = 14
@@ -311,7 +318,7 @@ def check_logrotate(root: Path, data_dir: Path) -> Check:
     if _systemd_runs() and root == Path("/"):
         return Check("logrotate", NOT_APPLICABLE, "logs go to the journal (journalctl -u hangar)")
     text = _read(root / LOGROTATE_FILE)
-    log = Layout(data_dir).server_log
+    log = nohup_log()
     if str(log) in text:
         return Check("logrotate", OK, f"{log} rotates (/{LOGROTATE_FILE})")
     return Check("logrotate", NOT_READY, f"nothing rotates {log}",

@@ -205,7 +205,8 @@ def mkdir_at(dir_fd: int, name: str, mode: int = 0o755) -> int:
 
 def write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
     """``name`` in ``dir_fd`` becomes a new file of this process's own holding ``data``,
-    renamed over whatever had the name (a link there is replaced, never written through).
+    of mode ``mode`` (set through its descriptor, whatever the umask), renamed over
+    whatever had the name (a link there is replaced, never written through).
     Raises OSError."""
     (leaf,) = parts(name)
     tmp = f".{leaf}.{os.getpid()}.tmp"
@@ -213,7 +214,10 @@ def write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
         out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | FILE_FLAGS, mode,
                       dir_fd=dir_fd)
         try:
-            os.write(out, data)
+            os.fchmod(out, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(out, view):]
         finally:
             os.close(out)
         os.replace(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

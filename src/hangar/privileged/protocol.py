@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, TypedDict, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter
 
 MAX_MESSAGE = 64 << 10
 """Bytes of one request or answer."""
@@ -46,6 +46,22 @@ SandboxId = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
 AbsPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^/")]
 Arg = Annotated[str, Field(max_length=8192)]
+
+
+def normal_path(path: str) -> bool:
+    """Whether ``path`` is absolute and already normal: no empty, ``.`` or ``..`` name (a
+    ``..`` after a symlink the server put climbs where ``os.path.normpath`` never looks)."""
+    return path.startswith("/") and all(n not in ("", ".", "..") for n in path.split("/")[1:])
+
+
+def _normal(path: str) -> str:
+    if not normal_path(path):
+        raise ValueError("a path with no empty, '.' or '..' name")
+    return path
+
+
+NormalPath = Annotated[AbsPath, AfterValidator(_normal)]
+"""An absolute path with no empty, ``.`` or ``..`` name (``normal_path``)."""
 
 
 class Claim(TypedDict):
@@ -101,7 +117,7 @@ class PrepareVmm(_Strict):
     memory_mib: int = Field(ge=16, le=1 << 20)
     accel: Literal["kvm", "tcg"]
     tcg_cache_mib: int = Field(ge=0, le=1 << 16)
-    reads: list[AbsPath] = Field(max_length=8)
+    reads: list[NormalPath] = Field(max_length=8)
     owned: list[Name] = Field(max_length=8)
     file_limit: int | None = Field(default=None, ge=1 << 20, le=1 << 44)
     host_network: bool = False

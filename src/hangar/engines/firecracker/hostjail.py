@@ -30,7 +30,6 @@ rename or write.
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +83,22 @@ def _root_dir(path: Path, mode: int, gid: int = 0) -> None:
     os.chmod(path, mode)
 
 
+def _remove_jail(base: Path, vm_id: str) -> None:
+    """Remove the jail ``<base>/firecracker/<vm_id>`` (if any) through descriptors: its
+    ``root/`` is writable by the server's group, so each folder is opened with
+    ``O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK`` relative to its parent and a link, FIFO or
+    device swapped in for one is unlinked, never opened (``beneath.remove_tree``; review
+    29c, M3). Raises OSError."""
+    try:
+        fd = safefs.open_dir(base / "firecracker")
+    except FileNotFoundError:
+        return
+    try:
+        beneath.remove_tree(fd, vm_id)
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class HostJail:
     """The jailer for an unprivileged server; ``group`` is the server's gid (the VMMs'
@@ -111,8 +126,7 @@ class HostJail:
         _root_dir(self.base, 0o711)
         _root_dir(self.base / "firecracker", 0o711)
         jail = self.base / "firecracker" / files.vm_id
-        if jail.exists():  # left by a VMM of this id that was never released
-            shutil.rmtree(jail)
+        _remove_jail(self.base, files.vm_id)  # left by a VMM of this id never released
         _root_dir(jail, 0o711)
         _root_dir(files.root, 0o770, self.group)
         return uid
@@ -188,5 +202,8 @@ class HostJail:
         """Remove the VMM's cgroups and jail and drop its uid claim (its VMM is gone)."""
         files = self.files(paths, sandbox_id)
         remove_cgroups_now(self.config.parent_cgroup, files.vm_id)
-        shutil.rmtree(self.base / "firecracker" / files.vm_id, ignore_errors=True)
+        try:
+            _remove_jail(self.base, files.vm_id)
+        except OSError:
+            pass
         self.config.allocator().release(paths.dir)

@@ -19,6 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from hangar.engines import safefs
 from hangar.errors import EngineError
 from hangar.layout import Layout
 
@@ -75,15 +76,18 @@ def choose_accel(layout: Layout, kernel: Path, initrd: Path,
     if wanted in ("kvm", "tcg"):
         return wanted, "set by configuration"
     key = f"{qemu_version()} / {platform.release()}"
-    try:
-        cached = json.loads(layout.qemu_probe_file.read_text())
+    cache = layout.qemu_probe_file
+    try:  # never through a link, a FIFO or a large file the server put there
+        cached = json.loads(safefs.read_tail(cache.parent, cache.name))
         if cached.get("key") == key:
             return cached["accel"], cached["reason"] + " (cached)"
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
         pass
     ok, reason = probe_kvm(kernel, initrd)
     accel = "kvm" if ok else "tcg"
-    layout.qemu_probe_file.write_text(json.dumps({"key": key, "accel": accel, "reason": reason}))
+    # a new file of this process's own, renamed over the name (``hangar doctor`` as root)
+    safefs.replace_file(cache.parent, cache.name,
+                        json.dumps({"key": key, "accel": accel, "reason": reason}).encode())
     return accel, reason
 
 
