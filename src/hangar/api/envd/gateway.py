@@ -252,7 +252,8 @@ class EnvdGateway:
             raise Refusal(502, "unavailable",
                           f"The sandbox {sandbox_id} is paused with its filesystem alone: "
                           "connect to it to resume it (traffic does not)")
-        if public_name(rec.state, Face.E2B) == "paused" and not rec.auto_resume:
+        if public_name(rec.state, Face.E2B, rec.desired_state) == "paused" \
+                and not rec.auto_resume:  # also on its way to sleep, as E2B shows it
             raise Refusal(502, "unavailable",
                           f"The sandbox {sandbox_id} is paused: connect to it to resume it "
                           "(it was created without auto_resume)")
