@@ -385,3 +385,60 @@ def test_connect_extends_a_running_sandbox_and_wakes_one_a_pause_is_putting_to_s
             assert abs(expires(sid) - (time.time() + 300)) < 60
         finally:
             api.delete(f"/sandboxes/{sid}")
+
+
+def test_a_filesystem_only_pause_at_odds_with_its_mode_or_with_auto_resume_is_a_400(
+        server: Server, e2b_key: str) -> None:
+    """Checked before any sandbox is looked up or made: ``memory`` and ``mode`` must agree,
+    and an auto-pause that keeps the filesystem alone cannot be resumed by traffic."""
+    with httpx.Client(base_url=server.url + "/e2b", headers={"X-API-Key": e2b_key}) as c:
+        r = c.post("/sandboxes/sb-000000000000/pause", json={"memory": False, "mode": "full"})
+        assert (r.status_code, r.json()) == (400, {
+            "code": 400, "message": "memory: false contradicts mode: full"})
+        tag = uuid.uuid4().hex[:8]
+        r = c.post("/v2/sandboxes", json={
+            "templateID": "base", "autoPause": True, "autoPauseMemory": False,
+            "autoResume": {"enabled": True}, "metadata": {"suite": tag}})
+        assert (r.status_code, r.json()) == (400, {
+            "code": 400, "message": "autoResume: a sandbox that auto-pauses with "
+            "autoPauseMemory false keeps its filesystem alone and is resumed only by connect "
+            "or resume, never by traffic"})
+    assert Sandbox.list(query=SandboxQuery(metadata={"suite": tag})).next_items() == []
+
+
+@pytest.mark.vm
+def test_a_filesystem_only_pause_keeps_the_files_and_connect_boots_the_guest_cold(
+        api: httpx.Client, waits: Waits) -> None:
+    """``keep_memory: false`` at the end of its time to live (``autoPauseMemory``) and by
+    ``pause``: the disk alone is kept, no traffic resumes it, and connect boots the guest
+    cold from that disk (the file kept, the process gone, a new boot id, user ``user``)."""
+    sbx = Sandbox.create("base", timeout=300,
+                         lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}})
+    sid = sbx.sandbox_id
+    try:
+        sbx.files.write("/home/user/kept.txt", "kept")
+        boot_id = sbx.files.read("/proc/sys/kernel/random/boot_id")
+        pid = run(api, sid, "nohup sleep 900 >/dev/null 2>&1 & echo $!")["stdout"].strip()
+
+        sbx.set_timeout(0)  # E2B's: its time runs out now, and it pauses
+        wait_for(lambda: api.get(f"/sandboxes/{sid}").json()["state"] == "sleeping",
+                 waits.vm(4), "the auto-pause")
+        assert sbx.get_info().state == SandboxState.PAUSED and not sbx.is_running()
+        with pytest.raises(SandboxException, match="paused with its filesystem alone"):
+            sbx.files.read("/home/user/kept.txt")  # traffic does not resume it
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "sleeping"
+
+        resumed = sbx.connect(timeout=300)
+        assert resumed.sandbox_id == sid and resumed.is_running()
+        assert resumed.files.read("/home/user/kept.txt") == "kept"
+        assert resumed.files.read("/proc/sys/kernel/random/boot_id") != boot_id
+        assert run(api, sid, f"kill -0 {pid} 2>/dev/null || echo gone")["stdout"] == "gone\n"
+        assert resumed.commands.run("whoami").stdout == "user\n"
+
+        assert resumed.pause(keep_memory=False) is True
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "sleeping"
+        assert not resumed.is_running()
+        with pytest.raises(SandboxException, match="paused with its filesystem alone"):
+            resumed.commands.run("true")
+    finally:
+        api.delete(f"/sandboxes/{sid}")

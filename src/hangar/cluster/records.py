@@ -281,6 +281,8 @@ class SnapshotMeta(_Record):
     network: dict[str, Any] | None = None
     engine: str | None = Field(None, pattern=WORD.pattern)
     accel: str | None = Field(None, pattern=WORD.pattern)
+    memory: bool | None = None
+    """False: a sleep snapshot of the disk alone (booted from, never restored)."""
 
 
 def snapshot_meta(raw: Any, snap_id: str | None = None) -> dict[str, Any]:
@@ -326,6 +328,7 @@ class _TemplateIn(_Record):
     autoResume: bool | None = None
     ttlSeconds: float | None = Field(None, ge=0, le=10 ** 8)
     wakeTtlSeconds: float | None = Field(None, ge=0, le=10 ** 8)
+    sleepMemory: bool | None = None
 
 
 class _SpecIn(_Record):
@@ -484,7 +487,8 @@ def template_json(t: Template) -> dict[str, Any]:
             "diskMiB": t.disk_mib, "desktop": t.desktop, "network": t.network,
             "metadata": t.metadata, "source": t.source, "expiresAt": t.expires_at,
             "lastActiveAt": t.last_active_at, "e2b": t.e2b, "onExpiry": t.on_expiry,
-            "autoResume": t.auto_resume, "ttlSeconds": t.ttl_s, "wakeTtlSeconds": t.wake_ttl_s}
+            "autoResume": t.auto_resume, "ttlSeconds": t.ttl_s, "wakeTtlSeconds": t.wake_ttl_s,
+            **({"sleepMemory": False} if t.sleep_memory is False else {})}
 
 
 def parse_template(raw: Any) -> Template:
@@ -499,4 +503,5 @@ def parse_template(raw: Any) -> Template:
         desktop=t.desktop, network=t.network, metadata=dict(t.metadata or {}),
         source=t.source, expires_at=t.expiresAt, last_active_at=t.lastActiveAt, e2b=t.e2b,
         on_expiry=t.onExpiry.value if t.onExpiry else None, auto_resume=bool(t.autoResume),
-        ttl_s=t.ttlSeconds, wake_ttl_s=t.wakeTtlSeconds)
+        ttl_s=t.ttlSeconds, wake_ttl_s=t.wakeTtlSeconds,
+        sleep_memory=False if t.sleepMemory is False else None)

@@ -50,7 +50,8 @@ def shared_snapshot(meta: Any, kind: str, **known: Any) -> SharedSnapshot:
             created_at=float(meta.get("createdAt") or time.time()), image=str(meta["image"]),
             image_digest=str(meta.get("imageDigest") or ""), vcpus=int(meta["vcpus"]),
             memory_mib=int(meta["memoryMiB"]), disk_mib=int(meta["diskMiB"]),
-            desktop=meta.get("desktop"), network=meta.get("network"))
+            desktop=meta.get("desktop"), network=meta.get("network"),
+            memory=False if meta.get("memory") is False else None)
     except BadRecord:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -88,7 +89,8 @@ class Sharing:
                 "image": snap.image, "imageDigest": snap.image_digest, "vcpus": snap.vcpus,
                 "memoryMiB": snap.memory_mib, "diskMiB": snap.disk_mib,
                 "desktop": snap.desktop, "network": snap.network,
-                "engine": rec.engine, "accel": rec.accel}
+                "engine": rec.engine, "accel": rec.accel,
+                **({"memory": False} if snap.memory is False else {})}
         if snap.kind == "user":
             await self.etcd.put(R.snapshot_key(snap.id), meta)
         else:

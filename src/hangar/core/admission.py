@@ -97,6 +97,9 @@ class CreateOptions:
     """What the end of its time to live does (``lifecycle.OnExpiry``)."""
     auto_resume: bool = False
     """Whether a call wakes it once it sleeps, as asked (Hangar always wakes it)."""
+    sleep_memory: bool | None = None
+    """False: a sleep at expiry keeps its disk alone and the wake boots it cold (the
+    record's ``sleep_memory``); None: memory too."""
     volumes: dict[str, Any] | None = None
     """Named volumes by guest path (``hangar.core.volumes.parse_request``), or None."""
     secrets: dict[str, str] | None = None
@@ -281,6 +284,7 @@ class Admission:
             user_id=opts.user_id, idle_timeout_s=opts.idle_timeout_s or None,
             e2b=dict(opts.e2b) if opts.e2b is not None else None, pooled=False,
             on_expiry=opts.on_expiry, auto_resume=opts.auto_resume, ttl_s=ttl or None,
+            sleep_memory=opts.sleep_memory,
         )
 
 

@@ -109,7 +109,8 @@ class Creation:
                 last_active_at=fresh.last_active_at, expires_at=fresh.expires_at,
                 metadata_=fresh.metadata_, user_id=fresh.user_id,
                 idle_timeout_s=fresh.idle_timeout_s, e2b=fresh.e2b, on_expiry=fresh.on_expiry,
-                auto_resume=fresh.auto_resume, ttl_s=fresh.ttl_s)
+                auto_resume=fresh.auto_resume, ttl_s=fresh.ttl_s,
+                sleep_memory=fresh.sleep_memory)
         except Conflict:
             raise
         except HangarError as exc:  # a broken pool VM: it is gone; boot one cold

@@ -79,6 +79,8 @@ class Template:
     ttl_s: float | None = None
     wake_ttl_s: float | None = None
     """The record's clock (``hangar.core.sleep``): a paused sandbox keeps it stopped."""
+    sleep_memory: bool | None = None
+    """False: a sleep at expiry keeps its disk alone (the record's ``sleep_memory``)."""
 
 
 def describe(rec: SandboxRecord | SandboxView) -> Template:
@@ -91,7 +93,8 @@ def describe(rec: SandboxRecord | SandboxView) -> Template:
                     e2b=dict(rec.e2b) if isinstance(rec.e2b, dict) else None,
                     on_expiry=rec.on_expiry.value if rec.on_expiry else None,
                     auto_resume=bool(rec.auto_resume), ttl_s=rec.ttl_s,
-                    wake_ttl_s=rec.wake_ttl_s)
+                    wake_ttl_s=rec.wake_ttl_s,
+                    sleep_memory=False if rec.sleep_memory is False else None)
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,8 @@ class SharedSnapshot(SnapshotView):
             id=self.id, sandbox_id=self.sandbox_id, kind=self.kind, size_bytes=self.size_bytes,
             created_at=self.created_at, image=self.image, image_digest=self.image_digest,
             vcpus=self.vcpus, memory_mib=self.memory_mib, disk_mib=self.disk_mib,
-            desktop=self.desktop, network=self.network)
+            desktop=self.desktop, network=self.network,
+            memory=False if self.memory is False else None)
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,8 @@ class Handover:
                 idle_timeout_s=a.idle_timeout_s,
                 e2b=dict(t.e2b) if isinstance(t.e2b, dict) else None,
                 on_expiry=OnExpiry(t.on_expiry) if t.on_expiry else None,
-                auto_resume=t.auto_resume, ttl_s=t.ttl_s, wake_ttl_s=t.wake_ttl_s)
+                auto_resume=t.auto_resume, ttl_s=t.ttl_s, wake_ttl_s=t.wake_ttl_s,
+                sleep_memory=t.sleep_memory)
             records: list[Any] = [rec, a.snapshot.record()]
             if a.user:
                 ctx.store.remove(MachineRecord, a.user)

@@ -28,6 +28,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Collection
+from pathlib import Path
 from typing import Any
 
 from hangar.config import Settings
@@ -106,6 +107,14 @@ def renet_meta(net: NetAttachment) -> dict[str, Any]:
                      env={"PYTHONPATH": paths.PYTHON_DIR}, timeout=20)
 
 
+FLUSH = exec_meta(argv=[
+    "/bin/sh", "-c", 'sync || { py=%s; [ -x "$py" ] || py=python3; '
+    '"$py" -c "import os; os.sync()"; }' % paths.RUNTIME_PYTHON], timeout=60)
+"""An exec that flushes the guest's file systems to its disk (``sync``, else Python's
+``os.sync``): what a sleep that keeps the disk alone needs first."""
+FLUSH_AGENT_S = 30.0
+"""Longest ``Launcher.flush`` waits for a new agent connection, seconds."""
+
 HOST_KEYS = exec_meta(argv=[
     "/bin/sh", "-c", "command -v ssh-keygen >/dev/null && [ -d /etc/ssh ] || exit 0; "
     "( ssh-keygen -A >/dev/null 2>&1 & ) ; exit 0"], timeout=20)
@@ -179,11 +188,11 @@ class Launcher:
     # -- launch ----------------------------------------------------------------------
 
     def spec(self, rec: SandboxRecord, image: GuestImage,
-             net: NetAttachment | None = None) -> VMSpec:
+             net: NetAttachment | None = None, disk_from: Path | None = None) -> VMSpec:
         kernel_args = self.kernel_args(rec)
         return VMSpec(rec.id, image, self.ctx.layout.sandbox(rec.id), rec.vcpus, rec.memory_mib,
                       rec.disk_mib, hostname=rec.id, kernel_args=kernel_args, net=net,
-                      volumes=self.volumes.drives(rec.id))
+                      volumes=self.volumes.drives(rec.id), disk_from=disk_from)
 
     async def launch(self, rec: SandboxRecord, start: Callable[[NetAttachment | None], Awaitable[VM]],
                      expect: Collection[State], *, with_nic: bool = True,
@@ -267,9 +276,11 @@ class Launcher:
                                                                    "error": exc.message})
 
     async def boot(self, rec: SandboxRecord, image: GuestImage, expect: Collection[State],
-                   crash_step: str | None = None) -> Runtime:
+                   crash_step: str | None = None, disk_from: Path | None = None) -> Runtime:
         """Boot ``rec``'s VM and wait for its agent, then for a template's start command and
         ready check (``hangar.core.startup``); on failure nothing is left but the record.
+        ``disk_from``: a disk-only snapshot's folder whose disk it boots from
+        (``VMSpec.disk_from``), else a new disk.
 
         The boot's phases (``hangar.engines.boot_phases``, up to the agent's
         HELLO) go to the log (``boot`` line) and to ``hangar_boot_phase_seconds``.
@@ -283,8 +294,33 @@ class Launcher:
             if template is not None and needs_start(template):
                 await run_template(agent, template, name=image.name, sandbox_id=rec.id)
 
-        return await self.launch(rec, lambda net: self.ctx.engine.boot(self.spec(rec, image, net)),
-                                 expect, crash_step=crash_step, ready=ready)
+        return await self.launch(
+            rec, lambda net: self.ctx.engine.boot(self.spec(rec, image, net, disk_from)),
+            expect, crash_step=crash_step, ready=ready)
+
+    async def boot_from(self, rec: SandboxRecord, snap: SnapshotRecord,
+                        expect: Collection[State]) -> Runtime:
+        """Boot ``rec``'s VM cold from the disk of the disk-only snapshot ``snap`` (a wake
+        from a sleep that kept the disk alone): its files as they were, its processes and
+        memory gone, a new kernel boot; a template's start command runs again (``boot``).
+        Raises ImageMissing (409) when the image build the snapshot pins is gone, and what
+        ``boot`` raises."""
+        image = resolve_pinned(self.ctx.layout, snap.image, snap.image_digest)
+        return await self.boot(rec, image, expect, disk_from=self.ctx.layout.snapshot(snap.id))
+
+    async def flush(self, rt: Runtime, sandbox_id: str) -> None:
+        """Have the guest write its file systems' dirty data to its disk (``FLUSH``), before
+        a snapshot that keeps the disk alone. Raises GuestError (the flush failed),
+        Timeout, and the agent's errors."""
+        async with rt.connect_lock:
+            if rt.agent is None or rt.agent.closed:
+                rt.agent = await self.reconnect(rt.vm, FLUSH_AGENT_S)
+            agent = rt.agent
+        result = await agent.exec(FLUSH)
+        if result.exit_code != 0 or result.timed_out:
+            raise GuestError("the guest could not flush its file systems to its disk: "
+                             + result.stderr.head.decode(errors="replace")[-200:],
+                             sandbox_id=sandbox_id)
 
     async def start_new(self, rec: SandboxRecord, image: GuestImage, expect: Collection[State],
                         crash_step: str | None = None,

@@ -80,8 +80,10 @@ MEANING: dict[State, str] = {
     State.UNRESPONSIVE: "the VMM runs but the guest stopped answering",
     State.SNAPSHOTTING: "paused while its memory and disk are saved (a snapshot, or before "
                         "sleeping); calls wait",
-    State.SLEEPING: "no VMM: the sandbox lives in its sleep snapshot; any call wakes it",
-    State.WAKING: "restoring from the sleep snapshot; calls wait",
+    State.SLEEPING: "no VMM: the sandbox lives in its sleep snapshot (memory and disk, or "
+                    "its disk alone); any call wakes it",
+    State.WAKING: "restoring from the sleep snapshot (or booting cold from a disk-only "
+                  "one); calls wait",
     State.RESTORING: "its VM is being replaced by one restored from a snapshot",
     State.STOPPING: "the VMM is being ended and its files removed; the desired state names "
                     "the end: deleted, expired or failed",

@@ -88,7 +88,7 @@ from hangar.engines.memory import MemoryUsage
 from hangar.core.removal import Removal
 from hangar.core.sleep import SETTLE_S, Connected, Sleeper
 from hangar.core.snapshots import Snapshots
-from hangar.core.store import Store
+from hangar.core.store import SnapshotRecord, Store
 from hangar.core.surfaces import CodeFace, FilesFace, NetworkFace, SecretsFace, VolumesFace
 from hangar.core.terminals import Terminals
 from hangar.core.views import SandboxView, SnapshotView
@@ -129,6 +129,7 @@ class SandboxManager:
         "create", "provision", "delete", "snapshot", "restore", "fork", "adopt", "forget", "fence",
         "get_snapshot", "named_snapshot", "list_snapshots", "delete_snapshot", "has_snapshot",
         "receive_snapshot", "sleep", "wake", "want", "pause", "connect", "settled", "extend",
+        "sleeps_cold",
         "exec", "exec_stream", "tunnel", "agent", "port_key"}
     """The face's names that api and cluster may use on the manager."""
 
@@ -446,9 +447,18 @@ class SandboxManager:
         """See ``Sleeper.want``."""
         return SandboxView.of(self.sleeper.want(sandbox_id, state))
 
-    async def pause(self, sandbox_id: str) -> SandboxView:
-        """Sleep with the clock stopped (``Sleeper.pause``)."""
-        return SandboxView.of(await self.sleeper.pause(sandbox_id))
+    async def pause(self, sandbox_id: str, memory: bool | None = None) -> SandboxView:
+        """Sleep with the clock stopped, keeping its memory or (``memory`` False) its disk
+        alone, the wake then a cold boot (``Sleeper.pause``)."""
+        return SandboxView.of(await self.sleeper.pause(sandbox_id, memory))
+
+    def sleeps_cold(self, sandbox_id: str) -> bool:
+        """True when the sandbox sleeps in a snapshot of its disk alone: its wake boots it
+        cold (``Sleeper.pause`` with ``memory`` False). Raises NotFound, Gone."""
+        rec = self.ctx.record(sandbox_id)
+        snap = (self.store.find(SnapshotRecord, rec.sleep_snapshot)
+                if rec.state == State.SLEEPING and rec.sleep_snapshot else None)
+        return snap is not None and snap.memory is False
 
     async def connect(self, sandbox_id: str, ttl_s: float,
                       settle_s: float = SETTLE_S) -> Connected:

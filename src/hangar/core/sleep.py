@@ -11,6 +11,13 @@ from the sleep snapshot (clock and entropy refreshed), ``-> running``, then
 remove the sleep snapshot. A failed wake goes back to ``sleeping`` with
 its snapshot intact and the error on the record.
 
+A sleep that keeps the disk alone (``memory`` False: E2B's filesystem-only
+pause) makes the guest flush its file systems (``Launcher.flush``), then saves
+a disk-only sleep snapshot (``SnapshotRecord.memory`` False: no memory or
+device state); its wake boots the guest cold from a copy of that disk
+(``Launcher.boot_from``): files kept, processes and memory gone, a new
+kernel boot. The moves and the clock are the same.
+
 A server killed midway is resolved at start (``hangar.core.recovery``):
 a VM paused before its sleep snapshot was complete is resumed (and the
 reconcile loop puts it to sleep again); one whose snapshot is complete is
@@ -20,7 +27,8 @@ ended and the sandbox is ``sleeping``; an interrupted wake goes back to
 The verbs, each one move (or compare-and-set) of the store at a time, so the
 reconcile loop never sees half of one:
 
-``pause``     a sleep that stops the clock: its ``running -> snapshotting``
+``pause``     a sleep that stops the clock (keeping memory, or the disk alone): its
+              ``running -> snapshotting``
               move arms ``wake_ttl_s`` (the record's ``ttl_s``), and its
               ``snapshotting -> sleeping`` move (or recovery's) clears
               ``expires_at`` in the same transaction. A plain ``sleep`` (a
@@ -152,11 +160,15 @@ class Sleeper:
         ``expect``)."""
         return self.ctx.store.extend(sandbox_id, time.time() + ttl_s, expect)
 
-    async def pause(self, sandbox_id: str) -> SandboxRecord:
+    async def pause(self, sandbox_id: str, memory: bool | None = None) -> SandboxRecord:
         """Sleep with the clock stopped: asleep it has no time limit, woken it gets its
-        ``ttl_s`` back (or a connect's). A sleeping one is returned as is. Raises as
-        ``sleep``."""
-        return await self.sleep(sandbox_id, pause=True)
+        ``ttl_s`` back (or a connect's). ``memory``: whether the sleep keeps its memory
+        (False: its disk alone, and the wake boots it cold); None: as its record's
+        ``sleep_memory`` says (a sleep at expiry). A sleeping one is returned as is.
+        Raises as ``sleep``."""
+        if memory is None:
+            memory = self.ctx.record(sandbox_id).sleep_memory is not False
+        return await self.sleep(sandbox_id, pause=True, memory=memory)
 
     async def connect(self, sandbox_id: str, ttl_s: float,
                       settle_s: float = SETTLE_S) -> Connected:
@@ -186,9 +198,12 @@ class Sleeper:
         raise Busy(f"sandbox {sandbox_id} keeps changing state; retry", retry_after=2.0,
                    sandbox_id=sandbox_id)
 
-    async def sleep(self, sandbox_id: str, pause: bool = False) -> SandboxRecord:
+    async def sleep(self, sandbox_id: str, pause: bool = False,
+                    memory: bool = True) -> SandboxRecord:
         """Snapshot the sandbox and end its VMM; calls to it will wake it. With ``pause``
-        its clock stops as it falls asleep (``stopped_clock``).
+        its clock stops as it falls asleep (``stopped_clock``). With ``memory`` False only
+        its disk is kept, once its guest has flushed its file systems; the wake boots it
+        cold (the module docstring).
 
         A sleeping one is returned as is. Raises NotFound, Conflict (not
         running) or Busy (a command runs: retry); on failure the VM is
@@ -207,7 +222,9 @@ class Sleeper:
             rec = ctx.store.transition(sandbox_id, State.RUNNING, State.SNAPSHOTTING,
                                        desired_state=State.SLEEPING, **armed)
             try:
-                snap = await self.snapshots.save(rec, rt, "sleep")
+                if not memory:
+                    await self.launcher.flush(rt, sandbox_id)
+                snap = await self.snapshots.save(rec, rt, "sleep", memory=memory)
                 await ctx.hooks.saved(SandboxView.of(rec), SnapshotView.of(snap))  # uploaded first
             except BaseException:
                 if rt.vm.alive():
@@ -221,6 +238,7 @@ class Sleeper:
             rec = ctx.store.transition(sandbox_id, State.SNAPSHOTTING, State.SLEEPING, pid=None,
                                        error=None, **stopped_clock(rec))
         log.info("sandbox asleep", extra={"sandbox_id": sandbox_id, "size_bytes": snap.size_bytes,
+                                          "memory": memory,
                                           "duration_s": round(time.monotonic() - started, 3)})
         return rec
 
@@ -240,7 +258,8 @@ class Sleeper:
         return self.ctx.store.update(sandbox_id, desired_state=state)  # type: ignore[return-value]
 
     async def wake(self, sandbox_id: str, ttl_s: float | None = None) -> SandboxRecord:
-        """Restore a sleeping sandbox from its sleep snapshot; a running one is returned as is.
+        """Restore a sleeping sandbox from its sleep snapshot (or boot it cold from the disk
+        of a disk-only one); a running one is returned as is.
         A clock a pause stopped runs again (``restarted_clock``); ``ttl_s``: the time to
         live it gets instead (seconds, 0: none).
 
@@ -277,7 +296,10 @@ class Sleeper:
                     raise
             try:
                 await wake_delay()
-                await self.launcher.restore(rec, snap, {State.WAKING})
+                if snap.memory is False:
+                    await self.launcher.boot_from(rec, snap, {State.WAKING})
+                else:
+                    await self.launcher.restore(rec, snap, {State.WAKING})
                 crash_point("wake.restored")
             except BaseException as exc:
                 ctx.metrics.wake_seconds.labels("failed").observe(time.monotonic() - started)
@@ -292,5 +314,6 @@ class Sleeper:
             self.removal.drop_snapshot(snap.id)
         took = time.monotonic() - started
         ctx.metrics.wake_seconds.labels("ok").observe(took)
-        log.info("sandbox awake", extra={"sandbox_id": sandbox_id, "duration_s": round(took, 3)})
+        log.info("sandbox awake", extra={"sandbox_id": sandbox_id, "duration_s": round(took, 3),
+                                         "cold": snap.memory is False})
         return rec, True

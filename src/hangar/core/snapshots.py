@@ -81,9 +81,10 @@ class Snapshots:
     # -- taking ------------------------------------------------------------------------
 
     async def save(self, rec: SandboxRecord, rt: Runtime, kind: str,
-                   name: str | None = None) -> SnapshotRecord:
+                   name: str | None = None, *, memory: bool = True) -> SnapshotRecord:
         """Pause the VM and save it as a snapshot of ``kind`` (``user`` or ``sleep``),
-        named ``name`` when given.
+        named ``name`` when given; with ``memory`` False its disk alone
+        (``Engine.snapshot``; the record's ``memory`` False).
 
         The VM ends paused. The record is written once the files are complete
         (a ``sleep`` snapshot becomes the sandbox's ``sleep_snapshot`` in the
@@ -98,14 +99,15 @@ class Snapshots:
         try:
             await ctx.engine.pause(rt.vm)
             crash_point(f"{'sleep' if kind == 'sleep' else 'snapshot'}.paused")
-            files = await ctx.engine.snapshot(rt.vm, dest)
+            files = await ctx.engine.snapshot(rt.vm, dest, memory=memory)
             if kind == "user":
                 crash_point("snapshot.saved")
             snap = SnapshotRecord(
                 id=snap_id, sandbox_id=rec.id, kind=kind, size_bytes=files.size_bytes,
                 created_at=time.time(), image=rec.image, image_digest=rec.image_digest,
                 vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
-                desktop=rec.desktop, network=rec.network, name=name)
+                desktop=rec.desktop, network=rec.network, name=name,
+                memory=None if memory else False)
             self.launcher.vault.copy(rec.id, snap_id)  # its placeholders and CA, if any
             ctx.store.add_snapshot(snap, sleep_of=rec.id if kind == "sleep" else None)
             outcome = "ok"
@@ -274,7 +276,7 @@ class Snapshots:
             placement.sandbox_id if placement is not None else new_id(), State.CREATING, image,
             CreateOptions(timeout_s=opts.timeout_s, metadata=opts.metadata,
                           desktop=snap.desktop, e2b=opts.e2b, on_expiry=opts.on_expiry,
-                          auto_resume=opts.auto_resume),
+                          auto_resume=opts.auto_resume, sleep_memory=opts.sleep_memory),
             self.launcher.policy(snap.network or "none"), snap.vcpus, snap.memory_mib, snap.disk_mib)
         async with self.admission.slot(memory_mib=rec.memory_mib):
             ctx.store.add(rec)

@@ -125,13 +125,19 @@ class SandboxRecord(Base):
     """Set (armed) by ``pause`` and a sleep at expiry: its clock stops when it falls asleep
     (``expires_at`` None), and when it wakes it lives this many seconds more (0: no limit),
     unless a connect gives its own. None: its clock runs on while it sleeps."""
+    sleep_memory: Mapped[bool | None] = mapped_column(Boolean, nullable=True, default=None)
+    """What a sleep at expiry (``on_expiry`` sleep) keeps: its memory (None, True: the wake
+    restores its processes) or its disk alone (False: the wake boots it cold from its
+    disk; E2B's ``autoPauseMemory: false``)."""
 
 
 class SnapshotRecord(Base):
     """One snapshot: memory, device state and disk of a sandbox at one moment.
 
     ``kind`` is ``user`` (made through the API) or ``sleep`` (made when a
-    machine went to sleep; removed once it has woken).
+    machine went to sleep; removed once it has woken). ``memory`` False: a sleep
+    snapshot of the disk alone (no memory or device state), which the sandbox wakes from
+    by booting cold (``hangar.core.sleep``); None or True: memory, devices and disk.
     """
 
     __tablename__ = "snapshots"
@@ -150,6 +156,8 @@ class SnapshotRecord(Base):
     network: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     name: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
     """A name the client gave it (several may share one; the newest answers to it)."""
+    memory: Mapped[bool | None] = mapped_column(Boolean, nullable=True, default=None)
+    """False: the disk alone (booted from, never restored); None or True: a full one."""
 
 
 class MachineRecord(Base):

@@ -50,7 +50,8 @@ class SandboxView:
     the stored egress policy, ``metadata_`` the client's metadata as stored (see
     ``user_metadata``), ``e2b`` what E2B's API keeps on it; ``on_expiry`` what its time
     limit ends in (None: delete), ``auto_resume`` whether a call wakes it then, ``ttl_s``
-    its time to live as last set, ``wake_ttl_s`` the one a pause gives back on waking."""
+    its time to live as last set, ``wake_ttl_s`` the one a pause gives back on waking,
+    ``sleep_memory`` False when a sleep at expiry keeps its disk alone (None: memory too)."""
 
     id: str
     state: State
@@ -82,6 +83,7 @@ class SandboxView:
     auto_resume: bool | None
     ttl_s: float | None
     wake_ttl_s: float | None
+    sleep_memory: bool | None = None
 
     @classmethod
     def of(cls, rec: Any) -> SandboxView:
@@ -112,6 +114,8 @@ class SnapshotView:
     network: dict[str, Any] | None
     name: str | None = None
     """The name its client gave it, or None (``Snapshots.named``)."""
+    memory: bool | None = None
+    """False: a sleep snapshot of the disk alone (booted from); None or True: a full one."""
 
     @classmethod
     def of(cls, rec: Any) -> SnapshotView:

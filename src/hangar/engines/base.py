@@ -90,6 +90,10 @@ class VMSpec:
     volumes: tuple[VolumeDrive, ...] = ()
     """Named volumes attached as extra drives, after every other device (``boot`` only:
     QEMU; a restore with volumes is refused)."""
+    disk_from: Path | None = None
+    """``boot`` only: the folder of a snapshot of this image build whose disk the VM boots
+    from (a copy of it; a disk-only snapshot, ``Engine.snapshot(..., memory=False)``),
+    instead of a new disk."""
 
 
 @dataclass
@@ -128,7 +132,8 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def boot(self, spec: VMSpec) -> VM:
-        """Create the sandbox's disk and start its VM; returns once the VMM runs.
+        """Create the sandbox's disk (a copy of ``spec.disk_from``'s when given) and start
+        its VM; returns once the VMM runs.
 
         The guest may still be booting: ``connect_agent`` waits for it.
         On failure everything made so far is removed before raising.
@@ -180,8 +185,14 @@ class Engine(abc.ABC):
         """Restart the vCPUs of a paused VM."""
 
     @abc.abstractmethod
-    async def snapshot(self, vm: VM, dest: Path, *, template: bool = False) -> SnapshotFiles:
+    async def snapshot(self, vm: VM, dest: Path, *, template: bool = False,
+                       memory: bool = True) -> SnapshotFiles:
         """Save memory, device state and disk into ``dest``; the VM ends paused.
+
+        ``memory`` False: the disk alone, with a manifest that says so
+        (``SnapshotManifest.memory``); its guest should have flushed its file
+        systems first (the VMM's block layer is flushed as the VM pauses).
+        ``restore`` refuses it; ``boot`` starts from it (``VMSpec.disk_from``).
 
         ``template``: the snapshot is a template's, restored many times;
         its clones share the memory it saved copy-on-write on the host

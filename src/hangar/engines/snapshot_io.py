@@ -25,6 +25,11 @@ files are named in ``hangar.layout.SnapshotPaths``; for QEMU::
 (Firecracker's: ``vmstate``, ``memory``, ``disk.ext4`` and ``snapshot.json``;
 see ``hangar.engines.firecracker.snapshots``.)
 
+A disk-only snapshot (``Engine.snapshot(..., memory=False)``,
+``SnapshotManifest.memory`` false) holds the disk and the manifest alone: no
+device state, no RAM. It is never restored; a VM boots cold from a copy of
+its disk (``VMSpec.disk_from``).
+
 The files are never changed after the manifest is written: a restore copies
 the disk, so one snapshot can be restored any number of times, also at once
 (forks). Deleting a snapshot is removing its directory.
@@ -102,6 +107,9 @@ class SnapshotManifest:
     """Allocated size of a template's ``memory.ram`` (0 for other snapshots)."""
     memory_sha256: str = ""
     """SHA-256 (hex) of a template's ``memory.ram``, all ``memory_mib`` MiB of it."""
+    memory: bool = True
+    """False: a disk-only snapshot (no device state or RAM; ``state_bytes`` 0), which a VM
+    boots from (``VMSpec.disk_from``) and no ``Engine.restore`` takes."""
 
     @property
     def total_bytes(self) -> int:
@@ -143,14 +151,36 @@ def read_manifest(snapshot_dir: Path, engine: str = "qemu") -> SnapshotManifest:
         m = SnapshotManifest.from_dict(raw)
     except TypeError as exc:
         raise EngineError(f"snapshot manifest {path} lacks fields: {exc}") from None
-    needed = ((files.state, files.disk) if engine == "qemu"
-              else (files.fc_state, files.fc_memory, files.fc_disk))
+    needed: tuple[Path, ...] = ((files.state, files.disk) if engine == "qemu"
+                                else (files.fc_state, files.fc_memory, files.fc_disk))
+    if not m.memory:
+        needed = (files.disk if engine == "qemu" else files.fc_disk,)
     if engine == "qemu" and m.template:
         needed = (*needed, template_memory(snapshot_dir))
     for f in needed:
         if not f.is_file():
             raise EngineError(f"snapshot {snapshot_dir} lacks {f.name}")
     return m
+
+
+def check_restorable(m: SnapshotManifest, source: Path, sandbox_id: str) -> None:
+    """Raise EngineError when ``m`` is a disk-only snapshot's: a VM boots from its disk
+    (``VMSpec.disk_from``), it is never restored."""
+    if not m.memory:
+        raise EngineError(f"snapshot {source} holds a disk only: boot from it, it cannot be "
+                          "restored", sandbox_id=sandbox_id)
+
+
+def disk_source(source: Path, engine: str, image_digest: str, sandbox_id: str) -> Path:
+    """The disk file of the snapshot in ``source`` that a VM of the image build
+    ``image_digest`` boots from (``VMSpec.disk_from``). Raises NotFound (no finished
+    snapshot there), EngineError (another engine's or image build's, or a file missing)."""
+    m = read_manifest(source, engine)
+    if m.image_digest != image_digest:
+        raise EngineError(f"snapshot {source} is of image {m.image_name}-{m.image_digest}, "
+                          f"not of build {image_digest}", sandbox_id=sandbox_id)
+    files = SnapshotPaths(source)
+    return files.disk if engine == "qemu" else files.fc_disk
 
 
 def template_memory(snapshot_dir: Path) -> Path:

@@ -154,7 +154,11 @@ class RefreshRequest(_Request):
 
 
 class PauseRequest(_Request):
-    memory: bool = True
+    """``POST /sandboxes/{id}/pause``: ``memory`` false (or ``mode`` ``filesystem``) keeps
+    the disk alone, and the resume boots the guest cold; omitted: memory is kept."""
+
+    memory: bool | None = None
+    mode: Literal["full", "filesystem"] | None = None
     requireHealthyGuest: bool = False
 
 

@@ -7,13 +7,16 @@ into E2B's body (``hangar.api.e2b.views``). How E2B's words map:
   uses) boots the template's image, or forks when ``templateID`` names a
   snapshot; ``envVars`` become the default environment of envd's processes,
   ``autoPause`` makes the end of the time to live a pause instead of a
-  removal; ``secure`` is accepted and every sandbox is secured (an envd
+  removal (``autoPauseMemory: false``: a pause that keeps the disk alone, the
+  record's ``sleep_memory``); ``secure`` is accepted and every sandbox is secured (an envd
   access token in every answer). It is core's ``provision``: the sandbox made,
   E2B's default user, ``user`` with home ``/home/user`` and passwordless sudo, made
   in the guest (``hangar.core.e2b_user.add_user``; envd's calls run as it unless they
   name root), then its time to live started, all before the answer.
 - **pause** is core's ``pause`` (a sleep: memory, devices and disk saved, the
-  VMM ended, and the clock stopped in the same move: no time limit). **connect**
+  VMM ended, and the clock stopped in the same move: no time limit); with
+  ``memory: false`` (``mode: filesystem``) the disk alone, and the resume boots
+  the guest cold from it (files kept, processes gone). **connect**
   and **resume** are core's ``connect``: it wakes a paused one (``201``) with
   their time to live, or only ever extends a running one's (``200``). Woken any
   other way (a call to it), it gets its create's time to live back; ``autoPause``
@@ -79,6 +82,11 @@ def _check_create(body: NewSandbox) -> None:
     if body.volumeMounts and body.autoPause:
         raise InvalidRequest("autoPause: a sandbox with volumeMounts cannot pause (volumes are "
                              "left out of snapshots)", field="autoPause")
+    if body.autoPause and not body.autoPauseMemory and body.autoResume \
+            and body.autoResume.enabled:
+        raise InvalidRequest("autoResume: a sandbox that auto-pauses with autoPauseMemory "
+                             "false keeps its filesystem alone and is resumed only by connect "
+                             "or resume, never by traffic", field="autoResume")
     if body.mcp:
         raise InvalidRequest("mcp: Failed to start MCP gateway: Hangar does not start E2B's "
                              "MCP gateway (no sandbox was made)", field="mcp")
@@ -98,7 +106,9 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
     # envVars often hold keys: sealed by the vault before any record keeps them
     fields: Any = {**e2b.with_options(dict(body.metadata or {}), e2b.sealed(m, opts)),
                    "on_expiry": OnExpiry.SLEEP if body.autoPause else OnExpiry.DELETE,
-                   "auto_resume": bool(body.autoResume and body.autoResume.enabled)}
+                   "auto_resume": bool(body.autoResume and body.autoResume.enabled),
+                   "sleep_memory": False if body.autoPause and not body.autoPauseMemory
+                   else None}
     if source.kind == "snapshot":
         if body.volumeMounts:
             raise InvalidRequest("volumeMounts: a sandbox started from a snapshot gets no "
@@ -278,18 +288,31 @@ async def refresh(sandbox_id: str, m: Manager, body: RefreshRequest | None = Non
 
 # -- pause, connect, resume ------------------------------------------------------------------
 
+def _keeps_memory(body: PauseRequest) -> bool:
+    """Whether a pause keeps memory: not when ``memory`` is false or ``mode`` is
+    ``filesystem``; both given and at odds is a 400."""
+    if body.memory is not None and body.mode is not None \
+            and body.memory != (body.mode == "full"):
+        raise InvalidRequest(f"memory: {str(body.memory).lower()} contradicts mode: "
+                             f"{body.mode}", field="memory")
+    return body.memory is not False and body.mode != "filesystem"
+
+
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
 async def pause(sandbox_id: str, m: Manager, body: PauseRequest | None = None) -> Response:
-    """Sleep the sandbox: memory, devices and disk saved, its VMM ended, no time limit.
-    409 when it is paused already (the SDK's ``pause`` then returns False); 503 while a
-    call to it is in flight or it is between states (retry)."""
+    """Sleep the sandbox: memory, devices and disk saved, its VMM ended, no time limit;
+    with ``memory: false`` (``mode: filesystem``) its disk alone, once the guest flushed
+    it, and the resume boots the guest cold. 409 when it is paused already (the SDK's
+    ``pause`` then returns False); 503 while a call to it is in flight or it is between
+    states (retry)."""
+    memory = _keeps_memory(body or PauseRequest())
     rec = views.shown(m, sandbox_id)
     if views.state_of(rec) == "paused":
         raise Conflict(f"sandbox {sandbox_id} is already paused", sandbox_id=sandbox_id)
     if rec.state != State.RUNNING:
         raise Busy(f"sandbox {sandbox_id} is {rec.state.value}; retry once it runs",
                    retry_after=2.0)
-    await m.pause(sandbox_id)  # no time limit while paused; given back when it wakes
+    await m.pause(sandbox_id, memory)  # no time limit while paused; given back when it wakes
     return Response(status_code=204)
 
 
@@ -345,7 +368,7 @@ async def fork(sandbox_id: str, m: Manager, body: ForkRequest | None = None) -> 
     opts = e2b.sealed(m, e2b.options(rec) or e2b.Options(template=rec.image))
     fields: Any = {**e2b.with_options(views.user_metadata(rec), opts),
                    "on_expiry": rec.on_expiry or OnExpiry.DELETE,
-                   "auto_resume": bool(rec.auto_resume)}
+                   "auto_resume": bool(rec.auto_resume), "sleep_memory": rec.sleep_memory}
     snap = await m.snapshot(sandbox_id)
     results: list[ForkResult] = []
     try:

@@ -12,7 +12,8 @@ Flow of a request to ``/e2b/envd/<rest>``::
         │ then: no sandbox, or one that is gone → 502 "... was not found" (the SDK's
         │   SandboxNotRunningException), as E2B's proxy answers; a paused one made
         │   without auto_resume → 502 too (``is_running()`` is False; connect wakes it),
-        │   one made with it is woken by the call
+        │   one made with it is woken by the call, unless it was paused keeping its
+        │   filesystem alone (``sleeps_cold``: 502, only connect resumes it)
         ├── port ≠ 49983 → the guest's port (``hangar.api.envd.ports``)
         ├── POST /process.Process/<M>, /filesystem.Filesystem/<M> → Connect RPC
         │     (``hangar.api.envd.connect``; one module per RPC or small group)
@@ -273,7 +274,17 @@ class EnvdGateway:
                           f"The sandbox {sandbox_id[:64]} was not found") from None
         if rec.state == State.STOPPING:  # being deleted: gone for E2B already
             raise Refusal(502, "unavailable", f"The sandbox {sandbox_id} was not found")
-        if public_name(rec.state, Face.E2B) == "paused" and not rec.auto_resume:
+        try:
+            cold = rec.state == State.SLEEPING and manager.sleeps_cold(sandbox_id)
+        except (NotFound, Gone):
+            raise Refusal(502, "unavailable",
+                          f"The sandbox {sandbox_id} was not found") from None
+        if cold:
+            raise Refusal(502, "unavailable",
+                          f"The sandbox {sandbox_id} is paused with its filesystem alone: "
+                          "connect to it to resume it (traffic does not)")
+        if public_name(rec.state, Face.E2B, rec.desired_state) == "paused" \
+                and not rec.auto_resume:  # also on its way to sleep, as E2B shows it
             raise Refusal(502, "unavailable",
                           f"The sandbox {sandbox_id} is paused: connect to it to resume it "
                           "(it was created without auto_resume)")

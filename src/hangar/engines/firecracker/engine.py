@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from hangar.engines import process, safefs
+from hangar.engines import process, safefs, snapshot_io
 from hangar.engines.agent_client import AgentChannel, Streams
 from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec
 from hangar.engines.firecracker.api import FirecrackerAPI
@@ -347,8 +347,15 @@ class FirecrackerEngine(Engine):
             await self._link(spec, files, [(kernel, files.kernel),
                                            (spec.image.initrd, files.initrd),
                                            (spec.image.rootfs, files.rootfs)])
-            await make_disk(files, spec.disk_mib, self._ids(files)
-                            if self.jailer is not None and self._helper is None else None)
+            if spec.disk_from is not None:  # a disk-only snapshot's drive, booted cold
+                await copy_file(snapshot_io.disk_source(
+                    spec.disk_from, self.name, spec.image.digest, spec.sandbox_id), files.disk)
+                if self.jailer is not None and self._helper is None:
+                    uid, gid = self._ids(files)
+                    safefs.own(files.root, files.disk.name, uid, gid, 0o600)
+            else:
+                await make_disk(files, spec.disk_mib, self._ids(files)
+                                if self.jailer is not None and self._helper is None else None)
             vm = await self._start(spec, files)
             async with FirecrackerAPI(files.api) as api:
                 await api.put_machine_config(
@@ -407,7 +414,7 @@ class FirecrackerEngine(Engine):
         await self._cleanup(self.files_of(vm), vm.pid)
 
     async def snapshot(self, vm: VM, dest: Path, diff: bool = False, *,
-                       template: bool = False) -> SnapshotFiles:
+                       template: bool = False, memory: bool = True) -> SnapshotFiles:
         """Pause ``vm`` and save it into ``dest`` (created; must be empty); the VM stays paused.
 
         Writes ``vmstate``, ``memory`` (guest RAM), ``disk.ext4`` (sparse
@@ -418,8 +425,11 @@ class FirecrackerEngine(Engine):
         a filesystem that does not report holes) a full one is made.
         ``template``: recorded in the manifest only; every restore already
         maps ``memory`` privately, so clones share its pages (``snapshots``).
-        ``size_bytes`` is the allocated size of the files. Raises EngineError.
+        ``size_bytes`` is the allocated size of the files. ``memory`` False: the
+        writable drive and the manifest alone (``_save_disk``). Raises EngineError.
         """
+        if not memory:
+            return await self._save_disk(vm, dest)
         files = self.files_of(vm)
         out = SnapshotPaths(dest)
         started = time.monotonic()
@@ -487,6 +497,37 @@ class FirecrackerEngine(Engine):
         vm.extra["last_snapshot"] = str(dest)
         return SnapshotFiles(dest, state_bytes + disk_bytes)
 
+    async def _save_disk(self, vm: VM, dest: Path) -> SnapshotFiles:
+        """A disk-only snapshot in the new folder ``dest``: the VM paused, its writable
+        drive copied (``disk.ext4``) and a manifest with ``memory`` false; a VM boots from
+        it (``VMSpec.disk_from``). The VM stays paused. Raises EngineError."""
+        files = self.files_of(vm)
+        out = SnapshotPaths(dest)
+        started = time.monotonic()
+        dest.mkdir(parents=True, exist_ok=False)
+        try:
+            async with FirecrackerAPI(files.api) as api:
+                await api.patch_vm("Paused")
+            created_at = time.time()
+            await asyncio.to_thread(safefs.copy_out, files.root, files.disk.name, out.fc_disk)
+            safefs.own(dest, out.fc_disk.name, os.geteuid(), os.getegid(), 0o644)
+            disk_bytes = allocated_bytes(out.fc_disk)
+            x = vm.extra
+            write_manifest(dest, SnapshotManifest(
+                engine=self.name, vmm_version=self.version, accel=self.accel,
+                image_name=x.get("image", ""), image_digest=x.get("image_digest", ""),
+                kernel_version=x.get("kernel_version", ""), vcpus=int(x.get("vcpus", 0)),
+                memory_mib=int(x.get("memory_mib", 0)),
+                disk_virtual_bytes=out.fc_disk.stat().st_size,
+                machine=[f"vcpus={x.get('vcpus')}", f"memory_mib={x.get('memory_mib')}"],
+                created_at=created_at, state_bytes=0, disk_bytes=disk_bytes,
+                save_seconds=round(time.monotonic() - started, 6), source_sandbox=vm.sandbox_id,
+                memory=False, extra={"files": {"disk": out.fc_disk.name}}))
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        return SnapshotFiles(dest, disk_bytes)
+
     def _take(self, files: FirecrackerFiles, src: Path, dst: Path) -> None:
         """Move a file the VMM wrote in its root to ``dst``. Split from root, the server
         cannot re-own the VMM's file: it copies it through a descriptor instead
@@ -505,6 +546,7 @@ class FirecrackerEngine(Engine):
         restored any number of times. Raises NotFound, EngineError.
         """
         m = read_snapshot(source)
+        snapshot_io.check_restorable(m, source, spec.sandbox_id)
         snap = SnapshotPaths(source)
         if m.image_digest != spec.image.digest:
             raise InvalidRequest(f"snapshot {source} is of image {m.image_name}@{m.image_digest}, "

@@ -128,12 +128,19 @@ class QemuEngine(Engine):
         return self.cmdline.command(spec, tap_fd, balloon=balloon, ram=ram, reporting=reporting)
 
     async def boot(self, spec: VMSpec) -> VM:
-        """Make the sandbox's directory and disk and start its QEMU; returns once QEMU has
-        made its sockets. Raises ``EngineError``; on failure the directory is removed."""
+        """Make the sandbox's directory and disk (a new overlay, or a copy of
+        ``spec.disk_from``'s repointed at the image's rootfs) and start its QEMU; returns
+        once QEMU has made its sockets. Raises ``EngineError`` (also NotFound: no snapshot
+        in ``disk_from``); on failure the directory is removed."""
         p = spec.paths
         p.dir.mkdir(parents=True, exist_ok=False)
         try:
-            await qdisk.make_disk(spec)
+            if spec.disk_from is not None:  # a disk-only snapshot's disk, booted cold
+                await snapshot_io.copy_file(snapshot_io.disk_source(
+                    spec.disk_from, self.name, spec.image.digest, spec.sandbox_id), p.disk)
+                await qdisk.rebase(p.disk, spec.image.rootfs)
+            else:
+                await qdisk.make_disk(spec)
             writable = self._link_volumes(spec)
             if not spec.template_source:
                 return await self._start(spec, owned=writable)
@@ -336,8 +343,14 @@ class QemuEngine(Engine):
         await self.confine.release(p)
         shutil.rmtree(p.dir, ignore_errors=True)
 
-    async def snapshot(self, vm: VM, dest: Path, *, template: bool = False) -> SnapshotFiles:
+    async def snapshot(self, vm: VM, dest: Path, *, template: bool = False,
+                       memory: bool = True) -> SnapshotFiles:
         """Save the VM's device state, RAM and disk into the new directory ``dest``.
+
+        ``memory`` False: the disk alone (QMP ``stop``, which flushes QEMU's
+        block layer, then the overlay's copy and a manifest with
+        ``memory`` false and no ``state.mig``); the VM ends paused, its disk
+        still its own.
 
         ``template``: ``vm`` was booted with ``VMSpec.template_source`` (else
         EngineError); its state is saved without RAM (``x-ignore-shared``)
@@ -376,10 +389,17 @@ class QemuEngine(Engine):
         state, partial = files.state, files.state_partial
         started = time.monotonic()
         created_at = time.time()
+        if template and not memory:
+            raise EngineError("a template snapshot keeps memory", sandbox_id=vm.sandbox_id)
         try:
-            info = await migration.save_state(vm, partial, memory_mib, ignore_shared=template)
-            await asyncio.to_thread(snapshot_io.fsync_file, partial)
-            durable.replace(partial, state)  # the folder is synced too
+            if memory:
+                info = await migration.save_state(vm, partial, memory_mib,
+                                                  ignore_shared=template)
+                await asyncio.to_thread(snapshot_io.fsync_file, partial)
+                durable.replace(partial, state)  # the folder is synced too
+            else:
+                await self.pause(vm)  # vm_stop flushes the block layer to the overlay
+                info = {"total-time": 0}
             memory_bytes, memory_sha256 = 0, ""
             if template:
                 memory_bytes, memory_sha256 = await tmpl.save_memory(
@@ -403,6 +423,7 @@ class QemuEngine(Engine):
                        "balloon": has_balloon(migration.argv_of(vm)),
                        "free_page_reporting": "free-page-reporting=on" in argv},
                 template=template, memory_bytes=memory_bytes, memory_sha256=memory_sha256,
+                memory=memory,
             )
             snapshot_io.write_manifest(dest, manifest)
         except BaseException:
@@ -433,6 +454,7 @@ class QemuEngine(Engine):
             raise EngineError("a VM with volumes is booted, never restored (its snapshot's "
                               "devices hold no volume drive)", sandbox_id=spec.sandbox_id)
         manifest = snapshot_io.read_manifest(source, self.name)
+        snapshot_io.check_restorable(manifest, source, spec.sandbox_id)
         if manifest.image_digest != spec.image.digest:
             raise EngineError(
                 f"snapshot needs image {manifest.image_name}-{manifest.image_digest}, "
