@@ -242,7 +242,10 @@ class EnvdGateway:
                           f"The sandbox {sandbox_id[:64]} was not found") from None
         if rec.state == State.STOPPING:  # being deleted: gone for E2B already
             raise Refusal(502, "unavailable", f"The sandbox {sandbox_id} was not found")
-        if public_name(rec.state, Face.E2B) == "paused" and not rec.auto_resume:
+        # on its way to sleep (a snapshot for a pause) it is paused for E2B already, as
+        # its get_info says: is_running() is False from the moment the pause is asked
+        if public_name(rec.state, Face.E2B, rec.desired_state) == "paused" \
+                and not rec.auto_resume:
             raise Refusal(502, "unavailable",
                           f"The sandbox {sandbox_id} is paused: connect to it to resume it "
                           "(it was created without auto_resume)")
