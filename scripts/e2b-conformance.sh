@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # E2B conformance: run E2B's own Python SDK tests, unmodified, against a real Hangar server.
 #
-#   scripts/e2b-conformance.sh E2B_SOURCE [pytest options...]
+#   scripts/e2b-conformance.sh [--urls] E2B_SOURCE [pytest options...]
 #
 # E2B_SOURCE is a checkout of e2b-dev/E2B, its packages/python-sdk, or that folder's tests/
 # (the folder holding conftest.py and sync/). The SDK itself is not taken from it: the
@@ -12,19 +12,35 @@
 # It starts a Hangar server of its own (a root server on a free port, a fresh data
 # directory whose images are the host's built ones, $HANGAR_IMAGES, default
 # /var/lib/hangar/images; no warm pool), makes an E2B key with `hangar key add --e2b`, runs
-# tests/sync/{sandbox_sync,api_sync,volume_sync,secret_sync} with E2B_API_URL,
-# E2B_SANDBOX_URL and E2B_API_KEY set (or the folders and options given after E2B_SOURCE,
-# e.g. `-x -k test_run`), and prints one JSON line:
+# tests/sync/{sandbox_sync,api_sync,volume_sync,secret_sync} (or the test paths given after
+# E2B_SOURCE) with the pytest options given there (e.g. `-n 3`, `-x -k test_run`), and
+# prints one JSON line:
 #   {"passed": N, "failed": N, "skipped": N, "errors": N, "total": N, "e2b": "2.45.1", ...}
+# By default the tests see only E2B_DOMAIN and E2B_API_KEY, as SDK 2.63 and later want
+# (E2B_API_URL and E2B_SANDBOX_URL deprecated): the server runs with HANGAR_DOMAIN set
+# to a name of the run's own under .test, and tests/e2b_site.py puts before it a local
+# CA with a wildcard certificate, a wildcard DNS server and nginx on a loopback address
+# of the run's own (ports 53 and 443: root, Debian's nginx and dnspython); pytest runs in
+# a mount namespace of its own (unshare) whose /etc/resolv.conf names that DNS server,
+# with SSL_CERT_FILE naming the CA. Nothing of the host's changes. With --urls the tests
+# see E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY instead (plain http, no site; get_host
+# URLs then do not resolve).
 # The per-test report (JUnit XML) is left in $E2B_CONFORMANCE_REPORT (default
 # /tmp/e2b-conformance-<pid>.xml); $E2B_COMMIT names the E2B commit when E2B_SOURCE is not
-# a git checkout. Afterwards every sandbox is deleted, the server is
-# stopped by its pid, VMMs of its data directory are ended and the directory is removed.
-# Runs the whole selection in about 15 minutes on a 2-core host under emulation.
+# a git checkout. Afterwards, pass or fail, every sandbox is deleted, the site (nginx, DNS
+# server, CA files) and the server are stopped by their pids, VMMs of the server's data
+# directory are ended and the directory is removed.
+# Runs the whole selection with -n 3 in 7 (quiet) to 20 minutes (load 9-17) on a 2-core host
+# under emulation.
 set -euo pipefail
 
+MODE=domain
+if [ "${1:-}" = --urls ]; then
+  MODE=urls
+  shift
+fi
 if [ $# -lt 1 ]; then
-  sed -n '2,24p' "$0" >&2
+  sed -n '2,34p' "$0" >&2
   exit 2
 fi
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -59,18 +75,42 @@ PORT=$("$HANGAR_PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1
 URL=http://127.0.0.1:$PORT
 export HANGAR_DATA_DIR=$DATA HANGAR_PORT=$PORT HANGAR_POOL_SIZE=0 HANGAR_PRIVSEP=0
 SERVER_PID=
+SITE_PID=
+if [ "$MODE" = domain ]; then
+  [ "$(id -u)" = 0 ] || { echo "E2B_DOMAIN mode binds ports 53 and 443 and unshares mounts: run as root (or --urls)" >&2; exit 2; }
+  command -v nginx >/dev/null && command -v unshare >/dev/null || {
+    echo "E2B_DOMAIN mode needs Debian's nginx and unshare (or --urls)" >&2; exit 2; }
+  DOMAIN=hangar-e2b-$(basename "$DATA" | sed 's/.*-//' | tr 'A-Z' 'a-z').test
+  export HANGAR_DOMAIN=$DOMAIN
+fi
 
 cleanup() {
   set +e
+  if [ -n "$SITE_PID" ] && kill -0 "$SITE_PID" 2>/dev/null; then
+    # The site ends its nginx by pid, stops its DNS server and deletes its CA files.
+    kill -TERM "$SITE_PID"
+    for _ in $(seq 1 150); do kill -0 "$SITE_PID" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$SITE_PID" 2>/dev/null; then
+      kill -KILL "$SITE_PID"
+      # Its nginx (a session of its own) by the pid nginx wrote.
+      local nginx_pid
+      nginx_pid=$(cat "$DATA/site/nginx/nginx.pid" 2>/dev/null)
+      [ -n "$nginx_pid" ] && kill -TERM "$nginx_pid" 2>/dev/null
+    fi
+    wait "$SITE_PID" 2>/dev/null
+  fi
   if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
     local key
     key=$(cat "$DATA/api-key" 2>/dev/null)
     "$HANGAR_PYTHON" - "$URL" "$key" <<'EOF'
 import sys, httpx
 url, key = sys.argv[1], sys.argv[2]
-with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=120) as c:
-    for sb in c.get("/sandboxes").json().get("sandboxes", []):
-        c.delete(f"/sandboxes/{sb['id']}")
+try:
+    with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=120) as c:
+        for sb in c.get("/sandboxes").json().get("sandboxes", []):
+            c.delete(f"/sandboxes/{sb['id']}")
+except httpx.TransportError:
+    pass  # not listening yet, or gone: nothing was made through it
 EOF
     kill -TERM "$SERVER_PID"
     for _ in $(seq 1 150); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.1; done
@@ -96,24 +136,50 @@ for _ in $(seq 1 300); do
 done
 curl -fs "$URL/health" >/dev/null || { echo "server did not start" >&2; tail -30 "$DATA/server.log" >&2; exit 1; }
 KEY=$(PYTHONPATH=$REPO/src "$HANGAR_PYTHON" -m hangar.cli key add "e2b-conformance" --e2b)
+if [ "$MODE" = domain ]; then
+  PYTHONPATH=$REPO/src "$HANGAR_PYTHON" "$REPO/tests/e2b_site.py" --domain "$DOMAIN" \
+    --upstream "127.0.0.1:$PORT" --folder "$DATA/site" --ready "$DATA/site.json" \
+    >"$DATA/site.log" 2>&1 &
+  SITE_PID=$!
+  for _ in $(seq 1 300); do
+    [ -f "$DATA/site.json" ] && break
+    kill -0 "$SITE_PID" 2>/dev/null || { tail -30 "$DATA/site.log" >&2; exit 1; }
+    sleep 0.2
+  done
+  [ -f "$DATA/site.json" ] || { echo "the E2B_DOMAIN site did not start" >&2; exit 1; }
+  read -r CA RESOLV < <("$HANGAR_PYTHON" -c 'import json, sys; d = json.load(open(sys.argv[1])); print(d["ca"], d["resolv"])' "$DATA/site.json")
+fi
 
-if [ $# -eq 0 ]; then
-  set -- tests/sync/sandbox_sync tests/sync/api_sync tests/sync/volume_sync tests/sync/secret_sync
+# The four folders unless a test path (a file or folder of SDK_DIR, or a node id) is given.
+named=
+for a in "$@"; do
+  case "$a" in -*) ;; *) [ -e "$SDK_DIR/${a%%::*}" ] && named=1 ;; esac
+done
+if [ -z "$named" ]; then
+  set -- tests/sync/sandbox_sync tests/sync/api_sync tests/sync/volume_sync tests/sync/secret_sync "$@"
 fi
 rc=0
 (
   cd "$SDK_DIR"
-  env -u E2B_DOMAIN -u E2B_DEBUG -u PYTHONPATH E2B_API_URL="$URL/e2b" \
-    E2B_SANDBOX_URL="$URL/e2b/envd" E2B_API_KEY="$KEY" \
-    "$E2B_PYTHON" -m pytest -p no:cacheprovider -q -rfE --junitxml="$REPORT" "$@"
+  unset E2B_API_URL E2B_SANDBOX_URL E2B_DOMAIN E2B_DEBUG PYTHONPATH
+  unset http_proxy https_proxy all_proxy no_proxy HTTP_PROXY HTTPS_PROXY ALL_PROXY NO_PROXY
+  PYTEST=("$E2B_PYTHON" -m pytest -p no:cacheprovider -q -rfE --junitxml="$REPORT" "$@")
+  if [ "$MODE" = domain ]; then
+    # A mount namespace of pytest's own whose /etc/resolv.conf names the site's DNS.
+    E2B_DOMAIN=$DOMAIN E2B_API_KEY=$KEY SSL_CERT_FILE=$CA NODE_EXTRA_CA_CERTS=$CA \
+      unshare --mount --propagation private -- sh -c \
+      'mount --bind "$0" /etc/resolv.conf && exec "$@"' "$RESOLV" "${PYTEST[@]}"
+  else
+    E2B_API_URL="$URL/e2b" E2B_SANDBOX_URL="$URL/e2b/envd" E2B_API_KEY="$KEY" "${PYTEST[@]}"
+  fi
 ) >&2 || rc=$?
 if [ "${E2B_CONFORMANCE_KEEP_LOG:-}" ]; then
   cp "$DATA/server.log" "$E2B_CONFORMANCE_KEEP_LOG"
 fi
 [ -f "$REPORT" ] || { echo "pytest wrote no report (exit $rc)" >&2; exit 1; }
-"$HANGAR_PYTHON" - "$REPORT" "$SDK_VERSION" "$SDK_DIR" <<'EOF'
+"$HANGAR_PYTHON" - "$REPORT" "$SDK_VERSION" "$SDK_DIR" "$MODE" <<'EOF'
 import json, os, subprocess, sys, xml.etree.ElementTree as ET
-report, version, sdk_dir = sys.argv[1:4]
+report, version, sdk_dir, mode = sys.argv[1:5]
 counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
 for case in ET.parse(report).getroot().iter("testcase"):
     kinds = {child.tag for child in case}
@@ -128,6 +194,6 @@ for case in ET.parse(report).getroot().iter("testcase"):
 commit = os.environ.get("E2B_COMMIT") or subprocess.run(
     ["git", "-C", sdk_dir, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
 print(json.dumps({**counts, "total": sum(counts.values()), "e2b": version, "commit": commit,
-                  "report": report}))
+                  "mode": mode, "report": report}))
 EOF
 exit $([ "$rc" -le 1 ] && echo 0 || echo "$rc")

@@ -2,42 +2,31 @@
 
 E2B's SDKs, without ``E2B_API_URL`` and ``E2B_SANDBOX_URL`` (deprecated in SDK 2.63),
 call ``https://api.<domain>`` and ``https://<port>-<id>.<domain>`` on port 443. This
-module sets up what a user's host has (docs/e2b.md, "E2B_DOMAIN: one host"):
-
-* a server of its own with ``HANGAR_DOMAIN=<domain>`` (a name unique to the run,
-  under ``.test``);
-* a local CA and a wildcard certificate for ``*.<domain>`` (``cryptography``);
-* nginx, with the site ``hangar deploy nginx --e2b-domain`` renders, on a loopback
-  address of its own (``127.x.y.z``, unique to the run: ports 443 and 80 there collide
-  with nothing else on the host);
-* a wildcard DNS server (dnspython) on that address, port 53, answering that address for
-  ``<domain>`` and every name under it;
-* each program runs in a mount namespace of its own (``unshare --mount``) whose
-  ``/etc/resolv.conf`` names that server, with ``SSL_CERT_FILE`` and
-  ``NODE_EXTRA_CA_CERTS`` naming the CA: nothing of the host's changes.
+module runs them against a server of its own with ``HANGAR_DOMAIN=<domain>`` (a name
+unique to the run, under ``.test``) behind tests/e2b_site.py's site, what a user's host
+has (docs/e2b.md, "E2B_DOMAIN: one host"): a local CA and a wildcard certificate, a
+wildcard DNS server and nginx on a loopback address of the run's own, each program in a
+mount namespace whose ``/etc/resolv.conf`` names that server, with ``SSL_CERT_FILE`` and
+``NODE_EXTRA_CA_CERTS`` naming the CA: nothing of the host's changes.
 
 The programs: the newest Python SDK (this venv's ``e2b``) and the npm ``e2b`` SDK
 (installed here with npm at ``E2B_JS_VERSION``; skipped when npm cannot reach its
 registry). Both create, run commands (with callbacks, in the background), write, read
 and list files (Python: also through a signed download URL), watch a folder, pause and
 connect, fetch a user port through ``get_host`` over https and kill; E2B's code
-interpreter SDK runs code in a context and draws a chart (port 49999). Everything made is removed, pass or fail.
+interpreter SDKs (PyPI's ``e2b_code_interpreter`` and npm's ``@e2b/code-interpreter`` at
+``E2B_JS_CODE_INTERPRETER_VERSION``) run code in a context and draw a chart (port 49999).
+Everything made is removed, pass or fail.
 """
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import os
-import random
 import shutil
-import socket
-import socketserver
 import subprocess
 import sys
 import textwrap
-import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,22 +36,18 @@ from typing import Any
 import pytest
 
 from conftest import Server, own_server
-from ops_support import Nginx, hangar_cli
+from ops_support import hangar_cli
 
-dns = pytest.importorskip("dns.message")
-import dns.flags  # noqa: E402
-import dns.rdatatype  # noqa: E402
-import dns.rrset  # noqa: E402
-import dns.rcode  # noqa: E402
-
-x509 = pytest.importorskip("cryptography.x509")
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import NameOID  # noqa: E402
+pytest.importorskip("dns.message")
+pytest.importorskip("cryptography.x509")
+from e2b_site import NoLoopbackAddress, SiteFiles, site as e2b_site  # noqa: E402
 
 vm = pytest.mark.vm
 E2B_JS_VERSION = "2.51.0"
 """The npm ``e2b`` SDK the JS program runs with (the newest when this was written)."""
+E2B_JS_CODE_INTERPRETER_VERSION = "2.8.0"
+"""The npm ``@e2b/code-interpreter`` SDK (the newest when this was written; it takes
+``e2b`` ^2.48.0, so the pair installed is this and ``E2B_JS_VERSION``)."""
 PROGRAM_TIMEOUT_S = 900
 
 
@@ -101,128 +86,27 @@ def needs_root_nginx() -> None:
         pytest.skip("needs Debian's nginx and unshare")
 
 
-# -- the pieces: a CA, a DNS server, an address ---------------------------------------------
-
-def make_pki(folder: Path, domain: str) -> tuple[Path, Path, Path]:
-    """(CA certificate, wildcard certificate for ``*.<domain>`` and ``<domain>``, its key)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Hangar E2B_DOMAIN test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False,
-                                       data_encipherment=False, key_agreement=False,
-                                       encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()),
-                         critical=False)
-          .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"*.{domain}")]))
-            .issuer_name(ca_name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName(f"*.{domain}"), x509.DNSName(domain)]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]),
-                           critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
-                ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    ca_pem, cert_pem, key_pem = folder / "ca.pem", folder / "wildcard.pem", folder / "wildcard.key"
-    ca_pem.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    cert_pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_pem.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                          serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    key_pem.chmod(0o600)
-    return ca_pem, cert_pem, key_pem
-
-
-class WildcardDNS(socketserver.ThreadingUDPServer):
-    """A DNS server for one zone: ``<domain>`` and every name under it have one A record
-    (``address``), no AAAA; any other name is REFUSED (nothing is forwarded)."""
-
-    daemon_threads = True
-
-    def __init__(self, address: str, domain: str) -> None:
-        self.answer = address
-        self.zone = domain.lower().rstrip(".")
-        super().__init__((address, 53), _DNSHandler)
-
-
-class _DNSHandler(socketserver.BaseRequestHandler):
-    def handle(self) -> None:
-        data, sock = self.request
-        server: WildcardDNS = self.server  # type: ignore[assignment]
-        try:
-            query = dns.message.from_wire(data)
-        except Exception:
-            return
-        reply = dns.message.make_response(query)
-        reply.flags |= dns.flags.AA
-        for q in query.question:
-            name = q.name.to_text().lower().rstrip(".")
-            if name != server.zone and not name.endswith("." + server.zone):
-                reply.set_rcode(dns.rcode.REFUSED)
-            elif q.rdtype == dns.rdatatype.A:
-                reply.answer.append(dns.rrset.from_text(q.name, 5, "IN", "A", server.answer))
-        sock.sendto(reply.to_wire(), self.client_address)
-
-
-
-def own_loopback() -> str:
-    """A loopback address no other run uses now: ports 53 (UDP), 80 and 443 free there."""
-    rng = random.Random(f"{os.getpid()}-{uuid.uuid4()}")
-    for _ in range(50):
-        addr = str(ipaddress.IPv4Address(f"127.{rng.randrange(16, 250)}."
-                                         f"{rng.randrange(1, 250)}.{rng.randrange(2, 250)}"))
-        try:
-            for kind, port in ((socket.SOCK_DGRAM, 53), (socket.SOCK_STREAM, 80),
-                               (socket.SOCK_STREAM, 443)):
-                with socket.socket(socket.AF_INET, kind) as s:
-                    s.bind((addr, port))
-        except OSError:
-            continue
-        return addr
-    pytest.skip("ports 53, 80 or 443 are taken on every loopback address tried (a server "
-                "listening on 0.0.0.0 holds them)")
-
-
 # -- the whole setup --------------------------------------------------------------------------
 
 @dataclass
 class Site:
     server: Server
-    domain: str
-    address: str
-    ca: Path
-    resolv: Path
+    files: SiteFiles
     key: str
 
-    def env(self) -> dict[str, str]:
-        """A program's environment: ``E2B_DOMAIN`` and ``E2B_API_KEY`` (no other E2B
-        variable, no proxy) and the CA for Python and Node."""
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("E2B_") and k.lower() not in (
-                   "http_proxy", "https_proxy", "all_proxy", "no_proxy")}
-        env.pop("PYTHONPATH", None)
-        env.update({"E2B_DOMAIN": self.domain, "E2B_API_KEY": self.key,
-                    "SSL_CERT_FILE": str(self.ca), "NODE_EXTRA_CA_CERTS": str(self.ca)})
-        return env
+    @property
+    def domain(self) -> str:
+        return self.files.domain
+
+    @property
+    def address(self) -> str:
+        return self.files.address
 
     def run(self, argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-        """``argv`` in a mount namespace whose /etc/resolv.conf names the test's DNS."""
-        wrapped = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-                   'mount --bind "$0" /etc/resolv.conf && exec "$@"', str(self.resolv), *argv]
-        return subprocess.run(wrapped, env=self.env(), cwd=cwd, capture_output=True, text=True,
+        """``argv`` in a mount namespace whose /etc/resolv.conf names the site's DNS, with
+        ``E2B_DOMAIN``, ``E2B_API_KEY`` and the CA (no other E2B variable, no proxy)."""
+        return subprocess.run(self.files.wrap(argv), env=self.files.env(os.environ, self.key),
+                              cwd=cwd, capture_output=True, text=True,
                               timeout=PROGRAM_TIMEOUT_S)
 
     def program(self, argv: list[str], cwd: Path) -> Any:
@@ -234,38 +118,19 @@ class Site:
 
 @pytest.fixture(scope="module")
 def site(base_image: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    """A server with ``HANGAR_DOMAIN``, its E2B key, and tests/e2b_site.py's site before it."""
     needs_root_nginx()
-    base = tmp_path_factory.mktemp("e2b-domain")
     domain = f"hangar-{uuid.uuid4().hex[:8]}.test"
-    address = own_loopback()
-    ca, cert, key = make_pki(base / "pki", domain)
-    resolv = base / "resolv.conf"
-    resolv.write_text(f"nameserver {address}\noptions timeout:2 attempts:2\n")
-    dns_server = WildcardDNS(address, domain)
-    threading.Thread(target=dns_server.serve_forever, daemon=True).start()
-    try:
-        with own_server(base_image, {"HANGAR_DOMAIN": domain}) as server:
-            r = hangar_cli("key", "add", f"e2b-{uuid.uuid4().hex[:8]}", "--e2b",
-                           env={"HANGAR_DATA_DIR": str(server.data_dir)})
-            api_key = r.stdout.strip().splitlines()[-1]
-            conf = base / "hangar-site.conf"
-            hangar_cli("deploy", "nginx", "--domain", domain, "--e2b-domain", domain,
-                       "--address", address, "--output", str(conf),
-                       "--upstream", f"127.0.0.1:{server.port}", "--cert", str(cert),
-                       "--key", str(key), "--e2b-cert", str(cert), "--e2b-key", str(key),
-                       "--acme-root", str(base), "--https-port", "443", "--http-port", "80")
-            nginx = Nginx(base / "nginx", conf)
-            t = nginx.test_config()
-            assert t.returncode == 0, t.stderr
-            nginx.start(443, host=address)
-            try:
-                yield Site(server, domain, address, ca, resolv, api_key)
-            finally:
-                nginx.stop()
-    finally:
-        dns_server.shutdown()
-        dns_server.server_close()
-        shutil.rmtree(base, ignore_errors=True)
+    with own_server(base_image, {"HANGAR_DOMAIN": domain}) as server:
+        r = hangar_cli("key", "add", f"e2b-{uuid.uuid4().hex[:8]}", "--e2b",
+                       env={"HANGAR_DATA_DIR": str(server.data_dir)})
+        api_key = r.stdout.strip().splitlines()[-1]
+        try:
+            with e2b_site(tmp_path_factory.mktemp("e2b-domain"), domain,
+                          f"127.0.0.1:{server.port}") as files:
+                yield Site(server, files, api_key)
+        except NoLoopbackAddress as e:
+            pytest.skip(str(e))
 
 
 def test_the_site_names_e2bs_hosts_with_the_wildcard_certificate(site: Site,
@@ -422,7 +287,8 @@ main().catch((e) => { console.error(e); process.exit(1) })
 
 @pytest.fixture(scope="module")
 def js_sdk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A folder with the npm ``e2b`` SDK at ``E2B_JS_VERSION`` installed (npm's own
+    """A folder with the npm ``e2b`` SDK at ``E2B_JS_VERSION`` and
+    ``@e2b/code-interpreter`` at ``E2B_JS_CODE_INTERPRETER_VERSION`` installed (npm's own
     registry setting); skips when npm or its registry is not reachable."""
     if shutil.which("npm") is None or shutil.which("node") is None:
         pytest.skip("needs node and npm")
@@ -430,14 +296,16 @@ def js_sdk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     (folder / "package.json").write_text('{"name": "e2b-domain-test", "private": true}\n')
     try:
         r = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--save-exact",
-                            f"e2b@{E2B_JS_VERSION}"], cwd=folder, capture_output=True,
-                           text=True, timeout=300)
+                            f"e2b@{E2B_JS_VERSION}",
+                            f"@e2b/code-interpreter@{E2B_JS_CODE_INTERPRETER_VERSION}"],
+                           cwd=folder, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
         shutil.rmtree(folder, ignore_errors=True)
-        pytest.skip("npm install e2b timed out: its registry is not reachable")
+        pytest.skip("npm install timed out: its registry is not reachable")
     if r.returncode != 0:
         shutil.rmtree(folder, ignore_errors=True)
-        pytest.skip(f"npm cannot install e2b@{E2B_JS_VERSION}: {r.stderr.strip()[-500:]}")
+        pytest.skip(f"npm cannot install e2b@{E2B_JS_VERSION} and @e2b/code-interpreter@"
+                    f"{E2B_JS_CODE_INTERPRETER_VERSION}: {r.stderr.strip()[-500:]}")
     try:
         yield folder
     finally:
@@ -482,4 +350,39 @@ def test_the_code_interpreter_runs_a_chart_with_e2b_domain_alone(site: Site,
     prog = tmp_path / "ci.py"
     prog.write_text(CI_PROGRAM)
     assert site.program([sys.executable, str(prog)], tmp_path) == {
+        "context": "42", "chart": [True], "error": True, "kill": True}
+
+
+JS_CI_PROGRAM = """
+const { Sandbox } = require('@e2b/code-interpreter')
+
+async function main() {
+  const log = {}
+  const sbx = await Sandbox.create({ timeoutMs: 600_000 })
+  try {
+    const ctx = await sbx.createCodeContext()
+    log.context = (await sbx.runCode('x = 40 + 2; x', { context: ctx })).text
+    const chart = await sbx.runCode("import matplotlib.pyplot as plt\\n" +
+      "plt.plot([1, 2, 3], [2, 4, 1]); plt.title('over TLS'); plt.show()")
+    log.chart = chart.results.map((r) => Boolean(r.png))
+    log.error = chart.error === undefined || chart.error === null
+  } finally {
+    log.kill = await sbx.kill()
+  }
+  console.log(JSON.stringify(log))
+}
+
+main().catch((e) => { console.error(e); process.exit(1) })
+"""
+
+
+@vm
+def test_the_npm_code_interpreter_runs_a_chart_with_e2b_domain_alone(site: Site,
+                                                                     js_sdk: Path) -> None:
+    """The npm ``@e2b/code-interpreter`` SDK reaches port 49999 at ``49999-<id>.<domain>``."""
+    if not (Path(site.server.data_dir) / "images" / "code-interpreter").exists():
+        pytest.skip("the code-interpreter image is not built")
+    prog = js_sdk / "ci.js"
+    prog.write_text(JS_CI_PROGRAM)
+    assert site.program(["node", str(prog)], js_sdk) == {
         "context": "42", "chart": [True], "error": True, "kill": True}

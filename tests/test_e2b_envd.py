@@ -438,24 +438,49 @@ def test_guest_port_by_header_and_host(env: Env) -> None:
         server.kill()
 
 
+HOST_ECHO = """import http.server as h
+class H(h.BaseHTTPRequestHandler):
+    def do_GET(self):
+        b = self.headers["Host"].encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(b)))
+        self.end_headers(); self.wfile.write(b)
+h.HTTPServer(("", 8124), H).serve_forever()
+"""
+
+
 def test_private_sandbox_urls_need_the_traffic_token(env: Env) -> None:
-    sbx = Sandbox.create("base", timeout=300, network={"allow_public_traffic": False},
-                         **env.params)
+    """A private sandbox's URLs: E2B's 403 without its traffic token; with it, the guest
+    gets the ``Host`` of the create's ``maskRequestHost`` (``${PORT}`` the port), by its
+    URL and by header (``E2b-Sandbox-Port``) alike."""
+    sbx = Sandbox.create("base", timeout=300, network={
+        "allow_public_traffic": False, "mask_request_host": "custom-host.example.com:${PORT}"},
+        **env.params)
     try:
         host = sbx.get_host(8124)
         with httpx.Client(base_url=env.srv.url, timeout=60) as c:
             r = c.get("/", headers={"Host": host})
-            assert r.status_code == 401
+            assert r.status_code == 403  # E2B's answer
             assert "E2B-Traffic-Access-Token" in r.json()["error"]["message"]
             r = c.get("/", headers={"Host": host,
                                     "E2B-Traffic-Access-Token": env.token})  # another's
-            assert r.status_code == 401
+            assert r.status_code == 403
             # admitted with its own: the guest's port answers (nothing listens there)
             r = c.get("/", headers={"Host": host,
                                     "E2B-Traffic-Access-Token": sbx.traffic_access_token})
             assert r.status_code == 502
             assert r.json()["error"]["message"] == (
                 f"nothing listens on port 8124 in sandbox {sbx.sandbox_id}")
+            sbx.files.write("/tmp/echo.py", HOST_ECHO)
+            sbx.commands.run("exec python3 /tmp/echo.py", background=True, timeout=0)
+            sbx.commands.run("for i in $(seq 100); do ss -Hltn 'sport = :8124' | grep -q LISTEN "
+                             "&& exit 0; sleep 0.2; done; exit 1")
+            r = c.get("/", headers={"Host": host,
+                                    "E2B-Traffic-Access-Token": sbx.traffic_access_token})
+            assert (r.status_code, r.text) == (200, "custom-host.example.com:8124")
+            r = c.get(f"{env.url}/", headers={"E2b-Sandbox-Id": sbx.sandbox_id,
+                                              "E2b-Sandbox-Port": "8124",
+                                              "X-Access-Token": sbx._envd_access_token})
+            assert (r.status_code, r.text) == (200, "custom-host.example.com:8124")
     finally:
         sbx.kill()
 

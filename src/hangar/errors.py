@@ -8,6 +8,7 @@ the client SDK (``hangar.client``)::
     ├── InvalidRequest          400  fix the request (bad path, bad key name)
     │   └── IdempotencyMismatch 422  an Idempotency-Key reused with another request
     ├── Unauthorized            401  no or wrong API key
+    ├── Forbidden               403  the credential given (or none) does not open this
     ├── Unavailable             503  the server could not be reached (client side; retry)
     ├── NotFound                404  no such sandbox, file or image
     ├── Gone                    410  the sandbox existed but expired
@@ -72,6 +73,13 @@ class IdempotencyMismatch(InvalidRequest):
 
 class Unauthorized(HangarError):
     status, code = 401, "unauthorized"
+
+
+class Forbidden(HangarError):
+    """The request is understood but the credential it carries (or none) does not open
+    what it asks for: E2B's answer for a private sandbox URL without its traffic token."""
+
+    status, code = 403, "forbidden"
 
 
 class Unavailable(HangarError):
@@ -200,7 +208,8 @@ class ConfigError(HangarError):
 BY_CODE: dict[str, type[HangarError]] = {
     cls.code: cls
     for cls in (
-        HangarError, InvalidRequest, IdempotencyMismatch, Unauthorized, Unavailable, NotFound,
+        HangarError, InvalidRequest, IdempotencyMismatch, Unauthorized, Forbidden, Unavailable,
+        NotFound,
         Gone, Conflict, Busy, ImageMissing, DiskFull, VolumeCorrupt, NoInterpreter, TooLarge,
         LimitExceeded,
         Timeout, RequestTimeout, GuestError, EngineError, ImageError, ConfigError,

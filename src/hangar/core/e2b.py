@@ -23,7 +23,7 @@ its sandbox agent's protocol, envd (``hangar.api.envd``, under
 ``Options`` / ``options`` / ``envs`` / ``sealed``
     what a create through ``/e2b`` asked for beyond Hangar's own fields
     (the template name it used, default environment variables, whether its
-    URLs are public). The environment variables (``envVars``: they often hold
+    URLs are public, the ``Host`` they pass to the guest: ``request_host``). The environment variables (``envVars``: they often hold
     keys) are sealed by the vault (``hangar.core.secrets.Vault.seal``, label
     ``ENVS_LABEL``) before the record is written, so the database holds
     ciphertext only; ``envs`` opens them when a process starts. Kept in the record's own ``e2b`` column, never in the
@@ -57,7 +57,7 @@ import hashlib
 import hmac
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from hangar.core import interpreter
@@ -66,7 +66,9 @@ from hangar.core.commands import Command
 from hangar.core.lifecycle import State
 from hangar.core.ports import Exposure
 from hangar.core.store import SandboxRecord, SnapshotRecord
-from hangar.errors import GuestError, HangarError, InvalidRequest, NotFound, Unauthorized
+from hangar.errors import (
+    Forbidden, GuestError, HangarError, InvalidRequest, NotFound, Unauthorized,
+)
 from hangar.images import list_images, resolve_image
 
 if TYPE_CHECKING:
@@ -75,7 +77,7 @@ if TYPE_CHECKING:
 __all__ = ["CONTROL_PORTS", "DEFAULT_USER", "ENVD_PORT", "ENVD_VERSION", "INTERPRETER_PORT",
            "KEY", "ROOT", "Metric", "Options", "Source", "TemplateInfo", "access_token",
            "check_access_token", "check_traffic_token", "envs", "metrics", "options",
-           "resolve", "sandbox", "sealed", "templates", "traffic_admits", "traffic_token",
+           "request_host", "resolve", "sandbox", "sealed", "templates", "traffic_admits", "traffic_token",
            "url_exposure", "with_options"]
 
 ENVD_VERSION = "0.6.4"
@@ -170,7 +172,10 @@ class Options:
     ``sealed_envs``: the same, sealed by the vault (``ENVS_LABEL``), as records keep them;
     ``public_traffic``: its
     sandbox URLs (``{port}-{id}.<HANGAR_DOMAIN>``) need no credential, as E2B's
-    do unless ``network.allowPublicTraffic`` is false (``url_exposure``).
+    do unless ``network.allowPublicTraffic`` is false (``url_exposure``);
+    ``mask_host``: E2B's ``network.maskRequestHost``, the ``Host`` a request through those
+    URLs carries to the guest (``${PORT}`` there becomes the port: ``request_host``), or
+    None to pass the client's.
     """
 
     template: str
@@ -180,10 +185,13 @@ class Options:
     user: str = "root"
     """The user envd's calls run as when they name none: ``DEFAULT_USER`` for a create of
     this version (``add_user``), ``root`` for sandboxes made before it."""
+    mask_host: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"template": self.template, "public_traffic": self.public_traffic,
                                "user": self.user}
+        if self.mask_host is not None:
+            out["mask_host"] = self.mask_host
         if self.sealed_envs is not None:
             out["envs_sealed"] = self.sealed_envs
         if self.envs:
@@ -197,8 +205,7 @@ def sealed(manager: SandboxManager, opts: Options) -> Options:
     if not opts.envs:
         return opts
     box = manager.vault.seal(ENVS_LABEL, json.dumps(opts.envs, sort_keys=True).encode())
-    return Options(template=opts.template, public_traffic=opts.public_traffic, sealed_envs=box,
-                   user=opts.user)
+    return replace(opts, envs={}, sealed_envs=box)
 
 
 def options(rec: SandboxRecord) -> Options | None:
@@ -210,12 +217,14 @@ def options(rec: SandboxRecord) -> Options | None:
         return None
     env = raw.get("envs")
     box = raw.get("envs_sealed")
+    mask = raw.get("mask_host")
     return Options(
         template=str(raw.get("template") or rec.image),
         envs={str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {},
         public_traffic=raw.get("public_traffic") is True,
         sealed_envs=box if isinstance(box, str) else None,
         user=DEFAULT_USER if raw.get("user") == DEFAULT_USER else ROOT,
+        mask_host=mask if isinstance(mask, str) else None,
     )
 
 
@@ -258,7 +267,8 @@ def url_exposure(manager: SandboxManager, sandbox_id: str, port: int,
 
     Returns a public ``Exposure`` for the request when it may pass; None for a sandbox
     made through Hangar's own API (its ports are exposed with ``POST
-    /sandboxes/{id}/ports``). Raises Unauthorized (a token is missing or wrong),
+    /sandboxes/{id}/ports``). Raises Unauthorized (a control port's token is missing or
+    wrong), Forbidden (a private sandbox's traffic token is missing or wrong: E2B's 403),
     NotFound or Gone (no such sandbox).
     """
     opts = options(sandbox(manager, sandbox_id))
@@ -274,11 +284,22 @@ def url_exposure(manager: SandboxManager, sandbox_id: str, port: int,
                                "the sandbox's envdAccessToken in the X-Access-Token header",
                                sandbox_id=sandbox_id, port=port)
     elif not opts.public_traffic and not check_traffic_token(manager, sandbox_id, traffic):
-        raise Unauthorized(f"sandbox {sandbox_id} was created with "
+        raise Forbidden(f"sandbox {sandbox_id} was created with "
                            "network.allowPublicTraffic false: its URLs need its "
                            "trafficAccessToken in the E2B-Traffic-Access-Token header",
                            sandbox_id=sandbox_id, port=port)
     return Exposure(sandbox_id, port, True, "", time.time())
+
+
+def request_host(manager: SandboxManager, sandbox_id: str, port: int) -> bytes | None:
+    """The ``Host`` a request through ``sandbox_id``'s E2B URL for ``port`` carries to the
+    guest: its create's ``network.maskRequestHost`` with ``${PORT}`` replaced by ``port``,
+    or None (the client's own ``Host``) when it set none or was not made through ``/e2b``.
+    Raises NotFound or Gone (no such sandbox)."""
+    opts = options(sandbox(manager, sandbox_id))
+    if opts is None or opts.mask_host is None:
+        return None
+    return opts.mask_host.replace("${PORT}", str(port)).encode("ascii")
 
 
 # -- templates -----------------------------------------------------------------------------

@@ -77,13 +77,17 @@ else
   cat > /usr/local/bin/sudo <<'SHIM' && chmod 0755 /usr/local/bin/sudo || exit 1
 {SUDO_SHIM}SHIM
 fi
+if ! command -v python >/dev/null && py=$(command -v python3); then
+  ln -s "$py" /usr/local/bin/python 2>/dev/null || :
+fi
 exit 0
 """
 """Run as root in a new sandbox made through ``/e2b`` (idempotent): the default user (uid and
 gid 1000) with its group and home (written into ``/etc/passwd`` and its siblings by the
 shell itself, with ``/etc/skel``'s files: few processes, each costly under emulation), and
-passwordless ``sudo`` (a sudoers entry, or the ``SUDO_SHIM`` where the image has none).
-Exits 3 when the image has no ``setpriv``, without which commands cannot run as it."""
+passwordless ``sudo`` (a sudoers entry, or the ``SUDO_SHIM`` where the image has none),
+and ``python`` as E2B's templates have it: a link to ``python3`` where the image has only
+that. Exits 3 when the image has no ``setpriv``, without which commands cannot run as it."""
 
 SETUP_TIMEOUT_S = 60.0
 """Longest the default user's setup may take (a few small commands; an emulated guest on a

@@ -10,6 +10,7 @@ that reads it, with a message that names it. Times are RFC 3339 strings
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar, Literal
 
 from pydantic import (
@@ -20,6 +21,11 @@ from hangar.schemas.base import PATH_MAX
 from hangar.schemas.bounds import (
     METADATA_ENTRIES, NAME_BYTES, check_env_vars, check_metadata, check_name, check_rules,
 )
+
+
+MASK_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?")
+"""A ``Host`` value ``network.maskRequestHost`` may give (``${PORT}`` replaced): a host name
+or IPv4 address, an optional port."""
 
 
 class _Request(BaseModel):
@@ -58,8 +64,9 @@ class NetworkConfig(_Request):
     """Egress rules of a new sandbox. Hangar serves ``allowOut``/``denyOut`` as IPv4 CIDRs,
     addresses and domains (``example.com``, ``*.example.com``; docs/networking.md);
     ``allowPublicTraffic`` (default true) says whether the sandbox's URLs need its traffic
-    token (``hangar.core.e2b.url_exposure``); ``egressProxy``, ``rules`` and
-    ``maskRequestHost`` are refused."""
+    token (``hangar.core.e2b.url_exposure``); ``maskRequestHost`` is the ``Host`` requests
+    through those URLs carry to the guest (``${PORT}`` becomes the port; a host name or
+    address with an optional port, else 400); ``egressProxy`` and ``rules`` are refused."""
 
     allowPublicTraffic: bool | None = None
     allowOut: list[str] | None = None
@@ -67,6 +74,14 @@ class NetworkConfig(_Request):
     egressProxy: dict[str, Any] | None = None
     maskRequestHost: str | None = Field(None, max_length=NAME_BYTES)
     rules: dict[str, Any] | None = None
+
+    @field_validator("maskRequestHost")
+    @classmethod
+    def _mask(cls, v: str | None) -> str | None:
+        if v is not None and not MASK_HOST.fullmatch(v.replace("${PORT}", "1")):
+            raise ValueError("network.maskRequestHost must be a host name or address with an "
+                             "optional port, where ${PORT} stands for the sandbox's port")
+        return v
 
     _allow = field_validator("allowOut")(classmethod(
         lambda cls, v: check_rules(v, "network.allowOut")))

@@ -102,7 +102,8 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
     opts = e2b.Options(template=source.asked, envs=dict(body.envVars or {}),
                        public_traffic=body.network is None
                        or body.network.allowPublicTraffic is not False,
-                       user=e2b.DEFAULT_USER)
+                       user=e2b.DEFAULT_USER,
+                       mask_host=body.network.maskRequestHost if body.network else None)
     # envVars often hold keys: sealed by the vault before any record keeps them
     fields: Any = {**e2b.with_options(dict(body.metadata or {}), e2b.sealed(m, opts)),
                    "on_expiry": OnExpiry.SLEEP if body.autoPause else OnExpiry.DELETE,

@@ -143,7 +143,7 @@ def policy(allow_internet: bool | None, net: NetworkConfig | None) -> dict[str, 
     """Hangar's egress policy for E2B's ``allow_internet_access`` and ``network``; None
     takes the server's default. Raises InvalidRequest for what Hangar cannot enforce."""
     if net is not None:
-        for name in ("egressProxy", "rules", "maskRequestHost"):
+        for name in ("egressProxy", "rules"):
             if getattr(net, name):
                 raise InvalidRequest(f"network.{name} is not supported by Hangar (egress "
                                      "rules are allowOut/denyOut lists)", field=name)

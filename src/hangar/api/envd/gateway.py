@@ -283,8 +283,10 @@ class EnvdGateway:
             raise Refusal(502, "unavailable",
                           f"The sandbox {sandbox_id} is paused with its filesystem alone: "
                           "connect to it to resume it (traffic does not)")
+        # on its way to sleep (a snapshot for a pause) it is paused for E2B already, as
+        # its get_info says: is_running() is False from the moment the pause is asked
         if public_name(rec.state, Face.E2B, rec.desired_state) == "paused" \
-                and not rec.auto_resume:  # also on its way to sleep, as E2B shows it
+                and not rec.auto_resume:
             raise Refusal(502, "unavailable",
                           f"The sandbox {sandbox_id} is paused: connect to it to resume it "
                           "(it was created without auto_resume)")

@@ -8,7 +8,8 @@ WebSockets, streamed both ways) to ``127.0.0.1:<port>`` in the guest, with
 the path after ``/e2b/envd``. No exposure is needed (the credential is the
 sandbox's own); ``sandbox.get_host(port)`` URLs, which carry none, go
 through the port proxy's host routing, which opens them as E2B does
-(``hangar.core.e2b.url_exposure``).
+(``hangar.core.e2b.url_exposure``). Both pass the guest the ``Host`` of the
+create's ``network.maskRequestHost`` when it set one (``hangar.core.e2b.request_host``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from hangar.api import proxy
 from hangar.api.envd.versions import PREFIX
-from hangar.core.service import SandboxManager
+from hangar.core.service import SandboxManager, e2b
 
 
 async def forward(scope: Scope, receive: Receive, send: Send, manager: SandboxManager,
@@ -28,4 +29,5 @@ async def forward(scope: Scope, receive: Receive, send: Send, manager: SandboxMa
     raw = scope.get("raw_path") or scope.get("path", "").encode("utf-8", "surrogateescape")
     path = raw[len(PREFIX):] if raw.startswith(PREFIX.encode()) else rest_path.encode()
     target = proxy.Target(sandbox_id, port, path or b"/", None)
-    await proxy.forward_admitted(scope, receive, send, target, manager, state)
+    await proxy.forward_admitted(scope, receive, send, target, manager, state,
+                                 e2b.request_host(manager, sandbox_id, port))

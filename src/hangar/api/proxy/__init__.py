@@ -105,10 +105,13 @@ class PortProxy:
 
 
 async def forward_admitted(scope: Scope, receive: Receive, send: Send, target: Target,
-                           manager: SandboxManager, state: Any) -> None:
+                           manager: SandboxManager, state: Any,
+                           host: bytes | None = None) -> None:
     """Forward one request (HTTP or WebSocket) to ``target``, its caller having admitted it
-    already (E2B's data plane, by the sandbox's access token): no exposure is needed."""
+    already (E2B's data plane, by the sandbox's access token): no exposure is needed.
+    ``host``: the ``Host`` the guest gets instead of the client's."""
     cls = HttpExchange if scope["type"] == "http" else WebSocketExchange
     exchange = cls(scope, receive, send, target, manager, state)
+    exchange.host = host
     exchange.admit = lambda: None  # type: ignore[assignment, method-assign, return-value]
     await exchange.run()

@@ -47,6 +47,9 @@ class Exchange:
         self.query, self.query_token = split_query(scope)
         self.cookie, self.cookie_tokens = split_cookies(scope)
         self.new_cookie: tuple[bytes, bytes] | None = None
+        self.host: bytes | None = None
+        """The ``Host`` the guest gets instead of the client's (E2B's
+        ``network.maskRequestHost``: ``hangar.core.e2b.request_host``), once admitted."""
         self._drop: frozenset[bytes] | None = None
 
     @property
@@ -170,6 +173,7 @@ class Exchange:
             raise Refused.of(exc) from None
         if found is None:
             raise Refused.of(not_exposed) from None
+        self.host = e2b.request_host(self.m, t.sandbox_id, t.port)
         return found
 
     def resource(self) -> bytes:

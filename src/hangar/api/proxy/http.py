@@ -46,7 +46,7 @@ class HttpExchange(Exchange):
 
     async def _exchange(self, tunnel: Tunnel) -> None:
         conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
-        headers = guest_headers(self.scope, self.target, self.cookie, self.drop)
+        headers = guest_headers(self.scope, self.target, self.cookie, self.drop, self.host)
         length = header(self.scope, b"content-length")
         chunked = b"chunked" in (header(self.scope, b"transfer-encoding") or b"").lower()
         if chunked:

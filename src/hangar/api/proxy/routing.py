@@ -153,16 +153,18 @@ def connection_tokens(headers: Any) -> set[bytes]:
 
 
 def guest_headers(scope: Scope, target: Target, cookie: bytes | None,
-                  also_drop: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:
+                  also_drop: frozenset[bytes] = frozenset(),
+                  host_as: bytes | None = None) -> list[tuple[bytes, bytes]]:
     """The client's headers as the guest gets them (see the module docstring), without
-    ``also_drop`` (lower-case names); no framing."""
+    ``also_drop`` (lower-case names), with ``Host`` ``host_as`` when given (E2B's
+    ``maskRequestHost``; ``X-Forwarded-Host`` keeps the client's); no framing."""
     drop = DROP_FROM_CLIENT | also_drop | connection_tokens(scope.get("headers", ()))
     out = [(bytes(k), bytes(v)) for k, v in scope.get("headers", ()) if k not in drop]
     host = header(scope, b"host") or b"localhost"
     client = scope.get("client")
     given = str(scope.get("scheme") or "http")
     scheme = {"ws": "http", "wss": "https"}.get(given, given)
-    out.insert(0, (b"host", host))
+    out.insert(0, (b"host", host_as or host))
     if cookie:
         out.append((b"cookie", cookie))
     if client:

@@ -75,7 +75,7 @@ class WebSocketExchange(Exchange):
         del request.headers["Host"]
         if "Origin" in request.headers:
             del request.headers["Origin"]
-        for k, v in guest_headers(self.scope, t, self.cookie, self.drop):
+        for k, v in guest_headers(self.scope, t, self.cookie, self.drop, self.host):
             request.headers[k.decode("latin-1")] = v.decode("latin-1")
         proto.send_request(request)
         await self._flush(proto, tunnel)
