@@ -9,6 +9,15 @@
 # (packages/python-sdk/package.json), pytest, pytest-asyncio, pytest-timeout and
 # pytest-dotenv, as that checkout's dev group pins them. Nothing of E2B's is copied here.
 #
+# E2B_SOURCE may also be e2b-dev/code-interpreter's python/ folder (or a checkout holding
+# it): its tests then run against the `code-interpreter` image (E2B's
+# code-interpreter-v1), with the `e2b-code-interpreter` package in $E2B_PYTHON (plus
+# pytest-xdist and matplotlib: its pytest.ini runs 2 workers). Its default selection is
+# tests/sync; run tests/charts with `-o asyncio_mode=auto` and tests/test_execute_timeout.py
+# the same way. Before the tests, one sandbox of that image is made and deleted, so that its
+# template snapshot exists (the first boot takes minutes under emulation: longer than the
+# tests wait for a create). docs/e2b.md has the figures.
+#
 # It starts a Hangar server of its own (a root server on a free port, a fresh data
 # directory whose images are the host's built ones, $HANGAR_IMAGES, default
 # /var/lib/hangar/images; no warm pool), makes an E2B key with `hangar key add --e2b`, runs
@@ -16,6 +25,7 @@
 # E2B_SANDBOX_URL and E2B_API_KEY set (or the folders and options given after E2B_SOURCE,
 # e.g. `-x -k test_run`), and prints one JSON line:
 #   {"passed": N, "failed": N, "skipped": N, "errors": N, "total": N, "e2b": "2.45.1", ...}
+# (with "e2b_code_interpreter": its version for that suite)
 # The per-test report (JUnit XML) is left in $E2B_CONFORMANCE_REPORT (default
 # /tmp/e2b-conformance-<pid>.xml); $E2B_COMMIT names the E2B commit when E2B_SOURCE is not
 # a git checkout. Afterwards every sandbox is deleted, the server is
@@ -24,7 +34,7 @@
 set -euo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,24p' "$0" >&2
+  sed -n '2,33p' "$0" >&2
   exit 2
 fi
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -32,6 +42,8 @@ SRC_ARG=$1
 shift
 if [ -d "$SRC_ARG/packages/python-sdk/tests/sync" ]; then
   TESTS=$(cd "$SRC_ARG/packages/python-sdk/tests" && pwd)
+elif [ -d "$SRC_ARG/python/e2b_code_interpreter" ] && [ -d "$SRC_ARG/python/tests/sync" ]; then
+  TESTS=$(cd "$SRC_ARG/python/tests" && pwd)
 elif [ -d "$SRC_ARG/tests/sync" ]; then
   TESTS=$(cd "$SRC_ARG/tests" && pwd)
 elif [ -d "$SRC_ARG/sync" ]; then
@@ -41,6 +53,8 @@ else
   exit 2
 fi
 SDK_DIR=$(dirname "$TESTS")
+SUITE=e2b
+[ -d "$SDK_DIR/e2b_code_interpreter" ] && SUITE=code-interpreter
 E2B_PYTHON=${E2B_PYTHON:-python3}
 HANGAR_PYTHON=${HANGAR_PYTHON:-$REPO/.venv/bin/python}
 IMAGES=${HANGAR_IMAGES:-/var/lib/hangar/images}
@@ -49,6 +63,12 @@ REPORT=${E2B_CONFORMANCE_REPORT:-/tmp/e2b-conformance-$$.xml}
 [ -e "$IMAGES/base" ] || { echo "no built base image in $IMAGES (HANGAR_IMAGES)" >&2; exit 2; }
 SDK_VERSION=$("$E2B_PYTHON" -c 'import importlib.metadata as m; print(m.version("e2b"))') || {
   echo "$E2B_PYTHON has no e2b package (E2B_PYTHON)" >&2; exit 2; }
+CI_VERSION=
+if [ "$SUITE" = code-interpreter ]; then
+  CI_VERSION=$("$E2B_PYTHON" -c 'import importlib.metadata as m; print(m.version("e2b-code-interpreter"))') || {
+    echo "$E2B_PYTHON has no e2b-code-interpreter package (E2B_PYTHON)" >&2; exit 2; }
+  [ -e "$IMAGES/code-interpreter" ] || { echo "no built code-interpreter image in $IMAGES" >&2; exit 2; }
+fi
 
 DATA=$(mktemp -d /tmp/hangar-e2b-XXXXXX)
 ln -s "$IMAGES" "$DATA/images"
@@ -97,8 +117,21 @@ done
 curl -fs "$URL/health" >/dev/null || { echo "server did not start" >&2; tail -30 "$DATA/server.log" >&2; exit 1; }
 KEY=$(PYTHONPATH=$REPO/src "$HANGAR_PYTHON" -m hangar.cli key add "e2b-conformance" --e2b)
 
-if [ $# -eq 0 ]; then
+if [ $# -eq 0 ] && [ "$SUITE" = code-interpreter ]; then
+  set -- tests/sync
+elif [ $# -eq 0 ]; then
   set -- tests/sync/sandbox_sync tests/sync/api_sync tests/sync/volume_sync tests/sync/secret_sync
+fi
+if [ "$SUITE" = code-interpreter ]; then
+  # the template's first boot, before the tests: they wait at most a minute for a create
+  "$HANGAR_PYTHON" - "$URL" "$(cat "$DATA/api-key")" <<'EOF' || { echo "the code-interpreter template did not start" >&2; exit 1; }
+import sys, httpx
+url, key = sys.argv[1], sys.argv[2]
+with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=1800) as c:
+    r = c.post("/sandboxes", json={"image": "code-interpreter"})
+    r.raise_for_status()
+    c.delete(f"/sandboxes/{r.json()['id']}").raise_for_status()
+EOF
 fi
 rc=0
 (
@@ -111,9 +144,9 @@ if [ "${E2B_CONFORMANCE_KEEP_LOG:-}" ]; then
   cp "$DATA/server.log" "$E2B_CONFORMANCE_KEEP_LOG"
 fi
 [ -f "$REPORT" ] || { echo "pytest wrote no report (exit $rc)" >&2; exit 1; }
-"$HANGAR_PYTHON" - "$REPORT" "$SDK_VERSION" "$SDK_DIR" <<'EOF'
+"$HANGAR_PYTHON" - "$REPORT" "$SDK_VERSION" "$SDK_DIR" "$CI_VERSION" <<'EOF'
 import json, os, subprocess, sys, xml.etree.ElementTree as ET
-report, version, sdk_dir = sys.argv[1:4]
+report, version, sdk_dir, ci_version = sys.argv[1:5]
 counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
 for case in ET.parse(report).getroot().iter("testcase"):
     kinds = {child.tag for child in case}
@@ -127,7 +160,8 @@ for case in ET.parse(report).getroot().iter("testcase"):
         counts["passed"] += 1
 commit = os.environ.get("E2B_COMMIT") or subprocess.run(
     ["git", "-C", sdk_dir, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-print(json.dumps({**counts, "total": sum(counts.values()), "e2b": version, "commit": commit,
-                  "report": report}))
+extra = {"e2b_code_interpreter": ci_version} if ci_version else {}
+print(json.dumps({**counts, "total": sum(counts.values()), "e2b": version, **extra,
+                  "commit": commit, "report": report}))
 EOF
 exit $([ "$rc" -le 1 ] && echo 0 || echo "$rc")
