@@ -4,8 +4,10 @@ Hangar's SDK (``Sandbox.run_code``), its agent tool, and the unmodified
 ``e2b-code-interpreter`` SDK (2.11.5 with e2b 2.63.0) through ``/e2b``, configured
 only by ``E2B_API_URL``, ``E2B_SANDBOX_URL`` and ``E2B_API_KEY``: state kept between
 calls, PNG charts of the figure's size, errors with tracebacks, separate
-contexts, stdout streamed before the cell ends. One sandbox serves most
-cases.
+contexts, stdout streamed before the cell ends; and what e2b-dev/code-interpreter's
+own tests expect of an E2B sandbox (E2B's default user and home, the create's
+envs, JavaScript, TypeScript and Bash contexts, restarts, a sandbox killed
+mid-cell). One sandbox serves most cases.
 """
 
 from __future__ import annotations

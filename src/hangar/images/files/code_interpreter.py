@@ -98,11 +98,27 @@ this server's clear 504 rather than the host's timeout."""
 WARMUP = "__import__('numpy'), __import__('pandas'), __import__('matplotlib.pyplot')"
 """Run in every kernel (the default one and each spare) before it is used: the imports most
 cells need, loaded without binding a name (a new context's namespace is empty)."""
+CHARTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_interpreter_charts.py")
+CHART_MIME = "application/vnd.hangar.chart+json"
+"""A Python kernel's structured chart of a matplotlib figure (``CHARTS``): the result's
+``chart``."""
+CHART_SETUP = f"""def _hangar_charts():
+    import importlib.util, os, sys
+    if not os.path.exists({CHARTS!r}):
+        return
+    spec = importlib.util.spec_from_file_location("_hangar_charts", {CHARTS!r})
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["_hangar_charts"] = module
+    module.install(get_ipython())
+_hangar_charts()
+del _hangar_charts
+"""
 FORMATS = {
     "text/plain": "text", "text/html": "html", "text/markdown": "markdown",
     "image/svg+xml": "svg", "image/png": "png", "image/jpeg": "jpeg",
     "application/pdf": "pdf", "text/latex": "latex", "application/json": "json",
-    "application/javascript": "javascript",
+    "application/javascript": "javascript", CHART_MIME: "chart",
 }
 """MIME type → the result's key; other types go under ``extra``."""
 LANGUAGES = {"python": "python", "python3": "python", "javascript": "javascript",
@@ -196,6 +212,7 @@ class Kernel:
             self.kc = self.km.blocking_client()
             self.kc.start_channels()
             self.kc.wait_for_ready(timeout=KERNEL_START_S)
+            self.silent(CHART_SETUP)
         except BaseException:
             self.km.shutdown_kernel(now=True)
             raise
