@@ -82,6 +82,9 @@ SERVER_PID=
 
 cleanup() {
   set +e
+  if [ "${E2B_CONFORMANCE_KEEP_LOG:-}" ] && [ -f "$DATA/server.log" ]; then
+    cp "$DATA/server.log" "$E2B_CONFORMANCE_KEEP_LOG"
+  fi
   if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
     local key
     key=$(cat "$DATA/api-key" 2>/dev/null)
@@ -140,9 +143,6 @@ rc=0
     E2B_SANDBOX_URL="$URL/e2b/envd" E2B_API_KEY="$KEY" \
     "$E2B_PYTHON" -m pytest -p no:cacheprovider -q -rfE --junitxml="$REPORT" "$@"
 ) >&2 || rc=$?
-if [ "${E2B_CONFORMANCE_KEEP_LOG:-}" ]; then
-  cp "$DATA/server.log" "$E2B_CONFORMANCE_KEEP_LOG"
-fi
 [ -f "$REPORT" ] || { echo "pytest wrote no report (exit $rc)" >&2; exit 1; }
 "$HANGAR_PYTHON" - "$REPORT" "$SDK_VERSION" "$SDK_DIR" "$CI_VERSION" <<'EOF'
 import json, os, subprocess, sys, xml.etree.ElementTree as ET

@@ -346,7 +346,8 @@ CODE_INTERPRETER = Recipe(
     start=f"exec /usr/bin/python3 {paths.CODE_INTERPRETER_SERVER} "
           f"--port {CODE_INTERPRETER_PORT} --cwd {paths.HOME}",
     ready_port=CODE_INTERPRETER_PORT,
-    ready_timeout_s=600.0,                # a cold boot under TCG on a busy host: minutes
+    ready_timeout_s=1200.0,               # a cold boot under TCG on a busy host: minutes
+                                          # (two Python kernels and Node.js; over 10 at load 20)
     default_memory_mib=1024,
 )
 

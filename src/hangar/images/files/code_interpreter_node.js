@@ -14,8 +14,8 @@
 // (Node's built-in and installed CommonJS modules), a cell that uses `await` runs in an
 // async function whose top-level `const`/`let`/`var` of plain names go to the global scope,
 // and a TypeScript cell is transpiled first by Debian's TypeScript (loaded on first use, or
-// at start with a third argument `preload`: the default context, which also runs the cells
-// of language `ts` given no context).
+// right after start with a third argument `preload`: the default context, which also runs
+// the cells of language `ts` given no context).
 'use strict';
 
 const fs = require('fs');
@@ -184,11 +184,15 @@ function become(request) {
 }
 
 async function main() {
-  if (PRELOAD) {  // the default context: its TypeScript cells start at once
+  send({ type: 'ready' });
+  if (PRELOAD) {
+    // the default context: TypeScript is loaded once it has answered (a start that waited
+    // for it made the template's start minutes longer under emulation); a first cell
+    // waits for the load
+    await new Promise((resolve) => setImmediate(resolve));
     transpile('');
     acorn = require('acorn');
   }
-  send({ type: 'ready' });
   const lines = readline.createInterface({ input: process.stdin, terminal: false });
   for await (const line of lines) {
     let request;
