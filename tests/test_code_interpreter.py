@@ -46,6 +46,15 @@ fig = plt.figure(figsize=(4, 3), dpi=100)
 plt.plot([1, 2, 3], [3, 1, 2])
 plt.show()
 """
+BAR = """
+import matplotlib.pyplot as plt
+plt.figure(figsize=(4, 3))
+plt.bar(['Author A', 'Author B'], [100, 200], label='Books Sold')
+plt.xlabel('Authors')
+plt.ylabel('Books (count)')
+plt.title('Book Sales')
+plt.show()
+"""
 STREAM = "print('first', flush=True)\nimport time\ntime.sleep(2)\nprint('second')\n"
 WAIT_FOR_SPARE = r"""
 end=$((SECONDS + $1))
@@ -246,6 +255,23 @@ def test_contexts_answer_at_once(client: Hangar, code_image: Path, waits: Waits)
                       "[ \"$n\" = 4 ] && break; sleep 1; done; echo $n" % deadline,
                       deadline + 60).strip()
         assert kernels == "4", kernels
+
+
+@vm
+def test_charts_and_other_languages(sb: Sandbox) -> None:
+    # a matplotlib figure comes back as a PNG and as a chart described as data
+    chart = next(r for r in sb.run_code(BAR).results if r.png).chart
+    assert chart is not None and (chart["type"], chart["title"]) == ("bar", "Book Sales")
+    assert (chart["x_label"], chart["y_label"], chart["y_unit"]) == (
+        "Authors", "Books (count)", "count")
+    assert [(e["label"], e["value"], e["group"]) for e in chart["elements"]] == [
+        ("Author A", 100, "Books Sold"), ("Author B", 200, "Books Sold")]
+    # JavaScript and Bash keep state between cells (Hangar's own sandboxes run them as root)
+    sb.run_code("const answer = 41", language="js")
+    assert sb.run_code("answer + 1", language="javascript").text == "42"
+    sb.run_code("cd /tmp; n=6", language="bash")
+    assert sb.run_code("echo $((n * 7)) $PWD $(id -u)", language="bash").logs.stdout == [
+        "42 /tmp 0\n"]
 
 
 @vm
@@ -460,6 +486,9 @@ def test_e2b_languages_user_and_environment(e2b_env: None, sb: Sandbox, waits: W
         assert (listed.language, listed.cwd) == ("javascript", "/tmp")
         assert s.run_code("[process.cwd(), typeof kept].join(' ')",
                           context=ctx).text == "/tmp undefined"
+        chart = next(r for r in s.run_code(BAR).results if r.chart).chart
+        assert (chart.type, chart.title, chart.x_label) == ("bar", "Book Sales", "Authors")
+        assert [b.value for b in chart.elements] == [100, 200]
         # killed during a cell: E2B's TimeoutException, as E2B's own test expects
         timer = threading.Timer(2.0, s.kill)
         timer.start()
