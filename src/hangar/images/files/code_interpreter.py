@@ -19,9 +19,14 @@ It speaks the protocol of E2B's code interpreter on one TCP port (49999):
                    ``end_of_execution``. Without ``context_id`` the default
                    context runs it. ``env_vars`` hold for this run only.
 ``POST /contexts``  ``{"language"?, "cwd"?}``: a new context; answers ``{"id",
-                   "language", "cwd"}``.
+                   "language", "cwd"}``. Languages: ``python`` (the default),
+                   ``javascript`` (``js``), ``typescript`` (``ts``), ``bash``.
 ``GET /contexts``  every context. ``POST /contexts/{id}/restart`` gives it a new kernel
                    (its variables go); ``DELETE /contexts/{id}`` shuts it down.
+``POST /configure`` ``{"user"?, "envs"?}``: whom kernels run as from now on (the host
+                   sends it when an E2B sandbox is made: E2B's default user, the
+                   create's envs): running kernels move to it (``Identity``), and
+                   contexts in the server's folder move to the user's home.
 ``GET /health``    ``{"status": "ok", "spare": "ready"|"starting"|"failed"|"none",
                    "spare_start_s": seconds the last spare took to start, or null}``.
 
@@ -51,7 +56,10 @@ A client that goes away mid-cell interrupts the kernel. Bounds:
 ``MAX_REQUESTS`` requests at once (429 beyond); output is forwarded message
 by message, never accumulated. Errors answer ``{"error": message}`` with
 400, 404, 413, 429, 502 (a kernel failed to start) or 504 (no kernel ready
-within ``SPARE_WAIT_S``). Python only.
+within ``SPARE_WAIT_S``). JavaScript and TypeScript contexts are Node.js processes
+(``NodeKernel``), Bash ones ``bash`` processes (``BashKernel``), started on demand (the
+default JavaScript one in the background once the port is open); Python figures also come
+back as structured charts (``CHARTS``).
 """
 
 from __future__ import annotations
@@ -470,11 +478,10 @@ class KernelContext:
 
 
 def start_kernel(language: str, cwd: str, default: bool = False) -> Any:
-    """A new kernel of a language other than Python, started as ``IDENTITY`` in ``cwd``
-    (the default JavaScript one loads TypeScript at once: it runs ``ts`` cells too)."""
+    """A new kernel of a language other than Python, started as ``IDENTITY`` in ``cwd``."""
     if language == "bash":
         return BashKernel(cwd, IDENTITY)
-    return NodeKernel(language, cwd, IDENTITY, preload=default and language == "javascript")
+    return NodeKernel(language, cwd, IDENTITY)
 
 
 def _lines_of(buf: str, emit: Any, kind: str, final: bool = False) -> str:
@@ -609,11 +616,10 @@ class NodeKernel:
     takes one JSON request a line on its stdin (``run``, ``become``) and answers lines of
     this protocol (plus ``ready`` and ``done``) on the descriptor named by its argument."""
 
-    def __init__(self, language: str, cwd: str, ident: Identity, preload: bool = False) -> None:
+    def __init__(self, language: str, cwd: str, ident: Identity) -> None:
         self.language = language
         self.applied = ident.version
         self.cwd = cwd
-        self.preload = preload
         self._start(ident)
 
     def _start(self, ident: Identity) -> None:
@@ -623,7 +629,7 @@ class NodeKernel:
         env.pop("PYTHONPATH", None)
         try:
             self.proc = subprocess.Popen(
-                [NODE, NODE_DRIVER, str(w), language, "preload" if self.preload else ""],
+                [NODE, NODE_DRIVER, str(w), language],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, stderr=None, cwd=cwd, env=env, pass_fds=(w,),
                 start_new_session=True, **ident.popen())
@@ -762,11 +768,12 @@ class Contexts:
         return self._put(KernelContext(kernel, self.cwd, default=True))
 
     def start_default_of(self, language: str) -> KernelContext | None:
-        """Start the default context of another language at server start, as E2B's server
-        does for JavaScript; None (logged) when its runtime is missing or fails."""
+        """Start the default context of another language, as E2B's server does for
+        JavaScript (in the background once the port is open: a Node.js start under
+        emulation would hold the template's ready check back); None (logged) when its
+        runtime is missing or fails."""
         try:
-            return self._put(KernelContext(start_kernel(language, self.cwd, True), self.cwd,
-                                           default=True))
+            return self.default(language)
         except Exception as exc:
             print(f"code interpreter: no default {language} context: {exc}", file=sys.stderr,
                   flush=True)
@@ -948,7 +955,7 @@ class Handler(BaseHTTPRequestHandler):
         else:
             language = _language(body.get("language"))
             # TypeScript cells without a context run in the default JavaScript one (E2B's
-            # kernel serves both), whose TypeScript is loaded already
+            # kernel serves both)
             ctx = self.contexts.default("javascript" if language == "typescript" else language)
             typescript = language == "typescript"
         self.send_response(200)
@@ -1029,12 +1036,13 @@ def main() -> None:
     spares = Spares(a.cwd, a.warmup)
     contexts = Contexts(a.cwd, spares)
     contexts.start_default(a.warmup)
-    if os.path.exists(NODE):
-        contexts.start_default_of("javascript")
     t1 = time.monotonic()
     spares.wait()  # the port opens with both ready: a template snapshot then holds both
     Handler.contexts = contexts
     server = Server(("127.0.0.1", a.port), Handler)
+    if os.path.exists(NODE):
+        threading.Thread(target=contexts.start_default_of, args=("javascript",),
+                         name="default-javascript", daemon=True).start()
     print(f"code interpreter: default kernel ready in {t1 - t0:.1f} s, spare in "
           f"{time.monotonic() - t1:.1f} s more; serving on port {a.port}",
           file=sys.stderr, flush=True)

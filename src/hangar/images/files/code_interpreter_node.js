@@ -13,9 +13,8 @@
 // declarations stay between cells. `import ... from 'm'` lines become require() calls
 // (Node's built-in and installed CommonJS modules), a cell that uses `await` runs in an
 // async function whose top-level `const`/`let`/`var` of plain names go to the global scope,
-// and a TypeScript cell is transpiled first by Debian's TypeScript (loaded on first use, or
-// right after start with a third argument `preload`: the default context, which also runs
-// the cells of language `ts` given no context).
+// and a TypeScript cell is transpiled first by Debian's TypeScript (loaded on first use; the
+// default JavaScript context also runs the cells of language `ts` given no context).
 'use strict';
 
 const fs = require('fs');
@@ -29,7 +28,6 @@ const { Writable } = require('stream');
 
 const OUT = Number(process.argv[2]);
 const LANGUAGE = process.argv[3] || 'javascript';
-const PRELOAD = process.argv[4] === 'preload';
 
 function send(line) {
   fs.writeSync(OUT, JSON.stringify(line) + '\n');
@@ -185,14 +183,6 @@ function become(request) {
 
 async function main() {
   send({ type: 'ready' });
-  if (PRELOAD) {
-    // the default context: TypeScript is loaded once it has answered (a start that waited
-    // for it made the template's start minutes longer under emulation); a first cell
-    // waits for the load
-    await new Promise((resolve) => setImmediate(resolve));
-    transpile('');
-    acorn = require('acorn');
-  }
   const lines = readline.createInterface({ input: process.stdin, terminal: false });
   for await (const line of lines) {
     let request;
