@@ -54,7 +54,11 @@ else
 fi
 SDK_DIR=$(dirname "$TESTS")
 SUITE=e2b
-[ -d "$SDK_DIR/e2b_code_interpreter" ] && SUITE=code-interpreter
+SAFE_PATH=
+if [ -d "$SDK_DIR/e2b_code_interpreter" ]; then
+  # -P: the installed e2b-code-interpreter, not the checkout's copy in the working folder
+  SUITE=code-interpreter SAFE_PATH=-P
+fi
 E2B_PYTHON=${E2B_PYTHON:-python3}
 HANGAR_PYTHON=${HANGAR_PYTHON:-$REPO/.venv/bin/python}
 IMAGES=${HANGAR_IMAGES:-/var/lib/hangar/images}
@@ -141,7 +145,7 @@ rc=0
   cd "$SDK_DIR"
   env -u E2B_DOMAIN -u E2B_DEBUG -u PYTHONPATH E2B_API_URL="$URL/e2b" \
     E2B_SANDBOX_URL="$URL/e2b/envd" E2B_API_KEY="$KEY" \
-    "$E2B_PYTHON" -m pytest -p no:cacheprovider -q -rfE --junitxml="$REPORT" "$@"
+    "$E2B_PYTHON" $SAFE_PATH -m pytest -p no:cacheprovider -q -rfE --junitxml="$REPORT" "$@"
 ) >&2 || rc=$?
 [ -f "$REPORT" ] || { echo "pytest wrote no report (exit $rc)" >&2; exit 1; }
 "$HANGAR_PYTHON" - "$REPORT" "$SDK_VERSION" "$SDK_DIR" "$CI_VERSION" <<'EOF'
