@@ -9,6 +9,15 @@
 # (packages/python-sdk/package.json), pytest, pytest-asyncio, pytest-timeout and
 # pytest-dotenv, as that checkout's dev group pins them. Nothing of E2B's is copied here.
 #
+# E2B_SOURCE may also be e2b-dev/code-interpreter's python/ folder (or a checkout holding
+# it): its tests then run against the `code-interpreter` image (E2B's
+# code-interpreter-v1), with the `e2b-code-interpreter` package in $E2B_PYTHON (plus
+# pytest-xdist and matplotlib: its pytest.ini runs 2 workers). Its default selection is
+# tests/sync; run tests/charts with `-o asyncio_mode=auto` and tests/test_execute_timeout.py
+# the same way. Before the tests, one sandbox of that image is made and deleted, so that its
+# template snapshot exists (the first boot takes minutes under emulation: longer than the
+# tests wait for a create). docs/e2b.md has the figures.
+#
 # It starts a Hangar server of its own (a root server on a free port, a fresh data
 # directory whose images are the host's built ones, $HANGAR_IMAGES, default
 # /var/lib/hangar/images; no warm pool), makes an E2B key with `hangar key add --e2b`, runs
@@ -16,6 +25,7 @@
 # E2B_SOURCE) with the pytest options given there (e.g. `-n 3`, `-x -k test_run`), and
 # prints one JSON line:
 #   {"passed": N, "failed": N, "skipped": N, "errors": N, "total": N, "e2b": "2.45.1", ...}
+# (with "e2b_code_interpreter": its version for that suite)
 # By default the tests see only E2B_DOMAIN and E2B_API_KEY, as SDK 2.63 and later want
 # (E2B_API_URL and E2B_SANDBOX_URL deprecated): the server runs with HANGAR_DOMAIN set
 # to a name of the run's own under .test, and tests/e2b_site.py puts before it a local
@@ -40,7 +50,7 @@ if [ "${1:-}" = --urls ]; then
   shift
 fi
 if [ $# -lt 1 ]; then
-  sed -n '2,34p' "$0" >&2
+  sed -n '2,44p' "$0" >&2
   exit 2
 fi
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -48,6 +58,8 @@ SRC_ARG=$1
 shift
 if [ -d "$SRC_ARG/packages/python-sdk/tests/sync" ]; then
   TESTS=$(cd "$SRC_ARG/packages/python-sdk/tests" && pwd)
+elif [ -d "$SRC_ARG/python/e2b_code_interpreter" ] && [ -d "$SRC_ARG/python/tests/sync" ]; then
+  TESTS=$(cd "$SRC_ARG/python/tests" && pwd)
 elif [ -d "$SRC_ARG/tests/sync" ]; then
   TESTS=$(cd "$SRC_ARG/tests" && pwd)
 elif [ -d "$SRC_ARG/sync" ]; then
@@ -57,6 +69,12 @@ else
   exit 2
 fi
 SDK_DIR=$(dirname "$TESTS")
+SUITE=e2b
+SAFE_PATH=()
+if [ -d "$SDK_DIR/e2b_code_interpreter" ]; then
+  # -P: the installed e2b-code-interpreter, not the checkout's copy in the working folder
+  SUITE=code-interpreter SAFE_PATH=(-P)
+fi
 E2B_PYTHON=${E2B_PYTHON:-python3}
 HANGAR_PYTHON=${HANGAR_PYTHON:-$REPO/.venv/bin/python}
 IMAGES=${HANGAR_IMAGES:-/var/lib/hangar/images}
@@ -65,6 +83,12 @@ REPORT=${E2B_CONFORMANCE_REPORT:-/tmp/e2b-conformance-$$.xml}
 [ -e "$IMAGES/base" ] || { echo "no built base image in $IMAGES (HANGAR_IMAGES)" >&2; exit 2; }
 SDK_VERSION=$("$E2B_PYTHON" -c 'import importlib.metadata as m; print(m.version("e2b"))') || {
   echo "$E2B_PYTHON has no e2b package (E2B_PYTHON)" >&2; exit 2; }
+CI_VERSION=
+if [ "$SUITE" = code-interpreter ]; then
+  CI_VERSION=$("$E2B_PYTHON" -c 'import importlib.metadata as m; print(m.version("e2b-code-interpreter"))') || {
+    echo "$E2B_PYTHON has no e2b-code-interpreter package (E2B_PYTHON)" >&2; exit 2; }
+  [ -e "$IMAGES/code-interpreter" ] || { echo "no built code-interpreter image in $IMAGES" >&2; exit 2; }
+fi
 
 DATA=$(mktemp -d /tmp/hangar-e2b-XXXXXX)
 ln -s "$IMAGES" "$DATA/images"
@@ -86,6 +110,9 @@ fi
 
 cleanup() {
   set +e
+  if [ "${E2B_CONFORMANCE_KEEP_LOG:-}" ] && [ -f "$DATA/server.log" ]; then
+    cp "$DATA/server.log" "$E2B_CONFORMANCE_KEEP_LOG"
+  fi
   if [ -n "$SITE_PID" ] && kill -0 "$SITE_PID" 2>/dev/null; then
     # The site ends its nginx by pid, stops its DNS server and deletes its CA files.
     kill -TERM "$SITE_PID"
@@ -150,20 +177,34 @@ if [ "$MODE" = domain ]; then
   read -r CA RESOLV < <("$HANGAR_PYTHON" -c 'import json, sys; d = json.load(open(sys.argv[1])); print(d["ca"], d["resolv"])' "$DATA/site.json")
 fi
 
-# The four folders unless a test path (a file or folder of SDK_DIR, or a node id) is given.
+# The four folders (tests/sync for the code interpreter's) unless a test path (a file or
+# folder of SDK_DIR, or a node id) is given.
 named=
 for a in "$@"; do
   case "$a" in -*) ;; *) [ -e "$SDK_DIR/${a%%::*}" ] && named=1 ;; esac
 done
-if [ -z "$named" ]; then
+if [ -z "$named" ] && [ "$SUITE" = code-interpreter ]; then
+  set -- tests/sync "$@"
+elif [ -z "$named" ]; then
   set -- tests/sync/sandbox_sync tests/sync/api_sync tests/sync/volume_sync tests/sync/secret_sync "$@"
+fi
+if [ "$SUITE" = code-interpreter ]; then
+  # the template's first boot, before the tests: they wait at most a minute for a create
+  "$HANGAR_PYTHON" - "$URL" "$(cat "$DATA/api-key")" <<'EOF' || { echo "the code-interpreter template did not start" >&2; exit 1; }
+import sys, httpx
+url, key = sys.argv[1], sys.argv[2]
+with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=1800) as c:
+    r = c.post("/sandboxes", json={"image": "code-interpreter"})
+    r.raise_for_status()
+    c.delete(f"/sandboxes/{r.json()['id']}").raise_for_status()
+EOF
 fi
 rc=0
 (
   cd "$SDK_DIR"
   unset E2B_API_URL E2B_SANDBOX_URL E2B_DOMAIN E2B_DEBUG PYTHONPATH
   unset http_proxy https_proxy all_proxy no_proxy HTTP_PROXY HTTPS_PROXY ALL_PROXY NO_PROXY
-  PYTEST=("$E2B_PYTHON" -m pytest -p no:cacheprovider -q -rfE --junitxml="$REPORT" "$@")
+  PYTEST=("$E2B_PYTHON" "${SAFE_PATH[@]}" -m pytest -p no:cacheprovider -q -rfE --junitxml="$REPORT" "$@")
   if [ "$MODE" = domain ]; then
     # A mount namespace of pytest's own whose /etc/resolv.conf names the site's DNS.
     E2B_DOMAIN=$DOMAIN E2B_API_KEY=$KEY SSL_CERT_FILE=$CA NODE_EXTRA_CA_CERTS=$CA \
@@ -173,13 +214,10 @@ rc=0
     E2B_API_URL="$URL/e2b" E2B_SANDBOX_URL="$URL/e2b/envd" E2B_API_KEY="$KEY" "${PYTEST[@]}"
   fi
 ) >&2 || rc=$?
-if [ "${E2B_CONFORMANCE_KEEP_LOG:-}" ]; then
-  cp "$DATA/server.log" "$E2B_CONFORMANCE_KEEP_LOG"
-fi
 [ -f "$REPORT" ] || { echo "pytest wrote no report (exit $rc)" >&2; exit 1; }
-"$HANGAR_PYTHON" - "$REPORT" "$SDK_VERSION" "$SDK_DIR" "$MODE" <<'EOF'
+"$HANGAR_PYTHON" - "$REPORT" "$SDK_VERSION" "$SDK_DIR" "$MODE" "$CI_VERSION" <<'EOF'
 import json, os, subprocess, sys, xml.etree.ElementTree as ET
-report, version, sdk_dir, mode = sys.argv[1:5]
+report, version, sdk_dir, mode, ci_version = sys.argv[1:6]
 counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
 for case in ET.parse(report).getroot().iter("testcase"):
     kinds = {child.tag for child in case}
@@ -193,7 +231,8 @@ for case in ET.parse(report).getroot().iter("testcase"):
         counts["passed"] += 1
 commit = os.environ.get("E2B_COMMIT") or subprocess.run(
     ["git", "-C", sdk_dir, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-print(json.dumps({**counts, "total": sum(counts.values()), "e2b": version, "commit": commit,
-                  "mode": mode, "report": report}))
+extra = {"e2b_code_interpreter": ci_version} if ci_version else {}
+print(json.dumps({**counts, "total": sum(counts.values()), "e2b": version, **extra,
+                  "commit": commit, "mode": mode, "report": report}))
 EOF
 exit $([ "$rc" -le 1 ] && echo 0 || echo "$rc")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMATS = ("text", "html", "markdown", "svg", "png", "jpeg", "pdf", "latex", "json",
-           "javascript")
+           "javascript", "chart")
 
 
 @dataclass
@@ -45,7 +45,10 @@ class ExecutionError:
 class Result:
     """One output: the cell's value (``is_main_result``) or a ``display`` call (a
     matplotlib figure). Each format present is set: ``png``/``jpeg``/``pdf`` base64
-    text, ``json`` a decoded value, other MIME types in ``extra``."""
+    text, ``json`` a decoded value, ``chart`` a matplotlib figure described as data (E2B's
+    shape: ``type`` such as ``bar``, ``line``, ``scatter``, ``pie``, ``box_and_whisker``,
+    ``superchart``; ``title``; ``elements``; axis labels, units, ticks and scales), other
+    MIME types in ``extra``."""
 
     text: str | None = None
     html: str | None = None
@@ -57,6 +60,7 @@ class Result:
     latex: str | None = None
     json: Any = None
     javascript: str | None = None
+    chart: dict[str, Any] | None = None
     is_main_result: bool = False
     extra: dict[str, Any] | None = None
 

@@ -12,8 +12,9 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hangar.core import interpreter
 from hangar.core.commands import Command
-from hangar.core.e2b import DEFAULT_USER, ROOT, options, sandbox
+from hangar.core.e2b import DEFAULT_USER, ROOT, envs, options, sandbox
 from hangar.errors import GuestError, InvalidRequest, Unauthorized
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hangar.e2b")
 
-__all__ = ["DEFAULT_USER", "METADATA_XATTR", "ROOT", "Owner", "add_user", "as_user",
+__all__ = ["DEFAULT_USER", "METADATA_XATTR", "ROOT", "Owner", "add_user", "as_user", "prepare",
            "check_metadata", "give", "home", "owners", "unwrapped", "user_of"]
 
 SETPRIV = "setpriv"
@@ -120,6 +121,18 @@ async def add_user(manager: SandboxManager, sandbox_id: str) -> str:
     mounts = [a.path for a in manager.store.attachments(sandbox_id) if not a.read_only]
     await give(manager, sandbox_id, mounts, DEFAULT_USER)
     return DEFAULT_USER
+
+
+async def prepare(manager: SandboxManager, sandbox_id: str) -> str:
+    """What a create through ``/e2b`` does before the sandbox is handed out: ``add_user``,
+    then, where the sandbox runs a code interpreter, its kernels moved to that user (its
+    home as their folder) and the create's ``envVars`` (``interpreter.configure``), as
+    E2B's code interpreter runs them. Returns the user, as ``add_user``; raises as it and as
+    ``interpreter.configure``."""
+    user = await add_user(manager, sandbox_id)
+    await interpreter.configure(manager, sandbox_id, None if user == ROOT else user,
+                                envs(manager, sandbox_id))
+    return user
 
 
 def home(user: str) -> str:

@@ -7,7 +7,9 @@ tunnel (``SandboxManager.tunnel``: no guest NIC, no exposed port) and hands
 its answer back: ``execute`` streams the server's NDJSON lines as they come
 (``stdout``, ``stderr``, ``result``, ``error``, ``number_of_executions``,
 ``end_of_execution``; see the server's docstring), the context calls give
-its JSON. The sandbox counts as busy while a call runs.
+its JSON. The sandbox counts as busy while a call runs. ``configure`` (at an E2B create:
+``hangar.core.e2b_user.prepare``) moves its kernels to E2B's default user, its home and the
+sandbox's environment variables.
 
 Errors: ``NoInterpreter`` (409) when nothing listens on the port (a sandbox
 of another image); the server's refusals keep their status (400
@@ -147,6 +149,19 @@ async def call(m: SandboxManager, sandbox_id: str, method: str, path: str,
         raise GuestError("the code interpreter's answer is not a context (a list of them for "
                          "GET): {id, language, cwd}", sandbox_id=sandbox_id)
     return value
+
+
+async def configure(m: SandboxManager, sandbox_id: str, user: str | None,
+                    envs: dict[str, str]) -> bool:
+    """Tell the code interpreter of ``sandbox_id`` whom its kernels run as: ``user`` (None:
+    root, as the server; contexts then start in that user's home) with ``envs`` set in every
+    kernel (``POST /configure``). Returns False when the sandbox has no code interpreter
+    (another image, or one built before ``/configure``). Raises the errors of ``call``."""
+    try:
+        await call(m, sandbox_id, "POST", "/configure", {"user": user, "envs": envs})
+    except (NoInterpreter, NotFound):
+        return False
+    return True
 
 
 def _is_context(value: Any) -> bool:

@@ -56,7 +56,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from hangar.errors import NotFound
@@ -314,8 +314,9 @@ FILES = Path(__file__).resolve().parent / "files"
 
 CODE_INTERPRETER = Recipe(
     name="code-interpreter",
-    description="base plus a stateful Python code interpreter: ipykernel, jupyter_client, "
-                "numpy, pandas and matplotlib, served on port 49999 in E2B's protocol.",
+    description="base plus a stateful code interpreter: Python (ipykernel, jupyter_client, "
+                "numpy, pandas and matplotlib), JavaScript and TypeScript (Node.js) and "
+                "Bash, served on port 49999 in E2B's protocol.",
     packages=BASE.packages + ("ripgrep",),     # search_code of the agent tools
     apt_packages=(                      # apt-get: numpy's ABI is a virtual package
         "python3-ipykernel",
@@ -325,10 +326,18 @@ CODE_INTERPRETER = Recipe(
         "python3-matplotlib",
         "python3-matplotlib-inline",    # the kernel's inline backend: figures as PNG
         "fonts-dejavu-core",            # matplotlib's default font
+        "nodejs",                       # JavaScript contexts (with node-acorn, a dependency)
+        "node-typescript",              # TypeScript contexts: cells transpiled
     ),
     files=LOGIN_PROFILE + (
         RecipeFile(paths.CODE_INTERPRETER_SERVER,
                    (FILES / "code_interpreter.py").read_text(), 0o755),
+        RecipeFile(str(PurePosixPath(paths.CODE_INTERPRETER_SERVER)
+                       .with_name("code_interpreter_node.js")),
+                   (FILES / "code_interpreter_node.js").read_text(), 0o644),
+        RecipeFile(str(PurePosixPath(paths.CODE_INTERPRETER_SERVER)
+                       .with_name("code_interpreter_charts.py")),
+                   (FILES / "code_interpreter_charts.py").read_text(), 0o644),
         RecipeFile("/etc/ipython/ipython_kernel_config.py",
                    "# Hangar: figures keep their size (figsize x dpi), tracebacks no colours.\n"
                    "c.InlineBackend.print_figure_kwargs = {'bbox_inches': None}\n"
@@ -337,7 +346,8 @@ CODE_INTERPRETER = Recipe(
     start=f"exec /usr/bin/python3 {paths.CODE_INTERPRETER_SERVER} "
           f"--port {CODE_INTERPRETER_PORT} --cwd {paths.HOME}",
     ready_port=CODE_INTERPRETER_PORT,
-    ready_timeout_s=600.0,                # a cold boot under TCG on a busy host: minutes
+    ready_timeout_s=1200.0,               # a cold boot under TCG on a busy host: minutes
+                                          # (two Python kernels and Node.js; over 10 at load 20)
     default_memory_mib=1024,
 )
 

@@ -12,7 +12,8 @@ into E2B's body (``hangar.api.e2b.views``). How E2B's words map:
   access token in every answer). It is core's ``provision``: the sandbox made,
   E2B's default user, ``user`` with home ``/home/user`` and passwordless sudo, made
   in the guest (``hangar.core.e2b_user.add_user``; envd's calls run as it unless they
-  name root), then its time to live started, all before the answer.
+  name root), a code interpreter's kernels moved to it and the ``envVars``
+  (``e2b_user.prepare``), then its time to live started, all before the answer.
 - **pause** is core's ``pause`` (a sleep: memory, devices and disk saved, the
   VMM ended, and the clock stopped in the same move: no time limit); with
   ``memory: false`` (``mode: filesystem``) the disk alone, and the resume boots
@@ -124,7 +125,7 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
         made = CreateOptions(image=source.name, timeout_s=body.timeout, network=network,
                              volumes=volumes, **fields)
     # one verb: made, E2B's default user added (idempotent), then its time to live started
-    rec = await m.provision(made, prepare=functools.partial(e2b_user.add_user, m),
+    rec = await m.provision(made, prepare=functools.partial(e2b_user.prepare, m),
                             snapshot_id=source.name if source.kind == "snapshot" else None)
     return views.created(m, rec)
 

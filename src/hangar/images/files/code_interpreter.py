@@ -19,9 +19,14 @@ It speaks the protocol of E2B's code interpreter on one TCP port (49999):
                    ``end_of_execution``. Without ``context_id`` the default
                    context runs it. ``env_vars`` hold for this run only.
 ``POST /contexts``  ``{"language"?, "cwd"?}``: a new context; answers ``{"id",
-                   "language", "cwd"}``.
+                   "language", "cwd"}``. Languages: ``python`` (the default),
+                   ``javascript`` (``js``), ``typescript`` (``ts``), ``bash``.
 ``GET /contexts``  every context. ``POST /contexts/{id}/restart`` gives it a new kernel
                    (its variables go); ``DELETE /contexts/{id}`` shuts it down.
+``POST /configure`` ``{"user"?, "envs"?}``: whom kernels run as from now on (the host
+                   sends it when an E2B sandbox is made: E2B's default user, the
+                   create's envs): running kernels move to it (``Identity``), and
+                   contexts in the server's folder move to the user's home.
 ``GET /health``    ``{"status": "ok", "spare": "ready"|"starting"|"failed"|"none",
                    "spare_start_s": seconds the last spare took to start, or null}``.
 
@@ -51,22 +56,33 @@ A client that goes away mid-cell interrupts the kernel. Bounds:
 ``MAX_REQUESTS`` requests at once (429 beyond); output is forwarded message
 by message, never accumulated. Errors answer ``{"error": message}`` with
 400, 404, 413, 429, 502 (a kernel failed to start) or 504 (no kernel ready
-within ``SPARE_WAIT_S``). Python only.
+within ``SPARE_WAIT_S``). JavaScript and TypeScript contexts are Node.js processes
+(``NodeKernel``), Bash ones ``bash`` processes (``BashKernel``), started on demand (the
+default JavaScript one in the background once the port is open); Python figures also come
+back as structured charts (``CHARTS``).
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import os
+import pwd
 import queue
 import re
 import select
+import shlex
+import shutil
+import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -90,14 +106,37 @@ this server's clear 504 rather than the host's timeout."""
 WARMUP = "__import__('numpy'), __import__('pandas'), __import__('matplotlib.pyplot')"
 """Run in every kernel (the default one and each spare) before it is used: the imports most
 cells need, loaded without binding a name (a new context's namespace is empty)."""
+CHARTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_interpreter_charts.py")
+CHART_MIME = "application/vnd.hangar.chart+json"
+"""A Python kernel's structured chart of a matplotlib figure (``CHARTS``): the result's
+``chart``."""
+CHART_SETUP = f"""def _hangar_charts():
+    import importlib.util, os, sys
+    if not os.path.exists({CHARTS!r}):
+        return
+    spec = importlib.util.spec_from_file_location("_hangar_charts", {CHARTS!r})
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["_hangar_charts"] = module
+    module.install(get_ipython())
+_hangar_charts()
+del _hangar_charts
+"""
 FORMATS = {
     "text/plain": "text", "text/html": "html", "text/markdown": "markdown",
     "image/svg+xml": "svg", "image/png": "png", "image/jpeg": "jpeg",
     "application/pdf": "pdf", "text/latex": "latex", "application/json": "json",
-    "application/javascript": "javascript",
+    "application/javascript": "javascript", CHART_MIME: "chart",
 }
 """MIME type → the result's key; other types go under ``extra``."""
-LANGUAGES = ("python", "python3")
+LANGUAGES = {"python": "python", "python3": "python", "javascript": "javascript",
+             "js": "javascript", "typescript": "typescript", "ts": "typescript",
+             "bash": "bash"}
+"""Language names a request may give → the context's language."""
+NODE = "/usr/bin/node"
+NODE_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_interpreter_node.js")
+"""The JavaScript/TypeScript kernel: one Node.js process per context running this driver."""
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -111,21 +150,77 @@ class Gone(Exception):
     """The client closed its connection mid-cell."""
 
 
+@dataclass(frozen=True)
+class Identity:
+    """Whom kernels run as and what they inherit, as ``POST /configure`` last set it (the
+    host sets it once a sandbox is made: E2B's default user and the sandbox's environment
+    variables). ``version`` 0 is the server's own (root, nothing added): a kernel started
+    before a configure is moved to the newer one before it runs a cell (``Kernel.apply``)."""
+
+    version: int = 0
+    user: str | None = None
+    uid: int = 0
+    gid: int = 0
+    groups: tuple[int, ...] = ()
+    home: str | None = None
+    envs: dict[str, str] = field(default_factory=dict)
+
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        """``base`` with this identity's variables (its user's HOME, USER, LOGNAME)."""
+        out = dict(base, **self.envs)
+        if self.user:
+            out.update(HOME=self.home or "/", USER=self.user, LOGNAME=self.user)
+        return out
+
+    def popen(self) -> dict[str, Any]:
+        """``subprocess.Popen`` arguments that start a process as this identity's user."""
+        if not self.user or self.uid == os.getuid():
+            return {}
+        return {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups)}
+
+
+IDENTITY = Identity()
+"""The current identity (replaced whole by ``/configure``)."""
+
+
+def identity_of(user: str | None, envs: dict[str, str], version: int) -> Identity:
+    """The identity for ``user`` (None: root, as the server) and ``envs``; Refused 400 for a
+    user the guest does not know."""
+    if not user:
+        return Identity(version=version, envs=dict(envs))
+    try:
+        e = pwd.getpwnam(user)
+    except KeyError:
+        raise Refused(400, f"no user {user!r} in the sandbox") from None
+    return Identity(version=version, user=user, uid=e.pw_uid, gid=e.pw_gid,
+                    groups=tuple(os.getgrouplist(user, e.pw_gid)), home=e.pw_dir,
+                    envs=dict(envs))
+
+
 class Kernel:
     """One started ipykernel: its manager and a blocking client. Used by one thread at a time
-    (a context's lock, or the spare's starter before it is handed out)."""
+    (a context's lock, or the spare's starter before it is handed out). It starts as the
+    server's user (root) and moves to ``IDENTITY`` in place (``apply``: set*id, the
+    environment, the folder), so that a spare warmed before a configure serves after it."""
+
+    language = "python"
 
     def __init__(self, cwd: str) -> None:
+        self.applied = 0
+        """The ``Identity.version`` this kernel runs as."""
         env = dict(os.environ, MPLBACKEND="module://matplotlib_inline.backend_inline",
                    PYTHONUNBUFFERED="1", PYDEVD_DISABLE_FILE_VALIDATION="1")
         env.pop("PYTHONPATH", None)  # Hangar's guest modules are no business of the kernel
         self.km = KernelManager(kernel_name="python3")
         self.km.start_kernel(cwd=cwd, env=env,
-                             extra_arguments=["--InteractiveShell.colors=NoColor"])
+                             extra_arguments=["--InteractiveShell.colors=NoColor",
+                                              # no history file: the kernel may change user
+                                              "--HistoryManager.enabled=False"])
         try:
             self.kc = self.km.blocking_client()
             self.kc.start_channels()
             self.kc.wait_for_ready(timeout=KERNEL_START_S)
+            self.silent(CHART_SETUP)
         except BaseException:
             self.km.shutdown_kernel(now=True)
             raise
@@ -137,6 +232,71 @@ class Kernel:
             self.kc.stop_channels()
         finally:
             self.km.shutdown_kernel(now=True)
+
+    def apply(self, ident: Identity, cwd: str) -> None:
+        """Run as ``ident`` from now on (its user, once, from root; its variables) in
+        ``cwd``."""
+        code = ["def _hangar_become():", "    import os",
+                f"    os.environ.update({ident.env({})!r})"]
+        if ident.user and ident.uid != 0:
+            code += ["    if os.getuid() == 0:",
+                     f"        os.setgroups({list(ident.groups)!r})",
+                     f"        os.setgid({ident.gid})",
+                     f"        os.setuid({ident.uid})"]
+        code += [f"    os.chdir({cwd!r})", "_hangar_become()", "del _hangar_become"]
+        self.silent("\n".join(code) + "\n")
+        self.applied = ident.version
+
+    def chdir(self, cwd: str) -> None:
+        self.silent(f"__import__('os').chdir({cwd!r})")
+
+    def run(self, code: str, env: dict[str, str], emit: Any, gone: Any) -> None:
+        """Run one cell with ``env`` set for it, calling ``emit(line_dict)`` for each output
+        as it comes; ``gone()`` tells whether the client left (the kernel is then
+        interrupted)."""
+        if env:
+            self.silent("import os as _hangar_os\n"
+                        f"_hangar_saved = {{k: _hangar_os.environ.get(k) for k in {list(env)!r}}}\n"
+                        f"_hangar_os.environ.update({env!r})\n")
+        try:
+            self._run(code, emit, gone)
+        finally:
+            if env:
+                self.silent("for _k, _v in _hangar_saved.items():\n"
+                            "    if _v is None: _hangar_os.environ.pop(_k, None)\n"
+                            "    else: _hangar_os.environ[_k] = _v\n"
+                            "del _hangar_saved, _k, _v\n")
+
+    def _run(self, code: str, emit: Any, gone: Any) -> None:
+        k = self
+        msg_id = k.kc.execute(code, store_history=True, allow_stdin=False, stop_on_error=True)
+        try:
+            while True:
+                try:
+                    msg = k.kc.get_iopub_msg(timeout=1)
+                except queue.Empty:
+                    if gone():
+                        raise Gone() from None
+                    if not k.km.is_alive():
+                        emit({"type": "error", "name": "KernelDied",
+                              "value": "the kernel died; restart the context",
+                              "traceback": ""})
+                        break
+                    continue
+                if msg["parent_header"].get("msg_id") != msg_id:
+                    continue
+                kind, c = msg["msg_type"], msg["content"]
+                if kind == "status" and c.get("execution_state") == "idle":
+                    break
+                line = to_line(kind, c)
+                if line is not None:
+                    emit(line)
+        except Gone:
+            k.km.interrupt_kernel()
+            k.drain(msg_id)
+            raise
+        k.reply(msg_id)
+        emit({"type": "end_of_execution"})
 
     def silent(self, code: str) -> None:
         """Run ``code`` with no output, history or count, waiting for the kernel to idle
@@ -265,83 +425,300 @@ class Spares:
                     else "failed" if self.failed else "none")
 
 class KernelContext:
-    """One context: its kernel (swapped for a spare on restart), its working folder, and the
-    lock that runs one cell at a time."""
+    """One context: its language, its kernel (swapped for a new one on restart), its working
+    folder, and the lock that runs one cell at a time."""
 
-    def __init__(self, kernel: Kernel, cwd: str, default: bool = False) -> None:
+    def __init__(self, kernel: Any, cwd: str, default: bool = False) -> None:
         self.id = uuid.uuid4().hex
         self.cwd = cwd
         self.default = default
         self.lock = threading.Lock()
         self.kernel = kernel
+        self.language: str = kernel.language
 
     def view(self) -> dict[str, str]:
-        return {"id": self.id, "language": "python", "cwd": self.cwd}
+        return {"id": self.id, "language": self.language, "cwd": self.cwd}
 
-    def enter_cwd(self) -> None:
-        """Move the kernel to the context's folder (a spare starts in the server's)."""
-        self.kernel.silent(f"__import__('os').chdir({self.cwd!r})")
+    def ready(self) -> None:
+        """Bring the kernel to the current identity and the context's folder (a kernel
+        started earlier runs as the server, in its folder). Called with ``lock`` held."""
+        if self.kernel.applied < IDENTITY.version:
+            self.kernel.apply(IDENTITY, self.cwd)
 
     def restart(self, spares: Spares) -> None:
-        """Swap in the spare (waiting for a running cell to end, as a restart always did)
-        and kill the old kernel in the background: the variables go at once."""
+        """Give the context a new kernel of its language in its folder (a Python one is the
+        spare, swapped in at once), waiting for a running cell to end; the old kernel is
+        killed in the background: the variables go at once."""
         with self.lock:
-            old, self.kernel = self.kernel, spares.take(SPARE_WAIT_S)
+            if self.language == "python":
+                new = spares.take(SPARE_WAIT_S)
+                if new.applied < IDENTITY.version:
+                    new.apply(IDENTITY, self.cwd)
+                else:
+                    new.chdir(self.cwd)
+            else:
+                new = start_kernel(self.language, self.cwd, self.default)
+            old, self.kernel = self.kernel, new
             _shutdown_later(old)
-            if self.cwd != spares.cwd:
-                self.enter_cwd()
 
     def shutdown(self) -> None:
         with self.lock:
             self.kernel.shutdown()
 
-    def run(self, code: str, env: dict[str, str], emit: Any, gone: Any) -> None:
-        """Run one cell, calling ``emit(line_dict)`` for each output as it comes;
-        ``gone()`` tells whether the client left (the kernel is then interrupted)."""
+    def run(self, code: str, env: dict[str, str], emit: Any, gone: Any,
+            typescript: bool = False) -> None:
+        """Run one cell (``Kernel.run``); ``typescript``: a TypeScript cell in a JavaScript
+        context."""
         with self.lock:
-            k = self.kernel
-            if env:
-                k.silent("import os as _hangar_os\n"
-                         f"_hangar_saved = {{k: _hangar_os.environ.get(k) for k in {list(env)!r}}}\n"
-                         f"_hangar_os.environ.update({env!r})\n")
-            try:
-                self._run(k, code, emit, gone)
-            finally:
-                if env:
-                    k.silent("for _k, _v in _hangar_saved.items():\n"
-                             "    if _v is None: _hangar_os.environ.pop(_k, None)\n"
-                             "    else: _hangar_os.environ[_k] = _v\n"
-                             "del _hangar_saved, _k, _v\n")
+            self.ready()
+            if typescript:
+                self.kernel.run(code, env, emit, gone, typescript=True)
+            else:
+                self.kernel.run(code, env, emit, gone)
 
-    @staticmethod
-    def _run(k: Kernel, code: str, emit: Any, gone: Any) -> None:
-        msg_id = k.kc.execute(code, store_history=True, allow_stdin=False, stop_on_error=True)
+
+def start_kernel(language: str, cwd: str, default: bool = False) -> Any:
+    """A new kernel of a language other than Python, started as ``IDENTITY`` in ``cwd``."""
+    if language == "bash":
+        return BashKernel(cwd, IDENTITY)
+    return NodeKernel(language, cwd, IDENTITY)
+
+
+def _lines_of(buf: str, emit: Any, kind: str, final: bool = False) -> str:
+    """Emit the whole lines of ``buf`` (each with its newline; the rest too when ``final``)
+    as ``kind`` lines; returns what is left."""
+    while True:
+        nl = buf.find("\n")
+        if nl < 0:
+            break
+        emit({"type": kind, "text": buf[:nl + 1], "timestamp": time.time_ns()})
+        buf = buf[nl + 1:]
+    if final and buf:
+        emit({"type": kind, "text": buf, "timestamp": time.time_ns()})
+        buf = ""
+    return buf
+
+
+class BashKernel:
+    """A Bash context: one ``bash`` process (as the identity's user) that sources each cell
+    from a file of its own, so variables, functions and the folder stay between cells.
+    After a cell each stream gets a random marker (stdout's with the exit status) that
+    ends it; a cell that exits non-zero ends with an ``error`` line (``name``
+    ``ExitCodeError``, ``value`` the status). A client that leaves mid-cell ends the
+    process group: the next cell gets a new shell."""
+
+    language = "bash"
+
+    def __init__(self, cwd: str, ident: Identity) -> None:
+        self.applied = ident.version
+        self.cwd = cwd
+        self._start(ident)
+
+    def _start(self, ident: Identity) -> None:
+        self.dir = tempfile.mkdtemp(prefix="hangar-bash-")
+        if ident.user:
+            os.chown(self.dir, ident.uid, ident.gid)
+        env = ident.env(dict(os.environ, TERM="dumb"))
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen(
+            ["/bin/bash", "--noprofile", "--norc"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=self.cwd, env=env,
+            start_new_session=True, **ident.popen())
+
+    def apply(self, ident: Identity, cwd: str) -> None:
+        """A new shell as ``ident`` in ``cwd`` (a shell cannot change its user)."""
+        self.shutdown()
+        self.cwd = cwd
+        self._start(ident)
+        self.applied = ident.version
+
+    def chdir(self, cwd: str) -> None:
+        self.cwd = cwd
+
+    def shutdown(self) -> None:
         try:
-            while True:
-                try:
-                    msg = k.kc.get_iopub_msg(timeout=1)
-                except queue.Empty:
-                    if gone():
-                        raise Gone() from None
-                    if not k.km.is_alive():
-                        emit({"type": "error", "name": "KernelDied",
-                              "value": "the kernel died; restart the context",
-                              "traceback": ""})
-                        break
-                    continue
-                if msg["parent_header"].get("msg_id") != msg_id:
-                    continue
-                kind, c = msg["msg_type"], msg["content"]
-                if kind == "status" and c.get("execution_state") == "idle":
-                    break
-                line = to_line(kind, c)
-                if line is not None:
-                    emit(line)
-        except Gone:
-            k.km.interrupt_kernel()
-            k.drain(msg_id)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def run(self, code: str, env: dict[str, str], emit: Any, gone: Any) -> None:
+        for name in env:
+            if not ENV_NAME.match(name):
+                raise Refused(400, f"env_vars: {name!r} is not a shell variable name")
+        mark = uuid.uuid4().hex
+        cell = os.path.join(self.dir, "cell.sh")
+        with open(cell, "w") as f:
+            f.write(code + "\n")
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        script = (f"{prefix} source {shlex.quote(cell)} </dev/null\n"
+                  f"printf '%s %d\\n' {mark} $? ; printf '%s\\n' {mark} >&2\n")
+        assert self.proc.stdin is not None and self.proc.stdout and self.proc.stderr
+        try:
+            self.proc.stdin.write(script.encode())
+            self.proc.stdin.flush()
+        except OSError:
+            emit({"type": "error", "name": "KernelDied", "traceback": "",
+                  "value": "the shell exited; restart the context"})
+            emit({"type": "end_of_execution"})
+            return
+        out_fd, err_fd = self.proc.stdout.fileno(), self.proc.stderr.fileno()
+        tag = mark.encode()
+        raw = {out_fd: b"", err_fd: b""}
+        text = {out_fd: "", err_fd: ""}
+        decode = {fd: codecs.getincrementaldecoder("utf-8")("replace") for fd in raw}
+        kind = {out_fd: "stdout", err_fd: "stderr"}
+        done = {out_fd: False, err_fd: False}
+        status = 0
+        while not all(done.values()):
+            ready, _, _ = select.select([fd for fd, d in done.items() if not d], [], [], 1)
+            if not ready:
+                if gone():  # a new shell for the next cell: this one may be stuck
+                    self.shutdown()
+                    self._start(IDENTITY)
+                    raise Gone()
+                continue
+            for fd in ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:  # the shell exited (``exit`` in a cell)
+                    done[fd], status = True, -1
+                    piece, raw[fd] = raw[fd], b""
+                else:
+                    raw[fd] += chunk
+                    at = raw[fd].find(tag)
+                    if at >= 0:
+                        if fd == out_fd:
+                            rest = raw[fd][at + len(tag):]
+                            if b"\n" not in rest:
+                                continue  # the status is still on its way
+                            status = int(rest.split(b"\n", 1)[0].strip() or b"0")
+                        piece, raw[fd] = raw[fd][:at], b""
+                        done[fd] = True
+                    else:  # keep what may be the start of a marker split between reads
+                        cut = max(0, len(raw[fd]) - len(tag) + 1)
+                        piece, raw[fd] = raw[fd][:cut], raw[fd][cut:]
+                text[fd] = _lines_of(text[fd] + decode[fd].decode(piece, final=done[fd]),
+                                     emit, kind[fd])
+        for fd in (out_fd, err_fd):
+            _lines_of(text[fd], emit, kind[fd], final=True)
+        if status == -1:
+            emit({"type": "error", "name": "KernelDied", "traceback": "",
+                  "value": "the shell exited; restart the context"})
+        elif status:
+            emit({"type": "error", "name": "ExitCodeError", "value": str(status),
+                  "traceback": f"the cell exited with status {status}"})
+        emit({"type": "end_of_execution"})
+
+
+class NodeKernel:
+    """A JavaScript or TypeScript context: one Node.js process running ``NODE_DRIVER``, which
+    takes one JSON request a line on its stdin (``run``, ``become``) and answers lines of
+    this protocol (plus ``ready`` and ``done``) on the descriptor named by its argument."""
+
+    def __init__(self, language: str, cwd: str, ident: Identity) -> None:
+        self.language = language
+        self.applied = ident.version
+        self.cwd = cwd
+        self._start(ident)
+
+    def _start(self, ident: Identity) -> None:
+        language, cwd = self.language, self.cwd
+        r, w = os.pipe()
+        env = ident.env(dict(os.environ))
+        env.pop("PYTHONPATH", None)
+        try:
+            self.proc = subprocess.Popen(
+                [NODE, NODE_DRIVER, str(w), language],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=None, cwd=cwd, env=env, pass_fds=(w,),
+                start_new_session=True, **ident.popen())
+        except BaseException:
+            os.close(r)
             raise
-        k.reply(msg_id)
+        finally:
+            os.close(w)
+        self.events, self.buf = r, b""
+        first = self._next(lambda: False)
+        if first is None or first.get("type") != "ready":
+            self.shutdown()
+            raise RuntimeError(f"the {language} kernel did not start: {first!r}")
+
+    def _next(self, gone: Any) -> dict[str, Any] | None:
+        """The driver's next line (None: it exited); raises Gone when the client leaves."""
+        while True:
+            nl = self.buf.find(b"\n")
+            if nl >= 0:
+                line, self.buf = self.buf[:nl], self.buf[nl + 1:]
+                try:
+                    value = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(value, dict):
+                    return value
+                continue
+            ready, _, _ = select.select([self.events], [], [], 1)
+            if ready:
+                chunk = os.read(self.events, 1 << 20)
+                if not chunk:
+                    return None
+                self.buf += chunk
+                continue
+            if gone():
+                raise Gone()
+            if self.proc.poll() is not None:
+                return None
+
+    def _call(self, request: dict[str, Any], emit: Any, gone: Any) -> bool:
+        """Send one request and pass its lines to ``emit`` up to its ``done``; False when
+        the driver exited."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            return False
+        while True:
+            line = self._next(gone)
+            if line is None:
+                return False
+            if line.get("type") == "done":
+                return True
+            emit(line)
+
+    def apply(self, ident: Identity, cwd: str) -> None:
+        self.cwd = cwd
+        ok = self._call({"op": "become", "uid": ident.uid if ident.user else None,
+                         "gid": ident.gid, "groups": list(ident.groups),
+                         "env": ident.env({}), "cwd": cwd}, lambda _line: None, lambda: False)
+        if not ok:
+            raise RuntimeError(f"the {self.language} kernel exited")
+        self.applied = ident.version
+
+    def chdir(self, cwd: str) -> None:
+        self.cwd = cwd
+        self._call({"op": "chdir", "cwd": cwd}, lambda _line: None, lambda: False)
+
+    def shutdown(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.proc.wait()
+        os.close(self.events)
+
+    def run(self, code: str, env: dict[str, str], emit: Any, gone: Any,
+            typescript: bool = False) -> None:
+        try:
+            ok = self._call({"op": "run", "code": code, "env": env,
+                             "typescript": typescript}, emit, gone)
+        except Gone:  # a new process for the next cell: this one may be stuck
+            self.shutdown()
+            self._start(IDENTITY)
+            raise
+        if not ok:
+            emit({"type": "error", "name": "KernelDied", "traceback": "",
+                  "value": f"the {self.language} kernel exited; restart the context"})
         emit({"type": "end_of_execution"})
 
 
@@ -370,60 +747,105 @@ def to_line(kind: str, c: dict[str, Any]) -> dict[str, Any] | None:
 
 
 class Contexts:
-    """Every context by id, the default one first, and the spare kernel they are made from."""
+    """Every context by id, the default one of each language, and the spare Python kernel
+    they are made from."""
 
     def __init__(self, cwd: str, spares: Spares) -> None:
         self.cwd = cwd
         self.spares = spares
         self.lock = threading.Lock()
         self.by_id: dict[str, KernelContext] = {}
-        self.default_id: str | None = None
+        self.defaults: dict[str, str] = {}
+        """Language → id of its default context."""
         self.pending = 0  # creates waiting for a kernel, counted against MAX_CONTEXTS
 
     def start_default(self, warmup: str) -> KernelContext:
-        """Start the default context's own kernel (at server start, before any spare)."""
+        """Start the default Python context's own kernel (at server start, before any
+        spare)."""
         kernel = Kernel(self.cwd)
         if warmup:
             kernel.silent(warmup)
-        ctx = KernelContext(kernel, self.cwd, default=True)
+        return self._put(KernelContext(kernel, self.cwd, default=True))
+
+    def start_default_of(self, language: str) -> KernelContext | None:
+        """Start the default context of another language, as E2B's server does for
+        JavaScript (in the background once the port is open: a Node.js start under
+        emulation would hold the template's ready check back); None (logged) when its
+        runtime is missing or fails."""
+        try:
+            return self.default(language)
+        except Exception as exc:
+            print(f"code interpreter: no default {language} context: {exc}", file=sys.stderr,
+                  flush=True)
+            return None
+
+    def _put(self, ctx: KernelContext) -> KernelContext:
         with self.lock:
             self.by_id[ctx.id] = ctx
-            self.default_id = ctx.id
+            if ctx.default:
+                self.defaults[ctx.language] = ctx.id
         return ctx
 
-    def default(self) -> KernelContext:
-        """The default context; a spare becomes it when it was removed."""
+    def default(self, language: str = "python") -> KernelContext:
+        """The default context of ``language``; made when there is none (or it was
+        removed)."""
         with self.lock:
-            ctx = self.by_id.get(self.default_id or "")
-        return ctx if ctx is not None else self._add(self.cwd, default=True)
+            ctx = self.by_id.get(self.defaults.get(language, ""))
+        return ctx if ctx is not None else self._add(language, self.cwd, default=True)
 
-    def create(self, cwd: str | None) -> KernelContext:
+    def create(self, language: str, cwd: str | None) -> KernelContext:
         cwd = cwd or self.cwd
         if not os.path.isdir(cwd):
             raise Refused(400, f"cwd {cwd!r} is not a folder in the sandbox")
-        return self._add(cwd)
+        return self._add(language, cwd)
 
-    def _add(self, cwd: str, default: bool = False) -> KernelContext:
+    def _add(self, language: str, cwd: str, default: bool = False) -> KernelContext:
         with self.lock:
             if len(self.by_id) + self.pending >= MAX_CONTEXTS:
                 raise Refused(429, f"at most {MAX_CONTEXTS} contexts; remove one first")
             self.pending += 1
         try:
-            ctx = KernelContext(self.spares.take(SPARE_WAIT_S), cwd, default)
-            if cwd != self.cwd:
-                ctx.enter_cwd()
+            if language == "python":
+                kernel = self.spares.take(SPARE_WAIT_S)
+                if kernel.applied < IDENTITY.version:
+                    kernel.apply(IDENTITY, cwd)
+                elif cwd != self.spares.cwd:
+                    kernel.chdir(cwd)
+            else:
+                kernel = start_kernel(language, cwd, default)
+            ctx = KernelContext(kernel, cwd, default)
         finally:
             with self.lock:
                 self.pending -= 1
         with self.lock:
             if default:
-                current = self.by_id.get(self.default_id or "")
+                current = self.by_id.get(self.defaults.get(language, ""))
                 if current is not None:  # another call made it meanwhile: hand that out
                     _shutdown_later(ctx.kernel)
                     return current
-                self.default_id = ctx.id
+                self.defaults[language] = ctx.id
             self.by_id[ctx.id] = ctx
         return ctx
+
+    def configure(self, ident: Identity) -> None:
+        """Make ``ident`` the current identity: new kernels start as it, the contexts made
+        so far (the default ones) move to it now, and those in the server's folder move to
+        the user's home, which becomes the default folder."""
+        global IDENTITY
+        home = ident.home if ident.user and ident.home and os.path.isdir(ident.home) else None
+        with self.lock:
+            IDENTITY = ident
+            contexts = list(self.by_id.values())
+            old_cwd, self.cwd = self.cwd, home or self.cwd
+        for ctx in contexts:
+            with ctx.lock:
+                if ctx.cwd == old_cwd:
+                    ctx.cwd = self.cwd
+                try:
+                    ctx.ready()
+                except Exception as exc:  # its next cell tries again
+                    print(f"code interpreter: context {ctx.id} not moved to the new identity: "
+                          f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
     def get(self, context_id: str) -> KernelContext:
         ctx = self.by_id.get(context_id)
@@ -478,16 +900,23 @@ class Handler(BaseHTTPRequestHandler):
                                     "spare_start_s": spares.started_s})
         if method == "POST" and parts == ["execute"]:
             return self._execute(self._body())
+        if method == "POST" and parts == ["configure"]:
+            body = self._body()
+            user, envs = body.get("user"), body.get("envs") or {}
+            if user is not None and not isinstance(user, str):
+                raise Refused(400, "user must be a string")
+            self.contexts.configure(identity_of(user, _env_vars(envs), IDENTITY.version + 1))
+            return self._json(200, {"cwd": self.contexts.cwd})
         if parts[:1] == ["contexts"]:
             if len(parts) == 1 and method == "GET":
                 return self._json(200, [c.view() for c in list(self.contexts.by_id.values())])
             if len(parts) == 1 and method == "POST":
                 body = self._body()
-                _language(body.get("language"))
+                language = _language(body.get("language"))
                 cwd = body.get("cwd")
                 if cwd is not None and not isinstance(cwd, str):
                     raise Refused(400, "cwd must be a string")
-                return self._json(200, self.contexts.create(cwd).view())
+                return self._json(200, self.contexts.create(language, cwd).view())
             if len(parts) == 3 and parts[2] == "restart" and method == "POST":
                 self.contexts.get(parts[1]).restart(self.contexts.spares)
                 return self._json(200, {})
@@ -516,18 +945,19 @@ class Handler(BaseHTTPRequestHandler):
         code = body.get("code")
         if not isinstance(code, str):
             raise Refused(400, "code must be a string")
-        env = body.get("env_vars") or {}
-        if (not isinstance(env, dict) or len(env) > MAX_ENV_VARS
-                or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
-            raise Refused(400, f"env_vars must map at most {MAX_ENV_VARS} names to strings")
+        env = _env_vars(body.get("env_vars") or {})
         context_id = body.get("context_id")
+        typescript = False
         if context_id:
             if body.get("language"):
                 raise Refused(400, "give context_id or language, not both")
             ctx = self.contexts.get(str(context_id))
         else:
-            _language(body.get("language"))
-            ctx = self.contexts.default()
+            language = _language(body.get("language"))
+            # TypeScript cells without a context run in the default JavaScript one (E2B's
+            # kernel serves both)
+            ctx = self.contexts.default("javascript" if language == "typescript" else language)
+            typescript = language == "typescript"
         self.send_response(200)
         self.send_header("Content-Type", "application/x-ndjson")
         self.send_header("Cache-Control", "no-store")
@@ -541,7 +971,14 @@ class Handler(BaseHTTPRequestHandler):
             except OSError:
                 raise Gone() from None
 
-        ctx.run(code, env, emit, lambda: _closed(self.connection))
+        try:
+            ctx.run(code, env, emit, lambda: _closed(self.connection), typescript=typescript)
+        except Exception as exc:  # the stream has begun: the cell ends in an error
+            if isinstance(exc, Gone):
+                raise
+            emit({"type": "error", "name": type(exc).__name__, "value": str(exc),
+                  "traceback": ""})
+            emit({"type": "end_of_execution"})
 
     def _json(self, status: int, value: Any) -> None:
         data = json.dumps(value).encode()
@@ -566,9 +1003,22 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
-def _language(language: Any) -> None:
-    if language not in (None, "", *LANGUAGES):
-        raise Refused(400, f"language {language!r} is not served here (only python)")
+def _language(language: Any) -> str:
+    """The context language a request's ``language`` names (none: Python); Refused 400 for
+    one not served here."""
+    if language in (None, ""):
+        return "python"
+    if not isinstance(language, str) or language.lower() not in LANGUAGES:
+        raise Refused(400, f"language {str(language)[:40]!r} is not served here (only "
+                           f"{', '.join(sorted(set(LANGUAGES.values())))})")
+    return LANGUAGES[language.lower()]
+
+
+def _env_vars(env: Any) -> dict[str, str]:
+    if (not isinstance(env, dict) or len(env) > MAX_ENV_VARS
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise Refused(400, f"env_vars must map at most {MAX_ENV_VARS} names to strings")
+    return env
 
 
 class Server(ThreadingHTTPServer):
@@ -590,6 +1040,9 @@ def main() -> None:
     spares.wait()  # the port opens with both ready: a template snapshot then holds both
     Handler.contexts = contexts
     server = Server(("127.0.0.1", a.port), Handler)
+    if os.path.exists(NODE):
+        threading.Thread(target=contexts.start_default_of, args=("javascript",),
+                         name="default-javascript", daemon=True).start()
     print(f"code interpreter: default kernel ready in {t1 - t0:.1f} s, spare in "
           f"{time.monotonic() - t1:.1f} s more; serving on port {a.port}",
           file=sys.stderr, flush=True)
