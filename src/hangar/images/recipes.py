@@ -338,6 +338,12 @@ CODE_INTERPRETER = Recipe(
         RecipeFile(str(PurePosixPath(paths.CODE_INTERPRETER_SERVER)
                        .with_name("code_interpreter_charts.py")),
                    (FILES / "code_interpreter_charts.py").read_text(), 0o644),
+        RecipeFile(str(PurePosixPath(paths.CODE_INTERPRETER_SERVER)
+                       .with_name("code_interpreter_kernels.py")),
+                   (FILES / "code_interpreter_kernels.py").read_text(), 0o644),
+        RecipeFile(str(PurePosixPath(paths.CODE_INTERPRETER_SERVER)
+                       .with_name("code_interpreter_jupyter.py")),
+                   (FILES / "code_interpreter_jupyter.py").read_text(), 0o644),
         RecipeFile("/etc/ipython/ipython_kernel_config.py",
                    "# Hangar: figures keep their size (figsize x dpi), tracebacks no colours.\n"
                    "c.InlineBackend.print_figure_kwargs = {'bbox_inches': None}\n"

@@ -63,13 +63,13 @@ from hangar.engines.firecracker.jailer import (
 from hangar.engines.firecracker.probe import BOOT_ARGS
 from hangar.engines.firecracker.snapshots import (
     dig_holes,
+    manifest_of,
     merge_diff,
     read_snapshot,
     reports_holes,
 )
 from hangar.engines.process import VMMHandle, VMMProcesses
 from hangar.engines.snapshot_io import (
-    SnapshotManifest,
     allocated_bytes,
     copy_file,
     write_manifest,
@@ -469,16 +469,8 @@ class FirecrackerEngine(Engine):
                 safefs.own(dest, f.name, os.geteuid(), os.getegid(), 0o644)
             state_bytes = allocated_bytes(out.fc_state) + allocated_bytes(out.fc_memory)
             disk_bytes = allocated_bytes(out.fc_disk)
-            x = vm.extra
-            write_manifest(dest, SnapshotManifest(
-                engine=self.name, vmm_version=self.version, accel=self.accel,
-                image_name=x.get("image", ""), image_digest=x.get("image_digest", ""),
-                kernel_version=x.get("kernel_version", ""), vcpus=int(x.get("vcpus", 0)),
-                memory_mib=int(x.get("memory_mib", 0)),
-                disk_virtual_bytes=out.fc_disk.stat().st_size,
-                machine=[f"vcpus={x.get('vcpus')}", f"memory_mib={x.get('memory_mib')}"],
-                created_at=created_at, state_bytes=state_bytes, disk_bytes=disk_bytes,
-                save_seconds=round(time.monotonic() - started, 6), source_sandbox=vm.sandbox_id,
+            write_manifest(dest, manifest_of(
+                self, vm, out.fc_disk, created_at, started, state_bytes, disk_bytes,
                 template=template,
                 extra={"type": "Diff" if base else "Full",
                        "base": str(base.parent) if base else None,
@@ -512,16 +504,8 @@ class FirecrackerEngine(Engine):
             await asyncio.to_thread(safefs.copy_out, files.root, files.disk.name, out.fc_disk)
             safefs.own(dest, out.fc_disk.name, os.geteuid(), os.getegid(), 0o644)
             disk_bytes = allocated_bytes(out.fc_disk)
-            x = vm.extra
-            write_manifest(dest, SnapshotManifest(
-                engine=self.name, vmm_version=self.version, accel=self.accel,
-                image_name=x.get("image", ""), image_digest=x.get("image_digest", ""),
-                kernel_version=x.get("kernel_version", ""), vcpus=int(x.get("vcpus", 0)),
-                memory_mib=int(x.get("memory_mib", 0)),
-                disk_virtual_bytes=out.fc_disk.stat().st_size,
-                machine=[f"vcpus={x.get('vcpus')}", f"memory_mib={x.get('memory_mib')}"],
-                created_at=created_at, state_bytes=0, disk_bytes=disk_bytes,
-                save_seconds=round(time.monotonic() - started, 6), source_sandbox=vm.sandbox_id,
+            write_manifest(dest, manifest_of(
+                self, vm, out.fc_disk, created_at, started, 0, disk_bytes,
                 memory=False, extra={"files": {"disk": out.fc_disk.name}}))
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)

@@ -29,10 +29,16 @@ import asyncio
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from hangar.engines import snapshot_io
+from hangar.engines.base import VM
 from hangar.engines.snapshot_io import SnapshotManifest
+
+if TYPE_CHECKING:
+    from hangar.engines.firecracker.engine import FirecrackerEngine
 
 log = logging.getLogger("hangar.engine.firecracker")
 
@@ -116,3 +122,22 @@ def read_snapshot(source: Path) -> SnapshotManifest:
     when it is another engine's, of another format, or lacks a file.
     """
     return snapshot_io.read_manifest(source, "firecracker")
+
+
+def manifest_of(engine: "FirecrackerEngine", vm: VM, disk: Path, created_at: float, started: float,
+                state_bytes: int, disk_bytes: int, **fields: Any) -> SnapshotManifest:
+    """The manifest of a snapshot ``engine`` just took of ``vm``: its image, kernel and
+    machine from ``vm.extra``, ``disk`` (the copied drive) for the virtual size,
+    ``created_at`` (epoch seconds), ``started`` (``time.monotonic()`` when the save began)
+    for ``save_seconds``, sizes in bytes, and ``fields`` (``template``, ``memory``,
+    ``extra``) as given."""
+    x = vm.extra
+    return SnapshotManifest(
+        engine=engine.name, vmm_version=engine.version, accel=engine.accel,
+        image_name=x.get("image", ""), image_digest=x.get("image_digest", ""),
+        kernel_version=x.get("kernel_version", ""), vcpus=int(x.get("vcpus", 0)),
+        memory_mib=int(x.get("memory_mib", 0)), disk_virtual_bytes=disk.stat().st_size,
+        machine=[f"vcpus={x.get('vcpus')}", f"memory_mib={x.get('memory_mib')}"],
+        created_at=created_at, state_bytes=state_bytes, disk_bytes=disk_bytes,
+        save_seconds=round(time.monotonic() - started, 6), source_sandbox=vm.sandbox_id,
+        **fields)

@@ -59,34 +59,28 @@ by message, never accumulated. Errors answer ``{"error": message}`` with
 within ``SPARE_WAIT_S``). JavaScript and TypeScript contexts are Node.js processes
 (``NodeKernel``), Bash ones ``bash`` processes (``BashKernel``), started on demand (the
 default JavaScript one in the background once the port is open); Python figures also come
-back as structured charts (``CHARTS``).
+back as structured charts. The kernels are in the files beside this one, which it imports:
+``code_interpreter_jupyter.py`` (Python: ``Kernel``, the protocol's lines, the charts) and
+``code_interpreter_kernels.py`` (``BashKernel``, ``NodeKernel``, ``Identity``).
 """
 
 from __future__ import annotations
 
 import argparse
-import codecs
 import json
 import os
 import pwd
-import queue
-import re
 import select
-import shlex
-import shutil
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from jupyter_client.manager import KernelManager
+from code_interpreter_jupyter import Kernel, shutdown_later
+from code_interpreter_kernels import NODE, BashKernel, Gone, Identity, NodeKernel, Refused
 
 PORT = 49999
 MAX_BODY_BYTES = 4 << 20
@@ -94,11 +88,6 @@ MAX_BODY_BYTES = 4 << 20
 MAX_CONTEXTS = 16
 MAX_REQUESTS = 32
 MAX_ENV_VARS = 256
-KERNEL_START_S: float | None = None
-"""Longest a kernel may take to answer after its process started, seconds: none of its own.
-A dead kernel is noticed at once (``wait_for_ready`` watches it); a slow one is bounded by
-what waits for it: the template's ready timeout at server start, a take's SPARE_WAIT_S
-later. A fixed 120 s failed the start on a busy host (imports under emulation)."""
 SPARE_WAIT_S = 240.0
 """Longest a create or restart waits for the spare being started, seconds: under the
 host's 300 s per call (``hangar.core.interpreter.REQUEST_S``), so that the client gets
@@ -106,77 +95,10 @@ this server's clear 504 rather than the host's timeout."""
 WARMUP = "__import__('numpy'), __import__('pandas'), __import__('matplotlib.pyplot')"
 """Run in every kernel (the default one and each spare) before it is used: the imports most
 cells need, loaded without binding a name (a new context's namespace is empty)."""
-CHARTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_interpreter_charts.py")
-CHART_MIME = "application/vnd.hangar.chart+json"
-"""A Python kernel's structured chart of a matplotlib figure (``CHARTS``): the result's
-``chart``."""
-CHART_SETUP = f"""def _hangar_charts():
-    import importlib.util, os, sys
-    if not os.path.exists({CHARTS!r}):
-        return
-    spec = importlib.util.spec_from_file_location("_hangar_charts", {CHARTS!r})
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.modules["_hangar_charts"] = module
-    module.install(get_ipython())
-_hangar_charts()
-del _hangar_charts
-"""
-FORMATS = {
-    "text/plain": "text", "text/html": "html", "text/markdown": "markdown",
-    "image/svg+xml": "svg", "image/png": "png", "image/jpeg": "jpeg",
-    "application/pdf": "pdf", "text/latex": "latex", "application/json": "json",
-    "application/javascript": "javascript", CHART_MIME: "chart",
-}
-"""MIME type → the result's key; other types go under ``extra``."""
 LANGUAGES = {"python": "python", "python3": "python", "javascript": "javascript",
              "js": "javascript", "typescript": "typescript", "ts": "typescript",
              "bash": "bash"}
 """Language names a request may give → the context's language."""
-NODE = "/usr/bin/node"
-NODE_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_interpreter_node.js")
-"""The JavaScript/TypeScript kernel: one Node.js process per context running this driver."""
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-class Refused(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class Gone(Exception):
-    """The client closed its connection mid-cell."""
-
-
-@dataclass(frozen=True)
-class Identity:
-    """Whom kernels run as and what they inherit, as ``POST /configure`` last set it (the
-    host sets it once a sandbox is made: E2B's default user and the sandbox's environment
-    variables). ``version`` 0 is the server's own (root, nothing added): a kernel started
-    before a configure is moved to the newer one before it runs a cell (``Kernel.apply``)."""
-
-    version: int = 0
-    user: str | None = None
-    uid: int = 0
-    gid: int = 0
-    groups: tuple[int, ...] = ()
-    home: str | None = None
-    envs: dict[str, str] = field(default_factory=dict)
-
-    def env(self, base: dict[str, str]) -> dict[str, str]:
-        """``base`` with this identity's variables (its user's HOME, USER, LOGNAME)."""
-        out = dict(base, **self.envs)
-        if self.user:
-            out.update(HOME=self.home or "/", USER=self.user, LOGNAME=self.user)
-        return out
-
-    def popen(self) -> dict[str, Any]:
-        """``subprocess.Popen`` arguments that start a process as this identity's user."""
-        if not self.user or self.uid == os.getuid():
-            return {}
-        return {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups)}
 
 
 IDENTITY = Identity()
@@ -195,148 +117,6 @@ def identity_of(user: str | None, envs: dict[str, str], version: int) -> Identit
     return Identity(version=version, user=user, uid=e.pw_uid, gid=e.pw_gid,
                     groups=tuple(os.getgrouplist(user, e.pw_gid)), home=e.pw_dir,
                     envs=dict(envs))
-
-
-class Kernel:
-    """One started ipykernel: its manager and a blocking client. Used by one thread at a time
-    (a context's lock, or the spare's starter before it is handed out). It starts as the
-    server's user (root) and moves to ``IDENTITY`` in place (``apply``: set*id, the
-    environment, the folder), so that a spare warmed before a configure serves after it."""
-
-    language = "python"
-
-    def __init__(self, cwd: str) -> None:
-        self.applied = 0
-        """The ``Identity.version`` this kernel runs as."""
-        env = dict(os.environ, MPLBACKEND="module://matplotlib_inline.backend_inline",
-                   PYTHONUNBUFFERED="1", PYDEVD_DISABLE_FILE_VALIDATION="1")
-        env.pop("PYTHONPATH", None)  # Hangar's guest modules are no business of the kernel
-        self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel(cwd=cwd, env=env,
-                             extra_arguments=["--InteractiveShell.colors=NoColor",
-                                              # no history file: the kernel may change user
-                                              "--HistoryManager.enabled=False"])
-        try:
-            self.kc = self.km.blocking_client()
-            self.kc.start_channels()
-            self.kc.wait_for_ready(timeout=KERNEL_START_S)
-            self.silent(CHART_SETUP)
-        except BaseException:
-            self.km.shutdown_kernel(now=True)
-            raise
-
-    def shutdown(self) -> None:
-        """Stop the client and kill the kernel (no graceful shutdown request: nothing of it
-        is kept)."""
-        try:
-            self.kc.stop_channels()
-        finally:
-            self.km.shutdown_kernel(now=True)
-
-    def apply(self, ident: Identity, cwd: str) -> None:
-        """Run as ``ident`` from now on (its user, once, from root; its variables) in
-        ``cwd``."""
-        code = ["def _hangar_become():", "    import os",
-                f"    os.environ.update({ident.env({})!r})"]
-        if ident.user and ident.uid != 0:
-            code += ["    if os.getuid() == 0:",
-                     f"        os.setgroups({list(ident.groups)!r})",
-                     f"        os.setgid({ident.gid})",
-                     f"        os.setuid({ident.uid})"]
-        code += [f"    os.chdir({cwd!r})", "_hangar_become()", "del _hangar_become"]
-        self.silent("\n".join(code) + "\n")
-        self.applied = ident.version
-
-    def chdir(self, cwd: str) -> None:
-        self.silent(f"__import__('os').chdir({cwd!r})")
-
-    def run(self, code: str, env: dict[str, str], emit: Any, gone: Any) -> None:
-        """Run one cell with ``env`` set for it, calling ``emit(line_dict)`` for each output
-        as it comes; ``gone()`` tells whether the client left (the kernel is then
-        interrupted)."""
-        if env:
-            self.silent("import os as _hangar_os\n"
-                        f"_hangar_saved = {{k: _hangar_os.environ.get(k) for k in {list(env)!r}}}\n"
-                        f"_hangar_os.environ.update({env!r})\n")
-        try:
-            self._run(code, emit, gone)
-        finally:
-            if env:
-                self.silent("for _k, _v in _hangar_saved.items():\n"
-                            "    if _v is None: _hangar_os.environ.pop(_k, None)\n"
-                            "    else: _hangar_os.environ[_k] = _v\n"
-                            "del _hangar_saved, _k, _v\n")
-
-    def _run(self, code: str, emit: Any, gone: Any) -> None:
-        k = self
-        msg_id = k.kc.execute(code, store_history=True, allow_stdin=False, stop_on_error=True)
-        try:
-            while True:
-                try:
-                    msg = k.kc.get_iopub_msg(timeout=1)
-                except queue.Empty:
-                    if gone():
-                        raise Gone() from None
-                    if not k.km.is_alive():
-                        emit({"type": "error", "name": "KernelDied",
-                              "value": "the kernel died; restart the context",
-                              "traceback": ""})
-                        break
-                    continue
-                if msg["parent_header"].get("msg_id") != msg_id:
-                    continue
-                kind, c = msg["msg_type"], msg["content"]
-                if kind == "status" and c.get("execution_state") == "idle":
-                    break
-                line = to_line(kind, c)
-                if line is not None:
-                    emit(line)
-        except Gone:
-            k.km.interrupt_kernel()
-            k.drain(msg_id)
-            raise
-        k.reply(msg_id)
-        emit({"type": "end_of_execution"})
-
-    def silent(self, code: str) -> None:
-        """Run ``code`` with no output, history or count, waiting for the kernel to idle
-        however long that takes (under emulation on a busy host, the warm-up's imports take
-        minutes; the template's ready timeout bounds the whole start). Returning early
-        would open the port, and a template's snapshot would hold a half-done import that
-        every copy then finishes on its first cell."""
-        msg_id = self.kc.execute(code, silent=True, store_history=False)
-        self.drain(msg_id, timeout=None)
-
-    def drain(self, msg_id: str, timeout: float | None = 30.0) -> None:
-        """Read iopub until ``msg_id``'s cell idles (or ``timeout`` s), then its reply."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while deadline is None or time.monotonic() < deadline:
-            try:
-                msg = self.kc.get_iopub_msg(timeout=1)
-            except queue.Empty:
-                if not self.km.is_alive():
-                    return
-                continue
-            if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
-                    and msg["content"].get("execution_state") == "idle"):
-                break
-        self.reply(msg_id)
-
-    def reply(self, msg_id: str) -> None:
-        """Consume the shell reply of ``msg_id`` (replies would pile up otherwise)."""
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                msg = self.kc.get_shell_msg(timeout=1)
-            except queue.Empty:
-                continue
-            if msg["parent_header"].get("msg_id") == msg_id:
-                return
-
-
-def _shutdown_later(kernel: Kernel) -> None:
-    """Kill ``kernel`` in a thread of its own: the caller answers at once."""
-    threading.Thread(target=kernel.shutdown, name="kernel-shutdown", daemon=True).start()
 
 
 class Spares:
@@ -459,7 +239,7 @@ class KernelContext:
             else:
                 new = start_kernel(self.language, self.cwd, self.default)
             old, self.kernel = self.kernel, new
-            _shutdown_later(old)
+            shutdown_later(old)
 
     def shutdown(self) -> None:
         with self.lock:
@@ -482,268 +262,6 @@ def start_kernel(language: str, cwd: str, default: bool = False) -> Any:
     if language == "bash":
         return BashKernel(cwd, IDENTITY)
     return NodeKernel(language, cwd, IDENTITY)
-
-
-def _lines_of(buf: str, emit: Any, kind: str, final: bool = False) -> str:
-    """Emit the whole lines of ``buf`` (each with its newline; the rest too when ``final``)
-    as ``kind`` lines; returns what is left."""
-    while True:
-        nl = buf.find("\n")
-        if nl < 0:
-            break
-        emit({"type": kind, "text": buf[:nl + 1], "timestamp": time.time_ns()})
-        buf = buf[nl + 1:]
-    if final and buf:
-        emit({"type": kind, "text": buf, "timestamp": time.time_ns()})
-        buf = ""
-    return buf
-
-
-class BashKernel:
-    """A Bash context: one ``bash`` process (as the identity's user) that sources each cell
-    from a file of its own, so variables, functions and the folder stay between cells.
-    After a cell each stream gets a random marker (stdout's with the exit status) that
-    ends it; a cell that exits non-zero ends with an ``error`` line (``name``
-    ``ExitCodeError``, ``value`` the status). A client that leaves mid-cell ends the
-    process group: the next cell gets a new shell."""
-
-    language = "bash"
-
-    def __init__(self, cwd: str, ident: Identity) -> None:
-        self.applied = ident.version
-        self.cwd = cwd
-        self._start(ident)
-
-    def _start(self, ident: Identity) -> None:
-        self.dir = tempfile.mkdtemp(prefix="hangar-bash-")
-        if ident.user:
-            os.chown(self.dir, ident.uid, ident.gid)
-        env = ident.env(dict(os.environ, TERM="dumb"))
-        env.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen(
-            ["/bin/bash", "--noprofile", "--norc"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=self.cwd, env=env,
-            start_new_session=True, **ident.popen())
-
-    def apply(self, ident: Identity, cwd: str) -> None:
-        """A new shell as ``ident`` in ``cwd`` (a shell cannot change its user)."""
-        self.shutdown()
-        self.cwd = cwd
-        self._start(ident)
-        self.applied = ident.version
-
-    def chdir(self, cwd: str) -> None:
-        self.cwd = cwd
-
-    def shutdown(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def run(self, code: str, env: dict[str, str], emit: Any, gone: Any) -> None:
-        for name in env:
-            if not ENV_NAME.match(name):
-                raise Refused(400, f"env_vars: {name!r} is not a shell variable name")
-        mark = uuid.uuid4().hex
-        cell = os.path.join(self.dir, "cell.sh")
-        with open(cell, "w") as f:
-            f.write(code + "\n")
-        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-        script = (f"{prefix} source {shlex.quote(cell)} </dev/null\n"
-                  f"printf '%s %d\\n' {mark} $? ; printf '%s\\n' {mark} >&2\n")
-        assert self.proc.stdin is not None and self.proc.stdout and self.proc.stderr
-        try:
-            self.proc.stdin.write(script.encode())
-            self.proc.stdin.flush()
-        except OSError:
-            emit({"type": "error", "name": "KernelDied", "traceback": "",
-                  "value": "the shell exited; restart the context"})
-            emit({"type": "end_of_execution"})
-            return
-        out_fd, err_fd = self.proc.stdout.fileno(), self.proc.stderr.fileno()
-        tag = mark.encode()
-        raw = {out_fd: b"", err_fd: b""}
-        text = {out_fd: "", err_fd: ""}
-        decode = {fd: codecs.getincrementaldecoder("utf-8")("replace") for fd in raw}
-        kind = {out_fd: "stdout", err_fd: "stderr"}
-        done = {out_fd: False, err_fd: False}
-        status = 0
-        while not all(done.values()):
-            ready, _, _ = select.select([fd for fd, d in done.items() if not d], [], [], 1)
-            if not ready:
-                if gone():  # a new shell for the next cell: this one may be stuck
-                    self.shutdown()
-                    self._start(IDENTITY)
-                    raise Gone()
-                continue
-            for fd in ready:
-                chunk = os.read(fd, 65536)
-                if not chunk:  # the shell exited (``exit`` in a cell)
-                    done[fd], status = True, -1
-                    piece, raw[fd] = raw[fd], b""
-                else:
-                    raw[fd] += chunk
-                    at = raw[fd].find(tag)
-                    if at >= 0:
-                        if fd == out_fd:
-                            rest = raw[fd][at + len(tag):]
-                            if b"\n" not in rest:
-                                continue  # the status is still on its way
-                            status = int(rest.split(b"\n", 1)[0].strip() or b"0")
-                        piece, raw[fd] = raw[fd][:at], b""
-                        done[fd] = True
-                    else:  # keep what may be the start of a marker split between reads
-                        cut = max(0, len(raw[fd]) - len(tag) + 1)
-                        piece, raw[fd] = raw[fd][:cut], raw[fd][cut:]
-                text[fd] = _lines_of(text[fd] + decode[fd].decode(piece, final=done[fd]),
-                                     emit, kind[fd])
-        for fd in (out_fd, err_fd):
-            _lines_of(text[fd], emit, kind[fd], final=True)
-        if status == -1:
-            emit({"type": "error", "name": "KernelDied", "traceback": "",
-                  "value": "the shell exited; restart the context"})
-        elif status:
-            emit({"type": "error", "name": "ExitCodeError", "value": str(status),
-                  "traceback": f"the cell exited with status {status}"})
-        emit({"type": "end_of_execution"})
-
-
-class NodeKernel:
-    """A JavaScript or TypeScript context: one Node.js process running ``NODE_DRIVER``, which
-    takes one JSON request a line on its stdin (``run``, ``become``) and answers lines of
-    this protocol (plus ``ready`` and ``done``) on the descriptor named by its argument."""
-
-    def __init__(self, language: str, cwd: str, ident: Identity) -> None:
-        self.language = language
-        self.applied = ident.version
-        self.cwd = cwd
-        self._start(ident)
-
-    def _start(self, ident: Identity) -> None:
-        language, cwd = self.language, self.cwd
-        r, w = os.pipe()
-        env = ident.env(dict(os.environ))
-        env.pop("PYTHONPATH", None)
-        try:
-            self.proc = subprocess.Popen(
-                [NODE, NODE_DRIVER, str(w), language],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL, stderr=None, cwd=cwd, env=env, pass_fds=(w,),
-                start_new_session=True, **ident.popen())
-        except BaseException:
-            os.close(r)
-            raise
-        finally:
-            os.close(w)
-        self.events, self.buf = r, b""
-        first = self._next(lambda: False)
-        if first is None or first.get("type") != "ready":
-            self.shutdown()
-            raise RuntimeError(f"the {language} kernel did not start: {first!r}")
-
-    def _next(self, gone: Any) -> dict[str, Any] | None:
-        """The driver's next line (None: it exited); raises Gone when the client leaves."""
-        while True:
-            nl = self.buf.find(b"\n")
-            if nl >= 0:
-                line, self.buf = self.buf[:nl], self.buf[nl + 1:]
-                try:
-                    value = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(value, dict):
-                    return value
-                continue
-            ready, _, _ = select.select([self.events], [], [], 1)
-            if ready:
-                chunk = os.read(self.events, 1 << 20)
-                if not chunk:
-                    return None
-                self.buf += chunk
-                continue
-            if gone():
-                raise Gone()
-            if self.proc.poll() is not None:
-                return None
-
-    def _call(self, request: dict[str, Any], emit: Any, gone: Any) -> bool:
-        """Send one request and pass its lines to ``emit`` up to its ``done``; False when
-        the driver exited."""
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self.proc.stdin.flush()
-        except OSError:
-            return False
-        while True:
-            line = self._next(gone)
-            if line is None:
-                return False
-            if line.get("type") == "done":
-                return True
-            emit(line)
-
-    def apply(self, ident: Identity, cwd: str) -> None:
-        self.cwd = cwd
-        ok = self._call({"op": "become", "uid": ident.uid if ident.user else None,
-                         "gid": ident.gid, "groups": list(ident.groups),
-                         "env": ident.env({}), "cwd": cwd}, lambda _line: None, lambda: False)
-        if not ok:
-            raise RuntimeError(f"the {self.language} kernel exited")
-        self.applied = ident.version
-
-    def chdir(self, cwd: str) -> None:
-        self.cwd = cwd
-        self._call({"op": "chdir", "cwd": cwd}, lambda _line: None, lambda: False)
-
-    def shutdown(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        self.proc.wait()
-        os.close(self.events)
-
-    def run(self, code: str, env: dict[str, str], emit: Any, gone: Any,
-            typescript: bool = False) -> None:
-        try:
-            ok = self._call({"op": "run", "code": code, "env": env,
-                             "typescript": typescript}, emit, gone)
-        except Gone:  # a new process for the next cell: this one may be stuck
-            self.shutdown()
-            self._start(IDENTITY)
-            raise
-        if not ok:
-            emit({"type": "error", "name": "KernelDied", "traceback": "",
-                  "value": f"the {self.language} kernel exited; restart the context"})
-        emit({"type": "end_of_execution"})
-
-
-def to_line(kind: str, c: dict[str, Any]) -> dict[str, Any] | None:
-    """The protocol line for one iopub message, or None for messages it does not show."""
-    if kind == "stream":
-        return {"type": "stderr" if c.get("name") == "stderr" else "stdout",
-                "text": c.get("text", ""), "timestamp": time.time_ns()}
-    if kind in ("execute_result", "display_data"):
-        out: dict[str, Any] = {"type": "result", "is_main_result": kind == "execute_result"}
-        extra: dict[str, Any] = {}
-        for mime, value in (c.get("data") or {}).items():
-            if mime in FORMATS:
-                out[FORMATS[mime]] = value
-            else:
-                extra[mime] = value
-        if extra:
-            out["extra"] = extra
-        return out
-    if kind == "error":
-        return {"type": "error", "name": c.get("ename", ""), "value": c.get("evalue", ""),
-                "traceback": ANSI.sub("", "\n".join(c.get("traceback") or []))}
-    if kind == "execute_input":
-        return {"type": "number_of_executions", "execution_count": c.get("execution_count")}
-    return None
 
 
 class Contexts:
@@ -821,7 +339,7 @@ class Contexts:
             if default:
                 current = self.by_id.get(self.defaults.get(language, ""))
                 if current is not None:  # another call made it meanwhile: hand that out
-                    _shutdown_later(ctx.kernel)
+                    shutdown_later(ctx.kernel)
                     return current
                 self.defaults[language] = ctx.id
             self.by_id[ctx.id] = ctx

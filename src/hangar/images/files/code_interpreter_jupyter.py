@@ -1,0 +1,218 @@
+"""The code interpreter's Python kernels, run inside a ``code-interpreter`` guest (not on
+the host): one ipykernel under a ``jupyter_client.KernelManager`` a context (``Kernel``),
+its iopub messages mapped to the server's protocol lines (``to_line``: the ``result``
+keys by MIME type, ``FORMATS``; ``error`` with its traceback's colours taken out), and
+matplotlib figures also given as structured charts (``CHART_SETUP`` loads ``CHARTS``,
+``code_interpreter_charts.py``, into each kernel). The server (``code_interpreter.py``)
+imports this file from its own folder; it needs the image's jupyter_client and
+ipykernel, never Hangar's modules.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import threading
+import time
+from typing import Any
+
+from jupyter_client.manager import KernelManager
+
+from code_interpreter_kernels import Gone, Identity
+
+KERNEL_START_S: float | None = None
+"""Longest a kernel may take to answer after its process started, seconds: none of its own.
+A dead kernel is noticed at once (``wait_for_ready`` watches it); a slow one is bounded by
+what waits for it: the template's ready timeout at server start, a take's SPARE_WAIT_S
+later. A fixed 120 s failed the start on a busy host (imports under emulation)."""
+CHARTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_interpreter_charts.py")
+CHART_MIME = "application/vnd.hangar.chart+json"
+"""A Python kernel's structured chart of a matplotlib figure (``CHARTS``): the result's
+``chart``."""
+CHART_SETUP = f"""def _hangar_charts():
+    import importlib.util, os, sys
+    if not os.path.exists({CHARTS!r}):
+        return
+    spec = importlib.util.spec_from_file_location("_hangar_charts", {CHARTS!r})
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["_hangar_charts"] = module
+    module.install(get_ipython())
+_hangar_charts()
+del _hangar_charts
+"""
+FORMATS = {
+    "text/plain": "text", "text/html": "html", "text/markdown": "markdown",
+    "image/svg+xml": "svg", "image/png": "png", "image/jpeg": "jpeg",
+    "application/pdf": "pdf", "text/latex": "latex", "application/json": "json",
+    "application/javascript": "javascript", CHART_MIME: "chart",
+}
+"""MIME type → the result's key; other types go under ``extra``."""
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class Kernel:
+    """One started ipykernel: its manager and a blocking client. Used by one thread at a time
+    (a context's lock, or the spare's starter before it is handed out). It starts as the
+    server's user (root) and moves to ``IDENTITY`` in place (``apply``: set*id, the
+    environment, the folder), so that a spare warmed before a configure serves after it."""
+
+    language = "python"
+
+    def __init__(self, cwd: str) -> None:
+        self.applied = 0
+        """The ``Identity.version`` this kernel runs as."""
+        env = dict(os.environ, MPLBACKEND="module://matplotlib_inline.backend_inline",
+                   PYTHONUNBUFFERED="1", PYDEVD_DISABLE_FILE_VALIDATION="1")
+        env.pop("PYTHONPATH", None)  # Hangar's guest modules are no business of the kernel
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(cwd=cwd, env=env,
+                             extra_arguments=["--InteractiveShell.colors=NoColor",
+                                              # no history file: the kernel may change user
+                                              "--HistoryManager.enabled=False"])
+        try:
+            self.kc = self.km.blocking_client()
+            self.kc.start_channels()
+            self.kc.wait_for_ready(timeout=KERNEL_START_S)
+            self.silent(CHART_SETUP)
+        except BaseException:
+            self.km.shutdown_kernel(now=True)
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the client and kill the kernel (no graceful shutdown request: nothing of it
+        is kept)."""
+        try:
+            self.kc.stop_channels()
+        finally:
+            self.km.shutdown_kernel(now=True)
+
+    def apply(self, ident: Identity, cwd: str) -> None:
+        """Run as ``ident`` from now on (its user, once, from root; its variables) in
+        ``cwd``."""
+        code = ["def _hangar_become():", "    import os",
+                f"    os.environ.update({ident.env({})!r})"]
+        if ident.user and ident.uid != 0:
+            code += ["    if os.getuid() == 0:",
+                     f"        os.setgroups({list(ident.groups)!r})",
+                     f"        os.setgid({ident.gid})",
+                     f"        os.setuid({ident.uid})"]
+        code += [f"    os.chdir({cwd!r})", "_hangar_become()", "del _hangar_become"]
+        self.silent("\n".join(code) + "\n")
+        self.applied = ident.version
+
+    def chdir(self, cwd: str) -> None:
+        self.silent(f"__import__('os').chdir({cwd!r})")
+
+    def run(self, code: str, env: dict[str, str], emit: Any, gone: Any) -> None:
+        """Run one cell with ``env`` set for it, calling ``emit(line_dict)`` for each output
+        as it comes; ``gone()`` tells whether the client left (the kernel is then
+        interrupted)."""
+        if env:
+            self.silent("import os as _hangar_os\n"
+                        f"_hangar_saved = {{k: _hangar_os.environ.get(k) for k in {list(env)!r}}}\n"
+                        f"_hangar_os.environ.update({env!r})\n")
+        try:
+            self._run(code, emit, gone)
+        finally:
+            if env:
+                self.silent("for _k, _v in _hangar_saved.items():\n"
+                            "    if _v is None: _hangar_os.environ.pop(_k, None)\n"
+                            "    else: _hangar_os.environ[_k] = _v\n"
+                            "del _hangar_saved, _k, _v\n")
+
+    def _run(self, code: str, emit: Any, gone: Any) -> None:
+        k = self
+        msg_id = k.kc.execute(code, store_history=True, allow_stdin=False, stop_on_error=True)
+        try:
+            while True:
+                try:
+                    msg = k.kc.get_iopub_msg(timeout=1)
+                except queue.Empty:
+                    if gone():
+                        raise Gone() from None
+                    if not k.km.is_alive():
+                        emit({"type": "error", "name": "KernelDied",
+                              "value": "the kernel died; restart the context",
+                              "traceback": ""})
+                        break
+                    continue
+                if msg["parent_header"].get("msg_id") != msg_id:
+                    continue
+                kind, c = msg["msg_type"], msg["content"]
+                if kind == "status" and c.get("execution_state") == "idle":
+                    break
+                line = to_line(kind, c)
+                if line is not None:
+                    emit(line)
+        except Gone:
+            k.km.interrupt_kernel()
+            k.drain(msg_id)
+            raise
+        k.reply(msg_id)
+        emit({"type": "end_of_execution"})
+
+    def silent(self, code: str) -> None:
+        """Run ``code`` with no output, history or count, waiting for the kernel to idle
+        however long that takes (under emulation on a busy host, the warm-up's imports take
+        minutes; the template's ready timeout bounds the whole start). Returning early
+        would open the port, and a template's snapshot would hold a half-done import that
+        every copy then finishes on its first cell."""
+        msg_id = self.kc.execute(code, silent=True, store_history=False)
+        self.drain(msg_id, timeout=None)
+
+    def drain(self, msg_id: str, timeout: float | None = 30.0) -> None:
+        """Read iopub until ``msg_id``'s cell idles (or ``timeout`` s), then its reply."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while deadline is None or time.monotonic() < deadline:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=1)
+            except queue.Empty:
+                if not self.km.is_alive():
+                    return
+                continue
+            if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                    and msg["content"].get("execution_state") == "idle"):
+                break
+        self.reply(msg_id)
+
+    def reply(self, msg_id: str) -> None:
+        """Consume the shell reply of ``msg_id`` (replies would pile up otherwise)."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                msg = self.kc.get_shell_msg(timeout=1)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") == msg_id:
+                return
+
+
+def shutdown_later(kernel: Kernel) -> None:
+    """Kill ``kernel`` in a thread of its own: the caller answers at once."""
+    threading.Thread(target=kernel.shutdown, name="kernel-shutdown", daemon=True).start()
+
+
+def to_line(kind: str, c: dict[str, Any]) -> dict[str, Any] | None:
+    """The protocol line for one iopub message, or None for messages it does not show."""
+    if kind == "stream":
+        return {"type": "stderr" if c.get("name") == "stderr" else "stdout",
+                "text": c.get("text", ""), "timestamp": time.time_ns()}
+    if kind in ("execute_result", "display_data"):
+        out: dict[str, Any] = {"type": "result", "is_main_result": kind == "execute_result"}
+        extra: dict[str, Any] = {}
+        for mime, value in (c.get("data") or {}).items():
+            if mime in FORMATS:
+                out[FORMATS[mime]] = value
+            else:
+                extra[mime] = value
+        if extra:
+            out["extra"] = extra
+        return out
+    if kind == "error":
+        return {"type": "error", "name": c.get("ename", ""), "value": c.get("evalue", ""),
+                "traceback": ANSI.sub("", "\n".join(c.get("traceback") or []))}
+    if kind == "execute_input":
+        return {"type": "number_of_executions", "execution_count": c.get("execution_count")}
+    return None
