@@ -9,8 +9,9 @@ has python3 and nothing else).
   /tmp/release-stream exists (so a test can tell streaming from buffering without timing);
 * ``GET /redirect``: 302 to the absolute path ``/headers``;
 * ``GET /cut``: promises 100 bytes, sends 10 and hangs up;
-* ``GET /ws``: a WebSocket (RFC 6455) that echoes every message with its type, and answers a
-  text message ``close`` with a close frame of code 4001.
+* ``GET /ws``: a WebSocket (RFC 6455) that echoes every message with its type, answers a
+  text message ``close`` with a close frame of code 4001, and a text message ``flood N``
+  with N binary messages of 1 MiB, the i-th (from 0) every byte i % 256.
 """
 
 import base64
@@ -135,6 +136,10 @@ class Handler(BaseHTTPRequestHandler):
             elif opcode == 0:
                 message += payload
             if not fin:
+                continue
+            if kind == 1 and message.startswith(b"flood "):
+                for i in range(int(message.split()[1])):
+                    self._send_frame(2, bytes([i % 256]) * (1 << 20))
                 continue
             if kind == 1 and message == b"close":
                 self._send_frame(8, struct.pack("!H", 4001) + b"asked to")

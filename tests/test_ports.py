@@ -29,6 +29,8 @@ from hangar.client import Hangar, Sandbox
 pytestmark = pytest.mark.vm
 
 DOMAIN = "hangar.test"
+BUDGET_MIB = 4
+"""The module server's ``port_websocket_buffer_mib``: small, so that one slow client fills it."""
 APP = Path(__file__).with_name("guest_webapp.py")
 
 
@@ -57,7 +59,8 @@ def wait_listening(api: httpx.Client, sid: str, port: int, timeout: float = 60) 
 def web(base_image: Path) -> Iterator[tuple[Server, httpx.Client, str]]:
     """A server with a domain, and a sandbox running both web servers."""
     d = make_data_dir(base_image)
-    srv = Server(d, free_port(), {"HANGAR_DOMAIN": DOMAIN})
+    srv = Server(d, free_port(), {"HANGAR_DOMAIN": DOMAIN,
+                                  "HANGAR_PORT_WEBSOCKET_BUFFER_MIB": str(BUDGET_MIB)})
     try:
         srv.start()
         with srv.client() as c:
@@ -243,6 +246,37 @@ def test_websocket_echo_by_path_and_by_host(web) -> None:
                     additional_headers={"X-API-Key": srv.key}) as ws:
         ws.send(b"\x00\xff")
         assert ws.recv() == b"binary:\x00\xff"
+
+
+def test_unread_websocket_messages_are_bounded_per_sandbox(web) -> None:
+    """A client that does not read makes the server hold at most the sandbox's budget of
+    guest messages (``hangar.api.proxy.budget``): the guest is slowed, nothing is lost, and
+    another connection of the same sandbox that needs more than is left gets 1013 after its
+    wait; once the slow client has read, the budget is back."""
+    srv, c, sid = web
+    expose(c, sid, 3001)
+    url = f"ws://127.0.0.1:{srv.port}/sandboxes/{sid}/ports/3001/ws"
+    key = {"X-API-Key": srv.key}
+    count = 24  # 24 MiB: more than the kernel's socket buffers take in for the slow client
+    big = b"\x07" * (BUDGET_MIB - 1 << 20)  # its echo needs more than the slow one leaves
+    with ws_connect(url, additional_headers=key, max_size=None) as slow:
+        slow.send(f"flood {count}")
+        deadline = time.monotonic() + 300
+        refused = None
+        while refused is None and time.monotonic() < deadline:
+            with ws_connect(url, additional_headers=key, max_size=None,
+                            open_timeout=60) as other:
+                other.send(big)
+                try:
+                    assert other.recv(timeout=120) == b"binary:" + big  # not full yet
+                except ConnectionClosed as closed:
+                    refused = closed.rcvd
+        assert refused is not None and refused.code == 1013, refused
+        for i in range(count):  # every message, whole and in order
+            assert slow.recv(timeout=120) == bytes([i % 256]) * (1 << 20), i
+    with ws_connect(url, additional_headers=key, max_size=None) as again:
+        again.send(big)
+        assert again.recv(timeout=120) == b"binary:" + big
 
 
 def test_websocket_refusals_are_http_answers(web) -> None:

@@ -79,6 +79,14 @@ class Settings(BaseSettings):
     sandbox_max_port_connections: int = Field(
         256, ge=1, description="Connections open at once to all of one sandbox's ports "
                                "(429 beyond).")
+    port_websocket_buffer_mib: int = Field(
+        64, ge=1, description="MiB of guest WebSocket messages the port proxy holds at once "
+                              "for one sandbox's clients (assembled or not yet read); a "
+                              "connection that needs more waits 10 s, then is closed with "
+                              "1013.")
+    port_websocket_buffer_total_mib: int = Field(
+        512, ge=1, description="MiB of guest WebSocket messages the port proxy holds at once "
+                               "for all sandboxes.")
     envd_max_requests_per_sandbox: int = Field(
         128, ge=1, description="Requests of E2B's data plane (envd calls, streams, file "
                                "transfers) in flight at once for one sandbox (429, or "

@@ -15,6 +15,7 @@ from websockets.http11 import Response as WsResponse
 from websockets.protocol import State as WsState
 from websockets.uri import WebSocketURI
 
+from hangar.api.proxy.budget import MessageBudget, budget_of
 from hangar.api.proxy.exchange import Exchange, Refused
 from hangar.api.proxy.origin import filter_headers
 from hangar.api.proxy.routing import HOP_BY_HOP, guest_headers, header
@@ -24,7 +25,8 @@ from hangar.errors import HangarError
 log = logging.getLogger("hangar.proxy")
 
 WS_MAX_MESSAGE = 16 * 1024 * 1024
-"""Largest WebSocket message taken from a guest, bytes (uvicorn's default for clients)."""
+"""Largest WebSocket message taken from a guest, bytes (uvicorn's default for clients). The
+bytes held for clients are bounded per sandbox and in all too (``budget``)."""
 PARSE_SLICE = 8 << 10
 """Bytes of a guest's stream parsed at once: a tunnel chunk (64 KiB) of empty frames takes
 ``websockets`` about 0.12 s to parse here, an 8 KiB slice about 15 ms."""
@@ -156,6 +158,19 @@ class WebSocketExchange(Exchange):
 
     async def _to_client(self, proto: ClientProtocol, tunnel: Tunnel, pending: list[Any],
                          close: dict[str, Any]) -> None:
+        """Guest to client, message by message; every byte counted in the sandbox's
+        ``budget`` from its frame's arrival until the next message has been handed on."""
+        budget = budget_of(self.state, self.m.settings)
+        held = [0, 0]  # bytes of the message being assembled, of the last one handed on
+        try:
+            await self._relay_to_client(proto, tunnel, pending, close, budget, held)
+        finally:
+            budget.give(self.target.sandbox_id, held[0] + held[1])
+
+    async def _relay_to_client(self, proto: ClientProtocol, tunnel: Tunnel,
+                               pending: list[Any], close: dict[str, Any], budget: MessageBudget,
+                               held: list[int]) -> None:
+        sandbox_id = self.target.sandbox_id
         parts: list[bytes] = []
         kind: Opcode | None = None
         events = pending
@@ -164,6 +179,16 @@ class WebSocketExchange(Exchange):
             for n, frame in enumerate(events, 1):
                 if n % YIELD_EVERY == 0:
                     await asyncio.sleep(0)
+                if frame.opcode in (Opcode.TEXT, Opcode.BINARY, Opcode.CONT) \
+                        and not await budget.take(sandbox_id, len(frame.data)):
+                    close.update(code=1013, reason="the sandbox's WebSocket clients hold "
+                                 "too much unread data")
+                    if proto.state is WsState.OPEN:
+                        proto.send_close(1013)
+                        await self._flush(proto, tunnel)
+                    return
+                if frame.opcode in (Opcode.TEXT, Opcode.BINARY, Opcode.CONT):
+                    held[0] += len(frame.data)
                 if frame.opcode in (Opcode.TEXT, Opcode.BINARY):
                     kind, parts = frame.opcode, [frame.data]
                 elif frame.opcode is Opcode.CONT:
@@ -183,6 +208,9 @@ class WebSocketExchange(Exchange):
                                          "text": data.decode("utf-8", "replace")})
                     else:
                         await self.send({"type": "websocket.send", "bytes": data})
+                    # the write buffer drained before this one was written: the last goes
+                    budget.give(sandbox_id, held[1])
+                    held[1], held[0] = held[0], 0
                     kind, parts = None, []
             await self._flush(proto, tunnel)
             if proto.state is WsState.CLOSED:
