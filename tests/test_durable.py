@@ -62,3 +62,58 @@ def test_the_first_key_is_whole_or_absent(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="is empty.*hangar key rotate"):
         read_default(key_file)
+
+
+# -- class 1 (review 29c M1, L1): key files root reads and writes in the server's folder --
+
+
+def _planted(folder: Path) -> dict[str, Path]:
+    """What a compromised server may put where root reads a key file: a link to a file
+    root may read, a link to /dev/zero, a FIFO, and a file past the size cap."""
+    secret = folder / "root-only"
+    secret.write_text("hk_" + "s" * 60)
+    (folder / "link").symlink_to(secret)
+    (folder / "zero").symlink_to("/dev/zero")
+    os.mkfifo(folder / "fifo")
+    (folder / "huge").write_bytes(b"x" * ((1 << 20) + 1))
+    return {n: folder / n for n in ("link", "zero", "fifo", "huge")}
+
+
+def test_read_small_takes_only_a_small_regular_file(tmp_path: Path) -> None:
+    planted = _planted(tmp_path)
+    (tmp_path / "ok").write_bytes(b"abc")
+    assert durable.read_small(tmp_path / "ok", 3) == b"abc"
+    with pytest.raises(FileNotFoundError):
+        durable.read_small(tmp_path / "absent", 10)
+    for name, errno_ in (("link", 40), ("zero", 40), ("fifo", 22), ("huge", 27)):
+        with pytest.raises(OSError) as err:  # at once: a FIFO never blocks the reader
+            durable.read_small(planted[name], 4096)
+        assert err.value.errno == errno_, name
+
+
+def test_key_files_planted_by_the_server_are_refused_with_a_message(tmp_path: Path) -> None:
+    from hangar.core.ports import PortKey
+    from hangar.errors import ConfigError
+    from hangar.keys import read_named
+    planted = _planted(tmp_path)
+    for path in planted.values():
+        with pytest.raises(ConfigError, match="cannot read the API key file"):
+            read_default(path)
+        keys, problems = read_named(path)
+        assert keys == [] and len(problems) == 1 and "cannot read" in problems[0]
+        with pytest.raises(ConfigError, match="cannot read the port key"):
+            PortKey(path).check()
+
+
+def test_atomic_write_never_opens_what_was_planted_at_its_temporary_name(
+        tmp_path: Path) -> None:
+    target = tmp_path / "api-key"
+    tmp = tmp_path / f".api-key.{os.getpid()}.tmp"
+    os.mkfifo(tmp)  # a FIFO: an open for writing would block until a reader came
+    durable.atomic_write(target, b"new\n")
+    assert target.read_bytes() == b"new\n" and not tmp.exists()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    tmp.symlink_to(victim)
+    durable.atomic_write(target, b"newer\n")
+    assert target.read_bytes() == b"newer\n" and victim.read_bytes() == b"keep"

@@ -12,10 +12,12 @@ data was written by another tool, ``replace``.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
-__all__ = ["atomic_write", "fsync_dir", "replace"]
+__all__ = ["atomic_write", "fsync_dir", "read_small", "replace"]
 
 
 def fsync_dir(folder: str | os.PathLike[str]) -> None:
@@ -33,6 +35,36 @@ def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
     fsync_dir(Path(dst).parent)
 
 
+def read_small(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them.
+
+    For files root reads from a folder a less privileged server may write (key files in
+    the data directory): the last name is opened with ``O_NOFOLLOW | O_NONBLOCK`` (a link
+    is refused, a FIFO cannot hang the reader), the descriptor checked to be a regular
+    file and read to ``limit`` bytes at most (a link to ``/dev/zero`` cannot fill memory).
+    Raises ``FileNotFoundError`` when it is absent, ``OSError`` (``ELOOP`` for a link,
+    ``EINVAL`` for another kind of file, ``EFBIG`` past ``limit``) otherwise.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 16, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def atomic_write(path: str | os.PathLike[str], data: bytes, mode: int = 0o600, *,
                  exclusive: bool = False) -> None:
     """Make ``path`` hold ``data`` (permissions ``mode``), all or nothing, durably.
@@ -48,7 +80,10 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, mode: int = 0o600, *
     """
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    # a new file of its own: a leftover (a crash's, or a FIFO or link someone planted) is
+    # removed first, and O_EXCL fails rather than open whatever takes its place meanwhile
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         try:
             os.fchmod(fd, mode)

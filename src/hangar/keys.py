@@ -75,7 +75,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hangar.durable import atomic_write
+from hangar.durable import atomic_write, read_small
 from hangar.errors import (
     ConfigError, Conflict, InvalidRequest, LimitExceeded, NotFound, Unauthorized,
 )
@@ -91,6 +91,10 @@ DEFAULT_NAME = "default"
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _LINE = re.compile(r"^(\S+)\s+sha256:([0-9a-f]{64})(?:\s+(\d+(?:\.\d+)?))?$")
 _HEADER_SAFE = re.compile(r"^[\x21-\x7e]+$")
+MAX_KEY_FILE_BYTES = 4096
+"""Most bytes read from ``api-key`` (one key and its newline; more is refused)."""
+MAX_NAMED_FILE_BYTES = 1 << 20
+"""Most bytes read from ``api-keys`` (about 10,000 named keys)."""
 
 
 def generate() -> str:
@@ -151,7 +155,7 @@ def read_default(path: Path) -> str | None:
     or weak, or when the file holds more than one line.
     """
     try:
-        text = path.read_text(encoding="utf-8", errors="surrogateescape")
+        text = read_small(path, MAX_KEY_FILE_BYTES).decode("utf-8", "surrogateescape")
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -216,7 +220,7 @@ def parse_named(text: str, path: Path) -> tuple[list[NamedKey], list[str]]:
 def read_named(path: Path) -> tuple[list[NamedKey], list[str]]:
     """The named keys of ``path`` (none when it is absent) and a message per bad line."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = read_small(path, MAX_NAMED_FILE_BYTES).decode("utf-8", "replace")
     except FileNotFoundError:
         return [], []
     except OSError as exc:

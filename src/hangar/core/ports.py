@@ -47,6 +47,7 @@ from pathlib import Path
 from hangar.core.context import Context
 from hangar.core.lifecycle import State
 from hangar.core.store import PortRecord, SandboxRecord
+from hangar.durable import read_small
 from hangar.errors import ConfigError, Conflict, InvalidRequest, LimitExceeded, NotFound
 from hangar.schemas.bounds import PORT_MAX, PORT_MIN, TTL_MAX_S
 
@@ -61,6 +62,8 @@ EXPOSABLE = frozenset(State) - {State.STOPPING, State.FAILED, State.DELETED, Sta
 ENDED = frozenset({State.DELETED, State.EXPIRED})
 CAP_RETRY_S = 1.0
 """``Retry-After`` of a connection over a port's or a sandbox's cap, seconds."""
+KEY_FILE_MAX = 4096
+"""Most bytes read from the port key file (a larger one is refused, as a short one is)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class PortKey:
         ``KEY_BYTES`` (empty, cut short): tokens signed with it could be forged. A missing
         file is fine (``key`` makes one). ``hangar serve`` calls this at start."""
         try:
-            size = len(self.path.read_bytes())
+            size = len(read_small(self.path, KEY_FILE_MAX))
         except FileNotFoundError:
             return
         except OSError as exc:
@@ -118,13 +121,15 @@ class PortKey:
         if self._key is None:
             self.check()
             try:
-                data = self.path.read_bytes()
+                data = read_small(self.path, KEY_FILE_MAX)
             except FileNotFoundError:
                 data = b""
             if len(data) < KEY_BYTES:
                 data = secrets.token_bytes(KEY_BYTES)
                 tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                tmp.unlink(missing_ok=True)  # a leftover, or a FIFO or link planted there
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600)
                 try:
                     os.write(fd, data)
                     os.fsync(fd)
@@ -134,7 +139,7 @@ class PortKey:
                     os.link(tmp, self.path)  # never replaces a key another process made
                 except FileExistsError:
                     self.check()
-                    data = self.path.read_bytes()
+                    data = read_small(self.path, KEY_FILE_MAX)
                 finally:
                     tmp.unlink(missing_ok=True)
             self._key = data
