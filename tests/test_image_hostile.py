@@ -17,6 +17,7 @@ import hashlib
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import tarfile
 import threading
@@ -285,6 +286,21 @@ def test_safetree_never_leaves_the_tree(tmp_path: Path, host: Path) -> None:
     assert (inside_host / "log" / "new").read_text() == "guest\n"
     assert (inside_host / "doc" / "copied" / "passwd").read_text().startswith("root:x:0")
     assert (inside_host / "made").is_dir()
+
+
+def test_files_under_lists_without_following_or_opening_what_is_not_a_folder(
+        tmp_path: Path) -> None:
+    """``safetree.files_under`` (the trims' walk) lists every non-folder below a folder, a
+    link as a link (never followed) and a FIFO unopened (``beneath.fwalk``)."""
+    root = tmp_path / "root"
+    (root / "var/log/deep").mkdir(parents=True)
+    (root / "var/log/deep/file").write_text("x")
+    (root / "var/log/out").symlink_to("/etc")
+    os.mkfifo(root / "var/log/fifo")
+    found = {name: stat.S_IFMT(st.st_mode)
+             for _fd, name, st in safetree.files_under(root, "/var/log")}
+    assert found == {"file": stat.S_IFREG, "out": stat.S_IFLNK, "fifo": stat.S_IFIFO}
+    assert list(safetree.files_under(root, "/var/missing")) == []
 
 
 def test_cli_import_of_a_refused_image_says_why(tmp_path: Path) -> None:

@@ -278,7 +278,8 @@ def files_under(root: Path, folder: str) -> Iterator[tuple[int, str, os.stat_res
     except (FileNotFoundError, NotADirectoryError, ImageError):
         return
     try:
-        for _dirpath, _dirs, files, dfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+        # beneath.fwalk: os.fwalk would open a subfolder swapped for a FIFO's link meanwhile
+        for _rel, _dirs, files, dfd in beneath.fwalk(top):
             for name in files:
                 try:
                     yield dfd, name, os.stat(name, dir_fd=dfd, follow_symlinks=False)
