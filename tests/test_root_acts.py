@@ -392,6 +392,26 @@ def test_jail_spawn_gives_and_writes_nothing_through_a_symlink(jailed: dict[str,
     jailed["outside"].untouched()
 
 
+def test_jail_spawn_clears_what_the_server_planted_for_the_jailer(jailed: dict[str, Any]
+                                                                 ) -> None:
+    """REVIEW29d D-H1: the jailer (Firecracker 1.12's) copies its binary to
+    ``root/firecracker`` as root without ``O_NOFOLLOW`` and makes ``dev/`` there; before it
+    runs, the root is closed to the server's group and everything but the linked files,
+    the log and the disk is removed, nothing followed or opened."""
+    h, root, out = jailed["helper"], jailed["root"], jailed["outside"]
+    assert ask(h, op="jail_prepare", sandbox_id="sb-a")["ok"] is True
+    (root / "firecracker.log").write_text("")
+    (root / "disk.ext4").write_text("disk")
+    (root / "firecracker").symlink_to(out.secret)
+    (root / "dev").symlink_to(out.dir)
+    os.mkfifo(root / "run")
+    got = ask(h, op="jail_spawn", sandbox_id="sb-a", vcpus=1, memory_mib=64)
+    assert got["ok"] is False, got  # the jailer named here does not exist
+    assert sorted(os.listdir(root)) == ["disk.ext4", "firecracker.log"]
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o711
+    out.untouched()
+
+
 def test_jail_release_removes_the_jail_without_following_its_links(
         jailed: dict[str, Any]) -> None:
     h, root = jailed["helper"], jailed["root"]

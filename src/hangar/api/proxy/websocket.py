@@ -132,6 +132,15 @@ class WebSocketExchange(Exchange):
                 pass
             log.info("websocket closed", extra={"sandbox_id": t.sandbox_id, "port": t.port})
 
+    async def _over_budget(self, proto: ClientProtocol, tunnel: Tunnel,
+                           close: dict[str, Any]) -> None:
+        """The sandbox's budget had no room in time: both legs closed with 1013."""
+        close.update(code=1013, reason="the sandbox's WebSocket clients hold too much "
+                     "unread data")
+        if proto.state is WsState.OPEN:
+            proto.send_close(1013)
+            await self._flush(proto, tunnel)
+
     @staticmethod
     async def _flush(proto: ClientProtocol, tunnel: Tunnel) -> None:
         for chunk in proto.data_to_send():
@@ -159,13 +168,16 @@ class WebSocketExchange(Exchange):
     async def _to_client(self, proto: ClientProtocol, tunnel: Tunnel, pending: list[Any],
                          close: dict[str, Any]) -> None:
         """Guest to client, message by message; every byte counted in the sandbox's
-        ``budget`` from its frame's arrival until the next message has been handed on."""
+        ``budget`` from the moment it is parsed (a frame not yet whole too) until the next
+        message has been handed on."""
         budget = budget_of(self.state, self.m.settings)
-        held = [0, 0]  # bytes of the message being assembled, of the last one handed on
+        # bytes of the message being assembled, of the last one handed on, and of what the
+        # parser holds (a frame not yet whole: up to WS_MAX_MESSAGE of it)
+        held = [0, 0, 0]
         try:
             await self._relay_to_client(proto, tunnel, pending, close, budget, held)
         finally:
-            budget.give(self.target.sandbox_id, held[0] + held[1])
+            budget.give(self.target.sandbox_id, sum(held))
 
     async def _relay_to_client(self, proto: ClientProtocol, tunnel: Tunnel,
                                pending: list[Any], close: dict[str, Any], budget: MessageBudget,
@@ -181,11 +193,7 @@ class WebSocketExchange(Exchange):
                     await asyncio.sleep(0)
                 if frame.opcode in (Opcode.TEXT, Opcode.BINARY, Opcode.CONT) \
                         and not await budget.take(sandbox_id, len(frame.data)):
-                    close.update(code=1013, reason="the sandbox's WebSocket clients hold "
-                                 "too much unread data")
-                    if proto.state is WsState.OPEN:
-                        proto.send_close(1013)
-                        await self._flush(proto, tunnel)
+                    await self._over_budget(proto, tunnel, close)
                     return
                 if frame.opcode in (Opcode.TEXT, Opcode.BINARY, Opcode.CONT):
                     held[0] += len(frame.data)
@@ -225,9 +233,18 @@ class WebSocketExchange(Exchange):
                 data = await tunnel.read()
             if data:
                 data, backlog = data[:PARSE_SLICE], data[PARSE_SLICE:]
+                if not await budget.take(sandbox_id, len(data)):
+                    await self._over_budget(proto, tunnel, close)
+                    return
+                held[2] += len(data)
                 proto.receive_data(data)
             else:
                 proto.receive_eof()
                 if proto.state is not WsState.CLOSED:
                     close.update(code=1011, reason="the guest closed the connection")
             events = proto.events_received()
+            # what the parser no longer holds went into these frames (counted as they are
+            # taken above) or was a frame's header or a control frame
+            buffered = len(proto.reader.buffer)
+            budget.give(sandbox_id, held[2] - buffered)
+            held[2] = buffered

@@ -53,6 +53,29 @@ LINK_NAMES = frozenset({"vmlinux", "initrd.img", "rootfs.ext4", "snapshot.vmstat
 """The names ``link`` may make in a VMM's root (``FirecrackerPaths``' read-only files)."""
 
 
+def _seal_root(files: FirecrackerPaths) -> None:
+    """Make a VMM's root the jailer's alone before it starts: its group's write taken off
+    (``0o711``, through a descriptor: the server can add nothing more), then every entry
+    but the linked files (``LINK_NAMES``), the log and the disk removed through that
+    descriptor (``beneath.remove_tree``: nothing followed or opened). The jailer copies
+    its binary to ``root/firecracker`` and makes ``dev/`` there as root, and Firecracker
+    1.12's jailer opens that copy without ``O_NOFOLLOW``: a link the server's group
+    planted at that name would have had root overwrite its target. ``spawn`` gives the
+    folder back to the group once the VMM runs. Raises OSError."""
+    keep = LINK_NAMES | {files.log.name, files.disk.name}
+    fd = safefs.open_dir(files.root)
+    try:
+        os.fchmod(fd, 0o711)
+        for name in os.listdir(fd):
+            if name not in keep:
+                beneath.remove_tree(fd, name)
+        left = set(os.listdir(fd)) - keep
+        if left:
+            raise OSError(f"the VMM's root {files.root} still holds {sorted(left)}")
+    finally:
+        os.close(fd)
+
+
 def check_base(base: Path) -> None:
     """Raise OSError unless ``base`` and every folder above it are root's and writable by
     no one else (a sticky folder such as /tmp aside), and are no symlinks."""
@@ -174,6 +197,7 @@ class HostJail:
         uid = self.config.allocator().lookup(paths.dir)
         if uid is None:
             raise OSError(f"sandbox {sandbox_id} has no VMM uid: prepare it first")
+        _seal_root(files)  # before the jailer copies its binary in (REVIEW29d D-H1)
         for name in (files.log.name, files.disk.name):
             with safefs.opened(files.root, name) as fd:  # the server's own new file only
                 if os.fstat(fd).st_nlink != 1:
