@@ -378,6 +378,9 @@ def test_signed_file_urls(env: Env) -> None:
         assert (r.status_code, r.content) == (200, b"signed bytes")
         r = c.get(down.replace("signed.txt", "other.txt"))
         assert r.status_code == 401
+        for port in ("49999", "8000"):  # a file URL opens envd's /files, no other port's
+            r = c.get(down, headers={"E2b-Sandbox-Port": port})
+            assert r.status_code == 401, (port, r.text)
         # a URL signed for the default user runs as it whatever user Basic auth names
         rel = sbx.download_url("signed.txt", use_signature_expiration=60)
         r = c.get(rel, headers={"Authorization": "Basic " + base64.b64encode(b"root:").decode()})

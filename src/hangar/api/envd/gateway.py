@@ -298,7 +298,8 @@ class EnvdGateway:
         """True when a file URL's signature admitted the request (it then runs as the user
         it was signed for), False for another credential. Raises Refusal (401) unless the
         request carries a credential for the sandbox:
-        its envd access token in ``X-Access-Token``, a Hangar key, a file URL's signature,
+        its envd access token in ``X-Access-Token``, a Hangar key, a file URL's signature
+        (for envd's ``/files`` alone, never another port's),
         or, for a user port (and the code interpreter's context routes, which E2B's code
         interpreter SDK calls with it alone: ``e2b.traffic_admits``), its traffic token in
         ``E2B-Traffic-Access-Token``. The sandbox need not exist: tokens derive from the id,
@@ -321,7 +322,10 @@ class EnvdGateway:
                               "unauthenticated" if exc.status == 401 else "resource_exhausted",
                               exc.message) from None
         sig = query.get("signature")
-        if rest_path == "/files" and sig and scope.get("method") in ("GET", "POST"):
+        # envd's own /files alone: a file URL is no credential for the guest's other ports
+        # (the code interpreter's, a private sandbox's user ports: REVIEW29d D-M4)
+        if rest_path == "/files" and sig and port == ENVD_PORT \
+                and scope.get("method") in ("GET", "POST"):
             op = "read" if scope["method"] == "GET" else "write"
             why = signature_ok(manager, sandbox_id, sig, query.get("path", ""), op,
                                query.get("username", ""), query.get("signature_expiration"))
