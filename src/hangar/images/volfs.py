@@ -89,18 +89,25 @@ def confined_argv(image: Path, argv: list[str], *, writable: bool = False) -> tu
             *argv], IMAGE_IN_VIEW
 
 
-async def _run(argv: list[str], *, limit: int = 1 << 20,
-               timeout: float = TOOL_TIMEOUT_S) -> tuple[int, bytes, str]:
+async def _run(argv: list[str], *, limit: int = 1 << 20, timeout: float = TOOL_TIMEOUT_S,
+               stop_past_limit: bool = False) -> tuple[int, bytes, str]:
     """Run ``argv`` (at most ``MAX_RUNNING`` at once); (exit code, stdout up to ``limit`` + 1
     bytes, stderr text). Raises EngineError when it cannot start or outlives ``timeout``."""
     global _slots
     if _slots is None:
         _slots = asyncio.Semaphore(MAX_RUNNING)
     async with _slots:
-        return await _run_one(argv, limit=limit, timeout=timeout)
+        return await _run_one(argv, limit=limit, timeout=timeout,
+                              stop_past_limit=stop_past_limit)
 
 
-async def _run_one(argv: list[str], *, limit: int, timeout: float) -> tuple[int, bytes, str]:
+async def _run_one(argv: list[str], *, limit: int, timeout: float,
+                   stop_past_limit: bool = False) -> tuple[int, bytes, str]:
+    """Run ``argv``, reading its stdout (to ``limit`` + 1 bytes kept; past that the rest is
+    read and dropped, or with ``stop_past_limit`` the tool is killed at once and the
+    caller gets what was read) and its stderr (its first 64 KiB kept, the
+    rest read and dropped) side by side, so that a tool writing much to either never
+    blocks on a full pipe (a listing of a folder a guest filled must not hold a slot)."""
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -109,19 +116,23 @@ async def _run_one(argv: list[str], *, limit: int, timeout: float) -> tuple[int,
         raise EngineError(f"cannot run {argv[0]}: {exc}") from None
     assert proc.stdout is not None and proc.stderr is not None
     out = bytearray()
+    err = bytearray()
 
     async def take() -> None:
-        while len(out) <= limit:
-            chunk = await proc.stdout.read(65536)  # type: ignore[union-attr]
-            if not chunk:
+        while chunk := await proc.stdout.read(65536):  # type: ignore[union-attr]
+            if len(out) <= limit:
+                out.extend(chunk)
+            elif stop_past_limit:
+                proc.kill()  # enough: the caller reads no more of it
                 return
-            out.extend(chunk)
+
+    async def take_err() -> None:
+        while chunk := await proc.stderr.read(65536):  # type: ignore[union-attr]
+            if len(err) < 65536:
+                err.extend(chunk[:65536 - len(err)])
 
     try:
-        await asyncio.wait_for(take(), timeout)
-        err = await asyncio.wait_for(proc.stderr.read(65536), timeout)
-        if len(out) > limit:
-            proc.kill()
+        await asyncio.wait_for(asyncio.gather(take(), take_err()), timeout)
         rc = await asyncio.wait_for(proc.wait(), timeout)
     except asyncio.TimeoutError:
         proc.kill()
@@ -250,7 +261,9 @@ def check_path(path: str) -> str:
 
 async def _debugfs(image: Path, command: str, *, limit: int = 1 << 20) -> tuple[bytes, str]:
     argv, _ = confined_argv(image, ["debugfs", "-R", command, IMAGE_IN_VIEW])
-    rc, out, err = await _run(argv, limit=limit)
+    rc, out, err = await _run(argv, limit=limit, stop_past_limit=True)
+    if len(out) > limit:  # killed once it had written enough: what it wrote stands
+        return out, err
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("debugfs ")]
     if rc != 0 or any("not found" in ln or "Bad magic" in ln for ln in lines):
         msg = lines[-1].strip() if lines else f"debugfs exited {rc}"
