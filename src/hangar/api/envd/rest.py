@@ -51,7 +51,7 @@ from hangar.api.envd.connect import RpcError
 from hangar.api.envd.fs_entries import absolute
 from hangar.api.inflate import Inflater
 from hangar.core.service import Command, e2b, e2b_user
-from hangar.errors import DiskFull, HangarError, InvalidRequest, NotFound
+from hangar.errors import DiskFull, GuestError, HangarError, InvalidRequest, NotFound
 
 INTERNAL = ("/init", "/freeze", "/unfreeze", "/fsfreeze", "/fsthaw", "/collapse")
 MAX_FILES = 1000
@@ -443,5 +443,6 @@ async def _metrics(scope: Scope, receive: Receive, send: Send, query: dict[str, 
                 "mem_total_mib": total >> 20, "mem_used_mib": (total - avail) >> 20,
                 "disk_used": int(disk[2]), "disk_total": int(disk[1])}
     except (IndexError, ValueError, KeyError):
-        raise HangarError("the guest's figures could not be read") from None
+        raise GuestError("the guest's figures could not be read",  # the guest's fault: 502
+                         sandbox_id=envd.sandbox_id) from None
     await _json(send, 200, body)
