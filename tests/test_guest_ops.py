@@ -28,12 +28,16 @@ from hangar.images.initramfs import guest_sources
 
 PKG = Path(hangar.__file__).resolve().parent
 GUEST = PKG / "guest"
+GUEST_FILES = PKG / "images" / "files"
+"""Programs an image recipe writes into the guest (``hangar.images.recipes``)."""
 
 
 def host_modules() -> Iterator[tuple[Path, ast.Module]]:
-    """Every module of ``hangar`` that runs on the host (all but ``hangar/guest``)."""
+    """Every module of ``hangar`` that runs on the host (all but ``hangar/guest``, and the
+    programs an image recipe writes into the guest, ``hangar/images/files``: the code
+    interpreter's server speaks to its own kernels, not to the agent)."""
     for path in sorted(PKG.rglob("*.py")):
-        if GUEST in path.parents or "__pycache__" in path.parts:
+        if GUEST in path.parents or GUEST_FILES in path.parents or "__pycache__" in path.parts:
             continue
         yield path, ast.parse(path.read_text(), str(path))
 
