@@ -10,8 +10,8 @@ has python3 and nothing else).
 * ``GET /redirect``: 302 to the absolute path ``/headers``;
 * ``GET /cut``: promises 100 bytes, sends 10 and hangs up;
 * ``GET /ws``: a WebSocket (RFC 6455) that echoes every message with its type, answers a
-  text message ``close`` with a close frame of code 4001, and a text message ``flood N``
-  with N binary messages of 1 MiB, the i-th (from 0) every byte i % 256.
+  text message ``close`` with a close frame of code 4001, and a text message ``flood N [M]``
+  with N binary messages of M MiB (default 1), the i-th (from 0) every byte i % 256.
 """
 
 import base64
@@ -138,8 +138,10 @@ class Handler(BaseHTTPRequestHandler):
             if not fin:
                 continue
             if kind == 1 and message.startswith(b"flood "):
-                for i in range(int(message.split()[1])):
-                    self._send_frame(2, bytes([i % 256]) * (1 << 20))
+                words = message.split()
+                mib = int(words[2]) if len(words) > 2 else 1
+                for i in range(int(words[1])):
+                    self._send_frame(2, bytes([i % 256]) * (mib << 20))
                 continue
             if kind == 1 and message == b"close":
                 self._send_frame(8, struct.pack("!H", 4001) + b"asked to")
