@@ -1,7 +1,7 @@
 """The port proxy's byte budget for guest WebSocket messages (``hangar.api.proxy.budget``),
 on its own: counted per sandbox and in all, a take that does not fit waits for a give or
 its time, nothing counted when it fails. The real relay is in test_ports
-(``test_unread_websocket_messages_are_bounded_per_sandbox``)."""
+(``test_guest_websocket_messages_are_bounded_per_sandbox``)."""
 
 from __future__ import annotations
 
