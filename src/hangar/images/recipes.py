@@ -311,6 +311,9 @@ DEV = Recipe(
 CODE_INTERPRETER_PORT = 49999
 """The guest port of the code interpreter's server (E2B's)."""
 FILES = Path(__file__).resolve().parent / "files"
+CODE_INTERPRETER_BESIDE = ("code_interpreter_node.js", "code_interpreter_charts.py",
+                           "code_interpreter_kernels.py", "code_interpreter_jupyter.py")
+"""The files the code interpreter's server loads from its own folder (written beside it)."""
 
 CODE_INTERPRETER = Recipe(
     name="code-interpreter",
@@ -332,18 +335,9 @@ CODE_INTERPRETER = Recipe(
     files=LOGIN_PROFILE + (
         RecipeFile(paths.CODE_INTERPRETER_SERVER,
                    (FILES / "code_interpreter.py").read_text(), 0o755),
-        RecipeFile(str(PurePosixPath(paths.CODE_INTERPRETER_SERVER)
-                       .with_name("code_interpreter_node.js")),
-                   (FILES / "code_interpreter_node.js").read_text(), 0o644),
-        RecipeFile(str(PurePosixPath(paths.CODE_INTERPRETER_SERVER)
-                       .with_name("code_interpreter_charts.py")),
-                   (FILES / "code_interpreter_charts.py").read_text(), 0o644),
-        RecipeFile(str(PurePosixPath(paths.CODE_INTERPRETER_SERVER)
-                       .with_name("code_interpreter_kernels.py")),
-                   (FILES / "code_interpreter_kernels.py").read_text(), 0o644),
-        RecipeFile(str(PurePosixPath(paths.CODE_INTERPRETER_SERVER)
-                       .with_name("code_interpreter_jupyter.py")),
-                   (FILES / "code_interpreter_jupyter.py").read_text(), 0o644),
+        *(RecipeFile(str(PurePosixPath(paths.CODE_INTERPRETER_SERVER).with_name(name)),
+                     (FILES / name).read_text(), 0o644)
+          for name in CODE_INTERPRETER_BESIDE),
         RecipeFile("/etc/ipython/ipython_kernel_config.py",
                    "# Hangar: figures keep their size (figsize x dpi), tracebacks no colours.\n"
                    "c.InlineBackend.print_figure_kwargs = {'bbox_inches': None}\n"
