@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from conftest import SRC, wait_for
+from test_root_acts import Outside  # the folder of root's the server points its links at
 from hangar.engines.confine import ConfineConfig, Confinement
 from hangar.engines.qemu.argv import SECCOMP
 from hangar.layout import Layout
@@ -33,30 +34,6 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="root's acts run as ro
 QEMU = shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64"
 OWNER = 999  # the server's uid in these tests
 VMM_EXEC = SRC / "hangar" / "engines" / "vmm_exec.py"
-
-
-class Outside:
-    """A folder of root's (0700) with a secret file (0600) that the server points its
-    symlinks and ``..`` paths at; ``untouched`` says nothing in it changed."""
-
-    def __init__(self, root: Path) -> None:
-        self.dir = root / "outside"
-        self.dir.mkdir(mode=0o700)
-        self.secret = self.dir / "secret"
-        self.secret.write_text("root's own\n")
-        os.chmod(self.secret, 0o600)
-        self.before = self._state()
-
-    def _state(self) -> Any:
-        def one(p: Path) -> tuple[int, int, int]:
-            st = os.lstat(p)
-            return st.st_uid, st.st_gid, st.st_mode
-
-        return (one(self.dir), one(self.secret), self.secret.read_text(),
-                sorted(os.listdir(self.dir)))
-
-    def untouched(self) -> None:
-        assert self._state() == self.before, (self.before, self._state())
 
 
 def give(path: Path, uid: int = OWNER) -> None:
