@@ -128,23 +128,20 @@ HANGAR_DATA_DIR=$DATA PYTHON=.venv/bin/python sh scripts/fetch-firecracker.sh \
 # Each image's template snapshot is made in the network shape its sandboxes will have:
 # the test suite's servers run without guest networking, a server's TAP NIC otherwise.
 if [ "$TEST_TOOLS" = 1 ]; then export HANGAR_NETWORK=off; fi
-say "building the base guest image (cached; the first build takes a few minutes)"
-HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build base
-# The others side by side: each one's lines prefixed with its name. Their downloads into
-# the shared .deb cache take turns (hangar.images.debian.debootstrap); the rest overlaps.
+# Every image side by side, each one's lines prefixed with its name: their downloads into
+# the shared .deb cache take turns (hangar.images.debian.debootstrap); the rest overlaps
+# (one image's packing and template boot beside another's unpacking).
 build_image() { HANGAR_DATA_DIR=$DATA .venv/bin/hangar image build "$1" 2>&1 | sed -u "s/^/[$1] /"; }
-MORE=()
-[ "$DESKTOP" = 1 ] && MORE+=(desktop)
-[ "$DEV" = 1 ] && MORE+=(dev)
-[ "$CODEINT" = 1 ] && MORE+=(code-interpreter)
-if [ "${#MORE[@]}" -gt 0 ]; then
-  say "building the ${MORE[*]} guest images side by side (cached; the first build takes several minutes)"
-  BUILDS=()
-  for name in "${MORE[@]}"; do build_image "$name" & BUILDS+=($!); done
-  FAILED=0
-  for pid in "${BUILDS[@]}"; do wait "$pid" || FAILED=1; done
-  [ "$FAILED" = 0 ] || { echo "an image build failed: see its lines above" >&2; exit 1; }
-fi
+IMAGES=(base)
+[ "$DESKTOP" = 1 ] && IMAGES+=(desktop)
+[ "$DEV" = 1 ] && IMAGES+=(dev)
+[ "$CODEINT" = 1 ] && IMAGES+=(code-interpreter)
+say "building the ${IMAGES[*]} guest image(s) side by side (cached; the first build takes several minutes)"
+BUILDS=()
+for name in "${IMAGES[@]}"; do build_image "$name" & BUILDS+=($!); done
+FAILED=0
+for pid in "${BUILDS[@]}"; do wait "$pid" || FAILED=1; done
+[ "$FAILED" = 0 ] || { echo "an image build failed: see its lines above" >&2; exit 1; }
 
 if [ -d /etc/logrotate.d ]; then
   sed "s#/var/log/hangar/#$RUN_DIR/#" deploy/logrotate/hangar > /etc/logrotate.d/hangar.new

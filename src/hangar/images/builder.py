@@ -142,7 +142,7 @@ def _build(layout: Layout, recipe: Recipe, recipe_digest: str, say: Progress) ->
 
         t = time.monotonic()
         k = kernel.fetch(recipe.kernel_package, room.cached(layout.debs_cache), work, stage,
-                         say)
+                         say, lock=room.cached(layout.apt_lock))
         elf = vmlinux.write_vmlinux(paths)
         times["kernel"] = time.monotonic() - t
 

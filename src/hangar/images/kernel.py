@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hangar.errors import ImageError
 from hangar.images.commands import Progress, run
+from hangar.images.debian import flock
 from hangar.layout import ImagePaths
 
 
@@ -128,10 +129,14 @@ def unpack(deb: Path, work: Path, image_dir: Path) -> KernelFiles:
 
 
 def fetch(meta_package: str, debs: Path, work: Path, image_dir: Path,
-          progress: Progress | None = None) -> KernelFiles:
-    """Resolve, download (cached in ``debs``) and unpack the kernel into ``image_dir``."""
+          progress: Progress | None = None, lock: Path | None = None) -> KernelFiles:
+    """Resolve, download (cached in ``debs``) and unpack the kernel into ``image_dir``.
+
+    With ``lock`` (the flock file of ``hangar.images.debian.debootstrap``), builds side by
+    side take turns at the download: they share ``debs`` and its scratch folder."""
     package = resolve_package(meta_package)
     if progress:
         progress(f"kernel: {package}")
-    deb = download(package, debs, progress)
+    with flock(lock):
+        deb = download(package, debs, progress)
     return unpack(deb, work, image_dir)
