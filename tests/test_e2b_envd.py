@@ -549,6 +549,10 @@ def test_default_user_runs_commands_and_owns_what_envd_makes(env: Env) -> None:
     st = sbx.files.get_info("by-root.txt", user="root")  # relative to root's home
     assert (st.path, st.owner, st.group) == ("/root/by-root.txt", "root", "root")
     sbx.files.remove("owned")
+    # the base image's template snapshot holds the user: a create from it runs nothing for it
+    from hangar.core.templates import e2b_user
+    snaps = env.srv.data_dir / "images" / "base" / "template-snapshots"
+    assert "user" in {e2b_user(p) for p in snaps.iterdir() if p.is_dir()}
 
 
 def test_symlink_info_and_removing_a_missing_path(env: Env) -> None:

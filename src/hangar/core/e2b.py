@@ -35,8 +35,9 @@ its sandbox agent's protocol, envd (``hangar.api.envd``, under
 ``DEFAULT_USER`` / ``add_user`` / ``user_of`` / ``as_user`` / ``home``
     E2B's default user: a sandbox made through ``/e2b`` runs envd's commands,
     PTYs and file operations as ``user`` (home ``/home/user``, passwordless
-    ``sudo``) unless a call names ``root``. Made in the guest at create, as root,
-    through the guest's exec (no image change); commands run as it through
+    ``sudo``) unless a call names ``root``. Made in the guest as root through the
+    guest's exec (no image change), in every template snapshot before it is saved, else
+    at create; commands run as it through
     ``setpriv``, which ``exec``s in place (the pid and process group stay).
 ``url_exposure``
     E2B's sandbox URLs (``{port}-{id}.<HANGAR_DOMAIN>``) open every user port of

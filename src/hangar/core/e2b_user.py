@@ -1,5 +1,6 @@
 """E2B's default user in a sandbox made through ``/e2b``: ``user`` (uid and gid 1000, home
-``/home/user``, passwordless sudo), made at create through the guest's exec as root
+``/home/user``, passwordless sudo), made in every image's template snapshot before it is
+saved (``hangar.core.templates``), else at create through the guest's exec as root
 (``add_user``), and the envd calls that run as it (``as_user``, ``user_of``, ``give``,
 ``owners``). A part of ``hangar.core.e2b``, E2B's dialect of core.
 """
@@ -12,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hangar.core import interpreter
+from hangar.core import interpreter, templates
 from hangar.core.commands import Command
 from hangar.core.e2b import DEFAULT_USER, ROOT, envs, options, sandbox
 from hangar.errors import GuestError, InvalidRequest, Unauthorized
@@ -96,8 +97,9 @@ busy host is slow)."""
 
 
 async def add_user(manager: SandboxManager, sandbox_id: str) -> str:
-    """Make E2B's default user in a new sandbox's guest (``USER_SETUP``), give it the top
-    folder of each read-write volume mounted there, and return the user
+    """Make E2B's default user in a new sandbox's guest (``USER_SETUP``; nothing to run
+    when its template snapshot made it, ``hangar.core.templates.E2B_USER_FILE``), give it
+    the top folder of each read-write volume mounted there, and return the user
     its envd calls default to: ``DEFAULT_USER``, or ``root`` where the image cannot run
     commands as another user (no ``setpriv``; the record's options are changed to say so,
     and a warning is logged). Raises GuestError (the setup failed otherwise) and the guest
@@ -106,19 +108,24 @@ async def add_user(manager: SandboxManager, sandbox_id: str) -> str:
     opts = options(rec)
     if opts is None or opts.user != DEFAULT_USER:
         return ROOT
-    r = await manager.exec(sandbox_id, Command(USER_SETUP, timeout_s=SETUP_TIMEOUT_S))
-    if r.exit_code == 3:
+    mounts = [a.path for a in manager.store.attachments(sandbox_id) if not a.read_only]
+    rt = manager.registry.get(sandbox_id)
+    made = templates.e2b_user(rt.template) if rt is not None and rt.template else None
+    if made == DEFAULT_USER and not mounts:
+        return DEFAULT_USER  # its template made it (``hangar.core.templates``): no exec
+    r = (await manager.exec(sandbox_id, Command(USER_SETUP, timeout_s=SETUP_TIMEOUT_S))
+         if made is None else None)
+    if made == ROOT or (r is not None and r.exit_code == 3):
         log.warning("E2B's default user not made: the image has no setpriv; envd runs as "
                     "root", extra={"sandbox_id": sandbox_id, "image": rec.image})
         manager.store.update(sandbox_id, e2b={**(rec.e2b or {}), "user": ROOT})
         return ROOT
-    if r.exit_code != 0:
+    if r is not None and r.exit_code != 0:
         why = (r.stderr.head or r.stdout.head).decode("utf-8", "replace").strip()[:300]
         raise GuestError(f"E2B's default user {DEFAULT_USER!r} could not be made in sandbox "
                          f"{sandbox_id}: {why or f'exit {r.exit_code}'}", sandbox_id=sandbox_id)
     # the top folder of each read-write volume is the default user's, as a write of that
     # user leaves what it makes (an E2B program writes into its volume without sudo)
-    mounts = [a.path for a in manager.store.attachments(sandbox_id) if not a.read_only]
     await give(manager, sandbox_id, mounts, DEFAULT_USER)
     return DEFAULT_USER
 

@@ -338,9 +338,10 @@ class Launcher:
             chosen[:] = ["cold" if snap is None else "template"]
         if snap is None:
             return await self.boot(rec, image, expect, crash_step=crash_step), "cold"
-        return await self.restore_template(
-            rec, image, snap, expect,
-            crash_step="create.restoring" if crash_step else None), "template"
+        rt = await self.restore_template(
+            rec, image, snap, expect, crash_step="create.restoring" if crash_step else None)
+        rt.template = snap
+        return rt, "template"
 
     async def template_for(self, rec: SandboxRecord, image: GuestImage) -> Any:
         """The template snapshot folder ``rec`` can be restored from, or None (boot cold):

@@ -20,6 +20,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hangar.engines.base import VM
 from hangar.engines.agent_client import AgentClient
@@ -38,6 +39,9 @@ class Runtime:
     """The guest's fork generation when this process restored it from a user snapshot."""
     touched_at: float = 0.0
     """When a guest call last recorded ``last_active_at`` (Unix seconds)."""
+    template: Path | None = None
+    """The template snapshot folder its VM was restored from at create
+    (``hangar.core.templates``); None: booted, forked, woken or adopted."""
 
 
 @dataclass

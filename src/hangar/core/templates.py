@@ -2,7 +2,8 @@
 
 A template snapshot is a VM of the image, booted as a template source
 (``VMSpec.template_source``: its RAM in a shared file), whose template start
-command ran until its ready check passed (``hangar.core.startup``), then
+command ran until its ready check passed (``hangar.core.startup``), with
+E2B's default user made in it (``E2B_USER_FILE``), then
 saved with ``Engine.snapshot(..., template=True)``: device state, disk and
 one copy of the memory that every clone maps copy-on-write.
 
@@ -67,8 +68,14 @@ from hangar.net import NetAttachment, NetworkManager
 
 log = logging.getLogger("hangar.templates")
 
-KEY_FORMAT = 1
-"""Bumped when what a template snapshot holds changes, so old ones are not used."""
+KEY_FORMAT = 2
+"""Bumped when what a template snapshot holds changes, so old ones are not used (2: E2B's
+default user, ``E2B_USER_FILE``)."""
+E2B_USER_FILE = "e2b-user"
+"""In a template snapshot's folder: the user E2B's envd calls of its clones default to,
+made in the template VM before it was saved (``hangar.core.e2b_user.USER_SETUP``):
+``user``, or ``root`` where the image has no ``setpriv``; absent when the setup failed
+(a create through ``/e2b`` then runs it)."""
 RETRY_AFTER_S = 300.0
 """After an engine failure making a snapshot, creates of that key boot cold this long, s."""
 BUILD_PREFIX = "tpl-"
@@ -254,8 +261,11 @@ class TemplateSnapshots:
             except HangarError as exc:
                 log.warning("template warm-up failed", extra={"image": image.id,
                                                                "error": str(exc)})
+            e2b_user = await _e2b_user(agent, image)
             await agent.exec(exec_meta(argv=["/bin/sh", "-c", FORGET_SECRETS], timeout=30))
             await engine.snapshot(vm, stage, template=True)
+            if e2b_user is not None:
+                durable.atomic_write(stage / E2B_USER_FILE, e2b_user.encode(), 0o644)
             os.rename(stage, dest)
             durable.fsync_dir(dest.parent)
         finally:
@@ -308,6 +318,37 @@ DESKTOP_UP = (f'while ! grep -q \'"vnc": true\' {paths.DESKTOP_READY} 2>/dev/nul
 """Waits in the guest until its desktop's X answers and x11vnc listens (the supervisor's
 ready file says ``"vnc": true``, ``hangar.guest.desktop``); exits 1 with the reason when the
 desktop cannot run."""
+
+
+async def _e2b_user(agent: Any, image: GuestImage) -> str | None:
+    """Make E2B's default user in a template VM (``hangar.core.e2b_user.USER_SETUP``, as
+    root), so that a create through ``/e2b`` from the template needs no exec for it; the
+    user its clones' envd calls default to (``E2B_USER_FILE``), or None when the setup
+    failed (logged; such a create runs it)."""
+    from hangar.core.e2b_user import DEFAULT_USER, ROOT, SETUP_TIMEOUT_S, USER_SETUP
+
+    try:
+        r = await agent.exec(exec_meta(argv=["/bin/sh", "-c", USER_SETUP],
+                                       timeout=SETUP_TIMEOUT_S))
+    except HangarError as exc:
+        log.warning("E2B's default user not made in the template", extra={
+            "image": image.id, "error": exc.message})
+        return None
+    if r.exit_code in (0, 3):  # 3: no setpriv, envd runs as root
+        return DEFAULT_USER if r.exit_code == 0 else ROOT
+    log.warning("E2B's default user not made in the template", extra={
+        "image": image.id, "error": r.stderr.head.decode(errors="replace")[-300:]})
+    return None
+
+
+def e2b_user(folder: Path) -> str | None:
+    """The user a template snapshot in ``folder`` made for E2B (``E2B_USER_FILE``): ``user``
+    or ``root``; None when it made none (or the file is unreadable)."""
+    try:
+        text = (folder / E2B_USER_FILE).read_text().strip()
+    except OSError:
+        return None
+    return text if text in ("user", "root") else None
 
 
 async def _desktop_up(agent: Any, deadline_s: float, sid: str) -> None:
