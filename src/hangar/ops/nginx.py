@@ -129,7 +129,11 @@ def render(site: Site, template: str | None = None) -> str:
     raises SiteError for a placeholder it cannot fill."""
     values = {k: str(v) for k, v in asdict(site).items()}
     values["listen_http"] = _listen(site.address, site.http_port, "")
-    values["listen_https"] = _listen(site.address, site.https_port, " ssl")
+    # HTTP/2 where TLS offers it (as E2B's edge does): a stream cut upstream (a sandbox
+    # killed under a running command) is then a reset stream for the client, which E2B's
+    # SDK reads as a transport failure and confirms by its health probe; over HTTP/1.1
+    # nginx ends such a response with a plain close. WebSockets still take HTTP/1.1.
+    values["listen_https"] = _listen(site.address, site.https_port, " ssl http2")
     values["slug"] = re.sub(r"[^a-z0-9]", "_", site.domain.lower())
     values["https_suffix"] = "" if site.https_port == 443 else f":{site.https_port}"
     values["api_timeout"] = "600s"
