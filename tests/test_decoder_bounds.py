@@ -16,7 +16,9 @@ answer refuses it naming the limit, the server's resident memory grew by at most
   pieces and cuts it at the limit with an ``OutputTooLarge`` line;
 * a WebSocket frame over the 4 MiB limit closes the WebSocket (1009) on its header;
 * empty multipart parts, or empty Connect messages in one stream: refused
-  past their counts (400, `invalid_argument`), the event loop free meanwhile.
+  past their counts (400, `invalid_argument`), the event loop free meanwhile;
+* JSON of many small values (a Connect message, a REST body): counted before it is
+  parsed, refused past ``hangar.json_items.MAX_ITEMS`` (429 ``resource_exhausted``, 413).
 """
 
 from __future__ import annotations
@@ -327,3 +329,34 @@ def test_tiny_messages_in_bulk_are_counted(env: Env) -> None:
     assert flags == 2 and end["error"]["code"] == "invalid_argument"
     assert end["error"]["message"] == (f"more than {MAX_IDLE_MESSAGES} input messages in a "
                                        "row carry no input")
+
+
+def test_json_of_many_values_is_refused_before_it_is_parsed(env: Env) -> None:
+    """A parse builds every value of a JSON text before it is looked at: 16 MiB of
+    ``[{},{},...]`` (16 KiB of gzip) is about 400 MiB of objects (REVIEW29e H1). envd's
+    Connect messages and Hangar's JSON bodies count their values first
+    (``hangar.json_items``) and refuse past the limit, unparsed."""
+    from hangar.api.envd.connect import MAX_MESSAGE
+    from hangar.json_items import MAX_ITEMS
+
+    text = b'{"zz":[' + b",".join([b"{}"] * ((MAX_MESSAGE - 16) // 3)) + b"]}"
+    z = zlib.compressobj(9, wbits=31)
+    packed = z.compress(text) + z.flush()
+    assert len(packed) < 64 << 10
+    with Watch(env.srv, declared=MAX_MESSAGE):  # the inflated message is held whole
+        r = env.envd.post("/filesystem.Filesystem/Stat", content=packed, headers={
+            "Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert (r.status_code, r.json()) == (429, {
+        "code": "resource_exhausted", "message": f"a JSON message with more than "
+        f"{MAX_ITEMS} values, the limit: send fewer, or send application/proto"})
+
+    body = b'{"command":"true","zz":[' + b",".join([b"{}"] * (2 << 20)) + b"]}"  # 6 MiB
+    with Watch(env.srv):  # refused as it is read: never held whole
+        r = env.api.post(f"/sandboxes/{env.sid}/exec", content=body,
+                         headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["limit_items"] == MAX_ITEMS
+    assert r.json()["error"]["message"] == (
+        f"the JSON body holds more than {MAX_ITEMS} values (commas and brackets outside "
+        "strings), the server's limit: send fewer")
+    assert env.run("echo fine")["stdout"] == "fine\n"  # a fair body still runs

@@ -137,6 +137,20 @@ def test_unary_codecs_errors_and_deadline() -> None:
     assert (a.status, json.loads(a.body)["code"]) == (400, "invalid_argument")
     a = run(ECHO, "text/plain", [b"{}"])
     assert (a.status, json.loads(a.body)["code"]) == (400, "invalid_argument")
+    # values counted before the parse builds them (hangar.json_items), strings once
+    from hangar.json_items import MAX_ITEMS
+
+    many = b'{"zz":[' + b",".join([b"{}"] * (MAX_ITEMS + 1)) + b'],"path":"/z"}'
+    a = run(ECHO, "application/json", [many])
+    assert (a.status, json.loads(a.body)) == (429, {
+        "code": "resource_exhausted", "message": f"a JSON message with more than "
+        f"{MAX_ITEMS} values, the limit: send fewer, or send application/proto"})
+    commas = "/" + "," * (MAX_ITEMS * 2)
+    a = run(ECHO, "application/json", [json.dumps({"path": commas}).encode()])
+    assert (a.status, json.loads(a.body)["entry"]["path"]) == (200, commas)
+    # nested past the parser's recursion: refused as not its message, never a 500
+    a = run(ECHO, "application/json", [b'{"path": ' + b"[" * 5_000 + b"}"])
+    assert (a.status, json.loads(a.body)["code"]) == (400, "invalid_argument")
 
 
 def test_server_stream_envelopes_and_end() -> None:

@@ -6,7 +6,10 @@ template), whose handlers stream the body on to a guest chunk by chunk
 (file uploads) and so never hold it whole. A body over the limit gets 413
 ``too_large`` naming the limit: at once when its ``Content-Length`` says
 so, else as soon as the bytes read pass it (chunked uploads), before the
-JSON is parsed.
+JSON is parsed. A JSON body (or one without a ``Content-Type``, which FastAPI parses
+as JSON) is also counted as it is read (``hangar.json_items``): past ``MAX_ITEMS``
+values, 413 ``too_large`` naming that limit, before the parse that would build them all
+(8 MiB of ``[{},...]`` is about 200 MiB of objects).
 
 The error is raised from inside ``receive`` as ``BodyTooLarge``, an
 ``HTTPException``, because FastAPI turns any other exception met while it
@@ -22,6 +25,7 @@ from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hangar.api.errors import error_response
+from hangar.json_items import MAX_ITEMS, Items
 
 WS_MAX_BYTES = 4 << 20
 """Largest WebSocket message a client may send (the tunnel, VNC), bytes. uvicorn takes one
@@ -42,6 +46,29 @@ class BodyTooLarge(HTTPException):
                               f"as a file (PUT /sandboxes/{{id}}/files) instead")
         self.limit = limit
         self.context = {"limit_bytes": limit}
+
+
+class TooManyItems(HTTPException):
+    """413: the JSON body holds more than ``limit`` values (``hangar.json_items``).
+
+    ``context`` (``{"limit_items": limit}``) goes into the JSON error body.
+    """
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the JSON body holds more than {limit} values (commas and "
+                              "brackets outside strings), the server's limit: send fewer")
+        self.limit = limit
+        self.context = {"limit_items": limit}
+
+
+def _json_body(scope: Scope) -> bool:
+    """Whether FastAPI would parse the request's body as JSON: a JSON ``Content-Type``
+    (``application/json``, ``...+json``) or none."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-type":
+            kind = value.partition(b";")[0].strip().lower()
+            return kind == b"application/json" or kind.endswith(b"+json")
+    return True
 
 
 class BodyLimit:
@@ -78,14 +105,18 @@ class BodyLimit:
                     await resp(scope, receive, send)
                     return
         seen = 0
+        counter = Items(MAX_ITEMS) if _json_body(scope) else None
 
         async def capped() -> Message:
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
+                body = message.get("body", b"")
+                seen += len(body)
                 if seen > limit:
                     raise BodyTooLarge(limit)
+                if counter is not None and counter.feed(body):
+                    raise TooManyItems(MAX_ITEMS)
             return message
 
         await self.app(scope, capped, send)

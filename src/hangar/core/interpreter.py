@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
+from hangar import json_items
 from hangar.core.guestcalls import NoListener
 from hangar.engines.agent_client import Tunnel
 from hangar.errors import (GuestError, HangarError, InvalidRequest, LimitExceeded, NoInterpreter,
@@ -116,6 +117,18 @@ async def _read_all(tunnel: Tunnel, rest: bytes, sandbox_id: str) -> bytes:
     return bytes(buf)
 
 
+class _TooMany(Exception):
+    """The guest's JSON holds more values than ``hangar.json_items.MAX_ITEMS``."""
+
+
+def _parse(raw: bytes) -> Any:
+    """The guest's JSON, its values counted before it is parsed (a parse builds every one
+    before any is looked at). Raises _TooMany, ValueError, RecursionError."""
+    if json_items.too_many(raw):
+        raise _TooMany
+    return json.loads(raw)
+
+
 async def call(m: SandboxManager, sandbox_id: str, method: str, path: str,
                body: Any = None) -> Any:
     """One context call (``/contexts...``); returns its JSON (None for an empty answer).
@@ -134,9 +147,11 @@ async def call(m: SandboxManager, sandbox_id: str, method: str, path: str,
         raise _refusal(status, raw, sandbox_id)
     if not raw.strip():
         return None
-    try:  # up to MAX_JSON_BYTES of the guest's JSON: a large one is parsed off the loop
-        value = json.loads(raw) if len(raw) <= 64 << 10 else await asyncio.to_thread(json.loads,
-                                                                                     raw)
+    try:  # up to MAX_JSON_BYTES of the guest's JSON: a large one is read off the loop
+        value = _parse(raw) if len(raw) <= 64 << 10 else await asyncio.to_thread(_parse, raw)
+    except _TooMany:
+        raise GuestError(f"the code interpreter's answer holds more than "
+                         f"{json_items.MAX_ITEMS} JSON values", sandbox_id=sandbox_id) from None
     except (ValueError, RecursionError):
         raise GuestError("the code interpreter's answer is not JSON",
                          sandbox_id=sandbox_id) from None

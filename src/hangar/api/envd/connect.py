@@ -17,9 +17,11 @@ status of its code with the JSON body ``{"code", "message"}``. Compression:
 ``gzip`` and ``identity`` are read; answers are never compressed.
 
 Bounds: a message is at most ``MAX_MESSAGE`` bytes as sent and again once
-inflated (``hangar.api.inflate``: incremental, never ``gzip.decompress``); past
-either the call ends with ``resource_exhausted`` naming the limit (HTTP 429 for
-a unary call, Connect's status for that code). A message over ``OFFLOOP_BYTES``
+inflated (``hangar.api.inflate``: incremental, never ``gzip.decompress``), and a
+JSON message holds at most ``hangar.json_items.MAX_ITEMS`` values, counted before it
+is parsed (a parse builds every value first); past any of them the call ends with
+``resource_exhausted`` naming the limit (HTTP 429 for a unary call, Connect's status
+for that code). A message over ``OFFLOOP_BYTES``
 is inflated and decoded in a worker thread, never on the event loop.
 
 ``Connect-Timeout-Ms`` gives the call's deadline (``Call.deadline``); a
@@ -44,7 +46,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 from starlette.types import Receive, Send
 
-from hangar import errors
+from hangar import errors, json_items
 from hangar.api.inflate import OFFLOOP_BYTES, inflate_whole
 
 log = logging.getLogger("hangar.envd")
@@ -166,8 +168,13 @@ class Codec:
         try:
             if self.name == "proto":
                 return cls.FromString(data)
+            if json_items.too_many(data):  # parsed whole before unknown fields are dropped
+                raise RpcError("resource_exhausted", f"a JSON message with more than "
+                               f"{json_items.MAX_ITEMS} values, the limit: send fewer, or "
+                               "send application/proto")
             return json_format.Parse(data or b"{}", cls(), ignore_unknown_fields=True)
-        except (DecodeError, json_format.ParseError, UnicodeDecodeError, ValueError) as exc:
+        except (DecodeError, json_format.ParseError, UnicodeDecodeError, ValueError,
+                RecursionError) as exc:
             raise RpcError("invalid_argument",
                            f"the request is not a {cls.DESCRIPTOR.name} message: "
                            f"{str(exc)[:200]}") from None
