@@ -15,6 +15,7 @@ The server trusts the test CA upstream through the test-only setting
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime
 import json
@@ -56,9 +57,11 @@ class P(http.client.HTTPConnection):
         self.sock = socket.create_connection((ip, port), 30)
 c = (P if port == 80 else C)(host, port, timeout=30)
 token = os.environ.get(var, "")
+basic = path.startswith("/basic")  # /basic: to /, /basic-echo: to /echo
 auth = ("Basic " + base64.b64encode(("x-access-token:" + token).encode()).decode()
-        if path == "/basic" else "Bearer " + token)
-c.request("GET", "/" if path == "/basic" else path, headers={"Authorization": auth})
+        if basic else "Bearer " + token)
+c.request("GET", {"/basic": "/", "/basic-echo": "/echo"}.get(path, path),
+          headers={"Authorization": auth})
 r = c.getresponse()
 print(r.status, r.read().decode().strip())
 """
@@ -374,6 +377,10 @@ def test_secret_reaches_its_host_only_and_never_the_guest(inet: Inet, base_image
         assert get(sid, "api.example.test", path="/basic") == "200 ok"  # git's Basic auth
         # a host that reflects it sends back the placeholder, not the value
         assert get(sid, "api.example.test", path="/echo") == f"200 Bearer {placeholder}"
+        # so does one that reflects Basic credentials, which the proxy base64-encoded anew
+        # with the value inside (review 29e M2: the guest would decode the value)
+        given = base64.b64encode(f"x-access-token:{placeholder}".encode()).decode()
+        assert get(sid, "api.example.test", path="/basic-echo") == f"200 Basic {given}"
         # anywhere else the proxy refuses it (nothing goes upstream) and says so
         assert get(sid, "other.example.test").startswith(
             "403 hangar: secret gh refused: other.example.test is not one of")

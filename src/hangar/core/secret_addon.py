@@ -197,6 +197,7 @@ class SecretProxy:
                                 "a secret's placeholder may go only in a header")
         fields = list(req.headers.fields)
         used: list[dict[str, Any]] = []
+        encoded: list[tuple[bytes, bytes]] = []  # (Basic credentials as sent, as given)
         for i, (key, value) in enumerate(fields):
             basic = _basic(key, value)  # HTTP Basic: the placeholder is inside base64
             if basic is not None:
@@ -220,14 +221,19 @@ class SecretProxy:
                                         f"{sni} is not one of the secret's hosts")
                 value = value.replace(ph, sec["value"].encode())
                 used.append(sec)
-            fields[i] = (key, b"Basic " + base64.b64encode(value) if basic is not None
-                         else value)
+            if basic is not None:  # its base64 is ours: an echo of it is turned back too
+                sent = base64.b64encode(value)
+                fields[i] = (key, b"Basic " + sent)
+                encoded.append((sent, base64.b64encode(basic)))
+            else:
+                fields[i] = (key, value)
         if used:
             # an answer is rewritten as it streams (rule 3): ask for it uncompressed
             fields = [(k, v) for k, v in fields if k.lower() != b"accept-encoding"]
             fields.append((b"accept-encoding", b"identity"))
             req.headers.fields = tuple(fields)
             flow.metadata["hangar_secrets"] = used
+            flow.metadata["hangar_encoded"] = encoded
         req.stream = True
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -243,6 +249,8 @@ class SecretProxy:
             return
         back = [(s["value"].encode(), ph) for ph, s in self.secrets.items()
                 if s in used and s.get("value")]
+        # HTTP Basic credentials the proxy base64-encoded with a value inside: echoed as sent
+        back += flow.metadata.get("hangar_encoded", [])
         fields = list(resp.headers.fields)
         for i, (key, value) in enumerate(fields):
             for real, ph in back:
