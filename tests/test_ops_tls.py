@@ -214,6 +214,49 @@ def test_file_upload_past_the_json_cap(proxy: Proxy, server: Server, tls_sandbox
 
 
 @vm
+def test_one_client_address_holds_at_most_its_share_of_connections(proxy: Proxy) -> None:
+    """Hangar does not count the connections of its trusted proxy (every client of the site
+    comes from 127.0.0.1), so the site caps each client address itself (``limit_conn``, the
+    figure Hangar applies to a client it sees directly; review 29e M1): one more request in
+    flight than that is 503 from nginx, and the share is whole again once they end. Each
+    request stays in flight at nginx, which reads its body before it calls Hangar."""
+    import socket
+
+    from hangar.api.http_limits import PER_CLIENT_MAX
+    from hangar.ops.nginx import PER_CLIENT_MAX as SITE_PER_CLIENT
+
+    assert SITE_PER_CLIENT == PER_CLIENT_MAX
+    port = int(proxy.https.rsplit(":", 1)[1])
+    head = (b"POST /sandboxes HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
+            b"\r\nContent-Length: 100\r\n\r\n")  # a body that does not come
+
+    def opened() -> ssl.SSLSocket:
+        sock = proxy.tls.wrap_socket(socket.create_connection(("127.0.0.1", port), 30),
+                                     server_hostname="localhost")
+        sock.sendall(head)
+        return sock
+
+    held: list[ssl.SSLSocket] = []
+    try:
+        for _ in range(PER_CLIENT_MAX):
+            held.append(opened())
+        time.sleep(1)  # nginx has read every head (it answers none of them yet)
+        extra = opened()
+        held.append(extra)
+        extra.settimeout(30)
+        assert extra.recv(64).startswith(b"HTTP/1.1 503 "), "the share is not capped"
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 30
+    while True:  # nginx ends the requests of the closed connections as it notices them
+        r = httpx.get(proxy.https + "/health", verify=proxy.tls, timeout=30)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.status_code == 200, r.text
+
+
 def test_events_stream_through_the_proxy(proxy: Proxy, server: Server) -> None:
     seen: list[str] = []
     ready = threading.Event()

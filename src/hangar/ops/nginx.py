@@ -118,6 +118,12 @@ def template_text(name: str = TEMPLATE) -> str:
     return resources.files("hangar.ops").joinpath("templates", name).read_text()
 
 
+PER_CLIENT_MAX = 256
+"""Connections one client address holds at once through the site (``limit_conn``): the
+figure Hangar allows a client it sees directly (``hangar.api.http_limits.PER_CLIENT_MAX``),
+which it cannot apply to the clients of its trusted proxy (review 29e M1)."""
+
+
 def _listen(address: str, port: int, ssl: str) -> str:
     if address:
         return f"listen {address}:{port}{ssl};"
@@ -134,6 +140,7 @@ def render(site: Site, template: str | None = None) -> str:
     # SDK reads as a transport failure and confirms by its health probe; over HTTP/1.1
     # nginx ends such a response with a plain close. WebSockets still take HTTP/1.1.
     values["listen_https"] = _listen(site.address, site.https_port, " ssl http2")
+    values["per_client"] = str(PER_CLIENT_MAX)
     values["slug"] = re.sub(r"[^a-z0-9]", "_", site.domain.lower())
     values["https_suffix"] = "" if site.https_port == 443 else f":{site.https_port}"
     values["api_timeout"] = "600s"
