@@ -182,6 +182,13 @@ def test_the_traffic_token_opens_user_ports_only(env: Env) -> None:
         r = c.post(f"{env.envd}/contexts", json={}, headers=env.port(
             INTERPRETER, **{"E2B-Traffic-Access-Token": env.traffic}))
         assert r.status_code == 502 and "nothing listens on port 49999" in r.text
+        # admission reads the path the guest gets, as sent, and takes it plain: a server
+        # that decodes it must see the route admitted (review 29e L2)
+        for sent in ("/contexts%2Fa%2Frestart", "/contexts/x%2F..%2F..%2Fexecute",
+                     "/contexts/%61"):
+            r = c.post(f"{env.envd}{sent}", json={"code": "1"}, headers=env.port(
+                INTERPRETER, **{"E2B-Traffic-Access-Token": env.traffic}))
+            assert r.status_code == 401, (sent, r.text)
         r = c.post(f"{env.envd}/execute", json={"code": "1"}, headers=env.port(
             INTERPRETER, **{"X-Access-Token": env.token}))
         assert r.status_code == 502 and "nothing listens on port 49999" in r.text

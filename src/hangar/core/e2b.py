@@ -148,13 +148,14 @@ def check_traffic_token(manager: SandboxManager, sandbox_id: str, given: str | N
 
 def traffic_admits(port: int, method: str, path: str) -> bool:
     """Whether the traffic token may open this request to ``port`` (``path``: the guest's
-    path, without its query): every user port; of the code interpreter's server only its
-    context routes (``/contexts``, ``/contexts/<id>``, ``/contexts/<id>/restart``), which
-    E2B's code interpreter SDK calls with that token alone and which run no code; never
-    envd, never ``/execute``."""
+    path as sent, without its query): every user port; of the code interpreter's server
+    only its context routes (``/contexts``, ``/contexts/<id>``, ``/contexts/<id>/restart``),
+    which E2B's code interpreter SDK calls with that token alone and which run no code, and
+    only spelled plainly (no ``%``: a server that decodes the path must see the same route);
+    never envd, never ``/execute``."""
     if port not in CONTROL_PORTS:
         return True
-    if port != INTERPRETER_PORT or method not in ("GET", "POST", "DELETE"):
+    if port != INTERPRETER_PORT or method not in ("GET", "POST", "DELETE") or "%" in path:
         return False
     parts = path.split("?", 1)[0].rstrip("/").split("/")[1:]
     return parts[:1] == ["contexts"] and len(parts) <= 3 and ".." not in parts \

@@ -189,8 +189,11 @@ class EnvdGateway:
             if signed and "e2b-sandbox-id" not in headers:
                 headers["e2b-sandbox-id"] = await self._signer(manager, scope, query)
             sandbox_id, port = self._target(headers)
-            by_signature = self._admit(scope, state, manager, sandbox_id, port, headers,
-                                       query, rest_path if m is None else None, rest_path)
+            by_signature = self._admit(
+                scope, state, manager, sandbox_id, port, headers, query,
+                rest_path if m is None else None,
+                rest_path if port == ENVD_PORT else
+                ports.guest_path(scope, rest_path).decode("latin-1"))
             self._exists(manager, sandbox_id)
             if port != ENVD_PORT:
                 await ports.forward(scope, receive, send, manager, state, sandbox_id, port,

@@ -23,11 +23,18 @@ from hangar.api.envd.versions import PREFIX
 from hangar.core.service import SandboxManager, e2b
 
 
-async def forward(scope: Scope, receive: Receive, send: Send, manager: SandboxManager,
-                  state: Any, sandbox_id: str, port: int, rest_path: str) -> None:
-    """Forward one admitted request to ``port`` of ``sandbox_id``."""
+def guest_path(scope: Scope, rest_path: str) -> bytes:
+    """The path the guest gets: the request's as sent (``raw_path``, not percent-decoded)
+    after ``/e2b/envd``. Admission checks this same value (review 29e L2: a check of the
+    decoded path and a use of the raw one differ where a guest's server decodes ``%2F``)."""
     raw = scope.get("raw_path") or scope.get("path", "").encode("utf-8", "surrogateescape")
     path = raw[len(PREFIX):] if raw.startswith(PREFIX.encode()) else rest_path.encode()
-    target = proxy.Target(sandbox_id, port, path or b"/", None)
+    return path or b"/"
+
+
+async def forward(scope: Scope, receive: Receive, send: Send, manager: SandboxManager,
+                  state: Any, sandbox_id: str, port: int, rest_path: str) -> None:
+    """Forward one admitted request to ``port`` of ``sandbox_id`` (at ``guest_path``)."""
+    target = proxy.Target(sandbox_id, port, guest_path(scope, rest_path), None)
     await proxy.forward_admitted(scope, receive, send, target, manager, state,
                                  e2b.request_host(manager, sandbox_id, port))
