@@ -11,7 +11,9 @@ every header a hostile page would use against Hangar's origin. Its tests:
   the server at start;
 * class 5, guest content on the API's origin: a path-routed answer loses
   ``Service-Worker-Allowed``, ``Clear-Site-Data`` and cookies outside its prefix, and
-  is sandboxed by CSP; a host-routed one (its own origin) is left alone;
+  is sandboxed by CSP; a host-routed one (its own origin) is left alone; over HTTPS (the
+  test sends ``X-Forwarded-Proto`` as the trusted reverse proxy would) a host-routed
+  port's token cookie is ``__Host-hangar_port_token``, which tossed cookies cannot shadow;
 * class 8, nothing in clear: ``envVars`` are not in the database in clear; envd answers
   a missing sandbox as a wrong token; a path with CR/LF is a 400 and a download's
   ``Content-Disposition`` is RFC 6266's; a percent-encoded token name is redacted in the
@@ -86,6 +88,8 @@ class H(BaseHTTPRequestHandler):
                      ("Set-Cookie", "dom=1; Domain=127.0.0.1; Path=/"),
                      ("Set-Cookie", "up=1; Path=../../"),
                      ("Set-Cookie", "hangar_port_token=1.tossed; Path=/"),
+                     ("Set-Cookie", "__Host-hangar_port_token=1.tossed; Path=/; Secure"),
+                     ("Set-Cookie", "__HOST-hangar_port_token=1.tossed; Path=/; Secure"),
                      ("Set-Cookie", "inside=1; Path=%s/x; HttpOnly" % (prefix or ""))]
         self.send_response(200)
         self.send_header("Content-Type", ctype)
@@ -130,7 +134,9 @@ class Env:
 @pytest.fixture(scope="module")
 def env(base_image: Path) -> Iterator[Env]:
     d = make_data_dir(base_image)
-    srv = Server(d, free_port(), {"HANGAR_DOMAIN": DOMAIN})
+    # the test plays the TLS reverse proxy: X-Forwarded-Proto from 127.0.0.1 is believed
+    srv = Server(d, free_port(), {"HANGAR_DOMAIN": DOMAIN,
+                                  "HANGAR_FORWARDED_ALLOW_IPS": "127.0.0.1"})
     value = "sealed-" + secrets.token_hex(16)
     try:
         srv.start()
@@ -425,5 +431,51 @@ def test_a_tossed_port_token_cookie_does_not_shadow_the_browsers_own(env: Env) -
                 assert r.status_code == 200, (cookie, r.text[:300])
             r = c.get(path, headers={"Cookie": "hangar_port_token=1.tossed"})
             assert r.status_code == 401
+    finally:
+        env.api.delete(f"/sandboxes/{env.sid}/ports/{PORT}")
+
+
+def test_over_https_a_host_routed_port_keeps_its_token_in_a_host_cookie(env: Env) -> None:
+    """Review 29d D-M3: every ``{port}-{id}.<domain>`` is one site, so a page of another
+    sandbox's port can toss ``hangar_port_token`` cookies for the whole domain, with longer
+    paths, which browsers send before the browser's own. Over HTTPS the proxy keeps a
+    host-routed port's token in ``__Host-hangar_port_token`` (browsers let no other host
+    set it) and reads no unprefixed cookie there; a guest sets neither name."""
+    env.api.delete(f"/sandboxes/{env.sid}/ports/{PORT}")  # whatever an earlier test left
+    r = env.api.post(f"/sandboxes/{env.sid}/ports", json={"port": PORT})
+    assert r.status_code == 201 and r.json()["public"] is False, r.text
+    token = r.json()["token"]
+    https = {"Host": env.host(PORT), "X-Forwarded-Proto": "https"}
+    tossed = "; ".join(f"hangar_port_token=1.tossed{i}" for i in range(10))
+    try:
+        with httpx.Client(base_url=env.srv.url, timeout=60) as c:
+            # the signed URL leaves the __Host- cookie: Secure, Path=/, no Domain
+            r = c.get("/headers", params={"hangar_token": token}, headers=https)
+            assert r.status_code == 200, r.text[:300]
+            [cookie] = r.headers.get_list("set-cookie")
+            assert cookie.startswith(f"__Host-hangar_port_token={token}; Path=/; Max-Age="), \
+                cookie
+            assert cookie.endswith("; HttpOnly; SameSite=Lax; Secure"), cookie
+            assert "domain" not in cookie.lower()
+            # ten tossed cookies sent first do not shadow it; the guest gets neither name
+            r = c.get("/headers", headers={**https, "Cookie": f"{tossed}; app=1; "
+                                                             f"__Host-hangar_port_token={token}"})
+            assert seen_headers(r)["cookie"] == "app=1"
+            # the unprefixed name is not read over HTTPS, even with the port's own token
+            for only in (tossed, f"hangar_port_token={token}"):
+                r = c.get("/headers", headers={**https, "Cookie": only})
+                assert r.status_code == 401, (only, r.text[:300])
+            # plain HTTP (no __Host- cookies there) keeps the unprefixed name
+            plain = {"Host": env.host(PORT)}
+            r = c.get("/headers", headers={**plain, "Cookie": f"hangar_port_token={token}"})
+            assert seen_headers(r).get("cookie") is None
+            r = c.get("/headers", headers={**plain,
+                                           "Cookie": f"__Host-hangar_port_token={token}"})
+            assert r.status_code == 401, r.text[:300]
+            # a guest's Set-Cookie for either name (in any case) is dropped
+            r = c.get("/evil", headers={**https, "Cookie": f"__Host-hangar_port_token={token}"})
+            assert r.status_code == 200, r.text[:300]
+            assert sorted(c.partition("=")[0] for c in r.headers.get_list("set-cookie")) == [
+                "inside", "nopath", "root", "up"]
     finally:
         env.api.delete(f"/sandboxes/{env.sid}/ports/{PORT}")

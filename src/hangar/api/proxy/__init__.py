@@ -32,13 +32,19 @@ What the app in the guest sees:
 * never Hangar's credentials: ``X-API-Key``, E2B's ``X-Access-Token`` and
   ``E2B-Traffic-Access-Token``, an ``Authorization`` that carries any of
   Hangar's keys or tokens, the ``hangar_token`` query parameter and the
-  ``hangar_port_token`` cookie are removed, as are hop-by-hop headers; on
+  token cookie under either name (``hangar_port_token``,
+  ``__Host-hangar_port_token``) are removed, as are hop-by-hop headers; on
   every path (path- and host-routed, E2B's ``E2b-Sandbox-Port``).
 
 A request that brings a valid token in its query gets the token back as
 a cookie (``HttpOnly; SameSite=Lax``; path-scoped to the port's prefix, or
 host-only for host-routed ports), so a browser's later requests (assets,
-links, WebSockets) carry it. Answers of Hangar itself (404 not exposed,
+links, WebSockets) carry it. A host-routed port over HTTPS names it
+``__Host-hangar_port_token`` (``Secure; Path=/``, no ``Domain``): every
+``{port}-{id}.<domain>`` is one site, and a page of another port could toss
+a ``hangar_port_token`` cookie for the whole domain that shadows the
+browser's own, but browsers let no host set another's ``__Host-`` cookie.
+There the unprefixed name is ignored (``routing.cookie_name``). Answers of Hangar itself (404 not exposed,
 401, 409/410 sandbox not running, 502 nothing listens or the answer was
 not HTTP) use the JSON error shape; the guest's own answers pass as they are.
 
@@ -66,14 +72,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hangar.api.proxy.exchange import Refused
 from hangar.api.proxy.http import MAX_HEADER_BYTES, BrokenAnswer, HttpExchange
 from hangar.api.proxy.routing import (
-    COOKIE, TOKEN_PARAM, Target, guest_headers, host_url, path_prefix, route,
+    COOKIE, HOST_COOKIE, TOKEN_PARAM, Target, guest_headers, host_url, path_prefix, route,
 )
 from hangar.api.proxy.websocket import WS_MAX_MESSAGE, WebSocketExchange
 from hangar.core.service import SandboxManager
 
 __all__ = [
-    "COOKIE", "MAX_HEADER_BYTES", "TOKEN_PARAM", "WS_MAX_MESSAGE", "BrokenAnswer", "PortProxy",
-    "Refused", "Target", "forward_admitted", "guest_headers", "host_url", "path_prefix", "route",
+    "COOKIE", "HOST_COOKIE", "MAX_HEADER_BYTES", "TOKEN_PARAM", "WS_MAX_MESSAGE", "BrokenAnswer",
+    "PortProxy", "Refused", "Target", "forward_admitted", "guest_headers", "host_url",
+    "path_prefix", "route",
 ]
 
 

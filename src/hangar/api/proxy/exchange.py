@@ -1,5 +1,10 @@
 """What both kinds of forwarded request share: the admission check (exposure,
-key or token), the tunnel to the guest's port, and Hangar's own answers (``Refused``)."""
+key or token), the tunnel to the guest's port, and Hangar's own answers (``Refused``).
+
+A token comes from the query (``hangar_token``) or the request's token cookie, whose name
+``hangar.api.proxy.routing.cookie_name`` gives: ``__Host-hangar_port_token`` on a
+host-routed port over HTTPS (no sibling host can toss one), ``hangar_port_token``
+elsewhere."""
 
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ class Exchange:
         self.m = manager
         self.state = state
         self.query, self.query_token = split_query(scope)
-        self.cookie, self.cookie_tokens = split_cookies(scope)
+        self.cookie, self.cookie_tokens = split_cookies(scope, target)
         self.new_cookie: tuple[bytes, bytes] | None = None
         self.host: bytes | None = None
         """The ``Host`` the guest gets instead of the client's (E2B's
@@ -112,7 +117,7 @@ class Exchange:
             expires = int(query_token.partition(".")[0])
             self.new_cookie = token_cookie(query_token, expires, t, self.scope.get("scheme", ""))
             return exposure
-        for cookie_token in self.cookie_tokens:  # any the browser sent, not only the last
+        for cookie_token in self.cookie_tokens:  # each sent under the name, not only the last
             ok = well_formed(cookie_token)
             if ok and self.m.ports.allows(exposure, ok):
                 self._cookie_from_its_own()

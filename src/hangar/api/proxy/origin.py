@@ -27,15 +27,20 @@ are served on host-routed URLs (``HANGAR_DOMAIN``): each port an origin of its
 own, where none of this applies but one rule: every ``{port}-{id}.<domain>`` is
 one *site*, so a ``Set-Cookie`` with a ``Domain`` attribute (it would reach other
 sandboxes' ports: cookie tossing) is dropped (``host_cookie``). Under both
-routings a guest never sets Hangar's port-token cookie, and the proxy tries every
-port-token cookie a request carries, not only the last. docs/security.md, class 5.
+routings a guest never sets Hangar's port-token cookie under either name
+(``hangar_port_token``, ``__Host-hangar_port_token``; compared without regard to
+case). A page's script can still toss a ``hangar_port_token`` cookie for the
+whole domain, so over HTTPS a host-routed port's token lives in the
+``__Host-`` one, which browsers let no other host set, and the unprefixed one
+is not read there (``hangar.api.proxy.routing.cookie_name``). docs/security.md,
+class 5.
 """
 
 from __future__ import annotations
 
 import re
 
-from hangar.api.proxy.routing import COOKIE, Target
+from hangar.api.proxy.routing import TOKEN_COOKIES, Target
 
 __all__ = ["DROP_FROM_GUEST", "SANDBOX_CSP", "filter_headers", "host_cookie", "scoped_cookie"]
 
@@ -46,6 +51,13 @@ SANDBOX_CSP = (b"sandbox allow-scripts allow-forms allow-popups "
 """The ``Content-Security-Policy`` path-routed guest pages get: every sandbox freedom a
 web app commonly needs but ``allow-same-origin`` (and top navigation)."""
 _ATTR = re.compile(r"^\s*([A-Za-z-]+)\s*(?:=(.*))?$")
+_OURS = frozenset(n.lower() for n in TOKEN_COOKIES)
+
+
+def _ours(value: bytes) -> bool:
+    """Whether a ``Set-Cookie`` value sets one of Hangar's token cookies (either name, any
+    case: browsers match the ``__Host-`` prefix without regard to case)."""
+    return value.decode("latin-1").partition("=")[0].strip().lower() in _OURS
 
 
 def scoped_cookie(value: bytes, prefix: str) -> bytes | None:
@@ -79,10 +91,10 @@ def scoped_cookie(value: bytes, prefix: str) -> bytes | None:
 def host_cookie(value: bytes) -> bool:
     """Whether a host-routed guest's ``Set-Cookie`` value may pass: not one with a
     ``Domain`` attribute (every ``{port}-{id}.<domain>`` is one site: such a cookie would
-    reach other sandboxes' ports) and not one of Hangar's port-token name."""
-    first, *attrs = value.decode("latin-1").split(";")
-    if first.partition("=")[0].strip() == COOKIE:
+    reach other sandboxes' ports) and not one of Hangar's token cookie names."""
+    if _ours(value):
         return False
+    _, *attrs = value.decode("latin-1").split(";")
     return not any((m := _ATTR.match(a)) is not None and m.group(1).lower() == "domain"
                    for a in attrs)
 
@@ -92,7 +104,8 @@ def filter_headers(headers: list[tuple[bytes, bytes]], target: Target,
     """``headers`` (lower-case names) of a guest's answer as the client gets them: for a
     host-routed ``target`` (its own origin, one site with every other port) only cookies
     that stay on its host (``host_cookie``); for a path-routed one, filtered and, when
-    ``sandbox``, with ``SANDBOX_CSP`` added."""
+    ``sandbox``, with ``SANDBOX_CSP`` added. Under both, no cookie of Hangar's token
+    cookie names (``TOKEN_COOKIES``)."""
     prefix = target.prefix
     if prefix is None:
         return [(k, v) for k, v in headers if k != b"set-cookie" or host_cookie(v)]
@@ -101,8 +114,7 @@ def filter_headers(headers: list[tuple[bytes, bytes]], target: Target,
         if k in DROP_FROM_GUEST:
             continue
         if k == b"set-cookie":
-            scoped = scoped_cookie(v, prefix) \
-                if v.decode("latin-1").partition("=")[0].strip() != COOKIE else None
+            scoped = scoped_cookie(v, prefix) if not _ours(v) else None
             if scoped is None:
                 continue
             v = scoped

@@ -7,6 +7,20 @@ client's headers as the guest gets them (Hangar's credentials and hop-by-hop
 headers removed, ``X-Forwarded-*`` added); ``split_query`` and ``split_cookies``
 take a port token out of the query and the ``Cookie`` header, and
 ``token_cookie`` hands it back to a browser as a cookie.
+
+The cookie's name depends on the request (``cookie_name``). Every
+``{port}-{id}.<domain>`` is one *site*, so a page of one sandbox's port can
+set (toss) cookies for the whole domain that browsers send to every other
+port, before the browser's own when their path is longer (review 29d D-M3).
+A host-routed port reached over HTTPS (the scope's scheme ``https`` or
+``wss``: behind the trusted reverse proxy, its ``X-Forwarded-Proto``) therefore
+keeps its token in ``HOST_COOKIE``, ``__Host-hangar_port_token``: browsers
+store a ``__Host-`` cookie only when it is ``Secure``, has ``Path=/`` and no
+``Domain``, so it is host-only and no sibling host can set one. There the
+unprefixed ``COOKIE`` is never read. Path-routed ports (pages in an opaque
+origin, ``hangar.api.proxy.origin``) and host-routed ports over plain HTTP
+(which has no ``__Host-`` cookies) use ``COOKIE``. Both names are always
+removed from what the guest gets.
 """
 
 from __future__ import annotations
@@ -25,7 +39,13 @@ from hangar.core.service import e2b
 TOKEN_PARAM = "hangar_token"
 """Query parameter that carries a private port's URL token."""
 COOKIE = "hangar_port_token"
-"""Cookie a browser keeps a private port's token in after a visit with ``TOKEN_PARAM``."""
+"""Cookie a browser keeps a private port's token in after a visit with ``TOKEN_PARAM``:
+path-routed ports, and host-routed ones over plain HTTP (see the module docstring)."""
+HOST_COOKIE = "__Host-" + COOKIE
+"""The token cookie of a host-routed port reached over HTTPS: ``Secure``, ``Path=/``, no
+``Domain``, which browsers enforce for the ``__Host-`` prefix (no other host sets it)."""
+TOKEN_COOKIES = frozenset({COOKIE, HOST_COOKIE})
+"""Both names: never passed to a guest, never set by one (``hangar.api.proxy.origin``)."""
 TOKEN_RE = re.compile(r"^[0-9]{1,12}\.[A-Za-z0-9_-]{1,64}$")
 """What a port token looks like (``hangar.core.ports.PortKey.issue``: expiry in Unix
 seconds, a dot, an HMAC in URL-safe base64). Anything else is refused (401) unchecked."""
@@ -121,25 +141,38 @@ def split_query(scope: Scope) -> tuple[bytes, str | None]:
 
 
 COOKIES_TRIED = 4
-"""Most ``COOKIE`` values of one request that are tried (a page of another port of the same
-site may have tossed one in beside the browser's own)."""
+"""Most token cookie values of one request that are tried (under ``COOKIE``, a page of
+another port of the same site may have tossed some in beside the browser's own)."""
+_OWS = " \t"
+"""Whitespace around a cookie pair, as browsers trim it (``str.strip()`` would also take
+non-ASCII spaces of the latin-1 text: a name the browser saw as another one would be ours)."""
 
 
-def split_cookies(scope: Scope) -> tuple[bytes | None, list[str]]:
-    """(the Cookie header without ``COOKIE``, or None when empty; the tokens it carried, at
-    most ``COOKIES_TRIED``, in the order sent)."""
+def cookie_name(target: Target, scheme: str) -> str:
+    """The name a request's port token cookie has: ``HOST_COOKIE`` for a host-routed
+    ``target`` over HTTPS (``scheme`` ``https`` or ``wss``), else ``COOKIE``."""
+    return HOST_COOKIE if target.prefix is None and scheme in ("https", "wss") else COOKIE
+
+
+def split_cookies(scope: Scope, target: Target) -> tuple[bytes | None, list[str]]:
+    """(the Cookie header without either token cookie (``TOKEN_COOKIES``), or None when
+    empty; the values of the one ``cookie_name`` gives for this request, at most
+    ``COOKIES_TRIED``, in the order sent)."""
+    wanted = cookie_name(target, str(scope.get("scheme") or "http"))
     tokens: list[str] = []
     kept: list[str] = []
     for k, v in scope.get("headers", ()):
         if k != b"cookie":
             continue
         for part in bytes(v).decode("latin-1").split(";"):
-            name, _, value = part.strip().partition("=")
-            if name == COOKIE:
+            part = part.strip(_OWS)
+            name, _, value = part.partition("=")
+            name = name.strip(_OWS)
+            if name == wanted:
                 if len(tokens) < COOKIES_TRIED:
-                    tokens.append(value)
-            elif part.strip():
-                kept.append(part.strip())
+                    tokens.append(value.strip(_OWS))
+            elif name not in TOKEN_COOKIES and part:
+                kept.append(part)
     return ("; ".join(kept).encode("latin-1") if kept else None), tokens
 
 
@@ -176,9 +209,11 @@ def guest_headers(scope: Scope, target: Target, cookie: bytes | None,
 
 
 def token_cookie(token: str, expires: int, target: Target, scheme: str) -> tuple[bytes, bytes]:
-    """``Set-Cookie`` that keeps ``token`` for the rest of a browser's visit."""
+    """``Set-Cookie`` that keeps ``token`` for the rest of a browser's visit, named by
+    ``cookie_name``: path-scoped to the prefix (path-routed) or ``Path=/`` with no
+    ``Domain`` (host-only); ``Secure`` over HTTPS (always so for ``HOST_COOKIE``)."""
     path = f"{target.prefix}/" if target.prefix is not None else "/"
     max_age = max(0, math.floor(expires - time.time()))
     secure = "; Secure" if scheme in ("https", "wss") else ""
-    return (b"set-cookie", f"{COOKIE}={token}; Path={path}; Max-Age={max_age}; HttpOnly; "
-                           f"SameSite=Lax{secure}".encode())
+    return (b"set-cookie", f"{cookie_name(target, scheme)}={token}; Path={path}; "
+                           f"Max-Age={max_age}; HttpOnly; SameSite=Lax{secure}".encode())
