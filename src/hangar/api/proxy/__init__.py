@@ -44,9 +44,10 @@ links, WebSockets) carry it. A host-routed port over HTTPS names it
 ``{port}-{id}.<domain>`` is one site, and a page of another port could toss
 a ``hangar_port_token`` cookie for the whole domain that shadows the
 browser's own, but browsers let no host set another's ``__Host-`` cookie.
-There the unprefixed name is ignored (``routing.cookie_name``). Answers of Hangar itself (404 not exposed,
-401, 409/410 sandbox not running, 502 nothing listens or the answer was
-not HTTP) use the JSON error shape; the guest's own answers pass as they are.
+There the unprefixed name is ignored (``routing.cookie_name``). Answers of
+Hangar itself (404 not exposed, 401, 409/410 sandbox not running, 502
+nothing listens or the answer was not HTTP) use the JSON error shape; the
+guest's own answers pass as they are.
 
 Modules: ``routing`` (where a request goes, the guest's headers, tokens in
 queries and cookies), ``exchange`` (admission, the tunnel, ``Refused``),
