@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -109,8 +110,12 @@ def deploy(host: Host, tree: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def host(base_image: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
-    base = tmp_path_factory.mktemp("deploy")
+def host(base_image: Path) -> Iterator[Host]:
+    # A folder of its own, not pytest's: the split server's user reaches the releases
+    # through it (release.sh grants it with an ACL), and every other pytest session that
+    # starts on this host (a second run, a developer's) takes group and other bits off
+    # /tmp/pytest-of-root, the ACL's mask with them: the server could no longer start.
+    base = Path(tempfile.mkdtemp(prefix="hg-deploy-", dir="/tmp"))
     sshd = Sshd(base / "ssh")
     sshd.start()
     data = make_data_dir(base_image)
