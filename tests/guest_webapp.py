@@ -3,7 +3,7 @@ has python3 and nothing else).
 
 ``python3 guest_webapp.py PORT`` serves, on 0.0.0.0:PORT:
 
-* ``GET /headers``: what the app saw, as JSON (path, query, headers);
+* ``GET /headers``: what the app saw, as JSON (path, query, headers; names as sent);
 * ``POST /echo``: the request body's length and SHA-256 (a length or chunked), as JSON;
 * ``GET /stream``: a chunked answer: ``first`` at once, then ``last`` only once the file
   /tmp/release-stream exists (so a test can tell streaming from buffering without timing);
@@ -46,7 +46,8 @@ class Handler(BaseHTTPRequestHandler):
         path, _, query = self.path.partition("?")
         if path == "/headers":
             self._json({"path": path, "query": query,
-                        "headers": [[k.lower(), v] for k, v in self.headers.items()]})
+                        "headers": [[k.lower(), v] for k, v in self.headers.items()],
+                        "names": list(self.headers.keys())})  # as they came
         elif path == "/stream":
             self.send_response(200)
             self.send_header("Content-Type", "text/plain")

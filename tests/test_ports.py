@@ -156,6 +156,8 @@ def test_what_the_app_sees(web) -> None:
     assert headers["host"] == f"127.0.0.1:{srv.port}"
     assert headers["cookie"] == "app=1; other=2"
     assert "x-api-key" not in headers and srv.key not in r.text  # the key never reaches it
+    # names in their canonical form, as HTTP servers and E2B's edge send them
+    assert {"Host", "X-Forwarded-Proto", "X-Forwarded-Prefix", "Cookie"} <= set(seen["names"])
     r = c.get("/headers", headers={"Host": host_of(sid, 3001)})
     headers = dict((k, v) for k, v in r.json()["headers"])
     assert "x-forwarded-prefix" not in headers and headers["host"] == host_of(sid, 3001)
