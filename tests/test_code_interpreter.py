@@ -168,6 +168,28 @@ def test_html_and_json_results(sb: Sandbox) -> None:
     html, js, frame = ex.results
     assert html.html == "<b>hi</b>" and js.json == {"a": [1, 2]}
     assert frame.is_main_result and "<table" in (frame.html or "") and "n" in frame.text
+    assert frame.data == {"n": [1, 2]} and frame.formats() == ["text", "html", "data"]
+    assert js.data is None and html.data is None
+
+
+@vm
+def test_strings_and_frames_as_e2b_gives_them(sb: Sandbox) -> None:
+    """A Python result's text loses its outer quotes, as E2B's server strips them: a ``str``
+    value (escapes kept) and a displayed one; other values keep their repr. A DataFrame's
+    data: timestamps as ISO 8601, NaN as ``nan``; none for values JSON cannot carry."""
+    ex = sb.run_code("from IPython.display import display\ndisplay('shown', ['x'], 7)\n"
+                     "\"it's\"")
+    assert [(r.text, r.is_main_result) for r in ex.results] == [
+        ("shown", False), ("['x']", False), ("7", False), ("it's", True)]
+    assert sb.run_code("'a\\tb'").text == "a\\tb"
+    assert sb.run_code("{'k': 'v'}").text == "{'k': 'v'}"
+    frame = sb.run_code("import pandas as pd\npd.DataFrame({'f': [0.5, float('nan')], "
+                        "'t': pd.to_datetime(['2024-01-01', '2024-01-02 03:04']), "
+                        "1: ['x', None]})").results[0]
+    assert frame.data == {"f": [0.5, "nan"], "1": ["x", None],
+                          "t": ["2024-01-01T00:00:00", "2024-01-02T03:04:00"]}
+    ex = sb.run_code("pd.DataFrame({'d': [pd.Timedelta(seconds=1)]})")
+    assert ex.error is None and ex.results[0].data is None and "0 days" in ex.text
 
 
 @vm
@@ -187,7 +209,7 @@ def test_contexts_are_separate(sb: Sandbox, waits: Waits) -> None:
     try:
         assert ctx.language == "python" and ctx.cwd == "/root"
         assert sb.run_code("y = 'mine'", context=ctx).error is None
-        assert sb.run_code("y", context=ctx).text == "'mine'"
+        assert sb.run_code("y", context=ctx).text == "mine"
         assert sb.run_code("y").error.name == "NameError"
         assert ctx.id in [c.id for c in sb.list_code_contexts()]
         # The restart swaps in the next spare: waited for here, by a deadline from this
@@ -229,9 +251,9 @@ def test_contexts_answer_at_once(client: Hangar, code_image: Path, waits: Waits)
         assert took < at_once, f"create_code_context took {took:.1f} s (bound {at_once:.1f})"
         assert a.id != b.id and a.cwd == b.cwd == "/tmp"
         for ctx, value in ((a, "a"), (b, "b")):
-            assert s.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+            assert s.run_code("import os; os.getcwd()", context=ctx).text == "/tmp"
             assert s.run_code(f"v = {value!r}", context=ctx).error is None
-        assert [s.run_code("v", context=x).text for x in (a, b)] == ["'a'", "'b'"]
+        assert [s.run_code("v", context=x).text for x in (a, b)] == ["a", "b"]
         assert s.run_code("v").error.name == "NameError"  # not in the default context
 
         t0 = time.monotonic()
@@ -244,8 +266,8 @@ def test_contexts_answer_at_once(client: Hangar, code_image: Path, waits: Waits)
         assert took < at_once, f"restart_code_context took {took:.1f} s (bound {at_once:.1f})"
         print(f"restart_code_context {took:.2f} s", file=sys.stderr)
         assert s.run_code("v", context=a).error.name == "NameError"
-        assert s.run_code("import os; os.getcwd()", context=a).text == "'/tmp'"
-        assert s.run_code("v", context=b).text == "'b'"
+        assert s.run_code("import os; os.getcwd()", context=a).text == "/tmp"
+        assert s.run_code("v", context=b).text == "b"
         listed = {x.id for x in s.list_code_contexts() if x.language == "python"}
         assert {a.id, b.id} <= listed and len(listed) == 3  # and the default one
         # One spare at most: the default context's kernel, two contexts' and the spare being
@@ -287,8 +309,8 @@ def test_stdout_streams_before_the_cell_ends(sb: Sandbox) -> None:
 @vm
 def test_env_vars_hold_for_one_cell(sb: Sandbox) -> None:
     code = "import os; os.environ.get('HANGAR_CI_TEST', 'unset')"
-    assert sb.run_code(code, envs={"HANGAR_CI_TEST": "yes"}).text == "'yes'"
-    assert sb.run_code(code).text == "'unset'"
+    assert sb.run_code(code, envs={"HANGAR_CI_TEST": "yes"}).text == "yes"
+    assert sb.run_code(code).text == "unset"
 
 
 @vm
@@ -452,13 +474,13 @@ def test_e2b_languages_user_and_environment(e2b_env: None, sb: Sandbox, waits: W
         assert "".join(out.logs.stdout) == "/home/user user\n"
         assert "".join(s.run_code("!pwd").logs.stdout).strip() == "/home/user"
         # the sandbox's variables, and a run's own for that run only, in every language
-        for language, code, shown in (
-                ("python", "import os; os.getenv('TEST_ENV_VAR')", "'{}'"),
-                ("javascript", "process.env.TEST_ENV_VAR", "{}")):
-            assert s.run_code(code, language=language).text == shown.format("supertest")
+        # (a Python string's text without its quotes, as E2B's)
+        for language, code in (("python", "import os; os.getenv('TEST_ENV_VAR')"),
+                               ("javascript", "process.env.TEST_ENV_VAR")):
+            assert s.run_code(code, language=language).text == "supertest"
             assert s.run_code(code, language=language, envs={"TEST_ENV_VAR": "overwrite"}
-                              ).text == shown.format("overwrite")
-            assert s.run_code(code, language=language).text == shown.format("supertest")
+                              ).text == "overwrite"
+            assert s.run_code(code, language=language).text == "supertest"
         bash = s.run_code("echo $TEST_ENV_VAR $FOO; pwd; whoami; n=41", language="bash",
                           envs={"FOO": "bar"})
         assert bash.logs.stdout == ["supertest bar\n", "/home/user\n", "user\n"]
@@ -476,6 +498,9 @@ def test_e2b_languages_user_and_environment(e2b_env: None, sb: Sandbox, waits: W
         assert err.name == "ReferenceError" and "nope is not defined" in err.value
         chart = next(r for r in s.run_code(BAR).results if r.chart).chart
         assert (chart.type, chart.title, chart.x_label) == ("bar", "Book Sales", "Authors")
+        # a DataFrame is also data: its columns' values (E2B's ``Result.data``)
+        frame = s.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2, 3]})").results
+        assert [(r.data, r.is_main_result) for r in frame] == [({"a": [1, 2, 3]}, True)]
         assert [b.value for b in chart.elements] == [100, 200]
     finally:
         s.kill()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMATS = ("text", "html", "markdown", "svg", "png", "jpeg", "pdf", "latex", "json",
-           "javascript", "chart")
+           "javascript", "data", "chart")
 
 
 @dataclass
@@ -44,11 +44,12 @@ class ExecutionError:
 @dataclass
 class Result:
     """One output: the cell's value (``is_main_result``) or a ``display`` call (a
-    matplotlib figure). Each format present is set: ``png``/``jpeg``/``pdf`` base64
-    text, ``json`` a decoded value, ``chart`` a matplotlib figure described as data (E2B's
-    shape: ``type`` such as ``bar``, ``line``, ``scatter``, ``pie``, ``box_and_whisker``,
-    ``superchart``; ``title``; ``elements``; axis labels, units, ticks and scales), other
-    MIME types in ``extra``."""
+    matplotlib figure). Each format present is set: ``text`` (a Python ``str`` value's text
+    without its quotes, as E2B's), ``png``/``jpeg``/``pdf`` base64 text, ``json`` a decoded
+    value, ``data`` a pandas DataFrame's columns (``{name: [values]}``), ``chart`` a
+    matplotlib figure described as data (E2B's shape: ``type`` such as ``bar``, ``line``,
+    ``scatter``, ``pie``, ``box_and_whisker``, ``superchart``; ``title``; ``elements``; axis
+    labels, units, ticks and scales), other MIME types in ``extra``."""
 
     text: str | None = None
     html: str | None = None
@@ -60,6 +61,7 @@ class Result:
     latex: str | None = None
     json: Any = None
     javascript: str | None = None
+    data: dict[str, Any] | None = None
     chart: dict[str, Any] | None = None
     is_main_result: bool = False
     extra: dict[str, Any] | None = None

@@ -312,6 +312,7 @@ CODE_INTERPRETER_PORT = 49999
 """The guest port of the code interpreter's server (E2B's)."""
 FILES = Path(__file__).resolve().parent / "files"
 CODE_INTERPRETER_BESIDE = ("code_interpreter_node.js", "code_interpreter_charts.py",
+                           "code_interpreter_data.py",
                            "code_interpreter_kernels.py", "code_interpreter_jupyter.py")
 """The files the code interpreter's server loads from its own folder (written beside it)."""
 

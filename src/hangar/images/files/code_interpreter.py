@@ -11,7 +11,9 @@ It speaks the protocol of E2B's code interpreter on one TCP port (49999):
                    ``stdout``/``stderr`` (``text``, ``timestamp`` in ns),
                    ``result`` (one key per format: ``text``, ``html``, ``markdown``,
                    ``svg``, ``png``, ``jpeg`` (base64), ``pdf``, ``latex``, ``json``,
-                   ``javascript``, other MIME types under ``extra``; plus
+                   ``javascript``, and a Python kernel's ``chart`` (a figure) and
+                   ``data`` (a DataFrame), other MIME types under ``extra``; a
+                   Python ``text`` loses its outer quotes, as E2B's; plus
                    ``is_main_result``: true for the cell's value, false for
                    ``display`` calls such as a matplotlib figure),
                    ``error`` (``name``, ``value``, ``traceback``),

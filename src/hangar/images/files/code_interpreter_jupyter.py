@@ -1,11 +1,12 @@
 """The code interpreter's Python kernels, run inside a ``code-interpreter`` guest (not on
 the host): one ipykernel under a ``jupyter_client.KernelManager`` a context (``Kernel``),
 its iopub messages mapped to the server's protocol lines (``to_line``: the ``result``
-keys by MIME type, ``FORMATS``; ``error`` with its traceback's colours taken out), and
-matplotlib figures also given as structured charts (``CHART_SETUP`` loads ``CHARTS``,
-``code_interpreter_charts.py``, into each kernel). The server (``code_interpreter.py``)
-imports this file from its own folder; it needs the image's jupyter_client and
-ipykernel, never Hangar's modules.
+keys by MIME type, ``FORMATS``, its ``text`` without outer quotes as E2B's server gives it,
+``unquoted``; ``error`` with its traceback's colours taken out), matplotlib figures also
+given as structured charts and pandas DataFrames as data (``FORMATTERS_SETUP`` loads
+``CHARTS``, ``code_interpreter_charts.py``, and ``DATA``, ``code_interpreter_data.py``, into
+each kernel). The server (``code_interpreter.py``) imports this file from its own folder;
+it needs the image's jupyter_client and ipykernel, never Hangar's modules.
 """
 
 from __future__ import annotations
@@ -26,27 +27,33 @@ KERNEL_START_S: float | None = None
 A dead kernel is noticed at once (``wait_for_ready`` watches it); a slow one is bounded by
 what waits for it: the template's ready timeout at server start, a take's SPARE_WAIT_S
 later. A fixed 120 s failed the start on a busy host (imports under emulation)."""
-CHARTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_interpreter_charts.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHARTS = os.path.join(HERE, "code_interpreter_charts.py")
+DATA = os.path.join(HERE, "code_interpreter_data.py")
 CHART_MIME = "application/vnd.hangar.chart+json"
 """A Python kernel's structured chart of a matplotlib figure (``CHARTS``): the result's
 ``chart``."""
-CHART_SETUP = f"""def _hangar_charts():
+DATA_MIME = "application/vnd.hangar.data+json"
+"""A Python kernel's pandas DataFrame as columns of values (``DATA``): the result's ``data``."""
+FORMATTERS_SETUP = f"""def _hangar_formatters():
     import importlib.util, os, sys
-    if not os.path.exists({CHARTS!r}):
-        return
-    spec = importlib.util.spec_from_file_location("_hangar_charts", {CHARTS!r})
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.modules["_hangar_charts"] = module
-    module.install(get_ipython())
-_hangar_charts()
-del _hangar_charts
+    for name, path in (("_hangar_charts", {CHARTS!r}), ("_hangar_data", {DATA!r})):
+        if not os.path.exists(path):
+            continue
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+        module.install(get_ipython())
+_hangar_formatters()
+del _hangar_formatters
 """
+"""Run silently in each new kernel: the display formatters of ``CHARTS`` and ``DATA``."""
 FORMATS = {
     "text/plain": "text", "text/html": "html", "text/markdown": "markdown",
     "image/svg+xml": "svg", "image/png": "png", "image/jpeg": "jpeg",
     "application/pdf": "pdf", "text/latex": "latex", "application/json": "json",
-    "application/javascript": "javascript", CHART_MIME: "chart",
+    "application/javascript": "javascript", CHART_MIME: "chart", DATA_MIME: "data",
 }
 """MIME type → the result's key; other types go under ``extra``."""
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -75,7 +82,7 @@ class Kernel:
             self.kc = self.km.blocking_client()
             self.kc.start_channels()
             self.kc.wait_for_ready(timeout=KERNEL_START_S)
-            self.silent(CHART_SETUP)
+            self.silent(FORMATTERS_SETUP)
         except BaseException:
             self.km.shutdown_kernel(now=True)
             raise
@@ -194,6 +201,15 @@ def shutdown_later(kernel: Kernel) -> None:
     threading.Thread(target=kernel.shutdown, name="kernel-shutdown", daemon=True).start()
 
 
+def unquoted(text: str) -> str:
+    """A result's ``text/plain`` as E2B's server gives it: without its outer quotes when it
+    starts and ends with the same kind (``'supertest'``, a ``str``'s repr, is
+    ``supertest``; escapes inside stay), else as it is."""
+    if text and text[0] in "'\"" and text.endswith(text[0]):
+        return text[1:-1]
+    return text
+
+
 def to_line(kind: str, c: dict[str, Any]) -> dict[str, Any] | None:
     """The protocol line for one iopub message, or None for messages it does not show."""
     if kind == "stream":
@@ -207,6 +223,8 @@ def to_line(kind: str, c: dict[str, Any]) -> dict[str, Any] | None:
                 out[FORMATS[mime]] = value
             else:
                 extra[mime] = value
+        if isinstance(out.get("text"), str):
+            out["text"] = unquoted(out["text"])
         if extra:
             out["extra"] = extra
         return out
