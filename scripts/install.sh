@@ -260,4 +260,8 @@ else
   done
 fi
 curl -fs "http://$HEALTH_HOST:$PORT/health"; echo
-say "ready: try 'hangar create' (the API key is in $DATA/api-key)"
+if [ "$PORT" = 8080 ] && [ "$DATA" = /var/lib/hangar ]; then
+  say "ready: try 'hangar create' (the API key is in $DATA/api-key)"
+else  # clients look for the default port and folder: name this server's
+  say "ready: try 'HANGAR_URL=http://127.0.0.1:$PORT HANGAR_DATA_DIR=$DATA hangar create' (the API key is in $DATA/api-key)"
+fi

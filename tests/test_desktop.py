@@ -251,6 +251,25 @@ def test_desktop_comes_back_after_x_dies(api: httpx.Client, desk: str) -> None:
 
 
 @vm
+def test_a_marker_the_guest_links_to_dev_zero_is_read_bounded(api: httpx.Client,
+                                                               desk: str) -> None:
+    """The desktop's ready marker is the guest's to write: made a link to /dev/zero, it is
+    read up to ``MARKER_MAX`` and taken as no marker (review 29f H2: the server read it
+    without end); the display answers meanwhile, and the marker back, VNC is ready again."""
+    ready = "/run/hangar/desktop-ready"
+    assert sh(api, desk, f"cp {ready} /root/ready.saved && ln -sf /dev/zero {ready}")[
+        "exit_code"] == 0
+    try:
+        r = api.get(f"/sandboxes/{desk}/display", timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["vnc"] is False
+    finally:
+        assert sh(api, desk, f"rm -f {ready} && mv /root/ready.saved {ready}")[
+            "exit_code"] == 0
+    assert api.get(f"/sandboxes/{desk}/display").json()["vnc"] is True
+
+
+@vm
 def test_desktop_that_could_never_start_is_refused_at_create(api: httpx.Client) -> None:
     before = {s["id"] for s in api.get("/sandboxes").json()["sandboxes"]}
     r = api.post("/sandboxes", json={"desktop": "640x480x24"})  # the base image has no X

@@ -66,6 +66,9 @@ VNC_PORT = 5900
 """x11vnc's port on the guest's loopback."""
 READY_FILE = paths.DESKTOP_READY
 ERROR_FILE = paths.DESKTOP_ERROR
+MARKER_MAX = 64 << 10
+"""Most bytes of the guest's ready or error marker read (a few hundred as the desktop
+writes them; the guest may make either a link to ``/dev/zero``), bytes."""
 DISPLAY = ":0"
 READY_TIMEOUT_S = 120.0
 """Seconds an action waits for a freshly booted desktop (Xvfb under TCG takes a few)."""
@@ -241,22 +244,40 @@ class Desktop:
                 sandbox_id=sandbox_id)
         return Screen.parse(rec.desktop)
 
-    async def _marker(self, sandbox_id: str) -> dict[str, object] | None:
+    async def _small(self, sandbox_id: str, path: str) -> bytes | None:
+        """The guest file ``path``, at most ``MARKER_MAX`` bytes of it (the guest writes
+        these markers, and may make them a link to ``/dev/zero``); None when missing."""
+        data = bytearray()
         try:
-            data = b"".join([c async for c in self.manager.files.read(sandbox_id, READY_FILE)])
+            chunks = self.manager.files.read(sandbox_id, path)
+            try:
+                async for chunk in chunks:
+                    data += chunk[:MARKER_MAX + 1 - len(data)]
+                    if len(data) > MARKER_MAX:
+                        break
+            finally:
+                close = getattr(chunks, "aclose", None)
+                if close is not None:  # stop the guest's stream where the cap is
+                    await close()
         except NotFound:
             return None
+        return bytes(data)
+
+    async def _marker(self, sandbox_id: str) -> dict[str, object] | None:
+        data = await self._small(sandbox_id, READY_FILE)
+        if data is None or len(data) > MARKER_MAX:
+            return None  # a marker that large is none the desktop wrote
         try:
-            return json.loads(data)
-        except ValueError:  # caught between write and rename: cannot happen, but be safe
+            value = json.loads(data)
+        except (ValueError, RecursionError):  # caught between write and rename, or forged
             return None
+        return value if isinstance(value, dict) else None
 
     async def _error(self, sandbox_id: str) -> str | None:
-        try:
-            data = b"".join([c async for c in self.manager.files.read(sandbox_id, ERROR_FILE)])
-        except NotFound:
+        data = await self._small(sandbox_id, ERROR_FILE)
+        if data is None:
             return None
-        return data.decode(errors="replace").strip() or "unknown error"
+        return data[:MARKER_MAX].decode(errors="replace").strip()[:2000] or "unknown error"
 
     async def wait_ready(self, sandbox_id: str, timeout_s: float | None = None,
                          vnc: bool = False, newer_than: float | None = None,
