@@ -128,8 +128,15 @@ def test_unauthenticated_bodies_are_refused_unread_and_stall_no_one(srv: Server)
 
 
 def test_authenticated_large_and_deep_json_is_a_clear_400(srv: Server) -> None:
+    from hangar.json_items import MAX_ITEMS
+
     with srv.client() as c:
+        # past the values a body may hold, refused as it is read (hangar.json_items)
         r = c.post("/sandboxes", content=b"[" * (1 << 20),
+                   headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["limit_items"] == MAX_ITEMS
+        # under it, nested past what the parser takes: a 400 that says so
+        r = c.post("/sandboxes", content=b"[" * 20_000,
                    headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
         r = c.post("/sandboxes", content=b'{"a": ' + b"1" * (2 << 20),

@@ -398,8 +398,14 @@ def test_a_context_list_past_its_cap_is_a_guest_error(monkeypatch: pytest.Monkey
     """REVIEW29b G6: a guest's list of 116,000 tiny contexts (3.9 MiB, under the JSON cap)
     held the event loop ~0.9 s to check, validate and encode; past ``MAX_CONTEXTS`` it is a
     GuestError, checked on its length alone, and a list at the cap passes."""
+    from hangar.json_items import MAX_ITEMS
+
     tiny = {"id": "", "language": "", "cwd": ""}
     interpreter_answers(monkeypatch, 200, json.dumps([tiny] * 116_000).encode())
+    with pytest.raises(GuestError, match=f"more than {MAX_ITEMS} JSON values"):  # unparsed
+        asyncio.run(interpreter.call(SimpleNamespace(), "s", "GET", "/contexts"))
+    interpreter_answers(monkeypatch, 200,
+                        json.dumps([tiny] * (interpreter.MAX_CONTEXTS + 1)).encode())
     with pytest.raises(GuestError, match=f"more than {interpreter.MAX_CONTEXTS} contexts"):
         asyncio.run(interpreter.call(SimpleNamespace(), "s", "GET", "/contexts"))
     interpreter_answers(monkeypatch, 200,
