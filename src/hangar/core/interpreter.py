@@ -117,15 +117,13 @@ async def _read_all(tunnel: Tunnel, rest: bytes, sandbox_id: str) -> bytes:
     return bytes(buf)
 
 
-class _TooMany(Exception):
-    """The guest's JSON holds more values than ``hangar.json_items.MAX_ITEMS``."""
-
-
-def _parse(raw: bytes) -> Any:
+def _parse(raw: bytes, sandbox_id: str) -> Any:
     """The guest's JSON, its values counted before it is parsed (a parse builds every one
-    before any is looked at). Raises _TooMany, ValueError, RecursionError."""
+    before any is looked at). Raises GuestError (too many values), ValueError,
+    RecursionError."""
     if json_items.too_many(raw):
-        raise _TooMany
+        raise GuestError(f"the code interpreter's answer holds more than "
+                         f"{json_items.MAX_ITEMS} JSON values", sandbox_id=sandbox_id)
     return json.loads(raw)
 
 
@@ -148,10 +146,8 @@ async def call(m: SandboxManager, sandbox_id: str, method: str, path: str,
     if not raw.strip():
         return None
     try:  # up to MAX_JSON_BYTES of the guest's JSON: a large one is read off the loop
-        value = _parse(raw) if len(raw) <= 64 << 10 else await asyncio.to_thread(_parse, raw)
-    except _TooMany:
-        raise GuestError(f"the code interpreter's answer holds more than "
-                         f"{json_items.MAX_ITEMS} JSON values", sandbox_id=sandbox_id) from None
+        value = _parse(raw, sandbox_id) if len(raw) <= 64 << 10 else \
+            await asyncio.to_thread(_parse, raw, sandbox_id)
     except (ValueError, RecursionError):
         raise GuestError("the code interpreter's answer is not JSON",
                          sandbox_id=sandbox_id) from None

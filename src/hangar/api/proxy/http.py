@@ -22,13 +22,13 @@ MAX_HEADER_BYTES = 64 * 1024
 """Largest response head (status line and headers) taken from a guest, bytes."""
 
 
-
 def canonical(name: bytes) -> bytes:
     """A header name as the guest gets it: each word capitalized (``x-forwarded-for`` →
     ``X-Forwarded-For``), the canonical form HTTP servers and E2B's edge send. The ASGI
     server hands the client's names lower-cased, and some guest apps read (or print)
     names as sent (E2B's ``test_mask_request_host`` looks for ``Host:``)."""
     return b"-".join(part[:1].upper() + part[1:] for part in name.split(b"-"))
+
 
 class BrokenAnswer(ConnectionError):
     """The guest's answer broke off after it had started: the client's connection is
