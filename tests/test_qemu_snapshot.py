@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import signal
@@ -285,3 +286,33 @@ def test_restore_refuses_what_cannot_work(env: Env) -> None:
         assert not qemu_pids(big.sandbox_id)
 
     asyncio.run(body())
+
+
+def test_a_refused_qmp_connect_logs_no_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """QEMU's QMP socket exists from its ``bind()`` and refuses until its ``listen()``:
+    ``qmp.session`` tries again meanwhile, and what fails in the end is one EngineError.
+    ``qemu.qmp`` logs every refused try at ERROR; none of those lines reaches the log
+    (a server's log once carried one, which the port tests count as a fault)."""
+    import socket
+
+    from hangar.engines.qemu import qmp
+    from hangar.layout import SandboxPaths
+
+    paths = SandboxPaths(tmp_path)
+    refusing = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    refusing.bind(str(paths.qmp))  # bound, never listening: every connect is refused
+    monkeypatch.setattr(qmp, "CONNECT_S", 0.5)
+    vm = VM(sandbox_id="sb-refused", engine="qemu", pid=os.getpid(), paths=paths, accel="tcg")
+    caplog.set_level(logging.DEBUG)
+
+    async def connect() -> None:
+        async with qmp.session(vm):
+            pass
+
+    try:
+        with pytest.raises(EngineError, match="QMP connect failed"):
+            asyncio.run(connect())
+    finally:
+        refusing.close()
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []

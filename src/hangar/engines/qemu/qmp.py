@@ -5,11 +5,17 @@ A connection must open within ``CONNECT_S`` and each command answer within
 ``COMMAND_S``; any failure (QEMU's own error, a closed socket, a timeout)
 becomes one ``EngineError`` that names the command and carries the
 sandbox's id.
+
+``qemu.qmp`` logs each failed connect and each lost session at level ERROR,
+before raising it; here every such failure reaches the caller as that one
+EngineError (a refused connect while QEMU starts is tried again and is no
+error at all), so only the library's CRITICAL lines are logged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,6 +24,8 @@ from qemu.qmp import QMPClient, QMPError
 
 from hangar.engines.base import VM
 from hangar.errors import EngineError
+
+logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)
 
 CONNECT_S = 5.0
 """Seconds to connect to QEMU's QMP socket."""
