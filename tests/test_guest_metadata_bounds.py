@@ -394,6 +394,44 @@ def test_metadata_a_guest_set_is_bounded_when_read_back() -> None:
     assert len(list(asyncio.run(fs_entries.entry_infos(env, entries, budget=1_000_000)))) == 200
 
 
+def test_owner_records_of_a_mebibyte_are_parsed_off_the_loop() -> None:
+    """The owner records come from the guest, up to 1 MiB: past 4 KiB they are parsed in a
+    worker thread, and a file's metadata of more values than are ever kept is dropped
+    uncounted, never parsed whole (review 29f M1: 0.6 s of the event loop a MiB)."""
+    from hangar.core.service import StreamCapture, e2b_user
+
+    many = json.dumps({f"k{i}": "" for i in range(120_000)}).encode()
+    head = b"user:user\t/home/user/a\t\t\t" + many + b"\0user:user\t/home/user/b\t\t\t{}\0"
+    assert len(head) > 1_000_000
+
+    class Manager:
+        async def exec(self, sandbox_id: str, cmd: Any) -> Any:
+            return SimpleNamespace(stdout=StreamCapture(head=head), exit_code=0)
+
+    async def both() -> tuple[dict[str, Any], float]:
+        gaps: list[float] = []
+        done = asyncio.Event()
+
+        async def tick() -> None:
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        ticker = asyncio.create_task(tick())
+        who = await e2b_user.owners(Manager(), "sb-x",  # type: ignore[arg-type]
+                                    ["/home/user/a", "/home/user/b"])
+        done.set()
+        await ticker
+        return who, max(gaps, default=float("inf"))  # none: the loop never had a turn
+
+    who, worst = asyncio.run(both())
+    assert (who["/home/user/a"].owner, who["/home/user/a"].metadata) == ("user", None)
+    assert who["/home/user/b"].owner == "user"
+    assert worst < 0.25, f"the event loop stood still {worst:.2f} s"
+
+
 def test_a_context_list_past_its_cap_is_a_guest_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """REVIEW29b G6: a guest's list of 116,000 tiny contexts (3.9 MiB, under the JSON cap)
     held the event loop ~0.9 s to check, validate and encode; past ``MAX_CONTEXTS`` it is a

@@ -7,12 +7,14 @@ saved (``hangar.core.templates``), else at create through the guest's exec as ro
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hangar import json_items
 from hangar.core import interpreter, templates
 from hangar.core.commands import Command
 from hangar.core.e2b import DEFAULT_USER, ROOT, envs, options, sandbox
@@ -265,20 +267,35 @@ async def owners(manager: SandboxManager, sandbox_id: str,
         r = await manager.exec(sandbox_id, Command(
             command="/bin/sh", args=["-c", _OWNER_SH, "sh", _OWNER_PY, _META_PL, *batch],
             timeout_s=60, head=1 << 20))
-        found: dict[str, dict[str, str]] = {}
-        for item in r.stdout.head.split(b"\0"):
-            text = item.decode("utf-8", "replace")
-            if text.startswith("M\t"):
-                path, _, pairs = text[2:].rpartition("\t")
-                found[path] = _hex_pairs(pairs)
-                continue
-            parts = text.split("\t")
-            if len(parts) not in (4, 5) or ":" not in parts[0]:
-                continue
-            owner, _, group = parts[0].partition(":")
-            meta = _json_object(parts[4]) if len(parts) == 5 else found.get(parts[1])
-            out[parts[1]] = Owner(owner, group, parts[2] or None, parts[3] or None,
-                                  _bounded(meta) or None)
+        head = r.stdout.head
+        out.update(_records(head) if len(head) <= RECORDS_ONLOOP
+                   else await asyncio.to_thread(_records, head))
+    return out
+
+
+RECORDS_ONLOOP = 4 << 10
+"""The guest's owner records (up to 1 MiB) are parsed in a worker thread past this many
+bytes, never on the event loop (review 29f M1)."""
+
+
+def _records(head: bytes) -> dict[str, Owner]:
+    """The ``Owner`` of each record ``_OWNER_SH`` printed (the guest's to write: anything
+    not of its shape is skipped)."""
+    out: dict[str, Owner] = {}
+    found: dict[str, dict[str, str]] = {}
+    for item in head.split(b"\0"):
+        text = item.decode("utf-8", "replace")
+        if text.startswith("M\t"):
+            path, _, pairs = text[2:].rpartition("\t")
+            found[path] = _hex_pairs(pairs)
+            continue
+        parts = text.split("\t")
+        if len(parts) not in (4, 5) or ":" not in parts[0]:
+            continue
+        owner, _, group = parts[0].partition(":")
+        meta = _json_object(parts[4]) if len(parts) == 5 else found.get(parts[1])
+        out[parts[1]] = Owner(owner, group, parts[2] or None, parts[3] or None,
+                              _bounded(meta) or None)
     return out
 
 
@@ -307,8 +324,9 @@ def metadata_chars(who: dict[str, Owner]) -> int:
 
 
 def _hex_pairs(text: str) -> dict[str, str]:
-    out = {}
-    for pair in text.split(","):
+    """The first ``METADATA_READ_KEYS`` ``hexkey:hexvalue`` pairs of ``text``."""
+    out: dict[str, str] = {}
+    for pair in text.split(",", METADATA_READ_KEYS)[:METADATA_READ_KEYS]:
         k, _, v = pair.partition(":")
         try:
             out[bytes.fromhex(k).decode("utf-8", "replace")] = \
@@ -319,6 +337,10 @@ def _hex_pairs(text: str) -> dict[str, str]:
 
 
 def _json_object(text: str) -> dict[str, str] | None:
+    """The JSON object ``text`` (values as strings), or None when it is not one or holds
+    more than ``METADATA_READ_KEYS`` times four values (counted before it is parsed)."""
+    if json_items.too_many(text.encode(), 4 * METADATA_READ_KEYS):
+        return None
     try:
         value = json.loads(text) if text else None
     except ValueError:

@@ -31,7 +31,7 @@ from google.protobuf.message import Message
 
 from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
 from hangar.api.envd.messages import FS
-from hangar.core.service import Command, FileEntry, HOME, e2b, e2b_user
+from hangar.core.service import Command, FileEntry, HOME, e2b_user
 from hangar.errors import HangarError, NotFound
 
 MAX_ENTRIES = 10_000
