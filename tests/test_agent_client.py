@@ -362,6 +362,55 @@ def test_a_guest_that_breaks_flow_control_loses_the_call_and_holds_nothing() -> 
     asyncio.run(go())
 
 
+def test_a_guest_answer_of_a_mebibyte_of_values_leaves_the_loop_free() -> None:
+    """A frame's meta is the guest's to write, up to ``MAX_META`` (1 MiB): past
+    ``META_ONLOOP`` it is parsed in a worker thread, so a guest that answers with a MiB
+    of tiny values (about 0.6 s of parsing) never holds the host's event loop, where every
+    other sandbox's calls run (review 29f H3). A large meta that is not JSON is dropped,
+    as a small one is, and the call still gets the answer after it."""
+    from hangar.engines.agent_client.connection import META_ONLOOP
+
+    values = {"ok": 1, "zz": [{}] * ((P.MAX_META - 64) // 4)}
+    assert len(json.dumps(values)) > META_ONLOOP
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+
+        async def answer(sock: socket.socket, req: P.Frame) -> None:
+            if req.meta.get("op") != "hello":
+                return
+            if req.meta.get("bad"):
+                raw = b"[" * (2 * META_ONLOOP)  # JSON of no end: refused off the loop
+                await loop.sock_sendall(sock, P.HEADER.pack(
+                    P.MAGIC, P.VERSION, P.Kind.RESPONSE, req.channel, len(raw), 0) + raw)
+                await loop.sock_sendall(sock, P.encode(P.Kind.RESPONSE, req.channel,
+                                                       {"ok": 2}))
+                return
+            await loop.sock_sendall(sock, P.encode(P.Kind.RESPONSE, req.channel, values))
+
+        client, _ = await fake_guest(answer)
+        gaps: list[float] = []
+        done = asyncio.Event()
+
+        async def tick() -> None:
+            last = loop.time()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                gaps.append(loop.time() - last)
+                last = loop.time()
+
+        ticker = asyncio.create_task(tick())
+        got = await client.call("hello", deadline_s=30)
+        assert got["ok"] == 1 and len(got["zz"]) == len(values["zz"])
+        assert (await client.call("hello", bad=True, deadline_s=30)) == {"ok": 2}
+        done.set()
+        await ticker
+        assert max(gaps) < 0.25, f"the event loop stood still {max(gaps):.2f} s"
+        await client.close()
+
+    asyncio.run(go())
+
+
 def test_an_old_guest_is_detected_not_misread() -> None:
     """A version-1 agent (e.g. in a snapshot taken before version 2) is refused at once,
     whether it greets or only answers the probe of a restored session."""

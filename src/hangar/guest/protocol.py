@@ -113,16 +113,19 @@ def encode(kind: Kind, channel: int, meta: dict[str, Any] | None = None, data: b
 class Frame:
     """One decoded frame; ``size`` is its encoded length in bytes (what flow control counts)."""
 
-    __slots__ = ("kind", "channel", "meta", "data", "version", "size")
+    __slots__ = ("kind", "channel", "meta", "data", "version", "size", "unparsed")
 
     def __init__(self, kind: int, channel: int, meta: dict[str, Any], data: bytes, version: int,
-                 size: int = 0):
+                 size: int = 0, unparsed: bytes | None = None):
         self.kind = kind
         self.channel = channel
         self.meta = meta
         self.data = data
         self.version = version
         self.size = size
+        self.unparsed = unparsed
+        """The meta's bytes, not yet parsed (``meta`` is then empty): a meta over the
+        ``Decoder``'s ``parse_max``, for its caller to parse (``parse_meta``) elsewhere."""
 
     def __repr__(self) -> str:
         return f"Frame(kind={self.kind}, channel={self.channel}, meta={self.meta}, data={len(self.data)}B)"
@@ -169,10 +172,14 @@ class Decoder:
     ``wanted(kind, channel)``, when given, says which frames to decode: any other is
     skipped as its bytes arrive (``dropped`` counts it), never held whole nor parsed.
     ``dropped`` also counts frames refused by ``parse_meta``; ``skipped`` counts bytes
-    dropped while resynchronising and in skipped frames.
+    dropped while resynchronising and in skipped frames. ``parse_max``, when given: a meta
+    longer than that many bytes is left to the caller (``Frame.unparsed``), who may parse
+    it off its event loop (about 0.6 s a MiB).
     """
 
-    def __init__(self, wanted: Callable[[int, int], bool] | None = None) -> None:
+    def __init__(self, wanted: Callable[[int, int], bool] | None = None,
+                 parse_max: int | None = None) -> None:
+        self.parse_max = parse_max
         self._buf = bytearray()
         self._skip = 0  # bytes of a skipped frame still to come
         self.wanted = wanted
@@ -222,6 +229,9 @@ class Decoder:
             raw_meta = bytes(self._buf[HEADER.size:HEADER.size + mlen])
             data = bytes(self._buf[HEADER.size + mlen:end])
             del self._buf[:end]
+            if self.parse_max is not None and mlen > self.parse_max:
+                yield Frame(kind, channel, {}, data, version, end, unparsed=raw_meta)
+                continue
             meta = parse_meta(raw_meta)
             if meta is None:
                 self.dropped += 1

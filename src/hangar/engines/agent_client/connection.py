@@ -94,6 +94,10 @@ class Deadlines:
 
 CHANNEL_START_SPAN = 1 << 30
 """A connection's first request channel id is drawn below this (``Connection``)."""
+META_ONLOOP = 64 << 10
+"""A guest's frame meta longer than this, bytes (at most ``protocol.MAX_META``, 1 MiB), is
+parsed in a worker thread: the guest writes it, and a parse holds the loop about 40 ms
+per 64 KiB (review 29f H3)."""
 PROBE_CHANNEL_BASE = 0xFFFF0000
 """First channel id of the handshake's ``hello`` probes; requests count from below
 ``CHANNEL_START_SPAN`` and never reach it."""
@@ -290,16 +294,23 @@ class Connection:
 
     async def _read_loop(self) -> None:
         # Frames on channels this side never opened (or closed) are skipped unparsed, and a
-        # meta out of the protocol's bounds drops its frame (``P.Decoder``).
+        # meta out of the protocol's bounds drops its frame (``P.Decoder``). A meta over
+        # ``META_ONLOOP`` bytes is parsed in a worker thread (review 29f H3).
         channels = self._channels
         decoder = P.Decoder(lambda kind, cid: (cid == 0 and kind == P.Kind.HELLO)
-                            or cid in channels)
+                            or cid in channels, parse_max=META_ONLOOP)
         try:
             while True:
                 data = await self._reader.read(1 << 16)
                 if not data:
                     break
                 for frame in decoder.feed(data):
+                    if frame.unparsed is not None:
+                        meta = await asyncio.to_thread(P.parse_meta, frame.unparsed)
+                        if meta is None:
+                            decoder.dropped += 1
+                            continue
+                        frame.meta, frame.unparsed = meta, None
                     if frame.kind == P.Kind.HELLO and frame.channel == 0:
                         self._greeted_again(frame.meta)
                         continue
