@@ -211,13 +211,20 @@ def test_a_gzip_bomb_upload_is_refused_on_its_ratio(env: Env) -> None:
 
 
 def test_a_gzip_bomb_in_a_connect_message_is_refused(env: Env) -> None:
+    """Inflated up to its method's limit (``Method.max_message``): 16 MiB for a process's
+    input, 1 MiB for a start, 64 KiB for the rest."""
     from hangar.api.envd.connect import MAX_MESSAGE
 
     with Watch(env.srv, declared=MAX_MESSAGE):  # a message is held whole: at most 16 MiB
-        r = env.envd.post("/filesystem.Filesystem/Stat", content=BOMB, headers={
+        r = env.envd.post("/process.Process/SendInput", content=BOMB, headers={
             "Content-Type": "application/proto", "Content-Encoding": "gzip"})
         assert (r.status_code, r.json()["code"]) == (429, "resource_exhausted")
         assert "inflates to more than 16777216 bytes, the limit" in r.json()["message"]
+        r = env.envd.post("/filesystem.Filesystem/Stat", content=BOMB, headers={
+            "Content-Type": "application/proto", "Content-Encoding": "gzip"})
+        assert (r.status_code, r.json()) == (429, {  # its 250 KiB as sent are too many
+            "code": "resource_exhausted",
+            "message": "a message over 65536 bytes, the limit of this method"})
         # the same bomb in a compressed envelope of a server stream
         r = env.envd.post("/process.Process/Start",
                           content=struct.pack(">BI", 1, len(BOMB)) + BOMB,
@@ -227,7 +234,54 @@ def test_a_gzip_bomb_in_a_connect_message_is_refused(env: Env) -> None:
     flags, size = struct.unpack(">BI", r.content[:5])
     end = json.loads(r.content[5:5 + size])
     assert flags == 2 and end["error"]["code"] == "resource_exhausted"
-    assert "16777216 bytes, the limit" in end["error"]["message"]
+    assert "inflates to more than 1048576 bytes, the limit" in end["error"]["message"]
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out) + bytes([n])
+
+
+def test_a_start_of_millions_of_empty_args_is_refused_by_its_size(env: Env) -> None:
+    """A binary message's values are not counted before the parse, which builds each one:
+    16 MiB of empty ``args`` (two bytes each, 16 KiB of gzip) grew the server by about
+    250 MiB (review 29f H1). A ``Start`` is at most 1 MiB (its argv goes to the guest in
+    one frame's metadata, which is no larger), refused as it inflates past that, unparsed,
+    or past it as sent; a small method's message is refused past 64 KiB."""
+    from hangar.api.envd.connect import SMALL_MESSAGE, START_MESSAGE
+
+    def start(n_args: int) -> bytes:
+        config = b"\x0a\x09/bin/true" + b"\x12\x00" * n_args  # cmd, then n empty args
+        return b"\x0a" + varint(len(config)) + config
+
+    z = zlib.compressobj(9, wbits=31)
+    packed = z.compress(start(8 << 20)) + z.flush()
+    assert len(packed) < 64 << 10
+    with Watch(env.srv, declared=START_MESSAGE):
+        r = env.envd.post("/process.Process/Start",
+                          content=struct.pack(">BI", 1, len(packed)) + packed,
+                          headers={"Content-Type": "application/connect+proto",
+                                   "Connect-Content-Encoding": "gzip"})
+        flags, size = struct.unpack(">BI", r.content[:5])
+        end = json.loads(r.content[5:5 + size])
+        assert (r.status_code, flags, end["error"]["code"]) == (200, 2, "resource_exhausted")
+        assert end["error"]["message"] == (
+            f"the gzip message inflates to more than {START_MESSAGE} bytes, the limit")
+        plain = start(START_MESSAGE // 2 + 1)
+        r = env.envd.post("/process.Process/Start",
+                          content=struct.pack(">BI", 0, len(plain)) + plain,
+                          headers={"Content-Type": "application/connect+proto"})
+        end = json.loads(r.content[5:])
+        assert end["error"] == {"code": "resource_exhausted", "message": (
+            f"a message over {START_MESSAGE} bytes, the limit of this method")}
+        r = env.envd.post("/filesystem.Filesystem/Stat", content=b"\x0a\x00" * SMALL_MESSAGE,
+                          headers={"Content-Type": "application/proto"})
+        assert (r.status_code, r.json()) == (429, {"code": "resource_exhausted", "message": (
+            f"a message over {SMALL_MESSAGE} bytes, the limit of this method")})
+    assert env.run("echo fine")["stdout"] == "fine\n"
 
 
 def test_a_large_multipart_upload_is_streamed_not_held(env: Env) -> None:
@@ -344,7 +398,7 @@ def test_json_of_many_values_is_refused_before_it_is_parsed(env: Env) -> None:
     packed = z.compress(text) + z.flush()
     assert len(packed) < 64 << 10
     with Watch(env.srv, declared=MAX_MESSAGE):  # the inflated message is held whole
-        r = env.envd.post("/filesystem.Filesystem/Stat", content=packed, headers={
+        r = env.envd.post("/process.Process/SendInput", content=packed, headers={
             "Content-Type": "application/json", "Content-Encoding": "gzip"})
     assert (r.status_code, r.json()) == (429, {
         "code": "resource_exhausted", "message": f"a JSON message with more than "

@@ -118,6 +118,8 @@ async def _gather(reqs: AsyncIterator[Any], call: connect.Call) -> Any:
 
 
 ECHO = connect.Method("unary", FS.StatRequest, FS.StatResponse, _echo)
+ECHO_LARGE = connect.Method("unary", FS.StatRequest, FS.StatResponse, _echo,
+                            max_message=connect.MAX_MESSAGE)
 COUNT = connect.Method("server", FS.WatchDirRequest, FS.WatchDirResponse, _count)
 GATHER = connect.Method("client", FS.StatRequest, FS.StatResponse, _gather)
 
@@ -141,12 +143,16 @@ def test_unary_codecs_errors_and_deadline() -> None:
     from hangar.json_items import MAX_ITEMS
 
     many = b'{"zz":[' + b",".join([b"{}"] * (MAX_ITEMS + 1)) + b'],"path":"/z"}'
-    a = run(ECHO, "application/json", [many])
+    a = run(ECHO, "application/json", [many])  # past the method's size first
+    assert (a.status, json.loads(a.body)) == (429, {
+        "code": "resource_exhausted", "message": f"a message over {connect.SMALL_MESSAGE} "
+        "bytes, the limit of this method"})
+    a = run(ECHO_LARGE, "application/json", [many])
     assert (a.status, json.loads(a.body)) == (429, {
         "code": "resource_exhausted", "message": f"a JSON message with more than "
         f"{MAX_ITEMS} values, the limit: send fewer, or send application/proto"})
     commas = "/" + "," * (MAX_ITEMS * 2)
-    a = run(ECHO, "application/json", [json.dumps({"path": commas}).encode()])
+    a = run(ECHO_LARGE, "application/json", [json.dumps({"path": commas}).encode()])
     assert (a.status, json.loads(a.body)["entry"]["path"]) == (200, commas)
     # nested past the parser's recursion: refused as not its message, never a 500
     a = run(ECHO, "application/json", [b'{"path": ' + b"[" * 5_000 + b"}"])

@@ -97,19 +97,20 @@ class Inflater:
             raise InvalidRequest(f"{self.what} ends before its gzip stream does")
 
 
-def _whole(data: bytes, limit: int, what: str) -> bytes:
+def _whole(data: bytes | bytearray, limit: int, what: str) -> bytearray:
     inflater = Inflater(limit=limit, what=what)
     out = bytearray()
     for piece in inflater.feed(data):
         out += piece
     inflater.close()
-    return bytes(out)
+    return out  # held once: a copy to bytes would hold it twice
 
 
-async def inflate_whole(data: bytes, limit: int, what: str = "the gzip body") -> bytes:
-    """``data`` (one whole gzip stream) inflated, at most ``limit`` bytes; off the event
-    loop when ``data`` is over ``OFFLOOP_BYTES`` or inflates past ``ONLOOP_OUT``. Raises
-    TooLarge, InvalidRequest."""
+async def inflate_whole(data: bytes | bytearray, limit: int,
+                        what: str = "the gzip body") -> bytearray:
+    """``data`` (one whole gzip stream) inflated, at most ``limit`` bytes (held once, as a
+    bytearray); off the event loop when ``data`` is over ``OFFLOOP_BYTES`` or inflates
+    past ``ONLOOP_OUT``. Raises TooLarge, InvalidRequest."""
     if len(data) <= OFFLOOP_BYTES:
         small = min(limit, ONLOOP_OUT)
         try:

@@ -16,8 +16,12 @@ HTTP 200 and ends with an end-of-stream envelope holding a JSON object,
 status of its code with the JSON body ``{"code", "message"}``. Compression:
 ``gzip`` and ``identity`` are read; answers are never compressed.
 
-Bounds: a message is at most ``MAX_MESSAGE`` bytes as sent and again once
-inflated (``hangar.api.inflate``: incremental, never ``gzip.decompress``), and a
+Bounds: a message is at most its method's ``Method.max_message`` bytes as sent and
+again once inflated (``hangar.api.inflate``: incremental, never ``gzip.decompress``):
+``MAX_MESSAGE`` (16 MiB) for the two that carry a process's input, ``START_MESSAGE``
+(1 MiB) for a process's start and ``SMALL_MESSAGE`` (64 KiB) for the rest, which carry
+paths and selectors. A binary message's values are not counted before it is parsed, so
+the size is what bounds them: 1 MiB of empty ``args`` parses into about 16 MiB. A
 JSON message holds at most ``hangar.json_items.MAX_ITEMS`` values, counted before it
 is parsed (a parse builds every value first); past any of them the call ends with
 ``resource_exhausted`` naming the limit (HTTP 429 for a unary call, Connect's status
@@ -52,7 +56,15 @@ from hangar.api.inflate import OFFLOOP_BYTES, inflate_whole
 log = logging.getLogger("hangar.envd")
 
 MAX_MESSAGE = 16 << 20
-"""Largest request message taken, bytes (a StreamInput chunk, a request)."""
+"""Largest request message taken, bytes: a chunk of a process's input (``SendInput``,
+``StreamInput``)."""
+START_MESSAGE = 1 << 20
+"""Largest ``Start`` message, bytes: its command, arguments and environment go to the
+guest in one agent frame, whose metadata is at most 1 MiB
+(``hangar.guest.protocol.MAX_META``)."""
+SMALL_MESSAGE = 64 << 10
+"""Largest message of every other method, bytes: paths (4 KiB each on Linux), selectors,
+sizes."""
 KEEPALIVE_MIN_S = 1.0
 """Shortest keep-alive interval honoured, seconds."""
 YIELD_EVERY = 64
@@ -156,6 +168,8 @@ class Method:
     handler: Callable[..., Any]
     keepalive: Callable[[], Message] | None = None
     """A server stream's keep-alive message."""
+    max_message: int = SMALL_MESSAGE
+    """Largest request message, bytes, as sent and once inflated."""
 
 
 class Codec:
@@ -164,7 +178,7 @@ class Codec:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def decode(self, data: bytes, cls: type[Message]) -> Message:
+    def decode(self, data: bytes | bytearray, cls: type[Message]) -> Message:
         try:
             if self.name == "proto":
                 return cls.FromString(data)
@@ -179,7 +193,7 @@ class Codec:
                            f"the request is not a {cls.DESCRIPTOR.name} message: "
                            f"{str(exc)[:200]}") from None
 
-    async def decode_async(self, data: bytes, cls: type[Message]) -> Message:
+    async def decode_async(self, data: bytes | bytearray, cls: type[Message]) -> Message:
         """``decode``, in a worker thread for a message over ``OFFLOOP_BYTES``."""
         if len(data) <= OFFLOOP_BYTES:
             return self.decode(data, cls)
@@ -207,15 +221,15 @@ def _codec(content_type: str, stream: bool) -> Codec:
     return codec
 
 
-async def _inflate(data: bytes, encoding: str) -> bytes:
-    """``data`` inflated by ``encoding``: at most ``MAX_MESSAGE`` bytes, off the loop when
+async def _inflate(data: bytes | bytearray, encoding: str, limit: int) -> bytes | bytearray:
+    """``data`` inflated by ``encoding``: at most ``limit`` bytes, off the loop when
     large. Raises RpcError (resource_exhausted past the limit, invalid_argument when broken,
     unimplemented for another encoding)."""
     if encoding in ("", "identity"):
         return data
     if encoding == "gzip":
         try:
-            return await inflate_whole(data, MAX_MESSAGE, "the gzip message")
+            return await inflate_whole(data, limit, "the gzip message")
         except errors.TooLarge as exc:
             raise RpcError("resource_exhausted", exc.message) from None
         except errors.InvalidRequest as exc:
@@ -236,8 +250,10 @@ def end_of_stream(error: RpcError | None = None) -> bytes:
 class Body:
     """The request body as it arrives (ASGI ``receive``), with its envelopes parsed."""
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, limit: int) -> None:
         self._receive = receive
+        self.limit = limit
+        """Largest message, bytes (``Method.max_message``)."""
         self._buf = bytearray()
         self.done = False
         self.disconnected = False
@@ -250,19 +266,23 @@ class Body:
             self.done = self.disconnected = True
             return False
         self._buf += msg.get("body", b"")
-        if len(self._buf) > MAX_MESSAGE + 5:
-            raise RpcError("resource_exhausted", f"a message over {MAX_MESSAGE} bytes, the "
-                                                 "limit")
+        if len(self._buf) > self.limit + 5:
+            raise self.too_large()
         if not msg.get("more_body", False):
             self.done = True
         return True
 
-    async def whole(self) -> bytes:
+    def too_large(self) -> RpcError:
+        return RpcError("resource_exhausted", f"a message over {self.limit} bytes, the "
+                                              "limit of this method")
+
+    async def whole(self) -> bytearray:
+        """The whole body (held once: not copied)."""
         while await self._more():
             pass
-        return bytes(self._buf)
+        return self._buf
 
-    async def envelopes(self, encoding: str) -> AsyncIterator[bytes]:
+    async def envelopes(self, encoding: str) -> AsyncIterator[bytes | bytearray]:
         """Each enveloped message's bytes until the body ends. Gives the event loop a turn
         every ``YIELD_EVERY`` messages: one received chunk may hold tens of thousands of
         tiny envelopes, none of which awaits anything."""
@@ -278,18 +298,17 @@ class Body:
                     raise RpcError("invalid_argument", "the body ends inside an envelope")
                 return
             flags, size = struct.unpack(">BI", self._buf[:5])
-            if size > MAX_MESSAGE:
-                raise RpcError("resource_exhausted", f"a message over {MAX_MESSAGE} bytes, "
-                                                     "the limit")
+            if size > self.limit:
+                raise self.too_large()
             while len(self._buf) < 5 + size and await self._more():
                 pass
             if len(self._buf) < 5 + size:
                 raise RpcError("invalid_argument", "the body ends inside a message")
-            data = bytes(self._buf[5:5 + size])
+            data = self._buf[5:5 + size]  # one copy, not two
             del self._buf[:5 + size]
             if flags & 0x02:
                 return  # a client's end-of-stream: nothing after it counts
-            yield await _inflate(data, encoding) if flags & 0x01 else data
+            yield await _inflate(data, encoding, self.limit) if flags & 0x01 else data
 
 
 async def _start(send: Send, status: int, ctype: str) -> None:
@@ -349,8 +368,8 @@ async def serve(method: Method, call: Call, receive: Receive, send: Send) -> Non
 async def _unary(method: Method, call: Call, codec: Codec, receive: Receive,
                  send: Send) -> None:
     try:
-        data = await _inflate(await Body(receive).whole(),
-                              call.headers.get("content-encoding", ""))
+        data = await _inflate(await Body(receive, method.max_message).whole(),
+                              call.headers.get("content-encoding", ""), method.max_message)
         req = await codec.decode_async(data, method.request)
         coro = method.handler(req, call)
         remaining = call.remaining()
@@ -392,7 +411,7 @@ async def _disconnect(receive: Receive, body: Body) -> None:
 
 async def _server_stream(method: Method, call: Call, codec: Codec, receive: Receive,
                          send: Send) -> None:
-    body = Body(receive)
+    body = Body(receive, method.max_message)
     ctype = f"application/connect+{codec.name}"
     try:
         req = await _first(body, call, codec, method.request)
@@ -458,7 +477,7 @@ async def _server_stream(method: Method, call: Call, codec: Codec, receive: Rece
 
 async def _client_stream(method: Method, call: Call, codec: Codec, receive: Receive,
                          send: Send) -> None:
-    body = Body(receive)
+    body = Body(receive, method.max_message)
     ctype = f"application/connect+{codec.name}"
     encoding = call.headers.get("connect-content-encoding", "")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
+from hangar.api.envd.connect import MAX_MESSAGE, Call, Method, RpcError, rpc_error
 from hangar.api.envd.messages import P
 from hangar.api.envd.process_run import selector
 from hangar.errors import HangarError
@@ -101,9 +101,10 @@ async def update(req: Any, call: Call) -> Message:
 
 METHODS = {
     "process.Process/SendInput": Method("unary", P.SendInputRequest, P.SendInputResponse,
-                                        send_input),
+                                        send_input, max_message=MAX_MESSAGE),
     "process.Process/StreamInput": Method("client", P.StreamInputRequest,
-                                          P.StreamInputResponse, stream_input),
+                                          P.StreamInputResponse, stream_input,
+                                          max_message=MAX_MESSAGE),
     "process.Process/CloseStdin": Method("unary", P.CloseStdinRequest, P.CloseStdinResponse,
                                          close_stdin),
     "process.Process/SendSignal": Method("unary", P.SendSignalRequest, P.SendSignalResponse,

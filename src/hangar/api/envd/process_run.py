@@ -25,7 +25,9 @@ from typing import Any
 from google.protobuf.message import Message
 
 from hangar.api.envd import fs_entries
-from hangar.api.envd.connect import Call, Dropped, Method, RpcError, rpc_error
+from hangar.api.envd.connect import (
+    START_MESSAGE, Call, Dropped, Method, RpcError, rpc_error,
+)
 from hangar.api.envd.messages import P
 from hangar.core.service import (
     GONE, Command, ProcessInfo, ProcessOutput, State, e2b, e2b_user,
@@ -154,7 +156,7 @@ def _keepalive(response: type[Message]) -> Any:
 
 METHODS = {
     "process.Process/Start": Method("server", P.StartRequest, P.StartResponse, start,
-                                    _keepalive(P.StartResponse)),
+                                    _keepalive(P.StartResponse), max_message=START_MESSAGE),
     "process.Process/Connect": Method("server", P.ConnectRequest, P.ConnectResponse, connect,
                                       _keepalive(P.ConnectResponse)),
     "process.Process/List": Method("unary", P.ListRequest, P.ListResponse, list_processes),
