@@ -290,6 +290,8 @@ def test_a_short_port_key_stops_the_server_at_start(base_image: Path) -> None:
 # -- class 5: guest content on the API's origin --------------------------------------------
 
 def test_path_routed_answers_cannot_reach_beyond_their_prefix(env: Env) -> None:
+    """Guest answers on Hangar's origin keep to their prefix; host-routed ones keep their
+    cookies on their host; E2B's ``E2b-Sandbox-Port`` answers carry none."""
     env.api.post(f"/sandboxes/{env.sid}/ports", json={"port": PORT, "public": True})
     prefix = f"/sandboxes/{env.sid}/ports/{PORT}"
     with httpx.Client(base_url=env.srv.url, timeout=60) as c:
@@ -311,6 +313,14 @@ def test_path_routed_answers_cannot_reach_beyond_their_prefix(env: Env) -> None:
         assert "content-security-policy" not in r.headers
         assert sorted(c.partition("=")[0] for c in r.headers.get_list("set-cookie")) == [
             "inside", "nopath", "root", "up"]
+        # by E2B's header, on the API's own host: filtered as path-routed, no cookie at
+        # all (no prefix to scope one to; review 29e L3)
+        r = c.get(f"{env.envd}/evil", headers=env.port(PORT, **{
+            "X-Access-Token": env.token}))
+        assert r.status_code == 200 and r.text.startswith("<html>"), r.text[:300]
+        assert "service-worker-allowed" not in r.headers and "clear-site-data" not in r.headers
+        assert r.headers["content-security-policy"].startswith("sandbox ")
+        assert r.headers.get_list("set-cookie") == []
 
 
 CHROMIUM = "/usr/bin/chromium"

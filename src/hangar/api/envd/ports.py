@@ -35,6 +35,7 @@ def guest_path(scope: Scope, rest_path: str) -> bytes:
 async def forward(scope: Scope, receive: Receive, send: Send, manager: SandboxManager,
                   state: Any, sandbox_id: str, port: int, rest_path: str) -> None:
     """Forward one admitted request to ``port`` of ``sandbox_id`` (at ``guest_path``)."""
-    target = proxy.Target(sandbox_id, port, guest_path(scope, rest_path), None)
+    target = proxy.Target(sandbox_id, port, guest_path(scope, rest_path), None,
+                          own_origin=False)
     await proxy.forward_admitted(scope, receive, send, target, manager, state,
                                  e2b.request_host(manager, sandbox_id, port))

@@ -105,20 +105,22 @@ def filter_headers(headers: list[tuple[bytes, bytes]], target: Target,
     host-routed ``target`` (its own origin, one site with every other port) only cookies
     that stay on its host (``host_cookie``); for a path-routed one, filtered and, when
     ``sandbox``, with ``SANDBOX_CSP`` added. Under both, no cookie of Hangar's token
-    cookie names (``TOKEN_COOKIES``)."""
+    cookie names (``TOKEN_COOKIES``). A target on no origin of its own
+    (``Target.own_origin`` false: E2B's ``E2b-Sandbox-Port``) is filtered as a path-routed
+    one, with ``SANDBOX_CSP`` and no cookie at all (review 29e L3)."""
     prefix = target.prefix
-    if prefix is None:
+    if prefix is None and target.own_origin:
         return [(k, v) for k, v in headers if k != b"set-cookie" or host_cookie(v)]
     out: list[tuple[bytes, bytes]] = []
     for k, v in headers:
         if k in DROP_FROM_GUEST:
             continue
         if k == b"set-cookie":
-            scoped = scoped_cookie(v, prefix) if not _ours(v) else None
+            scoped = None if prefix is None or _ours(v) else scoped_cookie(v, prefix)
             if scoped is None:
                 continue
             v = scoped
         out.append((k, v))
-    if sandbox:
+    if sandbox or not target.own_origin:
         out.append((b"content-security-policy", SANDBOX_CSP))
     return out

@@ -94,6 +94,11 @@ class Target:
     """Raw (still percent-encoded) path for the guest, from ``/``."""
     prefix: str | None
     """``X-Forwarded-Prefix`` for path-routed requests; None when host-routed."""
+    own_origin: bool = True
+    """Whether the answer is served on an origin of the port's own (host-routed) or under
+    Hangar's path (path-routed, ``prefix``). False for E2B's ``E2b-Sandbox-Port``, whose
+    answers come back on whatever host the client named (Hangar's API host too): they
+    are filtered as path-routed ones are, and carry no cookie (``origin.filter_headers``)."""
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
