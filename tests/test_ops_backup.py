@@ -121,3 +121,30 @@ def test_backup_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     kept = sorted(p.name for p in backups.glob("hangar-*.db"))
     assert len(kept) == 2 and kept[0] == "hangar-20000102T000000Z.db", kept
     assert backups.stat().st_mode & 0o777 == 0o700
+
+
+def test_backup_holds_what_only_the_wal_holds(tmp_path: Path) -> None:
+    """The backup reads a copy of the database and its WAL (SQLite never opens the server's
+    own names): transactions committed to the WAL and not yet checkpointed into the
+    database are in it, and the live database is left as it was."""
+    from hangar.ops.backup import backup_database
+
+    data = tmp_path / "data"
+    data.mkdir()
+    live = sqlite3.connect(data / "hangar.db")
+    assert live.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
+    live.execute("PRAGMA wal_autocheckpoint=0")  # every later commit stays in the WAL
+    live.execute("CREATE TABLE sandboxes (id TEXT)")
+    live.commit()
+    live.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    live.executemany("INSERT INTO sandboxes VALUES (?)", [(f"sb-{i}",) for i in range(50)])
+    live.commit()
+    assert (data / "hangar.db-wal").stat().st_size > 0
+    try:
+        report = backup_database(data / "hangar.db", tmp_path / "b.db")
+        assert report.rows == {"sandboxes": 50}
+        with sqlite3.connect(tmp_path / "b.db") as copy:
+            assert copy.execute("SELECT count(*) FROM sandboxes").fetchone()[0] == 50
+        assert live.execute("SELECT count(*) FROM sandboxes").fetchone()[0] == 50
+    finally:
+        live.close()

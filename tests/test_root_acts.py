@@ -700,8 +700,8 @@ def test_backup_as_root_follows_no_symlink_of_a_split_data_directory(tmp_path: P
     written through a descriptor of a folder root opened without following the server's
     symlinks (a ``backups`` swapped for a link to a folder of root's is refused), the
     database read must be the regular file opened beside it (one swapped for a link to
-    a database of root's is refused), and a volume image swapped for a link to a file
-    of root's is left out; nothing outside is touched, and the copy of a sound data
+    a database of root's is refused, as is a WAL that is a FIFO or a link), and a volume
+    image swapped for a link to a file of root's is left out; nothing outside is touched, and the copy of a sound data
     directory is made."""
     import sqlite3
 
@@ -739,6 +739,16 @@ def test_backup_as_root_follows_no_symlink_of_a_split_data_directory(tmp_path: P
     assert got.returncode == 1 and "is not the server's database" in got.stderr, got.stderr
     (data / "hangar.db").unlink()
     os.rename(data / "hangar.db.aside", data / "hangar.db")
+    # SQLite never opens a name of the server's: a FIFO as the WAL (where SQLite's read
+    # of it blocked for ever, review 29d D-L4) or a link to a file of root's is refused
+    os.mkfifo(data / "hangar.db-wal")
+    got = backup()
+    assert got.returncode == 1 and "cannot copy" in got.stderr, got.stderr
+    (data / "hangar.db-wal").unlink()
+    (data / "hangar.db-wal").symlink_to(out.secret)
+    got = backup()
+    assert got.returncode == 1 and "cannot copy" in got.stderr, got.stderr
+    (data / "hangar.db-wal").unlink()
     got = backup()
     assert got.returncode == 0, got.stderr
     assert "volume vol-0123456789ab not backed up: its image is not a regular file" \

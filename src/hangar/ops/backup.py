@@ -9,13 +9,19 @@ is one self-contained file, checked with ``PRAGMA integrity_check``, synced
 and only then linked into place (mode 0600).
 
 Root runs it over a split server's data directory, whose names the server
-may swap for symlinks at any moment, so root acts only on what it opened
-itself (``hangar.privileged.beneath``): the copy is made in memory and
-written through a descriptor of the destination folder (a new file, never
-through a name the server put there; the folder itself is opened without
-following a symlink the server put on the way), and the database SQLite read
-must be the regular file opened beside it without following a symlink
-(checked after the copy: same device and inode), or the copy is refused.
+may swap for symlinks or FIFOs at any moment, so root acts only on what it
+opened itself (``hangar.privileged.beneath``), and SQLite never opens a name
+there: the database and its WAL (``hangar.db-wal``) are opened without
+following a symlink, checked to be regular files of the folder's owner with
+no other link, and their bytes copied into a folder of root's own; SQLite
+reads that copy (replaying the WAL's committed transactions, as it does
+after a crash: a checkpoint that ran during the copy only wrote pages the
+WAL still holds). A WAL whose header changed during the copy was begun
+again by the server (its old frames reused), so the copy is made again, up
+to ``COPY_TRIES`` times. The backup is made in memory and written through a
+descriptor of the destination folder (a new file, never through a name the
+server put there; the folder itself is opened without following a symlink
+the server put on the way).
 
 The store holds the records of sandboxes, snapshots and machines: what
 a restarted server reads to adopt running VMs. The copy leaves out the
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +46,12 @@ from hangar.errors import InvalidRequest, NotFound
 from hangar.privileged import beneath
 
 BACKUP_GLOB = "hangar-*.db"
+COPY_TRIES = 5
+"""Copies of the database and its WAL made before a backup gives up on a server that began
+a new WAL during each (``_copy_live``)."""
+WAL_HEADER = 32
+"""Bytes of a WAL's header (https://www.sqlite.org/fileformat.html#the_write_ahead_log):
+its salts change whenever the WAL is begun again."""
 NOT_BACKED_UP = ("idempotency_keys",)
 """Tables emptied in the copy: stored answers of idempotent POSTs (24 h; they may hold a
 port's signed URL or a sandbox's access token, sealed with the caller's key, and a
@@ -118,19 +131,67 @@ def _open_database(database: Path) -> int:
         os.close(up)
 
 
-def _reads(fd: int) -> bool:
-    """Whether another descriptor of this process is open on the file of ``fd``: SQLite's
-    own, when it opened that very file by its name."""
-    want = os.fstat(fd)
-    for name in os.listdir("/proc/self/fd"):
+def _open_wal(database: Path, uid: int) -> int | None:
+    """The database's WAL, opened as ``_open_database`` opens the database and checked
+    the same way (a regular file of ``uid`` with no other link); None when there is none.
+    Raises OSError."""
+    up = beneath.open_trusted(database.parent)
+    try:
         try:
-            n = int(name)
-            st = os.fstat(n) if n != fd else None
-        except (ValueError, OSError):
-            continue
-        if st is not None and (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
-            return True
-    return False
+            fd = beneath.walk(up, database.name + "-wal")
+        except FileNotFoundError:
+            return None
+        try:
+            beneath.expect(fd, uids=(uid,), single=True)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+    finally:
+        os.close(up)
+
+
+def _copy(src: int, folder: int, name: str) -> None:
+    """The bytes of the open file ``src`` into a new file ``name`` of ``folder``."""
+    out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | beneath.FILE_FLAGS, 0o600,
+                  dir_fd=folder)
+    try:
+        at = 0
+        while chunk := os.pread(src, 1 << 20, at):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(out, view):]
+            at += len(chunk)
+    finally:
+        os.close(out)
+
+
+def _copy_live(database: Path, db_fd: int, into: Path) -> Path:
+    """The database and its WAL, copied through their descriptors into the folder ``into``
+    (root's own); returns the copy of the database, for SQLite to open. Raises OSError,
+    InvalidRequest (the server began a new WAL during each of ``COPY_TRIES`` copies)."""
+    owner = os.fstat(db_fd).st_uid
+    folder = beneath.open_trusted(into)
+    try:
+        for _ in range(COPY_TRIES):
+            for name in os.listdir(folder):
+                os.unlink(name, dir_fd=folder)
+            wal = _open_wal(database, owner)
+            try:
+                before = os.pread(wal, WAL_HEADER, 0) if wal is not None else b""
+                _copy(db_fd, folder, "hangar.db")
+                if wal is not None:
+                    _copy(wal, folder, "hangar.db-wal")
+                    if os.pread(wal, WAL_HEADER, 0) != before:
+                        continue
+            finally:
+                if wal is not None:
+                    os.close(wal)
+            return into / "hangar.db"
+    finally:
+        os.close(folder)
+    raise InvalidRequest(f"{database}'s WAL was begun again during each of {COPY_TRIES} "
+                         "copies; try again")
 
 
 def _backup(database: Path, db_fd: int, folder: int, dest: Path) -> BackupReport:
@@ -141,15 +202,22 @@ def _backup(database: Path, db_fd: int, folder: int, dest: Path) -> BackupReport
     else:
         raise InvalidRequest(f"{dest} exists already; give a new name")
     t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="hangar-backup-") as private:
+        return _backup_copy(database, db_fd, folder, dest, Path(private), t0)
+
+
+def _backup_copy(database: Path, db_fd: int, folder: int, dest: Path, private: Path,
+                 t0: float) -> BackupReport:
     try:
-        src = sqlite3.connect(f"file:{database}?mode=rw", uri=True, timeout=30)
+        copy = _copy_live(database, db_fd, private)
+    except OSError as exc:
+        raise InvalidRequest(f"cannot copy {database}: {exc}") from None
+    try:
+        src = sqlite3.connect(f"file:{copy}?mode=rw", uri=True, timeout=30)
         dst = sqlite3.connect(":memory:")
         try:
             with dst:
                 src.backup(dst)
-            if not _reads(db_fd):  # checked after opening: the file opened beside it
-                raise InvalidRequest(f"{database} changed while it was copied (a symlink "
-                                     f"put in its place?); nothing was written")
             _scrub(dst)
             check = dst.execute("PRAGMA integrity_check").fetchone()[0]
             if check != "ok":
