@@ -25,8 +25,8 @@
 #                       building an image of a host, and for tests
 #
 # Steps: the OS; KVM (/dev/kvm) and the kvm, tun and vhost_vsock modules, loaded now
-# and at boot; packages; net.ipv4.ip_forward now and at boot; nftables enabled at
-# boot; the guests' bridge (Hangar's own, made at each start); the data folder;
+# and at boot; packages; net.ipv4.ip_forward and fs.protected_hardlinks now and at
+# boot; nftables enabled at boot; the guests' bridge (Hangar's own, made at each start); the data folder;
 # /etc/hangar/hangar.env; the systemd unit, enabled; logrotate; nginx and the
 # certificate; Hangar itself. Each line says ok, changed, would (--dry-run) or skip.
 # `hangar doctor` prints the same items as a checklist.
@@ -184,11 +184,18 @@ fi
 # -- forwarding -------------------------------------------------------------------
 step "IP forwarding (guests' NAT)"
 printf '%s\n' "# Guests reach the network through NAT on this host (Hangar)." "net.ipv4.ip_forward = 1" \
-  | put_text /etc/sysctl.d/60-hangar.conf 0644 "forwarding at boot"
+  "# Root acts in folders the server and VMMs write: no hard links to others' files (Hangar)." \
+  "fs.protected_hardlinks = 1" \
+  | put_text /etc/sysctl.d/60-hangar.conf 0644 "forwarding and hard-link protection at boot"
 if [ "$(cat /proc/sys/net/ipv4/ip_forward)" = 1 ]; then
   ok "net.ipv4.ip_forward is 1 now"
 else
   live "set net.ipv4.ip_forward = 1 now" sysctl -q -w net.ipv4.ip_forward=1
+fi
+if [ "$(cat /proc/sys/fs/protected_hardlinks)" = 1 ]; then
+  ok "fs.protected_hardlinks is 1 now"
+else
+  live "set fs.protected_hardlinks = 1 now" sysctl -q -w fs.protected_hardlinks=1
 fi
 
 # -- nftables -------------------------------------------------------------------

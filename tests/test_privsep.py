@@ -236,3 +236,24 @@ def test_a_second_server_on_the_same_data_directory_is_refused(srv: Server) -> N
     assert "another Hangar server" in text and str(srv.data_dir) in text, text[-2000:]
     with srv.client() as c:
         assert c.get("/health").status_code == 200  # the first one is untouched
+
+
+def test_split_needs_the_kernels_hard_link_protection(tmp_path: Path) -> None:
+    """Root re-owns files in the server's folders (template snapshots): with
+    ``fs.protected_hardlinks`` 0 the server could link a file of root's there, so the split
+    refuses to start, naming the sysctl; ``hangar doctor``'s checklist says how to set it."""
+    from hangar.errors import ConfigError
+    from hangar.ops import checklist
+    from hangar.roothelper import check_links
+
+    sysctl = tmp_path / "protected_hardlinks"
+    sysctl.write_text("0\n")
+    with pytest.raises(ConfigError, match="fs.protected_hardlinks is 0"):
+        check_links(str(sysctl))
+    c = checklist.check_hardlinks(sysctl)
+    assert (c.status, c.fix) == (checklist.NOT_READY, (
+        "scripts/provision-host.sh, or sysctl -w fs.protected_hardlinks=1 and the same in "
+        "/etc/sysctl.d/60-hangar.conf"))
+    sysctl.write_text("1\n")
+    check_links(str(sysctl))
+    assert checklist.check_hardlinks(sysctl).status == checklist.OK

@@ -495,6 +495,22 @@ def run(sock: socket.socket, layout: Layout, confine: Confinement, owner_uid: in
         os._exit(code)
 
 
+def check_links(path: str = "/proc/sys/fs/protected_hardlinks") -> None:
+    """Raise ConfigError unless the kernel refuses hard links to files one cannot write
+    (``fs.protected_hardlinks``, 1 by default): root gives the server's folders and the
+    files of template snapshots in them their owners and modes, so a server that could
+    link a file of root's there would have root re-own it."""
+    try:
+        value = Path(path).read_text().strip()
+    except OSError:
+        return  # no such sysctl (not Linux's /proc): nothing to rely on or refuse
+    if value != "1":
+        raise ConfigError("fs.protected_hardlinks is 0: a split server could hard-link a "
+                          "file of root's into its folders, where root changes owners and "
+                          "modes. Run sysctl -w fs.protected_hardlinks=1 (and set it in "
+                          "/etc/sysctl.d), or keep the server root with HANGAR_PRIVSEP=0")
+
+
 def split(layout: Layout, confine: Confinement, user: str,
           net: "NetworkManager | None" = None, jail: "Callable[[int], HostJail] | None" = None
           ) -> tuple[int, Client]:
@@ -513,6 +529,7 @@ def split(layout: Layout, confine: Confinement, user: str,
                           f"root with HANGAR_PRIVSEP=0") from None
     if pw.pw_uid == 0:
         raise ConfigError(f"HANGAR_USER {user!r} is root")
+    check_links()
     check_code(pw.pw_uid, pw.pw_gid)
     try:
         host_jail = jail(pw.pw_gid) if jail is not None else None

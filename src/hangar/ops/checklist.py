@@ -11,6 +11,8 @@ tun             /dev/net/tun opens (TAP devices for guest NICs)
 vhost_vsock     /dev/vhost-vsock exists (Firecracker's vsock)
 modules         kvm, tun and vhost_vsock are loaded at boot (modules-load.d)
 ip_forward      net.ipv4.ip_forward is 1 now and in sysctl.d
+hardlinks       fs.protected_hardlinks is 1 (a split server and confined VMMs write
+                folders that root acts in)
 nftables        the nft command, and nftables.service enabled at boot
 bridge          the guests' bridge exists (Hangar makes it when it starts)
 data_dir        the data directory exists, mode 0700, with free space
@@ -59,6 +61,9 @@ def nohup_log() -> Path:
 SITE_MARK = "Rendered by `hangar deploy nginx"
 MIN_FREE_BYTES = 20 << 30
 CERT_DAYS = 14
+PROTECTED_HARDLINKS = Path("/proc/sys/fs/protected_hardlinks")
+"""The kernel's hard-link protection (1, the default): no hard link to a file one cannot
+write."""
 PROVISION = "scripts/provision-host.sh"
 
 
@@ -165,6 +170,16 @@ def check_ip_forward(root: Path) -> Check:
     return Check("ip_forward", NOT_READY, detail + "; guests lose NAT after a reboot until "
                  "Hangar starts", f"{PROVISION}, or write net.ipv4.ip_forward=1 to "
                  f"/{SYSCTL_FILE} and run sysctl --system")
+
+
+def check_hardlinks(sysctl: Path = PROTECTED_HARDLINKS) -> Check:
+    """``fs.protected_hardlinks`` is 1: no hard link to a file one cannot write."""
+    if _read(sysctl).strip() == "1":
+        return Check("hardlinks", OK, "fs.protected_hardlinks is 1")
+    return Check("hardlinks", NOT_READY, "fs.protected_hardlinks is not 1: root may act on a "
+                 "hard link the server or a VMM made to a file of root's (a split server "
+                 "refuses to start)", f"{PROVISION}, or sysctl -w fs.protected_hardlinks=1 and "
+                 f"the same in /{SYSCTL_FILE}")
 
 
 def check_nftables(root: Path) -> Check:
@@ -335,7 +350,7 @@ def host_checklist(*, data_dir: Path, image: str = "base", bridge: str = "hgbr0"
     """
     checks: list[Callable[[], Check | tuple[Check, ...]]] = [
         check_kvm, check_tun, check_vhost_vsock,
-        lambda: check_modules(root), lambda: check_ip_forward(root),
+        lambda: check_modules(root), lambda: check_ip_forward(root), check_hardlinks,
         lambda: check_nftables(root), lambda: check_bridge(bridge),
         lambda: check_data_dir(data_dir), lambda: check_image(data_dir, image),
         lambda: check_service(root),
