@@ -365,13 +365,17 @@ def test_a_guest_that_breaks_flow_control_loses_the_call_and_holds_nothing() -> 
 def test_a_guest_answer_of_a_mebibyte_of_values_leaves_the_loop_free() -> None:
     """A frame's meta is the guest's to write, up to ``MAX_META`` (1 MiB): past
     ``META_ONLOOP`` it is parsed in a worker thread, so a guest that answers with a MiB
-    of tiny values (about 0.6 s of parsing) never holds the host's event loop, where every
-    other sandbox's calls run (review 29f H3). A large meta that is not JSON is dropped,
-    as a small one is, and the call still gets the answer after it."""
-    from hangar.engines.agent_client.connection import META_ONLOOP
+    of values never holds the host's event loop, where every other sandbox's calls run
+    (review 29f H3). A large meta that is not JSON, or of more values than ``META_ITEMS``
+    (whose parse would hold the GIL, and so the loop, even in a thread), is dropped, and
+    the call still gets the answer after it."""
+    from hangar.engines.agent_client.connection import META_ITEMS, META_ONLOOP
 
-    values = {"ok": 1, "zz": [{}] * ((P.MAX_META - 64) // 4)}
-    assert len(json.dumps(values)) > META_ONLOOP
+    values = {"ok": 1, "zz": [{"name": f"file-{i:06d}.txt"}
+                              for i in range((P.MAX_META - 64) // 40)]}
+    assert META_ONLOOP < len(json.dumps(values)) < P.MAX_META
+    too_many = json.dumps({"ok": 3, "zz": [{}] * (META_ITEMS // 2 + 1)}).encode()
+    assert len(too_many) < P.MAX_META
 
     async def go() -> None:
         loop = asyncio.get_running_loop()
@@ -380,9 +384,9 @@ def test_a_guest_answer_of_a_mebibyte_of_values_leaves_the_loop_free() -> None:
             if req.meta.get("op") != "hello":
                 return
             if req.meta.get("bad"):
-                raw = b"[" * (2 * META_ONLOOP)  # JSON of no end: refused off the loop
-                await loop.sock_sendall(sock, P.HEADER.pack(
-                    P.MAGIC, P.VERSION, P.Kind.RESPONSE, req.channel, len(raw), 0) + raw)
+                for raw in (b"[" * (2 * META_ONLOOP), too_many):  # no end; too many values
+                    await loop.sock_sendall(sock, P.HEADER.pack(
+                        P.MAGIC, P.VERSION, P.Kind.RESPONSE, req.channel, len(raw), 0) + raw)
                 await loop.sock_sendall(sock, P.encode(P.Kind.RESPONSE, req.channel,
                                                        {"ok": 2}))
                 return
@@ -406,6 +410,54 @@ def test_a_guest_answer_of_a_mebibyte_of_values_leaves_the_loop_free() -> None:
         done.set()
         await ticker
         assert max(gaps) < 0.25, f"the event loop stood still {max(gaps):.2f} s"
+        await client.close()
+
+    asyncio.run(go())
+
+
+def test_a_guest_that_floods_its_channel_with_hellos_leaves_the_loop_free() -> None:
+    """A HELLO on channel 0 is always read (a restarted agent says one), and its meta is
+    the guest's to write: one over ``META_ONLOOP`` is dropped unparsed (only answers may be
+    that large), smaller ones are parsed on the loop at most ``META_TURN`` bytes between
+    two of its turns, and a value count bounds a large answer's parse even in a worker
+    thread, where it still holds the GIL (review 29g G-H1: 60 KiB HELLOs back to back held
+    the loop 166 ms at a time). UTF-16 JSON, which ``json.loads`` takes and the count
+    cannot read, is refused (G-H3)."""
+    import threading
+
+    from hangar.engines.agent_client.connection import META_ONLOOP, META_TURN
+
+    def hello(size: int) -> bytes:
+        pad = [{}] * ((size - 64) // 3)
+        return P.encode(P.Kind.HELLO, 0, {"protocol": P.VERSION, "boot_id": "fake",
+                                          "pad": pad})
+
+    large, small = hello(60 << 10), hello(META_ONLOOP - 200)
+    assert len(small) < META_ONLOOP < len(large) < META_TURN * 4
+    flood = (large + small) * 200  # about 14 MiB
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair()
+        b.sendall(P.encode(P.Kind.HELLO, 0, {"protocol": P.VERSION, "boot_id": "fake"}))
+        r, w = await asyncio.open_connection(sock=a)
+        client = await AgentClient.from_streams(r, w, 5)
+        writer = threading.Thread(target=b.sendall, args=(flood,), daemon=True)
+        gaps: list[float] = []
+        writer.start()
+        last = loop.time()
+        while writer.is_alive():
+            await asyncio.sleep(0.005)
+            gaps.append(loop.time() - last)
+            last = loop.time()
+        gaps.sort()
+        assert len(gaps) > 20, "the flood ended before it was measured"
+        assert gaps[int(len(gaps) * 0.9)] < 0.05 and gaps[-1] < 0.15, gaps[-5:]
+        assert client.hello["boot_id"] == "fake" and not client.closed
+        # an answer in UTF-16, whose quotes the count cannot read, is no meta
+        u16 = json.dumps({"ok": 1, "zz": [{}] * 4000}).encode("utf-16-le")
+        assert P.parse_meta(u16) is None
+        b.close()
         await client.close()
 
     asyncio.run(go())

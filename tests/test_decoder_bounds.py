@@ -413,4 +413,9 @@ def test_json_of_many_values_is_refused_before_it_is_parsed(env: Env) -> None:
     assert r.json()["error"]["message"] == (
         f"the JSON body holds more than {MAX_ITEMS} values (commas and brackets outside "
         "strings), the server's limit: send fewer")
+    # UTF-16, which json.loads takes and the count cannot read (review 29g G-H3): refused
+    u16 = json.dumps(["\u2200", *([{}] * 1000)], ensure_ascii=False).encode("utf-16-le")
+    r = env.api.post(f"/sandboxes/{env.sid}/exec", content=u16,
+                     headers={"Content-Type": "application/json"})
+    assert (r.status_code, r.json()["error"]["limit_items"]) == (413, MAX_ITEMS), r.text
     assert env.run("echo fine")["stdout"] == "fine\n"  # a fair body still runs

@@ -450,3 +450,22 @@ def test_a_context_list_past_its_cap_is_a_guest_error(monkeypatch: pytest.Monkey
                         json.dumps([CONTEXT] * interpreter.MAX_CONTEXTS).encode())
     assert len(asyncio.run(interpreter.call(SimpleNamespace(), "s", "GET", "/contexts"))) \
         == interpreter.MAX_CONTEXTS
+
+
+def test_a_code_interpreters_long_refusal_is_not_parsed() -> None:
+    """A refusal's body (4xx from the guest's port 49999, which any tenant's own server may
+    hold) is read as ``{"error": ...}`` only up to ``REFUSAL_BYTES``, counted as answers
+    are: 4 MiB of ``[{},...]`` cost the loop 0.2 s and 100 MiB (review 29g G-H2)."""
+    from hangar.core import interpreter
+    from hangar.errors import InvalidRequest, LimitExceeded
+
+    err = interpreter._refusal(400, b'{"error": "no such context"}', "sb-x")
+    assert isinstance(err, InvalidRequest) and err.message == "code interpreter: no such context"
+    huge = b'{"error": [' + b",".join([b"{}"] * ((4 << 20) // 3)) + b"]}"
+    t = time.monotonic()
+    err = interpreter._refusal(429, huge, "sb-x")
+    assert time.monotonic() - t < 0.05
+    assert isinstance(err, LimitExceeded) and err.message == huge[:300].decode()  # as is
+    u16 = json.dumps({"error": "x"}).encode("utf-16-le")  # not UTF-8: not read as JSON
+    assert interpreter._refusal(400, u16, "sb-x").message == \
+        "code interpreter: " + u16.decode("utf-8", "replace")

@@ -42,3 +42,44 @@ def test_over_the_limit_stops_early_and_fast() -> None:
     assert time.monotonic() - t < 5
     assert too_many(b'""' * (4 * MAX_ITEMS + 20))  # strings no tokens separate: not JSON
     assert not too_many(b"[" + b",".join([b"1"] * MAX_ITEMS) + b"]")  # the limit itself
+
+
+def test_json_that_is_not_utf8_counts_as_over() -> None:
+    """``json.loads`` takes UTF-16 and UTF-32 bytes, whose quotes a count of UTF-8 misreads:
+    in UTF-16-LE ``∀`` holds a quote byte, and 1.4 million values counted as one (review
+    29g G-H3). Such text always holds a NUL byte, which UTF-8 JSON never does: over."""
+    text = json.dumps(["∀", *([{}] * 50_000)], ensure_ascii=False)
+    assert json.loads(text.encode("utf-16-le")) == json.loads(text)  # what json.loads takes
+    for encoding in ("utf-16-le", "utf-16", "utf-32"):
+        assert too_many(text.encode(encoding), 10)
+    assert not too_many(b'{"a": 1}', 10)
+    assert not too_many(json.dumps({"k": "\x00"}).encode())  # an escaped NUL is fine
+    counter = Items(10)
+    assert not counter.feed(b'{"a": ') and counter.feed(b"\x00") and counter.over
+
+
+def test_the_cluster_gateway_counts_a_create_whatever_its_type() -> None:
+    """The cluster's router parses a create's body itself, whatever its content type, on
+    the loop: its values are counted as it arrives (review 29g G-M1)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import pytest
+
+    from hangar.cluster.routing import CREATE_ITEMS, Router
+    from hangar.errors import TooLarge
+
+    def receive_of(*pieces: bytes):  # noqa: ANN202
+        queue = list(pieces)
+
+        async def receive() -> dict[str, object]:
+            return {"type": "http.request", "body": queue.pop(0), "more_body": bool(queue)}
+        return receive
+
+    me = SimpleNamespace(node=SimpleNamespace(settings=SimpleNamespace(max_json_bytes=8 << 20)))
+    many = b"[" + b",".join([b"{}"] * (CREATE_ITEMS + 1)) + b"]"
+    with pytest.raises(TooLarge, match=f"more than {CREATE_ITEMS} values"):
+        asyncio.run(Router._read_body(me, receive_of(many[:1000],  # type: ignore[arg-type]
+                                                     many[1000:])))
+    body = json.dumps({"image": "base"}).encode()
+    assert asyncio.run(Router._read_body(me, receive_of(body))) == body  # type: ignore[arg-type]

@@ -8,6 +8,11 @@ an array or an object needs a comma, each container a bracket: ``items`` counts 
 structural ``,``, ``[`` and ``{`` outside strings (strings cost about their length, so a
 large string, such as base64 data, counts once), and stops counting past the limit.
 
+The count reads UTF-8, the only encoding JSON between systems may use (RFC 8259), in which
+a JSON text never holds a NUL byte; ``json.loads`` also takes UTF-16 and UTF-32 bytes,
+whose quotes the count would misread (review 29g G-H3), so a NUL byte anywhere counts as
+over the limit.
+
 ``MAX_ITEMS`` (32,768) holds every message the servers take (Hangar's and E2B's JSON
 bodies, envd's Connect messages, the code interpreter's answers) with room to spare, and
 bounds their parse at about 7 MiB (32,768 small objects in a list, measured).
@@ -50,6 +55,9 @@ class Items:
 
     def feed(self, piece: bytes) -> bool:
         """Count ``piece``; returns ``over``."""
+        if b"\0" in piece:  # not UTF-8 JSON: UTF-16 or UTF-32 (see the module docstring)
+            self.count = self.limit + 1
+            return True
         i = 0
         if self._escape and piece:
             i, self._escape = 1, False

@@ -183,8 +183,10 @@ class OffLoopJsonRequest(Request):
 
 
 def _loads(body: bytes) -> Any:
-    try:
-        return json.loads(body)
+    try:  # UTF-8 only (RFC 8259), as the value count reads it: json.loads takes UTF-16 too
+        return json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise json.JSONDecodeError(f"the body is not UTF-8: {exc.reason}", "", 0) from None
     except RecursionError:
         raise json.JSONDecodeError("nested too deeply", "", 0) from None
     except json.JSONDecodeError:

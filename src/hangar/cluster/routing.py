@@ -32,6 +32,7 @@ import re
 import time
 from typing import Any
 
+from hangar import json_items
 from hangar.cluster import records as R
 from hangar.cluster.etcd import cmp_version, op_put
 from hangar.cluster.forwarding import (
@@ -44,6 +45,8 @@ from hangar.cluster.records import NodeInfo, SandboxObject
 from hangar.core.service import GONE, USER_ID, State, new_id
 from hangar.errors import Conflict, InvalidRequest, NotFound, TooLarge, Unavailable
 
+CREATE_ITEMS = json_items.MAX_ITEMS
+"""Most JSON values of a create's body (the limit each node's API applies to every body)."""
 SANDBOX = re.compile(r"^/sandboxes/(?P<id>[^/]+)(?P<rest>/.*)?$")
 MACHINE = re.compile(r"^/machines/(?P<user>[^/]+)(?P<rest>/.*)?$")
 SNAPSHOT = re.compile(r"^/snapshots/(?P<id>[^/]+)(?P<rest>/sandboxes)?/?$")
@@ -169,15 +172,23 @@ class Router:
     # -- creates ---------------------------------------------------------------------------
 
     async def _read_body(self, receive: Any) -> bytes:
+        """The create's body, whatever its content type, at most ``max_json_bytes`` and
+        ``CREATE_ITEMS`` JSON values (counted as it arrives: it is parsed here, on the
+        loop; review 29g G-M1). Raises TooLarge."""
         limit = self.node.settings.max_json_bytes
-        body = b""
+        body = bytearray()
+        counter = json_items.Items(CREATE_ITEMS)
         while True:
             msg = await receive()
-            body += msg.get("body", b"")
+            piece = msg.get("body", b"")
+            body += piece
             if len(body) > limit:
                 raise TooLarge(f"request body over {limit} bytes", limit_bytes=limit)
+            if counter.feed(piece):
+                raise TooLarge(f"the create's JSON body holds more than {CREATE_ITEMS} "
+                               "values (or is not UTF-8), the limit", limit_items=CREATE_ITEMS)
             if not msg.get("more_body"):
-                return body
+                return bytes(body)
 
     async def create(self, scope: dict[str, Any], receive: Any, send: Any,
                      headers: dict[str, str], user: str | None,
@@ -189,7 +200,7 @@ class Router:
         d = self.node.directory
         body = await self._read_body(receive)
         try:
-            req = json.loads(body) if body.strip() else {}
+            req = json.loads(body.decode("utf-8")) if body.strip() else {}
         except (ValueError, RecursionError):  # the route answers the bad body
             req = {}
         if not isinstance(req, dict):

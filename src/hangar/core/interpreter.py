@@ -97,10 +97,17 @@ async def _request(m: SandboxManager, stack: AsyncExitStack, sandbox_id: str, me
     return status, rest, tunnel
 
 
+REFUSAL_BYTES = 16 << 10
+"""Most bytes of a refusal's body read as its JSON (``{"error": ...}``); a longer one, the
+guest's to write, is not parsed (review 29g G-H2) and its start is the message."""
+
+
 def _refusal(status: int, raw: bytes, sandbox_id: str) -> HangarError:
     try:
-        message = str(json.loads(raw)["error"]).encode("utf-8", "replace").decode()
-    except (ValueError, KeyError, TypeError, RecursionError):
+        if len(raw) > REFUSAL_BYTES:
+            raise ValueError("too long to parse")
+        message = str(_parse(raw, sandbox_id)["error"]).encode("utf-8", "replace").decode()
+    except (ValueError, KeyError, TypeError, RecursionError, GuestError):
         message = raw[:300].decode("utf-8", "replace") or f"status {status}"
     kinds = {400: InvalidRequest, 404: NotFound, 413: TooLarge, 504: Timeout}
     if status == 429:
@@ -124,7 +131,7 @@ def _parse(raw: bytes, sandbox_id: str) -> Any:
     if json_items.too_many(raw):
         raise GuestError(f"the code interpreter's answer holds more than "
                          f"{json_items.MAX_ITEMS} JSON values", sandbox_id=sandbox_id)
-    return json.loads(raw)
+    return json.loads(raw.decode("utf-8"))  # UTF-8 only, as counted
 
 
 async def call(m: SandboxManager, sandbox_id: str, method: str, path: str,

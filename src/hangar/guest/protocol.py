@@ -154,8 +154,8 @@ def parse_meta(raw: bytes) -> dict[str, Any] | None:
         return {}
     if len(raw) > MAX_META:
         return None
-    try:
-        meta = json.loads(raw)
+    try:  # UTF-8 only: json.loads would take UTF-16 and UTF-32 bytes too
+        meta = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError):
         return None
     if not isinstance(meta, dict):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Self
 
+from hangar import json_items
 from hangar.engines.agent_client.channel import Channel
 from hangar.errors import (
     Busy, Conflict, GuestError, HangarError, InvalidRequest, LimitExceeded, NotFound, Timeout,
@@ -94,10 +95,22 @@ class Deadlines:
 
 CHANNEL_START_SPAN = 1 << 30
 """A connection's first request channel id is drawn below this (``Connection``)."""
-META_ONLOOP = 64 << 10
+META_ONLOOP = 8 << 10
 """A guest's frame meta longer than this, bytes (at most ``protocol.MAX_META``, 1 MiB), is
-parsed in a worker thread: the guest writes it, and a parse holds the loop about 40 ms
-per 64 KiB (review 29f H3)."""
+not parsed on the event loop as it arrives: only an answer (RESPONSE, ERROR) or a DATA
+frame on an open channel (a watch's batch of events, up to 64 KiB) may be that large, and
+its values are counted first (``META_ITEMS``), then it is parsed in a worker thread; any
+other frame's (a HELLO's, always read) is dropped unparsed (review 29f H3, 29g G-H1)."""
+META_ITEMS = 1 << 18
+"""Most values (``hangar.json_items``) of a large answer's meta: a folder's listing of
+10,000 entries holds about 90,000; a parse of this many small values holds the GIL, and so
+the loop, about 40 ms even in a worker thread."""
+META_TURN = 16 << 10
+"""Bytes of metas parsed on the loop between two of its turns: a guest that writes frames
+back to back shares the loop with every other tenant's calls (review 29g G-H1)."""
+LARGE_META_KINDS = frozenset({P.Kind.RESPONSE, P.Kind.ERROR, P.Kind.DATA})
+"""The only kinds whose meta may exceed ``META_ONLOOP`` (a listing, an error's text, a
+watch's events)."""
 PROBE_CHANNEL_BASE = 0xFFFF0000
 """First channel id of the handshake's ``hello`` probes; requests count from below
 ``CHANNEL_START_SPAN`` and never reach it."""
@@ -117,6 +130,20 @@ class AgentChannel:
 
     open: Callable[[], Awaitable[Streams]]
     probe_interval: float | None = None
+
+
+async def _large_meta(frame: P.Frame) -> dict[str, Any] | None:
+    """The meta of a frame the decoder left unparsed (over ``META_ONLOOP``), or None to drop
+    the frame: not an answer, more than ``META_ITEMS`` values, or not a meta
+    (``protocol.parse_meta``). Counted and parsed in a worker thread."""
+    raw = frame.unparsed
+    if frame.kind not in LARGE_META_KINDS or raw is None:
+        return None
+
+    def parse() -> dict[str, Any] | None:
+        return None if json_items.too_many(raw, META_ITEMS) else P.parse_meta(raw)
+
+    return await asyncio.to_thread(parse)
 
 
 def unix_channel(path: Path | str) -> AgentChannel:
@@ -304,13 +331,19 @@ class Connection:
                 data = await self._reader.read(1 << 16)
                 if not data:
                     break
+                parsed = 0  # bytes of metas parsed on the loop since its last turn
                 for frame in decoder.feed(data):
                     if frame.unparsed is not None:
-                        meta = await asyncio.to_thread(P.parse_meta, frame.unparsed)
+                        meta = await _large_meta(frame)
                         if meta is None:
                             decoder.dropped += 1
                             continue
                         frame.meta, frame.unparsed = meta, None
+                    else:
+                        parsed += frame.size - len(frame.data)
+                        if parsed > META_TURN:
+                            await asyncio.sleep(0)
+                            parsed = 0
                     if frame.kind == P.Kind.HELLO and frame.channel == 0:
                         self._greeted_again(frame.meta)
                         continue
@@ -334,7 +367,8 @@ class Connection:
         """
         lost = sorted(ch.op for ch in self._channels.values())
         if hello.get("boot_id") == self.hello.get("boot_id"):
-            log.info("guest agent began a new session", extra={"in_flight": lost})
+            if lost:  # a guest's HELLOs alone write no lines (the guest may send many)
+                log.info("guest agent began a new session", extra={"in_flight": lost})
             error: GuestError = SessionRestarted(
                 "the guest agent began a new session before it answered; the call was lost")
         else:
