@@ -269,6 +269,11 @@ def test_credentials_never_reach_the_guest(env: Env) -> None:
                 assert seen["authorization"] == own  # not Hangar's: the app's to see
             else:
                 assert "authorization" not in seen, name
+        # two Authorization headers, the app's own first: each is looked at (29g L1)
+        twice = [*env.port(PORT, **{"X-Access-Token": env.token}).items(),
+                 ("Authorization", own), ("Authorization", f"Bearer {env.srv.key}")]
+        seen = seen_headers(c.get("/e2b/envd/headers", headers=twice))
+        assert env.srv.key not in json.dumps(seen) and "authorization" not in seen, seen
 
 
 def test_a_short_port_key_stops_the_server_at_start(base_image: Path) -> None:
