@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timedelta
 
 import httpx
 import pytest
@@ -233,6 +234,14 @@ def test_sync_sdk_drives_a_sandbox_through_its_life(server: Server, api: httpx.C
             many = c.get("/sandboxes/metrics",
                          params={"sandbox_ids": f"{sid},sb-000000000000"}).json()
             assert list(many["sandboxes"]) == [sid]
+            # startedAfter its own startedAt lists it, a microsecond later does not (the
+            # shown time is rounded: compared as floats, 38 % of sandboxes dropped out)
+            mine = {"metadata": f"suite={tag}"}
+            started = c.get("/v2/sandboxes", params=mine).json()[0]["startedAt"]
+            later = (datetime.fromisoformat(started) + timedelta(microseconds=1)).isoformat()
+            assert [s["sandboxID"] for s in c.get("/v2/sandboxes", params={
+                **mine, "startedAfter": started}).json()] == [sid]
+            assert c.get("/v2/sandboxes", params={**mine, "startedAfter": later}).json() == []
 
         # pause keeps a file and a running process; connect resumes it
         pid = run(api, sid, "echo kept > /root/e2b-note; "
