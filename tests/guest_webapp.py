@@ -9,9 +9,14 @@ has python3 and nothing else).
   /tmp/release-stream exists (so a test can tell streaming from buffering without timing);
 * ``GET /redirect``: 302 to the absolute path ``/headers``;
 * ``GET /cut``: promises 100 bytes, sends 10 and hangs up;
+* ``GET /tiny?n=N``: a chunked answer of N chunks of one byte ``x`` each, written 64 KiB at
+  a time (a hostile answer: one parser event per 6 bytes);
+* ``GET /continues``: 20 ``100 Continue`` answers, then a 200;
 * ``GET /ws``: a WebSocket (RFC 6455) that echoes every message with its type, answers a
   text message ``close`` with a close frame of code 4001, and a text message ``flood N [M]``
-  with N binary messages of M MiB (default 1), the i-th (from 0) every byte i % 256.
+  with N binary messages of M MiB (default 1), the i-th (from 0) every byte i % 256. With
+  ``?frag=N`` its answer is followed, in the same write, by a text message ``done`` in
+  N + 2 fragments (N of them empty).
 """
 
 import base64
@@ -66,6 +71,21 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             self.connection.shutdown(socket.SHUT_RDWR)
             self.close_connection = True
+        elif path == "/tiny":
+            n = int(query.partition("n=")[2] or "0")
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            left = n
+            while left:
+                k = min(left, 10_000)
+                self.wfile.write(b"1\r\nx\r\n" * k)
+                left -= k
+            self.wfile.write(b"0\r\n\r\n")
+        elif path == "/continues":
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n" * 20)
+            self._json({"after": "continues"})
         elif path == "/redirect":
             self.send_response(302)
             self.send_header("Location", "/headers")
@@ -119,6 +139,9 @@ class Handler(BaseHTTPRequestHandler):
         if "echo.v1" in protocols:
             self.send_header("Sec-WebSocket-Protocol", "echo.v1")
         self.end_headers()
+        frag = int(self.path.partition("frag=")[2] or "0")
+        if frag:  # "done" in frag + 2 fragments, in the answer's own write
+            self.wfile.write(b"\x01\x00" + b"\x00\x00" * frag + b"\x80\x04done")
         self.wfile.flush()
         message, kind = b"", None
         while True:

@@ -48,8 +48,9 @@ import dns.rdatatype
 
 log = logging.getLogger("hangar.net.dns")
 
-MAX_QUERY = 4096
-"""Largest query taken, bytes (a real one is under 512)."""
+MAX_QUERY = 1232
+"""Largest query taken, bytes (a real one is under 512; 1232 is DNS's usual EDNS payload
+size, room for padding)."""
 UPSTREAM_TIMEOUT_S = 3.0
 """How long the upstream resolver has to answer, seconds (per try)."""
 TCP_IDLE_S = 10.0
@@ -136,7 +137,7 @@ class DnsForwarder:
 
     async def _answer(self, g: Any, wire: bytes, tcp: bool) -> bytes | None:
         try:
-            q = dns.message.from_wire(wire) if len(wire) <= MAX_QUERY else None
+            q = dns.message.from_wire(wire) if _one_question(wire) else None
         except dns.exception.DNSException:
             q = None
         if q is None or len(q.question) != 1 or q.opcode() != dns.opcode.QUERY \
@@ -239,6 +240,17 @@ class _Udp(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         if self.transport is not None:
             self.fwd._datagram(self.transport, data, addr)
+
+
+def _one_question(wire: bytes) -> bool:
+    """Whether the header of ``wire`` (at most ``MAX_QUERY`` bytes) says what a query that
+    is answered holds: a standard query (QR 0, opcode 0) of one question and no records
+    but an EDNS one. Checked before the message is parsed: a guest's 4 KiB query of 340
+    records cost the loop about 29 ms to parse and refuse (review 29h H-H4)."""
+    if not 12 <= len(wire) <= MAX_QUERY:
+        return False
+    _, flags, qd, an, ns, ar = struct.unpack("!HHHHHH", wire[:12])
+    return flags & 0xF800 == 0 and (qd, an, ns) == (1, 0, 0) and ar <= 1
 
 
 def _formerr(wire: bytes) -> bytes:

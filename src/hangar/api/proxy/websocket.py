@@ -83,8 +83,12 @@ class WebSocketExchange(Exchange):
         await self._flush(proto, tunnel)
         response: WsResponse | None = None
         pending: list[Any] = []
+        rest = b""  # read, not yet parsed: what follows the answer goes to the relay
         while response is None:
-            data = await tunnel.read()
+            data = rest or await tunnel.read()
+            # a slice at a time: frames may follow the answer in the same read, and the
+            # parser runs on through them (review 29h H-H2: 1 MiB of empty frames, 2 s)
+            data, rest = data[:PARSE_SLICE], data[PARSE_SLICE:]
             if data:
                 proto.receive_data(data)
             else:
@@ -119,7 +123,8 @@ class WebSocketExchange(Exchange):
         try:
             for task in await race([
                     asyncio.create_task(self._to_guest(proto, tunnel)),
-                    asyncio.create_task(self._to_client(proto, tunnel, pending, close))]):
+                    asyncio.create_task(self._to_client(proto, tunnel, pending, close,
+                                                        rest))]):
                 exc = task.exception()
                 if exc is not None and not isinstance(exc, (HangarError, ConnectionError)):
                     log.warning("websocket relay failed", extra={
@@ -166,27 +171,28 @@ class WebSocketExchange(Exchange):
             await self._flush(proto, tunnel)
 
     async def _to_client(self, proto: ClientProtocol, tunnel: Tunnel, pending: list[Any],
-                         close: dict[str, Any]) -> None:
+                         close: dict[str, Any], backlog: bytes = b"") -> None:
         """Guest to client, message by message; every byte counted in the sandbox's
         ``budget`` from the moment it is parsed (a frame not yet whole too) until the next
-        message has been handed on."""
+        message has been handed on. ``pending``: frames parsed with the handshake's answer;
+        ``backlog``: bytes read with it, not yet parsed."""
         budget = budget_of(self.state, self.m.settings)
         # bytes of the message being assembled, of the last one handed on, and of what the
         # parser holds (a frame not yet whole: up to WS_MAX_MESSAGE of it)
         held = [0, 0, 0]
         try:
-            await self._relay_to_client(proto, tunnel, pending, close, budget, held)
+            await self._relay_to_client(proto, tunnel, pending, close, budget, held,
+                                        backlog)
         finally:
             budget.give(self.target.sandbox_id, sum(held))
 
     async def _relay_to_client(self, proto: ClientProtocol, tunnel: Tunnel,
                                pending: list[Any], close: dict[str, Any], budget: MessageBudget,
-                               held: list[int]) -> None:
+                               held: list[int], backlog: bytes = b"") -> None:
         sandbox_id = self.target.sandbox_id
         parts: list[bytes] = []
         kind: Opcode | None = None
         events = pending
-        backlog = b""
         while True:
             for n, frame in enumerate(events, 1):
                 if n % YIELD_EVERY == 0:
