@@ -399,6 +399,9 @@ def test_download_names_are_rfc6266_and_crlf_is_a_400(env: Env) -> None:
         assert r.headers["content-disposition"] == (
             "inline; filename=\"na_me __x.txt\"; "
             "filename*=UTF-8''na%22me%20%C3%A9%5Cx.txt")
+        # a guest's bytes on Hangar's origin: never sniffed, sandboxed (review 29h L2)
+        assert r.headers["x-content-type-options"] == "nosniff"
+        assert r.headers["content-security-policy"].startswith("sandbox ")
         for bad in ("/home/user/a\r\nX-Injected: 1", "/home/user/a\nb", "/home/user/a\x00b"):
             for method in ("GET", "POST"):
                 r = c.request(method, "/files", params={"path": bad}, headers=h,

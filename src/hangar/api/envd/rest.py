@@ -50,6 +50,7 @@ from hangar.api.envd import fs_entries
 from hangar.api.envd.connect import RpcError
 from hangar.api.envd.fs_entries import absolute
 from hangar.api.inflate import Inflater
+from hangar.api.proxy.origin import SANDBOX_CSP
 from hangar.core.service import Command, e2b, e2b_user
 from hangar.errors import DiskFull, GuestError, HangarError, InvalidRequest, NotFound
 
@@ -165,7 +166,11 @@ async def _download(scope: Scope, receive: Receive, send: Send, query: dict[str,
         first = await anext(chunks, b"")  # errors (no such file) before the answer starts
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/octet-stream"),
-            (b"content-disposition", content_disposition(path))]})
+            (b"content-disposition", content_disposition(path)),
+            # a guest's bytes on Hangar's origin: never sniffed into a page, and sandboxed
+            # if a browser renders one anyway (review 29h L2)
+            (b"x-content-type-options", b"nosniff"),
+            (b"content-security-policy", SANDBOX_CSP)]})
         if first:
             await send({"type": "http.response.body", "body": first, "more_body": True})
         async for chunk in chunks:
