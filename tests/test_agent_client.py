@@ -463,6 +463,89 @@ def test_a_guest_that_floods_its_channel_with_hellos_leaves_the_loop_free() -> N
     asyncio.run(go())
 
 
+def test_garbage_and_one_byte_frames_from_a_guest_leave_the_loop_free() -> None:
+    """Bytes that make no frame cost the decoder time too (resynchronising on ``HG`` after
+    ``HG``, HELLOs whose meta is not JSON): they are fed ``FEED_SLICE`` bytes at a time with
+    a turn between (review 29i I-H1: a second of the loop per 256 KiB). A window of DATA
+    frames of one byte each is taken a few dozen at a time between turns
+    (``EAGER_TURN``; I-H2: 28,000 of them held the loop 1.2 s), and every byte arrives."""
+    import threading
+
+    bad_hello = P.HEADER.pack(P.MAGIC, P.VERSION, P.Kind.HELLO, 0, 1, 0) + b"{"
+    garbage = b"HG" * (256 << 10) + bad_hello * 30_000
+
+    async def go() -> None:
+        import h11
+
+        loop = asyncio.get_running_loop()
+        streamed = asyncio.Event()
+        body = b"x" * 25_000
+        answer_bytes = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+        async def answer(sock: socket.socket, req: P.Frame) -> None:
+            if req.meta.get("op") != "connect":
+                return
+            await loop.sock_sendall(sock, P.encode(P.Kind.DATA, req.channel,
+                                                   {"connected": True}))
+            one = b"".join(P.encode(P.Kind.DATA, req.channel, {"stream": "socket"},
+                                    answer_bytes[i:i + 1]) for i in range(len(answer_bytes)))
+            await loop.sock_sendall(sock, one)  # a window of frames of one byte each
+            streamed.set()
+
+        client, _ = await fake_guest(answer)
+        tunnel = await client.open_tunnel(80)
+        await streamed.wait()  # all of it queued before the consumer takes any
+        gaps: list[float] = []
+        done = asyncio.Event()
+
+        async def tick() -> None:
+            last = loop.time()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                gaps.append(loop.time() - last)
+                last = loop.time()
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.01)
+        conn = h11.Connection(h11.CLIENT)  # as the port proxy reads a guest's answer
+        conn.send(h11.Request(method="GET", target="/", headers=[("Host", "guest")]))
+        got = bytearray()
+        while not isinstance(event := conn.next_event(), h11.EndOfMessage):
+            if event is h11.NEED_DATA:
+                conn.receive_data(await tunnel.read())
+            elif isinstance(event, h11.Data):
+                got += event.data
+        done.set()
+        await ticker
+        assert bytes(got) == body
+        assert max(gaps) < 0.1, f"the event loop stood still {max(gaps):.2f} s"
+        await tunnel.close()
+        await client.close()
+
+    asyncio.run(go())
+
+    async def flood() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair()
+        b.sendall(P.encode(P.Kind.HELLO, 0, {"protocol": P.VERSION, "boot_id": "fake"}))
+        r, w = await asyncio.open_connection(sock=a)
+        client = await AgentClient.from_streams(r, w, 5)
+        writer = threading.Thread(target=b.sendall, args=(garbage,), daemon=True)
+        gaps: list[float] = []
+        writer.start()
+        last = loop.time()
+        while writer.is_alive():
+            await asyncio.sleep(0.005)
+            gaps.append(loop.time() - last)
+            last = loop.time()
+        assert len(gaps) > 5 and max(gaps) < 0.1, sorted(gaps)[-5:]
+        assert not client.closed
+        b.close()
+        await client.close()
+
+    asyncio.run(flood())
+
+
 def test_an_old_guest_is_detected_not_misread() -> None:
     """A version-1 agent (e.g. in a snapshot taken before version 2) is refused at once,
     whether it greets or only answers the probe of a restored session."""

@@ -28,6 +28,11 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from hangar.core.service import race
 from hangar.errors import HangarError
 
+INBOUND_SLICE = 16 << 10
+"""Bytes of a client's message given to ``pump_stream``'s ``inbound`` filter between two
+turns of the loop: a 4 MiB VNC message of 6-byte pointer events held the loop 1.4 s in
+one go (review 29i I-H3); the filters are incremental, so slices change nothing else."""
+
 DROPPED = (WebSocketDisconnect, HangarError, ConnectionError, RuntimeError)
 """What a half may end with when either side goes away: not logged as a failure."""
 
@@ -114,14 +119,18 @@ async def pump_stream(ws: WebSocket, stream: ByteStream, *, log: logging.Logger,
                 close.update(code=1003, reason=binary_only)
                 return
             counted.bytes_in += len(data)
-            if inbound is not None:
-                try:
-                    data = inbound(data)
-                except Refuse as e:
-                    close.update(code=e.code, reason=e.reason)
-                    return
-            if data:
-                await stream.write(data)
+            for at in range(0, len(data), INBOUND_SLICE):  # a turn between slices
+                if at:
+                    await asyncio.sleep(0)
+                piece = data[at:at + INBOUND_SLICE]
+                if inbound is not None:
+                    try:
+                        piece = inbound(piece)
+                    except Refuse as e:
+                        close.update(code=e.code, reason=e.reason)
+                        return
+                if piece:
+                    await stream.write(piece)
 
     async def far_to_client() -> None:
         while True:

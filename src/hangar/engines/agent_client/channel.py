@@ -30,6 +30,11 @@ from hangar.guest import protocol as P
 if TYPE_CHECKING:
     from hangar.engines.agent_client.connection import Connection
 
+EAGER_TURN = 64
+"""Frames a consumer takes back to back, none awaited, before ``Channel.get`` gives the loop
+a turn: a guest's window (1 MiB) holds 28,000 frames of one byte, whose handling without a
+turn held the loop 1.2 s (review 29i I-H2)."""
+
 
 class Channel:
     """One open request: frames the guest sent, both windows, the deadline.
@@ -57,6 +62,7 @@ class Channel:
         self.timer: asyncio.TimerHandle | None = None
         self.stall_s: float | None = None
         self.closed = False
+        self._eager = 0  # frames taken without waiting since the last wait or turn
 
     # the read loop's side
 
@@ -106,11 +112,17 @@ class Channel:
         """The next frame, in order, once one came; grants the guest the window it frees.
         Raises the channel's error (``GuestError``, ``Timeout``) once the frames that came
         before it are taken."""
+        if not self.frames:
+            self._eager = 0
         while not self.frames:
             if self.error is not None:
                 raise self.error
             self.ready.clear()
             await self.ready.wait()
+        self._eager += 1
+        if self._eager >= EAGER_TURN:  # frames taken back to back: a turn for the others
+            self._eager = 0
+            await asyncio.sleep(0)
         frame = self.frames.popleft()
         if frame.kind in P.FLOW_KINDS:
             grant = self.inflow.consume(frame.size)

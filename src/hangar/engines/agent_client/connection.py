@@ -132,6 +132,24 @@ class AgentChannel:
     probe_interval: float | None = None
 
 
+FEED_SLICE = 8 << 10
+"""Bytes of a guest's stream given to the decoder between two turns of the loop: what it
+does with bytes that make no frame (resynchronising, frames skipped or refused) costs
+time too, and a read may hold 64 KiB of it (review 29i I-H1: 256 KiB of it held the loop
+up to a second)."""
+
+
+async def _fed(decoder: P.Decoder, data: bytes) -> list[P.Frame]:
+    """The frames ``data`` completes, fed to ``decoder`` ``FEED_SLICE`` bytes at a time
+    with a turn of the loop between two slices."""
+    out: list[P.Frame] = []
+    for at in range(0, len(data), FEED_SLICE):
+        if at:
+            await asyncio.sleep(0)
+        out.extend(decoder.feed(data[at:at + FEED_SLICE]))
+    return out
+
+
 async def _large_meta(frame: P.Frame) -> dict[str, Any] | None:
     """The meta of a frame the decoder left unparsed (over ``META_ONLOOP``), or None to drop
     the frame: not an answer, more than ``META_ITEMS`` values, or not a meta
@@ -246,7 +264,7 @@ class Connection:
         loop = asyncio.get_running_loop()
         probes: set[int] = set()
         decoder = P.Decoder(lambda kind, cid: (cid == 0 and kind == P.Kind.HELLO)
-                            or cid in probes)
+                            or cid in probes, parse_max=META_ONLOOP)
         probe_ids = itertools.count(PROBE_CHANNEL_BASE)
         next_probe = loop.time() if probe_interval else math.inf
         while loop.time() < deadline:
@@ -265,7 +283,9 @@ class Connection:
                 continue  # the HELLO comes when the guest opens its port
             if not data:
                 raise ConnectionResetError("the agent's stream closed before it greeted")
-            for frame in decoder.feed(data):
+            for frame in await _fed(decoder, data):
+                if frame.unparsed is not None:
+                    continue  # a greeting is small: a meta over META_ONLOOP is none
                 if frame.kind == P.Kind.HELLO or (
                         frame.kind == P.Kind.RESPONSE and frame.channel in probes):
                     return frame.meta
@@ -332,7 +352,7 @@ class Connection:
                 if not data:
                     break
                 parsed = 0  # bytes of metas parsed on the loop since its last turn
-                for frame in decoder.feed(data):
+                for frame in await _fed(decoder, data):
                     if frame.unparsed is not None:
                         meta = await _large_meta(frame)
                         if meta is None:

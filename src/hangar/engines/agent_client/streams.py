@@ -34,7 +34,9 @@ class Tunnel:
         self._closed = False
 
     async def read(self) -> bytes:
-        """Next bytes from the guest; ``b""`` once the guest side has closed."""
+        """Next bytes from the guest, those of every DATA frame already come joined (up to
+        ``P.CHUNK`` or so: a guest's frames of one byte each cost one read each otherwise);
+        ``b""`` once the guest side has closed."""
         while not self._eof:
             try:
                 frame = await self._ch.get()
@@ -42,10 +44,20 @@ class Tunnel:
                 self._eof = True
                 break
             if frame.kind == P.Kind.DATA and frame.data:
-                return frame.data
+                return await self._more(frame.data)
             if frame.kind in (P.Kind.EOF, P.Kind.RESPONSE, P.Kind.ERROR):
                 self._eof = True
         return b""
+
+    async def _more(self, first: bytes) -> bytes:
+        """``first`` and the data of the DATA frames queued right after it."""
+        queued = self._ch.frames
+        if not queued or queued[0].kind != P.Kind.DATA:
+            return first
+        out = bytearray(first)
+        while len(out) < P.CHUNK and queued and queued[0].kind == P.Kind.DATA:
+            out += (await self._ch.get()).data
+        return bytes(out)
 
     async def write(self, data: bytes) -> None:
         """Send ``data`` to the guest's socket. Raises GuestError once the tunnel ended."""
