@@ -107,3 +107,51 @@ def test_the_secret_proxys_re_resolution_applies_the_rebinding_guard() -> None:
     assert "unresolved_address" in (addon_verdict(rules, "10.1.2.3") or "")
     assert "unresolved_address" in (addon_verdict(rules, "100.64.0.1") or "")
     assert addon_verdict(rules, "93.184.216.34") is None
+
+
+REFUSE_DRIVER = r"""
+import importlib.util, json, os, sys, types
+
+fake = types.ModuleType("mitmproxy")
+fake.http = types.SimpleNamespace(HTTPFlow=object, Response=types.SimpleNamespace(
+    make=lambda status, body, headers: ("answered", status)))
+sys.modules["mitmproxy"] = fake
+control_r, control_w = os.pipe()
+events_r, events_w = os.pipe()
+os.write(control_w, (json.dumps({"rules": {}, "egress_match": sys.argv[2], "secrets": {}})
+                     + "\n").encode())
+os.environ["HANGAR_PROXY_EVENTS_FD"] = str(events_w)
+os.environ["HANGAR_PROXY_CONTROL_FD"] = str(control_r)
+spec = importlib.util.spec_from_file_location("addon", sys.argv[1])
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+proxy = mod.addons[0]
+out = []
+for version, headers in json.loads(sys.argv[3]):
+    flow = types.SimpleNamespace(metadata={}, response=None, killed=False,
+                                 request=types.SimpleNamespace(http_version=version,
+                                                               headers=headers))
+    flow.kill = lambda flow=flow: setattr(flow, "killed", True)
+    proxy._refuse(flow, "gh", "api.example.test", "not one of its hosts")
+    out.append("killed" if flow.killed else flow.response[0])
+print(json.dumps(out), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_refused_request_of_unknown_length_is_never_read() -> None:
+    """mitmproxy reads a request's body before it sends an answer the addon made: a refusal
+    of a request whose body may be large, or of unknown size (chunked, or an HTTP/2 stream
+    that declares no length, which it would read up to 4 GiB: review 29j J-H4), closes the
+    connection or stream instead; a small declared body, or none, gets the 403."""
+    cases = [["HTTP/1.1", {}], ["HTTP/1.1", {"content-length": "10"}],
+             ["HTTP/1.1", {"transfer-encoding": "chunked"}],
+             ["HTTP/1.1", {"content-length": str(1 << 30)}],
+             ["HTTP/2.0", {}], ["HTTP/2.0", {"content-length": "10"}]]
+    r = subprocess.run([sys.executable, "-c", REFUSE_DRIVER,
+                        str(SRC / "core" / "secret_addon.py"),
+                        str(SRC / "net" / "egress_match.py"), json.dumps(cases)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [
+        "answered", "answered", "killed", "killed", "killed", "answered"]

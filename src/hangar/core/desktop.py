@@ -168,6 +168,12 @@ class DisplayInfo:
     vnc: bool
 
 
+MAX_SHOT_PIXELS = 4096 * 4096
+"""Most pixels of a screenshot decoded to scale it (a guest's PNG whose header claimed
+13,300 x 13,300 took 918 MiB and 4.4 s to scale, review 29j J-H3; it must be the screen's
+size, which is at most this)."""
+
+
 def png_size(data: bytes) -> tuple[int, int]:
     """(width, height) in pixels from a PNG's IHDR chunk; raises GuestError if not a PNG."""
     if len(data) < 24 or data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
@@ -184,6 +190,9 @@ def scale_png(data: bytes, width: int) -> tuple[bytes, int, int]:
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as im:
+        if im.width * im.height > MAX_SHOT_PIXELS:  # the caller checks it is the screen's
+            raise GuestError(f"the screenshot is {im.width}x{im.height} pixels, more than "
+                             f"{MAX_SHOT_PIXELS}")
         height = max(1, round(im.height * width / im.width))
         out = im.convert("RGB").resize((width, height), Image.Resampling.LANCZOS)
     buf = io.BytesIO()
@@ -410,6 +419,9 @@ class Desktop:
         png, _ = await self._run(sandbox_id, ["scrot", "--overwrite", "--silent", "-"],
                                  timeout_s=60)
         w, h = png_size(png)
+        if (w, h) != (screen.width, screen.height):  # the guest's to write: a bomb's header
+            raise GuestError(f"the screenshot is {w}x{h} pixels, not the screen's "
+                             f"{screen.width}x{screen.height}", sandbox_id=sandbox_id)
         if width is not None and width != w:
             png, w, h = await asyncio.to_thread(scale_png, png, width)
         return Screenshot(png, w, h, screen, time.monotonic() - started)

@@ -296,13 +296,16 @@ class SecretProxy:
     def _refuse(self, flow: http.HTTPFlow, name: str, host: str, reason: str) -> None:
         """Answer 403 with one line of reason, nothing sent upstream. mitmproxy reads a
         request's body before it answers one it did not send: a body that may be larger
-        than ``REFUSED_BODY_MAX`` (or of unknown size) is not read, the connection is
-        closed instead."""
+        than ``REFUSED_BODY_MAX`` (or of unknown size: chunked, or any HTTP/2 request that
+        declares no length, whose DATA frames mitmproxy reads up to its 4 GiB limit,
+        review 29j J-H4) is not read, the connection (or stream) is closed instead."""
         self.emit("secret.refused", secret=name[:64], host=host[:253], reason=reason[:120])
         flow.metadata["hangar_refused"] = True
         length = flow.request.headers.get("content-length", "")
         chunked = "chunked" in flow.request.headers.get("transfer-encoding", "").lower()
-        if chunked or (length and (not length.isdigit() or int(length) > REFUSED_BODY_MAX)):
+        unknown = not length and not flow.request.http_version.startswith("HTTP/1")
+        if chunked or unknown or (length and (not length.isdigit()
+                                              or int(length) > REFUSED_BODY_MAX)):
             flow.kill()
             return
         flow.response = http.Response.make(
