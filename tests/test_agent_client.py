@@ -939,3 +939,23 @@ def test_a_malformed_answer_is_a_guest_error() -> None:
                 {**good, "name": None}, []):
         with pytest.raises((TypeError, ValueError)):
             guest_file(bad)
+
+
+def test_a_data_frame_larger_than_a_watch_batch_is_dropped_unparsed() -> None:
+    """A DATA frame's meta may be a watch's batch of events (up to ``P.CHUNK`` of JSON),
+    whose events are then converted on the loop one by one: one over ``DATA_META_MAX`` is
+    dropped unparsed (review 29j J-H1: a MiB of events, 0.4 s of the loop); a batch's size
+    is parsed."""
+    from hangar.engines.agent_client.connection import DATA_META_MAX, _large_meta
+
+    def frame(meta: bytes) -> P.Frame:
+        return P.Frame(P.Kind.DATA, 7, {}, b"", P.VERSION, unparsed=meta)
+
+    events = [{"type": "create", "path": f"/r/f{i}", "is_dir": False, "time": 0.0}
+              for i in range(30_000)]
+    big = json.dumps({"stream": "watch", "events": events}).encode()
+    assert len(big) > DATA_META_MAX
+    assert asyncio.run(_large_meta(frame(big))) is None
+    fits = json.dumps({"stream": "watch", "events": events[:700]}).encode()
+    assert len(fits) <= DATA_META_MAX
+    assert len(asyncio.run(_large_meta(frame(fits)))["events"]) == 700  # type: ignore[index]

@@ -456,3 +456,13 @@ def test_the_control_endpoints_come_from_etcd_urls_and_node_addresses() -> None:
                     ["10.0.0.3:8080", "10.0.0.4", "[fd00::2]:8080"])
     assert got == {("10.0.0.1", 2379), ("10.0.0.2", 2380), ("127.0.0.1", 2379),
                    ("10.0.0.3", 8080), ("10.0.0.4", 8080)}
+
+
+def test_the_gateway_relays_websocket_messages_of_the_nodes_own_size() -> None:
+    """The gateway's relay from an owner node takes messages up to the nodes' own limit and
+    holds one frame before it stops reading (review 29j J-H5: no limit and 16 frames held
+    about 270 MiB a connection, counted by no budget)."""
+    from hangar.api.proxy.websocket import WS_MAX_MESSAGE
+    from hangar.cluster import wsproxy
+
+    assert wsproxy.WS_MAX_MESSAGE == WS_MAX_MESSAGE and wsproxy.RELAY_QUEUE == 1

@@ -25,6 +25,14 @@ from hangar.error_body import render
 
 log = logging.getLogger("hangar.cluster.ws")
 
+WS_MAX_MESSAGE = 16 << 20
+"""Largest message relayed from the owner node, bytes: the nodes' own limit for a guest's
+messages (``hangar.api.proxy.websocket.WS_MAX_MESSAGE``; the cluster imports no api)."""
+RELAY_QUEUE = 1
+"""Frames from the owner node held here before its connection stops being read: each may
+be a whole message of up to ``WS_MAX_MESSAGE``, counted by no node's budget (the owner's
+is freed once a message leaves it), so a client that reads nothing holds at most about
+two here (review 29j J-H5: with the library's 16, about 270 MiB a connection)."""
 SKIP = {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
         "sec-websocket-protocol", "origin", "host"}
 
@@ -40,8 +48,9 @@ async def relay(scope: dict[str, Any], receive: Any, send: Any, url: str,
     origin = next((v for k, v in headers if k == "origin"), None)
     try:
         upstream = await connect(url, additional_headers=hdrs, subprotocols=protocols or None,
-                                 origin=origin, open_timeout=10, max_size=None,
-                                 ping_interval=None, compression=None)  # type: ignore[arg-type]
+                                 origin=origin, open_timeout=10, max_size=WS_MAX_MESSAGE,
+                                 max_queue=RELAY_QUEUE, ping_interval=None,
+                                 compression=None)  # type: ignore[arg-type]
     except InvalidStatus as exc:
         resp = exc.response
         await send({"type": "websocket.http.response.start", "status": resp.status_code,

@@ -108,6 +108,10 @@ the loop, about 40 ms even in a worker thread."""
 META_TURN = 16 << 10
 """Bytes of metas parsed on the loop between two of its turns: a guest that writes frames
 back to back shares the loop with every other tenant's calls (review 29g G-H1)."""
+DATA_META_MAX = P.CHUNK + (1 << 10)
+"""Largest meta of a DATA frame taken, bytes: a watch's batch of events
+(``hangar.guest.watch.BATCH_BYTES``, ``P.CHUNK``) and its wrapper. Each event is then
+converted on the loop; a MiB of them held it about 0.4 s (review 29j J-H1)."""
 LARGE_META_KINDS = frozenset({P.Kind.RESPONSE, P.Kind.ERROR, P.Kind.DATA})
 """The only kinds whose meta may exceed ``META_ONLOOP`` (a listing, an error's text, a
 watch's events)."""
@@ -157,6 +161,8 @@ async def _large_meta(frame: P.Frame) -> dict[str, Any] | None:
     raw = frame.unparsed
     if frame.kind not in LARGE_META_KINDS or raw is None:
         return None
+    if frame.kind == P.Kind.DATA and len(raw) > DATA_META_MAX:
+        return None  # a watch's batch is smaller: its events are converted on the loop
 
     def parse() -> dict[str, Any] | None:
         return None if json_items.too_many(raw, META_ITEMS) else P.parse_meta(raw)
