@@ -134,6 +134,8 @@ for version, headers in json.loads(sys.argv[3]):
     flow.kill = lambda flow=flow: setattr(flow, "killed", True)
     proxy._refuse(flow, "gh", "api.example.test", "not one of its hosts")
     out.append("killed" if flow.killed else flow.response[0])
+swap = mod._Swap([(b"tok-123", b"PH-SHORT"), (b"tok-123-extended", b"PH-LONG")])
+out.append((b"".join(swap(b"a tok-123-extended b tok-123 c") + swap(b""))).decode())
 print(json.dumps(out), flush=True)
 os._exit(0)
 """
@@ -154,4 +156,5 @@ def test_a_refused_request_of_unknown_length_is_never_read() -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [
-        "answered", "answered", "killed", "killed", "killed", "answered"]
+        "answered", "answered", "killed", "killed", "killed", "answered",
+        "a PH-LONG b PH-SHORT c"]  # longest value first (review 29j L1)

@@ -319,7 +319,8 @@ class _Swap:
     case a value spans two chunks; an empty chunk (the end) gives what was held."""
 
     def __init__(self, pairs: list[tuple[bytes, bytes]]) -> None:
-        self.pairs = pairs
+        # longest value first: one value may hold another (review 29j L1)
+        self.pairs = sorted(pairs, key=lambda pair: len(pair[0]), reverse=True)
         self.keep = max((len(real) for real, _ in pairs), default=1) - 1
         self.held = b""
 
