@@ -14,9 +14,9 @@ from typing import TypeVar
 T = TypeVar("T")
 
 TICK_S = 0.005
-BASELINE_S = 0.3
+BASELINE_S = 0.5
 """Seconds the ticker runs alone before the work, to measure the machine."""
-LOAD_FACTOR = 3.0
+LOAD_FACTOR = 4.0
 
 
 @dataclass

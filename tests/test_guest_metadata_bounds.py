@@ -414,7 +414,7 @@ def test_owner_records_of_a_mebibyte_are_parsed_off_the_loop() -> None:
         Manager(), "sb-x", ["/home/user/a", "/home/user/b"])))
     assert (who["/home/user/a"].owner, who["/home/user/a"].metadata) == ("user", None)
     assert who["/home/user/b"].owner == "user"
-    stalls.check(0.25)
+    stalls.check(0.3)  # never a turn before
 
 
 def test_a_context_list_past_its_cap_is_a_guest_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -481,7 +481,7 @@ def test_a_code_interpreters_stream_of_short_lines_leaves_the_loop_free() -> Non
 
     out, stalls = asyncio.run(measured(read_all()))
     assert out == b"a\n" * (21_000 * 16) + b'{"type": "end_of_execution"}\n'
-    stalls.check(0.1)
+    stalls.check(0.3)  # about a second before
 
 
 def test_a_screenshot_larger_than_its_screen_is_never_decoded() -> None:
@@ -528,4 +528,4 @@ def test_a_volume_folder_of_many_names_is_listed_off_the_loop(
     monkeypatch.setattr(volfs, "_debugfs", fake_debugfs)
     (entries, total), stalls = asyncio.run(measured(volfs.listdir(Path("/nonexistent"), "/")))
     assert total == n and len(entries) == volfs.MAX_LISTING and entries[0].name == "f000000"
-    stalls.check(0.1)
+    stalls.check(0.3)  # never a turn before

@@ -105,7 +105,7 @@ def test_a_message_of_many_pointer_events_leaves_the_loop_free() -> None:
     _, stalls = asyncio.run(measured(asyncio.wait_for(_proxy(
         Ws(), far, RfbClientFilter(False), "sb-x"), 60)))  # type: ignore[arg-type]
     assert bytes(far.got) == b"RFB 003.008\n\x01\x01" + events
-    stalls.check(0.1)
+    stalls.check(0.3)  # 1.5 s before
 
 
 def test_a_view_only_viewer_cannot_make_the_server_buffer(server, api, desk) -> None:  # noqa: F811
