@@ -363,11 +363,29 @@ def test_a_guest_that_breaks_flow_control_loses_the_call_and_holds_nothing() -> 
     asyncio.run(go())
 
 
-async def _written_by(writer: Any) -> None:
-    """Start the thread ``writer`` and return once it has written all it writes."""
-    writer.start()
-    while writer.is_alive():
-        await asyncio.sleep(0.01)
+async def _flooded_with(data: bytes, floor: float = 0.15) -> AgentClient:
+    """A client greeted on a socket pair whose guest end then writes ``data`` from a thread;
+    checks the loop's stalls meanwhile against ``floor`` (``loop_stalls``). The guest end
+    is closed; returns the client."""
+    import threading
+
+    a, b = socket.socketpair()
+    b.sendall(P.encode(P.Kind.HELLO, 0, {"protocol": P.VERSION, "boot_id": "fake"}))
+    r, w = await asyncio.open_connection(sock=a)
+    client = await AgentClient.from_streams(r, w, 5)
+    writer = threading.Thread(target=b.sendall, args=(data,), daemon=True)
+
+    async def written() -> None:
+        writer.start()
+        while writer.is_alive():
+            await asyncio.sleep(0.01)
+
+    try:
+        _, stalls = await measured(written())
+        stalls.check(floor)
+    finally:
+        b.close()
+    return client
 
 
 def test_a_guest_answer_of_a_mebibyte_of_values_leaves_the_loop_free() -> None:
@@ -423,8 +441,6 @@ def test_a_guest_that_floods_its_channel_with_hellos_leaves_the_loop_free() -> N
     thread, where it still holds the GIL (review 29g G-H1: 60 KiB HELLOs back to back held
     the loop 166 ms at a time). UTF-16 JSON, which ``json.loads`` takes and the count
     cannot read, is refused (G-H3)."""
-    import threading
-
     from hangar.engines.agent_client.connection import META_ONLOOP, META_TURN
 
     def hello(size: int) -> bytes:
@@ -437,18 +453,11 @@ def test_a_guest_that_floods_its_channel_with_hellos_leaves_the_loop_free() -> N
     flood = (large + small) * 200  # about 14 MiB
 
     async def go() -> None:
-        a, b = socket.socketpair()
-        b.sendall(P.encode(P.Kind.HELLO, 0, {"protocol": P.VERSION, "boot_id": "fake"}))
-        r, w = await asyncio.open_connection(sock=a)
-        client = await AgentClient.from_streams(r, w, 5)
-        writer = threading.Thread(target=b.sendall, args=(flood,), daemon=True)
-        _, stalls = await measured(_written_by(writer))
-        stalls.check(0.15)
+        client = await _flooded_with(flood)
         assert client.hello["boot_id"] == "fake" and not client.closed
         # an answer in UTF-16, whose quotes the count cannot read, is no meta
         u16 = json.dumps({"ok": 1, "zz": [{}] * 4000}).encode("utf-16-le")
         assert P.parse_meta(u16) is None
-        b.close()
         await client.close()
 
     asyncio.run(go())
@@ -460,8 +469,6 @@ def test_garbage_and_one_byte_frames_from_a_guest_leave_the_loop_free() -> None:
     a turn between (review 29i I-H1: a second of the loop per 256 KiB). A window of DATA
     frames of one byte each is taken a few dozen at a time between turns
     (``EAGER_TURN``; I-H2: 28,000 of them held the loop 1.2 s), and every byte arrives."""
-    import threading
-
     bad_hello = P.HEADER.pack(P.MAGIC, P.VERSION, P.Kind.HELLO, 0, 1, 0) + b"{"
     garbage = b"HG" * (256 << 10) + bad_hello * 30_000
 
@@ -507,15 +514,8 @@ def test_garbage_and_one_byte_frames_from_a_guest_leave_the_loop_free() -> None:
     asyncio.run(go())
 
     async def flood() -> None:
-        a, b = socket.socketpair()
-        b.sendall(P.encode(P.Kind.HELLO, 0, {"protocol": P.VERSION, "boot_id": "fake"}))
-        r, w = await asyncio.open_connection(sock=a)
-        client = await AgentClient.from_streams(r, w, 5)
-        writer = threading.Thread(target=b.sendall, args=(garbage,), daemon=True)
-        _, stalls = await measured(_written_by(writer))
-        stalls.check(0.15)
+        client = await _flooded_with(garbage)
         assert not client.closed
-        b.close()
         await client.close()
 
     asyncio.run(flood())

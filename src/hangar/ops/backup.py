@@ -118,31 +118,31 @@ def _open_database(database: Path) -> int:
     """The database file, opened without following a symlink (its folder opened from
     ``/`` as ``beneath.open_trusted`` does), checked to be a regular file of the folder's
     owner with no other link. Raises OSError."""
-    up = beneath.open_trusted(database.parent)
-    try:
-        fd = beneath.walk(up, database.name)
-        try:
-            beneath.expect(fd, uids=(os.fstat(up).st_uid,), single=True)
-        except OSError:
-            os.close(fd)
-            raise
-        return fd
-    finally:
-        os.close(up)
+    fd = _open_beside(database, database.name, None)
+    assert fd is not None
+    return fd
 
 
 def _open_wal(database: Path, uid: int) -> int | None:
     """The database's WAL, opened as ``_open_database`` opens the database and checked
     the same way (a regular file of ``uid`` with no other link); None when there is none.
     Raises OSError."""
+    try:
+        return _open_beside(database, database.name + "-wal", uid)
+    except FileNotFoundError:
+        return None
+
+
+def _open_beside(database: Path, name: str, uid: int | None) -> int:
+    """``name`` in the database's folder, opened without following a symlink and checked:
+    a regular file of ``uid`` (None: the folder's owner) with no other link. Raises
+    OSError (FileNotFoundError when there is none)."""
     up = beneath.open_trusted(database.parent)
     try:
+        fd = beneath.walk(up, name)
         try:
-            fd = beneath.walk(up, database.name + "-wal")
-        except FileNotFoundError:
-            return None
-        try:
-            beneath.expect(fd, uids=(uid,), single=True)
+            beneath.expect(fd, uids=(os.fstat(up).st_uid if uid is None else uid,),
+                           single=True)
         except OSError:
             os.close(fd)
             raise
