@@ -90,8 +90,7 @@ EnvironmentFile=
 EnvironmentFile={env_file}
 ExecStart=
 ExecStart={python} -m hangar.cli serve
-StateDirectory=
-StateDirectory={name}/data
+ReadWritePaths={data}
 ReadWritePaths={base_image.parent}
 StandardOutput=append:{data}/server.log
 StandardError=inherit
@@ -144,10 +143,17 @@ def test_service_restart_and_crash_keep_sandboxes(systemd_host) -> None:  # type
             assert r.json()["stdout"] == boot
             assert vmm_pids(f"hangar-{sid}") == vmm
 
+        # The image cache's files are hard links shared with every other server on this
+        # host: a restart changes no owner (a recursive chown, such as StateDirectory='s,
+        # once locked the other split servers out of them).
+        owners = {f: (f.stat().st_uid, f.stat().st_gid)
+                  for f in (data / "images").glob("*/template-snapshots/*/*") if f.is_file()}
+        assert owners
         main = sd.prop("hangar.service", "MainPID")
         sd.ctl("restart", "hangar.service")
         assert sd.prop("hangar.service", "MainPID") != main
         same_vm()
+        assert {f: (f.stat().st_uid, f.stat().st_gid) for f in owners} == owners
         # A crash: systemd starts the server again (Restart=on-failure).
         main = sd.prop("hangar.service", "MainPID")
         sd.run("kill", "-9", main)
