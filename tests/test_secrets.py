@@ -601,6 +601,10 @@ def test_the_proxy_streams_large_bodies_both_ways(inet: Inet, base_image: Path) 
         # no onboarding app: mitm.it is not answered by the proxy itself
         cmdline = Path(f"/proc/{pids[0]}/cmdline").read_bytes().split(b"\0")
         assert b"onboarding=false" in cmdline
+        # its memory is bounded with or without a cgroup: RLIMIT_DATA (review 29k K-L1)
+        data = [x for x in Path(f"/proc/{pids[0]}/limits").read_text().splitlines()
+                if x.startswith("Max data size")]
+        assert data and data[0].split()[3:5] == [str(512 << 20)] * 2, data
         # its own memory cgroup where the server may make cgroups (a server that runs as
         # root on a host with a cgroup hierarchy); a split server's HTTP process (the
         # hangar user, no delegation here) runs it without one, and says so once

@@ -186,8 +186,9 @@ class Settings(BaseSettings):
                                          "passes when its length is declared (413 or 502 "
                                          "beyond); bodies stream through, never held.")
     secret_proxy_memory_mib: int = Field(
-        512, ge=64, description="Memory cgroup limit of one secret proxy, MiB (when the "
-                                 "server may make cgroups: root, or cgroup delegation).")
+        512, ge=64, description="Memory of one secret proxy, MiB: its RLIMIT_DATA, and its "
+                                 "memory cgroup's limit when the server may make cgroups "
+                                 "(root, or cgroup delegation).")
     secret_proxy_max_connections: int = Field(
         128, ge=1, description="Connections one sandbox's secret proxy serves at once (the "
                                "rest wait in its listen queue).")

@@ -35,6 +35,11 @@ too, rewritten on the way (rule 3) only when its request carried a secret.
    placeholder again: the request is sent with ``Accept-Encoding: identity`` and the
    body rewritten as it streams (``_Swap``, holding at most a value's length); an answer
    that comes compressed anyway is not passed on (the connection is closed).
+
+Anything that is not HTTP (a WebSocket after its 101, which mitmproxy relays as raw TCP
+under ``websocket=false``; a stream that does not look like HTTP) passes through
+unmodified, chunk by chunk, nothing of it kept (``_flowless_tcp``): secrets go only into
+HTTP request headers, never into WebSocket messages or raw TCP bytes.
 """
 
 from __future__ import annotations
@@ -276,6 +281,28 @@ class SecretProxy:
             resp.headers["transfer-encoding"] = "chunked"
         resp.stream = _Swap(back)
 
+    # -- WebSocket and raw TCP: relayed as they come, nothing kept ----------------------------
+
+    @staticmethod
+    def load(loader: Any) -> None:
+        """Before the proxy serves: its raw TCP layers keep no flow (``_flowless_tcp``)."""
+        _flowless_tcp()
+
+    @staticmethod
+    def tcp_message(flow: Any) -> None:
+        """A backstop: raw TCP has no flow here (``_flowless_tcp``), so this hook is not
+        called; should a TCP flow appear all the same, its chunks are not kept in
+        ``flow.messages`` (the layer sends the chunk it holds itself)."""
+        flow.messages.clear()
+
+    @staticmethod
+    def websocket_message(flow: Any) -> None:
+        """A backstop, should ``websocket`` be turned on again: a finished message is not
+        kept in ``flow.websocket.messages`` once relayed. That layer still assembles and
+        inflates each message whole, hence ``websocket=false``."""
+        if flow.websocket is not None:
+            flow.websocket.messages.clear()
+
     # -- helpers -----------------------------------------------------------------------------
 
     @staticmethod
@@ -339,6 +366,33 @@ class _Swap:
         if self.keep > 0:
             buf, self.held = buf[:-self.keep], buf[-self.keep:]
         return [buf] if buf else []
+
+
+def _flowless_tcp() -> None:
+    """Make each of mitmproxy's raw TCP layers one without a flow, as it makes for the
+    hosts it is told to ignore (``TCPLayer(context, ignore=True)``): such a layer sends
+    each chunk on as it is read, under the proxy's write backpressure, and calls no hook.
+
+    Raw TCP here is a WebSocket after its 101 (``websocket=false``: mitmproxy's
+    ``HttpStream.flow_done`` makes the layer) and a stream to port 80 or 443 that is not
+    HTTP, or TLS whose ALPN is not (its ``next_layer``). With a flow, mitmproxy 11 keeps
+    every chunk in ``flow.messages`` for the connection's life, and each chunk is a
+    blocking ``tcp_message`` hook, during which the layer queues whatever the connection
+    reads next (``Layer._paused_event_queue``): the reader does not wait for hooks, so
+    that queue has no bound (review 29k K-H2; measured: +152 MiB for 256 MiB sent at once,
+    even with the chunks dropped from ``flow.messages``). Both places name the class when
+    they make the layer, so its constructor is the one place that covers them."""
+    from mitmproxy.proxy.layers import tcp
+
+    init = tcp.TCPLayer.__init__
+    if getattr(init, "hangar_flowless", False):
+        return
+
+    def flowless(self: Any, context: Any, ignore: bool = False) -> None:
+        init(self, context, ignore=True)
+
+    flowless.hangar_flowless = True  # type: ignore[attr-defined]
+    tcp.TCPLayer.__init__ = flowless  # type: ignore[method-assign]
 
 
 addons = [SecretProxy()]

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -75,6 +76,31 @@ _CGROUP_NOTE: str | None = None
 def default_mitmdump() -> Path:
     """``.venv-proxy/bin/mitmdump`` beside the server's virtual environment."""
     return Path(sys.prefix).parent / ".venv-proxy" / "bin" / "mitmdump"
+
+
+def mitmdump_argv(exe: Path, host: str, port: int, confdir: Path, max_body_bytes: int,
+                  upstream_ca: Path | str | None = None) -> list[str]:
+    """The command line of one sandbox's proxy: ``exe`` (mitmdump) in transparent mode on
+    (``host``, ``port``), quiet, the addon loaded, its CA in ``confdir``, bodies that
+    declare more than ``max_body_bytes`` refused; ``upstream_ca`` (tests only): the CAs
+    trusted upstream instead of the public ones.
+
+    ``websocket=false``: a WebSocket (after its HTTP 101) is relayed by mitmproxy's raw
+    TCP layer, as bytes, both ways: never parsed into messages, assembled or inflated
+    (``permessage-deflate``), which mitmproxy's WebSocket layer does without a bound,
+    keeping every message for the connection's life (review 29k K-H2). The addon makes
+    that layer keep nothing either (``secret_addon._flowless_tcp``). No secret is put
+    into WebSocket messages or raw TCP bytes: they pass through unmodified."""
+    argv = [str(exe), "--mode", "transparent", "--listen-host", host,
+            "--listen-port", str(port), "-q", "-s", str(ADDON),
+            "--set", f"confdir={confdir}", "--set", "flow_detail=0",
+            "--set", "termlog_verbosity=error", "--set", "connection_strategy=lazy",
+            "--set", "upstream_cert=false", "--set", "ssl_insecure=false",
+            "--set", "onboarding=false", "--set", "websocket=false",
+            "--set", f"body_size_limit={max_body_bytes}"]
+    if upstream_ca:
+        argv += ["--set", f"ssl_verify_upstream_trusted_ca={upstream_ca}"]
+    return argv
 
 
 def free_port(host: str) -> int:
@@ -235,16 +261,9 @@ class SecretProxies:
         ctl_r, ctl_w = os.pipe()
         ev_r, ev_w = os.pipe()
         err_r, err_w = os.pipe()
-        argv = [str(exe), "--mode", "transparent", "--listen-host", gateway,
-                "--listen-port", str(port), "-q", "-s", str(ADDON),
-                "--set", f"confdir={confdir}", "--set", "flow_detail=0",
-                "--set", "termlog_verbosity=error", "--set", "connection_strategy=lazy",
-                "--set", "upstream_cert=false", "--set", "ssl_insecure=false",
-                "--set", "onboarding=false",
-                "--set", f"body_size_limit={self.ctx.settings.secret_proxy_max_body_bytes}"]
-        upstream_ca = self.ctx.settings.secret_proxy_upstream_ca
-        if upstream_ca:  # tests only: the stand-in internet's own CA
-            argv += ["--set", f"ssl_verify_upstream_trusted_ca={upstream_ca}"]
+        argv = mitmdump_argv(exe, gateway, port, confdir,
+                             self.ctx.settings.secret_proxy_max_body_bytes,
+                             self.ctx.settings.secret_proxy_upstream_ca)
         env = {"PATH": "/usr/bin:/bin", "HOME": str(confdir), "LANG": "C.UTF-8",
                "HANGAR_PROXY_CONTROL_FD": str(ctl_r), "HANGAR_PROXY_EVENTS_FD": str(ev_w)}
         try:
@@ -532,17 +551,27 @@ class SecretProxies:
             transport.close()
 
     def _confine(self, proxy: Proxy) -> None:
-        """Put the proxy in a memory cgroup of its own (``secret_proxy_memory_mib``) when
-        this server may make cgroups; else it runs without one (logged once)."""
+        """Bound the proxy's memory to ``secret_proxy_memory_mib``: always its
+        ``RLIMIT_DATA`` (heap and private writable mappings; past it an allocation fails,
+        and the connection that asked for it ends), and a memory cgroup of its own when this
+        server may make cgroups (then the kernel's OOM killer ends the proxy, which is
+        started again); else it runs without a cgroup (logged once). Not the service's
+        ``MemoryMax=``: VMMs without a cgroup of their own (and, on cgroup v1, all of them)
+        are in the service's cgroup too (deploy/hangar.service)."""
         global _CGROUP_NOTE
         from hangar.engines.cgroups import Hierarchy, Limits
 
+        limit = self.ctx.settings.secret_proxy_memory_mib << 20
+        try:
+            resource.prlimit(proxy.proc.pid, resource.RLIMIT_DATA, (limit, limit))
+        except OSError as exc:  # it ended already: its ``ready`` says so
+            log.warning("secret proxy's memory limit not set", extra={
+                "sandbox_id": proxy.sandbox_id, "error": type(exc).__name__})
         hierarchy, why = Hierarchy.detect(self.ctx.settings.vmm_cgroups)
         if hierarchy is not None:  # tried as whoever this is: root, or a delegated user
             try:
-                group = hierarchy.create(
-                    f"secret-proxy-{proxy.sandbox_id}",
-                    Limits(self.ctx.settings.secret_proxy_memory_mib << 20, 1.0, 256))
+                group = hierarchy.create(f"secret-proxy-{proxy.sandbox_id}",
+                                         Limits(limit, 1.0, 256))
                 for d in group.dirs:
                     (d / "cgroup.procs").write_text(str(proxy.proc.pid))
                 proxy.cgroup = group
@@ -551,5 +580,5 @@ class SecretProxies:
                 why = str(exc)
         if _CGROUP_NOTE is None:
             _CGROUP_NOTE = why
-            log.info("secret proxies run without a memory cgroup", extra={"reason": why})
-
+            log.info("secret proxies run without a memory cgroup", extra={
+                "reason": why, "rlimit_data_mib": limit >> 20})
