@@ -276,7 +276,7 @@ def test_desktop_that_could_never_start_is_refused_at_create(api: httpx.Client) 
     assert r.status_code == 400, r.text
     assert "no desktop" in r.json()["error"]["message"]
     r = api.post("/sandboxes", json={"image": "desktop", "desktop": "99999x99999x24"})
-    assert r.status_code == 400 and "outside" in r.json()["error"]["message"], r.text
+    assert r.status_code == 422 and "a desktop may have" in r.json()["error"]["message"], r.text
     r = api.post("/sandboxes", json={"image": "desktop", "desktop": "10000x700x24"})
     assert r.status_code == 400 and "outside" in r.json()["error"]["message"], r.text
     assert {s["id"] for s in api.get("/sandboxes").json()["sandboxes"]} == before

@@ -112,15 +112,18 @@ def new_id(prefix: str = "sb-") -> str:
 
 
 def check_desktop(screen: str, image: GuestImage) -> None:
-    """Refuse at create a desktop that could never start: a bad size, or an image without X.
+    """Refuse at create a desktop that could never start or be shot: a bad size, one of
+    more than ``DESKTOP_MAX_PIXELS`` pixels, or an image without X.
 
     Raises InvalidRequest naming the problem.
     """
     from hangar.guest.desktop import parse_geometry
     from hangar.images import RECIPES
+    from hangar.schemas.bounds import check_desktop_size
 
     try:
         parse_geometry(screen)
+        check_desktop_size(screen)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
     recipe = RECIPES.get(image.name)

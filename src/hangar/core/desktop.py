@@ -38,10 +38,17 @@ An unknown name is an ``InvalidRequest`` that names it: xdotool reports
 "No such key name" for it and presses nothing for that name (the other
 keys of that call may already have been pressed and released).
 
+* A guest tool's output is the guest's to write: at most the screen's
+  ``shot_max_bytes`` of scrot's stdout and ``TOOL_OUTPUT_MAX`` of any other
+  output are kept; past that the command is cancelled (the guest kills its
+  process group) and the call fails with ``GuestError``. Scaling a
+  screenshot decodes it in ``SCALER``'s own two threads, never in asyncio's
+  default pool, which agent answers and volume listings share.
+
 Errors: ``Conflict`` (409) when the sandbox has no desktop or its image
 cannot run one, ``InvalidRequest`` (400) for bad coordinates, keys or
 widths, ``Timeout`` (504) when the desktop does not come up, ``GuestError``
-(502) when a guest tool fails.
+(502) when a guest tool fails or writes more than its bound.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ import re
 import struct
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -61,6 +69,7 @@ from hangar.core.sandboxes import SandboxManager
 from hangar.engines.agent_client import ExecResult, Tunnel, exec_meta
 from hangar.errors import Conflict, GuestError, HangarError, InvalidRequest, NotFound, Timeout
 from hangar.guest import paths
+from hangar.schemas.bounds import DESKTOP_MAX_PIXELS
 
 VNC_PORT = 5900
 """x11vnc's port on the guest's loopback."""
@@ -168,10 +177,33 @@ class DisplayInfo:
     vnc: bool
 
 
-MAX_SHOT_PIXELS = 4096 * 4096
+MAX_SHOT_PIXELS = DESKTOP_MAX_PIXELS
 """Most pixels of a screenshot decoded to scale it (a guest's PNG whose header claimed
 13,300 x 13,300 took 918 MiB and 4.4 s to scale, review 29j J-H3; it must be the screen's
 size, which is at most this)."""
+TOOL_OUTPUT_MAX = 64 << 10
+"""Most bytes kept of a desktop tool's stderr, and of stdout but scrot's: xdotool prints a
+line or two (``getmouselocation --shell``: about 40 bytes). Past it the command is cancelled
+(review 29k K-H1: an xdotool replaced by ``cat /dev/zero`` grew the server 100-150 MiB/s)."""
+PNG_SLACK = 1 << 20
+"""Bytes allowed in scrot's PNG beyond its pixel data and framing (see ``shot_max_bytes``):
+the signature, IHDR, IEND and any text chunks, a few hundred bytes as Imlib2 writes them."""
+SCALE_WORKERS = 2
+"""Threads that decode and scale screenshots (``SCALER``), for all desktops of a server: a
+4096x4096 shot takes 1.2 s of CPU and 180 MiB to scale (review 29k K-M1), so at most two at
+once (2 x 180 MiB), and six at once no longer hold every thread of asyncio's default pool."""
+SCALER = ThreadPoolExecutor(SCALE_WORKERS, thread_name_prefix="hangar-screenshot")
+"""The screenshots' own threads (``SCALE_WORKERS``); a scale waits here for its turn."""
+
+
+def shot_max_bytes(screen: Screen) -> int:
+    """Most bytes of scrot's PNG of ``screen`` kept: its pixels stored without compression
+    (a filter byte a row, at most 4 bytes a pixel: Imlib2 writes 8-bit RGB or RGBA at any
+    depth), plus 1/64 for zlib's and PNG's framing (stored blocks: 5 bytes in 64 KiB; IDAT
+    chunks: 12 bytes in 8 KiB; 0.2 % in all) and ``PNG_SLACK``. 1024x768: 4.1 MiB;
+    4096x4096: 66 MiB."""
+    raw = screen.height * (1 + 4 * screen.width)
+    return raw + raw // 64 + PNG_SLACK
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -350,36 +382,52 @@ class Desktop:
 
     # -- running tools -----------------------------------------------------
 
-    async def _exec(self, sandbox_id: str, meta: dict[str, object],
-                    stdin: bytes | None) -> tuple[bytes, str, ExecResult]:
-        """Run a command, keeping all of its stdout (a PNG may be megabytes)."""
-        chunks: list[bytes] = []
-        err = b""
+    async def _exec(self, sandbox_id: str, meta: dict[str, object], stdin: bytes | None,
+                    max_bytes: int = TOOL_OUTPUT_MAX) -> tuple[bytes, str, ExecResult]:
+        """Run a command; returns its stdout, its stderr as text, and its result.
+
+        Keeps at most ``max_bytes`` of stdout and ``TOOL_OUTPUT_MAX`` of stderr; past
+        either the command is cancelled (closing the stream CANCELs it: the guest kills
+        its process group) and GuestError raised, naming the stream and the bound.
+        """
+        kept = {"stdout": bytearray(), "stderr": bytearray()}
+        caps = {"stdout": max_bytes, "stderr": TOOL_OUTPUT_MAX}
         result: ExecResult | None = None
-        async for ev in self.manager.exec_stream(sandbox_id, {**meta, "stream": True}, stdin):
-            if ev.kind == "stdout":
-                chunks.append(ev.data)
-            elif ev.kind == "stderr" and len(err) < 65536:
-                err += ev.data
-            elif ev.kind == "exit":
-                result = ev.result
+        events = self.manager.exec_stream(sandbox_id, {**meta, "stream": True}, stdin)
+        try:
+            async for ev in events:
+                if ev.kind == "exit":
+                    result = ev.result
+                    continue
+                if len(kept[ev.kind]) + len(ev.data) > caps[ev.kind]:
+                    argv = meta.get("argv")
+                    tool = argv[0] if isinstance(argv, list) and argv else "the command"
+                    raise GuestError(
+                        f"{tool} wrote more than {caps[ev.kind]} bytes on {ev.kind} (the most "
+                        "this call takes); the command was stopped", sandbox_id=sandbox_id,
+                        stream=ev.kind, limit=caps[ev.kind])
+                kept[ev.kind] += ev.data
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
         assert result is not None
-        return b"".join(chunks), err.decode(errors="replace"), result
+        return bytes(kept["stdout"]), kept["stderr"].decode(errors="replace"), result
 
     async def _run(self, sandbox_id: str, argv: list[str], stdin: bytes | None = None,
                    timeout_s: float = 30.0, env: dict[str, str] | None = None,
-                   ) -> tuple[bytes, str]:
-        """Run ``argv`` on the display; returns its stdout and stderr.
+                   max_bytes: int = TOOL_OUTPUT_MAX) -> tuple[bytes, str]:
+        """Run ``argv`` on the display; returns its stdout (at most ``max_bytes``) and
+        stderr (at most ``TOOL_OUTPUT_MAX``).
 
         When X has gone away (the tool cannot open the display), waits for
         the supervisor to bring up a new X server and tries once more.
-        Raises GuestError with the tool's stderr when it exits non-zero,
-        Timeout when it outlives ``timeout_s`` seconds.
+        Raises GuestError with the tool's stderr when it exits non-zero, or
+        when it writes more than those bounds; Timeout when it outlives
+        ``timeout_s`` seconds.
         """
         await self._ensure_ready(sandbox_id)
         meta = exec_meta(argv=argv, env={"DISPLAY": DISPLAY, **(env or {})}, timeout=timeout_s)
         for attempt in (1, 2):
-            out, err, r = await self._exec(sandbox_id, meta, stdin)
+            out, err, r = await self._exec(sandbox_id, meta, stdin, max_bytes)
             if r.exit_code == 0 or attempt == 2 or not DISPLAY_GONE.search(err):
                 break
             _, since = self._ready.pop(sandbox_id, ("", 0.0))
@@ -409,21 +457,29 @@ class Desktop:
         """The screen as PNG, scaled to ``width`` pixels (aspect kept) if given.
 
         ``width`` must be in 16..screen width. Raises InvalidRequest for
-        another width; see the module docstring for the rest.
+        another width, Conflict for a screen of more than ``MAX_SHOT_PIXELS``
+        (made before that bound), GuestError for a PNG that is not the
+        screen's size or is over ``shot_max_bytes``; see the module docstring
+        for the rest.
         """
         screen = self.screen(sandbox_id)
         if width is not None and not MIN_SHOT_WIDTH <= width <= screen.width:
             raise InvalidRequest(f"width must be in {MIN_SHOT_WIDTH}..{screen.width} pixels",
                                  width=width)
+        if screen.width * screen.height > MAX_SHOT_PIXELS:
+            raise Conflict(f"the screen of sandbox {sandbox_id} is {screen.width}x"
+                           f"{screen.height}, more than the {MAX_SHOT_PIXELS} pixels a "
+                           "screenshot is taken of", sandbox_id=sandbox_id)
         started = time.monotonic()
         png, _ = await self._run(sandbox_id, ["scrot", "--overwrite", "--silent", "-"],
-                                 timeout_s=60)
+                                 timeout_s=60, max_bytes=shot_max_bytes(screen))
         w, h = png_size(png)
         if (w, h) != (screen.width, screen.height):  # the guest's to write: a bomb's header
             raise GuestError(f"the screenshot is {w}x{h} pixels, not the screen's "
                              f"{screen.width}x{screen.height}", sandbox_id=sandbox_id)
         if width is not None and width != w:
-            png, w, h = await asyncio.to_thread(scale_png, png, width)
+            loop = asyncio.get_running_loop()
+            png, w, h = await loop.run_in_executor(SCALER, scale_png, png, width)
         return Screenshot(png, w, h, screen, time.monotonic() - started)
 
     async def move(self, sandbox_id: str, x: int, y: int) -> None:
@@ -520,10 +576,16 @@ class Desktop:
         return combos
 
     async def display(self, sandbox_id: str) -> DisplayInfo:
-        """Screen size, pointer position and VNC readiness."""
+        """Screen size, pointer position and VNC readiness; GuestError when xdotool's
+        answer (at most ``TOOL_OUTPUT_MAX``) is not ``X=.. Y=..`` lines."""
         screen = self.screen(sandbox_id)
         out, _ = await self._run(sandbox_id, ["xdotool", "getmouselocation", "--shell"])
-        values = dict(line.split("=", 1) for line in out.decode().split() if "=" in line)
+        try:  # the guest's to write: not UTF-8, or "X=" and 60,000 digits, is no 500
+            values = dict(line.split("=", 1) for line in out.decode().split() if "=" in line)
+            x, y = int(values.get("X", -1)), int(values.get("Y", -1))
+        except ValueError:
+            raise GuestError(f"xdotool getmouselocation printed {out[:80]!r}",
+                             sandbox_id=sandbox_id) from None
         marker = await self._marker(sandbox_id) or {}
-        return DisplayInfo(screen.width, screen.height, screen.depth, int(values.get("X", -1)),
-                           int(values.get("Y", -1)), bool(marker.get("vnc")))
+        return DisplayInfo(screen.width, screen.height, screen.depth, x, y,
+                           bool(marker.get("vnc")))

@@ -20,8 +20,9 @@ Numeric bounds that several places check (a request body, the server's
 settings, a template file, the CLI, the agent client) are named here too, and
 imported wherever they are checked: a sandbox's size (``VCPUS_*``,
 ``MEMORY_MIB_*``, ``DISK_MIB_*``), the longest time to live (``TTL_MAX_S``), the
-longest command (``EXEC_TIMEOUT_MAX_S``) and a TCP port (``PORT_*``). A test
-(tests/test_bounds.py) finds no second spelling of them in the source.
+longest command (``EXEC_TIMEOUT_MAX_S``), a TCP port (``PORT_*``) and a desktop's size
+(``DESKTOP_MAX_PIXELS``). A test (tests/test_bounds.py) finds no second spelling of them in
+the source.
 """
 
 from __future__ import annotations
@@ -72,13 +73,18 @@ EXEC_TIMEOUT_MAX_S = 86400
 PORT_MIN = 1
 PORT_MAX = 65535
 """A TCP port, in a guest or on the host."""
+DESKTOP_MAX_PIXELS = 4096 * 4096
+"""Most pixels (width x height) of a sandbox's desktop: the largest screen a screenshot is
+decoded (and scaled) for, at 1.2 s of CPU and 180 MiB a shot (review 29k K-M1); 4K
+(3840x2160 or 4096x2160), 4096x4096 and 8192x2048 fit. Each side is also 64..8192 pixels
+(``hangar.guest.desktop.MAX_SIDE``, what Xvfb is started with)."""
 
-__all__ = ["DISK_MIB_MAX", "DISK_MIB_MIN", "ENV_ENTRIES", "ENV_TOTAL_BYTES",
-           "EXEC_TIMEOUT_MAX_S", "MEMORY_MIB_MAX", "MEMORY_MIB_MIN", "METADATA_ENTRIES",
-           "METADATA_KEY_BYTES", "METADATA_TOTAL_BYTES", "METADATA_VALUE_BYTES", "NAME_BYTES",
-           "PORT_MAX", "PORT_MIN", "QUERY_BYTES", "RULES", "RULE_BYTES", "TTL_MAX_S",
-           "VCPUS_MAX", "VCPUS_MIN", "check_env_vars", "check_metadata", "check_name",
-           "check_network", "check_rules"]
+__all__ = ["DESKTOP_MAX_PIXELS", "DISK_MIB_MAX", "DISK_MIB_MIN", "ENV_ENTRIES",
+           "ENV_TOTAL_BYTES", "EXEC_TIMEOUT_MAX_S", "MEMORY_MIB_MAX", "MEMORY_MIB_MIN",
+           "METADATA_ENTRIES", "METADATA_KEY_BYTES", "METADATA_TOTAL_BYTES",
+           "METADATA_VALUE_BYTES", "NAME_BYTES", "PORT_MAX", "PORT_MIN", "QUERY_BYTES", "RULES",
+           "RULE_BYTES", "TTL_MAX_S", "VCPUS_MAX", "VCPUS_MIN", "check_desktop_size",
+           "check_env_vars", "check_metadata", "check_name", "check_network", "check_rules"]
 
 
 def check_metadata(value: Mapping[str, str] | None,
@@ -172,3 +178,16 @@ def check_rules(value: Iterable[str] | None, field: str) -> list[str] | None:
         if _utf8_len(rule) > RULE_BYTES:
             raise ValueError(f"{field}[{i}] is over {RULE_BYTES} bytes")
     return rules
+
+
+def check_desktop_size(value: str | None, field: str = "desktop") -> str | None:
+    """A desktop's ``WIDTHxHEIGHTxDEPTH`` (the pattern checked before) of at most
+    ``DESKTOP_MAX_PIXELS`` pixels. Raises ValueError naming the size and the limit."""
+    if value is None:
+        return None
+    w, h, _ = (int(p) for p in value.split("x"))
+    if w * h > DESKTOP_MAX_PIXELS:
+        raise ValueError(f"{field} {w}x{h} has {w * h} pixels, more than the "
+                         f"{DESKTOP_MAX_PIXELS} (4096x4096) a desktop may have: a "
+                         "screenshot decodes the whole screen")
+    return value

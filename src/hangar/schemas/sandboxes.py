@@ -8,8 +8,9 @@ from pydantic import ConfigDict, Field, field_validator
 
 from hangar.schemas.base import Model, RequestBody
 from hangar.schemas.bounds import (
-    DISK_MIB_MAX, DISK_MIB_MIN, MEMORY_MIB_MAX, MEMORY_MIB_MIN, METADATA_ENTRIES, TTL_MAX_S,
-    VCPUS_MAX, VCPUS_MIN, check_metadata, check_network,
+    DESKTOP_MAX_PIXELS, DISK_MIB_MAX, DISK_MIB_MIN, MEMORY_MIB_MAX, MEMORY_MIB_MIN,
+    METADATA_ENTRIES, TTL_MAX_S, VCPUS_MAX, VCPUS_MIN, check_desktop_size, check_metadata,
+    check_network,
 )
 from hangar.schemas.secrets import ENV_NAME, MAX_SECRETS_PER_SANDBOX, SECRET_NAME
 from hangar.schemas.volumes import MAX_VOLUMES_PER_SANDBOX, MountPath, MountedVolume, VolumeMount
@@ -41,7 +42,8 @@ class CreateSandbox(RequestBody):
     desktop: str | None = Field(
         None, pattern=r"^[1-9][0-9]{2,4}x[1-9][0-9]{2,4}x(16|24)$",
         description="Start a desktop of WIDTHxHEIGHTxDEPTH (pixels, bits), e.g. 1280x800x24; "
-                    "needs an image with one (the 'desktop' recipe).")
+                    f"each side 64..8192, at most {DESKTOP_MAX_PIXELS} pixels (4096x4096) in "
+                    "all; needs an image with one (the 'desktop' recipe).")
     volumes: dict[MountPath, Annotated[str, Field(max_length=64)] | VolumeMount] | None = Field(
         None, max_length=MAX_VOLUMES_PER_SANDBOX,
         description="Named volumes by guest mount path (absolute, no '..'): a volume's id or "
@@ -62,6 +64,8 @@ class CreateSandbox(RequestBody):
         lambda cls, v: check_metadata(v)))
     _network = field_validator("network")(classmethod(
         lambda cls, v: check_network(v)))
+    _desktop = field_validator("desktop")(classmethod(
+        lambda cls, v: check_desktop_size(v)))
 
 
 class SetTimeout(RequestBody):
