@@ -35,6 +35,7 @@ from packaging.version import Version
 from protobuf import Oneof
 
 from conftest import SRC, Server, cleanup, free_port, make_data_dir
+from loop_stalls import HealthWatch
 
 from hangar.api.envd.versions import ENVD_VERSION
 
@@ -362,6 +363,37 @@ def test_access_token_key_and_refusals(env: Env) -> None:
         assert 0 < m["disk_used"] < m["disk_total"]
 
 
+def test_a_guest_whose_env_and_head_print_mebibytes_gets_a_clear_error(env: Env) -> None:
+    """``/envs`` reads 64 KiB of the guest's ``env -0``, the metrics 4 KiB of figures: a
+    guest whose ``env`` or ``head`` prints MiBs gets an error naming why (envd's 500, as
+    for every guest fault there: its 502 tells E2B's SDK the sandbox is gone; the control
+    plane's 502), and nothing of its output is parsed on the loop (review 29k K-H4: 4 MiB
+    took it 0.6 to 2 s). Root writes both programs where the commands' PATH finds them
+    first."""
+    def root(command: str) -> None:
+        r = env.api.post(f"/sandboxes/{env.sid}/exec", json={"command": command})
+        assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+
+    root("printf '#!/bin/sh\\nyes k=v | /usr/bin/head -c 3000000\\n' > /usr/local/bin/env; "
+         "printf '#!/bin/sh\\nprintf \"cpu \"; yes 0 | /usr/bin/head -c 3000000\\n' "
+         "> /usr/local/bin/head; chmod 755 /usr/local/bin/env /usr/local/bin/head")
+    try:
+        with httpx.Client(base_url=env.url, timeout=60) as c:
+            r = c.get("/envs", headers=env.headers())
+            assert r.status_code == 500, r.text
+            assert "environment is over 64 KiB (3000000 bytes)" in r.json()["message"]
+            r = c.get("/metrics", headers=env.headers())
+            assert r.status_code == 500 and "figures" in r.json()["message"], r.text
+        r = httpx.get(f"{env.srv.url}/e2b/sandboxes/{env.sid}/metrics",
+                      headers={"X-API-Key": env.key}, timeout=60)
+        assert r.status_code == 502 and "could not be read" in r.text, r.text
+    finally:
+        root("rm -f /usr/local/bin/env /usr/local/bin/head")
+    with httpx.Client(base_url=env.url, timeout=60) as c:
+        assert c.get("/envs", headers=env.headers()).json()["HOME"] == "/home/user"
+        assert c.get("/metrics", headers=env.headers()).json()["cpu_count"] >= 1
+
+
 def test_signed_file_urls(env: Env) -> None:
     """The SDK's signed URLs work with no header at all, as a browser would use them: under
     E2B_SANDBOX_URL they lose its path (``/files`` at the server's root) and name no sandbox;
@@ -650,6 +682,50 @@ def test_watch_events_carry_their_entry(env: Env) -> None:
     finally:
         handle.stop()
     sbx.files.remove("entries")
+
+
+MANY_FILES = """
+import os
+os.makedirs("many")
+for i in range(8000):
+    open("many/%x" % i, "w").close()
+os.makedirs("meta40")
+for i in range(40):
+    p = "meta40/f%02d" % i
+    open(p, "w").close()
+    os.setxattr(p, "user.e2b.a", b"1")
+    os.setxattr(p, "user.e2b.b", b"2")
+"""
+"""A folder of 8,000 files (named short: the agent's listing of a folder is at most 1 MiB) and
+one of 40 with two metadata pairs each, in the home (tmpfs keeps no ``user.*`` attributes)."""
+
+
+def test_large_listings_are_answered_with_the_loop_free(env: Env) -> None:
+    """A folder the guest made of 8,000 files is listed by ``GET .../files/list``, its entries
+    converted a slice at a time (review 29k K-H3: 160-470 ms in one turn), while ``/health``
+    answers within 0.3 s in 9 probes of 10 and within 1 s always, or 3 and 5 times this
+    machine's own slowest just before; and envd's ListDir answers E2B's SDK (JSON) a folder
+    of more entries than are encoded in one go (``connect.ENCODE_ONLOOP``), each with its
+    metadata. (Not thousands through ListDir here: reading a file's owner costs this
+    emulated guest about 0.1 s.)"""
+    sbx = env.sandbox()
+    sbx.files.write("many.py", MANY_FILES)
+    sbx.commands.run("python3 many.py", timeout=300)
+    try:
+        with HealthWatch(env.srv.url) as watch:
+            r = env.api.get(f"/sandboxes/{env.sid}/files/list",
+                            params={"path": "/home/user/many"}, timeout=300)
+        assert r.status_code == 200, r.text[:300]
+        assert {e["name"] for e in r.json()["entries"]} == {f"{i:x}" for i in range(8000)}
+        assert len(watch.times) > 5, "measured too briefly"
+        times = sorted(watch.times)
+        assert times[int(len(times) * 0.9)] < max(0.3, 3 * watch.idle) and \
+            times[-1] < max(1.0, 5 * watch.idle), (watch.idle, times[-5:])
+        got = sbx.files.list("meta40", depth=1, request_timeout=300)
+        assert [e.path for e in got] == [f"/home/user/meta40/f{i:02d}" for i in range(40)]
+        assert all(e.metadata == {"a": "1", "b": "2"} and e.owner == "user" for e in got)
+    finally:
+        sbx.commands.run("rm -rf many meta40 many.py", timeout=120)
 
 
 def test_a_sandbox_killed_during_a_command_drops_its_stream(env: Env) -> None:

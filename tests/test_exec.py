@@ -95,6 +95,38 @@ def test_huge_output_is_bounded(api: httpx.Client, sandbox: str, server) -> None
     assert rss_kib < 400 * 1024, f"server RSS {rss_kib} KiB"
 
 
+def test_a_keyed_exec_is_replayed_when_small_and_refused_when_large(
+        api: httpx.Client, sandbox: str, server) -> None:
+    """An Idempotency-Key's answer is kept for a repeat up to 64 KiB; of a larger one only
+    that it was given, so its repeat is a 409 and the command never runs twice (review
+    29k K-M2: every answer up to 4 MiB was kept for 24 h)."""
+    import secrets
+    import sqlite3
+
+    tag = secrets.token_hex(4)
+    mark = f"/tmp/idem-{tag}"
+
+    def keyed(key: str, command: str) -> httpx.Response:
+        return api.post(f"/sandboxes/{sandbox}/exec", json={"command": command},
+                        headers={"Idempotency-Key": key})
+
+    small = f"echo ran >> {mark}; echo small"
+    first, again = keyed(f"small-{tag}", small), keyed(f"small-{tag}", small)
+    assert first.status_code == again.status_code == 200, again.text
+    assert again.headers["idempotent-replayed"] == "true" and again.json() == first.json()
+    large = f"echo ran >> {mark}; head -c 100000 /dev/zero | tr '\\0' a"
+    first, again = keyed(f"large-{tag}", large), keyed(f"large-{tag}", large)
+    assert first.status_code == 200 and first.json()["stdout"] == "a" * 100_000
+    assert again.status_code == 409, again.text
+    assert again.json()["error"]["code"] == "conflict"
+    assert "64 KiB" in again.json()["error"]["message"]
+    assert run(api, sandbox, command=f"cat {mark}")["stdout"] == "ran\n" * 2
+    with sqlite3.connect(server.data_dir / "hangar.db") as con:
+        sizes = dict(con.execute("SELECT key, length(body) FROM idempotency_keys "
+                                 "WHERE key LIKE ?", (f"%-{tag}",)).fetchall())
+    assert sizes[f"large-{tag}"] == 0 and 0 < sizes[f"small-{tag}"] < 1024
+
+
 def test_orphans_are_reaped(api: httpx.Client, sandbox: str) -> None:
     run(api, sandbox, command="for i in $(seq 100); do (sleep 0.1 &) ; done")
     time.sleep(2)

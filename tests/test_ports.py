@@ -23,6 +23,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
 from conftest import Server, Waits, cleanup, free_port, make_data_dir
+from loop_stalls import HealthWatch
 
 from hangar.client import Hangar, Sandbox
 
@@ -223,44 +224,6 @@ def test_an_answer_cut_short_never_looks_complete(web) -> None:
 
 
 # -- WebSockets --------------------------------------------------------------------------------
-
-
-class HealthWatch:
-    """``/health``'s answer times, sampled every 20 ms in a thread while in use; ``idle``:
-    the slowest of 20 taken just before, this machine's own figure under its load now."""
-
-    def __init__(self, url: str) -> None:
-        import threading
-
-        self.url, self.times, self.idle = url, [], 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=30) as h:
-            while not self._stop.is_set():
-                t = time.monotonic()
-                h.get("/health")
-                self.times.append(time.monotonic() - t)
-                self._stop.wait(0.02)
-
-    def __enter__(self) -> HealthWatch:
-        with httpx.Client(base_url=self.url, timeout=30) as h:
-            idle = []
-            for _ in range(20):
-                t = time.monotonic()
-                h.get("/health")
-                idle.append(time.monotonic() - t)
-        self.idle = max(idle)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def worst(self) -> float:
-        return max(self.times, default=0.0)
 
 
 def test_hostile_answers_leave_the_loop_free(web) -> None:

@@ -270,3 +270,32 @@ def test_idempotency_records_are_per_api_key_and_expire(tmp_path: Path) -> None:
     store.save(alice, "k1", h, 201, "application/json", b'{"id": "sb-2"}')  # reusable then
     found = store.find(alice, "k1")
     assert found is not None and found.body == b'{"id": "sb-2"}'
+
+
+def test_idempotency_records_are_bounded_per_api_key(tmp_path: Path) -> None:
+    """Each API key keeps its latest records within ``max_rows`` and ``max_bytes``; past
+    either, its oldest go (to three quarters of both) and other keys keep theirs; a record
+    of an answer not kept holds no body (review 29k K-M2)."""
+    from sqlalchemy import create_engine
+
+    from hangar.core.idempotency import OWNER_BYTES, OWNER_ROWS, IdempotencyStore, owner_of
+
+    assert (OWNER_ROWS, OWNER_BYTES) == (10_000, 16 << 20)
+    store = IdempotencyStore(create_engine(f"sqlite:///{tmp_path / 'db'}"), max_rows=8,
+                             max_bytes=4000)
+    alice, bob, carol = owner_of("key-a"), owner_of("key-b"), owner_of("key-c")
+    store.save(bob, "b0", "h", 201, "application/json", b"x" * 100)
+    for i in range(9):  # the ninth is one row too many: down to six
+        store.save(alice, f"r{i}", "h", 201, "application/json", b"x" * 10)
+    assert [k for k in (f"r{i}" for i in range(9)) if store.find(alice, k)] == [
+        f"r{i}" for i in range(3, 9)]
+    for i in range(5):  # the fifth makes 5000 bytes: down to 3000
+        store.save(carol, f"c{i}", "h", 201, "application/json", b"y" * 1000)
+    assert [k for k in (f"c{i}" for i in range(5)) if store.find(carol, k)] == [
+        "c2", "c3", "c4"]
+    store.save(alice, "large", "h", 200, "application/json", b"")
+    rec = store.find(alice, "large")
+    assert rec is not None and not rec.kept and rec.status == 200
+    found = store.find(bob, "b0")
+    assert found is not None and found.kept
+

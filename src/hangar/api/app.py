@@ -68,7 +68,8 @@ def create_app(settings: Settings | None = None, *, keys: KeyRing | None = None,
         version=__version__,
         description="MicroVM sandboxes for AI agents. Every path but /health needs X-API-Key. "
                     "A POST with an Idempotency-Key header is acted on once: a repeat within "
-                    "24 h gets the first answer, the same key with another request 422.",
+                    "24 h gets the first answer (409 when it was over 64 KiB, not kept), "
+                    "the same key with another request 422.",
         lifespan=lifespan,
     )
     app.state.keys = keys

@@ -57,7 +57,9 @@ class Command:
     adds to the guest's base environment; ``cwd`` defaults to ``HOME``.
     ``timeout_s``: seconds until the command is killed (None: the guest's
     maximum, 24 h). ``head``/``tail``: bytes of each output stream kept from
-    its start and its end (None: the guest's default).
+    its start and its end (None: the host's own small capture, 64 KiB and 4 KiB,
+    ``hangar.engines.agent_client.OWN_HEAD``; a guest that answers with more fails
+    the call with GuestError).
     """
 
     command: str | None = None

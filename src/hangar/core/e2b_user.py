@@ -257,19 +257,27 @@ type), with their metadata from ``_META_PL`` where the image has perl, else all 
 ``_OWNER_PY`` where it has python3, else without metadata."""
 
 
-async def owners(manager: SandboxManager, sandbox_id: str,
-                 paths: list[str]) -> dict[str, Owner]:
+async def owners(manager: SandboxManager, sandbox_id: str, paths: list[str],
+                 max_pairs: int | None = None) -> dict[str, Owner]:
     """The ``Owner`` of each absolute path of ``paths`` that exists, read in the guest (one
-    short command per ``OWNERS_BATCH`` paths). Raises the guest call's errors."""
+    short command per ``OWNERS_BATCH`` paths). With ``max_pairs``, stops asking once the
+    paths read so far hold more than that many metadata pairs (``metadata_pairs``: the
+    caller, which refuses such an answer, then finds them over). Raises the guest call's
+    errors."""
     out: dict[str, Owner] = {}
+    pairs = 0
     for i in range(0, len(paths), OWNERS_BATCH):
         batch = paths[i:i + OWNERS_BATCH]
         r = await manager.exec(sandbox_id, Command(
             command="/bin/sh", args=["-c", _OWNER_SH, "sh", _OWNER_PY, _META_PL, *batch],
-            timeout_s=60, head=1 << 20))
+            timeout_s=60, head=1 << 20, tail=0))
         head = r.stdout.head
-        out.update(_records(head) if len(head) <= RECORDS_ONLOOP
-                   else await asyncio.to_thread(_records, head))
+        got = (_records(head) if len(head) <= RECORDS_ONLOOP
+               else await asyncio.to_thread(_records, head))
+        out.update(got)
+        pairs += metadata_pairs(got)
+        if max_pairs is not None and pairs > max_pairs:
+            break
     return out
 
 
@@ -319,8 +327,14 @@ def _bounded(meta: dict[str, str] | None) -> dict[str, str] | None:
 
 
 def metadata_chars(who: dict[str, Owner]) -> int:
-    """Characters of the metadata of all of ``who`` (a ListDir's budget counts them)."""
+    """Characters of the metadata of all of ``who`` (a ListDir's budget counts them): one
+    step a pair, so count ``metadata_pairs`` first."""
     return sum(len(k) + len(v) for o in who.values() for k, v in (o.metadata or {}).items())
+
+
+def metadata_pairs(who: dict[str, Owner]) -> int:
+    """Key-value pairs of the metadata of all of ``who``: one step a path."""
+    return sum(len(o.metadata) for o in who.values() if o.metadata)
 
 
 def _hex_pairs(text: str) -> dict[str, str]:

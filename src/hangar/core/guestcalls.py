@@ -87,6 +87,7 @@ from hangar.schemas.bounds import PORT_MAX, PORT_MIN
 from hangar.engines.agent_client import (
     AgentClient, Deadlines, ExecEvent, ExecResult, GuestFile, Tunnel,
 )
+from hangar.turns import mapped
 
 log = logging.getLogger("hangar.sandboxes")
 
@@ -454,10 +455,11 @@ class GuestCalls:
     async def list_dir(self, sandbox_id: str, path: str = HOME) -> FileList:
         """A folder's absolute ``path`` and its ``entries`` (``FileEntry``), sorted by
         name. Relative paths start at ``HOME``. Raises NotFound, InvalidRequest (not a
-        folder, a bad path)."""
+        folder, a bad path). The entries are converted ``hangar.turns.EVERY`` at a time, with
+        turns of the loop between (16,000 held it 0.2-0.4 s at once, review 29k K-H3)."""
         async with self.using(sandbox_id) as agent:
             folder = await agent.list_dir(path)
-        return FileList(path=folder.path, entries=[_entry(e) for e in folder.entries])
+        return FileList(path=folder.path, entries=await mapped(_entry, folder.entries))
 
     async def stat(self, sandbox_id: str, path: str) -> FileEntry:
         """One file's entry (a symlink's own, not its target's). Raises NotFound."""

@@ -11,6 +11,16 @@ right. The table lives in the server's SQLite database (``hangar.db``)
 beside the sandbox records; rows older than ``ttl_s`` are ignored and
 purged.
 
+Bounds (review 29k K-M2: 3.6 MiB answers for 24 h, without limit, were a
+way to fill the data folder). The API keeps an answer of at most
+``hangar.api.idempotency.MAX_STORED`` bytes; of a larger one only the fact
+that it ran, a record with an empty ``body`` (``kept`` false), so a repeat
+is refused (409) rather than run twice. Each API key holds at most
+``max_rows`` records and ``max_bytes`` of sealed answers: past either, its
+oldest records are dropped (down to three quarters of both, so the trim is
+rare), and a repeat of a dropped key runs as a new request. ``save`` is
+blocking database work: callers on the event loop run it in a thread.
+
 Answers can hold secrets (a private port's signed URL, a sandbox's envd
 access token), so a stored answer is *sealed*: encrypted and authenticated
 with AES-256-GCM (``cryptography``) under a key derived from the caller's
@@ -31,14 +41,21 @@ import time
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from sqlalchemy import Engine, Float, Integer, LargeBinary, String, delete
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+from sqlalchemy import Engine, Float, Integer, LargeBinary, String, delete, func, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 SEALED = b"hs1:"
 """Prefix of a sealed body: version 1 (12-byte nonce, then AES-GCM's ciphertext and tag)."""
 TTL_S = 24 * 3600.0
 """Seconds a key is remembered (the agent platforms' contract: 24 h)."""
 MAX_KEY_LEN = 255
+OWNER_ROWS = 10_000
+"""Most records one API key holds: a retry comes seconds after its first try (the SDK's
+after 1 s and 3 s), and 10,000 is over 15 minutes of ten keyed creates a second."""
+OWNER_BYTES = 16 << 20
+"""Most bytes of sealed answers one API key holds: 256 answers of the largest kept size
+(64 KiB), thousands of creates' (1 to 2 KiB each); with ``OWNER_ROWS`` (a row's own
+columns take under 1 KiB) under 30 MiB of the database per key."""
 
 
 class Base(DeclarativeBase):
@@ -57,8 +74,13 @@ class IdempotencyRecord(Base):
     status: Mapped[int] = mapped_column(Integer)
     content_type: Mapped[str] = mapped_column(String(128))
     body: Mapped[bytes] = mapped_column(LargeBinary)
-    """The answer, sealed (``seal``)."""
+    """The answer, sealed (``seal``); empty when it was too large to keep (``kept``)."""
     created_at: Mapped[float] = mapped_column(Float, index=True)
+
+    @property
+    def kept(self) -> bool:
+        """Whether the answer is here to replay (else only the fact that it was given)."""
+        return bool(self.body)
 
 
 def owner_of(api_key: str) -> str:
@@ -106,8 +128,10 @@ def request_hash(method: str, path: str, query: str, body: bytes) -> str:
 class IdempotencyStore:
     """Records in the server's database (its SQLAlchemy engine); one short session per call."""
 
-    def __init__(self, engine: Engine, ttl_s: float = TTL_S) -> None:
+    def __init__(self, engine: Engine, ttl_s: float = TTL_S, max_rows: int = OWNER_ROWS,
+                 max_bytes: int = OWNER_BYTES) -> None:
         self.ttl_s = ttl_s
+        self.max_rows, self.max_bytes = max_rows, max_bytes
         Base.metadata.create_all(engine)
         self._session = sessionmaker(engine, expire_on_commit=False)
 
@@ -121,10 +145,31 @@ class IdempotencyStore:
 
     def save(self, owner: str, key: str, req_hash: str, status: int, content_type: str,
              body: bytes) -> None:
-        """Remember an answer (replacing an expired record of the key) and purge old ones."""
+        """Remember an answer (``body`` sealed, or empty: given but not kept), replacing an
+        expired record of the key; purge expired records, and ``owner``'s oldest when it
+        holds over ``max_rows`` records or ``max_bytes`` of bodies. Blocking (SQLite)."""
         now = time.time()
+        rec = IdempotencyRecord.__table__.c
         with self._session() as s, s.begin():
-            s.execute(delete(IdempotencyRecord).where(
-                IdempotencyRecord.created_at < now - self.ttl_s))
+            s.execute(delete(IdempotencyRecord).where(rec.created_at < now - self.ttl_s))
             s.merge(IdempotencyRecord(owner=owner, key=key, request_hash=req_hash, status=status,
                                       content_type=content_type, body=body, created_at=now))
+            s.flush()
+            rows, size = s.execute(select(func.count(), func.coalesce(func.sum(
+                func.length(rec.body)), 0)).where(rec.owner == owner)).one()
+            if rows > self.max_rows or size > self.max_bytes:
+                self._trim(s, owner)
+
+    def _trim(self, s: Session, owner: str) -> None:
+        """Drop ``owner``'s oldest records until it holds three quarters of both bounds."""
+        rec = IdempotencyRecord.__table__.c
+        rows_left, bytes_left = self.max_rows * 3 // 4, self.max_bytes * 3 // 4
+        drop: list[str] = []
+        for key, size in s.execute(select(rec.key, func.length(rec.body)).where(
+                rec.owner == owner).order_by(rec.created_at.desc())):
+            rows_left, bytes_left = rows_left - 1, bytes_left - (size or 0)
+            if rows_left < 0 or bytes_left < 0:
+                drop.append(key)
+        for i in range(0, len(drop), 500):  # SQLite's bound parameters per statement
+            s.execute(delete(IdempotencyRecord).where(
+                rec.owner == owner, rec.key.in_(drop[i:i + 500])))

@@ -59,6 +59,11 @@ MAX_LINE_BYTES = 64 << 20
 LINE_HOLD_BYTES = 1 << 20
 """Longest part of a line held before it is passed on in pieces, bytes: so a stream holds at
 most about this much in the server, however long its lines."""
+LINES_SLICE = 64 << 10
+"""Bytes of complete lines split and filtered between two turns of the loop (one read may
+hold the tunnel's window, 1 MiB: 1 MiB of short lines cost about 110 ms at once, review 29k
+K-L2; 64 KiB of them about 7 ms). A line longer than this is taken whole with the ones
+before it (a few C steps: its length is not what costs)."""
 REQUEST_S = 300.0
 """Longest a context call may take, seconds: one that finds no spare kernel ready waits for
 the one starting (up to the server's ``SPARE_WAIT_S``, 240 s, under this)."""
@@ -230,10 +235,11 @@ def _line(kind: str, **fields: Any) -> bytes:
 
 async def _lines(stack: AsyncExitStack, tunnel: Tunnel, rest: bytes, sandbox_id: str,
                  timeout: float | None) -> AsyncIterator[bytes]:
-    """The server's lines as they come, the complete ones of each read from the guest as
-    one piece (blank ones left out), with a turn of the loop after each (a read of many
-    short lines, the guest's to write, was one send each: 1 MiB of them held the loop about
-    a second, review 29h H-H3). A line longer than ``LINE_HOLD_BYTES`` is passed on in
+    """The server's lines as they come, the complete ones of each read from the guest in
+    pieces of about ``LINES_SLICE`` bytes (blank ones left out), with a turn of the loop
+    after each (a read of many short lines, the guest's to write, was one send each: 1 MiB
+    of them held the loop about a second, review 29h H-H3; one piece a read, 110 ms, 29k
+    K-L2). A line longer than ``LINE_HOLD_BYTES`` is passed on in
     pieces as its bytes arrive (the client gets the same bytes), so no line is held whole;
     one over ``MAX_LINE_BYTES`` is cut: a newline, then an ``OutputTooLarge`` error line."""
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -242,8 +248,7 @@ async def _lines(stack: AsyncExitStack, tunnel: Tunnel, rest: bytes, sandbox_id:
     passed = 0  # bytes of the current line already passed on
     try:
         while True:
-            last = buf.rfind(b"\n")
-            if last >= 0:
+            while (last := _slice_end(buf)) >= 0:
                 block = bytes(buf[:last + 1])
                 del buf[:last + 1]
                 lines = block.split(b"\n")[:-1]
@@ -287,6 +292,14 @@ async def _lines(stack: AsyncExitStack, tunnel: Tunnel, rest: bytes, sandbox_id:
                                                   traceback="")
     finally:
         await stack.aclose()
+
+
+def _slice_end(buf: bytearray) -> int:
+    """Where the next piece of complete lines of ``buf`` ends (the index of its last
+    newline): the last newline of the first ``LINES_SLICE`` bytes, else the first one after
+    them; -1 when ``buf`` holds no complete line."""
+    last = buf.rfind(b"\n", 0, LINES_SLICE)
+    return last if last >= 0 else buf.find(b"\n", LINES_SLICE)
 
 
 def _too_large() -> bytes:

@@ -44,9 +44,11 @@ from hangar.core.secrets import with_env
 from hangar.core.commands import Command
 from hangar.core.guestcalls import GuestCalls
 from hangar.engines.agent_client import ProcessStream, ProcInfo, ProcSignalled, proc_meta
+from hangar.engines.agent_client.processes import PROCS_EVERY
 from hangar.core.lifecycle import State
 from hangar.errors import Conflict, GuestError, InvalidRequest
 from hangar.schemas import ProcessInfo
+from hangar.turns import mapped
 
 __all__ = ["ProcSignalled", "ProcessInfo", "ProcessOutput", "Processes", "info_of"]
 
@@ -128,9 +130,10 @@ class Processes:
                 yield item
 
     async def list(self, sandbox_id: str) -> list[ProcessInfo]:
-        """Every entry of the guest's table, oldest first."""
+        """Every entry of the guest's table, oldest first (converted ``PROCS_EVERY`` at a
+        time, with turns of the loop between)."""
         async with self.calls.using(sandbox_id) as agent:
-            return [info_of(p) for p in await agent.list_processes()]
+            return await mapped(info_of, await agent.list_processes(), PROCS_EVERY)
 
     async def attach(self, sandbox_id: str, pid: int | None = None, tag: str | None = None,
                      *, replay: bool = False,

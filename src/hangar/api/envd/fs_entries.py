@@ -14,8 +14,10 @@ user (what they make is its own). Move renames (the destination's folder
 must exist; an existing file there is replaced). Remove of a missing path
 succeeds, as E2B's does. ListDir goes ``depth`` levels down (0 and 1: the
 folder's own entries) and lists in a walk's order (each folder before its
-entries, names sorted), at most ``MAX_ENTRIES`` entries and ``MAX_LIST_CHARS`` characters of paths and names (past either
-``resource_exhausted`` naming it).
+entries, names sorted), at most ``MAX_ENTRIES`` entries, ``MAX_LIST_CHARS`` characters of
+paths, names and metadata and ``MAX_METADATA_PAIRS`` metadata pairs (past any
+``resource_exhausted`` naming it). Its entries are built a slice at a time with turns of the
+event loop between (``hangar.turns``), and encoded so too (``connect.Codec.encode_async``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import posixpath
 import stat as stat_mod
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from google.protobuf.message import Message
 
@@ -33,12 +35,18 @@ from hangar.api.envd.connect import Call, Method, RpcError, rpc_error
 from hangar.api.envd.messages import FS
 from hangar.core.service import Command, FileEntry, HOME, e2b_user
 from hangar.errors import HangarError, NotFound
+from hangar.turns import extend, mapped
 
 MAX_ENTRIES = 10_000
 """Most entries one ListDir returns."""
 MAX_LIST_CHARS = 4 << 20
 """Most characters of paths and names one ListDir returns (its answer and the entries
 it holds in memory are a few times that)."""
+MAX_METADATA_PAIRS = 20_000
+"""Most metadata key-value pairs of one answer's entries (ListDir's, a poll's): each pair
+costs about what an entry costs to build and encode, and the character budget alone let
+10,000 files of 64 one-character keys through, 640,000 pairs (1.3-1.6 s to encode, review
+29k K-H3). Two pairs a file of a full listing."""
 MAX_DEPTH = 32
 LIST_AT_ONCE = 4
 """Most ListDir answers built at once for one sandbox (each may hold tens of MiB while it is
@@ -104,18 +112,24 @@ def entry_info(e: FileEntry, who: e2b_user.Owner | None = None) -> Any:
 
 
 async def entry_infos(env: Any, entries: list[FileEntry],
-                      budget: int | None = None) -> Iterator[Any]:
-    """The ``EntryInfo`` of each of ``entries`` (made one at a time as the iterator is
-    read), their owners read in the guest at once. Raises the guest call's errors, and
-    RpcError (``resource_exhausted``) when their metadata (what the guest set, each file's
-    bounded: ``e2b_user.METADATA_READ_KEYS``) comes to more than ``budget`` characters."""
-    who = await e2b_user.owners(env.manager, env.sandbox_id, [e.path for e in entries])
+                      budget: int | None = None) -> list[Any]:
+    """The ``EntryInfo`` of each of ``entries``, their owners read in the guest at once,
+    built ``hangar.turns.EVERY`` at a time with turns of the loop between. Raises the guest
+    call's errors, and with a ``budget`` RpcError (``resource_exhausted``) when their
+    metadata (what the guest set, each file's bounded: ``e2b_user.METADATA_READ_KEYS``)
+    holds more than ``MAX_METADATA_PAIRS`` pairs or ``budget`` characters."""
+    who = await e2b_user.owners(env.manager, env.sandbox_id, [e.path for e in entries],
+                                max_pairs=None if budget is None else MAX_METADATA_PAIRS)
+    if budget is not None and e2b_user.metadata_pairs(who) > MAX_METADATA_PAIRS:
+        raise RpcError("resource_exhausted",
+                       f"the files hold more than {MAX_METADATA_PAIRS} metadata pairs, the "
+                       "most one answer carries: list a smaller depth")
     if budget is not None and e2b_user.metadata_chars(who) > budget:
         raise RpcError("resource_exhausted",
                        f"the file metadata is over the {budget} characters left of this "
                        f"answer's {MAX_LIST_CHARS} (paths, names and metadata): list a "
                        "smaller depth")
-    return (entry_info(e, who.get(e.path)) for e in entries)
+    return await mapped(lambda e: entry_info(e, who.get(e.path)), entries)
 
 
 async def as_user(env: Any, argv: list[str], what: str) -> None:
@@ -206,7 +220,7 @@ async def _list(env: Any, top: str, depth: int) -> Message:
                     todo.append((e.path, level + 1))
         found.sort(key=lambda e: e.path.split("/"))  # a walk's order, as E2B's envd lists
         res = FS.ListDirResponse()
-        res.entries.extend(await entry_infos(env, found, budget=MAX_LIST_CHARS - chars))
+        await extend(res.entries, await entry_infos(env, found, budget=MAX_LIST_CHARS - chars))
     except HangarError as exc:
         raise rpc_error(exc) from None
     return res

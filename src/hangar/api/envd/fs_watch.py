@@ -46,6 +46,7 @@ from hangar.api.envd.fs_entries import absolute, entry_infos
 from hangar.api.envd.messages import FS
 from hangar.core.service import FileEvent
 from hangar.errors import HangarError
+from hangar.turns import Turns, extend
 
 log = logging.getLogger("hangar.envd")
 MAX_EVENTS = 10_000
@@ -108,8 +109,10 @@ _WITH_ENTRY = frozenset({FS.EVENT_TYPE_CREATE, FS.EVENT_TYPE_WRITE, FS.EVENT_TYP
 
 async def with_entries(env: Any, root: str, events: list[Any]) -> None:
     """Set the ``entry`` of each CREATE, WRITE and CHMOD event of ``events`` (of the watch
-    of ``root``) whose path is there now: one stat a path and one read of their owners.
-    Best effort: a path gone, or a guest call that fails, leaves events without one."""
+    of ``root``) whose path is there now: one stat a path and one read of their owners,
+    the entries set a slice at a time with turns of the loop between (``hangar.turns``).
+    Best effort: a path gone, a guest call that fails, or more metadata than an answer
+    carries (``fs_entries.entry_infos``), leaves events without one."""
     paths = {posixpath.join(root, ev.name) for ev in events if ev.type in _WITH_ENTRY}
     found = []
     for path in sorted(paths):
@@ -122,10 +125,12 @@ async def with_entries(env: Any, root: str, events: list[Any]) -> None:
                                                                budget=MAX_EVENT_CHARS)}
     except (HangarError, RpcError):  # best effort: too much metadata gives no entries
         return
+    turns = Turns()
     for ev in events:
         info = infos.get(posixpath.join(root, ev.name)) if ev.type in _WITH_ENTRY else None
         if info is not None:
             ev.entry.CopyFrom(info)
+        await turns.tick()
 
 
 async def _folder(env: Any, root: str) -> None:
@@ -328,7 +333,9 @@ async def get_watcher_events(req: Any, call: Call) -> Message:
         raise rpc_error(w.error)
     if w.include_entry and events:
         await with_entries(env, w.root, events)
-    return FS.GetWatcherEventsResponse(events=events)
+    res = FS.GetWatcherEventsResponse()
+    await extend(res.events, events)  # up to MAX_EVENTS, each copied
+    return res
 
 
 async def remove_watcher(req: Any, call: Call) -> Message:

@@ -33,6 +33,7 @@ from hangar.core.service import (
     GONE, Command, ProcessInfo, ProcessOutput, State, e2b, e2b_user,
 )
 from hangar.errors import HangarError
+from hangar.turns import Turns
 
 
 def selector(sel: Any) -> dict[str, Any]:
@@ -133,7 +134,9 @@ async def list_processes(req: Any, call: Call) -> Message:
     except HangarError as exc:
         raise rpc_error(exc) from None
     res = P.ListResponse()
+    turns = Turns()  # up to 1,024 entries of 256 arguments and variables: ~20 us each
     for p in procs:
+        await turns.tick()
         if p.state != "running" or p.origin != "start":
             continue
         info = res.processes.add(pid=p.pid)

@@ -259,7 +259,8 @@ class Hangar(
         command's plus a margin. Not retried unless ``retry=True`` (a
         command may have side effects); a retried exec carries an
         ``Idempotency-Key``, so the server runs it once and answers repeats
-        with the first result. Raises NotFound, Conflict, Timeout.
+        with the first result (a result of over 64 KiB of JSON is not kept:
+        a repeat of it raises Conflict). Raises NotFound, Conflict, Timeout.
         """
         body = _core.exec_body(command, list(args) if args is not None else None, env, cwd,
                                stdin, timeout, max_output, show_command)

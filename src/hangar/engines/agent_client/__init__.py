@@ -25,7 +25,8 @@ guest. One module per job:
                 entry of the guest's table), ``ProcEvent``, ``ProcessStream``
                 (an attached output) and the start request (``proc_meta``)
     results     ``ExecResult``, ``StreamCapture``, ``ExecEvent``, ``PtyExit``
-                and the exec request (``exec_meta``)
+                and the exec request (``exec_meta``; ``OWN_HEAD``/``OWN_TAIL``,
+                the capture of an exec that names none)
 
 Bounds. A guest is hostile, so nothing it sends is buffered without bound:
 
@@ -40,6 +41,9 @@ Bounds. A guest is hostile, so nothing it sends is buffered without bound:
 * A consumer that gives up (an iterator closed early, an HTTP client gone)
   CANCELs the call in the guest: an exec's process group is killed, a file
   or socket closed, a terminal hung up, a watch stopped.
+* An exec's captured output is what its request asked for at most
+  (``head`` + ``tail`` bytes a stream; ``OWN_HEAD``/``OWN_TAIL`` when it
+  names none): an answer with more is a ``GuestError``, never read.
 * A HELLO with another ``boot_id`` on an open connection means the agent
   restarted: every open call fails at once instead of waiting for its
   deadline.
@@ -86,6 +90,9 @@ from hangar.engines.agent_client.processes import (
     proc_meta,
 )
 from hangar.engines.agent_client.results import (
+    OWN_HEAD,
+    OWN_TAIL,
+    CaptureTooLong,
     ExecEvent,
     ExecResult,
     PtyExit,
@@ -96,6 +103,9 @@ from hangar.engines.agent_client.streams import PtyChannel, Tunnel, WatchChannel
 
 __all__ = [
     "ERRORS",
+    "OWN_HEAD",
+    "OWN_TAIL",
+    "CaptureTooLong",
     "PROBE_CHANNEL_BASE",
     "AgentChannel",
     "AgentClient",

@@ -27,12 +27,15 @@ from hangar.engines.agent_client.channel import Channel
 from hangar.engines.agent_client.files import FileCalls
 from hangar.engines.agent_client.machine import MachineCalls
 from hangar.engines.agent_client.processes import (
-    ProcessStream, ProcInfo, ProcSignalled, checked_info, proc_signalled,
+    PROCS_EVERY, ProcessStream, ProcInfo, ProcSignalled, checked_info, proc_signalled,
 )
-from hangar.engines.agent_client.results import ExecEvent, ExecResult, exec_result
+from hangar.engines.agent_client.results import (
+    OWN_HEAD, OWN_TAIL, CaptureTooLong, ExecEvent, ExecResult, exec_result,
+)
 from hangar.engines.agent_client.streams import PtyChannel, Tunnel, WatchChannel
 from hangar.errors import GuestError, HangarError
 from hangar.guest import protocol as P
+from hangar.turns import mapped
 
 
 class _SourceFailed(Exception):
@@ -101,11 +104,21 @@ class AgentClient(FileCalls, MachineCalls):
         ``Timeout``. Output waits in the guest while the caller has not
         taken it (at most ``WINDOW`` bytes wait here). Closing the iterator
         early cancels the call: the guest kills the command's process group.
+
+        A command without ``head`` or ``tail`` keeps ``OWN_HEAD`` and ``OWN_TAIL``
+        bytes of each stream; an answer with more than the request asked for
+        (``head + tail`` per stream; nothing in a streamed exec's result) raises
+        GuestError, unread.
         """
         timeout = meta.get("timeout")
         if timeout is None:
             timeout = self.deadlines.exec_max_s
-        meta = {**meta, "timeout": timeout, "stdin": stdin is not None}
+        head = int(meta["head"] if meta.get("head") is not None else OWN_HEAD)
+        tail = int(meta["tail"] if meta.get("tail") is not None else OWN_TAIL)
+        meta = {**meta, "timeout": timeout, "stdin": stdin is not None, "head": head,
+                "tail": tail}
+        if meta.get("stream"):
+            head = tail = 0  # the output comes as DATA; the result carries counts only
         ch = self._open("exec")
         sender: asyncio.Task[int] | None = None
         try:
@@ -120,7 +133,10 @@ class AgentClient(FileCalls, MachineCalls):
                     yield ExecEvent(kind, frame.data)
                 elif frame.kind == P.Kind.RESPONSE:
                     try:
-                        result = exec_result(frame)
+                        result = exec_result(frame, head, tail)
+                    except CaptureTooLong as exc:
+                        raise GuestError("the guest agent answered an exec with more output "
+                                         f"than was asked for: {exc}") from None
                     except (TypeError, ValueError, AttributeError):
                         raise GuestError("the guest agent sent a malformed exec result") from None
                     yield ExecEvent("exit", result=result)
@@ -261,12 +277,15 @@ class AgentClient(FileCalls, MachineCalls):
         return ProcessStream(self, ch, _frame_info(ch, frame))
 
     async def list_processes(self) -> list[ProcInfo]:
-        """The guest's table, oldest first (at most 64 entries)."""
+        """The guest's table, oldest first (at most 64 entries; a hostile guest's, up to
+        1,024 of up to 256 arguments each, read ``PROCS_EVERY`` at a time with turns of
+        the loop between)."""
         meta = await self._plain({"op": "proc_list"})
         entries = meta.get("processes")
         if not isinstance(entries, list):
             raise GuestError("the guest agent sent a malformed process list")
-        return [checked_info(e if isinstance(e, dict) else {}) for e in entries[:1024]]
+        return await mapped(lambda e: checked_info(e if isinstance(e, dict) else {}),
+                            entries[:1024], PROCS_EVERY)
 
     async def attach_process(self, pid: int | None = None, tag: str | None = None, *,
                              replay: bool = False, follow: bool = False) -> ProcessStream:

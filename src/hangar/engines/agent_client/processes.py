@@ -23,6 +23,10 @@ MAX_TEXT = 4096
 """Characters kept of any string a guest sends in an entry's info."""
 MAX_ITEMS = 256
 """Arguments and env variables kept of an entry's info."""
+PROCS_EVERY = 32
+"""Entries of a process list converted between two turns of the event loop: a hostile
+guest's list holds up to 1,024 entries of ``MAX_ITEMS`` arguments and variables each, about
+0.1 ms an entry to read and convert (1,000 held the loop ~100 ms at once, review 29j J-M1)."""
 
 
 @dataclass

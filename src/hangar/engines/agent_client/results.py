@@ -6,6 +6,13 @@ the meta in the frame's data), ``pty_exit`` reads a terminal's. Both raise
 ``ValueError`` or ``TypeError`` for a guest that sent something else, so a
 caller turns any malformed answer into one ``GuestError``.
 ``exec_meta`` builds the request those results answer.
+
+Captures are bounded by what the host asked, never by what the guest says:
+an exec asks for ``head`` and ``tail`` bytes of each stream (``OWN_HEAD`` and
+``OWN_TAIL`` when its caller gives none: the host's own commands), and
+``exec_result`` refuses (``CaptureTooLong``) a stream of more than
+``head + tail`` bytes, or a tail over ``tail``, however long the guest states
+it is (review 29k K-H4: up to the frame's 4 MiB otherwise, parsed on the loop).
 """
 
 from __future__ import annotations
@@ -14,6 +21,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hangar.guest import protocol as P
+
+OWN_HEAD = 64 << 10
+"""Bytes of each output stream an exec keeps from its start when its request names no
+``head`` (``AgentClient.exec_stream`` sets it): the host's own commands, whose output is a
+number, a few lines of ``/proc`` figures, an error message or a guest's ``env`` (a few
+KiB in a real guest). Callers that show output to a client (REST exec) ask for theirs."""
+OWN_TAIL = 4 << 10
+"""Bytes of each output stream kept from its end when the request names no ``tail``:
+room for the end of an error message past ``OWN_HEAD``."""
+
+
+class CaptureTooLong(ValueError):
+    """An exec answer whose captured stream is longer than its request asked for."""
 
 
 @dataclass
@@ -30,9 +50,21 @@ class StreamCapture:
     truncated: bool = False
 
     @classmethod
-    def from_frame(cls, m: dict[str, Any], data: memoryview) -> tuple[StreamCapture, memoryview]:
-        """Decode one capture whose bytes start ``data``; returns it and the rest."""
+    def from_frame(cls, m: dict[str, Any], data: memoryview, head: int, tail: int,
+                   ) -> tuple[StreamCapture, memoryview]:
+        """Decode one capture whose bytes start ``data``; returns it and the rest.
+
+        ``head`` and ``tail`` are the bytes the request asked to keep: a capture of
+        more than ``head + tail`` bytes, or a tail over ``tail``, raises
+        ``CaptureTooLong`` before any byte is copied (an honest guest keeps at most
+        ``head`` and ``tail``, and a whole output of up to ``head + tail`` bytes as its
+        head alone). ValueError or TypeError for lengths that are not counts."""
         h, t = int(m.get("head", 0)), int(m.get("tail", 0))
+        if h < 0 or t < 0:
+            raise ValueError("negative capture length")
+        if h + t > head + tail or t > tail:
+            raise CaptureTooLong(f"{h + t} bytes of output where at most {head + tail} "
+                                 f"were asked for ({head} of head, {tail} of tail)")
         cap = cls(head=bytes(data[:h]), tail=bytes(data[h:h + t]),
                   total=int(m.get("total", 0)), truncated=bool(m.get("truncated", False)))
         return cap, data[h + t:]
@@ -89,8 +121,9 @@ def exec_meta(
 
     ``timeout`` in seconds; ``head`` and ``tail`` in bytes kept of each
     captured stream; ``stream`` asks for output as it comes; ``stdin`` says
-    DATA frames of input follow. Unset options are left out (the guest's
-    defaults apply). See ``hangar.guest.agent`` for the operation itself.
+    DATA frames of input follow. Unset options are left out: ``AgentClient.exec_stream``
+    gives a missing ``timeout``, ``head`` or ``tail`` its own (``Deadlines.exec_max_s``,
+    ``OWN_HEAD``, ``OWN_TAIL``). See ``hangar.guest.agent`` for the operation itself.
     """
     meta: dict[str, Any] = {"op": "exec", "stream": stream, "stdin": stdin}
     if argv is not None:
@@ -111,12 +144,15 @@ def int_or_none(value: Any) -> int | None:
     raise ValueError(f"not an integer: {value!r}")
 
 
-def exec_result(frame: P.Frame) -> ExecResult:
-    """The exec result in a RESPONSE; ValueError, TypeError or AttributeError when
-    the guest sent something else."""
+def exec_result(frame: P.Frame, head: int, tail: int) -> ExecResult:
+    """The exec result in a RESPONSE whose request asked for ``head`` and ``tail`` bytes of
+    each stream (0 and 0 for a streamed exec, whose output came as DATA); ValueError,
+    TypeError or AttributeError when the guest sent something else, ``CaptureTooLong``
+    (a ValueError) when a stream is longer than asked."""
     meta = frame.meta
-    stdout, rest = StreamCapture.from_frame(meta.get("stdout", {}), memoryview(frame.data))
-    stderr, _ = StreamCapture.from_frame(meta.get("stderr", {}), rest)
+    stdout, rest = StreamCapture.from_frame(meta.get("stdout", {}), memoryview(frame.data),
+                                            head, tail)
+    stderr, _ = StreamCapture.from_frame(meta.get("stderr", {}), rest, head, tail)
     return ExecResult(
         exit_code=int_or_none(meta.get("exit_code")),
         signal=int_or_none(meta.get("signal")),
