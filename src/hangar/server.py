@@ -27,7 +27,8 @@ At start-up (the app's lifespan, before the first request is served):
    the ``MachineManager`` go on ``app.state`` (``manager``, ``machines``,
    ``metrics``, ``idempotency``);
 6. the manager starts (recovery, the reconcile loop, the warm pool), then
-   the node.
+   the node; then what start-up made is frozen out of the garbage collector's
+   generations (``gc.freeze``), so full collections scan only what requests make.
 
 At shutdown: the event bus closes (open streams end), then the node, then
 the manager (background work stops; sandboxes keep running).
@@ -35,6 +36,7 @@ the manager (background work stops; sandboxes keep running).
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -133,6 +135,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await manager.start()
         if node is not None:
             await node.start(manager)
+        # What start-up made (modules, the app, the routes: most of the heap) lives as long
+        # as the server: out of the collector's way, a full collection scans only what
+        # requests make (under load one over the whole heap held the loop 85-340 ms).
+        gc.freeze()
         try:
             yield
         finally:
