@@ -83,11 +83,15 @@ BUILD_PREFIX = "tpl-"
 FORGET_SECRETS = ("rm -f /etc/ssh/ssh_host_*_key /etc/ssh/ssh_host_*_key.pub; "
                   "rm -f /var/lib/systemd/random-seed; sync")
 """Run in the template VM before it is saved: per-host secrets are never in a template."""
-WARM_SHELL = "if [ -x /bin/bash ]; then /bin/bash -l -c true; fi"
+WARM_SHELL = ("if [ -x /bin/bash ]; then /bin/bash -l -c true; fi; "
+              "if command -v python3 >/dev/null; then "
+              "python3 -c 'import http.server, json, subprocess, urllib.request'; fi")
 """Run in the template VM before it is saved, so that bash, its libraries and the login
-scripts are in the saved page cache: E2B's SDK runs every command as ``/bin/bash -l -c``,
-and a clone's first one otherwise reads them from its disk under emulation (about 0.1 s
-under TCG). A failure here only logs."""
+scripts, and Python with the modules a sandbox's first script most often imports, are in
+the saved page cache: E2B's SDK runs every command as ``/bin/bash -l -c``, and a clone's
+first one otherwise reads them from its disk under emulation (about 0.1 s for bash, 0.6 s
+of a first ``python3 -c 'import http.server'``'s 2.3 s, under TCG). A failure here only
+logs."""
 
 
 class TemplateSnapshots:
