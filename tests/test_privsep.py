@@ -75,7 +75,7 @@ def test_http_server_is_unprivileged(srv: Server) -> None:
 
 def test_confined_sandbox_through_the_helper(srv: Server) -> None:
     with srv.client() as api:
-        r = api.post("/sandboxes", json={"memory_mib": 256})
+        r = api.post("/sandboxes", json={})
         assert r.status_code == 201, r.text
         sid = r.json()["id"]
         pid = vmm_pids(f"hangar-{sid}")[0]

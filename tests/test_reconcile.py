@@ -25,14 +25,14 @@ def test_a_slow_wake_delays_no_other_sandbox(base_image, waits: Waits) -> None: 
     try:
         srv.start()
         with srv.client() as c:
-            r = c.post("/machines/slow", json={"idle_timeout": 3600, "memory_mib": 256})
+            r = c.post("/machines/slow", json={"idle_timeout": 3600})
             assert r.status_code == 201, r.text
             m = r.json()["sandbox_id"]
             ids: list[str] = []
 
             def create() -> None:
                 with srv.client() as c2:
-                    r = c2.post("/sandboxes", json={"memory_mib": 256, "timeout": 600})
+                    r = c2.post("/sandboxes", json={"timeout": 600})
                     assert r.status_code == 201, r.text
                     ids.append(r.json()["id"])
 

@@ -141,10 +141,10 @@ def test_a_server_killed_at_any_step_comes_back_consistent(base_image) -> None:
     try:
         start(srv)
         with srv.client() as c:
-            r = c.post("/sandboxes", json={"memory_mib": 256, "timeout": 0})
+            r = c.post("/sandboxes", json={"timeout": 0})
             assert r.status_code == 201, r.text
             a = r.json()["id"]
-            r = c.post(f"/machines/{user}", json={"idle_timeout": 3600, "memory_mib": 256})
+            r = c.post(f"/machines/{user}", json={"idle_timeout": 3600})
             assert r.status_code == 201, r.text
             m = r.json()["sandbox_id"]
             run(c, a, "echo A > /root/who")
@@ -234,7 +234,7 @@ def test_a_machine_slept_by_a_server_that_never_spoke_to_it_wakes_at_once(base_i
     try:
         start(srv)
         with srv.client() as c:
-            r = c.post("/machines/asleep", json={"idle_timeout": 3600, "memory_mib": 256})
+            r = c.post("/machines/asleep", json={"idle_timeout": 3600})
             assert r.status_code == 201, r.text
             m = r.json()["sandbox_id"]
             run(c, m, "echo M > /root/who")
