@@ -234,27 +234,34 @@ _OWNER_PY = (
     ".encode('utf-8','surrogateescape'))\n")
 """Owners, symlinks and metadata of the paths in ``argv`` in one process, as ``_OWNER_SH``'s
 loop prints them with a fifth field: the metadata as a JSON object (empty when none)."""
-_META_PL = (
-    "use Config; my %n=(x86_64=>[192,195],aarch64=>[9,12]); "
-    "my ($g,$l)=@{$n{(split /-/,$Config{archname})[0]} || exit}; "
-    "for my $p (@ARGV) { my $b=\"\\0\"x65536; my $k=syscall($l,$p,$b,65536); next if $k<=0; "
-    "my @o; for my $x (split /\\0/, substr($b,0,$k)) { "
+_OWNER_PL = (
+    "use Config; use Cwd 'abs_path'; my %n=(x86_64=>[192,195],aarch64=>[9,12]); "
+    "my ($g,$l)=@{$n{(split /-/,$Config{archname})[0]} || [0,0]}; "
+    "for my $p (@ARGV) { my @s=lstat($p) or next; my ($t,$k)=('',''); "
+    "if (-l _) { $t=abs_path($p); if (!defined $t) { $t=readlink($p) // ''; "
+    "$t=($p=~m{^(.*)/} ? \"$1/\" : '').$t unless $t=~m{^/} } "
+    "$k=-d $p ? 'dir' : -f $p ? 'file' : '' } "
+    "if ($l) { my $b=\"\\0\"x65536; my $c=syscall($l,$p,$b,65536); if ($c>0) { my @o; "
+    "for my $x (split /\\0/, substr($b,0,$c)) { "
     f"next unless $x=~s/^{re.escape(METADATA_XATTR)}//s; my $v=\"\\0\"x65536; "
     f"my $m=syscall($g,$p,\"{METADATA_XATTR}$x\",$v,65536); "
     "push @o, unpack('H*',$x).':'.unpack('H*',substr($v,0,$m)) if $m>=0 } "
-    "print \"M\\t$p\\t\", join(',',@o), \"\\0\" if @o }")
-"""The metadata of the paths in ``argv`` (perl's ``syscall`` of ``lgetxattr`` and
-``llistxattr``: perl starts in a few milliseconds where python3 takes a tenth of a second,
-a second under emulation), one ``M<TAB>path<TAB>hexkey:hexvalue,...`` record a path that
-has any."""
-_OWNER_SH = ('py=$1 pl=$2; shift 2; if command -v perl >/dev/null; then perl -e "$pl" -- "$@"; '
+    "print \"M\\t$p\\t\", join(',',@o), \"\\0\" if @o } } "
+    "my ($u,$r)=(scalar getpwuid($s[4]), scalar getgrgid($s[5])); "
+    "print +($u // 'UNKNOWN').':'.($r // 'UNKNOWN').\"\\t$p\\t$t\\t$k\\0\" }")
+"""Owners, symlinks and metadata of the paths in ``argv`` in one perl process (perl starts in
+a few milliseconds where python3 takes a tenth of a second, a second under emulation, and
+``stat`` per path a tenth of a second each under emulation): a ``M<TAB>path<TAB>hexkey:hexvalue,...``
+record (``lgetxattr`` and ``llistxattr`` by ``syscall``) before the owner record of a path
+that has metadata, then ``owner:group<TAB>path<TAB>symlink target<TAB>its type``."""
+_OWNER_SH = ('py=$1 pl=$2; shift 2; if command -v perl >/dev/null; then exec perl -e "$pl" -- "$@"; '
              'elif command -v python3 >/dev/null; then exec python3 -I -S -c "$py" "$@"; fi; '
              'for p; do if [ -L "$p" ]; then t=$(readlink -f -- "$p" || true); '
              'k=; [ -d "$p" ] && k=dir; [ -f "$p" ] && k=file; else t=; k=; fi; '
              'printf "%s\\t%s\\t%s\\t%s\\0" "$(stat -c %U:%G -- "$p")" "$p" "$t" "$k"; done')
 """Owners and symlinks of the paths in ``argv`` (``owner:group``, path, symlink target, its
-type), with their metadata from ``_META_PL`` where the image has perl, else all of it from
-``_OWNER_PY`` where it has python3, else without metadata."""
+type), with their metadata: all of it from ``_OWNER_PL`` where the image has perl, else from
+``_OWNER_PY`` where it has python3, else from ``stat`` per path, without metadata."""
 
 
 async def owners(manager: SandboxManager, sandbox_id: str, paths: list[str],
@@ -269,8 +276,12 @@ async def owners(manager: SandboxManager, sandbox_id: str, paths: list[str],
     for i in range(0, len(paths), OWNERS_BATCH):
         batch = paths[i:i + OWNERS_BATCH]
         r = await manager.exec(sandbox_id, Command(
-            command="/bin/sh", args=["-c", _OWNER_SH, "sh", _OWNER_PY, _META_PL, *batch],
+            command="/bin/sh", args=["-c", _OWNER_SH, "sh", _OWNER_PY, _OWNER_PL, *batch],
             timeout_s=60, head=1 << 20, tail=0))
+        if r.timed_out or r.exit_code != 0:  # what it printed would name some paths only
+            raise GuestError(f"reading the owners of {len(batch)} paths in the guest "
+                             f"{'timed out' if r.timed_out else f'failed ({r.exit_code})'}",
+                             sandbox_id=sandbox_id)
         head = r.stdout.head
         got = (_records(head) if len(head) <= RECORDS_ONLOOP
                else await asyncio.to_thread(_records, head))
