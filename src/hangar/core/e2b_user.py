@@ -254,14 +254,16 @@ a few milliseconds where python3 takes a tenth of a second, a second under emula
 ``stat`` per path a tenth of a second each under emulation): a ``M<TAB>path<TAB>hexkey:hexvalue,...``
 record (``lgetxattr`` and ``llistxattr`` by ``syscall``) before the owner record of a path
 that has metadata, then ``owner:group<TAB>path<TAB>symlink target<TAB>its type``."""
-_OWNER_SH = ('py=$1 pl=$2; shift 2; if command -v perl >/dev/null; then exec perl -e "$pl" -- "$@"; '
-             'elif command -v python3 >/dev/null; then exec python3 -I -S -c "$py" "$@"; fi; '
+_OWNER_SH = ('py=$1 pl=$2; shift 2; '
+             'if command -v perl >/dev/null && perl -e "$pl" -- "$@"; then exit 0; fi; '
+             'if command -v python3 >/dev/null; then exec python3 -I -S -c "$py" "$@"; fi; '
              'for p; do if [ -L "$p" ]; then t=$(readlink -f -- "$p" || true); '
              'k=; [ -d "$p" ] && k=dir; [ -f "$p" ] && k=file; else t=; k=; fi; '
              'printf "%s\\t%s\\t%s\\t%s\\0" "$(stat -c %U:%G -- "$p")" "$p" "$t" "$k"; done')
 """Owners and symlinks of the paths in ``argv`` (``owner:group``, path, symlink target, its
-type), with their metadata: all of it from ``_OWNER_PL`` where the image has perl, else from
-``_OWNER_PY`` where it has python3, else from ``stat`` per path, without metadata."""
+type), with their metadata: all of it from ``_OWNER_PL`` where the image has perl (and it
+runs), else from ``_OWNER_PY`` where it has python3, else from ``stat`` per path, without
+metadata."""
 
 
 async def owners(manager: SandboxManager, sandbox_id: str, paths: list[str],
