@@ -148,7 +148,7 @@ class FakeFiles:
 
 def list_env(files: FakeFiles) -> Any:
     async def exec(*args: Any, **kw: Any) -> Any:
-        return SimpleNamespace(exit_code=0, stdout=SimpleNamespace(head=b""))
+        return SimpleNamespace(exit_code=0, timed_out=False, stdout=SimpleNamespace(head=b""))
     return SimpleNamespace(manager=SimpleNamespace(files=files, exec=exec),
                            sandbox_id="s", home="/home/user", user="user",
                            listings=fs_entries.Listings())
@@ -464,6 +464,33 @@ def test_owners_read_by_perl_python_or_stat_are_the_same(tmp_path: Path) -> None
 
     with pytest.raises(GuestError, match="timed out"):
         asyncio.run(e2b_user.owners(Manager(), "sb-x", ["/a", "/b"]))  # type: ignore[arg-type]
+
+
+def test_owner_records_of_paths_not_asked_about_are_refused_or_dropped() -> None:
+    """A guest's owner reader may print records of paths nobody asked about (a padded
+    answer: 1 MiB of tiny records a batch, kept and counted on the loop, held it 0.6 s and
+    400 MiB a ListDir, review 29l H1). More records than two a path asked about is a
+    GuestError before any is parsed; within that, records of other paths are dropped."""
+    from hangar.core.service import StreamCapture, e2b_user
+
+    batch = ["/home/user/a", "/home/user/b"]
+    padded = b"".join(b"a:b\t/x%d\t\t\0" % i for i in range(100_000))
+    answers = {"padded": padded,
+               "other": b"a:b\t/home/user/a\t\t\0a:b\t/etc/shadow\t\t\0"}
+
+    class Manager:
+        answer = "padded"
+
+        async def exec(self, sandbox_id: str, cmd: Any) -> Any:
+            return SimpleNamespace(stdout=StreamCapture(head=answers[self.answer]),
+                                   exit_code=0, timed_out=False)
+
+    m = Manager()
+    with pytest.raises(GuestError, match="more owner records"):
+        asyncio.run(e2b_user.owners(m, "sb-x", batch))  # type: ignore[arg-type]
+    m.answer = "other"
+    who = asyncio.run(e2b_user.owners(m, "sb-x", batch))  # type: ignore[arg-type]
+    assert list(who) == ["/home/user/a"]
 
 
 def test_a_context_list_past_its_cap_is_a_guest_error(monkeypatch: pytest.MonkeyPatch) -> None:

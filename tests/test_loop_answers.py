@@ -120,7 +120,8 @@ def owners_env(pairs: int = 2, **extra: Any) -> Any:
         await asyncio.sleep(0)
         recs = [f"M\t{p}\t{meta}\0user:user\t{p}\t\t\0" if pairs else f"user:user\t{p}\t\t\0"
                 for p in cmd.args[5:]]
-        return SimpleNamespace(exit_code=0, stdout=StreamCapture(head="".join(recs).encode()))
+        return SimpleNamespace(exit_code=0, timed_out=False,
+                               stdout=StreamCapture(head="".join(recs).encode()))
 
     env = SimpleNamespace(manager=SimpleNamespace(exec=exec, **extra), sandbox_id="s",
                           home="/home/user", user="user", listings=fs_entries.Listings(),
