@@ -183,3 +183,39 @@ def test_background_process_outlives_its_exec(api: httpx.Client, sandbox: str) -
     assert time.monotonic() - started < 10, "the exec waits for the shell, not for its children"
     assert run(api, sandbox, command="kill -0 $(cat /tmp/bg.pid) && echo alive")["stdout"] == "alive\n"
     run(api, sandbox, command="kill $(cat /tmp/bg.pid)")
+
+
+def test_a_large_answer_is_streamed_as_the_same_json() -> None:
+    """An answer of more than ``STREAMED_ANSWER_BYTES`` of output is streamed a piece at a
+    time (so a client that does not read holds a piece of the server, not 22 MiB: review
+    29l H2), and says exactly what the model says: control characters, non-UTF-8 output
+    (``stdout_b64``), tails, and the fields left out when None. No piece costs the loop more
+    than a few ms of CPU."""
+    import asyncio
+
+    from hangar.api.sandboxes import (
+        STREAMED_ANSWER_BYTES, _answer_pieces, exec_answer, exec_response,
+    )
+    from hangar.core.service import ExecResult, StreamCapture
+    from loop_stalls import measured
+
+    out = StreamCapture(head=b"\x01\"\\\n" * (3 << 18), tail=b"\xff end", total=9 << 20,
+                        truncated=True)
+    err = StreamCapture(head="é".encode() * 1000, total=2000)
+    r = ExecResult(exit_code=3, signal=None, timed_out=False, duration_s=1.5, stdout=out,
+                   stderr=err)
+    assert len(out.head) > STREAMED_ANSWER_BYTES
+    small = ExecResult(exit_code=0, signal=None, timed_out=False, duration_s=0.1,
+                       stdout=StreamCapture(head=b"ok\n", total=3))
+    assert not hasattr(exec_answer(small), "body_iterator")  # the model, encoded at once
+    streamed = exec_answer(r)
+    assert hasattr(streamed, "body_iterator")
+
+    async def collect() -> list[bytes]:
+        return [piece async for piece in _answer_pieces(exec_response(r))]
+
+    pieces, stalls = asyncio.run(measured(collect()))
+    stalls.check_cpu(0.08)
+    want = exec_response(r).model_dump(exclude_none=True)
+    assert json.loads(b"".join(pieces)) == want
+    assert "signal" not in want and want["stdout_b64"] and want["stderr"] == "é" * 1000

@@ -6,10 +6,11 @@ from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import StreamingResponse
 
 from hangar.api.deps import placement
 from hangar.api.models import ExecRequest, ExecResponse, Machine, MachineList, MachineRequest
-from hangar.api.sandboxes import _meta, _shown, _stdin, exec_response
+from hangar.api.sandboxes import _meta, _shown, _stdin, exec_answer
 from hangar.core.service import CreateOptions, MachineManager, Placement
 
 router = APIRouter(prefix="/machines/{user_id}", tags=["machines"])
@@ -77,7 +78,8 @@ async def delete(user_id: str, mm: Machines) -> Response:
 
 @router.post("/exec", response_model=ExecResponse, response_model_exclude_none=True,
              summary="Run a command on the machine, waking it first if it sleeps")
-async def exec_(user_id: str, body: ExecRequest, mm: Machines) -> ExecResponse:
+async def exec_(user_id: str, body: ExecRequest,
+                mm: Machines) -> ExecResponse | StreamingResponse:
     m = mm.get(user_id)
-    return exec_response(await mm.sandboxes.exec(m.sandbox_id, _meta(body), _stdin(body),
-                                                 shown=_shown(body)))
+    return exec_answer(await mm.sandboxes.exec(m.sandbox_id, _meta(body), _stdin(body),
+                                               shown=_shown(body)))

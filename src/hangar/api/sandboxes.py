@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import codecs
 import dataclasses
@@ -134,11 +135,51 @@ def exec_response(r: ExecResult) -> ExecResponse:
     )
 
 
+STREAMED_ANSWER_BYTES = 64 << 10
+"""An exec answer whose output (head and tail of both streams) is over this many bytes is
+sent as JSON streamed ``ANSWER_PIECE`` characters of a string at a time: the ASGI server
+then writes a piece only once the client has taken the ones before (its flow control), so a
+client that does not read holds a piece of the server's memory, not the whole answer
+(review 29l H2: up to 22.5 MiB of JSON a request at the largest ``max_output``, for as many
+requests as the server takes connections)."""
+ANSWER_PIECE = 1 << 16
+"""Characters of one string of a streamed exec answer encoded at a time (a few ms)."""
+
+
+def exec_answer(r: ExecResult) -> ExecResponse | StreamingResponse:
+    """``exec_response(r)``, streamed (``_answer_pieces``) when its output is over
+    ``STREAMED_ANSWER_BYTES``: the same JSON object either way."""
+    answer = exec_response(r)
+    size = sum(len(c.head) + len(c.tail) for c in (r.stdout, r.stderr))
+    if size <= STREAMED_ANSWER_BYTES:
+        return answer
+    return StreamingResponse(_answer_pieces(answer), media_type="application/json")
+
+
+async def _answer_pieces(answer: ExecResponse) -> AsyncIterator[bytes]:
+    """``answer`` as JSON (``None`` fields left out, as the route's model says), its long
+    strings ``ANSWER_PIECE`` characters at a time with a turn of the loop between."""
+    sep = b"{"
+    for key, value in answer.model_dump(exclude_none=True).items():
+        head = sep + json.dumps(key).encode() + b":"
+        sep = b","
+        if not isinstance(value, str) or len(value) <= ANSWER_PIECE:
+            yield head + json.dumps(value, ensure_ascii=False).encode()
+            continue
+        yield head + b'"'
+        for at in range(0, len(value), ANSWER_PIECE):
+            yield json.dumps(value[at:at + ANSWER_PIECE], ensure_ascii=False)[1:-1].encode()
+            await asyncio.sleep(0)
+        yield b'"'
+    yield b"}"
+
+
 @router.post("/{sandbox_id}/exec", response_model=ExecResponse, response_model_exclude_none=True,
              summary="Run a command and return its result")
-async def exec_(sandbox_id: str, body: ExecRequest, m: Manager) -> ExecResponse:
+async def exec_(sandbox_id: str, body: ExecRequest,
+                m: Manager) -> ExecResponse | StreamingResponse:
     result = await m.exec(sandbox_id, _meta(body), _stdin(body), shown=_shown(body))
-    return exec_response(result)
+    return exec_answer(result)
 
 
 @router.post(
