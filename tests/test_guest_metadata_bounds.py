@@ -469,8 +469,9 @@ def test_owners_read_by_perl_python_or_stat_are_the_same(tmp_path: Path) -> None
 def test_owner_records_of_paths_not_asked_about_are_refused_or_dropped() -> None:
     """A guest's owner reader may print records of paths nobody asked about (a padded
     answer: 1 MiB of tiny records a batch, kept and counted on the loop, held it 0.6 s and
-    400 MiB a ListDir, review 29l H1). More records than two a path asked about is a
-    GuestError before any is parsed; within that, records of other paths are dropped."""
+    400 MiB a ListDir, review 29l H1). More records than three a path asked about is a
+    GuestError before any is parsed; within that, records of other paths, and records
+    whose names or link target are longer than any system makes, are dropped."""
     from hangar.core.service import StreamCapture, e2b_user
 
     batch = ["/home/user/a", "/home/user/b"]
@@ -491,6 +492,11 @@ def test_owner_records_of_paths_not_asked_about_are_refused_or_dropped() -> None
     m.answer = "other"
     who = asyncio.run(e2b_user.owners(m, "sb-x", batch))  # type: ignore[arg-type]
     assert list(who) == ["/home/user/a"]
+    # fields no system makes (review 29m M2: padded to fill the answer): the record dropped
+    answers["fat"] = (b"\xf0\x9f\x98\x80" * 700 + b":b\t/home/user/a\t\t\0"
+                      + b"a:b\t/home/user/b\t/" + b"t" * 5000 + b"\tfile\0")
+    m.answer = "fat"
+    assert asyncio.run(e2b_user.owners(m, "sb-x", batch)) == {}  # type: ignore[arg-type]
 
 
 def test_a_context_list_past_its_cap_is_a_guest_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -297,10 +297,11 @@ async def owners(manager: SandboxManager, sandbox_id: str, paths: list[str],
     return out
 
 
-RECORDS_PER_PATH = 2
-"""Records the owner reader prints a path at most: its metadata's, then its owner's. A guest
-that prints more (records of paths nobody asked about, to be kept and counted: review 29l
-H1, 0.6 s of the loop and 400 MiB a ListDir) is answered with a GuestError, unparsed."""
+RECORDS_PER_PATH = 3
+"""Records the owner reader prints a path at most: perl's two (its metadata's, then its
+owner's), and python3's one after a perl that failed midway. A guest that prints more
+(records of paths nobody asked about, to be kept and counted: review 29l H1, 0.6 s of the
+loop and 400 MiB a ListDir) is answered with a GuestError, unparsed."""
 
 
 def _asked(head: bytes, batch: list[str]) -> tuple[dict[str, Owner], int]:
@@ -331,10 +332,20 @@ def _records(head: bytes) -> dict[str, Owner]:
         if len(parts) not in (4, 5) or ":" not in parts[0]:
             continue
         owner, _, group = parts[0].partition(":")
+        if (len(owner) > NAME_MAX or len(group) > NAME_MAX or len(parts[2]) > PATH_MAX
+                or parts[3] not in ("", "dir", "file")):
+            continue  # no system makes such a record: a padded answer (review 29m M2)
         meta = _json_object(parts[4]) if len(parts) == 5 else found.get(parts[1])
         out[parts[1]] = Owner(owner, group, parts[2] or None, parts[3] or None,
                               _bounded(meta) or None)
     return out
+
+
+NAME_MAX = 64
+"""Longest user or group name an owner record may carry, characters (Debian's tools make
+at most 32; ``UNKNOWN`` or a number otherwise)."""
+PATH_MAX = 4096
+"""Longest symlink target an owner record may carry, characters (Linux's ``PATH_MAX``)."""
 
 
 METADATA_READ_KEYS = 64
