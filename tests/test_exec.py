@@ -199,8 +199,8 @@ def test_a_large_answer_is_streamed_as_the_same_json() -> None:
     from hangar.core.service import ExecResult, StreamCapture
     from loop_stalls import measured
 
-    out = StreamCapture(head=b"\x01\"\\\n" * (3 << 18), tail=b"\xff end", total=9 << 20,
-                        truncated=True)
+    out = StreamCapture(head=b"\x01\"\\\n" * (3 << 18) + "😀".encode() * 50000 + b"\xf0\x9f",
+                        tail=b"\x98\x80\xff end", total=9 << 20, truncated=True)
     err = StreamCapture(head="é".encode() * 1000, total=2000)
     r = ExecResult(exit_code=3, signal=None, timed_out=False, duration_s=1.5, stdout=out,
                    stderr=err)
@@ -212,7 +212,7 @@ def test_a_large_answer_is_streamed_as_the_same_json() -> None:
     assert hasattr(streamed, "body_iterator")
 
     async def collect() -> list[bytes]:
-        return [piece async for piece in _answer_pieces(exec_response(r))]
+        return [piece async for piece in _answer_pieces(r)]
 
     pieces, stalls = asyncio.run(measured(collect()))
     stalls.check_cpu(0.08)

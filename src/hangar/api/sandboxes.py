@@ -8,7 +8,7 @@ import codecs
 import dataclasses
 import json
 import shlex
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Response
@@ -137,38 +137,87 @@ def exec_response(r: ExecResult) -> ExecResponse:
 
 STREAMED_ANSWER_BYTES = 64 << 10
 """An exec answer whose output (head and tail of both streams) is over this many bytes is
-sent as JSON streamed ``ANSWER_PIECE`` characters of a string at a time: the ASGI server
-then writes a piece only once the client has taken the ones before (its flow control), so a
-client that does not read holds a piece of the server's memory, not the whole answer
-(review 29l H2: up to 22.5 MiB of JSON a request at the largest ``max_output``, for as many
-requests as the server takes connections)."""
+sent as JSON streamed ``ANSWER_PIECE`` bytes of output at a time, each piece decoded and
+encoded from the captured bytes only when it is sent: the ASGI server writes a piece once
+the client has taken the ones before (its flow control), so a client that does not read
+holds the captured bytes and a piece, never the answer's text (review 29l H2 and 29m M1: up
+to 22.5 MiB of JSON, or 20 MiB of decoded text, a request at the largest ``max_output``)."""
 ANSWER_PIECE = 1 << 16
-"""Characters of one string of a streamed exec answer encoded at a time (a few ms)."""
+"""Bytes of one output of a streamed exec answer decoded and encoded at a time (a few ms)."""
 
 
 def exec_answer(r: ExecResult) -> ExecResponse | StreamingResponse:
     """``exec_response(r)``, streamed (``_answer_pieces``) when its output is over
     ``STREAMED_ANSWER_BYTES``: the same JSON object either way."""
-    answer = exec_response(r)
     size = sum(len(c.head) + len(c.tail) for c in (r.stdout, r.stderr))
     if size <= STREAMED_ANSWER_BYTES:
-        return answer
-    return StreamingResponse(_answer_pieces(answer), media_type="application/json")
+        return exec_response(r)
+    return StreamingResponse(_answer_pieces(r), media_type="application/json")
 
 
-async def _answer_pieces(answer: ExecResponse) -> AsyncIterator[bytes]:
-    """``answer`` as JSON (``None`` fields left out, as the route's model says), its long
-    strings ``ANSWER_PIECE`` characters at a time with a turn of the loop between."""
+def _valid_utf8(*parts: bytes) -> bool:
+    """Whether ``parts`` joined are valid UTF-8 (without joining them)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        for part in parts:
+            decoder.decode(part)
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _text_pieces(data: bytes) -> Iterator[bytes]:
+    """``data`` decoded as UTF-8 (errors replaced, as ``bytes.decode`` does) and escaped as
+    the inside of a JSON string, ``ANSWER_PIECE`` bytes at a time."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    view = memoryview(data)
+    for at in range(0, len(view), ANSWER_PIECE):
+        text = decoder.decode(view[at:at + ANSWER_PIECE], final=at + ANSWER_PIECE >= len(view))
+        yield json.dumps(text, ensure_ascii=False)[1:-1].encode()
+
+
+def _b64_pieces(*parts: bytes) -> Iterator[bytes]:
+    """The base64 of ``parts`` joined (without joining them), ``ANSWER_PIECE`` bytes at a
+    time (a multiple of 3, so the pieces join without padding)."""
+    carry = b""
+    for part in parts:
+        view = memoryview(part)
+        for at in range(0, len(view), ANSWER_PIECE):
+            data = carry + view[at:at + ANSWER_PIECE]
+            whole = len(data) - len(data) % 3
+            yield base64.b64encode(data[:whole])
+            carry = data[whole:]
+    yield base64.b64encode(carry)
+
+
+async def _answer_pieces(r: ExecResult) -> AsyncIterator[bytes]:
+    """``exec_response(r)`` as JSON (``None`` fields left out, as the route's model says),
+    each output's text made from ``r``'s bytes a piece at a time with a turn of the loop
+    between: the model is built with those fields empty and they are filled in here."""
+    bare = {name: dataclasses.replace(cap, head=b"", tail=b"")
+            for name, cap in (("stdout", r.stdout), ("stderr", r.stderr))}
+    shape = exec_response(dataclasses.replace(r, **bare))
+    b64: dict[str, str | None] = {}
+    for name, cap in (("stdout", r.stdout), ("stderr", r.stderr)):
+        b64[f"{name}_b64"] = None if _valid_utf8(cap.head, cap.tail) else ""
+    shape = shape.model_copy(update=b64)
+    sources = {"stdout": lambda: _text_pieces(r.stdout.head),
+               "stdout_tail": lambda: _text_pieces(r.stdout.tail),
+               "stderr": lambda: _text_pieces(r.stderr.head),
+               "stderr_tail": lambda: _text_pieces(r.stderr.tail),
+               "stdout_b64": lambda: _b64_pieces(r.stdout.head, r.stdout.tail),
+               "stderr_b64": lambda: _b64_pieces(r.stderr.head, r.stderr.tail)}
     sep = b"{"
-    for key, value in answer.model_dump(exclude_none=True).items():
+    for key, value in shape.model_dump(exclude_none=True).items():
         head = sep + json.dumps(key).encode() + b":"
         sep = b","
-        if not isinstance(value, str) or len(value) <= ANSWER_PIECE:
+        if key not in sources:
             yield head + json.dumps(value, ensure_ascii=False).encode()
             continue
         yield head + b'"'
-        for at in range(0, len(value), ANSWER_PIECE):
-            yield json.dumps(value[at:at + ANSWER_PIECE], ensure_ascii=False)[1:-1].encode()
+        for piece in sources[key]():
+            yield piece
             await asyncio.sleep(0)
         yield b'"'
     yield b"}"
