@@ -259,7 +259,12 @@ else
     sleep 0.5
   done
 fi
-curl -fs "http://$HEALTH_HOST:$PORT/health"; echo
+HEALTH=$(curl -fs "http://$HEALTH_HOST:$PORT/health"); echo "$HEALTH"
+# Say plainly when guests run under software emulation (no usable KVM): several times slower.
+if printf '%s' "$HEALTH" | grep -q '"accel":"tcg"'; then
+  say "note: no usable KVM on this host: guests run under QEMU's software emulation (TCG),"
+  say "several times slower than on a KVM host ('hangar status' says why; docs/performance.md)"
+fi
 if [ "$PORT" = 8080 ] && [ "$DATA" = /var/lib/hangar ]; then
   say "ready: try 'hangar create' (the API key is in $DATA/api-key)"
 else  # clients look for the default port and folder: name this server's
