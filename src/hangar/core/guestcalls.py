@@ -309,6 +309,7 @@ class GuestCalls:
         rt = self.ctx.registry.get(sandbox_id)
         if rt is None or not rt.vm.alive():
             return
+        agent = None
         try:
             async with rt.connect_lock:
                 if rt.agent is None or rt.agent.closed:
@@ -318,8 +319,10 @@ class GuestCalls:
         except Timeout:
             # No answer on this connection: the next probe opens a fresh one. A guest can
             # leave the stream mid-frame (a writer killed on the agent's port), and the old
-            # connection's decoder would wait for the rest of that frame for ever.
-            await agent.close()
+            # connection's decoder would wait for the rest of that frame for ever. (A
+            # reconnect that timed out made no connection: nothing to close.)
+            if agent is not None:
+                await agent.close()
             return
         except (HangarError, OSError):
             return
