@@ -355,7 +355,8 @@ class Launcher:
                 vcpus, memory, self.ctx.settings.default_disk_mib):
             return None
         return await t.ensure(image, rec.vcpus, rec.memory_mib, rec.disk_mib,
-                              self.kernel_args(rec), nic_of(rec.network) if self.net else None)
+                              self.kernel_args(rec),
+                              nic_of(rec.network, self.net.mode) if self.net else None)
 
     async def restore_template(self, rec: SandboxRecord, image: GuestImage, snap: Any,
                                expect: Collection[State], crash_step: str | None = None

@@ -369,21 +369,30 @@ async def _desktop_up(agent: Any, deadline_s: float, sid: str) -> None:
 
 
 def _policy_for(nic: str) -> dict[str, Any]:
-    """The egress policy a template VM's NIC is attached with (``nic``: a policy's JSON)."""
+    """The egress policy a template VM's NIC is attached with (``nic``: a policy's JSON, and
+    for a user-mode NIC its kind, ``nic``, which is the key's, not the policy's)."""
     try:
         policy = json.loads(nic)
     except ValueError:
         return {"egress": "internet"}
-    return policy if isinstance(policy, dict) else {"egress": "internet"}
+    if not isinstance(policy, dict):
+        return {"egress": "internet"}
+    return {k: v for k, v in policy.items() if k != "nic"}
 
 
-def nic_of(network: dict[str, Any] | None) -> str | None:
-    """The NIC part of a template snapshot's key for a sandbox's stored policy (None: no NIC).
+def nic_of(network: dict[str, Any] | None, mode: str = "tap") -> str | None:
+    """The NIC part of a template snapshot's key for a sandbox's stored policy (None: no NIC)
+    on a server whose NICs are of ``mode`` (``NetworkManager.mode``).
 
     The policy itself is applied on the host (filters on the TAP device), so
-    sandboxes with any policy share one snapshot: the key only says there is a NIC.
+    sandboxes with any policy share one snapshot: the key says there is a NIC, and for
+    QEMU's user-mode NIC which kind (its device state is not a TAP NIC's: a TAP server's
+    snapshot restored with it ended QEMU mid-migration, a 500 for every create).
     """
-    return None if not network else json.dumps({"egress": "internet"})
+    if not network:
+        return None
+    return json.dumps({"egress": "internet"} if mode == "tap"
+                      else {"egress": "open", "nic": mode})  # user mode filters nothing
 
 
 def make_for_build(layout: Layout, image: GuestImage, engine: Engine, settings: Settings,
@@ -414,7 +423,7 @@ def make_for_build(layout: Layout, image: GuestImage, engine: Engine, settings: 
     if net is not None and net.mode != "tap":
         net = None
     vcpus, memory = default_size(image, settings)
-    nic = nic_of({"egress": "internet"}) if net is not None else None
+    nic = nic_of({"egress": "internet"}, net.mode) if net is not None else None
     t = TemplateSnapshots(settings, layout, engine, net)
     say(f"{image.id}: booting it for its template snapshot")
     made = _asyncio.run(t.ensure(image, vcpus, memory, settings.default_disk_mib, (), nic))
