@@ -423,7 +423,7 @@ def test_a_guest_tool_writing_without_end_gets_a_clear_502(server: Server, api: 
 
 def test_a_large_screenshot_answer_is_streamed_with_the_loop_free() -> None:
     """A 4096 x 4096 desktop's screenshot may be a PNG of up to ``shot_max_bytes`` (66 MiB
-    of noise): its JSON answer is base64-encoded ``B64_PIECE`` at a time with a turn of the
+    of noise): its JSON answer is base64-encoded a piece at a time with a turn of the
     loop between (review 29k: about 1 s at once), and says exactly what the model says."""
     import json
 

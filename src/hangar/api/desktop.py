@@ -21,6 +21,7 @@ from pydantic import ConfigDict, Field
 
 from hangar.api.deps import manager
 from hangar.api.models import RequestBody
+from hangar.api.sandboxes import b64_pieces
 from hangar.core.service import (
     MAX_SCROLL, MAX_TYPE_CHARS, TYPE_DELAY_MS, Desktop, SandboxManager,
 )
@@ -135,21 +136,18 @@ async def screenshot(
 INLINE_PNG_BYTES = 1 << 20
 """A screenshot's PNG up to this size (bytes) is encoded into its JSON answer at once (a
 few ms); a larger one (a large desktop's, up to ``core.desktop.shot_max_bytes``: 66 MiB at
-4096 x 4096) is streamed, ``B64_PIECE`` at a time with a turn of the loop between, so
-that no tenant's screenshot holds the event loop (review 29k: 1 s for 66 MiB at once)."""
+4096 x 4096) is streamed a piece at a time (``sandboxes.b64_pieces``) with a turn of the
+loop between, so that no tenant's screenshot holds the event loop (review 29k: 1 s for 66
+MiB at once)."""
 
-B64_PIECE = 3 * (1 << 16)
-"""Bytes of PNG encoded per piece of a streamed answer: 192 KiB (a multiple of 3, so the
-pieces' base64 joins without padding): about 4 ms each on a loaded 2-core host."""
 
 
 async def _json_pieces(shot: Any) -> AsyncIterator[bytes]:
     """``ScreenshotResponse``'s JSON for ``shot``, in pieces: the same keys and values as
     the model gives."""
     yield b'{"format":"png","image":"'
-    png = memoryview(shot.png)
-    for at in range(0, len(png), B64_PIECE):
-        yield base64.b64encode(png[at:at + B64_PIECE])
+    for piece in b64_pieces(shot.png):
+        yield piece
         await asyncio.sleep(0)
     tail = {"width": shot.width, "height": shot.height, "screen_width": shot.screen.width,
             "screen_height": shot.screen.height, "duration_s": round(shot.duration_s, 4)}

@@ -177,9 +177,10 @@ def _text_pieces(data: bytes) -> Iterator[bytes]:
         yield json.dumps(text, ensure_ascii=False)[1:-1].encode()
 
 
-def _b64_pieces(*parts: bytes) -> Iterator[bytes]:
-    """The base64 of ``parts`` joined (without joining them), ``ANSWER_PIECE`` bytes at a
-    time (a multiple of 3, so the pieces join without padding)."""
+def b64_pieces(*parts: bytes) -> Iterator[bytes]:
+    """The base64 of ``parts`` joined (without joining them), about ``ANSWER_PIECE`` bytes
+    of input a piece (each a multiple of 3 but the last, so the pieces join without
+    padding); also what a streamed screenshot's PNG is sent with (``api.desktop``)."""
     carry = b""
     for part in parts:
         view = memoryview(part)
@@ -206,8 +207,8 @@ async def _answer_pieces(r: ExecResult) -> AsyncIterator[bytes]:
                "stdout_tail": lambda: _text_pieces(r.stdout.tail),
                "stderr": lambda: _text_pieces(r.stderr.head),
                "stderr_tail": lambda: _text_pieces(r.stderr.tail),
-               "stdout_b64": lambda: _b64_pieces(r.stdout.head, r.stdout.tail),
-               "stderr_b64": lambda: _b64_pieces(r.stderr.head, r.stderr.tail)}
+               "stdout_b64": lambda: b64_pieces(r.stdout.head, r.stdout.tail),
+               "stderr_b64": lambda: b64_pieces(r.stderr.head, r.stderr.tail)}
     sep = b"{"
     for key, value in shape.model_dump(exclude_none=True).items():
         head = sep + json.dumps(key).encode() + b":"
