@@ -67,9 +67,13 @@ class Kernel:
 
     language = "python"
 
-    def __init__(self, cwd: str) -> None:
+    def __init__(self, cwd: str, nice: int = 0) -> None:
+        """Start a kernel in ``cwd``, at ``nice`` (``set_nice``) from its first
+        instruction on; waits until it answers."""
         self.applied = 0
         """The ``Identity.version`` this kernel runs as."""
+        self.cwd = cwd
+        """The folder it runs in."""
         env = dict(os.environ, MPLBACKEND="module://matplotlib_inline.backend_inline",
                    PYTHONUNBUFFERED="1", PYDEVD_DISABLE_FILE_VALIDATION="1")
         env.pop("PYTHONPATH", None)  # Hangar's guest modules are no business of the kernel
@@ -79,6 +83,8 @@ class Kernel:
                                               # no history file: the kernel may change user
                                               "--HistoryManager.enabled=False"])
         try:
+            if nice:
+                self.set_nice(nice)
             self.kc = self.km.blocking_client()
             self.kc.start_channels()
             self.kc.wait_for_ready(timeout=KERNEL_START_S)
@@ -107,10 +113,31 @@ class Kernel:
                      f"        os.setuid({ident.uid})"]
         code += [f"    os.chdir({cwd!r})", "_hangar_become()", "del _hangar_become"]
         self.silent("\n".join(code) + "\n")
-        self.applied = ident.version
+        self.applied, self.cwd = ident.version, cwd
 
     def chdir(self, cwd: str) -> None:
         self.silent(f"__import__('os').chdir({cwd!r})")
+        self.cwd = cwd
+
+    def ready_in(self, ident: Identity, cwd: str) -> None:
+        """Run as ``ident`` in ``cwd``, with one silent cell at most (none when it already
+        does)."""
+        if self.applied < ident.version:
+            self.apply(ident, cwd)
+        elif cwd != self.cwd:
+            self.chdir(cwd)
+
+    def set_nice(self, nice: int) -> None:
+        """Give every thread of the kernel's process group (the kernel runs in a session of
+        its own) the nice value ``nice``; threads and children made later inherit it. Only
+        root may lower it again; a server that is not root keeps what it has."""
+        process = getattr(getattr(self.km, "provisioner", None), "process", None)
+        if process is None:
+            return
+        try:
+            os.setpriority(os.PRIO_PGRP, os.getpgid(process.pid), nice)
+        except OSError:
+            pass
 
     def run(self, code: str, env: dict[str, str], emit: Any, gone: Any) -> None:
         """Run one cell with ``env`` set for it, calling ``emit(line_dict)`` for each output
