@@ -9,6 +9,8 @@ has python3 and nothing else).
   /tmp/release-stream exists (so a test can tell streaming from buffering without timing);
 * ``GET /redirect``: 302 to the absolute path ``/headers``;
 * ``GET /cut``: promises 100 bytes, sends 10 and hangs up;
+* ``GET /until-close``: an answer delimited by the connection's close (no length, not
+  chunked: what HTTP/1.0 servers stream): ``first`` at once, then nothing until it is ended;
 * ``GET /tiny?n=N``: a chunked answer of N chunks of one byte ``x`` each, written 64 KiB at
   a time (a hostile answer: one parser event per 6 bytes);
 * ``GET /continues``: 20 ``100 Continue`` answers, then a 200;
@@ -63,6 +65,15 @@ class Handler(BaseHTTPRequestHandler):
                 time.sleep(0.05)
             self._chunk(b"last\n")
             self.wfile.write(b"0\r\n\r\n")
+        elif path == "/until-close":
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(b"first\n")
+            self.wfile.flush()
+            while True:
+                time.sleep(1)
         elif path == "/cut":  # promises 100 bytes, sends 10, hangs up
             self.send_response(200)
             self.send_header("Content-Length", "100")

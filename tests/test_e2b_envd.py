@@ -22,6 +22,7 @@ import json
 import struct
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -741,3 +742,13 @@ def test_a_sandbox_killed_during_a_command_drops_its_stream(env: Env) -> None:
             handle.wait()
     finally:
         Sandbox.kill(other.sandbox_id, **env.params)
+
+
+def test_two_kills_at_once_one_kills_the_other_finds_nothing(env: Env) -> None:
+    """E2B's killed sandbox is gone at once: of two kills at once, one kills it (True) and
+    the other, whether it comes while the first deletes or after, finds nothing (False, a
+    404), never a 409 that the SDK raises."""
+    other = Sandbox.create("base", timeout=600, **env.params)
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda _: Sandbox.kill(other.sandbox_id, **env.params), (1, 2)))
+    assert sorted(got) == [False, True]

@@ -223,6 +223,30 @@ def test_an_answer_cut_short_never_looks_complete(web) -> None:
     assert c.get(f"/sandboxes/{sid}/ports/3001/headers").status_code == 200
 
 
+def test_an_answer_until_close_is_cut_when_its_sandbox_is_deleted(web) -> None:
+    """An answer delimited by its connection's close ends cleanly only when the guest closes
+    it: when the sandbox is deleted mid-answer the client's connection is dropped, so the
+    client can tell (E2B's code interpreter SDK then says the sandbox was killed)."""
+    srv, c, _ = web
+    r = c.post("/sandboxes", json={})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    try:
+        c.put(f"/sandboxes/{sid}/files", params={"path": "/root/app.py"},
+              content=APP.read_bytes()).raise_for_status()
+        start_in_guest(c, sid, "exec python3 /root/app.py 3001")
+        wait_listening(c, sid, 3001)
+        expose(c, sid, 3001)
+        with c.stream("GET", f"/sandboxes/{sid}/ports/3001/until-close") as answer:
+            lines = answer.iter_lines()
+            assert next(lines) == "first"
+            assert c.delete(f"/sandboxes/{sid}").status_code == 204
+            with pytest.raises(httpx.RemoteProtocolError):
+                list(lines)
+    finally:
+        c.delete(f"/sandboxes/{sid}")
+
+
 # -- WebSockets --------------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ the client SDK (``hangar.client``)::
     ├── Gone                    410  the sandbox existed but expired
     ├── Conflict                409  the object's state forbids the call now
     │   ├── Busy                409  retryable after ``retry_after`` seconds
+    │   ├── Deleting            409  the sandbox is already being deleted (E2B: 404)
     │   ├── ImageMissing        409  the image build a sandbox or snapshot pins is gone
     │   ├── DiskFull            409  the guest's file system is full (or over quota);
     │   │                            free space in it first; not retryable as is
@@ -119,6 +120,14 @@ class Busy(Conflict):
         self.retry_after = retry_after
 
 
+class Deleting(Conflict):
+    """The sandbox is already being deleted (a second delete, or a call that needs it
+    running): nothing to retry. E2B's API, whose killed sandbox is gone at once, answers
+    404 for it."""
+
+    code = "deleting"
+
+
 class ImageMissing(Conflict):
     """The exact image build that a sandbox, snapshot or machine was made from (its
     pinned id, ``<name>-<digest>``) no longer exists, so it cannot be restored or woken:
@@ -210,7 +219,7 @@ BY_CODE: dict[str, type[HangarError]] = {
     for cls in (
         HangarError, InvalidRequest, IdempotencyMismatch, Unauthorized, Forbidden, Unavailable,
         NotFound,
-        Gone, Conflict, Busy, ImageMissing, DiskFull, VolumeCorrupt, NoInterpreter, TooLarge,
+        Gone, Conflict, Busy, Deleting, ImageMissing, DiskFull, VolumeCorrupt, NoInterpreter, TooLarge,
         LimitExceeded,
         Timeout, RequestTimeout, GuestError, EngineError, ImageError, ConfigError,
     )

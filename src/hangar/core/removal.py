@@ -22,7 +22,7 @@ from hangar.core.launch import Launcher
 from hangar.core.lifecycle import ENDINGS, State
 from hangar.core.store import SnapshotRecord
 from hangar.core.testhooks import crash_point
-from hangar.errors import Conflict
+from hangar.errors import Conflict, Deleting
 
 log = logging.getLogger("hangar.removal")
 
@@ -77,14 +77,14 @@ class Removal:
     async def delete(self, sandbox_id: str) -> None:
         """End the sandbox's VM, remove its files and sleep snapshot; keep a tombstone.
 
-        Raises NotFound (unknown or deleted), Gone (expired), Conflict
+        Raises NotFound (unknown or deleted), Gone (expired), Deleting
         (already being deleted).
         """
         ctx = self.ctx
         while True:
             rec = ctx.record(sandbox_id)
             if rec.state == State.STOPPING:
-                raise Conflict(f"sandbox {sandbox_id} is already being deleted",
+                raise Deleting(f"sandbox {sandbox_id} is already being deleted",
                                sandbox_id=sandbox_id)
             if rec.state == State.CREATING:
                 try:
@@ -99,7 +99,7 @@ class Removal:
                 if rec.state == State.CREATING:
                     continue
                 if rec.state == State.STOPPING:
-                    raise Conflict(f"sandbox {sandbox_id} is already being deleted",
+                    raise Deleting(f"sandbox {sandbox_id} is already being deleted",
                                    sandbox_id=sandbox_id)
                 await self.finish(sandbox_id, State.DELETED)
                 return

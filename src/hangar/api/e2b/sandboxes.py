@@ -55,7 +55,7 @@ from hangar.core.service import (
     Connect, CreateOptions, Face, OnExpiry, SandboxManager, SandboxView, State, e2b, e2b_user,
     public_name,
 )
-from hangar.errors import Busy, Conflict, HangarError, InvalidRequest
+from hangar.errors import Busy, Conflict, Deleting, HangarError, InvalidRequest, NotFound
 from hangar.schemas.bounds import METADATA_ENTRIES, QUERY_BYTES
 
 log = logging.getLogger("hangar.api.e2b")
@@ -256,8 +256,12 @@ async def get(sandbox_id: str, m: Manager) -> SandboxDetail:
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
 async def kill(sandbox_id: str, m: Manager) -> Response:
-    """Remove the sandbox (running, paused or failed)."""
-    await m.delete(sandbox_id)
+    """Remove the sandbox (running, paused or failed). One already being deleted is
+    404, as E2B's answer for a killed sandbox (its SDK's ``kill()`` then returns False)."""
+    try:
+        await m.delete(sandbox_id)
+    except Deleting:
+        raise NotFound(f"sandbox {sandbox_id} not found", sandbox_id=sandbox_id) from None
     return Response(status_code=204)
 
 

@@ -130,6 +130,12 @@ class HttpExchange(Exchange):
                         await asyncio.sleep(0)
                     else:
                         rest = memoryview(await tunnel.read())
+                        if not rest and tunnel.lost is not None and self.started:
+                            # the sandbox went away (deleted, its VM ended): an answer
+                            # delimited by the close must not look whole (E2B's SDK then
+                            # asks is_running() and says the sandbox was killed)
+                            raise self._broken(f"the sandbox's tunnel was lost: "
+                                               f"{tunnel.lost}")
                         if not rest:
                             conn.receive_data(b"")  # the guest closed its side
                             continue

@@ -32,16 +32,21 @@ class Tunnel:
         self._ch = ch
         self._eof = False
         self._closed = False
+        self.lost: HangarError | None = None
+        """Why the tunnel ended without the guest closing its socket (the agent connection
+        was lost: the sandbox was deleted or its VM ended), once ``read`` returned ``b""``
+        for that reason; None while it runs or after the guest's own close. An answer
+        delimited by its connection's close is whole only when this is None."""
 
     async def read(self) -> bytes:
         """Next bytes from the guest, those of every DATA frame already come joined (up to
         ``P.CHUNK`` or so: a guest's frames of one byte each cost one read each otherwise);
-        ``b""`` once the guest side has closed."""
+        ``b""`` once the guest side has closed, or the tunnel was lost (``lost``)."""
         while not self._eof:
             try:
                 frame = await self._ch.get()
-            except HangarError:
-                self._eof = True
+            except HangarError as exc:
+                self._eof, self.lost = True, exc
                 break
             if frame.kind == P.Kind.DATA and frame.data:
                 return await self._more(frame.data)
