@@ -321,7 +321,8 @@ CODE_INTERPRETER = Recipe(
     description="base plus a stateful code interpreter: Python (ipykernel, jupyter_client, "
                 "numpy, pandas and matplotlib), JavaScript and TypeScript (Node.js) and "
                 "Bash, served on port 49999 in E2B's protocol.",
-    packages=BASE.packages + ("ripgrep",),     # search_code of the agent tools
+    packages=BASE.packages + ("ripgrep",       # search_code of the agent tools
+                              "curl"),          # as in E2B's image (its tests poll with it)
     apt_packages=(                      # apt-get: numpy's ABI is a virtual package
         "python3-ipykernel",
         "python3-jupyter-client",

@@ -60,7 +60,7 @@ by message, never accumulated. Errors answer ``{"error": message}`` with
 400, 404, 413, 429, 502 (a kernel failed to start) or 504 (no kernel ready
 within ``SPARE_WAIT_S``). JavaScript and TypeScript contexts are Node.js processes
 (``NodeKernel``), Bash ones ``bash`` processes (``BashKernel``), started on demand (the
-default JavaScript one in the background once the port is open); Python figures also come
+default JavaScript one before the port opens, after the spare); Python figures also come
 back as structured charts. The kernels are in the files beside this one, which it imports:
 ``code_interpreter_jupyter.py`` (Python: ``Kernel``, the protocol's lines, the charts) and
 ``code_interpreter_kernels.py`` (``BashKernel``, ``NodeKernel``, ``Identity``).
@@ -307,9 +307,9 @@ class Contexts:
 
     def start_default_of(self, language: str) -> KernelContext | None:
         """Start the default context of another language, as E2B's server does for
-        JavaScript (in the background once the port is open: a Node.js start under
-        emulation would hold the template's ready check back); None (logged) when its
-        runtime is missing or fails."""
+        JavaScript (before the port opens, so that a template snapshot holds it and every
+        sandbox lists it from the start); None (logged) when its runtime is missing or
+        fails."""
         try:
             return self.default(language)
         except Exception as exc:
@@ -329,7 +329,8 @@ class Contexts:
         removed)."""
         with self.lock:
             ctx = self.by_id.get(self.defaults.get(language, ""))
-        return ctx if ctx is not None else self._add(language, self.cwd, default=True)
+            cwd = self.cwd
+        return ctx if ctx is not None else self._add(language, cwd, default=True)
 
     def create(self, language: str, cwd: str | None) -> KernelContext:
         cwd = cwd or self.cwd
@@ -358,6 +359,10 @@ class Contexts:
                     shutdown_later(ctx.kernel)
                     return current
                 self.defaults[language] = ctx.id
+                # a configure while it started moved the server's folder (to the user's
+                # home): the default context follows, as the others did (``ready`` moves
+                # its kernel, whose identity is older, before its first cell)
+                ctx.cwd = self.cwd
             self.by_id[ctx.id] = ctx
         return ctx
 
@@ -572,14 +577,14 @@ def main() -> None:
     contexts.start_default(a.warmup)
     t1 = time.monotonic()
     spares.wait()  # the port opens with both ready: a template snapshot then holds both
+    t2 = time.monotonic()
+    if os.path.exists(NODE):  # and the default JavaScript context, as E2B's server has
+        contexts.start_default_of("javascript")
     Handler.contexts = contexts
     server = Server(("127.0.0.1", a.port), Handler)
-    if os.path.exists(NODE):
-        threading.Thread(target=contexts.start_default_of, args=("javascript",),
-                         name="default-javascript", daemon=True).start()
     print(f"code interpreter: default kernel ready in {t1 - t0:.1f} s, spare in "
-          f"{time.monotonic() - t1:.1f} s more; serving on port {a.port}",
-          file=sys.stderr, flush=True)
+          f"{t2 - t1:.1f} s more, JavaScript in {time.monotonic() - t2:.1f} s more; "
+          f"serving on port {a.port}", file=sys.stderr, flush=True)
     server.serve_forever()
 
 
