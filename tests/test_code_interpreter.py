@@ -294,6 +294,12 @@ def test_charts_and_other_languages(sb: Sandbox) -> None:
     sb.run_code("cd /tmp; n=6", language="bash")
     assert sb.run_code("echo $((n * 7)) $PWD $(id -u)", language="bash").logs.stdout == [
         "42 /tmp 0\n"]
+    # R: printed output, the last visible value as the result, state between cells
+    ex = sb.run_code('print("hi"); m <- 6; m * 7', language="r")
+    assert (ex.logs.stdout, ex.text) == (['[1] "hi"\n'], "[1] 42")
+    assert sb.run_code("stop('no')", language="r").error.value == "no"
+    assert sb.run_code("c(m, nchar(Sys.getenv('V')))", language="r",
+                       envs={"V": "four"}).text == "[1] 6 4"
 
 
 @vm
@@ -326,9 +332,9 @@ def test_timeout_interrupts_the_cell(sb: Sandbox) -> None:
 @vm
 def test_bad_requests_are_refused(sb: Sandbox, server: Server) -> None:
     with server.client() as api:
-        r = api.post(f"/sandboxes/{sb.id}/code/execute", json={"code": "1", "language": "r"})
+        r = api.post(f"/sandboxes/{sb.id}/code/execute", json={"code": "1", "language": "java"})
         assert r.status_code == 400, r.text
-        assert "is not served here (only bash, javascript, python, typescript)" in r.json()[
+        assert "is not served here (only bash, javascript, python, r, typescript)" in r.json()[
             "error"]["message"]
         r = api.post(f"/sandboxes/{sb.id}/code/contexts", json={"language": "cobol"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", r.text

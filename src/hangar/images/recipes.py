@@ -312,15 +312,15 @@ CODE_INTERPRETER_PORT = 49999
 """The guest port of the code interpreter's server (E2B's)."""
 FILES = Path(__file__).resolve().parent / "files"
 CODE_INTERPRETER_BESIDE = ("code_interpreter_node.js", "code_interpreter_charts.py",
-                           "code_interpreter_data.py",
+                           "code_interpreter_data.py", "code_interpreter_r.R",
                            "code_interpreter_kernels.py", "code_interpreter_jupyter.py")
 """The files the code interpreter's server loads from its own folder (written beside it)."""
 
 CODE_INTERPRETER = Recipe(
     name="code-interpreter",
     description="base plus a stateful code interpreter: Python (ipykernel, jupyter_client, "
-                "numpy, pandas and matplotlib), JavaScript and TypeScript (Node.js) and "
-                "Bash, served on port 49999 in E2B's protocol.",
+                "numpy, pandas and matplotlib), JavaScript and TypeScript (Node.js), "
+                "Bash and R, served on port 49999 in E2B's protocol.",
     packages=BASE.packages + ("ripgrep",       # search_code of the agent tools
                               "curl"),          # as in E2B's image (its tests poll with it)
     apt_packages=(                      # apt-get: numpy's ABI is a virtual package
@@ -333,6 +333,8 @@ CODE_INTERPRETER = Recipe(
         "fonts-dejavu-core",            # matplotlib's default font
         "nodejs",                       # JavaScript contexts (with node-acorn, a dependency)
         "node-typescript",              # TypeScript contexts: cells transpiled
+        "r-base-core",                  # R contexts (Rscript running code_interpreter_r.R)
+        "r-cran-jsonlite",              # the R driver's JSON lines
     ),
     files=LOGIN_PROFILE + (
         RecipeFile(paths.CODE_INTERPRETER_SERVER,

@@ -22,7 +22,7 @@ It speaks the protocol of E2B's code interpreter on one TCP port (49999):
                    context runs it. ``env_vars`` hold for this run only.
 ``POST /contexts``  ``{"language"?, "cwd"?}``: a new context; answers ``{"id",
                    "language", "cwd"}``. Languages: ``python`` (the default),
-                   ``javascript`` (``js``), ``typescript`` (``ts``), ``bash``.
+                   ``javascript`` (``js``), ``typescript`` (``ts``), ``bash``, ``r``.
 ``GET /contexts``  every context. ``POST /contexts/{id}/restart`` gives it a new kernel
                    (its variables go); ``DELETE /contexts/{id}`` shuts it down.
 ``POST /configure`` ``{"user"?, "envs"?}``: whom kernels run as from now on (the host
@@ -59,11 +59,13 @@ A client that goes away mid-cell interrupts the kernel. Bounds:
 by message, never accumulated. Errors answer ``{"error": message}`` with
 400, 404, 413, 429, 502 (a kernel failed to start) or 504 (no kernel ready
 within ``SPARE_WAIT_S``). JavaScript and TypeScript contexts are Node.js processes
-(``NodeKernel``), Bash ones ``bash`` processes (``BashKernel``), started on demand (the
+(``NodeKernel``), Bash ones ``bash`` processes (``BashKernel``), R ones ``Rscript``
+processes (``RKernel``), started on demand (the
 default JavaScript one before the port opens, after the spare); Python figures also come
 back as structured charts. The kernels are in the files beside this one, which it imports:
 ``code_interpreter_jupyter.py`` (Python: ``Kernel``, the protocol's lines, the charts) and
-``code_interpreter_kernels.py`` (``BashKernel``, ``NodeKernel``, ``Identity``).
+``code_interpreter_kernels.py`` (``BashKernel``, ``NodeKernel``, ``RKernel``, ``Identity``;
+R's driver is ``code_interpreter_r.R``).
 """
 
 from __future__ import annotations
@@ -83,7 +85,9 @@ from collections.abc import Callable
 from typing import Any
 
 from code_interpreter_jupyter import Kernel, shutdown_later
-from code_interpreter_kernels import NODE, BashKernel, Gone, Identity, NodeKernel, Refused
+from code_interpreter_kernels import (
+    NODE, RSCRIPT, BashKernel, Gone, Identity, NodeKernel, Refused, RKernel,
+)
 
 PORT = 49999
 MAX_BODY_BYTES = 4 << 20
@@ -105,7 +109,9 @@ cells need, loaded without binding a name (a new context's namespace is empty)."
 LANGUAGES = {"python": "python", "python3": "python", "javascript": "javascript",
              "js": "javascript", "typescript": "typescript", "ts": "typescript",
              "bash": "bash"}
-"""Language names a request may give → the context's language."""
+"""Language names a request may give → the context's language (R's when R is installed)."""
+if os.path.exists(RSCRIPT):
+    LANGUAGES["r"] = "r"
 
 
 IDENTITY = Identity()
@@ -281,6 +287,8 @@ def start_kernel(language: str, cwd: str, default: bool = False) -> Any:
     """A new kernel of a language other than Python, started as ``IDENTITY`` in ``cwd``."""
     if language == "bash":
         return BashKernel(cwd, IDENTITY)
+    if language == "r":
+        return RKernel(cwd, IDENTITY)
     return NodeKernel(language, cwd, IDENTITY)
 
 

@@ -130,8 +130,17 @@ def _pie(ax: Any) -> dict[str, Any] | None:
     if not wedges or len(wedges) != len(ax.patches):
         return None
     return {"type": "pie", "title": _text(ax.get_title()),
-            "elements": [{"label": w.get_label(), "angle": round(w.theta2 - w.theta1, 6),
+            "elements": [{"label": w.get_label(), "angle": _degrees(w.theta2 - w.theta1),
                           "radius": float(w.r)} for w in wedges]}
+
+
+ANGLE_DIGITS = 3
+"""Decimals a wedge's angle keeps (degrees): matplotlib 3.6 (Debian bookworm's) computes
+wedge angles in single precision, so a 90 % wedge spans 323.999991 degrees."""
+
+
+def _degrees(angle: float) -> float:
+    return round(float(angle), ANGLE_DIGITS)
 
 
 def _box(ax: Any) -> dict[str, Any] | None:

@@ -4,7 +4,8 @@ which imports this file from its own folder): the errors a request ends with
 (``Refused``, ``Gone``) and whom a kernel runs as (``Identity``).
 
 ``BashKernel`` is one ``bash`` process a context; ``NodeKernel`` one Node.js process
-running ``NODE_DRIVER`` (``code_interpreter_node.js``) for JavaScript and TypeScript. Both
+running ``NODE_DRIVER`` (``code_interpreter_node.js``) for JavaScript and TypeScript;
+``RKernel`` one ``Rscript`` process running ``R_DRIVER`` (``code_interpreter_r.R``). All
 take the cell's ``emit`` (one protocol line a call, as the server streams them) and
 ``gone`` (True once the client left); a kernel remembers the identity it started as, and
 the server moves it to a newer one (``apply``) before it runs a cell.
@@ -29,6 +30,8 @@ from typing import Any
 
 NODE = "/usr/bin/node"
 NODE_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_interpreter_node.js")
+RSCRIPT = "/usr/bin/Rscript"
+R_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_interpreter_r.R")
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -217,9 +220,12 @@ class NodeKernel:
         r, w = os.pipe()
         env = ident.env(dict(os.environ))
         env.pop("PYTHONPATH", None)
+        env.setdefault("LANG", "C.UTF-8")
         try:
+            if ident.popen():  # the pipe is the kernel's user's: a driver that opens
+                os.fchown(w, ident.uid, ident.gid)  # /dev/fd/N (R's) may then
             self.proc = subprocess.Popen(
-                [NODE, NODE_DRIVER, str(w), language],
+                self.command(w),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, stderr=None, cwd=cwd, env=env, pass_fds=(w,),
                 start_new_session=True, **ident.popen())
@@ -233,6 +239,10 @@ class NodeKernel:
         if first is None or first.get("type") != "ready":
             self.shutdown()
             raise RuntimeError(f"the {language} kernel did not start: {first!r}")
+
+    def command(self, fd: int) -> list[str]:
+        """The driver's argv, answering on descriptor ``fd``."""
+        return [NODE, NODE_DRIVER, str(fd), self.language]
 
     def _next(self, gone: Any) -> dict[str, Any] | None:
         """The driver's next line (None: it exited); raises Gone when the client leaves."""
@@ -311,3 +321,22 @@ class NodeKernel:
             emit({"type": "error", "name": "KernelDied", "traceback": "",
                   "value": f"the {self.language} kernel exited; restart the context"})
         emit({"type": "end_of_execution"})
+
+
+class RKernel(NodeKernel):
+    """An R context: one ``Rscript`` process running ``R_DRIVER`` (``code_interpreter_r.R``),
+    with the same line protocol as ``NodeKernel``'s driver (``run``, ``chdir``). R cannot
+    change its user, so ``apply`` starts a new process as the newer identity (the
+    context's variables go, as a Bash context's do)."""
+
+    def __init__(self, cwd: str, ident: Identity) -> None:
+        super().__init__("r", cwd, ident)
+
+    def command(self, fd: int) -> list[str]:
+        return [RSCRIPT, "--vanilla", R_DRIVER, str(fd)]
+
+    def apply(self, ident: Identity, cwd: str) -> None:
+        self.shutdown()
+        self.cwd = cwd
+        self._start(ident)
+        self.applied = ident.version
