@@ -6,7 +6,7 @@ only by ``E2B_API_URL``, ``E2B_SANDBOX_URL`` and ``E2B_API_KEY``: state kept bet
 calls, PNG charts of the figure's size, errors with tracebacks, separate
 contexts, stdout streamed before the cell ends; and what e2b-dev/code-interpreter's
 own tests expect of an E2B sandbox (E2B's default user and home, the create's
-envs, JavaScript, TypeScript and Bash contexts, restarts, a sandbox killed
+envs, JavaScript, TypeScript, Bash, R and Java contexts, restarts, a sandbox killed
 mid-cell). One sandbox serves most cases.
 """
 
@@ -300,6 +300,13 @@ def test_charts_and_other_languages(sb: Sandbox) -> None:
     assert sb.run_code("stop('no')", language="r").error.value == "no"
     assert sb.run_code("c(m, nchar(Sys.getenv('V')))", language="r",
                        envs={"V": "four"}).text == "[1] 6 4"
+    # Java (JShell): printed output, the last value as the result, a run's envs as system
+    # properties (as E2B's Java kernel gives them), state between cells
+    ex = sb.run_code('System.out.println("hi"); int k = 6;\nk * 7', language="java")
+    assert ("".join(ex.logs.stdout), ex.text) == ("hi\n", "42")
+    assert sb.run_code('k + System.getProperty("V")', language="java",
+                       envs={"V": "x"}).text == "6x"
+    assert sb.run_code("1/0", language="java").error.name == "java.lang.ArithmeticException"
 
 
 @vm
@@ -332,9 +339,9 @@ def test_timeout_interrupts_the_cell(sb: Sandbox) -> None:
 @vm
 def test_bad_requests_are_refused(sb: Sandbox, server: Server) -> None:
     with server.client() as api:
-        r = api.post(f"/sandboxes/{sb.id}/code/execute", json={"code": "1", "language": "java"})
+        r = api.post(f"/sandboxes/{sb.id}/code/execute", json={"code": "1", "language": "c"})
         assert r.status_code == 400, r.text
-        assert "is not served here (only bash, javascript, python, r, typescript)" in r.json()[
+        assert "is not served here (only bash, java, javascript, python, r, typescript)" in r.json()[
             "error"]["message"]
         r = api.post(f"/sandboxes/{sb.id}/code/contexts", json={"language": "cobol"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", r.text

@@ -313,6 +313,7 @@ CODE_INTERPRETER_PORT = 49999
 FILES = Path(__file__).resolve().parent / "files"
 CODE_INTERPRETER_BESIDE = ("code_interpreter_node.js", "code_interpreter_charts.py",
                            "code_interpreter_data.py", "code_interpreter_r.R",
+                           "CodeInterpreterJava.java",
                            "code_interpreter_kernels.py", "code_interpreter_jupyter.py")
 """The files the code interpreter's server loads from its own folder (written beside it)."""
 
@@ -320,7 +321,7 @@ CODE_INTERPRETER = Recipe(
     name="code-interpreter",
     description="base plus a stateful code interpreter: Python (ipykernel, jupyter_client, "
                 "numpy, pandas and matplotlib), JavaScript and TypeScript (Node.js), "
-                "Bash and R, served on port 49999 in E2B's protocol.",
+                "Bash, R and Java, served on port 49999 in E2B's protocol.",
     packages=BASE.packages + ("ripgrep",       # search_code of the agent tools
                               "curl"),          # as in E2B's image (its tests poll with it)
     apt_packages=(                      # apt-get: numpy's ABI is a virtual package
@@ -335,6 +336,8 @@ CODE_INTERPRETER = Recipe(
         "node-typescript",              # TypeScript contexts: cells transpiled
         "r-base-core",                  # R contexts (Rscript running code_interpreter_r.R)
         "r-cran-jsonlite",              # the R driver's JSON lines
+        "openjdk-17-jdk-headless",      # Java contexts (JShell; the driver is compiled at
+                                        # each start, in memory)
     ),
     files=LOGIN_PROFILE + (
         RecipeFile(paths.CODE_INTERPRETER_SERVER,

@@ -22,7 +22,8 @@ It speaks the protocol of E2B's code interpreter on one TCP port (49999):
                    context runs it. ``env_vars`` hold for this run only.
 ``POST /contexts``  ``{"language"?, "cwd"?}``: a new context; answers ``{"id",
                    "language", "cwd"}``. Languages: ``python`` (the default),
-                   ``javascript`` (``js``), ``typescript`` (``ts``), ``bash``, ``r``.
+                   ``javascript`` (``js``), ``typescript`` (``ts``), ``bash``, ``r``,
+                   ``java``.
 ``GET /contexts``  every context. ``POST /contexts/{id}/restart`` gives it a new kernel
                    (its variables go); ``DELETE /contexts/{id}`` shuts it down.
 ``POST /configure`` ``{"user"?, "envs"?}``: whom kernels run as from now on (the host
@@ -60,12 +61,12 @@ by message, never accumulated. Errors answer ``{"error": message}`` with
 400, 404, 413, 429, 502 (a kernel failed to start) or 504 (no kernel ready
 within ``SPARE_WAIT_S``). JavaScript and TypeScript contexts are Node.js processes
 (``NodeKernel``), Bash ones ``bash`` processes (``BashKernel``), R ones ``Rscript``
-processes (``RKernel``), started on demand (the
+processes (``RKernel``), Java ones JVMs on JShell (``JavaKernel``), started on demand (the
 default JavaScript one before the port opens, after the spare); Python figures also come
 back as structured charts. The kernels are in the files beside this one, which it imports:
 ``code_interpreter_jupyter.py`` (Python: ``Kernel``, the protocol's lines, the charts) and
-``code_interpreter_kernels.py`` (``BashKernel``, ``NodeKernel``, ``RKernel``, ``Identity``;
-R's driver is ``code_interpreter_r.R``).
+``code_interpreter_kernels.py`` (``BashKernel``, ``NodeKernel``, ``RKernel``, ``JavaKernel``,
+``Identity``; R's driver is ``code_interpreter_r.R``, Java's ``CodeInterpreterJava.java``).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ from typing import Any
 
 from code_interpreter_jupyter import Kernel, shutdown_later
 from code_interpreter_kernels import (
-    NODE, RSCRIPT, BashKernel, Gone, Identity, NodeKernel, Refused, RKernel,
+    JAVA, NODE, RSCRIPT, BashKernel, Gone, Identity, JavaKernel, NodeKernel, Refused, RKernel,
 )
 
 PORT = 49999
@@ -109,9 +110,12 @@ cells need, loaded without binding a name (a new context's namespace is empty)."
 LANGUAGES = {"python": "python", "python3": "python", "javascript": "javascript",
              "js": "javascript", "typescript": "typescript", "ts": "typescript",
              "bash": "bash"}
-"""Language names a request may give → the context's language (R's when R is installed)."""
+"""Language names a request may give → the context's language (R's and Java's when they
+are installed)."""
 if os.path.exists(RSCRIPT):
     LANGUAGES["r"] = "r"
+if os.path.exists(JAVA):
+    LANGUAGES["java"] = "java"
 
 
 IDENTITY = Identity()
@@ -289,6 +293,8 @@ def start_kernel(language: str, cwd: str, default: bool = False) -> Any:
         return BashKernel(cwd, IDENTITY)
     if language == "r":
         return RKernel(cwd, IDENTITY)
+    if language == "java":
+        return JavaKernel(cwd, IDENTITY)
     return NodeKernel(language, cwd, IDENTITY)
 
 

@@ -5,7 +5,8 @@ which imports this file from its own folder): the errors a request ends with
 
 ``BashKernel`` is one ``bash`` process a context; ``NodeKernel`` one Node.js process
 running ``NODE_DRIVER`` (``code_interpreter_node.js``) for JavaScript and TypeScript;
-``RKernel`` one ``Rscript`` process running ``R_DRIVER`` (``code_interpreter_r.R``). All
+``RKernel`` one ``Rscript`` process running ``R_DRIVER`` (``code_interpreter_r.R``);
+``JavaKernel`` one JVM running ``JAVA_DRIVER`` (``CodeInterpreterJava.java``). All
 take the cell's ``emit`` (one protocol line a call, as the server streams them) and
 ``gone`` (True once the client left); a kernel remembers the identity it started as, and
 the server moves it to a newer one (``apply``) before it runs a cell.
@@ -13,6 +14,7 @@ the server moves it to a newer one (``apply``) before it runs a cell.
 
 from __future__ import annotations
 
+import base64
 import codecs
 import json
 import os
@@ -31,6 +33,8 @@ from typing import Any
 NODE = "/usr/bin/node"
 NODE_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_interpreter_node.js")
 RSCRIPT = "/usr/bin/Rscript"
+JAVA = "/usr/bin/java"
+JAVA_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "CodeInterpreterJava.java")
 R_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_interpreter_r.R")
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -244,6 +248,10 @@ class NodeKernel:
         """The driver's argv, answering on descriptor ``fd``."""
         return [NODE, NODE_DRIVER, str(fd), self.language]
 
+    def encode(self, request: dict[str, Any]) -> bytes:
+        """One request as the driver reads it: a JSON line."""
+        return json.dumps(request).encode() + b"\n"
+
     def _next(self, gone: Any) -> dict[str, Any] | None:
         """The driver's next line (None: it exited); raises Gone when the client leaves."""
         while True:
@@ -274,7 +282,7 @@ class NodeKernel:
         the driver exited."""
         assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.write(self.encode(request))
             self.proc.stdin.flush()
         except OSError:
             return False
@@ -340,3 +348,31 @@ class RKernel(NodeKernel):
         self.cwd = cwd
         self._start(ident)
         self.applied = ident.version
+
+
+class JavaKernel(RKernel):
+    """A Java context: one JVM running ``JAVA_DRIVER`` (``CodeInterpreterJava.java``, on
+    JShell's API), with a line protocol of its own (tab-separated base64 fields, no JSON
+    parser needed in Java) and the same answers. A run's ``env`` and the identity's
+    variables are also system properties, as E2B's Java kernel gives them. A JVM cannot
+    change its user either: ``apply`` starts a new one."""
+
+    def __init__(self, cwd: str, ident: Identity) -> None:
+        NodeKernel.__init__(self, "java", cwd, ident)
+
+    def command(self, fd: int) -> list[str]:
+        return [JAVA, "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Xshare:auto",
+                f"-Dhangar.properties={','.join(self.ident.envs)}", JAVA_DRIVER, str(fd)]
+
+    def encode(self, request: dict[str, Any]) -> bytes:
+        def b64(text: str) -> str:
+            return base64.b64encode(text.encode("utf-8", "surrogatepass")).decode()
+
+        if request.get("op") == "run":
+            fields = ["run", b64(request["code"])] + [
+                b64(f"{k}={v}") for k, v in (request.get("env") or {}).items()]
+        elif request.get("op") == "chdir":
+            fields = ["chdir", b64(request["cwd"])]
+        else:
+            fields = ["noop"]
+        return "\t".join(fields).encode() + b"\n"
