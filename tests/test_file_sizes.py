@@ -12,11 +12,12 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 MAX_LINES = 600
-SOURCES = ("*.py", "*.js", "*.css", "*.html", "*.conf")
+SOURCES = ("*.py", "*.js", "*.css", "*.html", "*.conf", "*.java", "*.R")
 
 
 def hand_written() -> list[Path]:
-    """Every source file under src/ (Python, the web page's, templates), generated ones
+    """Every source file under src/ (Python, the web page's, templates, the guest's kernel
+drivers), generated ones
     left out."""
     files = sorted({p for pattern in SOURCES for p in SRC.rglob(pattern)
                     if "__pycache__" not in p.parts})

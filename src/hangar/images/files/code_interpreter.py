@@ -82,10 +82,9 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from collections.abc import Callable
 from typing import Any
 
-from code_interpreter_jupyter import Kernel, shutdown_later
+from code_interpreter_jupyter import Kernel, Spares, shutdown_later
 from code_interpreter_kernels import (
     JAVA, NODE, RSCRIPT, BashKernel, Gone, Identity, JavaKernel, NodeKernel, Refused, RKernel,
 )
@@ -96,10 +95,6 @@ MAX_BODY_BYTES = 4 << 20
 MAX_CONTEXTS = 16
 MAX_REQUESTS = 32
 MAX_ENV_VARS = 256
-SPARE_NICE = 10
-"""The spare's nice value until it is handed out (``Kernel.set_nice``): its start and imports
-yield the guest's vCPU to the cells and commands running meanwhile (a weight of 110 against
-1024), and still take all of it when the guest is idle."""
 SPARE_WAIT_S = 240.0
 """Longest a create or restart waits for the spare being started, seconds: under the
 host's 300 s per call (``hangar.core.interpreter.REQUEST_S``), so that the client gets
@@ -135,108 +130,6 @@ def identity_of(user: str | None, envs: dict[str, str], version: int) -> Identit
                     groups=tuple(os.getgrouplist(user, e.pw_gid)), home=e.pw_dir,
                     envs=dict(envs))
 
-
-class Spares:
-    """The spare kernel: at most one, started and warmed in the background, handed out by
-    ``take``. One start runs at a time (a second one at once would only halve the CPU of
-    both under emulation); a failed start is retried by the next ``take``."""
-
-    def __init__(self, cwd: str, warmup: str) -> None:
-        self.cwd = cwd
-        self.warmup = warmup
-        self.cond = threading.Condition()
-        self.ready: Kernel | None = None
-        self.starting = False
-        self.failed: str | None = None
-        self.started_s: float | None = None
-        """Seconds the last spare took to start and warm up (None before the first)."""
-        self.handing = 0
-        """Spares taken and still being prepared (``take``): none starts meanwhile."""
-
-    def _spawn(self) -> None:
-        """Start the next spare unless one is ready or starting, or a taken one is still
-        being prepared (``take``)."""
-        if self.ready is None and not self.starting and not self.handing:
-            self.starting = True
-            threading.Thread(target=self._start, name="spare-kernel", daemon=True).start()
-
-    def _start(self) -> None:
-        t0 = time.monotonic()
-        try:
-            kernel = Kernel(self.cwd, nice=SPARE_NICE)
-            try:
-                if self.warmup:
-                    kernel.silent(self.warmup)
-                if not kernel.km.is_alive():
-                    raise RuntimeError("the kernel died while it imported the warm-up modules")
-            except BaseException:
-                kernel.shutdown()
-                raise
-        except Exception as exc:  # reported to the waiting takes; the next take retries
-            with self.cond:
-                self.starting = False
-                self.failed = f"{type(exc).__name__}: {exc}"
-                self.cond.notify_all()
-            print(f"code interpreter: spare kernel failed: {self.failed}", file=sys.stderr,
-                  flush=True)
-            return
-        with self.cond:
-            self.ready, self.starting, self.failed = kernel, False, None
-            self.started_s = time.monotonic() - t0
-            self.cond.notify_all()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait until a spare is ready (True) or ``timeout`` seconds pass (False); starts one
-        if none is ready or starting."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self.cond:
-            while self.ready is None:
-                self._spawn()
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self.cond.wait(left)
-            return True
-
-    def take(self, timeout: float, prepare: Callable[[Kernel], None]) -> Kernel:
-        """The ready spare, waiting up to ``timeout`` seconds for the one being started
-        (starting one if none is), given the foreground's priority and then
-        ``prepare(kernel)`` (its identity, its folder); only then does the next spare start
-        in the background, so that the hand-out never shares the guest's CPU with a kernel
-        start (6.8 s instead of under 1 s, measured under emulation with a 2.2 s boot).
-        Raises Refused: 504 when none is ready in time (the start goes on: the next call
-        gets it), 502 when the start it waited for failed (the next call tries again)."""
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while self.ready is None:
-                self._spawn()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Refused(504, f"no kernel was ready within {timeout:g} s; one is "
-                                       "starting: try again")
-                self.cond.wait(left)
-                if self.ready is None and not self.starting and self.failed is not None:
-                    raise Refused(502, f"a kernel failed to start: {self.failed}")
-            kernel, self.ready = self.ready, None
-            self.handing += 1
-        try:
-            kernel.set_nice(0)
-            prepare(kernel)
-        except BaseException:
-            shutdown_later(kernel)
-            raise
-        finally:
-            with self.cond:
-                self.handing -= 1
-                self._spawn()
-        return kernel
-
-    def state(self) -> str:
-        """``ready``, ``starting``, ``failed`` (the last start; the next take retries) or
-        ``none`` (what ``/health`` shows)."""
-        with self.cond:
-            return ("ready" if self.ready is not None else "starting" if self.starting
-                    else "failed" if self.failed else "none")
 
 class KernelContext:
     """One context: its language, its kernel (swapped for a new one on restart), its working
