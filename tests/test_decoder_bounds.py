@@ -53,6 +53,10 @@ delays single probes by a few hundred ms for reasons of its own. On a machine th
 even when idle, both scale with ``/health``'s own times measured just before (``Watch``:
 three times the idle figure), as the suite's other waits scale with the machine."""
 LOAD_FACTOR = 3.0
+P90_PROBES = 10
+"""Fewest probes whose 9-in-10 bound is checked: of fewer, the slowest is the 90th
+percentile, and a single probe delayed by the machine (124 ms at load 4, a whole-suite run
+beside an image build) is what ``HEALTH_STALL_S`` bounds."""
 FAKE_INTERPRETER = r"""
 import socket
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -138,7 +142,8 @@ class Watch:
               f"{len(times)} probes")
         if exc[0] is None:
             assert grew <= self.allowed, f"the server's RSS grew {grew / MIB:.1f} MiB"
-            assert p90 < self.p90_max, f"/health took {p90 * 1000:.0f} ms (p90) meanwhile"
+            assert len(times) < P90_PROBES or p90 < self.p90_max, \
+                f"/health took {p90 * 1000:.0f} ms (p90) meanwhile"
             assert slowest < self.stall_max, \
                 f"/health took {slowest * 1000:.0f} ms once meanwhile"
 
