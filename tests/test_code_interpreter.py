@@ -87,6 +87,10 @@ guest's server itself waits for one (``SPARE_WAIT_S``): a kernel's start and its
 numpy, pandas and matplotlib took 33 to 139 s under emulation on a 2-core host at load 1-5,
 whose boots took 0.9 to 1.9 s."""
 SPARE_FLOOR_S = 240.0
+RUNTIME_START_BOOTS = 60
+"""The longest first cell of an R or Java context (its runtime's start: a JVM compiles the
+driver and warms JShell), in boots: 30 to 44 s under emulation at load 1-3 with boots of
+1.7 to 2.2 s; never under the host's ``REQUEST_S``."""
 
 
 def wait_for_spare(run: Callable[[str, float], str], deadline_s: float) -> dict[str, Any]:
@@ -280,7 +284,7 @@ def test_contexts_answer_at_once(client: Hangar, code_image: Path, waits: Waits)
 
 
 @vm
-def test_charts_and_other_languages(sb: Sandbox) -> None:
+def test_charts_and_other_languages(sb: Sandbox, waits: Waits) -> None:
     # a matplotlib figure comes back as a PNG and as a chart described as data
     chart = next(r for r in sb.run_code(BAR).results if r.png).chart
     assert chart is not None and (chart["type"], chart["title"]) == ("bar", "Book Sales")
@@ -294,15 +298,18 @@ def test_charts_and_other_languages(sb: Sandbox) -> None:
     sb.run_code("cd /tmp; n=6", language="bash")
     assert sb.run_code("echo $((n * 7)) $PWD $(id -u)", language="bash").logs.stdout == [
         "42 /tmp 0\n"]
-    # R: printed output, the last visible value as the result, state between cells
-    ex = sb.run_code('print("hi"); m <- 6; m * 7', language="r")
+    # R: printed output, the last visible value as the result, state between cells (the
+    # first cell of R and of Java starts its runtime: no byte comes back meanwhile)
+    first = waits.vm(RUNTIME_START_BOOTS, floor=REQUEST_S)
+    ex = sb.run_code('print("hi"); m <- 6; m * 7', language="r", timeout=first)
     assert (ex.logs.stdout, ex.text) == (['[1] "hi"\n'], "[1] 42")
     assert sb.run_code("stop('no')", language="r").error.value == "no"
     assert sb.run_code("c(m, nchar(Sys.getenv('V')))", language="r",
                        envs={"V": "four"}).text == "[1] 6 4"
     # Java (JShell): printed output, the last value as the result, a run's envs as system
     # properties (as E2B's Java kernel gives them), state between cells
-    ex = sb.run_code('System.out.println("hi"); int k = 6;\nk * 7', language="java")
+    ex = sb.run_code('System.out.println("hi"); int k = 6;\nk * 7', language="java",
+                     timeout=first)
     assert ("".join(ex.logs.stdout), ex.text) == ("hi\n", "42")
     assert sb.run_code('k + System.getProperty("V")', language="java",
                        envs={"V": "x"}).text == "6x"

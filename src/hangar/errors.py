@@ -121,9 +121,8 @@ class Busy(Conflict):
 
 
 class Deleting(Conflict):
-    """The sandbox is already being deleted (a second delete, or a call that needs it
-    running): nothing to retry. E2B's API, whose killed sandbox is gone at once, answers
-    404 for it."""
+    """A delete of a sandbox that is already being deleted: nothing to retry. E2B's API,
+    whose killed sandbox is gone at once, answers 404 for it."""
 
     code = "deleting"
 
@@ -219,8 +218,8 @@ BY_CODE: dict[str, type[HangarError]] = {
     for cls in (
         HangarError, InvalidRequest, IdempotencyMismatch, Unauthorized, Forbidden, Unavailable,
         NotFound,
-        Gone, Conflict, Busy, Deleting, ImageMissing, DiskFull, VolumeCorrupt, NoInterpreter, TooLarge,
-        LimitExceeded,
+        Gone, Conflict, Busy, Deleting, ImageMissing, DiskFull, VolumeCorrupt, NoInterpreter,
+        TooLarge, LimitExceeded,
         Timeout, RequestTimeout, GuestError, EngineError, ImageError, ConfigError,
     )
 }

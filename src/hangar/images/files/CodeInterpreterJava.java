@@ -38,18 +38,16 @@ import jdk.jshell.SourceCodeAnalysis;
 public class CodeInterpreterJava {
     private static PrintStream answers;
 
-    static synchronized void send(String... pairs) {
+    /** One answer line from name, value pairs: a value is a string, or a boolean. */
+    static synchronized void send(Object... pairs) {
         StringBuilder b = new StringBuilder("{");
         for (int i = 0; i < pairs.length; i += 2) {
             if (i > 0) b.append(", ");
-            b.append(quote(pairs[i])).append(": ").append(quote(pairs[i + 1]));
+            Object value = pairs[i + 1];
+            b.append(quote((String) pairs[i])).append(": ")
+             .append(value instanceof Boolean ? value.toString() : quote((String) value));
         }
         answers.print(b.append("}\n"));
-        answers.flush();
-    }
-
-    static synchronized void sendRaw(String json) {
-        answers.print(json + "\n");
         answers.flush();
     }
 
@@ -108,7 +106,8 @@ public class CodeInterpreterJava {
 
     static String shown(String value) {
         // JShell shows a String as a Java literal: its own text is what a cell's value is
-        if (value != null && value.length() >= 2 && value.startsWith("\"") && value.endsWith("\"")) {
+        if (value != null && value.length() >= 2
+                && value.startsWith("\"") && value.endsWith("\"")) {
             String inner = value.substring(1, value.length() - 1);
             StringBuilder b = new StringBuilder();
             for (int i = 0; i < inner.length(); i++) {
@@ -167,19 +166,18 @@ public class CodeInterpreterJava {
                 }
                 if (event.causeSnippet() == null && event.value() != null
                         && (event.snippet().kind() == Snippet.Kind.EXPRESSION
-                            || event.snippet().subKind() == Snippet.SubKind.TEMP_VAR_EXPRESSION_SUBKIND)) {
+                            || event.snippet().subKind()
+                               == Snippet.SubKind.TEMP_VAR_EXPRESSION_SUBKIND)) {
                     last = event.value();
                 }
             }
         }
-        if (last != null) {
-            sendRaw("{\"type\": \"result\", \"text\": " + quote(shown(last))
-                    + ", \"is_main_result\": true}");
-        }
+        if (last != null) send("type", "result", "text", shown(last), "is_main_result", true);
     }
 
     public static void main(String[] args) throws Exception {
-        answers = new PrintStream(new FileOutputStream("/dev/fd/" + args[0]), false, StandardCharsets.UTF_8);
+        answers = new PrintStream(new FileOutputStream("/dev/fd/" + args[0]), false,
+                                  StandardCharsets.UTF_8);
         String names = System.getProperty("hangar.properties");
         if (names != null) {
             for (String name : names.split(",")) {

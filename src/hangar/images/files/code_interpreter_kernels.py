@@ -30,12 +30,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 NODE = "/usr/bin/node"
-NODE_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_interpreter_node.js")
+NODE_DRIVER = os.path.join(HERE, "code_interpreter_node.js")
 RSCRIPT = "/usr/bin/Rscript"
+R_DRIVER = os.path.join(HERE, "code_interpreter_r.R")
 JAVA = "/usr/bin/java"
-JAVA_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "CodeInterpreterJava.java")
-R_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_interpreter_r.R")
+JAVA_DRIVER = os.path.join(HERE, "CodeInterpreterJava.java")
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -94,7 +95,18 @@ def _lines_of(buf: str, emit: Any, kind: str, final: bool = False) -> str:
     return buf
 
 
-class BashKernel:
+class Respawns:
+    """For a kernel whose process cannot change its user (a shell, R, a JVM): ``apply``
+    starts a new process as the newer identity in ``cwd`` (the context's variables go)."""
+
+    def apply(self, ident: Identity, cwd: str) -> None:
+        self.shutdown()  # type: ignore[attr-defined]
+        self.cwd = cwd
+        self._start(ident)  # type: ignore[attr-defined]
+        self.applied = ident.version
+
+
+class BashKernel(Respawns):
     """A Bash context: one ``bash`` process (as the identity's user) that sources each cell
     from a file of its own, so variables, functions and the folder stay between cells.
     After a cell each stream gets a random marker (stdout's with the exit status) that
@@ -120,13 +132,6 @@ class BashKernel:
             ["/bin/bash", "--noprofile", "--norc"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=self.cwd, env=env,
             start_new_session=True, **ident.popen())
-
-    def apply(self, ident: Identity, cwd: str) -> None:
-        """A new shell as ``ident`` in ``cwd`` (a shell cannot change its user)."""
-        self.shutdown()
-        self.cwd = cwd
-        self._start(ident)
-        self.applied = ident.version
 
     def chdir(self, cwd: str) -> None:
         self.cwd = cwd
@@ -226,8 +231,10 @@ class NodeKernel:
         env.pop("PYTHONPATH", None)
         env.setdefault("LANG", "C.UTF-8")
         try:
-            if ident.popen():  # the pipe is the kernel's user's: a driver that opens
-                os.fchown(w, ident.uid, ident.gid)  # /dev/fd/N (R's) may then
+            # the answer pipe is the kernel's user's: a driver that opens /dev/fd/N (R's,
+            # Java's) is refused a pipe of root's
+            if ident.popen():
+                os.fchown(w, ident.uid, ident.gid)
             self.proc = subprocess.Popen(
                 self.command(w),
                 stdin=subprocess.PIPE,
@@ -331,11 +338,10 @@ class NodeKernel:
         emit({"type": "end_of_execution"})
 
 
-class RKernel(NodeKernel):
+class RKernel(Respawns, NodeKernel):
     """An R context: one ``Rscript`` process running ``R_DRIVER`` (``code_interpreter_r.R``),
     with the same line protocol as ``NodeKernel``'s driver (``run``, ``chdir``). R cannot
-    change its user, so ``apply`` starts a new process as the newer identity (the
-    context's variables go, as a Bash context's do)."""
+    change its user (``Respawns``)."""
 
     def __init__(self, cwd: str, ident: Identity) -> None:
         super().__init__("r", cwd, ident)
@@ -343,22 +349,16 @@ class RKernel(NodeKernel):
     def command(self, fd: int) -> list[str]:
         return [RSCRIPT, "--vanilla", R_DRIVER, str(fd)]
 
-    def apply(self, ident: Identity, cwd: str) -> None:
-        self.shutdown()
-        self.cwd = cwd
-        self._start(ident)
-        self.applied = ident.version
 
-
-class JavaKernel(RKernel):
+class JavaKernel(Respawns, NodeKernel):
     """A Java context: one JVM running ``JAVA_DRIVER`` (``CodeInterpreterJava.java``, on
     JShell's API), with a line protocol of its own (tab-separated base64 fields, no JSON
     parser needed in Java) and the same answers. A run's ``env`` and the identity's
     variables are also system properties, as E2B's Java kernel gives them. A JVM cannot
-    change its user either: ``apply`` starts a new one."""
+    change its user either (``Respawns``)."""
 
     def __init__(self, cwd: str, ident: Identity) -> None:
-        NodeKernel.__init__(self, "java", cwd, ident)
+        super().__init__("java", cwd, ident)
 
     def command(self, fd: int) -> list[str]:
         return [JAVA, "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Xshare:auto",
