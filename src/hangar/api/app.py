@@ -79,7 +79,8 @@ def create_app(settings: Settings | None = None, *, keys: KeyRing | None = None,
         app.add_middleware(routing, state=app.state)  # type: ignore[arg-type]
     app.add_middleware(IdempotencyMiddleware)
     errors.install(app)
-    app.add_middleware(BodyLimit, limit=settings.max_json_bytes, raw=files.RAW_BODY)
+    app.add_middleware(BodyLimit, limit=settings.max_json_bytes,
+                       raw=files.RAW_BODY + e2b.builds.RAW_BODY)
     app.include_router(health.router)
     keyed = [Depends(require_key)]
     app.include_router(sandboxes.router, dependencies=keyed)

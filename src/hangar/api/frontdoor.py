@@ -15,6 +15,8 @@ an exposed port (path- or       ``hangar.api.proxy`` (``Exchange.admit``): the k
 host-routed)                    or the port's token (query or cookie)
 ``/e2b/envd/...``, a signed     ``hangar.api.envd.gateway``: the sandbox's access
 ``/files`` URL                  token, a key, or the URL's signature
+a build's upload (PUT with      ``hangar.api.e2b.builds``: the upload token, for
+``X-Hangar-Upload``)            that one archive only
 anything else (the REST API,    here: ``X-API-Key`` (E2B's ``X-API-KEY`` is the same
 ``/e2b`` control plane,         header), by ``hangar.keys.authenticate``; 401 or 429
 ``/metrics``, unknown paths)    answered at once (E2B's error shape under ``/e2b``)
@@ -43,6 +45,7 @@ client's 8 MiB body does not stall other clients' calls.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -63,6 +66,8 @@ DRAIN_S = 5.0
 OFFLOOP_JSON_BYTES = 64 << 10
 """JSON bodies larger than this (bytes) are parsed in a worker thread."""
 E2B_PREFIX = "/e2b"
+UPLOAD_PATH = re.compile(r"/e2b/templates/[^/]+/files/[0-9a-f]{64}/upload")
+"""A template build's upload (``hangar.api.e2b.builds``): its route checks its token."""
 
 __all__ = ["DRAIN_BYTES", "DRAIN_S", "OFFLOOP_JSON_BYTES", "OPEN_PATHS", "OPEN_PREFIXES",
            "FrontDoor", "OffLoopJsonRequest", "install_offloop_json"]
@@ -110,6 +115,9 @@ class FrontDoor:
         if path == ENVD_PREFIX or path.startswith(ENVD_PREFIX + "/"):
             return True
         if path == "/files" and b"signature=" in bytes(scope.get("query_string", b"")):
+            return True
+        if scope.get("method") == "PUT" and UPLOAD_PATH.fullmatch(path) \
+                and _header(scope, b"x-hangar-upload") is not None:
             return True
         manager = getattr(state, "manager", None)
         domain = manager.settings.domain if manager is not None else None

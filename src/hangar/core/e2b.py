@@ -188,12 +188,17 @@ class Options:
     """The user envd's calls run as when they name none: ``DEFAULT_USER`` for a create of
     this version (``add_user``), ``root`` for sandboxes made before it."""
     mask_host: str | None = None
+    workdir: str | None = None
+    """Where envd's commands run when they name no folder: the folder a built template's
+    steps left (``hangar.core.builds``); None for the user's home."""
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"template": self.template, "public_traffic": self.public_traffic,
                                "user": self.user}
         if self.mask_host is not None:
             out["mask_host"] = self.mask_host
+        if self.workdir is not None:
+            out["workdir"] = self.workdir
         if self.sealed_envs is not None:
             out["envs_sealed"] = self.sealed_envs
         if self.envs:
@@ -227,6 +232,7 @@ def options(rec: SandboxRecord) -> Options | None:
         sealed_envs=box if isinstance(box, str) else None,
         user=DEFAULT_USER if raw.get("user") == DEFAULT_USER else ROOT,
         mask_host=mask if isinstance(mask, str) else None,
+        workdir=raw["workdir"] if isinstance(raw.get("workdir"), str) else None,
     )
 
 
@@ -253,6 +259,13 @@ def envs(manager: SandboxManager, sandbox_id: str) -> dict[str, str]:
         opened = json.loads(manager.vault.open(ENVS_LABEL, opts.sealed_envs))
         out.update({str(k): str(v) for k, v in opened.items()})
     return out
+
+
+def workdir(manager: SandboxManager, sandbox_id: str) -> str | None:
+    """Where envd's commands in the sandbox run when they name no folder (its template's
+    ``WORKDIR``), or None for the user's home. Raises NotFound or Gone."""
+    opts = options(sandbox(manager, sandbox_id))
+    return opts.workdir if opts is not None else None
 
 
 def url_exposure(manager: SandboxManager, sandbox_id: str, port: int,

@@ -19,6 +19,7 @@ only through:
   ``secrets``     the vault, as ``SecretView`` (``core.surfaces``)
   ``network``     running sandboxes' egress rules (``core.surfaces``)
   ``code``        the code interpreter (``core.surfaces``)
+  ``builds``      template builds in build sandboxes (``core.builds``)
   ==============  =============================================================
 
 * the frozen views it answers with instead of the store's rows
@@ -40,6 +41,9 @@ from __future__ import annotations
 from hangar.config import Settings
 from hangar.core import e2b, e2b_user
 from hangar.core.admission import CreateOptions, new_id
+from hangar.core.build_steps import Copy, Env, Run, Step, User, Workdir
+from hangar.core.build_steps import State as BuildState
+from hangar.core.builds import UPLOAD_MAX, Builds, BuildSpec, BuildView, BuiltSource, LogLine
 from hangar.core.commands import (
     HOME, Command, ExecResult, FileEntry, FileEvent, FileList, StreamCapture, Tunnel, WriteResult,
 )
@@ -80,6 +84,7 @@ MachineView = Machine
 SURFACE_TYPES: dict[str, type] = {
     "files": FilesFace, "ports": Ports, "processes": Processes, "terminals": Terminals, "desktop": Desktop,
     "volumes": VolumesFace, "secrets": SecretsFace, "network": NetworkFace, "code": CodeFace,
+    "builds": Builds,
     "settings": Settings, "events": EventBus,
 }
 """The type of each sub-surface of ``SandboxService.SURFACES``: outside core, ``m.<name>``
@@ -91,7 +96,7 @@ MachineService = MachineManager
 __all__ = [
     # the services and their sub-surfaces
     "SandboxService", "SandboxManager", "MachineService", "MachineManager", "CodeFace",
-    "FilesFace", "NetworkFace", "SecretsFace", "VolumesFace", "Desktop", "SURFACE_TYPES", "e2b",
+    "FilesFace", "NetworkFace", "SecretsFace", "VolumesFace", "Desktop", "Builds", "SURFACE_TYPES", "e2b",
     "e2b_user",
     # views
     "AttachmentView", "MachineView", "SandboxView", "SecretView", "SnapshotView",
@@ -101,6 +106,9 @@ __all__ = [
     "StreamCapture", "FileEntry", "FileEvent", "FileList", "WriteResult", "HOME", "Tunnel", "NoListener", "Exposure",
     "ProcessInfo", "ProcessOutput", "Terminal", "MAX_CODE_CHARS", "MAX_SCROLL",
     "MAX_TYPE_CHARS", "TYPE_DELAY_MS", "VNC_PORT",
+    # template builds
+    "UPLOAD_MAX", "BuildSpec", "BuildView", "BuiltSource", "LogLine", "Step", "Copy", "Run", "Env", "Workdir",
+    "User", "BuildState",
     # states and their table
     "State", "GONE", "LIVE", "VMM_STATES", "Guard", "IllegalTransition", "check",
     "check_desired", "walk", "NAMES", "USER_ID", "new_id", "Face", "OnExpiry",

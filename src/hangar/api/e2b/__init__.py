@@ -11,7 +11,10 @@ with what is served. HTTP only: the routes call ``hangar.core`` (and its
 ``sandboxes``       create, list (v1, v2), get, kill, timeout, refreshes, connect,
                     pause, resume, fork, metrics
 ``snapshots``       take one of a sandbox, list them
-``templates``       list and get (Hangar's images and templates), remove a snapshot
+``builds``          template builds (E2B's ``Template.build``): new build, uploads,
+                    start, status and logs, tags (``hangar.core.builds``)
+``templates``       list and get (Hangar's images and templates, and those built
+                    here), remove a built template or a snapshot
 ``volumes``         list, create, get, delete (Hangar's named volumes)
 ``unsupported``     E2B's routes Hangar does not serve (501), and every other
                     path under ``/e2b`` but envd's (404, 405)
@@ -22,7 +25,8 @@ with what is served. HTTP only: the routes call ``hangar.core`` (and its
 
 ``router`` holds the routes that need a key (``X-API-KEY``: any key of the
 server, checked as every Hangar route checks it; a wrong one is E2B's 401);
-``public`` holds ``GET /e2b/health``. The routes are left out of
+``public`` holds ``GET /e2b/health`` and the upload of a build's files (its own
+token: ``hangar.api.e2b.builds``). The routes are left out of
 docs/openapi.json: E2B's API has its own description.
 """
 
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from hangar.api.e2b import sandboxes, snapshots, templates, unsupported, volumes
+from hangar.api.e2b import builds, sandboxes, snapshots, templates, unsupported, volumes
 from hangar.api.e2b.errors import E2BRoute
 
 __all__ = ["PREFIX", "public", "router"]
@@ -40,11 +44,13 @@ PREFIX = "/e2b"
 router = APIRouter(prefix=PREFIX, route_class=E2BRoute, include_in_schema=False)
 router.include_router(sandboxes.router)
 router.include_router(snapshots.router)
+router.include_router(builds.router)
 router.include_router(templates.router)
 router.include_router(volumes.router)
 router.include_router(unsupported.router)  # last: the catch-all
 
 public = APIRouter(prefix=PREFIX, route_class=E2BRoute, include_in_schema=False)
+public.include_router(builds.uploads)  # its own token, checked before the body is read
 
 
 @public.get("/health", status_code=204)

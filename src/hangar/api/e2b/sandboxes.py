@@ -98,13 +98,19 @@ def _check_create(body: NewSandbox) -> None:
 
 async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
     _check_create(body)
-    source = e2b.resolve(m, body.templateID)
+    built = m.builds.source(body.templateID.strip())
+    source = (e2b.resolve(m, body.templateID) if built is None
+              else e2b.Source("snapshot", built.snapshot_id, body.templateID.strip()))
     network = views.policy(body.allow_internet_access, body.network)
-    opts = e2b.Options(template=source.asked, envs=dict(body.envVars or {}),
+    # a built template's ENV under the create's envVars; its last USER (root, or the
+    # default user) and WORKDIR are its commands' defaults
+    envs = {**(built.env if built else {}), **dict(body.envVars or {})}
+    opts = e2b.Options(template=source.asked, envs=envs,
                        public_traffic=body.network is None
                        or body.network.allowPublicTraffic is not False,
-                       user=e2b.DEFAULT_USER,
-                       mask_host=body.network.maskRequestHost if body.network else None)
+                       user=e2b.ROOT if built and built.user == e2b.ROOT else e2b.DEFAULT_USER,
+                       mask_host=body.network.maskRequestHost if body.network else None,
+                       workdir=built.workdir if built else None)
     # envVars often hold keys: sealed by the vault before any record keeps them
     fields: Any = {**e2b.with_options(dict(body.metadata or {}), e2b.sealed(m, opts)),
                    "on_expiry": OnExpiry.SLEEP if body.autoPause else OnExpiry.DELETE,

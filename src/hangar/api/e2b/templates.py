@@ -5,9 +5,9 @@ Every image or template with a current build (``hangar image build``,
 current one). Its ``templateID`` is its Hangar name (``base``, ``dev``...);
 E2B names that stand for a Hangar one are its ``aliases`` (the code
 interpreter's ``code-interpreter-v1`` for Hangar's ``code-interpreter``).
-Builds, tags and updates are not served (``hangar.api.e2b.unsupported``);
-``DELETE /templates/{id}`` removes a snapshot (what E2B's SDK calls it for)
-and refuses to remove an image.
+Templates built through E2B's API (``hangar.api.e2b.builds``) are listed too,
+with their builds. ``DELETE /templates/{id}`` removes such a template, or a
+snapshot (what E2B's SDK also calls it for), and refuses to remove an image.
 """
 
 from __future__ import annotations
@@ -38,6 +38,24 @@ def template(t: e2b.TemplateInfo) -> Template:
         buildCount=t.builds, envdVersion=e2b.ENVD_VERSION, buildStatus="ready")
 
 
+def built(m: SandboxManager) -> list[Template]:
+    """Templates built here (``hangar.core.builds``) with a ready build, as E2B lists them."""
+    out = []
+    for name in m.builds.names():
+        ready = [b for b in m.builds.builds(name) if b.status == "ready"]
+        if not ready:
+            continue
+        b = ready[-1]
+        vcpus, memory = b.vcpus or 2, b.memory_mib or 512
+        out.append(Template(
+            templateID=name, buildID=b.build_id, cpuCount=vcpus, memoryMB=memory,
+            diskSizeMB=m.settings.default_disk_mib, public=False, aliases=[name], names=[name],
+            createdAt=rfc3339(m.builds.builds(name)[0].created_at),
+            updatedAt=rfc3339(b.finished_at), spawnCount=0, buildCount=len(ready),
+            envdVersion=e2b.ENVD_VERSION, buildStatus="ready"))
+    return out
+
+
 def find(m: SandboxManager, name: str) -> e2b.TemplateInfo:
     """The template ``name`` (a Hangar name or an E2B alias, a ``:tag`` ignored). Raises
     NotFound naming it."""
@@ -50,7 +68,7 @@ def find(m: SandboxManager, name: str) -> e2b.TemplateInfo:
 
 @router.get("/templates", response_model=list[Template])
 async def list_v1(m: Manager) -> list[Template]:
-    return [template(t) for t in e2b.templates(m)]
+    return [template(t) for t in e2b.templates(m)] + built(m)
 
 
 @router.get("/default-templates", response_model=list[Template])
@@ -65,21 +83,38 @@ async def list_v2(m: Manager, response: Response, nextToken: str | None = None,
     if nextToken and (not (nextToken.isascii() and nextToken.isdigit()) or len(nextToken) > 9):
         raise InvalidRequest(f"nextToken: {nextToken[:40]!r} is not a token this server gave",
                              field="nextToken")
-    every = e2b.templates(m)
+    every = [template(t) for t in e2b.templates(m)] + built(m)
     start = int(nextToken or 0)
     if start + limit < len(every):
         response.headers["X-Next-Token"] = str(start + limit)
-    return [template(t) for t in every[start:start + limit]]
+    return every[start:start + limit]
 
 
 @router.get("/templates/aliases/{alias}", response_model=TemplateAlias)
 async def alias(alias: str, m: Manager) -> TemplateAlias:
+    name = alias.rsplit(":", 1)[0]
+    if m.builds.exists(name):
+        return TemplateAlias(templateID=name, public=False)
     return TemplateAlias(templateID=find(m, alias).name, public=True)
 
 
 @router.get("/templates/{template_id}", response_model=TemplateWithBuilds)
 async def get(template_id: str, m: Manager) -> TemplateWithBuilds:
-    """The template and its one (current) build."""
+    """The template and its builds (one, the current, for Hangar's images)."""
+    name = template_id.rsplit(":", 1)[0]
+    if m.builds.exists(name):
+        views = m.builds.builds(name)
+        builds = [TemplateBuild(
+            buildID=b.build_id, status=b.status,  # type: ignore[arg-type]
+            createdAt=rfc3339(b.created_at), updatedAt=rfc3339(b.finished_at or b.created_at),
+            finishedAt=rfc3339(b.finished_at) if b.finished_at else None,
+            cpuCount=b.vcpus or 2, memoryMB=b.memory_mib or 512,
+            envdVersion=e2b.ENVD_VERSION) for b in views]
+        return TemplateWithBuilds(templateID=name, public=False, aliases=[name], names=[name],
+                                  createdAt=rfc3339(views[0].created_at),
+                                  updatedAt=rfc3339(views[-1].finished_at
+                                                    or views[-1].created_at),
+                                  spawnCount=0, builds=builds)
     t = find(m, template_id)
     names = [t.name, *t.aliases]
     build = TemplateBuild(buildID=t.build_id, status="ready", createdAt=rfc3339(t.updated_at),
@@ -93,9 +128,14 @@ async def get(template_id: str, m: Manager) -> TemplateWithBuilds:
 
 @router.delete("/templates/{template_id}", status_code=204)
 async def delete(template_id: str, m: Manager) -> Response:
-    """Remove the snapshot ``template_id`` (E2B's ``Sandbox.delete_snapshot``). An image
-    or template is not removed through E2B's API (501); anything else is a 404."""
+    """Remove a template built here (its snapshots and uploads) or the snapshot
+    ``template_id`` (E2B's ``Sandbox.delete_snapshot``). An image or a template of
+    ``hangar template build`` is not removed through E2B's API (501); anything else is a
+    404."""
     snapshot_id = template_id.rsplit(":", 1)[0]
+    if m.builds.exists(snapshot_id):
+        await m.builds.delete(snapshot_id)
+        return Response(status_code=204)
     try:
         m.delete_snapshot(snapshot_id)
         return Response(status_code=204)

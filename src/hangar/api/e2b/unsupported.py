@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.convertors import Convertor, register_url_convertor
 
-from hangar.api.e2b import sandboxes, snapshots, templates
+from hangar.api.e2b import builds, sandboxes, snapshots, templates
 from hangar.api.e2b.errors import E2BRoute, e2b_error
 
 ENVD_PREFIX = "/e2b/envd"
@@ -33,9 +33,9 @@ ENVD_PREFIX = "/e2b/envd"
 
 _TEAMS = "Hangar has no teams: a server has its API keys (`hangar key`) and nothing else"
 _LOGS = "Hangar does not serve sandbox logs through E2B's API"
-_BUILDS = ("Hangar builds templates on the server with `hangar template build` (a TOML file) "
-           "or `hangar image build`, not through E2B's API")
-_TAGS = "Hangar's templates have no tags"
+_BUILDS = ("Hangar builds templates through E2B's v3 flow (POST /v3/templates, then "
+           "/v2/templates/{templateID}/builds/{buildID}) or `hangar template build`")
+_TAGS = "Hangar serves a template's tags as a list, assign and remove"
 _ADMIN = "Hangar has no admin API (a cluster of servers is run with `hangar cluster`)"
 _KEYS = "Hangar's API keys are made on the server with `hangar key add NAME --e2b`"
 _SECRETS = "Hangar has no secrets store (pass values as envVars)"
@@ -46,20 +46,12 @@ NOT_SERVED: tuple[tuple[str, str, str], ...] = (
     ("GET", "/teams/{teamID}/metrics/max", _TEAMS),
     ("GET", "/sandboxes/{sandboxID}/logs", _LOGS),
     ("GET", "/v2/sandboxes/{sandboxID}/logs", _LOGS),
-    ("POST", "/v3/templates", _BUILDS),
     ("POST", "/v2/templates", _BUILDS),
-    ("GET", "/templates/{templateID}/files/{hash}", _BUILDS),
     ("POST", "/templates", _BUILDS),
     ("POST", "/templates/{templateID}", _BUILDS),
     ("PATCH", "/templates/{templateID}", _BUILDS),
     ("POST", "/templates/{templateID}/builds/{buildID}", _BUILDS),
-    ("POST", "/v2/templates/{templateID}/builds/{buildID}", _BUILDS),
     ("PATCH", "/v2/templates/{templateID}", _BUILDS),
-    ("GET", "/templates/{templateID}/builds/{buildID}/status", _BUILDS),
-    ("GET", "/templates/{templateID}/builds/{buildID}/logs", _BUILDS),
-    ("POST", "/templates/tags", _TAGS),
-    ("DELETE", "/templates/tags", _TAGS),
-    ("GET", "/templates/{templateID}/tags", _TAGS),
     ("GET", "/templates/{templateID}/tags/count", _TAGS),
     ("GET", "/templates/{templateID}/tags/exists", _TAGS),
     ("GET", "/templates/{templateID}/tags/groups", _TAGS),
@@ -116,7 +108,7 @@ router = APIRouter(route_class=E2BRoute)
 
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
-_SERVED = [route for module in (sandboxes, snapshots, templates)
+_SERVED = [route for module in (sandboxes, snapshots, templates, builds)
            for route in module.router.routes if isinstance(route, APIRoute)]
 """The served routes, with paths relative to ``/e2b``."""
 

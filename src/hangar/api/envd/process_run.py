@@ -6,7 +6,7 @@ On the guest's table of processes that outlive their connection (the core's
 <command>``; ``envs`` over the sandbox's own, those its E2B create named,
 added to the guest's environment; as the call's user (E2B's default
 ``user`` through ``setpriv``, or ``root``: ``hangar.core.e2b_user.as_user``);
-``cwd``, default that user's home; a pty when asked; a stdin pipe unless ``stdin`` is false)
+``cwd``, default its template's ``WORKDIR`` or else that user's home; a pty when asked; a stdin pipe unless ``stdin`` is false)
 and streams its start (the guest's pid), output (stdout/stderr, or pty) and
 end (exit code; ``exited`` false and status ``signal: ...`` when a signal
 ended it). The call's ``Connect-Timeout-Ms`` is the process's lifetime: past
@@ -103,11 +103,12 @@ async def start(req: Any, call: Call) -> AsyncIterator[Message]:
         raise RpcError("invalid_argument", "process.cmd is empty")
     try:
         envs = {**e2b.envs(env.manager, env.sandbox_id), **dict(cfg.envs)}
+        default_cwd = e2b.workdir(env.manager, env.sandbox_id) or env.home
     except HangarError as exc:
         raise rpc_error(exc) from None
     cwd = fs_entries.absolute(cfg.cwd, env.home) if cfg.HasField("cwd") and cfg.cwd else None
     cmd = e2b_user.as_user(Command(command=cfg.cmd, args=list(cfg.args), env=envs or None,
-                              cwd=cwd or env.home), env.user)
+                              cwd=cwd or default_cwd), env.user)
     pty = (req.pty.size.cols or 80, req.pty.size.rows or 24) if req.HasField("pty") else None
     items = env.manager.processes.start_attached(
         env.sandbox_id, cmd, tag=req.tag if req.HasField("tag") else None,

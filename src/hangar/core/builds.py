@@ -1,0 +1,518 @@
+"""Template builds: a base, uploaded files and steps, saved as a booted template.
+
+A build (``Builds.start``) boots a **build sandbox** from its base (an image,
+or a template built here before), runs its steps in the guest
+(``hangar.core.build_steps``), starts its start command, waits for its ready
+command, then snapshots the sandbox under the template's name and deletes
+it. The snapshot is the template: a create of the template's name restores
+it, with the start command already running (``source``). Nothing of a build
+runs on the host.
+
+State, under ``<data>/builds/`` (the server's own, 0700):
+
+==========================  ======================================================
+``templates.json``          every template built here: its builds (status, times,
+                            snapshot, the environment, user and folder its
+                            sandboxes get), its tags (``default`` unless asked)
+``files/<name>/<sha256>``   uploaded archives of the files a ``COPY`` places,
+                            by the hash E2B's SDK computes over their paths,
+                            modes and contents (``archive_hash`` checks it)
+==========================  ======================================================
+
+A build's log lives in memory (``LOG_MAX`` lines); a build still running when
+the server stops is an error after a restart. A build whose base, steps, file
+hashes and commands equal a ready build's of the same template reuses that
+build's snapshot unless ``force``. One build of a template runs at a time
+(``Conflict``). Errors: InvalidRequest (a bad name, tag or hash), NotFound (no
+such template, build, tag or upload), Conflict (a build of the template runs,
+or it is already started), TooLarge (an upload over ``UPLOAD_MAX``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+import tarfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hangar.core.build_steps import Copy, State, Step, StepFailed, Steps, remove_quietly
+from hangar.core.tasks import Tasks
+from hangar.durable import atomic_write
+from hangar.errors import Conflict, HangarError, InvalidRequest, NotFound, TooLarge
+
+if TYPE_CHECKING:
+    from hangar.core.sandboxes import SandboxManager
+
+log = logging.getLogger(__name__)
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+"""A built template's name (a snapshot name too: ``hangar.core.snapshots.check_name``)."""
+TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+DEFAULT_TAG = "default"
+UPLOAD_MAX = 1 << 30
+"""Largest uploaded archive, bytes (compressed as sent)."""
+UNPACKED_MAX = 4 << 30
+"""Most bytes an archive may unpack to when its hash is checked."""
+LOG_MAX = 20_000
+"""Log lines kept per build; later ones are dropped (the build goes on)."""
+READY_TIMEOUT_S = 600.0
+"""Longest a build waits for its ready command to pass, seconds."""
+UPLOAD_TTL_S = 3600
+"""Seconds an upload link stays valid."""
+
+Launch = Callable[[], Awaitable[str]]
+"""Boots a build's sandbox from its base; returns its id (the caller picks the base,
+its user and sizes)."""
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """What a build runs: its ``steps`` from ``state`` (the base's user, folder and
+    environment), then ``start`` in the background until ``ready`` exits 0. ``base``
+    names the base (for the cache: a different base is a different build)."""
+
+    base: str
+    steps: tuple[Step, ...]
+    state: State
+    start: str | None = None
+    ready: str | None = None
+    force: bool = False
+
+    def digest(self) -> str:
+        body = {"base": self.base, "steps": [repr(s) for s in self.steps],
+                "state": repr(self.state), "start": self.start, "ready": self.ready}
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """One line of a build's log: ``at`` Unix seconds, ``level`` (info, warn, error)."""
+
+    at: float
+    level: str
+    message: str
+
+
+@dataclass(frozen=True)
+class BuildView:
+    """A build: ``status`` waiting (made, not started), building, ready or error;
+    ``logs`` from the offset asked; ``reason`` and ``step`` (E2B's: a step's 1-based
+    number, ``base`` or ``finalize``) when it failed."""
+
+    template: str
+    build_id: str
+    status: str
+    created_at: float
+    finished_at: float | None
+    vcpus: int | None
+    memory_mib: int | None
+    tags: tuple[str, ...]
+    logs: tuple[LogLine, ...] = ()
+    reason: str | None = None
+    step: str | None = None
+
+
+@dataclass(frozen=True)
+class BuiltSource:
+    """What a create of a built template starts from: its snapshot, and the environment,
+    user and folder its steps left."""
+
+    snapshot_id: str
+    env: dict[str, str]
+    user: str
+    workdir: str
+
+
+@dataclass
+class _Running:
+    logs: list[LogLine] = field(default_factory=list)
+
+
+class Builds:
+    """Every template built on this server (one per ``SandboxManager``)."""
+
+    def __init__(self, manager: SandboxManager) -> None:
+        self.m = manager
+        self.root = manager.layout.root / "builds"
+        self._file = self.root / "templates.json"
+        self._lock = asyncio.Lock()
+        self._tasks = Tasks("builds")
+        self._logs: dict[str, _Running] = {}
+        self._data: dict[str, Any] | None = None
+
+    # -- the registry ------------------------------------------------------------------
+
+    def _load(self) -> dict[str, Any]:
+        if self._data is None:
+            try:
+                data = json.loads(self._file.read_bytes())
+            except FileNotFoundError:
+                data = {"templates": {}}
+            for t in data["templates"].values():  # a build the server stopped during
+                for b in t["builds"].values():
+                    if b["status"] in ("waiting", "building"):
+                        b.update(status="error", reason="the server restarted during the "
+                                 "build", step="base", finished_at=time.time())
+            self._data = data
+        return self._data
+
+    def _save(self) -> None:
+        self.root.mkdir(mode=0o700, exist_ok=True)
+        atomic_write(self._file, json.dumps(self._load(), indent=1, sort_keys=True).encode())
+
+    def _template(self, name: str) -> dict[str, Any]:
+        t = self._load()["templates"].get(name)
+        if t is None:
+            raise NotFound(f"template {name!r} was not built here", template=name)
+        return t
+
+    def _build(self, name: str, build_id: str) -> dict[str, Any]:
+        b = self._template(name)["builds"].get(build_id)
+        if b is None:
+            raise NotFound(f"template {name!r} has no build {build_id!r}", template=name,
+                           build=build_id)
+        return b
+
+    @staticmethod
+    def check_name(name: str) -> None:
+        """Raise InvalidRequest unless ``name`` is a template name (``NAME_RE``)."""
+        if not NAME_RE.fullmatch(name):
+            raise InvalidRequest(f"name: {name[:80]!r} is not a template name (1 to 63 of "
+                                 "a-z, 0-9, '.', '_' and '-', a letter or digit first)",
+                                 field="name")
+
+    @staticmethod
+    def check_tags(tags: list[str]) -> None:
+        for tag in tags:
+            if not TAG_RE.fullmatch(tag):
+                raise InvalidRequest(f"tags: {tag[:80]!r} is not a tag (1 to 128 letters, "
+                                     "digits, '.', '_' and '-')", field="tags")
+
+    def names(self) -> list[str]:
+        """Every template built here (a build of it ready or not), sorted."""
+        return sorted(self._load()["templates"])
+
+    def exists(self, name: str) -> bool:
+        return name in self._load()["templates"]
+
+    # -- builds ------------------------------------------------------------------------
+
+    def new(self, name: str, tags: list[str], vcpus: int | None,
+            memory_mib: int | None) -> BuildView:
+        """A new build of ``name`` (the template made on its first build), waiting for
+        ``start``. Raises InvalidRequest (a bad name or tag)."""
+        self.check_name(name)
+        tags = list(dict.fromkeys(tags or [DEFAULT_TAG]))
+        self.check_tags(tags)
+        data = self._load()
+        now = time.time()
+        t = data["templates"].setdefault(name, {"created_at": now, "tags": {}, "builds": {}})
+        build_id = str(uuid.uuid4())
+        t["builds"][build_id] = {"status": "waiting", "created_at": now, "finished_at": None,
+                                 "vcpus": vcpus, "memory_mib": memory_mib, "tags": tags}
+        self._save()
+        return self.status(name, build_id)
+
+    def status(self, name: str, build_id: str, offset: int = 0, limit: int = 100) -> BuildView:
+        """Build ``build_id`` of ``name``, with its log lines from ``offset`` (at most
+        ``limit``). Raises NotFound."""
+        b = self._build(name, build_id)
+        run = self._logs.get(build_id)
+        lines = tuple(run.logs[max(0, offset):max(0, offset) + limit]) if run else ()
+        tags = tuple(k for k, v in self._template(name)["tags"].items() if v == build_id)
+        return BuildView(template=name, build_id=build_id, status=b["status"],
+                         created_at=b["created_at"], finished_at=b.get("finished_at"),
+                         vcpus=b.get("vcpus"), memory_mib=b.get("memory_mib"),
+                         tags=tags or tuple(b.get("tags") or ()), logs=lines,
+                         reason=b.get("reason"), step=b.get("step"))
+
+    def builds(self, name: str) -> list[BuildView]:
+        """Every build of ``name``, oldest first. Raises NotFound."""
+        t = self._template(name)
+        order = sorted(t["builds"], key=lambda k: t["builds"][k]["created_at"])
+        return [self.status(name, b, limit=0) for b in order]
+
+    def start(self, name: str, build_id: str, spec: BuildSpec, launch: Launch) -> None:
+        """Run build ``build_id`` of ``name`` in the background. Raises NotFound,
+        Conflict (it was started already, or another build of ``name`` runs)."""
+        b = self._build(name, build_id)
+        if b["status"] != "waiting":
+            raise Conflict(f"build {build_id} of template {name!r} was started already",
+                           template=name, build=build_id)
+        if self._tasks.running(name):
+            raise Conflict(f"a build of template {name!r} is running; wait for it",
+                           template=name)
+        b["status"] = "building"
+        self._save()
+        self._logs[build_id] = _Running()
+        self._tasks.start(name, self._run(name, build_id, spec, launch))
+
+    def _say(self, build_id: str) -> Callable[[str, str], None]:
+        run = self._logs[build_id]
+
+        def say(level: str, message: str) -> None:
+            if len(run.logs) < LOG_MAX:
+                run.logs.append(LogLine(time.time(), level, message))
+        return say
+
+    async def _run(self, name: str, build_id: str, spec: BuildSpec, launch: Launch) -> None:
+        say = self._say(build_id)
+        b = self._build(name, build_id)
+        digest = spec.digest()
+        sid: str | None = None
+        try:
+            cached = None if spec.force else self._cached(name, digest)
+            if cached is not None:
+                say("info", f"CACHED: build {cached['id']} has the same base, steps and "
+                    "files; its snapshot is reused")
+                b.update(snapshot_id=cached["snapshot_id"], env=cached["env"],
+                         user=cached["user"], workdir=cached["workdir"])
+            else:
+                for i, step in enumerate(spec.steps):
+                    if isinstance(step, Copy):
+                        await self._check_upload(name, step, i)
+                say("info", f"[builder] FROM {spec.base}: starting the build sandbox")
+                try:
+                    sid = await launch()
+                except HangarError as e:
+                    raise StepFailed(f"the build sandbox did not start: {e}", -2) from None
+                steps = Steps(self.m, sid, say, lambda h: self._archive(name, h))
+                state = await steps.run(spec.steps, spec.state)
+                await steps.start(spec.start, spec.ready, state, READY_TIMEOUT_S)
+                say("info", "[builder] saving the template's snapshot")
+                snap = await self.m.snapshot(sid, name=name)
+                b.update(snapshot_id=snap.id, env=state.env, user=state.user,
+                         workdir=state.workdir)
+            async with self._lock:
+                b.update(status="ready", finished_at=time.time(), digest=digest)
+                self._retag(name, build_id, list(b.get("tags") or [DEFAULT_TAG]))
+                self._save()
+            say("info", f"build {build_id} of template {name!r} is ready")
+        except StepFailed as e:
+            where = "finalize" if e.step == -1 else "base" if e.step == -2 else str(e.step + 1)
+            self._fail(name, build_id, e.message, where, say)
+        except HangarError as e:
+            self._fail(name, build_id, e.message, "finalize", say)
+        except Exception as e:  # a bug: the build fails, the server goes on
+            log.exception("template build failed", extra={"template": name})
+            self._fail(name, build_id, f"internal error: {type(e).__name__}", "finalize", say)
+        finally:
+            if sid is not None:
+                await remove_quietly(lambda: self.m.delete(sid))
+
+    def _fail(self, name: str, build_id: str, message: str, step: str,
+              say: Callable[[str, str], None]) -> None:
+        say("error", message)
+        self._build(name, build_id).update(status="error", reason=message, step=step,
+                                           finished_at=time.time())
+        self._save()
+
+    def _cached(self, name: str, digest: str) -> dict[str, Any] | None:
+        for k, b in self._template(name)["builds"].items():
+            if b["status"] == "ready" and b.get("digest") == digest and \
+                    self.m.has_snapshot(b["snapshot_id"]):
+                return {**b, "id": k}
+        return None
+
+    def _retag(self, name: str, build_id: str, tags: list[str]) -> None:
+        """Point ``tags`` of ``name`` at ``build_id``; drop the snapshots of ready builds
+        no tag names any more (their records stay, as history)."""
+        t = self._template(name)
+        for tag in tags:
+            t["tags"][tag] = build_id
+        live = set(t["tags"].values())
+        keep = {t["builds"][b].get("snapshot_id") for b in live}
+        for k, b in t["builds"].items():
+            sid = b.get("snapshot_id")
+            if k not in live and sid and sid not in keep:
+                b["snapshot_id"] = None
+                try:
+                    self.m.delete_snapshot(sid)
+                except HangarError:
+                    pass
+
+    # -- uploads -----------------------------------------------------------------------
+
+    def _archive(self, name: str, digest: str) -> Path:
+        return self.root / "files" / name / digest
+
+    def _check_hash(self, digest: str) -> None:
+        if not HASH_RE.fullmatch(digest):
+            raise InvalidRequest(f"hash: {digest[:80]!r} is not a SHA-256 in hex", field="hash")
+
+    def has_files(self, name: str, digest: str) -> bool:
+        """Whether the archive ``digest`` of template ``name`` was uploaded. Raises
+        NotFound (no such template), InvalidRequest (not a hash)."""
+        self._template(name)
+        self._check_hash(digest)
+        return self._archive(name, digest).is_file()
+
+    def upload_token(self, name: str, digest: str) -> str:
+        """A token that lets its holder upload archive ``digest`` of ``name`` for
+        ``UPLOAD_TTL_S`` (and do nothing else)."""
+        expiry = int(time.time()) + UPLOAD_TTL_S
+        return f"{expiry}.{self._mac(name, digest, expiry)}"
+
+    def check_upload_token(self, name: str, digest: str, token: str) -> bool:
+        expiry, _, mac = token.partition(".")
+        if not expiry.isdigit() or len(expiry) > 12 or int(expiry) < time.time():
+            return False
+        return hmac.compare_digest(mac, self._mac(name, digest, int(expiry)))
+
+    def _mac(self, name: str, digest: str, expiry: int) -> str:
+        key = hmac.new(self.m.port_key, b"hangar template upload", hashlib.sha256).digest()
+        return hmac.new(key, f"{name}\0{digest}\0{expiry}".encode(), hashlib.sha256).hexdigest()
+
+    async def save_files(self, name: str, digest: str, chunks: AsyncIterator[bytes]) -> int:
+        """Store an uploaded archive (a tar, gzip'd or not) as ``digest`` of ``name``;
+        its size in bytes. Raises NotFound, InvalidRequest, TooLarge (past
+        ``UPLOAD_MAX``; nothing is kept)."""
+        self._template(name)
+        self._check_hash(digest)
+        dest = self._archive(name, digest)
+        dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{digest}.{uuid.uuid4().hex}")
+        size = 0
+        try:
+            with open(tmp, "xb") as f:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > UPLOAD_MAX:
+                        raise TooLarge(f"the upload is larger than {UPLOAD_MAX} bytes",
+                                       limit_bytes=UPLOAD_MAX)
+                    await asyncio.to_thread(f.write, chunk)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return size
+
+    async def _check_upload(self, name: str, step: Copy, index: int) -> None:
+        path = self._archive(name, step.files)
+        if not path.is_file():
+            raise StepFailed(f"the files of COPY {step.src} {step.dest} were not uploaded "
+                             f"(hash {step.files})", index)
+        try:
+            got = await asyncio.to_thread(archive_hash, path, step.src, step.dest)
+        except (tarfile.TarError, OSError, ValueError, EOFError) as e:
+            raise StepFailed(f"the upload for COPY {step.src} {step.dest} is not a tar "
+                             f"archive: {str(e)[:200]}", index) from None
+        if got != step.files:
+            raise StepFailed(f"the upload for COPY {step.src} {step.dest} does not match its "
+                             "hash", index)
+
+    # -- templates and tags ------------------------------------------------------------
+
+    def source(self, ref: str) -> BuiltSource | None:
+        """The built template ``ref`` (``name`` or ``name:tag``; no tag: ``default``)
+        starts from, or None when ``ref`` names no template built here. Raises NotFound
+        for a template built here whose tag has no ready build."""
+        name, _, tag = ref.partition(":")
+        t = self._load()["templates"].get(name)
+        if t is None:
+            return None
+        build_id = t["tags"].get(tag or DEFAULT_TAG)
+        b = t["builds"].get(build_id) if build_id else None
+        if b is None or not b.get("snapshot_id"):
+            raise NotFound(f"template {ref!r} has no ready build", template=ref)
+        return BuiltSource(b["snapshot_id"], dict(b.get("env") or {}), b.get("user") or "root",
+                           b.get("workdir") or "/")
+
+    def tags(self, name: str) -> list[tuple[str, str, float]]:
+        """(tag, build id, when the build was made) of ``name``. Raises NotFound."""
+        t = self._template(name)
+        return [(tag, b, t["builds"][b]["created_at"]) for tag, b in sorted(t["tags"].items())]
+
+    async def assign_tags(self, target: str, tags: list[str]) -> tuple[str, list[str]]:
+        """Point ``tags`` at the build ``target`` (``name:tag``) names; (its build id,
+        the tags). Raises NotFound, InvalidRequest."""
+        name, _, tag = target.partition(":")
+        self.check_tags(tags)
+        async with self._lock:
+            t = self._template(name)
+            build_id = t["tags"].get(tag or DEFAULT_TAG)
+            if build_id is None:
+                raise NotFound(f"template {target!r} has no such tag", template=target)
+            self._retag(name, build_id, tags)
+            self._save()
+        return build_id, tags
+
+    async def remove_tags(self, name: str, tags: list[str]) -> None:
+        """Remove ``tags`` from ``name`` (a build no tag names loses its snapshot).
+        Raises NotFound (no such template or tag)."""
+        async with self._lock:
+            t = self._template(name)
+            for tag in tags:
+                if tag not in t["tags"]:
+                    raise NotFound(f"template {name!r} has no tag {tag!r}", template=name)
+            for tag in tags:
+                del t["tags"][tag]
+            self._retag(name, "", [])
+            self._save()
+
+    async def delete(self, name: str) -> None:
+        """Remove template ``name``: its snapshots, uploads and records. Raises NotFound,
+        Conflict (a build of it runs)."""
+        async with self._lock:
+            t = self._template(name)
+            if self._tasks.running(name):
+                raise Conflict(f"a build of template {name!r} is running", template=name)
+            for b in t["builds"].values():
+                if b.get("snapshot_id"):
+                    try:
+                        self.m.delete_snapshot(b["snapshot_id"])
+                    except HangarError:
+                        pass
+            del self._load()["templates"][name]
+            self._save()
+        folder = self.root / "files" / name
+        if folder.is_dir():
+            for p in folder.iterdir():
+                p.unlink(missing_ok=True)
+            folder.rmdir()
+
+    async def close(self) -> None:
+        """Stop the builds that run (each is then an error, its sandbox deleted)."""
+        await self._tasks.stop()
+
+
+def archive_hash(path: Path, src: str, dest: str) -> str:
+    """The hash E2B's SDK computes for ``COPY src dest`` over the files of the tar at
+    ``path`` (in the archive's order: each one's path, mode, size unless a folder, and
+    its link's target or its bytes), reading at most ``UNPACKED_MAX`` bytes. Raises
+    ValueError (past the bound, a hard link or device), tarfile.TarError."""
+    h = hashlib.sha256(f"COPY {src} {dest}".encode())
+    read = 0
+    with tarfile.open(path, "r|*") as tar:
+        for m in tar:
+            h.update(m.name.rstrip("/").encode())
+            kind = (0o040000 if m.isdir() else 0o120000 if m.issym() else
+                    0o100000 if m.isreg() else None)
+            if kind is None:
+                raise ValueError(f"{m.name[:100]!r} is neither a file, a folder nor a symlink")
+            h.update(str(kind | (m.mode & 0o7777)).encode())
+            if m.issym():
+                h.update(str(len(m.linkname.encode())).encode())
+                h.update(m.linkname.encode())
+                continue
+            if not m.isdir():
+                h.update(str(m.size).encode())
+            if m.isreg():
+                read += m.size
+                if read > UNPACKED_MAX:
+                    raise ValueError(f"the archive unpacks to more than {UNPACKED_MAX} bytes")
+                f = tar.extractfile(m)
+                assert f is not None
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+    return h.hexdigest()
