@@ -28,12 +28,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hangar.api.envd.versions import ENVD_PORT, PREFIX as ENVD_PREFIX
 from hangar.api.proxy.routing import header
 
-__all__ = ["API_LABEL", "E2B_PREFIX", "E2bHosts", "rewrite"]
+__all__ = ["API_LABEL", "E2B_PREFIX", "REWRITTEN", "E2bHosts", "client_path", "rewrite"]
 
 API_LABEL = "api"
 """The control plane's host is ``api.<domain>``, as E2B's SDKs build it."""
 E2B_PREFIX = "/e2b"
 """Where E2B's control plane is served on Hangar's own host."""
+REWRITTEN = "hangar.e2b_host_prefix"
+"""Key of a rewritten request's scope: the prefix its path got (``client_path`` takes it
+off again)."""
 _ENVD_HOST = re.compile(rf"^{ENVD_PORT}-([a-z0-9_-]{{1,64}})\.")
 
 
@@ -68,12 +71,22 @@ def rewrite(scope: Scope, domain: str | None) -> Scope | None:
     path = str(scope.get("path") or "/")
     raw = scope.get("raw_path") or path.encode("utf-8", "surrogateescape")
     out = dict(scope)
+    out[REWRITTEN] = prefix
     out["path"] = prefix + ("" if path == "/" else path)
     out["raw_path"] = prefix.encode() + (b"" if raw == b"/" else bytes(raw))
     if extra:
         names = {k for k, _ in extra}
         out["headers"] = [(k, v) for k, v in scope.get("headers", ()) if k not in names] + extra
     return out
+
+
+def client_path(scope: Scope, path: str) -> str:
+    """``path`` (one of Hangar's, e.g. a route's ``url_for``) as the client of ``scope``
+    names it: without the prefix ``rewrite`` added when it came through an E2B host name."""
+    prefix = scope.get(REWRITTEN)
+    if prefix and path.startswith(prefix + "/"):
+        return path[len(prefix):]
+    return path
 
 
 class E2bHosts:

@@ -15,8 +15,8 @@ an exposed port (path- or       ``hangar.api.proxy`` (``Exchange.admit``): the k
 host-routed)                    or the port's token (query or cookie)
 ``/e2b/envd/...``, a signed     ``hangar.api.envd.gateway``: the sandbox's access
 ``/files`` URL                  token, a key, or the URL's signature
-a build's upload (PUT with      ``hangar.api.e2b.builds``: the upload token, for
-``X-Hangar-Upload``)            that one archive only
+a build's signed upload URL     ``hangar.api.e2b.builds``: its signature, for that
+(PUT)                           one archive only
 anything else (the REST API,    here: ``X-API-Key`` (E2B's ``X-API-KEY`` is the same
 ``/e2b`` control plane,         header), by ``hangar.keys.authenticate``; 401 or 429
 ``/metrics``, unknown paths)    answered at once (E2B's error shape under ``/e2b``)
@@ -117,7 +117,7 @@ class FrontDoor:
         if path == "/files" and b"signature=" in bytes(scope.get("query_string", b"")):
             return True
         if scope.get("method") == "PUT" and UPLOAD_PATH.fullmatch(path) \
-                and _header(scope, b"x-hangar-upload") is not None:
+                and b"signature=" in bytes(scope.get("query_string", b"")):
             return True
         manager = getattr(state, "manager", None)
         domain = manager.settings.domain if manager is not None else None

@@ -6,11 +6,12 @@ The flow E2B's SDK follows, as served here:
    template ``name`` (``name:tag`` adds a tag); **202** with its ``templateID``
    (the name) and ``buildID``.
 2. For each ``COPY``: ``GET /templates/{id}/files/{hash}``: **201**
-   ``{present, url, headers}``; when not present the SDK PUTs the files' tar
-   archive to ``url`` with ``headers`` (an upload token for that one archive,
-   ``X-Hangar-Upload``: the URL carries no credential and the token does
-   nothing else). The upload route needs no API key; it checks the token
-   before it reads a byte, and streams the body to disk (``UPLOAD_MAX``).
+   ``{present, url}``; when not present the SDK PUTs the files' tar archive
+   to ``url``, a signed URL as a presigned object-store URL is: its
+   ``signature`` lets its holder upload that one archive for an hour and do
+   nothing else (``signature`` is a parameter Hangar's logs never show). The
+   upload route needs no API key; it checks the signature and the declared
+   size before it reads a byte, and streams the body to disk (``UPLOAD_MAX``).
 3. ``POST /v2/templates/{id}/builds/{build}`` with the steps: **202**; the build
    runs in a build sandbox (``hangar.core.builds``).
 4. ``GET /templates/{id}/builds/{build}/status?logsOffset=N``: its status
@@ -32,12 +33,13 @@ import functools
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from hangar.api.deps import manager
 from hangar.api.e2b.errors import E2BRoute
 from hangar.api.e2b.models import _Answer
+from hangar.api.e2b_hosts import client_path
 from hangar.core.service import (
     UPLOAD_MAX, BuildSpec, BuildState, BuildView, Copy, CreateOptions, Env, Run, SandboxManager, Step, User,
     Workdir, e2b, e2b_user,
@@ -46,10 +48,9 @@ from hangar.errors import InvalidRequest, NotFound, TooLarge, Unauthorized
 
 router = APIRouter(route_class=E2BRoute)
 uploads = APIRouter(route_class=E2BRoute)
-"""The upload route: no API key, an upload token instead (see the module)."""
+"""The upload route: no API key, a signed URL instead (see the module)."""
 Manager = Annotated[SandboxManager, Depends(manager)]
 
-UPLOAD_HEADER = "X-Hangar-Upload"
 BASE_IMAGES = {"e2bdev/base": "base", "e2bdev/base:latest": "base"}
 """E2B's base image, as ``fromImage`` names it, and the Hangar image it stands for."""
 STEPS_MAX = 1000
@@ -114,7 +115,6 @@ class BuildCreated(_Answer):
 class FileUpload(_Answer):
     present: bool
     url: str | None = None
-    headers: dict[str, str] | None = None
 
 
 class LogEntry(_Answer):
@@ -189,23 +189,24 @@ def _is_image(m: SandboxManager, name: str) -> bool:
             response_model=FileUpload)
 async def upload_link(template_id: str, files_hash: str, request: Request,
                       m: Manager) -> FileUpload:
-    """Whether the archive ``files_hash`` is here; else where and how to upload it."""
+    """Whether the archive ``files_hash`` is here; else a signed URL to upload it to."""
     if m.builds.has_files(template_id, files_hash):
         return FileUpload(present=True)
-    url = str(request.url_for("e2b_template_upload", template_id=template_id,
-                              files_hash=files_hash))
-    return FileUpload(present=False, url=url,
-                      headers={UPLOAD_HEADER: m.builds.upload_token(template_id, files_hash)})
+    url = request.url_for("e2b_template_upload", template_id=template_id,
+                          files_hash=files_hash)
+    url = url.replace(path=client_path(request.scope, url.path))  # api.<domain> has no /e2b
+    signature = m.builds.upload_token(template_id, files_hash)
+    return FileUpload(present=False, url=str(url.include_query_params(signature=signature)))
 
 
 @uploads.put("/templates/{template_id}/files/{files_hash}/upload", status_code=204,
              name="e2b_template_upload")
 async def upload(template_id: str, files_hash: str, request: Request, m: Manager,
-                 token: Annotated[str, Header(alias=UPLOAD_HEADER, max_length=200)] = "",
-                 ) -> Response:
-    """The files of one ``COPY`` (a tar, gzip'd or not), streamed to disk; the token first."""
-    if not token or not m.builds.check_upload_token(template_id, files_hash, token):
-        raise Unauthorized(f"{UPLOAD_HEADER}: not a valid upload token for these files")
+                 signature: Annotated[str, Query(max_length=200)] = "") -> Response:
+    """The files of one ``COPY`` (a tar, gzip'd or not), streamed to disk; the signature
+    and the declared size are checked first."""
+    if not signature or not m.builds.check_upload_token(template_id, files_hash, signature):
+        raise Unauthorized("signature: not a valid upload signature for these files")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > UPLOAD_MAX:
         raise TooLarge(f"the upload is larger than {UPLOAD_MAX} bytes", limit_bytes=UPLOAD_MAX)
