@@ -48,7 +48,10 @@ def start_server(env: dict[str, str] | None = None
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     full = {**os.environ, "HANGAR_DATA_DIR": str(d), "HANGAR_PORT": str(port),
-            "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "off", **(env or {})}
+            "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "off",
+            # its images are a link to the host's cache, which the privilege split's root
+            # helper refuses (docs/operations.md): one root process, as a second server
+            "HANGAR_PRIVSEP": "0", **(env or {})}
     log = open(d / "server.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "hangar.cli", "serve"], env=full,
                             stdout=log, stderr=subprocess.STDOUT)

@@ -91,6 +91,32 @@ def test_a_template_built_with_the_sdk_starts_with_its_start_command_serving(
         sb.kill()
 
 
+def test_a_dockerfile_builds_through_the_sdk(context: Path) -> None:
+    """``Template.from_dockerfile``: E2B's base in ``FROM``, then COPY, ENV, RUN, WORKDIR and
+    USER as a Dockerfile says them, and a start command with its ready check."""
+    (context / "Dockerfile").write_text(
+        "FROM e2bdev/base\n"
+        "COPY app/hello.txt /srv/page/index.html\n"
+        "ENV PORT=8001 MODE=docker\n"
+        "RUN mkdir -p /srv/data && echo \"$MODE\" > /srv/data/mode\n"
+        "USER root\n"
+        "WORKDIR /srv/page\n")
+    template = (Template(file_context_path=str(context))
+                .from_dockerfile(str(context / "Dockerfile"))
+                .set_start_cmd("python3 -m http.server $PORT", wait_for_port(8001)))
+    t = name()
+    Template.build(template, t)
+    sb = Sandbox.create(t)
+    try:
+        r = sb.commands.run("whoami; pwd; cat /srv/data/mode; python3 -c \"import urllib.request"
+                            " as u; print(u.urlopen('http://127.0.0.1:8001/', timeout=5).read()"
+                            ".decode(), end='')\"")
+        assert r.stdout.splitlines() == ["root", "/srv/page", "docker",
+                                         "hello from the template"]
+    finally:
+        sb.kill()
+
+
 def test_failing_steps_fail_the_build_with_e2bs_messages_and_leave_no_sandbox(
         server: Server) -> None:
     before = {s.sandbox_id for s in Sandbox.list().next_items()}

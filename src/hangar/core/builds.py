@@ -250,7 +250,8 @@ class Builds:
         if b["status"] != "waiting":
             raise Conflict(f"build {build_id} of template {name!r} was started already",
                            template=name, build=build_id)
-        if self._tasks.running(name):
+        if self._tasks.running(name) or any(
+                o["status"] == "building" for o in self._template(name)["builds"].values()):
             raise Conflict(f"a build of template {name!r} is running; wait for it",
                            template=name)
         b["status"] = "building"
@@ -271,6 +272,7 @@ class Builds:
         b = self._build(name, build_id)
         digest = spec.digest()
         sid: str | None = None
+        failed: tuple[str, str] | None = None  # (message, E2B's step)
         try:
             cached = None if spec.force else self._cached(name, digest)
             if cached is not None:
@@ -294,22 +296,27 @@ class Builds:
                 snap = await self.m.snapshot(sid, name=name)
                 b.update(snapshot_id=snap.id, env=state.env, user=state.user,
                          workdir=state.workdir)
-            async with self._lock:
-                b.update(status="ready", finished_at=time.time(), digest=digest)
-                self._retag(name, build_id, list(b.get("tags") or [DEFAULT_TAG]))
-                self._save()
-            say("info", f"build {build_id} of template {name!r} is ready")
         except StepFailed as e:
             where = "finalize" if e.step == -1 else "base" if e.step == -2 else str(e.step + 1)
-            self._fail(name, build_id, e.message, where, say)
+            failed = (e.message, where)
         except HangarError as e:
-            self._fail(name, build_id, e.message, "finalize", say)
+            failed = (e.message, "finalize")
         except Exception as e:  # a bug: the build fails, the server goes on
             log.exception("template build failed", extra={"template": name})
-            self._fail(name, build_id, f"internal error: {type(e).__name__}", "finalize", say)
+            failed = (f"internal error: {type(e).__name__}", "finalize")
         finally:
+            # the build sandbox is gone before the build says it ended: a client that sees
+            # the end finds no sandbox of it, and may start the next build at once
             if sid is not None:
                 await remove_quietly(lambda: self.m.delete(sid))
+        if failed is not None:
+            self._fail(name, build_id, failed[0], failed[1], say)
+            return
+        async with self._lock:
+            b.update(status="ready", finished_at=time.time(), digest=digest)
+            self._retag(name, build_id, list(b.get("tags") or [DEFAULT_TAG]))
+            self._save()
+        say("info", f"build {build_id} of template {name!r} is ready")
 
     def _fail(self, name: str, build_id: str, message: str, step: str,
               say: Callable[[str, str], None]) -> None:

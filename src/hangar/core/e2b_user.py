@@ -98,9 +98,11 @@ SETUP_TIMEOUT_S = 60.0
 busy host is slow)."""
 
 
-async def add_user(manager: SandboxManager, sandbox_id: str) -> str:
+async def add_user(manager: SandboxManager, sandbox_id: str, made: str | None = None) -> str:
     """Make E2B's default user in a new sandbox's guest (``USER_SETUP``; nothing to run
-    when its template snapshot made it, ``hangar.core.templates.E2B_USER_FILE``), give it
+    when its template snapshot made it, ``hangar.core.templates.E2B_USER_FILE``, or when
+    ``made`` says who did: ``DEFAULT_USER`` for a template built here, whose build
+    sandbox had it), give it
     the top folder of each read-write volume mounted there, and return the user
     its envd calls default to: ``DEFAULT_USER``, or ``root`` where the image cannot run
     commands as another user (no ``setpriv``; the record's options are changed to say so,
@@ -112,7 +114,8 @@ async def add_user(manager: SandboxManager, sandbox_id: str) -> str:
         return ROOT
     mounts = [a.path for a in manager.store.attachments(sandbox_id) if not a.read_only]
     rt = manager.registry.get(sandbox_id)
-    made = templates.e2b_user(rt.template) if rt is not None and rt.template else None
+    if made is None:
+        made = templates.e2b_user(rt.template) if rt is not None and rt.template else None
     if made == DEFAULT_USER and not mounts:
         return DEFAULT_USER  # its template made it (``hangar.core.templates``): no exec
     r = (await manager.exec(sandbox_id, Command(USER_SETUP, timeout_s=SETUP_TIMEOUT_S))
@@ -132,13 +135,13 @@ async def add_user(manager: SandboxManager, sandbox_id: str) -> str:
     return DEFAULT_USER
 
 
-async def prepare(manager: SandboxManager, sandbox_id: str) -> str:
+async def prepare(manager: SandboxManager, sandbox_id: str, made: str | None = None) -> str:
     """What a create through ``/e2b`` does before the sandbox is handed out: ``add_user``,
     then, where the sandbox runs a code interpreter, its kernels moved to that user (its
     home as their folder) and the create's ``envVars`` (``interpreter.configure``), as
     E2B's code interpreter runs them. Returns the user, as ``add_user``; raises as it and as
     ``interpreter.configure``."""
-    user = await add_user(manager, sandbox_id)
+    user = await add_user(manager, sandbox_id, made)
     await interpreter.configure(manager, sandbox_id, None if user == ROOT else user,
                                 envs(manager, sandbox_id))
     return user

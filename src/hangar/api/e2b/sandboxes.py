@@ -131,7 +131,10 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
         made = CreateOptions(image=source.name, timeout_s=body.timeout, network=network,
                              volumes=volumes, **fields)
     # one verb: made, E2B's default user added (idempotent), then its time to live started
-    rec = await m.provision(made, prepare=functools.partial(e2b_user.prepare, m),
+    # a built template's build sandbox made the default user (``hangar.api.e2b.builds``)
+    rec = await m.provision(made, prepare=functools.partial(
+                                e2b_user.prepare, m,
+                                made=e2b.DEFAULT_USER if built is not None else None),
                             snapshot_id=source.name if source.kind == "snapshot" else None)
     return views.created(m, rec)
 
