@@ -19,7 +19,8 @@ State, under ``<data>/builds/`` (the server's own, 0700):
                             modes and contents (``archive_hash`` checks it)
 ==========================  ======================================================
 
-A build's log lives in memory (``LOG_MAX`` lines); a build still running when
+A build's log lives in memory (``LOG_BYTES`` of text at most, the last
+``LOGS_KEPT`` builds' logs kept); a build still running when
 the server stops is an error after a restart. A build whose base, steps, file
 hashes and commands equal a ready build's of the same template reuses that
 build's snapshot unless ``force``. One build of a template runs at a time
@@ -64,8 +65,11 @@ UPLOAD_MAX = 1 << 30
 """Largest uploaded archive, bytes (compressed as sent)."""
 UNPACKED_MAX = 4 << 30
 """Most bytes an archive may unpack to when its hash is checked."""
-LOG_MAX = 20_000
-"""Log lines kept per build; later ones are dropped (the build goes on)."""
+LOG_BYTES = 4 << 20
+"""Characters of log kept per build; later lines are dropped (the build goes on), and one
+line says so."""
+LOGS_KEPT = 32
+"""Builds whose logs are kept in memory (the newest); older builds answer no lines."""
 READY_TIMEOUT_S = 600.0
 """Longest a build waits for its ready command to pass, seconds."""
 UPLOAD_TTL_S = 3600
@@ -137,6 +141,7 @@ class BuiltSource:
 @dataclass
 class _Running:
     logs: list[LogLine] = field(default_factory=list)
+    size: int = 0
 
 
 class Builds:
@@ -257,14 +262,21 @@ class Builds:
         b["status"] = "building"
         self._save()
         self._logs[build_id] = _Running()
+        while len(self._logs) > LOGS_KEPT:  # dicts keep their order: the oldest first
+            del self._logs[next(iter(self._logs))]
         self._tasks.start(name, self._run(name, build_id, spec, launch))
 
     def _say(self, build_id: str) -> Callable[[str, str], None]:
         run = self._logs[build_id]
 
         def say(level: str, message: str) -> None:
-            if len(run.logs) < LOG_MAX:
-                run.logs.append(LogLine(time.time(), level, message))
+            if run.size > LOG_BYTES:
+                return
+            run.size += len(message) + 32
+            if run.size > LOG_BYTES:
+                level, message = "warn", f"the log is over {LOG_BYTES} characters: later lines " \
+                    "are not kept"
+            run.logs.append(LogLine(time.time(), level, message))
         return say
 
     async def _run(self, name: str, build_id: str, spec: BuildSpec, launch: Launch) -> None:
