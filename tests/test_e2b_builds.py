@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import socket
+import subprocess
+import sys
 import tarfile
 import time
 import uuid
@@ -20,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import Server
+from conftest import SRC, Server
 from test_e2b_api import e2b_env, e2b_key  # noqa: F401,F811  (fixtures: the three variables)
 
 e2b = pytest.importorskip("e2b")
@@ -115,6 +118,50 @@ def test_a_dockerfile_builds_through_the_sdk(context: Path) -> None:
                                          "hello from the template"]
     finally:
         sb.kill()
+
+
+def test_hangar_template_build_takes_a_dockerfile_and_the_server_builds_it(
+        context: Path, server: Server) -> None:
+    """The CLI's Dockerfile form: ARG, ENV, COPY with --chown, RUN (both forms), USER,
+    WORKDIR, CMD and EXPOSE (the ready check), built by the server; a skipped LABEL is
+    named."""
+    (context / "Dockerfile").write_text(
+        "# a comment\n"
+        "ARG GREETING=hello\n"
+        "FROM base\n"
+        "LABEL maintainer=nobody\n"
+        "ENV MSG=\"${GREETING} world\" \\\n"
+        "    PORT=8002\n"
+        "COPY --chown=user:user app /srv/app/\n"
+        "RUN [\"sh\", \"-c\", \"echo $MSG > /srv/app/msg.txt\"]\n"
+        "USER user\n"
+        "WORKDIR /srv/app\n"
+        "EXPOSE 8002/tcp\n"
+        "CMD python3 -m http.server $PORT\n")
+    t = name()
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HANGAR_URL": server.url,
+           "HANGAR_API_KEY": server.key}
+    r = subprocess.run([sys.executable, "-m", "hangar.cli", "template", "build", "-d",
+                        str(context / "Dockerfile"), t], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == t
+    assert "skipped line 4: LABEL" in r.stderr
+    sb = Sandbox.create(t)
+    try:
+        out = sb.commands.run("whoami; pwd; cat msg.txt; stat -c %U hello.txt; python3 -c "
+                              "\"import urllib.request as u; print(u.urlopen('http://127.0.0"
+                              ".1:8002/hello.txt', timeout=5).read().decode(), end='')\"")
+        assert out.stdout.splitlines() == ["user", "/srv/app", "hello world", "user",
+                                           "hello from the template"]
+    finally:
+        sb.kill()
+    bad = context / "Bad.Dockerfile"
+    bad.write_text("FROM ubuntu:22.04 AS one\nFROM base\n")
+    r = subprocess.run([sys.executable, "-m", "hangar.cli", "template", "build", "-d",
+                        str(bad), name()], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "line 2 (FROM): one FROM only" in r.stderr
 
 
 def test_failing_steps_fail_the_build_with_e2bs_messages_and_leave_no_sandbox(

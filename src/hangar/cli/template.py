@@ -1,4 +1,5 @@
-"""``hangar template build|import|ls|rm``: users' own guest images, built on this host.
+"""``hangar template build|import|ls|rm``: users' own guest images, built on this host
+(a TOML file) or by the server (a Dockerfile: ``hangar.cli.dockerfile``).
 
 Like ``hangar image build`` these work on the data directory's image cache
 (``hangar.images.template_builder``); a running server sees a new template
@@ -69,7 +70,15 @@ def _build(layout, template, force: bool,  # type: ignore[no-untyped-def]
 
 @app.command("build")
 def build(
-    file: Annotated[Path, typer.Option("-f", "--file", help="The template file (TOML).")],
+    file: Annotated[Optional[Path], typer.Option(
+        "-f", "--file", help="The template file (TOML): built on this host.")] = None,
+    dockerfile: Annotated[Optional[Path], typer.Option(
+        "-d", "--dockerfile", help="A Dockerfile, built by the server (HANGAR_URL) in a build "
+                                   "sandbox; give the template's NAME too.")] = None,
+    name: Annotated[Optional[str], typer.Argument(
+        help="The template's name (with --dockerfile).")] = None,
+    context: Annotated[Optional[Path], typer.Option(
+        help="Where COPY reads (with --dockerfile; default: the Dockerfile's folder).")] = None,
     force: Annotated[bool, typer.Option(
         help="Make a new build even if one of this file exists.")] = False,
     snapshot: Annotated[bool, typer.Option(
@@ -78,15 +87,59 @@ def build(
              "the first create).")] = True,
     data_dir: DataDir = None,
 ) -> None:
-    """Build a template from its file (reused at once while the file, its files and its
-    base are unchanged), then its template snapshot. Prints the build's id and directory."""
+    """Build a template: from its TOML file on this host (reused at once while the file,
+    its files and its base are unchanged), then its template snapshot, printing the
+    build's id and directory; or from a Dockerfile on the server, printing the template's
+    name and build id (docs/ports-and-templates.md)."""
+    if (file is None) == (dockerfile is None):
+        fail(HangarError("give a template file (-f) or a Dockerfile (-d NAME)"))
+    if dockerfile is not None:
+        _build_dockerfile(dockerfile, name, context or dockerfile.resolve().parent, force)
+        return
     from hangar.images.template_file import load_template
 
+    assert file is not None
     try:
         template = load_template(file)
     except HangarError as exc:
         fail(exc)
     _build(_layout(data_dir), template, force, snapshot)
+
+
+def _build_dockerfile(path: Path, name: str | None, context: Path, force: bool) -> None:
+    """A Dockerfile's template, built by the server, its log printed as it comes."""
+    import httpx
+
+    from hangar.cli.dockerfile import build as remote_build, parse
+    from hangar.client._core import resolve_config
+
+    if not name:
+        fail(HangarError("give the template's NAME after the Dockerfile"))
+    try:
+        plan = parse(path.read_text())
+    except OSError as exc:
+        fail(HangarError(f"{path}: {exc.strerror}"))
+    except HangarError as exc:
+        fail(exc)
+    for skipped in plan.skipped:
+        err.print(f"[yellow]skipped[/yellow] {escape(skipped)}")
+    config = resolve_config(None, None)
+    t0 = time.monotonic()
+
+    def say(level: str, text: str) -> None:
+        style = "red" if level == "error" else "dim"
+        err.print(f"[dim]{time.monotonic() - t0:6.1f} s[/dim]  [{style}]{escape(text)}[/{style}]",
+                  highlight=False)
+
+    try:
+        with httpx.Client(base_url=config.base_url, timeout=120,
+                          headers={"X-API-Key": config.api_key or ""}) as http:
+            build_id = remote_build(http, plan, name, context, force=force, say=say)
+    except (HangarError, httpx.HTTPError, TimeoutError) as exc:
+        fail(exc if isinstance(exc, HangarError) else HangarError(str(exc)))
+    err.print(f"[green]✓[/green] template {name}: build {build_id} "
+              f"({time.monotonic() - t0:.1f} s)")
+    out.print(f"{name} {build_id}")
 
 
 @app.command("import")

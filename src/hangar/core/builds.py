@@ -16,7 +16,7 @@ State, under ``<data>/builds/`` (the server's own, 0700):
                             sandboxes get), its tags (``default`` unless asked)
 ``files/<name>/<sha256>``   uploaded archives of the files a ``COPY`` places,
                             by the hash E2B's SDK computes over their paths,
-                            modes and contents (``archive_hash`` checks it)
+                            modes and contents (``hangar.build_archive`` checks it)
 ==========================  ======================================================
 
 A build's log lives in memory (``LOG_BYTES`` of text at most, the last
@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hangar.build_archive import archive_hash
 from hangar.core.build_steps import Copy, State, Step, StepFailed, Steps, remove_quietly
 from hangar.core.tasks import Tasks
 from hangar.durable import atomic_write
@@ -63,8 +64,6 @@ HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 DEFAULT_TAG = "default"
 UPLOAD_MAX = 1 << 30
 """Largest uploaded archive, bytes (compressed as sent)."""
-UNPACKED_MAX = 4 << 30
-"""Most bytes an archive may unpack to when its hash is checked."""
 LOG_BYTES = 4 << 20
 """Characters of log kept per build; later lines are dropped (the build goes on), and one
 line says so."""
@@ -503,35 +502,3 @@ class Builds:
     async def close(self) -> None:
         """Stop the builds that run (each is then an error, its sandbox deleted)."""
         await self._tasks.stop()
-
-
-def archive_hash(path: Path, src: str, dest: str) -> str:
-    """The hash E2B's SDK computes for ``COPY src dest`` over the files of the tar at
-    ``path`` (in the archive's order: each one's path, mode, size unless a folder, and
-    its link's target or its bytes), reading at most ``UNPACKED_MAX`` bytes. Raises
-    ValueError (past the bound, a hard link or device), tarfile.TarError."""
-    h = hashlib.sha256(f"COPY {src} {dest}".encode())
-    read = 0
-    with tarfile.open(path, "r|*") as tar:
-        for m in tar:
-            h.update(m.name.rstrip("/").encode())
-            kind = (0o040000 if m.isdir() else 0o120000 if m.issym() else
-                    0o100000 if m.isreg() else None)
-            if kind is None:
-                raise ValueError(f"{m.name[:100]!r} is neither a file, a folder nor a symlink")
-            h.update(str(kind | (m.mode & 0o7777)).encode())
-            if m.issym():
-                h.update(str(len(m.linkname.encode())).encode())
-                h.update(m.linkname.encode())
-                continue
-            if not m.isdir():
-                h.update(str(m.size).encode())
-            if m.isreg():
-                read += m.size
-                if read > UNPACKED_MAX:
-                    raise ValueError(f"the archive unpacks to more than {UNPACKED_MAX} bytes")
-                f = tar.extractfile(m)
-                assert f is not None
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
-    return h.hexdigest()
