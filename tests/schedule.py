@@ -86,6 +86,7 @@ COST_S: dict[str, int] = {
     "test_qemu_snapshot": 24,
     "test_cli": 23,
     "test_e2b_api": 23,
+    "test_e2b_builds": 60,
     "test_reconcile": 21,
     "test_races": 20,
     "test_api": 19,

@@ -55,7 +55,7 @@ def api(server: Server, e2b_key: str) -> Iterator[httpx.Client]:  # noqa: F811
 
 
 def test_a_template_built_with_the_sdk_starts_with_its_start_command_serving(
-        context: Path) -> None:
+        context: Path, server: Server) -> None:
     """The user's path: build from the base image with copy, env, run, workdir and a start
     command with a ready check, then create a sandbox of it: a restore whose server is
     already up, in the template's user, folder and environment."""
@@ -76,6 +76,8 @@ def test_a_template_built_with_the_sdk_starts_with_its_start_command_serving(
     assert any("[builder 1/" in line for line in logs), logs
     assert any(line.strip() == "ready" or "is ready" in line for line in logs), logs
     assert Template.exists(t) is True
+    # its ENV may hold keys: the server keeps it sealed, as a create's envVars
+    assert b"hi there" not in (server.data_dir / "builds" / "templates.json").read_bytes()
 
     sb = Sandbox.create(t)
     try:

@@ -12,8 +12,10 @@ State, under ``<data>/builds/`` (the server's own, 0700):
 
 ==========================  ======================================================
 ``templates.json``          every template built here: its builds (status, times,
-                            snapshot, the environment, user and folder its
-                            sandboxes get), its tags (``default`` unless asked)
+                            snapshot, the environment (sealed by the vault, as
+                            creates' ``envVars``), user and folder its sandboxes
+                            get; ``BUILDS_KEPT`` of them), its tags (``default``
+                            unless asked)
 ``files/<name>/<sha256>``   uploaded archives of the files a ``COPY`` places,
                             by the hash E2B's SDK computes over their paths,
                             modes and contents (``hangar.build_archive`` checks it)
@@ -71,6 +73,10 @@ LOGS_KEPT = 32
 """Builds whose logs are kept in memory (the newest); older builds answer no lines."""
 READY_TIMEOUT_S = 600.0
 """Longest a build waits for its ready command to pass, seconds."""
+ENV_LABEL = "template-build-env:v1"
+"""The vault's label of a build's sealed ENV."""
+BUILDS_KEPT = 50
+"""Records kept per template: past it the oldest builds that no tag names are forgotten."""
 UPLOAD_TTL_S = 3600
 """Seconds an upload link stays valid."""
 
@@ -222,6 +228,12 @@ class Builds:
         data = self._load()
         now = time.time()
         t = data["templates"].setdefault(name, {"created_at": now, "tags": {}, "builds": {}})
+        named = set(t["tags"].values())
+        for old in sorted(t["builds"], key=lambda k: t["builds"][k]["created_at"]):
+            if len(t["builds"]) < BUILDS_KEPT:
+                break
+            if old not in named and t["builds"][old]["status"] in ("ready", "error"):
+                del t["builds"][old]
         build_id = str(uuid.uuid4())
         t["builds"][build_id] = {"status": "waiting", "created_at": now, "finished_at": None,
                                  "vcpus": vcpus, "memory_mib": memory_mib, "tags": tags}
@@ -289,7 +301,7 @@ class Builds:
             if cached is not None:
                 say("info", f"CACHED: build {cached['id']} has the same base, steps and "
                     "files; its snapshot is reused")
-                b.update(snapshot_id=cached["snapshot_id"], env=cached["env"],
+                b.update(snapshot_id=cached["snapshot_id"], env_sealed=cached["env_sealed"],
                          user=cached["user"], workdir=cached["workdir"])
             else:
                 for i, step in enumerate(spec.steps):
@@ -305,8 +317,9 @@ class Builds:
                 await steps.start(spec.start, spec.ready, state, READY_TIMEOUT_S)
                 say("info", "[builder] saving the template's snapshot")
                 snap = await self.m.snapshot(sid, name=name)
-                b.update(snapshot_id=snap.id, env=state.env, user=state.user,
-                         workdir=state.workdir)
+                # a template's ENV may hold keys: sealed by the vault, as creates' envVars
+                b.update(snapshot_id=snap.id, env_sealed=self._seal(state.env),
+                         user=state.user, workdir=state.workdir)
         except StepFailed as e:
             where = "finalize" if e.step == -1 else "base" if e.step == -2 else str(e.step + 1)
             failed = (e.message, where)
@@ -339,7 +352,7 @@ class Builds:
     def _cached(self, name: str, digest: str) -> dict[str, Any] | None:
         for k, b in self._template(name)["builds"].items():
             if b["status"] == "ready" and b.get("digest") == digest and \
-                    self.m.has_snapshot(b["snapshot_id"]):
+                    b.get("snapshot_id") and self.m.has_snapshot(b["snapshot_id"]):
                 return {**b, "id": k}
         return None
 
@@ -443,8 +456,18 @@ class Builds:
         b = t["builds"].get(build_id) if build_id else None
         if b is None or not b.get("snapshot_id"):
             raise NotFound(f"template {ref!r} has no ready build", template=ref)
-        return BuiltSource(b["snapshot_id"], dict(b.get("env") or {}), b.get("user") or "root",
-                           b.get("workdir") or "/")
+        return BuiltSource(b["snapshot_id"], self._open(b.get("env_sealed")),
+                           b.get("user") or "root", b.get("workdir") or "/")
+
+    def _seal(self, env: dict[str, str]) -> str:
+        return self.m.vault.seal(ENV_LABEL, json.dumps(env, sort_keys=True).encode())
+
+    def _open(self, sealed: str | None) -> dict[str, str]:
+        """A build's ENV; raises ConfigError when the vault cannot open it."""
+        if not sealed:
+            return {}
+        data = json.loads(self.m.vault.open(ENV_LABEL, sealed))
+        return {str(k): str(v) for k, v in data.items()}
 
     def tags(self, name: str) -> list[tuple[str, str, float]]:
         """(tag, build id, when the build was made) of ``name``. Raises NotFound."""
