@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -168,7 +170,25 @@ def test_hangar_template_build_takes_a_dockerfile_and_the_server_builds_it(
 
 def test_failing_steps_fail_the_build_with_e2bs_messages_and_leave_no_sandbox(
         server: Server) -> None:
+    """A failing step fails the build with E2B's words; the event stream says which step
+    and why, and the build sandbox is gone."""
     before = {s.sandbox_id for s in Sandbox.list().next_items()}
+    seen: list[dict] = []
+    listening = threading.Event()
+
+    def listen() -> None:  # the live event stream, as `hangar events` reads it
+        with server.client() as c, c.stream("GET", "/events",
+                                             params={"kind": "template.build"}) as r:
+            listening.set()
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    seen.append(json.loads(line[6:]))
+                    if sum(e["kind"] == "template.build.failed" for e in seen) == 2:
+                        return
+
+    reader = threading.Thread(target=listen, daemon=True)
+    reader.start()
+    assert listening.wait(60)
     with pytest.raises(BuildException) as exc:
         Template.build(Template().from_base_image().run_cmd("echo before").run_cmd("exit 3"),
                        name())
@@ -179,6 +199,14 @@ def test_failing_steps_fail_the_build_with_e2bs_messages_and_leave_no_sandbox(
             "username: 'root123'") in str(exc.value)
     after = {s.sandbox_id for s in Sandbox.list().next_items()}
     assert after == before
+    reader.join(60)
+    kinds = [e["kind"].removeprefix("template.build.") for e in seen]
+    assert kinds == ["started", "sandbox", "step", "step", "failed",
+                     "started", "sandbox", "step", "failed"], kinds
+    failed = [e for e in seen if e["kind"] == "template.build.failed"]
+    assert failed[0]["data"]["step"] == "2" and "exit status 3" in failed[0]["data"]["reason"]
+    assert failed[1]["data"]["step"] == "1"
+    assert "invalid username" in failed[1]["data"]["reason"]
 
 
 def test_an_image_from_a_registry_is_refused_naming_it() -> None:

@@ -21,7 +21,8 @@ State, under ``<data>/builds/`` (the server's own, 0700):
                             modes and contents (``hangar.build_archive`` checks it)
 ==========================  ======================================================
 
-A build's log lives in memory (``LOG_BYTES`` of text at most, the last
+A build's phases are events (``template.build.started``, ``.sandbox``, ``.step``,
+``.ready``, ``.failed``: ``hangar events``). Its log lives in memory (``LOG_BYTES`` of text at most, the last
 ``LOGS_KEPT`` builds' logs kept); a build still running when
 the server stops is an error after a restart. A build whose base, steps, file
 hashes and commands equal a ready build's of the same template reuses that
@@ -63,6 +64,8 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 """A built template's name (a snapshot name too: ``hangar.core.snapshots.check_name``)."""
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+STEP_LINE = re.compile(r"\[builder \d+/\d+\] ")
+"""The log line a step begins with (``hangar.core.build_steps.Steps.run``)."""
 DEFAULT_TAG = "default"
 UPLOAD_MAX = 1 << 30
 """Largest uploaded archive, bytes (compressed as sent)."""
@@ -277,10 +280,12 @@ class Builds:
             del self._logs[next(iter(self._logs))]
         self._tasks.start(name, self._run(name, build_id, spec, launch))
 
-    def _say(self, build_id: str) -> Callable[[str, str], None]:
+    def _say(self, name: str, build_id: str) -> Callable[[str, str], None]:
         run = self._logs[build_id]
 
         def say(level: str, message: str) -> None:
+            if STEP_LINE.match(message):  # a step begins: the event stream says so
+                self._event("step", name, build_id, step=message[:300])
             if run.size > LOG_BYTES:
                 return
             run.size += len(message) + 32
@@ -290,8 +295,14 @@ class Builds:
             run.logs.append(LogLine(time.time(), level, message))
         return say
 
+    def _event(self, phase: str, name: str, build_id: str, **data: Any) -> None:
+        """``template.build.<phase>`` on the live event stream (``hangar events``)."""
+        self.m.events.publish(f"template.build.{phase}", data.pop("sandbox_id", None),
+                              template=name, build_id=build_id, **data)
+
     async def _run(self, name: str, build_id: str, spec: BuildSpec, launch: Launch) -> None:
-        say = self._say(build_id)
+        say = self._say(name, build_id)
+        self._event("started", name, build_id, base=spec.base, steps=len(spec.steps))
         b = self._build(name, build_id)
         digest = spec.digest()
         sid: str | None = None
@@ -312,6 +323,7 @@ class Builds:
                     sid = await launch()
                 except HangarError as e:
                     raise StepFailed(f"the build sandbox did not start: {e}", -2) from None
+                self._event("sandbox", name, build_id, sandbox_id=sid)
                 steps = Steps(self.m, sid, say, lambda h: self._archive(name, h))
                 state = await steps.run(spec.steps, spec.state)
                 await steps.start(spec.start, spec.ready, state, READY_TIMEOUT_S)
@@ -335,12 +347,14 @@ class Builds:
                 await remove_quietly(lambda: self.m.delete(sid))
         if failed is not None:
             self._fail(name, build_id, failed[0], failed[1], say)
+            self._event("failed", name, build_id, reason=failed[0][:500], step=failed[1])
             return
         async with self._lock:
             b.update(status="ready", finished_at=time.time(), digest=digest)
             self._retag(name, build_id, list(b.get("tags") or [DEFAULT_TAG]))
             self._save()
         say("info", f"build {build_id} of template {name!r} is ready")
+        self._event("ready", name, build_id, snapshot_id=b["snapshot_id"])
 
     def _fail(self, name: str, build_id: str, message: str, step: str,
               say: Callable[[str, str], None]) -> None:
@@ -503,7 +517,8 @@ class Builds:
 
     async def delete(self, name: str) -> None:
         """Remove template ``name``: its snapshots, uploads and records. Raises NotFound,
-        Conflict (a build of it runs)."""
+        Conflict (a build of it runs, or a create restores one of its snapshots now: try
+        again)."""
         async with self._lock:
             t = self._template(name)
             if self._tasks.running(name):
@@ -512,8 +527,12 @@ class Builds:
                 if b.get("snapshot_id"):
                     try:
                         self.m.delete_snapshot(b["snapshot_id"])
-                    except HangarError:
+                    except NotFound:
                         pass
+                    except Conflict:  # a create restores it now: the template stays
+                        self._save()
+                        raise
+                    b["snapshot_id"] = None
             del self._load()["templates"][name]
             self._save()
         folder = self.root / "files" / name
