@@ -110,8 +110,8 @@ def _build_dockerfile(path: Path, name: str | None, context: Path, force: bool) 
     """A Dockerfile's template, built by the server, its log printed as it comes."""
     import httpx
 
+    from hangar.cli.common import sdk
     from hangar.cli.dockerfile import build as remote_build, parse
-    from hangar.client._core import resolve_config
 
     if not name:
         fail(HangarError("give the template's NAME after the Dockerfile"))
@@ -123,7 +123,8 @@ def _build_dockerfile(path: Path, name: str | None, context: Path, force: bool) 
         fail(exc)
     for skipped in plan.skipped:
         err.print(f"[yellow]skipped[/yellow] {escape(skipped)}")
-    config = resolve_config(None, None)
+    with sdk() as h:  # the server's URL and key, as every command finds them
+        base_url, api_key = h.config.base_url, h.config.api_key
     t0 = time.monotonic()
 
     def say(level: str, text: str) -> None:
@@ -132,8 +133,8 @@ def _build_dockerfile(path: Path, name: str | None, context: Path, force: bool) 
                   highlight=False)
 
     try:
-        with httpx.Client(base_url=config.base_url, timeout=120,
-                          headers={"X-API-Key": config.api_key or ""}) as http:
+        with httpx.Client(base_url=base_url, timeout=120,
+                          headers={"X-API-Key": api_key or ""}) as http:
             build_id = remote_build(http, plan, name, context, force=force, say=say)
     except (HangarError, httpx.HTTPError, TimeoutError) as exc:
         fail(exc if isinstance(exc, HangarError) else HangarError(str(exc)))
