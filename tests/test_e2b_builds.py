@@ -19,6 +19,7 @@ import tarfile
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -171,7 +172,8 @@ def test_hangar_template_build_takes_a_dockerfile_and_the_server_builds_it(
 def test_failing_steps_fail_the_build_with_e2bs_messages_and_leave_no_sandbox(
         server: Server) -> None:
     """A failing step fails the build with E2B's words; the event stream says which step
-    and why, and the build sandbox is gone."""
+    and why (a step's number and instruction: never an ENV's values, a RUN's command, nor
+    a guest's line that looks like a step), and the build sandbox is gone."""
     before = {s.sandbox_id for s in Sandbox.list().next_items()}
     seen: list[dict] = []
     listening = threading.Event()
@@ -190,7 +192,8 @@ def test_failing_steps_fail_the_build_with_e2bs_messages_and_leave_no_sandbox(
     reader.start()
     assert listening.wait(60)
     with pytest.raises(BuildException) as exc:
-        Template.build(Template().from_base_image().run_cmd("echo before").run_cmd("exit 3"),
+        Template.build(Template().from_base_image().set_envs({"TOKEN": "tok-s3cret"})
+                       .run_cmd("echo '[builder 9/9] a line like a step'").run_cmd("exit 3"),
                        name())
     assert "failed to run command 'exit 3': command failed: exit status 3" in str(exc.value)
     with pytest.raises(BuildException) as exc:
@@ -201,18 +204,46 @@ def test_failing_steps_fail_the_build_with_e2bs_messages_and_leave_no_sandbox(
     assert after == before
     reader.join(60)
     kinds = [e["kind"].removeprefix("template.build.") for e in seen]
-    assert kinds == ["started", "sandbox", "step", "step", "failed",
+    assert kinds == ["started", "sandbox", "step", "step", "step", "failed",
                      "started", "sandbox", "step", "failed"], kinds
-    failed = [e for e in seen if e["kind"] == "template.build.failed"]
-    assert failed[0]["data"]["step"] == "2" and "exit status 3" in failed[0]["data"]["reason"]
-    assert failed[1]["data"]["step"] == "1"
-    assert "invalid username" in failed[1]["data"]["reason"]
+    steps = [{k: e["data"][k] for k in ("step", "of", "instruction")}
+             for e in seen if e["kind"] == "template.build.step"]
+    assert steps == [{"step": "1", "of": 3, "instruction": "ENV"},
+                     {"step": "2", "of": 3, "instruction": "RUN"},
+                     {"step": "3", "of": 3, "instruction": "RUN"},
+                     {"step": "1", "of": 1, "instruction": "RUN"}]
+    assert "tok-s3cret" not in json.dumps(seen) and "a line like" not in json.dumps(seen)
+    failed = [e["data"] for e in seen if e["kind"] == "template.build.failed"]
+    assert [f["step"] for f in failed] == ["3", "1"]
+    assert all("reason" not in f for f in failed)  # it names commands: the status says it
 
 
-def test_an_image_from_a_registry_is_refused_naming_it() -> None:
+def test_a_start_command_that_ends_fails_the_build_at_once_with_its_output() -> None:
+    """A start command that exits before its ready check passes fails the build then (not
+    after the ready command's 600 s), its output in the log."""
+    logs: list[str] = []
+    t0 = time.monotonic()
     with pytest.raises(BuildException) as exc:
-        Template.build(Template().from_image("ubuntu:22.04").run_cmd("true"), name())
+        Template.build(Template().from_base_image()
+                       .set_start_cmd("python3 servr.py", wait_for_port(8000)), name(),
+                       on_build_logs=lambda e: logs.append(e.message))
+    assert str(exc.value) == ("the start command 'python3 servr.py' ended (exit status 2) "
+                              "before the ready command passed")
+    assert any("can't open file" in line and "servr.py" in line for line in logs), logs
+    assert time.monotonic() - t0 < 300
+
+
+def test_an_image_from_a_registry_is_refused_naming_it_and_leaves_no_template() -> None:
+    t = name()
+    with pytest.raises(BuildException) as exc:
+        Template.build(Template().from_image("ubuntu:22.04").run_cmd("true"), t)
     assert "'ubuntu:22.04'" in str(exc.value) and "registry" in str(exc.value)
+    assert Template.exists(t) is False
+    with pytest.raises(BuildException) as exc:
+        Template.build(Template().from_template("python:3.12"), t)
+    assert str(exc.value) == ("400: fromTemplate: 'python:3.12' is not an image or a template "
+                              "of this server (images from a registry are not built here)")
+    assert Template.exists(t) is False
 
 
 def _tar(files: dict[str, bytes]) -> bytes:
@@ -297,6 +328,8 @@ def test_builds_of_one_template_run_one_at_a_time_reuse_unchanged_ones_and_keep_
     assert any("CACHED" in e["message"] for e in done["logEntries"]), done
     tags = {x["tag"]: x["buildID"] for x in api.get(f"/templates/{t}/tags").json()}
     assert tags == {"default": first, "v2": again}
+    assert api.get(f"/templates/aliases/{t}:v2").json() == {"templateID": t, "public": False}
+    assert api.get(f"/templates/aliases/{t}:v9").status_code == 404  # Template.exists: False
     r = api.post("/templates/tags", json={"target": f"{t}:v2", "tags": ["prod"]})
     assert r.status_code == 201 and r.json() == {"tags": ["prod"], "buildID": again}
 
@@ -328,3 +361,131 @@ def test_an_upload_declared_over_the_bound_is_refused_before_its_body(
     assert answer.startswith("HTTP/1.1 413 "), answer[:200]
     assert api.get(f"/templates/{t}/files/{digest}").json()["present"] is False
     assert api.delete(f"/templates/{t}").status_code == 204
+
+
+def _bomb(kind: bytes, size: int) -> bytes:
+    """A gzip'd tar whose first member is an extended header (``kind``: pax ``x``, GNU
+    long name ``L``) declaring ``size`` bytes: zeros, so it compresses ~1000 to 1."""
+    info = tarfile.TarInfo("h")
+    info.size = size
+    head = bytearray(info.tobuf(format=tarfile.USTAR_FORMAT))
+    head[156:157] = kind
+    head[148:156] = b" " * 8  # the checksum, over the header with the new type
+    head[148:156] = b"%06o\0 " % sum(head)
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)
+    out = [z.compress(bytes(head))]
+    block = bytes(1 << 20)
+    for _ in range(size >> 20):
+        out.append(z.compress(block))
+    return b"".join(out) + z.flush()
+
+
+def _peak_rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_hostile_archives_fail_their_check_at_once_and_in_bounded_memory(
+        api: httpx.Client, server: Server) -> None:
+    """A ~0.5 MB upload whose tar header declares a 512 MiB pax header (or GNU long name):
+    Python's tarfile would read it whole into the server's memory; the check refuses it
+    from its size, the server's peak memory does not move, and the upload is removed (the
+    SDK uploads again). A step's filesHash that is not a SHA-256 is a 400: it never names
+    another file (a failed check removes the file it names)."""
+    assert server.proc is not None
+    t = name()
+    build = api.post("/v3/templates", json={"name": t}).json()["buildID"]
+    before = _peak_rss_kib(server.proc.pid)
+    for kind, digest in ((b"x", "a" * 64), (b"L", "b" * 64)):
+        link = api.get(f"/templates/{t}/files/{digest}").json()["url"]
+        assert httpx.put(link, content=_bomb(kind, 512 << 20), timeout=60).status_code == 204
+    steps = [{"type": "COPY", "args": [src, "/x"], "filesHash": d}
+             for src, d in (("a", "a" * 64), ("b", "b" * 64))]
+    bad = [{"type": "COPY", "args": ["a", "/x"], "filesHash": "../../templates.json"}]
+    r = api.post(f"/v2/templates/{t}/builds/{build}", json={"fromImage": "e2bdev/base",
+                                                             "steps": bad})
+    assert r.status_code == 400 and "not a SHA-256" in r.json()["message"], r.text
+    assert (server.data_dir / "builds" / "templates.json").is_file()
+    started = time.monotonic()
+    r = api.post(f"/v2/templates/{t}/builds/{build}", json={"fromImage": "e2bdev/base",
+                                                             "steps": steps})
+    assert r.status_code == 202, r.text
+    status = _wait(api, t, build, timeout_s=60)
+    assert time.monotonic() - started < 30
+    assert status["reason"] == {"message": "the upload for COPY a /x is not a tar archive: an "
+                                "extended header of 536870912 bytes (at most 65536)",
+                                "step": "1"}, status
+    assert _peak_rss_kib(server.proc.pid) - before < 128 << 10
+    assert api.get(f"/templates/{t}/files/{'a' * 64}").json()["present"] is False
+    assert api.delete(f"/templates/{t}").status_code == 204
+
+
+def test_an_upload_never_replaces_a_stored_archive_nor_outlives_its_template(
+        api: httpx.Client, server: Server) -> None:
+    """A second upload to a link (valid for an hour) leaves the stored archive as it was: a
+    build checks an archive, then places it, and nothing may swap it in between. An upload
+    whose template is removed meanwhile is a 404 and leaves nothing."""
+    t = name()
+    assert api.post("/v3/templates", json={"name": t}).status_code == 202
+    digest = "c" * 64
+    link = api.get(f"/templates/{t}/files/{digest}").json()["url"]
+    assert httpx.put(link, content=b"first", timeout=60).status_code == 204
+    assert httpx.put(link, content=b"second", timeout=60).status_code == 204
+    assert (server.data_dir / "builds" / "files" / t / digest).read_bytes() == b"first"
+
+    other = "d" * 64
+    link = api.get(f"/templates/{t}/files/{other}").json()["url"]
+    answer: list[httpx.Response] = []
+
+    def body() -> Iterator[bytes]:
+        for _ in range(10):
+            yield bytes(65536)
+            time.sleep(0.2)
+
+    def upload() -> None:
+        answer.append(httpx.put(link, content=body(), timeout=60))
+
+    sender = threading.Thread(target=upload)
+    sender.start()
+    time.sleep(0.6)
+    assert api.delete(f"/templates/{t}").status_code == 204
+    sender.join(60)
+    assert answer[0].status_code == 404, answer[0].text
+    assert not (server.data_dir / "builds" / "files" / t).exists()
+
+
+def test_builds_never_started_count_toward_the_records_a_template_keeps(
+        api: httpx.Client, server: Server) -> None:
+    """``POST /v3/templates`` makes a waiting build each time: a template keeps 50 records
+    (``BUILDS_KEPT``), the oldest never started forgotten, so a client cannot grow the
+    registry, which every change rewrites, without end."""
+    t = name()
+    made = [api.post("/v3/templates", json={"name": t}).json()["buildID"] for _ in range(55)]
+    registry = json.loads((server.data_dir / "builds" / "templates.json").read_bytes())
+    assert set(registry["templates"][t]["builds"]) == set(made[5:])
+    r = api.post(f"/v2/templates/{t}/builds/{made[0]}", json={"fromImage": "e2bdev/base"})
+    assert r.status_code == 404, r.text
+    assert api.delete(f"/templates/{t}").status_code == 204
+
+
+def test_the_cli_never_copies_files_through_a_symlinked_folder_out_of_its_context(
+        context: Path, server: Server, tmp_path: Path) -> None:
+    """A Dockerfile's ``COPY`` reaches no file outside its build context through a symlink
+    to a folder (as Docker refuses): the CLI says so and uploads nothing."""
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    (outside / "id_rsa").write_text("not for the template\n")
+    (context / "out").symlink_to(outside)
+    (context / "Dockerfile").write_text("FROM base\nCOPY out/id_rsa /tmp/\n")
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HANGAR_URL": server.url,
+           "HANGAR_API_KEY": server.key}
+    t = name()
+    r = subprocess.run([sys.executable, "-m", "hangar.cli", "template", "build", "-d",
+                        str(context / "Dockerfile"), t], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1
+    assert "COPY out/id_rsa /tmp/: 'out/id_rsa' names files outside the build context" \
+        in r.stderr, r.stderr
+    assert not (server.data_dir / "builds" / "files" / t).exists()

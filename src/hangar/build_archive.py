@@ -22,20 +22,52 @@ import tempfile
 from pathlib import Path
 
 UNPACKED_MAX = 4 << 30
-"""Most bytes an archive may unpack to when its hash is checked."""
+"""Most bytes of files an archive may hold when its hash is checked."""
+MEMBERS_MAX = 1_000_000
+"""Most members (files, folders, links) an archive may hold: a deep ``node_modules`` has
+some 10^5; each costs ~60 us of the check's thread."""
+HEADER_MAX = 64 << 10
+"""Longest extended header (a pax header, a GNU long name or link), bytes: a path is at
+most 4096 bytes on Linux; Python's tarfile reads such a header into memory whole."""
+META_MAX = 2 << 30
+"""Most bytes of the unpacked stream that are not file contents (headers, padding): bounds
+the work a compressed stream of headers alone can ask for."""
 
-__all__ = ["UNPACKED_MAX", "archive_hash", "make_archive", "matched_files"]
+__all__ = ["HEADER_MAX", "MEMBERS_MAX", "META_MAX", "UNPACKED_MAX", "archive_hash",
+           "make_archive", "matched_files"]
+
+
+class _BoundedInfo(tarfile.TarInfo):
+    """A member header read with bounds: tarfile reads a pax header or a GNU long name
+    into memory whole, and a sparse member's map as long as the stream declares (a 2 MB
+    gzip'd upload asked the server for 4 GiB), so those are refused before they are read.
+    Overrides CPython's private ``TarInfo._proc_*`` (3.11's)."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            raise ValueError(f"{self.name[:100]!r} is a sparse file")
+        if self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE,
+                         tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE) and self.size > HEADER_MAX:
+            raise ValueError(f"an extended header of {self.size} bytes (at most {HEADER_MAX})")
+        return super()._proc_member(tar)  # type: ignore[misc]
+
+    def _proc_gnusparse_00(self, *args: object) -> None:
+        raise ValueError("a sparse file")
+
+    _proc_gnusparse_01 = _proc_gnusparse_10 = _proc_gnusparse_00
 
 
 def matched_files(context: Path, src: str) -> list[Path]:
     """The files ``src`` (a path or glob relative to ``context``) names: each match, and
-    everything under a matched folder, sorted, without leaving ``context``. Raises
-    ValueError when nothing matches or ``src`` climbs out."""
+    everything under a matched folder, sorted, without leaving ``context``: neither by
+    ``..`` nor through a symlinked folder (a match may be a symlink, kept as a link, as
+    Docker keeps one). Raises ValueError when nothing matches or ``src`` climbs out."""
     root = context.resolve()
     found: set[Path] = set()
     for m in glob.glob(str(root / src), recursive=True):
         p = Path(os.path.normpath(m))
-        if not p.is_relative_to(root):
+        folder = Path(os.path.realpath(p.parent if p != root else p))
+        if not p.is_relative_to(root) or not folder.is_relative_to(root):
             raise ValueError(f"{src!r} names files outside the build context")
         found.add(p)
         if p.is_dir() and not p.is_symlink():
@@ -60,12 +92,26 @@ def make_archive(context: Path, src: str) -> Path:
 
 def archive_hash(path: Path, src: str, dest: str, limit: int = UNPACKED_MAX) -> str:
     """The files hash of ``COPY src dest`` over the tar at ``path`` (gzip'd or not),
-    reading at most ``limit`` bytes of files. Raises ValueError (past the bound, a member
-    that is neither a file, a folder nor a symlink), tarfile.TarError, EOFError."""
-    h = hashlib.sha256(f"COPY {src} {dest}".encode())
-    read = 0
-    with tarfile.open(path, "r|*") as tar:
-        for m in tar:
+    reading at most ``limit`` bytes of files, ``MEMBERS_MAX`` members and ``META_MAX``
+    bytes of headers; memory stays bounded (``HEADER_MAX``). Raises ValueError (past a
+    bound, a member that is neither a file, a folder nor a symlink, a sparse file),
+    tarfile.TarError, EOFError."""
+    try:
+        return _hash(path, hashlib.sha256(f"COPY {src} {dest}".encode()), limit)
+    except RecursionError:  # pax headers chained past the interpreter's depth
+        raise ValueError("extended headers nested too deeply") from None
+
+
+def _hash(path: Path, h: "hashlib._Hash", limit: int) -> str:
+    read = count = 0
+    with tarfile.open(path, "r|*", tarinfo=_BoundedInfo) as tar:
+        while (m := tar.next()) is not None:
+            tar.members.clear()  # type: ignore[attr-defined]  # kept by tarfile, not needed
+            count += 1
+            if count > MEMBERS_MAX:
+                raise ValueError(f"the archive holds more than {MEMBERS_MAX} members")
+            if tar.offset > limit + META_MAX:
+                raise ValueError(f"the archive unpacks to more than {limit + META_MAX} bytes")
             h.update(m.name.rstrip("/").encode())
             kind = (0o040000 if m.isdir() else 0o120000 if m.issym() else
                     0o100000 if m.isreg() else None)

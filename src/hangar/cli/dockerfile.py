@@ -53,6 +53,8 @@ class Plan:
     base: str
     from_image: bool
     steps: list[dict[str, Any]] = field(default_factory=list)
+    lines: list[int | None] = field(default_factory=list)
+    """The Dockerfile's line of each step (None for those the build adds)."""
     start: str | None = None
     ready: str | None = None
     skipped: list[str] = field(default_factory=list)
@@ -103,7 +105,11 @@ def parse(text: str) -> Plan:
     def expand(s: str) -> str:
         return _VAR.sub(lambda m: env.get(m.group(1) or m.group(3) or "", m.group(2) or ""), s)
 
+    prev = 0
     for n, line in _lines(text):
+        if plan is not None:  # the steps the previous instruction added: its line
+            plan.lines += [prev] * (len(plan.steps) - len(plan.lines))
+        prev = n
         word, _, rest = line.partition(" ")
         word, rest = word.upper(), rest.strip()
         where = f"line {n} ({word})"
@@ -183,6 +189,7 @@ def parse(text: str) -> Plan:
             raise DockerfileError(f"{where}: not an instruction this server builds")
     if plan is None:
         raise DockerfileError("the Dockerfile has no FROM")
+    plan.lines += [prev] * (len(plan.steps) - len(plan.lines))
     plan.start = " ".join(c for c in (entrypoint, cmd) if c) or None
     if health:
         plan.ready = health
@@ -192,6 +199,7 @@ def parse(text: str) -> Plan:
         plan.steps.append({"type": "USER", "args": ["user"]})
     if not workdir_set:
         plan.steps.append({"type": "WORKDIR", "args": ["/home/user"]})
+    plan.lines += [None] * (len(plan.steps) - len(plan.lines))
     return plan
 
 
@@ -237,7 +245,11 @@ def build(http: httpx.Client, plan: Plan, name: str, context: Path, *,
         offset += len(st["logEntries"])
         if st["status"] in ("ready", "error") and not st["logEntries"]:
             if st["status"] == "error":
-                raise InvalidRequest(f"the build failed: {st['reason']['message']}")
+                step = str(st["reason"].get("step") or "")
+                n = int(step) - 1 if step.isdigit() else -1  # E2B's 1-based step number
+                where = f" (line {plan.lines[n]})" if 0 <= n < len(plan.lines) and \
+                    plan.lines[n] is not None else ""
+                raise InvalidRequest(f"the build failed{where}: {st['reason']['message']}")
             return build_id
         if time.monotonic() > deadline:
             raise TimeoutError(f"the build ran past {timeout_s:.0f} s")

@@ -38,6 +38,8 @@ READY_TRY_S = 30.0
 """Longest one run of the ready command may take, seconds."""
 READY_PAUSE_S = 0.5
 """Pause between two runs of the ready command that failed, seconds."""
+START_TAIL = 4096
+"""Bytes of a start command's output shown when it ends before it is ready."""
 START_TAG = "template-start"
 """The tag of the start command's process in the guest (``hangar.core.processes``)."""
 STAGE = "/tmp/.hangar-build"
@@ -186,17 +188,23 @@ class Steps:
     """Runs a build's steps in one sandbox (``sandbox_id``) through ``manager``'s verbs."""
 
     def __init__(self, manager: SandboxManager, sandbox_id: str, say: Say,
-                 archive: Callable[[str], Path]) -> None:
+                 archive: Callable[[str], Path],
+                 on_step: Callable[[int, Step], None] | None = None) -> None:
         self.m = manager
         self.sid = sandbox_id
         self.say = say
         self.archive = archive
         """The host path of an uploaded archive, by its content hash."""
+        self.on_step = on_step
+        """Called with a step's 0-based index and the step as it begins (never with
+        anything a guest printed: a guest's line may look like a step's)."""
         self._homes: dict[str, str] = {"root": "/root"}
 
     async def run(self, steps: tuple[Step, ...], state: State) -> State:
         """Run ``steps`` in order from ``state``; the state they leave. Raises StepFailed."""
         for i, step in enumerate(steps):
+            if self.on_step is not None:
+                self.on_step(i, step)
             self.say("info", f"[builder {i + 1}/{len(steps)}] {describe(step)}")
             try:
                 state = await self._one(step, state)
@@ -332,15 +340,18 @@ class Steps:
                     timeout_s: float) -> None:
         """Start ``start`` in the background (as the state's user, in its folder and
         environment), then run ``ready`` until it exits 0, for at most ``timeout_s``.
-        Raises StepFailed (step -1) when the start fails or ready never passes."""
+        Raises StepFailed (step -1) when the start fails, ends before ``ready`` passes
+        (with its output's tail in the log), or ``ready`` never passes."""
+        pid: int | None = None
         if start:
             self.say("info", f"[builder] START {start}")
             await self._check_user(state.user, start)
             try:
-                await self.m.processes.start(self.sid, self._as(state.user, start, state),
-                                             tag=START_TAG)
+                info = await self.m.processes.start(
+                    self.sid, self._as(state.user, start, state), tag=START_TAG)
             except HangarError as e:
                 raise StepFailed(f"failed to start {start!r}: {e}", -1) from None
+            pid = info.pid
         if not ready:
             return
         self.say("info", f"[builder] waiting for the ready command: {ready}")
@@ -351,10 +362,28 @@ class Steps:
             if r.exit_code == 0:
                 self.say("info", "[builder] ready")
                 return
+            if pid is not None:
+                await self._still_running(pid, start or "")
             if time.monotonic() > deadline:
                 raise StepFailed(f"the ready command {ready!r} did not pass within "
                                  f"{timeout_s:.0f} s (last exit status {r.exit_code})", -1)
             await asyncio.sleep(READY_PAUSE_S)
+
+    async def _still_running(self, pid: int, start: str) -> None:
+        """Raise StepFailed when the start command (``pid``) has ended, its output's last
+        ``START_TAIL`` bytes passed to the log first."""
+        entry = next((p for p in await self.m.processes.list(self.sid) if p.pid == pid), None)
+        if entry is None or entry.state == "running":
+            return
+        out = b""
+        async for item in self.m.processes.attach(self.sid, pid, replay=True):
+            data = getattr(item, "data", b"") or b""
+            out = (out + data)[-START_TAIL:]
+        for line in out.decode("utf-8", "replace").splitlines():
+            self.say("error", line[:LINE_MAX])
+        how = (f"signal {entry.signal}" if entry.signal else f"exit status {entry.exit_code}")
+        raise StepFailed(f"the start command {start!r} ended ({how}) before the ready "
+                         "command passed", -1)
 
 
 async def remove_quietly(delete: Callable[[], Awaitable[None]]) -> None:

@@ -22,7 +22,8 @@ State, under ``<data>/builds/`` (the server's own, 0700):
 ==========================  ======================================================
 
 A build's phases are events (``template.build.started``, ``.sandbox``, ``.step``,
-``.ready``, ``.failed``: ``hangar events``). Its log lives in memory (``LOG_BYTES`` of text at most, the last
+``.ready``, ``.failed``: ``hangar events``). Its log lives in memory
+(``LOG_BYTES`` of text at most, the last
 ``LOGS_KEPT`` builds' logs kept); a build still running when
 the server stops is an error after a restart. A build whose base, steps, file
 hashes and commands equal a ready build's of the same template reuses that
@@ -64,14 +65,15 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 """A built template's name (a snapshot name too: ``hangar.core.snapshots.check_name``)."""
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 HASH_RE = re.compile(r"^[0-9a-f]{64}$")
-STEP_LINE = re.compile(r"\[builder \d+/\d+\] ")
-"""The log line a step begins with (``hangar.core.build_steps.Steps.run``)."""
 DEFAULT_TAG = "default"
 UPLOAD_MAX = 1 << 30
 """Largest uploaded archive, bytes (compressed as sent)."""
 LOG_BYTES = 4 << 20
 """Characters of log kept per build; later lines are dropped (the build goes on), and one
 line says so."""
+LINE_COST = 160
+"""Bytes a log line costs beyond its text (a LogLine, its float and strings: measured with
+``sys.getsizeof`` on CPython 3.11), counted against ``LOG_BYTES``."""
 LOGS_KEPT = 32
 """Builds whose logs are kept in memory (the newest); older builds answer no lines."""
 READY_TIMEOUT_S = 600.0
@@ -79,7 +81,8 @@ READY_TIMEOUT_S = 600.0
 ENV_LABEL = "template-build-env:v1"
 """The vault's label of a build's sealed ENV."""
 BUILDS_KEPT = 50
-"""Records kept per template: past it the oldest builds that no tag names are forgotten."""
+"""Records kept per template: past it the oldest builds that no tag names and that do not
+run are forgotten (one never started too: its start is then a 404)."""
 UPLOAD_TTL_S = 3600
 """Seconds an upload link stays valid."""
 
@@ -235,7 +238,7 @@ class Builds:
         for old in sorted(t["builds"], key=lambda k: t["builds"][k]["created_at"]):
             if len(t["builds"]) < BUILDS_KEPT:
                 break
-            if old not in named and t["builds"][old]["status"] in ("ready", "error"):
+            if old not in named and t["builds"][old]["status"] != "building":
                 del t["builds"][old]
         build_id = str(uuid.uuid4())
         t["builds"][build_id] = {"status": "waiting", "created_at": now, "finished_at": None,
@@ -264,8 +267,12 @@ class Builds:
 
     def start(self, name: str, build_id: str, spec: BuildSpec, launch: Launch) -> None:
         """Run build ``build_id`` of ``name`` in the background. Raises NotFound,
-        Conflict (it was started already, or another build of ``name`` runs)."""
+        InvalidRequest (a ``Copy``'s files hash is not a SHA-256 in hex), Conflict (it was
+        started already, or another build of ``name`` runs)."""
         b = self._build(name, build_id)
+        for step in spec.steps:
+            if isinstance(step, Copy):
+                self._check_hash(step.files)
         if b["status"] != "waiting":
             raise Conflict(f"build {build_id} of template {name!r} was started already",
                            template=name, build=build_id)
@@ -280,15 +287,13 @@ class Builds:
             del self._logs[next(iter(self._logs))]
         self._tasks.start(name, self._run(name, build_id, spec, launch))
 
-    def _say(self, name: str, build_id: str) -> Callable[[str, str], None]:
+    def _say(self, build_id: str) -> Callable[[str, str], None]:
         run = self._logs[build_id]
 
         def say(level: str, message: str) -> None:
-            if STEP_LINE.match(message):  # a step begins: the event stream says so
-                self._event("step", name, build_id, step=message[:300])
             if run.size > LOG_BYTES:
                 return
-            run.size += len(message) + 32
+            run.size += len(message) + LINE_COST
             if run.size > LOG_BYTES:
                 level, message = "warn", f"the log is over {LOG_BYTES} characters: later lines " \
                     "are not kept"
@@ -301,7 +306,7 @@ class Builds:
                               template=name, build_id=build_id, **data)
 
     async def _run(self, name: str, build_id: str, spec: BuildSpec, launch: Launch) -> None:
-        say = self._say(name, build_id)
+        say = self._say(build_id)
         self._event("started", name, build_id, base=spec.base, steps=len(spec.steps))
         b = self._build(name, build_id)
         digest = spec.digest()
@@ -324,7 +329,12 @@ class Builds:
                 except HangarError as e:
                     raise StepFailed(f"the build sandbox did not start: {e}", -2) from None
                 self._event("sandbox", name, build_id, sandbox_id=sid)
-                steps = Steps(self.m, sid, say, lambda h: self._archive(name, h))
+                # a step's event names its number and instruction only: never its text
+                # (an ENV's values, a RUN's command) nor a guest's output
+                steps = Steps(self.m, sid, say, lambda h: self._archive(name, h),
+                              lambda i, s: self._event("step", name, build_id, step=str(i + 1),
+                                                       of=len(spec.steps),
+                                                       instruction=type(s).__name__.upper()))
                 state = await steps.run(spec.steps, spec.state)
                 await steps.start(spec.start, spec.ready, state, READY_TIMEOUT_S)
                 say("info", "[builder] saving the template's snapshot")
@@ -347,7 +357,9 @@ class Builds:
                 await remove_quietly(lambda: self.m.delete(sid))
         if failed is not None:
             self._fail(name, build_id, failed[0], failed[1], say)
-            self._event("failed", name, build_id, reason=failed[0][:500], step=failed[1])
+            # the reason names commands and a guest's output: the build's status says it,
+            # events never do (as exec's events carry no command text)
+            self._event("failed", name, build_id, step=failed[1])
             return
         async with self._lock:
             b.update(status="ready", finished_at=time.time(), digest=digest)
@@ -390,6 +402,10 @@ class Builds:
     # -- uploads -----------------------------------------------------------------------
 
     def _archive(self, name: str, digest: str) -> Path:
+        """Where archive ``digest`` of ``name`` is kept; raises InvalidRequest unless
+        ``digest`` is a SHA-256 in hex (a step's ``filesHash`` comes from a client: it
+        must never name another file, which a failed check removes)."""
+        self._check_hash(digest)
         return self.root / "files" / name / digest
 
     def _check_hash(self, digest: str) -> None:
@@ -421,7 +437,11 @@ class Builds:
 
     async def save_files(self, name: str, digest: str, chunks: AsyncIterator[bytes]) -> int:
         """Store an uploaded archive (a tar, gzip'd or not) as ``digest`` of ``name``;
-        its size in bytes. Raises NotFound, InvalidRequest, TooLarge (past
+        its size in bytes. An archive already stored stays as it is (the new body is
+        dropped): a build checks an archive against its hash, then places it, and the
+        upload link lives for an hour, so nothing may swap an archive in between (a failed
+        check removes the archive instead: ``_check_upload``). Raises NotFound (also when
+        the template is removed during the upload), InvalidRequest, TooLarge (past
         ``UPLOAD_MAX``; nothing is kept)."""
         self._template(name)
         self._check_hash(digest)
@@ -437,7 +457,14 @@ class Builds:
                         raise TooLarge(f"the upload is larger than {UPLOAD_MAX} bytes",
                                        limit_bytes=UPLOAD_MAX)
                     await asyncio.to_thread(f.write, chunk)
-            os.replace(tmp, dest)
+            # no await from here on: a removal of the template runs before or after this
+            self._template(name)
+            if not dest.exists():
+                try:
+                    os.replace(tmp, dest)
+                except FileNotFoundError:  # removed and made again during the upload
+                    raise NotFound(f"template {name!r} was removed during the upload",
+                                   template=name) from None
         finally:
             tmp.unlink(missing_ok=True)
         return size
@@ -450,9 +477,11 @@ class Builds:
         try:
             got = await asyncio.to_thread(archive_hash, path, step.src, step.dest)
         except (tarfile.TarError, OSError, ValueError, EOFError) as e:
+            path.unlink(missing_ok=True)  # E2B's SDK uploads again once it is not present
             raise StepFailed(f"the upload for COPY {step.src} {step.dest} is not a tar "
                              f"archive: {str(e)[:200]}", index) from None
         if got != step.files:
+            path.unlink(missing_ok=True)
             raise StepFailed(f"the upload for COPY {step.src} {step.dest} does not match its "
                              "hash", index)
 
@@ -514,6 +543,19 @@ class Builds:
                 del t["tags"][tag]
             self._retag(name, "", [])
             self._save()
+
+    async def discard(self, name: str, build_id: str) -> None:
+        """Forget build ``build_id`` of ``name`` if it never started, and the template when
+        it has no other build (nothing was made for either). Raises NotFound."""
+        async with self._lock:
+            t = self._template(name)
+            if t["builds"].get(build_id, {}).get("status") != "waiting":
+                return
+            del t["builds"][build_id]
+            if t["builds"]:
+                self._save()
+                return
+        await self.delete(name)
 
     async def delete(self, name: str) -> None:
         """Remove template ``name``: its snapshots, uploads and records. Raises NotFound,

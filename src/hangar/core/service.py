@@ -96,7 +96,8 @@ MachineService = MachineManager
 __all__ = [
     # the services and their sub-surfaces
     "SandboxService", "SandboxManager", "MachineService", "MachineManager", "CodeFace",
-    "FilesFace", "NetworkFace", "SecretsFace", "VolumesFace", "Desktop", "Builds", "SURFACE_TYPES", "e2b",
+    "FilesFace", "NetworkFace", "SecretsFace", "VolumesFace", "Desktop", "Builds",
+    "SURFACE_TYPES", "e2b",
     "e2b_user",
     # views
     "AttachmentView", "MachineView", "SandboxView", "SecretView", "SnapshotView",
@@ -107,8 +108,8 @@ __all__ = [
     "ProcessInfo", "ProcessOutput", "Terminal", "MAX_CODE_CHARS", "MAX_SCROLL",
     "MAX_TYPE_CHARS", "TYPE_DELAY_MS", "VNC_PORT",
     # template builds
-    "UPLOAD_MAX", "BuildSpec", "BuildView", "BuiltSource", "LogLine", "Step", "Copy", "Run", "Env", "Workdir",
-    "User", "BuildState",
+    "UPLOAD_MAX", "BuildSpec", "BuildView", "BuiltSource", "LogLine", "Step", "Copy", "Run",
+    "Env", "Workdir", "User", "BuildState",
     # states and their table
     "State", "GONE", "LIVE", "VMM_STATES", "Guard", "IllegalTransition", "check",
     "check_desired", "walk", "NAMES", "USER_ID", "new_id", "Face", "OnExpiry",

@@ -41,8 +41,8 @@ from hangar.api.e2b.errors import E2BRoute
 from hangar.api.e2b.models import _Answer
 from hangar.api.e2b_hosts import client_path
 from hangar.core.service import (
-    UPLOAD_MAX, BuildSpec, BuildState, BuildView, Copy, CreateOptions, Env, Run, SandboxManager, Step, User,
-    Workdir, e2b, e2b_user,
+    UPLOAD_MAX, BuildSpec, BuildState, BuildView, Copy, CreateOptions, Env, Run, SandboxManager,
+    Step, User, Workdir, e2b, e2b_user,
 )
 from hangar.errors import InvalidRequest, NotFound, TooLarge, Unauthorized
 
@@ -258,11 +258,16 @@ def _base(m: SandboxManager, body: StartBuild) -> tuple[e2b.Source, BuildState]:
                              field="fromImage")
     else:
         raise InvalidRequest("fromImage or fromTemplate is needed", field="fromImage")
-    built = m.builds.source(name)
-    if built is not None:
-        return e2b.Source("snapshot", built.snapshot_id, name), BuildState(
-            user=built.user, workdir=built.workdir, env=built.env)
-    return e2b.resolve(m, name), BuildState(user=START_USER, workdir=START_DIR)
+    try:
+        built = m.builds.source(name)
+        if built is not None:
+            return e2b.Source("snapshot", built.snapshot_id, name), BuildState(
+                user=built.user, workdir=built.workdir, env=built.env)
+        return e2b.resolve(m, name), BuildState(user=START_USER, workdir=START_DIR)
+    except NotFound:
+        raise InvalidRequest(f"fromTemplate: {name[:200]!r} is not an image or a template of "
+                             "this server (images from a registry are not built here)",
+                             field="fromTemplate") from None
 
 
 async def _launch(m: SandboxManager, source: e2b.Source, view: BuildView) -> str:
@@ -283,10 +288,16 @@ async def _launch(m: SandboxManager, source: e2b.Source, view: BuildView) -> str
 @router.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202)
 async def start_build(template_id: str, build_id: str, body: StartBuild,
                       m: Manager) -> Response:
-    """Start build ``build_id`` with ``body``'s base and steps."""
-    steps = tuple(_step(i, s) for i, s in enumerate(body.steps))
+    """Start build ``build_id`` with ``body``'s base and steps. A build refused here (a
+    bad step, a base that is not served) is forgotten, and its template with it when it
+    has no other build."""
     view = m.builds.status(template_id, build_id, limit=0)
-    source, state = _base(m, body)
+    try:
+        steps = tuple(_step(i, s) for i, s in enumerate(body.steps))
+        source, state = _base(m, body)
+    except InvalidRequest:
+        await m.builds.discard(template_id, build_id)
+        raise
     spec = BuildSpec(base=f"{source.kind}:{source.name}", steps=steps, state=state,
                      start=body.startCmd or None, ready=body.readyCmd or None,
                      force=body.force or any(s.force for s in body.steps))
@@ -302,7 +313,8 @@ async def status(template_id: str, build_id: str, m: Manager,
     """The build's status and its log lines from ``logsOffset`` (100 at most)."""
     view = m.builds.status(template_id, build_id, logsOffset, limit)
     reason = (Reason(message=view.reason, step=view.step) if view.reason else None)
-    return BuildInfo(templateID=template_id, buildID=build_id, status=view.status,  # type: ignore[arg-type]
+    return BuildInfo(templateID=template_id, buildID=build_id,
+                     status=view.status,  # type: ignore[arg-type]
                      logs=[], logEntries=_entries(view), reason=reason)
 
 

@@ -38,7 +38,8 @@ async def take(sandbox_id: str, m: Manager, body: SnapshotRequest | None = None)
     400 for a malformed ``name`` or one of a template here; 409 for a paused sandbox; 503
     while a call to it is in flight."""
     name = body.name if body is not None and body.name else None
-    if name is not None and any(name == t.name or name in t.aliases for t in e2b.templates(m)):
+    if name is not None and (m.builds.exists(name) or any(
+            name == t.name or name in t.aliases for t in e2b.templates(m))):
         raise InvalidRequest(f"name: {name!r} is a template's name here", field="name")
     rec = views.shown(m, sandbox_id)
     if rec.state != State.RUNNING:

@@ -92,8 +92,10 @@ async def list_v2(m: Manager, response: Response, nextToken: str | None = None,
 
 @router.get("/templates/aliases/{alias}", response_model=TemplateAlias)
 async def alias(alias: str, m: Manager) -> TemplateAlias:
-    name = alias.rsplit(":", 1)[0]
+    name, _, tag = alias.partition(":")
     if m.builds.exists(name):
+        if tag and tag not in {t for t, _b, _at in m.builds.tags(name)}:
+            raise NotFound(f"template {name!r} has no tag {tag[:128]!r}", template=alias)
         return TemplateAlias(templateID=name, public=False)
     return TemplateAlias(templateID=find(m, alias).name, public=True)
 
