@@ -45,6 +45,7 @@ from hangar.core.service import (
     Step, User, Workdir, e2b, e2b_user,
 )
 from hangar.errors import InvalidRequest, NotFound, TooLarge, Unauthorized
+from hangar.schemas.bounds import MEMORY_MIB_MAX, MEMORY_MIB_MIN, VCPUS_MAX, VCPUS_MIN
 
 router = APIRouter(route_class=E2BRoute)
 uploads = APIRouter(route_class=E2BRoute)
@@ -72,8 +73,8 @@ class NewBuild(_Request):
     alias: str | None = Field(default=None, max_length=200)
     tags: list[Annotated[str, Field(max_length=200)]] | None = Field(default=None,
                                                                      max_length=64)
-    cpuCount: int | None = Field(default=None, ge=1, le=64)
-    memoryMB: int | None = Field(default=None, ge=128, le=65536)
+    cpuCount: int | None = Field(default=None, ge=VCPUS_MIN, le=VCPUS_MAX)
+    memoryMB: int | None = Field(default=None, ge=MEMORY_MIB_MIN, le=MEMORY_MIB_MAX)
 
 
 class BuildStep(_Request):
