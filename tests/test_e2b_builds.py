@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import SRC, Server
+from conftest import SRC, Server, free_port, make_data_dir
 from test_e2b_api import e2b_env, e2b_key  # noqa: F401,F811  (fixtures: the three variables)
 
 e2b = pytest.importorskip("e2b")
@@ -332,6 +333,15 @@ def test_builds_of_one_template_run_one_at_a_time_reuse_unchanged_ones_and_keep_
     assert api.get(f"/templates/aliases/{t}:v9").status_code == 404  # Template.exists: False
     r = api.post("/templates/tags", json={"target": f"{t}:v2", "tags": ["prod"]})
     assert r.status_code == 201 and r.json() == {"tags": ["prod"], "buildID": again}
+    many = [f"t{i}" for i in range(64)]
+    assert api.post("/templates/tags", json={"target": f"{t}:v2", "tags": many}).status_code \
+        == 201
+    r = api.post("/templates/tags", json={"target": f"{t}:v2",
+                                          "tags": [f"u{i}" for i in range(64)]})
+    assert (r.status_code, r.json()["message"]) == (
+        400, "tags: a template has at most 100 tags")
+    r = api.request("DELETE", "/templates/tags", json={"name": t, "tags": many})
+    assert r.status_code == 204
 
     sb = Sandbox.create(f"{t}:prod")
     try:
@@ -341,6 +351,27 @@ def test_builds_of_one_template_run_one_at_a_time_reuse_unchanged_ones_and_keep_
     assert api.delete(f"/templates/{t}").status_code == 204
     assert Template.exists(t) is False
     assert api.post("/sandboxes", json={"templateID": t}).status_code == 404
+
+
+def test_the_templates_a_server_holds_are_capped(base_image: Path) -> None:
+    """HANGAR_BUILD_TEMPLATES_MAX: a new template past it is a 429 naming the cap; a new
+    build of a template it holds is not one."""
+    srv = Server(make_data_dir(base_image), free_port(),
+                 extra_env={"HANGAR_BUILD_TEMPLATES_MAX": "2"})
+    srv.start()
+    try:
+        with httpx.Client(base_url=srv.url + "/e2b", headers={"X-API-Key": srv.key},
+                          timeout=60) as c:
+            assert c.post("/v3/templates", json={"name": "one"}).status_code == 202
+            assert c.post("/v3/templates", json={"name": "two"}).status_code == 202
+            r = c.post("/v3/templates", json={"name": "three"})
+            assert (r.status_code, r.json()["message"]) == (
+                429, "this server holds 2 templates built through E2B's API "
+                     "(HANGAR_BUILD_TEMPLATES_MAX); remove one first")
+            assert c.post("/v3/templates", json={"name": "two:v2"}).status_code == 202
+    finally:
+        srv.kill()
+        shutil.rmtree(srv.data_dir, ignore_errors=True)
 
 
 def test_an_upload_declared_over_the_bound_is_refused_before_its_body(

@@ -129,6 +129,9 @@ class Settings(BaseSettings):
                                 "(TCG), where a guest boots several times slower and more so "
                                 "on a busy host (boot_deadline_s).")
     max_sandboxes: int = Field(30, ge=1, description="Cap on concurrently running VMs.")
+    build_templates_max: int = Field(
+        200, ge=1, description="Cap on the templates built through E2B's API the server "
+                               "holds (hangar.core.builds); a new one past it is a 429.")
     volumes_max_total_mib: int = Field(
         1 << 20, ge=16, description="Cap on the sizes of all named volumes together, MiB "
                                     "(default 1 TiB); their images are sparse, so this bounds "

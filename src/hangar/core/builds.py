@@ -54,7 +54,9 @@ from hangar.build_archive import archive_hash
 from hangar.core.build_steps import Copy, State, Step, StepFailed, Steps, remove_quietly
 from hangar.core.tasks import Tasks
 from hangar.durable import atomic_write
-from hangar.errors import Conflict, HangarError, InvalidRequest, NotFound, TooLarge
+from hangar.errors import (
+    Conflict, HangarError, InvalidRequest, LimitExceeded, NotFound, TooLarge,
+)
 
 if TYPE_CHECKING:
     from hangar.core.sandboxes import SandboxManager
@@ -66,6 +68,8 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 DEFAULT_TAG = "default"
+TAGS_MAX = 100
+"""Tags a template may have (every tag is a name a create may use)."""
 UPLOAD_MAX = 1 << 30
 """Largest uploaded archive, bytes (compressed as sent)."""
 LOG_BYTES = 4 << 20
@@ -209,11 +213,14 @@ class Builds:
                                  field="name")
 
     @staticmethod
-    def check_tags(tags: list[str]) -> None:
+    def check_tags(tags: list[str], have: Any = ()) -> None:
+        """Raise InvalidRequest for a malformed tag, or past ``TAGS_MAX`` with ``have``."""
         for tag in tags:
             if not TAG_RE.fullmatch(tag):
                 raise InvalidRequest(f"tags: {tag[:80]!r} is not a tag (1 to 128 letters, "
                                      "digits, '.', '_' and '-')", field="tags")
+        if len(set(have) | set(tags)) > TAGS_MAX:
+            raise InvalidRequest(f"tags: a template has at most {TAGS_MAX} tags", field="tags")
 
     def names(self) -> list[str]:
         """Every template built here (a build of it ready or not), sorted."""
@@ -230,9 +237,13 @@ class Builds:
         ``start``. Raises InvalidRequest (a bad name or tag)."""
         self.check_name(name)
         tags = list(dict.fromkeys(tags or [DEFAULT_TAG]))
-        self.check_tags(tags)
         data = self._load()
+        self.check_tags(tags, data["templates"].get(name, {}).get("tags", {}))
         now = time.time()
+        cap = self.m.settings.build_templates_max
+        if name not in data["templates"] and len(data["templates"]) >= cap:
+            raise LimitExceeded(f"this server holds {cap} templates built through E2B's API "
+                                "(HANGAR_BUILD_TEMPLATES_MAX); remove one first", limit=cap)
         t = data["templates"].setdefault(name, {"created_at": now, "tags": {}, "builds": {}})
         named = set(t["tags"].values())
         for old in sorted(t["builds"], key=lambda k: t["builds"][k]["created_at"]):
@@ -527,6 +538,7 @@ class Builds:
             build_id = t["tags"].get(tag or DEFAULT_TAG)
             if build_id is None:
                 raise NotFound(f"template {target!r} has no such tag", template=target)
+            self.check_tags(tags, t["tags"])
             self._retag(name, build_id, tags)
             self._save()
         return build_id, tags
