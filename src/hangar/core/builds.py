@@ -532,7 +532,6 @@ class Builds:
         """Point ``tags`` at the build ``target`` (``name:tag``) names; (its build id,
         the tags). Raises NotFound, InvalidRequest."""
         name, _, tag = target.partition(":")
-        self.check_tags(tags)
         async with self._lock:
             t = self._template(name)
             build_id = t["tags"].get(tag or DEFAULT_TAG)

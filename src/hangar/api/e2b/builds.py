@@ -30,7 +30,6 @@ user is E2B's default user ``user`` in ``/home/user``.
 from __future__ import annotations
 
 import functools
-from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -39,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from hangar.api.deps import manager
 from hangar.api.e2b.errors import E2BRoute
 from hangar.api.e2b.models import _Answer
+from hangar.api.e2b.views import rfc3339
 from hangar.api.e2b_hosts import client_path
 from hangar.core.service import (
     UPLOAD_MAX, BuildSpec, BuildState, BuildView, Copy, CreateOptions, Env, Run, SandboxManager,
@@ -154,12 +154,8 @@ class Tag(_Answer):
     createdAt: str
 
 
-def _time(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
-
-
 def _entries(view: BuildView) -> list[LogEntry]:
-    return [LogEntry(timestamp=_time(line.at), level=line.level,  # type: ignore[arg-type]
+    return [LogEntry(timestamp=rfc3339(line.at), level=line.level,  # type: ignore[arg-type]
                      message=line.message) for line in view.logs]
 
 
@@ -341,5 +337,5 @@ async def remove_tags(body: UntagRequest, m: Manager) -> Response:
 
 @router.get("/templates/{template_id}/tags", response_model=list[Tag])
 async def tags(template_id: str, m: Manager) -> list[Tag]:
-    return [Tag(tag=t, buildID=b, createdAt=_time(at))
+    return [Tag(tag=t, buildID=b, createdAt=rfc3339(at))
             for t, b, at in m.builds.tags(template_id.partition(":")[0])]
