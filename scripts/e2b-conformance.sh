@@ -42,6 +42,23 @@
 # directory are ended and the directory is removed.
 # Runs the whole selection with -n 3 in 7 (quiet) to 20 minutes (load 9-17) on a 2-core host
 # under emulation.
+#
+# Template tests (tests/sync/template_sync and the like) build FROM Docker Hub's ubuntu:22.04
+# (and name ubuntu:24.04), which a host without the internet cannot fetch. When the selection
+# holds a template test folder or file (E2B_REGISTRY=1: always; E2B_REGISTRY=0: never), a
+# local registry stands in for Docker Hub: Debian's docker-registry on a free loopback port
+# (storage in $DATA/registry), a stand-in image pushed to it (skopeo) as library/ubuntu:22.04
+# and library/ubuntu:24.04, and the server started with
+# HANGAR_REGISTRY_MIRRORS=docker.io=127.0.0.1:<port> and HANGAR_REGISTRY_INSECURE=<same>.
+# That needs root (debootstrap; a server that pulls). The stand-in is not Ubuntu: it is
+# Debian bookworm's minbase (debootstrap --variant=minbase from the host's own apt source of
+# bookworm, read from /etc/apt/sources.list*, in a mount namespace of its own), less /dev's
+# nodes and apt's lists and packages, as a one-layer docker-archive (tests/oci_support.py's
+# docker_archive). It is kept in $E2B_STANDIN (default
+# /var/cache/hangar-e2b-standin/bookworm.tar, root's) and made only when that file is
+# missing (about a minute; delete it to make it again). Pulled images are built into
+# $HANGAR_IMAGES as reg-ubuntu-<tag>-<hash>, like templates built there; a later run whose
+# stand-in is unchanged reuses them. The registry is stopped by its pid with the server.
 set -euo pipefail
 
 MODE=domain
@@ -50,7 +67,7 @@ if [ "${1:-}" = --urls ]; then
   shift
 fi
 if [ $# -lt 1 ]; then
-  sed -n '2,44p' "$0" >&2
+  sed -n '2,60p' "$0" >&2
   exit 2
 fi
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -90,6 +107,43 @@ if [ "$SUITE" = code-interpreter ]; then
   [ -e "$IMAGES/code-interpreter" ] || { echo "no built code-interpreter image in $IMAGES" >&2; exit 2; }
 fi
 
+# The four folders (tests/sync for the code interpreter's) unless a test path (a file or
+# folder of SDK_DIR, or a node id) is given.
+named=
+for a in "$@"; do
+  case "$a" in -*) ;; *) [ -e "$SDK_DIR/${a%%::*}" ] && named=1 ;; esac
+done
+if [ -z "$named" ] && [ "$SUITE" = code-interpreter ]; then
+  set -- tests/sync "$@"
+elif [ -z "$named" ]; then
+  set -- tests/sync/sandbox_sync tests/sync/api_sync tests/sync/volume_sync tests/sync/secret_sync "$@"
+fi
+
+# The registry standing in for Docker Hub: for a selection with template tests, or as
+# E2B_REGISTRY says.
+REGISTRY=${E2B_REGISTRY:-}
+if [ -z "$REGISTRY" ]; then
+  REGISTRY=0
+  for a in "$@"; do
+    case "$a" in -*) continue ;; esac
+    [ -e "$SDK_DIR/${a%%::*}" ] || continue
+    [ -n "$(find "$SDK_DIR/${a%%::*}" -path '*/template_*' -name 'test_*.py' -print -quit)" ] \
+      && REGISTRY=1
+  done
+fi
+STANDIN=${E2B_STANDIN:-/var/cache/hangar-e2b-standin/bookworm.tar}
+if [ "$REGISTRY" = 1 ]; then
+  [ "$(id -u)" = 0 ] || {
+    echo "template tests pull FROM images: run as root (or E2B_REGISTRY=0)" >&2; exit 2; }
+  for t in docker-registry skopeo unshare; do
+    command -v "$t" >/dev/null || {
+      echo "template tests need $t (Debian's docker-registry, skopeo; or E2B_REGISTRY=0)" >&2
+      exit 2; }
+  done
+  [ -f "$STANDIN" ] || command -v debootstrap >/dev/null || {
+    echo "no stand-in image at $STANDIN and no debootstrap to make it (E2B_STANDIN)" >&2; exit 2; }
+fi
+
 DATA=$(mktemp -d /tmp/hangar-e2b-XXXXXX)
 ln -s "$IMAGES" "$DATA/images"
 for f in engine-probe.json firecracker-probe.json; do
@@ -100,6 +154,7 @@ URL=http://127.0.0.1:$PORT
 export HANGAR_DATA_DIR=$DATA HANGAR_PORT=$PORT HANGAR_POOL_SIZE=0 HANGAR_PRIVSEP=0
 SERVER_PID=
 SITE_PID=
+REGISTRY_PID=
 if [ "$MODE" = domain ]; then
   [ "$(id -u)" = 0 ] || { echo "E2B_DOMAIN mode binds ports 53 and 443 and unshares mounts: run as root (or --urls)" >&2; exit 2; }
   command -v nginx >/dev/null && command -v unshare >/dev/null || {
@@ -144,15 +199,119 @@ EOF
     kill -0 "$SERVER_PID" 2>/dev/null && kill -KILL "$SERVER_PID"
     wait "$SERVER_PID" 2>/dev/null
   fi
+  if [ -n "$REGISTRY_PID" ] && kill -0 "$REGISTRY_PID" 2>/dev/null; then
+    kill -TERM "$REGISTRY_PID"
+    for _ in $(seq 1 100); do kill -0 "$REGISTRY_PID" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$REGISTRY_PID" 2>/dev/null && kill -KILL "$REGISTRY_PID"
+    wait "$REGISTRY_PID" 2>/dev/null
+  fi
   # VMMs the server left behind: only those of this run's data directory.
   for p in /proc/[0-9]*; do
     { tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null \
       | grep -qE "^[^ ]*(qemu-system|firecracker)[^ ]* .*$DATA" && kill -KILL "${p#/proc/}" 2>/dev/null
   done
-  rm -rf "$DATA"
+  # never through a mount (debootstrap's are in a namespace of its own, gone with it)
+  if grep -q " $DATA/" /proc/self/mountinfo; then
+    echo "mounts left under $DATA: not removed" >&2
+  else
+    rm -rf "$DATA"
+  fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+
+standin() {
+  # The stand-in image, made once into $STANDIN (see the header).
+  local mirror tree
+  mirror=$("$HANGAR_PYTHON" - bookworm <<'EOF'
+import glob, re, sys
+suite = sys.argv[1]
+def sources():
+    """(URI, suites) of each deb source: one-line *.list entries, then deb822 *.sources."""
+    for path in ["/etc/apt/sources.list", *sorted(glob.glob("/etc/apt/sources.list.d/*.list"))]:
+        try:
+            lines = open(path).read().splitlines()
+        except OSError:
+            continue
+        for ln in lines:
+            w = re.sub(r"\[[^]]*\]", " ", ln.split("#", 1)[0]).split()
+            if len(w) >= 3 and w[0] == "deb":
+                yield w[1], [w[2]]
+    for path in sorted(glob.glob("/etc/apt/sources.list.d/*.sources")):
+        try:
+            text = open(path).read()
+        except OSError:
+            continue
+        for para in re.split(r"\n\s*\n", text):
+            f = {}
+            for ln in para.splitlines():
+                if ln and not ln.startswith(("#", " ", "\t")) and ":" in ln:
+                    k, v = ln.split(":", 1)
+                    f[k.strip().lower()] = v.split()
+            if "deb" in f.get("types", []) and f.get("enabled", ["yes"]) != ["no"]:
+                for uri in f.get("uris", []):
+                    yield uri, f.get("suites", [])
+uri = next((u for u, suites in sources() if suite in suites), None)
+if uri is None:
+    sys.exit(f"no apt source of suite {suite} in /etc/apt/sources.list*")
+print(uri)
+EOF
+  ) || return 1
+  tree=$DATA/standin/root
+  mkdir -p "$DATA/standin"
+  echo "making the stand-in image (debootstrap --variant=minbase bookworm from $mirror)" >&2
+  unshare --mount --propagation private -- debootstrap --variant=minbase bookworm \
+    "$tree" "$mirror" >"$DATA/standin/debootstrap.log" 2>&1 || {
+    tail -20 "$DATA/standin/debootstrap.log" >&2; return 1; }
+  for f in usr/bin/bash usr/bin/setpriv etc/skel/.bashrc; do
+    [ -e "$tree/$f" ] || { echo "the stand-in has no /$f" >&2; return 1; }
+  done
+  grep -q " $tree/" /proc/self/mountinfo && { echo "mounts left under $tree" >&2; return 1; }
+  # as Docker Hub's images are: no device nodes, no apt lists or downloaded packages
+  find "$tree/dev" "$tree/var/lib/apt/lists" "$tree/var/cache/apt" -xdev -mindepth 1 \
+    \( -type f -o -type l -o -type c -o -type b -o -type p \) -delete || return 1
+  install -d -m 0700 "$(dirname "$STANDIN")" || return 1
+  "$HANGAR_PYTHON" - "$REPO/tests" "$tree" "$STANDIN.tmp-$$" <<'EOF' || return 1
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from oci_support import docker_archive
+docker_archive(Path(sys.argv[2]), Path(sys.argv[3]), cmd=["/bin/bash"],
+               env=["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"])
+EOF
+  mv "$STANDIN.tmp-$$" "$STANDIN" || return 1
+  rm -rf "$DATA/standin"
+}
+
+if [ "$REGISTRY" = 1 ]; then
+  [ -f "$STANDIN" ] || standin || {
+    rm -f "$STANDIN.tmp-$$"; echo "the stand-in image was not made" >&2; exit 1; }
+  REG=127.0.0.1:$("$HANGAR_PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  mkdir -p "$DATA/registry"
+  cat >"$DATA/registry/config.yml" <<EOF
+version: 0.1
+log:
+  level: error
+storage:
+  filesystem:
+    rootdirectory: $DATA/registry/data
+http:
+  addr: $REG
+EOF
+  docker-registry serve "$DATA/registry/config.yml" >"$DATA/registry/registry.log" 2>&1 &
+  REGISTRY_PID=$!
+  for _ in $(seq 1 150); do
+    kill -0 "$REGISTRY_PID" 2>/dev/null || { tail -20 "$DATA/registry/registry.log" >&2; exit 1; }
+    curl -fs "http://$REG/v2/" >/dev/null 2>&1 && break
+    sleep 0.2
+  done
+  curl -fs "http://$REG/v2/" >/dev/null || { echo "the registry did not start" >&2; exit 1; }
+  skopeo --insecure-policy copy --quiet --dest-tls-verify=false \
+    "docker-archive:$STANDIN" "docker://$REG/library/ubuntu:22.04" >&2
+  skopeo --insecure-policy copy --quiet --src-tls-verify=false --dest-tls-verify=false \
+    "docker://$REG/library/ubuntu:22.04" "docker://$REG/library/ubuntu:24.04" >&2
+  export HANGAR_REGISTRY_MIRRORS=docker.io=$REG HANGAR_REGISTRY_INSECURE=$REG
+fi
 
 PYTHONPATH=$REPO/src "$HANGAR_PYTHON" -m hangar.cli serve >"$DATA/server.log" 2>&1 &
 SERVER_PID=$!
@@ -177,17 +336,6 @@ if [ "$MODE" = domain ]; then
   read -r CA RESOLV < <("$HANGAR_PYTHON" -c 'import json, sys; d = json.load(open(sys.argv[1])); print(d["ca"], d["resolv"])' "$DATA/site.json")
 fi
 
-# The four folders (tests/sync for the code interpreter's) unless a test path (a file or
-# folder of SDK_DIR, or a node id) is given.
-named=
-for a in "$@"; do
-  case "$a" in -*) ;; *) [ -e "$SDK_DIR/${a%%::*}" ] && named=1 ;; esac
-done
-if [ -z "$named" ] && [ "$SUITE" = code-interpreter ]; then
-  set -- tests/sync "$@"
-elif [ -z "$named" ]; then
-  set -- tests/sync/sandbox_sync tests/sync/api_sync tests/sync/volume_sync tests/sync/secret_sync "$@"
-fi
 if [ "$SUITE" = code-interpreter ]; then
   # the template's first boot, before the tests: they wait at most a minute for a create
   "$HANGAR_PYTHON" - "$URL" "$(cat "$DATA/api-key")" <<'EOF' || { echo "the code-interpreter template did not start" >&2; exit 1; }

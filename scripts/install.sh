@@ -75,7 +75,9 @@ PKGS="$PKGS daemontools"
 # The browser tests drive Debian's Chromium (Playwright never downloads its own); the
 # operations tests run nginx, sshd and openssl, in the foreground on free ports.
 # The cluster tests run three etcd members (in network namespaces, never as a service).
-[ "$TEST_TOOLS" = 1 ] && PKGS="$PKGS chromium nginx openssh-server openssl python3-venv etcd-server etcd-client"
+# The template build tests pull from a registry on loopback (the distribution project's,
+# started on a free port by the tests, never as a service).
+[ "$TEST_TOOLS" = 1 ] && PKGS="$PKGS chromium nginx openssh-server openssl python3-venv etcd-server etcd-client docker-registry"
 [ "$CLUSTER" = 1 ] && PKGS="$PKGS etcd-server etcd-client"
 missing=""
 for p in $PKGS; do
@@ -95,6 +97,9 @@ if [ -n "$missing" ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing \
     || { [ -z "$NO_DAEMONS" ] || rm -f "$NO_DAEMONS"; exit 1; }
   [ -z "$NO_DAEMONS" ] || rm -f "$NO_DAEMONS"
+  # nor start at the next boot (the tests start the registry themselves)
+  case "$missing" in *docker-registry*)
+    systemctl disable docker-registry >/dev/null 2>&1 || true ;; esac
 else
   say "Debian packages already installed"
 fi

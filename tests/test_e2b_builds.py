@@ -234,16 +234,13 @@ def test_a_start_command_that_ends_fails_the_build_at_once_with_its_output() -> 
     assert time.monotonic() - t0 < 300
 
 
-def test_an_image_from_a_registry_is_refused_naming_it_and_leaves_no_template() -> None:
+def test_a_template_the_server_lacks_is_refused_naming_it_and_leaves_no_template() -> None:
+    """(A registry's image, ``from_image``, is tests/test_e2b_registry.py's.)"""
     t = name()
-    with pytest.raises(BuildException) as exc:
-        Template.build(Template().from_image("ubuntu:22.04").run_cmd("true"), t)
-    assert "'ubuntu:22.04'" in str(exc.value) and "registry" in str(exc.value)
-    assert Template.exists(t) is False
     with pytest.raises(BuildException) as exc:
         Template.build(Template().from_template("python:3.12"), t)
     assert str(exc.value) == ("400: fromTemplate: 'python:3.12' is not an image or a template "
-                              "of this server (images from a registry are not built here)")
+                              "of this server (a registry's image is fromImage)")
     assert Template.exists(t) is False
 
 

@@ -132,6 +132,21 @@ class Settings(BaseSettings):
     build_templates_max: int = Field(
         200, ge=1, description="Cap on the templates built through E2B's API the server "
                                "holds (hangar.core.builds); a new one past it is a 429.")
+    registries: str = Field(
+        "docker.io", max_length=4096,
+        description="Registries (hosts, comma-separated; * for any) that templates built "
+                    "through E2B's API may pull images from (hangar.images.registry).")
+    registry_mirrors: str = Field(
+        "", max_length=4096,
+        description="registry=host[:port] pairs, comma-separated: pull that registry's "
+                    "images from the mirror instead.")
+    registry_insecure: str = Field(
+        "", max_length=4096,
+        description="Registry hosts reached over plain HTTP or unverified TLS "
+                    "(comma-separated).")
+    registry_auth: Path | None = Field(
+        None, description="A containers-auth.json file with the operator's registry "
+                          "credentials, read by root only.")
     volumes_max_total_mib: int = Field(
         1 << 20, ge=16, description="Cap on the sizes of all named volumes together, MiB "
                                     "(default 1 TiB); their images are sparse, so this bounds "

@@ -51,7 +51,6 @@ import shutil
 import socket
 import re
 import resource
-import stat
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,6 +75,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from hangar.engines.firecracker.hostjail import HostJail
+    from hangar.images.pull import Pulls
     from hangar.net import NetworkManager
 
 log = logging.getLogger("hangar.privileged")
@@ -124,6 +124,7 @@ class Helper:
         """The data directory, opened by root itself when the helper starts."""
         self.held: dict[str, list[int]] = {}
         """Descriptors each sandbox's VMM (and its start) still names, closed at release."""
+        self.pulls: "Pulls | None" = None  # images being pulled, made at the first
 
     # -- checks against the host ----------------------------------------------------
 
@@ -345,6 +346,18 @@ class Helper:
         self._jail().release(self.layout.sandbox(req.sandbox_id), req.sandbox_id)
         return None
 
+    def _pulls(self) -> "Pulls":
+        if self.pulls is None:
+            from hangar.images.pull import Pulls
+            self.pulls = Pulls(self.layout.root)
+        return self.pulls
+
+    def image_pull(self, req: P.ImagePull, fds: list[int]) -> Any:
+        return self._pulls().start(req.name, req.ref, req.username, req.password)
+
+    def image_pull_wait(self, req: P.ImagePullWait, fds: list[int]) -> Any:
+        return self._pulls().poll(req.name, req.offset)
+
     def release_cgroups(self, sandbox_id: str) -> None:
         """Remove the cgroup folders this helper's hierarchy makes for ``sandbox_id``
         (``<parent>/<id>`` of each controller), waiting up to a second for its VMM to
@@ -388,7 +401,13 @@ class Helper:
             self.procs.exited(pid)
 
     def serve(self, sock: socket.socket) -> None:
-        """Answer requests until the server's end closes."""
+        """Answer requests until the server's end closes (then end every pull)."""
+        try:
+            self._serve(sock)
+        finally:
+            self.pulls and self.pulls.stop_all()
+
+    def _serve(self, sock: socket.socket) -> None:
         while True:
             ready, _, _ = select.select([sock], [], [], 1.0)
             self.reap()

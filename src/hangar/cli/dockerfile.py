@@ -46,12 +46,15 @@ class DockerfileError(InvalidRequest):
 
 @dataclass
 class Plan:
-    """A Dockerfile as a build: its base (``from_image``: E2B's base image, else a
-    template's name), the server's steps (a ``COPY``'s ``src`` is relative to the build
+    """A Dockerfile as a build: its base (``from_image``: E2B's base image or a
+    registry's, else a template's name), the server's steps (a ``COPY``'s ``src`` is relative to the build
     context; its files hash is added by ``build``), the start and ready commands."""
 
     base: str
     from_image: bool
+    maybe_image: bool = False
+    """A bare name (``python:3.12``): the server's template of that name if it has one,
+    else the registry's image (``build`` asks the server)."""
     steps: list[dict[str, Any]] = field(default_factory=list)
     lines: list[int | None] = field(default_factory=list)
     """The Dockerfile's line of each step (None for those the build adds)."""
@@ -125,11 +128,12 @@ def parse(text: str) -> Plan:
             if name.rsplit(":", 1)[0] == BASE_IMAGE:
                 plan = Plan(base=BASE_IMAGE, from_image=True)
             elif re.fullmatch(r"[a-z0-9][a-z0-9_.-]*(:[A-Za-z0-9_.-]+)?", name):
-                plan = Plan(base=name, from_image=False)
+                # the server's image or template of that name, else a registry's image
+                plan = Plan(base=name, from_image=False, maybe_image=True)
+            elif ref:
+                plan = Plan(base=ref, from_image=True)  # a registry's: the server checks it
             else:
-                raise DockerfileError(f"{where}: {ref!r} is not e2bdev/base or the name of one "
-                                      "of the server's images or templates (images from a "
-                                      "registry are not built here)")
+                raise DockerfileError(f"{where}: FROM names no image")
             plan.steps += [{"type": "USER", "args": ["root"]}, {"type": "WORKDIR", "args": ["/"]}]
             continue
         if plan is None:
@@ -234,7 +238,10 @@ def build(http: httpx.Client, plan: Plan, name: str, context: Path, *,
             tar.unlink(missing_ok=True)
     body: dict[str, Any] = {"steps": steps, "force": force, "startCmd": plan.start,
                             "readyCmd": plan.ready}
-    body["fromImage" if plan.from_image else "fromTemplate"] = plan.base
+    from_image = plan.from_image
+    if plan.maybe_image:
+        from_image = http.get(f"/e2b/templates/aliases/{plan.base}").status_code == 404
+    body["fromImage" if from_image else "fromTemplate"] = plan.base
     check(http.post(f"/e2b/v2/templates/{template}/builds/{build_id}", json=body))
     offset, deadline = 0, time.monotonic() + timeout_s
     while True:

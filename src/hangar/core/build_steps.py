@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from hangar.core.commands import Command
 from hangar.errors import HangarError
+from hangar.guest.paths import RUNTIME_DIR
 
 if TYPE_CHECKING:
     from hangar.core.sandboxes import SandboxManager
@@ -137,11 +138,15 @@ def describe(step: Step) -> str:
 # the placing of one archive's files, as root in the guest; argv: archive, src, dest,
 # owner ("" for none), mode ("" for none)
 _PLACE = r"""
-import glob, os, shutil, subprocess, sys, tempfile
+import glob, os, shutil, subprocess, sys, tarfile, tempfile
 tar, src, dest, owner, mode = sys.argv[1:6]
 stage = tempfile.mkdtemp(prefix=".hangar-copy.", dir="/tmp")
 try:
-    subprocess.run(["tar", "-xf", tar, "-C", stage, "--no-same-owner"], check=True)
+    # no tar program needed (busybox's lacks options); modes kept as Docker's COPY keeps
+    # them (the build's own archive, in its own guest, where its RUN steps are root too)
+    with tarfile.open(tar) as t:
+        t.extractall(stage, **({"filter": "fully_trusted"} if hasattr(tarfile, "tar_filter")
+                               else {}))
     matches = sorted(glob.glob(os.path.join(stage, src), recursive=True))
     if not matches:
         sys.exit("no file of the upload matches " + src)
@@ -325,8 +330,10 @@ class Steps:
             dest += "/"
         owner = step.owner or state.user
         mode = "" if step.mode is None else format(step.mode, "o")
-        cmd = Command(command="python3", args=["-c", _PLACE, inguest, step.src, dest, owner,
-                                               mode], timeout_s=STEP_TIMEOUT_S)
+        # the image's python3, or Hangar's guest runtime in an image pulled without one
+        cmd = Command(command="/bin/sh", args=[
+            "-c", f'p={RUNTIME_DIR}/bin/python3; [ -x "$p" ] || p=python3; exec "$p" -c "$@"',
+            "sh", _PLACE, inguest, step.src, dest, owner, mode], timeout_s=STEP_TIMEOUT_S)
         try:
             r = await self.m.exec(self.sid, cmd)
         finally:

@@ -90,9 +90,9 @@ run are forgotten (one never started too: its start is then a 404)."""
 UPLOAD_TTL_S = 3600
 """Seconds an upload link stays valid."""
 
-Launch = Callable[[], Awaitable[str]]
-"""Boots a build's sandbox from its base; returns its id (the caller picks the base,
-its user and sizes)."""
+Launch = Callable[[Callable[[str], None]], Awaitable[str]]
+"""Boots a build's sandbox from its base, saying its progress (a pull) to the callable
+given; returns its id (the caller picks the base, its user and sizes)."""
 
 
 @dataclass(frozen=True)
@@ -336,7 +336,7 @@ class Builds:
                         await self._check_upload(name, step, i)
                 say("info", f"[builder] FROM {spec.base}: starting the build sandbox")
                 try:
-                    sid = await launch()
+                    sid = await launch(lambda line: say("info", line))
                 except HangarError as e:
                     raise StepFailed(f"the build sandbox did not start: {e}", -2) from None
                 self._event("sandbox", name, build_id, sandbox_id=sid)

@@ -78,6 +78,7 @@ if command -v sudo >/dev/null; then
   [ -d /etc/sudoers.d ] && echo "$u ALL=(ALL:ALL) NOPASSWD: ALL" > /etc/sudoers.d/90-hangar-$u
 else
   install -D -o 0 -g 1000 -m 4750 "$(command -v {SETPRIV})" {SUDO_HELPER} || exit 1
+  mkdir -p /usr/local/bin || exit 1
   cat > /usr/local/bin/sudo <<'SHIM' && chmod 0755 /usr/local/bin/sudo || exit 1
 {SUDO_SHIM}SHIM
 fi

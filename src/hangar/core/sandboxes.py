@@ -74,6 +74,7 @@ from hangar.core.creation import Creation
 from hangar.core.events import EventBus
 from hangar.core.guestcalls import GuestCalls
 from hangar.core.builds import Builds
+from hangar.core.pulls import ImagePulls
 from hangar.core.processes import Processes
 from hangar.core.handover import Adoptee, Handover, Placement, SharedSnapshot
 from hangar.core.hooks import Hooks
@@ -118,7 +119,7 @@ class SandboxManager:
     (``launcher``, ``calls``, ``store``, ``registry``...) is core's own."""
 
     SURFACES = ("files", "ports", "processes", "terminals", "desktop", "volumes", "secrets",
-                "network", "code", "builds", "settings", "events")
+                "network", "code", "builds", "pulls", "settings", "events")
     """Attributes that are sub-surfaces: outside core, ``m.<surface>.<verb>`` is allowed
     for their public verbs (``settings`` and ``events`` are the server's settings and
     event bus, shared as they are)."""
@@ -174,6 +175,8 @@ class SandboxManager:
         """The code interpreter (``core.surfaces.CodeFace``)."""
         self.builds = Builds(self)
         """Template builds in build sandboxes (``core.builds``)."""
+        self.pulls = ImagePulls(settings, layout.root, engine.helper)
+        """A registry's images pulled as Hangar images, for builds (``core.pulls``)."""
         self.reconciler = Reconciler(ctx, self.removal, self.sleeper, self.snapshots, self.pool,
                                      concurrency=settings.reconcile_concurrency)
         self.reconciler.add_pass("unresponsive", self.calls.probe_unresponsive)
@@ -214,6 +217,7 @@ class SandboxManager:
         """Stop background work, end pool VMs and drop agent connections; sandboxes keep running."""
         await self.reconciler.close()
         await self.builds.close()
+        await self.pulls.close()
         await self.launcher.secret_proxies.stop_all(keep_rules=True)
         await self.terminals.shutdown()
         if self.pool is not None:

@@ -20,6 +20,7 @@ only through:
   ``network``     running sandboxes' egress rules (``core.surfaces``)
   ``code``        the code interpreter (``core.surfaces``)
   ``builds``      template builds in build sandboxes (``core.builds``)
+  ``pulls``       a registry's images pulled as images, for builds (``core.pulls``)
   ==============  =============================================================
 
 * the frozen views it answers with instead of the store's rows
@@ -43,6 +44,7 @@ from hangar.core import e2b, e2b_user
 from hangar.core.admission import CreateOptions, new_id
 from hangar.core.build_steps import Copy, Env, Run, Step, User, Workdir
 from hangar.core.build_steps import State as BuildState
+from hangar.core.pulls import Credentials, ImagePulls
 from hangar.core.builds import UPLOAD_MAX, Builds, BuildSpec, BuildView, BuiltSource, LogLine
 from hangar.core.commands import (
     HOME, Command, ExecResult, FileEntry, FileEvent, FileList, StreamCapture, Tunnel, WriteResult,
@@ -84,7 +86,7 @@ MachineView = Machine
 SURFACE_TYPES: dict[str, type] = {
     "files": FilesFace, "ports": Ports, "processes": Processes, "terminals": Terminals, "desktop": Desktop,
     "volumes": VolumesFace, "secrets": SecretsFace, "network": NetworkFace, "code": CodeFace,
-    "builds": Builds,
+    "builds": Builds, "pulls": ImagePulls,
     "settings": Settings, "events": EventBus,
 }
 """The type of each sub-surface of ``SandboxService.SURFACES``: outside core, ``m.<name>``
@@ -97,6 +99,7 @@ __all__ = [
     # the services and their sub-surfaces
     "SandboxService", "SandboxManager", "MachineService", "MachineManager", "CodeFace",
     "FilesFace", "NetworkFace", "SecretsFace", "VolumesFace", "Desktop", "Builds",
+    "ImagePulls", "Credentials",
     "SURFACE_TYPES", "e2b",
     "e2b_user",
     # views

@@ -75,6 +75,20 @@ class Client:
         """``"pong"``: the helper answers (a start-up check)."""
         return str(self._call(P.Ping))
 
+    # -- images pulled from a registry ------------------------------------------------
+
+    def image_pull(self, name: str, ref: str, username: str | None = None,
+                   password: str | None = None) -> None:
+        """Start pulling ``ref`` as image ``name`` (``hangar.images.pull``) as root;
+        raises InvalidRequest when the helper refuses it (a pull of ``name`` runs, too
+        many run, a bad reference)."""
+        self._call(P.ImagePull, name=name, ref=ref, username=username, password=password)
+
+    def image_pull_wait(self, name: str, offset: int) -> P.PullProgress:
+        """The pull of ``name``: ``{"exit", "lines", "offset"}``
+        (``hangar.images.pull.Pulls.poll``)."""
+        return cast(P.PullProgress, self._call(P.ImagePullWait, name=name, offset=offset))
+
     # -- QEMU's VMMs ------------------------------------------------------------------
 
     def prepare_vmm(self, sandbox_id: str, *, vcpus: int, memory_mib: int, accel: str,

@@ -29,6 +29,8 @@ its handler returns (``Claim``, ``Started``, ...). The handlers live in
 | ``net_intercept`` | a sandbox's TCP to some ports (or its DNS) redirected to a port of the gateway (``NetworkManager.intercept``, ``redirect_dns``) |
 | ``net_admit`` | addresses (and ports) a sandbox's allowed names resolved to, opened until their timeout (``NetworkManager.admit``) |
 | ``net_rules`` | a running sandbox's egress rules replaced (``NetworkManager.set_rules``; its policy parsed by ``Policy``) |
+| ``image_pull`` | starts ``python -m hangar.images.pull``: a registry's image pulled and built as an image (the registry policy is root's own settings; credentials go to it on stdin) |
+| ``image_pull_wait`` | that pull's output lines from an offset, and its exit status once it ended |
 """
 
 from __future__ import annotations
@@ -98,6 +100,15 @@ class JailIds(TypedDict):
 
     uid: int
     gid: int
+
+
+class PullProgress(TypedDict):
+    """``image_pull_wait``'s answer: the pull's exit status (None: it runs), its output
+    lines from the offset asked for, and the offset to ask for next."""
+
+    exit: int | None
+    lines: list[str]
+    offset: int
 
 
 class _Strict(BaseModel):
@@ -260,10 +271,30 @@ class JailRelease(_Strict):
     sandbox_id: SandboxId
 
 
+class ImagePull(_Strict):
+    """``hangar.images.pull.Pulls.start``: pull ``ref`` (checked again by the puller
+    against root's registry policy) as image ``name``, with a build's own credentials."""
+
+    op: Literal["image_pull"] = "image_pull"
+    name: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
+    ref: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,254}$")]
+    username: Annotated[str, Field(max_length=256)] | None = None
+    password: Annotated[str, Field(max_length=8192)] | None = None
+
+
+class ImagePullWait(_Strict):
+    """``hangar.images.pull.Pulls.poll``: the pull of ``name`` from output byte
+    ``offset``."""
+
+    op: Literal["image_pull_wait"] = "image_pull_wait"
+    name: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
+    offset: int = Field(ge=0, le=1 << 40)
+
+
 Request = Annotated[Union[Ping, PrepareVmm, SpawnVmm, KillVmm, ReleaseVmm, VmmMemory, NetInfo,
                           NetStart, NetAttach, NetRelease, NetSweep, NetTeardown, NetLeases,
                           NetGuard, NetIntercept, NetAdmit, NetRules, JailPrepare, JailLink,
-                          JailSpawn, JailRelease],
+                          JailSpawn, JailRelease, ImagePull, ImagePullWait],
                     Field(discriminator="op")]
 REQUEST = TypeAdapter(Request)
 """Parses one request from JSON bytes (``REQUEST.validate_json``); raises ValidationError."""

@@ -21,15 +21,23 @@ The flow E2B's SDK follows, as served here:
    ``DELETE /templates/{id}`` (``hangar.api.e2b.templates``).
 
 Bases: ``fromImage`` ``e2bdev/base`` (E2B's base image, Hangar's ``base``:
-``from_base_image()``) and ``fromTemplate`` (a Hangar image, a template built
-here, or an E2B alias). Any other ``fromImage`` is a 400 naming it: Hangar
-does not pull images from registries through E2B's API. The first step's
-user is E2B's default user ``user`` in ``/home/user``.
+``from_base_image()``), ``fromTemplate`` (a Hangar image, a template built
+here, or an E2B alias), and any other ``fromImage``: an image of a registry
+the operator allows (``hangar.core.pulls``, ``hangar.images.registry``),
+pulled as root and built into a Hangar image when the build runs; a
+reference that does not parse or names a registry not allowed is a 400 at
+once, one that cannot be pulled a failed build naming the registry.
+``fromImageRegistry`` brings the build's own credentials: ``registry``
+(username and password) and ``gcp`` (a service account's JSON key, which
+Google's registries take as the password of user ``_json_key``); ``aws`` is a
+400 (give ECR's password, ``aws ecr get-login-password``, as ``registry``).
+The first step's user is E2B's default user ``user`` in ``/home/user``.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -41,7 +49,8 @@ from hangar.api.e2b.models import _Answer
 from hangar.api.e2b.views import rfc3339
 from hangar.api.e2b_hosts import client_path
 from hangar.core.service import (
-    UPLOAD_MAX, BuildSpec, BuildState, BuildView, Copy, CreateOptions, Env, Run, SandboxManager,
+    UPLOAD_MAX, BuildSpec, BuildState, BuildView, Copy, CreateOptions, Credentials, Env, Run,
+    SandboxManager,
     Step, User, Workdir, e2b, e2b_user,
 )
 from hangar.errors import InvalidRequest, NotFound, TooLarge, Unauthorized
@@ -84,10 +93,20 @@ class BuildStep(_Request):
     force: bool = False
 
 
+class ImageRegistry(_Request):
+    type: Literal["registry", "aws", "gcp"]
+    username: str | None = Field(default=None, max_length=256)
+    password: str | None = Field(default=None, max_length=8192)
+    serviceAccountJson: str | None = Field(default=None, max_length=8192)
+
+    def __repr__(self) -> str:  # never a password in a log or a traceback
+        return f"ImageRegistry(type={self.type!r}, ...)"
+
+
 class StartBuild(_Request):
     fromImage: str | None = Field(default=None, max_length=500)
     fromTemplate: str | None = Field(default=None, max_length=200)
-    fromImageRegistry: dict[str, Any] | None = None
+    fromImageRegistry: ImageRegistry | None = None
     force: bool = False
     steps: list[BuildStep] = Field(default=[], max_length=STEPS_MAX)
     startCmd: str | None = Field(default=None, max_length=ARG_MAX)
@@ -249,10 +268,12 @@ def _base(m: SandboxManager, body: StartBuild) -> tuple[e2b.Source, BuildState]:
     elif body.fromImage in BASE_IMAGES:
         name = BASE_IMAGES[body.fromImage]
     elif body.fromImage:
-        raise InvalidRequest(f"fromImage: {body.fromImage[:200]!r}: this server builds from its "
-                             "own images (e2bdev/base is Hangar's base; fromTemplate names "
-                             "any of its templates) and does not pull images from a registry",
-                             field="fromImage")
+        try:
+            name = m.pulls.check(body.fromImage)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"fromImage: {e.message}", field="fromImage") from None
+        return e2b.Source("registry", name, body.fromImage), BuildState(user=START_USER,
+                                                                        workdir=START_DIR)
     else:
         raise InvalidRequest("fromImage or fromTemplate is needed", field="fromImage")
     try:
@@ -263,12 +284,37 @@ def _base(m: SandboxManager, body: StartBuild) -> tuple[e2b.Source, BuildState]:
         return e2b.resolve(m, name), BuildState(user=START_USER, workdir=START_DIR)
     except NotFound:
         raise InvalidRequest(f"fromTemplate: {name[:200]!r} is not an image or a template of "
-                             "this server (images from a registry are not built here)",
+                             "this server (a registry's image is fromImage)",
                              field="fromTemplate") from None
 
 
-async def _launch(m: SandboxManager, source: e2b.Source, view: BuildView) -> str:
-    """Boot the build sandbox of ``view`` from ``source``, with E2B's default user."""
+def _credentials(body: StartBuild) -> Credentials | None:
+    """The build's own registry credentials; raises InvalidRequest for a kind not
+    served here."""
+    r = body.fromImageRegistry
+    if r is None or not body.fromImage or body.fromImage in BASE_IMAGES:
+        return None
+    if r.type == "aws":
+        raise InvalidRequest("fromImageRegistry: aws is not served by this server; give "
+                             "the registry's password (aws ecr get-login-password) with user "
+                             "AWS as a registry login", field="fromImageRegistry")
+    if r.type == "gcp":
+        if not r.serviceAccountJson:
+            raise InvalidRequest("fromImageRegistry: gcp needs serviceAccountJson",
+                                 field="fromImageRegistry")
+        return Credentials("_json_key", r.serviceAccountJson)
+    if not r.username or not r.password:
+        raise InvalidRequest("fromImageRegistry: a registry login needs username and "
+                             "password", field="fromImageRegistry")
+    return Credentials(r.username, r.password)
+
+
+async def _launch(m: SandboxManager, source: e2b.Source, view: BuildView,
+                  creds: Credentials | None, say: Callable[[str], None]) -> str:
+    """Boot the build sandbox of ``view`` from ``source``, with E2B's default user; an
+    image of a registry is pulled first (``core.pulls``)."""
+    if source.kind == "registry":
+        await m.pulls.image(source.asked, creds, say)
     opts = e2b.Options(template=source.asked, user=e2b.DEFAULT_USER)
     meta = {"template_build": f"{view.template}:{view.build_id}"}
     fields: dict[str, Any] = {**e2b.with_options(meta, opts), "timeout_s": BUILD_TTL_S}
@@ -292,14 +338,16 @@ async def start_build(template_id: str, build_id: str, body: StartBuild,
     try:
         steps = tuple(_step(i, s) for i, s in enumerate(body.steps))
         source, state = _base(m, body)
+        creds = _credentials(body)
     except InvalidRequest:
         await m.builds.discard(template_id, build_id)
         raise
-    spec = BuildSpec(base=f"{source.kind}:{source.name}", steps=steps, state=state,
+    base = source.asked if source.kind == "registry" else source.name
+    spec = BuildSpec(base=f"{source.kind}:{base}", steps=steps, state=state,
                      start=body.startCmd or None, ready=body.readyCmd or None,
                      force=body.force or any(s.force for s in body.steps))
     m.builds.start(template_id, build_id, spec,
-                   functools.partial(_launch, m, source, view))
+                   functools.partial(_launch, m, source, view, creds))
     return Response(status_code=202)
 
 
