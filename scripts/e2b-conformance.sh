@@ -59,6 +59,8 @@
 # missing (about a minute; delete it to make it again). Pulled images are built into
 # $HANGAR_IMAGES as reg-ubuntu-<tag>-<hash>, like templates built there; a later run whose
 # stand-in is unchanged reuses them. The registry is stopped by its pid with the server.
+# tests/sync/template_sync alone (E2B 2.45.1): 75 tests in 2.5 minutes, once the stand-in is
+# made (under a minute more on the first run).
 set -euo pipefail
 
 MODE=domain
@@ -67,7 +69,7 @@ if [ "${1:-}" = --urls ]; then
   shift
 fi
 if [ $# -lt 1 ]; then
-  sed -n '2,60p' "$0" >&2
+  sed -n '2,63p' "$0" >&2
   exit 2
 fi
 REPO=$(cd "$(dirname "$0")/.." && pwd)

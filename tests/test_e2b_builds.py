@@ -350,6 +350,53 @@ def test_builds_of_one_template_run_one_at_a_time_reuse_unchanged_ones_and_keep_
     assert api.post("/sandboxes", json={"templateID": t}).status_code == 404
 
 
+def test_a_slow_step_is_a_layer_that_later_builds_start_from(api: httpx.Client,
+                                                              server: Server) -> None:
+    """Per-step cache: a step that took ``LAYER_MIN_S`` (5 s) or more is kept as a layer;
+    a build whose steps up to it are unchanged starts from it (its work is there, it is
+    not run again) and runs only the rest; ``force`` on that step (E2B's ``skip_cache``)
+    runs it again; removing the template removes its layers."""
+    t = name()
+
+    def snapshots() -> set[str]:
+        with httpx.Client(base_url=server.url, headers={"X-API-Key": server.key},
+                          timeout=60) as c:
+            return {x["id"] for x in c.get("/snapshots").json()["snapshots"]}
+
+    before = snapshots()
+
+    def build(steps: list[dict[str, object]]) -> dict[str, object]:
+        b = api.post("/v3/templates", json={"name": t}).json()["buildID"]
+        spec = {"fromImage": "e2bdev/base", "steps": steps}
+        assert api.post(f"/v2/templates/{t}/builds/{b}", json=spec).status_code == 202
+        done = _wait(api, t, b)
+        assert done["status"] == "ready", done
+        return done
+
+    slow = {"type": "RUN", "args": ["sleep 6; date +%s%N >> slow.txt"], "force": False}
+    first = build([slow, {"type": "RUN", "args": ["echo a > fast.txt"], "force": False}])
+    said = [e["message"] for e in first["logEntries"]]
+    assert any(m.startswith("[builder] step 1 took ") and m.endswith("kept as a layer")
+               for m in said), said
+    second = build([slow, {"type": "RUN", "args": ["echo b > fast.txt"], "force": False}])
+    said = [e["message"] for e in second["logEntries"]]
+    assert "CACHED: steps 1-1 are a layer of an earlier build; the build sandbox starts " \
+           "from it" in said, said
+    assert not any(m.startswith("[builder 1/2]") for m in said), said
+    sb = Sandbox.create(t)
+    try:
+        assert sb.commands.run("wc -l < slow.txt; cat fast.txt").stdout == "1\nb\n"
+    finally:
+        sb.kill()
+    third = build([{**slow, "force": True},
+                   {"type": "RUN", "args": ["echo c > fast.txt"], "force": False}])
+    said = [e["message"] for e in third["logEntries"]]
+    assert not any(m.startswith("CACHED") for m in said) and "[builder 1/2] RUN sleep 6; " \
+        "date +%s%N >> slow.txt" in said, said
+    assert api.delete(f"/templates/{t}").status_code == 204
+    assert snapshots() - before == set()  # its builds' and its layers' snapshots are gone
+
+
 def test_the_templates_a_server_holds_are_capped(base_image: Path) -> None:
     """HANGAR_BUILD_TEMPLATES_MAX: a new template past it is a 429 naming the cap; a new
     build of a template it holds is not one."""

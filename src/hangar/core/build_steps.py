@@ -205,18 +205,27 @@ class Steps:
         anything a guest printed: a guest's line may look like a step's)."""
         self._homes: dict[str, str] = {"root": "/root"}
 
-    async def run(self, steps: tuple[Step, ...], state: State) -> State:
-        """Run ``steps`` in order from ``state``; the state they leave. Raises StepFailed."""
-        for i, step in enumerate(steps):
+    async def run(self, steps: tuple[Step, ...], state: State, first: int = 0,
+                  after: Callable[[int, State, float], Awaitable[None]] | None = None
+                  ) -> State:
+        """Run ``steps`` in order from the ``first`` (0-based; the earlier ones' work is
+        in the sandbox already) from ``state``; the state they leave. ``after`` is
+        awaited after each step with its index, the state it left and the seconds it
+        took. Raises StepFailed."""
+        for i in range(first, len(steps)):
+            step = steps[i]
             if self.on_step is not None:
                 self.on_step(i, step)
             self.say("info", f"[builder {i + 1}/{len(steps)}] {describe(step)}")
+            t0 = time.monotonic()
             try:
                 state = await self._one(step, state)
             except StepFailed as e:
                 raise StepFailed(str(e), i) from None
             except HangarError as e:
                 raise StepFailed(f"failed to {describe(step)}: {e}", i) from None
+            if after is not None:
+                await after(i, state, time.monotonic() - t0)
         return state
 
     async def _one(self, step: Step, state: State) -> State:

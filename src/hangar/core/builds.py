@@ -15,7 +15,9 @@ State, under ``<data>/builds/`` (the server's own, 0700):
                             snapshot, the environment (sealed by the vault, as
                             creates' ``envVars``), user and folder its sandboxes
                             get; ``BUILDS_KEPT`` of them), its tags (``default``
-                            unless asked)
+                            unless asked), its layers (``LAYERS_KEPT``: a snapshot
+                            of the build sandbox after a slow step, by what the
+                            steps up to it were)
 ``files/<name>/<sha256>``   uploaded archives of the files a ``COPY`` places,
                             by the hash E2B's SDK computes over their paths,
                             modes and contents (``hangar.build_archive`` checks it)
@@ -27,7 +29,9 @@ A build's phases are events (``template.build.started``, ``.sandbox``, ``.step``
 ``LOGS_KEPT`` builds' logs kept); a build still running when
 the server stops is an error after a restart. A build whose base, steps, file
 hashes and commands equal a ready build's of the same template reuses that
-build's snapshot unless ``force``. One build of a template runs at a time
+build's snapshot unless ``force``; otherwise it starts from its deepest layer
+whose steps equal its own (up to its first step marked ``force``), and runs
+only the steps after it. Uploads are ``hangar.core.build_uploads``'. One build of a template runs at a time
 (``Conflict``). Errors: InvalidRequest (a bad name, tag or hash), NotFound (no
 such template, build, tag or upload), Conflict (a build of the template runs,
 or it is already started), TooLarge (an upload over ``UPLOAD_MAX``).
@@ -37,25 +41,21 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import json
 import logging
-import os
 import re
-import tarfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hangar.build_archive import archive_hash
 from hangar.core.build_steps import Copy, State, Step, StepFailed, Steps, remove_quietly
+from hangar.core.build_uploads import Uploads
 from hangar.core.tasks import Tasks
 from hangar.durable import atomic_write
 from hangar.errors import (
-    Conflict, HangarError, InvalidRequest, LimitExceeded, NotFound, TooLarge,
+    Conflict, HangarError, InvalidRequest, LimitExceeded, NotFound,
 )
 
 if TYPE_CHECKING:
@@ -66,12 +66,9 @@ log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 """A built template's name (a snapshot name too: ``hangar.core.snapshots.check_name``)."""
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 DEFAULT_TAG = "default"
 TAGS_MAX = 100
 """Tags a template may have (every tag is a name a create may use)."""
-UPLOAD_MAX = 1 << 30
-"""Largest uploaded archive, bytes (compressed as sent)."""
 LOG_BYTES = 4 << 20
 """Characters of log kept per build; later lines are dropped (the build goes on), and one
 line says so."""
@@ -87,12 +84,18 @@ ENV_LABEL = "template-build-env:v1"
 BUILDS_KEPT = 50
 """Records kept per template: past it the oldest builds that no tag names and that do not
 run are forgotten (one never started too: its start is then a 404)."""
-UPLOAD_TTL_S = 3600
-"""Seconds an upload link stays valid."""
 
-Launch = Callable[[Callable[[str], None]], Awaitable[str]]
-"""Boots a build's sandbox from its base, saying its progress (a pull) to the callable
-given; returns its id (the caller picks the base, its user and sizes)."""
+Launch = Callable[[Callable[[str], None], "str | None"], Awaitable[str]]
+"""Boots a build's sandbox from its base, or from the snapshot named (a layer of an
+earlier build), saying its progress (a pull) to the callable given; returns its id (the
+caller picks the base, its user and sizes)."""
+LAYER_MIN_S = 5.0
+"""A step that ran at least this long, seconds, is kept as a layer: the build sandbox is
+snapshotted after it, and a later build whose base and steps up to it are the same
+starts from that snapshot instead of running them again (Docker's layer cache, for the
+steps worth it: a snapshot costs about a second and the guest's memory on disk)."""
+LAYERS_KEPT = 8
+"""Layers kept per template (the newest; an older one's snapshot is removed)."""
 
 
 @dataclass(frozen=True)
@@ -107,10 +110,21 @@ class BuildSpec:
     start: str | None = None
     ready: str | None = None
     force: bool = False
+    """Reuse nothing: neither a ready build nor a layer."""
+    fresh_from: int | None = None
+    """The first step no layer may stand for (E2B's ``skip_cache`` on a step: it and
+    every later one run)."""
 
     def digest(self) -> str:
         body = {"base": self.base, "steps": [repr(s) for s in self.steps],
                 "state": repr(self.state), "start": self.start, "ready": self.ready}
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+    def layer_key(self, count: int) -> str:
+        """What the sandbox holds after the first ``count`` steps: their base, starting
+        state and steps (a ``Copy`` by its files' hash)."""
+        body = {"base": self.base, "state": repr(self.state),
+                "steps": [repr(s) for s in self.steps[:count]]}
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
@@ -159,7 +173,7 @@ class _Running:
     size: int = 0
 
 
-class Builds:
+class Builds(Uploads):
     """Every template built on this server (one per ``SandboxManager``)."""
 
     def __init__(self, manager: SandboxManager) -> None:
@@ -324,7 +338,8 @@ class Builds:
         sid: str | None = None
         failed: tuple[str, str] | None = None  # (message, E2B's step)
         try:
-            cached = None if spec.force else self._cached(name, digest)
+            cached = None if spec.force or spec.fresh_from is not None else \
+                self._cached(name, digest)
             if cached is not None:
                 say("info", f"CACHED: build {cached['id']} has the same base, steps and "
                     "files; its snapshot is reused")
@@ -334,9 +349,18 @@ class Builds:
                 for i, step in enumerate(spec.steps):
                     if isinstance(step, Copy):
                         await self._check_upload(name, step, i)
-                say("info", f"[builder] FROM {spec.base}: starting the build sandbox")
+                first, state, layer = 0, spec.state, self._layer(name, spec)
+                if layer is not None:
+                    first, rec = layer
+                    state = State(user=rec["user"], workdir=rec["workdir"],
+                                  env=self._open(rec.get("env_sealed")))
+                    say("info", f"CACHED: steps 1-{first} are a layer of an earlier build; "
+                        "the build sandbox starts from it")
+                else:
+                    say("info", f"[builder] FROM {spec.base}: starting the build sandbox")
                 try:
-                    sid = await launch(lambda line: say("info", line))
+                    sid = await launch(lambda line: say("info", line),
+                                       layer[1]["snapshot_id"] if layer else None)
                 except HangarError as e:
                     raise StepFailed(f"the build sandbox did not start: {e}", -2) from None
                 self._event("sandbox", name, build_id, sandbox_id=sid)
@@ -346,7 +370,8 @@ class Builds:
                               lambda i, s: self._event("step", name, build_id, step=str(i + 1),
                                                        of=len(spec.steps),
                                                        instruction=type(s).__name__.upper()))
-                state = await steps.run(spec.steps, spec.state)
+                state = await steps.run(spec.steps, state, first,
+                                        self._keeper(name, spec, sid, say))
                 await steps.start(spec.start, spec.ready, state, READY_TIMEOUT_S)
                 say("info", "[builder] saving the template's snapshot")
                 snap = await self.m.snapshot(sid, name=name)
@@ -393,6 +418,47 @@ class Builds:
                 return {**b, "id": k}
         return None
 
+    def _layer(self, name: str, spec: BuildSpec) -> tuple[int, dict[str, Any]] | None:
+        """The deepest layer of ``name`` this build may start from: (steps it stands
+        for, its record), or None."""
+        if spec.force:
+            return None
+        layers = self._template(name).get("layers") or {}
+        upto = len(spec.steps) if spec.fresh_from is None else spec.fresh_from
+        for count in range(upto, 0, -1):
+            rec = layers.get(spec.layer_key(count))
+            if rec is not None and self.m.has_snapshot(rec["snapshot_id"]):
+                return count, rec
+        return None
+
+    def _keeper(self, name: str, spec: BuildSpec, sid: str, say: Callable[[str, str], None]
+                ) -> Callable[[int, State, float], Awaitable[None]]:
+        """What runs after each step: a step that took ``LAYER_MIN_S`` or more is kept
+        as a layer (``LAYERS_KEPT`` per template)."""
+        async def keep(index: int, state: State, seconds: float) -> None:
+            if seconds < LAYER_MIN_S:
+                return
+            snap = await self.m.snapshot(sid)
+            say("info", f"[builder] step {index + 1} took {seconds:.1f} s: kept as a layer")
+            async with self._lock:
+                layers = self._template(name).setdefault("layers", {})
+                old = layers.pop(spec.layer_key(index + 1), None)  # a forced step's again
+                if old is not None:
+                    self._drop_snapshot(old["snapshot_id"])
+                layers[spec.layer_key(index + 1)] = {
+                    "snapshot_id": snap.id, "at": time.time(), "user": state.user,
+                    "workdir": state.workdir, "env_sealed": self._seal(state.env)}
+                for key in sorted(layers, key=lambda k: layers[k]["at"])[:-LAYERS_KEPT]:
+                    self._drop_snapshot(layers.pop(key)["snapshot_id"])
+                self._save()
+        return keep
+
+    def _drop_snapshot(self, snapshot_id: str) -> None:
+        try:
+            self.m.delete_snapshot(snapshot_id)
+        except HangarError:
+            pass
+
     def _retag(self, name: str, build_id: str, tags: list[str]) -> None:
         """Point ``tags`` of ``name`` at ``build_id``; drop the snapshots of ready builds
         no tag names any more (their records stay, as history)."""
@@ -405,96 +471,7 @@ class Builds:
             sid = b.get("snapshot_id")
             if k not in live and sid and sid not in keep:
                 b["snapshot_id"] = None
-                try:
-                    self.m.delete_snapshot(sid)
-                except HangarError:
-                    pass
-
-    # -- uploads -----------------------------------------------------------------------
-
-    def _archive(self, name: str, digest: str) -> Path:
-        """Where archive ``digest`` of ``name`` is kept; raises InvalidRequest unless
-        ``digest`` is a SHA-256 in hex (a step's ``filesHash`` comes from a client: it
-        must never name another file, which a failed check removes)."""
-        self._check_hash(digest)
-        return self.root / "files" / name / digest
-
-    def _check_hash(self, digest: str) -> None:
-        if not HASH_RE.fullmatch(digest):
-            raise InvalidRequest(f"hash: {digest[:80]!r} is not a SHA-256 in hex", field="hash")
-
-    def has_files(self, name: str, digest: str) -> bool:
-        """Whether the archive ``digest`` of template ``name`` was uploaded. Raises
-        NotFound (no such template), InvalidRequest (not a hash)."""
-        self._template(name)
-        self._check_hash(digest)
-        return self._archive(name, digest).is_file()
-
-    def upload_token(self, name: str, digest: str) -> str:
-        """A token that lets its holder upload archive ``digest`` of ``name`` for
-        ``UPLOAD_TTL_S`` (and do nothing else)."""
-        expiry = int(time.time()) + UPLOAD_TTL_S
-        return f"{expiry}.{self._mac(name, digest, expiry)}"
-
-    def check_upload_token(self, name: str, digest: str, token: str) -> bool:
-        expiry, _, mac = token.partition(".")
-        if not expiry.isdigit() or len(expiry) > 12 or int(expiry) < time.time():
-            return False
-        return hmac.compare_digest(mac, self._mac(name, digest, int(expiry)))
-
-    def _mac(self, name: str, digest: str, expiry: int) -> str:
-        key = hmac.new(self.m.port_key, b"hangar template upload", hashlib.sha256).digest()
-        return hmac.new(key, f"{name}\0{digest}\0{expiry}".encode(), hashlib.sha256).hexdigest()
-
-    async def save_files(self, name: str, digest: str, chunks: AsyncIterator[bytes]) -> int:
-        """Store an uploaded archive (a tar, gzip'd or not) as ``digest`` of ``name``;
-        its size in bytes. An archive already stored stays as it is (the new body is
-        dropped): a build checks an archive against its hash, then places it, and the
-        upload link lives for an hour, so nothing may swap an archive in between (a failed
-        check removes the archive instead: ``_check_upload``). Raises NotFound (also when
-        the template is removed during the upload), InvalidRequest, TooLarge (past
-        ``UPLOAD_MAX``; nothing is kept)."""
-        self._template(name)
-        self._check_hash(digest)
-        dest = self._archive(name, digest)
-        dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{digest}.{uuid.uuid4().hex}")
-        size = 0
-        try:
-            with open(tmp, "xb") as f:
-                async for chunk in chunks:
-                    size += len(chunk)
-                    if size > UPLOAD_MAX:
-                        raise TooLarge(f"the upload is larger than {UPLOAD_MAX} bytes",
-                                       limit_bytes=UPLOAD_MAX)
-                    await asyncio.to_thread(f.write, chunk)
-            # no await from here on: a removal of the template runs before or after this
-            self._template(name)
-            if not dest.exists():
-                try:
-                    os.replace(tmp, dest)
-                except FileNotFoundError:  # removed and made again during the upload
-                    raise NotFound(f"template {name!r} was removed during the upload",
-                                   template=name) from None
-        finally:
-            tmp.unlink(missing_ok=True)
-        return size
-
-    async def _check_upload(self, name: str, step: Copy, index: int) -> None:
-        path = self._archive(name, step.files)
-        if not path.is_file():
-            raise StepFailed(f"the files of COPY {step.src} {step.dest} were not uploaded "
-                             f"(hash {step.files})", index)
-        try:
-            got = await asyncio.to_thread(archive_hash, path, step.src, step.dest)
-        except (tarfile.TarError, OSError, ValueError, EOFError) as e:
-            path.unlink(missing_ok=True)  # E2B's SDK uploads again once it is not present
-            raise StepFailed(f"the upload for COPY {step.src} {step.dest} is not a tar "
-                             f"archive: {str(e)[:200]}", index) from None
-        if got != step.files:
-            path.unlink(missing_ok=True)
-            raise StepFailed(f"the upload for COPY {step.src} {step.dest} does not match its "
-                             "hash", index)
+                self._drop_snapshot(sid)
 
     # -- templates and tags ------------------------------------------------------------
 
@@ -576,6 +553,8 @@ class Builds:
             t = self._template(name)
             if self._tasks.running(name):
                 raise Conflict(f"a build of template {name!r} is running", template=name)
+            for layer in (t.get("layers") or {}).values():
+                self._drop_snapshot(layer["snapshot_id"])
             for b in t["builds"].values():
                 if b.get("snapshot_id"):
                     try:

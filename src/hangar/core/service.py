@@ -45,7 +45,8 @@ from hangar.core.admission import CreateOptions, new_id
 from hangar.core.build_steps import Copy, Env, Run, Step, User, Workdir
 from hangar.core.build_steps import State as BuildState
 from hangar.core.pulls import Credentials, ImagePulls
-from hangar.core.builds import UPLOAD_MAX, Builds, BuildSpec, BuildView, BuiltSource, LogLine
+from hangar.core.build_uploads import UPLOAD_MAX
+from hangar.core.builds import Builds, BuildSpec, BuildView, BuiltSource, LogLine
 from hangar.core.commands import (
     HOME, Command, ExecResult, FileEntry, FileEvent, FileList, StreamCapture, Tunnel, WriteResult,
 )

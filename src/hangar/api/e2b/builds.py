@@ -310,21 +310,24 @@ def _credentials(body: StartBuild) -> Credentials | None:
 
 
 async def _launch(m: SandboxManager, source: e2b.Source, view: BuildView,
-                  creds: Credentials | None, say: Callable[[str], None]) -> str:
-    """Boot the build sandbox of ``view`` from ``source``, with E2B's default user; an
-    image of a registry is pulled first (``core.pulls``)."""
-    if source.kind == "registry":
+                  creds: Credentials | None, say: Callable[[str], None],
+                  layer: str | None) -> str:
+    """Boot the build sandbox of ``view`` from ``source`` (or from the snapshot ``layer``
+    of an earlier build), with E2B's default user; an image of a registry is pulled
+    first (``core.pulls``)."""
+    if source.kind == "registry" and layer is None:
         await m.pulls.image(source.asked, creds, say)
     opts = e2b.Options(template=source.asked, user=e2b.DEFAULT_USER)
     meta = {"template_build": f"{view.template}:{view.build_id}"}
     fields: dict[str, Any] = {**e2b.with_options(meta, opts), "timeout_s": BUILD_TTL_S}
-    if source.kind == "snapshot":
+    snapshot = layer or (source.name if source.kind == "snapshot" else None)
+    if snapshot is not None:
         made = CreateOptions(**fields)
     else:
         made = CreateOptions(image=source.name, vcpus=view.vcpus, memory_mib=view.memory_mib,
                              **fields)
     rec = await m.provision(made, prepare=functools.partial(e2b_user.add_user, m),
-                            snapshot_id=source.name if source.kind == "snapshot" else None)
+                            snapshot_id=snapshot)
     return rec.id
 
 
@@ -345,7 +348,8 @@ async def start_build(template_id: str, build_id: str, body: StartBuild,
     base = source.asked if source.kind == "registry" else source.name
     spec = BuildSpec(base=f"{source.kind}:{base}", steps=steps, state=state,
                      start=body.startCmd or None, ready=body.readyCmd or None,
-                     force=body.force or any(s.force for s in body.steps))
+                     force=body.force,
+                     fresh_from=next((i for i, s in enumerate(body.steps) if s.force), None))
     m.builds.start(template_id, build_id, spec,
                    functools.partial(_launch, m, source, view, creds))
     return Response(status_code=202)
