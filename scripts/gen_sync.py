@@ -24,7 +24,8 @@ ASYNC = ROOT / "src/hangar/client/_async"
 SYNC = ROOT / "src/hangar/client/_sync"
 FILES = ["client.py", "code.py", "desktop.py", "events.py", "files.py", "machines.py",
          "mixin.py", "monitor.py", "objects.py", "ports.py", "processes.py", "secrets.py",
-         "snapshots.py", "streams.py", "terminals.py", "volumes.py"]
+         "snapshots.py", "streams.py", "teams.py", "templates.py", "terminals.py",
+         "volumes.py"]
 REPLACEMENTS = {
     "_async": "_sync",
     "AsyncHangar": "Hangar",
@@ -42,6 +43,8 @@ REPLACEMENTS = {
     "AsyncPortCalls": "PortCalls",
     "AsyncTerminalCalls": "TerminalCalls",
     "AsyncEventCalls": "EventCalls",
+    "AsyncTemplateCalls": "TemplateCalls",
+    "AsyncTeamCalls": "TeamCalls",
     "AsyncProcesses": "Processes",
     "AsyncDesktop": "Desktop",
     "AsyncHealthMonitor": "HealthMonitor",

@@ -99,6 +99,32 @@ def test_cluster_never_imports_api() -> None:
     assert offending("hangar.cluster", ("hangar.api",)) == {}
 
 
+THE_SERVER = ("hangar.api", "hangar.core", "hangar.engines", "hangar.guest", "hangar.images",
+              "hangar.net", "hangar.cluster", "hangar.privileged", "hangar.server",
+              "hangar.roothelper")
+"""The server's packages: what ``pip install hangar`` (the SDK) does not need."""
+
+
+def test_the_sdk_imports_neither_the_cli_nor_the_server() -> None:
+    """``hangar.client`` is the SDK: the CLI and the agent tools import it, never the
+    reverse, and it runs without the server's packages."""
+    assert offending("hangar.client", ("hangar.cli", "hangar.tools") + THE_SERVER) == {}
+
+
+def test_what_the_sdk_and_the_cli_share_imports_neither() -> None:
+    """The Dockerfile build (``hangar.dockerfile``) and the COPY archives
+    (``hangar.build_archive``) sit under the SDK and the CLI, which both call them, and
+    import neither, nor the server (whose core checks the archives too)."""
+    bad: dict[str, list[str]] = {}
+    for module in ("dockerfile", "build_archive"):
+        path = SRC / "hangar" / f"{module}.py"
+        found = sorted(m for m in imports(path, SRC)
+                       if m.split(".")[:2] != ["hangar", "errors"] and m.startswith("hangar"))
+        if found:
+            bad[f"hangar.{module}"] = found
+    assert bad == {}
+
+
 BELOW_THE_HELPER = ("hangar.engines", "hangar.net", "hangar.images", "hangar.core",
                     "hangar.api", "hangar.cluster", "hangar.guest", "hangar.privileged")
 

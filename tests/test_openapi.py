@@ -116,5 +116,8 @@ def test_the_route_table_is_read_from_the_sdk() -> None:
 
 def test_every_sdk_call_names_an_operation_of_the_spec(file_spec: dict[str, Any]) -> None:
     spec_ops = operations(file_spec)
-    missing = {route: where for route, where in sdk_routes().items() if route not in spec_ops}
+    # /e2b/...: E2B's protocol (its template build flow, which build_template follows), whose
+    # spec is E2B's own published OpenAPI (docs/e2b.md), not Hangar's
+    missing = {route: where for route, where in sdk_routes().items()
+               if route not in spec_ops and not route[1].startswith("/e2b/")}
     assert not missing, f"the SDK calls routes that docs/openapi.json lacks: {missing}"

@@ -5,10 +5,14 @@ Two files in the data directory (see ``hangar.layout``), both 0600::
     api-key     the default key, plain text, one line. Generated on first
                 start; the CLI and the SDK on this host read it (so does
                 anything that reads "a file holding one key").
-    api-keys    named keys, one a line: ``NAME sha256:HEX CREATED``
-                (CREATED in Unix seconds); ``#`` starts a comment. Only the
-                SHA-256 of each key is kept, so the file grants nothing if it
-                leaks. Written by ``hangar key add|rm|rotate``.
+    api-keys    named keys, one a line: ``NAME sha256:HEX CREATED team=TEAM``
+                (CREATED in Unix seconds; ``team=TEAM`` only for a team's key,
+                so files written before teams parse unchanged); ``#`` starts a
+                comment. Only the SHA-256 of each key is kept, so the file
+                grants nothing if it leaks. Written by ``hangar key add|rm|rotate``.
+
+A key with a team acts for that team only (``hangar.teams``); a key without
+one, the default key and a cluster's shared keys are *operator* keys.
 
 A plain SHA-256 (no salt, no slow hash) is enough because every named key
 is random: 32 bytes (256 bits) made by ``generate``, or 20 bytes (160 bits)
@@ -79,6 +83,7 @@ from hangar.durable import atomic_write, read_small
 from hangar.errors import (
     ConfigError, Conflict, InvalidRequest, LimitExceeded, NotFound, Unauthorized,
 )
+from hangar.teams import NAME as TEAM_NAME, TeamStore, check_name as check_team_name
 
 log = logging.getLogger("hangar.keys")
 
@@ -89,7 +94,8 @@ MIN_LENGTH = 32
 MIN_DISTINCT = 8
 DEFAULT_NAME = "default"
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-_LINE = re.compile(r"^(\S+)\s+sha256:([0-9a-f]{64})(?:\s+(\d+(?:\.\d+)?))?$")
+_LINE = re.compile(r"^(\S+)\s+sha256:([0-9a-f]{64})(?:\s+(\d+(?:\.\d+)?))?"
+                   r"(?:\s+team=(\S+))?$")
 _HEADER_SAFE = re.compile(r"^[\x21-\x7e]+$")
 MAX_KEY_FILE_BYTES = 4096
 """Most bytes read from ``api-key`` (one key and its newline; more is refused)."""
@@ -137,15 +143,18 @@ def weakness(key: str) -> str | None:
 
 @dataclass(frozen=True)
 class NamedKey:
-    """One line of ``api-keys``: a name, the key's SHA-256 and when it was made (Unix s)."""
+    """One line of ``api-keys``: a name, the key's SHA-256, when it was made (Unix s) and
+    its team (None: an operator key)."""
 
     name: str
     digest: bytes
     created: float | None = None
+    team: str | None = None
 
     def line(self) -> str:
         created = f" {int(self.created)}" if self.created is not None else ""
-        return f"{self.name} sha256:{self.digest.hex()}{created}"
+        team = f" team={self.team}" if self.team is not None else ""
+        return f"{self.name} sha256:{self.digest.hex()}{created}{team}"
 
 
 def read_default(path: Path) -> str | None:
@@ -204,16 +213,17 @@ def parse_named(text: str, path: Path) -> tuple[list[NamedKey], list[str]]:
         if not line:
             continue
         m = _LINE.match(line)
-        if not m or not NAME.match(m.group(1)) or m.group(1) == DEFAULT_NAME:
-            problems.append(f"{path}:{n}: not a named key line (NAME sha256:HEX CREATED); "
-                            "named keys are written by `hangar key add NAME`")
+        if (not m or not NAME.match(m.group(1)) or m.group(1) == DEFAULT_NAME
+                or (m.group(4) is not None and not TEAM_NAME.fullmatch(m.group(4)))):
+            problems.append(f"{path}:{n}: not a named key line (NAME sha256:HEX CREATED "
+                            "[team=TEAM]); named keys are written by `hangar key add NAME`")
             continue
         if m.group(1) in seen:
             problems.append(f"{path}:{n}: the name {m.group(1)!r} appears twice")
             continue
         seen.add(m.group(1))
         keys.append(NamedKey(m.group(1), bytes.fromhex(m.group(2)),
-                             float(m.group(3)) if m.group(3) else None))
+                             float(m.group(3)) if m.group(3) else None, m.group(4)))
     return keys, problems
 
 
@@ -278,7 +288,8 @@ class KeyStore:
         return keys
 
     def _write_named(self, keys: list[NamedKey]) -> None:
-        header = ("# Hangar's named API keys: NAME sha256:HEX CREATED (Unix seconds).\n"
+        header = ("# Hangar's named API keys: NAME sha256:HEX CREATED [team=TEAM]\n"
+                  "# (CREATED in Unix seconds; no team: an operator key).\n"
                   "# Only hashes are kept. Change with `hangar key add|rm|rotate`.\n")
         write_private(self.named_file, header + "".join(k.line() + "\n" for k in keys))
 
@@ -288,39 +299,52 @@ class KeyStore:
             raise InvalidRequest(f"key name {name!r} must be 1-64 of a-z, 0-9, '.', '_', '-', "
                                  "starting with a letter or digit")
 
-    def entries(self) -> list[tuple[str, str, float | None, str]]:
-        """(name, fingerprint, created, where) of each key; the default key first if any."""
-        out: list[tuple[str, str, float | None, str]] = []
+    def entries(self) -> list[tuple[str, str, float | None, str, str | None]]:
+        """(name, fingerprint, created, where, team) of each key, the default key first if
+        any; team is None for an operator key (the default key is one)."""
+        out: list[tuple[str, str, float | None, str, str | None]] = []
         try:
             key = read_default(self.default_file)
         except ConfigError:
-            out.append((DEFAULT_NAME, "unsafe", None, str(self.default_file)))
+            out.append((DEFAULT_NAME, "unsafe", None, str(self.default_file), None))
         else:
             if key is not None:
                 created = self.default_file.stat().st_mtime
                 out.append((DEFAULT_NAME, fingerprint(digest(key)), created,
-                            str(self.default_file)))
+                            str(self.default_file), None))
         for k in self._named_strict():
-            out.append((k.name, fingerprint(k.digest), k.created, str(self.named_file)))
+            out.append((k.name, fingerprint(k.digest), k.created, str(self.named_file), k.team))
         return out
 
-    def add(self, name: str, e2b: bool = False) -> str:
-        """Make a key called ``name`` and return it (only its hash is stored); in E2B's
-        format (``generate_e2b``) when ``e2b``.
+    def team_keys(self, team: str) -> list[str]:
+        """Names of the named keys of ``team``, in file order (empty for an unknown team).
+        Raises ConfigError when ``api-keys`` holds a bad line."""
+        return [k.name for k in self._named_strict() if k.team == team]
 
-        Raises InvalidRequest (bad name) or Conflict (the name exists).
+    def add(self, name: str, e2b: bool = False, team: str | None = None) -> str:
+        """Make a key called ``name`` and return it (only its hash is stored); in E2B's
+        format (``generate_e2b``) when ``e2b``; acting for ``team`` when given (None: an
+        operator key).
+
+        Raises InvalidRequest (a bad key or team name), Conflict (the name exists) or
+        NotFound (no such team in ``<data>/teams.json``).
         """
         self.check_name(name)
+        if team is not None:
+            check_team_name(team)
         if name == DEFAULT_NAME:
             raise Conflict("'default' is the key in the api-key file; change it with "
                            "`hangar key rotate`")
         with locked(self.named_file.parent):
+            if team is not None and not TeamStore(self.named_file.parent / "teams.json") \
+                    .exists(team):
+                raise NotFound(f"no team {team!r}; `hangar team create {team}` makes one")
             keys = self._named_strict()
             if any(k.name == name for k in keys):
                 raise Conflict(f"a key called {name!r} exists; `hangar key rotate {name}` "
                                "replaces it")
             key = generate_e2b() if e2b else generate()
-            keys.append(NamedKey(name, digest(key), time.time()))
+            keys.append(NamedKey(name, digest(key), time.time(), team))
             self._write_named(keys)
         return key
 
@@ -337,7 +361,7 @@ class KeyStore:
 
     def rotate(self, name: str = DEFAULT_NAME, e2b: bool = False) -> str:
         """Give ``name`` a new key and return it (in E2B's format when ``e2b``); the old
-        one stops working at once."""
+        one stops working at once, and the new one keeps its team."""
         with locked(self.named_file.parent):
             key = generate_e2b() if e2b else generate()
             if name == DEFAULT_NAME:
@@ -346,8 +370,8 @@ class KeyStore:
             keys = self._named_strict()
             if not any(k.name == name for k in keys):
                 raise NotFound(f"no key called {name!r}; `hangar key add {name}` makes one")
-            self._write_named([NamedKey(name, digest(key), time.time()) if k.name == name else k
-                               for k in keys])
+            self._write_named([NamedKey(name, digest(key), time.time(), k.team)
+                               if k.name == name else k for k in keys])
         return key
 
 
@@ -379,6 +403,7 @@ def client_identity(scope: Any) -> str:
 class _Entry:
     name: str
     digest: bytes
+    team: str | None = None
 
 
 def _signature(path: Path) -> tuple[int, int, int, int] | None:
@@ -438,7 +463,7 @@ class KeyRing:
                               "and add keys again with `hangar key add NAME`")
         self._seen = self._signatures()
         self._entries = (_Entry(DEFAULT_NAME, digest(default)),
-                         *(_Entry(k.name, k.digest) for k in named))
+                         *(_Entry(k.name, k.digest, k.team) for k in named))
 
     def _signatures(self) -> tuple[object, object]:
         default = None if self.env_key is not None else _signature(self.default_file)
@@ -464,7 +489,7 @@ class KeyRing:
         named, problems = read_named(self.named_file)
         for problem in problems:
             log.error("named API key ignored", extra={"reason": problem})
-        entries += [_Entry(k.name, k.digest) for k in named]
+        entries += [_Entry(k.name, k.digest, k.team) for k in named]
         self._entries = tuple(entries)
         log.info("API keys reloaded", extra={"names": ",".join(e.name for e in entries)})
 
@@ -478,6 +503,15 @@ class KeyRing:
             if hmac.compare_digest(d, entry.digest):
                 found = entry.name
         return found
+
+    def team_of(self, name: str) -> str | None:
+        """The team key ``name`` (from ``match``) acts for; None for an operator key (the
+        default key, a named key without a team, a cluster's shared keys) or an unknown
+        name. Named keys come before shared ones, as in ``match``."""
+        for entry in self._entries:
+            if entry.name == name:
+                return entry.team
+        return None
 
     def names(self) -> list[str]:
         return [e.name for e in (*self._entries, *self._shared)]

@@ -36,7 +36,7 @@ from fastapi import Depends, FastAPI
 from hangar import __version__
 from hangar.api import (
     code, desktop, e2b, errors, events, files, health, machines, network, pool, ports, processes,
-    pty, sandboxes, secrets, snapshots, tunnel, vnc, volumes, web,
+    pty, sandboxes, secrets, snapshots, teams, tunnel, vnc, volumes, web,
 )
 from hangar.api.auth import KeyRing, Throttle, require_key
 from hangar.api.e2b_hosts import E2bHosts
@@ -97,6 +97,7 @@ def create_app(settings: Settings | None = None, *, keys: KeyRing | None = None,
     app.include_router(snapshots.router, dependencies=keyed)
     app.include_router(volumes.router, dependencies=keyed)
     app.include_router(secrets.router, dependencies=keyed)
+    app.include_router(teams.router, dependencies=keyed)
     app.include_router(machines.listing, dependencies=keyed)
     app.include_router(machines.router, dependencies=keyed)
     app.include_router(pool.router, dependencies=keyed)

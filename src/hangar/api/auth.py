@@ -20,6 +20,8 @@ from __future__ import annotations
 from fastapi import Request, Security
 from fastapi.security import APIKeyHeader
 
+from hangar.api.team_gate import check_route, team_of
+from hangar.core.service import act_as
 from hangar.keys import (
     BURST, MAX_ADDRESSES, REFILL_S, KeyRing, Throttle, authenticate, client_identity,
 )
@@ -34,13 +36,17 @@ HEADER = APIKeyHeader(name="X-API-Key", auto_error=False,
 
 async def require_key(request: Request, given: str | None = Security(HEADER)) -> None:
     """FastAPI dependency: 401 unless the request carries a key the server accepts
-    (see ``authenticate``). Sets ``request.state.key_name`` to the key's name.
+    (see ``authenticate``). Sets ``request.state.key_name`` to the key's name and
+    ``request.state.team`` to its team; a team's key then reaches only the routes
+    ``hangar.api.team_gate`` lets it (403) and its own sandboxes (404).
 
     The front door (``hangar.api.frontdoor``) has checked the key already, before the
     body was read, and left its name in the request's state: then nothing is checked
     twice. Without the front door (an app assembled otherwise) the key is checked here.
     Runs on the event loop (two ``stat`` calls and a hash), not in a worker thread."""
-    if getattr(request.state, "key_name", None) is not None:
-        return
-    request.state.key_name = authenticate(request.app.state, given,
-                                          client_identity(request.scope))
+    if getattr(request.state, "key_name", None) is None:
+        request.state.key_name = authenticate(request.app.state, given,
+                                              client_identity(request.scope))
+        request.state.team = team_of(request.app.state, request.state.key_name)
+        act_as(request.state.team)  # this request's task only
+    check_route(request.scope, getattr(request.state, "team", None))

@@ -56,6 +56,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hangar.api.errors import render_error, retry_after_header, send_error
 from hangar.api.proxy.routing import route as port_route
 from hangar.api.envd.versions import PREFIX as ENVD_PREFIX
+from hangar.api.team_gate import team_of
+from hangar.core.service import acting_for
 from hangar.errors import HangarError
 from hangar.keys import authenticate, client_identity
 
@@ -137,8 +139,10 @@ class FrontDoor:
         except HangarError as exc:
             await self._refuse(scope, receive, send, exc)
             return
-        scope.setdefault("state", {})["key_name"] = name
-        await self.app(scope, receive, send)
+        team = team_of(state, name)
+        scope.setdefault("state", {}).update(key_name=name, team=team)
+        with acting_for(team):  # core scopes what this request sees (hangar.core.teams)
+            await self.app(scope, receive, send)
 
     @staticmethod
     async def _refuse(scope: Scope, receive: Receive, send: Send, exc: HangarError) -> None:

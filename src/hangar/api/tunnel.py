@@ -35,9 +35,10 @@ from contextlib import AsyncExitStack
 from fastapi import APIRouter, WebSocket
 
 from hangar.api.auth import authenticate
+from hangar.api.team_gate import check_route, team_of
 from hangar.api.tickets import deny, deny_error
 from hangar.api.wspump import Traffic, pump_stream
-from hangar.core.service import NoListener, SandboxManager
+from hangar.core.service import NoListener, SandboxManager, act_as
 from hangar.errors import HangarError
 from hangar.schemas.bounds import PORT_MAX, PORT_MIN
 
@@ -50,8 +51,11 @@ router = APIRouter(prefix="/sandboxes", tags=["sandboxes"])
 async def tunnel(ws: WebSocket, sandbox_id: str, port: int) -> None:
     """Carry bytes between the WebSocket and ``127.0.0.1:port`` in the guest."""
     try:
-        authenticate(ws.app.state, ws.headers.get("x-api-key"),
-                     ws.client.host if ws.client else "unknown")
+        name = authenticate(ws.app.state, ws.headers.get("x-api-key"),
+                            ws.client.host if ws.client else "unknown")
+        team = team_of(ws.app.state, name)
+        act_as(team)  # this connection's task: core scopes what it reaches
+        check_route(ws.scope, team)
     except HangarError as e:
         await deny_error(ws, e)
         return

@@ -12,6 +12,7 @@
     mcp          ``hangar mcp``: the agent tools over MCP
     serve        ``hangar serve``; status: ``hangar status``
     key          ``hangar key``: the server's API keys on this host's disk
+    team         ``hangar team``: teams and their limits, through the SDK
     template     ``hangar template``: users' own guest images
     cluster      ``hangar cluster`` and ``hangar node``: etcd, cluster nodes
     ops          ``hangar deploy nginx`` and ``hangar backup``

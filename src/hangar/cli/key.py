@@ -4,6 +4,10 @@ These commands edit ``<data>/api-key`` and ``<data>/api-keys`` directly (see
 ``hangar.keys``); a running server notices the change on its next request,
 with no restart. ``add`` and ``rotate`` print the new key once on stdout
 (``KEY=$(hangar key add ci)``); only its SHA-256 is stored for a named key.
+``add --team TEAM`` makes a key that acts for that team only (the team must
+exist: ``hangar team create``); without ``--team`` a key is an operator key,
+which ``ls`` shows as ``-`` in its team column (a team's name never is ``-``, while
+a team may be called ``operator``).
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ def _fail(exc: HangarError | OSError) -> None:
         err.print(f"[red]error:[/red] cannot change{where}: {exc.strerror}; run this as the "
                   "owner of the data directory (usually root)")
     else:
-        err.print(f"[red]error:[/red] {exc.message}")
+        from rich.markup import escape
+
+        err.print(f"[red]error:[/red] {escape(exc.message)}", highlight=False)
     raise typer.Exit(1)
 
 
@@ -54,17 +60,25 @@ E2B = Annotated[bool, typer.Option(
                   "written for E2B's SDKs (E2B_API_KEY).")]
 
 
+OPERATOR = "-"
+"""What ``ls`` shows in the team column of an operator key (no team): not a team name."""
+
+
 @app.command("add")
 def add(name: Annotated[str, typer.Argument(help="A name for the key, e.g. ci or alice.")],
+        team: Annotated[Optional[str], typer.Option(
+            help="The team the key acts for (see `hangar team`); without it, an operator "
+                 "key, which sees everything.")] = None,
         e2b: E2B = False, data_dir: DataDir = None) -> None:
     """Make a named key and print it (shown once; only its hash is kept)."""
     store = _store(data_dir)
     try:
-        key = store.add(name, e2b=e2b)
+        key = store.add(name, e2b=e2b, team=team)
     except (HangarError, OSError) as exc:
         _fail(exc)
     print(key)
-    err.print(f"key {name!r} added to {store.named_file}; it is shown only now")
+    who = f"of team {team!r}" if team is not None else "(an operator key)"
+    err.print(f"key {name!r} {who} added to {store.named_file}; it is shown only now")
 
 
 @app.command("rm")
@@ -94,14 +108,15 @@ def rotate(name: Annotated[str, typer.Argument(help="The key to replace.")] = "d
 
 @app.command("ls")
 def ls(data_dir: DataDir = None) -> None:
-    """List the keys: name, fingerprint (never the key), creation time and file."""
+    """List the keys: name, team (``-`` for an operator key), fingerprint (never
+    the key), creation time and file."""
     store = _store(data_dir)
     try:
         entries = store.entries()
     except (HangarError, OSError) as exc:
         _fail(exc)
-    table = Table("name", "fingerprint", "created", "file")
-    for name, fp, created, where in entries:
+    table = Table("name", "team", "fingerprint", "created", "file")
+    for name, fp, created, where, team in entries:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(created)) if created else ""
-        table.add_row(name, fp, when, where)
+        table.add_row(name, team or OPERATOR, fp, when, where)
     out.print(table)

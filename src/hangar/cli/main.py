@@ -9,7 +9,7 @@ Client side (talks to a server at ``HANGAR_URL`` with ``HANGAR_API_KEY`` or
 the key file), through the public SDK (``hangar.client``) only: ``create``,
 ``ls``, ``exec``, ``shell``, ``rm``, ``ttl``, ``events`` (``sandbox``),
 ``status``, ``files``, ``snapshot``, ``volume``, ``machine``, ``desktop``, ``port``
-(``ports``).
+(``ports``), ``team`` (operator key only).
 Errors print one line and exit 1; ``exec`` exits with the command's code.
 """
 
@@ -25,6 +25,7 @@ from hangar.cli.key import app as key_app
 from hangar.cli.mcp import mcp
 from hangar.cli.serve import serve
 from hangar.cli.status import status
+from hangar.cli.team import app as team_app
 from hangar.cli.template import app as template_app
 
 app = typer.Typer(help="Hangar: microVM sandboxes for AI agents.", no_args_is_help=True,
@@ -57,6 +58,7 @@ app.add_typer(desktop.app, name="desktop")
 app.add_typer(ports.app, name="port")
 app.add_typer(bench_app, name="bench")
 app.add_typer(key_app, name="key")
+app.add_typer(team_app, name="team")
 app.add_typer(template_app, name="template")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(node_app, name="node")

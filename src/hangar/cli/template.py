@@ -1,5 +1,6 @@
 """``hangar template build|import|ls|rm``: users' own guest images, built on this host
-(a TOML file) or by the server (a Dockerfile: ``hangar.cli.dockerfile``).
+(a TOML file) or by the server (a Dockerfile: the SDK's ``build_template``, whose
+parsing and requests are ``hangar.dockerfile``'s).
 
 Like ``hangar image build`` these work on the data directory's image cache
 (``hangar.images.template_builder``); a running server sees a new template
@@ -94,7 +95,7 @@ def build(
     if (file is None) == (dockerfile is None):
         fail(HangarError("give a template file (-f) or a Dockerfile (-d NAME)"))
     if dockerfile is not None:
-        _build_dockerfile(dockerfile, name, context or dockerfile.resolve().parent, force)
+        _build_dockerfile(dockerfile, name, context, force)
         return
     from hangar.images.template_file import load_template
 
@@ -106,41 +107,27 @@ def build(
     _build(_layout(data_dir), template, force, snapshot)
 
 
-def _build_dockerfile(path: Path, name: str | None, context: Path, force: bool) -> None:
-    """A Dockerfile's template, built by the server, its log printed as it comes."""
-    import httpx
-
+def _build_dockerfile(path: Path, name: str | None, context: Path | None,
+                      force: bool) -> None:
+    """A Dockerfile's template, built by the server through the SDK's ``build_template``
+    (``hangar.dockerfile``), its log printed as it comes."""
     from hangar.cli.common import sdk
-    from hangar.cli.dockerfile import build as remote_build, parse
+    from hangar.dockerfile import BuildLog
 
     if not name:
         fail(HangarError("give the template's NAME after the Dockerfile"))
-    try:
-        plan = parse(path.read_text())
-    except OSError as exc:
-        fail(HangarError(f"{path}: {exc.strerror}"))
-    except HangarError as exc:
-        fail(exc)
-    for skipped in plan.skipped:
-        err.print(f"[yellow]skipped[/yellow] {escape(skipped)}")
-    with sdk() as h:  # the server's URL and key, as every command finds them
-        base_url, api_key = h.config.base_url, h.config.api_key
     t0 = time.monotonic()
 
-    def say(level: str, text: str) -> None:
-        style = "red" if level == "error" else "dim"
-        err.print(f"[dim]{time.monotonic() - t0:6.1f} s[/dim]  [{style}]{escape(text)}[/{style}]",
-                  highlight=False)
+    def say(line: BuildLog) -> None:
+        style = {"error": "red", "warn": "yellow"}.get(line.level, "dim")
+        err.print(f"[dim]{time.monotonic() - t0:6.1f} s[/dim]  "
+                  f"[{style}]{escape(line.message)}[/{style}]", highlight=False)
 
-    try:
-        with httpx.Client(base_url=base_url, timeout=120,
-                          headers={"X-API-Key": api_key or ""}) as http:
-            build_id = remote_build(http, plan, name, context, force=force, say=say)
-    except (HangarError, httpx.HTTPError, TimeoutError) as exc:
-        fail(exc if isinstance(exc, HangarError) else HangarError(str(exc)))
-    err.print(f"[green]✓[/green] template {name}: build {build_id} "
-              f"({time.monotonic() - t0:.1f} s)")
-    out.print(f"{name} {build_id}")
+    with sdk() as h:  # the server's URL and key, as every command finds them
+        done = h.build_template(name, path, context=context, force=force, on_log=say)
+    err.print(f"[green]✓[/green] template {name}: build {done.build_id} "
+              f"({done.seconds:.1f} s)")
+    out.print(f"{name} {done.build_id}")
 
 
 @app.command("import")

@@ -39,11 +39,13 @@ from hangar.client._sync.streams import FileWatch, Terminal
 from hangar.client.execution import (
     CodeContext, Execution, ExecutionError, Logs, OutputMessage, Result,
 )
+from hangar.dockerfile import BuildLog, DockerfileError, TemplateBuild
 from hangar.schemas import (
     ActionResult, DisplayInfo, Event, ExecResult, ExecStreamEvent, FileEntry, FileEvent, Health,
     KeyResult, MachineInfo, NetworkRules, PoolStatus, PortInfo, ProcessEvent, ProcessInfo, PtySession,
     PtyTicket, SandboxInfo, Snapshot, VncTicket, WriteResult,
 )
+from hangar.schemas import TeamInfo, TeamUsage
 
 __all__ = [
     "Hangar", "AsyncHangar", "Sandbox", "AsyncSandbox", "Machine", "AsyncMachine", "Files",
@@ -55,4 +57,6 @@ __all__ = [
     "FileEvent", "Health", "KeyResult", "MachineInfo", "NetworkRules", "PoolStatus", "PortInfo",
     "ProcessEvent", "ProcessInfo", "PtySession",
     "PtyTicket", "SandboxInfo", "Snapshot", "VncTicket", "WriteResult",
+    "BuildLog", "DockerfileError", "TemplateBuild",
+    "TeamInfo", "TeamUsage",
 ]

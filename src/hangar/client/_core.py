@@ -150,11 +150,16 @@ def new_idempotency_key() -> str:
 
 
 def error_for(resp: httpx.Response) -> HangarError:
-    """The ``hangar.errors`` instance matching an error response (status >= 400)."""
+    """The ``hangar.errors`` instance matching an error response (status >= 400): Hangar's
+    ``{"error": {"code", "message", ...}}``, or the ``{"code": <status>, "message"}`` of
+    the ``/e2b`` routes (its class then follows the status)."""
     try:
-        err = resp.json().get("error", {})
+        body = resp.json()
+        err = body.get("error", {})
         if not isinstance(err, dict):
             err = {}
+        if not err and isinstance(body.get("message"), str):  # E2B's shape
+            err = {"message": body["message"]}
     except (ValueError, AttributeError):
         err = {}
     code = str(err.get("code", ""))

@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hangar.config import Settings
 from hangar.core.context import Context
@@ -33,6 +33,9 @@ from hangar.core.lifecycle import OnExpiry, State
 from hangar.core.store import SandboxRecord
 from hangar.errors import InvalidRequest, LimitExceeded
 from hangar.images import RECIPES, GuestImage
+
+if TYPE_CHECKING:
+    from hangar.core.teams import Teams
 
 RETRY_AFTER_S = 5.0
 """What a refused create is told to wait, seconds."""
@@ -104,6 +107,9 @@ class CreateOptions:
     """Named volumes by guest path (``hangar.core.volumes.parse_request``), or None."""
     secrets: dict[str, str] | None = None
     """Vault secrets by environment variable (``hangar.core.secrets``), or None."""
+    team: str | None = None
+    """The team it is made for (``hangar.core.teams``: the verbs set it from the acting
+    team), or None: the operator's."""
 
 
 def new_id(prefix: str = "sb-") -> str:
@@ -167,6 +173,8 @@ class Admission:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self._lock = asyncio.Lock()
+        self.teams: Teams | None = None
+        """Team quotas (``hangar.core.teams``), set by the manager."""
 
     def room(self) -> int:
         """How many more VMMs may start now."""
@@ -182,7 +190,12 @@ class Admission:
         """Guest memory of every record that may hold a VMM (pooled ones too), MiB."""
         return sum(r.memory_mib for r in self.ctx.store.with_vmm())
 
-    def _refusal(self, memory_mib: int | None) -> LimitExceeded | None:
+    def _refusal(self, memory_mib: int | None, rec: SandboxRecord | None = None
+                 ) -> LimitExceeded | None:
+        if rec is not None and rec.team is not None and self.teams is not None:
+            refused = self.teams.refusal(rec)
+            if refused is not None:
+                return refused
         if self.room() <= 0:
             cap = self.ctx.settings.max_sandboxes
             return LimitExceeded(f"at most {cap} sandboxes may run at once",
@@ -198,17 +211,18 @@ class Admission:
         return None
 
     @asynccontextmanager
-    async def slot(self, create: bool = True, memory_mib: int | None = None
-                   ) -> AsyncIterator[None]:
-        """Hold admission while writing the record of one more VMM of ``memory_mib`` MiB.
+    async def slot(self, create: bool = True, memory_mib: int | None = None,
+                   rec: SandboxRecord | None = None) -> AsyncIterator[None]:
+        """Hold admission while writing the record of one more VMM of ``memory_mib`` MiB
+        (``rec``'s, whose team's quotas are checked too: ``hangar.core.teams``).
 
         Raises LimitExceeded (retryable after ``RETRY_AFTER_S``) when the cap on
-        VMMs is reached or the memory budget has no room for ``memory_mib``; a
-        refused ``create`` is counted as such in the metrics. The caller must
-        write its record before leaving the block.
+        VMMs is reached, the memory budget has no room for ``memory_mib``, or the
+        record's team would pass a limit; a refused ``create`` is counted as such in
+        the metrics. The caller must write its record before leaving the block.
         """
         async with self._lock:
-            refusal = self._refusal(memory_mib)
+            refusal = self._refusal(memory_mib, rec)
             if refusal is not None:
                 if create:
                     self.ctx.metrics.creates.labels("limited").inc()
@@ -286,6 +300,7 @@ class Admission:
             metadata_=metadata, desktop=opts.desktop, network=network,
             user_id=opts.user_id, idle_timeout_s=opts.idle_timeout_s or None,
             e2b=dict(opts.e2b) if opts.e2b is not None else None, pooled=False,
+            team=opts.team,
             on_expiry=opts.on_expiry, auto_resume=opts.auto_resume, ttl_s=ttl or None,
             sleep_memory=opts.sleep_memory,
         )

@@ -24,7 +24,7 @@ from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
 from hangar.core.pool import WarmPool
 from hangar.core.store import SandboxRecord
-from hangar.errors import Conflict, HangarError, InvalidRequest
+from hangar.errors import Conflict, Forbidden, HangarError, InvalidRequest
 from hangar.images import GuestImage, resolve_image
 
 log = logging.getLogger("hangar.sandboxes")
@@ -57,6 +57,10 @@ class Creation:
         image = resolve_image(self.ctx.layout, opts.image or self.ctx.settings.default_image)
         if opts.desktop:
             check_desktop(opts.desktop, image)
+        if opts.team is not None and (opts.volumes or opts.secrets):
+            raise Forbidden("a team's key cannot mount volumes or take vault secrets yet: "
+                            "they are not scoped to teams (the operator's key can)",
+                            team=opts.team)
         network = self.launcher.policy(opts.network)
         volumes = self.launcher.volumes
         volumes.plan("-", opts.volumes)  # a bad request is a 4xx before anything else
@@ -66,13 +70,13 @@ class Creation:
                                  "puts them in its requests); give it network 'internet' or "
                                  "'open'")
         sid = placement.sandbox_id if placement is not None else None
-        if sid is None and not wanted and self.pool is not None \
+        if sid is None and not wanted and self.pool is not None and opts.team is None \
                 and self.pool.fits(opts, image):
             rec = await self._from_pool(opts, image, started)
             if rec is not None:
                 return rec
         rec = self.admission.new_record(sid or new_id(), State.CREATING, image, opts, network)
-        async with self.admission.slot(memory_mib=rec.memory_mib):
+        async with self.admission.slot(memory_mib=rec.memory_mib, rec=rec):
             # checked and written in one step of the event loop: two creates cannot
             # both take a volume's one writer's place (hangar.core.volumes)
             self.ctx.store.add(rec, *volumes.plan(rec.id, opts.volumes))

@@ -66,7 +66,8 @@ from hangar.core.admission import default_size
 from hangar.core.commands import Command
 from hangar.core.lifecycle import State
 from hangar.core.ports import Exposure
-from hangar.core.store import SandboxRecord, SnapshotRecord
+from hangar.core.store import SandboxRecord
+from hangar.core.teams import acting
 from hangar.errors import (
     Forbidden, GuestError, HangarError, InvalidRequest, NotFound, Unauthorized,
 )
@@ -345,15 +346,14 @@ def resolve(manager: SandboxManager, template_id: str) -> Source:
     if not asked or "/" in asked or asked.startswith("."):
         raise InvalidRequest(f"bad template name {template_id!r}", template=template_id)
     name = _untagged(asked)
-    try:
-        snap: SnapshotRecord = manager.get_snapshot(name)
-        return Source("snapshot", snap.id, asked)
-    except NotFound:
-        pass
-    try:  # a snapshot's name: its newest snapshot
-        return Source("snapshot", manager.named_snapshot(name).id, asked)
-    except NotFound:
-        pass
+    # a team's key starts from images and built templates only: snapshots are not scoped
+    # to teams yet (hangar.core.teams), so another's is never a team's template
+    for find in (() if acting() is not None else (manager.get_snapshot,
+                                                   manager.named_snapshot)):
+        try:  # a snapshot's id, or its name: its newest snapshot
+            return Source("snapshot", find(name).id, asked)
+        except NotFound:
+            pass
     local = TEMPLATE_ALIASES.get(name, name)
     try:
         resolve_image(manager.layout, local)

@@ -73,6 +73,8 @@ class SandboxRecord(Base):
     """Idle seconds before it sleeps (machines), or None: never for idleness."""
     pooled: Mapped[bool | None] = mapped_column(Boolean, nullable=True, default=False)
     """True while it is a warm-pool VM nobody has claimed (``hangar.core.pool``)."""
+    team: Mapped[str | None] = mapped_column(String(64), nullable=True, default=None)
+    """The team whose key made it (``hangar.core.teams``), or None: the operator's."""
     e2b: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True, default=None)
     """E2B's options of a sandbox made through ``/e2b`` (``hangar.core.e2b.Options``), or None."""
     on_expiry: Mapped[OnExpiry | None] = mapped_column(_expiry_column(), nullable=True,

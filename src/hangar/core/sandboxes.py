@@ -75,6 +75,7 @@ from hangar.core.events import EventBus
 from hangar.core.guestcalls import GuestCalls
 from hangar.core.builds import Builds
 from hangar.core.pulls import ImagePulls
+from hangar.core.teams import Teams, acting
 from hangar.core.processes import Processes
 from hangar.core.handover import Adoptee, Handover, Placement, SharedSnapshot
 from hangar.core.hooks import Hooks
@@ -111,6 +112,12 @@ PURGE_EVERY_S = 60.0
 __all__ = ["CreateOptions", "SandboxManager", "new_id", "renet_meta"]
 
 
+def _for_team(opts: CreateOptions) -> CreateOptions:
+    """``opts`` made for the acting team when it names none (``core.teams``)."""
+    team = acting()
+    return replace(opts, team=team) if team is not None and opts.team is None else opts
+
+
 class SandboxManager:
     """Creates, tracks, snapshots and removes sandboxes. One per server process.
 
@@ -119,7 +126,7 @@ class SandboxManager:
     (``launcher``, ``calls``, ``store``, ``registry``...) is core's own."""
 
     SURFACES = ("files", "ports", "processes", "terminals", "desktop", "volumes", "secrets",
-                "network", "code", "builds", "pulls", "settings", "events")
+                "network", "code", "builds", "pulls", "teams", "settings", "events")
     """Attributes that are sub-surfaces: outside core, ``m.<surface>.<verb>`` is allowed
     for their public verbs (``settings`` and ``events`` are the server's settings and
     event bus, shared as they are)."""
@@ -149,6 +156,9 @@ class SandboxManager:
                                  self.registry, hooks or Hooks())
         store.on_transition(lambda rec, frm, to: announce(ctx, rec, frm, to))
         self.admission = Admission(ctx)
+        self.teams = Teams(ctx)
+        """Teams, their quotas and who sees what (``core.teams``)."""
+        self.admission.teams = self.teams
         self.launcher = Launcher(ctx, secret_key)
         self.removal = Removal(ctx, self.launcher)
         targets = templates(settings)
@@ -298,8 +308,9 @@ class SandboxManager:
         return await self.engine.memory(rt.vm)
 
     def list(self) -> list[SandboxView]:
-        """Sandboxes that exist or failed (not deleted, expired or pooled), oldest first."""
-        return [SandboxView.of(r) for r in self.store.visible()]
+        """Sandboxes that exist or failed (not deleted, expired or pooled), oldest first:
+        the acting team's only, when a team acts (``core.teams``)."""
+        return [SandboxView.of(r) for r in self.store.visible() if Teams.visible(r)]
 
     def ids(self) -> list[str]:
         """Ids of the sandboxes ``list`` returns, oldest first, without reading their
@@ -353,8 +364,9 @@ class SandboxManager:
 
     async def create(self, opts: CreateOptions,
                      placement: Placement | None = None) -> SandboxView:
-        """See ``Creation.create``; ``placement``: the id a cluster claimed for it."""
-        return SandboxView.of(await self.creation.create(opts, placement))
+        """See ``Creation.create``; ``placement``: the id a cluster claimed for it. Made
+        for the acting team (``core.teams``) unless ``opts`` names one."""
+        return SandboxView.of(await self.creation.create(_for_team(opts), placement))
 
     async def provision(self, opts: CreateOptions, *, snapshot_id: str | None = None,
                         prepare: Callable[[str], Awaitable[object]] | None = None
@@ -403,8 +415,10 @@ class SandboxManager:
 
     async def fork(self, snapshot_id: str, opts: CreateOptions,
                    placement: Placement | None = None) -> SandboxView:
-        """See ``Snapshots.fork``; ``placement``: the id a cluster claimed for it."""
-        return SandboxView.of(await self.snapshots.fork(snapshot_id, opts, placement))
+        """See ``Snapshots.fork``; ``placement``: the id a cluster claimed for it. Made
+        for the acting team (``core.teams``) unless ``opts`` names one."""
+        return SandboxView.of(await self.snapshots.fork(snapshot_id, _for_team(opts),
+                                                        placement))
 
     async def adopt(self, adoptee: Adoptee) -> SandboxView:
         """Take over a sleeping sandbox from another node. See ``Handover.adopt``."""

@@ -21,6 +21,7 @@ only through:
   ``code``        the code interpreter (``core.surfaces``)
   ``builds``      template builds in build sandboxes (``core.builds``)
   ``pulls``       a registry's images pulled as images, for builds (``core.pulls``)
+  ``teams``       teams, their quotas and use; who sees which sandbox (``core.teams``)
   ==============  =============================================================
 
 * the frozen views it answers with instead of the store's rows
@@ -45,6 +46,7 @@ from hangar.core.admission import CreateOptions, new_id
 from hangar.core.build_steps import Copy, Env, Run, Step, User, Workdir
 from hangar.core.build_steps import State as BuildState
 from hangar.core.pulls import Credentials, ImagePulls
+from hangar.core.teams import Teams, TeamView, Usage, act_as, acting_for
 from hangar.core.build_uploads import UPLOAD_MAX
 from hangar.core.builds import Builds, BuildSpec, BuildView, BuiltSource, LogLine
 from hangar.core.commands import (
@@ -87,7 +89,7 @@ MachineView = Machine
 SURFACE_TYPES: dict[str, type] = {
     "files": FilesFace, "ports": Ports, "processes": Processes, "terminals": Terminals, "desktop": Desktop,
     "volumes": VolumesFace, "secrets": SecretsFace, "network": NetworkFace, "code": CodeFace,
-    "builds": Builds, "pulls": ImagePulls,
+    "builds": Builds, "pulls": ImagePulls, "teams": Teams,
     "settings": Settings, "events": EventBus,
 }
 """The type of each sub-surface of ``SandboxService.SURFACES``: outside core, ``m.<name>``
@@ -100,7 +102,7 @@ __all__ = [
     # the services and their sub-surfaces
     "SandboxService", "SandboxManager", "MachineService", "MachineManager", "CodeFace",
     "FilesFace", "NetworkFace", "SecretsFace", "VolumesFace", "Desktop", "Builds",
-    "ImagePulls", "Credentials",
+    "ImagePulls", "Credentials", "Teams", "TeamView", "Usage", "acting_for", "act_as",
     "SURFACE_TYPES", "e2b",
     "e2b_user",
     # views

@@ -286,7 +286,7 @@ class Sleeper:
             if snap is None:
                 raise Conflict(f"sandbox {sandbox_id} lost its sleep snapshot",
                                sandbox_id=sandbox_id)
-            async with self.admission.slot(create=False, memory_mib=rec.memory_mib):
+            async with self.admission.slot(create=False, memory_mib=rec.memory_mib, rec=rec):
                 await ctx.hooks.claim(SandboxView.of(rec))  # a cluster: owner and slot, or refused
                 try:
                     rec = ctx.store.transition(sandbox_id, State.SLEEPING, State.WAKING,

@@ -207,7 +207,8 @@ class Snapshots:
                                      restore_from=snapshot_id)
                 await self.launcher.stop(sandbox_id)
             elif rec.state == State.FAILED:
-                async with self.admission.slot(create=False, memory_mib=rec.memory_mib):
+                async with self.admission.slot(create=False, memory_mib=rec.memory_mib,
+                                               rec=rec):
                     ctx.store.transition(sandbox_id, State.FAILED, State.RESTORING,
                                          restore_from=snapshot_id, error=None,
                                          desired_state=State.RUNNING)
@@ -276,9 +277,10 @@ class Snapshots:
             placement.sandbox_id if placement is not None else new_id(), State.CREATING, image,
             CreateOptions(timeout_s=opts.timeout_s, metadata=opts.metadata,
                           desktop=snap.desktop, e2b=opts.e2b, on_expiry=opts.on_expiry,
-                          auto_resume=opts.auto_resume, sleep_memory=opts.sleep_memory),
+                          auto_resume=opts.auto_resume, sleep_memory=opts.sleep_memory,
+                          team=opts.team),
             self.launcher.policy(snap.network or "none"), snap.vcpus, snap.memory_mib, snap.disk_mib)
-        async with self.admission.slot(memory_mib=rec.memory_mib):
+        async with self.admission.slot(memory_mib=rec.memory_mib, rec=rec):
             ctx.store.add(rec)
         try:
             self.launcher.vault.copy(snapshot_id, rec.id)  # the placeholders its guest holds

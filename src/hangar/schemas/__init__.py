@@ -45,12 +45,16 @@ from hangar.schemas.volumes import (
     VolumeFsck, VolumeList, VolumeMount,
 )
 from hangar.schemas.secrets import CreateSecret, RotateSecret, SecretInfo, SecretList
+from hangar.schemas.teams import (
+    CreateTeam, LIMIT_NAMES, TeamInfo, TeamLimits, TeamList, TeamUsage, UpdateTeam,
+)
 from hangar.schemas.sandboxes import (
     CreateSandbox, Health, PoolStatus, SandboxInfo, SandboxList, SandboxMemory, SetTimeout,
 )
 
 __all__ = [
     "CreateSecret", "RotateSecret", "SecretInfo", "SecretList",
+    "CreateTeam", "LIMIT_NAMES", "TeamInfo", "TeamLimits", "TeamList", "TeamUsage", "UpdateTeam",
     "NetworkRules", "NetworkRulesUpdate",
     "CreateVolume", "MountedVolume", "ResizeVolume", "VolumeAttachment", "VolumeFileEntry", "VolumeFileList",
     "VolumeFsck", "VolumeInfo", "VolumeList", "VolumeMount",

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 sleep = asyncio.sleep
 
@@ -67,3 +70,15 @@ async def ws_recv(ws: Any, timeout: float | None) -> str | bytes:
         return msg
     msg = await asyncio.wait_for(ws.recv(), timeout)
     return msg
+
+
+async def run_blocking(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread, so the loop is not held (a build's archive)."""
+    return await asyncio.to_thread(fn, *args)
+
+
+async def file_chunks(path: Path, size: int = 1 << 20) -> AsyncIterator[bytes]:
+    """The bytes of the file at ``path``, ``size`` at a time, each read in a thread."""
+    with open(path, "rb") as f:
+        while chunk := await asyncio.to_thread(f.read, size):
+            yield chunk

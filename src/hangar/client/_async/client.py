@@ -28,6 +28,8 @@ from hangar.client._async.ports import AsyncPortCalls
 from hangar.client._async.processes import AsyncProcessCalls
 from hangar.client._async.secrets import AsyncSecretCalls
 from hangar.client._async.snapshots import AsyncSnapshotCalls
+from hangar.client._async.teams import AsyncTeamCalls
+from hangar.client._async.templates import AsyncTemplateCalls
 from hangar.client._async.terminals import AsyncTerminalCalls
 from hangar.client._async.volumes import AsyncVolumeCalls
 from hangar.client._core import RetryPolicy, Timeouts
@@ -41,7 +43,8 @@ __all__ = ["AsyncHangar", "Button", "Direction", "OutputHandler"]
 class AsyncHangar(
         AsyncMachineCalls, AsyncDesktopCalls, AsyncCodeCalls, AsyncProcessCalls,
         AsyncVolumeCalls, AsyncSecretCalls, AsyncFileCalls, AsyncSnapshotCalls,
-        AsyncPortCalls, AsyncTerminalCalls, AsyncEventCalls):
+        AsyncPortCalls, AsyncTerminalCalls, AsyncEventCalls, AsyncTemplateCalls,
+        AsyncTeamCalls):
     """A client of one Hangar server.
 
     ``base_url`` defaults to ``HANGAR_URL`` (else http://127.0.0.1:8080) and
@@ -60,8 +63,10 @@ class AsyncHangar(
     ``AsyncEventCalls``), machines (``machines``, ``AsyncMachineCalls``), a desktop's
     screen and input (``desktop``, ``AsyncDesktopCalls``), the code interpreter
     (``code``, ``AsyncCodeCalls``), background processes (the ``process_*`` methods,
-    ``processes``, ``AsyncProcessCalls``), volumes (``volumes``, ``AsyncVolumeCalls``)
-    and the vault's secrets (``secrets``, ``AsyncSecretCalls``).
+    ``processes``, ``AsyncProcessCalls``), volumes (``volumes``, ``AsyncVolumeCalls``),
+    the vault's secrets (``secrets``, ``AsyncSecretCalls``) and templates built from a
+    Dockerfile (``build_template``, ``templates``, ``AsyncTemplateCalls``).
+    Teams and their limits (``teams``, ``AsyncTeamCalls``) are for operator keys.
     """
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 sleep = time.sleep
 
@@ -59,3 +62,15 @@ def ws_recv(ws: Any, timeout: float | None) -> str | bytes:
     """The next message; TimeoutError after ``timeout`` seconds (None: wait for ever)."""
     msg: str | bytes = ws.recv(timeout=timeout)
     return msg
+
+
+def run_blocking(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, here in the caller's thread (the asyncio twin uses a worker)."""
+    return fn(*args)
+
+
+def file_chunks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
+    """The bytes of the file at ``path``, ``size`` at a time."""
+    with open(path, "rb") as f:
+        while chunk := f.read(size):
+            yield chunk

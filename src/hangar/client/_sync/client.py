@@ -29,6 +29,8 @@ from hangar.client._sync.ports import PortCalls
 from hangar.client._sync.processes import ProcessCalls
 from hangar.client._sync.secrets import SecretCalls
 from hangar.client._sync.snapshots import SnapshotCalls
+from hangar.client._sync.teams import TeamCalls
+from hangar.client._sync.templates import TemplateCalls
 from hangar.client._sync.terminals import TerminalCalls
 from hangar.client._sync.volumes import VolumeCalls
 from hangar.client._core import RetryPolicy, Timeouts
@@ -42,7 +44,8 @@ __all__ = ["Hangar", "Button", "Direction", "OutputHandler"]
 class Hangar(
         MachineCalls, DesktopCalls, CodeCalls, ProcessCalls,
         VolumeCalls, SecretCalls, FileCalls, SnapshotCalls,
-        PortCalls, TerminalCalls, EventCalls):
+        PortCalls, TerminalCalls, EventCalls, TemplateCalls,
+        TeamCalls):
     """A client of one Hangar server.
 
     ``base_url`` defaults to ``HANGAR_URL`` (else http://127.0.0.1:8080) and
@@ -61,8 +64,10 @@ class Hangar(
     ``AsyncEventCalls``), machines (``machines``, ``AsyncMachineCalls``), a desktop's
     screen and input (``desktop``, ``AsyncDesktopCalls``), the code interpreter
     (``code``, ``AsyncCodeCalls``), background processes (the ``process_*`` methods,
-    ``processes``, ``AsyncProcessCalls``), volumes (``volumes``, ``AsyncVolumeCalls``)
-    and the vault's secrets (``secrets``, ``AsyncSecretCalls``).
+    ``processes``, ``AsyncProcessCalls``), volumes (``volumes``, ``AsyncVolumeCalls``),
+    the vault's secrets (``secrets``, ``AsyncSecretCalls``) and templates built from a
+    Dockerfile (``build_template``, ``templates``, ``AsyncTemplateCalls``).
+    Teams and their limits (``teams``, ``AsyncTeamCalls``) are for operator keys.
     """
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,

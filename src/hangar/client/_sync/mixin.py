@@ -1,7 +1,7 @@
 # Generated from hangar/client/_async/mixin.py by scripts/gen_sync.py: do not edit.
 """What the flat client's mixins (``machines``, ``desktop``, ``code``, ``processes``,
-``volumes``, ``secrets``, ``files``, ``snapshots``, ``ports``, ``terminals``, ``events``)
-share. Source of ``hangar/client/_sync/mixin.py``."""
+``volumes``, ``secrets``, ``files``, ``snapshots``, ``ports``, ``terminals``, ``events``,
+``templates``, ``teams``) share. Source of ``hangar/client/_sync/mixin.py``."""
 
 from __future__ import annotations
 
