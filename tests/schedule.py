@@ -89,6 +89,8 @@ COST_S: dict[str, int] = {
     "test_e2b_builds": 60,
     "test_e2b_registry": 45,  # measured alone, 2026-12-05 (44 s)
     "test_teams": 30,  # measured alone, 2026-12-05 (30 s)
+    "test_sdk_template_build": 45,  # measured alone, 2026-12-05 (41 s)
+    "test_teams_keys": 35,  # measured alone, 2026-12-05 (32 s)
     "test_reconcile": 21,
     "test_races": 20,
     "test_api": 19,
