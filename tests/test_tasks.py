@@ -173,3 +173,25 @@ def test_race_ends_every_task_once_the_first_one_ends() -> None:
         assert slow.cancelled()
 
     asyncio.run(main())
+
+
+def test_a_task_is_the_servers_own_work_whoever_started_it() -> None:
+    """A task started while a team acts (a team's request) runs with no team acting, so a
+    long-lived loop never sees the server through one team (``hangar.core.teams``)."""
+    from hangar.core.tasks import Tasks
+    from hangar.core.teams import acting, acting_for
+
+    async def main() -> None:
+        tasks = Tasks("test")
+        seen: list[str | None] = []
+
+        async def loop() -> None:
+            seen.append(acting())
+
+        with acting_for("red"):
+            assert acting() == "red"
+            await tasks.start("loop", loop())
+            assert acting() == "red"  # the caller's own context is left as it was
+        assert seen == [None]
+
+    asyncio.run(main())

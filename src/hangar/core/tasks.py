@@ -18,6 +18,9 @@ Rules:
 * A task that ends by an exception (not a cancellation) is logged once, at
   error level with its traceback, naming the owner and the task; nobody
   needs to await it for that. Its name is free again as soon as it ends.
+* A task is the server's own work: it runs with no team acting
+  (``hangar.core.teams``), whoever's request started it, so a long-lived loop
+  first started by a team's request never sees the server through that team.
 * ``stop`` cancels every task and awaits them all (also those started by a
   task while it was being stopped), each given ``timeout_s`` seconds in total
   to clean up; one that does not end in time is logged and left behind.
@@ -26,10 +29,13 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
+
+from hangar.core.teams import ACTING
 
 log = logging.getLogger("hangar.tasks")
 
@@ -51,7 +57,9 @@ class Tasks:
         if task is not None and not task.done():
             coro.close()
             return task
-        task = asyncio.create_task(coro, name=f"{self.owner}: {name}")
+        context = contextvars.copy_context()
+        context.run(ACTING.set, None)  # the server's own work (see the module docstring)
+        task = asyncio.create_task(coro, name=f"{self.owner}: {name}", context=context)
         self._tasks[name] = task
         task.add_done_callback(lambda t: self._done(name, t))
         return task
