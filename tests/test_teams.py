@@ -141,6 +141,11 @@ def test_a_team_at_its_limit_gets_429_naming_the_quota_also_with_ten_creates_at_
             "retry_after": refused[0].json()["error"].get("retry_after")}
         usage = op.get("/teams/red").json()["usage"]
         assert usage["sandboxes"] == 2
+        figures = op.get("/metrics").text.splitlines()
+        assert 'hangar_team_sandboxes{team="red"} 2.0' in figures
+        memory = [float(ln.split()[-1]) for ln in figures
+                  if ln.startswith('hangar_team_memory_bytes{team="red"} ')]
+        assert memory == [usage["memory_mib"] << 20]
         assert op.delete("/teams/red").status_code == 409
     finally:
         for sid in made:

@@ -48,6 +48,27 @@ class _StateCollector(Collector):
         yield g
 
 
+class _TeamCollector(Collector):
+    """Per-team gauges: ``read()`` gives ``{team: (sandboxes, vCPUs, memory MiB)}``."""
+
+    def __init__(self, read: Callable[[], dict[str, tuple[int, int, int]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        n = GaugeMetricFamily("hangar_team_sandboxes", "A team's sandboxes holding a VMM",
+                              labels=["team"])
+        cpu = GaugeMetricFamily("hangar_team_vcpus", "Their vCPUs", labels=["team"])
+        mem = GaugeMetricFamily("hangar_team_memory_bytes", "Their guest memory",
+                                labels=["team"])
+        for team, (sandboxes, vcpus, memory_mib) in sorted(self._read().items()):
+            n.add_metric([team], sandboxes)
+            cpu.add_metric([team], vcpus)
+            mem.add_metric([team], memory_mib << 20)
+        yield n
+        yield cpu
+        yield mem
+
+
 class _CapacityCollector(Collector):
     """Gauges from one ``Capacity`` snapshot per scrape."""
 
@@ -142,6 +163,11 @@ class Metrics:
     def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
         """Report ``hangar_sandboxes{state=...}`` from ``counts()`` at each scrape."""
         self.registry.register(_StateCollector(counts))
+
+    def watch_teams(self, read: Callable[[], dict[str, tuple[int, int, int]]]) -> None:
+        """Report ``hangar_team_sandboxes``, ``_vcpus`` and ``_memory_bytes`` (label
+        ``team``) from ``read()`` at each scrape: ``{team: (sandboxes, vCPUs, MiB)}``."""
+        self.registry.register(_TeamCollector(read))
 
     def watch_capacity(self, read: Callable[[], Capacity]) -> None:
         """Report the capacity gauges (see ``Capacity``) from ``read()`` at each scrape."""

@@ -197,6 +197,7 @@ class SandboxManager:
         self._desktop: Desktop | None = None
         metrics.watch_states(self.state_counts)
         metrics.watch_capacity(self.capacity)
+        metrics.watch_teams(self.teams.figures)
 
     @property
     def volumes(self) -> VolumesFace:
