@@ -166,6 +166,31 @@ def test_a_registry_the_operator_did_not_allow_is_refused_at_once(server: Server
             "server pulls from (HANGAR_REGISTRIES: docker.io)") in str(e.value)
 
 
+def test_a_pulled_image_nothing_uses_is_collected_with_its_name(server: Server) -> None:
+    """``hangar image gc``: a pulled image (``reg-*``) stays while a template built from
+    it does; once the templates are removed, its build and its name go (a later build
+    pulls again)."""
+    import httpx
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HANGAR_DATA_DIR": str(server.data_dir)}
+
+    def gc(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "hangar.cli", "image", "gc", *args],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return " ".join(r.stdout.split())
+
+    pulled = sorted(p.name for p in (server.data_dir / "images").glob("reg-tiny-1-*"))
+    assert len(pulled) == 2, pulled  # the name and its build
+    assert f"kept {pulled[1]} (pinned)" in gc("--dry-run")
+    with httpx.Client(base_url=server.url + "/e2b", headers={"X-API-Key": server.key},
+                      timeout=120) as c:
+        for t in c.get("/templates").json():
+            if t["templateID"].startswith("r-"):
+                assert c.delete(f"/templates/{t['templateID']}").status_code == 204
+    assert f"removed {pulled[1]}" in gc()
+    assert list((server.data_dir / "images").glob("reg-tiny-1-*")) == []
+
+
 @pytest.mark.parametrize(("text", "expected"), [
     ("ubuntu", "docker.io/library/ubuntu:latest"),
     ("ubuntu:22.04", "docker.io/library/ubuntu:22.04"),

@@ -34,6 +34,7 @@ META_MAX = 2 << 30
 the work a compressed stream of headers alone can ask for."""
 
 __all__ = ["HEADER_MAX", "MEMBERS_MAX", "META_MAX", "UNPACKED_MAX", "archive_hash",
+           "archive_hashes",
            "make_archive", "matched_files"]
 
 
@@ -96,13 +97,28 @@ def archive_hash(path: Path, src: str, dest: str, limit: int = UNPACKED_MAX) -> 
     bytes of headers; memory stays bounded (``HEADER_MAX``). Raises ValueError (past a
     bound, a member that is neither a file, a folder nor a symlink, a sparse file),
     tarfile.TarError, EOFError."""
+    return archive_hashes(path, src, dest, limit)[0]
+
+
+OLD_DIR_SIZE = b"4096"
+"""A folder's size on disk as SDKs before 2.63 hash it (``st_size``, which no archive
+carries): an ext4 or XFS folder of few entries, the common case of a build context."""
+
+
+def archive_hashes(path: Path, src: str, dest: str, limit: int = UNPACKED_MAX
+                   ) -> tuple[str, str]:
+    """``archive_hash``, and the hash an SDK before 2.63 gives the same files (each
+    folder's size on disk hashed too, taken as ``OLD_DIR_SIZE``); one pass, the same
+    bounds and errors."""
     try:
-        return _hash(path, hashlib.sha256(f"COPY {src} {dest}".encode()), limit)
+        return _hash(path, [hashlib.sha256(f"COPY {src} {dest}".encode()) for _ in range(2)],
+                     limit)
     except RecursionError:  # pax headers chained past the interpreter's depth
         raise ValueError("extended headers nested too deeply") from None
 
 
-def _hash(path: Path, h: "hashlib._Hash", limit: int) -> str:
+def _hash(path: Path, hs: "list[hashlib._Hash]", limit: int) -> tuple[str, str]:
+    h, old = hs
     read = count = 0
     with tarfile.open(path, "r|*", tarinfo=_BoundedInfo) as tar:
         while (m := tar.next()) is not None:
@@ -112,18 +128,23 @@ def _hash(path: Path, h: "hashlib._Hash", limit: int) -> str:
                 raise ValueError(f"the archive holds more than {MEMBERS_MAX} members")
             if tar.offset > limit + META_MAX:
                 raise ValueError(f"the archive unpacks to more than {limit + META_MAX} bytes")
-            h.update(m.name.rstrip("/").encode())
             kind = (0o040000 if m.isdir() else 0o120000 if m.issym() else
                     0o100000 if m.isreg() else None)
             if kind is None:
                 raise ValueError(f"{m.name[:100]!r} is neither a file, a folder nor a symlink")
-            h.update(str(kind | (m.mode & 0o7777)).encode())
+            for x in hs:
+                x.update(m.name.rstrip("/").encode())
+                x.update(str(kind | (m.mode & 0o7777)).encode())
             if m.issym():
-                h.update(str(len(m.linkname.encode())).encode())
-                h.update(m.linkname.encode())
+                for x in hs:
+                    x.update(str(len(m.linkname.encode())).encode())
+                    x.update(m.linkname.encode())
                 continue
             if not m.isdir():
-                h.update(str(m.size).encode())
+                for x in hs:
+                    x.update(str(m.size).encode())
+            else:
+                old.update(OLD_DIR_SIZE)
             if m.isreg():
                 read += m.size
                 if read > limit:
@@ -132,4 +153,5 @@ def _hash(path: Path, h: "hashlib._Hash", limit: int) -> str:
                 assert f is not None
                 while chunk := f.read(1 << 20):
                     h.update(chunk)
-    return h.hexdigest()
+                    old.update(chunk)
+    return h.hexdigest(), old.hexdigest()

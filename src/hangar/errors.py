@@ -22,6 +22,8 @@ the client SDK (``hangar.client``)::
     │                                wrote over it): repair it (``hangar volume fsck``)
     ├── TooLarge                413  the request body is over the server's limit
     ├── LimitExceeded           429  retryable after ``retry_after`` seconds
+    │   └── QuotaExceeded       429  a team's limit: not retryable as is (free what the
+    │                                team holds, or raise the limit); no Retry-After
     ├── Timeout                 504  the guest did not answer in time (it is marked
     │                                ``unresponsive``); retryable
     │   └── RequestTimeout           client side: no answer within the call's timeout
@@ -178,6 +180,17 @@ class LimitExceeded(HangarError):
         self.retry_after = retry_after
 
 
+class QuotaExceeded(LimitExceeded):
+    """A team's quota (``hangar.core.teams``): waiting does not help, so no ``retry_after``
+    (no ``Retry-After`` header) and not retried by the SDK."""
+
+    code, retryable = "quota_exceeded", False
+
+    def __init__(self, message: str, **context: Any) -> None:
+        HangarError.__init__(self, message, **context)
+        self.retry_after = None  # type: ignore[assignment]
+
+
 class Timeout(HangarError):
     status, code, retryable = 504, "timeout", True
 
@@ -219,7 +232,7 @@ BY_CODE: dict[str, type[HangarError]] = {
         HangarError, InvalidRequest, IdempotencyMismatch, Unauthorized, Forbidden, Unavailable,
         NotFound,
         Gone, Conflict, Busy, Deleting, ImageMissing, DiskFull, VolumeCorrupt, NoInterpreter,
-        TooLarge, LimitExceeded,
+        TooLarge, LimitExceeded, QuotaExceeded,
         Timeout, RequestTimeout, GuestError, EngineError, ImageError, ConfigError,
     )
 }

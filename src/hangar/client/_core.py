@@ -21,7 +21,7 @@ import httpx
 
 from hangar import __version__
 from hangar.errors import (
-    BY_CODE, Busy, HangarError, LimitExceeded, RequestTimeout, Unavailable,
+    BY_CODE, Busy, HangarError, LimitExceeded, QuotaExceeded, RequestTimeout, Unavailable,
 )
 from hangar.layout import Layout
 
@@ -165,6 +165,8 @@ def error_for(resp: httpx.Response) -> HangarError:
     code = str(err.get("code", ""))
     message = str(err.get("message") or f"HTTP {resp.status_code}")
     context = {k: v for k, v in err.items() if k not in ("code", "message", "retry_after")}
+    if resp.status_code == 429 and code == QuotaExceeded.code:
+        return QuotaExceeded(message, **context)
     if resp.status_code == 429:
         return LimitExceeded(message, retry_after=retry_after(resp), **context)
     if resp.status_code == 409 and code == Busy.code:

@@ -189,6 +189,13 @@ finally:
 """
 
 
+HOME_OF = ('h=$(getent passwd "$u" 2>/dev/null | cut -d: -f6); [ -n "$h" ] || '
+           'h=$(while IFS=: read -r n _ _ _ _ d _; do [ "$n" = "$u" ] && { echo "$d"; break; }; '
+           'done < /etc/passwd)')
+"""Shell that sets ``h`` to the home folder of user ``$u``: from the passwd database, else
+read from /etc/passwd by the shell itself (images without getent, such as busybox's)."""
+
+
 class Steps:
     """Runs a build's steps in one sandbox (``sandbox_id``) through ``manager``'s verbs."""
 
@@ -258,7 +265,7 @@ class Steps:
         there is no such user."""
         if user in self._homes:
             return self._homes[user]
-        script = 'id -u -- "$0" >/dev/null && getent passwd "$0" | cut -d: -f6'
+        script = f'id -u -- "$0" >/dev/null || exit 1; u=$0; {HOME_OF}; echo "$h"'
         r = await self.m.exec(self.sid, Command(command="/bin/sh", args=["-c", script, user],
                                                 timeout_s=READY_TRY_S))
         if r.exit_code != 0:
@@ -277,7 +284,7 @@ class Steps:
                            env={"HOME": "/root", "USER": "root", **env})
         # setpriv by uid and gid (the user's own group may have another name); its home
         # from the passwd database; the user was checked to exist
-        wrap = ('u=$1; shift; h=$(getent passwd "$u" | cut -d: -f6); export HOME="${h:-/}" '
+        wrap = (f'u=$1; shift; {HOME_OF}; export HOME="${{h:-/}}" '
                 'USER="$u" LOGNAME="$u"; exec setpriv --reuid="$(id -u "$u")" '
                 '--regid="$(id -g "$u")" --init-groups /bin/sh -c "$@"')
         return Command(command="/bin/sh", args=["-c", wrap, "sh", user, shell, script],

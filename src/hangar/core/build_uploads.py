@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hangar.build_archive import archive_hash
+from hangar.build_archive import archive_hashes
 from hangar.core.build_steps import Copy, StepFailed
 from hangar.errors import InvalidRequest, NotFound, TooLarge
 
@@ -119,13 +119,15 @@ class Uploads:
             raise StepFailed(f"the files of COPY {step.src} {step.dest} were not uploaded "
                              f"(hash {step.files})", index)
         try:
-            got = await asyncio.to_thread(archive_hash, path, step.src, step.dest)
+            got = await asyncio.to_thread(archive_hashes, path, step.src, step.dest)
         except (tarfile.TarError, OSError, ValueError, EOFError) as e:
             path.unlink(missing_ok=True)  # E2B's SDK uploads again once it is not present
             raise StepFailed(f"the upload for COPY {step.src} {step.dest} is not a tar "
                              f"archive: {str(e)[:200]}", index) from None
-        if got != step.files:
+        if step.files not in got:
             path.unlink(missing_ok=True)
             raise StepFailed(f"the upload for COPY {step.src} {step.dest} does not match its "
-                             "hash", index)
+                             "hash (an e2b SDK before 2.63 hashes a folder's size on disk, "
+                             "which no archive carries: with a folder other than 4096 bytes, "
+                             "upgrade the e2b package)", index)
 

@@ -55,7 +55,7 @@ from hangar.core.build_uploads import Uploads
 from hangar.core.tasks import Tasks
 from hangar.durable import atomic_write
 from hangar.errors import (
-    Conflict, HangarError, InvalidRequest, LimitExceeded, NotFound,
+    Conflict, HangarError, ImageError, InvalidRequest, LimitExceeded, NotFound,
 )
 
 if TYPE_CHECKING:
@@ -361,6 +361,8 @@ class Builds(Uploads):
                 try:
                     sid = await launch(lambda line: say("info", line),
                                        layer[1]["snapshot_id"] if layer else None)
+                except ImageError as e:  # its base image could not be had (a pull)
+                    raise StepFailed(f"FROM {spec.base}: {e}", -2) from None
                 except HangarError as e:
                     raise StepFailed(f"the build sandbox did not start: {e}", -2) from None
                 self._event("sandbox", name, build_id, sandbox_id=sid)

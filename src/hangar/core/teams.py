@@ -11,8 +11,8 @@ before the route, from the key; tasks the request starts inherit it):
   the record with the acting team (its ``team`` column; None: the operator's);
 * admission (``hangar.core.admission.Admission.slot``) refuses a create, fork,
   restore or wake that would take the record's team past one of its limits
-  (``refusal``): ``LimitExceeded`` (429) naming the quota, its limit and the
-  team's use, checked and written under admission's lock, so creates sent at
+  (``refusal``): ``QuotaExceeded`` (429 without ``Retry-After``: waiting does
+  not help, so clients do not retry) naming the quota, its limit and the team's use, checked and written under admission's lock, so creates sent at
   once cannot pass a limit together.
 
 With no team acting (an operator key, the server's own work) everything is
@@ -29,7 +29,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hangar.errors import Conflict, LimitExceeded, NotFound
+from hangar.errors import Conflict, LimitExceeded, NotFound, QuotaExceeded
 from hangar.teams import Team, TeamStore
 
 if TYPE_CHECKING:
@@ -38,8 +38,10 @@ if TYPE_CHECKING:
 
 ACTING: ContextVar[str | None] = ContextVar("hangar_acting_team", default=None)
 """The team whose key made the request being served (None: an operator's, or none)."""
-RETRY_AFTER_S = 5.0
-"""Retry-After of a quota refusal: another of the team's sandboxes may end meanwhile."""
+
+
+def _unit(unit: str, n: int) -> str:
+    return unit.replace("sandboxes", "sandbox") if n == 1 else unit
 
 
 def acting() -> str | None:
@@ -133,10 +135,10 @@ class Teams:
         for quota, used, need, unit in asks:
             limit = getattr(team, quota)
             if limit is not None and need and used + need > limit:
-                return LimitExceeded(
-                    f"team {team.name} may hold {limit} {unit} ({quota}) and holds {used}; "
-                    f"this sandbox needs {need} more", retry_after=RETRY_AFTER_S,
-                    quota=quota, limit=limit, used=used, needed=need, team=team.name)
+                return QuotaExceeded(
+                    f"team {team.name} may hold {limit} {_unit(unit, limit)} ({quota}) and "
+                    f"holds {used}; this sandbox needs {need} more", quota=quota,
+                    limit=limit, used=used, needed=need, team=team.name)
         return None
 
     def figures(self) -> dict[str, tuple[int, int, int]]:

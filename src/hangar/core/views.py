@@ -84,6 +84,8 @@ class SandboxView:
     ttl_s: float | None
     wake_ttl_s: float | None
     sleep_memory: bool | None = None
+    team: str | None = None
+    """The team whose key made it (``hangar.core.teams``), or None: the operator's."""
 
     @classmethod
     def of(cls, rec: Any) -> SandboxView:
@@ -197,5 +199,5 @@ def sandbox_view(rec: SandboxView | SandboxRecord) -> SandboxInfo:
         vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
         created_at=rec.created_at, expires_at=rec.expires_at, error=rec.error,
         metadata=user_metadata(rec),
-        desktop=rec.desktop, network=rec.network, source=rec.source,
+        desktop=rec.desktop, network=rec.network, source=rec.source, team=rec.team,
     )

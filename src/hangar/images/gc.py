@@ -5,6 +5,7 @@ A forced rebuild leaves the old build in place (builds are immutable, see
 templates alike) that are
 
 - not the current build of their recipe or template (the ``<name>`` symlink's target),
+  except for an image pulled from a registry for a build (``reg-*``: its name goes too),
 - not pinned: no sandbox, snapshot or machine record names them (the
   caller passes those ids, read from the store of the data directory),
 - not in use on this host: no process holds one of their files open (a
@@ -40,6 +41,7 @@ from hangar.errors import ImageError
 from hangar.images import staging
 from hangar.images.catalogue import ImageInfo, image_lock, list_images
 from hangar.images.recipes import RECIPES
+from hangar.images.registry import PULLED_PREFIX
 from hangar.layout import ImagePaths, Layout
 
 
@@ -131,7 +133,7 @@ def collect(layout: Layout, pinned: Iterable[str], *, dry_run: bool = False,
                 for info in list_images(layout):
                     if info.name != name:
                         continue
-                    if info.current:
+                    if info.current and not name.startswith(PULLED_PREFIX):
                         result.kept.append(Kept(info, "current"))
                     elif info.id in pins or info.name in pins:
                         result.kept.append(Kept(info, "pinned"))
@@ -143,6 +145,8 @@ def collect(layout: Layout, pinned: Iterable[str], *, dry_run: bool = False,
                             trash = layout.image_trash(info.id).name
                             os.rename(info.id, trash, src_dir_fd=images, dst_dir_fd=images)
                             _remove(images, trash)
+                            if info.current:  # a pulled image's name goes with its build
+                                os.unlink(name, dir_fd=images)
                 for leftover in _named(images, layout.image_staging_prefix(name)):
                     result.leftovers.append(layout.images / leftover)
                     if not dry_run:

@@ -55,6 +55,9 @@ PULL_TIMEOUT_S = 1800.0
 """Longest one ``skopeo copy`` may take."""
 INSPECT_TIMEOUT_S = 120.0
 DOCKER_HUB = "docker.io"
+PULLED_PREFIX = "reg-"
+"""The names of images pulled for builds (``image_name``): ``hangar image gc`` collects
+their current build too once nothing pins or uses it (a later build pulls again)."""
 
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _PATH = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
@@ -267,4 +270,4 @@ def image_name(ref: Reference) -> str:
     h = hashlib.sha256(str(ref).encode()).hexdigest()[:10]
     words = [re.sub(r"[^a-z0-9]+", "-", (s or "").lower()).strip("-")
              for s in (ref.path.rsplit("/", 1)[-1], ref.tag)]
-    return "-".join(["reg", *(w[:20] for w in words if w), h])
+    return PULLED_PREFIX + "-".join([*(w[:20] for w in words if w), h])

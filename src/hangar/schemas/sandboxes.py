@@ -117,6 +117,8 @@ class SandboxInfo(Model):
     metadata: dict[str, str] = Field(default_factory=dict)
     desktop: str | None = None
     network: dict[str, object] | None = Field(None, description="Egress policy; null: no NIC.")
+    team: str | None = Field(None, description="The team whose key made it (docs/security.md, "
+                                               "teams); null: an operator key's.")
     source: str | None = Field(None, description="Where its VM came from: template "
                                                  "(restored from its image's booted template "
                                                  "snapshot), pool (the warm pool), cold "
