@@ -372,6 +372,11 @@ function describe(ev) {
     case "secret.refused": return `secret ${d.secret} refused for ${d.host}: ${d.reason}`;
     case "volume.created": return `volume ${d.volume_id} created (${d.size_mib} MiB)`;
     case "volume.deleted": return `volume ${d.volume_id} deleted`;
+    case "template.build.started": return `template ${d.template}: build started (${d.steps} steps)`;
+    case "template.build.sandbox": return `template ${d.template}: build sandbox up`;
+    case "template.build.step": return `template ${d.template}: step ${d.step}/${d.of} ${d.instruction}`;
+    case "template.build.ready": return `template ${d.template}: build ready`;
+    case "template.build.failed": return `template ${d.template}: build failed at step ${d.step}`;
     default: return ev.kind;
   }
 }
