@@ -109,7 +109,8 @@ def test_a_template_from_a_registry_image_starts_from_that_image(server: Server,
     template = (Template(file_context_path=str(tmp_path)).from_image("tiny:1")
                 .copy("app.txt", "app.txt")
                 .run_cmd("cat /etc/hello > made.txt && whoami >> made.txt")
-                .set_start_cmd("echo started > /tmp/started", "test -f /tmp/started"))
+                .set_start_cmd("echo started > /tmp/started; exec sleep 100000",
+                               "test -f /tmp/started"))
     logs: list[str] = []
     Template.build(template, t, cpu_count=1, memory_mb=512,
                    on_build_logs=lambda e: logs.append(e.message))
