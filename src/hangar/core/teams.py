@@ -84,6 +84,11 @@ class TeamView:
     usage: Usage
 
 
+def _usage(held: list[Any], disks: list[Any]) -> Usage:
+    return Usage(len(held), sum(r.vcpus for r in held), sum(r.memory_mib for r in held),
+                 sum(r.disk_mib for r in disks))
+
+
 class Teams:
     """``m.teams``: the teams of this server (``<data>/teams.json``) and their use."""
 
@@ -111,13 +116,15 @@ class Teams:
 
     # -- quotas ------------------------------------------------------------------------
 
+    def _holdings(self, name: str) -> tuple[list[SandboxRecord], list[SandboxRecord]]:
+        """Team ``name``'s records that hold a VMM, and those not gone (one read each)."""
+        store = self.ctx.store
+        return ([r for r in store.with_vmm() if r.team == name],
+                [r for r in store.live() if r.team == name])
+
     def usage(self, name: str) -> Usage:
         """What team ``name`` holds now."""
-        store = self.ctx.store
-        held = [r for r in store.with_vmm() if r.team == name]
-        disks = [r for r in store.live() if r.team == name]
-        return Usage(len(held), sum(r.vcpus for r in held), sum(r.memory_mib for r in held),
-                     sum(r.disk_mib for r in disks))
+        return _usage(*self._holdings(name))
 
     def refusal(self, rec: SandboxRecord) -> LimitExceeded | None:
         """The refusal of one more VMM for ``rec`` (a new record not yet written, or one
@@ -125,9 +132,10 @@ class Teams:
         if rec.team is None or not self.store.exists(rec.team):
             return None
         team = self.store.get(rec.team)
-        have = self.usage(rec.team)
-        extra = 0 if any(r.id == rec.id for r in self.ctx.store.with_vmm()) else 1
-        new = self.ctx.store.get(rec.id) is None
+        held, disks = self._holdings(rec.team)
+        have = _usage(held, disks)
+        extra = 0 if any(r.id == rec.id for r in held) else 1
+        new = not any(r.id == rec.id for r in disks) and self.ctx.store.get(rec.id) is None
         asks = (("max_sandboxes", have.sandboxes, extra, "sandboxes"),
                 ("max_vcpus", have.vcpus, rec.vcpus * extra, "vCPUs"),
                 ("max_memory_mib", have.memory_mib, rec.memory_mib * extra, "MiB of memory"),
