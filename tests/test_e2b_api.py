@@ -91,11 +91,12 @@ def test_a_route_hangar_does_not_serve_is_a_clear_501(server: Server, e2b_key: s
                              r"secrets store"):
         e2b.Secret.create("token", "value")
     with httpx.Client(base_url=server.url, headers={"X-API-Key": e2b_key}) as c:
-        r = c.get("/e2b/teams")
+        r = c.get("/e2b/teams/t/metrics/max")
         assert (r.status_code, r.json()) == (501, {
-            "code": 501, "message": "Hangar does not serve E2B's GET /teams: Hangar has no "
-            "teams: a server has its API keys (`hangar key`) and nothing else. See "
-            "docs/e2b.md for what it serves."})
+            "code": 501, "message": "Hangar does not serve E2B's GET /teams/{teamID}/metrics/"
+            "max: Hangar keeps no history of a team's figures: GET /teams/{teamID}/metrics "
+            "answers the figures now, and /metrics' hangar_team_* gauges are for a scraper. "
+            "See docs/e2b.md for what it serves."})
         r = c.get("/e2b/no/such/route")
         assert r.status_code == 404
         assert r.json() == {"code": 404, "message": "E2B's API has no route GET /no/such/route; "

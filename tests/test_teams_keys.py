@@ -205,8 +205,8 @@ def test_hangar_team_commands_against_a_server(server: Server) -> None:
     assert r.returncode == 0, r.stderr
     rows = {c[0]: c[1:] for c in table(r.stdout)}
     assert rows["name"][:5] == ["sandboxes", "vCPUs", "memory (MiB)", "disk (MiB)",
-                                "volumes max (MiB)"]
-    assert rows["cli-red"][:5] == ["0 / 2", "0 / 4", "0 / -", "0 / -", "-"]
+                                "volumes (MiB)"]
+    assert rows["cli-red"][:5] == ["0 / 2", "0 / 4", "0 / -", "0 / -", "0 / -"]
 
     r = run("team", "set", "cli-red", "--no-max-vcpus", "--max-memory-mib", "2048")
     assert r.returncode == 0, r.stderr

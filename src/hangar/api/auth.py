@@ -20,7 +20,7 @@ from __future__ import annotations
 from fastapi import Request, Security
 from fastapi.security import APIKeyHeader
 
-from hangar.api.team_gate import check_route, team_of
+from hangar.api.team_gate import ACT_FOR_HEADER, check_route, team_for
 from hangar.core.service import act_as
 from hangar.keys import (
     BURST, MAX_ADDRESSES, REFILL_S, KeyRing, Throttle, authenticate, client_identity,
@@ -47,6 +47,7 @@ async def require_key(request: Request, given: str | None = Security(HEADER)) ->
     if getattr(request.state, "key_name", None) is None:
         request.state.key_name = authenticate(request.app.state, given,
                                               client_identity(request.scope))
-        request.state.team = team_of(request.app.state, request.state.key_name)
+        request.state.team = team_for(request.app.state, request.state.key_name,
+                                      request.headers.get(ACT_FOR_HEADER))
         act_as(request.state.team)  # this request's task only
     check_route(request.scope, getattr(request.state, "team", None))

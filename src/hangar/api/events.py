@@ -33,7 +33,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
-from hangar.core.service import Event as BusEvent, EventBus
+from hangar.core.service import Event as BusEvent, EventBus, acting
 from hangar.errors import InvalidRequest
 from hangar.schemas import MAX_EVENT_DATA, Event, PublishEvent
 
@@ -44,7 +44,7 @@ KEEPALIVE_S = 15.0
 
 
 KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-RESERVED = {"id", "time", "kind", "sandbox_id"}
+RESERVED = {"id", "time", "kind", "sandbox_id", "team"}
 
 
 def bus(request: Request) -> EventBus:
@@ -54,7 +54,7 @@ def bus(request: Request) -> EventBus:
 
 def wire(b: EventBus, ev: BusEvent) -> Event:
     return Event(id=b.wire_id(ev), time=ev.time, kind=ev.kind, sandbox_id=ev.sandbox_id,
-                 data=ev.data)
+                 data=ev.data, team=ev.team)
 
 
 @router.get(
@@ -73,10 +73,13 @@ async def stream(
     b = bus(request)
     kinds = [k.strip() for k in (kind or "").split(",") if k.strip()]
     after = b.resume_after(last_event_id)
+    team = acting()  # a team's key: its team's events only (hangar.core.teams)
+    if sandbox_id is not None:
+        request.app.state.manager.teams.check(sandbox_id)
 
     async def body() -> AsyncIterator[bytes]:
         yield b"retry: 1000\n\n"
-        async for ev in b.subscribe(after, kinds, sandbox_id, idle=KEEPALIVE_S):
+        async for ev in b.subscribe(after, kinds, sandbox_id, idle=KEEPALIVE_S, team=team):
             if ev is None:
                 yield b": keep-alive\n\n"
                 continue
@@ -96,10 +99,13 @@ async def publish(body: PublishEvent, request: Request) -> Event:
     for key in body.data:
         if not KEY.match(key) or key in RESERVED:
             raise InvalidRequest(f"event data key {key[:80]!r} is not allowed: use a name of "
-                                 "letters, digits and _, other than id, time, kind, sandbox_id")
+                                 "letters, digits and _, other than id, time, kind, sandbox_id, "
+                                 "team")
     size = len(json.dumps(body.data, separators=(",", ":")))
     if size > MAX_EVENT_DATA:
         raise InvalidRequest(f"event data is {size} bytes of JSON; at most {MAX_EVENT_DATA}",
                              size=size)
+    if body.sandbox_id is not None:  # a team's key: about its own sandboxes only (404)
+        request.app.state.manager.teams.check(body.sandbox_id)
     b = bus(request)
     return wire(b, b.publish(body.kind, body.sandbox_id, **body.data))

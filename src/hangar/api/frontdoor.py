@@ -56,7 +56,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hangar.api.errors import render_error, retry_after_header, send_error
 from hangar.api.proxy.routing import route as port_route
 from hangar.api.envd.versions import PREFIX as ENVD_PREFIX
-from hangar.api.team_gate import team_of
+from hangar.api.team_gate import ACT_FOR_HEADER, team_for
 from hangar.core.service import acting_for
 from hangar.errors import HangarError
 from hangar.keys import authenticate, client_identity
@@ -136,10 +136,10 @@ class FrontDoor:
             return
         try:
             name = authenticate(state, _header(scope, b"x-api-key"), client_identity(scope))
+            team = team_for(state, name, _header(scope, ACT_FOR_HEADER.encode()))
         except HangarError as exc:
             await self._refuse(scope, receive, send, exc)
             return
-        team = team_of(state, name)
         scope.setdefault("state", {}).update(key_name=name, team=team)
         with acting_for(team):  # core scopes what this request sees (hangar.core.teams)
             await self.app(scope, receive, send)

@@ -1,6 +1,8 @@
 """``/secrets``: the vault (``SandboxService.secrets``): store, list, rotate and delete secrets
 that sandboxes use through their egress proxy without holding them (docs/security.md,
-"Secrets and the vault"). No route ever answers with a value."""
+"Secrets and the vault"). No route ever answers with a value. A team's key stores, sees and
+binds its team's secrets only (another team's is a 404 like a missing one); the operator's
+sees a team's as ``TEAM/name`` (``hangar.core.secrets``)."""
 
 from __future__ import annotations
 

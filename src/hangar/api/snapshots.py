@@ -19,7 +19,7 @@ def view(s: SnapshotView) -> Snapshot:
     return Snapshot(id=s.id, sandbox_id=s.sandbox_id, size_bytes=s.size_bytes,
                     created_at=s.created_at, image=s.image,
                     image_id=s.image_id, vcpus=s.vcpus,
-                    memory_mib=s.memory_mib, disk_mib=s.disk_mib)
+                    memory_mib=s.memory_mib, disk_mib=s.disk_mib, team=s.team)
 
 
 @router.post("/sandboxes/{sandbox_id}/snapshot", response_model=Snapshot, status_code=201,

@@ -1,22 +1,20 @@
-"""What a team's key may reach over HTTP (issue 32's first part).
+"""What a team's key may reach over HTTP (issue 32).
 
-A key of a team (``hangar key add NAME --team TEAM``) acts for it: core
-shows it its team's sandboxes only, stamps what it creates and counts it
-against the team's quotas (``hangar.core.teams``). Over HTTP such a key
-reaches only the routes whose resources core scopes to a team so far:
+A key of a team (``hangar key add NAME --team TEAM``) acts for it: core shows
+it its team's resources only (another team's are 404, worded as missing ones),
+stamps what it makes and counts it against the team's quotas
+(``hangar.core.teams``). Over HTTP such a key reaches the routes of each kind
+of resource core scopes to teams (``ROUTES_BY_KIND``): sandboxes and
+everything below one, snapshots, machines, templates and their builds,
+volumes, secrets, events, and E2B's routes of those kinds plus its ``/teams``
+(the key's own team).
 
-* Hangar's sandboxes (``/sandboxes`` and everything below a sandbox:
-  commands, files, processes, terminals, the desktop, ports, code, its
-  network), but not its snapshots (``/sandboxes/{id}/snapshot``,
-  ``/restore``);
-* E2B's sandbox routes (``/e2b/sandboxes``, ``/e2b/v2/sandboxes`` and below a
-  sandbox), but not its snapshots or forks, nor every sandbox's metrics.
-
-Any other keyed route (snapshots, volumes, secrets, machines, the warm
-pool, events, template builds, ``/metrics``, teams) is **403** for a team's
-key, naming the route; an operator key (a key without a team) reaches
-everything. A sandbox named in a route's path that is not the team's own is
-a 404 worded as for a missing one (``Teams.check``), before the route runs.
+What stays the operator's is **403** for a team's key, naming the route:
+``/metrics``, ``/teams`` (their management), ``/pool``, and E2B's
+all-sandboxes metrics; an operator key (a key without a team) reaches
+everything, and acts for a team with ``X-Hangar-Team: NAME`` (``team_for``).
+A sandbox named in a route's path that is not the team's own is a 404
+worded as for a missing one (``Teams.check``), before the route runs.
 """
 
 from __future__ import annotations
@@ -24,12 +22,27 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from hangar.errors import Forbidden
+from hangar.errors import Forbidden, NotFound
 
-TEAM_ROUTES = re.compile(
-    r"^(/e2b)?(/v2)?/sandboxes(/\{sandbox_id\}(?!/(snapshots?|restore|fork)\b)(/.*)?)?$")
-"""Route templates a team's key reaches (the module docstring; E2B's routes are matched
-with and without their ``/e2b`` prefix, as they are served under ``api.<domain>`` too)."""
+E2B = "/e2b"
+"""The prefix E2B's control plane is served under (``hangar.api.e2b``)."""
+
+ROUTES_BY_KIND: dict[str, str] = {
+    "sandboxes": r"(/e2b)?(/v2)?/sandboxes(/\{sandbox_id\}(/.*)?)?",
+    "snapshots": r"(/e2b)?/snapshots(/.*)?",
+    "machines": r"/machines(/.*)?",
+    "templates": r"(/e2b)?((/v[23])?/templates(/.*)?|/default-templates)",
+    "volumes": r"(/e2b)?/volumes(/.*)?",  # a team's own (hangar.core.volumes)
+    "secrets": r"/secrets(/.*)?",  # a team's own (hangar.core.secrets)
+    "events": r"/events",
+    "e2b-teams": r"/e2b/teams(/[^/]+/metrics)?",  # the key's own team (Teams.get)
+    "e2b-unserved": r"/e2b/\{path:e2b_not_envd\}",  # E2B's 501/405/404 answers
+}
+"""The route templates of each kind of resource core scopes to teams (a kind joins when
+its ownership is checked in core: ``hangar.core.teams``)."""
+TEAM_ROUTES = re.compile("^(" + "|".join(ROUTES_BY_KIND.values()) + ")$")
+"""Route templates a team's key reaches (the module docstring; E2B's are matched under
+``/e2b``, as ``check_route`` names them)."""
 OPERATOR_ONLY = {"/e2b/sandboxes/metrics", "/sandboxes/metrics"}
 """Templates the pattern matches that stay the operator's (every sandbox's figures)."""
 
@@ -42,6 +55,27 @@ def team_of(state: Any, key_name: str | None) -> str | None:
     return ring.team_of(key_name)
 
 
+ACT_FOR_HEADER = "x-hangar-team"
+"""The header with which an operator's key acts for a team (its name): the request then
+sees and makes what a key of that team would (``hangar.core.teams``)."""
+
+
+def team_for(state: Any, key_name: str | None, asked: str | None) -> str | None:
+    """The team a request acts for: its key's team (``team_of``) or, for an operator's key
+    that sends ``X-Hangar-Team: NAME``, that team. Raises Forbidden when a team's key names
+    another team, NotFound when the team named does not exist."""
+    team = team_of(state, key_name)
+    if asked is None or asked == team:
+        return team
+    if team is not None:
+        raise Forbidden(f"a key of team {team} cannot act for another team",
+                        team=team, header="X-Hangar-Team")
+    manager = getattr(state, "manager", None)
+    if manager is None or not manager.teams.exists(asked):
+        raise NotFound(f"no team {asked[:80]!r} (X-Hangar-Team)", team=asked[:80])
+    return asked
+
+
 def check_route(scope: Any, team: str | None) -> None:
     """Raise Forbidden unless a key of ``team`` may reach the matched route of ``scope``
     (always, for an operator's key), and NotFound for a sandbox in its path that is not
@@ -50,6 +84,8 @@ def check_route(scope: Any, team: str | None) -> None:
         return
     route = scope.get("route")
     path = getattr(route, "path", None) or scope.get("path", "")
+    if str(scope.get("path", "")).startswith(E2B + "/") and not path.startswith(E2B + "/"):
+        path = E2B + path  # E2B's routes are matched by their templates under its prefix
     if path in OPERATOR_ONLY or not TEAM_ROUTES.match(path):
         raise Forbidden(f"a team's key cannot use {path} (it is the operator's, or not "
                         "scoped to teams yet)", route=path, team=team)

@@ -27,7 +27,8 @@ def view(t: TeamView) -> TeamInfo:
     u = t.usage
     return TeamInfo(name=t.team.name, created_at=t.team.created, **t.team.limits(),
                     usage=TeamUsage(sandboxes=u.sandboxes, vcpus=u.vcpus,
-                                    memory_mib=u.memory_mib, disk_mib=u.disk_mib))
+                                    memory_mib=u.memory_mib, disk_mib=u.disk_mib,
+                                    volumes_mib=u.volumes_mib))
 
 
 @router.get("", response_model=TeamList, summary="List teams with their limits and use")

@@ -35,7 +35,7 @@ from contextlib import AsyncExitStack
 from fastapi import APIRouter, WebSocket
 
 from hangar.api.auth import authenticate
-from hangar.api.team_gate import check_route, team_of
+from hangar.api.team_gate import ACT_FOR_HEADER, check_route, team_for
 from hangar.api.tickets import deny, deny_error
 from hangar.api.wspump import Traffic, pump_stream
 from hangar.core.service import NoListener, SandboxManager, act_as
@@ -53,7 +53,7 @@ async def tunnel(ws: WebSocket, sandbox_id: str, port: int) -> None:
     try:
         name = authenticate(ws.app.state, ws.headers.get("x-api-key"),
                             ws.client.host if ws.client else "unknown")
-        team = team_of(ws.app.state, name)
+        team = team_for(ws.app.state, name, ws.headers.get(ACT_FOR_HEADER))
         act_as(team)  # this connection's task: core scopes what it reaches
         check_route(ws.scope, team)
     except HangarError as e:

@@ -1,7 +1,9 @@
 """``/volumes``: named volumes that outlive sandboxes: make, list, get, grow, delete, check and
 repair, and read their files without a sandbox (``SandboxService.volumes``; docs/volumes.md).
 A volume whose filesystem a guest damaged is a 409 ``volume_corrupt`` naming the repair
-(``POST /volumes/{id}/fsck``)."""
+(``POST /volumes/{id}/fsck``). A team's key makes, sees and names its team's volumes only
+(another team's is a 404 like a missing one); the operator's sees a team's as ``TEAM/name``
+(``hangar.core.volumes``)."""
 
 from __future__ import annotations
 

@@ -1,23 +1,48 @@
-"""``hangar status``: the server's health, its engine and its warm pool, in two or three lines."""
+"""``hangar status``: the server's health, its engine, its warm pool and its teams' use, in a
+few lines (a team's key sees the health line alone: the pool and teams are the operator's)."""
 
 from __future__ import annotations
 
 from hangar.cli.common import out, sdk
+from hangar.errors import Forbidden
+from hangar.schemas import PoolStatus, TeamInfo
 
 
 def status() -> None:
-    """The server's health and its warm pool."""
+    """The server's health, its warm pool, and what each team holds against its limits."""
+    pool: PoolStatus | None = None
+    teams: list[TeamInfo] = []
     with sdk() as h:
         health = h.health()
-        pool = h.pool()
+        try:
+            pool = h.pool()
+            teams = h.list_teams()
+        except Forbidden:  # a team's key
+            pass
     engine, details = describe_engine(health.engine)
     noun = "sandbox" if health.sandboxes == 1 else "sandboxes"
     out.print(f"Hangar {health.version} at {h.base_url}: {health.status}; {health.sandboxes} "
               f"{noun}; engine {engine}", highlight=False, soft_wrap=True)
     if details:
         out.print(f"  {details}", highlight=False, soft_wrap=True)
-    out.print(f"warm pool ({pool.image}): {pool.ready} ready, {pool.starting} starting, "
-              f"{pool.size} wanted, replaced after {pool.max_age_s:.0f} s")
+    if pool is not None:
+        out.print(f"warm pool ({pool.image}): {pool.ready} ready, {pool.starting} starting, "
+                  f"{pool.size} wanted, replaced after {pool.max_age_s:.0f} s")
+    for t in teams:
+        out.print(f"team {t.name}: {team_use(t)}", highlight=False, soft_wrap=True)
+
+
+def team_use(t: TeamInfo) -> str:
+    """``"2 sandboxes (of 4), 2 vCPUs, 1024 MiB of memory, 2048 MiB of disk, 0 MiB of
+    volumes"``: a team's use, each figure with its limit when it has one."""
+    u = t.usage
+
+    def of(limit: int | None) -> str:
+        return f" (of {limit})" if limit is not None else ""
+    noun = "sandbox" if u.sandboxes == 1 else "sandboxes"
+    return (f"{u.sandboxes} {noun}{of(t.max_sandboxes)}, {u.vcpus} vCPUs{of(t.max_vcpus)}, "
+            f"{u.memory_mib} MiB of memory{of(t.max_memory_mib)}, {u.disk_mib} MiB of "
+            f"disk{of(t.max_disk_mib)}, {u.volumes_mib} MiB of volumes{of(t.max_volumes_mib)}")
 
 
 def describe_engine(engine: dict[str, str]) -> tuple[str, str]:

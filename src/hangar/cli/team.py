@@ -72,13 +72,14 @@ def team_ls() -> None:
     with sdk() as h:
         teams = h.list_teams()
     table = Table("name", "sandboxes", "vCPUs", "memory (MiB)", "disk (MiB)",
-                  "volumes max (MiB)", "created")
+                  "volumes (MiB)", "created")
     for t in teams:
         u = t.usage
         table.add_row(
             t.name, f"{u.sandboxes} / {_show(t.max_sandboxes)}",
             f"{u.vcpus} / {_show(t.max_vcpus)}", f"{u.memory_mib} / {_show(t.max_memory_mib)}",
-            f"{u.disk_mib} / {_show(t.max_disk_mib)}", _show(t.max_volumes_mib),
+            f"{u.disk_mib} / {_show(t.max_disk_mib)}",
+            f"{u.volumes_mib} / {_show(t.max_volumes_mib)}",
             time.strftime("%Y-%m-%d %H:%M", time.localtime(t.created_at)))
     out.print(table)
 

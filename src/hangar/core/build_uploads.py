@@ -1,8 +1,10 @@
 """The uploads of template builds: the archives a ``COPY`` places, by E2B's files hash.
 
 ``Uploads`` is the part of ``hangar.core.builds.Builds`` that keeps them, in
-``<data>/builds/files/<name>/<sha256>``: signed upload links (an HMAC of the
-server's port key; ``UPLOAD_TTL_S``), the streamed upload (``UPLOAD_MAX``),
+``<data>/builds/files/<name>/<sha256>`` (a team's template: ``<team>+<name>``,
+``_folder``): signed upload links (an HMAC of the server's port key over the
+template's stored name, which a team's token carries its team for;
+``UPLOAD_TTL_S``), the streamed upload (``UPLOAD_MAX``),
 and the check of an archive against its hash before a build places it
 (``hangar.build_archive.archive_hash``, bounded). Errors: InvalidRequest (not
 a SHA-256 in hex), NotFound (no such template or upload), TooLarge.
@@ -24,7 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from hangar.build_archive import archive_hashes
 from hangar.core.build_steps import Copy, StepFailed
+from hangar.core.teams import SCOPE_SEP, owner_of, scoped
 from hangar.errors import InvalidRequest, NotFound, TooLarge
+from hangar.teams import NAME as TEAM_NAME
 
 if TYPE_CHECKING:
     from hangar.core.sandboxes import SandboxManager
@@ -45,48 +49,67 @@ class Uploads:
     def _template(self, name: str) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _named(self, name: str, change: bool = False) -> str:
+        raise NotImplementedError
+
+    def _folder(self, stored: str) -> Path:
+        """Where the uploads of the template stored as ``stored`` are kept (a team's:
+        ``<team>+<name>``; ``+`` is in no team's nor template's name)."""
+        return self.root / "files" / stored.replace(SCOPE_SEP, "+")
+
     def _archive(self, name: str, digest: str) -> Path:
         """Where archive ``digest`` of ``name`` is kept; raises InvalidRequest unless
         ``digest`` is a SHA-256 in hex (a step's ``filesHash`` comes from a client: it
         must never name another file, which a failed check removes)."""
         self._check_hash(digest)
-        return self.root / "files" / name / digest
+        return self._folder(name) / digest
 
     def _check_hash(self, digest: str) -> None:
         if not HASH_RE.fullmatch(digest):
             raise InvalidRequest(f"hash: {digest[:80]!r} is not a SHA-256 in hex", field="hash")
 
     def has_files(self, name: str, digest: str) -> bool:
-        """Whether the archive ``digest`` of template ``name`` was uploaded. Raises
-        NotFound (no such template), InvalidRequest (not a hash)."""
-        self._template(name)
+        """Whether the archive ``digest`` of template ``name`` (the acting team's own)
+        was uploaded. Raises NotFound (no such template), InvalidRequest (not a hash),
+        Forbidden (the operator's, to a team)."""
+        name = self._named(name, change=True)
         self._check_hash(digest)
         return self._archive(name, digest).is_file()
 
     def upload_token(self, name: str, digest: str) -> str:
-        """A token that lets its holder upload archive ``digest`` of ``name`` for
-        ``UPLOAD_TTL_S`` (and do nothing else)."""
+        """A token that lets its holder upload archive ``digest`` of ``name`` (the acting
+        team's own) for ``UPLOAD_TTL_S`` (and do nothing else): ``EXPIRY.MAC``, or
+        ``EXPIRY.TEAM.MAC`` for a team's template. Raises as ``has_files``."""
+        stored = self._named(name, change=True)
         expiry = int(time.time()) + UPLOAD_TTL_S
-        return f"{expiry}.{self._mac(name, digest, expiry)}"
+        team = owner_of(stored)
+        return f"{expiry}.{team + '.' if team else ''}{self._mac(stored, digest, expiry)}"
 
-    def check_upload_token(self, name: str, digest: str, token: str) -> bool:
-        expiry, _, mac = token.partition(".")
-        if not expiry.isdigit() or len(expiry) > 12 or int(expiry) < time.time():
-            return False
-        return hmac.compare_digest(mac, self._mac(name, digest, int(expiry)))
+    def check_upload_token(self, name: str, digest: str, token: str) -> str | None:
+        """The stored name of the template whose upload ``token`` opens (``name`` as the
+        upload's URL gives it), or None when it opens none (forged, expired, another
+        archive's or template's)."""
+        expiry, _, rest = token.partition(".")
+        team, _, mac = rest.rpartition(".")
+        if not expiry.isdigit() or len(expiry) > 12 or int(expiry) < time.time() or (
+                team and not TEAM_NAME.fullmatch(team)):
+            return None
+        stored = scoped(name, team) if team else name
+        return stored if hmac.compare_digest(mac, self._mac(stored, digest, int(expiry))) \
+            else None
 
     def _mac(self, name: str, digest: str, expiry: int) -> str:
         key = hmac.new(self.m.port_key, b"hangar template upload", hashlib.sha256).digest()
         return hmac.new(key, f"{name}\0{digest}\0{expiry}".encode(), hashlib.sha256).hexdigest()
 
     async def save_files(self, name: str, digest: str, chunks: AsyncIterator[bytes]) -> int:
-        """Store an uploaded archive (a tar, gzip'd or not) as ``digest`` of ``name``;
-        its size in bytes. An archive already stored stays as it is (the new body is
-        dropped): a build checks an archive against its hash, then places it, and the
-        upload link lives for an hour, so nothing may swap an archive in between (a failed
-        check removes the archive instead: ``_check_upload``). Raises NotFound (also when
-        the template is removed during the upload), InvalidRequest, TooLarge (past
-        ``UPLOAD_MAX``; nothing is kept)."""
+        """Store an uploaded archive (a tar, gzip'd or not) as ``digest`` of the template stored as
+        ``name`` (what ``check_upload_token`` gave); its size in bytes. An archive already stored
+        stays as it is (the new body is dropped): a build checks an archive against its hash, then
+        places it, and the upload link lives for an hour, so nothing may swap an archive in between
+        (a failed check removes the archive instead: ``_check_upload``). Raises NotFound (also when
+        the template is removed during the upload), InvalidRequest, TooLarge (past ``UPLOAD_MAX``;
+        nothing is kept)."""
         self._template(name)
         self._check_hash(digest)
         dest = self._archive(name, digest)

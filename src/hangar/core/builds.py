@@ -18,7 +18,8 @@ State, under ``<data>/builds/`` (the server's own, 0700):
                             unless asked), its layers (``LAYERS_KEPT``: a snapshot
                             of the build sandbox after a slow step, by what the
                             steps up to it were)
-``files/<name>/<sha256>``   uploaded archives of the files a ``COPY`` places,
+``files/<name>/<sha256>``   uploaded archives of the files a ``COPY`` places
+                            (a team's template: ``files/<team>+<name>/``),
                             by the hash E2B's SDK computes over their paths,
                             modes and contents (``hangar.build_archive`` checks it)
 ==========================  ======================================================
@@ -34,7 +35,18 @@ whose steps equal its own (up to its first step marked ``force``), and runs
 only the steps after it. Uploads are ``hangar.core.build_uploads``'. One build of a template runs at a time
 (``Conflict``). Errors: InvalidRequest (a bad name, tag or hash), NotFound (no
 such template, build, tag or upload), Conflict (a build of the template runs,
-or it is already started), TooLarge (an upload over ``UPLOAD_MAX``).
+or it is already started), TooLarge (an upload over ``UPLOAD_MAX``), Forbidden
+(a team changing the operator's template).
+
+Teams (``hangar.core.teams``): a template built with a team's key is the team's,
+kept under ``TEAM/name`` (``scoped``), so two teams may each build ``app``. Every
+method takes a name as the acting team gives it: its own template first, then
+the operator's, which every team sees and starts sandboxes from (shared, as
+E2B's public templates) but may not rebuild, tag, delete, read the builds' logs
+of nor upload to (``Forbidden``); another team's is missing (``NotFound``,
+worded as for a missing one). A team's build runs with its team acting: its
+build sandbox and snapshots are the team's (counted against its quotas), and
+its events carry the team.
 """
 
 from __future__ import annotations
@@ -43,7 +55,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -51,24 +62,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hangar.core.build_steps import Copy, State, Step, StepFailed, Steps, remove_quietly
-from hangar.core.build_uploads import Uploads
+from hangar.core.build_registry import DEFAULT_TAG, Registry, bare
 from hangar.core.tasks import Tasks
-from hangar.durable import atomic_write
-from hangar.errors import (
-    Conflict, HangarError, ImageError, InvalidRequest, LimitExceeded, NotFound,
-)
+from hangar.core.teams import acting, acting_for, owner_of, scoped, unscoped
+from hangar.errors import Conflict, HangarError, ImageError, LimitExceeded, NotFound
 
 if TYPE_CHECKING:
     from hangar.core.sandboxes import SandboxManager
 
 log = logging.getLogger(__name__)
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
-"""A built template's name (a snapshot name too: ``hangar.core.snapshots.check_name``)."""
-TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-DEFAULT_TAG = "default"
-TAGS_MAX = 100
-"""Tags a template may have (every tag is a name a create may use)."""
 LOG_BYTES = 4 << 20
 """Characters of log kept per build; later lines are dropped (the build goes on), and one
 line says so."""
@@ -165,6 +168,9 @@ class BuiltSource:
     env: dict[str, str]
     user: str
     workdir: str
+    shared: bool = False
+    """The operator's template, started by a team: its snapshot is the operator's
+    (``SandboxManager.provision``'s ``shared``)."""
 
 
 @dataclass
@@ -173,7 +179,7 @@ class _Running:
     size: int = 0
 
 
-class Builds(Uploads):
+class Builds(Registry):
     """Every template built on this server (one per ``SandboxManager``)."""
 
     def __init__(self, manager: SandboxManager) -> None:
@@ -185,71 +191,15 @@ class Builds(Uploads):
         self._logs: dict[str, _Running] = {}
         self._data: dict[str, Any] | None = None
 
-    # -- the registry ------------------------------------------------------------------
-
-    def _load(self) -> dict[str, Any]:
-        if self._data is None:
-            try:
-                data = json.loads(self._file.read_bytes())
-            except FileNotFoundError:
-                data = {"templates": {}}
-            for t in data["templates"].values():  # a build the server stopped during
-                for b in t["builds"].values():
-                    if b["status"] in ("waiting", "building"):
-                        b.update(status="error", reason="the server restarted during the "
-                                 "build", step="base", finished_at=time.time())
-            self._data = data
-        return self._data
-
-    def _save(self) -> None:
-        self.root.mkdir(mode=0o700, exist_ok=True)
-        atomic_write(self._file, json.dumps(self._load(), indent=1, sort_keys=True).encode())
-
-    def _template(self, name: str) -> dict[str, Any]:
-        t = self._load()["templates"].get(name)
-        if t is None:
-            raise NotFound(f"template {name!r} was not built here", template=name)
-        return t
-
-    def _build(self, name: str, build_id: str) -> dict[str, Any]:
-        b = self._template(name)["builds"].get(build_id)
-        if b is None:
-            raise NotFound(f"template {name!r} has no build {build_id!r}", template=name,
-                           build=build_id)
-        return b
-
-    @staticmethod
-    def check_name(name: str) -> None:
-        """Raise InvalidRequest unless ``name`` is a template name (``NAME_RE``)."""
-        if not NAME_RE.fullmatch(name):
-            raise InvalidRequest(f"name: {name[:80]!r} is not a template name (1 to 63 of "
-                                 "a-z, 0-9, '.', '_' and '-', a letter or digit first)",
-                                 field="name")
-
-    @staticmethod
-    def check_tags(tags: list[str], have: Any = ()) -> None:
-        """Raise InvalidRequest for a malformed tag, or past ``TAGS_MAX`` with ``have``."""
-        for tag in tags:
-            if not TAG_RE.fullmatch(tag):
-                raise InvalidRequest(f"tags: {tag[:80]!r} is not a tag (1 to 128 letters, "
-                                     "digits, '.', '_' and '-')", field="tags")
-        if len(set(have) | set(tags)) > TAGS_MAX:
-            raise InvalidRequest(f"tags: a template has at most {TAGS_MAX} tags", field="tags")
-
-    def names(self) -> list[str]:
-        """Every template built here (a build of it ready or not), sorted."""
-        return sorted(self._load()["templates"])
-
-    def exists(self, name: str) -> bool:
-        return name in self._load()["templates"]
-
     # -- builds ------------------------------------------------------------------------
 
     def new(self, name: str, tags: list[str], vcpus: int | None,
             memory_mib: int | None) -> BuildView:
         """A new build of ``name`` (the template made on its first build), waiting for
-        ``start``. Raises InvalidRequest (a bad name or tag)."""
+        ``start``. Raises InvalidRequest (a bad name or tag), Forbidden (a team's build
+        of the operator's template), LimitExceeded."""
         self.check_name(name)
+        name = self._named(name, change=True) if self.exists(name) else scoped(name)
         tags = list(dict.fromkeys(tags or [DEFAULT_TAG]))
         data = self._load()
         self.check_tags(tags, data["templates"].get(name, {}).get("tags", {}))
@@ -269,48 +219,61 @@ class Builds(Uploads):
         t["builds"][build_id] = {"status": "waiting", "created_at": now, "finished_at": None,
                                  "vcpus": vcpus, "memory_mib": memory_mib, "tags": tags}
         self._save()
-        return self.status(name, build_id)
+        return self._view(name, build_id)
 
     def status(self, name: str, build_id: str, offset: int = 0, limit: int = 100) -> BuildView:
         """Build ``build_id`` of ``name``, with its log lines from ``offset`` (at most
-        ``limit``). Raises NotFound."""
+        ``limit``). Raises NotFound, Forbidden (the operator's, to a team)."""
+        return self._view(self._named(name, change=True), build_id, offset, limit)
+
+    def _view(self, name: str, build_id: str, offset: int = 0, limit: int = 100) -> BuildView:
         b = self._build(name, build_id)
         run = self._logs.get(build_id)
         lines = tuple(run.logs[max(0, offset):max(0, offset) + limit]) if run else ()
         tags = tuple(k for k, v in self._template(name)["tags"].items() if v == build_id)
-        return BuildView(template=name, build_id=build_id, status=b["status"],
+        return BuildView(template=unscoped(name), build_id=build_id, status=b["status"],
                          created_at=b["created_at"], finished_at=b.get("finished_at"),
                          vcpus=b.get("vcpus"), memory_mib=b.get("memory_mib"),
                          tags=tags or tuple(b.get("tags") or ()), logs=lines,
                          reason=b.get("reason"), step=b.get("step"))
 
     def builds(self, name: str) -> list[BuildView]:
-        """Every build of ``name``, oldest first. Raises NotFound."""
+        """Every build of ``name``, oldest first (no logs). Raises NotFound."""
+        name = self._named(name)
         t = self._template(name)
         order = sorted(t["builds"], key=lambda k: t["builds"][k]["created_at"])
-        return [self.status(name, b, limit=0) for b in order]
+        return [self._view(name, b, limit=0) for b in order]
 
     def start(self, name: str, build_id: str, spec: BuildSpec, launch: Launch) -> None:
         """Run build ``build_id`` of ``name`` in the background. Raises NotFound,
         InvalidRequest (a ``Copy``'s files hash is not a SHA-256 in hex), Conflict (it was
-        started already, or another build of ``name`` runs)."""
+        started already, or another build of ``name`` runs), Forbidden (the operator's, to
+        a team)."""
+        name = self._named(name, change=True)
         b = self._build(name, build_id)
         for step in spec.steps:
             if isinstance(step, Copy):
                 self._check_hash(step.files)
         if b["status"] != "waiting":
-            raise Conflict(f"build {build_id} of template {name!r} was started already",
-                           template=name, build=build_id)
+            raise Conflict(f"build {build_id} of template {unscoped(name)!r} was started already",
+                           template=unscoped(name), build=build_id)
         if self._tasks.running(name) or any(
                 o["status"] == "building" for o in self._template(name)["builds"].values()):
-            raise Conflict(f"a build of template {name!r} is running; wait for it",
-                           template=name)
+            raise Conflict(f"a build of template {unscoped(name)!r} is running; wait for it",
+                           template=unscoped(name))
         b["status"] = "building"
         self._save()
         self._logs[build_id] = _Running()
         while len(self._logs) > LOGS_KEPT:  # dicts keep their order: the oldest first
             del self._logs[next(iter(self._logs))]
-        self._tasks.start(name, self._run(name, build_id, spec, launch))
+        self._tasks.start(name, self._as_owner(name, self._run(name, build_id, spec, launch)))
+
+    @staticmethod
+    async def _as_owner(name: str, work: Awaitable[None]) -> None:
+        """Run a build's ``work`` with the team of template ``name`` acting (a task runs
+        with none): its build sandbox and snapshots are the team's."""
+        with acting_for(owner_of(name)):
+            await work
 
     def _say(self, build_id: str) -> Callable[[str, str], None]:
         run = self._logs[build_id]
@@ -328,7 +291,8 @@ class Builds(Uploads):
     def _event(self, phase: str, name: str, build_id: str, **data: Any) -> None:
         """``template.build.<phase>`` on the live event stream (``hangar events``)."""
         self.m.events.publish(f"template.build.{phase}", data.pop("sandbox_id", None),
-                              template=name, build_id=build_id, **data)
+                              team=owner_of(name), template=bare(name),
+                              build_id=build_id, **data)
 
     async def _run(self, name: str, build_id: str, spec: BuildSpec, launch: Launch) -> None:
         say = self._say(build_id)
@@ -376,7 +340,7 @@ class Builds(Uploads):
                                         self._keeper(name, spec, sid, say))
                 await steps.start(spec.start, spec.ready, state, READY_TIMEOUT_S)
                 say("info", "[builder] saving the template's snapshot")
-                snap = await self.m.snapshot(sid, name=name)
+                snap = await self.m.snapshot(sid, name=bare(name))
                 # a template's ENV may hold keys: sealed by the vault, as creates' envVars
                 b.update(snapshot_id=snap.id, env_sealed=self._seal(state.env),
                          user=state.user, workdir=state.workdir)
@@ -403,7 +367,7 @@ class Builds(Uploads):
             b.update(status="ready", finished_at=time.time(), digest=digest)
             self._retag(name, build_id, list(b.get("tags") or [DEFAULT_TAG]))
             self._save()
-        say("info", f"build {build_id} of template {name!r} is ready")
+        say("info", f"build {build_id} of template {bare(name)!r} is ready")
         self._event("ready", name, build_id, snapshot_id=b["snapshot_id"])
 
     def _fail(self, name: str, build_id: str, message: str, step: str,
@@ -479,18 +443,21 @@ class Builds(Uploads):
 
     def source(self, ref: str) -> BuiltSource | None:
         """The built template ``ref`` (``name`` or ``name:tag``; no tag: ``default``)
-        starts from, or None when ``ref`` names no template built here. Raises NotFound
-        for a template built here whose tag has no ready build."""
+        starts from, or None when ``ref`` names no template built here that the acting
+        team sees. Raises NotFound for a template built here whose tag has no ready
+        build."""
         name, _, tag = ref.partition(":")
-        t = self._load()["templates"].get(name)
-        if t is None:
+        if not self.exists(name):
             return None
+        name = self._named(name)
+        t = self._template(name)
         build_id = t["tags"].get(tag or DEFAULT_TAG)
         b = t["builds"].get(build_id) if build_id else None
         if b is None or not b.get("snapshot_id"):
             raise NotFound(f"template {ref!r} has no ready build", template=ref)
         return BuiltSource(b["snapshot_id"], self._open(b.get("env_sealed")),
-                           b.get("user") or "root", b.get("workdir") or "/")
+                           b.get("user") or "root", b.get("workdir") or "/",
+                           shared=owner_of(name) != acting())
 
     def _seal(self, env: dict[str, str]) -> str:
         return self.m.vault.seal(ENV_LABEL, json.dumps(env, sort_keys=True).encode())
@@ -504,13 +471,14 @@ class Builds(Uploads):
 
     def tags(self, name: str) -> list[tuple[str, str, float]]:
         """(tag, build id, when the build was made) of ``name``. Raises NotFound."""
-        t = self._template(name)
+        t = self._template(self._named(name))
         return [(tag, b, t["builds"][b]["created_at"]) for tag, b in sorted(t["tags"].items())]
 
     async def assign_tags(self, target: str, tags: list[str]) -> tuple[str, list[str]]:
         """Point ``tags`` at the build ``target`` (``name:tag``) names; (its build id,
-        the tags). Raises NotFound, InvalidRequest."""
+        the tags). Raises NotFound, InvalidRequest, Forbidden (the operator's, to a team)."""
         name, _, tag = target.partition(":")
+        name = self._named(name, change=True)
         async with self._lock:
             t = self._template(name)
             build_id = t["tags"].get(tag or DEFAULT_TAG)
@@ -523,12 +491,14 @@ class Builds(Uploads):
 
     async def remove_tags(self, name: str, tags: list[str]) -> None:
         """Remove ``tags`` from ``name`` (a build no tag names loses its snapshot).
-        Raises NotFound (no such template or tag)."""
+        Raises NotFound (no such template or tag), Forbidden (the operator's, to a team)."""
+        name = self._named(name, change=True)
         async with self._lock:
             t = self._template(name)
             for tag in tags:
                 if tag not in t["tags"]:
-                    raise NotFound(f"template {name!r} has no tag {tag!r}", template=name)
+                    raise NotFound(f"template {unscoped(name)!r} has no tag {tag!r}",
+                                   template=unscoped(name))
             for tag in tags:
                 del t["tags"][tag]
             self._retag(name, "", [])
@@ -536,7 +506,8 @@ class Builds(Uploads):
 
     async def discard(self, name: str, build_id: str) -> None:
         """Forget build ``build_id`` of ``name`` if it never started, and the template when
-        it has no other build (nothing was made for either). Raises NotFound."""
+        it has no other build (nothing was made for either). Raises NotFound, Forbidden."""
+        name = self._named(name, change=True)
         async with self._lock:
             t = self._template(name)
             if t["builds"].get(build_id, {}).get("status") != "waiting":
@@ -545,16 +516,20 @@ class Builds(Uploads):
             if t["builds"]:
                 self._save()
                 return
-        await self.delete(name)
+        await self._delete(name)
 
     async def delete(self, name: str) -> None:
         """Remove template ``name``: its snapshots, uploads and records. Raises NotFound,
         Conflict (a build of it runs, or a create restores one of its snapshots now: try
-        again)."""
+        again), Forbidden (the operator's, to a team)."""
+        await self._delete(self._named(name, change=True))
+
+    async def _delete(self, name: str) -> None:
         async with self._lock:
             t = self._template(name)
             if self._tasks.running(name):
-                raise Conflict(f"a build of template {name!r} is running", template=name)
+                raise Conflict(f"a build of template {unscoped(name)!r} is running",
+                               template=unscoped(name))
             for layer in (t.get("layers") or {}).values():
                 self._drop_snapshot(layer["snapshot_id"])
             for b in t["builds"].values():
@@ -569,7 +544,7 @@ class Builds(Uploads):
                     b["snapshot_id"] = None
             del self._load()["templates"][name]
             self._save()
-        folder = self.root / "files" / name
+        folder = self._folder(name)
         if folder.is_dir():
             for p in folder.iterdir():
                 p.unlink(missing_ok=True)
@@ -578,3 +553,4 @@ class Builds(Uploads):
     async def close(self) -> None:
         """Stop the builds that run (each is then an error, its sandbox deleted)."""
         await self._tasks.stop()
+

@@ -24,7 +24,7 @@ from hangar.core.launch import Launcher
 from hangar.core.lifecycle import State
 from hangar.core.pool import WarmPool
 from hangar.core.store import SandboxRecord
-from hangar.errors import Conflict, Forbidden, HangarError, InvalidRequest
+from hangar.errors import Conflict, HangarError, InvalidRequest
 from hangar.images import GuestImage, resolve_image
 
 log = logging.getLogger("hangar.sandboxes")
@@ -49,7 +49,7 @@ class Creation:
         id, is then not used).
 
         Raises LimitExceeded (cap on concurrent VMs reached), NotFound (no
-        such image), InvalidRequest (bad desktop or network), EngineError or
+        such image, volume or secret: another team's is missing), InvalidRequest (bad desktop or network), EngineError or
         Timeout (the VM did not come up), Conflict (deleted while being
         created); on any failure nothing of the sandbox is left.
         """
@@ -57,13 +57,11 @@ class Creation:
         image = resolve_image(self.ctx.layout, opts.image or self.ctx.settings.default_image)
         if opts.desktop:
             check_desktop(opts.desktop, image)
-        if opts.team is not None and (opts.volumes or opts.secrets):
-            raise Forbidden("a team's key cannot mount volumes or take vault secrets yet: "
-                            "they are not scoped to teams (the operator's key can)",
-                            team=opts.team)
         network = self.launcher.policy(opts.network)
         volumes = self.launcher.volumes
-        volumes.plan("-", opts.volumes)  # a bad request is a 4xx before anything else
+        # a bad request is a 4xx before anything else; a team names its own volumes and
+        # secrets only (another's is missing: hangar.core.teams)
+        volumes.plan("-", opts.volumes)
         wanted = self.launcher.vault.check_request(opts.secrets)  # hangar.core.secrets
         if wanted and not network:
             raise InvalidRequest("a sandbox with secrets needs a network (its egress proxy "

@@ -67,7 +67,6 @@ from hangar.core.commands import Command
 from hangar.core.lifecycle import State
 from hangar.core.ports import Exposure
 from hangar.core.store import SandboxRecord
-from hangar.core.teams import acting
 from hangar.errors import (
     Forbidden, GuestError, HangarError, InvalidRequest, NotFound, Unauthorized,
 )
@@ -329,6 +328,9 @@ class Source:
     name: str
     asked: str
     """The name the client gave."""
+    shared: bool = False
+    """A snapshot of the operator's that a team starts from (a built template's:
+    ``SandboxManager.provision``'s ``shared``)."""
 
 
 def _untagged(name: str) -> str:
@@ -346,10 +348,8 @@ def resolve(manager: SandboxManager, template_id: str) -> Source:
     if not asked or "/" in asked or asked.startswith("."):
         raise InvalidRequest(f"bad template name {template_id!r}", template=template_id)
     name = _untagged(asked)
-    # a team's key starts from images and built templates only: snapshots are not scoped
-    # to teams yet (hangar.core.teams), so another's is never a team's template
-    for find in (() if acting() is not None else (manager.get_snapshot,
-                                                   manager.named_snapshot)):
+    # a team sees its own snapshots only (hangar.core.teams): another's is missing
+    for find in (manager.get_snapshot, manager.named_snapshot):
         try:  # a snapshot's id, or its name: its newest snapshot
             return Source("snapshot", find(name).id, asked)
         except NotFound:

@@ -44,9 +44,11 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from hangar.core.teams import acting
 
 RING_SIZE = 4096
 """Events kept for clients that reconnect with ``Last-Event-ID``."""
@@ -63,6 +65,8 @@ class Event:
     kind: str
     sandbox_id: str | None = None
     data: dict[str, Any] = field(default_factory=dict)
+    team: str | None = None
+    """The team it concerns (``EventBus.publish``), or None: the operator's alone."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "time": self.time, "kind": self.kind,
@@ -75,9 +79,12 @@ class _Subscriber:
     queue: asyncio.Queue[Event | None]
     kinds: tuple[str, ...]
     sandbox_id: str | None
+    team: str | None = None
     dropped: int = 0
 
     def wants(self, ev: Event) -> bool:
+        if self.team is not None and ev.team != self.team:
+            return False
         if self.sandbox_id is not None and ev.sandbox_id != self.sandbox_id:
             return False
         return not self.kinds or any(ev.kind == k or ev.kind.startswith(k + ".")
@@ -109,11 +116,25 @@ class EventBus:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._subs: list[_Subscriber] = []
+        self.owner: Callable[[str], str | None] = lambda sandbox_id: None
+        """The team of a sandbox (set by the manager: ``hangar.core.teams``)."""
 
-    def publish(self, kind: str, sandbox_id: str | None = None, **data: Any) -> Event:
-        """Record an event and hand it to the subscribers that want it."""
+    def publish(self, kind: str, sandbox_id: str | None = None, *, team: str | None = None,
+                **data: Any) -> Event:
+        """Record an event and hand it to the subscribers that want it.
+
+        It concerns ``team``, else the acting team (``hangar.core.teams``), else the team
+        of ``sandbox_id``'s sandbox; a team's subscribers see only the events of their
+        team, the operator's see every one."""
+        if team is None:
+            team = acting()
+        if team is None and sandbox_id is not None:
+            try:
+                team = self.owner(sandbox_id)
+            except Exception:  # events are best effort; the operator still sees it
+                team = None
         with self._lock:
-            ev = Event(next(self._ids), round(time.time(), 3), kind, sandbox_id, data)
+            ev = Event(next(self._ids), round(time.time(), 3), kind, sandbox_id, data, team)
             self._ring.append(ev)
             subs = [] if self.closed else list(self._subs)
         for sub in subs:
@@ -163,17 +184,18 @@ class EventBus:
             return self._ring[-1].id if self._ring else 0
 
     async def subscribe(self, last_id: int | None = None, kinds: Iterable[str] = (),
-                        sandbox_id: str | None = None,
-                        idle: float | None = None) -> AsyncIterator[Event | None]:
+                        sandbox_id: str | None = None, idle: float | None = None,
+                        team: str | None = None) -> AsyncIterator[Event | None]:
         """Yield missed events after ``last_id`` from the ring, then live ones.
 
         ``kinds`` filters by kind or prefix (``exec`` matches ``exec.finished``);
-        ``sandbox_id`` by sandbox. With ``idle`` (seconds), yields None
+        ``sandbox_id`` by sandbox; ``team`` (a team's subscriber) to that team's events
+        (None: every event, the operator's view). With ``idle`` (seconds), yields None
         whenever that long passed without an event (time for a keep-alive).
         Runs until the caller stops iterating or the bus is closed.
         """
         sub = _Subscriber(asyncio.get_running_loop(), asyncio.Queue(SUBSCRIBER_QUEUE),
-                          tuple(kinds), sandbox_id)
+                          tuple(kinds), sandbox_id, team)
         with self._lock:
             if self.closed:
                 return

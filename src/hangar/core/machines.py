@@ -13,6 +13,13 @@ toward the other, and puts a machine idle for ``idle_timeout_s`` (default
 sleeping machine's sandbox wake it first, so callers never manage sleep.
 Sleeping machines hold no VMM and do not count against the VM cap.
 
+Machines belong to teams (``hangar.core.teams``): a team's machine of user
+``alice`` is stored (its record's key, its sandbox's ``user_id``) as
+``TEAM/alice`` (``scoped``) and shown as ``alice``; its sandbox is the team's.
+Another team's user of the same id is another machine; a machine of another
+team is missing (404) to a team's key and absent from its list. The operator
+sees every machine, a team's by its stored name.
+
 ``MachineManager.reconcile`` (a pass of the reconcile loop) keeps the
 machine records true: a record whose sandbox is gone is removed, and a
 machine's sandbox without a record (a server killed between creating the
@@ -34,6 +41,7 @@ from hangar.core.handover import Placement
 from hangar.core.lifecycle import GONE, LIVE, PUBLIC, Face, State, public_name
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.store import MachineRecord, SandboxRecord
+from hangar.core.teams import name_visible, owner_of, scoped, unscoped
 from hangar.errors import HangarError, InvalidRequest, NotFound
 
 log = logging.getLogger("hangar.machines")
@@ -72,6 +80,8 @@ class MachineManager:
         self.idle_timeout_s = idle_timeout_s
         self._locks: dict[str, asyncio.Lock] = {}
         sandboxes.reconciler.add_pass("machines", self.reconcile)
+        sandboxes.teams.count("machines", lambda team: sum(
+            1 for m in self.store.list(MachineRecord) if owner_of(m.user_id) == team))
 
     @staticmethod
     def check_user(user_id: str) -> None:
@@ -81,13 +91,14 @@ class MachineManager:
 
     def _view(self, m: MachineRecord, rec: SandboxRecord) -> Machine:
         return Machine(
-            user_id=m.user_id, sandbox_id=rec.id, state=NAMES[rec.state],
+            user_id=unscoped(m.user_id), sandbox_id=rec.id, state=NAMES[rec.state],
             desired_state=desired_name(rec.desired_state),
             idle_timeout_s=m.idle_timeout_s, last_active_at=rec.last_active_at,
             created_at=m.created_at)
 
-    def _find(self, user_id: str) -> tuple[MachineRecord, SandboxRecord] | None:
-        m = self.store.find(MachineRecord, user_id)
+    def _find(self, stored: str) -> tuple[MachineRecord, SandboxRecord] | None:
+        """The machine stored under ``stored`` (a ``scoped`` user id) and its sandbox."""
+        m = self.store.find(MachineRecord, stored)
         if m is None:
             return None
         rec = self.store.get(m.sandbox_id)
@@ -96,18 +107,21 @@ class MachineManager:
         return m, rec
 
     def list(self) -> list[Machine]:
-        """Every user's machine, oldest first."""
+        """Every user's machine the acting team may see, oldest first."""
         out = []
         for m in sorted(self.store.list(MachineRecord), key=lambda m: m.created_at):
+            if not name_visible(m.user_id):
+                continue
             found = self._find(m.user_id)
             if found is not None:
                 out.append(self._view(*found))
         return out
 
     def get(self, user_id: str) -> Machine:
-        """The user's machine. Raises NotFound."""
+        """The user's machine (of the acting team). Raises NotFound (also for another
+        team's: it has none of that user)."""
         self.check_user(user_id)
-        found = self._find(user_id)
+        found = self._find(scoped(user_id))
         if found is None:
             raise NotFound(f"user {user_id} has no machine", user_id=user_id)
         return self._view(*found)
@@ -116,21 +130,23 @@ class MachineManager:
                             opts: CreateOptions | None = None,
                             placement: Placement | None = None) -> tuple[Machine, bool]:
         """The user's machine, created (and booted) if there is none; (machine, created).
-        ``placement``: the id a cluster claimed for a new one."""
+        ``placement``: the id a cluster claimed for a new one. A new one's sandbox is the
+        acting team's (``SandboxManager.create``)."""
         self.check_user(user_id)
-        async with self._locks.setdefault(user_id, asyncio.Lock()):
-            found = self._find(user_id)
+        stored = scoped(user_id)
+        async with self._locks.setdefault(stored, asyncio.Lock()):
+            found = self._find(stored)
             if found is not None:
                 return self._view(*found), False
             idle = idle_timeout_s or self.idle_timeout_s
             base = opts or CreateOptions()
             rec = await self.sandboxes.create(dataclasses.replace(
                 base, timeout_s=0, idle_timeout_s=idle,
-                user_id=user_id), placement)
+                user_id=stored), placement)
             # No await from here to the record: the reconcile pass never sees
             # this sandbox without its machine record.
-            self.store.remove(MachineRecord, user_id)
-            m = MachineRecord(user_id=user_id, sandbox_id=rec.id, idle_timeout_s=idle,
+            self.store.remove(MachineRecord, stored)
+            m = MachineRecord(user_id=stored, sandbox_id=rec.id, idle_timeout_s=idle,
                               created_at=time.time())
             self.store.add(m)
             return self._view(m, rec), True
@@ -165,10 +181,11 @@ class MachineManager:
         """Remove the machine, its VM and its sleep snapshot."""
         m = self.get(user_id)
         await self.sandboxes.delete(m.sandbox_id)
-        self.store.remove(MachineRecord, user_id)
+        self.store.remove(MachineRecord, scoped(user_id))
 
     async def reconcile(self) -> None:
-        """Keep machine records true to their sandboxes (see the module docstring)."""
+        """Keep machine records true to their sandboxes (see the module docstring). Runs
+        with no team acting: it reads every team's machines by their stored names."""
         machines = {m.user_id: m for m in self.store.list(MachineRecord)}
         owned = {m.sandbox_id for m in machines.values()}
         for m in machines.values():

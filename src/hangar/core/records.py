@@ -123,6 +123,8 @@ class SnapshotRecord(Base):
     """A name the client gave it (several may share one; the newest answers to it)."""
     memory: Mapped[bool | None] = mapped_column(Boolean, nullable=True, default=None)
     """False: the disk alone (booted from, never restored); None or True: a full one."""
+    team: Mapped[str | None] = mapped_column(String(64), nullable=True, default=None)
+    """The team of the sandbox it was taken of (``hangar.core.teams``), or None."""
 
 
 class MachineRecord(Base):

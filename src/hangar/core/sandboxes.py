@@ -160,6 +160,7 @@ class SandboxManager:
         """Teams, their quotas and who sees what (``core.teams``)."""
         self.admission.teams = self.teams
         self.launcher = Launcher(ctx, secret_key)
+        self.launcher.volumes.teams = self.teams
         self.removal = Removal(ctx, self.launcher)
         targets = templates(settings)
         self.pool: WarmPool | None = (
@@ -177,6 +178,7 @@ class SandboxManager:
         """Background processes that outlive their connection (``core.processes``)."""
         self.ports = Ports(ctx)
         self.secrets = SecretsFace(self.launcher.vault, self.launcher.secret_proxies)
+        self.teams.count("secrets", self.launcher.vault.held_by)
         """The vault, as views (``core.surfaces.SecretsFace``)."""
         self.network = NetworkFace(self.launcher.rules, self.launcher.secret_proxies)
         """Running sandboxes' egress rules (``core.surfaces.NetworkFace``)."""
@@ -184,6 +186,7 @@ class SandboxManager:
         self.code = CodeFace(self)
         """The code interpreter (``core.surfaces.CodeFace``)."""
         self.builds = Builds(self)
+        self.teams.count("templates", self.builds.held_by)
         """Template builds in build sandboxes (``core.builds``)."""
         self.pulls = ImagePulls(settings, layout.root, engine.helper)
         """A registry's images pulled as Hangar images, for builds (``core.pulls``)."""
@@ -370,19 +373,21 @@ class SandboxManager:
         return SandboxView.of(await self.creation.create(_for_team(opts), placement))
 
     async def provision(self, opts: CreateOptions, *, snapshot_id: str | None = None,
-                        prepare: Callable[[str], Awaitable[object]] | None = None
-                        ) -> SandboxView:
+                        prepare: Callable[[str], Awaitable[object]] | None = None,
+                        shared: bool = False) -> SandboxView:
         """A sandbox made ready in one verb: created from ``opts`` (or forked from the
-        snapshot ``snapshot_id``), then ``prepare(sandbox_id)`` run in it (a guest setup
-        a protocol needs, such as E2B's default user) while it has no expiry, and only then
+        snapshot ``snapshot_id``; ``shared``: it may be the operator's, a built template's
+        that a team starts from: ``Snapshots.get``), then ``prepare(sandbox_id)`` run in it
+        (a guest setup a protocol needs, such as E2B's default user) while it has no
+        expiry, and only then
         its time to live started (``opts.timeout_s`` seconds, else the server's default; 0:
         none). All or nothing: on any failure, the create's or ``prepare``'s, the sandbox
         is deleted and the error raised. Raises what ``create``/``fork`` and ``prepare``
         raise, and Conflict when it was deleted meanwhile."""
         ttl = opts.timeout_s if opts.timeout_s is not None else self.settings.default_timeout_s
         clockless = replace(opts, timeout_s=0)  # no expiry until it is ready
-        rec = (await self.fork(snapshot_id, clockless) if snapshot_id is not None
-               else await self.create(clockless))
+        rec = (await self.fork(snapshot_id, clockless, shared=shared)
+               if snapshot_id is not None else await self.create(clockless))
         try:
             if prepare is not None:
                 await prepare(rec.id)
@@ -415,11 +420,11 @@ class SandboxManager:
         return SandboxView.of(await self.snapshots.restore(sandbox_id, snapshot_id))
 
     async def fork(self, snapshot_id: str, opts: CreateOptions,
-                   placement: Placement | None = None) -> SandboxView:
+                   placement: Placement | None = None, shared: bool = False) -> SandboxView:
         """See ``Snapshots.fork``; ``placement``: the id a cluster claimed for it. Made
         for the acting team (``core.teams``) unless ``opts`` names one."""
         return SandboxView.of(await self.snapshots.fork(snapshot_id, _for_team(opts),
-                                                        placement))
+                                                        placement, shared))
 
     async def adopt(self, adoptee: Adoptee) -> SandboxView:
         """Take over a sleeping sandbox from another node. See ``Handover.adopt``."""

@@ -20,6 +20,12 @@ Snapshots carry their sandbox's binding (same placeholders, same CA: the guest's
 holds both), so a restore, a fork or a wake resolves the same placeholders against the
 vault as it is then; a deleted secret is then refused like any unknown placeholder.
 
+A secret stored with a team's key is the team's (``hangar.core.teams``): stored as
+``TEAM/name`` (``scoped``; sealed under that name), so names are unique per team. A
+team reads, rotates, deletes and binds its own secrets only, by the names it gave;
+another team's is ``NotFound`` worded as a missing one. A binding keeps the stored
+name, so a snapshot's, fork's or restore's resolves the same secret whoever acts.
+
 Errors: InvalidRequest (bad name, value or hosts; a create naming a secret twice),
 NotFound (no such secret), Conflict (the name is taken), ConfigError (an unreadable key).
 """
@@ -41,8 +47,10 @@ from sqlalchemy import JSON, Float, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from hangar.core.store import Base, Store
+from hangar.core.teams import SCOPE_SEP, acting, name_visible, scoped
 from hangar.errors import ConfigError, Conflict, InvalidRequest, NotFound
 from hangar.layout import Layout
+from hangar.teams import NAME as TEAM_NAME
 from hangar.schemas.secrets import (ENV_NAME, MAX_SECRETS_PER_SANDBOX, SECRET_NAME, check_hosts,
                                     check_value)
 
@@ -64,7 +72,8 @@ bundle that trusts the sandbox's proxy."""
 
 
 class SecretRecord(Base):
-    """A stored secret; ``sealed`` is base64 of nonce + AES-GCM ciphertext of its value."""
+    """A stored secret; ``sealed`` is base64 of nonce + AES-GCM ciphertext of its value.
+    ``name``: as stored, ``TEAM/name`` for a team's (``hangar.core.teams.scoped``)."""
 
     __tablename__ = "secrets"
 
@@ -87,6 +96,13 @@ class SecretBindingRecord(Base):
     env: Mapped[dict[str, Any]] = mapped_column(JSON)
     ca_cert: Mapped[str] = mapped_column(Text)
     ca_key: Mapped[str] = mapped_column(Text)
+
+
+def stored_name(name: str) -> bool:
+    """Whether ``name`` is a stored secret's name: a name (``NAME``), or a team's
+    ``TEAM/name``."""
+    team, sep, rest = (name or "").partition(SCOPE_SEP)
+    return bool(NAME.match(name or "") or (sep and TEAM_NAME.match(team) and NAME.match(rest)))
 
 
 def default_key_file() -> Path:
@@ -163,24 +179,40 @@ class Vault:
     # -- secrets ------------------------------------------------------------------------
 
     def list(self) -> list[SecretRecord]:
-        return sorted(self.store.list(SecretRecord), key=lambda r: r.name)
+        """The secrets the acting team may see, by stored name."""
+        return sorted((r for r in self.store.list(SecretRecord) if name_visible(r.name)),
+                      key=lambda r: r.name)
+
+    def held_by(self, team: str) -> int:
+        """How many secrets team ``team`` holds (stored as ``TEAM/name``)."""
+        return sum(1 for r in self.store.list(SecretRecord)
+                   if r.name.startswith(team + SCOPE_SEP))
 
     def get(self, name: str) -> SecretRecord:
-        """Raises NotFound."""
-        rec = self.store.find(SecretRecord, name) if NAME.match(name or "") else None
-        if rec is None:
+        """The secret the acting team calls ``name`` (``scoped``; the operator may also
+        give a team's whole ``TEAM/name``). Raises NotFound, for another team's secret in
+        the very words of a missing one."""
+        name = name or ""
+        if NAME.match(name):
+            stored: str | None = scoped(name)
+        else:
+            stored = name if acting() is None and stored_name(name) else None
+        rec = self.store.find(SecretRecord, stored) if stored is not None else None
+        if rec is None or not name_visible(rec.name):
             raise NotFound(f"no secret {name[:64]!r}")
         return rec
 
     def add(self, name: str, value: str, hosts: list[str]) -> SecretRecord:
-        """Store a new secret. Raises InvalidRequest (bad input), Conflict (name taken),
-        LimitExceeded is not used: past ``MAX_SECRETS`` it is InvalidRequest."""
+        """Store a new secret, the acting team's (stored as ``scoped(name)``). Raises
+        InvalidRequest (bad input), Conflict (name taken), LimitExceeded is not used: past
+        ``MAX_SECRETS`` it is InvalidRequest."""
         if not NAME.match(name or ""):
             raise InvalidRequest(f"a secret's name matches {SECRET_NAME}")
         hosts = self._checked(value, hosts)
+        shown, name = name, scoped(name)
         if self.store.find(SecretRecord, name) is not None:
-            raise Conflict(f"a secret named {name!r} exists; rotate it (hangar secret rotate, "
-                           f"rotate_secret, PUT /secrets/{name})")
+            raise Conflict(f"a secret named {shown!r} exists; rotate it (hangar secret rotate, "
+                           f"rotate_secret, PUT /secrets/{shown})")
         if len(self.store.list(SecretRecord)) >= MAX_SECRETS:
             raise InvalidRequest(f"this server keeps at most {MAX_SECRETS} secrets")
         now = time.time()
@@ -190,7 +222,7 @@ class Vault:
             self.store.add(rec)
         except Exception as exc:  # a concurrent add of the same name (primary key)
             if "UNIQUE" in str(exc):
-                raise Conflict(f"a secret named {name!r} exists") from None
+                raise Conflict(f"a secret named {shown!r} exists") from None
             raise
         return rec
 
@@ -198,8 +230,8 @@ class Vault:
         """Replace a secret's value (and hosts). Raises NotFound, InvalidRequest."""
         old = self.get(name)
         hosts = self._checked(value, hosts if hosts is not None else list(old.hosts))
-        rec = self.store.change(SecretRecord, name, hosts=hosts, updated_at=time.time(),
-                                sealed=self.seal(name, value.encode()))
+        rec = self.store.change(SecretRecord, old.name, hosts=hosts, updated_at=time.time(),
+                                sealed=self.seal(old.name, value.encode()))
         if rec is None:
             raise NotFound(f"no secret {name!r}")
         return rec
@@ -220,8 +252,9 @@ class Vault:
 
     def check_request(self, wanted: Mapping[str, str] | None) -> dict[str, str]:
         """A create's ``secrets`` ({variable: secret name}), checked: names and variables
-        well formed, at most ``MAX_SECRETS_PER_SANDBOX``, every secret stored. Raises
-        InvalidRequest, NotFound (naming the missing secret)."""
+        well formed, at most ``MAX_SECRETS_PER_SANDBOX``, every secret stored and the
+        acting team's (``get``). Returns {variable: stored name}. Raises InvalidRequest,
+        NotFound (naming the missing secret; another team's is missing)."""
         if not wanted:
             return {}
         if len(wanted) > MAX_SECRETS_PER_SANDBOX:
@@ -234,8 +267,7 @@ class Vault:
                                      f"{', '.join(CA_ENV)})")
             if not isinstance(name, str) or not NAME.match(name):
                 raise InvalidRequest(f"secrets[{var}]: a secret's name matches {SECRET_NAME}")
-            self.get(name)
-            out[var] = name
+            out[var] = self.get(name).name
         return out
 
     def bind(self, owner: str, wanted: Mapping[str, str], ca_cert: str, ca_key: bytes) -> None:
@@ -316,9 +348,10 @@ class Vault:
             if not isinstance(b, dict) or not PLACEHOLDER.match(str(b.get("placeholder", ""))):
                 continue
             name = str(b.get("secret", ""))
-            sec = self.store.find(SecretRecord, name) if NAME.match(name) else None
+            sec = self.store.find(SecretRecord, name) if stored_name(name) else None
             value = self.open(name, sec.sealed).decode() if sec is not None else None
-            out[b["placeholder"]] = {"name": name, "value": value,
+            # named in refusals and events as its sandbox's team calls it (its own team's)
+            out[b["placeholder"]] = {"name": name.split(SCOPE_SEP, 1)[-1], "value": value,
                                      "hosts": list(sec.hosts) if sec is not None else []}
         return out
 

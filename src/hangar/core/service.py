@@ -46,7 +46,9 @@ from hangar.core.admission import CreateOptions, new_id
 from hangar.core.build_steps import Copy, Env, Run, Step, User, Workdir
 from hangar.core.build_steps import State as BuildState
 from hangar.core.pulls import Credentials, ImagePulls
-from hangar.core.teams import Teams, TeamView, Usage, act_as, acting_for
+from hangar.core.teams import (
+    Teams, TeamView, Usage, act_as, acting, acting_for, name_visible, scoped, unscoped,
+)
 from hangar.core.build_uploads import UPLOAD_MAX
 from hangar.core.builds import Builds, BuildSpec, BuildView, BuiltSource, LogLine
 from hangar.core.commands import (
@@ -102,7 +104,8 @@ __all__ = [
     # the services and their sub-surfaces
     "SandboxService", "SandboxManager", "MachineService", "MachineManager", "CodeFace",
     "FilesFace", "NetworkFace", "SecretsFace", "VolumesFace", "Desktop", "Builds",
-    "ImagePulls", "Credentials", "Teams", "TeamView", "Usage", "acting_for", "act_as",
+    "ImagePulls", "Credentials", "Teams", "TeamView", "Usage", "acting", "acting_for", "act_as",
+    "scoped", "unscoped", "name_visible",
     "SURFACE_TYPES", "e2b",
     "e2b_user",
     # views

@@ -30,6 +30,7 @@ from hangar.core.lifecycle import State
 from hangar.core.registry import Runtime
 from hangar.core.removal import Removal
 from hangar.core.store import SandboxRecord, SnapshotRecord
+from hangar.core.teams import Teams, acting
 from hangar.core.testhooks import crash_point
 from hangar.core.views import SandboxView, SnapshotView
 from hangar.errors import Busy, Conflict, InvalidRequest, NotFound
@@ -107,7 +108,7 @@ class Snapshots:
                 created_at=time.time(), image=rec.image, image_digest=rec.image_digest,
                 vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=rec.disk_mib,
                 desktop=rec.desktop, network=rec.network, name=name,
-                memory=None if memory else False)
+                memory=None if memory else False, team=rec.team)
             self.launcher.vault.copy(rec.id, snap_id)  # its placeholders and CA, if any
             ctx.store.add_snapshot(snap, sleep_of=rec.id if kind == "sleep" else None)
             outcome = "ok"
@@ -150,23 +151,31 @@ class Snapshots:
 
     # -- reading and removing -----------------------------------------------------------
 
-    def get(self, snapshot_id: str) -> SnapshotRecord:
-        """A user snapshot. Raises NotFound."""
+    def get(self, snapshot_id: str, shared: bool = False) -> SnapshotRecord:
+        """A user snapshot the acting team may see (``hangar.core.teams``: another
+        team's is missing), or with ``shared`` one of the operator's too (a built
+        template's, which every team starts from: ``hangar.core.builds``). Raises
+        NotFound."""
         snap = self.ctx.store.find(SnapshotRecord, snapshot_id)
-        if snap is None or snap.kind != "user":
+        if snap is None or snap.kind != "user" or not (
+                Teams.visible(snap) or shared and snap.team is None):
             raise NotFound(f"no snapshot {snapshot_id}", snapshot_id=snapshot_id)
         return snap
 
     def named(self, name: str) -> SnapshotRecord:
-        """The newest user snapshot named ``name``. Raises NotFound."""
-        snaps = [s for s in self.list() if s.name == name]
+        """The newest user snapshot named ``name`` in the acting team's names (the
+        operator's: those of no team; names are given per team). Raises NotFound."""
+        who = acting()
+        snaps = [s for s in self.list() if s.name == name and s.team == who]
         if not snaps:
             raise NotFound(f"no snapshot named {name!r}", snapshot=name)
         return snaps[-1]
 
     def list(self, sandbox_id: str | None = None) -> list[SnapshotRecord]:
-        """User snapshots, oldest first; only ``sandbox_id``'s when given."""
-        snaps = [s for s in self.ctx.store.list(SnapshotRecord) if s.kind == "user"]
+        """User snapshots the acting team may see, oldest first; only ``sandbox_id``'s
+        when given."""
+        snaps = [s for s in self.ctx.store.list(SnapshotRecord)
+                 if s.kind == "user" and Teams.visible(s)]
         if sandbox_id is not None:
             snaps = [s for s in snaps if s.sandbox_id == sandbox_id]
         return sorted(snaps, key=lambda s: s.created_at)
@@ -261,9 +270,10 @@ class Snapshots:
         return rec
 
     async def fork(self, snapshot_id: str, opts: CreateOptions,
-                   placement: Placement | None = None) -> SandboxRecord:
+                   placement: Placement | None = None, shared: bool = False) -> SandboxRecord:
         """A new sandbox started from a snapshot (its shape: vCPUs, memory, disk, desktop),
-        under the id a cluster claimed for it when ``placement`` is given.
+        under the id a cluster claimed for it when ``placement`` is given; ``shared``: the
+        snapshot may be the operator's (``get``).
 
         Raises NotFound, LimitExceeded, Conflict (deleted while being
         created), or the engine's errors (nothing is left).
@@ -271,7 +281,7 @@ class Snapshots:
         ctx = self.ctx
         started = time.monotonic()
         await ctx.hooks.fetch_snapshot(snapshot_id)
-        snap = self.get(snapshot_id)
+        snap = self.get(snapshot_id, shared)
         image = resolve_pinned(ctx.layout, snap.image, snap.image_digest)
         rec = self.admission.new_record(
             placement.sandbox_id if placement is not None else new_id(), State.CREATING, image,

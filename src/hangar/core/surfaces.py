@@ -22,11 +22,13 @@ used as they are; these three wrap the ones that are not:
 from __future__ import annotations
 
 import builtins
+import dataclasses
 from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
 from hangar.core import interpreter
 from hangar.core.commands import HOME, FileEntry, FileEvent, FileList, WriteResult
+from hangar.core.teams import unscoped
 from hangar.core.views import FsckView, SecretView, VolumeView
 
 if TYPE_CHECKING:
@@ -39,29 +41,34 @@ if TYPE_CHECKING:
 
 
 class VolumesFace:
-    """Named volumes that outlive sandboxes (docs/volumes.md). Sizes MiB."""
+    """Named volumes that outlive sandboxes (docs/volumes.md). Sizes MiB. A team sees and
+    names its own volumes only, by the names it gave them; the operator sees every one, a
+    team's as ``TEAM/name`` (``hangar.core.teams``)."""
 
     def __init__(self, volumes: Volumes) -> None:
         self._v = volumes
 
     def _view(self, rec: Any) -> VolumeView:
-        return VolumeView.of(rec, self._v.holders(rec.id))
+        return dataclasses.replace(VolumeView.of(rec, self._v.holders(rec.id)),
+                                   name=unscoped(rec.name))
 
     def list(self) -> list[VolumeView]:
-        """Every volume, oldest first."""
+        """Every volume the acting team may see, oldest first."""
         return [self._view(r) for r in self._v.list()]
 
     def get(self, ref: str) -> VolumeView:
-        """One volume by id or name. Raises NotFound."""
+        """One volume by id or name. Raises NotFound (also for another team's)."""
         return self._view(self._v.get(ref))
 
     async def create(self, name: str, size_mib: int) -> VolumeView:
-        """A new empty volume. Raises InvalidRequest (bad name or size), Conflict (name
-        taken), LimitExceeded (over the disk cap)."""
+        """A new empty volume, the acting team's. Raises InvalidRequest (bad name or size),
+        Conflict (name taken, or over the server's cap), QuotaExceeded (over the team's
+        ``max_volumes_mib``)."""
         return self._view(await self._v.create(name, size_mib))
 
     async def resize(self, ref: str, size_mib: int) -> VolumeView:
-        """Grow a volume (offline). Raises NotFound, InvalidRequest, Conflict (held), Busy."""
+        """Grow a volume (offline). Raises NotFound, InvalidRequest, Conflict (held, or over
+        the server's cap), QuotaExceeded (over its team's ``max_volumes_mib``), Busy."""
         return self._view(await self._v.resize(ref, size_mib))
 
     def delete(self, ref: str) -> None:
@@ -82,29 +89,36 @@ class VolumesFace:
         return self._v.view(sandbox_id)
 
 
+def _secret_view(rec: Any) -> SecretView:
+    return dataclasses.replace(SecretView.of(rec), name=unscoped(rec.name))
+
+
 class SecretsFace:
-    """The vault: secrets sandboxes use through their egress proxy without holding them."""
+    """The vault: secrets sandboxes use through their egress proxy without holding them. A
+    team sees, names and binds its own secrets only, by the names it gave them; the
+    operator sees every one, a team's as ``TEAM/name`` (``hangar.core.teams``)."""
 
     def __init__(self, vault: Vault, proxies: SecretProxies) -> None:
         self._vault = vault
         self._proxies = proxies
 
     def list(self) -> list[SecretView]:
-        """Every secret's name and hosts (never a value)."""
-        return [SecretView.of(r) for r in self._vault.list()]
+        """The name and hosts of every secret the acting team may see (never a value)."""
+        return [_secret_view(r) for r in self._vault.list()]
 
     def get(self, name: str) -> SecretView:
-        """Raises NotFound."""
-        return SecretView.of(self._vault.get(name))
+        """Raises NotFound (also for another team's)."""
+        return _secret_view(self._vault.get(name))
 
     def add(self, name: str, value: str, hosts: builtins.list[str]) -> SecretView:
-        """Store a new secret. Raises InvalidRequest, Conflict (name taken)."""
-        return SecretView.of(self._vault.add(name, value, hosts))
+        """Store a new secret, the acting team's. Raises InvalidRequest, Conflict (name
+        taken)."""
+        return _secret_view(self._vault.add(name, value, hosts))
 
     def rotate(self, name: str, value: str, hosts: builtins.list[str] | None) -> SecretView:
         """A new value (and hosts); running sandboxes' proxies use it from their next
         request. Raises NotFound, InvalidRequest."""
-        got = SecretView.of(self._vault.rotate(name, value, hosts))
+        got = _secret_view(self._vault.rotate(name, value, hosts))
         self._proxies.refresh()
         return got
 
@@ -118,7 +132,7 @@ class SecretsFace:
         binding = self._vault.binding(sandbox_id)
         if binding is None:
             return None
-        return {var: str(b.get("secret", "")) for var, b in binding.env.items()
+        return {var: unscoped(str(b.get("secret", ""))) for var, b in binding.env.items()
                 if isinstance(b, dict)}
 
 

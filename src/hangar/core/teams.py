@@ -23,12 +23,13 @@ every sandbox not yet gone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from hangar.core.records import SnapshotRecord, VolumeRecord
 from hangar.errors import Conflict, LimitExceeded, NotFound, QuotaExceeded
 from hangar.teams import Team, TeamStore
 
@@ -38,6 +39,43 @@ if TYPE_CHECKING:
 
 ACTING: ContextVar[str | None] = ContextVar("hangar_acting_team", default=None)
 """The team whose key made the request being served (None: an operator's, or none)."""
+
+
+SCOPE_SEP = "/"
+"""Between a team's name and a name it gave (``scoped``): no resource's name may hold it."""
+
+
+def scoped(name: str, team: str | None = None) -> str:
+    """The name stored for ``name`` given by the acting team (or ``team``):
+    ``TEAM/name`` for a team, ``name`` itself for the operator. Names that are unique
+    on the server (volumes, secrets, machines' users, template aliases) are so per team:
+    two teams may each have a volume ``data``, and neither learns of the other's."""
+    who = team if team is not None else acting()
+    return name if who is None else f"{who}{SCOPE_SEP}{name}"
+
+
+def unscoped(stored: str) -> str:
+    """A stored name as the acting team calls it: without its ``TEAM/`` when a team
+    acts; whole (``TEAM/name`` for a team's) for the operator."""
+    who = acting()
+    prefix = f"{who}{SCOPE_SEP}" if who is not None else None
+    return stored[len(prefix):] if prefix and stored.startswith(prefix) else stored
+
+
+def owner_of(stored: str) -> str | None:
+    """The team a stored name (``scoped``) belongs to, or None: the operator's."""
+    head, sep, _ = stored.partition(SCOPE_SEP)
+    return head if sep else None
+
+
+def name_visible(stored: str) -> bool:
+    """Whether the acting team may see the resource stored under ``stored``."""
+    who = acting()
+    return who is None or owner_of(stored) == who
+
+
+OWNERS_KEPT = 4096
+"""Sandboxes whose team ``Teams.owner`` keeps (events ask it for each one's team)."""
 
 
 def _unit(unit: str, n: int) -> str:
@@ -67,13 +105,14 @@ def acting_for(team: str | None) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Usage:
-    """What a team holds: sandboxes with a VMM, their vCPUs and memory (MiB), and the
-    disks of its sandboxes not gone (MiB)."""
+    """What a team holds: sandboxes with a VMM, their vCPUs and memory (MiB), the
+    disks of its sandboxes not gone (MiB), and the sizes of its named volumes (MiB)."""
 
     sandboxes: int = 0
     vcpus: int = 0
     memory_mib: int = 0
     disk_mib: int = 0
+    volumes_mib: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +134,22 @@ class Teams:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.store = TeamStore(ctx.layout.root / "teams.json")
+        self._owners: dict[str, str | None] = {}
+        self._counters: dict[str, Callable[[str], int]] = {"volumes": self._volumes}
+        ctx.events.owner = self.owner
+
+    def owner(self, sandbox_id: str) -> str | None:
+        """The team of sandbox ``sandbox_id`` (None: the operator's, or unknown). A
+        sandbox's team never changes, so answers are kept (at most ``OWNERS_KEPT``)."""
+        if sandbox_id in self._owners:
+            return self._owners[sandbox_id]
+        rec = self.ctx.store.get(sandbox_id)
+        if rec is None:
+            return None
+        if len(self._owners) >= OWNERS_KEPT:
+            self._owners.clear()
+        self._owners[sandbox_id] = rec.team
+        return rec.team
 
     # -- ownership ---------------------------------------------------------------------
 
@@ -124,7 +179,16 @@ class Teams:
 
     def usage(self, name: str) -> Usage:
         """What team ``name`` holds now."""
-        return _usage(*self._holdings(name))
+        return replace(_usage(*self._holdings(name)), volumes_mib=self.volumes_mib(name))
+
+    def _volumes(self, name: str) -> int:
+        return sum(1 for v in self.ctx.store.list(VolumeRecord) if owner_of(v.name) == name)
+
+    def volumes_mib(self, name: str) -> int:
+        """The sizes of team ``name``'s named volumes together, MiB (``hangar.core.volumes``:
+        a team's are stored as ``TEAM/name``)."""
+        return sum(v.size_mib for v in self.ctx.store.list(VolumeRecord)
+                   if owner_of(v.name) == name)
 
     def refusal(self, rec: SandboxRecord) -> LimitExceeded | None:
         """The refusal of one more VMM for ``rec`` (a new record not yet written, or one
@@ -166,8 +230,21 @@ class Teams:
         return [TeamView(t, self.usage(t.name)) for t in self.store.all()]
 
     def get(self, name: str) -> TeamView:
-        """Team ``name``; raises NotFound."""
+        """Team ``name``; raises NotFound (also for another team than the acting one,
+        worded as for a missing one)."""
+        who = acting()
+        if who is not None and name != who:
+            raise NotFound(f"no team {name[:80]!r}", team=name[:80])
         return TeamView(self.store.get(name), self.usage(name))
+
+    def exists(self, name: str) -> bool:
+        """Whether team ``name`` exists (for the operator's ``X-Hangar-Team``)."""
+        return self.store.exists(name)
+
+    def started(self, name: str, since: float) -> int:
+        """How many sandboxes team ``name`` started since ``since`` (Unix seconds) that
+        the server still has a record of (tombstones are kept a while: ``purge``)."""
+        return sum(1 for r in self.ctx.store.all() if r.team == name and r.created_at >= since)
 
     def create(self, name: str, **limits: Any) -> TeamView:
         """A new team; raises InvalidRequest, Conflict, LimitExceeded."""
@@ -178,12 +255,31 @@ class Teams:
         NotFound. Sandboxes it holds past a lowered limit keep running."""
         return TeamView(self.store.update(name, **limits), self.usage(name))
 
+    def holdings(self, name: str) -> dict[str, int]:
+        """What team ``name`` holds, by kind (``{"sandboxes": 2, "volumes": 1}``; kinds it
+        holds none of left out): its sandboxes not gone, its snapshots, and what the parts
+        that keep its names count (``count``)."""
+        store = self.ctx.store
+        counts = {"sandboxes": sum(1 for r in store.live() if r.team == name),
+                  "snapshots": sum(1 for s in store.list(SnapshotRecord)
+                                   if s.team == name and s.kind == "user")}
+        for kind, counter in self._counters.items():
+            counts[kind] = counter(name)
+        return {kind: n for kind, n in counts.items() if n}
+
+    def count(self, kind: str, counter: Callable[[str], int]) -> None:
+        """Let ``counter(team)`` say how many of ``kind`` a team holds (volumes, secrets,
+        machines, templates: the parts that keep a team's names call this once)."""
+        self._counters[kind] = counter
+
     def remove(self, name: str) -> None:
-        """Forget team ``name``. Raises NotFound, Conflict while it holds a sandbox or a
-        key (``TeamStore.remove``)."""
+        """Forget team ``name``. Raises NotFound, Conflict while it holds anything
+        (``holdings``: a team made again under its name would take it over) or a key
+        (``TeamStore.remove``)."""
         self.store.get(name)
-        held = [r.id for r in self.ctx.store.live() if r.team == name]
+        held = self.holdings(name)
         if held:
-            raise Conflict(f"team {name} holds {len(held)} sandboxes; delete them first",
-                           team=name, sandboxes=len(held))
+            what = ", ".join(f"{n} {kind if n != 1 else kind.rstrip('s')}"
+                             for kind, n in held.items())
+            raise Conflict(f"team {name} holds {what}; delete them first", team=name, **held)
         self.store.remove(name)

@@ -118,6 +118,8 @@ class SnapshotView:
     """The name its client gave it, or None (``Snapshots.named``)."""
     memory: bool | None = None
     """False: a sleep snapshot of the disk alone (booted from); None or True: a full one."""
+    team: str | None = None
+    """The team whose sandbox it was taken of (``hangar.core.teams``), or None."""
 
     @classmethod
     def of(cls, rec: Any) -> SnapshotView:

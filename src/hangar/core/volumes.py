@@ -40,6 +40,15 @@ server's: a create whose guest cannot mount it, a grow, and a read of its
 files answer 409 ``volume_corrupt`` (``VolumeCorrupt``) naming the volume
 and the repair, ``fsck`` (``e2fsck -f -y`` on the host, confined, while no
 sandbox holds it: ``hangar volume fsck NAME``, ``POST /volumes/{id}/fsck``).
+
+A volume made with a team's key is the team's (``hangar.core.teams``): stored
+as ``TEAM/name`` (``scoped``), so names are unique per team; the team sees it
+as ``name``, the operator as ``TEAM/name``. Another team's volume, by id or
+by name, is ``NotFound`` worded as a missing one, left out of lists, and never
+mounted. The sizes of a team's volumes together stay within its
+``max_volumes_mib`` (``QuotaExceeded``, 429): a create or grow is checked and
+its MiB held (``_reserve``) in one step of the event loop, so creates sent at
+once cannot pass the quota together.
 """
 
 from __future__ import annotations
@@ -57,6 +66,9 @@ from typing import Any
 from hangar.core.admission import new_id
 from hangar.core.context import Context
 from hangar.core.store import SandboxRecord, VolumeAttachmentRecord, VolumeRecord
+from hangar.core.teams import (
+    SCOPE_SEP, Teams, acting, name_visible, owner_of, scoped, unscoped,
+)
 from hangar.engines.agent_client import exec_meta
 from hangar.engines.base import VolumeDrive, volume_serial
 from hangar.guest import paths
@@ -64,8 +76,9 @@ from hangar.schemas.volumes import (MAX_SIZE_MIB, MAX_VOLUMES_PER_SANDBOX, MIN_S
                                     VOLUME_NAME)
 from hangar.core.views import FsckView
 from hangar.errors import (Busy, Conflict, GuestError, HangarError, InvalidRequest, NotFound,
-                           VolumeCorrupt)
+                           QuotaExceeded, VolumeCorrupt)
 from hangar.images import volfs
+from hangar.teams import NAME as TEAM_NAME
 
 log = logging.getLogger("hangar.volumes")
 
@@ -193,20 +206,40 @@ class Volumes:
         self.ctx = ctx
         self._busy: set[str] = set()
         """Volumes being made, resized, deleted or having their journal replayed."""
+        self._held: dict[str, tuple[str | None, int]] = {}
+        """MiB a create or grow adds, by volume id, with the volume's team: held from its
+        check (``_reserve``) until its record is written, and counted by the caps."""
+        self.teams: Teams | None = None
+        """Team quotas (``hangar.core.teams``), set by the manager."""
 
     # -- records -------------------------------------------------------------------
 
     def list(self) -> list[VolumeRecord]:
-        """Every volume, oldest first."""
-        return sorted(self.ctx.store.list(VolumeRecord), key=lambda v: v.created_at)
+        """Every volume the acting team may see, oldest first."""
+        return sorted((v for v in self.ctx.store.list(VolumeRecord) if name_visible(v.name)),
+                      key=lambda v: v.created_at)
+
+    @staticmethod
+    def _stored(ref: str) -> str | None:
+        """The stored name ``ref`` stands for: a name the acting team gives (``scoped``),
+        or for the operator also a team's whole ``TEAM/name``; None: no volume's name."""
+        if NAME.match(ref):
+            return scoped(ref)
+        team, sep, name = ref.partition(SCOPE_SEP)
+        if acting() is None and sep and TEAM_NAME.match(team) and NAME.match(name):
+            return ref
+        return None
 
     def get(self, ref: str) -> VolumeRecord:
-        """The volume with id or name ``ref``. Raises NotFound."""
+        """The volume with id or name ``ref`` that the acting team may see. Raises NotFound,
+        for another team's volume in the very words of a missing one."""
         store = self.ctx.store
-        vol = store.find(VolumeRecord, ref) if isinstance(ref, str) and ID.match(ref) else None
-        if vol is None and isinstance(ref, str) and NAME.match(ref):
-            vol = store.volume_by_name(ref)
-        if vol is None:
+        vol = None
+        if isinstance(ref, str) and ID.match(ref):
+            vol = store.find(VolumeRecord, ref)
+        elif isinstance(ref, str) and (stored := self._stored(ref)) is not None:
+            vol = store.volume_by_name(stored)
+        if vol is None or not name_visible(vol.name):
             raise NotFound(f"no volume {str(ref)[:64]!r}", volume=str(ref)[:64])
         return vol
 
@@ -218,50 +251,84 @@ class Volumes:
         return self.ctx.layout.volume(volume_id).image
 
     async def create(self, name: str, size_mib: int) -> VolumeRecord:
-        """Make an empty volume. Raises InvalidRequest (bad name or size, too many volumes, a
-        cluster node), Conflict (the name is taken, or past HANGAR_VOLUMES_MAX_TOTAL_MIB),
-        EngineError (mkfs failed)."""
+        """Make an empty volume, the acting team's (stored as ``scoped(name)``). Raises
+        InvalidRequest (bad name or size, too many volumes, a cluster node), Conflict (the
+        name is taken, or past HANGAR_VOLUMES_MAX_TOTAL_MIB), QuotaExceeded (past the
+        team's ``max_volumes_mib``), EngineError (mkfs failed)."""
         check_name(name)
         check_size(size_mib)
         if self.ctx.settings.etcd:
             raise InvalidRequest("volumes are kept by one host; a cluster's nodes (HANGAR_ETCD) "
                                  "do not share them yet")
         store = self.ctx.store
-        if store.volume_by_name(name) is not None or name in self._busy:
+        stored = scoped(name)
+        if store.volume_by_name(stored) is not None or stored in self._busy:
             raise Conflict(f"a volume named {name!r} exists already", volume=name)
         if len(store.list(VolumeRecord)) >= MAX_VOLUMES:
             raise InvalidRequest(f"this server keeps at most {MAX_VOLUMES} volumes")
-        self._within_cap(size_mib)
         vid = new_id("vol-")
         paths = self.ctx.layout.volume(vid)
-        self._busy.update((name, vid))
+        self._reserve(vid, owner_of(stored), size_mib)  # then nothing awaits before try
+        self._busy.update((stored, vid))
         try:
             paths.dir.mkdir(mode=0o700, parents=True)
             try:
                 await volfs.make(paths.image, size_mib, name)
                 os.chmod(paths.image, 0o600)
                 now = time.time()
-                rec = VolumeRecord(id=vid, name=name, size_mib=size_mib, created_at=now,
+                rec = VolumeRecord(id=vid, name=stored, size_mib=size_mib, created_at=now,
                                    updated_at=now)
                 store.add(rec)
             except BaseException:
                 shutil.rmtree(paths.dir, ignore_errors=True)
                 raise
         finally:
-            self._busy.difference_update((name, vid))
+            self._busy.difference_update((stored, vid))
+            self._held.pop(vid, None)
         log.info("volume created", extra={"volume_id": vid, "size_mib": size_mib})
-        self.ctx.publish("volume.created", None, volume_id=vid, size_mib=size_mib)
+        self.ctx.publish("volume.created", None, volume_id=vid, size_mib=size_mib,
+                         team=owner_of(stored))
         return rec
 
+    def _reserve(self, volume_id: str, team: str | None, more_mib: int) -> None:
+        """Hold ``more_mib`` MiB for ``volume_id`` (of ``team``; None: the operator's) until
+        the caller writes its record and drops the hold (``_held``). Checked in the same
+        step of the event loop as it is held, so creates or grows sent at once cannot pass
+        a cap together. Raises Conflict (past ``HANGAR_VOLUMES_MAX_TOTAL_MIB``),
+        QuotaExceeded (past the team's ``max_volumes_mib``)."""
+        self._within_cap(more_mib)
+        refused = self._quota_refusal(team, more_mib)
+        if refused is not None:
+            raise refused
+        self._held[volume_id] = (team, more_mib)
+
     def _within_cap(self, more_mib: int) -> None:
-        """Raise Conflict when ``more_mib`` MiB more would take all volumes together past
-        ``HANGAR_VOLUMES_MAX_TOTAL_MIB``."""
+        """Raise Conflict when ``more_mib`` MiB more would take all volumes together (with
+        what creates and grows under way hold) past ``HANGAR_VOLUMES_MAX_TOTAL_MIB``."""
         cap = self.ctx.settings.volumes_max_total_mib
-        total = sum(v.size_mib for v in self.ctx.store.list(VolumeRecord))
+        total = sum(v.size_mib for v in self.ctx.store.list(VolumeRecord)) \
+            + sum(mib for _, mib in self._held.values())
         if total + more_mib > cap:
             raise Conflict(f"volumes would come to {total + more_mib} MiB, past this server's "
                            f"cap of {cap} MiB (HANGAR_VOLUMES_MAX_TOTAL_MIB); they hold "
                            f"{total} MiB now", total_mib=total, cap_mib=cap)
+
+    def _quota_refusal(self, team: str | None, more_mib: int) -> QuotaExceeded | None:
+        """The refusal of ``more_mib`` MiB more of ``team``'s volumes past its
+        ``max_volumes_mib`` (what its creates and grows under way hold counts), or None."""
+        if team is None or self.teams is None or not self.teams.store.exists(team):
+            return None
+        limit = self.teams.store.get(team).max_volumes_mib
+        if limit is None:
+            return None
+        used = self.teams.volumes_mib(team) \
+            + sum(mib for who, mib in self._held.values() if who == team)
+        if used + more_mib <= limit:
+            return None
+        return QuotaExceeded(
+            f"team {team} may hold {limit} MiB of volumes (max_volumes_mib) and holds "
+            f"{used}; this volume needs {more_mib} more", quota="max_volumes_mib",
+            limit=limit, used=used, needed=more_mib, team=team)
 
     def _not_busy(self, vol: VolumeRecord) -> None:
         """Raise Busy while ``vol`` is being made, resized, deleted or tidied."""
@@ -281,7 +348,8 @@ class Volumes:
         """Grow a volume that no sandbox holds to ``size_mib`` MiB (offline ``resize2fs``).
 
         Raises NotFound, InvalidRequest (bad size, or smaller than now: volumes only grow),
-        Conflict (attached), Busy (being changed), EngineError."""
+        Conflict (attached, or past HANGAR_VOLUMES_MAX_TOTAL_MIB), QuotaExceeded (past its
+        team's ``max_volumes_mib``), Busy (being changed), EngineError."""
         vol = self.get(ref)
         check_size(size_mib)
         if size_mib < vol.size_mib:
@@ -289,7 +357,7 @@ class Volumes:
         if size_mib == vol.size_mib:
             return vol
         self._idle(vol, "resize")
-        self._within_cap(size_mib - vol.size_mib)
+        self._reserve(vol.id, owner_of(vol.name), size_mib - vol.size_mib)
         self._busy.add(vol.id)
         try:
             try:
@@ -300,6 +368,7 @@ class Volumes:
                                         updated_at=time.time())
         finally:
             self._busy.discard(vol.id)
+            self._held.pop(vol.id, None)
         log.info("volume resized", extra={"volume_id": vol.id, "size_mib": size_mib})
         return out  # type: ignore[return-value]
 
@@ -312,7 +381,7 @@ class Volumes:
         store.remove(VolumeRecord, vol.id)
         shutil.rmtree(self.ctx.layout.volume(vol.id).dir, ignore_errors=True)
         log.info("volume deleted", extra={"volume_id": vol.id})
-        self.ctx.publish("volume.deleted", None, volume_id=vol.id)
+        self.ctx.publish("volume.deleted", None, volume_id=vol.id, team=owner_of(vol.name))
 
     # -- attachments -------------------------------------------------------------------
 
@@ -480,11 +549,12 @@ class Volumes:
     def corrupt(self, vol: VolumeRecord, why: str, **context: Any) -> VolumeCorrupt:
         """The ``VolumeCorrupt`` (409 ``volume_corrupt``) of ``vol``: ``why``, then its name
         and the repair."""
-        repair = f"hangar volume fsck {vol.name}"
+        name = unscoped(vol.name)
+        repair = f"hangar volume fsck {name}"
         return VolumeCorrupt(
-            f"volume {vol.name} ({vol.id}) has a damaged filesystem: {why}. Repair it while "
+            f"volume {name} ({vol.id}) has a damaged filesystem: {why}. Repair it while "
             f"no sandbox holds it: {repair} (POST /volumes/{vol.id}/fsck)",
-            volume_id=vol.id, volume=vol.name, repair=repair, **context)
+            volume_id=vol.id, volume=name, repair=repair, **context)
 
     async def fsck(self, ref: str) -> FsckView:
         """Check and repair the filesystem of a volume that no sandbox holds (``e2fsck -f
@@ -502,11 +572,11 @@ class Volumes:
         log.info("volume checked", extra={"volume_id": vol.id, "exit_code": rc})
         if rc >= 4:
             raise VolumeCorrupt(
-                f"e2fsck could not repair volume {vol.name} ({vol.id}) (exit {rc}): "
+                f"e2fsck could not repair volume {unscoped(vol.name)} ({vol.id}) (exit {rc}): "
                 f"{output[-300:]}; restore it from a backup (docs/operations.md)",
-                volume_id=vol.id, volume=vol.name)
-        return FsckView(id=vol.id, name=vol.name, exit_code=rc, repaired=rc in (1, 2, 3),
-                        output=output)
+                volume_id=vol.id, volume=unscoped(vol.name))
+        return FsckView(id=vol.id, name=unscoped(vol.name), exit_code=rc,
+                        repaired=rc in (1, 2, 3), output=output)
 
 
 def _text(cap: Any) -> str:

@@ -30,6 +30,9 @@ class Event(Model):
     kind: str
     sandbox_id: str | None = None
     data: dict[str, Any] = Field(default_factory=dict)
+    team: str | None = Field(None, description=(
+        "The team it concerns (a team's key sees only its team's events); None: the "
+        "operator's alone."))
 
 
 class PublishEvent(RequestBody):

@@ -24,6 +24,8 @@ class Snapshot(Model):
     vcpus: int
     memory_mib: int
     disk_mib: int
+    team: str | None = Field(None, description="The team of the sandbox it was taken of "
+                                               "(docs/security.md, teams); null: the operator's.")
 
 
 class SnapshotList(Model):

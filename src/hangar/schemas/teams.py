@@ -59,6 +59,8 @@ class TeamUsage(Model):
     vcpus: int = Field(description="Their vCPUs.")
     memory_mib: int = Field(description="Their memory, MiB.")
     disk_mib: int = Field(description="Their disk, MiB.")
+    volumes_mib: int = Field(0, description="The sizes of its named volumes together, MiB "
+                                            "(0 from a server older than the field).")
 
 
 class TeamInfo(Model):

@@ -16,6 +16,7 @@ with what is served. HTTP only: the routes call ``hangar.core`` (and its
 ``templates``       list and get (Hangar's images and templates, and those built
                     here), remove a built template or a snapshot
 ``volumes``         list, create, get, delete (Hangar's named volumes)
+``teams``           the key's team and its figures now (``hangar.core.teams``)
 ``unsupported``     E2B's routes Hangar does not serve (501), and every other
                     path under ``/e2b`` but envd's (404, 405)
 ``models``          E2B's request and answer bodies (pydantic)
@@ -34,7 +35,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from hangar.api.e2b import builds, sandboxes, snapshots, templates, unsupported, volumes
+from hangar.api.e2b import (
+    builds, sandboxes, snapshots, teams, templates, unsupported, volumes,
+)
 from hangar.api.e2b.errors import E2BRoute
 
 __all__ = ["PREFIX", "public", "router"]
@@ -47,6 +50,7 @@ router.include_router(snapshots.router)
 router.include_router(builds.router)
 router.include_router(templates.router)
 router.include_router(volumes.router)
+router.include_router(teams.router)
 router.include_router(unsupported.router)  # last: the catch-all
 
 public = APIRouter(prefix=PREFIX, route_class=E2BRoute, include_in_schema=False)

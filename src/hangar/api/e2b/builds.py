@@ -221,12 +221,14 @@ async def upload(template_id: str, files_hash: str, request: Request, m: Manager
                  signature: Annotated[str, Query(max_length=200)] = "") -> Response:
     """The files of one ``COPY`` (a tar, gzip'd or not), streamed to disk; the signature
     and the declared size are checked first."""
-    if not signature or not m.builds.check_upload_token(template_id, files_hash, signature):
+    stored = m.builds.check_upload_token(template_id, files_hash, signature) \
+        if signature else None
+    if stored is None:
         raise Unauthorized("signature: not a valid upload signature for these files")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > UPLOAD_MAX:
         raise TooLarge(f"the upload is larger than {UPLOAD_MAX} bytes", limit_bytes=UPLOAD_MAX)
-    await m.builds.save_files(template_id, files_hash, request.stream())
+    await m.builds.save_files(stored, files_hash, request.stream())
     return Response(status_code=204)
 
 
@@ -279,7 +281,7 @@ def _base(m: SandboxManager, body: StartBuild) -> tuple[e2b.Source, BuildState]:
     try:
         built = m.builds.source(name)
         if built is not None:
-            return e2b.Source("snapshot", built.snapshot_id, name), BuildState(
+            return e2b.Source("snapshot", built.snapshot_id, name, built.shared), BuildState(
                 user=built.user, workdir=built.workdir, env=built.env)
         return e2b.resolve(m, name), BuildState(user=START_USER, workdir=START_DIR)
     except NotFound:
@@ -327,7 +329,7 @@ async def _launch(m: SandboxManager, source: e2b.Source, view: BuildView,
         made = CreateOptions(image=source.name, vcpus=view.vcpus, memory_mib=view.memory_mib,
                              **fields)
     rec = await m.provision(made, prepare=functools.partial(e2b_user.add_user, m),
-                            snapshot_id=snapshot)
+                            snapshot_id=snapshot, shared=source.shared and layer is None)
     return rec.id
 
 

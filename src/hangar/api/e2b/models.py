@@ -319,3 +319,23 @@ class TemplateWithBuilds(_Answer):
 class TemplateAlias(_Answer):
     templateID: str
     public: bool
+
+
+# -- teams -----------------------------------------------------------------------------------
+
+class Team(_Answer):
+    """One of the caller's teams (``hangar.api.e2b.teams``)."""
+
+    teamID: str
+    name: str
+    apiKey: str
+    isDefault: bool
+
+
+class TeamMetric(_Answer):
+    """A team's figures at one moment; ``timestamp`` ISO 8601 (E2B keeps it, deprecated)."""
+
+    timestamp: str
+    timestampUnix: int
+    concurrentSandboxes: int
+    sandboxStartRate: float

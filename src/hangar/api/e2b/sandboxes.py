@@ -100,7 +100,8 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
     _check_create(body)
     built = m.builds.source(body.templateID.strip())
     source = (e2b.resolve(m, body.templateID) if built is None
-              else e2b.Source("snapshot", built.snapshot_id, body.templateID.strip()))
+              else e2b.Source("snapshot", built.snapshot_id, body.templateID.strip(),
+                              built.shared))
     network = views.policy(body.allow_internet_access, body.network)
     # a built template's ENV under the create's envVars; its last USER (root, or the
     # default user) and WORKDIR are its commands' defaults
@@ -135,7 +136,8 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
     rec = await m.provision(made, prepare=functools.partial(
                                 e2b_user.prepare, m,
                                 made=e2b.DEFAULT_USER if built is not None else None),
-                            snapshot_id=source.name if source.kind == "snapshot" else None)
+                            snapshot_id=source.name if source.kind == "snapshot" else None,
+                            shared=source.shared)
     return views.created(m, rec)
 
 

@@ -8,6 +8,11 @@ interpreter's ``code-interpreter-v1`` for Hangar's ``code-interpreter``).
 Templates built through E2B's API (``hangar.api.e2b.builds``) are listed too,
 with their builds. ``DELETE /templates/{id}`` removes such a template, or a
 snapshot (what E2B's SDK also calls it for), and refuses to remove an image.
+
+A team's key (``hangar.core.builds``: teams) sees its own built templates and the
+operator's (``public``: shared, as E2B's public templates), and every image; another
+team's are missing (404) and absent from lists. It may remove only its own: an image
+or the operator's template is a 403 naming why.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from hangar.api.deps import manager
 from hangar.api.e2b.errors import E2BRoute
 from hangar.api.e2b.models import Template, TemplateAlias, TemplateBuild, TemplateWithBuilds
 from hangar.api.e2b.views import rfc3339
-from hangar.core.service import SandboxManager, e2b
-from hangar.errors import HangarError, InvalidRequest, NotFound
+from hangar.core.service import SandboxManager, acting, e2b
+from hangar.errors import Forbidden, HangarError, InvalidRequest, NotFound
 
 router = APIRouter(route_class=E2BRoute)
 Manager = Annotated[SandboxManager, Depends(manager)]
@@ -49,7 +54,8 @@ def built(m: SandboxManager) -> list[Template]:
         vcpus, memory = b.vcpus or 2, b.memory_mib or 512
         out.append(Template(
             templateID=name, buildID=b.build_id, cpuCount=vcpus, memoryMB=memory,
-            diskSizeMB=m.settings.default_disk_mib, public=False, aliases=[name], names=[name],
+            diskSizeMB=m.settings.default_disk_mib, public=m.builds.shared(name),
+            aliases=[name], names=[name],
             createdAt=rfc3339(m.builds.builds(name)[0].created_at),
             updatedAt=rfc3339(b.finished_at), spawnCount=0, buildCount=len(ready),
             envdVersion=e2b.ENVD_VERSION, buildStatus="ready"))
@@ -96,7 +102,7 @@ async def alias(alias: str, m: Manager) -> TemplateAlias:
     if m.builds.exists(name):
         if tag and tag not in {t for t, _b, _at in m.builds.tags(name)}:
             raise NotFound(f"template {name!r} has no tag {tag[:128]!r}", template=alias)
-        return TemplateAlias(templateID=name, public=False)
+        return TemplateAlias(templateID=name, public=m.builds.shared(name))
     return TemplateAlias(templateID=find(m, alias).name, public=True)
 
 
@@ -112,7 +118,8 @@ async def get(template_id: str, m: Manager) -> TemplateWithBuilds:
             finishedAt=rfc3339(b.finished_at) if b.finished_at else None,
             cpuCount=b.vcpus or 2, memoryMB=b.memory_mib or 512,
             envdVersion=e2b.ENVD_VERSION) for b in views]
-        return TemplateWithBuilds(templateID=name, public=False, aliases=[name], names=[name],
+        return TemplateWithBuilds(templateID=name, public=m.builds.shared(name), aliases=[name],
+                                  names=[name],
                                   createdAt=rfc3339(views[0].created_at),
                                   updatedAt=rfc3339(views[-1].finished_at
                                                     or views[-1].created_at),
@@ -132,8 +139,8 @@ async def get(template_id: str, m: Manager) -> TemplateWithBuilds:
 async def delete(template_id: str, m: Manager) -> Response:
     """Remove a template built here (its snapshots and uploads) or the snapshot
     ``template_id`` (E2B's ``Sandbox.delete_snapshot``). An image or a template of
-    ``hangar template build`` is not removed through E2B's API (501); anything else is a
-    404."""
+    ``hangar template build`` is not removed through E2B's API (501; 403 to a team's key,
+    as the operator's template built here is); anything else is a 404."""
     snapshot_id = template_id.rsplit(":", 1)[0]
     if m.builds.exists(snapshot_id):
         await m.builds.delete(snapshot_id)
@@ -148,6 +155,10 @@ async def delete(template_id: str, m: Manager) -> Response:
     except NotFound:
         raise NotFound(f"no snapshot or template {template_id!r}",
                        template=template_id) from None
+    if acting() is not None:
+        raise Forbidden(f"template {template_id!r} is the operator's: a team may start "
+                        "sandboxes from it but not build, tag or remove it",
+                        template=template_id)
     raise _NotServed(f"DELETE /templates/{template_id}: Hangar does not remove images or "
                      "templates through E2B's API; remove builds with `hangar image gc`")
 

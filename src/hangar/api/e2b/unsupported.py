@@ -6,7 +6,7 @@ carries it), never a 404 that looks like a bug:
 
 - a route E2B's API defines (``spec/openapi.yml``) or its SDK calls, that
   Hangar does not serve: **501** ``{"code": 501, "message": "Hangar does
-  not serve E2B's GET /teams: ..."}``, naming the route and why;
+  not serve E2B's GET /nodes: ..."}``, naming the route and why;
 - a known path with another method: **405**, naming the methods it has;
 - any other path: **404**, naming it and pointing at docs/e2b.md.
 
@@ -25,13 +25,14 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.convertors import Convertor, register_url_convertor
 
-from hangar.api.e2b import builds, sandboxes, snapshots, templates
+from hangar.api.e2b import builds, sandboxes, snapshots, teams, templates
 from hangar.api.e2b.errors import E2BRoute, e2b_error
 
 ENVD_PREFIX = "/e2b/envd"
 """The data plane's prefix: never claimed here."""
 
-_TEAMS = "Hangar has no teams: a server has its API keys (`hangar key`) and nothing else"
+_TEAMS = ("Hangar keeps no history of a team's figures: GET /teams/{teamID}/metrics "
+          "answers the figures now, and /metrics' hangar_team_* gauges are for a scraper")
 _LOGS = "Hangar does not serve sandbox logs through E2B's API"
 _BUILDS = ("Hangar builds templates through E2B's v3 flow (POST /v3/templates, then "
            "/v2/templates/{templateID}/builds/{buildID}) or `hangar template build`")
@@ -41,8 +42,6 @@ _KEYS = "Hangar's API keys are made on the server with `hangar key add NAME --e2
 _SECRETS = "Hangar has no secrets store (pass values as envVars)"
 
 NOT_SERVED: tuple[tuple[str, str, str], ...] = (
-    ("GET", "/teams", _TEAMS),
-    ("GET", "/teams/{teamID}/metrics", _TEAMS),
     ("GET", "/teams/{teamID}/metrics/max", _TEAMS),
     ("GET", "/sandboxes/{sandboxID}/logs", _LOGS),
     ("GET", "/v2/sandboxes/{sandboxID}/logs", _LOGS),
@@ -108,7 +107,7 @@ router = APIRouter(route_class=E2BRoute)
 
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
-_SERVED = [route for module in (sandboxes, snapshots, templates, builds)
+_SERVED = [route for module in (sandboxes, snapshots, templates, builds, teams)
            for route in module.router.routes if isinstance(route, APIRoute)]
 """The served routes, with paths relative to ``/e2b``."""
 

@@ -1,0 +1,57 @@
+"""What the team test modules share: a server of their own, the CLI on its data directory,
+clients by key, and teams with keys of each (issue 32)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from conftest import SRC, Server, free_port, make_data_dir
+
+
+@contextmanager
+def fresh_server(base_image: Path) -> Iterator[Server]:
+    """A server on a data directory of its own (split from root, as installed), killed and
+    its directory removed when done, pass or fail."""
+    d = make_data_dir(base_image)
+    srv = Server(d, free_port())
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.kill()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def cli(data_dir: Path, *args: str, url: str | None = None, key: str | None = None) -> str:
+    """``hangar ARGS`` on ``data_dir`` (and the server at ``url`` with ``key``): its stdout,
+    stripped; the test fails on a non-zero exit."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HANGAR_DATA_DIR": str(data_dir)}
+    if url is not None:
+        env |= {"HANGAR_URL": url, "HANGAR_API_KEY": key or ""}
+    r = subprocess.run([sys.executable, "-m", "hangar.cli", *args], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def client(server: Server, key: str) -> httpx.Client:
+    return httpx.Client(base_url=server.url, headers={"X-API-Key": key}, timeout=300)
+
+
+def team_keys(server: Server, keys: dict[str, str | None]) -> dict[str, httpx.Client]:
+    """A client for each key made of ``{label: team}`` (``hangar key add LABEL-key --team
+    TEAM``; None: an operator key; a label ending ``-e2b`` makes an E2B-shaped key)."""
+    out = {}
+    for label, team in keys.items():
+        args = ["key", "add", f"{label}-key"] + (["--team", team] if team else [])
+        out[label] = client(server, cli(server.data_dir, *args,
+                                        *(["--e2b"] if label.endswith("-e2b") else [])))
+    return out
