@@ -101,6 +101,18 @@ class Settings(BaseSettings):
     memory_budget_mib: int | None = Field(
         None, ge=MEMORY_MIB_MIN, description="Sum of guest memory of running VMMs, MiB (429 beyond); "
                                   "unset: 80 % of the host's RAM.")
+    memory_overcommit: float = Field(
+        1.0, ge=1.0, le=16.0, description="Guests may declare this many times the memory "
+                                         "budget together (idle guests use a fraction of "
+                                         "theirs; the headroom keeps the host safe: "
+                                         "hangar.core.memory).")
+    memory_headroom_mib: int | None = Field(
+        None, ge=0, description="Host memory (MemAvailable, MiB) kept free: below it idle "
+                                "sandboxes are put to sleep, then starts are refused (429). "
+                                "Unset: 5 % of the host's RAM.")
+    memory_pressure_idle_s: float = Field(
+        60.0, ge=0, description="Seconds without a call before a sandbox may be put to sleep "
+                                "to relieve the host's memory.")
     max_disk_mib: int = Field(
         65536, ge=DISK_MIB_MIN, description="Largest disk one sandbox may ask for, MiB (400 beyond).")
     snapshot_storage_bytes: int | None = Field(

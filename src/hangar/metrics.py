@@ -87,6 +87,17 @@ class _CapacityCollector(Collector):
         yield GaugeMetricFamily("hangar_guest_memory_budget_bytes",
                                 "Host memory budget for guests (HANGAR_MEMORY_BUDGET_MIB)",
                                 value=c.memory_budget_mib * 2**20)
+        yield GaugeMetricFamily("hangar_guest_memory_allowed_bytes",
+                                "Guest memory sandboxes may declare together: the budget × "
+                                "HANGAR_MEMORY_OVERCOMMIT", value=c.memory_allowed_mib * 2**20)
+        yield GaugeMetricFamily("hangar_vmm_resident_bytes",
+                                "Host memory the VMMs hold (their resident sets)",
+                                value=c.memory_used_mib * 2**20)
+        yield GaugeMetricFamily("hangar_host_memory_available_bytes",
+                                "The host's MemAvailable", value=c.host_available_mib * 2**20)
+        yield GaugeMetricFamily("hangar_host_memory_headroom_bytes",
+                                "Host memory kept available (HANGAR_MEMORY_HEADROOM_MIB)",
+                                value=c.headroom_mib * 2**20)
         ready = GaugeMetricFamily("hangar_pool_ready", "Warm-pool VMs ready to be taken",
                                   labels=["template"])
         target = GaugeMetricFamily("hangar_pool_target", "Warm-pool VMs wanted",
@@ -112,6 +123,10 @@ class Capacity:
     pool_ready: dict[str, int]
     pool_target: dict[str, int]
     data_free_bytes: int
+    memory_allowed_mib: int = 0
+    memory_used_mib: int = 0
+    host_available_mib: int = 0
+    headroom_mib: int = 0
 
 
 class Metrics:
@@ -122,6 +137,9 @@ class Metrics:
         r = self.registry
         self.creates = Counter("hangar_sandbox_creates_total", "Sandbox creates by outcome",
                                ["outcome"], registry=r)
+        self.memory_sleeps = Counter("hangar_memory_sleeps_total",
+                                     "Idle sandboxes put to sleep because host memory was low",
+                                     registry=r)
         self.create_seconds = Histogram("hangar_sandbox_create_seconds",
                                         "Time from create request to a ready guest agent",
                                         ["source", "outcome"], buckets=LATENCY_BUCKETS,

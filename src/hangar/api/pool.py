@@ -1,10 +1,11 @@
-"""``/pool``: how full the warm pool is."""
+"""``/pool`` and ``/capacity``: how full the warm pool is, and the host's VMMs and memory
+(the operator's: 403 for a team's key)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from hangar.schemas import PoolStatus
+from hangar.schemas import Capacity, MemoryStatus, PoolStatus
 
 router = APIRouter(tags=["operations"])
 
@@ -18,3 +19,16 @@ async def pool(request: Request) -> PoolStatus:
         return PoolStatus(size=0, ready=0, starting=0, max_age_s=0.0,
                           image=m.settings.default_image)
     return PoolStatus.model_validate(status)
+
+
+@router.get("/capacity", response_model=Capacity,
+            summary="VMMs against their cap; guest memory declared, allowed and used; the "
+                    "host's available memory and headroom")
+async def capacity(request: Request) -> Capacity:
+    m = request.app.state.manager
+    mem = m.host_memory.view()
+    return Capacity(vmms=m.capacity().vmms, vmm_limit=m.settings.max_sandboxes,
+                    memory=MemoryStatus(declared_mib=mem.declared, budget_mib=mem.budget,
+                                        overcommit=mem.overcommit, allowed_mib=mem.allowed,
+                                        used_mib=mem.used, available_mib=mem.available,
+                                        headroom_mib=mem.headroom, slept=mem.slept))

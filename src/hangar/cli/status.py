@@ -1,21 +1,23 @@
-"""``hangar status``: the server's health, its engine, its warm pool and its teams' use, in a
-few lines (a team's key sees the health line alone: the pool and teams are the operator's)."""
+"""``hangar status``: the server's health, its engine, its warm pool, its memory and its teams'
+use, in a few lines (a team's key sees the health line alone: the rest is the operator's)."""
 
 from __future__ import annotations
 
 from hangar.cli.common import out, sdk
 from hangar.errors import Forbidden
-from hangar.schemas import PoolStatus, TeamInfo
+from hangar.schemas import Capacity, MemoryStatus, PoolStatus, TeamInfo
 
 
 def status() -> None:
     """The server's health, its warm pool, and what each team holds against its limits."""
     pool: PoolStatus | None = None
+    cap: Capacity | None = None
     teams: list[TeamInfo] = []
     with sdk() as h:
         health = h.health()
         try:
             pool = h.pool()
+            cap = h.capacity()
             teams = h.list_teams()
         except Forbidden:  # a team's key
             pass
@@ -28,8 +30,20 @@ def status() -> None:
     if pool is not None:
         out.print(f"warm pool ({pool.image}): {pool.ready} ready, {pool.starting} starting, "
                   f"{pool.size} wanted, replaced after {pool.max_age_s:.0f} s")
+    if cap is not None:
+        out.print(memory_line(cap.memory), highlight=False, soft_wrap=True)
     for t in teams:
         out.print(f"team {t.name}: {team_use(t)}", highlight=False, soft_wrap=True)
+
+
+def memory_line(m: MemoryStatus) -> str:
+    """``"memory: sandboxes declare 2048 of 38568 MiB (budget 19284 × 2), their VMMs hold
+    310 MiB; the host has 20100 MiB available, keeps 1228"``."""
+    over = f" × {m.overcommit:g}" if m.overcommit != 1 else ""
+    slept = f"; {m.slept} idle sandboxes put to sleep for memory" if m.slept else ""
+    return (f"memory: sandboxes declare {m.declared_mib} of {m.allowed_mib} MiB (budget "
+            f"{m.budget_mib}{over}), their VMMs hold {m.used_mib} MiB; the host has "
+            f"{m.available_mib} MiB available, keeps {m.headroom_mib}{slept}")
 
 
 def team_use(t: TeamInfo) -> str:

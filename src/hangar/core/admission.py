@@ -30,11 +30,13 @@ from typing import TYPE_CHECKING, Any
 from hangar.config import Settings
 from hangar.core.context import Context
 from hangar.core.lifecycle import OnExpiry, State
+from hangar.core.memory import RELIEF_TRIES, START_COST_MIB
 from hangar.core.store import SandboxRecord
 from hangar.errors import InvalidRequest, LimitExceeded
 from hangar.images import RECIPES, GuestImage
 
 if TYPE_CHECKING:
+    from hangar.core.memory import Memory
     from hangar.core.teams import Teams
 
 RETRY_AFTER_S = 5.0
@@ -175,6 +177,8 @@ class Admission:
         self._lock = asyncio.Lock()
         self.teams: Teams | None = None
         """Team quotas (``hangar.core.teams``), set by the manager."""
+        self.memory: Memory | None = None
+        """The host's headroom and its relief (``hangar.core.memory``), set by the manager."""
 
     def room(self) -> int:
         """How many more VMMs may start now."""
@@ -202,13 +206,23 @@ class Admission:
                                  retry_after=RETRY_AFTER_S, limit=cap)
         if memory_mib:
             budget, used = self.memory_budget_mib(), self.memory_used_mib()
-            if used + memory_mib > budget:
+            ratio = self.ctx.settings.memory_overcommit
+            allowed = int(budget * ratio)
+            if used + memory_mib > allowed:
+                over = "" if ratio == 1 else (
+                    f" × {ratio:g} (HANGAR_MEMORY_OVERCOMMIT) = {allowed} MiB")
                 return LimitExceeded(
-                    f"the host memory budget is {budget} MiB (HANGAR_MEMORY_BUDGET_MIB) and "
-                    f"running sandboxes hold {used} MiB; this one needs {memory_mib} MiB",
+                    f"the host memory budget is {budget} MiB (HANGAR_MEMORY_BUDGET_MIB){over} "
+                    f"and running sandboxes hold {used} MiB; this one needs {memory_mib} MiB",
                     retry_after=RETRY_AFTER_S, limit="memory_budget_mib", budget_mib=budget,
-                    used_mib=used, needed_mib=memory_mib)
+                    overcommit=ratio, used_mib=used, needed_mib=memory_mib)
         return None
+
+    def _pressure(self, memory_mib: int | None) -> LimitExceeded | None:
+        """The refusal of one more VMM by the host's headroom (``hangar.core.memory``)."""
+        if not memory_mib or self.memory is None:
+            return None
+        return self.memory.low(min(START_COST_MIB, memory_mib))
 
     @asynccontextmanager
     async def slot(self, create: bool = True, memory_mib: int | None = None,
@@ -217,23 +231,33 @@ class Admission:
         (``rec``'s, whose team's quotas are checked too: ``hangar.core.teams``).
 
         Raises LimitExceeded (retryable after ``RETRY_AFTER_S``) when the cap on
-        VMMs is reached, the memory budget has no room for ``memory_mib``, or the
-        record's team would pass a limit; a refused ``create`` is counted as such in
-        the metrics. The caller must write its record before leaving the block.
+        VMMs is reached, the memory budget (× its overcommit) has no room for
+        ``memory_mib``, the record's team would pass a limit, or the host's available
+        memory would fall below its headroom once idle sandboxes were put to sleep
+        (``hangar.core.memory``: up to ``RELIEF_TRIES`` of them, outside the lock); a
+        refused ``create`` is counted as such in the metrics. The caller must write its
+        record before leaving the block.
         """
-        async with self._lock:
-            refusal = self._refusal(memory_mib, rec)
-            if refusal is not None:
-                if create:
-                    self.ctx.metrics.creates.labels("limited").inc()
-                raise refusal
-            yield
+        for attempt in range(RELIEF_TRIES + 1):
+            async with self._lock:
+                refusal = self._refusal(memory_mib, rec)
+                low = None if refusal is not None else self._pressure(memory_mib)
+                if refusal is None and low is None:
+                    yield
+                    return
+            if low is not None and attempt < RELIEF_TRIES and self.memory is not None \
+                    and await self.memory.relieve():
+                continue
+            if create:
+                self.ctx.metrics.creates.labels("limited").inc()
+            raise refusal or low  # type: ignore[misc]
 
     @asynccontextmanager
     async def if_room(self, memory_mib: int | None = None) -> AsyncIterator[bool]:
-        """Like ``slot`` but yields False instead of raising (for the warm pool)."""
+        """Like ``slot`` but yields False instead of raising, and never puts a sandbox
+        to sleep (for the warm pool: it does not refill under memory pressure)."""
         async with self._lock:
-            yield self._refusal(memory_mib) is None
+            yield self._refusal(memory_mib) is None and self._pressure(memory_mib) is None
 
     def check_disk(self, disk_mib: int | None) -> None:
         """Refuse a disk over ``max_disk_mib`` (InvalidRequest naming the limit)."""

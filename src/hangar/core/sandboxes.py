@@ -90,6 +90,7 @@ from hangar.core.registry import Registry
 from hangar.engines.memory import MemoryUsage
 from hangar.core.removal import Removal
 from hangar.core.sleep import SETTLE_S, Connected, Sleeper
+from hangar.core.memory import Memory
 from hangar.core.snapshots import Snapshots
 from hangar.core.store import SnapshotRecord, Store
 from hangar.core.surfaces import CodeFace, FilesFace, NetworkFace, SecretsFace, VolumesFace
@@ -126,7 +127,8 @@ class SandboxManager:
     (``launcher``, ``calls``, ``store``, ``registry``...) is core's own."""
 
     SURFACES = ("files", "ports", "processes", "terminals", "desktop", "volumes", "secrets",
-                "network", "code", "builds", "pulls", "teams", "settings", "events")
+                "network", "code", "builds", "pulls", "teams", "host_memory", "settings",
+                "events")
     """Attributes that are sub-surfaces: outside core, ``m.<surface>.<verb>`` is allowed
     for their public verbs (``settings`` and ``events`` are the server's settings and
     event bus, shared as they are)."""
@@ -170,6 +172,9 @@ class SandboxManager:
         self.snapshots = Snapshots(ctx, self.admission, self.launcher, self.removal,
                                    self.creation)
         self.sleeper = Sleeper(ctx, self.admission, self.launcher, self.removal, self.snapshots)
+        self.host_memory = Memory(ctx, self.admission, self.sleeper, self.launcher.volumes)
+        """The host's memory: figures, pressure and its relief (``core.memory``)."""
+        self.admission.memory = self.host_memory
         self.calls = GuestCalls(ctx, self.launcher, self.sleeper)
         self.terminals = Terminals(self.calls.using, ctx.publish, self.launcher.vault.env)
         self.files = FilesFace(self.calls)
@@ -193,6 +198,7 @@ class SandboxManager:
         self.reconciler = Reconciler(ctx, self.removal, self.sleeper, self.snapshots, self.pool,
                                      concurrency=settings.reconcile_concurrency)
         self.reconciler.add_pass("unresponsive", self.calls.probe_unresponsive)
+        self.reconciler.add_pass("memory", self.host_memory.pressure_pass)
         self.reconciler.add_pass("purge", self.purge)
         self._purged_at = 0.0
         self.recovery = Recovery(ctx, self.launcher, self.removal)
@@ -349,13 +355,15 @@ class SandboxManager:
         (the gauges of ``hangar.metrics``)."""
         disk = os.statvfs(self.layout.root)
         pool = self.pool
+        mem = self.host_memory.view()
         return Capacity(
             vmms=len(self.store.with_vmm()), vmm_limit=self.settings.max_sandboxes,
-            memory_committed_mib=self.admission.memory_used_mib(),
-            memory_budget_mib=self.admission.memory_budget_mib(),
+            memory_committed_mib=mem.declared, memory_budget_mib=mem.budget,
             pool_ready=pool.ready_by_template() if pool is not None else {},
             pool_target=dict(pool.targets) if pool is not None else {},
-            data_free_bytes=disk.f_bavail * disk.f_frsize)
+            data_free_bytes=disk.f_bavail * disk.f_frsize, memory_allowed_mib=mem.allowed,
+            memory_used_mib=mem.used, host_available_mib=mem.available,
+            headroom_mib=mem.headroom)
 
     def state_counts(self) -> dict[str, int]:
         """Sandboxes by state (tombstones not counted), for ``hangar_sandboxes{state}``."""

@@ -69,6 +69,7 @@ from hangar.core.lifecycle import (
     GONE, LIVE, VMM_STATES, Face, Guard, IllegalTransition, OnExpiry, State, check,
     check_desired, from_public, public_name, walk,
 )
+from hangar.core.memory import Memory, MemoryView
 from hangar.core.machines import NAMES, USER_ID, Machine, MachineManager, desired_name
 from hangar.core.ports import Exposure, Ports
 from hangar.core.processes import ProcessInfo, ProcessOutput, Processes
@@ -91,7 +92,7 @@ MachineView = Machine
 SURFACE_TYPES: dict[str, type] = {
     "files": FilesFace, "ports": Ports, "processes": Processes, "terminals": Terminals, "desktop": Desktop,
     "volumes": VolumesFace, "secrets": SecretsFace, "network": NetworkFace, "code": CodeFace,
-    "builds": Builds, "pulls": ImagePulls, "teams": Teams,
+    "builds": Builds, "pulls": ImagePulls, "teams": Teams, "host_memory": Memory,
     "settings": Settings, "events": EventBus,
 }
 """The type of each sub-surface of ``SandboxService.SURFACES``: outside core, ``m.<name>``
@@ -104,7 +105,8 @@ __all__ = [
     # the services and their sub-surfaces
     "SandboxService", "SandboxManager", "MachineService", "MachineManager", "CodeFace",
     "FilesFace", "NetworkFace", "SecretsFace", "VolumesFace", "Desktop", "Builds",
-    "ImagePulls", "Credentials", "Teams", "TeamView", "Usage", "acting", "acting_for", "act_as",
+    "ImagePulls", "Credentials", "Teams", "TeamView", "Usage", "Memory", "MemoryView",
+    "acting", "acting_for", "act_as",
     "scoped", "unscoped", "name_visible",
     "SURFACE_TYPES", "e2b",
     "e2b_user",

@@ -158,3 +158,25 @@ class PoolStatus(Model):
     templates: dict[str, int] = Field(default_factory=dict, description=(
         "VMs kept ready per template (HANGAR_POOL_SIZE of the default one, plus "
         "HANGAR_POOL_TEMPLATES)."))
+
+
+class MemoryStatus(Model):
+    """The host's memory as admission sees it (``GET /capacity``), MiB."""
+
+    declared_mib: int = Field(description="Guest memory every VMM declares, pool included.")
+    budget_mib: int = Field(description="HANGAR_MEMORY_BUDGET_MIB (unset: 80 % of RAM).")
+    overcommit: float = Field(description="HANGAR_MEMORY_OVERCOMMIT.")
+    allowed_mib: int = Field(description="What they may declare together: budget × overcommit.")
+    used_mib: int = Field(description="What the VMMs hold on the host (resident sets).")
+    available_mib: int = Field(description="The host's MemAvailable.")
+    headroom_mib: int = Field(description="MemAvailable kept free (HANGAR_MEMORY_HEADROOM_MIB): "
+                                          "below it idle sandboxes are put to sleep.")
+    slept: int = Field(description="Idle sandboxes put to sleep for memory since start-up.")
+
+
+class Capacity(Model):
+    """``GET /capacity`` (the operator's): VMMs against their cap, and the host's memory."""
+
+    vmms: int = Field(description="VMMs that may be running, warm pool included.")
+    vmm_limit: int = Field(description="HANGAR_MAX_SANDBOXES.")
+    memory: MemoryStatus

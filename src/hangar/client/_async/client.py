@@ -34,7 +34,8 @@ from hangar.client._async.terminals import AsyncTerminalCalls
 from hangar.client._async.volumes import AsyncVolumeCalls
 from hangar.client._core import RetryPolicy, Timeouts
 from hangar.schemas import (
-    ExecResult, ExecStreamEvent, Health, NetworkRules, PoolStatus, SandboxInfo, SandboxList,
+    Capacity, ExecResult, ExecStreamEvent, Health, NetworkRules, PoolStatus, SandboxInfo,
+    SandboxList,
 )
 
 __all__ = ["AsyncHangar", "Button", "Direction", "OutputHandler"]
@@ -157,6 +158,14 @@ class AsyncHangar(
         t = self._t(request_timeout, self.config.timeouts.control)
         return PoolStatus.model_validate(await self._json(
             "GET", "/pool", timeout=t, retry=retry is not False))
+
+    async def capacity(self, *, request_timeout: float | None = None,
+                       retry: bool | None = None) -> Capacity:
+        """``GET /capacity``: VMMs against their cap and the host's memory (MiB: declared,
+        allowed, used, available, headroom). Raises Forbidden (a team's key)."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return Capacity.model_validate(await self._json(
+            "GET", "/capacity", timeout=t, retry=retry is not False))
 
     # -- sandboxes --------------------------------------------------------------------------
 

@@ -35,7 +35,8 @@ from hangar.client._sync.terminals import TerminalCalls
 from hangar.client._sync.volumes import VolumeCalls
 from hangar.client._core import RetryPolicy, Timeouts
 from hangar.schemas import (
-    ExecResult, ExecStreamEvent, Health, NetworkRules, PoolStatus, SandboxInfo, SandboxList,
+    Capacity, ExecResult, ExecStreamEvent, Health, NetworkRules, PoolStatus, SandboxInfo,
+    SandboxList,
 )
 
 __all__ = ["Hangar", "Button", "Direction", "OutputHandler"]
@@ -158,6 +159,14 @@ class Hangar(
         t = self._t(request_timeout, self.config.timeouts.control)
         return PoolStatus.model_validate(self._json(
             "GET", "/pool", timeout=t, retry=retry is not False))
+
+    def capacity(self, *, request_timeout: float | None = None,
+                       retry: bool | None = None) -> Capacity:
+        """``GET /capacity``: VMMs against their cap and the host's memory (MiB: declared,
+        allowed, used, available, headroom). Raises Forbidden (a team's key)."""
+        t = self._t(request_timeout, self.config.timeouts.control)
+        return Capacity.model_validate(self._json(
+            "GET", "/capacity", timeout=t, retry=retry is not False))
 
     # -- sandboxes --------------------------------------------------------------------------
 

@@ -1,0 +1,287 @@
+"""Benchmark: one host at full scale (issue 33), in the format public sandbox benchmarks use.
+
+    .venv/bin/python bench/host_scale_bench.py [--n 100] [--machines 1000]
+        [--overcommit 4] [--steps seq,idle,storm,asleep]
+
+One server on this host (``HANGAR_MEMORY_OVERCOMMIT`` ``--overcommit``, room for
+``--n`` sandboxes of the default 512 MiB, creates from the booted ``base`` template),
+driven over HTTP. Steps, each with its baseline measured in the same run:
+
+* **seq**: ``--n`` sandboxes created one after another, each followed by its first
+  command (``true``): create-to-first-command p50, p95, p99 (s), failures, wall time;
+  baseline: the first one, alone on the host.
+* **idle**: those ``--n`` sandboxes left idle for ``IDLE_S``: host CPU (% of a core per
+  sandbox, from ``/proc/stat`` over ``SAMPLE_S``), host memory per sandbox
+  (``MemAvailable`` against before the step), the VMMs' resident sets, ``/health``
+  latency p50 and p95 (ms), and exec p50 in one of them against the same exec with one
+  sandbox alone (measured before the first create).
+* **storm**: the sandboxes deleted, then ``--n`` creates sent at once, each followed
+  by its first command: p50, p95, p99, failures, wall time; ratio of its p50 to seq's.
+* **asleep**: ``--machines`` machines (``POST /machines/{user}``), each put to sleep:
+  disk per machine (MiB, the data directory's growth), the wake p50 of 10 random ones
+  against the wake of the first machine while it was alone, and the server's start-up
+  time with them all on disk (a restart).
+
+The server's CPU seconds and RSS are read after each step. Prints a table on stderr and
+one JSON object on stdout (with the machine: cores, memory, engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from benchlib import api_key, machine, pct, proc_usage, start_server, stop_server
+
+IDLE_S = 20.0
+"""Seconds the sandboxes are left alone before the idle figures are read."""
+SAMPLE_S = 10.0
+"""Seconds over which the host's CPU is sampled."""
+EXECS = 30
+"""Execs timed for an exec p50."""
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of the host, from the first line of /proc/stat."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = f[3] + f[4]
+    return sum(f) - idle, sum(f)
+
+
+def meminfo_mib(field: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+def latencies(xs: list[float]) -> dict[str, float]:
+    return {"p50": round(pct(xs, 0.5), 3), "p95": round(pct(xs, 0.95), 3),
+            "p99": round(pct(xs, 0.99), 3)} if xs else {}
+
+
+class Bench:
+    def __init__(self, n: int, overcommit: float) -> None:
+        self.n = n
+        self.proc, self.dir, self.url = start_server({
+            "HANGAR_MAX_SANDBOXES": str(n + 8), "HANGAR_MEMORY_OVERCOMMIT": str(overcommit),
+            "HANGAR_BOOT_TIMEOUT_S": "900", "HANGAR_MEMORY_PRESSURE_IDLE_S": "3600"})
+        self.key = api_key(self.dir)
+        self.c = self.client()
+        self.out: dict[str, Any] = {}
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"X-API-Key": self.key}, timeout=1800)
+
+    def server(self) -> dict[str, float]:
+        u = proc_usage(self.proc.pid)
+        return {"cpu_s": round(u["cpu_s"], 1), "rss_mib": round(u.get("rss_mib", 0.0), 1)}
+
+    def first_command(self, c: httpx.Client) -> tuple[str | None, float]:
+        """(id, seconds) of a create followed by its first command; id None on failure."""
+        t0 = time.monotonic()
+        r = c.post("/sandboxes", json={})
+        if r.status_code != 201:
+            return None, time.monotonic() - t0
+        sid = r.json()["id"]
+        ok = c.post(f"/sandboxes/{sid}/exec", json={"command": "true"}).status_code == 200
+        return (sid if ok else None), time.monotonic() - t0
+
+    def exec_p50(self, sid: str) -> float:
+        times = []
+        for _ in range(EXECS):
+            t0 = time.monotonic()
+            self.c.post(f"/sandboxes/{sid}/exec", json={"command": "true"})
+            times.append(time.monotonic() - t0)
+        return round(statistics.median(times) * 1000, 1)
+
+    def health_ms(self) -> dict[str, float]:
+        times = []
+        for _ in range(50):
+            t0 = time.monotonic()
+            httpx.get(self.url + "/health", timeout=10)
+            times.append((time.monotonic() - t0) * 1000)
+            time.sleep(0.05)
+        return {"p50": round(pct(times, 0.5), 1), "p95": round(pct(times, 0.95), 1)}
+
+    def delete_all(self) -> None:
+        for sb in self.c.get("/sandboxes").json()["sandboxes"]:
+            self.c.delete(f"/sandboxes/{sb['id']}")
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def seq(self) -> list[str]:
+        sid, alone = self.first_command(self.c)
+        assert sid is not None, "the first create failed"
+        self.out["exec_alone_ms"] = self.exec_p50(sid)
+        ids, times, failed = [sid], [alone], 0
+        t0 = time.monotonic()
+        for i in range(self.n - 1):
+            got, took = self.first_command(self.c)
+            times.append(took)
+            if got is None:
+                failed += 1
+            else:
+                ids.append(got)
+            if (i + 2) % 10 == 0:
+                say(f"seq: {i + 2}/{self.n}, last {took:.2f} s")
+        self.out["seq"] = {"n": self.n, "failures": failed, **latencies(times),
+                           "first_s": round(alone, 3),
+                           "wall_s": round(time.monotonic() - t0 + alone, 1),
+                           "server": self.server()}
+        return ids
+
+    def idle(self, ids: list[str], avail_before: int) -> None:
+        say(f"idle: {len(ids)} sandboxes, {IDLE_S:.0f} s")
+        time.sleep(IDLE_S)
+        b0, t0 = cpu_ticks()
+        time.sleep(SAMPLE_S)
+        b1, t1 = cpu_ticks()
+        cores = os.cpu_count() or 1
+        host_cpu = (b1 - b0) / max(1, t1 - t0) * 100 * cores  # % of one core
+        cap = self.c.get("/capacity").json()["memory"]
+        used = avail_before - meminfo_mib("MemAvailable")
+        exec_ms = self.exec_p50(ids[len(ids) // 2])
+        self.out["idle"] = {
+            "n": len(ids), "host_cpu_pct_of_core_per_sandbox": round(host_cpu / len(ids), 2),
+            "host_memory_mib_per_sandbox": round(used / len(ids), 1),
+            "vmm_resident_mib_per_sandbox": round(cap["used_mib"] / len(ids), 1),
+            "health_ms": self.health_ms(), "exec_ms": exec_ms,
+            "exec_ratio_to_alone": round(exec_ms / self.out["exec_alone_ms"], 2),
+            "server": self.server()}
+
+    def storm(self) -> None:
+        results: list[tuple[str | None, float]] = []
+        lock = threading.Lock()
+
+        def one() -> None:
+            with self.client() as c:
+                got = self.first_command(c)
+            with lock:
+                results.append(got)
+
+        say(f"storm: {self.n} creates at once")
+        threads = [threading.Thread(target=one) for _ in range(self.n)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.monotonic() - t0
+        times = [t for _, t in results]
+        self.out["storm"] = {"n": self.n, "failures": sum(1 for s, _ in results if s is None),
+                             **latencies(times), "wall_s": round(wall, 1),
+                             "p50_ratio_to_seq": round(pct(times, 0.5)
+                                                       / self.out["seq"]["p50"], 2),
+                             "server": self.server()}
+
+    def asleep(self, machines: int) -> None:
+        du0 = self.du_mib()
+        users = [f"u{i:05d}" for i in range(machines)]
+        wake_alone = None
+        t0 = time.monotonic()
+        for i, user in enumerate(users):
+            r = self.c.post(f"/machines/{user}", json={})
+            assert r.status_code == 201, r.text  # a new user: a new machine
+            self.c.post(f"/machines/{user}/snapshot")
+            if i == 0:
+                t = time.monotonic()
+                self.c.post(f"/machines/{user}/wake")
+                wake_alone = time.monotonic() - t
+                self.c.post(f"/machines/{user}/snapshot")
+            if (i + 1) % 50 == 0:
+                say(f"asleep: {i + 1}/{machines} ({time.monotonic() - t0:.0f} s)")
+        per = (self.du_mib() - du0) / machines
+        wakes = []
+        for user in random.Random(33).sample(users[1:], min(10, machines - 1)):
+            t = time.monotonic()
+            self.c.post(f"/machines/{user}/wake")
+            wakes.append(time.monotonic() - t)
+            self.c.post(f"/machines/{user}/snapshot")
+        start = self.restart()
+        self.out["asleep"] = {
+            "machines": machines, "disk_mib_per_machine": round(per, 1),
+            "wake_alone_s": round(wake_alone or 0.0, 3),
+            "wake_p50_s": round(statistics.median(wakes), 3) if wakes else None,
+            "wake_ratio_to_alone": round(statistics.median(wakes) / wake_alone, 2)
+            if wakes and wake_alone else None,
+            "server_start_s": round(start, 2), "setup_s": round(time.monotonic() - t0, 1)}
+
+    def du_mib(self) -> float:
+        out = subprocess.run(["du", "-sm", "--apparent-size", str(self.dir)],
+                             capture_output=True, text=True).stdout.split()
+        return float(out[0]) if out else 0.0
+
+    def restart(self) -> float:
+        """Seconds from a new ``hangar serve`` on the same data directory to its /health."""
+        self.proc.terminate()
+        self.proc.wait(300)
+        env = {**os.environ, "HANGAR_DATA_DIR": str(self.dir), "HANGAR_PORT":
+               self.url.rsplit(":", 1)[1], "HANGAR_POOL_SIZE": "0", "HANGAR_NETWORK": "off",
+               "HANGAR_PRIVSEP": "0", "HANGAR_MAX_SANDBOXES": str(self.n + 8)}
+        t0 = time.monotonic()
+        log = open(self.dir / "server.log", "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "hangar.cli", "serve"], env=env,
+                                     stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > 600:
+                raise RuntimeError("the server did not come back in 600 s")
+            time.sleep(0.05)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=100)
+    ap.add_argument("--machines", type=int, default=1000)
+    ap.add_argument("--overcommit", type=float, default=4.0)
+    ap.add_argument("--steps", default="seq,idle,storm,asleep")
+    args = ap.parse_args()
+    steps = set(args.steps.split(","))
+    b = Bench(args.n, args.overcommit)
+    try:
+        b.out["machine"] = machine()
+        b.out["engine"] = httpx.get(b.url + "/health", timeout=10).json()["engine"]
+        b.out["settings"] = {"n": args.n, "overcommit": args.overcommit,
+                             "memory_mib": 512, "template": "base"}
+        avail_before = meminfo_mib("MemAvailable")
+        if steps & {"seq", "idle", "storm"}:
+            ids = b.seq()
+            if "idle" in steps:
+                b.idle(ids, avail_before)
+            b.delete_all()
+            if "storm" in steps:
+                b.storm()
+                b.delete_all()
+        if "asleep" in steps:
+            b.asleep(args.machines)
+    finally:
+        b.c.close()
+        stop_server(b.proc, b.dir)
+    for step in ("seq", "idle", "storm", "asleep"):
+        if step in b.out:
+            say(f"{step:7} {json.dumps(b.out[step])}")
+    print(json.dumps(b.out))
+
+
+if __name__ == "__main__":
+    main()
