@@ -435,3 +435,23 @@ def dashboard_changes_rules(url: str, key: str, sid: str, c: Any) -> None:
             browser.close()
     deny = c.get(f"/sandboxes/{sid}").json()["network"]["deny"]
     assert deny[-1] == "b.example.test", deny
+
+
+def test_the_hosts_own_addresses_are_never_opened_also_read_inside_the_event_loop() -> None:
+    """pyroute2's sync API fails inside a running loop: the guard reads the host's
+    addresses off it, so a server (whose guard first reads them on its loop) has them."""
+    import asyncio
+    import types
+
+    from hangar.net.egress import EgressGuard
+    from hangar.net.offloop import host_ipv4
+
+    outside = host_ipv4()
+    assert "127.0.0.1" in outside
+
+    async def inside() -> list[str]:
+        return EgressGuard(types.SimpleNamespace(pool="172.30.0.0/16", dns=None)).never()
+
+    never = asyncio.run(inside())
+    assert [f"{ip}/32" for ip in outside] == never[1:len(outside) + 1]
+    assert len(outside) >= 2  # loopback and this host's own address(es)

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from conftest import Server
+from hangar.client import Hangar
 from team_support import cli, client, fresh_server, team_keys
 
 
@@ -197,20 +198,25 @@ def test_hangar_status_shows_each_teams_use(server: Server,
     assert "team " not in shown and "warm pool" not in shown
 
 
-def test_a_team_is_removed_only_once_it_holds_nothing(teams: dict[str, httpx.Client]) -> None:
+def test_a_team_is_removed_only_once_it_holds_nothing(server: Server,
+                                                     teams: dict[str, httpx.Client]) -> None:
     op = teams["op"]
     assert op.post("/teams", json={"name": "green"}).status_code == 201
-    as_green = {"X-Hangar-Team": "green"}  # the operator makes them on green's behalf
-    r = op.post("/volumes", json={"name": "v", "size_mib": 16}, headers=as_green)
+    cli(server.data_dir, "key", "add", "green-key", "--team", "green")
+    # the operator makes them on green's behalf: X-Hangar-Team, the SDK's team=
+    r = op.post("/volumes", json={"name": "v", "size_mib": 16},
+                headers={"X-Hangar-Team": "green"})
     assert (r.status_code, r.json()["name"]) == (201, "v"), r.text
-    r = op.post("/secrets", json={"name": "s", "value": "x", "hosts": ["example.com"]},
-                headers=as_green)
-    assert r.status_code == 201, r.text
-    r = op.delete("/teams/green")
-    assert (r.status_code, r.json()["error"]) == (409, {
-        "code": "conflict", "message": "team green holds 1 volume, 1 secret; delete them "
-        "first", "team": "green", "volumes": 1, "secrets": 1})
-    vol = next(v for v in op.get("/volumes").json()["volumes"] if v["name"] == "green/v")
-    assert op.delete(f"/volumes/{vol['id']}").status_code == 204
-    assert op.delete("/secrets/s", headers=as_green).status_code == 204
+    with Hangar(server.url, server.key, team="green") as as_green:
+        assert as_green.create_secret("s", "x", ["example.com"]).name == "s"
+        r = op.delete("/teams/green")
+        assert (r.status_code, r.json()["error"]) == (409, {
+            "code": "conflict", "message": "team green holds 1 volume, 1 secret, 1 key "
+            "(green-key: hangar key rm NAME); delete them first", "team": "green",
+            "volumes": 1, "secrets": 1, "keys": 1})
+        vol = next(v for v in op.get("/volumes").json()["volumes"] if v["name"] == "green/v")
+        assert op.delete(f"/volumes/{vol['id']}").status_code == 204  # by id
+        as_green.delete_secret("s")  # by the name the team gave it
+    assert [s["name"] for s in op.get("/secrets").json()["secrets"]] == []
+    cli(server.data_dir, "key", "rm", "green-key")
     assert op.delete("/teams/green").status_code == 204

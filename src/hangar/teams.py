@@ -187,6 +187,12 @@ class TeamStore:
             self._write(teams)
         return teams[name]
 
+    def keys_of(self, name: str) -> list[str]:
+        """The names of team ``name``'s keys in ``api-keys``, sorted."""
+        from hangar.keys import read_named
+        return sorted(k.name for k in read_named(self.path.parent / "api-keys")[0]
+                      if k.team == name)
+
     def remove(self, name: str) -> None:
         """Forget team ``name`` (the caller checks it holds no sandbox). Raises NotFound,
         Conflict while a key of it is in ``api-keys`` (read under the lock that ``hangar

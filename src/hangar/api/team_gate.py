@@ -87,8 +87,9 @@ def check_route(scope: Any, team: str | None) -> None:
     if str(scope.get("path", "")).startswith(E2B + "/") and not path.startswith(E2B + "/"):
         path = E2B + path  # E2B's routes are matched by their templates under its prefix
     if path in OPERATOR_ONLY or not TEAM_ROUTES.match(path):
-        raise Forbidden(f"a team's key cannot use {path} (it is the operator's, or not "
-                        "scoped to teams yet)", route=path, team=team)
+        raise Forbidden(f"a team's key cannot use {path}: it is the operator's (an operator's "
+                        "key acting for a team with X-Hangar-Team is held to the team's "
+                        "routes too)", route=path, team=team)
     sandbox_id = (scope.get("path_params") or {}).get("sandbox_id")
     manager = getattr(scope["app"].state, "manager", None)
     if sandbox_id is not None and manager is not None:

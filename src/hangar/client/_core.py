@@ -109,10 +109,14 @@ class Config:
     api_key: str
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    team: str | None = None
+    """An operator key's team to act for (``X-Hangar-Team``), or None."""
 
     def headers(self, idempotency_key: str | None = None,
                 extra: Mapping[str, str] | None = None) -> dict[str, str]:
         h = {"X-API-Key": self.api_key, "User-Agent": USER_AGENT}
+        if self.team:
+            h["X-Hangar-Team"] = self.team
         if idempotency_key is not None:
             h["Idempotency-Key"] = idempotency_key
         if extra:
@@ -127,9 +131,10 @@ class Config:
 
 
 def resolve_config(base_url: str | None, api_key: str | None, retry: RetryPolicy | None = None,
-                   timeouts: Timeouts | None = None) -> Config:
+                   timeouts: Timeouts | None = None, team: str | None = None) -> Config:
     """URL and key from the arguments, ``HANGAR_URL``/``HANGAR_API_KEY``, or the
-    server's key file (``$HANGAR_DATA_DIR/api-key``, default /var/lib/hangar)."""
+    server's key file (``$HANGAR_DATA_DIR/api-key``, default /var/lib/hangar); the team
+    an operator's key acts for from ``team`` or ``HANGAR_TEAM`` (none: its own view)."""
     url = base_url or os.environ.get("HANGAR_URL") or DEFAULT_URL
     key = api_key or os.environ.get("HANGAR_API_KEY")
     if not key:
@@ -138,7 +143,8 @@ def resolve_config(base_url: str | None, api_key: str | None, retry: RetryPolicy
             key = path.read_text().strip()
         except OSError:
             key = ""
-    return Config(url.rstrip("/"), key, retry or RetryPolicy(), timeouts or Timeouts())
+    return Config(url.rstrip("/"), key, retry or RetryPolicy(), timeouts or Timeouts(),
+                  team or os.environ.get("HANGAR_TEAM") or None)
 
 
 def new_idempotency_key() -> str:

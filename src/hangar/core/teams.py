@@ -74,6 +74,10 @@ def name_visible(stored: str) -> bool:
     return who is None or owner_of(stored) == who
 
 
+SINGULAR = {"sandboxes": "sandbox", "snapshots": "snapshot", "volumes": "volume",
+            "secrets": "secret", "machines": "machine", "templates": "template"}
+"""Each kind ``Teams.holdings`` counts, as one of it is named."""
+
 OWNERS_KEPT = 4096
 """Sandboxes whose team ``Teams.owner`` keeps (events ask it for each one's team)."""
 
@@ -278,8 +282,13 @@ class Teams:
         (``TeamStore.remove``)."""
         self.store.get(name)
         held = self.holdings(name)
-        if held:
-            what = ", ".join(f"{n} {kind if n != 1 else kind.rstrip('s')}"
-                             for kind, n in held.items())
-            raise Conflict(f"team {name} holds {what}; delete them first", team=name, **held)
+        keys = self.store.keys_of(name)
+        if held or keys:
+            what = [f"{n} {kind if n != 1 else SINGULAR.get(kind, kind)}"
+                    for kind, n in held.items()]
+            if keys:
+                what.append(f"{len(keys)} {'keys' if len(keys) != 1 else 'key'} "
+                            f"({', '.join(keys[:10])}: hangar key rm NAME)")
+            raise Conflict(f"team {name} holds {', '.join(what)}; delete them first",
+                           team=name, **held, **({"keys": len(keys)} if keys else {}))
         self.store.remove(name)

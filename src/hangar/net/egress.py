@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hangar.net.egress_match import admits, match_domain, normalize_name
+from hangar.net.offloop import host_ipv4
 from hangar.net.policy import Policy
 
 log = logging.getLogger("hangar.net.egress")
@@ -174,12 +175,8 @@ class EgressGuard:
         those ports, and the proxy's connections leave from the host)."""
         if self._never is None:
             out = [str(self.net.pool)]
-            try:
-                from pyroute2 import IPRoute
-
-                with IPRoute() as ipr:
-                    out += [f"{a.get_attr('IFA_ADDRESS')}/32" for a in ipr.get_addr(family=2)
-                            if a.get_attr("IFA_ADDRESS")]
+            try:  # off the event loop: pyroute2's sync API fails inside a running one
+                out += [f"{ip}/32" for ip in host_ipv4()]
             except Exception as exc:  # the pool and NEVER still hold
                 log.warning("cannot read the host's addresses", extra={"error": str(exc)})
             self._never = out

@@ -17,7 +17,6 @@ cannot run inside a running loop).
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import importlib.util
 import ipaddress
@@ -27,10 +26,9 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 from hangar.errors import EngineError, InvalidRequest
 from hangar.net import nft as N
@@ -46,6 +44,7 @@ from hangar.net.bridge import (
 )
 from hangar.net.doctor import describe
 from hangar.net.intercept import EgressOps, rules_script
+from hangar.net.offloop import off_loop
 from hangar.net.policy import Policy
 
 if TYPE_CHECKING:
@@ -61,25 +60,8 @@ _SANDBOX_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _IFNAME_MAX = 15
 
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _off_loop(fn: F) -> F:
-    """Run ``fn`` in a worker thread when called from a thread running an event loop.
-
-    pyroute2's synchronous API drives an event loop of its own and fails
-    inside a running one; this keeps the sync methods callable from async
-    code (they then block that loop for their tens of milliseconds).
-    """
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return fn(*args, **kwargs)
-        with ThreadPoolExecutor(1, thread_name_prefix="hangar-net") as pool:
-            return pool.submit(fn, *args, **kwargs).result()
-    return wrapper  # type: ignore[return-value]
+_off_loop = off_loop
+"""Sync methods that call pyroute2 run off the event loop (``hangar.net.offloop``)."""
 
 
 def tap_name(sandbox_id: str, prefix: str = "hgt") -> str:

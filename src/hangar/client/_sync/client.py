@@ -68,13 +68,16 @@ class Hangar(
     ``processes``, ``AsyncProcessCalls``), volumes (``volumes``, ``AsyncVolumeCalls``),
     the vault's secrets (``secrets``, ``AsyncSecretCalls``) and templates built from a
     Dockerfile (``build_template``, ``templates``, ``AsyncTemplateCalls``).
-    Teams and their limits (``teams``, ``AsyncTeamCalls``) are for operator keys.
+    Teams and their limits (``teams``, ``AsyncTeamCalls``) are for operator keys; with
+    ``team`` (or ``HANGAR_TEAM``) an operator's key acts for that team (``X-Hangar-Team``:
+    it sees and makes what a key of the team would).
     """
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
                  retry: RetryPolicy | None = None, timeouts: Timeouts | None = None,
-                 http_client: httpx.Client | None = None) -> None:
-        self.config = _core.resolve_config(base_url, api_key, retry, timeouts)
+                 http_client: httpx.Client | None = None,
+                 team: str | None = None) -> None:
+        self.config = _core.resolve_config(base_url, api_key, retry, timeouts, team)
         self._own_http = http_client is None
         self._http = http_client or httpx.Client()
 
