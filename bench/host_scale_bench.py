@@ -18,7 +18,8 @@ driven over HTTP. Steps, each with its baseline measured in the same run:
 * **storm**: the sandboxes deleted, then ``--n`` creates sent at once, each followed
   by its first command: p50, p95, p99, failures, wall time; ratio of its p50 to seq's.
 * **asleep**: ``--machines`` machines (``POST /machines/{user}``), each put to sleep:
-  disk per machine (MiB, the data directory's growth), the wake p50 of 10 random ones
+  disk per machine (MiB the data directory grew by, allocated and apparent: snapshots'
+  memory files are sparse), the wake p50 of 10 random ones
   against the wake of the first machine while it was alone, and the server's start-up
   time with them all on disk (a restart).
 
@@ -190,7 +191,7 @@ class Bench:
                              "server": self.server()}
 
     def asleep(self, machines: int) -> None:
-        du0 = self.du_mib()
+        du0, ap0 = self.du_mib(), self.du_mib(apparent=True)
         users = [f"u{i:05d}" for i in range(machines)]
         wake_alone = None
         t0 = time.monotonic()
@@ -206,6 +207,7 @@ class Bench:
             if (i + 1) % 50 == 0:
                 say(f"asleep: {i + 1}/{machines} ({time.monotonic() - t0:.0f} s)")
         per = (self.du_mib() - du0) / machines
+        per_apparent = (self.du_mib(apparent=True) - ap0) / machines
         wakes = []
         for user in random.Random(33).sample(users[1:], min(10, machines - 1)):
             t = time.monotonic()
@@ -215,15 +217,18 @@ class Bench:
         start = self.restart()
         self.out["asleep"] = {
             "machines": machines, "disk_mib_per_machine": round(per, 1),
+            "apparent_mib_per_machine": round(per_apparent, 1),
             "wake_alone_s": round(wake_alone or 0.0, 3),
             "wake_p50_s": round(statistics.median(wakes), 3) if wakes else None,
             "wake_ratio_to_alone": round(statistics.median(wakes) / wake_alone, 2)
             if wakes and wake_alone else None,
             "server_start_s": round(start, 2), "setup_s": round(time.monotonic() - t0, 1)}
 
-    def du_mib(self) -> float:
-        out = subprocess.run(["du", "-sm", "--apparent-size", str(self.dir)],
-                             capture_output=True, text=True).stdout.split()
+    def du_mib(self, apparent: bool = False) -> float:
+        """MiB the data directory takes on disk (allocated blocks; with ``apparent``, the
+        files' sizes: snapshots' memory files are sparse)."""
+        out = subprocess.run(["du", "-sm", *(["--apparent-size"] if apparent else []),
+                              str(self.dir)], capture_output=True, text=True).stdout.split()
         return float(out[0]) if out else 0.0
 
     def restart(self) -> float:
