@@ -1,33 +1,16 @@
-"""What the team test modules share: a server of their own, the CLI on its data directory,
-clients by key, and teams with keys of each (issue 32)."""
+"""What the team test modules share: the CLI on a server's data directory, clients by key,
+and keys of teams (issue 32); each module's server is ``conftest.own_server``."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
-from conftest import SRC, Server, free_port, make_data_dir
-
-
-@contextmanager
-def fresh_server(base_image: Path) -> Iterator[Server]:
-    """A server on a data directory of its own (split from root, as installed), killed and
-    its directory removed when done, pass or fail."""
-    d = make_data_dir(base_image)
-    srv = Server(d, free_port())
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.kill()
-        shutil.rmtree(d, ignore_errors=True)
+from conftest import SRC, Server
 
 
 def cli(data_dir: Path, *args: str, url: str | None = None, key: str | None = None) -> str:

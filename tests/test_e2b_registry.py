@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import registry_support
-from conftest import SHARED, SRC, Server, free_port, make_data_dir
+from conftest import SHARED, SRC, Server, make_data_dir, own_server
 from oci_support import busybox_rootfs, docker_archive
 from test_e2b_api import e2b_env, e2b_key  # noqa: F401,F811  (fixtures: the three variables)
 
@@ -83,15 +83,10 @@ def server(base_image: Path, local_registry: registry_support.LocalRegistry
     debs.mkdir(parents=True)
     for deb in (SHARED / "cache" / "debs").glob("linux-image-*.deb"):
         os.link(deb, debs / deb.name)
-    srv = Server(d, free_port(), extra_env={
-        "HANGAR_REGISTRY_MIRRORS": f"docker.io={local_registry.host}",
-        "HANGAR_REGISTRY_INSECURE": local_registry.host})
-    srv.start()
-    try:
+    with own_server(base_image, {
+            "HANGAR_REGISTRY_MIRRORS": f"docker.io={local_registry.host}",
+            "HANGAR_REGISTRY_INSECURE": local_registry.host}, data_dir=d) as srv:
         yield srv
-    finally:
-        srv.kill()
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def name() -> str:

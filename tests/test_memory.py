@@ -9,7 +9,6 @@ brought below a headroom on demand, and the figure must not move under the test.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import Server, free_port, make_data_dir
+from conftest import Server, make_data_dir, own_server
 from team_support import client
 
 IDLE_S = 6.0
@@ -38,16 +37,12 @@ def server(base_image: Path) -> Iterator[Server]:
     d = make_data_dir(base_image)
     meminfo = d / "meminfo"
     set_available(meminfo, 8000)
-    srv = Server(d, free_port(), extra_env={
-        "HANGAR_TEST_MEMINFO": str(meminfo), "HANGAR_MEMORY_HEADROOM_MIB": str(HEADROOM_MIB),
-        "HANGAR_MEMORY_PRESSURE_IDLE_S": str(IDLE_S), "HANGAR_MEMORY_BUDGET_MIB": "512",
-        "HANGAR_MEMORY_OVERCOMMIT": "2", "HANGAR_DEFAULT_MEMORY_MIB": "256"})
-    srv.start()
-    try:
+    with own_server(base_image, {
+            "HANGAR_TEST_MEMINFO": str(meminfo), "HANGAR_MEMORY_HEADROOM_MIB": str(HEADROOM_MIB),
+            "HANGAR_MEMORY_PRESSURE_IDLE_S": str(IDLE_S), "HANGAR_MEMORY_BUDGET_MIB": "512",
+            "HANGAR_MEMORY_OVERCOMMIT": "2", "HANGAR_DEFAULT_MEMORY_MIB": "256"},
+            data_dir=d) as srv:
         yield srv
-    finally:
-        srv.kill()
-        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -11,14 +11,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import Server
+from conftest import Server, own_server
 from hangar.client import Hangar
-from team_support import cli, client, fresh_server, team_keys
+from team_support import cli, client, team_keys
 
 
 @pytest.fixture(scope="module")
 def server(base_image: Path) -> Iterator[Server]:
-    with fresh_server(base_image) as srv:
+    with own_server(base_image) as srv:
         yield srv
 
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import Server
-from team_support import client, fresh_server, team_keys
+from conftest import Server, own_server
+from team_support import client, team_keys
 
 
 @pytest.fixture(scope="module")
 def server(base_image: Path) -> Iterator[Server]:
-    with fresh_server(base_image) as srv:
+    with own_server(base_image) as srv:
         yield srv
 
 

@@ -15,14 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import Server
-from team_support import cli, client, fresh_server, team_keys
+from conftest import Server, own_server
+from team_support import cli, client, team_keys
 from netns import can_netns  # its namespaces' fixed names: one worker (tests/schedule.py)
 
 
 @pytest.fixture(scope="module")
 def server(base_image: Path) -> Iterator[Server]:
-    with fresh_server(base_image) as srv:
+    with own_server(base_image) as srv:
         yield srv
 
 
