@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from hangar.config import Settings
 from hangar.core.context import Context
 from hangar.core.lifecycle import OnExpiry, State
-from hangar.core.memory import RELIEF_TRIES, START_COST_MIB
+from hangar.core.memory import RELIEF_TRIES, START_COST_MIB, meminfo
 from hangar.core.store import SandboxRecord
 from hangar.errors import InvalidRequest, LimitExceeded
 from hangar.images import RECIPES, GuestImage
@@ -50,18 +50,6 @@ MEMORY_BUDGET_SHARE = 0.8
 """Share of the host's RAM that guests may hold when no budget is set."""
 SNAPSHOT_SHARE = 0.5
 """Share of the data directory's file system that snapshots may hold when no cap is set."""
-
-
-def host_memory_mib() -> int:
-    """The host's RAM in MiB (``MemTotal`` in /proc/meminfo); 0 when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) // 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 def allocated_bytes(path: os.PathLike[str] | str) -> int:
@@ -188,7 +176,7 @@ class Admission:
         """Guest memory all VMMs may hold together, MiB (``memory_budget_mib``, else
         ``MEMORY_BUDGET_SHARE`` of the host's RAM)."""
         s = self.ctx.settings
-        return s.memory_budget_mib or int(host_memory_mib() * MEMORY_BUDGET_SHARE)
+        return s.memory_budget_mib or int(meminfo("MemTotal") * MEMORY_BUDGET_SHARE)
 
     def memory_used_mib(self) -> int:
         """Guest memory of every record that may hold a VMM (pooled ones too), MiB."""

@@ -60,10 +60,8 @@ RETRY_AFTER_S = 5.0
 """What a start refused for low host memory is told to wait, seconds."""
 
 
-def meminfo(field: str) -> int:
-    """``field`` of ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``...) in MiB; 0 when
-    it cannot be read."""
-    path = Path(os.environ.get(TEST_MEMINFO_ENV) or MEMINFO)
+def _field_mib(path: str | Path, field: str) -> int:
+    """The kB figure of line ``field:`` of a ``/proc`` file, in MiB; 0 when unreadable."""
     try:
         with open(path) as f:
             for line in f:
@@ -74,18 +72,15 @@ def meminfo(field: str) -> int:
     return 0
 
 
+def meminfo(field: str) -> int:
+    """``field`` of ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``...) in MiB; 0 when
+    it cannot be read."""
+    return _field_mib(os.environ.get(TEST_MEMINFO_ENV) or MEMINFO, field)
+
+
 def rss_mib(pid: int | None) -> int:
     """Resident memory of process ``pid`` (``VmRSS``), MiB; 0 when it is gone."""
-    if not pid:
-        return 0
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) // 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    return _field_mib(f"/proc/{pid}/status", "VmRSS") if pid else 0
 
 
 @dataclass(frozen=True)
