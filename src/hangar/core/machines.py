@@ -186,21 +186,26 @@ class MachineManager:
     async def reconcile(self) -> None:
         """Keep machine records true to their sandboxes (see the module docstring). Runs
         with no team acting: it reads every team's machines by their stored names."""
-        machines = {m.user_id: m for m in self.store.list(MachineRecord)}
+        machines, gone, live = await asyncio.to_thread(self._read)
         owned = {m.sandbox_id for m in machines.values()}
-        for m in machines.values():
-            try:
-                rec = self.store.get(m.sandbox_id)
-            except Exception:  # an unreadable sandbox row: the reconcile pass reports it
-                continue
-            if (rec is None or rec.state in GONE) and not self._busy(m.user_id):
-                self.store.remove(MachineRecord, m.user_id)
-                log.info("machine record of a gone sandbox removed", extra={"user_id": m.user_id})
-        for rec in self.store.in_states(LIVE - {State.CREATING}):
+        # What was read may have moved since (a machine made or woken meanwhile): each
+        # change below is decided again on a fresh read, here on the loop.
+        for user, sandbox_id in gone:
+            now = self.store.find(MachineRecord, user)
+            if now is not None and now.sandbox_id == sandbox_id and not self._busy(user):
+                self.store.remove(MachineRecord, user)
+                log.info("machine record of a gone sandbox removed", extra={"user_id": user})
+        for rec in live:
             user = rec.user_id if isinstance(rec.user_id, str) else None
             if user is None or rec.id in owned or self._busy(user):
                 continue
-            if self._find(user) is None:
+            fresh = self.store.get(rec.id)
+            if fresh is None or fresh.state in GONE:
+                continue
+            found = self._find(user)
+            if found is not None and found[0].sandbox_id == rec.id:
+                continue
+            if found is None:
                 self.store.remove(MachineRecord, user)
                 idle = rec.idle_timeout_s
                 self.store.add(MachineRecord(user_id=user, sandbox_id=rec.id,
@@ -215,6 +220,23 @@ class MachineManager:
                     await self.sandboxes.delete(rec.id)
                 except HangarError:
                     pass
+
+    def _read(self) -> tuple[dict[str, MachineRecord], list[tuple[str, str]],
+                             list[SandboxRecord]]:
+        """What ``reconcile`` reads, in one go (it runs in a thread, off the event loop):
+        the machine records by user, (user, sandbox id) of those whose sandbox is gone,
+        and the live sandboxes of a user (those past ``creating``)."""
+        machines = {m.user_id: m for m in self.store.list(MachineRecord)}
+        gone = []
+        for m in machines.values():
+            try:
+                rec = self.store.get(m.sandbox_id)
+            except Exception:  # an unreadable sandbox row: the reconcile pass reports it
+                continue
+            if rec is None or rec.state in GONE:
+                gone.append((m.user_id, m.sandbox_id))
+        live = [r for r in self.store.in_states(LIVE - {State.CREATING}) if r.user_id is not None]
+        return machines, gone, live
 
     def _busy(self, user_id: str) -> bool:
         lock = self._locks.get(user_id)

@@ -206,6 +206,17 @@ def read_pid(pid_file: Path) -> int | None:
     return pid if pid > 1 else None
 
 
+def describe_exit(code: int) -> str:
+    """A process's exit code as words: ``"status 1"``, or ``"killed by SIGKILL"`` for a
+    negative code (``-signal``, as ``poll`` gives it)."""
+    if code >= 0:
+        return f"status {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
 def tail(path: Path, lines: int = 3, within: Path | None = None) -> str:
     """The last ``lines`` non-empty lines of a log file joined by `` | ``; "" when none.
 

@@ -221,9 +221,10 @@ class QemuEngine(Engine):
         try:
             deadline = time.monotonic() + START_S
             while not (p.qmp.exists() and p.agent.exists()):
-                if proc.poll() is not None:
-                    raise EngineError(f"QEMU exited at start: {self._log_tail(p)}",
-                                      sandbox_id=spec.sandbox_id)
+                code = proc.poll()
+                if code is not None:
+                    raise EngineError(f"QEMU exited at start ({process.describe_exit(code)}): "
+                                      f"{self._log_tail(p)}", sandbox_id=spec.sandbox_id)
                 if time.monotonic() > deadline:
                     raise EngineError(f"QEMU did not create its sockets in {START_S:g} s",
                                       sandbox_id=spec.sandbox_id)
