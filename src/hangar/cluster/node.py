@@ -50,6 +50,7 @@ from hangar.cluster.records import (
 )
 from hangar.cluster.sharing import Sharing, shared_snapshot, template_meta
 from hangar.cluster.storage import SharedStore, open_store
+from hangar.cluster.teams import SharedTeamStore
 from hangar.config import Settings
 from hangar.core.service import (
     GONE, LIVE, Adoptee, Hooks, IllegalTransition, SandboxManager, SandboxView, SnapshotView, State,
@@ -189,6 +190,7 @@ class ClusterNode:
         """Register, load the directory, drop stale local sandboxes, then start the loops."""
         assert self.config is not None
         self.manager = manager
+        manager.teams.use_store(SharedTeamStore(self.directory))  # teams live in etcd
         manager.on_transition(lambda rec, frm, to: self.mark(rec.id))
         self.directory.on_change(self._changed)
         self.membership = Membership(self.etcd, self.directory, self.name,
@@ -495,7 +497,7 @@ class ClusterNode:
         try:
             template = parse_template(d.spec.get("template"))
             snap = shared_snapshot({**template_meta(template), **d.snapshot}, "sleep",
-                                   sandbox_id=sid)
+                                   sandbox_id=sid, team=d.team)
         except BadRecord as exc:
             raise Conflict(f"sandbox {sid}'s cluster record cannot be adopted: {exc}",
                            sandbox_id=sid) from None
@@ -519,7 +521,7 @@ class ClusterNode:
         await m.adopt(Adoptee(
             sandbox_id=sid, template=template, snapshot=snap, created_at=new.created_at,
             user=new.user, idle_timeout_s=_float(mm.get("idleTimeoutSeconds")),
-            machine_created_at=_float(mm.get("createdAt"))))
+            machine_created_at=_float(mm.get("createdAt")), team=new.team))
         log.info("sandbox adopted from the cluster", extra={
             "sandbox_id": sid, "from_node": prev or "", "epoch": new.epoch,
             "image": image_id(template.image, template.image_digest)})

@@ -10,6 +10,15 @@ Every key lives under ``/hangar/``::
     /hangar/machines/<user>        {"sandboxId": ..., "idleTimeoutSeconds": ..., "createdAt": ...}
     /hangar/snapshots/<id>         a user snapshot in shared storage (forks on any node)
     /hangar/slots/<node>/<k>       one of the node's ``capacity`` VM slots, value: a sandbox id
+    /hangar/teams/<name>           TeamRecord: a team's limits (``hangar.teams``)
+    /hangar/keys/<name>            KeyRecord: a team's key, as its SHA-256 (``hangar.keys``)
+    /hangar/quota/<team>           a counter every create (and wake) of the team bumps in
+                                   its claim's transaction: creates cannot pass a limit
+                                   together (``hangar.cluster.quota``)
+
+A machine's key and its ``hangar.dev/user`` label hold the user id as its node
+stores it (``TEAM/user`` for a team's, ``hangar.core.teams.scoped``); a team's
+sandbox carries its team in the label ``hangar.dev/team``.
 
 Sandbox records follow the shape of Kubernetes' agent-sandbox ``Sandbox``
 (``agents.x-k8s.io``): ``metadata`` (name, labels, creationTimestamp),
@@ -40,6 +49,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from hangar.keys import NAME as KEY_NAME_RX
+from hangar.teams import LIMIT_MAX, NAME as TEAM_NAME_RX, Team
 from hangar.core.service import (
     USER_ID, VMM_STATES, Face, Guard, OnExpiry, State, Template, check, check_desired,
     from_public, public_name, walk,
@@ -54,6 +65,12 @@ SANDBOXES = ROOT + "sandboxes/"
 MACHINES = ROOT + "machines/"
 SNAPSHOTS = ROOT + "snapshots/"
 SLOTS = ROOT + "slots/"
+TEAMS = ROOT + "teams/"
+KEYS = ROOT + "keys/"
+QUOTA = ROOT + "quota/"
+
+TEAM_LABEL = "hangar.dev/team"
+USER_LABEL = "hangar.dev/user"
 
 API_VERSION = "hangar.dev/v1alpha1"
 
@@ -75,6 +92,13 @@ HOST_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9]
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 WORD = re.compile(r"^[A-Za-z0-9._-]{0,32}$")
 """Engine, accelerator, source: short plain words."""
+TEAM_NAME = TEAM_NAME_RX
+"""A team's name (``hangar.teams.NAME``)."""
+KEY_NAME = KEY_NAME_RX
+"""A named key's name (``hangar.keys.NAME``)."""
+STORED_USER = re.compile(r"^(?:[a-z0-9][a-z0-9-]{0,62}/)?[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
+"""A machine's user id as a node stores it: ``USER_ID``, or ``TEAM/`` and one for a team's
+(``hangar.core.teams.scoped``)."""
 MAX_RECORD_BYTES = 1 << 20
 """Largest value of a record the directory reads (a sandbox's view and template included)."""
 
@@ -174,6 +198,18 @@ def snapshot_key(snap_id: str) -> str:
 
 def slot_key(node: str, k: int) -> str:
     return f"{SLOTS}{node}/{k}"
+
+
+def team_key(name: str) -> str:
+    return TEAMS + name
+
+
+def key_key(name: str) -> str:
+    return KEYS + name
+
+
+def quota_key(team: str) -> str:
+    return QUOTA + team
 
 
 def iso(t: float | None) -> str | None:
@@ -283,6 +319,8 @@ class SnapshotMeta(_Record):
     accel: str | None = Field(None, pattern=WORD.pattern)
     memory: bool | None = None
     """False: a sleep snapshot of the disk alone (booted from, never restored)."""
+    team: str | None = Field(None, pattern=TEAM_NAME.pattern)
+    """The team whose sandbox it was taken of (None: the operator's)."""
 
 
 def snapshot_meta(raw: Any, snap_id: str | None = None) -> dict[str, Any]:
@@ -307,6 +345,56 @@ def machine_meta(raw: Any) -> dict[str, Any]:
     """A machine record checked (``MachineMeta``); returns it. Raises BadRecord."""
     _checked(MachineMeta, "machine record", raw)
     return dict(raw)
+
+
+class TeamRecord(_Record):
+    """``/hangar/teams/<name>``: a team's limits (``hangar.teams``; None: no limit)."""
+
+    created: float = Field(0.0, ge=0, le=1 << 40)
+    max_sandboxes: int | None = Field(None, ge=0, le=LIMIT_MAX, strict=True)
+    max_vcpus: int | None = Field(None, ge=0, le=LIMIT_MAX, strict=True)
+    max_memory_mib: int | None = Field(None, ge=0, le=LIMIT_MAX, strict=True)
+    max_disk_mib: int | None = Field(None, ge=0, le=LIMIT_MAX, strict=True)
+    max_volumes_mib: int | None = Field(None, ge=0, le=LIMIT_MAX, strict=True)
+
+
+def team_record(name: str, raw: Any) -> Team:
+    """The team ``name`` (the key's last part) from its record. Raises BadRecord."""
+    if not TEAM_NAME.fullmatch(name):
+        raise BadRecord(f"malformed team name {name[:80]!r}")
+    t = _checked(TeamRecord, "team record", raw)
+    return Team(name, t.created, t.max_sandboxes, t.max_vcpus, t.max_memory_mib,
+                t.max_disk_mib, t.max_volumes_mib)
+
+
+def team_json(t: Team) -> dict[str, Any]:
+    """A team's record value."""
+    return {"created": t.created, **t.limits()}
+
+
+class KeyRecord(_Record):
+    """``/hangar/keys/<name>``: a team's API key as its SHA-256 (never the key itself)."""
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    team: str = Field(pattern=TEAM_NAME.pattern)
+    created: float = Field(0.0, ge=0, le=1 << 40)
+
+
+def key_record(name: str, raw: Any) -> KeyRecord:
+    """The key ``name`` (the key's last part) from its record. Raises BadRecord."""
+    if not KEY_NAME.fullmatch(name):
+        raise BadRecord(f"malformed key name {name[:80]!r}")
+    return _checked(KeyRecord, "key record", raw)
+
+
+def quota_count(value: bytes) -> int:
+    """The counter of ``/hangar/quota/<team>`` (0 when unreadable: only its revision
+    matters)."""
+    try:
+        n = int(value.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return 0
+    return n if 0 <= n < 1 << 62 else 0
 
 
 class _TemplateIn(_Record):
@@ -359,9 +447,12 @@ class _MetaIn(_Record):
         for k, val in v.items():
             if len(k) > 64 or len(val) > 256:
                 raise ValueError("a label is too long")
-        user = v.get("hangar.dev/user")
-        if user is not None and not USER_ID.fullmatch(user):
+        user = v.get(USER_LABEL)
+        if user is not None and not STORED_USER.fullmatch(user):
             raise ValueError("the user label is malformed")
+        team = v.get(TEAM_LABEL)
+        if team is not None and not TEAM_NAME.fullmatch(team):
+            raise ValueError("the team label is malformed")
         return v
 
 
@@ -448,7 +539,13 @@ class SandboxObject:
 
     @property
     def user(self) -> str | None:
-        return self.labels.get("hangar.dev/user")
+        """The machine's user id as its node stores it (``TEAM/user`` for a team's)."""
+        return self.labels.get(USER_LABEL)
+
+    @property
+    def team(self) -> str | None:
+        """The team whose sandbox it is (label ``hangar.dev/team``), None: the operator's."""
+        return self.labels.get(TEAM_LABEL)
 
     def to_json(self) -> dict[str, Any]:
         ready = self.state == State.RUNNING
