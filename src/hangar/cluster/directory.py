@@ -29,7 +29,9 @@ from hangar.cluster import records as R
 from hangar.cluster.etcd import (
     Compacted, Etcd, Event, cmp_mod, cmp_value, cmp_version, op_delete, op_put,
 )
-from hangar.cluster.records import BadRecord, KeyRecord, NodeInfo, SandboxObject
+from hangar.cluster import team_records as TR
+from hangar.cluster.records import BadRecord, NodeInfo, SandboxObject
+from hangar.cluster.team_records import KeyRecord
 from hangar.core.service import Tasks
 from hangar.teams import Team
 from hangar.errors import Conflict, LimitExceeded
@@ -193,13 +195,13 @@ class Directory:
                 name = key[len(R.TEAMS):]
                 self.teams.pop(name, None)
                 if put:
-                    self.teams[name] = R.team_record(name, R.load_json(kv.value))
+                    self.teams[name] = TR.team_record(name, R.load_json(kv.value))
             elif key.startswith(R.KEYS):
                 name = key[len(R.KEYS):]
                 self.keys.pop(name, None)
                 try:
                     if put:
-                        self.keys[name] = R.key_record(name, R.load_json(kv.value))
+                        self.keys[name] = TR.key_record(name, R.load_json(kv.value))
                 finally:
                     if notify:
                         self._keys_changed()

@@ -10,11 +10,11 @@ Every key lives under ``/hangar/``::
     /hangar/machines/<user>        {"sandboxId": ..., "idleTimeoutSeconds": ..., "createdAt": ...}
     /hangar/snapshots/<id>         a user snapshot in shared storage (forks on any node)
     /hangar/slots/<node>/<k>       one of the node's ``capacity`` VM slots, value: a sandbox id
-    /hangar/teams/<name>           TeamRecord: a team's limits (``hangar.teams``)
+    /hangar/teams/<name>           TeamRecord: a team's limits (``hangar.cluster.team_records``)
     /hangar/keys/<name>            KeyRecord: a team's key, as its SHA-256 (``hangar.keys``)
-    /hangar/quota/<team>           a counter every create (and wake) of the team bumps in
+    /hangar/quota/<team>           a counter every create of a team with limits bumps in
                                    its claim's transaction: creates cannot pass a limit
-                                   together (``hangar.cluster.quota``)
+                                   together (``hangar.cluster.teams``)
 
 A machine's key and its ``hangar.dev/user`` label hold the user id as its node
 stores it (``TEAM/user`` for a team's, ``hangar.core.teams.scoped``); a team's
@@ -50,7 +50,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hangar.keys import NAME as KEY_NAME_RX
-from hangar.teams import LIMIT_MAX, NAME as TEAM_NAME_RX, Team
+from hangar.teams import NAME as TEAM_NAME_RX
 from hangar.core.service import (
     USER_ID, VMM_STATES, Face, Guard, OnExpiry, State, Template, check, check_desired,
     from_public, public_name, walk,
@@ -345,56 +345,6 @@ def machine_meta(raw: Any) -> dict[str, Any]:
     """A machine record checked (``MachineMeta``); returns it. Raises BadRecord."""
     _checked(MachineMeta, "machine record", raw)
     return dict(raw)
-
-
-class TeamRecord(_Record):
-    """``/hangar/teams/<name>``: a team's limits (``hangar.teams``; None: no limit)."""
-
-    created: float = Field(0.0, ge=0, le=1 << 40)
-    max_sandboxes: int | None = Field(None, ge=0, le=LIMIT_MAX, strict=True)
-    max_vcpus: int | None = Field(None, ge=0, le=LIMIT_MAX, strict=True)
-    max_memory_mib: int | None = Field(None, ge=0, le=LIMIT_MAX, strict=True)
-    max_disk_mib: int | None = Field(None, ge=0, le=LIMIT_MAX, strict=True)
-    max_volumes_mib: int | None = Field(None, ge=0, le=LIMIT_MAX, strict=True)
-
-
-def team_record(name: str, raw: Any) -> Team:
-    """The team ``name`` (the key's last part) from its record. Raises BadRecord."""
-    if not TEAM_NAME.fullmatch(name):
-        raise BadRecord(f"malformed team name {name[:80]!r}")
-    t = _checked(TeamRecord, "team record", raw)
-    return Team(name, t.created, t.max_sandboxes, t.max_vcpus, t.max_memory_mib,
-                t.max_disk_mib, t.max_volumes_mib)
-
-
-def team_json(t: Team) -> dict[str, Any]:
-    """A team's record value."""
-    return {"created": t.created, **t.limits()}
-
-
-class KeyRecord(_Record):
-    """``/hangar/keys/<name>``: a team's API key as its SHA-256 (never the key itself)."""
-
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    team: str = Field(pattern=TEAM_NAME.pattern)
-    created: float = Field(0.0, ge=0, le=1 << 40)
-
-
-def key_record(name: str, raw: Any) -> KeyRecord:
-    """The key ``name`` (the key's last part) from its record. Raises BadRecord."""
-    if not KEY_NAME.fullmatch(name):
-        raise BadRecord(f"malformed key name {name[:80]!r}")
-    return _checked(KeyRecord, "key record", raw)
-
-
-def quota_count(value: bytes) -> int:
-    """The counter of ``/hangar/quota/<team>`` (0 when unreadable: only its revision
-    matters)."""
-    try:
-        n = int(value.decode("ascii"))
-    except (UnicodeDecodeError, ValueError):
-        return 0
-    return n if 0 <= n < 1 << 62 else 0
 
 
 class _TemplateIn(_Record):

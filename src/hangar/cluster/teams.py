@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hangar.cluster import records as R
+from hangar.cluster import records as R, team_records as TR
 from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, cmp_mod, cmp_version, op_delete, op_put
 from hangar.cluster.records import BadRecord, SandboxObject
@@ -131,7 +131,7 @@ async def read_team(etcd: Etcd, name: str) -> tuple[Team, Any]:
     if kv is None:
         raise NotFound(f"no team {name[:80]!r}", team=name[:80])
     try:
-        return R.team_record(name, R.load_json(kv.value)), kv
+        return TR.team_record(name, R.load_json(kv.value)), kv
     except BadRecord as exc:
         raise Conflict(f"team {name}'s cluster record is unreadable ({exc}); an operator "
                        f"must fix or delete {R.team_key(name)}", team=name) from None
@@ -151,7 +151,7 @@ async def quota_guard(etcd: Etcd, team: str, need: Usage) -> tuple[list[Any], li
     refusal = quota_refusal(t, usage(team, parse_records(kvs)), need)
     if refusal is not None:
         raise refusal
-    count = R.quota_count(qkv.value) if qkv is not None else 0
+    count = TR.quota_count(qkv.value) if qkv is not None else 0
     compare = [cmp_mod(qkey, qkv.mod_revision) if qkv is not None else cmp_version(qkey, 0),
                cmp_mod(R.team_key(team), tkv.mod_revision)]
     return compare, [op_put(qkey, str(count + 1))]
@@ -182,7 +182,7 @@ async def create_team(etcd: Etcd, name: str, limits: dict[str, Any]) -> Team:
     check_name(name)
     team = Team(name, time.time(), **check_limits(limits))
     ok, _ = await etcd.txn([cmp_version(R.team_key(name), 0)],
-                           [op_put(R.team_key(name), R.team_json(team))])
+                           [op_put(R.team_key(name), TR.team_json(team))])
     if not ok:
         raise Conflict(f"a team called {name!r} exists", team=name)
     return team
@@ -196,7 +196,7 @@ async def update_team(etcd: Etcd, name: str, limits: dict[str, Any]) -> Team:
         old, kv = await read_team(etcd, name)
         team = Team(name, old.created, **{**old.limits(), **checked})
         ok, _ = await etcd.txn([cmp_mod(R.team_key(name), kv.mod_revision)],
-                               [op_put(R.team_key(name), R.team_json(team))])
+                               [op_put(R.team_key(name), TR.team_json(team))])
         if ok:
             return team
     raise Conflict(f"team {name}'s record keeps changing; retry", team=name)
@@ -228,13 +228,13 @@ async def remove_team(etcd: Etcd, name: str, held: dict[str, int]) -> None:
 
 # -- keys -----------------------------------------------------------------------------------
 
-async def list_keys(etcd: Etcd) -> dict[str, R.KeyRecord]:
+async def list_keys(etcd: Etcd) -> dict[str, TR.KeyRecord]:
     """Every readable team key in etcd, by name."""
     kvs, _ = await etcd.get_prefix(R.KEYS)
     out = {}
     for kv in kvs:
         try:
-            out[kv.key[len(R.KEYS):]] = R.key_record(kv.key[len(R.KEYS):], R.load_json(kv.value))
+            out[kv.key[len(R.KEYS):]] = TR.key_record(kv.key[len(R.KEYS):], R.load_json(kv.value))
         except BadRecord:
             continue
     return out
@@ -260,7 +260,7 @@ async def add_key(etcd: Etcd, name: str, team: str, e2b: bool = False) -> str:
         ok, _ = await etcd.txn([cmp_mod(R.team_key(team), tkv.mod_revision),
                                 cmp_version(R.key_key(name), 0)],
                                [op_put(R.key_key(name), body),
-                                op_put(R.team_key(team), R.team_json(t))])
+                                op_put(R.team_key(team), TR.team_json(t))])
         if ok:
             return key
         if await etcd.get(R.key_key(name)) is not None:
@@ -275,7 +275,7 @@ async def remove_key(etcd: Etcd, name: str) -> None:
         raise NotFound(f"no key called {name[:80]!r} in the cluster")
 
 
-def key_rows(keys: dict[str, R.KeyRecord]) -> list[tuple[str, str, float, str]]:
+def key_rows(keys: dict[str, TR.KeyRecord]) -> list[tuple[str, str, float, str]]:
     """(name, fingerprint, created, team) of each key, by name (never the key)."""
     return [(n, fingerprint(bytes.fromhex(k.sha256)), k.created, k.team)
             for n, k in sorted(keys.items())]

@@ -136,7 +136,7 @@ def quota_refusal(team: Team, have: Usage, need: Usage) -> QuotaExceeded | None:
     """The refusal of ``need`` (one more sandbox: its VMM, vCPUs, memory, and its disk
     when new) on top of what ``team`` holds (``have``) past one of its limits, or None.
     The one wording of a quota's 429, on one host and in a cluster
-    (``hangar.cluster.quota``)."""
+    (``hangar.cluster.teams``)."""
     asks = (("max_sandboxes", have.sandboxes, need.sandboxes, "sandboxes"),
             ("max_vcpus", have.vcpus, need.vcpus, "vCPUs"),
             ("max_memory_mib", have.memory_mib, need.memory_mib, "MiB of memory"),
@@ -163,7 +163,7 @@ class Teams:
 
     def use_store(self, store: TeamStore) -> None:
         """Keep the teams in ``store`` instead of ``<data>/teams.json`` (a cluster's node:
-        its teams are in etcd, ``hangar.cluster.quota``)."""
+        its teams are in etcd, ``hangar.cluster.teams``)."""
         self.store = store
 
     def owner(self, sandbox_id: str) -> str | None:
