@@ -3,7 +3,8 @@
 One lab for the module (tests/clusterlab.py: three nodes in network
 namespaces, real etcd with TLS, two VM slots each), five VM boots of 256 MiB:
 a sandbox of team alpha, two of team gamma (of four creates sent at once), and
-two machines of the same user id, one for alpha and one for beta.
+two machines of the same user id, one for alpha and one for beta; one sleep
+(alpha's machine, whose wake past alpha's lowered limit is refused).
 """
 
 from __future__ import annotations
@@ -152,6 +153,21 @@ def test_two_teams_machines_of_one_user_id_are_distinct(lab: Lab) -> None:
     with lab.nodes[2].client() as c:
         users = {m["user_id"]: m["sandbox_id"] for m in c.get("/machines").json()["machines"]}
         assert users == {"alpha/u1": ids["alpha"], "beta/u1": ids["beta"]}
+    # A wake counts too: alpha's machine asleep, its limit lowered to what it runs (its
+    # sandbox), the wake through another node is the 429 and the machine sleeps on.
+    with client(lab, 1, keys["alpha"]) as c:
+        r = c.post("/machines/u1/snapshot")
+        assert r.status_code == 200 and r.json()["state"] == "sleeping", r.text
+    with lab.nodes[0].client() as c:
+        assert c.patch("/teams/alpha", json={"max_sandboxes": 1}).status_code == 200
+    with client(lab, 2, keys["alpha"]) as c:
+        r = c.post("/machines/u1/wake")
+        assert r.status_code == 429 and r.json()["error"]["message"] == (
+            "team alpha may hold 1 sandbox (max_sandboxes) and holds 1; this sandbox needs "
+            "1 more"), r.text
+        assert c.get("/machines/u1").json()["state"] == "sleeping"
+    with lab.nodes[0].client() as c:
+        assert c.patch("/teams/alpha", json={"max_sandboxes": None}).status_code == 200
 
 
 def test_a_removed_key_stops_everywhere_and_a_team_goes_once_it_holds_nothing(lab: Lab) -> None:

@@ -50,11 +50,11 @@ from hangar.cluster.records import (
 )
 from hangar.cluster.sharing import Sharing, shared_snapshot, template_meta
 from hangar.cluster.storage import SharedStore, open_store
-from hangar.cluster.teams import SharedTeamStore
+from hangar.cluster.teams import SharedTeamStore, shape, within_quota
 from hangar.config import Settings
 from hangar.core.service import (
     GONE, LIVE, Adoptee, Hooks, IllegalTransition, SandboxManager, SandboxView, SnapshotView, State,
-    Tasks, describe, every, sandbox_view,
+    Tasks, Usage, describe, every, sandbox_view,
 )
 from hangar.errors import ConfigError, Conflict, HangarError, NotFound
 from hangar.images import image_id
@@ -429,7 +429,9 @@ class ClusterNode:
     # -- slots, adoption ----------------------------------------------------------------
 
     async def claim_slot(self, sid: str) -> None:
-        """Before a wake: this node must own ``sid``; take a VM slot (compare-and-set)."""
+        """Before a wake: this node must own ``sid``; take a VM slot (compare-and-set),
+        within its team's quotas counted on every node (``hangar.cluster.teams``). Raises
+        Conflict, QuotaExceeded (429: the sandbox sleeps on)."""
         for _ in range(4):
             d = await self.directory.fresh(sid)
             if d is None:
@@ -446,9 +448,13 @@ class ClusterNode:
                 d.status["slot"] = k
                 return d
 
-            try:
-                await self.directory.claim(sid, [self.info()], mark, [], lambda n: [],
-                                           expect_revision=d.mod_revision)
+            vcpus, memory_mib, _ = shape(d)
+            try:  # a team's wake within its quotas, counted on every node (its disk is)
+                await within_quota(
+                    self.etcd, d.team, Usage(1, vcpus, memory_mib, 0),
+                    lambda c, o, d=d, mark=mark: self.directory.claim(  # type: ignore[misc]
+                        sid, [self.info()], mark, c, lambda n: o,
+                        expect_revision=d.mod_revision))
                 return
             except Conflict:
                 await asyncio.sleep(0.05)

@@ -12,9 +12,9 @@ Every key lives under ``/hangar/``::
     /hangar/slots/<node>/<k>       one of the node's ``capacity`` VM slots, value: a sandbox id
     /hangar/teams/<name>           TeamRecord: a team's limits (``hangar.cluster.team_records``)
     /hangar/keys/<name>            KeyRecord: a team's key, as its SHA-256 (``hangar.keys``)
-    /hangar/quota/<team>           a counter every create of a team with limits bumps in
-                                   its claim's transaction: creates cannot pass a limit
-                                   together (``hangar.cluster.teams``)
+    /hangar/quota/<team>           a counter every create and wake of a team with limits
+                                   bumps in its claim's transaction: they cannot pass a
+                                   limit together (``hangar.cluster.teams``)
 
 A machine's key and its ``hangar.dev/user`` label hold the user id as its node
 stores it (``TEAM/user`` for a team's, ``hangar.core.teams.scoped``); a team's

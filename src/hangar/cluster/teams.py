@@ -6,7 +6,7 @@ in etcd, so every node knows every team and accepts every team's key::
 
     /hangar/teams/<name>     {"created", "max_sandboxes", ... }      (TeamRecord)
     /hangar/keys/<name>      {"sha256": HEX, "team": T, "created"}   (KeyRecord)
-    /hangar/quota/<team>     a counter, bumped by every create of the team
+    /hangar/quota/<team>     a counter, bumped by every create and wake of the team
 
 Each node's directory watch caches both (``Directory.teams``, ``.keys``): the
 core reads its teams from the cache (``SharedTeamStore``, given to
@@ -24,8 +24,9 @@ machine key) also compares the counter's and the team record's revisions and
 bumps the counter. Any create of the team committed before the counter was
 read is in the records read after it; any committed after changed the counter,
 so this one fails and is counted again: creates sent at once through any nodes
-cannot pass a limit together. A team without such limits takes no counter
-(its creates do not contend).
+cannot pass a limit together. A wake's slot claim (``ClusterNode.claim_slot``)
+is counted the same way (its disk is already). A team without such limits
+takes no counter (its creates do not contend).
 """
 
 from __future__ import annotations
