@@ -154,7 +154,9 @@ def test_two_teams_machines_of_one_user_id_are_distinct(lab: Lab) -> None:
         users = {m["user_id"]: m["sandbox_id"] for m in c.get("/machines").json()["machines"]}
         assert users == {"alpha/u1": ids["alpha"], "beta/u1": ids["beta"]}
     # A wake counts too: alpha's machine asleep, its limit lowered to what it runs (its
-    # sandbox), the wake through another node is the 429 and the machine sleeps on.
+    # sandbox, on another node: only the cluster's count refuses), the wake through a third
+    # node is the 429 and the machine sleeps on.
+    assert lab.owner(ids["alpha"]) not in (None, lab.owner(state["alpha"]))
     with client(lab, 1, keys["alpha"]) as c:
         r = c.post("/machines/u1/snapshot")
         assert r.status_code == 200 and r.json()["state"] == "sleeping", r.text
