@@ -12,7 +12,9 @@ Two files in the data directory (see ``hangar.layout``), both 0600::
                 grants nothing if it leaks. Written by ``hangar key add|rm|rotate``.
 
 A key with a team acts for that team only (``hangar.teams``); a key without
-one, the default key and a cluster's shared keys are *operator* keys.
+one, the default key and a cluster's shared keys are *operator* keys. A
+cluster's team keys are kept in etcd, not in these files
+(``KeyRing.share_team_keys``, ``hangar.cluster.teams``).
 
 A plain SHA-256 (no salt, no slow hash) is enough because every named key
 is random: 32 bytes (256 bits) made by ``generate``, or 20 bytes (160 bits)
