@@ -65,6 +65,10 @@ def test_a_team_and_its_key_made_once_work_on_every_node(lab: Lab) -> None:
         assert c.post("/teams", json={"name": "alpha", "max_vcpus": "8"}).status_code == 422
     for name, team in (("a1", "alpha"), ("b1", "beta"), ("g1", "gamma")):
         keys[team] = key_add(lab, name, team)
+    r = lab.hangar("key", "add", "op2", "--etcd", lab.etcd_urls, check=False)
+    assert r.returncode == 2 and "--team" in r.stderr  # operator keys: the config's
+    r = lab.hangar("key", "add", "a1", "--team", "beta", "--etcd", lab.etcd_urls, check=False)
+    assert r.returncode == 1 and "exists" in r.stderr
     listed = lab.hangar("key", "ls", "--etcd", lab.etcd_urls).stdout
     assert all(n in listed for n in ("a1", "b1", "g1")) and keys["alpha"] not in listed
     for i in range(3):  # every node knows the teams (/teams) and accepts their keys
