@@ -25,6 +25,7 @@ from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, EtcdUnavailable, cmp_version, op_put
 from hangar.cluster.failover import hand_on, landing
 from hangar.cluster.pki import etcd_flags, make, tls_from
+from hangar.cluster import team_records as TR
 from hangar.cluster.records import BadRecord, NodeInfo, SandboxObject, sandbox_key
 from hangar.cluster.storage import FileStore, StorageError, open_store
 from hangar.core.lifecycle import Guard, IllegalTransition, State, check
@@ -466,3 +467,100 @@ def test_the_gateway_relays_websocket_messages_of_the_nodes_own_size() -> None:
     from hangar.cluster import wsproxy
 
     assert wsproxy.WS_MAX_MESSAGE == WS_MAX_MESSAGE and wsproxy.RELAY_QUEUE == 1
+
+
+def test_team_key_and_labelled_records_from_etcd_are_untrusted_input() -> None:
+    team = TR.team_record("acme", {"created": 1.0, "max_sandboxes": 2, "max_vcpus": None})
+    assert team.max_sandboxes == 2 and team.max_vcpus is None
+    assert TR.team_record("acme", TR.team_json(team)) == team
+    for name, bad in (("Acme", {}), ("../x", {}), ("acme", {"max_sandboxes": -1}),
+                      ("acme", {"max_vcpus": "8"}), ("acme", {"max_memory_mib": 1 << 41}),
+                      ("acme", [1]), ("acme", {"created": "now"})):
+        with pytest.raises(BadRecord):
+            TR.team_record(name, bad)
+    key = TR.key_record("ci", {"sha256": "ab" * 32, "team": "acme", "created": 2.0})
+    assert key.team == "acme"
+    for name, bad in (("default!", {"sha256": "ab" * 32, "team": "acme"}),
+                      ("ci", {"sha256": "AB" * 32, "team": "acme"}),
+                      ("ci", {"sha256": "ab" * 31, "team": "acme"}),
+                      ("ci", {"sha256": "ab" * 32}), ("ci", {"sha256": "ab" * 32, "team": "A/"})):
+        with pytest.raises(BadRecord):
+            TR.key_record(name, bad)
+    obj = _obj("running")
+    obj["metadata"]["labels"] = {"hangar.dev/team": "acme", "hangar.dev/user": "acme/alice"}
+    rec = SandboxObject.parse(obj)
+    assert (rec.team, rec.user) == ("acme", "acme/alice")
+    for labels in ({"hangar.dev/team": "../acme"}, {"hangar.dev/user": "a/b/c"},
+                   {"hangar.dev/user": "../alice"}):
+        obj["metadata"]["labels"] = labels
+        with pytest.raises(BadRecord):
+            SandboxObject.parse(obj)
+    assert TR.quota_count(b"41") == 41 and TR.quota_count(b"\xff") == 0
+
+
+def test_teams_and_keys_reach_every_node_and_a_quota_holds_under_racing_claims(
+        etcd_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Teams and keys written in etcd are cached by the directory (bad ones left out and
+    logged) and accepted by a key ring; twelve claims of a team allowed two sandboxes,
+    racing, give exactly two, the others the one host's 429 naming max_sandboxes."""
+    from hangar.cluster import teams as T
+    from hangar.core.service import Usage
+    from hangar.errors import QuotaExceeded
+    from hangar.keys import KeyRing
+
+    async def go() -> None:
+        e = _client(etcd_url)
+        d = Directory(e)
+        ring = KeyRing(Path("/nonexistent/api-key"), Path("/nonexistent/api-keys"))
+        d.on_keys(lambda ks: ring.share_team_keys([(n, k.sha256, k.team)
+                                                   for n, k in ks.items()]))
+        await d.load()
+        d.start()
+        try:
+            caplog.set_level("WARNING", logger="hangar.cluster.directory")
+            await T.create_team(e, "acme", {"max_sandboxes": 2})
+            with pytest.raises(Conflict):
+                await T.create_team(e, "acme", {})
+            key = await T.add_key(e, "ci", "acme")
+            with pytest.raises(NotFound):
+                await T.add_key(e, "x", "nobody")
+            await e.put("/hangar/teams/Bad..", {"max_sandboxes": 1})
+            await e.put("/hangar/keys/forged", {"sha256": "zz", "team": "acme"})
+            deadline = time.monotonic() + 10
+            while ring.match(key) is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert set(d.teams) == {"acme"} and set(d.keys) == {"ci"}
+            assert ring.team_of(ring.match(key) or "") == "acme"
+            ignored = {r.__dict__.get("record") for r in caplog.records
+                       if "ignored" in r.getMessage()}
+            assert ignored == {"/hangar/teams/Bad..", "/hangar/keys/forged"}, ignored
+            nodes = [NodeInfo(name="x1", address="10.0.0.1:8080", capacity=20, free=20,
+                              engine="qemu", accel="tcg", cpu_model="", images=[])]
+
+            async def one(i: int) -> str:
+                sid = f"sb-{i + 0x100:012x}"
+
+                def record(n: NodeInfo, k: int) -> SandboxObject:
+                    return SandboxObject(name=sid, labels={"hangar.dev/team": "acme"},
+                                         spec={"template": {"image": "base", "vcpus": 1, "memoryMiB": 256,
+                                                            "diskMiB": 512}},
+                                         status={"nodeName": n.name, "slot": k, "epoch": 1,
+                                                 "state": State.CREATING.value})
+                try:
+                    await T.within_quota(e, "acme", Usage(1, 1, 256, 512), lambda c, o: d.claim(
+                        sid, nodes, record, c, lambda n: o))
+                    return "201"
+                except QuotaExceeded as exc:
+                    assert exc.context["quota"] == "max_sandboxes" and exc.status == 429
+                    return f"429 {exc.context['limit']} {exc.context['used']}"
+
+            won = await asyncio.gather(*(one(i) for i in range(12)))
+            assert sorted(won) == ["201"] * 2 + ["429 2 2"] * 10, won
+            with pytest.raises(Conflict):  # a key and two sandboxes are left
+                await T.remove_team(e, "acme", {})
+        finally:
+            await d.close()
+            await e.delete("/hangar/", prefix=True)
+            await e.close()
+
+    asyncio.run(go())

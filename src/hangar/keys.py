@@ -12,7 +12,9 @@ Two files in the data directory (see ``hangar.layout``), both 0600::
                 grants nothing if it leaks. Written by ``hangar key add|rm|rotate``.
 
 A key with a team acts for that team only (``hangar.teams``); a key without
-one, the default key and a cluster's shared keys are *operator* keys.
+one, the default key and a cluster's shared keys are *operator* keys. A
+cluster's team keys are kept in etcd, not in these files
+(``KeyRing.share_team_keys``, ``hangar.cluster.teams``).
 
 A plain SHA-256 (no salt, no slow hash) is enough because every named key
 is random: 32 bytes (256 bits) made by ``generate``, or 20 bytes (160 bits)
@@ -97,6 +99,8 @@ NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _LINE = re.compile(r"^(\S+)\s+sha256:([0-9a-f]{64})(?:\s+(\d+(?:\.\d+)?))?"
                    r"(?:\s+team=(\S+))?$")
 _HEADER_SAFE = re.compile(r"^[\x21-\x7e]+$")
+SHARED_SUFFIX = "@cluster"
+"""Ends the name of a cluster's team key (``KeyRing.share_team_keys``)."""
 MAX_KEY_FILE_BYTES = 4096
 """Most bytes read from ``api-key`` (one key and its newline; more is refused)."""
 MAX_NAMED_FILE_BYTES = 1 << 20
@@ -430,6 +434,7 @@ class KeyRing:
         self._entries: tuple[_Entry, ...] = ()
         self._seen: tuple[object, object] = (None, None)
         self._shared: tuple[_Entry, ...] = ()
+        self._teams: tuple[_Entry, ...] = ()
 
     def share(self, name: str, hex_digests: list[str]) -> None:
         """Also accept keys whose SHA-256 (hex) is in ``hex_digests``, under ``name``:
@@ -444,6 +449,22 @@ class KeyRing:
             if len(d) == 32:
                 entries.append(_Entry(name, d))
         self._shared = tuple(entries)
+
+    def share_team_keys(self, keys: list[tuple[str, str, str]]) -> None:
+        """Also accept a cluster's team keys: ``(name, SHA-256 hex, team)`` each, replacing
+        the ones given before (``hangar.cluster``: ``/hangar/keys/``). Each is known as
+        ``NAME@cluster`` (``SHARED_SUFFIX``: no key file's name has an ``@``), so it never
+        takes the team, or the lack of one, of a key of this host's files. Bad digests are
+        ignored."""
+        entries = []
+        for name, hex_digest, team in keys:
+            try:
+                d = bytes.fromhex(hex_digest)
+            except ValueError:
+                continue
+            if len(d) == 32 and TEAM_NAME.fullmatch(team):
+                entries.append(_Entry(name + SHARED_SUFFIX, d, team))
+        self._teams = tuple(entries)
 
     def load(self) -> None:
         """Read every key strictly (start-up). Creates the default key file if absent.
@@ -499,7 +520,7 @@ class KeyRing:
             return None
         d = digest(given)
         found = None
-        for entry in (*self._entries, *self._shared):
+        for entry in (*self._entries, *self._shared, *self._teams):
             if hmac.compare_digest(d, entry.digest):
                 found = entry.name
         return found
@@ -507,14 +528,15 @@ class KeyRing:
     def team_of(self, name: str) -> str | None:
         """The team key ``name`` (from ``match``) acts for; None for an operator key (the
         default key, a named key without a team, a cluster's shared keys) or an unknown
-        name. Named keys come before shared ones, as in ``match``."""
-        for entry in self._entries:
+        name. Named keys come before shared ones, as in ``match``; a cluster's team keys
+        (``share_team_keys``) have names of their own."""
+        for entry in (*self._entries, *self._teams):
             if entry.name == name:
                 return entry.team
         return None
 
     def names(self) -> list[str]:
-        return [e.name for e in (*self._entries, *self._shared)]
+        return [e.name for e in (*self._entries, *self._shared, *self._teams)]
 
 
 class Throttle:

@@ -125,6 +125,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if node is not None:
             config = await node.load_config()
             keys.share("cluster", config.key_hashes)
+            node.directory.on_keys(lambda ks: keys.share_team_keys(  # teams' keys, in etcd
+                [(n, k.sha256, k.team) for n, k in ks.items()]))
         manager = SandboxManager(settings, layout, store, engine, metrics, events,
                                  hooks=node.hooks if node is not None else None,
                                  secret_key=secret_key)

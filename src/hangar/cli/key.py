@@ -8,10 +8,18 @@ with no restart. ``add`` and ``rotate`` print the new key once on stdout
 exist: ``hangar team create``); without ``--team`` a key is an operator key,
 which ``ls`` shows as ``-`` in its team column (a team's name never is ``-``, while
 a team may be called ``operator``).
+
+In a cluster (``--etcd URLS`` or ``HANGAR_ETCD``, with the client certificate of
+``--pki`` or ``HANGAR_ETCD_PKI``, as ``hangar node``), ``add --team``, ``rm`` and
+``ls`` act on the cluster's team keys in etcd (``/hangar/keys/``), which every
+node accepts at once; the cluster's operator keys are the ones ``hangar cluster
+init`` recorded, so ``add`` without ``--team`` and ``rotate`` of a named key are
+refused there (``rm`` and ``add`` again replace a team's key).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -28,6 +36,30 @@ out = Console()
 err = Console(stderr=True)
 
 DataDir = Annotated[Optional[Path], typer.Option(help="Data directory (HANGAR_DATA_DIR).")]
+Etcd = Annotated[Optional[str], typer.Option(
+    "--etcd", help="A cluster's etcd URLs (HANGAR_ETCD): act on its team keys in etcd.")]
+Pki = Annotated[Optional[Path], typer.Option(
+    "--pki", help="Folder with the etcd client certificate (HANGAR_ETCD_PKI).")]
+
+
+def _cluster(urls: str | None) -> str | None:
+    """The etcd URLs when the command acts on a cluster (``--etcd`` or ``HANGAR_ETCD``)."""
+    return urls or os.environ.get("HANGAR_ETCD") or None
+
+
+def _in_cluster(urls: str, pki: Path | None, call: object) -> object:
+    """Run ``call(etcd)`` (a coroutine function of ``hangar.cluster.teams``) on the cluster's
+    etcd; an error is printed and exits 1."""
+    from hangar.cli.cluster import _etcd, _run
+
+    etcd = _etcd(urls, pki)
+
+    async def go() -> object:
+        try:
+            return await call(etcd)  # type: ignore[operator]
+        finally:
+            await etcd.close()
+    return _run(go())
 
 
 def _store(data_dir: Path | None):  # type: ignore[no-untyped-def]
@@ -69,8 +101,20 @@ def add(name: Annotated[str, typer.Argument(help="A name for the key, e.g. ci or
         team: Annotated[Optional[str], typer.Option(
             help="The team the key acts for (see `hangar team`); without it, an operator "
                  "key, which sees everything.")] = None,
-        e2b: E2B = False, data_dir: DataDir = None) -> None:
+        e2b: E2B = False, data_dir: DataDir = None, etcd: Etcd = None, pki: Pki = None) -> None:
     """Make a named key and print it (shown once; only its hash is kept)."""
+    urls = _cluster(etcd)
+    if urls:
+        if team is None:
+            err.print("[red]error:[/red] a cluster's operator keys are those `hangar cluster "
+                      "init` recorded; keys added here act for a team: give --team TEAM")
+            raise typer.Exit(2)
+        from hangar.cluster.teams import add_key
+
+        key = _in_cluster(urls, pki, lambda e: add_key(e, name, team, e2b))
+        print(key)
+        err.print(f"key {name!r} of team {team!r} added to the cluster; it is shown only now")
+        return
     store = _store(data_dir)
     try:
         key = store.add(name, e2b=e2b, team=team)
@@ -82,8 +126,15 @@ def add(name: Annotated[str, typer.Argument(help="A name for the key, e.g. ci or
 
 
 @app.command("rm")
-def rm(name: str, data_dir: DataDir = None) -> None:
+def rm(name: str, data_dir: DataDir = None, etcd: Etcd = None, pki: Pki = None) -> None:
     """Remove a named key; it stops working on the server's next request."""
+    urls = _cluster(etcd)
+    if urls:
+        from hangar.cluster.teams import remove_key
+
+        _in_cluster(urls, pki, lambda e: remove_key(e, name))
+        err.print(f"key {name!r} removed from the cluster")
+        return
     store = _store(data_dir)
     try:
         store.remove(name)
@@ -94,8 +145,12 @@ def rm(name: str, data_dir: DataDir = None) -> None:
 
 @app.command("rotate")
 def rotate(name: Annotated[str, typer.Argument(help="The key to replace.")] = "default",
-           e2b: E2B = False, data_dir: DataDir = None) -> None:
+           e2b: E2B = False, data_dir: DataDir = None, etcd: Etcd = None) -> None:
     """Replace a key with a new one and print it; the old one stops working at once."""
+    if _cluster(etcd) and name != "default":
+        err.print("[red]error:[/red] a cluster's team keys are replaced with `hangar key rm "
+                  "NAME` and `hangar key add NAME --team TEAM`")
+        raise typer.Exit(2)
     store = _store(data_dir)
     try:
         key = store.rotate(name, e2b=e2b)
@@ -107,9 +162,20 @@ def rotate(name: Annotated[str, typer.Argument(help="The key to replace.")] = "d
 
 
 @app.command("ls")
-def ls(data_dir: DataDir = None) -> None:
+def ls(data_dir: DataDir = None, etcd: Etcd = None, pki: Pki = None) -> None:
     """List the keys: name, team (``-`` for an operator key), fingerprint (never
-    the key), creation time and file."""
+    the key), creation time and file (in a cluster: its team keys in etcd)."""
+    urls = _cluster(etcd)
+    if urls:
+        from hangar.cluster.teams import key_rows, list_keys
+
+        rows = _in_cluster(urls, pki, lambda e: list_keys(e))
+        table = Table("name", "team", "fingerprint", "created")
+        for name, fp, created, team in key_rows(rows):  # type: ignore[arg-type]
+            table.add_row(name, team, fp,
+                          time.strftime("%Y-%m-%d %H:%M", time.localtime(created)))
+        out.print(table)
+        return
     store = _store(data_dir)
     try:
         entries = store.entries()

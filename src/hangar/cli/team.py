@@ -1,6 +1,7 @@
 """``hangar team create|ls|set|rm``: teams and their limits, through the SDK (``/teams``).
 
-These commands talk to the server with the key the CLI already uses
+These commands talk to the server (in a cluster: any node, whose gateway keeps the
+teams in etcd, ``hangar.cluster.team_routes``) with the key the CLI already uses
 (``HANGAR_API_KEY`` or ``<data>/api-key``), which must be an operator key: a
 team's key gets 403. A team's keys are made on the server's host with
 ``hangar key add NAME --team TEAM``. A limit left out, or removed with

@@ -1,7 +1,7 @@
 """The directory of owners: every sandbox's record in etcd, and a cache fed by a watch.
 
 One watch on ``/hangar/`` keeps an in-memory copy of the nodes, drain
-flags, sandbox records, machines and slots, so the gateway routes a
+flags, sandbox records, machines, slots, teams and teams' keys, so the gateway routes a
 request with no etcd round trip. A record that the cache does not know yet
 (a create placed by another node a moment ago) is read once from etcd
 (``lookup``).
@@ -29,8 +29,11 @@ from hangar.cluster import records as R
 from hangar.cluster.etcd import (
     Compacted, Etcd, Event, cmp_mod, cmp_value, cmp_version, op_delete, op_put,
 )
+from hangar.cluster import team_records as TR
 from hangar.cluster.records import BadRecord, NodeInfo, SandboxObject
-from hangar.core.service import USER_ID, Tasks
+from hangar.cluster.team_records import KeyRecord
+from hangar.core.service import Tasks
+from hangar.teams import Team
 from hangar.errors import Conflict, LimitExceeded
 
 log = logging.getLogger("hangar.cluster.directory")
@@ -61,14 +64,29 @@ class Directory:
         self.machines: dict[str, dict[str, Any]] = {}
         self.snapshots: dict[str, dict[str, Any]] = {}
         self.slots: dict[str, dict[int, str]] = {}
+        self.teams: dict[str, Team] = {}
+        self.keys: dict[str, KeyRecord] = {}
         self.leader: str | None = None
         self.revision = 0
         self._listeners: list[Listener] = []
+        self._key_listeners: list[Callable[[dict[str, KeyRecord]], None]] = []
         self._tasks = Tasks("directory")
         self.synced = asyncio.Event()
 
     def on_change(self, fn: Listener) -> None:
         self._listeners.append(fn)
+
+    def on_keys(self, fn: Callable[[dict[str, KeyRecord]], None]) -> None:
+        """Call ``fn(keys)`` (``{name: KeyRecord}``) now and whenever a team's key changes."""
+        self._key_listeners.append(fn)
+        fn(dict(self.keys))
+
+    def _keys_changed(self) -> None:
+        for fn in self._key_listeners:
+            try:
+                fn(dict(self.keys))
+            except Exception:
+                log.exception("directory key listener failed")
 
     # -- the cache ----------------------------------------------------------------------
 
@@ -82,10 +100,13 @@ class Directory:
         self.machines.clear()
         self.snapshots.clear()
         self.slots.clear()
+        self.teams.clear()
+        self.keys.clear()
         self.leader = None
         for kv in kvs:
             self._apply(Event("PUT", kv), notify=False)
         self.revision = rev
+        self._keys_changed()
         for sid in old | set(self.sandboxes):
             self._notify(sid)
         self.synced.set()
@@ -152,7 +173,7 @@ class Directory:
                 name = R.key_id(key, R.DRAIN, R.NODE_NAME)
                 (self.draining.add if put else self.draining.discard)(name)
             elif key.startswith(R.MACHINES):
-                user = R.key_id(key, R.MACHINES, USER_ID)
+                user = R.key_id(key, R.MACHINES, R.STORED_USER)
                 if put:
                     self.machines[user] = R.machine_meta(R.load_json(kv.value))
                 else:
@@ -170,6 +191,20 @@ class Directory:
                     table[k] = _slot_value(kv.value)
                 else:
                     table.pop(k, None)
+            elif key.startswith(R.TEAMS):
+                name = key[len(R.TEAMS):]
+                self.teams.pop(name, None)
+                if put:
+                    self.teams[name] = TR.team_record(name, R.load_json(kv.value))
+            elif key.startswith(R.KEYS):
+                name = key[len(R.KEYS):]
+                self.keys.pop(name, None)
+                try:
+                    if put:
+                        self.keys[name] = TR.key_record(name, R.load_json(kv.value))
+                finally:
+                    if notify:
+                        self._keys_changed()
             elif key == R.LEADER:
                 self.leader = _name(kv.value) if put else None
         except Exception as exc:  # noqa: BLE001 (a forged record must never stop the watch)
@@ -224,9 +259,10 @@ class Directory:
         return rec
 
     async def machine_sandbox(self, user: str) -> str | None:
-        """The sandbox id of ``user``'s machine, or None (no machine, or a user id that no
-        machine can have). Raises Conflict when its record is unreadable."""
-        if not USER_ID.fullmatch(user):
+        """The sandbox id of ``user``'s machine (``user`` as its node stores it: ``TEAM/id``
+        for a team's), or None (no machine, or a user id that no machine can have). Raises
+        Conflict when its record is unreadable."""
+        if not R.STORED_USER.fullmatch(user):
             return None
         m = self.machines.get(user)
         if m is None:

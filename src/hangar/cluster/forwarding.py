@@ -6,7 +6,7 @@ here (``local``), it calls the app with a ``Placement`` in the scope when the
 request is a placed create (``hangar.core.handover.PLACEMENT_SCOPE``).
 
 What travels between nodes: the client's own headers (hop-by-hop ones and
-any ``X-Hangar-*`` dropped), ``X-Forwarded-For`` with the client's address
+any ``X-Hangar-*`` but ``X-Hangar-Team`` dropped), ``X-Forwarded-For`` with the client's address
 appended, ``X-Hangar-Node-Token`` (from the cluster config) that only nodes
 know, on every call, and for placements and adoptions ``X-Hangar-Sandbox-Id``
 (the claimed id) or ``X-Hangar-Adopt``. ``X-Hangar-Local`` asks a node to answer from its own
@@ -40,6 +40,14 @@ HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrad
 INTERNAL = "x-hangar-"
 """Headers only nodes set (token, placement, adoption, local lists): a client's own are
 dropped before a request is forwarded, so none can ride on the node token."""
+H_TEAM = "x-hangar-team"
+"""The one client header of that prefix passed on: an operator's key acting for a team
+(``hangar.api.team_gate``), which the owner checks again with the key."""
+
+
+def passed(name: str) -> bool:
+    """Whether a client's header ``name`` (lower case) travels with a forwarded request."""
+    return name not in HOP and (not name.startswith(INTERNAL) or name == H_TEAM)
 
 Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 """An answer the gateway makes itself: (status, headers, body)."""
@@ -114,7 +122,7 @@ class Forwarder:
         if local or node is None or node.name == self.name:
             return await self._here(scope, receive, send, extra)
         hdrs = [(k, v) for k, v in headers.items()
-                if k not in HOP and not k.startswith(INTERNAL)]
+                if passed(k)]
         client = scope.get("client")
         if client:
             prior = headers.get("x-forwarded-for")

@@ -19,7 +19,9 @@ on:
    timeout) need etcd: while this node cannot write to it they get 503
    (retryable) at once. Guest calls (exec, files, desktop, tunnels) need no
    etcd and keep working for running sandboxes while quorum is lost;
-6. ``GET /sandboxes``, ``/machines`` and ``/snapshots`` are merged from
+6. ``/teams`` is answered here, on the teams in etcd
+   (``hangar.cluster.team_routes``);
+7. ``GET /sandboxes``, ``/machines`` and ``/snapshots`` are merged from
    every node (``hangar.cluster.merging``); everything else is routed to
    the node that owns its sandbox (``hangar.cluster.routing``) and
    forwarded there (``hangar.cluster.forwarding``).
@@ -42,6 +44,7 @@ from hangar.cluster.merging import LISTS, Merger
 from hangar.cluster.node import ClusterNode
 from hangar.cluster.records import SANDBOX_ID
 from hangar.cluster.routing import Router
+from hangar.cluster.team_routes import TeamRoutes, served
 from hangar.errors import HangarError, InvalidRequest, Unauthorized, Unavailable
 from hangar.keys import authenticate
 
@@ -95,6 +98,7 @@ class Gateway:
         self.forwarder = Forwarder(app, node.name, self._token)
         self.router = Router(app, node, self.forwarder)
         self.merger = Merger(node.directory, self.forwarder.http, self._token)
+        self.teams = TeamRoutes(node)
 
     def _token(self) -> str:
         cfg = self.node.config
@@ -129,6 +133,9 @@ class Gateway:
                     and not self.node.writable():
                 raise Unavailable("the cluster store (etcd) takes no writes now (no quorum, or "
                                   "this node is cut off); retry shortly", retry_after=2)
+            if method != "WS" and served(method, path):  # teams live in etcd
+                await respond(send, await self.teams.answer(method, path, receive))
+                return
             if method == "GET" and path.rstrip("/") in LISTS:
                 await respond(send, await self.merger.merged(scope, headers, path.rstrip("/")))
                 return

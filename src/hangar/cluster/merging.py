@@ -5,8 +5,11 @@ token); an item counts only from the node its record names, so a sandbox
 met twice during a move is listed once. Records of lost nodes are added
 from the directory: a sandbox as its node last showed it (``status.view``,
 in the state the failover moved it to), a machine from its record, and
-every shared user snapshot. A node that does not answer within
-``NODE_TIMEOUT_S`` adds nothing.
+every shared user snapshot. A team's key (or an operator's acting for a
+team) gets its team's items only: each node's part is filtered by that
+node's API, the records added here by their team (``hangar.dev/team``, a
+snapshot's ``team``, a machine's ``TEAM/`` user id). A node that does not
+answer within ``NODE_TIMEOUT_S`` adds nothing.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from typing import Any
 import httpx
 
 from hangar.cluster.directory import Directory
-from hangar.cluster.forwarding import H_LOCAL, H_TOKEN, HOP, INTERNAL, Answer, json_answer
+from hangar.cluster.forwarding import H_LOCAL, H_TOKEN, Answer, json_answer, passed
 from hangar.cluster.records import NodeInfo, SandboxObject
-from hangar.core.service import NAMES, State, desired_name
+from hangar.core.service import NAMES, State, acting, desired_name, name_visible, unscoped
 from hangar.images import image_id
 
 NODE_TIMEOUT_S = 10.0
@@ -33,7 +36,7 @@ def machine_view(rec: SandboxObject, m: dict[str, Any]) -> dict[str, Any]:
     """A machine (``MachineInfo``'s fields) from its sandbox's record and machine record."""
     t = rec.spec.get("template") or {}
     asleep = rec.desired == State.SLEEPING or rec.state == State.SLEEPING
-    return {"user_id": rec.user, "sandbox_id": rec.name,
+    return {"user_id": unscoped(rec.user or ""), "sandbox_id": rec.name,
             "state": NAMES[rec.state],
             "desired_state": desired_name(State.SLEEPING if asleep else State.RUNNING),
             "idle_timeout_s": float(m.get("idleTimeoutSeconds") or 0),
@@ -65,7 +68,7 @@ class Merger:
         d = self.directory
         field = LISTS[path]
         query = scope.get("query_string", b"").decode("latin-1")
-        fwd = {k: v for k, v in headers.items() if k not in HOP and not k.startswith(INTERNAL)}
+        fwd = {k: v for k, v in headers.items() if passed(k)}
         fwd[H_LOCAL] = "1"
         fwd[H_TOKEN] = self.token()
 
@@ -90,18 +93,23 @@ class Merger:
                 if field != "snapshots" and rec is not None and rec.node != node:
                     continue
                 items[key] = item
+        team = acting()  # a team sees its own only, as each node's part shows it
         if field == "sandboxes":
             for sid, rec in d.sandboxes.items():
                 view = rec.status.get("view")
-                if sid not in items and not d.alive(rec.node) and isinstance(view, dict):
+                if sid not in items and not d.alive(rec.node) and isinstance(view, dict) \
+                        and (team is None or rec.team == team):
                     items[sid] = view
         elif field == "machines":
             for user, m in d.machines.items():
                 rec = d.sandboxes.get(m.get("sandboxId", ""))
-                if user not in items and rec is not None and not d.alive(rec.node):
-                    items[user] = machine_view(rec, m)
+                shown = unscoped(user)
+                if shown not in items and rec is not None and not d.alive(rec.node) \
+                        and name_visible(user):
+                    items[shown] = machine_view(rec, m)
         else:
             for sid, meta in d.snapshots.items():
-                items.setdefault(sid, snapshot_view({**meta, "id": sid}))
+                if team is None or meta.get("team") == team:
+                    items.setdefault(sid, snapshot_view({**meta, "id": sid}))
         out = sorted(items.values(), key=lambda i: i.get("created_at") or 0)
         return json_answer(200, {field: out})

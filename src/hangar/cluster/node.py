@@ -50,10 +50,11 @@ from hangar.cluster.records import (
 )
 from hangar.cluster.sharing import Sharing, shared_snapshot, template_meta
 from hangar.cluster.storage import SharedStore, open_store
+from hangar.cluster.teams import SharedTeamStore, shape, within_quota
 from hangar.config import Settings
 from hangar.core.service import (
     GONE, LIVE, Adoptee, Hooks, IllegalTransition, SandboxManager, SandboxView, SnapshotView, State,
-    Tasks, describe, every, sandbox_view,
+    Tasks, Usage, describe, every, sandbox_view,
 )
 from hangar.errors import ConfigError, Conflict, HangarError, NotFound
 from hangar.images import image_id
@@ -189,6 +190,7 @@ class ClusterNode:
         """Register, load the directory, drop stale local sandboxes, then start the loops."""
         assert self.config is not None
         self.manager = manager
+        manager.teams.use_store(SharedTeamStore(self.directory))  # teams live in etcd
         manager.on_transition(lambda rec, frm, to: self.mark(rec.id))
         self.directory.on_change(self._changed)
         self.membership = Membership(self.etcd, self.directory, self.name,
@@ -427,7 +429,9 @@ class ClusterNode:
     # -- slots, adoption ----------------------------------------------------------------
 
     async def claim_slot(self, sid: str) -> None:
-        """Before a wake: this node must own ``sid``; take a VM slot (compare-and-set)."""
+        """Before a wake: this node must own ``sid``; take a VM slot (compare-and-set),
+        within its team's quotas counted on every node (``hangar.cluster.teams``). Raises
+        Conflict, QuotaExceeded (429: the sandbox sleeps on)."""
         for _ in range(4):
             d = await self.directory.fresh(sid)
             if d is None:
@@ -444,9 +448,13 @@ class ClusterNode:
                 d.status["slot"] = k
                 return d
 
-            try:
-                await self.directory.claim(sid, [self.info()], mark, [], lambda n: [],
-                                           expect_revision=d.mod_revision)
+            vcpus, memory_mib, _ = shape(d)
+            try:  # a team's wake within its quotas, counted on every node (its disk is)
+                await within_quota(
+                    self.etcd, d.team, Usage(1, vcpus, memory_mib, 0),
+                    lambda c, o, d=d, mark=mark: self.directory.claim(  # type: ignore[misc]
+                        sid, [self.info()], mark, c, lambda n: o,
+                        expect_revision=d.mod_revision))
                 return
             except Conflict:
                 await asyncio.sleep(0.05)
@@ -495,7 +503,7 @@ class ClusterNode:
         try:
             template = parse_template(d.spec.get("template"))
             snap = shared_snapshot({**template_meta(template), **d.snapshot}, "sleep",
-                                   sandbox_id=sid)
+                                   sandbox_id=sid, team=d.team)
         except BadRecord as exc:
             raise Conflict(f"sandbox {sid}'s cluster record cannot be adopted: {exc}",
                            sandbox_id=sid) from None
@@ -519,7 +527,7 @@ class ClusterNode:
         await m.adopt(Adoptee(
             sandbox_id=sid, template=template, snapshot=snap, created_at=new.created_at,
             user=new.user, idle_timeout_s=_float(mm.get("idleTimeoutSeconds")),
-            machine_created_at=_float(mm.get("createdAt"))))
+            machine_created_at=_float(mm.get("createdAt")), team=new.team))
         log.info("sandbox adopted from the cluster", extra={
             "sandbox_id": sid, "from_node": prev or "", "epoch": new.epoch,
             "image": image_id(template.image, template.image_digest)})

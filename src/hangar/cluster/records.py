@@ -10,6 +10,15 @@ Every key lives under ``/hangar/``::
     /hangar/machines/<user>        {"sandboxId": ..., "idleTimeoutSeconds": ..., "createdAt": ...}
     /hangar/snapshots/<id>         a user snapshot in shared storage (forks on any node)
     /hangar/slots/<node>/<k>       one of the node's ``capacity`` VM slots, value: a sandbox id
+    /hangar/teams/<name>           TeamRecord: a team's limits (``hangar.cluster.team_records``)
+    /hangar/keys/<name>            KeyRecord: a team's key, as its SHA-256 (``hangar.keys``)
+    /hangar/quota/<team>           a counter every create and wake of a team with limits
+                                   bumps in its claim's transaction: they cannot pass a
+                                   limit together (``hangar.cluster.teams``)
+
+A machine's key and its ``hangar.dev/user`` label hold the user id as its node
+stores it (``TEAM/user`` for a team's, ``hangar.core.teams.scoped``); a team's
+sandbox carries its team in the label ``hangar.dev/team``.
 
 Sandbox records follow the shape of Kubernetes' agent-sandbox ``Sandbox``
 (``agents.x-k8s.io``): ``metadata`` (name, labels, creationTimestamp),
@@ -40,6 +49,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from hangar.keys import NAME as KEY_NAME_RX
+from hangar.teams import NAME as TEAM_NAME_RX
 from hangar.core.service import (
     USER_ID, VMM_STATES, Face, Guard, OnExpiry, State, Template, check, check_desired,
     from_public, public_name, walk,
@@ -54,6 +65,12 @@ SANDBOXES = ROOT + "sandboxes/"
 MACHINES = ROOT + "machines/"
 SNAPSHOTS = ROOT + "snapshots/"
 SLOTS = ROOT + "slots/"
+TEAMS = ROOT + "teams/"
+KEYS = ROOT + "keys/"
+QUOTA = ROOT + "quota/"
+
+TEAM_LABEL = "hangar.dev/team"
+USER_LABEL = "hangar.dev/user"
 
 API_VERSION = "hangar.dev/v1alpha1"
 
@@ -75,6 +92,13 @@ HOST_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9]
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 WORD = re.compile(r"^[A-Za-z0-9._-]{0,32}$")
 """Engine, accelerator, source: short plain words."""
+TEAM_NAME = TEAM_NAME_RX
+"""A team's name (``hangar.teams.NAME``)."""
+KEY_NAME = KEY_NAME_RX
+"""A named key's name (``hangar.keys.NAME``)."""
+STORED_USER = re.compile(r"^(?:[a-z0-9][a-z0-9-]{0,62}/)?[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
+"""A machine's user id as a node stores it: ``USER_ID``, or ``TEAM/`` and one for a team's
+(``hangar.core.teams.scoped``)."""
 MAX_RECORD_BYTES = 1 << 20
 """Largest value of a record the directory reads (a sandbox's view and template included)."""
 
@@ -174,6 +198,18 @@ def snapshot_key(snap_id: str) -> str:
 
 def slot_key(node: str, k: int) -> str:
     return f"{SLOTS}{node}/{k}"
+
+
+def team_key(name: str) -> str:
+    return TEAMS + name
+
+
+def key_key(name: str) -> str:
+    return KEYS + name
+
+
+def quota_key(team: str) -> str:
+    return QUOTA + team
 
 
 def iso(t: float | None) -> str | None:
@@ -283,6 +319,8 @@ class SnapshotMeta(_Record):
     accel: str | None = Field(None, pattern=WORD.pattern)
     memory: bool | None = None
     """False: a sleep snapshot of the disk alone (booted from, never restored)."""
+    team: str | None = Field(None, pattern=TEAM_NAME.pattern)
+    """The team whose sandbox it was taken of (None: the operator's)."""
 
 
 def snapshot_meta(raw: Any, snap_id: str | None = None) -> dict[str, Any]:
@@ -359,9 +397,12 @@ class _MetaIn(_Record):
         for k, val in v.items():
             if len(k) > 64 or len(val) > 256:
                 raise ValueError("a label is too long")
-        user = v.get("hangar.dev/user")
-        if user is not None and not USER_ID.fullmatch(user):
+        user = v.get(USER_LABEL)
+        if user is not None and not STORED_USER.fullmatch(user):
             raise ValueError("the user label is malformed")
+        team = v.get(TEAM_LABEL)
+        if team is not None and not TEAM_NAME.fullmatch(team):
+            raise ValueError("the team label is malformed")
         return v
 
 
@@ -448,7 +489,13 @@ class SandboxObject:
 
     @property
     def user(self) -> str | None:
-        return self.labels.get("hangar.dev/user")
+        """The machine's user id as its node stores it (``TEAM/user`` for a team's)."""
+        return self.labels.get(USER_LABEL)
+
+    @property
+    def team(self) -> str | None:
+        """The team whose sandbox it is (label ``hangar.dev/team``), None: the operator's."""
+        return self.labels.get(TEAM_LABEL)
 
     def to_json(self) -> dict[str, Any]:
         ready = self.state == State.RUNNING

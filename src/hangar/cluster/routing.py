@@ -23,6 +23,13 @@ and claimed first (sandbox id, VM slot, machine key: one compare-and-set),
 then made on the chosen node with that placement; a refused create gives its
 claim back. A shared snapshot is served by the node that made it while it
 lives, else from its metadata here.
+
+Teams (``hangar.cluster.teams``): a request acting for a team (its key's, or
+an operator's ``X-Hangar-Team``) finds its machines under ``TEAM/user``, gets
+404 for a sandbox or snapshot of another team (worded as the owner words a
+missing one) before anything is forwarded, adopted or answered from a record,
+and its creates carry the label ``hangar.dev/team`` and are claimed within
+the team's quotas (``within_quota``: counted on every node's records).
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ from hangar.cluster.merging import machine_view, snapshot_view
 from hangar.cluster.node import ClusterNode
 from hangar.cluster.placement import Need, rank
 from hangar.cluster.records import NodeInfo, SandboxObject
-from hangar.core.service import GONE, USER_ID, State, new_id
+from hangar.cluster.teams import within_quota
+from hangar.core.service import GONE, USER_ID, State, Usage, acting, new_id, scoped
 from hangar.errors import Conflict, InvalidRequest, NotFound, TooLarge, Unavailable
 
 CREATE_ITEMS = json_items.MAX_ITEMS
@@ -73,6 +81,7 @@ class Router:
                     headers: dict[str, str], path: str, method: str, token_ok: bool) -> None:
         """Serve, forward, adopt, or answer from the record (module docstring)."""
         d = self.node.directory
+        team = acting()
         if method == "POST" and path.rstrip("/") == "/sandboxes":
             await self.create(scope, receive, send, headers, None)
             return
@@ -90,10 +99,11 @@ class Router:
                 await self.app(scope, receive, send)  # the route's own 400 or 404
                 return
             if m:
-                sid = await d.machine_sandbox(m["user"])
+                sid = await d.machine_sandbox(scoped(m["user"], team))
                 if sid is None:
                     if method == "POST" and not m["rest"]:
-                        await self.create(scope, receive, send, headers, m["user"])
+                        await self.create(scope, receive, send, headers,
+                                          scoped(m["user"], team))
                         return
                     await self.app(scope, receive, send)  # 404 from the route
                     return
@@ -101,6 +111,8 @@ class Router:
             await self.app(scope, receive, send)
             return
         rec = await d.lookup(sid)
+        if rec is not None and team is not None and rec.team != team:
+            raise NotFound(f"no sandbox {sid}", sandbox_id=sid)  # as the owner words it
         if rec is None or self.node.owns(rec) and self._local(sid):
             await self.app(scope, receive, send)
             return
@@ -153,7 +165,7 @@ class Router:
         rest = (m or SANDBOX.match(path))["rest"] or ""  # type: ignore[index]
         if method == "GET" and rest in ("", "/"):
             view = rec.status.get("view")
-            body = machine_view(rec, d.machines.get(m["user"], {})) if m else view
+            body = machine_view(rec, d.machines.get(rec.user or "", {})) if m else view
             if not isinstance(body, dict):
                 raise Conflict(f"sandbox {rec.name} has no view in its cluster record",
                                sandbox_id=rec.name)
@@ -220,12 +232,17 @@ class Router:
             raise Unavailable("no usable node in the cluster (all drained or lost)",
                               retry_after=5)
         sid = new_id()
-        labels = {"hangar.dev/user": user} if user else {}
+        team = acting()
+        labels = {**({R.USER_LABEL: user} if user else {}),
+                  **({R.TEAM_LABEL: team} if team else {})}
         compare = [cmp_version(R.machine_key(user), 0)] if user else []
+        need = self._need(req, snapshot)
 
         def record(node: NodeInfo, k: int) -> SandboxObject:
             rec = SandboxObject(
-                name=sid, labels=labels, spec={"template": {"image": image}},
+                name=sid, labels=labels,
+                spec={"template": {"image": image, "vcpus": need.vcpus,
+                                   "memoryMiB": need.memory_mib, "diskMiB": need.disk_mib}},
                 status={"nodeName": node.name, "epoch": 1, "slot": k,
                         "state": State.CREATING.value})
             rec.want(State.RUNNING)
@@ -242,7 +259,10 @@ class Router:
                                                  "createdAt": time.time()})]
 
         try:
-            node, _ = await d.claim(sid, nodes, record, compare, extra)
+            node, _ = await within_quota(
+                self.node.etcd, team, need,
+                lambda q_compare, q_ops: d.claim(sid, nodes, record, compare + q_compare,
+                                                 lambda n: extra(n) + q_ops))
         except Conflict:
             if user:  # another node made this user's machine meanwhile: route to it
                 again = await d.machine_sandbox(user)
@@ -261,6 +281,21 @@ class Router:
             cur = await d.fresh(sid)
             if cur is not None and cur.state == State.CREATING:
                 await d.remove(cur)
+
+    def _need(self, req: dict[str, Any], snapshot: dict[str, Any] | None) -> Usage:
+        """What the create asks of its team's quotas: one sandbox, with the vCPUs, memory and
+        disk its body (or the snapshot forked) names, the node's defaults for those left
+        out (the route refuses bad ones)."""
+        s = self.node.settings
+        src = ({"vcpus": snapshot.get("vcpus"), "memory_mib": snapshot.get("memoryMiB"),
+                "disk_mib": snapshot.get("diskMiB")} if snapshot else req)
+
+        def n(k: str, default: int) -> int:
+            v = src.get(k)
+            return v if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 30 \
+                else default
+        return Usage(1, n("vcpus", s.default_vcpus), n("memory_mib", s.default_memory_mib),
+                     n("disk_mib", s.default_disk_mib))
 
     # -- shared snapshots ---------------------------------------------------------------------
 
@@ -282,6 +317,9 @@ class Router:
         if not isinstance(meta, dict):
             await self.app(scope, receive, send)
             return
+        team = acting()
+        if team is not None and meta.get("team") != team:
+            raise NotFound(f"no snapshot {snap_id}", snapshot_id=snap_id)  # as a node words it
         if fork and method == "POST":
             await self.create(scope, receive, send, headers, None, snapshot=meta)
             return

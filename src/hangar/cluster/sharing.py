@@ -51,7 +51,8 @@ def shared_snapshot(meta: Any, kind: str, **known: Any) -> SharedSnapshot:
             image_digest=str(meta.get("imageDigest") or ""), vcpus=int(meta["vcpus"]),
             memory_mib=int(meta["memoryMiB"]), disk_mib=int(meta["diskMiB"]),
             desktop=meta.get("desktop"), network=meta.get("network"),
-            memory=False if meta.get("memory") is False else None)
+            memory=False if meta.get("memory") is False else None,
+            team=meta.get("team") or known.get("team"))
     except BadRecord:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -90,7 +91,8 @@ class Sharing:
                 "memoryMiB": snap.memory_mib, "diskMiB": snap.disk_mib,
                 "desktop": snap.desktop, "network": snap.network,
                 "engine": rec.engine, "accel": rec.accel,
-                **({"memory": False} if snap.memory is False else {})}
+                **({"memory": False} if snap.memory is False else {}),
+                **({"team": snap.team} if snap.team else {})}
         if snap.kind == "user":
             await self.etcd.put(R.snapshot_key(snap.id), meta)
         else:

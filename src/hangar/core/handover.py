@@ -107,7 +107,7 @@ class SharedSnapshot(SnapshotView):
     network: dict[str, Any] | None = None
 
     def record(self) -> SnapshotRecord:
-        return SnapshotRecord(
+        return SnapshotRecord(team=self.team,
             id=self.id, sandbox_id=self.sandbox_id, kind=self.kind, size_bytes=self.size_bytes,
             created_at=self.created_at, image=self.image, image_digest=self.image_digest,
             vcpus=self.vcpus, memory_mib=self.memory_mib, disk_mib=self.disk_mib,
@@ -129,6 +129,8 @@ class Adoptee:
     idle_timeout_s: float | None = None
     """The machine's idle timeout (None: the sandbox's own, else the server's default)."""
     machine_created_at: float | None = None
+    team: str | None = None
+    """The team whose sandbox it is (``hangar.core.teams``), or None: the operator's."""
 
 
 class Handover:
@@ -166,7 +168,7 @@ class Handover:
                 e2b=dict(t.e2b) if isinstance(t.e2b, dict) else None,
                 on_expiry=OnExpiry(t.on_expiry) if t.on_expiry else None,
                 auto_resume=t.auto_resume, ttl_s=t.ttl_s, wake_ttl_s=t.wake_ttl_s,
-                sleep_memory=t.sleep_memory)
+                sleep_memory=t.sleep_memory, team=a.team)
             records: list[Any] = [rec, a.snapshot.record()]
             if a.user:
                 ctx.store.remove(MachineRecord, a.user)

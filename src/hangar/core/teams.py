@@ -132,6 +132,25 @@ def _usage(held: list[Any], disks: list[Any]) -> Usage:
                  sum(r.disk_mib for r in disks))
 
 
+def quota_refusal(team: Team, have: Usage, need: Usage) -> QuotaExceeded | None:
+    """The refusal of ``need`` (one more sandbox: its VMM, vCPUs, memory, and its disk
+    when new) on top of what ``team`` holds (``have``) past one of its limits, or None.
+    The one wording of a quota's 429, on one host and in a cluster
+    (``hangar.cluster.teams``)."""
+    asks = (("max_sandboxes", have.sandboxes, need.sandboxes, "sandboxes"),
+            ("max_vcpus", have.vcpus, need.vcpus, "vCPUs"),
+            ("max_memory_mib", have.memory_mib, need.memory_mib, "MiB of memory"),
+            ("max_disk_mib", have.disk_mib, need.disk_mib, "MiB of disk"))
+    for quota, used, n, unit in asks:
+        limit = getattr(team, quota)
+        if limit is not None and n and used + n > limit:
+            return QuotaExceeded(
+                f"team {team.name} may hold {limit} {_unit(unit, limit)} ({quota}) and "
+                f"holds {used}; this sandbox needs {n} more", quota=quota,
+                limit=limit, used=used, needed=n, team=team.name)
+    return None
+
+
 class Teams:
     """``m.teams``: the teams of this server (``<data>/teams.json``) and their use."""
 
@@ -141,6 +160,11 @@ class Teams:
         self._owners: dict[str, str | None] = {}
         self._counters: dict[str, Callable[[str], int]] = {"volumes": self._volumes}
         ctx.events.owner = self.owner
+
+    def use_store(self, store: TeamStore) -> None:
+        """Keep the teams in ``store`` instead of ``<data>/teams.json`` (a cluster's node:
+        its teams are in etcd, ``hangar.cluster.teams``)."""
+        self.store = store
 
     def owner(self, sandbox_id: str) -> str | None:
         """The team of sandbox ``sandbox_id`` (None: the operator's, or unknown). A
@@ -201,21 +225,11 @@ class Teams:
             return None
         team = self.store.get(rec.team)
         held, disks = self._holdings(rec.team)
-        have = _usage(held, disks)
         extra = 0 if any(r.id == rec.id for r in held) else 1
         new = not any(r.id == rec.id for r in disks) and self.ctx.store.get(rec.id) is None
-        asks = (("max_sandboxes", have.sandboxes, extra, "sandboxes"),
-                ("max_vcpus", have.vcpus, rec.vcpus * extra, "vCPUs"),
-                ("max_memory_mib", have.memory_mib, rec.memory_mib * extra, "MiB of memory"),
-                ("max_disk_mib", have.disk_mib, rec.disk_mib if new else 0, "MiB of disk"))
-        for quota, used, need, unit in asks:
-            limit = getattr(team, quota)
-            if limit is not None and need and used + need > limit:
-                return QuotaExceeded(
-                    f"team {team.name} may hold {limit} {_unit(unit, limit)} ({quota}) and "
-                    f"holds {used}; this sandbox needs {need} more", quota=quota,
-                    limit=limit, used=used, needed=need, team=team.name)
-        return None
+        return quota_refusal(team, _usage(held, disks),
+                             Usage(extra, rec.vcpus * extra, rec.memory_mib * extra,
+                                   rec.disk_mib if new else 0))
 
     def figures(self) -> dict[str, tuple[int, int, int]]:
         """``{team: (sandboxes, vCPUs, memory MiB)}`` of what holds a VMM, every team
