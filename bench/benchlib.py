@@ -61,6 +61,7 @@ def start_server(env: dict[str, str] | None = None
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            shutil.rmtree(d, ignore_errors=True)
             raise RuntimeError("hangar serve exited")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
@@ -68,6 +69,7 @@ def start_server(env: dict[str, str] | None = None
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
+    stop_server(proc, d)  # not left running (with its data directory) on a busy host
     raise RuntimeError("hangar serve did not come up in 120 s")
 
 

@@ -30,23 +30,16 @@ login shell the SDK asks for rather than the path through the server.
 (``hangar.images.recipes.LOGIN_PROFILE``) or Debian's, which start ``id -u``
 and ``mesg n`` on every login shell.
 
-Where the rest of ``ratio`` goes (measured 2026-12-02 in a ``code-interpreter``
-guest with the light scripts, QEMU TCG, load 1-1.6; p50 of 30, the cases
-interleaved, run from Python in the guest): ``sh -c true`` 46-55 ms, ``bash
---noprofile --norc -c true`` 82-98 ms, ``bash -c true`` 94-102 ms, ``bash -l
--c true`` 110-130 ms. So about 45 ms is bash's own start against dash's (a
-1.2 MB binary plus libtinfo; with ``LANG=C.UTF-8`` it loads twelve locale
-categories from ``/usr/lib/locale/C.utf8``, 37 file opens where dash makes
-none), and 15-25 ms the login part, which now starts no process (``strace
--f`` in the image's tree: ``bash -l -c true`` execs nothing and opens
-``/etc/profile``, ``/etc/profile.d``, ``~/.profile`` and ``~/.bashrc``, 71
-opens against 32 for ``sh -c true``). Tried and dropped: a locale archive
-(``localedef --add-to-archive``: one map instead of those opens) gave no
-measurable gain (110-118 ms without, 130 ms with, within the noise);
-``LANG=C`` saves about 20 ms but changes every command's locale. No cheap
-fix is left in what the images ship, so ``base`` (the same light scripts)
-would gain nothing from a rebuild; what is left is bash itself, a
-millisecond or two on a KVM host.
+Where the rest of ``ratio`` went (2026-12-02 and -05, in guests, QEMU TCG):
+bash's own start, about three times dash's, and not for ld.so's work (a few
+ms, alike for both: ``LD_DEBUG=statistics``) but because every dynamically
+linked process runs its code at new, randomized addresses, which TCG
+translates anew (with ``setarch -R``, ``/bin/true`` takes 5 ms instead of 22).
+Images now run Debian's ``bash-static`` as ``/bin/bash``
+(``hangar.images.debian.static_bash``): not position-independent, its
+translations are reused, and ``bash -l -c true`` costs less than ``sh -c
+true``. ``guest_ms`` shows it: ``bash_login_c`` below ``sh_c``.
+docs/performance.md has the figures.
 
     .venv/bin/python bench/e2b_envd_bench.py [--runs 40] [--image base]
 """

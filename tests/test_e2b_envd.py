@@ -150,6 +150,25 @@ def test_commands_run_in_a_light_login_shell(env: Env) -> None:
     assert user[0] != "0" and user[1] == "/usr/local/bin:/usr/bin:/bin:/usr/local/games:/usr/games"
 
 
+def test_commands_run_in_debian_static_bash(env: Env) -> None:
+    """``/bin/bash`` is Debian's statically linked build of the same bash (``bash-static``,
+    ``hangar.images.debian.static_bash``: it starts in a third of the time under TCG); the
+    ``bash`` package's own is diverted by dpkg, so apt still manages both."""
+    sbx = env.sandbox()
+    r = sbx.commands.run("readlink -f /bin/bash; ldd /bin/bash 2>&1; echo $BASH_VERSION; "
+                         "/bin/bash.dynamic -c 'echo $BASH_VERSION'; "
+                         "dpkg-divert --listpackage /bin/bash; dpkg-divert --truename /bin/bash; "
+                         "dpkg -S /bin/bash /bin/bash-static", user="root")
+    lines = r.stdout.splitlines()
+    assert lines[0] == "/usr/bin/bash-static" and "not a dynamic executable" in lines[1]
+    assert lines[2] == lines[3] and lines[2].startswith("5.")
+    assert lines[4:] == ["LOCAL", "/bin/bash.dynamic", "local diversion from: /bin/bash",
+                         "local diversion to: /bin/bash.dynamic", "bash: /bin/bash",
+                         "bash-static: /bin/bash-static"], r.stdout
+    # the default user's commands run in it too
+    assert sbx.commands.run("readlink /proc/$$/exe; id -un").stdout == \
+        "/usr/bin/bash-static\nuser\n"
+
 def test_commands_run_async(env: Env) -> None:
     async def main() -> None:
         sbx = await AsyncSandbox.connect(env.sid, **env.params)

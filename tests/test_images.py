@@ -231,6 +231,7 @@ def test_recipes() -> None:
     base = get_recipe("base")
     assert isinstance(base, Recipe) and base.suite == "bookworm"
     assert "python3" in base.packages
+    assert all("bash-static" in r.packages for r in RECIPES.values())  # /bin/bash: static
     assert "desktop" in RECIPES
     assert {"xvfb", "x11vnc", "xdotool", "scrot", "chromium"} <= set(RECIPES["desktop"].packages)
     assert re.fullmatch(r"[0-9a-f]{12}", base.digest())

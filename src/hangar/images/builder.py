@@ -10,6 +10,8 @@ name is the build's id:
    ``apt_packages`` inside the tree, when it has some. The mirror is the one the host's apt uses
    for that suite (the ``URIs:`` of the matching stanza of
    /etc/apt/sources.list.d/debian.sources), else debootstrap's default.
+   Where the tree has ``bash-static``, ``/bin/bash`` becomes it
+   (``hangar.images.debian.static_bash``).
 2. Set the tree up for a VM without an init system: hostname, hosts, an
    empty resolv.conf and fstab, ``poweroff``-style commands that signal PID 1,
    a dpkg filter that keeps docs out, and no apt caches, docs or locales;
@@ -70,7 +72,9 @@ from hangar.images.catalogue import (
     recipe_digest_of,
 )
 from hangar.images.commands import Progress, remove_tree, require_tools
-from hangar.images.debian import apt_install, debootstrap, host_mirror, unsafe_io
+from hangar.images.debian import (
+    apt_install, debootstrap, host_mirror, static_bash, unsafe_io,
+)
 from hangar.images.guest_image import GuestImage, image_id
 from hangar.images.packing import content_digest, pack, tree_size
 from hangar.images.recipes import BUILDER_VERSION, Recipe, get_recipe
@@ -131,6 +135,7 @@ def _build(layout: Layout, recipe: Recipe, recipe_digest: str, say: Progress) ->
                         lock=room.cached(layout.apt_lock))
             if recipe.apt_packages:
                 apt_install(rootdir, recipe.apt_packages, say)
+            static_bash(rootdir, say)
         times["debootstrap"] = time.monotonic() - t0
 
         t = time.monotonic()

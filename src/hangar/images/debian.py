@@ -7,6 +7,16 @@ the matching stanza of /etc/apt/sources.list.d/debian.sources, ``host_mirror``),
 else debootstrap's default. Downloaded .debs are kept in
 ``<data>/cache/debootstrap/``. Every step runs a host tool through
 ``hangar.images.commands.run`` and raises ``ImageError`` with the tail of its output.
+
+``static_bash`` then makes ``/bin/bash`` Debian's statically linked build of the same
+bash where the tree has one (the ``bash-static`` package every recipe includes): under
+QEMU's emulation a dynamically linked program starts slowly, because this QEMU (7.2)
+translates the guest's code anew for every address it runs at, and address-space
+randomization maps ld.so, libc and the position-independent program at new addresses in
+every process; a static non-PIE bash runs at the same addresses every time, so its
+translated code is reused. Measured in a ``base`` guest (p50 of 30, ms): ``bash -l -c
+true`` 89 dynamic, 27-32 static; ``/bin/true`` 22-25 and ``sh -c true`` 28-31 (both
+dynamic). E2B's SDK runs every command as ``/bin/bash -l -c``.
 """
 
 from __future__ import annotations
@@ -14,12 +24,14 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import stat
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from hangar.errors import ImageError
+from hangar.images import safetree
 from hangar.images.commands import Progress, inside, remove_tree, run
 from hangar.images.recipes import Recipe
 from hangar.images.rootfs import RESOLV_PLACEHOLDER, put_file
@@ -189,6 +201,33 @@ def apt_install(rootdir: Path, packages: tuple[str, ...], say: Progress,
             env=env, timeout=3600)
         if caches is None:
             run("apt-get clean", ["chroot", rootdir, "apt-get", "clean"], env=env, timeout=300)
+
+
+STATIC_BASH = "/bin/bash-static"
+"""Where Debian's ``bash-static`` package puts its program."""
+DYNAMIC_BASH = "/bin/bash.dynamic"
+"""Where ``static_bash`` diverts the ``bash`` package's own ``/bin/bash``."""
+
+
+def static_bash(rootdir: Path, say: Progress) -> bool:
+    """Make ``/bin/bash`` a link to ``STATIC_BASH`` when the tree has it; return whether.
+
+    The ``bash`` package's program is diverted with ``dpkg-divert --local --rename`` to
+    ``DYNAMIC_BASH``, so apt in the guest still upgrades both packages, and an upgrade of
+    ``bash`` lands there instead of replacing the link. Both programs are built from the
+    same source and version (``bash-static`` is a binary of the ``bash`` source package):
+    same builtins, options, variables, login and startup files. Raises ImageError when
+    ``dpkg-divert`` fails."""
+    static = safetree.lstat(rootdir, STATIC_BASH, follow_last=True)
+    bash = safetree.lstat(rootdir, "/bin/bash")
+    if static is None or bash is None or not stat.S_ISREG(bash.st_mode):
+        return False
+    say(f"/bin/bash -> {STATIC_BASH} (the bash package's as {DYNAMIC_BASH})")
+    run("dpkg-divert", ["chroot", rootdir, "dpkg-divert", "--local", "--rename", "--divert",
+                        DYNAMIC_BASH, "--add", "/bin/bash"],
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, timeout=300)
+    safetree.symlink(rootdir, "/bin/bash", STATIC_BASH.rsplit("/", 1)[1])
+    return True
 
 
 @contextmanager
