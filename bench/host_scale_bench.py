@@ -1,7 +1,7 @@
 """Benchmark: one host at full scale (issue 33), in the format public sandbox benchmarks use.
 
     .venv/bin/python bench/host_scale_bench.py [--n 100] [--machines 1000]
-        [--overcommit 4] [--steps seq,idle,storm,asleep]
+        [--overcommit 4] [--steps seq,idle,storm,asleep] [--starts N]
 
 One server on this host (``HANGAR_MEMORY_OVERCOMMIT`` ``--overcommit``, room for
 ``--n`` sandboxes of the default 512 MiB, creates from the booted ``base`` template),
@@ -16,7 +16,9 @@ driven over HTTP. Steps, each with its baseline measured in the same run:
   latency p50 and p95 (ms), and exec p50 in one of them against the same exec with one
   sandbox alone (measured before the first create).
 * **storm**: the sandboxes deleted, then ``--n`` creates sent at once, each followed
-  by its first command: p50, p95, p99, failures, wall time; ratio of its p50 to seq's.
+  by its first command: p50, p95, p99, the first to finish, failures, wall time; ratio
+  of its p50 to seq's; how many waited in the start queue (``hangar.core.starts``:
+  ``--starts`` sets ``HANGAR_MAX_CONCURRENT_STARTS``) and how many it refused.
 * **asleep**: ``--machines`` machines (``POST /machines/{user}``), each put to sleep:
   disk per machine (MiB the data directory grew by, allocated and apparent: snapshots'
   memory files are sparse), the wake p50 of 10 random ones
@@ -70,20 +72,32 @@ def meminfo_mib(field: str) -> int:
     return 0
 
 
+def error_code(r: httpx.Response) -> str:
+    """The error code of a Hangar error answer (``limit_exceeded``...), or ``?``."""
+    try:
+        return str(r.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return "?"
+
+
 def latencies(xs: list[float]) -> dict[str, float]:
     return {"p50": round(pct(xs, 0.5), 3), "p95": round(pct(xs, 0.95), 3),
             "p99": round(pct(xs, 0.99), 3)} if xs else {}
 
 
 class Bench:
-    def __init__(self, n: int, overcommit: float) -> None:
+    def __init__(self, n: int, overcommit: float, starts: int | None = None) -> None:
         self.n = n
         self.proc, self.dir, self.url = start_server({
             "HANGAR_MAX_SANDBOXES": str(n + 8), "HANGAR_MEMORY_OVERCOMMIT": str(overcommit),
-            "HANGAR_BOOT_TIMEOUT_S": "900", "HANGAR_MEMORY_PRESSURE_IDLE_S": "3600"})
+            "HANGAR_BOOT_TIMEOUT_S": "900", "HANGAR_MEMORY_PRESSURE_IDLE_S": "3600",
+            **({"HANGAR_MAX_CONCURRENT_STARTS": str(starts)} if starts else {})})
         self.key = api_key(self.dir)
         self.c = self.client()
         self.out: dict[str, Any] = {}
+        self.failed: dict[str, int] = {}
+        """Failures by reason in the step under way (``first_command``)."""
+        self.lock = threading.Lock()
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"X-API-Key": self.key}, timeout=1800)
@@ -93,14 +107,26 @@ class Bench:
         return {"cpu_s": round(u["cpu_s"], 1), "rss_mib": round(u.get("rss_mib", 0.0), 1)}
 
     def first_command(self, c: httpx.Client) -> tuple[str | None, float]:
-        """(id, seconds) of a create followed by its first command; id None on failure."""
+        """(id, seconds) of a create followed by its first command; id None on failure
+        (its reason counted in ``self.failed``: ``create 429 limit_exceeded``...)."""
         t0 = time.monotonic()
-        r = c.post("/sandboxes", json={})
+        try:
+            r = c.post("/sandboxes", json={})
+        except httpx.HTTPError as exc:
+            self.failure(f"create {type(exc).__name__}")
+            return None, time.monotonic() - t0
         if r.status_code != 201:
+            self.failure(f"create {r.status_code} {error_code(r)}")
             return None, time.monotonic() - t0
         sid = r.json()["id"]
-        ok = c.post(f"/sandboxes/{sid}/exec", json={"command": "true"}).status_code == 200
-        return (sid if ok else None), time.monotonic() - t0
+        e = c.post(f"/sandboxes/{sid}/exec", json={"command": "true"})
+        if e.status_code != 200:
+            self.failure(f"exec {e.status_code} {error_code(e)}")
+        return (sid if e.status_code == 200 else None), time.monotonic() - t0
+
+    def failure(self, reason: str) -> None:
+        with self.lock:
+            self.failed[reason] = self.failed.get(reason, 0) + 1
 
     def exec_p50(self, sid: str) -> float:
         times = []
@@ -183,6 +209,7 @@ class Bench:
                 results.append(got)
 
         say(f"storm: {self.n} creates at once")
+        self.failed = {}
         threads = [threading.Thread(target=one) for _ in range(self.n)]
         t0 = time.monotonic()
         for t in threads:
@@ -191,8 +218,12 @@ class Bench:
             t.join()
         wall = time.monotonic() - t0
         times = [t for _, t in results]
+        gate = self.c.get("/capacity").json()["starts"]
         self.out["storm"] = {"n": self.n, "failures": sum(1 for s, _ in results if s is None),
-                             **latencies(times), "wall_s": round(wall, 1),
+                             **latencies(times), "first_s": round(min(times), 2),
+                             "wall_s": round(wall, 1), "max_concurrent_starts": gate["limit"],
+                             "waited": gate["waited"], "refused": gate["refused"],
+                             "failed_by_reason": dict(self.failed),
                              "p50_ratio_to_seq": round(pct(times, 0.5)
                                                        / self.out["seq"]["p50"], 2),
                              "server": self.server()}
@@ -267,14 +298,19 @@ def main() -> None:
     ap.add_argument("--machines", type=int, default=1000)
     ap.add_argument("--overcommit", type=float, default=4.0)
     ap.add_argument("--steps", default="seq,idle,storm,asleep")
+    ap.add_argument("--starts", type=int, default=None,
+                    help="HANGAR_MAX_CONCURRENT_STARTS (default: the server's, max(2, cores)); "
+                         "a large figure (e.g. 1000) starts everything at once, as before "
+                         "issue 33's start queue")
     args = ap.parse_args()
     steps = set(args.steps.split(","))
-    b = Bench(args.n, args.overcommit)
+    b = Bench(args.n, args.overcommit, args.starts)
     try:
         b.out["machine"] = machine()
         b.out["engine"] = httpx.get(b.url + "/health", timeout=10).json()["engine"]
         b.out["settings"] = {"n": args.n, "overcommit": args.overcommit,
-                             "memory_mib": 512, "template": "base"}
+                             "memory_mib": 512, "template": "base",
+                             "max_concurrent_starts": args.starts or "default"}
         avail_before = meminfo_mib("MemAvailable")
         if steps & {"seq", "idle", "storm"}:
             ids = b.seq()

@@ -141,6 +141,17 @@ class Settings(BaseSettings):
                                 "(TCG), where a guest boots several times slower and more so "
                                 "on a busy host (boot_deadline_s).")
     max_sandboxes: int = Field(30, ge=1, description="Cap on concurrently running VMs.")
+    max_concurrent_starts: int | None = Field(
+        None, ge=1, le=1024, description="VMM starts (boots, snapshot restores, wakes) in "
+                                         "progress at once; more wait in the start queue "
+                                         "(hangar.core.starts). Unset: max(2, cores).")
+    start_queue: int = Field(
+        256, ge=0, le=100_000, description="Starts that may wait for a slot at once; one "
+                                           "more is refused at once (429 start_queue_full).")
+    start_queue_wait_s: float = Field(
+        90.0, gt=0, le=3600, description="Seconds a start may wait in the queue (429 "
+                                         "start_queue_wait beyond); under the SDK's 120 s "
+                                         "for a create, so a waiter hears why.")
     build_templates_max: int = Field(
         200, ge=1, description="Cap on the templates built through E2B's API the server "
                                "holds (hangar.core.builds); a new one past it is a 429.")

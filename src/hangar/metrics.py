@@ -19,8 +19,11 @@ warm pool and got, or did not get, a ready VM; ``hangar_pool_refills_total``.
 ``hangar_egress_denied_total{via, reason}``         via: dns, proxy; reason: one of
                                                     hangar.net.egress_match.REASONS
 
+``hangar_start_wait_seconds``                      time a start waited in the start queue
+``hangar_start_refusals_total{limit}``              start_queue_full, start_queue_wait
+
 Gauges read at each scrape (``watch_capacity``): the VMMs running against
-their cap, guest memory committed against the budget, the warm pool's
+their cap, starts in progress and queued against theirs, guest memory committed against the budget, the warm pool's
 ready VMs against its target per template, and the data directory's free
 bytes. docs/metrics.md documents every metric.
 """
@@ -107,6 +110,17 @@ class _CapacityCollector(Collector):
             ready.add_metric([name], c.pool_ready.get(name, 0))
         yield ready
         yield target
+        yield GaugeMetricFamily("hangar_starts_running",
+                                "VMM starts (boots, restores, wakes) in progress",
+                                value=c.starts_running)
+        yield GaugeMetricFamily("hangar_starts_limit",
+                                "Cap on starts in progress (HANGAR_MAX_CONCURRENT_STARTS)",
+                                value=c.starts_limit)
+        yield GaugeMetricFamily("hangar_start_queue", "Starts waiting for a start slot",
+                                value=c.start_queued)
+        yield GaugeMetricFamily("hangar_start_queue_limit",
+                                "Starts that may wait at once (HANGAR_START_QUEUE)",
+                                value=c.start_queue_limit)
         yield GaugeMetricFamily("hangar_data_free_bytes",
                                 "Free bytes on the data directory's file system",
                                 value=c.data_free_bytes)
@@ -127,6 +141,10 @@ class Capacity:
     memory_used_mib: int = 0
     host_available_mib: int = 0
     headroom_mib: int = 0
+    starts_running: int = 0
+    starts_limit: int = 0
+    start_queued: int = 0
+    start_queue_limit: int = 0
 
 
 class Metrics:
@@ -144,6 +162,13 @@ class Metrics:
                                         "Time from create request to a ready guest agent",
                                         ["source", "outcome"], buckets=LATENCY_BUCKETS,
                                         registry=r)
+        self.start_wait_seconds = Histogram(
+            "hangar_start_wait_seconds", "Time a start waited in the start queue "
+            "(hangar.core.starts); starts that found a free slot are not counted",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.start_refusals = Counter(
+            "hangar_start_refusals_total", "Starts refused by the start queue, by limit: "
+            "start_queue_full, start_queue_wait", ["limit"], registry=r)
         self.execs = Counter("hangar_exec_total", "Commands run in sandboxes", ["outcome"],
                              registry=r)
         self.exec_seconds = Histogram("hangar_exec_seconds", "Exec latency, request to result",

@@ -11,10 +11,10 @@ import shlex
 from collections.abc import AsyncIterator, Iterator
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 
-from hangar.api.deps import manager, placement
+from hangar.api.deps import manager, placement, queued_until_gone
 from hangar.api.models import (
     CreateSandbox, ExecRequest, ExecResponse, Sandbox, SandboxList, SetTimeout,
 )
@@ -35,17 +35,19 @@ view = sandbox_view
 
 @router.post("", status_code=201, response_model=Sandbox,
              summary="Create a sandbox; answers once its guest agent is ready")
-async def create(m: Manager, placed: Placed, body: CreateSandbox | None = None) -> Sandbox:
+async def create(request: Request, m: Manager, placed: Placed,
+                 body: CreateSandbox | None = None) -> Sandbox:
     body = body or CreateSandbox()
     m.policy(body.network)  # a bad or unenforceable policy is a 400 before anything else
-    rec = await m.create(CreateOptions(
-        image=body.image, vcpus=body.vcpus, memory_mib=body.memory_mib,
-        disk_mib=body.disk_mib, timeout_s=body.timeout, metadata=body.metadata,
-        desktop=body.desktop, network=body.network,
-        volumes={p: v if isinstance(v, str) else v.model_dump() for p, v in body.volumes.items()}
-        if body.volumes else None,
-        secrets=dict(body.secrets) if body.secrets else None,
-    ), placed)
+    async with queued_until_gone(request):  # a client gone while queued starts nothing
+        rec = await m.create(CreateOptions(
+            image=body.image, vcpus=body.vcpus, memory_mib=body.memory_mib,
+            disk_mib=body.disk_mib, timeout_s=body.timeout, metadata=body.metadata,
+            desktop=body.desktop, network=body.network,
+            volumes={p: v if isinstance(v, str) else v.model_dump()
+                     for p, v in body.volumes.items()} if body.volumes else None,
+            secrets=dict(body.secrets) if body.secrets else None,
+        ), placed)
     return _in_full(m, view(rec))
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Request, Response
 
-from hangar.api.deps import manager, placement
+from hangar.api.deps import manager, placement, queued_until_gone
 from hangar.api.models import ForkRequest, RestoreRequest, Sandbox, Snapshot, SnapshotList
 from hangar.api.sandboxes import view as sandbox_view
 from hangar.core.service import CreateOptions, Placement, SandboxManager, SnapshotView
@@ -57,10 +57,11 @@ async def delete(snapshot_id: str, m: Manager) -> Response:
 
 @router.post("/snapshots/{snapshot_id}/sandboxes", response_model=Sandbox, status_code=201,
              summary="Start a new sandbox from a snapshot (a fork)", responses=MISSING_IMAGE)
-async def fork(snapshot_id: str, m: Manager,
+async def fork(snapshot_id: str, request: Request, m: Manager,
                placed: Annotated[Placement | None, Depends(placement)],
                body: ForkRequest | None = None) -> Sandbox:
     body = body or ForkRequest()
-    rec = await m.fork(snapshot_id, CreateOptions(timeout_s=body.timeout, metadata=body.metadata),
-                       placed)
+    async with queued_until_gone(request):  # a client gone while queued starts nothing
+        rec = await m.fork(snapshot_id, CreateOptions(timeout_s=body.timeout,
+                                                      metadata=body.metadata), placed)
     return sandbox_view(rec)

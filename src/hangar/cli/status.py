@@ -1,5 +1,6 @@
-"""``hangar status``: the server's health, its engine, its warm pool, its memory and its teams'
-use, in a few lines (a team's key sees the health line alone: the rest is the operator's)."""
+"""``hangar status``: the server's health, its engine, its warm pool, its limits (live
+sandboxes, starts in progress, the start queue), its memory and its teams' use, in a few
+lines (a team's key sees the health line alone: the rest is the operator's)."""
 
 from __future__ import annotations
 
@@ -31,9 +32,20 @@ def status() -> None:
         out.print(f"warm pool ({pool.image}): {pool.ready} ready, {pool.starting} starting, "
                   f"{pool.size} wanted, replaced after {pool.max_age_s:.0f} s")
     if cap is not None:
+        out.print(limits_line(cap), highlight=False, soft_wrap=True)
         out.print(memory_line(cap.memory), highlight=False, soft_wrap=True)
     for t in teams:
         out.print(f"team {t.name}: {team_use(t)}", highlight=False, soft_wrap=True)
+
+
+def limits_line(c: Capacity) -> str:
+    """``"limits: 12 of 30 sandboxes live, 2 of 2 starts in progress, 5 of 256 queued
+    (wait at most 90 s; 3 refused since start-up)"``: the operator's caps and their use."""
+    st = c.starts
+    refused = f"; {st.refused} refused since start-up" if st.refused else ""
+    return (f"limits: {c.vmms} of {c.vmm_limit} sandboxes live, {st.running} of {st.limit} "
+            f"starts in progress, {st.queued} of {st.queue} queued (wait at most "
+            f"{st.max_wait_s:g} s{refused})")
 
 
 def memory_line(m: MemoryStatus) -> str:

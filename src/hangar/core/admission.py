@@ -14,6 +14,14 @@ the guest's disk is a qcow2 overlay of that virtual size, so a guest that
 fills it gets ENOSPC and the host file stays bounded), the room left for
 snapshots (``snapshot_storage_bytes``, 429 beyond: ``check_snapshot_room``)
 and commands running at once in one sandbox (``ExecSlots``, 429 beyond).
+
+Before its admission a start (a boot, restore or wake) takes its turn at the
+start gate (``Admission.starts``, ``hangar.core.starts``): at most
+``max_concurrent_starts`` run at once, the rest wait in a bounded FIFO queue.
+A create that the caps refuse anyway is refused before it queues
+(``Admission.check``); one that finds the VMM cap reached does not wait for
+room: sandboxes live for minutes or hours, so room comes back at a client's
+delete, not within a request's time, and the 429 says when to try again.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from hangar.config import Settings
 from hangar.core.context import Context
 from hangar.core.lifecycle import OnExpiry, State
 from hangar.core.memory import RELIEF_TRIES, START_COST_MIB, meminfo
+from hangar.core.starts import StartGate, default_concurrent_starts
 from hangar.core.store import SandboxRecord
 from hangar.errors import InvalidRequest, LimitExceeded
 from hangar.images import RECIPES, GuestImage
@@ -167,6 +176,11 @@ class Admission:
         """Team quotas (``hangar.core.teams``), set by the manager."""
         self.memory: Memory | None = None
         """The host's headroom and its relief (``hangar.core.memory``), set by the manager."""
+        s = ctx.settings
+        self.starts = StartGate(s.max_concurrent_starts or default_concurrent_starts(),
+                                s.start_queue, s.start_queue_wait_s, ctx.metrics)
+        """Starts in progress at once and the queue before them (``hangar.core.starts``):
+        a start takes its turn there before ``slot``."""
 
     def room(self) -> int:
         """How many more VMMs may start now."""
@@ -205,6 +219,20 @@ class Admission:
                     retry_after=RETRY_AFTER_S, limit="memory_budget_mib", budget_mib=budget,
                     overcommit=ratio, used_mib=used, needed_mib=memory_mib)
         return None
+
+    def check(self, memory_mib: int | None, rec: SandboxRecord | None = None,
+              create: bool = True) -> None:
+        """Raise at once the refusal ``slot`` would give by the caps (the VMM cap, the
+        memory budget, ``rec``'s team's quotas), so a start that could not be admitted
+        does not wait in the start queue first. ``slot`` checks again after the wait.
+
+        Raises LimitExceeded (or QuotaExceeded) as ``slot`` does.
+        """
+        refusal = self._refusal(memory_mib, rec)
+        if refusal is not None:
+            if create:
+                self.ctx.metrics.creates.labels("limited").inc()
+            raise refusal
 
     def _pressure(self, memory_mib: int | None) -> LimitExceeded | None:
         """The refusal of one more VMM by the host's headroom (``hangar.core.memory``)."""

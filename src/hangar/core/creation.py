@@ -1,7 +1,9 @@
 """Creating sandboxes: from the warm pool when one fits, else restored from the image's
 template snapshot (``hangar.core.templates``), else a cold boot; and forks.
 
-Every create writes its record (``creating``) under admission, brings the
+Every create takes its turn at the start gate (``hangar.core.starts``: at most
+``max_concurrent_starts`` at once, the rest queued), writes its record
+(``creating``) under admission, brings the
 VM up, and moves the record to ``running`` by compare-and-set. A create
 that fails at any step removes the VM, its files and its record: nothing
 half-made is ever listed. A delete that arrives meanwhile moves the record
@@ -48,7 +50,8 @@ class Creation:
         ``placement``: the id a cluster claimed for it (a pool VM, which has its own
         id, is then not used).
 
-        Raises LimitExceeded (cap on concurrent VMs reached), NotFound (no
+        Raises LimitExceeded (cap on concurrent VMs reached, or the start queue full or
+        waited out: ``hangar.core.starts``), NotFound (no
         such image, volume or secret: another team's is missing), InvalidRequest (bad desktop or network), EngineError or
         Timeout (the VM did not come up), Conflict (deleted while being
         created); on any failure nothing of the sandbox is left.
@@ -74,25 +77,27 @@ class Creation:
             if rec is not None:
                 return rec
         rec = self.admission.new_record(sid or new_id(), State.CREATING, image, opts, network)
-        async with self.admission.slot(memory_mib=rec.memory_mib, rec=rec):
-            # checked and written in one step of the event loop: two creates cannot
-            # both take a volume's one writer's place (hangar.core.volumes)
-            self.ctx.store.add(rec, *volumes.plan(rec.id, opts.volumes))
-        try:
-            self.launcher.bind_secrets(rec.id, wanted)
-        except BaseException:
-            self.ctx.store.discard(rec.id, State.CREATING)
-            await volumes.release(rec.id)
-            raise
-        chosen = ["template" if self.launcher.templates.enabled else "cold"]
+        self.admission.check(rec.memory_mib, rec)  # refused now rather than after a wait
+        async with self.admission.starts.turn("create"):  # hangar.core.starts
+            async with self.admission.slot(memory_mib=rec.memory_mib, rec=rec):
+                # checked and written in one step of the event loop: two creates cannot
+                # both take a volume's one writer's place (hangar.core.volumes)
+                self.ctx.store.add(rec, *volumes.plan(rec.id, opts.volumes))
+            try:
+                self.launcher.bind_secrets(rec.id, wanted)
+            except BaseException:
+                self.ctx.store.discard(rec.id, State.CREATING)
+                await volumes.release(rec.id)
+                raise
+            chosen = ["template" if self.launcher.templates.enabled else "cold"]
 
-        async def start() -> str:
-            _rt, source = await self.launcher.start_new(rec, image, {State.CREATING},
-                                                        crash_step="create.booting",
-                                                        chosen=chosen)
-            return source
+            async def start() -> str:
+                _rt, source = await self.launcher.start_new(rec, image, {State.CREATING},
+                                                            crash_step="create.booting",
+                                                            chosen=chosen)
+                return source
 
-        return await self.bring_up(rec, start, chosen, started)
+            return await self.bring_up(rec, start, chosen, started)
 
     async def _from_pool(self, opts: CreateOptions, image: GuestImage,
                          started: float) -> SandboxRecord | None:

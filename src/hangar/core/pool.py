@@ -15,8 +15,9 @@ default ``HANGAR_POOL_SIZE`` VMs of the default template. A create whose
 options fit takes one (``claim``): it is resumed, its clock and entropy
 refreshed, and it becomes the caller's sandbox under its own id. The pool
 refills in the background, one boot at a time, and only while the cap on
-concurrent VMs leaves room, so pooled VMs never crowd out sandboxes that
-users asked for. A pool VM older than ``pool_max_age_s`` is retired and
+concurrent VMs leaves room and a start slot is free with no client's start
+queued (``hangar.core.starts``), so pooled VMs never crowd out or delay
+sandboxes that users asked for. A pool VM older than ``pool_max_age_s`` is retired and
 replaced.
 
 Claim and retirement race safely: each is a compare-and-set of the record
@@ -183,23 +184,30 @@ class WarmPool:
             rec = self.admission.new_record(new_id(), State.POOLED, image,
                                             CreateOptions(timeout_s=0),
                                             self.launcher.policy(None))
-            async with self.admission.if_room(rec.memory_mib) as room:
-                if not room:
-                    return
-                rec.pooled = True
-                ctx.store.add(rec)
-            started = time.monotonic()
-            try:
-                rt, source = await self.launcher.start_new(rec, image, {State.POOLED})
-                await ctx.engine.pause(rt.vm)
-            except BaseException as exc:
-                if not isinstance(exc, Exception):
-                    await self._end(rec.id)
-                    raise
-                log.warning("pool boot failed", extra={"sandbox_id": rec.id, "error": str(exc)})
-                await self._end(rec.id)
-                self._failed()
+            starts = self.admission.starts
+            if not starts.try_take():  # clients' starts first (hangar.core.starts)
                 return
+            try:
+                async with self.admission.if_room(rec.memory_mib) as room:
+                    if not room:
+                        return
+                    rec.pooled = True
+                    ctx.store.add(rec)
+                started = time.monotonic()
+                try:
+                    rt, source = await self.launcher.start_new(rec, image, {State.POOLED})
+                    await ctx.engine.pause(rt.vm)
+                except BaseException as exc:
+                    if not isinstance(exc, Exception):
+                        await self._end(rec.id)
+                        raise
+                    log.warning("pool boot failed", extra={"sandbox_id": rec.id,
+                                                           "error": str(exc)})
+                    await self._end(rec.id)
+                    self._failed()
+                    return
+            finally:
+                starts.release()
             self._failures = 0
             self._ready[rec.id] = time.time()
             ctx.metrics.pool_refills.inc()

@@ -92,6 +92,7 @@ from hangar.core.removal import Removal
 from hangar.core.sleep import SETTLE_S, Connected, Sleeper
 from hangar.core.memory import Memory
 from hangar.core.snapshots import Snapshots
+from hangar.core.starts import StartsView
 from hangar.core.store import SnapshotRecord, Store
 from hangar.core.surfaces import CodeFace, FilesFace, NetworkFace, SecretsFace, VolumesFace
 from hangar.core.terminals import Terminals
@@ -136,6 +137,7 @@ class SandboxManager:
     PUBLIC = frozenset(SURFACES) | {
         "start", "close", "net", "policy", "get", "find", "list", "ids", "in_states", "vmm_count",
         "on_transition", "create_in_flight", "memory", "set_timeout", "capacity",
+        "starts",
         "state_counts", "engine_name", "engine_accel", "describe_engine", "pool_status",
         "create", "provision", "delete", "snapshot", "restore", "fork", "adopt", "forget", "fence",
         "get_snapshot", "named_snapshot", "list_snapshots", "delete_snapshot", "has_snapshot",
@@ -356,6 +358,7 @@ class SandboxManager:
         disk = os.statvfs(self.layout.root)
         pool = self.pool
         mem = self.host_memory.view()
+        starts = self.admission.starts.view()
         return Capacity(
             vmms=len(self.store.with_vmm()), vmm_limit=self.settings.max_sandboxes,
             memory_committed_mib=mem.declared, memory_budget_mib=mem.budget,
@@ -363,7 +366,13 @@ class SandboxManager:
             pool_target=dict(pool.targets) if pool is not None else {},
             data_free_bytes=disk.f_bavail * disk.f_frsize, memory_allowed_mib=mem.allowed,
             memory_used_mib=mem.used, host_available_mib=mem.available,
-            headroom_mib=mem.headroom)
+            headroom_mib=mem.headroom, starts_running=starts.running,
+            starts_limit=starts.limit, start_queued=starts.queued,
+            start_queue_limit=starts.queue)
+
+    def starts(self) -> StartsView:
+        """Starts in progress and queued against their limits (``core.starts``)."""
+        return self.admission.starts.view()
 
     def state_counts(self) -> dict[str, int]:
         """Sandboxes by state (tombstones not counted), for ``hangar_sandboxes{state}``."""

@@ -76,6 +76,7 @@ from hangar.core.ports import Exposure, Ports
 from hangar.core.processes import ProcessInfo, ProcessOutput, Processes
 from hangar.core.sandboxes import SandboxManager
 from hangar.core.sleep import Connect, Connected
+from hangar.core.starts import StartsView, leave_when
 from hangar.core.surfaces import CodeFace, FilesFace, NetworkFace, SecretsFace, VolumesFace
 from hangar.core.tasks import Tasks, every, race
 from hangar.core.terminals import Terminal, Terminals
@@ -118,6 +119,7 @@ __all__ = [
     "CreateOptions", "Placement", "PLACEMENT_SCOPE", "Command", "ExecResult",
     "StreamCapture", "FileEntry", "FileEvent", "FileList", "WriteResult", "HOME", "Tunnel", "NoListener", "Exposure",
     "ProcessInfo", "ProcessOutput", "Terminal", "MAX_CODE_CHARS", "MAX_SCROLL",
+    "StartsView", "leave_when",
     "MAX_TYPE_CHARS", "TYPE_DELAY_MS", "VNC_PORT",
     # template builds
     "UPLOAD_MAX", "BuildSpec", "BuildView", "BuiltSource", "LogLine", "Step", "Copy", "Run",

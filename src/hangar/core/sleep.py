@@ -270,6 +270,34 @@ class Sleeper:
         rec, _ = await self._wake(sandbox_id, ttl_s)
         return rec
 
+    async def _wake_locked(self, rec: SandboxRecord, snap: SnapshotRecord,
+                           started: float) -> None:
+        """Admit a sleeping sandbox's VMM and bring it up from ``snap`` (under its lock and
+        a start slot); on failure it is ``sleeping`` again and the error is raised."""
+        ctx = self.ctx
+        sandbox_id = rec.id
+        async with self.admission.slot(create=False, memory_mib=rec.memory_mib, rec=rec):
+            await ctx.hooks.claim(SandboxView.of(rec))  # a cluster: owner and slot, or refused
+            try:
+                rec = ctx.store.transition(sandbox_id, State.SLEEPING, State.WAKING,
+                                           desired_state=State.RUNNING)
+            except BaseException:
+                await ctx.hooks.release(sandbox_id)
+                raise
+        try:
+            await wake_delay()
+            if snap.memory is False:
+                await self.launcher.boot_from(rec, snap, {State.WAKING})
+            else:
+                await self.launcher.restore(rec, snap, {State.WAKING})
+            crash_point("wake.restored")
+        except BaseException as exc:
+            ctx.metrics.wake_seconds.labels("failed").observe(time.monotonic() - started)
+            ctx.store.transition(sandbox_id, State.WAKING, State.SLEEPING, pid=None,
+                                 error=f"wake failed: {exc}"[:1000])
+            await ctx.hooks.release(sandbox_id)
+            raise
+
     async def _wake(self, sandbox_id: str,
                     ttl_s: float | None) -> tuple[SandboxRecord, bool]:
         """``wake``; also says whether this call woke it (False: it ran already)."""
@@ -286,27 +314,10 @@ class Sleeper:
             if snap is None:
                 raise Conflict(f"sandbox {sandbox_id} lost its sleep snapshot",
                                sandbox_id=sandbox_id)
-            async with self.admission.slot(create=False, memory_mib=rec.memory_mib, rec=rec):
-                await ctx.hooks.claim(SandboxView.of(rec))  # a cluster: owner and slot, or refused
-                try:
-                    rec = ctx.store.transition(sandbox_id, State.SLEEPING, State.WAKING,
-                                               desired_state=State.RUNNING)
-                except BaseException:
-                    await ctx.hooks.release(sandbox_id)
-                    raise
-            try:
-                await wake_delay()
-                if snap.memory is False:
-                    await self.launcher.boot_from(rec, snap, {State.WAKING})
-                else:
-                    await self.launcher.restore(rec, snap, {State.WAKING})
-                crash_point("wake.restored")
-            except BaseException as exc:
-                ctx.metrics.wake_seconds.labels("failed").observe(time.monotonic() - started)
-                ctx.store.transition(sandbox_id, State.WAKING, State.SLEEPING, pid=None,
-                                     error=f"wake failed: {exc}"[:1000])
-                await ctx.hooks.release(sandbox_id)
-                raise
+            self.admission.check(rec.memory_mib, rec, create=False)
+            async with self.admission.starts.turn("wake"):  # hangar.core.starts
+                await self._wake_locked(rec, snap, started)
+            rec = ctx.record(sandbox_id)
             now = time.time()
             rec = ctx.store.transition(sandbox_id, State.WAKING, State.RUNNING,
                                        sleep_snapshot=None, last_active_at=now, error=None,

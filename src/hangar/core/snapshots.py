@@ -198,7 +198,8 @@ class Snapshots:
         The current VM is replaced. Raises NotFound (no such snapshot),
         InvalidRequest (the snapshot belongs to another sandbox), ImageMissing
         (its image build is gone; the VM is left as it was), Busy, Conflict
-        (wrong state), LimitExceeded (a failed sandbox and no room); if the
+        (wrong state), LimitExceeded (a failed sandbox and no room, or the start queue
+        full or waited out: ``hangar.core.starts``); if the
         restore itself fails the sandbox is ``failed``.
         """
         ctx = self.ctx
@@ -208,7 +209,7 @@ class Snapshots:
                                  f"start a new sandbox from it with POST /snapshots/"
                                  f"{snapshot_id}/sandboxes", snapshot_id=snapshot_id)
         resolve_pinned(ctx.layout, snap.image, snap.image_digest)  # ImageMissing: VM untouched
-        async with ctx.registry.lock(sandbox_id):
+        async with ctx.registry.lock(sandbox_id), self.admission.starts.turn("restore"):
             rec = ctx.record(sandbox_id)
             if rec.state == State.RUNNING:
                 running_and_idle(ctx, sandbox_id)
@@ -290,19 +291,21 @@ class Snapshots:
                           auto_resume=opts.auto_resume, sleep_memory=opts.sleep_memory,
                           team=opts.team),
             self.launcher.policy(snap.network or "none"), snap.vcpus, snap.memory_mib, snap.disk_mib)
-        async with self.admission.slot(memory_mib=rec.memory_mib, rec=rec):
-            ctx.store.add(rec)
-        try:
-            self.launcher.vault.copy(snapshot_id, rec.id)  # the placeholders its guest holds
-        except BaseException:
-            ctx.store.discard(rec.id, State.CREATING)
-            raise
+        self.admission.check(rec.memory_mib, rec)
+        async with self.admission.starts.turn("fork"):  # hangar.core.starts
+            async with self.admission.slot(memory_mib=rec.memory_mib, rec=rec):
+                ctx.store.add(rec)
+            try:
+                self.launcher.vault.copy(snapshot_id, rec.id)  # the placeholders its guest holds
+            except BaseException:
+                ctx.store.discard(rec.id, State.CREATING)
+                raise
 
-        async def start() -> None:
-            await self.launcher.restore(rec, snap, {State.CREATING})
-            crash_point("fork.restored")
+            async def start() -> None:
+                await self.launcher.restore(rec, snap, {State.CREATING})
+                crash_point("fork.restored")
 
-        rec = await self.creation.bring_up(rec, start, "fork", started)
+            rec = await self.creation.bring_up(rec, start, "fork", started)
         rt = ctx.registry.get(rec.id)
         ctx.publish("snapshot.forked", rec.id, snapshot_id=snapshot_id,
                     generation=rt.generation if rt else None)

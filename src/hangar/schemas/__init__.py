@@ -49,7 +49,7 @@ from hangar.schemas.teams import (
     CreateTeam, LIMIT_NAMES, TeamInfo, TeamLimits, TeamList, TeamUsage, UpdateTeam,
 )
 from hangar.schemas.sandboxes import (
-    Capacity, CreateSandbox, Health, MemoryStatus, PoolStatus, SandboxInfo, SandboxList, SandboxMemory, SetTimeout,
+    Capacity, CreateSandbox, Health, MemoryStatus, PoolStatus, StartsStatus, SandboxInfo, SandboxList, SandboxMemory, SetTimeout,
 )
 
 __all__ = [
@@ -86,7 +86,7 @@ __all__ = [
     "PROCESS_TAG_MAX",
     "PTY_MAX_SIDE",
     "PathBody",
-    "PoolStatus", "Capacity", "MemoryStatus",
+    "PoolStatus", "Capacity", "MemoryStatus", "StartsStatus",
     "PortInfo",
     "ProcessEvent",
     "ProcessInfo",

@@ -174,9 +174,27 @@ class MemoryStatus(Model):
     slept: int = Field(description="Idle sandboxes put to sleep for memory since start-up.")
 
 
+class StartsStatus(Model):
+    """VMM starts (boots, restores, wakes) in progress and queued (``GET /capacity``)."""
+
+    running: int = Field(description="Starts in progress now.")
+    limit: int = Field(description="Starts that may run at once "
+                                   "(HANGAR_MAX_CONCURRENT_STARTS; unset: max(2, cores)).")
+    queued: int = Field(description="Starts waiting for a slot, oldest first served.")
+    queue: int = Field(description="Starts that may wait at once (HANGAR_START_QUEUE); one "
+                                   "more gets 429 start_queue_full.")
+    max_wait_s: float = Field(description="Seconds a start may wait (HANGAR_START_QUEUE_WAIT_S); "
+                                          "beyond it gets 429 start_queue_wait.")
+    waited: int = Field(description="Starts that had to wait, since start-up.")
+    refused: int = Field(description="Starts the queue refused (full or waited out), since "
+                                     "start-up.")
+
+
 class Capacity(Model):
-    """``GET /capacity`` (the operator's): VMMs against their cap, and the host's memory."""
+    """``GET /capacity`` (the operator's): VMMs against their cap, starts against theirs,
+    and the host's memory."""
 
     vmms: int = Field(description="VMMs that may be running, warm pool included.")
     vmm_limit: int = Field(description="HANGAR_MAX_SANDBOXES.")
+    starts: StartsStatus
     memory: MemoryStatus

@@ -172,6 +172,12 @@ async function refreshPool() {
     $("#server-info").textContent =
       `version ${h.version}, ${h.engine.engine || "engine"} ${h.engine.accel || ""}`.trim();
   } catch (e) { $("#pool").textContent = ""; }
+  try {  // the operator's: a team's key gets 403 and sees no limits
+    const c = await api("GET", "/capacity");
+    const st = c.starts;
+    $("#limits").textContent = `· ${c.vmms}/${c.vmm_limit} live, ` +
+      `${st.running}/${st.limit} starting, ${st.queued}/${st.queue} queued`;
+  } catch (e) { $("#limits").textContent = ""; }
 }
 
 // Runs fn, reporting in `where` (the sandboxes' status line unless a section has its own).

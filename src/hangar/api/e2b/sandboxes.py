@@ -40,10 +40,10 @@ import urllib.parse
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from hangar.api.deps import manager
+from hangar.api.deps import manager, queued_until_gone
 from hangar.api.e2b import views
 from hangar.api.e2b.errors import E2BRoute
 from hangar.api.e2b.models import (
@@ -142,13 +142,15 @@ async def _create(m: SandboxManager, body: NewSandbox) -> Sandbox:
 
 
 @router.post("/sandboxes", status_code=201, response_model=Sandbox)
-async def create(body: NewSandbox, m: Manager) -> Sandbox:
-    return await _create(m, body)
+async def create(body: NewSandbox, request: Request, m: Manager) -> Sandbox:
+    async with queued_until_gone(request):  # a client gone while queued starts nothing
+        return await _create(m, body)
 
 
 @router.post("/v2/sandboxes", status_code=201, response_model=Sandbox)
-async def create_v2(body: NewSandboxV2, m: Manager) -> Sandbox:
-    return await _create(m, body)
+async def create_v2(body: NewSandboxV2, request: Request, m: Manager) -> Sandbox:
+    async with queued_until_gone(request):
+        return await _create(m, body)
 
 
 # -- list ---------------------------------------------------------------------------------------

@@ -164,8 +164,10 @@ class AsyncHangar(
 
     async def capacity(self, *, request_timeout: float | None = None,
                        retry: bool | None = None) -> Capacity:
-        """``GET /capacity``: VMMs against their cap and the host's memory (MiB: declared,
-        allowed, used, available, headroom). Raises Forbidden (a team's key)."""
+        """``GET /capacity``: VMMs against their cap, starts in progress and queued
+        against theirs (``starts``: running, limit, queued, queue, max_wait_s, waited,
+        refused) and the host's memory (MiB: declared, allowed, used, available,
+        headroom). Raises Forbidden (a team's key)."""
         t = self._t(request_timeout, self.config.timeouts.control)
         return Capacity.model_validate(await self._json(
             "GET", "/capacity", timeout=t, retry=retry is not False))
