@@ -76,6 +76,33 @@ def test_the_gate_hands_slots_over_in_arrival_order_and_bounds_the_wait() -> Non
     asyncio.run(scenario())
 
 
+def test_a_pool_refill_holding_the_slot_gets_no_client_refused() -> None:
+    """The queue holds one more client per refill under way: a burst that finds the only
+    slot taken by the warm pool's refill waits for it, as it would have waited behind a
+    client's start, instead of the last of it being refused."""
+    async def scenario() -> None:
+        gate = StartGate(limit=1, queue=2, max_wait_s=5.0)
+        assert gate.try_take()  # the pool's refill holds the only slot
+        done: list[int] = []
+
+        async def start(i: int) -> None:
+            async with gate.turn():
+                done.append(i)
+
+        clients = [asyncio.create_task(start(i)) for i in range(3)]
+        await asyncio.sleep(0)
+        assert (gate.view().queued, gate.refused) == (3, 0)
+        with pytest.raises(LimitExceeded) as full:  # a fourth: past the queue and the refill
+            async with gate.turn():
+                pass
+        assert full.value.context["limit"] == "start_queue_full"
+        gate.release(refill=True)
+        await asyncio.gather(*clients)
+        assert (done, gate.running, gate.refilling, gate.refused) == ([0, 1, 2], 0, 0, 1)
+
+    asyncio.run(scenario())
+
+
 # -- a real server -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

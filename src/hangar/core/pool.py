@@ -207,7 +207,7 @@ class WarmPool:
                     self._failed()
                     return
             finally:
-                starts.release()
+                starts.release(refill=True)
             self._failures = 0
             self._ready[rec.id] = time.time()
             ctx.metrics.pool_refills.inc()

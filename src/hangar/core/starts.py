@@ -20,7 +20,10 @@ wait their turn in FIFO order in a bounded queue:
   (``leave_when``: the API sets an event its request's disconnect sets).
 
 The warm pool takes a slot only when one is free and no one waits
-(``try_take``): refills never delay a client's start.
+(``try_take``): a refill never overtakes a waiting client. A client that
+arrives while a refill holds a slot waits for it (one restore), and the queue
+holds one more client per refill under way, so a refill never makes a client's
+start refused.
 
 A start holds its slot from its admission (``hangar.core.admission``, whose
 checks it passes after its wait, so the VMM cap, memory budget and team
@@ -94,6 +97,8 @@ class StartGate:
         self.queue = queue
         self.max_wait_s = max_wait_s
         self.running = 0
+        self.refilling = 0
+        """Slots held by the warm pool's refills (``try_take``)."""
         self.waited = 0
         self.refused = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -110,11 +115,15 @@ class StartGate:
         then ``release`` it."""
         if self.running < self.limit and not self._waiters:
             self.running += 1
+            self.refilling += 1
             return True
         return False
 
-    def release(self) -> None:
-        """Give a slot back: to the oldest waiter, else to the free ones."""
+    def release(self, refill: bool = False) -> None:
+        """Give a slot back: to the oldest waiter, else to the free ones. ``refill``:
+        the slot was taken by ``try_take``."""
+        if refill:
+            self.refilling -= 1
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
@@ -142,7 +151,7 @@ class StartGate:
         if self.running < self.limit and not self._waiters:
             self.running += 1
             return
-        if len(self._waiters) >= self.queue:
+        if len(self._waiters) >= self.queue + self.refilling:
             raise self._refuse(
                 f"every start slot is busy (HANGAR_MAX_CONCURRENT_STARTS={self.limit}) and "
                 f"the start queue is full (HANGAR_START_QUEUE={self.queue} waiting); retry "
