@@ -41,13 +41,17 @@ def qemu_version() -> str:
     return out.stdout.splitlines()[0] if out.stdout else "unknown"
 
 
+NO_ACCESS = "/dev/kvm is missing or not accessible"
+"""The start of the probe's reason when this process may not open ``/dev/kvm``."""
+
+
 def probe_kvm(kernel: Path, initrd: Path, timeout: float = PROBE_TIMEOUT_S) -> tuple[bool, str]:
     """Boot ``kernel`` under KVM and report whether its initramfs ran.
 
     Returns (usable, reason). Takes up to ``timeout`` seconds when KVM hangs.
     """
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
-        return False, "/dev/kvm is missing or not accessible"
+        return False, f"{NO_ACCESS} to uid {os.getuid()}"
     cmd = [
         QEMU, "-M", "microvm,pit=on", "-accel", "kvm", "-cpu", "host", "-m", "256", "-smp", "1",
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-serial", "stdio",
@@ -85,6 +89,10 @@ def choose_accel(layout: Layout, kernel: Path, initrd: Path,
         pass
     ok, reason = probe_kvm(kernel, initrd)
     accel = "kvm" if ok else "tcg"
+    if reason.startswith(NO_ACCESS):
+        # Not cached: it says who asked (a split server's unprivileged user, say), not
+        # what the host can do; a later probe with access must not read "tcg" here.
+        return accel, reason
     # a new file of this process's own, renamed over the name (``hangar doctor`` as root)
     safefs.replace_file(cache.parent, cache.name,
                         json.dumps({"key": key, "accel": accel, "reason": reason}).encode())
