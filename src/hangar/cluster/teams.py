@@ -42,7 +42,7 @@ from hangar.cluster import records as R, team_records as TR
 from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, cmp_mod, cmp_version, op_delete, op_put
 from hangar.cluster.records import BadRecord, SandboxObject
-from hangar.core.service import GONE, Usage, quota_refusal
+from hangar.core.service import GONE, Usage, quota_refusal, removal_refusal
 from hangar.errors import Conflict, InvalidRequest, NotFound
 from hangar.keys import DEFAULT_NAME, NAME as KEY_NAME, digest, fingerprint, generate, \
     generate_e2b
@@ -53,8 +53,6 @@ COUNTED = ("max_sandboxes", "max_vcpus", "max_memory_mib", "max_disk_mib")
 QUOTA_TRIES = 40
 """Times a create is counted again after another create of its team won the race."""
 T = TypeVar("T")
-SINGULAR = {"sandboxes": "sandbox", "snapshots": "snapshot", "volumes": "volume",
-            "secrets": "secret", "machines": "machine", "templates": "template"}
 
 
 class SharedTeamStore(TeamStore):
@@ -212,15 +210,9 @@ async def remove_team(etcd: Etcd, name: str, held: dict[str, int]) -> None:
     kvs, _ = await etcd.get_prefix(R.SANDBOXES)
     sandboxes = sum(1 for r in parse_records(kvs) if r.team == name and r.state not in GONE)
     held = {**held, "sandboxes": max(sandboxes, held.get("sandboxes", 0))}
-    held = {k: n for k, n in held.items() if n}
-    if held or keys:
-        what = [f"{n} {kind if n != 1 else SINGULAR.get(kind, kind)}"
-                for kind, n in held.items()]
-        if keys:
-            what.append(f"{len(keys)} {'keys' if len(keys) != 1 else 'key'} "
-                        f"({', '.join(keys[:10])}: hangar key rm NAME)")
-        raise Conflict(f"team {name} holds {', '.join(what)}; delete them first",
-                       team=name, **held, **({"keys": len(keys)} if keys else {}))
+    refused = removal_refusal(name, {k: n for k, n in held.items() if n}, keys)
+    if refused is not None:
+        raise refused
     ok, _ = await etcd.txn([cmp_mod(R.team_key(name), kv.mod_revision)],
                            [op_delete(R.team_key(name)), op_delete(R.quota_key(name))])
     if not ok:

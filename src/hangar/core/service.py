@@ -47,8 +47,8 @@ from hangar.core.build_steps import Copy, Env, Run, Step, User, Workdir
 from hangar.core.build_steps import State as BuildState
 from hangar.core.pulls import Credentials, ImagePulls
 from hangar.core.teams import (
-    Teams, TeamView, Usage, act_as, acting, acting_for, name_visible, quota_refusal, scoped,
-    unscoped,
+    Teams, TeamView, Usage, act_as, acting, acting_for, name_visible, quota_refusal,
+    removal_refusal, scoped, unscoped,
 )
 from hangar.core.build_uploads import UPLOAD_MAX
 from hangar.core.builds import Builds, BuildSpec, BuildView, BuiltSource, LogLine
@@ -109,7 +109,7 @@ __all__ = [
     "FilesFace", "NetworkFace", "SecretsFace", "VolumesFace", "Desktop", "Builds",
     "ImagePulls", "Credentials", "Teams", "TeamView", "Usage", "Memory", "MemoryView",
     "acting", "acting_for", "act_as",
-    "scoped", "unscoped", "name_visible", "quota_refusal",
+    "scoped", "unscoped", "name_visible", "quota_refusal", "removal_refusal",
     "SURFACE_TYPES", "e2b",
     "e2b_user",
     # views

@@ -132,6 +132,20 @@ def _usage(held: list[Any], disks: list[Any]) -> Usage:
                  sum(r.disk_mib for r in disks))
 
 
+def removal_refusal(name: str, held: dict[str, int], keys: list[str]) -> Conflict | None:
+    """The 409 refusing to remove team ``name`` while it holds resources (``held``:
+    ``{kind: how many}``, zeros left out) or keys (their names), or None when it holds
+    nothing. The one wording, on one host and in a cluster."""
+    if not held and not keys:
+        return None
+    what = [f"{n} {kind if n != 1 else SINGULAR.get(kind, kind)}" for kind, n in held.items()]
+    if keys:
+        what.append(f"{len(keys)} {'keys' if len(keys) != 1 else 'key'} "
+                    f"({', '.join(keys[:10])}: hangar key rm NAME)")
+    return Conflict(f"team {name} holds {', '.join(what)}; delete them first",
+                    team=name, **held, **({"keys": len(keys)} if keys else {}))
+
+
 def quota_refusal(team: Team, have: Usage, need: Usage) -> QuotaExceeded | None:
     """The refusal of ``need`` (one more sandbox: its VMM, vCPUs, memory, and its disk
     when new) on top of what ``team`` holds (``have``) past one of its limits, or None.
@@ -295,14 +309,7 @@ class Teams:
         (``holdings``: a team made again under its name would take it over) or a key
         (``TeamStore.remove``)."""
         self.store.get(name)
-        held = self.holdings(name)
-        keys = self.store.keys_of(name)
-        if held or keys:
-            what = [f"{n} {kind if n != 1 else SINGULAR.get(kind, kind)}"
-                    for kind, n in held.items()]
-            if keys:
-                what.append(f"{len(keys)} {'keys' if len(keys) != 1 else 'key'} "
-                            f"({', '.join(keys[:10])}: hangar key rm NAME)")
-            raise Conflict(f"team {name} holds {', '.join(what)}; delete them first",
-                           team=name, **held, **({"keys": len(keys)} if keys else {}))
+        refused = removal_refusal(name, self.holdings(name), self.store.keys_of(name))
+        if refused is not None:
+            raise refused
         self.store.remove(name)
