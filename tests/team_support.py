@@ -13,10 +13,14 @@ import httpx
 from conftest import SRC, Server
 
 
-def cli(data_dir: Path, *args: str, url: str | None = None, key: str | None = None) -> str:
-    """``hangar ARGS`` on ``data_dir`` (and the server at ``url`` with ``key``): its stdout,
-    stripped; the test fails on a non-zero exit."""
+def cli(data_dir: Path, *args: str, url: str | None = None, key: str | None = None,
+        width: int | None = None) -> str:
+    """``hangar ARGS`` on ``data_dir`` (and the server at ``url`` with ``key``; tables
+    ``width`` columns wide when given): its stdout, stripped; the test fails on a non-zero
+    exit."""
     env = {**os.environ, "PYTHONPATH": str(SRC), "HANGAR_DATA_DIR": str(data_dir)}
+    if width is not None:
+        env["COLUMNS"] = str(width)
     if url is not None:
         env |= {"HANGAR_URL": url, "HANGAR_API_KEY": key or ""}
     r = subprocess.run([sys.executable, "-m", "hangar.cli", *args], env=env,

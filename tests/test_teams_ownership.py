@@ -5,6 +5,7 @@ taken of, events to the team they concern, an operator's key acts for a team wit
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -196,6 +197,26 @@ def test_hangar_status_shows_each_teams_use(server: Server,
                 key=teams["red"].headers["X-API-Key"])
     assert shown.startswith("Hangar ")  # the health line, and the engine's facts
     assert "team " not in shown and "warm pool" not in shown
+
+
+def test_hangar_ls_names_each_sandboxs_team_for_the_operator(
+        server: Server, teams: dict[str, httpx.Client]) -> None:
+    made = teams["red"].post("/sandboxes", json={})
+    assert made.status_code == 201, made.text
+    sid = made.json()["id"]
+    try:
+        def table(key: str) -> list[list[str]]:  # rich's rows, cell by cell
+            shown = cli(server.data_dir, "ls", url=server.url, key=key, width=200)
+            return [[c.strip() for c in re.split("[┃│]", ln) if c.strip()]
+                    for ln in shown.splitlines() if "┃" in ln or "│" in ln]
+
+        rows = table(server.key)
+        assert rows[0][-1] == "team", rows[0]
+        assert [r[-1] for r in rows if r[0] == sid] == ["red"]
+        mine = table(teams["red"].headers["X-API-Key"])  # a team's own list: its own only
+        assert [(r[0], r[-1]) for r in mine[1:]] == [(sid, "red")]
+    finally:
+        assert teams["op"].delete(f"/sandboxes/{sid}").status_code == 204
 
 
 def test_a_team_is_removed_only_once_it_holds_nothing(server: Server,

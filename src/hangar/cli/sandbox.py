@@ -58,9 +58,12 @@ def ls() -> None:
     """List sandboxes."""
     with sdk() as h:
         boxes = h.list()
-    table = Table("id", "state", "image", "vcpus", "memory (MiB)", "accel")
+    teams = any(b.team for b in boxes)  # an operator's list of a shared server: whose is it
+    table = Table("id", "state", "image", "vcpus", "memory (MiB)", "accel",
+                  *(("team",) if teams else ()))
     for b in boxes:
-        table.add_row(b.id, b.state, b.image, str(b.vcpus), str(b.memory_mib), b.accel)
+        table.add_row(b.id, b.state, b.image, str(b.vcpus), str(b.memory_mib), b.accel,
+                      *((b.team or "-",) if teams else ()))
     out.print(table)
 
 
