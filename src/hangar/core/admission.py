@@ -234,6 +234,17 @@ class Admission:
                 self.ctx.metrics.creates.labels("limited").inc()
             raise refusal
 
+    @asynccontextmanager
+    async def turn(self, kind: str, memory_mib: int | None, rec: SandboxRecord | None = None,
+                   create: bool = True) -> AsyncIterator[None]:
+        """A start's way in: refused at once by the caps (``check``), else its turn at the
+        start gate (``starts.turn``), held while the block runs; ``slot`` inside it admits
+        the VMM. Raises LimitExceeded (or QuotaExceeded) as ``check`` and ``starts.turn``
+        do."""
+        self.check(memory_mib, rec, create)
+        async with self.starts.turn(kind):
+            yield
+
     def _pressure(self, memory_mib: int | None) -> LimitExceeded | None:
         """The refusal of one more VMM by the host's headroom (``hangar.core.memory``)."""
         if not memory_mib or self.memory is None:

@@ -77,8 +77,7 @@ class Creation:
             if rec is not None:
                 return rec
         rec = self.admission.new_record(sid or new_id(), State.CREATING, image, opts, network)
-        self.admission.check(rec.memory_mib, rec)  # refused now rather than after a wait
-        async with self.admission.starts.turn("create"):  # hangar.core.starts
+        async with self.admission.turn("create", rec.memory_mib, rec):  # hangar.core.starts
             async with self.admission.slot(memory_mib=rec.memory_mib, rec=rec):
                 # checked and written in one step of the event loop: two creates cannot
                 # both take a volume's one writer's place (hangar.core.volumes)

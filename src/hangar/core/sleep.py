@@ -314,8 +314,7 @@ class Sleeper:
             if snap is None:
                 raise Conflict(f"sandbox {sandbox_id} lost its sleep snapshot",
                                sandbox_id=sandbox_id)
-            self.admission.check(rec.memory_mib, rec, create=False)
-            async with self.admission.starts.turn("wake"):  # hangar.core.starts
+            async with self.admission.turn("wake", rec.memory_mib, rec, create=False):
                 await self._wake_locked(rec, snap, started)
             rec = ctx.record(sandbox_id)
             now = time.time()

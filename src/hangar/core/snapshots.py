@@ -291,8 +291,7 @@ class Snapshots:
                           auto_resume=opts.auto_resume, sleep_memory=opts.sleep_memory,
                           team=opts.team),
             self.launcher.policy(snap.network or "none"), snap.vcpus, snap.memory_mib, snap.disk_mib)
-        self.admission.check(rec.memory_mib, rec)
-        async with self.admission.starts.turn("fork"):  # hangar.core.starts
+        async with self.admission.turn("fork", rec.memory_mib, rec):  # hangar.core.starts
             async with self.admission.slot(memory_mib=rec.memory_mib, rec=rec):
                 ctx.store.add(rec)
             try:
