@@ -25,6 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from hangar.engines.process import vmm_pids
+
 PEERS = Path(__file__).resolve().parent / "peers"
 
 SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
@@ -87,22 +89,6 @@ def e2b_env(data_dir: Path, url: str) -> dict[str, str]:
             "E2B_API_KEY": out.stdout.strip()}
 
 
-def vmm_pids(data_dir: Path) -> list[int]:
-    """Pids of the VMMs whose command line names ``data_dir`` (the ones its server started)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and (b"qemu-system" in argv[0] or b"firecracker" in argv[0]) and any(
-                str(data_dir).encode() in a for a in argv):
-            pids.append(int(d.name))
-    return pids
-
-
 def stop_server(proc: subprocess.Popen[bytes], data_dir: Path) -> None:
     """Stop the server, then end the VMMs it started (a server's VMMs outlive it by
     design, for a restart to adopt them; a bench stopped midway must not leave them
@@ -113,7 +99,7 @@ def stop_server(proc: subprocess.Popen[bytes], data_dir: Path) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    for pid in vmm_pids(data_dir):
+    for pid in vmm_pids(str(data_dir)):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

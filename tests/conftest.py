@@ -35,6 +35,8 @@ from typing import TypeVar
 import httpx
 import pytest
 
+from hangar.engines.process import vmm_pids  # noqa: F401 (the tests import it from here)
+
 pytest_plugins = [
     "log_guard",  # secrets the suite handled stay out of logs, stores, backups
     "schedule",  # how the tests spread over parallel workers (scripts/test.sh)
@@ -84,23 +86,6 @@ class Waits:
 
     def vm(self, k: float, floor: float = VM_WAIT_FLOOR_S) -> float:
         return max(floor, k * self.boot_s)
-
-
-def vmm_pids(marker: str) -> list[int]:
-    """Pids of VMM processes whose command line contains ``marker``."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and (b"qemu-system" in argv[0] or b"firecracker" in argv[0]) and any(
-            marker.encode() in a for a in argv
-        ):
-            pids.append(int(d.name))
-    return pids
 
 
 def free_port() -> int:
