@@ -179,7 +179,7 @@ def test_a_task_is_the_servers_own_work_whoever_started_it() -> None:
     """A task started while a team acts (a team's request) runs with no team acting, so a
     long-lived loop never sees the server through one team (``hangar.core.teams``)."""
     from hangar.core.tasks import Tasks
-    from hangar.core.teams import acting, acting_for
+    from hangar.core.acting import acting, acting_for
 
     async def main() -> None:
         tasks = Tasks("test")

@@ -12,13 +12,11 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from hangar.cli.common import DataDir, build_recipe, err, fail, server_settings
+from hangar.cli.split_setup import host_jail, probe_as_root
 from hangar.errors import ConfigError, HangarError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from hangar.config import Settings
-    from hangar.engines.firecracker.hostjail import HostJail
     from hangar.layout import Layout
     from hangar.privileged import Client
 
@@ -49,43 +47,6 @@ def split_privileges(settings: "Settings", layout: "Layout") -> "Client | None":
         fail(exc if isinstance(exc, HangarError) else ConfigError(f"privilege split: {exc}"))
     err.print(f"privileged helper: pid {pid}; this server runs as {settings.user}")
     return client
-
-
-def probe_as_root(settings: "Settings", layout: "Layout") -> None:
-    """Run (or read) the Firecracker probe boot while still root, so its cached answer
-    (``firecracker_usable``) is there for the split server, which cannot open /dev/kvm
-    itself (its VMMs get a KVM node from the jailer)."""
-    from hangar.engines.doctor import firecracker_usable
-    from hangar.images import resolve_image
-
-    try:
-        firecracker_usable(layout, resolve_image(layout, settings.default_image))
-    except HangarError:
-        pass  # no default image yet: the server's own choice says so
-
-
-def host_jail(settings: "Settings") -> "Callable[[int], HostJail] | None":
-    """What makes the helper's Firecracker jailer (``HostJail``) from the server's group,
-    or None: the engine is QEMU, the jailer is turned off, or firecracker or the jailer
-    is not installed (the engine's choice then says why, as for a root server)."""
-    if settings.engine == "qemu" or settings.firecracker_jailer == "off":
-        return None
-    from hangar.engines.confine import config_from
-    from hangar.engines.firecracker import find_firecracker, find_jailer
-
-    fc, jb = find_firecracker(), find_jailer()
-    if fc is None or jb is None:
-        return None
-
-    def make(gid: int) -> "HostJail":
-        from hangar.engines.firecracker.hostjail import HostJail
-        from hangar.engines.firecracker.jailer import JailerConfig
-
-        c = config_from(settings)
-        return HostJail(JailerConfig(jb, cgroups=c.cgroups if c.enabled else "off"),  # type: ignore[arg-type]
-                        fc, gid, console_log_bytes=c.console_log_bytes)
-
-    return make
 
 
 LOCK_WAIT_S = 10.0

@@ -121,8 +121,8 @@ def as_server(layout: "Layout", image: "GuestImage", say: Callable[[str], None]
 def main(argv: list[str]) -> int:
     """The child ``as_server`` runs (as root): ``argv`` is the data directory, the
     build's name and digest. Prints progress, then ``RESULT`` and its JSON."""
-    from hangar.cli.common import server_settings
-    from hangar.cli.serve import host_jail, probe_as_root
+    from hangar.cli.split_setup import host_jail, probe_as_root
+    from hangar.config import Settings
     from hangar.core.launch import network_manager
     from hangar.core.templates import make_for_build
     from hangar.engines.confine import Confinement, config_from
@@ -140,7 +140,8 @@ def main(argv: list[str]) -> int:
         print(RESULT + json.dumps(result), flush=True)
         return 0
 
-    settings = server_settings(Path(data_dir))
+    given: dict[str, object] = {"data_dir": Path(data_dir)}  # the rest from the environment
+    settings = Settings(**given)  # type: ignore[arg-type]
     layout = Layout(settings.data_dir)
     try:
         owner = where(layout, f"{name}-{digest}")

@@ -16,7 +16,8 @@ import time
 from typing import Any
 
 from hangar.core.build_uploads import Uploads
-from hangar.core.teams import acting, owner_of, scoped, unscoped
+from hangar.core.acting import acting
+from hangar.core.teams import owner_of, scoped, unscoped
 from hangar.durable import atomic_write
 from hangar.errors import Forbidden, InvalidRequest, NotFound
 

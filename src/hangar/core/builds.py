@@ -64,7 +64,8 @@ from typing import TYPE_CHECKING, Any
 from hangar.core.build_steps import Copy, State, Step, StepFailed, Steps, remove_quietly
 from hangar.core.build_registry import DEFAULT_TAG, Registry, bare
 from hangar.core.tasks import Tasks
-from hangar.core.teams import acting, acting_for, owner_of, scoped, unscoped
+from hangar.core.acting import acting, acting_for
+from hangar.core.teams import owner_of, scoped, unscoped
 from hangar.errors import Conflict, HangarError, ImageError, LimitExceeded, NotFound
 
 if TYPE_CHECKING:

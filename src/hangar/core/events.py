@@ -48,7 +48,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hangar.core.teams import acting
+from hangar.core.acting import acting
 
 RING_SIZE = 4096
 """Events kept for clients that reconnect with ``Last-Event-ID``."""

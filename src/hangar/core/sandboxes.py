@@ -75,7 +75,8 @@ from hangar.core.events import EventBus
 from hangar.core.guestcalls import GuestCalls
 from hangar.core.builds import Builds
 from hangar.core.pulls import ImagePulls
-from hangar.core.teams import Teams, acting
+from hangar.core.acting import acting
+from hangar.core.teams import Teams
 from hangar.core.processes import Processes
 from hangar.core.handover import Adoptee, Handover, Placement, SharedSnapshot
 from hangar.core.hooks import Hooks

@@ -47,7 +47,8 @@ from sqlalchemy import JSON, Float, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from hangar.core.store import Base, Store
-from hangar.core.teams import SCOPE_SEP, acting, name_visible, scoped
+from hangar.core.acting import acting
+from hangar.core.teams import SCOPE_SEP, name_visible, scoped
 from hangar.errors import ConfigError, Conflict, InvalidRequest, NotFound
 from hangar.layout import Layout
 from hangar.teams import NAME as TEAM_NAME

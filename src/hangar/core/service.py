@@ -46,8 +46,9 @@ from hangar.core.admission import CreateOptions, new_id
 from hangar.core.build_steps import Copy, Env, Run, Step, User, Workdir
 from hangar.core.build_steps import State as BuildState
 from hangar.core.pulls import Credentials, ImagePulls
+from hangar.core.acting import act_as, acting, acting_for
 from hangar.core.teams import (
-    Teams, TeamView, Usage, act_as, acting, acting_for, name_visible, quota_refusal,
+    Teams, TeamView, Usage, name_visible, quota_refusal,
     removal_refusal, scoped, unscoped,
 )
 from hangar.core.build_uploads import UPLOAD_MAX

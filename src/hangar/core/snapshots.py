@@ -30,7 +30,8 @@ from hangar.core.lifecycle import State
 from hangar.core.registry import Runtime
 from hangar.core.removal import Removal
 from hangar.core.store import SandboxRecord, SnapshotRecord
-from hangar.core.teams import Teams, acting
+from hangar.core.acting import acting
+from hangar.core.teams import Teams
 from hangar.core.testhooks import crash_point
 from hangar.core.views import SandboxView, SnapshotView
 from hangar.errors import Busy, Conflict, InvalidRequest, NotFound

@@ -35,7 +35,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
-from hangar.core.teams import ACTING
+from hangar.core.acting import ACTING
 
 log = logging.getLogger("hangar.tasks")
 

@@ -1,7 +1,7 @@
 """Teams in core: who may see a sandbox, what a team's creates count against.
 
 A request made with a team's key (``hangar.teams``, ``hangar.keys``) runs with
-that team **acting** (``acting_for``: a context variable the API sets once,
+that team **acting** (``hangar.core.acting``: a context variable the API sets once,
 before the route, from the key; tasks the request starts inherit it):
 
 * ``check(sandbox_id)``: a sandbox of another team, or of the operator, is
@@ -23,12 +23,11 @@ every sandbox not yet gone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from hangar.core.acting import acting
 from hangar.core.records import SnapshotRecord, VolumeRecord
 from hangar.errors import Conflict, LimitExceeded, NotFound, QuotaExceeded
 from hangar.teams import Team, TeamStore
@@ -36,9 +35,6 @@ from hangar.teams import Team, TeamStore
 if TYPE_CHECKING:
     from hangar.core.context import Context
     from hangar.core.records import SandboxRecord
-
-ACTING: ContextVar[str | None] = ContextVar("hangar_acting_team", default=None)
-"""The team whose key made the request being served (None: an operator's, or none)."""
 
 
 SCOPE_SEP = "/"
@@ -84,27 +80,6 @@ OWNERS_KEPT = 4096
 
 def _unit(unit: str, n: int) -> str:
     return unit.replace("sandboxes", "sandbox") if n == 1 else unit
-
-
-def acting() -> str | None:
-    """The team acting now, or None."""
-    return ACTING.get()
-
-
-def act_as(team: str | None) -> None:
-    """Make ``team`` act for the rest of the current task (a request served in a task
-    of its own; ``acting_for`` scopes a block instead)."""
-    ACTING.set(team)
-
-
-@contextmanager
-def acting_for(team: str | None) -> Iterator[None]:
-    """Run the block with ``team`` acting (tests, and callers outside a request)."""
-    token = ACTING.set(team)
-    try:
-        yield
-    finally:
-        ACTING.reset(token)
 
 
 @dataclass(frozen=True)

@@ -64,10 +64,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hangar.core.admission import new_id
+from hangar.core.acting import acting
 from hangar.core.context import Context
 from hangar.core.store import SandboxRecord, VolumeAttachmentRecord, VolumeRecord
 from hangar.core.teams import (
-    SCOPE_SEP, Teams, acting, name_visible, owner_of, scoped, unscoped,
+    SCOPE_SEP, Teams, name_visible, owner_of, scoped, unscoped,
 )
 from hangar.engines.agent_client import exec_meta
 from hangar.engines.base import VolumeDrive, volume_serial
