@@ -23,8 +23,9 @@ driven over HTTP. Steps, each with its baseline measured in the same run:
   ``--sleepers`` at a time (default: the server's concurrent-start limit; the first one
   alone): disk per machine (MiB the data directory grew by, allocated and apparent),
   the wake p50 of 10 random ones against the wake of the first machine while it was
-  alone, the server's start-up time with them all on disk (a restart), failures by
-  reason, the wall time of making them and the highest 1-minute load average seen.
+  alone, the server's CPU while they all sleep (% of a core over ``SAMPLE_S``), its
+  start-up time with them all on disk (a restart), failures by reason, the wall time of
+  making them and the highest 1-minute load average seen.
 
 The server, its VMMs and its data directory (with every machine's snapshot) are
 removed at the end, pass or fail, also when the bench is stopped with SIGINT, SIGTERM or
@@ -251,6 +252,9 @@ class Bench:
         say(f"asleep: {machines} machines, {limit} at a time")
         asleep = [users[0], *self.put_to_sleep(users[1:], limit, load, t0)]
         setup = time.monotonic() - t0
+        cpu0 = proc_usage(self.proc.pid)["cpu_s"]
+        time.sleep(SAMPLE_S)
+        idle_cpu = (proc_usage(self.proc.pid)["cpu_s"] - cpu0) / SAMPLE_S * 100
         per = (self.du_mib() - du0) / len(asleep)
         per_apparent = (self.du_mib(apparent=True) - ap0) / len(asleep)
         wakes = []
@@ -270,7 +274,8 @@ class Bench:
             "wake_alone_s": round(wake_alone, 3),
             "wake_p50_s": round(statistics.median(wakes), 3) if wakes else None,
             "wake_ratio_to_alone": round(statistics.median(wakes) / wake_alone, 2)
-            if wakes else None,
+            if wakes else None, "wakes_s": [round(w, 2) for w in wakes],
+            "server_idle_cpu_pct_of_core": round(idle_cpu, 1),
             "server_start_s": round(start, 2), "setup_s": round(setup, 1),
             "load_avg_1m_max": round(max(load), 2), "server": server}
 
