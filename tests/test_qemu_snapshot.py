@@ -382,6 +382,7 @@ def test_a_corrupt_compressed_snapshot_fails_clearly_and_leaves_nothing(env: Env
                          r"unsupported format"),
         }
         for name, (content, says) in broken.items():
+            fds = set(os.listdir("/proc/self/fd"))
             bad = env.snapshot_dir(name.replace(" ", "-"))
             shutil.copytree(snap, bad)
             SnapshotPaths(bad).state.write_bytes(content)
@@ -393,6 +394,7 @@ def test_a_corrupt_compressed_snapshot_fails_clearly_and_leaves_nothing(env: Env
             assert not spec.paths.dir.exists(), name
             assert not qemu_pids(spec.sandbox_id), name
             assert zstd_children() == [], name
+            assert set(os.listdir("/proc/self/fd")) <= fds, f"{name}: a descriptor left open"
 
         # QEMU may refuse the garbage a corrupt block decodes to before zstd reaches the
         # frame's checksum: then ``zstd -t`` of the whole file tells what is wrong.

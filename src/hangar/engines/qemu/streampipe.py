@@ -156,6 +156,8 @@ class StreamPipe:
                 t.cancel()
             if pending:
                 await asyncio.wait(pending)
+            if not task.cancelled():
+                task.exception()  # retrieved: raised above, or replaced by zstd's
 
     def reason(self) -> str:
         """zstd's last line of output, or its exit status."""
