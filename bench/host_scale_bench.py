@@ -1,7 +1,7 @@
 """Benchmark: one host at full scale (issue 33), in the format public sandbox benchmarks use.
 
     .venv/bin/python bench/host_scale_bench.py [--n 100] [--machines 1000]
-        [--overcommit 4] [--steps seq,idle,storm,asleep] [--starts N]
+        [--overcommit 4] [--steps seq,idle,storm,asleep] [--starts N] [--sleepers N]
 
 One server on this host (``HANGAR_MEMORY_OVERCOMMIT`` ``--overcommit``, room for
 ``--n`` sandboxes of the default 512 MiB, creates from the booted ``base`` template),
@@ -19,11 +19,17 @@ driven over HTTP. Steps, each with its baseline measured in the same run:
   by its first command: p50, p95, p99, the first to finish, failures, wall time; ratio
   of its p50 to seq's; how many waited in the start queue (``hangar.core.starts``:
   ``--starts`` sets ``HANGAR_MAX_CONCURRENT_STARTS``) and how many it refused.
-* **asleep**: ``--machines`` machines (``POST /machines/{user}``), each put to sleep:
-  disk per machine (MiB the data directory grew by, allocated and apparent: snapshots'
-  memory files are sparse), the wake p50 of 10 random ones
-  against the wake of the first machine while it was alone, and the server's start-up
-  time with them all on disk (a restart).
+* **asleep**: ``--machines`` machines (``POST /machines/{user}``), each put to sleep,
+  ``--sleepers`` at a time (default: the server's concurrent-start limit; the first one
+  alone): disk per machine (MiB the data directory grew by, allocated and apparent),
+  the wake p50 of 10 random ones against the wake of the first machine while it was
+  alone, the server's CPU while they all sleep (% of a core over ``SAMPLE_S``), its
+  start-up time with them all on disk (a restart), failures by reason, the wall time of
+  making them and the highest 1-minute load average seen.
+
+The server, its VMMs and its data directory (with every machine's snapshot) are
+removed at the end, pass or fail, also when the bench is stopped with SIGINT, SIGTERM or
+SIGHUP (``benchlib.stop_server``).
 
 The server's CPU seconds and RSS are read after each step. Prints a table on stderr and
 one JSON object on stdout (with the machine: cores, memory, engine).
@@ -35,11 +41,13 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -228,39 +236,102 @@ class Bench:
                                                        / self.out["seq"]["p50"], 2),
                              "server": self.server()}
 
-    def asleep(self, machines: int) -> None:
+    def asleep(self, machines: int, workers: int | None = None) -> None:
         du0, ap0 = self.du_mib(), self.du_mib(apparent=True)
         users = [f"u{i:05d}" for i in range(machines)]
-        wake_alone = None
+        load: list[float] = [os.getloadavg()[0]]
         t0 = time.monotonic()
-        for i, user in enumerate(users):
-            r = self.c.post(f"/machines/{user}", json={})
-            assert r.status_code == 201, r.text  # a new user: a new machine
-            self.c.post(f"/machines/{user}/snapshot")
-            if i == 0:
-                t = time.monotonic()
-                self.c.post(f"/machines/{user}/wake")
-                wake_alone = time.monotonic() - t
-                self.c.post(f"/machines/{user}/snapshot")
-            if (i + 1) % 50 == 0:
-                say(f"asleep: {i + 1}/{machines} ({time.monotonic() - t0:.0f} s)")
-        per = (self.du_mib() - du0) / machines
-        per_apparent = (self.du_mib(apparent=True) - ap0) / machines
+        self.failed = {}
+        assert self.make_asleep(self.c, users[0]), f"the first machine: {self.failed}"
+        t = time.monotonic()
+        r = self.c.post(f"/machines/{users[0]}/wake")
+        wake_alone = time.monotonic() - t
+        assert r.status_code == 200, r.text
+        assert self.make_asleep(self.c, users[0], create=False), self.failed
+        limit = workers or int(self.c.get("/capacity").json()["starts"]["limit"])
+        say(f"asleep: {machines} machines, {limit} at a time")
+        asleep = [users[0], *self.put_to_sleep(users[1:], limit, load, t0)]
+        setup = time.monotonic() - t0
+        cpu0 = proc_usage(self.proc.pid)["cpu_s"]
+        time.sleep(SAMPLE_S)
+        idle_cpu = (proc_usage(self.proc.pid)["cpu_s"] - cpu0) / SAMPLE_S * 100
+        per = (self.du_mib() - du0) / len(asleep)
+        per_apparent = (self.du_mib(apparent=True) - ap0) / len(asleep)
         wakes = []
-        for user in random.Random(33).sample(users[1:], min(10, machines - 1)):
+        for user in random.Random(33).sample(asleep[1:], min(10, len(asleep) - 1)):
             t = time.monotonic()
-            self.c.post(f"/machines/{user}/wake")
+            r = self.c.post(f"/machines/{user}/wake")
             wakes.append(time.monotonic() - t)
-            self.c.post(f"/machines/{user}/snapshot")
+            assert r.status_code == 200, r.text
+            assert self.make_asleep(self.c, user, create=False), self.failed
+        server = self.server()
         start = self.restart()
         self.out["asleep"] = {
-            "machines": machines, "disk_mib_per_machine": round(per, 1),
+            "machines": machines, "asleep": len(asleep), "at_a_time": limit,
+            "failures": machines - len(asleep), "failed_by_reason": dict(self.failed),
+            "disk_mib_per_machine": round(per, 1),
             "apparent_mib_per_machine": round(per_apparent, 1),
-            "wake_alone_s": round(wake_alone or 0.0, 3),
+            "wake_alone_s": round(wake_alone, 3),
             "wake_p50_s": round(statistics.median(wakes), 3) if wakes else None,
             "wake_ratio_to_alone": round(statistics.median(wakes) / wake_alone, 2)
-            if wakes and wake_alone else None,
-            "server_start_s": round(start, 2), "setup_s": round(time.monotonic() - t0, 1)}
+            if wakes else None, "wakes_s": [round(w, 2) for w in wakes],
+            "server_idle_cpu_pct_of_core": round(idle_cpu, 1),
+            "server_start_s": round(start, 2), "setup_s": round(setup, 1),
+            "load_avg_1m_max": round(max(load), 2), "server": server}
+
+    def make_asleep(self, c: httpx.Client, user: str, create: bool = True) -> bool:
+        """Create ``user``'s machine (unless ``create`` is False) and put it to sleep; False
+        on a failure (counted in ``self.failed`` by step, status and code)."""
+        try:
+            if create:
+                r = c.post(f"/machines/{user}", json={})
+                if r.status_code != 201:  # a new user: a new machine
+                    self.failure(f"create {r.status_code} {error_code(r)}")
+                    return False
+            r = c.post(f"/machines/{user}/snapshot")
+        except httpx.HTTPError as exc:
+            self.failure(f"{'create' if create else 'sleep'} {type(exc).__name__}")
+            return False
+        if r.status_code != 200 or r.json().get("state") != "sleeping":
+            self.failure(f"sleep {r.status_code} {error_code(r)}")
+            return False
+        return True
+
+    def put_to_sleep(self, users: list[str], limit: int, load: list[float],
+                     t0: float) -> list[str]:
+        """Create and sleep ``users``' machines, ``limit`` at a time (each worker its own
+        client); returns the users whose machine is asleep, appends 1-minute load averages
+        to ``load``."""
+        local = threading.local()
+        clients: list[httpx.Client] = []
+        done: list[str] = []
+        count = 0
+
+        def one(user: str) -> None:
+            nonlocal count
+            if not hasattr(local, "c"):
+                local.c = self.client()
+                with self.lock:
+                    clients.append(local.c)
+            ok = self.make_asleep(local.c, user)
+            with self.lock:
+                count += 1
+                if ok:
+                    done.append(user)
+                if count % 50 == 0 or count == len(users):
+                    load.append(os.getloadavg()[0])
+                    say(f"asleep: {count + 1}/{len(users) + 1} ({time.monotonic() - t0:.0f} s,"
+                        f" load {load[-1]:.1f}, failed {dict(self.failed)})")
+
+        pool = ThreadPoolExecutor(limit)
+        try:
+            for f in [pool.submit(one, u) for u in users]:
+                f.result()
+        finally:  # stopped midway: what has not started never does
+            pool.shutdown(cancel_futures=True)
+            for c in clients:
+                c.close()
+        return done
 
     def du_mib(self, apparent: bool = False) -> float:
         """MiB the data directory takes on disk (allocated blocks; with ``apparent``, the
@@ -298,12 +369,18 @@ def main() -> None:
     ap.add_argument("--machines", type=int, default=1000)
     ap.add_argument("--overcommit", type=float, default=4.0)
     ap.add_argument("--steps", default="seq,idle,storm,asleep")
+    ap.add_argument("--sleepers", type=int, default=None,
+                    help="machines created and put to sleep at once in the asleep step "
+                         "(default: the server's concurrent-start limit)")
     ap.add_argument("--starts", type=int, default=None,
                     help="HANGAR_MAX_CONCURRENT_STARTS (default: the server's, max(2, cores)); "
                          "a large figure (e.g. 1000) starts everything at once, as before "
                          "issue 33's start queue")
     args = ap.parse_args()
     steps = set(args.steps.split(","))
+    # A bench stopped by a signal still ends its server, VMMs and data directory (finally).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
     b = Bench(args.n, args.overcommit, args.starts)
     try:
         b.out["machine"] = machine()
@@ -321,7 +398,7 @@ def main() -> None:
                 b.storm()
                 b.delete_all()
         if "asleep" in steps:
-            b.asleep(args.machines)
+            b.asleep(args.machines, args.sleepers)
     finally:
         b.c.close()
         stop_server(b.proc, b.dir)

@@ -257,3 +257,31 @@ def test_desired_state_writes_are_checked(store: Store) -> None:
     assert store.get("a").desired_state == State.EXPIRED  # type: ignore[union-attr]
     for s in State:
         assert lifecycle.DESIRED[s], f"{s} may want nothing"
+
+
+def test_the_machines_pass_reads_every_machine_in_two_queries(store: Store) -> None:
+    """``MachineManager.reconcile`` reads every second: one query for all machines' sandbox
+    states (a query per machine took 17 % of a core with 300 asleep), and one that returns
+    only a user's sandboxes that no machine record names (normally none)."""
+    from hangar.core.store import MachineRecord
+
+    store.add(record("sb-000000000001", State.SLEEPING, user_id="ann"),
+              record("sb-000000000002", State.DELETED, user_id="bob"),
+              record("sb-000000000003", State.RUNNING, user_id="cy"),
+              record("sb-000000000004", State.RUNNING),
+              record("sb-000000000005", State.CREATING, user_id="dee"))
+    store.add(*(MachineRecord(user_id=u, sandbox_id=s, idle_timeout_s=60.0, created_at=1.0)
+                for u, s in (("ann", "sb-000000000001"), ("bob", "sb-000000000002"),
+                             ("eve", "sb-00000000000f"))))
+    assert store.machine_sandboxes() == {"ann": ("sb-000000000001", State.SLEEPING),
+                                         "bob": ("sb-000000000002", State.DELETED),
+                                         "eve": ("sb-00000000000f", None)}
+    live = lifecycle.LIVE - {State.CREATING}
+    assert [r.id for r in store.unowned_user_sandboxes(live)] == ["sb-000000000003"]
+    # A damaged state leaves its machine out, the others are still read.
+    con = sqlite3.connect(store.engine.url.database or "")
+    con.execute("UPDATE sandboxes SET state = 'dancing' WHERE id = 'sb-000000000001'")
+    con.commit()
+    con.close()
+    assert store.machine_sandboxes() == {"bob": ("sb-000000000002", State.DELETED),
+                                         "eve": ("sb-00000000000f", None)}

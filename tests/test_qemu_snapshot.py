@@ -28,7 +28,7 @@ from conftest import vmm_pids
 from hangar.engines import snapshot_io
 from hangar.engines.agent_client import AgentClient
 from hangar.engines.base import VM, VMSpec
-from hangar.engines.qemu import QemuEngine, choose_accel
+from hangar.engines.qemu import QemuEngine, choose_accel, streampipe
 from hangar.errors import EngineError, NotFound
 from hangar.images import resolve_image
 from hangar.layout import Layout, SnapshotPaths
@@ -284,6 +284,127 @@ def test_restore_refuses_what_cannot_work(env: Env) -> None:
             await env.engine.restore(big, snap)
         assert not big.paths.dir.exists()
         assert not qemu_pids(big.sandbox_id)
+
+    asyncio.run(body())
+
+
+COMPRESSION_RATIO = 3.0
+"""At least how many times smaller a snapshot's zstd-compressed ``state.mig`` is than the
+migration stream (QEMU's bytes sent): measured 3.6 to 4.6 on idle 512 MiB guests."""
+
+
+def zstd_children() -> list[int]:
+    """Pids of this process's ``zstd`` children, zombies included."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            comm, rest = (d / "stat").read_text().rsplit(")", 1)
+        except (OSError, ValueError):
+            continue
+        if comm.endswith("(zstd") and int(rest.split()[1]) == os.getpid():
+            found.append(int(d.name))
+    return found
+
+
+def legacy_copy(snap: Path, dest: Path) -> Path:
+    """A copy of ``snap`` as a Hangar before compression wrote it: ``state.mig`` as QEMU
+    wrote it, manifest format 1 without ``state_compression``."""
+    shutil.copytree(snap, dest)
+    files = SnapshotPaths(dest)
+    subprocess.run(["zstd", "-d", "-q", "-f", "-o", str(files.state_partial), str(files.state)],
+                   check=True)
+    files.state_partial.replace(files.state)
+    raw = json.loads(files.manifest.read_text())
+    raw["format"] = 1
+    del raw["state_compression"]
+    files.manifest.write_text(json.dumps(raw))
+    return dest
+
+
+def test_a_snapshot_stores_memory_compressed_and_old_ones_still_restore(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def body() -> None:
+        try:
+            vm, agent = await env.boot("orig")
+            shm = await sh(agent, "yes hangar | head -c 16M > /dev/shm/kept; "
+                                  "md5sum /dev/shm/kept")
+            pid = await start_sleeper(agent)
+            with monkeypatch.context() as m:  # no zstd on PATH: a clear error, VM usable
+                m.setenv("PATH", str(env.root))
+                with pytest.raises(EngineError, match="zstd is not installed"):
+                    await env.engine.snapshot(vm, env.snapshot_dir("nozstd"))
+            assert not env.snapshot_dir("nozstd").exists()
+            snap = env.snapshot_dir("s1")
+            await env.engine.snapshot(vm, snap)
+            m = snapshot_io.read_manifest(snap)
+            state = SnapshotPaths(snap).state
+            assert (m.format, m.state_compression) == (2, "zstd")
+            assert state.read_bytes()[:4] == streampipe.MAGIC, "a zstd frame"
+            sent = m.extra["ram_transferred"]
+            print(f"\nstream {sent / 2**20:.1f} MiB stored in {state.stat().st_size / 2**20:.1f}"
+                  f" MiB ({sent / state.stat().st_size:.2f} x)")
+            assert state.stat().st_size * COMPRESSION_RATIO < sent
+            await env.stop(vm)
+            assert zstd_children() == []
+
+            for name, source in (("woken", snap),
+                                 ("legacy", legacy_copy(snap, env.snapshot_dir("old")))):
+                _, a = await env.restore(name, source)
+                assert await sh(a, "md5sum /dev/shm/kept") == shm, name
+                assert "sleep" in await sh(a, f"cat /proc/{pid}/cmdline"), name
+            assert snapshot_io.read_manifest(env.snapshot_dir("old")).state_compression \
+                == "none"
+            assert zstd_children() == []
+        finally:
+            await env.stop_all()
+
+    asyncio.run(body())
+
+
+def test_a_corrupt_compressed_snapshot_fails_clearly_and_leaves_nothing(env: Env) -> None:
+    async def body() -> None:
+        try:
+            vm, _ = await env.boot("orig")
+            snap = env.snapshot_dir("good")
+            await env.engine.snapshot(vm, snap)
+            await env.stop(vm)
+        finally:
+            await env.stop_all()
+        data = SnapshotPaths(snap).state.read_bytes()
+        mid = len(data) // 2
+        broken = {  # the content, and what the error must say
+            "flipped": (data[:mid] + bytes(b ^ 0x5A for b in data[mid:mid + 4096])
+                        + data[mid + 4096:], r"zstd failed reading state\.mig: .*Decoding "
+                        r"error|state\.mig is corrupt \(zstd -t: .*Decoding error"),
+            "truncated": (data[:mid], r"zstd failed reading state\.mig: .*premature end|"
+                          r"state\.mig is corrupt \(zstd -t: .*premature end"),
+            "not zstd": (b"QEVM" + bytes(4096), r"zstd failed reading state\.mig: .*"
+                         r"unsupported format"),
+        }
+        for name, (content, says) in broken.items():
+            fds = set(os.listdir("/proc/self/fd"))
+            bad = env.snapshot_dir(name.replace(" ", "-"))
+            shutil.copytree(snap, bad)
+            SnapshotPaths(bad).state.write_bytes(content)
+            spec = env.spec("bad")
+            t0 = time.monotonic()
+            with pytest.raises(EngineError, match=says) as exc:
+                await env.engine.restore(spec, bad)
+            print(f"\n{name}: {exc.value} ({time.monotonic() - t0:.1f} s)")
+            assert not spec.paths.dir.exists(), name
+            assert not qemu_pids(spec.sandbox_id), name
+            assert zstd_children() == [], name
+            assert set(os.listdir("/proc/self/fd")) <= fds, f"{name}: a descriptor left open"
+
+        # QEMU may refuse the garbage a corrupt block decodes to before zstd reaches the
+        # frame's checksum: then ``zstd -t`` of the whole file tells what is wrong.
+        async with streampipe.decompressing(SnapshotPaths(env.snapshot_dir("flipped")).state
+                                            ) as pipe:
+            found = await pipe.verify()
+        assert found is not None and "state.mig is corrupt (zstd -t: " in str(found), found
+        async with streampipe.decompressing(SnapshotPaths(snap).state) as pipe:
+            assert await pipe.verify() is None
+        assert zstd_children() == []
 
     asyncio.run(body())
 

@@ -30,6 +30,7 @@ deleted when the user already has another.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import dataclasses
 import logging
 import re
@@ -186,15 +187,14 @@ class MachineManager:
     async def reconcile(self) -> None:
         """Keep machine records true to their sandboxes (see the module docstring). Runs
         with no team acting: it reads every team's machines by their stored names."""
-        machines, gone, live = await asyncio.to_thread(self._read)
-        owned = {m.sandbox_id for m in machines.values()}
+        owned, gone, live = await asyncio.to_thread(self._read)
         # What was read may have moved since (a machine made or woken meanwhile): each
         # change below is decided again on a fresh read, here on the loop.
-        for user, sandbox_id in gone:
-            now = self.store.find(MachineRecord, user)
-            if now is not None and now.sandbox_id == sandbox_id and not self._busy(user):
-                self.store.remove(MachineRecord, user)
-                log.info("machine record of a gone sandbox removed", extra={"user_id": user})
+        for stored, sandbox_id in gone:
+            now = self.store.find(MachineRecord, stored)
+            if now is not None and now.sandbox_id == sandbox_id and not self._busy(stored):
+                self.store.remove(MachineRecord, stored)
+                log.info("machine record of a gone sandbox removed", extra={"user_id": stored})
         for rec in live:
             user = rec.user_id if isinstance(rec.user_id, str) else None
             if user is None or rec.id in owned or self._busy(user):
@@ -221,22 +221,18 @@ class MachineManager:
                 except HangarError:
                     pass
 
-    def _read(self) -> tuple[dict[str, MachineRecord], list[tuple[str, str]],
-                             list[SandboxRecord]]:
-        """What ``reconcile`` reads, in one go (it runs in a thread, off the event loop):
-        the machine records by user, (user, sandbox id) of those whose sandbox is gone,
-        and the live sandboxes of a user (those past ``creating``)."""
-        machines = {m.user_id: m for m in self.store.list(MachineRecord)}
-        gone = []
-        for m in machines.values():
-            try:
-                rec = self.store.get(m.sandbox_id)
-            except Exception:  # an unreadable sandbox row: the reconcile pass reports it
-                continue
-            if rec is None or rec.state in GONE:
-                gone.append((m.user_id, m.sandbox_id))
-        live = [r for r in self.store.in_states(LIVE - {State.CREATING}) if r.user_id is not None]
-        return machines, gone, live
+    def _read(self) -> tuple[set[str], "builtins.list[tuple[str, str]]",
+                             "builtins.list[SandboxRecord]"]:
+        """What ``reconcile`` reads, in one go (it runs in a thread, off the event loop),
+        in two queries however many machines there are: the sandbox ids that machine
+        records name, (user, sandbox id) of those whose sandbox is gone, and the live
+        sandboxes (past ``creating``) of a user that no machine record names."""
+        states = self.store.machine_sandboxes()
+        owned = {sid for sid, _ in states.values()}
+        gone = [(user, sid) for user, (sid, state) in states.items()
+                if state is None or state in GONE]
+        live = self.store.unowned_user_sandboxes(LIVE - {State.CREATING})
+        return owned, gone, live
 
     def _busy(self, user_id: str) -> bool:
         lock = self._locks.get(user_id)

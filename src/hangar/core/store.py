@@ -274,7 +274,42 @@ class Store:
         fail the query: it is left out, logged once and marked (``unreadable``,
         and its ``error`` column where that can be written), and every other row
         is returned."""
-        where = SandboxRecord.state.in_(list(states))
+        return self._records(SandboxRecord.state.in_(list(states)))
+
+    def unowned_user_sandboxes(self, states: Iterable[State]) -> list[SandboxRecord]:
+        """Sandboxes in any of ``states`` that have a ``user_id`` but no machine record
+        names, oldest first (normally none: ``hangar.core.machines``' reconcile pass looks
+        for them every second, so the others are not read). Damaged rows as ``in_states``."""
+        return self._records(SandboxRecord.state.in_(list(states))
+                             & SandboxRecord.user_id.is_not(None)
+                             & SandboxRecord.id.not_in(select(MachineRecord.sandbox_id)))
+
+    def machine_sandboxes(self) -> dict[str, tuple[str, State | None]]:
+        """Every machine record's sandbox id and that sandbox's state (None: no such row),
+        by the record's user id: one query, however many machines (``hangar.core.machines``'
+        reconcile pass reads it every second). A sandbox row whose state cannot be read
+        leaves its machine out (logged once and marked, as in ``in_states``)."""
+        q = select(MachineRecord.user_id, MachineRecord.sandbox_id, SandboxRecord.state) \
+            .outerjoin(SandboxRecord, SandboxRecord.id == MachineRecord.sandbox_id)
+        try:
+            with self.session() as s:
+                return {user: (sid, state) for user, sid, state in s.execute(q)}
+        except Exception:  # one damaged row: read them one by one
+            pass
+        out: dict[str, tuple[str, State | None]] = {}
+        for m in self.list(MachineRecord):
+            try:
+                with self.session() as s:
+                    state = s.scalar(select(SandboxRecord.state)
+                                     .where(SandboxRecord.id == m.sandbox_id))
+            except Exception as exc:
+                self._unreadable(m.sandbox_id, exc)
+                continue
+            out[m.user_id] = (m.sandbox_id, state)
+        return out
+
+    def _records(self, where: Any) -> list[SandboxRecord]:
+        """The sandboxes ``where`` selects, oldest first, damaged rows left out (``in_states``)."""
         try:
             with self.session() as s:
                 recs = list(s.scalars(select(SandboxRecord).where(where)

@@ -9,6 +9,8 @@ One module per job:
     qmp         the QMP client: one command, or a session of several
     migration   snapshots over the migration stream: saving and loading the
                 state through a passed file descriptor, the VM's shape
+    streampipe  the stream compressed on its way to and from disk: a zstd
+                process at the far end of the pipe QEMU gets
     template    template memory: a template's RAM saved once, each clone
                 mapping it copy-on-write from a sealed memfd
     disk        the qcow2 overlay over the image's rootfs (``qemu-img``)
@@ -28,7 +30,7 @@ Files of one sandbox (``hangar.layout.SandboxPaths``)::
 A template's source VM also has ``memory.ram`` (its RAM, mapped shared).
 
 A snapshot (``hangar.layout.SnapshotPaths``) holds ``state.mig`` (the
-migration stream), ``disk.qcow2`` (a copy of the overlay) and
+migration stream, zstd-compressed when it holds RAM), ``disk.qcow2`` (a copy of the overlay) and
 ``snapshot.json`` (its manifest, ``hangar.engines.snapshot_io``); a
 template's also ``memory.ram`` (``template``).
 """

@@ -359,7 +359,8 @@ class QemuEngine(Engine):
         every clone then maps copy-on-write.
 
         Pauses the VM (QMP ``stop``), streams its state with QMP ``migrate``
-        into ``dest/state.mig`` (opened here, passed as a file descriptor),
+        into ``dest/state.mig`` (opened here; QEMU gets a pipe to a zstd that
+        writes it, or for a template the file itself, as a file descriptor),
         waits for ``query-migrate`` to report completion,
         copies the qcow2 overlay (the migration has flushed and released
         it) and writes the manifest; see ``hangar.engines.snapshot_io``.
@@ -392,10 +393,13 @@ class QemuEngine(Engine):
         created_at = time.time()
         if template and not memory:
             raise EngineError("a template snapshot keeps memory", sandbox_id=vm.sandbox_id)
+        # A template's stream is device state only, read by every create: as QEMU wrote it.
+        compression = snapshot_io.ZSTD if memory and not template else snapshot_io.NONE
         try:
             if memory:
                 info = await migration.save_state(vm, partial, memory_mib,
-                                                  ignore_shared=template)
+                                                  ignore_shared=template,
+                                                  compression=compression)
                 await asyncio.to_thread(snapshot_io.fsync_file, partial)
                 durable.replace(partial, state)  # the folder is synced too
             else:
@@ -424,7 +428,7 @@ class QemuEngine(Engine):
                        "balloon": has_balloon(migration.argv_of(vm)),
                        "free_page_reporting": "free-page-reporting=on" in argv},
                 template=template, memory_bytes=memory_bytes, memory_sha256=memory_sha256,
-                memory=memory,
+                memory=memory, state_compression=compression,
             )
             snapshot_io.write_manifest(dest, manifest)
         except BaseException:
@@ -440,7 +444,8 @@ class QemuEngine(Engine):
         The snapshot's disk is copied into the new sandbox (and its backing
         file repointed at ``spec.image.rootfs``), QEMU starts with the same
         argv as ``boot`` plus ``-incoming defer``, loads the state with QMP
-        ``migrate-incoming`` from ``state.mig`` passed as a file descriptor,
+        ``migrate-incoming`` from ``state.mig`` passed as a file descriptor
+        (or a pipe from a ``zstd -d`` reading it, per ``state_compression``),
         and is resumed with ``cont``.
         ``spec`` must have the snapshot's image digest, vCPUs and memory
         (``snapshot_io.read_manifest`` tells them). A template's clone
@@ -501,7 +506,8 @@ class QemuEngine(Engine):
                                    reporting=bool(reporting))
             async with qmp.session(vm) as client:
                 await migration.load_state(client, vm, snap.state, manifest.memory_mib,
-                                           ignore_shared=manifest.template)
+                                           ignore_shared=manifest.template,
+                                           compression=manifest.state_compression)
                 # Connect before the guest runs: see agent_channel.
                 self._held[vm.pid] = await asyncio.open_unix_connection(
                     str(p.agent), limit=P.MAX_DATA * 2)
