@@ -607,6 +607,43 @@ def test_default_user_runs_commands_and_owns_what_envd_makes(env: Env) -> None:
     assert "user" in {e2b_user(p) for p in snaps.iterdir() if p.is_dir()}
 
 
+def test_default_user_has_its_ids_groups_and_environment(env: Env) -> None:
+    """The guest agent starts the default user's commands as it (no ``setpriv`` between):
+    uid and gid 1000 (real, effective, saved), the groups initgroups gives (a group of
+    /etc/group that lists it included), ``HOME``, ``USER``, ``LOGNAME``, no capability;
+    the same in a background command (listed as the client asked) and on a pty."""
+    sbx = env.sandbox()
+    probe = ("id -u; id -g; id -G; echo $HOME $USER $LOGNAME; pwd; "
+             "grep -E '^(Uid|Gid|CapPrm|CapEff|CapAmb):' /proc/self/status")
+    want = ("1000\n1000\n1000 100\n/home/user user user\n/home/user\n"
+            "Uid:\t1000\t1000\t1000\t1000\nGid:\t1000\t1000\t1000\t1000\n"
+            "CapPrm:\t0000000000000000\nCapEff:\t0000000000000000\n"
+            "CapAmb:\t0000000000000000\n")
+    sbx.commands.run("sed -i 's/^users:x:100:$/users:x:100:user/' /etc/group", user="root")
+    try:
+        assert sbx.commands.run(probe).stdout == want
+        handle = sbx.commands.run(probe + "; read x", background=True, stdin=True, timeout=0)
+        listed = {p.pid: p for p in sbx.commands.list()}
+        assert (listed[handle.pid].cmd, listed[handle.pid].args) == (
+            "/bin/bash", ["-l", "-c", probe + "; read x"])
+        sbx.commands.send_stdin(handle.pid, "\n")
+        assert handle.wait().stdout == want
+        term = sbx.pty.create(PtySize(rows=24, cols=80))
+        out = bytearray()
+        try:
+            sbx.pty.send_stdin(term.pid, b"echo :$(id -u):$(id -G):$HOME:\n")
+            for _, _, pty in term:
+                out += pty or b""
+                if b":1000:1000 100:/home/user:" in out:
+                    break
+        finally:
+            sbx.pty.kill(term.pid)
+        assert b":1000:1000 100:/home/user:" in out
+        assert sbx.commands.run("id -u; echo $HOME", user="root").stdout == "0\n/root\n"
+    finally:
+        sbx.commands.run("sed -i 's/^users:x:100:user$/users:x:100:/' /etc/group", user="root")
+
+
 def test_symlink_info_and_removing_a_missing_path(env: Env) -> None:
     """A symlink's entry names its absolute target (and, to this SDK, is a symlink: the
     newer envd's ``is_symlink``); removing a path that is not there succeeds, as on E2B."""

@@ -147,6 +147,17 @@ def user_pids(api: httpx.Client, sid: str) -> tuple[int, int] | None:
 
 
 @pytest.mark.vm
+def test_commands_run_in_groups_of_a_cgroup2_mounted_for_cheap_moves(api, small) -> None:
+    """Each command runs in a cgroup of its own under ``hangar-user``, joined by the agent
+    around the spawn; cgroup2 is mounted with ``favordynmods`` (the guest's kernel has it),
+    so those moves wait for no RCU grace period (``hangar.guest.limits``)."""
+    out = run(api, small, "cat /proc/self/cgroup; grep ' /sys/fs/cgroup ' /proc/mounts")
+    own, mount = out["stdout"].splitlines()
+    assert own.startswith("0::/hangar-user/c"), own
+    assert mount.split()[2] == "cgroup2" and "favordynmods" in mount.split()[3], mount
+
+
+@pytest.mark.vm
 def test_fork_bomb_is_contained_and_the_agent_answers(api, small, waits) -> None:
     limit = int(run(api, small, "cat /sys/fs/cgroup/hangar-user/pids.max")["stdout"])
     assert limit >= 256

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from hangar.engines.agent_client import AgentClient, ProcessStream, exec_meta, proc_meta, unix_channel
-from hangar.errors import Conflict, InvalidRequest, LimitExceeded, NotFound
+from hangar.errors import Conflict, GuestError, InvalidRequest, LimitExceeded, NotFound
 from hangar.guest import procs
 from hangar.guest.agent import Agent, serve_unix
 
@@ -244,5 +244,73 @@ def test_a_terminal_process_takes_input_and_a_new_size() -> None:
             with pytest.raises(InvalidRequest):
                 pipe = await c.start_process(proc_meta("sleep 5"))
                 await c.resize_process(10, 10, pid=pipe.pid)
+
+    asyncio.run(go())
+
+
+USER_PROBE = ("id -u; id -g; id -G; echo $HOME $USER $LOGNAME; pwd; "
+              "grep -E '^(Uid|Gid|CapPrm|CapEff|CapAmb):' /proc/self/status")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the agent takes another user's ids as root")
+def test_a_command_runs_as_the_user_the_request_names() -> None:
+    """``user`` in exec and proc_start (pipes and a pty): the agent starts the command with
+    that user's uid, gid and groups (as initgroups makes them), ``HOME``, ``USER`` and
+    ``LOGNAME`` (under the request's env) and no capability, its home as the default cwd;
+    its own ids are root's again after. An unknown user is a clear 400, never root; an
+    agent whose HELLO lacks ``users`` (older) is sent no user at all."""
+    import pwd
+
+    pw = pwd.getpwnam("nobody")
+    groups = " ".join(str(g) for g in os.getgrouplist("nobody", pw.pw_gid))
+    want = (f"{pw.pw_uid}\n{pw.pw_gid}\n{groups}\n{pw.pw_dir} nobody nobody\n/tmp\n"
+            f"Uid:\t{pw.pw_uid}\t{pw.pw_uid}\t{pw.pw_uid}\t{pw.pw_uid}\n"
+            f"Gid:\t{pw.pw_gid}\t{pw.pw_gid}\t{pw.pw_gid}\t{pw.pw_gid}\n"
+            "CapPrm:\t0000000000000000\nCapEff:\t0000000000000000\nCapAmb:\t0000000000000000\n")
+
+    async def go() -> None:
+        async with agent_here() as (agent, connect):
+            c = await connect()
+            r = await c.exec(exec_meta(argv=["/bin/sh", "-c", USER_PROBE], user="nobody",
+                                       cwd="/tmp"))
+            assert (r.exit_code, r.stdout.head.decode(), r.stderr.head) == (0, want, b"")
+            r = await c.exec(exec_meta("echo $USER $HOME", user="nobody", cwd="/tmp",
+                                       env={"HOME": "/tmp"}))  # the request's env wins
+            assert r.stdout.head == b"nobody /tmp\n"
+            assert (os.getresuid(), os.getresgid()) == ((0, 0, 0), (0, 0, 0))
+            r = await c.exec(exec_meta(argv=["id", "-u"]))  # no user: root, as ever
+            assert r.stdout.head == b"0\n"
+
+            stream = await c.start_process_attached(proc_meta(
+                argv=["/bin/sh", "-c", USER_PROBE], user="nobody", cwd="/tmp"))
+            out, _ = await drain(stream)
+            assert out.decode() == want
+            [entry] = [p for p in await c.list_processes() if p.pid == stream.pid]
+            assert (entry.cmd, entry.args) == ("/bin/sh", ["-c", USER_PROBE])  # as asked
+            term = await c.start_process_attached(proc_meta(
+                argv=["/bin/sh", "-c", "id -u; id -G"], user="nobody", cwd="/tmp",
+                pty=(80, 24)))
+            out, _ = await drain(term)
+            assert out.replace(b"\r", b"") == f"{pw.pw_uid}\n{groups}\n".encode()
+
+            # the home is the default cwd: nobody's does not exist, which is said
+            with pytest.raises(InvalidRequest, match=f"cwd {pw.pw_dir}: no such directory"):
+                await c.exec(exec_meta(argv=["true"], user="nobody"))
+            for bad, says in (("no-such-user", "no user 'no-such-user' in the guest"),
+                              ("", "is not a user name"), ("x" * 33, "is not a user name")):
+                with pytest.raises(InvalidRequest, match=says):
+                    await c.exec(exec_meta(argv=["touch", "/tmp/hpa-never"], user=bad))
+                with pytest.raises(InvalidRequest, match=says):
+                    await c.start_process(proc_meta(argv=["touch", "/tmp/hpa-never"],
+                                                    user=bad))
+            assert not os.path.exists("/tmp/hpa-never")
+
+            c.hello.pop("users")  # as an agent of an older version greets
+            with pytest.raises(GuestError, match="older than the server"):
+                await c.exec(exec_meta(argv=["touch", "/tmp/hpa-never"], user="nobody"))
+            with pytest.raises(GuestError, match="older than the server"):
+                await c.start_process(proc_meta(argv=["touch", "/tmp/hpa-never"],
+                                                user="nobody"))
+            assert not os.path.exists("/tmp/hpa-never")
 
     asyncio.run(go())

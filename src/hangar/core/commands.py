@@ -59,7 +59,10 @@ class Command:
     maximum, 24 h). ``head``/``tail``: bytes of each output stream kept from
     its start and its end (None: the host's own small capture, 64 KiB and 4 KiB,
     ``hangar.engines.agent_client.OWN_HEAD``; a guest that answers with more fails
-    the call with GuestError).
+    the call with GuestError). ``user``: the guest's user who runs it, by name (the
+    guest gives it that user's groups, ``HOME``, ``USER`` and ``LOGNAME`` under ``env``,
+    and its home as the default ``cwd``; an unknown one is an InvalidRequest, never
+    root); None: root. Terminal sessions run as root only.
     """
 
     command: str | None = None
@@ -69,6 +72,7 @@ class Command:
     timeout_s: float | None = None
     head: int | None = None
     tail: int | None = None
+    user: str | None = None
 
     @property
     def argv(self) -> list[str] | None:
@@ -83,11 +87,14 @@ class Command:
             raise InvalidRequest("a command is needed")
         return exec_meta(self.command, argv=self.argv,
                          env=self.env or None, cwd=self.cwd, timeout=self.timeout_s,
-                         stream=stream, head=self.head, tail=self.tail)
+                         stream=stream, head=self.head, tail=self.tail, user=self.user)
 
     def pty_meta(self, cols: int, rows: int) -> dict[str, Any]:
         """The guest's ``pty`` request for this command (None: the login shell) on a
-        ``cols`` x ``rows`` terminal."""
+        ``cols`` x ``rows`` terminal. Raises InvalidRequest for a ``user`` (a terminal
+        session runs as root)."""
+        if self.user is not None:
+            raise InvalidRequest("a terminal session runs as root: it takes no user")
         meta: dict[str, Any] = {"cols": cols, "rows": rows}
         if self.argv is not None:
             meta["argv"] = self.argv

@@ -37,8 +37,8 @@ its sandbox agent's protocol, envd (``hangar.api.envd``, under
     PTYs and file operations as ``user`` (home ``/home/user``, passwordless
     ``sudo``) unless a call names ``root``. Made in the guest as root through the
     guest's exec (no image change), in every template snapshot before it is saved, else
-    at create; commands run as it through
-    ``setpriv``, which ``exec``s in place (the pid and process group stay).
+    at create; the guest agent starts its commands as it (``Command.user``: no program
+    in between).
 ``url_exposure``
     E2B's sandbox URLs (``{port}-{id}.<HANGAR_DOMAIN>``) open every user port of
     a sandbox made through ``/e2b``, public unless its create said otherwise;

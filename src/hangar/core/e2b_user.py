@@ -8,6 +8,7 @@ saved (``hangar.core.templates``), else at create through the guest's exec as ro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -29,7 +30,9 @@ __all__ = ["DEFAULT_USER", "METADATA_XATTR", "ROOT", "Owner", "add_user", "as_us
            "check_metadata", "give", "home", "owners", "unwrapped", "user_of"]
 
 SETPRIV = "setpriv"
-"""util-linux's ``setpriv``: sets the user, group and groups, then ``exec``s the command."""
+"""util-linux's ``setpriv``: sets the user, group and groups, then ``exec``s the command
+(the ``SUDO_HELPER``'s program; the envd's commands of the default user ran through it
+before the guest agent took the user itself, ``as_user``)."""
 SUDO_HELPER = "/usr/local/libexec/hangar/sudo-setpriv"
 """A set-user-id copy of ``setpriv`` that only the default user's group may run: the
 ``sudo`` of images without sudo (``/usr/local/bin/sudo``, ``USER_SETUP``)."""
@@ -92,7 +95,8 @@ gid 1000) with its group and home (written into ``/etc/passwd`` and its siblings
 shell itself, with ``/etc/skel``'s files: few processes, each costly under emulation), and
 passwordless ``sudo`` (a sudoers entry, or the ``SUDO_SHIM`` where the image has none),
 and ``python`` as E2B's templates have it: a link to ``python3`` where the image has only
-that. Exits 3 when the image has no ``setpriv``, without which commands cannot run as it."""
+that. Exits 3 when the image has no ``setpriv`` (the ``SUDO_SHIM``'s set-user-id program;
+envd then keeps root as its default)."""
 
 SETUP_TIMEOUT_S = 60.0
 """Longest the default user's setup may take (a few small commands; an emulated guest on a
@@ -168,23 +172,20 @@ def user_of(manager: SandboxManager, sandbox_id: str, named: str) -> str:
 
 
 def as_user(cmd: Command, user: str) -> Command:
-    """``cmd`` (an argv: ``args`` set) run as ``user``: through ``setpriv`` for another user
-    than root, with its ``HOME``, ``USER`` and ``LOGNAME``, and its home as the default
-    ``cwd``. Raises InvalidRequest for a shell command (no ``args``) of another user."""
+    """``cmd`` run as ``user``: for another user than root, the guest agent itself takes
+    that user's uid, gid and groups when it starts the command (``Command.user``,
+    ``hangar.guest.users``: no program in between), with its ``HOME``, ``USER`` and
+    ``LOGNAME`` under ``cmd``'s env and its home as the default ``cwd``."""
     if user == ROOT:
         return cmd
-    if cmd.args is None or cmd.command is None:
-        raise InvalidRequest("a command of another user than root is an argv")
-    env = {"HOME": home(user), "USER": user, "LOGNAME": user, **(cmd.env or {})}
-    return Command(command=SETPRIV, args=[f"--reuid={user}", f"--regid={user}",
-                                          "--init-groups", "--", cmd.command, *cmd.args],
-                   env=env, cwd=cmd.cwd or home(user), timeout_s=cmd.timeout_s,
-                   head=cmd.head, tail=cmd.tail)
+    return dataclasses.replace(cmd, user=user)
 
 
 def unwrapped(command: str, args: list[str]) -> tuple[str, list[str]]:
-    """The command and args a client asked for, of a process ``as_user`` started (what the
-    guest lists is ``setpriv``'s argv)."""
+    """The command and args a client asked for, of a process listed by the guest: its own
+    argv, or, for one started through ``setpriv`` (as commands of the default user were
+    before the guest agent took the user itself: a process of an agent saved then), the
+    argv after ``setpriv``'s."""
     if command == SETPRIV and "--" in args and args and args[0].startswith("--reuid="):
         rest = args[args.index("--") + 1:]
         if rest:

@@ -87,7 +87,7 @@ def _start_meta(cmd: Command, tag: str | None, stdin: bool, pty: tuple[int, int]
     if cmd.command is None:
         raise InvalidRequest("a command is needed")
     return proc_meta(cmd.command, argv=cmd.argv, env=cmd.env or None, cwd=cmd.cwd, tag=tag,
-                     stdin=stdin, pty=pty, timeout=timeout)
+                     stdin=stdin, pty=pty, timeout=timeout, user=cmd.user)
 
 
 class Processes:

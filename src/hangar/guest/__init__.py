@@ -12,6 +12,7 @@
                     (pty), ``watches`` (watch), ``machine`` (hello, set_time, reseed,
                     identity); ``common`` and ``process`` are what they share
 ``spawn``           starting a command in its own process group, its pipes read paced
+``users``           who a command runs as: a user the host names, its ids taken at the spawn
 ``terminal``        a program on a pseudo-terminal (the ``pty`` op's machinery)
 ``watch``           file changes from inotify (the ``watch`` op's machinery)
 ``identity``        a guest's hostname, machine-id and fork generation

@@ -90,7 +90,9 @@ class Agent:
 
     def hello_meta(self) -> dict[str, Any]:
         """The HELLO meta: versions, window, boot id, pid, uptime (s), requests in progress,
-        fork generation and the boot's marks (``boot_marks``)."""
+        fork generation, the boot's marks (``boot_marks``) and ``users`` (true: ``exec``
+        and ``proc_start`` run a request's ``user``, ``hangar.guest.users``; an older
+        agent would run it as root, so the host sends none to an agent without it)."""
         try:
             with open("/proc/uptime") as f:
                 uptime = float(f.read().split()[0])
@@ -106,6 +108,7 @@ class Agent:
             "requests": len(self.tasks),
             "generation": self.generation,
             "boot": boot_marks(),
+            "users": True,
         }
 
     async def session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

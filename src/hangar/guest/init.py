@@ -45,6 +45,7 @@ and imports ctypes only to mount something the initramfs did not, and to
 power off.
 """
 
+import errno
 import os
 import sys
 import time
@@ -88,8 +89,8 @@ MOUNTS = (
     ("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777", True),
     ("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755", True),
     ("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777", True),
-    ("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RELATIME, "",
-     False),
+    ("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RELATIME,
+     "favordynmods", False),  # cheap moves between cgroups (hangar.guest.limits)
 )
 DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0",
              "/dev/stdout": "/proc/self/fd/1", "/dev/stderr": "/proc/self/fd/2",
@@ -137,7 +138,12 @@ def mount_all() -> None:
             if os.path.ismount(target):
                 continue
             os.makedirs(target, exist_ok=True)
-            mount(source, target, fstype, flags, data)
+            try:
+                mount(source, target, fstype, flags, data)
+            except OSError as e:
+                if fstype != "cgroup2" or e.errno != errno.EINVAL:
+                    raise
+                mount(source, target, fstype, flags)  # favordynmods: Linux 6.0+
         except OSError as e:
             if required:
                 log(f"warning: {e}")

@@ -28,9 +28,13 @@ simply exits leaves what it started in the background running, in its group, and
 group is removed once it is empty (``Watchdog`` sweeps).
 
 ``posix_spawn`` cannot start a child in another cgroup, so the agent joins the command's
-group around the spawn (``Group.entered``: two writes to ``cgroup.procs``, about 2 ms
-under TCG against 27 ms for the spawn itself) and the child starts there; children made
-with ``subprocess`` join in their ``preexec_fn`` (``Group.join_self``).
+group around the spawn (``Group.entered``: two writes to ``cgroup.procs``) and the child
+starts there; children made with ``subprocess`` join in their ``preexec_fn``
+(``Group.join_self``). A move takes the kernel's lock on every thread group, whose
+writer waits for an RCU grace period unless a move came just before: 9-13 ms a command
+under TCG (a move pair, measured a command apart), more than the rest of the agent's
+work, and 1-2 ms with cgroup2's ``favordynmods`` (Linux 6.0+), which the initramfs and
+the guest init mount it with.
 
 Where cgroup v2 or its controllers are missing (a test host running the agent under
 ``--listen``, not as root), ``setup`` returns False and every ``Group`` is a no-op.

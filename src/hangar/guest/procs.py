@@ -59,7 +59,7 @@ import signal
 import time
 from typing import Any
 
-from hangar.guest import limits, spawn, terminal
+from hangar.guest import limits, spawn, terminal, users
 
 RING_BYTES = 1 << 20
 """Bytes of output kept per process; the oldest chunks go first."""
@@ -449,17 +449,17 @@ class ProcessTable:
     async def start(self, argv: list[str], env: dict[str, str], extra_env: dict[str, str],
                     cwd: str, *, tag: str | None, stdin: bool,
                     pty: tuple[int, int] | None, timeout: float | None,
-                    script: str | None) -> Proc:
-        """Start ``argv`` as a kept process. Raises KeyError (``tag`` names a running
-        process), LookupError (the table is full of running processes), OSError (the
-        program cannot start)."""
+                    script: str | None, user: users.User | None = None) -> Proc:
+        """Start ``argv`` as a kept process (as ``user``: ``hangar.guest.users``). Raises
+        KeyError (``tag`` names a running process), LookupError (the table is full of
+        running processes), OSError (the program cannot start)."""
         if not self._room(tag):
             raise LookupError(f"{MAX_PROCS} processes are running")
         group = limits.Group()
         try:
             if pty is None:
                 pid, stdin_fd, out_fd, err_fd = spawn.spawn(argv, env, cwd, stdin_pipe=stdin,
-                                                            group=group)
+                                                            group=group, user=user)
                 proc = Proc(self, pid, argv, extra_env, cwd, tag=tag, origin="start",
                             script=script)
                 cmd = spawn.Command(pid, stdin_fd, out_fd, err_fd, proc.output, group=group)
@@ -467,7 +467,8 @@ class ProcessTable:
                 proc.group = group
                 self._watch_pipes(proc, cmd)
             else:
-                proc = await self._start_pty(argv, env, extra_env, cwd, tag, pty, script, group)
+                proc = await self._start_pty(argv, env, extra_env, cwd, tag, pty, script, group,
+                                             user)
         except BaseException:
             group.release()
             raise
@@ -484,7 +485,7 @@ class ProcessTable:
     async def _start_pty(self, argv: list[str], env: dict[str, str],
                          extra_env: dict[str, str], cwd: str, tag: str | None,
                          size: tuple[int, int], script: str | None,
-                         group: limits.Group) -> Proc:
+                         group: limits.Group, user: users.User | None) -> Proc:
         master, slave = os.openpty()
         try:
             terminal.set_size(slave, *size)
@@ -492,7 +493,7 @@ class ProcessTable:
             sub = await asyncio.create_subprocess_exec(
                 *argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env,
                 start_new_session=True,
-                preexec_fn=terminal.child_setup(terminal.ignored_signals(), group))
+                preexec_fn=terminal.child_setup(terminal.ignored_signals(), group, user))
         except BaseException:
             os.close(master)
             os.close(slave)

@@ -6,6 +6,9 @@ every signal at its default action and none blocked (``SIGDEF``), whatever
 the agent ignores or blocks itself. glibc's posix_spawn is
 a ``clone(CLONE_VM | CLONE_VFORK)``: the agent's page tables are not
 copied, and an ``execve`` error comes back as the call's own error.
+A command of another user starts the same way, its ids taken for the call
+(``hangar.guest.users.spawning_as``, ``POSIX_SPAWN_RESETIDS``), with no
+program in between and no ``fork``.
 
 ``Command`` then watches the child on the event loop with no thread and
 no transport: its pipes through ``loop.add_reader`` and its exit through a
@@ -32,11 +35,13 @@ at once), so a bad ``cwd`` raises ``OSError`` whose ``filename`` is the cwd.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import signal
 from collections.abc import Callable, Mapping
 
+from hangar.guest import users
 from hangar.guest.limits import Group
 
 CHUNK = 1 << 16
@@ -67,7 +72,8 @@ def program_paths(program: str, env: Mapping[str, str]) -> list[str]:
     return [os.path.join(d, program) for d in os.get_exec_path(dict(env))]
 
 
-def _spawn_first(argv: list[str], env: Mapping[str, str], actions: list[tuple]) -> int:
+def _spawn_first(argv: list[str], env: Mapping[str, str], actions: list[tuple],
+                 resetids: bool = False) -> int:
     first_error: OSError | None = None
     candidates = program_paths(argv[0], env)
     for path in candidates:
@@ -75,7 +81,7 @@ def _spawn_first(argv: list[str], env: Mapping[str, str], actions: list[tuple]) 
             continue
         try:
             return os.posix_spawn(path, argv, env, file_actions=actions, setsid=True,
-                                  setsigdef=SIGDEF, setsigmask=())
+                                  setsigdef=SIGDEF, setsigmask=(), resetids=resetids)
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ENOTDIR):
                 continue
@@ -87,11 +93,15 @@ def _spawn_first(argv: list[str], env: Mapping[str, str], actions: list[tuple]) 
 
 
 def spawn(argv: list[str], env: Mapping[str, str], cwd: str, *, stdin_pipe: bool,
-          group: Group | None = None) -> tuple[int, int | None, int, int]:
+          group: Group | None = None,
+          user: users.User | None = None) -> tuple[int, int | None, int, int]:
     """Start ``argv`` in ``cwd``; returns (pid, stdin fd or None, stdout fd, stderr fd).
 
-    With ``group``, the child starts in that cgroup (``hangar.guest.limits``). The returned fds are the agent's non-blocking ends of the pipes. Raises
-    ``OSError`` as ``execve`` would (see the module docstring).
+    With ``group``, the child starts in that cgroup (``hangar.guest.limits``); with
+    ``user``, as that user (``hangar.guest.users``: its uid, gid and groups; the program
+    is looked up and executed with its permissions). The returned fds are the agent's
+    non-blocking ends of the pipes. Raises ``OSError`` as ``execve`` would (see the module
+    docstring).
     """
     in_r = in_w = None
     if stdin_pipe:
@@ -110,11 +120,10 @@ def spawn(argv: list[str], env: Mapping[str, str], cwd: str, *, stdin_pipe: bool
         if moved:
             os.chdir(cwd)
         try:
-            if group is None:
-                pid = _spawn_first(argv, env, actions)
-            else:
-                with group.entered():
-                    pid = _spawn_first(argv, env, actions)
+            # into the group as root (the agent moves itself), then the user's ids
+            entered = group.entered() if group is not None else contextlib.nullcontext()
+            with entered, users.spawning_as(user):
+                pid = _spawn_first(argv, env, actions, users.switches(user))
         finally:
             if moved:
                 os.fchdir(here_fd)

@@ -62,7 +62,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hangar.guest import limits
+from hangar.guest import limits, users
 from hangar.guest import protocol as P
 
 if TYPE_CHECKING:
@@ -115,13 +115,13 @@ def ignored_signals() -> tuple[int, ...]:
     return tuple(out)
 
 
-def child_setup(ignored: tuple[int, ...],
-                group: limits.Group | None = None) -> Callable[[], None]:
+def child_setup(ignored: tuple[int, ...], group: limits.Group | None = None,
+                user: users.User | None = None) -> Callable[[], None]:
     """The child's set-up, run after ``setsid`` and before ``exec``: into ``group`` (its
     cgroup, ``hangar.guest.limits``), every signal at its
     default action and none blocked, as a login session starts (whatever the agent
     inherited: see ``ignored_signals``); then stdin (the pty) becomes the controlling
-    terminal."""
+    terminal; last, the child becomes ``user`` (``hangar.guest.users.drop_in_child``)."""
 
     def setup() -> None:
         if group is not None:
@@ -130,6 +130,8 @@ def child_setup(ignored: tuple[int, ...],
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, ())
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        if user is not None and users.switches(user):
+            users.drop_in_child(user)
 
     return setup
 

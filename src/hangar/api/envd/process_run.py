@@ -5,7 +5,7 @@ On the guest's table of processes that outlive their connection (the core's
 ``args`` as an argv, no shell of its own: E2B's SDK sends ``/bin/bash -l -c
 <command>``; ``envs`` over the sandbox's own, those its E2B create named,
 added to the guest's environment; as the call's user (E2B's default
-``user`` through ``setpriv``, or ``root``: ``hangar.core.e2b_user.as_user``);
+``user``, taken by the guest agent itself, or ``root``: ``hangar.core.e2b_user.as_user``);
 ``cwd``, default its template's ``WORKDIR`` or else that user's home; a pty when asked; a stdin pipe unless ``stdin`` is false)
 and streams its start (the guest's pid), output (stdout/stderr, or pty) and
 end (exit code; ``exited`` false and status ``signal: ...`` when a signal

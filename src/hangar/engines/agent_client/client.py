@@ -91,6 +91,15 @@ class AgentClient(FileCalls, MachineCalls):
         return sent
 
 
+    def _check_user(self, meta: dict[str, Any]) -> None:
+        """GuestError for a request naming a ``user`` (``exec_meta``, ``proc_meta``) to an
+        agent whose HELLO does not say ``users``: one older than this host, which would run
+        the command as root (a sandbox saved before an upgrade)."""
+        if meta.get("user") is not None and not self.hello.get("users"):
+            raise GuestError("this sandbox's guest agent is older than the server and runs "
+                             f"no command as {str(meta['user'])[:40]!r} (a sandbox started "
+                             "by this version does)")
+
     # -- operations --------------------------------------------------------
 
     async def exec_stream(self, meta: dict[str, Any], stdin: bytes | None = None,
@@ -110,6 +119,7 @@ class AgentClient(FileCalls, MachineCalls):
         (``head + tail`` per stream; nothing in a streamed exec's result) raises
         GuestError, unread.
         """
+        self._check_user(meta)
         timeout = meta.get("timeout")
         if timeout is None:
             timeout = self.deadlines.exec_max_s
@@ -266,11 +276,13 @@ class AgentClient(FileCalls, MachineCalls):
         its entry. Raises InvalidRequest (bad input, a program that cannot start),
         Conflict (a running process has its tag), LimitExceeded (the guest's table is
         full of running processes), Timeout, GuestError."""
+        self._check_user(meta)
         return checked_info(await self._plain({**meta, "op": "proc_start", "attach": False}))
 
     async def start_process_attached(self, meta: dict[str, Any]) -> ProcessStream:
         """``start_process``, its output streamed from its first byte (``ProcessStream``);
         closing the stream detaches, the process runs on."""
+        self._check_user(meta)
         ch, frame = await self._open_long({**meta, "op": "proc_start", "attach": True},
                                           "started", "the guest ended the process stream "
                                           "before it started")

@@ -211,10 +211,12 @@ def proc_meta(
     stdin: bool = False,
     pty: tuple[int, int] | None = None,
     timeout: float | None = None,
+    user: str | None = None,
 ) -> dict[str, Any]:
     """The REQUEST meta of a ``proc_start``: ``argv`` as is, else ``command`` by
     ``/bin/sh -c``; ``pty`` (cols, rows) puts it on a terminal; ``stdin`` gives it a
-    pipe fed by ``send_process_input``; ``timeout`` (s) kills its group then."""
+    pipe fed by ``send_process_input``; ``timeout`` (s) kills its group then; ``user``
+    runs it as that user of the guest (as ``exec_meta``)."""
     meta: dict[str, Any] = {"op": "proc_start", "stdin": stdin}
     if argv is not None:
         meta["argv"] = argv
@@ -222,7 +224,8 @@ def proc_meta(
         meta["shell"] = command
     if pty is not None:
         meta["pty"] = {"cols": pty[0], "rows": pty[1]}
-    for key, value in (("env", env), ("cwd", cwd), ("tag", tag), ("timeout", timeout)):
+    for key, value in (("env", env), ("cwd", cwd), ("tag", tag), ("timeout", timeout),
+                       ("user", user)):
         if value is not None:
             meta[key] = value
     return meta

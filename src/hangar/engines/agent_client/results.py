@@ -116,12 +116,15 @@ def exec_meta(
     stream: bool = False,
     head: int | None = None,
     tail: int | None = None,
+    user: str | None = None,
 ) -> dict[str, Any]:
     """The REQUEST meta of an exec: ``argv`` as is, else ``command`` run by ``/bin/sh -c``.
 
     ``timeout`` in seconds; ``head`` and ``tail`` in bytes kept of each
     captured stream; ``stream`` asks for output as it comes; ``stdin`` says
-    DATA frames of input follow. Unset options are left out: ``AgentClient.exec_stream``
+    DATA frames of input follow; ``user`` names the guest's user who runs it (with its
+    groups, ``HOME``, ``USER`` and ``LOGNAME``, its home as the default ``cwd``; None:
+    root). Unset options are left out: ``AgentClient.exec_stream``
     gives a missing ``timeout``, ``head`` or ``tail`` its own (``Deadlines.exec_max_s``,
     ``OWN_HEAD``, ``OWN_TAIL``). See ``hangar.guest.agent`` for the operation itself.
     """
@@ -131,7 +134,7 @@ def exec_meta(
     else:
         meta["shell"] = command
     for key, value in (("env", env), ("cwd", cwd), ("timeout", timeout), ("head", head),
-                       ("tail", tail)):
+                       ("tail", tail), ("user", user)):
         if value is not None:
             meta[key] = value
     return meta

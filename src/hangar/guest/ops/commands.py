@@ -17,7 +17,7 @@ from hangar.guest import protocol as P
 from hangar.guest import limits, spawn
 from hangar.guest.ops.common import AgentView, OpError
 from hangar.guest.ops.process import (
-    exec_argv, exec_cwd, exec_env, remove_script, spawn_failure,
+    exec_argv, exec_cwd, exec_env, exec_user, remove_script, spawn_failure,
 )
 
 if TYPE_CHECKING:
@@ -69,7 +69,10 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
     """Run a command.
 
     meta: ``argv`` (list of str) or ``shell`` (str, run by /bin/sh -c);
-    ``env`` (dict), ``cwd`` (str, default /root), ``stdin`` (bool: DATA
+    ``user`` (str: a user of the guest, who runs the command, with its groups and its
+    ``HOME``, ``USER`` and ``LOGNAME``: ``hangar.guest.users``; default root);
+    ``env`` (dict, over the base and the user's variables), ``cwd`` (str, default the
+    user's home, /root for root), ``stdin`` (bool: DATA
     frames of stream ``stdin`` and an EOF follow; false means EOF at
     once), ``timeout`` (seconds; the whole process group and cgroup are killed),
     ``stream`` (bool: send stdout/stderr as DATA frames), ``head`` and
@@ -100,13 +103,15 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
     127 when it is not found, 126 when it cannot be executed, with the
     reason on stderr and ``not_started`` set. ERROR ``invalid`` for NUL
     bytes in argv, env or cwd, an env name that is empty or holds
-    ``=``, a missing cwd, or arguments over the kernel's limit (E2BIG);
+    ``=``, a missing cwd, a ``user`` the guest does not have (never run as root
+    instead), or arguments over the kernel's limit (E2BIG);
     ``not_directory`` for a cwd that is not a directory.
     """
-    argv, script = exec_argv(meta)
+    user = exec_user(meta)
+    argv, script = exec_argv(meta, user)
     try:
-        env = exec_env(meta.get("env"))
-        cwd = exec_cwd(meta.get("cwd"))
+        env = exec_env(meta.get("env"), user)
+        cwd = exec_cwd(meta.get("cwd"), user)
         timeout = meta.get("timeout")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise OpError("invalid", "timeout must be a positive number of seconds")
@@ -122,7 +127,7 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
         group = limits.Group()
         try:
             pid, stdin_fd, out_fd, err_fd = spawn.spawn(argv, env, cwd, stdin_pipe=want_stdin,
-                                                        group=group)
+                                                        group=group, user=user)
         except OSError as exc:
             group.release()
             code, message = spawn_failure(exc, argv[0], cwd)

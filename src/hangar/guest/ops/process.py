@@ -1,8 +1,10 @@
-"""A command's argv, environment and working directory, checked; how a failed start reads.
+"""A command's argv, environment, working directory and user, checked; how a failed
+start reads.
 
-Shared by the operations that start programs: ``exec`` (``commands``) and
-``pty`` (``terminals``). Each check raises ``OpError`` ``invalid`` (or
-``not_directory`` for a cwd that is not one) with the field it rejects.
+Shared by the operations that start programs: ``exec`` (``commands``),
+``proc_start`` (``processes``) and ``pty`` (``terminals``). Each check raises
+``OpError`` ``invalid`` (or ``not_directory`` for a cwd that is not one) with the
+field it rejects.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import stat as stat_mod
 from typing import Any
 
-from hangar.guest import paths
+from hangar.guest import paths, users
 from hangar.guest.ops.common import (
     BASE_ENV, ERRNO_CODES, OpError, check_text, mkstemp, os_error, resolve,
 )
@@ -22,11 +24,29 @@ SHELL_INLINE_MAX = 64 << 10
 ENOENT_EXIT, NOEXEC_EXIT = 127, 126  # the shell's codes (POSIX, "Command Search and Execution")
 
 
-def exec_argv(meta: dict[str, Any]) -> tuple[list[str], str | None]:
+def exec_user(meta: dict[str, Any]) -> users.User | None:
+    """The user a request's command runs as (``meta["user"]``, a name; None: the agent's
+    own, root). OpError ``invalid`` for a name that is no user of the guest, never a
+    command run as root instead (``hangar.guest.users.resolve``)."""
+    name = meta.get("user")
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise OpError("invalid", "user must be a user name")
+    check_text("user", name)
+    try:
+        return users.resolve(name)
+    except LookupError as exc:
+        raise OpError("invalid", str(exc)) from None
+
+
+def exec_argv(meta: dict[str, Any], user: users.User | None = None,
+              ) -> tuple[list[str], str | None]:
     """The argv of an exec request and the script file it made (None: none).
 
     ``meta["argv"]`` runs as is; ``meta["shell"]`` runs by ``/bin/sh -c``,
-    through a 0600 file in ``paths.SCRIPT_DIR`` when longer than ``SHELL_INLINE_MAX``.
+    through a 0600 file in ``paths.SCRIPT_DIR`` (``user``'s, who runs it) when longer
+    than ``SHELL_INLINE_MAX``.
     """
     argv = meta.get("argv")
     shell = meta.get("shell")
@@ -48,6 +68,8 @@ def exec_argv(meta: dict[str, Any]) -> tuple[list[str], str | None]:
         directory = paths.SCRIPT_DIR if os.path.isdir(paths.SCRIPT_DIR) else "/tmp"
         fd, path = mkstemp(directory, "exec-", ".sh")
         with os.fdopen(fd, "wb") as f:
+            if user is not None:
+                os.fchown(f.fileno(), user.uid, user.gid)
             f.write(script)
     except OSError as exc:
         raise os_error(exc, "the script file") from None
@@ -63,9 +85,12 @@ def remove_script(script: str | None) -> None:
             pass
 
 
-def exec_env(extra: Any) -> dict[str, str]:
-    """``BASE_ENV`` updated with the request's ``env``; OpError ``invalid`` for a bad one."""
+def exec_env(extra: Any, user: users.User | None = None) -> dict[str, str]:
+    """``BASE_ENV``, then ``user``'s ``HOME``, ``USER`` and ``LOGNAME``, updated with the
+    request's ``env``; OpError ``invalid`` for a bad one."""
     env = dict(BASE_ENV)
+    if user is not None:
+        env.update(user.environ())
     if extra is None:
         return env
     if not isinstance(extra, dict) or not all(
@@ -83,14 +108,19 @@ def exec_env(extra: Any) -> dict[str, str]:
     return env
 
 
-def exec_cwd(value: Any) -> str:
-    """The absolute working directory of an exec; OpError naming ``cwd`` when unusable."""
+def exec_cwd(value: Any, user: users.User | None = None) -> str:
+    """The absolute working directory of an exec (by default, and for a relative one, from
+    the home: ``user``'s, else the commands' ``HOME``); OpError naming ``cwd`` when
+    unusable."""
     if value is None or value == "":
-        return BASE_ENV["HOME"]
+        if user is None:
+            return BASE_ENV["HOME"]
+        value = user.home
     if not isinstance(value, str):
         raise OpError("invalid", "cwd must be a string")
     check_text("cwd", value)
-    cwd = resolve(value)
+    cwd = (resolve(value) if user is None
+           else os.path.normpath(os.path.join(user.home, value)))
     try:
         st = os.stat(cwd)
     except FileNotFoundError:

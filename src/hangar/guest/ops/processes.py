@@ -7,8 +7,8 @@ answers ERROR ``not_found`` when no entry has it.
 ===================  ==========================================================
 op                   meta → RESPONSE meta
 ===================  ==========================================================
-``proc_start``       argv|shell, env, cwd, tag, stdin, pty {cols, rows}, timeout,
-                     attach → the entry's info; with ``attach`` the channel first
+``proc_start``       argv|shell, user, env, cwd, tag, stdin, pty {cols, rows},
+                     timeout, attach → the entry's info; with ``attach`` the channel first
                      streams it as ``proc_attach`` does (``started`` instead of
                      ``attached``), from the process's first byte
 ``proc_list``        → ``processes``: every entry's info, oldest first
@@ -50,7 +50,7 @@ from hangar.guest import procs, terminal
 from hangar.guest import protocol as P
 from hangar.guest.ops.common import AgentView, OpError
 from hangar.guest.ops.process import (
-    exec_argv, exec_cwd, exec_env, remove_script, spawn_failure,
+    exec_argv, exec_cwd, exec_env, exec_user, remove_script, spawn_failure,
 )
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def _select(agent: AgentView, meta: dict[str, Any]) -> procs.Proc:
 async def proc_start(agent: AgentView, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
     """Start a process that outlives this channel; see the module docstring.
 
-    ``argv``, ``shell``, ``env`` and ``cwd`` as for exec; ``tag`` (at most
+    ``argv``, ``shell``, ``user``, ``env`` and ``cwd`` as for exec; ``tag`` (at most
     ``procs.MAX_TAG`` characters); ``stdin`` (bool: a pipe the process reads,
     fed by ``proc_input``; else /dev/null); ``pty`` ({cols, rows}: a terminal
     instead of pipes); ``timeout`` (seconds: its group is killed then);
@@ -105,14 +105,16 @@ async def proc_start(agent: AgentView, meta: dict[str, Any], ch: Channel) -> dic
             size = terminal.check_size(pty.get("cols", 80), pty.get("rows", 24))
         except ValueError as exc:
             raise OpError("invalid", str(exc)) from None
-    argv, script = exec_argv(meta)
+    user = exec_user(meta)
+    argv, script = exec_argv(meta, user)
     try:
-        env = exec_env(meta.get("env"))
-        cwd = exec_cwd(meta.get("cwd"))
+        env = exec_env(meta.get("env"), user)
+        cwd = exec_cwd(meta.get("cwd"), user)
         try:
             proc = await agent.procs.start(
                 argv, env, dict(meta.get("env") or {}), cwd, tag=tag,
-                stdin=bool(meta.get("stdin")), pty=size, timeout=timeout, script=script)
+                stdin=bool(meta.get("stdin")), pty=size, timeout=timeout, script=script,
+                user=user)
         except KeyError:
             raise OpError("exists", f"a running process has the tag {tag!r}") from None
         except LookupError as exc:
