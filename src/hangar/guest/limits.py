@@ -31,11 +31,11 @@ group is removed once it is empty (``Watchdog`` sweeps).
 group around the spawn (``Group.enter``, ``Group.leave``: two writes to ``cgroup.procs``)
 and the child starts there; children made with ``subprocess`` join in their
 ``preexec_fn`` (``Group.join_self``). A command's group is made ahead, once the previous
-command has answered (``new``, ``ahead``), and removed after its own answer. A move takes the kernel's lock on every thread group, whose
-writer waits for an RCU grace period unless a move came just before: 9-13 ms a command
-under TCG (a move pair, measured a command apart), more than the rest of the agent's
-work, and 1-2 ms with cgroup2's ``favordynmods`` (Linux 6.0+), which the initramfs and
-the guest init mount it with.
+command has answered (``new``, ``ahead``), and removed after its own answer. A move takes
+the kernel's lock on every thread group, whose writer waits for an RCU grace period
+unless a move came just before: 9-13 ms a command under TCG (a move pair, measured a
+command apart), more than the rest of the agent's work, and 1-2 ms with cgroup2's
+``favordynmods`` (Linux 6.0+), which the initramfs and the guest init mount it with.
 
 Where cgroup v2 or its controllers are missing (a test host running the agent under
 ``--listen``, not as root), ``setup`` returns False and every ``Group`` is a no-op.
