@@ -192,6 +192,13 @@ class Agent:
         finally:
             if ch.session.channels.get(frame.channel) is ch:
                 del ch.session.channels[frame.channel]
+            for work in ch.afterwards:  # the answer is out: what the host need not wait for
+                try:
+                    work()
+                except Exception:  # noqa: BLE001 -- the agent must outlive it
+                    import traceback
+
+                    traceback.print_exc(file=sys.stderr)
 
 
 MALLOC_WARMUP = 1 << 20

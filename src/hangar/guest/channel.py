@@ -11,6 +11,7 @@ them, talk to the host through a ``Channel`` only.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from hangar.guest import protocol as P
@@ -69,7 +70,9 @@ class Channel:
     frames are taken (or, with ``ack=False``, once the consumer says it is
     done with them: ``ack``); ``stream`` sends a DATA or EOF frame once the
     host's window has room for it (see ``hangar.guest.protocol``); ``send``
-    sends any other frame.
+    sends any other frame. ``afterwards``: what the operation leaves for after its
+    RESPONSE or ERROR is out (the agent runs it then, whatever the end: work the host
+    need not wait for).
     """
 
     def __init__(self, session: Session, cid: int) -> None:
@@ -79,6 +82,7 @@ class Channel:
         self.outflow = P.Outflow()
         self.inflow = P.Inflow()
         self.task: asyncio.Task[None] | None = None
+        self.afterwards: list[Callable[[], object]] = []
 
     async def get(self, ack: bool = True) -> P.Frame:
         frame = await self.inbox.get()

@@ -455,7 +455,7 @@ class ProcessTable:
         running processes), OSError (the program cannot start)."""
         if not self._room(tag):
             raise LookupError(f"{MAX_PROCS} processes are running")
-        group = limits.Group()
+        group = limits.new()
         try:
             if pty is None:
                 pid, stdin_fd, out_fd, err_fd = spawn.spawn(argv, env, cwd, stdin_pipe=stdin,

@@ -124,7 +124,8 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
             raise OpError("invalid", "head and tail must be byte counts") from None
 
         started = time.monotonic()
-        group = limits.Group()
+        group = limits.new()
+        ch.afterwards.append(limits.ahead)  # the next command's group, once this one answered
         try:
             pid, stdin_fd, out_fd, err_fd = spawn.spawn(argv, env, cwd, stdin_pipe=want_stdin,
                                                         group=group, user=user)
@@ -142,7 +143,7 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
         try:
             return await _run(ch, cmd, captures, chunks, want_stdin, timeout, started)
         finally:
-            group.release()
+            ch.afterwards.append(group.release)  # its rmdir, once the answer is out
             killed = cmd.returncode is None or cmd.expired
             if cmd.returncode is None:  # cancelled: never leave the group behind
                 cmd.kill(signal.SIGKILL)
@@ -251,8 +252,11 @@ async def _run(ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
         for t in (feeder, relayer):
             if t is not None:
                 t.cancel()
-        await asyncio.gather(*(t for t in (feeder, relayer) if t is not None),
-                             return_exceptions=True)
+        # The feeder of a command without stdin only waits for a frame: it ends on its
+        # own; waiting for it would cost loop turns (each a fraction of a ms under TCG).
+        ending = [t for t in (feeder if want_stdin else None, relayer) if t is not None]
+        if ending:
+            await asyncio.gather(*ending, return_exceptions=True)
         cmd.close_stdin()
     timed_out = bool(expired)
     group = cmd.group

@@ -46,7 +46,7 @@ import asyncio
 import signal
 from typing import TYPE_CHECKING, Any
 
-from hangar.guest import procs, terminal
+from hangar.guest import limits, procs, terminal
 from hangar.guest import protocol as P
 from hangar.guest.ops.common import AgentView, OpError
 from hangar.guest.ops.process import (
@@ -105,6 +105,7 @@ async def proc_start(agent: AgentView, meta: dict[str, Any], ch: Channel) -> dic
             size = terminal.check_size(pty.get("cols", 80), pty.get("rows", 24))
         except ValueError as exc:
             raise OpError("invalid", str(exc)) from None
+    ch.afterwards.append(limits.ahead)  # the next command's group, once this one answered
     user = exec_user(meta)
     argv, script = exec_argv(meta, user)
     try:
