@@ -216,6 +216,19 @@ def test_disk_cap_at_create(api: httpx.Client) -> None:
 
 
 def test_snapshot_storage_cap(api: httpx.Client, sid: str) -> None:
+    """One snapshot fits under the cap and a second is refused while it is held.
+
+    A snapshot's memory is stored compressed, so the guest first holds 80 MiB that
+    does not compress: the first snapshot then holds over 80 MiB, and the second's
+    bound (its 256 MiB of memory plus its disk) cannot fit beside it in 300 MiB."""
+    assert run(api, sid, "head -c 80M /dev/urandom > /dev/shm/noise")["exit_code"] == 0
+    try:
+        _two_snapshots_one_cap(api, sid)
+    finally:
+        assert run(api, sid, "rm -f /dev/shm/noise")["exit_code"] == 0
+
+
+def _two_snapshots_one_cap(api: httpx.Client, sid: str) -> None:
     first = api.post(f"/sandboxes/{sid}/snapshot")
     assert first.status_code == 201, first.text
     snap = first.json()["id"]

@@ -275,16 +275,33 @@ def sse(c: object, kind: str, count: int, within: float = 10.0) -> list[dict]:
     return got
 
 
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
 def grep_files(files: list[Path], *needles: bytes) -> set[bytes]:
-    """Which of ``needles`` occur in ``files`` (read in 16 MiB chunks, overlapping)."""
+    """Which of ``needles`` occur in ``files`` (read in 16 MiB chunks, overlapping).
+
+    A zstd file (a snapshot's compressed memory stream) is read through ``zstd -dc``,
+    so what is searched is what a restore would load."""
     found: set[bytes] = set()
     for f in files:
-        with open(f, "rb") as fh:
+        with open(f, "rb") as raw:
+            packed = raw.read(4) == ZSTD_MAGIC
+        with contextlib.ExitStack() as stack:
+            if packed:
+                proc = stack.enter_context(subprocess.Popen(
+                    ["zstd", "-dcq", "--", str(f)], stdout=subprocess.PIPE))
+                assert proc.stdout is not None
+                fh = proc.stdout
+            else:
+                fh = stack.enter_context(open(f, "rb"))
             tail = b""
             while chunk := fh.read(16 << 20):
                 buf = tail + chunk
                 found |= {n for n in needles if n in buf}
                 tail = buf[-128:]
+            if packed:
+                assert proc.wait() == 0, f"zstd could not read {f}"
     return found
 
 
