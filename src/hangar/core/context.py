@@ -38,6 +38,14 @@ class Context:
     hooks: Hooks = field(default_factory=Hooks)
     """A cluster node's hooks (``hangar.core.hooks``); no-ops on a single host."""
 
+    def state(self, sandbox_id: str) -> State:
+        """The state of a sandbox a user may see, read without its whole record
+        (``Store.state_of``). Raises as ``record``."""
+        state = self.store.state_of(sandbox_id)
+        if state is None or state in (State.POOLED, State.DELETED, State.EXPIRED):
+            return self.record(sandbox_id).state  # raises, with the record's own message
+        return state
+
     def record(self, sandbox_id: str) -> SandboxRecord:
         """The record of a sandbox a user may see.
 

@@ -179,27 +179,26 @@ class GuestCalls:
             # A sandbox this server holds a VM for is not asleep (a wake in progress holds
             # the lock taken below), so the common call reads its record once, not twice.
             if attempt or ctx.registry.get(sandbox_id) is None:
-                rec = ctx.record(sandbox_id)
-                if rec.state in (State.SLEEPING, State.WAKING):
+                if ctx.state(sandbox_id) in (State.SLEEPING, State.WAKING):
                     await self.sleeper.wake(sandbox_id)
             async with ctx.registry.lock(sandbox_id):
-                rec = ctx.record(sandbox_id)
+                state = ctx.state(sandbox_id)  # its state only: this is every call's path
                 rt = ctx.registry.get(sandbox_id)
-                if rec.state == State.SLEEPING:
+                if state == State.SLEEPING:
                     continue  # it fell asleep between the wake and the lock
-                if rec.state in TRANSIENT_WAIT:
-                    raise Busy(f"sandbox {sandbox_id} is {rec.state.value}; retry shortly",
+                if state in TRANSIENT_WAIT:
+                    raise Busy(f"sandbox {sandbox_id} is {state.value}; retry shortly",
                                retry_after=BUSY_RETRY_S, sandbox_id=sandbox_id,
-                               state=rec.state.value)
-                if rec.state == State.UNRESPONSIVE:
+                               state=state.value)
+                if state == State.UNRESPONSIVE:
                     raise Timeout(f"sandbox {sandbox_id} is unresponsive: its guest agent "
                                   "stopped answering; calls are served again once it answers "
                                   "(it is asked every few seconds), or delete it",
-                                  sandbox_id=sandbox_id, state=rec.state.value,
+                                  sandbox_id=sandbox_id, state=state.value,
                                   retry_after=PROBE_S)
-                if rec.state != State.RUNNING or rt is None:
-                    raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}, not running",
-                                   sandbox_id=sandbox_id, state=rec.state.value)
+                if state != State.RUNNING or rt is None:
+                    raise Conflict(f"sandbox {sandbox_id} is {state.value}, not running",
+                                   sandbox_id=sandbox_id, state=state.value)
                 if busy:
                     rt.busy += 1
             break
