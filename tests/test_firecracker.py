@@ -46,6 +46,7 @@ from hangar.engines.firecracker import (
     read_snapshot,
 )
 from hangar.engines.firecracker.binaries import BINARY_SHA256, FIRECRACKER_VERSION, fetch
+from hangar.engines.process import vmm_pids
 from hangar.errors import EngineError, ImageError, InvalidRequest, NotFound, Timeout
 from hangar.guest import protocol as P
 from hangar.images import ensure_vmlinux, extract_vmlinux
@@ -85,18 +86,7 @@ def guest_runs(image, fc_bins) -> tuple[bool, str]:  # noqa: ANN001
 
 def our_pids() -> list[int]:
     """Pids of firecracker/jailer processes started by these tests (by their --id)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and os.path.basename(argv[0]) in (b"firecracker", b"jailer") \
-                and any(a.startswith(MARK.encode()) for a in argv):
-            pids.append(int(d.name))
-    return pids
+    return vmm_pids(MARK, programs=(b"firecracker", b"jailer"))
 
 
 def our_cgroups() -> list[Path]:

@@ -175,10 +175,12 @@ def argv_of(pid: int) -> list[str] | None:
     return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]]
 
 
-def vmm_pids(marker: str) -> list[int]:
-    """Pids of the QEMU and Firecracker processes whose command line contains ``marker``
-    (e.g. a data directory, or ``hangar-<sandbox id>``), read from ``/proc``; for cleanup
-    and for checks that nothing outlived its owner."""
+def vmm_pids(marker: str,
+             programs: tuple[bytes, ...] = (b"qemu-system", b"firecracker")) -> list[int]:
+    """Pids of the processes whose program path contains one of ``programs`` (by default
+    QEMU and Firecracker; Firecracker's tests add ``jailer``) and whose command line
+    contains ``marker`` (e.g. a data directory, or ``hangar-<sandbox id>``), read from
+    ``/proc``; for cleanup and for checks that nothing outlived its owner."""
     pids = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -187,7 +189,7 @@ def vmm_pids(marker: str) -> list[int]:
             argv = (d / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if argv and (b"qemu-system" in argv[0] or b"firecracker" in argv[0]) and any(
+        if argv and any(p in argv[0] for p in programs) and any(
                 marker.encode() in a for a in argv):
             pids.append(int(d.name))
     return pids
