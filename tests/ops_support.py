@@ -172,8 +172,12 @@ RUN_SH = """#!/bin/sh
 set -e
 mount --make-rprivate /
 mount -t proc proc /proc
+# A folder under one of them that the units need (the image cache) is bound back on top.
+keep=$(cat "$1/keep" 2>/dev/null || true)
+if [ -n "$keep" ]; then mkdir -p "$1/kept"; mount --bind "$keep" "$1/kept"; fi
 for d in /run /tmp /var/tmp /var/log; do mount -t tmpfs -o mode=0755 tmpfs "$d"; done
 chmod 1777 /tmp /var/tmp
+if [ -n "$keep" ]; then mkdir -p "$keep"; mount --bind "$1/kept" "$keep"; fi
 mkdir -p /run/systemd/system
 cp -r "$1"/units/. /run/systemd/system/
 for u in $(cat "$1/masked"); do ln -sf /dev/null "/run/systemd/system/$u"; done
@@ -208,10 +212,12 @@ class PrivateSystemd:
     Its /run, /tmp, /var/tmp and /var/log are private tmpfs and every unit that
     sysinit.target would start is masked, so it touches nothing of the host;
     ``units`` are copied to its /run/systemd/system. Files it must read live
-    under ``folder`` (outside /tmp). ``stop`` powers it off and removes its cgroups.
+    under ``folder`` (outside /tmp), or in ``keep``, a folder that stays visible
+    where it is (e.g. an image cache under /tmp). ``stop`` powers it off and removes
+    its cgroups.
     """
 
-    def __init__(self, folder: Path, units: dict[str, str]) -> None:
+    def __init__(self, folder: Path, units: dict[str, str], keep: Path | None = None) -> None:
         self.folder = folder
         self.name = f"hangar-test-{os.getpid()}-{int(time.time())}"
         (folder / "units").mkdir(parents=True)
@@ -222,6 +228,8 @@ class PrivateSystemd:
         (folder / "masked").write_text("\n".join(MASKED) + "\n")
         (folder / "run.sh").write_text(RUN_SH.replace("{systemd}", str(SYSTEMD)))
         (folder / "launch.sh").write_text(LAUNCH_SH)
+        if keep is not None:
+            (folder / "keep").write_text(str(keep))
         self.proc: subprocess.Popen[bytes] | None = None
         self.pid: int | None = None
 
@@ -262,8 +270,17 @@ class PrivateSystemd:
             raise RuntimeError(f"the private systemd started more than asked: {active}")
 
     def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """``systemctl ARGS`` inside."""
-        return self.run("systemctl", *args, check=check)
+        """``systemctl ARGS`` inside; a failed ``start`` or ``restart`` says the unit's
+        status (systemd's reason: a step that failed, an exit code) in its AssertionError."""
+        r = self.run("systemctl", *args, check=False)
+        if check and r.returncode != 0:
+            why = ""
+            if args and args[0] in ("start", "restart"):
+                st = self.run("systemctl", "status", "--no-pager", "-l", *args[1:], check=False)
+                why = st.stdout + st.stderr
+            raise AssertionError(f"systemctl {' '.join(args)}: {r.returncode}\n{r.stdout}"
+                                 f"{r.stderr}{why}")
+        return r
 
     def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         assert self.pid

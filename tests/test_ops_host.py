@@ -83,6 +83,9 @@ def systemd_host(base_image: Path) -> Iterator[tuple[PrivateSystemd, Path, int]]
     env_file.write_text(f"HANGAR_DATA_DIR={data}\nHANGAR_PORT={port}\nHANGAR_POOL_SIZE=0\n"
                         f"HANGAR_NETWORK=off\nPYTHONPATH={env['PYTHONPATH']}\n"
                         f"HANGAR_PRIVSEP={env['HANGAR_PRIVSEP']}\n")
+    # The image cache may be under /tmp ($HANGAR_DATA_DIR): the private systemd keeps it
+    # visible, and the unit binds it onto itself, as its PrivateTmp= hides /tmp too (a
+    # ReadWritePaths= there fails the start: 226/NAMESPACE).
     dropin = f"""[Unit]
 DefaultDependencies=no
 [Service]
@@ -91,12 +94,13 @@ EnvironmentFile={env_file}
 ExecStart=
 ExecStart={python} -m hangar.cli serve
 ReadWritePaths={data}
-ReadWritePaths={base_image.parent}
+BindPaths={base_image.parent}
 StandardOutput=append:{data}/server.log
 StandardError=inherit
 """
     sd = PrivateSystemd(top / "systemd", {"hangar.service": UNIT.read_text(),
-                                         "hangar.service.d/test.conf": dropin})
+                                         "hangar.service.d/test.conf": dropin},
+                        keep=base_image.parent)
     try:
         sd.start()
         yield sd, data, port
