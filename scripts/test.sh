@@ -3,9 +3,9 @@
 # tests need is installed and built (scripts/install.sh --ci: idempotent, quick
 # when nothing is missing). Takes pytest's options, e.g. scripts/test.sh -x -k exec.
 #
-# Tests run on HANGAR_TEST_WORKERS parallel workers (default 2; each its own server),
-# a module (or a group of modules that share host state) whole on one worker: see
-# tests/schedule.py. Pass -n 0 to run them one after another in this process.
+# Tests run on HANGAR_TEST_WORKERS parallel workers (default 2, 3 on a busy host; each its
+# own server), a module (or a group of modules that share host state) whole on one worker:
+# see tests/schedule.py. Pass -n 0 to run them one after another in this process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 #
@@ -13,12 +13,17 @@ cd "$(dirname "$0")/.."
 # --base-first); a test that needs one waits for them (tests/conftest.py), and so does this
 # script before it ends: a failed background build fails the run.
 DATA=${HANGAR_DATA_DIR:-/var/lib/hangar}
+# Workers: HANGAR_TEST_WORKERS, else 2, and 3 when other work already keeps every core busy
+# (the 1-minute load average, read before the install, at least the number of cores): the
+# tests' VMs then get a larger share of the machine (docs/operations.md).
+busy=$(awk -v c="$(nproc)" '{ print ($1 >= c) ? 1 : 0 }' /proc/loadavg)
+WORKERS=${HANGAR_TEST_WORKERS:-$((2 + busy))}
 LATER=0
 if [ -z "${HANGAR_TEST_NO_INSTALL:-}" ]; then
   bash scripts/install.sh --ci --base-first
   LATER=1
 fi
-workers=(-n "${HANGAR_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder)
+workers=(-n "$WORKERS" --dist loadscope --no-loadscope-reorder)
 for arg in "$@"; do
   case "$arg" in -n|-n[0-9]*|--numprocesses|--numprocesses=*) workers=() ;; esac
 done
