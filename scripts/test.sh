@@ -13,10 +13,12 @@ cd "$(dirname "$0")/.."
 # --base-first); a test that needs one waits for them (tests/conftest.py), and so does this
 # script before it ends: a failed background build fails the run.
 DATA=${HANGAR_DATA_DIR:-/var/lib/hangar}
-# Workers: HANGAR_TEST_WORKERS, else 2, and 3 when other work already keeps every core busy
-# (the 1-minute load average, read before the install, at least the number of cores): the
+# Workers: HANGAR_TEST_WORKERS, else 2, and 3 when other work already keeps the cores busy
+# (at least 90% of all CPU time used over 2 s, read from /proc/stat before the install): the
 # tests' VMs then get a larger share of the machine (docs/operations.md).
-busy=$(awk -v c="$(nproc)" '{ print ($1 >= c) ? 1 : 0 }' /proc/loadavg)
+cpu_used() { awk '/^cpu / { print $2+$3+$4+$7+$8+$9, $5+$6 }' /proc/stat; }
+read -r used0 idle0 < <(cpu_used); sleep 2; read -r used1 idle1 < <(cpu_used)
+busy=$(( (used1 - used0) * 10 >= 9 * (used1 - used0 + idle1 - idle0) ? 1 : 0 ))
 WORKERS=${HANGAR_TEST_WORKERS:-$((2 + busy))}
 LATER=0
 if [ -z "${HANGAR_TEST_NO_INSTALL:-}" ]; then
