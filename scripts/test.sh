@@ -3,9 +3,9 @@
 # tests need is installed and built (scripts/install.sh --ci: idempotent, quick
 # when nothing is missing). Takes pytest's options, e.g. scripts/test.sh -x -k exec.
 #
-# Tests run on HANGAR_TEST_WORKERS parallel workers (default 2, 3 on a busy host; each its
-# own server), a module (or a group of modules that share host state) whole on one worker:
-# see tests/schedule.py. Pass -n 0 to run them one after another in this process.
+# Tests run on HANGAR_TEST_WORKERS parallel workers (default 2; each its own server),
+# a module (or a group of modules that share host state) whole on one worker: see
+# tests/schedule.py. Pass -n 0 to run them one after another in this process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 #
@@ -13,19 +13,12 @@ cd "$(dirname "$0")/.."
 # --base-first); a test that needs one waits for them (tests/conftest.py), and so does this
 # script before it ends: a failed background build fails the run.
 DATA=${HANGAR_DATA_DIR:-/var/lib/hangar}
-# Workers: HANGAR_TEST_WORKERS, else 2, and 3 when other work already keeps the cores busy
-# (at least 90% of all CPU time used over 2 s, read from /proc/stat before the install): the
-# tests' VMs then get a larger share of the machine (docs/operations.md).
-cpu_used() { awk '/^cpu / { print $2+$3+$4+$7+$8+$9, $5+$6 }' /proc/stat; }
-read -r used0 idle0 < <(cpu_used); sleep 2; read -r used1 idle1 < <(cpu_used)
-busy=$(( (used1 - used0) * 10 >= 9 * (used1 - used0 + idle1 - idle0) ? 1 : 0 ))
-WORKERS=${HANGAR_TEST_WORKERS:-$((2 + busy))}
 LATER=0
 if [ -z "${HANGAR_TEST_NO_INSTALL:-}" ]; then
   bash scripts/install.sh --ci --base-first
   LATER=1
 fi
-workers=(-n "$WORKERS" --dist loadscope --no-loadscope-reorder)
+workers=(-n "${HANGAR_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder)
 for arg in "$@"; do
   case "$arg" in -n|-n[0-9]*|--numprocesses|--numprocesses=*) workers=() ;; esac
 done
