@@ -94,33 +94,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-LATER_LOCK = SHARED / "images-later.lock"
-"""Held (exclusive) by ``scripts/install.sh --base-first`` while it builds the images other
-than base in the background."""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def later_images(request: pytest.FixtureRequest) -> None:
-    """A module that needs an image other than base (``schedule.needs_later_images``) first
-    waits for the builds ``scripts/test.sh`` left running (a shared lock on ``LATER_LOCK``);
-    the module's own ``build_image`` then finds its image built (or builds it and says why
-    not)."""
-    import fcntl
-
-    from schedule import needs_later_images
-
-    module = Path(str(request.path)).stem
-    if not needs_later_images(module) or not LATER_LOCK.exists():
-        return
-    with open(LATER_LOCK, "rb") as f:
-        started = time.monotonic()
-        fcntl.flock(f, fcntl.LOCK_SH)
-        waited = time.monotonic() - started
-    if waited > 1:
-        print(f"\n{module}: waited {waited:.0f} s for the images built in the background",
-              file=sys.stderr)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def vmm_uid_claims() -> Iterator[None]:
     """At the end, the VMM uid claims that servers killed mid-test left behind (their data
