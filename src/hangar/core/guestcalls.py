@@ -177,7 +177,7 @@ class GuestCalls:
         ctx = self.ctx
         for attempt in range(3):
             # A sandbox this server holds a VM for is not asleep (a wake in progress holds
-            # the lock taken below), so the common call reads its record once, not twice.
+            # the lock taken below), so the common call reads its state once, not twice.
             if attempt or ctx.registry.get(sandbox_id) is None:
                 if ctx.state(sandbox_id) in (State.SLEEPING, State.WAKING):
                     await self.sleeper.wake(sandbox_id)
