@@ -6,6 +6,10 @@
 #   scripts/install.sh --dev       also build the dev image (the agent tools' vm tier)
 #   scripts/install.sh --code-interpreter  also build the code-interpreter image (run_code)
 #   scripts/install.sh --ci        install, build every image, do not start (what CI runs)
+#   scripts/install.sh --ci --base-first  build the base image, then leave the others building
+#                                  in the background and return (scripts/test.sh: the tests
+#                                  begin meanwhile; $HANGAR_DATA_DIR/images-later.lock is
+#                                  held until they are built, images-later.log says how)
 #   scripts/install.sh --service   run Hangar as the systemd service hangar.service
 #                                  (deploy/hangar.service) instead of with nohup
 #   scripts/install.sh --cluster   this host is a node of a cluster (docs/cluster.md): also
@@ -30,6 +34,7 @@ CODEINT=0
 TEST_TOOLS=0
 SERVICE=0
 CLUSTER=0
+BASE_FIRST=0
 for arg in "$@"; do
   case "$arg" in
     --no-start) START=0 ;;
@@ -39,6 +44,7 @@ for arg in "$@"; do
     --ci) START=0; DESKTOP=1; DEV=1; CODEINT=1; TEST_TOOLS=1 ;;
     --service) SERVICE=1 ;;
     --cluster) CLUSTER=1 ;;
+    --base-first) BASE_FIRST=1 ;;
     *) echo "unknown option: $arg" >&2; exit 2 ;;
   esac
 done
@@ -141,12 +147,33 @@ IMAGES=(base)
 [ "$DESKTOP" = 1 ] && IMAGES+=(desktop)
 [ "$DEV" = 1 ] && IMAGES+=(dev)
 [ "$CODEINT" = 1 ] && IMAGES+=(code-interpreter)
-say "building the ${IMAGES[*]} guest image(s) side by side (cached; the first build takes several minutes)"
-BUILDS=()
-for name in "${IMAGES[@]}"; do build_image "$name" & BUILDS+=($!); done
-FAILED=0
-for pid in "${BUILDS[@]}"; do wait "$pid" || FAILED=1; done
-[ "$FAILED" = 0 ] || { echo "an image build failed: see its lines above" >&2; exit 1; }
+# Side by side, and wait for them all; an argument names the log they write to.
+build_images() {
+  local pid failed=0 builds=()
+  for name in "$@"; do build_image "$name" & builds+=($!); done
+  for pid in "${builds[@]}"; do wait "$pid" || failed=1; done
+  return $failed
+}
+if [ "$BASE_FIRST" = 1 ] && [ "${#IMAGES[@]}" -gt 1 ]; then
+  # The base image now; the others in the background, holding an exclusive lock on
+  # images-later.lock until they are all built (tests/conftest.py waits for it with a shared
+  # one; their status, 0 or 1, and their lines go to images-later.status and .log).
+  LATER=("${IMAGES[@]:1}")
+  LOCK=$DATA/images-later.lock
+  mkdir -p "$DATA"
+  exec 9>"$LOCK"
+  flock -x 9
+  rm -f "$DATA/images-later.status"
+  say "building the ${LATER[*]} guest image(s) in the background (log: $DATA/images-later.log)"
+  ( set +e; build_images "${LATER[@]}" > "$DATA/images-later.log" 2>&1
+    echo $? > "$DATA/images-later.status" ) 9>&9 </dev/null &
+  exec 9>&-
+  say "building the base guest image (cached; the first build takes several minutes)"
+  build_images base || { echo "the base image build failed: see its lines above" >&2; exit 1; }
+else
+  say "building the ${IMAGES[*]} guest image(s) side by side (cached; the first build takes several minutes)"
+  build_images "${IMAGES[@]}" || { echo "an image build failed: see its lines above" >&2; exit 1; }
+fi
 
 if [ -d /etc/logrotate.d ]; then
   sed "s#/var/log/hangar/#$RUN_DIR/#" deploy/logrotate/hangar > /etc/logrotate.d/hangar.new

@@ -94,6 +94,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LATER_LOCK = SHARED / "images-later.lock"
+"""Held (exclusive) by ``scripts/install.sh --base-first`` while it builds the images other
+than base in the background."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def later_images(request: pytest.FixtureRequest) -> None:
+    """A module that needs an image other than base (``schedule.needs_later_images``) first
+    waits for the builds ``scripts/test.sh`` left running (a shared lock on ``LATER_LOCK``);
+    the module's own ``build_image`` then finds its image built (or builds it and says why
+    not)."""
+    import fcntl
+
+    from schedule import needs_later_images
+
+    module = Path(str(request.path)).stem
+    if not needs_later_images(module) or not LATER_LOCK.exists():
+        return
+    with open(LATER_LOCK, "rb") as f:
+        started = time.monotonic()
+        fcntl.flock(f, fcntl.LOCK_SH)
+        waited = time.monotonic() - started
+    if waited > 1:
+        print(f"\n{module}: waited {waited:.0f} s for the images built in the background",
+              file=sys.stderr)
+    for base_image, d in list(_SPLIT_COPIES):  # servers made before those builds ended
+        if (d / "images").is_dir() and not (d / "images").is_symlink():
+            _link_builds(base_image.parent, d, base_image.name)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def vmm_uid_claims() -> Iterator[None]:
     """At the end, the VMM uid claims that servers killed mid-test left behind (their data
@@ -185,29 +215,8 @@ class Server:
         """Builds and names made in the shared image cache since this server started (a
         template a test built), linked into its images when they are a split server's copy
         and handed to its user as the split hands its own; nothing when it links the cache."""
-        import pwd
-
-        from hangar.privileged.split import give_images
-
-        images = self.data_dir / "images"
-        if images.is_symlink():
-            return
-        pw = pwd.getpwnam(self.env.get("HANGAR_USER", "hangar"))
-        for entry in (SHARED / "images").iterdir():
-            mine = images / entry.name
-            if entry.name.startswith("."):
-                continue
-            if entry.is_symlink():
-                target = os.readlink(entry)
-                if not mine.is_symlink() or os.readlink(mine) != target:
-                    tmp = images / f".{entry.name}.new"
-                    tmp.unlink(missing_ok=True)
-                    tmp.symlink_to(target)
-                    os.replace(tmp, mine)
-            elif entry.is_dir() and not mine.exists():
-                subprocess.run(["cp", "-al", str(entry), str(mine)], capture_output=True)
-                _unlink_locks(images)
-                give_images(mine, pw.pw_uid, pw.pw_gid)
+        if not (self.data_dir / "images").is_symlink():
+            _link_builds(SHARED / "images", self.data_dir)
 
     @property
     def key(self) -> str:
@@ -236,23 +245,51 @@ def link_images(base_image: Path, d: Path, privsep: bool = PRIVSEP) -> None:
     if not privsep:
         (d / "images").symlink_to(base_image.parent)
         return
-    # Only the builds that a name points at (and ``base_image``): older ones are many and
-    # unused, and every entry linked in costs time at the start and removal of a server.
-    cache, images = base_image.parent, d / "images"
-    images.mkdir()
+    (d / "images").mkdir()
+    _link_builds(base_image.parent, d, base_image.name)
+    assert (d / "images" / base_image.name / "rootfs.ext4").exists(), "image copy failed"
+    _SPLIT_COPIES.append((base_image, d))
+
+
+_SPLIT_COPIES: list[tuple[Path, Path]] = []
+"""The (base image, data directory) of each split server whose image cache
+``link_images`` copied: ``later_images`` adds the builds made since to them."""
+
+
+def _link_builds(cache: Path, d: Path, also: str = "") -> None:
+    """Into ``d/images``: the names of the image cache ``cache`` (a name that points
+    elsewhere now is repointed), and a hard-linked copy of each build that a name points at
+    (and ``also``) not already there. Only those builds: older ones are many and unused,
+    and every entry linked in costs time at the start and removal of a server. A build
+    added to a running server's copy is handed to it as ``hangar image build`` hands one
+    (``split.hand_new``)."""
+    from hangar.privileged.split import hand_new
+
+    images = d / "images"
+    started = any(images.iterdir())
     names = [e for e in cache.iterdir() if e.is_symlink() and not e.name.startswith(".")]
-    builds = {base_image.name} | {os.readlink(e) for e in names}
+    builds = {also} - {""} | {os.readlink(e) for e in names}
     for e in names:
-        (images / e.name).symlink_to(os.readlink(e))
-    subprocess.run(["cp", "-al", *(str(cache / b) for b in sorted(builds)
-                                   if (cache / b).is_dir()), str(images)], capture_output=True)
-    assert (images / base_image.name / "rootfs.ext4").exists(), "image copy failed"
-    _unlink_locks(images)
+        target, mine = os.readlink(e), images / e.name
+        if not mine.is_symlink() or os.readlink(mine) != target:
+            tmp = images / f".{e.name}.new"
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(target)
+            os.replace(tmp, mine)
+    new = [b for b in sorted(builds) if (cache / b).is_dir() and not (images / b).exists()]
+    if not new:
+        return
+    subprocess.run(["cp", "-al", *(str(cache / b) for b in new), str(images)],
+                   capture_output=True)
+    for b in new:
+        _unlink_locks(images / b)
+        if started and (images / b).is_dir():
+            hand_new(d, images / b)
 
 
-def _unlink_locks(images: Path) -> None:
-    """Lock files and half-made template snapshots out of a hard-linked image copy."""
-    for snaps in images.glob("*/template-snapshots"):
+def _unlink_locks(build: Path) -> None:
+    """Lock files and half-made template snapshots out of a hard-linked copy of a build."""
+    for snaps in build.glob("template-snapshots"):
         for entry in snaps.iterdir():
             if entry.name.startswith("."):
                 if entry.is_dir() and not entry.is_symlink():

@@ -9,7 +9,11 @@ groups (a scheduler of its own, ``GroupScheduling``) and their order:
 * modules that share state outside their own data directory run as one group, one after
   another (``HOST_GROUP``): the fixed network namespace names of their labs, or the shared
   image cache's build folder and names that they rebuild or inspect;
-* groups are queued longest first (the workers collect, and sort, the tests) (``COST_S``: seconds each module took in a whole run on
+* groups that need an image other than base (``LATER_IMAGES``, and ``HOST_GROUP``, which
+  builds into the image cache) are queued after all others: ``scripts/test.sh`` starts the
+  tests while those images are still being built (``scripts/install.sh --base-first``), and
+  such a module waits for them first (conftest's ``later_images``);
+* within each of those two parts, groups are queued longest first (the workers collect, and sort, the tests) (``COST_S``: seconds each module took in a whole run on
   this kind of machine, 2 cores, TCG), so the long ones do not start last and leave a
   worker idle at the end. A module missing from the table counts as ``DEFAULT_COST_S``.
 
@@ -40,6 +44,15 @@ LAB_IMPORTS = ("netns", "egress_lab", "test_network")
 module that imports one joins ``HOST_GROUP``."""
 
 TESTS = Path(__file__).resolve().parent
+
+LATER_IMAGES: frozenset[str] = frozenset({
+    "test_code_interpreter", "test_desktop", "test_docs", "test_e2b_api", "test_e2b_domain",
+    "test_e2b_registry", "test_ops_tls", "test_terminal", "test_tools_browser", "test_tools_vm",
+})
+"""Modules that use an image other than base (desktop, dev, code-interpreter), look at
+whether one is built (test_e2b_api), run ``hangar image gc`` on the image cache, which
+waits for every recipe's build lock (test_e2b_registry), or run the docs' examples
+(test_docs)."""
 
 
 COST_S: dict[str, int] = {
@@ -145,6 +158,11 @@ def uses_host_state(module: str) -> bool:
                for lab in LAB_IMPORTS)
 
 
+def needs_later_images(module: str) -> bool:
+    """Whether the test module ``module`` must wait for the images built after base."""
+    return module in LATER_IMAGES or uses_host_state(module)
+
+
 def group_of(module: str) -> str:
     """The xdist group of a test module (its name without ``.py``)."""
     return HOST_GROUP if uses_host_state(module) else module
@@ -169,18 +187,21 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On a worker: the tests sorted by group, the costliest group first, each group's tests
-    in file order."""
+    """On a worker: the tests sorted by group, those that need no image but base first, then
+    the costliest group first, each group's tests in file order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     cost: dict[str, int] = {}
+    later: set[str] = set()
     for module in {Path(str(item.fspath)).stem for item in items}:
         group = group_of(module)
         cost[group] = cost.get(group, 0) + COST_S.get(module, DEFAULT_COST_S)
+        if needs_later_images(module):
+            later.add(group)
     place = {id(item): n for n, item in enumerate(items)}
 
-    def key(item: pytest.Item) -> tuple[int, str, int]:
+    def key(item: pytest.Item) -> tuple[bool, int, str, int]:
         group = group_of_nodeid(item.nodeid)
-        return -cost[group], group, place[id(item)]
+        return group in later, -cost[group], group, place[id(item)]
 
     items.sort(key=key)
