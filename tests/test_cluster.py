@@ -77,8 +77,14 @@ def test_three_nodes_join_and_a_stopped_one_disappears(lab: Lab) -> None:
     p.wait(20)
     stopped = time.monotonic()
     assert lab.node_ls()["n4"]["state"] == "ready"  # its lease is still running
-    wait_for(lambda: "n4" not in lab.node_ls(), lab.lease_s + 10, "n4 gone", every=0.3)
-    assert time.monotonic() - stopped <= lab.lease_s + 7  # gone once its lease ended
+    # Gone once its lease ended: no listing begun 7 s past the lease shows it (the listing is
+    # a CLI whose own start takes seconds on a busy host, so its end says nothing).
+    while True:
+        asked = time.monotonic()
+        if "n4" not in lab.node_ls():
+            break
+        assert asked - stopped <= lab.lease_s + 7, "n4 is still listed after its lease ended"
+        time.sleep(0.3)
 
 
 def test_a_record_with_an_unknown_state_is_a_clear_409_and_the_rest_works(lab: Lab) -> None:
