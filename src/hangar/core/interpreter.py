@@ -241,7 +241,8 @@ async def _lines(stack: AsyncExitStack, tunnel: Tunnel, rest: bytes, sandbox_id:
     of them held the loop about a second, review 29h H-H3; one piece a read, 110 ms, 29k
     K-L2). A line longer than ``LINE_HOLD_BYTES`` is passed on in
     pieces as its bytes arrive (the client gets the same bytes), so no line is held whole;
-    one over ``MAX_LINE_BYTES`` is cut: a newline, then an ``OutputTooLarge`` error line."""
+    one over ``MAX_LINE_BYTES`` is cut after that many bytes (however the guest's reads fell):
+    a newline, then an ``OutputTooLarge`` error line."""
     deadline = None if timeout is None else time.monotonic() + timeout
     ended = False
     buf = bytearray(rest)
@@ -252,8 +253,10 @@ async def _lines(stack: AsyncExitStack, tunnel: Tunnel, rest: bytes, sandbox_id:
                 block = bytes(buf[:last + 1])
                 del buf[:last + 1]
                 lines = block.split(b"\n")[:-1]
-                if passed + len(lines[0]) + 1 > MAX_LINE_BYTES or \
-                        max(map(len, lines)) + 1 > MAX_LINE_BYTES:
+                if passed and passed + len(lines[0]) > MAX_LINE_BYTES:
+                    yield lines[0][:MAX_LINE_BYTES - passed] + b"\n" + _too_large()
+                    return
+                if max(map(len, lines)) > MAX_LINE_BYTES:
                     yield b"\n" + _too_large()
                     return
                 first = [lines.pop(0)] if passed else []  # the end of a line in pieces
@@ -264,10 +267,10 @@ async def _lines(stack: AsyncExitStack, tunnel: Tunnel, rest: bytes, sandbox_id:
                     yield b"\n".join(kept) + b"\n"
                 await asyncio.sleep(0)
             if buf and (passed or len(buf) >= LINE_HOLD_BYTES):
-                passed += len(buf)
-                if passed > MAX_LINE_BYTES:
-                    yield b"\n" + _too_large()
+                if passed + len(buf) > MAX_LINE_BYTES:  # its first MAX_LINE_BYTES pass
+                    yield bytes(buf[:MAX_LINE_BYTES - passed]) + b"\n" + _too_large()
                     return
+                passed += len(buf)
                 yield bytes(buf)
                 buf.clear()
             try:
