@@ -155,9 +155,13 @@ build_images() {
   return $failed
 }
 if [ "$BASE_FIRST" = 1 ] && [ "${#IMAGES[@]}" -gt 1 ]; then
-  # The base image now; the others in the background, holding an exclusive lock on
-  # images-later.lock until they are all built (tests/conftest.py waits for it with a shared
-  # one; their status, 0 or 1, and their lines go to images-later.status and .log).
+  # The base image first, alone: builds side by side take turns at the shared apt cache's
+  # lock, and base (what the tests begin with) would wait behind the others' downloads.
+  # Then the others in the background, holding an exclusive lock on images-later.lock
+  # until they are all built (tests/conftest.py waits for it with a shared one; their
+  # status, 0 or 1, and their lines go to images-later.status and .log).
+  say "building the base guest image (cached; the first build takes several minutes)"
+  build_images base || { echo "the base image build failed: see its lines above" >&2; exit 1; }
   LATER=("${IMAGES[@]:1}")
   LOCK=$DATA/images-later.lock
   mkdir -p "$DATA"
@@ -168,8 +172,6 @@ if [ "$BASE_FIRST" = 1 ] && [ "${#IMAGES[@]}" -gt 1 ]; then
   ( set +e; build_images "${LATER[@]}" > "$DATA/images-later.log" 2>&1
     echo $? > "$DATA/images-later.status" ) 9>&9 </dev/null &
   exec 9>&-
-  say "building the base guest image (cached; the first build takes several minutes)"
-  build_images base || { echo "the base image build failed: see its lines above" >&2; exit 1; }
 else
   say "building the ${IMAGES[*]} guest image(s) side by side (cached; the first build takes several minutes)"
   build_images "${IMAGES[@]}" || { echo "an image build failed: see its lines above" >&2; exit 1; }
