@@ -1,7 +1,7 @@
 """pytest plugin: how the suite spreads over parallel workers (registered by conftest.py).
 
 ``scripts/test.sh`` runs the suite on ``HANGAR_TEST_WORKERS`` pytest-xdist workers (default
-2) : each worker is its own pytest session with its own server (conftest's session
+3): each worker is its own pytest session with its own server (conftest's session
 fixtures), and a *group* of tests always runs whole on one worker. This plugin makes the
 groups (a scheduler of its own, ``GroupScheduling``) and their order:
 
@@ -9,10 +9,11 @@ groups (a scheduler of its own, ``GroupScheduling``) and their order:
 * modules that share state outside their own data directory run as one group, one after
   another (``HOST_GROUP``): the fixed network namespace names of their labs, or the shared
   image cache's build folder and names that they rebuild or inspect;
-* groups that need an image other than base (``LATER_IMAGES``, and ``HOST_GROUP``, which
-  builds into the image cache) are queued after all others: ``scripts/test.sh`` starts the
-  tests while those images are still being built (``scripts/install.sh --base-first``), and
-  such a module waits for them first (conftest's ``later_images``);
+* ``scripts/test.sh`` starts the tests while the images other than base are still being
+  built (``scripts/install.sh --base-first``), and a module that needs one of them, or
+  builds into the image cache (``needs_later_images``), waits for them first (conftest's
+  ``later_images``). So groups whose every module waits are queued after all others, and
+  within a group (``HOST_GROUP``) the modules that wait come after those that do not;
 * within each of those two parts, groups are queued longest first (the workers collect, and sort, the tests) (``COST_S``: seconds each module took in a whole run on
   this kind of machine, 2 cores, TCG), so the long ones do not start last and leave a
   worker idle at the end. A module missing from the table counts as ``DEFAULT_COST_S``.
@@ -159,8 +160,9 @@ def uses_host_state(module: str) -> bool:
 
 
 def needs_later_images(module: str) -> bool:
-    """Whether the test module ``module`` must wait for the images built after base."""
-    return module in LATER_IMAGES or uses_host_state(module)
+    """Whether the test module ``module`` must wait for the images built after base: it
+    uses one, or builds into the image cache (``SHARED_STATE``)."""
+    return module in LATER_IMAGES or module in SHARED_STATE
 
 
 def group_of(module: str) -> str:
@@ -187,21 +189,37 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On a worker: the tests sorted by group, those that need no image but base first, then
-    the costliest group first, each group's tests in file order."""
+    """On a worker: the tests sorted by group, the groups of which some module needs no
+    image but base first, then the costliest group first; in a group, the modules that need
+    no other image first, each module's tests in file order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     cost: dict[str, int] = {}
-    later: set[str] = set()
+    sooner: set[str] = set()
     for module in {Path(str(item.fspath)).stem for item in items}:
         group = group_of(module)
         cost[group] = cost.get(group, 0) + COST_S.get(module, DEFAULT_COST_S)
-        if needs_later_images(module):
-            later.add(group)
+        if not needs_later_images(module):
+            sooner.add(group)
     place = {id(item): n for n, item in enumerate(items)}
 
-    def key(item: pytest.Item) -> tuple[bool, int, str, int]:
-        group = group_of_nodeid(item.nodeid)
-        return group in later, -cost[group], group, place[id(item)]
+    def key(item: pytest.Item) -> tuple[bool, int, str, bool, int]:
+        module = Path(str(item.fspath)).stem
+        group = group_of(module)
+        return group not in sooner, -cost[group], group, needs_later_images(module), \
+            place[id(item)]
 
     items.sort(key=key)
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    """On a worker, with ``HANGAR_TEST_TIMELINE`` set (a file's path), a line per test as it
+    ends: the wall clock, the worker and the test's id, appended; shows how a run's groups
+    fell on its workers (which one ran last, and alone)."""
+    path = os.environ.get("HANGAR_TEST_TIMELINE")
+    if path and os.environ.get("PYTEST_XDIST_WORKER"):
+        import time
+
+        with open(path, "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} "
+                    f"{os.environ['PYTEST_XDIST_WORKER']} {nodeid}\n")
