@@ -35,7 +35,7 @@ from e2b.envd.process import process_pb
 from packaging.version import Version
 from protobuf import Oneof
 
-from conftest import SRC, Server, cleanup, free_port, make_data_dir
+from conftest import SRC, Server, own_server
 from loop_stalls import HealthWatch
 
 from hangar.api.envd.versions import ENVD_VERSION
@@ -85,10 +85,7 @@ def e2b_key(srv: Server) -> str:
 
 @pytest.fixture(scope="module")
 def env(base_image: Path) -> Iterator[Env]:
-    d = make_data_dir(base_image)
-    srv = Server(d, free_port(), {"HANGAR_DOMAIN": DOMAIN})
-    try:
-        srv.start()
+    with own_server(base_image, {"HANGAR_DOMAIN": DOMAIN}) as srv:  # its folder removed after
         key = e2b_key(srv)
         with srv.client() as c:
             sbx = Sandbox.create("base", timeout=3600, api_url=f"{srv.url}/e2b", api_key=key,
@@ -96,9 +93,6 @@ def env(base_image: Path) -> Iterator[Env]:
             assert sbx.get_info().envd_version == ENVD_VERSION
             yield Env(srv, c, key, sbx)
             sbx.kill()
-    finally:
-        leaked = cleanup(srv)
-        assert not leaked, f"VMM processes outlived the module: {leaked}"
 
 
 # -- commands -----------------------------------------------------------------------------
