@@ -94,20 +94,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-LATER_LOCK = SHARED / "images-later.lock"
-"""Held (exclusive) by ``scripts/install.sh --base-first`` while it builds the images other
-than base in the background."""
-
-
 @pytest.fixture(scope="module", autouse=True)
 def later_images(request: pytest.FixtureRequest) -> None:
-    """A module that needs an image other than base (``schedule.needs_later_images``) first
-    waits for the builds ``scripts/test.sh`` left running (a shared lock on ``LATER_LOCK``);
-    the module's own ``build_image`` then finds its image built (or builds it and says why
-    not)."""
+    """A module that needs an image other than base, or builds into the image cache
+    (``schedule.needs_later_images``), first waits for the builds ``scripts/test.sh`` left
+    running (a shared lock on ``schedule.LATER_LOCK``), then links what they made into the
+    split servers made before; the module's own ``build_image`` then finds its image built
+    (or builds it and says why not)."""
     import fcntl
 
-    from schedule import needs_later_images
+    from schedule import LATER_LOCK, needs_later_images
 
     module = Path(str(request.path)).stem
     if not needs_later_images(module) or not LATER_LOCK.exists():

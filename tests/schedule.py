@@ -9,14 +9,15 @@ groups (a scheduler of its own, ``GroupScheduling``) and their order:
 * modules that share state outside their own data directory run as one group, one after
   another (``HOST_GROUP``): the fixed network namespace names of their labs, or the shared
   image cache's build folder and names that they rebuild or inspect;
-* ``scripts/test.sh`` starts the tests while the images other than base are still being
-  built (``scripts/install.sh --base-first``), and a module that needs one of them, or
-  builds into the image cache (``needs_later_images``), waits for them first (conftest's
-  ``later_images``). So groups whose every module waits are queued after all others, and
-  within a group (``HOST_GROUP``) the modules that wait come after those that do not;
-* within each of those two parts, groups are queued longest first (the workers collect, and sort, the tests) (``COST_S``: seconds each module took in a whole run on
+* groups are queued longest first (the workers collect, and sort, the tests) (``COST_S``: seconds each module took in a whole run on
   this kind of machine, 2 cores, TCG), so the long ones do not start last and leave a
-  worker idle at the end. A module missing from the table counts as ``DEFAULT_COST_S``.
+  worker idle at the end. A module missing from the table counts as ``DEFAULT_COST_S``;
+* ``scripts/test.sh`` starts the tests while the images other than base are still being
+  built (``scripts/install.sh --base-first``, which holds ``LATER_LOCK`` meanwhile), and a
+  module that needs one of them, or builds into the image cache (``needs_later_images``),
+  waits for them first (conftest's ``later_images``). So while they build, a worker that
+  asks for work gets the first queued group with a module that need not wait
+  (``waits``), and within a group (``HOST_GROUP``) the modules that wait come last.
 
 Without workers (``-n 0`` or no xdist) nothing changes: tests run in file order.
 """
@@ -165,6 +166,32 @@ def needs_later_images(module: str) -> bool:
     return module in LATER_IMAGES or module in SHARED_STATE
 
 
+LATER_LOCK = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar")) / "images-later.lock"
+"""Held (exclusive) by ``scripts/install.sh --base-first`` while it builds the images other
+than base in the background."""
+
+
+def images_building() -> bool:
+    """Whether ``scripts/install.sh --base-first`` is still building the images other than
+    base (someone holds ``LATER_LOCK``)."""
+    import fcntl
+
+    try:
+        with open(LATER_LOCK, "rb") as f:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def waits(group: str) -> bool:
+    """Whether every module of ``group`` waits for the images built after base (a group of
+    one module is named after it)."""
+    return group != HOST_GROUP and needs_later_images(group)
+
+
 def group_of(module: str) -> str:
     """The xdist group of a test module (its name without ``.py``)."""
     return HOST_GROUP if uses_host_state(module) else module
@@ -185,28 +212,32 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return group_of_nodeid(nodeid)
 
+        def _assign_work_unit(self, node: Any) -> None:
+            # xdist gives a worker its next group when it has at most 2 tests left
+            if images_building():
+                ready = next((g for g in self.workqueue if not waits(g)), None)
+                if ready is not None:
+                    self.workqueue.move_to_end(ready, last=False)
+            super()._assign_work_unit(node)
+
     return GroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On a worker: the tests sorted by group, the groups of which some module needs no
-    image but base first, then the costliest group first; in a group, the modules that need
-    no other image first, each module's tests in file order."""
+    """On a worker: the tests sorted by group, the costliest group first; in a group, the
+    modules that need not wait for the images built after base first, each module's tests
+    in file order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     cost: dict[str, int] = {}
-    sooner: set[str] = set()
     for module in {Path(str(item.fspath)).stem for item in items}:
         group = group_of(module)
         cost[group] = cost.get(group, 0) + COST_S.get(module, DEFAULT_COST_S)
-        if not needs_later_images(module):
-            sooner.add(group)
     place = {id(item): n for n, item in enumerate(items)}
 
-    def key(item: pytest.Item) -> tuple[bool, int, str, bool, int]:
+    def key(item: pytest.Item) -> tuple[int, str, bool, int]:
         module = Path(str(item.fspath)).stem
-        group = group_of(module)
-        return group not in sooner, -cost[group], group, needs_later_images(module), \
+        return -cost[group_of(module)], group_of(module), needs_later_images(module), \
             place[id(item)]
 
     items.sort(key=key)
