@@ -54,7 +54,6 @@ BODY = "hello from the stand-in internet\n"
 DNS = "10.0.0.53"
 META6 = "fd00:ec2::254"
 SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
-AGENT_TIMEOUT_S = 120.0
 
 
 needs_netns = pytest.mark.skipif(can_netns() is not None, reason=str(can_netns()))
@@ -363,6 +362,7 @@ class Guests:
     """Booted VMs, their agents and attachments, in ``hg-host``; stops all on ``close``."""
 
     def __init__(self, root: Path, manager: NetworkManager) -> None:
+        from hangar.config import Settings
         from hangar.engines.qemu import QemuEngine, choose_accel
         from hangar.images import resolve_image
         from hangar.layout import Layout
@@ -373,6 +373,9 @@ class Guests:
         self.image = resolve_image(self.layout, "base")
         accel, _ = choose_accel(self.layout, self.image.kernel, self.image.initrd)
         self.engine = QemuEngine(accel)
+        # as long as a server waits for a booting guest (180 s under TCG: five cold boots
+        # at once beside the suite's other work and stress-ng took over 120)
+        self.boot_deadline_s = Settings().boot_deadline_s(accel)
         self.engine.network_namespace = Path("/run/netns") / NS_HOST
         self.manager = manager
         self.vms: dict[str, object] = {}
@@ -387,7 +390,7 @@ class Guests:
         self.nets[sid] = net
         spec = VMSpec(sid, self.image, self.layout.sandbox(sid), memory_mib=256, net=net)
         self.vms[sid] = vm = await self.engine.boot(spec)
-        self.agents[sid] = await self.engine.connect_agent(vm, AGENT_TIMEOUT_S)  # type: ignore[arg-type]
+        self.agents[sid] = await self.engine.connect_agent(vm, self.boot_deadline_s)  # type: ignore[arg-type]
 
     async def sh(self, sid: str, command: str, timeout: float = 60) -> tuple[int, str]:
         r = await self.agents[sid].exec(  # type: ignore[attr-defined]
