@@ -115,9 +115,10 @@ def later_images(request: pytest.FixtureRequest) -> None:
     if waited > 1:
         print(f"\n{module}: waited {waited:.0f} s for the images built in the background",
               file=sys.stderr)
-    for base_image, d in list(_SPLIT_COPIES):  # servers made before those builds ended
-        if (d / "images").is_dir() and not (d / "images").is_symlink():
-            _link_builds(base_image.parent, d, base_image.name)
+    # servers made before those builds ended (a removed one is forgotten)
+    _SPLIT_COPIES[:] = [(b, d) for b, d in _SPLIT_COPIES if (d / "images").is_dir()]
+    for base_image, d in _SPLIT_COPIES:
+        _link_builds(base_image.parent, d, base_image.name)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -187,9 +187,10 @@ def images_building() -> bool:
 
 
 def waits(group: str) -> bool:
-    """Whether every module of ``group`` waits for the images built after base (a group of
-    one module is named after it)."""
-    return group != HOST_GROUP and needs_later_images(group)
+    """Whether every module of ``group`` waits for the images built after base: a group of
+    one module is named after it; ``HOST_GROUP`` names no module, and has some that need
+    not wait."""
+    return needs_later_images(group)
 
 
 def group_of(module: str) -> str:
