@@ -99,6 +99,7 @@ COST_S: dict[str, int] = {
     "test_ports": 25,
     "test_images": 25,
     "test_qemu_snapshot": 24,
+    "test_boot_stall": 15,
     "test_cli": 23,
     "test_e2b_api": 23,
     "test_e2b_builds": 60,

@@ -214,6 +214,21 @@ class GuestError(HangarError):
     status, code = 502, "guest_error"
 
 
+class BootStalled(GuestError):
+    """A cold boot that can never finish: the guest's kernel runs without a timer.
+
+    Seen under emulation on a host whose CPU is contended: when the vCPU
+    is descheduled for 100 ms or more just as the guest kernel calibrates
+    its local APIC timer against the TSC, the calibration window shrinks to
+    microseconds, the kernel judges the timer too slow and disables it, and
+    a one-vCPU microVM has no other tick (``hangar.engines.qemu.stall``).
+    The core boots such a sandbox again (``hangar.engines.base.BOOT_ATTEMPTS``) before it gives
+    up with this error.
+    """
+
+    code = "boot_stalled"
+
+
 class EngineError(HangarError):
     status, code = 500, "engine_error"
 
@@ -233,6 +248,6 @@ BY_CODE: dict[str, type[HangarError]] = {
         NotFound,
         Gone, Conflict, Busy, Deleting, ImageMissing, DiskFull, VolumeCorrupt, NoInterpreter,
         TooLarge, LimitExceeded, QuotaExceeded,
-        Timeout, RequestTimeout, GuestError, EngineError, ImageError, ConfigError,
+        Timeout, RequestTimeout, GuestError, BootStalled, EngineError, ImageError, ConfigError,
     )
 }

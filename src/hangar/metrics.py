@@ -186,6 +186,9 @@ class Metrics:
         self.boot_phase_seconds = Histogram(
             "hangar_boot_phase_seconds", "Phases of cold boots (hangar.engines.boot_phases)",
             ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+        self.boot_stalls = Counter(
+            "hangar_boot_stalls_total", "Cold boots given up because their guest could never "
+            "finish booting (hangar.errors.BootStalled); each is booted again", registry=r)
         self.pool_hits = Counter("hangar_pool_hits_total",
                                  "Creates served by a warm-pool VM", registry=r)
         self.pool_misses = Counter("hangar_pool_misses_total",

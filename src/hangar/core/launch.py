@@ -44,11 +44,11 @@ from hangar.core.templates import TemplateSnapshots, nic_of
 from hangar.core.store import SandboxRecord, SnapshotRecord
 from hangar.core.testhooks import crash_point
 from hangar.core.volumes import Volumes
-from hangar.engines.base import VM, VMSpec
+from hangar.engines.base import BOOT_ATTEMPTS, VM, VMSpec
 from hangar.engines.boot_phases import boot_phases
 from hangar.engines.boot_phases import describe as describe_phases
 from hangar.engines.snapshot_io import refresh_guest
-from hangar.errors import Conflict, GuestError, HangarError, InvalidRequest, Timeout
+from hangar.errors import BootStalled, Conflict, GuestError, HangarError, InvalidRequest, Timeout
 from hangar.engines.agent_client import AgentClient, SessionRestarted, exec_meta
 from hangar.guest import paths
 from hangar.guest.desktop import CMDLINE_KEY
@@ -196,12 +196,15 @@ class Launcher:
 
     async def launch(self, rec: SandboxRecord, start: Callable[[NetAttachment | None], Awaitable[VM]],
                      expect: Collection[State], *, with_nic: bool = True,
-                     ready: Ready | None = None, crash_step: str | None = None) -> Runtime:
+                     ready: Ready | None = None, crash_step: str | None = None,
+                     cold: bool = False) -> Runtime:
         """Start ``rec``'s VM with ``start(nic)`` and connect its agent.
 
         The runtime is registered as soon as the VMM runs. If the record has
         left ``expect`` by then (a delete took it), the VM is stopped and
         ``Conflict`` raised. On any failure nothing is left but the record.
+        ``cold``: the guest boots from its kernel (the engine watches for a
+        boot that can never finish: ``Engine.connect_agent``, ``BootStalled``).
         """
         ctx = self.ctx
         vm: VM | None = None
@@ -218,7 +221,7 @@ class Launcher:
             if crash_step:
                 crash_point(crash_step)
             rt.agent = await ctx.engine.connect_agent(
-                vm, ctx.settings.boot_deadline_s(ctx.engine.accel))
+                vm, ctx.settings.boot_deadline_s(ctx.engine.accel), cold=cold)
             if ready is not None:
                 await ready(rt.agent, net)
             await self.secure(rec, rt.agent)
@@ -284,6 +287,8 @@ class Launcher:
 
         The boot's phases (``hangar.engines.boot_phases``, up to the agent's
         HELLO) go to the log (``boot`` line) and to ``hangar_boot_phase_seconds``.
+        A boot the engine finds can never finish (``BootStalled``) is made again
+        from the start, ``BOOT_ATTEMPTS`` times in all (``hangar_boot_stalls_total``).
         """
         started = time.monotonic()
         template = image.template
@@ -294,9 +299,18 @@ class Launcher:
             if template is not None and needs_start(template):
                 await run_template(agent, template, name=image.name, sandbox_id=rec.id)
 
-        return await self.launch(
-            rec, lambda net: self.ctx.engine.boot(self.spec(rec, image, net, disk_from)),
-            expect, crash_step=crash_step, ready=ready)
+        for attempt in range(1, BOOT_ATTEMPTS + 1):
+            try:
+                return await self.launch(
+                    rec, lambda net: self.ctx.engine.boot(self.spec(rec, image, net, disk_from)),
+                    expect, crash_step=crash_step, ready=ready, cold=True)
+            except BootStalled as exc:
+                self.ctx.metrics.boot_stalls.inc()
+                if attempt == BOOT_ATTEMPTS:
+                    raise
+                log.warning("boot stalled: booting again", extra={
+                    "sandbox_id": rec.id, "attempt": attempt, "error": exc.message})
+        raise AssertionError("unreachable")
 
     async def boot_from(self, rec: SandboxRecord, snap: SnapshotRecord,
                         expect: Collection[State]) -> Runtime:

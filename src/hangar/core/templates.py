@@ -57,9 +57,9 @@ from hangar import durable
 from hangar.config import Settings
 from hangar.core.startup import needs_start, run_template
 from hangar.engines.agent_client import exec_meta
-from hangar.engines.base import VM, Engine, VMSpec
+from hangar.engines.base import BOOT_ATTEMPTS, VM, Engine, VMSpec
 from hangar.engines.snapshot_io import read_manifest
-from hangar.errors import EngineError, GuestError, HangarError, NotFound, Timeout
+from hangar.errors import BootStalled, EngineError, GuestError, HangarError, NotFound, Timeout
 from hangar.guest import paths
 from hangar.guest.desktop import CMDLINE_KEY
 from hangar.images import GuestImage
@@ -209,8 +209,16 @@ class TemplateSnapshots:
                     self.engine.release_snapshot(dest)
                     shutil.rmtree(dest, ignore_errors=True)
                 try:
-                    await self._make(image, key, dest, vcpus, memory_mib, disk_mib,
-                                     kernel_args, nic, lock_fd)
+                    for attempt in range(1, BOOT_ATTEMPTS + 1):
+                        try:
+                            await self._make(image, key, dest, vcpus, memory_mib, disk_mib,
+                                             kernel_args, nic, lock_fd)
+                            break
+                        except BootStalled as exc:
+                            if attempt == BOOT_ATTEMPTS:
+                                raise
+                            log.warning("template boot stalled: booting again", extra={
+                                "image": image.id, "attempt": attempt, "error": exc.message})
                 except (GuestError, Timeout):
                     raise
                 except (HangarError, OSError) as exc:
@@ -254,7 +262,8 @@ class TemplateSnapshots:
                                                   else _policy_for(nic))
             vm = await engine.boot(self.spec(sid, image, vcpus, memory_mib, disk_mib,
                                              kernel_args, net, template_source=True))
-            agent = await engine.connect_agent(vm, self.settings.boot_deadline_s(engine.accel))
+            agent = await engine.connect_agent(vm, self.settings.boot_deadline_s(engine.accel),
+                                               cold=True)
             if needs_start(image.template):
                 await run_template(agent, image.template or {}, name=image.name,
                                    sandbox_id=sid)

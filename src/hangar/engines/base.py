@@ -18,6 +18,8 @@ how to open its channel, ``agent_channel``), and the snapshot manifest
 from __future__ import annotations
 
 import abc
+import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +28,7 @@ from hangar.engines import process, safefs
 from hangar.engines.agent_client import AgentChannel, AgentClient
 from hangar.engines.memory import MemoryUsage, host_usage
 from hangar.engines.process import kill_process
-from hangar.errors import GuestError, Timeout
+from hangar.errors import BootStalled, GuestError, Timeout
 from hangar.layout import SandboxPaths
 
 if TYPE_CHECKING:
@@ -34,7 +36,20 @@ if TYPE_CHECKING:
     from hangar.privileged import Client
     from hangar.net.attachment import NetAttachment
 
-__all__ = ["VM", "Engine", "SnapshotFiles", "VMSpec", "VolumeDrive", "kill_process",
+STALL_FIRST_S = 5.0
+"""Seconds after a cold boot's VMM start before ``boot_stalled`` is first asked; a healthy
+guest under emulation is past its timer's calibration (0.2 s of its own time) by then
+unless its host starves it, and a reading during the calibration itself is not enough."""
+STALL_EVERY_S = 2.0
+"""Seconds between two ``boot_stalled`` readings: far longer than the 100 ms a calibration
+takes, so two readings in a row never both fall inside one."""
+STALL_READINGS = 2
+"""Readings in a row that must say a boot can never finish before it is given up."""
+BOOT_ATTEMPTS = 3
+"""Cold boots made for one sandbox (or template) when each ends in ``BootStalled``, the
+last one's error reaching the caller (``hangar.core.launch``, ``hangar.core.templates``)."""
+
+__all__ = ["BOOT_ATTEMPTS", "VM", "Engine", "SnapshotFiles", "VMSpec", "VolumeDrive", "kill_process",
            "volume_serial"]
 
 
@@ -143,15 +158,28 @@ class Engine(abc.ABC):
     def agent_channel(self, vm: VM) -> AgentChannel:
         """How to open the byte channel to ``vm``'s guest agent (see ``AgentChannel``)."""
 
-    async def connect_agent(self, vm: VM, timeout: float) -> AgentClient:
+    async def boot_stalled(self, vm: VM) -> str | None:
+        """Why ``vm``'s guest, booting cold, can never answer (one line), or None when it
+        may still (or the engine cannot tell). One reading; ``connect_agent`` decides on
+        ``STALL_READINGS`` in a row. This default never tells."""
+        return None
+
+    async def connect_agent(self, vm: VM, timeout: float, *, cold: bool = False) -> AgentClient:
         """Open ``vm``'s agent channel and complete the handshake (``AgentClient.handshake``).
 
         Waits at most ``timeout`` seconds for the guest. Raises ``Timeout``,
         or ``GuestError`` when the VMM exits first; both carry the last lines
         of the guest's console, and the GuestError the VMM's own last words.
+        ``cold``: the guest boots from its kernel; from ``STALL_FIRST_S`` on,
+        every ``STALL_EVERY_S``, the engine is asked whether the boot can still
+        finish (``boot_stalled``), and ``BootStalled`` is raised at once after
+        ``STALL_READINGS`` readings in a row that say it cannot.
         """
         try:
-            return await AgentClient.handshake(self.agent_channel(vm), timeout, alive=vm.alive)
+            handshake = AgentClient.handshake(self.agent_channel(vm), timeout, alive=vm.alive)
+            if not cold:
+                return await handshake
+            return await self._watched(vm, asyncio.ensure_future(handshake))
         except Timeout as exc:
             raise Timeout(f"{exc.message}; console: {self.console_tail(vm.paths)}",
                           sandbox_id=vm.sandbox_id, **exc.context) from None
@@ -160,6 +188,26 @@ class Engine(abc.ABC):
                 raise GuestError(f"{exc.message}; console: {self.console_tail(vm.paths)}",
                                  sandbox_id=vm.sandbox_id, vmm=self.vmm_error(vm)) from None
             raise
+
+    async def _watched(self, vm: VM, handshake: "asyncio.Future[AgentClient]") -> AgentClient:
+        """``handshake``'s result, unless ``boot_stalled`` says ``STALL_READINGS`` times in a
+        row, ``STALL_EVERY_S`` apart, that the guest can never answer: then BootStalled."""
+        try:
+            await asyncio.wait({handshake}, timeout=STALL_FIRST_S)
+            seen = 0
+            while not handshake.done():
+                reason = await self.boot_stalled(vm)
+                seen = seen + 1 if reason is not None else 0
+                if reason is not None and seen >= STALL_READINGS:
+                    raise BootStalled(f"{reason}; console: {self.console_tail(vm.paths)}",
+                                      sandbox_id=vm.sandbox_id)
+                await asyncio.wait({handshake}, timeout=STALL_EVERY_S)
+            return handshake.result()
+        finally:
+            if not handshake.done():
+                handshake.cancel()
+                with contextlib.suppress(BaseException):
+                    await handshake
 
     @staticmethod
     def console_tail(paths: SandboxPaths, lines: int = 3) -> str:

@@ -42,7 +42,7 @@ from hangar.engines.confine import Confinement
 from hangar.engines.memory import MemoryUsage, host_usage
 from hangar.engines.process import VMMProcesses
 from hangar.engines.qemu import disk as qdisk
-from hangar.engines.qemu import migration, qmp
+from hangar.engines.qemu import migration, qmp, stall
 from hangar.engines.qemu import template as tmpl
 from hangar.engines.qemu.argv import BALLOON_ID, MemoryTuning, QemuCommand, RamFile, has_balloon
 from hangar.engines.qemu.probe import QEMU, host_tsc_khz, qemu_version
@@ -274,6 +274,16 @@ class QemuEngine(Engine):
         held = self._held.pop(pid, None) if pid else None
         if held is not None:
             held[1].close()
+
+    async def boot_stalled(self, vm: VM) -> str | None:
+        """``stall.REASON`` when QEMU shows the guest's APIC timer left in Linux's
+        calibration state (``hangar.engines.qemu.stall``), else None (also when QMP
+        does not answer: the handshake's own deadline covers that)."""
+        try:
+            text = await self._qmp(vm, "human-monitor-command", **{"command-line": "info lapic"})
+        except EngineError:
+            return None
+        return stall.REASON if isinstance(text, str) and stall.timer_stalled(text) else None
 
     async def _qmp(self, vm: VM, command: str, **args: object) -> object:
         """One QMP command to ``vm``'s QEMU (``qmp.execute``); raises EngineError."""
