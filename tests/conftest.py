@@ -35,7 +35,10 @@ from typing import TypeVar
 import httpx
 import pytest
 
+from hangar.engines.agent_client import AgentClient
+from hangar.engines.base import BOOT_ATTEMPTS, VM, Engine, VMSpec
 from hangar.engines.process import vmm_pids  # noqa: F401 (the tests import it from here)
+from hangar.errors import BootStalled
 
 pytest_plugins = [
     "log_guard",  # secrets the suite handled stay out of logs, stores, backups
@@ -86,6 +89,25 @@ class Waits:
 
     def vm(self, k: float, floor: float = VM_WAIT_FLOOR_S) -> float:
         return max(floor, k * self.boot_s)
+
+
+async def boot_cold(engine: Engine, spec: VMSpec, timeout: float) -> tuple[VM, AgentClient]:
+    """``engine.boot(spec)`` and its agent, as the core boots a sandbox
+    (``hangar.core.launch``): a boot found stalled (``BootStalled``: its guest kernel
+    disabled its only timer) is made again, ``BOOT_ATTEMPTS`` boots in all. The VM
+    of a failed boot is stopped here; the caller owns the one returned."""
+    for attempt in range(1, BOOT_ATTEMPTS + 1):
+        vm = await engine.boot(spec)
+        try:
+            return vm, await engine.connect_agent(vm, timeout, cold=True)
+        except BootStalled:
+            await engine.stop(vm)
+            if attempt == BOOT_ATTEMPTS:
+                raise
+        except BaseException:
+            await engine.stop(vm)
+            raise
+    raise AssertionError("unreachable")
 
 
 def free_port() -> int:

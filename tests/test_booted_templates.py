@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import SHARED, SRC, Server, cleanup, free_port, make_data_dir, vmm_pids
+from conftest import SHARED, SRC, Server, boot_cold, cleanup, free_port, make_data_dir, vmm_pids
 
 from hangar.images import resolve_image
 from hangar.images.template_builder import build_template, remove_template
@@ -276,9 +276,8 @@ def test_clones_of_one_template_get_their_own_mac_and_address_and_reach_the_netw
         g.nets["tpl-net"] = net
         spec = VMSpec("tpl-net", g.image, g.layout.sandbox("tpl-net"), memory_mib=256, net=net,
                       template_source=True)
-        vm = await g.engine.boot(spec)
+        vm, agent = await boot_cold(g.engine, spec, 120)
         g.vms["tpl-net"] = vm
-        agent = await g.engine.connect_agent(vm, 120)
         await agent.exec({"op": "exec", "shell": "true", "timeout": 30})
         dest = tmp_path / "tpl"
         await g.engine.snapshot(vm, dest, template=True)

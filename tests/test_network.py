@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import vmm_pids
+from conftest import boot_cold, vmm_pids
 from netns import can_netns, delete_namespaces, kill_groups, remove_namespaces, run
 
 from hangar.errors import InvalidRequest
@@ -389,8 +389,8 @@ class Guests:
         net = await (manager or self.manager).attach_async(sid, policy)  # type: ignore[arg-type]
         self.nets[sid] = net
         spec = VMSpec(sid, self.image, self.layout.sandbox(sid), memory_mib=256, net=net)
-        self.vms[sid] = vm = await self.engine.boot(spec)
-        self.agents[sid] = await self.engine.connect_agent(vm, self.boot_deadline_s)  # type: ignore[arg-type]
+        self.vms[sid], self.agents[sid] = await boot_cold(
+            self.engine, spec, self.boot_deadline_s)  # type: ignore[arg-type]
 
     async def sh(self, sid: str, command: str, timeout: float = 60) -> tuple[int, str]:
         r = await self.agents[sid].exec(  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import vmm_pids
+from conftest import boot_cold, vmm_pids
 
 from hangar.engines import snapshot_io
 from hangar.engines.agent_client import AgentClient
@@ -63,9 +63,8 @@ class Env:
         return self.root / "snapshots" / name
 
     async def boot(self, name: str) -> tuple[VM, AgentClient]:
-        vm = await self.engine.boot(self.spec(name))
+        vm, agent = await boot_cold(self.engine, self.spec(name), AGENT_TIMEOUT_S)
         self.vms.append(vm)
-        agent = await self.engine.connect_agent(vm, AGENT_TIMEOUT_S)
         self.agents.append(agent)
         return vm, agent
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import vmm_pids
+from conftest import boot_cold, vmm_pids
 
 from hangar.engines import process, snapshot_io
 from hangar.engines.agent_client import AgentClient
@@ -107,9 +107,8 @@ class Running:
         self.agents: list[AgentClient] = []
 
     async def boot(self, name: str) -> tuple[VM, AgentClient]:
-        vm = await self.t.engine.boot(self.t.spec(name))
+        vm, agent = await boot_cold(self.t.engine, self.t.spec(name), AGENT_TIMEOUT_S)
         self.vms.append(vm)
-        agent = await self.t.engine.connect_agent(vm, AGENT_TIMEOUT_S)
         self.agents.append(agent)
         return vm, agent
 
@@ -162,9 +161,8 @@ def template(base_image: Path) -> Iterator[Template]:
     async def make() -> None:
         spec = VMSpec("source", image, layout.sandbox("source"), memory_mib=MEMORY_MIB,
                       template_source=True)
-        vm = await engine.boot(spec)
+        vm, agent = await boot_cold(engine, spec, AGENT_TIMEOUT_S)
         try:
-            agent = await engine.connect_agent(vm, AGENT_TIMEOUT_S)
             await sh(agent, "echo template > /root/made.txt; sync")
             await asyncio.sleep(5)  # the guest settles, as a template's ready check would
             await engine.snapshot(vm, t.snap, template=True)
