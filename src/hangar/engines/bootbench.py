@@ -34,7 +34,7 @@ async def boot_once(engine: Engine, image: GuestImage, layout: Layout, n: int,
     started = time.perf_counter()
     vm = await engine.boot(spec)
     try:
-        agent = await engine.connect_agent(vm, BOOT_TIMEOUT_S)
+        agent = await engine.connect_agent(vm, BOOT_TIMEOUT_S, cold=True)  # a stall: BootStalled
         try:
             phases = boot_phases(agent.hello, time.perf_counter() - started)
             await agent.exec(exec_meta(argv=["true"]))
