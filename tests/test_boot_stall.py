@@ -69,7 +69,11 @@ def test_only_the_calibration_state_reads_as_stalled() -> None:
     # before the kernel touches it (reset state), and periodic but running
     assert not stall.timer_stalled(lapic_text("0x00010000", 0))
     assert not stall.timer_stalled(lapic_text("0x000200ec", 268435455))
-    # masked periodic with another count: not Linux's calibration
+    # shut down after a failed verification of the calibration: dead too
+    assert stall.timer_stalled(lapic_text("0x000300ec", 0))
+    # a healthy guest's one-shot timer with nothing pending ("oneshot stopped")
+    assert not stall.timer_stalled(lapic_text("0x000100ec", 0))
+    # masked periodic with another count: not a state Linux leaves
     assert not stall.timer_stalled(lapic_text("0x000300ec", 4000000))
     for junk in ("", "unknown command: 'info lapic'", HUNG.replace("LVTT", "LVTX")):
         assert not stall.timer_stalled(junk)

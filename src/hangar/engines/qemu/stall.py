@@ -18,10 +18,18 @@ at load 20 (QEMU 7.2, Debian's 6.1 kernel), and once in a quiet CI run;
 the guest's task dump (sysrq ``w``) showed ``mount`` and a kworker in
 ``synchronize_rcu`` and the vCPU halted with that timer state.
 
-``timer_stalled`` reads that state from QEMU's ``info lapic`` (through QMP's
-``human-monitor-command``). During the calibration itself the timer is in
-the same state for about 100 ms, so a caller decides only on two readings
-some seconds apart (``hangar.engines.base.Engine.connect_agent``).
+The calibration's second step can end the same way: the kernel runs the
+timer periodic against the jiffies, and if the counts disagree (a stall in
+that window) it prints "APIC timer disabled due to verification failure"
+and shuts the timer down, masked and still periodic, with a count of 0.
+
+``timer_stalled`` reads either state from QEMU's ``info lapic`` (through
+QMP's ``human-monitor-command``): the timer masked, periodic, on Linux's
+timer vector. A healthy guest's timer is one-shot once booted (masked only
+while no timer is pending: "oneshot stopped"), and periodic only unmasked.
+During the calibration itself the timer is in the first state for about
+100 ms, so a caller decides only on two readings some seconds apart
+(``hangar.engines.base.Engine.connect_agent``).
 """
 
 from __future__ import annotations
@@ -43,9 +51,10 @@ REASON = ("the guest kernel disabled its APIC timer (its calibration was starved
 
 
 def timer_stalled(info_lapic: str) -> bool:
-    """Whether QEMU's ``info lapic`` text shows the first vCPU's timer left as Linux's
-    calibration arms it (masked, periodic, vector 0xec, count 0x0fffffff); False for
-    any other state and for text it cannot read."""
+    """Whether QEMU's ``info lapic`` text shows the first vCPU's timer as Linux leaves it
+    when its calibration fails (masked, periodic, vector 0xec: at the calibration's count
+    0x0fffffff, or 0 after a failed verification); False for any other state and for
+    text it cannot read."""
     lvtt = _LVTT.search(info_lapic)
     initial = _INITIAL.search(info_lapic)
     if lvtt is None or initial is None:
@@ -53,4 +62,4 @@ def timer_stalled(info_lapic: str) -> bool:
     value = int(lvtt.group(1), 16)
     return (value & LVT_MASKED != 0 and value & LVT_PERIODIC != 0
             and value & 0xFF == LOCAL_TIMER_VECTOR
-            and int(initial.group(1)) == CALIBRATION_COUNT)
+            and int(initial.group(1)) in (CALIBRATION_COUNT, 0))
