@@ -91,6 +91,27 @@ class Waits:
         return max(floor, k * self.boot_s)
 
 
+@contextlib.contextmanager
+def engine_dir(base_image: Path, prefix: str) -> Iterator[Path]:
+    """A data directory for one engine-level test, under /tmp (short, for Unix socket
+    paths): its ``images`` links to the shared cache, with the shared engine probe. On
+    exit every VMM whose command line still names it is killed, it is removed, and the
+    leak fails the test."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    (root / "images").symlink_to(base_image.parent)
+    probe = SHARED / "engine-probe.json"
+    if probe.exists():
+        shutil.copy(probe, root / "engine-probe.json")
+    try:
+        yield root
+    finally:
+        leaked = vmm_pids(str(root))
+        for pid in leaked:
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(root, ignore_errors=True)
+        assert not leaked, f"VMM processes outlived the test: {leaked}"
+
+
 async def boot_cold(engine: Engine, spec: VMSpec, timeout: float) -> tuple[VM, AgentClient]:
     """``engine.boot(spec)`` and its agent, as the core boots a sandbox
     (``hangar.core.launch``): a boot found stalled (``BootStalled``: its guest kernel

@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import signal
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import vmm_pids
+from conftest import engine_dir
 
 from hangar.engines import base
 from hangar.engines.base import VM, VMSpec
@@ -38,8 +35,6 @@ from hangar.images import resolve_image
 from hangar.layout import Layout
 
 pytestmark = pytest.mark.vm
-
-SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
 
 # QEMU 7.2's `info lapic` for a guest found hung in the suite's boot loop (its
 # console: "APIC frequency too slow, disabling apic timer"; mount and a kworker in
@@ -81,19 +76,8 @@ def test_only_the_calibration_state_reads_as_stalled() -> None:
 
 @pytest.fixture
 def root(base_image: Path) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="hb-", dir="/tmp"))
-    (path / "images").symlink_to(base_image.parent)
-    probe = SHARED / "engine-probe.json"
-    if probe.exists():
-        shutil.copy(probe, path / "engine-probe.json")
-    try:
+    with engine_dir(base_image, "hb-") as path:
         yield path
-    finally:
-        leaked = vmm_pids(str(path))
-        for pid in leaked:
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(path, ignore_errors=True)
-        assert not leaked, f"QEMU processes outlived the test: {leaked}"
 
 
 def engine_and_spec(root: Path, cls: type[QemuEngine] = QemuEngine) -> tuple[QemuEngine, VMSpec]:

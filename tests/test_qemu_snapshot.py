@@ -14,16 +14,14 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import boot_cold, vmm_pids
+from conftest import boot_cold, engine_dir, vmm_pids
 
 from hangar.engines import snapshot_io
 from hangar.engines.agent_client import AgentClient
@@ -35,7 +33,6 @@ from hangar.layout import Layout, SnapshotPaths
 
 pytestmark = pytest.mark.vm
 
-SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
 AGENT_TIMEOUT_S = 90.0
 
 
@@ -92,19 +89,8 @@ class Env:
 
 @pytest.fixture
 def env(base_image: Path) -> Iterator[Env]:
-    root = Path(tempfile.mkdtemp(prefix="hs-", dir="/tmp"))
-    (root / "images").symlink_to(base_image.parent)
-    probe = SHARED / "engine-probe.json"
-    if probe.exists():
-        shutil.copy(probe, root / "engine-probe.json")
-    try:
+    with engine_dir(base_image, "hs-") as root:
         yield Env(root)
-    finally:
-        leaked = qemu_pids(str(root))
-        for pid in leaked:
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(root, ignore_errors=True)
-        assert not leaked, f"QEMU processes outlived the test: {leaked}"
 
 
 async def sh(agent: AgentClient, command: str) -> str:
