@@ -19,8 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import boot_cold, vmm_pids
+from conftest import boot_cold, engine_dir, vmm_pids
 
 from hangar.engines import process, snapshot_io
 from hangar.engines.agent_client import AgentClient
@@ -40,7 +38,6 @@ from hangar.layout import Layout
 
 pytestmark = pytest.mark.vm
 
-SHARED = Path(os.environ.get("HANGAR_DATA_DIR", "/var/lib/hangar"))
 AGENT_TIMEOUT_S = 180.0
 MEMORY_MIB = 256
 CLONES = 10
@@ -146,39 +143,28 @@ class Running:
 
 @pytest.fixture(scope="module")
 def template(base_image: Path) -> Iterator[Template]:
-    root = Path(tempfile.mkdtemp(prefix="ht-", dir="/tmp"))
-    (root / "images").symlink_to(base_image.parent)
-    probe = SHARED / "engine-probe.json"
-    if probe.exists():
-        shutil.copy(probe, root / "engine-probe.json")
-    layout = Layout(root)
-    layout.ensure()
-    image = resolve_image(layout, "base")
-    accel, _ = choose_accel(layout, image.kernel, image.initrd)
-    engine = QemuEngine(accel)
-    t = Template(root, layout, image, engine, root / "snapshots" / "tmpl")
+    with engine_dir(base_image, "ht-") as root:
+        layout = Layout(root)
+        layout.ensure()
+        image = resolve_image(layout, "base")
+        accel, _ = choose_accel(layout, image.kernel, image.initrd)
+        engine = QemuEngine(accel)
+        t = Template(root, layout, image, engine, root / "snapshots" / "tmpl")
 
-    async def make() -> None:
-        spec = VMSpec("source", image, layout.sandbox("source"), memory_mib=MEMORY_MIB,
-                      template_source=True)
-        vm, agent = await boot_cold(engine, spec, AGENT_TIMEOUT_S)
-        try:
-            await sh(agent, "echo template > /root/made.txt; sync")
-            await asyncio.sleep(5)  # the guest settles, as a template's ready check would
-            await engine.snapshot(vm, t.snap, template=True)
-            await agent.close()
-        finally:
-            await engine.stop(vm)
+        async def make() -> None:
+            spec = VMSpec("source", image, layout.sandbox("source"), memory_mib=MEMORY_MIB,
+                          template_source=True)
+            vm, agent = await boot_cold(engine, spec, AGENT_TIMEOUT_S)
+            try:
+                await sh(agent, "echo template > /root/made.txt; sync")
+                await asyncio.sleep(5)  # the guest settles, as a template's ready check would
+                await engine.snapshot(vm, t.snap, template=True)
+                await agent.close()
+            finally:
+                await engine.stop(vm)
 
-    try:
         asyncio.run(make())
         yield t
-    finally:
-        leaked = vmm_pids(str(root))
-        for pid in leaked:
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(root, ignore_errors=True)
-        assert not leaked, f"QEMU processes outlived the tests: {leaked}"
 
 
 def test_template_files_hold_memory_once_and_device_state_only(template: Template) -> None:
