@@ -49,8 +49,8 @@ BOOT_ATTEMPTS = 3
 """Cold boots made for one sandbox (or template) when each ends in ``BootStalled``, the
 last one's error reaching the caller (``hangar.core.launch``, ``hangar.core.templates``)."""
 
-__all__ = ["BOOT_ATTEMPTS", "VM", "Engine", "SnapshotFiles", "VMSpec", "VolumeDrive", "kill_process",
-           "volume_serial"]
+__all__ = ["BOOT_ATTEMPTS", "VM", "Engine", "SnapshotFiles", "VMSpec", "VolumeDrive",
+           "kill_process", "volume_serial"]
 
 
 @dataclass(frozen=True)
