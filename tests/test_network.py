@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import boot_cold, vmm_pids
+from conftest import boot_cold, engine_dir, vmm_pids
 from netns import can_netns, delete_namespaces, kill_groups, remove_namespaces, run
 
 from hangar.errors import InvalidRequest
@@ -416,28 +416,14 @@ class Guests:
             await self.manager.release_async(sid)
 
 
-qemu_pids = vmm_pids  # conftest: VMM processes whose command line names a marker
-
-
 @pytest.fixture
 def guests(manager: NetworkManager, base_image: Path) -> Iterator[Guests]:
-    root = Path(tempfile.mkdtemp(prefix="hn-", dir="/tmp"))
-    (root / "images").symlink_to(base_image.parent)
-    probe = SHARED / "engine-probe.json"
-    if probe.exists():
-        shutil.copy(probe, root / "engine-probe.json")
-    g = Guests(root, manager)
-    try:
-        yield g
-    finally:
+    with engine_dir(base_image, "hn-") as root:
+        g = Guests(root, manager)
         try:
-            asyncio.run(g.close())
+            yield g
         finally:
-            leaked = qemu_pids(str(root))
-            for pid in leaked:
-                os.kill(pid, signal.SIGKILL)
-            shutil.rmtree(root, ignore_errors=True)
-            assert not leaked, f"QEMU processes outlived the test: {leaked}"
+            asyncio.run(g.close())
 
 
 @pytest.mark.vm
