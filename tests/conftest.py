@@ -36,9 +36,8 @@ import httpx
 import pytest
 
 from hangar.engines.agent_client import AgentClient
-from hangar.engines.base import BOOT_ATTEMPTS, VM, Engine, VMSpec
+from hangar.engines.base import VM, Engine, VMSpec, again_if_stalled
 from hangar.engines.process import vmm_pids  # noqa: F401 (the tests import it from here)
-from hangar.errors import BootStalled
 
 pytest_plugins = [
     "log_guard",  # secrets the suite handled stay out of logs, stores, backups
@@ -117,18 +116,15 @@ async def boot_cold(engine: Engine, spec: VMSpec, timeout: float) -> tuple[VM, A
     (``hangar.core.launch``): a boot found stalled (``BootStalled``: its guest kernel
     disabled its only timer) is made again, ``BOOT_ATTEMPTS`` boots in all. The VM
     of a failed boot is stopped here; the caller owns the one returned."""
-    for attempt in range(1, BOOT_ATTEMPTS + 1):
+    async def attempt() -> tuple[VM, AgentClient]:
         vm = await engine.boot(spec)
         try:
             return vm, await engine.connect_agent(vm, timeout, cold=True)
-        except BootStalled:
-            await engine.stop(vm)
-            if attempt == BOOT_ATTEMPTS:
-                raise
         except BaseException:
             await engine.stop(vm)
             raise
-    raise AssertionError("unreachable")
+
+    return await again_if_stalled(attempt, {"sandbox_id": spec.sandbox_id})
 
 
 def free_port() -> int:

@@ -222,8 +222,8 @@ class BootStalled(GuestError):
     its local APIC timer against the TSC, the calibration window shrinks to
     microseconds, the kernel judges the timer too slow and disables it, and
     a one-vCPU microVM has no other tick (``hangar.engines.qemu.stall``).
-    The core boots such a sandbox again (``hangar.engines.base.BOOT_ATTEMPTS``) before it gives
-    up with this error.
+    The core boots such a sandbox again (``hangar.engines.base.again_if_stalled``,
+    ``BOOT_ATTEMPTS`` boots in all) before it gives up with this error.
     """
 
     code = "boot_stalled"

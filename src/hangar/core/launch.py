@@ -44,11 +44,11 @@ from hangar.core.templates import TemplateSnapshots, nic_of
 from hangar.core.store import SandboxRecord, SnapshotRecord
 from hangar.core.testhooks import crash_point
 from hangar.core.volumes import Volumes
-from hangar.engines.base import BOOT_ATTEMPTS, VM, VMSpec
+from hangar.engines.base import VM, VMSpec, again_if_stalled
 from hangar.engines.boot_phases import boot_phases
 from hangar.engines.boot_phases import describe as describe_phases
 from hangar.engines.snapshot_io import refresh_guest
-from hangar.errors import BootStalled, Conflict, GuestError, HangarError, InvalidRequest, Timeout
+from hangar.errors import Conflict, GuestError, HangarError, InvalidRequest, Timeout
 from hangar.engines.agent_client import AgentClient, SessionRestarted, exec_meta
 from hangar.guest import paths
 from hangar.guest.desktop import CMDLINE_KEY
@@ -288,7 +288,8 @@ class Launcher:
         The boot's phases (``hangar.engines.boot_phases``, up to the agent's
         HELLO) go to the log (``boot`` line) and to ``hangar_boot_phase_seconds``.
         A boot the engine finds can never finish (``BootStalled``) is made again
-        from the start, ``BOOT_ATTEMPTS`` times in all (``hangar_boot_stalls_total``).
+        from the start, ``BOOT_ATTEMPTS`` times in all (``again_if_stalled``;
+        ``hangar_boot_stalls_total``).
         """
         started = time.monotonic()
         template = image.template
@@ -299,18 +300,11 @@ class Launcher:
             if template is not None and needs_start(template):
                 await run_template(agent, template, name=image.name, sandbox_id=rec.id)
 
-        for attempt in range(1, BOOT_ATTEMPTS + 1):
-            try:
-                return await self.launch(
-                    rec, lambda net: self.ctx.engine.boot(self.spec(rec, image, net, disk_from)),
-                    expect, crash_step=crash_step, ready=ready, cold=True)
-            except BootStalled as exc:
-                self.ctx.metrics.boot_stalls.inc()
-                if attempt == BOOT_ATTEMPTS:
-                    raise
-                log.warning("boot stalled: booting again", extra={
-                    "sandbox_id": rec.id, "attempt": attempt, "error": exc.message})
-        raise AssertionError("unreachable")
+        return await again_if_stalled(
+            lambda: self.launch(
+                rec, lambda net: self.ctx.engine.boot(self.spec(rec, image, net, disk_from)),
+                expect, crash_step=crash_step, ready=ready, cold=True),
+            {"sandbox_id": rec.id}, self.ctx.metrics.boot_stalls.inc)
 
     async def boot_from(self, rec: SandboxRecord, snap: SnapshotRecord,
                         expect: Collection[State]) -> Runtime:

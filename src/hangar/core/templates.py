@@ -57,9 +57,9 @@ from hangar import durable
 from hangar.config import Settings
 from hangar.core.startup import needs_start, run_template
 from hangar.engines.agent_client import exec_meta
-from hangar.engines.base import BOOT_ATTEMPTS, VM, Engine, VMSpec
+from hangar.engines.base import VM, Engine, VMSpec, again_if_stalled
 from hangar.engines.snapshot_io import read_manifest
-from hangar.errors import BootStalled, EngineError, GuestError, HangarError, NotFound, Timeout
+from hangar.errors import EngineError, GuestError, HangarError, NotFound, Timeout
 from hangar.guest import paths
 from hangar.guest.desktop import CMDLINE_KEY
 from hangar.images import GuestImage
@@ -209,16 +209,9 @@ class TemplateSnapshots:
                     self.engine.release_snapshot(dest)
                     shutil.rmtree(dest, ignore_errors=True)
                 try:
-                    for attempt in range(1, BOOT_ATTEMPTS + 1):
-                        try:
-                            await self._make(image, key, dest, vcpus, memory_mib, disk_mib,
-                                             kernel_args, nic, lock_fd)
-                            break
-                        except BootStalled as exc:
-                            if attempt == BOOT_ATTEMPTS:
-                                raise
-                            log.warning("template boot stalled: booting again", extra={
-                                "image": image.id, "attempt": attempt, "error": exc.message})
+                    await again_if_stalled(
+                        lambda: self._make(image, key, dest, vcpus, memory_mib, disk_mib,
+                                           kernel_args, nic, lock_fd), {"image": image.id})
                 except (GuestError, Timeout):
                     raise
                 except (HangarError, OSError) as exc:

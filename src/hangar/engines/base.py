@@ -20,9 +20,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hangar.engines import process, safefs
 from hangar.engines.agent_client import AgentChannel, AgentClient
@@ -46,11 +48,33 @@ takes, so two readings in a row never both fall inside one."""
 STALL_READINGS = 2
 """Readings in a row that must say a boot can never finish before it is given up."""
 BOOT_ATTEMPTS = 3
-"""Cold boots made for one sandbox (or template) when each ends in ``BootStalled``, the
-last one's error reaching the caller (``hangar.core.launch``, ``hangar.core.templates``)."""
+"""Cold boots made for one sandbox (or template) when each ends in ``BootStalled``
+(``again_if_stalled``, used by ``hangar.core.launch`` and ``hangar.core.templates``)."""
 
 __all__ = ["BOOT_ATTEMPTS", "VM", "Engine", "SnapshotFiles", "VMSpec", "VolumeDrive",
-           "kill_process", "volume_serial"]
+           "again_if_stalled", "kill_process", "volume_serial"]
+
+log = logging.getLogger("hangar.engines")
+T = TypeVar("T")
+
+
+async def again_if_stalled(boot: Callable[[], Awaitable[T]], what: dict[str, Any],
+                           stalled: Callable[[], object] = lambda: None) -> T:
+    """``boot()``'s result, made again while it raises ``BootStalled`` (a cold boot whose
+    guest can never answer: ``Engine.connect_agent``), ``BOOT_ATTEMPTS`` times in all; the
+    last one's error reaches the caller. ``boot`` leaves nothing behind when it raises.
+    Each stall calls ``stalled()`` and, when another boot follows, logs a warning
+    (``boot stalled: booting again``) with ``what`` (ids: never secrets)."""
+    for attempt in range(1, BOOT_ATTEMPTS + 1):
+        try:
+            return await boot()
+        except BootStalled as exc:
+            stalled()
+            if attempt == BOOT_ATTEMPTS:
+                raise
+            log.warning("boot stalled: booting again",
+                        extra={**what, "attempt": attempt, "error": exc.message})
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
