@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -230,8 +229,9 @@ class Engine(abc.ABC):
         finally:
             if not handshake.done():
                 handshake.cancel()
-                with contextlib.suppress(BaseException):
-                    await handshake
+                await asyncio.wait({handshake})  # a cancel of this task still reaches it
+                if not handshake.cancelled() and handshake.exception() is None:
+                    await handshake.result().close()  # it answered as it was given up
 
     @staticmethod
     def console_tail(paths: SandboxPaths, lines: int = 3) -> str:
