@@ -229,6 +229,7 @@ ETCD_PEER_CLIENT_CERT_AUTH=true
 ETCD_PEER_TRUSTED_CA_FILE=/etc/etcd/pki/ca.crt
 ETCD_PEER_CERT_FILE=/etc/etcd/pki/etcd.crt
 ETCD_PEER_KEY_FILE=/etc/etcd/pki/etcd.key
+ETCD_PRE_VOTE=true
 CONF
   if [ -d /run/systemd/system ]; then
     systemctl enable --quiet etcd && systemctl restart etcd

@@ -433,12 +433,14 @@ class Lab:
                 n.fwd.close()
         for ns in [n.ns for n in self.nodes] + [self.lan]:
             run(["ip", "netns", "del", ns], check=False)
-        keep = os.environ.get("HANGAR_CLUSTER_LOGS")  # a folder to keep the nodes' logs in
+        keep = os.environ.get("HANGAR_CLUSTER_LOGS")  # a folder for the nodes' and etcd's logs
         if keep:
             Path(keep).mkdir(parents=True, exist_ok=True)
             for n in self.nodes:
-                if (n.data_dir / "server.log").exists():
-                    shutil.copy(n.data_dir / "server.log", Path(keep) / f"{n.name}.log")
+                for src, name in ((n.data_dir / "server.log", f"{n.name}.log"),
+                                  (self.root / f"etcd{n.i}.log", f"etcd{n.i}.log")):
+                    if src.exists():
+                        shutil.copy(src, Path(keep) / name)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def leaked(self) -> list[int]:
