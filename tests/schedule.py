@@ -58,10 +58,10 @@ waits for every recipe's build lock (test_e2b_registry), or run the docs' exampl
 
 
 COST_S: dict[str, int] = {
-    "test_code_interpreter": 276,
+    "test_code_interpreter": 240,
     "test_docs": 248,
     "test_ops_deploy": 212,
-    "test_tools_browser": 190,
+    "test_tools_browser": 110,
     "test_booted_templates": 162,
     "test_cluster": 143,
     "test_recovery": 109,
