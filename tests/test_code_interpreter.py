@@ -208,39 +208,19 @@ def test_error_has_name_value_and_traceback(sb: Sandbox) -> None:
 
 
 @vm
-def test_contexts_are_separate(sb: Sandbox, waits: Waits) -> None:
-    ctx = sb.create_code_context()
-    try:
-        assert ctx.language == "python" and ctx.cwd == "/root"
-        assert sb.run_code("y = 'mine'", context=ctx).error is None
-        assert sb.run_code("y", context=ctx).text == "mine"
-        assert sb.run_code("y").error.name == "NameError"
-        assert ctx.id in [c.id for c in sb.list_code_contexts()]
-        # The restart swaps in the next spare: waited for here, by a deadline from this
-        # machine's boots, not by the guest's fixed 240 s (a 504 at host load 15 and more).
-        wait_for_spare(lambda command, timeout: sb.exec(command, timeout=timeout).stdout,
-                       waits.vm(SPARE_BOOTS, floor=SPARE_FLOOR_S))
-        sb.restart_code_context(ctx)
-        assert sb.run_code("y", context=ctx).error.name == "NameError"
-    finally:
-        sb.remove_code_context(ctx)
-    assert ctx.id not in [c.id for c in sb.list_code_contexts()]
-    with pytest.raises(NotFound):
-        sb.run_code("1", context=ctx.id)
-
-
-@vm
 def test_contexts_answer_at_once(client: Hangar, code_image: Path, waits: Waits) -> None:
     """A sandbox from the template has a spare kernel. Two creates at once (a program's
-    threads): one takes the spare at once, the other waits for the next one to start. A
-    restart with a spare ready swaps it in at once. Two kernel starts in all, one at a time."""
+    threads): one takes the spare at once, the other waits for the next one to start. Each
+    context is a kernel of its own, apart from the default one; a restart with a spare ready
+    swaps it in at once and keeps the context's folder; a removed context is gone. Two
+    kernel starts in all, one at a time."""
     at_once = waits.vm(AT_ONCE_BOOTS, floor=3.0)
     with Sandbox.create("code-interpreter", client=client) as s:
 
         def run(command: str, timeout: float) -> str:
             return s.exec(command, timeout=timeout).stdout
 
-        def create(cwd: str) -> tuple[float, CodeContext]:
+        def create(cwd: str | None) -> tuple[float, CodeContext]:
             t0 = time.monotonic()
             ctx = until_a_kernel(lambda: s.create_code_context(cwd=cwd), Timeout,
                                  waits.vm(SPARE_BOOTS, floor=SPARE_FLOOR_S))
@@ -249,13 +229,14 @@ def test_contexts_answer_at_once(client: Hangar, code_image: Path, waits: Waits)
         assert s.info.source == "template"
         wait_for_spare(run, 0)  # the snapshot was taken with the spare ready
         with ThreadPoolExecutor(2) as pool:
-            (took, a), (second, b) = sorted(pool.map(create, ("/tmp", "/tmp")),
+            (took, a), (second, b) = sorted(pool.map(create, ("/tmp", None)),
                                             key=lambda r: r[0])
         print(f"two creates at once: {took:.2f} s and {second:.1f} s", file=sys.stderr)
         assert took < at_once, f"create_code_context took {took:.1f} s (bound {at_once:.1f})"
-        assert a.id != b.id and a.cwd == b.cwd == "/tmp"
+        assert a.id != b.id and {a.cwd, b.cwd} == {"/tmp", "/root"}  # /root: the default
+        assert a.language == b.language == "python"
         for ctx, value in ((a, "a"), (b, "b")):
-            assert s.run_code("import os; os.getcwd()", context=ctx).text == "/tmp"
+            assert s.run_code("import os; os.getcwd()", context=ctx).text == ctx.cwd
             assert s.run_code(f"v = {value!r}", context=ctx).error is None
         assert [s.run_code("v", context=x).text for x in (a, b)] == ["a", "b"]
         assert s.run_code("v").error.name == "NameError"  # not in the default context
@@ -270,7 +251,7 @@ def test_contexts_answer_at_once(client: Hangar, code_image: Path, waits: Waits)
         assert took < at_once, f"restart_code_context took {took:.1f} s (bound {at_once:.1f})"
         print(f"restart_code_context {took:.2f} s", file=sys.stderr)
         assert s.run_code("v", context=a).error.name == "NameError"
-        assert s.run_code("import os; os.getcwd()", context=a).text == "/tmp"
+        assert s.run_code("import os; os.getcwd()", context=a).text == a.cwd
         assert s.run_code("v", context=b).text == "b"
         listed = {x.id for x in s.list_code_contexts() if x.language == "python"}
         assert {a.id, b.id} <= listed and len(listed) == 3  # and the default one
@@ -281,6 +262,10 @@ def test_contexts_answer_at_once(client: Hangar, code_image: Path, waits: Waits)
                       "[ \"$n\" = 4 ] && break; sleep 1; done; echo $n" % deadline,
                       deadline + 60).strip()
         assert kernels == "4", kernels
+        s.remove_code_context(b)
+        assert b.id not in {x.id for x in s.list_code_contexts()}
+        with pytest.raises(NotFound):
+            s.run_code("1", context=b.id)
 
 
 @vm
