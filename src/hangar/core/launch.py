@@ -300,11 +300,15 @@ class Launcher:
             if template is not None and needs_start(template):
                 await run_template(agent, template, name=image.name, sandbox_id=rec.id)
 
-        return await again_if_stalled(
-            lambda: self.launch(
+        async def attempt() -> Runtime:
+            nonlocal started  # the boot line times the attempt that answered, not a stalled one
+            started = time.monotonic()
+            return await self.launch(
                 rec, lambda net: self.ctx.engine.boot(self.spec(rec, image, net, disk_from)),
-                expect, crash_step=crash_step, ready=ready, cold=True),
-            {"sandbox_id": rec.id}, self.ctx.metrics.boot_stalls.inc)
+                expect, crash_step=crash_step, ready=ready, cold=True)
+
+        return await again_if_stalled(attempt, {"sandbox_id": rec.id},
+                                      self.ctx.metrics.boot_stalls.inc)
 
     async def boot_from(self, rec: SandboxRecord, snap: SnapshotRecord,
                         expect: Collection[State]) -> Runtime:
