@@ -291,18 +291,17 @@ class Launcher:
         from the start, ``BOOT_ATTEMPTS`` times in all (``again_if_stalled``;
         ``hangar_boot_stalls_total``).
         """
-        started = time.monotonic()
         template = image.template
 
-        async def ready(agent: AgentClient, net: NetAttachment | None) -> None:
-            self.publish_boot(rec.id, agent.hello, time.monotonic() - started)
-            await self.volumes.mount(agent, rec.id)
-            if template is not None and needs_start(template):
-                await run_template(agent, template, name=image.name, sandbox_id=rec.id)
-
         async def attempt() -> Runtime:
-            nonlocal started  # the boot line times the attempt that answered, not a stalled one
-            started = time.monotonic()
+            started = time.monotonic()  # this boot's: the boot line leaves out a stalled one
+
+            async def ready(agent: AgentClient, net: NetAttachment | None) -> None:
+                self.publish_boot(rec.id, agent.hello, time.monotonic() - started)
+                await self.volumes.mount(agent, rec.id)
+                if template is not None and needs_start(template):
+                    await run_template(agent, template, name=image.name, sandbox_id=rec.id)
+
             return await self.launch(
                 rec, lambda net: self.ctx.engine.boot(self.spec(rec, image, net, disk_from)),
                 expect, crash_step=crash_step, ready=ready, cold=True)
