@@ -83,9 +83,12 @@ def test_memory_the_guest_frees_goes_back_to_the_host(api: httpx.Client, cold_sa
     try:
         wait_for(lambda: pss_mib(pid) > before + 200, waits.vm(3),
                  "the host held the guest's 256 MiB", every=0.5)
+        held = pss_mib(pid)
     finally:
         api.post(f"/sandboxes/{sandbox}/exec", json={"command": f"kill {holder}; rm -f /tmp/held"})
-    wait_for(lambda: pss_mib(pid) < before + 48, waits.vm(6, floor=60),
+    # Measured from what the host held, not from before: the translation buffer
+    # (HANGAR_TCG_TB_MIB) may grow meanwhile with the code the guest ran, and stays.
+    wait_for(lambda: pss_mib(pid) < held - 200, waits.vm(6, floor=60),
              "the 256 MiB the guest freed went back to the host", every=0.5)
 
 
@@ -142,7 +145,7 @@ def test_ksm_and_the_translation_buffer_are_settings(tmp_path: Path) -> None:
                 argv[argv.index("-kernel") + 1]]
 
     assert args(QemuEngine("tcg")) == ["microvm,pit=on,rtc=on,mem-merge=off",
-                                       "tcg,thread=multi,tb-size=48", str(tmp_path / "vmlinux")]
+                                       "tcg,thread=multi,tb-size=256", str(tmp_path / "vmlinux")]
     assert args(QemuEngine("tcg", tuning=MemoryTuning(tb_mib=64, ksm=True)))[:2] == [
         "microvm,pit=on,rtc=on,mem-merge=on", "tcg,thread=multi,tb-size=64"]
     assert args(QemuEngine("kvm"))[1] == "kvm"

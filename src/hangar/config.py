@@ -122,7 +122,7 @@ class Settings(BaseSettings):
         "auto", description="QEMU accelerator; auto runs a probe boot to decide."
     )
     tcg_tb_mib: int = Field(
-        48, ge=8, le=4096, description="QEMU under TCG: translation buffer per VM, MiB (QEMU's "
+        256, ge=8, le=4096, description="QEMU under TCG: translation buffer per VM, MiB (QEMU's "
                                        "own default is 1024); see docs/performance.md.")
     balloon: bool = Field(
         True, description="QEMU guests get a virtio-balloon with free page reporting (memory a "

@@ -72,7 +72,7 @@ def team_use(t: TeamInfo) -> str:
 
 
 def describe_engine(engine: dict[str, str]) -> tuple[str, str]:
-    """``("qemu 7.2.22 (tcg)", "tb_mib=48, balloon=true, ...")`` from /health's ``engine``
+    """``("qemu 7.2.22 (tcg)", "tb_mib=256, balloon=true, ...")`` from /health's ``engine``
     map: the engine named once with its version and accelerator, then its other facts."""
     name, accel = engine.get("engine", "?"), engine.get("accel", "")
     # "QEMU emulator version 7.2.22 (Debian ...)" says the name again: keep the number.

@@ -71,19 +71,21 @@ skipping initcalls) and made no difference worth a line here."""
 class MemoryTuning:
     """How a QEMU guest holds host memory; see the module docstring.
 
-    ``tb_mib``: the TCG translation buffer per VM, MiB (ignored under KVM).
-    A boot translates far more code than any size up to 64 MiB holds, so the
-    buffer fills and stays resident; 48 is the knee measured here (boot and a
-    mixed workload as fast as with 128 or QEMU's 1024, within noise; 32 boots
-    0.25 s slower and runs that workload 15-25 % slower; 16 retranslates so
-    often that an exec takes 6 times longer). ``balloon``: a virtio-balloon with
+    ``tb_mib``: the TCG translation buffer per VM, MiB (ignored under KVM). It is
+    touched as code is translated and flushed whole when full, so it costs what a
+    guest's code fills and no more. 256 (docs/performance.md, "What the defaults
+    are"): Chromium and Jupyter kernels fill a 48 MiB buffer over and over
+    (a browser task's module ran in 52-70 s at 256 against 105 at 48; the code
+    interpreter's in 207 against 281), while an idle sandbox restored from a
+    template holds about 22 MiB more than at 48. Below 32 a guest retranslates so
+    often that an exec takes several times longer. ``balloon``: a virtio-balloon with
     free page reporting and memory statistics every ``stats_interval_s``
     seconds. ``ksm``: guest RAM may be merged with identical pages of other
     guests by the host's ksmd (which the operator starts; see docs/security.md
     for the side channel).
     """
 
-    tb_mib: int = 48
+    tb_mib: int = 256
     balloon: bool = True
     ksm: bool = False
     stats_interval_s: int = 5
