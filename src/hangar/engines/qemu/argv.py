@@ -77,8 +77,8 @@ class MemoryTuning:
     are"): Chromium and Jupyter kernels fill a 48 MiB buffer over and over
     (a browser task's module ran in 52-70 s at 256 against 105 at 48; the code
     interpreter's in 207 against 281), while an idle sandbox restored from a
-    template holds about 22 MiB more than at 48. Below 32 a guest retranslates so
-    often that an exec takes several times longer. ``balloon``: a virtio-balloon with
+    template holds about 22 MiB more than at 48. At 16 a guest retranslates so
+    often that an exec takes six times longer. ``balloon``: a virtio-balloon with
     free page reporting and memory statistics every ``stats_interval_s``
     seconds. ``ksm``: guest RAM may be merged with identical pages of other
     guests by the host's ksmd (which the operator starts; see docs/security.md
