@@ -73,10 +73,18 @@ def test_three_nodes_join_and_a_stopped_one_disappears(lab: Lab) -> None:
     lab.extra.append(p)
     wait_for(lambda: lab.node_ls().get("n4", {}).get("state") == "ready", 60, "n4 ready",
              every=0.3)
+    sent = time.monotonic()
     p.send_signal(signal.SIGTERM)
+    listed = lab.node_ls()
+    answered = time.monotonic()
     p.wait(20)
     stopped = time.monotonic()
-    assert lab.node_ls()["n4"]["state"] == "ready"  # its lease is still running
+    # A stop leaves its record to its lease, renewed every second (RENEW_S) until the stop:
+    # a listing that answered before the lease could have run out shows the node still.
+    # The listing is a CLI start, which beside stress-ng took longer than that once; then
+    # the lease has run out as designed, and only the end below can be checked.
+    if answered - sent < lab.lease_s - 1:
+        assert listed.get("n4", {}).get("state") == "ready", listed
     # Gone once its lease ended: no listing begun 7 s past the lease shows it (the listing is
     # a CLI whose own start takes seconds on a busy host, so its end says nothing).
     while True:
