@@ -78,6 +78,9 @@ PKGS="$PKGS node-xterm libjs-xterm"
 PKGS="$PKGS skopeo umoci patchelf python3"
 # A guest's console log is capped and rotated by multilog (hangar.engines.confine).
 PKGS="$PKGS daemontools"
+# The guest agent's native spawn is compiled into the initramfs (hangar.images.initramfs:
+# a C compiler and Python's headers; without them commands start by posix_spawn).
+PKGS="$PKGS gcc libc6-dev python3-dev"
 # The browser tests drive Debian's Chromium (Playwright never downloads its own); the
 # operations tests run nginx, sshd and openssl, in the foreground on free ports.
 # The cluster tests run three etcd members (in network namespaces, never as a service).

@@ -30,6 +30,7 @@ import pytest
 
 from conftest import wait_for
 from hangar.guest import protocol as P
+from hangar.images import initramfs
 
 HDR = struct.Struct("!2sBBIII")
 
@@ -147,14 +148,19 @@ def user_pids(api: httpx.Client, sid: str) -> tuple[int, int] | None:
 
 
 @pytest.mark.vm
-def test_commands_run_in_groups_of_a_cgroup2_mounted_for_cheap_moves(api, small) -> None:
-    """Each command runs in a cgroup of its own under ``hangar-user``, joined by the agent
-    around the spawn; cgroup2 is mounted with ``favordynmods`` (the guest's kernel has it),
-    so those moves wait for no RCU grace period (``hangar.guest.limits``)."""
-    out = run(api, small, "cat /proc/self/cgroup; grep ' /sys/fs/cgroup ' /proc/mounts")
-    own, mount = out["stdout"].splitlines()
+def test_commands_start_in_groups_of_their_own_by_the_native_spawn(api, small) -> None:
+    """Each command runs in a cgroup of its own under ``hangar-user``. Where this host has
+    a C compiler and Python's headers (``initramfs.native_toolchain``) the agent starts it
+    there with ``clone3`` (``hangar.guest.spawn.METHOD``), else it moves itself into the
+    group around ``posix_spawn``, on a cgroup2 mounted with ``favordynmods`` so that those
+    moves wait for no RCU grace period (``hangar.guest.limits``)."""
+    out = run(api, small, "cat /proc/self/cgroup; grep ' /sys/fs/cgroup ' /proc/mounts; "
+                          "python3 -S -c 'import sys; sys.path[0] = \"/usr/lib/hangar/python\"; "
+                          "from hangar.guest import spawn; print(spawn.METHOD)'")
+    own, mount, method = out["stdout"].splitlines()
     assert own.startswith("0::/hangar-user/c"), own
     assert mount.split()[2] == "cgroup2" and "favordynmods" in mount.split()[3], mount
+    assert method == ("clone3" if initramfs.native_toolchain() else "posix_spawn"), out
 
 
 @pytest.mark.vm

@@ -41,7 +41,7 @@ import sys
 from typing import Any
 
 from hangar import __version__
-from hangar.guest import limits, paths, transports
+from hangar.guest import limits, paths, spawn, transports
 from hangar.guest import protocol as P
 from hangar.guest.channel import Channel, Session
 from hangar.guest.identity import read_generation
@@ -90,9 +90,10 @@ class Agent:
 
     def hello_meta(self) -> dict[str, Any]:
         """The HELLO meta: versions, window, boot id, pid, uptime (s), requests in progress,
-        fork generation, the boot's marks (``boot_marks``) and ``users`` (true: ``exec``
+        fork generation, the boot's marks (``boot_marks``), ``users`` (true: ``exec``
         and ``proc_start`` run a request's ``user``, ``hangar.guest.users``; an older
-        agent would run it as root, so the host sends none to an agent without it)."""
+        agent would run it as root, so the host sends none to an agent without it) and
+        ``spawn`` (how commands start: ``hangar.guest.spawn.METHOD``)."""
         try:
             with open("/proc/uptime") as f:
                 uptime = float(f.read().split()[0])
@@ -109,6 +110,7 @@ class Agent:
             "generation": self.generation,
             "boot": boot_marks(),
             "users": True,
+            "spawn": spawn.METHOD,
         }
 
     async def session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -27,14 +27,16 @@ holding the most processes once forks were refused (``Watchdog.tick``) and marks
 simply exits leaves what it started in the background running, in its group, and the
 group is removed once it is empty (``Watchdog`` sweeps).
 
-``posix_spawn`` cannot start a child in another cgroup, so the agent joins the command's
-group around the spawn (``Group.enter``, ``Group.leave``: two writes to ``cgroup.procs``)
-and the child starts there; children made with ``subprocess`` join in their
-``preexec_fn`` (``Group.join_self``). A command's group is made ahead, once the previous
-command has answered (``new``, ``ahead``), and removed after its own answer. A move takes
-the kernel's lock on every thread group, whose writer waits for an RCU grace period
-unless a move came just before: 9-13 ms a command under TCG (a move pair, measured a
-command apart), more than the rest of the agent's work, and 1-2 ms with cgroup2's
+The agent's native spawn (``hangar.guest.spawn``: ``clone3`` with ``CLONE_INTO_CGROUP``)
+starts a command straight in its group, through the group directory's fd (``Group.fd``).
+Without it, ``posix_spawn`` cannot start a child in another cgroup, so the agent joins the
+command's group around the spawn (``Group.enter``, ``Group.leave``: two writes to
+``cgroup.procs``) and the child starts there. Children made with ``subprocess`` join in
+their ``preexec_fn`` (``Group.join_self``). A command's group is made ahead, once the
+previous command has answered (``new``, ``ahead``), and removed after its own answer. A
+move takes the kernel's lock on every thread group, whose writer waits for an RCU grace
+period unless a move came just before: 9-13 ms a command under TCG (a move pair, measured
+a command apart), more than the rest of the agent's work, and 1-2 ms with cgroup2's
 ``favordynmods`` (Linux 6.0+), which the initramfs and the guest init mount it with.
 
 Where cgroup v2 or its controllers are missing (a test host running the agent under
@@ -176,6 +178,8 @@ class Group:
 
     def __init__(self) -> None:
         self.path: str | None = None
+        self.fd = -1
+        """An open fd of the group's directory (-1: none), until the group is removed."""
         self.limit: str | None = None
         self.refused = 0
         """Forks refused in this group that the watchdog has seen."""
@@ -196,6 +200,10 @@ class Group:
                 pass
             return
         self.path = path
+        try:  # what the native spawn starts a child in (CLONE_INTO_CGROUP)
+            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            pass
         _groups[path] = self
 
     def enter(self) -> bool:
@@ -262,6 +270,9 @@ class Group:
     def _remove(self) -> bool:
         if self.path is None:
             return True
+        if self.fd >= 0:  # no spawn into a group its owner is done with
+            os.close(self.fd)
+            self.fd = -1
         try:
             os.rmdir(self.path)
         except OSError:

@@ -458,11 +458,11 @@ class ProcessTable:
         group = limits.new()
         try:
             if pty is None:
-                pid, stdin_fd, out_fd, err_fd = spawn.spawn(argv, env, cwd, stdin_pipe=stdin,
-                                                            group=group, user=user)
-                proc = Proc(self, pid, argv, extra_env, cwd, tag=tag, origin="start",
+                s = spawn.spawn(argv, env, cwd, stdin_pipe=stdin, group=group, user=user)
+                proc = Proc(self, s.pid, argv, extra_env, cwd, tag=tag, origin="start",
                             script=script)
-                cmd = spawn.Command(pid, stdin_fd, out_fd, err_fd, proc.output, group=group)
+                cmd = spawn.Command(s.pid, s.stdin, s.stdout, s.stderr, proc.output, group=group,
+                                    pidfd=s.pidfd)
                 proc.cmd = cmd
                 proc.group = group
                 self._watch_pipes(proc, cmd)

@@ -13,7 +13,10 @@ lists it, ``os.getgrouplist``) and home; an unknown name is a ``LookupError``, n
 ``environ`` gives the variables a login gives (``HOME``, ``USER``, ``LOGNAME``); the
 command's cwd defaults to the home (``hangar.guest.ops.process``).
 
-How a spawn takes the user's ids (``spawning_as``): glibc's ``posix_spawn`` is a
+The agent's native spawn (``hangar.guest.spawn``) takes the ids in the child, between its
+``clone3`` and its ``execve`` (groups, gid, uid, real, effective and saved; ambient
+capabilities cleared), so nothing below happens to the agent's own thread. Where it is
+missing, a spawn takes the user's ids this way (``spawning_as``): glibc's ``posix_spawn`` is a
 ``clone(CLONE_VM | CLONE_VFORK)`` and cannot set ids itself, except that its
 ``POSIX_SPAWN_RESETIDS`` resets the child's effective uid and gid to its real ones before
 ``exec``. So for the call the agent's own thread takes the user's real uid and gid and

@@ -17,7 +17,11 @@ Contents (a gzip'd newc cpio, written here without the cpio tool)::
                                   modules.dep/alias/order/builtin for them
     /hangar/python/hangar/...     the guest's Python files (``guest_sources``)
                                   and, when the host's Python matches the
-                                  guest's, unchecked-hash .pyc files for them
+                                  guest's, unchecked-hash .pyc files for them;
+                                  ``hangar/guest/_spawn.abi3.so``, the agent's
+                                  native spawn, compiled from ``_spawn.c`` by the
+                                  host's C compiler (``native_build``) where it
+                                  has one and Python's headers (x86-64 only)
 
 /init mounts proc, sysfs and devtmpfs and loads the modules (those of
 ``ON_DEMAND`` only when their option is on the kernel command line). With
@@ -44,11 +48,16 @@ import gzip
 import hashlib
 import importlib.util
 import io
+import logging
 import marshal
 import os
+import platform
+import shutil
 import stat
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -57,6 +66,8 @@ import hangar
 from hangar.errors import ImageError
 from hangar.guest import paths
 from hangar.privileged import beneath
+
+log = logging.getLogger(__name__)
 
 INITRAMFS_VERSION = 1
 """Bump when the initramfs layout changes in a way the inputs do not show."""
@@ -204,12 +215,13 @@ def guest_sources(pkg: Path | None = None) -> dict[str, bytes]:
 
     ``hangar/__init__.py`` and every ``*.py`` under ``hangar/guest/``, which
     holds exactly what runs in the guest (so an agent split over several
-    modules travels whole).
+    modules travels whole), and its ``*.c`` files: ``build_initrd`` puts what
+    they compile to in their place (``native_build``).
     ``hangar/guest/init.py`` and ``protocol.py`` must exist; ``agent.py`` may not yet.
     """
     pkg = pkg or package_dir()
     files: dict[str, bytes] = {"hangar/__init__.py": (pkg / "__init__.py").read_bytes()}
-    for p in sorted((pkg / "guest").rglob("*.py")):
+    for p in sorted([*(pkg / "guest").rglob("*.py"), *(pkg / "guest").glob("*.c")]):
         rel = p.relative_to(pkg / "guest")
         if "__pycache__" in rel.parts:
             continue
@@ -218,6 +230,48 @@ def guest_sources(pkg: Path | None = None) -> dict[str, bytes]:
         if need not in files:
             raise ImageError(f"guest file {need} is missing from {pkg}", step="initramfs")
     return files
+
+
+def native_toolchain() -> str:
+    """What ``native_build`` compiles with: the C compiler's path and Python's include
+    folder, or "" where either is missing or the host is not x86-64 (then the guest
+    starts commands with ``posix_spawn``; ``hangar.guest.spawn``). Part of the initrd's
+    tag, so installing a compiler later rebuilds the initramfs."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    include = sysconfig.get_paths().get("include") or ""
+    if platform.machine() != "x86_64" or cc is None or not os.path.isfile(
+            os.path.join(include, "Python.h")):
+        return ""
+    return f"{cc}\0{include}"
+
+
+def native_build(source: bytes, name: str) -> bytes | None:
+    """``source`` (C, Python's limited API for 3.11) compiled into an extension module
+    (``<name>.abi3.so``), or None where there is no toolchain (``native_toolchain``) or
+    the compiler fails (its output goes to the log). About half a second, once per
+    initramfs."""
+    toolchain = native_toolchain()
+    if not toolchain:
+        return None
+    cc, include = toolchain.split("\0")
+    with tempfile.TemporaryDirectory(prefix="hangar-native-") as d:
+        src, out = os.path.join(d, f"{name}.c"), os.path.join(d, f"{name}.abi3.so")
+        with open(src, "wb") as f:
+            f.write(source)
+        try:
+            done = subprocess.run(
+                [cc, "-O2", "-shared", "-fPIC", "-Wall", f"-I{include}",
+                 "-Wl,--build-id=none", "-o", out, src],
+                capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("initramfs: cannot compile %s: %s", name, e)
+            return None
+        if done.returncode != 0:
+            log.warning("initramfs: %s did not compile (%s): %s", name, cc,
+                        done.stderr.strip()[-2000:])
+            return None
+        with open(out, "rb") as f:
+            return f.read()
 
 
 def render_init(kernel_version: str) -> str:
@@ -237,6 +291,8 @@ def initrd_tag(sources: Mapping[str, bytes], kernel_version: str, *,
     h = hashlib.sha256()
     h.update(f"v{INITRAMFS_VERSION}\0{kernel_version}\0{' '.join(MODULES)}\0".encode())
     h.update(f"{python_version if _can_precompile(python_version) else ''}\0".encode())
+    if any(p.endswith(".c") for p in sources):
+        h.update(f"{native_toolchain()}\0".encode())
     h.update(render_init(kernel_version).encode() + b"\0")
     for path in sorted(sources):
         h.update(path.encode() + b"\0" + hashlib.sha256(sources[path]).digest())
@@ -458,6 +514,12 @@ def build_initrd(dest: Path, *, modules_dir: Path, kernel_version: str,
     precompile = _can_precompile(python_version)
     tag = sys.implementation.cache_tag
     for rel in sorted(sources):
+        if rel.endswith(".c"):  # the guest gets what it compiles to, when it does
+            d, _, fname = rel.rpartition("/")
+            built = native_build(sources[rel], fname[:-2])
+            if built is not None:
+                c.file(f"hangar/python/{d}/{fname[:-2]}.abi3.so", built, 0o755)
+            continue
         c.file(f"hangar/python/{rel}", sources[rel])
         if precompile and rel.endswith(".py"):
             pyc = _pyc(sources[rel], f"{GUEST_PYTHON_DIR}/{rel}")

@@ -127,19 +127,18 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
         group = limits.new()
         ch.afterwards.append(limits.ahead)  # the next command's group, once this one answered
         try:
-            pid, stdin_fd, out_fd, err_fd = spawn.spawn(argv, env, cwd, stdin_pipe=want_stdin,
-                                                        group=group, user=user)
+            s = spawn.spawn(argv, env, cwd, stdin_pipe=want_stdin, group=group, user=user)
         except OSError as exc:
             group.release()
             code, message = spawn_failure(exc, argv[0], cwd)
             return await _not_started(ch, stream, head, tail, code, message, started)
         captures = {"stdout": Capture(head, tail), "stderr": Capture(head, tail)}
         chunks: asyncio.Queue[tuple[str, bytes]] | None = asyncio.Queue() if stream else None
-        cmd = spawn.Command(pid, stdin_fd, out_fd, err_fd,
+        cmd = spawn.Command(s.pid, s.stdin, s.stdout, s.stderr,
                             (lambda name, chunk: chunks.put_nowait((name, chunk)))
                             if chunks is not None
                             else (lambda name, chunk: captures[name].add(chunk)),
-                            paced=stream, group=group)
+                            paced=stream, group=group, pidfd=s.pidfd)
         try:
             return await _run(ch, cmd, captures, chunks, want_stdin, timeout, started)
         finally:
