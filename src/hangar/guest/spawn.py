@@ -30,7 +30,8 @@ child straight into the command's cgroup (``CLONE_INTO_CGROUP``) and hands back 
 pidfd (``CLONE_PIDFD``), and takes the user's ids in the child itself. So the agent
 never moves itself into the command's group and back around the spawn (each move
 takes the kernel's cgroup lock) nor changes its own thread's ids: an exec of ``true``
-1.2-1.7 ms quicker under TCG, two servers' sandboxes in turn (docs/performance.md).
+about 1.3 ms quicker under TCG (47.9 against 49.1 ms p50, two servers' sandboxes in
+turn on a busy host, docs/performance.md).
 A kernel without ``clone3`` (ENOSYS, or EINVAL for ``CLONE_INTO_CGROUP`` before
 Linux 5.7) turns it off for good: ``posix_spawn`` then.
 
@@ -124,41 +125,46 @@ def _spawn_first(argv: list[str], env: Mapping[str, str], actions: list[tuple],
     raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
 
 
-def _spawn_native(argv: list[str], env: Mapping[str, str], cwd: str, stdin_pipe: bool,
-                  group: Group | None, user: users.User | None) -> Started:
-    """``spawn`` by ``_native`` (see the module docstring)."""
-    global _devnull
+def _start_native(argv: list[str], env: Mapping[str, str], cwd: str, fds: tuple[int, int, int],
+                  group: Group | None, user: users.User | None) -> tuple[int, int | None]:
+    """(pid, pidfd) of a child started by ``_native`` with ``fds`` as its 0, 1, 2."""
     assert _native is not None
-    if not stdin_pipe and _devnull < 0:
-        _devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    in_r = in_w = None
-    if stdin_pipe:
-        in_r, in_w = os.pipe()
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    switch = users.switches(user)
+    switch = user is not None and users.switches(user)
+    return _native.spawn(  # type: ignore[no-any-return]
+        program_paths(argv[0], env), argv, env if type(env) is dict else dict(env), fds,
+        None if cwd == _here()[0] else cwd,
+        group.fd if group is not None else -1,
+        user.uid if switch and user is not None else -1,
+        user.gid if switch and user is not None else -1,
+        user.groups if switch and user is not None else ())
+
+
+def _start_posix(argv: list[str], env: Mapping[str, str], cwd: str, fds: tuple[int, int, int],
+                 group: Group | None, user: users.User | None) -> tuple[int, int | None]:
+    """(pid, None) of a child started by ``posix_spawn`` with ``fds`` as its 0, 1, 2."""
+    actions: list[tuple] = [(os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(fds)]
+    here, here_fd = _here()
+    moved = cwd != here
+    if moved:
+        os.chdir(cwd)
     try:
-        pid, pidfd = _native.spawn(
-            program_paths(argv[0], env), argv, env if type(env) is dict else dict(env),
-            (in_r if in_r is not None else _devnull, out_w, err_w),
-            None if cwd == _here()[0] else cwd,
-            group.fd if group is not None else -1,
-            user.uid if switch and user is not None else -1,
-            user.gid if switch and user is not None else -1,
-            user.groups if switch and user is not None else ())
-    except BaseException:
-        for fd in (in_w, out_r, err_r):
-            if fd is not None:
-                os.close(fd)
-        raise
+        # into the group as root (the agent moves itself), then the user's ids; no
+        # context managers on root's way: each costs a fraction of a ms under TCG
+        moved_group = group is not None and group.enter()
+        try:
+            if user is None:
+                pid = _spawn_first(argv, env, actions)
+            else:
+                with users.spawning_as(user):
+                    pid = _spawn_first(argv, env, actions, users.switches(user))
+        finally:
+            if moved_group:
+                assert group is not None
+                group.leave()
     finally:
-        for fd in (in_r, out_w, err_w):
-            if fd is not None:
-                os.close(fd)
-    for fd in (in_w, out_r, err_r):
-        if fd is not None:
-            os.set_blocking(fd, False)
-    return Started(pid, in_w, out_r, err_r, pidfd)
+        if moved:
+            os.fchdir(here_fd)
+    return pid, None
 
 
 def spawn(argv: list[str], env: Mapping[str, str], cwd: str, *, stdin_pipe: bool,
@@ -172,47 +178,26 @@ def spawn(argv: list[str], env: Mapping[str, str], cwd: str, *, stdin_pipe: bool
     would, with the cwd as its ``filename`` when that was what failed (see the module
     docstring); ``ValueError`` for a NUL byte in argv or env.
     """
-    global _native, METHOD
-    if _native is not None:
-        try:
-            return _spawn_native(argv, env, cwd, stdin_pipe, group, user)
-        except OSError as exc:
-            if exc.filename is not None or exc.errno not in (errno.ENOSYS, errno.EINVAL):
-                raise
-            _native, METHOD = None, "posix_spawn"  # no clone3 into a cgroup here
+    global _native, _devnull, METHOD
     in_r = in_w = None
     if stdin_pipe:
         in_r, in_w = os.pipe()
+    elif _devnull < 0:
+        _devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    actions: list[tuple] = [
-        (os.POSIX_SPAWN_DUP2, in_r, 0) if in_r is not None
-        else (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-        (os.POSIX_SPAWN_DUP2, out_w, 1),
-        (os.POSIX_SPAWN_DUP2, err_w, 2),
-    ]
+    fds = (in_r if in_r is not None else _devnull, out_w, err_w)
     try:
-        here, here_fd = _here()
-        moved = cwd != here
-        if moved:
-            os.chdir(cwd)
-        try:
-            # into the group as root (the agent moves itself), then the user's ids; no
-            # context managers on root's way: each costs a fraction of a ms under TCG
-            moved = group is not None and group.enter()
+        started = None
+        if _native is not None:
             try:
-                if user is None:
-                    pid = _spawn_first(argv, env, actions)
-                else:
-                    with users.spawning_as(user):
-                        pid = _spawn_first(argv, env, actions, users.switches(user))
-            finally:
-                if moved:
-                    assert group is not None
-                    group.leave()
-        finally:
-            if moved:
-                os.fchdir(here_fd)
+                started = _start_native(argv, env, cwd, fds, group, user)
+            except OSError as exc:
+                if exc.filename is not None or exc.errno not in (errno.ENOSYS, errno.EINVAL):
+                    raise
+                _native, METHOD = None, "posix_spawn"  # no clone3 into a cgroup here
+        if started is None:
+            started = _start_posix(argv, env, cwd, fds, group, user)
     except BaseException:
         for fd in (in_w, out_r, err_r):
             if fd is not None:
@@ -225,7 +210,7 @@ def spawn(argv: list[str], env: Mapping[str, str], cwd: str, *, stdin_pipe: bool
     for fd in (in_w, out_r, err_r):
         if fd is not None:
             os.set_blocking(fd, False)
-    return Started(pid, in_w, out_r, err_r)
+    return Started(started[0], in_w, out_r, err_r, started[1])
 
 
 class Command:
