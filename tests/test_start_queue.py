@@ -190,7 +190,8 @@ def test_four_creates_at_once_one_runs_two_wait_one_is_refused(server: Server,
         'hangar_start_refusals_total{limit="start_queue_full"}': 1,
         "hangar_start_wait_seconds_count": 2}
     shown = cli(server.data_dir, "status", url=server.url, key=server.key)
-    assert ("limits: 3 of 30 sandboxes live, 0 of 1 starts in progress, 0 of 2 queued "
+    assert ("limits: 3 of 30 VMs live (sandboxes and the warm pool), 0 of 1 starts in "
+            "progress, 0 of 2 queued "
             "(wait at most 90 s; 1 refused since start-up)") in shown.splitlines()
 
 

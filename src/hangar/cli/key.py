@@ -33,7 +33,7 @@ from hangar.errors import HangarError
 app = typer.Typer(help="API keys: add, remove, list and rotate; no restart needed.",
                   no_args_is_help=True)
 out = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # a message is never broken mid-sentence
 
 DataDir = Annotated[Optional[Path], typer.Option(help="Data directory (HANGAR_DATA_DIR).")]
 Etcd = Annotated[Optional[str], typer.Option(
@@ -163,8 +163,9 @@ def rotate(name: Annotated[str, typer.Argument(help="The key to replace.")] = "d
 
 @app.command("ls")
 def ls(data_dir: DataDir = None, etcd: Etcd = None, pki: Pki = None) -> None:
-    """List the keys: name, team (``-`` for an operator key), fingerprint (never
-    the key), creation time and file (in a cluster: its team keys in etcd)."""
+    """List the keys: name, team ("-": operator), fingerprint, creation time, file.
+
+    Never the key itself; in a cluster, its team keys in etcd."""
     urls = _cluster(etcd)
     if urls:
         from hangar.cluster.teams import key_rows, list_keys

@@ -39,11 +39,13 @@ def status() -> None:
 
 
 def limits_line(c: Capacity) -> str:
-    """``"limits: 12 of 30 sandboxes live, 2 of 2 starts in progress, 5 of 256 queued
-    (wait at most 90 s; 3 refused since start-up)"``: the operator's caps and their use."""
+    """``"limits: 12 of 30 VMs live (sandboxes and the warm pool), 2 of 2 starts in
+    progress, 5 of 256 queued (wait at most 90 s; 3 refused since start-up)"``: the
+    operator's caps and their use (the cap on VMs counts the warm pool's too)."""
     st = c.starts
     refused = f"; {st.refused} refused since start-up" if st.refused else ""
-    return (f"limits: {c.vmms} of {c.vmm_limit} sandboxes live, {st.running} of {st.limit} "
+    return (f"limits: {c.vmms} of {c.vmm_limit} VMs live (sandboxes and the warm pool), "
+            f"{st.running} of {st.limit} "
             f"starts in progress, {st.queued} of {st.queue} queued (wait at most "
             f"{st.max_wait_s:g} s{refused})")
 
