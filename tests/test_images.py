@@ -349,12 +349,15 @@ def test_guest_sources_and_init_script() -> None:
     src = initramfs.guest_sources()
     assert {"hangar/__init__.py", "hangar/guest/__init__.py", "hangar/guest/protocol.py",
             "hangar/guest/init.py"} <= set(src)
-    # guest/ holds exactly what runs in the guest: all of it travels, nothing else does
+    # guest/ holds exactly what runs in the guest: all of it travels (its C source, to be
+    # built into the initramfs), nothing else does
     guest = Path(initramfs.package_dir()) / "guest"
-    assert set(src) == {"hangar/__init__.py"} | {
+    assert set(src) == {"hangar/__init__.py", "hangar/guest/_spawn.c"} | {
         f"hangar/guest/{p.relative_to(guest).as_posix()}" for p in guest.rglob("*.py")
         if "__pycache__" not in p.parts}
-    for path, data in src.items():  # and none of it imports the host's side
+    for path, data in src.items():  # and none of its Python imports the host's side
+        if not path.endswith(".py"):
+            continue
         for node in ast.walk(ast.parse(data)):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
@@ -426,6 +429,10 @@ def test_initrd_contents(base_image: GuestImage) -> None:
                  "hangar/python/hangar/__init__.py", "hangar/python/hangar/guest/init.py",
                  "hangar/python/hangar/guest/protocol.py"):
         assert need in names, need
+    # the native spawn, compiled where this host can (hangar.images.initramfs), never its source
+    native = "hangar/python/hangar/guest/_spawn.abi3.so"
+    assert (native in names) == bool(initramfs.native_toolchain()), native
+    assert "hangar/python/hangar/guest/_spawn.c" not in names
     m = json.loads((base_image.dir / "manifest.json").read_text())
     if m["python_version"] == f"{sys.version_info.major}.{sys.version_info.minor}":
         tag = sys.implementation.cache_tag
