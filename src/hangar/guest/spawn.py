@@ -30,8 +30,8 @@ child straight into the command's cgroup (``CLONE_INTO_CGROUP``) and hands back 
 pidfd (``CLONE_PIDFD``), and takes the user's ids in the child itself. So the agent
 never moves itself into the command's group and back around the spawn (each move
 takes the kernel's cgroup lock) nor changes its own thread's ids: an exec of ``true``
-about 1.3 ms quicker under TCG (47.9 against 49.1 ms p50, two servers' sandboxes in
-turn on a busy host, docs/performance.md).
+about 2.6 ms (6 %) quicker under TCG on a quiet host (41.8 against 44.4 ms p50, two
+servers' sandboxes in turn, docs/performance.md).
 A kernel without ``clone3`` (ENOSYS, or EINVAL for ``CLONE_INTO_CGROUP`` before
 Linux 5.7) turns it off for good: ``posix_spawn`` then.
 
