@@ -181,13 +181,24 @@ def _swap_temporaries(folder: Path, secret: Path) -> int:
     """Fork the compromised server (uid ``OWNER``): on inotify's ``IN_CREATE`` of each
     temporary file in ``folder`` it moves that file aside and puts a symlink to
     ``secret`` in its place (review 29c's probe, won 4 times in 6 against a chmod by
-    path). Returns its pid; it ends after 5 s or two swaps."""
+    path). Returns its pid once its watch is in place (before, a loaded host let root
+    make and rename its temporary unseen); it ends after 5 s or two swaps."""
     import ctypes
     import struct
 
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid:
+        os.close(ready_w)
+        try:
+            ready = os.read(ready_r, 1) == b"w"
+        finally:
+            os.close(ready_r)
+        if not ready:
+            os.waitpid(pid, 0)
+            raise AssertionError("the swapping process set no watch")
         return pid
+    os.close(ready_r)
     try:
         dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)  # its folder, below root's tmp
         os.setresgid(OWNER, OWNER, OWNER)
@@ -196,6 +207,7 @@ def _swap_temporaries(folder: Path, secret: Path) -> int:
         ifd = libc.inotify_init1(os.O_NONBLOCK)
         if libc.inotify_add_watch(ifd, f"/proc/self/fd/{dfd}".encode(), 0x100) < 0:  # IN_CREATE
             raise OSError(ctypes.get_errno(), "inotify_add_watch")
+        os.write(ready_w, b"w")
         import select
         import time
 
