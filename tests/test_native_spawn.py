@@ -129,6 +129,8 @@ def test_nul_bytes_are_refused_before_anything_starts(native) -> None:
     for argv, env in ((["a\0b"], {}), (["true"], {"A": "x\0y"}), (["true"], {"A\0": "x"})):
         with pytest.raises(ValueError, match="null byte"):
             run(native, ["/bin/true"], argv, env)
+    with pytest.raises(ValueError, match="null byte in cwd"):
+        run(native, ["/bin/true"], ["true"], cwd="/tmp\0/etc")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="takes another user's ids: needs root")

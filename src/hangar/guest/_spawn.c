@@ -136,33 +136,37 @@ static long clone3_call(struct clone_args *ca, int (*fn)(void *), void *arg) {
     return ret;
 }
 
-/* A NULL-terminated array of the bytes objects of ``seq`` (kept alive in ``keep``). */
-static char **byte_array(PyObject *seq, const char *what, PyObject *keep) {
+/* ``o`` (str, encoded as the file system does, or bytes) as a C string kept alive in
+   ``keep``; NULL with ValueError when it holds a NUL byte (``what`` names it). */
+static char *kept_string(PyObject *o, const char *what, PyObject *keep) {
+    PyObject *b = PyUnicode_Check(o) ? PyUnicode_EncodeFSDefault(o) : (Py_INCREF(o), o);
+    if (b == NULL) return NULL;
+    int bad = PyList_Append(keep, b) < 0;
+    Py_DECREF(b);
+    char *s = bad ? NULL : PyBytes_AsString(b);
+    if (s != NULL && (Py_ssize_t)strlen(s) != PyBytes_Size(b)) {
+        PyErr_Format(PyExc_ValueError, "embedded null byte in %s", what);
+        return NULL;
+    }
+    return s;
+}
+
+/* A NULL-terminated array of ``seq``'s strings (``kept_string``). */
+static char **string_array(PyObject *seq, const char *what, PyObject *keep) {
     Py_ssize_t n = PySequence_Size(seq);
     if (n < 0) return NULL;
     char **out = PyMem_Calloc((size_t)n + 1, sizeof(char *));
     if (out == NULL) { PyErr_NoMemory(); return NULL; }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_GetItem(seq, i);
-        if (item == NULL) { PyMem_Free(out); return NULL; }
-        PyObject *b = PyUnicode_Check(item) ? PyUnicode_EncodeFSDefault(item) : item;
-        if (b != item) Py_DECREF(item);
-        if (b == NULL) { PyMem_Free(out); return NULL; }
-        int bad = PyList_Append(keep, b) < 0;
-        Py_DECREF(b);
-        char *s = bad ? NULL : PyBytes_AsString(b);
-        if (s == NULL) { PyMem_Free(out); return NULL; }
-        if ((Py_ssize_t)strlen(s) != PyBytes_Size(b)) {
-            PyErr_Format(PyExc_ValueError, "embedded null byte in %s", what);
-            PyMem_Free(out);
-            return NULL;
-        }
-        out[i] = s;
+        out[i] = item == NULL ? NULL : kept_string(item, what, keep);
+        Py_XDECREF(item);
+        if (out[i] == NULL) { PyMem_Free(out); return NULL; }
     }
     return out;
 }
 
-/* "KEY=VALUE" strings of a str → str dict, NULL-terminated (kept alive in ``keep``). */
+/* "KEY=VALUE" strings of a str → str dict, NULL-terminated (``kept_string``). */
 static char **env_array(PyObject *env, PyObject *keep) {
     Py_ssize_t n = PyDict_Size(env);
     if (n < 0) return NULL;
@@ -172,37 +176,17 @@ static char **env_array(PyObject *env, PyObject *keep) {
     PyObject *k, *v;
     while (PyDict_Next(env, &pos, &k, &v)) {
         PyObject *pair = PyUnicode_FromFormat("%U=%U", k, v);
-        if (pair == NULL) { PyMem_Free(out); return NULL; }
-        PyObject *b = PyUnicode_EncodeFSDefault(pair);
-        Py_DECREF(pair);
-        if (b == NULL || PyList_Append(keep, b) < 0) {
-            Py_XDECREF(b);
-            PyMem_Free(out);
-            return NULL;
-        }
-        Py_DECREF(b);
-        char *s = PyBytes_AsString(b);
-        if (s == NULL || (Py_ssize_t)strlen(s) != PyBytes_Size(b)) {
-            if (s != NULL) PyErr_SetString(PyExc_ValueError, "embedded null byte in env");
-            PyMem_Free(out);
-            return NULL;
-        }
-        out[i++] = s;
+        out[i] = pair == NULL ? NULL : kept_string(pair, "env", keep);
+        Py_XDECREF(pair);
+        if (out[i++] == NULL) { PyMem_Free(out); return NULL; }
     }
     return out;
 }
 
+/* Raise the OSError (its errno subclass) of ``err``, naming ``filename`` when not NULL. */
 static PyObject *raise_errno(int err, PyObject *filename) {
-    PyObject *args = filename != NULL
-        ? Py_BuildValue("(isO)", err, strerror(err), filename)
-        : Py_BuildValue("(is)", err, strerror(err));
-    if (args == NULL) return NULL;
-    PyObject *exc = PyObject_Call(PyExc_OSError, args, NULL);
-    Py_DECREF(args);
-    if (exc == NULL) return NULL;
-    PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-    Py_DECREF(exc);
-    return NULL;
+    errno = err;
+    return PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, filename);
 }
 
 PyDoc_STRVAR(SPAWN_DOC,
@@ -231,20 +215,15 @@ static PyObject *spawn(PyObject *self, PyObject *args) {
     gid_t *groups = NULL;
     PyObject *result = NULL;
     if (keep == NULL) return NULL;
-    if ((paths = byte_array(paths_o, "a path", keep)) == NULL) goto done;
-    if ((argv = byte_array(argv_o, "argv", keep)) == NULL) goto done;
+    if ((paths = string_array(paths_o, "a path", keep)) == NULL) goto done;
+    if ((argv = string_array(argv_o, "argv", keep)) == NULL) goto done;
     if ((envp = env_array(env_o, keep)) == NULL) goto done;
     if (paths[0] == NULL || argv[0] == NULL) {
         PyErr_SetString(PyExc_ValueError, "paths and argv must not be empty");
         goto done;
     }
     if (!PyArg_ParseTuple(fds_o, "iii", &p.fds[0], &p.fds[1], &p.fds[2])) goto done;
-    if (cwd_o != Py_None) {
-        PyObject *b = PyUnicode_Check(cwd_o) ? PyUnicode_EncodeFSDefault(cwd_o) : cwd_o;
-        if (b == NULL) goto done;
-        if (b != cwd_o) { int bad = PyList_Append(keep, b) < 0; Py_DECREF(b); if (bad) goto done; }
-        if ((p.cwd = PyBytes_AsString(b)) == NULL) goto done;
-    }
+    if (cwd_o != Py_None && (p.cwd = kept_string(cwd_o, "cwd", keep)) == NULL) goto done;
     p.uid = uid;
     p.gid = gid;
     if (uid >= 0) {

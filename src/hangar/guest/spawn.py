@@ -129,14 +129,11 @@ def _start_native(argv: list[str], env: Mapping[str, str], cwd: str, fds: tuple[
                   group: Group | None, user: users.User | None) -> tuple[int, int | None]:
     """(pid, pidfd) of a child started by ``_native`` with ``fds`` as its 0, 1, 2."""
     assert _native is not None
-    switch = user is not None and users.switches(user)
+    ids = (user.uid, user.gid, user.groups) if user is not None and users.switches(user) \
+        else (-1, -1, ())
     return _native.spawn(  # type: ignore[no-any-return]
         program_paths(argv[0], env), argv, env if type(env) is dict else dict(env), fds,
-        None if cwd == _here()[0] else cwd,
-        group.fd if group is not None else -1,
-        user.uid if switch and user is not None else -1,
-        user.gid if switch and user is not None else -1,
-        user.groups if switch and user is not None else ())
+        None if cwd == _here()[0] else cwd, group.fd if group is not None else -1, *ids)
 
 
 def _start_posix(argv: list[str], env: Mapping[str, str], cwd: str, fds: tuple[int, int, int],
