@@ -37,6 +37,7 @@ import pytest
 
 from hangar.engines.agent_client import AgentClient
 from hangar.engines.base import VM, Engine, VMSpec, again_if_stalled
+from hangar.engines.cgroups import Hierarchy
 from hangar.engines.process import vmm_pids  # noqa: F401 (the tests import it from here)
 
 pytest_plugins = [
@@ -359,6 +360,21 @@ def make_data_dir(base_image: Path, privsep: bool = PRIVSEP) -> Path:
         if (SHARED / name).exists():
             shutil.copy(SHARED / name, d / name)
     return d
+
+
+def vmm_cgroup_hierarchy() -> Hierarchy | None:
+    """Where the suite's servers (and their root helpers) make VMM cgroups: they inherit
+    this process's groups and settings, so the hierarchy detected here is theirs (on cgroup
+    v1 the parent ``hangar`` lies under this process's own group of each controller, so
+    a test runner's memory group holds its own). None when the host offers none."""
+    return Hierarchy.detect(os.environ.get("HANGAR_VMM_CGROUPS", "auto"))[0]
+
+
+def vmm_cgroups(sandbox_id: str) -> list[Path]:
+    """The cgroup folders ``hangar/<sandbox_id>`` that exist, in each controller's
+    hierarchy of ``vmm_cgroup_hierarchy`` (one on v2, one per controller on v1)."""
+    at = vmm_cgroup_hierarchy()
+    return [] if at is None else [d for d in at.group(sandbox_id).dirs if d.is_dir()]
 
 
 def cleanup(server: Server) -> list[int]:

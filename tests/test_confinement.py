@@ -359,7 +359,8 @@ def test_confined_qemu_opens_kvm(base_image) -> None:  # noqa: ANN001
 
 
 def test_cgroup_files_of_both_versions(tmp_path: Path) -> None:
-    """What each version writes, on a fake tree (no kernel involved)."""
+    """What each version writes, and the groups it lists (the start-up sweep's), on a
+    fake tree (no kernel involved)."""
     limits = Limits(memory_bytes=700 << 20, cpus=2.0, pids=PIDS_MAX)
     v2root = tmp_path / "v2"
     v2root.mkdir()
@@ -383,3 +384,9 @@ def test_cgroup_files_of_both_versions(tmp_path: Path) -> None:
     assert (bases[1] / "sb-x" / "cpu.cfs_period_us").read_text() == str(CPU_PERIOD_US)
     assert (bases[2] / "sb-x" / "pids.max").read_text() == str(PIDS_MAX)
     assert g1.read() == limits
+
+    assert v2.names() == {"sb-x"}
+    (bases[2] / "sb-y").mkdir()  # a group left in one hierarchy only
+    (bases[1] / "cgroup.procs").write_text("")  # a base's own files are no group
+    assert v1.names() == {"sb-x", "sb-y"}
+    assert Hierarchy("1", (tmp_path / "none",)).names() == set()

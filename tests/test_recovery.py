@@ -6,8 +6,8 @@ server process restarted for every step: the test-only hook
 kill itself with SIGKILL at that step. After each restart every sandbox
 must settle in a state that answers exec (``running``, or ``sleeping``,
 which wakes) or be cleanly gone, with exactly one VMM per running sandbox,
-no sandbox folder, snapshot folder or VMM that no record owns, and the
-guest's files intact.
+no sandbox folder, snapshot folder, VMM or VMM cgroup that no record owns,
+and the guest's files intact.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Callable
 import httpx
 import pytest
 
-from conftest import Server, Waits, cleanup, free_port, make_data_dir, vmm_pids, wait_for
+from conftest import (Server, Waits, cleanup, free_port, make_data_dir, vmm_cgroup_hierarchy,
+                      vmm_cgroups, vmm_pids, wait_for)
 
 pytestmark = pytest.mark.vm
 
@@ -110,8 +111,21 @@ def machine_state(c: httpx.Client, user: str, want: str) -> None:
              f"the machine {want}", every=0.3)
 
 
+def logged_sandboxes(d: Path) -> set[str]:
+    """Every sandbox id (``sb-...``) the server of data directory ``d`` has logged: those
+    whose create never answered too (it died in it)."""
+    ids = set()
+    for line in (d / "server.log").read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            sid = json.loads(line).get("sandbox_id")
+            if isinstance(sid, str) and sid.startswith("sb-"):
+                ids.add(sid)
+    return ids
+
+
 def consistent(d: Path, c: httpx.Client, expect: set[str], gone: set[str] = frozenset()) -> dict:
-    """Assert every sandbox answers or is cleanly gone and nothing is orphaned."""
+    """Assert every sandbox answers or is cleanly gone and nothing is orphaned: no VMM,
+    sandbox folder, snapshot folder or VMM cgroup of a sandbox that does not run."""
     states = settle(c)
     assert set(states) == expect, f"listed {states}, expected {expect}"
     running = {s for s, st in states.items() if st == "running"}
@@ -123,6 +137,10 @@ def consistent(d: Path, c: httpx.Client, expect: set[str], gone: set[str] = froz
         assert vmm_pids(sid) == [], f"sleeping {sid} holds a VMM"
     assert len(vmm_pids(str(d))) == len(running), "a VMM without a running sandbox"
     assert {p.name for p in (d / "sandboxes").iterdir()} == running
+    cgroups = vmm_cgroup_hierarchy()
+    for sid in logged_sandboxes(d) | running:
+        want = len(cgroups.bases) if cgroups is not None and sid in running else 0
+        assert len(vmm_cgroups(sid)) == want, f"{sid} ({states.get(sid)}): {vmm_cgroups(sid)}"
     user_snaps = {s["id"] for s in c.get("/snapshots").json()["snapshots"]}
     folders = {p.name for p in (d / "snapshots").iterdir()}
     assert user_snaps <= folders

@@ -20,13 +20,28 @@ still runs (found by pid and checked by its command line, ``Engine.adopt``):
 ================  ===========================================================
 
 Then the sweep removes what no record owns: sandbox folders, VMM processes
-of this data directory that no adopted sandbox holds, snapshot folders
-without a record, snapshot records whose files are incomplete, sleep
-snapshots no sandbox sleeps in, and (with TAP networking) TAP devices and
-rules of sandboxes that no longer hold a VMM. So no VM is left without a
-record and no record without its VM. A template build's VM (``tpl-...``)
-that a live build holds (``hangar image build`` beside the server; see
-``templates.building``) is not this server's to sweep.
+of this data directory that no adopted sandbox holds, the VMM cgroups
+(``hangar/<sandbox id>``) of this data directory's sandboxes that no VMM
+holds, snapshot folders without a record, snapshot records whose files are
+incomplete, sleep snapshots no sandbox sleeps in, and (with TAP networking)
+TAP devices and rules of sandboxes that no longer hold a VMM. So no VM is
+left without a record and no record without its VM. A template build's VM
+(``tpl-...``) that a live build holds (``hangar image build`` beside the
+server; see ``templates.building``) is not this server's to sweep.
+
+A cgroup is released apart from its folder because recovery may remove the
+folder first: a sandbox whose VMM died while the server was down is
+``failed`` and its removal finds no VM to stop, so the engine's own release
+never runs (as for a create or restore whose VMM was not yet adopted). The
+sweep waits for the VMMs it killed to exit (``KILL_WAIT_S``: a group with a
+task cannot be removed), then lists the groups where the engine makes them
+(``Engine.vmm_groups``) and releases each whose id this data directory knows
+(a record of any state, one recovery resolved, a folder, a VMM it killed)
+and no VMM holds (``Engine.release_orphan``, through the root helper under a
+split). The parent is shared by every server of the host (``/hangar`` on
+cgroup v2), so a group of an id this data directory never had is another
+server's, and is left alone even when empty: that server may have made it for
+a VMM about to join it.
 """
 
 from __future__ import annotations
@@ -34,7 +49,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from hangar.core import templates
@@ -44,8 +60,8 @@ from hangar.core.lifecycle import State, stopped_clock
 from hangar.core.registry import Runtime
 from hangar.core.removal import Removal
 from hangar.core.store import SandboxRecord, SnapshotRecord
-from hangar.engines.confine import release_folder
-from hangar.engines.process import kill_process
+from hangar.engines import process
+from hangar.engines.process import KILL_WAIT_S, kill_process
 from hangar.layout import SnapshotPaths
 
 log = logging.getLogger("hangar.recovery")
@@ -87,12 +103,13 @@ class Recovery:
 
     async def run(self) -> None:
         """Resolve every live record, then sweep what no record owns."""
-        for rec in self.ctx.store.live():
+        found = self.ctx.store.live()
+        for rec in found:
             try:
                 await self.recover(rec)
             except Exception:  # one bad record must not keep the server down
                 log.exception("recovery of a sandbox failed", extra={"sandbox_id": rec.id})
-        self.sweep()
+        self.sweep({r.id for r in found})
         await self.sweep_network()
 
     async def recover(self, rec: SandboxRecord) -> None:
@@ -149,23 +166,33 @@ class Recovery:
         snap = self.ctx.store.find(SnapshotRecord, snapshot_id)
         return snap is not None and SnapshotPaths(self.ctx.layout.snapshot(snapshot_id)).manifest.exists()
 
-    def sweep(self) -> None:
-        """Remove what no record owns (see the module docstring)."""
+    def sweep(self, found: Collection[str] = ()) -> None:
+        """Remove what no record owns (see the module docstring). ``found``: the ids of
+        the records recovery resolved, some of them since discarded (a ``pooled`` or
+        ``creating`` one): their VMMs' cgroups are this data directory's too."""
         ctx = self.ctx
         layout = ctx.layout
         live = {r.id: r for r in ctx.store.live()}
         # a template build running beside this server (hangar image build) owns its VM
         held = set(ctx.registry.ids()) | templates.building(layout)
+        killed: dict[int, str] = {}
         for pid, sid in vmm_processes(layout.sandboxes):
             if sid not in held:
                 kill_process(pid, ctx.engine.helper)
+                killed[pid] = sid
                 log.info("orphan VMM killed", extra={"sandbox_id": sid, "pid": pid})
+        left = _wait_gone(killed, KILL_WAIT_S)  # each leaves its cgroup as it exits
+        if left:
+            log.warning("orphan VMMs still ran %.0f s after SIGKILL", KILL_WAIT_S,
+                        extra={"pids": left})
+        folders = set()
         for d in layout.sandboxes.iterdir():
+            folders.add(d.name)
             if d.name not in held:
-                # its VMM's cgroup, once it left
-                release_folder(layout.sandbox(d.name), helper=ctx.engine.helper)
+                ctx.engine.release_orphan(layout.sandbox(d.name))  # its VMM's cgroup
                 shutil.rmtree(d, ignore_errors=True)
                 log.info("orphan sandbox folder removed", extra={"sandbox_id": d.name})
+        self.sweep_cgroups(held, {*found, *folders, *killed.values()})
         sleeping_in = {r.sleep_snapshot for r in live.values() if r.sleep_snapshot}
         restoring_from = {r.restore_from for r in live.values() if r.restore_from}
         snaps = {s.id: s for s in ctx.store.list(SnapshotRecord)}
@@ -184,6 +211,17 @@ class Recovery:
                 shutil.rmtree(d, ignore_errors=True)
                 log.info("orphan snapshot folder removed", extra={"snapshot_id": d.name})
 
+    def sweep_cgroups(self, held: Collection[str], known: Collection[str]) -> None:
+        """Release the VMM cgroup of each sandbox of this data directory that no VMM
+        holds (``held``): an id in ``known`` (records recovery resolved, folders, VMMs the
+        sweep killed) or with a record of any state. Groups of other ids are another
+        server's and stay (see the module docstring)."""
+        ctx = self.ctx
+        for sid in sorted(ctx.engine.vmm_groups() - set(held)):
+            if sid in known or ctx.store.get(sid) is not None:
+                ctx.engine.release_orphan(ctx.layout.sandbox(sid))
+                log.info("orphan VMM cgroup released", extra={"sandbox_id": sid})
+
     async def sweep_network(self) -> None:
         """Start TAP networking and remove the devices and rules of sandboxes without a VMM."""
         net = self.launcher.net
@@ -201,3 +239,14 @@ class Recovery:
             for r in adopted:  # those with secrets: their HTTP(S) is their own proxy's
                 self.launcher.secret_proxies.claim(r.id)
             await self.launcher.rules.adopt(adopted)
+
+
+def _wait_gone(pids: Collection[int], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds for the processes ``pids`` to exit; returns those
+    still running then (a zombie has exited: it holds no cgroup)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [pid for pid in pids if process.alive(pid)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.02)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from hangar.engines import process, safefs
 from hangar.engines.agent_client import AgentChannel, AgentClient
+from hangar.engines.confine import release_folder
 from hangar.engines.memory import MemoryUsage, host_usage
 from hangar.engines.process import kill_process
 from hangar.errors import BootStalled, GuestError, Timeout
@@ -291,6 +292,20 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def adopt(self, sandbox_id: str, paths: SandboxPaths, pid: int) -> VM | None:
         """Recognise a VMM left running by an earlier server process, or None."""
+
+    def vmm_groups(self) -> set[str]:
+        """The sandbox ids that have a VMM cgroup where this engine makes them, whoever
+        made them (every server of the host may share the parent), for the start-up
+        sweep; it releases (``release_orphan``) those of its own sandboxes that no VMM
+        holds. Empty by default: an engine whose VMMs make their own."""
+        return set()
+
+    def release_orphan(self, paths: SandboxPaths, wait: float = 1.0) -> None:
+        """Remove the cgroup and drop the VMM uid claim of the sandbox whose folder is
+        ``paths`` (still there or already removed), whose VMM is gone or was just
+        killed: its tasks get up to ``wait`` seconds to leave the group. Through the root
+        helper under a split. For the start-up sweep, which cannot await; never raises."""
+        release_folder(paths, wait, helper=self.helper)
 
     def describe(self) -> dict[str, str]:
         """Engine name, accelerator and version for /health and /metrics."""

@@ -167,6 +167,19 @@ class Hierarchy:
         """The group ``name`` (made or not)."""
         return Group(self.version, tuple(b / name for b in self.bases))
 
+    def names(self) -> set[str]:
+        """The names of the groups under any of ``bases``, whoever made them (another
+        server's too: a base may be shared by every server of the host). Reads only; none
+        where a base is missing or unreadable. Never raises."""
+        found: set[str] = set()
+        for base in self.bases:
+            try:
+                with os.scandir(base) as entries:
+                    found.update(e.name for e in entries if e.is_dir(follow_symlinks=False))
+            except OSError:
+                continue
+        return found
+
     def create(self, name: str, limits: Limits) -> Group:
         """Make (or reuse) group ``name`` with ``limits``; raises OSError naming the file."""
         if self.version == "2":

@@ -48,6 +48,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import sys
@@ -96,6 +97,9 @@ KVM_DEVICE = ("kvm", 10, 232)
 ANY_UID = (1 << 31) - 1
 """A range that holds every uid: releasing a folder's claim, whatever its VMM's range."""
 MERGED_USR = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+GROUP_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+"""A VMM group's name: its sandbox id, as the root helper checks one (never empty, ``.``
+or ``..``, which would name a base or its parent)."""
 
 
 @dataclass(frozen=True)
@@ -202,9 +206,11 @@ class Confinement:
         c = self.config
         self.root = os.geteuid() == 0
         self.hierarchy: Hierarchy | None = None
+        self._detected: Hierarchy | None = None
         self._cg_reason = "confinement is off (HANGAR_VMM_CONFINE=0)"
         if c.enabled:
             hierarchy, why = Hierarchy.detect(c.cgroups)
+            self._detected = hierarchy
             if hierarchy is not None:
                 ok, note = hierarchy.usable()
                 if ok:
@@ -278,6 +284,15 @@ class Confinement:
             console = Measure("console log cap", False, "multilog not found; install the "
                                                         "daemontools package")
         return [user, seccomp, cg, view, console]
+
+    def groups(self) -> set[str]:
+        """The names (sandbox ids) of the VMM groups on this host where this process, or
+        its root helper, makes them, whoever made them: a v2 host's ``/hangar`` and a v1
+        host's ``hangar`` under a shared group hold every server's. Under a split the
+        helper, forked from this process before it dropped root, detected the same
+        hierarchy; none when no group is made. Reads only; never raises."""
+        at = self.hierarchy or (self._detected if self.helper is not None else None)
+        return at.names() if at is not None else set()
 
     # -- per sandbox --------------------------------------------------------------
 
@@ -464,12 +479,16 @@ class Confinement:
 
 
 def release_folder(paths: SandboxPaths, wait: float = 1.0,
-                   helper: "Client | None" = None, cgroups: bool = True) -> None:
+                   helper: "Client | None" = None, cgroups: bool = True,
+                   hierarchy: Hierarchy | None = None) -> None:
     """Remove the cgroup that ``paths``' ``vmm.cgroup`` names, waiting up to ``wait``
     seconds for a just-killed VMM to leave it; for callers that cannot await (the
-    start-up sweep), and drop the folder's VMM uid claim. ``helper``: a split server's
-    root helper, which then does it. ``cgroups`` False: the uid claim only (the root
-    helper removes the cgroups itself, believing only what it wrote). Never raises."""
+    start-up sweep), and drop the folder's VMM uid claim. ``hierarchy``: also the
+    group of the folder's name there (``Hierarchy.group``, as the root helper computes
+    it), which a folder removed before its release no longer names. ``helper``: a split
+    server's root helper, which then does it. ``cgroups`` False: the uid claim only (the
+    root helper removes the cgroups itself, believing only what it wrote). Never
+    raises."""
     if helper is not None:
         try:
             helper.release_vmm(paths.dir.name)
@@ -483,7 +502,9 @@ def release_folder(paths: SandboxPaths, wait: float = 1.0,
     try:
         dirs = [Path(line) for line in paths.cgroup_file.read_text().split()]
     except OSError:
-        return
+        dirs = []
+    if hierarchy is not None and GROUP_NAME.fullmatch(paths.dir.name):
+        dirs += [d for d in hierarchy.group(paths.dir.name).dirs if d not in dirs]
     deadline = time.monotonic() + wait
     for d in dirs:
         remove_cgroup(d, deadline)

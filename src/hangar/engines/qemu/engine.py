@@ -38,7 +38,7 @@ from hangar import durable
 from hangar.engines import process, safefs, snapshot_io
 from hangar.engines.agent_client import AgentChannel, Streams, unix_channel
 from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec
-from hangar.engines.confine import Confinement
+from hangar.engines.confine import Confinement, release_folder
 from hangar.engines.memory import MemoryUsage, host_usage
 from hangar.engines.process import VMMProcesses
 from hangar.engines.qemu import disk as qdisk
@@ -531,6 +531,17 @@ class QemuEngine(Engine):
         except BaseException:
             await self._cleanup(p, vm.pid if vm is not None else None)
             raise
+
+    def vmm_groups(self) -> set[str]:
+        """The ids with a VMM group in this engine's hierarchy, anyone's
+        (``Confinement.groups``)."""
+        return self.confine.groups()
+
+    def release_orphan(self, paths: SandboxPaths, wait: float = 1.0) -> None:
+        """``Engine.release_orphan``: as root, also the group of the folder's name in the
+        hierarchy (the root helper, under a split, computes it the same way), which is
+        what a folder removed before its release leaves."""
+        release_folder(paths, wait, helper=self.helper, hierarchy=self.confine.hierarchy)
 
     def release_snapshot(self, source: Path) -> None:
         """Close a template snapshot's sealed memory copy (``template.TemplateMemories``),
