@@ -135,6 +135,34 @@ def test_stdin_close_signal_and_remove() -> None:
     asyncio.run(go())
 
 
+def test_no_pipe_of_a_command_outlives_it() -> None:
+    """The agent holds the write ends of a command's stdout and stderr until it is reaped
+    (one wake-up per exit: ``spawn.Command``), and then closes them: after execs (captured,
+    streamed, one that cannot start) and a started process that ended, it holds the fds it
+    held before."""
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def go() -> None:
+        async with agent_here() as (agent, connect):
+            c = await connect()
+            await c.exec(exec_meta(argv=["true"]))  # what the agent keeps (/dev/null, its cwd)
+            before = fds()
+            for _ in range(3):
+                r = await c.exec(exec_meta("echo out; echo err >&2; exit 3"))
+                assert (r.exit_code, r.stdout.head, r.stderr.head) == (3, b"out\n", b"err\n")
+            events = [ev async for ev in c.exec_stream(exec_meta("echo a; sleep 0.1; echo b",
+                                                                 stream=True))]
+            assert [ev.kind for ev in events][-1] == "exit"
+            assert (await c.exec(exec_meta(argv=["/no/such/program"]))).exit_code == 127
+            p = await c.start_process(proc_meta("echo started"))
+            out, _ = await drain(await c.attach_process(p.pid))
+            assert out == b"started\n"
+            assert fds() == before
+
+    asyncio.run(go())
+
+
 def test_a_program_an_exec_leaves_behind_keeps_its_output() -> None:
     """The defect: ``server &`` in an exec got EPIPE on its first write after the exec
     returned. Now its pipes are read on, into the table's ring."""

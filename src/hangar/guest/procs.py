@@ -462,7 +462,7 @@ class ProcessTable:
                 proc = Proc(self, s.pid, argv, extra_env, cwd, tag=tag, origin="start",
                             script=script)
                 cmd = spawn.Command(s.pid, s.stdin, s.stdout, s.stderr, proc.output, group=group,
-                                    pidfd=s.pidfd)
+                                    pidfd=s.pidfd, writers=s.writers)
                 proc.cmd = cmd
                 proc.group = group
                 self._watch_pipes(proc, cmd)

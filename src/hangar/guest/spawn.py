@@ -81,13 +81,16 @@ HELLO says it (``spawn``)."""
 
 class Started(NamedTuple):
     """A started child: its pid, the agent's ends of its pipes (stdin None without a
-    pipe) and its pidfd (None: ``Command`` opens one)."""
+    pipe), its pidfd (None: ``Command`` opens one) and the agent's copies of the write
+    ends of its stdout and stderr, which ``Command`` closes once the child exited (see
+    ``Command``); a caller that makes no ``Command`` closes them."""
 
     pid: int
     stdin: int | None
     stdout: int
     stderr: int
     pidfd: int | None = None
+    writers: tuple[int, ...] = ()
 
 
 def _here() -> tuple[str, int]:
@@ -196,18 +199,17 @@ def spawn(argv: list[str], env: Mapping[str, str], cwd: str, *, stdin_pipe: bool
         if started is None:
             started = _start_posix(argv, env, cwd, fds, group, user)
     except BaseException:
-        for fd in (in_w, out_r, err_r):
+        for fd in (in_w, out_r, err_r, out_w, err_w):
             if fd is not None:
                 os.close(fd)
         raise
     finally:
-        for fd in (in_r, out_w, err_w):
-            if fd is not None:
-                os.close(fd)
+        if in_r is not None:
+            os.close(in_r)
     for fd in (in_w, out_r, err_r):
         if fd is not None:
             os.set_blocking(fd, False)
-    return Started(started[0], in_w, out_r, err_r, started[1])
+    return Started(started[0], in_w, out_r, err_r, started[1], (out_w, err_w))
 
 
 class Command:
@@ -220,11 +222,19 @@ class Command:
     when that pipe is closed by every process that held it. ``close`` stops
     reading and closes the agent's ends; the exit watcher stays until the
     child is reaped, so no zombie is left.
+
+    ``writers``: the agent's copies of the pipes' write ends (``Started.writers``), held
+    until the child is reaped. A command's exit closes its stdout, then its stderr, then
+    signals its pidfd; with no other writer, each woke the agent, which preempted the
+    exiting child three times (the guest has one vCPU), where one wake-up is enough: with
+    the agent's copies open, the pipes end only when the agent closes them, after the
+    pidfd, and their ends come in the same turn of the agent's (docs/performance.md).
     """
 
     def __init__(self, pid: int, stdin: int | None, stdout: int, stderr: int,
                  sink: Callable[[str, bytes], None], *, paced: bool = False,
-                 group: Group | None = None, pidfd: int | None = None) -> None:
+                 group: Group | None = None, pidfd: int | None = None,
+                 writers: tuple[int, ...] = ()) -> None:
         self.loop = asyncio.get_running_loop()
         self.pid = pid
         self.group = group
@@ -238,6 +248,7 @@ class Command:
         self._fds: dict[str, int] = {"stdout": stdout, "stderr": stderr}
         self._sink = sink
         self._paced = paced
+        self._writers = list(writers)
         for name, fd in self._fds.items():
             self.loop.add_reader(fd, self._readable, name)
         self._pidfd: int | None = pidfd
@@ -259,6 +270,7 @@ class Command:
         self._reaped(status)
 
     def _reaped(self, status: int) -> None:
+        self._close_writers()
         self.returncode = os.waitstatus_to_exitcode(status)
         if not self.exited.done():
             self.exited.set_result(self.returncode)
@@ -339,8 +351,13 @@ class Command:
             os.close(self.stdin)
             self.stdin = None
 
+    def _close_writers(self) -> None:
+        while self._writers:
+            os.close(self._writers.pop())
+
     def close(self) -> None:
         """Stop reading output and close the agent's ends of the pipes."""
         for name in STREAMS:
             self._close(name)
         self.close_stdin()
+        self._close_writers()

@@ -138,7 +138,7 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
                             (lambda name, chunk: chunks.put_nowait((name, chunk)))
                             if chunks is not None
                             else (lambda name, chunk: captures[name].add(chunk)),
-                            paced=stream, group=group, pidfd=s.pidfd)
+                            paced=stream, group=group, pidfd=s.pidfd, writers=s.writers)
         try:
             return await _run(ch, cmd, captures, chunks, want_stdin, timeout, started)
         finally:
