@@ -156,7 +156,8 @@ def test_no_pipe_of_a_command_outlives_it() -> None:
             assert [ev.kind for ev in events][-1] == "exit"
             assert (await c.exec(exec_meta(argv=["/no/such/program"]))).exit_code == 127
             p = await c.start_process(proc_meta("echo started"))
-            out, _ = await drain(await c.attach_process(p.pid))
+            # replay: it may have ended before the attach; follow: to its output's end
+            out, _ = await drain(await c.attach_process(p.pid, replay=True, follow=True))
             assert out == b"started\n"
             assert fds() == before
 
