@@ -362,11 +362,13 @@ def make_data_dir(base_image: Path, privsep: bool = PRIVSEP) -> Path:
     return d
 
 
+@functools.cache
 def vmm_cgroup_hierarchy() -> Hierarchy | None:
     """Where the suite's servers (and their root helpers) make VMM cgroups: they inherit
     this process's groups and settings, so the hierarchy detected here is theirs (on cgroup
     v1 the parent ``hangar`` lies under this process's own group of each controller, so
-    a test runner's memory group holds its own). None when the host offers none."""
+    a test runner's memory group holds its own). None when the host offers none. Detected
+    once per test process: ``vmm_cgroups`` asks for it at every check."""
     return Hierarchy.detect(os.environ.get("HANGAR_VMM_CGROUPS", "auto"))[0]
 
 
