@@ -296,7 +296,7 @@ class QemuEngine(Engine):
         (QMP ``qom-get guest-stats``), None without a balloon or before the
         guest's first report. Returns None when the VMM is gone.
         """
-        usage = host_usage(vm.pid, self.helper)
+        usage = await asyncio.to_thread(host_usage, vm.pid, self.helper)  # see Engine.memory
         if usage is None:
             return None
         argv = process.argv_of(vm.pid) or []
