@@ -88,6 +88,17 @@ class Agent:
         self.procs = ProcessTable()
         """Processes that outlive their connection (``hangar.guest.procs``)."""
 
+    def alone(self, ch: Channel) -> tuple[int, ...] | None:
+        """The fds of the host's connections when ``ch`` is the one request open on all
+        of them (``spawn.Settle``: an exec may then wait for its command's exit until
+        the host sends more), else None."""
+        fds = []
+        for session in self.sessions:
+            if any(c is not ch for c in session.channels.values()) or session.input_fd is None:
+                return None
+            fds.append(session.input_fd)
+        return tuple(fds)
+
     def hello_meta(self) -> dict[str, Any]:
         """The HELLO meta: versions, window, boot id, pid, uptime (s), requests in progress,
         fork generation, the boot's marks (``boot_marks``), ``users`` (true: ``exec``
@@ -164,7 +175,10 @@ class Agent:
         else:
             if frame.kind in P.FLOW_KINDS:
                 ch.inflow.arrive(frame.size)  # the host is trusted to keep to its window
-            ch.inbox.put_nowait(frame)
+            if ch.listener is not None:
+                ch.listener(frame)
+            else:
+                ch.inbox.put_nowait(frame)
 
     async def run_request(self, frame: P.Frame, ch: Channel) -> None:
         """Run the REQUEST's operation (``OPS``) and answer RESPONSE or ERROR on ``ch``."""

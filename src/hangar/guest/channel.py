@@ -29,6 +29,10 @@ class Session:
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
         self.channels: dict[int, Channel] = {}
+        end = writer.get_extra_info("socket") or writer.get_extra_info("pipe")
+        self.input_fd: int | None = end.fileno() if end is not None else None
+        """An fd of the connection that polls readable when the host has sent more (the
+        socket, or the virtio-serial port, whose write end is the same open file)."""
         self.lock = asyncio.Lock()
         self.open = True
 
@@ -83,6 +87,14 @@ class Channel:
         self.inflow = P.Inflow()
         self.task: asyncio.Task[None] | None = None
         self.afterwards: list[Callable[[], object]] = []
+        self.listener: Callable[[P.Frame], None] | None = None
+
+    def listen(self, listener: Callable[[P.Frame], None]) -> None:
+        """Hand every inbound frame from now on to ``listener`` as it arrives, instead of
+        queueing it for ``get`` (an operation that needs no task to read its frames)."""
+        self.listener = listener
+        while not self.inbox.empty():
+            listener(self.inbox.get_nowait())
 
     async def get(self, ack: bool = True) -> P.Frame:
         frame = await self.inbox.get()

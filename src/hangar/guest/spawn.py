@@ -49,7 +49,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import select
 import signal
+import time
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
@@ -108,6 +110,23 @@ def program_paths(program: str, env: Mapping[str, str]) -> list[str]:
     return [os.path.join(d, program) for d in os.get_exec_path(dict(env))]
 
 
+def _existing(candidates: list[str]) -> list[str]:
+    """``candidates`` without the absolute paths that do not exist, unless none is left.
+
+    The native child tries each candidate in turn, as ``execvpe``; under Linux 6.1 an
+    ``execve`` of a missing path still sets up a new address space before its lookup
+    fails, and ``true`` is fourth in the default ``PATH``: looking first here makes an
+    exec of ``true`` about 2 % quicker under TCG (docs/performance.md). A relative
+    candidate (a relative ``PATH`` entry) stays, since the child looks it up from the
+    command's cwd; when nothing is left, all stay, so the child fails as before.
+    """
+    if len(candidates) < 2:
+        return candidates
+    left = [p for p in candidates
+            if not p.startswith("/") or os.access(p, os.F_OK, follow_symlinks=False)]
+    return left or candidates
+
+
 def _spawn_first(argv: list[str], env: Mapping[str, str], actions: list[tuple],
                  resetids: bool = False) -> int:
     first_error: OSError | None = None
@@ -135,7 +154,7 @@ def _start_native(argv: list[str], env: Mapping[str, str], cwd: str, fds: tuple[
     ids = (user.uid, user.gid, user.groups) if user is not None and users.switches(user) \
         else (-1, -1, ())
     return _native.spawn(  # type: ignore[no-any-return]
-        program_paths(argv[0], env), argv, env if type(env) is dict else dict(env), fds,
+        _existing(program_paths(argv[0], env)), argv, env if type(env) is dict else dict(env), fds,
         None if cwd == _here()[0] else cwd, group.fd if group is not None else -1, *ids)
 
 
@@ -212,6 +231,26 @@ def spawn(argv: list[str], env: Mapping[str, str], cwd: str, *, stdin_pipe: bool
     return Started(started[0], in_w, out_r, err_r, started[1], (out_w, err_w))
 
 
+DRAIN_READS = 16
+"""Chunks read from a pipe, at most, in the turn that reaps its command (``Command._drain``)."""
+
+
+class Settle(NamedTuple):
+    """How long a ``Command`` may wait for its child's exit before it joins the event loop.
+
+    The wait blocks the agent's event loop, for at most ``budget_s`` seconds, and ends
+    as soon as any of the ``wake`` fds is readable (the host's connections: a frame that
+    arrives is served at once). So a command that ends within it, as most short ones do,
+    is answered without a turn of the event loop: its pipes, pidfd, futures and
+    callbacks there cost about 3 ms of a 25 ms ``true`` under TCG (docs/performance.md).
+    Only an exec that is the agent's one open request, without stdin or streaming,
+    settles (``hangar.guest.ops.commands``), so no other request waits on it.
+    """
+
+    budget_s: float
+    wake: tuple[int, ...] = ()
+
+
 class Command:
     """A started command watched on the running event loop.
 
@@ -234,7 +273,7 @@ class Command:
     def __init__(self, pid: int, stdin: int | None, stdout: int, stderr: int,
                  sink: Callable[[str, bytes], None], *, paced: bool = False,
                  group: Group | None = None, pidfd: int | None = None,
-                 writers: tuple[int, ...] = ()) -> None:
+                 writers: tuple[int, ...] = (), settle: Settle | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.pid = pid
         self.group = group
@@ -249,21 +288,59 @@ class Command:
         self._sink = sink
         self._paced = paced
         self._writers = list(writers)
+        self._blocked = False
+        self._watched = False  # its pipes are on the event loop (not while it settles)
+        self._pidfd: int | None = pidfd
+        if self._pidfd is None:
+            try:
+                self._pidfd = os.pidfd_open(pid)
+            except OSError:  # no pidfd here: a thread waits instead (below)
+                pass
+        if settle is not None and self._pidfd is not None and not paced:
+            self._settle(settle)
+        self._watched = True
         for name, fd in self._fds.items():
             self.loop.add_reader(fd, self._readable, name)
-        self._pidfd: int | None = pidfd
-        try:
-            if self._pidfd is None:
-                self._pidfd = os.pidfd_open(pid)
-        except OSError:  # no pidfd here: a thread waits instead
+        if self.returncode is not None:
+            return
+        if self._pidfd is None:
             waiter = self.loop.run_in_executor(None, os.waitpid, pid, 0)
             waiter.add_done_callback(lambda f: self._reaped(f.result()[1]))
         else:
             self.loop.add_reader(self._pidfd, self._on_pidfd)
 
-    def _on_pidfd(self) -> None:
+    def _settle(self, settle: Settle) -> None:
+        """Wait here, blocking the event loop, for the child's exit (see ``Settle``)."""
         assert self._pidfd is not None
-        self.loop.remove_reader(self._pidfd)
+        poller = select.poll()
+        poller.register(self._pidfd, select.POLLIN)
+        names = {fd: name for name, fd in self._fds.items()}
+        for fd in (*names, *settle.wake):
+            poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + settle.budget_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            reaped = False
+            for fd, _ in poller.poll(left * 1000):
+                if fd == self._pidfd:
+                    reaped = True
+                elif fd in names:
+                    self._readable(names[fd])
+                    if names[fd] not in self._fds:  # its end (never before the reap)
+                        poller.unregister(fd)
+                        del names[fd]
+                else:
+                    return  # the host sent a frame: back to the event loop
+            if reaped:
+                self._on_pidfd(registered=False)
+                return
+
+    def _on_pidfd(self, registered: bool = True) -> None:
+        assert self._pidfd is not None
+        if registered:
+            self.loop.remove_reader(self._pidfd)
         os.close(self._pidfd)
         self._pidfd = None
         _, status = os.waitpid(self.pid, 0)
@@ -271,9 +348,22 @@ class Command:
 
     def _reaped(self, status: int) -> None:
         self._close_writers()
+        if not self._paced:  # what the pipes hold, and their ends, in this same turn
+            for name in [n for n in STREAMS if n in self._fds]:
+                self._drain(name)
         self.returncode = os.waitstatus_to_exitcode(status)
         if not self.exited.done():
             self.exited.set_result(self.returncode)
+
+    def _drain(self, name: str) -> None:
+        """Read ``name``'s pipe, up to ``DRAIN_READS`` chunks, until it would block or ends:
+        with the agent's own write ends closed, a pipe that no other process holds ends
+        here, in the turn that reaped the command, not at a later wake-up."""
+        self._blocked = False
+        for _ in range(DRAIN_READS):
+            if name not in self._fds or self._blocked:
+                return
+            self._readable(name)
 
     def _readable(self, name: str) -> None:
         fd = self._fds.get(name)
@@ -282,6 +372,7 @@ class Command:
         try:
             chunk = os.read(fd, CHUNK)
         except BlockingIOError:
+            self._blocked = True
             return
         except OSError:
             chunk = b""
@@ -301,7 +392,8 @@ class Command:
     def _close(self, name: str) -> None:
         fd = self._fds.pop(name, None)
         if fd is not None:
-            self.loop.remove_reader(fd)
+            if self._watched:
+                self.loop.remove_reader(fd)
             os.close(fd)
         if not self.eof[name].done():
             self.eof[name].set_result(None)

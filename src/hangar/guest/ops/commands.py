@@ -28,6 +28,9 @@ DEFAULT_TAIL = 1 << 18  # bytes of output kept from the end
 MAX_HEAD = 3 << 19  # 1.5 MiB: two streams' head and tail fit one frame (MAX_DATA)
 MAX_TAIL = 1 << 19
 DRAIN_GRACE_S = 0.5  # seconds to keep reading pipes after the command exits
+SETTLE_S = 0.25
+"""Seconds an exec that is the agent's one open request may wait for its command's exit
+before it joins the event loop (``spawn.Settle``)."""
 
 
 class Capture:
@@ -134,11 +137,15 @@ async def exec_command(agent: AgentView, meta: dict[str, Any], ch: Channel,
             return await _not_started(ch, stream, head, tail, code, message, started)
         captures = {"stdout": Capture(head, tail), "stderr": Capture(head, tail)}
         chunks: asyncio.Queue[tuple[str, bytes]] | None = asyncio.Queue() if stream else None
+        wake = None if stream or want_stdin else agent.alone(ch)
+        settle = None if wake is None else spawn.Settle(
+            min(SETTLE_S, timeout) if timeout is not None else SETTLE_S, wake)
         cmd = spawn.Command(s.pid, s.stdin, s.stdout, s.stderr,
                             (lambda name, chunk: chunks.put_nowait((name, chunk)))
                             if chunks is not None
                             else (lambda name, chunk: captures[name].add(chunk)),
-                            paced=stream, group=group, pidfd=s.pidfd, writers=s.writers)
+                            paced=stream, group=group, pidfd=s.pidfd, writers=s.writers,
+                            settle=settle)
         try:
             return await _run(ch, cmd, captures, chunks, want_stdin, timeout, started)
         finally:
@@ -212,7 +219,18 @@ async def _run(ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
                 if isinstance(sig, int) and 0 < sig < 65:
                     cmd.kill(sig)
 
-    feeder = asyncio.create_task(feed())
+    def on_frame(frame: P.Frame) -> None:
+        """Without stdin only signals matter: each is sent as it arrives, with no task."""
+        if frame.kind in P.FLOW_KINDS:
+            ch.ack(frame.size)
+        elif frame.kind == P.Kind.SIGNAL:
+            sig = frame.meta.get("signal", signal.SIGKILL)
+            if isinstance(sig, int) and 0 < sig < 65:
+                cmd.kill(sig)
+
+    feeder = asyncio.create_task(feed()) if want_stdin else None
+    if feeder is None:
+        ch.listen(on_frame)
     relayer = asyncio.create_task(relay()) if stream else None
     expired: list[bool] = []
 
@@ -221,8 +239,8 @@ async def _run(ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
         cmd.expired = True
         cmd.kill(signal.SIGKILL)
 
-    timer = (asyncio.get_running_loop().call_later(timeout, expire)
-             if timeout is not None else None)
+    timer = (asyncio.get_running_loop().call_later(  # from the start: it may have settled
+        max(0.0, started + timeout - time.monotonic()), expire) if timeout is not None else None)
     try:
         await asyncio.shield(cmd.exited)  # a cancel must not cancel the exit's future
         if expired:
@@ -251,9 +269,7 @@ async def _run(ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
         for t in (feeder, relayer):
             if t is not None:
                 t.cancel()
-        # The feeder of a command without stdin only waits for a frame: it ends on its
-        # own; waiting for it would cost loop turns (each a fraction of a ms under TCG).
-        ending = [t for t in (feeder if want_stdin else None, relayer) if t is not None]
+        ending = [t for t in (feeder, relayer) if t is not None]
         if ending:
             await asyncio.gather(*ending, return_exceptions=True)
         cmd.close_stdin()

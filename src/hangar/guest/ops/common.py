@@ -38,6 +38,11 @@ class AgentView(Protocol):
         """The HELLO frame's meta (see ``hangar.guest.agent``)."""
         ...
 
+    def alone(self, ch: Channel) -> tuple[int, ...] | None:
+        """The fds of the host's connections when ``ch`` is the one request open, else
+        None (``hangar.guest.spawn.Settle``)."""
+        ...
+
 
 Handler = Callable[[AgentView, dict[str, Any], "Channel"], Awaitable[Result]]
 """An operation: ``await handler(agent, meta, ch)`` → ``Result``; raises ``OpError``."""
