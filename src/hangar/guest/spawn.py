@@ -244,7 +244,10 @@ class Settle(NamedTuple):
     is answered without a turn of the event loop: its pipes, pidfd, futures and
     callbacks there cost about 3 ms of a 25 ms ``true`` under TCG (docs/performance.md).
     Only an exec that is the agent's one open request, without stdin or streaming,
-    settles (``hangar.guest.ops.commands``), so no other request waits on it.
+    settles (``hangar.guest.ops.commands``), so no other request waits on it; what
+    does: a frame the agent read in the same turn but has not dispatched yet, and the
+    output of background processes (``hangar.guest.procs``; their pipes hold 64 KiB),
+    each for ``budget_s`` at most.
     """
 
     budget_s: float
