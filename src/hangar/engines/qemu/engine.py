@@ -39,7 +39,7 @@ from hangar.engines import process, safefs, snapshot_io
 from hangar.engines.agent_client import AgentChannel, Streams, unix_channel
 from hangar.engines.base import VM, Engine, SnapshotFiles, VMSpec
 from hangar.engines.confine import Confinement, release_folder
-from hangar.engines.memory import MemoryUsage, host_usage
+from hangar.engines.memory import MemoryUsage
 from hangar.engines.process import VMMProcesses
 from hangar.engines.qemu import disk as qdisk
 from hangar.engines.qemu import migration, qmp, stall
@@ -296,7 +296,7 @@ class QemuEngine(Engine):
         (QMP ``qom-get guest-stats``), None without a balloon or before the
         guest's first report. Returns None when the VMM is gone.
         """
-        usage = await asyncio.to_thread(host_usage, vm.pid, self.helper)  # see Engine.memory
+        usage = await super().memory(vm)
         if usage is None:
             return None
         argv = process.argv_of(vm.pid) or []

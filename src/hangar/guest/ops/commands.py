@@ -201,9 +201,15 @@ async def _run(ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
             captures[name].total += len(chunk)
             cmd.resume(name)
 
+    def signal_from(frame: P.Frame) -> None:
+        """A SIGNAL frame: its signal (default SIGKILL) to the command's group."""
+        sig = frame.meta.get("signal", signal.SIGKILL)
+        if isinstance(sig, int) and 0 < sig < 65:
+            cmd.kill(sig)
+
     async def feed() -> None:
         """Route inbound frames: stdin data, stdin EOF, signals."""
-        stdin_open = want_stdin
+        stdin_open = True
         while True:
             frame = await ch.get()
             if frame.kind == P.Kind.DATA and stdin_open:
@@ -215,18 +221,14 @@ async def _run(ch: Channel, cmd: spawn.Command, captures: dict[str, Capture],
                 stdin_open = False
                 cmd.close_stdin()
             elif frame.kind == P.Kind.SIGNAL:
-                sig = frame.meta.get("signal", signal.SIGKILL)
-                if isinstance(sig, int) and 0 < sig < 65:
-                    cmd.kill(sig)
+                signal_from(frame)
 
     def on_frame(frame: P.Frame) -> None:
         """Without stdin only signals matter: each is sent as it arrives, with no task."""
         if frame.kind in P.FLOW_KINDS:
             ch.ack(frame.size)
         elif frame.kind == P.Kind.SIGNAL:
-            sig = frame.meta.get("signal", signal.SIGKILL)
-            if isinstance(sig, int) and 0 < sig < 65:
-                cmd.kill(sig)
+            signal_from(frame)
 
     feeder = asyncio.create_task(feed()) if want_stdin else None
     if feeder is None:
