@@ -13,9 +13,9 @@ certificates, from ``hangar cluster certs``; each node reads its own folder
 
 The nodes' lease follows this machine: ``lease_s`` is 5 s (the default), or
 three times what ``hangar cluster certs`` (a CLI start: Hangar's imports) took
-when that is longer. A rolling restart (stop, start) must fit in the lease
-and the failover delay, or the other nodes rightly take the node's sandboxes;
-on a loaded host a node's start takes several CLI starts' time.
+when that is longer. A rolling restart (SIGTERM, start) need not fit in the
+lease and the failover delay: the stopped node's restart mark makes the
+failover wait the cluster's restart grace (30 s) for it.
 
 Names carry a per-run tag, so runs never meet another's namespaces. The
 test process reaches each node through a forwarder on 127.0.0.1 whose
@@ -259,6 +259,8 @@ class Lab:
         self.key = ""
         self.lease_s = 5
         """The nodes' lease, seconds (the module docstring: it follows this machine)."""
+        self.failover_s = 3
+        """The cluster's ``--failover-after``, seconds (the restart grace is the default)."""
         self.env = {**os.environ, "PYTHONPATH": str(SRC), "AWS_ACCESS_KEY_ID": "hangar-test",
                     "AWS_SECRET_ACCESS_KEY": "hangar-test-secret",
                     "AWS_DEFAULT_REGION": "us-east-1", "HANGAR_ETCD_PKI": str(self.root / "pki" / "n1")}
@@ -360,7 +362,7 @@ class Lab:
         while True:
             r = self.hangar("cluster", "init", "--store", self.store_url, "--key-file",
                             str(self.root / "api-key"), "--lease-ttl", str(self.lease_s),
-                            "--failover-after", "3", check=False)
+                            "--failover-after", str(self.failover_s), check=False)
             if r.returncode == 0:
                 break
             if time.monotonic() > deadline:

@@ -287,6 +287,11 @@ def test_calls_sent_to_node1_reach_a_sandbox_on_node3(lab: Lab) -> None:
 def test_machine_sleeps_on_node1_and_wakes_elsewhere_with_file_and_process(lab: Lab) -> None:
     n1, n2, n3 = lab.nodes
     n3.stop()  # a rolling restart with two slots: its sandbox keeps running
+    # A start slower than the lease and the failover: the restart mark holds the sandbox.
+    wait_for(lambda: lab.node_ls().get("n3", {}).get("state") == "restarting",
+             lab.lease_s + 15, "n3 listed as restarting once its lease ended", every=0.3)
+    time.sleep(lab.failover_s + 2)  # past the failover's wait for a node without the mark
+    assert lab.owner(state["c"]) == "n3"  # its VMM ran on meanwhile
     n3.start(slots=2)
     assert lab.owner(state["c"]) == "n3"
     with n3.client() as c:

@@ -23,7 +23,8 @@ import hangar
 import hangar.cluster
 from hangar.cluster.directory import Directory
 from hangar.cluster.etcd import Etcd, EtcdUnavailable, cmp_version, op_put
-from hangar.cluster.failover import hand_on, landing
+from hangar.cluster.failover import Failover, hand_on, landing
+from hangar.cluster.membership import Membership
 from hangar.cluster.pki import etcd_flags, make, tls_from
 from hangar.cluster import team_records as TR
 from hangar.cluster.records import BadRecord, NodeInfo, SandboxObject, sandbox_key
@@ -280,6 +281,47 @@ def test_failover_moves_each_record_by_one_edge(was: str, user: str | None, snap
     assert rec.state is State(to) and rec.node is None and rec.epoch == 3
     assert rec.status["view"]["state"] == to
     assert ("n3" in rec.status["view"].get("error", "")) == (to != was)
+
+
+def test_a_restart_mark_holds_the_failover_for_the_grace_only_and_goes_at_registering(
+        etcd_url: str) -> None:
+    """A node stopped gracefully leaves a restart mark: the reconciler waits the grace, not
+    ``failover_after_s``, then hands its sandboxes on; registering again deletes the mark."""
+    async def go() -> None:
+        e = _client(etcd_url)
+        d = Directory(e)
+        sid = "sb-0000000000ee"
+        raw = _obj("running", view={"id": sid, "state": "running"})
+        raw["metadata"]["name"], raw["status"]["nodeName"] = sid, "nr"
+        await e.put(sandbox_key(sid), raw)
+        info = NodeInfo(name="nr", address="127.0.0.1:1", capacity=1, free=0, engine="qemu",
+                        accel="tcg", cpu_model="", images=[])
+
+        async def nothing(*_: object) -> None:
+            return None
+
+        m = Membership(e, d, "nr", 2, lambda: info, nothing, nothing)
+        try:
+            await m.register()
+            await m.mark_restart(30)
+            await e.revoke(m.lease)  # the stopped node's lease ends (at once, here)
+            await d.load()
+            assert not d.alive("nr") and d.restarting == {"nr"}
+            f = Failover(d, m, after_s=0, grace_s=1.5)
+            await f.tick()
+            assert (await d.fresh(sid)).state is State.RUNNING  # held: no wait of 0 s
+            await asyncio.sleep(1.6)
+            await f.tick()  # the reconciler's own grace, whatever the mark's lease says
+            moved = await d.fresh(sid)
+            assert moved.state is State.FAILED and moved.node is None
+            await m.register()  # back: the mark goes, so a crash now is handed on at once
+            await d.load()
+            assert d.alive("nr") and d.restarting == set()
+        finally:
+            await e.delete("/hangar/", prefix=True)
+            await e.close()
+
+    asyncio.run(go())
 
 
 def test_an_unreadable_record_is_a_clear_409_and_the_others_still_load(etcd_url: str) -> None:

@@ -123,6 +123,9 @@ def init(
     lease_ttl: Annotated[int, typer.Option(help="Nodes' lease, seconds.")] = 5,
     failover_after: Annotated[float, typer.Option(
         help="Seconds after a lease expired before its sandboxes are handed on.")] = 3.0,
+    restart_grace: Annotated[int, typer.Option(
+        help="Seconds the failover waits instead for a node that stopped gracefully (a "
+             "restart; its VMMs run on). 0: no grace.")] = 30,
     force: Annotated[bool, typer.Option(help="Overwrite an existing cluster's settings.")]
     = False,
 ) -> None:
@@ -145,7 +148,7 @@ def init(
         cfg = ClusterConfig.parse({
             "store": store, "key_hashes": [hashlib.sha256(key.encode()).hexdigest()],
             "node_token": secrets.token_urlsafe(32), "lease_ttl_s": lease_ttl,
-            "failover_after_s": failover_after})
+            "failover_after_s": failover_after, "restart_grace_s": restart_grace})
     except R.BadRecord as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False, markup=False)
         raise typer.Exit(2) from None
@@ -195,11 +198,13 @@ def join(
     serve(host=host, port=port, data_dir=data_dir, engine=None, accel=None)
 
 
-async def _nodes(client: Any) -> tuple[dict[str, Any], set[str], dict[str, int], set[str]]:
+async def _nodes(client: Any) -> tuple[dict[str, Any], set[str], dict[str, int], set[str],
+                                       set[str]]:
+    """(nodes by name, drained, slots used by node, nodes records name, restart marks)."""
     from hangar.cluster import records as R
 
     kvs, _ = await client.get_prefix(R.ROOT)
-    nodes, drained, used, named = {}, set(), {}, set()
+    nodes, drained, used, named, restarting = {}, set(), {}, set(), set()
     for kv in kvs:  # read as untrusted, as the nodes read it: malformed keys are skipped
         try:
             if kv.key.startswith(R.NODES):
@@ -207,6 +212,8 @@ async def _nodes(client: Any) -> tuple[dict[str, Any], set[str], dict[str, int],
                 nodes[name] = R.NodeInfo.parse(R.load_json(kv.value)).to_json()
             elif kv.key.startswith(R.DRAIN):
                 drained.add(R.key_id(kv.key, R.DRAIN, R.NODE_NAME))
+            elif kv.key.startswith(R.RESTARTS):
+                restarting.add(R.key_id(kv.key, R.RESTARTS, R.NODE_NAME))
             elif kv.key.startswith(R.SLOTS):
                 n = kv.key[len(R.SLOTS):].split("/", 1)[0]
                 if R.NODE_NAME.fullmatch(n):
@@ -219,25 +226,29 @@ async def _nodes(client: Any) -> tuple[dict[str, Any], set[str], dict[str, int],
                     named.add(owner)
         except R.BadRecord as exc:
             err.print(f"skipped {kv.key[:120]!r}: {exc}", highlight=False, markup=False)
-    return nodes, drained, used, named
+    return nodes, drained, used, named, restarting
 
 
 @node_app.command("ls")
 def ls(etcd: EtcdOpt = None, pki: PkiOpt = None,
        as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
-    """List nodes: alive ones (holding their lease) and lost ones still named by records."""
+    """List nodes: alive ones (holding their lease) and lost ones still named by records
+    (``restarting`` while a lost one's restart mark lasts)."""
     import json
 
     async def go() -> list[dict[str, Any]]:
         client = _etcd(etcd, pki)
         try:
-            nodes, drained, used, named = await _nodes(client)
+            nodes, drained, used, named, restarting = await _nodes(client)
         finally:
             await client.close()
         rows = []
         for name in sorted(set(nodes) | named | drained):
             n = nodes.get(name)
-            state = "lost" if n is None else ("draining" if name in drained else "ready")
+            if n is None:
+                state = "restarting" if name in restarting else "lost"
+            else:
+                state = "draining" if name in drained else "ready"
             rows.append({"name": name, "state": state, "address": n and n["address"],
                          "slots_used": used.get(name, 0), "capacity": n and n["capacity"],
                          "engine": n and f"{n['engine']}/{n['accel']}",
@@ -294,7 +305,8 @@ def undrain(name: str, etcd: EtcdOpt = None, pki: PkiOpt = None) -> None:
 def rm(name: str, etcd: EtcdOpt = None, pki: PkiOpt = None,
        force: Annotated[bool, typer.Option(help="Also when the node still holds its lease.")]
        = False) -> None:
-    """Forget a node: its drain flag and VM slots. Refused while it is alive (unless --force)."""
+    """Forget a node: its drain flag, restart mark and VM slots. Refused while it is alive
+    (unless --force)."""
     from hangar.cluster import records as R
 
     _node_name(name)
@@ -304,6 +316,7 @@ def rm(name: str, etcd: EtcdOpt = None, pki: PkiOpt = None,
             if await client.get(R.node_key(name)) is not None and not force:
                 return False
             await client.delete(R.DRAIN + name)
+            await client.delete(R.restart_key(name))
             await client.delete(f"{R.SLOTS}{name}/", prefix=True)
             if force:
                 await client.delete(R.node_key(name))

@@ -1,10 +1,10 @@
 """The directory of owners: every sandbox's record in etcd, and a cache fed by a watch.
 
 One watch on ``/hangar/`` keeps an in-memory copy of the nodes, drain
-flags, sandbox records, machines, slots, teams and teams' keys, so the gateway routes a
-request with no etcd round trip. A record that the cache does not know yet
-(a create placed by another node a moment ago) is read once from etcd
-(``lookup``).
+flags, restart marks, sandbox records, machines, slots, teams and teams'
+keys, so the gateway routes a request with no etcd round trip. A record
+that the cache does not know yet (a create placed by another node a moment
+ago) is read once from etcd (``lookup``).
 
 Every change of ownership is a compare-and-set on the record's
 ``mod_revision`` (nobody wrote it since it was read) together with the
@@ -60,6 +60,8 @@ class Directory:
         self.etcd = etcd
         self.nodes: dict[str, NodeInfo] = {}
         self.draining: set[str] = set()
+        self.restarting: set[str] = set()
+        """Nodes that left a restart mark at a graceful stop (``R.RESTARTS``)."""
         self.sandboxes: dict[str, SandboxObject] = {}
         self.machines: dict[str, dict[str, Any]] = {}
         self.snapshots: dict[str, dict[str, Any]] = {}
@@ -95,6 +97,7 @@ class Directory:
         kvs, rev = await self.etcd.get_prefix(R.ROOT)
         self.nodes.clear()
         self.draining.clear()
+        self.restarting.clear()
         old = set(self.sandboxes)
         self.sandboxes.clear()
         self.machines.clear()
@@ -172,6 +175,9 @@ class Directory:
             elif key.startswith(R.DRAIN):
                 name = R.key_id(key, R.DRAIN, R.NODE_NAME)
                 (self.draining.add if put else self.draining.discard)(name)
+            elif key.startswith(R.RESTARTS):
+                name = R.key_id(key, R.RESTARTS, R.NODE_NAME)
+                (self.restarting.add if put else self.restarting.discard)(name)
             elif key.startswith(R.MACHINES):
                 user = R.key_id(key, R.MACHINES, R.STORED_USER)
                 if put:

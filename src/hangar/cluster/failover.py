@@ -4,7 +4,9 @@ It runs on one node at a time, the one elected through etcd
 (``hangar.cluster.membership``). Every second it looks for records whose
 ``nodeName`` holds no lease; ``failover_after_s`` seconds after it first
 saw such a node gone (a margin over the fencing of a node that is only
-cut off: it stops its VMMs before its lease ends), it rewrites each of
+cut off: it stops its VMMs before its lease ends), or ``restart_grace_s``
+when the node left a restart mark at a graceful stop (its VMMs run on while
+it restarts: ``hangar.cluster.membership``), it rewrites each of
 that node's records by compare-and-set, raising the epoch so that the
 lost node, if it comes back, knows its VMMs are stale. Each state change
 is one edge of ``hangar.core.lifecycle.MOVES`` (``landing``), the ones only
@@ -48,10 +50,13 @@ INTERVAL_S = 1.0
 class Failover:
     """Hands on the sandboxes of lost nodes; acts only while this node is the leader."""
 
-    def __init__(self, directory: Directory, membership: Membership, after_s: float) -> None:
+    def __init__(self, directory: Directory, membership: Membership, after_s: float,
+                 grace_s: float = 0.0) -> None:
         self.directory = directory
         self.membership = membership
         self.after_s = after_s
+        self.grace_s = grace_s
+        """Seconds to wait instead for a node that left a restart mark (at least after_s)."""
         self._gone_since: dict[str, float] = {}
         self._tasks = Tasks("failover")
 
@@ -82,7 +87,10 @@ class Failover:
                 del self._gone_since[name]
         for name in lost:
             since = self._gone_since.setdefault(name, now)
-            if now - since >= self.after_s:
+            wait = self.after_s
+            if name in self.directory.restarting:
+                wait = max(wait, self.grace_s)
+            if now - since >= wait:
                 await self.hand_on(name)
 
     async def hand_on(self, node: str) -> None:

@@ -31,6 +31,17 @@ the failover's margin passed. A fenced node keeps trying to register
 again; once it has a lease it runs ``on_rejoin`` (which kills VMMs whose epoch is stale) before it
 takes new work.
 
+A graceful stop (SIGTERM: a restart, an upgrade) leaves a restart mark,
+``/hangar/restarts/<name>``, under a lease of its own of ``restart_grace_s``
+seconds (``mark_restart``): the failover then waits up to that long, rather
+than ``failover_after_s``, for the node to come back, since its VMMs outlive
+the server and a start that takes longer than the lease (a loaded host, many
+sandboxes to adopt) must not cost them. The node deletes its mark when it
+registers again, so a crash later is handed on at the usual pace. A mark
+nobody deletes ends with its lease; one forged without a lease delays a
+failover by at most ``restart_grace_s`` (the reconciler's own setting), and
+goes when the node registers.
+
 Election: the node that puts ``/hangar/leader`` (value: its name, under
 its lease) when the key is absent runs the failover reconciler; when its
 lease ends, the key goes with it and another node takes over.
@@ -110,6 +121,29 @@ class Membership:
         self.last_ok = sent
         self._last_refresh = sent
         log.info("node registered", extra={"node": self.name, "lease": f"{self.lease:x}"})
+        try:
+            await self.etcd.delete(R.restart_key(self.name))  # back: no grace for a crash now
+        except EtcdUnavailable:
+            pass  # the mark ends with its own lease
+
+    async def mark_restart(self, grace_s: int) -> None:
+        """Before a graceful stop: write this node's restart mark under a lease of
+        ``grace_s`` seconds (module docstring). Skipped when ``grace_s`` is 0 or the node
+        cannot write (fenced, etcd away); best effort within ``2 * RENEW_DEADLINE_S``."""
+        if grace_s <= 0 or not self.writable():
+            return
+
+        async def put() -> None:
+            lease = await self.etcd.grant(grace_s)
+            await self.etcd.put(R.restart_key(self.name), {"node": self.name}, lease=lease)
+
+        try:
+            await asyncio.wait_for(put(), 2 * RENEW_DEADLINE_S)
+        except (EtcdUnavailable, asyncio.TimeoutError):
+            log.warning("restart mark not written: the failover will not wait for this node",
+                        extra={"node": self.name})
+            return
+        log.info("restart mark written", extra={"node": self.name, "grace_s": grace_s})
 
     def start(self) -> None:
         self._tasks.start("run", every(RENEW_S, self._step, log, "membership step failed"))

@@ -201,7 +201,8 @@ class ClusterNode:
         await self.rejoin()
         self.directory.start()
         self.membership.start()
-        self.failover = Failover(self.directory, self.membership, self.config.failover_after_s)
+        self.failover = Failover(self.directory, self.membership, self.config.failover_after_s,
+                                 self.config.restart_grace_s)
         self.failover.start()
         self.guard = Guard(self.etcd, self.directory, manager.net)
         try:
@@ -214,6 +215,9 @@ class ClusterNode:
         self._tasks.start("audit", every(AUDIT_S, self._audit_pass, log, "cluster audit failed"))
 
     async def close(self) -> None:
+        """A graceful stop: leave a restart mark (the VMMs run on), then stop every loop."""
+        if self.membership is not None and self.config is not None:
+            await self.membership.mark_restart(self.config.restart_grace_s)
         await self._tasks.stop()
         for part in (self.guard, self.failover, self.membership):
             if part is not None:

@@ -5,6 +5,9 @@ Every key lives under ``/hangar/``::
     /hangar/config                 ClusterConfig (JSON), written by ``hangar cluster init``
     /hangar/nodes/<name>           NodeInfo, under the node's lease (gone when it expires)
     /hangar/drain/<name>           present while the node is drained (no lease)
+    /hangar/restarts/<name>        present while the node restarts: written at a graceful
+                                   stop under a lease of ``restart_grace_s``, deleted when
+                                   it registers again (``hangar.cluster.membership``)
     /hangar/leader                 the node whose reconciler handles dead nodes (under its lease)
     /hangar/sandboxes/<id>         SandboxObject: owner, epoch, state, last snapshot
     /hangar/machines/<user>        {"sandboxId": ..., "idleTimeoutSeconds": ..., "createdAt": ...}
@@ -60,6 +63,7 @@ ROOT = "/hangar/"
 CONFIG = ROOT + "config"
 NODES = ROOT + "nodes/"
 DRAIN = ROOT + "drain/"
+RESTARTS = ROOT + "restarts/"
 LEADER = ROOT + "leader"
 SANDBOXES = ROOT + "sandboxes/"
 MACHINES = ROOT + "machines/"
@@ -184,6 +188,10 @@ def node_key(name: str) -> str:
     return NODES + name
 
 
+def restart_key(name: str) -> str:
+    return RESTARTS + name
+
+
 def sandbox_key(sid: str) -> str:
     return SANDBOXES + sid
 
@@ -229,7 +237,10 @@ class ClusterConfig(_Record):
     every node accepts; ``node_token`` authenticates nodes to each other
     (every forwarded request, merged lists, placements, adoptions, the peer
     probe); ``lease_ttl_s`` the nodes' lease; ``failover_after_s`` how long
-    after a node's lease expired its sandboxes are declared failed.
+    after a node's lease expired its sandboxes are declared failed;
+    ``restart_grace_s`` how long that wait becomes for a node that stopped gracefully
+    (SIGTERM: a restart, an upgrade) and left a restart mark, so that a rolling restart
+    whose start takes longer than the lease keeps its VMs (0: no grace).
     """
 
     store: str = Field(max_length=2048)
@@ -237,6 +248,7 @@ class ClusterConfig(_Record):
     node_token: str = Field(pattern=r"^[A-Za-z0-9_-]{32,128}$")
     lease_ttl_s: int = Field(5, ge=2, le=600)
     failover_after_s: float = Field(3.0, ge=0, le=3600)
+    restart_grace_s: int = Field(30, ge=0, le=3600)
     created_at: float = Field(default_factory=time.time)
 
     @field_validator("key_hashes")
