@@ -291,9 +291,9 @@ def test_machine_sleeps_on_node1_and_wakes_elsewhere_with_file_and_process(lab: 
     wait_for(lambda: lab.node_ls().get("n3", {}).get("state") == "restarting",
              lab.lease_s + 15, "n3 listed as restarting once its lease ended", every=0.3)
     time.sleep(lab.failover_s + 2)  # past the failover's wait for a node without the mark
-    assert lab.owner(state["c"]) == "n3"  # its VMM ran on meanwhile
+    assert lab.owner(state["c"]) == "n3", [n.log_tail(800) for n in (n1, n2)]  # ran on
     n3.start(slots=2)
-    assert lab.owner(state["c"]) == "n3"
+    assert lab.owner(state["c"]) == "n3", n3.log_tail(1500)
     with n3.client() as c:
         assert exec_(c, state["c"], "echo alive")["stdout"] == "alive\n"
     with n1.client() as c:
