@@ -200,7 +200,7 @@ def join(
 
 async def _nodes(client: Any) -> tuple[dict[str, Any], set[str], dict[str, int], set[str],
                                        set[str]]:
-    """(nodes by name, drained, slots used by node, nodes records name, restart marks)."""
+    """(nodes by name, drained, slots used by node, nodes named by records, restart marks)."""
     from hangar.cluster import records as R
 
     kvs, _ = await client.get_prefix(R.ROOT)
