@@ -14,8 +14,11 @@ returned (p50 over the boots); ``exec_true_s``: p50 and p95 of
 ``idle``: the VMM's Pss and Rss (MiB, /proc/PID/smaps_rollup) after 8 s
 idle and the guest's own use (MemTotal - MemFree of its /proc/meminfo).
 With ``--execs 0`` only the creates are timed (no exec loop, no idle
-figures). ``accel`` is the accelerator on the VMM's command line, read while
-the first sandbox runs. When quicksand is missing it prints ``{"skipped": reason}``.
+figures). With ``--serve`` it boots one sandbox, prints ``{"ready": true}``,
+then for each line read on stdin times one ``execute(line)`` and prints its
+seconds as ``{"s": ...}``, until stdin ends (``bench/exec_peer_bench.py``
+drives it so, in turn with Hangar's exec). ``accel`` is the accelerator on the
+VMM's command line, read while the first sandbox runs. When quicksand is missing it prints ``{"skipped": reason}``.
 """
 
 from __future__ import annotations
@@ -126,16 +129,40 @@ async def run(boots: int, execs: int, memory_mib: int) -> dict[str, object]:
     return out
 
 
+async def serve(memory_mib: int) -> None:
+    """One sandbox; one timed ``execute`` per line of stdin (see the module docstring)."""
+    import sys
+
+    from quicksand import Accelerator, Sandbox
+
+    loop = asyncio.get_running_loop()
+    async with Sandbox(image="alpine", accel=Accelerator.TCG, memory=f"{memory_mib}M") as sb:
+        for _ in range(5):
+            await sb.execute("true")
+        print(json.dumps({"ready": True}), flush=True)
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line:
+                return
+            t = time.perf_counter()
+            await sb.execute(line.strip())
+            print(json.dumps({"s": time.perf_counter() - t}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--boots", type=int, default=2)
     ap.add_argument("--execs", type=int, default=50)
     ap.add_argument("--memory-mib", type=int, default=512)
+    ap.add_argument("--serve", action="store_true")
     a = ap.parse_args()
     try:
         import quicksand  # noqa: F401
     except ImportError as exc:
         print(json.dumps({"peer": "quicksand", "skipped": f"not installed here ({exc})"}))
+        return
+    if a.serve:
+        asyncio.run(serve(a.memory_mib))
         return
     print(json.dumps(asyncio.run(run(a.boots, a.execs, a.memory_mib))))
 
