@@ -1,5 +1,6 @@
 """Density and boot: the memory a sandbox costs (GET), the balloon that gives freed guest
-memory back, the phases every boot publishes, and KSM only when asked for.
+memory back, the phases every boot publishes, KSM only when asked for, and the guest's
+address-space randomization (off under TCG unless the operator turns it on).
 
 The VM tests share the session's sandbox, except those about cold boots: a sandbox of the
 default size is restored from its image's template snapshot, whose clones neither boot nor
@@ -154,3 +155,41 @@ def test_ksm_and_the_translation_buffer_are_settings(tmp_path: Path) -> None:
     # Snapshots compare the machine's shape, not how the host holds its memory.
     tuned = QemuEngine("tcg", tuning=MemoryTuning(tb_mib=64, ksm=True))
     assert without_tuning(tuned.tuned_machine_args(spec)) == QemuEngine("tcg").machine_args(spec)
+
+
+def test_guest_randomization_is_off_under_tcg_only_unless_the_operator_says(
+        tmp_path: Path) -> None:
+    from hangar.config import Settings
+    from hangar.engines.base import VMSpec
+    from hangar.engines.qemu import ASLR_CHOICES, MemoryTuning, QemuEngine
+    from hangar.images.builder import GuestImage
+    from hangar.layout import Layout
+
+    assert Settings(data_dir=tmp_path).guest_aslr == "auto"
+    img = GuestImage(name="base", digest="d", dir=tmp_path, kernel=tmp_path / "vmlinuz",
+                     initrd=tmp_path / "initrd.img", rootfs=tmp_path / "rootfs.ext4",
+                     kernel_version="6.1", vmlinux=tmp_path / "vmlinux")
+    spec = VMSpec("sb-1", img, Layout(tmp_path).sandbox("sb-1"))
+
+    def norandmaps(accel: str, choice: str) -> tuple[bool, str]:
+        e = QemuEngine(accel, tuning=MemoryTuning(aslr=ASLR_CHOICES[choice]))
+        argv = e.command(spec)
+        on = "norandmaps" in argv[argv.index("-append") + 1].split()
+        assert e.guest_kernel_args() == (("norandmaps",) if on else ())
+        return on, e.describe()["guest_aslr"]
+
+    assert norandmaps("tcg", "auto") == (True, "off")
+    assert norandmaps("kvm", "auto") == (False, "on")
+    assert norandmaps("tcg", "on") == (False, "on")
+    assert norandmaps("kvm", "off") == (True, "off")
+
+
+@pytest.mark.vm
+def test_a_guest_randomizes_addresses_as_its_engine_says(api: httpx.Client,
+                                                         sandbox: str) -> None:
+    """Under TCG a default guest's kernel maps every process at the same addresses (its
+    translated code is reused: docs/performance.md); under KVM it randomizes."""
+    expected = {"off": "0", "on": "2"}[api.get("/health").json()["engine"]["guest_aslr"]]
+    r = api.post(f"/sandboxes/{sandbox}/exec",
+                 json={"command": "cat", "args": ["/proc/sys/kernel/randomize_va_space"]})
+    assert r.status_code == 200 and r.json()["stdout"].strip() == expected, r.text

@@ -131,6 +131,11 @@ class Settings(BaseSettings):
         False, description="Let the host's KSM merge identical pages across QEMU guests. Off by "
                            "default: merged pages open a timing side channel between sandboxes "
                            "(docs/security.md). The host's ksmd must run (/sys/kernel/mm/ksm/run).")
+    guest_aslr: Literal["auto", "on", "off"] = Field(
+        "auto", description="QEMU guests' address-space randomization: auto is off under TCG "
+                            "(a process's libraries are translated again at each new address: "
+                            "a spawn costs 4 times as much) and on under KVM; see "
+                            "docs/security.md.")
     default_image: str = Field("base", description="Template used when a create names none.")
     default_vcpus: int = Field(1, ge=VCPUS_MIN, le=VCPUS_MAX)
     default_memory_mib: int = Field(512, ge=MEMORY_MIB_MIN, le=MEMORY_MIB_MAX)

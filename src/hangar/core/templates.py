@@ -138,6 +138,7 @@ class TemplateSnapshots:
             # so a changed agent needs a new snapshot.
             "initrd": image.initrd.name,
             "kernel_args": list(kernel_args), "nic": nic,
+            "guest_args": list(engine.guest_kernel_args()),
             "start": t.get("start"), "ready": t.get("ready"), "workdir": t.get("workdir"),
             "env": t.get("env"),
         }

@@ -307,6 +307,10 @@ class Engine(abc.ABC):
         helper under a split. For the start-up sweep, which cannot await; never raises."""
         release_folder(paths, wait, helper=self.helper)
 
+    def guest_kernel_args(self) -> tuple[str, ...]:
+        """Kernel options this engine adds to every guest it boots (none by default)."""
+        return ()
+
     def describe(self) -> dict[str, str]:
         """Engine name, accelerator and version for /health and /metrics."""
         return {"engine": self.name, "accel": self.accel}

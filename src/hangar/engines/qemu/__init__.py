@@ -36,6 +36,7 @@ template's also ``memory.ram`` (``template``).
 """
 
 from hangar.engines.qemu.argv import (
+    ASLR_CHOICES,
     BACKING_KEYS,
     BALLOON_ID,
     GUEST_KERNEL_ARGS,
@@ -76,6 +77,7 @@ from hangar.engines.qemu.probe import (
 )
 
 __all__ = [
+    "ASLR_CHOICES",
     "BACKING_KEYS",
     "BALLOON_ID",
     "FILE_LIMIT_SLACK_MIB",

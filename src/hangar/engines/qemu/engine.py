@@ -101,7 +101,8 @@ class QemuEngine(Engine):
         d = {"engine": self.name, "accel": self.accel, "version": self.version,
              "accel_reason": self.accel_reason,
              "tb_mib": str(t.tb_mib) if self.accel != "kvm" else "",
-             "balloon": str(t.balloon).lower(), "ksm": str(t.ksm).lower()}
+             "balloon": str(t.balloon).lower(), "ksm": str(t.ksm).lower(),
+             "guest_aslr": "off" if self.guest_kernel_args() else "on"}
         for m in self.confine.measures():
             d[m.name.replace(" ", "_")] = "on" if m.on else "off"
         return d
@@ -111,6 +112,11 @@ class QemuEngine(Engine):
         """QEMU's command line under this engine's current settings."""
         return QemuCommand(self.binary, self.accel, self.tuning, self.confine.seccomp,
                            self._tsc_khz)
+
+    def guest_kernel_args(self) -> tuple[str, ...]:
+        """Kernel options every guest of this engine gets (``QemuCommand.guest_kernel_args``):
+        part of a template snapshot's key, since a snapshot holds a booted kernel."""
+        return self.cmdline.guest_kernel_args()
 
     def machine_args(self, spec: VMSpec) -> list[str]:
         """The QEMU arguments that fix the machine's shape (``QemuCommand.machine_args``):
