@@ -15,7 +15,7 @@ The nodes' lease follows this machine: ``lease_s`` is 5 s (the default), or
 three times what ``hangar cluster certs`` (a CLI start: Hangar's imports) took
 when that is longer. A rolling restart (SIGTERM, start) need not fit in the
 lease and the failover delay: the stopped node's restart mark makes the
-failover wait the cluster's restart grace (30 s) for it.
+failover wait the cluster's restart grace (``restart_grace_s``) for it.
 
 Names carry a per-run tag, so runs never meet another's namespaces. The
 test process reaches each node through a forwarder on 127.0.0.1 whose
@@ -260,7 +260,10 @@ class Lab:
         self.lease_s = 5
         """The nodes' lease, seconds (the module docstring: it follows this machine)."""
         self.failover_s = 3
-        """The cluster's ``--failover-after``, seconds (the restart grace is the default)."""
+        """The cluster's ``--failover-after``, seconds."""
+        self.restart_grace_s = 180
+        """The cluster's ``--restart-grace``, seconds: past a node's slowest start here (its
+        ``wait_ready``, 90 s on a loaded host) and the lease."""
         self.env = {**os.environ, "PYTHONPATH": str(SRC), "AWS_ACCESS_KEY_ID": "hangar-test",
                     "AWS_SECRET_ACCESS_KEY": "hangar-test-secret",
                     "AWS_DEFAULT_REGION": "us-east-1", "HANGAR_ETCD_PKI": str(self.root / "pki" / "n1")}
@@ -362,7 +365,8 @@ class Lab:
         while True:
             r = self.hangar("cluster", "init", "--store", self.store_url, "--key-file",
                             str(self.root / "api-key"), "--lease-ttl", str(self.lease_s),
-                            "--failover-after", str(self.failover_s), check=False)
+                            "--failover-after", str(self.failover_s),
+                            "--restart-grace", str(self.restart_grace_s), check=False)
             if r.returncode == 0:
                 break
             if time.monotonic() > deadline:
@@ -388,6 +392,19 @@ class Lab:
                 "asyncio.run(go())\n")
         run(["ip", "netns", "exec", self.nodes[0].ns, sys.executable, "-c", code,
              self.etcd_urls, key, value], env=self.env, timeout=30)
+
+    def etcd_get(self, key: str) -> str | None:
+        """The value under ``key`` in the cluster's etcd (None: no such key)."""
+        code = ("import asyncio, os, sys\nfrom pathlib import Path\n"
+                "from hangar.cluster.etcd import Etcd\nfrom hangar.cluster.pki import tls_from\n"
+                "async def go():\n    e = Etcd(sys.argv[1].split(','), "
+                "tls=tls_from(Path(os.environ['HANGAR_ETCD_PKI'])).context())\n"
+                "    kv = await e.get(sys.argv[2])\n    await e.close()\n"
+                "    print('-' if kv is None else '+' + kv.value.decode())\n"
+                "asyncio.run(go())\n")
+        out = run(["ip", "netns", "exec", self.nodes[0].ns, sys.executable, "-c", code,
+                   self.etcd_urls, key], env=self.env, timeout=30).stdout.strip()
+        return None if out == "-" else out[1:]
 
     def node_ls(self) -> dict[str, dict[str, Any]]:
         r = self.hangar("node", "ls", "--json", check=False)

@@ -291,7 +291,12 @@ def test_machine_sleeps_on_node1_and_wakes_elsewhere_with_file_and_process(lab: 
     wait_for(lambda: lab.node_ls().get("n3", {}).get("state") == "restarting",
              lab.lease_s + 15, "n3 listed as restarting once its lease ended", every=0.3)
     time.sleep(lab.failover_s + 2)  # past the failover's wait for a node without the mark
-    assert lab.owner(state["c"]) == "n3", [n.log_tail(800) for n in (n1, n2)]  # ran on
+    raw = lab.etcd_get(f"/hangar/sandboxes/{state['c']}")
+    assert raw is not None
+    status = json.loads(raw)["status"]  # not handed on: still node 3's, running
+    assert (status["nodeName"], status["state"]) == ("n3", "running"), \
+        (status, [n.log_tail(800) for n in (n1, n2)])
+    assert lab.owner(state["c"]) == "n3"  # its VMM runs on, with no server
     n3.start(slots=2)
     assert lab.owner(state["c"]) == "n3", n3.log_tail(1500)
     with n3.client() as c:

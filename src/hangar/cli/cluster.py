@@ -125,7 +125,7 @@ def init(
         help="Seconds after a lease expired before its sandboxes are handed on.")] = 3.0,
     restart_grace: Annotated[int, typer.Option(
         help="Seconds the failover waits instead for a node that stopped gracefully (a "
-             "restart; its VMMs run on). 0: no grace.")] = 30,
+             "restart; its VMMs run on). 0: no grace.")] = 60,
     force: Annotated[bool, typer.Option(help="Overwrite an existing cluster's settings.")]
     = False,
 ) -> None:

@@ -33,10 +33,11 @@ takes new work.
 
 A graceful stop (SIGTERM: a restart, an upgrade) leaves a restart mark,
 ``/hangar/restarts/<name>``, under a lease of its own of ``restart_grace_s``
-seconds (``mark_restart``): the failover then waits up to that long, rather
-than ``failover_after_s``, for the node to come back, since its VMMs outlive
-the server and a start that takes longer than the lease (a loaded host, many
-sandboxes to adopt) must not cost them. The node deletes its mark when it
+seconds (``mark_restart``): while the mark lasts (at most that long from when the
+reconciler saw the node lost), the failover waits for the node to come back rather
+than ``failover_after_s``, since its VMMs outlive the server and a start that
+takes longer than the lease (a loaded host, many sandboxes to adopt) must not
+cost them. The node deletes its mark when it
 registers again, so a crash later is handed on at the usual pace. A mark
 nobody deletes ends with its lease; one forged without a lease delays a
 failover by at most ``restart_grace_s`` (the reconciler's own setting), and

@@ -248,7 +248,7 @@ class ClusterConfig(_Record):
     node_token: str = Field(pattern=r"^[A-Za-z0-9_-]{32,128}$")
     lease_ttl_s: int = Field(5, ge=2, le=600)
     failover_after_s: float = Field(3.0, ge=0, le=3600)
-    restart_grace_s: int = Field(30, ge=0, le=3600)
+    restart_grace_s: int = Field(60, ge=0, le=3600)
     created_at: float = Field(default_factory=time.time)
 
     @field_validator("key_hashes")
