@@ -58,7 +58,7 @@ from hangar.core.store import Store
 from hangar.engines.base import Engine
 from hangar.engines.confine import config_from as confine_config
 from hangar.engines.doctor import choose_engine
-from hangar.engines.qemu import ASLR_CHOICES, MemoryTuning, ksm_running
+from hangar.engines.qemu import ksm_running, tuning_from
 from hangar.images import resolve_image
 from hangar.errors import ConfigError
 from hangar.layout import Layout
@@ -78,9 +78,7 @@ def pick_engine(settings: Settings, layout: Layout, helper: Client | None = None
     image = resolve_image(layout, settings.default_image)
     engine = choose_engine(settings.engine, layout, image, accel=settings.accel,
                            jailer=settings.firecracker_jailer,
-                           confine=confine_config(settings), tuning=MemoryTuning(
-                               tb_mib=settings.tcg_tb_mib, balloon=settings.balloon,
-                               ksm=settings.ksm, aslr=ASLR_CHOICES[settings.guest_aslr]),
+                           confine=confine_config(settings), tuning=tuning_from(settings),
                            helper=helper)
     if settings.ksm and engine.name == "qemu" and not ksm_running():
         log.warning("HANGAR_KSM is on but the host's ksmd is not running: no page is "

@@ -69,7 +69,7 @@ def bench_boot(
     from hangar.engines.bootbench import bench_boot as run_bench
     from hangar.engines.confine import config_from as confine_config
     from hangar.engines.doctor import choose_engine
-    from hangar.engines.qemu import ASLR_CHOICES, MemoryTuning
+    from hangar.engines.qemu import tuning_from
     from hangar.images import resolve_image
     from hangar.layout import Layout
 
@@ -79,10 +79,8 @@ def bench_boot(
         img = resolve_image(layout, image or settings.default_image)
         engine = choose_engine(settings.engine, layout, img, accel=settings.accel,
                                jailer=settings.firecracker_jailer,
-                               confine=confine_config(settings), tuning=MemoryTuning(
-                                   tb_mib=settings.tcg_tb_mib, balloon=settings.balloon,
-                                   ksm=settings.ksm,
-                                   aslr=ASLR_CHOICES[settings.guest_aslr]))
+                               confine=confine_config(settings),
+                               tuning=tuning_from(settings))
         report = asyncio.run(run_bench(engine, img, runs, memory_mib))
     except HangarError as exc:
         fail(exc)

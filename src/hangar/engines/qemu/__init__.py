@@ -49,6 +49,7 @@ from hangar.engines.qemu.argv import (
     MemoryTuning,
     QemuCommand,
     RamFile,
+    tuning_from,
     without_tuning,
 )
 from hangar.engines.qemu.engine import (
@@ -108,5 +109,6 @@ __all__ = [
     "ksm_running",
     "probe_kvm",
     "qemu_version",
+    "tuning_from",
     "without_tuning",
 ]

@@ -41,8 +41,12 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hangar.engines.base import VMSpec
+
+if TYPE_CHECKING:
+    from hangar.config import Settings
 
 MACHINE = "microvm,pit=on,rtc=on"
 MACHINE_FLAGS = ("-M", "-accel", "-cpu", "-smp", "-m")
@@ -65,10 +69,6 @@ GUEST_KERNEL_ARGS = ("cryptomgr.notests",)
 the crypto self-tests, about 0.25 s of an emulated boot. Others were measured
 (``mitigations=off``, ``audit=0``, ``nowatchdog``, no PS/2 or extra UART probing,
 skipping initcalls) and made no difference worth a line here."""
-
-
-ASLR_CHOICES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
-"""``HANGAR_GUEST_ASLR`` as ``MemoryTuning.aslr``."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,17 @@ class MemoryTuning:
     ksm: bool = False
     stats_interval_s: int = 5
     aslr: bool | None = None
+
+
+ASLR_CHOICES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+"""``HANGAR_GUEST_ASLR`` as ``MemoryTuning.aslr``."""
+
+
+def tuning_from(settings: "Settings") -> MemoryTuning:
+    """The ``MemoryTuning`` of a server's settings (``HANGAR_TCG_TB_MIB``,
+    ``HANGAR_BALLOON``, ``HANGAR_KSM``, ``HANGAR_GUEST_ASLR``)."""
+    return MemoryTuning(tb_mib=settings.tcg_tb_mib, balloon=settings.balloon,
+                        ksm=settings.ksm, aslr=ASLR_CHOICES[settings.guest_aslr])
 
 
 @dataclass(frozen=True)
