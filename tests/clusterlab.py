@@ -380,30 +380,29 @@ class Lab:
         return run(["ip", "netns", "exec", ns or self.nodes[0].ns, sys.executable, "-m",
                     "hangar.cli", *args, *etcd], check=check, env=self.env, timeout=60)
 
+    def _etcd_run(self, body: str, *args: str) -> str:
+        """Run ``body`` (Python, indented as a function's, with an ``Etcd`` client ``e``
+        of node 1's certificate and ``sys.argv[2:]`` = ``args``) in node 1's namespace;
+        its stdout."""
+        code = ("import asyncio, os, sys\nfrom pathlib import Path\n"
+                "from hangar.cluster.etcd import Etcd\nfrom hangar.cluster.pki import tls_from\n"
+                "async def go():\n    e = Etcd(sys.argv[1].split(','), "
+                "tls=tls_from(Path(os.environ['HANGAR_ETCD_PKI'])).context())\n"
+                f"{body}    await e.close()\nasyncio.run(go())\n")
+        return run(["ip", "netns", "exec", self.nodes[0].ns, sys.executable, "-c", code,
+                    self.etcd_urls, *args], env=self.env, timeout=30).stdout
+
     def etcd_put(self, key: str, value: str) -> None:
         """Write ``value`` under ``key`` in the cluster's etcd as it is (an empty value deletes
         the key): how a test plants a record no node would write."""
-        code = ("import asyncio, os, sys\nfrom pathlib import Path\n"
-                "from hangar.cluster.etcd import Etcd\nfrom hangar.cluster.pki import tls_from\n"
-                "async def go():\n    e = Etcd(sys.argv[1].split(','), "
-                "tls=tls_from(Path(os.environ['HANGAR_ETCD_PKI'])).context())\n"
-                "    if sys.argv[3]:\n        await e.put(sys.argv[2], sys.argv[3])\n"
-                "    else:\n        await e.delete(sys.argv[2])\n    await e.close()\n"
-                "asyncio.run(go())\n")
-        run(["ip", "netns", "exec", self.nodes[0].ns, sys.executable, "-c", code,
-             self.etcd_urls, key, value], env=self.env, timeout=30)
+        self._etcd_run("    if sys.argv[3]:\n        await e.put(sys.argv[2], sys.argv[3])\n"
+                       "    else:\n        await e.delete(sys.argv[2])\n", key, value)
 
     def etcd_get(self, key: str) -> str | None:
         """The value under ``key`` in the cluster's etcd (None: no such key)."""
-        code = ("import asyncio, os, sys\nfrom pathlib import Path\n"
-                "from hangar.cluster.etcd import Etcd\nfrom hangar.cluster.pki import tls_from\n"
-                "async def go():\n    e = Etcd(sys.argv[1].split(','), "
-                "tls=tls_from(Path(os.environ['HANGAR_ETCD_PKI'])).context())\n"
-                "    kv = await e.get(sys.argv[2])\n    await e.close()\n"
-                "    print('-' if kv is None else '+' + kv.value.decode())\n"
-                "asyncio.run(go())\n")
-        out = run(["ip", "netns", "exec", self.nodes[0].ns, sys.executable, "-c", code,
-                   self.etcd_urls, key], env=self.env, timeout=30).stdout.strip()
+        out = self._etcd_run("    kv = await e.get(sys.argv[2])\n"
+                             "    print('-' if kv is None else '+' + kv.value.decode())\n",
+                             key).strip()
         return None if out == "-" else out[1:]
 
     def node_ls(self) -> dict[str, dict[str, Any]]:
