@@ -38,6 +38,12 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
+def stats(xs: list[float]) -> dict[str, float]:
+    """p50, p90 and the fastest of ``xs`` (seconds, 4 digits), and how many (``n``)."""
+    return {"p50": round(pct(xs, 0.5), 4), "p90": round(pct(xs, 0.9), 4),
+            "min": round(min(xs), 4), "n": len(xs)}
+
+
 def start_server(env: dict[str, str] | None = None
                  ) -> tuple[subprocess.Popen[bytes], Path, str]:
     """(process, data directory, base URL) of a ready server; its log is

@@ -39,7 +39,7 @@ import time
 from typing import Any, Callable
 
 import httpx
-from benchlib import api_key, e2b_env, machine, pct, start_server, stop_server
+from benchlib import api_key, e2b_env, machine, pct, start_server, stats, stop_server
 from e2b import Sandbox as E2BSandbox
 
 FLOOR = r"""
@@ -71,11 +71,6 @@ for line in sys.stdin:
         t = time.perf_counter(); f(); out[k] = time.perf_counter() - t
     print(json.dumps(out), flush=True)
 """
-
-
-def stats(xs: list[float]) -> dict[str, float]:
-    return {"p50": round(pct(xs, 0.5), 4), "p90": round(pct(xs, 0.9), 4),
-            "min": round(min(xs), 4), "n": len(xs)}
 
 
 def main() -> None:

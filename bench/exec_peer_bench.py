@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from benchlib import PEERS, api_key, machine, pct, start_server, stop_server
+from benchlib import PEERS, api_key, machine, pct, start_server, stats, stop_server
 
 LOOP = 50
 """Spawns of ``/bin/true`` in one exec of a shell loop (``guest_loop_true_s``)."""
@@ -88,11 +88,6 @@ class Quicksand:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-def summary(xs: list[float]) -> dict[str, float | int]:
-    return {"p50": round(pct(xs, 0.5), 4), "p90": round(pct(xs, 0.9), 4),
-            "min": round(min(xs), 4), "runs": len(xs)}
 
 
 def main() -> None:
@@ -157,7 +152,7 @@ def main() -> None:
         stop_server(proc, d)
     out: dict[str, object] = {"bench": "exec_peer", "host": host, "image": a.image,
                               "rounds": a.rounds}
-    out.update({name: summary(xs) for name, xs in times.items()})
+    out.update({name: stats(xs) for name, xs in times.items()})
     out["guest_loop_true_s"] = {k: round(v, 4) for k, v in loops.items()}
     if "quicksand_exec_s" in times:
         q = pct(times["quicksand_exec_s"], 0.5)
