@@ -67,6 +67,7 @@ from hangar.core.commands import Command
 from hangar.core.lifecycle import State
 from hangar.core.ports import Exposure
 from hangar.core.store import SandboxRecord
+from hangar.core.views import SandboxView
 from hangar.errors import (
     Forbidden, GuestError, HangarError, InvalidRequest, NotFound, Unauthorized,
 )
@@ -215,7 +216,7 @@ def sealed(manager: SandboxManager, opts: Options) -> Options:
     return replace(opts, envs={}, sealed_envs=box)
 
 
-def options(rec: SandboxRecord) -> Options | None:
+def options(rec: SandboxRecord | SandboxView) -> Options | None:
     """The E2B options of ``rec``, or None for a sandbox made through Hangar's own API.
     Its environment stays sealed (``sealed_envs``; ``envs`` holds only what a record of an
     older server kept in clear)."""
@@ -242,16 +243,21 @@ def with_options(metadata: dict[str, str], opts: Options) -> dict[str, Any]:
     return {"metadata": dict(metadata), "e2b": opts.as_dict()}
 
 
-def sandbox(manager: SandboxManager, sandbox_id: str) -> SandboxRecord:
+def sandbox(manager: SandboxManager, sandbox_id: str) -> SandboxView:
     """The record of a sandbox; raises NotFound (unknown, deleted) or Gone (expired)."""
     return manager.get(sandbox_id)
 
 
 def envs(manager: SandboxManager, sandbox_id: str) -> dict[str, str]:
-    """The default environment variables of ``sandbox_id``'s processes (create's
-    ``envVars``, opened from the vault; ``{}`` for a sandbox made by Hangar's own API).
-    Raises as ``sandbox``, and ConfigError when the vault cannot open them."""
-    opts = options(sandbox(manager, sandbox_id))
+    """The default environment variables of ``sandbox_id``'s processes (``envs_of`` its
+    options). Raises as ``sandbox``, and ConfigError when the vault cannot open them."""
+    return envs_of(manager, options(sandbox(manager, sandbox_id)))
+
+
+def envs_of(manager: SandboxManager, opts: Options | None) -> dict[str, str]:
+    """The default environment variables of the processes of a sandbox whose options are
+    ``opts`` (create's ``envVars``, opened from the vault; ``{}`` for a sandbox made by
+    Hangar's own API: None). Raises ConfigError when the vault cannot open them."""
     if opts is None:
         return {}
     out = dict(opts.envs)

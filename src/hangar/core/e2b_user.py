@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from hangar import json_items
 from hangar.core import interpreter, templates
 from hangar.core.commands import Command
-from hangar.core.e2b import DEFAULT_USER, ROOT, envs, options, sandbox
+from hangar.core.e2b import DEFAULT_USER, ROOT, Options, envs, options, sandbox
 from hangar.errors import GuestError, InvalidRequest, Unauthorized
 
 if TYPE_CHECKING:
@@ -158,10 +158,16 @@ def home(user: str) -> str:
 
 
 def user_of(manager: SandboxManager, sandbox_id: str, named: str) -> str:
-    """The user an envd call runs as: ``named`` (``root``, or ``DEFAULT_USER`` where the
-    sandbox has it), else the sandbox's default. Raises Unauthorized for another user (E2B's
-    envd answers an unknown user so), NotFound or Gone (no such sandbox)."""
-    opts = options(sandbox(manager, sandbox_id))
+    """The user an envd call runs as (``user_for`` the sandbox's options). Raises
+    Unauthorized for another user, NotFound or Gone (no such sandbox)."""
+    return user_for(options(sandbox(manager, sandbox_id)), named, sandbox_id)
+
+
+def user_for(opts: Options | None, named: str, sandbox_id: str) -> str:
+    """The user an envd call to a sandbox whose options are ``opts`` (None: made through
+    Hangar's own API) runs as: ``named`` (``root``, or ``DEFAULT_USER`` where the sandbox
+    has it), else the sandbox's default. Raises Unauthorized for another user (E2B's envd
+    answers an unknown user so)."""
     default = opts.user if opts is not None else ROOT
     if not named:
         return default

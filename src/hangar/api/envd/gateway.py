@@ -60,7 +60,9 @@ from hangar.api.envd.tokens import EXPIRED, signature_ok, signer, token_ok
 from hangar.api.envd.versions import ENVD_PORT, PREFIX
 from hangar.api.envd.fs_entries import Listings
 from hangar.api.envd.fs_watch import Watchers
-from hangar.core.service import Face, SandboxManager, State, e2b, e2b_user, public_name
+from hangar.core.service import (
+    Face, SandboxManager, SandboxView, State, e2b, e2b_user, public_name,
+)
 from hangar.errors import Gone, HangarError, NotFound, Unauthorized
 from hangar.schemas.bounds import PORT_MAX, PORT_MIN
 
@@ -86,6 +88,9 @@ class Envd:
     watchers: Watchers
     listings: Listings = field(default_factory=Listings)
     """The server's turns for ListDir answers (``listings_of``)."""
+    options: e2b.Options | None = None
+    """The sandbox's E2B options, read once as the call was admitted (None: a sandbox made
+    through Hangar's own API): its default environment and working folder."""
 
     @property
     def home(self) -> str:
@@ -101,10 +106,10 @@ class Refusal(Exception):
         self.status, self.code, self.message = status, code, message
 
 
-def _user(manager: SandboxManager, sandbox_id: str, headers: dict[str, str],
+def _user(opts: e2b.Options | None, sandbox_id: str, headers: dict[str, str],
           query_user: str | None) -> str:
     """The user a call runs as: the one it names (Basic auth ``user:``, or ``username=``),
-    else the sandbox's default (``hangar.core.e2b_user.user_of``); an unknown one is a 401."""
+    else the sandbox's default (``hangar.core.e2b_user.user_for``); an unknown one is a 401."""
     user = query_user or ""
     auth = headers.get("authorization", "")
     if auth.lower().startswith("basic "):
@@ -114,12 +119,9 @@ def _user(manager: SandboxManager, sandbox_id: str, headers: dict[str, str],
             raise Refusal(400, "invalid_argument", "the Authorization header is not Basic "
                                                    "base64 of 'user:'") from None
     try:
-        return e2b_user.user_of(manager, sandbox_id, user)
+        return e2b_user.user_for(opts, user, sandbox_id)
     except Unauthorized as exc:
         raise Refusal(401, "unauthenticated", exc.message) from None
-    except (NotFound, Gone):
-        raise Refusal(502, "unavailable",
-                      f"The sandbox {sandbox_id[:64]} was not found") from None
 
 
 def listings_of(app_state: Any) -> Listings:
@@ -194,7 +196,7 @@ class EnvdGateway:
                 rest_path if m is None else None,
                 rest_path if port == ENVD_PORT else
                 ports.guest_path(scope, rest_path).decode("latin-1"))
-            self._exists(manager, sandbox_id)
+            opts = e2b.options(self._exists(manager, sandbox_id))  # the call's one read
             if port != ENVD_PORT:
                 await ports.forward(scope, receive, send, manager, state, sandbox_id, port,
                                     rest_path)
@@ -202,10 +204,10 @@ class EnvdGateway:
             if scope["type"] != "http":
                 raise Refusal(404, "not_found", "envd serves no WebSocket")
             # a signed file URL runs as the user it was signed for, whatever else is sent
-            envd = Envd(manager, sandbox_id, _user(manager, sandbox_id,
+            envd = Envd(manager, sandbox_id, _user(opts, sandbox_id,
                                                    {} if by_signature else headers,
                                                    query.get("username")),
-                        watchers_of(state), listings_of(state))
+                        watchers_of(state), listings_of(state), options=opts)
             with _slot(state, manager, sandbox_id):
                 if m is not None:
                     await self._rpc(m.group(1), scope, headers, envd, receive, send)
@@ -267,9 +269,10 @@ class EnvdGateway:
         return sandbox_id, int(raw_port)
 
     @staticmethod
-    def _exists(manager: SandboxManager, sandbox_id: str) -> None:
-        """Raises Refusal (502, as E2B's proxy answers) when the sandbox is unknown or gone;
-        asked only once the request is admitted (a token is derived from the id alone)."""
+    def _exists(manager: SandboxManager, sandbox_id: str) -> SandboxView:
+        """The sandbox; raises Refusal (502, as E2B's proxy answers) when it is unknown or
+        gone; asked only once the request is admitted (a token is derived from the id
+        alone)."""
         try:
             rec = manager.get(sandbox_id)
         except (NotFound, Gone):
@@ -293,6 +296,7 @@ class EnvdGateway:
             raise Refusal(502, "unavailable",
                           f"The sandbox {sandbox_id} is paused: connect to it to resume it "
                           "(it was created without auto_resume)")
+        return rec
 
     @staticmethod
     def _admit(scope: Scope, state: Any, manager: SandboxManager, sandbox_id: str, port: int,

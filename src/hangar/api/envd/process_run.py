@@ -102,8 +102,8 @@ async def start(req: Any, call: Call) -> AsyncIterator[Message]:
     if not cfg.cmd:
         raise RpcError("invalid_argument", "process.cmd is empty")
     try:
-        envs = {**e2b.envs(env.manager, env.sandbox_id), **dict(cfg.envs)}
-        default_cwd = e2b.workdir(env.manager, env.sandbox_id) or env.home
+        envs = {**e2b.envs_of(env.manager, env.options), **dict(cfg.envs)}
+        default_cwd = (env.options.workdir if env.options is not None else None) or env.home
     except HangarError as exc:
         raise rpc_error(exc) from None
     cwd = fs_entries.absolute(cfg.cwd, env.home) if cfg.HasField("cwd") and cfg.cwd else None

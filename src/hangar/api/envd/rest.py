@@ -428,7 +428,7 @@ async def _envs(scope: Scope, receive: Receive, send: Send, query: dict[str, str
         k, sep, v = item.decode(errors="replace").partition("=")
         if sep and k:
             out[k] = v
-    out.update(e2b.envs(envd.manager, envd.sandbox_id))
+    out.update(e2b.envs_of(envd.manager, envd.options))
     await _json(send, 200, out)
 
 
