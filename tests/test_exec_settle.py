@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 
 from hangar.engines.agent_client import exec_meta
@@ -66,6 +67,21 @@ def test_a_command_past_the_budget_joins_the_event_loop() -> None:
         assert await asyncio.wait_for(cmd.exited, 30) == 0
         await asyncio.wait_for(asyncio.gather(*cmd.eof.values()), 30)
         assert out["stdout"] == b"early\nlate\n"
+        cmd.close()
+
+    asyncio.run(go())
+
+
+def test_a_started_process_waits_only_until_its_first_output() -> None:
+    """``first_output`` (a ``proc_start`` with a client attached): its output goes out as it
+    comes, so the wait ends at its first byte, long before its exit."""
+    async def go() -> None:
+        t0 = time.monotonic()
+        cmd, out = started("printf first; sleep 30", spawn.Settle(30.0, first_output=True))
+        assert time.monotonic() - t0 < 10  # not the budget of 30 s
+        assert cmd.returncode is None and out["stdout"] == b"first"
+        cmd.kill(signal.SIGKILL)
+        assert await asyncio.wait_for(cmd.exited, 30) == -signal.SIGKILL
         cmd.close()
 
     asyncio.run(go())

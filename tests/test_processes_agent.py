@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -97,6 +98,40 @@ def test_a_process_outlives_its_client_and_is_attached_again_by_pid() -> None:
             assert (entry.running, entry.exit_code, entry.output_open) == (False, 7, False)
             out, kinds = await drain(await second.attach_process(info.pid))
             assert (out, kinds) == (b"", ["end"])
+
+    asyncio.run(go())
+
+
+def test_an_attached_start_waits_for_its_first_output_or_its_end() -> None:
+    """A start with its client attached, the agent's one request, settles
+    (``ops.processes.START_SETTLE_S``): a short command's output and end all arrive, none
+    of it marked replayed; a long one's output as it comes, not at its end; a silent one's
+    start within the wait."""
+    async def go() -> None:
+        async with agent_here() as (_, connect):
+            c = await connect()
+            stream = await c.start_process_attached(proc_meta(
+                argv=["/bin/sh", "-c", "printf out; printf err >&2; exit 3"]))
+            got: dict[str, bytes] = {}
+            while (ev := await asyncio.wait_for(stream.next(), 30)) is not None:
+                assert not ev.replay
+                if ev.kind == "end":
+                    assert ev.info is not None and ev.info.exit_code == 3
+                else:
+                    got[ev.kind] = got.get(ev.kind, b"") + ev.data
+            assert got == {"stdout": b"out", "stderr": b"err"}
+
+            t0 = time.monotonic()
+            stream = await c.start_process_attached(proc_meta(
+                argv=["/bin/sh", "-c", "echo first; exec sleep 30"]))
+            ev = await asyncio.wait_for(stream.next(), 10)
+            assert ev is not None and (ev.kind, ev.data) == ("stdout", b"first\n")
+            assert time.monotonic() - t0 < 10  # not at its end, 30 s on
+            await c.remove_process(stream.pid)
+
+            silent = await asyncio.wait_for(c.start_process_attached(proc_meta(
+                argv=["sleep", "30"])), 10)
+            await c.remove_process(silent.pid)
 
     asyncio.run(go())
 

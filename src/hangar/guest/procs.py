@@ -449,10 +449,15 @@ class ProcessTable:
     async def start(self, argv: list[str], env: dict[str, str], extra_env: dict[str, str],
                     cwd: str, *, tag: str | None, stdin: bool,
                     pty: tuple[int, int] | None, timeout: float | None,
-                    script: str | None, user: users.User | None = None) -> Proc:
-        """Start ``argv`` as a kept process (as ``user``: ``hangar.guest.users``). Raises
-        KeyError (``tag`` names a running process), LookupError (the table is full of
-        running processes), OSError (the program cannot start)."""
+                    script: str | None, user: users.User | None = None,
+                    attach: Attachment | None = None,
+                    settle: spawn.Settle | None = None) -> Proc:
+        """Start ``argv`` as a kept process (as ``user``: ``hangar.guest.users``).
+        ``attach``: a client attached from its first byte; ``settle``: the wait for its
+        exit (or first output) before it joins the event loop (``spawn.Settle``; pipes
+        only, not a terminal). Raises KeyError (``tag`` names a running process),
+        LookupError (the table is full of running processes), OSError (the program
+        cannot start)."""
         if not self._room(tag):
             raise LookupError(f"{MAX_PROCS} processes are running")
         group = limits.new()
@@ -461,14 +466,18 @@ class ProcessTable:
                 s = spawn.spawn(argv, env, cwd, stdin_pipe=stdin, group=group, user=user)
                 proc = Proc(self, s.pid, argv, extra_env, cwd, tag=tag, origin="start",
                             script=script)
+                if attach is not None:
+                    proc.attachments.add(attach)
                 cmd = spawn.Command(s.pid, s.stdin, s.stdout, s.stderr, proc.output, group=group,
-                                    pidfd=s.pidfd, writers=s.writers)
+                                    pidfd=s.pidfd, writers=s.writers, settle=settle)
                 proc.cmd = cmd
                 proc.group = group
                 self._watch_pipes(proc, cmd)
             else:
                 proc = await self._start_pty(argv, env, extra_env, cwd, tag, pty, script, group,
                                              user)
+                if attach is not None:
+                    proc.attachments.add(attach)
         except BaseException:
             group.release()
             raise

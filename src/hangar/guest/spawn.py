@@ -248,10 +248,15 @@ class Settle(NamedTuple):
     does: a frame the agent read in the same turn but has not dispatched yet, and the
     output of background processes (``hangar.guest.procs``; their pipes hold 64 KiB),
     each for ``budget_s`` at most.
+
+    ``first_output``: the wait ends at the child's first output too (a started process
+    whose client is attached, ``hangar.guest.ops.processes``: its output goes out as
+    soon as it comes, and only a silent start waits, for ``budget_s`` at most).
     """
 
     budget_s: float
     wake: tuple[int, ...] = ()
+    first_output: bool = False
 
 
 class Command:
@@ -325,12 +330,13 @@ class Command:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            reaped = False
+            reaped = output = False
             for fd, _ in poller.poll(left * 1000):
                 if fd == self._pidfd:
                     reaped = True
                 elif fd in names:
                     self._readable(names[fd])
+                    output = True
                     if names[fd] not in self._fds:  # its end (never before the reap)
                         poller.unregister(fd)
                         del names[fd]
@@ -338,6 +344,8 @@ class Command:
                     return  # the host sent a frame: back to the event loop
             if reaped:
                 self._on_pidfd(registered=False)
+                return
+            if output and settle.first_output:
                 return
 
     def _on_pidfd(self, registered: bool = True) -> None:

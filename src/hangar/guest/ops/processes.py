@@ -46,7 +46,7 @@ import asyncio
 import signal
 from typing import TYPE_CHECKING, Any
 
-from hangar.guest import limits, procs, terminal
+from hangar.guest import limits, procs, spawn, terminal
 from hangar.guest import protocol as P
 from hangar.guest.ops.common import AgentView, OpError
 from hangar.guest.ops.process import (
@@ -58,6 +58,11 @@ if TYPE_CHECKING:
 
 REMOVE_WAIT_S = 5.0
 """Seconds ``proc_remove`` waits for a killed process to exit."""
+START_SETTLE_S = 0.05
+"""Seconds a ``proc_start`` with ``attach``, the agent's one open request, may wait for its
+process's exit or first output before it streams ``started`` (``spawn.Settle``): a short
+command's start, output and end then go out together, without turns of the event loop
+while it runs (docs/performance.md); a silent one's ``started`` comes that much later."""
 
 
 def _select(agent: AgentView, meta: dict[str, Any]) -> procs.Proc:
@@ -108,6 +113,11 @@ async def proc_start(agent: AgentView, meta: dict[str, Any], ch: Channel) -> dic
     ch.afterwards.append(limits.ahead)  # the next command's group, once this one answered
     user = exec_user(meta)
     argv, script = exec_argv(meta, user)
+    att = procs.Attachment() if meta.get("attach") else None
+    wake = agent.alone(ch) if att is not None and size is None else None
+    settle = None if wake is None else spawn.Settle(
+        min(START_SETTLE_S, timeout) if timeout is not None else START_SETTLE_S, wake,
+        first_output=True)
     try:
         env = exec_env(meta.get("env"), user)
         cwd = exec_cwd(meta.get("cwd"), user)
@@ -115,7 +125,7 @@ async def proc_start(agent: AgentView, meta: dict[str, Any], ch: Channel) -> dic
             proc = await agent.procs.start(
                 argv, env, dict(meta.get("env") or {}), cwd, tag=tag,
                 stdin=bool(meta.get("stdin")), pty=size, timeout=timeout, script=script,
-                user=user)
+                user=user, attach=att, settle=settle)
         except KeyError:
             raise OpError("exists", f"a running process has the tag {tag!r}") from None
         except LookupError as exc:
@@ -126,9 +136,9 @@ async def proc_start(agent: AgentView, meta: dict[str, Any], ch: Channel) -> dic
     except BaseException:
         remove_script(script)
         raise
-    if not meta.get("attach"):
+    if att is None:
         return proc.info()
-    return await _follow(proc, ch, "started", replay=False, follow=False)
+    return await _follow(proc, ch, "started", replay=False, follow=False, att=att)
 
 
 async def proc_list(agent: AgentView, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
@@ -146,10 +156,13 @@ async def proc_attach(agent: AgentView, meta: dict[str, Any], ch: Channel) -> di
 
 
 async def _follow(proc: procs.Proc, ch: Channel, flag: str, *, replay: bool,
-                  follow: bool) -> dict[str, Any]:
-    att = procs.Attachment()
+                  follow: bool, att: procs.Attachment | None = None) -> dict[str, Any]:
+    """Stream ``proc``'s output to ``ch`` (``att``: an attachment it holds already, made
+    before the process started) until it ends; its last info and the bytes dropped."""
     backlog = list(proc.ring.chunks) if replay and proc.ring is not None else []
-    proc.attachments.add(att)  # no await since the copy: nothing is missed or repeated
+    if att is None:
+        att = procs.Attachment()
+        proc.attachments.add(att)  # no await since the copy: nothing is missed or repeated
     try:
         await ch.stream({flag: True, **proc.info()})
         for stream, chunk in backlog:
