@@ -163,6 +163,16 @@ def test_commands_run_in_debian_static_bash(env: Env) -> None:
     assert sbx.commands.run("readlink /proc/$$/exe; id -un").stdout == \
         "/usr/bin/bash-static\nuser\n"
 
+
+def test_commands_run_in_c_utf8_from_the_locale_archive(env: Env) -> None:
+    """Commands run with ``LANG=C.UTF-8``, a locale glibc maps from its archive
+    (``hangar.images.debian.locale_archive``: one file, not a dozen): no program warns that
+    it cannot set it, and text is counted by character."""
+    r = env.sandbox().commands.run("echo $LANG; localedef --list-archive; locale 2>&1 >/dev/null; "
+                                   "printf '\\303\\251\\n' | wc -m")
+    assert (r.stdout, r.stderr) == ("C.UTF-8\nC.utf8\n2\n", "")
+
+
 def test_commands_run_async(env: Env) -> None:
     async def main() -> None:
         sbx = await AsyncSandbox.connect(env.sid, **env.params)

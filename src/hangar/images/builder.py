@@ -11,7 +11,8 @@ name is the build's id:
    for that suite (the ``URIs:`` of the matching stanza of
    /etc/apt/sources.list.d/debian.sources), else debootstrap's default.
    Where the tree has ``bash-static``, ``/bin/bash`` becomes it
-   (``hangar.images.debian.static_bash``).
+   (``hangar.images.debian.static_bash``), and its ``C.UTF-8`` locale goes into
+   glibc's locale archive (``hangar.images.debian.locale_archive``).
 2. Set the tree up for a VM without an init system: hostname, hosts, an
    empty resolv.conf and fstab, ``poweroff``-style commands that signal PID 1,
    a dpkg filter that keeps docs out, and no apt caches, docs or locales;
@@ -73,7 +74,7 @@ from hangar.images.catalogue import (
 )
 from hangar.images.commands import Progress, remove_tree, require_tools
 from hangar.images.debian import (
-    apt_install, debootstrap, host_mirror, static_bash, unsafe_io,
+    apt_install, debootstrap, host_mirror, locale_archive, static_bash, unsafe_io,
 )
 from hangar.images.guest_image import GuestImage, image_id
 from hangar.images.packing import content_digest, pack, tree_size
@@ -136,6 +137,7 @@ def _build(layout: Layout, recipe: Recipe, recipe_digest: str, say: Progress) ->
             if recipe.apt_packages:
                 apt_install(rootdir, recipe.apt_packages, say)
             static_bash(rootdir, say)
+            locale_archive(rootdir, say)
         times["debootstrap"] = time.monotonic() - t0
 
         t = time.monotonic()

@@ -16,7 +16,9 @@ randomization maps ld.so, libc and the position-independent program at new addre
 every process; a static non-PIE bash runs at the same addresses every time, so its
 translated code is reused. Measured in a ``base`` guest (p50 of 30, ms): ``bash -l -c
 true`` 89 dynamic, 27-32 static; ``/bin/true`` 22-25 and ``sh -c true`` 28-31 (both
-dynamic). E2B's SDK runs every command as ``/bin/bash -l -c``.
+dynamic). E2B's SDK runs every command as ``/bin/bash -l -c``. ``locale_archive`` puts
+the ``C.UTF-8`` locale the guest's commands run with into glibc's locale archive, one file
+to map instead of a dozen.
 """
 
 from __future__ import annotations
@@ -227,6 +229,33 @@ def static_bash(rootdir: Path, say: Progress) -> bool:
                         DYNAMIC_BASH, "--add", "/bin/bash"],
         env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, timeout=300)
     safetree.symlink(rootdir, "/bin/bash", STATIC_BASH.rsplit("/", 1)[1])
+    return True
+
+
+C_UTF8 = "/usr/lib/locale/C.utf8"
+"""The ``C.UTF-8`` locale as ``libc-bin`` ships it: a folder of one file per category."""
+LOCALE_ARCHIVE = "/usr/lib/locale/locale-archive"
+"""Where glibc looks for a locale first, before a locale's own folder."""
+
+
+def locale_archive(rootdir: Path, say: Progress) -> bool:
+    """Add ``C_UTF8`` to a ``LOCALE_ARCHIVE`` (the tree's own ``localedef --add-to-archive``)
+    when the tree has both and no archive yet; return whether.
+
+    Guests run commands with ``LANG=C.UTF-8``. Without an archive, every program that
+    calls ``setlocale`` (bash, ls, grep, Python) opens and maps the folder's dozen files
+    one by one; from the archive it maps one file. Under emulation that is about 1.3 ms
+    of a 7 ms ``bash -c true`` (docs/performance.md). glibc reads a locale it does not
+    find in the archive, or one whose format it does not know, from the folder as
+    before. Raises ImageError when ``localedef`` fails."""
+    tool = safetree.lstat(rootdir, "/usr/bin/localedef", follow_last=True)
+    folder = safetree.lstat(rootdir, C_UTF8, follow_last=True)
+    if tool is None or folder is None or not stat.S_ISDIR(folder.st_mode) \
+            or safetree.lstat(rootdir, LOCALE_ARCHIVE) is not None:
+        return False
+    say(f"{LOCALE_ARCHIVE} with {C_UTF8}")
+    run("localedef", ["chroot", rootdir, "localedef", "--add-to-archive", C_UTF8],
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, timeout=300)
     return True
 
 

@@ -65,7 +65,7 @@ from typing import Any
 from hangar.errors import NotFound
 from hangar.guest import paths
 
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 """Bump when the builder makes a different rootfs or kernel from the same recipe."""
 
 
