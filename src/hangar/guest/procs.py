@@ -484,10 +484,10 @@ class ProcessTable:
         if timeout is not None:
             proc._timer = proc.loop.call_later(timeout, proc.expire)
         self._enter(proc)
-        cmd = proc.cmd
-        if cmd is not None and cmd.returncode is not None:  # it ended while it settled: its
-            proc.exited(cmd.returncode)  # end goes out with its start, not a turn later
-            if all(f.done() for f in cmd.eof.values()):
+        ran = proc.cmd
+        if ran is not None and ran.returncode is not None:  # it ended while it settled: its
+            proc.exited(ran.returncode)  # end goes out with its start, not a turn later
+            if all(f.done() for f in ran.eof.values()):
                 proc.output_closed()
         return proc
 

@@ -438,8 +438,13 @@ class Command:
             try:
                 view = view[os.write(fd, view):]
             except BlockingIOError:
-                ready = self.loop.create_future()
-                self.loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+                ready: asyncio.Future[None] = self.loop.create_future()
+
+                def writable(ready: asyncio.Future[None] = ready) -> None:
+                    if not ready.done():
+                        ready.set_result(None)
+
+                self.loop.add_writer(fd, writable)
                 try:
                     await ready
                 finally:
