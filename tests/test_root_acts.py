@@ -1004,3 +1004,36 @@ def test_root_walks_never_open_a_fifo_or_link_swapped_in_for_a_folder(
     assert sorted(seen) == [(), ("c",)] and not opened
     give_images(tree, OWNER, OWNER)  # the whole hand-over: the links and FIFOs left alone
     assert os.stat(tree / "c").st_uid == OWNER and os.stat(fifo).st_uid == 0 and not opened
+
+
+def test_taking_the_caches_back_never_walks_into_a_build_work_tree(tmp_path: Path) -> None:
+    """``split.take_back`` runs at every build's start and every split server's start,
+    beside other builds: it removes a symlink or FIFO planted in the build caches and
+    makes a work tree of ``cache/build`` root's, but never walks into one, where a
+    build in progress has symlinks and FIFOs of its own (an image built beside a server's
+    start came out with no symlink in ``/usr/bin``, and so no ``python3``)."""
+    from hangar.layout import Layout
+    from hangar.privileged.split import WORK_TREES, take_back
+
+    assert Layout(tmp_path / "data").build_cache.name == WORK_TREES
+    cache = tmp_path / "cache"
+    (cache / "debootstrap").mkdir(parents=True)
+    os.symlink("/etc/passwd", cache / "debootstrap" / "planted.deb")
+    os.mkfifo(cache / "fifo")
+    work = cache / WORK_TREES / "dev-1234"
+    (work / "root" / "usr" / "bin").mkdir(parents=True)
+    os.symlink("python3.11", work / "root" / "usr" / "bin" / "python3")
+    os.mkfifo(work / "root" / "initctl")
+    os.chown(work, 65534, 65534)  # handed over by an earlier Hangar
+    os.chmod(work, 0o777)
+    fd = os.open(cache, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        take_back(fd)
+    finally:
+        os.close(fd)
+    assert not os.path.lexists(cache / "debootstrap" / "planted.deb")
+    assert not os.path.lexists(cache / "fifo")
+    st = os.lstat(work)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0, 0o755)
+    assert os.readlink(work / "root" / "usr" / "bin" / "python3") == "python3.11"
+    assert stat.S_ISFIFO(os.lstat(work / "root" / "initctl").st_mode)

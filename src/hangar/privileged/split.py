@@ -119,13 +119,26 @@ def hand_new(data_dir: Path, build: Path) -> None:
         os.close(top)
 
 
+WORK_TREES = "build"
+"""The folder of ``<data>/cache`` that holds root's builds' work trees (``Layout.build_cache``;
+``hangar.images.staging.BuildRoom``)."""
+
+
 def take_back(dir_fd: int) -> None:
     """The folder ``dir_fd`` and everything in it root's again, writable by root only:
     what an earlier Hangar handed to the server (``<data>/cache``, whose .debs, lists and
     trees root's builds use). Each name is opened without following a link and changed
     through its descriptor; a symlink, FIFO, socket or device there (which root's tools
     could be sent through) is removed, never followed. Walked top-down, so a folder is
-    root's before what is in it is looked at. Raises OSError."""
+    root's before what is in it is looked at.
+
+    The work trees in ``WORK_TREES`` are made root's, but what is in them is not walked:
+    a build in progress works there, in a Debian tree full of symlinks and device nodes,
+    and this runs at every build's start and every split server's start, beside builds of
+    other images (removing them broke those builds: an image with no symlink in
+    ``/usr/bin``). Root's tools use a work tree only while its build runs, through the
+    descriptor of the folder that build made itself (0700, root's); an older one is only
+    ever removed, through descriptors (``staging.remove_at``). Raises OSError."""
     def own(fd: int) -> None:
         st = os.fstat(fd)
         if (st.st_uid, st.st_gid) != (0, 0):
@@ -135,7 +148,7 @@ def take_back(dir_fd: int) -> None:
             os.fchmod(fd, mode & ~0o7022)
 
     own(dir_fd)
-    for _p, dirs, files, dfd in beneath.fwalk(dir_fd):
+    for rel, dirs, files, dfd in beneath.fwalk(dir_fd):
         for name in dirs + files:
             try:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -157,6 +170,8 @@ def take_back(dir_fd: int) -> None:
                     own(fd)
             finally:
                 os.close(fd)
+        if rel == (WORK_TREES,):
+            dirs.clear()  # each work tree root's (above), its contents not walked
 
 
 def hand_over(layout: Layout, uid: int, gid: int) -> None:
