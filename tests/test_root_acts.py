@@ -1037,3 +1037,22 @@ def test_taking_the_caches_back_never_walks_into_a_build_work_tree(tmp_path: Pat
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0, 0o755)
     assert os.readlink(work / "root" / "usr" / "bin" / "python3") == "python3.11"
     assert stat.S_ISFIFO(os.lstat(work / "root" / "initctl").st_mode)
+
+
+def test_a_split_server_start_leaves_a_build_in_progress_roots(tmp_path: Path) -> None:
+    """``split.give_images`` (a split server's start) hands the image cache's folders to
+    the server's user, but not a build in progress (``.staging-<name>-*``) or one being
+    removed (``.trash-*``): root writes there by names below them."""
+    from hangar.privileged.split import give_images
+
+    images = tmp_path / "images"
+    for d in ("base-1/template-snapshots", ".staging-dev-x", ".trash-base-0-1/sub"):
+        (images / d).mkdir(parents=True)
+    (images / ".staging-dev-x" / "rootfs.ext4").write_bytes(b"")
+    os.chmod(images / ".staging-dev-x", 0o700)
+    give_images(images, 65534, 65534)
+    assert os.lstat(images / "base-1" / "template-snapshots").st_uid == 65534
+    for d in (".staging-dev-x", ".trash-base-0-1", ".trash-base-0-1/sub"):
+        st = os.lstat(images / d)
+        assert (st.st_uid, st.st_gid) == (0, 0), d
+    assert stat.S_IMODE(os.lstat(images / ".staging-dev-x").st_mode) == 0o700

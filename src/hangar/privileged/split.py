@@ -75,16 +75,26 @@ def _share(name: str, dirfd: int, uid: int, gid: int) -> None:
         os.close(fd)
 
 
+ROOTS_BUILDS = (".staging-", ".trash-")
+"""Folders of the image cache that stay root's (``hangar.layout``): a build in progress
+(``.staging-<name>-*``, root's, 0700, where the build's tools write the rootfs, the kernel
+and the initramfs) and one ``hangar image gc`` is removing. A split server starting
+beside a build handed the build's staging folder to its user, who could then put a
+link where root was about to write."""
+
+
 def give_images(images: Path | str, uid: int, gid: int, dir_fd: int | None = None,
                 under: tuple[str, ...] = ()) -> None:
     """The folders of ``images`` to ``uid:gid`` (the server adds template snapshots and
     their folders, and removes unusable ones); the files of template snapshots shared
     read-only (``_share``); an image's own files stay root's (read-only to the server).
     ``dir_fd``: ``images`` is a name relative to that folder (``hand_new``), and
-    ``under`` the names it lies under in the image cache. Walked by ``beneath.fwalk``
-    (never opening a link, FIFO or device put in a folder's place); raises OSError when
-    ``images`` itself is not a folder."""
+    ``under`` the names it lies under in the image cache. A build in progress or being
+    removed (``ROOTS_BUILDS``) is not handed over: root writes and removes there by names
+    below it. Walked by ``beneath.fwalk`` (never opening a link, FIFO or device put in a
+    folder's place); raises OSError when ``images`` itself is not a folder."""
     for rel, dirnames, filenames, dirfd in beneath.fwalk(dir_fd, str(images)):
+        dirnames[:] = [d for d in dirnames if not d.startswith(ROOTS_BUILDS)]
         os.chown(dirfd, uid, gid)
         where = under + rel
         if "template-snapshots" in where:
