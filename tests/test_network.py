@@ -50,6 +50,11 @@ NS_INET = "hg-inet"
 NS_HOST = "hg-host"
 API_PORT = 18080  # the stand-in for the host's API, in hg-host
 GUEST_PORT = 8000  # a listener inside guests, for guest-to-guest probes
+LISTENING = (f"i=0; until grep -q ':{GUEST_PORT:04X} [0-9A-F]*:0000 0A' /proc/net/tcp "
+             "/proc/net/tcp6 2>/dev/null; do i=$((i+1)); [ $i -le 1200 ] || exit 1; "
+             "sleep 0.05; done")
+"""Shell that waits (at most about a minute) until a socket in the guest listens on
+``GUEST_PORT`` (state 0A in /proc/net/tcp or tcp6)."""
 BODY = "hello from the stand-in internet\n"
 DNS = "10.0.0.53"
 META6 = "fd00:ec2::254"
@@ -442,9 +447,10 @@ def test_guest_policies_and_release_after_a_crash(guests: Guests) -> None:
             guests.boot(u, "open", user_mode))
         ip = {s: n.ip for s, n in guests.nets.items() if n and s != u}  # type: ignore[attr-defined]
         assert guests.nets[d] is None
-        for s in (a, c):  # listeners for guest-to-guest probes
+        for s in (a, c):  # listeners for guest-to-guest probes, waited for until they
+            # listen (a fixed half second was too short for Python under load)
             rc, out = await guests.sh(s, f"setsid python3 -m http.server {GUEST_PORT} "
-                                         f">/dev/null 2>&1 </dev/null & sleep 0.5")
+                                         f">/dev/null 2>&1 </dev/null & {LISTENING}")
             assert rc == 0, out
         rc, out = await guests.sh(a, "ip -br addr show eth0; ip route; cat /etc/resolv.conf")
         assert rc == 0 and ip[a] in out and "default via 172.30.0.1" in out, out
