@@ -32,7 +32,7 @@ its sandbox agent's protocol, envd (``hangar.api.envd``, under
     and the clock across a pause are no E2B matter: the record's generic
     ``on_expiry``, ``ttl_s`` and ``wake_ttl_s``, moved by core's verbs
     (``hangar.core.sleep``: pause, connect, settled).
-``DEFAULT_USER`` / ``add_user`` / ``user_of`` / ``as_user`` / ``home``
+``DEFAULT_USER`` / ``add_user`` / ``user_for`` / ``as_user`` / ``home``
     E2B's default user: a sandbox made through ``/e2b`` runs envd's commands,
     PTYs and file operations as ``user`` (home ``/home/user``, passwordless
     ``sudo``) unless a call names ``root``. Made in the guest as root through the
@@ -265,13 +265,6 @@ def envs_of(manager: SandboxManager, opts: Options | None) -> dict[str, str]:
         opened = json.loads(manager.vault.open(ENVS_LABEL, opts.sealed_envs))
         out.update({str(k): str(v) for k, v in opened.items()})
     return out
-
-
-def workdir(manager: SandboxManager, sandbox_id: str) -> str | None:
-    """Where envd's commands in the sandbox run when they name no folder (its template's
-    ``WORKDIR``), or None for the user's home. Raises NotFound or Gone."""
-    opts = options(sandbox(manager, sandbox_id))
-    return opts.workdir if opts is not None else None
 
 
 def url_exposure(manager: SandboxManager, sandbox_id: str, port: int,

@@ -1,7 +1,7 @@
 """E2B's default user in a sandbox made through ``/e2b``: ``user`` (uid and gid 1000, home
 ``/home/user``, passwordless sudo), made in every image's template snapshot before it is
 saved (``hangar.core.templates``), else at create through the guest's exec as root
-(``add_user``), and the envd calls that run as it (``as_user``, ``user_of``, ``give``,
+(``add_user``), and the envd calls that run as it (``as_user``, ``user_for``, ``give``,
 ``owners``). A part of ``hangar.core.e2b``, E2B's dialect of core.
 """
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hangar.e2b")
 
 __all__ = ["DEFAULT_USER", "METADATA_XATTR", "ROOT", "Owner", "add_user", "as_user", "prepare",
-           "check_metadata", "give", "home", "owners", "unwrapped", "user_of"]
+           "check_metadata", "give", "home", "owners", "unwrapped", "user_for"]
 
 SETPRIV = "setpriv"
 """util-linux's ``setpriv``: sets the user, group and groups, then ``exec``s the command
@@ -155,12 +155,6 @@ async def prepare(manager: SandboxManager, sandbox_id: str, made: str | None = N
 def home(user: str) -> str:
     """The home folder of ``user`` (``root`` or ``DEFAULT_USER``) in the guest."""
     return "/root" if user == ROOT else f"/home/{user}"
-
-
-def user_of(manager: SandboxManager, sandbox_id: str, named: str) -> str:
-    """The user an envd call runs as (``user_for`` the sandbox's options). Raises
-    Unauthorized for another user, NotFound or Gone (no such sandbox)."""
-    return user_for(options(sandbox(manager, sandbox_id)), named, sandbox_id)
 
 
 def user_for(opts: Options | None, named: str, sandbox_id: str) -> str:

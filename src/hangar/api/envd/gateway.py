@@ -80,7 +80,7 @@ METHODS: dict[str, connect.Method] = {
 @dataclass
 class Envd:
     """What a handler gets as ``Call.context``: ``user`` is the user the call runs as
-    (``root``, or E2B's default user ``user``: ``hangar.core.e2b_user.user_of``)."""
+    (``root``, or E2B's default user ``user``: ``hangar.core.e2b_user.user_for``)."""
 
     manager: SandboxManager
     sandbox_id: str
@@ -96,6 +96,12 @@ class Envd:
     def home(self) -> str:
         """Where the call's relative paths start: its user's home."""
         return e2b_user.home(self.user)
+
+    @property
+    def workdir(self) -> str:
+        """Where the call's commands run when they name no folder: the template's
+        ``WORKDIR``, else the user's home."""
+        return (self.options.workdir if self.options is not None else None) or self.home
 
 
 class Refusal(Exception):

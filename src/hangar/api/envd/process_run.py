@@ -103,12 +103,11 @@ async def start(req: Any, call: Call) -> AsyncIterator[Message]:
         raise RpcError("invalid_argument", "process.cmd is empty")
     try:
         envs = {**e2b.envs_of(env.manager, env.options), **dict(cfg.envs)}
-        default_cwd = (env.options.workdir if env.options is not None else None) or env.home
     except HangarError as exc:
         raise rpc_error(exc) from None
     cwd = fs_entries.absolute(cfg.cwd, env.home) if cfg.HasField("cwd") and cfg.cwd else None
     cmd = e2b_user.as_user(Command(command=cfg.cmd, args=list(cfg.args), env=envs or None,
-                              cwd=cwd or default_cwd), env.user)
+                              cwd=cwd or env.workdir), env.user)
     pty = (req.pty.size.cols or 80, req.pty.size.rows or 24) if req.HasField("pty") else None
     items = env.manager.processes.start_attached(
         env.sandbox_id, cmd, tag=req.tag if req.HasField("tag") else None,
