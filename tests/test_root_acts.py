@@ -1012,15 +1012,15 @@ def test_taking_the_caches_back_never_walks_into_a_build_work_tree(tmp_path: Pat
     makes a work tree of ``cache/build`` root's, but never walks into one, where a
     build in progress has symlinks and FIFOs of its own (an image built beside a server's
     start came out with no symlink in ``/usr/bin``, and so no ``python3``)."""
-    from hangar.layout import Layout
-    from hangar.privileged.split import WORK_TREES, take_back
+    from hangar.layout import BUILD_CACHE, Layout
+    from hangar.privileged.split import take_back
 
-    assert Layout(tmp_path / "data").build_cache.name == WORK_TREES
+    assert Layout(tmp_path / "data").build_cache.name == BUILD_CACHE
     cache = tmp_path / "cache"
     (cache / "debootstrap").mkdir(parents=True)
     os.symlink("/etc/passwd", cache / "debootstrap" / "planted.deb")
     os.mkfifo(cache / "fifo")
-    work = cache / WORK_TREES / "dev-1234"
+    work = cache / BUILD_CACHE / "dev-1234"
     (work / "root" / "usr" / "bin").mkdir(parents=True)
     os.symlink("python3.11", work / "root" / "usr" / "bin" / "python3")
     os.mkfifo(work / "root" / "initctl")

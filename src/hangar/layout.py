@@ -117,6 +117,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_ROOT = Path("/var/lib/hangar")
+STAGING_PREFIX = ".staging-"
+"""Name prefix of a build in progress in ``images`` (root's, 0700): ``image_staging_prefix``."""
+TRASH_PREFIX = ".trash-"
+"""Name prefix of a build being removed from ``images``: ``image_trash``."""
+BUILD_CACHE = "build"
+"""The folder of ``cache`` that holds the work trees of builds in progress: ``build_cache``."""
 """The data directory when ``HANGAR_DATA_DIR`` is not set."""
 
 
@@ -185,7 +191,7 @@ class Layout:
     @property
     def build_cache(self) -> Path:
         """Temporary debootstrap trees, one per build in progress."""
-        return self.cache / "build"
+        return self.cache / BUILD_CACHE
 
     @property
     def apt_lists_cache(self) -> Path:
@@ -265,11 +271,11 @@ class Layout:
 
     def image_staging_prefix(self, name: str) -> str:
         """Name prefix of the staging directories of builds of ``name`` in ``images``."""
-        return f".staging-{name}-"
+        return f"{STAGING_PREFIX}{name}-"
 
     def image_trash(self, image_id: str) -> Path:
         """Where a build is renamed to just before it is deleted."""
-        return self.images / f".trash-{image_id}-{os.getpid()}"
+        return self.images / f"{TRASH_PREFIX}{image_id}-{os.getpid()}"
 
     def sandbox(self, sandbox_id: str) -> "SandboxPaths":
         return SandboxPaths(self.sandboxes / sandbox_id)

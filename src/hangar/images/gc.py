@@ -42,7 +42,7 @@ from hangar.images import staging
 from hangar.images.catalogue import ImageInfo, image_lock, list_images
 from hangar.images.recipes import RECIPES
 from hangar.images.registry import PULLED_PREFIX
-from hangar.layout import ImagePaths, Layout
+from hangar.layout import TRASH_PREFIX, ImagePaths, Layout
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def collect(layout: Layout, pinned: Iterable[str], *, dry_run: bool = False,
                     result.leftovers.append(layout.images / leftover)
                     if not dry_run:
                         _remove(images, leftover)
-        for leftover in (_named(images, ".trash-") if only is None else ()):
+        for leftover in (_named(images, TRASH_PREFIX) if only is None else ()):
             result.leftovers.append(layout.images / leftover)
             if not dry_run:
                 _remove(images, leftover)

@@ -24,7 +24,7 @@ import sysconfig
 from pathlib import Path
 
 from hangar.errors import ConfigError
-from hangar.layout import Layout
+from hangar.layout import BUILD_CACHE, STAGING_PREFIX, TRASH_PREFIX, Layout
 from hangar.privileged import beneath
 
 PR_SET_NO_NEW_PRIVS = 38
@@ -75,7 +75,7 @@ def _share(name: str, dirfd: int, uid: int, gid: int) -> None:
         os.close(fd)
 
 
-ROOTS_BUILDS = (".staging-", ".trash-")
+ROOTS_BUILDS = (STAGING_PREFIX, TRASH_PREFIX)
 """Folders of the image cache that stay root's (``hangar.layout``): a build in progress
 (``.staging-<name>-*``, root's, 0700, where the build's tools write the rootfs, the kernel
 and the initramfs) and one ``hangar image gc`` is removing. A split server starting
@@ -129,11 +129,6 @@ def hand_new(data_dir: Path, build: Path) -> None:
         os.close(top)
 
 
-WORK_TREES = "build"
-"""The folder of ``<data>/cache`` that holds root's builds' work trees (``Layout.build_cache``;
-``hangar.images.staging.BuildRoom``)."""
-
-
 def take_back(dir_fd: int) -> None:
     """The folder ``dir_fd`` and everything in it root's again, writable by root only:
     what an earlier Hangar handed to the server (``<data>/cache``, whose .debs, lists and
@@ -142,7 +137,7 @@ def take_back(dir_fd: int) -> None:
     could be sent through) is removed, never followed. Walked top-down, so a folder is
     root's before what is in it is looked at.
 
-    The work trees in ``WORK_TREES`` are made root's, but what is in them is not walked:
+    The work trees in ``BUILD_CACHE`` are made root's, but what is in them is not walked:
     a build in progress works there, in a Debian tree full of symlinks and device nodes,
     and this runs at every build's start and every split server's start, beside builds of
     other images (removing them broke those builds: an image with no symlink in
@@ -180,7 +175,7 @@ def take_back(dir_fd: int) -> None:
                     own(fd)
             finally:
                 os.close(fd)
-        if rel == (WORK_TREES,):
+        if rel == (BUILD_CACHE,):
             dirs.clear()  # each work tree root's (above), its contents not walked
 
 
