@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-from hangar.engines.agent_client import exec_meta
+from hangar.engines.agent_client import AgentClient, exec_meta, proc_meta, unix_channel
 from hangar.guest import protocol as P
 from hangar.guest import spawn
 from hangar.guest.agent import Agent, serve_unix
@@ -146,5 +148,68 @@ def test_a_signal_frame_reaches_a_command_without_stdin(tmp_path: Path) -> None:
         finally:
             server.cancel()
             await asyncio.gather(server, return_exceptions=True)
+
+    asyncio.run(go())
+
+
+AGENT_WITH_A_LONG_SETTLE = (
+    "import sys; import hangar.guest.ops.processes as p; p.START_SETTLE_S = 30.0; "
+    "from hangar.guest.agent import main; main(['--listen', sys.argv[1]])")
+
+
+def test_an_attached_start_is_announced_before_its_settle(tmp_path: Path) -> None:
+    """A start with its client attached sends ``started`` as its process starts, then
+    settles: with a settle of 30 s, a silent process's start still arrives at once (it
+    arrived only at the settle's end before), and a short one's output and end follow."""
+    path = tmp_path / "agent.sock"
+    agent = subprocess.Popen([sys.executable, "-c", AGENT_WITH_A_LONG_SETTLE, str(path)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def go() -> None:
+        while not path.exists():
+            assert agent.poll() is None, "the agent ended"
+            await asyncio.sleep(0.01)
+        c = await AgentClient.handshake(unix_channel(path), 10)
+        try:
+            silent = await asyncio.wait_for(
+                c.start_process_attached(proc_meta(argv=["sleep", "30"])), 10)
+            await c.remove_process(silent.pid)  # a frame from the host ends the settle
+            ev = await asyncio.wait_for(silent.next(), 10)
+            assert ev is not None and ev.kind == "end" and ev.info is not None
+            assert ev.info.signal == signal.SIGKILL
+
+            short = await asyncio.wait_for(c.start_process_attached(
+                proc_meta(argv=["/bin/sh", "-c", "printf out; exit 3"])), 10)
+            got, end = b"", None
+            while (ev := await asyncio.wait_for(short.next(), 10)) is not None:
+                if ev.kind == "end":
+                    end = ev.info
+                else:
+                    got += ev.data
+            assert got == b"out" and end is not None and end.exit_code == 3
+        finally:
+            await c.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def test_a_frame_sent_at_once_takes_free_window_or_none() -> None:
+    """``Outflow.take_now``: window only when it is free and no ``take`` waits before it."""
+    async def go() -> None:
+        out = P.Outflow(100)
+        assert out.take_now(60) and out.available == 40
+        assert not out.take_now(41) and out.available == 40
+        waiter = asyncio.create_task(out.take(50))
+        await asyncio.sleep(0)
+        assert not out.take_now(10) and out.available == 40  # the waiting take goes first
+        out.grant(60)
+        await asyncio.wait_for(waiter, 10)
+        assert out.available == 50
+        out.fail(ConnectionError("gone"))
+        assert not out.take_now(1)
 
     asyncio.run(go())

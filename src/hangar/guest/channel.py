@@ -51,10 +51,15 @@ class Session:
         await self.write(P.encode(kind, channel, meta, data))
 
     def write_now(self, kind: P.Kind, channel: int, meta: dict[str, Any]) -> None:
+        self.put(P.encode(kind, channel, meta))
+
+    def put(self, frame: bytes) -> None:
+        """Write a whole small frame now, without waiting for the lock or a drain (frames
+        stay whole: ``write`` puts each of its own in one call too)."""
         if not self.open:
             return
         try:
-            self.writer.write(P.encode(kind, channel, meta))
+            self.writer.write(frame)
         except (ConnectionError, OSError, RuntimeError):
             pass
 
@@ -114,6 +119,16 @@ class Channel:
         frame = P.encode(kind, self.cid, meta, data)
         await self.outflow.take(len(frame))
         await self.session.write(frame)
+
+    def stream_now(self, meta: dict[str, Any]) -> bool:
+        """Send a DATA frame of ``meta`` alone at once, without a turn of the event loop:
+        True when it went out, False (nothing sent) when the window has no room for it
+        now or a ``stream`` waits for room; then send it with ``stream``."""
+        frame = P.encode(P.Kind.DATA, self.cid, meta)
+        if not self.session.open or not self.outflow.take_now(len(frame)):
+            return False
+        self.session.put(frame)
+        return True
 
     async def send(self, kind: P.Kind, meta: dict[str, Any] | None = None,
                    data: bytes = b"") -> None:

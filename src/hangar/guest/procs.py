@@ -57,6 +57,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hangar.guest import limits, spawn, terminal, users
@@ -451,11 +452,13 @@ class ProcessTable:
                     pty: tuple[int, int] | None, timeout: float | None,
                     script: str | None, user: users.User | None = None,
                     attach: Attachment | None = None,
-                    settle: spawn.Settle | None = None) -> Proc:
+                    settle: spawn.Settle | None = None,
+                    started: Callable[[Proc], object] | None = None) -> Proc:
         """Start ``argv`` as a kept process (as ``user``: ``hangar.guest.users``).
         ``attach``: a client attached from its first byte; ``settle``: the wait for its
         exit (or first output) before it joins the event loop (``spawn.Settle``; pipes
-        only, not a terminal). Raises KeyError (``tag`` names a running process),
+        only, not a terminal); ``started``: called with the entry as soon as its process
+        runs, before that wait. Raises KeyError (``tag`` names a running process),
         LookupError (the table is full of running processes), OSError (the program
         cannot start)."""
         if not self._room(tag):
@@ -468,6 +471,8 @@ class ProcessTable:
                             script=script)
                 if attach is not None:
                     proc.attachments.add(attach)
+                if started is not None:
+                    started(proc)
                 cmd = spawn.Command(s.pid, s.stdin, s.stdout, s.stderr, proc.output, group=group,
                                     pidfd=s.pidfd, writers=s.writers, settle=settle)
                 proc.cmd = cmd
@@ -478,6 +483,8 @@ class ProcessTable:
                                              user)
                 if attach is not None:
                     proc.attachments.add(attach)
+                if started is not None:
+                    started(proc)
         except BaseException:
             group.release()
             raise

@@ -281,6 +281,16 @@ class Outflow:
             self._failed = exc
         self._changed.set()
 
+    def take_now(self, n: int) -> bool:
+        """Use ``n`` bytes of window at once when they are free and no ``take`` waits;
+        False (nothing used) otherwise, and then the frame goes through ``take``."""
+        if self._failed is not None or self._waiters or n > WINDOW:
+            return False
+        if self._open or self.available >= n:
+            self.available -= n
+            return True
+        return False
+
     async def take(self, n: int) -> None:
         if n > WINDOW:
             raise ValueError(f"a {n}-byte frame cannot fit a {WINDOW}-byte window")

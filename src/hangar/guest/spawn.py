@@ -250,8 +250,8 @@ class Settle(NamedTuple):
     each for ``budget_s`` at most.
 
     ``first_output``: the wait ends at the child's first output too (a started process
-    whose client is attached, ``hangar.guest.ops.processes``: its output goes out as
-    soon as it comes, and only a silent start waits, for ``budget_s`` at most).
+    whose client is attached, ``hangar.guest.ops.processes``: its start event went out
+    before the wait, and its output goes out as soon as it comes).
     """
 
     budget_s: float

@@ -60,9 +60,9 @@ REMOVE_WAIT_S = 5.0
 """Seconds ``proc_remove`` waits for a killed process to exit."""
 START_SETTLE_S = 0.05
 """Seconds a ``proc_start`` with ``attach``, the agent's one open request, may wait for its
-process's exit or first output before it streams ``started`` (``spawn.Settle``): a short
-command's start, output and end then go out together, without turns of the event loop
-while it runs (docs/performance.md); a silent one's ``started`` comes that much later."""
+process's exit or first output before it joins the event loop (``spawn.Settle``): a short
+command's output and end then go out without turns of the event loop while it runs
+(docs/performance.md). Its ``started`` goes out before the wait, as the process starts."""
 
 
 def _select(agent: AgentView, meta: dict[str, Any]) -> procs.Proc:
@@ -118,6 +118,11 @@ async def proc_start(agent: AgentView, meta: dict[str, Any], ch: Channel) -> dic
     settle = None if wake is None else spawn.Settle(
         min(START_SETTLE_S, timeout) if timeout is not None else START_SETTLE_S, wake,
         first_output=True)
+    announced: list[bool] = []
+
+    def announce(proc: procs.Proc) -> None:  # at once, so a silent start waits for nothing
+        announced.append(ch.stream_now({"started": True, **proc.info()}))
+
     try:
         env = exec_env(meta.get("env"), user)
         cwd = exec_cwd(meta.get("cwd"), user)
@@ -125,7 +130,8 @@ async def proc_start(agent: AgentView, meta: dict[str, Any], ch: Channel) -> dic
             proc = await agent.procs.start(
                 argv, env, dict(meta.get("env") or {}), cwd, tag=tag,
                 stdin=bool(meta.get("stdin")), pty=size, timeout=timeout, script=script,
-                user=user, attach=att, settle=settle)
+                user=user, attach=att, settle=settle,
+                started=announce if settle is not None else None)
         except KeyError:
             raise OpError("exists", f"a running process has the tag {tag!r}") from None
         except LookupError as exc:
@@ -138,7 +144,8 @@ async def proc_start(agent: AgentView, meta: dict[str, Any], ch: Channel) -> dic
         raise
     if att is None:
         return proc.info()
-    return await _follow(proc, ch, "started", replay=False, follow=False, att=att)
+    return await _follow(proc, ch, "started", replay=False, follow=False, att=att,
+                         announced=any(announced))
 
 
 async def proc_list(agent: AgentView, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
@@ -156,15 +163,18 @@ async def proc_attach(agent: AgentView, meta: dict[str, Any], ch: Channel) -> di
 
 
 async def _follow(proc: procs.Proc, ch: Channel, flag: str, *, replay: bool,
-                  follow: bool, att: procs.Attachment | None = None) -> dict[str, Any]:
+                  follow: bool, att: procs.Attachment | None = None,
+                  announced: bool = False) -> dict[str, Any]:
     """Stream ``proc``'s output to ``ch`` (``att``: an attachment it holds already, made
-    before the process started) until it ends; its last info and the bytes dropped."""
+    before the process started; ``announced``: its ``flag`` frame went out already) until
+    it ends; its last info and the bytes dropped."""
     backlog = list(proc.ring.chunks) if replay and proc.ring is not None else []
     if att is None:
         att = procs.Attachment()
         proc.attachments.add(att)  # no await since the copy: nothing is missed or repeated
     try:
-        await ch.stream({flag: True, **proc.info()})
+        if not announced:
+            await ch.stream({flag: True, **proc.info()})
         for stream, chunk in backlog:
             await ch.stream({"stream": stream, "replay": True}, chunk)
         dropped = 0
