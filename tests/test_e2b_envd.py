@@ -29,7 +29,7 @@ import httpx
 import pytest
 from e2b import (AsyncSandbox, AuthenticationException, CommandExitException, ConnectionConfig,
                  FileNotFoundException, FileType, FilesystemEventType, InvalidArgumentException,
-                 PtySize, Sandbox, TimeoutException)
+                 NotFoundException, PtySize, Sandbox, TimeoutException)
 from e2b.envd.filesystem import filesystem_pb
 from e2b.envd.process import process_pb
 from packaging.version import Version
@@ -215,6 +215,8 @@ def test_command_in_background_reattached_fed_and_killed(env: Env) -> None:
     assert info.value.exit_code == -1
     assert handle.pid not in {p.pid for p in sbx.commands.list()}
     assert sbx.commands.kill(handle.pid) is False
+    with pytest.raises(NotFoundException, match=f"process with pid {handle.pid} not found"):
+        sbx.commands.connect(handle.pid)  # envd forgets an ended process; so does its Connect
 
 
 def test_pause_with_a_background_command_attached(env: Env) -> None:

@@ -116,9 +116,25 @@ async def start(req: Any, call: Call) -> AsyncIterator[Message]:
         yield msg
 
 
+async def _running(items: Any) -> AsyncIterator[ProcessInfo | ProcessOutput]:
+    """``items``, but an entry whose process has ended is not found (RpcError
+    ``not_found``), as envd forgets a process once it ends, though the guest keeps it
+    listed a while (its output ring)."""
+    try:
+        first = True
+        async for item in items:
+            if first and isinstance(item, ProcessInfo) and item.state != "running":
+                raise RpcError("not_found", f"process with pid {item.pid} not found: it has "
+                                            "ended")
+            first = False
+            yield item
+    finally:
+        await items.aclose()
+
+
 async def connect(req: Any, call: Call) -> AsyncIterator[Message]:
     env = call.context
-    items = env.manager.processes.attach(env.sandbox_id, **selector(req.process))
+    items = _running(env.manager.processes.attach(env.sandbox_id, **selector(req.process)))
     first = True
     async for msg in _stream(items, P.ConnectResponse, env):
         if first and msg.event.WhichOneof("event") != "start":
