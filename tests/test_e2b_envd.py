@@ -454,6 +454,23 @@ def test_signed_file_urls(env: Env) -> None:
         assert (r.status_code, r.content) == (200, b"signed bytes")
 
 
+def test_a_user_port_through_the_header_route_takes_the_traffic_token(env: Env) -> None:
+    """Through ``E2B_SANDBOX_URL`` and ``E2b-Sandbox-Port`` a user port is never public:
+    without a token the 401 names the ones it takes, the SDK's public
+    ``traffic_access_token`` first; with it the request reaches the port."""
+    sbx = env.sandbox()
+    route = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"}
+    with httpx.Client(base_url=env.url, timeout=60) as c:
+        r = c.get("/", headers=route)
+        assert r.status_code == 401 and r.json()["message"] == (
+            "missing or wrong token: send the sandbox's trafficAccessToken in "
+            "E2B-Traffic-Access-Token, its envdAccessToken in X-Access-Token, "
+            "or a Hangar X-API-Key"), r.text
+        assert sbx.traffic_access_token
+        r = c.get("/", headers={**route, "E2B-Traffic-Access-Token": sbx.traffic_access_token})
+        assert r.status_code == 502 and "nothing listens on port 8000" in r.text, r.text
+
+
 def test_the_signer_hashes_the_clients_part_once() -> None:
     """``tokens.signer`` finds the sandbox whose token made a signature as
     ``tokens.signature`` makes it, with and without an expiry, among many ids."""

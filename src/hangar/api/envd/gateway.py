@@ -345,6 +345,12 @@ class EnvdGateway:
             if why is None:
                 return True
             raise Refusal(401, "unauthenticated", why)
+        if port != ENVD_PORT and e2b.traffic_admits(port, str(scope.get("method", "")),
+                                                    guest_path):
+            raise Refusal(401, "unauthenticated",
+                          "missing or wrong token: send the sandbox's trafficAccessToken in "
+                          "E2B-Traffic-Access-Token, its envdAccessToken in X-Access-Token, "
+                          "or a Hangar X-API-Key")
         raise Refusal(401, "unauthenticated",
                       "missing or wrong X-Access-Token: send the sandbox's envdAccessToken "
                       "(E2B's SDK does), or a Hangar X-API-Key")
