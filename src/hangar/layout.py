@@ -117,13 +117,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_ROOT = Path("/var/lib/hangar")
+"""The data directory when ``HANGAR_DATA_DIR`` is not set."""
 STAGING_PREFIX = ".staging-"
 """Name prefix of a build in progress in ``images`` (root's, 0700): ``image_staging_prefix``."""
 TRASH_PREFIX = ".trash-"
 """Name prefix of a build being removed from ``images``: ``image_trash``."""
 BUILD_CACHE = "build"
 """The folder of ``cache`` that holds the work trees of builds in progress: ``build_cache``."""
-"""The data directory when ``HANGAR_DATA_DIR`` is not set."""
 
 
 def default_root() -> Path:
