@@ -319,10 +319,10 @@ class EnvdGateway:
         so an unknown id is refused as a wrong token is."""
         if token_ok(manager, sandbox_id, headers.get("x-access-token")):
             return False
-        if port != ENVD_PORT and e2b.traffic_admits(port, str(scope.get("method", "")),
-                                                    guest_path) \
-                and e2b.check_traffic_token(manager, sandbox_id,
-                                            headers.get("e2b-traffic-access-token")):
+        traffic = port != ENVD_PORT and e2b.traffic_admits(port, str(scope.get("method", "")),
+                                                           guest_path)
+        if traffic and e2b.check_traffic_token(manager, sandbox_id,
+                                               headers.get("e2b-traffic-access-token")):
             return False
         key = headers.get("x-api-key")
         if key:
@@ -345,8 +345,7 @@ class EnvdGateway:
             if why is None:
                 return True
             raise Refusal(401, "unauthenticated", why)
-        if port != ENVD_PORT and e2b.traffic_admits(port, str(scope.get("method", "")),
-                                                    guest_path):
+        if traffic:
             raise Refusal(401, "unauthenticated",
                           "missing or wrong token: send the sandbox's trafficAccessToken in "
                           "E2B-Traffic-Access-Token, its envdAccessToken in X-Access-Token, "
