@@ -119,11 +119,13 @@ async def start(req: Any, call: Call) -> AsyncIterator[Message]:
 async def _running(items: Any) -> AsyncIterator[ProcessInfo | ProcessOutput]:
     """``items``, but an entry whose process has ended is not found (RpcError
     ``not_found``), as envd forgets a process once it ends, though the guest keeps it
-    listed a while (its output ring)."""
+    listed a while (its output ring); so is a stream that does not begin with the entry."""
     try:
         first = True
         async for item in items:
-            if first and isinstance(item, ProcessInfo) and item.state != "running":
+            if first and not isinstance(item, ProcessInfo):
+                raise RpcError("not_found", "the process has ended")
+            if first and item.state != "running":
                 raise RpcError("not_found", f"process with pid {item.pid} not found: it has "
                                             "ended")
             first = False
@@ -135,11 +137,7 @@ async def _running(items: Any) -> AsyncIterator[ProcessInfo | ProcessOutput]:
 async def connect(req: Any, call: Call) -> AsyncIterator[Message]:
     env = call.context
     items = _running(env.manager.processes.attach(env.sandbox_id, **selector(req.process)))
-    first = True
     async for msg in _stream(items, P.ConnectResponse, env):
-        if first and msg.event.WhichOneof("event") != "start":
-            raise RpcError("not_found", "the process has ended")
-        first = False
         yield msg
 
 
