@@ -118,10 +118,11 @@ async def proc_start(agent: AgentView, meta: dict[str, Any], ch: Channel) -> dic
     settle = None if wake is None else spawn.Settle(
         min(START_SETTLE_S, timeout) if timeout is not None else START_SETTLE_S, wake,
         first_output=True)
-    announced: list[bool] = []
+    announced = False
 
     def announce(proc: procs.Proc) -> None:  # at once, so a silent start waits for nothing
-        announced.append(ch.stream_now({"started": True, **proc.info()}))
+        nonlocal announced
+        announced = ch.stream_now({"started": True, **proc.info()})
 
     try:
         env = exec_env(meta.get("env"), user)
@@ -145,7 +146,7 @@ async def proc_start(agent: AgentView, meta: dict[str, Any], ch: Channel) -> dic
     if att is None:
         return proc.info()
     return await _follow(proc, ch, "started", replay=False, follow=False, att=att,
-                         announced=any(announced))
+                         announced=announced)
 
 
 async def proc_list(agent: AgentView, meta: dict[str, Any], ch: Channel) -> dict[str, Any]:
